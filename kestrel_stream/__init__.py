@@ -1,0 +1,37 @@
+"""kestrel-stream: an asynchronous, stream-pipelined offload scheduler for LLM decode.
+
+    import kestrel_stream as ks
+    eng = ks.load(path, device="auto", mode="auto")
+    s = eng.new_session()
+    logits = s.prefill([1, 2, 3])      # float32 [3, vocab]
+    logits = s.decode(42)              # float32 [vocab]
+"""
+from __future__ import annotations
+
+from .config import ConfigError, ModelConfig
+from .engine import Engine, GenerateResult, Session, resolve_device
+from .errors import CapacityError, DeviceError, InvalidTokenError, KestrelError, SessionClosedError
+
+__version__ = "0.1.0"
+
+
+def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
+         max_batch: int = 32, cache: bool = True, progress=None) -> Engine:
+    """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it."""
+    from .loader import load_weights
+    device, mode = resolve_device(device, mode)
+    weights = load_weights(path, cache=cache, progress=progress)
+    return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
+                  vram_budget=vram_budget)
+
+
+def __getattr__(name):
+    # The daemon clients pull in anyio and sockets; import them only when asked for.
+    if name in ("Client", "AsyncClient", "connect"):
+        from . import client
+        return getattr(client, name)
+    raise AttributeError(name)
+
+
+__all__ = ["load", "Engine", "Session", "GenerateResult", "ModelConfig", "ConfigError", "KestrelError",
+           "InvalidTokenError", "CapacityError", "SessionClosedError", "DeviceError"]

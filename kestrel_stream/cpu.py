@@ -1,0 +1,150 @@
+"""The numpy CPU executor: the numerical reference for every GPU kernel.
+
+Arithmetic, all float32 (matching Hugging Face transformers run in float32 on
+the same dequantized weights):
+    rmsnorm(x, w)   = w * x / sqrt(mean(x^2) + eps)
+    linear(x, W)    = x @ dequant(W).T          (BLAS sgemm; M = tokens in the step)
+    rope (HF rotate_half / NeoX style): inv_freq[i] = theta^(-2i/D), angle = pos * inv_freq,
+                      x' = x * cos(cat(a, a)) + cat(-x2, x1) * sin(cat(a, a))
+    attention       = softmax(q k^T / sqrt(D) + causal mask) v, GQA: q head h reads kv head h // group
+    mlp             = down(silu(gate(x)) * up(x)),  silu(g) = g / (1 + exp(-g))
+Qwen3 additionally rmsnorms every q and k head over D (q_norm, k_norm) before RoPE.
+
+Dequantized weights are built once per weight on first use and kept (one
+float copy of the model); the embedding is never dequantized whole unless it is
+also the (tied) lm_head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import ModelConfig
+from .quant import QTensor
+from .weights import ModelWeights
+
+
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    # x: [..., n] float32
+    var = np.mean(np.square(x), axis=-1, keepdims=True)
+    return (x / np.sqrt(var + np.float32(eps))) * w
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: [T, D] float32 for integer positions [T] (HF's float32 computation)."""
+    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
+    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]
+    emb = np.concatenate([angles, angles], axis=-1)
+    return np.cos(emb), np.sin(emb)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    # x: [T, heads, D]; cos, sin: [T, D]
+    half = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    return gate / (np.float32(1) + np.exp(-gate)) * up
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+    """q: [n, n_heads, D] at positions start..start+n-1; k, v: [S, n_kv, D] with S = start + n.
+
+    Returns [n, n_heads * D].  Query i sees keys 0..start+i (causal).
+    """
+    n, n_heads, d = q.shape
+    s, n_kv, _ = k.shape
+    group = n_heads // n_kv
+    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [n_kv, g, n, D]
+    kt = k.transpose(1, 2, 0)[:, None]                               # [n_kv, 1, D, S]
+    scores = (qg @ kt) * np.float32(1.0 / np.sqrt(d))               # [n_kv, g, n, S]
+    if n > 1:
+        visible = np.arange(s)[None, :] <= (start + np.arange(n))[:, None]   # [n, S]
+        scores = np.where(visible, scores, np.float32(-np.inf))
+    scores -= scores.max(axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    out = probs @ v.transpose(1, 0, 2)[:, None]                      # [n_kv, g, n, D]
+    return out.transpose(2, 0, 1, 3).reshape(n, n_heads * d)
+
+
+@dataclass
+class CpuKV:
+    """One session's KV cache on the host: k, v [L, max_seq_len, n_kv, D] float32."""
+    k: np.ndarray
+    v: np.ndarray
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+class CpuExecutor:
+    """Runs whole steps (any mix of sessions and token counts) with numpy."""
+
+    name = "cpu"
+
+    def __init__(self, weights: ModelWeights):
+        self.weights = weights
+        self.config: ModelConfig = weights.config
+        self._dequantized: dict[int, np.ndarray] = {}
+        self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+
+    def dense(self, w: QTensor) -> np.ndarray:
+        """float32 copy of a Q8_0 weight, built on first use."""
+        key = id(w.qs)
+        if key not in self._dequantized:
+            self._dequantized[key] = w.dequantize()
+        return self._dequantized[key]
+
+    def linear(self, x: np.ndarray, w: QTensor) -> np.ndarray:
+        return x @ self.dense(w).T
+
+    def alloc_kv(self, max_seq_len: int) -> CpuKV:
+        c = self.config
+        shape = (c.num_hidden_layers, max_seq_len, c.num_key_value_heads, c.head_dim)
+        return CpuKV(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+
+    def free_kv(self, kv: CpuKV) -> None:
+        pass
+
+    def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]]) -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each.
+
+        All sessions' tokens go through every projection as one [T, K] matmul
+        (T = Σ n_i); attention runs per session over its own cache.
+        """
+        c, w = self.config, self.weights
+        ids = np.concatenate([np.asarray(t, np.int64) for _, t, _ in batch])
+        positions = np.concatenate([np.arange(p, p + len(t)) for _, t, p in batch])
+        bounds = np.cumsum([0] + [len(t) for _, t, _ in batch])
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        x = w.embed.dequantize_rows(ids)                                    # [T, H]
+        for li, layer in enumerate(w.layers):
+            h = rmsnorm(x, layer.attn_norm, c.rms_norm_eps)
+            qkv = self.linear(h, layer.wqkv)                                # [T, q + 2kv]
+            q = qkv[:, :c.q_size].reshape(-1, c.num_attention_heads, c.head_dim)
+            k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(-1, c.num_key_value_heads, c.head_dim)
+            v = qkv[:, c.q_size + c.kv_size:].reshape(-1, c.num_key_value_heads, c.head_dim)
+            if c.qk_norm:
+                q = rmsnorm(q, layer.q_norm, c.rms_norm_eps)
+                k = rmsnorm(k, layer.k_norm, c.rms_norm_eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            attn = np.empty((len(ids), c.q_size), np.float32)
+            for (kv, _, start), lo, hi in zip(batch, bounds[:-1], bounds[1:]):
+                end = start + (hi - lo)
+                kv.k[li, start:end] = k[lo:hi]
+                kv.v[li, start:end] = v[lo:hi]
+                attn[lo:hi] = attention(q[lo:hi], kv.k[li, :end], kv.v[li, :end], start)
+            x = x + self.linear(attn, layer.wo)
+            h = rmsnorm(x, layer.mlp_norm, c.rms_norm_eps)
+            gu = self.linear(h, layer.w_gate_up)
+            x = x + self.linear(silu_mul(gu[:, :c.intermediate_size], gu[:, c.intermediate_size:]), layer.w_down)
+        logits = self.linear(rmsnorm(x, w.final_norm, c.rms_norm_eps), w.lm_head)
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(ids)
+        return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -1,0 +1,233 @@
+"""Engine and Session: the public decode API over one loaded model.
+
+The engine owns the weights and one executor; a session owns a KV cache and
+its position.  Every input is validated here, before any state changes, so a
+bad token id or an over-long prompt raises and leaves the session as it was.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import ModelConfig
+from .errors import CapacityError, DeviceError, InvalidTokenError, SessionClosedError
+from .weights import ModelWeights
+
+DEFAULT_MAX_SEQ_LEN = 2048
+MODES = ("auto", "cpu", "gated", "gpu")
+
+
+def gpu_status() -> tuple[bool, str]:
+    """(available, reason): never raises, never hangs without a driver."""
+    try:
+        from .cuda import driver
+    except ImportError as e:          # the CUDA layer itself is missing
+        return False, f"CUDA layer unavailable ({e})"
+    return driver.gpu_status()
+
+
+def parse_mode(mode: str) -> str:
+    if mode in MODES:
+        return mode
+    if mode.startswith("layers="):
+        count = mode.split("=", 1)[1]
+        if count.isdigit():
+            return f"layers={int(count)}"
+    raise DeviceError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)} or layers=N")
+
+
+def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, str]:
+    """Pick (device, mode) from what was asked and what this machine has."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise DeviceError(f"unknown device {device!r}; expected auto, cpu or cuda")
+    mode = parse_mode(mode)
+    if device == "cpu" or (device == "auto" and mode == "cpu"):
+        if mode not in ("auto", "cpu"):
+            raise DeviceError(f"mode {mode} needs a GPU, but device=cpu was asked for")
+        return "cpu", "cpu"
+    available, reason = gpu_status()
+    if not available:
+        if device == "cuda" or mode != "auto":
+            raise DeviceError(f"no usable GPU: {reason}")
+        if announce:
+            print(f"kestrel-stream: no GPU ({reason}); using the CPU engine", file=sys.stderr)
+        return "cpu", "cpu"
+    return "cuda", ("gpu" if mode == "auto" else mode)
+
+
+def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: int,
+                  max_batch: int, vram_budget: int | None):
+    if device == "cpu":
+        from .cpu import CpuExecutor
+        return CpuExecutor(weights)
+    if mode == "gpu":
+        from .cuda.executor import GpuExecutor
+        return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch)
+    raise DeviceError(f"mode {mode} is not available in this build; use --mode gpu or --mode cpu")
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]               # generated tokens only
+    prefill_s: float
+    decode_s: float
+    prompt_len: int
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = max(len(self.tokens) - 1, 0)     # the first token comes from prefill
+        return steps / self.decode_s if self.decode_s > 0 and steps else 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_len / self.prefill_s if self.prefill_s > 0 else 0.0
+
+
+class Engine:
+    def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
+                 max_seq_len: int | None = None, max_batch: int = 32, vram_budget: int | None = None):
+        self.weights = weights
+        self.config: ModelConfig = weights.config
+        self.device, self.mode = device, mode
+        self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, self.config.max_position_embeddings)
+        self.max_batch = max_batch
+        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, vram_budget)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()       # one step at a time through the executor
+        self.sessions: dict[int, Session] = {}
+
+    # -- sessions ---------------------------------------------------------
+    def new_session(self, max_seq_len: int | None = None) -> "Session":
+        length = max_seq_len or self.max_seq_len
+        if not 0 < length <= self.max_seq_len:
+            raise CapacityError(f"max_seq_len={length} is outside 1..{self.max_seq_len} (the engine's limit)")
+        session = Session(self, next(self._ids), length)
+        self.sessions[session.id] = session
+        return session
+
+    def check_tokens(self, ids, where: str) -> np.ndarray:
+        arr = np.asarray(ids)
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        if arr.ndim != 1 or arr.size == 0:
+            raise InvalidTokenError(f"{where}: expected a non-empty list of token ids, got shape {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidTokenError(f"{where}: token ids must be integers, got {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= self.config.vocab_size))
+        if bad.size:
+            raise InvalidTokenError(f"{where}: token id {int(arr[bad[0]])} at index {int(bad[0])} "
+                                    f"is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        return arr.astype(np.int64)
+
+    def step(self, items: list[tuple["Session", np.ndarray]]) -> list[np.ndarray]:
+        """One executor step over several sessions; all inputs were validated by the caller."""
+        with self._lock:
+            outs = self.executor.forward([(s.kv, ids, s.position) for s, ids in items])
+        for s, ids in items:
+            s.position += len(ids)
+            s.tokens.extend(int(t) for t in ids)
+        return outs
+
+    def decode_batch(self, pairs: list[tuple["Session", int]]) -> np.ndarray:
+        """One batched decode step: logits [B, vocab], row i for pairs[i]."""
+        if not pairs:
+            raise InvalidTokenError("decode_batch: no (session, token) pairs given")
+        if len({id(s) for s, _ in pairs}) != len(pairs):
+            raise InvalidTokenError("decode_batch: a session appears twice in one step")
+        if len(pairs) > self.max_batch:
+            raise CapacityError(f"decode_batch: {len(pairs)} sessions exceed max_batch={self.max_batch}")
+        items = []
+        for i, (s, token) in enumerate(pairs):
+            s._check_open()
+            ids = self.check_tokens([token], f"decode_batch item {i} (session {s.id})")
+            s._check_room(1)
+            items.append((s, ids))
+        return np.stack([out[0] for out in self.step(items)])
+
+    def generate(self, prompt_ids, max_new_tokens: int) -> GenerateResult:
+        """Greedy decode in a fresh session; returns the generated tokens and timings."""
+        with self.new_session() as s:
+            ids = self.check_tokens(prompt_ids, "prompt")
+            s._check_room(len(ids) + max(max_new_tokens - 1, 0))
+            before = dict(self.executor.stats)
+            t0 = time.perf_counter()
+            token = int(np.argmax(s.prefill(ids)[-1]))
+            t1 = time.perf_counter()
+            mid = dict(self.executor.stats)
+            tokens = [token] if max_new_tokens > 0 else []
+            for _ in range(max_new_tokens - 1):
+                token = int(np.argmax(s.decode(token)))
+                tokens.append(token)
+            t2 = time.perf_counter()
+            after = self.executor.stats
+        decode_steps = max(len(tokens) - 1, 0)
+        stats = {key: after[key] - mid.get(key, 0) for key in after if isinstance(after[key], (int, float))}
+        stats["prefill_syncs"] = mid.get("syncs", 0) - before.get("syncs", 0)
+        stats["syncs_per_token"] = stats.get("syncs", 0) / decode_steps if decode_steps else 0.0
+        stats["launches_per_token"] = stats.get("launches", 0) / decode_steps if decode_steps else 0.0
+        return GenerateResult(tokens, t1 - t0, t2 - t1, len(ids), stats)
+
+    def close(self) -> None:
+        for s in list(self.sessions.values()):
+            s.close()
+        closer = getattr(self.executor, "close", None)
+        if closer:
+            closer()
+
+
+class Session:
+    """A decode stream with its own KV cache of ``max_seq_len`` positions."""
+
+    def __init__(self, engine: Engine, session_id: int, max_seq_len: int):
+        self.engine, self.id, self.max_seq_len = engine, session_id, max_seq_len
+        self.kv = engine.executor.alloc_kv(max_seq_len)
+        self.position = 0
+        self.tokens: list[int] = []
+        self.closed = False
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError(f"session {self.id} is closed")
+
+    def _check_room(self, count: int) -> None:
+        if self.position + count > self.max_seq_len:
+            raise CapacityError(f"session {self.id}: {count} more token(s) at position {self.position} "
+                                f"exceed max_seq_len={self.max_seq_len}")
+
+    def prefill(self, ids) -> np.ndarray:
+        """Append prompt tokens; logits [len(ids), vocab] float32."""
+        self._check_open()
+        arr = self.engine.check_tokens(ids, f"session {self.id} prefill")
+        self._check_room(len(arr))
+        return self.engine.step([(self, arr)])[0]
+
+    def decode(self, token: int) -> np.ndarray:
+        """Append one token; logits [vocab] float32."""
+        self._check_open()
+        arr = self.engine.check_tokens([token], f"session {self.id} decode")
+        self._check_room(1)
+        return self.engine.step([(self, arr)])[0][0]
+
+    def reset(self) -> None:
+        """Forget the sequence; the KV cache is reused from position 0."""
+        self._check_open()
+        self.position = 0
+        self.tokens.clear()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.engine.executor.free_kv(self.kv)
+            self.engine.sessions.pop(self.id, None)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,76 @@
+"""Random checkpoints with real architectures' shapes (``kestrel-stream make-model``).
+
+Weights are scaled so activations stay finite through every layer:
+projections ~ N(0, 1/fan_in), the two projections that write the residual
+stream (o, down) further by 1/sqrt(2L), norms ~ 1 + N(0, 0.1^2), the
+embedding ~ N(0, 1).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from .checkpoint_writer import write_checkpoint
+from .config import ModelConfig
+from .weights import hf_tensor_shapes
+
+PRESETS: dict[str, ModelConfig] = {
+    # A Qwen3 with head_dim independent of hidden/heads and GQA 2: fast enough for every test.
+    "tiny": ModelConfig(arch="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+                        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                        max_position_embeddings=512),
+    "llama-tiny": ModelConfig(arch="llama", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=320,
+                              rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                              max_position_embeddings=512),
+    "qwen3-0.6b": ModelConfig(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                              rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                              max_position_embeddings=40960),
+    "qwen3-1.7b": ModelConfig(arch="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                              rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                              max_position_embeddings=40960),
+    "qwen3-8b": ModelConfig(arch="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                            rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                            max_position_embeddings=40960),
+}
+
+
+def random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], cfg: ModelConfig) -> np.ndarray:
+    """One float32 tensor of a random checkpoint, scaled by its role (see module docstring)."""
+    if len(shape) == 1:
+        return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+        scale = 1.0 if name.endswith("embed_tokens.weight") else 1.0 / np.sqrt(shape[1])
+    else:
+        scale = 1.0 / np.sqrt(shape[1])
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            scale /= np.sqrt(2 * cfg.num_hidden_layers)
+    out = rng.standard_normal(shape, dtype=np.float32)
+    out *= np.float32(scale)
+    return out
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> Callable[[str, tuple[int, ...]], np.ndarray]:
+    """A producer of deterministic random tensors: each tensor's values depend only on (seed, name)."""
+    def produce(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        name_key = int.from_bytes(name.encode()[-16:].ljust(16, b"\0"), "little") ^ len(name)
+        rng = np.random.default_rng([seed, name_key])
+        return random_tensor(rng, name, shape, cfg)
+    return produce
+
+
+def make_model(out_dir: str | Path, preset: str | ModelConfig, seed: int = 0, dtype: str = "bf16",
+               max_shard_bytes: int = 2 << 30, on_tensor: Callable[[str], None] | None = None) -> Path:
+    """Write a random Hugging Face checkpoint of ``preset``'s shapes to ``out_dir``."""
+    cfg = PRESETS[preset] if isinstance(preset, str) else preset
+    out_dir = Path(out_dir)
+    specs = list(hf_tensor_shapes(cfg).items())
+    write_checkpoint(out_dir, cfg.to_hf_dict(), specs, random_weights(cfg, seed), dtype=dtype,
+                     max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
+    return out_dir
