@@ -74,3 +74,16 @@ def make_model(out_dir: str | Path, preset: str | ModelConfig, seed: int = 0, dt
     write_checkpoint(out_dir, cfg.to_hf_dict(), specs, random_weights(cfg, seed), dtype=dtype,
                      max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
     return out_dir
+
+
+def cache_root() -> Path:
+    import os
+    return Path(os.environ.get("KESTREL_CACHE_DIR") or Path.home() / ".cache" / "kestrel-stream")
+
+
+def ensure_preset(preset: str, seed: int = 0, dtype: str = "bf16") -> Path:
+    """The path of a random checkpoint of ``preset`` in the cache dir, written on first use."""
+    out_dir = cache_root() / "models" / f"{preset}-seed{seed}-{dtype}"
+    if not (out_dir / "config.json").exists():
+        make_model(out_dir, preset, seed=seed, dtype=dtype)
+    return out_dir

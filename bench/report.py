@@ -1,0 +1,30 @@
+"""Write a benchmark's rows as JSON and a markdown table under bench/results/."""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def write_results(name: str, env: dict, rows: list[dict], columns: list[str], notes: str = "",
+                  out_dir: Path | None = None) -> Path:
+    out_dir = Path(out_dir) if out_dir else RESULTS
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = f"{env['date'][:10]}-{name}"
+    command = "python3 -m " + " ".join(shlex.quote(a) for a in [sys.argv[0].replace("/", ".").removesuffix(".py")] + sys.argv[1:])
+    payload = {"benchmark": name, "command": command, **env, "rows": rows}
+    (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    lines = [f"# {name}", "", f"- date: {env['date']}", f"- machine: {env['machine']}",
+             f"- commit: {env['commit']}", f"- command: `{command}`", ""]
+    if notes:
+        lines += [notes, ""]
+    lines.append("| " + " | ".join(columns) + " |")
+    lines.append("|" + "---|" * len(columns))
+    for row in rows:
+        lines.append("| " + " | ".join(str(row.get(c, "")) for c in columns) + " |")
+    path = out_dir / f"{stem}.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path

@@ -1,0 +1,172 @@
+"""The ``kestrel-stream`` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .errors import KestrelError
+
+
+def parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("--prompt-ids: empty prompt")
+    return ids
+
+
+def progress_bar(desc: str):
+    """A load-progress callback that shows a bar only when loading takes more than a moment."""
+    from tqdm import tqdm
+    bar = None
+
+    def update(done: int, total: int, what: str = "") -> None:
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, unit="tensor", delay=0.5, file=sys.stderr, leave=False)
+        bar.n = done
+        if what:
+            bar.set_postfix_str(what[-40:], refresh=False)
+        bar.refresh()
+        if done >= total:
+            bar.close()
+    return update
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or .gguf file")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--mode", default="auto", help="auto|cpu|gated|gpu|layers=N")
+    p.add_argument("--vram-budget", default=None, help="e.g. 2GiB, 1500MB, 0.5 (fraction of free VRAM)")
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
+
+
+def load_engine(args):
+    import kestrel_stream as ks
+    return ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
+                   max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"))
+
+
+def cmd_make_model(args) -> int:
+    from .presets import PRESETS, make_model
+    cfg = PRESETS[args.preset]
+    from tqdm import tqdm
+    from .weights import hf_tensor_shapes
+    total = len(hf_tensor_shapes(cfg))
+    with tqdm(total=total, desc=f"writing {args.preset}", unit="tensor", delay=0.5, file=sys.stderr,
+              leave=False) as bar:
+        out = make_model(args.out_dir, args.preset, seed=args.seed, dtype=args.dtype,
+                         on_tensor=lambda name: bar.update(1))
+    print(f"wrote {args.preset} ({cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+          f"vocab {cfg.vocab_size}, {args.dtype}) to {out}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    engine = load_engine(args)
+    result = engine.generate(args.prompt_ids, args.max_new_tokens)
+    report = {
+        "tokens": result.tokens,
+        "prompt_len": result.prompt_len,
+        "prefill_tok_s": round(result.prefill_tok_s, 2),
+        "decode_tok_s": round(result.decode_tok_s, 2),
+        "ms_per_token": round(1000.0 / result.decode_tok_s, 3) if result.decode_tok_s else None,
+        "syncs_per_token": result.stats.get("syncs_per_token", 0.0),
+        "launches_per_token": result.stats.get("launches_per_token", 0.0),
+        "mode": engine.mode,
+        "device": engine.device,
+    }
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("tokens:", " ".join(map(str, result.tokens)))
+        print(f"prefill {report['prefill_tok_s']} tok/s, decode {report['decode_tok_s']} tok/s, "
+              f"{report['syncs_per_token']} syncs/token ({engine.device}, mode {engine.mode})")
+    engine.close()
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from .benchmark import environment, measure
+    from .presets import ensure_preset
+    if not args.model:
+        args.model = str(ensure_preset(args.preset))
+    engine = load_engine(args)
+    result = measure(engine, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats)
+    result.update(model=args.model, preset=args.preset, **environment())
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{Path(args.model).name}: prefill {result['prefill_tok_s']} tok/s, decode {result['decode_tok_s']} "
+              f"tok/s ({result['ms_per_token']} ms/token), {result['syncs_per_token']} syncs/token "
+              f"[{engine.device}, mode {engine.mode}]")
+    engine.close()
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .presets import PRESETS
+    parser = argparse.ArgumentParser(prog="kestrel-stream", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write a random Hugging Face checkpoint of a preset's shapes")
+    p.add_argument("out_dir")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p.set_defaults(func=cmd_make_model)
+
+    p = sub.add_parser("generate", help="greedy decode from prompt token ids")
+    add_engine_args(p)
+    p.add_argument("--prompt-ids", required=True, type=parse_ids)
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("bench", help="prefill and decode throughput")
+    add_engine_args(p)
+    p.set_defaults(model=None)
+    for action in p._actions:
+        if action.dest == "model":
+            action.required = False
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="used when --model is not given")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("demo", help="make the tiny model if missing and run decode steps on it")
+    p.add_argument("--dir", default=None, help="where the model and outputs go (default: the cache dir)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "max_new_tokens", 1) < 0:
+        print("kestrel-stream: error: --max-new-tokens must be >= 0", file=sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except (KestrelError, ValueError, FileNotFoundError) as e:
+        print(f"kestrel-stream: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""Shared fixtures: small random checkpoints, and skipping of `gpu` tests without a GPU."""
+from __future__ import annotations
+
+import pytest
+
+from kestrel_stream.engine import gpu_status
+from kestrel_stream.presets import make_model
+
+
+def pytest_collection_modifyitems(config, items):
+    available, reason = gpu_status()
+    if available:
+        return
+    skip = pytest.mark.skip(reason=f"no GPU: {reason}")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A random Qwen3 checkpoint (preset tiny), float32 safetensors."""
+    return make_model(tmp_path_factory.mktemp("tiny"), "tiny", seed=1, dtype="f32")
+
+
+@pytest.fixture(scope="session")
+def llama_model(tmp_path_factory):
+    """A random Llama checkpoint (preset llama-tiny, GQA 4, untied), float32 safetensors."""
+    return make_model(tmp_path_factory.mktemp("llama"), "llama-tiny", seed=2, dtype="f32")

@@ -1,0 +1,51 @@
+"""Put kestrel-stream's dequantized weights into a transformers model (the oracle)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def hf_model_with_weights(model_dir, weights):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    c = weights.config
+    state = model.state_dict()
+
+    def put(name, value):
+        state[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
+
+    with torch.no_grad():
+        put("model.embed_tokens.weight", weights.embed.dequantize())
+        if not c.tie_word_embeddings:
+            put("lm_head.weight", weights.lm_head.dequantize())
+        put("model.norm.weight", weights.final_norm)
+        for i, layer in enumerate(weights.layers):
+            prefix = f"model.layers.{i}."
+            qkv = layer.wqkv.dequantize()
+            put(prefix + "self_attn.q_proj.weight", qkv[: c.q_size])
+            put(prefix + "self_attn.k_proj.weight", qkv[c.q_size: c.q_size + c.kv_size])
+            put(prefix + "self_attn.v_proj.weight", qkv[c.q_size + c.kv_size:])
+            put(prefix + "self_attn.o_proj.weight", layer.wo.dequantize())
+            gate_up = layer.w_gate_up.dequantize()
+            put(prefix + "mlp.gate_proj.weight", gate_up[: c.intermediate_size])
+            put(prefix + "mlp.up_proj.weight", gate_up[c.intermediate_size:])
+            put(prefix + "mlp.down_proj.weight", layer.w_down.dequantize())
+            put(prefix + "input_layernorm.weight", layer.attn_norm)
+            put(prefix + "post_attention_layernorm.weight", layer.mlp_norm)
+            if c.qk_norm:
+                put(prefix + "self_attn.q_norm.weight", layer.q_norm)
+                put(prefix + "self_attn.k_norm.weight", layer.k_norm)
+    return model
+
+
+def hf_logits(model, token_ids) -> np.ndarray:
+    import torch
+    with torch.no_grad():
+        return model(torch.tensor([list(token_ids)])).logits[0].numpy()
+
+
+def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
+    """max |ours - reference| / max |reference|: the tolerance measure used throughout."""
+    return float(np.abs(ours - reference).max() / np.abs(reference).max())
