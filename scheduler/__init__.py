@@ -1,0 +1,20 @@
+"""Pure-Python scheduling for kestrel-stream: cost model, placement plan, residency window.
+
+Imports no CUDA: it takes a DeviceProfile (plain numbers) and a model config
+and returns plain data, so all of it is testable on a machine without a GPU.
+"""
+from .gate import MINFLOP_ENV, Gate, GateDecision, GpuCost, minflop_from_env
+from .ops import PROJECTION_GROUPS, Op, WeightRef, model_weight_names, step_ops
+from .plan import Placement, Plan, PlanAuditError, Segment, audit_plan, build_plan, parse_mode
+from .search import GroupPlanResult, enumerate_group_plans, gate_vs_best
+from .profile import (H200_MEASURED, SEED_LIKE, DeviceProfile, load_profile,
+                      profile_cache_path, save_profile)
+
+__all__ = [
+    "MINFLOP_ENV", "Gate", "GateDecision", "GpuCost", "minflop_from_env",
+    "PROJECTION_GROUPS", "Op", "WeightRef", "model_weight_names", "step_ops",
+    "GroupPlanResult", "Placement", "Plan", "PlanAuditError", "Segment", "audit_plan",
+    "build_plan", "enumerate_group_plans", "gate_vs_best", "parse_mode",
+    "H200_MEASURED", "SEED_LIKE", "DeviceProfile", "load_profile", "profile_cache_path",
+    "save_profile",
+]

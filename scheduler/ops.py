@@ -1,0 +1,171 @@
+"""The op graph of one Llama/Qwen3 step, in execution order, with its costs.
+
+Every op names the Hugging Face tensors it owns, so a plan built from these
+ops can be audited to place every weight of the model exactly once (the
+seed's lm_head lesson: a projection that silently never reached the offload
+path). Costs are for M tokens in the step:
+
+- projection FLOPs: 2·M·N·K for a weight of shape [N, K];
+- weight bytes: Q8_0 storage, N·K int8 + one fp16 scale per 32 → N·K·34/32;
+  norm vectors are kept in float32 (4 bytes per element);
+- activation bytes: float32, everything the op reads / writes besides weights.
+
+The config is duck-typed: any object with the ModelConfig fields works
+(hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
+num_key_value_heads, head_dim, vocab_size, tie_word_embeddings, qk_norm,
+q_size, kv_size).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+Q8_GROUP = 32
+FLOAT32_BYTES = 4
+TOKEN_ID_BYTES = 4  # int32 ids enter the step
+
+# Fused groups: the projections of one layer that share an input run as one
+# launch. These five names are also the on/off switches a bench searches.
+PROJECTION_GROUPS = ("qkv", "o", "gate_up", "down", "lm_head")
+
+
+def q8_bytes(rows: int, cols: int) -> int:
+    elements = rows * cols
+    return elements + 2 * elements // Q8_GROUP
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    name: str            # Hugging Face tensor name
+    shape: tuple         # [N, K] for projections, [N] for norms
+    nbytes: int          # storage bytes (Q8_0 for matrices, float32 for vectors)
+    flops: float         # FLOPs this weight costs in the step (2·M·N·K for projections)
+
+
+@dataclass(frozen=True)
+class Op:
+    name: str                 # "L3.qkv", "embed", "lm_head"
+    kind: str                 # embed | norm | projection | rope | attention | elementwise
+    layer: int | None         # None for embed, final_norm, lm_head
+    weights: tuple            # WeightRef owned by this op (each weight owned by exactly one op)
+    input_bytes: int          # activations read (incl. the residual where the op adds it)
+    output_bytes: int         # activations written
+    group: str | None = None  # fused projection group, one of PROJECTION_GROUPS
+    extra_flops: float = 0.0  # FLOPs not tied to a weight (attention, elementwise)
+    gathers_from: str | None = None  # embed reads rows of this tensor (tied or not)
+
+    @property
+    def is_projection(self) -> bool:
+        return self.group is not None
+
+    @property
+    def flops(self) -> float:
+        return self.extra_flops + sum(w.flops for w in self.weights)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(w.nbytes for w in self.weights)
+
+    def subset(self, weight_names, suffix: str) -> "Op":
+        """The same op restricted to some of its weights (a group split by a per-projection gate).
+
+        The output shrinks in proportion to the output rows kept; the input is
+        shared, so every part reads all of it.
+        """
+        kept = tuple(w for w in self.weights if w.name in weight_names)
+        assert kept, f"{self.name}: empty subset"
+        rows_all = sum(w.shape[0] for w in self.weights)
+        rows_kept = sum(w.shape[0] for w in kept)
+        return replace(self, name=f"{self.name}[{suffix}]", weights=kept,
+                       output_bytes=self.output_bytes * rows_kept // rows_all)
+
+
+def _projection(name, shape, tokens) -> WeightRef:
+    rows, cols = shape
+    return WeightRef(name, (rows, cols), q8_bytes(rows, cols), 2.0 * tokens * rows * cols)
+
+
+def _norm(name, size, tokens) -> WeightRef:
+    # ~4 FLOPs per element (square, sum, scale, multiply by the weight)
+    return WeightRef(name, (size,), size * FLOAT32_BYTES, 4.0 * tokens * size)
+
+
+def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
+    """The nine ops of one decoder layer, in order. context_len: KV entries attention reads."""
+    H, I = config.hidden_size, config.intermediate_size
+    Q, KV, D = config.q_size, config.kv_size, config.head_dim
+    p = f"model.layers.{layer}."
+    act = FLOAT32_BYTES * tokens
+    name = f"L{layer}."
+    rope_weights = ()
+    if config.qk_norm:
+        rope_weights = (_norm(p + "self_attn.q_norm.weight", D, tokens * config.num_attention_heads),
+                        _norm(p + "self_attn.k_norm.weight", D, tokens * config.num_key_value_heads))
+    keys = context_len + tokens
+    return [
+        Op(name + "attn_norm", "norm", layer, (_norm(p + "input_layernorm.weight", H, tokens),),
+           act * H, act * H),
+        Op(name + "qkv", "projection", layer,
+           (_projection(p + "self_attn.q_proj.weight", (Q, H), tokens),
+            _projection(p + "self_attn.k_proj.weight", (KV, H), tokens),
+            _projection(p + "self_attn.v_proj.weight", (KV, H), tokens)),
+           act * H, act * (Q + 2 * KV), group="qkv"),
+        # q/k norm + RoPE + KV append: one op, because one kernel does all three
+        Op(name + "rope", "rope", layer, rope_weights, act * (Q + 2 * KV), act * Q,
+           extra_flops=6.0 * tokens * (Q + KV)),
+        # reads the whole KV cache of this layer: QK^T and P·V are 2·2·M·keys·Q FLOPs
+        Op(name + "attention", "attention", layer, (), act * Q + FLOAT32_BYTES * 2 * keys * KV,
+           act * Q, extra_flops=4.0 * tokens * keys * Q),
+        Op(name + "o", "projection", layer,
+           (_projection(p + "self_attn.o_proj.weight", (H, Q), tokens),),
+           act * (Q + H), act * H, group="o"),
+        Op(name + "mlp_norm", "norm", layer,
+           (_norm(p + "post_attention_layernorm.weight", H, tokens),), act * H, act * H),
+        Op(name + "gate_up", "projection", layer,
+           (_projection(p + "mlp.gate_proj.weight", (I, H), tokens),
+            _projection(p + "mlp.up_proj.weight", (I, H), tokens)),
+           act * H, act * 2 * I, group="gate_up"),
+        Op(name + "silu_mul", "elementwise", layer, (), act * 2 * I, act * I,
+           extra_flops=5.0 * tokens * I),
+        Op(name + "down", "projection", layer,
+           (_projection(p + "mlp.down_proj.weight", (H, I), tokens),),
+           act * (I + H), act * H, group="down"),
+    ]
+
+
+def step_ops(config, tokens: int, context_len: int = 0) -> list:
+    """Every op of one step over `tokens` tokens, in execution order.
+
+    The embedding table is owned by embed when lm_head has its own weight, and
+    by lm_head when they are tied (the matmul is the use that costs; embed
+    only gathers M rows from it either way).
+    """
+    assert tokens >= 1 and context_len >= 0
+    H, V = config.hidden_size, config.vocab_size
+    act = FLOAT32_BYTES * tokens
+    embed_name = "model.embed_tokens.weight"
+    embed_table = _projection(embed_name, (V, H), 0)
+    tied = bool(config.tie_word_embeddings)
+    head = _projection(embed_name if tied else "lm_head.weight", (V, H), tokens)
+    ops = [Op("embed", "embed", None, () if tied else (embed_table,),
+              TOKEN_ID_BYTES * tokens, act * H, gathers_from=embed_name)]
+    for layer in range(config.num_hidden_layers):
+        ops += layer_ops(config, layer, tokens, context_len)
+    ops.append(Op("final_norm", "norm", None, (_norm("model.norm.weight", H, tokens),),
+                  act * H, act * H))
+    ops.append(Op("lm_head", "projection", None, (head,), act * H, act * V, group="lm_head"))
+    return ops
+
+
+def model_weight_names(config) -> set:
+    """Every tensor of the checkpoint, derived from the config alone (for the audit)."""
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not config.tie_word_embeddings:
+        names.add("lm_head.weight")
+    per_layer = ["input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                 "self_attn.o_proj", "post_attention_layernorm", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.down_proj"]
+    if config.qk_norm:
+        per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
+    for layer in range(config.num_hidden_layers):
+        names.update(f"model.layers.{layer}.{part}.weight" for part in per_layer)
+    return names

@@ -1,0 +1,127 @@
+"""Device profile: the handful of measured numbers the cost model needs.
+
+The scheduler never measures anything itself (it imports no CUDA); the
+calibration code elsewhere produces a DeviceProfile and this module caches it
+as JSON, keyed by device name and driver version, so the measurement runs once
+per machine. Units: microseconds, GB/s (1e9 bytes per second), GFLOP/s.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import MISSING, asdict, dataclass, fields, replace
+from pathlib import Path
+
+CACHE_DIR_ENV = "KESTREL_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str                # device name as the driver reports it
+    driver: str              # driver version string; a new driver re-measures
+    round_trip_us: float     # small pinned H2D + one kernel + small D2H + stream sync
+    h2d_GBps: float          # pinned host→device bandwidth
+    d2h_GBps: float          # pinned device→host bandwidth
+    gpu_weight_GBps: float   # weight bytes/s a q8 mat-vec achieves (M=1 is bandwidth-bound)
+    gpu_launch_us: float     # each extra launch inside a segment
+    host_gflops: float       # float32 matmul on the host (bounds M>1 projections)
+    host_weight_GBps: float  # weight bytes/s of the host q8 mat-vec (bounds M=1 projections)
+    gpu_gflops: float = 30000.0  # q8 matmul compute bound, reached only at large M
+
+    def __post_init__(self):
+        for f in fields(self):
+            if f.type in ("float", float):
+                value = getattr(self, f.name)
+                if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                    raise ValueError(f"DeviceProfile.{f.name} must be a positive number, "
+                                     f"got {value!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str = "profile") -> "DeviceProfile":
+        known = {f.name for f in fields(cls)}
+        required = {f.name for f in fields(cls) if f.default is MISSING}
+        missing = sorted(required - set(data))
+        if missing:
+            raise ValueError(f"{where}: missing {', '.join(missing)}")
+        kwargs = {k: v for k, v in data.items() if k in known}
+        for key in ("name", "driver"):
+            kwargs[key] = str(kwargs[key])
+        return cls(**kwargs)
+
+    def with_measured(self, **figures) -> "DeviceProfile":
+        """This profile with some figures replaced by measured ones (calibration plugs in here)."""
+        unknown = set(figures) - {f.name for f in fields(self)}
+        if unknown:
+            raise ValueError(f"unknown profile figures: {', '.join(sorted(unknown))}")
+        return replace(self, **figures)
+
+
+# Figures from CUDA_NOTES.md (H200, measured 2026-11-30). The host figures were
+# not measured there: they are placeholders of the right order for a numpy
+# q8 executor on 16 cores, until `calibrate` replaces them.
+H200_MEASURED = DeviceProfile(
+    name="NVIDIA H200", driver="13.0",
+    round_trip_us=19.5,       # 16 KB pinned H2D + kernel + 16 KB D2H + sync, p50
+    h2d_GBps=55.4, d2h_GBps=55.3,
+    gpu_weight_GBps=1500.0,   # naive q8 GEMV: 1.48 TB/s at 12288x2048, 1.91 at 151936x2048
+    gpu_launch_us=5.0,        # cuLaunchKernel from Python, empty kernel
+    host_gflops=500.0, host_weight_GBps=20.0,
+    gpu_gflops=30000.0,
+)
+
+# The seed's machine (RTX 5090 era): ~100 us per offloaded call. Host rates come
+# from the seed's CPU decode buckets on the 2B q8 model: gate/up 748 MB in
+# 16.96 ms (44 GB/s), lm_head 330 MB in 6.87 ms (48 GB/s); its best rate is used.
+SEED_LIKE = DeviceProfile(
+    name="seed-like RTX 5090", driver="seed",
+    round_trip_us=100.0,
+    h2d_GBps=25.0, d2h_GBps=25.0,
+    gpu_weight_GBps=1500.0,
+    gpu_launch_us=5.0,
+    host_gflops=200.0, host_weight_GBps=48.0,
+    gpu_gflops=50000.0,
+)
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get(CACHE_DIR_ENV)
+    base = Path(env) if env else Path.home() / ".cache" / "kestrel-stream"
+    return base / "profiles"
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_") or "unknown"
+
+
+def profile_cache_path(name: str, driver: str, cache_dir: str | Path | None = None) -> Path:
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return directory / f"{_slug(name)}--driver-{_slug(driver)}.json"
+
+
+def save_profile(profile: DeviceProfile, cache_dir: str | Path | None = None) -> Path:
+    path = profile_cache_path(profile.name, profile.driver, cache_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    tmp.replace(path)  # atomic: a concurrent reader never sees half a file
+    return path
+
+
+def load_profile(name: str, driver: str,
+                 cache_dir: str | Path | None = None) -> DeviceProfile | None:
+    """The cached profile of this device + driver, or None if it was never measured."""
+    path = profile_cache_path(name, driver, cache_dir)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e}); delete it to re-measure") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object; delete it to re-measure")
+    return DeviceProfile.from_dict(data, where=str(path))
