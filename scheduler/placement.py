@@ -1,0 +1,81 @@
+"""Which side runs each op, per mode: the rules, given the gate's projection decisions.
+
+Each function returns [(op, side, reason)] in step order, where reason is a
+string or, for gated projections, {weight name: GateDecision}.
+
+- cpu: every op on the host.
+- gpu: every op on the GPU, embed included (token ids go up, logits come
+  down): one segment, one sync per step.
+- layers=N (llama.cpp -ngl): decoder layers 0..N-1 entirely on the GPU with
+  their KV cache; the rest on the host. embed always stays on the host (the
+  token ids are there and it only gathers M rows; llama.cpp keeps its input
+  layer on the CPU too); final_norm and lm_head go to the GPU only when all
+  layers do (N >= L), as llama.cpp offloads its output layer only past the
+  last layer.
+- gated: each projection group follows the gate. rope and attention stay on
+  the host: in gated mode the KV cache lives on the host, so attention never
+  moves it. A stateless op (norm, silu_mul) runs on the GPU when both its
+  neighbours do: on the host it would split one GPU segment in two, adding a
+  sync, a D2H and an H2D for microseconds of work; otherwise it runs on the
+  host, where its input already is. embed stays on the host.
+"""
+from __future__ import annotations
+
+
+def fixed_sides(ops, kind: str, layer_count: int | None, total_layers: int) -> list:
+    """Placement for the modes that need no gate: cpu, gpu, layers=N."""
+    if kind == "cpu":
+        return [(op, "cpu", "mode cpu") for op in ops]
+    if kind == "gpu":
+        return [(op, "gpu", "mode gpu: the whole step is one segment") for op in ops]
+    assert kind == "layers", kind
+    all_layers = layer_count >= total_layers
+    placed = []
+    for op in ops:
+        if op.layer is not None:
+            on = op.layer < layer_count
+            placed.append((op, "gpu" if on else "cpu",
+                           f"layers={layer_count}: layer {op.layer} {'<' if on else '>='} "
+                           f"{layer_count}"))
+        elif op.kind == "embed":
+            placed.append((op, "cpu", "layers=N: embed stays on the host"))
+        else:
+            placed.append((op, "gpu" if all_layers else "cpu",
+                           f"layers=N: output on the GPU only when all {total_layers} "
+                           "layers are"))
+    return placed
+
+
+def gated_sides(ops, decide) -> list:
+    """Placement for gated mode. decide(op) -> {weight name: GateDecision} for projections.
+
+    A group the decisions divide (the per-projection KESTREL_MINFLOP threshold
+    can) becomes two ops sharing the input: the GPU part first, so the host
+    part runs while the GPU works.
+    """
+    placed = []
+    for op in ops:
+        if op.is_projection:
+            decisions = decide(op)
+            on = [w.name for w in op.weights if decisions[w.name].on_gpu]
+            off = [w.name for w in op.weights if not decisions[w.name].on_gpu]
+            if on and off:
+                placed.append((op.subset(on, "gpu"), "gpu", decisions))
+                placed.append((op.subset(off, "cpu"), "cpu", decisions))
+            else:
+                placed.append((op, "gpu" if on else "cpu", decisions))
+        elif op.kind in ("rope", "attention"):
+            placed.append((op, "cpu", "gated: the KV cache lives on the host"))
+        elif op.kind == "embed":
+            placed.append((op, "cpu", "token ids arrive on the host; gathers M rows"))
+        else:
+            placed.append((op, None, None))
+    for i, (op, side, _) in enumerate(placed):  # stateless ops: the sandwich rule
+        if side is None:
+            before = placed[i - 1][1] if i > 0 else "cpu"
+            after = placed[i + 1][1] if i + 1 < len(placed) else "cpu"
+            if before == after == "gpu":
+                placed[i] = (op, "gpu", "between GPU ops: avoids a sync + D2H + H2D")
+            else:
+                placed[i] = (op, "cpu", "a neighbour runs on the host: stays with its input")
+    return placed

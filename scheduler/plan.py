@@ -1,0 +1,287 @@
+"""Placement plan: which side runs every op of a step, cut into segments.
+
+A Plan is the ordered list of Segments of one step; a Segment is a run of
+consecutive ops on one side. A GPU segment does one H2D of its first op's
+inputs, its launches (one per op; a fused group is one op), one D2H of its
+last op's outputs and one sync, because the host needs that output next (or
+it is the step's result). The residual stream is counted where o/down read it,
+which over-counts H2D slightly when an executor keeps it on the device.
+
+The per-mode placement rules are in placement.py. Modes: cpu, gated, gpu,
+layers=N, and auto (cpu without a GPU, else gpu; the residency window streams
+what does not fit the budget).
+
+In gated mode with the cost model, the gate judges each fused group alone,
+paying its own round trip. Adjacent GPU groups share a segment, though (o
+joins gate_up..down through the sandwich rule), so a group that loses alone
+can win in place. A segment-aware pass therefore flips groups, the same in
+every layer, while the whole-step prediction improves; a flipped weight's
+reason says so.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+
+from .gate import Gate, GateDecision, gpu_segment_cost, host_time_us, minflop_from_env
+from .ops import PROJECTION_GROUPS, model_weight_names, step_ops
+from .placement import fixed_sides, gated_sides
+
+
+class PlanAuditError(AssertionError):
+    """A plan that misses a weight of the model or places one twice."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    weight: str
+    side: str      # "cpu" | "gpu"
+    op: str        # op name as executed ("L3.qkv", or "L3.qkv[gpu]" for a split group)
+    group: str     # fused group ("qkv", ...) or the op kind for non-projections
+    flops: float
+    nbytes: int
+    reason: str
+
+
+@dataclass
+class Segment:
+    side: str
+    ops: list
+    h2d_bytes: int = 0  # inputs uploaded at the start (GPU segments only)
+    d2h_bytes: int = 0  # outputs the host needs at the end (GPU segments only)
+
+    @property
+    def launches(self) -> int:
+        return len(self.ops) if self.side == "gpu" else 0
+
+
+@dataclass
+class Plan:
+    mode: str             # resolved mode: cpu | gated | gpu | layers=N
+    requested_mode: str
+    tokens: int           # M, tokens in the step
+    segments: list
+    placements: dict      # weight name -> Placement, in step order
+    notes: list = field(default_factory=list)
+
+    @property
+    def syncs_per_step(self) -> int:
+        # adjacent GPU ops share a segment, so every GPU segment ends where the
+        # host needs its output: the next op is on the host, or the step ends
+        return sum(1 for s in self.segments if s.side == "gpu")
+
+    @property
+    def launches_per_step(self) -> int:
+        return sum(s.launches for s in self.segments)
+
+    @property
+    def h2d_bytes_per_step(self) -> int:
+        return sum(s.h2d_bytes for s in self.segments)
+
+    @property
+    def d2h_bytes_per_step(self) -> int:
+        return sum(s.d2h_bytes for s in self.segments)
+
+    def weight_bytes_on(self, side: str) -> int:
+        return sum(p.nbytes for p in self.placements.values() if p.side == side)
+
+    def groups_on_gpu(self) -> dict:
+        """{group: True if any of its weights runs on the GPU} (compare with a search)."""
+        found = {g: False for g in PROJECTION_GROUPS}
+        for p in self.placements.values():
+            if p.group in found and p.side == "gpu":
+                found[p.group] = True
+        return found
+
+    def counters(self) -> dict:
+        return {"syncs_per_step": self.syncs_per_step, "launches_per_step": self.launches_per_step,
+                "h2d_bytes_per_step": self.h2d_bytes_per_step,
+                "d2h_bytes_per_step": self.d2h_bytes_per_step,
+                "gpu_weight_bytes": self.weight_bytes_on("gpu"),
+                "cpu_weight_bytes": self.weight_bytes_on("cpu")}
+
+    def predicted_step_us(self, profile, resident_weights=None) -> float:
+        """Cost-model time of the step: host ops plus one round trip per GPU segment."""
+        total = 0.0
+        for seg in self.segments:
+            if seg.side == "cpu":
+                total += sum(host_time_us(op, profile) for op in seg.ops)
+                continue
+            upload = 0
+            if resident_weights is not None:
+                upload = sum(w.nbytes for op in seg.ops for w in op.weights
+                             if w.name not in resident_weights)
+            total += gpu_segment_cost(seg.ops, seg.h2d_bytes, seg.d2h_bytes, profile,
+                                      upload).total_us
+        return total
+
+    def to_dict(self) -> dict:
+        return {
+            "mode": self.mode, "requested_mode": self.requested_mode, "tokens": self.tokens,
+            "counters": self.counters(), "notes": list(self.notes),
+            "segments": [{"side": s.side, "ops": [op.name for op in s.ops],
+                          "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
+                          "launches": s.launches} for s in self.segments],
+            "weights": [p.__dict__.copy() for p in self.placements.values()],
+        }
+
+    def describe(self) -> str:
+        """Every weight with its placement, group, FLOPs, bytes and the reason."""
+        c = self.counters()
+        lines = [f"plan: mode {self.mode} (asked {self.requested_mode}), M={self.tokens}, "
+                 f"{len(self.segments)} segments, {c['syncs_per_step']} syncs/step, "
+                 f"{c['launches_per_step']} launches/step, H2D {c['h2d_bytes_per_step']} B, "
+                 f"D2H {c['d2h_bytes_per_step']} B/step",
+                 f"weights: gpu {c['gpu_weight_bytes'] / 1e6:.1f} MB, "
+                 f"cpu {c['cpu_weight_bytes'] / 1e6:.1f} MB"]
+        lines += [f"note: {n}" for n in self.notes]
+        width = max(len(p.weight) for p in self.placements.values())
+        lines.append(f"{'weight':<{width}}  side  {'op':<16} {'group':<11} {'FLOPs':>9} "
+                     f"{'bytes':>11}  reason")
+        for p in self.placements.values():
+            lines.append(f"{p.weight:<{width}}  {p.side:<4}  {p.op:<16} {p.group:<11} "
+                         f"{p.flops:>9.3g} {p.nbytes:>11}  {p.reason}")
+        return "\n".join(lines)
+
+
+def parse_mode(mode: str) -> tuple:
+    """'layers=12' -> ('layers', 12); other modes -> (mode, None). Errors name the input."""
+    text = mode.strip().lower()
+    if text in ("cpu", "gated", "gpu", "auto"):
+        return text, None
+    if text.startswith("layers="):
+        count = text.split("=", 1)[1]
+        if count.isdigit():
+            return "layers", int(count)
+    raise ValueError(f"mode {mode!r}: expected cpu, gated, gpu, auto or layers=N")
+
+
+def _segments(placed) -> list:
+    segments = []
+    for side, run in itertools.groupby(placed, key=lambda item: item[1]):
+        ops = [op for op, _, _ in run]
+        seg = Segment(side, ops)
+        if side == "gpu":
+            seg.h2d_bytes, seg.d2h_bytes = ops[0].input_bytes, ops[-1].output_bytes
+        segments.append(seg)
+    return segments
+
+
+def _placements(placed) -> dict:
+    out = {}
+    for op, side, why in placed:
+        for w in op.weights:
+            reason = why[w.name].reason if isinstance(why, dict) else why
+            if op.group == "lm_head" and w.name == "model.embed_tokens.weight":
+                reason += " (tied: embed gathers rows of it too)"
+            out[w.name] = Placement(w.name, side, op.name, op.group or op.kind, w.flops,
+                                    w.nbytes, reason)
+    return out
+
+
+def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
+               minflop: float | None = None, environ=None, gpu_available: bool | None = None,
+               resident_weights=None, group_choice: dict | None = None,
+               segment_aware: bool = True, context_len: int = 0) -> Plan:
+    """The plan of one step of M=`tokens` tokens.
+
+    profile: DeviceProfile (None: no GPU measured). minflop: the seed's plain
+    per-projection threshold; when None, KESTREL_MINFLOP is read from `environ`
+    (default os.environ). resident_weights: weight names already on the device
+    (None: all); the others pay an upload. group_choice: {group: on_gpu}
+    forcing those groups in every layer (the bench's exhaustive search).
+    segment_aware: refine the cost-model gate's choice by whole-step
+    prediction (skipped with a threshold, forced groups or resident_weights,
+    where per-layer decisions may legitimately differ).
+    """
+    if tokens < 1:
+        raise ValueError(f"tokens={tokens}: a step has at least one token")
+    kind, layer_count = parse_mode(mode)
+    notes = []
+    if kind == "auto":
+        has_gpu = profile is not None if gpu_available is None else gpu_available
+        kind = "gpu" if has_gpu else "cpu"
+        notes.append(f"auto: {'a GPU is available' if has_gpu else 'no GPU'} -> {kind}")
+    ops = step_ops(config, tokens, context_len)
+    total_layers = config.num_hidden_layers
+    if kind == "gated":
+        if minflop is None:
+            minflop = minflop_from_env(os.environ if environ is None else environ)
+        forced = dict(group_choice or {})
+        gate = None
+        if set(forced) != set(PROJECTION_GROUPS):
+            gate = Gate(profile, minflop, resident_weights)
+        placed = gated_sides(ops, _decider(gate, forced))
+        if gate and minflop is None and segment_aware and not forced and resident_weights is None:
+            placed, refined = _refine_groups(ops, tokens, gate, placed, profile)
+            notes += refined
+        notes.append("gate: " + (f"KESTREL_MINFLOP={minflop:.3g} per projection"
+                                 if minflop is not None else
+                                 f"cost model, profile {getattr(profile, 'name', None)}"))
+    else:
+        placed = fixed_sides(ops, kind, layer_count, total_layers)
+    resolved = f"layers={layer_count}" if kind == "layers" else kind
+    if kind == "layers":
+        notes.append(f"offloaded {min(layer_count, total_layers)}/{total_layers} layers")
+    if config.tie_word_embeddings:
+        notes.append("tied embeddings: lm_head owns model.embed_tokens.weight; "
+                     "embed gathers M rows of it")
+    return Plan(resolved, mode, tokens, _segments(placed), _placements(placed), notes)
+
+
+def _decider(gate, forced: dict, why: dict | None = None):
+    """decide(op) for gated_sides: forced groups first, else the gate."""
+    def decide(op):
+        if op.group in forced:
+            side = "gpu" if forced[op.group] else "cpu"
+            reason = (why or {}).get(op.group) or f"group choice: {op.group} forced {side}"
+            return {w.name: GateDecision(forced[op.group], reason) for w in op.weights}
+        return gate.decide(op)
+    return decide
+
+
+def _predict(placed, tokens, profile) -> float:
+    return Plan("gated", "gated", tokens, _segments(placed), {}).predicted_step_us(profile)
+
+
+def _refine_groups(ops, tokens, gate, placed, profile):
+    """Flip one group at a time (every layer) while the whole-step prediction improves."""
+    gate_choice = Plan("gated", "gated", tokens, [], _placements(placed)).groups_on_gpu()
+    choice, best_us = dict(gate_choice), _predict(placed, tokens, profile)
+    why, notes = {}, []
+
+    def differing(trial):  # only groups that differ from the gate's own verdict are forced
+        return {g: on for g, on in trial.items() if on != gate_choice[g]}
+
+    while True:
+        trials = []
+        for group in PROJECTION_GROUPS:
+            trial = dict(choice, **{group: not choice[group]})
+            trial_placed = gated_sides(ops, _decider(gate, differing(trial)))
+            trials.append((_predict(trial_placed, tokens, profile), group, trial))
+        trial_us, group, trial = min(trials)
+        if trial_us >= best_us:
+            return placed, notes
+        verdict = "gpu" if trial[group] else "cpu"
+        group_op = next(op for op in ops if op.group == group)
+        gate_reason = next(iter(gate.decide(group_op).values())).reason
+        why[group] = (f"{gate_reason}; in place -> {verdict}: step {best_us:.0f} -> "
+                      f"{trial_us:.0f} us (shares neighbouring segments' round trips)")
+        notes.append(f"segment-aware: {group} -> {verdict}, predicted step {best_us:.0f} -> "
+                     f"{trial_us:.0f} us")
+        choice, best_us = trial, trial_us
+        placed = gated_sides(ops, _decider(gate, differing(choice), why))
+
+
+def audit_plan(plan: Plan, config) -> None:
+    """Raise PlanAuditError unless every weight of the model is placed exactly once."""
+    counts = Counter(w.name for seg in plan.segments for op in seg.ops for w in op.weights)
+    expected = model_weight_names(config)
+    missing = sorted(expected - set(counts))
+    unknown = sorted(set(counts) - expected)
+    twice = sorted(name for name, n in counts.items() if n > 1)
+    if missing or unknown or twice or set(plan.placements) != expected:
+        raise PlanAuditError(f"plan {plan.mode}: missing {missing[:5]} ({len(missing)}), "
+                             f"unknown {unknown[:5]}, placed twice {twice[:5]}")
