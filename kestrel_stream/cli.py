@@ -110,6 +110,68 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def read_config(path: str):
+    """The ModelConfig of a checkpoint directory or .gguf file, without loading weights."""
+    from .config import ModelConfig
+    p = Path(path)
+    if p.is_dir():
+        return ModelConfig.from_file(p / "config.json")
+    if p.suffix == ".gguf" and p.is_file():
+        from gguf import GGUFReader
+        from .gguf_io import config_from_metadata
+        return config_from_metadata(GGUFReader(p), p)
+    raise FileNotFoundError(f"{path}: not a checkpoint directory or .gguf file")
+
+
+def resolve_profile(name: str | None):
+    """(DeviceProfile or None, note): --profile h200|seed|FILE, else this machine's calibrated one."""
+    import scheduler
+    if name == "h200":
+        return scheduler.H200_MEASURED, "profile: H200 reference figures"
+    if name == "seed":
+        return scheduler.SEED_LIKE, "profile: seed-like machine (100 us round trip)"
+    if name:
+        from scheduler.profile import DeviceProfile
+        return DeviceProfile.from_dict(json.loads(Path(name).read_text()), where=name), f"profile: {name}"
+    from .engine import gpu_status
+    available, reason = gpu_status()
+    if not available:
+        return None, f"no GPU ({reason}); gated plans use the H200 reference figures"
+    from .calibrate import calibrate
+    profile = calibrate()
+    return profile, f"profile: {profile.name}, driver {profile.driver} (calibrated, cached)"
+
+
+def cmd_plan(args) -> int:
+    import scheduler
+    cfg = read_config(args.model)
+    profile, note = resolve_profile(args.profile)
+    gpu_here = profile is not None            # calibrated here, or a profile given by --profile
+    if profile is None and args.mode not in ("auto", "cpu"):
+        profile = scheduler.H200_MEASURED
+    plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here)
+    scheduler.audit_plan(plan, cfg)
+    if args.json:
+        print(json.dumps(dict(plan.to_dict(), profile_note=note)))
+    else:
+        print(note)
+        print(plan.describe())
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .engine import gpu_status
+    from .calibrate import calibrate, measure_host
+    available, reason = gpu_status()
+    if not available:
+        print(f"no GPU ({reason}); host figures only:")
+        print(json.dumps(measure_host(), indent=2))
+        return 0
+    profile = calibrate(force=True)
+    print(json.dumps(profile.to_dict(), indent=2))
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(args)
@@ -146,6 +208,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("plan", help="print every weight's placement, fused group, FLOPs, bytes and why")
+    p.add_argument("--model", required=True)
+    p.add_argument("--mode", default="auto", help="auto|cpu|gated|gpu|layers=N")
+    p.add_argument("--batch", type=int, default=1, help="tokens per step (M)")
+    p.add_argument("--profile", default=None, help="h200 | seed | a profile JSON file (default: calibrate this GPU)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("calibrate", help="measure this machine's device profile for the cost-model gate")
+    p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("demo", help="make the tiny model if missing and run decode steps on it")
     p.add_argument("--dir", default=None, help="where the model and outputs go (default: the cache dir)")
