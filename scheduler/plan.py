@@ -84,6 +84,10 @@ class Plan:
     def d2h_bytes_per_step(self) -> int:
         return sum(s.d2h_bytes for s in self.segments)
 
+    def ops_on(self, side: str) -> list:
+        """Ops run on one side, in step order (window_items(plan.ops_on("gpu")))."""
+        return [op for seg in self.segments if seg.side == side for op in seg.ops]
+
     def weight_bytes_on(self, side: str) -> int:
         return sum(p.nbytes for p in self.placements.values() if p.side == side)
 
