@@ -15,9 +15,13 @@ string or, for gated projections, {weight name: GateDecision}.
 - gated: each projection group follows the gate. rope and attention stay on
   the host: in gated mode the KV cache lives on the host, so attention never
   moves it. A stateless op (norm, silu_mul) runs on the GPU when both its
-  neighbours do: on the host it would split one GPU segment in two, adding a
-  sync, a D2H and an H2D for microseconds of work; otherwise it runs on the
-  host, where its input already is. embed stays on the host.
+  neighbours in step order do, across layer boundaries too (layer L+1's
+  attn_norm sits between L's down and L+1's qkv; final_norm between the last
+  down and lm_head): on the host it would split one GPU segment in two,
+  adding a sync, a D2H and an H2D for microseconds of work. Otherwise it runs
+  on the host, where its input already is. embed stays on the host. With
+  every group offloaded this leaves one GPU segment per layer, from o to the
+  next layer's qkv, plus the first qkv: L+1 syncs per step.
 """
 from __future__ import annotations
 
