@@ -1,0 +1,149 @@
+"""Per-kernel GPU timings at the qwen3-1.7b shapes: time and GB/s of the q8 mat-vec, plus the others.
+
+    PYTHONPATH=. python3 -m bench.gpu_kernels [--out DIR] [--commit HASH]
+
+Each kernel is captured `REPEATS` times into one CUDA graph and timed with
+events around replays, so Python launch overhead is out of the figure.  Weight
+copies rotate so the bytes read per replay exceed the 50 MB L2: the numbers are
+HBM numbers, as they are inside a real step where every layer's weight is cold.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+from kestrel_stream.benchmark import environment
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.executor import QWeight, gemv_launch
+from kestrel_stream.cuda.kernels import KernelSet
+
+from .report import write_results
+
+GEMV_SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144),
+               "6144x2048": (6144, 2048), "lm_head": (151936, 2048)}
+REPEATS = 40
+COLD_BYTES = 400 << 20
+
+
+def time_graph_us(stream, enqueue, repeats: int = REPEATS, replays: int = 5) -> float:
+    """Median µs per enqueue() call, from `replays` replays of a graph holding `repeats` calls."""
+    with driver.capture(stream) as captured:
+        for i in range(repeats):
+            enqueue(i)
+    start, stop = driver.Event(timing=True), driver.Event(timing=True)
+    captured.graph.launch(stream)   # warm-up
+    times = []
+    for _ in range(replays):
+        start.record(stream)
+        captured.graph.launch(stream)
+        stop.record(stream)
+        stop.synchronize()
+        times.append(stop.elapsed_ms(start) * 1000 / repeats)
+    captured.graph.destroy()
+    return float(np.median(times))
+
+
+def measure_copy_bandwidth(arena, stream, nbytes: int = 1 << 30) -> float:
+    """Device-to-device copy, GB/s counting read + write."""
+    from cuda.bindings import driver as cu
+    src, dst = arena.alloc(nbytes), arena.alloc(nbytes)
+    us = time_graph_us(stream, lambda i: driver.check(cu.cuMemcpyDtoDAsync(dst, src, nbytes, stream.handle)),
+                       repeats=4, replays=3)
+    arena.free(src)
+    arena.free(dst)
+    return 2 * nbytes / us / 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--commit", default=os.environ.get("KESTREL_COMMIT"))
+    args = parser.parse_args()
+    device = driver.Device(0)
+    kernels, stream = KernelSet(device), driver.Stream()
+    arena = driver.Arena(6 << 30)
+    rng = np.random.default_rng(0)
+    copy_gb_s = measure_copy_bandwidth(arena, stream)
+    hbm_read_gb_s = 4460.0   # read-only 16-byte loads over 2 GiB, CUDA_NOTES.md
+    rows = []
+    for label, (n, k) in GEMV_SHAPES.items():
+        weight_bytes = n * k + n * k // 32 * 2
+        copies = max(1, min(REPEATS, -(-COLD_BYTES // weight_bytes)))
+        qs = arena.alloc(n * k * copies)
+        scales = arena.alloc(n * k // 32 * 2 * copies)
+        driver.h2d_sync(qs, rng.integers(-127, 128, n * k * copies, dtype=np.int8))
+        driver.h2d_sync(scales, np.full(n * k // 32 * copies, 0.01, np.float16))
+        x, y = arena.array((8, 2 * k), np.float32), arena.array((8, n), np.float32)
+        driver.h2d_sync(x.ptr, rng.standard_normal((8, 2 * k)).astype(np.float32))
+        for m in (1, 2, 4, 8):
+            for mode in ((0, 1, 2) if m == 1 else (0,)):
+                launches = [gemv_launch(kernels, QWeight(qs + i * n * k, scales + i * n * k // 16, n, k),
+                                        x.ptr, 2 * k, mode, x.ptr, 1e-6, y.ptr, n, 0, m) for i in range(copies)]
+                us = time_graph_us(stream, lambda i: launches[i % copies].enqueue(stream))
+                gb_s = weight_bytes / us / 1e3
+                rows.append({"kernel": f"q8_gemv_m{m}_mode{mode}", "shape": f"{label} {n}x{k}", "M": m,
+                             "us": round(us, 2), "weight_GB_s": round(gb_s, 1),
+                             "frac_hbm_read": round(gb_s / hbm_read_gb_s, 3),
+                             "frac_d2d_copy": round(gb_s / copy_gb_s, 3)})
+                print(rows[-1], flush=True)
+        for ptr in (qs, scales, x.ptr, y.ptr):
+            arena.free(ptr)
+    rows += other_kernels(kernels, arena, stream, rng)
+    env = environment()
+    env["machine"] = driver.detect()
+    env["commit"] = args.commit or env["commit"]
+    env["d2d_copy_GB_s"] = round(copy_gb_s, 1)
+    notes = (f"Device-to-device copy measured here: {copy_gb_s:.0f} GB/s (read + write). "
+             f"frac_hbm_read is against 4460 GB/s, the read-only HBM figure in CUDA_NOTES.md. "
+             f"mode 0 plain x, 1 RMSNorm prologue, 2 SiLU·mul prologue. GB/s counts weight bytes "
+             f"(int8 + fp16 scales) only.")
+    path = write_results("h200-gpu-kernels", env, rows, ["kernel", "shape", "M", "us", "weight_GB_s",
+                                                         "frac_hbm_read", "frac_d2d_copy"],
+                         notes=notes, out_dir=args.out)
+    print(f"wrote {path}")
+
+
+def other_kernels(kernels, arena, stream, rng) -> list[dict]:
+    """The step's other kernels at the qwen3-1.7b shape (16 q heads, 8 kv heads, D 128, 28 layers)."""
+    heads, kv_heads, d, layers, hidden, vocab = 16, 8, 128, 28, 2048, 151936
+    rows = []
+    for context in (128, 1024, 4096):
+        pool = arena.alloc(context * layers * 2 * kv_heads * d * 4)
+        q, out = arena.alloc(heads * d * 4), arena.alloc(heads * d * 4)
+        base, pos = arena.alloc(8), arena.alloc(4)
+        driver.h2d_sync(base, np.zeros(1, np.int64))
+        driver.h2d_sync(pos, np.array([context - 1], np.int32))
+        launch = kernels.launch("attention_gqa_d128", (kv_heads, 1), (128,), "pppppiiiiif",
+                                [q, pool, base, pos, out, 0, layers, heads, kv_heads, d, d ** -0.5])
+        us = time_graph_us(stream, lambda i: launch.enqueue(stream))
+        kv_bytes = context * 2 * kv_heads * d * 4
+        rows.append({"kernel": "attention_gqa_d128", "shape": f"context {context}", "M": 1,
+                     "us": round(us, 2), "weight_GB_s": round(kv_bytes / us / 1e3, 1)})
+        print(rows[-1], flush=True)
+        arena.free(pool)
+    qkv, qout = arena.alloc((heads + 2 * kv_heads) * d * 4), arena.alloc(heads * d * 4)
+    pool = arena.alloc(64 * layers * 2 * kv_heads * d * 4)
+    launch = kernels.launch("qkv_norm_rope_append", (heads + 2 * kv_heads, 1), (32,), "ppppppppfiiiii",
+                            [qkv, qout, pool, base, pos, qkv, qkv, qkv, 1e-6, 0, layers, heads, kv_heads, d])
+    driver.h2d_sync(pos, np.array([5], np.int32))
+    rows.append({"kernel": "qkv_norm_rope_append", "shape": "1 token", "M": 1,
+                 "us": round(time_graph_us(stream, lambda i: launch.enqueue(stream)), 2)})
+    logits, result = arena.alloc(vocab * 4), arena.alloc(4)
+    launch = kernels.launch("argmax_rows", (1,), (1024,), "pip", [logits, vocab, result])
+    rows.append({"kernel": "argmax_rows", "shape": f"1x{vocab}", "M": 1,
+                 "us": round(time_graph_us(stream, lambda i: launch.enqueue(stream)), 2)})
+    table_qs, table_scales, x = arena.alloc(vocab * hidden), arena.alloc(vocab * hidden // 16), arena.alloc(hidden * 4)
+    ids = arena.alloc(4)
+    driver.h2d_sync(ids, np.array([1234], np.int32))
+    launch = kernels.launch("embed_q8", (1,), (256,), "ppppi", [table_qs, table_scales, ids, x, hidden])
+    rows.append({"kernel": "embed_q8", "shape": f"1x{hidden}", "M": 1,
+                 "us": round(time_graph_us(stream, lambda i: launch.enqueue(stream)), 2)})
+    for row in rows[-3:]:
+        print(row, flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
