@@ -17,13 +17,14 @@ from .config import ModelConfig
 from .weights import hf_tensor_shapes
 
 PRESETS: dict[str, ModelConfig] = {
-    # A Qwen3 with head_dim independent of hidden/heads and GQA 2: fast enough for every test.
+    # A Qwen3 with head_dim independent of hidden/heads and GQA 2: fast enough for every test, and
+    # head_dim 64 so the GPU kernels (head_dim 64/128/256) run it too.
     "tiny": ModelConfig(arch="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256,
                         rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
                         max_position_embeddings=512),
-    "llama-tiny": ModelConfig(arch="llama", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=1, head_dim=16, vocab_size=320,
+    "llama-tiny": ModelConfig(arch="llama", hidden_size=256, intermediate_size=352, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=320,
                               rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                               max_position_embeddings=512),
     "qwen3-0.6b": ModelConfig(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,

@@ -1,0 +1,348 @@
+"""`gated` and `layers=N` modes: one step split between host and GPU by a scheduler Plan.
+
+The plan says which side runs each op; this executor runs them and moves the
+step's state between the sides only where the plan's segments meet.  State
+tensors (rows = tokens of the step):
+
+    x [T, H] residual   qkv [T, q+2kv]   attn [T, q]   gate_up [T, 2I]   logits [T, V]
+
+each with a pinned host copy and a device copy and a record of which copy is
+current.  Norms and SiLU·mul own no state: they are folded into the
+projection that consumes them, on whichever side that runs (the GEMV
+prologue on the GPU, numpy on the host), so moving them never moves data.
+Entering a host segment downloads everything it reads from the device with
+one sync; entering a GPU segment uploads what it reads, asynchronously. Syncs
+per step therefore equal the plan's GPU segments, never one per projection.
+
+Weights live in a device cache: uploaded on first GPU use and kept (the
+``upload`` stage of the profile table), warmed at load for the decode plan.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import scheduler
+
+from .. import prof
+from ..cpu import CpuExecutor, CpuKV, rope_tables
+from ..hybrid_host import HostOps
+from ..weights import ModelWeights
+from . import driver
+from .executor import ATTENTION_SIGNATURE, ROPE_SIGNATURE, QWeight, gemv_launch
+from .kernels import KernelSet
+
+READS = {"qkv": ("x",), "rope": ("qkv",), "attention": (), "o": ("attn", "x"), "gate_up": ("x",),
+         "down": ("gate_up", "x"), "lm_head": ("x",)}
+
+
+@dataclass
+class HybridKV:
+    host: CpuKV | None          # layers whose attention runs on the host (index li - gpu_layers)
+    device: object | None       # driver.DeviceArray of [capacity, gpu_layers, 2, n_kv, D] float32
+    capacity: int
+
+
+class HybridExecutor(HostOps):
+    name = "cuda"
+
+    def __init__(self, weights: ModelWeights, mode: str, profile, max_seq_len: int = 2048,
+                 max_batch: int = 32, max_sessions: int | None = None, prefill_chunk: int = 64):
+        c = weights.config
+        self.weights, self.config, self.mode, self.profile = weights, c, mode, profile
+        kind, count = scheduler.parse_mode(mode)
+        self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
+        self.cpu = CpuExecutor(weights)
+        self.device = driver.Device(0)
+        self.kernels = KernelSet(self.device)
+        self.stream = driver.Stream()
+        self.max_tokens = max(max_batch, prefill_chunk)
+        self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0,
+                      "weight_uploads": 0, "weight_upload_bytes": 0}
+        T = self.max_tokens
+        widths = {"x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size, "attn": c.q_size,
+                  "gate_up": 2 * c.intermediate_size, "logits": c.vocab_size}
+        self.kv_bytes_per_position = max(self.gpu_layers, 1) * 2 * c.kv_size * 4
+        sessions = max_sessions or 2 * max_batch
+        capacity = (weights.quantized_bytes() + 4 * T * (sum(widths.values()) + c.q_size) + 16 * T
+                    + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1))
+                    + (sessions * max_seq_len * self.kv_bytes_per_position if self.gpu_layers else 0)
+                    + driver.Arena.ALIGN * (16 * c.num_hidden_layers + 64))
+        self.arena = driver.Arena(capacity)
+        self.dev = {name: self.arena.array((T, w), np.float32) for name, w in widths.items()}
+        self.q_dev = self.arena.array((T, c.q_size), np.float32)
+        self.pinned = {name: driver.PinnedBuffer(T * w * 4) for name, w in widths.items()}
+        self.host = {name: self.pinned[name].view(np.float32, (T, w)) for name, w in widths.items()}
+        self.widths = widths
+        self.params = self.arena.array((T * 16,), np.uint8)
+        self.staging = driver.PinnedBuffer(T * 16)
+        self.staged_kvbase = self.staging.view(np.int64, (T,), 0)
+        self.staged_pos = self.staging.view(np.int32, (T,), 12 * T)
+        self._vectors: dict[int, int] = {}
+        self._qweights: dict[int, QWeight] = {}
+        self._plans: dict[int, scheduler.Plan] = {}
+        self._launches: dict[tuple, list] = {}
+        self.inv_freq = self._vector((1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64)
+                                                               .astype(np.float32) / c.head_dim))).astype(np.float32))
+        self.preload()
+
+    # ---- weights: a device cache filled on first use -------------------------------------------
+    def _vector(self, v: np.ndarray | None) -> int:
+        if v is None:
+            return 0
+        if id(v) not in self._vectors:
+            ptr = self.arena.alloc(v.nbytes)
+            driver.h2d_sync(ptr, np.asarray(v, np.float32))
+            self._vectors[id(v)] = ptr
+        return self._vectors[id(v)]
+
+    def _qweight(self, w, stages: dict) -> QWeight:
+        start = time.perf_counter()
+        cached = self._qweights.get(id(w))
+        stages["cache_probe"] = stages.get("cache_probe", 0.0) + (time.perf_counter() - start) * 1e6
+        if cached is None:
+            start = time.perf_counter()
+            qs, sc = self.arena.alloc(w.qs.nbytes), self.arena.alloc(w.scales.nbytes)
+            driver.h2d_sync(qs, w.qs)
+            driver.h2d_sync(sc, w.scales)
+            cached = self._qweights[id(w)] = QWeight(qs, sc, w.shape[0], w.shape[1])
+            self.stats["weight_uploads"] += 1
+            self.stats["weight_upload_bytes"] += w.nbytes
+            stages["upload"] = stages.get("upload", 0.0) + (time.perf_counter() - start) * 1e6
+            stages["uploads"] = stages.get("uploads", 0) + 1
+        return cached
+
+    def preload(self) -> None:
+        """Warm every weight the decode plan runs on the GPU, and say how much stayed resident."""
+        start = time.perf_counter()
+        plan = self.plan(1)
+        wanted = [op for seg in plan.segments if seg.side == "gpu" for op in seg.ops if op.group]
+        for op in wanted:
+            self._qweight(self._tensor(op), {})
+        for op in (op for seg in plan.segments if seg.side == "gpu" for op in seg.ops):
+            if op.layer is not None:
+                self._layer_vectors(op.layer)
+        total = sum(1 for op in plan.segments for _ in op.ops)
+        print(f"kestrel-stream: preload: {len(wanted)}/{len(wanted)} GPU weights warmed in "
+              f"{time.perf_counter() - start:.2f} s; device cache {self.arena.used_bytes / 1e6:.1f} MB / "
+              f"{len(self._qweights)} entries ({self.mode}: {plan.syncs_per_step} GPU segments over {total} ops)",
+              file=sys.stderr)
+
+    def _layer_vectors(self, li: int) -> dict:
+        lw = self.weights.layers[li]
+        return {name: self._vector(getattr(lw, name)) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm")}
+
+    def _tensor(self, op):
+        """The fused QTensor behind a projection op."""
+        if op.group == "lm_head":
+            return self.weights.lm_head
+        lw = self.weights.layers[op.layer]
+        return {"qkv": lw.wqkv, "o": lw.wo, "gate_up": lw.w_gate_up, "down": lw.w_down}[op.group]
+
+    def _row_runs(self, op) -> list[tuple[int, int]]:
+        """Contiguous row ranges of the fused weight that this (possibly split) op owns."""
+        c = self.config
+        starts = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
+                  "v_proj": (c.q_size + c.kv_size, c.kv_size), "gate_proj": (0, c.intermediate_size),
+                  "up_proj": (c.intermediate_size, c.intermediate_size)}
+        runs = []
+        for w in op.weights:
+            part = w.name.rsplit(".", 2)[-2]
+            lo, n = starts.get(part, (0, w.shape[0]))
+            if runs and runs[-1][1] == lo:
+                runs[-1] = (runs[-1][0], lo + n)
+            else:
+                runs.append((lo, lo + n))
+        return runs
+
+    # ---- plans ----------------------------------------------------------------------------------
+    def plan(self, tokens: int) -> scheduler.Plan:
+        if tokens not in self._plans:
+            plan = scheduler.build_plan(self.config, tokens=tokens, mode=self.mode, profile=self.profile,
+                                        gpu_available=True)
+            scheduler.audit_plan(plan, self.config)
+            self._plans[tokens] = plan
+        return self._plans[tokens]
+
+    # ---- KV caches ------------------------------------------------------------------------------
+    def alloc_kv(self, max_seq_len: int) -> HybridKV:
+        c = self.config
+        host_layers = c.num_hidden_layers - self.gpu_layers
+        host = None
+        if host_layers:
+            shape = (host_layers, max_seq_len, c.num_key_value_heads, c.head_dim)
+            host = CpuKV(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        device = None
+        if self.gpu_layers:
+            device = self.arena.array((max_seq_len * self.kv_bytes_per_position,), np.uint8)
+        return HybridKV(host, device, max_seq_len)
+
+    def free_kv(self, kv: HybridKV) -> None:
+        if kv.device is not None:
+            self.arena.free(kv.device.ptr)
+            kv.device = None
+
+    # ---- moving state between the sides ---------------------------------------------------------
+    def _to_host(self, names, tokens: int) -> None:
+        """Download every named state the host reads that only the device has; one sync."""
+        pending = [n for n in names if "host" not in self.valid[n]]
+        if not pending:
+            return
+        start = time.perf_counter()
+        for name in pending:
+            nbytes = tokens * self.widths[name] * 4
+            driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
+            self.stats["d2h_bytes"] += nbytes
+            self.valid[name].add("host")
+        self.stream.synchronize()
+        self.stats["syncs"] += 1
+        self._uploads_in_flight.clear()
+        if self._call is not None:
+            self._call["d2h+sync"] = (time.perf_counter() - start) * 1e6
+            self._finish_call()
+
+    def _to_device(self, name: str, tokens: int) -> None:
+        if "dev" not in self.valid[name]:
+            nbytes = tokens * self.widths[name] * 4
+            driver.h2d_async(self.dev[name].ptr, self.pinned[name], nbytes, self.stream)
+            self.stats["h2d_bytes"] += nbytes
+            self.valid[name].add("dev")
+            self._uploads_in_flight.add(name)
+
+    def _host_writes(self, name: str) -> None:
+        """The host is about to overwrite `name`: wait for an async upload still reading it."""
+        if name in self._uploads_in_flight:
+            self.stream.synchronize()
+            self.stats["syncs"] += 1
+            self._uploads_in_flight.clear()
+        self.valid[name] = {"host"}
+
+    def _finish_call(self) -> None:
+        call, self._call = self._call, None
+        if prof.enabled:
+            uploads = call.pop("uploads", 0)
+            prof.record_call(call, uploads=uploads)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]]) -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each."""
+        self.device.make_current()
+        rows = [(kv, int(t), start + i) for kv, ids, start in batch
+                for i, t in enumerate(np.asarray(ids, np.int64).reshape(-1))]
+        logits = np.empty((len(rows), self.config.vocab_size), np.float32)
+        for lo in range(0, len(rows), self.max_tokens):
+            chunk = rows[lo:lo + self.max_tokens]
+            logits[lo:lo + len(chunk)] = self._run_chunk(chunk)
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(rows)
+        bounds = np.cumsum([0] + [len(np.atleast_1d(ids)) for _, ids, _ in batch])
+        return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def _run_chunk(self, rows) -> np.ndarray:
+        T = len(rows)
+        plan = self.plan(T)
+        self.valid = {name: set() for name in self.widths}
+        self._uploads_in_flight: set = set()
+        self._call = None
+        self.ids = np.array([t for _, t, _ in rows], np.int64)
+        self.positions = np.array([p for _, _, p in rows], np.int64)
+        # sessions as runs of consecutive rows: (kv, first row, last row + 1, start position)
+        self.runs = []
+        for i, (kv, _, pos) in enumerate(rows):
+            if self.runs and self.runs[-1][0] is kv and self.runs[-1][2] == i:
+                self.runs[-1][2] = i + 1
+            else:
+                self.runs.append([kv, i, i + 1, pos])
+        self.cos, self.sin = rope_tables(self.positions, self.config.head_dim, self.config.rope_theta)
+        if self.gpu_layers:
+            for i, (kv, _, pos) in enumerate(rows):
+                self.staged_kvbase[i] = (kv.device.ptr - self.arena.base) // 4
+                self.staged_pos[i] = pos
+            driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
+            self.stats["h2d_bytes"] += self.staging.nbytes
+        for segment in plan.segments:
+            if segment.side == "cpu":
+                reads = {name for op in segment.ops for name in READS.get(self._role(op), ())}
+                self._to_host(sorted(reads), T)
+                for op in segment.ops:
+                    self._host_op(op, T)
+            else:
+                self._call = {}
+                for op in segment.ops:
+                    self._gpu_op(op, T)
+                if prof.enabled:      # attribute GPU time to gemm, not to the next sync
+                    start = time.perf_counter()
+                    self.stream.synchronize()
+                    self._call["gemm"] = self._call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
+        self._to_host(["logits"], T)
+        return self.host["logits"][:T]
+
+    @staticmethod
+    def _role(op) -> str:
+        return op.group or op.kind
+
+    # ---- the GPU side -------------------------------------------------------------------------------
+    def _gpu_op(self, op, T: int) -> None:
+        role = self._role(op)
+        if role in ("norm", "elementwise"):
+            return
+        start = time.perf_counter()
+        for name in READS.get(role, ()):
+            self._to_device(name, T)
+        self._call["h2d"] = self._call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
+        launches = self._launches.get((op.name, T))
+        if launches is None:
+            launches = self._launches[(op.name, T)] = self._build_launches(op, role, T, self._call)
+        start = time.perf_counter()
+        for launch in launches:
+            launch.enqueue(self.stream)
+        self._call["gemm"] = self._call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
+        self.stats["launches"] += len(launches)
+        written = {"qkv": "qkv", "rope": None, "attention": "attn", "o": "x", "gate_up": "gate_up",
+                   "down": "x", "lm_head": "logits"}[role]
+        if written:
+            self.valid[written] = {"dev"}
+
+    def _build_launches(self, op, role: str, T: int, stages: dict) -> list:
+        c, k, eps, d = self.config, self.kernels, self.config.rms_norm_eps, self.dev
+        if role in ("rope", "attention"):
+            li, vec = op.layer, self._layer_vectors(op.layer)
+            kvbase, pos = self.params.ptr, self.params.ptr + 12 * self.max_tokens
+            if role == "rope":
+                return [k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads, T),
+                                 (32,), ROPE_SIGNATURE,
+                                 [d["qkv"].ptr, self.q_dev.ptr, self.arena.base, kvbase, pos, vec["q_norm"],
+                                  vec["k_norm"], self.inv_freq, eps, li, self.gpu_layers,
+                                  c.num_attention_heads, c.num_key_value_heads, c.head_dim])]
+            return [k.launch(f"attention_gqa_d{c.head_dim}", (c.num_key_value_heads, T), (128,),
+                             ATTENTION_SIGNATURE,
+                             [self.q_dev.ptr, self.arena.base, kvbase, pos, d["attn"].ptr, li, self.gpu_layers,
+                              c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                              1.0 / np.sqrt(c.head_dim)])]
+        w = self._qweight(self._tensor(op), stages)
+        H, I = c.hidden_size, c.intermediate_size
+        if role == "o":
+            return [gemv_launch(k, w, d["attn"].ptr, c.q_size, 0, 0, eps, d["x"].ptr, H, d["x"].ptr, T)]
+        if role == "down":
+            return [gemv_launch(k, w, d["gate_up"].ptr, 2 * I, 2, 0, eps, d["x"].ptr, H, d["x"].ptr, T)]
+        if role == "lm_head":
+            normw, out = self._vector(self.weights.final_norm), "logits"
+        else:
+            normw = self._layer_vectors(op.layer)["attn_norm" if role == "qkv" else "mlp_norm"]
+            out = role
+        launches = []
+        for lo, hi in self._row_runs(op):
+            part = QWeight(w.qs + lo * w.cols, w.scales + 2 * lo * (w.cols // 32), hi - lo, w.cols)
+            launches.append(gemv_launch(k, part, d["x"].ptr, H, 1, normw, eps, d[out].ptr + 4 * lo,
+                                        self.widths[out], 0, T))
+        return launches
+
+    def close(self) -> None:
+        self.device.make_current()
+        self.stream.synchronize()
+        for buffer in list(self.pinned.values()) + [self.staging]:
+            buffer.free()
+        self.arena.release()
