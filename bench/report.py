@@ -14,7 +14,10 @@ def write_results(name: str, env: dict, rows: list[dict], columns: list[str], no
     out_dir = Path(out_dir) if out_dir else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{env['date'][:10]}-{name}"
-    command = "python3 -m " + " ".join(shlex.quote(a) for a in [sys.argv[0].replace("/", ".").removesuffix(".py")] + sys.argv[1:])
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    runner = f"python3 -m {spec.name}" if spec else f"python3 {sys.argv[0]}"
+    command = " ".join([runner] + [shlex.quote(a) for a in sys.argv[1:]])
     payload = {"benchmark": name, "command": command, **env, "rows": rows}
     (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=1))
     lines = [f"# {name}", "", f"- date: {env['date']}", f"- machine: {env['machine']}",

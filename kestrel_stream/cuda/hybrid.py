@@ -50,8 +50,10 @@ class HybridExecutor(HostOps):
     name = "cuda"
 
     def __init__(self, weights: ModelWeights, mode: str, profile, max_seq_len: int = 2048,
-                 max_batch: int = 32, max_sessions: int | None = None, prefill_chunk: int = 64):
+                 max_batch: int = 32, max_sessions: int | None = None, prefill_chunk: int = 64,
+                 group_choice: dict | None = None):
         c = weights.config
+        self.group_choice = group_choice
         self.weights, self.config, self.mode, self.profile = weights, c, mode, profile
         kind, count = scheduler.parse_mode(mode)
         self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
@@ -162,10 +164,16 @@ class HybridExecutor(HostOps):
     def plan(self, tokens: int) -> scheduler.Plan:
         if tokens not in self._plans:
             plan = scheduler.build_plan(self.config, tokens=tokens, mode=self.mode, profile=self.profile,
-                                        gpu_available=True)
+                                        gpu_available=True, group_choice=self.group_choice)
             scheduler.audit_plan(plan, self.config)
             self._plans[tokens] = plan
         return self._plans[tokens]
+
+    def set_group_choice(self, group_choice: dict | None) -> None:
+        """Force groups on/off in every layer (the bench's exhaustive search); weights stay cached."""
+        self.group_choice = group_choice
+        self._plans.clear()
+        self._launches.clear()
 
     # ---- KV caches ------------------------------------------------------------------------------
     def alloc_kv(self, max_seq_len: int) -> HybridKV:
