@@ -172,6 +172,11 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from .daemon import run_daemon
+    return run_daemon(args)
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(args)
@@ -219,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("calibrate", help="measure this machine's device profile for the cost-model gate")
     p.set_defaults(func=cmd_calibrate)
+
+    p = sub.add_parser("serve", help="run the daemon: own the model, answer clients on a socket")
+    add_engine_args(p)
+    from .daemon import add_serve_args
+    add_serve_args(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("demo", help="make the tiny model if missing and run decode steps on it")
     p.add_argument("--dir", default=None, help="where the model and outputs go (default: the cache dir)")

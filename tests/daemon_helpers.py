@@ -1,0 +1,85 @@
+"""Start a real ``kestrel-stream serve`` process for tests and talk raw frames to it."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from kestrel_stream import protocol as wire
+
+ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+
+
+class DaemonProcess:
+    def __init__(self, model, log_path: Path, *flags: str):
+        self.log_path = log_path
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model),
+                                      "--device", "cpu", *flags], stdout=self.log, stderr=subprocess.STDOUT, env=ENV)
+        self.address = self.wait_for_listen_line()
+
+    def wait_for_listen_line(self, timeout_s: float = 60.0) -> str:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = re.search(r"listening on (unix:\S+|tcp:\S+)", self.log_path.read_text())
+            if found:
+                where = found.group(1)
+                return where.removeprefix("unix:") if where.startswith("unix:") else "tcp://" + where[4:]
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}:\n{self.log_path.read_text()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon did not listen within {timeout_s} s:\n{self.log_path.read_text()}")
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self.log.close()
+
+
+def raw_connect(path: str, hello: bool = True) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10.0)
+    sock.connect(path)
+    if hello:
+        sock.sendall(wire.encode_frame({"op": "hello", "id": 0, "v": wire.VERSION}))
+        assert read_frame(sock).header["ok"]
+    return sock
+
+
+def receive_exactly(sock: socket.socket, count: int) -> bytes:
+    data = b""
+    while len(data) < count:
+        chunk = sock.recv(count - len(data))
+        if not chunk:
+            raise ConnectionError("closed")
+        data += chunk
+    return data
+
+
+def read_frame(sock: socket.socket) -> wire.Frame:
+    header_bytes, payload_bytes = wire.parse_prefix(receive_exactly(sock, wire.PREFIX_BYTES), wire.MAX_RESPONSE_BYTES)
+    return wire.parse_body(receive_exactly(sock, header_bytes), receive_exactly(sock, payload_bytes))
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1) == b""
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+def frame_bytes(header, payload: bytes = b"", **prefix) -> bytes:
+    head = header if isinstance(header, bytes) else json.dumps(header).encode()
+    fields = {"magic": b"KS", "version": wire.VERSION, "flags": 0, "header_len": len(head),
+              "payload_len": len(payload), **prefix}
+    return wire.PREFIX.pack(fields["magic"], fields["version"], fields["flags"], fields["header_len"],
+                            fields["payload_len"]) + head + payload
