@@ -45,10 +45,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram-budget", default=None, help="e.g. 2GiB, 1500MB, 0.5 (fraction of free VRAM)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
+    p.add_argument("--trace", default=None, metavar="FILE",
+                   help="record a Chrome trace (.json or .json.gz; view with `timeline` or Perfetto)")
 
 
 def load_engine(args):
     import kestrel_stream as ks
+    if getattr(args, "trace", None):
+        from . import trace
+        trace.start(args.trace, command=args.command)
     return ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
                    max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"))
 
@@ -177,6 +182,14 @@ def cmd_serve(args) -> int:
     return run_daemon(args)
 
 
+def cmd_timeline(args) -> int:
+    from .timeline import run
+    out, summary = run(args.trace_file, args.output, args.steps)
+    print(summary)
+    print(f"wrote {out}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
     return run_demo(args)
@@ -231,6 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 
+    p = sub.add_parser("timeline", help="HTML timeline and summary of a --trace file")
+    p.add_argument("trace_file", metavar="TRACE")
+    p.add_argument("-o", "--output", default=None, help="HTML file to write (default: beside TRACE)")
+    p.add_argument("--steps", default=None, help="a:b selects steps a..b-1 (0 is the first step traced)")
+    p.set_defaults(func=cmd_timeline)
+
     p = sub.add_parser("demo", help="make the tiny model if missing and run decode steps on it")
     p.add_argument("--dir", default=None, help="where the model and outputs go (default: the cache dir)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -250,6 +269,11 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    finally:
+        from . import trace
+        written = trace.stop()
+        if written is not None:
+            print(f"kestrel-stream: trace written to {written}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import trace
 from .config import ModelConfig
 from .quant import QTensor
 from .weights import ModelWeights
@@ -100,8 +101,12 @@ class CpuExecutor:
             self._dequantized[key] = w.dequantize()
         return self._dequantized[key]
 
-    def linear(self, x: np.ndarray, w: QTensor) -> np.ndarray:
-        return x @ self.dense(w).T
+    def linear(self, x: np.ndarray, w: QTensor, op: str = "linear", layer: int = -1) -> np.ndarray:
+        if trace.active is None:
+            return x @ self.dense(w).T
+        rows, cols = w.shape
+        with trace.span(op, op=op, layer=layer, flops=2 * x.shape[0] * rows * cols, bytes=w.nbytes):
+            return x @ self.dense(w).T
 
     def alloc_kv(self, max_seq_len: int) -> CpuKV:
         c = self.config
@@ -122,10 +127,11 @@ class CpuExecutor:
         positions = np.concatenate([np.arange(p, p + len(t)) for _, t, p in batch])
         bounds = np.cumsum([0] + [len(t) for _, t, _ in batch])
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
-        x = w.embed.dequantize_rows(ids)                                    # [T, H]
+        with trace.span("embed", op="embed"):
+            x = w.embed.dequantize_rows(ids)                                # [T, H]
         for li, layer in enumerate(w.layers):
             h = rmsnorm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = self.linear(h, layer.wqkv)                                # [T, q + 2kv]
+            qkv = self.linear(h, layer.wqkv, "qkv", li)                     # [T, q + 2kv]
             q = qkv[:, :c.q_size].reshape(-1, c.num_attention_heads, c.head_dim)
             k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(-1, c.num_key_value_heads, c.head_dim)
             v = qkv[:, c.q_size + c.kv_size:].reshape(-1, c.num_key_value_heads, c.head_dim)
@@ -135,16 +141,18 @@ class CpuExecutor:
             q = apply_rope(q, cos, sin)
             k = apply_rope(k, cos, sin)
             attn = np.empty((len(ids), c.q_size), np.float32)
-            for (kv, _, start), lo, hi in zip(batch, bounds[:-1], bounds[1:]):
-                end = start + (hi - lo)
-                kv.k[li, start:end] = k[lo:hi]
-                kv.v[li, start:end] = v[lo:hi]
-                attn[lo:hi] = attention(q[lo:hi], kv.k[li, :end], kv.v[li, :end], start)
-            x = x + self.linear(attn, layer.wo)
+            with trace.span("attention", op="attention", layer=li):
+                for (kv, _, start), lo, hi in zip(batch, bounds[:-1], bounds[1:]):
+                    end = start + (hi - lo)
+                    kv.k[li, start:end] = k[lo:hi]
+                    kv.v[li, start:end] = v[lo:hi]
+                    attn[lo:hi] = attention(q[lo:hi], kv.k[li, :end], kv.v[li, :end], start)
+            x = x + self.linear(attn, layer.wo, "wo", li)
             h = rmsnorm(x, layer.mlp_norm, c.rms_norm_eps)
-            gu = self.linear(h, layer.w_gate_up)
-            x = x + self.linear(silu_mul(gu[:, :c.intermediate_size], gu[:, c.intermediate_size:]), layer.w_down)
-        logits = self.linear(rmsnorm(x, w.final_norm, c.rms_norm_eps), w.lm_head)
+            gu = self.linear(h, layer.w_gate_up, "gate_up", li)
+            x = x + self.linear(silu_mul(gu[:, :c.intermediate_size], gu[:, c.intermediate_size:]), layer.w_down,
+                                "down", li)
+        logits = self.linear(rmsnorm(x, w.final_norm, c.rms_norm_eps), w.lm_head, "lm_head")
         self.stats["steps"] += 1
         self.stats["tokens"] += len(ids)
         return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from . import trace
 from .config import ModelConfig
 from .errors import CapacityError, DeviceError, InvalidTokenError, SessionClosedError
 from .weights import ModelWeights
@@ -101,6 +102,9 @@ class Engine:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()       # one step at a time through the executor
         self.sessions: dict[int, Session] = {}
+        recorder = trace.start_from_env()       # KESTREL_TRACE, or a trace the CLI already began
+        if recorder is not None:
+            recorder.metadata.update(device=device, mode=mode, layers=self.config.num_hidden_layers)
 
     # -- sessions ---------------------------------------------------------
     def new_session(self, max_seq_len: int | None = None) -> "Session":
@@ -127,7 +131,7 @@ class Engine:
 
     def step(self, items: list[tuple["Session", np.ndarray]]) -> list[np.ndarray]:
         """One executor step over several sessions; all inputs were validated by the caller."""
-        with self._lock:
+        with self._lock, trace.step(sum(len(ids) for _, ids in items), sessions=len(items)):
             outs = self.executor.forward([(s.kv, ids, s.position) for s, ids in items])
         for s, ids in items:
             s.position += len(ids)
