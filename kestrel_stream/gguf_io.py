@@ -17,7 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter, GGML_QUANT_VERSION, LlamaFileType
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
 
 from .config import ConfigError, ModelConfig
 from .loader import LoadError, Progress, assemble_weights
@@ -33,6 +33,25 @@ GGUF_LAYER_NAMES = {
 GGUF_GLOBAL_NAMES = {"embed": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
 LINEAR_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16, GGMLQuantizationType.F32)
 NORM_TYPES = (GGMLQuantizationType.F16, GGMLQuantizationType.F32)
+
+
+class CheckedReader(GGUFReader):
+    """GGUFReader that names the tensor whose data runs past the end of a truncated file.
+
+    The stock reader fails there with a bare numpy reshape error; the tensor
+    infos (name, dims, type, offset) are parsed by then, so check them first.
+    """
+
+    def _build_tensors(self, start_offs, fields):
+        file_bytes = len(self.data)
+        for field in fields:
+            _, name, _, dims, raw_type, offset = field.parts
+            block_size, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
+            end = start_offs + int(offset[0]) + int(np.prod(dims, dtype=np.int64)) * type_bytes // block_size
+            if end > file_bytes:
+                raise LoadError(f"{self.data.filename}: tensor {bytes(name).decode()!r} ends at byte {end} but "
+                                f"the file has only {file_bytes} bytes (truncated)")
+        super()._build_tensors(start_offs, fields)
 
 
 def gguf_names(cfg: ModelConfig) -> dict[str, str]:
@@ -99,7 +118,9 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> ModelWeight
     """Load a llama/qwen3 .gguf file with Q8_0, F16 or F32 tensors."""
     path = Path(path)
     try:
-        reader = GGUFReader(path)
+        reader = CheckedReader(path)
+    except LoadError:
+        raise
     except (ValueError, OSError, KeyError, IndexError) as e:
         raise LoadError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from None
     cfg = config_from_metadata(reader, path)
