@@ -16,7 +16,7 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
-KERNEL_SOURCES = ("q8_gemv.cu", "qkv_rope.cu", "attention.cu", "elementwise.cu")
+KERNEL_SOURCES = ("q8_gemv.cu", "q8_matmul.cu", "qkv_rope.cu", "attention.cu", "elementwise.cu")
 # no --use_fast_math: expf/sinf/cosf must track the numpy reference to ~1 ulp
 BASE_OPTIONS = ("-std=c++17", "--extra-device-vectorization", "-lineinfo")
 
@@ -76,9 +76,10 @@ def compile_cubin(name: str, arch: str, extra_options: tuple[str, ...] = (),
         _check(err, f"NVRTC compile of {name} for {arch}", log)
         err, size = nvrtc.nvrtcGetCUBINSize(prog)
         _check(err, "nvrtcGetCUBINSize")
-        cubin = b" " * size
-        (err,) = nvrtc.nvrtcGetCUBIN(prog, cubin)
+        buffer = bytes(size + 1)   # never a 0/1-byte bytes object: CPython shares those, NVRTC writes in place
+        (err,) = nvrtc.nvrtcGetCUBIN(prog, buffer)
         _check(err, "nvrtcGetCUBIN")
+        cubin = buffer[:size]
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
     if use_cache:
@@ -92,7 +93,7 @@ def compile_cubin(name: str, arch: str, extra_options: tuple[str, ...] = (),
 def _program_log(prog) -> str:
     err, size = nvrtc.nvrtcGetProgramLogSize(prog)
     _check(err, "nvrtcGetProgramLogSize")
-    log = b" " * size
+    log = bytes(size + 1)          # see compile_cubin: a fresh buffer NVRTC may write into
     (err,) = nvrtc.nvrtcGetProgramLog(prog, log)
     _check(err, "nvrtcGetProgramLog")
     return log.rstrip(b"\0 ").decode(errors="replace").strip()
