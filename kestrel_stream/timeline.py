@@ -17,14 +17,14 @@ from . import trace_summary
 
 LANE_PX = 14
 ROW_GAP_PX = 6
-LABEL_PX = 190
+LABEL_PX = 250
 COLOURS = {                     # fixed colours for the kinds a reader must tell apart at a glance
     "memcpy h2d": "#f28e2b", "memcpy d2h": "#b07aa1", "sync": "#e15759", "launch": "#555555",
     "copy": "#8c6d31", "step": "#d9d9d9", "instant": "#000000",
 }
 # Host ops: a categorical palette kept clear of the kernel blues and the copy/sync colours.
 HOST_PALETTE = ["#59a14f", "#b6992d", "#499894", "#d37295", "#9d7660", "#8cd17d", "#f1ce63", "#86bcb6",
-                "#fabfd2", "#d7b5a6"]
+                "#fabfd2", "#d7b5a6", "#2f6b2f", "#c9b400", "#6b4226", "#e377c2", "#17becf", "#bcbd22"]
 LEGEND = [("kernel", "hsl(210,65%,50%)"), ("memcpy h2d", COLOURS["memcpy h2d"]),
           ("memcpy d2h", COLOURS["memcpy d2h"]), ("sync / wait", COLOURS["sync"]),
           ("launch (host)", COLOURS["launch"]), ("host op", HOST_PALETTE[0]), ("step", COLOURS["step"]),
@@ -36,7 +36,7 @@ def _hue(name: str, lo: int, hi: int) -> int:
     return lo + int(hashlib.md5(name.encode()).hexdigest()[:6], 16) % (hi - lo)
 
 
-def colour(event: dict) -> str:
+def colour(event: dict, host_colours: dict) -> str:
     cat, name, args = event.get("cat", ""), event.get("name", ""), event.get("args", {})
     if cat == "memcpy":
         return COLOURS["memcpy d2h"] if args.get("direction") == "d2h" else COLOURS["memcpy h2d"]
@@ -48,7 +48,13 @@ def colour(event: dict) -> str:
         return f"hsl({_hue(name, 190, 260)},65%,{45 + _hue(name, 0, 15)}%)"
     if name == "step":
         return COLOURS["step"]
-    return HOST_PALETTE[_hue(name, 0, len(HOST_PALETTE))]
+    return host_colours.get(name) or HOST_PALETTE[_hue(name, 0, len(HOST_PALETTE))]
+
+
+def host_op_colours(slices: list[dict]) -> dict:
+    """Host op name -> colour, in name order: distinct for up to len(HOST_PALETTE) ops in one trace."""
+    names = sorted({e["name"] for e in slices if e.get("cat") == "host" and "op" in e.get("args", {})})
+    return {name: HOST_PALETTE[i % len(HOST_PALETTE)] for i, name in enumerate(names)}
 
 
 def lanes(slices: list[dict]) -> list[tuple[dict, int]]:
@@ -69,7 +75,8 @@ def tooltip(event: dict, origin_us: float) -> str:
     return html.escape(head + ("\n" + json.dumps(args) if args else ""))
 
 
-def render_svg(row_list: list[trace_summary.Row], origin_us: float, span_us: float) -> tuple[str, str, int, dict]:
+def render_svg(row_list: list[trace_summary.Row], origin_us: float, span_us: float,
+               host_colours: dict) -> tuple[str, str, int, dict]:
     """(label SVG, timeline SVG, height px, slice midpoints); timeline x is in us since ``origin_us``.
 
     The midpoints map (pid, tid, ts + dur/2) to a slice's lane centre: the
@@ -86,7 +93,8 @@ def render_svg(row_list: list[trace_summary.Row], origin_us: float, span_us: flo
         for e, d in placed:
             top = y + d * LANE_PX + 1
             shapes.append(f'<rect x="{e["ts"] - origin_us:.3f}" y="{top}" width="{max(e["dur"], 0.0):.3f}" '
-                          f'height="{LANE_PX - 2}" fill="{colour(e)}"><title>{tooltip(e, origin_us)}</title></rect>')
+                          f'height="{LANE_PX - 2}" fill="{colour(e, host_colours)}">'
+                          f'<title>{tooltip(e, origin_us)}</title></rect>')
             mids[(e["pid"], e["tid"], e["ts"] + e["dur"] / 2)] = top + LANE_PX / 2
         for e in row.instants:
             shapes.append(f'<rect x="{e["ts"] - origin_us:.3f}" y="{y}" width="0.001" height="{height}" '
@@ -145,13 +153,13 @@ def render_html(events: list[dict], title: str, summary_text: str) -> str:
     slices = [e for r in row_list for e in r.slices] or [{"ts": 0.0, "dur": 1.0}]
     origin_us = min(e["ts"] for e in slices)
     span_us = max(max(e["ts"] + e["dur"] for e in slices) - origin_us, 1.0)
-    labels, shapes, height, mids = render_svg(row_list, origin_us, span_us)
+    host_colours = host_op_colours(slices)
+    labels, shapes, height, mids = render_svg(row_list, origin_us, span_us, host_colours)
     legend = "".join(f'<span class="key"><i style="background:{c}"></i>{html.escape(name)}</span>'
                      for name, c in LEGEND)
-    host_ops = sorted({e["name"] for e in slices if e.get("cat") == "host" and "op" in e.get("args", {})})[:16]
-    if host_ops:
-        legend += "<br>host ops: " + "".join(f'<span class="key"><i style="background:{colour({"name": n})}"></i>'
-                                             f'{html.escape(n)}</span>' for n in host_ops)
+    if host_colours:
+        legend += "<br>host ops: " + "".join(f'<span class="key"><i style="background:{c}"></i>{html.escape(n)}</span>'
+                                             for n, c in list(host_colours.items())[:len(HOST_PALETTE)])
     script = SCRIPT.replace("SPAN", f"{span_us:.3f}").replace("HEIGHT", str(height))
     return f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>

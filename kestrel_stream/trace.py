@@ -189,9 +189,10 @@ class Recorder:
 
     def copy(self, stream: str, direction: str, nbytes: int, *, device: int = 0,
              host_start_us: float | None = None, **args) -> int:
-        """An async copy just issued; ``direction`` is "h2d" or "d2h"."""
+        """An async copy just issued; ``direction`` is "h2d" or "d2h" (its byte count wins over any ``bytes`` arg)."""
+        args.update(direction=direction, bytes=int(nbytes))
         return self.launch(stream, f"memcpy {direction}", device=device, host_start_us=host_start_us,
-                           cat="memcpy", direction=direction, bytes=int(nbytes), **args)
+                           cat="memcpy", **args)
 
     def gpu_done(self, op_id: int, start_ms: float, end_ms: float) -> None:
         """GPU begin/end of a launch or copy, in ms since its device's reference event."""

@@ -137,6 +137,17 @@ def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> lis
     return out
 
 
+def top_by_name(slices: list[dict], top: int) -> list[dict]:
+    """Total time per slice name, largest first, with each name's share of the group's total."""
+    ops = defaultdict(lambda: [0.0, 0])
+    for e in slices:
+        ops[e["name"]][0] += e["dur"]
+        ops[e["name"]][1] += 1
+    group_us = sum(us for us, _ in ops.values())
+    return [{"name": name, "total_us": us, "calls": calls, "share_pct": 100.0 * us / group_us if group_us else 0.0}
+            for name, (us, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
 def summarize(events: list[dict], top: int = 10) -> dict:
     slices = [e for e in events if e.get("ph") == "X"]
     if not slices:
@@ -166,17 +177,10 @@ def summarize(events: list[dict], top: int = 10) -> dict:
         "stream_waits": sum(1 for e in events if e.get("ph") == "i" and e["name"].startswith("wait ")),
     }
     per_token = {f"{k}_per_token": (v / tokens if tokens else 0.0) for k, v in counts.items()}
-    ops = defaultdict(lambda: [0.0, 0])
-    for e in slices:
-        if "op" in e.get("args", {}) or e.get("cat") in ("kernel", "memcpy"):
-            ops[e["name"]][0] += e["dur"]
-            ops[e["name"]][1] += 1
-    op_total_us = sum(v[0] for v in ops.values())
-    top_ops = [{"name": name, "total_us": us, "calls": calls,
-                "share_pct": 100.0 * us / op_total_us if op_total_us else 0.0}
-               for name, (us, calls) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]]
+    device_ops = top_by_name([e for e in slices if e["pid"] != HOST_PID], top)
+    host_ops = top_by_name([e for e in slices if e["pid"] == HOST_PID and "op" in e.get("args", {})], top)
     return {"window_us": window_us, "steps": len(steps), "tokens": tokens, "streams": streams,
-            "devices": devices, **counts, **per_token, "top_ops": top_ops}
+            "devices": devices, **counts, **per_token, "top_device_ops": device_ops, "top_host_ops": host_ops}
 
 
 def format_summary(summary: dict) -> str:
@@ -191,8 +195,11 @@ def format_summary(summary: dict) -> str:
                  f"{summary['launches_per_token']:.2f} launches, {summary['copies_per_token']:.2f} copies, "
                  f"{summary['event_records_per_token']:.2f} event records, "
                  f"{summary['stream_waits_per_token']:.2f} stream waits")
-    lines.append("top ops by time:")
-    for op in summary["top_ops"]:
-        lines.append(f"  {op['name']:<24} {op['total_us'] / 1000:9.3f} ms  {op['share_pct']:5.1f} %  "
-                     f"{op['calls']} calls")
+    for key, title in (("top_device_ops", "top device ops (kernels, copies) by time:"),
+                       ("top_host_ops", "top host ops by time:")):
+        if summary[key]:
+            lines.append(title)
+        for op in summary[key]:
+            lines.append(f"  {op['name']:<24} {op['total_us'] / 1000:9.3f} ms  {op['share_pct']:5.1f} %  "
+                         f"{op['calls']} calls")
     return "\n".join(lines)

@@ -69,7 +69,15 @@ def independent_summary(events):
     kernels = [(e["ts"], e["ts"] + e["dur"]) for e in dev if e["cat"] == "kernel"]
     overlap = covered_us([copies, kernels], need=lambda c: c[0] > 0 and c[1] > 0)
     tokens = sum(e["args"]["tokens"] for e in slices if e["name"] == "step")
-    return {"busy": busy, "overlap_us": overlap, "tokens": tokens,
+    host_op_us = defaultdict(float)
+    for e in slices:
+        if e["pid"] == trace.HOST_PID and "op" in e["args"]:
+            host_op_us[e["name"]] += e["dur"]
+    device_op_us = defaultdict(float)
+    for e in dev:
+        device_op_us[e["name"]] += e["dur"]
+    return {"busy": busy, "overlap_us": overlap, "tokens": tokens, "host_op_us": host_op_us,
+            "device_op_us": device_op_us,
             "syncs_per_token": sum(e["cat"] == "sync" for e in slices) / tokens,
             "launches_per_token": sum(e["name"].startswith("launch ") for e in slices) / tokens,
             "waits": sum(e["ph"] == "i" and e["name"].startswith("wait ") for e in events)}
@@ -85,6 +93,9 @@ def test_summary_equals_numbers_from_raw_events(which, cpu_trace, tmp_path):
     assert summary["host_syncs_per_token"] == pytest.approx(want["syncs_per_token"])
     assert summary["launches_per_token"] == pytest.approx(want["launches_per_token"])
     assert summary["stream_waits"] == want["waits"]
+    for key, want_us in (("top_host_ops", want["host_op_us"]), ("top_device_ops", want["device_op_us"])):
+        assert {op["name"]: op["total_us"] for op in summary[key]} == pytest.approx(dict(want_us))
+        assert [op["total_us"] for op in summary[key]] == sorted(want_us.values(), reverse=True)
     overlap = sum(d["overlap_us"] for d in summary["devices"].values())
     assert overlap == pytest.approx(want["overlap_us"])
     if which == "device-api":
@@ -171,5 +182,5 @@ def test_cli_trace_flag_env_var_and_timeline(tiny_model, tmp_path):
     assert data["otherData"]["mode"] == "cpu"
     html = tmp_path / "out.html"
     proc = run_cli("timeline", str(env_trace), "-o", str(html), "--steps", "1:4")
-    assert "3 steps, 3 tokens" in proc.stdout and "busy per stream" in proc.stdout and "top ops" in proc.stdout
+    assert "3 steps, 3 tokens" in proc.stdout and "busy per stream" in proc.stdout and "top host ops" in proc.stdout
     assert html.read_text().count("<rect") > 10
