@@ -30,6 +30,7 @@ from pathlib import Path
 HOST_PID = 1
 DEVICE_PID_BASE = 100
 CATEGORIES = ("host", "kernel", "memcpy", "sync")
+EVENT_RESOLUTION_US = 1.0      # cuEventElapsedTime resolves about 0.5 us
 
 
 class _NullSpan:
@@ -99,6 +100,7 @@ class Recorder:
         self._reference_us: dict[int, float] = {}   # device -> host time of its reference event
         self._rows: dict[tuple[int, object], int] = {}   # (pid, thread ident or stream) -> tid
         self._lock = threading.Lock()
+        self._row_end_us: dict[tuple[int, int], float] = {}   # last GPU slice end per stream row
         self._meta(HOST_PID, None, "process_name", "host")
         self._meta(HOST_PID, None, "process_sort_index", 0)
 
@@ -215,9 +217,16 @@ class Recorder:
         assert device in self._reference_us, f"set_reference({device}) must come before GPU times of device {device}"
         ref_us = self._reference_us[device]
         pid = self.device_pid(device)
-        event = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": self._row(pid, stream, stream),
-                 "ts": ref_us + start_ms * 1000.0, "dur": max(end_ms - start_ms, 0.0) * 1000.0,
-                 "args": self._args(args)}
+        tid = self._row(pid, stream, stream)
+        start_us, end_us = ref_us + start_ms * 1000.0, ref_us + max(end_ms, start_ms) * 1000.0
+        previous_end_us = self._row_end_us.get((pid, tid), start_us)
+        if start_us < previous_end_us < start_us + EVENT_RESOLUTION_US:
+            # Work on one stream runs in order; an overlap this small is event-timer rounding,
+            # and viewers drop slices that straddle their neighbour.
+            start_us = min(previous_end_us, end_us)
+        self._row_end_us[(pid, tid)] = max(end_us, previous_end_us)
+        event = {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": start_us,
+                 "dur": end_us - start_us, "args": self._args(args)}
         self.events.append(event)
         return event
 

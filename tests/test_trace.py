@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
@@ -184,3 +185,24 @@ def test_cli_trace_flag_env_var_and_timeline(tiny_model, tmp_path):
     proc = run_cli("timeline", str(env_trace), "-o", str(html), "--steps", "1:4")
     assert "3 steps, 3 tokens" in proc.stdout and "busy per stream" in proc.stdout and "top host ops" in proc.stdout
     assert html.read_text().count("<rect") > 10
+
+
+def test_committed_traces_follow_the_event_format():
+    results = Path(__file__).resolve().parent.parent / "bench" / "results"
+    traces = sorted(results.glob("*trace*.json.gz"))
+    for path in traces:
+        validate(trace_summary.load(path))
+
+
+def test_gpu_times_a_rounding_apart_do_not_straddle(tmp_path):
+    rec = trace.start(tmp_path / "r.json")
+    rec.set_reference(0)
+    rec.gpu_span("compute", "a", 0.0, 0.0100)
+    rec.gpu_span("compute", "b", 0.0098, 0.0200)     # 0.2 us "before" a ends: timer rounding
+    rec.gpu_span("compute", "c", 0.0300, 0.0400)
+    trace.stop()
+    events = trace_summary.load(tmp_path / "r.json")
+    validate(events)
+    a, b, c = (e for e in events if e["ph"] == "X")
+    assert b["ts"] == pytest.approx(a["ts"] + a["dur"]) and b["ts"] + b["dur"] == pytest.approx(a["ts"] + 20.0)
+    assert c["dur"] == pytest.approx(10.0)
