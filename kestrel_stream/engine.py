@@ -69,7 +69,12 @@ def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: in
     if mode == "gpu":
         from .cuda.executor import GpuExecutor
         return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch)
-    raise DeviceError(f"mode {mode} is not available in this build; use --mode gpu or --mode cpu")
+    from .cuda.hybrid import HybridExecutor
+    profile = None
+    if mode == "gated":                 # the cost model needs this machine's figures: measured once, cached
+        from .calibrate import calibrate
+        profile = calibrate()
+    return HybridExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch)
 
 
 @dataclass
