@@ -18,7 +18,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
-from anyio.streams.buffered import BufferedByteReceiveStream
 
 from .errors import KestrelError
 from .protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, AuthError,
@@ -39,16 +38,23 @@ class Peer:
 
     def __init__(self, stream, max_frame_bytes: int):
         self.stream, self.max_frame_bytes = stream, max_frame_bytes
-        self.reader = BufferedByteReceiveStream(stream)
+        self.buffer = bytearray()            # own buffer: a whole small frame costs one receive(), not three
         self.send_lock = anyio.Lock()
 
+    async def fill(self, count: int) -> None:
+        while len(self.buffer) < count:
+            self.buffer += await self.stream.receive()
+
     async def read_frame(self):
-        prefix = await self.reader.receive_exactly(PREFIX_BYTES)      # idle clients may wait here forever
-        header_bytes, payload_bytes = parse_prefix(prefix, self.max_frame_bytes)
-        with anyio.fail_after(FRAME_TIMEOUT_S):
-            head = await self.reader.receive_exactly(header_bytes)
-            payload = await self.reader.receive_exactly(payload_bytes) if payload_bytes else b""
-        return parse_body(head, payload)
+        await self.fill(PREFIX_BYTES)           # idle clients may wait here forever
+        header_bytes, payload_bytes = parse_prefix(bytes(self.buffer[:PREFIX_BYTES]), self.max_frame_bytes)
+        end = PREFIX_BYTES + header_bytes + payload_bytes
+        if len(self.buffer) < end:
+            with anyio.fail_after(FRAME_TIMEOUT_S):
+                await self.fill(end)
+        frame = bytes(self.buffer[:end])
+        del self.buffer[:end]
+        return parse_body(frame[PREFIX_BYTES:PREFIX_BYTES + header_bytes], frame[PREFIX_BYTES + header_bytes:])
 
     async def send(self, header: dict, arrays: dict | None = None) -> None:
         try:
@@ -241,8 +247,11 @@ def run_daemon(args) -> int:
     if getattr(args, "trace", None):          # `serve --trace FILE`: the CLI stops and writes it at exit
         from . import trace
         trace.start(args.trace, command="serve")
+    # The batcher enforces --max-batch; the engine's max_batch is also what the GPU executor sizes its KV
+    # arena by (2 x max_batch sessions), so it must be large enough for --max-sessions.
+    engine_batch = max(args.max_batch, (args.max_sessions + 1) // 2)
     engine = ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
-                     max_seq_len=args.max_seq_len, max_batch=args.max_batch, cache=not args.no_cache)
+                     max_seq_len=args.max_seq_len, max_batch=engine_batch, cache=not args.no_cache)
     cfg = engine.config
     log(f"model {args.model}: {cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"vocab {cfg.vocab_size}; device {engine.device}, mode {engine.mode}, max_seq_len {engine.max_seq_len}")

@@ -72,6 +72,7 @@ class Service:
         self.inflight = 0
         self.idle = anyio.Event()
         self.arrival = anyio.Event()
+        self.step_running = False
         self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0}
 
     async def in_worker(self, fn, *args):
@@ -129,7 +130,12 @@ class Service:
         if len(self.engine.sessions) >= self.max_sessions:
             raise CapacityError(f"open: the daemon already holds {len(self.engine.sessions)} sessions "
                                 f"(--max-sessions {self.max_sessions})")
-        session = await self.in_worker(self.engine.new_session, length)
+        try:
+            session = await self.in_worker(self.engine.new_session, length)
+        except CapacityError:
+            raise
+        except Exception as e:          # e.g. the device arena has no room for one more KV cache
+            raise CapacityError(f"open: the engine could not allocate a session ({type(e).__name__}: {e})") from e
         conn.sessions[session.id] = session
         return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
 
@@ -197,27 +203,40 @@ class Service:
     async def decode(self, session: Session, token: int, want: str, k: int) -> DecodeJob:
         job = DecodeJob(session, token, want, k)
         self.batcher.add(session.id, job, time.perf_counter())
-        self.arrival.set()
-        await job.done.wait()
+        if not self.step_running and self.batcher.ready(time.perf_counter()):
+            await self.run_ready_batch()        # run it from here: no wake-up of the runner task on the way
+        else:
+            self.arrival.set()
+        if not job.done.is_set():               # skip a checkpoint when this handler ran the step itself
+            await job.done.wait()
         if job.error is not None:
             raise job.error
         return job
 
-    async def run_batches(self) -> None:
-        """Forever: wait until the batcher says go, run the batch in the worker, wake its requests."""
-        while True:
-            now = time.perf_counter()
-            if not self.batcher.ready(now):
-                self.arrival = anyio.Event()
-                deadline = self.batcher.deadline_s()
-                with anyio.move_on_after(None if deadline is None else max(deadline - now, 0.0)):
-                    await self.arrival.wait()
-                continue
+    async def run_ready_batch(self) -> None:
+        self.step_running = True
+        try:
             jobs = [pending.payload for pending in self.batcher.take()]
             with anyio.CancelScope(shield=True):           # a shutdown lets the running step finish
                 await self.in_worker(self.run_step, jobs)
             for job in jobs:
                 job.done.set()
+        finally:
+            self.step_running = False
+            if self.batcher.depth:
+                self.arrival.set()              # requests that queued during the step go next
+
+    async def run_batches(self) -> None:
+        """Forever: run queued batches that did not start at once (waiting for peers, or behind a step)."""
+        while True:
+            now = time.perf_counter()
+            if self.step_running or not self.batcher.ready(now):
+                self.arrival = anyio.Event()
+                deadline = None if self.step_running else self.batcher.deadline_s()
+                with anyio.move_on_after(None if deadline is None else max(deadline - now, 0.0)):
+                    await self.arrival.wait()
+                continue
+            await self.run_ready_batch()
 
     def run_step(self, jobs: list[DecodeJob]) -> None:
         """Worker thread: one engine.decode_batch over the jobs that can still run."""

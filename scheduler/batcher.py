@@ -98,6 +98,6 @@ class StepBatcher:
         return batch
 
     def stats(self) -> dict:
-        return {"queue_depth": self.depth, "batches": self.batches,
+        return {"queue_depth": self.depth, "batches": self.batches, "batched_requests": self.batched_requests,
                 "mean_batch": round(self.batched_requests / self.batches, 3) if self.batches else 0.0,
                 "max_batch": self.max_batch, "window_ms": self.window_s * 1e3}

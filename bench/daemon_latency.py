@@ -1,0 +1,187 @@
+"""Daemon cost: client-observed latency per decode step vs in-process, and tok/s with concurrent clients.
+
+    python3 -m bench.daemon_latency [--preset tiny | --model PATH] [--device cpu] [--mode auto]
+                                    [--steps 400] [--clients 1,4,16,32] [--tokens 50] [--out DIR] [--label NAME]
+    # on the H200:  python3 -m bench.daemon_latency --preset qwen3-1.7b --device cuda --mode gpu --label h200
+
+Rows: one `latency` row per transport payload (`want=logits`: the full
+[vocab] row, `want=token`: 4 bytes) with the median µs per step in process,
+through the daemon, and the difference (the daemon's overhead); one
+`throughput` row per (clients, batching) with aggregate decode tok/s.  The
+load generator is one anyio loop of AsyncClients in this process, so at high
+client counts it competes with the daemon for the same cores.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import anyio
+import numpy as np
+
+import kestrel_stream as ks
+from kestrel_stream.benchmark import environment
+from kestrel_stream.presets import ensure_preset
+
+from .report import write_results
+
+PROMPT = [1, 2, 3, 4]
+
+
+def step_latencies_us(decode, reset, steps: int, room: int) -> list[float]:
+    """µs per decode(step index) call; the session restarts before it fills up (reset + a 4-token prefill, untimed)."""
+    times, used = [], room
+    for i in range(steps):
+        if used >= room:
+            reset()
+            used = len(PROMPT)
+        t0 = time.perf_counter()
+        decode(i)
+        times.append((time.perf_counter() - t0) * 1e6)
+        used += 1
+    return times[steps // 10:]           # drop warm-up (dequant caches, graph capture, first frames)
+
+
+def start_daemon(model, args, socket_path: Path, max_batch: int) -> subprocess.Popen:
+    log = open(socket_path.with_suffix(f".b{max_batch}.log"), "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model), "--device",
+                             args.device, "--mode", args.mode, "--socket", str(socket_path), "--max-batch",
+                             str(max_batch), "--max-sessions", str(max(args.client_counts) + 4),
+                             "--max-seq-len", str(args.max_seq_len)], stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    while not socket_path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"daemon did not start: {Path(log.name).read_text()}")
+        time.sleep(0.05)
+    return proc
+
+
+def stop_daemon(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    if proc.wait(60) != 0:
+        raise RuntimeError(f"daemon exited {proc.returncode}")
+
+
+def latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
+    room = args.max_seq_len - 1
+    local = engine.new_session()
+    inproc = step_latencies_us(lambda i: local.decode(i % 200 + 1), lambda: (local.reset(), local.prefill(PROMPT)), args.steps, room)
+    local.close()
+    rows = []
+    proc = start_daemon(model, args, socket_path, max_batch=args.max_batch)
+    try:
+        with ks.Client(str(socket_path)) as client, client.new_session() as remote:
+            restart = lambda: (remote.reset(), remote.prefill(PROMPT, want="token"))  # noqa: E731
+            stats_us = [(time.perf_counter(), client.stats(), time.perf_counter()) for _ in range(args.steps)]
+            stats_median_us = statistics.median((b - a) * 1e6 for a, _, b in stats_us)
+            wants = ("logits", "token")             # interleaved, so drift and warm-up hit both alike
+            remote_us = step_latencies_us(lambda i: remote.decode(i % 200 + 1, want=wants[i % 2]), restart,
+                                          args.steps, room)
+            first_kept = args.steps // 10           # step_latencies_us drops the samples before this step
+            for parity, want in enumerate(wants):
+                mine = [us for i, us in enumerate(remote_us, first_kept) if i % 2 == parity]
+                inproc_median, remote_median = statistics.median(inproc), statistics.median(mine)
+                rows.append({"kind": "latency", "want": want, "inproc_us": round(inproc_median, 1),
+                             "daemon_us": round(remote_median, 1),
+                             "overhead_us": round(remote_median - inproc_median, 1),
+                             "daemon_p90_us": round(float(np.percentile(mine, 90)), 1),
+                             "stats_rtt_us": round(stats_median_us, 1)})
+                print(rows[-1], flush=True)
+    finally:
+        stop_daemon(proc)
+    return rows
+
+
+async def aggregate_tok_s(socket_path: Path, clients: int, tokens: int) -> float:
+    ready = anyio.Event()
+    started = [0]
+
+    async def one(i: int) -> None:
+        async with ks.AsyncClient(str(socket_path)) as client:
+            async with await client.new_session() as s:
+                token = await s.prefill([i % 7 + 1, 2, 3], want="token")
+                started[0] += 1
+                if started[0] == clients:
+                    ready.set()
+                await ready.wait()             # every client is prefilled before the clock starts
+                for _ in range(tokens):
+                    token = await s.decode(token, want="token")
+                finished.append(time.perf_counter())
+
+    finished: list[float] = []
+    async with anyio.create_task_group() as tg:
+        for i in range(clients):
+            tg.start_soon(one, i)
+        await ready.wait()
+        t0 = time.perf_counter()
+    return clients * tokens / (max(finished) - t0)
+
+
+def throughput_rows(model, args, socket_path: Path) -> list[dict]:
+    rows = []
+    for batching, max_batch in (("on", args.max_batch), ("off", 1)):
+        proc = start_daemon(model, args, socket_path, max_batch=max_batch)
+        try:
+            anyio.run(aggregate_tok_s, socket_path, 1, 5)         # warm-up
+            with ks.Client(str(socket_path)) as watcher:
+                for clients in args.client_counts:
+                    before = watcher.stats()
+                    tok_s = anyio.run(aggregate_tok_s, socket_path, clients, args.tokens)
+                    after = watcher.stats()
+                    steps = after["batches"] - before["batches"]
+                    mean_batch = (after["batched_requests"] - before["batched_requests"]) / max(steps, 1)
+                    rows.append({"kind": "throughput", "clients": clients, "batching": batching,
+                                 "tok_s": round(tok_s, 1), "mean_batch": round(mean_batch, 2)})
+                    print(rows[-1], flush=True)
+        finally:
+            stop_daemon(proc)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: make --preset)")
+    parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--mode", default="auto")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--clients", default="1,4,16,32")
+    parser.add_argument("--tokens", type=int, default=50, help="decode steps per client in the throughput runs")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--max-seq-len", type=int, default=256)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--label", default="", help="appended to the result file name (e.g. the machine)")
+    args = parser.parse_args()
+    args.client_counts = [int(c) for c in args.clients.split(",")]
+    model = args.model or ensure_preset(args.preset)
+    engine = ks.load(model, device=args.device, mode=args.mode, max_seq_len=args.max_seq_len)
+    device, mode = engine.device, engine.mode
+    with tempfile.TemporaryDirectory(prefix="kestrel-bench-") as tmp:
+        socket_path = Path(tmp) / "ks.sock"
+        rows = latency_rows(engine, model, args, socket_path)
+        engine.close()              # the daemon gets the device to itself for the throughput runs
+        rows += throughput_rows(model, args, socket_path)
+    env = environment()
+    blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
+    name = f"daemon-latency-{args.model and Path(args.model).name or args.preset}-{device}-{mode}"
+    name += f"-{args.label}" if args.label else ""
+    path = write_results(name, env, [{"device": device, "mode": mode, **row} for row in rows],
+                         ["kind", "device", "mode", "want", "inproc_us", "daemon_us", "overhead_us", "daemon_p90_us",
+                          "stats_rtt_us", "clients", "batching", "tok_s", "mean_batch"], out_dir=args.out,
+                         notes=f"Unix socket; medians after 10% warm-up; OPENBLAS_NUM_THREADS={blas}. "
+                               f"overhead_us = daemon_us - inproc_us (same decode, in this process vs through "
+                               f"the daemon); stats_rtt_us = a round trip with no engine work. Throughput: "
+                               f"{args.tokens} greedy decode steps per client after all clients prefilled; "
+                               f"batching off = --max-batch 1.")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
