@@ -21,18 +21,18 @@ def parse_ids(text: str) -> list[int]:
 
 
 def progress_bar(desc: str):
-    """A load-progress callback that shows a bar only when loading takes more than a moment."""
+    """A load-progress callback (bytes done of total) that shows a bar only when loading takes a moment."""
     from tqdm import tqdm
     bar = None
 
     def update(done: int, total: int, what: str = "") -> None:
         nonlocal bar
         if bar is None:
-            bar = tqdm(total=total, desc=desc, unit="tensor", delay=0.5, file=sys.stderr, leave=False)
-        bar.n = done
+            bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, delay=0.5, file=sys.stderr,
+                       leave=False)
         if what:
             bar.set_postfix_str(what[-40:], refresh=False)
-        bar.refresh()
+        bar.update(done - bar.n)
         if done >= total:
             bar.close()
     return update

@@ -1,18 +1,63 @@
-"""``kestrel-stream demo``: the README's first command.
+"""``kestrel-stream demo``: the README's first command, the main job end to end.
 
-Makes the tiny model if missing, loads it on the best device here (the CPU
-engine without a GPU), runs greedy decode in two sessions and one batched step
-of both, and prints what it did and where the files are.
+Makes the tiny model if missing, starts the scheduler daemon on a temporary
+Unix socket (CPU engine without a GPU), submits decode steps from a Python
+client -- two sessions stepping concurrently, so the daemon batches them --
+while tracing, writes the trace and its HTML timeline, stops the daemon, and
+prints what it did and where the files are.
 """
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
 
 
+def start_daemon(model_dir: Path, socket_path: Path, device: str, log_path: Path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model_dir),
+                             "--socket", str(socket_path), "--device", device],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while not socket_path.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"the daemon did not start; its log: {log_path}\n{log_path.read_text()}")
+        time.sleep(0.05)
+    return proc
+
+
+def stop_daemon(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def client_steps(socket_path: Path, prompt: list[int], steps: int, out: dict, key: str) -> None:
+    """One client: a session, a prefill, then greedy decode steps that ask only for the token."""
+    import kestrel_stream as ks
+    with ks.Client(str(socket_path)) as client, client.new_session() as session:
+        token = int(np.argmax(session.prefill(prompt)[-1]))
+        tokens = [token]
+        for _ in range(steps - 1):
+            token = int(session.decode(token, want="token"))
+            tokens.append(token)
+        out[key] = tokens
+
+
 def run_demo(args) -> int:
     import kestrel_stream as ks
+    from . import timeline
     from .presets import cache_root, make_model
 
     base = Path(args.dir) if args.dir else cache_root() / "demo"
@@ -23,21 +68,37 @@ def run_demo(args) -> int:
     else:
         print(f"using the tiny model in {model_dir}")
 
-    engine = ks.load(model_dir, device=args.device)
-    cfg = engine.config
-    print(f"loaded {cfg.arch}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, vocab {cfg.vocab_size}; "
-          f"{engine.weights.quantized_bytes() / 1e6:.2f} MB of Q8_0 weights; device {engine.device}, mode {engine.mode}")
-
-    result = engine.generate([1, 2, 3], 16)
-    print(f"generate [1, 2, 3] → {result.tokens}")
-    print(f"  prefill {result.prefill_tok_s:.0f} tok/s, decode {result.decode_tok_s:.0f} tok/s, "
-          f"{result.stats.get('syncs_per_token', 0):.2f} host syncs per token")
-
-    first, second = engine.new_session(), engine.new_session()
-    a = int(np.argmax(first.prefill([5, 6, 7])[-1]))
-    b = int(np.argmax(second.prefill([9, 10])[-1]))
-    logits = engine.decode_batch([(first, a), (second, b)])
-    print(f"two sessions, one batched decode step: logits {logits.shape}, next tokens {logits.argmax(axis=1).tolist()}")
-    engine.close()
-    print(f"files: model in {model_dir}")
-    return 0
+    trace_path, html_path, log_path = base / "demo-trace.json.gz", base / "demo-timeline.html", base / "daemon.log"
+    with tempfile.TemporaryDirectory(prefix="kestrel-demo-") as runtime:
+        socket_path = Path(runtime) / "kestrel.sock"
+        started = time.perf_counter()
+        daemon = start_daemon(model_dir, socket_path, args.device, log_path)
+        print(f"daemon pid {daemon.pid} listening on {socket_path} (mode {oct(socket_path.stat().st_mode & 0o777)}), "
+              f"up in {time.perf_counter() - started:.1f} s")
+        try:
+            with ks.Client(str(socket_path)) as client:
+                client.trace_start(trace_path)
+                results: dict = {}
+                threads = [threading.Thread(target=client_steps, args=(socket_path, prompt, 12, results, name))
+                           for name, prompt in (("A", [1, 2, 3]), ("B", [9, 10]))]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                generated = client.generate([5, 6, 7], 8)
+                stats = client.stats()
+                written = client.trace_stop()
+        finally:
+            code = stop_daemon(daemon)
+    for name in sorted(results):
+        print(f"session {name}: 12 greedy tokens, decode steps asking only for the token: {results[name]}")
+    print(f"server-side generate [5, 6, 7] → {generated}")
+    interesting = {k: stats[k] for k in ("device", "mode", "steps", "batched_steps", "max_batch_seen",
+                                         "sessions_open", "syncs_per_step") if k in stats}
+    print(f"daemon stats: {interesting}")
+    print(f"daemon stopped with SIGTERM (exit code {code}); its log: {log_path}")
+    html, summary = timeline.run(written or str(trace_path), str(html_path), None)
+    print(summary)
+    print(f"files: model {model_dir}\n       trace {written or trace_path} (Perfetto / chrome://tracing)\n"
+          f"       timeline {html} (open in a browser)")
+    return 0 if code == 0 else 1

@@ -3,7 +3,8 @@
 Weights are scaled so activations stay finite through every layer:
 projections ~ N(0, 1/fan_in), the two projections that write the residual
 stream (o, down) further by 1/sqrt(2L), norms ~ 1 + N(0, 0.1^2), the
-embedding ~ N(0, 1).
+embedding ~ N(0, 0.02^2) as Hugging Face initializes it (a larger one dominates
+the residual stream, and a tied lm_head then just repeats the input token).
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], c
     if len(shape) == 1:
         return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
     if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
-        scale = 1.0 if name.endswith("embed_tokens.weight") else 1.0 / np.sqrt(shape[1])
+        scale = 0.02 if name.endswith("embed_tokens.weight") else 1.0 / np.sqrt(shape[1])
     else:
         scale = 1.0 / np.sqrt(shape[1])
         if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -116,6 +117,6 @@ def random_q8_weights(preset: str | ModelConfig, seed: int = 0):
                            linear(2 * I, H, 1 / np.sqrt(H)), linear(H, I, residual_scale / np.sqrt(I)),
                            norm(cfg.head_dim) if cfg.qk_norm else None, norm(cfg.head_dim) if cfg.qk_norm else None)
               for _ in range(L)]
-    embed = linear(cfg.vocab_size, H, 1.0)
+    embed = linear(cfg.vocab_size, H, 0.02)
     lm_head = embed if cfg.tie_word_embeddings else linear(cfg.vocab_size, H, 1 / np.sqrt(H))
     return ModelWeights(cfg, embed, layers, norm(H), lm_head, source=f"random {cfg.arch} ({seed})")

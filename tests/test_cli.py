@@ -65,7 +65,13 @@ def test_bench_json(tiny_model):
     assert result["commit"] and result["date"]
 
 
-def test_demo_runs_on_the_cpu_default(tmp_path):
+def test_demo_runs_the_daemon_and_writes_a_timeline(tmp_path):
     proc = run_cli("demo", "--dir", str(tmp_path), "--device", "cpu")
-    assert "one batched decode step" in proc.stdout
+    assert "session A: 12 greedy tokens" in proc.stdout and "session B: 12 greedy tokens" in proc.stdout
+    assert "exit code 0" in proc.stdout
     assert (tmp_path / "tiny" / "config.json").exists()
+    html = (tmp_path / "demo-timeline.html").read_text()
+    assert "<svg" in html and 'src="http' not in html and 'href="http' not in html
+    from kestrel_stream import trace_summary
+    events = trace_summary.load(tmp_path / "demo-trace.json.gz")
+    assert any(e.get("name") == "qkv" for e in events)
