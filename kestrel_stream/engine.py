@@ -111,6 +111,17 @@ class Engine:
         if recorder is not None:
             recorder.metadata.update(device=device, mode=mode, layers=self.config.num_hidden_layers)
 
+    def plan_summary(self) -> str:
+        """One line on how a decode step runs here (the daemon logs it)."""
+        import scheduler
+        planner = getattr(self.executor, "plan", None)
+        plan = planner(1) if callable(planner) else scheduler.build_plan(
+            self.config, 1, self.mode, gpu_available=self.device == "cuda")
+        counters = plan.counters()
+        return (f"{plan.mode}: {len(plan.segments)} segment(s), {counters['syncs_per_step']} sync(s) and "
+                f"{counters['launches_per_step']} launches per decode step; GPU weights "
+                f"{counters['gpu_weight_bytes'] / 1e6:.1f} MB, host weights {counters['cpu_weight_bytes'] / 1e6:.1f} MB")
+
     # -- sessions ---------------------------------------------------------
     def new_session(self, max_seq_len: int | None = None) -> "Session":
         length = max_seq_len or self.max_seq_len

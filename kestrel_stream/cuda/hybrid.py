@@ -128,10 +128,11 @@ class HybridExecutor(HostOps):
             if op.layer is not None:
                 self._layer_vectors(op.layer)
         total = sum(1 for op in plan.segments for _ in op.ops)
-        print(f"kestrel-stream: preload: {len(wanted)}/{len(wanted)} GPU weights warmed in "
-              f"{time.perf_counter() - start:.2f} s; device cache {self.arena.used_bytes / 1e6:.1f} MB / "
-              f"{len(self._qweights)} entries ({self.mode}: {plan.syncs_per_step} GPU segments over {total} ops)",
-              file=sys.stderr)
+        self.preload_line = (f"preload: {len(wanted)}/{len(wanted)} GPU weights warmed in "
+                             f"{time.perf_counter() - start:.2f} s; device cache {self.arena.used_bytes / 1e6:.1f} MB / "
+                             f"{len(self._qweights)} entries ({self.mode}: {plan.syncs_per_step} GPU segments "
+                             f"over {total} ops)")
+        print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
 
     def _layer_vectors(self, li: int) -> dict:
         lw = self.weights.layers[li]
