@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np

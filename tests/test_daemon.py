@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -158,6 +159,19 @@ def test_session_limit_is_an_error_for_that_request_only(daemon):
         for s in held:
             s.close()
         assert client.new_session().prefill([1], want="token") >= 0
+
+
+def test_client_timeouts_and_missing_daemon_are_clear(tmp_path):
+    with pytest.raises(ConnectionError, match="is `kestrel-stream serve` running"):
+        ks.Client(tmp_path / "missing.sock")
+    silent = socket.socket(socket.AF_UNIX)          # accepts, never answers
+    silent.bind(str(tmp_path / "silent.sock"))
+    silent.listen()
+    with pytest.raises(TimeoutError, match="within 0.2 s"):
+        ks.Client(tmp_path / "silent.sock", timeout=0.2)
+    with pytest.raises(TimeoutError, match="within 0.2 s"):
+        anyio.run(ks.AsyncClient.connect, tmp_path / "silent.sock", None, 0.2)
+    silent.close()
 
 
 def test_first_frame_must_be_hello(daemon):
