@@ -1,7 +1,7 @@
 """Daemon cost: client-observed latency per decode step vs in-process, and tok/s with concurrent clients.
 
     python3 -m bench.daemon_latency [--preset tiny | --model PATH] [--device cpu] [--mode auto]
-                                    [--steps 400] [--clients 1,4,16,32] [--tokens 50] [--out DIR] [--label NAME]
+                                    [--steps 400] [--clients 1,4,16,32] [--tokens 200] [--out DIR] [--label NAME]
     # on the H200:  python3 -m bench.daemon_latency --preset qwen3-1.7b --device cuda --mode gpu --label h200
 
 Rows: one `latency` row per transport payload (`want=logits`: the full
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--mode", default="auto")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--clients", default="1,4,16,32")
-    parser.add_argument("--tokens", type=int, default=50, help="decode steps per client in the throughput runs")
+    parser.add_argument("--tokens", type=int, default=200, help="decode steps per client in the throughput runs")
     parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--out", default=None)

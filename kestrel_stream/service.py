@@ -66,6 +66,8 @@ class Service:
     def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher):
         self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
         self.vocab_size = engine.config.vocab_size
+        # Built once: the plan is fixed for the engine's mode, and stats() should stay a cheap round trip.
+        self.plan = describe(getattr(engine, "plan_summary", None) or getattr(engine.executor, "plan_summary", None))
         self.engine_limiter = anyio.CapacityLimiter(1)
         self.connections: set[int] = set()
         self.draining = False
@@ -276,7 +278,7 @@ class Service:
         return {
             "model": str(getattr(engine.weights, "source", "")) or None,
             "device": engine.device, "mode": engine.mode,
-            "plan": describe(getattr(engine, "plan_summary", None) or getattr(executor, "plan_summary", None)),
+            "plan": self.plan,
             "residency": describe(getattr(executor, "residency", None)),
             "counters": {key: value for key, value in executor.stats.items() if isinstance(value, (int, float))},
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
