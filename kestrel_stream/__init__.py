@@ -16,13 +16,13 @@ __version__ = "0.1.0"
 
 
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
-         max_batch: int = 32, cache: bool = True, progress=None) -> Engine:
+         max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None) -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it."""
     from .loader import load_weights
     device, mode = resolve_device(device, mode)
     weights = load_weights(path, cache=cache, progress=progress)
     return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
-                  vram_budget=vram_budget)
+                  max_sessions=max_sessions, vram_budget=vram_budget)
 
 
 def __getattr__(name):

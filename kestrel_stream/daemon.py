@@ -247,11 +247,9 @@ def run_daemon(args) -> int:
     if getattr(args, "trace", None):          # `serve --trace FILE`: the CLI stops and writes it at exit
         from . import trace
         trace.start(args.trace, command="serve")
-    # The batcher enforces --max-batch; the engine's max_batch is also what the GPU executor sizes its KV
-    # arena by (2 x max_batch sessions), so it must be large enough for --max-sessions.
-    engine_batch = max(args.max_batch, (args.max_sessions + 1) // 2)
     engine = ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
-                     max_seq_len=args.max_seq_len, max_batch=engine_batch, cache=not args.no_cache)
+                     max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
+                     cache=not args.no_cache)
     cfg = engine.config
     log(f"model {args.model}: {cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"vocab {cfg.vocab_size}; device {engine.device}, mode {engine.mode}, max_seq_len {engine.max_seq_len}")

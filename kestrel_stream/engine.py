@@ -62,19 +62,20 @@ def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, 
 
 
 def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: int,
-                  max_batch: int, vram_budget: int | None):
+                  max_batch: int, max_sessions: int | None, vram_budget: int | None):
     if device == "cpu":
         from .cpu import CpuExecutor
         return CpuExecutor(weights)
     if mode == "gpu":
         from .cuda.executor import GpuExecutor
-        return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch)
+        return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions)
     from .cuda.hybrid import HybridExecutor
     profile = None
     if mode == "gated":                 # the cost model needs this machine's figures: measured once, cached
         from .calibrate import calibrate
         profile = calibrate()
-    return HybridExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch)
+    return HybridExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch,
+                          max_sessions=max_sessions)
 
 
 @dataclass
@@ -97,13 +98,15 @@ class GenerateResult:
 
 class Engine:
     def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
-                 max_seq_len: int | None = None, max_batch: int = 32, vram_budget: int | None = None):
+                 max_seq_len: int | None = None, max_batch: int = 32, max_sessions: int | None = None,
+                 vram_budget: int | None = None):
         self.weights = weights
         self.config: ModelConfig = weights.config
         self.device, self.mode = device, mode
         self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, self.config.max_position_embeddings)
         self.max_batch = max_batch
-        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, vram_budget)
+        # max_sessions: how many KV caches a GPU executor reserves device memory for (default 2 x max_batch)
+        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, vram_budget)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()       # one step at a time through the executor
         self.sessions: dict[int, Session] = {}
