@@ -58,6 +58,7 @@ def main() -> None:
     parser.add_argument("--commit", default=os.environ.get("KESTREL_COMMIT"))
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batches", default="1,4,8")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     weights = random_weights(rng)
@@ -71,7 +72,7 @@ def main() -> None:
     kv = gpu.alloc_kv(1024)
     gpu.forward([(kv, prompt[:8], 0)])             # warm-up: module load, first launches
     gpu.free_kv(kv)
-    for batch in (1, 4, 8):
+    for batch in [int(b) for b in args.batches.split(",")]:
         sessions = [gpu.alloc_kv(1024) for _ in range(batch)]
         t0 = time.perf_counter()
         for kv in sessions:

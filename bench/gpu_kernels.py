@@ -16,8 +16,7 @@ import numpy as np
 
 from kestrel_stream.benchmark import environment
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.executor import QWeight, gemv_launch
-from kestrel_stream.cuda.kernels import KernelSet
+from kestrel_stream.cuda.kernels import KernelSet, QWeight, attention_launch, gemv_launch
 
 from .report import write_results
 
@@ -75,20 +74,29 @@ def main() -> None:
         scales = arena.alloc(n * k // 32 * 2 * copies)
         driver.h2d_sync(qs, rng.integers(-127, 128, n * k * copies, dtype=np.int8))
         driver.h2d_sync(scales, np.full(n * k // 32 * copies, 0.01, np.float16))
-        x, y = arena.array((8, 2 * k), np.float32), arena.array((8, n), np.float32)
-        driver.h2d_sync(x.ptr, rng.standard_normal((8, 2 * k)).astype(np.float32))
-        for m in (1, 2, 4, 8):
-            for mode in ((0, 1, 2) if m == 1 else (0,)):
+        x, y = arena.array((64, max(k, n)), np.float32), arena.array((64, n), np.float32)
+        xn, rms, counter = arena.array((64, n), np.float32), arena.array((64,), np.float32), arena.alloc(4)
+        driver.h2d_sync(x.ptr, rng.standard_normal((64, max(k, n))).astype(np.float32))
+        driver.h2d_sync(counter, np.zeros(1, np.uint32))
+        for m, rows_per_block in ((1, 2), (1, 4), (2, 2), (4, 2), (8, 2), (64, 2)):
+            for epilogue in (("plain", "silu", "residual+xn+rms") if m == 1 else ("plain",)):
+                extra = {"plain": {}, "silu": dict(silu_pairs=True, inv_rms_in=x.ptr),
+                         "residual+xn+rms": dict(res=y.ptr, normw_out=x.ptr, xn_out=xn.ptr, inv_rms_out=rms.ptr,
+                                                 counter=counter)}[epilogue]
                 launches = [gemv_launch(kernels, QWeight(qs + i * n * k, scales + i * n * k // 16, n, k),
-                                        x.ptr, 2 * k, mode, x.ptr, 1e-6, y.ptr, n, 0, m) for i in range(copies)]
+                                        x.ptr, k, y.ptr, n, m, rows_per_block=rows_per_block, **extra)
+                            for i in range(copies)]
                 us = time_graph_us(stream, lambda i: launches[i % copies].enqueue(stream))
                 gb_s = weight_bytes / us / 1e3
-                rows.append({"kernel": f"q8_gemv_m{m}_mode{mode}", "shape": f"{label} {n}x{k}", "M": m,
+                name = f"q8_gemv_m{m}" + ("_r4" if rows_per_block == 4 else "") + f" {epilogue}"
+                name = "q8_matmul (64 tokens)" if m > 8 else name
+                rows.append({"kernel": name, "shape": f"{label} {n}x{k}", "M": m,
                              "us": round(us, 2), "weight_GB_s": round(gb_s, 1),
+                             "TFLOP_s": round(2 * n * k * m / us / 1e6, 2),
                              "frac_hbm_read": round(gb_s / hbm_read_gb_s, 3),
                              "frac_d2d_copy": round(gb_s / copy_gb_s, 3)})
                 print(rows[-1], flush=True)
-        for ptr in (qs, scales, x.ptr, y.ptr):
+        for ptr in (qs, scales, x.ptr, y.ptr, xn.ptr, rms.ptr, counter):
             arena.free(ptr)
     rows += other_kernels(kernels, arena, stream, rng)
     env = environment()
@@ -97,10 +105,11 @@ def main() -> None:
     env["d2d_copy_GB_s"] = round(copy_gb_s, 1)
     notes = (f"Device-to-device copy measured here: {copy_gb_s:.0f} GB/s (read + write). "
              f"frac_hbm_read is against 4460 GB/s, the read-only HBM figure in CUDA_NOTES.md. "
-             f"mode 0 plain x, 1 RMSNorm prologue, 2 SiLU·mul prologue. GB/s counts weight bytes "
+             f"Epilogues: plain; silu (RMSNorm scale + SiLU·mul of gate/up row pairs); residual+xn+rms (residual add, "
+             f"next norm's input, last-block 1/rms). _r4: 4 rows per block, else 2. GB/s counts weight bytes "
              f"(int8 + fp16 scales) only.")
     path = write_results("h200-gpu-kernels", env, rows, ["kernel", "shape", "M", "us", "weight_GB_s",
-                                                         "frac_hbm_read", "frac_d2d_copy"],
+                                                         "frac_hbm_read", "frac_d2d_copy", "TFLOP_s"],
                          notes=notes, out_dir=args.out)
     print(f"wrote {path}")
 
@@ -109,18 +118,22 @@ def other_kernels(kernels, arena, stream, rng) -> list[dict]:
     """The step's other kernels at the qwen3-1.7b shape (16 q heads, 8 kv heads, D 128, 28 layers)."""
     heads, kv_heads, d, layers, hidden, vocab = 16, 8, 128, 28, 2048, 151936
     rows = []
+    splits = 16
+    partials = arena.alloc(heads * splits * (d + 2) * 4)
+    counters = arena.alloc(4 * kv_heads)
+    driver.h2d_sync(counters, np.zeros(kv_heads, np.uint32))
     for context in (128, 1024, 4096):
         pool = arena.alloc(context * layers * 2 * kv_heads * d * 4)
         q, out = arena.alloc(heads * d * 4), arena.alloc(heads * d * 4)
         base, pos = arena.alloc(8), arena.alloc(4)
         driver.h2d_sync(base, np.zeros(1, np.int64))
         driver.h2d_sync(pos, np.array([context - 1], np.int32))
-        launch = kernels.launch("attention_gqa_d128", (kv_heads, 1), (128,), "pppppiiiiif",
-                                [q, pool, base, pos, out, 0, layers, heads, kv_heads, d, d ** -0.5])
+        launch = attention_launch(kernels, q, pool, base, pos, out, partials, counters, 1, 0, layers, heads,
+                                  kv_heads, d, splits)
         us = time_graph_us(stream, lambda i: launch.enqueue(stream))
         kv_bytes = context * 2 * kv_heads * d * 4
-        rows.append({"kernel": "attention_gqa_d128", "shape": f"context {context}", "M": 1,
-                     "us": round(us, 2), "weight_GB_s": round(kv_bytes / us / 1e3, 1)})
+        rows.append({"kernel": "attention_split_d128", "shape": f"context {context}, 16 splits",
+                     "M": 1, "us": round(us, 2), "weight_GB_s": round(kv_bytes / us / 1e3, 1)})
         print(rows[-1], flush=True)
         arena.free(pool)
     qkv, qout = arena.alloc((heads + 2 * kv_heads) * d * 4), arena.alloc(heads * d * 4)
@@ -135,9 +148,10 @@ def other_kernels(kernels, arena, stream, rng) -> list[dict]:
     rows.append({"kernel": "argmax_rows", "shape": f"1x{vocab}", "M": 1,
                  "us": round(time_graph_us(stream, lambda i: launch.enqueue(stream)), 2)})
     table_qs, table_scales, x = arena.alloc(vocab * hidden), arena.alloc(vocab * hidden // 16), arena.alloc(hidden * 4)
-    ids = arena.alloc(4)
+    ids, inv_rms = arena.alloc(4), arena.alloc(4)
     driver.h2d_sync(ids, np.array([1234], np.int32))
-    launch = kernels.launch("embed_q8", (1,), (256,), "ppppi", [table_qs, table_scales, ids, x, hidden])
+    launch = kernels.launch("embed_q8", (1,), (256,), "pppppppfi", [table_qs, table_scales, ids, x, x, x, inv_rms,
+                                                                   1e-6, hidden])
     rows.append({"kernel": "embed_q8", "shape": f"1x{hidden}", "M": 1,
                  "us": round(time_graph_us(stream, lambda i: launch.enqueue(stream)), 2)})
     for row in rows[-3:]:

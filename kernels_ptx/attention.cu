@@ -1,73 +1,86 @@
-// Attention over a session's KV cache, for decode and prefill alike: one block per
-// (kv head, query token); the block's warps split the keys 0..pos[t] and keep an
-// online softmax each, then merge through shared memory.  The GQA group's q heads
-// share every k/v load.
+// Attention over a session's KV cache, for decode and prefill alike, split over
+// the keys (flash-decoding): decode has only n_kv * T (kv head, token) pairs, far
+// too few blocks for the GPU, so each pair's keys 0..pos[t] are cut into
+// `splits` contiguous ranges, one block each.  A block's 4 warps take keys in
+// turn (two per iteration, so loads overlap), keep an online softmax per q head
+// of the GQA group (which shares every k/v load), merge through shared memory
+// and write an unnormalised partial.  The last split block of a (kv head, token)
+// to finish (atomic ticket, reset by that block for the next launch or graph
+// replay) merges all splits in a fixed order: no second launch.
 //
 // KV pool layout (float32, element offsets from the pool base):
 //   kvbase[t] + ((p * n_layers + layer) * 2 + {0: k, 1: v}) * n_kv * D + head * D
-// so the layout needs no per-session capacity and one base per token finds it.
+// so no per-session capacity enters the address: one base per token finds it.
 #include "common.cuh"
 
 #define ATTN_WARPS 4
-#define ATTN_MAX_GROUP_D 2048   // group * head_dim (checked on the host)
 #define ATTN_MAX_GROUP 8
+#define ATTN_MAX_GROUP_D 2048   // group * head_dim (checked on the host)
+#define ATTN_MAX_SPLITS 32
 
-// PER_LANE = head_dim / 32, a template constant so q, acc stay in registers
-template <int ATTN_MAX_PER_LANE>
-__device__ __forceinline__ void attention_body(
-        const float* __restrict__ q,          // [T, n_heads * D]
-        const float* __restrict__ kvpool,
-        const long long* __restrict__ kvbase, // [T]
-        const int* __restrict__ pos,          // [T]
-        float* __restrict__ out,              // [T, n_heads * D]
-        int layer, int n_layers, int n_heads, int n_kv, int D, float softmax_scale) {
+template <int PER_LANE>   // head_dim / 32, a constant so q and acc stay in registers
+__device__ __forceinline__ void attention_split_body(
+        const float* __restrict__ q, const float* __restrict__ kvpool, const long long* __restrict__ kvbase,
+        const int* __restrict__ pos, float* part_acc, float* part_max, float* part_sum,
+        float* __restrict__ out, unsigned int* counters, int layer, int n_layers, int n_heads, int n_kv,
+        float softmax_scale) {
+    constexpr int D = PER_LANE * 32;
     __shared__ float merge_acc[ATTN_WARPS][ATTN_MAX_GROUP_D];
-    __shared__ float merge_max[ATTN_WARPS][32], merge_sum[ATTN_WARPS][32];
-    const int head_kv = blockIdx.x, t = blockIdx.y;
+    __shared__ float merge_max[ATTN_WARPS][ATTN_MAX_GROUP], merge_sum[ATTN_WARPS][ATTN_MAX_GROUP];
+    __shared__ bool is_last_split;
+    __shared__ float split_weight[ATTN_MAX_GROUP][ATTN_MAX_SPLITS], split_den[ATTN_MAX_GROUP];
+    const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int group = n_heads / n_kv, per_lane = ATTN_MAX_PER_LANE;
-    const int last = pos[t];
+    const int group = n_heads / n_kv;
+    // at least 32 keys per split: short contexts use few splits, the rest exit at once
+    const int n_keys = pos[t] + 1, per_split = max((n_keys + splits - 1) / splits, 32);
+    const int begin = split * per_split, end = min(begin + per_split, n_keys);
     const long long stride_pos = (long long)n_layers * 2 * n_kv * D;
     const float* kbase = kvpool + kvbase[t] + (long long)layer * 2 * n_kv * D + (long long)head_kv * D;
     const float* vbase = kbase + (long long)n_kv * D;
 
-    // q of the group's heads, pre-scaled so the dot product is the score
-    float qr[ATTN_MAX_GROUP][ATTN_MAX_PER_LANE], acc[ATTN_MAX_GROUP][ATTN_MAX_PER_LANE];
+    float qr[ATTN_MAX_GROUP][PER_LANE], acc[ATTN_MAX_GROUP][PER_LANE];
     float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP];
     const float* qt = q + (long long)t * n_heads * D + (long long)head_kv * group * D;
 #pragma unroll
     for (int g = 0; g < ATTN_MAX_GROUP; g++) {
         run_max[g] = -INFINITY; run_sum[g] = 0.f;
 #pragma unroll
-        for (int c = 0; c < ATTN_MAX_PER_LANE; c++) {
+        for (int c = 0; c < PER_LANE; c++) {
             acc[g][c] = 0.f;
-            qr[g][c] = (g < group && c < per_lane) ? qt[g * D + lane + 32 * c] * softmax_scale : 0.f;
+            qr[g][c] = g < group ? qt[g * D + lane + 32 * c] * softmax_scale : 0.f;
         }
     }
 
-    for (int p = warp; p <= last; p += ATTN_WARPS) {
-        const float* kp = kbase + p * stride_pos;
-        const float* vp = vbase + p * stride_pos;
-        float kr[ATTN_MAX_PER_LANE], vr[ATTN_MAX_PER_LANE];
+    for (int p0 = begin + warp; p0 < end; p0 += 2 * ATTN_WARPS) {
+        float kr[2][PER_LANE], vr[2][PER_LANE];
 #pragma unroll
-        for (int c = 0; c < ATTN_MAX_PER_LANE; c++) {
-            kr[c] = c < per_lane ? kp[lane + 32 * c] : 0.f;
-            vr[c] = c < per_lane ? vp[lane + 32 * c] : 0.f;
+        for (int u = 0; u < 2; u++) {
+            int p = min(p0 + u * ATTN_WARPS, end - 1);   // a duplicate key is loaded, then skipped
+#pragma unroll
+            for (int c = 0; c < PER_LANE; c++) {
+                kr[u][c] = kbase[p * stride_pos + lane + 32 * c];
+                vr[u][c] = vbase[p * stride_pos + lane + 32 * c];
+            }
         }
 #pragma unroll
-        for (int g = 0; g < ATTN_MAX_GROUP; g++) {
-            if (g >= group) break;
-            float s = 0.f;
+        for (int u = 0; u < 2; u++) {
+            if (u > 0 && p0 + u * ATTN_WARPS >= end) break;
 #pragma unroll
-            for (int c = 0; c < ATTN_MAX_PER_LANE; c++) s = fmaf(qr[g][c], kr[c], s);
-            s = warp_sum(s);
-            float new_max = fmaxf(run_max[g], s);
-            float correction = expf(run_max[g] - new_max);
-            float weight = expf(s - new_max);
-            run_sum[g] = run_sum[g] * correction + weight;
+            for (int g = 0; g < ATTN_MAX_GROUP; g++) {
+                if (g >= group) break;
+                float s = 0.f;
 #pragma unroll
-            for (int c = 0; c < ATTN_MAX_PER_LANE; c++) acc[g][c] = fmaf(acc[g][c], correction, weight * vr[c]);
-            run_max[g] = new_max;
+                for (int c = 0; c < PER_LANE; c++) s = fmaf(qr[g][c], kr[u][c], s);
+                s = warp_sum(s);
+                float new_max = fmaxf(run_max[g], s);
+                float correction = expf(run_max[g] - new_max);
+                float weight = expf(s - new_max);
+                run_sum[g] = run_sum[g] * correction + weight;
+#pragma unroll
+                for (int c = 0; c < PER_LANE; c++) acc[g][c] = fmaf(acc[g][c], correction, weight * vr[u][c]);
+                run_max[g] = new_max;
+            }
         }
     }
 
@@ -76,35 +89,69 @@ __device__ __forceinline__ void attention_body(
         if (g >= group) break;
         if (lane == 0) { merge_max[warp][g] = run_max[g]; merge_sum[warp][g] = run_sum[g]; }
 #pragma unroll
-        for (int c = 0; c < ATTN_MAX_PER_LANE; c++)
-            if (c < per_lane) merge_acc[warp][g * D + lane + 32 * c] = acc[g][c];
+        for (int c = 0; c < PER_LANE; c++) merge_acc[warp][g * D + lane + 32 * c] = acc[g][c];
     }
     __syncthreads();
+    const long long part_row = ((long long)t * n_heads + (long long)head_kv * group) * splits + split;
     for (int i = threadIdx.x; i < group * D; i += ATTN_WARPS * 32) {
-        int g = i / D;
-        float total_max = -INFINITY;
+        int g = i / D, d = i % D;
+        float block_max = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) total_max = fmaxf(total_max, merge_max[w][g]);
+        for (int w = 0; w < ATTN_WARPS; w++) block_max = fmaxf(block_max, merge_max[w][g]);
         float num = 0.f, den = 0.f;
 #pragma unroll
         for (int w = 0; w < ATTN_WARPS; w++) {
             // a warp that saw no key has max -inf and contributes nothing
-            float f = merge_max[w][g] == -INFINITY ? 0.f : expf(merge_max[w][g] - total_max);
+            float f = merge_max[w][g] == -INFINITY ? 0.f : expf(merge_max[w][g] - block_max);
             num += merge_acc[w][i] * f;
             den += merge_sum[w][g] * f;
         }
-        out[(long long)t * n_heads * D + (long long)head_kv * group * D + i] = num / den;
+        long long row = part_row + (long long)g * splits;
+        part_acc[row * D + d] = num;
+        if (d == 0) { part_max[row] = block_max; part_sum[row] = den; }
     }
+
+    __threadfence();   // partials visible device-wide before the ticket
+    __syncthreads();
+    unsigned int* counter = counters + (long long)t * n_kv + head_kv;
+    if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1u) == (unsigned int)(splits - 1);
+    __syncthreads();
+    if (!is_last_split) return;
+    __threadfence();
+    const long long first = ((long long)t * n_heads + (long long)head_kv * group) * splits;
+    // per q head: the weight of each split, e^(max_s - max), staged once (one warp per head)
+    for (int g = warp; g < group; g += ATTN_WARPS) {
+        float m = lane < splits ? __ldcg(part_max + first + (long long)g * splits + lane) : -INFINITY;
+        float total_max = warp_max(m);
+        float f = m == -INFINITY ? 0.f : expf(m - total_max);   // an empty split weighs nothing
+        float den = warp_sum(lane < splits ? f * __ldcg(part_sum + first + (long long)g * splits + lane) : 0.f);
+        if (lane < splits) split_weight[g][lane] = f;
+        if (lane == 0) split_den[g] = den;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < group * D; i += ATTN_WARPS * 32) {
+        int g = i / D, d = i % D;
+        const float* acc_g = part_acc + (first + (long long)g * splits) * D + d;
+        float num = 0.f;
+#pragma unroll 4
+        for (int s = 0; s < splits; s++) {
+            float f = split_weight[g][s];
+            if (f != 0.f) num += __ldcg(acc_g + (long long)s * D) * f;   // empty splits wrote no acc
+        }
+        out[(long long)t * n_heads * D + (long long)head_kv * group * D + i] = num / split_den[g];
+    }
+    if (threadIdx.x == 0) *counter = 0u;
 }
 
 #define DEFINE_ATTENTION(D)                                                                     \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_gqa_d##D(           \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_split_d##D(         \
             const float* q, const float* kvpool, const long long* kvbase, const int* pos,       \
-            float* out, int layer, int n_layers, int n_heads, int n_kv, int head_dim,           \
-            float softmax_scale) {                                                              \
-        attention_body<D / 32>(q, kvpool, kvbase, pos, out, layer, n_layers, n_heads, n_kv,     \
-                               head_dim, softmax_scale);                                        \
+            float* part_acc, float* part_max, float* part_sum, float* out, unsigned int* counters,\
+            int layer, int n_layers, int n_heads, int n_kv, float softmax_scale) {              \
+        attention_split_body<D / 32>(q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, \
+                                     counters, layer, n_layers, n_heads, n_kv, softmax_scale);  \
     }
 DEFINE_ATTENTION(64)
 DEFINE_ATTENTION(128)
 DEFINE_ATTENTION(256)
+

@@ -1,13 +1,31 @@
 // Step entry and exit: the Q8_0 embedding lookup and the argmax over logits.
 #include "common.cuh"
 
-// out[t, :] = dequant(embed[ids[t], :]); grid T, any block size
-extern "C" __global__ void embed_q8(const int8* __restrict__ qs, const half_bits* __restrict__ scales,
-                                    const int* __restrict__ ids, float* __restrict__ out, int H) {
+// out[t, :] = dequant(embed[ids[t], :]), xn[t, :] = out[t, :] * normw (the first layer's norm
+// weight) and inv_rms[t] = 1/sqrt(mean(out[t]^2) + eps): the residual stream plus what the
+// first GEMV needs to apply RMSNorm in its epilogue; grid T, block 256
+extern "C" __global__ void __launch_bounds__(256) embed_q8(
+        const int8* __restrict__ qs, const half_bits* __restrict__ scales, const int* __restrict__ ids,
+        float* __restrict__ out, float* __restrict__ xn, const float* __restrict__ normw,
+        float* __restrict__ inv_rms, float eps, int H) {
+    __shared__ float warp_sums[8];
     const int t = blockIdx.x;
     const long long row = ids[t];
-    for (int k = threadIdx.x; k < H; k += blockDim.x)
-        out[(long long)t * H + k] = (float)qs[row * H + k] * half_to_float(scales[row * (H >> 5) + (k >> 5)]);
+    float sq = 0.f;
+    for (int k = threadIdx.x; k < H; k += blockDim.x) {
+        float v = (float)qs[row * H + k] * half_to_float(scales[row * (H >> 5) + (k >> 5)]);
+        out[(long long)t * H + k] = v;
+        xn[(long long)t * H + k] = v * normw[k];
+        sq += v * v;
+    }
+    sq = warp_sum(sq);
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sq;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); w++) total += warp_sums[w];
+        inv_rms[t] = 1.0f / sqrtf(total / (float)H + eps);
+    }
 }
 
 // out[t] = first index of the largest logits[t, :] (numpy argmax's tie rule);

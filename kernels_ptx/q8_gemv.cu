@@ -1,54 +1,48 @@
-// Q8_0 matrix-vector products for decode (M = 1..8 tokens per launch) and, with
-// blockIdx.y walking 8-token slices, for prefill.
+// Q8_0 matrix-vector products for decode (M = 1..8 tokens per launch; more tokens
+// go to q8_matmul.cu).
 //
-//   y[m, n] = sum_k W[n, k] * xin(m, k)  (+ res[m, n])      W = qs[n, k] * scale[n, k/32]
+//   s[m, n] = sum_k W[n, k] * x[m, k]          W = qs[n, k] * scale[n, k/32]
+//   s[m, n] *= inv_rms_in[m]                    when inv_rms_in: x is the residual stream
+//                                               already multiplied by the norm weight
+//                                               (xn below), so this IS the RMSNorm
+//   y[m, n] = s (+ res[m, n])                   y may alias res (one thread per element)
+//   SILU_PAIRS: rows come as (gate j, up j) pairs (interleaved at load), and
+//   y[m, j] = silu(s[2j]) * s[2j + 1]           the MLP activation, in the epilogue
+//   xn[m, n] = y[m, n] * normw_out[n]           when xn_out: the next RMSNorm's input
+//   inv_rms_out[m] = 1/sqrt(mean_n y[m, n]^2 + eps)   by the last block to finish
+//                                               (atomic ticket on `counter`, reset by it)
+// So no GEMV block ever re-reads x to normalise or gate it: the folded prologue
+// work happens once per element, in the epilogue of the kernel that produced it.
 //
-// xin by MODE (folded prologues, so no separate launch and no round trip of the
-// activation through memory):
-//   0  x[m, k]
-//   1  rmsnorm: x[m, k] * normw[k] / sqrt(mean_k x[m]^2 + eps)
-//   2  silu·mul: silu(x[m, k]) * x[m, K + k]   (x holds gate then up, ldx >= 2K)
-// The residual add is the epilogue; y may alias res (each element is read then
-// written by the same thread).
-//
-// Layout of work: a block of 128 threads owns ROWS consecutive rows; its threads
-// split K into 16-byte chunks (16 int8 = half a Q8_0 block), so one block issues
-// ROWS independent 16-byte loads per thread before using any of them.
+// Work layout: a block of 128 threads owns ROWS (2 or 4) rows; threads split K
+// into 16-byte chunks (half a Q8_0 block) and take UNROLL chunks per iteration
+// so each thread has ROWS*UNROLL independent 16-byte loads in flight.  Few rows
+// per block means many blocks: occupancy is what keeps HBM busy.
 #include "common.cuh"
 
 #define GEMV_THREADS 128
 #define GEMV_WARPS (GEMV_THREADS / 32)
 
-template <int M, int ROWS, int MODE>
+__device__ __forceinline__ uint4 load_stream(const void* p) {
+    // weights are read once per step: keep them out of L1, which holds x
+    uint4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ float silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+
+template <int M, int ROWS, bool SILU_PAIRS>
 __device__ __forceinline__ void q8_gemv_body(
-        const int8* __restrict__ qs, const half_bits* __restrict__ scales,
-        const float* __restrict__ x, int ldx, const float* __restrict__ normw, float eps,
-        float* y, int ldy, const float* res, int N, int K, int ntok) {
-    __shared__ float inv_rms[M];
+        const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
+        const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
+        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
+    constexpr int UNROLL = ROWS <= 2 ? 4 : 2;
     __shared__ float partial[GEMV_WARPS][ROWS * M];
-    const int m0 = blockIdx.y * M;
+    __shared__ bool is_last_block;
     const int row0 = blockIdx.x * ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float* xm = x + (long long)m0 * ldx;
-
-    if (MODE == 1) {
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float sq = 0.f;
-            if (m0 + m < ntok)
-                for (int k = threadIdx.x; k < K; k += GEMV_THREADS) { float v = xm[m * ldx + k]; sq += v * v; }
-            sq = warp_sum(sq);
-            if (lane == 0) partial[warp][m] = sq;
-        }
-        __syncthreads();
-        if (threadIdx.x < M) {
-            float s = 0.f;
-#pragma unroll
-            for (int w = 0; w < GEMV_WARPS; w++) s += partial[w][threadIdx.x];
-            inv_rms[threadIdx.x] = 1.0f / sqrtf(s / (float)K + eps);
-        }
-        __syncthreads();
-    }
 
     float acc[ROWS][M];
 #pragma unroll
@@ -56,66 +50,56 @@ __device__ __forceinline__ void q8_gemv_body(
 #pragma unroll
         for (int m = 0; m < M; m++) acc[r][m] = 0.f;
 
-    const int chunks = K >> 4;
-    const int scale_stride = K >> 5;
-    for (int c = threadIdx.x; c < chunks; c += GEMV_THREADS) {
-        uint4 raw[ROWS];
-        float scale[ROWS];
+    const int chunks = K >> 4, scale_stride = K >> 5;
+    for (int c0 = threadIdx.x; c0 < chunks; c0 += GEMV_THREADS * UNROLL) {
+        uint4 raw[UNROLL][ROWS];
+        float scale[UNROLL][ROWS];
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            int row = min(row0 + r, N - 1);   // clamped rows compute garbage that is never stored
-            raw[r] = __ldg((const uint4*)(qs + (long long)row * K) + c);
-            scale[r] = half_to_float(__ldg(scales + (long long)row * scale_stride + (c >> 1)));
-        }
-#pragma unroll
-        for (int r = 0; r < ROWS; r++) {
-            raw[r].x ^= 0x80808080u; raw[r].y ^= 0x80808080u;
-            raw[r].z ^= 0x80808080u; raw[r].w ^= 0x80808080u;
-        }
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            if (M > 1 && m0 + m >= ntok) break;
-            float xin[16];
-            const float4* xp = (const float4*)(xm + m * ldx) + c * 4;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                float4 v = __ldg(xp + i);
-                xin[4 * i] = v.x; xin[4 * i + 1] = v.y; xin[4 * i + 2] = v.z; xin[4 * i + 3] = v.w;
-            }
-            if (MODE == 1) {
-                const float4* wp = (const float4*)normw + c * 4;
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float4 v = __ldg(wp + i);
-                    xin[4 * i] *= v.x; xin[4 * i + 1] *= v.y; xin[4 * i + 2] *= v.z; xin[4 * i + 3] *= v.w;
-                }
-            } else if (MODE == 2) {
-                const float4* up = (const float4*)(xm + m * ldx + K) + c * 4;
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float4 u = __ldg(up + i);
-                    float uu[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-                    for (int j = 0; j < 4; j++) {
-                        float g = xin[4 * i + j];
-                        xin[4 * i + j] = g / (1.0f + expf(-g)) * uu[j];
-                    }
-                }
-            }
+        for (int u = 0; u < UNROLL; u++) {
+            int c = c0 + u * GEMV_THREADS;
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
-                unsigned int words[4] = {raw[r].x, raw[r].y, raw[r].z, raw[r].w};
-                float dot = 0.f;
+                int row = min(row0 + r, N - 1);   // a clamped row computes garbage that is never stored
+                if (c < chunks) {
+                    raw[u][r] = load_stream(qs + (long long)row * K + c * 16);
+                    scale[u][r] = half_to_float(__ldg(scales + (long long)row * scale_stride + (c >> 1)));
+                }
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < UNROLL; u++) {
+            int c = c0 + u * GEMV_THREADS;
+            if (c >= chunks) break;
+            float wf[ROWS][16];   // weights converted once per chunk, x loaded once per token
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                unsigned int words[4] = {raw[u][r].x ^ 0x80808080u, raw[u][r].y ^ 0x80808080u,
+                                         raw[u][r].z ^ 0x80808080u, raw[u][r].w ^ 0x80808080u};
 #pragma unroll
                 for (int w = 0; w < 4; w++)
 #pragma unroll
-                    for (int b = 0; b < 4; b++) dot = fmaf(byte_to_float(words[w], b), xin[4 * w + b], dot);
-                acc[r][m] = fmaf(scale[r], dot, acc[r][m]);
+                    for (int b = 0; b < 4; b++) wf[r][4 * w + b] = byte_to_float(words[w], b);
+            }
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                const float4* xp = (const float4*)(x + (long long)m * ldx) + c * 4;
+                float xin[16];
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    float4 v = xp[i];
+                    xin[4 * i] = v.x; xin[4 * i + 1] = v.y; xin[4 * i + 2] = v.z; xin[4 * i + 3] = v.w;
+                }
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    float dot = 0.f;
+#pragma unroll
+                    for (int i = 0; i < 16; i++) dot = fmaf(wf[r][i], xin[i], dot);
+                    acc[r][m] = fmaf(scale[u][r], dot, acc[r][m]);
+                }
             }
         }
     }
 
-    if (MODE == 1) __syncthreads();   // partial[] is reused below
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
@@ -124,39 +108,65 @@ __device__ __forceinline__ void q8_gemv_body(
             if (lane == 0) partial[warp][r * M + m] = s;
         }
     __syncthreads();
-    for (int i = threadIdx.x; i < ROWS * M; i += GEMV_THREADS) {
-        int r = i / M, m = i % M;
-        int row = row0 + r;
-        if (row >= N || m0 + m >= ntok) continue;
+    if (threadIdx.x < ROWS * M) {
+        int i = threadIdx.x, m = i % M;
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < GEMV_WARPS; w++) s += partial[w][i];
-        if (MODE == 1) s *= inv_rms[m];
-        long long at = (long long)(m0 + m) * ldy + row;
-        if (res) s += res[at];
-        y[at] = s;
+        if (inv_rms_in) s *= inv_rms_in[m];
+        partial[0][i] = s;   // each thread rewrites only its own entry
     }
+    __syncthreads();
+    const int outputs = SILU_PAIRS ? ROWS / 2 : ROWS;
+    if (threadIdx.x < outputs * M) {
+        int r = threadIdx.x / M, m = threadIdx.x % M;
+        int col = SILU_PAIRS ? row0 / 2 + r : row0 + r;
+        if (col < (SILU_PAIRS ? N / 2 : N)) {
+            float s = SILU_PAIRS ? silu_mul(partial[0][(2 * r) * M + m], partial[0][(2 * r + 1) * M + m])
+                                 : partial[0][r * M + m];
+            long long at = (long long)m * ldy + col;
+            if (res) s += res[at];
+            y[at] = s;
+            if (xn_out) xn_out[at] = s * normw_out[col];
+        }
+    }
+    if (inv_rms_out == nullptr) return;
+
+    __threadfence();   // this block's y is visible device-wide before its ticket is
+    __syncthreads();
+    if (threadIdx.x == 0) is_last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!is_last_block) return;
+    __threadfence();
+    for (int m = warp; m < ntok; m += GEMV_WARPS) {
+        const float* row = y + (long long)m * ldy;
+        float sq = 0.f;
+        for (int k = lane; k < N; k += 32) { float v = __ldcg(row + k); sq += v * v; }   // L2, not stale L1
+        sq = warp_sum(sq);
+        if (lane == 0) inv_rms_out[m] = 1.0f / sqrtf(sq / (float)N + eps);
+    }
+    if (threadIdx.x == 0) *counter = 0u;
 }
 
-// rows per block: more rows keep more loads in flight; fewer leave registers for
-// the M accumulators and x values of larger batches.
-#define ROWS_FOR(M) ((M) == 1 ? 8 : ((M) <= 4 ? 4 : 2))
-
-#define DEFINE_GEMV(M, MODE)                                                                   \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) q8_gemv_m##M##_mode##MODE(      \
-            const int8* qs, const half_bits* scales, const float* x, int ldx,                  \
-            const float* normw, float eps, float* y, int ldy, const float* res,                \
-            int N, int K, int ntok) {                                                          \
-        q8_gemv_body<M, ROWS_FOR(M), MODE>(qs, scales, x, ldx, normw, eps, y, ldy, res, N, K,  \
-                                           ntok);                                              \
+#define DEFINE_GEMV(M, ROWS, SILU, NAME)                                                         \
+    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) NAME(                             \
+            const int8* qs, const half_bits* scales, const float* x, int ldx,                    \
+            const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
+            float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
+            int ntok) {                                                                          \
+        q8_gemv_body<M, ROWS, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out,      \
+                                    xn_out, inv_rms_out, counter, eps, N, K, ntok);              \
     }
-#define DEFINE_GEMV_MODES(M) DEFINE_GEMV(M, 0) DEFINE_GEMV(M, 1) DEFINE_GEMV(M, 2)
+#define DEFINE_GEMV_M(M) DEFINE_GEMV(M, 2, false, q8_gemv_m##M) DEFINE_GEMV(M, 2, true, q8_gemv_m##M##_silu)
 
-DEFINE_GEMV_MODES(1)
-DEFINE_GEMV_MODES(2)
-DEFINE_GEMV_MODES(3)
-DEFINE_GEMV_MODES(4)
-DEFINE_GEMV_MODES(5)
-DEFINE_GEMV_MODES(6)
-DEFINE_GEMV_MODES(7)
-DEFINE_GEMV_MODES(8)
+DEFINE_GEMV_M(1)
+DEFINE_GEMV_M(2)
+DEFINE_GEMV_M(3)
+DEFINE_GEMV_M(4)
+DEFINE_GEMV_M(5)
+DEFINE_GEMV_M(6)
+DEFINE_GEMV_M(7)
+DEFINE_GEMV_M(8)
+// 4 rows per block for one token: half the x traffic per weight byte; tall matrices
+DEFINE_GEMV(1, 4, false, q8_gemv_m1_r4)
+DEFINE_GEMV(1, 4, true, q8_gemv_m1_r4_silu)

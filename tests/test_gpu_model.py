@@ -53,8 +53,10 @@ def test_gpu_mode_matches_cpu_over_prefill_and_16_decode_steps(arch):
     from kestrel_stream.cuda.executor import GpuExecutor
     weights = random_weights(arch)
     cpu = CpuExecutor(weights)
-    gpu = GpuExecutor(weights, max_seq_len=64, max_batch=4, prefill_chunk=8, verify=True)
-    prompt = np.array([3, 141, 59, 26, 535, 89, 79, 32, 384, 62, 64], np.int64)   # 11 tokens: two chunks
+    gpu = GpuExecutor(weights, max_seq_len=64, max_batch=4, prefill_chunk=16, verify=True)
+    # 21 tokens: a 16-token chunk (tiled matmul) then a 5-token chunk (GEMV) over the cache so far
+    prompt = np.array([3, 141, 59, 26, 535, 89, 79, 32, 384, 62, 64, 33, 8, 327, 750, 28, 641, 97, 16, 9, 3],
+                      np.int64)
     cpu_kv, gpu_kv = cpu.alloc_kv(64), gpu.alloc_kv(64)
     want = cpu.forward([(cpu_kv, prompt, 0)])[0]
     got = gpu.forward([(gpu_kv, prompt, 0)])[0]

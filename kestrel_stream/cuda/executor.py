@@ -12,9 +12,13 @@ graph launch, one stream sync (the step's only host sync), copy logits out.
 Prefill and mixed batches run the same launch list eagerly, in chunks of at
 most `max_tokens` tokens, one sync per chunk.
 
-Launches per layer: fused QKV GEMV with RMSNorm prologue; q/k norm + RoPE + KV
-append; attention; O GEMV + residual; fused gate/up GEMV with RMSNorm prologue;
-down GEMV with SiLU·mul prologue + residual.  Then lm_head with the final norm.
+Launches per layer (6): fused QKV GEMV; q/k norm + RoPE + KV append; split-key
+attention (merged by its last block); O GEMV + residual; fused gate/up GEMV
+with SiLU·mul in its epilogue (gate and up rows interleaved at load); down GEMV
++ residual.  Then lm_head.  RMSNorm never costs a launch or a re-read: the
+kernel that writes the residual stream x (embedding, O and down epilogues) also
+writes xn = x * next norm weight and, from its last block, 1/rms(x) per token;
+the consuming GEMV multiplies its dot products by that scale.
 """
 from __future__ import annotations
 
@@ -27,10 +31,8 @@ from ..config import ModelConfig
 from ..quant import QTensor
 from ..weights import ModelWeights
 from . import driver
-from .kernels import KernelSet, Launch
+from .kernels import KernelSet, Launch, QWeight, attention_launch, gemv_launch
 
-GEMV_SIGNATURE = "pppipfpipiii"   # qs, scales, x, ldx, normw, eps, y, ldy, res, N, K, ntok
-ATTENTION_SIGNATURE = "pppppiiiiif"
 ROPE_SIGNATURE = "ppppppppfiiiii"
 
 
@@ -42,40 +44,20 @@ class GpuKV:
     base_elements: int   # offset from the arena base in float32 elements (what kernels read)
 
 
-@dataclass
-class QWeight:
-    qs: int
-    scales: int
-    rows: int
-    cols: int
-
-
-def rows_per_block(m: int) -> int:
-    """Must match ROWS_FOR in kernels_ptx/q8_gemv.cu."""
-    return 8 if m == 1 else (4 if m <= 4 else 2)
-
-
-def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, mode: int, normw: int, eps: float,
-                y: int, ldy: int, res: int, tokens: int) -> Launch:
-    """y[t, :N] = W @ xin(t) (+ res) for `tokens` rows of x; M <= 8 tokens per block slice."""
-    m = min(tokens, 8)
-    grid = (-(-w.rows // rows_per_block(m)), -(-tokens // m))
-    return kernels.launch(f"q8_gemv_m{m}_mode{mode}", grid, (128,), GEMV_SIGNATURE,
-                          [w.qs, w.scales, x, ldx, normw, eps, y, ldy, res, w.rows, w.cols, tokens])
-
-
 class GpuExecutor:
     name = "cuda"
 
     def __init__(self, weights: ModelWeights, max_seq_len: int = 4096, max_batch: int = 8,
-                 max_sessions: int | None = None, prefill_chunk: int = 64, verify: bool | None = None):
+                 max_sessions: int | None = None, prefill_chunk: int = 64, attention_splits: int = 16,
+                 verify: bool | None = None):
         c: ModelConfig = weights.config
-        if c.head_dim not in (64, 128, 256) or c.gqa_group > 8:
+        if c.head_dim not in (64, 128, 256) or c.gqa_group > 8 or not 1 <= attention_splits <= 32:
             raise ValueError(f"gpu mode needs head_dim in 64/128/256 and <= 8 q heads per kv head; "
                              f"{weights.source or 'model'} has head_dim={c.head_dim}, group={c.gqa_group}")
         self.weights, self.config = weights, c
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.max_tokens = max(max_batch, prefill_chunk)
+        self.attention_splits = attention_splits
         self.device = driver.Device(0)
         self.kernels = KernelSet(self.device)
         self.stream = driver.Stream()
@@ -86,7 +68,9 @@ class GpuExecutor:
         qkv_width = c.q_size + 2 * c.kv_size
         self.kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
         sessions = (max_sessions or 2 * max_batch) + 1          # +1: scratch cache for padded slots
-        activation_floats = T * (H + qkv_width + 2 * c.q_size + 2 * c.intermediate_size + V)
+        partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
+        activation_floats = (T * (2 * H + qkv_width + 2 * c.q_size + c.intermediate_size + V + 1 +
+                                  c.num_key_value_heads) + partial_floats)
         norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
         capacity = (weights.quantized_bytes() + 4 * (activation_floats + norm_floats) + 16 * T
                     + sessions * max_seq_len * self.kv_bytes_per_position
@@ -96,11 +80,18 @@ class GpuExecutor:
 
         a = self.arena
         self.x = a.array((T, H), np.float32)             # residual stream
+        self.xn = a.array((T, H), np.float32)            # x * the next RMSNorm's weight
         self.qkv = a.array((T, qkv_width), np.float32)
         self.q = a.array((T, c.q_size), np.float32)      # q after norm + rope
         self.attn = a.array((T, c.q_size), np.float32)
-        self.gate_up = a.array((T, 2 * c.intermediate_size), np.float32)
+        self.act = a.array((T, c.intermediate_size), np.float32)   # silu(gate) * up
         self.logits = a.array((T, V), np.float32)
+        self.inv_rms = a.array((T,), np.float32)         # the next RMSNorm's 1/rms per token
+        self.partials = a.array((partial_floats,), np.float32)
+        self.counter = a.array((64,), np.uint32)         # last-block ticket of the GEMV epilogue
+        self.attention_counters = a.array((T * c.num_key_value_heads,), np.uint32)   # last-split tickets
+        driver.h2d_sync(self.counter.ptr, np.zeros(64, np.uint32))
+        driver.h2d_sync(self.attention_counters.ptr, np.zeros(T * c.num_key_value_heads, np.uint32))
         self.params = a.array((T * 16,), np.uint8)       # kvbase int64[T] | ids int32[T] | pos int32[T]
         self.staging = driver.PinnedBuffer(T * 16)
         self.staged_kvbase = self.staging.view(np.int64, (T,), 0)
@@ -125,11 +116,11 @@ class GpuExecutor:
     def _upload_weights(self) -> None:
         uploaded: dict[int, QWeight] = {}
 
-        def qweight(w: QTensor) -> QWeight:
+        def qweight(w: QTensor, row_order: np.ndarray | None = None) -> QWeight:
             if id(w) not in uploaded:   # a tied lm_head is the embedding: upload once
                 qs, sc = self.arena.alloc(w.qs.nbytes), self.arena.alloc(w.scales.nbytes)
-                driver.h2d_sync(qs, w.qs)
-                driver.h2d_sync(sc, w.scales)
+                driver.h2d_sync(qs, w.qs if row_order is None else w.qs[row_order])
+                driver.h2d_sync(sc, w.scales if row_order is None else w.scales[row_order])
                 uploaded[id(w)] = QWeight(qs, sc, w.shape[0], w.shape[1])
             return uploaded[id(w)]
 
@@ -141,11 +132,14 @@ class GpuExecutor:
             return ptr
 
         c, w = self.config, self.weights
+        gate_up_pairs = np.empty(2 * c.intermediate_size, np.int64)   # rows gate 0, up 0, gate 1, up 1, ...
+        gate_up_pairs[0::2] = np.arange(c.intermediate_size)
+        gate_up_pairs[1::2] = c.intermediate_size + np.arange(c.intermediate_size)
         self.embed = qweight(w.embed)
         self.lm_head = qweight(w.lm_head)
         self.final_norm = vector(w.final_norm)
         self.layers = [dict(attn_norm=vector(l.attn_norm), wqkv=qweight(l.wqkv), wo=qweight(l.wo),
-                            mlp_norm=vector(l.mlp_norm), w_gate_up=qweight(l.w_gate_up),
+                            mlp_norm=vector(l.mlp_norm), w_gate_up=qweight(l.w_gate_up, gate_up_pairs),
                             w_down=qweight(l.w_down), q_norm=vector(l.q_norm), k_norm=vector(l.k_norm))
                        for l in w.layers]
         inv_freq = (1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32)
@@ -174,29 +168,32 @@ class GpuExecutor:
         eps, L = c.rms_norm_eps, c.num_hidden_layers
         kvbase, ids, pos = self.params.ptr, self.params.ptr + 8 * T, self.params.ptr + 12 * T
         H, QKV, I = c.hidden_size, c.q_size + 2 * c.kv_size, c.intermediate_size
-        out = [k.launch("embed_q8", (tokens,), (256,), "ppppi",
-                        [self.embed.qs, self.embed.scales, ids, self.x.ptr, H])]
+        x, xn, inv_rms, counter = self.x.ptr, self.xn.ptr, self.inv_rms.ptr, self.counter.ptr
+        norm_after = [lw["mlp_norm"] for lw in self.layers]                 # what O's epilogue prepares
+        norm_after_down = [lw["attn_norm"] for lw in self.layers[1:]] + [self.final_norm]
+        out = [k.launch("embed_q8", (tokens,), (256,), "pppppppfi",
+                        [self.embed.qs, self.embed.scales, ids, x, xn, self.layers[0]["attn_norm"], inv_rms,
+                         eps, H])]
         for li, lw in enumerate(self.layers):
-            out.append(gemv_launch(k, lw["wqkv"], self.x.ptr, H, 1, lw["attn_norm"], eps,
-                                   self.qkv.ptr, QKV, 0, tokens))
+            out.append(gemv_launch(k, lw["wqkv"], xn, H, self.qkv.ptr, QKV, tokens, inv_rms_in=inv_rms))
             out.append(k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads,
                                                          tokens), (32,), ROPE_SIGNATURE,
                                 [self.qkv.ptr, self.q.ptr, self.arena.base, kvbase, pos, lw["q_norm"],
                                  lw["k_norm"], self.inv_freq, eps, li, L, c.num_attention_heads,
                                  c.num_key_value_heads, c.head_dim]))
-            out.append(k.launch(f"attention_gqa_d{c.head_dim}", (c.num_key_value_heads, tokens), (128,),
-                                ATTENTION_SIGNATURE,
-                                [self.q.ptr, self.arena.base, kvbase, pos, self.attn.ptr, li, L,
-                                 c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                 1.0 / np.sqrt(c.head_dim)]))
-            out.append(gemv_launch(k, lw["wo"], self.attn.ptr, c.q_size, 0, 0, eps,
-                                   self.x.ptr, H, self.x.ptr, tokens))
-            out.append(gemv_launch(k, lw["w_gate_up"], self.x.ptr, H, 1, lw["mlp_norm"], eps,
-                                   self.gate_up.ptr, 2 * I, 0, tokens))
-            out.append(gemv_launch(k, lw["w_down"], self.gate_up.ptr, 2 * I, 2, 0, eps,
-                                   self.x.ptr, H, self.x.ptr, tokens))
-        out.append(gemv_launch(k, self.lm_head, self.x.ptr, H, 1, self.final_norm, eps,
-                               self.logits.ptr, c.vocab_size, 0, tokens))
+            out.append(attention_launch(k, self.q.ptr, self.arena.base, kvbase, pos, self.attn.ptr,
+                                        self.partials.ptr, self.attention_counters.ptr, tokens, li, L,
+                                        c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                        self.attention_splits))
+            out.append(gemv_launch(k, lw["wo"], self.attn.ptr, c.q_size, x, H, tokens, res=x,
+                                   normw_out=norm_after[li], xn_out=xn, inv_rms_out=inv_rms, counter=counter,
+                                   eps=eps))
+            out.append(gemv_launch(k, lw["w_gate_up"], xn, H, self.act.ptr, I, tokens, silu_pairs=True,
+                                   inv_rms_in=inv_rms))
+            out.append(gemv_launch(k, lw["w_down"], self.act.ptr, I, x, H, tokens, res=x,
+                                   normw_out=norm_after_down[li], xn_out=xn, inv_rms_out=inv_rms,
+                                   counter=counter, eps=eps))
+        out.append(gemv_launch(k, self.lm_head, xn, H, self.logits.ptr, c.vocab_size, tokens, inv_rms_in=inv_rms))
         self._launches[tokens] = out
         return out
 

@@ -7,6 +7,9 @@ costs a packing pass every time).  Arguments are mutated in place with `set`.
 """
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import numpy as np
 from cuda.bindings import driver as cu
 
@@ -83,3 +86,59 @@ class Launch:
                                    stream.handle, self.params_address, 0)
         if err != cu.CUresult.CUDA_SUCCESS:
             check((err,), f"cuLaunchKernel({self.name} grid={self.grid} block={self.block})")
+
+
+# ---- typed builders for the kernel families (argument order = the .cu signatures) ----------------
+
+@dataclass
+class QWeight:
+    """A Q8_0 weight in device memory: qs [rows, cols] int8 and scales [rows, cols/32] fp16."""
+    qs: int
+    scales: int
+    rows: int
+    cols: int
+
+
+# rows per block of the single-token GEMV: 4 (the _r4 variants) for tall matrices, where halving the
+# x traffic per weight byte pays, else 2 (more blocks); KESTREL_GEMV_M1_ROWS forces one
+M1_ROWS_OVERRIDE = int(os.environ.get("KESTREL_GEMV_M1_ROWS", "0"))
+GEMV_SIGNATURE = "pppippipppppfiii"
+
+
+def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: int, tokens: int, *,
+                silu_pairs: bool = False, inv_rms_in: int = 0, res: int = 0, normw_out: int = 0,
+                xn_out: int = 0, inv_rms_out: int = 0, counter: int = 0, eps: float = 1e-6,
+                rows_per_block: int | None = None) -> Launch:
+    """y = W @ x for `tokens` rows of x, with the epilogues of kernels_ptx/q8_gemv.cu.
+
+    The GEMV for up to 8 tokens, the tiled matmul (q8_matmul.cu) beyond.  inv_rms_in scales
+    each token's outputs (RMSNorm of an input pre-multiplied by its norm weight); silu_pairs
+    reads rows as (gate, up) pairs and writes silu(gate) * up (rows/2 outputs); res is added;
+    xn_out gets y * normw_out; inv_rms_out (+ a zeroed uint32 counter) gets 1/rms(y) per token.
+    """
+    args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
+            w.rows, w.cols, tokens]
+    suffix = "_silu" if silu_pairs else ""
+    if tokens > 8:
+        return kernels.launch("q8_matmul" + suffix, (-(-w.rows // 64), -(-tokens // 64)), (256,),
+                              GEMV_SIGNATURE, args)
+    rows = 2
+    if tokens == 1:
+        rows = rows_per_block or M1_ROWS_OVERRIDE or (4 if w.rows >= 6144 else 2)
+    name = f"q8_gemv_m{tokens}" + ("_r4" if rows == 4 else "") + suffix
+    return kernels.launch(name, (-(-w.rows // rows),), (128,), GEMV_SIGNATURE, args)
+
+
+def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: int, out: int,
+                     partials: int, counters: int, tokens: int, layer: int, n_layers: int, n_heads: int,
+                     n_kv: int, head_dim: int, splits: int) -> Launch:
+    """Split-key attention, merged by each (kv head, token)'s last split block.
+
+    partials: tokens*n_heads*splits*(head_dim+2) floats; counters: tokens*n_kv zeroed uint32.
+    """
+    rows = tokens * n_heads * splits
+    part_acc, part_max = partials, partials + 4 * rows * head_dim
+    part_sum = part_max + 4 * rows
+    return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiif",
+                          [q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
+                           n_heads, n_kv, 1.0 / float(np.sqrt(head_dim))])
