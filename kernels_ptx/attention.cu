@@ -2,7 +2,7 @@
 // the keys (flash-decoding): decode has only n_kv * T (kv head, token) pairs, far
 // too few blocks for the GPU, so each pair's keys 0..pos[t] are cut into
 // `splits` contiguous ranges, one block each.  A block's 4 warps take keys in
-// turn (two per iteration, so loads overlap), keep an online softmax per q head
+// turn (several per iteration, so their loads overlap), keep an online softmax per q head
 // of the GQA group (which shares every k/v load), merge through shared memory
 // and write an unnormalised partial.  The last split block of a (kv head, token)
 // to finish (atomic ticket, reset by that block for the next launch or graph
@@ -25,6 +25,7 @@ __device__ __forceinline__ void attention_split_body(
         float* __restrict__ out, unsigned int* counters, int layer, int n_layers, int n_heads, int n_kv,
         float softmax_scale) {
     constexpr int D = PER_LANE * 32;
+    constexpr int KEYS_PER_ITER = PER_LANE <= 4 ? 4 : 2;   // keys whose loads are in flight together
     __shared__ float merge_acc[ATTN_WARPS][ATTN_MAX_GROUP_D];
     __shared__ float merge_max[ATTN_WARPS][ATTN_MAX_GROUP], merge_sum[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ bool is_last_split;
@@ -32,8 +33,8 @@ __device__ __forceinline__ void attention_split_body(
     const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_heads / n_kv;
-    // at least 32 keys per split: short contexts use few splits, the rest exit at once
-    const int n_keys = pos[t] + 1, per_split = max((n_keys + splits - 1) / splits, 32);
+    // at least 16 keys per split: short contexts use few splits, the rest exit at once
+    const int n_keys = pos[t] + 1, per_split = max((n_keys + splits - 1) / splits, 16);
     const int begin = split * per_split, end = min(begin + per_split, n_keys);
     const long long stride_pos = (long long)n_layers * 2 * n_kv * D;
     const float* kbase = kvpool + kvbase[t] + (long long)layer * 2 * n_kv * D + (long long)head_kv * D;
@@ -52,10 +53,10 @@ __device__ __forceinline__ void attention_split_body(
         }
     }
 
-    for (int p0 = begin + warp; p0 < end; p0 += 2 * ATTN_WARPS) {
-        float kr[2][PER_LANE], vr[2][PER_LANE];
+    for (int p0 = begin + warp; p0 < end; p0 += KEYS_PER_ITER * ATTN_WARPS) {
+        float kr[KEYS_PER_ITER][PER_LANE], vr[KEYS_PER_ITER][PER_LANE];
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
+        for (int u = 0; u < KEYS_PER_ITER; u++) {
             int p = min(p0 + u * ATTN_WARPS, end - 1);   // a duplicate key is loaded, then skipped
 #pragma unroll
             for (int c = 0; c < PER_LANE; c++) {
@@ -64,7 +65,7 @@ __device__ __forceinline__ void attention_split_body(
             }
         }
 #pragma unroll
-        for (int u = 0; u < 2; u++) {
+        for (int u = 0; u < KEYS_PER_ITER; u++) {
             if (u > 0 && p0 + u * ATTN_WARPS >= end) break;
 #pragma unroll
             for (int g = 0; g < ATTN_MAX_GROUP; g++) {
