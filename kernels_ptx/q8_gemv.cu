@@ -139,14 +139,15 @@ __device__ __forceinline__ void q8_gemv_body(
     __syncthreads();
     if (!is_last_block) return;
     __threadfence();
-    // the whole block per token, float4 loads from L2 (not a possibly stale L1), 4 in flight
+    // the whole block per token, loads from L2 (not a possibly stale L1), 4 in flight per thread
+    // (scalar: y rows need not be 16-byte aligned)
     for (int m = 0; m < ntok; m++) {
-        const float4* row = (const float4*)(y + (long long)m * ldy);
+        const float* row = y + (long long)m * ldy;
         float sq = 0.f;
 #pragma unroll 4
-        for (int k = threadIdx.x; k < (N >> 2); k += GEMV_THREADS) {
-            float4 v = __ldcg(row + k);
-            sq += v.x * v.x + v.y * v.y + v.z * v.z + v.w * v.w;
+        for (int k = threadIdx.x; k < N; k += GEMV_THREADS) {
+            float v = __ldcg(row + k);
+            sq += v * v;
         }
         sq = warp_sum(sq);
         if (lane == 0) block_sums[warp] = sq;
