@@ -37,13 +37,18 @@ class HostOps:
         elif role == "o":
             x_in = h["attn"][:T]
         else:
-            x_in = silu_mul(h["gate_up"][:T, :c.intermediate_size], h["gate_up"][:T, c.intermediate_size:])
+            x_in = h["act"][:T]
         dense = self.cpu.dense(self._tensor(op))
         if role in ("o", "down"):
             self._host_writes("x")
             h["x"][:T] += x_in @ dense.T
             return
-        out = {"qkv": "qkv", "gate_up": "gate_up", "lm_head": "logits"}[role]
+        if role == "gate_up":                         # gate and up always share a side (equal shapes)
+            gate_up = x_in @ dense.T
+            self._host_writes("act")
+            h["act"][:T] = silu_mul(gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:])
+            return
+        out = {"qkv": "qkv", "lm_head": "logits"}[role]
         if "dev" in self.valid[out] and "host" not in self.valid[out]:   # a split group: GPU part first
             self._to_host([out], T)
             for lo, hi in self._row_runs(op):

@@ -11,8 +11,7 @@ import numpy as np
 
 from ..quant import quantize
 from . import driver
-from .executor import QWeight, gemv_launch
-from .kernels import KernelSet
+from .kernels import KernelSet, QWeight, gemv_launch
 
 
 def _median_us(samples: list[float]) -> float:
@@ -37,7 +36,7 @@ def measure_gpu(repeats: int = 200) -> dict:
     small = 16 << 10
 
     # round trip: what one offloaded op costs beyond its compute (16 KB in, a small kernel, 16 KB out, sync)
-    tiny = gemv_launch(kernels, QWeight(qs, scales, 128, cols), x, cols, 0, 0, 0.0, y, rows, 0, 1)
+    tiny = gemv_launch(kernels, QWeight(qs, scales, 128, cols), x, cols, y, rows, 1)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -61,7 +60,7 @@ def measure_gpu(repeats: int = 200) -> dict:
     d2h = bandwidth(lambda: driver.d2h_async(pinned, big, copy_bytes, stream))
 
     # q8 mat-vec bandwidth, M = 1, timed on the device with events
-    gemv = gemv_launch(kernels, QWeight(qs, scales, rows, cols), x, cols, 0, 0, 0.0, y, rows, 0, 1)
+    gemv = gemv_launch(kernels, QWeight(qs, scales, rows, cols), x, cols, y, rows, 1)
     begin, end = driver.Event(timing=True), driver.Event(timing=True)
     for _ in range(10):
         gemv.enqueue(stream)

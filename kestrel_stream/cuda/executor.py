@@ -46,6 +46,7 @@ class GpuKV:
 
 class GpuExecutor:
     name = "cuda"
+    use_graphs = True     # False: decode steps launch every kernel eagerly (the bench's baseline)
 
     def __init__(self, weights: ModelWeights, max_seq_len: int = 4096, max_batch: int = 8,
                  max_sessions: int | None = None, prefill_chunk: int = 64, attention_splits: int = 16,
@@ -224,7 +225,7 @@ class GpuExecutor:
             rows.extend((kv, int(t), start + i) for i, t in enumerate(tokens))
         V = self.config.vocab_size
         logits = np.empty((len(rows), V), np.float32)
-        if all(len(np.atleast_1d(t)) == 1 for _, t, _ in batch) and len(rows) <= self.max_batch:
+        if self.use_graphs and all(len(np.atleast_1d(t)) == 1 for _, t, _ in batch) and len(rows) <= self.max_batch:
             bucket = next(b for b in self.buckets if b >= len(rows))
             self._stage(rows, bucket)
             if bucket not in self._graphs:

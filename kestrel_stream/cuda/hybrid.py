@@ -4,12 +4,14 @@ The plan says which side runs each op; this executor runs them and moves the
 step's state between the sides only where the plan's segments meet.  State
 tensors (rows = tokens of the step):
 
-    x [T, H] residual   qkv [T, q+2kv]   attn [T, q]   gate_up [T, 2I]   logits [T, V]
+    x [T, H] residual   qkv [T, q+2kv]   attn [T, q]   act [T, I] = silu(gate)·up   logits [T, V]
 
 each with a pinned host copy and a device copy and a record of which copy is
-current.  Norms and SiLU·mul own no state: they are folded into the
-projection that consumes them, on whichever side that runs (the GEMV
-prologue on the GPU, numpy on the host), so moving them never moves data.
+current.  Norms and SiLU·mul own no state of their own: SiLU·mul is the
+epilogue of gate_up on either side, and an RMSNorm is folded into the
+projection that consumes it.  On the GPU that projection reads xn = x·w and
+1/rms per token, which the GEMV that wrote x on the device prepares in its
+epilogue, or the host computes and uploads when x was last written there.
 Entering a host segment downloads everything it reads from the device with
 one sync; entering a GPU segment uploads what it reads, asynchronously. Syncs
 per step therefore equal the plan's GPU segments, never one per projection.
@@ -32,11 +34,17 @@ from ..cpu import CpuExecutor, CpuKV, rope_tables
 from ..hybrid_host import HostOps
 from ..weights import ModelWeights
 from . import driver
-from .executor import ATTENTION_SIGNATURE, ROPE_SIGNATURE, QWeight, gemv_launch
-from .kernels import KernelSet
+from .executor import ROPE_SIGNATURE
+from .kernels import KernelSet, QWeight, attention_launch, gemv_launch
+from .weight_cache import DeviceWeights
 
-READS = {"qkv": ("x",), "rope": ("qkv",), "attention": (), "o": ("attn", "x"), "gate_up": ("x",),
-         "down": ("gate_up", "x"), "lm_head": ("x",)}
+# state each op reads, by side ("xn": x·w and 1/rms of the norm the op consumes, device only)
+HOST_READS = {"qkv": ("x",), "rope": ("qkv",), "o": ("attn", "x"), "gate_up": ("x",), "down": ("act", "x"),
+              "lm_head": ("x",)}
+GPU_READS = {"qkv": ("xn",), "rope": ("qkv",), "o": ("attn", "x"), "gate_up": ("xn",), "down": ("act", "x"),
+             "lm_head": ("xn",)}
+WRITES = {"qkv": "qkv", "attention": "attn", "o": "x", "gate_up": "act", "down": "x", "lm_head": "logits"}
+ATTENTION_SPLITS = 16
 
 
 @dataclass
@@ -46,7 +54,7 @@ class HybridKV:
     capacity: int
 
 
-class HybridExecutor(HostOps):
+class HybridExecutor(HostOps, DeviceWeights):
     name = "cuda"
 
     def __init__(self, weights: ModelWeights, mode: str, profile, max_seq_len: int = 2048,
@@ -66,18 +74,28 @@ class HybridExecutor(HostOps):
                       "weight_uploads": 0, "weight_upload_bytes": 0}
         T = self.max_tokens
         widths = {"x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size, "attn": c.q_size,
-                  "gate_up": 2 * c.intermediate_size, "logits": c.vocab_size}
+                  "act": c.intermediate_size, "logits": c.vocab_size}
+        partial_floats = T * c.num_attention_heads * ATTENTION_SPLITS * (c.head_dim + 2)
         self.kv_bytes_per_position = max(self.gpu_layers, 1) * 2 * c.kv_size * 4
         sessions = max_sessions or 2 * max_batch
-        capacity = (weights.quantized_bytes() + 4 * T * (sum(widths.values()) + c.q_size) + 16 * T
+        capacity = (weights.quantized_bytes() + 4 * T * (sum(widths.values()) + c.q_size + c.hidden_size + 1)
+                    + 4 * partial_floats + 20 * T + 256
                     + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1))
                     + (sessions * max_seq_len * self.kv_bytes_per_position if self.gpu_layers else 0)
                     + driver.Arena.ALIGN * (16 * c.num_hidden_layers + 64))
         self.arena = driver.Arena(capacity)
         self.dev = {name: self.arena.array((T, w), np.float32) for name, w in widths.items()}
         self.q_dev = self.arena.array((T, c.q_size), np.float32)
-        self.pinned = {name: driver.PinnedBuffer(T * w * 4) for name, w in widths.items()}
+        self.xn_dev = self.arena.array((T, c.hidden_size), np.float32)       # x · the next norm's weight
+        self.inv_rms_dev = self.arena.array((T,), np.float32)               # that norm's 1/rms per token
+        self.partials = self.arena.array((partial_floats,), np.float32)
+        self.counters = self.arena.array((64 + T * c.num_key_value_heads,), np.uint32)   # last-block tickets
+        driver.h2d_sync(self.counters.ptr, np.zeros(64 + T * c.num_key_value_heads, np.uint32))
+        widths_pinned = dict(widths, xn=c.hidden_size + 1)                  # host-made xn rows, then 1/rms
+        self.pinned = {name: driver.PinnedBuffer(T * w * 4) for name, w in widths_pinned.items()}
         self.host = {name: self.pinned[name].view(np.float32, (T, w)) for name, w in widths.items()}
+        self.host_xn = self.pinned["xn"].view(np.float32, (T, c.hidden_size))
+        self.host_inv_rms = self.pinned["xn"].view(np.float32, (T,), 4 * T * c.hidden_size)
         self.widths = widths
         self.params = self.arena.array((T * 16,), np.uint8)
         self.staging = driver.PinnedBuffer(T * 16)
@@ -91,39 +109,13 @@ class HybridExecutor(HostOps):
                                                                .astype(np.float32) / c.head_dim))).astype(np.float32))
         self.preload()
 
-    # ---- weights: a device cache filled on first use -------------------------------------------
-    def _vector(self, v: np.ndarray | None) -> int:
-        if v is None:
-            return 0
-        if id(v) not in self._vectors:
-            ptr = self.arena.alloc(v.nbytes)
-            driver.h2d_sync(ptr, np.asarray(v, np.float32))
-            self._vectors[id(v)] = ptr
-        return self._vectors[id(v)]
-
-    def _qweight(self, w, stages: dict) -> QWeight:
-        start = time.perf_counter()
-        cached = self._qweights.get(id(w))
-        stages["cache_probe"] = stages.get("cache_probe", 0.0) + (time.perf_counter() - start) * 1e6
-        if cached is None:
-            start = time.perf_counter()
-            qs, sc = self.arena.alloc(w.qs.nbytes), self.arena.alloc(w.scales.nbytes)
-            driver.h2d_sync(qs, w.qs)
-            driver.h2d_sync(sc, w.scales)
-            cached = self._qweights[id(w)] = QWeight(qs, sc, w.shape[0], w.shape[1])
-            self.stats["weight_uploads"] += 1
-            self.stats["weight_upload_bytes"] += w.nbytes
-            stages["upload"] = stages.get("upload", 0.0) + (time.perf_counter() - start) * 1e6
-            stages["uploads"] = stages.get("uploads", 0) + 1
-        return cached
-
     def preload(self) -> None:
         """Warm every weight the decode plan runs on the GPU, and say how much stayed resident."""
         start = time.perf_counter()
         plan = self.plan(1)
         wanted = [op for seg in plan.segments if seg.side == "gpu" for op in seg.ops if op.group]
         for op in wanted:
-            self._qweight(self._tensor(op), {})
+            self._qweight(self._tensor(op), {}, op.group == "gate_up")
         for op in (op for seg in plan.segments if seg.side == "gpu" for op in seg.ops):
             if op.layer is not None:
                 self._layer_vectors(op.layer)
@@ -133,33 +125,6 @@ class HybridExecutor(HostOps):
                              f"{len(self._qweights)} entries ({self.mode}: {plan.syncs_per_step} GPU segments "
                              f"over {total} ops)")
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
-
-    def _layer_vectors(self, li: int) -> dict:
-        lw = self.weights.layers[li]
-        return {name: self._vector(getattr(lw, name)) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm")}
-
-    def _tensor(self, op):
-        """The fused QTensor behind a projection op."""
-        if op.group == "lm_head":
-            return self.weights.lm_head
-        lw = self.weights.layers[op.layer]
-        return {"qkv": lw.wqkv, "o": lw.wo, "gate_up": lw.w_gate_up, "down": lw.w_down}[op.group]
-
-    def _row_runs(self, op) -> list[tuple[int, int]]:
-        """Contiguous row ranges of the fused weight that this (possibly split) op owns."""
-        c = self.config
-        starts = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
-                  "v_proj": (c.q_size + c.kv_size, c.kv_size), "gate_proj": (0, c.intermediate_size),
-                  "up_proj": (c.intermediate_size, c.intermediate_size)}
-        runs = []
-        for w in op.weights:
-            part = w.name.rsplit(".", 2)[-2]
-            lo, n = starts.get(part, (0, w.shape[0]))
-            if runs and runs[-1][1] == lo:
-                runs[-1] = (runs[-1][0], lo + n)
-            else:
-                runs.append((lo, lo + n))
-        return runs
 
     # ---- plans ----------------------------------------------------------------------------------
     def plan(self, tokens: int) -> scheduler.Plan:
@@ -221,13 +186,33 @@ class HybridExecutor(HostOps):
             self.valid[name].add("dev")
             self._uploads_in_flight.add(name)
 
-    def _host_writes(self, name: str) -> None:
-        """The host is about to overwrite `name`: wait for an async upload still reading it."""
+    def _xn_to_device(self, norm: np.ndarray, tokens: int) -> None:
+        """Make the device's xn / 1/rms those of `norm` over x, computing them on the host if x was written there."""
+        if self.xn_norm is norm:
+            return
+        self._to_host(["x"], tokens)
+        self._wait_upload("xn")
+        x = self.host["x"][:tokens]
+        self.host_xn[:tokens] = x * norm
+        self.host_inv_rms[:tokens] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(self.config.rms_norm_eps))
+        driver.h2d_async(self.xn_dev.ptr, self.host_xn, tokens * self.config.hidden_size * 4, self.stream)
+        driver.h2d_async(self.inv_rms_dev.ptr, self.host_inv_rms, tokens * 4, self.stream)
+        self.stats["h2d_bytes"] += tokens * (self.config.hidden_size + 1) * 4
+        self._uploads_in_flight.add("xn")
+        self.xn_norm = norm
+
+    def _wait_upload(self, name: str) -> None:
+        """Before the host overwrites `name`'s pinned copy: wait for an async upload still reading it."""
         if name in self._uploads_in_flight:
             self.stream.synchronize()
             self.stats["syncs"] += 1
             self._uploads_in_flight.clear()
+
+    def _host_writes(self, name: str) -> None:
+        self._wait_upload(name)
         self.valid[name] = {"host"}
+        if name == "x":
+            self.xn_norm = None
 
     def _finish_call(self) -> None:
         call, self._call = self._call, None
@@ -254,6 +239,7 @@ class HybridExecutor(HostOps):
         T = len(rows)
         plan = self.plan(T)
         self.valid = {name: set() for name in self.widths}
+        self.xn_norm = None
         self._uploads_in_flight: set = set()
         self._call = None
         self.ids = np.array([t for _, t, _ in rows], np.int64)
@@ -274,7 +260,7 @@ class HybridExecutor(HostOps):
             self.stats["h2d_bytes"] += self.staging.nbytes
         for segment in plan.segments:
             if segment.side == "cpu":
-                reads = {name for op in segment.ops for name in READS.get(self._role(op), ())}
+                reads = {name for op in segment.ops for name in HOST_READS.get(self._role(op), ())}
                 self._to_host(sorted(reads), T)
                 for op in segment.ops:
                     self._host_op(op, T)
@@ -294,13 +280,30 @@ class HybridExecutor(HostOps):
         return op.group or op.kind
 
     # ---- the GPU side -------------------------------------------------------------------------------
+    def _consumed_norm(self, op) -> np.ndarray:
+        """The RMSNorm weight folded into a projection that reads normalized x."""
+        if op.group == "lm_head":
+            return self.weights.final_norm
+        lw = self.weights.layers[op.layer]
+        return lw.attn_norm if op.group == "qkv" else lw.mlp_norm
+
+    def _next_norm(self, op) -> np.ndarray:
+        """The norm applied to x after o / down writes it: their epilogue prepares its xn and 1/rms."""
+        layers = self.weights.layers
+        if op.group == "o":
+            return layers[op.layer].mlp_norm
+        return layers[op.layer + 1].attn_norm if op.layer + 1 < len(layers) else self.weights.final_norm
+
     def _gpu_op(self, op, T: int) -> None:
         role = self._role(op)
         if role in ("norm", "elementwise"):
             return
         start = time.perf_counter()
-        for name in READS.get(role, ()):
-            self._to_device(name, T)
+        for name in GPU_READS.get(role, ()):
+            if name == "xn":
+                self._xn_to_device(self._consumed_norm(op), T)
+            else:
+                self._to_device(name, T)
         self._call["h2d"] = self._call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
         launches = self._launches.get((op.name, T))
         if launches is None:
@@ -310,10 +313,10 @@ class HybridExecutor(HostOps):
             launch.enqueue(self.stream)
         self._call["gemm"] = self._call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
         self.stats["launches"] += len(launches)
-        written = {"qkv": "qkv", "rope": None, "attention": "attn", "o": "x", "gate_up": "gate_up",
-                   "down": "x", "lm_head": "logits"}[role]
-        if written:
-            self.valid[written] = {"dev"}
+        if role in WRITES:
+            self.valid[WRITES[role]] = {"dev"}
+        if role in ("o", "down"):
+            self.xn_norm = self._next_norm(op)
 
     def _build_launches(self, op, role: str, T: int, stages: dict) -> list:
         c, k, eps, d = self.config, self.kernels, self.config.rms_norm_eps, self.dev
@@ -326,27 +329,25 @@ class HybridExecutor(HostOps):
                                  [d["qkv"].ptr, self.q_dev.ptr, self.arena.base, kvbase, pos, vec["q_norm"],
                                   vec["k_norm"], self.inv_freq, eps, li, self.gpu_layers,
                                   c.num_attention_heads, c.num_key_value_heads, c.head_dim])]
-            return [k.launch(f"attention_gqa_d{c.head_dim}", (c.num_key_value_heads, T), (128,),
-                             ATTENTION_SIGNATURE,
-                             [self.q_dev.ptr, self.arena.base, kvbase, pos, d["attn"].ptr, li, self.gpu_layers,
-                              c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                              1.0 / np.sqrt(c.head_dim)])]
-        w = self._qweight(self._tensor(op), stages)
+            return [attention_launch(k, self.q_dev.ptr, self.arena.base, kvbase, pos, d["attn"].ptr,
+                                     self.partials.ptr, self.counters.ptr + 4 * 64, T, li, self.gpu_layers,
+                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, ATTENTION_SPLITS)]
+        w = self._qweight(self._tensor(op), stages, role == "gate_up")
         H, I = c.hidden_size, c.intermediate_size
-        if role == "o":
-            return [gemv_launch(k, w, d["attn"].ptr, c.q_size, 0, 0, eps, d["x"].ptr, H, d["x"].ptr, T)]
-        if role == "down":
-            return [gemv_launch(k, w, d["gate_up"].ptr, 2 * I, 2, 0, eps, d["x"].ptr, H, d["x"].ptr, T)]
-        if role == "lm_head":
-            normw, out = self._vector(self.weights.final_norm), "logits"
-        else:
-            normw = self._layer_vectors(op.layer)["attn_norm" if role == "qkv" else "mlp_norm"]
-            out = role
+        if role in ("o", "down"):
+            x_in, width = (d["attn"].ptr, c.q_size) if role == "o" else (d["act"].ptr, I)
+            return [gemv_launch(k, w, x_in, width, d["x"].ptr, H, T, res=d["x"].ptr,
+                                normw_out=self._vector(self._next_norm(op)), xn_out=self.xn_dev.ptr,
+                                inv_rms_out=self.inv_rms_dev.ptr, counter=self.counters.ptr, eps=eps)]
+        if role == "gate_up":
+            return [gemv_launch(k, w, self.xn_dev.ptr, H, d["act"].ptr, I, T, silu_pairs=True,
+                                inv_rms_in=self.inv_rms_dev.ptr)]
+        out = "logits" if role == "lm_head" else "qkv"
         launches = []
-        for lo, hi in self._row_runs(op):
+        for lo, hi in self._row_runs(op):       # a split qkv runs its GPU rows in place
             part = QWeight(w.qs + lo * w.cols, w.scales + 2 * lo * (w.cols // 32), hi - lo, w.cols)
-            launches.append(gemv_launch(k, part, d["x"].ptr, H, 1, normw, eps, d[out].ptr + 4 * lo,
-                                        self.widths[out], 0, T))
+            launches.append(gemv_launch(k, part, self.xn_dev.ptr, H, d[out].ptr + 4 * lo, self.widths[out], T,
+                                        inv_rms_in=self.inv_rms_dev.ptr))
         return launches
 
     def close(self) -> None:
