@@ -37,16 +37,17 @@ def measure(engine: Engine, prompt_len: int = 32, new_tokens: int = 64, repeats:
 
 def environment() -> dict:
     """Date, machine and commit for a result file."""
+    import os
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=5).stdout.strip() or "unknown"
+                                timeout=5).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        commit = "unknown"
+        commit = ""
+    # a copy of the tree without .git (the GPU machine) says which commit it is through KESTREL_COMMIT
+    commit = commit or os.environ.get("KESTREL_COMMIT") or "unknown"
     try:
-        import os
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
-        import os
         cores = os.cpu_count()
     return {
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

@@ -162,7 +162,7 @@ class HybridExecutor(HostOps, DeviceWeights):
     # ---- moving state between the sides ---------------------------------------------------------
     def _to_host(self, names, tokens: int) -> None:
         """Download every named state the host reads that only the device has; one sync."""
-        pending = [n for n in names if "host" not in self.valid[n]]
+        pending = [n for n in names if self.valid[n] == {"dev"}]   # state not yet made this step is skipped
         if not pending:
             return
         start = time.perf_counter()
