@@ -45,12 +45,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--vram-budget", default=None, help="e.g. 2GiB, 1500MB, 0.5 (fraction of free VRAM)")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
+    p.add_argument("--prof", action="store_true",
+                   help="print the per-stage profile table of offloaded calls at exit (as KESTREL_PROF=1)")
     p.add_argument("--trace", default=None, metavar="FILE",
                    help="record a Chrome trace (.json or .json.gz; view with `timeline` or Perfetto)")
 
 
 def load_engine(args):
     import kestrel_stream as ks
+    if getattr(args, "prof", False):
+        from . import prof
+        prof.enable()
     if getattr(args, "trace", None):
         from . import trace
         trace.start(args.trace, command=args.command)

@@ -33,8 +33,13 @@ def enable() -> None:
     global enabled, _registered
     enabled = True
     if not _registered:
-        atexit.register(lambda: print(report(), file=sys.stderr))
+        atexit.register(_print_at_exit)
         _registered = True
+
+
+def _print_at_exit() -> None:
+    sys.stdout.flush()          # keep the table after the command's own output
+    print(report(), file=sys.stderr)
 
 
 def record_call(stage_us: dict[str, float], uploads: int = 0) -> None:

@@ -23,6 +23,7 @@ the consuming GEMV multiplies its dot products by that scale.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..quant import QTensor
 from ..weights import ModelWeights
+from .. import prof
 from . import driver
 from .kernels import KernelSet, Launch, QWeight, attention_launch, gemv_launch
 
@@ -104,6 +106,7 @@ class GpuExecutor:
         self._launches: dict[int, list[Launch]] = {}
         self._graphs: dict[int, driver.Graph] = {}
         self._graph_kernels: dict[int, int] = {}
+        self._prof_events = (driver.Event(timing=True), driver.Event(timing=True)) if prof.enabled else ()
         self.buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
 
         if verify is None:
@@ -234,11 +237,21 @@ class GpuExecutor:
                 self._graphs[bucket] = captured.graph
                 self._graph_kernels[bucket] = kernel_count
                 self.stats["graphs_captured"] += 1
+            started = time.perf_counter()
+            if prof.enabled:
+                self._prof_events[0].record(self.stream)
             self._graphs[bucket].launch(self.stream)
+            if prof.enabled:
+                self._prof_events[1].record(self.stream)
             self.stream.synchronize()
+            waited = time.perf_counter()
             self._count(launches=1, kernels=self._graph_kernels[bucket], d2h=bucket * V * 4)
             self.stats["graph_replays"] += 1
             logits[:] = self.host_logits_view[:len(rows)]
+            if prof.enabled:   # one offloaded call per step: the replay's GPU time, the rest of the wait, the copy out
+                gpu_us = self._prof_events[1].elapsed_ms(self._prof_events[0]) * 1e3
+                prof.record_call({"gemm": gpu_us, "d2h+sync": max((waited - started) * 1e6 - gpu_us, 0.0),
+                                  "reduce": (time.perf_counter() - waited) * 1e6})
         else:
             for lo in range(0, len(rows), self.max_tokens):
                 chunk = rows[lo:lo + self.max_tokens]
