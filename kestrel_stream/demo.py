@@ -93,8 +93,9 @@ def run_demo(args) -> int:
     for name in sorted(results):
         print(f"session {name}: 12 greedy tokens, decode steps asking only for the token: {results[name]}")
     print(f"server-side generate [5, 6, 7] → {generated}")
-    interesting = {k: stats[k] for k in ("device", "mode", "steps", "batched_steps", "max_batch_seen",
-                                         "sessions_open", "syncs_per_step") if k in stats}
+    interesting = {k: stats[k] for k in ("device", "mode", "requests", "decode_steps", "batches", "mean_batch",
+                                         "generated_tokens", "errors") if k in stats}
+    interesting["executor steps"] = stats.get("counters", {}).get("steps")
     print(f"daemon stats: {interesting}")
     print(f"daemon stopped with SIGTERM (exit code {code}); its log: {log_path}")
     html, summary = timeline.run(written or str(trace_path), str(html_path), None)
