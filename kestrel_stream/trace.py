@@ -157,6 +157,12 @@ class Recorder:
                             "args": {k: float(v) for k, v in values.items()}})
 
     # -- device side --------------------------------------------------------
+    def gpu_counter(self, name: str, values: dict, at_ms: float, device: int = 0) -> None:
+        """A counter sample on device ``device``'s track at a GPU time (ms since its reference event)."""
+        self.events.append({"ph": "C", "name": name, "pid": self.device_pid(device),
+                            "ts": self._reference_us[device] + at_ms * 1000.0,
+                            "args": {k: float(v) for k, v in values.items()}})
+
     def device_pid(self, device: int, label: str | None = None) -> int:
         pid = DEVICE_PID_BASE + device
         if (pid, None) not in self._rows:

@@ -4,15 +4,30 @@ A few small classes over ``cuda.bindings.driver`` (tinygrad's shape: allocator,
 copies, streams/events, graphs), each driver call through ``check()``, which
 raises ``CudaError`` naming the failing call and the driver's error name.
 Importing this module never touches the driver; ``detect()`` probes it once.
+
+Tracing lives here too, so every executor is traced without code of its own:
+while ``trace.active`` is set, async copies, kernel launches (kernels.Launch)
+and graph replays are bracketed by two timing events from a pool and reported
+to the recorder on their stream's row (``Stream.name``); event records, stream
+waits and host syncs are reported as they happen.  GPU times are read lazily,
+after the next host sync, against one reference event per trace (device_trace.py);
+tracing adds no sync of its own.  Work enqueued while a stream is being
+captured into a graph is not timed (an event record there would become a graph
+edge): the graph's replays are, one span each.  While tracing is off, each
+hook costs one attribute check.
 """
 from __future__ import annotations
 
 import ctypes
+import itertools
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 from cuda.bindings import driver as cu
+
+from .. import trace
+from .device_trace import resolve_gpu_times, timed
 
 
 class CudaError(RuntimeError):
@@ -103,31 +118,76 @@ class Device:
 
 
 class Event:
-    def __init__(self, timing: bool = False):
+    """`name` labels its record/wait instants in a trace ("weights 3 ready", ...)."""
+
+    def __init__(self, timing: bool = False, name: str = "event"):
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check(cu.cuEventCreate(flags), "cuEventCreate")
+        self.name = name
 
     def record(self, stream: "Stream") -> None:
         check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+        rec = trace.active
+        if rec is not None and not stream.capturing:
+            rec.event_record(stream.name, self.name)
 
     def synchronize(self) -> None:
-        check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize")
+        rec = trace.active
+        if rec is None:
+            check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize")
+            return
+        with rec.sync(f"event {self.name}"):
+            check(cu.cuEventSynchronize(self.handle), "cuEventSynchronize")
+        resolve_gpu_times(rec)
+
+    def query(self) -> bool:
+        """True once the GPU has passed the event's last record (cuEventQuery; never waits)."""
+        (err,) = cu.cuEventQuery(self.handle)
+        if err == cu.CUresult.CUDA_ERROR_NOT_READY:
+            return False
+        check((err,), "cuEventQuery")
+        return True
+
+    def mark(self, stream: "Stream") -> None:
+        """Record without a trace report (tracing's own timing events)."""
+        check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
 
     def elapsed_ms(self, since: "Event") -> float:
         return float(check(cu.cuEventElapsedTime(since.handle, self.handle), "cuEventElapsedTime"))
 
+    def destroy(self) -> None:
+        check(cu.cuEventDestroy(self.handle), "cuEventDestroy")
+
+
+_stream_numbers = itertools.count(1)
+
 
 class Stream:
-    """A non-blocking stream (no implicit ordering with the legacy default stream)."""
+    """A non-blocking stream (no implicit ordering with the legacy default stream).
 
-    def __init__(self):
+    `name` is its row in a trace ("compute", "copy h2d", ...); `capturing` is
+    set while `capture()` records it into a graph.
+    """
+
+    def __init__(self, name: str | None = None):
         self.handle = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self.name = name or f"stream {next(_stream_numbers)}"
+        self.capturing = False
 
     def synchronize(self) -> None:
-        check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+        rec = trace.active
+        if rec is None:
+            check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+            return
+        with rec.sync(self.name):
+            check(cu.cuStreamSynchronize(self.handle), "cuStreamSynchronize")
+        resolve_gpu_times(rec)
 
     def wait(self, event: Event) -> None:
         check(cu.cuStreamWaitEvent(self.handle, event.handle, 0), "cuStreamWaitEvent")
+        rec = trace.active
+        if rec is not None and not self.capturing:
+            rec.stream_wait(self.name, event.name)
 
 
 class PinnedBuffer:
@@ -226,14 +286,25 @@ class Arena:
             self.base = 0
 
 
-def h2d_async(dst_ptr: int, src: np.ndarray | PinnedBuffer, nbytes: int, stream: Stream) -> None:
+def h2d_async(dst_ptr: int, src: np.ndarray | PinnedBuffer, nbytes: int, stream: Stream, **labels) -> None:
+    """`labels` (op, layer, ...) go into the copy's trace args."""
     address = src.address if isinstance(src, PinnedBuffer) else src.ctypes.data
-    check(cu.cuMemcpyHtoDAsync(dst_ptr, address, nbytes, stream.handle), "cuMemcpyHtoDAsync")
+    rec = trace.active
+    if rec is None or stream.capturing:
+        check(cu.cuMemcpyHtoDAsync(dst_ptr, address, nbytes, stream.handle), "cuMemcpyHtoDAsync")
+        return
+    timed(rec, stream, lambda: check(cu.cuMemcpyHtoDAsync(dst_ptr, address, nbytes, stream.handle),
+                                     "cuMemcpyHtoDAsync"), "h2d", direction="h2d", nbytes=nbytes, **labels)
 
 
-def d2h_async(dst: np.ndarray | PinnedBuffer, src_ptr: int, nbytes: int, stream: Stream) -> None:
+def d2h_async(dst: np.ndarray | PinnedBuffer, src_ptr: int, nbytes: int, stream: Stream, **labels) -> None:
     address = dst.address if isinstance(dst, PinnedBuffer) else dst.ctypes.data
-    check(cu.cuMemcpyDtoHAsync(address, src_ptr, nbytes, stream.handle), "cuMemcpyDtoHAsync")
+    rec = trace.active
+    if rec is None or stream.capturing:
+        check(cu.cuMemcpyDtoHAsync(address, src_ptr, nbytes, stream.handle), "cuMemcpyDtoHAsync")
+        return
+    timed(rec, stream, lambda: check(cu.cuMemcpyDtoHAsync(address, src_ptr, nbytes, stream.handle),
+                                     "cuMemcpyDtoHAsync"), "d2h", direction="d2h", nbytes=nbytes, **labels)
 
 
 def h2d_sync(dst_ptr: int, src: np.ndarray) -> None:
@@ -247,14 +318,23 @@ def memset_async(ptr: int, nbytes: int, stream: Stream) -> None:
 
 
 class Graph:
-    """A captured stream's work, instantiated once and replayed with one launch."""
+    """A captured stream's work, instantiated once and replayed with one launch.
 
-    def __init__(self, graph):
+    A traced replay is one GPU slice, `name`, with `labels` as its args.
+    """
+
+    def __init__(self, graph, name: str = "graph replay", **labels):
         self.graph = graph
         self.exec = check(cu.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+        self.name, self.labels = name, dict(labels, graph=True)
 
     def launch(self, stream: Stream) -> None:
-        check(cu.cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
+        rec = trace.active
+        if rec is None or stream.capturing:
+            check(cu.cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
+            return
+        timed(rec, stream, lambda: check(cu.cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch"),
+              self.name, **self.labels)
 
     def destroy(self) -> None:
         check(cu.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
@@ -266,10 +346,14 @@ def capture(stream: Stream):
     """Record everything enqueued on `stream` inside the block; yields a holder whose .graph is set after."""
     holder = type("Captured", (), {"graph": None})()
     mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
-    check(cu.cuStreamBeginCapture(stream.handle, mode), "cuStreamBeginCapture")
-    try:
-        yield holder
-    except BaseException:
-        cu.cuStreamEndCapture(stream.handle)   # leave the stream usable; the original error wins
-        raise
-    holder.graph = Graph(check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture"))
+    with trace.span("graph capture", stream=stream.name):
+        check(cu.cuStreamBeginCapture(stream.handle, mode), "cuStreamBeginCapture")
+        stream.capturing = True
+        try:
+            yield holder
+        except BaseException:
+            cu.cuStreamEndCapture(stream.handle)   # leave the stream usable; the original error wins
+            raise
+        finally:
+            stream.capturing = False
+        holder.graph = Graph(check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture"))

@@ -36,6 +36,7 @@ from . import driver
 from .kernels import KernelSet, Launch, QWeight, attention_launch, gemv_launch
 
 ROPE_SIGNATURE = "ppppppppfiiiii"
+LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
 
 
 @dataclass
@@ -63,7 +64,7 @@ class GpuExecutor:
         self.attention_splits = attention_splits
         self.device = driver.Device(0)
         self.kernels = KernelSet(self.device)
-        self.stream = driver.Stream()
+        self.stream = driver.Stream("compute")
         self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "kernels": 0,
                       "h2d_bytes": 0, "d2h_bytes": 0, "graph_replays": 0, "graphs_captured": 0}
 
@@ -198,6 +199,10 @@ class GpuExecutor:
                                    normw_out=norm_after_down[li], xn_out=xn, inv_rms_out=inv_rms,
                                    counter=counter, eps=eps))
         out.append(gemv_launch(k, self.lm_head, xn, H, self.logits.ptr, c.vocab_size, tokens, inv_rms_in=inv_rms))
+        ops = [("embed", None)] + [(op, li) for li in range(L) for op in LAYER_OPS] + [("lm_head", None)]
+        assert len(ops) == len(out), "LAYER_OPS names each launch of a layer"
+        for launch, (op, layer) in zip(out, ops):
+            launch.label(op=op, layer=layer)
         self._launches[tokens] = out
         return out
 

@@ -29,7 +29,7 @@ import numpy as np
 
 import scheduler
 
-from .. import prof
+from .. import prof, trace
 from ..cpu import CpuExecutor, CpuKV, rope_tables
 from ..hybrid_host import HostOps
 from ..weights import ModelWeights
@@ -45,6 +45,12 @@ GPU_READS = {"qkv": ("xn",), "rope": ("qkv",), "o": ("attn", "x"), "gate_up": ("
              "lm_head": ("xn",)}
 WRITES = {"qkv": "qkv", "attention": "attn", "o": "x", "gate_up": "act", "down": "x", "lm_head": "logits"}
 ATTENTION_SPLITS = 16
+
+
+def _op_span(side: str, op):
+    """The host slice of one op of the plan while tracing (the timeline's host ops)."""
+    return trace.span(f"{side} {op.group or op.kind}", op=op.name, layer=-1 if op.layer is None else op.layer,
+                      flops=float(op.flops), bytes=int(op.weight_bytes), segment=side)
 
 
 @dataclass
@@ -68,7 +74,7 @@ class HybridExecutor(HostOps, DeviceWeights):
         self.cpu = CpuExecutor(weights)
         self.device = driver.Device(0)
         self.kernels = KernelSet(self.device)
-        self.stream = driver.Stream()
+        self.stream = driver.Stream("compute")
         self.max_tokens = max(max_batch, prefill_chunk)
         self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0,
                       "weight_uploads": 0, "weight_upload_bytes": 0}
@@ -263,11 +269,19 @@ class HybridExecutor(HostOps, DeviceWeights):
                 reads = {name for op in segment.ops for name in HOST_READS.get(self._role(op), ())}
                 self._to_host(sorted(reads), T)
                 for op in segment.ops:
-                    self._host_op(op, T)
+                    if trace.active is None:
+                        self._host_op(op, T)
+                    else:
+                        with _op_span("cpu", op):
+                            self._host_op(op, T)
             else:
                 self._call = {}
                 for op in segment.ops:
-                    self._gpu_op(op, T)
+                    if trace.active is None:
+                        self._gpu_op(op, T)
+                    else:
+                        with _op_span("gpu", op):
+                            self._gpu_op(op, T)
                 if prof.enabled:      # attribute GPU time to gemm, not to the next sync
                     start = time.perf_counter()
                     self.stream.synchronize()
@@ -308,6 +322,8 @@ class HybridExecutor(HostOps, DeviceWeights):
         launches = self._launches.get((op.name, T))
         if launches is None:
             launches = self._launches[(op.name, T)] = self._build_launches(op, role, T, self._call)
+            for launch in launches:
+                launch.label(op=op.name, layer=op.layer, segment="gpu")
         start = time.perf_counter()
         for launch in launches:
             launch.enqueue(self.stream)

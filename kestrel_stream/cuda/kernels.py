@@ -4,6 +4,10 @@ A `Launch` owns a numpy uint64 storage array (one 8-byte slot per argument) and
 a `void*[]` array pointing into it; cuLaunchKernel gets the integer address of
 the pointer array, so a launch packs nothing per call (cuda-bindings' tuple form
 costs a packing pass every time).  Arguments are mutated in place with `set`.
+
+While tracing, each enqueue is a launch on its stream's row, timed by the
+device layer (driver.py), with the launch's `labels` (op, layer, flops, bytes,
+set by the builders and the executors) as its args.
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from cuda.bindings import driver as cu
 
 from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 
+from .. import trace
+from .device_trace import timed
 from .driver import Device, Stream, check
 
 _modules: dict[tuple[str, str], object] = {}
@@ -70,8 +76,14 @@ class Launch:
         self.storage = np.zeros(max(len(args), 1), np.uint64)
         self.pointers = np.array([self.storage.ctypes.data + 8 * i for i in range(len(args))] or [0], np.uint64)
         self.params_address = self.pointers.ctypes.data
+        self.labels: dict = {}          # trace args: op, layer, flops, bytes (see `label`)
         for i, value in enumerate(args):
             self.set(i, value)
+
+    def label(self, **labels) -> "Launch":
+        """Name what this launch computes for traces (op="qkv", layer=3, flops=..., bytes=...); None is left out."""
+        self.labels.update((k, v) for k, v in labels.items() if v is not None)
+        return self
 
     def set(self, index: int, value) -> None:
         kind = self.signature[index]
@@ -80,6 +92,14 @@ class Launch:
         slot.view(_WRITERS[kind])[0] = _WRITERS[kind](value)
 
     def enqueue(self, stream: Stream) -> None:
+        rec = trace.active
+        if rec is None or stream.capturing:
+            self.submit(stream)
+        else:
+            timed(rec, stream, lambda: self.submit(stream), self.name, **self.labels)
+
+    def submit(self, stream: Stream) -> None:
+        """cuLaunchKernel on `stream`, untraced."""
         gx, gy, gz = self.grid
         bx, by, bz = self.block
         (err,) = cu.cuLaunchKernel(self.function, gx, gy, gz, bx, by, bz, self.shared_bytes,
@@ -120,13 +140,16 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
             w.rows, w.cols, tokens]
     suffix = "_silu" if silu_pairs else ""
     if tokens > 8:
-        return kernels.launch("q8_matmul" + suffix, (-(-w.rows // 64), -(-tokens // 64)), (256,),
-                              GEMV_SIGNATURE, args)
-    rows = 2
-    if tokens == 1:
-        rows = rows_per_block or M1_ROWS_OVERRIDE or (4 if w.rows >= 6144 else 2)
-    name = f"q8_gemv_m{tokens}" + ("_r4" if rows == 4 else "") + suffix
-    return kernels.launch(name, (-(-w.rows // rows),), (128,), GEMV_SIGNATURE, args)
+        launch = kernels.launch("q8_matmul" + suffix, (-(-w.rows // 64), -(-tokens // 64)), (256,),
+                                GEMV_SIGNATURE, args)
+    else:
+        rows = 2
+        if tokens == 1:
+            rows = rows_per_block or M1_ROWS_OVERRIDE or (4 if w.rows >= 6144 else 2)
+        name = f"q8_gemv_m{tokens}" + ("_r4" if rows == 4 else "") + suffix
+        launch = kernels.launch(name, (-(-w.rows // rows),), (128,), GEMV_SIGNATURE, args)
+    # weight bytes: int8 values + one fp16 scale per 32
+    return launch.label(flops=2 * w.rows * w.cols * tokens, bytes=w.rows * w.cols + w.rows * (w.cols // 32) * 2)
 
 
 def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: int, out: int,
