@@ -30,7 +30,7 @@ from kestrel_stream.presets import random_q8_weights
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 
-def trace_mode(weights, preset: str, mode: str, steps: int, out_dir: Path, vram_budget: int | None,
+def trace_mode(weights, preset: str, mode: str, steps: int, out_dir: Path, vram_budget: str | None,
                tag: str) -> Path:
     engine = Engine(weights, device="cuda", mode=mode, max_seq_len=256, vram_budget=vram_budget)
     try:
@@ -66,8 +66,9 @@ def main() -> None:
     parser.add_argument("--preset", default="qwen3-1.7b")
     parser.add_argument("--modes", default="gated", help="comma-separated engine modes (gated, gpu, layers=N)")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--vram-budget", type=int, default=None,
-                        help="device bytes for the engine; with mode gpu, a small budget streams weights (window)")
+    parser.add_argument("--vram-budget", default=None,
+                        help="the engine's device memory (2GiB, 1500MB, bytes); with mode gpu, a budget too small "
+                             "for the weights streams them through a window")
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--png-only", action="store_true", help="only screenshot every trace-*.html in --out")
     args = parser.parse_args()
