@@ -32,7 +32,9 @@ CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 def trace_mode(weights, preset: str, mode: str, steps: int, out_dir: Path, vram_budget: str | None,
                tag: str) -> Path:
-    engine = Engine(weights, device="cuda", mode=mode, max_seq_len=256, vram_budget=vram_budget)
+    # one session at batch 1: the arena holds two KV caches, so a small budget goes to weights
+    engine = Engine(weights, device="cuda", mode=mode, max_seq_len=256, max_batch=1, max_sessions=1,
+                    vram_budget=vram_budget)
     try:
         session = engine.new_session()
         session.prefill(list(range(1, 17)))
