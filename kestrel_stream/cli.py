@@ -38,11 +38,21 @@ def progress_bar(desc: str):
     return update
 
 
+def vram_budget_arg(text: str):
+    from .budget import parse_vram_budget
+    try:
+        return parse_vram_budget(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or .gguf file")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--mode", default="auto", help="auto|cpu|gated|gpu|layers=N")
-    p.add_argument("--vram-budget", default=None, help="e.g. 2GiB, 1500MB, 0.5 (fraction of free VRAM)")
+    p.add_argument("--vram-budget", default=None, type=vram_budget_arg,
+                   help="device memory for gpu mode (weights + KV caches + activations): e.g. 2GiB, 1500MB, "
+                        "0.5 (fraction of free VRAM); weights that do not fit stream over PCIe")
     p.add_argument("--max-seq-len", type=int, default=None)
     p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
     p.add_argument("--prof", action="store_true",
@@ -92,6 +102,7 @@ def cmd_generate(args) -> int:
         "mode": engine.mode,
         "device": engine.device,
     }
+    report.update(window_report(engine, result.stats))
     if args.json:
         print(json.dumps(report))
     else:
@@ -100,6 +111,22 @@ def cmd_generate(args) -> int:
               f"{report['syncs_per_token']} syncs/token ({engine.device}, mode {engine.mode})")
     engine.close()
     return 0
+
+
+def window_report(engine, stats: dict) -> dict:
+    """The residency window's plan and per-token counters, when gpu mode streams weights."""
+    from .engine import WINDOW_COUNTERS
+    window = getattr(engine.executor, "window_plan", None)
+    if window is None:
+        return {}
+    keep = ("resident_bytes", "streamed_bytes_per_step", "slot_count", "slot_bytes", "prefetch_distance")
+    out = {"window": {key: getattr(window, key) for key in keep} | {
+        "vram_budget_bytes": engine.executor.vram_budget, "weight_budget_bytes": window.budget_bytes,
+        "resident_items": len(window.resident), "streamed_items": len(window.streamed)}}
+    for key in WINDOW_COUNTERS:
+        if f"{key}_per_token" in stats:
+            out[f"{key}_per_token"] = round(stats[f"{key}_per_token"], 3)
+    return out
 
 
 def cmd_bench(args) -> int:

@@ -15,12 +15,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import trace
+from .budget import parse_vram_budget
 from .config import ModelConfig
 from .errors import CapacityError, DeviceError, InvalidTokenError, SessionClosedError
 from .weights import ModelWeights
 
 DEFAULT_MAX_SEQ_LEN = 2048
 MODES = ("auto", "cpu", "gated", "gpu")
+WINDOW_COUNTERS = ("streamed_bytes", "window_hits", "window_misses", "copy_busy_ms", "compute_busy_ms")
 
 
 def gpu_status() -> tuple[bool, str]:
@@ -68,7 +70,11 @@ def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: in
         return CpuExecutor(weights)
     if mode == "gpu":
         from .cuda.executor import GpuExecutor
-        return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions)
+        return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
+                           vram_budget=vram_budget)
+    if vram_budget is not None:
+        print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",
+              file=sys.stderr)
     from .cuda.hybrid import HybridExecutor
     profile = None
     if mode == "gated":                 # the cost model needs this machine's figures: measured once, cached
@@ -105,6 +111,7 @@ class Engine:
         self.device, self.mode = device, mode
         self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, self.config.max_position_embeddings)
         self.max_batch = max_batch
+        vram_budget = parse_vram_budget(vram_budget)       # bytes, or a fraction of free VRAM
         # max_sessions: how many KV caches a GPU executor reserves device memory for (default 2 x max_batch)
         self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, vram_budget)
         self._ids = itertools.count(1)
@@ -121,9 +128,13 @@ class Engine:
         plan = planner(1) if callable(planner) else scheduler.build_plan(
             self.config, 1, self.mode, gpu_available=self.device == "cuda")
         counters = plan.counters()
-        return (f"{plan.mode}: {len(plan.segments)} segment(s), {counters['syncs_per_step']} sync(s) and "
+        line = (f"{plan.mode}: {len(plan.segments)} segment(s), {counters['syncs_per_step']} sync(s) and "
                 f"{counters['launches_per_step']} launches per decode step; GPU weights "
                 f"{counters['gpu_weight_bytes'] / 1e6:.1f} MB, host weights {counters['cpu_weight_bytes'] / 1e6:.1f} MB")
+        window = getattr(self.executor, "window_plan", None)
+        if window is not None:
+            line += "; " + window.describe().splitlines()[0]
+        return line
 
     # -- sessions ---------------------------------------------------------
     def new_session(self, max_seq_len: int | None = None) -> "Session":
@@ -194,6 +205,9 @@ class Engine:
         stats["prefill_syncs"] = mid.get("syncs", 0) - before.get("syncs", 0)
         stats["syncs_per_token"] = stats.get("syncs", 0) / decode_steps if decode_steps else 0.0
         stats["launches_per_token"] = stats.get("launches", 0) / decode_steps if decode_steps else 0.0
+        for key in WINDOW_COUNTERS:       # the residency window's counters (gpu mode under a VRAM budget)
+            if key in stats:
+                stats[f"{key}_per_token"] = stats[key] / decode_steps if decode_steps else 0.0
         return GenerateResult(tokens, t1 - t0, t2 - t1, len(ids), stats)
 
     def close(self) -> None:

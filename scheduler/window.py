@@ -107,15 +107,20 @@ def _choose(items, budget_bytes, slot_bytes, slot_count, always):
 
 
 def plan_window(items, budget_bytes: int, slot_count: int = 2, prefetch_distance: int = 1,
-                small_item_bytes: int = 64 * 1024) -> WindowPlan:
-    """Choose the resident set and ring for `items` (step order) under a weight budget."""
+                small_item_bytes: int = 64 * 1024, pinned: dict | None = None) -> WindowPlan:
+    """Choose the resident set and ring for `items` (step order) under a weight budget.
+
+    pinned: {item name: why} kept resident whatever the budget (an executor's constraint,
+    e.g. the table its embed kernel gathers from); the reason appears in the plan.
+    """
+    pinned = {name: why for name, why in (pinned or {}).items() if any(i.name == name for i in items)}
     if slot_count < 1:
         raise ValueError(f"slot_count={slot_count}: the ring needs at least one slot")
     if not 0 <= prefetch_distance < slot_count:
         raise ValueError(f"prefetch_distance={prefetch_distance} with slot_count={slot_count}: "
                          "a copy may run at most slot_count-1 items ahead, or it would "
                          "overwrite a slot still being read")
-    always = {i.name for i in items if i.nbytes <= small_item_bytes}
+    always = {i.name for i in items if i.nbytes <= small_item_bytes} | set(pinned)
     candidates = sorted({i.nbytes for i in items if i.streamable and i.name not in always})
     best, smallest = None, None
     for slot_bytes in [0] + candidates:  # 0: nothing streams, no ring
@@ -143,7 +148,8 @@ def plan_window(items, budget_bytes: int, slot_count: int = 2, prefetch_distance
     reasons = {}
     for i in items:
         if i.name in resident:
-            reasons[i.name] = ("resident: too small to stream" if i.name in always else
+            reasons[i.name] = (f"resident: {pinned[i.name]}" if i.name in pinned else
+                               "resident: too small to stream" if i.name in always else
                                f"resident: saves {i.saved_bytes_per_step} B/step")
         elif i.streamable:
             reasons[i.name] = f"streamed through the ring: {i.nbytes} B/step"

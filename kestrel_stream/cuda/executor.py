@@ -23,17 +23,19 @@ the consuming GEMV multiplies its dot products by that scale.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..config import ModelConfig
-from ..quant import QTensor
 from ..weights import ModelWeights
 from .. import prof
+from ..budget import arena_needs, parse_vram_budget, plan_arena, resolve_budget
 from . import driver
-from .kernels import KernelSet, Launch, QWeight, attention_launch, gemv_launch
+from .kernels import KernelSet, Launch, attention_launch, gemv_launch
+from .stream_window import WeightWindow
 
 ROPE_SIGNATURE = "ppppppppfiiiii"
 LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
@@ -53,7 +55,8 @@ class GpuExecutor:
 
     def __init__(self, weights: ModelWeights, max_seq_len: int = 4096, max_batch: int = 8,
                  max_sessions: int | None = None, prefill_chunk: int = 64, attention_splits: int = 16,
-                 verify: bool | None = None):
+                 verify: bool | None = None, vram_budget=None, window_slots: int = 2, prefetch_distance: int = 1,
+                 small_item_bytes: int = 64 * 1024):
         c: ModelConfig = weights.config
         if c.head_dim not in (64, 128, 256) or c.gqa_group > 8 or not 1 <= attention_splits <= 32:
             raise ValueError(f"gpu mode needs head_dim in 64/128/256 and <= 8 q heads per kv head; "
@@ -73,12 +76,13 @@ class GpuExecutor:
         self.kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
         sessions = (max_sessions or 2 * max_batch) + 1          # +1: scratch cache for padded slots
         partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
-        activation_floats = (T * (2 * H + qkv_width + 2 * c.q_size + c.intermediate_size + V + 1 +
-                                  c.num_key_value_heads) + partial_floats)
-        norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
-        capacity = (weights.quantized_bytes() + 4 * (activation_floats + norm_floats) + 16 * T
-                    + sessions * max_seq_len * self.kv_bytes_per_position
-                    + driver.Arena.ALIGN * (12 * c.num_hidden_layers + 64))
+        # the arena holds KV caches + activations + weights; under a budget too small for all the
+        # weights, the residency window keeps some resident and streams the rest (stream_window.py)
+        self.needs = arena_needs(c, T, sessions, max_seq_len, attention_splits)
+        self.vram_budget = resolve_budget(parse_vram_budget(vram_budget), self.device.free_bytes(),
+                                          weights.quantized_bytes() + self.needs.total)
+        capacity, self.window_plan = plan_arena(c, self.needs, self.vram_budget, window_slots, prefetch_distance,
+                                                small_item_bytes)
         self.arena = driver.Arena(capacity)
         self._upload_weights()
 
@@ -119,15 +123,12 @@ class GpuExecutor:
 
     # ---- weights -----------------------------------------------------------------------------
     def _upload_weights(self) -> None:
-        uploaded: dict[int, QWeight] = {}
-
-        def qweight(w: QTensor, row_order: np.ndarray | None = None) -> QWeight:
-            if id(w) not in uploaded:   # a tied lm_head is the embedding: upload once
-                qs, sc = self.arena.alloc(w.qs.nbytes), self.arena.alloc(w.scales.nbytes)
-                driver.h2d_sync(qs, w.qs if row_order is None else w.qs[row_order])
-                driver.h2d_sync(sc, w.scales if row_order is None else w.scales[row_order])
-                uploaded[id(w)] = QWeight(qs, sc, w.shape[0], w.shape[1])
-            return uploaded[id(w)]
+        # Q8 weights: the resident ones preloaded into the arena, the rest streamed through the ring
+        self.window = WeightWindow(self.weights, self.arena, self.window_plan, self.stream)
+        self.preload_line, warning = self.window.preload_report(self.vram_budget, self.needs.total)
+        print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
+        if warning:
+            print(f"kestrel-stream: {warning}", file=sys.stderr)
 
         def vector(v: np.ndarray | None) -> int:
             if v is None:
@@ -136,17 +137,14 @@ class GpuExecutor:
             driver.h2d_sync(ptr, np.asarray(v, np.float32))
             return ptr
 
-        c, w = self.config, self.weights
-        gate_up_pairs = np.empty(2 * c.intermediate_size, np.int64)   # rows gate 0, up 0, gate 1, up 1, ...
-        gate_up_pairs[0::2] = np.arange(c.intermediate_size)
-        gate_up_pairs[1::2] = c.intermediate_size + np.arange(c.intermediate_size)
-        self.embed = qweight(w.embed)
-        self.lm_head = qweight(w.lm_head)
+        c, w, q = self.config, self.weights, self.window.qweight   # gate_up rows interleaved (gate j, up j)
+        self.lm_head = q("lm_head")
+        self.embed = self.lm_head if w.tied else q("embed")
         self.final_norm = vector(w.final_norm)
-        self.layers = [dict(attn_norm=vector(l.attn_norm), wqkv=qweight(l.wqkv), wo=qweight(l.wo),
-                            mlp_norm=vector(l.mlp_norm), w_gate_up=qweight(l.w_gate_up, gate_up_pairs),
-                            w_down=qweight(l.w_down), q_norm=vector(l.q_norm), k_norm=vector(l.k_norm))
-                       for l in w.layers]
+        self.layers = [dict(attn_norm=vector(l.attn_norm), wqkv=q(f"L{i}.qkv"), wo=q(f"L{i}.o"),
+                            mlp_norm=vector(l.mlp_norm), w_gate_up=q(f"L{i}.gate_up"),
+                            w_down=q(f"L{i}.down"), q_norm=vector(l.q_norm), k_norm=vector(l.k_norm))
+                       for i, l in enumerate(w.layers)]
         inv_freq = (1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32)
                                             / c.head_dim))).astype(np.float32)   # as cpu.rope_tables
         self.inv_freq = vector(inv_freq)
@@ -210,8 +208,7 @@ class GpuExecutor:
         """Params H2D, every kernel, logits D2H on the compute stream; returns the kernel count."""
         driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
         launches = self._step_launches(tokens)
-        for launch in launches:
-            launch.enqueue(self.stream)
+        self.window.enqueue_step(launches, self.stream)   # streamed weights: copies + slot events
         driver.d2h_async(self.host_logits, self.logits.ptr, tokens * self.config.vocab_size * 4, self.stream)
         return len(launches)
 
@@ -233,7 +230,9 @@ class GpuExecutor:
             rows.extend((kv, int(t), start + i) for i, t in enumerate(tokens))
         V = self.config.vocab_size
         logits = np.empty((len(rows), V), np.float32)
-        if self.use_graphs and all(len(np.atleast_1d(t)) == 1 for _, t, _ in batch) and len(rows) <= self.max_batch:
+        self.window.timing = self.window.wants_timing()     # timed streamed steps run eagerly
+        if (self.use_graphs and not self.window.timing and all(len(np.atleast_1d(t)) == 1 for _, t, _ in batch)
+                and len(rows) <= self.max_batch):
             bucket = next(b for b in self.buckets if b >= len(rows))
             self._stage(rows, bucket)
             if bucket not in self._graphs:
@@ -282,6 +281,7 @@ class GpuExecutor:
         self._graphs.clear()
         self.staging.free()
         self.host_logits.free()
+        self.window.close()
         self.arena.release()
 
     def _count(self, launches: int, kernels: int, d2h: int) -> None:
@@ -290,3 +290,4 @@ class GpuExecutor:
         self.stats["kernels"] += kernels
         self.stats["h2d_bytes"] += self.staging.nbytes
         self.stats["d2h_bytes"] += d2h
+        self.window.account(self.stats)

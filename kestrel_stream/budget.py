@@ -1,0 +1,143 @@
+"""The VRAM budget: parsing `--vram-budget` and splitting it over the `gpu` mode's device arena.
+
+Pure arithmetic, no CUDA: the arena holds the KV caches, the activations and
+workspace of one step, and the weights; the weights get what the rest leaves,
+and when they do not all fit, scheduler.window picks the resident set and the
+streaming ring.  `plan_arena` returns the arena's capacity, never above the
+budget, or raises WindowBudgetError naming every number.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from scheduler.ops import step_ops
+from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_items
+
+ALIGN = 256                      # the arena's sub-allocation alignment (driver.Arena.ALIGN)
+DEFAULT_MARGIN_BYTES = 512 << 20  # left free for the driver, modules and graphs when no budget is given
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_vram_budget(value) -> int | float | None:
+    """`2GiB`, `1500MB`, `123456` (bytes) → int bytes; `0.5` → a fraction (0, 1] of free VRAM; None stays None.
+
+    Already-parsed values pass through, so every entry point may call it.
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    text = str(value).strip()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"--vram-budget {value!r}: expected a size such as 2GiB, 1500MB or 4000000000 "
+                         f"(bytes), or a fraction of free VRAM such as 0.5")
+    number, unit = match.group(1), match.group(2).lower()
+    if not unit and "." in number:
+        fraction = float(number)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"--vram-budget {value!r}: a fraction of free VRAM must be in (0, 1]")
+        return fraction
+    size = int(float(number) * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"--vram-budget {value!r}: the budget must be positive")
+    return size
+
+
+def resolve_budget(budget: int | float | None, free_bytes: int, full_bytes: int) -> int | None:
+    """Bytes for a parsed budget; a fraction applies to the VRAM free now.
+
+    No budget: None (no limit) while everything (`full_bytes`) fits the free VRAM less a
+    margin, else that much, so a model larger than the GPU streams instead of failing.
+    """
+    if isinstance(budget, float):
+        return int(budget * free_bytes)
+    if budget is None and full_bytes > free_bytes - DEFAULT_MARGIN_BYTES:
+        return max(free_bytes - DEFAULT_MARGIN_BYTES, 0)
+    return budget
+
+
+@dataclass(frozen=True)
+class ArenaNeeds:
+    """What the arena holds besides the Q8 weights (as GpuExecutor allocates it)."""
+    kv_bytes: int             # sessions x max_seq_len positions
+    activation_bytes: int     # static step buffers, norm vectors, rope table, params block
+    slack_bytes: int          # per-allocation alignment
+    sessions: int
+    max_seq_len: int
+
+    @property
+    def total(self) -> int:
+        return self.kv_bytes + self.activation_bytes + self.slack_bytes
+
+
+def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_splits: int) -> ArenaNeeds:
+    """KV caches + activations + workspace of GpuExecutor for `max_tokens` tokens per step."""
+    T, H, V = max_tokens, c.hidden_size, c.vocab_size
+    qkv_width = c.q_size + 2 * c.kv_size
+    partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
+    activation_floats = (T * (2 * H + qkv_width + 2 * c.q_size + c.intermediate_size + V + 1 +
+                              c.num_key_value_heads) + partial_floats)
+    norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
+    kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
+    return ArenaNeeds(kv_bytes=sessions * max_seq_len * kv_bytes_per_position,
+                      activation_bytes=4 * (activation_floats + norm_floats) + 16 * T,
+                      slack_bytes=ALIGN * (12 * c.num_hidden_layers + 64),
+                      sessions=sessions, max_seq_len=max_seq_len)
+
+
+def weight_items(config) -> list:
+    """The window items of `gpu` mode: one per Q8 weight a launch reads (norm vectors live with activations)."""
+    ops = [op for op in step_ops(config, 1) if op.is_projection or op.kind == "embed"]
+    return window_items(ops)
+
+
+def image_bytes(rows: int, cols: int) -> int:
+    """Device bytes of one Q8 weight laid out as qs [rows, cols] int8, then scales at the next ALIGN boundary."""
+    qs = rows * cols
+    return -(-qs // ALIGN) * ALIGN + qs // 16
+
+
+def embedding_owner(config) -> str:
+    """The item the embed kernel gathers rows from: it must stay resident in `gpu` mode."""
+    return "lm_head" if config.tie_word_embeddings else "embed"
+
+
+def budget_for_weight_fraction(config, needs: ArenaNeeds, fraction: float, slot_count: int = 2) -> int:
+    """A budget leaving `fraction` of the weight bytes for weights (1.0: all resident), after KV and activations."""
+    items = weight_items(config)
+    return (needs.total + 2 * ALIGN * (len(items) + slot_count)
+            + int(fraction * sum(i.nbytes for i in items)))
+
+
+def plan_arena(config, needs: ArenaNeeds, budget_bytes: int | None, slot_count: int = 2,
+               prefetch_distance: int = 1, small_item_bytes: int = 64 * 1024) -> tuple[int, WindowPlan | None]:
+    """(arena capacity, window plan or None when every weight stays resident) under `budget_bytes`."""
+    items = weight_items(config)
+    all_weights = sum(i.nbytes for i in items)
+    everything = all_weights + needs.total + 2 * ALIGN * len(items)
+    if budget_bytes is None or everything <= budget_bytes:
+        return everything, None
+    # every allocation rounds up by < ALIGN, twice per image (qs, then the total): reserve it first
+    alignment = 2 * ALIGN * (len(items) + slot_count)
+    weight_budget = budget_bytes - needs.total - alignment
+    mib = 2**20
+    head = (f"--vram-budget {budget_bytes} B ({budget_bytes / mib:.1f} MiB) is too small for gpu mode: "
+            f"KV caches {needs.kv_bytes / mib:.1f} MiB ({needs.sessions} sessions x {needs.max_seq_len} "
+            f"positions), activations and workspace {(needs.activation_bytes + needs.slack_bytes + alignment) / mib:.1f}"
+            f" MiB, then weights")
+    if weight_budget <= 0:
+        raise WindowBudgetError(f"{head}: nothing left (weights need {all_weights / mib:.1f} MiB); raise "
+                                f"--vram-budget or lower --max-seq-len / sessions")
+    try:
+        window = plan_window(items, weight_budget, slot_count=slot_count, prefetch_distance=prefetch_distance,
+                             small_item_bytes=small_item_bytes,
+                             pinned={embedding_owner(config): "the embed kernel gathers token rows from it"})
+    except WindowBudgetError as e:
+        raise WindowBudgetError(f"{head} get {weight_budget / mib:.1f} MiB: {e}") from None
+    capacity = (needs.total + window.resident_bytes + 2 * ALIGN * len(window.resident)
+                + window.slot_count * (window.slot_bytes + 2 * ALIGN) * bool(window.streamed))
+    assert capacity <= budget_bytes, (capacity, budget_bytes)
+    return capacity, window
