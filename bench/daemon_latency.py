@@ -1,7 +1,7 @@
 """Daemon cost: client-observed latency per decode step vs in-process, and tok/s with concurrent clients.
 
     python3 -m bench.daemon_latency [--preset tiny | --model PATH] [--device cpu] [--mode auto]
-                                    [--steps 400] [--clients 1,4,16,32] [--tokens 200] [--out DIR] [--label NAME]
+                                    [--steps 1000] [--clients 1,4,16,32] [--tokens 200] [--out DIR] [--label NAME]
     # on the H200:  python3 -m bench.daemon_latency --preset qwen3-1.7b --device cuda --mode gpu --label h200
 
 Rows: one `latency` row per transport payload (`want=logits`: the full
@@ -23,30 +23,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import anyio
-import numpy as np
+# One BLAS thread, as the daemon's tests run it: set before numpy loads (here and in the daemon it starts).
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import kestrel_stream as ks
-from kestrel_stream.benchmark import environment
-from kestrel_stream.presets import ensure_preset
+import anyio  # noqa: E402
+import numpy as np  # noqa: E402
 
-from .report import write_results
+import kestrel_stream as ks  # noqa: E402
+from kestrel_stream.benchmark import environment  # noqa: E402
+from kestrel_stream.presets import ensure_preset  # noqa: E402
+
+from .report import write_results  # noqa: E402
 
 PROMPT = [1, 2, 3, 4]
-
-
-def step_latencies_us(decode, reset, steps: int, room: int) -> list[float]:
-    """µs per decode(step index) call; the session restarts before it fills up (reset + a 4-token prefill, untimed)."""
-    times, used = [], room
-    for i in range(steps):
-        if used >= room:
-            reset()
-            used = len(PROMPT)
-        t0 = time.perf_counter()
-        decode(i)
-        times.append((time.perf_counter() - t0) * 1e6)
-        used += 1
-    return times[steps // 10:]           # drop warm-up (dequant caches, graph capture, first frames)
 
 
 def start_daemon(model, args, socket_path: Path, max_batch: int) -> subprocess.Popen:
@@ -70,32 +59,47 @@ def stop_daemon(proc: subprocess.Popen) -> None:
 
 
 def latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
-    room = args.max_seq_len - 1
-    local = engine.new_session()
-    inproc = step_latencies_us(lambda i: local.decode(i % 200 + 1), lambda: (local.reset(), local.prefill(PROMPT)), args.steps, room)
-    local.close()
-    rows = []
+    """Per-step µs of the same decode in this process and through the daemon, interleaved step by step.
+
+    Interleaving (with a rotating order) puts drift, other load on the host and
+    cache warmth on every kind alike; the first 10% of steps are warm-up and
+    dropped; medians over the rest.  Sessions restart (reset + 4-token prefill,
+    untimed) before they fill up."""
     proc = start_daemon(model, args, socket_path, max_batch=args.max_batch)
+    local = engine.new_session()
     try:
         with ks.Client(str(socket_path)) as client, client.new_session() as remote:
-            restart = lambda: (remote.reset(), remote.prefill(PROMPT, want="token"))  # noqa: E731
-            stats_us = [(time.perf_counter(), client.stats(), time.perf_counter()) for _ in range(args.steps)]
-            stats_median_us = statistics.median((b - a) * 1e6 for a, _, b in stats_us)
-            wants = ("logits", "token")             # interleaved, so drift and warm-up hit both alike
-            remote_us = step_latencies_us(lambda i: remote.decode(i % 200 + 1, want=wants[i % 2]), restart,
-                                          args.steps, room)
-            first_kept = args.steps // 10           # step_latencies_us drops the samples before this step
-            for parity, want in enumerate(wants):
-                mine = [us for i, us in enumerate(remote_us, first_kept) if i % 2 == parity]
-                inproc_median, remote_median = statistics.median(inproc), statistics.median(mine)
-                rows.append({"kind": "latency", "want": want, "inproc_us": round(inproc_median, 1),
-                             "daemon_us": round(remote_median, 1),
-                             "overhead_us": round(remote_median - inproc_median, 1),
-                             "daemon_p90_us": round(float(np.percentile(mine, 90)), 1),
-                             "stats_rtt_us": round(stats_median_us, 1)})
-                print(rows[-1], flush=True)
+            calls = {"inproc": local.decode,
+                     "logits": lambda token: remote.decode(token, want="logits"),
+                     "token": lambda token: remote.decode(token, want="token"),
+                     "stats": lambda token: client.stats()}
+            kinds = list(calls)
+            samples_us = {kind: [] for kind in kinds}
+            for step in range(args.steps):
+                if step == 0 or local.position + 1 >= args.max_seq_len:
+                    local.reset()
+                    local.prefill(PROMPT)
+                if step == 0 or remote.position + 2 >= args.max_seq_len:     # two daemon decodes per step
+                    remote.reset()
+                    remote.prefill(PROMPT, want="token")
+                token = step % 200 + 1
+                for kind in kinds[step % 4:] + kinds[:step % 4]:
+                    t0 = time.perf_counter()
+                    calls[kind](token)
+                    samples_us[kind].append((time.perf_counter() - t0) * 1e6)
     finally:
+        local.close()
         stop_daemon(proc)
+    kept = {kind: values[args.steps // 10:] for kind, values in samples_us.items()}
+    inproc_median, stats_median = statistics.median(kept["inproc"]), statistics.median(kept["stats"])
+    rows = []
+    for want in ("logits", "token"):
+        remote_median = statistics.median(kept[want])
+        rows.append({"kind": "latency", "want": want, "inproc_us": round(inproc_median, 1),
+                     "daemon_us": round(remote_median, 1), "overhead_us": round(remote_median - inproc_median, 1),
+                     "daemon_p90_us": round(float(np.percentile(kept[want], 90)), 1),
+                     "stats_rtt_us": round(stats_median, 1)})
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -151,7 +155,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: make --preset)")
     parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--mode", default="auto")
-    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--clients", default="1,4,16,32")
     parser.add_argument("--tokens", type=int, default=200, help="decode steps per client in the throughput runs")
     parser.add_argument("--max-batch", type=int, default=32)
@@ -175,9 +179,12 @@ def main() -> None:
     path = write_results(name, env, [{"device": device, "mode": mode, **row} for row in rows],
                          ["kind", "device", "mode", "want", "inproc_us", "daemon_us", "overhead_us", "daemon_p90_us",
                           "stats_rtt_us", "clients", "batching", "tok_s", "mean_batch"], out_dir=args.out,
-                         notes=f"Unix socket; medians after 10% warm-up; OPENBLAS_NUM_THREADS={blas}. "
-                               f"overhead_us = daemon_us - inproc_us (same decode, in this process vs through "
-                               f"the daemon); stats_rtt_us = a round trip with no engine work. Throughput: "
+                         notes=f"Unix socket; OPENBLAS_NUM_THREADS={blas}; {os.cpu_count()} cores. Latency: "
+                               f"{args.steps} steps, each one in-process decode, one daemon decode per want "
+                               f"and one stats round trip, interleaved in rotating order; medians after "
+                               f"dropping the first 10% as warm-up. overhead_us = daemon_us - inproc_us (the "
+                               f"same decode in this process vs through the daemon); stats_rtt_us = a round "
+                               f"trip with no engine work. Throughput: "
                                f"{args.tokens} greedy decode steps per client after all clients prefilled; "
                                f"batching off = --max-batch 1.")
     print(f"wrote {path}")

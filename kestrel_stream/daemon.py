@@ -14,6 +14,7 @@ import secrets
 import signal
 import socket
 import sys
+import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from .protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_RESPONSE_BYTES, PREFIX_BYTES
 
 FRAME_TIMEOUT_S = 30.0          # a started frame must arrive whole this fast (no half-sent frames held open)
 DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight requests
+RECEIVE_BYTES = 65536
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
 
 
@@ -34,16 +36,39 @@ def log(message: str) -> None:
 
 
 class Peer:
-    """One client connection: buffered frame reads and serialised frame writes."""
+    """One client connection: buffered frame reads and serialised frame writes.
+
+    On a Unix socket, reads and writes go straight to the non-blocking socket
+    and wait for the loop only when it would block: anyio's stream adds a
+    scheduling checkpoint and a reader registration to every call, a sizeable
+    share of a small request's round trip.  TCP streams are asyncio transports
+    that own their socket's reads, so they keep anyio's stream calls."""
 
     def __init__(self, stream, max_frame_bytes: int):
         self.stream, self.max_frame_bytes = stream, max_frame_bytes
-        self.buffer = bytearray()            # own buffer: a whole small frame costs one receive(), not three
-        self.send_lock = anyio.Lock()
+        unix = isinstance(stream, anyio.abc.UNIXSocketStream)
+        self.sock = stream.extra(anyio.abc.SocketAttribute.raw_socket) if unix else None    # non-blocking
+        self.buffer = bytearray()
+        self.scratch = memoryview(bytearray(RECEIVE_BYTES))
+        # A threading lock, not an anyio one: the step thread may write a decode answer itself (send_now).
+        self.write_lock = threading.Lock()
+        self.unsent: memoryview | None = None      # the tail of a send_now frame that the loop must finish
 
     async def fill(self, count: int) -> None:
         while len(self.buffer) < count:
-            self.buffer += await self.stream.receive()
+            if self.sock is None:
+                self.buffer += await self.stream.receive()
+                continue
+            try:
+                received = self.sock.recv_into(self.scratch)
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            except OSError as e:
+                raise anyio.BrokenResourceError(str(e)) from e
+            if not received:
+                raise anyio.EndOfStream
+            self.buffer += self.scratch[:received]
 
     async def read_frame(self):
         await self.fill(PREFIX_BYTES)           # idle clients may wait here forever
@@ -61,8 +86,53 @@ class Peer:
             data = encode_frame(header, arrays)
         except KestrelError as e:               # e.g. prefill logits too large for one frame
             data = encode_frame(error_header(header.get("id"), e))
-        async with self.send_lock:
-            await self.stream.send(data)
+        while not self.write_lock.acquire(blocking=False):
+            await anyio.sleep(0.001)            # rare: a shutdown notice meeting an answer in flight
+        try:
+            await self.write(memoryview(data))
+        finally:
+            self.write_lock.release()
+
+    async def finish_send_now(self) -> None:
+        """Send what send_now left over; it left write_lock held for this."""
+        try:
+            await self.write(self.unsent)
+        finally:
+            self.unsent = None
+            self.write_lock.release()
+
+    async def write(self, view: memoryview) -> None:
+        if self.sock is None:
+            await self.stream.send(view)
+            return
+        while view:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
+            except OSError as e:
+                raise anyio.BrokenResourceError(str(e)) from e
+
+    def send_now(self, header: dict, arrays: dict | None) -> bool:
+        """From the step thread: write an answer at once, saving the loop's wake-up on the client's path.
+
+        False (nothing written) when another write holds the socket, the
+        socket would block, or the write fails: the loop then answers as usual.
+        A partial write leaves its tail in ``unsent`` and write_lock held, and
+        the loop finishes it before anything else goes out."""
+        if self.sock is None or not self.write_lock.acquire(blocking=False):
+            return False
+        try:
+            data = encode_frame(header, arrays)
+            sent = self.sock.send(data)
+        except (KestrelError, OSError):
+            self.write_lock.release()
+            return False
+        if sent < len(data):
+            self.unsent = memoryview(data)[sent:]
+        else:
+            self.write_lock.release()
+        return True
 
 
 class Daemon:
@@ -73,7 +143,8 @@ class Daemon:
 
     async def serve_connection(self, stream) -> None:
         from .service import Connection
-        peer, conn = Peer(stream, self.max_frame_bytes), Connection(peer=str(id(stream)))
+        peer = Peer(stream, self.max_frame_bytes)
+        conn = Connection(peer=str(id(stream)), answer_now=peer.send_now)
         self.peers.add(peer)
         self.service.connections.add(id(peer))
         try:
@@ -116,13 +187,18 @@ class Daemon:
                                  "mode": self.engine.mode})
                 continue
             try:
-                fields, arrays = await self.service.handle(conn, frame)
+                answer = await self.service.handle(conn, frame)
             except KestrelError as e:
                 await self.refuse(peer, request_id, e)
                 continue
             except Exception as e:      # a bug must not take the other sessions down with it
                 await self.refuse(peer, request_id, DaemonError(f"{type(e).__name__}: {e}"))
                 continue
+            if answer is None:                  # the step thread already sent it (send_now)
+                if peer.unsent is not None:
+                    await peer.finish_send_now()
+                continue
+            fields, arrays = answer
             await peer.send({"id": request_id, "ok": True, **fields}, arrays)
 
     async def refuse(self, peer: Peer, request_id, error: BaseException) -> None:
@@ -233,6 +309,7 @@ async def serve(engine, args) -> int:
             await listener.aclose()
         if socket_path is not None:
             socket_path.unlink(missing_ok=True)
+        service.steps.stop()                # waits for a step still running (a drain that timed out)
     log("stopped")
     return 0
 

@@ -94,19 +94,23 @@ class Frame:
     arrays: dict[str, np.ndarray] = field(default_factory=dict)
 
 
+_encode_json = json.JSONEncoder(separators=(",", ":"), default=str).encode     # built once, not per frame
+
+
 def encode_frame(header: dict, arrays: dict[str, np.ndarray] | None = None,
                  max_frame_bytes: int = MAX_RESPONSE_BYTES) -> bytes:
     """One frame as bytes; arrays are converted to their little-endian allow-listed dtype."""
-    specs, chunks = [], []
-    for name, array in (arrays or {}).items():
-        array = np.asarray(array)
-        dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder not in "<|=" else array.dtype
-        key = np.dtype(dtype).str
-        if key not in DTYPES:
-            raise ProtocolError(f"array {name!r}: dtype {array.dtype} is not one of {sorted(DTYPES)}")
-        specs.append({"name": name, "dtype": key, "shape": list(array.shape)})
-        chunks.append(np.ascontiguousarray(array, dtype=DTYPES[key]).tobytes())
-    head = json.dumps({**header, "arrays": specs}, separators=(",", ":"), default=str).encode()
+    chunks, specs = [], []
+    if arrays:
+        for name, array in arrays.items():
+            array = np.asarray(array)
+            dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder not in "<|=" else array.dtype
+            key = dtype.str
+            if key not in DTYPES:
+                raise ProtocolError(f"array {name!r}: dtype {array.dtype} is not one of {sorted(DTYPES)}")
+            specs.append({"name": name, "dtype": key, "shape": list(array.shape)})
+            chunks.append(np.ascontiguousarray(array, dtype=DTYPES[key]).tobytes())
+    head = _encode_json({**header, "arrays": specs}).encode()
     payload_bytes = sum(len(c) for c in chunks)
     if len(head) > MAX_HEADER_BYTES:
         raise ProtocolError(f"frame header is {len(head)} bytes; the limit is {MAX_HEADER_BYTES}")
@@ -137,6 +141,9 @@ def parse_prefix(prefix: bytes, max_frame_bytes: int) -> tuple[int, int]:
     return header_bytes, payload_bytes
 
 
+NO_ARRAYS: list = []
+
+
 def parse_body(head: bytes, payload: bytes) -> Frame:
     """Header and arrays of a well-framed frame; errors here are answered, not fatal."""
     try:
@@ -145,7 +152,11 @@ def parse_body(head: bytes, payload: bytes) -> Frame:
         raise ProtocolError(f"frame header: not UTF-8 JSON ({e})") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"frame header: expected a JSON object, got {type(header).__name__}")
-    specs = header.pop("arrays", [])
+    specs = header.pop("arrays", NO_ARRAYS)
+    if specs is NO_ARRAYS or specs == []:
+        if payload:
+            raise ProtocolError(f"frame: payload has {len(payload)} bytes but the arrays describe 0")
+        return Frame(header, {})
     if not isinstance(specs, list) or len(specs) > MAX_ARRAYS:
         raise ProtocolError(f"frame header: 'arrays' must be a list of at most {MAX_ARRAYS} entries")
     arrays, offset = {}, 0

@@ -1,15 +1,19 @@
 """What the daemon does with a request: session ownership, operations, and the batch runner.
 
-Every engine call runs in one worker thread at a time (``engine_limiter``), off
-the event loop, so the loop keeps reading frames and queueing the next batch
-while a step runs.  Requests are validated here, once, before they reach the
+Every engine call runs on one dedicated step thread (``StepThread``), off the
+event loop, so the loop keeps reading frames and queueing the next batch while
+a step runs.  Requests are validated here, once, before they reach the
 engine; a decode that is already queued when its session closes or fills up
 fails alone, never its batch.
 """
 from __future__ import annotations
 
+import asyncio
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import anyio
 import numpy as np
@@ -26,6 +30,7 @@ WANTS = ("logits", "last", "token", "topk")
 @dataclass
 class Connection:
     peer: str
+    answer_now: Callable[[dict, dict], bool] | None = None    # thread-safe send of a response; False: not sent
     sessions: dict[int, Session] = field(default_factory=dict)
 
 
@@ -35,9 +40,11 @@ class DecodeJob:
     token: int
     want: str
     k: int
+    reply: Callable[[dict, dict], bool] | None = None     # step thread: answer the client at once
     done: anyio.Event = field(default_factory=anyio.Event)
     result: tuple | None = None             # (header fields, arrays)
     error: BaseException | None = None
+    answered: bool = False                  # reply() sent the response; the loop sends nothing
 
 
 def answer(logits: np.ndarray, want: str, k: int) -> tuple[dict, dict]:
@@ -62,13 +69,66 @@ def field_int(header: dict, name: str, op: str, low: int, high: int, default=Non
     return value
 
 
+class StepThread:
+    """One long-lived thread that runs every engine call, in submission order.
+
+    Cheaper per call than ``anyio.to_thread`` (no limiter, no pool, no context
+    copy): a call is one queue put, and its result comes back through
+    ``call_soon_threadsafe`` on an asyncio future, a single wake-up of the loop.
+    The daemon runs on anyio's asyncio backend; on another backend calls fall
+    back to ``anyio.to_thread`` with a one-thread limiter."""
+
+    def __init__(self):
+        try:
+            self.loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.loop = None
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.limiter = anyio.CapacityLimiter(1)
+        self.thread = None
+        if self.loop is not None:
+            self.thread = threading.Thread(target=self.serve, name="kestrel-step", daemon=True)
+            self.thread.start()
+
+    async def run(self, fn, *args):
+        if self.thread is None:
+            return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        future = self.loop.create_future()
+        self.calls.put((future, fn, args))
+        return await future
+
+    def serve(self) -> None:
+        while (call := self.calls.get()) is not None:
+            future, fn, args = call
+            try:
+                result = fn(*args)
+            except BaseException as e:          # handed to the awaiting request, raised there
+                self.loop.call_soon_threadsafe(settle, future, None, e)
+            else:
+                self.loop.call_soon_threadsafe(settle, future, result, None)
+
+    def stop(self) -> None:
+        if self.thread is not None:
+            self.calls.put(None)
+            self.thread.join()
+
+
+def settle(future: asyncio.Future, result, error: BaseException | None) -> None:
+    if future.cancelled():                       # its request was cancelled (shutdown, dropped client)
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 class Service:
     def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher):
         self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
         self.vocab_size = engine.config.vocab_size
         # Built once: the plan is fixed for the engine's mode, and stats() should stay a cheap round trip.
         self.plan = describe(getattr(engine, "plan_summary", None) or getattr(engine.executor, "plan_summary", None))
-        self.engine_limiter = anyio.CapacityLimiter(1)
+        self.steps = StepThread()
         self.connections: set[int] = set()
         self.draining = False
         self.inflight = 0
@@ -78,11 +138,12 @@ class Service:
         self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0}
 
     async def in_worker(self, fn, *args):
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self.engine_limiter)
+        return await self.steps.run(fn, *args)
 
     # -- requests --------------------------------------------------------------
-    async def handle(self, conn: Connection, frame: Frame) -> tuple[dict, dict]:
-        """(header fields, arrays) of the response to one request; raises a KestrelError to answer an error."""
+    async def handle(self, conn: Connection, frame: Frame) -> tuple[dict, dict] | None:
+        """(header fields, arrays) of the response to one request, or None when the step thread already sent
+        it (Connection.answer_now); raises a KestrelError to answer an error."""
         op = frame.header.get("op")
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
         if handler is None:
@@ -153,7 +214,15 @@ class Service:
         session = self.session_of(conn, header, "decode")
         want, k = self.want_of(header, "decode")
         want = "last" if want == "logits" else want           # one row: logits [V]
-        job = await self.decode(session, self.check_token(header.get("token"), "decode"), want, k)
+        token = self.check_token(header.get("token"), "decode")
+        reply = None
+        if conn.answer_now is not None:
+            request_id = header.get("id")
+            reply = lambda fields, out: conn.answer_now(      # noqa: E731  (runs on the step thread)
+                {"id": request_id, "ok": True, "position": session.position, **fields}, out)
+        job = await self.decode(session, token, want, k, reply)
+        if job.answered:
+            return None
         fields, out = job.result
         return {"position": session.position, **fields}, out
 
@@ -202,8 +271,8 @@ class Service:
         return {"path": str(written) if written is not None else None}, {}
 
     # -- decode batches ------------------------------------------------------------
-    async def decode(self, session: Session, token: int, want: str, k: int) -> DecodeJob:
-        job = DecodeJob(session, token, want, k)
+    async def decode(self, session: Session, token: int, want: str, k: int, reply=None) -> DecodeJob:
+        job = DecodeJob(session, token, want, k, reply)
         self.batcher.add(session.id, job, time.perf_counter())
         if not self.step_running and self.batcher.ready(time.perf_counter()):
             await self.run_ready_batch()        # run it from here: no wake-up of the runner task on the way
@@ -262,6 +331,8 @@ class Service:
         self.counters["decode_steps"] += 1
         for job, row in zip(runnable, logits):
             job.result = answer(row[None, :], job.want, job.k)
+            if job.reply is not None:
+                job.answered = job.reply(*job.result)
 
     # -- connections -----------------------------------------------------------------
     async def close_sessions(self, conn: Connection, session_ids) -> None:
