@@ -155,3 +155,10 @@ def test_generate_json_reports_the_window(llama_model, capsys):
     assert report["window_misses_per_token"] == report["window"]["streamed_items"]
     assert report["streamed_bytes_per_token"] > 0
     assert "preload: " in captured.err and "WARNING: only" in captured.err and "--vram-budget" in captured.err
+
+
+def test_layers_mode_says_how_many_layers_are_offloaded(tiny_model, capsys):
+    engine = ks.load(tiny_model, device="cuda", mode="layers=1")
+    assert "offloaded 1/2 layers" in engine.executor.preload_line
+    assert "offloaded 1/2 layers" in capsys.readouterr().err
+    engine.close()

@@ -130,6 +130,7 @@ class HybridExecutor(HostOps, DeviceWeights):
                              f"{time.perf_counter() - start:.2f} s; device cache {self.arena.used_bytes / 1e6:.1f} MB / "
                              f"{len(self._qweights)} entries ({self.mode}: {plan.syncs_per_step} GPU segments "
                              f"over {total} ops)")
+        self.preload_line += "".join(f"; {note}" for note in plan.notes if note.startswith("offloaded "))
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
 
     # ---- plans ----------------------------------------------------------------------------------
