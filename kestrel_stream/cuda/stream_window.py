@@ -168,6 +168,8 @@ class WeightWindow:
         if id(launches) not in self._checked:      # every streamed launch reads its slot's address
             for launch, name in zip(launches, items):
                 assert name is None or int(launch.storage[0]) == self.qweights[name].qs, (launch.name, name)
+            order = [name for name in items if name in self.streamed]
+            assert order == self.streamed, "streamed items must be read in ring order"
             self._checked.add(id(launches))
         S, P, n = self.slot_count, self.prefetch_distance, len(self.streamed)
         position = {name: k for k, name in enumerate(self.streamed)}
