@@ -18,10 +18,8 @@ hook costs one attribute check.
 """
 from __future__ import annotations
 
-import ctypes
 import itertools
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -190,102 +188,6 @@ class Stream:
             rec.stream_wait(self.name, event.name)
 
 
-class PinnedBuffer:
-    """Page-locked host memory (cuMemHostAlloc) with a zero-copy uint8 numpy view."""
-
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
-        self.address = int(check(cu.cuMemHostAlloc(max(nbytes, 1), 0), "cuMemHostAlloc"))
-        self.bytes = np.ctypeslib.as_array((ctypes.c_uint8 * max(nbytes, 1)).from_address(self.address))
-
-    def view(self, dtype, shape, offset_bytes: int = 0) -> np.ndarray:
-        count = int(np.prod(shape))
-        end = offset_bytes + count * np.dtype(dtype).itemsize
-        assert end <= self.nbytes, "view past the end of the pinned buffer"
-        return self.bytes[offset_bytes:end].view(dtype).reshape(shape)
-
-    def free(self) -> None:
-        if self.address:
-            check(cu.cuMemFreeHost(self.address), "cuMemFreeHost")
-            self.address = 0
-
-
-_registered: dict[int, int] = {}
-
-
-def register_host(array: np.ndarray) -> None:
-    """Page-lock an existing array's memory once (weights); later H2D copies run at pinned speed."""
-    address, nbytes = array.ctypes.data, array.nbytes
-    if _registered.get(address, 0) >= nbytes:
-        return
-    check(cu.cuMemHostRegister(address, nbytes, 0), "cuMemHostRegister")
-    _registered[address] = nbytes
-
-
-@dataclass
-class DeviceArray:
-    """A typed window of the arena: `ptr` is a device address."""
-    ptr: int
-    shape: tuple
-    dtype: np.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
-
-
-class Arena:
-    """ONE device allocation, sub-allocated (bump + first-fit reuse of freed blocks).
-
-    Weights, activations and KV caches all live here: no cuMemAlloc per tensor and
-    none per step; `used_bytes` / `peak_bytes` account for every live block.
-    """
-    ALIGN = 256
-
-    def __init__(self, capacity_bytes: int):
-        self.capacity_bytes = capacity_bytes
-        self.base = int(check(cu.cuMemAlloc(capacity_bytes), f"cuMemAlloc({capacity_bytes} bytes)"))
-        self._top = 0
-        self._free: list[tuple[int, int]] = []   # (offset, size) of returned blocks
-        self._live: dict[int, int] = {}
-        self.used_bytes = 0
-        self.peak_bytes = 0
-
-    def alloc(self, nbytes: int) -> int:
-        size = -(-max(nbytes, 1) // self.ALIGN) * self.ALIGN
-        for i, (offset, free_size) in enumerate(self._free):
-            if free_size >= size:
-                rest = (offset + size, free_size - size)
-                self._free[i:i + 1] = [rest] if rest[1] else []
-                break
-        else:
-            if self._top + size > self.capacity_bytes:
-                raise CudaError(f"device arena full: need {size} bytes, {self.capacity_bytes - self._top} "
-                                f"left of {self.capacity_bytes}")
-            offset = self._top
-            self._top += size
-        self._live[offset] = size
-        self.used_bytes += size
-        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
-        return self.base + offset
-
-    def array(self, shape, dtype) -> DeviceArray:
-        shape = tuple(int(s) for s in np.atleast_1d(shape))
-        return DeviceArray(self.alloc(int(np.prod(shape)) * np.dtype(dtype).itemsize), shape, np.dtype(dtype))
-
-    def free(self, ptr: int) -> None:
-        offset = ptr - self.base
-        size = self._live.pop(offset)
-        self.used_bytes -= size
-        self._free.append((offset, size))
-        self._free.sort()
-
-    def release(self) -> None:
-        if self.base:
-            check(cu.cuMemFree(self.base), "cuMemFree")
-            self.base = 0
-
-
 def h2d_async(dst_ptr: int, src: np.ndarray | PinnedBuffer, nbytes: int, stream: Stream, **labels) -> None:
     """`labels` (op, layer, ...) go into the copy's trace args."""
     address = src.address if isinstance(src, PinnedBuffer) else src.ctypes.data
@@ -357,3 +259,8 @@ def capture(stream: Stream):
         finally:
             stream.capturing = False
         holder.graph = Graph(check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture"))
+
+
+# host and device memory (pinned buffers, registration, the arena) live in memory.py; re-exported here
+# at the end because memory.py builds on check() and CudaError above
+from .memory import Arena, DeviceArray, PinnedBuffer, register_host  # noqa: E402
