@@ -58,47 +58,70 @@ def stop_daemon(proc: subprocess.Popen) -> None:
         raise RuntimeError(f"daemon exited {proc.returncode}")
 
 
-def latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
-    """Per-step µs of the same decode in this process and through the daemon, interleaved step by step.
+BLOCK = 20              # calls of one kind in a row; kinds take turns block by block
+BLOCK_WARMUP = 2        # the first calls of a block are dropped: the other side was idle for a whole block
 
-    Interleaving (with a rotating order) puts drift, other load on the host and
-    cache warmth on every kind alike; the first 10% of steps are warm-up and
-    dropped; medians over the rest.  Sessions restart (reset + 4-token prefill,
-    untimed) before they fill up."""
+
+def latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
+    """Per-step µs of the same decode in this process and through the daemon, interleaved in blocks.
+
+    Kinds take turns in blocks of BLOCK calls (rotating which goes first), so
+    drift and other load on the host reach every kind alike while each block
+    still measures back-to-back steps, as a client decoding in a loop sees
+    them; the first round is warm-up and dropped, medians over the rest.
+    Daemon decodes alternate want=logits and want=token within a block.
+    Sessions restart (reset + 4-token prefill, untimed) before they fill up."""
     proc = start_daemon(model, args, socket_path, max_batch=args.max_batch)
     local = engine.new_session()
+    samples_us = {"inproc": [], "logits": [], "token": [], "stats": []}
     try:
         with ks.Client(str(socket_path)) as client, client.new_session() as remote:
-            calls = {"inproc": local.decode,
-                     "logits": lambda token: remote.decode(token, want="logits"),
-                     "token": lambda token: remote.decode(token, want="token"),
-                     "stats": lambda token: client.stats()}
+            def inproc(token: int) -> str:
+                local.decode(token)
+                return "inproc"
+
+            def daemon(token: int) -> str:
+                want = ("logits", "token")[token % 2]
+                remote.decode(token, want=want)
+                return want
+
+            def stats(token: int) -> str:
+                client.stats()
+                return "stats"
+
+            calls = {"inproc": inproc, "daemon": daemon, "stats": stats}
             kinds = list(calls)
-            samples_us = {kind: [] for kind in kinds}
-            for step in range(args.steps):
-                if step == 0 or local.position + 1 >= args.max_seq_len:
-                    local.reset()
-                    local.prefill(PROMPT)
-                if step == 0 or remote.position + 2 >= args.max_seq_len:     # two daemon decodes per step
-                    remote.reset()
-                    remote.prefill(PROMPT, want="token")
-                token = step % 200 + 1
-                for kind in kinds[step % 4:] + kinds[:step % 4]:
-                    t0 = time.perf_counter()
-                    calls[kind](token)
-                    samples_us[kind].append((time.perf_counter() - t0) * 1e6)
+            rounds = max(args.steps // BLOCK, 2)
+            for round_index in range(rounds):
+                if round_index == 1:
+                    before = client.stats()         # the engine time of the kept rounds' steps
+                for kind in kinds[round_index % 3:] + kinds[:round_index % 3]:
+                    for i in range(BLOCK):
+                        if local.position + 1 >= args.max_seq_len or round_index == i == 0:
+                            local.reset()
+                            local.prefill(PROMPT)
+                        if remote.position + 1 >= args.max_seq_len or round_index == i == 0:
+                            remote.reset()
+                            remote.prefill(PROMPT, want="token")
+                        t0 = time.perf_counter()
+                        label = calls[kind]((round_index * BLOCK + i) % 200 + 1)
+                        elapsed_us = (time.perf_counter() - t0) * 1e6
+                        if round_index and i >= BLOCK_WARMUP:
+                            samples_us[label].append(elapsed_us)
+            after = client.stats()
     finally:
         local.close()
         stop_daemon(proc)
-    kept = {kind: values[args.steps // 10:] for kind, values in samples_us.items()}
-    inproc_median, stats_median = statistics.median(kept["inproc"]), statistics.median(kept["stats"])
+    steps = after["decode_steps"] - before["decode_steps"]
+    daemon_step_us = (after["decode_step_s"] - before["decode_step_s"]) / max(steps, 1) * 1e6
+    inproc_median, stats_median = statistics.median(samples_us["inproc"]), statistics.median(samples_us["stats"])
     rows = []
     for want in ("logits", "token"):
-        remote_median = statistics.median(kept[want])
+        remote_median = statistics.median(samples_us[want])
         rows.append({"kind": "latency", "want": want, "inproc_us": round(inproc_median, 1),
                      "daemon_us": round(remote_median, 1), "overhead_us": round(remote_median - inproc_median, 1),
-                     "daemon_p90_us": round(float(np.percentile(kept[want], 90)), 1),
-                     "stats_rtt_us": round(stats_median, 1)})
+                     "daemon_p90_us": round(float(np.percentile(samples_us[want], 90)), 1),
+                     "daemon_step_us": round(daemon_step_us, 1), "stats_rtt_us": round(stats_median, 1)})
         print(rows[-1], flush=True)
     return rows
 
@@ -178,12 +201,14 @@ def main() -> None:
     name += f"-{args.label}" if args.label else ""
     path = write_results(name, env, [{"device": device, "mode": mode, **row} for row in rows],
                          ["kind", "device", "mode", "want", "inproc_us", "daemon_us", "overhead_us", "daemon_p90_us",
-                          "stats_rtt_us", "clients", "batching", "tok_s", "mean_batch"], out_dir=args.out,
+                          "daemon_step_us", "stats_rtt_us", "clients", "batching", "tok_s", "mean_batch"], out_dir=args.out,
                          notes=f"Unix socket; OPENBLAS_NUM_THREADS={blas}; {os.cpu_count()} cores. Latency: "
-                               f"{args.steps} steps, each one in-process decode, one daemon decode per want "
-                               f"and one stats round trip, interleaved in rotating order; medians after "
-                               f"dropping the first 10% as warm-up. overhead_us = daemon_us - inproc_us (the "
-                               f"same decode in this process vs through the daemon); stats_rtt_us = a round "
+                               f"in-process decodes, daemon decodes (want logits and token alternating) and "
+                               f"stats round trips take turns in blocks of {BLOCK} calls, {args.steps} calls "
+                               f"of each kind; medians without the first round and the first "
+                               f"{BLOCK_WARMUP} calls of each block. overhead_us = daemon_us - inproc_us (the "
+                               f"same decode in this process vs through the daemon); daemon_step_us = mean "
+                               f"engine time of those decode steps inside the daemon (its step thread); stats_rtt_us = a round "
                                f"trip with no engine work. Throughput: "
                                f"{args.tokens} greedy decode steps per client after all clients prefilled; "
                                f"batching off = --max-batch 1.")

@@ -59,7 +59,7 @@ class AsyncClient:
         self.stream = None
         self.closed = False
         self._ids = itertools.count(1)
-        self._lock = anyio.Lock()          # one request at a time: responses come back in order
+        self._lock = anyio.Lock(fast_acquire=True)     # one request at a time: responses come back in order
 
     @classmethod
     async def connect(cls, address=None, token: str | None = None,
@@ -82,7 +82,38 @@ class AsyncClient:
             raise ConnectionError(f"cannot reach the daemon at {kind}:{where} ({e}); "
                                   f"is `kestrel-stream serve` running?") from None
         self.reader = BufferedByteReceiveStream(self.stream)
+        # On a Unix socket, frames go straight through the non-blocking socket (as the daemon does): anyio's
+        # stream adds a scheduling checkpoint and a reader registration to every call.
+        self.sock = self.stream.extra(anyio.abc.SocketAttribute.raw_socket) if kind == "unix" else None
+        self.buffer = bytearray()
         self.info, _ = await self.call("hello", {"v": VERSION, "token": resolve_token(kind, self.token)}, {})
+
+    async def _receive_exactly(self, count: int) -> bytes:
+        if self.sock is None:
+            return await self.reader.receive_exactly(count)
+        while len(self.buffer) < count:
+            try:
+                chunk = self.sock.recv(max(65536, count - len(self.buffer)))
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            if not chunk:
+                raise anyio.EndOfStream
+            self.buffer += chunk
+        data = bytes(self.buffer[:count])
+        del self.buffer[:count]
+        return data
+
+    async def _send(self, data: bytes) -> None:
+        if self.sock is None:
+            await self.stream.send(data)
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
 
     async def call(self, op: str, fields: dict, arrays: dict):
         if self.closed or self.stream is None:
@@ -91,11 +122,11 @@ class AsyncClient:
             request_id = next(self._ids)
             try:
                 with anyio.fail_after(self.timeout):
-                    await self.stream.send(encode_frame({"op": op, "id": request_id, **fields}, arrays))
-                    prefix = await self.reader.receive_exactly(PREFIX_BYTES)
-                    header_bytes, payload_bytes = parse_prefix(prefix, MAX_RESPONSE_BYTES)
-                    head = await self.reader.receive_exactly(header_bytes)
-                    payload = await self.reader.receive_exactly(payload_bytes) if payload_bytes else b""
+                    await self._send(encode_frame({"op": op, "id": request_id, **fields}, arrays))
+                    header_bytes, payload_bytes = parse_prefix(await self._receive_exactly(PREFIX_BYTES),
+                                                               MAX_RESPONSE_BYTES)
+                    head = await self._receive_exactly(header_bytes)
+                    payload = await self._receive_exactly(payload_bytes) if payload_bytes else b""
                 frame = parse_body(head, payload)
             except TimeoutError:
                 await self.aclose()

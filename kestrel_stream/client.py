@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import struct
 from typing import NamedTuple
 
 import numpy as np
@@ -23,6 +24,7 @@ from .protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, Shuttin
                        default_token_path, encode_frame, error_from_code, parse_body, parse_prefix)
 
 DEFAULT_TIMEOUT_S = 60.0
+RECEIVE_BYTES = 65536
 
 
 class TopK(NamedTuple):
@@ -155,18 +157,40 @@ class Client:
                                   f"is `kestrel-stream serve` running?") from None
         if kind == "tcp":
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._buffer = bytearray()
+        # A blocking socket with kernel send/receive timeouts: Python's own socket timeout polls before every
+        # send and receive, two system calls where one does.  A timed-out call raises BlockingIOError.
+        self.sock.settimeout(None)
+        if timeout is not None:
+            limit = struct.pack("ll", int(timeout), int(timeout % 1 * 1e6) or (0 if timeout >= 1 else 1))
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+        self._buffer = bytearray(RECEIVE_BYTES)         # frames are received into this, then copied out once
+        self._filled = 0
         self.info, _ = self.call("hello", {"v": VERSION, "token": resolve_token(kind, token)}, {})
 
-    def _receive_exactly(self, count: int) -> bytes:
-        while len(self._buffer) < count:
-            chunk = self.sock.recv(max(65536, count - len(self._buffer)))
-            if not chunk:
-                raise ConnectionError("the daemon closed the connection")
-            self._buffer += chunk
-        data = bytes(self._buffer[:count])
-        del self._buffer[:count]
-        return data
+    def _fill(self, count: int) -> None:
+        if count > len(self._buffer):
+            self._buffer = self._buffer[:self._filled] + bytearray(count - self._filled)
+        with memoryview(self._buffer) as view:
+            while self._filled < count:
+                received = self.sock.recv_into(view[self._filled:])
+                if not received:
+                    raise ConnectionError("the daemon closed the connection")
+                self._filled += received
+
+    def _read_frame(self) -> Frame:
+        self._fill(PREFIX_BYTES)
+        header_bytes, payload_bytes = parse_prefix(bytes(self._buffer[:PREFIX_BYTES]), MAX_RESPONSE_BYTES)
+        end = PREFIX_BYTES + header_bytes + payload_bytes
+        self._fill(end)
+        head = bytes(self._buffer[PREFIX_BYTES:PREFIX_BYTES + header_bytes])
+        payload = bytes(self._buffer[PREFIX_BYTES + header_bytes:end])    # arrays returned own their memory
+        rest = self._buffer[end:self._filled]
+        if len(self._buffer) > RECEIVE_BYTES:           # do not keep a large prefill's buffer around
+            self._buffer = bytearray(max(RECEIVE_BYTES, len(rest)))
+        self._buffer[:len(rest)] = rest
+        self._filled = len(rest)
+        return parse_body(head, payload)
 
     def call(self, op: str, fields: dict, arrays: dict):
         if self.closed:
@@ -174,11 +198,10 @@ class Client:
         request_id = next(self._ids)
         try:
             self.sock.sendall(encode_frame({"op": op, "id": request_id, **fields}, arrays))
-            header_bytes, payload_bytes = parse_prefix(self._receive_exactly(PREFIX_BYTES), MAX_RESPONSE_BYTES)
-            frame = parse_body(self._receive_exactly(header_bytes), self._receive_exactly(payload_bytes))
+            frame = self._read_frame()
         except (OSError, ValueError) as e:       # a timeout or half-read frame leaves the stream unusable
             self.close()
-            if isinstance(e, TimeoutError):
+            if isinstance(e, (TimeoutError, BlockingIOError)):
                 raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
                                    f"connection closed") from None
             raise

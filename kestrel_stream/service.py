@@ -135,7 +135,8 @@ class Service:
         self.idle = anyio.Event()
         self.arrival = anyio.Event()
         self.step_running = False
-        self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0}
+        self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0,
+                         "decode_step_s": 0.0}         # engine time of those steps, on the step thread
 
     async def in_worker(self, fn, *args):
         return await self.steps.run(fn, *args)
@@ -322,6 +323,7 @@ class Service:
                 runnable.append(job)
         if not runnable:
             return
+        started = time.perf_counter()
         try:
             logits = self.engine.decode_batch([(job.session, job.token) for job in runnable])   # [B, V]
         except Exception as e:          # a device failure fails this step's requests, not the daemon
@@ -329,6 +331,7 @@ class Service:
                 job.error = e
             return
         self.counters["decode_steps"] += 1
+        self.counters["decode_step_s"] += time.perf_counter() - started
         for job, row in zip(runnable, logits):
             job.result = answer(row[None, :], job.want, job.k)
             if job.reply is not None:
