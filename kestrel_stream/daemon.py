@@ -156,7 +156,7 @@ class Daemon:
             self.peers.discard(peer)
             self.service.connections.discard(id(peer))
             with anyio.CancelScope(shield=True):
-                if conn.sessions:
+                if conn.sessions:       # queued behind any step still running, so no send_now follows aclose
                     await self.service.close_sessions(conn, list(conn.sessions))
                 await stream.aclose()
 

@@ -289,8 +289,9 @@ class Service:
         self.step_running = True
         try:
             jobs = [pending.payload for pending in self.batcher.take()]
-            with anyio.CancelScope(shield=True):           # a shutdown lets the running step finish
-                await self.in_worker(self.run_step, jobs)
+            # No shield needed: a cancelled wait leaves the step running on its thread, and the daemon joins
+            # that thread (StepThread.stop) before the engine closes.
+            await self.in_worker(self.run_step, jobs)
             for job in jobs:
                 job.done.set()
         finally:

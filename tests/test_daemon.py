@@ -288,3 +288,34 @@ def test_fuzzed_frames_never_disturb_other_sessions(daemon, engine):
         sock.close()
         assert victim.generate([9, 9, 9], 8) == engine.generate([9, 9, 9], 8).tokens
         assert victim.stats()["errors"] >= 840
+
+
+def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():
+    """The step thread writes what a full socket takes (send_now); the loop sends the rest before the next frame."""
+    from kestrel_stream.daemon import Peer
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        ours.setblocking(False)
+        peer = Peer(await anyio.abc.UNIXSocketStream.from_socket(ours), wire.DEFAULT_MAX_FRAME_BYTES)
+        logits = np.arange(200_000, dtype=np.float32)
+        assert await anyio.to_thread.run_sync(peer.send_now, {"id": 1, "ok": True}, {"logits": logits})
+        assert peer.unsent is not None                      # the socket took only part of the frame
+
+        async def finish():
+            await peer.finish_send_now()
+            await peer.send({"id": 2, "ok": True})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(finish)
+            theirs.settimeout(10.0)
+            first = await anyio.to_thread.run_sync(read_frame, theirs)
+            second = await anyio.to_thread.run_sync(read_frame, theirs)
+        assert first.header["id"] == 1 and np.array_equal(first.arrays["logits"], logits)
+        assert second.header["id"] == 2 and peer.unsent is None
+        assert not peer.write_lock.locked()
+        ours.close()
+        theirs.close()
+
+    anyio.run(main)
