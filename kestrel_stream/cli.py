@@ -188,12 +188,42 @@ def cmd_plan(args) -> int:
         profile = scheduler.H200_MEASURED
     plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here)
     scheduler.audit_plan(plan, cfg)
+    window = window_report(cfg, args) if args.vram_budget else None
     if args.json:
-        print(json.dumps(dict(plan.to_dict(), profile_note=note)))
+        print(json.dumps(dict(plan.to_dict(), profile_note=note, window=window)))
     else:
         print(note)
         print(plan.describe())
+        if window:
+            print(window["text"])
     return 0
+
+
+def window_report(cfg, args) -> dict:
+    """What `gpu` mode keeps resident and streams per step under --vram-budget (the executor's own split)."""
+    from .budget import arena_needs, parse_vram_budget, plan_arena
+    budget = parse_vram_budget(args.vram_budget)
+    if isinstance(budget, float):
+        from .engine import gpu_status
+        if not gpu_status()[0]:
+            raise ValueError("--vram-budget: a fraction of free VRAM needs a GPU here; give a size such as 2GiB")
+        from .cuda import driver
+        budget = int(budget * driver.Device(0).free_bytes())
+    max_seq_len = args.max_seq_len or min(2048, cfg.max_position_embeddings)
+    sessions = (args.max_sessions or 2 * args.max_batch) + 1
+    needs = arena_needs(cfg, max(args.max_batch, 64), sessions, max_seq_len, 16)
+    capacity, window = plan_arena(cfg, needs, budget)
+    report = {"budget_bytes": budget, "arena_bytes": capacity, "kv_bytes": needs.kv_bytes,
+              "activation_bytes": needs.activation_bytes + needs.slack_bytes}
+    if window is None:
+        report["text"] = (f"window: every weight resident; arena {capacity / 1e6:.1f} MB of the "
+                          f"{budget / 1e6:.1f} MB budget (KV {needs.kv_bytes / 1e6:.1f} MB)")
+        report.update(resident_bytes=capacity - needs.total, streamed_bytes_per_step=0)
+    else:
+        report["text"] = window.describe()
+        report.update(resident_bytes=window.resident_bytes, streamed_bytes_per_step=window.streamed_bytes_per_step,
+                      slots=window.to_dict().get("slot_count"))
+    return report
 
 
 def cmd_calibrate(args) -> int:
@@ -264,6 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mode", default="auto", help="auto|cpu|gated|gpu|layers=N")
     p.add_argument("--batch", type=int, default=1, help="tokens per step (M)")
     p.add_argument("--profile", default=None, help="h200 | seed | a profile JSON file (default: calibrate this GPU)")
+    p.add_argument("--vram-budget", default=None, help="also show gpu mode's residency window under this budget")
+    p.add_argument("--max-seq-len", type=int, default=None, help="KV positions per session (with --vram-budget)")
+    p.add_argument("--max-batch", type=int, default=32, help="sessions per step (with --vram-budget)")
+    p.add_argument("--max-sessions", type=int, default=None, help="KV caches reserved (with --vram-budget)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

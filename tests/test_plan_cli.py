@@ -39,3 +39,27 @@ def test_plan_text_names_lm_head_and_the_gate(tiny_model):
 def test_plan_rejects_bad_batch(tiny_model):
     proc = run_cli("plan", "--model", str(tiny_model), "--batch", "0", check=False)
     assert proc.returncode != 0 and "at least one token" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def qwen3_17b_config(tmp_path_factory):
+    """A checkpoint directory with only the qwen3-1.7b config.json: plan needs no weights."""
+    from kestrel_stream.presets import PRESETS
+    directory = tmp_path_factory.mktemp("qwen3-1.7b")
+    (directory / "config.json").write_text(json.dumps(PRESETS["qwen3-1.7b"].to_hf_dict()))
+    return directory
+
+
+def test_plan_shows_the_residency_window_under_a_budget(qwen3_17b_config):
+    args = ["plan", "--model", str(qwen3_17b_config), "--mode", "gpu", "--profile", "h200", "--max-seq-len", "256",
+            "--max-batch", "1", "--max-sessions", "1", "--json"]
+    window = json.loads(run_cli(*args, "--vram-budget", "1GiB").stdout)["window"]
+    assert window["arena_bytes"] <= window["budget_bytes"] == 2**30
+    assert 0 < window["resident_bytes"] and window["streamed_bytes_per_step"] > 0
+    everything = json.loads(run_cli(*args, "--vram-budget", "8GiB").stdout)["window"]
+    assert everything["streamed_bytes_per_step"] == 0
+    weights = everything["resident_bytes"]
+    assert window["resident_bytes"] + window["streamed_bytes_per_step"] >= 0.95 * weights
+    too_small = run_cli(*args, "--vram-budget", "100MB", check=False)
+    assert too_small.returncode != 0 and "too small for gpu mode" in too_small.stderr
+    assert "Traceback" not in too_small.stderr
