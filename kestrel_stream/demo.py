@@ -8,7 +8,6 @@ prints what it did and where the files are.
 """
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

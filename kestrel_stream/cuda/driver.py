@@ -263,4 +263,4 @@ def capture(stream: Stream):
 
 # host and device memory (pinned buffers, registration, the arena) live in memory.py; re-exported here
 # at the end because memory.py builds on check() and CudaError above
-from .memory import Arena, DeviceArray, PinnedBuffer, register_host  # noqa: E402
+from .memory import Arena, DeviceArray, PinnedBuffer, register_host  # noqa: E402,F401
