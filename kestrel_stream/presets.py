@@ -17,6 +17,8 @@ from .checkpoint_writer import write_checkpoint
 from .config import ModelConfig
 from .weights import hf_tensor_shapes
 
+GENERATOR_VERSION = 2   # bump when random_tensor's scaling changes, so cached preset checkpoints are rebuilt
+
 PRESETS: dict[str, ModelConfig] = {
     # A Qwen3 with head_dim independent of hidden/heads and GQA 2: fast enough for every test, and
     # head_dim 64 so the GPU kernels (head_dim 64/128/256) run it too.
@@ -85,7 +87,7 @@ def cache_root() -> Path:
 
 def ensure_preset(preset: str, seed: int = 0, dtype: str = "bf16") -> Path:
     """The path of a random checkpoint of ``preset`` in the cache dir, written on first use."""
-    out_dir = cache_root() / "models" / f"{preset}-seed{seed}-{dtype}"
+    out_dir = cache_root() / "models" / f"{preset}-seed{seed}-{dtype}-v{GENERATOR_VERSION}"
     if not (out_dir / "config.json").exists():
         make_model(out_dir, preset, seed=seed, dtype=dtype)
     return out_dir
