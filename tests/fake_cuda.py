@@ -1,0 +1,212 @@
+"""A numpy emulation of the CUDA device layer (driver.py, memory.py) and of every kernel of kernels_ptx.
+
+`install(monkeypatch)` swaps it into kestrel_stream.cuda, so the real executors run with no GPU.
+
+Memory: each Arena is one numpy uint8 buffer at a fake device address; every
+device access is checked to lie inside one live arena block.  Fresh device and
+pinned memory is filled with 0xFF (float NaN, uint32 0xFFFFFFFF), as neither
+allocator zeroes it.  Host memory that async copies touch is resolved by address
+to a live pinned buffer (use after free raises); copies enqueued during capture
+must use pinned memory.
+
+Streams, events and graphs (ordering policies, capture, replay): fake_streams.py.
+Kernels: FakeKernelSet launches the numpy twins of fake_kernels.py.  Not
+modelled: real concurrency and timing, memory ordering inside a kernel, launch
+limits beyond simple geometry and alignment checks.
+"""
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+
+from kestrel_stream.cuda import driver as real_driver
+from kestrel_stream.cuda.memory import Arena as RealArena
+
+import fake_streams
+from fake_streams import POLICY, Event, Graph, Stream, capture, new_stream
+
+CudaError = real_driver.CudaError
+_arenas: list = []
+_pinned: dict[int, "PinnedBuffer"] = {}        # address -> live pinned buffer (or registered array)
+_bases = itertools.count(1)
+
+
+# ---- memory -----------------------------------------------------------------------------------------
+class Arena(RealArena):
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.mem = np.full(capacity_bytes, 0xFF, np.uint8)
+        self.base = (0x7000 + next(_bases)) << 32
+        self._top, self._free, self._live = 0, [], {}
+        self.used_bytes = self.peak_bytes = 0
+        _arenas.append(self)
+
+    def release(self) -> None:
+        if self.base:
+            _arenas.remove(self)
+            self.base = 0
+
+
+def dev(ptr: int, nbytes: int, dtype=np.uint8) -> np.ndarray:
+    """The device bytes [ptr, ptr + nbytes) as `dtype`; they must lie in one live arena block."""
+    for a in _arenas:
+        if a.base <= ptr < a.base + a.capacity_bytes:
+            off = ptr - a.base
+            if not any(o <= off and off + nbytes <= o + s for o, s in a._live.items()):
+                raise CudaError(f"device access [{off}, +{nbytes}) outside any live arena block")
+            assert off % np.dtype(dtype).itemsize == 0, "misaligned device access"
+            return a.mem[off:off + nbytes].view(dtype)
+    raise CudaError(f"device pointer {ptr:#x} in no arena (null, freed or host?)")
+
+
+class PinnedBuffer:
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.bytes = np.full(max(nbytes, 1), 0xFF, np.uint8)
+        self.address = self.bytes.ctypes.data
+        _pinned[self.address] = self
+
+    def view(self, dtype, shape, offset_bytes: int = 0) -> np.ndarray:
+        count = int(np.prod(shape))
+        end = offset_bytes + count * np.dtype(dtype).itemsize
+        assert end <= self.nbytes, "view past the end of the pinned buffer"
+        return self.bytes[offset_bytes:end].view(dtype).reshape(shape)
+
+    def free(self) -> None:
+        if self.address:
+            del _pinned[self.address]
+            self.address = 0
+
+
+class _Registered:
+    def __init__(self, array):
+        self.bytes, self.address, self.nbytes = array.reshape(-1).view(np.uint8), array.ctypes.data, array.nbytes
+
+
+def register_host(array: np.ndarray) -> None:
+    _pinned.setdefault(array.ctypes.data, _Registered(array))
+
+
+def _host(src, nbytes: int, capturing: bool):
+    """(buffer, offset): the pinned buffer holding [address, +nbytes), or the pageable array itself."""
+    address = src.address if isinstance(src, PinnedBuffer) else src.ctypes.data
+    for buf in _pinned.values():
+        if buf.address <= address and address + nbytes <= buf.address + buf.nbytes:
+            return buf, address - buf.address
+    if capturing:
+        raise CudaError("stream capture of a copy from pageable (unpinned) host memory")
+    assert isinstance(src, np.ndarray) and src.flags.c_contiguous and nbytes <= src.nbytes, "copy past the array"
+    return _Registered(src), 0
+
+
+def _host_bytes(buf, off: int, nbytes: int) -> np.ndarray:
+    if not isinstance(buf, _Registered) and _pinned.get(buf.address) is not buf:
+        raise CudaError("async copy touches a pinned buffer after its free()")
+    return buf.bytes[off:off + nbytes]
+
+
+# ---- copies ---------------------------------------------------------------------------------------------
+def h2d_async(dst_ptr: int, src, nbytes: int, stream: Stream, **labels) -> None:
+    buf, off = _host(src, nbytes, stream.capturing)
+    dev(dst_ptr, nbytes)
+    stream.enqueue("run", lambda: dev(dst_ptr, nbytes).__setitem__(slice(None), _host_bytes(buf, off, nbytes)))
+
+
+def d2h_async(dst, src_ptr: int, nbytes: int, stream: Stream, **labels) -> None:
+    buf, off = _host(dst, nbytes, stream.capturing)
+    dev(src_ptr, nbytes)
+    stream.enqueue("run", lambda: _host_bytes(buf, off, nbytes).__setitem__(slice(None), dev(src_ptr, nbytes)))
+
+
+def h2d_sync(dst_ptr: int, src: np.ndarray) -> None:
+    if fake_streams.capturing():
+        raise CudaError("cuMemcpyHtoD while a stream is being captured")
+    src = np.ascontiguousarray(src)
+    dev(dst_ptr, src.nbytes)[:] = src.reshape(-1).view(np.uint8)
+
+
+def memset_async(ptr: int, nbytes: int, stream: Stream) -> None:
+    dev(ptr, nbytes)
+    stream.enqueue("run", lambda: dev(ptr, nbytes).__setitem__(slice(None), 0))
+
+
+class Device:
+    def __init__(self, ordinal: int = 0):
+        self.arch, self.name, self.sm_count = "sm_90", "Emulated H200", 132
+
+    def make_current(self) -> None:
+        pass
+
+    def free_bytes(self) -> int:
+        return 140 << 30
+
+
+# ---- kernels ----------------------------------------------------------------------------------------------
+_READ = {"p": np.uint64, "q": np.int64, "i": np.int32, "f": np.float32}
+
+
+class FakeLaunch:
+    def __init__(self, name: str, grid, block, signature: str, args, shared_bytes: int = 0):
+        from fake_kernels import KERNELS   # the numpy twins of kernels_ptx
+        assert len(signature) == len(args), f"{name}: {len(args)} args for signature {signature!r}"
+        self.name, self.signature, self.shared_bytes = name, signature, shared_bytes
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.block = tuple(block) + (1,) * (3 - len(block))
+        self.impl = next((fn for pattern, fn in KERNELS if re.fullmatch(pattern, name)), None)
+        if self.impl is None:
+            raise KeyError(f"no kernel named {name!r}")
+        self.storage = np.zeros(max(len(args), 1), np.uint64)
+        self.labels: dict = {}
+        for i, value in enumerate(args):
+            self.set(i, value)
+
+    def label(self, **labels) -> "FakeLaunch":
+        self.labels.update((k, v) for k, v in labels.items() if v is not None)
+        return self
+
+    def set(self, index: int, value) -> None:
+        kind = self.signature[index]
+        slot = self.storage[index:index + 1]
+        slot[0] = 0
+        slot.view(_READ[kind])[0] = _READ[kind](value)
+
+    def arg(self, index: int):
+        kind = self.signature[index]
+        value = self.storage[index:index + 1].view(_READ[kind])[0]
+        return float(value) if kind == "f" else int(value)
+
+    def enqueue(self, stream: Stream) -> None:
+        """The arguments as they are now (cuLaunchKernel and graph capture copy them), run when the stream gets there."""
+        args = [self.arg(i) for i in range(len(self.signature))]
+        stream.enqueue("run", lambda: self.impl(self, *args))
+
+    submit = enqueue
+
+
+class FakeKernelSet:
+    def __init__(self, device=None):
+        self.device = device
+
+    def launch(self, kernel_name: str, grid, block, signature: str, args, shared_bytes: int = 0) -> FakeLaunch:
+        return FakeLaunch(kernel_name, grid, block, signature, args, shared_bytes)
+
+
+# ---- installing -------------------------------------------------------------------------------------------------
+def install(monkeypatch, mode: str = "immediate") -> None:
+    """Swap the emulation into kestrel_stream.cuda for the test (monkeypatch undoes it)."""
+    import kestrel_stream.calibrate
+    import scheduler
+    from kestrel_stream.cuda import calibrate, executor, hybrid, kernels
+    monkeypatch.setitem(POLICY, "mode", mode)
+    names = dict(Device=Device, Stream=new_stream, Event=Event, PinnedBuffer=PinnedBuffer, Arena=Arena,
+                 register_host=register_host, h2d_async=h2d_async, d2h_async=d2h_async, h2d_sync=h2d_sync,
+                 memset_async=memset_async, capture=capture, Graph=Graph,
+                 detect=lambda: "Emulated H200 sm_90", gpu_available=lambda: True,
+                 gpu_status=lambda: (True, "Emulated H200 sm_90"))
+    for name, value in names.items():
+        monkeypatch.setattr(real_driver, name, value)
+    for module in (kernels, executor, hybrid, calibrate):
+        monkeypatch.setattr(module, "KernelSet", FakeKernelSet)
+    monkeypatch.setattr(kestrel_stream.calibrate, "calibrate", lambda *a, **k: scheduler.H200_MEASURED)

@@ -1,0 +1,160 @@
+"""numpy twins of the kernels in kernels_ptx/*.cu, over the emulated device memory of fake_cuda.
+
+Each twin takes the launch (grid, block) and its arguments in .cu order, checks
+what the hardware would fault or silently get wrong on (alignment of vector
+loads, grid coverage, non-zero tickets), and writes exactly what the kernel
+writes.  Arithmetic is float32, dequantise-then-multiply, like cpu.py; the
+last-block reductions (inv_rms, the split merge) are computed directly.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from fake_cuda import dev
+
+
+def f32(ptr: int, count: int) -> np.ndarray:
+    return dev(ptr, 4 * count, np.float32)
+
+
+def rows(ptr: int, count: int, stride: int, width: int) -> np.ndarray:
+    """[count, width] float32 rows `stride` floats apart (a view of device memory)."""
+    span = f32(ptr, (count - 1) * stride + width)
+    return np.lib.stride_tricks.as_strided(span, (count, width), (4 * stride, 4))
+
+
+def take_ticket(counter: int) -> None:
+    """The last-block ticket must be zero at launch (each kernel's last block resets it)."""
+    ticket = dev(counter, 4, np.uint32)
+    assert ticket[0] == 0, f"ticket counter at {counter:#x} is {ticket[0]}, not 0, at launch"
+
+
+def q8_dense(qs: int, scales: int, n: int, k: int) -> np.ndarray:
+    w = dev(qs, n * k, np.int8).reshape(n, k).astype(np.float32)
+    s = dev(scales, 2 * n * (k // 32), np.float16).reshape(n, k // 32).astype(np.float32)
+    return (w.reshape(n, k // 32, 32) * s[:, :, None]).reshape(n, k)
+
+
+def silu_mul(gate, up):
+    return gate / (np.float32(1) + np.exp(-gate)) * up
+
+
+def q8_product(launch, qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter,
+               eps, N, K, ntok, tokens: int, silu: bool) -> None:
+    """The shared contract of q8_gemv.cu and q8_matmul.cu for `tokens` rows of x."""
+    assert K % 32 == 0 and qs % 16 == 0 and scales % 2 == 0, (launch.name, K, qs, scales)
+    assert not silu or N % 2 == 0, "SiLU pairs need an even row count"
+    if inv_rms_out:
+        take_ticket(counter)
+    s = rows(x, tokens, ldx, K) @ q8_dense(qs, scales, N, K).T                 # [tokens, N]
+    if inv_rms_in:
+        s *= f32(inv_rms_in, tokens)[:, None]
+    out = silu_mul(s[:, 0::2], s[:, 1::2]) if silu else s
+    width = out.shape[1]
+    if res:
+        out = out + rows(res, tokens, ldy, width)
+    rows(y, tokens, ldy, width)[:] = out                                        # y may alias res
+    if xn_out:
+        rows(xn_out, tokens, ldy, width)[:] = out * f32(normw_out, width)
+    if inv_rms_out:                                      # the last block: over N columns of y, ntok tokens
+        y_rows = rows(y, ntok, ldy, N)
+        f32(inv_rms_out, ntok)[:] = 1.0 / np.sqrt(np.mean(np.square(y_rows), axis=1) + np.float32(eps))
+
+
+def q8_gemv(launch, *args) -> None:
+    name, N = launch.name, args[13]
+    tokens = int(name[len("q8_gemv_m")])
+    rows_per_block = 4 if "_r4" in name else 2
+    assert launch.block == (128, 1, 1) and launch.grid[1:] == (1, 1), launch.name
+    assert launch.grid[0] * rows_per_block >= N, f"{name}: grid {launch.grid} misses rows of {N}"
+    x, ldx = args[2], args[3]
+    assert all((x + 4 * m * ldx) % 16 == 0 for m in range(tokens)), f"{name}: x rows not 16-byte aligned"
+    assert args[0] % 16 == 0 and args[14] % 16 == 0, f"{name}: 16-byte weight loads misaligned"
+    q8_product(launch, *args, tokens=tokens, silu=name.endswith("_silu"))
+
+
+def q8_matmul(launch, *args) -> None:
+    N, ntok = args[13], args[15]
+    assert launch.block == (256, 1, 1) and launch.grid[0] * 64 >= N and launch.grid[1] * 64 >= ntok, launch.grid
+    q8_product(launch, *args, tokens=ntok, silu=launch.name.endswith("_silu"))
+
+
+def embed_q8(launch, qs, scales, ids, out, xn, normw, inv_rms, eps, H) -> None:
+    T = launch.grid[0]
+    assert H % 32 == 0
+    for t, row in enumerate(dev(ids, 4 * T, np.int32)):
+        v = q8_dense(qs + int(row) * H, scales + 2 * int(row) * (H // 32), 1, H)[0]
+        f32(out + 4 * t * H, H)[:] = v
+        f32(xn + 4 * t * H, H)[:] = v * f32(normw, H)
+        f32(inv_rms + 4 * t, 1)[0] = 1.0 / np.sqrt(np.mean(np.square(v)) + np.float32(eps))
+
+
+def argmax_rows(launch, logits, V, out) -> None:
+    T = launch.grid[0]
+    dev(out, 4 * T, np.int32)[:] = np.argmax(rows(logits, T, V, V), axis=1)
+
+
+def rmsnorm(v, w, eps):
+    return v / np.sqrt(np.mean(np.square(v)) + np.float32(eps)) * w
+
+
+def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm, inv_freq, eps, layer,
+                         n_layers, n_heads, n_kv, D) -> None:
+    heads, T = launch.grid[0], launch.grid[1]
+    assert heads == n_heads + 2 * n_kv and launch.block[0] == 32 and D % 64 == 0 and D <= 256
+    width, half = heads * D, D // 2
+    freqs = f32(inv_freq, half)
+    for t in range(T):
+        p = int(dev(pos + 4 * t, 4, np.int32)[0])
+        base = int(dev(kvbase + 8 * t, 8, np.int64)[0])
+        angle = np.float32(p) * np.concatenate([freqs, freqs])
+        cos, sin = np.cos(angle), np.sin(angle)
+        for head in range(heads):
+            v = f32(qkv + 4 * (t * width + head * D), D).copy()
+            is_q, is_v = head < n_heads, head >= n_heads + n_kv
+            if is_q:
+                dst = q_out + 4 * (t * n_heads * D + head * D)
+            else:
+                kv_head = head - n_heads - n_kv if is_v else head - n_heads
+                dst = kvpool + 4 * (base + ((p * n_layers + layer) * 2 + int(is_v)) * n_kv * D + kv_head * D)
+            if not is_v:
+                norm_w = q_norm if is_q else k_norm
+                if norm_w:
+                    v = rmsnorm(v, f32(norm_w, D), eps)
+                v = v * cos + np.concatenate([-v[half:], v[:half]]) * sin
+            f32(dst, D)[:] = v
+
+
+def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer,
+                    n_layers, n_heads, n_kv, softmax_scale) -> None:
+    D = int(launch.name.rsplit("_d", 1)[1])
+    n_kv_grid, T, splits = launch.grid
+    group = n_heads // n_kv
+    assert n_kv_grid == n_kv and n_heads % n_kv == 0 and group <= 8 and group * D <= 2048 and splits <= 32
+    assert launch.block == (128, 1, 1)
+    stride_pos = n_layers * 2 * n_kv * D
+    partial_rows = T * n_heads * splits                  # the workspace must fit: [rows, D] + [rows] + [rows]
+    dev(part_acc, 4 * partial_rows * D), dev(part_max, 4 * partial_rows), dev(part_sum, 4 * partial_rows)
+    for t in range(T):
+        for h in range(n_kv):
+            take_ticket(counters + 4 * (t * n_kv + h))
+        n_keys = int(dev(pos + 4 * t, 4, np.int32)[0]) + 1
+        base = int(dev(kvbase + 8 * t, 8, np.int64)[0])
+        cache = rows(kvpool + 4 * (base + layer * 2 * n_kv * D), n_keys, stride_pos, 2 * n_kv * D)
+        keys = cache[:, :n_kv * D].reshape(n_keys, n_kv, D)
+        values = cache[:, n_kv * D:].reshape(n_keys, n_kv, D)
+        qt = f32(q + 4 * t * n_heads * D, n_heads * D).reshape(n_kv, group, D) * np.float32(softmax_scale)
+        scores = np.einsum("hgd,phd->hgp", qt, keys)
+        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        f32(out + 4 * t * n_heads * D, n_heads * D)[:] = np.einsum("hgp,phd->hgd", probs, values).reshape(-1)
+
+
+KERNELS = [
+    (r"q8_gemv_m1_r4(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
+    (r"q8_matmul(_silu)?", q8_matmul),
+    (r"embed_q8", embed_q8),
+    (r"argmax_rows", argmax_rows),
+    (r"qkv_norm_rope_append", qkv_norm_rope_append),
+    (r"attention_split_d(64|128|256)", attention_split),
+]
