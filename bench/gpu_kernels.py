@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from kestrel_stream.benchmark import environment
-from kestrel_stream.cuda import driver
+from kestrel_stream.cuda import driver, gemv_variants
 from kestrel_stream.cuda.kernels import KernelSet, QWeight, attention_launch, gemv_launch
 
 from .report import write_results
@@ -75,29 +75,34 @@ def main() -> None:
         driver.h2d_sync(qs, rng.integers(-127, 128, n * k * copies, dtype=np.int8))
         driver.h2d_sync(scales, np.full(n * k // 32 * copies, 0.01, np.float16))
         x, y = arena.array((64, max(k, n)), np.float32), arena.array((64, n), np.float32)
-        xn, rms, counter = arena.array((64, n), np.float32), arena.array((64,), np.float32), arena.alloc(4)
+        xn, rms, counter = arena.array((64, n), np.float32), arena.array((64,), np.float32), arena.alloc(64)
         driver.h2d_sync(x.ptr, rng.standard_normal((64, max(k, n))).astype(np.float32))
-        driver.h2d_sync(counter, np.zeros(1, np.uint32))
-        for m, rows_per_block in ((1, 2), (1, 4), (2, 2), (4, 2), (8, 2), (64, 2)):
-            for epilogue in (("plain", "silu", "residual+xn+rms") if m == 1 else ("plain",)):
-                extra = {"plain": {}, "silu": dict(silu_pairs=True, inv_rms_in=x.ptr),
-                         "residual+xn+rms": dict(res=y.ptr, normw_out=x.ptr, xn_out=xn.ptr, inv_rms_out=rms.ptr,
-                                                 counter=counter)}[epilogue]
-                launches = [gemv_launch(kernels, QWeight(qs + i * n * k, scales + i * n * k // 16, n, k),
-                                        x.ptr, k, y.ptr, n, m, rows_per_block=rows_per_block, **extra)
-                            for i in range(copies)]
-                us = time_graph_us(stream, lambda i: launches[i % copies].enqueue(stream))
-                gb_s = weight_bytes / us / 1e3
-                name = f"q8_gemv_m{m}" + ("_r4" if rows_per_block == 4 else "") + f" {epilogue}"
-                name = "q8_matmul (64 tokens)" if m > 8 else name
-                rows.append({"kernel": name, "shape": f"{label} {n}x{k}", "M": m,
-                             "us": round(us, 2), "weight_GB_s": round(gb_s, 1),
-                             "TFLOP_s": round(2 * n * k * m / us / 1e6, 2),
-                             "frac_hbm_read": round(gb_s / hbm_read_gb_s, 3),
-                             "frac_d2d_copy": round(gb_s / copy_gb_s, 3)})
-                print(rows[-1], flush=True)
+        driver.h2d_sync(counter, np.zeros(16, np.uint32))
+        cases = [(1, variant, epilogue, programmatic) for variant in gemv_variants.VARIANTS
+                 for epilogue in ("plain", "silu", "residual+xn+rms") for programmatic in (False, True)]
+        cases += [(m, None, "plain", False) for m in (2, 4, 8, 64)]
+        for m, variant, epilogue, programmatic in cases:
+            extra = {"plain": {}, "silu": dict(silu_pairs=True, inv_rms_in=x.ptr),
+                     "residual+xn+rms": dict(res=y.ptr, normw_out=x.ptr, xn_out=xn.ptr, inv_rms_out=rms.ptr,
+                                             counter=counter)}[epilogue]
+            launches = [gemv_launch(kernels, QWeight(qs + i * n * k, scales + i * n * k // 16, n, k),
+                                    x.ptr, k, y.ptr, n, m, variant=variant, **extra)
+                        for i in range(copies)]
+            for launch in launches:
+                launch.programmatic = programmatic
+            us = time_graph_us(stream, lambda i: launches[i % copies].enqueue(stream))
+            gb_s = weight_bytes / us / 1e3
+            name = "q8_matmul (64 tokens)" if m > 8 else f"{launches[0].name} {epilogue}"
+            rows.append({"kernel": name, "shape": f"{label} {n}x{k}", "M": m, "pdl": programmatic,
+                         "us": round(us, 2), "weight_GB_s": round(gb_s, 1),
+                         "TFLOP_s": round(2 * n * k * m / us / 1e6, 2),
+                         "frac_hbm_read": round(gb_s / hbm_read_gb_s, 3),
+                         "frac_d2d_copy": round(gb_s / copy_gb_s, 3)})
+            print(rows[-1], flush=True)
         for ptr in (qs, scales, x.ptr, y.ptr, xn.ptr, rms.ptr, counter):
             arena.free(ptr)
+    best = best_variants(rows)
+    print("\n".join(best), flush=True)
     rows += other_kernels(kernels, arena, stream, rng)
     env = environment()
     env["machine"] = driver.detect()
@@ -106,12 +111,28 @@ def main() -> None:
     notes = (f"Device-to-device copy measured here: {copy_gb_s:.0f} GB/s (read + write). "
              f"frac_hbm_read is against 4460 GB/s, the read-only HBM figure in CUDA_NOTES.md. "
              f"Epilogues: plain; silu (RMSNorm scale + SiLU·mul of gate/up row pairs); residual+xn+rms (residual add, "
-             f"next norm's input, last-block 1/rms). _r4: 4 rows per block, else 2. GB/s counts weight bytes "
-             f"(int8 + fp16 scales) only.")
-    path = write_results("h200-gpu-kernels", env, rows, ["kernel", "shape", "M", "us", "weight_GB_s",
+             f"next norm's input, per-token sums of squares, last-block 1/rms). Kernel suffixes: the "
+             f"single-token layouts of kestrel_stream/cuda/gemv_variants.py (wTrRuU: T threads, R rows per block, "
+             f"U chunks per thread in flight; none: 128x2x2; r4: 128x4x2). pdl: launched with programmatic "
+             f"stream serialization, so consecutive launches of the graph overlap as in a real step. GB/s counts "
+             f"weight bytes (int8 + fp16 scales) only. Fastest single-token layout per shape, epilogue and pdl: " + "; ".join(best))
+    path = write_results("h200-gpu-kernels", env, rows, ["kernel", "shape", "M", "pdl", "us", "weight_GB_s",
                                                          "frac_hbm_read", "frac_d2d_copy", "TFLOP_s"],
                          notes=notes, out_dir=args.out)
     print(f"wrote {path}")
+
+
+def best_variants(rows: list[dict]) -> list[str]:
+    """'shape epilogue pdl: fastest kernel us (frac)' for every single-token case."""
+    best: dict[tuple, dict] = {}
+    for row in rows:
+        if row["M"] != 1:
+            continue
+        key = (row["shape"], row["kernel"].split()[-1], row["pdl"])
+        if key not in best or row["us"] < best[key]["us"]:
+            best[key] = row
+    return [f"{shape} {epilogue} pdl={pdl}: {row['kernel'].split()[0]} {row['us']} us ({row['frac_hbm_read']})"
+            for (shape, epilogue, pdl), row in best.items()]
 
 
 def other_kernels(kernels, arena, stream, rng) -> list[dict]:

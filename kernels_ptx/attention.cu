@@ -30,6 +30,8 @@ __device__ __forceinline__ void attention_split_body(
     __shared__ float merge_max[ATTN_WARPS][ATTN_MAX_GROUP], merge_sum[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ bool is_last_split;
     __shared__ float split_weight[ATTN_MAX_GROUP][ATTN_MAX_SPLITS], split_den[ATTN_MAX_GROUP];
+    pdl_launch_dependents();
+    pdl_wait();   // see common.cuh
     const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_heads / n_kv;

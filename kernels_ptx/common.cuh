@@ -31,3 +31,21 @@ __device__ __forceinline__ float warp_max(float v) {
 }
 
 #define INFINITY __int_as_float(0x7f800000)
+
+// Programmatic dependent launch (sm_90+; no-ops before, and for launches made without the
+// attribute).  Every kernel calls pdl_launch_dependents() first, so the next kernel of the
+// step may be scheduled while this one runs, and pdl_wait() before it touches anything an
+// earlier kernel wrote (or anything an earlier kernel still reads): pdl_wait returns once the
+// preceding grid has completed and its memory is visible, and since that grid waited in turn,
+// the whole step stays ordered.  Only reads of constant weights may come before pdl_wait.
+__device__ __forceinline__ void pdl_wait() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}

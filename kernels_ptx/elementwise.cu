@@ -9,6 +9,8 @@ extern "C" __global__ void __launch_bounds__(256) embed_q8(
         float* __restrict__ out, float* __restrict__ xn, const float* __restrict__ normw,
         float* __restrict__ inv_rms, float eps, int H) {
     __shared__ float warp_sums[8];
+    pdl_launch_dependents();
+    pdl_wait();   // see common.cuh
     const int t = blockIdx.x;
     const long long row = ids[t];
     float sq = 0.f;
@@ -34,6 +36,8 @@ extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __re
                                                                int* __restrict__ out) {
     __shared__ float best_val[32];
     __shared__ int best_idx[32];
+    pdl_launch_dependents();
+    pdl_wait();   // see common.cuh
     const float* row = logits + (long long)blockIdx.x * V;
     float bv = -INFINITY;
     int bi = 0x7fffffff;

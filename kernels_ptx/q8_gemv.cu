@@ -9,19 +9,26 @@
 //   SILU_PAIRS: rows come as (gate j, up j) pairs (interleaved at load), and
 //   y[m, j] = silu(s[2j]) * s[2j + 1]           the MLP activation, in the epilogue
 //   xn[m, n] = y[m, n] * normw_out[n]           when xn_out: the next RMSNorm's input
-//   inv_rms_out[m] = 1/sqrt(mean_n y[m, n]^2 + eps)   by the last block to finish
-//                                               (atomic ticket on `counter`, reset by it)
-// So no GEMV block ever re-reads x to normalise or gate it: the folded prologue
-// work happens once per element, in the epilogue of the kernel that produced it.
+//   inv_rms_out[m] = 1/sqrt(mean_n y[m, n]^2 + eps)
+//                                               each block adds its outputs' squares to
+//                                               a per-token sum (atomics), the last block
+//                                               to finish (atomic ticket) turns the sums
+//                                               into 1/rms and zeroes them and the ticket
+// `counter` is a zeroed 64-byte scratch: [0] the ticket, floats [8..15] the sums.
+// So no GEMV block ever re-reads x to normalise or gate it, and no block re-reads y:
+// the folded work happens once per element, in the epilogue of the kernel that
+// produced it.
 //
-// Work layout: a block of 128 threads owns ROWS (2 or 4) rows; threads split K
-// into 16-byte chunks (half a Q8_0 block) and take UNROLL chunks per iteration
-// so each thread has ROWS*UNROLL independent 16-byte loads in flight.  Few rows
-// per block means many blocks: occupancy is what keeps HBM busy.
+// Work layout: a block of THREADS threads owns ROWS rows; threads split K into
+// 16-byte chunks (half a Q8_0 block) and take UNROLL chunks per iteration, so each
+// thread has ROWS*UNROLL independent 16-byte loads in flight.  The variants trade
+// blocks for bytes in flight per thread (kestrel_stream/cuda/gemv_variants.py):
+// 128 threads x 2 rows suits many rows, one warp x 2 rows x 4 chunks keeps a short
+// K=2048 row's whole weight in flight at once and reduces with shuffles only.
+// The first chunks' weight loads are issued before pdl_wait(): under programmatic
+// dependent launch they overlap the previous kernel's tail.
 #include "common.cuh"
 
-#define GEMV_THREADS 128
-#define GEMV_WARPS (GEMV_THREADS / 32)
 
 __device__ __forceinline__ uint4 load_stream(const void* p) {
     // weights are read once per step: keep them out of L1, which holds x
@@ -33,15 +40,15 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
 
 __device__ __forceinline__ float silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
-template <int M, int ROWS, bool SILU_PAIRS>
+template <int M, int ROWS, bool SILU_PAIRS, int THREADS, int UNROLL>
 __device__ __forceinline__ void q8_gemv_body(
         const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
         float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
-    constexpr int UNROLL = 2;   // 4 with 2 rows measured slower: registers cost occupancy
-    __shared__ float partial[GEMV_WARPS][ROWS * M];
+    constexpr int WARPS = THREADS / 32;
+    __shared__ float partial[WARPS][ROWS * M];
     __shared__ bool is_last_block;
-    __shared__ float block_sums[GEMV_WARPS];
+    pdl_launch_dependents();
     const int row0 = blockIdx.x * ROWS;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
@@ -52,12 +59,12 @@ __device__ __forceinline__ void q8_gemv_body(
         for (int m = 0; m < M; m++) acc[r][m] = 0.f;
 
     const int chunks = K >> 4, scale_stride = K >> 5;
-    for (int c0 = threadIdx.x; c0 < chunks; c0 += GEMV_THREADS * UNROLL) {
+    for (int c0 = threadIdx.x; c0 < chunks; c0 += THREADS * UNROLL) {
         uint4 raw[UNROLL][ROWS];
         float scale[UNROLL][ROWS];
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
-            int c = c0 + u * GEMV_THREADS;
+            int c = c0 + u * THREADS;
 #pragma unroll
             for (int r = 0; r < ROWS; r++) {
                 int row = min(row0 + r, N - 1);   // a clamped row computes garbage that is never stored
@@ -67,9 +74,10 @@ __device__ __forceinline__ void q8_gemv_body(
                 }
             }
         }
+        if (c0 == (int)threadIdx.x) pdl_wait();   // x (and y, res) belong to earlier kernels
 #pragma unroll
         for (int u = 0; u < UNROLL; u++) {
-            int c = c0 + u * GEMV_THREADS;
+            int c = c0 + u * THREADS;
             if (c >= chunks) break;
             float wf[ROWS][16];   // weights converted once per chunk, x loaded once per token
 #pragma unroll
@@ -101,6 +109,7 @@ __device__ __forceinline__ void q8_gemv_body(
         }
     }
 
+    pdl_wait();   // threads with no chunk (K < 16 * threadIdx.x) wait here
 #pragma unroll
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
@@ -113,66 +122,66 @@ __device__ __forceinline__ void q8_gemv_body(
         int i = threadIdx.x, m = i % M;
         float s = 0.f;
 #pragma unroll
-        for (int w = 0; w < GEMV_WARPS; w++) s += partial[w][i];
+        for (int w = 0; w < WARPS; w++) s += partial[w][i];
         if (inv_rms_in) s *= inv_rms_in[m];
         partial[0][i] = s;   // each thread rewrites only its own entry
     }
     __syncthreads();
     const int outputs = SILU_PAIRS ? ROWS / 2 : ROWS;
+    __shared__ float squares[ROWS * M];
     if (threadIdx.x < outputs * M) {
         int r = threadIdx.x / M, m = threadIdx.x % M;
         int col = SILU_PAIRS ? row0 / 2 + r : row0 + r;
+        float s = 0.f;
         if (col < (SILU_PAIRS ? N / 2 : N)) {
-            float s = SILU_PAIRS ? silu_mul(partial[0][(2 * r) * M + m], partial[0][(2 * r + 1) * M + m])
-                                 : partial[0][r * M + m];
+            s = SILU_PAIRS ? silu_mul(partial[0][(2 * r) * M + m], partial[0][(2 * r + 1) * M + m])
+                           : partial[0][r * M + m];
             long long at = (long long)m * ldy + col;
             if (res) s += res[at];
             y[at] = s;
             if (xn_out) xn_out[at] = s * normw_out[col];
         }
+        squares[threadIdx.x] = s * s;   // [r][m]; rows past N add 0
     }
     if (inv_rms_out == nullptr) return;
 
-    __threadfence();   // this block's y is visible device-wide before its ticket is
+    float* sums = (float*)(counter + 8);
+    __syncthreads();
+    if (threadIdx.x < ntok) {
+        float sq = 0.f;
+#pragma unroll
+        for (int r = 0; r < outputs; r++) sq += squares[r * M + threadIdx.x];
+        atomicAdd(sums + threadIdx.x, sq);
+    }
+    __threadfence();   // this block's sums land before its ticket is taken
     __syncthreads();
     if (threadIdx.x == 0) is_last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!is_last_block) return;
     __threadfence();
-    // the whole block per token, loads from L2 (not a possibly stale L1), 4 in flight per thread
-    // (scalar: y rows need not be 16-byte aligned)
-    for (int m = 0; m < ntok; m++) {
-        const float* row = y + (long long)m * ldy;
-        float sq = 0.f;
-#pragma unroll 4
-        for (int k = threadIdx.x; k < N; k += GEMV_THREADS) {
-            float v = __ldcg(row + k);
-            sq += v * v;
-        }
-        sq = warp_sum(sq);
-        if (lane == 0) block_sums[warp] = sq;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float total = 0.f;
-#pragma unroll
-            for (int w = 0; w < GEMV_WARPS; w++) total += block_sums[w];
-            inv_rms_out[m] = 1.0f / sqrtf(total / (float)N + eps);
-        }
-        __syncthreads();
+    if (threadIdx.x < ntok) {
+        float total = atomicExch(sums + threadIdx.x, 0.f);   // read at L2, and zeroed for the next launch
+        inv_rms_out[threadIdx.x] = 1.0f / sqrtf(total / (float)N + eps);
     }
     if (threadIdx.x == 0) *counter = 0u;
 }
 
-#define DEFINE_GEMV(M, ROWS, SILU, NAME)                                                         \
-    extern "C" __global__ void __launch_bounds__(GEMV_THREADS) NAME(                             \
+#define DEFINE_GEMV(M, ROWS, SILU, THREADS, UNROLL, NAME)                                        \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                  \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                    \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
             int ntok) {                                                                          \
-        q8_gemv_body<M, ROWS, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out,      \
-                                    xn_out, inv_rms_out, counter, eps, N, K, ntok);              \
+        q8_gemv_body<M, ROWS, SILU, THREADS, UNROLL>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,\
+                                                     normw_out, xn_out, inv_rms_out, counter,    \
+                                                     eps, N, K, ntok);                           \
     }
-#define DEFINE_GEMV_M(M) DEFINE_GEMV(M, 2, false, q8_gemv_m##M) DEFINE_GEMV(M, 2, true, q8_gemv_m##M##_silu)
+#define DEFINE_GEMV_M(M) DEFINE_GEMV(M, 2, false, 128, 2, q8_gemv_m##M) \
+                         DEFINE_GEMV(M, 2, true, 128, 2, q8_gemv_m##M##_silu)
+// single-token variants: THREADS x ROWS x UNROLL (the names in kestrel_stream/cuda/gemv_variants.py)
+#define DEFINE_GEMV_1(ROWS, THREADS, UNROLL, SUFFIX)                                               \
+    DEFINE_GEMV(1, ROWS, false, THREADS, UNROLL, q8_gemv_m1_##SUFFIX)                            \
+    DEFINE_GEMV(1, ROWS, true, THREADS, UNROLL, q8_gemv_m1_##SUFFIX##_silu)
 
 DEFINE_GEMV_M(1)
 DEFINE_GEMV_M(2)
@@ -182,6 +191,10 @@ DEFINE_GEMV_M(5)
 DEFINE_GEMV_M(6)
 DEFINE_GEMV_M(7)
 DEFINE_GEMV_M(8)
-// 4 rows per block for one token: half the x traffic per weight byte; tall matrices
-DEFINE_GEMV(1, 4, false, q8_gemv_m1_r4)
-DEFINE_GEMV(1, 4, true, q8_gemv_m1_r4_silu)
+DEFINE_GEMV_1(4, 128, 2, r4)         // 4 rows per block: half the x traffic per weight byte
+DEFINE_GEMV_1(2, 32, 4, w32r2u4)     // one warp, 2 rows, 8 loads in flight per lane
+DEFINE_GEMV_1(4, 32, 2, w32r4u2)
+DEFINE_GEMV_1(2, 32, 2, w32r2u2)
+DEFINE_GEMV_1(2, 64, 4, w64r2u4)
+DEFINE_GEMV_1(4, 64, 2, w64r4u2)
+DEFINE_GEMV_1(2, 128, 4, w128r2u4)

@@ -23,6 +23,8 @@ __device__ __forceinline__ void q8_matmul_body(
     __shared__ float w_tile[MM_K][MM_TILE + 4];   // [k][row]; +4 keeps float4 rows aligned, banks spread
     __shared__ float x_tile[MM_K][MM_TILE + 4];   // [k][token]
     __shared__ bool is_last_block;
+    pdl_launch_dependents();
+    pdl_wait();   // see common.cuh
     const int row0 = blockIdx.x * MM_TILE, tok0 = blockIdx.y * MM_TILE;
     const int tx = threadIdx.x & 15, ty = threadIdx.x >> 4;
     const int load_row = threadIdx.x >> 2, load_k = (threadIdx.x & 3) * 8;   // 8 elements per thread

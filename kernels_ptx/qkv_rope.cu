@@ -18,6 +18,8 @@ extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
         const float* __restrict__ k_norm,     // [D] or null
         const float* __restrict__ inv_freq,   // [D/2], computed on the host as the reference does
         float eps, int layer, int n_layers, int n_heads, int n_kv, int D) {
+    pdl_launch_dependents();
+    pdl_wait();   // see common.cuh
     const int head = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
     const int per_lane = D >> 5, half_lanes = per_lane >> 1;
     const int width = (n_heads + 2 * n_kv) * D;

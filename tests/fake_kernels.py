@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fake_cuda import dev
+from kestrel_stream.cuda import gemv_variants
 
 
 def f32(ptr: int, count: int) -> np.ndarray:
@@ -23,10 +24,13 @@ def rows(ptr: int, count: int, stride: int, width: int) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(span, (count, width), (4 * stride, 4))
 
 
-def take_ticket(counter: int) -> None:
-    """The last-block ticket must be zero at launch (each kernel's last block resets it)."""
+def take_ticket(counter: int, sums: bool = False) -> None:
+    """The last-block ticket must be zero at launch (each kernel's last block resets it), and so must
+    the GEMV's per-token sums of squares behind it (floats 8..15 of its 64-byte scratch)."""
     ticket = dev(counter, 4, np.uint32)
     assert ticket[0] == 0, f"ticket counter at {counter:#x} is {ticket[0]}, not 0, at launch"
+    if sums:
+        assert not dev(counter + 32, 32, np.float32).any(), f"GEMV sums at {counter + 32:#x} not zero at launch"
 
 
 def q8_dense(qs: int, scales: int, n: int, k: int) -> np.ndarray:
@@ -45,7 +49,7 @@ def q8_product(launch, qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, x
     assert K % 32 == 0 and qs % 16 == 0 and scales % 2 == 0, (launch.name, K, qs, scales)
     assert not silu or N % 2 == 0, "SiLU pairs need an even row count"
     if inv_rms_out:
-        take_ticket(counter)
+        take_ticket(counter, sums=launch.name.startswith("q8_gemv"))
     s = rows(x, tokens, ldx, K) @ q8_dense(qs, scales, N, K).T                 # [tokens, N]
     if inv_rms_in:
         s *= f32(inv_rms_in, tokens)[:, None]
@@ -63,14 +67,14 @@ def q8_product(launch, qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, x
 
 def q8_gemv(launch, *args) -> None:
     name, N = launch.name, args[13]
-    tokens = int(name[len("q8_gemv_m")])
-    rows_per_block = 4 if "_r4" in name else 2
-    assert launch.block == (128, 1, 1) and launch.grid[1:] == (1, 1), launch.name
-    assert launch.grid[0] * rows_per_block >= N, f"{name}: grid {launch.grid} misses rows of {N}"
+    tokens, variant, silu = gemv_variants.parse(name)
+    assert tokens == 1 or variant == gemv_variants.MULTI_TOKEN, name
+    assert launch.block == (variant.threads, 1, 1) and launch.grid[1:] == (1, 1), launch.name
+    assert launch.grid[0] * variant.rows >= N, f"{name}: grid {launch.grid} misses rows of {N}"
     x, ldx = args[2], args[3]
     assert all((x + 4 * m * ldx) % 16 == 0 for m in range(tokens)), f"{name}: x rows not 16-byte aligned"
     assert args[0] % 16 == 0 and args[14] % 16 == 0, f"{name}: 16-byte weight loads misaligned"
-    q8_product(launch, *args, tokens=tokens, silu=name.endswith("_silu"))
+    q8_product(launch, *args, tokens=tokens, silu=silu)
 
 
 def q8_matmul(launch, *args) -> None:
@@ -151,7 +155,7 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
 
 
 KERNELS = [
-    (r"q8_gemv_m1_r4(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
+    (r"q8_gemv_m1_[a-z0-9]+(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
     (r"q8_matmul(_silu)?", q8_matmul),
     (r"embed_q8", embed_q8),
     (r"argmax_rows", argmax_rows),

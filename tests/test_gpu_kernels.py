@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kestrel_stream.cpu import apply_rope, attention, rmsnorm, rope_tables, silu_mul
-from kestrel_stream.cuda import driver
+from kestrel_stream.cuda import driver, gemv_variants
 from kestrel_stream.quant import quantize
 
 pytestmark = [pytest.mark.gpu,
@@ -17,7 +17,7 @@ class Gpu:
         from kestrel_stream.cuda.kernels import KernelSet, attention_launch, gemv_launch
         self.device = driver.Device(0)
         self.kernels = KernelSet(self.device)
-        self.arena = driver.Arena(512 << 20)
+        self.arena = driver.Arena(2 << 30)
         self.stream = driver.Stream()
         self.gemv_launch = gemv_launch
         self.attention_launch = attention_launch
@@ -49,16 +49,17 @@ def rel_err(got, want):
     return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
-@pytest.mark.parametrize("n,k,tokens", [(38, 96, 1), (100, 160, 3), (258, 544, 5), (64, 2080, 8),
-                                        (130, 320, 13), (1000, 1056, 2), (76, 224, 7), (2048, 6144, 1),
-                                        (6144, 2048, 1), (130, 288, 70), (64, 96, 9)])
+GEMV_SHAPES = [(38, 96, 1), (100, 160, 3), (258, 544, 5), (64, 2080, 8), (130, 320, 13), (1000, 1056, 2),
+               (76, 224, 7), (2048, 6144, 1), (6144, 2048, 1), (130, 288, 70), (64, 96, 9)]
+# every single-token variant on the single-token shapes; the multi-token kernels have one layout
+GEMV_CASES = [(n, k, tokens, variant) for n, k, tokens in GEMV_SHAPES
+              for variant in (gemv_variants.VARIANTS if tokens == 1 else [None])]
+
+
+@pytest.mark.parametrize("n,k,tokens,variant", GEMV_CASES)
 @pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
-@pytest.mark.parametrize("rows_per_block", [2, 4])
-def test_q8_gemv_and_matmul_match_numpy(gpu, n, k, tokens, epilogue, rows_per_block):
+def test_q8_gemv_and_matmul_match_numpy(gpu, n, k, tokens, variant, epilogue):
     """n even (gate/up pairs), K a multiple of 32 not of 256, token counts through GEMV and matmul."""
-    from kestrel_stream.cuda.kernels import QWeight
-    if rows_per_block == 4 and tokens > 1:
-        pytest.skip("4-row blocks exist for single-token GEMVs only")
     rng = np.random.default_rng(n * 7 + k + tokens)
     w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
     x = rng.standard_normal((tokens, k)).astype(np.float32)
@@ -75,12 +76,12 @@ def test_q8_gemv_and_matmul_match_numpy(gpu, n, k, tokens, epilogue, rows_per_bl
     qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
     y = gpu.put(res if epilogue == "residual_xn_rms" else np.zeros((tokens, cols), np.float32))
     xn, inv_rms_out = gpu.put(np.zeros((tokens, n), np.float32)), gpu.put(np.zeros(tokens, np.float32))
-    counter = gpu.put(np.zeros(1, np.uint32))
+    counter = gpu.put(np.zeros(16, np.uint32))   # ticket + the per-token sums of squares
     extra = {"plain": {}, "rmsnorm": {"inv_rms_in": gpu.put(inv_rms_in)},
              "silu_pairs": {"inv_rms_in": gpu.put(inv_rms_in), "silu_pairs": True},
              "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
                                  "inv_rms_out": inv_rms_out, "counter": counter}}[epilogue]
-    gpu.run(gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, cols, tokens, rows_per_block=rows_per_block,
+    gpu.run(gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, cols, tokens, variant=variant,
                             **extra))
     got = gpu.get(y, (tokens, cols))
     assert rel_err(got, want) < 1e-5
@@ -88,7 +89,47 @@ def test_q8_gemv_and_matmul_match_numpy(gpu, n, k, tokens, epilogue, rows_per_bl
         np.testing.assert_allclose(gpu.get(xn, (tokens, n)), got * normw_out, rtol=1e-6)
         np.testing.assert_allclose(gpu.get(inv_rms_out, (tokens,)),
                                    1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6), rtol=1e-5)
-        assert gpu.get(counter, (1,), np.uint32)[0] == 0
+        scratch = gpu.get(counter, (16,), np.uint32)
+        assert scratch[0] == 0 and not scratch[8:].any(), "ticket and sums are zeroed for the next launch"
+
+
+@pytest.mark.parametrize("variant", ["", "w32r2u4"])
+def test_programmatic_chain_keeps_dependencies(gpu, variant):
+    """A chain of dependent GEMVs launched with programmatic stream serialization, in a graph replayed
+    back to back: each reads what the previous wrote (and the residual it overwrites), so an early
+    read would show.  x_{i+1} = x_i + W_i (x_i * 1/rms(x_i)), the rms from the previous epilogue."""
+    rng = np.random.default_rng(7)
+    n, steps = 2048, 12
+    weights = [quantize(rng.standard_normal((n, n)).astype(np.float32) / np.sqrt(n)) for _ in range(steps)]
+    x0 = rng.standard_normal((1, n)).astype(np.float32)
+    want, inv = x0.copy(), 1 / np.sqrt(np.mean(x0 * x0) + 1e-6)
+    for w in weights:
+        want = want + (want @ w.dequantize().T) * inv
+        inv = 1 / np.sqrt(np.mean(want * want) + 1e-6)
+    x, xn = gpu.put(x0), [gpu.put(x0), gpu.put(x0)]   # xn ping-pongs: a GEMV reads one, writes the other
+    rms, counter, ones = gpu.put(np.zeros(2, np.float32)), gpu.put(np.zeros(16, np.uint32)), gpu.put(np.ones(n, np.float32))
+    launches = [gpu.gemv_launch(gpu.kernels, QWeight(gpu.put(w.qs), gpu.put(w.scales), n, n), xn[i % 2], n, x, n,
+                                1, inv_rms_in=rms + 4 * (i % 2), res=x, normw_out=ones, xn_out=xn[1 - i % 2],
+                                inv_rms_out=rms + 4 * (1 - i % 2), counter=counter, variant=variant)
+                for i, w in enumerate(weights)]
+    for launch in launches[1:]:
+        launch.programmatic = True
+    reset = [(x, x0), (xn[0], x0), (rms, np.array([1 / np.sqrt(np.mean(x0 * x0) + 1e-6), 0], np.float32))]
+    for replay in range(3):
+        for ptr, value in reset:
+            driver.h2d_sync(ptr, value)
+        with driver.capture(gpu.stream) as captured:
+            for launch in launches:
+                launch.enqueue(gpu.stream)
+        captured.graph.launch(gpu.stream)
+        gpu.stream.synchronize()
+        captured.graph.destroy()
+        assert rel_err(gpu.get(x, (1, n)), want) < 1e-4, f"replay {replay}"
+    for ptr, value in reset:   # eagerly too
+        driver.h2d_sync(ptr, value)
+    gpu.run(launches)
+    assert rel_err(gpu.get(x, (1, n)), want) < 1e-4, "eager"
+    assert gpu.get(counter, (16,), np.uint32)[0] == 0
 
 
 def kv_address(base, p, layer, n_layers, which, n_kv, d):

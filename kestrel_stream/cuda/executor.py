@@ -19,6 +19,12 @@ with SiLU·mul in its epilogue (gate and up rows interleaved at load); down GEMV
 kernel that writes the residual stream x (embedding, O and down epilogues) also
 writes xn = x * next norm weight and, from its last block, 1/rms(x) per token;
 the consuming GEMV multiplies its dot products by that scale.
+
+On sm_90 and later the kernels after the first are launched with programmatic
+stream serialization: a kernel is scheduled while its predecessor finishes,
+issues its first weight loads (weights are constant), and only then waits for
+the predecessor's results (kernels_ptx/common.cuh).  Launch latency and the
+tail of one kernel hide the DRAM latency of the next.
 """
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ class GpuKV:
 class GpuExecutor:
     name = "cuda"
     use_graphs = True     # False: decode steps launch every kernel eagerly (the bench's baseline)
+    # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
+    programmatic = os.environ.get("KESTREL_PDL", "1") != "0"
 
     def __init__(self, weights: ModelWeights, max_seq_len: int = 4096, max_batch: int = 8,
                  max_sessions: int | None = None, prefill_chunk: int = 64, attention_splits: int = 16,
@@ -201,6 +209,12 @@ class GpuExecutor:
         assert len(ops) == len(out), "LAYER_OPS names each launch of a layer"
         for launch, (op, layer) in zip(out, ops):
             launch.label(op=op, layer=layer)
+        # programmatic dependent launch: each kernel after the first may be scheduled while its
+        # predecessor runs and prefetch its weights; not with streamed weights, whose slot copies
+        # order kernels through events
+        for launch in out[1:]:
+            launch.programmatic = (self.programmatic and not self.window.streamed
+                                   and int(self.device.arch.removeprefix("sm_")) >= 90)
         self._launches[tokens] = out
         return out
 

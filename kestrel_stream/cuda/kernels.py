@@ -11,7 +11,6 @@ set by the builders and the executors) as its args.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +21,7 @@ from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 from .. import trace
 from .device_trace import timed
 from .driver import Device, Stream, check
+from .gemv_variants import VARIANTS, kernel_name, m1_variant
 
 _modules: dict[tuple[str, str], object] = {}
 
@@ -77,6 +77,7 @@ class Launch:
         self.pointers = np.array([self.storage.ctypes.data + 8 * i for i in range(len(args))] or [0], np.uint64)
         self.params_address = self.pointers.ctypes.data
         self.labels: dict = {}          # trace args: op, layer, flops, bytes (see `label`)
+        self._config = None             # a CUlaunchConfig once `programmatic` is set
         for i, value in enumerate(args):
             self.set(i, value)
 
@@ -84,6 +85,27 @@ class Launch:
         """Name what this launch computes for traces (op="qkv", layer=3, flops=..., bytes=...); None is left out."""
         self.labels.update((k, v) for k, v in labels.items() if v is not None)
         return self
+
+    @property
+    def programmatic(self) -> bool:
+        """Launched with programmatic stream serialization (see common.cuh's pdl_wait)."""
+        return self._config is not None
+
+    @programmatic.setter
+    def programmatic(self, enabled: bool) -> None:
+        if not enabled:
+            self._config = None
+            return
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = self.grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = self.block
+        config.sharedMemBytes = self.shared_bytes
+        config.attrs = [attr]
+        config.numAttrs = 1
+        self._config = config
 
     def set(self, index: int, value) -> None:
         kind = self.signature[index]
@@ -100,6 +122,12 @@ class Launch:
 
     def submit(self, stream: Stream) -> None:
         """cuLaunchKernel on `stream`, untraced."""
+        if self._config is not None:
+            self._config.hStream = stream.handle
+            (err,) = cu.cuLaunchKernelEx(self._config, self.function, self.params_address, 0)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                check((err,), f"cuLaunchKernelEx({self.name} grid={self.grid} block={self.block}, programmatic)")
+            return
         gx, gy, gz = self.grid
         bx, by, bz = self.block
         (err,) = cu.cuLaunchKernel(self.function, gx, gy, gz, bx, by, bz, self.shared_bytes,
@@ -119,35 +147,33 @@ class QWeight:
     cols: int
 
 
-# rows per block of the single-token GEMV: 4 (the _r4 variants) for tall matrices, where halving the
-# x traffic per weight byte pays, else 2 (more blocks); KESTREL_GEMV_M1_ROWS forces one
-M1_ROWS_OVERRIDE = int(os.environ.get("KESTREL_GEMV_M1_ROWS", "0"))
 GEMV_SIGNATURE = "pppippipppppfiii"
+GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
 
 def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: int, tokens: int, *,
                 silu_pairs: bool = False, inv_rms_in: int = 0, res: int = 0, normw_out: int = 0,
                 xn_out: int = 0, inv_rms_out: int = 0, counter: int = 0, eps: float = 1e-6,
-                rows_per_block: int | None = None) -> Launch:
+                variant: str | None = None) -> Launch:
     """y = W @ x for `tokens` rows of x, with the epilogues of kernels_ptx/q8_gemv.cu.
 
     The GEMV for up to 8 tokens, the tiled matmul (q8_matmul.cu) beyond.  inv_rms_in scales
     each token's outputs (RMSNorm of an input pre-multiplied by its norm weight); silu_pairs
     reads rows as (gate, up) pairs and writes silu(gate) * up (rows/2 outputs); res is added;
-    xn_out gets y * normw_out; inv_rms_out (+ a zeroed uint32 counter) gets 1/rms(y) per token.
+    xn_out gets y * normw_out; inv_rms_out (+ `counter`, a zeroed GEMV_COUNTER_BYTES scratch)
+    gets 1/rms(y) per token.  variant: a single-token layout of gemv_variants.VARIANTS (by
+    default the one measured fastest for the shape).
     """
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
-    suffix = "_silu" if silu_pairs else ""
     if tokens > 8:
-        launch = kernels.launch("q8_matmul" + suffix, (-(-w.rows // 64), -(-tokens // 64)), (256,),
-                                GEMV_SIGNATURE, args)
+        launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
+                                (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)
     else:
-        rows = 2
-        if tokens == 1:
-            rows = rows_per_block or M1_ROWS_OVERRIDE or (4 if w.rows >= 6144 else 2)
-        name = f"q8_gemv_m{tokens}" + ("_r4" if rows == 4 else "") + suffix
-        launch = kernels.launch(name, (-(-w.rows // rows),), (128,), GEMV_SIGNATURE, args)
+        suffix = "" if tokens > 1 else (m1_variant(w.rows, w.cols) if variant is None else variant)
+        shape = VARIANTS[suffix]
+        launch = kernels.launch(kernel_name(tokens, suffix, silu_pairs), (-(-w.rows // shape.rows),),
+                                (shape.threads,), GEMV_SIGNATURE, args)
     # weight bytes: int8 values + one fp16 scale per 32
     return launch.label(flops=2 * w.rows * w.cols * tokens, bytes=w.rows * w.cols + w.rows * (w.cols // 32) * 2)
 

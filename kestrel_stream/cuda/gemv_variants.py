@@ -1,0 +1,55 @@
+"""The single-token q8 GEMV variants of kernels_ptx/q8_gemv.cu and which one each shape gets.
+
+A variant is THREADS x ROWS x UNROLL: a block of THREADS threads owns ROWS weight rows
+and each thread keeps ROWS*UNROLL 16-byte weight loads in flight.  Kernel names are
+q8_gemv_m1 + suffix (+ "_silu"); "" is the 128 x 2 x 2 kernel that also serves M = 2..8.
+Pure Python: the emulated executor tests and the bench read it without a driver.
+"""
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+
+class Variant(NamedTuple):
+    threads: int
+    rows: int
+    unroll: int
+
+
+VARIANTS = {"": Variant(128, 2, 2), "r4": Variant(128, 4, 2), "w32r2u4": Variant(32, 2, 4),
+            "w32r4u2": Variant(32, 4, 2), "w32r2u2": Variant(32, 2, 2), "w64r2u4": Variant(64, 2, 4),
+            "w64r4u2": Variant(64, 4, 2), "w128r2u4": Variant(128, 2, 4)}
+
+MULTI_TOKEN = VARIANTS[""]   # q8_gemv_m2..m8
+
+
+def m1_variant(rows: int, cols: int) -> str:
+    """The variant suffix for a single-token GEMV of a rows x cols weight.
+
+    KESTREL_GEMV_M1=<suffix> forces one (KESTREL_GEMV_M1_ROWS=4 / 2, the older switch, means
+    "r4" / "").  Otherwise the choice measured fastest at the model shapes on the H200
+    (bench/gpu_kernels.py).
+    """
+    forced = os.environ.get("KESTREL_GEMV_M1")
+    if forced is None and os.environ.get("KESTREL_GEMV_M1_ROWS"):
+        forced = {"4": "r4", "2": ""}.get(os.environ["KESTREL_GEMV_M1_ROWS"])
+    if forced is not None:
+        if forced not in VARIANTS:
+            raise ValueError(f"KESTREL_GEMV_M1={forced!r}: not a GEMV variant; one of "
+                             f"{', '.join(repr(v) for v in VARIANTS)}")
+        return forced
+    return "r4" if rows >= 6144 else ""
+
+
+def kernel_name(tokens: int, suffix: str, silu: bool) -> str:
+    name = f"q8_gemv_m{tokens}" + (f"_{suffix}" if suffix else "")
+    return name + ("_silu" if silu else "")
+
+
+def parse(name: str) -> tuple[int, Variant, bool]:
+    """(tokens, variant, silu) of a q8_gemv kernel name."""
+    silu = name.endswith("_silu")
+    core = name[:-len("_silu")] if silu else name
+    head, _, suffix = core[len("q8_gemv_m"):].partition("_")
+    return int(head), VARIANTS[suffix], silu
