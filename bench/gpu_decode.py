@@ -87,11 +87,17 @@ def main() -> None:
             gpu.forward(step_batch(args.prompt_len + step))
         decode_s = time.perf_counter() - t0
         syncs = gpu.stats["syncs"] - syncs0
+        gpu.forward_greedy(step_batch(args.prompt_len))   # capture the greedy graph
+        t0 = time.perf_counter()
+        for step in range(1, args.new_tokens + 1):
+            gpu.forward_greedy(step_batch(args.prompt_len + step))
+        greedy_s = time.perf_counter() - t0
         graph_us = replay_us(gpu, batch)
         step_ms = decode_s / args.new_tokens * 1000
         row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "prefill_tok_s": round(batch * args.prompt_len / prefill_s, 1),
                "decode_tok_s": round(batch * args.new_tokens / decode_s, 1),
+               "greedy_tok_s": round(batch * args.new_tokens / greedy_s, 1),
                "ms_per_step": round(step_ms, 3), "gpu_ms_per_step": round(graph_us / 1000, 3),
                "syncs_per_step": syncs / args.new_tokens,
                "weight_GB_s": round(weight_bytes / (step_ms / 1000) / 1e9, 1),
@@ -104,15 +110,17 @@ def main() -> None:
     env = environment()
     env.update(machine=driver.detect(), commit=args.commit or env["commit"], d2d_copy_GB_s=round(copy_gb_s, 1),
                weight_MB=round(weight_bytes / 1e6, 1), load_s=round(load_s, 2),
-               kernels_per_step=gpu._graph_kernels.get(1))
+               kernels_per_step=gpu._graph_kernels.get((1, False)))
     notes = (f"qwen3-1.7b shape (28 layers, hidden 2048, intermediate 6144, 16/8 heads, head_dim 128, "
              f"vocab 151936, tied), random Q8_0 weights, {weight_bytes / 1e6:.0f} MB read per step. "
              f"Device-to-device copy measured here: {copy_gb_s:.0f} GB/s (read + write). "
              f"ms_per_step: end to end through forward() (graph replay, one sync, logits copy to host); "
+             f"greedy_tok_s: through forward_greedy() (the argmax on the device, 4 bytes per token back), "
+             f"what generate() and greedy daemon decodes use; "
              f"gpu_ms_per_step: back-to-back graph replays timed with events. "
-             f"{gpu._graph_kernels.get(1)} kernels per decode step.")
+             f"{gpu._graph_kernels.get((1, False))} kernels per decode step.")
     path = write_results("h200-gpu-decode", env, rows,
-                         ["batch", "prompt_len", "new_tokens", "prefill_tok_s", "decode_tok_s", "ms_per_step",
+                         ["batch", "prompt_len", "new_tokens", "prefill_tok_s", "decode_tok_s", "greedy_tok_s", "ms_per_step",
                           "gpu_ms_per_step", "syncs_per_step", "weight_GB_s", "frac_d2d_copy",
                           "frac_hbm_read_gpu_only"], notes=notes, out_dir=args.out)
     print(f"wrote {path}")
@@ -121,7 +129,7 @@ def main() -> None:
 
 def replay_us(gpu: GpuExecutor, bucket: int, replays: int = 20) -> float:
     """GPU time of one decode step: the bucket's graph replayed back to back (same positions)."""
-    graph = gpu._graphs[bucket]
+    graph = gpu._graphs[(bucket, False)]
     start, stop = driver.Event(timing=True), driver.Event(timing=True)
     start.record(gpu.stream)
     for _ in range(replays):

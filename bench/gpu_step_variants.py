@@ -35,6 +35,11 @@ def measure(gpu: GpuExecutor, kv, policy: str, programmatic: bool, context: int,
     gpu._graphs.clear()
     gpu._launches.clear()
     token = np.array([17])
+    gpu.forward_greedy([(kv, token, context)])      # capture the greedy graph too
+    t0 = time.perf_counter()
+    for step in range(steps):
+        gpu.forward_greedy([(kv, token, context)])
+    greedy_ms = (time.perf_counter() - t0) / steps * 1e3
     gpu.forward([(kv, token, context)])             # capture
     t0 = time.perf_counter()
     for step in range(steps):
@@ -44,6 +49,7 @@ def measure(gpu: GpuExecutor, kv, policy: str, programmatic: bool, context: int,
     label = policy if policy else "base"
     return {"gemv_m1": label, "programmatic": programmatic, "gpu_us_per_step": round(gpu_us, 1),
             "ms_per_step": round(e2e_ms, 3), "tok_s": round(1000 / e2e_ms, 1),
+            "greedy_tok_s": round(1000 / greedy_ms, 1),
             "frac_hbm_read_gpu_only": round(gpu.weights.quantized_bytes() / gpu_us / 1e3 / HBM_READ_GB_S, 3)}
 
 
@@ -67,9 +73,10 @@ def main() -> None:
     env.update(machine=driver.detect(), commit=args.commit or env["commit"])
     notes = (f"qwen3-1.7b shape, random Q8_0 weights, batch 1 at position {args.context}; gpu_us_per_step: "
              f"median of 5 x 20 back-to-back graph replays; ms_per_step: {args.steps} forward() calls end to end "
-             f"(replay, one sync, logits to host). gemv_m1: the single-token GEMV layout (default = by shape; base = 128 threads x 2 rows x 2).")
+             f"(replay, one sync, logits to host); greedy_tok_s: forward_greedy() (argmax on the device). gemv_m1: the single-token GEMV layout (default = by shape; base = 128 threads x 2 rows x 2).")
     path = write_results("h200-step-variants", env, rows, ["gemv_m1", "programmatic", "gpu_us_per_step",
-                                                           "ms_per_step", "tok_s", "frac_hbm_read_gpu_only"],
+                                                           "ms_per_step", "tok_s", "greedy_tok_s",
+                                                           "frac_hbm_read_gpu_only"],
                          notes=notes, out_dir=args.out)
     print(f"wrote {path}")
     gpu.close()

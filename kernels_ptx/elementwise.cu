@@ -30,40 +30,77 @@ extern "C" __global__ void __launch_bounds__(256) embed_q8(
     }
 }
 
-// out[t] = first index of the largest logits[t, :] (numpy argmax's tie rule);
-// grid T, block 1024
-extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int V,
-                                                               int* __restrict__ out) {
+// (value, index) of the largest element, first index on ties (numpy argmax's rule), over a
+// block: every thread passes its candidate, thread 0 gets the block's.  A thread with no
+// candidate passes (-inf, INT_MAX).
+__device__ __forceinline__ void argmax_merge(float& bv, int& bi, float ov, int oi) {
+    if (ov > bv || (ov == bv && oi < bi) || (bi == 0x7fffffff && oi != 0x7fffffff)) { bv = ov; bi = oi; }
+}
+
+__device__ __forceinline__ void block_argmax(float& bv, int& bi) {
     __shared__ float best_val[32];
     __shared__ int best_idx[32];
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1)
+        argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, offset), __shfl_xor_sync(0xffffffffu, bi, offset));
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    if (lane == 0) { best_val[warp] = bv; best_idx[warp] = bi; }
+    __syncthreads();
+    if (warp == 0) {
+        bv = lane < warps ? best_val[lane] : -INFINITY;
+        bi = lane < warps ? best_idx[lane] : 0x7fffffff;
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1)
+            argmax_merge(bv, bi, __shfl_xor_sync(0xffffffffu, bv, offset), __shfl_xor_sync(0xffffffffu, bi, offset));
+    }
+    __syncthreads();   // best_* may be reused by the caller's next call
+}
+
+// out[t] = argmax logits[t, 0:V]; grid T, block 1024 (one block per row)
+extern "C" __global__ void __launch_bounds__(1024) argmax_rows(const float* __restrict__ logits, int V,
+                                                               int* __restrict__ out) {
     pdl_launch_dependents();
     pdl_wait();   // see common.cuh
     const float* row = logits + (long long)blockIdx.x * V;
     float bv = -INFINITY;
     int bi = 0x7fffffff;
-    for (int i = threadIdx.x; i < V; i += blockDim.x) {
-        float v = row[i];
-        if (v > bv) { bv = v; bi = i; }   // strided ascending: first hit wins ties
+    for (int i = threadIdx.x; i < V; i += blockDim.x) argmax_merge(bv, bi, row[i], i);   // ascending: ties keep the first
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) out[blockIdx.x] = bi;
+}
+
+// The same over grid (S, T): block s of row t scans a 1/S slice and leaves its (value, index)
+// in part_val/part_idx [T, S]; the row's last block to finish (ticket in counters[t], reset
+// by it) merges the S candidates.  The greedy decode step's only output: 4 bytes per token.
+extern "C" __global__ void __launch_bounds__(256) argmax_split(
+        const float* __restrict__ logits, int V, float* part_val, int* part_idx, unsigned int* counters,
+        int* __restrict__ out) {
+    __shared__ bool is_last;
+    pdl_launch_dependents();
+    pdl_wait();
+    const int s = blockIdx.x, S = gridDim.x, t = blockIdx.y;
+    const int per = (V + S - 1) / S, begin = s * per, end = min(begin + per, V);
+    const float* row = logits + (long long)t * V;
+    float bv = -INFINITY;
+    int bi = 0x7fffffff;
+    for (int i = begin + threadIdx.x; i < end; i += blockDim.x) argmax_merge(bv, bi, row[i], i);
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) {
+        part_val[t * S + s] = bv;
+        part_idx[t * S + s] = bi;
+        __threadfence();
+        is_last = atomicAdd(counters + t, 1u) == (unsigned int)(S - 1);
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-        float ov = __shfl_xor_sync(0xffffffffu, bv, offset);
-        int oi = __shfl_xor_sync(0xffffffffu, bi, offset);
-        if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-    }
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    if (lane == 0) { best_val[warp] = bv; best_idx[warp] = bi; }
     __syncthreads();
-    if (warp == 0) {
-        int warps = blockDim.x >> 5;
-        bv = lane < warps ? best_val[lane] : -INFINITY;
-        bi = lane < warps ? best_idx[lane] : 0x7fffffff;
-#pragma unroll
-        for (int offset = 16; offset > 0; offset >>= 1) {
-            float ov = __shfl_xor_sync(0xffffffffu, bv, offset);
-            int oi = __shfl_xor_sync(0xffffffffu, bi, offset);
-            if (ov > bv || (ov == bv && oi < bi)) { bv = ov; bi = oi; }
-        }
-        if (lane == 0) out[blockIdx.x] = bi;
+    if (!is_last) return;
+    __threadfence();
+    bv = -INFINITY;
+    bi = 0x7fffffff;
+    for (int i = threadIdx.x; i < S; i += blockDim.x)
+        argmax_merge(bv, bi, __ldcg(part_val + t * S + i), __ldcg(part_idx + t * S + i));
+    block_argmax(bv, bi);
+    if (threadIdx.x == 0) {
+        out[t] = bi;
+        counters[t] = 0u;
     }
 }

@@ -159,17 +159,28 @@ class Engine:
                                     f"is outside the vocabulary 0..{self.config.vocab_size - 1}")
         return arr.astype(np.int64)
 
-    def step(self, items: list[tuple["Session", np.ndarray]]) -> list[np.ndarray]:
-        """One executor step over several sessions; all inputs were validated by the caller."""
+    def step(self, items: list[tuple["Session", np.ndarray]], greedy: bool = False):
+        """One executor step over several sessions; all inputs were validated by the caller.
+
+        Logits [n_i, V] per session, or with greedy=True each session's greedy next token (int64 [B]):
+        an executor with forward_greedy (gpu mode) then takes the argmax on the device and copies
+        back 4 bytes per token instead of the logits."""
+        batch = [(s.kv, ids, s.position) for s, ids in items]
         with self._lock, trace.step(sum(len(ids) for _, ids in items), sessions=len(items)):
-            outs = self.executor.forward([(s.kv, ids, s.position) for s, ids in items])
+            if not greedy:
+                out = self.executor.forward(batch)
+            elif hasattr(self.executor, "forward_greedy"):
+                out = self.executor.forward_greedy(batch)
+            else:
+                out = np.array([int(np.argmax(logits[-1])) for logits in self.executor.forward(batch)], np.int64)
         for s, ids in items:
             s.position += len(ids)
             s.tokens.extend(int(t) for t in ids)
-        return outs
+        return out
 
-    def decode_batch(self, pairs: list[tuple["Session", int]]) -> np.ndarray:
-        """One batched decode step: logits [B, vocab], row i for pairs[i]."""
+    def decode_batch(self, pairs: list[tuple["Session", int]], greedy: bool = False) -> np.ndarray:
+        """One batched decode step: logits [B, vocab], row i for pairs[i]; greedy=True: the greedy
+        next token of each instead (int64 [B])."""
         if not pairs:
             raise InvalidTokenError("decode_batch: no (session, token) pairs given")
         if len({id(s) for s, _ in pairs}) != len(pairs):
@@ -182,6 +193,8 @@ class Engine:
             ids = self.check_tokens([token], f"decode_batch item {i} (session {s.id})")
             s._check_room(1)
             items.append((s, ids))
+        if greedy:
+            return self.step(items, greedy=True)
         return np.stack([out[0] for out in self.step(items)])
 
     def generate(self, prompt_ids, max_new_tokens: int) -> GenerateResult:
@@ -196,7 +209,7 @@ class Engine:
             mid = dict(self.executor.stats)
             tokens = [token] if max_new_tokens > 0 else []
             for _ in range(max_new_tokens - 1):
-                token = int(np.argmax(s.decode(token)))
+                token = s.decode_greedy(token)
                 tokens.append(token)
             t2 = time.perf_counter()
             after = self.executor.stats
@@ -250,6 +263,13 @@ class Session:
         arr = self.engine.check_tokens([token], f"session {self.id} decode")
         self._check_room(1)
         return self.engine.step([(self, arr)])[0][0]
+
+    def decode_greedy(self, token: int) -> int:
+        """Append one token; the greedy next token (argmax of the logits, on the device in gpu mode)."""
+        self._check_open()
+        arr = self.engine.check_tokens([token], f"session {self.id} decode")
+        self._check_room(1)
+        return int(self.engine.step([(self, arr)], greedy=True)[0])
 
     def reset(self) -> None:
         """Forget the sequence; the KV cache is reused from position 0."""

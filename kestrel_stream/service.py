@@ -271,15 +271,17 @@ class Service:
             return
         started = time.perf_counter()
         try:
-            logits = self.engine.decode_batch([(job.session, job.token) for job in runnable])   # [B, V]
+            pairs = [(job.session, job.token) for job in runnable]
+            greedy = all(job.want == "token" for job in runnable)    # then the device takes the argmax
+            out = self.engine.decode_batch(pairs, greedy=greedy)   # tokens [B] or logits [B, V]
         except Exception as e:          # a device failure fails this step's requests, not the daemon
             for job in runnable:
                 job.error = e
             return
         self.counters["decode_steps"] += 1
         self.counters["decode_step_s"] += time.perf_counter() - started
-        for job, row in zip(runnable, logits):
-            job.result = answer(row[None, :], job.want, job.k)
+        for job, row in zip(runnable, out):
+            job.result = ({"token": int(row)}, {}) if greedy else answer(row[None, :], job.want, job.k)
             if job.reply is not None:
                 job.answered = job.reply(*job.result)
 

@@ -98,6 +98,14 @@ def argmax_rows(launch, logits, V, out) -> None:
     dev(out, 4 * T, np.int32)[:] = np.argmax(rows(logits, T, V, V), axis=1)
 
 
+def argmax_split(launch, logits, V, part_val, part_idx, counters, out) -> None:
+    S, T = launch.grid[0], launch.grid[1]
+    assert launch.block == (256, 1, 1) and 1 <= S <= 1024, launch.name
+    for t in range(T):
+        take_ticket(counters + 4 * t)
+    dev(out, 4 * T, np.int32)[:] = np.argmax(rows(logits, T, V, V), axis=1)
+
+
 def rmsnorm(v, w, eps):
     return v / np.sqrt(np.mean(np.square(v)) + np.float32(eps)) * w
 
@@ -159,6 +167,7 @@ KERNELS = [
     (r"q8_matmul(_silu)?", q8_matmul),
     (r"embed_q8", embed_q8),
     (r"argmax_rows", argmax_rows),
+    (r"argmax_split", argmax_split),
     (r"qkv_norm_rope_append", qkv_norm_rope_append),
     (r"attention_split_d(64|128|256)", attention_split),
 ]

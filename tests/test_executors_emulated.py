@@ -188,6 +188,38 @@ def test_decode_batch_equals_solo(model, emulated, name):
     engine.close()
 
 
+@pytest.mark.parametrize("fraction", [None, 0.25])
+def test_greedy_steps_take_the_argmax_on_the_device(model, emulated, fraction):
+    """forward_greedy: the same tokens as argmax of the logits, for a batch of 3 (bucket 4) and alone,
+    with one sync and 4 bytes back per token; generate() and the greedy decode_batch go through it."""
+    weights, reference = model
+    engine = gpu_engine(weights, fraction)
+    gpu = engine.executor
+    prompts = [[1, 2, 3], [7], [9, 8, 7, 6, 5]]
+    sessions = [engine.new_session() for _ in prompts]
+    expected = []
+    for s, prompt in zip(sessions, prompts):
+        expected.append(int(np.argmax(s.prefill(prompt)[-1])))
+    for _ in range(3):
+        before = dict(gpu.stats)
+        tokens = engine.decode_batch(list(zip(sessions, expected)), greedy=True)
+        assert gpu.stats["syncs"] - before["syncs"] == 1
+        assert gpu.stats["d2h_bytes"] - before["d2h_bytes"] == 4 * 4      # bucket 4, one int32 each
+        check = [engine.new_session() for _ in prompts]
+        for c, s in zip(check, sessions):            # the same history through the logits path
+            c.prefill(s.tokens[:-1])
+        logits = engine.decode_batch([(c, s.tokens[-1]) for c, s in zip(check, sessions)])
+        np.testing.assert_array_equal(tokens, logits.argmax(axis=1))
+        for c in check:
+            c.close()
+        expected = [int(t) for t in tokens]
+    assert (4, True) in gpu._graphs, sorted(gpu._graphs)   # a greedy graph beside the logits ones
+    result = engine.generate(PROMPTS[0], DECODE_STEPS + 1)
+    np.testing.assert_array_equal(result.tokens, reference[0][len(PROMPTS[0]) - 1:].argmax(axis=1))
+    assert result.stats["syncs_per_token"] == 1
+    engine.close()
+
+
 @pytest.mark.parametrize("name", ["gpu-streaming", "gated-split-qkv"])
 def test_profiled_paths(model, emulated, name):
     """KESTREL_PROF=1: streamed steps run eagerly with timing events; split steps sync per GPU segment."""

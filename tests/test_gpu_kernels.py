@@ -236,6 +236,25 @@ def test_embed_q8_and_argmax(gpu):
     np.testing.assert_array_equal(gpu.get(result, (3,), np.int32), logits.argmax(axis=1))
 
 
+@pytest.mark.parametrize("vocab,splits", [(151936, 64), (1000, 7), (37, 64)])
+def test_argmax_split_matches_numpy(gpu, vocab, splits):
+    """Ties across slices (first index wins), a row of -inf (index 0, as numpy), repeated launches
+    (the per-row tickets reset themselves), more splits than elements."""
+    rng = np.random.default_rng(vocab)
+    logits = rng.standard_normal((5, vocab)).astype(np.float32)
+    logits[1, [3, vocab - 2]] = 50.0
+    logits[2, :] = -np.inf
+    logits[3, vocab // 2:] = 9.0
+    partials, counters = gpu.arena.alloc(2 * 5 * splits * 4), gpu.put(np.zeros(5, np.uint32))
+    result, data = gpu.arena.alloc(5 * 4), gpu.put(logits)
+    launch = gpu.kernels.launch("argmax_split", (splits, 5), (256,), "pipppp",
+                                [data, vocab, partials, partials + 5 * splits * 4, counters, result])
+    for _ in range(3):
+        gpu.run(launch)
+        np.testing.assert_array_equal(gpu.get(result, (5,), np.int32), logits.argmax(axis=1))
+    assert not gpu.get(counters, (5,), np.uint32).any()
+
+
 def test_graph_replay_reads_step_values_from_device(gpu):
     """One captured graph serves every step: its H2D node copies whatever the pinned block holds."""
     staging = driver.PinnedBuffer(16)

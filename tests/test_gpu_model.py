@@ -103,3 +103,19 @@ def test_batched_decode_uses_padded_buckets_and_matches_cpu():
     gpu.free_kv(sessions[0][1])
     assert gpu.arena.used_bytes < free_before
     gpu.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_greedy_generate_takes_the_argmax_on_the_device(arch):
+    """generate() in gpu mode: each decode step's argmax on the device, 4 bytes back, one sync; the
+    same tokens as the CPU engine."""
+    from kestrel_stream.engine import Engine
+    weights = random_weights(arch, seed=6)
+    prompt = [3, 141, 59, 26, 235, 89, 79]
+    want = Engine(weights, device="cpu", max_seq_len=64).generate(prompt, 16)
+    engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=64)
+    got = engine.generate(prompt, 16)
+    assert got.tokens == want.tokens
+    assert got.stats["syncs_per_token"] == 1 and got.stats["d2h_bytes"] == 4 * 15
+    assert (1, True) in engine.executor._graphs
+    engine.close()

@@ -115,10 +115,18 @@ class GpuExecutor:
         self.staged_pos = self.staging.view(np.int32, (T,), 12 * T)
         self.host_logits = driver.PinnedBuffer(T * V * 4)
         self.host_logits_view = self.host_logits.view(np.float32, (T, V))
+        # greedy steps: argmax on the device, 4 bytes per token back (argmax_split's partials and tickets)
+        self.argmax_splits = 64
+        self.argmax_partials = a.array((2 * T * self.argmax_splits,), np.float32)
+        self.argmax_counters = a.array((T,), np.uint32)
+        self.argmax_out = a.array((T,), np.int32)
+        driver.h2d_sync(self.argmax_counters.ptr, np.zeros(T, np.uint32))
+        self.host_tokens = driver.PinnedBuffer(T * 4)
+        self.host_tokens_view = self.host_tokens.view(np.int32, (T,))
         self._scratch_kv = self.alloc_kv(1)
         self._launches: dict[int, list[Launch]] = {}
-        self._graphs: dict[int, driver.Graph] = {}
-        self._graph_kernels: dict[int, int] = {}
+        self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
+        self._graph_kernels: dict[tuple[int, bool], int] = {}
         self._prof_events = (driver.Event(timing=True), driver.Event(timing=True)) if prof.enabled else ()
         self.buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
 
@@ -218,13 +226,31 @@ class GpuExecutor:
         self._launches[tokens] = out
         return out
 
-    def _enqueue_step(self, tokens: int) -> int:
-        """Params H2D, every kernel, logits D2H on the compute stream; returns the kernel count."""
+    def _enqueue_step(self, tokens: int, greedy: bool = False) -> int:
+        """Params H2D, every kernel, the logits (or, greedy, each row's argmax) D2H on the compute
+        stream; returns the kernel count."""
         driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
         launches = self._step_launches(tokens)
         self.window.enqueue_step(launches, self.stream)   # streamed weights: copies + slot events
-        driver.d2h_async(self.host_logits, self.logits.ptr, tokens * self.config.vocab_size * 4, self.stream)
-        return len(launches)
+        if not greedy:
+            driver.d2h_async(self.host_logits, self.logits.ptr, tokens * self.config.vocab_size * 4, self.stream)
+            return len(launches)
+        self._argmax_launch(tokens).enqueue(self.stream)
+        driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
+        return len(launches) + 1
+
+    def _argmax_launch(self, tokens: int) -> Launch:
+        key = ("argmax", tokens)
+        if key not in self._launches:
+            S, T = self.argmax_splits, self.max_tokens
+            launch = self.kernels.launch(
+                "argmax_split", (S, tokens), (256,), "pipppp",
+                [self.logits.ptr, self.config.vocab_size, self.argmax_partials.ptr,
+                 self.argmax_partials.ptr + 4 * T * S, self.argmax_counters.ptr, self.argmax_out.ptr])
+            launch.label(op="argmax")
+            launch.programmatic = self._step_launches(tokens)[-1].programmatic
+            self._launches[key] = launch
+        return self._launches[key]
 
     def _stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:
         for i, (kv, token, position) in enumerate(rows):
@@ -233,43 +259,62 @@ class GpuExecutor:
             self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = self._scratch_kv.base_elements, 0, 0
 
     # ---- one step ------------------------------------------------------------------------------
-    def forward(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> list[np.ndarray]:
-        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] float32 each."""
-        self.device.make_current()
+    def _rows(self, batch) -> list[tuple[GpuKV, int, int]]:
         rows = []
         for kv, tokens, start in batch:
             tokens = np.asarray(tokens, np.int64).reshape(-1)
             if start + len(tokens) > kv.capacity:
                 raise ValueError(f"KV cache holds {kv.capacity} positions; step needs {start + len(tokens)}")
             rows.extend((kv, int(t), start + i) for i, t in enumerate(tokens))
+        return rows
+
+    def _replayable(self, batch, rows) -> bool:
+        """A decode step (one token per session, at most max_batch) with no timed streaming: a graph."""
+        self.window.timing = self.window.wants_timing()     # timed streamed steps run eagerly
+        return (self.use_graphs and not self.window.timing and len(rows) <= self.max_batch
+                and all(len(np.atleast_1d(t)) == 1 for _, t, _ in batch))
+
+    def _replay(self, rows, greedy: bool) -> dict:
+        """Stage the rows, launch (capturing once) the bucket's graph, wait: the step's one sync.
+        Returns the profile stages so far (KESTREL_PROF) for the caller to complete and record."""
+        bucket = next(b for b in self.buckets if b >= len(rows))
+        self._stage(rows, bucket)
+        key = (bucket, greedy)
+        if key not in self._graphs:
+            with driver.capture(self.stream) as captured:
+                kernel_count = self._enqueue_step(bucket, greedy)
+            self._graphs[key] = captured.graph
+            self._graph_kernels[key] = kernel_count
+            self.stats["graphs_captured"] += 1
+        started = time.perf_counter()
+        if prof.enabled:
+            self._prof_events[0].record(self.stream)
+        self._graphs[key].launch(self.stream)
+        if prof.enabled:
+            self._prof_events[1].record(self.stream)
+        self.stream.synchronize()
+        waited = time.perf_counter()
+        self._count(launches=1, kernels=self._graph_kernels[key],
+                    d2h=bucket * 4 if greedy else bucket * self.config.vocab_size * 4)
+        self.stats["graph_replays"] += 1
+        if not prof.enabled:
+            return {}
+        # one offloaded call per step: the replay's GPU time, the rest of the wait (+ the copy out, by the caller)
+        gpu_us = self._prof_events[1].elapsed_ms(self._prof_events[0]) * 1e3
+        return {"gemm": gpu_us, "d2h+sync": max((waited - started) * 1e6 - gpu_us, 0.0)}
+
+    def forward(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] float32 each."""
+        self.device.make_current()
+        rows = self._rows(batch)
         V = self.config.vocab_size
         logits = np.empty((len(rows), V), np.float32)
-        self.window.timing = self.window.wants_timing()     # timed streamed steps run eagerly
-        if (self.use_graphs and not self.window.timing and all(len(np.atleast_1d(t)) == 1 for _, t, _ in batch)
-                and len(rows) <= self.max_batch):
-            bucket = next(b for b in self.buckets if b >= len(rows))
-            self._stage(rows, bucket)
-            if bucket not in self._graphs:
-                with driver.capture(self.stream) as captured:
-                    kernel_count = self._enqueue_step(bucket)
-                self._graphs[bucket] = captured.graph
-                self._graph_kernels[bucket] = kernel_count
-                self.stats["graphs_captured"] += 1
+        if self._replayable(batch, rows):
+            stages = self._replay(rows, greedy=False)
             started = time.perf_counter()
-            if prof.enabled:
-                self._prof_events[0].record(self.stream)
-            self._graphs[bucket].launch(self.stream)
-            if prof.enabled:
-                self._prof_events[1].record(self.stream)
-            self.stream.synchronize()
-            waited = time.perf_counter()
-            self._count(launches=1, kernels=self._graph_kernels[bucket], d2h=bucket * V * 4)
-            self.stats["graph_replays"] += 1
             logits[:] = self.host_logits_view[:len(rows)]
-            if prof.enabled:   # one offloaded call per step: the replay's GPU time, the rest of the wait, the copy out
-                gpu_us = self._prof_events[1].elapsed_ms(self._prof_events[0]) * 1e3
-                prof.record_call({"gemm": gpu_us, "d2h+sync": max((waited - started) * 1e6 - gpu_us, 0.0),
-                                  "reduce": (time.perf_counter() - waited) * 1e6})
+            if prof.enabled:
+                prof.record_call({**stages, "reduce": (time.perf_counter() - started) * 1e6})
         else:
             for lo in range(0, len(rows), self.max_tokens):
                 chunk = rows[lo:lo + self.max_tokens]
@@ -286,6 +331,21 @@ class GpuExecutor:
             self.verifier.check(batch, outputs)
         return outputs
 
+    def forward_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> np.ndarray:
+        """Like forward, but only each session's greedy next token (argmax of its last logits row):
+        int64 [len(batch)].  A decode step computes the argmax on the device and copies 4 bytes per
+        token back instead of the logits; anything else (prefill, KESTREL_VERIFY) goes through forward."""
+        self.device.make_current()
+        rows = self._rows(batch)
+        if self.verifier is not None or not self._replayable(batch, rows):
+            return np.array([int(np.argmax(out[-1])) for out in self.forward(batch)], np.int64)
+        stages = self._replay(rows, greedy=True)
+        if prof.enabled:
+            prof.record_call({**stages, "reduce": 0.0})
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(rows)
+        return self.host_tokens_view[:len(rows)].astype(np.int64)
+
     def close(self) -> None:
         """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""
         self.device.make_current()
@@ -295,6 +355,7 @@ class GpuExecutor:
         self._graphs.clear()
         self.staging.free()
         self.host_logits.free()
+        self.host_tokens.free()
         self.window.close()
         self.arena.release()
 
