@@ -147,15 +147,16 @@ __device__ __forceinline__ void q8_gemv_body(
 
     float* sums = (float*)(counter + 8);
     __syncthreads();
-    if (threadIdx.x < ntok) {
-        float sq = 0.f;
+    if (threadIdx.x == 0) {   // one thread adds the block's squares and takes the ticket: one fence per block
+        for (int m = 0; m < ntok; m++) {
+            float sq = 0.f;
 #pragma unroll
-        for (int r = 0; r < outputs; r++) sq += squares[r * M + threadIdx.x];
-        atomicAdd(sums + threadIdx.x, sq);
+            for (int r = 0; r < outputs; r++) sq += squares[r * M + m];
+            atomicAdd(sums + m, sq);
+        }
+        __threadfence();   // the sums land before the ticket is taken
+        is_last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
     }
-    __threadfence();   // this block's sums land before its ticket is taken
-    __syncthreads();
-    if (threadIdx.x == 0) is_last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
     __syncthreads();
     if (!is_last_block) return;
     __threadfence();
@@ -198,3 +199,7 @@ DEFINE_GEMV_1(2, 32, 2, w32r2u2)
 DEFINE_GEMV_1(2, 64, 4, w64r2u4)
 DEFINE_GEMV_1(4, 64, 2, w64r4u2)
 DEFINE_GEMV_1(2, 128, 4, w128r2u4)
+DEFINE_GEMV_1(4, 32, 4, w32r4u4)     // K = 2048: a row's 128 chunks in one pass, 16 loads in flight
+DEFINE_GEMV_1(8, 64, 2, w64r8u2)
+DEFINE_GEMV_1(4, 128, 3, w128r4u3)   // K = 6144: a row's 384 chunks in one pass, 12 loads in flight
+DEFINE_GEMV_1(2, 128, 3, w128r2u3)

@@ -4,6 +4,7 @@ import pytest
 
 from kestrel_stream.cpu import apply_rope, attention, rmsnorm, rope_tables, silu_mul
 from kestrel_stream.cuda import driver, gemv_variants
+from kestrel_stream.cuda.kernels import QWeight
 from kestrel_stream.quant import quantize
 
 pytestmark = [pytest.mark.gpu,

@@ -69,3 +69,34 @@ def test_gpu_status_pairs_with_detect():
     from kestrel_stream.cuda import driver
     available, reason = driver.gpu_status()
     assert available == driver.gpu_available() and isinstance(reason, str) and reason
+
+
+def test_gemv_variant_table_matches_the_kernel_source():
+    """Every single-token layout the launcher can pick is defined in q8_gemv.cu with the same
+    threads x rows x unroll, and every one defined there is in the table."""
+    import re
+    from kestrel_stream.cuda import gemv_variants
+    source = (build.source_dir() / "q8_gemv.cu").read_text()
+    defined = {m[3]: gemv_variants.Variant(int(m[1]), int(m[0]), int(m[2]))
+               for m in re.findall(r"^DEFINE_GEMV_1\((\d+), (\d+), (\d+), (\w+)\)", source, flags=re.M)}
+    assert defined == {k: v for k, v in gemv_variants.VARIANTS.items() if k}
+    for suffix in gemv_variants.VARIANTS:
+        for silu in (False, True):
+            name = gemv_variants.kernel_name(1, suffix, silu)
+            assert gemv_variants.parse(name) == (1, gemv_variants.VARIANTS[suffix], silu)
+    assert gemv_variants.parse("q8_gemv_m5_silu") == (5, gemv_variants.MULTI_TOKEN, True)
+
+
+def test_gemv_variant_choice_and_override(monkeypatch):
+    from kestrel_stream.cuda import gemv_variants
+    monkeypatch.delenv("KESTREL_GEMV_M1", raising=False)
+    monkeypatch.delenv("KESTREL_GEMV_M1_ROWS", raising=False)
+    for rows, cols in ((4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (151936, 2048), (38, 96)):
+        assert gemv_variants.m1_variant(rows, cols) in gemv_variants.VARIANTS
+    monkeypatch.setenv("KESTREL_GEMV_M1_ROWS", "4")
+    assert gemv_variants.m1_variant(38, 96) == "r4"
+    monkeypatch.setenv("KESTREL_GEMV_M1", "w32r2u4")
+    assert gemv_variants.m1_variant(38, 96) == "w32r2u4"
+    monkeypatch.setenv("KESTREL_GEMV_M1", "w7")
+    with pytest.raises(ValueError, match="KESTREL_GEMV_M1='w7': not a GEMV variant"):
+        gemv_variants.m1_variant(38, 96)

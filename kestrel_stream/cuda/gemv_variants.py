@@ -19,7 +19,8 @@ class Variant(NamedTuple):
 
 VARIANTS = {"": Variant(128, 2, 2), "r4": Variant(128, 4, 2), "w32r2u4": Variant(32, 2, 4),
             "w32r4u2": Variant(32, 4, 2), "w32r2u2": Variant(32, 2, 2), "w64r2u4": Variant(64, 2, 4),
-            "w64r4u2": Variant(64, 4, 2), "w128r2u4": Variant(128, 2, 4)}
+            "w64r4u2": Variant(64, 4, 2), "w128r2u4": Variant(128, 2, 4), "w32r4u4": Variant(32, 4, 4),
+            "w64r8u2": Variant(64, 8, 2), "w128r4u3": Variant(128, 4, 3), "w128r2u3": Variant(128, 2, 3)}
 
 MULTI_TOKEN = VARIANTS[""]   # q8_gemv_m2..m8
 
@@ -28,8 +29,11 @@ def m1_variant(rows: int, cols: int) -> str:
     """The variant suffix for a single-token GEMV of a rows x cols weight.
 
     KESTREL_GEMV_M1=<suffix> forces one (KESTREL_GEMV_M1_ROWS=4 / 2, the older switch, means
-    "r4" / "").  Otherwise the choice measured fastest at the model shapes on the H200
-    (bench/gpu_kernels.py).
+    "r4" / "").  Otherwise the layout measured fastest at the model shapes on the H200 with
+    programmatic launch (bench/gpu_kernels.py, bench/results/2026-11-30-h200-gpu-kernels.md):
+    long rows (K >= 4096) want many threads per row; the vocabulary projection wants one warp
+    and four rows per block (a long grid of small blocks); the other K = 2048 shapes two warps
+    and four rows, one pass over the row; few rows (2048) the 128 x 4 blocks.
     """
     forced = os.environ.get("KESTREL_GEMV_M1")
     if forced is None and os.environ.get("KESTREL_GEMV_M1_ROWS"):
@@ -39,7 +43,13 @@ def m1_variant(rows: int, cols: int) -> str:
             raise ValueError(f"KESTREL_GEMV_M1={forced!r}: not a GEMV variant; one of "
                              f"{', '.join(repr(v) for v in VARIANTS)}")
         return forced
-    return "r4" if rows >= 6144 else ""
+    if cols >= 4096:
+        return "r4"
+    if rows >= 65536:
+        return "w32r4u2"
+    if rows >= 4096:
+        return "w64r4u2"
+    return "r4"
 
 
 def kernel_name(tokens: int, suffix: str, silu: bool) -> str:
