@@ -118,6 +118,8 @@ def main() -> None:
     args = parser.parse_args()
     weights = random_q8_weights(args.preset)
     env = environment()
+    from kestrel_stream.cuda import driver
+    env["machine"] = driver.detect() if driver.gpu_available() else env["machine"]
     mode_rows = compare_modes(weights, args.new_tokens)
     write_results(f"modes-{args.preset}", env, mode_rows,
                   ["mode", "decode_tok_s", "ms_per_token", "prefill_tok_s", "syncs_per_token", "launches_per_token"],

@@ -38,13 +38,16 @@ def measure(engine: Engine, prompt_len: int = 32, new_tokens: int = 64, repeats:
 def environment() -> dict:
     """Date, machine and commit for a result file."""
     import os
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                timeout=5).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit = ""
-    # a copy of the tree without .git (the GPU machine) says which commit it is through KESTREL_COMMIT
-    commit = commit or os.environ.get("KESTREL_COMMIT") or "unknown"
+    # a copy of the tree without (or with a stale) .git, as on the GPU machine, names its commit
+    # through KESTREL_COMMIT, which wins over what git says
+    commit = os.environ.get("KESTREL_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    timeout=5).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
+    commit = commit or "unknown"
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

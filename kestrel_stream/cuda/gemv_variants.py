@@ -31,9 +31,10 @@ def m1_variant(rows: int, cols: int) -> str:
     KESTREL_GEMV_M1=<suffix> forces one (KESTREL_GEMV_M1_ROWS=4 / 2, the older switch, means
     "r4" / "").  Otherwise the layout measured fastest at the model shapes on the H200 with
     programmatic launch (bench/gpu_kernels.py, bench/results/2026-11-30-h200-gpu-kernels.md):
-    long rows (K >= 4096) want many threads per row; the vocabulary projection wants one warp
-    and four rows per block (a long grid of small blocks); the other K = 2048 shapes two warps
-    and four rows, one pass over the row; few rows (2048) the 128 x 4 blocks.
+    long rows (K >= 4096) want 128 threads per row and 12 loads in flight each; the vocabulary
+    projection one warp and four rows per block (a long grid of small blocks); tall K = 2048
+    matrices two warps and eight rows, one pass over the row (4096 rows: four); few rows (2048)
+    the 128 x 4 blocks.
     """
     forced = os.environ.get("KESTREL_GEMV_M1")
     if forced is None and os.environ.get("KESTREL_GEMV_M1_ROWS"):
@@ -44,9 +45,11 @@ def m1_variant(rows: int, cols: int) -> str:
                              f"{', '.join(repr(v) for v in VARIANTS)}")
         return forced
     if cols >= 4096:
-        return "r4"
+        return "w128r4u3"     # K = 6144: 128 threads x 3 chunks cover a row in one pass
     if rows >= 65536:
-        return "w32r4u2"
+        return "w32r4u4"
+    if rows >= 6144:
+        return "w64r8u2"
     if rows >= 4096:
         return "w64r4u2"
     return "r4"
