@@ -46,10 +46,16 @@ def measure(gpu: GpuExecutor, kv, policy: str, programmatic: bool, context: int,
         gpu.forward([(kv, token, context)])
     e2e_ms = (time.perf_counter() - t0) / steps * 1e3
     gpu_us = float(np.median([replay_us(gpu, 1) for _ in range(5)]))
+    prompt = np.arange(64) % 1000
+    gpu.forward([(kv, prompt, 0)])                  # builds the 64-token launch list
+    t0 = time.perf_counter()
+    for _ in range(3):
+        gpu.forward([(kv, prompt, 0)])              # eager: 170 launches, one sync, logits of 64 rows
+    prefill_tok_s = 3 * len(prompt) / (time.perf_counter() - t0)
     label = policy if policy else "base"
     return {"gemv_m1": label, "programmatic": programmatic, "gpu_us_per_step": round(gpu_us, 1),
             "ms_per_step": round(e2e_ms, 3), "tok_s": round(1000 / e2e_ms, 1),
-            "greedy_tok_s": round(1000 / greedy_ms, 1),
+            "greedy_tok_s": round(1000 / greedy_ms, 1), "prefill_tok_s": round(prefill_tok_s, 1),
             "frac_hbm_read_gpu_only": round(gpu.weights.quantized_bytes() / gpu_us / 1e3 / HBM_READ_GB_S, 3)}
 
 
@@ -73,9 +79,11 @@ def main() -> None:
     env.update(machine=driver.detect(), commit=args.commit or env["commit"])
     notes = (f"qwen3-1.7b shape, random Q8_0 weights, batch 1 at position {args.context}; gpu_us_per_step: "
              f"median of 5 x 20 back-to-back graph replays; ms_per_step: {args.steps} forward() calls end to end "
-             f"(replay, one sync, logits to host); greedy_tok_s: forward_greedy() (argmax on the device). gemv_m1: the single-token GEMV layout (default = by shape; base = 128 threads x 2 rows x 2).")
+             f"(replay, one sync, logits to host); greedy_tok_s: forward_greedy() (argmax on the device); "
+             f"prefill_tok_s: 3 eager 64-token steps (q8_matmul). gemv_m1: the single-token GEMV layout "
+             f"(default = by shape; base = 128 threads x 2 rows x 2).")
     path = write_results("h200-step-variants", env, rows, ["gemv_m1", "programmatic", "gpu_us_per_step",
-                                                           "ms_per_step", "tok_s", "greedy_tok_s",
+                                                           "ms_per_step", "tok_s", "greedy_tok_s", "prefill_tok_s",
                                                            "frac_hbm_read_gpu_only"],
                          notes=notes, out_dir=args.out)
     print(f"wrote {path}")
