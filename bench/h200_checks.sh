@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check and H200 bench of the project in one device call (about 7 minutes):
+# Every GPU check and H200 bench of the project in one device call (about 8 minutes; keep the device call's timeout at 600 s):
 #   OUT=/some/dir KESTREL_COMMIT=<hash> bash bench/h200_checks.sh
 # Logs land in $OUT as *.txt; result files (md/json/traces/html) in $OUT/h200-results.tgz, since the device
 # tool returns at most 8 files.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
@@ -8,7 +8,12 @@ OUT=${OUT:-bench/results}
 RESULTS=$(mktemp -d)
 mkdir -p "$OUT"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
-run() { local seconds=$1 log=$2; shift 2; timeout "$seconds" "$@" 2>&1 | tail -40 > "$OUT/$log"; tail -6 "$OUT/$log"; }
+# each step's log, then the archive again: a call cut short still returns what finished
+run() {
+    local seconds=$1 log=$2; shift 2
+    timeout "$seconds" "$@" 2>&1 | tail -40 > "$OUT/$log"; tail -6 "$OUT/$log"
+    tar czf "$OUT/h200-results.tgz" -C "$RESULTS" .
+}
 run 150 gpu-tests.txt python3 -m pytest -m gpu -q tests/test_gpu_kernels.py tests/test_gpu_model.py \
     tests/test_gpu_modes.py tests/test_gpu_window.py tests/test_gpu_trace.py
 run 60 gpu-decode.txt python3 -m bench.gpu_decode --out "$RESULTS"
@@ -18,6 +23,5 @@ run 150 kernels.txt python3 -m bench.gpu_kernels --out "$RESULTS"
 run 150 window-bench.txt python3 -m bench.window --out "$RESULTS"
 run 90 traces.txt python3 -m bench.trace_gpu --preset qwen3-1.7b --modes gated,gpu --vram-budget 1GiB \
     --steps 8 --out "$RESULTS"
-run 300 daemon.txt python3 -m bench.daemon_latency --preset qwen3-1.7b --device cuda --mode gpu --label h200 \
+run 150 daemon.txt python3 -m bench.daemon_latency --preset qwen3-1.7b --device cuda --mode gpu --label h200 \
     --steps 200 --tokens 50 --out "$RESULTS"
-tar czf "$OUT/h200-results.tgz" -C "$RESULTS" .
