@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # Every GPU check and H200 bench of the project in one device call (about 8 minutes; keep the device call's timeout at 600 s):
 #   OUT=/some/dir KESTREL_COMMIT=<hash> bash bench/h200_checks.sh
-# Logs land in $OUT as *.txt; result files (md/json/traces/html) in $OUT/h200-results.tgz, since the device
-# tool returns at most 8 files.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
+# Result files (md/json/traces/html) and every step's log (logs/*.txt) land in $OUT/h200-results.tgz, since
+# the device tool returns at most 8 files; each log's last lines also go to stdout.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
 set -uo pipefail
 OUT=${OUT:-bench/results}
 RESULTS=$(mktemp -d)
-mkdir -p "$OUT"
+mkdir -p "$OUT" "$RESULTS/logs"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # each step's log, then the archive again: a call cut short still returns what finished
 run() {
     local seconds=$1 log=$2; shift 2
-    timeout "$seconds" "$@" 2>&1 | tail -40 > "$OUT/$log"; tail -6 "$OUT/$log"
+    timeout "$seconds" "$@" 2>&1 | tail -60 > "$RESULTS/logs/$log"; tail -8 "$RESULTS/logs/$log"
     tar czf "$OUT/h200-results.tgz" -C "$RESULTS" .
 }
 run 150 gpu-tests.txt python3 -m pytest -m gpu -q tests/test_gpu_kernels.py tests/test_gpu_model.py \
