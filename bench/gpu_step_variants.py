@@ -30,9 +30,10 @@ def measure(gpu: GpuExecutor, kv, policy: str, programmatic: bool, context: int,
     else:
         os.environ["KESTREL_GEMV_M1"] = policy
     gpu.programmatic = programmatic
-    for graph in gpu._graphs.values():
-        graph.destroy()
-    gpu._graphs.clear()
+    for graphs in (gpu._graphs, gpu.chain._graphs):   # recapture with this layout and launch mode
+        for graph in graphs.values():
+            graph.destroy()
+        graphs.clear()
     gpu._launches.clear()
     token = np.array([17])
     gpu.forward_greedy([(kv, token, context)])      # capture the greedy graph too
@@ -40,6 +41,10 @@ def measure(gpu: GpuExecutor, kv, policy: str, programmatic: bool, context: int,
     for step in range(steps):
         gpu.forward_greedy([(kv, token, context)])
     greedy_ms = (time.perf_counter() - t0) / steps * 1e3
+    gpu.generate_greedy([(kv, token, context)], 2)   # capture the chain graph
+    t0 = time.perf_counter()
+    gpu.generate_greedy([(kv, token, context)], steps)
+    chained_ms = (time.perf_counter() - t0) / steps * 1e3
     gpu.forward([(kv, token, context)])             # capture
     t0 = time.perf_counter()
     for step in range(steps):
@@ -55,7 +60,8 @@ def measure(gpu: GpuExecutor, kv, policy: str, programmatic: bool, context: int,
     label = policy if policy else "base"
     return {"gemv_m1": label, "programmatic": programmatic, "gpu_us_per_step": round(gpu_us, 1),
             "ms_per_step": round(e2e_ms, 3), "tok_s": round(1000 / e2e_ms, 1),
-            "greedy_tok_s": round(1000 / greedy_ms, 1), "prefill_tok_s": round(prefill_tok_s, 1),
+            "greedy_tok_s": round(1000 / greedy_ms, 1), "chained_tok_s": round(1000 / chained_ms, 1),
+            "prefill_tok_s": round(prefill_tok_s, 1),
             "frac_hbm_read_gpu_only": round(gpu.weights.quantized_bytes() / gpu_us / 1e3 / HBM_READ_GB_S, 3)}
 
 
@@ -79,11 +85,13 @@ def main() -> None:
     env.update(machine=driver.detect(), commit=args.commit or env["commit"])
     notes = (f"qwen3-1.7b shape, random Q8_0 weights, batch 1 at position {args.context}; gpu_us_per_step: "
              f"median of 5 x 20 back-to-back graph replays; ms_per_step: {args.steps} forward() calls end to end "
-             f"(replay, one sync, logits to host); greedy_tok_s: forward_greedy() (argmax on the device); "
+             f"(replay, one sync, logits to host); greedy_tok_s: forward_greedy() (argmax on the device); chained_tok_s: "
+             f"{args.steps} greedy steps chained on the device, one sync; "
              f"prefill_tok_s: 3 eager 64-token steps (q8_matmul). gemv_m1: the single-token GEMV layout "
              f"(default = by shape; base = 128 threads x 2 rows x 2).")
     path = write_results("h200-step-variants", env, rows, ["gemv_m1", "programmatic", "gpu_us_per_step",
-                                                           "ms_per_step", "tok_s", "greedy_tok_s", "prefill_tok_s",
+                                                           "ms_per_step", "tok_s", "greedy_tok_s", "chained_tok_s",
+                                                           "prefill_tok_s",
                                                            "frac_hbm_read_gpu_only"],
                          notes=notes, out_dir=args.out)
     print(f"wrote {path}")

@@ -4,7 +4,9 @@
 
 Part 1, batch 1: cpu, gated (calibrated cost model), gated with
 KESTREL_MINFLOP=1e7 (the seed's threshold), gpu without graphs, gpu with
-graphs: decode tok/s, ms/token, syncs/token, launches/token.
+graphs (one step, one sync per token), gpu with graphs and generate()'s
+greedy steps chained on the device (256 steps per sync): decode tok/s,
+ms/token, syncs/token, launches/token.
 
 Part 2: the gate's plan against the best of all 32 on/off choices of the
 groups {qkv, o, gate_up, down, lm_head} (same choice in every layer), each
@@ -62,13 +64,16 @@ def step_ms(engine: Engine, batch: int, steps: int) -> float:
 
 def compare_modes(weights, new_tokens: int) -> list[dict]:
     rows = []
-    runs = [("cpu", "cpu", "cpu", {}, True), ("gated (calibrated)", "cuda", "gated", {}, True),
-            ("gated KESTREL_MINFLOP=1e7", "cuda", "gated", {"KESTREL_MINFLOP": "1e7"}, True),
-            ("gpu, no graphs", "cuda", "gpu", {}, False), ("gpu, graphs", "cuda", "gpu", {}, True)]
-    for label, device, mode, env, graphs in runs:
+    # (label, device, mode, environment, CUDA graphs, greedy steps chained on the device)
+    runs = [("cpu", "cpu", "cpu", {}, True, False), ("gated (calibrated)", "cuda", "gated", {}, True, False),
+            ("gated KESTREL_MINFLOP=1e7", "cuda", "gated", {"KESTREL_MINFLOP": "1e7"}, True, False),
+            ("gpu, no graphs", "cuda", "gpu", {}, False, False), ("gpu, graphs", "cuda", "gpu", {}, True, False),
+            ("gpu, graphs, chained greedy", "cuda", "gpu", {}, True, True)]
+    for label, device, mode, env, graphs, chained in runs:
         os.environ.update(env)
         try:
             engine = Engine(weights, device=device, mode=mode, max_seq_len=512, max_batch=32)
+            engine.chain_greedy = chained
             if not graphs:
                 engine.executor.use_graphs = False
             row = {"mode": label, **decode_rate(engine, 8 if device == "cpu" else new_tokens)}
@@ -123,8 +128,9 @@ def main() -> None:
     mode_rows = compare_modes(weights, args.new_tokens)
     write_results(f"modes-{args.preset}", env, mode_rows,
                   ["mode", "decode_tok_s", "ms_per_token", "prefill_tok_s", "syncs_per_token", "launches_per_token"],
-                  notes=f"batch 1, preset {args.preset}, random Q8_0 weights; target: gpu >= 800 tok/s "
-                        "(llama.cpp: 541 tok/s on this shape and machine).", out_dir=args.out)
+                  notes=f"batch 1, preset {args.preset}, random Q8_0 weights, generate() of {args.new_tokens} tokens "
+                        "after a 16-token prompt (greedy; in gpu mode the argmax runs on the device); target: "
+                        "gpu >= 800 tok/s (llama.cpp: 541 tok/s on this shape and machine).", out_dir=args.out)
     if args.skip_search:
         return
     search_rows, summary = search_groups(weights, args.search_steps)

@@ -104,3 +104,26 @@ extern "C" __global__ void __launch_bounds__(256) argmax_split(
         counters[t] = 0u;
     }
 }
+
+// Chained greedy decoding: after a step's argmax, the next step's input in device memory.
+// Row t's token becomes its next input id, its position advances, and the token is appended
+// to history[step * ntok + t] (step: the device counter, advanced by thread 0).  Padded rows
+// (kvbase == scratch_base, the scratch cache) stay at token 0, position 0.  grid 1, block 32.
+extern "C" __global__ void __launch_bounds__(32) chain_advance(
+        int* __restrict__ ids, int* __restrict__ pos, const long long* __restrict__ kvbase,
+        const int* __restrict__ argmax_out, int* __restrict__ counter, int* __restrict__ history,
+        long long scratch_base, int ntok) {
+    pdl_launch_dependents();
+    pdl_wait();
+    const int step = *counter;
+    for (int t = threadIdx.x; t < ntok; t += blockDim.x) {
+        const int token = argmax_out[t];
+        history[(long long)step * ntok + t] = token;
+        if (kvbase[t] != scratch_base) {
+            ids[t] = token;
+            pos[t] += 1;
+        }
+    }
+    __syncwarp();
+    if (threadIdx.x == 0) *counter = step + 1;
+}

@@ -103,6 +103,10 @@ class GenerateResult:
 
 
 class Engine:
+    # generate() chains greedy steps on the device where the executor can (gpu mode): many tokens per
+    # host sync; False steps one token per sync, as the session API does
+    chain_greedy = True
+
     def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
                  max_seq_len: int | None = None, max_batch: int = 32, max_sessions: int | None = None,
                  vram_budget: int | None = None):
@@ -208,7 +212,13 @@ class Engine:
             t1 = time.perf_counter()
             mid = dict(self.executor.stats)
             tokens = [token] if max_new_tokens > 0 else []
-            for _ in range(max_new_tokens - 1):
+            remaining = max(max_new_tokens - 1, 0)
+            if remaining and self.chain_greedy and trace.active is None:
+                chained = self._generate_chained(s, token, remaining)
+                if chained is not None:
+                    tokens.extend(chained)
+                    remaining = 0
+            for _ in range(remaining):
                 token = s.decode_greedy(token)
                 tokens.append(token)
             t2 = time.perf_counter()
@@ -222,6 +232,21 @@ class Engine:
             if key in stats:
                 stats[f"{key}_per_token"] = stats[key] / decode_steps if decode_steps else 0.0
         return GenerateResult(tokens, t1 - t0, t2 - t1, len(ids), stats)
+
+    def _generate_chained(self, s: "Session", token: int, steps: int) -> list[int] | None:
+        """The next `steps` greedy tokens of `s` after `token`, chained on the device where the executor
+        can (gpu mode: several steps per host sync); None where it cannot."""
+        chain = getattr(self.executor, "generate_greedy", None)
+        if chain is None:
+            return None
+        with self._lock:
+            out = chain([(s.kv, np.array([token]), s.position)], steps)
+        if out is None:
+            return None
+        produced = [int(t) for t in out[:, 0]]
+        s.tokens.extend([token] + produced[:-1])     # what each step fed in, as step() records it
+        s.position += steps
+        return produced
 
     def close(self) -> None:
         for s in list(self.sessions.values()):

@@ -106,6 +106,17 @@ def argmax_split(launch, logits, V, part_val, part_idx, counters, out) -> None:
     dev(out, 4 * T, np.int32)[:] = np.argmax(rows(logits, T, V, V), axis=1)
 
 
+def chain_advance(launch, ids, pos, kvbase, argmax_out, counter, history, scratch_base, ntok) -> None:
+    assert launch.grid == (1, 1, 1) and launch.block == (32, 1, 1), launch.name
+    step = int(dev(counter, 4, np.int32)[0])
+    tokens = dev(argmax_out, 4 * ntok, np.int32).copy()
+    dev(history + 4 * step * ntok, 4 * ntok, np.int32)[:] = tokens
+    live = dev(kvbase, 8 * ntok, np.int64) != scratch_base
+    dev(ids, 4 * ntok, np.int32)[live] = tokens[live]
+    dev(pos, 4 * ntok, np.int32)[live] += 1
+    dev(counter, 4, np.int32)[0] = step + 1
+
+
 def rmsnorm(v, w, eps):
     return v / np.sqrt(np.mean(np.square(v)) + np.float32(eps)) * w
 
@@ -168,6 +179,7 @@ KERNELS = [
     (r"embed_q8", embed_q8),
     (r"argmax_rows", argmax_rows),
     (r"argmax_split", argmax_split),
+    (r"chain_advance", chain_advance),
     (r"qkv_norm_rope_append", qkv_norm_rope_append),
     (r"attention_split_d(64|128|256)", attention_split),
 ]

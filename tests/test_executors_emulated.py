@@ -214,9 +214,46 @@ def test_greedy_steps_take_the_argmax_on_the_device(model, emulated, fraction):
             c.close()
         expected = [int(t) for t in tokens]
     assert (4, True) in gpu._graphs, sorted(gpu._graphs)   # a greedy graph beside the logits ones
+    engine.chain_greedy = False                               # one step per sync (chained: next test)
     result = engine.generate(PROMPTS[0], DECODE_STEPS + 1)
     np.testing.assert_array_equal(result.tokens, reference[0][len(PROMPTS[0]) - 1:].argmax(axis=1))
     assert result.stats["syncs_per_token"] == 1
+    engine.close()
+
+
+@pytest.mark.parametrize("fraction", [None, 0.25])
+def test_generate_chains_greedy_steps_on_the_device(model, emulated, fraction):
+    """generate(): the same tokens as stepping, in runs of steps_per_sync tokens per host sync; a batch
+    of 3 sessions (bucket 4, one padded row) chained 10 steps matches 10 greedy decode_batch steps."""
+    weights, reference = model
+    engine = gpu_engine(weights, fraction)
+    gpu = engine.executor
+    gpu.chain.steps_per_sync = 4
+    steps = DECODE_STEPS + 3                          # 11 chained steps: runs of 4, 4, 3
+    result = engine.generate(PROMPTS[0], steps + 1)
+    engine.chain_greedy = False
+    stepped = engine.generate(PROMPTS[0], steps + 1)
+    assert result.tokens == stepped.tokens
+    np.testing.assert_array_equal(result.tokens[:DECODE_STEPS + 1],
+                                  reference[0][len(PROMPTS[0]) - 1:].argmax(axis=1))
+    assert result.stats["syncs"] == 3 and stepped.stats["syncs"] == steps
+    assert result.stats["d2h_bytes"] == 4 * steps    # bucket 1: one int32 per step
+
+    prompts = [[1, 2, 3], [7], [9, 8, 7, 6, 5]]
+    firsts, chained_sessions, stepped_sessions = [], [], []
+    for prompt in prompts:
+        a, b = engine.new_session(), engine.new_session()
+        firsts.append(int(np.argmax(a.prefill(prompt)[-1])))
+        b.prefill(prompt)
+        chained_sessions.append(a)
+        stepped_sessions.append(b)
+    chained = gpu.generate_greedy([(s.kv, np.array([f]), s.position) for s, f in zip(chained_sessions, firsts)], 10)
+    tokens = firsts
+    for step in range(10):
+        tokens = [int(t) for t in engine.decode_batch(list(zip(stepped_sessions, tokens)), greedy=True)]
+        np.testing.assert_array_equal(chained[step], tokens)
+    with pytest.raises(ValueError, match="KV cache holds 32 positions"):
+        gpu.generate_greedy([(chained_sessions[0].kv, np.array([1]), 25)], 10)
     engine.close()
 
 

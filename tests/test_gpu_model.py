@@ -114,8 +114,13 @@ def test_greedy_generate_takes_the_argmax_on_the_device(arch):
     prompt = [3, 141, 59, 26, 235, 89, 79]
     want = Engine(weights, device="cpu", max_seq_len=64).generate(prompt, 16)
     engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=64)
+    engine.chain_greedy = False
     got = engine.generate(prompt, 16)
     assert got.tokens == want.tokens
     assert got.stats["syncs_per_token"] == 1 and got.stats["d2h_bytes"] == 4 * 15
     assert (1, True) in engine.executor._graphs
+    engine.chain_greedy = True                  # chained on the device: runs of 6 steps per host sync
+    engine.executor.chain.steps_per_sync = 6
+    chained = engine.generate(prompt, 16)
+    assert chained.tokens == want.tokens and chained.stats["syncs"] == 3   # 15 steps: 6 + 6 + 3
     engine.close()

@@ -41,6 +41,7 @@ from .. import prof
 from ..budget import arena_needs, parse_vram_budget, plan_arena, resolve_budget
 from . import driver
 from .kernels import KernelSet, Launch, attention_launch, gemv_launch
+from .greedy_chain import GreedyChain
 from .stream_window import WeightWindow
 
 ROPE_SIGNATURE = "ppppppppfiiiii"
@@ -129,6 +130,7 @@ class GpuExecutor:
         self._graph_kernels: dict[tuple[int, bool], int] = {}
         self._prof_events = (driver.Event(timing=True), driver.Event(timing=True)) if prof.enabled else ()
         self.buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
+        self.chain = GreedyChain(self)
 
         if verify is None:
             verify = os.environ.get("KESTREL_VERIFY") == "1"
@@ -346,10 +348,26 @@ class GpuExecutor:
         self.stats["tokens"] += len(rows)
         return self.host_tokens_view[:len(rows)].astype(np.int64)
 
+    def generate_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int) -> np.ndarray | None:
+        """`steps` greedy decode steps chained on the device (greedy_chain.py): each session's next
+        `steps` tokens, int64 [steps, len(batch)], one host sync per GreedyChain.steps_per_sync steps.
+        None where this configuration steps one token at a time instead (not a one-token-per-session
+        batch, KESTREL_VERIFY, KESTREL_PROF, a timed streamed step): the caller then steps."""
+        self.device.make_current()
+        rows = self._rows(batch)
+        if self.verifier is not None or prof.enabled or not self._replayable(batch, rows):
+            return None
+        for kv, _, position in rows:
+            if position + steps > kv.capacity:
+                raise ValueError(f"KV cache holds {kv.capacity} positions; {steps} steps from {position} "
+                                 f"need {position + steps}")
+        return self.chain.run(rows, steps)
+
     def close(self) -> None:
         """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""
         self.device.make_current()
         self.stream.synchronize()
+        self.chain.close()
         for graph in self._graphs.values():
             graph.destroy()
         self._graphs.clear()
