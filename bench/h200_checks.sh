@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check and H200 bench of the project in one device call (about 8 minutes; keep the device call's timeout at 600 s):
-#   OUT=/some/dir KESTREL_COMMIT=<hash> bash bench/h200_checks.sh
+#   OUT=/some/dir KESTREL_COMMIT=<hash> [STEPS="tests decode ..."] bash bench/h200_checks.sh
+# STEPS picks some of: tests decode variants modes kernels window traces daemon (default: all, in that order).
 # Result files (md/json/traces/html) and every step's log (logs/*.txt) land in $OUT/h200-results.tgz, since
 # the device tool returns at most 8 files; each log's last lines also go to stdout.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
 set -uo pipefail
@@ -9,18 +10,20 @@ RESULTS=$(mktemp -d)
 mkdir -p "$OUT" "$RESULTS/logs"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # each step's log, then the archive again: a call cut short still returns what finished
+STEPS=${STEPS:-tests decode variants modes kernels window traces daemon}
 run() {
     local seconds=$1 log=$2; shift 2
+    [[ " $STEPS " == *" ${log%.txt} "* ]] || return 0
     timeout "$seconds" "$@" 2>&1 | tail -60 > "$RESULTS/logs/$log"; tail -8 "$RESULTS/logs/$log"
     tar czf "$OUT/h200-results.tgz" -C "$RESULTS" .
 }
-run 150 gpu-tests.txt python3 -m pytest -m gpu -q tests/test_gpu_kernels.py tests/test_gpu_model.py \
+run 150 tests.txt python3 -m pytest -m gpu -q tests/test_gpu_kernels.py tests/test_gpu_model.py \
     tests/test_gpu_modes.py tests/test_gpu_window.py tests/test_gpu_trace.py
-run 60 gpu-decode.txt python3 -m bench.gpu_decode --out "$RESULTS"
-run 90 step-variants.txt python3 -m bench.gpu_step_variants --out "$RESULTS"
+run 60 decode.txt python3 -m bench.gpu_decode --out "$RESULTS"
+run 90 variants.txt python3 -m bench.gpu_step_variants --out "$RESULTS"
 run 150 modes.txt python3 -m bench.modes --new-tokens 64 --skip-search --out "$RESULTS"
 run 150 kernels.txt python3 -m bench.gpu_kernels --out "$RESULTS"
-run 150 window-bench.txt python3 -m bench.window --out "$RESULTS"
+run 150 window.txt python3 -m bench.window --out "$RESULTS"
 run 90 traces.txt python3 -m bench.trace_gpu --preset qwen3-1.7b --modes gated,gpu --vram-budget 1GiB \
     --steps 8 --out "$RESULTS"
 run 150 daemon.txt python3 -m bench.daemon_latency --preset qwen3-1.7b --device cuda --mode gpu --label h200 \
