@@ -148,6 +148,8 @@ _READ = {"p": np.uint64, "q": np.int64, "i": np.int32, "f": np.float32}
 
 
 class FakeLaunch:
+    programmatic = False   # kernels.Launch's programmatic stream serialization flag (no effect here)
+
     def __init__(self, name: str, grid, block, signature: str, args, shared_bytes: int = 0):
         from fake_kernels import KERNELS   # the numpy twins of kernels_ptx
         assert len(signature) == len(args), f"{name}: {len(args)} args for signature {signature!r}"

@@ -221,6 +221,22 @@ def test_greedy_steps_take_the_argmax_on_the_device(model, emulated, fraction):
     engine.close()
 
 
+def test_programmatic_launch_for_decode_steps_only(model, emulated):
+    """sm_90: every kernel of a decode step after the first may start early; prefill chunks (the tiled
+    matmul), the first kernel, and steps with streamed weights never do."""
+    weights, _ = model
+    engine = gpu_engine(weights)
+    run(engine, PROMPTS[0])
+    launches = engine.executor._launches
+    assert not launches[1][0].programmatic and all(launch.programmatic for launch in launches[1][1:])
+    assert not any(launch.programmatic for launch in launches[len(PROMPTS[0])])
+    engine.close()
+    streamed = gpu_engine(weights, 0.25)
+    run(streamed, PROMPTS[1])
+    assert not any(launch.programmatic for launch in streamed.executor._launches[1])
+    streamed.close()
+
+
 @pytest.mark.parametrize("fraction", [None, 0.25])
 def test_generate_chains_greedy_steps_on_the_device(model, emulated, fraction):
     """generate(): the same tokens as stepping, in runs of steps_per_sync tokens per host sync; a batch

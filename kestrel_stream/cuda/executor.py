@@ -40,7 +40,7 @@ from ..weights import ModelWeights
 from .. import prof
 from ..budget import arena_needs, parse_vram_budget, plan_arena, resolve_budget
 from . import driver
-from .kernels import KernelSet, Launch, attention_launch, gemv_launch
+from .kernels import GEMV_MAX_TOKENS, KernelSet, Launch, attention_launch, gemv_launch
 from .greedy_chain import GreedyChain
 from .stream_window import WeightWindow
 
@@ -220,10 +220,12 @@ class GpuExecutor:
         for launch, (op, layer) in zip(out, ops):
             launch.label(op=op, layer=layer)
         # programmatic dependent launch: each kernel after the first may be scheduled while its
-        # predecessor runs and prefetch its weights; not with streamed weights, whose slot copies
-        # order kernels through events
+        # predecessor runs and prefetch its weights.  Decode-sized steps only (the GEMV path): with
+        # the tiled matmul of prefill chunks it measured slower (1066 vs 1572 tok/s for 64-token
+        # steps, bench/results/2026-11-30-h200-step-variants.md).  Not with streamed weights, whose
+        # slot copies order kernels through events.
         for launch in out[1:]:
-            launch.programmatic = (self.programmatic and not self.window.streamed
+            launch.programmatic = (self.programmatic and tokens <= GEMV_MAX_TOKENS and not self.window.streamed
                                    and int(self.device.arch.removeprefix("sm_")) >= 90)
         self._launches[tokens] = out
         return out
