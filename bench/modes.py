@@ -119,18 +119,22 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--search-steps", type=int, default=5)
     parser.add_argument("--skip-search", action="store_true")
+    parser.add_argument("--search-only", action="store_true", help="only part 2, the gate against every choice")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     weights = random_q8_weights(args.preset)
     env = environment()
     from kestrel_stream.cuda import driver
     env["machine"] = driver.detect() if driver.gpu_available() else env["machine"]
-    mode_rows = compare_modes(weights, args.new_tokens)
-    write_results(f"modes-{args.preset}", env, mode_rows,
-                  ["mode", "decode_tok_s", "ms_per_token", "prefill_tok_s", "syncs_per_token", "launches_per_token"],
-                  notes=f"batch 1, preset {args.preset}, random Q8_0 weights, generate() of {args.new_tokens} tokens "
-                        "after a 16-token prompt (greedy; in gpu mode the argmax runs on the device); target: "
-                        "gpu >= 800 tok/s (llama.cpp: 541 tok/s on this shape and machine).", out_dir=args.out)
+    if not args.search_only:
+        mode_rows = compare_modes(weights, args.new_tokens)
+        write_results(f"modes-{args.preset}", env, mode_rows,
+                      ["mode", "decode_tok_s", "ms_per_token", "prefill_tok_s", "syncs_per_token",
+                       "launches_per_token"],
+                      notes=f"batch 1, preset {args.preset}, random Q8_0 weights, generate() of {args.new_tokens} "
+                            "tokens after a 16-token prompt (greedy; in gpu mode the argmax runs on the device); "
+                            "target: gpu >= 800 tok/s (llama.cpp: 541 tok/s on this shape and machine).",
+                      out_dir=args.out)
     if args.skip_search:
         return
     search_rows, summary = search_groups(weights, args.search_steps)
