@@ -156,10 +156,12 @@ class SocketPeer(Peer):
                     self.wake()             # so that the coroutine times the rest of this frame
                 break
             self.partial_since = None
-            with memoryview(buffer) as view:
-                head = bytes(view[PREFIX_BYTES:PREFIX_BYTES + header_bytes])
-                payload = bytes(view[PREFIX_BYTES + header_bytes:end])    # arrays keep their own memory
-            del buffer[:end]
+            head = bytes(buffer[PREFIX_BYTES:PREFIX_BYTES + header_bytes])
+            payload = bytes(buffer[PREFIX_BYTES + header_bytes:end]) if payload_bytes else b""   # arrays own it
+            if end == len(buffer):
+                buffer.clear()
+            else:
+                del buffer[:end]
             try:
                 frame = parse_body(head, payload)
             except ProtocolError as e:      # well framed: answered, and the connection goes on

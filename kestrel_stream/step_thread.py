@@ -73,10 +73,7 @@ class StepThread:
                     self.call(*item)
                 else:
                     batcher.add(item.session.id, item, item.arrived_s)
-                try:
-                    item = inbox.get_nowait()
-                except queue.Empty:
-                    item = None
+                item = None if inbox.empty() else inbox.get()
             self.run_ready_batch()
 
     def run_ready_batch(self) -> None:
