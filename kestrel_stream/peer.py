@@ -44,7 +44,8 @@ class Peer:
         # A threading lock, not an anyio one: the step thread writes decode answers itself (SocketPeer).
         self.write_lock = threading.Lock()
         self.loop = asyncio.get_running_loop()
-        self.spawn = spawn or (lambda fn, *args: self.loop.create_task(fn(*args)))   # the daemon's task group
+        self.spawn = spawn or self.start_task          # the daemon's task group, when there is one
+        self.tasks: set[asyncio.Task] = set()
         self.pending = None                 # the DecodeJob the step thread answers; the next request waits for it
 
     # -- reading ---------------------------------------------------------------------
@@ -71,6 +72,11 @@ class Peer:
 
     def close(self) -> None:
         pass
+
+    def start_task(self, fn, *args) -> None:
+        task = self.loop.create_task(fn(*args))
+        self.tasks.add(task)                    # the loop keeps only a weak reference
+        task.add_done_callback(self.tasks.discard)
 
     # -- writing ---------------------------------------------------------------------
     async def send(self, header: dict, arrays: dict | None = None) -> None:
@@ -168,13 +174,19 @@ class SocketPeer(Peer):
                 self.frames.append(e)
                 continue
             if (self.waiter is not None and not self.frames and self.take_at_once is not None
-                    and (self.pending is None or self.pending.done) and self.take_at_once(frame)):
+                    and (self.pending is None or self.pending.done) and self.took_at_once(frame)):
                 continue
             self.frames.append(frame)
         if len(self.frames) >= QUEUED_FRAMES:
             self.pause_reading()            # the coroutine reads on when it has taken them
         if self.frames:
             self.wake()
+
+    def took_at_once(self, frame: Frame) -> bool:
+        try:
+            return self.take_at_once(frame)
+        except Exception:                   # a bug there: the coroutine handles the frame and reports it
+            return False
 
     def end(self, why: BaseException) -> None:
         self.ended = why

@@ -249,6 +249,9 @@ def test_tcp_without_the_token_is_refused(tiny_model, tmp_path):
             ks.Client(proc.address, token="")
         with ks.Client(proc.address, token=token) as client, client.new_session() as s:
             assert s.generate([1, 2], 3) == client.generate([1, 2], 3)
+            fresh = client.new_session()
+            fresh.prefill([1, 2], want="token")
+            assert fresh.decode(3, want="token") == client.generate([1, 2, 3], 1)[0]   # answered from the loop
     finally:
         assert proc.stop() == 0
 
@@ -371,6 +374,33 @@ def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():
         assert first.header["id"] == 1 and np.array_equal(first.arrays["logits"], logits)
         assert after.header["id"] == 2 and finished.is_set()
         assert not peer.write_lock.locked()
+        ours.close()
+        theirs.close()
+
+    anyio.run(main)
+
+
+def test_an_answer_waits_for_a_write_in_progress_and_goes_out_whole():
+    """When another write holds the socket, the step thread leaves its answer to the loop, which sends it next."""
+    from kestrel_stream.peer import SocketPeer
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        peer = SocketPeer(await anyio.abc.UNIXSocketStream.from_socket(ours), wire.DEFAULT_MAX_FRAME_BYTES)
+        finished = anyio.Event()
+        peer.write_lock.acquire()                           # a shutdown notice, say, being written
+        await anyio.to_thread.run_sync(peer.send_from_step_thread, {"id": 1, "ok": True, "token": 7}, None,
+                                       lambda: peer.loop.call_soon_threadsafe(finished.set))
+        await anyio.sleep(0.01)
+        assert not finished.is_set()
+        peer.write_lock.release()
+        with anyio.fail_after(10):
+            await finished.wait()
+        theirs.settimeout(10.0)
+        assert read_frame(theirs).header == {"id": 1, "ok": True, "token": 7}
+        assert not peer.write_lock.locked()
+        peer.close()
         ours.close()
         theirs.close()
 
