@@ -3,7 +3,9 @@
     python3 -m bench.daemon_floor [--preset tiny] [--rounds 100] [--out DIR] [--label NAME]
 
 One client (``ks.Client``, as in bench.daemon_latency) takes turns, in blocks
-of back-to-back calls, between the same decode in process and through:
+of back-to-back calls, between the same decode in process, in process after
+the thread slept SLEEP_US (untimed: what a server's step thread does between
+requests, ``inproc-slept``), and through:
 - ``echo``: a server process that sends each frame straight back (bare round trip);
 - ``spin``: the same after busy-waiting the in-process step's median time
   (the round trip when the client sleeps through a step);
@@ -45,6 +47,7 @@ from .report import write_results  # noqa: E402
 
 MAX_SEQ_LEN = 256
 KINDS = ("echo", "spin", "engine", "engine-hop", "engine-loop")
+SLEEP_US = 300
 
 
 # -- the minimal servers (run as `python3 -m bench.daemon_floor --serve KIND SOCKET MODEL SPIN_US`) ---------
@@ -175,7 +178,7 @@ def measure(args, model, tmp: Path) -> list[dict]:
         scratch = bytearray(65536)
 
         def call(kind: str, token: int) -> None:
-            if kind == "inproc":
+            if kind.startswith("inproc"):
                 session, restart = local, lambda: (local.reset(), local.prefill(PROMPT))
             elif kind in sockets:
                 sockets[kind].sendall(request)
@@ -186,16 +189,18 @@ def measure(args, model, tmp: Path) -> list[dict]:
                 restart = lambda: (session.reset(), session.prefill(PROMPT, want="token"))  # noqa: E731
             if session.position + 1 >= MAX_SEQ_LEN:
                 restart()
-            if kind == "inproc":
+            if kind.startswith("inproc"):
                 session.decode(token)
             else:
                 session.decode(token, want=("logits", "token")[token % 2])
 
-        kinds = ["inproc", *KINDS, "daemon"]
+        kinds = ["inproc", "inproc-slept", *KINDS, "daemon"]
         samples_us = {kind: [] for kind in kinds}
         for round_index in range(args.rounds):
             for kind in kinds[round_index % len(kinds):] + kinds[:round_index % len(kinds)]:
                 for i in range(BLOCK):
+                    if kind == "inproc-slept":
+                        time.sleep(SLEEP_US / 1e6)
                     started = time.perf_counter()
                     call(kind, (round_index * BLOCK + i) % 200 + 1)
                     if round_index and i >= BLOCK_WARMUP:
@@ -244,8 +249,10 @@ def main() -> None:
                          notes=f"Unix sockets; OPENBLAS_NUM_THREADS={os.environ['OPENBLAS_NUM_THREADS']}; "
                                f"{os.cpu_count()} cores. Paths take turns in blocks of {BLOCK} calls, "
                                f"{args.rounds} rounds, medians without the first round and the first "
-                               f"{BLOCK_WARMUP} calls of each block. overhead_us: against the in-process "
-                               f"decode (engine paths, daemon), the spin time (spin), zero (echo). Decodes "
+                               f"{BLOCK_WARMUP} calls of each block. inproc-slept: the in-process decode "
+                               f"right after a {SLEEP_US} us sleep. overhead_us: against the in-process "
+                               f"decode (engine paths, daemon, inproc-slept), the spin time (spin), zero "
+                               f"(echo). Decodes "
                                f"alternate want=logits and want=token, as in bench.daemon_latency.")
     print(f"wrote {path}")
 
