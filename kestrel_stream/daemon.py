@@ -61,7 +61,9 @@ class Daemon:
             self.service.connections.discard(id(peer))
             peer.close()
             with anyio.CancelScope(shield=True):
-                if conn.sessions:       # queued behind any step still running: the step thread is done with them
+                # Queued behind every decode of this connection: once it returns, the step thread writes no
+                # more to this socket, which may then close.
+                if conn.sessions or peer.pending is not None:
                     await self.service.close_sessions(conn, list(conn.sessions))
                 await stream.aclose()
 

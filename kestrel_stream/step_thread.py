@@ -32,6 +32,8 @@ class StepThread:
         self.thread.start()
 
     async def run(self, fn, *args):
+        if self.handoffs:                   # a call never overtakes a decode submitted before it
+            self.hand_off()
         future = self.loop.create_future()
         self.inbox.put((future, fn, args))
         return await future
