@@ -45,7 +45,7 @@ def start_daemon(model, args, socket_path: Path, max_batch: int) -> subprocess.P
                              str(max_batch), "--max-sessions", str(max(args.client_counts) + 4),
                              "--max-seq-len", str(args.max_seq_len)], stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 600
-    while not socket_path.exists():
+    while "listening on" not in Path(log.name).read_text():     # the socket file exists a moment before it listens
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"daemon did not start: {Path(log.name).read_text()}")
         time.sleep(0.05)

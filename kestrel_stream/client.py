@@ -179,17 +179,24 @@ class Client:
                 self._filled += received
 
     def _read_frame(self) -> Frame:
-        self._fill(PREFIX_BYTES)
-        header_bytes, payload_bytes = parse_prefix(bytes(self._buffer[:PREFIX_BYTES]), MAX_RESPONSE_BYTES)
+        if self._filled < PREFIX_BYTES:
+            self._fill(PREFIX_BYTES)
+        buffer = self._buffer
+        header_bytes, payload_bytes = parse_prefix(bytes(buffer[:PREFIX_BYTES]), MAX_RESPONSE_BYTES)
         end = PREFIX_BYTES + header_bytes + payload_bytes
-        self._fill(end)
-        head = bytes(self._buffer[PREFIX_BYTES:PREFIX_BYTES + header_bytes])
-        payload = bytes(self._buffer[PREFIX_BYTES + header_bytes:end])    # arrays returned own their memory
-        rest = self._buffer[end:self._filled]
-        if len(self._buffer) > RECEIVE_BYTES:           # do not keep a large prefill's buffer around
-            self._buffer = bytearray(max(RECEIVE_BYTES, len(rest)))
-        self._buffer[:len(rest)] = rest
-        self._filled = len(rest)
+        if self._filled < end:
+            self._fill(end)
+            buffer = self._buffer
+        head = bytes(buffer[PREFIX_BYTES:PREFIX_BYTES + header_bytes])
+        payload = bytes(buffer[PREFIX_BYTES + header_bytes:end]) if payload_bytes else b""   # arrays own it
+        if self._filled == end and len(buffer) == RECEIVE_BYTES:      # the usual case: nothing read ahead
+            self._filled = 0
+        else:
+            rest = buffer[end:self._filled]
+            if len(buffer) > RECEIVE_BYTES:             # do not keep a large prefill's buffer around
+                self._buffer = bytearray(max(RECEIVE_BYTES, len(rest)))
+            self._buffer[:len(rest)] = rest
+            self._filled = len(rest)
         return parse_body(head, payload)
 
     def call(self, op: str, fields: dict, arrays: dict):

@@ -2,9 +2,10 @@
 
 Transport: a Unix socket (mode 0600, in a per-user runtime dir by default) or
 TCP on loopback, where the first frame must carry the token.  Each connection
-is read in order, one request at a time; decode steps of different
-connections meet in the batcher (see service.py).  SIGINT/SIGTERM stop new
-work, let in-flight steps finish, tell every client, and exit 0.
+is answered in order, one request at a time (peer.py reads and writes its
+bytes); decode steps of different connections meet in the batcher on the step
+thread (service.py, step_thread.py).  SIGINT/SIGTERM stop new work, let
+in-flight steps finish, tell every client, and exit 0.
 """
 from __future__ import annotations
 
@@ -14,20 +15,17 @@ import secrets
 import signal
 import socket
 import sys
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
 import anyio
 
 from .errors import KestrelError
-from .protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, AuthError,
-                       DaemonError, ProtocolError, default_socket_path, default_token_path, encode_frame,
-                       error_header, parse_body, parse_prefix)
+from .peer import Peer, SocketPeer
+from .protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_RESPONSE_BYTES, VERSION, AuthError, DaemonError, ProtocolError,
+                       default_socket_path, default_token_path, error_header)
 
-FRAME_TIMEOUT_S = 30.0          # a started frame must arrive whole this fast (no half-sent frames held open)
 DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight requests
-RECEIVE_BYTES = 65536
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
 
 
@@ -35,116 +33,22 @@ def log(message: str) -> None:
     print(f"kestrel-stream serve: {message}", file=sys.stderr, flush=True)
 
 
-class Peer:
-    """One client connection: buffered frame reads and serialised frame writes.
-
-    On a Unix socket, reads and writes go straight to the non-blocking socket
-    and wait for the loop only when it would block: anyio's stream adds a
-    scheduling checkpoint and a reader registration to every call, a sizeable
-    share of a small request's round trip.  TCP streams are asyncio transports
-    that own their socket's reads, so they keep anyio's stream calls."""
-
-    def __init__(self, stream, max_frame_bytes: int):
-        self.stream, self.max_frame_bytes = stream, max_frame_bytes
-        unix = isinstance(stream, anyio.abc.UNIXSocketStream)
-        self.sock = stream.extra(anyio.abc.SocketAttribute.raw_socket) if unix else None    # non-blocking
-        self.buffer = bytearray()
-        self.scratch = memoryview(bytearray(RECEIVE_BYTES))
-        # A threading lock, not an anyio one: the step thread may write a decode answer itself (send_now).
-        self.write_lock = threading.Lock()
-        self.unsent: memoryview | None = None      # the tail of a send_now frame that the loop must finish
-
-    async def fill(self, count: int) -> None:
-        while len(self.buffer) < count:
-            if self.sock is None:
-                self.buffer += await self.stream.receive()
-                continue
-            try:
-                received = self.sock.recv_into(self.scratch)
-            except BlockingIOError:
-                await anyio.wait_readable(self.sock)
-                continue
-            except OSError as e:
-                raise anyio.BrokenResourceError(str(e)) from e
-            if not received:
-                raise anyio.EndOfStream
-            self.buffer += self.scratch[:received]
-
-    async def read_frame(self):
-        await self.fill(PREFIX_BYTES)           # idle clients may wait here forever
-        header_bytes, payload_bytes = parse_prefix(bytes(self.buffer[:PREFIX_BYTES]), self.max_frame_bytes)
-        end = PREFIX_BYTES + header_bytes + payload_bytes
-        if len(self.buffer) < end:
-            with anyio.fail_after(FRAME_TIMEOUT_S):
-                await self.fill(end)
-        frame = bytes(self.buffer[:end])
-        del self.buffer[:end]
-        return parse_body(frame[PREFIX_BYTES:PREFIX_BYTES + header_bytes], frame[PREFIX_BYTES + header_bytes:])
-
-    async def send(self, header: dict, arrays: dict | None = None) -> None:
-        try:
-            data = encode_frame(header, arrays)
-        except KestrelError as e:               # e.g. prefill logits too large for one frame
-            data = encode_frame(error_header(header.get("id"), e))
-        while not self.write_lock.acquire(blocking=False):
-            await anyio.sleep(0.001)            # rare: a shutdown notice meeting an answer in flight
-        try:
-            await self.write(memoryview(data))
-        finally:
-            self.write_lock.release()
-
-    async def finish_send_now(self) -> None:
-        """Send what send_now left over; it left write_lock held for this."""
-        try:
-            await self.write(self.unsent)
-        finally:
-            self.unsent = None
-            self.write_lock.release()
-
-    async def write(self, view: memoryview) -> None:
-        if self.sock is None:
-            await self.stream.send(view)
-            return
-        while view:
-            try:
-                view = view[self.sock.send(view):]
-            except BlockingIOError:
-                await anyio.wait_writable(self.sock)
-            except OSError as e:
-                raise anyio.BrokenResourceError(str(e)) from e
-
-    def send_now(self, header: dict, arrays: dict | None) -> bool:
-        """From the step thread: write an answer at once, saving the loop's wake-up on the client's path.
-
-        False (nothing written) when another write holds the socket, the
-        socket would block, or the write fails: the loop then answers as usual.
-        A partial write leaves its tail in ``unsent`` and write_lock held, and
-        the loop finishes it before anything else goes out."""
-        if self.sock is None or not self.write_lock.acquire(blocking=False):
-            return False
-        try:
-            data = encode_frame(header, arrays)
-            sent = self.sock.send(data)
-        except (KestrelError, OSError):
-            self.write_lock.release()
-            return False
-        if sent < len(data):
-            self.unsent = memoryview(data)[sent:]
-        else:
-            self.write_lock.release()
-        return True
-
-
 class Daemon:
     def __init__(self, engine, service, token: str | None):
         self.engine, self.service, self.token = engine, service, token
         self.peers: set[Peer] = set()
         self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
+        self.spawn = None                   # the task group's start_soon, once serving
 
     async def serve_connection(self, stream) -> None:
         from .service import Connection
-        peer = Peer(stream, self.max_frame_bytes)
-        conn = Connection(peer=str(id(stream)), answer_now=peer.send_now)
+        if isinstance(stream, anyio.abc.UNIXSocketStream):
+            peer = SocketPeer(stream, self.max_frame_bytes, self.spawn)
+            conn = Connection(peer=str(id(stream)), send_from_step=peer.send_from_step_thread)
+            peer.take_at_once = lambda frame: self.take_at_once(peer, conn, frame)
+        else:
+            peer = Peer(stream, self.max_frame_bytes, self.spawn)
+            conn = Connection(peer=str(id(stream)))
         self.peers.add(peer)
         self.service.connections.add(id(peer))
         try:
@@ -155,33 +59,37 @@ class Daemon:
         finally:
             self.peers.discard(peer)
             self.service.connections.discard(id(peer))
+            peer.close()
             with anyio.CancelScope(shield=True):
-                if conn.sessions:       # queued behind any step still running, so no send_now follows aclose
+                # Queued behind every decode of this connection: once it returns, the step thread writes no
+                # more to this socket, which may then close.
+                if conn.sessions or peer.pending is not None:
                     await self.service.close_sessions(conn, list(conn.sessions))
                 await stream.aclose()
 
     async def converse(self, peer: Peer, conn) -> None:
-        authenticated = False
         while True:
             try:
                 frame = await peer.read_frame()
             except ProtocolError as e:
+                await peer.settled()
                 await self.refuse(peer, None, e)
-                if e.fatal or not authenticated:
+                if e.fatal or not conn.authenticated:
                     return
                 continue
+            await peer.settled()
             request_id = frame.header.get("id")
             if request_id is not None and type(request_id) is not int:
                 await self.refuse(peer, None, ProtocolError(f"frame header: 'id' must be an integer, "
                                                             f"got {request_id!r}"))
                 continue
-            if not authenticated:
+            if not conn.authenticated:
                 try:
                     self.check_hello(frame.header)
                 except KestrelError as e:
                     await self.refuse(peer, request_id, e)
                     return              # a peer that cannot say hello gets nothing else
-                authenticated = True
+                conn.authenticated = True
                 await peer.send({"id": request_id, "ok": True, "v": VERSION, "vocab_size": self.engine.config.vocab_size,
                                  "max_seq_len": self.engine.max_seq_len, "device": self.engine.device,
                                  "mode": self.engine.mode})
@@ -194,12 +102,25 @@ class Daemon:
             except Exception as e:      # a bug must not take the other sessions down with it
                 await self.refuse(peer, request_id, DaemonError(f"{type(e).__name__}: {e}"))
                 continue
-            if answer is None:                  # the step thread already sent it (send_now)
-                if peer.unsent is not None:
-                    await peer.finish_send_now()
+            if type(answer) is not tuple:       # a decode the step thread answers
+                peer.pending = answer
                 continue
             fields, arrays = answer
             await peer.send({"id": request_id, "ok": True, **fields}, arrays)
+
+    def take_at_once(self, peer: SocketPeer, conn, frame) -> bool:
+        """Reader callback: queue a decode request of an idle connection without waking its coroutine.
+
+        Anything but a valid decode (or an unauthenticated connection) is left
+        to the coroutine, which checks it again and answers it."""
+        request_id = frame.header.get("id")
+        if not conn.authenticated or (request_id is not None and type(request_id) is not int):
+            return False
+        job = self.service.queue_decode(conn, frame.header)
+        if job is None:
+            return False
+        peer.pending = job
+        return True
 
     async def refuse(self, peer: Peer, request_id, error: BaseException) -> None:
         self.service.counters["errors"] += 1
@@ -219,9 +140,8 @@ class Daemon:
         log(f"{why}: finishing in-flight steps")
         self.service.draining = True
         with anyio.move_on_after(DRAIN_TIMEOUT_S):
-            while self.service.inflight:
-                self.service.idle = anyio.Event()
-                await self.service.idle.wait()
+            while self.service.inflight:        # some finish on the step thread, which does not wake the loop
+                await anyio.sleep(0.005)
         for peer in list(self.peers):
             with anyio.move_on_after(1.0):
                 try:
@@ -298,7 +218,7 @@ async def serve(engine, args) -> int:
     log(f"listening on {where}")
     try:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(service.run_batches)
+            daemon.spawn = tg.start_soon
             tg.start_soon(listener.serve, daemon.serve_connection, tg)
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:

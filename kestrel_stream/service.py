@@ -1,63 +1,36 @@
-"""What the daemon does with a request: session ownership, operations, and the batch runner.
+"""What the daemon does with a request: session ownership, operations, and decode steps.
 
 Every engine call runs on one dedicated step thread (``StepThread``), off the
-event loop, so the loop keeps reading frames and queueing the next batch while
-a step runs.  Requests are validated here, once, before they reach the
-engine; a decode that is already queued when its session closes or fills up
-fails alone, never its batch.
+event loop, so the loop keeps reading frames while a step runs.  Decode
+requests go to that thread, which forms the batches and, for connections that
+allow it, writes each answer to the socket itself (decode_steps.py).
+Requests are validated here, once, before they reach the engine; a decode
+that is already queued when its session closes or fills up fails alone,
+never its batch.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 import anyio
 import numpy as np
 
 from scheduler.batcher import StepBatcher
 
+from .decode_steps import DecodeJob, DecodeSteps, SendFromStep, answer
 from .engine import Engine, Session
-from .step_thread import StepThread
-from .errors import CapacityError, InvalidTokenError, SessionClosedError
+from .errors import CapacityError, InvalidTokenError, KestrelError
 from .protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
+from .step_thread import StepThread
 
 WANTS = ("logits", "last", "token", "topk")
-
 
 @dataclass
 class Connection:
     peer: str
-    answer_now: Callable[[dict, dict], bool] | None = None    # thread-safe send of a response; False: not sent
+    send_from_step: SendFromStep | None = None     # None: answers go out from the event loop
+    authenticated: bool = False
     sessions: dict[int, Session] = field(default_factory=dict)
-
-
-@dataclass
-class DecodeJob:
-    session: Session
-    token: int
-    want: str
-    k: int
-    reply: Callable[[dict, dict], bool] | None = None     # step thread: answer the client at once
-    done: anyio.Event = field(default_factory=anyio.Event)
-    result: tuple | None = None             # (header fields, arrays)
-    error: BaseException | None = None
-    answered: bool = False                  # reply() sent the response; the loop sends nothing
-
-
-def answer(logits: np.ndarray, want: str, k: int) -> tuple[dict, dict]:
-    """The response fields for logits [n, V]: all rows, the last row, its greedy token, or its top-k."""
-    if want == "logits":
-        return {}, {"logits": logits}
-    last = logits[-1]
-    if want == "last":
-        return {}, {"logits": last}
-    token = int(np.argmax(last))
-    if want == "token":
-        return {"token": token}, {}
-    top = np.argpartition(-last, k - 1)[:k]
-    top = top[np.argsort(-last[top], kind="stable")]
-    return {"token": token}, {"topk_ids": top.astype(np.int32), "topk_logits": last[top]}
 
 
 def field_int(header: dict, name: str, op: str, low: int, high: int, default=None) -> int:
@@ -73,23 +46,23 @@ class Service:
         self.vocab_size = engine.config.vocab_size
         # Built once: the plan is fixed for the engine's mode, and stats() should stay a cheap round trip.
         self.plan = describe(getattr(engine, "plan_summary", None) or getattr(engine.executor, "plan_summary", None))
-        self.steps = StepThread()
-        self.connections: set[int] = set()
-        self.draining = False
-        self.inflight = 0
-        self.idle = anyio.Event()
-        self.arrival = anyio.Event()
-        self.step_running = False
         self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0,
                          "decode_step_s": 0.0}         # engine time of those steps, on the step thread
+        self.decode_steps = DecodeSteps(engine, self.counters)
+        self.steps = StepThread(batcher, self.decode_steps.run)
+        self.connections: set[int] = set()
+        self.draining = False
+        self.handling = 0                       # requests whose handler has not returned
+        self.decodes_sent = 0                   # decodes the step thread answers (it counts them out)
 
-    async def in_worker(self, fn, *args):
-        return await self.steps.run(fn, *args)
+    @property
+    def inflight(self) -> int:
+        return self.handling + self.decodes_sent - self.decode_steps.answered
 
     # -- requests --------------------------------------------------------------
-    async def handle(self, conn: Connection, frame: Frame) -> tuple[dict, dict] | None:
-        """(header fields, arrays) of the response to one request, or None when the step thread already sent
-        it (Connection.answer_now); raises a KestrelError to answer an error."""
+    async def handle(self, conn: Connection, frame: Frame) -> tuple[dict, dict] | DecodeJob:
+        """(header fields, arrays) of the response to one request, or a DecodeJob whose answer the step thread
+        sends (Connection.send_from_step); raises a KestrelError to answer an error."""
         op = frame.header.get("op")
         handler = getattr(self, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
         if handler is None:
@@ -97,13 +70,11 @@ class Service:
         if self.draining and op not in ("close", "stats"):
             raise ShuttingDownError("the daemon is shutting down; no new work is accepted")
         self.counters["requests"] += 1
-        self.inflight += 1
+        self.handling += 1
         try:
             return await handler(conn, frame.header, frame.arrays)
         finally:
-            self.inflight -= 1
-            if self.inflight == 0:
-                self.idle.set()
+            self.handling -= 1
 
     def session_of(self, conn: Connection, header: dict, op: str) -> Session:
         sid = header.get("session")
@@ -140,7 +111,7 @@ class Service:
             raise CapacityError(f"open: the daemon already holds {len(self.engine.sessions)} sessions "
                                 f"(--max-sessions {self.max_sessions})")
         try:
-            session = await self.in_worker(self.engine.new_session, length)
+            session = await self.steps.run(self.engine.new_session, length)
         except CapacityError:
             raise
         except Exception as e:          # e.g. the device arena has no room for one more KV cache
@@ -152,25 +123,42 @@ class Service:
         session = self.session_of(conn, header, "prefill")
         want, k = self.want_of(header, "prefill")
         ids = self.token_ids(arrays, "prefill")
-        logits = await self.in_worker(session.prefill, ids)
+        logits = await self.steps.run(session.prefill, ids)
         fields, out = answer(logits, want, k)
         return {"position": session.position, **fields}, out
 
     async def op_decode(self, conn, header, arrays):
+        session, token, want, k = self.decode_request(conn, header)
+        if conn.send_from_step is not None:
+            return self.submit_answered(conn, header, session, token, want, k)
+        job = await self.decode(session, token, want, k)
+        fields, out = job.result
+        return {"position": job.position, **fields}, out
+
+    def decode_request(self, conn: Connection, header: dict) -> tuple[Session, int, str, int]:
         session = self.session_of(conn, header, "decode")
         want, k = self.want_of(header, "decode")
         want = "last" if want == "logits" else want           # one row: logits [V]
-        token = self.check_token(header.get("token"), "decode")
-        reply = None
-        if conn.answer_now is not None:
-            request_id = header.get("id")
-            reply = lambda fields, out: conn.answer_now(      # noqa: E731  (runs on the step thread)
-                {"id": request_id, "ok": True, "position": session.position, **fields}, out)
-        job = await self.decode(session, token, want, k, reply)
-        if job.answered:
+        return session, self.check_token(header.get("token"), "decode"), want, k
+
+    def submit_answered(self, conn: Connection, header: dict, session: Session, token: int, want: str,
+                        k: int, at_once: bool = False) -> DecodeJob:
+        job = DecodeJob(session, token, want, k, header.get("id"), conn.send_from_step)
+        self.decodes_sent += 1
+        self.steps.submit(job, at_once)
+        return job
+
+    def queue_decode(self, conn: Connection, header: dict) -> DecodeJob | None:
+        """The decode request in ``header``, queued for the step thread, which answers it; None (nothing done)
+        for any other request, or one that handle() must refuse."""
+        if header.get("op") != "decode" or self.draining or conn.send_from_step is None:
             return None
-        fields, out = job.result
-        return {"position": session.position, **fields}, out
+        try:
+            request = self.decode_request(conn, header)
+        except KestrelError:
+            return None
+        self.counters["requests"] += 1
+        return self.submit_answered(conn, header, *request, at_once=True)     # from a reader callback
 
     async def op_generate(self, conn, header, arrays):
         """Greedy: prefill the prompt, then n-1 decode steps batched with other sessions."""
@@ -178,7 +166,7 @@ class Service:
         count = field_int(header, "n", "generate", 0, session.max_seq_len)
         ids = self.token_ids(arrays, "generate")
         session._check_room(len(ids) + max(count - 1, 0))
-        logits = await self.in_worker(session.prefill, ids)
+        logits = await self.steps.run(session.prefill, ids)
         tokens = [int(np.argmax(logits[-1]))] if count else []
         while len(tokens) < count:
             job = await self.decode(session, tokens[-1], "token", 1)
@@ -188,7 +176,7 @@ class Service:
 
     async def op_reset(self, conn, header, arrays):
         session = self.session_of(conn, header, "reset")
-        await self.in_worker(session.reset)
+        await self.steps.run(session.reset)
         return {"position": 0}, {}
 
     async def op_close(self, conn, header, arrays):
@@ -206,94 +194,31 @@ class Service:
         start = getattr(tracer(), "start", None)
         if start is None:
             raise UnavailableError("tracing unavailable: this build has no kestrel_stream.trace recorder")
-        await self.in_worker(start, path)
+        await self.steps.run(start, path)
         return {"path": path}, {}
 
     async def op_trace_stop(self, conn, header, arrays):
         stop = getattr(tracer(), "stop", None)
         if stop is None:
             raise UnavailableError("tracing unavailable: this build has no kestrel_stream.trace recorder")
-        written = await self.in_worker(stop)
+        written = await self.steps.run(stop)
         return {"path": str(written) if written is not None else None}, {}
 
-    # -- decode batches ------------------------------------------------------------
-    async def decode(self, session: Session, token: int, want: str, k: int, reply=None) -> DecodeJob:
-        job = DecodeJob(session, token, want, k, reply)
-        self.batcher.add(session.id, job, time.perf_counter())
-        if not self.step_running and self.batcher.ready(time.perf_counter()):
-            await self.run_ready_batch()        # run it from here: no wake-up of the runner task on the way
-        else:
-            self.arrival.set()
-        if not job.done.is_set():               # skip a checkpoint when this handler ran the step itself
-            await job.done.wait()
+    # -- decode steps ----------------------------------------------------------------
+    async def decode(self, session: Session, token: int, want: str, k: int) -> DecodeJob:
+        """One decode step, batched with other sessions' steps; the handler answers."""
+        job = DecodeJob(session, token, want, k)
+        self.steps.submit(job)
+        await job.wait()
         if job.error is not None:
             raise job.error
         return job
 
-    async def run_ready_batch(self) -> None:
-        self.step_running = True
-        try:
-            jobs = [pending.payload for pending in self.batcher.take()]
-            # No shield needed: a cancelled wait leaves the step running on its thread, and the daemon joins
-            # that thread (StepThread.stop) before the engine closes.
-            await self.in_worker(self.run_step, jobs)
-            for job in jobs:
-                job.done.set()
-        finally:
-            self.step_running = False
-            if self.batcher.depth:
-                self.arrival.set()              # requests that queued during the step go next
-
-    async def run_batches(self) -> None:
-        """Forever: run queued batches that did not start at once (waiting for peers, or behind a step)."""
-        while True:
-            now = time.perf_counter()
-            if self.step_running or not self.batcher.ready(now):
-                self.arrival = anyio.Event()
-                deadline = None if self.step_running else self.batcher.deadline_s()
-                with anyio.move_on_after(None if deadline is None else max(deadline - now, 0.0)):
-                    await self.arrival.wait()
-                continue
-            await self.run_ready_batch()
-
-    def run_step(self, jobs: list[DecodeJob]) -> None:
-        """Worker thread: one engine.decode_batch over the jobs that can still run."""
-        runnable = []
-        for job in jobs:
-            if job.session.closed:
-                job.error = SessionClosedError(f"decode: session {job.session.id} was closed")
-            elif job.session.position + 1 > job.session.max_seq_len:
-                job.error = CapacityError(f"decode: session {job.session.id} is full "
-                                          f"(max_seq_len={job.session.max_seq_len})")
-            else:
-                runnable.append(job)
-        if not runnable:
-            return
-        started = time.perf_counter()
-        try:
-            pairs = [(job.session, job.token) for job in runnable]
-            greedy = all(job.want == "token" for job in runnable)    # then the device takes the argmax
-            out = self.engine.decode_batch(pairs, greedy=greedy)   # tokens [B] or logits [B, V]
-        except Exception as e:          # a device failure fails this step's requests, not the daemon
-            for job in runnable:
-                job.error = e
-            return
-        self.counters["decode_steps"] += 1
-        self.counters["decode_step_s"] += time.perf_counter() - started
-        for job, row in zip(runnable, out):
-            job.result = ({"token": int(row)}, {}) if greedy else answer(row[None, :], job.want, job.k)
-            if job.reply is not None:
-                job.answered = job.reply(*job.result)
-
     # -- connections -----------------------------------------------------------------
     async def close_sessions(self, conn: Connection, session_ids) -> None:
         sessions = [conn.sessions.pop(sid) for sid in list(session_ids)]
-        for session in sessions:
-            for pending in self.batcher.forget(session.id):
-                pending.payload.error = SessionClosedError(f"decode: session {session.id} was closed")
-                pending.payload.done.set()
         with anyio.CancelScope(shield=True):
-            await self.in_worker(lambda: [s.close() for s in sessions])
+            await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
 
     def stats(self) -> dict:
         engine, executor = self.engine, self.engine.executor
@@ -305,7 +230,7 @@ class Service:
             "counters": {key: value for key, value in executor.stats.items() if isinstance(value, (int, float))},
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
-            **self.batcher.stats(), **self.counters,
+            **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
         }
 
 

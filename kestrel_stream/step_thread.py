@@ -1,59 +1,103 @@
-"""One long-lived thread that runs every engine call of the daemon, off the event loop."""
+"""One long-lived thread that runs every engine call of the daemon and forms its decode batches, off the event loop."""
 from __future__ import annotations
 
 import asyncio
 import queue
 import threading
+import time
+from typing import Callable
 
-import anyio
+from scheduler.batcher import StepBatcher
+
+STOP = object()
 
 
 class StepThread:
-    """One long-lived thread that runs every engine call, in submission order.
+    """Runs engine calls in submission order, and decode batches as soon as the batcher lets them go.
 
-    Cheaper per call than ``anyio.to_thread`` (no limiter, no pool, no context
-    copy): a call is one queue put, and its result comes back through
+    A call (``run``) is one queue put; its result comes back through
     ``call_soon_threadsafe`` on an asyncio future, a single wake-up of the loop.
-    The daemon runs on anyio's asyncio backend; on another backend calls fall
-    back to ``anyio.to_thread`` with a one-thread limiter."""
+    A decode (``submit``) is one queue put and nothing has to come back: this
+    thread owns the batcher, takes each batch itself and hands it to
+    ``run_batch``, which answers every request from here.  So the event loop
+    only reads frames; a decode step costs it no wake-up, and a lone client's
+    request goes into a step the moment this thread sees it."""
 
-    def __init__(self):
-        try:
-            self.loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.loop = None
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        self.limiter = anyio.CapacityLimiter(1)
-        self.thread = None
-        if self.loop is not None:
-            self.thread = threading.Thread(target=self.serve, name="kestrel-step", daemon=True)
-            self.thread.start()
+    def __init__(self, batcher: StepBatcher, run_batch: Callable[[list], None]):
+        self.batcher, self.run_batch = batcher, run_batch
+        self.loop = asyncio.get_running_loop()          # the daemon runs on anyio's asyncio backend
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # (future, fn, args) calls, decode jobs, STOP
+        self.handoffs: list = []            # decode jobs the loop passes on when it next goes round
+        self.thread = threading.Thread(target=self.serve, name="kestrel-step", daemon=True)
+        self.thread.start()
 
     async def run(self, fn, *args):
-        if self.thread is None:
-            return await anyio.to_thread.run_sync(fn, *args, limiter=self.limiter)
+        if self.handoffs:                   # a call never overtakes a decode submitted before it
+            self.hand_off()
         future = self.loop.create_future()
-        self.calls.put((future, fn, args))
+        self.inbox.put((future, fn, args))
         return await future
 
+    def submit(self, job, at_once: bool = False) -> None:
+        """Loop: a decode request (``job.session.id``, ``job.arrived_s``) for the first batch that may take it.
+
+        Unless ``at_once`` (the caller is about to give the loop back), it
+        reaches this thread when the loop next goes round, after the request's
+        coroutine has gone back to waiting for its next frame: woken earlier,
+        the thread would start the step while the loop still holds the GIL for
+        that bookkeeping, and the two would trade the GIL through the step."""
+        if at_once:
+            self.inbox.put(job)
+            return
+        self.handoffs.append(job)
+        if len(self.handoffs) == 1:
+            self.loop.call_soon(self.hand_off)
+
+    def hand_off(self) -> None:
+        for job in self.handoffs:
+            self.inbox.put(job)
+        self.handoffs.clear()
+
     def serve(self) -> None:
-        while (call := self.calls.get()) is not None:
-            future, fn, args = call
+        batcher, inbox = self.batcher, self.inbox
+        while True:
+            # Block until something arrives, or until the oldest queued request's batching window ends.
+            wait_s = max(batcher.deadline_s() - time.perf_counter(), 0.0) if batcher.depth else None
             try:
-                result = fn(*args)
-            except BaseException as e:          # handed to the awaiting request, raised there
-                self.loop.call_soon_threadsafe(settle, future, None, e)
-            else:
-                self.loop.call_soon_threadsafe(settle, future, result, None)
+                item = inbox.get(timeout=wait_s)
+            except queue.Empty:
+                item = None
+            while item is not None:         # everything already queued joins before a batch is formed
+                if item is STOP:
+                    return
+                if type(item) is tuple:
+                    self.run_ready_batch()      # requests queued before this call go first
+                    self.call(*item)
+                else:
+                    batcher.add(item.session.id, item, item.arrived_s)
+                item = None if inbox.empty() else inbox.get()
+            self.run_ready_batch()
+
+    def run_ready_batch(self) -> None:
+        if self.batcher.ready(time.perf_counter()):
+            self.run_batch([pending.payload for pending in self.batcher.take()])
+
+    def call(self, future: asyncio.Future, fn, args) -> None:
+        try:
+            result = fn(*args)
+        except BaseException as e:          # handed to the awaiting request, raised there
+            self.loop.call_soon_threadsafe(settle, future, None, e)
+        else:
+            self.loop.call_soon_threadsafe(settle, future, result, None)
 
     def stop(self) -> None:
-        if self.thread is not None:
-            self.calls.put(None)
-            self.thread.join()
+        """Let queued calls finish, then end the thread (requests still queued for a batch are dropped)."""
+        self.inbox.put(STOP)
+        self.thread.join()
 
 
 def settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if future.cancelled():                       # its request was cancelled (shutdown, dropped client)
+    if future.done():                       # its request was cancelled (shutdown, dropped client)
         return
     if error is not None:
         future.set_exception(error)

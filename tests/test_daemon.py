@@ -87,6 +87,61 @@ def test_errors_arrive_as_typed_exceptions_and_change_nothing(daemon, engine):
             s.client.call("decode", {"session": s.id, "token": 1}, {})
 
 
+def test_a_decode_that_fails_in_its_step_fails_alone(daemon, engine):
+    """Errors found when the step runs (a full session) are answered like any other, and its batch goes on."""
+    with ks.Client(daemon.address) as client, ks.Client(daemon.address) as other:
+        full, busy = client.new_session(max_seq_len=3), other.new_session()
+        full.prefill([1, 2], want="token")
+        busy.prefill([4, 2], want="token")
+        errors = client.stats()["errors"]
+        assert full.decode(3, want="token") >= 0
+        with pytest.raises(ks.CapacityError, match="is full"):
+            full.decode(4, want="token")
+        assert client.stats()["errors"] == errors + 1
+        assert full.position == 3
+        assert busy.decode(5, want="token") == solo_tokens(engine, [4, 2, 5], 0)[0]
+
+
+def test_pipelined_requests_are_answered_in_order(daemon, engine):
+    """A client may send several requests before reading: each is answered, in the order sent."""
+    sock = raw_connect(daemon.address)
+    sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+    session = read_frame(sock).header["session"]
+    ids = wire.encode_frame({"op": "prefill", "id": 2, "session": session, "want": "token"},
+                            {"ids": np.array([4, 2], np.int64)})
+    sock.sendall(ids + b"".join(wire.encode_frame(header) for header in (
+        {"op": "decode", "id": 3, "session": session, "token": 5, "want": "token"},
+        {"op": "stats", "id": 4},
+        {"op": "decode", "id": 5, "session": session, "token": 6, "want": "token"},
+        {"op": "decode", "id": 6, "session": session, "token": engine.config.vocab_size},
+        {"op": "reset", "id": 7, "session": session})))
+    answers = [read_frame(sock).header for _ in range(6)]
+    assert [a["id"] for a in answers] == [2, 3, 4, 5, 6, 7]
+    assert [a.get("position") for a in answers] == [2, 3, None, 4, None, 0]
+    assert answers[1]["token"] == solo_tokens(engine, [4, 2, 5], 0)[0]
+    assert answers[4]["code"] == "invalid_token"
+    sock.close()
+
+
+def test_a_lone_client_does_not_wait_for_the_batching_window(tiny_model, tmp_path):
+    """Only sessions that are decoding hold a batch back; an idle one next to a lone client does not."""
+    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
+                         "--batch-window-ms", "400")
+    try:
+        with ks.Client(proc.address) as client, ks.Client(proc.address) as idle:
+            idle.new_session().prefill([1], want="token")
+            s = client.new_session()
+            token = s.prefill([1, 2, 3], want="token")
+            took_s = []
+            for _ in range(8):
+                started = time.perf_counter()
+                token = s.decode(token, want="token")
+                took_s.append(time.perf_counter() - started)
+            assert sorted(took_s)[len(took_s) // 2] < 0.2, took_s        # a held step would take >= 0.4 s
+    finally:
+        assert proc.stop() == 0
+
+
 def test_trace_start_stop_reach_the_recorder(daemon, tmp_path):
     try:
         from kestrel_stream import trace  # noqa: F401  (built separately; absent in older builds)
@@ -194,6 +249,9 @@ def test_tcp_without_the_token_is_refused(tiny_model, tmp_path):
             ks.Client(proc.address, token="")
         with ks.Client(proc.address, token=token) as client, client.new_session() as s:
             assert s.generate([1, 2], 3) == client.generate([1, 2], 3)
+            fresh = client.new_session()
+            fresh.prefill([1, 2], want="token")
+            assert fresh.decode(3, want="token") == client.generate([1, 2, 3], 1)[0]   # answered from the loop
     finally:
         assert proc.stop() == 0
 
@@ -291,8 +349,8 @@ def test_fuzzed_frames_never_disturb_other_sessions(daemon, engine):
 
 
 def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():
-    """The step thread writes what a full socket takes (send_now); the loop sends the rest before the next frame."""
-    from kestrel_stream.daemon import Peer
+    """The step thread writes what a full socket takes; the loop sends the rest before anything else goes out."""
+    from kestrel_stream.peer import SocketPeer as Peer
 
     async def main():
         ours, theirs = socket.socketpair()
@@ -300,21 +358,49 @@ def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():
         ours.setblocking(False)
         peer = Peer(await anyio.abc.UNIXSocketStream.from_socket(ours), wire.DEFAULT_MAX_FRAME_BYTES)
         logits = np.arange(200_000, dtype=np.float32)
-        assert await anyio.to_thread.run_sync(peer.send_now, {"id": 1, "ok": True}, {"logits": logits})
-        assert peer.unsent is not None                      # the socket took only part of the frame
+        finished = anyio.Event()
+        await anyio.to_thread.run_sync(peer.send_from_step_thread, {"id": 1, "ok": True}, {"logits": logits},
+                                       lambda: peer.loop.call_soon_threadsafe(finished.set))
+        assert peer.write_lock.locked() and not finished.is_set()  # the socket took only part of the frame
 
-        async def finish():
-            await peer.finish_send_now()
+        async def second():
             await peer.send({"id": 2, "ok": True})
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(finish)
+            tg.start_soon(second)
             theirs.settimeout(10.0)
             first = await anyio.to_thread.run_sync(read_frame, theirs)
-            second = await anyio.to_thread.run_sync(read_frame, theirs)
+            after = await anyio.to_thread.run_sync(read_frame, theirs)
         assert first.header["id"] == 1 and np.array_equal(first.arrays["logits"], logits)
-        assert second.header["id"] == 2 and peer.unsent is None
+        assert after.header["id"] == 2 and finished.is_set()
         assert not peer.write_lock.locked()
+        ours.close()
+        theirs.close()
+
+    anyio.run(main)
+
+
+def test_an_answer_waits_for_a_write_in_progress_and_goes_out_whole():
+    """When another write holds the socket, the step thread leaves its answer to the loop, which sends it next."""
+    from kestrel_stream.peer import SocketPeer
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        peer = SocketPeer(await anyio.abc.UNIXSocketStream.from_socket(ours), wire.DEFAULT_MAX_FRAME_BYTES)
+        finished = anyio.Event()
+        peer.write_lock.acquire()                           # a shutdown notice, say, being written
+        await anyio.to_thread.run_sync(peer.send_from_step_thread, {"id": 1, "ok": True, "token": 7}, None,
+                                       lambda: peer.loop.call_soon_threadsafe(finished.set))
+        await anyio.sleep(0.01)
+        assert not finished.is_set()
+        peer.write_lock.release()
+        with anyio.fail_after(10):
+            await finished.wait()
+        theirs.settimeout(10.0)
+        assert read_frame(theirs).header == {"id": 1, "ok": True, "token": 7}
+        assert not peer.write_lock.locked()
+        peer.close()
         ours.close()
         theirs.close()
 
