@@ -80,7 +80,9 @@ def main() -> None:
         driver.h2d_sync(counter, np.zeros(16, np.uint32))
         cases = [(1, variant, epilogue, programmatic) for variant in gemv_variants.VARIANTS
                  for epilogue in ("plain", "silu", "residual+xn+rms") for programmatic in (False, True)]
-        cases += [(m, None, "plain", False) for m in (2, 4, 8, 64)]
+        cases += [(m, variant, "plain", programmatic) for m in (2, 4, 8) for variant in gemv_variants.MULTI_VARIANTS
+                  for programmatic in (False, True)]
+        cases += [(64, None, "plain", False)]
         for m, variant, epilogue, programmatic in cases:
             extra = {"plain": {}, "silu": dict(silu_pairs=True, inv_rms_in=x.ptr),
                      "residual+xn+rms": dict(res=y.ptr, normw_out=x.ptr, xn_out=xn.ptr, inv_rms_out=rms.ptr,

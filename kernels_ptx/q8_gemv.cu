@@ -38,9 +38,16 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
     return v;
 }
 
+__device__ __forceinline__ float4 load_x4(const float4* p) {
+    // an L1-cached load the compiler may not merge with the same load for another row
+    float4 v;
+    asm volatile("ld.global.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "l"(p));
+    return v;
+}
+
 __device__ __forceinline__ float silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
-template <int M, int ROWS, bool SILU_PAIRS, int THREADS, int UNROLL>
+template <int M, int ROWS, bool SILU_PAIRS, int THREADS, int UNROLL, bool ROW_OUTER = false>
 __device__ __forceinline__ void q8_gemv_body(
         const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
@@ -79,31 +86,60 @@ __device__ __forceinline__ void q8_gemv_body(
         for (int u = 0; u < UNROLL; u++) {
             int c = c0 + u * THREADS;
             if (c >= chunks) break;
-            float wf[ROWS][16];   // weights converted once per chunk, x loaded once per token
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                unsigned int words[4] = {raw[u][r].x ^ 0x80808080u, raw[u][r].y ^ 0x80808080u,
-                                         raw[u][r].z ^ 0x80808080u, raw[u][r].w ^ 0x80808080u};
-#pragma unroll
-                for (int w = 0; w < 4; w++)
-#pragma unroll
-                    for (int b = 0; b < 4; b++) wf[r][4 * w + b] = byte_to_float(words[w], b);
-            }
-#pragma unroll
-            for (int m = 0; m < M; m++) {
-                const float4* xp = (const float4*)(x + (long long)m * ldx) + c * 4;
-                float xin[16];
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    float4 v = xp[i];
-                    xin[4 * i] = v.x; xin[4 * i + 1] = v.y; xin[4 * i + 2] = v.z; xin[4 * i + 3] = v.w;
-                }
+            if constexpr (ROW_OUTER) {
+                // several tokens: one row's 16 weights at a time, x re-read (from L1) per row, so the
+                // registers hold 16 weights instead of ROWS * 16 and more warps stay resident
 #pragma unroll
                 for (int r = 0; r < ROWS; r++) {
-                    float dot = 0.f;
+                    float wf[16];
+                    unsigned int words[4] = {raw[u][r].x ^ 0x80808080u, raw[u][r].y ^ 0x80808080u,
+                                             raw[u][r].z ^ 0x80808080u, raw[u][r].w ^ 0x80808080u};
 #pragma unroll
-                    for (int i = 0; i < 16; i++) dot = fmaf(wf[r][i], xin[i], dot);
-                    acc[r][m] = fmaf(scale[u][r], dot, acc[r][m]);
+                    for (int w = 0; w < 4; w++)
+#pragma unroll
+                        for (int b = 0; b < 4; b++) wf[4 * w + b] = byte_to_float(words[w], b);
+#pragma unroll
+                    for (int m = 0; m < M; m++) {
+                        const float4* xp = (const float4*)(x + (long long)m * ldx) + c * 4;
+                        float dot = 0.f;
+#pragma unroll
+                        for (int i = 0; i < 4; i++) {
+                            float4 v = load_x4(xp + i);   // not merged across rows: registers stay few
+                            dot = fmaf(wf[4 * i], v.x, dot);
+                            dot = fmaf(wf[4 * i + 1], v.y, dot);
+                            dot = fmaf(wf[4 * i + 2], v.z, dot);
+                            dot = fmaf(wf[4 * i + 3], v.w, dot);
+                        }
+                        acc[r][m] = fmaf(scale[u][r], dot, acc[r][m]);
+                    }
+                }
+            } else {
+                float wf[ROWS][16];   // weights converted once per chunk, x loaded once per token
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    unsigned int words[4] = {raw[u][r].x ^ 0x80808080u, raw[u][r].y ^ 0x80808080u,
+                                             raw[u][r].z ^ 0x80808080u, raw[u][r].w ^ 0x80808080u};
+#pragma unroll
+                    for (int w = 0; w < 4; w++)
+#pragma unroll
+                        for (int b = 0; b < 4; b++) wf[r][4 * w + b] = byte_to_float(words[w], b);
+                }
+#pragma unroll
+                for (int m = 0; m < M; m++) {
+                    const float4* xp = (const float4*)(x + (long long)m * ldx) + c * 4;
+                    float xin[16];
+#pragma unroll
+                    for (int i = 0; i < 4; i++) {
+                        float4 v = xp[i];
+                        xin[4 * i] = v.x; xin[4 * i + 1] = v.y; xin[4 * i + 2] = v.z; xin[4 * i + 3] = v.w;
+                    }
+#pragma unroll
+                    for (int r = 0; r < ROWS; r++) {
+                        float dot = 0.f;
+#pragma unroll
+                        for (int i = 0; i < 16; i++) dot = fmaf(wf[r][i], xin[i], dot);
+                        acc[r][m] = fmaf(scale[u][r], dot, acc[r][m]);
+                    }
                 }
             }
         }
@@ -167,15 +203,16 @@ __device__ __forceinline__ void q8_gemv_body(
     if (threadIdx.x == 0) *counter = 0u;
 }
 
-#define DEFINE_GEMV(M, ROWS, SILU, THREADS, UNROLL, NAME)                                        \
+#define DEFINE_GEMV(M, ROWS, SILU, THREADS, UNROLL, NAME) DEFINE_GEMV_AS(M, ROWS, SILU, THREADS, UNROLL, false, NAME)
+#define DEFINE_GEMV_AS(M, ROWS, SILU, THREADS, UNROLL, ROW_OUTER, NAME)                          \
     extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                  \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                    \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
             int ntok) {                                                                          \
-        q8_gemv_body<M, ROWS, SILU, THREADS, UNROLL>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,\
-                                                     normw_out, xn_out, inv_rms_out, counter,    \
-                                                     eps, N, K, ntok);                           \
+        q8_gemv_body<M, ROWS, SILU, THREADS, UNROLL, ROW_OUTER>(qs, scales, x, ldx, inv_rms_in, y,  \
+                                                     ldy, res, normw_out, xn_out, inv_rms_out,   \
+                                                     counter, eps, N, K, ntok);                  \
     }
 #define DEFINE_GEMV_M(M) DEFINE_GEMV(M, 2, false, 128, 2, q8_gemv_m##M) \
                          DEFINE_GEMV(M, 2, true, 128, 2, q8_gemv_m##M##_silu)
@@ -203,3 +240,14 @@ DEFINE_GEMV_1(4, 32, 4, w32r4u4)     // K = 2048: a row's 128 chunks in one pass
 DEFINE_GEMV_1(8, 64, 2, w64r8u2)
 DEFINE_GEMV_1(4, 128, 3, w128r4u3)   // K = 6144: a row's 384 chunks in one pass, 12 loads in flight
 DEFINE_GEMV_1(2, 128, 3, w128r2u3)
+// multi-token variants, row-outer (names in gemv_variants.MULTI_VARIANTS): tokens 2..8, plain and SiLU
+#define DEFINE_GEMV_MN_1(M, ROWS, THREADS, UNROLL, SUFFIX)                                         \
+    DEFINE_GEMV_AS(M, ROWS, false, THREADS, UNROLL, true, q8_gemv_m##M##_##SUFFIX)               \
+    DEFINE_GEMV_AS(M, ROWS, true, THREADS, UNROLL, true, q8_gemv_m##M##_##SUFFIX##_silu)
+#define DEFINE_GEMV_MN(ROWS, THREADS, UNROLL, SUFFIX)                                              \
+    DEFINE_GEMV_MN_1(2, ROWS, THREADS, UNROLL, SUFFIX) DEFINE_GEMV_MN_1(3, ROWS, THREADS, UNROLL, SUFFIX) \
+    DEFINE_GEMV_MN_1(4, ROWS, THREADS, UNROLL, SUFFIX) DEFINE_GEMV_MN_1(5, ROWS, THREADS, UNROLL, SUFFIX) \
+    DEFINE_GEMV_MN_1(6, ROWS, THREADS, UNROLL, SUFFIX) DEFINE_GEMV_MN_1(7, ROWS, THREADS, UNROLL, SUFFIX) \
+    DEFINE_GEMV_MN_1(8, ROWS, THREADS, UNROLL, SUFFIX)
+DEFINE_GEMV_MN(4, 64, 2, o64r4u2)
+DEFINE_GEMV_MN(4, 128, 1, o128r4u1)

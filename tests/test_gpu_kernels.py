@@ -52,9 +52,10 @@ def rel_err(got, want):
 
 GEMV_SHAPES = [(38, 96, 1), (100, 160, 3), (258, 544, 5), (64, 2080, 8), (130, 320, 13), (1000, 1056, 2),
                (76, 224, 7), (2048, 6144, 1), (6144, 2048, 1), (130, 288, 70), (64, 96, 9)]
-# every single-token variant on the single-token shapes; the multi-token kernels have one layout
+# every single-token variant on the single-token shapes, every 2..8-token one on those shapes
 GEMV_CASES = [(n, k, tokens, variant) for n, k, tokens in GEMV_SHAPES
-              for variant in (gemv_variants.VARIANTS if tokens == 1 else [None])]
+              for variant in (gemv_variants.VARIANTS if tokens == 1 else
+                              gemv_variants.MULTI_VARIANTS if tokens <= 8 else [None])]
 
 
 @pytest.mark.parametrize("n,k,tokens,variant", GEMV_CASES)

@@ -80,11 +80,15 @@ def test_gemv_variant_table_matches_the_kernel_source():
     defined = {m[3]: gemv_variants.Variant(int(m[1]), int(m[0]), int(m[2]))
                for m in re.findall(r"^DEFINE_GEMV_1\((\d+), (\d+), (\d+), (\w+)\)", source, flags=re.M)}
     assert defined == {k: v for k, v in gemv_variants.VARIANTS.items() if k}
+    multi = {m[3]: gemv_variants.Variant(int(m[1]), int(m[0]), int(m[2]))
+             for m in re.findall(r"^DEFINE_GEMV_MN\((\d+), (\d+), (\d+), (\w+)\)", source, flags=re.M)}
+    assert multi == {k: v for k, v in gemv_variants.MULTI_VARIANTS.items() if k}
     for suffix in gemv_variants.VARIANTS:
         for silu in (False, True):
             name = gemv_variants.kernel_name(1, suffix, silu)
             assert gemv_variants.parse(name) == (1, gemv_variants.VARIANTS[suffix], silu)
     assert gemv_variants.parse("q8_gemv_m5_silu") == (5, gemv_variants.MULTI_TOKEN, True)
+    assert gemv_variants.parse("q8_gemv_m5_o64r4u2") == (5, gemv_variants.MULTI_VARIANTS["o64r4u2"], False)
 
 
 def test_gemv_variant_choice_and_override(monkeypatch):

@@ -23,6 +23,20 @@ VARIANTS = {"": Variant(128, 2, 2), "r4": Variant(128, 4, 2), "w32r2u4": Variant
             "w64r8u2": Variant(64, 8, 2), "w128r4u3": Variant(128, 4, 3), "w128r2u3": Variant(128, 2, 3)}
 
 MULTI_TOKEN = VARIANTS[""]   # q8_gemv_m2..m8
+# 2..8 tokens: the 128 x 2 x 2 kernel, or row-outer layouts (one row's weights in registers at a time,
+# x re-read from L1 per row) that keep more warps resident
+MULTI_VARIANTS = {"": MULTI_TOKEN, "o64r4u2": Variant(64, 4, 2), "o128r4u1": Variant(128, 4, 1)}
+
+
+def multi_variant(rows: int, cols: int) -> str:
+    """The layout suffix for a 2..8-token GEMV; KESTREL_GEMV_MN=<suffix> forces one."""
+    forced = os.environ.get("KESTREL_GEMV_MN")
+    if forced is not None:
+        if forced not in MULTI_VARIANTS:
+            raise ValueError(f"KESTREL_GEMV_MN={forced!r}: not a multi-token GEMV variant; one of "
+                             f"{', '.join(repr(v) for v in MULTI_VARIANTS)}")
+        return forced
+    return ""
 
 
 def m1_variant(rows: int, cols: int) -> str:
@@ -65,4 +79,5 @@ def parse(name: str) -> tuple[int, Variant, bool]:
     silu = name.endswith("_silu")
     core = name[:-len("_silu")] if silu else name
     head, _, suffix = core[len("q8_gemv_m"):].partition("_")
-    return int(head), VARIANTS[suffix], silu
+    tokens = int(head)
+    return tokens, (VARIANTS if tokens == 1 else MULTI_VARIANTS)[suffix], silu

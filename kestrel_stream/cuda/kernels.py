@@ -21,7 +21,7 @@ from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 from .. import trace
 from .device_trace import timed
 from .driver import Device, Stream, check
-from .gemv_variants import VARIANTS, kernel_name, m1_variant
+from .gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
 _modules: dict[tuple[str, str], object] = {}
 
@@ -163,7 +163,7 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     reads rows as (gate, up) pairs and writes silu(gate) * up (rows/2 outputs); res is added;
     xn_out gets y * normw_out; inv_rms_out (+ `counter`, a zeroed GEMV_COUNTER_BYTES scratch)
     gets 1/rms(y) per token.  variant: a single-token layout of gemv_variants.VARIANTS (by
-    default the one measured fastest for the shape).
+    default the one measured fastest for the shape), or of MULTI_VARIANTS for 2..8 tokens.
     """
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
@@ -171,8 +171,9 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
         launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
                                 (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)
     else:
-        suffix = "" if tokens > 1 else (m1_variant(w.rows, w.cols) if variant is None else variant)
-        shape = VARIANTS[suffix]
+        table, choose = (VARIANTS, m1_variant) if tokens == 1 else (MULTI_VARIANTS, multi_variant)
+        suffix = choose(w.rows, w.cols) if variant is None else variant
+        shape = table[suffix]
         launch = kernels.launch(kernel_name(tokens, suffix, silu_pairs), (-(-w.rows // shape.rows),),
                                 (shape.threads,), GEMV_SIGNATURE, args)
     # weight bytes: int8 values + one fp16 scale per 32
