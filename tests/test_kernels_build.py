@@ -95,12 +95,20 @@ def test_gemv_variant_choice_and_override(monkeypatch):
     from kestrel_stream.cuda import gemv_variants
     monkeypatch.delenv("KESTREL_GEMV_M1", raising=False)
     monkeypatch.delenv("KESTREL_GEMV_M1_ROWS", raising=False)
+    monkeypatch.delenv("KESTREL_GEMV_MN", raising=False)
     for rows, cols in ((4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (151936, 2048), (38, 96)):
         assert gemv_variants.m1_variant(rows, cols) in gemv_variants.VARIANTS
     monkeypatch.setenv("KESTREL_GEMV_M1_ROWS", "4")
     assert gemv_variants.m1_variant(38, 96) == "r4"
     monkeypatch.setenv("KESTREL_GEMV_M1", "w32r2u4")
     assert gemv_variants.m1_variant(38, 96) == "w32r2u4"
+    for tokens in range(2, 9):
+        assert gemv_variants.multi_variant(tokens) in gemv_variants.MULTI_VARIANTS
+    monkeypatch.setenv("KESTREL_GEMV_MN", "")
+    assert gemv_variants.multi_variant(4) == ""
+    monkeypatch.setenv("KESTREL_GEMV_MN", "o2")
+    with pytest.raises(ValueError, match="KESTREL_GEMV_MN='o2'"):
+        gemv_variants.multi_variant(4)
     monkeypatch.setenv("KESTREL_GEMV_M1", "w7")
     with pytest.raises(ValueError, match="KESTREL_GEMV_M1='w7': not a GEMV variant"):
         gemv_variants.m1_variant(38, 96)

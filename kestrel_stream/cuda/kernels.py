@@ -171,10 +171,10 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
         launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
                                 (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)
     else:
-        table, choose = (VARIANTS, m1_variant) if tokens == 1 else (MULTI_VARIANTS, multi_variant)
-        suffix = choose(w.rows, w.cols) if variant is None else variant
-        shape = table[suffix]
-        launch = kernels.launch(kernel_name(tokens, suffix, silu_pairs), (-(-w.rows // shape.rows),),
+        if variant is None:
+            variant = m1_variant(w.rows, w.cols) if tokens == 1 else multi_variant(tokens)
+        shape = (VARIANTS if tokens == 1 else MULTI_VARIANTS)[variant]
+        launch = kernels.launch(kernel_name(tokens, variant, silu_pairs), (-(-w.rows // shape.rows),),
                                 (shape.threads,), GEMV_SIGNATURE, args)
     # weight bytes: int8 values + one fp16 scale per 32
     return launch.label(flops=2 * w.rows * w.cols * tokens, bytes=w.rows * w.cols + w.rows * (w.cols // 32) * 2)
