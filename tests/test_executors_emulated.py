@@ -221,6 +221,40 @@ def test_greedy_steps_take_the_argmax_on_the_device(model, emulated, fraction):
     engine.close()
 
 
+@pytest.mark.parametrize("greedy", [False, True])
+def test_decode_batches_beyond_eight_replay_in_chunks(model, emulated, greedy):
+    """11 sessions in one decode step (max_batch 16): the bucket-8 and bucket-4 graphs, two syncs, no
+    tiled-matmul launch list; the same logits / tokens as each session alone."""
+    weights, _ = model
+    engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=16)
+    gpu = engine.executor
+    assert gpu.buckets == [1, 2, 4, 8]
+    prompts = [[1 + i, 2, 3 + i] for i in range(11)]
+    sessions = [engine.new_session() for _ in prompts]
+    solo = []
+    for s, prompt in zip(sessions, prompts):
+        s.prefill(prompt)
+        with engine.new_session() as alone:
+            alone.prefill(prompt)
+            solo.append(alone.decode(11))
+    before = gpu.stats["syncs"]
+    out = engine.decode_batch([(s, 11) for s in sessions], greedy=greedy)
+    assert gpu.stats["syncs"] - before == 2
+    assert not any(isinstance(key, int) and 8 < key <= 16 for key in gpu._launches), "no 9..16-token step"
+    if greedy:
+        np.testing.assert_array_equal(out, [int(np.argmax(row)) for row in solo])
+    else:
+        for row, alone in zip(out, solo):
+            assert relative_error(row, alone) < 1e-4
+    engine.close()
+    c = weights.config                                # streamed weights: one 16-session step, one stream
+    needs = arena_needs(c, 64, 33, MAX_SEQ_LEN, 16)
+    streamed = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=16,
+                      vram_budget=budget_for_weight_fraction(c, needs, 0.25))
+    assert streamed.executor.window.streamed and streamed.executor.buckets[-1] == 16
+    streamed.close()
+
+
 def test_programmatic_launch_for_decode_steps_only(model, emulated):
     """sm_90: every kernel of a decode step after the first may start early; prefill chunks (the tiled
     matmul), the first kernel, and steps with streamed weights never do."""

@@ -7,10 +7,14 @@ tokens, live in the one device arena beside the weights and the KV caches.  A
 step's per-token scalars (token id, position, KV base) are written by the host
 into a pinned staging block; the step's first node copies that block to the
 device, and every kernel reads them from there, so one captured graph per
-decode batch-size bucket serves every later step.  Decode: fill staging, one
-graph launch, one stream sync (the step's only host sync), copy logits out.
-Prefill and mixed batches run the same launch list eagerly, in chunks of at
-most `max_tokens` tokens, one sync per chunk.
+decode batch-size bucket (1, 2, 4, 8 sessions: the GEMV kernels' range)
+serves every later step.  Decode: fill staging, one graph launch, one stream
+sync (the step's only host sync), copy logits out; a decode batch of more
+than 8 sessions replays the graphs in chunks of 8, one sync each (with
+streamed weights the buckets go up to max_batch instead: one stream of the
+weights per step).  Prefill
+and mixed batches run the same launch list eagerly, in chunks of at most
+`max_tokens` tokens, one sync per chunk.
 
 Launches per layer (6): fused QKV GEMV; q/k norm + RoPE + KV append; split-key
 attention (merged by its last block); O GEMV + residual; fused gate/up GEMV
@@ -129,7 +133,12 @@ class GpuExecutor:
         self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
         self._graph_kernels: dict[tuple[int, bool], int] = {}
         self._prof_events = (driver.Event(timing=True), driver.Event(timing=True)) if prof.enabled else ()
-        self.buckets = sorted({min(1 << i, max_batch) for i in range(max_batch.bit_length() + 1)})
+        # decode graphs hold at most GEMV_MAX_TOKENS sessions: a bigger decode batch replays them in chunks
+        # (one sync each), since a 9..64-token step runs the tiled matmul, which costs as much as a 64-token
+        # prefill chunk (~28 ms for qwen3-1.7b against 3.7 ms for a batch of 8).  Not with streamed weights:
+        # each chunk would stream them again, and PCIe is what a streamed step waits for
+        self.graph_rows = max_batch if self.window.streamed else min(max_batch, GEMV_MAX_TOKENS)
+        self.buckets = sorted({min(1 << i, self.graph_rows) for i in range(self.graph_rows.bit_length() + 1)})
         self.chain = GreedyChain(self)
 
         if verify is None:
@@ -314,11 +323,13 @@ class GpuExecutor:
         V = self.config.vocab_size
         logits = np.empty((len(rows), V), np.float32)
         if self._replayable(batch, rows):
-            stages = self._replay(rows, greedy=False)
-            started = time.perf_counter()
-            logits[:] = self.host_logits_view[:len(rows)]
-            if prof.enabled:
-                prof.record_call({**stages, "reduce": (time.perf_counter() - started) * 1e6})
+            for lo in range(0, len(rows), self.graph_rows):
+                chunk = rows[lo:lo + self.graph_rows]
+                stages = self._replay(chunk, greedy=False)
+                started = time.perf_counter()
+                logits[lo:lo + len(chunk)] = self.host_logits_view[:len(chunk)]
+                if prof.enabled:
+                    prof.record_call({**stages, "reduce": (time.perf_counter() - started) * 1e6})
         else:
             for lo in range(0, len(rows), self.max_tokens):
                 chunk = rows[lo:lo + self.max_tokens]
@@ -343,21 +354,27 @@ class GpuExecutor:
         rows = self._rows(batch)
         if self.verifier is not None or not self._replayable(batch, rows):
             return np.array([int(np.argmax(out[-1])) for out in self.forward(batch)], np.int64)
-        stages = self._replay(rows, greedy=True)
-        if prof.enabled:
-            prof.record_call({**stages, "reduce": 0.0})
+        tokens = np.empty(len(rows), np.int64)
+        for lo in range(0, len(rows), self.graph_rows):
+            chunk = rows[lo:lo + self.graph_rows]
+            stages = self._replay(chunk, greedy=True)
+            if prof.enabled:
+                prof.record_call({**stages, "reduce": 0.0})
+            tokens[lo:lo + len(chunk)] = self.host_tokens_view[:len(chunk)]
         self.stats["steps"] += 1
         self.stats["tokens"] += len(rows)
-        return self.host_tokens_view[:len(rows)].astype(np.int64)
+        return tokens
 
     def generate_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int) -> np.ndarray | None:
         """`steps` greedy decode steps chained on the device (greedy_chain.py): each session's next
         `steps` tokens, int64 [steps, len(batch)], one host sync per GreedyChain.steps_per_sync steps.
         None where this configuration steps one token at a time instead (not a one-token-per-session
-        batch, KESTREL_VERIFY, KESTREL_PROF, a timed streamed step): the caller then steps."""
+        batch of at most graph_rows sessions, KESTREL_VERIFY, KESTREL_PROF, a timed streamed step):
+        the caller then steps."""
         self.device.make_current()
         rows = self._rows(batch)
-        if self.verifier is not None or prof.enabled or not self._replayable(batch, rows):
+        if (self.verifier is not None or prof.enabled or not self._replayable(batch, rows)
+                or len(rows) > self.graph_rows):
             return None
         for kv, _, position in rows:
             if position + steps > kv.capacity:
