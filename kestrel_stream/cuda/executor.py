@@ -16,19 +16,7 @@ weights per step).  Prefill
 and mixed batches run the same launch list eagerly, in chunks of at most
 `max_tokens` tokens, one sync per chunk.
 
-Launches per layer (6): fused QKV GEMV; q/k norm + RoPE + KV append; split-key
-attention (merged by its last block); O GEMV + residual; fused gate/up GEMV
-with SiLU·mul in its epilogue (gate and up rows interleaved at load); down GEMV
-+ residual.  Then lm_head.  RMSNorm never costs a launch or a re-read: the
-kernel that writes the residual stream x (embedding, O and down epilogues) also
-writes xn = x * next norm weight and, from its last block, 1/rms(x) per token;
-the consuming GEMV multiplies its dot products by that scale.
-
-On sm_90 and later the kernels after the first are launched with programmatic
-stream serialization: a kernel is scheduled while its predecessor finishes,
-issues its first weight loads (weights are constant), and only then waits for
-the predecessor's results (kernels_ptx/common.cuh).  Launch latency and the
-tail of one kernel hide the DRAM latency of the next.
+The launch list of a step and why it looks as it does: step_launches.py.
 """
 from __future__ import annotations
 
@@ -44,12 +32,10 @@ from ..weights import ModelWeights
 from .. import prof
 from ..budget import arena_needs, parse_vram_budget, plan_arena, resolve_budget
 from . import driver
-from .kernels import GEMV_MAX_TOKENS, KernelSet, Launch, attention_launch, gemv_launch
 from .greedy_chain import GreedyChain
+from .kernels import GEMV_MAX_TOKENS, KernelSet, Launch
+from .step_launches import argmax_launch, step_launches
 from .stream_window import WeightWindow
-
-ROPE_SIGNATURE = "ppppppppfiiiii"
-LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
 
 
 @dataclass
@@ -190,54 +176,11 @@ class GpuExecutor:
         if self.verifier:
             self.verifier.forget(kv)
 
-    # ---- the launch list of one step over `tokens` tokens -----------------------------------------
+    # ---- the launch lists (step_launches.py), built once per token count ------------------------------
     def _step_launches(self, tokens: int) -> list[Launch]:
-        if tokens in self._launches:
-            return self._launches[tokens]
-        c, k, T = self.config, self.kernels, self.max_tokens
-        eps, L = c.rms_norm_eps, c.num_hidden_layers
-        kvbase, ids, pos = self.params.ptr, self.params.ptr + 8 * T, self.params.ptr + 12 * T
-        H, QKV, I = c.hidden_size, c.q_size + 2 * c.kv_size, c.intermediate_size
-        x, xn, inv_rms, counter = self.x.ptr, self.xn.ptr, self.inv_rms.ptr, self.counter.ptr
-        norm_after = [lw["mlp_norm"] for lw in self.layers]                 # what O's epilogue prepares
-        norm_after_down = [lw["attn_norm"] for lw in self.layers[1:]] + [self.final_norm]
-        out = [k.launch("embed_q8", (tokens,), (256,), "pppppppfi",
-                        [self.embed.qs, self.embed.scales, ids, x, xn, self.layers[0]["attn_norm"], inv_rms,
-                         eps, H])]
-        for li, lw in enumerate(self.layers):
-            out.append(gemv_launch(k, lw["wqkv"], xn, H, self.qkv.ptr, QKV, tokens, inv_rms_in=inv_rms))
-            out.append(k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads,
-                                                         tokens), (32,), ROPE_SIGNATURE,
-                                [self.qkv.ptr, self.q.ptr, self.arena.base, kvbase, pos, lw["q_norm"],
-                                 lw["k_norm"], self.inv_freq, eps, li, L, c.num_attention_heads,
-                                 c.num_key_value_heads, c.head_dim]))
-            out.append(attention_launch(k, self.q.ptr, self.arena.base, kvbase, pos, self.attn.ptr,
-                                        self.partials.ptr, self.attention_counters.ptr, tokens, li, L,
-                                        c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                        self.attention_splits))
-            out.append(gemv_launch(k, lw["wo"], self.attn.ptr, c.q_size, x, H, tokens, res=x,
-                                   normw_out=norm_after[li], xn_out=xn, inv_rms_out=inv_rms, counter=counter,
-                                   eps=eps))
-            out.append(gemv_launch(k, lw["w_gate_up"], xn, H, self.act.ptr, I, tokens, silu_pairs=True,
-                                   inv_rms_in=inv_rms))
-            out.append(gemv_launch(k, lw["w_down"], self.act.ptr, I, x, H, tokens, res=x,
-                                   normw_out=norm_after_down[li], xn_out=xn, inv_rms_out=inv_rms,
-                                   counter=counter, eps=eps))
-        out.append(gemv_launch(k, self.lm_head, xn, H, self.logits.ptr, c.vocab_size, tokens, inv_rms_in=inv_rms))
-        ops = [("embed", None)] + [(op, li) for li in range(L) for op in LAYER_OPS] + [("lm_head", None)]
-        assert len(ops) == len(out), "LAYER_OPS names each launch of a layer"
-        for launch, (op, layer) in zip(out, ops):
-            launch.label(op=op, layer=layer)
-        # programmatic dependent launch: each kernel after the first may be scheduled while its
-        # predecessor runs and prefetch its weights.  Decode-sized steps only (the GEMV path): with
-        # the tiled matmul of prefill chunks it measured slower (1066 vs 1572 tok/s for 64-token
-        # steps, bench/results/2026-11-30-h200-step-variants.md).  Not with streamed weights, whose
-        # slot copies order kernels through events.
-        for launch in out[1:]:
-            launch.programmatic = (self.programmatic and tokens <= GEMV_MAX_TOKENS and not self.window.streamed
-                                   and int(self.device.arch.removeprefix("sm_")) >= 90)
-        self._launches[tokens] = out
-        return out
+        if tokens not in self._launches:
+            self._launches[tokens] = step_launches(self, tokens)
+        return self._launches[tokens]
 
     def _enqueue_step(self, tokens: int, greedy: bool = False) -> int:
         """Params H2D, every kernel, the logits (or, greedy, each row's argmax) D2H on the compute
@@ -255,14 +198,7 @@ class GpuExecutor:
     def _argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
         if key not in self._launches:
-            S, T = self.argmax_splits, self.max_tokens
-            launch = self.kernels.launch(
-                "argmax_split", (S, tokens), (256,), "pipppp",
-                [self.logits.ptr, self.config.vocab_size, self.argmax_partials.ptr,
-                 self.argmax_partials.ptr + 4 * T * S, self.argmax_counters.ptr, self.argmax_out.ptr])
-            launch.label(op="argmax")
-            launch.programmatic = self._step_launches(tokens)[-1].programmatic
-            self._launches[key] = launch
+            self._launches[key] = argmax_launch(self, tokens, self._step_launches(tokens)[-1].programmatic)
         return self._launches[key]
 
     def _stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:

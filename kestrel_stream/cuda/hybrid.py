@@ -34,8 +34,7 @@ from ..cpu import CpuExecutor, CpuKV, rope_tables
 from ..hybrid_host import HostOps
 from ..weights import ModelWeights
 from . import driver
-from .executor import ROPE_SIGNATURE
-from .kernels import KernelSet, QWeight, attention_launch, gemv_launch
+from .kernels import ROPE_SIGNATURE, KernelSet, QWeight, attention_launch, gemv_launch
 from .weight_cache import DeviceWeights
 
 # state each op reads, by side ("xn": x·w and 1/rms of the norm the op consumes, device only)

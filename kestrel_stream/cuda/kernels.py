@@ -148,6 +148,7 @@ class QWeight:
 
 
 GEMV_SIGNATURE = "pppippipppppfiii"
+ROPE_SIGNATURE = "ppppppppfiiiii"      # qkv_norm_rope_append
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tiled q8_matmul
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 

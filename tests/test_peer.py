@@ -1,0 +1,70 @@
+"""The daemon's connection writes (kestrel_stream/peer.py) on a socket pair: answers from the step thread go out
+whole and in order, whatever the socket takes at once and whoever else is writing."""
+from __future__ import annotations
+
+import socket
+
+import anyio
+import numpy as np
+from daemon_helpers import read_frame
+
+from kestrel_stream import protocol as wire
+
+
+def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():
+    """The step thread writes what a full socket takes; the loop sends the rest before anything else goes out."""
+    from kestrel_stream.peer import SocketPeer as Peer
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        ours.setblocking(False)
+        peer = Peer(await anyio.abc.UNIXSocketStream.from_socket(ours), wire.DEFAULT_MAX_FRAME_BYTES)
+        logits = np.arange(200_000, dtype=np.float32)
+        finished = anyio.Event()
+        await anyio.to_thread.run_sync(peer.send_from_step_thread, {"id": 1, "ok": True}, {"logits": logits},
+                                       lambda: peer.loop.call_soon_threadsafe(finished.set))
+        assert peer.write_lock.locked() and not finished.is_set()  # the socket took only part of the frame
+
+        async def second():
+            await peer.send({"id": 2, "ok": True})
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(second)
+            theirs.settimeout(10.0)
+            first = await anyio.to_thread.run_sync(read_frame, theirs)
+            after = await anyio.to_thread.run_sync(read_frame, theirs)
+        assert first.header["id"] == 1 and np.array_equal(first.arrays["logits"], logits)
+        assert after.header["id"] == 2 and finished.is_set()
+        assert not peer.write_lock.locked()
+        ours.close()
+        theirs.close()
+
+    anyio.run(main)
+
+
+def test_an_answer_waits_for_a_write_in_progress_and_goes_out_whole():
+    """When another write holds the socket, the step thread leaves its answer to the loop, which sends it next."""
+    from kestrel_stream.peer import SocketPeer
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        peer = SocketPeer(await anyio.abc.UNIXSocketStream.from_socket(ours), wire.DEFAULT_MAX_FRAME_BYTES)
+        finished = anyio.Event()
+        peer.write_lock.acquire()                           # a shutdown notice, say, being written
+        await anyio.to_thread.run_sync(peer.send_from_step_thread, {"id": 1, "ok": True, "token": 7}, None,
+                                       lambda: peer.loop.call_soon_threadsafe(finished.set))
+        await anyio.sleep(0.01)
+        assert not finished.is_set()
+        peer.write_lock.release()
+        with anyio.fail_after(10):
+            await finished.wait()
+        theirs.settimeout(10.0)
+        assert read_frame(theirs).header == {"id": 1, "ok": True, "token": 7}
+        assert not peer.write_lock.locked()
+        peer.close()
+        ours.close()
+        theirs.close()
+
+    anyio.run(main)
