@@ -27,9 +27,12 @@ from .weights import ModelWeights
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-    # x: [..., n] float32
-    var = np.mean(np.square(x), axis=-1, keepdims=True)
-    return (x / np.sqrt(var + np.float32(eps))) * w
+    # x: [..., n] float32.  np.mean's own arithmetic (a pairwise float32 sum, then a division by the count
+    # as an intp, rounded back to float32), without its Python-level argument handling.
+    var = np.add.reduce(np.square(x), axis=-1, keepdims=True)
+    np.true_divide(var, np.intp(x.shape[-1]), out=var, casting="unsafe")
+    var += np.float32(eps)
+    return (x / np.sqrt(var, out=var)) * w
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
@@ -92,6 +95,16 @@ class CpuExecutor:
         self.weights = weights
         self.config: ModelConfig = weights.config
         self._dequantized: dict[int, np.ndarray] = {}
+        # Norm weights as plain float32 arrays (a memory-mapped one would make every result it touches a
+        # memmap, each with a Python-level finalizer); q_norm and k_norm stacked per head, [q + kv heads, D].
+        plain = lambda a: np.array(a, np.float32)   # noqa: E731
+        c = self.config
+        self.norms = [(plain(lw.attn_norm), plain(lw.mlp_norm),
+                       np.concatenate([np.broadcast_to(plain(lw.q_norm), (c.num_attention_heads, c.head_dim)),
+                                       np.broadcast_to(plain(lw.k_norm), (c.num_key_value_heads, c.head_dim))])
+                       if c.qk_norm else None) for lw in weights.layers]
+        self.final_norm = plain(weights.final_norm)
+        self._cos = self._sin = np.zeros((0, c.head_dim), np.float32)
         self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0}
 
     def dense(self, w: QTensor) -> np.ndarray:
@@ -116,30 +129,43 @@ class CpuExecutor:
     def free_kv(self, kv: CpuKV) -> None:
         pass
 
+    def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin [T, D] for positions [T]: rows of tables built once for every position so far
+        (each row's arithmetic is rope_tables' own), so a step indexes them instead of computing them."""
+        need = int(positions.max()) + 1
+        if need > len(self._cos):
+            size = max(need, 2 * len(self._cos), 64)
+            self._cos, self._sin = rope_tables(np.arange(size), self.config.head_dim, self.config.rope_theta)
+        return self._cos[positions], self._sin[positions]
+
     def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]]) -> list[np.ndarray]:
         """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each.
 
         All sessions' tokens go through every projection as one [T, K] matmul
-        (T = Σ n_i); attention runs per session over its own cache.
+        (T = Σ n_i); attention runs per session over its own cache.  Q and K
+        heads are normed and rotated together, one [T, q + kv heads, D] array.
         """
-        c, w = self.config, self.weights
-        ids = np.concatenate([np.asarray(t, np.int64) for _, t, _ in batch])
-        positions = np.concatenate([np.arange(p, p + len(t)) for _, t, p in batch])
-        bounds = np.cumsum([0] + [len(t) for _, t, _ in batch])
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta)
+        c, w, eps = self.config, self.weights, self.config.rms_norm_eps
+        if len(batch) == 1:
+            ids = np.asarray(batch[0][1], np.int64)
+            positions = np.arange(batch[0][2], batch[0][2] + len(ids))
+        else:
+            ids = np.concatenate([np.asarray(t, np.int64) for _, t, _ in batch])
+            positions = np.concatenate([np.arange(p, p + len(t)) for _, t, p in batch])
+        bounds = np.cumsum([0] + [len(t) for _, t, _ in batch]).tolist()
+        cos, sin = self.rope(positions)
+        heads, qk_size = c.num_attention_heads + c.num_key_value_heads, c.q_size + c.kv_size
         with trace.span("embed", op="embed"):
             x = w.embed.dequantize_rows(ids)                                # [T, H]
-        for li, layer in enumerate(w.layers):
-            h = rmsnorm(x, layer.attn_norm, c.rms_norm_eps)
-            qkv = self.linear(h, layer.wqkv, "qkv", li)                     # [T, q + 2kv]
-            q = qkv[:, :c.q_size].reshape(-1, c.num_attention_heads, c.head_dim)
-            k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(-1, c.num_key_value_heads, c.head_dim)
-            v = qkv[:, c.q_size + c.kv_size:].reshape(-1, c.num_key_value_heads, c.head_dim)
-            if c.qk_norm:
-                q = rmsnorm(q, layer.q_norm, c.rms_norm_eps)
-                k = rmsnorm(k, layer.k_norm, c.rms_norm_eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+        for li, (layer, norms) in enumerate(zip(w.layers, self.norms)):
+            attn_norm, mlp_norm, qk_norm = norms
+            qkv = self.linear(rmsnorm(x, attn_norm, eps), layer.wqkv, "qkv", li)    # [T, q + 2kv]
+            qk = qkv[:, :qk_size].reshape(-1, heads, c.head_dim)
+            if qk_norm is not None:
+                qk = rmsnorm(qk, qk_norm, eps)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :c.num_attention_heads], qk[:, c.num_attention_heads:]
+            v = qkv[:, qk_size:].reshape(-1, c.num_key_value_heads, c.head_dim)
             attn = np.empty((len(ids), c.q_size), np.float32)
             with trace.span("attention", op="attention", layer=li):
                 for (kv, _, start), lo, hi in zip(batch, bounds[:-1], bounds[1:]):
@@ -148,11 +174,10 @@ class CpuExecutor:
                     kv.v[li, start:end] = v[lo:hi]
                     attn[lo:hi] = attention(q[lo:hi], kv.k[li, :end], kv.v[li, :end], start)
             x = x + self.linear(attn, layer.wo, "wo", li)
-            h = rmsnorm(x, layer.mlp_norm, c.rms_norm_eps)
-            gu = self.linear(h, layer.w_gate_up, "gate_up", li)
+            gu = self.linear(rmsnorm(x, mlp_norm, eps), layer.w_gate_up, "gate_up", li)
             x = x + self.linear(silu_mul(gu[:, :c.intermediate_size], gu[:, c.intermediate_size:]), layer.w_down,
                                 "down", li)
-        logits = self.linear(rmsnorm(x, w.final_norm, c.rms_norm_eps), w.lm_head, "lm_head")
+        logits = self.linear(rmsnorm(x, self.final_norm, eps), w.lm_head, "lm_head")
         self.stats["steps"] += 1
         self.stats["tokens"] += len(ids)
         return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]

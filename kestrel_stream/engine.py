@@ -150,6 +150,8 @@ class Engine:
         return session
 
     def check_tokens(self, ids, where: str) -> np.ndarray:
+        if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self.config.vocab_size:
+            return np.array(ids, np.int64)      # one valid token (a decode step): no array checks needed
         arr = np.asarray(ids)
         if arr.ndim == 0:
             arr = arr.reshape(1)
@@ -179,7 +181,7 @@ class Engine:
                 out = np.array([int(np.argmax(logits[-1])) for logits in self.executor.forward(batch)], np.int64)
         for s, ids in items:
             s.position += len(ids)
-            s.tokens.extend(int(t) for t in ids)
+            s.tokens.extend(np.asarray(ids).tolist())
         return out
 
     def decode_batch(self, pairs: list[tuple["Session", int]], greedy: bool = False) -> np.ndarray:

@@ -47,16 +47,18 @@ class QTensor:
     def dequantize(self) -> np.ndarray:
         """float32 [N, K]: qs * scale, the value every executor computes with."""
         n, k = self.qs.shape
-        out = self.qs.reshape(n, k // GROUP, GROUP).astype(np.float32)
-        out *= self.scales.astype(np.float32)[:, :, None]
+        # np.asarray: a plain array even from a memory-mapped file (a memmap result would carry its
+        # Python-level finalizer into every product computed with it)
+        out = np.asarray(self.qs).reshape(n, k // GROUP, GROUP).astype(np.float32)
+        out *= np.asarray(self.scales).astype(np.float32)[:, :, None]
         return out.reshape(n, k)
 
     def dequantize_rows(self, index: np.ndarray) -> np.ndarray:
         """float32 [len(index), K] for selected rows (embedding lookup)."""
         n = len(index)
         k = self.qs.shape[1]
-        out = self.qs[index].reshape(n, k // GROUP, GROUP).astype(np.float32)
-        out *= self.scales[index].astype(np.float32)[:, :, None]
+        out = np.asarray(self.qs)[index].reshape(n, k // GROUP, GROUP).astype(np.float32)
+        out *= np.asarray(self.scales)[index].astype(np.float32)[:, :, None]
         return out.reshape(n, k)
 
     def to_blocks(self) -> np.ndarray:
