@@ -9,6 +9,7 @@ in-flight steps finish, tell every client, and exit 0.
 """
 from __future__ import annotations
 
+import gc
 import hmac
 import os
 import secrets
@@ -215,6 +216,8 @@ async def serve(engine, args) -> int:
         where = f"unix:{socket_path} (mode 0600)"
     daemon.max_frame_bytes = args.max_frame_mb * 1024 * 1024
     log(f"max {args.max_sessions} sessions, batches of up to {args.max_batch} within {args.batch_window_ms} ms")
+    gc.collect()
+    gc.freeze()         # the loaded model and modules leave the collector's view: no full collection walks them
     log(f"listening on {where}")
     try:
         async with anyio.create_task_group() as tg:
