@@ -231,7 +231,6 @@ class Service:
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
             **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
-            "inline_steps": self.steps.inline_steps,
         }
 
 
