@@ -23,6 +23,7 @@ import anyio
 
 from .errors import KestrelError
 from .peer import Peer, SocketPeer
+from .socket_reader import SocketReader
 from .protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_RESPONSE_BYTES, VERSION, AuthError, DaemonError, ProtocolError,
                        default_socket_path, default_token_path, error_header)
 
@@ -40,11 +41,12 @@ class Daemon:
         self.peers: set[Peer] = set()
         self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
         self.spawn = None                   # the task group's start_soon, once serving
+        self.reader = None                  # the SocketReader of Unix-socket connections, once serving
 
     async def serve_connection(self, stream) -> None:
         from .service import Connection
         if isinstance(stream, anyio.abc.UNIXSocketStream):
-            peer = SocketPeer(stream, self.max_frame_bytes, self.spawn)
+            peer = SocketPeer(stream, self.max_frame_bytes, self.spawn, self.reader)
             conn = Connection(peer=str(id(stream)), send_from_step=peer.send_from_step_thread)
             peer.take_at_once = lambda frame: self.take_at_once(peer, conn, frame)
         else:
@@ -139,7 +141,7 @@ class Daemon:
 
     async def shutdown(self, scope: anyio.CancelScope, why: str) -> None:
         log(f"{why}: finishing in-flight steps")
-        self.service.draining = True
+        self.service.start_draining()
         with anyio.move_on_after(DRAIN_TIMEOUT_S):
             while self.service.inflight:        # some finish on the step thread, which does not wake the loop
                 await anyio.sleep(0.005)
@@ -213,6 +215,7 @@ async def serve(engine, args) -> int:
         with private_umask():
             listener = await anyio.create_unix_listener(socket_path, mode=0o600)
         daemon = Daemon(engine, service, None)
+        daemon.reader = SocketReader()
         where = f"unix:{socket_path} (mode 0600)"
     daemon.max_frame_bytes = args.max_frame_mb * 1024 * 1024
     log(f"max {args.max_sessions} sessions, batches of up to {args.max_batch} within {args.batch_window_ms} ms")
@@ -233,6 +236,8 @@ async def serve(engine, args) -> int:
         if socket_path is not None:
             socket_path.unlink(missing_ok=True)
         service.steps.stop()                # waits for a step still running (a drain that timed out)
+        if daemon.reader is not None:
+            daemon.reader.stop()
     log("stopped")
     return 0
 

@@ -1,10 +1,10 @@
 """One client connection's bytes: frames in, answers out, in order.
 
-A Unix socket (``SocketPeer``) is read by a callback the event loop calls when
-the socket is readable; it splits the bytes into frames and either queues them
-for the connection's coroutine or, for a decode request arriving at an idle
-connection, hands the frame to ``take_at_once`` right there, so the request
-reaches the step thread without a wake-up of that coroutine.  The step thread
+A Unix socket (``SocketPeer``) is read by the daemon's reader thread, which
+splits the bytes into frames and either queues them for the connection's
+coroutine or, for a decode request arriving at an idle connection, hands the
+frame to ``take_at_once`` right there, so the request reaches the step thread
+without the event loop.  The step thread
 writes decode answers to the socket itself.  TCP streams (``Peer``) are
 asyncio transports that own their socket, so they keep anyio's stream calls
 and every answer goes out from the loop.
@@ -21,6 +21,7 @@ import anyio
 
 from .errors import KestrelError
 from .protocol import PREFIX_BYTES, Frame, ProtocolError, encode_frame, error_header, parse_body, parse_prefix
+from .socket_reader import SocketReader
 
 FRAME_TIMEOUT_S = 30.0          # a started frame must arrive whole this fast (no half-sent frames held open)
 RECEIVE_BYTES = 65536
@@ -95,71 +96,89 @@ class Peer:
 
 
 class SocketPeer(Peer):
-    """A Unix-socket connection, read and written on its raw non-blocking socket.
+    """A Unix-socket connection, read by the daemon's reader thread and written on its raw non-blocking socket.
 
-    anyio's stream calls add a scheduling checkpoint and a reader registration
-    (two epoll_ctl calls) to every read, and waking the connection's coroutine
-    for each frame costs more again: a sizeable share of a small request's
-    round trip.  Here the socket stays registered with the loop while the
-    connection lives, and frames are read by the callback."""
+    The reader thread (socket_reader.py) splits the bytes into frames.  A
+    decode request arriving while the connection's coroutine waits, with
+    nothing queued and no decode of this connection unanswered, goes straight
+    to ``take_at_once`` (which queues it for the step thread, and the step
+    thread answers it): the event loop never sees it.  Any other frame is
+    queued for the coroutine, which is woken on the loop.  ``lock`` guards
+    what both threads touch: the queued frames, the end, ``waiting``, ``pending``."""
 
-    def __init__(self, stream, max_frame_bytes: int, spawn=None):
+    def __init__(self, stream, max_frame_bytes: int, spawn=None, reader: SocketReader | None = None):
         super().__init__(stream, max_frame_bytes, spawn)
         self.sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)    # non-blocking
         self.fd = self.sock.fileno()
         self.scratch = memoryview(bytearray(RECEIVE_BYTES))
+        self.lock = threading.Lock()
         self.frames: deque = deque()        # Frames and ProtocolErrors the coroutine has not taken yet
         self.ended: BaseException | None = None     # raised to the coroutine once the frames are taken
         self.partial_since: float | None = None     # when the frame now arriving began (monotonic s)
-        self.waiter: asyncio.Future | None = None   # the coroutine's, while it waits for a frame
+        self.waiter: asyncio.Future | None = None   # the coroutine's, while it waits for a frame (loop only)
+        self.waiting = False                # the coroutine waits for a frame with none queued
         self.reading = False
-        # Reader callback, for a frame that arrives while the coroutine waits with nothing queued or pending:
+        # Reader thread, for a frame that arrives while the coroutine waits with nothing queued or pending:
         # True if it took the frame.
         self.take_at_once: Callable[[Frame], bool] | None = None
+        self.own_reader = reader is None    # a peer made on its own (tests) reads with a thread of its own
+        self.reader = reader or SocketReader()
         self.resume_reading()
 
     def resume_reading(self) -> None:
-        if not self.reading and self.ended is None:
-            self.loop.add_reader(self.fd, self.on_readable)
-            self.reading = True
+        with self.lock:
+            if not self.reading and self.ended is None:
+                self.reader.watch(self.fd, self)
+                self.reading = True
 
     def pause_reading(self) -> None:
+        """Holding lock."""
         if self.reading:
-            self.loop.remove_reader(self.fd)
+            self.reader.unwatch(self.fd)
             self.reading = False
 
     def close(self) -> None:
-        self.pause_reading()
-        self.ended = self.ended or anyio.ClosedResourceError()
+        """Loop: stop reading; once this returns the reader thread touches this socket no more."""
+        with self.lock:
+            self.pause_reading()
+            self.ended = self.ended or anyio.ClosedResourceError()
+        if self.own_reader:
+            self.reader.stop()
 
+    # -- the reader thread -------------------------------------------------------------
     def on_readable(self) -> None:
-        try:
-            received = self.sock.recv_into(self.scratch)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError as e:
-            self.end(anyio.BrokenResourceError(str(e)))
-            return
-        if not received:
-            self.end(anyio.EndOfStream())
-            return
-        self.buffer += self.scratch[:received]
-        self.split_frames()
+        with self.lock:
+            if self.ended is not None:
+                return
+            try:
+                received = self.sock.recv_into(self.scratch)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.end(anyio.BrokenResourceError(str(e)))
+                return
+            if not received:
+                self.end(anyio.EndOfStream())
+                return
+            self.buffer += self.scratch[:received]
+            if self.split_frames():
+                self.wake_soon()
 
-    def split_frames(self) -> None:
-        buffer = self.buffer
+    def split_frames(self) -> bool:
+        """Holding lock: take or queue every whole frame in the buffer; True if the coroutine must wake."""
+        buffer, wake = self.buffer, False
         while len(buffer) >= PREFIX_BYTES:
             try:
                 header_bytes, payload_bytes = parse_prefix(bytes(buffer[:PREFIX_BYTES]), self.max_frame_bytes)
             except ProtocolError as e:      # the stream is out of step: nothing after this can be read
                 self.frames.append(e)
                 self.end(anyio.EndOfStream())
-                return
+                return False                # end() wakes it
             end = PREFIX_BYTES + header_bytes + payload_bytes
             if len(buffer) < end:
                 if self.partial_since is None:
                     self.partial_since = time.monotonic()
-                    self.wake()             # so that the coroutine times the rest of this frame
+                    wake = True             # so that the coroutine times the rest of this frame
                 break
             self.partial_since = None
             head = bytes(buffer[PREFIX_BYTES:PREFIX_BYTES + header_bytes])
@@ -173,14 +192,13 @@ class SocketPeer(Peer):
             except ProtocolError as e:      # well framed: answered, and the connection goes on
                 self.frames.append(e)
                 continue
-            if (self.waiter is not None and not self.frames and self.take_at_once is not None
+            if (self.waiting and not self.frames and self.take_at_once is not None
                     and (self.pending is None or self.pending.done) and self.took_at_once(frame)):
                 continue
             self.frames.append(frame)
         if len(self.frames) >= QUEUED_FRAMES:
             self.pause_reading()            # the coroutine reads on when it has taken them
-        if self.frames:
-            self.wake()
+        return wake or bool(self.frames)
 
     def took_at_once(self, frame: Frame) -> bool:
         try:
@@ -189,29 +207,44 @@ class SocketPeer(Peer):
             return False
 
     def end(self, why: BaseException) -> None:
+        """Holding lock."""
         self.ended = why
         self.pause_reading()
-        self.wake()
+        self.wake_soon()
 
+    def wake_soon(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.wake)
+        except RuntimeError:                # the loop is closed: the daemon has stopped
+            pass
+
+    # -- the connection's coroutine (loop) ------------------------------------------------
     def wake(self) -> None:
         if self.waiter is not None and not self.waiter.done():
             self.waiter.set_result(None)
 
     async def read_frame(self) -> Frame:
-        while not self.frames:
-            if self.ended is not None:
-                raise self.ended
+        while True:
+            with self.lock:
+                if self.frames:
+                    item = self.frames.popleft()
+                    self.waiting = False
+                    break
+                if self.ended is not None:
+                    self.waiting = False
+                    raise self.ended
+                partial_since = self.partial_since
+                self.waiter = self.loop.create_future()
+                self.waiting = True
             self.resume_reading()
-            self.waiter = self.loop.create_future()
             try:
-                if self.partial_since is None:      # idle clients may wait here forever
+                if partial_since is None:      # idle clients may wait here forever
                     await self.waiter
                 else:
-                    with anyio.fail_after(max(self.partial_since + FRAME_TIMEOUT_S - time.monotonic(), 0.0)):
+                    with anyio.fail_after(max(partial_since + FRAME_TIMEOUT_S - time.monotonic(), 0.0)):
                         await self.waiter
             finally:
                 self.waiter = None
-        item = self.frames.popleft()
         self.resume_reading()
         if isinstance(item, ProtocolError):
             raise item

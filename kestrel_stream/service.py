@@ -10,6 +10,7 @@ never its batch.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 import anyio
@@ -54,10 +55,12 @@ class Service:
         self.draining = False
         self.handling = 0                       # requests whose handler has not returned
         self.decodes_sent = 0                   # decodes the step thread answers (it counts them out)
+        self.queued_at_once = 0                 # of those, the ones the reader thread queued (only it counts)
+        self.admit = threading.Lock()           # the reader thread's decodes against the start of a shutdown
 
     @property
     def inflight(self) -> int:
-        return self.handling + self.decodes_sent - self.decode_steps.answered
+        return self.handling + self.decodes_sent + self.queued_at_once - self.decode_steps.answered
 
     # -- requests --------------------------------------------------------------
     async def handle(self, conn: Connection, frame: Frame) -> tuple[dict, dict] | DecodeJob:
@@ -144,21 +147,33 @@ class Service:
     def submit_answered(self, conn: Connection, header: dict, session: Session, token: int, want: str,
                         k: int, at_once: bool = False) -> DecodeJob:
         job = DecodeJob(session, token, want, k, header.get("id"), conn.send_from_step)
-        self.decodes_sent += 1
+        if not at_once:
+            self.decodes_sent += 1
         self.steps.submit(job, at_once)
         return job
 
     def queue_decode(self, conn: Connection, header: dict) -> DecodeJob | None:
-        """The decode request in ``header``, queued for the step thread, which answers it; None (nothing done)
-        for any other request, or one that handle() must refuse."""
-        if header.get("op") != "decode" or self.draining or conn.send_from_step is None:
+        """Reader thread: the decode request in ``header``, queued for the step thread, which answers it;
+        None (nothing done) for any other request, or one that handle() must refuse.
+
+        The connection's coroutine is waiting for a frame, so nothing else changes its sessions meanwhile;
+        ``admit`` orders this against the start of a shutdown, which then waits for this decode too."""
+        if header.get("op") != "decode" or conn.send_from_step is None:
             return None
         try:
             request = self.decode_request(conn, header)
         except KestrelError:
             return None
-        self.counters["requests"] += 1
-        return self.submit_answered(conn, header, *request, at_once=True)     # from a reader callback
+        with self.admit:
+            if self.draining:
+                return None
+            self.queued_at_once += 1
+        return self.submit_answered(conn, header, *request, at_once=True)
+
+    def start_draining(self) -> None:
+        """Loop: refuse new work from now on; what was admitted before counts in ``inflight``."""
+        with self.admit:
+            self.draining = True
 
     async def op_generate(self, conn, header, arrays):
         """Greedy: prefill the prompt, then n-1 decode steps batched with other sessions."""
@@ -231,6 +246,7 @@ class Service:
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
             **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
+            "requests": self.counters["requests"] + self.queued_at_once,
         }
 
 
