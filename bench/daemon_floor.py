@@ -15,7 +15,10 @@ requests, ``inproc-slept``), and through:
   thread (the hop the daemon makes so its loop keeps reading);
 - ``engine-loop``: the same again, with frames read by a callback of an
   asyncio event loop (as the daemon reads a Unix socket);
-- ``daemon``: ``kestrel-stream serve``.
+- ``daemon``: ``kestrel-stream serve``;
+- ``daemon@LABEL`` (``--daemon LABEL=DIR``, repeatable): the same served from
+  another source tree (e.g. a worktree of an earlier commit), so that builds
+  are compared within one run of one machine.
 The minimal servers handle one client and only what this bench sends.
 """
 from __future__ import annotations
@@ -166,13 +169,15 @@ def measure(args, model, tmp: Path) -> list[dict]:
     spin_us = statistics.median(inproc_us[20:])
     procs = {kind: start_server(kind, tmp / f"{kind}.sock", model, spin_us) for kind in KINDS}
     args.client_counts = [1]
-    procs["daemon"] = start_daemon(model, args, tmp / "daemon.sock", max_batch=32)
+    daemons = {"daemon": None, **{f"daemon@{label}": source for label, source in args.daemons}}
+    for kind, source in daemons.items():
+        procs[kind] = start_daemon(model, args, tmp / f"{kind}.sock", max_batch=32, source=source)
     sockets, remotes = {}, {}
     try:
         for kind in ("echo", "spin"):
             sockets[kind] = socket.socket(socket.AF_UNIX)
             sockets[kind].connect(str(tmp / f"{kind}.sock"))
-        clients = {kind: ks.Client(str(tmp / f"{kind}.sock")) for kind in ("engine", "engine-hop", "engine-loop", "daemon")}
+        clients = {kind: ks.Client(str(tmp / f"{kind}.sock")) for kind in ("engine", "engine-hop", "engine-loop", *daemons)}
         remotes = {kind: client.new_session() for kind, client in clients.items()}
         request = encode_frame({"op": "decode", "id": 1, "session": 1, "token": 1, "want": "token"})
         scratch = bytearray(65536)
@@ -194,7 +199,7 @@ def measure(args, model, tmp: Path) -> list[dict]:
             else:
                 session.decode(token, want=("logits", "token")[token % 2])
 
-        kinds = ["inproc", "inproc-slept", *KINDS, "daemon"]
+        kinds = ["inproc", "inproc-slept", *KINDS, *daemons]
         samples_us = {kind: [] for kind in kinds}
         for round_index in range(args.rounds):
             for kind in kinds[round_index % len(kinds):] + kinds[:round_index % len(kinds)]:
@@ -211,7 +216,7 @@ def measure(args, model, tmp: Path) -> list[dict]:
         for sock in sockets.values():
             sock.close()
         for kind, proc in procs.items():
-            if kind == "daemon":
+            if kind.startswith("daemon"):
                 stop_daemon(proc)
             else:
                 proc.wait(30)
@@ -234,6 +239,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100, help="rounds of one block of calls per path")
     parser.add_argument("--out", default=None)
     parser.add_argument("--label", default="")
+    parser.add_argument("--daemon", action="append", default=[], metavar="LABEL=DIR", dest="daemon_sources",
+                        help="also measure the daemon served from source tree DIR, as path daemon@LABEL")
     parser.add_argument("--serve", nargs=4, metavar=("KIND", "SOCKET", "MODEL", "SPIN_US"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -241,6 +248,12 @@ def main() -> None:
         serve(kind, path, model, float(spin_us))
         return
     model = ensure_preset(args.preset)
+    args.daemons = []
+    for spec in args.daemon_sources:
+        label, _, source = spec.partition("=")
+        if not label or not (Path(source) / "kestrel_stream").is_dir():
+            parser.error(f"--daemon {spec!r}: expected LABEL=DIR with DIR/kestrel_stream in it")
+        args.daemons.append((label, str(Path(source).resolve())))
     args.device, args.mode, args.max_seq_len = "cpu", "cpu", MAX_SEQ_LEN
     with tempfile.TemporaryDirectory(prefix="kestrel-floor-") as tmp:
         rows = measure(args, model, Path(tmp))

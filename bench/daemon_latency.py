@@ -38,12 +38,15 @@ from .report import write_results  # noqa: E402
 PROMPT = [1, 2, 3, 4]
 
 
-def start_daemon(model, args, socket_path: Path, max_batch: int) -> subprocess.Popen:
+def start_daemon(model, args, socket_path: Path, max_batch: int, source: str | None = None) -> subprocess.Popen:
+    """`kestrel-stream serve` on socket_path; ``source``: run the package from that source tree instead."""
     log = open(socket_path.with_suffix(f".b{max_batch}.log"), "w")
+    env = dict(os.environ, PYTHONPATH=source) if source else None
     proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model), "--device",
                              args.device, "--mode", args.mode, "--socket", str(socket_path), "--max-batch",
                              str(max_batch), "--max-sessions", str(max(args.client_counts) + 4),
-                             "--max-seq-len", str(args.max_seq_len)], stdout=log, stderr=subprocess.STDOUT)
+                             "--max-seq-len", str(args.max_seq_len)], stdout=log, stderr=subprocess.STDOUT,
+                            env=env, cwd=source)
     deadline = time.monotonic() + 600
     while "listening on" not in Path(log.name).read_text():     # the socket file exists a moment before it listens
         if proc.poll() is not None or time.monotonic() > deadline:

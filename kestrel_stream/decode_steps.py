@@ -30,7 +30,8 @@ class DecodeJob:
     does not wait; the connection waits (``wait``) before its next request.
     Otherwise the handler waits and answers."""
     __slots__ = ("session", "token", "want", "k", "request_id", "send", "arrived_s", "position", "result", "error",
-                 "lock", "done", "waiter")
+                 "done", "waiter")
+    lock = threading.Lock()         # done and waiter of every job: held for a few bytecodes, by any thread
 
     def __init__(self, session: Session, token: int, want: str, k: int, request_id=None,
                  send: SendFromStep | None = None):
@@ -40,7 +41,6 @@ class DecodeJob:
         self.position = 0
         self.result: tuple | None = None        # (header fields, arrays)
         self.error: BaseException | None = None
-        self.lock = threading.Lock()
         self.done = False
         self.waiter: asyncio.Future | None = None
 
@@ -102,11 +102,13 @@ class DecodeSteps:
                 self.finish(job)
 
     def step(self, runnable: list[DecodeJob]) -> None:
+        """Engine.step straight away: the service checked every token, run() each session's room, and the
+        batcher gives each session at most one place in a batch of at most max_batch."""
         started = time.perf_counter()
         try:
-            pairs = [(job.session, job.token) for job in runnable]
+            items = [(job.session, np.array([job.token], np.int64)) for job in runnable]
             greedy = all(job.want == "token" for job in runnable)    # then the device takes the argmax
-            out = self.engine.decode_batch(pairs, greedy=greedy)   # tokens [B] or logits [B, V]
+            out = self.engine.step(items, greedy=greedy)     # tokens [B], or logits [1, V] per session
         except Exception as e:          # a device failure fails this step's requests, not the daemon
             for job in runnable:
                 job.error = e
@@ -114,7 +116,7 @@ class DecodeSteps:
         self.counters["decode_steps"] += 1
         self.counters["decode_step_s"] += time.perf_counter() - started
         for job, row in zip(runnable, out):
-            job.result = ({"token": int(row)}, {}) if greedy else answer(row[None, :], job.want, job.k)
+            job.result = ({"token": int(row)}, {}) if greedy else answer(row, job.want, job.k)
 
     def finish(self, job: DecodeJob) -> None:
         """Step thread: answer the client (when this thread sends the answer) or wake the waiting handler."""

@@ -172,7 +172,9 @@ class Engine:
         an executor with forward_greedy (gpu mode) then takes the argmax on the device and copies
         back 4 bytes per token instead of the logits."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
-        with self._lock, trace.step(sum(len(ids) for _, ids in items), sessions=len(items)):
+        traced = trace.NULL_SPAN if trace.active is None else trace.step(sum(len(ids) for _, ids in items),
+                                                                        sessions=len(items))
+        with self._lock, traced:
             if not greedy:
                 out = self.executor.forward(batch)
             elif hasattr(self.executor, "forward_greedy"):

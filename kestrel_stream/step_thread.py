@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 import time
@@ -10,6 +11,7 @@ from typing import Callable
 from scheduler.batcher import StepBatcher
 
 STOP = object()
+INLINE_MAX_S = 0.002
 
 
 class StepThread:
@@ -28,6 +30,11 @@ class StepThread:
         self.loop = asyncio.get_running_loop()          # the daemon runs on anyio's asyncio backend
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # (future, fn, args) calls, decode jobs, STOP
         self.handoffs: list = []            # decode jobs the loop passes on when it next goes round
+        # Held by whichever thread runs the engine or touches the batcher: this one, or the reader for an inline step.
+        self.turn = threading.Lock()
+        self.inline_max_s = INLINE_MAX_S if os.environ.get("KESTREL_INLINE", "0") != "0" else -1.0
+        self.step_s = 0.0                   # the latest decode step's engine time
+        self.inline_steps = 0
         self.thread = threading.Thread(target=self.serve, name="kestrel-step", daemon=True)
         self.thread.start()
 
@@ -47,11 +54,27 @@ class StepThread:
         the thread would start the step while the loop still holds the GIL for
         that bookkeeping, and the two would trade the GIL through the step."""
         if at_once:
-            self.inbox.put(job)
+            if not self.run_inline(job):
+                self.inbox.put(job)
             return
         self.handoffs.append(job)
         if len(self.handoffs) == 1:
             self.loop.call_soon(self.hand_off)
+
+    def run_inline(self, job) -> bool:
+        """Reader thread: run a lone session's short decode step right here; False to queue it."""
+        if self.step_s > self.inline_max_s or not self.turn.acquire(blocking=False):
+            return False
+        try:
+            batcher, now = self.batcher, time.perf_counter()
+            if batcher.depth or self.handoffs or not self.inbox.empty() or not batcher.lone(job.session.id, now):
+                return False
+            batcher.add(job.session.id, job, job.arrived_s)
+            self.run_ready_batch()
+            self.inline_steps += 1
+            return True
+        finally:
+            self.turn.release()
 
     def hand_off(self) -> None:
         for job in self.handoffs:
@@ -67,20 +90,23 @@ class StepThread:
                 item = inbox.get(timeout=wait_s)
             except queue.Empty:
                 item = None
-            while item is not None:         # everything already queued joins before a batch is formed
-                if item is STOP:
-                    return
-                if type(item) is tuple:
-                    self.run_ready_batch()      # requests queued before this call go first
-                    self.call(*item)
-                else:
-                    batcher.add(item.session.id, item, item.arrived_s)
-                item = None if inbox.empty() else inbox.get()
-            self.run_ready_batch()
+            with self.turn:
+                while item is not None:         # everything already queued joins before a batch is formed
+                    if item is STOP:
+                        return
+                    if type(item) is tuple:
+                        self.run_ready_batch()      # requests queued before this call go first
+                        self.call(*item)
+                    else:
+                        batcher.add(item.session.id, item, item.arrived_s)
+                    item = None if inbox.empty() else inbox.get()
+                self.run_ready_batch()
 
     def run_ready_batch(self) -> None:
         if self.batcher.ready(time.perf_counter()):
+            started = time.perf_counter()
             self.run_batch([pending.payload for pending in self.batcher.take()])
+            self.step_s = time.perf_counter() - started
 
     def call(self, future: asyncio.Future, fn, args) -> None:
         try:

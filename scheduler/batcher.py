@@ -70,6 +70,11 @@ class StepBatcher:
         horizon = now_s - self.active_horizon_s
         return sum(1 for t in self.last_request_s.values() if t >= horizon)
 
+    def lone(self, session_key: Hashable, now_s: float) -> bool:
+        """No session but ``session_key`` has asked for a step within the active horizon."""
+        horizon = now_s - self.active_horizon_s
+        return all(t < horizon for key, t in self.last_request_s.items() if key != session_key)
+
     def ready(self, now_s: float) -> bool:
         if not self.queue:
             return False
