@@ -16,6 +16,7 @@ import secrets
 import signal
 import socket
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -216,6 +217,11 @@ async def serve(engine, args) -> int:
             listener = await anyio.create_unix_listener(socket_path, mode=0o600)
         daemon = Daemon(engine, service, None)
         daemon.reader = SocketReader()
+        spin_s = float(os.environ.get("KESTREL_SPIN_US", "0")) / 1e6
+        if spin_s > 0:
+            def keep_spinning(reader=daemon.reader, clock=time.perf_counter):
+                reader.spin_until = clock() + spin_s
+            service.steps.after_inline = keep_spinning
         where = f"unix:{socket_path} (mode 0600)"
     daemon.max_frame_bytes = args.max_frame_mb * 1024 * 1024
     log(f"max {args.max_sessions} sessions, batches of up to {args.max_batch} within {args.batch_window_ms} ms")

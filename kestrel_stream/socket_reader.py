@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import select
 import threading
+import time
 
 WAKE = select.EPOLLIN | select.EPOLLRDHUP
 
@@ -30,6 +31,9 @@ class SocketReader:
         self.peers: dict[int, object] = {}          # fd -> SocketPeer (any object with on_readable())
         self.stop_r, self.stop_w = os.pipe()
         self.epoll.register(self.stop_r, select.EPOLLIN)
+        # Until then, poll without sleeping: set after a lone client's step, whose next request then finds this
+        # core awake (a sleeping core takes tens of microseconds to resume, and runs cold a while after).
+        self.spin_until = 0.0
         self.thread = threading.Thread(target=self.run, name="kestrel-read", daemon=True)
         self.thread.start()
 
@@ -50,10 +54,10 @@ class SocketReader:
             pass
 
     def run(self) -> None:
-        poll, peers = self.epoll.poll, self.peers
+        poll, peers, clock = self.epoll.poll, self.peers, time.perf_counter
         while True:
             try:
-                events = poll()
+                events = poll(0 if self.spin_until > clock() else -1)
             except InterruptedError:
                 continue
             except (OSError, ValueError):                   # closed by stop()

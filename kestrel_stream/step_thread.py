@@ -35,6 +35,7 @@ class StepThread:
         self.inline_max_s = INLINE_MAX_S if os.environ.get("KESTREL_INLINE", "0") != "0" else -1.0
         self.step_s = 0.0                   # the latest decode step's engine time
         self.inline_steps = 0
+        self.after_inline: Callable[[], None] | None = None     # reader thread, after each inline step
         self.thread = threading.Thread(target=self.serve, name="kestrel-step", daemon=True)
         self.thread.start()
 
@@ -72,6 +73,8 @@ class StepThread:
             batcher.add(job.session.id, job, job.arrived_s)
             self.run_ready_batch()
             self.inline_steps += 1
+            if self.after_inline is not None:
+                self.after_inline()
             return True
         finally:
             self.turn.release()
