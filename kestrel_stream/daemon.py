@@ -3,8 +3,9 @@
 Transport: a Unix socket (mode 0600, in a per-user runtime dir by default) or
 TCP on loopback, where the first frame must carry the token.  Each connection
 is answered in order, one request at a time (peer.py reads and writes its
-bytes); decode steps of different connections meet in the batcher on the step
-thread (service.py, step_thread.py).  SIGINT/SIGTERM stop new work, let
+bytes; one reader thread reads every Unix socket, socket_reader.py); decode
+steps of different connections meet in the batcher on the step thread
+(service.py, step_thread.py).  SIGINT/SIGTERM stop new work, let
 in-flight steps finish, tell every client, and exit 0.
 """
 from __future__ import annotations
@@ -16,8 +17,8 @@ import secrets
 import signal
 import socket
 import sys
-import time
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import anyio
@@ -29,6 +30,8 @@ from .protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_RESPONSE_BYTES, VERSION, Aut
                        default_socket_path, default_token_path, error_header)
 
 DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight requests
+DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
+DEFAULT_SPIN_US = 300.0
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
 
 
@@ -198,7 +201,7 @@ async def serve(engine, args) -> int:
     from scheduler.batcher import StepBatcher
     from .service import Service
     batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3)
-    service = Service(engine, args.max_sessions, batcher)
+    service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3)
     socket_path = None
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")
@@ -217,11 +220,8 @@ async def serve(engine, args) -> int:
             listener = await anyio.create_unix_listener(socket_path, mode=0o600)
         daemon = Daemon(engine, service, None)
         daemon.reader = SocketReader()
-        spin_s = float(os.environ.get("KESTREL_SPIN_US", "0")) / 1e6
-        if spin_s > 0:
-            def keep_spinning(reader=daemon.reader, clock=time.perf_counter):
-                reader.spin_until = clock() + spin_s
-            service.steps.after_inline = keep_spinning
+        if args.spin_us > 0:
+            service.steps.after_inline = partial(daemon.reader.spin_for, args.spin_us / 1e6)
         where = f"unix:{socket_path} (mode 0600)"
     daemon.max_frame_bytes = args.max_frame_mb * 1024 * 1024
     log(f"max {args.max_sessions} sessions, batches of up to {args.max_batch} within {args.batch_window_ms} ms")
@@ -255,6 +255,9 @@ def run_daemon(args) -> int:
         raise ValueError("--max-sessions and --max-batch must be >= 1")
     if not 1 <= args.max_frame_mb <= MAX_RESPONSE_BYTES >> 20:
         raise ValueError(f"--max-frame-mb must be in 1..{MAX_RESPONSE_BYTES >> 20}")
+    if not 0 <= args.inline_max_ms <= 1000 or not 0 <= args.spin_us <= 100_000:
+        raise ValueError(f"--inline-max-ms must be in 0..1000 (got {args.inline_max_ms}) and --spin-us in "
+                         f"0..100000 (got {args.spin_us})")
     if getattr(args, "trace", None):          # `serve --trace FILE`: the CLI stops and writes it at exit
         from . import trace
         trace.start(args.trace, command="serve")
@@ -285,6 +288,12 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
                    help="how long a decode step waits for other sessions' steps")
+    p.add_argument("--inline-max-ms", type=float, default=DEFAULT_INLINE_MAX_S * 1e3,
+                   help="a lone session's decode step runs on the socket reader thread, without a hop to the step "
+                        "thread, while its steps take less than this (0: never)")
+    p.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US,
+                   help="after such a step the reader polls for the next request this long before it sleeps, "
+                        "burning that CPU time so the request finds the core awake (0: sleep at once)")
     p.add_argument("--max-frame-mb", type=int, default=DEFAULT_MAX_FRAME_BYTES >> 20,
                    help="largest request frame accepted")
 

@@ -3,7 +3,9 @@
 Every engine call runs on one dedicated step thread (``StepThread``), off the
 event loop, so the loop keeps reading frames while a step runs.  Decode
 requests go to that thread, which forms the batches and, for connections that
-allow it, writes each answer to the socket itself (decode_steps.py).
+allow it, writes each answer to the socket itself (decode_steps.py); a lone
+session's short decode step runs on the socket reader thread instead, which
+read its request (step_thread.py, socket_reader.py).
 Requests are validated here, once, before they reach the engine; a decode
 that is already queued when its session closes or fills up fails alone,
 never its batch.
@@ -22,7 +24,7 @@ from .decode_steps import DecodeJob, DecodeSteps, SendFromStep, answer
 from .engine import Engine, Session
 from .errors import CapacityError, InvalidTokenError, KestrelError
 from .protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
-from .step_thread import StepThread
+from .step_thread import DEFAULT_INLINE_MAX_S, StepThread
 
 WANTS = ("logits", "last", "token", "topk")
 
@@ -42,7 +44,8 @@ def field_int(header: dict, name: str, op: str, low: int, high: int, default=Non
 
 
 class Service:
-    def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher):
+    def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher,
+                 inline_max_s: float = DEFAULT_INLINE_MAX_S):
         self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
         self.vocab_size = engine.config.vocab_size
         # Built once: the plan is fixed for the engine's mode, and stats() should stay a cheap round trip.
@@ -50,7 +53,7 @@ class Service:
         self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0,
                          "decode_step_s": 0.0}         # engine time of those steps, on the step thread
         self.decode_steps = DecodeSteps(engine, self.counters)
-        self.steps = StepThread(batcher, self.decode_steps.run)
+        self.steps = StepThread(batcher, self.decode_steps.run, inline_max_s)
         self.connections: set[int] = set()
         self.draining = False
         self.handling = 0                       # requests whose handler has not returned
@@ -246,7 +249,7 @@ class Service:
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
             **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
-            "requests": self.counters["requests"] + self.queued_at_once,
+            "requests": self.counters["requests"] + self.queued_at_once, "inline_steps": self.steps.inline_steps,
         }
 
 

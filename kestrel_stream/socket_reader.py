@@ -53,6 +53,10 @@ class SocketReader:
         except (FileNotFoundError, OSError, ValueError):     # not registered, or the epoll is closed
             pass
 
+    def spin_for(self, seconds: float) -> None:
+        """This thread, after a lone client's step: poll without sleeping for ``seconds``."""
+        self.spin_until = time.perf_counter() + seconds
+
     def run(self) -> None:
         poll, peers, clock = self.epoll.poll, self.peers, time.perf_counter
         while True:

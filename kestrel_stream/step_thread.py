@@ -1,8 +1,11 @@
-"""One long-lived thread that runs every engine call of the daemon and forms its decode batches, off the event loop."""
+"""One long-lived thread that runs every engine call of the daemon and forms its decode batches, off the event loop.
+
+The one exception: a lone session's short decode step runs on the reader
+thread that read its request (``run_inline``), since there is then no batch to
+form and the hop here (a wake-up and a GIL hand-over) is pure latency."""
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 import time
@@ -11,7 +14,7 @@ from typing import Callable
 from scheduler.batcher import StepBatcher
 
 STOP = object()
-INLINE_MAX_S = 0.002
+DEFAULT_INLINE_MAX_S = 0.002        # serve --inline-max-ms
 
 
 class StepThread:
@@ -23,17 +26,20 @@ class StepThread:
     thread owns the batcher, takes each batch itself and hands it to
     ``run_batch``, which answers every request from here.  So the event loop
     only reads frames; a decode step costs it no wake-up, and a lone client's
-    request goes into a step the moment this thread sees it."""
+    request goes into a step the moment this thread sees it.
 
-    def __init__(self, batcher: StepBatcher, run_batch: Callable[[list], None]):
+    ``turn`` is held by whichever thread runs the engine or touches the
+    batcher: this one, or the reader thread for an inline step."""
+
+    def __init__(self, batcher: StepBatcher, run_batch: Callable[[list], None],
+                 inline_max_s: float = DEFAULT_INLINE_MAX_S):
         self.batcher, self.run_batch = batcher, run_batch
         self.loop = asyncio.get_running_loop()          # the daemon runs on anyio's asyncio backend
         self.inbox: queue.SimpleQueue = queue.SimpleQueue()   # (future, fn, args) calls, decode jobs, STOP
         self.handoffs: list = []            # decode jobs the loop passes on when it next goes round
-        # Held by whichever thread runs the engine or touches the batcher: this one, or the reader for an inline step.
         self.turn = threading.Lock()
-        self.inline_max_s = INLINE_MAX_S if os.environ.get("KESTREL_INLINE", "0") != "0" else -1.0
-        self.step_s = 0.0                   # the latest decode step's engine time
+        self.inline_max_s = inline_max_s    # <= 0: every decode step runs on this thread
+        self.step_s = 0.0                   # the latest decode step's time
         self.inline_steps = 0
         self.after_inline: Callable[[], None] | None = None     # reader thread, after each inline step
         self.thread = threading.Thread(target=self.serve, name="kestrel-step", daemon=True)
@@ -47,9 +53,11 @@ class StepThread:
         return await future
 
     def submit(self, job, at_once: bool = False) -> None:
-        """Loop: a decode request (``job.session.id``, ``job.arrived_s``) for the first batch that may take it.
+        """A decode request (``job.session.id``, ``job.arrived_s``) for the first batch that may take it.
 
-        Unless ``at_once`` (the caller is about to give the loop back), it
+        ``at_once``: from the reader thread, which runs a lone session's short
+        step itself (``run_inline``) or queues it here at once.  Otherwise, from
+        the loop, it
         reaches this thread when the loop next goes round, after the request's
         coroutine has gone back to waiting for its next frame: woken earlier,
         the thread would start the step while the loop still holds the GIL for
@@ -63,8 +71,13 @@ class StepThread:
             self.loop.call_soon(self.hand_off)
 
     def run_inline(self, job) -> bool:
-        """Reader thread: run a lone session's short decode step right here; False to queue it."""
-        if self.step_s > self.inline_max_s or not self.turn.acquire(blocking=False):
+        """Reader thread: run a lone session's short decode step right here; False to queue it.
+
+        Only when no other session asked for a step within the batcher's
+        active horizon, nothing is queued or running here, and the latest step
+        took under ``inline_max_s``: the reader reads no other connection
+        meanwhile, so a long step stays on this thread."""
+        if self.step_s >= self.inline_max_s or not self.turn.acquire(blocking=False):
             return False
         try:
             batcher, now = self.batcher, time.perf_counter()

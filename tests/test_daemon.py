@@ -142,6 +142,45 @@ def test_a_lone_client_does_not_wait_for_the_batching_window(tiny_model, tmp_pat
         assert proc.stop() == 0
 
 
+def test_a_lone_clients_steps_run_on_the_reader_thread_with_its_solo_tokens(daemon, engine):
+    """A lone session's short steps skip the hop to the step thread (stats inline_steps) and change no token."""
+    prompt = [3, 1, 4]
+    with ks.Client(daemon.address) as client, client.new_session() as s:
+        time.sleep(0.1)                                 # sessions of earlier tests are past the active horizon
+        before = client.stats()
+        tokens = [s.prefill(prompt, want="token")]
+        for _ in range(20):
+            tokens.append(s.decode(tokens[-1], want="token"))
+        after = client.stats()
+    assert tokens == solo_tokens(engine, prompt, 20)
+    assert after["inline_steps"] - before["inline_steps"] >= 15, (before, after)
+    assert after["decode_steps"] - before["decode_steps"] == 20
+
+
+def test_inline_steps_and_spinning_can_be_turned_off(tiny_model, engine, tmp_path):
+    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
+                         "--max-seq-len", "128", "--inline-max-ms", "0", "--spin-us", "0")
+    try:
+        with ks.Client(proc.address) as client, client.new_session() as s:
+            tokens = [s.prefill([2, 7], want="token")]
+            for _ in range(10):
+                tokens.append(s.decode(tokens[-1], want="token"))
+            stats = client.stats()
+        assert tokens == solo_tokens(engine, [2, 7], 10)
+        assert stats["inline_steps"] == 0 and stats["decode_steps"] == 10
+    finally:
+        assert proc.stop() == 0
+
+
+def test_bad_latency_flags_are_refused_before_loading(tiny_model, tmp_path):
+    for flag, value in (("--spin-us", "-1"), ("--inline-max-ms", "5000")):
+        out = subprocess.run([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(tiny_model),
+                              "--socket", str(tmp_path / "ks.sock"), flag, value],
+                             capture_output=True, text=True, env=ENV, timeout=120)
+        assert out.returncode != 0 and flag in out.stderr, out.stderr
+        assert not (tmp_path / "ks.sock").exists()
+
+
 def test_trace_start_stop_reach_the_recorder(daemon, tmp_path):
     try:
         from kestrel_stream import trace  # noqa: F401  (built separately; absent in older builds)
@@ -181,6 +220,8 @@ def test_concurrent_clients_get_their_solo_tokens(daemon, engine):
     assert [got[i] for i in range(CLIENTS)] == expected
     batches = stats["batches"] - before["batches"]
     assert batches < CLIENTS * STEPS / 2, f"{batches} batches: decode steps were not batched"
+    inline = stats["inline_steps"] - before["inline_steps"]
+    assert inline < CLIENTS * STEPS / 10, f"{inline} of the concurrent steps ran alone on the reader thread"
     assert stats["sessions"] == 0
 
 
