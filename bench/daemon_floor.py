@@ -45,7 +45,7 @@ from kestrel_stream.benchmark import environment  # noqa: E402
 from kestrel_stream.presets import ensure_preset  # noqa: E402
 from kestrel_stream.protocol import PREFIX_BYTES, encode_frame, parse_body, parse_prefix  # noqa: E402
 
-from .daemon_latency import BLOCK, BLOCK_WARMUP, PROMPT, start_daemon, stop_daemon  # noqa: E402
+from .daemon_latency import BLOCK, BLOCK_WARMUP, PROMPT, parse_daemon_sources, start_daemon, stop_daemon  # noqa: E402
 from .report import write_results  # noqa: E402
 
 MAX_SEQ_LEN = 256
@@ -248,12 +248,7 @@ def main() -> None:
         serve(kind, path, model, float(spin_us))
         return
     model = ensure_preset(args.preset)
-    args.daemons = []
-    for spec in args.daemon_sources:
-        label, _, source = spec.partition("=")
-        if not label or not (Path(source) / "kestrel_stream").is_dir():
-            parser.error(f"--daemon {spec!r}: expected LABEL=DIR with DIR/kestrel_stream in it")
-        args.daemons.append((label, str(Path(source).resolve())))
+    args.daemons = parse_daemon_sources(parser, args.daemon_sources)
     args.device, args.mode, args.max_seq_len = "cpu", "cpu", MAX_SEQ_LEN
     with tempfile.TemporaryDirectory(prefix="kestrel-floor-") as tmp:
         rows = measure(args, model, Path(tmp))

@@ -2,11 +2,15 @@
 
     python3 -m bench.daemon_latency [--preset tiny | --model PATH] [--device cpu] [--mode auto]
                                     [--steps 1000] [--clients 1,4,16,32] [--tokens 200] [--out DIR] [--label NAME]
+                                    [--repeat N] [--daemon LABEL=DIR ...]
     # on the H200:  python3 -m bench.daemon_latency --preset qwen3-1.7b --device cuda --mode gpu --label h200
 
 Rows: one `latency` row per transport payload (`want=logits`: the full
 [vocab] row, `want=token`: 4 bytes) with the median µs per step in process,
-through the daemon, and the difference (the daemon's overhead); one
+through the daemon, and the difference (the daemon's overhead), per run
+(``--repeat``: each run starts a new daemon; ``latency-median`` rows give the
+median over runs and the range) and per daemon build (``--daemon``: another
+source tree's daemon, measured in turns with this one); one
 `throughput` row per (clients, batching) with aggregate decode tok/s.  The
 load generator is one anyio loop of AsyncClients in this process, so at high
 client counts it competes with the daemon for the same cores.
@@ -44,7 +48,7 @@ def start_daemon(model, args, socket_path: Path, max_batch: int, source: str | N
     env = dict(os.environ, PYTHONPATH=source) if source else None
     proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model), "--device",
                              args.device, "--mode", args.mode, "--socket", str(socket_path), "--max-batch",
-                             str(max_batch), "--max-sessions", str(max(args.client_counts) + 4),
+                             str(max_batch), "--max-sessions", str(max(args.client_counts, default=1) + 4),
                              "--max-seq-len", str(args.max_seq_len)], stdout=log, stderr=subprocess.STDOUT,
                             env=env, cwd=source)
     deadline = time.monotonic() + 600
@@ -53,6 +57,17 @@ def start_daemon(model, args, socket_path: Path, max_batch: int, source: str | N
             raise RuntimeError(f"daemon did not start: {Path(log.name).read_text()}")
         time.sleep(0.05)
     return proc
+
+
+def parse_daemon_sources(parser, specs: list[str]) -> list[tuple[str, str]]:
+    """``--daemon LABEL=DIR`` options as (label, absolute source dir)."""
+    daemons = []
+    for spec in specs:
+        label, _, source = spec.partition("=")
+        if not label or not (Path(source) / "kestrel_stream").is_dir():
+            parser.error(f"--daemon {spec!r}: expected LABEL=DIR with DIR/kestrel_stream in it")
+        daemons.append((label, str(Path(source).resolve())))
+    return daemons
 
 
 def stop_daemon(proc: subprocess.Popen) -> None:
@@ -65,7 +80,7 @@ BLOCK = 20              # calls of one kind in a row; kinds take turns block by 
 BLOCK_WARMUP = 2        # the first calls of a block are dropped: the other side was idle for a whole block
 
 
-def latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
+def latency_rows(engine, model, args, socket_path: Path, source: str | None = None) -> list[dict]:
     """Per-step µs of the same decode in this process and through the daemon, interleaved in blocks.
 
     Kinds take turns in blocks of BLOCK calls (rotating which goes first), so
@@ -73,8 +88,9 @@ def latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
     still measures back-to-back steps, as a client decoding in a loop sees
     them; the first round is warm-up and dropped, medians over the rest.
     Daemon decodes alternate want=logits and want=token within a block.
-    Sessions restart (reset + 4-token prefill, untimed) before they fill up."""
-    proc = start_daemon(model, args, socket_path, max_batch=args.max_batch)
+    Sessions restart (reset + 4-token prefill, untimed) before they fill up.
+    ``source``: the daemon runs from that source tree (a --daemon variant)."""
+    proc = start_daemon(model, args, socket_path, max_batch=args.max_batch, source=source)
     local = engine.new_session()
     samples_us = {"inproc": [], "logits": [], "token": [], "stats": []}
     try:
@@ -125,7 +141,35 @@ def latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
                      "daemon_us": round(remote_median, 1), "overhead_us": round(remote_median - inproc_median, 1),
                      "daemon_p90_us": round(float(np.percentile(samples_us[want], 90)), 1),
                      "daemon_step_us": round(daemon_step_us, 1), "stats_rtt_us": round(stats_median, 1)})
-        print(rows[-1], flush=True)
+    return rows
+
+
+def repeated_latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
+    """latency_rows --repeat times for each daemon build, each run with a newly started daemon, builds taking
+    turns; then per build and payload the median over runs (kind ``latency-median``).
+
+    A daemon's threads land on some cores of a shared host and stay there for
+    the run, so one run's figure carries that placement; a fresh daemon per
+    run and the median over runs average it out."""
+    builds = [("this", None), *args.daemons]
+    rows = []
+    for run in range(args.repeat):
+        for label, source in builds:
+            for row in latency_rows(engine, model, args, socket_path, source):
+                rows.append({**row, "daemon": label, "run": run + 1})
+                print(rows[-1], flush=True)
+    if args.repeat > 1:
+        for label, _ in builds:
+            for want in ("logits", "token"):
+                runs = [r for r in rows if r["daemon"] == label and r["want"] == want and r["kind"] == "latency"]
+                summary = {"kind": "latency-median", "want": want, "daemon": label, "run": f"{len(runs)} runs",
+                           **{key: round(statistics.median(r[key] for r in runs), 1)
+                              for key in ("inproc_us", "daemon_us", "overhead_us", "daemon_p90_us",
+                                          "daemon_step_us", "stats_rtt_us")},
+                           "overhead_range_us": f"{min(r['overhead_us'] for r in runs):.0f}.."
+                                                f"{max(r['overhead_us'] for r in runs):.0f}"}
+                rows.append(summary)
+                print(summary, flush=True)
     return rows
 
 
@@ -188,31 +232,38 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--out", default=None)
     parser.add_argument("--label", default="", help="appended to the result file name (e.g. the machine)")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="latency runs, each with a newly started daemon; medians over runs are added")
+    parser.add_argument("--daemon", action="append", default=[], metavar="LABEL=DIR", dest="daemon_sources",
+                        help="also measure the latency of the daemon served from source tree DIR, in turns")
     args = parser.parse_args()
-    args.client_counts = [int(c) for c in args.clients.split(",")]
+    args.client_counts = [int(c) for c in args.clients.split(",")] if args.clients else []
+    args.daemons = parse_daemon_sources(parser, args.daemon_sources)
     model = args.model or ensure_preset(args.preset)
     engine = ks.load(model, device=args.device, mode=args.mode, max_seq_len=args.max_seq_len)
     device, mode = engine.device, engine.mode
     with tempfile.TemporaryDirectory(prefix="kestrel-bench-") as tmp:
         socket_path = Path(tmp) / "ks.sock"
-        rows = latency_rows(engine, model, args, socket_path)
+        rows = repeated_latency_rows(engine, model, args, socket_path)
         engine.close()              # the daemon gets the device to itself for the throughput runs
-        rows += throughput_rows(model, args, socket_path)
+        rows += throughput_rows(model, args, socket_path) if args.client_counts else []
     env = environment()
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
     name = f"daemon-latency-{args.model and Path(args.model).name or args.preset}-{device}-{mode}"
     name += f"-{args.label}" if args.label else ""
     path = write_results(name, env, [{"device": device, "mode": mode, **row} for row in rows],
-                         ["kind", "device", "mode", "want", "inproc_us", "daemon_us", "overhead_us", "daemon_p90_us",
-                          "daemon_step_us", "stats_rtt_us", "clients", "batching", "tok_s", "mean_batch"], out_dir=args.out,
+                         ["kind", "device", "mode", "daemon", "run", "want", "inproc_us", "daemon_us", "overhead_us", "daemon_p90_us",
+                          "daemon_step_us", "stats_rtt_us", "overhead_range_us", "clients", "batching", "tok_s", "mean_batch"], out_dir=args.out,
                          notes=f"Unix socket; OPENBLAS_NUM_THREADS={blas}; {os.cpu_count()} cores. Latency: "
                                f"in-process decodes, daemon decodes (want logits and token alternating) and "
                                f"stats round trips take turns in blocks of {BLOCK} calls, {args.steps} calls "
                                f"of each kind; medians without the first round and the first "
                                f"{BLOCK_WARMUP} calls of each block. overhead_us = daemon_us - inproc_us (the "
                                f"same decode in this process vs through the daemon); daemon_step_us = mean "
-                               f"engine time of those decode steps inside the daemon (its step thread); stats_rtt_us = a round "
-                               f"trip with no engine work. Throughput: "
+                               f"engine time of those decode steps inside the daemon; stats_rtt_us = a round "
+                               f"trip with no engine work. {args.repeat} run(s), each with a newly started "
+                               f"daemon; latency-median rows: medians over runs, with the range of "
+                               f"overhead_us. Throughput: "
                                f"{args.tokens} greedy decode steps per client after all clients prefilled; "
                                f"batching off = --max-batch 1.")
     print(f"wrote {path}")
