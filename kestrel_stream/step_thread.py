@@ -83,8 +83,8 @@ class StepThread:
             batcher, now = self.batcher, time.perf_counter()
             if batcher.depth or self.handoffs or not self.inbox.empty() or not batcher.lone(job.session.id, now):
                 return False
-            batcher.add(job.session.id, job, job.arrived_s)
-            self.run_ready_batch()
+            batcher.run_alone(job.session.id, job.arrived_s)
+            self.run_timed([job])
             self.inline_steps += 1
             if self.after_inline is not None:
                 self.after_inline()
@@ -120,9 +120,12 @@ class StepThread:
 
     def run_ready_batch(self) -> None:
         if self.batcher.ready(time.perf_counter()):
-            started = time.perf_counter()
-            self.run_batch([pending.payload for pending in self.batcher.take()])
-            self.step_s = time.perf_counter() - started
+            self.run_timed([pending.payload for pending in self.batcher.take()])
+
+    def run_timed(self, jobs: list) -> None:
+        started = time.perf_counter()
+        self.run_batch(jobs)
+        self.step_s = time.perf_counter() - started
 
     def call(self, future: asyncio.Future, fn, args) -> None:
         try:

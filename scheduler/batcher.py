@@ -75,6 +75,12 @@ class StepBatcher:
         horizon = now_s - self.active_horizon_s
         return all(t < horizon for key, t in self.last_request_s.items() if key != session_key)
 
+    def run_alone(self, session_key: Hashable, now_s: float) -> None:
+        """A request that runs at once, outside the queue (its session is ``lone``): a batch of one."""
+        self.last_request_s[session_key] = now_s
+        self.batches += 1
+        self.batched_requests += 1
+
     def ready(self, now_s: float) -> bool:
         if not self.queue:
             return False

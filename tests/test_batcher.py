@@ -37,6 +37,17 @@ def test_idle_sessions_stop_counting_after_the_horizon():
     assert batcher.ready(1.0)
 
 
+def test_a_session_is_lone_until_another_asks_within_the_horizon():
+    batcher = StepBatcher(max_batch=8, window_s=0.002, active_horizon_s=0.05)
+    assert batcher.lone("a", 1.0)
+    batcher.run_alone("a", 1.0)                     # run outside the queue: a batch of one, "a" active
+    assert batcher.lone("a", 1.01) and not batcher.lone("b", 1.01)
+    assert batcher.stats()["batches"] == 1 and batcher.depth == 0
+    batcher.add("b", "b1", now_s=1.02)
+    assert not batcher.lone("a", 1.03)              # b asked 10 ms ago: a's next step may batch with b's
+    assert batcher.lone("a", 1.08)                  # b went quiet past the horizon
+
+
 def test_full_batch_goes_and_a_session_appears_once():
     batcher = StepBatcher(max_batch=2, window_s=1.0)
     for key, payload in [("a", 1), ("a", 2), ("b", 3), ("c", 4)]:
