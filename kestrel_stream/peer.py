@@ -206,6 +206,11 @@ class SocketPeer(Peer):
         except Exception:                   # a bug there: the coroutine handles the frame and reports it
             return False
 
+    def fail(self, error: Exception) -> None:
+        """Reader thread, after on_readable raised: end the connection (its coroutine sees it broken)."""
+        with self.lock:
+            self.end(anyio.BrokenResourceError(f"reading the connection failed: {type(error).__name__}: {error}"))
+
     def end(self, why: BaseException) -> None:
         """Holding lock."""
         self.ended = why

@@ -19,6 +19,7 @@ import os
 import select
 import threading
 import time
+import traceback
 
 WAKE = select.EPOLLIN | select.EPOLLRDHUP
 
@@ -70,8 +71,14 @@ class SocketReader:
                 if fd == self.stop_r:
                     return
                 peer = peers.get(fd)
-                if peer is not None:
+                if peer is None:
+                    continue
+                try:
                     peer.on_readable()
+                except Exception as e:              # a bug: that connection ends, every other one is still read
+                    traceback.print_exc()
+                    self.unwatch(fd)
+                    peer.fail(e)
 
     def stop(self) -> None:
         os.write(self.stop_w, b"x")

@@ -9,6 +9,7 @@ import asyncio
 import queue
 import threading
 import time
+import traceback
 from typing import Callable
 
 from scheduler.batcher import StepBatcher
@@ -84,8 +85,11 @@ class StepThread:
             if batcher.depth or self.handoffs or not self.inbox.empty() or not batcher.lone(job.session.id, now):
                 return False
             batcher.run_alone(job.session.id, job.arrived_s)
-            self.run_timed([job])
             self.inline_steps += 1
+            try:
+                self.run_timed([job])
+            except Exception:               # a bug past the step; run_batch answered the job in any case, and
+                traceback.print_exc()       # it must not run a second time from the connection's coroutine
             if self.after_inline is not None:
                 self.after_inline()
             return True
