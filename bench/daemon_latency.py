@@ -93,6 +93,7 @@ def latency_rows(engine, model, args, socket_path: Path, source: str | None = No
     proc = start_daemon(model, args, socket_path, max_batch=args.max_batch, source=source)
     local = engine.new_session()
     samples_us = {"inproc": [], "logits": [], "token": [], "stats": []}
+    by_round: list[dict] = []           # each kept round's samples per label, for the paired estimate
     try:
         with ks.Client(str(socket_path)) as client, client.new_session() as remote:
             def inproc(token: int) -> str:
@@ -114,6 +115,8 @@ def latency_rows(engine, model, args, socket_path: Path, source: str | None = No
             for round_index in range(rounds):
                 if round_index == 1:
                     before = client.stats()         # the engine time of the kept rounds' steps
+                this_round = {label: [] for label in samples_us}
+                by_round.append(this_round)
                 for kind in kinds[round_index % 3:] + kinds[:round_index % 3]:
                     for i in range(BLOCK):
                         if local.position + 1 >= args.max_seq_len or round_index == i == 0:
@@ -127,6 +130,7 @@ def latency_rows(engine, model, args, socket_path: Path, source: str | None = No
                         elapsed_us = (time.perf_counter() - t0) * 1e6
                         if round_index and i >= BLOCK_WARMUP:
                             samples_us[label].append(elapsed_us)
+                            this_round[label].append(elapsed_us)
             after = client.stats()
     finally:
         local.close()
@@ -137,8 +141,13 @@ def latency_rows(engine, model, args, socket_path: Path, source: str | None = No
     rows = []
     for want in ("logits", "token"):
         remote_median = statistics.median(samples_us[want])
+        # Paired: each round's daemon block against the in-process block of the same round (the host's drift
+        # between rounds cancels), then the median over rounds.
+        paired = statistics.median(statistics.median(r[want]) - statistics.median(r["inproc"])
+                                   for r in by_round[1:] if r[want] and r["inproc"])
         rows.append({"kind": "latency", "want": want, "inproc_us": round(inproc_median, 1),
                      "daemon_us": round(remote_median, 1), "overhead_us": round(remote_median - inproc_median, 1),
+                     "paired_overhead_us": round(paired, 1),
                      "daemon_p90_us": round(float(np.percentile(samples_us[want], 90)), 1),
                      "daemon_step_us": round(daemon_step_us, 1), "stats_rtt_us": round(stats_median, 1)})
     return rows
@@ -164,8 +173,8 @@ def repeated_latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
                 runs = [r for r in rows if r["daemon"] == label and r["want"] == want and r["kind"] == "latency"]
                 summary = {"kind": "latency-median", "want": want, "daemon": label, "run": f"{len(runs)} runs",
                            **{key: round(statistics.median(r[key] for r in runs), 1)
-                              for key in ("inproc_us", "daemon_us", "overhead_us", "daemon_p90_us",
-                                          "daemon_step_us", "stats_rtt_us")},
+                              for key in ("inproc_us", "daemon_us", "overhead_us", "paired_overhead_us",
+                                          "daemon_p90_us", "daemon_step_us", "stats_rtt_us")},
                            "overhead_range_us": f"{min(r['overhead_us'] for r in runs):.0f}.."
                                                 f"{max(r['overhead_us'] for r in runs):.0f}"}
                 rows.append(summary)
@@ -252,14 +261,16 @@ def main() -> None:
     name = f"daemon-latency-{args.model and Path(args.model).name or args.preset}-{device}-{mode}"
     name += f"-{args.label}" if args.label else ""
     path = write_results(name, env, [{"device": device, "mode": mode, **row} for row in rows],
-                         ["kind", "device", "mode", "daemon", "run", "want", "inproc_us", "daemon_us", "overhead_us", "daemon_p90_us",
-                          "daemon_step_us", "stats_rtt_us", "overhead_range_us", "clients", "batching", "tok_s", "mean_batch"], out_dir=args.out,
+                         ["kind", "device", "mode", "daemon", "run", "want", "inproc_us", "daemon_us", "overhead_us", "paired_overhead_us",
+                          "daemon_p90_us", "daemon_step_us", "stats_rtt_us", "overhead_range_us", "clients", "batching", "tok_s", "mean_batch"], out_dir=args.out,
                          notes=f"Unix socket; OPENBLAS_NUM_THREADS={blas}; {os.cpu_count()} cores. Latency: "
                                f"in-process decodes, daemon decodes (want logits and token alternating) and "
                                f"stats round trips take turns in blocks of {BLOCK} calls, {args.steps} calls "
                                f"of each kind; medians without the first round and the first "
                                f"{BLOCK_WARMUP} calls of each block. overhead_us = daemon_us - inproc_us (the "
-                               f"same decode in this process vs through the daemon); daemon_step_us = mean "
+                               f"same decode in this process vs through the daemon); paired_overhead_us = the "
+                               f"median over rounds of each round's daemon block median minus the same round's "
+                               f"in-process block median (drift between rounds cancels); daemon_step_us = mean "
                                f"engine time of those decode steps inside the daemon; stats_rtt_us = a round "
                                f"trip with no engine work. {args.repeat} run(s), each with a newly started "
                                f"daemon; latency-median rows: medians over runs, with the range of "
