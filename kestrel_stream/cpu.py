@@ -16,6 +16,7 @@ also the (tied) lm_head.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -50,6 +51,21 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+def rope_rotation(cos: np.ndarray, sin: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """apply_rope's tables in the form ``rotate`` takes: cos and sin with the second half's sign folded
+    into the first half of sin, both [T, 1, D], and the index that swaps the halves of the last axis."""
+    half = cos.shape[-1] // 2
+    signed = sin.copy()
+    signed[:, :half] = -signed[:, :half]
+    swap = np.concatenate([np.arange(half, 2 * half), np.arange(half)])
+    return cos[:, None, :], signed[:, None, :], swap
+
+
+def rotate(x: np.ndarray, cos: np.ndarray, signed_sin: np.ndarray, swap: np.ndarray) -> np.ndarray:
+    """apply_rope in four calls, the same numbers: cat(-x2, x1) * sin == cat(x2, x1) * cat(-s1, s2) exactly."""
+    return x * cos + x.take(swap, axis=-1) * signed_sin
+
+
 def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate / (np.float32(1) + np.exp(-gate)) * up
 
@@ -64,15 +80,21 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     group = n_heads // n_kv
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [n_kv, g, n, D]
     kt = k.transpose(1, 2, 0)[:, None]                               # [n_kv, 1, D, S]
-    scores = (qg @ kt) * np.float32(1.0 / np.sqrt(d))               # [n_kv, g, n, S]
+    scores = (qg @ kt) * attention_scale(d)                          # [n_kv, g, n, S]
     if n > 1:
         visible = np.arange(s)[None, :] <= (start + np.arange(n))[:, None]   # [n, S]
         scores = np.where(visible, scores, np.float32(-np.inf))
-    scores -= scores.max(axis=-1, keepdims=True)
+    # ufunc reductions called directly: what ndarray.max / .sum run, without their Python-level wrappers
+    scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
     probs = np.exp(scores)
-    probs /= probs.sum(axis=-1, keepdims=True)
+    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
     out = probs @ v.transpose(1, 0, 2)[:, None]                      # [n_kv, g, n, D]
     return out.transpose(2, 0, 1, 3).reshape(n, n_heads * d)
+
+
+@functools.cache
+def attention_scale(d: int) -> np.float32:
+    return np.float32(1.0 / np.sqrt(d))
 
 
 @dataclass
@@ -104,7 +126,8 @@ class CpuExecutor:
                                        np.broadcast_to(plain(lw.k_norm), (c.num_key_value_heads, c.head_dim))])
                        if c.qk_norm else None) for lw in weights.layers]
         self.final_norm = plain(weights.final_norm)
-        self._cos = self._sin = np.zeros((0, c.head_dim), np.float32)
+        self._cos = self._sin = np.zeros((0, 1, c.head_dim), np.float32)
+        self._swap = np.zeros(0, np.int64)
         self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0}
 
     def dense(self, w: QTensor) -> np.ndarray:
@@ -130,12 +153,13 @@ class CpuExecutor:
         pass
 
     def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin [T, D] for positions [T]: rows of tables built once for every position so far
-        (each row's arithmetic is rope_tables' own), so a step indexes them instead of computing them."""
+        """cos, signed sin [T, 1, D] for positions [T] (rope_rotation's form): rows of tables built once for
+        every position so far (each row's arithmetic is rope_tables' own), so a step indexes them."""
         need = int(positions.max()) + 1
         if need > len(self._cos):
             size = max(need, 2 * len(self._cos), 64)
-            self._cos, self._sin = rope_tables(np.arange(size), self.config.head_dim, self.config.rope_theta)
+            self._cos, self._sin, self._swap = rope_rotation(*rope_tables(np.arange(size), self.config.head_dim,
+                                                                           self.config.rope_theta))
         return self._cos[positions], self._sin[positions]
 
     def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]]) -> list[np.ndarray]:
@@ -152,7 +176,9 @@ class CpuExecutor:
         else:
             ids = np.concatenate([np.asarray(t, np.int64) for _, t, _ in batch])
             positions = np.concatenate([np.arange(p, p + len(t)) for _, t, p in batch])
-        bounds = np.cumsum([0] + [len(t) for _, t, _ in batch]).tolist()
+        bounds = [0]
+        for _, t, _ in batch:
+            bounds.append(bounds[-1] + len(t))
         cos, sin = self.rope(positions)
         heads, qk_size = c.num_attention_heads + c.num_key_value_heads, c.q_size + c.kv_size
         with trace.span("embed", op="embed"):
@@ -163,16 +189,23 @@ class CpuExecutor:
             qk = qkv[:, :qk_size].reshape(-1, heads, c.head_dim)
             if qk_norm is not None:
                 qk = rmsnorm(qk, qk_norm, eps)
-            qk = apply_rope(qk, cos, sin)
+            qk = rotate(qk, cos, sin, self._swap)
             q, k = qk[:, :c.num_attention_heads], qk[:, c.num_attention_heads:]
             v = qkv[:, qk_size:].reshape(-1, c.num_key_value_heads, c.head_dim)
-            attn = np.empty((len(ids), c.q_size), np.float32)
             with trace.span("attention", op="attention", layer=li):
-                for (kv, _, start), lo, hi in zip(batch, bounds[:-1], bounds[1:]):
-                    end = start + (hi - lo)
-                    kv.k[li, start:end] = k[lo:hi]
-                    kv.v[li, start:end] = v[lo:hi]
-                    attn[lo:hi] = attention(q[lo:hi], kv.k[li, :end], kv.v[li, :end], start)
+                if len(batch) == 1:                 # one session: no slicing by session, no copy into attn
+                    kv, _, start = batch[0]
+                    end = start + len(ids)
+                    kv.k[li, start:end] = k
+                    kv.v[li, start:end] = v
+                    attn = attention(q, kv.k[li, :end], kv.v[li, :end], start)
+                else:
+                    attn = np.empty((len(ids), c.q_size), np.float32)
+                    for (kv, _, start), lo, hi in zip(batch, bounds[:-1], bounds[1:]):
+                        end = start + (hi - lo)
+                        kv.k[li, start:end] = k[lo:hi]
+                        kv.v[li, start:end] = v[lo:hi]
+                        attn[lo:hi] = attention(q[lo:hi], kv.k[li, :end], kv.v[li, :end], start)
             x = x + self.linear(attn, layer.wo, "wo", li)
             gu = self.linear(rmsnorm(x, mlp_norm, eps), layer.w_gate_up, "gate_up", li)
             x = x + self.linear(silu_mul(gu[:, :c.intermediate_size], gu[:, c.intermediate_size:]), layer.w_down,
