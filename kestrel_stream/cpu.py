@@ -182,7 +182,8 @@ class CpuExecutor:
         cos, sin = self.rope(positions)
         heads, qk_size = c.num_attention_heads + c.num_key_value_heads, c.q_size + c.kv_size
         with trace.span("embed", op="embed"):
-            x = w.embed.dequantize_rows(ids)                                # [T, H]
+            dense_embed = self._dequantized.get(id(w.embed.qs))             # built when it is the tied lm_head
+            x = dense_embed[ids] if dense_embed is not None else w.embed.dequantize_rows(ids)    # [T, H]
         for li, (layer, norms) in enumerate(zip(w.layers, self.norms)):
             attn_norm, mlp_norm, qk_norm = norms
             qkv = self.linear(rmsnorm(x, attn_norm, eps), layer.wqkv, "qkv", li)    # [T, q + 2kv]
