@@ -123,6 +123,32 @@ def test_pipelined_requests_are_answered_in_order(daemon, engine):
     sock.close()
 
 
+def test_frames_that_arrive_in_pieces_are_answered_whole_and_in_order(daemon, engine):
+    """Byte by byte, and a frame cut in two with the next one riding on its tail: the reader thread joins them."""
+    sock = raw_connect(daemon.address)
+    sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+    session = read_frame(sock).header["session"]
+    prefill = wire.encode_frame({"op": "prefill", "id": 2, "session": session, "want": "token"},
+                                {"ids": np.array([6, 1, 3], np.int64)})
+    for i in range(len(prefill)):
+        sock.send(prefill[i:i + 1])
+        time.sleep(0.0005)
+    assert read_frame(sock).header["token"] == solo_tokens(engine, [6, 1, 3], 0)[0]
+    first = wire.encode_frame({"op": "decode", "id": 3, "session": session, "token": 9, "want": "token"})
+    second = wire.encode_frame({"op": "decode", "id": 4, "session": session, "token": 10, "want": "token"})
+    sock.sendall(first[:7])
+    time.sleep(0.05)
+    sock.sendall(first[7:] + second[:20])
+    time.sleep(0.05)
+    sock.sendall(second[20:])
+    answers = [read_frame(sock).header for _ in range(2)]
+    with engine.new_session() as s:
+        s.prefill([6, 1, 3])
+        want = [int(np.argmax(s.decode(9))), int(np.argmax(s.decode(10)))]
+    assert [(a["id"], a["position"], a["token"]) for a in answers] == [(3, 4, want[0]), (4, 5, want[1])]
+    sock.close()
+
+
 def test_a_lone_client_does_not_wait_for_the_batching_window(tiny_model, tmp_path):
     """Only sessions that are decoding hold a batch back; an idle one next to a lone client does not."""
     proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
