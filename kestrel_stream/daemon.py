@@ -116,13 +116,21 @@ class Daemon:
             await peer.send({"id": request_id, "ok": True, **fields}, arrays)
 
     def take_at_once(self, peer: SocketPeer, conn, frame) -> bool:
-        """Reader callback: queue a decode request of an idle connection without waking its coroutine.
+        """Reader thread: queue a decode request of an idle connection, or answer its stats request, without
+        waking its coroutine.
 
-        Anything but a valid decode (or an unauthenticated connection) is left
-        to the coroutine, which checks it again and answers it."""
+        Anything else (or an unauthenticated connection, or stats while an
+        engine call runs) is left to the coroutine, which checks it again and
+        answers it."""
         request_id = frame.header.get("id")
         if not conn.authenticated or (request_id is not None and type(request_id) is not int):
             return False
+        if frame.header.get("op") == "stats":
+            stats = self.service.stats_at_once()
+            if stats is None:
+                return False
+            peer.send_from_step_thread({"id": request_id, "ok": True, "stats": stats}, None, lambda: None)
+            return True
         job = self.service.queue_decode(conn, frame.header)
         if job is None:
             return False

@@ -265,7 +265,7 @@ class SocketPeer(Peer):
                 raise anyio.BrokenResourceError(str(e)) from e
 
     def send_from_step_thread(self, header: dict, arrays: dict | None, finished: Callable[[], None]) -> None:
-        """Step thread: write an answer at once, so the loop does not wake up on the client's path.
+        """Step or reader thread: write an answer at once, so the loop does not wake up on the client's path.
 
         What the socket does not take (it is full, or another write holds it)
         goes out from a task on the loop; a partial write keeps write_lock held

@@ -59,6 +59,7 @@ class Service:
         self.handling = 0                       # requests whose handler has not returned
         self.decodes_sent = 0                   # decodes the step thread answers (it counts them out)
         self.queued_at_once = 0                 # of those, the ones the reader thread queued (only it counts)
+        self.stats_at_once_count = 0            # stats requests the reader thread answered (only it counts)
         self.admit = threading.Lock()           # the reader thread's decodes against the start of a shutdown
 
     @property
@@ -238,6 +239,17 @@ class Service:
         with anyio.CancelScope(shield=True):
             await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
 
+    def stats_at_once(self) -> dict | None:
+        """Reader thread: stats() while no engine call runs (it takes the step thread's turn for that long),
+        so that a stats request of an idle connection needs no hop to the event loop; None when busy."""
+        if not self.steps.turn.acquire(blocking=False):
+            return None
+        try:
+            self.stats_at_once_count += 1
+            return self.stats()
+        finally:
+            self.steps.turn.release()
+
     def stats(self) -> dict:
         engine, executor = self.engine, self.engine.executor
         return {
@@ -249,7 +261,8 @@ class Service:
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
             **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
-            "requests": self.counters["requests"] + self.queued_at_once, "inline_steps": self.steps.inline_steps,
+            "requests": self.counters["requests"] + self.queued_at_once + self.stats_at_once_count,
+            "inline_steps": self.steps.inline_steps,
         }
 
 

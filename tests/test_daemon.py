@@ -149,6 +149,28 @@ def test_frames_that_arrive_in_pieces_are_answered_whole_and_in_order(daemon, en
     sock.close()
 
 
+def test_stats_of_an_idle_connection_is_answered_in_order_with_what_follows(daemon, engine):
+    """The reader thread answers stats itself when nothing runs; answers still go out in the order asked."""
+    sock = raw_connect(daemon.address)
+    sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+    session = read_frame(sock).header["session"]
+    sock.sendall(wire.encode_frame({"op": "prefill", "id": 2, "session": session, "want": "token"},
+                                   {"ids": np.array([5, 5], np.int64)}))
+    assert read_frame(sock).header["position"] == 2
+    sock.sendall(b"".join(wire.encode_frame(h) for h in (
+        {"op": "stats", "id": 3},
+        {"op": "decode", "id": 4, "session": session, "token": 1, "want": "token"},
+        {"op": "stats", "id": 5},
+        {"op": "close", "id": 6, "session": session})))
+    answers = [read_frame(sock).header for _ in range(4)]
+    assert [a["id"] for a in answers] == [3, 4, 5, 6] and all(a["ok"] for a in answers)
+    assert answers[1]["token"] == solo_tokens(engine, [5, 5, 1], 0)[0]
+    first, second = answers[0]["stats"], answers[2]["stats"]
+    assert second["decode_steps"] == first["decode_steps"] + 1     # the decode between them ran first
+    assert second["requests"] >= first["requests"] + 2
+    sock.close()
+
+
 def test_a_lone_client_does_not_wait_for_the_batching_window(tiny_model, tmp_path):
     """Only sessions that are decoding hold a batch back; an idle one next to a lone client does not."""
     proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
