@@ -58,11 +58,11 @@ class StepThread:
 
         ``at_once``: from the reader thread, which runs a lone session's short
         step itself (``run_inline``) or queues it here at once.  Otherwise, from
-        the loop, it
-        reaches this thread when the loop next goes round, after the request's
-        coroutine has gone back to waiting for its next frame: woken earlier,
-        the thread would start the step while the loop still holds the GIL for
-        that bookkeeping, and the two would trade the GIL through the step."""
+        the loop, it reaches this thread when the loop next goes round, after
+        the request's coroutine has gone back to waiting for its next frame:
+        woken earlier, the thread would start the step while the loop still
+        holds the GIL for that bookkeeping, and the two would trade the GIL
+        through the step."""
         if at_once:
             if not self.run_inline(job):
                 self.inbox.put(job)

@@ -27,3 +27,23 @@ def tiny_model(tmp_path_factory):
 def llama_model(tmp_path_factory):
     """A random Llama checkpoint (preset llama-tiny, GQA 4, untied), float32 safetensors."""
     return make_model(tmp_path_factory.mktemp("llama"), "llama-tiny", seed=2, dtype="f32")
+
+
+@pytest.fixture(scope="module")
+def daemon_engine(tiny_model):
+    """The in-process engine a daemon test compares the daemon's answers with."""
+    import kestrel_stream as ks
+    eng = ks.load(tiny_model, device="cpu", max_seq_len=128)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(tiny_model, tmp_path_factory):
+    """A `kestrel-stream serve` process on a temp Unix socket, shared by one test module."""
+    from daemon_helpers import DaemonProcess
+    where = tmp_path_factory.mktemp("daemon")
+    proc = DaemonProcess(tiny_model, where / "serve.log", "--socket", str(where / "ks.sock"),
+                         "--max-seq-len", "128", "--max-sessions", "48")
+    yield proc
+    assert proc.stop() == 0, (where / "serve.log").read_text()

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from kestrel_stream import protocol as wire
 
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -83,3 +85,12 @@ def frame_bytes(header, payload: bytes = b"", **prefix) -> bytes:
               "payload_len": len(payload), **prefix}
     return wire.PREFIX.pack(fields["magic"], fields["version"], fields["flags"], fields["header_len"],
                             fields["payload_len"]) + head + payload
+
+
+def solo_tokens(engine, prompt, steps):
+    """The greedy tokens of one session alone in process: prompt's next token, then `steps` more."""
+    with engine.new_session() as s:
+        tokens = [int(np.argmax(s.prefill(prompt)[-1]))]
+        for _ in range(steps):
+            tokens.append(int(np.argmax(s.decode(tokens[-1]))))
+    return tokens

@@ -11,36 +11,12 @@ import time
 import anyio
 import numpy as np
 import pytest
-from daemon_helpers import ENV, DaemonProcess, closed_by_peer, frame_bytes, raw_connect, read_frame
+from daemon_helpers import ENV, DaemonProcess, closed_by_peer, frame_bytes, raw_connect, read_frame, solo_tokens
 
 import kestrel_stream as ks
 from kestrel_stream import protocol as wire
 
 CLIENTS, STEPS = 32, 50
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_model):
-    eng = ks.load(tiny_model, device="cpu", max_seq_len=128)
-    yield eng
-    eng.close()
-
-
-@pytest.fixture(scope="module")
-def daemon(tiny_model, tmp_path_factory):
-    where = tmp_path_factory.mktemp("daemon")
-    proc = DaemonProcess(tiny_model, where / "serve.log", "--socket", str(where / "ks.sock"),
-                         "--max-seq-len", "128", "--max-sessions", "48")
-    yield proc
-    assert proc.stop() == 0, (where / "serve.log").read_text()
-
-
-def solo_tokens(engine, prompt, steps):
-    with engine.new_session() as s:
-        tokens = [int(np.argmax(s.prefill(prompt)[-1]))]
-        for _ in range(steps):
-            tokens.append(int(np.argmax(s.decode(tokens[-1]))))
-    return tokens
 
 
 def test_socket_is_private_to_its_user(daemon):
@@ -49,8 +25,8 @@ def test_socket_is_private_to_its_user(daemon):
     assert "listening on unix:" in daemon.log_path.read_text()
 
 
-def test_remote_session_matches_in_process(daemon, engine):
-    with ks.Client(daemon.address) as client, client.new_session() as remote, engine.new_session() as local:
+def test_remote_session_matches_in_process(daemon, daemon_engine):
+    with ks.Client(daemon.address) as client, client.new_session() as remote, daemon_engine.new_session() as local:
         np.testing.assert_array_equal(remote.prefill([1, 2, 3]), local.prefill([1, 2, 3]))
         logits = local.decode(4)
         np.testing.assert_array_equal(remote.decode(4), logits)
@@ -62,16 +38,16 @@ def test_remote_session_matches_in_process(daemon, engine):
         assert remote.position == local.position == 6
         remote.reset()
         assert remote.position == 0
-        assert remote.generate([7, 8], 6) == engine.generate([7, 8], 6).tokens
-        assert client.generate([3, 1, 4], 5) == engine.generate([3, 1, 4], 5).tokens
+        assert remote.generate([7, 8], 6) == daemon_engine.generate([7, 8], 6).tokens
+        assert client.generate([3, 1, 4], 5) == daemon_engine.generate([3, 1, 4], 5).tokens
 
 
-def test_errors_arrive_as_typed_exceptions_and_change_nothing(daemon, engine):
+def test_errors_arrive_as_typed_exceptions_and_change_nothing(daemon, daemon_engine):
     with ks.Client(daemon.address) as client, ks.Client(daemon.address) as other:
         s = client.new_session(max_seq_len=4)
         s.prefill([1, 2])
         with pytest.raises(ks.InvalidTokenError, match="outside the vocabulary"):
-            s.decode(engine.config.vocab_size)
+            s.decode(daemon_engine.config.vocab_size)
         with pytest.raises(ks.InvalidTokenError, match="integers"):
             s.prefill([1.5])
         with pytest.raises(ks.CapacityError, match="max_seq_len=4"):
@@ -81,13 +57,13 @@ def test_errors_arrive_as_typed_exceptions_and_change_nothing(daemon, engine):
         with pytest.raises(wire.UnknownSessionError, match=f"session {s.id} is not open on this connection"):
             other.call("decode", {"session": s.id, "token": 1}, {})
         assert s.position == 2
-        assert s.decode(3, want="token") == solo_tokens(engine, [1, 2, 3], 0)[0]
+        assert s.decode(3, want="token") == solo_tokens(daemon_engine, [1, 2, 3], 0)[0]
         s.close()
         with pytest.raises(wire.UnknownSessionError):
             s.client.call("decode", {"session": s.id, "token": 1}, {})
 
 
-def test_a_decode_that_fails_in_its_step_fails_alone(daemon, engine):
+def test_a_decode_that_fails_in_its_step_fails_alone(daemon, daemon_engine):
     """Errors found when the step runs (a full session) are answered like any other, and its batch goes on."""
     with ks.Client(daemon.address) as client, ks.Client(daemon.address) as other:
         full, busy = client.new_session(max_seq_len=3), other.new_session()
@@ -99,10 +75,10 @@ def test_a_decode_that_fails_in_its_step_fails_alone(daemon, engine):
             full.decode(4, want="token")
         assert client.stats()["errors"] == errors + 1
         assert full.position == 3
-        assert busy.decode(5, want="token") == solo_tokens(engine, [4, 2, 5], 0)[0]
+        assert busy.decode(5, want="token") == solo_tokens(daemon_engine, [4, 2, 5], 0)[0]
 
 
-def test_pipelined_requests_are_answered_in_order(daemon, engine):
+def test_pipelined_requests_are_answered_in_order(daemon, daemon_engine):
     """A client may send several requests before reading: each is answered, in the order sent."""
     sock = raw_connect(daemon.address)
     sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
@@ -113,61 +89,13 @@ def test_pipelined_requests_are_answered_in_order(daemon, engine):
         {"op": "decode", "id": 3, "session": session, "token": 5, "want": "token"},
         {"op": "stats", "id": 4},
         {"op": "decode", "id": 5, "session": session, "token": 6, "want": "token"},
-        {"op": "decode", "id": 6, "session": session, "token": engine.config.vocab_size},
+        {"op": "decode", "id": 6, "session": session, "token": daemon_engine.config.vocab_size},
         {"op": "reset", "id": 7, "session": session})))
     answers = [read_frame(sock).header for _ in range(6)]
     assert [a["id"] for a in answers] == [2, 3, 4, 5, 6, 7]
     assert [a.get("position") for a in answers] == [2, 3, None, 4, None, 0]
-    assert answers[1]["token"] == solo_tokens(engine, [4, 2, 5], 0)[0]
+    assert answers[1]["token"] == solo_tokens(daemon_engine, [4, 2, 5], 0)[0]
     assert answers[4]["code"] == "invalid_token"
-    sock.close()
-
-
-def test_frames_that_arrive_in_pieces_are_answered_whole_and_in_order(daemon, engine):
-    """Byte by byte, and a frame cut in two with the next one riding on its tail: the reader thread joins them."""
-    sock = raw_connect(daemon.address)
-    sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
-    session = read_frame(sock).header["session"]
-    prefill = wire.encode_frame({"op": "prefill", "id": 2, "session": session, "want": "token"},
-                                {"ids": np.array([6, 1, 3], np.int64)})
-    for i in range(len(prefill)):
-        sock.send(prefill[i:i + 1])
-        time.sleep(0.0005)
-    assert read_frame(sock).header["token"] == solo_tokens(engine, [6, 1, 3], 0)[0]
-    first = wire.encode_frame({"op": "decode", "id": 3, "session": session, "token": 9, "want": "token"})
-    second = wire.encode_frame({"op": "decode", "id": 4, "session": session, "token": 10, "want": "token"})
-    sock.sendall(first[:7])
-    time.sleep(0.05)
-    sock.sendall(first[7:] + second[:20])
-    time.sleep(0.05)
-    sock.sendall(second[20:])
-    answers = [read_frame(sock).header for _ in range(2)]
-    with engine.new_session() as s:
-        s.prefill([6, 1, 3])
-        want = [int(np.argmax(s.decode(9))), int(np.argmax(s.decode(10)))]
-    assert [(a["id"], a["position"], a["token"]) for a in answers] == [(3, 4, want[0]), (4, 5, want[1])]
-    sock.close()
-
-
-def test_stats_of_an_idle_connection_is_answered_in_order_with_what_follows(daemon, engine):
-    """The reader thread answers stats itself when nothing runs; answers still go out in the order asked."""
-    sock = raw_connect(daemon.address)
-    sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
-    session = read_frame(sock).header["session"]
-    sock.sendall(wire.encode_frame({"op": "prefill", "id": 2, "session": session, "want": "token"},
-                                   {"ids": np.array([5, 5], np.int64)}))
-    assert read_frame(sock).header["position"] == 2
-    sock.sendall(b"".join(wire.encode_frame(h) for h in (
-        {"op": "stats", "id": 3},
-        {"op": "decode", "id": 4, "session": session, "token": 1, "want": "token"},
-        {"op": "stats", "id": 5},
-        {"op": "close", "id": 6, "session": session})))
-    answers = [read_frame(sock).header for _ in range(4)]
-    assert [a["id"] for a in answers] == [3, 4, 5, 6] and all(a["ok"] for a in answers)
-    assert answers[1]["token"] == solo_tokens(engine, [5, 5, 1], 0)[0]
-    first, second = answers[0]["stats"], answers[2]["stats"]
-    assert second["decode_steps"] == first["decode_steps"] + 1     # the decode between them ran first
-    assert second["requests"] >= first["requests"] + 2
     sock.close()
 
 
@@ -190,45 +118,6 @@ def test_a_lone_client_does_not_wait_for_the_batching_window(tiny_model, tmp_pat
         assert proc.stop() == 0
 
 
-def test_a_lone_clients_steps_run_on_the_reader_thread_with_its_solo_tokens(daemon, engine):
-    """A lone session's short steps skip the hop to the step thread (stats inline_steps) and change no token."""
-    prompt = [3, 1, 4]
-    with ks.Client(daemon.address) as client, client.new_session() as s:
-        time.sleep(0.1)                                 # sessions of earlier tests are past the active horizon
-        before = client.stats()
-        tokens = [s.prefill(prompt, want="token")]
-        for _ in range(20):
-            tokens.append(s.decode(tokens[-1], want="token"))
-        after = client.stats()
-    assert tokens == solo_tokens(engine, prompt, 20)
-    assert after["inline_steps"] - before["inline_steps"] >= 15, (before, after)
-    assert after["decode_steps"] - before["decode_steps"] == 20
-
-
-def test_inline_steps_and_spinning_can_be_turned_off(tiny_model, engine, tmp_path):
-    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
-                         "--max-seq-len", "128", "--inline-max-ms", "0", "--spin-us", "0")
-    try:
-        with ks.Client(proc.address) as client, client.new_session() as s:
-            tokens = [s.prefill([2, 7], want="token")]
-            for _ in range(10):
-                tokens.append(s.decode(tokens[-1], want="token"))
-            stats = client.stats()
-        assert tokens == solo_tokens(engine, [2, 7], 10)
-        assert stats["inline_steps"] == 0 and stats["decode_steps"] == 10
-    finally:
-        assert proc.stop() == 0
-
-
-def test_bad_latency_flags_are_refused_before_loading(tiny_model, tmp_path):
-    for flag, value in (("--spin-us", "-1"), ("--inline-max-ms", "5000")):
-        out = subprocess.run([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(tiny_model),
-                              "--socket", str(tmp_path / "ks.sock"), flag, value],
-                             capture_output=True, text=True, env=ENV, timeout=120)
-        assert out.returncode != 0 and flag in out.stderr, out.stderr
-        assert not (tmp_path / "ks.sock").exists()
-
-
 def test_trace_start_stop_reach_the_recorder(daemon, tmp_path):
     try:
         from kestrel_stream import trace  # noqa: F401  (built separately; absent in older builds)
@@ -243,9 +132,9 @@ def test_trace_start_stop_reach_the_recorder(daemon, tmp_path):
     assert written and os.path.exists(written)
 
 
-def test_concurrent_clients_get_their_solo_tokens(daemon, engine):
-    prompts = [[(7 * i + j) % engine.config.vocab_size for j in range(1 + i % 5)] for i in range(CLIENTS)]
-    expected = [solo_tokens(engine, prompt, STEPS) for prompt in prompts]
+def test_concurrent_clients_get_their_solo_tokens(daemon, daemon_engine):
+    prompts = [[(7 * i + j) % daemon_engine.config.vocab_size for j in range(1 + i % 5)] for i in range(CLIENTS)]
+    expected = [solo_tokens(daemon_engine, prompt, STEPS) for prompt in prompts]
     got: dict[int, list[int]] = {}
 
     async def one_client(i: int) -> None:
@@ -397,9 +286,9 @@ def broken_framing(rng):
         yield frame_bytes({"op": "prefill", "id": i}, payload=b"\0" * 64, payload_len=10 * 2**20)[:40 + i]
 
 
-def test_fuzzed_frames_never_disturb_other_sessions(daemon, engine):
+def test_fuzzed_frames_never_disturb_other_sessions(daemon, daemon_engine):
     rng = np.random.default_rng(6)
-    expected = solo_tokens(engine, [4, 2], 20)
+    expected = solo_tokens(daemon_engine, [4, 2], 20)
     with ks.Client(daemon.address) as victim, ks.Client(daemon.address) as stranger:
         vs = victim.new_session()
         tokens = [vs.prefill([4, 2], want="token")]
@@ -408,7 +297,7 @@ def test_fuzzed_frames_never_disturb_other_sessions(daemon, engine):
         sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
         own = read_frame(sock).header["session"]
         sent = 0
-        for header, payload in hostile_requests(rng, engine.config.vocab_size, own, foreign):
+        for header, payload in hostile_requests(rng, daemon_engine.config.vocab_size, own, foreign):
             sock.sendall(frame_bytes(header, payload))
             reply = read_frame(sock).header
             assert reply["ok"] is False and reply["message"], (header, reply)
@@ -433,5 +322,5 @@ def test_fuzzed_frames_never_disturb_other_sessions(daemon, engine):
         sock.sendall(wire.encode_frame({"op": "decode", "id": 7, "session": own, "token": 5, "want": "token"}))
         assert read_frame(sock).header["ok"]
         sock.close()
-        assert victim.generate([9, 9, 9], 8) == engine.generate([9, 9, 9], 8).tokens
+        assert victim.generate([9, 9, 9], 8) == daemon_engine.generate([9, 9, 9], 8).tokens
         assert victim.stats()["errors"] >= 840
