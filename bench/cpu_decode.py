@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 
 import kestrel_stream as ks
-from kestrel_stream.benchmark import environment, measure
-from kestrel_stream.presets import ensure_preset
+from kestrel_stream.cli.bench import environment, measure
+from kestrel_stream.loading.presets import ensure_preset
 
 from .report import write_results
 

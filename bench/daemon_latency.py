@@ -34,8 +34,8 @@ import anyio  # noqa: E402
 import numpy as np  # noqa: E402
 
 import kestrel_stream as ks  # noqa: E402
-from kestrel_stream.benchmark import environment  # noqa: E402
-from kestrel_stream.presets import ensure_preset  # noqa: E402
+from kestrel_stream.cli.bench import environment  # noqa: E402
+from kestrel_stream.loading.presets import ensure_preset  # noqa: E402
 
 from .report import write_results  # noqa: E402
 

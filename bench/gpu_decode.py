@@ -16,12 +16,12 @@ import time
 
 import numpy as np
 
-from kestrel_stream.benchmark import environment
-from kestrel_stream.config import ModelConfig
+from kestrel_stream.cli.bench import environment
+from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.executor import GpuExecutor
-from kestrel_stream.quant import QTensor
-from kestrel_stream.weights import LayerWeights, ModelWeights
+from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.model.quant import QTensor
+from kestrel_stream.model.weights import LayerWeights, ModelWeights
 
 from .gpu_kernels import measure_copy_bandwidth
 from .report import write_results

@@ -14,8 +14,9 @@ import os
 
 import numpy as np
 
-from kestrel_stream.benchmark import environment
-from kestrel_stream.cuda import driver, gemv_variants
+from kestrel_stream.cli.bench import environment
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda import gemv_variants
 from kestrel_stream.cuda.kernels import KernelSet, QWeight, attention_launch, gemv_launch
 
 from .report import write_results

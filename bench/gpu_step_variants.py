@@ -16,9 +16,10 @@ import time
 
 import numpy as np
 
-from kestrel_stream.benchmark import environment
-from kestrel_stream.cuda import driver, gemv_variants
-from kestrel_stream.cuda.executor import GpuExecutor
+from kestrel_stream.cli.bench import environment
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda import gemv_variants
+from kestrel_stream.run.gpu_executor import GpuExecutor
 
 from .gpu_decode import HBM_READ_GB_S, random_weights, replay_us
 from .report import write_results

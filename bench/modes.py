@@ -27,9 +27,9 @@ import time
 import numpy as np
 
 import scheduler
-from kestrel_stream.benchmark import environment
-from kestrel_stream.engine import Engine
-from kestrel_stream.presets import random_q8_weights
+from kestrel_stream.cli.bench import environment
+from kestrel_stream.run.engine import Engine
+from kestrel_stream.loading.presets import random_q8_weights
 
 from .report import write_results
 

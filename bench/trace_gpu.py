@@ -22,10 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from kestrel_stream import timeline, trace
+from kestrel_stream.obs import timeline
+from kestrel_stream.obs import trace
 from kestrel_stream.cuda import driver
-from kestrel_stream.engine import Engine
-from kestrel_stream.presets import random_q8_weights
+from kestrel_stream.run.engine import Engine
+from kestrel_stream.loading.presets import random_q8_weights
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 

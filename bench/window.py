@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 -m bench.window [--out DIR] [--commit HASH]
 
 For budgets of 25/50/75/100% of the weight bytes (on top of the KV caches and
-activations, see kestrel_stream.budget.budget_for_weight_fraction): decode tok/s
+activations, see kestrel_stream.run.budget.budget_for_weight_fraction): decode tok/s
 at batch 1 end to end through GpuExecutor.forward (graph replay with the copy
 stream's prefetch, one sync, logits out), the PCIe roofline (pinned H2D
 bandwidth measured here ÷ bytes streamed per token) and the fraction of it
@@ -19,12 +19,12 @@ import time
 
 import numpy as np
 
-from kestrel_stream import prof
-from kestrel_stream.benchmark import environment
-from kestrel_stream.budget import arena_needs, budget_for_weight_fraction
+from kestrel_stream.obs import prof
+from kestrel_stream.cli.bench import environment
+from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.executor import GpuExecutor
-from kestrel_stream.presets import random_q8_weights
+from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.loading.presets import random_q8_weights
 
 from .report import write_results
 

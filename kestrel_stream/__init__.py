@@ -8,9 +8,9 @@
 """
 from __future__ import annotations
 
-from .config import ConfigError, ModelConfig
-from .engine import Engine, GenerateResult, Session, resolve_device
-from .errors import CapacityError, DeviceError, InvalidTokenError, KestrelError, SessionClosedError
+from kestrel_stream.model.config import ConfigError, ModelConfig
+from kestrel_stream.run.engine import Engine, GenerateResult, Session, resolve_device
+from kestrel_stream.errors import CapacityError, DeviceError, InvalidTokenError, KestrelError, SessionClosedError
 
 __version__ = "0.1.0"
 
@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None) -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it."""
-    from .loader import load_weights
+    from kestrel_stream.loading.loader import load_weights
     device, mode = resolve_device(device, mode)
     weights = load_weights(path, cache=cache, progress=progress)
     return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
@@ -28,7 +28,7 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
 def __getattr__(name):
     # The daemon clients pull in anyio and sockets; import them only when asked for.
     if name in ("Client", "AsyncClient", "connect"):
-        from . import client
+        from kestrel_stream import client
         return getattr(client, name)
     raise AttributeError(name)
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel_stream.engine import gpu_status
-from kestrel_stream.presets import make_model
+from kestrel_stream.run.engine import gpu_status
+from kestrel_stream.loading.presets import make_model
 
 
 def pytest_collection_modifyitems(config, items):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kestrel_stream import protocol as wire
+from kestrel_stream.serve import protocol as wire
 
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 

@@ -198,9 +198,12 @@ class FakeKernelSet:
 # ---- installing -------------------------------------------------------------------------------------------------
 def install(monkeypatch, mode: str = "immediate") -> None:
     """Swap the emulation into kestrel_stream.cuda for the test (monkeypatch undoes it)."""
-    import kestrel_stream.calibrate
+    import kestrel_stream.run.calibrate
     import scheduler
-    from kestrel_stream.cuda import calibrate, executor, hybrid, kernels
+    from kestrel_stream.cuda import calibrate
+    from kestrel_stream.run import gpu_executor as executor
+    from kestrel_stream.run import hybrid
+    from kestrel_stream.cuda import kernels
     monkeypatch.setitem(POLICY, "mode", mode)
     names = dict(Device=Device, Stream=new_stream, Event=Event, PinnedBuffer=PinnedBuffer, Arena=Arena,
                  register_host=register_host, h2d_async=h2d_async, d2h_async=d2h_async, h2d_sync=h2d_sync,
@@ -211,4 +214,4 @@ def install(monkeypatch, mode: str = "immediate") -> None:
         monkeypatch.setattr(real_driver, name, value)
     for module in (kernels, executor, hybrid, calibrate):
         monkeypatch.setattr(module, "KernelSet", FakeKernelSet)
-    monkeypatch.setattr(kestrel_stream.calibrate, "calibrate", lambda *a, **k: scheduler.H200_MEASURED)
+    monkeypatch.setattr(kestrel_stream.run.calibrate, "calibrate", lambda *a, **k: scheduler.H200_MEASURED)

@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel_stream.budget import (ALIGN, arena_needs, budget_for_weight_fraction, parse_vram_budget,
+from kestrel_stream.run.budget import (ALIGN, arena_needs, budget_for_weight_fraction, parse_vram_budget,
                                    plan_arena, resolve_budget, weight_items)
-from kestrel_stream.cli import build_parser
-from kestrel_stream.presets import PRESETS
+from kestrel_stream.cli.main import build_parser
+from kestrel_stream.loading.presets import PRESETS
 from scheduler import WindowBudgetError, simulate_window
 
 QWEN3_1_7B = PRESETS["qwen3-1.7b"]

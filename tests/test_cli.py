@@ -35,7 +35,7 @@ def test_make_model_then_generate_json(tmp_path):
 
 def test_auto_device_says_once_that_it_uses_the_cpu(tiny_model):
     proc = run_cli("generate", "--model", str(tiny_model), "--prompt-ids", "1", "--max-new-tokens", "2")
-    from kestrel_stream.engine import gpu_status
+    from kestrel_stream.run.engine import gpu_status
     if not gpu_status()[0]:
         assert proc.stderr.count("using the CPU engine") == 1
 
@@ -72,6 +72,6 @@ def test_demo_runs_the_daemon_and_writes_a_timeline(tmp_path):
     assert (tmp_path / "tiny" / "config.json").exists()
     html = (tmp_path / "demo-timeline.html").read_text()
     assert "<svg" in html and 'src="http' not in html and 'href="http' not in html
-    from kestrel_stream import trace_summary
+    from kestrel_stream.obs import trace_summary
     events = trace_summary.load(tmp_path / "demo-trace.json.gz")
     assert any(e.get("name") == "qkv" for e in events)

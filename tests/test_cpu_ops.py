@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kestrel_stream.cpu import apply_rope, rope_rotation, rope_tables, rotate
+from kestrel_stream.run.host import apply_rope, rope_rotation, rope_tables, rotate
 
 
 @pytest.mark.parametrize("tokens,heads,head_dim", [(1, 6, 64), (5, 3, 128), (2, 1, 256)])

@@ -14,7 +14,7 @@ import pytest
 from daemon_helpers import ENV, DaemonProcess, closed_by_peer, frame_bytes, raw_connect, read_frame, solo_tokens
 
 import kestrel_stream as ks
-from kestrel_stream import protocol as wire
+from kestrel_stream.serve import protocol as wire
 
 CLIENTS, STEPS = 32, 50
 
@@ -120,7 +120,7 @@ def test_a_lone_client_does_not_wait_for_the_batching_window(tiny_model, tmp_pat
 
 def test_trace_start_stop_reach_the_recorder(daemon, tmp_path):
     try:
-        from kestrel_stream import trace  # noqa: F401  (built separately; absent in older builds)
+        from kestrel_stream.obs import trace  # noqa: F401  (built separately; absent in older builds)
     except ImportError:
         with ks.Client(daemon.address) as client, pytest.raises(wire.UnavailableError, match="tracing unavailable"):
             client.trace_start(tmp_path / "t.json")

@@ -10,7 +10,7 @@ import numpy as np
 from daemon_helpers import ENV, DaemonProcess, raw_connect, read_frame, solo_tokens
 
 import kestrel_stream as ks
-from kestrel_stream import protocol as wire
+from kestrel_stream.serve import protocol as wire
 
 
 def test_frames_that_arrive_in_pieces_are_answered_whole_and_in_order(daemon, daemon_engine):

@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel_stream import trace, trace_summary
-from kestrel_stream.cuda import device_trace, driver, kernels
+from kestrel_stream.obs import trace
+from kestrel_stream.obs import trace_summary
+from kestrel_stream.cuda import device_trace
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda import kernels
 from kestrel_stream.cuda.device_trace import GpuTimes
 from trace_checks import validate
 

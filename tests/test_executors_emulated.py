@@ -17,14 +17,14 @@ import pytest
 
 import fake_cuda
 import scheduler
-from kestrel_stream import prof
+from kestrel_stream.obs import prof
 from hf_oracle import relative_error
-from kestrel_stream.budget import arena_needs, budget_for_weight_fraction
-from kestrel_stream.config import ModelConfig
-from kestrel_stream.cuda.executor import GpuExecutor
-from kestrel_stream.cuda.hybrid import HybridExecutor
-from kestrel_stream.engine import Engine
-from kestrel_stream.presets import random_q8_weights
+from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.hybrid import HybridExecutor
+from kestrel_stream.run.engine import Engine
+from kestrel_stream.loading.presets import random_q8_weights
 
 CONFIGS = {
     "qwen3": ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=4,

@@ -8,10 +8,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gguf_quants
 from safetensors.numpy import load_file, save_file
 
-from kestrel_stream.gguf_io import export_gguf
-from kestrel_stream.loader import LoadError, load_weights
-from kestrel_stream.presets import make_model
-from kestrel_stream.qcache import flatten
+from kestrel_stream.loading.gguf import export_gguf
+from kestrel_stream.loading.loader import LoadError, load_weights
+from kestrel_stream.loading.presets import make_model
+from kestrel_stream.loading.qcache import flatten
 
 LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",

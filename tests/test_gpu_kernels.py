@@ -2,10 +2,11 @@
 import numpy as np
 import pytest
 
-from kestrel_stream.cpu import apply_rope, attention, rmsnorm, rope_tables, silu_mul
-from kestrel_stream.cuda import driver, gemv_variants
+from kestrel_stream.run.host import apply_rope, attention, rmsnorm, rope_tables, silu_mul
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda import gemv_variants
 from kestrel_stream.cuda.kernels import QWeight
-from kestrel_stream.quant import quantize
+from kestrel_stream.model.quant import quantize
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not driver.gpu_available(), reason=f"{driver.detect()}")]

@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from kestrel_stream.config import ModelConfig
-from kestrel_stream.cpu import CpuExecutor
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.run.host import CpuExecutor
 from kestrel_stream.cuda import driver
-from kestrel_stream.quant import quantize
-from kestrel_stream.weights import LayerWeights, ModelWeights
+from kestrel_stream.model.quant import quantize
+from kestrel_stream.model.weights import LayerWeights, ModelWeights
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not driver.gpu_available(), reason=f"{driver.detect()}")]
@@ -50,7 +50,7 @@ def relative(got, want):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_gpu_mode_matches_cpu_over_prefill_and_16_decode_steps(arch):
-    from kestrel_stream.cuda.executor import GpuExecutor
+    from kestrel_stream.run.gpu_executor import GpuExecutor
     weights = random_weights(arch)
     cpu = CpuExecutor(weights)
     gpu = GpuExecutor(weights, max_seq_len=64, max_batch=4, prefill_chunk=16, verify=True)
@@ -77,7 +77,7 @@ def test_gpu_mode_matches_cpu_over_prefill_and_16_decode_steps(arch):
 
 
 def test_batched_decode_uses_padded_buckets_and_matches_cpu():
-    from kestrel_stream.cuda.executor import GpuExecutor
+    from kestrel_stream.run.gpu_executor import GpuExecutor
     weights = random_weights("qwen3", seed=5)
     cpu = CpuExecutor(weights)
     gpu = GpuExecutor(weights, max_seq_len=32, max_batch=4, prefill_chunk=16)
@@ -109,7 +109,7 @@ def test_batched_decode_uses_padded_buckets_and_matches_cpu():
 def test_greedy_generate_takes_the_argmax_on_the_device(arch):
     """generate() in gpu mode: each decode step's argmax on the device, 4 bytes back, one sync; the
     same tokens as the CPU engine."""
-    from kestrel_stream.engine import Engine
+    from kestrel_stream.run.engine import Engine
     weights = random_weights(arch, seed=6)
     prompt = [3, 141, 59, 26, 235, 89, 79]
     want = Engine(weights, device="cpu", max_seq_len=64).generate(prompt, 16)

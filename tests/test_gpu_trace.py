@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 import kestrel_stream as ks
-from kestrel_stream import trace, trace_summary
+from kestrel_stream.obs import trace
+from kestrel_stream.obs import trace_summary
 from trace_checks import validate
 
 pytestmark = pytest.mark.gpu

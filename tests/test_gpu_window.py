@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 import kestrel_stream as ks
-from kestrel_stream.budget import arena_needs, budget_for_weight_fraction
-from kestrel_stream.config import ModelConfig
-from kestrel_stream.cpu import CpuExecutor
-from kestrel_stream.quant import quantize
-from kestrel_stream.weights import LayerWeights, ModelWeights
+from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.run.host import CpuExecutor
+from kestrel_stream.model.quant import quantize
+from kestrel_stream.model.weights import LayerWeights, ModelWeights
 
 from hf_oracle import relative_error
 
@@ -50,7 +50,7 @@ def random_weights(arch: str, seed: int = 0) -> ModelWeights:
 
 
 def streaming_executor(weights, fraction, slots=2, distance=1):
-    from kestrel_stream.cuda.executor import GpuExecutor
+    from kestrel_stream.run.gpu_executor import GpuExecutor
     needs = arena_needs(weights.config, max(BATCH, CHUNK), 2 * BATCH + 1, SEQ, 16)
     budget = budget_for_weight_fraction(weights.config, needs, fraction, slots)
     gpu = GpuExecutor(weights, max_seq_len=SEQ, max_batch=BATCH, prefill_chunk=CHUNK, vram_budget=budget,
@@ -138,7 +138,7 @@ def test_too_small_budget_fails_at_load_naming_the_numbers(llama_model):
 
 
 def test_generate_json_reports_the_window(llama_model, capsys):
-    from kestrel_stream.cli import main
+    from kestrel_stream.cli.main import main
     cpu = ks.load(llama_model, device="cpu")
     cfg = cpu.config            # the engine's defaults: max_batch 32 → 64-token steps, 65 KV caches
     needs = arena_needs(cfg, 64, 65, cpu.max_seq_len, 16)

@@ -34,8 +34,8 @@ def test_compile_error_carries_the_log(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("module", ["kestrel_stream.cuda", "kestrel_stream.cuda.driver",
-                                    "kestrel_stream.cuda.kernels", "kestrel_stream.cuda.executor",
-                                    "kestrel_stream.cuda.verify"])
+                                    "kestrel_stream.cuda.kernels", "kestrel_stream.run.gpu_executor",
+                                    "kestrel_stream.run.verify"])
 def test_device_layer_imports_without_a_driver(module):
     importlib.import_module(module)
 

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-import kestrel_stream.loader as loader
-import kestrel_stream.qcache as qcache
-from kestrel_stream.checkpoint_writer import to_bf16_bits, write_checkpoint
-from kestrel_stream.loader import LoadError, load_weights
-from kestrel_stream.presets import PRESETS, make_model, random_weights
-from kestrel_stream.quant import quantize
-from kestrel_stream.weights import hf_tensor_shapes
+import kestrel_stream.loading.loader as loader
+import kestrel_stream.loading.qcache as qcache
+from kestrel_stream.loading.checkpoint_writer import to_bf16_bits, write_checkpoint
+from kestrel_stream.loading.loader import LoadError, load_weights
+from kestrel_stream.loading.presets import PRESETS, make_model, random_weights
+from kestrel_stream.model.quant import quantize
+from kestrel_stream.model.weights import hf_tensor_shapes
 
 
 def assert_same_q8(a, b):

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kestrel_stream as ks
-from kestrel_stream.presets import make_model
+from kestrel_stream.loading.presets import make_model
 
 from hf_oracle import hf_logits, hf_model_with_weights, relative_error
 

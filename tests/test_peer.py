@@ -8,12 +8,12 @@ import anyio
 import numpy as np
 from daemon_helpers import read_frame
 
-from kestrel_stream import protocol as wire
+from kestrel_stream.serve import protocol as wire
 
 
 def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():
     """The step thread writes what a full socket takes; the loop sends the rest before anything else goes out."""
-    from kestrel_stream.peer import SocketPeer as Peer
+    from kestrel_stream.serve.peer import SocketPeer as Peer
 
     async def main():
         ours, theirs = socket.socketpair()
@@ -45,7 +45,7 @@ def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():
 
 def test_an_answer_waits_for_a_write_in_progress_and_goes_out_whole():
     """When another write holds the socket, the step thread leaves its answer to the loop, which sends it next."""
-    from kestrel_stream.peer import SocketPeer
+    from kestrel_stream.serve.peer import SocketPeer
 
     async def main():
         ours, theirs = socket.socketpair()

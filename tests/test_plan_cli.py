@@ -44,7 +44,7 @@ def test_plan_rejects_bad_batch(tiny_model):
 @pytest.fixture(scope="module")
 def qwen3_17b_config(tmp_path_factory):
     """A checkpoint directory with only the qwen3-1.7b config.json: plan needs no weights."""
-    from kestrel_stream.presets import PRESETS
+    from kestrel_stream.loading.presets import PRESETS
     directory = tmp_path_factory.mktemp("qwen3-1.7b")
     (directory / "config.json").write_text(json.dumps(PRESETS["qwen3-1.7b"].to_hf_dict()))
     return directory

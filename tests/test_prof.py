@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel_stream import prof
+from kestrel_stream.obs import prof
 
 from test_cli import run_cli
 

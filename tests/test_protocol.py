@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kestrel_stream as ks
-from kestrel_stream import protocol as wire
+from kestrel_stream.serve import protocol as wire
 
 
 def raw_frame(header, payload=b"", magic=b"KS", version=wire.VERSION, flags=0, header_len=None, payload_len=None):

@@ -4,7 +4,7 @@ import pytest
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
-from kestrel_stream.quant import GROUP, QTensor, quantize
+from kestrel_stream.model.quant import GROUP, QTensor, quantize
 
 
 def awkward_matrix(rng, rows=64, cols=256):

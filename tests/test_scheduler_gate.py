@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kestrel_stream.config import ModelConfig
+from kestrel_stream.model.config import ModelConfig
 from scheduler import (H200_MEASURED, SEED_LIKE, DeviceProfile, Gate, build_plan,
                        enumerate_group_plans, gate_vs_best, load_profile, minflop_from_env,
                        profile_cache_path, save_profile, step_ops)

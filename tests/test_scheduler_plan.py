@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kestrel_stream.config import ModelConfig
+from kestrel_stream.model.config import ModelConfig
 from scheduler import (H200_MEASURED, SEED_LIKE, PlanAuditError, audit_plan, build_plan,
                        model_weight_names, parse_mode, step_ops)
 from scheduler.ops import q8_bytes
@@ -40,7 +40,7 @@ def test_every_mode_places_every_weight_exactly_once(config, mode, tokens):
 
 
 def test_audit_names_match_the_checkpoint_layout():
-    weights = pytest.importorskip("kestrel_stream.weights")
+    weights = pytest.importorskip("kestrel_stream.model.weights")
     for config in (QWEN3_1_7B, LLAMA_UNTIED):
         assert model_weight_names(config) == set(weights.hf_tensor_shapes(config))
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from kestrel_stream.config import ModelConfig
+from kestrel_stream.model.config import ModelConfig
 from scheduler import (H200_MEASURED, WindowBudgetError, WindowItem, build_plan, plan_window,
                        simulate_lru, simulate_window, window_items)
 

@@ -7,7 +7,7 @@ import socket
 import threading
 import time
 
-from kestrel_stream.socket_reader import SocketReader
+from kestrel_stream.serve.socket_reader import SocketReader
 
 
 class FakePeer:

@@ -15,11 +15,11 @@ import types
 import numpy as np
 import pytest
 
-from kestrel_stream.budget import arena_needs, budget_for_weight_fraction, image_bytes, plan_arena
-from kestrel_stream.config import ModelConfig
-from kestrel_stream.cuda import stream_window
-from kestrel_stream.cuda.stream_window import WeightWindow, step_launch_items, weight_tensors, write_image
-from kestrel_stream.presets import random_q8_weights
+from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, image_bytes, plan_arena
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.run import window as stream_window
+from kestrel_stream.run.window import WeightWindow, step_launch_items, weight_tensors, write_image
+from kestrel_stream.loading.presets import random_q8_weights
 
 SMALL = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=6,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256,

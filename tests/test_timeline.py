@@ -9,7 +9,8 @@ import zlib
 import numpy as np
 import pytest
 
-from kestrel_stream import timeline, trace_summary
+from kestrel_stream.obs import timeline
+from kestrel_stream.obs import trace_summary
 from trace_checks import gpu_shaped_trace
 
 CHROMIUM = next((shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome") if shutil.which(n)), None)

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import kestrel_stream as ks
-from kestrel_stream import trace, trace_summary
+from kestrel_stream.obs import trace
+from kestrel_stream.obs import trace_summary
 from trace_checks import covered_us, gpu_shaped_trace, validate
 
 

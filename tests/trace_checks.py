@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from kestrel_stream import trace
+from kestrel_stream.obs import trace
 
 EPS_US = 1e-6
 REQUIRED = {                    # fields each phase must carry (Chrome Trace Event Format)
@@ -99,5 +99,5 @@ def gpu_shaped_trace(path, steps: int = 4, layers: int = 3) -> list[dict]:
     pending = rec.launch("compute", "never_timed")   # a launch whose events never came back: no flow
     assert pending
     trace.stop()
-    from kestrel_stream.trace_summary import load
+    from kestrel_stream.obs.trace_summary import load
     return load(path)

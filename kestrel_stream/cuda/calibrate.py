@@ -9,9 +9,9 @@ import time
 
 import numpy as np
 
-from ..quant import quantize
-from . import driver
-from .kernels import KernelSet, QWeight, gemv_launch
+from kestrel_stream.model.quant import quantize
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.kernels import KernelSet, QWeight, gemv_launch
 
 
 def _median_us(samples: list[float]) -> float:

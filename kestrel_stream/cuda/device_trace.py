@@ -99,7 +99,7 @@ def _times_for(rec) -> GpuTimes:
     global _gpu_times, _reference_stream
     if _gpu_times is not None and _gpu_times.recorder is rec:
         return _gpu_times
-    from . import driver                    # driver imports this module
+    from kestrel_stream.cuda import driver                    # driver imports this module
     if _gpu_times is not None:              # a trace that ended: its events go back to the driver
         _gpu_times.close()
     if _reference_stream is None:

@@ -24,8 +24,8 @@ from contextlib import contextmanager
 import numpy as np
 from cuda.bindings import driver as cu
 
-from .. import trace
-from .device_trace import resolve_gpu_times, timed
+from kestrel_stream.obs import trace
+from kestrel_stream.cuda.device_trace import resolve_gpu_times, timed
 
 
 class CudaError(RuntimeError):
@@ -263,4 +263,4 @@ def capture(stream: Stream):
 
 # host and device memory (pinned buffers, registration, the arena) live in memory.py; re-exported here
 # at the end because memory.py builds on check() and CudaError above
-from .memory import Arena, DeviceArray, PinnedBuffer, register_host  # noqa: E402,F401
+from kestrel_stream.cuda.memory import Arena, DeviceArray, PinnedBuffer, register_host  # noqa: E402,F401

@@ -1,0 +1,97 @@
+"""``kestrel-stream plan`` and ``calibrate``: how a step would run here, and the figures the gate uses."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def read_config(path: str):
+    """The ModelConfig of a checkpoint directory or .gguf file, without loading weights."""
+    from kestrel_stream.model.config import ModelConfig
+    p = Path(path)
+    if p.is_dir():
+        return ModelConfig.from_file(p / "config.json")
+    if p.suffix == ".gguf" and p.is_file():
+        from gguf import GGUFReader
+        from kestrel_stream.loading.gguf import config_from_metadata
+        return config_from_metadata(GGUFReader(p), p)
+    raise FileNotFoundError(f"{path}: not a checkpoint directory or .gguf file")
+
+
+def resolve_profile(name: str | None):
+    """(DeviceProfile or None, note): --profile h200|seed|FILE, else this machine's calibrated one."""
+    import scheduler
+    if name == "h200":
+        return scheduler.H200_MEASURED, "profile: H200 reference figures"
+    if name == "seed":
+        return scheduler.SEED_LIKE, "profile: seed-like machine (100 us round trip)"
+    if name:
+        from scheduler.profile import DeviceProfile
+        return DeviceProfile.from_dict(json.loads(Path(name).read_text()), where=name), f"profile: {name}"
+    from kestrel_stream.run.engine import gpu_status
+    available, reason = gpu_status()
+    if not available:
+        return None, f"no GPU ({reason}); gated plans use the H200 reference figures"
+    from kestrel_stream.run.calibrate import calibrate
+    profile = calibrate()
+    return profile, f"profile: {profile.name}, driver {profile.driver} (calibrated, cached)"
+
+
+def cmd_plan(args) -> int:
+    import scheduler
+    cfg = read_config(args.model)
+    profile, note = resolve_profile(args.profile)
+    gpu_here = profile is not None            # calibrated here, or a profile given by --profile
+    if profile is None and args.mode not in ("auto", "cpu"):
+        profile = scheduler.H200_MEASURED
+    plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here)
+    scheduler.audit_plan(plan, cfg)
+    window = window_report(cfg, args) if args.vram_budget else None
+    if args.json:
+        print(json.dumps(dict(plan.to_dict(), profile_note=note, window=window)))
+    else:
+        print(note)
+        print(plan.describe())
+        if window:
+            print(window["text"])
+    return 0
+
+
+def window_report(cfg, args) -> dict:
+    """What `gpu` mode keeps resident and streams per step under --vram-budget (the executor's own split)."""
+    from kestrel_stream.run.budget import arena_needs, parse_vram_budget, plan_arena
+    budget = parse_vram_budget(args.vram_budget)
+    if isinstance(budget, float):
+        from kestrel_stream.run.engine import gpu_status
+        if not gpu_status()[0]:
+            raise ValueError("--vram-budget: a fraction of free VRAM needs a GPU here; give a size such as 2GiB")
+        from kestrel_stream.cuda import driver
+        budget = int(budget * driver.Device(0).free_bytes())
+    max_seq_len = args.max_seq_len or min(2048, cfg.max_position_embeddings)
+    sessions = (args.max_sessions or 2 * args.max_batch) + 1
+    needs = arena_needs(cfg, max(args.max_batch, 64), sessions, max_seq_len, 16)
+    capacity, window = plan_arena(cfg, needs, budget)
+    report = {"budget_bytes": budget, "arena_bytes": capacity, "kv_bytes": needs.kv_bytes,
+              "activation_bytes": needs.activation_bytes + needs.slack_bytes}
+    if window is None:
+        report["text"] = (f"window: every weight resident; arena {capacity / 1e6:.1f} MB of the "
+                          f"{budget / 1e6:.1f} MB budget (KV {needs.kv_bytes / 1e6:.1f} MB)")
+        report.update(resident_bytes=capacity - needs.total, streamed_bytes_per_step=0)
+    else:
+        report["text"] = window.describe()
+        report.update(resident_bytes=window.resident_bytes, streamed_bytes_per_step=window.streamed_bytes_per_step,
+                      slots=window.to_dict().get("slot_count"))
+    return report
+
+
+def cmd_calibrate(args) -> int:
+    from kestrel_stream.run.engine import gpu_status
+    from kestrel_stream.run.calibrate import calibrate, measure_host
+    available, reason = gpu_status()
+    if not available:
+        print(f"no GPU ({reason}); host figures only:")
+        print(json.dumps(measure_host(), indent=2))
+        return 0
+    profile = calibrate(force=True)
+    print(json.dumps(profile.to_dict(), indent=2))
+    return 0

@@ -1,0 +1,174 @@
+"""``ks.AsyncClient``: the blocking client's API for anyio code (asyncio or trio).
+
+    async with await ks.AsyncClient.connect() as client:
+        async with await client.new_session() as s:
+            token = await s.decode(42, want="token")
+"""
+from __future__ import annotations
+
+import itertools
+import socket
+
+import anyio
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from kestrel_stream.client.sync import DEFAULT_TIMEOUT_S, _Requests, check_response, parse_address, resolve_token, shaped
+from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, ShuttingDownError, encode_frame, parse_body,
+                       parse_prefix)
+
+
+class AsyncRemoteSession:
+    def __init__(self, client: "AsyncClient", session_id: int, max_seq_len: int):
+        self.client, self.id, self.max_seq_len, self.position, self.closed = client, session_id, max_seq_len, 0, False
+
+    async def _send(self, op, fields, arrays):
+        header, out = await self.client.call(op, fields, arrays)
+        self.position = header.get("position", self.position)
+        return header, out
+
+    async def prefill(self, ids, want: str = "logits", k: int = 5):
+        return shaped(want, *await self._send(*_Requests.prefill(self.id, ids, want, k)))
+
+    async def decode(self, token: int, want: str = "logits", k: int = 5):
+        return shaped(want, *await self._send(*_Requests.decode(self.id, token, want, k)))
+
+    async def generate(self, prompt_ids, max_new_tokens: int) -> list[int]:
+        return (await self._send(*_Requests.generate(self.id, prompt_ids, max_new_tokens)))[1]["tokens"].tolist()
+
+    async def reset(self) -> None:
+        await self._send("reset", {"session": self.id}, {})
+
+    async def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            await self.client.call("close", {"session": self.id}, {})
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        if not self.client.closed:
+            await self.close()
+
+
+class AsyncClient:
+    """Create with ``await AsyncClient.connect(address, token=..., timeout=...)`` or ``async with AsyncClient(...)``."""
+
+    def __init__(self, address=None, token: str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S):
+        self.address, self.token, self.timeout = address, token, timeout
+        self.stream = None
+        self.closed = False
+        self._ids = itertools.count(1)
+        self._lock = anyio.Lock(fast_acquire=True)     # one request at a time: responses come back in order
+
+    @classmethod
+    async def connect(cls, address=None, token: str | None = None,
+                      timeout: float | None = DEFAULT_TIMEOUT_S) -> "AsyncClient":
+        client = cls(address, token, timeout)
+        await client.open()
+        return client
+
+    async def open(self) -> None:
+        kind, where = parse_address(self.address)
+        try:
+            with anyio.fail_after(self.timeout):
+                if kind == "unix":
+                    self.stream = await anyio.connect_unix(where)
+                else:
+                    self.stream = await anyio.connect_tcp(*where)
+                    self.stream.extra(anyio.abc.SocketAttribute.raw_socket).setsockopt(
+                        socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as e:
+            raise ConnectionError(f"cannot reach the daemon at {kind}:{where} ({e}); "
+                                  f"is `kestrel-stream serve` running?") from None
+        self.reader = BufferedByteReceiveStream(self.stream)
+        # On a Unix socket, frames go straight through the non-blocking socket (as the daemon does): anyio's
+        # stream adds a scheduling checkpoint and a reader registration to every call.
+        self.sock = self.stream.extra(anyio.abc.SocketAttribute.raw_socket) if kind == "unix" else None
+        self.buffer = bytearray()
+        self.info, _ = await self.call("hello", {"v": VERSION, "token": resolve_token(kind, self.token)}, {})
+
+    async def _receive_exactly(self, count: int) -> bytes:
+        if self.sock is None:
+            return await self.reader.receive_exactly(count)
+        while len(self.buffer) < count:
+            try:
+                chunk = self.sock.recv(max(65536, count - len(self.buffer)))
+            except BlockingIOError:
+                await anyio.wait_readable(self.sock)
+                continue
+            if not chunk:
+                raise anyio.EndOfStream
+            self.buffer += chunk
+        data = bytes(self.buffer[:count])
+        del self.buffer[:count]
+        return data
+
+    async def _send(self, data: bytes) -> None:
+        if self.sock is None:
+            await self.stream.send(data)
+            return
+        view = memoryview(data)
+        while view:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
+
+    async def call(self, op: str, fields: dict, arrays: dict):
+        if self.closed or self.stream is None:
+            raise ConnectionError("this client is closed")
+        async with self._lock:
+            request_id = next(self._ids)
+            try:
+                with anyio.fail_after(self.timeout):
+                    await self._send(encode_frame({"op": op, "id": request_id, **fields}, arrays))
+                    header_bytes, payload_bytes = parse_prefix(await self._receive_exactly(PREFIX_BYTES),
+                                                               MAX_RESPONSE_BYTES)
+                    head = await self._receive_exactly(header_bytes)
+                    payload = await self._receive_exactly(payload_bytes) if payload_bytes else b""
+                frame = parse_body(head, payload)
+            except TimeoutError:
+                await self.aclose()
+                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
+                                   f"connection closed") from None
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
+                await self.aclose()
+                raise ConnectionError(f"{op}: the daemon closed the connection ({type(e).__name__})") from None
+        try:
+            return check_response(frame, request_id)
+        except ShuttingDownError:
+            await self.aclose()
+            raise
+
+    async def new_session(self, max_seq_len: int | None = None) -> AsyncRemoteSession:
+        header, _ = await self.call("open", {"max_seq_len": max_seq_len}, {})
+        return AsyncRemoteSession(self, header["session"], header["max_seq_len"])
+
+    async def generate(self, prompt_ids, max_new_tokens: int) -> list[int]:
+        async with await self.new_session() as s:
+            return await s.generate(prompt_ids, max_new_tokens)
+
+    async def stats(self) -> dict:
+        return (await self.call("stats", {}, {}))[0]["stats"]
+
+    async def trace_start(self, path) -> None:
+        await self.call("trace_start", {"path": str(path)}, {})
+
+    async def trace_stop(self) -> str | None:
+        return (await self.call("trace_stop", {}, {}))[0].get("path")
+
+    async def aclose(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.stream is not None:
+                with anyio.CancelScope(shield=True):
+                    await self.stream.aclose()
+
+    async def __aenter__(self):
+        if self.stream is None:
+            await self.open()
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.aclose()

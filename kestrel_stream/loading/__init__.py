@@ -1,0 +1,1 @@
+"""Loading models: Hugging Face checkpoints, GGUF files, the quantized cache, random presets."""

@@ -1,0 +1,124 @@
+"""Random checkpoints with real architectures' shapes (``kestrel-stream make-model``).
+
+Weights are scaled so activations stay finite through every layer:
+projections ~ N(0, 1/fan_in), the two projections that write the residual
+stream (o, down) further by 1/sqrt(2L), norms ~ 1 + N(0, 0.1^2), the
+embedding ~ N(0, 0.02^2) as Hugging Face initializes it (a larger one dominates
+the residual stream, and a tied lm_head then just repeats the input token).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from kestrel_stream.loading.checkpoint_writer import write_checkpoint
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.model.weights import hf_tensor_shapes
+
+GENERATOR_VERSION = 2   # bump when random_tensor's scaling changes, so cached preset checkpoints are rebuilt
+
+PRESETS: dict[str, ModelConfig] = {
+    # A Qwen3 with head_dim independent of hidden/heads and GQA 2: fast enough for every test, and
+    # head_dim 64 so the GPU kernels (head_dim 64/128/256) run it too.
+    "tiny": ModelConfig(arch="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256,
+                        rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                        max_position_embeddings=512),
+    "llama-tiny": ModelConfig(arch="llama", hidden_size=256, intermediate_size=352, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=320,
+                              rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                              max_position_embeddings=512),
+    "qwen3-0.6b": ModelConfig(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                              rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                              max_position_embeddings=40960),
+    "qwen3-1.7b": ModelConfig(arch="qwen3", hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                              num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                              rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                              max_position_embeddings=40960),
+    "qwen3-8b": ModelConfig(arch="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                            num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+                            rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                            max_position_embeddings=40960),
+}
+
+
+def random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], cfg: ModelConfig) -> np.ndarray:
+    """One float32 tensor of a random checkpoint, scaled by its role (see module docstring)."""
+    if len(shape) == 1:
+        return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
+        scale = 0.02 if name.endswith("embed_tokens.weight") else 1.0 / np.sqrt(shape[1])
+    else:
+        scale = 1.0 / np.sqrt(shape[1])
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            scale /= np.sqrt(2 * cfg.num_hidden_layers)
+    out = rng.standard_normal(shape, dtype=np.float32)
+    out *= np.float32(scale)
+    return out
+
+
+def random_weights(cfg: ModelConfig, seed: int = 0) -> Callable[[str, tuple[int, ...]], np.ndarray]:
+    """A producer of deterministic random tensors: each tensor's values depend only on (seed, name)."""
+    def produce(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        name_key = int.from_bytes(name.encode()[-16:].ljust(16, b"\0"), "little") ^ len(name)
+        rng = np.random.default_rng([seed, name_key])
+        return random_tensor(rng, name, shape, cfg)
+    return produce
+
+
+def make_model(out_dir: str | Path, preset: str | ModelConfig, seed: int = 0, dtype: str = "bf16",
+               max_shard_bytes: int = 2 << 30, on_tensor: Callable[[str], None] | None = None) -> Path:
+    """Write a random Hugging Face checkpoint of ``preset``'s shapes to ``out_dir``."""
+    cfg = PRESETS[preset] if isinstance(preset, str) else preset
+    out_dir = Path(out_dir)
+    specs = list(hf_tensor_shapes(cfg).items())
+    write_checkpoint(out_dir, cfg.to_hf_dict(), specs, random_weights(cfg, seed), dtype=dtype,
+                     max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
+    return out_dir
+
+
+def cache_root() -> Path:
+    import os
+    return Path(os.environ.get("KESTREL_CACHE_DIR") or Path.home() / ".cache" / "kestrel-stream")
+
+
+def ensure_preset(preset: str, seed: int = 0, dtype: str = "bf16") -> Path:
+    """The path of a random checkpoint of ``preset`` in the cache dir, written on first use."""
+    out_dir = cache_root() / "models" / f"{preset}-seed{seed}-{dtype}-v{GENERATOR_VERSION}"
+    if not (out_dir / "config.json").exists():
+        make_model(out_dir, preset, seed=seed, dtype=dtype)
+    return out_dir
+
+
+def random_q8_weights(preset: str | ModelConfig, seed: int = 0):
+    """ModelWeights with random Q8_0 values drawn directly: no float matrices, no quantization pass.
+
+    For benchmarks of the large presets, where writing and quantizing a checkpoint
+    would cost more than the measurement.  Scales keep activations finite as in
+    ``random_tensor`` (int8 values ~ U[-127, 127] have std ~73).
+    """
+    from kestrel_stream.model.quant import QTensor
+    from kestrel_stream.model.weights import LayerWeights, ModelWeights
+    cfg = PRESETS[preset] if isinstance(preset, str) else preset
+    rng = np.random.default_rng(seed)
+
+    def linear(rows: int, cols: int, scale: float) -> QTensor:
+        return QTensor(rng.integers(-127, 128, (rows, cols), dtype=np.int8),
+                       np.full((rows, cols // 32), scale / 73.0, np.float16))
+
+    def norm(size: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
+
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    residual_scale = 1.0 / np.sqrt(2 * L)
+    layers = [LayerWeights(norm(H), linear(cfg.q_size + 2 * cfg.kv_size, H, 1 / np.sqrt(H)),
+                           linear(H, cfg.q_size, residual_scale / np.sqrt(cfg.q_size)), norm(H),
+                           linear(2 * I, H, 1 / np.sqrt(H)), linear(H, I, residual_scale / np.sqrt(I)),
+                           norm(cfg.head_dim) if cfg.qk_norm else None, norm(cfg.head_dim) if cfg.qk_norm else None)
+              for _ in range(L)]
+    embed = linear(cfg.vocab_size, H, 0.02)
+    lm_head = embed if cfg.tie_word_embeddings else linear(cfg.vocab_size, H, 1 / np.sqrt(H))
+    return ModelWeights(cfg, embed, layers, norm(H), lm_head, source=f"random {cfg.arch} ({seed})")

@@ -1,0 +1,88 @@
+"""The weights of one model as the executors see them.
+
+Linear weights are Q8_0 (``QTensor``); norms stay float32.  Projections that
+share an input are fused when the weights load (gpt-fast's ``wqkv`` hook), so
+every executor sees one QKV weight and one gate+up weight; the fusion is a
+row-wise concatenation and changes no element's arithmetic.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.model.quant import QTensor
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray          # [H] float32
+    wqkv: QTensor                  # [q_size + 2*kv_size, H]: rows q, then k, then v
+    wo: QTensor                    # [H, q_size]
+    mlp_norm: np.ndarray           # [H] float32
+    w_gate_up: QTensor             # [2*I, H]: rows gate, then up
+    w_down: QTensor                # [H, I]
+    q_norm: np.ndarray | None = None   # [D] float32 (Qwen3 only)
+    k_norm: np.ndarray | None = None   # [D] float32 (Qwen3 only)
+
+
+@dataclass
+class ModelWeights:
+    config: ModelConfig
+    embed: QTensor                 # [V, H]
+    layers: list[LayerWeights]
+    final_norm: np.ndarray         # [H] float32
+    lm_head: QTensor               # [V, H]; the same object as ``embed`` when tied
+    source: str = ""               # where the weights came from (for messages)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def tied(self) -> bool:
+        return self.lm_head is self.embed
+
+    def quantized_bytes(self) -> int:
+        """Bytes of all Q8_0 weights (qs + scales), counting a tied embedding once."""
+        total = self.embed.nbytes + (0 if self.tied else self.lm_head.nbytes)
+        for layer in self.layers:
+            total += layer.wqkv.nbytes + layer.wo.nbytes + layer.w_gate_up.nbytes + layer.w_down.nbytes
+        return total
+
+
+# Hugging Face tensor names of one layer, relative to "model.layers.{i}."
+HF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm.weight",
+    "q": "self_attn.q_proj.weight",
+    "k": "self_attn.k_proj.weight",
+    "v": "self_attn.v_proj.weight",
+    "o": "self_attn.o_proj.weight",
+    "q_norm": "self_attn.q_norm.weight",
+    "k_norm": "self_attn.k_norm.weight",
+    "mlp_norm": "post_attention_layernorm.weight",
+    "gate": "mlp.gate_proj.weight",
+    "up": "mlp.up_proj.weight",
+    "down": "mlp.down_proj.weight",
+}
+HF_GLOBAL_NAMES = {
+    "embed": "model.embed_tokens.weight",
+    "final_norm": "model.norm.weight",
+    "lm_head": "lm_head.weight",
+}
+
+
+def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Hugging Face checkpoint of this config must hold, with its shape."""
+    H, I, D, V = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.vocab_size
+    shapes = {HF_GLOBAL_NAMES["embed"]: (V, H), HF_GLOBAL_NAMES["final_norm"]: (H,)}
+    if not cfg.tie_word_embeddings:
+        shapes[HF_GLOBAL_NAMES["lm_head"]] = (V, H)
+    per_layer = {
+        "attn_norm": (H,), "q": (cfg.q_size, H), "k": (cfg.kv_size, H), "v": (cfg.kv_size, H),
+        "o": (H, cfg.q_size), "mlp_norm": (H,), "gate": (I, H), "up": (I, H), "down": (H, I),
+    }
+    if cfg.qk_norm:
+        per_layer.update(q_norm=(D,), k_norm=(D,))
+    for i in range(cfg.num_hidden_layers):
+        for key, shape in per_layer.items():
+            shapes[f"model.layers.{i}.{HF_LAYER_NAMES[key]}"] = shape
+    return shapes

@@ -1,0 +1,319 @@
+"""Engine and Session: the public decode API over one loaded model.
+
+The engine owns the weights and one executor; a session owns a KV cache and
+its position.  Every input is validated here, before any state changes, so a
+bad token id or an over-long prompt raises and leaves the session as it was.
+"""
+from __future__ import annotations
+
+import itertools
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kestrel_stream.obs import trace
+from kestrel_stream.run.budget import parse_vram_budget
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.errors import CapacityError, DeviceError, InvalidTokenError, SessionClosedError
+from kestrel_stream.model.weights import ModelWeights
+
+DEFAULT_MAX_SEQ_LEN = 2048
+MODES = ("auto", "cpu", "gated", "gpu")
+WINDOW_COUNTERS = ("streamed_bytes", "window_hits", "window_misses", "copy_busy_ms", "compute_busy_ms")
+
+
+def gpu_status() -> tuple[bool, str]:
+    """(available, reason): never raises, never hangs without a driver."""
+    try:
+        from kestrel_stream.cuda import driver
+    except ImportError as e:          # the CUDA layer itself is missing
+        return False, f"CUDA layer unavailable ({e})"
+    return driver.gpu_status()
+
+
+def parse_mode(mode: str) -> str:
+    if mode in MODES:
+        return mode
+    if mode.startswith("layers="):
+        count = mode.split("=", 1)[1]
+        if count.isdigit():
+            return f"layers={int(count)}"
+    raise DeviceError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)} or layers=N")
+
+
+def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, str]:
+    """Pick (device, mode) from what was asked and what this machine has."""
+    if device not in ("auto", "cpu", "cuda"):
+        raise DeviceError(f"unknown device {device!r}; expected auto, cpu or cuda")
+    mode = parse_mode(mode)
+    if device == "cpu" or (device == "auto" and mode == "cpu"):
+        if mode not in ("auto", "cpu"):
+            raise DeviceError(f"mode {mode} needs a GPU, but device=cpu was asked for")
+        return "cpu", "cpu"
+    available, reason = gpu_status()
+    if not available:
+        if device == "cuda" or mode != "auto":
+            raise DeviceError(f"no usable GPU: {reason}")
+        if announce:
+            print(f"kestrel-stream: no GPU ({reason}); using the CPU engine", file=sys.stderr)
+        return "cpu", "cpu"
+    return "cuda", ("gpu" if mode == "auto" else mode)
+
+
+def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: int,
+                  max_batch: int, max_sessions: int | None, vram_budget: int | None):
+    if device == "cpu":
+        from kestrel_stream.run.host import CpuExecutor
+        return CpuExecutor(weights)
+    if mode == "gpu":
+        from kestrel_stream.run.gpu_executor import GpuExecutor
+        return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
+                           vram_budget=vram_budget)
+    if vram_budget is not None:
+        print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",
+              file=sys.stderr)
+    from kestrel_stream.run.hybrid import HybridExecutor
+    profile = None
+    if mode == "gated":                 # the cost model needs this machine's figures: measured once, cached
+        from kestrel_stream.run.calibrate import calibrate
+        profile = calibrate()
+    return HybridExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch,
+                          max_sessions=max_sessions)
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]               # generated tokens only
+    prefill_s: float
+    decode_s: float
+    prompt_len: int
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = max(len(self.tokens) - 1, 0)     # the first token comes from prefill
+        return steps / self.decode_s if self.decode_s > 0 and steps else 0.0
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prompt_len / self.prefill_s if self.prefill_s > 0 else 0.0
+
+
+class Engine:
+    # generate() chains greedy steps on the device where the executor can (gpu mode): many tokens per
+    # host sync; False steps one token per sync, as the session API does
+    chain_greedy = True
+
+    def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
+                 max_seq_len: int | None = None, max_batch: int = 32, max_sessions: int | None = None,
+                 vram_budget: int | None = None):
+        self.weights = weights
+        self.config: ModelConfig = weights.config
+        self.device, self.mode = device, mode
+        self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, self.config.max_position_embeddings)
+        self.max_batch = max_batch
+        vram_budget = parse_vram_budget(vram_budget)       # bytes, or a fraction of free VRAM
+        # max_sessions: how many KV caches a GPU executor reserves device memory for (default 2 x max_batch)
+        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, vram_budget)
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()       # one step at a time through the executor
+        self.sessions: dict[int, Session] = {}
+        recorder = trace.start_from_env()       # KESTREL_TRACE, or a trace the CLI already began
+        if recorder is not None:
+            recorder.metadata.update(device=device, mode=mode, layers=self.config.num_hidden_layers)
+
+    def plan_summary(self) -> str:
+        """One line on how a decode step runs here (the daemon logs it)."""
+        import scheduler
+        planner = getattr(self.executor, "plan", None)
+        plan = planner(1) if callable(planner) else scheduler.build_plan(
+            self.config, 1, self.mode, gpu_available=self.device == "cuda")
+        counters = plan.counters()
+        line = (f"{plan.mode}: {len(plan.segments)} segment(s), {counters['syncs_per_step']} sync(s) and "
+                f"{counters['launches_per_step']} launches per decode step; GPU weights "
+                f"{counters['gpu_weight_bytes'] / 1e6:.1f} MB, host weights {counters['cpu_weight_bytes'] / 1e6:.1f} MB")
+        window = getattr(self.executor, "window_plan", None)
+        if window is not None:
+            line += "; " + window.describe().splitlines()[0]
+        return line
+
+    # -- sessions ---------------------------------------------------------
+    def new_session(self, max_seq_len: int | None = None) -> "Session":
+        length = max_seq_len or self.max_seq_len
+        if not 0 < length <= self.max_seq_len:
+            raise CapacityError(f"max_seq_len={length} is outside 1..{self.max_seq_len} (the engine's limit)")
+        session = Session(self, next(self._ids), length)
+        self.sessions[session.id] = session
+        return session
+
+    def check_tokens(self, ids, where: str) -> np.ndarray:
+        if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self.config.vocab_size:
+            return np.array(ids, np.int64)      # one valid token (a decode step): no array checks needed
+        arr = np.asarray(ids)
+        if arr.ndim == 0:
+            arr = arr.reshape(1)
+        if arr.ndim != 1 or arr.size == 0:
+            raise InvalidTokenError(f"{where}: expected a non-empty list of token ids, got shape {arr.shape}")
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidTokenError(f"{where}: token ids must be integers, got {arr.dtype}")
+        bad = np.flatnonzero((arr < 0) | (arr >= self.config.vocab_size))
+        if bad.size:
+            raise InvalidTokenError(f"{where}: token id {int(arr[bad[0]])} at index {int(bad[0])} "
+                                    f"is outside the vocabulary 0..{self.config.vocab_size - 1}")
+        return arr.astype(np.int64)
+
+    def step(self, items: list[tuple["Session", np.ndarray]], greedy: bool = False):
+        """One executor step over several sessions; all inputs were validated by the caller.
+
+        Logits [n_i, V] per session, or with greedy=True each session's greedy next token (int64 [B]):
+        an executor with forward_greedy (gpu mode) then takes the argmax on the device and copies
+        back 4 bytes per token instead of the logits."""
+        batch = [(s.kv, ids, s.position) for s, ids in items]
+        traced = trace.NULL_SPAN if trace.active is None else trace.step(sum(len(ids) for _, ids in items),
+                                                                        sessions=len(items))
+        with self._lock, traced:
+            if not greedy:
+                out = self.executor.forward(batch)
+            elif hasattr(self.executor, "forward_greedy"):
+                out = self.executor.forward_greedy(batch)
+            else:
+                out = np.array([int(np.argmax(logits[-1])) for logits in self.executor.forward(batch)], np.int64)
+        for s, ids in items:
+            s.position += len(ids)
+            s.tokens.extend(np.asarray(ids).tolist())
+        return out
+
+    def decode_batch(self, pairs: list[tuple["Session", int]], greedy: bool = False) -> np.ndarray:
+        """One batched decode step: logits [B, vocab], row i for pairs[i]; greedy=True: the greedy
+        next token of each instead (int64 [B])."""
+        if not pairs:
+            raise InvalidTokenError("decode_batch: no (session, token) pairs given")
+        if len({id(s) for s, _ in pairs}) != len(pairs):
+            raise InvalidTokenError("decode_batch: a session appears twice in one step")
+        if len(pairs) > self.max_batch:
+            raise CapacityError(f"decode_batch: {len(pairs)} sessions exceed max_batch={self.max_batch}")
+        items = []
+        for i, (s, token) in enumerate(pairs):
+            s._check_open()
+            ids = self.check_tokens([token], f"decode_batch item {i} (session {s.id})")
+            s._check_room(1)
+            items.append((s, ids))
+        if greedy:
+            return self.step(items, greedy=True)
+        return np.stack([out[0] for out in self.step(items)])
+
+    def generate(self, prompt_ids, max_new_tokens: int) -> GenerateResult:
+        """Greedy decode in a fresh session; returns the generated tokens and timings."""
+        with self.new_session() as s:
+            ids = self.check_tokens(prompt_ids, "prompt")
+            s._check_room(len(ids) + max(max_new_tokens - 1, 0))
+            before = dict(self.executor.stats)
+            t0 = time.perf_counter()
+            token = int(np.argmax(s.prefill(ids)[-1]))
+            t1 = time.perf_counter()
+            mid = dict(self.executor.stats)
+            tokens = [token] if max_new_tokens > 0 else []
+            remaining = max(max_new_tokens - 1, 0)
+            if remaining and self.chain_greedy and trace.active is None:
+                chained = self._generate_chained(s, token, remaining)
+                if chained is not None:
+                    tokens.extend(chained)
+                    remaining = 0
+            for _ in range(remaining):
+                token = s.decode_greedy(token)
+                tokens.append(token)
+            t2 = time.perf_counter()
+            after = self.executor.stats
+        decode_steps = max(len(tokens) - 1, 0)
+        stats = {key: after[key] - mid.get(key, 0) for key in after if isinstance(after[key], (int, float))}
+        stats["prefill_syncs"] = mid.get("syncs", 0) - before.get("syncs", 0)
+        stats["syncs_per_token"] = stats.get("syncs", 0) / decode_steps if decode_steps else 0.0
+        stats["launches_per_token"] = stats.get("launches", 0) / decode_steps if decode_steps else 0.0
+        for key in WINDOW_COUNTERS:       # the residency window's counters (gpu mode under a VRAM budget)
+            if key in stats:
+                stats[f"{key}_per_token"] = stats[key] / decode_steps if decode_steps else 0.0
+        return GenerateResult(tokens, t1 - t0, t2 - t1, len(ids), stats)
+
+    def _generate_chained(self, s: "Session", token: int, steps: int) -> list[int] | None:
+        """The next `steps` greedy tokens of `s` after `token`, chained on the device where the executor
+        can (gpu mode: several steps per host sync); None where it cannot."""
+        chain = getattr(self.executor, "generate_greedy", None)
+        if chain is None:
+            return None
+        with self._lock:
+            out = chain([(s.kv, np.array([token]), s.position)], steps)
+        if out is None:
+            return None
+        produced = [int(t) for t in out[:, 0]]
+        s.tokens.extend([token] + produced[:-1])     # what each step fed in, as step() records it
+        s.position += steps
+        return produced
+
+    def close(self) -> None:
+        for s in list(self.sessions.values()):
+            s.close()
+        closer = getattr(self.executor, "close", None)
+        if closer:
+            closer()
+
+
+class Session:
+    """A decode stream with its own KV cache of ``max_seq_len`` positions."""
+
+    def __init__(self, engine: Engine, session_id: int, max_seq_len: int):
+        self.engine, self.id, self.max_seq_len = engine, session_id, max_seq_len
+        self.kv = engine.executor.alloc_kv(max_seq_len)
+        self.position = 0
+        self.tokens: list[int] = []
+        self.closed = False
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionClosedError(f"session {self.id} is closed")
+
+    def _check_room(self, count: int) -> None:
+        if self.position + count > self.max_seq_len:
+            raise CapacityError(f"session {self.id}: {count} more token(s) at position {self.position} "
+                                f"exceed max_seq_len={self.max_seq_len}")
+
+    def prefill(self, ids) -> np.ndarray:
+        """Append prompt tokens; logits [len(ids), vocab] float32."""
+        self._check_open()
+        arr = self.engine.check_tokens(ids, f"session {self.id} prefill")
+        self._check_room(len(arr))
+        return self.engine.step([(self, arr)])[0]
+
+    def decode(self, token: int) -> np.ndarray:
+        """Append one token; logits [vocab] float32."""
+        self._check_open()
+        arr = self.engine.check_tokens([token], f"session {self.id} decode")
+        self._check_room(1)
+        return self.engine.step([(self, arr)])[0][0]
+
+    def decode_greedy(self, token: int) -> int:
+        """Append one token; the greedy next token (argmax of the logits, on the device in gpu mode)."""
+        self._check_open()
+        arr = self.engine.check_tokens([token], f"session {self.id} decode")
+        self._check_room(1)
+        return int(self.engine.step([(self, arr)], greedy=True)[0])
+
+    def reset(self) -> None:
+        """Forget the sequence; the KV cache is reused from position 0."""
+        self._check_open()
+        self.position = 0
+        self.tokens.clear()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.engine.executor.free_kv(self.kv)
+            self.engine.sessions.pop(self.id, None)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

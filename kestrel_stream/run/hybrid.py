@@ -1,0 +1,375 @@
+"""`gated` and `layers=N` modes: one step split between host and GPU by a scheduler Plan.
+
+The plan says which side runs each op; this executor runs them and moves the
+step's state between the sides only where the plan's segments meet.  State
+tensors (rows = tokens of the step):
+
+    x [T, H] residual   qkv [T, q+2kv]   attn [T, q]   act [T, I] = silu(gate)·up   logits [T, V]
+
+each with a pinned host copy and a device copy and a record of which copy is
+current.  Norms and SiLU·mul own no state of their own: SiLU·mul is the
+epilogue of gate_up on either side, and an RMSNorm is folded into the
+projection that consumes it.  On the GPU that projection reads xn = x·w and
+1/rms per token, which the GEMV that wrote x on the device prepares in its
+epilogue, or the host computes and uploads when x was last written there.
+Entering a host segment downloads everything it reads from the device with
+one sync; entering a GPU segment uploads what it reads, asynchronously. Syncs
+per step therefore equal the plan's GPU segments, never one per projection.
+
+Weights live in a device cache: uploaded on first GPU use and kept (the
+``upload`` stage of the profile table), warmed at load for the decode plan.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+import scheduler
+
+from kestrel_stream.obs import prof
+from kestrel_stream.obs import trace
+from kestrel_stream.run.host import CpuExecutor, CpuKV, rope_tables
+from kestrel_stream.run.hybrid_host import HostOps
+from kestrel_stream.model.weights import ModelWeights
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.kernels import ROPE_SIGNATURE, KernelSet, QWeight, attention_launch, gemv_launch
+from kestrel_stream.run.weight_cache import DeviceWeights
+
+# state each op reads, by side ("xn": x·w and 1/rms of the norm the op consumes, device only)
+HOST_READS = {"qkv": ("x",), "rope": ("qkv",), "o": ("attn", "x"), "gate_up": ("x",), "down": ("act", "x"),
+              "lm_head": ("x",)}
+GPU_READS = {"qkv": ("xn",), "rope": ("qkv",), "o": ("attn", "x"), "gate_up": ("xn",), "down": ("act", "x"),
+             "lm_head": ("xn",)}
+WRITES = {"qkv": "qkv", "attention": "attn", "o": "x", "gate_up": "act", "down": "x", "lm_head": "logits"}
+ATTENTION_SPLITS = 16
+
+
+def _op_span(side: str, op):
+    """The host slice of one op of the plan while tracing (the timeline's host ops)."""
+    return trace.span(f"{side} {op.group or op.kind}", op=op.name, layer=-1 if op.layer is None else op.layer,
+                      flops=float(op.flops), bytes=int(op.weight_bytes), segment=side)
+
+
+@dataclass
+class HybridKV:
+    host: CpuKV | None          # layers whose attention runs on the host (index li - gpu_layers)
+    device: object | None       # driver.DeviceArray of [capacity, gpu_layers, 2, n_kv, D] float32
+    capacity: int
+
+
+class HybridExecutor(HostOps, DeviceWeights):
+    name = "cuda"
+
+    def __init__(self, weights: ModelWeights, mode: str, profile, max_seq_len: int = 2048,
+                 max_batch: int = 32, max_sessions: int | None = None, prefill_chunk: int = 64,
+                 group_choice: dict | None = None):
+        c = weights.config
+        self.group_choice = group_choice
+        self.weights, self.config, self.mode, self.profile = weights, c, mode, profile
+        kind, count = scheduler.parse_mode(mode)
+        self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
+        self.cpu = CpuExecutor(weights)
+        self.device = driver.Device(0)
+        self.kernels = KernelSet(self.device)
+        self.stream = driver.Stream("compute")
+        self.max_tokens = max(max_batch, prefill_chunk)
+        self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0,
+                      "weight_uploads": 0, "weight_upload_bytes": 0}
+        T = self.max_tokens
+        widths = {"x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size, "attn": c.q_size,
+                  "act": c.intermediate_size, "logits": c.vocab_size}
+        partial_floats = T * c.num_attention_heads * ATTENTION_SPLITS * (c.head_dim + 2)
+        self.kv_bytes_per_position = max(self.gpu_layers, 1) * 2 * c.kv_size * 4
+        sessions = max_sessions or 2 * max_batch
+        capacity = (weights.quantized_bytes() + 4 * T * (sum(widths.values()) + c.q_size + c.hidden_size + 1)
+                    + 4 * partial_floats + 20 * T + 256
+                    + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1))
+                    + (sessions * max_seq_len * self.kv_bytes_per_position if self.gpu_layers else 0)
+                    + driver.Arena.ALIGN * (16 * c.num_hidden_layers + 64))
+        self.arena = driver.Arena(capacity)
+        self.dev = {name: self.arena.array((T, w), np.float32) for name, w in widths.items()}
+        self.q_dev = self.arena.array((T, c.q_size), np.float32)
+        self.xn_dev = self.arena.array((T, c.hidden_size), np.float32)       # x · the next norm's weight
+        self.inv_rms_dev = self.arena.array((T,), np.float32)               # that norm's 1/rms per token
+        self.partials = self.arena.array((partial_floats,), np.float32)
+        self.counters = self.arena.array((64 + T * c.num_key_value_heads,), np.uint32)   # last-block tickets
+        driver.h2d_sync(self.counters.ptr, np.zeros(64 + T * c.num_key_value_heads, np.uint32))
+        widths_pinned = dict(widths, xn=c.hidden_size + 1)                  # host-made xn rows, then 1/rms
+        self.pinned = {name: driver.PinnedBuffer(T * w * 4) for name, w in widths_pinned.items()}
+        self.host = {name: self.pinned[name].view(np.float32, (T, w)) for name, w in widths.items()}
+        self.host_xn = self.pinned["xn"].view(np.float32, (T, c.hidden_size))
+        self.host_inv_rms = self.pinned["xn"].view(np.float32, (T,), 4 * T * c.hidden_size)
+        self.widths = widths
+        self.params = self.arena.array((T * 16,), np.uint8)
+        self.staging = driver.PinnedBuffer(T * 16)
+        self.staged_kvbase = self.staging.view(np.int64, (T,), 0)
+        self.staged_pos = self.staging.view(np.int32, (T,), 12 * T)
+        self._vectors: dict[int, int] = {}
+        self._qweights: dict[int, QWeight] = {}
+        self._plans: dict[int, scheduler.Plan] = {}
+        self._launches: dict[tuple, list] = {}
+        self.inv_freq = self._vector((1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64)
+                                                               .astype(np.float32) / c.head_dim))).astype(np.float32))
+        self.preload()
+
+    def preload(self) -> None:
+        """Warm every weight the decode plan runs on the GPU, and say how much stayed resident."""
+        start = time.perf_counter()
+        plan = self.plan(1)
+        wanted = [op for seg in plan.segments if seg.side == "gpu" for op in seg.ops if op.group]
+        for op in wanted:
+            self._qweight(self._tensor(op), {}, op.group == "gate_up")
+        for op in (op for seg in plan.segments if seg.side == "gpu" for op in seg.ops):
+            if op.layer is not None:
+                self._layer_vectors(op.layer)
+        total = sum(1 for op in plan.segments for _ in op.ops)
+        self.preload_line = (f"preload: {len(wanted)}/{len(wanted)} GPU weights warmed in "
+                             f"{time.perf_counter() - start:.2f} s; device cache {self.arena.used_bytes / 1e6:.1f} MB / "
+                             f"{len(self._qweights)} entries ({self.mode}: {plan.syncs_per_step} GPU segments "
+                             f"over {total} ops)")
+        self.preload_line += "".join(f"; {note}" for note in plan.notes if note.startswith("offloaded "))
+        print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
+
+    # ---- plans ----------------------------------------------------------------------------------
+    def plan(self, tokens: int) -> scheduler.Plan:
+        if tokens not in self._plans:
+            plan = scheduler.build_plan(self.config, tokens=tokens, mode=self.mode, profile=self.profile,
+                                        gpu_available=True, group_choice=self.group_choice)
+            scheduler.audit_plan(plan, self.config)
+            self._plans[tokens] = plan
+        return self._plans[tokens]
+
+    def set_group_choice(self, group_choice: dict | None) -> None:
+        """Force groups on/off in every layer (the bench's exhaustive search); weights stay cached."""
+        self.group_choice = group_choice
+        self._plans.clear()
+        self._launches.clear()
+
+    # ---- KV caches ------------------------------------------------------------------------------
+    def alloc_kv(self, max_seq_len: int) -> HybridKV:
+        c = self.config
+        host_layers = c.num_hidden_layers - self.gpu_layers
+        host = None
+        if host_layers:
+            shape = (host_layers, max_seq_len, c.num_key_value_heads, c.head_dim)
+            host = CpuKV(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        device = None
+        if self.gpu_layers:
+            device = self.arena.array((max_seq_len * self.kv_bytes_per_position,), np.uint8)
+        return HybridKV(host, device, max_seq_len)
+
+    def free_kv(self, kv: HybridKV) -> None:
+        if kv.device is not None:
+            self.arena.free(kv.device.ptr)
+            kv.device = None
+
+    # ---- moving state between the sides ---------------------------------------------------------
+    def _to_host(self, names, tokens: int) -> None:
+        """Download every named state the host reads that only the device has; one sync."""
+        pending = [n for n in names if self.valid[n] == {"dev"}]   # state not yet made this step is skipped
+        if not pending:
+            return
+        start = time.perf_counter()
+        for name in pending:
+            nbytes = tokens * self.widths[name] * 4
+            driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
+            self.stats["d2h_bytes"] += nbytes
+            self.valid[name].add("host")
+        self.stream.synchronize()
+        self.stats["syncs"] += 1
+        self._uploads_in_flight.clear()
+        if self._call is not None:
+            self._call["d2h+sync"] = (time.perf_counter() - start) * 1e6
+            self._finish_call()
+
+    def _to_device(self, name: str, tokens: int) -> None:
+        if "dev" not in self.valid[name]:
+            nbytes = tokens * self.widths[name] * 4
+            driver.h2d_async(self.dev[name].ptr, self.pinned[name], nbytes, self.stream)
+            self.stats["h2d_bytes"] += nbytes
+            self.valid[name].add("dev")
+            self._uploads_in_flight.add(name)
+
+    def _xn_to_device(self, norm: np.ndarray, tokens: int) -> None:
+        """Make the device's xn / 1/rms those of `norm` over x, computing them on the host if x was written there."""
+        if self.xn_norm is norm:
+            return
+        self._to_host(["x"], tokens)
+        self._wait_upload("xn")
+        x = self.host["x"][:tokens]
+        self.host_xn[:tokens] = x * norm
+        self.host_inv_rms[:tokens] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(self.config.rms_norm_eps))
+        driver.h2d_async(self.xn_dev.ptr, self.host_xn, tokens * self.config.hidden_size * 4, self.stream)
+        driver.h2d_async(self.inv_rms_dev.ptr, self.host_inv_rms, tokens * 4, self.stream)
+        self.stats["h2d_bytes"] += tokens * (self.config.hidden_size + 1) * 4
+        self._uploads_in_flight.add("xn")
+        self.xn_norm = norm
+
+    def _wait_upload(self, name: str) -> None:
+        """Before the host overwrites `name`'s pinned copy: wait for an async upload still reading it."""
+        if name in self._uploads_in_flight:
+            self.stream.synchronize()
+            self.stats["syncs"] += 1
+            self._uploads_in_flight.clear()
+
+    def _host_writes(self, name: str) -> None:
+        self._wait_upload(name)
+        self.valid[name] = {"host"}
+        if name == "x":
+            self.xn_norm = None
+
+    def _finish_call(self) -> None:
+        call, self._call = self._call, None
+        if prof.enabled:
+            uploads = call.pop("uploads", 0)
+            prof.record_call(call, uploads=uploads)
+
+    # ---- one step ---------------------------------------------------------------------------------
+    def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]]) -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each."""
+        self.device.make_current()
+        rows = [(kv, int(t), start + i) for kv, ids, start in batch
+                for i, t in enumerate(np.asarray(ids, np.int64).reshape(-1))]
+        logits = np.empty((len(rows), self.config.vocab_size), np.float32)
+        for lo in range(0, len(rows), self.max_tokens):
+            chunk = rows[lo:lo + self.max_tokens]
+            logits[lo:lo + len(chunk)] = self._run_chunk(chunk)
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(rows)
+        bounds = np.cumsum([0] + [len(np.atleast_1d(ids)) for _, ids, _ in batch])
+        return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def _run_chunk(self, rows) -> np.ndarray:
+        T = len(rows)
+        plan = self.plan(T)
+        self.valid = {name: set() for name in self.widths}
+        self.xn_norm = None
+        self._uploads_in_flight: set = set()
+        self._call = None
+        self.ids = np.array([t for _, t, _ in rows], np.int64)
+        self.positions = np.array([p for _, _, p in rows], np.int64)
+        # sessions as runs of consecutive rows: (kv, first row, last row + 1, start position)
+        self.runs = []
+        for i, (kv, _, pos) in enumerate(rows):
+            if self.runs and self.runs[-1][0] is kv and self.runs[-1][2] == i:
+                self.runs[-1][2] = i + 1
+            else:
+                self.runs.append([kv, i, i + 1, pos])
+        self.cos, self.sin = rope_tables(self.positions, self.config.head_dim, self.config.rope_theta)
+        if self.gpu_layers:
+            for i, (kv, _, pos) in enumerate(rows):
+                self.staged_kvbase[i] = (kv.device.ptr - self.arena.base) // 4
+                self.staged_pos[i] = pos
+            driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
+            self.stats["h2d_bytes"] += self.staging.nbytes
+        for segment in plan.segments:
+            if segment.side == "cpu":
+                reads = {name for op in segment.ops for name in HOST_READS.get(self._role(op), ())}
+                self._to_host(sorted(reads), T)
+                for op in segment.ops:
+                    if trace.active is None:
+                        self._host_op(op, T)
+                    else:
+                        with _op_span("cpu", op):
+                            self._host_op(op, T)
+            else:
+                self._call = {}
+                for op in segment.ops:
+                    if trace.active is None:
+                        self._gpu_op(op, T)
+                    else:
+                        with _op_span("gpu", op):
+                            self._gpu_op(op, T)
+                if prof.enabled:      # attribute GPU time to gemm, not to the next sync
+                    start = time.perf_counter()
+                    self.stream.synchronize()
+                    self._call["gemm"] = self._call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
+        self._to_host(["logits"], T)
+        return self.host["logits"][:T]
+
+    @staticmethod
+    def _role(op) -> str:
+        return op.group or op.kind
+
+    # ---- the GPU side -------------------------------------------------------------------------------
+    def _consumed_norm(self, op) -> np.ndarray:
+        """The RMSNorm weight folded into a projection that reads normalized x."""
+        if op.group == "lm_head":
+            return self.weights.final_norm
+        lw = self.weights.layers[op.layer]
+        return lw.attn_norm if op.group == "qkv" else lw.mlp_norm
+
+    def _next_norm(self, op) -> np.ndarray:
+        """The norm applied to x after o / down writes it: their epilogue prepares its xn and 1/rms."""
+        layers = self.weights.layers
+        if op.group == "o":
+            return layers[op.layer].mlp_norm
+        return layers[op.layer + 1].attn_norm if op.layer + 1 < len(layers) else self.weights.final_norm
+
+    def _gpu_op(self, op, T: int) -> None:
+        role = self._role(op)
+        if role in ("norm", "elementwise"):
+            return
+        start = time.perf_counter()
+        for name in GPU_READS.get(role, ()):
+            if name == "xn":
+                self._xn_to_device(self._consumed_norm(op), T)
+            else:
+                self._to_device(name, T)
+        self._call["h2d"] = self._call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
+        launches = self._launches.get((op.name, T))
+        if launches is None:
+            launches = self._launches[(op.name, T)] = self._build_launches(op, role, T, self._call)
+            for launch in launches:
+                launch.label(op=op.name, layer=op.layer, segment="gpu")
+        start = time.perf_counter()
+        for launch in launches:
+            launch.enqueue(self.stream)
+        self._call["gemm"] = self._call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
+        self.stats["launches"] += len(launches)
+        if role in WRITES:
+            self.valid[WRITES[role]] = {"dev"}
+        if role in ("o", "down"):
+            self.xn_norm = self._next_norm(op)
+
+    def _build_launches(self, op, role: str, T: int, stages: dict) -> list:
+        c, k, eps, d = self.config, self.kernels, self.config.rms_norm_eps, self.dev
+        if role in ("rope", "attention"):
+            li, vec = op.layer, self._layer_vectors(op.layer)
+            kvbase, pos = self.params.ptr, self.params.ptr + 12 * self.max_tokens
+            if role == "rope":
+                return [k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads, T),
+                                 (32,), ROPE_SIGNATURE,
+                                 [d["qkv"].ptr, self.q_dev.ptr, self.arena.base, kvbase, pos, vec["q_norm"],
+                                  vec["k_norm"], self.inv_freq, eps, li, self.gpu_layers,
+                                  c.num_attention_heads, c.num_key_value_heads, c.head_dim])]
+            return [attention_launch(k, self.q_dev.ptr, self.arena.base, kvbase, pos, d["attn"].ptr,
+                                     self.partials.ptr, self.counters.ptr + 4 * 64, T, li, self.gpu_layers,
+                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, ATTENTION_SPLITS)]
+        w = self._qweight(self._tensor(op), stages, role == "gate_up")
+        H, I = c.hidden_size, c.intermediate_size
+        if role in ("o", "down"):
+            x_in, width = (d["attn"].ptr, c.q_size) if role == "o" else (d["act"].ptr, I)
+            return [gemv_launch(k, w, x_in, width, d["x"].ptr, H, T, res=d["x"].ptr,
+                                normw_out=self._vector(self._next_norm(op)), xn_out=self.xn_dev.ptr,
+                                inv_rms_out=self.inv_rms_dev.ptr, counter=self.counters.ptr, eps=eps)]
+        if role == "gate_up":
+            return [gemv_launch(k, w, self.xn_dev.ptr, H, d["act"].ptr, I, T, silu_pairs=True,
+                                inv_rms_in=self.inv_rms_dev.ptr)]
+        out = "logits" if role == "lm_head" else "qkv"
+        launches = []
+        for lo, hi in self._row_runs(op):       # a split qkv runs its GPU rows in place
+            part = QWeight(w.qs + lo * w.cols, w.scales + 2 * lo * (w.cols // 32), hi - lo, w.cols)
+            launches.append(gemv_launch(k, part, self.xn_dev.ptr, H, d[out].ptr + 4 * lo, self.widths[out], T,
+                                        inv_rms_in=self.inv_rms_dev.ptr))
+        return launches
+
+    def close(self) -> None:
+        self.device.make_current()
+        self.stream.synchronize()
+        for buffer in list(self.pinned.values()) + [self.staging]:
+            buffer.free()
+        self.arena.release()

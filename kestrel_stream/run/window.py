@@ -1,0 +1,270 @@
+"""The VRAM residency window of `gpu` mode: resident weights, a ring of streaming slots, and the step's copies.
+
+Every Q8 weight is laid out once, at load, as a device image -- qs [rows, cols]
+int8, then scales [rows, cols/32] fp16 at the next 256-byte boundary (gate_up
+with its rows interleaved (gate j, up j) for the SiLU epilogue) -- in page-locked
+host memory (cuMemHostAlloc: the quantized cache's read-only memory maps cannot
+be registered, and the interleave needs a copy anyway).  Resident images go up
+in one H2D copy into one arena block (the preload) and that host copy is freed;
+streamed images stay pinned and are copied every step.
+
+The ring: streamed item k of a step (k = 0, 1, ... in step order) lives in slot
+k % slot_count, so every launch reads a fixed address and one captured graph
+serves every step.  Per slot, a `loaded` event (copy stream, after its copy) and
+a `released` event (compute stream, after the one kernel reading it):
+
+    compute: ... wait loaded[k%S] → GEMV k → record released[k%S] ...
+    copy:    wait released[c%S] (c >= S: item c-S is done with the slot) → copy c → record loaded[c%S]
+
+Copy c is enqueued when compute reaches item c - prefetch_distance, and also
+waits until item c - prefetch_distance - 1 released its slot, so a copy runs at
+most `prefetch_distance` items ahead.  The host enqueues in step order, so when
+a stream waits on an event, the event's latest record is the one meant (the
+proof is in enqueue_step).  Inside stream capture the same calls build the
+graph: the copy stream joins the capture by waiting on `fork` (recorded on the
+capturing stream) and rejoins it through `join` before the capture ends.  A step
+starts with every slot free: graph replays and eager chunks on the compute
+stream are ordered, and the compute stream waits for the copy stream's last copy.
+
+Copy/compute busy times need timing events, which cannot be read out of a graph
+replay; with KESTREL_PROF=1 or a trace active, streamed steps run eagerly with
+timing events (`timing`), otherwise only bytes/hits/misses are counted.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from kestrel_stream.obs import prof
+from kestrel_stream.obs import trace
+from kestrel_stream.run.budget import ALIGN, image_bytes
+from kestrel_stream.model.quant import QTensor
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.kernels import QWeight
+
+
+def _align(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def weight_tensors(weights) -> dict[str, tuple[QTensor, bool]]:
+    """Window item name → (tensor, rows interleaved as gate/up pairs), in step order."""
+    out = {}
+    if not weights.tied:
+        out["embed"] = (weights.embed, False)
+    for i, layer in enumerate(weights.layers):
+        out.update({f"L{i}.qkv": (layer.wqkv, False), f"L{i}.o": (layer.wo, False),
+                    f"L{i}.gate_up": (layer.w_gate_up, True), f"L{i}.down": (layer.w_down, False)})
+    out["lm_head"] = (weights.lm_head, False)
+    return out
+
+
+def step_launch_items(num_layers: int) -> list:
+    """The window item each launch of GpuExecutor._step_launches reads (None: no Q8 weight, or the embed table)."""
+    per_layer = lambda i: [f"L{i}.qkv", None, None, f"L{i}.o", f"L{i}.gate_up", f"L{i}.down"]
+    return [None] + [name for i in range(num_layers) for name in per_layer(i)] + ["lm_head"]
+
+
+def write_image(dst: np.ndarray, w: QTensor, interleave: bool) -> None:
+    """The device layout of `w` into the uint8 view `dst` (image_bytes long)."""
+    rows, cols = w.shape
+    qs = dst[:rows * cols].view(np.int8).reshape(rows, cols)
+    scales = dst[_align(rows * cols):_align(rows * cols) + rows * cols // 16].view(np.float16)
+    scales = scales.reshape(rows, cols // 32)
+    if interleave:   # rows gate 0, up 0, gate 1, up 1, ...
+        half = rows // 2
+        qs.reshape(half, 2, cols)[:, 0], qs.reshape(half, 2, cols)[:, 1] = w.qs[:half], w.qs[half:]
+        pairs = scales.reshape(half, 2, cols // 32)
+        pairs[:, 0], pairs[:, 1] = w.scales[:half], w.scales[half:]
+    else:
+        qs[:] = w.qs
+        scales[:] = w.scales
+
+
+class WeightWindow:
+    def __init__(self, weights, arena: driver.Arena, plan, compute_stream: driver.Stream):
+        tensors = weight_tensors(weights)
+        self.plan = plan
+        self.streamed = list(plan.streamed) if plan else []
+        self.resident = [name for name in tensors if name not in self.streamed]
+        self.slot_count = plan.slot_count if self.streamed else 0
+        self.prefetch_distance = plan.prefetch_distance if self.streamed else 0
+        self.total_items = len(tensors)
+        self.num_layers = len(weights.layers)
+        self.qweights: dict[str, QWeight] = {}
+
+        def offsets(names):
+            sizes = [_align(image_bytes(*tensors[n][0].shape)) for n in names]
+            return dict(zip(names, np.cumsum([0] + sizes[:-1]).tolist())), sum(sizes)
+
+        # resident: one arena block, filled by one H2D from a pinned image freed right after
+        start = time.perf_counter()
+        resident_at, self.resident_bytes = offsets(self.resident)
+        staging = driver.PinnedBuffer(self.resident_bytes)
+        for name, offset in resident_at.items():
+            w, interleave = tensors[name]
+            write_image(staging.bytes[offset:offset + image_bytes(*w.shape)], w, interleave)
+        self.resident_base = arena.alloc(self.resident_bytes)
+        for name, offset in resident_at.items():
+            self.qweights[name] = self._qweight(self.resident_base + offset, tensors[name][0])
+        # streamed: pinned images kept for the step's copies, and the ring of slots
+        stream_at, streamed_host_bytes = offsets(self.streamed)
+        self.host = driver.PinnedBuffer(streamed_host_bytes) if self.streamed else None
+        self.copies = []        # (pinned host view, image bytes) of streamed item k
+        for name, offset in stream_at.items():
+            w, interleave = tensors[name]
+            write_image(self.host.bytes[offset:offset + image_bytes(*w.shape)], w, interleave)
+            self.copies.append((self.host.bytes[offset:offset + image_bytes(*w.shape)], image_bytes(*w.shape)))
+        self.streamed_bytes_per_step = sum(nbytes for _, nbytes in self.copies)
+        self.slot_stride = max((_align(n) for _, n in self.copies), default=0)
+        self.ring_base = arena.alloc(self.slot_count * self.slot_stride) if self.streamed else 0
+        for k, name in enumerate(self.streamed):
+            self.qweights[name] = self._qweight(self.ring_base + (k % self.slot_count) * self.slot_stride,
+                                                tensors[name][0])
+        self.images_s = time.perf_counter() - start
+
+        start = time.perf_counter()
+        if self.resident_bytes:
+            driver.h2d_async(self.resident_base, staging, self.resident_bytes, compute_stream)
+            compute_stream.synchronize()
+        self.preload_s = time.perf_counter() - start
+        staging.free()
+
+        self.copy_stream = driver.Stream("window copy h2d") if self.streamed else None
+        self.loaded = [driver.Event(name=f"slot {s} loaded") for s in range(self.slot_count)]
+        self.released = [driver.Event(name=f"slot {s} released") for s in range(self.slot_count)]
+        self.fork, self.join = driver.Event(name="window fork"), driver.Event(name="window join")
+        self.timing = False            # set per step by the executor (eager steps only)
+        self._timed = None             # timing events of the last eager step, read after its sync
+        self._checked: set[int] = set()
+
+    @staticmethod
+    def _qweight(address: int, w: QTensor) -> QWeight:
+        rows, cols = w.shape
+        return QWeight(address, address + _align(rows * cols), rows, cols)
+
+    def qweight(self, name: str) -> QWeight:
+        return self.qweights[name]
+
+    def wants_timing(self) -> bool:
+        return bool(self.streamed) and (prof.enabled or trace.active is not None)
+
+    # ---- the step ---------------------------------------------------------------------------------
+    def enqueue_step(self, launches: list, stream: driver.Stream) -> None:
+        """Every launch on `stream`; streamed weights copied on the copy stream, ordered by the slot events.
+
+        Why each wait sees the record it means: copy c is enqueued while compute is at item
+        k = c - P (P = prefetch_distance < S = slot_count), after items 0..k-1 were enqueued.
+        released[c%S]'s latest record is then item c-S's (c-S <= k-1, and item c is later);
+        released[(c-P-1)%S]'s is item k-1's.  loaded[k%S]'s latest record when compute waits
+        for item k is copy k's: copies up to k+P are enqueued and k+S > k+P.
+        """
+        if not self.streamed:
+            for launch in launches:
+                launch.enqueue(stream)
+            return
+        items = step_launch_items(self.num_layers)
+        assert len(items) == len(launches), "launch list does not match step_launch_items"
+        if id(launches) not in self._checked:      # every streamed launch reads its slot's address
+            for launch, name in zip(launches, items):
+                assert name is None or int(launch.storage[0]) == self.qweights[name].qs, (launch.name, name)
+            order = [name for name in items if name in self.streamed]
+            assert order == self.streamed, "streamed items must be read in ring order"
+            self._checked.add(id(launches))
+        S, P, n = self.slot_count, self.prefetch_distance, len(self.streamed)
+        position = {name: k for k, name in enumerate(self.streamed)}
+        timed = self._timing_events(n) if self.timing else None
+        self.copy_stream.capturing = getattr(stream, "capturing", False)   # it joins the capture through fork
+        self.fork.record(stream)
+        self.copy_stream.wait(self.fork)
+        if timed:
+            timed["start"].record(stream)
+        for c in range(min(P + 1, n)):
+            self._issue(c, timed)
+        issued = min(P + 1, n)
+        for launch, name in zip(launches, items):
+            k = position.get(name) if name is not None else None
+            if k is None:
+                launch.enqueue(stream)
+                continue
+            while issued <= min(k + P, n - 1):
+                self._issue(issued, timed)
+                issued += 1
+            if timed:
+                timed["wait"][k][0].record(stream)
+            stream.wait(self.loaded[k % S])
+            if timed:
+                timed["wait"][k][1].record(stream)
+            launch.enqueue(stream)
+            self.released[k % S].record(stream)
+        self.join.record(self.copy_stream)
+        stream.wait(self.join)
+        self.copy_stream.capturing = False
+        if timed:
+            timed["end"].record(stream)
+            self._timed = timed
+
+    def _issue(self, c: int, timed) -> None:
+        S, P = self.slot_count, self.prefetch_distance
+        slot = c % S
+        if c >= S:                                  # the slot's previous item was read
+            self.copy_stream.wait(self.released[slot])
+        pace = c - P - 1
+        if pace >= 0 and pace != c - S:             # compute reached item c - P
+            self.copy_stream.wait(self.released[pace % S])
+        if timed:
+            timed["copy"][c][0].record(self.copy_stream)
+        host_image, nbytes = self.copies[c]
+        driver.h2d_async(self.ring_base + slot * self.slot_stride, host_image, nbytes, self.copy_stream)
+        if timed:
+            timed["copy"][c][1].record(self.copy_stream)
+        self.loaded[slot].record(self.copy_stream)
+
+    def _timing_events(self, n: int) -> dict:
+        if getattr(self, "_timing_pool", None) is None:
+            pair = lambda: (driver.Event(timing=True), driver.Event(timing=True))
+            self._timing_pool = {"start": driver.Event(timing=True), "end": driver.Event(timing=True),
+                                 "copy": [pair() for _ in range(n)], "wait": [pair() for _ in range(n)]}
+        return self._timing_pool
+
+    # ---- counters (after each pass's sync) ----------------------------------------------------------
+    def account(self, stats: dict) -> None:
+        """One pass through the step's weights: bytes streamed, hits/misses, and busy times when timed."""
+        stats["streamed_bytes"] = stats.get("streamed_bytes", 0) + self.streamed_bytes_per_step
+        stats["h2d_bytes"] = stats.get("h2d_bytes", 0) + self.streamed_bytes_per_step
+        stats["window_hits"] = stats.get("window_hits", 0) + len(self.resident)
+        stats["window_misses"] = stats.get("window_misses", 0) + len(self.streamed)
+        timed, self._timed = self._timed, None
+        if timed:
+            copy_ms = sum(end.elapsed_ms(begin) for begin, end in timed["copy"])
+            stall_ms = sum(end.elapsed_ms(begin) for begin, end in timed["wait"])
+            span_ms = timed["end"].elapsed_ms(timed["start"])
+            stats["copy_busy_ms"] = stats.get("copy_busy_ms", 0.0) + copy_ms
+            stats["compute_busy_ms"] = stats.get("compute_busy_ms", 0.0) + max(span_ms - stall_ms, 0.0)
+            stats["step_span_ms"] = stats.get("step_span_ms", 0.0) + span_ms
+
+    # ---- load report ----------------------------------------------------------------------------------
+    def preload_report(self, budget_bytes: int | None, needs_bytes: int) -> tuple[str, str | None]:
+        """(the preload line, a WARNING line or None)."""
+        mb = 1e6
+        gb_s = self.resident_bytes / self.preload_s / 1e9 if self.preload_s > 0 else 0.0
+        line = (f"preload: {len(self.resident)}/{self.total_items} weights warmed in {self.preload_s:.2f} s; "
+                f"device cache {self.resident_bytes / mb:.1f} MB / {len(self.resident)} entries "
+                f"({gb_s:.1f} GB/s from pinned host images built in {self.images_s:.2f} s)")
+        if not self.streamed:
+            return line, None
+        line += (f"; ring {self.slot_count} x {self.slot_stride / mb:.1f} MB, prefetch distance "
+                 f"{self.prefetch_distance}, streaming {self.streamed_bytes_per_step / mb:.1f} MB/step")
+        wanted = self.resident_bytes + self.streamed_bytes_per_step + needs_bytes
+        warning = (f"WARNING: only {len(self.resident)}/{self.total_items} weights stay resident: the VRAM budget "
+                   f"{(budget_bytes or 0) / mb:.1f} MB is {(wanted - (budget_bytes or 0)) / mb:.1f} MB short, so "
+                   f"{len(self.streamed)} weights ({self.streamed_bytes_per_step / mb:.1f} MB) cross PCIe every "
+                   f"decode step; raise --vram-budget to about {wanted / mb:.0f} MB "
+                   f"to keep all {self.total_items} resident")
+        return line, warning
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.free()
+            self.host = None

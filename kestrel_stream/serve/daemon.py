@@ -1,0 +1,309 @@
+"""``kestrel-stream serve``: the daemon that owns the model and answers clients over a socket.
+
+Transport: a Unix socket (mode 0600, in a per-user runtime dir by default) or
+TCP on loopback, where the first frame must carry the token.  Each connection
+is answered in order, one request at a time (peer.py reads and writes its
+bytes; one reader thread reads every Unix socket, socket_reader.py); decode
+steps of different connections meet in the batcher on the step thread
+(service.py, step_thread.py).  SIGINT/SIGTERM stop new work, let
+in-flight steps finish, tell every client, and exit 0.
+"""
+from __future__ import annotations
+
+import gc
+import hmac
+import os
+import secrets
+import signal
+import socket
+import sys
+from contextlib import contextmanager
+from functools import partial
+from pathlib import Path
+
+import anyio
+
+from kestrel_stream.errors import KestrelError
+from kestrel_stream.serve.peer import Peer, SocketPeer
+from kestrel_stream.serve.socket_reader import SocketReader
+from kestrel_stream.serve.protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_RESPONSE_BYTES, VERSION, AuthError, DaemonError, ProtocolError,
+                       default_socket_path, default_token_path, error_header)
+
+DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight requests
+DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
+DEFAULT_SPIN_US = 300.0
+DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
+
+
+def log(message: str) -> None:
+    print(f"kestrel-stream serve: {message}", file=sys.stderr, flush=True)
+
+
+class Daemon:
+    def __init__(self, engine, service, token: str | None):
+        self.engine, self.service, self.token = engine, service, token
+        self.peers: set[Peer] = set()
+        self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
+        self.spawn = None                   # the task group's start_soon, once serving
+        self.reader = None                  # the SocketReader of Unix-socket connections, once serving
+
+    async def serve_connection(self, stream) -> None:
+        from kestrel_stream.serve.service import Connection
+        if isinstance(stream, anyio.abc.UNIXSocketStream):
+            peer = SocketPeer(stream, self.max_frame_bytes, self.spawn, self.reader)
+            conn = Connection(peer=str(id(stream)), send_from_step=peer.send_from_step_thread)
+            peer.take_at_once = lambda frame: self.take_at_once(peer, conn, frame)
+        else:
+            peer = Peer(stream, self.max_frame_bytes, self.spawn)
+            conn = Connection(peer=str(id(stream)))
+        self.peers.add(peer)
+        self.service.connections.add(id(peer))
+        try:
+            await self.converse(peer, conn)
+        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, TimeoutError,
+                anyio.IncompleteRead, ConnectionError):
+            pass                        # the client went away; its sessions are freed below
+        finally:
+            self.peers.discard(peer)
+            self.service.connections.discard(id(peer))
+            peer.close()
+            with anyio.CancelScope(shield=True):
+                # Queued behind every decode of this connection: once it returns, the step thread writes no
+                # more to this socket, which may then close.
+                if conn.sessions or peer.pending is not None:
+                    await self.service.close_sessions(conn, list(conn.sessions))
+                await stream.aclose()
+
+    async def converse(self, peer: Peer, conn) -> None:
+        while True:
+            try:
+                frame = await peer.read_frame()
+            except ProtocolError as e:
+                await peer.settled()
+                await self.refuse(peer, None, e)
+                if e.fatal or not conn.authenticated:
+                    return
+                continue
+            await peer.settled()
+            request_id = frame.header.get("id")
+            if request_id is not None and type(request_id) is not int:
+                await self.refuse(peer, None, ProtocolError(f"frame header: 'id' must be an integer, "
+                                                            f"got {request_id!r}"))
+                continue
+            if not conn.authenticated:
+                try:
+                    self.check_hello(frame.header)
+                except KestrelError as e:
+                    await self.refuse(peer, request_id, e)
+                    return              # a peer that cannot say hello gets nothing else
+                conn.authenticated = True
+                await peer.send({"id": request_id, "ok": True, "v": VERSION, "vocab_size": self.engine.config.vocab_size,
+                                 "max_seq_len": self.engine.max_seq_len, "device": self.engine.device,
+                                 "mode": self.engine.mode})
+                continue
+            try:
+                answer = await self.service.handle(conn, frame)
+            except KestrelError as e:
+                await self.refuse(peer, request_id, e)
+                continue
+            except Exception as e:      # a bug must not take the other sessions down with it
+                await self.refuse(peer, request_id, DaemonError(f"{type(e).__name__}: {e}"))
+                continue
+            if type(answer) is not tuple:       # a decode the step thread answers
+                peer.pending = answer
+                continue
+            fields, arrays = answer
+            await peer.send({"id": request_id, "ok": True, **fields}, arrays)
+
+    def take_at_once(self, peer: SocketPeer, conn, frame) -> bool:
+        """Reader thread: queue a decode request of an idle connection, or answer its stats request, without
+        waking its coroutine.
+
+        Anything else (or an unauthenticated connection, or stats while an
+        engine call runs) is left to the coroutine, which checks it again and
+        answers it."""
+        request_id = frame.header.get("id")
+        if not conn.authenticated or (request_id is not None and type(request_id) is not int):
+            return False
+        if frame.header.get("op") == "stats":
+            stats = self.service.stats_at_once()
+            if stats is None:
+                return False
+            peer.send_from_step_thread({"id": request_id, "ok": True, "stats": stats}, None, lambda: None)
+            return True
+        job = self.service.queue_decode(conn, frame.header)
+        if job is None:
+            return False
+        peer.pending = job
+        return True
+
+    async def refuse(self, peer: Peer, request_id, error: BaseException) -> None:
+        self.service.counters["errors"] += 1
+        await peer.send(error_header(request_id, error))
+
+    def check_hello(self, header: dict) -> None:
+        if header.get("op") != "hello":
+            raise AuthError(f"the first frame must be op 'hello', got {header.get('op')!r}")
+        if header.get("v") != VERSION:
+            raise ProtocolError(f"hello: client speaks protocol version {header.get('v')!r}, daemon {VERSION}")
+        if self.token is not None:
+            offered = header.get("token")
+            if not isinstance(offered, str) or not hmac.compare_digest(offered.encode(), self.token.encode()):
+                raise AuthError("hello: missing or wrong token (TCP connections need the daemon's token)")
+
+    async def shutdown(self, scope: anyio.CancelScope, why: str) -> None:
+        log(f"{why}: finishing in-flight steps")
+        self.service.start_draining()
+        with anyio.move_on_after(DRAIN_TIMEOUT_S):
+            while self.service.inflight:        # some finish on the step thread, which does not wake the loop
+                await anyio.sleep(0.005)
+        for peer in list(self.peers):
+            with anyio.move_on_after(1.0):
+                try:
+                    await peer.send({"id": None, "op": "shutdown", "ok": False, "code": "shutting_down",
+                                     "message": f"daemon shutting down ({why})"})
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                    pass
+        scope.cancel()
+
+
+@contextmanager
+def private_umask():
+    old = os.umask(0o177)           # the socket is born 0600, no window where others could connect
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def prepare_socket_path(path: Path) -> None:
+    if not path.exists():
+        return
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()               # a stale socket left by a killed daemon
+        return
+    finally:
+        probe.close()
+    raise DaemonError(f"{path}: another daemon is already listening there")
+
+
+def load_token(args, token_path: Path) -> str:
+    token = args.token or os.environ.get("KESTREL_TOKEN")
+    if token:
+        return token
+    token = secrets.token_hex(32)
+    token_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with private_umask():
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(token_path, 0o600)
+    log(f"token written to {token_path} (mode 0600)")
+    return token
+
+
+async def serve(engine, args) -> int:
+    from scheduler.batcher import StepBatcher
+    from kestrel_stream.serve.service import Service
+    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3)
+    service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3)
+    socket_path = None
+    if args.tcp:
+        host, _, port = args.tcp.rpartition(":")
+        host = host.strip("[]") or "127.0.0.1"
+        if host not in ("127.0.0.1", "localhost", "::1"):
+            log(f"WARNING: listening on {host}, which is not loopback; anyone with the token can connect")
+        token_path = Path(args.token_file) if args.token_file else default_token_path()
+        daemon = Daemon(engine, service, load_token(args, token_path))
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=int(port))
+        bound = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_address)
+        where = f"tcp:{bound[0]}:{bound[1]} (token required)"
+    else:
+        socket_path = Path(args.socket) if args.socket else default_socket_path()
+        prepare_socket_path(socket_path)
+        with private_umask():
+            listener = await anyio.create_unix_listener(socket_path, mode=0o600)
+        daemon = Daemon(engine, service, None)
+        daemon.reader = SocketReader()
+        if args.spin_us > 0:
+            service.steps.after_inline = partial(daemon.reader.spin_for, args.spin_us / 1e6)
+        where = f"unix:{socket_path} (mode 0600)"
+    daemon.max_frame_bytes = args.max_frame_mb * 1024 * 1024
+    log(f"max {args.max_sessions} sessions, batches of up to {args.max_batch} within {args.batch_window_ms} ms")
+    gc.collect()
+    gc.freeze()         # the loaded model and modules leave the collector's view: no full collection walks them
+    log(f"listening on {where}")
+    try:
+        async with anyio.create_task_group() as tg:
+            daemon.spawn = tg.start_soon
+            tg.start_soon(listener.serve, daemon.serve_connection, tg)
+            with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+                async for signum in signals:
+                    await daemon.shutdown(tg.cancel_scope, signal.Signals(signum).name)
+                    break
+    finally:
+        with anyio.CancelScope(shield=True):
+            await listener.aclose()
+        if socket_path is not None:
+            socket_path.unlink(missing_ok=True)
+        service.steps.stop()                # waits for a step still running (a drain that timed out)
+        if daemon.reader is not None:
+            daemon.reader.stop()
+    log("stopped")
+    return 0
+
+
+def run_daemon(args) -> int:
+    """Load the model, log what was loaded, and serve until SIGINT/SIGTERM."""
+    import kestrel_stream as ks
+    if args.max_sessions < 1 or args.max_batch < 1:
+        raise ValueError("--max-sessions and --max-batch must be >= 1")
+    if not 1 <= args.max_frame_mb <= MAX_RESPONSE_BYTES >> 20:
+        raise ValueError(f"--max-frame-mb must be in 1..{MAX_RESPONSE_BYTES >> 20}")
+    if not 0 <= args.inline_max_ms <= 1000 or not 0 <= args.spin_us <= 100_000:
+        raise ValueError(f"--inline-max-ms must be in 0..1000 (got {args.inline_max_ms}) and --spin-us in "
+                         f"0..100000 (got {args.spin_us})")
+    if getattr(args, "trace", None):          # `serve --trace FILE`: the CLI stops and writes it at exit
+        from kestrel_stream.obs import trace
+        trace.start(args.trace, command="serve")
+    engine = ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
+                     max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
+                     cache=not args.no_cache)
+    cfg = engine.config
+    log(f"model {args.model}: {cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+        f"vocab {cfg.vocab_size}; device {engine.device}, mode {engine.mode}, max_seq_len {engine.max_seq_len}")
+    for label, name in (("plan", "plan_summary"), ("preload", "preload_line")):
+        value = getattr(engine, name, None) or getattr(engine.executor, name, None)
+        value = value() if callable(value) else value
+        if value:
+            log(f"{label}: {value}" if label == "plan" else str(value))
+    try:
+        return anyio.run(serve, engine, args)
+    finally:
+        engine.close()
+
+
+def add_serve_args(p) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", default=None, help=f"Unix socket path (default: {SOCKET_HELP})")
+    where.add_argument("--tcp", default=None, metavar="HOST:PORT", help="listen on TCP (loopback; needs a token)")
+    p.add_argument("--token", default=None, help="TCP token (default: $KESTREL_TOKEN, else generated)")
+    p.add_argument("--token-file", default=None, help="where a generated token is written (mode 0600)")
+    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
+    p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
+                   help="how long a decode step waits for other sessions' steps")
+    p.add_argument("--inline-max-ms", type=float, default=DEFAULT_INLINE_MAX_S * 1e3,
+                   help="a lone session's decode step runs on the socket reader thread, without a hop to the step "
+                        "thread, while its steps take less than this (0: never)")
+    p.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US,
+                   help="after such a step the reader polls for the next request this long before it sleeps, "
+                        "burning that CPU time so the request finds the core awake (0: sleep at once)")
+    p.add_argument("--max-frame-mb", type=int, default=DEFAULT_MAX_FRAME_BYTES >> 20,
+                   help="largest request frame accepted")
+
+
+SOCKET_HELP = "$XDG_RUNTIME_DIR/kestrel-stream.sock or /tmp/kestrel-<uid>/kestrel-stream.sock"

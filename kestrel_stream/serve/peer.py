@@ -1,0 +1,315 @@
+"""One client connection's bytes: frames in, answers out, in order.
+
+A Unix socket (``SocketPeer``) is read by the daemon's reader thread, which
+splits the bytes into frames and either queues them for the connection's
+coroutine or, for a decode request arriving at an idle connection, hands the
+frame to ``take_at_once`` right there, so the request reaches the step thread
+without the event loop.  The step thread
+writes decode answers to the socket itself.  TCP streams (``Peer``) are
+asyncio transports that own their socket, so they keep anyio's stream calls
+and every answer goes out from the loop.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from typing import Callable
+
+import anyio
+
+from kestrel_stream.errors import KestrelError
+from kestrel_stream.serve.protocol import PREFIX_BYTES, Frame, ProtocolError, encode_frame, error_header, parse_body, parse_prefix
+from kestrel_stream.serve.socket_reader import SocketReader
+
+FRAME_TIMEOUT_S = 30.0          # a started frame must arrive whole this fast (no half-sent frames held open)
+RECEIVE_BYTES = 65536
+QUEUED_FRAMES = 4               # frames read ahead of the connection's coroutine before reading pauses
+GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ValueError)   # writes to a departed client
+
+
+def encode_answer(header: dict, arrays: dict | None) -> bytes:
+    try:
+        return encode_frame(header, arrays)
+    except KestrelError as e:               # e.g. prefill logits too large for one frame
+        return encode_frame(error_header(header.get("id"), e))
+
+
+class Peer:
+    """A TCP connection (anyio stream), and the write side every connection shares."""
+
+    def __init__(self, stream, max_frame_bytes: int, spawn=None):
+        self.stream, self.max_frame_bytes = stream, max_frame_bytes
+        self.buffer = bytearray()
+        # A threading lock, not an anyio one: the step thread writes decode answers itself (SocketPeer).
+        self.write_lock = threading.Lock()
+        self.loop = asyncio.get_running_loop()
+        self.spawn = spawn or self.start_task          # the daemon's task group, when there is one
+        self.tasks: set[asyncio.Task] = set()
+        self.pending = None                 # the DecodeJob the step thread answers; the next request waits for it
+
+    # -- reading ---------------------------------------------------------------------
+    async def fill(self, count: int) -> None:
+        while len(self.buffer) < count:
+            self.buffer += await self.stream.receive()
+
+    async def read_frame(self) -> Frame:
+        await self.fill(PREFIX_BYTES)           # idle clients may wait here forever
+        header_bytes, payload_bytes = parse_prefix(bytes(self.buffer[:PREFIX_BYTES]), self.max_frame_bytes)
+        end = PREFIX_BYTES + header_bytes + payload_bytes
+        if len(self.buffer) < end:
+            with anyio.fail_after(FRAME_TIMEOUT_S):
+                await self.fill(end)
+        frame = bytes(self.buffer[:end])
+        del self.buffer[:end]
+        return parse_body(frame[PREFIX_BYTES:PREFIX_BYTES + header_bytes], frame[PREFIX_BYTES + header_bytes:])
+
+    async def settled(self) -> None:
+        """Wait until the decode the step thread is answering has gone out whole (requests stay in order)."""
+        if self.pending is not None:
+            await self.pending.wait()
+            self.pending = None
+
+    def close(self) -> None:
+        pass
+
+    def start_task(self, fn, *args) -> None:
+        task = self.loop.create_task(fn(*args))
+        self.tasks.add(task)                    # the loop keeps only a weak reference
+        task.add_done_callback(self.tasks.discard)
+
+    # -- writing ---------------------------------------------------------------------
+    async def send(self, header: dict, arrays: dict | None = None) -> None:
+        await self.send_bytes(encode_answer(header, arrays))
+
+    async def send_bytes(self, data: bytes) -> None:
+        while not self.write_lock.acquire(blocking=False):
+            await anyio.sleep(0.001)            # rare: a shutdown notice meeting an answer in flight
+        try:
+            await self.write(memoryview(data))
+        finally:
+            self.write_lock.release()
+
+    async def write(self, view: memoryview) -> None:
+        await self.stream.send(view)
+
+
+class SocketPeer(Peer):
+    """A Unix-socket connection, read by the daemon's reader thread and written on its raw non-blocking socket.
+
+    The reader thread (socket_reader.py) splits the bytes into frames.  A
+    decode request arriving while the connection's coroutine waits, with
+    nothing queued and no decode of this connection unanswered, goes straight
+    to ``take_at_once`` (which queues it for the step thread, and the step
+    thread answers it): the event loop never sees it.  Any other frame is
+    queued for the coroutine, which is woken on the loop.  ``lock`` guards
+    what both threads touch: the queued frames, the end, ``waiting``, ``pending``."""
+
+    def __init__(self, stream, max_frame_bytes: int, spawn=None, reader: SocketReader | None = None):
+        super().__init__(stream, max_frame_bytes, spawn)
+        self.sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)    # non-blocking
+        self.fd = self.sock.fileno()
+        self.scratch = memoryview(bytearray(RECEIVE_BYTES))
+        self.lock = threading.Lock()
+        self.frames: deque = deque()        # Frames and ProtocolErrors the coroutine has not taken yet
+        self.ended: BaseException | None = None     # raised to the coroutine once the frames are taken
+        self.partial_since: float | None = None     # when the frame now arriving began (monotonic s)
+        self.waiter: asyncio.Future | None = None   # the coroutine's, while it waits for a frame (loop only)
+        self.waiting = False                # the coroutine waits for a frame with none queued
+        self.reading = False
+        # Reader thread, for a frame that arrives while the coroutine waits with nothing queued or pending:
+        # True if it took the frame.
+        self.take_at_once: Callable[[Frame], bool] | None = None
+        self.own_reader = reader is None    # a peer made on its own (tests) reads with a thread of its own
+        self.reader = reader or SocketReader()
+        self.resume_reading()
+
+    def resume_reading(self) -> None:
+        with self.lock:
+            if not self.reading and self.ended is None:
+                self.reader.watch(self.fd, self)
+                self.reading = True
+
+    def pause_reading(self) -> None:
+        """Holding lock."""
+        if self.reading:
+            self.reader.unwatch(self.fd)
+            self.reading = False
+
+    def close(self) -> None:
+        """Loop: stop reading; once this returns the reader thread touches this socket no more."""
+        with self.lock:
+            self.pause_reading()
+            self.ended = self.ended or anyio.ClosedResourceError()
+        if self.own_reader:
+            self.reader.stop()
+
+    # -- the reader thread -------------------------------------------------------------
+    def on_readable(self) -> None:
+        with self.lock:
+            if self.ended is not None:
+                return
+            try:
+                received = self.sock.recv_into(self.scratch)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.end(anyio.BrokenResourceError(str(e)))
+                return
+            if not received:
+                self.end(anyio.EndOfStream())
+                return
+            self.buffer += self.scratch[:received]
+            if self.split_frames():
+                self.wake_soon()
+
+    def split_frames(self) -> bool:
+        """Holding lock: take or queue every whole frame in the buffer; True if the coroutine must wake."""
+        buffer, wake = self.buffer, False
+        while len(buffer) >= PREFIX_BYTES:
+            try:
+                header_bytes, payload_bytes = parse_prefix(bytes(buffer[:PREFIX_BYTES]), self.max_frame_bytes)
+            except ProtocolError as e:      # the stream is out of step: nothing after this can be read
+                self.frames.append(e)
+                self.end(anyio.EndOfStream())
+                return False                # end() wakes it
+            end = PREFIX_BYTES + header_bytes + payload_bytes
+            if len(buffer) < end:
+                if self.partial_since is None:
+                    self.partial_since = time.monotonic()
+                    wake = True             # so that the coroutine times the rest of this frame
+                break
+            self.partial_since = None
+            head = bytes(buffer[PREFIX_BYTES:PREFIX_BYTES + header_bytes])
+            payload = bytes(buffer[PREFIX_BYTES + header_bytes:end]) if payload_bytes else b""   # arrays own it
+            if end == len(buffer):
+                buffer.clear()
+            else:
+                del buffer[:end]
+            try:
+                frame = parse_body(head, payload)
+            except ProtocolError as e:      # well framed: answered, and the connection goes on
+                self.frames.append(e)
+                continue
+            if (self.waiting and not self.frames and self.take_at_once is not None
+                    and (self.pending is None or self.pending.done) and self.took_at_once(frame)):
+                continue
+            self.frames.append(frame)
+        if len(self.frames) >= QUEUED_FRAMES:
+            self.pause_reading()            # the coroutine reads on when it has taken them
+        return wake or bool(self.frames)
+
+    def took_at_once(self, frame: Frame) -> bool:
+        try:
+            return self.take_at_once(frame)
+        except Exception:                   # a bug there: the coroutine handles the frame and reports it
+            return False
+
+    def fail(self, error: Exception) -> None:
+        """Reader thread, after on_readable raised: end the connection (its coroutine sees it broken)."""
+        with self.lock:
+            self.end(anyio.BrokenResourceError(f"reading the connection failed: {type(error).__name__}: {error}"))
+
+    def end(self, why: BaseException) -> None:
+        """Holding lock."""
+        self.ended = why
+        self.pause_reading()
+        self.wake_soon()
+
+    def wake_soon(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.wake)
+        except RuntimeError:                # the loop is closed: the daemon has stopped
+            pass
+
+    # -- the connection's coroutine (loop) ------------------------------------------------
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def read_frame(self) -> Frame:
+        while True:
+            with self.lock:
+                if self.frames:
+                    item = self.frames.popleft()
+                    self.waiting = False
+                    break
+                if self.ended is not None:
+                    self.waiting = False
+                    raise self.ended
+                partial_since = self.partial_since
+                self.waiter = self.loop.create_future()
+                self.waiting = True
+            self.resume_reading()
+            try:
+                if partial_since is None:      # idle clients may wait here forever
+                    await self.waiter
+                else:
+                    with anyio.fail_after(max(partial_since + FRAME_TIMEOUT_S - time.monotonic(), 0.0)):
+                        await self.waiter
+            finally:
+                self.waiter = None
+        self.resume_reading()
+        if isinstance(item, ProtocolError):
+            raise item
+        return item
+
+    async def write(self, view: memoryview) -> None:
+        while view:
+            try:
+                view = view[self.sock.send(view):]
+            except BlockingIOError:
+                await anyio.wait_writable(self.sock)
+            except OSError as e:
+                raise anyio.BrokenResourceError(str(e)) from e
+
+    def send_from_step_thread(self, header: dict, arrays: dict | None, finished: Callable[[], None]) -> None:
+        """Step or reader thread: write an answer at once, so the loop does not wake up on the client's path.
+
+        What the socket does not take (it is full, or another write holds it)
+        goes out from a task on the loop; a partial write keeps write_lock held
+        until that task has sent the rest, so nothing can come between.
+        ``finished`` runs once the whole frame is written or the client is gone."""
+        data = encode_answer(header, arrays)
+        if not self.write_lock.acquire(blocking=False):
+            self.loop.call_soon_threadsafe(self.start_write, self.send_later, data, finished)
+            return
+        try:
+            sent = self.sock.send(data)
+        except BlockingIOError:
+            sent = 0
+        except OSError:                     # the client is gone; the end of its connection frees its sessions
+            sent = len(data)
+        if sent == len(data):
+            self.write_lock.release()
+            finished()
+        else:
+            self.loop.call_soon_threadsafe(self.start_write, self.send_rest, memoryview(data)[sent:], finished)
+
+    def start_write(self, write, data, finished) -> None:
+        """Loop: a task that writes what the step thread could not."""
+        try:
+            self.spawn(write, data, finished)
+        except RuntimeError:                # the daemon is stopping and its task group takes no new tasks
+            if write == self.send_rest:
+                self.write_lock.release()
+            finished()
+
+    async def send_rest(self, view: memoryview, finished) -> None:
+        """Loop: the tail of a frame the step thread began; it left write_lock held for this."""
+        try:
+            await self.write(view)
+        except GONE:
+            pass                            # the reader sees the client leave and ends the connection
+        finally:
+            self.write_lock.release()
+            finished()
+
+    async def send_later(self, data: bytes, finished) -> None:
+        try:
+            await self.send_bytes(data)
+        except GONE:
+            pass
+        finally:
+            finished()

@@ -1,0 +1,283 @@
+"""What the daemon does with a request: session ownership, operations, and decode steps.
+
+Every engine call runs on one dedicated step thread (``StepThread``), off the
+event loop, so the loop keeps reading frames while a step runs.  Decode
+requests go to that thread, which forms the batches and, for connections that
+allow it, writes each answer to the socket itself (decode_steps.py); a lone
+session's short decode step runs on the socket reader thread instead, which
+read its request (step_thread.py, socket_reader.py).
+Requests are validated here, once, before they reach the engine; a decode
+that is already queued when its session closes or fills up fails alone,
+never its batch.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import anyio
+import numpy as np
+
+from scheduler.batcher import StepBatcher
+
+from kestrel_stream.serve.decode_steps import DecodeJob, DecodeSteps, SendFromStep, answer
+from kestrel_stream.run.engine import Engine, Session
+from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
+from kestrel_stream.serve.protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
+from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S, StepThread
+
+WANTS = ("logits", "last", "token", "topk")
+
+@dataclass
+class Connection:
+    peer: str
+    send_from_step: SendFromStep | None = None     # None: answers go out from the event loop
+    authenticated: bool = False
+    sessions: dict[int, Session] = field(default_factory=dict)
+
+
+def field_int(header: dict, name: str, op: str, low: int, high: int, default=None) -> int:
+    value = header.get(name, default)
+    if type(value) is not int or not low <= value <= high:
+        raise ProtocolError(f"{op}: field {name!r} must be an integer in {low}..{high}, got {value!r}")
+    return value
+
+
+class Service:
+    def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher,
+                 inline_max_s: float = DEFAULT_INLINE_MAX_S):
+        self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
+        self.vocab_size = engine.config.vocab_size
+        # Built once: the plan is fixed for the engine's mode, and stats() should stay a cheap round trip.
+        self.plan = describe(getattr(engine, "plan_summary", None) or getattr(engine.executor, "plan_summary", None))
+        self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0,
+                         "decode_step_s": 0.0}         # engine time of those steps, on the step thread
+        self.decode_steps = DecodeSteps(engine, self.counters)
+        self.steps = StepThread(batcher, self.decode_steps.run, inline_max_s)
+        self.connections: set[int] = set()
+        self.draining = False
+        self.handling = 0                       # requests whose handler has not returned
+        self.decodes_sent = 0                   # decodes the step thread answers (it counts them out)
+        self.queued_at_once = 0                 # of those, the ones the reader thread queued (only it counts)
+        self.stats_at_once_count = 0            # stats requests the reader thread answered (only it counts)
+        self.admit = threading.Lock()           # the reader thread's decodes against the start of a shutdown
+
+    @property
+    def inflight(self) -> int:
+        return self.handling + self.decodes_sent + self.queued_at_once - self.decode_steps.answered
+
+    # -- requests --------------------------------------------------------------
+    async def handle(self, conn: Connection, frame: Frame) -> tuple[dict, dict] | DecodeJob:
+        """(header fields, arrays) of the response to one request, or a DecodeJob whose answer the step thread
+        sends (Connection.send_from_step); raises a KestrelError to answer an error."""
+        op = frame.header.get("op")
+        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) and op.isidentifier() else None
+        if handler is None:
+            raise ProtocolError(f"frame header: unknown op {op!r}")
+        if self.draining and op not in ("close", "stats"):
+            raise ShuttingDownError("the daemon is shutting down; no new work is accepted")
+        self.counters["requests"] += 1
+        self.handling += 1
+        try:
+            return await handler(conn, frame.header, frame.arrays)
+        finally:
+            self.handling -= 1
+
+    def session_of(self, conn: Connection, header: dict, op: str) -> Session:
+        sid = header.get("session")
+        session = conn.sessions.get(sid) if type(sid) is int else None
+        if session is None:
+            raise UnknownSessionError(f"{op}: session {sid!r} is not open on this connection")
+        return session
+
+    def want_of(self, header: dict, op: str) -> tuple[str, int]:
+        want = header.get("want", "logits")
+        if want not in WANTS:
+            raise ProtocolError(f"{op}: field 'want' must be one of {', '.join(WANTS)}, got {want!r}")
+        k = field_int(header, "k", op, 1, self.vocab_size, default=1) if want == "topk" else 1
+        return want, k
+
+    def token_ids(self, arrays: dict, op: str) -> np.ndarray:
+        ids = arrays.get("ids")
+        if ids is None:
+            raise ProtocolError(f"{op}: expected an array 'ids' (int32 or int64, shape [n])")
+        return self.engine.check_tokens(ids, f"{op} ids")
+
+    def check_token(self, token, op: str) -> int:
+        if type(token) is not int:
+            raise InvalidTokenError(f"{op}: field 'token' must be an integer, got {token!r}")
+        if not 0 <= token < self.vocab_size:
+            raise InvalidTokenError(f"{op}: token id {token} is outside the vocabulary 0..{self.vocab_size - 1}")
+        return token
+
+    async def op_open(self, conn, header, arrays):
+        length = header.get("max_seq_len")
+        if length is not None:
+            length = field_int(header, "max_seq_len", "open", 1, 2**31)     # the engine checks its own limit
+        if len(self.engine.sessions) >= self.max_sessions:
+            raise CapacityError(f"open: the daemon already holds {len(self.engine.sessions)} sessions "
+                                f"(--max-sessions {self.max_sessions})")
+        try:
+            session = await self.steps.run(self.engine.new_session, length)
+        except CapacityError:
+            raise
+        except Exception as e:          # e.g. the device arena has no room for one more KV cache
+            raise CapacityError(f"open: the engine could not allocate a session ({type(e).__name__}: {e})") from e
+        conn.sessions[session.id] = session
+        return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
+
+    async def op_prefill(self, conn, header, arrays):
+        session = self.session_of(conn, header, "prefill")
+        want, k = self.want_of(header, "prefill")
+        ids = self.token_ids(arrays, "prefill")
+        logits = await self.steps.run(session.prefill, ids)
+        fields, out = answer(logits, want, k)
+        return {"position": session.position, **fields}, out
+
+    async def op_decode(self, conn, header, arrays):
+        session, token, want, k = self.decode_request(conn, header)
+        if conn.send_from_step is not None:
+            return self.submit_answered(conn, header, session, token, want, k)
+        job = await self.decode(session, token, want, k)
+        fields, out = job.result
+        return {"position": job.position, **fields}, out
+
+    def decode_request(self, conn: Connection, header: dict) -> tuple[Session, int, str, int]:
+        session = self.session_of(conn, header, "decode")
+        want, k = self.want_of(header, "decode")
+        want = "last" if want == "logits" else want           # one row: logits [V]
+        return session, self.check_token(header.get("token"), "decode"), want, k
+
+    def submit_answered(self, conn: Connection, header: dict, session: Session, token: int, want: str,
+                        k: int, at_once: bool = False) -> DecodeJob:
+        job = DecodeJob(session, token, want, k, header.get("id"), conn.send_from_step)
+        if not at_once:
+            self.decodes_sent += 1
+        self.steps.submit(job, at_once)
+        return job
+
+    def queue_decode(self, conn: Connection, header: dict) -> DecodeJob | None:
+        """Reader thread: the decode request in ``header``, queued for the step thread, which answers it;
+        None (nothing done) for any other request, or one that handle() must refuse.
+
+        The connection's coroutine is waiting for a frame, so nothing else changes its sessions meanwhile;
+        ``admit`` orders this against the start of a shutdown, which then waits for this decode too."""
+        if header.get("op") != "decode" or conn.send_from_step is None:
+            return None
+        try:
+            request = self.decode_request(conn, header)
+        except KestrelError:
+            return None
+        with self.admit:
+            if self.draining:
+                return None
+            self.queued_at_once += 1
+        return self.submit_answered(conn, header, *request, at_once=True)
+
+    def start_draining(self) -> None:
+        """Loop: refuse new work from now on; what was admitted before counts in ``inflight``."""
+        with self.admit:
+            self.draining = True
+
+    async def op_generate(self, conn, header, arrays):
+        """Greedy: prefill the prompt, then n-1 decode steps batched with other sessions."""
+        session = self.session_of(conn, header, "generate")
+        count = field_int(header, "n", "generate", 0, session.max_seq_len)
+        ids = self.token_ids(arrays, "generate")
+        session._check_room(len(ids) + max(count - 1, 0))
+        logits = await self.steps.run(session.prefill, ids)
+        tokens = [int(np.argmax(logits[-1]))] if count else []
+        while len(tokens) < count:
+            job = await self.decode(session, tokens[-1], "token", 1)
+            tokens.append(job.result[0]["token"])
+        self.counters["generated_tokens"] += len(tokens)
+        return {"position": session.position}, {"tokens": np.asarray(tokens, np.int32)}
+
+    async def op_reset(self, conn, header, arrays):
+        session = self.session_of(conn, header, "reset")
+        await self.steps.run(session.reset)
+        return {"position": 0}, {}
+
+    async def op_close(self, conn, header, arrays):
+        session = self.session_of(conn, header, "close")
+        await self.close_sessions(conn, [session.id])
+        return {}, {}
+
+    async def op_stats(self, conn, header, arrays):
+        return {"stats": self.stats()}, {}
+
+    async def op_trace_start(self, conn, header, arrays):
+        path = header.get("path")
+        if not isinstance(path, str) or not path:
+            raise ProtocolError("trace_start: field 'path' must be a non-empty string")
+        start = getattr(tracer(), "start", None)
+        if start is None:
+            raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
+        await self.steps.run(start, path)
+        return {"path": path}, {}
+
+    async def op_trace_stop(self, conn, header, arrays):
+        stop = getattr(tracer(), "stop", None)
+        if stop is None:
+            raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
+        written = await self.steps.run(stop)
+        return {"path": str(written) if written is not None else None}, {}
+
+    # -- decode steps ----------------------------------------------------------------
+    async def decode(self, session: Session, token: int, want: str, k: int) -> DecodeJob:
+        """One decode step, batched with other sessions' steps; the handler answers."""
+        job = DecodeJob(session, token, want, k)
+        self.steps.submit(job)
+        await job.wait()
+        if job.error is not None:
+            raise job.error
+        return job
+
+    # -- connections -----------------------------------------------------------------
+    async def close_sessions(self, conn: Connection, session_ids) -> None:
+        sessions = [conn.sessions.pop(sid) for sid in list(session_ids)]
+        with anyio.CancelScope(shield=True):
+            await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
+
+    def stats_at_once(self) -> dict | None:
+        """Reader thread: stats() while no engine call runs (it takes the step thread's turn for that long),
+        so that a stats request of an idle connection needs no hop to the event loop; None when busy."""
+        if not self.steps.turn.acquire(blocking=False):
+            return None
+        try:
+            self.stats_at_once_count += 1
+            return self.stats()
+        finally:
+            self.steps.turn.release()
+
+    def stats(self) -> dict:
+        engine, executor = self.engine, self.engine.executor
+        return {
+            "model": str(getattr(engine.weights, "source", "")) or None,
+            "device": engine.device, "mode": engine.mode,
+            "plan": self.plan,
+            "residency": describe(getattr(executor, "residency", None)),
+            "counters": {key: value for key, value in executor.stats.items() if isinstance(value, (int, float))},
+            "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
+            "connections": len(self.connections), "inflight": self.inflight,
+            **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
+            "requests": self.counters["requests"] + self.queued_at_once + self.stats_at_once_count,
+            "inline_steps": self.steps.inline_steps,
+        }
+
+
+def describe(value):
+    """A JSON-safe form of an engine attribute that may be a method, a dict or an object."""
+    if callable(value):
+        value = value()
+    if value is None or isinstance(value, (str, int, float, bool, list, dict)):
+        return value
+    return str(value)
+
+
+def tracer():
+    try:
+        from kestrel_stream.obs import trace
+    except ImportError:
+        return None
+    return trace
