@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import textwrap
 
 NO_GPU_NOTICE = "kestrel-stream: no GPU found; using the CPU engine (details: --verbose)"
 
@@ -19,7 +20,12 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     def _fill_text(self, text, width, indent):
         if "\n" in text.strip():
             return "".join(indent + line for line in text.splitlines(keepends=True))
-        return super()._fill_text(text, width, indent)
+        return textwrap.fill(" ".join(text.split()), width, initial_indent=indent, subsequent_indent=indent,
+                             break_on_hyphens=False)
+
+    def _split_lines(self, text, width):
+        # flags and paths (--max-seq-len, kestrel-stream) stay whole
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
     def _get_help_string(self, action):
         text = action.help or ""

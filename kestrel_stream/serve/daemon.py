@@ -297,7 +297,7 @@ def add_serve_args(p) -> None:
     where.add_argument("--tcp", default=None, metavar="HOST:PORT", help="listen on TCP (loopback; needs a token)")
     p.add_argument("--token", default=None, help="TCP token (default: $KESTREL_TOKEN, else generated)")
     p.add_argument("--token-file", default=None, help="where a generated token is written (mode 0600)")
-    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once")
     p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
                    help="how long a decode step waits for other sessions' steps")
@@ -311,5 +311,5 @@ def add_serve_args(p) -> None:
                    help="largest request frame accepted")
 
 
-SOCKET_HELP = ("$XDG_RUNTIME_DIR/kestrel-stream.sock; without $XDG_RUNTIME_DIR /tmp/kestrel-<uid>/kestrel-stream.sock, "
+SOCKET_HELP = ("$XDG_RUNTIME_DIR/kestrel-stream.sock; without $XDG_RUNTIME_DIR $TMPDIR/kestrel-<uid>/kestrel-stream.sock, "
                "the directory made 0700 and removed at exit when the daemon made it")

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -235,9 +236,10 @@ TOKEN_NAME = "kestrel-stream.token"
 
 
 def fallback_runtime_dir() -> Path | None:
-    """/tmp/kestrel-<uid>/ when $XDG_RUNTIME_DIR is unset or not a directory, else None."""
+    """$TMPDIR/kestrel-<uid>/ (/tmp/kestrel-<uid>/ without $TMPDIR) when $XDG_RUNTIME_DIR is unset or not
+    a directory, else None."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return None if xdg and os.path.isdir(xdg) else Path(f"/tmp/kestrel-{os.getuid()}")
+    return None if xdg and os.path.isdir(xdg) else Path(tempfile.gettempdir()) / f"kestrel-{os.getuid()}"
 
 
 def make_runtime_dir() -> Path | None:
@@ -254,7 +256,7 @@ def make_runtime_dir() -> Path | None:
 
 
 def runtime_dir() -> Path:
-    """A directory only this user can enter: $XDG_RUNTIME_DIR, else /tmp/kestrel-<uid>/ (made 0700)."""
+    """A directory only this user can enter: $XDG_RUNTIME_DIR, else $TMPDIR/kestrel-<uid>/ (made 0700)."""
     path = fallback_runtime_dir()
     if path is None:
         return Path(os.environ["XDG_RUNTIME_DIR"])
