@@ -49,7 +49,8 @@ sys.modules["cuda"] = None      # `import cuda.bindings` now fails as where the 
 
 
 def test_cpu_engine_runs_without_cuda_bindings(tmp_path, tiny_model):
-    """generate, bench, plan, calibrate and the demo (daemon, client, timeline) with cuda unimportable."""
+    """make-model, generate, bench, plan, calibrate and the demo (daemon, client, timeline) with cuda
+    unimportable."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(BLOCK_CUDA)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path / "site"), str(ROOT)]))
@@ -62,6 +63,7 @@ def test_cpu_engine_runs_without_cuda_bindings(tmp_path, tiny_model):
 
     blocked = subprocess.run([sys.executable, "-c", "import cuda.bindings"], env=env, capture_output=True)
     assert blocked.returncode != 0           # the block works
+    assert run("make-model", tmp_path / "m", "--preset", "llama-tiny").returncode == 0
     report = json.loads(run("generate", "--model", tiny_model, "--prompt-ids", "1,2", "--json").stdout)
     assert report["device"] == "cpu" and len(report["tokens"]) == 16
     bench = run("bench", "--model", tiny_model, "--prompt-len", "4", "--new-tokens", "4", "--repeats", "1", "--json")

@@ -123,8 +123,8 @@ def cmd_generate(args) -> int:
     engine = load_engine(args)
     check_room(engine, len(args.prompt_ids), args.max_new_tokens, "--max-new-tokens")
     # a first call pays one-time costs (page faults, dequantized caches, graph capture): a short run of
-    # the same prompt takes them, so the reported speeds are the steady ones
-    warmup = engine.generate(args.prompt_ids, min(2, args.max_new_tokens))
+    # the same prompt takes them, so the reported speeds are the steady ones; a --trace keeps to the run asked for
+    warmup = None if args.trace else engine.generate(args.prompt_ids, min(2, args.max_new_tokens))
     result = engine.generate(args.prompt_ids, args.max_new_tokens)
     report = {
         "tokens": result.tokens,
@@ -136,7 +136,7 @@ def cmd_generate(args) -> int:
         "launches_per_token": result.stats.get("launches_per_token", 0.0),
         "mode": engine.mode,
         "device": engine.device,
-        "warmup_s": round(warmup.prefill_s + warmup.decode_s, 4),
+        "warmup_s": round(warmup.prefill_s + warmup.decode_s, 4) if warmup else None,
     }
     report.update(window_report(engine, result.stats))
     if args.json:
@@ -144,8 +144,8 @@ def cmd_generate(args) -> int:
     else:
         print("tokens:", " ".join(map(str, result.tokens)))
         print(f"prefill {report['prefill_tok_s']} tok/s, decode {report['decode_tok_s']} tok/s, "
-              f"{report['syncs_per_token']} syncs/token ({engine.device}, mode {engine.mode}; "
-              f"after a {report['warmup_s']} s warm-up run)")
+              f"{report['syncs_per_token']} syncs/token ({engine.device}, mode {engine.mode}"
+              + (f"; after a {report['warmup_s']} s warm-up run)" if warmup else "; first run, no warm-up)"))
     engine.close()
     return 0
 
