@@ -4,20 +4,31 @@ from __future__ import annotations
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
 from kestrel_stream.run.engine import Engine
 
 
-def measure(engine: Engine, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 3, seed: int = 0) -> dict:
-    """Median over ``repeats`` greedy generations after one warm-up (dequant caches, graph capture)."""
+def measure(engine: Engine, prompt_len: int = 32, new_tokens: int = 64, repeats: int = 3, seed: int = 0,
+            on_run: Callable[[], None] | None = None) -> dict:
+    """Median over ``repeats`` greedy generations after one warm-up (dequant caches, graph capture);
+    ``on_run`` is called after each generation, the warm-up included."""
     rng = np.random.default_rng(seed)
     prompt = rng.integers(0, engine.config.vocab_size, prompt_len).tolist()
-    engine.generate(prompt[: min(4, prompt_len)], min(4, new_tokens))
-    runs = [engine.generate(prompt, new_tokens) for _ in range(repeats)]
+    runs = []
+    for i in range(repeats + 1):
+        result = engine.generate(prompt[: min(4, prompt_len)], min(4, new_tokens)) if i == 0 else \
+            engine.generate(prompt, new_tokens)
+        if i:
+            runs.append(result)
+        if on_run is not None:
+            on_run()
     decode = statistics.median(r.decode_tok_s for r in runs)
     prefill = statistics.median(r.prefill_tok_s for r in runs)
     last = runs[-1].stats
@@ -40,14 +51,7 @@ def environment() -> dict:
     import os
     # a copy of the tree without (or with a stale) .git, as on the GPU machine, names its commit
     # through KESTREL_COMMIT, which wins over what git says
-    commit = os.environ.get("KESTREL_COMMIT", "")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                    timeout=5).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            commit = ""
-    commit = commit or "unknown"
+    commit = os.environ.get("KESTREL_COMMIT", "") or source_commit() or "unknown"
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:
@@ -60,3 +64,44 @@ def environment() -> dict:
         "commit": commit,
         "unix_time": int(time.time()),
     }
+
+
+def source_commit() -> str:
+    """The short commit of the git checkout this package runs from ("" when installed elsewhere, or no git):
+    asked of the package's own directory, not the working directory the command runs in."""
+    package = Path(__file__).resolve().parents[1]
+    try:
+        def git(*args: str) -> str:
+            return subprocess.run(["git", "-C", str(package), *args], capture_output=True, text=True,
+                                  timeout=5).stdout.strip()
+        top = git("rev-parse", "--show-toplevel")
+        if not top or Path(top).resolve() != package.parent:     # e.g. site-packages inside some other repo
+            return ""
+        return git("rev-parse", "--short", "HEAD")
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def preset_checkpoint(preset: str) -> Path:
+    """The cached random checkpoint of ``preset``; written on first use, saying where and how big."""
+    from tqdm import tqdm
+    from kestrel_stream.loading.presets import PRESETS, ensure_preset, preset_dir
+    from kestrel_stream.model.weights import hf_tensor_shapes
+    out_dir = preset_dir(preset)
+    if (out_dir / "config.json").exists():
+        print(f"bench: using the random {preset} checkpoint in {out_dir}", file=sys.stderr)
+        return out_dir
+    sizes = {name: 2 * int(np.prod(shape)) for name, shape in hf_tensor_shapes(PRESETS[preset]).items()}  # bf16
+    total = sum(sizes.values())
+    print(f"bench: writing a random {preset} checkpoint ({total / 1e9:.2f} GB, bf16) to {out_dir} "
+          f"(once; later runs reuse it)", file=sys.stderr)
+    with tqdm(total=total, desc=f"writing {preset}", unit="B", unit_scale=True, delay=0.5, file=sys.stderr,
+              leave=False) as bar:
+        return ensure_preset(preset, on_tensor=lambda name: bar.update(sizes[name]))
+
+
+def measure_bar(repeats: int):
+    """A bar over the warm-up and the measured runs (shown when they take a moment)."""
+    from tqdm import tqdm
+    return tqdm(total=repeats + 1, desc="measuring (warm-up + runs)", unit="run", delay=0.5, file=sys.stderr,
+                leave=False)

@@ -96,9 +96,21 @@ def run_demo(args) -> int:
                                          "generated_tokens", "errors") if k in stats}
     interesting["executor steps"] = stats.get("counters", {}).get("steps")
     print(f"daemon stats: {interesting}")
+    print(batching_note(stats))
     print(f"daemon stopped with SIGTERM (exit code {code}); its log: {log_path}")
     html, summary = timeline.run(written or str(trace_path), str(html_path), None)
     print(summary)
     print(f"files: model {model_dir}\n       trace {written or trace_path} (Perfetto / chrome://tracing)\n"
           f"       timeline {html} (open in a browser)")
     return 0 if code == 0 else 1
+
+
+def batching_note(stats: dict) -> str:
+    """What mean_batch says: how often the two clients' decode steps shared one engine step."""
+    batches, mean = stats.get("batches", 0), stats.get("mean_batch", 0.0)
+    if not batches:
+        return "batching: no decode step went through the batcher"
+    return (f"batching: {batches} decode step(s) ran {stats.get('batched_requests', 0)} request(s), mean_batch "
+            f"{mean} (1.0: each request alone; 2.0: both sessions in every step);\n"
+            f"  a step runs alone while the other session is still in its prefill or already done, or when its "
+            f"request misses the batching window (serve --batch-window-ms)")

@@ -1,4 +1,4 @@
-"""The ``kestrel-stream`` command line."""
+"""The ``kestrel-stream`` command line: the parser and its verbs."""
 from __future__ import annotations
 
 import argparse
@@ -7,17 +7,31 @@ import sys
 from pathlib import Path
 
 from kestrel_stream.errors import KestrelError
+from kestrel_stream.cli.args import (HelpFormatter, UsageError, check_model_flags, check_room, choose_device,
+                                     enable_verbose_logs, int_at_least, join_negative_ids, mode_arg, parse_ids)
 from kestrel_stream.cli.plan import cmd_calibrate, cmd_plan
 
+DESCRIPTION = """\
+An asynchronous, stream-pipelined offload scheduler for LLM inference: the GPU
+engine on cuda-python where there is a GPU, the numpy CPU engine elsewhere.
 
-def parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--prompt-ids: expected comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise argparse.ArgumentTypeError("--prompt-ids: empty prompt")
-    return ids
+examples:
+  kestrel-stream demo                                   # tiny model, daemon, two clients, a timeline
+  kestrel-stream make-model /tmp/m --preset tiny        # random Qwen3 weights, Hugging Face layout
+  kestrel-stream generate --model /tmp/m --prompt-ids 1,2,3 --max-new-tokens 16 --json
+  kestrel-stream bench --preset qwen3-0.6b --device cpu
+  kestrel-stream serve --model /tmp/m                   # the daemon for Python clients
+
+`kestrel-stream VERB --help` lists a verb's flags and their defaults.
+"""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with defaults in --help; the verbs' parsers are of this class too."""
+
+    def __init__(self, *a, **kw):
+        kw.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*a, **kw)
 
 
 def progress_bar(desc: str):
@@ -47,13 +61,20 @@ def vram_budget_arg(text: str):
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from kestrel_stream.run.engine import DEFAULT_MAX_SEQ_LEN
     p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or .gguf file")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--mode", default="auto", help="auto|cpu|gated|gpu|layers=N")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: the GPU when there is one, else the CPU engine")
+    p.add_argument("--mode", default="auto", type=mode_arg,
+                   help="auto|cpu|gated|gpu|layers=N: where each op runs (auto: gpu with a GPU, cpu without)")
     p.add_argument("--vram-budget", default=None, type=vram_budget_arg,
                    help="device memory for gpu mode (weights + KV caches + activations): e.g. 2GiB, 1500MB, "
-                        "0.5 (fraction of free VRAM); weights that do not fit stream over PCIe")
-    p.add_argument("--max-seq-len", type=int, default=None)
+                        "0.5 (fraction of free VRAM); weights that do not fit stream over PCIe "
+                        "(default: free VRAM minus a margin)")
+    p.add_argument("--max-seq-len", type=int_at_least(1), default=None, metavar="N",
+                   help=f"KV positions per session: prompt + generated tokens (default: {DEFAULT_MAX_SEQ_LEN}, "
+                        f"or the model's max_position_embeddings when smaller, e.g. 512 for the tiny preset)")
+    p.add_argument("--verbose", action="store_true", help="say why there is no GPU, and log loads and caches")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
     p.add_argument("--prof", action="store_true",
                    help="print the per-stage profile table of offloaded calls at exit (as KESTREL_PROF=1)")
@@ -61,8 +82,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="record a Chrome trace (.json or .json.gz; view with `timeline` or Perfetto)")
 
 
+def prepare_engine(args) -> None:
+    """Check --model and the flags it limits, then pick the device (the one no-GPU notice is printed here):
+    args.device and args.mode become what will run, so ks.load announces nothing more."""
+    if args.verbose:
+        enable_verbose_logs()
+    check_model_flags(args)
+    args.device, args.mode = choose_device(args)
+
+
 def load_engine(args):
     import kestrel_stream as ks
+    prepare_engine(args)
     if getattr(args, "prof", False):
         from kestrel_stream.obs import prof
         prof.enable()
@@ -90,6 +121,10 @@ def cmd_make_model(args) -> int:
 
 def cmd_generate(args) -> int:
     engine = load_engine(args)
+    check_room(engine, len(args.prompt_ids), args.max_new_tokens, "--max-new-tokens")
+    # a first call pays one-time costs (page faults, dequantized caches, graph capture): a short run of
+    # the same prompt takes them, so the reported speeds are the steady ones; a --trace keeps to the run asked for
+    warmup = None if args.trace else engine.generate(args.prompt_ids, min(2, args.max_new_tokens))
     result = engine.generate(args.prompt_ids, args.max_new_tokens)
     report = {
         "tokens": result.tokens,
@@ -101,6 +136,7 @@ def cmd_generate(args) -> int:
         "launches_per_token": result.stats.get("launches_per_token", 0.0),
         "mode": engine.mode,
         "device": engine.device,
+        "warmup_s": round(warmup.prefill_s + warmup.decode_s, 4) if warmup else None,
     }
     report.update(window_report(engine, result.stats))
     if args.json:
@@ -108,7 +144,8 @@ def cmd_generate(args) -> int:
     else:
         print("tokens:", " ".join(map(str, result.tokens)))
         print(f"prefill {report['prefill_tok_s']} tok/s, decode {report['decode_tok_s']} tok/s, "
-              f"{report['syncs_per_token']} syncs/token ({engine.device}, mode {engine.mode})")
+              f"{report['syncs_per_token']} syncs/token ({engine.device}, mode {engine.mode}"
+              + (f"; after a {report['warmup_s']} s warm-up run)" if warmup else "; first run, no warm-up)"))
     engine.close()
     return 0
 
@@ -130,25 +167,31 @@ def window_report(engine, stats: dict) -> dict:
 
 
 def cmd_bench(args) -> int:
-    from kestrel_stream.cli.bench import environment, measure
-    from kestrel_stream.loading.presets import ensure_preset
+    from kestrel_stream.cli.bench import environment, measure, measure_bar, preset_checkpoint
+    preset = None
     if not args.model:
-        args.model = str(ensure_preset(args.preset))
+        preset = args.preset
+        args.model = str(preset_checkpoint(preset))
     engine = load_engine(args)
-    result = measure(engine, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats)
-    result.update(model=args.model, preset=args.preset, **environment())
+    check_room(engine, args.prompt_len, args.new_tokens, "--prompt-len/--new-tokens")
+    with measure_bar(args.repeats) as bar:
+        result = measure(engine, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
+                         on_run=lambda: bar.update(1))
+    result.update(model=args.model, preset=preset, **environment())
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{Path(args.model).name}: prefill {result['prefill_tok_s']} tok/s, decode {result['decode_tok_s']} "
-              f"tok/s ({result['ms_per_token']} ms/token), {result['syncs_per_token']} syncs/token "
-              f"[{engine.device}, mode {engine.mode}]")
+        print(f"{Path(args.model).name}: {args.prompt_len}-token prompt, {args.new_tokens} new tokens, median of "
+              f"{args.repeats} run(s) after a warm-up: prefill {result['prefill_tok_s']} tok/s, decode "
+              f"{result['decode_tok_s']} tok/s ({result['ms_per_token']} ms/token), {result['syncs_per_token']} "
+              f"syncs/token [{engine.device}, mode {engine.mode}]")
     engine.close()
     return 0
 
 
 def cmd_serve(args) -> int:
     from kestrel_stream.serve.daemon import run_daemon
+    prepare_engine(args)
     return run_daemon(args)
 
 
@@ -162,51 +205,66 @@ def cmd_timeline(args) -> int:
 
 def cmd_demo(args) -> int:
     from kestrel_stream.cli.demo import run_demo
+    args.device = choose_device(args)[0]       # the daemon it starts is told the device: one notice, here
     return run_demo(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
     from kestrel_stream.loading.presets import PRESETS
-    parser = argparse.ArgumentParser(prog="kestrel-stream", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = Parser(prog="kestrel-stream", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="VERB")
 
-    p = sub.add_parser("make-model", help="write a random Hugging Face checkpoint of a preset's shapes")
-    p.add_argument("out_dir")
-    p.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
+    p = sub.add_parser("make-model", help="write a random Hugging Face checkpoint of a preset's shapes",
+                       description="Write a random Hugging Face checkpoint (config.json + safetensors) of a "
+                                   "preset's shapes, tensor by tensor, sharded at 2 GiB.")
+    p.add_argument("out_dir", help="directory to write (made if missing)")
+    p.add_argument("--preset", required=True, choices=sorted(PRESETS),
+                   help="tiny: Qwen3-shaped, 2 layers; llama-tiny; the real shapes of the Qwen3 models")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"], help="stored dtype")
     p.set_defaults(func=cmd_make_model)
 
-    p = sub.add_parser("generate", help="greedy decode from prompt token ids")
+    p = sub.add_parser("generate", help="greedy decode from prompt token ids",
+                       description="Greedy decode from prompt token ids; prints the tokens and the speeds "
+                                   "(measured after a short warm-up run).")
     add_engine_args(p)
-    p.add_argument("--prompt-ids", required=True, type=parse_ids)
-    p.add_argument("--max-new-tokens", type=int, default=16)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--prompt-ids", required=True, type=parse_ids, metavar="IDS",
+                   help="comma-separated token ids, e.g. 1,2,3 (each in 0..vocab_size-1)")
+    p.add_argument("--max-new-tokens", type=int_at_least(0), default=16, metavar="N",
+                   help="tokens to generate (prompt + N - 1 must fit in --max-seq-len)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("bench", help="prefill and decode throughput")
+    p = sub.add_parser("bench", help="prefill and decode throughput",
+                       description="Prefill and decode throughput: the median of --repeats greedy generations "
+                                   "after one warm-up.  Without --model, a random checkpoint of --preset is "
+                                   "written once under the cache dir ($KESTREL_CACHE_DIR, default "
+                                   "~/.cache/kestrel-stream/models) and reused.")
     add_engine_args(p)
     p.set_defaults(model=None)
     for action in p._actions:
         if action.dest == "model":
             action.required = False
+            action.help += " (default: a random checkpoint of --preset)"
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help="used when --model is not given")
-    p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--new-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--prompt-len", type=int_at_least(1), default=32, metavar="N", help="random prompt tokens")
+    p.add_argument("--new-tokens", type=int_at_least(1), default=64, metavar="N", help="tokens generated per run")
+    p.add_argument("--repeats", type=int_at_least(1), default=3, metavar="N", help="measured runs (median)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the machine and commit")
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("plan", help="print every weight's placement, fused group, FLOPs, bytes and why")
-    p.add_argument("--model", required=True)
-    p.add_argument("--mode", default="auto", help="auto|cpu|gated|gpu|layers=N")
-    p.add_argument("--batch", type=int, default=1, help="tokens per step (M)")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or .gguf file")
+    p.add_argument("--mode", default="auto", type=mode_arg, help="auto|cpu|gated|gpu|layers=N")
+    p.add_argument("--batch", type=int_at_least(1), default=1, help="tokens per step (M)")
     p.add_argument("--profile", default=None, help="h200 | seed | a profile JSON file (default: calibrate this GPU)")
     p.add_argument("--vram-budget", default=None, help="also show gpu mode's residency window under this budget")
-    p.add_argument("--max-seq-len", type=int, default=None, help="KV positions per session (with --vram-budget)")
-    p.add_argument("--max-batch", type=int, default=32, help="sessions per step (with --vram-budget)")
-    p.add_argument("--max-sessions", type=int, default=None, help="KV caches reserved (with --vram-budget)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--max-seq-len", type=int_at_least(1), default=None,
+                   help="KV positions per session (with --vram-budget; default: 2048 or the model's context)")
+    p.add_argument("--max-batch", type=int_at_least(1), default=32, help="sessions per step (with --vram-budget)")
+    p.add_argument("--max-sessions", type=int_at_least(1), default=None,
+                   help="KV caches reserved (with --vram-budget; default: 2 x --max-batch)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="measure this machine's device profile for the cost-model gate")
@@ -225,19 +283,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_timeline)
 
     p = sub.add_parser("demo", help="make the tiny model if missing and run decode steps on it")
-    p.add_argument("--dir", default=None, help="where the model and outputs go (default: the cache dir)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dir", default=None,
+                   help="where the model and outputs go (default: $KESTREL_CACHE_DIR/demo, else "
+                        "~/.cache/kestrel-stream/demo)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: the GPU when there is one, else the CPU engine")
+    p.add_argument("--verbose", action="store_true", help="say why there is no GPU")
     p.set_defaults(func=cmd_demo)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if getattr(args, "max_new_tokens", 1) < 0:
-        print("kestrel-stream: error: --max-new-tokens must be >= 0", file=sys.stderr)
+    argv = join_negative_ids(sys.argv[1:] if argv is None else list(argv))
+    parser = build_parser()
+    if not argv:                    # a bare `kestrel-stream`: the help, as for a usage error
+        parser.print_help(sys.stderr)
         return 2
+    args = parser.parse_args(argv)
     try:
         return args.func(args)
+    except UsageError as e:
+        print(f"kestrel-stream {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except MemoryError as e:
+        print(f"kestrel-stream: error: out of memory ({e or 'an allocation failed'}); a smaller --max-seq-len "
+              f"or model needs less", file=sys.stderr)
+        return 1
     except (KestrelError, ValueError, FileNotFoundError) as e:
         print(f"kestrel-stream: error: {e}", file=sys.stderr)
         return 1

@@ -15,6 +15,8 @@ def read_config(path: str):
         from gguf import GGUFReader
         from kestrel_stream.loading.gguf import config_from_metadata
         return config_from_metadata(GGUFReader(p), p)
+    if not p.exists():
+        raise FileNotFoundError(f"{path}: no such file or directory")
     raise FileNotFoundError(f"{path}: not a checkpoint directory or .gguf file")
 
 
@@ -29,9 +31,8 @@ def resolve_profile(name: str | None):
         from scheduler.profile import DeviceProfile
         return DeviceProfile.from_dict(json.loads(Path(name).read_text()), where=name), f"profile: {name}"
     from kestrel_stream.run.engine import gpu_status
-    available, reason = gpu_status()
-    if not available:
-        return None, f"no GPU ({reason}); gated plans use the H200 reference figures"
+    if not gpu_status()[0]:
+        return None, "profile: no GPU here; gated and gpu plans use the H200 reference figures (--profile)"
     from kestrel_stream.run.calibrate import calibrate
     profile = calibrate()
     return profile, f"profile: {profile.name}, driver {profile.driver} (calibrated, cached)"

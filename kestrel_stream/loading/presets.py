@@ -85,11 +85,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("KESTREL_CACHE_DIR") or Path.home() / ".cache" / "kestrel-stream")
 
 
-def ensure_preset(preset: str, seed: int = 0, dtype: str = "bf16") -> Path:
+def preset_dir(preset: str, seed: int = 0, dtype: str = "bf16") -> Path:
+    """Where ``ensure_preset`` keeps the random checkpoint of ``preset``."""
+    return cache_root() / "models" / f"{preset}-seed{seed}-{dtype}-v{GENERATOR_VERSION}"
+
+
+def ensure_preset(preset: str, seed: int = 0, dtype: str = "bf16",
+                  on_tensor: Callable[[str], None] | None = None) -> Path:
     """The path of a random checkpoint of ``preset`` in the cache dir, written on first use."""
-    out_dir = cache_root() / "models" / f"{preset}-seed{seed}-{dtype}-v{GENERATOR_VERSION}"
+    out_dir = preset_dir(preset, seed, dtype)
     if not (out_dir / "config.json").exists():
-        make_model(out_dir, preset, seed=seed, dtype=dtype)
+        make_model(out_dir, preset, seed=seed, dtype=dtype, on_tensor=on_tensor)
     return out_dir
 
 

@@ -57,8 +57,9 @@ def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, 
     if not available:
         if device == "cuda" or mode != "auto":
             raise DeviceError(f"no usable GPU: {reason}")
-        if announce:
-            print(f"kestrel-stream: no GPU ({reason}); using the CPU engine", file=sys.stderr)
+        if announce:        # one short line: the reason (often a long driver message) is gpu_status()'s
+            print("kestrel-stream: no GPU found; using the CPU engine (details: "
+                  "kestrel_stream.run.engine.gpu_status())", file=sys.stderr)
         return "cpu", "cpu"
     return "cuda", ("gpu" if mode == "auto" else mode)
 
@@ -113,7 +114,11 @@ class Engine:
         self.weights = weights
         self.config: ModelConfig = weights.config
         self.device, self.mode = device, mode
-        self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, self.config.max_position_embeddings)
+        context = self.config.max_position_embeddings
+        if max_seq_len is not None and not 1 <= max_seq_len <= context:    # before any KV cache is sized by it
+            raise CapacityError(f"max_seq_len={max_seq_len} is outside 1..{context} (the model's "
+                                f"max_position_embeddings)")
+        self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, context)
         self.max_batch = max_batch
         vram_budget = parse_vram_budget(vram_budget)       # bytes, or a fraction of free VRAM
         # max_sessions: how many KV caches a GPU executor reserves device memory for (default 2 x max_batch)

@@ -10,6 +10,7 @@ in-flight steps finish, tell every client, and exit 0.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import hmac
 import os
@@ -27,7 +28,7 @@ from kestrel_stream.errors import KestrelError
 from kestrel_stream.serve.peer import Peer, SocketPeer
 from kestrel_stream.serve.socket_reader import SocketReader
 from kestrel_stream.serve.protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_RESPONSE_BYTES, VERSION, AuthError, DaemonError, ProtocolError,
-                       default_socket_path, default_token_path, error_header)
+                       default_socket_path, default_token_path, error_header, make_runtime_dir)
 
 DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight requests
 DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
@@ -210,7 +211,7 @@ async def serve(engine, args) -> int:
     from kestrel_stream.serve.service import Service
     batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3)
     service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3)
-    socket_path = None
+    socket_path = made_dir = None
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
@@ -222,6 +223,7 @@ async def serve(engine, args) -> int:
         bound = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_address)
         where = f"tcp:{bound[0]}:{bound[1]} (token required)"
     else:
+        made_dir = None if args.socket else make_runtime_dir()
         socket_path = Path(args.socket) if args.socket else default_socket_path()
         prepare_socket_path(socket_path)
         with private_umask():
@@ -249,6 +251,9 @@ async def serve(engine, args) -> int:
             await listener.aclose()
         if socket_path is not None:
             socket_path.unlink(missing_ok=True)
+        if made_dir is not None:
+            with contextlib.suppress(OSError):      # not empty: something else put a file there
+                made_dir.rmdir()
         service.steps.stop()                # waits for a step still running (a drain that timed out)
         if daemon.reader is not None:
             daemon.reader.stop()
@@ -292,7 +297,7 @@ def add_serve_args(p) -> None:
     where.add_argument("--tcp", default=None, metavar="HOST:PORT", help="listen on TCP (loopback; needs a token)")
     p.add_argument("--token", default=None, help="TCP token (default: $KESTREL_TOKEN, else generated)")
     p.add_argument("--token-file", default=None, help="where a generated token is written (mode 0600)")
-    p.add_argument("--max-sessions", type=int, default=64)
+    p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once")
     p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
                    help="how long a decode step waits for other sessions' steps")
@@ -306,4 +311,5 @@ def add_serve_args(p) -> None:
                    help="largest request frame accepted")
 
 
-SOCKET_HELP = "$XDG_RUNTIME_DIR/kestrel-stream.sock or /tmp/kestrel-<uid>/kestrel-stream.sock"
+SOCKET_HELP = ("$XDG_RUNTIME_DIR/kestrel-stream.sock; without $XDG_RUNTIME_DIR $TMPDIR/kestrel-<uid>/kestrel-stream.sock, "
+               "the directory made 0700 and removed at exit when the daemon made it")

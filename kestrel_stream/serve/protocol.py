@@ -19,6 +19,7 @@ import json
 import math
 import os
 import struct
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,12 +235,31 @@ SOCKET_NAME = "kestrel-stream.sock"
 TOKEN_NAME = "kestrel-stream.token"
 
 
-def runtime_dir() -> Path:
-    """A directory only this user can enter: $XDG_RUNTIME_DIR, else /tmp/kestrel-<uid>/ (made 0700)."""
+def fallback_runtime_dir() -> Path | None:
+    """$TMPDIR/kestrel-<uid>/ (/tmp/kestrel-<uid>/ without $TMPDIR) when $XDG_RUNTIME_DIR is unset or not
+    a directory, else None."""
     xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg and os.path.isdir(xdg):
-        return Path(xdg)
-    path = Path(f"/tmp/kestrel-{os.getuid()}")
+    return None if xdg and os.path.isdir(xdg) else Path(tempfile.gettempdir()) / f"kestrel-{os.getuid()}"
+
+
+def make_runtime_dir() -> Path | None:
+    """Make the fallback directory if it is the one in use and missing; return it when this call made it
+    (the daemon then removes it at exit, once empty)."""
+    path = fallback_runtime_dir()
+    if path is None or path.exists():
+        return None
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:         # made by another process just now: theirs to remove
+        return None
+    return path
+
+
+def runtime_dir() -> Path:
+    """A directory only this user can enter: $XDG_RUNTIME_DIR, else $TMPDIR/kestrel-<uid>/ (made 0700)."""
+    path = fallback_runtime_dir()
+    if path is None:
+        return Path(os.environ["XDG_RUNTIME_DIR"])
     path.mkdir(mode=0o700, exist_ok=True)
     info = path.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
