@@ -64,11 +64,14 @@ class Daemon:
         while True:
             try:
                 stream = await listener.accept()
-            except OSError as e:
+            except anyio.ClosedResourceError:
+                return                          # the daemon is stopping
+            except (OSError, anyio.BrokenResourceError) as e:     # anyio wraps a Unix socket's OSError
+                e = e.__cause__ if isinstance(e.__cause__, OSError) else e
                 now = time.monotonic()
                 if now - self.accept_errors_logged_at > 5.0:
                     self.accept_errors_logged_at = now
-                    busy = "out of file descriptors; " if e.errno in OUT_OF_DESCRIPTORS else ""
+                    busy = "out of file descriptors; " if getattr(e, "errno", None) in OUT_OF_DESCRIPTORS else ""
                     log(f"accept failed ({busy}{e}); pausing new connections {self.limits.accept_pause_s} s, "
                         f"serving the {len(self.peers)} open ones")
                 await anyio.sleep(self.limits.accept_pause_s)
@@ -121,10 +124,10 @@ class Daemon:
         self.service.connections.add(id(peer))
         try:
             await self.converse(peer, conn)
-        except GONE:
-            pass
         except WriteTimeoutError as e:
             log(f"a client was disconnected: {e}")
+        except GONE:
+            pass
         except Exception as e:          # the catch-all of this connection: log, answer, close it
             log(f"a connection ended by an internal error: {type(e).__name__}: {e}")
             with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):

@@ -27,7 +27,6 @@ from kestrel_stream.serve.protocol import (MAX_HEADER_BYTES, PREFIX_BYTES, Frame
 from kestrel_stream.serve.socket_reader import SocketReader
 
 FRAME_TIMEOUT_S = 30.0          # a started frame must arrive whole this fast (no half-sent frames held open)
-RECEIVE_BYTES = 65536
 QUEUED_FRAMES = 4               # frames read ahead of the connection's coroutine before reading pauses
 GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ValueError)   # writes to a departed client
 
@@ -147,7 +146,6 @@ class SocketPeer(Peer):
         super().__init__(stream, max_frame_bytes, spawn, limits)
         self.sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)    # non-blocking
         self.fd = self.sock.fileno()
-        self.scratch = memoryview(bytearray(RECEIVE_BYTES))
         self.lock = threading.Lock()
         self.frames: deque = deque()        # Frames and ProtocolErrors the coroutine has not taken yet
         self.queued_bytes = 0               # payload bytes of those frames (with the buffer: --max-buffered-mb)
@@ -214,7 +212,8 @@ class SocketPeer(Peer):
             if self.ended is not None:
                 return
             try:
-                received = self.sock.recv_into(self.scratch)
+                scratch = self.reader.scratch
+                received = self.sock.recv_into(scratch)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -223,7 +222,7 @@ class SocketPeer(Peer):
             if not received:
                 self.end(anyio.EndOfStream())
                 return
-            self.buffer += self.scratch[:received]
+            self.buffer += scratch[:received]
             self.last_active = time.monotonic()
             if self.split_frames():
                 self.wake_soon()
