@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 
-import numpy as np
+import anyio
 import pytest
 from daemon_helpers import ENV, DaemonProcess, closed_by_peer, frame_bytes, raw_connect, read_frame, rss_bytes
 
@@ -120,11 +120,19 @@ def test_socket_path_that_is_a_file_or_in_a_symlinked_dir_is_refused(tiny_model,
 
 def test_an_idle_client_after_shutdown_gets_the_shutting_down_error(tiny_model, tmp_path):
     proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"))
-    client = ks.Client(proc.address)
-    s = client.new_session()
-    assert proc.stop() == 0
-    with pytest.raises(wire.ShuttingDownError, match="shutting down"):
-        s.decode(4)
+
+    async def main():
+        client = ks.Client(proc.address)
+        s = client.new_session()
+        async_client = await ks.AsyncClient.connect(proc.address)
+        async_session = await async_client.new_session()
+        assert proc.stop() == 0
+        with pytest.raises(wire.ShuttingDownError, match="shutting down"):
+            s.decode(4)
+        with pytest.raises(wire.ShuttingDownError, match="shutting down"):
+            await async_session.decode(4)
+
+    anyio.run(main)
 
 
 def test_running_out_of_file_descriptors_pauses_accepting_and_keeps_serving(tiny_model, tmp_path):

@@ -263,8 +263,8 @@ class SocketPeer(Peer):
                 continue
             self.frames.append(frame)
             self.queued_bytes += len(payload)
-        if (len(self.frames) >= (QUEUED_FRAMES if self.authenticated else 1)
-                or self.queued_bytes + len(buffer) >= self.limits.max_buffered_bytes):
+        if self.frames and (len(self.frames) >= (QUEUED_FRAMES if self.authenticated else 1)
+                            or self.queued_bytes + len(buffer) >= self.limits.max_buffered_bytes):
             self.pause_reading()            # the coroutine reads on when it has taken them
         return wake or bool(self.frames)
 
