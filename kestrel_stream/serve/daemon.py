@@ -6,27 +6,25 @@ is answered in order, one request at a time (peer.py reads and writes its
 bytes; one reader thread reads every Unix socket, socket_reader.py); decode
 steps of different connections meet in the batcher on the step thread
 (service.py, step_thread.py).  SIGINT/SIGTERM stop new work, let
-in-flight steps finish, tell every client, and exit 0.
+in-flight steps finish, tell every client, and exit 0.  What one client may
+hold (connections, bytes, time, sessions) is bounded by serve/limits.py, and
+whatever goes wrong inside one connection ends that connection, never the
+daemon; endpoint.py guards the socket path and the token.
 """
 from __future__ import annotations
 
 import errno
 import gc
 import hmac
-import os
-import secrets
 import signal
-import socket
-import stat
-import sys
 import time
-from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
 import anyio
 
 from kestrel_stream.errors import CapacityError, KestrelError
+from kestrel_stream.serve.endpoint import log, load_token, prepare_socket_path, private_umask
 from kestrel_stream.serve.limits import Limits, add_limit_args, limits_from_args
 from kestrel_stream.serve.peer import Peer, SocketPeer, WriteTimeoutError
 from kestrel_stream.serve.socket_reader import SocketReader
@@ -38,10 +36,6 @@ DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight reques
 DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
 DEFAULT_SPIN_US = 300.0
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
-
-
-def log(message: str) -> None:
-    print(f"kestrel-stream serve: {message}", file=sys.stderr, flush=True)
 
 
 GONE = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead,
@@ -270,68 +264,6 @@ class Daemon:
                 except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                     pass
         scope.cancel()
-
-
-@contextmanager
-def private_umask():
-    old = os.umask(0o177)           # the socket is born 0600, no window where others could connect
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
-def prepare_socket_path(path: Path) -> None:
-    """Refuse a path that is anything but a stale socket, or whose directory is a symlink; unlink a stale one."""
-    parent = path.parent if str(path.parent) else Path(".")
-    if parent.is_symlink():
-        raise DaemonError(f"--socket {path}: its directory {parent} is a symlink; give the real directory")
-    try:
-        info = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(info.st_mode):
-        raise DaemonError(f"--socket {path}: exists and is not a socket; the daemon does not replace it")
-    probe = socket.socket(socket.AF_UNIX)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink()               # a stale socket left by a killed daemon
-        return
-    finally:
-        probe.close()
-    raise DaemonError(f"{path}: another daemon is already listening there")
-
-
-def load_token(args, token_path: Path) -> str:
-    """$KESTREL_TOKEN, else the token file's (kept private), else a new one written there.
-
-    ``--token`` still works, but every user can read it in /proc/PID/cmdline."""
-    if args.token:
-        log("WARNING: --token is visible to every user in /proc/<pid>/cmdline; use --token-file or $KESTREL_TOKEN")
-        return args.token
-    token = os.environ.get("KESTREL_TOKEN")
-    if token:
-        return token
-    if args.token_file and token_path.exists():
-        info = token_path.stat()
-        if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise PermissionError(f"--token-file {token_path}: must be owned by uid {os.getuid()} with mode 0600 "
-                                  f"(it is uid {info.st_uid}, mode {info.st_mode & 0o777:o})")
-        token = token_path.read_text().strip()
-        if not token:
-            raise ValueError(f"--token-file {token_path} is empty")
-        log(f"token read from {token_path}")
-        return token
-    token = secrets.token_hex(32)
-    token_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with private_umask():
-        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(token_path, 0o600)
-    log(f"token written to {token_path} (mode 0600)")
-    return token
 
 
 async def serve(engine, args) -> int:
