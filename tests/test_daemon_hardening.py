@@ -209,14 +209,20 @@ def test_trace_files_stay_in_the_trace_dir_and_each_client_keeps_its_own(tiny_mo
 
 
 def half_frames_round(address: str, clients: int) -> None:
-    """Clients that announce a 16 MiB frame, send 15 MiB of it and leave."""
+    """Clients that each announce a 16 MiB frame, send 15 MiB of it, and then all leave together."""
     body = b"\0" * (15 << 20)
     head = json.dumps({"op": "prefill", "id": 1, "session": 0,
                        "arrays": [{"name": "ids", "dtype": "<i8", "shape": [2 << 20]}]}).encode()
     prefix = wire.PREFIX.pack(wire.MAGIC, wire.VERSION, 0, len(head), (16 << 20) - 12 - len(head))
+    socks = []
     for _ in range(clients):
         sock = raw_connect(address)
         sock.sendall(prefix + head + body)
+        socks.append(sock)
+    with raw_connect(address) as probe:         # answered after the reader took every byte sent before it
+        probe.sendall(wire.encode_frame({"op": "stats", "id": 1}))
+        read_frame(probe)
+    for sock in socks:
         sock.close()
 
 

@@ -99,3 +99,35 @@ def test_reading_pauses_once_the_frames_read_ahead_hold_max_buffered_bytes():
         theirs.close()
 
     anyio.run(main)
+
+
+def test_a_closed_connection_is_freed_at_once_with_its_half_read_frame():
+    """No reference cycle (peer -> take_at_once -> peer) keeps a dropped client's buffer until a full collection."""
+    import gc
+    import weakref
+
+    from kestrel_stream.serve.peer import SocketPeer
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        peer = SocketPeer(await anyio.abc.UNIXSocketStream.from_socket(ours), wire.DEFAULT_MAX_FRAME_BYTES)
+        peer.take_at_once = lambda frame: peer is not None          # as the daemon's callback refers back
+        frame = wire.encode_frame({"op": "prefill", "id": 1}, {"ids": np.zeros(1 << 18, np.int64)})
+        theirs.sendall(frame[:len(frame) // 2])
+        with anyio.fail_after(10):
+            while len(peer.buffer) < len(frame) // 2:
+                await anyio.sleep(0.01)
+        gone = weakref.ref(peer)
+        peer.close()
+        del peer
+        await anyio.sleep(0.01)                 # callbacks the reader thread scheduled on the loop have run
+        assert gone() is None
+        ours.close()
+        theirs.close()
+
+    gc.disable()
+    try:
+        anyio.run(main)
+    finally:
+        gc.enable()

@@ -26,6 +26,7 @@ import anyio
 from kestrel_stream.errors import CapacityError, KestrelError
 from kestrel_stream.serve.endpoint import log, load_token, prepare_socket_path, private_umask
 from kestrel_stream.serve.limits import Limits, add_limit_args, limits_from_args
+from kestrel_stream.serve.memory import map_large_buffers
 from kestrel_stream.serve.peer import Peer, SocketPeer, WriteTimeoutError
 from kestrel_stream.serve.socket_reader import SocketReader
 from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, VERSION, AuthError, DaemonError, IdleTimeoutError,
@@ -299,6 +300,7 @@ async def serve(engine, args) -> int:
     log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client), batches of up to "
         f"{args.max_batch} within {args.batch_window_ms} ms; max {limits.max_connections} connections "
         f"({limits.max_unauthenticated} before hello); traces in {traces.directory}")
+    map_large_buffers()
     gc.collect()
     gc.freeze()         # the loaded model and modules leave the collector's view: no full collection walks them
     log(f"listening on {where}")

@@ -67,7 +67,8 @@ class Peer:
         # A threading lock, not an anyio one: the step thread writes decode answers itself (SocketPeer).
         self.write_lock = threading.Lock()
         self.loop = asyncio.get_running_loop()
-        self.spawn = spawn or self.start_task          # the daemon's task group, when there is one
+        self.spawn = spawn      # the daemon's task group's start_soon; None: start_task (not a bound method
+                                # kept here, which would be a reference cycle through the peer)
         self.tasks: set[asyncio.Task] = set()
         self.pending = None                 # the DecodeJob the step thread answers; the next request waits for it
 
@@ -368,7 +369,7 @@ class SocketPeer(Peer):
     def start_write(self, write, data, finished) -> None:
         """Loop: a task that writes what the step thread could not."""
         try:
-            self.spawn(write, data, finished)
+            (self.spawn or self.start_task)(write, data, finished)
         except RuntimeError:                # the daemon is stopping and its task group takes no new tasks
             if write == self.send_rest:
                 self.write_lock.release()
