@@ -44,6 +44,7 @@ def daemon(tiny_model, tmp_path_factory):
     from daemon_helpers import DaemonProcess
     where = tmp_path_factory.mktemp("daemon")
     proc = DaemonProcess(tiny_model, where / "serve.log", "--socket", str(where / "ks.sock"),
-                         "--max-seq-len", "128", "--max-sessions", "48")
+                         "--max-seq-len", "128", "--max-sessions", "48",
+                         "--trace-dir", str(where / "traces"))
     yield proc
     assert proc.stop() == 0, (where / "serve.log").read_text()

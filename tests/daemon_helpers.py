@@ -19,11 +19,12 @@ ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_TH
 
 
 class DaemonProcess:
-    def __init__(self, model, log_path: Path, *flags: str):
+    def __init__(self, model, log_path: Path, *flags: str, env: dict | None = None, preexec_fn=None):
         self.log_path = log_path
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model),
-                                      "--device", "cpu", *flags], stdout=self.log, stderr=subprocess.STDOUT, env=ENV)
+                                      "--device", "cpu", *flags], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env or ENV, preexec_fn=preexec_fn)
         self.address = self.wait_for_listen_line()
 
     def wait_for_listen_line(self, timeout_s: float = 60.0) -> str:
@@ -55,6 +56,13 @@ def raw_connect(path: str, hello: bool = True) -> socket.socket:
         sock.sendall(wire.encode_frame({"op": "hello", "id": 0, "v": wire.VERSION}))
         assert read_frame(sock).header["ok"]
     return sock
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
 def receive_exactly(sock: socket.socket, count: int) -> bytes:

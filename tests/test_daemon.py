@@ -125,11 +125,12 @@ def test_trace_start_stop_reach_the_recorder(daemon, tmp_path):
         with ks.Client(daemon.address) as client, pytest.raises(wire.UnavailableError, match="tracing unavailable"):
             client.trace_start(tmp_path / "t.json")
         return
+    trace_dir = os.path.join(os.path.dirname(daemon.address), "traces")      # the fixture's --trace-dir
     with ks.Client(daemon.address) as client:
-        client.trace_start(tmp_path / "t.json")
+        client.trace_start("t.json")
         assert client.generate([1, 2], 4)
         written = client.trace_stop()
-    assert written and os.path.exists(written)
+    assert written == os.path.join(trace_dir, "t.json") and os.path.getsize(written) > 0
 
 
 def test_concurrent_clients_get_their_solo_tokens(daemon, daemon_engine):

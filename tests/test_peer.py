@@ -3,6 +3,7 @@ whole and in order, whatever the socket takes at once and whoever else is writin
 from __future__ import annotations
 
 import socket
+import threading
 
 import anyio
 import numpy as np
@@ -68,3 +69,65 @@ def test_an_answer_waits_for_a_write_in_progress_and_goes_out_whole():
         theirs.close()
 
     anyio.run(main)
+
+
+def test_reading_pauses_once_the_frames_read_ahead_hold_max_buffered_bytes():
+    """--max-buffered-mb: a client that sends faster than its requests are answered is read no further ahead."""
+    from kestrel_stream.serve.limits import Limits
+    from kestrel_stream.serve.peer import SocketPeer
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        peer = SocketPeer(await anyio.abc.UNIXSocketStream.from_socket(ours), wire.DEFAULT_MAX_FRAME_BYTES,
+                          limits=Limits(max_buffered_bytes=1 << 20))
+        peer.authenticate()
+        frames = [wire.encode_frame({"op": "prefill", "id": i}, {"ids": np.full(75_000, i, np.int64)})
+                  for i in range(3)]                        # 600 KB each
+        sender = threading.Thread(target=theirs.sendall, args=(b"".join(frames),), daemon=True)
+        sender.start()
+        with anyio.fail_after(10):
+            while peer.reading:
+                await anyio.sleep(0.01)
+        held = peer.queued_bytes + len(peer.buffer)
+        assert peer.frames and 1 << 20 <= held < 1_200_000 + wire.PREFIX_BYTES + 256     # the rest waits in the socket
+        got = [await peer.read_frame() for _ in range(3)]
+        assert [f.header["id"] for f in got] == [0, 1, 2] and int(got[2].arrays["ids"][0]) == 2
+        sender.join()
+        peer.close()
+        ours.close()
+        theirs.close()
+
+    anyio.run(main)
+
+
+def test_a_closed_connection_is_freed_at_once_with_its_half_read_frame():
+    """No reference cycle (peer -> take_at_once -> peer) keeps a dropped client's buffer until a full collection."""
+    import gc
+    import weakref
+
+    from kestrel_stream.serve.peer import SocketPeer
+
+    async def main():
+        ours, theirs = socket.socketpair()
+        ours.setblocking(False)
+        peer = SocketPeer(await anyio.abc.UNIXSocketStream.from_socket(ours), wire.DEFAULT_MAX_FRAME_BYTES)
+        peer.take_at_once = lambda frame: peer is not None          # as the daemon's callback refers back
+        frame = wire.encode_frame({"op": "prefill", "id": 1}, {"ids": np.zeros(1 << 18, np.int64)})
+        theirs.sendall(frame[:len(frame) // 2])
+        with anyio.fail_after(10):
+            while len(peer.buffer) < len(frame) // 2:
+                await anyio.sleep(0.01)
+        gone = weakref.ref(peer)
+        peer.close()
+        del peer
+        await anyio.sleep(0.01)                 # callbacks the reader thread scheduled on the loop have run
+        assert gone() is None
+        ours.close()
+        theirs.close()
+
+    gc.disable()
+    try:
+        anyio.run(main)
+    finally:
+        gc.enable()

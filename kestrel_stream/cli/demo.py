@@ -19,10 +19,11 @@ from pathlib import Path
 import numpy as np
 
 
-def start_daemon(model_dir: Path, socket_path: Path, device: str, log_path: Path) -> subprocess.Popen:
+def start_daemon(model_dir: Path, socket_path: Path, device: str, log_path: Path,
+                 trace_dir: Path) -> subprocess.Popen:
     log = open(log_path, "w")
     proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model_dir),
-                             "--socket", str(socket_path), "--device", device],
+                             "--socket", str(socket_path), "--device", device, "--trace-dir", str(trace_dir)],
                             stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not socket_path.exists():
@@ -71,12 +72,13 @@ def run_demo(args) -> int:
     with tempfile.TemporaryDirectory(prefix="kestrel-demo-") as runtime:
         socket_path = Path(runtime) / "kestrel.sock"
         started = time.perf_counter()
-        daemon = start_daemon(model_dir, socket_path, args.device, log_path)
+        trace_path.unlink(missing_ok=True)         # the daemon never replaces a trace; this one is the demo's own
+        daemon = start_daemon(model_dir, socket_path, args.device, log_path, trace_path.parent)
         print(f"daemon pid {daemon.pid} listening on {socket_path} (mode {oct(socket_path.stat().st_mode & 0o777)}), "
               f"up in {time.perf_counter() - started:.1f} s")
         try:
             with ks.Client(str(socket_path)) as client:
-                client.trace_start(trace_path)
+                client.trace_start(trace_path.name)
                 results: dict = {}
                 threads = [threading.Thread(target=client_steps, args=(socket_path, prompt, 12, results, name))
                            for name, prompt in (("A", [1, 2, 3]), ("B", [9, 10]))]

@@ -13,7 +13,7 @@ import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from kestrel_stream.client.sync import DEFAULT_TIMEOUT_S, _Requests, check_response, parse_address, resolve_token, shaped
-from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, ShuttingDownError, encode_frame, parse_body,
+from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, encode_frame, parse_body,
                        parse_prefix)
 
 
@@ -120,14 +120,17 @@ class AsyncClient:
             raise ConnectionError("this client is closed")
         async with self._lock:
             request_id = next(self._ids)
+            notice = None
             try:
                 with anyio.fail_after(self.timeout):
-                    await self._send(encode_frame({"op": op, "id": request_id, **fields}, arrays))
-                    header_bytes, payload_bytes = parse_prefix(await self._receive_exactly(PREFIX_BYTES),
-                                                               MAX_RESPONSE_BYTES)
-                    head = await self._receive_exactly(header_bytes)
-                    payload = await self._receive_exactly(payload_bytes) if payload_bytes else b""
-                frame = parse_body(head, payload)
+                    try:
+                        await self._send(encode_frame({"op": op, "id": request_id, **fields}, arrays))
+                    except (anyio.BrokenResourceError, OSError):
+                        notice = await self._parting_notice(request_id)     # why the daemon closed, if it said
+                        if notice is None:
+                            raise
+                    else:
+                        frame = await self._read_frame()
             except TimeoutError:
                 await self.aclose()
                 raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
@@ -135,11 +138,33 @@ class AsyncClient:
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
                 await self.aclose()
                 raise ConnectionError(f"{op}: the daemon closed the connection ({type(e).__name__})") from None
+        if notice is not None:
+            await self.aclose()
+            raise notice
         try:
             return check_response(frame, request_id)
         except ShuttingDownError:
             await self.aclose()
             raise
+
+    async def _read_frame(self) -> Frame:
+        header_bytes, payload_bytes = parse_prefix(await self._receive_exactly(PREFIX_BYTES), MAX_RESPONSE_BYTES)
+        head = await self._receive_exactly(header_bytes)
+        payload = await self._receive_exactly(payload_bytes) if payload_bytes else b""
+        return parse_body(head, payload)
+
+    async def _parting_notice(self, request_id: int) -> Exception | None:
+        """The error a daemon sent before it closed this connection (shutdown, a limit), as its typed exception."""
+        with anyio.move_on_after(0.5):
+            try:
+                frame = await self._read_frame()
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError, ValueError):
+                return None
+            try:
+                check_response(frame, request_id)
+            except Exception as e:          # the daemon's error, typed by its code
+                return e
+        return None
 
     async def new_session(self, max_seq_len: int | None = None) -> AsyncRemoteSession:
         header, _ = await self.call("open", {"max_seq_len": max_seq_len}, {})

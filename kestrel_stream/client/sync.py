@@ -206,6 +206,13 @@ class Client:
         try:
             self.sock.sendall(encode_frame({"op": op, "id": request_id, **fields}, arrays))
             frame = self._read_frame()
+        except (BrokenPipeError, ConnectionResetError):
+            notice = self._parting_notice()      # the daemon said why it closed (shutdown, a limit) before it did
+            self.close()
+            if notice is None:
+                raise
+            check_response(notice, request_id)
+            raise
         except (OSError, ValueError) as e:       # a timeout or half-read frame leaves the stream unusable
             self.close()
             if isinstance(e, (TimeoutError, BlockingIOError)):
@@ -217,6 +224,14 @@ class Client:
         except ShuttingDownError:
             self.close()
             raise
+
+    def _parting_notice(self) -> Frame | None:
+        """The frame a daemon sent before closing this connection, if one is still to be read."""
+        try:
+            self.sock.setblocking(False)
+            return self._read_frame()
+        except (OSError, ValueError):
+            return None
 
     def new_session(self, max_seq_len: int | None = None) -> RemoteSession:
         header, _ = self.call("open", {"max_seq_len": max_seq_len}, {})

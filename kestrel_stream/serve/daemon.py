@@ -6,29 +6,33 @@ is answered in order, one request at a time (peer.py reads and writes its
 bytes; one reader thread reads every Unix socket, socket_reader.py); decode
 steps of different connections meet in the batcher on the step thread
 (service.py, step_thread.py).  SIGINT/SIGTERM stop new work, let
-in-flight steps finish, tell every client, and exit 0.
+in-flight steps finish, tell every client, and exit 0.  What one client may
+hold (connections, bytes, time, sessions) is bounded by serve/limits.py, and
+whatever goes wrong inside one connection ends that connection, never the
+daemon; endpoint.py guards the socket path and the token.
 """
 from __future__ import annotations
 
 import contextlib
+import errno
 import gc
 import hmac
-import os
-import secrets
 import signal
-import socket
-import sys
-from contextlib import contextmanager
+import time
 from functools import partial
 from pathlib import Path
 
 import anyio
 
-from kestrel_stream.errors import KestrelError
-from kestrel_stream.serve.peer import Peer, SocketPeer
+from kestrel_stream.errors import CapacityError, KestrelError
+from kestrel_stream.serve.endpoint import log, load_token, prepare_socket_path, private_umask
+from kestrel_stream.serve.limits import Limits, add_limit_args, limits_from_args
+from kestrel_stream.serve.memory import map_large_buffers
+from kestrel_stream.serve.peer import Peer, SocketPeer, WriteTimeoutError
 from kestrel_stream.serve.socket_reader import SocketReader
-from kestrel_stream.serve.protocol import (DEFAULT_MAX_FRAME_BYTES, MAX_RESPONSE_BYTES, VERSION, AuthError, DaemonError, ProtocolError,
-                       default_socket_path, default_token_path, error_header, make_runtime_dir)
+from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, VERSION, AuthError, DaemonError, IdleTimeoutError,
+                                           ProtocolError, default_socket_path, default_token_path, encode_frame,
+                                           error_header, make_runtime_dir)
 
 DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight requests
 DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
@@ -36,49 +40,143 @@ DEFAULT_SPIN_US = 300.0
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
 
 
-def log(message: str) -> None:
-    print(f"kestrel-stream serve: {message}", file=sys.stderr, flush=True)
+GONE = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead,
+        ConnectionError)                # the client went away; its sessions are freed
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
 
 class Daemon:
-    def __init__(self, engine, service, token: str | None):
+    def __init__(self, engine, service, token: str | None, limits: Limits | None = None):
         self.engine, self.service, self.token = engine, service, token
+        self.limits = limits or Limits()
         self.peers: set[Peer] = set()
-        self.max_frame_bytes = DEFAULT_MAX_FRAME_BYTES
+        self.unauthenticated = 0            # of the connections (peers), those that have not said hello
         self.spawn = None                   # the task group's start_soon, once serving
         self.reader = None                  # the SocketReader of Unix-socket connections, once serving
+        self.accept_errors_logged_at = 0.0
+
+    async def accept_forever(self, listener, tg) -> None:
+        """Serve every connection; out of file descriptors (or any accept error), pause and go on."""
+        while True:
+            try:
+                stream = await listener.accept()
+            except anyio.ClosedResourceError:
+                return                          # the daemon is stopping
+            except (OSError, anyio.BrokenResourceError) as e:     # anyio wraps a Unix socket's OSError
+                e = e.__cause__ if isinstance(e.__cause__, OSError) else e
+                now = time.monotonic()
+                if now - self.accept_errors_logged_at > 5.0:
+                    self.accept_errors_logged_at = now
+                    busy = "out of file descriptors; " if getattr(e, "errno", None) in OUT_OF_DESCRIPTORS else ""
+                    log(f"accept failed ({busy}{e}); pausing new connections {self.limits.accept_pause_s} s, "
+                        f"serving the {len(self.peers)} open ones")
+                await anyio.sleep(self.limits.accept_pause_s)
+                continue
+            tg.start_soon(self.serve_connection, stream)
 
     async def serve_connection(self, stream) -> None:
+        """One connection, start to end.  Whatever happens in it ends it alone: never the daemon."""
+        try:
+            full = self.over_connection_limits()
+            if full is not None:
+                await self.refuse_stream(stream, full)
+                return
+            await self.serve_admitted(stream)
+        except Exception as e:          # a bug, logged; the daemon goes on
+            log(f"a connection ended by an internal error: {type(e).__name__}: {e}")
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                await stream.aclose()
+
+    def over_connection_limits(self) -> CapacityError | None:
+        limits = self.limits
+        if len(self.peers) >= limits.max_connections:
+            return CapacityError(f"the daemon holds {len(self.peers)} connections (--max-connections "
+                                 f"{limits.max_connections}); try again later")
+        if self.unauthenticated >= limits.max_unauthenticated:
+            return CapacityError(f"{self.unauthenticated} connections are waiting to say hello "
+                                 f"(--max-unauthenticated {limits.max_unauthenticated}); try again later")
+        return None
+
+    async def refuse_stream(self, stream, error: KestrelError) -> None:
+        self.service.counters["errors"] += 1
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+            try:
+                await stream.send(encode_frame(error_header(None, error)))
+            except (*GONE, OSError):
+                pass
+            await stream.aclose()
+
+    async def serve_admitted(self, stream) -> None:
         from kestrel_stream.serve.service import Connection
         if isinstance(stream, anyio.abc.UNIXSocketStream):
-            peer = SocketPeer(stream, self.max_frame_bytes, self.spawn, self.reader)
+            peer = SocketPeer(stream, self.limits.max_frame_bytes, self.spawn, self.reader, self.limits)
             conn = Connection(peer=str(id(stream)), send_from_step=peer.send_from_step_thread)
             peer.take_at_once = lambda frame: self.take_at_once(peer, conn, frame)
         else:
-            peer = Peer(stream, self.max_frame_bytes, self.spawn)
+            peer = Peer(stream, self.limits.max_frame_bytes, self.spawn, self.limits)
             conn = Connection(peer=str(id(stream)))
         self.peers.add(peer)
+        self.unauthenticated += 1
         self.service.connections.add(id(peer))
         try:
             await self.converse(peer, conn)
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, TimeoutError,
-                anyio.IncompleteRead, ConnectionError):
-            pass                        # the client went away; its sessions are freed below
+        except WriteTimeoutError as e:
+            log(f"a client was disconnected: {e}")
+        except GONE:
+            pass
+        except Exception as e:          # the catch-all of this connection: log, answer, close it
+            log(f"a connection ended by an internal error: {type(e).__name__}: {e}")
+            with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+                try:
+                    await self.refuse(peer, None, DaemonError(f"internal error, connection closed "
+                                                              f"({type(e).__name__}: {e})"))
+                except Exception:
+                    pass
         finally:
             self.peers.discard(peer)
+            if not conn.authenticated:
+                self.unauthenticated -= 1
             self.service.connections.discard(id(peer))
             peer.close()
             with anyio.CancelScope(shield=True):
                 # Queued behind every decode of this connection: once it returns, the step thread writes no
                 # more to this socket, which may then close.
-                if conn.sessions or peer.pending is not None:
-                    await self.service.close_sessions(conn, list(conn.sessions))
-                await stream.aclose()
+                try:
+                    if conn.sessions or peer.pending is not None:
+                        await self.service.close_sessions(conn, list(conn.sessions))
+                    await self.service.client_left(conn)
+                finally:
+                    conn.send_from_step = None      # the last reference between peer and connection
+                    await stream.aclose()
+
+    async def next_frame(self, peer: Peer, conn):
+        """The next frame, within the hello timeout before hello and the idle timeout after it."""
+        limits = self.limits
+        if not conn.authenticated:
+            try:
+                with anyio.fail_after(limits.hello_timeout_s):
+                    return await peer.read_frame()
+            except TimeoutError:
+                raise AuthError(f"no hello within {limits.hello_timeout_s} s (--hello-timeout-s); "
+                                f"connection closed") from None
+        if not limits.idle_timeout_s:
+            return await peer.read_frame()
+        while True:         # bytes the reader thread answers itself (decodes at once) keep the connection alive
+            with anyio.move_on_after(max(peer.last_active + limits.idle_timeout_s - time.monotonic(), 0.0)):
+                return await peer.read_frame()
+            if (time.monotonic() - peer.last_active >= limits.idle_timeout_s
+                    and (peer.pending is None or peer.pending.done)):
+                raise IdleTimeoutError(f"no request for {limits.idle_timeout_s} s (--idle-timeout-s); "
+                                       f"connection closed, its sessions freed")
 
     async def converse(self, peer: Peer, conn) -> None:
         while True:
             try:
-                frame = await peer.read_frame()
+                frame = await self.next_frame(peer, conn)
+            except (AuthError, IdleTimeoutError) as e:
+                await peer.settled()
+                await self.refuse(peer, None, e)
+                return
             except ProtocolError as e:
                 await peer.settled()
                 await self.refuse(peer, None, e)
@@ -98,6 +196,8 @@ class Daemon:
                     await self.refuse(peer, request_id, e)
                     return              # a peer that cannot say hello gets nothing else
                 conn.authenticated = True
+                self.unauthenticated -= 1
+                peer.authenticate()
                 await peer.send({"id": request_id, "ok": True, "v": VERSION, "vocab_size": self.engine.config.vocab_size,
                                  "max_seq_len": self.engine.max_seq_len, "device": self.engine.device,
                                  "mode": self.engine.mode})
@@ -145,7 +245,7 @@ class Daemon:
     def check_hello(self, header: dict) -> None:
         if header.get("op") != "hello":
             raise AuthError(f"the first frame must be op 'hello', got {header.get('op')!r}")
-        if header.get("v") != VERSION:
+        if type(header.get("v")) is not int or header.get("v") != VERSION:       # not 1.0, not true
             raise ProtocolError(f"hello: client speaks protocol version {header.get('v')!r}, daemon {VERSION}")
         if self.token is not None:
             offered = header.get("token")
@@ -168,49 +268,15 @@ class Daemon:
         scope.cancel()
 
 
-@contextmanager
-def private_umask():
-    old = os.umask(0o177)           # the socket is born 0600, no window where others could connect
-    try:
-        yield
-    finally:
-        os.umask(old)
-
-
-def prepare_socket_path(path: Path) -> None:
-    if not path.exists():
-        return
-    probe = socket.socket(socket.AF_UNIX)
-    try:
-        probe.connect(str(path))
-    except OSError:
-        path.unlink()               # a stale socket left by a killed daemon
-        return
-    finally:
-        probe.close()
-    raise DaemonError(f"{path}: another daemon is already listening there")
-
-
-def load_token(args, token_path: Path) -> str:
-    token = args.token or os.environ.get("KESTREL_TOKEN")
-    if token:
-        return token
-    token = secrets.token_hex(32)
-    token_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    with private_umask():
-        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.chmod(token_path, 0o600)
-    log(f"token written to {token_path} (mode 0600)")
-    return token
-
-
 async def serve(engine, args) -> int:
     from scheduler.batcher import StepBatcher
     from kestrel_stream.serve.service import Service
+    from kestrel_stream.serve.traces import DaemonTraces, prepare_trace_dir
+    limits = limits_from_args(args)
+    traces = DaemonTraces(prepare_trace_dir(args.trace_dir), limits.trace_max_events)
     batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3)
-    service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3)
+    service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3,
+                      sessions_per_client=limits.sessions_per_client, traces=traces)
     socket_path = made_dir = None
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")
@@ -218,7 +284,7 @@ async def serve(engine, args) -> int:
         if host not in ("127.0.0.1", "localhost", "::1"):
             log(f"WARNING: listening on {host}, which is not loopback; anyone with the token can connect")
         token_path = Path(args.token_file) if args.token_file else default_token_path()
-        daemon = Daemon(engine, service, load_token(args, token_path))
+        daemon = Daemon(engine, service, load_token(args, token_path), limits)
         listener = await anyio.create_tcp_listener(local_host=host, local_port=int(port))
         bound = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_address)
         where = f"tcp:{bound[0]}:{bound[1]} (token required)"
@@ -228,20 +294,23 @@ async def serve(engine, args) -> int:
         prepare_socket_path(socket_path)
         with private_umask():
             listener = await anyio.create_unix_listener(socket_path, mode=0o600)
-        daemon = Daemon(engine, service, None)
+        daemon = Daemon(engine, service, None, limits)
         daemon.reader = SocketReader()
         if args.spin_us > 0:
             service.steps.after_inline = partial(daemon.reader.spin_for, args.spin_us / 1e6)
         where = f"unix:{socket_path} (mode 0600)"
-    daemon.max_frame_bytes = args.max_frame_mb * 1024 * 1024
-    log(f"max {args.max_sessions} sessions, batches of up to {args.max_batch} within {args.batch_window_ms} ms")
+    log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client), batches of up to "
+        f"{args.max_batch} within {args.batch_window_ms} ms; max {limits.max_connections} connections "
+        f"({limits.max_unauthenticated} before hello); traces in {traces.directory}")
+    map_large_buffers()
     gc.collect()
     gc.freeze()         # the loaded model and modules leave the collector's view: no full collection walks them
     log(f"listening on {where}")
     try:
         async with anyio.create_task_group() as tg:
             daemon.spawn = tg.start_soon
-            tg.start_soon(listener.serve, daemon.serve_connection, tg)
+            for one in getattr(listener, "listeners", [listener]):     # TCP may listen on IPv4 and IPv6
+                tg.start_soon(daemon.accept_forever, one, tg)
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
                     await daemon.shutdown(tg.cancel_scope, signal.Signals(signum).name)
@@ -295,8 +364,12 @@ def add_serve_args(p) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", default=None, help=f"Unix socket path (default: {SOCKET_HELP})")
     where.add_argument("--tcp", default=None, metavar="HOST:PORT", help="listen on TCP (loopback; needs a token)")
-    p.add_argument("--token", default=None, help="TCP token (default: $KESTREL_TOKEN, else generated)")
-    p.add_argument("--token-file", default=None, help="where a generated token is written (mode 0600)")
+    p.add_argument("--token", default=None, help="TCP token; visible to every user in /proc, prefer --token-file "
+                                                 "or $KESTREL_TOKEN")
+    p.add_argument("--token-file", default=None, help="TCP token file (mode 0600): read if it exists, else a "
+                                                      "generated token is written there")
+    p.add_argument("--trace-dir", default=None, help="where clients' trace_start files go (default: a private "
+                                                     "kestrel-traces dir beside the default socket)")
     p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once")
     p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
@@ -307,8 +380,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US,
                    help="after such a step the reader polls for the next request this long before it sleeps, "
                         "burning that CPU time so the request finds the core awake (0: sleep at once)")
-    p.add_argument("--max-frame-mb", type=int, default=DEFAULT_MAX_FRAME_BYTES >> 20,
-                   help="largest request frame accepted")
+    p.add_argument("--max-frame-mb", type=int, default=Limits().max_frame_bytes >> 20,
+                   help="largest request frame accepted once authenticated (before hello: 4 KiB)")
+    add_limit_args(p)
 
 
 SOCKET_HELP = ("$XDG_RUNTIME_DIR/kestrel-stream.sock; without $XDG_RUNTIME_DIR $TMPDIR/kestrel-<uid>/kestrel-stream.sock, "

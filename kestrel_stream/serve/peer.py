@@ -12,6 +12,7 @@ and every answer goes out from the loop.
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections import deque
@@ -20,13 +21,28 @@ from typing import Callable
 import anyio
 
 from kestrel_stream.errors import KestrelError
-from kestrel_stream.serve.protocol import PREFIX_BYTES, Frame, ProtocolError, encode_frame, error_header, parse_body, parse_prefix
+from kestrel_stream.serve.limits import Limits
+from kestrel_stream.serve.protocol import (MAX_HEADER_BYTES, PREFIX_BYTES, Frame, ProtocolError, encode_frame, error_header,
+                                           parse_body, parse_prefix)
 from kestrel_stream.serve.socket_reader import SocketReader
 
 FRAME_TIMEOUT_S = 30.0          # a started frame must arrive whole this fast (no half-sent frames held open)
-RECEIVE_BYTES = 65536
 QUEUED_FRAMES = 4               # frames read ahead of the connection's coroutine before reading pauses
 GONE = (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError, ValueError)   # writes to a departed client
+
+
+class WriteTimeoutError(anyio.BrokenResourceError):
+    """The client did not read its answer within --write-timeout-s; its connection ends."""
+
+
+def parsed_body(head: bytes, payload: bytes) -> Frame:
+    """parse_body, where anything it raises is a ProtocolError answered to the client (never a reader crash)."""
+    try:
+        return parse_body(head, payload)
+    except ProtocolError:
+        raise
+    except Exception as e:
+        raise ProtocolError(f"frame: cannot be parsed ({type(e).__name__}: {e})") from None
 
 
 def encode_answer(header: dict, arrays: dict | None) -> bytes:
@@ -39,31 +55,46 @@ def encode_answer(header: dict, arrays: dict | None) -> bytes:
 class Peer:
     """A TCP connection (anyio stream), and the write side every connection shares."""
 
-    def __init__(self, stream, max_frame_bytes: int, spawn=None):
-        self.stream, self.max_frame_bytes = stream, max_frame_bytes
+    def __init__(self, stream, max_frame_bytes: int, spawn=None, limits: Limits | None = None):
+        self.stream = stream
+        # Without limits (a peer made on its own, in tests) the connection counts as authenticated.
+        self.limits = limits or Limits(max_frame_bytes=max_frame_bytes)
+        self.authenticated = limits is None
+        self.max_frame_bytes = self.limits.frame_bytes(self.authenticated)
+        self.max_header_bytes = self.limits.header_bytes(self.authenticated, MAX_HEADER_BYTES)
+        self.last_active = time.monotonic()         # when bytes last arrived (the idle timeout counts from it)
         self.buffer = bytearray()
         # A threading lock, not an anyio one: the step thread writes decode answers itself (SocketPeer).
         self.write_lock = threading.Lock()
         self.loop = asyncio.get_running_loop()
-        self.spawn = spawn or self.start_task          # the daemon's task group, when there is one
+        self.spawn = spawn      # the daemon's task group's start_soon; None: start_task (not a bound method
+                                # kept here, which would be a reference cycle through the peer)
         self.tasks: set[asyncio.Task] = set()
         self.pending = None                 # the DecodeJob the step thread answers; the next request waits for it
 
     # -- reading ---------------------------------------------------------------------
+    def authenticate(self) -> None:
+        """The hello was accepted: the larger limits of an authenticated connection apply from the next frame."""
+        self.authenticated = True
+        self.max_frame_bytes = self.limits.frame_bytes(True)
+        self.max_header_bytes = self.limits.header_bytes(True, MAX_HEADER_BYTES)
+
     async def fill(self, count: int) -> None:
         while len(self.buffer) < count:
             self.buffer += await self.stream.receive()
+            self.last_active = time.monotonic()
 
     async def read_frame(self) -> Frame:
-        await self.fill(PREFIX_BYTES)           # idle clients may wait here forever
-        header_bytes, payload_bytes = parse_prefix(bytes(self.buffer[:PREFIX_BYTES]), self.max_frame_bytes)
+        await self.fill(PREFIX_BYTES)           # the daemon times idle clients (hello and idle timeouts)
+        header_bytes, payload_bytes = parse_prefix(bytes(self.buffer[:PREFIX_BYTES]), self.max_frame_bytes,
+                                                   self.max_header_bytes)
         end = PREFIX_BYTES + header_bytes + payload_bytes
         if len(self.buffer) < end:
             with anyio.fail_after(FRAME_TIMEOUT_S):
                 await self.fill(end)
         frame = bytes(self.buffer[:end])
         del self.buffer[:end]
-        return parse_body(frame[PREFIX_BYTES:PREFIX_BYTES + header_bytes], frame[PREFIX_BYTES + header_bytes:])
+        return parsed_body(frame[PREFIX_BYTES:PREFIX_BYTES + header_bytes], frame[PREFIX_BYTES + header_bytes:])
 
     async def settled(self) -> None:
         """Wait until the decode the step thread is answering has gone out whole (requests stay in order)."""
@@ -72,7 +103,7 @@ class Peer:
             self.pending = None
 
     def close(self) -> None:
-        pass
+        self.buffer = bytearray()
 
     def start_task(self, fn, *args) -> None:
         task = self.loop.create_task(fn(*args))
@@ -92,7 +123,12 @@ class Peer:
             self.write_lock.release()
 
     async def write(self, view: memoryview) -> None:
-        await self.stream.send(view)
+        try:
+            with anyio.fail_after(self.limits.write_timeout_s):
+                await self.stream.send(view)
+        except TimeoutError:
+            raise WriteTimeoutError(f"the client read none of a {len(view)}-byte answer within "
+                                    f"{self.limits.write_timeout_s} s (--write-timeout-s)") from None
 
 
 class SocketPeer(Peer):
@@ -106,13 +142,14 @@ class SocketPeer(Peer):
     queued for the coroutine, which is woken on the loop.  ``lock`` guards
     what both threads touch: the queued frames, the end, ``waiting``, ``pending``."""
 
-    def __init__(self, stream, max_frame_bytes: int, spawn=None, reader: SocketReader | None = None):
-        super().__init__(stream, max_frame_bytes, spawn)
+    def __init__(self, stream, max_frame_bytes: int, spawn=None, reader: SocketReader | None = None,
+                 limits: Limits | None = None):
+        super().__init__(stream, max_frame_bytes, spawn, limits)
         self.sock = stream.extra(anyio.abc.SocketAttribute.raw_socket)    # non-blocking
         self.fd = self.sock.fileno()
-        self.scratch = memoryview(bytearray(RECEIVE_BYTES))
         self.lock = threading.Lock()
         self.frames: deque = deque()        # Frames and ProtocolErrors the coroutine has not taken yet
+        self.queued_bytes = 0               # payload bytes of those frames (with the buffer: --max-buffered-mb)
         self.ended: BaseException | None = None     # raised to the coroutine once the frames are taken
         self.partial_since: float | None = None     # when the frame now arriving began (monotonic s)
         self.waiter: asyncio.Future | None = None   # the coroutine's, while it waits for a frame (loop only)
@@ -137,13 +174,38 @@ class SocketPeer(Peer):
             self.reader.unwatch(self.fd)
             self.reading = False
 
+    def authenticate(self) -> None:
+        """Loop: from now on the reader splits frames ahead (before hello it stopped after the first) with the
+        larger limits, beginning with bytes that arrived behind the hello."""
+        with self.lock:
+            super().authenticate()
+            if self.buffer and self.ended is None and self.split_frames():
+                self.wake_soon()
+        self.resume_reading()
+
     def close(self) -> None:
-        """Loop: stop reading; once this returns the reader thread touches this socket no more."""
+        """Loop: stop reading; once this returns the reader thread touches this socket no more.
+
+        What the connection held is let go here: a half-read frame of up to
+        --max-frame-mb must not wait for a garbage collection, and the peer
+        and its callbacks (take_at_once, the Connection's send_from_step)
+        refer to each other."""
         with self.lock:
             self.pause_reading()
             self.ended = self.ended or anyio.ClosedResourceError()
+            self.frames.clear()
+            self.queued_bytes = 0
+            self.buffer = bytearray()
+            self.take_at_once = None
         if self.own_reader:
             self.reader.stop()
+
+    def hang_up(self) -> None:
+        """Any thread: end a client that does not read (its reader sees the end and the connection closes)."""
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     # -- the reader thread -------------------------------------------------------------
     def on_readable(self) -> None:
@@ -151,7 +213,8 @@ class SocketPeer(Peer):
             if self.ended is not None:
                 return
             try:
-                received = self.sock.recv_into(self.scratch)
+                scratch = self.reader.scratch
+                received = self.sock.recv_into(scratch)
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
@@ -160,7 +223,8 @@ class SocketPeer(Peer):
             if not received:
                 self.end(anyio.EndOfStream())
                 return
-            self.buffer += self.scratch[:received]
+            self.buffer += scratch[:received]
+            self.last_active = time.monotonic()
             if self.split_frames():
                 self.wake_soon()
 
@@ -168,8 +232,11 @@ class SocketPeer(Peer):
         """Holding lock: take or queue every whole frame in the buffer; True if the coroutine must wake."""
         buffer, wake = self.buffer, False
         while len(buffer) >= PREFIX_BYTES:
+            if not self.authenticated and self.frames:
+                break                       # before hello one frame at a time, under the hello's limits
             try:
-                header_bytes, payload_bytes = parse_prefix(bytes(buffer[:PREFIX_BYTES]), self.max_frame_bytes)
+                header_bytes, payload_bytes = parse_prefix(bytes(buffer[:PREFIX_BYTES]), self.max_frame_bytes,
+                                                           self.max_header_bytes)
             except ProtocolError as e:      # the stream is out of step: nothing after this can be read
                 self.frames.append(e)
                 self.end(anyio.EndOfStream())
@@ -188,7 +255,7 @@ class SocketPeer(Peer):
             else:
                 del buffer[:end]
             try:
-                frame = parse_body(head, payload)
+                frame = parsed_body(head, payload)
             except ProtocolError as e:      # well framed: answered, and the connection goes on
                 self.frames.append(e)
                 continue
@@ -196,7 +263,9 @@ class SocketPeer(Peer):
                     and (self.pending is None or self.pending.done) and self.took_at_once(frame)):
                 continue
             self.frames.append(frame)
-        if len(self.frames) >= QUEUED_FRAMES:
+            self.queued_bytes += len(payload)
+        if self.frames and (len(self.frames) >= (QUEUED_FRAMES if self.authenticated else 1)
+                            or self.queued_bytes + len(buffer) >= self.limits.max_buffered_bytes):
             self.pause_reading()            # the coroutine reads on when it has taken them
         return wake or bool(self.frames)
 
@@ -233,6 +302,8 @@ class SocketPeer(Peer):
             with self.lock:
                 if self.frames:
                     item = self.frames.popleft()
+                    if isinstance(item, Frame):
+                        self.queued_bytes -= sum(a.nbytes for a in item.arrays.values())
                     self.waiting = False
                     break
                 if self.ended is not None:
@@ -250,17 +321,25 @@ class SocketPeer(Peer):
                         await self.waiter
             finally:
                 self.waiter = None
-        self.resume_reading()
+        if self.authenticated:              # before hello, authenticate() resumes reading
+            self.resume_reading()
         if isinstance(item, ProtocolError):
             raise item
         return item
 
     async def write(self, view: memoryview) -> None:
+        deadline, size = time.monotonic() + self.limits.write_timeout_s, len(view)
         while view:
             try:
                 view = view[self.sock.send(view):]
+                deadline = time.monotonic() + self.limits.write_timeout_s      # it reads: the clock starts again
             except BlockingIOError:
-                await anyio.wait_writable(self.sock)
+                with anyio.move_on_after(max(deadline - time.monotonic(), 0.0)):
+                    await anyio.wait_writable(self.sock)
+                if time.monotonic() >= deadline:
+                    self.hang_up()
+                    raise WriteTimeoutError(f"the client read none of the rest of a {size}-byte answer within "
+                                            f"{self.limits.write_timeout_s} s (--write-timeout-s)") from None
             except OSError as e:
                 raise anyio.BrokenResourceError(str(e)) from e
 
@@ -290,7 +369,7 @@ class SocketPeer(Peer):
     def start_write(self, write, data, finished) -> None:
         """Loop: a task that writes what the step thread could not."""
         try:
-            self.spawn(write, data, finished)
+            (self.spawn or self.start_task)(write, data, finished)
         except RuntimeError:                # the daemon is stopping and its task group takes no new tasks
             if write == self.send_rest:
                 self.write_lock.release()

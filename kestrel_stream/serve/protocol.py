@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kestrel_stream.serve.json_limits import JSONLimitError, load_limited
 from kestrel_stream.errors import CapacityError, DeviceError, InvalidTokenError, KestrelError, SessionClosedError
 
 MAGIC = b"KS"
@@ -70,6 +71,11 @@ class ShuttingDownError(KestrelError):
     code = "shutting_down"
 
 
+class IdleTimeoutError(KestrelError, TimeoutError):
+    """The daemon closed a connection that sent nothing for --idle-timeout-s."""
+    code = "timeout"
+
+
 class DaemonError(KestrelError):
     """Any other failure inside the daemon; the message is the daemon's."""
     code = "internal"
@@ -77,7 +83,7 @@ class DaemonError(KestrelError):
 
 ERRORS_BY_CODE: dict[str, type[KestrelError]] = {cls.code: cls for cls in (
     InvalidTokenError, CapacityError, SessionClosedError, DeviceError, ProtocolError, AuthError,
-    UnknownSessionError, UnavailableError, ShuttingDownError, DaemonError)}
+    UnknownSessionError, UnavailableError, ShuttingDownError, IdleTimeoutError, DaemonError)}
 
 
 def error_from_code(code: str, message: str) -> KestrelError:
@@ -104,7 +110,6 @@ class Frame:
 # json.JSONEncoder(separators=(",", ":"), default=str).
 _json_encoder = json.encoder.c_make_encoder and json.encoder.c_make_encoder(
     None, str, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
-_scan_json = json.JSONDecoder().scan_once
 
 
 def dump_header(header: dict) -> str:
@@ -114,14 +119,8 @@ def dump_header(header: dict) -> str:
 
 
 def load_header(text: str):
-    """json.loads(text), sooner: one scanner call when the text is exactly one JSON value."""
-    try:
-        value, end = _scan_json(text, 0)
-    except (StopIteration, json.JSONDecodeError):
-        end = -1
-    if end != len(text):                # whitespace around it, trailing data, or not JSON: json.loads says which
-        value = json.loads(text)
-    return value
+    """The JSON value of a header, within json_limits' depth, number-length and size limits."""
+    return load_limited(text)
 
 
 def encode_frame(header: dict, arrays: dict[str, np.ndarray] | None = None,
@@ -149,8 +148,10 @@ def encode_frame(header: dict, arrays: dict[str, np.ndarray] | None = None,
     return b"".join([prefix, head, *chunks]) if chunks else prefix + head
 
 
-def parse_prefix(prefix: bytes, max_frame_bytes: int) -> tuple[int, int]:
-    """(header_bytes, payload_bytes) from the 12-byte prefix; every error here is fatal."""
+def parse_prefix(prefix: bytes, max_frame_bytes: int, max_header_bytes: int = MAX_HEADER_BYTES) -> tuple[int, int]:
+    """(header_bytes, payload_bytes) from the 12-byte prefix; every error here is fatal.
+
+    Before a connection is authenticated the daemon passes smaller limits (serve/limits.py)."""
     if len(prefix) != PREFIX_BYTES:
         raise ProtocolError(f"frame prefix: got {len(prefix)} of {PREFIX_BYTES} bytes", fatal=True)
     magic, version, flags, header_bytes, payload_bytes = PREFIX.unpack(prefix)
@@ -161,8 +162,8 @@ def parse_prefix(prefix: bytes, max_frame_bytes: int) -> tuple[int, int]:
         raise ProtocolError(f"frame prefix: protocol version {version}, this side speaks {VERSION}", fatal=True)
     if flags != 0:
         raise ProtocolError(f"frame prefix: unknown flags {flags:#x}", fatal=True)
-    if not 2 <= header_bytes <= MAX_HEADER_BYTES:
-        raise ProtocolError(f"frame prefix: header length {header_bytes} outside 2..{MAX_HEADER_BYTES}",
+    if not 2 <= header_bytes <= max_header_bytes:
+        raise ProtocolError(f"frame prefix: header length {header_bytes} outside 2..{max_header_bytes}",
                             fatal=True)
     if PREFIX_BYTES + header_bytes + payload_bytes > max_frame_bytes:
         raise ProtocolError(f"frame prefix: frame of {PREFIX_BYTES + header_bytes + payload_bytes} bytes "
@@ -174,8 +175,8 @@ def parse_body(head: bytes, payload: bytes) -> Frame:
     """Header and arrays of a well-framed frame; errors here are answered, not fatal."""
     try:
         header = load_header(head.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ProtocolError(f"frame header: not UTF-8 JSON ({e})") from None
+    except (UnicodeDecodeError, JSONLimitError) as e:
+        raise ProtocolError(f"frame header: not UTF-8 JSON within the limits ({e})") from None
     if not isinstance(header, dict):
         raise ProtocolError(f"frame header: expected a JSON object, got {type(header).__name__}")
     specs = header.pop("arrays", NO_ARRAYS)
@@ -207,7 +208,7 @@ def parse_array_spec(spec, where: str) -> tuple[str, np.dtype, tuple[int, ...]]:
     name, dtype, shape = spec.get("name"), spec.get("dtype"), spec.get("shape")
     if not isinstance(name, str) or not 0 < len(name) <= 64:
         raise ProtocolError(f"{where}: 'name' must be a string of 1..64 characters")
-    if dtype not in DTYPES:
+    if type(dtype) is not str or dtype not in DTYPES:
         raise ProtocolError(f"{where} ({name!r}): dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if (not isinstance(shape, list) or len(shape) > MAX_NDIM
             or not all(type(d) is int and 0 <= d < 2**31 for d in shape)):

@@ -45,8 +45,11 @@ def field_int(header: dict, name: str, op: str, low: int, high: int, default=Non
 
 class Service:
     def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher,
-                 inline_max_s: float = DEFAULT_INLINE_MAX_S):
+                 inline_max_s: float = DEFAULT_INLINE_MAX_S, sessions_per_client: int | None = None,
+                 traces=None):
         self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
+        self.sessions_per_client = sessions_per_client or max_sessions
+        self.traces = traces                    # serve/traces.py DaemonTraces; None: no trace_start
         self.vocab_size = engine.config.vocab_size
         # Built once: the plan is fixed for the engine's mode, and stats() should stay a cheap round trip.
         self.plan = describe(getattr(engine, "plan_summary", None) or getattr(engine.executor, "plan_summary", None))
@@ -117,6 +120,9 @@ class Service:
         if len(self.engine.sessions) >= self.max_sessions:
             raise CapacityError(f"open: the daemon already holds {len(self.engine.sessions)} sessions "
                                 f"(--max-sessions {self.max_sessions})")
+        if len(conn.sessions) >= self.sessions_per_client:
+            raise CapacityError(f"open: this client already holds {len(conn.sessions)} sessions "
+                                f"(--max-sessions-per-client {self.sessions_per_client})")
         try:
             session = await self.steps.run(self.engine.new_session, length)
         except CapacityError:
@@ -207,20 +213,17 @@ class Service:
         return {"stats": self.stats()}, {}
 
     async def op_trace_start(self, conn, header, arrays):
-        path = header.get("path")
-        if not isinstance(path, str) or not path:
-            raise ProtocolError("trace_start: field 'path' must be a non-empty string")
-        start = getattr(tracer(), "start", None)
-        if start is None:
+        trace = tracer()
+        if trace is None or self.traces is None:
             raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
-        await self.steps.run(start, path)
-        return {"path": path}, {}
+        path = await self.steps.run(self.traces.start, conn, header.get("path"), trace)
+        return {"path": str(path)}, {}
 
     async def op_trace_stop(self, conn, header, arrays):
-        stop = getattr(tracer(), "stop", None)
-        if stop is None:
+        trace = tracer()
+        if trace is None or self.traces is None:
             raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
-        written = await self.steps.run(stop)
+        written = await self.steps.run(self.traces.stop, conn, trace)
         return {"path": str(written) if written is not None else None}, {}
 
     # -- decode steps ----------------------------------------------------------------
@@ -238,6 +241,12 @@ class Service:
         sessions = [conn.sessions.pop(sid) for sid in list(session_ids)]
         with anyio.CancelScope(shield=True):
             await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
+
+    async def client_left(self, conn: Connection) -> None:
+        """Its trace, if one records, is stopped and written."""
+        if self.traces is not None and self.traces.owner is conn:
+            with anyio.CancelScope(shield=True):
+                await self.steps.run(self.traces.stop, conn, tracer())
 
     def stats_at_once(self) -> dict | None:
         """Reader thread: stats() while no engine call runs (it takes the step thread's turn for that long),

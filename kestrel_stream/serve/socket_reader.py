@@ -22,6 +22,7 @@ import time
 import traceback
 
 WAKE = select.EPOLLIN | select.EPOLLRDHUP
+RECEIVE_BYTES = 65536
 
 
 class SocketReader:
@@ -30,6 +31,9 @@ class SocketReader:
     def __init__(self):
         self.epoll = select.epoll()
         self.peers: dict[int, object] = {}          # fd -> SocketPeer (any object with on_readable())
+        # What a peer's recv lands in before it joins that peer's buffer: one for all, as only this thread reads
+        # (a buffer per connection would hold 64 KiB of every idle one).
+        self.scratch = memoryview(bytearray(RECEIVE_BYTES))
         self.stop_r, self.stop_w = os.pipe()
         self.epoll.register(self.stop_r, select.EPOLLIN)
         # Until then, poll without sleeping: set after a lone client's step, whose next request then finds this

@@ -1,0 +1,85 @@
+"""Where the daemon listens and what it trusts: the Unix socket's path and mode, the TCP token.
+
+The socket path is refused if it is anything but a stale socket, or if its
+directory is a symlink; the token is never generated onto the command line
+(``--token`` still works, with a warning: /proc/PID/cmdline is readable by
+every user).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import stat
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+from kestrel_stream.serve.protocol import DaemonError
+
+
+def log(message: str) -> None:
+    """The daemon's log line (stderr)."""
+    print(f"kestrel-stream serve: {message}", file=sys.stderr, flush=True)
+
+
+@contextmanager
+def private_umask():
+    old = os.umask(0o177)           # the socket is born 0600, no window where others could connect
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def prepare_socket_path(path: Path) -> None:
+    """Refuse a path that is anything but a stale socket, or whose directory is a symlink; unlink a stale one."""
+    parent = path.parent if str(path.parent) else Path(".")
+    if parent.is_symlink():
+        raise DaemonError(f"--socket {path}: its directory {parent} is a symlink; give the real directory")
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(info.st_mode):
+        raise DaemonError(f"--socket {path}: exists and is not a socket; the daemon does not replace it")
+    probe = socket.socket(socket.AF_UNIX)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()               # a stale socket left by a killed daemon
+        return
+    finally:
+        probe.close()
+    raise DaemonError(f"{path}: another daemon is already listening there")
+
+
+def load_token(args, token_path: Path) -> str:
+    """$KESTREL_TOKEN, else the token file's (kept private), else a new one written there.
+
+    ``--token`` still works, but every user can read it in /proc/PID/cmdline."""
+    if args.token:
+        log("WARNING: --token is visible to every user in /proc/<pid>/cmdline; use --token-file or $KESTREL_TOKEN")
+        return args.token
+    token = os.environ.get("KESTREL_TOKEN")
+    if token:
+        return token
+    if args.token_file and token_path.exists():
+        info = token_path.stat()
+        if info.st_uid != os.getuid() or info.st_mode & 0o077:
+            raise PermissionError(f"--token-file {token_path}: must be owned by uid {os.getuid()} with mode 0600 "
+                                  f"(it is uid {info.st_uid}, mode {info.st_mode & 0o777:o})")
+        token = token_path.read_text().strip()
+        if not token:
+            raise ValueError(f"--token-file {token_path} is empty")
+        log(f"token read from {token_path}")
+        return token
+    token = secrets.token_hex(32)
+    token_path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with private_umask():
+        fd = os.open(token_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    os.chmod(token_path, 0o600)
+    log(f"token written to {token_path} (mode 0600)")
+    return token
