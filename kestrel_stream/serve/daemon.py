@@ -33,6 +33,8 @@ DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight reques
 DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
 DEFAULT_SPIN_US = 300.0
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
+DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS
+MAX_STEP_TOKENS = 65536
 
 
 def log(message: str) -> None:
@@ -208,7 +210,7 @@ def load_token(args, token_path: Path) -> str:
 async def serve(engine, args) -> int:
     from scheduler.batcher import StepBatcher
     from kestrel_stream.serve.service import Service
-    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3)
+    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3, step_tokens=args.step_tokens)
     service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3)
     socket_path = None
     if args.tcp:
@@ -232,7 +234,8 @@ async def serve(engine, args) -> int:
             service.steps.after_inline = partial(daemon.reader.spin_for, args.spin_us / 1e6)
         where = f"unix:{socket_path} (mode 0600)"
     daemon.max_frame_bytes = args.max_frame_mb * 1024 * 1024
-    log(f"max {args.max_sessions} sessions, batches of up to {args.max_batch} within {args.batch_window_ms} ms")
+    log(f"max {args.max_sessions} sessions, steps of up to {args.max_batch} sessions and {args.step_tokens} tokens "
+        f"within {args.batch_window_ms} ms")
     gc.collect()
     gc.freeze()         # the loaded model and modules leave the collector's view: no full collection walks them
     log(f"listening on {where}")
@@ -261,6 +264,8 @@ def run_daemon(args) -> int:
     import kestrel_stream as ks
     if args.max_sessions < 1 or args.max_batch < 1:
         raise ValueError("--max-sessions and --max-batch must be >= 1")
+    if not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
+        raise ValueError(f"--step-tokens must be in 1..{MAX_STEP_TOKENS}, got {args.step_tokens}")
     if not 1 <= args.max_frame_mb <= MAX_RESPONSE_BYTES >> 20:
         raise ValueError(f"--max-frame-mb must be in 1..{MAX_RESPONSE_BYTES >> 20}")
     if not 0 <= args.inline_max_ms <= 1000 or not 0 <= args.spin_us <= 100_000:
@@ -296,6 +301,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
                    help="how long a decode step waits for other sessions' steps")
+    p.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
+                   help="token budget of one engine step: every queued session's decode token, then chunks of "
+                        "queued prompts up to this many tokens in all; a longer prompt runs over several steps")
     p.add_argument("--inline-max-ms", type=float, default=DEFAULT_INLINE_MAX_S * 1e3,
                    help="a lone session's decode step runs on the socket reader thread, without a hop to the step "
                         "thread, while its steps take less than this (0: never)")

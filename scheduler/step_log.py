@@ -1,0 +1,62 @@
+"""What the served steps held and how long prompts waited: counters for the daemon's ``stats``.
+
+Pure arithmetic over numbers the batcher and the step thread hand in; kept
+apart from the policy (batcher.py) so the policy reads alone.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+RECENT_STEPS = 64           # step compositions kept for stats (the newest last)
+RECENT_TTFT = 1024          # time-to-first-token samples the percentiles are taken over
+
+
+def percentile(sorted_values: list[float], fraction: float) -> float:
+    """Nearest-rank percentile of an ascending list (0.0 for an empty one)."""
+    if not sorted_values:
+        return 0.0
+    rank = min(len(sorted_values) - 1, max(0, round(fraction * (len(sorted_values) - 1))))
+    return sorted_values[rank]
+
+
+@dataclass
+class StepLog:
+    steps: int = 0
+    step_tokens: int = 0                # tokens over all steps
+    decode_tokens: int = 0              # of which one-token requests (decode steps)
+    prompt_tokens: int = 0              # of which chunks of prompts
+    prompt_chunks: int = 0
+    max_tokens_in_step: int = 0
+    recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))    # (decode, prompt, sessions)
+    ttft_s: deque = field(default_factory=lambda: deque(maxlen=RECENT_TTFT))
+    prompts_answered: int = 0
+
+    def step(self, decode: int, prompt: int, chunks: int, sessions: int) -> None:
+        tokens = decode + prompt
+        self.steps += 1
+        self.step_tokens += tokens
+        self.decode_tokens += decode
+        self.prompt_tokens += prompt
+        self.prompt_chunks += chunks
+        self.max_tokens_in_step = max(self.max_tokens_in_step, tokens)
+        self.recent.append((decode, prompt, sessions))
+
+    def first_token(self, waited_s: float) -> None:
+        """A prompt's answer is ready ``waited_s`` after its request arrived."""
+        self.prompts_answered += 1
+        self.ttft_s.append(waited_s)
+
+    def stats(self) -> dict:
+        ttft = sorted(self.ttft_s)
+        return {
+            "steps": self.steps,
+            "tokens_per_step": round(self.step_tokens / self.steps, 3) if self.steps else 0.0,
+            "max_tokens_in_step": self.max_tokens_in_step,
+            "decode_tokens": self.decode_tokens, "prompt_tokens": self.prompt_tokens,
+            "prompt_chunks": self.prompt_chunks,
+            "recent_steps": [{"decode": d, "prompt": p, "sessions": s} for d, p, s in self.recent],
+            "prompts_answered": self.prompts_answered,
+            "ttft_ms": {"p50": round(percentile(ttft, 0.5) * 1e3, 3), "p99": round(percentile(ttft, 0.99) * 1e3, 3),
+                        "samples": len(ttft)},
+        }
