@@ -45,6 +45,7 @@ class Pending:
     arrived_s: float
     tokens: int = 1                 # 1: a decode; more: a prompt
     taken: int = 0                  # tokens already given to steps
+    queued_at_step: int = 0         # steps formed before it came
 
     @property
     def remaining(self) -> int:
@@ -98,7 +99,7 @@ class StepBatcher:
     def add(self, session_key: Hashable, payload: Any, now_s: float, tokens: int = 1) -> Pending:
         if tokens < 1:
             raise ValueError(f"a request holds at least one token, got {tokens}")
-        item = Pending(session_key, payload, now_s, tokens)
+        item = Pending(session_key, payload, now_s, tokens, 0, self.log.steps)
         self.queue.append(item)
         self.last_request_s[session_key] = now_s
         return item
@@ -176,7 +177,10 @@ class StepBatcher:
         if any(pending.remaining == 0 for pending, _ in chosen):
             self.queue = deque(p for p in queue if p.remaining)
         step = [Chunk(pending, pending.taken - count, count) for pending, count in chosen]
-        decode = sum(c.count for c in step if c.pending.tokens == 1)
+        decodes = [c.pending for c in step if c.pending.tokens == 1]
+        decode = len(decodes)
+        if decodes:
+            self.log.waited(max(self.log.steps - p.queued_at_step for p in decodes))
         prompt = [c for c in step if c.pending.tokens > 1]
         self.batches += 1
         self.batched_requests += len(step)

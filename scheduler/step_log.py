@@ -31,6 +31,7 @@ class StepLog:
     recent: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))    # (decode, prompt, sessions)
     ttft_s: deque = field(default_factory=lambda: deque(maxlen=RECENT_TTFT))
     prompts_answered: int = 0
+    max_decode_wait_steps: int = 0      # most steps formed while a decode waited in the queue (0: it went next)
 
     def step(self, decode: int, prompt: int, chunks: int, sessions: int) -> None:
         tokens = decode + prompt
@@ -41,6 +42,9 @@ class StepLog:
         self.prompt_chunks += chunks
         self.max_tokens_in_step = max(self.max_tokens_in_step, tokens)
         self.recent.append((decode, prompt, sessions))
+
+    def waited(self, steps: int) -> None:
+        self.max_decode_wait_steps = max(self.max_decode_wait_steps, steps)
 
     def first_token(self, waited_s: float) -> None:
         """A prompt's answer is ready ``waited_s`` after its request arrived."""
@@ -54,7 +58,7 @@ class StepLog:
             "tokens_per_step": round(self.step_tokens / self.steps, 3) if self.steps else 0.0,
             "max_tokens_in_step": self.max_tokens_in_step,
             "decode_tokens": self.decode_tokens, "prompt_tokens": self.prompt_tokens,
-            "prompt_chunks": self.prompt_chunks,
+            "prompt_chunks": self.prompt_chunks, "max_decode_wait_steps": self.max_decode_wait_steps,
             "recent_steps": [{"decode": d, "prompt": p, "sessions": s} for d, p, s in self.recent],
             "prompts_answered": self.prompts_answered,
             "ttft_ms": {"p50": round(percentile(ttft, 0.5) * 1e3, 3), "p99": round(percentile(ttft, 0.99) * 1e3, 3),

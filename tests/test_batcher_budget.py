@@ -51,7 +51,9 @@ def test_decodes_that_fill_the_step_leave_a_waiting_prompt_room():
     batcher.add("p", "prompt", 0.0, tokens=100)
     step = batcher.take()
     assert shape(step) == [("a", 0, 1, True), ("b", 0, 1, True), ("c", 0, 1, True), ("p", 0, 61, False)]
+    assert batcher.stats()["max_decode_wait_steps"] == 0
     assert shape(batcher.take())[0] == ("d", 0, 1, True)       # the decode left out goes first next time
+    assert batcher.stats()["max_decode_wait_steps"] == 1
 
 
 def test_budget_smaller_than_the_decodes_runs_them_over_steps():
