@@ -6,12 +6,14 @@ tokens are compared with the same session run alone in process.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import anyio
 import numpy as np
 import pytest
-from daemon_helpers import DaemonProcess
+from daemon_helpers import ENV, DaemonProcess
 from solo_reference import solo_runs
 
 import kestrel_stream as ks
@@ -156,3 +158,12 @@ def test_a_2000_token_prompt_mid_stream_does_not_stall_the_others_decode(tiny_mo
     assert len([s for s in chunks if s["prompt"] >= STEP_TOKENS - decoders]) >= 2000 // STEP_TOKENS - 1
     beside = [s for s in chunks if s["decode"]]
     assert len(beside) >= 4, f"the long prompt's chunks ran alone: {chunks}"
+
+
+@pytest.mark.parametrize("value", ["0", "70000"])
+def test_a_step_budget_out_of_range_is_refused_before_loading(tiny_model, tmp_path, value):
+    out = subprocess.run([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(tiny_model),
+                          "--socket", str(tmp_path / "ks.sock"), "--step-tokens", value],
+                         capture_output=True, text=True, env=ENV, timeout=120)
+    assert out.returncode != 0 and "--step-tokens" in out.stderr, out.stderr
+    assert not (tmp_path / "ks.sock").exists()
