@@ -24,7 +24,8 @@ def test_a_long_prompt_is_cut_into_chunks_behind_every_decode():
     assert shape(batcher.take()) == [("a", 0, 1, True), ("b", 0, 1, True), ("p", 14, 14, False)]
     assert shape(batcher.take()) == [("p", 28, 12, True)]
     assert batcher.depth == 0 and not batcher.take()
-    assert [s["decode"] + s["prompt"] for s in batcher.stats()["recent_steps"]] == [16, 16, 12]
+    stats = batcher.stats()
+    assert (stats["steps"], stats["mixed_steps"], stats["max_tokens_in_step"], stats["prompt_chunks"]) == (3, 2, 16, 3)
 
 
 def test_prompts_go_oldest_first_and_share_what_the_budget_leaves():

@@ -104,8 +104,7 @@ def test_32_clients_with_prompts_of_1_to_1000_tokens_get_their_solo_tokens(tiny_
     assert stats["prompt_tokens"] == sum(n for n in sizes if n > 1)
     assert stats["decode_tokens"] == 2 * DECODES * CLIENTS + sizes.count(1)
     assert stats["prompt_chunks"] > 2 * CLIENTS                     # long prompts were cut
-    mixed = [s for s in stats["recent_steps"] if s["decode"] and s["prompt"]]
-    assert mixed or stats["steps"] > len(stats["recent_steps"])
+    assert stats["mixed_steps"] > 0                                 # prompts ran beside decodes
     assert stats["prompts_answered"] == 2 * CLIENTS and stats["ttft_ms"]["samples"] == 2 * CLIENTS
     assert 0 < stats["ttft_ms"]["p50"] <= stats["ttft_ms"]["p99"]
     assert stats["queue_depth"] == 0 and stats["sessions"] == 0
@@ -153,11 +152,10 @@ def test_a_2000_token_prompt_mid_stream_does_not_stall_the_others_decode(tiny_mo
     # then, which held at most STEP_TOKENS tokens.
     assert stats["max_decode_wait_steps"] == 0, stats
     assert stats["max_tokens_in_step"] <= STEP_TOKENS
-    chunks = [s for s in stats["recent_steps"] if s["prompt"]]
-    assert sum(s["prompt"] for s in chunks) == 2000 + 5 * decoders or stats["steps"] > len(stats["recent_steps"])
-    assert len([s for s in chunks if s["prompt"] >= STEP_TOKENS - decoders]) >= 2000 // STEP_TOKENS - 1
-    beside = [s for s in chunks if s["decode"]]
-    assert len(beside) >= 4, f"the long prompt's chunks ran alone: {chunks}"
+    assert stats["prompt_tokens"] == 2000 + 5 * decoders
+    assert stats["prompt_chunks"] >= decoders + 2000 // STEP_TOKENS       # the long prompt was cut
+    # chunks beside the others' decodes: the decoders went on while the long prompt ran
+    assert stats["mixed_steps"] >= 2000 // STEP_TOKENS // 2, stats
 
 
 @pytest.mark.parametrize("value", ["0", "70000"])
