@@ -4,6 +4,7 @@
                            [--clients 1,16,32] [--prompt-tokens 128] [--new-tokens 64]
                            [--step-tokens 256[,65536]] [--max-batch 32] [--out DIR] [--label NAME]
     # on the H200:  python3 -m bench.serve --model qwen3-1.7b-q8_0.gguf --device cuda --label h200
+    #               python3 -m bench.serve --preset qwen3-1.7b --device cuda --mode gpu --step-tokens 256,65536
 
 Each client opens a session at the same moment as the others (a barrier),
 sends its prompt (random ids, a different one per client) with
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +36,7 @@ import numpy as np  # noqa: E402
 import kestrel_stream as ks  # noqa: E402
 from kestrel_stream.cli.bench import environment  # noqa: E402
 from kestrel_stream.loading.presets import ensure_preset  # noqa: E402
+from kestrel_stream.serve import protocol as wire  # noqa: E402
 
 from .daemon_latency import stop_daemon  # noqa: E402
 from .report import write_results  # noqa: E402
@@ -53,6 +56,27 @@ def start_daemon(model, args, socket_path: Path, step_tokens: int) -> subprocess
             raise RuntimeError(f"daemon did not start: {Path(log.name).read_text()}")
         time.sleep(0.05)
     return proc
+
+
+def daemon_vocab_size(socket_path: Path) -> int:
+    """The vocabulary size the daemon's hello answer names (the model is loaded there, not here)."""
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.settimeout(30)
+        sock.connect(str(socket_path))
+        sock.sendall(wire.encode_frame({"op": "hello", "id": 0, "v": wire.VERSION}))
+        data = b""
+        while True:
+            chunk = sock.recv(1 << 16)
+            if not chunk:
+                raise ConnectionError("the daemon closed the connection before its hello answer")
+            data += chunk
+            if len(data) >= wire.PREFIX_BYTES:
+                header_bytes, payload_bytes = wire.parse_prefix(data[:wire.PREFIX_BYTES], wire.MAX_RESPONSE_BYTES)
+                end = wire.PREFIX_BYTES + header_bytes + payload_bytes
+                if len(data) >= end:
+                    frame = wire.parse_body(data[wire.PREFIX_BYTES:wire.PREFIX_BYTES + header_bytes],
+                                            data[wire.PREFIX_BYTES + header_bytes:end])
+                    return int(frame.header["vocab_size"])
 
 
 def percentile(values: list[float], fraction: float) -> float:
@@ -90,10 +114,11 @@ async def serve_run(socket_path: Path, clients: int, prompt_tokens: int, new_tok
     return {"tok_s": clients * new_tokens / (max(finished) - started), "ttft_s": ttft_s}
 
 
-def rows_for_budget(model, args, socket_path: Path, step_tokens: int, vocab: int) -> list[dict]:
+def rows_for_budget(model, args, socket_path: Path, step_tokens: int) -> list[dict]:
     rows = []
     proc = start_daemon(model, args, socket_path, step_tokens)
     try:
+        vocab = daemon_vocab_size(socket_path)
         anyio.run(serve_run, socket_path, 2, min(args.prompt_tokens, 16), 4, vocab, 0)     # warm-up
         with ks.Client(str(socket_path)) as watcher:
             for clients in args.client_counts:
@@ -139,12 +164,9 @@ def main() -> None:
     if min(args.client_counts) < 1 or args.prompt_tokens < 1 or args.new_tokens < 1 or min(budgets) < 1:
         parser.error("--clients, --prompt-tokens, --new-tokens and --step-tokens must be >= 1")
     model = args.model or ensure_preset(args.preset)
-    engine = ks.load(model, device="cpu")           # only for its config; the daemon loads the model itself
-    vocab = engine.config.vocab_size
-    engine.close()
     with tempfile.TemporaryDirectory(prefix="kestrel-serve-") as tmp:
         socket_path = Path(tmp) / "ks.sock"
-        rows = [row for budget in budgets for row in rows_for_budget(model, args, socket_path, budget, vocab)]
+        rows = [row for budget in budgets for row in rows_for_budget(model, args, socket_path, budget)]
     name = f"serve-{args.model and Path(args.model).name or args.preset}-{args.device}"
     name += f"-{args.label}" if args.label else ""
     path = write_results(name, environment(), rows,
