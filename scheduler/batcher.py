@@ -1,16 +1,29 @@
-"""Step batching: decode requests of different sessions become one batched step.
+"""Step batching: every queued session's next tokens become one engine step, under a token budget.
 
 Pure data and clock arithmetic (no I/O, no device), so the policy is testable
-on its own; the daemon feeds it requests and asks when to run a batch.
+on its own; the daemon feeds it requests and asks when to run a step.
 
-A batch goes when any of these holds:
+A request is a decode (one token) or a prompt (many).  What one step holds
+(``take``), within ``step_tokens`` tokens and ``max_batch`` sessions:
+- decode tokens first, oldest first: a prompt never delays a decode by more
+  than the one step it shares with it;
+- then chunks of prompts, oldest first, each as much of its prompt as the
+  budget has left; a prompt longer than that goes on in the next steps (the
+  engine continues a session from its position, so a prompt cut into chunks
+  reaches the same cache as one run whole);
+- while a prompt waits, decodes leave it one session and one token of room,
+  so prompts move on even when decodes alone would fill every step.
+A session appears at most once per step; its later requests stay queued, in
+order, behind the one that is running.
+
+A step goes when any of these holds:
 - it is full (``max_batch`` distinct sessions queued);
 - every recently active session has a request queued: waiting longer could
   only add sessions that are not coming, so a lone client never waits;
-- the oldest queued request has waited ``window_s``.
-A session appears at most once per batch; its later requests stay queued, in
-order, for the next batch.  Batching changes no session's result: the engine
-computes each session's rows from that session's KV cache alone.
+- the oldest queued request has waited ``window_s`` (a prompt cut into chunks
+  has: its next chunk goes at once).
+Batching changes no session's tokens: the engine computes each session's rows
+from that session's KV cache alone.
 """
 from __future__ import annotations
 
@@ -18,15 +31,49 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
+from .step_log import StepLog
+
 DEFAULT_WINDOW_S = 0.001
 DEFAULT_ACTIVE_HORIZON_S = 0.05
+DEFAULT_STEP_TOKENS = 256
 
 
-@dataclass
+@dataclass(eq=False)
 class Pending:
     session_key: Hashable
-    payload: Any                    # what the daemon needs to run and answer it (session, token, reply slot)
+    payload: Any                    # what the daemon needs to run and answer it (session, tokens, reply slot)
     arrived_s: float
+    tokens: int = 1                 # 1: a decode; more: a prompt
+    taken: int = 0                  # tokens already given to steps
+    queued_at_step: int = 0         # steps formed before it came
+
+    @property
+    def remaining(self) -> int:
+        return self.tokens - self.taken
+
+
+class Chunk:
+    """Tokens start..start+count of one request, in one step."""
+    __slots__ = ("pending", "start", "count")
+
+    def __init__(self, pending: Pending, start: int, count: int):
+        self.pending, self.start, self.count = pending, start, count
+
+    @property
+    def payload(self) -> Any:
+        return self.pending.payload
+
+    @property
+    def session_key(self) -> Hashable:
+        return self.pending.session_key
+
+    @property
+    def final(self) -> bool:
+        """The request's last tokens: its answer can go out after this step."""
+        return self.start + self.count == self.pending.tokens
+
+    def __repr__(self) -> str:
+        return f"Chunk({self.session_key!r}, {self.start}:{self.start + self.count} of {self.pending.tokens})"
 
 
 @dataclass
@@ -34,19 +81,25 @@ class StepBatcher:
     max_batch: int = 32
     window_s: float = DEFAULT_WINDOW_S
     active_horizon_s: float = DEFAULT_ACTIVE_HORIZON_S      # a session counts as active this long after a request
+    step_tokens: int = DEFAULT_STEP_TOKENS                  # the token budget of one step
     queue: deque = field(default_factory=deque)
     last_request_s: dict = field(default_factory=dict)      # session_key -> time of its latest request
     batches: int = 0
     batched_requests: int = 0
+    log: StepLog = field(default_factory=StepLog)
 
     def __post_init__(self) -> None:
         if self.max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {self.max_batch}")
         if self.window_s < 0:
             raise ValueError(f"window_s must be >= 0, got {self.window_s}")
+        if self.step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
 
-    def add(self, session_key: Hashable, payload: Any, now_s: float) -> Pending:
-        item = Pending(session_key, payload, now_s)
+    def add(self, session_key: Hashable, payload: Any, now_s: float, tokens: int = 1) -> Pending:
+        if tokens < 1:
+            raise ValueError(f"a request holds at least one token, got {tokens}")
+        item = Pending(session_key, payload, now_s, tokens, 0, self.log.steps)
         self.queue.append(item)
         self.last_request_s[session_key] = now_s
         return item
@@ -59,9 +112,18 @@ class StepBatcher:
             self.queue = deque(p for p in self.queue if p.session_key != session_key)
         return dropped
 
+    def drop(self, pending: Pending) -> None:
+        """A prompt whose chunk failed: its remaining chunks do not run."""
+        if pending.remaining:
+            pending.taken = pending.tokens
+            self.queue = deque(p for p in self.queue if p is not pending)
+
     @property
     def depth(self) -> int:
         return len(self.queue)
+
+    def queued_tokens(self) -> int:
+        return sum(p.remaining for p in self.queue)
 
     def _distinct_queued(self) -> int:
         return len({p.session_key for p in self.queue})
@@ -76,10 +138,11 @@ class StepBatcher:
         return all(t < horizon for key, t in self.last_request_s.items() if key != session_key)
 
     def run_alone(self, session_key: Hashable, now_s: float) -> None:
-        """A request that runs at once, outside the queue (its session is ``lone``): a batch of one."""
+        """A decode that runs at once, outside the queue (its session is ``lone``): a step of one."""
         self.last_request_s[session_key] = now_s
         self.batches += 1
         self.batched_requests += 1
+        self.log.step(1, 0, 0, 1)
 
     def ready(self, now_s: float) -> bool:
         if not self.queue:
@@ -93,26 +156,58 @@ class StepBatcher:
         """When the oldest request's window ends (None with an empty queue)."""
         return self.queue[0].arrived_s + self.window_s if self.queue else None
 
-    def take(self) -> list[Pending]:
-        """Oldest-first, at most one request per session, at most max_batch."""
-        if len(self.queue) == 1:            # a lone request: the common case, taken without the scan
+    def take(self) -> list[Chunk]:
+        """The next step: decode tokens first, then chunks of prompts, within the budget (module docstring)."""
+        queue = self.queue
+        if len(queue) == 1 and queue[0].tokens == 1:     # a lone decode: the common case, taken without the scan
             self.batches += 1
             self.batched_requests += 1
-            return [self.queue.popleft()]
-        batch, seen, rest = [], set(), deque()
-        for item in self.queue:
-            if len(batch) < self.max_batch and item.session_key not in seen:
+            self.log.step(1, 0, 0, 1)
+            return [Chunk(queue.popleft(), 0, 1)]
+        heads, seen = [], set()             # each session's oldest request: the only one that may run now
+        for item in queue:
+            if item.session_key not in seen:
                 seen.add(item.session_key)
-                batch.append(item)
-            else:
-                rest.append(item)
-        self.queue = rest
-        if batch:
-            self.batches += 1
-            self.batched_requests += len(batch)
-        return batch
+                heads.append(item)
+        if not heads:
+            return []
+        chosen = self.choose(heads)
+        for pending, count in chosen:
+            pending.taken += count
+        if any(pending.remaining == 0 for pending, _ in chosen):
+            self.queue = deque(p for p in queue if p.remaining)
+        step = [Chunk(pending, pending.taken - count, count) for pending, count in chosen]
+        decodes = [c.pending for c in step if c.pending.tokens == 1]
+        decode = len(decodes)
+        if decodes:
+            self.log.waited(max(self.log.steps - p.queued_at_step for p in decodes))
+        prompt = [c for c in step if c.pending.tokens > 1]
+        self.batches += 1
+        self.batched_requests += len(step)
+        self.log.step(decode, sum(c.count for c in prompt), len(prompt), len(step))
+        return step
+
+    def choose(self, heads: list[Pending]) -> list[tuple[Pending, int]]:
+        """(request, tokens of it) for one step, from each session's oldest request, oldest first."""
+        room = min(self.max_batch, self.step_tokens)
+        if room == 1:                       # one session or one token a step: strictly oldest first
+            return [(heads[0], min(heads[0].remaining, self.step_tokens))]
+        singles = [p for p in heads if p.remaining == 1]
+        prompts = [p for p in heads if p.remaining > 1]
+        chosen = [(p, 1) for p in singles[:room - (1 if prompts else 0)]]
+        tokens_left, sessions_left = self.step_tokens - len(chosen), self.max_batch - len(chosen)
+        for p in prompts:
+            if not tokens_left or not sessions_left:
+                break
+            count = min(p.remaining, tokens_left)
+            chosen.append((p, count))
+            tokens_left -= count
+            sessions_left -= 1
+        return chosen
 
     def stats(self) -> dict:
-        return {"queue_depth": self.depth, "batches": self.batches, "batched_requests": self.batched_requests,
+        return {"queue_depth": self.depth, "queued_tokens": self.queued_tokens(), "batches": self.batches,
+                "batched_requests": self.batched_requests,
                 "mean_batch": round(self.batched_requests / self.batches, 3) if self.batches else 0.0,
-                "max_batch": self.max_batch, "window_ms": self.window_s * 1e3}
+                "max_batch": self.max_batch, "window_ms": self.window_s * 1e3, "step_tokens": self.step_tokens,
+                **self.log.stats()}

@@ -24,6 +24,15 @@ def tiny_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def long_tiny_model(tmp_path_factory):
+    """The tiny preset's weights with a 4,096-position context (its own is 512), for long prompts."""
+    from dataclasses import replace
+    from kestrel_stream.loading.presets import PRESETS
+    return make_model(tmp_path_factory.mktemp("tiny-long"), replace(PRESETS["tiny"], max_position_embeddings=4096),
+                      seed=1, dtype="f32")
+
+
+@pytest.fixture(scope="session")
 def llama_model(tmp_path_factory):
     """A random Llama checkpoint (preset llama-tiny, GQA 4, untied), float32 safetensors."""
     return make_model(tmp_path_factory.mktemp("llama"), "llama-tiny", seed=2, dtype="f32")

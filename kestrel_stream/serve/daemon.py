@@ -38,6 +38,8 @@ DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight reques
 DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
 DEFAULT_SPIN_US = 300.0
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
+DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS
+MAX_STEP_TOKENS = 65536
 
 
 GONE = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead,
@@ -273,11 +275,14 @@ async def serve(engine, args) -> int:
     from kestrel_stream.serve.service import Service
     from kestrel_stream.serve.traces import DaemonTraces, prepare_trace_dir
     limits = limits_from_args(args)
+    uses_runtime_dir = not args.trace_dir or not (args.socket or args.tcp)
+    made_dir = make_runtime_dir() if uses_runtime_dir else None     # removed at exit, once empty
     traces = DaemonTraces(prepare_trace_dir(args.trace_dir), limits.trace_max_events)
-    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3)
+    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3,
+                           step_tokens=args.step_tokens)
     service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3,
                       sessions_per_client=limits.sessions_per_client, traces=traces)
-    socket_path = made_dir = None
+    socket_path = None
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")
         host = host.strip("[]") or "127.0.0.1"
@@ -289,7 +294,6 @@ async def serve(engine, args) -> int:
         bound = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_address)
         where = f"tcp:{bound[0]}:{bound[1]} (token required)"
     else:
-        made_dir = None if args.socket else make_runtime_dir()
         socket_path = Path(args.socket) if args.socket else default_socket_path()
         prepare_socket_path(socket_path)
         with private_umask():
@@ -299,8 +303,9 @@ async def serve(engine, args) -> int:
         if args.spin_us > 0:
             service.steps.after_inline = partial(daemon.reader.spin_for, args.spin_us / 1e6)
         where = f"unix:{socket_path} (mode 0600)"
-    log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client), batches of up to "
-        f"{args.max_batch} within {args.batch_window_ms} ms; max {limits.max_connections} connections "
+    log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client), steps of up to "
+        f"{args.max_batch} sessions and {args.step_tokens} tokens within {args.batch_window_ms} ms; "
+        f"max {limits.max_connections} connections "
         f"({limits.max_unauthenticated} before hello); traces in {traces.directory}")
     map_large_buffers()
     gc.collect()
@@ -321,7 +326,9 @@ async def serve(engine, args) -> int:
         if socket_path is not None:
             socket_path.unlink(missing_ok=True)
         if made_dir is not None:
-            with contextlib.suppress(OSError):      # not empty: something else put a file there
+            with contextlib.suppress(OSError):      # not empty: traces were written, or something else put a file there
+                if traces.directory.parent == made_dir:
+                    traces.directory.rmdir()
                 made_dir.rmdir()
         service.steps.stop()                # waits for a step still running (a drain that timed out)
         if daemon.reader is not None:
@@ -335,6 +342,8 @@ def run_daemon(args) -> int:
     import kestrel_stream as ks
     if args.max_sessions < 1 or args.max_batch < 1:
         raise ValueError("--max-sessions and --max-batch must be >= 1")
+    if not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
+        raise ValueError(f"--step-tokens must be in 1..{MAX_STEP_TOKENS}, got {args.step_tokens}")
     if not 1 <= args.max_frame_mb <= MAX_RESPONSE_BYTES >> 20:
         raise ValueError(f"--max-frame-mb must be in 1..{MAX_RESPONSE_BYTES >> 20}")
     if not 0 <= args.inline_max_ms <= 1000 or not 0 <= args.spin_us <= 100_000:
@@ -374,6 +383,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
                    help="how long a decode step waits for other sessions' steps")
+    p.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
+                   help="token budget of one engine step: every queued session's decode token, then chunks of "
+                        "queued prompts up to this many tokens in all; a longer prompt runs over several steps")
     p.add_argument("--inline-max-ms", type=float, default=DEFAULT_INLINE_MAX_S * 1e3,
                    help="a lone session's decode step runs on the socket reader thread, without a hop to the step "
                         "thread, while its steps take less than this (0: never)")

@@ -1,9 +1,11 @@
-"""What the daemon does with a request: session ownership, operations, and decode steps.
+"""What the daemon does with a request: session ownership, operations, and steps.
 
 Every engine call runs on one dedicated step thread (``StepThread``), off the
-event loop, so the loop keeps reading frames while a step runs.  Decode
-requests go to that thread, which forms the batches and, for connections that
-allow it, writes each answer to the socket itself (decode_steps.py); a lone
+event loop, so the loop keeps reading frames while a step runs.  Decode and
+prefill requests go to that thread, whose batcher forms every step from the
+decode tokens and prompt chunks queued, under a token budget (continuous
+batching; scheduler/batcher.py); for connections that allow it, the step
+thread writes each decode's answer to the socket itself (decode_steps.py); a lone
 session's short decode step runs on the socket reader thread instead, which
 read its request (step_thread.py, socket_reader.py).
 Requests are validated here, once, before they reach the engine; a decode
@@ -20,7 +22,7 @@ import numpy as np
 
 from scheduler.batcher import StepBatcher
 
-from kestrel_stream.serve.decode_steps import DecodeJob, DecodeSteps, SendFromStep, answer
+from kestrel_stream.serve.decode_steps import DecodeJob, DecodeSteps, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
 from kestrel_stream.serve.protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
@@ -55,7 +57,7 @@ class Service:
         self.plan = describe(getattr(engine, "plan_summary", None) or getattr(engine.executor, "plan_summary", None))
         self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0,
                          "decode_step_s": 0.0}         # engine time of those steps, on the step thread
-        self.decode_steps = DecodeSteps(engine, self.counters)
+        self.decode_steps = DecodeSteps(engine, self.counters, batcher)
         self.steps = StepThread(batcher, self.decode_steps.run, inline_max_s)
         self.connections: set[int] = set()
         self.draining = False
@@ -136,9 +138,10 @@ class Service:
         session = self.session_of(conn, header, "prefill")
         want, k = self.want_of(header, "prefill")
         ids = self.token_ids(arrays, "prefill")
-        logits = await self.steps.run(session.prefill, ids)
-        fields, out = answer(logits, want, k)
-        return {"position": session.position, **fields}, out
+        session._check_room(len(ids))
+        job = await self.prefill(session, ids, want, k)
+        fields, out = job.result
+        return {"position": job.position, **fields}, out
 
     async def op_decode(self, conn, header, arrays):
         session, token, want, k = self.decode_request(conn, header)
@@ -191,8 +194,8 @@ class Service:
         count = field_int(header, "n", "generate", 0, session.max_seq_len)
         ids = self.token_ids(arrays, "generate")
         session._check_room(len(ids) + max(count - 1, 0))
-        logits = await self.steps.run(session.prefill, ids)
-        tokens = [int(np.argmax(logits[-1]))] if count else []
+        job = await self.prefill(session, ids, "token", 1)
+        tokens = [job.result[0]["token"]] if count else []
         while len(tokens) < count:
             job = await self.decode(session, tokens[-1], "token", 1)
             tokens.append(job.result[0]["token"])
@@ -226,7 +229,16 @@ class Service:
         written = await self.steps.run(self.traces.stop, conn, trace)
         return {"path": str(written) if written is not None else None}, {}
 
-    # -- decode steps ----------------------------------------------------------------
+    # -- steps -----------------------------------------------------------------------
+    async def prefill(self, session: Session, ids: np.ndarray, want: str, k: int) -> PrefillJob:
+        """A prompt, in chunks beside other sessions' decodes as the batcher chooses; the handler answers."""
+        job = PrefillJob(session, ids, want, k)
+        self.steps.submit(job)
+        await job.wait()
+        if job.error is not None:
+            raise job.error
+        return job
+
     async def decode(self, session: Session, token: int, want: str, k: int) -> DecodeJob:
         """One decode step, batched with other sessions' steps; the handler answers."""
         job = DecodeJob(session, token, want, k)

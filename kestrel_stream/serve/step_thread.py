@@ -1,4 +1,8 @@
-"""One long-lived thread that runs every engine call of the daemon and forms its decode batches, off the event loop.
+"""One long-lived thread that runs every engine call of the daemon and forms its steps, off the event loop.
+
+A step holds the decode token of every queued session and chunks of queued
+prompts, as the batcher chooses under its token budget; a prompt longer than
+that runs over several steps, with other sessions' decodes beside each chunk.
 
 The one exception: a lone session's short decode step runs on the reader
 thread that read its request (``run_inline``), since there is then no batch to
@@ -12,14 +16,14 @@ import time
 import traceback
 from typing import Callable
 
-from scheduler.batcher import StepBatcher
+from scheduler.batcher import Chunk, Pending, StepBatcher
 
 STOP = object()
 DEFAULT_INLINE_MAX_S = 0.002        # serve --inline-max-ms
 
 
 class StepThread:
-    """Runs engine calls in submission order, and decode batches as soon as the batcher lets them go.
+    """Runs engine calls in submission order, and steps (decodes, prompt chunks) as soon as the batcher lets them go.
 
     A call (``run``) is one queue put; its result comes back through
     ``call_soon_threadsafe`` on an asyncio future, a single wake-up of the loop.
@@ -54,7 +58,8 @@ class StepThread:
         return await future
 
     def submit(self, job, at_once: bool = False) -> None:
-        """A decode request (``job.session.id``, ``job.arrived_s``) for the first batch that may take it.
+        """A decode or prompt (``job.session.id``, ``job.arrived_s``, ``job.tokens``) for the first step that
+        may take it.  Only a decode comes ``at_once``.
 
         ``at_once``: from the reader thread, which runs a lone session's short
         step itself (``run_inline``) or queues it here at once.  Otherwise, from
@@ -87,7 +92,7 @@ class StepThread:
             batcher.run_alone(job.session.id, job.arrived_s)
             self.inline_steps += 1
             try:
-                self.run_timed([job])
+                self.run_timed([Chunk(Pending(job.session.id, job, job.arrived_s), 0, 1)])
             except Exception:               # a bug past the step; run_batch answered the job in any case, and
                 traceback.print_exc()       # it must not run a second time from the connection's coroutine
             if self.after_inline is not None:
@@ -118,18 +123,21 @@ class StepThread:
                         self.run_ready_batch()      # requests queued before this call go first
                         self.call(*item)
                     else:
-                        batcher.add(item.session.id, item, item.arrived_s)
+                        batcher.add(item.session.id, item, item.arrived_s, item.tokens)
                     item = None if inbox.empty() else inbox.get()
                 self.run_ready_batch()
 
     def run_ready_batch(self) -> None:
         if self.batcher.ready(time.perf_counter()):
-            self.run_timed([pending.payload for pending in self.batcher.take()])
+            step = self.batcher.take()
+            # only a decode step's time says whether the next lone decode may run inline
+            self.run_timed(step, timed=all(chunk.pending.tokens == 1 for chunk in step))
 
-    def run_timed(self, jobs: list) -> None:
+    def run_timed(self, chunks: list, timed: bool = True) -> None:
         started = time.perf_counter()
-        self.run_batch(jobs)
-        self.step_s = time.perf_counter() - started
+        self.run_batch(chunks)
+        if timed:
+            self.step_s = time.perf_counter() - started
 
     def call(self, future: asyncio.Future, fn, args) -> None:
         try:

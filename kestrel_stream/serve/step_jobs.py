@@ -1,0 +1,140 @@
+"""A request's way through the batcher and the engine steps: DecodeJob (one token), PrefillJob (a prompt).
+
+A job is created by the request's handler (or the reader thread), queued in
+the batcher, and run by the step thread in one step (a decode) or in chunks
+over several (a prompt longer than what a step has room for); the step thread
+then answers it (``send``) or wakes the handler waiting on it (``wait``).
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from kestrel_stream.run.engine import Session
+from kestrel_stream.serve.step_thread import settle
+
+# Step thread: send (header, arrays) to the client, then call the third argument once it is all written.
+SendFromStep = Callable[[dict, "dict | None", Callable[[], None]], None]
+
+
+def answer(logits: np.ndarray, want: str, k: int) -> tuple[dict, dict]:
+    """The response fields for logits [n, V]: all rows, the last row, its greedy token, or its top-k."""
+    if want == "logits":
+        return {}, {"logits": logits}
+    last = logits[-1]
+    if want == "last":
+        return {}, {"logits": last}
+    token = int(np.argmax(last))
+    if want == "token":
+        return {"token": token}, {}
+    top = np.argpartition(-last, k - 1)[:k]
+    top = top[np.argsort(-last[top], kind="stable")]
+    return {"token": token}, {"topk_ids": top.astype(np.int32), "topk_logits": last[top]}
+
+
+class StepJob:
+    """What every job has: its session, what to answer, and the hand-over between threads."""
+    __slots__ = ("session", "want", "k", "request_id", "send", "arrived_s", "position", "result", "error",
+                 "done", "waiter")
+    lock = threading.Lock()         # done and waiter of every job: held for a few bytecodes, by any thread
+    op = "step"
+
+    def __init__(self, session: Session, want: str, k: int, request_id=None, send: SendFromStep | None = None):
+        self.session, self.want, self.k = session, want, k
+        self.request_id, self.send = request_id, send
+        self.arrived_s = time.perf_counter()
+        self.position = 0
+        self.result: tuple | None = None        # (header fields, arrays)
+        self.error: BaseException | None = None
+        self.done = False
+        self.waiter: asyncio.Future | None = None
+
+    def finish(self) -> None:
+        """Any thread: the job is over (its answer written, when the step thread sends it)."""
+        with self.lock:
+            self.done = True
+            waiter = self.waiter
+        if waiter is not None:                  # the loop wakes only when a coroutine waits for this job
+            waiter.get_loop().call_soon_threadsafe(settle, waiter, None, None)
+
+    async def wait(self) -> None:
+        with self.lock:
+            if self.done:
+                return
+            self.waiter = asyncio.get_running_loop().create_future()
+        await self.waiter
+
+
+class DecodeJob(StepJob):
+    """One decode token.  ``send`` set: the step thread answers the client itself and the handler does not
+    wait; the connection waits (``wait``) before its next request.  Otherwise the handler waits and answers."""
+    __slots__ = ("token",)
+    op = "decode"
+    tokens = 1
+
+    def __init__(self, session: Session, token: int, want: str, k: int, request_id=None,
+                 send: SendFromStep | None = None):
+        super().__init__(session, want, k, request_id, send)
+        self.token = token
+
+    def ids(self, start: int, count: int) -> np.ndarray:
+        return np.array([self.token], np.int64)
+
+    def greedy_enough(self, final: bool) -> bool:
+        return self.want == "token"
+
+    def take(self, row, final: bool, greedy: bool) -> None:
+        """row: the greedy token (greedy) or logits [1, V]."""
+        self.result = ({"token": int(row)}, {}) if greedy else answer(row, self.want, self.k)
+
+    def rewind(self) -> None:
+        pass
+
+
+class PrefillJob(StepJob):
+    """A prompt, run in one chunk or several; its answer is the one the whole prompt would get at once.
+
+    Only the rows the answer needs are kept: every chunk's logits for
+    ``want="logits"``, otherwise the last chunk's alone."""
+    __slots__ = ("prompt", "parts", "start_position")
+    op = "prefill"
+
+    def __init__(self, session: Session, prompt: np.ndarray, want: str, k: int):
+        super().__init__(session, want, k)
+        self.prompt = prompt                # int64 [n], checked by the service
+        self.parts: list[np.ndarray] = []   # logits [count, V] of each chunk so far (want="logits")
+        self.start_position = session.position
+
+    @property
+    def tokens(self) -> int:
+        return len(self.prompt)
+
+    def ids(self, start: int, count: int) -> np.ndarray:
+        return self.prompt[start:start + count]
+
+    def greedy_enough(self, final: bool) -> bool:
+        """Whether the greedy token of the chunk's last row is all this chunk must give back."""
+        return self.want != "logits" and (not final or self.want == "token")
+
+    def take(self, rows, final: bool, greedy: bool) -> None:
+        if self.want == "logits":
+            self.parts.append(rows)
+        if not final:
+            return
+        if self.want == "logits":
+            logits = self.parts[0] if len(self.parts) == 1 else np.concatenate(self.parts)
+            self.parts = []
+            self.result = answer(logits, "logits", self.k)
+        else:
+            self.result = ({"token": int(rows)}, {}) if greedy else answer(rows, self.want, self.k)
+
+    def rewind(self) -> None:
+        """A later chunk failed: the session forgets the chunks that ran, as if the prompt never came."""
+        session = self.session
+        if not session.closed and session.position > self.start_position:
+            session.position = self.start_position
+            del session.tokens[self.start_position:]

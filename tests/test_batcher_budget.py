@@ -1,0 +1,115 @@
+"""The step batcher under a token budget: decode first, prompts in chunks, fairness and the step log."""
+from __future__ import annotations
+
+import pytest
+
+from scheduler.batcher import StepBatcher
+from scheduler.step_log import percentile
+
+
+def shape(step):
+    return [(c.session_key, c.start, c.count, c.final) for c in step]
+
+
+def test_a_long_prompt_is_cut_into_chunks_behind_every_decode():
+    batcher = StepBatcher(max_batch=8, step_tokens=16)
+    batcher.add("p", "prompt", 0.0, tokens=40)
+    for key in "ab":
+        batcher.add(key, key, 0.0)
+    assert shape(batcher.take()) == [("a", 0, 1, True), ("b", 0, 1, True), ("p", 0, 14, False)]
+    assert batcher.depth == 1 and batcher.queued_tokens() == 26
+    for key in "ab":
+        batcher.add(key, key + "2", 0.001)
+    assert batcher.ready(0.001)                     # the prompt's window ended: its next chunk goes at once
+    assert shape(batcher.take()) == [("a", 0, 1, True), ("b", 0, 1, True), ("p", 14, 14, False)]
+    assert shape(batcher.take()) == [("p", 28, 12, True)]
+    assert batcher.depth == 0 and not batcher.take()
+    stats = batcher.stats()
+    assert (stats["steps"], stats["mixed_steps"], stats["max_tokens_in_step"], stats["prompt_chunks"]) == (3, 2, 16, 3)
+
+
+def test_prompts_go_oldest_first_and_share_what_the_budget_leaves():
+    batcher = StepBatcher(max_batch=8, step_tokens=10)
+    batcher.add("old", 1, 0.0, tokens=7)
+    batcher.add("new", 2, 0.1, tokens=7)
+    assert shape(batcher.take()) == [("old", 0, 7, True), ("new", 0, 3, False)]
+    assert shape(batcher.take()) == [("new", 3, 4, True)]
+
+
+def test_a_session_runs_one_request_at_a_time_in_order():
+    batcher = StepBatcher(max_batch=8, step_tokens=8)
+    batcher.add("a", "prompt", 0.0, tokens=12)
+    batcher.add("a", "decode", 0.0)
+    assert shape(batcher.take()) == [("a", 0, 8, False)]
+    assert shape(batcher.take()) == [("a", 8, 4, True)]
+    assert [c.payload for c in batcher.take()] == ["decode"]
+
+
+def test_decodes_that_fill_the_step_leave_a_waiting_prompt_room():
+    batcher = StepBatcher(max_batch=4, step_tokens=64)
+    for key in "abcd":
+        batcher.add(key, key, 0.0)
+    batcher.add("p", "prompt", 0.0, tokens=100)
+    step = batcher.take()
+    assert shape(step) == [("a", 0, 1, True), ("b", 0, 1, True), ("c", 0, 1, True), ("p", 0, 61, False)]
+    assert batcher.stats()["max_decode_wait_steps"] == 0
+    assert shape(batcher.take())[0] == ("d", 0, 1, True)       # the decode left out goes first next time
+    assert batcher.stats()["max_decode_wait_steps"] == 1
+
+
+def test_budget_smaller_than_the_decodes_runs_them_over_steps():
+    batcher = StepBatcher(max_batch=32, step_tokens=3)
+    for key in "abcde":
+        batcher.add(key, key, 0.0)
+    assert [c.payload for c in batcher.take()] == ["a", "b", "c"]
+    assert [c.payload for c in batcher.take()] == ["d", "e"]
+
+
+@pytest.mark.parametrize("kwargs", [{"max_batch": 1, "step_tokens": 5}, {"max_batch": 4, "step_tokens": 1}])
+def test_one_place_a_step_goes_strictly_oldest_first(kwargs):
+    batcher = StepBatcher(**kwargs)
+    batcher.add("p", "prompt", 0.0, tokens=6)
+    batcher.add("a", "a", 0.1)
+    budget = kwargs["step_tokens"]
+    assert shape(batcher.take()) == [("p", 0, min(budget, 1 if kwargs["max_batch"] > 1 else 5), False)]
+
+
+def test_a_failed_chunk_drops_the_rest_of_its_prompt():
+    batcher = StepBatcher(max_batch=4, step_tokens=4)
+    batcher.add("p", "prompt", 0.0, tokens=10)
+    batcher.add("a", "a", 0.0)
+    chunk = [c for c in batcher.take() if c.session_key == "p"][0]
+    batcher.drop(chunk.pending)
+    batcher.add("a", "a2", 0.0)
+    assert shape(batcher.take()) == [("a", 0, 1, True)]
+    assert batcher.depth == 0
+
+
+def test_a_closed_session_leaves_its_half_run_prompt_to_be_answered():
+    batcher = StepBatcher(max_batch=4, step_tokens=4)
+    batcher.add("p", "prompt", 0.0, tokens=10)
+    batcher.take()
+    assert [p.payload for p in batcher.forget("p")] == ["prompt"]
+    assert batcher.depth == 0
+
+
+def test_stats_count_tokens_per_step_and_time_to_first_token():
+    batcher = StepBatcher(max_batch=4, step_tokens=8)
+    batcher.add("p", "prompt", 0.0, tokens=12)
+    batcher.add("a", "a", 0.0)
+    batcher.take()
+    batcher.take()
+    for waited_s in (0.010, 0.020, 0.030):
+        batcher.log.first_token(waited_s)
+    stats = batcher.stats()
+    assert (stats["steps"], stats["tokens_per_step"], stats["max_tokens_in_step"]) == (2, 6.5, 8)
+    assert (stats["decode_tokens"], stats["prompt_tokens"], stats["prompt_chunks"]) == (1, 12, 2)
+    assert stats["step_tokens"] == 8 and stats["queue_depth"] == 0
+    assert stats["ttft_ms"] == {"p50": 20.0, "p99": 30.0, "samples": 3}
+    assert percentile([], 0.5) == 0.0
+
+
+@pytest.mark.parametrize("kwargs", [{"step_tokens": 0}, {"step_tokens": -3}])
+def test_a_budget_below_one_token_is_refused(kwargs):
+    with pytest.raises(ValueError, match="step_tokens"):
+        StepBatcher(**kwargs)
