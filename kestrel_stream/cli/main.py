@@ -89,8 +89,17 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from kestrel_stream.cli.text_args import generate_kwargs, prompt_from_args
     engine = load_engine(args)
-    result = engine.generate(args.prompt_ids, args.max_new_tokens)
+    prompt = prompt_from_args(args, engine)
+    stream = engine.generate(prompt, args.max_new_tokens, stream=True, **generate_kwargs(args))
+    show_text = engine.tokenizer is not None and not args.json
+    for piece in stream:
+        if show_text and piece.text:
+            print(piece.text, end="", flush=True)
+    result = stream.result
+    if show_text:
+        print()
     report = {
         "tokens": result.tokens,
         "prompt_len": result.prompt_len,
@@ -101,14 +110,19 @@ def cmd_generate(args) -> int:
         "launches_per_token": result.stats.get("launches_per_token", 0.0),
         "mode": engine.mode,
         "device": engine.device,
+        "stop_reason": result.stop_reason,
     }
+    if result.text is not None:
+        report["text"] = result.text
     report.update(window_report(engine, result.stats))
     if args.json:
         print(json.dumps(report))
     else:
-        print("tokens:", " ".join(map(str, result.tokens)))
+        if not show_text:
+            print("tokens:", " ".join(map(str, result.tokens)))
         print(f"prefill {report['prefill_tok_s']} tok/s, decode {report['decode_tok_s']} tok/s, "
-              f"{report['syncs_per_token']} syncs/token ({engine.device}, mode {engine.mode})")
+              f"{report['syncs_per_token']} syncs/token ({engine.device}, mode {engine.mode}); "
+              f"stopped: {result.stop_reason}", file=sys.stderr if show_text else sys.stdout)
     engine.close()
     return 0
 
@@ -177,9 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"])
     p.set_defaults(func=cmd_make_model)
 
-    p = sub.add_parser("generate", help="greedy decode from prompt token ids")
+    p = sub.add_parser("generate", help="generate text (or token ids) from a prompt, greedy or sampled")
     add_engine_args(p)
-    p.add_argument("--prompt-ids", required=True, type=parse_ids)
+    from kestrel_stream.cli.text_args import add_text_args
+    add_text_args(p, parse_ids)
     p.add_argument("--max-new-tokens", type=int, default=16)
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_generate)
