@@ -119,8 +119,13 @@ def test_greedy_tokens_equal_transformers_on_the_same_q8_weights(smollm2):
         for t, n in zip(tokens, nxt):
             t.append(int(n))
     model = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2.parent), gguf_file=smollm2.name,
-                                                              torch_dtype=torch.float32)
+                                                              dtype=torch.float32)
     for ids, ours in zip(prompts, tokens):
-        with torch.no_grad():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps)
-        assert ours == out[0, len(ids):].tolist()
+        theirs, past, step_ids = [], None, torch.tensor([ids])
+        with torch.no_grad():                       # greedy with KV cache, never stopping at EOS
+            for _ in range(steps):
+                out = model(step_ids, past_key_values=past, use_cache=True)
+                past = out.past_key_values
+                theirs.append(int(out.logits[0, -1].argmax()))
+                step_ids = torch.tensor([[theirs[-1]]])
+        assert ours == theirs

@@ -296,6 +296,24 @@ class Session:
         self._check_room(1)
         return int(self.engine.step([(self, arr)], greedy=True)[0])
 
+    def decode_sample(self, token: int, params, seed: int, step: int) -> int:
+        """Append one token; the next token drawn with `params` (text/sampling.py), on the device in
+        gpu mode (4 bytes back), else from the logits on the host; the same draw for (seed, step)."""
+        from kestrel_stream.text.sampling import sample_logits
+        self._check_open()
+        arr = self.engine.check_tokens([token], f"session {self.id} decode")
+        self._check_room(1)
+        sample = getattr(self.engine.executor, "forward_sample", None)
+        if sample is not None and not params.penalized:
+            from kestrel_stream.run.device_sampler import pack_state
+            with self.engine._lock:
+                out = sample([(self.kv, arr, self.position)], [pack_state(params, seed, step)])
+            if out is not None:
+                self.position += 1
+                self.tokens.append(int(token))
+                return int(out[0])
+        return sample_logits(self.decode(token), params, seed, step, self.tokens + [int(token)])
+
     def reset(self) -> None:
         """Forget the sequence; the KV cache is reused from position 0."""
         self._check_open()

@@ -78,7 +78,7 @@ class Generation:
                 if chained is not None:
                     return chained
             return [s.decode_greedy(token)]
-        if not params.penalized and hasattr(engine.executor, "forward_sample"):
+        if not params.penalized:
             return [s.decode_sample(token, params, self.seed, step)]
         return [self._pick(s.decode(token), step)]
 
