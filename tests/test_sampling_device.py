@@ -27,6 +27,7 @@ def test_emulated_gpu_sampling_draws_the_cpu_engines_tokens(weights, monkeypatch
     want = [cpu.generate([5, 3, 200, 17], 12, seed=seed, **SAMPLED).tokens for seed in (1, 2)]
     fake_cuda.install(monkeypatch, mode="deferred")
     gpu = Engine(weights, device="cuda", mode="gpu", max_seq_len=64, max_batch=4)
+    gpu.chain_greedy = False                 # one sampled step per sync first; chained below
     for seed, expected in zip((1, 2), want):
         before = dict(gpu.executor.stats)
         result = gpu.generate([5, 3, 200, 17], 12, seed=seed, **SAMPLED)
@@ -36,6 +37,11 @@ def test_emulated_gpu_sampling_draws_the_cpu_engines_tokens(weights, monkeypatch
         # the prompt's logits rows once, then 4 bytes per sampled token
         assert gpu.executor.stats["d2h_bytes"] - before["d2h_bytes"] == 4 * CONFIG.vocab_size * 4 + 4 * steps
     assert any(key[1] == "sample" for key in gpu.executor._graphs)
+    gpu.chain_greedy = True                  # chained on the device: the same draws, fewer syncs
+    for seed, expected in zip((1, 2), want):
+        before = dict(gpu.executor.stats)
+        assert gpu.generate([5, 3, 200, 17], 12, seed=seed, **SAMPLED).tokens == expected
+        assert gpu.executor.stats["syncs"] - before["syncs"] <= 1 + 1        # prefill + one chained run
     assert len(set(want[0])) > 2 and want[0] != want[1]                      # it did sample
     gpu.close()
 

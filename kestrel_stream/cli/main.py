@@ -93,7 +93,7 @@ def cmd_generate(args) -> int:
     engine = load_engine(args)
     prompt = prompt_from_args(args, engine)
     stream = engine.generate(prompt, args.max_new_tokens, stream=True, **generate_kwargs(args))
-    show_text = engine.tokenizer is not None and not args.json
+    show_text = engine.tokenizer is not None and not args.json and args.prompt_ids is None
     for piece in stream:
         if show_text and piece.text:
             print(piece.text, end="", flush=True)

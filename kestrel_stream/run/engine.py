@@ -233,14 +233,16 @@ class Engine:
                 stats[f"{key}_per_token"] = stats[key] / decode_steps if decode_steps else 0.0
         return GenerateResult(tokens, prefill_s, decode_s, prompt_len, stats, **text)
 
-    def _generate_chained(self, s: "Session", token: int, steps: int) -> list[int] | None:
+    def _generate_chained(self, s: "Session", token: int, steps: int, sample=None) -> list[int] | None:
         """The next `steps` greedy tokens of `s` after `token`, chained on the device where the executor
-        can (gpu mode: several steps per host sync); None where it cannot."""
+        can (gpu mode: several steps per host sync); None where it cannot.  sample: a device_sampler
+        state row to draw the tokens instead."""
         chain = getattr(self.executor, "generate_greedy", None)
         if chain is None:
             return None
         with self._lock:
-            out = chain([(s.kv, np.array([token]), s.position)], steps)
+            out = chain([(s.kv, np.array([token]), s.position)], steps) if sample is None else \
+                self.executor.generate_sampled([(s.kv, np.array([token]), s.position)], steps, [sample])
         if out is None:
             return None
         produced = [int(t) for t in out[:, 0]]

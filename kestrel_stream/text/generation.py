@@ -79,6 +79,13 @@ class Generation:
                     return chained
             return [s.decode_greedy(token)]
         if not params.penalized:
+            if engine.chain_greedy and budget > 1 and trace.active is None and \
+                    hasattr(engine.executor, "generate_sampled"):
+                from kestrel_stream.run.device_sampler import pack_state
+                chained = engine._generate_chained(s, token, min(budget, chunk),
+                                                   sample=pack_state(params, self.seed, step))
+                if chained is not None:
+                    return chained
             return [s.decode_sample(token, params, self.seed, step)]
         return [self._pick(s.decode(token), step)]
 

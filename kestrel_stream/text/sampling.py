@@ -87,19 +87,18 @@ def apply_penalties(logits: np.ndarray, history, params: SamplingParams) -> np.n
 
 def filter_threshold(logits: np.ndarray, params: SamplingParams) -> float:
     """The smallest logit kept by top_k, top_p and min_p together (keep logits >= it)."""
-    order = np.sort(logits)[::-1]                # descending
-    cut = float(order[0])
-    k = params.top_k if 0 < params.top_k < len(order) else len(order)
-    kept = order[:k]                             # ties at the k-th value are kept below, by threshold
-    threshold = float(kept[-1])
-    kept = order[order >= threshold]
+    n = len(logits)
+    top = float(np.max(logits))
+    k = params.top_k if 0 < params.top_k < n else n
+    threshold = float(np.partition(logits, n - k)[n - k]) if k < n else float(np.min(logits))
     if params.top_p < 1.0:
-        weights = np.exp(kept.astype(np.float64) - cut)
-        cumulative = np.cumsum(weights)
+        kept = logits[logits >= threshold]           # ties at the k-th value stay
+        kept = np.sort(kept)[::-1]                   # descending
+        cumulative = np.cumsum(np.exp(kept.astype(np.float64) - top))
         last = int(np.searchsorted(cumulative, params.top_p * cumulative[-1], side="left"))
         threshold = max(threshold, float(kept[min(last, len(kept) - 1)]))
     if params.min_p > 0.0:
-        threshold = max(threshold, cut + math.log(params.min_p))
+        threshold = max(threshold, top + math.log(params.min_p))
     return threshold
 
 
