@@ -20,9 +20,10 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it."""
     from kestrel_stream.loading.loader import load_weights
     device, mode = resolve_device(device, mode)
+    from kestrel_stream.text.tokenizer import load_tokenizer
     weights = load_weights(path, cache=cache, progress=progress)
     return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
-                  max_sessions=max_sessions, vram_budget=vram_budget)
+                  max_sessions=max_sessions, vram_budget=vram_budget, tokenizer=load_tokenizer(path))
 
 
 def __getattr__(name):

@@ -172,7 +172,24 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
         f32(out + 4 * t * n_heads * D, n_heads * D)[:] = np.einsum("hgp,phd->hgd", probs, values).reshape(-1)
 
 
+def sample_rows(launch, logits, V, state, out) -> None:
+    """sample.cu's twin: the reference sampler (text/sampling.py) with the row's state and Philox draw."""
+    from kestrel_stream.text.sampling import SamplingParams, draw, filter_threshold, philox_uniform
+    T = launch.grid[0]
+    assert launch.block[0] == 1024 and T >= 1
+    words = dev(state, 4 * 8 * T, np.uint32).reshape(T, 8)
+    for t, row in enumerate(rows(logits, T, V, V)):
+        temperature, top_p, min_p = words[t, [0, 2, 3]].view(np.float32).tolist()
+        params = SamplingParams(temperature=temperature, top_k=int(words[t, 1]), top_p=top_p, min_p=min_p)
+        seed, step = int(words[t, 4]) | int(words[t, 5]) << 32, int(words[t, 6]) | int(words[t, 7]) << 32
+        x = row.astype(np.float32)
+        dev(out, 4 * T, np.int32)[t] = draw(x, filter_threshold(x, params), temperature, philox_uniform(seed, step))
+        step += 1
+        words[t, 6], words[t, 7] = step & 0xFFFFFFFF, step >> 32
+
+
 KERNELS = [
+    (r"sample_rows", sample_rows),
     (r"q8_gemv_m[1-8]_[a-z0-9]+(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
     (r"q8_matmul(_silu)?", q8_matmul),
     (r"embed_q8", embed_q8),

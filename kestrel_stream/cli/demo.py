@@ -59,6 +59,7 @@ def run_demo(args) -> int:
     import kestrel_stream as ks
     from kestrel_stream.obs import timeline
     from kestrel_stream.loading.presets import cache_root, make_model
+    from kestrel_stream.text.tokenizer import load_tokenizer
 
     base = Path(args.dir) if args.dir else cache_root() / "demo"
     model_dir = base / "tiny"
@@ -94,6 +95,9 @@ def run_demo(args) -> int:
     for name in sorted(results):
         print(f"session {name}: 12 greedy tokens, decode steps asking only for the token: {results[name]}")
     print(f"server-side generate [5, 6, 7] → {generated}")
+    tokenizer = load_tokenizer(model_dir)
+    if tokenizer is not None:          # random weights: the bytes are noise, but they decode as text
+        print(f"  as text: {tokenizer.decode(generated)!r}")
     interesting = {k: stats[k] for k in ("device", "mode", "requests", "decode_steps", "batches", "mean_batch",
                                          "generated_tokens", "errors") if k in stats}
     interesting["executor steps"] = stats.get("counters", {}).get("steps")

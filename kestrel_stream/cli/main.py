@@ -120,12 +120,22 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from kestrel_stream.cli.text_args import generate_kwargs, prompt_from_args
+    from kestrel_stream.text.generation import prompt_ids
     engine = load_engine(args)
-    check_room(engine, len(args.prompt_ids), args.max_new_tokens, "--max-new-tokens")
+    prompt = prompt_from_args(args, engine)
+    check_room(engine, len(prompt_ids(engine, prompt)), args.max_new_tokens, "--max-new-tokens")
     # a first call pays one-time costs (page faults, dequantized caches, graph capture): a short run of
     # the same prompt takes them, so the reported speeds are the steady ones; a --trace keeps to the run asked for
-    warmup = None if args.trace else engine.generate(args.prompt_ids, min(2, args.max_new_tokens))
-    result = engine.generate(args.prompt_ids, args.max_new_tokens)
+    warmup = None if args.trace else engine.generate(prompt, min(2, args.max_new_tokens), **generate_kwargs(args))
+    stream = engine.generate(prompt, args.max_new_tokens, stream=True, **generate_kwargs(args))
+    show_text = engine.tokenizer is not None and not args.json and args.prompt_ids is None
+    for piece in stream:
+        if show_text and piece.text:
+            print(piece.text, end="", flush=True)
+    result = stream.result
+    if show_text:
+        print()
     report = {
         "tokens": result.tokens,
         "prompt_len": result.prompt_len,
@@ -137,15 +147,20 @@ def cmd_generate(args) -> int:
         "mode": engine.mode,
         "device": engine.device,
         "warmup_s": round(warmup.prefill_s + warmup.decode_s, 4) if warmup else None,
+        "stop_reason": result.stop_reason,
     }
+    if result.text is not None:
+        report["text"] = result.text
     report.update(window_report(engine, result.stats))
     if args.json:
         print(json.dumps(report))
     else:
-        print("tokens:", " ".join(map(str, result.tokens)))
+        if not show_text:
+            print("tokens:", " ".join(map(str, result.tokens)))
         print(f"prefill {report['prefill_tok_s']} tok/s, decode {report['decode_tok_s']} tok/s, "
               f"{report['syncs_per_token']} syncs/token ({engine.device}, mode {engine.mode}"
-              + (f"; after a {report['warmup_s']} s warm-up run)" if warmup else "; first run, no warm-up)"))
+              + (f"; after a {report['warmup_s']} s warm-up run)" if warmup else "; first run, no warm-up)")
+              + f"; stopped: {result.stop_reason}", file=sys.stderr if show_text else sys.stdout)
     engine.close()
     return 0
 
@@ -224,12 +239,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"], help="stored dtype")
     p.set_defaults(func=cmd_make_model)
 
-    p = sub.add_parser("generate", help="greedy decode from prompt token ids",
-                       description="Greedy decode from prompt token ids; prints the tokens and the speeds "
+    p = sub.add_parser("generate", help="generate text (or token ids) from a prompt, greedy or sampled",
+                       description="Generate from a text prompt, a chat message or token ids, greedy (the "
+                                   "default) or sampled; prints the text as it comes, then the speeds "
                                    "(measured after a short warm-up run).")
     add_engine_args(p)
-    p.add_argument("--prompt-ids", required=True, type=parse_ids, metavar="IDS",
-                   help="comma-separated token ids, e.g. 1,2,3 (each in 0..vocab_size-1)")
+    from kestrel_stream.cli.text_args import add_text_args
+    add_text_args(p, parse_ids)
     p.add_argument("--max-new-tokens", type=int_at_least(0), default=16, metavar="N",
                    help="tokens to generate (prompt + N - 1 must fit in --max-seq-len)")
     p.add_argument("--json", action="store_true", help="print one JSON object")

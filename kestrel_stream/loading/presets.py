@@ -77,6 +77,8 @@ def make_model(out_dir: str | Path, preset: str | ModelConfig, seed: int = 0, dt
     specs = list(hf_tensor_shapes(cfg).items())
     write_checkpoint(out_dir, cfg.to_hf_dict(), specs, random_weights(cfg, seed), dtype=dtype,
                      max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
+    from kestrel_stream.text.tokenizer import write_byte_tokenizer
+    write_byte_tokenizer(out_dir, cfg.vocab_size)          # so generate and the demo print text
     return out_dir
 
 

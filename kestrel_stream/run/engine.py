@@ -9,7 +9,6 @@ from __future__ import annotations
 import itertools
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -92,6 +91,8 @@ class GenerateResult:
     decode_s: float
     prompt_len: int
     stats: dict = field(default_factory=dict)
+    text: str | None = None         # the generated text, when the model has a tokenizer
+    stop_reason: str = "length"     # eos | stop | length
 
     @property
     def decode_tok_s(self) -> float:
@@ -110,8 +111,9 @@ class Engine:
 
     def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
                  max_seq_len: int | None = None, max_batch: int = 32, max_sessions: int | None = None,
-                 vram_budget: int | None = None):
+                 vram_budget: int | None = None, tokenizer=None):
         self.weights = weights
+        self.tokenizer = tokenizer          # text/tokenizer.Tokenizer, or None (token ids only)
         self.config: ModelConfig = weights.config
         self.device, self.mode = device, mode
         context = self.config.max_position_embeddings
@@ -210,28 +212,22 @@ class Engine:
             return self.step(items, greedy=True)
         return np.stack([out[0] for out in self.step(items)])
 
-    def generate(self, prompt_ids, max_new_tokens: int) -> GenerateResult:
-        """Greedy decode in a fresh session; returns the generated tokens and timings."""
-        with self.new_session() as s:
-            ids = self.check_tokens(prompt_ids, "prompt")
-            s._check_room(len(ids) + max(max_new_tokens - 1, 0))
-            before = dict(self.executor.stats)
-            t0 = time.perf_counter()
-            token = int(np.argmax(s.prefill(ids)[-1]))
-            t1 = time.perf_counter()
-            mid = dict(self.executor.stats)
-            tokens = [token] if max_new_tokens > 0 else []
-            remaining = max(max_new_tokens - 1, 0)
-            if remaining and self.chain_greedy and trace.active is None:
-                chained = self._generate_chained(s, token, remaining)
-                if chained is not None:
-                    tokens.extend(chained)
-                    remaining = 0
-            for _ in range(remaining):
-                token = s.decode_greedy(token)
-                tokens.append(token)
-            t2 = time.perf_counter()
-            after = self.executor.stats
+    def generate(self, prompt, max_new_tokens: int = 16, *, temperature: float = 0.0, top_k: int = 40,
+                 top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
+                 stop: list[str] | None = None, stream: bool = False, ignore_eos: bool = False):
+        """Generate in a fresh session from text, chat messages or token ids (text/generation.py).
+        Greedy unless temperature > 0; stops at EOS/EOT, a stop string or max_new_tokens.
+        stream=True: an iterator of Pieces (token, text) whose .result is set at the end."""
+        from kestrel_stream.text.generation import Generation, Stream
+        from kestrel_stream.text.sampling import SamplingParams
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
+                                frequency_penalty=frequency_penalty, seed=seed)
+        generation = Generation(self, prompt, max_new_tokens, params, stop, ignore_eos)
+        return Stream(generation) if stream else generation.run()
+
+    def _result(self, tokens, prefill_s, decode_s, prompt_len, before, mid, after, **text) -> GenerateResult:
         decode_steps = max(len(tokens) - 1, 0)
         stats = {key: after[key] - mid.get(key, 0) for key in after if isinstance(after[key], (int, float))}
         stats["prefill_syncs"] = mid.get("syncs", 0) - before.get("syncs", 0)
@@ -240,16 +236,18 @@ class Engine:
         for key in WINDOW_COUNTERS:       # the residency window's counters (gpu mode under a VRAM budget)
             if key in stats:
                 stats[f"{key}_per_token"] = stats[key] / decode_steps if decode_steps else 0.0
-        return GenerateResult(tokens, t1 - t0, t2 - t1, len(ids), stats)
+        return GenerateResult(tokens, prefill_s, decode_s, prompt_len, stats, **text)
 
-    def _generate_chained(self, s: "Session", token: int, steps: int) -> list[int] | None:
+    def _generate_chained(self, s: "Session", token: int, steps: int, sample=None) -> list[int] | None:
         """The next `steps` greedy tokens of `s` after `token`, chained on the device where the executor
-        can (gpu mode: several steps per host sync); None where it cannot."""
+        can (gpu mode: several steps per host sync); None where it cannot.  sample: a device_sampler
+        state row to draw the tokens instead."""
         chain = getattr(self.executor, "generate_greedy", None)
         if chain is None:
             return None
         with self._lock:
-            out = chain([(s.kv, np.array([token]), s.position)], steps)
+            out = chain([(s.kv, np.array([token]), s.position)], steps) if sample is None else \
+                self.executor.generate_sampled([(s.kv, np.array([token]), s.position)], steps, [sample])
         if out is None:
             return None
         produced = [int(t) for t in out[:, 0]]
@@ -304,6 +302,24 @@ class Session:
         arr = self.engine.check_tokens([token], f"session {self.id} decode")
         self._check_room(1)
         return int(self.engine.step([(self, arr)], greedy=True)[0])
+
+    def decode_sample(self, token: int, params, seed: int, step: int) -> int:
+        """Append one token; the next token drawn with `params` (text/sampling.py), on the device in
+        gpu mode (4 bytes back), else from the logits on the host; the same draw for (seed, step)."""
+        from kestrel_stream.text.sampling import sample_logits
+        self._check_open()
+        arr = self.engine.check_tokens([token], f"session {self.id} decode")
+        self._check_room(1)
+        sample = getattr(self.engine.executor, "forward_sample", None)
+        if sample is not None and not params.penalized:
+            from kestrel_stream.run.device_sampler import pack_state
+            with self.engine._lock:
+                out = sample([(self.kv, arr, self.position)], [pack_state(params, seed, step)])
+            if out is not None:
+                self.position += 1
+                self.tokens.append(int(token))
+                return int(out[0])
+        return sample_logits(self.decode(token), params, seed, step, self.tokens + [int(token)])
 
     def reset(self) -> None:
         """Forget the sequence; the KV cache is reused from position 0."""

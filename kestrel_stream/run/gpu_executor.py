@@ -32,7 +32,9 @@ from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.obs import prof
 from kestrel_stream.run.budget import arena_needs, parse_vram_budget, plan_arena, resolve_budget
 from kestrel_stream.cuda import driver
+from kestrel_stream.run.device_sampler import DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
+from kestrel_stream.run.sampled_chain import SampledChain
 from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, KernelSet, Launch
 from kestrel_stream.run.step_launches import argmax_launch, step_launches
 from kestrel_stream.run.window import WeightWindow
@@ -126,6 +128,8 @@ class GpuExecutor:
         self.graph_rows = max_batch if self.window.streamed else min(max_batch, GEMV_MAX_TOKENS)
         self.buckets = sorted({min(1 << i, self.graph_rows) for i in range(self.graph_rows.bit_length() + 1)})
         self.chain = GreedyChain(self)
+        self.sampler = DeviceSampler(self)
+        self.sampled_chain = SampledChain(self)
 
         if verify is None:
             verify = os.environ.get("KESTREL_VERIFY") == "1"
@@ -191,7 +195,10 @@ class GpuExecutor:
         if not greedy:
             driver.d2h_async(self.host_logits, self.logits.ptr, tokens * self.config.vocab_size * 4, self.stream)
             return len(launches)
-        self._argmax_launch(tokens).enqueue(self.stream)
+        if greedy == "sample":                              # device_sampler.py: the sampled token instead
+            self.sampler.enqueue(tokens, self.stream)
+        else:
+            self._argmax_launch(tokens).enqueue(self.stream)
         driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
         return len(launches) + 1
 
@@ -301,6 +308,30 @@ class GpuExecutor:
         self.stats["tokens"] += len(rows)
         return tokens
 
+    def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
+        """Like forward_greedy, with each row's token drawn on the device (states: device_sampler.pack_state
+        per row): int64 [len(batch)]; None where the step is not a replayable decode step (the caller
+        then samples from forward's logits)."""
+        self.device.make_current()
+        rows = self._rows(batch)
+        if self.verifier is not None or not self._replayable(batch, rows) or len(rows) > self.graph_rows:
+            return None
+        self.sampler.stage(states)
+        self._replay(rows, greedy="sample")
+        self.stats["steps"] += 1
+        self.stats["tokens"] += len(rows)
+        return self.host_tokens_view[:len(rows)].astype(np.int64)
+
+    def generate_sampled(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int,
+                         states: list[np.ndarray]) -> np.ndarray | None:
+        """generate_greedy's chain with each step's token drawn on the device (sampled_chain.py)."""
+        self.device.make_current()
+        rows = self._rows(batch)
+        if (self.verifier is not None or prof.enabled or not self._replayable(batch, rows)
+                or len(rows) > self.graph_rows or any(p + steps > kv.capacity for kv, _, p in rows)):
+            return None
+        return self.sampled_chain.run_sampled(rows, steps, states)
+
     def generate_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int) -> np.ndarray | None:
         """`steps` greedy decode steps chained on the device (greedy_chain.py): each session's next
         `steps` tokens, int64 [steps, len(batch)], one host sync per GreedyChain.steps_per_sync steps.
@@ -323,6 +354,8 @@ class GpuExecutor:
         self.device.make_current()
         self.stream.synchronize()
         self.chain.close()
+        self.sampler.close()
+        self.sampled_chain.close()
         for graph in self._graphs.values():
             graph.destroy()
         self._graphs.clear()

@@ -49,13 +49,17 @@ class GreedyChain:
             x._launches[key] = launch
         return x._launches[key]
 
+    def _pick_launch(self, bucket: int) -> Launch:
+        """The kernel that writes each row's next token into argmax_out (sampled_chain.py: a draw)."""
+        return self.x._argmax_launch(bucket)
+
     def _graph(self, bucket: int) -> driver.Graph:
         if bucket not in self._graphs:
             x = self.x
             with driver.capture(x.stream) as captured:
                 launches = x._step_launches(bucket)
                 x.window.enqueue_step(launches, x.stream)
-                x._argmax_launch(bucket).enqueue(x.stream)
+                self._pick_launch(bucket).enqueue(x.stream)
                 self._advance_launch(bucket).enqueue(x.stream)
             self._graphs[bucket] = captured.graph
             self._kernels[bucket] = len(launches) + 2

@@ -1,0 +1,1 @@
+"""Text in, text out: tokenizer, chat template, sampling parameters, stop conditions, streaming detokenization."""

@@ -1,0 +1,54 @@
+"""Chat templates: a model's jinja2 template rendered in a sandbox with the variables transformers passes."""
+from __future__ import annotations
+
+from datetime import datetime
+from functools import lru_cache
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+class ChatTemplateError(ValueError):
+    """A template that fails to compile or raises while rendering (raise_exception)."""
+
+
+def _raise_exception(message: str):
+    raise ChatTemplateError(f"chat template: {message}")
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=8)
+def _compile(template: str):
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    # transformers' settings: keep the template's own whitespace control, loop controls, tojson as HF
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise ChatTemplateError(f"chat template does not compile: {e}") from None
+
+
+def check_messages(messages) -> list[dict]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatTemplateError("messages: expected a non-empty list of {'role': ..., 'content': ...}")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ChatTemplateError(f"messages[{i}]: expected {{'role': str, 'content': str}}, got {m!r}")
+    return messages
+
+
+def render_chat(template: str, messages: list[dict], add_generation_prompt: bool = True,
+                bos_token: str = "", eos_token: str = "", **extra) -> str:
+    """The prompt text for `messages`; `extra` (e.g. tools) is passed to the template as variables."""
+    from jinja2 import TemplateError
+    check_messages(messages)
+    try:
+        return _compile(template).render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                         bos_token=bos_token, eos_token=eos_token, **extra)
+    except TemplateError as e:
+        raise ChatTemplateError(f"chat template failed while rendering: {e}") from None
