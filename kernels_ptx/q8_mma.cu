@@ -14,13 +14,15 @@
 // Roles: A (16 x 32, row) = activations, 16 tokens; B (32 x 8, col) = weights,
 // 8 rows: a thread's C pair (c0, c1) is two adjacent weight rows of one token,
 // so a (gate, up) row pair stays in one thread for the SiLU·mul epilogue.
-// A block owns BM tokens x BN weight rows; per 64-wide K stage the weight tile
+// A block owns BM tokens x BN weight rows; per BK-wide K stage the weight tile
 // arrives by cp.async (double buffered) while the next x tile waits in
-// registers, to be quantised into shared memory after the current stage.
+// registers, to be quantised into shared memory after the current stage.  Few
+// tokens mean little work per stage: those tiles take a longer BK, so more
+// bytes are in flight per stage and a row of K costs fewer stage latencies.
 #include "common.cuh"
 
-#define MMA_BK 64        // K per stage: two Q8_0 blocks
-#define MMA_STRIDE 80    // bytes per shared row: 64 + 16 keeps the fragment loads free of bank conflicts
+// bytes per shared row: BK + 16 keeps the fragment loads free of bank conflicts (BK a multiple of 64)
+#define MMA_STRIDE (BK + 16)
 
 __device__ __forceinline__ float mma_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
@@ -56,23 +58,25 @@ __device__ __forceinline__ void quantise4(float4 v, float d, float inv, unsigned
                quantise(__fmaf_rn(-(float)h2, d, v.z), inv_lo), quantise(__fmaf_rn(-(float)h3, d, v.w), inv_lo));
 }
 
-template <int BM, int BN, int WARPS_M, int WARPS_N, bool SILU_PAIRS>
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, bool SILU_PAIRS>
 __device__ __forceinline__ void q8_mma_body(
         const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
         float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
     constexpr int THREADS = 32 * WARPS_M * WARPS_N;
     constexpr int FM = BM / 16 / WARPS_M, FN = BN / 8 / WARPS_N;   // mma tiles per warp
-    constexpr int X_LOADS = BM * (MMA_BK / 4) / THREADS;           // float4 of x per thread per stage
-    constexpr int W_LOADS = BN * (MMA_BK / 16) / THREADS;          // 16-byte weight chunks per thread
-    constexpr int S_LOADS = BN * 2 / THREADS;                      // weight scales per thread
-    static_assert(FM >= 1 && FN >= 1 && X_LOADS >= 1 && W_LOADS >= 1 && S_LOADS >= 1, "tile shape");
-    static_assert(BM * (MMA_BK / 4) % THREADS == 0 && BN * 2 % THREADS == 0, "tile shape");
+    constexpr int KB = BK / 32;                                    // Q8_0 blocks per stage
+    constexpr int X_LOADS = BM * (BK / 4) / THREADS;               // float4 of x per thread per stage
+    constexpr int W_LOADS = BN * (BK / 16) / THREADS;              // 16-byte weight chunks per thread
+    constexpr int S_LOADS = BN * KB / THREADS;                     // weight scales per thread
+    static_assert(FM >= 1 && FN >= 1 && X_LOADS >= 1 && W_LOADS >= 1 && S_LOADS >= 1 && BK % 64 == 0, "tile");
+    static_assert(BM * (BK / 4) % THREADS == 0 && BN * (BK / 16) % THREADS == 0 && BN * KB % THREADS == 0,
+                  "tile shape");
 
     __shared__ __align__(16) unsigned char w_tile[2][BN * MMA_STRIDE];
     __shared__ __align__(16) unsigned char x_tile[2][2][BM * MMA_STRIDE];   // [stage][hi|lo]
-    __shared__ float w_scale[2][2][BN];    // [stage][block of the stage][row]
-    __shared__ float x_scale[2][2][BM];    // [stage][block of the stage][token]
+    __shared__ float w_scale[2][KB][BN];    // [stage][block of the stage][row]
+    __shared__ float x_scale[2][KB][BM];    // [stage][block of the stage][token]
     __shared__ bool is_last_block;
     pdl_launch_dependents();
 
@@ -80,12 +84,12 @@ __device__ __forceinline__ void q8_mma_body(
     const int g = lane >> 2, t = lane & 3;                          // mma fragment coordinates
     const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
     const int tok0 = blockIdx.y * BM, row0 = blockIdx.x * BN;
-    const int stages = (K + MMA_BK - 1) / MMA_BK, kblocks = K >> 5;
+    const int stages = (K + BK - 1) / BK, kblocks = K >> 5;
 
     auto issue_weights = [&](int stage, int k0) {   // constant weights: safe before pdl_wait
 #pragma unroll
         for (int j = 0; j < W_LOADS; j++) {
-            int c = tid + j * THREADS, r = c >> 2, part = c & 3;
+            int c = tid + j * THREADS, r = c / (BK / 16), part = c % (BK / 16);
             int row = min(row0 + r, N - 1);
             int k = k0 + part * 16;
             const int8* src = qs + (long long)row * K + min(k, K - 16);
@@ -106,7 +110,7 @@ __device__ __forceinline__ void q8_mma_body(
     auto load_x = [&](int k0) {
 #pragma unroll
         for (int j = 0; j < X_LOADS; j++) {
-            int f = tid + j * THREADS, r = f >> 4, k = k0 + (f & 15) * 4;
+            int f = tid + j * THREADS, r = f / (BK / 4), k = k0 + (f % (BK / 4)) * 4;
             int tok = tok0 + r;
             x_regs[j] = (tok < ntok && k < K) ? *(const float4*)(x + (long long)tok * ldx + k)
                                               : make_float4(0.f, 0.f, 0.f, 0.f);
@@ -115,7 +119,7 @@ __device__ __forceinline__ void q8_mma_body(
     auto store_stage = [&](int stage) {   // quantise x, park the scales
 #pragma unroll
         for (int j = 0; j < X_LOADS; j++) {
-            int f = tid + j * THREADS, r = f >> 4, c4 = f & 15;
+            int f = tid + j * THREADS, r = f / (BK / 4), c4 = f % (BK / 4);
             float4 v = x_regs[j];
             float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
 #pragma unroll
@@ -153,15 +157,15 @@ __device__ __forceinline__ void q8_mma_body(
         asm volatile("cp.async.wait_group 0;" ::: "memory");
         __syncthreads();   // stage `cur` complete; every warp is done with the other stage
         if (s + 1 < stages) {
-            issue_weights(cur ^ 1, (s + 1) * MMA_BK);
-            load_weight_scales((s + 1) * MMA_BK);
-            load_x((s + 1) * MMA_BK);
+            issue_weights(cur ^ 1, (s + 1) * BK);
+            load_weight_scales((s + 1) * BK);
+            load_x((s + 1) * BK);
         }
         const unsigned char* xt = x_tile[cur][0];
         const unsigned char* xt_lo = x_tile[cur][1];
         const unsigned char* wt = w_tile[cur];
 #pragma unroll
-        for (int b = 0; b < 2; b++) {
+        for (int b = 0; b < KB; b++) {
             unsigned int a[FM][4], a_lo[FM][4], bw[FN][2];
 #pragma unroll
             for (int i = 0; i < FM; i++) {
@@ -256,20 +260,23 @@ __device__ __forceinline__ void q8_mma_body(
     if (tid == 0) *counter = 0u;
 }
 
-// q8_mma_<BM>x<BN> (+ _silu): the tile shapes of kestrel_stream/cuda/mma_variants.py
-#define DEFINE_MMA(BM, BN, WM, WN, SILU, NAME)                                                   \
+// q8_mma_<BM>x<BN>[k<BK>] (+ _silu): the tile shapes of kestrel_stream/cuda/mma_variants.py
+#define DEFINE_MMA(BM, BN, BK, WM, WN, SILU, NAME)                                               \
     extern "C" __global__ void __launch_bounds__(32 * WM * WN) NAME(                             \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                    \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
             int ntok) {                                                                          \
-        q8_mma_body<BM, BN, WM, WN, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out,\
+        q8_mma_body<BM, BN, BK, WM, WN, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out,\
                                           xn_out, inv_rms_out, counter, eps, N, K, ntok);        \
     }
-#define DEFINE_MMA_PAIR(BM, BN, WM, WN)                      \
-    DEFINE_MMA(BM, BN, WM, WN, false, q8_mma_##BM##x##BN)    \
-    DEFINE_MMA(BM, BN, WM, WN, true, q8_mma_##BM##x##BN##_silu)
-DEFINE_MMA_PAIR(16, 64, 1, 4)
-DEFINE_MMA_PAIR(32, 64, 2, 2)
-DEFINE_MMA_PAIR(64, 64, 2, 2)
-DEFINE_MMA_PAIR(64, 128, 2, 4)
+#define DEFINE_MMA_PAIR(BM, BN, BK, WM, WN, SUFFIX)                     \
+    DEFINE_MMA(BM, BN, BK, WM, WN, false, q8_mma_##SUFFIX)               \
+    DEFINE_MMA(BM, BN, BK, WM, WN, true, q8_mma_##SUFFIX##_silu)
+DEFINE_MMA_PAIR(16, 64, 64, 1, 4, 16x64)
+DEFINE_MMA_PAIR(16, 64, 128, 1, 4, 16x64k128)
+DEFINE_MMA_PAIR(16, 32, 256, 1, 4, 16x32k256)
+DEFINE_MMA_PAIR(32, 64, 64, 2, 2, 32x64)
+DEFINE_MMA_PAIR(32, 64, 128, 2, 2, 32x64k128)
+DEFINE_MMA_PAIR(64, 64, 64, 2, 2, 64x64)
+DEFINE_MMA_PAIR(64, 128, 64, 2, 4, 64x128)

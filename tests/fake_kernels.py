@@ -217,7 +217,7 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
 KERNELS = [
     (r"q8_gemv_m[1-8]_[a-z0-9]+(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
     (r"q8_matmul(_silu)?", q8_matmul),
-    (r"q8_mma_\d+x\d+(_silu)?", q8_mma),
+    (r"q8_mma_\d+x\d+(k\d+)?(_silu)?", q8_mma),
     (r"embed_q8", embed_q8),
     (r"argmax_rows", argmax_rows),
     (r"argmax_split", argmax_split),

@@ -1,7 +1,7 @@
 """The tile shapes of kernels_ptx/q8_mma.cu (int8 tensor-core GEMM) and which one a step gets.
 
-A variant is BM tokens x BN weight rows per block, WARPS_M x WARPS_N warps.  Kernel names are
-q8_mma_<BM>x<BN> (+ "_silu").  Pure Python: the emulated device and the bench read it without a driver.
+A variant is BM tokens x BN weight rows per block, WARPS_M x WARPS_N warps, BK of K per pipeline
+stage.  Kernel names are q8_mma_<BM>x<BN>[k<BK>] (+ "_silu").  Pure Python: the emulated device and the bench read it without a driver.
 """
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import re
 from typing import NamedTuple
 
 MMA_MIN_TOKENS = 9      # up to 8 tokens the GEMV kernels stream the weights once; more go to tensor cores
-SM_COUNT_HINT = 132     # blocks that fill an H100/H200; the choice below only needs the order of magnitude
 
 
 class Tile(NamedTuple):
@@ -17,13 +16,15 @@ class Tile(NamedTuple):
     rows: int            # BN
     warps_m: int
     warps_n: int
+    k_step: int = 64     # BK: K per pipeline stage
 
     @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n
 
 
-TILES = {"16x64": Tile(16, 64, 1, 4), "32x64": Tile(32, 64, 2, 2), "64x64": Tile(64, 64, 2, 2),
+TILES = {"16x64": Tile(16, 64, 1, 4), "16x64k128": Tile(16, 64, 1, 4, 128), "16x32k256": Tile(16, 32, 1, 4, 256),
+         "32x64": Tile(32, 64, 2, 2), "32x64k128": Tile(32, 64, 2, 2, 128), "64x64": Tile(64, 64, 2, 2),
          "64x128": Tile(64, 128, 2, 4)}
 
 
@@ -33,20 +34,16 @@ def kernel_name(tile: str, silu_pairs: bool) -> str:
 
 def parse(name: str) -> tuple[Tile, bool]:
     """(tile, silu_pairs) of a q8_mma kernel name."""
-    match = re.fullmatch(r"q8_mma_(\d+x\d+)(_silu)?", name)
+    match = re.fullmatch(r"q8_mma_(\d+x\d+(?:k\d+)?)(_silu)?", name)
     assert match and match.group(1) in TILES, f"not a q8_mma kernel: {name}"
     return TILES[match.group(1)], match.group(2) is not None
 
 
-def blocks(tile: Tile, tokens: int, rows: int) -> int:
-    return -(-rows // tile.rows) * -(-tokens // tile.tokens)
-
-
 def choose_tile(tokens: int, rows: int) -> str:
-    """The tile for a tokens x rows output: the fewest tokens of padding, then the biggest tile that
-    still gives every SM a block (weight tiles are re-read once per token block; small grids idle SMs)."""
-    if tokens <= 16:
-        return "16x64"
-    if tokens <= 32:
-        return "32x64"
-    return "64x128" if blocks(TILES["64x128"], tokens, rows) >= SM_COUNT_HINT else "64x64"
+    """The tile for a tokens x rows output, from bench/mma.py on the H200 (bench/results/*-mma.md).
+
+    Up to 64 tokens (batched decode, short chunks) the step is latency-bound: 16-token tiles with a
+    long K stage keep the most blocks and bytes in flight (a weight tile re-read per 16 tokens comes
+    from L2).  Prefill-sized steps want the 64 x 128 tile (least re-reading, most mma per load).
+    """
+    return "16x64k128" if tokens <= 64 else "64x128"
