@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--pp", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ops", action="store_true", help="also print GPU time per op of one pp step")
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]
     weights = load(args)
@@ -59,6 +60,8 @@ def main() -> None:
         t0 = time.perf_counter()
         gpu.forward([(kv, prompt, 0)], logits="last")
         times.append(time.perf_counter() - t0)
+    if args.ops:
+        print(op_breakdown(gpu, kv, prompt), flush=True)
     gpu.free_kv(kv)
     row = {"test": f"pp{args.pp}", "sessions": 1, "tok_s": round(args.pp / min(times), 1),
            "ms": round(min(times) * 1e3, 2)}
@@ -94,6 +97,26 @@ def main() -> None:
                          ["test", "sessions", "tok_s", "ms", "prefill_tok_s"], notes, args.out)
     print(f"wrote {path}")
     gpu.close()
+
+
+def op_breakdown(gpu: GpuExecutor, kv, prompt) -> dict:
+    """GPU µs per op (summed over layers) of one prefill step over `prompt`, each launch between two
+    timing events (so without overlap between kernels)."""
+    rows = gpu._rows([(kv, prompt, 0)])
+    gpu._stage(rows, len(rows))
+    driver.h2d_async(gpu.params.ptr, gpu.staging, gpu.staging.nbytes, gpu.stream)
+    launches = gpu._step_launches(len(rows), (len(rows) - 1, 1))
+    events = [driver.Event(timing=True) for _ in range(len(launches) + 1)]
+    events[0].record(gpu.stream)
+    for launch, event in zip(launches, events[1:]):
+        launch.enqueue(gpu.stream)
+        event.record(gpu.stream)
+    gpu.stream.synchronize()
+    totals: dict = {}
+    for launch, before, after in zip(launches, events, events[1:]):
+        op = launch.labels.get("op", launch.name)
+        totals[op] = totals.get(op, 0.0) + after.elapsed_ms(before) * 1e3
+    return {op: round(us, 1) for op, us in totals.items()}
 
 
 if __name__ == "__main__":
