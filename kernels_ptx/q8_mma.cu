@@ -244,20 +244,27 @@ __device__ __forceinline__ void q8_mma_body(
         }
     if (inv_rms_out == nullptr) return;
 
+    // The last block of each row of token blocks computes its tokens' 1/rms (one ticket per row of
+    // blocks, counter[0..7]; the GEMV's sums live at [8..15]): several blocks share the reduction,
+    // which for one block alone costs as much as a 512-token GEMM.  More than 8 rows: one ticket.
+    const bool ticket_per_row = gridDim.y <= 8;
+    unsigned int* ticket = counter + (ticket_per_row ? blockIdx.y : 0);
+    const unsigned int blocks_in_ticket = ticket_per_row ? gridDim.x : gridDim.x * gridDim.y;
     __threadfence();   // this block's y is visible device-wide before its ticket is
     __syncthreads();
-    if (tid == 0) is_last_block = atomicAdd(counter, 1u) == gridDim.x * gridDim.y - 1;
+    if (tid == 0) is_last_block = atomicAdd(ticket, 1u) == blocks_in_ticket - 1;
     __syncthreads();
     if (!is_last_block) return;
     __threadfence();
-    for (int m = warp; m < ntok; m += THREADS / 32) {
+    const int m_end = ticket_per_row ? min(tok0 + BM, ntok) : ntok;
+    for (int m = (ticket_per_row ? tok0 : 0) + warp; m < m_end; m += THREADS / 32) {
         const float* row = y + (long long)m * ldy;
         float sq = 0.f;
         for (int k = lane; k < N; k += 32) { float v = __ldcg(row + k); sq += v * v; }
         sq = warp_sum(sq);
         if (lane == 0) inv_rms_out[m] = 1.0f / sqrtf(sq / (float)N + eps);
     }
-    if (tid == 0) *counter = 0u;
+    if (tid == 0) *ticket = 0u;
 }
 
 // q8_mma_<BM>x<BN>[k<BK>] (+ _silu): the tile shapes of kestrel_stream/cuda/mma_variants.py
@@ -276,6 +283,8 @@ __device__ __forceinline__ void q8_mma_body(
 DEFINE_MMA_PAIR(16, 64, 64, 1, 4, 16x64)
 DEFINE_MMA_PAIR(16, 64, 128, 1, 4, 16x64k128)
 DEFINE_MMA_PAIR(16, 32, 256, 1, 4, 16x32k256)
+DEFINE_MMA_PAIR(16, 32, 128, 1, 4, 16x32k128)
+DEFINE_MMA_PAIR(16, 16, 256, 1, 2, 16x16k256)
 DEFINE_MMA_PAIR(32, 64, 64, 2, 2, 32x64)
 DEFINE_MMA_PAIR(32, 64, 128, 2, 2, 32x64k128)
 DEFINE_MMA_PAIR(64, 64, 64, 2, 2, 64x64)

@@ -24,11 +24,12 @@ def rows(ptr: int, count: int, stride: int, width: int) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(span, (count, width), (4 * stride, 4))
 
 
-def take_ticket(counter: int, sums: bool = False) -> None:
-    """The last-block ticket must be zero at launch (each kernel's last block resets it), and so must
-    the GEMV's per-token sums of squares behind it (floats 8..15 of its 64-byte scratch)."""
-    ticket = dev(counter, 4, np.uint32)
-    assert ticket[0] == 0, f"ticket counter at {counter:#x} is {ticket[0]}, not 0, at launch"
+def take_ticket(counter: int, sums: bool = False, tickets: int = 1) -> None:
+    """The last-block tickets must be zero at launch (each kernel's last block resets its own; q8_mma
+    has one per row of token blocks, up to 8), and so must the GEMV's per-token sums of squares
+    behind them (floats 8..15 of the 64-byte scratch)."""
+    ticket = dev(counter, 4 * tickets, np.uint32)
+    assert not ticket.any(), f"ticket counters at {counter:#x} are {ticket}, not 0, at launch"
     if sums:
         assert not dev(counter + 32, 32, np.float32).any(), f"GEMV sums at {counter + 32:#x} not zero at launch"
 
@@ -77,7 +78,8 @@ def q8_product(launch, qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, x
     assert K % 32 == 0 and qs % 16 == 0 and scales % 2 == 0, (launch.name, K, qs, scales)
     assert not silu or N % 2 == 0, "SiLU pairs need an even row count"
     if inv_rms_out:
-        take_ticket(counter, sums=launch.name.startswith("q8_gemv"))
+        take_ticket(counter, sums=launch.name.startswith("q8_gemv"),
+                    tickets=launch.grid[1] if int8_activations and launch.grid[1] <= 8 else 1)
     if int8_activations:
         s = mma_product(rows(x, tokens, ldx, K), dev(qs, N * K, np.int8).reshape(N, K),
                         dev(scales, 2 * N * (K // 32), np.float16).reshape(N, K // 32))

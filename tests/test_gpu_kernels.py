@@ -142,7 +142,7 @@ def test_q8_mma_matches_numpy(gpu, n, k, tokens, tile, epilogue):
         np.testing.assert_allclose(gpu.get(xn, (tokens, n)), got * normw_out, rtol=1e-6)
         np.testing.assert_allclose(gpu.get(inv_rms_out, (tokens,)),
                                    1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6), rtol=1e-5)
-        assert gpu.get(counter, (16,), np.uint32)[0] == 0, "the ticket is zeroed for the next launch"
+        assert not gpu.get(counter, (16,), np.uint32)[:8].any(), "the tickets are zeroed for the next launch"
 
 
 @pytest.mark.parametrize("variant", ["", "w32r2u4"])

@@ -24,6 +24,7 @@ class Tile(NamedTuple):
 
 
 TILES = {"16x64": Tile(16, 64, 1, 4), "16x64k128": Tile(16, 64, 1, 4, 128), "16x32k256": Tile(16, 32, 1, 4, 256),
+         "16x32k128": Tile(16, 32, 1, 4, 128), "16x16k256": Tile(16, 16, 1, 2, 256),
          "32x64": Tile(32, 64, 2, 2), "32x64k128": Tile(32, 64, 2, 2, 128), "64x64": Tile(64, 64, 2, 2),
          "64x128": Tile(64, 128, 2, 4)}
 
@@ -42,8 +43,11 @@ def parse(name: str) -> tuple[Tile, bool]:
 def choose_tile(tokens: int, rows: int) -> str:
     """The tile for a tokens x rows output, from bench/mma.py on the H200 (bench/results/*-mma.md).
 
-    Up to 64 tokens (batched decode, short chunks) the step is latency-bound: 16-token tiles with a
-    long K stage keep the most blocks and bytes in flight (a weight tile re-read per 16 tokens comes
-    from L2).  Prefill-sized steps want the 64 x 128 tile (least re-reading, most mma per load).
+    Up to 64 tokens (batched decode, short chunks) a step is latency-bound, one block per SM at most:
+    16-token tiles win (a weight tile re-read per 16 tokens comes from L2), and for up to 4096 rows
+    and 32 tokens the 32-row tile with 256-wide K stages, which doubles the blocks.  Prefill-sized
+    steps want the 64 x 128 tile (least re-reading, most mma per load).
     """
-    return "16x64k128" if tokens <= 64 else "64x128"
+    if tokens <= 32 and rows <= 4096:
+        return "16x32k256"
+    return "16x64" if tokens <= 64 else "64x128"
