@@ -56,7 +56,7 @@ def main() -> None:
             arena.free(ptr)
     notes = ("q8_mma tiles vs q8_matmul (simt); default = mma_variants.choose_tile's pick. "
              f"{args.repeats} launches per graph, median of 5 replays.")
-    path = write_results("mma", environment(), rows, ["tokens", "rows", "k", "kernel", "default", "us", "tflop_s"],
+    path = write_results("h200-mma", environment(), rows, ["tokens", "rows", "k", "kernel", "default", "us", "tflop_s"],
                          notes, args.out)
     print(f"results: {path}")
 

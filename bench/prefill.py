@@ -93,7 +93,7 @@ def main() -> None:
              f"logits of the last row only, best of {args.repeats}. Batched rows: tok_s = aggregate greedy "
              f"decode (sessions x {args.new_tokens} tokens / decode time), ms = per step; prefill_tok_s = "
              f"the {args.prompt_len}-token prompts of all sessions in one step.")
-    path = write_results(f"prefill-{args.shape if not args.model else 'gguf'}", env, rows,
+    path = write_results(f"h200-prefill-{args.shape if not args.model else 'gguf'}", env, rows,
                          ["test", "sessions", "tok_s", "ms", "prefill_tok_s"], notes, args.out)
     print(f"wrote {path}")
     gpu.close()
