@@ -4,9 +4,10 @@ import pytest
 
 from kestrel_stream.run.host import apply_rope, attention, rmsnorm, rope_tables, silu_mul
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda import gemv_variants
+from kestrel_stream.cuda import gemv_variants, mma_variants
 from kestrel_stream.cuda.kernels import QWeight
 from kestrel_stream.model.quant import quantize
+from fake_kernels import mma_product
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not driver.gpu_available(), reason=f"{driver.detect()}")]
@@ -56,7 +57,7 @@ GEMV_SHAPES = [(38, 96, 1), (100, 160, 3), (258, 544, 5), (64, 2080, 8), (130, 3
 # every single-token variant on the single-token shapes, every 2..8-token one on those shapes
 GEMV_CASES = [(n, k, tokens, variant) for n, k, tokens in GEMV_SHAPES
               for variant in (gemv_variants.VARIANTS if tokens == 1 else
-                              gemv_variants.MULTI_VARIANTS if tokens <= 8 else [None])]
+                              gemv_variants.MULTI_VARIANTS if tokens <= 8 else ["simt"])]
 
 
 @pytest.mark.parametrize("n,k,tokens,variant", GEMV_CASES)
@@ -94,6 +95,54 @@ def test_q8_gemv_and_matmul_match_numpy(gpu, n, k, tokens, variant, epilogue):
                                    1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6), rtol=1e-5)
         scratch = gpu.get(counter, (16,), np.uint32)
         assert scratch[0] == 0 and not scratch[8:].any(), "ticket and sums are zeroed for the next launch"
+
+
+MMA_TOKENS = (9, 17, 63, 64, 65, 200, 511)
+MMA_SHAPES = [(96, 160), (1056, 544)]      # N and K multiples of 32, not of 128
+
+
+@pytest.mark.parametrize("tokens", MMA_TOKENS)
+@pytest.mark.parametrize("n,k", MMA_SHAPES)
+@pytest.mark.parametrize("tile", list(mma_variants.TILES) + [None])
+@pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
+def test_q8_mma_matches_numpy(gpu, n, k, tokens, tile, epilogue):
+    """The tensor-core GEMM against its twin (fake_kernels.mma_product: the same two-level int8
+    activations) to 1e-5, and against fp32 activations to 1e-4, with every epilogue."""
+    rng = np.random.default_rng(n + k + tokens)
+    w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    x[0, :32] = 0.0                                             # an all-zero block: scale 0
+    inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
+    res = rng.standard_normal((tokens, n)).astype(np.float32)
+    normw_out = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def finish(s):
+        if epilogue in ("rmsnorm", "silu_pairs"):
+            s = s * inv_rms_in[:, None]
+        out = silu_mul(s[:, 0::2], s[:, 1::2]) if epilogue == "silu_pairs" else s
+        return out + res if epilogue == "residual_xn_rms" else out
+
+    twin, exact = finish(mma_product(x, w.qs, w.scales)), finish(x @ w.dequantize().T)
+    cols = twin.shape[1]
+    qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
+    y = gpu.put(res if epilogue == "residual_xn_rms" else np.zeros((tokens, cols), np.float32))
+    xn, inv_rms_out = gpu.put(np.zeros((tokens, n), np.float32)), gpu.put(np.zeros(tokens, np.float32))
+    counter = gpu.put(np.zeros(16, np.uint32))
+    extra = {"plain": {}, "rmsnorm": {"inv_rms_in": gpu.put(inv_rms_in)},
+             "silu_pairs": {"inv_rms_in": gpu.put(inv_rms_in), "silu_pairs": True},
+             "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
+                                 "inv_rms_out": inv_rms_out, "counter": counter}}[epilogue]
+    launch = gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, cols, tokens, variant=tile, **extra)
+    assert launch.name.startswith("q8_mma_")
+    gpu.run(launch)
+    got = gpu.get(y, (tokens, cols))
+    assert rel_err(got, twin) < 1e-5
+    assert rel_err(got, exact) < 1e-4
+    if epilogue == "residual_xn_rms":
+        np.testing.assert_allclose(gpu.get(xn, (tokens, n)), got * normw_out, rtol=1e-6)
+        np.testing.assert_allclose(gpu.get(inv_rms_out, (tokens,)),
+                                   1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6), rtol=1e-5)
+        assert not gpu.get(counter, (16,), np.uint32)[:8].any(), "the tickets are zeroed for the next launch"
 
 
 @pytest.mark.parametrize("variant", ["", "w32r2u4"])

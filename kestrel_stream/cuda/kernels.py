@@ -21,6 +21,7 @@ from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 from kestrel_stream.obs import trace
 from kestrel_stream.cuda.device_trace import timed
 from kestrel_stream.cuda.driver import Device, Stream, check
+from kestrel_stream.cuda import mma_variants
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
 _modules: dict[tuple[str, str], object] = {}
@@ -149,7 +150,7 @@ class QWeight:
 
 GEMV_SIGNATURE = "pppippipppppfiii"
 ROPE_SIGNATURE = "ppppppppfiiiii"      # qkv_norm_rope_append
-GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tiled q8_matmul
+GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tensor-core q8_mma
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
 
@@ -159,18 +160,26 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
                 variant: str | None = None) -> Launch:
     """y = W @ x for `tokens` rows of x, with the epilogues of kernels_ptx/q8_gemv.cu.
 
-    The GEMV for up to 8 tokens, the tiled matmul (q8_matmul.cu) beyond.  inv_rms_in scales
+    The GEMV for up to 8 tokens, the int8 tensor-core GEMM (q8_mma.cu) beyond.  inv_rms_in scales
     each token's outputs (RMSNorm of an input pre-multiplied by its norm weight); silu_pairs
     reads rows as (gate, up) pairs and writes silu(gate) * up (rows/2 outputs); res is added;
     xn_out gets y * normw_out; inv_rms_out (+ `counter`, a zeroed GEMV_COUNTER_BYTES scratch)
     gets 1/rms(y) per token.  variant: a single-token layout of gemv_variants.VARIANTS (by
-    default the one measured fastest for the shape), or of MULTI_VARIANTS for 2..8 tokens.
+    default the one measured fastest for the shape), or of MULTI_VARIANTS for 2..8 tokens; beyond 8
+    tokens a tile of mma_variants.TILES (by default mma_variants.choose_tile) or "simt", the fp32 tiled
+    q8_matmul.cu (exact fp32 activations; the baseline the bench compares with).
     """
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
-    if tokens > GEMV_MAX_TOKENS:
+    if tokens > GEMV_MAX_TOKENS and variant == "simt":
         launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
                                 (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)
+    elif tokens > GEMV_MAX_TOKENS:
+        tile_name = variant or mma_variants.choose_tile(tokens, w.rows)
+        tile = mma_variants.TILES[tile_name]
+        launch = kernels.launch(mma_variants.kernel_name(tile_name, silu_pairs),
+                                (-(-w.rows // tile.rows), -(-tokens // tile.tokens)), (tile.threads,),
+                                GEMV_SIGNATURE, args)
     else:
         if variant is None:
             variant = m1_variant(w.rows, w.cols) if tokens == 1 else multi_variant(tokens)

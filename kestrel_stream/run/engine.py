@@ -21,6 +21,7 @@ from kestrel_stream.model.weights import ModelWeights
 
 DEFAULT_MAX_SEQ_LEN = 2048
 MODES = ("auto", "cpu", "gated", "gpu")
+LOGITS = ("all", "last")      # which logits rows a prefill returns
 WINDOW_COUNTERS = ("streamed_bytes", "window_hits", "window_misses", "copy_busy_ms", "compute_busy_ms")
 
 
@@ -172,22 +173,24 @@ class Engine:
                                     f"is outside the vocabulary 0..{self.config.vocab_size - 1}")
         return arr.astype(np.int64)
 
-    def step(self, items: list[tuple["Session", np.ndarray]], greedy: bool = False):
+    def step(self, items: list[tuple["Session", np.ndarray]], greedy: bool = False, logits: str = "all"):
         """One executor step over several sessions; all inputs were validated by the caller.
 
-        Logits [n_i, V] per session, or with greedy=True each session's greedy next token (int64 [B]):
-        an executor with forward_greedy (gpu mode) then takes the argmax on the device and copies
-        back 4 bytes per token instead of the logits."""
+        Logits [n_i, V] per session (logits="last": [1, V], each session's last row, the only rows
+        lm_head computes), or with greedy=True each session's greedy next token (int64 [B]): an
+        executor with forward_greedy (gpu mode) then takes the argmax on the device and copies back
+        4 bytes per token instead of the logits."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
         traced = trace.NULL_SPAN if trace.active is None else trace.step(sum(len(ids) for _, ids in items),
                                                                         sessions=len(items))
         with self._lock, traced:
             if not greedy:
-                out = self.executor.forward(batch)
+                out = self.executor.forward(batch, logits=logits)
             elif hasattr(self.executor, "forward_greedy"):
                 out = self.executor.forward_greedy(batch)
             else:
-                out = np.array([int(np.argmax(logits[-1])) for logits in self.executor.forward(batch)], np.int64)
+                out = np.array([int(np.argmax(rows[-1])) for rows in self.executor.forward(batch, logits="last")],
+                               np.int64)
         for s, ids in items:
             s.position += len(ids)
             s.tokens.extend(np.asarray(ids).tolist())
@@ -282,12 +285,17 @@ class Session:
             raise CapacityError(f"session {self.id}: {count} more token(s) at position {self.position} "
                                 f"exceed max_seq_len={self.max_seq_len}")
 
-    def prefill(self, ids) -> np.ndarray:
-        """Append prompt tokens; logits [len(ids), vocab] float32."""
+    def prefill(self, ids, logits: str = "all") -> np.ndarray:
+        """Append prompt tokens; logits [len(ids), vocab] float32, or with logits="last" the last
+        position's only, [vocab] (lm_head runs on that row alone)."""
+        if logits not in LOGITS:
+            raise ValueError(f"session {self.id} prefill: logits={logits!r}; expected one of "
+                             f"{', '.join(map(repr, LOGITS))}")
         self._check_open()
         arr = self.engine.check_tokens(ids, f"session {self.id} prefill")
         self._check_room(len(arr))
-        return self.engine.step([(self, arr)])[0]
+        out = self.engine.step([(self, arr)], logits=logits)[0]
+        return out[0] if logits == "last" else out
 
     def decode(self, token: int) -> np.ndarray:
         """Append one token; logits [vocab] float32."""

@@ -162,8 +162,9 @@ class CpuExecutor:
                                                                            self.config.rope_theta))
         return self._cos[positions], self._sin[positions]
 
-    def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]]) -> list[np.ndarray]:
-        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each.
+    def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each, or with
+        logits="last" each session's last row only, [1, V] (lm_head runs on those rows alone).
 
         All sessions' tokens go through every projection as one [T, K] matmul
         (T = Σ n_i); attention runs per session over its own cache.  Q and K
@@ -211,7 +212,9 @@ class CpuExecutor:
             gu = self.linear(rmsnorm(x, mlp_norm, eps), layer.w_gate_up, "gate_up", li)
             x = x + self.linear(silu_mul(gu[:, :c.intermediate_size], gu[:, c.intermediate_size:]), layer.w_down,
                                 "down", li)
-        logits = self.linear(rmsnorm(x, self.final_norm, eps), w.lm_head, "lm_head")
+        if logits == "last":
+            x, bounds = x[np.asarray(bounds[1:]) - 1], list(range(len(batch) + 1))
+        out = self.linear(rmsnorm(x, self.final_norm, eps), w.lm_head, "lm_head")
         self.stats["steps"] += 1
         self.stats["tokens"] += len(ids)
-        return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -228,19 +228,22 @@ class HybridExecutor(HostOps, DeviceWeights):
             prof.record_call(call, uploads=uploads)
 
     # ---- one step ---------------------------------------------------------------------------------
-    def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]]) -> list[np.ndarray]:
-        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each."""
+    def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each; logits="last":
+        each session's last row, [1, V] (the plan's lm_head still runs on every row of a chunk here)."""
         self.device.make_current()
         rows = [(kv, int(t), start + i) for kv, ids, start in batch
                 for i, t in enumerate(np.asarray(ids, np.int64).reshape(-1))]
-        logits = np.empty((len(rows), self.config.vocab_size), np.float32)
+        out = np.empty((len(rows), self.config.vocab_size), np.float32)
         for lo in range(0, len(rows), self.max_tokens):
             chunk = rows[lo:lo + self.max_tokens]
-            logits[lo:lo + len(chunk)] = self._run_chunk(chunk)
+            out[lo:lo + len(chunk)] = self._run_chunk(chunk)
         self.stats["steps"] += 1
         self.stats["tokens"] += len(rows)
         bounds = np.cumsum([0] + [len(np.atleast_1d(ids)) for _, ids, _ in batch])
-        return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        if logits == "last":
+            return [out[hi - 1:hi] for hi in bounds[1:]]
+        return [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
 
     def _run_chunk(self, rows) -> np.ndarray:
         T = len(rows)

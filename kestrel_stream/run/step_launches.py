@@ -21,8 +21,15 @@ from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, ROPE_SIGNATURE, Launch,
 LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
 
 
-def step_launches(x, tokens: int) -> list[Launch]:
-    """The kernels of one step over `tokens` tokens of GpuExecutor `x`, in order, with their arguments."""
+def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
+    """The kernels of one step over `tokens` tokens of GpuExecutor `x`, in order, with their arguments.
+
+    lm_rows = (first, count): lm_head runs on token rows first..first+count-1 only, into logits rows
+    0..count-1 (None: every row).  count 0 leaves lm_head out, unless the weights are streamed: the
+    window streams lm_head in ring order whatever the step wants, so one row is computed then."""
+    first, count = lm_rows if lm_rows is not None else (0, tokens)
+    if count == 0 and x.window.streamed:
+        first, count = tokens - 1, 1
     c, k, T = x.config, x.kernels, x.max_tokens
     eps, L = c.rms_norm_eps, c.num_hidden_layers
     kvbase, ids, pos = x.params.ptr, x.params.ptr + 8 * T, x.params.ptr + 12 * T
@@ -52,8 +59,10 @@ def step_launches(x, tokens: int) -> list[Launch]:
         out.append(gemv_launch(k, lw["w_down"], x.act.ptr, I, xp, H, tokens, res=xp,
                                normw_out=norm_after_down[li], xn_out=xn, inv_rms_out=inv_rms,
                                counter=counter, eps=eps))
-    out.append(gemv_launch(k, x.lm_head, xn, H, x.logits.ptr, c.vocab_size, tokens, inv_rms_in=inv_rms))
-    ops = [("embed", None)] + [(op, li) for li in range(L) for op in LAYER_OPS] + [("lm_head", None)]
+    if count:
+        out.append(gemv_launch(k, x.lm_head, xn + 4 * H * first, H, x.logits.ptr, c.vocab_size, count,
+                               inv_rms_in=inv_rms + 4 * first))
+    ops = [("embed", None)] + [(op, li) for li in range(L) for op in LAYER_OPS] + [("lm_head", None)] * bool(count)
     assert len(ops) == len(out), "LAYER_OPS names each launch of a layer"
     for launch, (op, layer) in zip(out, ops):
         launch.label(op=op, layer=layer)

@@ -52,9 +52,9 @@ class Verifier:
     def forget(self, kv) -> None:
         self.shadows.pop(id(kv), None)
 
-    def check(self, batch, gpu_outputs: list[np.ndarray]) -> int:
+    def check(self, batch, gpu_outputs: list[np.ndarray], logits: str = "all") -> int:
         cpu_batch = [(self.shadows[id(kv)], tokens, start) for kv, tokens, start in batch]
-        expected = self.reference.forward(cpu_batch)
+        expected = self.reference.forward(cpu_batch, logits=logits)
         bad = sum(compare_rows(g, r) for g, r in zip(gpu_outputs, expected))
         self.stats["verify_mismatches"] += bad
         self.stats["verify_rows"] += sum(len(r) for r in expected)

@@ -64,7 +64,7 @@ class Generation:
 
     # -- the steps ----------------------------------------------------------
     def _first(self, s) -> int:
-        return self._pick(s.prefill(self.ids)[-1], 0)
+        return self._pick(s.prefill(self.ids, logits="last"), 0)
 
     def _pick(self, logits: np.ndarray, step: int) -> int:
         return sample_logits(logits, self.params, self.seed, step, self.ids + self.tokens)
