@@ -132,7 +132,7 @@ def test_an_enqueued_launch_is_a_timed_slice_with_its_labels_and_a_flow(tmp_path
     rec, times, reference, _ = new_times(tmp_path / "t.json", reference_host_us=0.0)
     monkeypatch.setattr(device_trace, "_gpu_times", times)
     w = kernels.QWeight(qs=0, scales=0, rows=64, cols=128)
-    fake_kernels = type("Kernels", (), {"launch": lambda self, name, grid, block, sig, args:
+    fake_kernels = type("Kernels", (), {"gemv_m1": None, "gemv_mn": None, "launch": lambda self, name, grid, block, sig, args:
                                         kernels.Launch(None, name, grid, block, sig, args)})()
     launch = kernels.gemv_launch(fake_kernels, w, 0, 128, 0, 64, 1).label(op="L2.o", layer=2)
     submitted = []

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kestrel_stream.obs import trace
-from kestrel_stream.run.budget import parse_vram_budget
 from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.obs import prof
+from kestrel_stream.options import Options
 from kestrel_stream.errors import CapacityError, DeviceError, InvalidTokenError, SessionClosedError
 from kestrel_stream.model.weights import ModelWeights
 
@@ -35,13 +36,13 @@ def gpu_status() -> tuple[bool, str]:
 
 
 def parse_mode(mode: str) -> str:
-    if mode in MODES:
-        return mode
-    if mode.startswith("layers="):
-        count = mode.split("=", 1)[1]
-        if count.isdigit():
-            return f"layers={int(count)}"
-    raise DeviceError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)} or layers=N")
+    """The canonical spelling of a mode (scheduler.parse_mode is the one parser); DeviceError if unknown."""
+    import scheduler
+    try:
+        kind, count = scheduler.parse_mode(mode)
+    except ValueError:
+        raise DeviceError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)} or layers=N") from None
+    return f"layers={count}" if kind == "layers" else kind
 
 
 def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, str]:
@@ -64,24 +65,24 @@ def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, 
 
 
 def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: int,
-                  max_batch: int, max_sessions: int | None, vram_budget: int | None):
+                  max_batch: int, max_sessions: int | None, options: Options):
     if device == "cpu":
         from kestrel_stream.run.host import CpuExecutor
         return CpuExecutor(weights)
     if mode == "gpu":
         from kestrel_stream.run.gpu_executor import GpuExecutor
         return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
-                           vram_budget=vram_budget)
-    if vram_budget is not None:
+                           options=options)
+    if options.vram_budget is not None:
         print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",
               file=sys.stderr)
     from kestrel_stream.run.hybrid import HybridExecutor
     profile = None
     if mode == "gated":                 # the cost model needs this machine's figures: measured once, cached
         from kestrel_stream.run.calibrate import calibrate
-        profile = calibrate()
+        profile = calibrate(options=options)
     return HybridExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch,
-                          max_sessions=max_sessions)
+                          max_sessions=max_sessions, options=options)
 
 
 @dataclass
@@ -109,19 +110,25 @@ class Engine:
 
     def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
                  max_seq_len: int | None = None, max_batch: int = 32, max_sessions: int | None = None,
-                 vram_budget: int | None = None):
+                 vram_budget: int | None = None, options: Options | None = None):
+        # options: the KESTREL_* settings, read here unless ks.load (or the CLI) already did
+        options = Options.from_env() if options is None else options
+        if vram_budget is not None:
+            options = options.with_(vram_budget=vram_budget)
+        self.options = options
+        if options.prof:
+            prof.enable()
         self.weights = weights
         self.config: ModelConfig = weights.config
         self.device, self.mode = device, mode
         self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, self.config.max_position_embeddings)
         self.max_batch = max_batch
-        vram_budget = parse_vram_budget(vram_budget)       # bytes, or a fraction of free VRAM
         # max_sessions: how many KV caches a GPU executor reserves device memory for (default 2 x max_batch)
-        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, vram_budget)
+        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, options)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()       # one step at a time through the executor
         self.sessions: dict[int, Session] = {}
-        recorder = trace.start_from_env()       # KESTREL_TRACE, or a trace the CLI already began
+        recorder = trace.start_for_process(options.trace_path)   # KESTREL_TRACE, or a trace the CLI began
         if recorder is not None:
             recorder.metadata.update(device=device, mode=mode, layers=self.config.num_hidden_layers)
 

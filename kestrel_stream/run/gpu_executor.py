@@ -20,7 +20,6 @@ The launch list of a step and why it looks as it does: step_launches.py.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -30,7 +29,8 @@ import numpy as np
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.obs import prof
-from kestrel_stream.run.budget import arena_needs, parse_vram_budget, plan_arena, resolve_budget
+from kestrel_stream.options import Options
+from kestrel_stream.run.budget import arena_needs, plan_arena, resolve_budget
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, KernelSet, Launch
@@ -49,13 +49,15 @@ class GpuKV:
 class GpuExecutor:
     name = "cuda"
     use_graphs = True     # False: decode steps launch every kernel eagerly (the bench's baseline)
-    # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
-    programmatic = os.environ.get("KESTREL_PDL", "1") != "0"
 
     def __init__(self, weights: ModelWeights, max_seq_len: int = 4096, max_batch: int = 8,
                  max_sessions: int | None = None, prefill_chunk: int = 64, attention_splits: int = 16,
                  verify: bool | None = None, vram_budget=None, window_slots: int = 2, prefetch_distance: int = 1,
-                 small_item_bytes: int = 64 * 1024):
+                 small_item_bytes: int = 64 * 1024, options: Options | None = None):
+        """vram_budget: parsed bytes or fraction (Options.with_); None takes the options' budget."""
+        self.options = Options.from_env() if options is None else options
+        # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
+        self.programmatic = self.options.programmatic_launch
         c: ModelConfig = weights.config
         if c.head_dim not in (64, 128, 256) or c.gqa_group > 8 or not 1 <= attention_splits <= 32:
             raise ValueError(f"gpu mode needs head_dim in 64/128/256 and <= 8 q heads per kv head; "
@@ -65,7 +67,7 @@ class GpuExecutor:
         self.max_tokens = max(max_batch, prefill_chunk)
         self.attention_splits = attention_splits
         self.device = driver.Device(0)
-        self.kernels = KernelSet(self.device)
+        self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
         self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "kernels": 0,
                       "h2d_bytes": 0, "d2h_bytes": 0, "graph_replays": 0, "graphs_captured": 0}
@@ -78,7 +80,8 @@ class GpuExecutor:
         # the arena holds KV caches + activations + weights; under a budget too small for all the
         # weights, the residency window keeps some resident and streams the rest (stream_window.py)
         self.needs = arena_needs(c, T, sessions, max_seq_len, attention_splits)
-        self.vram_budget = resolve_budget(parse_vram_budget(vram_budget), self.device.free_bytes(),
+        vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
+        self.vram_budget = resolve_budget(vram_budget, self.device.free_bytes(),
                                           weights.quantized_bytes() + self.needs.total)
         capacity, self.window_plan = plan_arena(c, self.needs, self.vram_budget, window_slots, prefetch_distance,
                                                 small_item_bytes)
@@ -128,7 +131,7 @@ class GpuExecutor:
         self.chain = GreedyChain(self)
 
         if verify is None:
-            verify = os.environ.get("KESTREL_VERIFY") == "1"
+            verify = self.options.verify
         self.verifier = None
         if verify:
             from kestrel_stream.run.verify import Verifier

@@ -30,6 +30,7 @@ import numpy as np
 import scheduler
 
 from kestrel_stream.obs import prof
+from kestrel_stream.options import Options
 from kestrel_stream.obs import trace
 from kestrel_stream.run.host import CpuExecutor, CpuKV, rope_tables
 from kestrel_stream.run.hybrid_host import HostOps
@@ -65,7 +66,8 @@ class HybridExecutor(HostOps, DeviceWeights):
 
     def __init__(self, weights: ModelWeights, mode: str, profile, max_seq_len: int = 2048,
                  max_batch: int = 32, max_sessions: int | None = None, prefill_chunk: int = 64,
-                 group_choice: dict | None = None):
+                 group_choice: dict | None = None, options: Options | None = None):
+        self.options = Options.from_env() if options is None else options
         c = weights.config
         self.group_choice = group_choice
         self.weights, self.config, self.mode, self.profile = weights, c, mode, profile
@@ -73,7 +75,7 @@ class HybridExecutor(HostOps, DeviceWeights):
         self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
         self.cpu = CpuExecutor(weights)
         self.device = driver.Device(0)
-        self.kernels = KernelSet(self.device)
+        self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
         self.max_tokens = max(max_batch, prefill_chunk)
         self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0,
@@ -137,7 +139,8 @@ class HybridExecutor(HostOps, DeviceWeights):
     def plan(self, tokens: int) -> scheduler.Plan:
         if tokens not in self._plans:
             plan = scheduler.build_plan(self.config, tokens=tokens, mode=self.mode, profile=self.profile,
-                                        gpu_available=True, group_choice=self.group_choice)
+                                        gpu_available=True, group_choice=self.group_choice,
+                                        minflop=self.options.minflop)
             scheduler.audit_plan(plan, self.config)
             self._plans[tokens] = plan
         return self._plans[tokens]
