@@ -134,17 +134,13 @@ class Engine:
 
     def plan_summary(self) -> str:
         """One line on how a decode step runs here (the daemon logs it)."""
-        import scheduler
-        planner = getattr(self.executor, "plan", None)
-        plan = planner(1) if callable(planner) else scheduler.build_plan(
-            self.config, 1, self.mode, gpu_available=self.device == "cuda")
+        plan = self.executor.plan(1)
         counters = plan.counters()
         line = (f"{plan.mode}: {len(plan.segments)} segment(s), {counters['syncs_per_step']} sync(s) and "
                 f"{counters['launches_per_step']} launches per decode step; GPU weights "
                 f"{counters['gpu_weight_bytes'] / 1e6:.1f} MB, host weights {counters['cpu_weight_bytes'] / 1e6:.1f} MB")
-        window = getattr(self.executor, "window_plan", None)
-        if window is not None:
-            line += "; " + window.describe().splitlines()[0]
+        if self.executor.window_plan is not None:
+            line += "; " + self.executor.window_plan.describe().splitlines()[0]
         return line
 
     # -- sessions ---------------------------------------------------------
@@ -176,18 +172,13 @@ class Engine:
         """One executor step over several sessions; all inputs were validated by the caller.
 
         Logits [n_i, V] per session, or with greedy=True each session's greedy next token (int64 [B]):
-        an executor with forward_greedy (gpu mode) then takes the argmax on the device and copies
-        back 4 bytes per token instead of the logits."""
+        in gpu mode the executor then takes the argmax on the device and copies back 4 bytes per
+        token instead of the logits."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
         traced = trace.NULL_SPAN if trace.active is None else trace.step(sum(len(ids) for _, ids in items),
                                                                         sessions=len(items))
         with self._lock, traced:
-            if not greedy:
-                out = self.executor.forward(batch)
-            elif hasattr(self.executor, "forward_greedy"):
-                out = self.executor.forward_greedy(batch)
-            else:
-                out = np.array([int(np.argmax(logits[-1])) for logits in self.executor.forward(batch)], np.int64)
+            out = self.executor.forward_greedy(batch) if greedy else self.executor.forward(batch)
         for s, ids in items:
             s.position += len(ids)
             s.tokens.extend(np.asarray(ids).tolist())
@@ -217,11 +208,11 @@ class Engine:
         with self.new_session() as s:
             ids = self.check_tokens(prompt_ids, "prompt")
             s._check_room(len(ids) + max(max_new_tokens - 1, 0))
-            before = dict(self.executor.stats)
+            before = self.executor.counters.as_dict()
             t0 = time.perf_counter()
             token = int(np.argmax(s.prefill(ids)[-1]))
             t1 = time.perf_counter()
-            mid = dict(self.executor.stats)
+            mid = self.executor.counters.as_dict()
             tokens = [token] if max_new_tokens > 0 else []
             remaining = max(max_new_tokens - 1, 0)
             if remaining and self.chain_greedy and trace.active is None:
@@ -233,7 +224,7 @@ class Engine:
                 token = s.decode_greedy(token)
                 tokens.append(token)
             t2 = time.perf_counter()
-            after = self.executor.stats
+            after = self.executor.counters.as_dict()
         decode_steps = max(len(tokens) - 1, 0)
         stats = {key: after[key] - mid.get(key, 0) for key in after if isinstance(after[key], (int, float))}
         stats["prefill_syncs"] = mid.get("syncs", 0) - before.get("syncs", 0)
@@ -247,11 +238,8 @@ class Engine:
     def _generate_chained(self, s: "Session", token: int, steps: int) -> list[int] | None:
         """The next `steps` greedy tokens of `s` after `token`, chained on the device where the executor
         can (gpu mode: several steps per host sync); None where it cannot."""
-        chain = getattr(self.executor, "generate_greedy", None)
-        if chain is None:
-            return None
         with self._lock:
-            out = chain([(s.kv, np.array([token]), s.position)], steps)
+            out = self.executor.generate_greedy([(s.kv, np.array([token]), s.position)], steps)
         if out is None:
             return None
         produced = [int(t) for t in out[:, 0]]
@@ -262,9 +250,7 @@ class Engine:
     def close(self) -> None:
         for s in list(self.sessions.values()):
             s.close()
-        closer = getattr(self.executor, "close", None)
-        if closer:
-            closer()
+        self.executor.close()
 
 
 class Session:

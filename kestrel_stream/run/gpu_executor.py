@@ -1,6 +1,6 @@
 """The whole-step GPU executor (`gpu` mode): every op of a step on the device.
 
-Same interface as cpu.CpuExecutor: alloc_kv / free_kv / forward(batch) / stats.
+An Executor (executor.py): alloc_kv / free_kv / forward(batch) / counters.
 
 Static buffers, sized at load for `max_tokens` = max(max_batch, prefill_chunk)
 tokens, live in the one device arena beside the weights and the KV caches.  A
@@ -34,7 +34,8 @@ from kestrel_stream.run.budget import arena_needs, plan_arena, resolve_budget
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, KernelSet, Launch
-from kestrel_stream.run.step_launches import argmax_launch, step_launches
+from kestrel_stream.run.executor import Executor, StepCounters
+from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
 from kestrel_stream.run.window import WeightWindow
 
 
@@ -46,7 +47,7 @@ class GpuKV:
     base_elements: int   # offset from the arena base in float32 elements (what kernels read)
 
 
-class GpuExecutor:
+class GpuExecutor(Executor):
     name = "cuda"
     use_graphs = True     # False: decode steps launch every kernel eagerly (the bench's baseline)
 
@@ -69,8 +70,7 @@ class GpuExecutor:
         self.device = driver.Device(0)
         self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
-        self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "kernels": 0,
-                      "h2d_bytes": 0, "d2h_bytes": 0, "graph_replays": 0, "graphs_captured": 0}
+        self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured")
 
         T, H, V = self.max_tokens, c.hidden_size, c.vocab_size
         qkv_width = c.q_size + 2 * c.kv_size
@@ -117,7 +117,7 @@ class GpuExecutor:
         driver.h2d_sync(self.argmax_counters.ptr, np.zeros(T, np.uint32))
         self.host_tokens = driver.PinnedBuffer(T * 4)
         self.host_tokens_view = self.host_tokens.view(np.int32, (T,))
-        self._scratch_kv = self.alloc_kv(1)
+        self.scratch_kv = self.alloc_kv(1)
         self._launches: dict[int, list[Launch]] = {}
         self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
         self._graph_kernels: dict[tuple[int, bool], int] = {}
@@ -135,7 +135,7 @@ class GpuExecutor:
         self.verifier = None
         if verify:
             from kestrel_stream.run.verify import Verifier
-            self.verifier = Verifier(weights, self.stats)
+            self.verifier = Verifier(weights, self.counters)
 
     # ---- weights -----------------------------------------------------------------------------
     def _upload_weights(self) -> None:
@@ -180,35 +180,35 @@ class GpuExecutor:
             self.verifier.forget(kv)
 
     # ---- the launch lists (step_launches.py), built once per token count ------------------------------
-    def _step_launches(self, tokens: int) -> list[Launch]:
+    def step_launches(self, tokens: int) -> list[Launch]:
         if tokens not in self._launches:
-            self._launches[tokens] = step_launches(self, tokens)
+            self._launches[tokens] = build_step_launches(self, tokens)
         return self._launches[tokens]
 
     def _enqueue_step(self, tokens: int, greedy: bool = False) -> int:
         """Params H2D, every kernel, the logits (or, greedy, each row's argmax) D2H on the compute
         stream; returns the kernel count."""
         driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
-        launches = self._step_launches(tokens)
+        launches = self.step_launches(tokens)
         self.window.enqueue_step(launches, self.stream)   # streamed weights: copies + slot events
         if not greedy:
             driver.d2h_async(self.host_logits, self.logits.ptr, tokens * self.config.vocab_size * 4, self.stream)
             return len(launches)
-        self._argmax_launch(tokens).enqueue(self.stream)
+        self.argmax_launch(tokens).enqueue(self.stream)
         driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
         return len(launches) + 1
 
-    def _argmax_launch(self, tokens: int) -> Launch:
+    def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
         if key not in self._launches:
-            self._launches[key] = argmax_launch(self, tokens, self._step_launches(tokens)[-1].programmatic)
+            self._launches[key] = argmax_launch(self, tokens, self.step_launches(tokens)[-1].programmatic)
         return self._launches[key]
 
-    def _stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:
+    def stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:
         for i, (kv, token, position) in enumerate(rows):
             self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = kv.base_elements, token, position
         for i in range(len(rows), padded):   # padded slots decode token 0 at position 0 of the scratch cache
-            self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = self._scratch_kv.base_elements, 0, 0
+            self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = self.scratch_kv.base_elements, 0, 0
 
     # ---- one step ------------------------------------------------------------------------------
     def _rows(self, batch) -> list[tuple[GpuKV, int, int]]:
@@ -230,14 +230,14 @@ class GpuExecutor:
         """Stage the rows, launch (capturing once) the bucket's graph, wait: the step's one sync.
         Returns the profile stages so far (KESTREL_PROF) for the caller to complete and record."""
         bucket = next(b for b in self.buckets if b >= len(rows))
-        self._stage(rows, bucket)
+        self.stage(rows, bucket)
         key = (bucket, greedy)
         if key not in self._graphs:
             with driver.capture(self.stream) as captured:
                 kernel_count = self._enqueue_step(bucket, greedy)
             self._graphs[key] = captured.graph
             self._graph_kernels[key] = kernel_count
-            self.stats["graphs_captured"] += 1
+            self.counters.graphs_captured += 1
         started = time.perf_counter()
         if prof.enabled:
             self._prof_events[0].record(self.stream)
@@ -248,7 +248,7 @@ class GpuExecutor:
         waited = time.perf_counter()
         self._count(launches=1, kernels=self._graph_kernels[key],
                     d2h=bucket * 4 if greedy else bucket * self.config.vocab_size * 4)
-        self.stats["graph_replays"] += 1
+        self.counters.graph_replays += 1
         if not prof.enabled:
             return {}
         # one offloaded call per step: the replay's GPU time, the rest of the wait (+ the copy out, by the caller)
@@ -272,13 +272,13 @@ class GpuExecutor:
         else:
             for lo in range(0, len(rows), self.max_tokens):
                 chunk = rows[lo:lo + self.max_tokens]
-                self._stage(chunk, len(chunk))
+                self.stage(chunk, len(chunk))
                 kernel_count = self._enqueue_step(len(chunk))
                 self.stream.synchronize()
                 self._count(launches=kernel_count, kernels=kernel_count, d2h=len(chunk) * V * 4)
                 logits[lo:lo + len(chunk)] = self.host_logits_view[:len(chunk)]
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(rows)
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
         bounds = np.cumsum([0] + [len(np.atleast_1d(t)) for _, t, _ in batch])
         outputs = [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
         if self.verifier:
@@ -300,8 +300,8 @@ class GpuExecutor:
             if prof.enabled:
                 prof.record_call({**stages, "reduce": 0.0})
             tokens[lo:lo + len(chunk)] = self.host_tokens_view[:len(chunk)]
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(rows)
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
         return tokens
 
     def generate_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int) -> np.ndarray | None:
@@ -321,6 +321,10 @@ class GpuExecutor:
                                  f"need {position + steps}")
         return self.chain.run(rows, steps)
 
+    def plan(self, tokens: int):
+        import scheduler
+        return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True)
+
     def close(self) -> None:
         """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""
         self.device.make_current()
@@ -336,9 +340,10 @@ class GpuExecutor:
         self.arena.release()
 
     def _count(self, launches: int, kernels: int, d2h: int) -> None:
-        self.stats["syncs"] += 1
-        self.stats["launches"] += launches
-        self.stats["kernels"] += kernels
-        self.stats["h2d_bytes"] += self.staging.nbytes
-        self.stats["d2h_bytes"] += d2h
-        self.window.account(self.stats)
+        c = self.counters
+        c.syncs += 1
+        c.launches += launches
+        c.kernels += kernels
+        c.h2d_bytes += self.staging.nbytes
+        c.d2h_bytes += d2h
+        self.window.account(c)
