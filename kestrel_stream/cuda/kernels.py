@@ -19,8 +19,7 @@ from cuda.bindings import driver as cu
 from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 
 from kestrel_stream.obs import trace
-from kestrel_stream.cuda.device_trace import timed
-from kestrel_stream.cuda.driver import Device, Stream, check
+from kestrel_stream.cuda.driver import Device, Stream, check, timed
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
 _modules: dict[tuple[str, str], object] = {}

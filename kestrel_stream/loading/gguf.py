@@ -20,9 +20,10 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
 
 from kestrel_stream.model.config import ConfigError, ModelConfig
-from kestrel_stream.loading.loader import LoadError, Progress, assemble_weights
+from kestrel_stream.errors import LoadError
+from kestrel_stream.loading import Progress
 from kestrel_stream.model.quant import QTensor, quantize
-from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, hf_tensor_shapes
+from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, assemble_weights, hf_tensor_shapes
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
 GGUF_LAYER_NAMES = {
