@@ -53,7 +53,7 @@ class Segment:
 
     @property
     def launches(self) -> int:
-        return len(self.ops) if self.side == "gpu" else 0
+        return sum(op.launches for op in self.ops) if self.side == "gpu" else 0
 
 
 @dataclass
