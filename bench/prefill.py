@@ -103,9 +103,9 @@ def op_breakdown(gpu: GpuExecutor, kv, prompt) -> dict:
     """GPU µs per op (summed over layers) of one prefill step over `prompt`, each launch between two
     timing events (so without overlap between kernels)."""
     rows = gpu._rows([(kv, prompt, 0)])
-    gpu._stage(rows, len(rows))
+    gpu.stage(rows, len(rows))
     driver.h2d_async(gpu.params.ptr, gpu.staging, gpu.staging.nbytes, gpu.stream)
-    launches = gpu._step_launches(len(rows), (len(rows) - 1, 1))
+    launches = gpu.step_launches(len(rows), (len(rows) - 1, 1))
     events = [driver.Event(timing=True) for _ in range(len(launches) + 1)]
     events[0].record(gpu.stream)
     for launch, event in zip(launches, events[1:]):

@@ -26,6 +26,8 @@ TOKEN_ID_BYTES = 4  # int32 ids enter the step
 # Fused groups: the projections of one layer that share an input run as one
 # launch. These five names are also the on/off switches a bench searches.
 PROJECTION_GROUPS = ("qkv", "o", "gate_up", "down", "lm_head")
+# op kinds fused into a neighbouring projection's prologue / epilogue on either side: no launch of their own
+FUSED_KINDS = ("norm", "elementwise")
 
 
 def q8_bytes(rows: int, cols: int) -> int:
@@ -52,10 +54,17 @@ class Op:
     group: str | None = None  # fused projection group, one of PROJECTION_GROUPS
     extra_flops: float = 0.0  # FLOPs not tied to a weight (attention, elementwise)
     gathers_from: str | None = None  # embed reads rows of this tensor (tied or not)
+    row_runs: int = 1         # contiguous row ranges of the fused weight (a split group's part may have two)
 
     @property
     def is_projection(self) -> bool:
         return self.group is not None
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches of this op on the GPU: a norm is the consuming projection's prologue (and the
+        epilogue of the one that wrote x), SiLU·mul gate_up's epilogue, so neither launches anything."""
+        return 0 if self.kind in FUSED_KINDS else self.row_runs
 
     @property
     def flops(self) -> float:
@@ -75,8 +84,10 @@ class Op:
         assert kept, f"{self.name}: empty subset"
         rows_all = sum(w.shape[0] for w in self.weights)
         rows_kept = sum(w.shape[0] for w in kept)
+        flags = [w.name in weight_names for w in self.weights]
+        runs = sum(1 for i, on in enumerate(flags) if on and (i == 0 or not flags[i - 1]))
         return replace(self, name=f"{self.name}[{suffix}]", weights=kept,
-                       output_bytes=self.output_bytes * rows_kept // rows_all)
+                       output_bytes=self.output_bytes * rows_kept // rows_all, row_runs=runs)
 
 
 def _projection(name, shape, tokens) -> WeightRef:

@@ -241,7 +241,7 @@ def test_decode_batches_beyond_eight_run_the_tensor_core_graphs(model, emulated,
     before = gpu.stats["syncs"]
     out = engine.decode_batch([(s, 11) for s in sessions], greedy=greedy)
     assert gpu.stats["syncs"] - before == 1
-    names = {launch.name for launch in gpu._step_launches(16)}
+    names = {launch.name for launch in gpu.step_launches(16)}
     assert any(n.startswith("q8_mma_16x") and n.endswith("_silu") for n in names), names
     assert not any(n.startswith("q8_gemv") or n.startswith("q8_matmul") for n in names), names
     if greedy:

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gguf_quants
 from safetensors.numpy import load_file, save_file
 
-from kestrel_stream.loading.gguf import export_gguf
+from gguf_export import export_gguf
 from kestrel_stream.loading.loader import LoadError, load_weights
 from kestrel_stream.loading.presets import make_model
 from kestrel_stream.loading.qcache import flatten

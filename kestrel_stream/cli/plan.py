@@ -45,7 +45,9 @@ def cmd_plan(args) -> int:
     gpu_here = profile is not None            # calibrated here, or a profile given by --profile
     if profile is None and args.mode not in ("auto", "cpu"):
         profile = scheduler.H200_MEASURED
-    plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here)
+    from kestrel_stream.options import Options
+    plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here,
+                                minflop=Options.from_env().minflop)
     scheduler.audit_plan(plan, cfg)
     window = window_report(cfg, args) if args.vram_budget else None
     if args.json:

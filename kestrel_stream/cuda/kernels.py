@@ -19,19 +19,18 @@ from cuda.bindings import driver as cu
 from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 
 from kestrel_stream.obs import trace
-from kestrel_stream.cuda.device_trace import timed
-from kestrel_stream.cuda.driver import Device, Stream, check
+from kestrel_stream.cuda.driver import Device, Stream, check, timed
 from kestrel_stream.cuda import mma_variants
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
 _modules: dict[tuple[str, str], object] = {}
 
 
-def load_module(name: str, arch: str):
+def load_module(name: str, arch: str, cache_dir=None):
     """The CUmodule of kernels_ptx/<name> for `arch`: compiled (or read from the disk cache) once per process."""
     key = (name, arch)
     if key not in _modules:
-        cubin, _log = compile_cubin(name, arch)
+        cubin, _log = compile_cubin(name, arch, cache_dir=cache_dir)
         _modules[key] = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
     return _modules[key]
 
@@ -39,11 +38,14 @@ def load_module(name: str, arch: str):
 class KernelSet:
     """Every kernel function of every family, by name, for one device."""
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, options=None):
         self.device = device
+        # GEMV layouts forced by Options (KESTREL_GEMV_M1 / _MN); None: the measured choice per shape
+        self.gemv_m1 = options.gemv_m1 if options is not None else None
+        self.gemv_mn = options.gemv_mn if options is not None else None
         self._functions: dict[str, object] = {}
         for source in KERNEL_SOURCES:
-            load_module(source, device.arch)
+            load_module(source, device.arch, options.kernel_cache_dir if options is not None else None)
 
     def function(self, kernel_name: str):
         if kernel_name not in self._functions:
@@ -182,7 +184,8 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
                                 GEMV_SIGNATURE, args)
     else:
         if variant is None:
-            variant = m1_variant(w.rows, w.cols) if tokens == 1 else multi_variant(tokens)
+            variant = (m1_variant(w.rows, w.cols, kernels.gemv_m1) if tokens == 1
+                       else multi_variant(tokens, kernels.gemv_mn))
         shape = (VARIANTS if tokens == 1 else MULTI_VARIANTS)[variant]
         launch = kernels.launch(kernel_name(tokens, variant, silu_pairs), (-(-w.rows // shape.rows),),
                                 (shape.threads,), GEMV_SIGNATURE, args)

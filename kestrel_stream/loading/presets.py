@@ -83,8 +83,9 @@ def make_model(out_dir: str | Path, preset: str | ModelConfig, seed: int = 0, dt
 
 
 def cache_root() -> Path:
-    import os
-    return Path(os.environ.get("KESTREL_CACHE_DIR") or Path.home() / ".cache" / "kestrel-stream")
+    """Where preset models are generated: Options.cache_dir (KESTREL_CACHE_DIR), else ~/.cache/kestrel-stream."""
+    from kestrel_stream.options import Options
+    return Options.from_env().cache_dir or Path.home() / ".cache" / "kestrel-stream"
 
 
 def preset_dir(preset: str, seed: int = 0, dtype: str = "bf16") -> Path:

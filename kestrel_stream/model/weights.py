@@ -8,6 +8,7 @@ row-wise concatenation and changes no element's arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -86,3 +87,27 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         for key, shape in per_layer.items():
             shapes[f"model.layers.{i}.{HF_LAYER_NAMES[key]}"] = shape
     return shapes
+
+
+def assemble_weights(cfg: ModelConfig, linear: Callable[[str], QTensor], norm: Callable[[str], np.ndarray],
+                     source: str) -> ModelWeights:
+    """Build ModelWeights from per-tensor getters keyed by HF name, fusing QKV and gate/up rows."""
+    embed = linear(HF_GLOBAL_NAMES["embed"])
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        def hf(key: str) -> str:
+            return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
+        layers.append(LayerWeights(
+            attn_norm=norm(hf("attn_norm")),
+            wqkv=QTensor.concat([linear(hf("q")), linear(hf("k")), linear(hf("v"))]),
+            wo=linear(hf("o")),
+            mlp_norm=norm(hf("mlp_norm")),
+            w_gate_up=QTensor.concat([linear(hf("gate")), linear(hf("up"))]),
+            w_down=linear(hf("down")),
+            q_norm=norm(hf("q_norm")) if cfg.qk_norm else None,
+            k_norm=norm(hf("k_norm")) if cfg.qk_norm else None,
+        ))
+    final_norm = norm(HF_GLOBAL_NAMES["final_norm"])
+    lm_head = embed if cfg.tie_word_embeddings else linear(HF_GLOBAL_NAMES["lm_head"])
+    return ModelWeights(config=cfg, embed=embed, layers=layers, final_norm=final_norm,
+                        lm_head=lm_head, source=source)

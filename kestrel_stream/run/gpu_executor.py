@@ -1,6 +1,6 @@
 """The whole-step GPU executor (`gpu` mode): every op of a step on the device.
 
-Same interface as cpu.CpuExecutor: alloc_kv / free_kv / forward(batch, logits) / stats.
+An Executor (executor.py): alloc_kv / free_kv / forward(batch, logits) / counters.
 
 Static buffers, sized at load for `max_tokens` = max(max_batch, prefill_chunk)
 tokens, live in the one device arena beside the weights and the KV caches.  A
@@ -19,7 +19,6 @@ The launch list of a step and why it looks as it does: step_launches.py.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -29,14 +28,16 @@ import numpy as np
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.obs import prof
-from kestrel_stream.run.budget import (PREFILL_CHUNK_TOKENS, arena_needs, parse_vram_budget, plan_arena,
+from kestrel_stream.options import Options
+from kestrel_stream.run.budget import (PREFILL_CHUNK_TOKENS, arena_needs, plan_arena,
                                        resolve_budget, step_rows)
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.device_sampler import DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.run.sampled_chain import SampledChain
 from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, KernelSet, Launch
-from kestrel_stream.run.step_launches import argmax_launch, step_launches
+from kestrel_stream.run.executor import Executor, StepCounters
+from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
 from kestrel_stream.run.window import WeightWindow
 
 
@@ -48,16 +49,18 @@ class GpuKV:
     base_elements: int   # offset from the arena base in float32 elements (what kernels read)
 
 
-class GpuExecutor:
+class GpuExecutor(Executor):
     name = "cuda"
     use_graphs = True     # False: decode steps launch every kernel eagerly (the bench's baseline)
-    # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
-    programmatic = os.environ.get("KESTREL_PDL", "1") != "0"
 
     def __init__(self, weights: ModelWeights, max_seq_len: int = 4096, max_batch: int = 8,
                  max_sessions: int | None = None, prefill_chunk: int = PREFILL_CHUNK_TOKENS, attention_splits: int = 16,
                  verify: bool | None = None, vram_budget=None, window_slots: int = 2, prefetch_distance: int = 1,
-                 small_item_bytes: int = 64 * 1024):
+                 small_item_bytes: int = 64 * 1024, options: Options | None = None):
+        """vram_budget: parsed bytes or fraction (Options.with_); None takes the options' budget."""
+        self.options = Options.from_env() if options is None else options
+        # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
+        self.programmatic = self.options.programmatic_launch
         c: ModelConfig = weights.config
         if c.head_dim not in (64, 128, 256) or c.gqa_group > 8 or not 1 <= attention_splits <= 32:
             raise ValueError(f"gpu mode needs head_dim in 64/128/256 and <= 8 q heads per kv head; "
@@ -67,10 +70,9 @@ class GpuExecutor:
         self.max_tokens, self.logits_rows = step_rows(max_batch, prefill_chunk)
         self.attention_splits = attention_splits
         self.device = driver.Device(0)
-        self.kernels = KernelSet(self.device)
+        self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
-        self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "kernels": 0,
-                      "h2d_bytes": 0, "d2h_bytes": 0, "graph_replays": 0, "graphs_captured": 0}
+        self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured")
 
         T, H, V = self.max_tokens, c.hidden_size, c.vocab_size
         qkv_width = c.q_size + 2 * c.kv_size
@@ -80,7 +82,8 @@ class GpuExecutor:
         # the arena holds KV caches + activations + weights; under a budget too small for all the
         # weights, the residency window keeps some resident and streams the rest (stream_window.py)
         self.needs = arena_needs(c, T, sessions, max_seq_len, attention_splits, self.logits_rows)
-        self.vram_budget = resolve_budget(parse_vram_budget(vram_budget), self.device.free_bytes(),
+        vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
+        self.vram_budget = resolve_budget(vram_budget, self.device.free_bytes(),
                                           weights.quantized_bytes() + self.needs.total)
         capacity, self.window_plan = plan_arena(c, self.needs, self.vram_budget, window_slots, prefetch_distance,
                                                 small_item_bytes)
@@ -116,7 +119,7 @@ class GpuExecutor:
         driver.h2d_sync(self.argmax_counters.ptr, np.zeros(T, np.uint32))
         self.host_tokens = driver.PinnedBuffer(T * 4)
         self.host_tokens_view = self.host_tokens.view(np.int32, (T,))
-        self._scratch_kv = self.alloc_kv(1)
+        self.scratch_kv = self.alloc_kv(1)
         self._launches: dict[int, list[Launch]] = {}
         self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
         self._graph_kernels: dict[tuple[int, bool], int] = {}
@@ -130,11 +133,11 @@ class GpuExecutor:
         self.sampled_chain = SampledChain(self)
 
         if verify is None:
-            verify = os.environ.get("KESTREL_VERIFY") == "1"
+            verify = self.options.verify
         self.verifier = None
         if verify:
             from kestrel_stream.run.verify import Verifier
-            self.verifier = Verifier(weights, self.stats)
+            self.verifier = Verifier(weights, self.counters)
 
     # ---- weights -----------------------------------------------------------------------------
     def _upload_weights(self) -> None:
@@ -179,17 +182,17 @@ class GpuExecutor:
             self.verifier.forget(kv)
 
     # ---- the launch lists (step_launches.py), built once per token count ------------------------------
-    def _step_launches(self, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
+    def step_launches(self, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
         key = tokens if lm_rows is None or lm_rows == (0, tokens) else (tokens, *lm_rows)
         if key not in self._launches:
-            self._launches[key] = step_launches(self, tokens, lm_rows)
+            self._launches[key] = build_step_launches(self, tokens, lm_rows)
         return self._launches[key]
 
     def _enqueue_step(self, tokens: int, greedy: bool = False, lm_rows: tuple[int, int] | None = None) -> int:
         """Params H2D, every kernel, the logits of lm_rows = (first, count) (default: every row) or,
         greedy, each row's argmax, D2H on the compute stream; returns the kernel count."""
         driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
-        launches = self._step_launches(tokens, lm_rows)
+        launches = self.step_launches(tokens, lm_rows)
         self.window.enqueue_step(launches, self.stream)   # streamed weights: copies + slot events
         if not greedy:
             count = tokens if lm_rows is None else lm_rows[1]
@@ -199,21 +202,21 @@ class GpuExecutor:
         if greedy == "sample":                              # device_sampler.py: the sampled token instead
             self.sampler.enqueue(tokens, self.stream)
         else:
-            self._argmax_launch(tokens).enqueue(self.stream)
+            self.argmax_launch(tokens).enqueue(self.stream)
         driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
         return len(launches) + 1
 
-    def _argmax_launch(self, tokens: int) -> Launch:
+    def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
         if key not in self._launches:
-            self._launches[key] = argmax_launch(self, tokens, self._step_launches(tokens)[-1].programmatic)
+            self._launches[key] = argmax_launch(self, tokens, self.step_launches(tokens)[-1].programmatic)
         return self._launches[key]
 
-    def _stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:
+    def stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:
         for i, (kv, token, position) in enumerate(rows):
             self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = kv.base_elements, token, position
         for i in range(len(rows), padded):   # padded slots decode token 0 at position 0 of the scratch cache
-            self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = self._scratch_kv.base_elements, 0, 0
+            self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = self.scratch_kv.base_elements, 0, 0
 
     # ---- one step ------------------------------------------------------------------------------
     def _rows(self, batch) -> list[tuple[GpuKV, int, int]]:
@@ -235,14 +238,14 @@ class GpuExecutor:
         """Stage the rows, launch (capturing once) the bucket's graph, wait: the step's one sync.
         Returns the profile stages so far (KESTREL_PROF) for the caller to complete and record."""
         bucket = next(b for b in self.buckets if b >= len(rows))
-        self._stage(rows, bucket)
+        self.stage(rows, bucket)
         key = (bucket, greedy)
         if key not in self._graphs:
             with driver.capture(self.stream) as captured:
                 kernel_count = self._enqueue_step(bucket, greedy)
             self._graphs[key] = captured.graph
             self._graph_kernels[key] = kernel_count
-            self.stats["graphs_captured"] += 1
+            self.counters.graphs_captured += 1
         started = time.perf_counter()
         if prof.enabled:
             self._prof_events[0].record(self.stream)
@@ -253,7 +256,7 @@ class GpuExecutor:
         waited = time.perf_counter()
         self._count(launches=1, kernels=self._graph_kernels[key],
                     d2h=bucket * 4 if greedy else bucket * self.config.vocab_size * 4)
-        self.stats["graph_replays"] += 1
+        self.counters.graph_replays += 1
         if not prof.enabled:
             return {}
         # one offloaded call per step: the replay's GPU time, the rest of the wait (+ the copy out, by the caller)
@@ -284,13 +287,13 @@ class GpuExecutor:
                 inside = np.flatnonzero((wanted >= lo) & (wanted < hi))   # indices into wanted
                 first = int(wanted[inside[0]]) - lo if inside.size else 0
                 count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
-                self._stage(chunk, len(chunk))
+                self.stage(chunk, len(chunk))
                 kernel_count = self._enqueue_step(len(chunk), lm_rows=(first, count))
                 self.stream.synchronize()
                 self._count(launches=kernel_count, kernels=kernel_count, d2h=count * V * 4)
                 out[inside] = self.host_logits_view[wanted[inside] - lo - first]
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(rows)
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
         if logits == "last":
             outputs = [out[i:i + 1] for i in range(len(batch))]
         else:
@@ -326,8 +329,8 @@ class GpuExecutor:
             if prof.enabled:
                 prof.record_call({**stages, "reduce": 0.0})
             tokens[lo:lo + len(chunk)] = self.host_tokens_view[:len(chunk)]
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(rows)
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
         return tokens
 
     def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
@@ -340,8 +343,8 @@ class GpuExecutor:
             return None
         self.sampler.stage(states)
         self._replay(rows, greedy="sample")
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(rows)
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
         return self.host_tokens_view[:len(rows)].astype(np.int64)
 
     def generate_sampled(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int,
@@ -371,6 +374,10 @@ class GpuExecutor:
                                  f"need {position + steps}")
         return self.chain.run(rows, steps)
 
+    def plan(self, tokens: int):
+        import scheduler
+        return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True)
+
     def close(self) -> None:
         """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""
         self.device.make_current()
@@ -388,9 +395,10 @@ class GpuExecutor:
         self.arena.release()
 
     def _count(self, launches: int, kernels: int, d2h: int) -> None:
-        self.stats["syncs"] += 1
-        self.stats["launches"] += launches
-        self.stats["kernels"] += kernels
-        self.stats["h2d_bytes"] += self.staging.nbytes
-        self.stats["d2h_bytes"] += d2h
-        self.window.account(self.stats)
+        c = self.counters
+        c.syncs += 1
+        c.launches += launches
+        c.kernels += kernels
+        c.h2d_bytes += self.staging.nbytes
+        c.d2h_bytes += d2h
+        self.window.account(c)

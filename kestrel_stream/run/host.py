@@ -25,6 +25,7 @@ from kestrel_stream.obs import trace
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.model.weights import ModelWeights
+from kestrel_stream.run.executor import Executor, StepCounters
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -108,7 +109,7 @@ class CpuKV:
         return self.k.shape[1]
 
 
-class CpuExecutor:
+class CpuExecutor(Executor):
     """Runs whole steps (any mix of sessions and token counts) with numpy."""
 
     name = "cpu"
@@ -128,7 +129,11 @@ class CpuExecutor:
         self.final_norm = plain(weights.final_norm)
         self._cos = self._sin = np.zeros((0, 1, c.head_dim), np.float32)
         self._swap = np.zeros(0, np.int64)
-        self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+        self.counters = StepCounters()
+
+    def plan(self, tokens: int):
+        import scheduler
+        return scheduler.build_plan(self.config, tokens, "cpu")
 
     def dense(self, w: QTensor) -> np.ndarray:
         """float32 copy of a Q8_0 weight, built on first use."""
@@ -215,6 +220,6 @@ class CpuExecutor:
         if logits == "last":
             x, bounds = x[np.asarray(bounds[1:]) - 1], list(range(len(batch) + 1))
         out = self.linear(rmsnorm(x, self.final_norm, eps), w.lm_head, "lm_head")
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(ids)
+        self.counters.steps += 1
+        self.counters.tokens += len(ids)
         return [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
