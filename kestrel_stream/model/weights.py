@@ -25,6 +25,7 @@ class LayerWeights:
     w_down: QTensor                # [H, I]
     q_norm: np.ndarray | None = None   # [D] float32 (Qwen3 only)
     k_norm: np.ndarray | None = None   # [D] float32 (Qwen3 only)
+    qkv_bias: np.ndarray | None = None  # [q_size + 2*kv_size] float32 (Qwen2 only): rows q, k, v
 
 
 @dataclass
@@ -53,6 +54,9 @@ class ModelWeights:
 HF_LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight",
     "q": "self_attn.q_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
     "k": "self_attn.k_proj.weight",
     "v": "self_attn.v_proj.weight",
     "o": "self_attn.o_proj.weight",
@@ -82,6 +86,8 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.qk_norm:
         per_layer.update(q_norm=(D,), k_norm=(D,))
+    if cfg.qkv_bias:
+        per_layer.update(q_bias=(cfg.q_size,), k_bias=(cfg.kv_size,), v_bias=(cfg.kv_size,))
     for i in range(cfg.num_hidden_layers):
         for key, shape in per_layer.items():
             shapes[f"model.layers.{i}.{HF_LAYER_NAMES[key]}"] = shape
