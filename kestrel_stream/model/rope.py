@@ -92,6 +92,11 @@ def attention_factor(cfg) -> float:
     return 1.0 if s.factor <= 1 else 0.1 * math.log(s.factor) + 1.0
 
 
+def softmax_scale(cfg) -> float:
+    """The GPU's attention scale: 1/sqrt(D), times attention_factor^2 (cos and sin unscaled there)."""
+    return attention_factor(cfg) ** 2 / math.sqrt(cfg.head_dim)
+
+
 def _llama3(base: np.ndarray, s: RopeScaling) -> np.ndarray:
     factor = np.float32(s.factor)
     low_wavelen = s.original_max_position_embeddings / s.low_freq_factor
