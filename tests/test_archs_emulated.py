@@ -72,3 +72,22 @@ def test_every_gpu_path_matches_the_cpu_engine(model, mode, monkeypatch):
         assert relative_error(ours[position], reference[position]) < 2e-3, f"position {position}"
     np.testing.assert_array_equal(ours.argmax(axis=1), reference.argmax(axis=1))
     engine.close()
+
+
+def test_a_head_dim_no_kernel_serves_stays_on_the_host_or_is_refused_by_name(tmp_path, monkeypatch):
+    """head_dim 48: gated keeps rope and attention on the host and matches; gpu and layers=N say why."""
+    import dataclasses
+    from kestrel_stream.loading.presets import PRESETS
+    fake_cuda.install(monkeypatch, mode="deferred")
+    cfg = dataclasses.replace(PRESETS["llama3-tiny"], num_attention_heads=2, num_key_value_heads=1, head_dim=48,
+                              hidden_size=96, intermediate_size=160)
+    weights = ks.load(make_model(tmp_path / "d48", cfg, seed=1, dtype="f32"), device="cpu").weights
+    reference = run(Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH))
+    gated = engine_for(weights, "gated")
+    assert gated.executor.plan(1).syncs_per_step > 0, "projections should still go to the GPU"
+    ours = run(gated)
+    assert relative_error(ours, reference) < 2e-3
+    np.testing.assert_array_equal(ours.argmax(axis=1), reference.argmax(axis=1))
+    for mode in ("gpu", "layers=1"):
+        with pytest.raises(ValueError, match="head_dim=48"):
+            engine_for(weights, mode)

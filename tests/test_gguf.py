@@ -145,3 +145,24 @@ def test_gguf_errors_name_the_tensor_and_file(tmp_path):
     with pytest.raises(LoadError, match="truncated") as info:
         load_weights(good)
     assert str(good) in str(info.value) and repr(first_cut) in str(info.value)
+
+
+@pytest.mark.parametrize("preset", ["llama3-tiny", "mistral-tiny", "qwen2-tiny"])
+def test_architectures_round_trip_through_gguf(tmp_path, preset):
+    """Qwen2's bias tensors, Mistral's sliding window (arch llama + attention.sliding_window) and every rope
+    scaling type (llama3 as llama.cpp's rope_freqs.weight divisors, YaRN as rope.scaling.* metadata) survive a GGUF: the same logits and argmax."""
+    import kestrel_stream as ks
+    hf_dir = make_model(tmp_path / preset, preset, seed=2, dtype="f32")
+    from_hf = ks.load(hf_dir, device="cpu", cache=False)
+    path = export_gguf(from_hf.weights, tmp_path / f"{preset}.gguf")
+    from_gguf = ks.load(path, device="cpu")
+    c, g = from_hf.config, from_gguf.config
+    assert (g.arch, g.sliding_window, g.qkv_bias, g.head_dim) == (c.arch, c.sliding_window, c.qkv_bias, c.head_dim)
+    if c.rope_scaling is not None and c.rope_scaling.type == "llama3":
+        assert g.rope_freq_factors is not None and g.rope_scaling is None
+    else:
+        assert g.rope_scaling == c.rope_scaling
+    prompt = [3, 17, 42, 5, 99, 1, 250, 7, 64, 31]
+    a, b = from_hf.new_session().prefill(prompt), from_gguf.new_session().prefill(prompt)
+    assert float(np.abs(a - b).max() / np.abs(a).max()) < 2e-3
+    np.testing.assert_array_equal(a.argmax(axis=1), b.argmax(axis=1))

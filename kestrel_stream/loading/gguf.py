@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
 from gguf import quants as gguf_quants
 
 from kestrel_stream.loading import qcache
@@ -32,7 +32,7 @@ from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError
 from kestrel_stream.loading.loader import LoadError, Progress, assemble_weights
 from kestrel_stream.model.config import ConfigError, ModelConfig
 from kestrel_stream.model.quant import QTensor, quantize
-from kestrel_stream.model.rope import RopeScaling
+from kestrel_stream.model.rope import RopeScaling, default_inv_freq, inv_freq
 from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, hf_tensor_shapes
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
@@ -103,9 +103,11 @@ def _rope_scaling(f: GGUFFile, arch: str, max_positions: int) -> RopeScaling | N
     if kind == "linear":
         return RopeScaling("linear", factor)
     if kind == "yarn":
+        attention = f.metadata(f"{arch}.rope.scaling.attn_factor", None)
         return RopeScaling("yarn", factor, original,
                            beta_fast=float(f.metadata(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-                           beta_slow=float(f.metadata(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)))
+                           beta_slow=float(f.metadata(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                           attention_factor=None if attention is None else float(attention))
     raise LoadError(f"{f.path}: GGUF rope scaling type {kind!r} is not supported (linear, yarn, or "
                     f"llama3 through {ROPE_FREQS})")
 
@@ -288,9 +290,17 @@ def export_gguf(weights: ModelWeights, path: str | Path) -> Path:
     writer.add_rope_freq_base(cfg.rope_theta)
     if cfg.sliding_window:
         writer.add_sliding_window(cfg.sliding_window)
-    if cfg.rope_scaling or cfg.rope_freq_factors:
-        from kestrel_stream.model.rope import inv_freq, default_inv_freq
-        # every scaling type written as llama.cpp's per-frequency divisors
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.type in ("linear", "yarn"):     # as llama.cpp's converter writes them
+        writer.add_rope_scaling_type(RopeScalingType(scaling.type))
+        writer.add_rope_scaling_factor(scaling.factor)
+        if scaling.type == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
+            writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast)
+            writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow)
+            if scaling.attention_factor is not None:
+                writer.add_rope_scaling_attn_factors(scaling.attention_factor)
+    elif scaling is not None or cfg.rope_freq_factors:     # llama3: per-frequency divisors
         writer.add_tensor(ROPE_FREQS, (default_inv_freq(cfg.head_dim, cfg.rope_theta) / inv_freq(cfg))
                           .astype(np.float32))
     writer.add_vocab_size(cfg.vocab_size)

@@ -81,6 +81,8 @@ def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_s
     activation_floats = (T * (2 * H + qkv_width + 2 * c.q_size + c.intermediate_size + V + 1 +
                               c.num_key_value_heads) + partial_floats)
     norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
+    if c.qkv_bias:
+        norm_floats += qkv_width * c.num_hidden_layers
     kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
     return ArenaNeeds(kv_bytes=sessions * max_seq_len * kv_bytes_per_position,
                       activation_bytes=4 * (activation_floats + norm_floats) + 16 * T,

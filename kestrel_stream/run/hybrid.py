@@ -92,7 +92,8 @@ class HybridExecutor(HostOps, DeviceWeights):
         sessions = max_sessions or 2 * max_batch
         capacity = (weights.quantized_bytes() + 4 * T * (sum(widths.values()) + c.q_size + c.hidden_size + 1)
                     + 4 * partial_floats + 20 * T + 256
-                    + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1))
+                    + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1)
+                           + (widths["qkv"] * c.num_hidden_layers if c.qkv_bias else 0))
                     + (sessions * max_seq_len * self.kv_bytes_per_position if self.gpu_layers else 0)
                     + driver.Arena.ALIGN * (16 * c.num_hidden_layers + 64))
         self.arena = driver.Arena(capacity)
