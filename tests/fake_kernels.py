@@ -184,5 +184,5 @@ KERNELS = [
     (r"argmax_split", argmax_split),
     (r"chain_advance", chain_advance),
     (r"qkv_norm_rope_append", qkv_norm_rope_append),
-    (r"attention_split_d(32|64|80|96|128|160|192|224|256)", attention_split),
+    (r"attention_split_d(32|64|80|96|128|256)", attention_split),
 ]

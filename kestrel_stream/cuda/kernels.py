@@ -149,8 +149,8 @@ class QWeight:
 
 GEMV_SIGNATURE = "pppippipppppfiii"
 ROPE_SIGNATURE = "pppppppppfiiiii"     # qkv_norm_rope_append
-# head dims kernels_ptx/attention.cu instantiates (and qkv_rope.cu serves: any even D <= 256)
-ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 160, 192, 224, 256)
+# head dims kernels_ptx/attention.cu instantiates (qkv_rope.cu serves any even D <= 256)
+ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tiled q8_matmul
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
