@@ -13,7 +13,7 @@ path). Costs are for M tokens in the step:
 The config is duck-typed: any object with the ModelConfig fields works
 (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 num_key_value_heads, head_dim, vocab_size, tie_word_embeddings, qk_norm,
-q_size, kv_size).
+qkv_bias, q_size, kv_size).
 """
 from __future__ import annotations
 
@@ -100,6 +100,10 @@ def _norm(name, size, tokens) -> WeightRef:
     return WeightRef(name, (size,), size * FLOAT32_BYTES, 4.0 * tokens * size)
 
 
+def _bias(name, size, tokens) -> WeightRef:
+    return WeightRef(name, (size,), size * FLOAT32_BYTES, 1.0 * tokens * size)
+
+
 def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
     """The nine ops of one decoder layer, in order. context_len: KV entries attention reads."""
     H, I = config.hidden_size, config.intermediate_size
@@ -111,6 +115,9 @@ def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
     if config.qk_norm:
         rope_weights = (_norm(p + "self_attn.q_norm.weight", D, tokens * config.num_attention_heads),
                         _norm(p + "self_attn.k_norm.weight", D, tokens * config.num_key_value_heads))
+    if config.qkv_bias:          # added by the rope op (one add per element, like a norm's multiply)
+        rope_weights += (_bias(p + "self_attn.q_proj.bias", Q, tokens), _bias(p + "self_attn.k_proj.bias", KV, tokens),
+                         _bias(p + "self_attn.v_proj.bias", KV, tokens))
     keys = context_len + tokens
     return [
         Op(name + "attn_norm", "norm", layer, (_norm(p + "input_layernorm.weight", H, tokens),),
@@ -177,6 +184,8 @@ def model_weight_names(config) -> set:
                  "mlp.down_proj"]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
+    biases = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] if config.qkv_bias else []
     for layer in range(config.num_hidden_layers):
         names.update(f"model.layers.{layer}.{part}.weight" for part in per_layer)
+        names.update(f"model.layers.{layer}.{part}.bias" for part in biases)
     return names

@@ -164,10 +164,10 @@ def rmsnorm(v, w, eps):
     return v / np.sqrt(np.mean(np.square(v)) + np.float32(eps)) * w
 
 
-def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm, inv_freq, eps, layer,
+def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm, inv_freq, bias, eps, layer,
                          n_layers, n_heads, n_kv, D) -> None:
     heads, T = launch.grid[0], launch.grid[1]
-    assert heads == n_heads + 2 * n_kv and launch.block[0] == 32 and D % 64 == 0 and D <= 256
+    assert heads == n_heads + 2 * n_kv and launch.block[0] == 32 and D % 2 == 0 and D <= 256
     width, half = heads * D, D // 2
     freqs = f32(inv_freq, half)
     for t in range(T):
@@ -177,6 +177,8 @@ def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm
         cos, sin = np.cos(angle), np.sin(angle)
         for head in range(heads):
             v = f32(qkv + 4 * (t * width + head * D), D).copy()
+            if bias:
+                v = v + f32(bias + 4 * head * D, D)
             is_q, is_v = head < n_heads, head >= n_heads + n_kv
             if is_q:
                 dst = q_out + 4 * (t * n_heads * D + head * D)
@@ -192,7 +194,7 @@ def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm
 
 
 def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer,
-                    n_layers, n_heads, n_kv, softmax_scale) -> None:
+                    n_layers, n_heads, n_kv, window, softmax_scale) -> None:
     D = int(launch.name.rsplit("_d", 1)[1])
     n_kv_grid, T, splits = launch.grid
     group = n_heads // n_kv
@@ -205,8 +207,10 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
         for h in range(n_kv):
             take_ticket(counters + 4 * (t * n_kv + h))
         n_keys = int(dev(pos + 4 * t, 4, np.int32)[0]) + 1
+        first = max(n_keys - window, 0) if window > 0 else 0
         base = int(dev(kvbase + 8 * t, 8, np.int64)[0])
-        cache = rows(kvpool + 4 * (base + layer * 2 * n_kv * D), n_keys, stride_pos, 2 * n_kv * D)
+        cache = rows(kvpool + 4 * (base + layer * 2 * n_kv * D), n_keys, stride_pos, 2 * n_kv * D)[first:]
+        n_keys -= first
         keys = cache[:, :n_kv * D].reshape(n_keys, n_kv, D)
         values = cache[:, n_kv * D:].reshape(n_keys, n_kv, D)
         qt = f32(q + 4 * t * n_heads * D, n_heads * D).reshape(n_kv, group, D) * np.float32(softmax_scale)
@@ -242,5 +246,5 @@ KERNELS = [
     (r"argmax_split", argmax_split),
     (r"chain_advance", chain_advance),
     (r"qkv_norm_rope_append", qkv_norm_rope_append),
-    (r"attention_split_d(64|128|256)", attention_split),
+    (r"attention_split_d(32|64|80|96|128|256)", attention_split),
 ]

@@ -5,7 +5,7 @@ import pytest
 from kestrel_stream.run.host import apply_rope, attention, rmsnorm, rope_tables, silu_mul
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda import gemv_variants, mma_variants
-from kestrel_stream.cuda.kernels import QWeight
+from kestrel_stream.cuda.kernels import ROPE_SIGNATURE, QWeight
 from kestrel_stream.model.quant import quantize
 from fake_kernels import mma_product
 
@@ -188,9 +188,11 @@ def kv_address(base, p, layer, n_layers, which, n_kv, d):
     return base + ((p * n_layers + layer) * 2 + which) * n_kv * d
 
 
-@pytest.mark.parametrize("n_heads,n_kv,d,qk_norm", [(4, 4, 64, True), (8, 4, 128, False),
-                                                    (8, 2, 128, True), (16, 2, 64, False), (8, 1, 256, True)])
-def test_qkv_norm_rope_append(gpu, n_heads, n_kv, d, qk_norm):
+@pytest.mark.parametrize("n_heads,n_kv,d,qk_norm,bias", [
+    (4, 4, 64, True, False), (8, 4, 128, False, False), (8, 2, 128, True, False), (16, 2, 64, False, False),
+    (8, 1, 256, True, False), (4, 2, 32, False, True), (2, 1, 80, False, False), (4, 2, 96, True, True),
+    (4, 2, 160, False, True)])
+def test_qkv_norm_rope_append(gpu, n_heads, n_kv, d, qk_norm, bias):
     rng = np.random.default_rng(d + n_heads)
     layers, layer, capacity = 3, 1, 40
     positions = np.array([0, 5, 6, 31], np.int32)
@@ -199,15 +201,19 @@ def test_qkv_norm_rope_append(gpu, n_heads, n_kv, d, qk_norm):
     qkv = rng.standard_normal((t, (n_heads + 2 * n_kv) * d)).astype(np.float32)
     q_norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     k_norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    qkv_bias = (0.1 * rng.standard_normal((n_heads + 2 * n_kv) * d)).astype(np.float32)
     theta = 1e6
     inv_freq = (1.0 / (theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
     pool_floats = 2 * capacity * layers * 2 * n_kv * d
     pool = gpu.put(np.zeros(pool_floats, np.float32))
     q_out = gpu.arena.alloc(t * n_heads * d * 4)
-    gpu.run(gpu.kernels.launch("qkv_norm_rope_append", (n_heads + 2 * n_kv, t), (32,), "ppppppppfiiiii",
+    gpu.run(gpu.kernels.launch("qkv_norm_rope_append", (n_heads + 2 * n_kv, t), (32,), ROPE_SIGNATURE,
                                [gpu.put(qkv), q_out, pool, gpu.put(bases), gpu.put(positions),
                                 gpu.put(q_norm) if qk_norm else 0, gpu.put(k_norm) if qk_norm else 0,
-                                gpu.put(inv_freq), 1e-6, layer, layers, n_heads, n_kv, d]))
+                                gpu.put(inv_freq), gpu.put(qkv_bias) if bias else 0, 1e-6, layer, layers,
+                                n_heads, n_kv, d]))
+    if bias:
+        qkv = qkv + qkv_bias
     q = qkv[:, :n_heads * d].reshape(t, n_heads, d)
     k = qkv[:, n_heads * d:(n_heads + n_kv) * d].reshape(t, n_kv, d)
     v = qkv[:, (n_heads + n_kv) * d:].reshape(t, n_kv, d)
@@ -225,9 +231,10 @@ def test_qkv_norm_rope_append(gpu, n_heads, n_kv, d, qk_norm):
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("splits", [1, 3, 16])
-def test_attention_gqa_matches_reference(gpu, group, d, splits):
+@pytest.mark.parametrize("window", [0, 5, 50])
+def test_attention_gqa_matches_reference(gpu, group, d, splits, window):
     rng = np.random.default_rng(group * d)
     n_kv, layers, layer = 2, 2, 1
     n_heads = n_kv * group
@@ -255,12 +262,13 @@ def test_attention_gqa_matches_reference(gpu, group, d, splits):
     partials = gpu.arena.alloc(t * n_heads * splits * (d + 2) * 4)
     counters = gpu.put(np.zeros(t * n_kv, np.uint32))
     launch = gpu.attention_launch(gpu.kernels, gpu.put(q), gpu.put(pool), gpu.put(bases), gpu.put(positions),
-                                  out, partials, counters, t, layer, layers, n_heads, n_kv, d, splits)
+                                  out, partials, counters, t, layer, layers, n_heads, n_kv, d, splits,
+                                  window=window)
     gpu.run([launch, launch])   # twice: the tickets must be back at zero after each launch
     got = gpu.get(out, (t, n_heads * d))
     for i, (s, p) in enumerate(queries):
         k, v = caches[s]
-        want = attention(q[i:i + 1], k[:p + 1], v[:p + 1], p)
+        want = attention(q[i:i + 1], k[:p + 1], v[:p + 1], p, window or None)
         assert rel_err(got[i:i + 1], want) < 1e-5, (s, p)
     assert not gpu.get(counters, (t * n_kv,), np.uint32).any()
 

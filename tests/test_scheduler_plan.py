@@ -41,7 +41,8 @@ def test_every_mode_places_every_weight_exactly_once(config, mode, tokens):
 
 def test_audit_names_match_the_checkpoint_layout():
     weights = pytest.importorskip("kestrel_stream.model.weights")
-    for config in (QWEN3_1_7B, LLAMA_UNTIED):
+    from kestrel_stream.loading.presets import PRESETS
+    for config in (QWEN3_1_7B, LLAMA_UNTIED, PRESETS["qwen2-tiny"], PRESETS["mistral-tiny"]):
         assert model_weight_names(config) == set(weights.hf_tensor_shapes(config))
 
 

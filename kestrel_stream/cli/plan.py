@@ -12,9 +12,8 @@ def read_config(path: str):
     if p.is_dir():
         return ModelConfig.from_file(p / "config.json")
     if p.suffix == ".gguf" and p.is_file():
-        from gguf import GGUFReader
-        from kestrel_stream.loading.gguf import config_from_metadata
-        return config_from_metadata(GGUFReader(p), p)
+        from kestrel_stream.loading.gguf import config_from_metadata, open_gguf
+        return config_from_metadata(open_gguf(p))
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     raise FileNotFoundError(f"{path}: not a checkpoint directory or .gguf file")

@@ -151,7 +151,9 @@ class QWeight:
 
 
 GEMV_SIGNATURE = "pppippipppppfiii"
-ROPE_SIGNATURE = "ppppppppfiiiii"      # qkv_norm_rope_append
+ROPE_SIGNATURE = "pppppppppfiiiii"     # qkv_norm_rope_append
+# head dims kernels_ptx/attention.cu instantiates (qkv_rope.cu serves any even D <= 256)
+ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tensor-core q8_mma
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
@@ -195,14 +197,17 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
 
 def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: int, out: int,
                      partials: int, counters: int, tokens: int, layer: int, n_layers: int, n_heads: int,
-                     n_kv: int, head_dim: int, splits: int) -> Launch:
+                     n_kv: int, head_dim: int, splits: int, window: int = 0, scale: float | None = None) -> Launch:
     """Split-key attention, merged by each (kv head, token)'s last split block.
+
+    window: a sliding window's length (0: none); scale: the softmax scale (default 1/sqrt(head_dim)).
 
     partials: tokens*n_heads*splits*(head_dim+2) floats; counters: tokens*n_kv zeroed uint32.
     """
     rows = tokens * n_heads * splits
     part_acc, part_max = partials, partials + 4 * rows * head_dim
     part_sum = part_max + 4 * rows
-    return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiif",
+    assert head_dim in ATTENTION_HEAD_DIMS, head_dim
+    return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiiif",
                           [q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
-                           n_heads, n_kv, 1.0 / float(np.sqrt(head_dim))])
+                           n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale])

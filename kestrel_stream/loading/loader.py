@@ -47,11 +47,11 @@ class TensorSource:
 
 def load_weights(path: str | Path, *, cache: bool = True, cache_dir: str | Path | None = None,
                  progress: Progress | None = None) -> ModelWeights:
-    """Load a HF checkpoint directory (cached as Q8_0 after the first load) or a .gguf file."""
+    """Load a HF checkpoint directory or a .gguf file (either cached as Q8_0 once converted)."""
     path = Path(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
         from kestrel_stream.loading.gguf import read_gguf
-        return read_gguf(path, progress=progress)
+        return read_gguf(path, progress=progress, cache=cache, cache_dir=cache_dir)
     if path.is_dir():
         return _load_hf_dir(path, cache, cache_dir, progress)
     if not path.exists():

@@ -97,6 +97,8 @@ def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_s
                               c.num_key_value_heads) + partial_floats + V * (logits_rows or T)
                          + T * (2 * ARGMAX_SPLITS + 2 + CHAIN_STEPS_PER_SYNC))   # argmax, greedy chain history
     norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
+    if c.qkv_bias:
+        norm_floats += qkv_width * c.num_hidden_layers
     kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
     return ArenaNeeds(kv_bytes=sessions * max_seq_len * kv_bytes_per_position,
                       activation_bytes=4 * (activation_floats + norm_floats) + 16 * T,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kestrel_stream.model import rope
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.obs import prof
@@ -35,7 +36,7 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.run.device_sampler import DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.run.sampled_chain import SampledChain
-from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, KernelSet, Launch
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, GEMV_MAX_TOKENS, KernelSet, Launch
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
 from kestrel_stream.run.window import WeightWindow
@@ -62,8 +63,9 @@ class GpuExecutor(Executor):
         # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
         self.programmatic = self.options.programmatic_launch
         c: ModelConfig = weights.config
-        if c.head_dim not in (64, 128, 256) or c.gqa_group > 8 or not 1 <= attention_splits <= 32:
-            raise ValueError(f"gpu mode needs head_dim in 64/128/256 and <= 8 q heads per kv head; "
+        if c.head_dim not in ATTENTION_HEAD_DIMS or c.gqa_group > 8 or not 1 <= attention_splits <= 32:
+            raise ValueError(f"gpu mode needs head_dim in {'/'.join(map(str, ATTENTION_HEAD_DIMS))} and <= 8 q "
+                             f"heads per kv head; "
                              f"{weights.source or 'model'} has head_dim={c.head_dim}, group={c.gqa_group}")
         self.weights, self.config = weights, c
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
@@ -161,11 +163,10 @@ class GpuExecutor(Executor):
         self.final_norm = vector(w.final_norm)
         self.layers = [dict(attn_norm=vector(l.attn_norm), wqkv=q(f"L{i}.qkv"), wo=q(f"L{i}.o"),
                             mlp_norm=vector(l.mlp_norm), w_gate_up=q(f"L{i}.gate_up"),
-                            w_down=q(f"L{i}.down"), q_norm=vector(l.q_norm), k_norm=vector(l.k_norm))
+                            w_down=q(f"L{i}.down"), q_norm=vector(l.q_norm), k_norm=vector(l.k_norm),
+                            qkv_bias=vector(l.qkv_bias))
                        for i, l in enumerate(w.layers)]
-        inv_freq = (1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32)
-                                            / c.head_dim))).astype(np.float32)   # as cpu.rope_tables
-        self.inv_freq = vector(inv_freq)
+        self.inv_freq = vector(rope.inv_freq(c))
         self.weight_bytes = self.arena.used_bytes
 
     # ---- KV caches -----------------------------------------------------------------------------

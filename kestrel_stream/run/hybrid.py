@@ -33,11 +33,12 @@ from kestrel_stream.obs import prof
 from kestrel_stream.options import Options
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.obs import trace
-from kestrel_stream.run.host import CpuExecutor, CpuKV, rope_tables
+from kestrel_stream.model import rope
+from kestrel_stream.run.host import CpuExecutor, CpuKV, model_rope_tables
 from kestrel_stream.run.hybrid_host import HostOps
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.kernels import ROPE_SIGNATURE, KernelSet, QWeight, attention_launch, gemv_launch
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ROPE_SIGNATURE, KernelSet, QWeight, attention_launch, gemv_launch
 from kestrel_stream.run.weight_cache import DeviceWeights
 
 # state each op reads, by side ("xn": x·w and 1/rms of the norm the op consumes, device only)
@@ -74,6 +75,11 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         self.weights, self.config, self.mode, self.profile = weights, c, mode, profile
         kind, count = scheduler.parse_mode(mode)
         self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
+        if self.gpu_layers and (c.head_dim not in ATTENTION_HEAD_DIMS or c.gqa_group > 8):
+            raise ValueError(f"mode {mode} runs attention on the GPU, whose kernels serve head_dim "
+                             f"{'/'.join(map(str, ATTENTION_HEAD_DIMS))} with <= 8 q heads per kv head; "
+                             f"{weights.source or 'model'} has head_dim={c.head_dim}, group={c.gqa_group}: "
+                             "use mode gated or cpu")
         self.cpu = CpuExecutor(weights)
         self.device = driver.Device(0)
         self.kernels = KernelSet(self.device, self.options)
@@ -88,7 +94,8 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         sessions = max_sessions or 2 * max_batch
         capacity = (weights.quantized_bytes() + 4 * T * (sum(widths.values()) + c.q_size + c.hidden_size + 1)
                     + 4 * partial_floats + 20 * T + 256
-                    + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1))
+                    + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1)
+                           + (widths["qkv"] * c.num_hidden_layers if c.qkv_bias else 0))
                     + (sessions * max_seq_len * self.kv_bytes_per_position if self.gpu_layers else 0)
                     + driver.Arena.ALIGN * (16 * c.num_hidden_layers + 64))
         self.arena = driver.Arena(capacity)
@@ -113,8 +120,7 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         self._qweights: dict[int, QWeight] = {}
         self._plans: dict[int, scheduler.Plan] = {}
         self._launches: dict[tuple, list] = {}
-        self.inv_freq = self._vector((1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64)
-                                                               .astype(np.float32) / c.head_dim))).astype(np.float32))
+        self.inv_freq = self._vector(rope.inv_freq(c))
         self.preload()
 
     def preload(self) -> None:
@@ -264,7 +270,7 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
                 self.runs[-1][2] = i + 1
             else:
                 self.runs.append([kv, i, i + 1, pos])
-        self.cos, self.sin = rope_tables(self.positions, self.config.head_dim, self.config.rope_theta)
+        self.cos, self.sin = model_rope_tables(self.positions, self.config)
         if self.gpu_layers:
             for i, (kv, _, pos) in enumerate(rows):
                 self.staged_kvbase[i] = (kv.device.ptr - self.arena.base) // 4
@@ -350,11 +356,12 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
                 return [k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads, T),
                                  (32,), ROPE_SIGNATURE,
                                  [d["qkv"].ptr, self.q_dev.ptr, self.arena.base, kvbase, pos, vec["q_norm"],
-                                  vec["k_norm"], self.inv_freq, eps, li, self.gpu_layers,
+                                  vec["k_norm"], self.inv_freq, vec["qkv_bias"], eps, li, self.gpu_layers,
                                   c.num_attention_heads, c.num_key_value_heads, c.head_dim])]
             return [attention_launch(k, self.q_dev.ptr, self.arena.base, kvbase, pos, d["attn"].ptr,
                                      self.partials.ptr, self.tickets.ptr + 4 * 64, T, li, self.gpu_layers,
-                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, ATTENTION_SPLITS)]
+                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, ATTENTION_SPLITS,
+                                     window=c.sliding_window or 0, scale=rope.softmax_scale(c))]
         w = self._qweight(self._tensor(op), stages, role == "gate_up")
         H, I = c.hidden_size, c.intermediate_size
         if role in ("o", "down"):

@@ -17,6 +17,7 @@ tail of one kernel hide the DRAM latency of the next.
 from __future__ import annotations
 
 from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, ROPE_SIGNATURE, Launch, attention_launch, gemv_launch
+from kestrel_stream.model import rope
 
 LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
 
@@ -45,12 +46,12 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
         out.append(k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads,
                                                      tokens), (32,), ROPE_SIGNATURE,
                             [x.qkv.ptr, x.q.ptr, x.arena.base, kvbase, pos, lw["q_norm"],
-                             lw["k_norm"], x.inv_freq, eps, li, L, c.num_attention_heads,
+                             lw["k_norm"], x.inv_freq, lw["qkv_bias"], eps, li, L, c.num_attention_heads,
                              c.num_key_value_heads, c.head_dim]))
         out.append(attention_launch(k, x.q.ptr, x.arena.base, kvbase, pos, x.attn.ptr,
                                     x.partials.ptr, x.attention_counters.ptr, tokens, li, L,
                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                    x.attention_splits))
+                                    x.attention_splits, window=c.sliding_window or 0, scale=rope.softmax_scale(c)))
         out.append(gemv_launch(k, lw["wo"], x.attn.ptr, c.q_size, xp, H, tokens, res=xp,
                                normw_out=norm_after[li], xn_out=xn, inv_rms_out=inv_rms, counter=counter,
                                eps=eps))

@@ -48,7 +48,8 @@ class DeviceWeights:
 
     def _layer_vectors(self, li: int) -> dict:
         lw = self.weights.layers[li]
-        return {name: self._vector(getattr(lw, name)) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm")}
+        return {name: self._vector(getattr(lw, name)) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm",
+                                                                        "qkv_bias")}
 
     def _tensor(self, op):
         """The fused QTensor behind a projection op."""
