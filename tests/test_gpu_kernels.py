@@ -44,8 +44,18 @@ class Gpu:
 
 
 @pytest.fixture(scope="module")
-def gpu():
+def gpu_harness():
     return Gpu()
+
+
+@pytest.fixture
+def gpu(gpu_harness):
+    """The module's harness; what a test allocated in its arena is given back after it."""
+    before = set(gpu_harness.arena._live)
+    yield gpu_harness
+    gpu_harness.stream.synchronize()
+    for offset in set(gpu_harness.arena._live) - before:
+        gpu_harness.arena.free(gpu_harness.arena.base + offset)
 
 
 def rel_err(got, want):
