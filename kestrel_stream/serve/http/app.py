@@ -141,9 +141,8 @@ class API:
         try:
             if shape.chat:
                 yield sse(shape.chunk([], first=True, include_usage=usage))
-            async for out in generation.run():
-                if out.text or generation.request.logprobs is not None:
-                    yield sse(shape.chunk([out], include_usage=usage))
+            async for out in generation.run():      # a chunk per token, text or not (held back): TTFT is honest
+                yield sse(shape.chunk([out], include_usage=usage))
             yield sse(shape.chunk([], generation.finish_reason, include_usage=usage))
             if usage:
                 yield sse(shape.usage_chunk())

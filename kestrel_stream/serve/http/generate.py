@@ -61,7 +61,7 @@ class HttpGeneration:
             raise APIError(400, f"max_tokens={self.max_tokens} with a prompt of {len(self.ids)} tokens exceeds "
                                 f"this model's context of {engine.max_seq_len} tokens", param="max_tokens",
                            code="context_length_exceeded")
-        eos = tokenizer.eos_ids if tokenizer is not None else ()
+        eos = tokenizer.eos_ids if tokenizer is not None and not request.ignore_eos else ()
         if request.stop and tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; the model has none", param="stop")
         self.stop = StopChecker(eos, request.stop, self.max_tokens)

@@ -21,7 +21,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; cha
 
 KNOWN_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                 "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "n", "user",
-                "logit_bias"}
+                "logit_bias", "ignore_eos"}           # top_k, min_p, repeat_penalty, ignore_eos: as llama-server
 KNOWN_COMPLETIONS = KNOWN_COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 KNOWN_CHAT = KNOWN_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -36,6 +36,7 @@ class TextRequest:
     stream: bool
     include_usage: bool                     # stream_options.include_usage: a last chunk with usage
     logprobs: int | None                    # None: none; else how many alternatives per token (0..)
+    ignore_eos: bool = False                # generate max_tokens whatever the model says (benchmarks)
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -103,8 +104,11 @@ def parse_request(body, chat: bool, vocab_size: int) -> TextRequest:
             seed=number(body, "seed", None, 0, 2 ** 64 - 1, integer=True))
     except ValueError as e:             # the checks above should leave nothing for SamplingParams to refuse
         raise APIError(400, str(e)) from None
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_param("ignore_eos", f"expected a boolean, got {ignore_eos!r}", "invalid_type")
     return TextRequest(chat, prompt, max_tokens, params, stop_strings(body), stream,
-                       bool(options.get("include_usage", False)), logprobs_of(body, chat))
+                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos)
 
 
 def logprobs_of(body: dict, chat: bool) -> int | None:
