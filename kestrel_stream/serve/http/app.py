@@ -141,8 +141,9 @@ class API:
         try:
             if shape.chat:
                 yield sse(shape.chunk([], first=True, include_usage=usage))
+            plain = generation.request.logprobs is None
             async for out in generation.run():      # a chunk per token, text or not (held back): TTFT is honest
-                yield sse(shape.chunk([out], include_usage=usage))
+                yield shape.token_event(out, usage) if plain else sse(shape.chunk([out], include_usage=usage))
             yield sse(shape.chunk([], generation.finish_reason, include_usage=usage))
             if usage:
                 yield sse(shape.usage_chunk())

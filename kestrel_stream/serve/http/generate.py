@@ -1,6 +1,8 @@
 """One HTTP generation on the daemon's batcher: the prompt's chunks and each decode token are jobs of the
 same step thread and batcher as the socket clients' (Service.prefill / Service.decode), so HTTP and
-socket sessions share every engine step.
+socket sessions share every engine step.  A token's next decode is queued
+before the token is sent, so the response's encoding and writing overlap the
+next step instead of delaying it.
 
 Greedy requests ask the step for the token alone (the device takes the
 argmax); sampling, penalties and logprobs ask for the last row's logits and
@@ -18,6 +20,7 @@ import anyio
 import numpy as np
 
 from kestrel_stream.errors import CapacityError, KestrelError
+from kestrel_stream.serve.decode_steps import DecodeJob
 from kestrel_stream.serve.http.errors import APIError
 from kestrel_stream.serve.http.requests import TextRequest
 from kestrel_stream.serve.service import Connection
@@ -97,10 +100,15 @@ class HttpGeneration:
                 out = self.account(job)
                 if self.first_token_s is None:
                     self.first_token_s = time.perf_counter() - started
+                if self.stop.reason is None:    # the next step is queued before this token is sent
+                    job = DecodeJob(session, out.token, self.want, 1)
+                    service.steps.submit(job)
                 yield out
                 if self.stop.reason is not None:
                     break
-                job = await service.decode(session, out.token, self.want, 1)
+                await job.wait()
+                if job.error is not None:
+                    raise job.error
         except KestrelError as e:
             raise APIError(500, f"{type(e).__name__}: {e}", "server_error") from None
         finally:

@@ -14,6 +14,7 @@ class Shape:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.text_offset = 0
+        self.framing: tuple[bytes, bytes] | None = None    # token_event's bytes around the text
 
     def head(self, stream: bool) -> dict:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
@@ -75,6 +76,16 @@ class Shape:
         if include_usage:
             body["usage"] = None
         return body
+
+    def token_event(self, out, include_usage: bool) -> bytes:
+        """The SSE event of one token without logprobs: ``chunk([out])`` with only its text encoded anew."""
+        if self.framing is None:
+            head = json.dumps(self.head(True), separators=(",", ":"))[:-1]
+            text_key = '"delta":{"content":' if self.chat else '"text":'
+            tail = ("}" if self.chat else "") + ',"logprobs":null,"finish_reason":null}]'
+            tail += ',"usage":null}' if include_usage else "}"
+            self.framing = (f'data: {head},"choices":[{{"index":0,{text_key}'.encode(), (tail + "\n\n").encode())
+        return self.framing[0] + json.dumps(out.text).encode() + self.framing[1]
 
     def usage_chunk(self) -> dict:
         return {**self.head(True), "choices": [], "usage": self.usage()}
