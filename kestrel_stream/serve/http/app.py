@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import time
+from contextlib import aclosing
 
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
@@ -128,8 +129,9 @@ class API:
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         outs = []
         try:
-            async for out in generation.run():
-                outs.append(out)
+            async with aclosing(generation.run()) as tokens:
+                async for out in tokens:
+                    outs.append(out)
         except APIError as e:
             return e.response()
         finally:
@@ -142,8 +144,10 @@ class API:
             if shape.chat:
                 yield sse(shape.chunk([], first=True, include_usage=usage))
             plain = generation.request.logprobs is None
-            async for out in generation.run():      # a chunk per token, text or not (held back): TTFT is honest
-                yield shape.token_event(out, usage) if plain else sse(shape.chunk([out], include_usage=usage))
+            # closed explicitly when this stream is (a client gone): its session is freed now, not at collection
+            async with aclosing(generation.run()) as tokens:
+                async for out in tokens:            # a chunk per token, text or not (held back): TTFT is honest
+                    yield shape.token_event(out, usage) if plain else sse(shape.chunk([out], include_usage=usage))
             yield sse(shape.chunk([], generation.finish_reason, include_usage=usage))
             if usage:
                 yield sse(shape.usage_chunk())
