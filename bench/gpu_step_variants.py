@@ -26,10 +26,7 @@ from .report import write_results
 
 
 def measure(gpu: GpuExecutor, kv, policy: str, programmatic: bool, context: int, steps: int) -> dict:
-    if policy == "default":
-        os.environ.pop("KESTREL_GEMV_M1", None)
-    else:
-        os.environ["KESTREL_GEMV_M1"] = policy
+    gpu.kernels.gemv_m1 = None if policy == "default" else policy     # as KESTREL_GEMV_M1=policy
     gpu.programmatic = programmatic
     for graphs in (gpu._graphs, gpu.chain._graphs):   # recapture with this layout and launch mode
         for graph in graphs.values():

@@ -8,6 +8,10 @@
 // to finish (atomic ticket, reset by that block for the next launch or graph
 // replay) merges all splits in a fixed order: no second launch.
 //
+// A sliding window (window > 0) starts each query's keys at pos - window + 1.
+// Head dims that are not a multiple of 32 (80) leave the top lanes of the last
+// chunk idle (zeros in q and k, nothing stored).
+//
 // KV pool layout (float32, element offsets from the pool base):
 //   kvbase[t] + ((p * n_layers + layer) * 2 + {0: k, 1: v}) * n_kv * D + head * D
 // so no per-session capacity enters the address: one base per token finds it.
@@ -18,13 +22,13 @@
 #define ATTN_MAX_GROUP_D 2048   // group * head_dim (checked on the host)
 #define ATTN_MAX_SPLITS 32
 
-template <int PER_LANE>   // head_dim / 32, a constant so q and acc stay in registers
+template <int D>   // head_dim, a constant so q and acc stay in registers
 __device__ __forceinline__ void attention_split_body(
         const float* __restrict__ q, const float* __restrict__ kvpool, const long long* __restrict__ kvbase,
         const int* __restrict__ pos, float* part_acc, float* part_max, float* part_sum,
         float* __restrict__ out, unsigned int* counters, int layer, int n_layers, int n_heads, int n_kv,
-        float softmax_scale) {
-    constexpr int D = PER_LANE * 32;
+        int window, float softmax_scale) {
+    constexpr int PER_LANE = (D + 31) / 32;
     constexpr int KEYS_PER_ITER = PER_LANE <= 4 ? 4 : 2;   // keys whose loads are in flight together
     __shared__ float merge_acc[ATTN_WARPS][ATTN_MAX_GROUP_D];
     __shared__ float merge_max[ATTN_WARPS][ATTN_MAX_GROUP], merge_sum[ATTN_WARPS][ATTN_MAX_GROUP];
@@ -36,8 +40,9 @@ __device__ __forceinline__ void attention_split_body(
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_heads / n_kv;
     // at least 16 keys per split: short contexts use few splits, the rest exit at once
-    const int n_keys = pos[t] + 1, per_split = max((n_keys + splits - 1) / splits, 16);
-    const int begin = split * per_split, end = min(begin + per_split, n_keys);
+    const int first_key = window > 0 ? max(pos[t] - window + 1, 0) : 0;
+    const int n_keys = pos[t] + 1 - first_key, per_split = max((n_keys + splits - 1) / splits, 16);
+    const int begin = first_key + split * per_split, end = first_key + min(split * per_split + per_split, n_keys);
     const long long stride_pos = (long long)n_layers * 2 * n_kv * D;
     const float* kbase = kvpool + kvbase[t] + (long long)layer * 2 * n_kv * D + (long long)head_kv * D;
     const float* vbase = kbase + (long long)n_kv * D;
@@ -51,7 +56,8 @@ __device__ __forceinline__ void attention_split_body(
 #pragma unroll
         for (int c = 0; c < PER_LANE; c++) {
             acc[g][c] = 0.f;
-            qr[g][c] = g < group ? qt[g * D + lane + 32 * c] * softmax_scale : 0.f;
+            bool inside = D % 32 == 0 || lane + 32 * c < D;
+            qr[g][c] = g < group && inside ? qt[g * D + lane + 32 * c] * softmax_scale : 0.f;
         }
     }
 
@@ -62,8 +68,9 @@ __device__ __forceinline__ void attention_split_body(
             int p = min(p0 + u * ATTN_WARPS, end - 1);   // a duplicate key is loaded, then skipped
 #pragma unroll
             for (int c = 0; c < PER_LANE; c++) {
-                kr[u][c] = kbase[p * stride_pos + lane + 32 * c];
-                vr[u][c] = vbase[p * stride_pos + lane + 32 * c];
+                bool inside = D % 32 == 0 || lane + 32 * c < D;
+                kr[u][c] = inside ? kbase[p * stride_pos + lane + 32 * c] : 0.f;
+                vr[u][c] = inside ? vbase[p * stride_pos + lane + 32 * c] : 0.f;
             }
         }
 #pragma unroll
@@ -92,7 +99,8 @@ __device__ __forceinline__ void attention_split_body(
         if (g >= group) break;
         if (lane == 0) { merge_max[warp][g] = run_max[g]; merge_sum[warp][g] = run_sum[g]; }
 #pragma unroll
-        for (int c = 0; c < PER_LANE; c++) merge_acc[warp][g * D + lane + 32 * c] = acc[g][c];
+        for (int c = 0; c < PER_LANE; c++)
+            if (D % 32 == 0 || lane + 32 * c < D) merge_acc[warp][g * D + lane + 32 * c] = acc[g][c];
     }
     __syncthreads();
     const long long part_row = ((long long)t * n_heads + (long long)head_kv * group) * splits + split;
@@ -150,11 +158,16 @@ __device__ __forceinline__ void attention_split_body(
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_split_d##D(         \
             const float* q, const float* kvpool, const long long* kvbase, const int* pos,       \
             float* part_acc, float* part_max, float* part_sum, float* out, unsigned int* counters,\
-            int layer, int n_layers, int n_heads, int n_kv, float softmax_scale) {              \
-        attention_split_body<D / 32>(q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, \
-                                     counters, layer, n_layers, n_heads, n_kv, softmax_scale);  \
+            int layer, int n_layers, int n_heads, int n_kv, int window, float softmax_scale) {  \
+        attention_split_body<D>(q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out,      \
+                                counters, layer, n_layers, n_heads, n_kv, window, softmax_scale);\
     }
+// every head dim of kestrel_stream.cuda.kernels.ATTENTION_HEAD_DIMS: the common models' (each one
+// more costs NVRTC ~3 s per architecture; the template serves any D <= 256 that is a multiple of 16)
+DEFINE_ATTENTION(32)
 DEFINE_ATTENTION(64)
+DEFINE_ATTENTION(80)
+DEFINE_ATTENTION(96)
 DEFINE_ATTENTION(128)
 DEFINE_ATTENTION(256)
 

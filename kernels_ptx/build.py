@@ -16,7 +16,8 @@ from pathlib import Path
 
 from cuda.bindings import nvrtc
 
-KERNEL_SOURCES = ("q8_gemv.cu", "q8_matmul.cu", "qkv_rope.cu", "attention.cu", "elementwise.cu", "sample.cu")
+KERNEL_SOURCES = ("q8_gemv.cu", "q8_matmul.cu", "q8_mma.cu", "qkv_rope.cu", "attention.cu", "elementwise.cu",
+                  "sample.cu")
 # no --use_fast_math: expf/sinf/cosf must track the numpy reference to ~1 ulp
 BASE_OPTIONS = ("-std=c++17", "--extra-device-vectorization", "-lineinfo")
 
@@ -29,10 +30,10 @@ def source_dir() -> Path:
     return Path(__file__).resolve().parent
 
 
-def cache_dir() -> Path:
-    root = os.environ.get("KESTREL_KERNEL_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kestrel-stream", "kernels")
-    return Path(root)
+def default_cache_dir() -> Path:
+    """Where compiled kernels go unless the engine's options (KESTREL_KERNEL_CACHE) name a directory."""
+    return Path(os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                             "kestrel-stream", "kernels"))
 
 
 def nvrtc_version() -> tuple[int, int]:
@@ -59,13 +60,14 @@ def load_source(name: str) -> str:
 
 
 def compile_cubin(name: str, arch: str, extra_options: tuple[str, ...] = (),
-                  use_cache: bool = True) -> tuple[bytes, str]:
-    """(cubin bytes, compile log) for kernels_ptx/<name> and arch like "sm_90"."""
+                  use_cache: bool = True, cache_dir: str | Path | None = None) -> tuple[bytes, str]:
+    """(cubin bytes, compile log) for kernels_ptx/<name> and arch like "sm_90"; cached under `cache_dir`
+    (default: default_cache_dir())."""
     source = load_source(name)
     options = BASE_OPTIONS + (f"--gpu-architecture={arch}",) + tuple(extra_options)
     key_text = "\0".join((source, *options, repr(nvrtc_version()), arch))
     key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
-    cached = cache_dir() / f"{Path(name).stem}-{arch}-{key}.cubin"
+    cached = Path(cache_dir or default_cache_dir()) / f"{Path(name).stem}-{arch}-{key}.cubin"
     if use_cache and cached.exists():
         return cached.read_bytes(), ""
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])

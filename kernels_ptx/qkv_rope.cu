@@ -1,12 +1,15 @@
-// After the fused QKV projection: Qwen3's per-head q/k RMSNorm, RoPE (HF
-// rotate_half convention) and the KV-cache append, in one launch.
+// After the fused QKV projection: Qwen2's q/k/v bias, Qwen3's per-head q/k
+// RMSNorm, RoPE (HF rotate_half convention) and the KV-cache append, in one launch.
 // grid (n_heads + 2 * n_kv, T), one warp per head: blockIdx.x < n_heads is a q
-// head, then k heads, then v heads (copied as they are).  Lane holds elements
-// lane + 32c, so with D % 64 == 0 the rotate_half partner (i +- D/2) is in the
-// same lane: no shuffles for RoPE.
+// head, then k heads, then v heads (biased, otherwise copied as they are).  Lane
+// holds elements lane + 32c (i < D), for any even D <= 256; the rotate_half
+// partner (i +- D/2) is read back through shared memory, since it lies in
+// another lane unless D % 64 == 0.  Every rope scaling type is the host's
+// inverse-frequency table.
 #include "common.cuh"
 
 #define ROPE_MAX_PER_LANE 8   // head_dim <= 256
+#define ROPE_MAX_D 256
 
 extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
         const float* __restrict__ qkv,        // [T, (n_heads + 2 n_kv) * D]
@@ -17,11 +20,13 @@ extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
         const float* __restrict__ q_norm,     // [D] or null (Llama)
         const float* __restrict__ k_norm,     // [D] or null
         const float* __restrict__ inv_freq,   // [D/2], computed on the host as the reference does
+        const float* __restrict__ bias,       // [(n_heads + 2 n_kv) * D] or null (all but Qwen2)
         float eps, int layer, int n_layers, int n_heads, int n_kv, int D) {
     pdl_launch_dependents();
     pdl_wait();   // see common.cuh
     const int head = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
-    const int per_lane = D >> 5, half_lanes = per_lane >> 1;
+    const int per_lane = (D + 31) >> 5, half = D >> 1;
+    __shared__ float staged[ROPE_MAX_D];
     const int width = (n_heads + 2 * n_kv) * D;
     const float* src = qkv + (long long)t * width + (long long)head * D;
     const int p = pos[t];
@@ -29,7 +34,10 @@ extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
 
     float v[ROPE_MAX_PER_LANE];
 #pragma unroll
-    for (int c = 0; c < ROPE_MAX_PER_LANE; c++) v[c] = c < per_lane ? src[lane + 32 * c] : 0.f;
+    for (int c = 0; c < ROPE_MAX_PER_LANE; c++) {
+        int i = lane + 32 * c;
+        v[c] = c < per_lane && i < D ? src[i] + (bias ? bias[head * D + i] : 0.f) : 0.f;
+    }
 
     float* dst;
     if (is_q) {
@@ -48,21 +56,23 @@ extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
             float inv = 1.0f / sqrtf(warp_sum(sq) / (float)D + eps);
 #pragma unroll
             for (int c = 0; c < ROPE_MAX_PER_LANE; c++)
-                if (c < per_lane) v[c] = v[c] * inv * norm_w[lane + 32 * c];
+                if (c < per_lane && lane + 32 * c < D) v[c] = v[c] * inv * norm_w[lane + 32 * c];
         }
-        float rotated[ROPE_MAX_PER_LANE];
+#pragma unroll
+        for (int c = 0; c < ROPE_MAX_PER_LANE; c++)
+            if (c < per_lane && lane + 32 * c < D) staged[lane + 32 * c] = v[c];
+        __syncwarp();
 #pragma unroll
         for (int c = 0; c < ROPE_MAX_PER_LANE; c++) {
-            if (c >= per_lane) { rotated[c] = 0.f; continue; }
-            int i = lane + 32 * c, freq_index = i % (D >> 1);
+            int i = lane + 32 * c;
+            if (c >= per_lane || i >= D) continue;
+            int freq_index = i < half ? i : i - half;
             float angle = (float)p * inv_freq[freq_index];
-            float partner = c < half_lanes ? -v[c + half_lanes] : v[c - half_lanes];
-            rotated[c] = v[c] * cosf(angle) + partner * sinf(angle);
+            float partner = i < half ? -staged[i + half] : staged[i - half];
+            v[c] = v[c] * cosf(angle) + partner * sinf(angle);
         }
-#pragma unroll
-        for (int c = 0; c < ROPE_MAX_PER_LANE; c++) v[c] = rotated[c];
     }
 #pragma unroll
     for (int c = 0; c < ROPE_MAX_PER_LANE; c++)
-        if (c < per_lane) dst[lane + 32 * c] = v[c];
+        if (c < per_lane && lane + 32 * c < D) dst[lane + 32 * c] = v[c];
 }

@@ -19,11 +19,16 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None) -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it."""
     from kestrel_stream.loading.loader import load_weights
+    from kestrel_stream.obs import prof
+    from kestrel_stream.options import Options
+    options = Options.from_env(vram_budget=vram_budget)      # every KESTREL_* setting, read once, here
     device, mode = resolve_device(device, mode)
+    if options.prof:
+        prof.enable()               # before loading: the table has the load's stage times too
     from kestrel_stream.text.tokenizer import load_tokenizer
     weights = load_weights(path, cache=cache, progress=progress)
     return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
-                  max_sessions=max_sessions, vram_budget=vram_budget, tokenizer=load_tokenizer(path))
+                  max_sessions=max_sessions, options=options, tokenizer=load_tokenizer(path))
 
 
 def __getattr__(name):

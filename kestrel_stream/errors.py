@@ -22,3 +22,7 @@ class SessionClosedError(KestrelError):
 class DeviceError(KestrelError):
     """The requested device or mode cannot run here (no GPU, unsupported mode, budget too small)."""
     code = "device"
+
+
+class LoadError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the tensor and the file."""

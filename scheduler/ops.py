@@ -13,7 +13,7 @@ path). Costs are for M tokens in the step:
 The config is duck-typed: any object with the ModelConfig fields works
 (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 num_key_value_heads, head_dim, vocab_size, tie_word_embeddings, qk_norm,
-q_size, kv_size).
+qkv_bias, q_size, kv_size).
 """
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ TOKEN_ID_BYTES = 4  # int32 ids enter the step
 # Fused groups: the projections of one layer that share an input run as one
 # launch. These five names are also the on/off switches a bench searches.
 PROJECTION_GROUPS = ("qkv", "o", "gate_up", "down", "lm_head")
+# op kinds fused into a neighbouring projection's prologue / epilogue on either side: no launch of their own
+FUSED_KINDS = ("norm", "elementwise")
 
 
 def q8_bytes(rows: int, cols: int) -> int:
@@ -52,10 +54,17 @@ class Op:
     group: str | None = None  # fused projection group, one of PROJECTION_GROUPS
     extra_flops: float = 0.0  # FLOPs not tied to a weight (attention, elementwise)
     gathers_from: str | None = None  # embed reads rows of this tensor (tied or not)
+    row_runs: int = 1         # contiguous row ranges of the fused weight (a split group's part may have two)
 
     @property
     def is_projection(self) -> bool:
         return self.group is not None
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches of this op on the GPU: a norm is the consuming projection's prologue (and the
+        epilogue of the one that wrote x), SiLU·mul gate_up's epilogue, so neither launches anything."""
+        return 0 if self.kind in FUSED_KINDS else self.row_runs
 
     @property
     def flops(self) -> float:
@@ -75,8 +84,10 @@ class Op:
         assert kept, f"{self.name}: empty subset"
         rows_all = sum(w.shape[0] for w in self.weights)
         rows_kept = sum(w.shape[0] for w in kept)
+        flags = [w.name in weight_names for w in self.weights]
+        runs = sum(1 for i, on in enumerate(flags) if on and (i == 0 or not flags[i - 1]))
         return replace(self, name=f"{self.name}[{suffix}]", weights=kept,
-                       output_bytes=self.output_bytes * rows_kept // rows_all)
+                       output_bytes=self.output_bytes * rows_kept // rows_all, row_runs=runs)
 
 
 def _projection(name, shape, tokens) -> WeightRef:
@@ -87,6 +98,10 @@ def _projection(name, shape, tokens) -> WeightRef:
 def _norm(name, size, tokens) -> WeightRef:
     # ~4 FLOPs per element (square, sum, scale, multiply by the weight)
     return WeightRef(name, (size,), size * FLOAT32_BYTES, 4.0 * tokens * size)
+
+
+def _bias(name, size, tokens) -> WeightRef:
+    return WeightRef(name, (size,), size * FLOAT32_BYTES, 1.0 * tokens * size)
 
 
 def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
@@ -100,6 +115,9 @@ def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
     if config.qk_norm:
         rope_weights = (_norm(p + "self_attn.q_norm.weight", D, tokens * config.num_attention_heads),
                         _norm(p + "self_attn.k_norm.weight", D, tokens * config.num_key_value_heads))
+    if config.qkv_bias:          # added by the rope op (one add per element, like a norm's multiply)
+        rope_weights += (_bias(p + "self_attn.q_proj.bias", Q, tokens), _bias(p + "self_attn.k_proj.bias", KV, tokens),
+                         _bias(p + "self_attn.v_proj.bias", KV, tokens))
     keys = context_len + tokens
     return [
         Op(name + "attn_norm", "norm", layer, (_norm(p + "input_layernorm.weight", H, tokens),),
@@ -166,6 +184,8 @@ def model_weight_names(config) -> set:
                  "mlp.down_proj"]
     if config.qk_norm:
         per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
+    biases = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] if config.qkv_bias else []
     for layer in range(config.num_hidden_layers):
         names.update(f"model.layers.{layer}.{part}.weight" for part in per_layer)
+        names.update(f"model.layers.{layer}.{part}.bias" for part in biases)
     return names

@@ -21,7 +21,6 @@ reason says so.
 from __future__ import annotations
 
 import itertools
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -54,7 +53,7 @@ class Segment:
 
     @property
     def launches(self) -> int:
-        return len(self.ops) if self.side == "gpu" else 0
+        return sum(op.launches for op in self.ops) if self.side == "gpu" else 0
 
 
 @dataclass
@@ -192,8 +191,9 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     """The plan of one step of M=`tokens` tokens.
 
     profile: DeviceProfile (None: no GPU measured). minflop: the seed's plain
-    per-projection threshold; when None, KESTREL_MINFLOP is read from `environ`
-    (default os.environ). resident_weights: weight names already on the device
+    per-projection threshold; when None and `environ` is given, its
+    KESTREL_MINFLOP (the engine passes Options.minflop; the scheduler itself
+    reads no environment). resident_weights: weight names already on the device
     (None: all); the others pay an upload. group_choice: {group: on_gpu}
     forcing those groups in every layer (the bench's exhaustive search).
     segment_aware: refine the cost-model gate's choice by whole-step
@@ -211,8 +211,8 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     ops = step_ops(config, tokens, context_len)
     total_layers = config.num_hidden_layers
     if kind == "gated":
-        if minflop is None:
-            minflop = minflop_from_env(os.environ if environ is None else environ)
+        if minflop is None and environ is not None:
+            minflop = minflop_from_env(environ)
         forced = dict(group_choice or {})
         gate = None
         if set(forced) != set(PROJECTION_GROUPS):

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
-CACHE_DIR_ENV = "KESTREL_CACHE_DIR"
+CACHE_DIR_ENV = "KESTREL_CACHE_DIR"     # read by kestrel_stream.options, which passes the directory down
 
 
 @dataclass(frozen=True)
@@ -88,10 +87,9 @@ SEED_LIKE = DeviceProfile(
 )
 
 
-def default_cache_dir() -> Path:
-    env = os.environ.get(CACHE_DIR_ENV)
-    base = Path(env) if env else Path.home() / ".cache" / "kestrel-stream"
-    return base / "profiles"
+def default_cache_dir(base: str | Path | None = None) -> Path:
+    """The profiles directory under `base` (Options.cache_dir, KESTREL_CACHE_DIR; default ~/.cache/kestrel-stream)."""
+    return (Path(base) if base else Path.home() / ".cache" / "kestrel-stream") / "profiles"
 
 
 def _slug(text: str) -> str:

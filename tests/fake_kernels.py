@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from fake_cuda import dev
-from kestrel_stream.cuda import gemv_variants
+from kestrel_stream.cuda import gemv_variants, mma_variants
 
 
 def f32(ptr: int, count: int) -> np.ndarray:
@@ -24,11 +24,12 @@ def rows(ptr: int, count: int, stride: int, width: int) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(span, (count, width), (4 * stride, 4))
 
 
-def take_ticket(counter: int, sums: bool = False) -> None:
-    """The last-block ticket must be zero at launch (each kernel's last block resets it), and so must
-    the GEMV's per-token sums of squares behind it (floats 8..15 of its 64-byte scratch)."""
-    ticket = dev(counter, 4, np.uint32)
-    assert ticket[0] == 0, f"ticket counter at {counter:#x} is {ticket[0]}, not 0, at launch"
+def take_ticket(counter: int, sums: bool = False, tickets: int = 1) -> None:
+    """The last-block tickets must be zero at launch (each kernel's last block resets its own; q8_mma
+    has one per row of token blocks, up to 8), and so must the GEMV's per-token sums of squares
+    behind them (floats 8..15 of the 64-byte scratch)."""
+    ticket = dev(counter, 4 * tickets, np.uint32)
+    assert not ticket.any(), f"ticket counters at {counter:#x} are {ticket}, not 0, at launch"
     if sums:
         assert not dev(counter + 32, 32, np.float32).any(), f"GEMV sums at {counter + 32:#x} not zero at launch"
 
@@ -43,14 +44,47 @@ def silu_mul(gate, up):
     return gate / (np.float32(1) + np.exp(-gate)) * up
 
 
+def quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [T, K] float32 -> (hi, lo int8 [T, K/32, 32], d float32 [T, K/32]) as q8_mma.cu quantises its
+    activations: d = amax / 127, hi = rn(v / d), lo = rn((v - hi d) 128 / d) (round half even, +-127)."""
+    blocks = x.reshape(x.shape[0], -1, 32).astype(np.float32)
+    d = np.abs(blocks).max(axis=2) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)[:, :, None]
+    hi = np.clip(np.rint(blocks * inv), -127, 127)
+    residual = (blocks.astype(np.float64) - hi * d[:, :, None].astype(np.float64)).astype(np.float32)   # one fma
+    lo = np.clip(np.rint(residual * (inv * np.float32(128))), -127, 127)
+    return hi.astype(np.int8), lo.astype(np.int8), d
+
+
+def mma_product(x: np.ndarray, wq: np.ndarray, w_scales: np.ndarray) -> np.ndarray:
+    """q8_mma.cu's arithmetic: x [T, K] float32 against a Q8_0 weight (int8 [N, K], fp16 [N, K/32]):
+    exact integer dot products of (128 hi + lo) per 32-block, scaled by d / 128 * w_scale into fp32
+    sums, block by block."""
+    hi, lo, d = quantize_rows_q8(x)
+    n, k = wq.shape
+    wb = wq.reshape(n, k // 32, 32).astype(np.float64)
+    ws = w_scales.astype(np.float32)
+    acc = np.zeros((x.shape[0], n), np.float32)
+    for b in range(k // 32):            # |dot| <= 32 * 127 * 127 * 129 < 2^31: exact in float64
+        q = 128 * hi[:, b, :].astype(np.float64) + lo[:, b, :]
+        dots = (q @ wb[:, b, :].T).astype(np.float32)
+        acc += dots * ((d[:, b, None] * np.float32(1 / 128)) * ws[None, :, b])
+    return acc
+
+
 def q8_product(launch, qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter,
-               eps, N, K, ntok, tokens: int, silu: bool) -> None:
-    """The shared contract of q8_gemv.cu and q8_matmul.cu for `tokens` rows of x."""
+               eps, N, K, ntok, tokens: int, silu: bool, int8_activations: bool = False) -> None:
+    """The shared contract of q8_gemv.cu, q8_matmul.cu and q8_mma.cu for `tokens` rows of x."""
     assert K % 32 == 0 and qs % 16 == 0 and scales % 2 == 0, (launch.name, K, qs, scales)
     assert not silu or N % 2 == 0, "SiLU pairs need an even row count"
     if inv_rms_out:
-        take_ticket(counter, sums=launch.name.startswith("q8_gemv"))
-    s = rows(x, tokens, ldx, K) @ q8_dense(qs, scales, N, K).T                 # [tokens, N]
+        take_ticket(counter, sums=launch.name.startswith("q8_gemv"),
+                    tickets=launch.grid[1] if int8_activations and launch.grid[1] <= 8 else 1)
+    if int8_activations:
+        s = mma_product(rows(x, tokens, ldx, K), dev(qs, N * K, np.int8).reshape(N, K),
+                        dev(scales, 2 * N * (K // 32), np.float16).reshape(N, K // 32))
+    else:
+        s = rows(x, tokens, ldx, K) @ q8_dense(qs, scales, N, K).T                 # [tokens, N]
     if inv_rms_in:
         s *= f32(inv_rms_in, tokens)[:, None]
     out = silu_mul(s[:, 0::2], s[:, 1::2]) if silu else s
@@ -80,6 +114,16 @@ def q8_matmul(launch, *args) -> None:
     N, ntok = args[13], args[15]
     assert launch.block == (256, 1, 1) and launch.grid[0] * 64 >= N and launch.grid[1] * 64 >= ntok, launch.grid
     q8_product(launch, *args, tokens=ntok, silu=launch.name.endswith("_silu"))
+
+
+def q8_mma(launch, *args) -> None:
+    x, ldx, N, ntok = args[2], args[3], args[13], args[15]
+    tile, silu = mma_variants.parse(launch.name)
+    assert launch.block == (tile.threads, 1, 1), f"{launch.name}: block {launch.block}"
+    assert launch.grid[0] * tile.rows >= N and launch.grid[1] * tile.tokens >= ntok and launch.grid[2] == 1, \
+        f"{launch.name}: grid {launch.grid} misses part of {ntok} tokens x {N} rows"
+    assert ldx % 4 == 0 and x % 16 == 0, f"{launch.name}: float4 loads of x misaligned (x {x:#x}, ldx {ldx})"
+    q8_product(launch, *args, tokens=ntok, silu=silu, int8_activations=True)
 
 
 def embed_q8(launch, qs, scales, ids, out, xn, normw, inv_rms, eps, H) -> None:
@@ -120,10 +164,10 @@ def rmsnorm(v, w, eps):
     return v / np.sqrt(np.mean(np.square(v)) + np.float32(eps)) * w
 
 
-def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm, inv_freq, eps, layer,
+def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm, inv_freq, bias, eps, layer,
                          n_layers, n_heads, n_kv, D) -> None:
     heads, T = launch.grid[0], launch.grid[1]
-    assert heads == n_heads + 2 * n_kv and launch.block[0] == 32 and D % 64 == 0 and D <= 256
+    assert heads == n_heads + 2 * n_kv and launch.block[0] == 32 and D % 2 == 0 and D <= 256
     width, half = heads * D, D // 2
     freqs = f32(inv_freq, half)
     for t in range(T):
@@ -133,6 +177,8 @@ def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm
         cos, sin = np.cos(angle), np.sin(angle)
         for head in range(heads):
             v = f32(qkv + 4 * (t * width + head * D), D).copy()
+            if bias:
+                v = v + f32(bias + 4 * head * D, D)
             is_q, is_v = head < n_heads, head >= n_heads + n_kv
             if is_q:
                 dst = q_out + 4 * (t * n_heads * D + head * D)
@@ -148,7 +194,7 @@ def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm
 
 
 def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer,
-                    n_layers, n_heads, n_kv, softmax_scale) -> None:
+                    n_layers, n_heads, n_kv, window, softmax_scale) -> None:
     D = int(launch.name.rsplit("_d", 1)[1])
     n_kv_grid, T, splits = launch.grid
     group = n_heads // n_kv
@@ -161,8 +207,10 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
         for h in range(n_kv):
             take_ticket(counters + 4 * (t * n_kv + h))
         n_keys = int(dev(pos + 4 * t, 4, np.int32)[0]) + 1
+        first = max(n_keys - window, 0) if window > 0 else 0
         base = int(dev(kvbase + 8 * t, 8, np.int64)[0])
-        cache = rows(kvpool + 4 * (base + layer * 2 * n_kv * D), n_keys, stride_pos, 2 * n_kv * D)
+        cache = rows(kvpool + 4 * (base + layer * 2 * n_kv * D), n_keys, stride_pos, 2 * n_kv * D)[first:]
+        n_keys -= first
         keys = cache[:, :n_kv * D].reshape(n_keys, n_kv, D)
         values = cache[:, n_kv * D:].reshape(n_keys, n_kv, D)
         qt = f32(q + 4 * t * n_heads * D, n_heads * D).reshape(n_kv, group, D) * np.float32(softmax_scale)
@@ -192,10 +240,11 @@ KERNELS = [
     (r"sample_rows", sample_rows),
     (r"q8_gemv_m[1-8]_[a-z0-9]+(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
     (r"q8_matmul(_silu)?", q8_matmul),
+    (r"q8_mma_\d+x\d+(k\d+)?(_silu)?", q8_mma),
     (r"embed_q8", embed_q8),
     (r"argmax_rows", argmax_rows),
     (r"argmax_split", argmax_split),
     (r"chain_advance", chain_advance),
     (r"qkv_norm_rope_append", qkv_norm_rope_append),
-    (r"attention_split_d(64|128|256)", attention_split),
+    (r"attention_split_d(32|64|80|96|128|256)", attention_split),
 ]

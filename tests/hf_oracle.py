@@ -34,6 +34,11 @@ def hf_model_with_weights(model_dir, weights):
             put(prefix + "mlp.down_proj.weight", layer.w_down.dequantize())
             put(prefix + "input_layernorm.weight", layer.attn_norm)
             put(prefix + "post_attention_layernorm.weight", layer.mlp_norm)
+            if c.qkv_bias:
+                bias = layer.qkv_bias
+                put(prefix + "self_attn.q_proj.bias", bias[: c.q_size])
+                put(prefix + "self_attn.k_proj.bias", bias[c.q_size: c.q_size + c.kv_size])
+                put(prefix + "self_attn.v_proj.bias", bias[c.q_size + c.kv_size:])
             if c.qk_norm:
                 put(prefix + "self_attn.q_norm.weight", layer.q_norm)
                 put(prefix + "self_attn.k_norm.weight", layer.k_norm)

@@ -121,18 +121,18 @@ def test_hooks_import_and_do_nothing_while_tracing_is_off():
     stream.name, stream.capturing = "compute", False
     launch = kernels.Launch(None, "q8_gemv_m1", (4,), (128,), "pi", [0, 3]).label(op="qkv", layer=None)
     assert launch.labels == {"op": "qkv"}, "None labels are left out"
-    device_trace.resolve_gpu_times(None)             # no trace: no GpuTimes, nothing to resolve
+    driver.resolve_gpu_times(None)             # no trace: no GpuTimes, nothing to resolve
     calls = []
     launch.submit = lambda s: calls.append(s)
     launch.enqueue(stream)
-    assert calls == [stream] and device_trace._gpu_times is None, "untraced: the launch alone, no events"
+    assert calls == [stream] and driver._gpu_times is None, "untraced: the launch alone, no events"
 
 
 def test_an_enqueued_launch_is_a_timed_slice_with_its_labels_and_a_flow(tmp_path, monkeypatch):
     rec, times, reference, _ = new_times(tmp_path / "t.json", reference_host_us=0.0)
-    monkeypatch.setattr(device_trace, "_gpu_times", times)
+    monkeypatch.setattr(driver, "_gpu_times", times)
     w = kernels.QWeight(qs=0, scales=0, rows=64, cols=128)
-    fake_kernels = type("Kernels", (), {"launch": lambda self, name, grid, block, sig, args:
+    fake_kernels = type("Kernels", (), {"gemv_m1": None, "gemv_mn": None, "launch": lambda self, name, grid, block, sig, args:
                                         kernels.Launch(None, name, grid, block, sig, args)})()
     launch = kernels.gemv_launch(fake_kernels, w, 0, 128, 0, 64, 1).label(op="L2.o", layer=2)
     submitted = []
@@ -145,7 +145,7 @@ def test_an_enqueued_launch_is_a_timed_slice_with_its_labels_and_a_flow(tmp_path
     reference.complete(0.0)
     times.pending[0].start.complete(0.001)
     times.pending[0].end.complete(0.004)
-    device_trace.resolve_gpu_times(rec)
+    driver.resolve_gpu_times(rec)
     assert not times.pending
     trace.stop()
     events = trace_summary.load(tmp_path / "t.json")

@@ -8,7 +8,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gguf_quants
 from safetensors.numpy import load_file, save_file
 
-from kestrel_stream.loading.gguf import export_gguf
+from gguf_export import export_gguf
 from kestrel_stream.loading.loader import LoadError, load_weights
 from kestrel_stream.loading.presets import make_model
 from kestrel_stream.loading.qcache import flatten
@@ -58,6 +58,12 @@ def write_like_llama_cpp(hf_dir, out, linear_type=GGMLQuantizationType.Q8_0, arc
             x = llama_cpp_permute(x, hf_cfg["num_key_value_heads"])
         if x.ndim == 1:
             w.add_tensor(name, x.astype(np.float32))
+        elif linear_type == GGMLQuantizationType.IQ2_XXS:     # a type gguf.quants cannot write: zero blocks
+            shape = gguf_quants.quant_shape_to_byte_shape(x.shape, linear_type) if x.shape[1] % 256 == 0 else None
+            if shape is None:
+                w.add_tensor(name, x.astype(np.float32))
+            else:
+                w.add_tensor(name, np.zeros(shape, np.uint8), raw_dtype=linear_type)
         else:
             w.add_tensor(name, gguf_quants.quantize(x, linear_type), raw_dtype=linear_type)
     for name, x in (extra or {}).items():
@@ -123,10 +129,10 @@ def test_gguf_errors_name_the_tensor_and_file(tmp_path):
     with pytest.raises(LoadError, match=r"unexpected tensor 'blk\.9\.attn_q\.weight'"):
         load_weights(extra)
 
-    q4 = write_like_llama_cpp(hf, tmp_path / "q4.gguf", linear_type=GGMLQuantizationType.Q4_0)
-    with pytest.raises(LoadError, match=r"tensor '.*' has type Q4_0") as info:
-        load_weights(q4)
-    assert str(q4) in str(info.value)
+    iq2 = write_like_llama_cpp(hf, tmp_path / "iq2.gguf", linear_type=GGMLQuantizationType.IQ2_XXS)
+    with pytest.raises(LoadError, match=r"cannot load \(IQ2_XXS: blk\.0\..*llama-quantize") as info:
+        load_weights(iq2)
+    assert str(iq2) in str(info.value)
 
     other_arch = write_like_llama_cpp(hf, tmp_path / "gpt2.gguf", arch="gpt2")
     with pytest.raises(LoadError, match="architecture 'gpt2'"):
@@ -139,3 +145,24 @@ def test_gguf_errors_name_the_tensor_and_file(tmp_path):
     with pytest.raises(LoadError, match="truncated") as info:
         load_weights(good)
     assert str(good) in str(info.value) and repr(first_cut) in str(info.value)
+
+
+@pytest.mark.parametrize("preset", ["llama3-tiny", "mistral-tiny", "qwen2-tiny"])
+def test_architectures_round_trip_through_gguf(tmp_path, preset):
+    """Qwen2's bias tensors, Mistral's sliding window (arch llama + attention.sliding_window) and every rope
+    scaling type (llama3 as llama.cpp's rope_freqs.weight divisors, YaRN as rope.scaling.* metadata) survive a GGUF: the same logits and argmax."""
+    import kestrel_stream as ks
+    hf_dir = make_model(tmp_path / preset, preset, seed=2, dtype="f32")
+    from_hf = ks.load(hf_dir, device="cpu", cache=False)
+    path = export_gguf(from_hf.weights, tmp_path / f"{preset}.gguf")
+    from_gguf = ks.load(path, device="cpu")
+    c, g = from_hf.config, from_gguf.config
+    assert (g.arch, g.sliding_window, g.qkv_bias, g.head_dim) == (c.arch, c.sliding_window, c.qkv_bias, c.head_dim)
+    if c.rope_scaling is not None and c.rope_scaling.type == "llama3":
+        assert g.rope_freq_factors is not None and g.rope_scaling is None
+    else:
+        assert g.rope_scaling == c.rope_scaling
+    prompt = [3, 17, 42, 5, 99, 1, 250, 7, 64, 31]
+    a, b = from_hf.new_session().prefill(prompt), from_gguf.new_session().prefill(prompt)
+    assert float(np.abs(a - b).max() / np.abs(a).max()) < 2e-3
+    np.testing.assert_array_equal(a.argmax(axis=1), b.argmax(axis=1))

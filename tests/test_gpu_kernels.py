@@ -4,9 +4,10 @@ import pytest
 
 from kestrel_stream.run.host import apply_rope, attention, rmsnorm, rope_tables, silu_mul
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda import gemv_variants
-from kestrel_stream.cuda.kernels import QWeight
+from kestrel_stream.cuda import gemv_variants, mma_variants
+from kestrel_stream.cuda.kernels import ROPE_SIGNATURE, QWeight
 from kestrel_stream.model.quant import quantize
+from fake_kernels import mma_product
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not driver.gpu_available(), reason=f"{driver.detect()}")]
@@ -43,8 +44,18 @@ class Gpu:
 
 
 @pytest.fixture(scope="module")
-def gpu():
+def gpu_harness():
     return Gpu()
+
+
+@pytest.fixture
+def gpu(gpu_harness):
+    """The module's harness; what a test allocated in its arena is given back after it."""
+    before = set(gpu_harness.arena._live)
+    yield gpu_harness
+    gpu_harness.stream.synchronize()
+    for offset in set(gpu_harness.arena._live) - before:
+        gpu_harness.arena.free(gpu_harness.arena.base + offset)
 
 
 def rel_err(got, want):
@@ -56,7 +67,7 @@ GEMV_SHAPES = [(38, 96, 1), (100, 160, 3), (258, 544, 5), (64, 2080, 8), (130, 3
 # every single-token variant on the single-token shapes, every 2..8-token one on those shapes
 GEMV_CASES = [(n, k, tokens, variant) for n, k, tokens in GEMV_SHAPES
               for variant in (gemv_variants.VARIANTS if tokens == 1 else
-                              gemv_variants.MULTI_VARIANTS if tokens <= 8 else [None])]
+                              gemv_variants.MULTI_VARIANTS if tokens <= 8 else ["simt"])]
 
 
 @pytest.mark.parametrize("n,k,tokens,variant", GEMV_CASES)
@@ -94,6 +105,54 @@ def test_q8_gemv_and_matmul_match_numpy(gpu, n, k, tokens, variant, epilogue):
                                    1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6), rtol=1e-5)
         scratch = gpu.get(counter, (16,), np.uint32)
         assert scratch[0] == 0 and not scratch[8:].any(), "ticket and sums are zeroed for the next launch"
+
+
+MMA_TOKENS = (9, 17, 63, 64, 65, 200, 511)
+MMA_SHAPES = [(96, 160), (1056, 544)]      # N and K multiples of 32, not of 128
+
+
+@pytest.mark.parametrize("tokens", MMA_TOKENS)
+@pytest.mark.parametrize("n,k", MMA_SHAPES)
+@pytest.mark.parametrize("tile", list(mma_variants.TILES) + [None])
+@pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
+def test_q8_mma_matches_numpy(gpu, n, k, tokens, tile, epilogue):
+    """The tensor-core GEMM against its twin (fake_kernels.mma_product: the same two-level int8
+    activations) to 1e-5, and against fp32 activations to 1e-4, with every epilogue."""
+    rng = np.random.default_rng(n + k + tokens)
+    w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    x[0, :32] = 0.0                                             # an all-zero block: scale 0
+    inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
+    res = rng.standard_normal((tokens, n)).astype(np.float32)
+    normw_out = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+
+    def finish(s):
+        if epilogue in ("rmsnorm", "silu_pairs"):
+            s = s * inv_rms_in[:, None]
+        out = silu_mul(s[:, 0::2], s[:, 1::2]) if epilogue == "silu_pairs" else s
+        return out + res if epilogue == "residual_xn_rms" else out
+
+    twin, exact = finish(mma_product(x, w.qs, w.scales)), finish(x @ w.dequantize().T)
+    cols = twin.shape[1]
+    qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
+    y = gpu.put(res if epilogue == "residual_xn_rms" else np.zeros((tokens, cols), np.float32))
+    xn, inv_rms_out = gpu.put(np.zeros((tokens, n), np.float32)), gpu.put(np.zeros(tokens, np.float32))
+    counter = gpu.put(np.zeros(16, np.uint32))
+    extra = {"plain": {}, "rmsnorm": {"inv_rms_in": gpu.put(inv_rms_in)},
+             "silu_pairs": {"inv_rms_in": gpu.put(inv_rms_in), "silu_pairs": True},
+             "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
+                                 "inv_rms_out": inv_rms_out, "counter": counter}}[epilogue]
+    launch = gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, cols, tokens, variant=tile, **extra)
+    assert launch.name.startswith("q8_mma_")
+    gpu.run(launch)
+    got = gpu.get(y, (tokens, cols))
+    assert rel_err(got, twin) < 1e-5
+    assert rel_err(got, exact) < 1e-4
+    if epilogue == "residual_xn_rms":
+        np.testing.assert_allclose(gpu.get(xn, (tokens, n)), got * normw_out, rtol=1e-6)
+        np.testing.assert_allclose(gpu.get(inv_rms_out, (tokens,)),
+                                   1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6), rtol=1e-5)
+        assert not gpu.get(counter, (16,), np.uint32)[:8].any(), "the tickets are zeroed for the next launch"
 
 
 @pytest.mark.parametrize("variant", ["", "w32r2u4"])
@@ -139,9 +198,11 @@ def kv_address(base, p, layer, n_layers, which, n_kv, d):
     return base + ((p * n_layers + layer) * 2 + which) * n_kv * d
 
 
-@pytest.mark.parametrize("n_heads,n_kv,d,qk_norm", [(4, 4, 64, True), (8, 4, 128, False),
-                                                    (8, 2, 128, True), (16, 2, 64, False), (8, 1, 256, True)])
-def test_qkv_norm_rope_append(gpu, n_heads, n_kv, d, qk_norm):
+@pytest.mark.parametrize("n_heads,n_kv,d,qk_norm,bias", [
+    (4, 4, 64, True, False), (8, 4, 128, False, False), (8, 2, 128, True, False), (16, 2, 64, False, False),
+    (8, 1, 256, True, False), (4, 2, 32, False, True), (2, 1, 80, False, False), (4, 2, 96, True, True),
+    (4, 2, 160, False, True)])
+def test_qkv_norm_rope_append(gpu, n_heads, n_kv, d, qk_norm, bias):
     rng = np.random.default_rng(d + n_heads)
     layers, layer, capacity = 3, 1, 40
     positions = np.array([0, 5, 6, 31], np.int32)
@@ -150,15 +211,19 @@ def test_qkv_norm_rope_append(gpu, n_heads, n_kv, d, qk_norm):
     qkv = rng.standard_normal((t, (n_heads + 2 * n_kv) * d)).astype(np.float32)
     q_norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
     k_norm = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    qkv_bias = (0.1 * rng.standard_normal((n_heads + 2 * n_kv) * d)).astype(np.float32)
     theta = 1e6
     inv_freq = (1.0 / (theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))).astype(np.float32)
     pool_floats = 2 * capacity * layers * 2 * n_kv * d
     pool = gpu.put(np.zeros(pool_floats, np.float32))
     q_out = gpu.arena.alloc(t * n_heads * d * 4)
-    gpu.run(gpu.kernels.launch("qkv_norm_rope_append", (n_heads + 2 * n_kv, t), (32,), "ppppppppfiiiii",
+    gpu.run(gpu.kernels.launch("qkv_norm_rope_append", (n_heads + 2 * n_kv, t), (32,), ROPE_SIGNATURE,
                                [gpu.put(qkv), q_out, pool, gpu.put(bases), gpu.put(positions),
                                 gpu.put(q_norm) if qk_norm else 0, gpu.put(k_norm) if qk_norm else 0,
-                                gpu.put(inv_freq), 1e-6, layer, layers, n_heads, n_kv, d]))
+                                gpu.put(inv_freq), gpu.put(qkv_bias) if bias else 0, 1e-6, layer, layers,
+                                n_heads, n_kv, d]))
+    if bias:
+        qkv = qkv + qkv_bias
     q = qkv[:, :n_heads * d].reshape(t, n_heads, d)
     k = qkv[:, n_heads * d:(n_heads + n_kv) * d].reshape(t, n_kv, d)
     v = qkv[:, (n_heads + n_kv) * d:].reshape(t, n_kv, d)
@@ -176,9 +241,10 @@ def test_qkv_norm_rope_append(gpu, n_heads, n_kv, d, qk_norm):
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("splits", [1, 3, 16])
-def test_attention_gqa_matches_reference(gpu, group, d, splits):
+@pytest.mark.parametrize("window", [0, 5, 50])
+def test_attention_gqa_matches_reference(gpu, group, d, splits, window):
     rng = np.random.default_rng(group * d)
     n_kv, layers, layer = 2, 2, 1
     n_heads = n_kv * group
@@ -206,12 +272,13 @@ def test_attention_gqa_matches_reference(gpu, group, d, splits):
     partials = gpu.arena.alloc(t * n_heads * splits * (d + 2) * 4)
     counters = gpu.put(np.zeros(t * n_kv, np.uint32))
     launch = gpu.attention_launch(gpu.kernels, gpu.put(q), gpu.put(pool), gpu.put(bases), gpu.put(positions),
-                                  out, partials, counters, t, layer, layers, n_heads, n_kv, d, splits)
+                                  out, partials, counters, t, layer, layers, n_heads, n_kv, d, splits,
+                                  window=window)
     gpu.run([launch, launch])   # twice: the tickets must be back at zero after each launch
     got = gpu.get(out, (t, n_heads * d))
     for i, (s, p) in enumerate(queries):
         k, v = caches[s]
-        want = attention(q[i:i + 1], k[:p + 1], v[:p + 1], p)
+        want = attention(q[i:i + 1], k[:p + 1], v[:p + 1], p, window or None)
         assert rel_err(got[i:i + 1], want) < 1e-5, (s, p)
     assert not gpu.get(counters, (t * n_kv,), np.uint32).any()
 

@@ -54,7 +54,7 @@ def test_gpu_mode_matches_cpu_over_prefill_and_16_decode_steps(arch):
     weights = random_weights(arch)
     cpu = CpuExecutor(weights)
     gpu = GpuExecutor(weights, max_seq_len=64, max_batch=4, prefill_chunk=16, verify=True)
-    # 21 tokens: a 16-token chunk (tiled matmul) then a 5-token chunk (GEMV) over the cache so far
+    # 21 tokens: a 16-token chunk (tensor-core GEMM) then a 5-token chunk (GEMV) over the cache so far
     prompt = np.array([3, 141, 59, 26, 535, 89, 79, 32, 384, 62, 64, 33, 8, 327, 750, 28, 641, 97, 16, 9, 3],
                       np.int64)
     cpu_kv, gpu_kv = cpu.alloc_kv(64), gpu.alloc_kv(64)
@@ -124,3 +124,34 @@ def test_greedy_generate_takes_the_argmax_on_the_device(arch):
     chained = engine.generate(prompt, 16)
     assert chained.tokens == want.tokens and chained.stats["syncs"] == 3   # 15 steps: 6 + 6 + 3
     engine.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_batched_decode_of_9_to_64_sessions_and_last_row_prefill_match_cpu(arch):
+    """Decode batches of 11 and 40 sessions (the bucket-16 and bucket-64 graphs, tensor-core GEMM)
+    and a 300-token prefill asking for its last row only, against the numpy engine: 2e-3, same argmax."""
+    from kestrel_stream.run.gpu_executor import GpuExecutor
+    weights = random_weights(arch, seed=2)
+    cpu = CpuExecutor(weights)
+    gpu = GpuExecutor(weights, max_seq_len=320, max_batch=64, max_sessions=41)
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, weights.config.vocab_size, 300)
+    cpu_kv, gpu_kv = cpu.alloc_kv(320), gpu.alloc_kv(320)
+    [want] = cpu.forward([(cpu_kv, prompt, 0)], logits="last")
+    [got] = gpu.forward([(gpu_kv, prompt, 0)], logits="last")
+    assert relative(got, want) < 2e-3 and np.argmax(got) == np.argmax(want)
+    for count in (11, 40):
+        pairs = [(cpu.alloc_kv(8), gpu.alloc_kv(8)) for _ in range(count)]
+        prompts = [rng.integers(0, weights.config.vocab_size, 3) for _ in range(count)]
+        for (ckv, gkv), p in zip(pairs, prompts):
+            cpu.forward([(ckv, p, 0)])
+            gpu.forward([(gkv, p, 0)])
+        tokens = rng.integers(0, weights.config.vocab_size, count)
+        want = cpu.forward([(ckv, np.array([t]), 3) for (ckv, _), t in zip(pairs, tokens)])
+        got = gpu.forward([(gkv, np.array([t]), 3) for (_, gkv), t in zip(pairs, tokens)])
+        for g, w in zip(got, want):
+            assert relative(g[0], w[0]) < 2e-3 and np.argmax(g[0]) == np.argmax(w[0])
+        for ckv, gkv in pairs:
+            gpu.free_kv(gkv)
+    assert {16, 64} <= {bucket for bucket, _ in gpu._graphs}
+    gpu.close()

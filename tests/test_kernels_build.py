@@ -9,28 +9,31 @@ from kernels_ptx import build
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 @pytest.mark.parametrize("source", build.KERNEL_SOURCES)
-def test_kernel_compiles_to_cubin_without_warnings(source, arch, tmp_path, monkeypatch):
-    monkeypatch.setenv("KESTREL_KERNEL_CACHE", str(tmp_path))
-    cubin, log = build.compile_cubin(source, arch)
+def test_kernel_compiles_to_cubin_without_warnings(source, arch, tmp_path):
+    cubin, log = build.compile_cubin(source, arch, cache_dir=tmp_path)
     assert cubin[:4] == b"\x7fELF", "NVRTC must produce CUBIN (ELF), not PTX"
     # No warning is explained away: any log text at all fails the build.
     assert log == "", f"{source} for {arch} compiled with messages:\n{log}"
-    again, log_cached = build.compile_cubin(source, arch)
+    again, log_cached = build.compile_cubin(source, arch, cache_dir=tmp_path)
     assert again == cubin and log_cached == ""
     assert len(list(tmp_path.glob("*.cubin"))) == 1
 
 
-def test_cache_key_changes_with_options(tmp_path, monkeypatch):
-    monkeypatch.setenv("KESTREL_KERNEL_CACHE", str(tmp_path))
-    build.compile_cubin("elementwise.cu", "sm_90")
-    build.compile_cubin("elementwise.cu", "sm_90", ("-DKESTREL_TEST_KEY=1",))
+def test_cache_key_changes_with_options(tmp_path):
+    build.compile_cubin("elementwise.cu", "sm_90", cache_dir=tmp_path)
+    build.compile_cubin("elementwise.cu", "sm_90", ("-DKESTREL_TEST_KEY=1",), cache_dir=tmp_path)
     assert len(list(tmp_path.glob("elementwise-sm_90-*.cubin"))) == 2
 
 
-def test_compile_error_carries_the_log(tmp_path, monkeypatch):
-    monkeypatch.setenv("KESTREL_KERNEL_CACHE", str(tmp_path))
+def test_compile_error_carries_the_log(tmp_path):
     with pytest.raises(build.KernelBuildError, match="undefined_symbol_xyz"):
-        build.compile_cubin("elementwise.cu", "sm_90", ("-Dfloat=undefined_symbol_xyz",))
+        build.compile_cubin("elementwise.cu", "sm_90", ("-Dfloat=undefined_symbol_xyz",), cache_dir=tmp_path)
+
+
+def test_kernel_cache_directory_comes_from_the_options(tmp_path):
+    from kestrel_stream.options import Options
+    assert Options.from_env({"KESTREL_KERNEL_CACHE": str(tmp_path)}).kernel_cache_dir == tmp_path
+    assert Options.from_env({}).kernel_cache_dir is None
 
 
 @pytest.mark.parametrize("module", ["kestrel_stream.cuda", "kestrel_stream.cuda.driver",
@@ -91,24 +94,19 @@ def test_gemv_variant_table_matches_the_kernel_source():
     assert gemv_variants.parse("q8_gemv_m5_o64r4u2") == (5, gemv_variants.MULTI_VARIANTS["o64r4u2"], False)
 
 
-def test_gemv_variant_choice_and_override(monkeypatch):
+def test_gemv_variant_choice_and_override():
     from kestrel_stream.cuda import gemv_variants
-    monkeypatch.delenv("KESTREL_GEMV_M1", raising=False)
-    monkeypatch.delenv("KESTREL_GEMV_M1_ROWS", raising=False)
-    monkeypatch.delenv("KESTREL_GEMV_MN", raising=False)
+    from kestrel_stream.options import Options
     for rows, cols in ((4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (151936, 2048), (38, 96)):
         assert gemv_variants.m1_variant(rows, cols) in gemv_variants.VARIANTS
-    monkeypatch.setenv("KESTREL_GEMV_M1_ROWS", "4")
-    assert gemv_variants.m1_variant(38, 96) == "r4"
-    monkeypatch.setenv("KESTREL_GEMV_M1", "w32r2u4")
-    assert gemv_variants.m1_variant(38, 96) == "w32r2u4"
+    forced = Options.from_env({"KESTREL_GEMV_M1_ROWS": "4"}).gemv_m1
+    assert gemv_variants.m1_variant(38, 96, forced) == "r4"
+    forced = Options.from_env({"KESTREL_GEMV_M1_ROWS": "4", "KESTREL_GEMV_M1": "w32r2u4"}).gemv_m1
+    assert gemv_variants.m1_variant(38, 96, forced) == "w32r2u4"
     for tokens in range(2, 9):
         assert gemv_variants.multi_variant(tokens) in gemv_variants.MULTI_VARIANTS
-    monkeypatch.setenv("KESTREL_GEMV_MN", "")
-    assert gemv_variants.multi_variant(4) == ""
-    monkeypatch.setenv("KESTREL_GEMV_MN", "o2")
+    assert gemv_variants.multi_variant(4, Options.from_env({"KESTREL_GEMV_MN": ""}).gemv_mn) == ""
     with pytest.raises(ValueError, match="KESTREL_GEMV_MN='o2'"):
-        gemv_variants.multi_variant(4)
-    monkeypatch.setenv("KESTREL_GEMV_M1", "w7")
+        Options.from_env({"KESTREL_GEMV_MN": "o2"})
     with pytest.raises(ValueError, match="KESTREL_GEMV_M1='w7': not a GEMV variant"):
-        gemv_variants.m1_variant(38, 96)
+        Options.from_env({"KESTREL_GEMV_M1": "w7"})

@@ -38,7 +38,7 @@ def test_plan_text_names_lm_head_and_the_gate(tiny_model):
 
 def test_plan_rejects_bad_batch(tiny_model):
     proc = run_cli("plan", "--model", str(tiny_model), "--batch", "0", check=False)
-    assert proc.returncode != 0 and "at least one token" in proc.stderr
+    assert proc.returncode == 2 and "argument --batch: must be >= 1, got 0" in proc.stderr
 
 
 @pytest.fixture(scope="module")

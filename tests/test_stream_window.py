@@ -15,6 +15,8 @@ import types
 import numpy as np
 import pytest
 
+from kestrel_stream.run.executor import StepCounters
+
 from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, image_bytes, plan_arena
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run import window as stream_window
@@ -171,11 +173,12 @@ def test_every_kernel_reads_its_own_weight_in_any_interleaving(monkeypatch, slot
     for seed in range(4):
         device, window, compute, launches, plan = build(monkeypatch, seed, fraction, slots, distance)
         assert window.streamed and len(window.streamed) == len(plan.streamed)
-        stats = {}
+        counters = StepCounters()
         for _ in range(3):                # steps: the ring restarts at slot 0 every step
             window.enqueue_step(launches, compute)
             compute.synchronize()
-            window.account(stats)
+            window.account(counters)
+        stats = counters.as_dict()
         assert device.kernel_errors == []
         assert device.kernels_run == 3 * len(launches)
         assert stats["window_misses"] == 3 * len(plan.streamed)

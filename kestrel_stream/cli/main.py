@@ -168,7 +168,7 @@ def cmd_generate(args) -> int:
 def window_report(engine, stats: dict) -> dict:
     """The residency window's plan and per-token counters, when gpu mode streams weights."""
     from kestrel_stream.run.engine import WINDOW_COUNTERS
-    window = getattr(engine.executor, "window_plan", None)
+    window = engine.executor.window_plan
     if window is None:
         return {}
     keep = ("resident_bytes", "streamed_bytes_per_step", "slot_count", "slot_bytes", "prefetch_distance")

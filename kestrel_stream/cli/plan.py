@@ -12,9 +12,8 @@ def read_config(path: str):
     if p.is_dir():
         return ModelConfig.from_file(p / "config.json")
     if p.suffix == ".gguf" and p.is_file():
-        from gguf import GGUFReader
-        from kestrel_stream.loading.gguf import config_from_metadata
-        return config_from_metadata(GGUFReader(p), p)
+        from kestrel_stream.loading.gguf import config_from_metadata, open_gguf
+        return config_from_metadata(open_gguf(p))
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     raise FileNotFoundError(f"{path}: not a checkpoint directory or .gguf file")
@@ -45,7 +44,9 @@ def cmd_plan(args) -> int:
     gpu_here = profile is not None            # calibrated here, or a profile given by --profile
     if profile is None and args.mode not in ("auto", "cpu"):
         profile = scheduler.H200_MEASURED
-    plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here)
+    from kestrel_stream.options import Options
+    plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here,
+                                minflop=Options.from_env().minflop)
     scheduler.audit_plan(plan, cfg)
     window = window_report(cfg, args) if args.vram_budget else None
     if args.json:

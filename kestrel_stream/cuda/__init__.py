@@ -1,4 +1,5 @@
-"""CUDA device layer and GPU executor.  Importing needs no driver; `gpu_available()` probes once."""
-from kestrel_stream.cuda.driver import CudaError, detect, gpu_available, gpu_status
+"""CUDA device layer: driver calls, memory, kernel build and launch; no model knowledge.
 
-__all__ = ["CudaError", "detect", "gpu_available", "gpu_status"]
+Importing the package needs neither a driver nor cuda.bindings (the CPU-only install imports
+kestrel_stream.cuda.gemv_variants); `driver.gpu_available()` probes once.
+"""

@@ -1,7 +1,8 @@
 """The device layer's tracing: GPU times of launches, copies and graph replays from timing events.
 
-driver.py and kernels.py call ``timed`` for each launch, copy or graph replay
-while ``trace.active`` is set, and ``resolve_gpu_times`` after each host sync.
+driver.py's ``timed`` (for each launch, copy or graph replay while
+``trace.active`` is set) and ``resolve_gpu_times`` (after each host sync) keep
+one GpuTimes per recorder; this module imports no driver.
 
 ``GpuTimes`` is the logic, pure over event objects so it is tested without a
 GPU.  An event is anything with ``query() -> bool`` (has the GPU passed it?),
@@ -87,51 +88,3 @@ class GpuTimes:
         for event in self.free + [e for op in self.pending for e in (op.start, op.end)] + [self.reference]:
             event.destroy()
         self.free, self.pending = [], []
-
-
-# ---- the driver side: one GpuTimes per recorder ---------------------------------------------------
-_gpu_times: GpuTimes | None = None      # the active recorder's, made at its first timed op
-_reference_stream = None                # a driver.Stream idle but for reference events: they complete at once
-
-
-def _times_for(rec) -> GpuTimes:
-    """The GPU clock of recorder `rec`, begun (a reference event on the idle stream) at its first op."""
-    global _gpu_times, _reference_stream
-    if _gpu_times is not None and _gpu_times.recorder is rec:
-        return _gpu_times
-    from kestrel_stream.cuda import driver                    # driver imports this module
-    if _gpu_times is not None:              # a trace that ended: its events go back to the driver
-        _gpu_times.close()
-    if _reference_stream is None:
-        _reference_stream = driver.Stream("trace reference")
-    reference = driver.Event(timing=True, name="trace reference")
-    reference.mark(_reference_stream)
-    _gpu_times = GpuTimes(rec, reference, rec.now_us(), lambda: driver.Event(timing=True),
-                          label=f"cuda:0 {driver.detect()}")
-    return _gpu_times
-
-
-def resolve_gpu_times(rec) -> None:
-    """After a host sync: hand the GPU times of every op that completed to `rec`."""
-    if _gpu_times is not None and _gpu_times.recorder is rec:
-        _gpu_times.resolve()
-
-
-def timed(rec, stream, enqueue: Callable[[], None], name: str, *, direction: str = "", nbytes: int = 0,
-          **args) -> None:
-    """Run `enqueue()` (one launch, copy or graph replay on driver.Stream `stream`) between two timing events.
-
-    The host slice covers the driver call; the GPU slice, with a flow arrow
-    from the host slice, appears once a later sync shows the events complete.
-    """
-    times = _times_for(rec)
-    start, end = times.pair()
-    start.mark(stream)
-    host_start_us = rec.now_us()
-    enqueue()
-    if direction:
-        op_id = rec.copy(stream.name, direction, nbytes, host_start_us=host_start_us, **args)
-    else:
-        op_id = rec.launch(stream.name, name, host_start_us=host_start_us, **args)
-    end.mark(stream)
-    times.add(op_id, start, end, direction, nbytes)

@@ -20,28 +20,16 @@ from __future__ import annotations
 
 import itertools
 from contextlib import contextmanager
+from typing import Callable
 
 import numpy as np
 from cuda.bindings import driver as cu
 
 from kestrel_stream.obs import trace
-from kestrel_stream.cuda.device_trace import resolve_gpu_times, timed
-
-
-class CudaError(RuntimeError):
-    """A driver call that did not return CUDA_SUCCESS."""
-
-
-def check(result, what: str = "CUDA call"):
-    """Unpack a cuda.bindings ``(err, *outputs)`` tuple; raise on error, return the outputs."""
-    err, *outputs = result if isinstance(result, tuple) else (result,)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        _, name = cu.cuGetErrorName(err)
-        text = name.decode() if isinstance(name, bytes) else str(err)
-        raise CudaError(f"{what} failed: {text}")
-    if not outputs:
-        return None
-    return outputs[0] if len(outputs) == 1 else tuple(outputs)
+from kestrel_stream.cuda.device_trace import GpuTimes
+from kestrel_stream.cuda.errors import CudaError, check
+# host and device memory (pinned buffers, registration, the arena) live in memory.py; re-exported here
+from kestrel_stream.cuda.memory import Arena, DeviceArray, PinnedBuffer, register_host  # noqa: F401
 
 
 _detected: str | None = None
@@ -261,6 +249,48 @@ def capture(stream: Stream):
         holder.graph = Graph(check(cu.cuStreamEndCapture(stream.handle), "cuStreamEndCapture"))
 
 
-# host and device memory (pinned buffers, registration, the arena) live in memory.py; re-exported here
-# at the end because memory.py builds on check() and CudaError above
-from kestrel_stream.cuda.memory import Arena, DeviceArray, PinnedBuffer, register_host  # noqa: E402,F401
+# ---- tracing: one device_trace.GpuTimes per recorder ---------------------------------------------------
+_gpu_times: GpuTimes | None = None      # the active recorder's, made at its first timed op
+_reference_stream = None                # a driver.Stream idle but for reference events: they complete at once
+
+
+def _times_for(rec) -> GpuTimes:
+    """The GPU clock of recorder `rec`, begun (a reference event on the idle stream) at its first op."""
+    global _gpu_times, _reference_stream
+    if _gpu_times is not None and _gpu_times.recorder is rec:
+        return _gpu_times
+    if _gpu_times is not None:              # a trace that ended: its events go back to the driver
+        _gpu_times.close()
+    if _reference_stream is None:
+        _reference_stream = Stream("trace reference")
+    reference = Event(timing=True, name="trace reference")
+    reference.mark(_reference_stream)
+    _gpu_times = GpuTimes(rec, reference, rec.now_us(), lambda: Event(timing=True),
+                          label=f"cuda:0 {detect()}")
+    return _gpu_times
+
+
+def resolve_gpu_times(rec) -> None:
+    """After a host sync: hand the GPU times of every op that completed to `rec`."""
+    if _gpu_times is not None and _gpu_times.recorder is rec:
+        _gpu_times.resolve()
+
+
+def timed(rec, stream, enqueue: Callable[[], None], name: str, *, direction: str = "", nbytes: int = 0,
+          **args) -> None:
+    """Run `enqueue()` (one launch, copy or graph replay on driver.Stream `stream`) between two timing events.
+
+    The host slice covers the driver call; the GPU slice, with a flow arrow
+    from the host slice, appears once a later sync shows the events complete.
+    """
+    times = _times_for(rec)
+    start, end = times.pair()
+    start.mark(stream)
+    host_start_us = rec.now_us()
+    enqueue()
+    if direction:
+        op_id = rec.copy(stream.name, direction, nbytes, host_start_us=host_start_us, **args)
+    else:
+        op_id = rec.launch(stream.name, name, host_start_us=host_start_us, **args)
+    end.mark(stream)
+    times.add(op_id, start, end, direction, nbytes)

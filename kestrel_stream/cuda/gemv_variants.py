@@ -7,7 +7,6 @@ Pure Python: the emulated executor tests and the bench read it without a driver.
 """
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 
@@ -28,40 +27,30 @@ MULTI_TOKEN = VARIANTS[""]   # q8_gemv_m2..m8
 MULTI_VARIANTS = {"": MULTI_TOKEN, "o64r4u2": Variant(64, 4, 2), "o128r4u1": Variant(128, 4, 1)}
 
 
-def multi_variant(tokens: int) -> str:
-    """The layout suffix for a GEMV over 2..8 tokens; KESTREL_GEMV_MN=<suffix> forces one.
+def multi_variant(tokens: int, forced: str | None = None) -> str:
+    """The layout suffix for a GEMV over 2..8 tokens; `forced` (Options.gemv_mn, KESTREL_GEMV_MN) wins.
 
     Measured on the H200 at the qwen3-1.7b shapes (bench/results/2026-11-30-h200-gpu-kernels.md, M = 2, 4, 8):
     both row-outer layouts take about half the time of the 128 x 2 x 2 kernel; 64 x 4 x 2 is the faster at 2
     and 8 tokens, 128 x 4 x 1 at 4 (whole decode step: batch 4 2.16 vs 2.31 ms, batch 8 3.66 vs 4.07 ms).
     """
-    forced = os.environ.get("KESTREL_GEMV_MN")
     if forced is not None:
-        if forced not in MULTI_VARIANTS:
-            raise ValueError(f"KESTREL_GEMV_MN={forced!r}: not a multi-token GEMV variant; one of "
-                             f"{', '.join(repr(v) for v in MULTI_VARIANTS)}")
         return forced
     return "o128r4u1" if 3 <= tokens <= 5 else "o64r4u2"
 
 
-def m1_variant(rows: int, cols: int) -> str:
+def m1_variant(rows: int, cols: int, forced: str | None = None) -> str:
     """The variant suffix for a single-token GEMV of a rows x cols weight.
 
-    KESTREL_GEMV_M1=<suffix> forces one (KESTREL_GEMV_M1_ROWS=4 / 2, the older switch, means
-    "r4" / "").  Otherwise the layout measured fastest at the model shapes on the H200 with
+    `forced` (Options.gemv_m1: KESTREL_GEMV_M1=<suffix>, or KESTREL_GEMV_M1_ROWS=4 / 2, the older
+    switch, meaning "r4" / "") wins.  Otherwise the layout measured fastest at the model shapes on the H200 with
     programmatic launch (bench/gpu_kernels.py, bench/results/2026-11-30-h200-gpu-kernels.md):
     long rows (K >= 4096) want 128 threads per row and 12 loads in flight each; the vocabulary
     projection one warp and four rows per block (a long grid of small blocks); tall K = 2048
     matrices two warps and eight rows, one pass over the row (4096 rows: four); few rows (2048)
     the 128 x 4 blocks.
     """
-    forced = os.environ.get("KESTREL_GEMV_M1")
-    if forced is None and os.environ.get("KESTREL_GEMV_M1_ROWS"):
-        forced = {"4": "r4", "2": ""}.get(os.environ["KESTREL_GEMV_M1_ROWS"])
     if forced is not None:
-        if forced not in VARIANTS:
-            raise ValueError(f"KESTREL_GEMV_M1={forced!r}: not a GEMV variant; one of "
-                             f"{', '.join(repr(v) for v in VARIANTS)}")
         return forced
     if cols >= 4096:
         return "w128r4u3"     # K = 6144: 128 threads x 3 chunks cover a row in one pass

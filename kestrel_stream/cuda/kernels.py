@@ -19,18 +19,18 @@ from cuda.bindings import driver as cu
 from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 
 from kestrel_stream.obs import trace
-from kestrel_stream.cuda.device_trace import timed
-from kestrel_stream.cuda.driver import Device, Stream, check
+from kestrel_stream.cuda.driver import Device, Stream, check, timed
+from kestrel_stream.cuda import mma_variants
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
 _modules: dict[tuple[str, str], object] = {}
 
 
-def load_module(name: str, arch: str):
+def load_module(name: str, arch: str, cache_dir=None):
     """The CUmodule of kernels_ptx/<name> for `arch`: compiled (or read from the disk cache) once per process."""
     key = (name, arch)
     if key not in _modules:
-        cubin, _log = compile_cubin(name, arch)
+        cubin, _log = compile_cubin(name, arch, cache_dir=cache_dir)
         _modules[key] = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
     return _modules[key]
 
@@ -38,11 +38,14 @@ def load_module(name: str, arch: str):
 class KernelSet:
     """Every kernel function of every family, by name, for one device."""
 
-    def __init__(self, device: Device):
+    def __init__(self, device: Device, options=None):
         self.device = device
+        # GEMV layouts forced by Options (KESTREL_GEMV_M1 / _MN); None: the measured choice per shape
+        self.gemv_m1 = options.gemv_m1 if options is not None else None
+        self.gemv_mn = options.gemv_mn if options is not None else None
         self._functions: dict[str, object] = {}
         for source in KERNEL_SOURCES:
-            load_module(source, device.arch)
+            load_module(source, device.arch, options.kernel_cache_dir if options is not None else None)
 
     def function(self, kernel_name: str):
         if kernel_name not in self._functions:
@@ -148,8 +151,10 @@ class QWeight:
 
 
 GEMV_SIGNATURE = "pppippipppppfiii"
-ROPE_SIGNATURE = "ppppppppfiiiii"      # qkv_norm_rope_append
-GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tiled q8_matmul
+ROPE_SIGNATURE = "pppppppppfiiiii"     # qkv_norm_rope_append
+# head dims kernels_ptx/attention.cu instantiates (qkv_rope.cu serves any even D <= 256)
+ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tensor-core q8_mma
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
 
@@ -159,21 +164,30 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
                 variant: str | None = None) -> Launch:
     """y = W @ x for `tokens` rows of x, with the epilogues of kernels_ptx/q8_gemv.cu.
 
-    The GEMV for up to 8 tokens, the tiled matmul (q8_matmul.cu) beyond.  inv_rms_in scales
+    The GEMV for up to 8 tokens, the int8 tensor-core GEMM (q8_mma.cu) beyond.  inv_rms_in scales
     each token's outputs (RMSNorm of an input pre-multiplied by its norm weight); silu_pairs
     reads rows as (gate, up) pairs and writes silu(gate) * up (rows/2 outputs); res is added;
     xn_out gets y * normw_out; inv_rms_out (+ `counter`, a zeroed GEMV_COUNTER_BYTES scratch)
     gets 1/rms(y) per token.  variant: a single-token layout of gemv_variants.VARIANTS (by
-    default the one measured fastest for the shape), or of MULTI_VARIANTS for 2..8 tokens.
+    default the one measured fastest for the shape), or of MULTI_VARIANTS for 2..8 tokens; beyond 8
+    tokens a tile of mma_variants.TILES (by default mma_variants.choose_tile) or "simt", the fp32 tiled
+    q8_matmul.cu (exact fp32 activations; the baseline the bench compares with).
     """
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
-    if tokens > GEMV_MAX_TOKENS:
+    if tokens > GEMV_MAX_TOKENS and variant == "simt":
         launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
                                 (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)
+    elif tokens > GEMV_MAX_TOKENS:
+        tile_name = variant or mma_variants.choose_tile(tokens, w.rows)
+        tile = mma_variants.TILES[tile_name]
+        launch = kernels.launch(mma_variants.kernel_name(tile_name, silu_pairs),
+                                (-(-w.rows // tile.rows), -(-tokens // tile.tokens)), (tile.threads,),
+                                GEMV_SIGNATURE, args)
     else:
         if variant is None:
-            variant = m1_variant(w.rows, w.cols) if tokens == 1 else multi_variant(tokens)
+            variant = (m1_variant(w.rows, w.cols, kernels.gemv_m1) if tokens == 1
+                       else multi_variant(tokens, kernels.gemv_mn))
         shape = (VARIANTS if tokens == 1 else MULTI_VARIANTS)[variant]
         launch = kernels.launch(kernel_name(tokens, variant, silu_pairs), (-(-w.rows // shape.rows),),
                                 (shape.threads,), GEMV_SIGNATURE, args)
@@ -183,14 +197,17 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
 
 def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: int, out: int,
                      partials: int, counters: int, tokens: int, layer: int, n_layers: int, n_heads: int,
-                     n_kv: int, head_dim: int, splits: int) -> Launch:
+                     n_kv: int, head_dim: int, splits: int, window: int = 0, scale: float | None = None) -> Launch:
     """Split-key attention, merged by each (kv head, token)'s last split block.
+
+    window: a sliding window's length (0: none); scale: the softmax scale (default 1/sqrt(head_dim)).
 
     partials: tokens*n_heads*splits*(head_dim+2) floats; counters: tokens*n_kv zeroed uint32.
     """
     rows = tokens * n_heads * splits
     part_acc, part_max = partials, partials + 4 * rows * head_dim
     part_sum = part_max + 4 * rows
-    return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiif",
+    assert head_dim in ATTENTION_HEAD_DIMS, head_dim
+    return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiiif",
                           [q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
-                           n_heads, n_kv, 1.0 / float(np.sqrt(head_dim))])
+                           n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 from cuda.bindings import driver as cu
 
-from kestrel_stream.cuda.driver import CudaError, check
+from kestrel_stream.cuda.errors import CudaError, check
 
 
 class PinnedBuffer:

@@ -1,9 +1,13 @@
-"""GGUF files (llama.cpp's format) for the ``llama`` and ``qwen3`` architectures.
+"""GGUF files (llama.cpp's format) for the ``llama``, ``qwen2`` and ``qwen3`` architectures.
 
 Reading maps llama.cpp tensor names and metadata keys onto our HF-named
 layout and reuses the loader's assembly.  Q8_0 tensors are split into
-qs/scales losslessly (no requantization); F16/F32 linear weights are
-quantized on load; norms become float32.
+qs/scales losslessly (no requantization); every other type ``gguf.quants``
+dequantizes (F32, F16, BF16, Q4_0..Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS) is
+converted to Q8_0, the one format the kernels run, row chunk by row chunk.
+A file that needed conversion is cached like a Hugging Face checkpoint
+(qcache), so the conversion runs once; the load prints one line saying what
+was converted.  Norms, biases and rope_freqs become float32.
 
 llama.cpp's converter reorders the rows of attn_q/attn_k for arch ``llama``
 (and only llama) so that its rope rotates adjacent pairs instead of HF's
@@ -14,44 +18,41 @@ applied to qs and scales directly, still bit-exact.
 """
 from __future__ import annotations
 
+import dataclasses
+import sys
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFReader, GGUFWriter, LlamaFileType
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
+from kestrel_stream.errors import LoadError
+from kestrel_stream.loading import Progress, qcache
+from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError
 from kestrel_stream.model.config import ConfigError, ModelConfig
-from kestrel_stream.loading.loader import LoadError, Progress, assemble_weights
 from kestrel_stream.model.quant import QTensor, quantize
-from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, hf_tensor_shapes
+from kestrel_stream.model.rope import RopeScaling
+from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, assemble_weights, hf_tensor_shapes
 
-SUPPORTED_ARCHS = ("llama", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 GGUF_LAYER_NAMES = {
-    "attn_norm": "attn_norm", "q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output",
-    "q_norm": "attn_q_norm", "k_norm": "attn_k_norm", "mlp_norm": "ffn_norm",
-    "gate": "ffn_gate", "up": "ffn_up", "down": "ffn_down",
+    "attn_norm": "attn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
+    "o": "attn_output.weight", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
+    "mlp_norm": "ffn_norm.weight", "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
+    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
 }
+PERMUTED_ARCHS = ("llama", "mistral")   # written as GGUF arch llama, q/k rows permuted
 GGUF_GLOBAL_NAMES = {"embed": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
-LINEAR_TYPES = (GGMLQuantizationType.Q8_0, GGMLQuantizationType.F16, GGMLQuantizationType.F32)
-NORM_TYPES = (GGMLQuantizationType.F16, GGMLQuantizationType.F32)
-
-
-class CheckedReader(GGUFReader):
-    """GGUFReader that names the tensor whose data runs past the end of a truncated file.
-
-    The stock reader fails there with a bare numpy reshape error; the tensor
-    infos (name, dims, type, offset) are parsed by then, so check them first.
-    """
-
-    def _build_tensors(self, start_offs, fields):
-        file_bytes = len(self.data)
-        for field in fields:
-            _, name, _, dims, raw_type, offset = field.parts
-            block_size, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_type[0]))]
-            end = start_offs + int(offset[0]) + int(np.prod(dims, dtype=np.int64)) * type_bytes // block_size
-            if end > file_bytes:
-                raise LoadError(f"{self.data.filename}: tensor {bytes(name).decode()!r} ends at byte {end} but "
-                                f"the file has only {file_bytes} bytes (truncated)")
-        super()._build_tensors(start_offs, fields)
+ROPE_FREQS = "rope_freqs.weight"
+T = GGMLQuantizationType
+NATIVE_TYPES = (T.Q8_0,)
+# Types converted to Q8_0 at load (gguf.quants dequantizes each of them).
+CONVERTED_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
+                   T.IQ4_NL, T.IQ4_XS)
+LINEAR_TYPES = NATIVE_TYPES + CONVERTED_TYPES
+VECTOR_TYPES = (T.F32, T.F16, T.BF16)
+CONVERT_ROWS = 1024          # rows dequantized at once: bounds the float32 temporary
 
 
 def gguf_names(cfg: ModelConfig) -> dict[str, str]:
@@ -59,7 +60,7 @@ def gguf_names(cfg: ModelConfig) -> dict[str, str]:
     names = {HF_GLOBAL_NAMES[k]: f"{v}.weight" for k, v in GGUF_GLOBAL_NAMES.items()}
     for i in range(cfg.num_hidden_layers):
         for key, gguf_key in GGUF_LAYER_NAMES.items():
-            names[f"model.layers.{i}.{HF_LAYER_NAMES[key]}"] = f"blk.{i}.{gguf_key}.weight"
+            names[f"model.layers.{i}.{HF_LAYER_NAMES[key]}"] = f"blk.{i}.{gguf_key}"
     return names
 
 
@@ -75,161 +76,194 @@ def permute_rows(q: QTensor, order: np.ndarray) -> QTensor:
     return QTensor(q.qs[order], q.scales[order])
 
 
-def _metadata(reader: GGUFReader, path: Path, key: str, default=None):
-    field = reader.get_field(key)
-    if field is None:
-        if default is None:
-            raise LoadError(f"{path}: GGUF metadata key {key!r} is missing")
-        return default
-    value = field.contents()
+def open_gguf(path: str | Path) -> GGUFFile:
+    """The file's header (tensor descriptors, lazily decoded metadata), or a LoadError naming the file."""
+    try:
+        return GGUFFile(path)
+    except GGUFFormatError as e:
+        raise LoadError(str(e)) from None
+    except OSError as e:
+        raise LoadError(f"{path}: cannot read ({e})") from None
+
+
+def _metadata(f: GGUFFile, key: str, default=None):
+    value = f.metadata(key, default)
+    if value is None:
+        raise LoadError(f"{f.path}: GGUF metadata key {key!r} is missing")
     # float32 metadata (eps, theta): the shortest decimal that round-trips, e.g. 1e-05, not 9.99e-06
     return float(str(np.float32(value))) if isinstance(value, float) else value
 
 
-def config_from_metadata(reader: GGUFReader, path: Path) -> ModelConfig:
-    arch = _metadata(reader, path, "general.architecture")
+def _rope_scaling(f: GGUFFile, arch: str, max_positions: int) -> RopeScaling | None:
+    kind = f.metadata(f"{arch}.rope.scaling.type", "none")
+    if kind in ("none", None):
+        return None
+    factor = float(_metadata(f, f"{arch}.rope.scaling.factor"))
+    original = int(f.metadata(f"{arch}.rope.scaling.original_context_length", max_positions))
+    if kind == "linear":
+        return RopeScaling("linear", factor)
+    if kind == "yarn":
+        attention = f.metadata(f"{arch}.rope.scaling.attn_factor", None)
+        return RopeScaling("yarn", factor, original,
+                           beta_fast=float(f.metadata(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                           beta_slow=float(f.metadata(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
+                           attention_factor=None if attention is None else float(attention))
+    raise LoadError(f"{f.path}: GGUF rope scaling type {kind!r} is not supported (linear, yarn, or "
+                    f"llama3 through {ROPE_FREQS})")
+
+
+def config_from_metadata(f: GGUFFile, path: Path | None = None) -> ModelConfig:
+    path = f.path
+    arch = _metadata(f, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise LoadError(f"{path}: GGUF architecture {arch!r} is not supported (only {', '.join(SUPPORTED_ARCHS)})")
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = f.tensors
     if "token_embd.weight" not in tensors:
         raise LoadError(f"{path}: missing tensor 'token_embd.weight'")
-    vocab_size = int(tensors["token_embd.weight"].shape[1])   # ggml order: [H, V]
+    vocab_size = int(tensors["token_embd.weight"].shape[0])
 
     def meta(key, default=None):
-        return _metadata(reader, path, f"{arch}.{key}", default)
+        return _metadata(f, f"{arch}.{key}", default)
 
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
+    max_positions = meta("context_length", 4096)
     d = {
         "model_type": arch, "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
         "intermediate_size": meta("feed_forward_length"), "num_attention_heads": heads,
         "num_key_value_heads": meta("attention.head_count_kv", heads),
         "head_dim": meta("attention.key_length", hidden // heads if isinstance(heads, int) and heads else 0),
         "vocab_size": vocab_size, "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta("rope.freq_base", 10000.0), "max_position_embeddings": meta("context_length", 4096),
+        "rope_theta": meta("rope.freq_base", 10000.0), "max_position_embeddings": max_positions,
         "tie_word_embeddings": "output.weight" not in tensors,
     }
+    window = f.metadata(f"{arch}.attention.sliding_window", None)
+    if window and arch == "llama":          # llama.cpp writes Mistral as arch llama
+        d["model_type"], d["sliding_window"] = "mistral", int(window)
     try:
-        return ModelConfig.from_dict(d, where=f"{path} (GGUF metadata)")
+        cfg = ModelConfig.from_dict(d, where=f"{path} (GGUF metadata)")
     except ConfigError as e:
         raise LoadError(str(e)) from None
+    scaling = _rope_scaling(f, arch, max_positions)
+    factors = None
+    if ROPE_FREQS in tensors:
+        info = tensors[ROPE_FREQS]
+        if info.shape != (cfg.head_dim // 2,) or info.qtype not in VECTOR_TYPES:
+            raise LoadError(f"{path}: tensor {ROPE_FREQS!r} has shape {list(info.shape)} and type "
+                            f"{info.qtype.name}; expected [{cfg.head_dim // 2}] F32")
+        factors = tuple(float(x) for x in _vector(f, ROPE_FREQS))
+    return dataclasses.replace(cfg, rope_scaling=scaling, rope_freq_factors=factors)
 
 
-def read_gguf(path: str | Path, progress: Progress | None = None) -> ModelWeights:
-    """Load a llama/qwen3 .gguf file with Q8_0, F16 or F32 tensors."""
-    path = Path(path)
-    try:
-        reader = CheckedReader(path)
-    except LoadError:
-        raise
-    except (ValueError, OSError, KeyError, IndexError) as e:
-        raise LoadError(f"{path}: not a readable GGUF file, truncated or corrupt ({e})") from None
-    cfg = config_from_metadata(reader, path)
-    tensors = {t.name: t for t in reader.tensors}
-    to_gguf = gguf_names(cfg)
-    expected = {to_gguf[hf]: shape for hf, shape in hf_tensor_shapes(cfg).items()}
+def _vector(f: GGUFFile, name: str) -> np.ndarray:
+    info = f.tensors[name]
+    return np.asarray(gguf_quants.dequantize(f.tensor_bytes(name), info.qtype), np.float32).reshape(info.shape)
+
+
+class DequantRows:
+    """A [N, K] GGUF tensor of any converted type seen as float32 row chunks, for ``quantize``."""
+
+    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]):
+        self.rows = raw.reshape(shape[0], -1)
+        self.qtype, self.shape = qtype, shape
+
+    def __getitem__(self, rows: slice) -> np.ndarray:
+        return np.asarray(gguf_quants.dequantize(self.rows[rows], self.qtype), np.float32)
+
+
+def check_tensors(f: GGUFFile, cfg: ModelConfig, expected: dict[str, tuple[int, ...]]) -> None:
+    """Missing, unexpected, mis-shaped and unloadable tensors, reported before any conversion starts."""
+    path, tensors = f.path, f.tensors
     for name in tensors:
-        if name not in expected:
+        if name not in expected and name != ROPE_FREQS:
             raise LoadError(f"{path}: unexpected tensor {name!r} for a {cfg.arch} model of "
                             f"{cfg.num_hidden_layers} layers")
+    unloadable = defaultdict(list)
     for name, shape in expected.items():
         if name not in tensors:
             raise LoadError(f"{path}: missing tensor {name!r}")
         t = tensors[name]
-        got = tuple(int(d) for d in reversed(t.shape.tolist()))
-        if got != shape:
-            raise LoadError(f"{path}: tensor {name!r} has shape {list(got)}, the metadata implies {list(shape)}")
-        allowed = LINEAR_TYPES if len(shape) == 2 else NORM_TYPES
-        if t.tensor_type not in allowed:
-            raise LoadError(f"{path}: tensor {name!r} has type {t.tensor_type.name}; supported here: "
-                            f"{', '.join(a.name for a in allowed)}")
+        if t.shape != shape:
+            raise LoadError(f"{path}: tensor {name!r} has shape {list(t.shape)}, the metadata implies {list(shape)}")
+        if t.qtype not in (LINEAR_TYPES if len(shape) == 2 else VECTOR_TYPES):
+            unloadable[t.qtype.name].append(name)
+    if unloadable:
+        kinds = "; ".join(f"{kind}: {', '.join(names[:3])}{f' (and {len(names) - 3} more)' if len(names) > 3 else ''}"
+                          for kind, names in unloadable.items())
+        raise LoadError(f"{path}: tensors of types kestrel-stream cannot load ({kinds}). Loadable: "
+                        f"{', '.join(t.name for t in LINEAR_TYPES)} (vectors: F32, F16, BF16). Re-quantize the "
+                        f"original model with llama.cpp's llama-quantize to Q8_0 or Q4_K_M, or load the Hugging "
+                        f"Face checkpoint directory instead")
 
-    total_bytes = sum(int(tensors[n].n_bytes) for n in expected)
+
+def conversion_line(counts: dict[str, list[int]]) -> str:
+    """counts: type name → [tensors, bytes in the file, Q8_0 bytes] for every converted linear tensor."""
+    parts = ", ".join(f"{kind} x{n} ({before / 1e6:.1f} MB -> {after / 1e6:.1f} MB)"
+                      for kind, (n, before, after) in sorted(counts.items()))
+    before = sum(v[1] for v in counts.values())
+    after = sum(v[2] for v in counts.values())
+    return (f"gguf: converted to Q8_0: {parts}; {sum(v[0] for v in counts.values())} tensors, "
+            f"{before / 1e6:.1f} MB -> {after / 1e6:.1f} MB")
+
+
+def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = True,
+              cache_dir: str | Path | None = None) -> ModelWeights:
+    """Load a llama/qwen2/qwen3 .gguf file of any type ``gguf.quants`` reads (cached once converted)."""
+    path = Path(path)
+    f = open_gguf(path)
+    cfg = config_from_metadata(f)
+    to_gguf = gguf_names(cfg)
+    expected = {to_gguf[hf]: shape for hf, shape in hf_tensor_shapes(cfg).items()}
+    check_tensors(f, cfg, expected)
+    needs_conversion = any(f.tensors[n].qtype not in NATIVE_TYPES for n, s in expected.items() if len(s) == 2)
+    cache_path = key = None
+    if cache and needs_conversion:
+        key = qcache.cache_key(cfg, [path])
+        cache_path = qcache.cache_path(path.parent, cache_dir, stem=path.name)
+        weights = qcache.read(cache_path, key, cfg, source=str(path), progress=progress)
+        if weights is not None:
+            weights.extra.update(format="gguf", qcache={"hit": True, "path": str(cache_path)})
+            return weights
+
+    total_bytes = sum(f.tensors[n].nbytes for n in expected)
     done_bytes = 0
+    converted: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
 
     def advance(name: str, what: str):
         nonlocal done_bytes
-        done_bytes += int(tensors[name].n_bytes)
+        done_bytes += f.tensors[name].nbytes
         if progress:
             progress(done_bytes, total_bytes, f"{what} {name}")
 
     def linear(hf_name: str) -> QTensor:
         name = to_gguf[hf_name]
-        t = tensors[name]
-        shape = expected[name]
-        if t.tensor_type == GGMLQuantizationType.Q8_0:
-            q = QTensor.from_blocks(t.data, shape)
+        t = f.tensors[name]
+        raw = f.tensor_bytes(name)
+        if t.qtype == T.Q8_0:
+            q = QTensor.from_blocks(raw, t.shape)
         else:
-            q = quantize(t.data.reshape(shape))
-        if cfg.arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            q = quantize(DequantRows(raw, t.qtype, t.shape), rows_per_chunk=CONVERT_ROWS)
+            counts = converted[t.qtype.name]
+            counts[0] += 1
+            counts[1] += t.nbytes
+            counts[2] += q.nbytes
+        if cfg.arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
             n_head = cfg.num_attention_heads if name.endswith("attn_q.weight") else cfg.num_key_value_heads
-            q = permute_rows(q, rope_row_order(shape[0], n_head, to_gguf=False))
-        advance(name, "read" if t.tensor_type == GGMLQuantizationType.Q8_0 else "quantize")
+            q = permute_rows(q, rope_row_order(t.shape[0], n_head, to_gguf=False))
+        advance(name, "read" if t.qtype == T.Q8_0 else f"convert {t.qtype.name}")
         return q
 
     def norm(hf_name: str) -> np.ndarray:
         name = to_gguf[hf_name]
-        w = np.array(tensors[name].data, dtype=np.float32).reshape(expected[name])
+        w = _vector(f, name)
         advance(name, "read")
         return w
 
     weights = assemble_weights(cfg, linear, norm, str(path))
     weights.extra["format"] = "gguf"
+    if converted:
+        line = conversion_line(converted)
+        weights.extra["conversion_line"] = line
+        print(f"kestrel-stream: {line}", file=sys.stderr)
+    stored = cache_path is not None and qcache.write(cache_path, key, weights)
+    weights.extra["qcache"] = {"hit": False, "path": str(cache_path) if stored else None}
     return weights
-
-
-def export_gguf(weights: ModelWeights, path: str | Path) -> Path:
-    """Write ``weights`` as a GGUF file: Q8_0 linear weights and embedding, F32 norms.
-
-    The file holds the model metadata and tensors llama.cpp names, but no
-    tokenizer; kestrel-stream reads it back bit for bit.
-    """
-    cfg, path = weights.config, Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    writer = GGUFWriter(str(tmp), cfg.arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_key_length(cfg.head_dim)
-    writer.add_value_length(cfg.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_rope_freq_base(cfg.rope_theta)
-    writer.add_vocab_size(cfg.vocab_size)
-    writer.add_file_type(LlamaFileType.MOSTLY_Q8_0)
-    writer.add_quantization_version(GGML_QUANT_VERSION)
-
-    def add_q8(name: str, q: QTensor):
-        writer.add_tensor(name, q.to_blocks(), raw_dtype=GGMLQuantizationType.Q8_0)
-
-    add_q8("token_embd.weight", weights.embed)
-    writer.add_tensor("output_norm.weight", np.asarray(weights.final_norm, dtype=np.float32))
-    if not weights.tied:
-        add_q8("output.weight", weights.lm_head)
-    q_rows, kv_rows, ffn_rows = cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    for i, layer in enumerate(weights.layers):
-        wq = layer.wqkv.rows(0, q_rows)
-        wk = layer.wqkv.rows(q_rows, q_rows + kv_rows)
-        if cfg.arch == "llama":
-            wq = permute_rows(wq, rope_row_order(q_rows, cfg.num_attention_heads, to_gguf=True))
-            wk = permute_rows(wk, rope_row_order(kv_rows, cfg.num_key_value_heads, to_gguf=True))
-        blk = f"blk.{i}"
-        writer.add_tensor(f"{blk}.attn_norm.weight", np.asarray(layer.attn_norm, dtype=np.float32))
-        add_q8(f"{blk}.attn_q.weight", wq)
-        add_q8(f"{blk}.attn_k.weight", wk)
-        add_q8(f"{blk}.attn_v.weight", layer.wqkv.rows(q_rows + kv_rows, q_rows + 2 * kv_rows))
-        add_q8(f"{blk}.attn_output.weight", layer.wo)
-        if layer.q_norm is not None:
-            writer.add_tensor(f"{blk}.attn_q_norm.weight", np.asarray(layer.q_norm, dtype=np.float32))
-            writer.add_tensor(f"{blk}.attn_k_norm.weight", np.asarray(layer.k_norm, dtype=np.float32))
-        writer.add_tensor(f"{blk}.ffn_norm.weight", np.asarray(layer.mlp_norm, dtype=np.float32))
-        add_q8(f"{blk}.ffn_gate.weight", layer.w_gate_up.rows(0, ffn_rows))
-        add_q8(f"{blk}.ffn_up.weight", layer.w_gate_up.rows(ffn_rows, 2 * ffn_rows))
-        add_q8(f"{blk}.ffn_down.weight", layer.w_down)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.replace(path)
-    return path

@@ -15,29 +15,23 @@ import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from kestrel_stream.loading import qcache
+from kestrel_stream.errors import LoadError  # noqa: F401  (re-exported: loaders raise it)
+from kestrel_stream.loading import Progress, qcache
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.quant import QTensor, quantize
-from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, LayerWeights, ModelWeights, hf_tensor_shapes
+from kestrel_stream.model.weights import HF_GLOBAL_NAMES, ModelWeights, assemble_weights, hf_tensor_shapes
 
 log = logging.getLogger(__name__)
 
-# progress(done, total, what): done/total in bytes of source tensor data; what names the step.
-Progress = Callable[[int, int, str], None]
 
 SAFETENSORS_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2"}   # BF16 read as its bit patterns
 INDEX_NAME = "model.safetensors.index.json"
 # Harmless extras real checkpoints carry: a copy of a tied lm_head, and the rope table old
 # Llama exports stored; both are recomputed or shared, so they are skipped, not rejected.
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class LoadError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the tensor and the file."""
 
 
 @dataclass(frozen=True)
@@ -53,11 +47,11 @@ class TensorSource:
 
 def load_weights(path: str | Path, *, cache: bool = True, cache_dir: str | Path | None = None,
                  progress: Progress | None = None) -> ModelWeights:
-    """Load a HF checkpoint directory (cached as Q8_0 after the first load) or a .gguf file."""
+    """Load a HF checkpoint directory or a .gguf file (either cached as Q8_0 once converted)."""
     path = Path(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
         from kestrel_stream.loading.gguf import read_gguf
-        return read_gguf(path, progress=progress)
+        return read_gguf(path, progress=progress, cache=cache, cache_dir=cache_dir)
     if path.is_dir():
         return _load_hf_dir(path, cache, cache_dir, progress)
     if not path.exists():
@@ -240,27 +234,3 @@ def quantize_checkpoint(cfg: ModelConfig, sources: dict[str, TensorSource], sour
         return w
 
     return assemble_weights(cfg, linear, norm, source)
-
-
-def assemble_weights(cfg: ModelConfig, linear: Callable[[str], QTensor], norm: Callable[[str], np.ndarray],
-                     source: str) -> ModelWeights:
-    """Build ModelWeights from per-tensor getters keyed by HF name, fusing QKV and gate/up rows."""
-    embed = linear(HF_GLOBAL_NAMES["embed"])
-    layers = []
-    for i in range(cfg.num_hidden_layers):
-        def hf(key: str) -> str:
-            return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
-        layers.append(LayerWeights(
-            attn_norm=norm(hf("attn_norm")),
-            wqkv=QTensor.concat([linear(hf("q")), linear(hf("k")), linear(hf("v"))]),
-            wo=linear(hf("o")),
-            mlp_norm=norm(hf("mlp_norm")),
-            w_gate_up=QTensor.concat([linear(hf("gate")), linear(hf("up"))]),
-            w_down=linear(hf("down")),
-            q_norm=norm(hf("q_norm")) if cfg.qk_norm else None,
-            k_norm=norm(hf("k_norm")) if cfg.qk_norm else None,
-        ))
-    final_norm = norm(HF_GLOBAL_NAMES["final_norm"])
-    lm_head = embed if cfg.tie_word_embeddings else linear(HF_GLOBAL_NAMES["lm_head"])
-    return ModelWeights(config=cfg, embed=embed, layers=layers, final_norm=final_norm,
-                        lm_head=lm_head, source=source)

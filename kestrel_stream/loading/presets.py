@@ -15,6 +15,7 @@ import numpy as np
 
 from kestrel_stream.loading.checkpoint_writer import write_checkpoint
 from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.model.rope import RopeScaling
 from kestrel_stream.model.weights import hf_tensor_shapes
 
 GENERATOR_VERSION = 2   # bump when random_tensor's scaling changes, so cached preset checkpoints are rebuilt
@@ -30,6 +31,24 @@ PRESETS: dict[str, ModelConfig] = {
                               num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=320,
                               rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
                               max_position_embeddings=512),
+    # Llama 3.x's rope scaling (the original context shrunk so that the three frequency bands all occur)
+    # at head_dim 32; Mistral with a sliding window shorter than a test's prompt, at head_dim 80; Qwen2.5's
+    # q/k/v bias with YaRN.
+    "llama3-tiny": ModelConfig(arch="llama", hidden_size=128, intermediate_size=224, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=288,
+                               rms_norm_eps=1e-5, rope_theta=500000.0, tie_word_embeddings=True,
+                               max_position_embeddings=512,
+                               rope_scaling=RopeScaling("llama3", 8.0, original_max_position_embeddings=64,
+                                                        low_freq_factor=1.0, high_freq_factor=4.0)),
+    "mistral-tiny": ModelConfig(arch="mistral", hidden_size=160, intermediate_size=256, num_hidden_layers=2,
+                                num_attention_heads=2, num_key_value_heads=1, head_dim=80, vocab_size=256,
+                                rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
+                                max_position_embeddings=512, sliding_window=6),
+    "qwen2-tiny": ModelConfig(arch="qwen2", hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+                              rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                              max_position_embeddings=512,
+                              rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=128)),
     "qwen3-0.6b": ModelConfig(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                               num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
@@ -47,6 +66,8 @@ PRESETS: dict[str, ModelConfig] = {
 
 def random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], cfg: ModelConfig) -> np.ndarray:
     """One float32 tensor of a random checkpoint, scaled by its role (see module docstring)."""
+    if name.endswith(".bias"):
+        return (0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
     if len(shape) == 1:
         return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
     if name.endswith("embed_tokens.weight") or name == "lm_head.weight":
@@ -83,8 +104,9 @@ def make_model(out_dir: str | Path, preset: str | ModelConfig, seed: int = 0, dt
 
 
 def cache_root() -> Path:
-    import os
-    return Path(os.environ.get("KESTREL_CACHE_DIR") or Path.home() / ".cache" / "kestrel-stream")
+    """Where preset models are generated: Options.cache_dir (KESTREL_CACHE_DIR), else ~/.cache/kestrel-stream."""
+    from kestrel_stream.options import Options
+    return Options.from_env().cache_dir or Path.home() / ".cache" / "kestrel-stream"
 
 
 def preset_dir(preset: str, seed: int = 0, dtype: str = "bf16") -> Path:

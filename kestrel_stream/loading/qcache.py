@@ -55,8 +55,8 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel-stream" / "qcache"
 
 
-def cache_path(ckpt_dir: Path, cache_dir: str | Path | None = None) -> Path:
-    """Where the cache of ``ckpt_dir`` lives.
+def cache_path(ckpt_dir: Path, cache_dir: str | Path | None = None, stem: str | None = None) -> Path:
+    """Where the cache of ``ckpt_dir`` (or of its file ``stem``, a GGUF) lives.
 
     An explicit ``cache_dir`` wins; otherwise ``<ckpt_dir>/.kestrel/`` when the
     checkpoint directory is writable, else the user cache directory.  Outside
@@ -66,10 +66,12 @@ def cache_path(ckpt_dir: Path, cache_dir: str | Path | None = None) -> Path:
     ckpt_dir = Path(ckpt_dir).resolve()
     local_dir = ckpt_dir / ".kestrel"
     writable = os.access(local_dir if local_dir.exists() else ckpt_dir, os.W_OK)
+    name = f"{stem}.{CACHE_NAME}" if stem else CACHE_NAME
     if cache_dir is None and writable:
-        return local_dir / CACHE_NAME
-    path_id = hashlib.sha256(str(ckpt_dir).encode()).hexdigest()[:16]
-    return Path(cache_dir or default_cache_dir()) / f"{ckpt_dir.name}-{path_id}.{CACHE_NAME}"
+        return local_dir / name
+    source = ckpt_dir / stem if stem else ckpt_dir
+    path_id = hashlib.sha256(str(source).encode()).hexdigest()[:16]
+    return Path(cache_dir or default_cache_dir()) / f"{source.name}-{path_id}.{CACHE_NAME}"
 
 
 def flatten(weights: ModelWeights) -> list[tuple[str, np.ndarray]]:
@@ -79,7 +81,7 @@ def flatten(weights: ModelWeights) -> list[tuple[str, np.ndarray]]:
     if not weights.tied:
         arrays += [("lm_head.qs", weights.lm_head.qs), ("lm_head.scales", weights.lm_head.scales)]
     for i, layer in enumerate(weights.layers):
-        for field in ("attn_norm", "mlp_norm", "q_norm", "k_norm"):
+        for field in ("attn_norm", "mlp_norm", "q_norm", "k_norm", "qkv_bias"):
             if getattr(layer, field) is not None:
                 arrays.append((f"layers.{i}.{field}", getattr(layer, field)))
         for field in ("wqkv", "wo", "w_gate_up", "w_down"):
@@ -96,7 +98,7 @@ def unflatten(arrays: dict[str, np.ndarray], cfg: ModelConfig, tied: bool, sourc
         attn_norm=arrays[f"layers.{i}.attn_norm"], wqkv=q(f"layers.{i}.wqkv"), wo=q(f"layers.{i}.wo"),
         mlp_norm=arrays[f"layers.{i}.mlp_norm"], w_gate_up=q(f"layers.{i}.w_gate_up"),
         w_down=q(f"layers.{i}.w_down"), q_norm=arrays.get(f"layers.{i}.q_norm"),
-        k_norm=arrays.get(f"layers.{i}.k_norm"),
+        k_norm=arrays.get(f"layers.{i}.k_norm"), qkv_bias=arrays.get(f"layers.{i}.qkv_bias"),
     ) for i in range(cfg.num_hidden_layers)]
     embed = q("embed")
     return ModelWeights(config=cfg, embed=embed, layers=layers, final_norm=arrays["final_norm"],

@@ -1,9 +1,11 @@
-"""Model configuration: the Llama family and Qwen3, parsed from a Hugging Face config.json.
+"""Model configuration: Llama (1-3.x), Mistral, Qwen2/2.5 and Qwen3, parsed from a Hugging Face config.json.
 
 Only the fields a decode step needs are kept (gpt-fast's ModelArgs, mlx-lm's
 from_dict); anything that would change the arithmetic and is not supported
-(biases, rope scaling other than none, another activation) is rejected with a
-message that names it, rather than silently computing something else.
+(an o/MLP bias, rope scaling other than linear/llama3/yarn, another
+activation) is rejected with a message that names it, rather than silently
+computing something else.  Mistral is Llama-shaped with an optional sliding
+attention window; Qwen2 adds a bias to the q, k and v projections.
 """
 from __future__ import annotations
 
@@ -11,10 +13,15 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kestrel_stream.model.rope import RopeScaling, parse_rope_scaling
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+QKV_BIAS_ARCHS = ("qwen2",)
 
 
 class ConfigError(ValueError):
@@ -23,7 +30,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                      # "llama" | "qwen3"
+    arch: str                      # "llama" | "mistral" | "qwen2" | "qwen3"
     hidden_size: int               # H
     intermediate_size: int         # I (MLP width)
     num_hidden_layers: int         # L
@@ -35,6 +42,14 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
+    rope_scaling: RopeScaling | None = None
+    rope_freq_factors: tuple[float, ...] | None = None   # a GGUF's rope_freqs.weight: [D/2] divisors
+    sliding_window: int | None = None   # attention sees the last sliding_window positions (Mistral)
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Qwen2 adds a bias to the q, k and v projections (not o)."""
+        return self.arch in QKV_BIAS_ARCHS
 
     @property
     def qk_norm(self) -> bool:
@@ -65,7 +80,7 @@ class ModelConfig:
             arch = SUPPORTED_ARCHITECTURES.get(name)
             if arch:
                 break
-        if arch is None and not archs and model_type in ("llama", "qwen3"):
+        if arch is None and not archs and model_type in SUPPORTED_ARCHITECTURES.values():
             arch = model_type
         if arch is None:
             named = ", ".join(archs) if archs else f"model_type={model_type!r}"
@@ -91,16 +106,26 @@ class ModelConfig:
         if head_dim % 2:
             raise ConfigError(f"{where}: head_dim={head_dim} must be even for RoPE")
         for flag in ("attention_bias", "mlp_bias"):
-            if d.get(flag):
-                raise ConfigError(f"{where}: {flag}=true is not supported")
+            if d.get(flag) and arch not in QKV_BIAS_ARCHS:
+                raise ConfigError(f"{where}: {flag}=true is not supported for {arch} (an o/MLP bias)")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{where}: hidden_act={act!r} is not supported (only 'silu')")
         rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in ("default", None):
-            raise ConfigError(f"{where}: rope scaling type {rope_type!r} is not supported")
+        if not isinstance(rope, dict):
+            raise ConfigError(f"{where}: rope_scaling must be an object, got {rope!r}")
+        max_positions = int(d.get("max_position_embeddings", 4096))
+        try:
+            scaling = parse_rope_scaling(rope, max_positions, where)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+        window = d.get("sliding_window") if arch == "mistral" else None
+        if arch == "qwen2" and d.get("use_sliding_window"):
+            raise ConfigError(f"{where}: use_sliding_window=true (sliding attention in some Qwen2 layers only) "
+                              "is not supported")
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
+            raise ConfigError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
         cfg = cls(
             arch=arch,
             hidden_size=hidden,
@@ -113,7 +138,9 @@ class ModelConfig:
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
+            max_position_embeddings=max_positions,
+            rope_scaling=scaling,
+            sliding_window=window,
         )
         for name, size in (("hidden_size", cfg.hidden_size),
                            ("intermediate_size", cfg.intermediate_size),
@@ -154,6 +181,22 @@ class ModelConfig:
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "hidden_act": "silu",
-            "attention_bias": False,
+            "attention_bias": self.qkv_bias,
             "torch_dtype": "float32",
+            **({"rope_scaling": _rope_dict(self.rope_scaling)} if self.rope_scaling else {}),
+            **({"sliding_window": self.sliding_window} if self.arch == "mistral" else {}),
         }
+
+
+def _rope_dict(s: RopeScaling) -> dict:
+    """config.json's rope_scaling object for ``s``."""
+    d = {"rope_type": s.type, "factor": s.factor}
+    if s.type == "llama3":
+        d.update(low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
+                 original_max_position_embeddings=s.original_max_position_embeddings)
+    elif s.type == "yarn":
+        d.update(beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate,
+                 original_max_position_embeddings=s.original_max_position_embeddings)
+        if s.attention_factor is not None:
+            d["attention_factor"] = s.attention_factor
+    return d

@@ -8,6 +8,7 @@ row-wise concatenation and changes no element's arithmetic.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -25,6 +26,7 @@ class LayerWeights:
     w_down: QTensor                # [H, I]
     q_norm: np.ndarray | None = None   # [D] float32 (Qwen3 only)
     k_norm: np.ndarray | None = None   # [D] float32 (Qwen3 only)
+    qkv_bias: np.ndarray | None = None  # [q_size + 2*kv_size] float32 (Qwen2 only): rows q, k, v
 
 
 @dataclass
@@ -53,6 +55,9 @@ class ModelWeights:
 HF_LAYER_NAMES = {
     "attn_norm": "input_layernorm.weight",
     "q": "self_attn.q_proj.weight",
+    "q_bias": "self_attn.q_proj.bias",
+    "k_bias": "self_attn.k_proj.bias",
+    "v_bias": "self_attn.v_proj.bias",
     "k": "self_attn.k_proj.weight",
     "v": "self_attn.v_proj.weight",
     "o": "self_attn.o_proj.weight",
@@ -82,7 +87,35 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     }
     if cfg.qk_norm:
         per_layer.update(q_norm=(D,), k_norm=(D,))
+    if cfg.qkv_bias:
+        per_layer.update(q_bias=(cfg.q_size,), k_bias=(cfg.kv_size,), v_bias=(cfg.kv_size,))
     for i in range(cfg.num_hidden_layers):
         for key, shape in per_layer.items():
             shapes[f"model.layers.{i}.{HF_LAYER_NAMES[key]}"] = shape
     return shapes
+
+
+def assemble_weights(cfg: ModelConfig, linear: Callable[[str], QTensor], norm: Callable[[str], np.ndarray],
+                     source: str) -> ModelWeights:
+    """Build ModelWeights from per-tensor getters keyed by HF name, fusing QKV and gate/up rows."""
+    embed = linear(HF_GLOBAL_NAMES["embed"])
+    layers = []
+    for i in range(cfg.num_hidden_layers):
+        def hf(key: str) -> str:
+            return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
+        layers.append(LayerWeights(
+            attn_norm=norm(hf("attn_norm")),
+            wqkv=QTensor.concat([linear(hf("q")), linear(hf("k")), linear(hf("v"))]),
+            wo=linear(hf("o")),
+            mlp_norm=norm(hf("mlp_norm")),
+            w_gate_up=QTensor.concat([linear(hf("gate")), linear(hf("up"))]),
+            w_down=linear(hf("down")),
+            q_norm=norm(hf("q_norm")) if cfg.qk_norm else None,
+            k_norm=norm(hf("k_norm")) if cfg.qk_norm else None,
+            qkv_bias=np.concatenate([norm(hf("q_bias")), norm(hf("k_bias")), norm(hf("v_bias"))])
+            if cfg.qkv_bias else None,
+        ))
+    final_norm = norm(HF_GLOBAL_NAMES["final_norm"])
+    lm_head = embed if cfg.tie_word_embeddings else linear(HF_GLOBAL_NAMES["lm_head"])
+    return ModelWeights(config=cfg, embed=embed, layers=layers, final_norm=final_norm,
+                        lm_head=lm_head, source=source)

@@ -12,14 +12,13 @@ entirely (one attribute check per call).
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 from collections import defaultdict
 
 STAGES = ("cache_probe", "upload", "h2d", "gemm", "reduce", "d2h+sync")
 
-enabled = os.environ.get("KESTREL_PROF") == "1"
+enabled = False      # enable(): --prof, or KESTREL_PROF=1 read into Options when an engine is built
 _lock = threading.Lock()
 _calls = 0
 _hits = 0

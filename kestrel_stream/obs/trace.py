@@ -280,9 +280,9 @@ def stop() -> Path | None:
     return rec.write() if rec is not None else None
 
 
-def start_from_env() -> Recorder | None:
-    """``KESTREL_TRACE=FILE``: trace the whole process, written at exit."""
-    path = os.environ.get("KESTREL_TRACE")
+def start_for_process(path: str | None) -> Recorder | None:
+    """Trace the whole process into `path` (Options.trace_path, ``KESTREL_TRACE=FILE``), written at exit;
+    the trace already running, if any, stays."""
     if path and active is None:
         atexit.register(stop)
         return start(path)

@@ -73,14 +73,32 @@ class ArenaNeeds:
         return self.kv_bytes + self.activation_bytes + self.slack_bytes
 
 
-def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_splits: int) -> ArenaNeeds:
-    """KV caches + activations + workspace of GpuExecutor for `max_tokens` tokens per step."""
+ARGMAX_SPLITS = 64           # GpuExecutor.argmax_splits
+CHAIN_STEPS_PER_SYNC = 256   # greedy_chain.MAX_STEPS_PER_SYNC
+PREFILL_CHUNK_TOKENS = 512   # tokens per prefill step in gpu mode (tensor-core GEMM tiles of 64 tokens)
+
+
+def step_rows(max_batch: int, prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> tuple[int, int]:
+    """(max_tokens, logits_rows) of a GpuExecutor: tokens per step, and the rows of logits it buffers
+    (every row of a decode batch or of a 64-token chunk; prefills wanting their last row only run
+    chunks of max_tokens)."""
+    max_tokens = max(max_batch, prefill_chunk)
+    return max_tokens, min(max_tokens, max(max_batch, 64))
+
+
+def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_splits: int,
+                logits_rows: int | None = None) -> ArenaNeeds:
+    """KV caches + activations + workspace of GpuExecutor for `max_tokens` tokens per step, with
+    logits for `logits_rows` of them (default all)."""
     T, H, V = max_tokens, c.hidden_size, c.vocab_size
     qkv_width = c.q_size + 2 * c.kv_size
     partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
-    activation_floats = (T * (2 * H + qkv_width + 2 * c.q_size + c.intermediate_size + V + 1 +
-                              c.num_key_value_heads) + partial_floats)
+    activation_floats = (T * (2 * H + qkv_width + 2 * c.q_size + c.intermediate_size + 1 +
+                              c.num_key_value_heads) + partial_floats + V * (logits_rows or T)
+                         + T * (2 * ARGMAX_SPLITS + 2 + CHAIN_STEPS_PER_SYNC))   # argmax, greedy chain history
     norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
+    if c.qkv_bias:
+        norm_floats += qkv_width * c.num_hidden_layers
     kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
     return ArenaNeeds(kv_bytes=sessions * max_seq_len * kv_bytes_per_position,
                       activation_bytes=4 * (activation_floats + norm_floats) + 16 * T,

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from scheduler.profile import DeviceProfile, load_profile, save_profile
+from scheduler.profile import DeviceProfile, default_cache_dir, load_profile, save_profile
 
 from kestrel_stream.model.quant import GROUP
 
@@ -38,8 +38,12 @@ def measure_host(repeats: int = 5) -> dict:
     return {"host_gflops": round(gflops, 2), "host_weight_GBps": round(weight_GBps, 2)}
 
 
-def calibrate(force: bool = False, cache_dir=None) -> DeviceProfile:
-    """The cached profile of GPU 0 (measured now when missing or when ``force``)."""
+def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfile:
+    """The cached profile of GPU 0 (measured now when missing or when ``force``), kept in `cache_dir`
+    (default: the profiles directory under the options' cache_dir, KESTREL_CACHE_DIR)."""
+    if cache_dir is None:
+        from kestrel_stream.options import Options
+        cache_dir = default_cache_dir((options or Options.from_env()).cache_dir)
     from kestrel_stream.cuda import driver
     from kestrel_stream.cuda.calibrate import measure_gpu
     from cuda.bindings import driver as cu

@@ -48,7 +48,7 @@ class DeviceSampler:
             launch = x.kernels.launch("sample_rows", (tokens,), (1024,), "pipp",
                                       [x.logits.ptr, x.config.vocab_size, self.state.ptr, x.argmax_out.ptr])
             launch.label(op="sample")
-            launch.programmatic = x._step_launches(tokens)[-1].programmatic
+            launch.programmatic = x.step_launches(tokens)[-1].programmatic
             x._launches[key] = launch
         return x._launches[key]
 

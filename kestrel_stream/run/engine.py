@@ -14,13 +14,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kestrel_stream.obs import trace
-from kestrel_stream.run.budget import parse_vram_budget
 from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.obs import prof
+from kestrel_stream.options import Options
 from kestrel_stream.errors import CapacityError, DeviceError, InvalidTokenError, SessionClosedError
 from kestrel_stream.model.weights import ModelWeights
 
 DEFAULT_MAX_SEQ_LEN = 2048
 MODES = ("auto", "cpu", "gated", "gpu")
+LOGITS = ("all", "last")      # which logits rows a prefill returns
 WINDOW_COUNTERS = ("streamed_bytes", "window_hits", "window_misses", "copy_busy_ms", "compute_busy_ms")
 
 
@@ -34,13 +36,13 @@ def gpu_status() -> tuple[bool, str]:
 
 
 def parse_mode(mode: str) -> str:
-    if mode in MODES:
-        return mode
-    if mode.startswith("layers="):
-        count = mode.split("=", 1)[1]
-        if count.isdigit():
-            return f"layers={int(count)}"
-    raise DeviceError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)} or layers=N")
+    """The canonical spelling of a mode (scheduler.parse_mode is the one parser); DeviceError if unknown."""
+    import scheduler
+    try:
+        kind, count = scheduler.parse_mode(mode)
+    except ValueError:
+        raise DeviceError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)} or layers=N") from None
+    return f"layers={count}" if kind == "layers" else kind
 
 
 def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, str]:
@@ -64,24 +66,24 @@ def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, 
 
 
 def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: int,
-                  max_batch: int, max_sessions: int | None, vram_budget: int | None):
+                  max_batch: int, max_sessions: int | None, options: Options):
     if device == "cpu":
         from kestrel_stream.run.host import CpuExecutor
         return CpuExecutor(weights)
     if mode == "gpu":
         from kestrel_stream.run.gpu_executor import GpuExecutor
         return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
-                           vram_budget=vram_budget)
-    if vram_budget is not None:
+                           options=options)
+    if options.vram_budget is not None:
         print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",
               file=sys.stderr)
     from kestrel_stream.run.hybrid import HybridExecutor
     profile = None
     if mode == "gated":                 # the cost model needs this machine's figures: measured once, cached
         from kestrel_stream.run.calibrate import calibrate
-        profile = calibrate()
+        profile = calibrate(options=options)
     return HybridExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch,
-                          max_sessions=max_sessions)
+                          max_sessions=max_sessions, options=options)
 
 
 @dataclass
@@ -111,7 +113,14 @@ class Engine:
 
     def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
                  max_seq_len: int | None = None, max_batch: int = 32, max_sessions: int | None = None,
-                 vram_budget: int | None = None, tokenizer=None):
+                 vram_budget: int | None = None, options: Options | None = None, tokenizer=None):
+        # options: the KESTREL_* settings, read here unless ks.load (or the CLI) already did
+        options = Options.from_env() if options is None else options
+        if vram_budget is not None:
+            options = options.with_(vram_budget=vram_budget)
+        self.options = options
+        if options.prof:
+            prof.enable()
         self.weights = weights
         self.tokenizer = tokenizer          # text/tokenizer.Tokenizer, or None (token ids only)
         self.config: ModelConfig = weights.config
@@ -122,29 +131,24 @@ class Engine:
                                 f"max_position_embeddings)")
         self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, context)
         self.max_batch = max_batch
-        vram_budget = parse_vram_budget(vram_budget)       # bytes, or a fraction of free VRAM
         # max_sessions: how many KV caches a GPU executor reserves device memory for (default 2 x max_batch)
-        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, vram_budget)
+        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, options)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()       # one step at a time through the executor
         self.sessions: dict[int, Session] = {}
-        recorder = trace.start_from_env()       # KESTREL_TRACE, or a trace the CLI already began
+        recorder = trace.start_for_process(options.trace_path)   # KESTREL_TRACE, or a trace the CLI began
         if recorder is not None:
             recorder.metadata.update(device=device, mode=mode, layers=self.config.num_hidden_layers)
 
     def plan_summary(self) -> str:
         """One line on how a decode step runs here (the daemon logs it)."""
-        import scheduler
-        planner = getattr(self.executor, "plan", None)
-        plan = planner(1) if callable(planner) else scheduler.build_plan(
-            self.config, 1, self.mode, gpu_available=self.device == "cuda")
+        plan = self.executor.plan(1)
         counters = plan.counters()
         line = (f"{plan.mode}: {len(plan.segments)} segment(s), {counters['syncs_per_step']} sync(s) and "
                 f"{counters['launches_per_step']} launches per decode step; GPU weights "
                 f"{counters['gpu_weight_bytes'] / 1e6:.1f} MB, host weights {counters['cpu_weight_bytes'] / 1e6:.1f} MB")
-        window = getattr(self.executor, "window_plan", None)
-        if window is not None:
-            line += "; " + window.describe().splitlines()[0]
+        if self.executor.window_plan is not None:
+            line += "; " + self.executor.window_plan.describe().splitlines()[0]
         return line
 
     # -- sessions ---------------------------------------------------------
@@ -172,22 +176,18 @@ class Engine:
                                     f"is outside the vocabulary 0..{self.config.vocab_size - 1}")
         return arr.astype(np.int64)
 
-    def step(self, items: list[tuple["Session", np.ndarray]], greedy: bool = False):
+    def step(self, items: list[tuple["Session", np.ndarray]], greedy: bool = False, logits: str = "all"):
         """One executor step over several sessions; all inputs were validated by the caller.
 
-        Logits [n_i, V] per session, or with greedy=True each session's greedy next token (int64 [B]):
-        an executor with forward_greedy (gpu mode) then takes the argmax on the device and copies
-        back 4 bytes per token instead of the logits."""
+        Logits [n_i, V] per session (logits="last": [1, V], each session's last row, the only rows
+        lm_head computes), or with greedy=True each session's greedy next token (int64 [B]): an
+        executor with forward_greedy (gpu mode) then takes the argmax on the device and copies back
+        4 bytes per token instead of the logits."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
         traced = trace.NULL_SPAN if trace.active is None else trace.step(sum(len(ids) for _, ids in items),
                                                                         sessions=len(items))
         with self._lock, traced:
-            if not greedy:
-                out = self.executor.forward(batch)
-            elif hasattr(self.executor, "forward_greedy"):
-                out = self.executor.forward_greedy(batch)
-            else:
-                out = np.array([int(np.argmax(logits[-1])) for logits in self.executor.forward(batch)], np.int64)
+            out = self.executor.forward_greedy(batch) if greedy else self.executor.forward(batch, logits=logits)
         for s, ids in items:
             s.position += len(ids)
             s.tokens.extend(np.asarray(ids).tolist())
@@ -242,11 +242,8 @@ class Engine:
         """The next `steps` greedy tokens of `s` after `token`, chained on the device where the executor
         can (gpu mode: several steps per host sync); None where it cannot.  sample: a device_sampler
         state row to draw the tokens instead."""
-        chain = getattr(self.executor, "generate_greedy", None)
-        if chain is None:
-            return None
         with self._lock:
-            out = chain([(s.kv, np.array([token]), s.position)], steps) if sample is None else \
+            out = self.executor.generate_greedy([(s.kv, np.array([token]), s.position)], steps) if sample is None else \
                 self.executor.generate_sampled([(s.kv, np.array([token]), s.position)], steps, [sample])
         if out is None:
             return None
@@ -258,9 +255,7 @@ class Engine:
     def close(self) -> None:
         for s in list(self.sessions.values()):
             s.close()
-        closer = getattr(self.executor, "close", None)
-        if closer:
-            closer()
+        self.executor.close()
 
 
 class Session:
@@ -282,12 +277,17 @@ class Session:
             raise CapacityError(f"session {self.id}: {count} more token(s) at position {self.position} "
                                 f"exceed max_seq_len={self.max_seq_len}")
 
-    def prefill(self, ids) -> np.ndarray:
-        """Append prompt tokens; logits [len(ids), vocab] float32."""
+    def prefill(self, ids, logits: str = "all") -> np.ndarray:
+        """Append prompt tokens; logits [len(ids), vocab] float32, or with logits="last" the last
+        position's only, [vocab] (lm_head runs on that row alone)."""
+        if logits not in LOGITS:
+            raise ValueError(f"session {self.id} prefill: logits={logits!r}; expected one of "
+                             f"{', '.join(map(repr, LOGITS))}")
         self._check_open()
         arr = self.engine.check_tokens(ids, f"session {self.id} prefill")
         self._check_room(len(arr))
-        return self.engine.step([(self, arr)])[0]
+        out = self.engine.step([(self, arr)], logits=logits)[0]
+        return out[0] if logits == "last" else out
 
     def decode(self, token: int) -> np.ndarray:
         """Append one token; logits [vocab] float32."""
@@ -310,11 +310,10 @@ class Session:
         self._check_open()
         arr = self.engine.check_tokens([token], f"session {self.id} decode")
         self._check_room(1)
-        sample = getattr(self.engine.executor, "forward_sample", None)
-        if sample is not None and not params.penalized:
+        if not params.penalized:
             from kestrel_stream.run.device_sampler import pack_state
             with self.engine._lock:
-                out = sample([(self.kv, arr, self.position)], [pack_state(params, seed, step)])
+                out = self.engine.executor.forward_sample([(self.kv, arr, self.position)], [pack_state(params, seed, step)])
             if out is not None:
                 self.position += 1
                 self.tokens.append(int(token))

@@ -1,42 +1,44 @@
 """The whole-step GPU executor (`gpu` mode): every op of a step on the device.
 
-Same interface as cpu.CpuExecutor: alloc_kv / free_kv / forward(batch) / stats.
+An Executor (executor.py): alloc_kv / free_kv / forward(batch, logits) / counters.
 
 Static buffers, sized at load for `max_tokens` = max(max_batch, prefill_chunk)
 tokens, live in the one device arena beside the weights and the KV caches.  A
 step's per-token scalars (token id, position, KV base) are written by the host
 into a pinned staging block; the step's first node copies that block to the
 device, and every kernel reads them from there, so one captured graph per
-decode batch-size bucket (1, 2, 4, 8 sessions: the GEMV kernels' range)
-serves every later step.  Decode: fill staging, one graph launch, one stream
-sync (the step's only host sync), copy logits out; a decode batch of more
-than 8 sessions replays the graphs in chunks of 8, one sync each (with
-streamed weights the buckets go up to max_batch instead: one stream of the
-weights per step).  Prefill
-and mixed batches run the same launch list eagerly, in chunks of at most
-`max_tokens` tokens, one sync per chunk.
+decode batch-size bucket (1, 2, 4, 8 sessions on the GEMV kernels; 16, 32, 64
+on the tensor-core GEMM, up to max_batch) serves every later step.  Decode:
+fill staging, one graph launch, one stream sync (the step's only host sync),
+copy logits out; a bigger batch replays the largest bucket in chunks.  Prefill
+and mixed batches run the same launch list eagerly, one sync per chunk: chunks
+of `logits_rows` tokens when every row's logits are wanted, of `max_tokens`
+when only each session's last row is (lm_head then runs on those rows alone).
 
 The launch list of a step and why it looks as it does: step_launches.py.
 """
 from __future__ import annotations
 
-import os
 import sys
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
+from kestrel_stream.model import rope
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.obs import prof
-from kestrel_stream.run.budget import arena_needs, parse_vram_budget, plan_arena, resolve_budget
+from kestrel_stream.options import Options
+from kestrel_stream.run.budget import (PREFILL_CHUNK_TOKENS, arena_needs, plan_arena,
+                                       resolve_budget, step_rows)
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.device_sampler import DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.run.sampled_chain import SampledChain
-from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, KernelSet, Launch
-from kestrel_stream.run.step_launches import argmax_launch, step_launches
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, GEMV_MAX_TOKENS, KernelSet, Launch
+from kestrel_stream.run.executor import Executor, StepCounters
+from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
 from kestrel_stream.run.window import WeightWindow
 
 
@@ -48,29 +50,31 @@ class GpuKV:
     base_elements: int   # offset from the arena base in float32 elements (what kernels read)
 
 
-class GpuExecutor:
+class GpuExecutor(Executor):
     name = "cuda"
     use_graphs = True     # False: decode steps launch every kernel eagerly (the bench's baseline)
-    # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
-    programmatic = os.environ.get("KESTREL_PDL", "1") != "0"
 
     def __init__(self, weights: ModelWeights, max_seq_len: int = 4096, max_batch: int = 8,
-                 max_sessions: int | None = None, prefill_chunk: int = 64, attention_splits: int = 16,
+                 max_sessions: int | None = None, prefill_chunk: int = PREFILL_CHUNK_TOKENS, attention_splits: int = 16,
                  verify: bool | None = None, vram_budget=None, window_slots: int = 2, prefetch_distance: int = 1,
-                 small_item_bytes: int = 64 * 1024):
+                 small_item_bytes: int = 64 * 1024, options: Options | None = None):
+        """vram_budget: parsed bytes or fraction (Options.with_); None takes the options' budget."""
+        self.options = Options.from_env() if options is None else options
+        # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
+        self.programmatic = self.options.programmatic_launch
         c: ModelConfig = weights.config
-        if c.head_dim not in (64, 128, 256) or c.gqa_group > 8 or not 1 <= attention_splits <= 32:
-            raise ValueError(f"gpu mode needs head_dim in 64/128/256 and <= 8 q heads per kv head; "
+        if c.head_dim not in ATTENTION_HEAD_DIMS or c.gqa_group > 8 or not 1 <= attention_splits <= 32:
+            raise ValueError(f"gpu mode needs head_dim in {'/'.join(map(str, ATTENTION_HEAD_DIMS))} and <= 8 q "
+                             f"heads per kv head; "
                              f"{weights.source or 'model'} has head_dim={c.head_dim}, group={c.gqa_group}")
         self.weights, self.config = weights, c
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
-        self.max_tokens = max(max_batch, prefill_chunk)
+        self.max_tokens, self.logits_rows = step_rows(max_batch, prefill_chunk)
         self.attention_splits = attention_splits
         self.device = driver.Device(0)
-        self.kernels = KernelSet(self.device)
+        self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
-        self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "kernels": 0,
-                      "h2d_bytes": 0, "d2h_bytes": 0, "graph_replays": 0, "graphs_captured": 0}
+        self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured")
 
         T, H, V = self.max_tokens, c.hidden_size, c.vocab_size
         qkv_width = c.q_size + 2 * c.kv_size
@@ -79,8 +83,9 @@ class GpuExecutor:
         partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
         # the arena holds KV caches + activations + weights; under a budget too small for all the
         # weights, the residency window keeps some resident and streams the rest (stream_window.py)
-        self.needs = arena_needs(c, T, sessions, max_seq_len, attention_splits)
-        self.vram_budget = resolve_budget(parse_vram_budget(vram_budget), self.device.free_bytes(),
+        self.needs = arena_needs(c, T, sessions, max_seq_len, attention_splits, self.logits_rows)
+        vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
+        self.vram_budget = resolve_budget(vram_budget, self.device.free_bytes(),
                                           weights.quantized_bytes() + self.needs.total)
         capacity, self.window_plan = plan_arena(c, self.needs, self.vram_budget, window_slots, prefetch_distance,
                                                 small_item_bytes)
@@ -94,7 +99,7 @@ class GpuExecutor:
         self.q = a.array((T, c.q_size), np.float32)      # q after norm + rope
         self.attn = a.array((T, c.q_size), np.float32)
         self.act = a.array((T, c.intermediate_size), np.float32)   # silu(gate) * up
-        self.logits = a.array((T, V), np.float32)
+        self.logits = a.array((self.logits_rows, V), np.float32)
         self.inv_rms = a.array((T,), np.float32)         # the next RMSNorm's 1/rms per token
         self.partials = a.array((partial_floats,), np.float32)
         self.counter = a.array((64,), np.uint32)         # last-block ticket of the GEMV epilogue
@@ -106,8 +111,8 @@ class GpuExecutor:
         self.staged_kvbase = self.staging.view(np.int64, (T,), 0)
         self.staged_ids = self.staging.view(np.int32, (T,), 8 * T)
         self.staged_pos = self.staging.view(np.int32, (T,), 12 * T)
-        self.host_logits = driver.PinnedBuffer(T * V * 4)
-        self.host_logits_view = self.host_logits.view(np.float32, (T, V))
+        self.host_logits = driver.PinnedBuffer(self.logits_rows * V * 4)
+        self.host_logits_view = self.host_logits.view(np.float32, (self.logits_rows, V))
         # greedy steps: argmax on the device, 4 bytes per token back (argmax_split's partials and tickets)
         self.argmax_splits = 64
         self.argmax_partials = a.array((2 * T * self.argmax_splits,), np.float32)
@@ -116,27 +121,25 @@ class GpuExecutor:
         driver.h2d_sync(self.argmax_counters.ptr, np.zeros(T, np.uint32))
         self.host_tokens = driver.PinnedBuffer(T * 4)
         self.host_tokens_view = self.host_tokens.view(np.int32, (T,))
-        self._scratch_kv = self.alloc_kv(1)
+        self.scratch_kv = self.alloc_kv(1)
         self._launches: dict[int, list[Launch]] = {}
         self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
         self._graph_kernels: dict[tuple[int, bool], int] = {}
         self._prof_events = (driver.Event(timing=True), driver.Event(timing=True)) if prof.enabled else ()
-        # decode graphs hold at most GEMV_MAX_TOKENS sessions: a bigger decode batch replays them in chunks
-        # (one sync each), since a 9..64-token step runs the tiled matmul, which costs as much as a 64-token
-        # prefill chunk (~28 ms for qwen3-1.7b against 3.7 ms for a batch of 8).  Not with streamed weights:
-        # each chunk would stream them again, and PCIe is what a streamed step waits for
-        self.graph_rows = max_batch if self.window.streamed else min(max_batch, GEMV_MAX_TOKENS)
+        # decode graphs per bucket of sessions up to max_batch (at most logits_rows): 1..8 on the GEMV
+        # kernels, 16..64 on the tensor-core GEMM; a bigger batch replays the largest in chunks
+        self.graph_rows = min(max_batch, self.logits_rows)
         self.buckets = sorted({min(1 << i, self.graph_rows) for i in range(self.graph_rows.bit_length() + 1)})
         self.chain = GreedyChain(self)
         self.sampler = DeviceSampler(self)
         self.sampled_chain = SampledChain(self)
 
         if verify is None:
-            verify = os.environ.get("KESTREL_VERIFY") == "1"
+            verify = self.options.verify
         self.verifier = None
         if verify:
             from kestrel_stream.run.verify import Verifier
-            self.verifier = Verifier(weights, self.stats)
+            self.verifier = Verifier(weights, self.counters)
 
     # ---- weights -----------------------------------------------------------------------------
     def _upload_weights(self) -> None:
@@ -160,11 +163,10 @@ class GpuExecutor:
         self.final_norm = vector(w.final_norm)
         self.layers = [dict(attn_norm=vector(l.attn_norm), wqkv=q(f"L{i}.qkv"), wo=q(f"L{i}.o"),
                             mlp_norm=vector(l.mlp_norm), w_gate_up=q(f"L{i}.gate_up"),
-                            w_down=q(f"L{i}.down"), q_norm=vector(l.q_norm), k_norm=vector(l.k_norm))
+                            w_down=q(f"L{i}.down"), q_norm=vector(l.q_norm), k_norm=vector(l.k_norm),
+                            qkv_bias=vector(l.qkv_bias))
                        for i, l in enumerate(w.layers)]
-        inv_freq = (1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64).astype(np.float32)
-                                            / c.head_dim))).astype(np.float32)   # as cpu.rope_tables
-        self.inv_freq = vector(inv_freq)
+        self.inv_freq = vector(rope.inv_freq(c))
         self.weight_bytes = self.arena.used_bytes
 
     # ---- KV caches -----------------------------------------------------------------------------
@@ -181,38 +183,41 @@ class GpuExecutor:
             self.verifier.forget(kv)
 
     # ---- the launch lists (step_launches.py), built once per token count ------------------------------
-    def _step_launches(self, tokens: int) -> list[Launch]:
-        if tokens not in self._launches:
-            self._launches[tokens] = step_launches(self, tokens)
-        return self._launches[tokens]
+    def step_launches(self, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
+        key = tokens if lm_rows is None or lm_rows == (0, tokens) else (tokens, *lm_rows)
+        if key not in self._launches:
+            self._launches[key] = build_step_launches(self, tokens, lm_rows)
+        return self._launches[key]
 
-    def _enqueue_step(self, tokens: int, greedy: bool = False) -> int:
-        """Params H2D, every kernel, the logits (or, greedy, each row's argmax) D2H on the compute
-        stream; returns the kernel count."""
+    def _enqueue_step(self, tokens: int, greedy: bool = False, lm_rows: tuple[int, int] | None = None) -> int:
+        """Params H2D, every kernel, the logits of lm_rows = (first, count) (default: every row) or,
+        greedy, each row's argmax, D2H on the compute stream; returns the kernel count."""
         driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
-        launches = self._step_launches(tokens)
+        launches = self.step_launches(tokens, lm_rows)
         self.window.enqueue_step(launches, self.stream)   # streamed weights: copies + slot events
         if not greedy:
-            driver.d2h_async(self.host_logits, self.logits.ptr, tokens * self.config.vocab_size * 4, self.stream)
+            count = tokens if lm_rows is None else lm_rows[1]
+            if count:
+                driver.d2h_async(self.host_logits, self.logits.ptr, count * self.config.vocab_size * 4, self.stream)
             return len(launches)
         if greedy == "sample":                              # device_sampler.py: the sampled token instead
             self.sampler.enqueue(tokens, self.stream)
         else:
-            self._argmax_launch(tokens).enqueue(self.stream)
+            self.argmax_launch(tokens).enqueue(self.stream)
         driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
         return len(launches) + 1
 
-    def _argmax_launch(self, tokens: int) -> Launch:
+    def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
         if key not in self._launches:
-            self._launches[key] = argmax_launch(self, tokens, self._step_launches(tokens)[-1].programmatic)
+            self._launches[key] = argmax_launch(self, tokens, self.step_launches(tokens)[-1].programmatic)
         return self._launches[key]
 
-    def _stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:
+    def stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:
         for i, (kv, token, position) in enumerate(rows):
             self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = kv.base_elements, token, position
         for i in range(len(rows), padded):   # padded slots decode token 0 at position 0 of the scratch cache
-            self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = self._scratch_kv.base_elements, 0, 0
+            self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = self.scratch_kv.base_elements, 0, 0
 
     # ---- one step ------------------------------------------------------------------------------
     def _rows(self, batch) -> list[tuple[GpuKV, int, int]]:
@@ -234,14 +239,14 @@ class GpuExecutor:
         """Stage the rows, launch (capturing once) the bucket's graph, wait: the step's one sync.
         Returns the profile stages so far (KESTREL_PROF) for the caller to complete and record."""
         bucket = next(b for b in self.buckets if b >= len(rows))
-        self._stage(rows, bucket)
+        self.stage(rows, bucket)
         key = (bucket, greedy)
         if key not in self._graphs:
             with driver.capture(self.stream) as captured:
                 kernel_count = self._enqueue_step(bucket, greedy)
             self._graphs[key] = captured.graph
             self._graph_kernels[key] = kernel_count
-            self.stats["graphs_captured"] += 1
+            self.counters.graphs_captured += 1
         started = time.perf_counter()
         if prof.enabled:
             self._prof_events[0].record(self.stream)
@@ -252,42 +257,63 @@ class GpuExecutor:
         waited = time.perf_counter()
         self._count(launches=1, kernels=self._graph_kernels[key],
                     d2h=bucket * 4 if greedy else bucket * self.config.vocab_size * 4)
-        self.stats["graph_replays"] += 1
+        self.counters.graph_replays += 1
         if not prof.enabled:
             return {}
         # one offloaded call per step: the replay's GPU time, the rest of the wait (+ the copy out, by the caller)
         gpu_us = self._prof_events[1].elapsed_ms(self._prof_events[0]) * 1e3
         return {"gemm": gpu_us, "d2h+sync": max((waited - started) * 1e6 - gpu_us, 0.0)}
 
-    def forward(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> list[np.ndarray]:
-        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] float32 each."""
+    def forward(self, batch: list[tuple[GpuKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] float32 each, or
+        with logits="last" each session's last row, [1, V]: lm_head runs on the wanted rows only (their
+        span within each chunk), and prefill chunks are then max_tokens long instead of logits_rows."""
         self.device.make_current()
         rows = self._rows(batch)
         V = self.config.vocab_size
-        logits = np.empty((len(rows), V), np.float32)
-        if self._replayable(batch, rows):
+        bounds = np.cumsum([0] + [len(np.atleast_1d(t)) for _, t, _ in batch])
+        wanted = bounds[1:] - 1 if logits == "last" else np.arange(len(rows))    # rows whose logits return
+        out = np.empty((len(wanted), V), np.float32)
+        if self._replayable(batch, rows):          # a decode step: every row is wanted
             for lo in range(0, len(rows), self.graph_rows):
                 chunk = rows[lo:lo + self.graph_rows]
                 stages = self._replay(chunk, greedy=False)
                 started = time.perf_counter()
-                logits[lo:lo + len(chunk)] = self.host_logits_view[:len(chunk)]
+                out[lo:lo + len(chunk)] = self.host_logits_view[:len(chunk)]
                 if prof.enabled:
                     prof.record_call({**stages, "reduce": (time.perf_counter() - started) * 1e6})
         else:
-            for lo in range(0, len(rows), self.max_tokens):
-                chunk = rows[lo:lo + self.max_tokens]
-                self._stage(chunk, len(chunk))
-                kernel_count = self._enqueue_step(len(chunk))
+            for lo, hi in self._chunks(len(rows), wanted, self.max_tokens if logits == "last" else self.logits_rows):
+                chunk = rows[lo:hi]
+                inside = np.flatnonzero((wanted >= lo) & (wanted < hi))   # indices into wanted
+                first = int(wanted[inside[0]]) - lo if inside.size else 0
+                count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
+                self.stage(chunk, len(chunk))
+                kernel_count = self._enqueue_step(len(chunk), lm_rows=(first, count))
                 self.stream.synchronize()
-                self._count(launches=kernel_count, kernels=kernel_count, d2h=len(chunk) * V * 4)
-                logits[lo:lo + len(chunk)] = self.host_logits_view[:len(chunk)]
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(rows)
-        bounds = np.cumsum([0] + [len(np.atleast_1d(t)) for _, t, _ in batch])
-        outputs = [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+                self._count(launches=kernel_count, kernels=kernel_count, d2h=count * V * 4)
+                out[inside] = self.host_logits_view[wanted[inside] - lo - first]
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
+        if logits == "last":
+            outputs = [out[i:i + 1] for i in range(len(batch))]
+        else:
+            outputs = [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
         if self.verifier:
-            self.verifier.check(batch, outputs)
+            self.verifier.check(batch, outputs, logits)
         return outputs
+
+    def _chunks(self, n_rows: int, wanted: np.ndarray, chunk_tokens: int):
+        """(lo, hi) row ranges of at most chunk_tokens rows in which the wanted rows span at most
+        logits_rows (a chunk ends early after the last wanted row that still fits)."""
+        lo = 0
+        while lo < n_rows:
+            hi = min(lo + chunk_tokens, n_rows)
+            inside = wanted[(wanted >= lo) & (wanted < hi)]
+            if inside.size and inside[-1] - inside[0] >= self.logits_rows:
+                hi = int(inside[inside - inside[0] < self.logits_rows][-1]) + 1
+            yield lo, hi
+            lo = hi
 
     def forward_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> np.ndarray:
         """Like forward, but only each session's greedy next token (argmax of its last logits row):
@@ -296,7 +322,7 @@ class GpuExecutor:
         self.device.make_current()
         rows = self._rows(batch)
         if self.verifier is not None or not self._replayable(batch, rows):
-            return np.array([int(np.argmax(out[-1])) for out in self.forward(batch)], np.int64)
+            return np.array([int(np.argmax(out[-1])) for out in self.forward(batch, logits="last")], np.int64)
         tokens = np.empty(len(rows), np.int64)
         for lo in range(0, len(rows), self.graph_rows):
             chunk = rows[lo:lo + self.graph_rows]
@@ -304,8 +330,8 @@ class GpuExecutor:
             if prof.enabled:
                 prof.record_call({**stages, "reduce": 0.0})
             tokens[lo:lo + len(chunk)] = self.host_tokens_view[:len(chunk)]
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(rows)
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
         return tokens
 
     def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
@@ -318,8 +344,8 @@ class GpuExecutor:
             return None
         self.sampler.stage(states)
         self._replay(rows, greedy="sample")
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(rows)
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
         return self.host_tokens_view[:len(rows)].astype(np.int64)
 
     def generate_sampled(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int,
@@ -349,6 +375,10 @@ class GpuExecutor:
                                  f"need {position + steps}")
         return self.chain.run(rows, steps)
 
+    def plan(self, tokens: int):
+        import scheduler
+        return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True)
+
     def close(self) -> None:
         """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""
         self.device.make_current()
@@ -366,9 +396,10 @@ class GpuExecutor:
         self.arena.release()
 
     def _count(self, launches: int, kernels: int, d2h: int) -> None:
-        self.stats["syncs"] += 1
-        self.stats["launches"] += launches
-        self.stats["kernels"] += kernels
-        self.stats["h2d_bytes"] += self.staging.nbytes
-        self.stats["d2h_bytes"] += d2h
-        self.window.account(self.stats)
+        c = self.counters
+        c.syncs += 1
+        c.launches += launches
+        c.kernels += kernels
+        c.h2d_bytes += self.staging.nbytes
+        c.d2h_bytes += d2h
+        self.window.account(c)

@@ -34,43 +34,43 @@ class GreedyChain:
         self._zero.view(np.int32, (1,))[0] = 0
         self._graphs: dict[int, driver.Graph] = {}
         self._kernels: dict[int, int] = {}
+        self._advance: dict[int, Launch] = {}
 
     def _advance_launch(self, tokens: int) -> Launch:
         x = self.x
-        key = ("chain_advance", tokens)
-        if key not in x._launches:
+        if tokens not in self._advance:
             T = x.max_tokens
             launch = x.kernels.launch(
                 "chain_advance", (1,), (32,), "ppppppqi",
                 [x.params.ptr + 8 * T, x.params.ptr + 12 * T, x.params.ptr, x.argmax_out.ptr, self.counter.ptr,
-                 self.history.ptr, x._scratch_kv.base_elements, tokens])
+                 self.history.ptr, x.scratch_kv.base_elements, tokens])
             launch.label(op="chain_advance")
-            launch.programmatic = x._argmax_launch(tokens).programmatic
-            x._launches[key] = launch
-        return x._launches[key]
+            launch.programmatic = x.argmax_launch(tokens).programmatic
+            self._advance[tokens] = launch
+        return self._advance[tokens]
 
     def _pick_launch(self, bucket: int) -> Launch:
         """The kernel that writes each row's next token into argmax_out (sampled_chain.py: a draw)."""
-        return self.x._argmax_launch(bucket)
+        return self.x.argmax_launch(bucket)
 
     def _graph(self, bucket: int) -> driver.Graph:
         if bucket not in self._graphs:
             x = self.x
             with driver.capture(x.stream) as captured:
-                launches = x._step_launches(bucket)
+                launches = x.step_launches(bucket)
                 x.window.enqueue_step(launches, x.stream)
                 self._pick_launch(bucket).enqueue(x.stream)
                 self._advance_launch(bucket).enqueue(x.stream)
             self._graphs[bucket] = captured.graph
             self._kernels[bucket] = len(launches) + 2
-            x.stats["graphs_captured"] += 1
+            x.counters.graphs_captured += 1
         return self._graphs[bucket]
 
     def run(self, rows: list, steps: int) -> np.ndarray:
         """rows: (kv, token, position) per session; `steps` greedy decode steps → int64 [steps, rows]."""
         x = self.x
         bucket = next(b for b in x.buckets if b >= len(rows))
-        x._stage(rows, bucket)
+        x.stage(rows, bucket)
         graph = self._graph(bucket)
         out = np.empty((steps, len(rows)), np.int64)
         history = self.host_history.view(np.int32, (self.steps_per_sync, bucket))
@@ -88,16 +88,17 @@ class GreedyChain:
                 x.staged_ids[i] = out[done + n - 1, i]
                 x.staged_pos[i] += n
             done += n
-            x.stats["syncs"] += 1
-            x.stats["launches"] += n
-            x.stats["kernels"] += n * self._kernels[bucket]
-            x.stats["h2d_bytes"] += x.staging.nbytes + 4
-            x.stats["d2h_bytes"] += n * bucket * 4
-            x.stats["graph_replays"] += n
-            x.stats["steps"] += n
-            x.stats["tokens"] += n * len(rows)
+            c = x.counters
+            c.syncs += 1
+            c.launches += n
+            c.kernels += n * self._kernels[bucket]
+            c.h2d_bytes += x.staging.nbytes + 4
+            c.d2h_bytes += n * bucket * 4
+            c.graph_replays += n
+            c.steps += n
+            c.tokens += n * len(rows)
             for _ in range(n):
-                x.window.account(x.stats)
+                x.window.account(c)
         return out
 
     def close(self) -> None:

@@ -8,7 +8,9 @@ the same dequantized weights):
                       x' = x * cos(cat(a, a)) + cat(-x2, x1) * sin(cat(a, a))
     attention       = softmax(q k^T / sqrt(D) + causal mask) v, GQA: q head h reads kv head h // group
     mlp             = down(silu(gate(x)) * up(x)),  silu(g) = g / (1 + exp(-g))
-Qwen3 additionally rmsnorms every q and k head over D (q_norm, k_norm) before RoPE.
+Qwen3 additionally rmsnorms every q and k head over D (q_norm, k_norm) before RoPE; Qwen2 adds its
+q/k/v bias to the projection; rope scaling (linear, llama3, yarn) is the inverse-frequency table of
+model/rope.py; a sliding window (Mistral) lets query position p see keys p - window + 1 .. p.
 
 Dequantized weights are built once per weight on first use and kept (one
 float copy of the model); the embedding is never dequantized whole unless it is
@@ -23,8 +25,10 @@ import numpy as np
 
 from kestrel_stream.obs import trace
 from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.model import rope as rope_math
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.model.weights import ModelWeights
+from kestrel_stream.run.executor import Executor, StepCounters
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -37,11 +41,13 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 
 def rope_tables(positions: np.ndarray, head_dim: int, theta: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos, sin: [T, D] float32 for integer positions [T] (HF's float32 computation)."""
-    inv_freq = (1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / head_dim))).astype(np.float32)
-    angles = positions.astype(np.float32)[:, None] * inv_freq[None, :]
-    emb = np.concatenate([angles, angles], axis=-1)
-    return np.cos(emb), np.sin(emb)
+    """cos, sin: [T, D] float32 for integer positions [T] (HF's float32 computation), unscaled rope."""
+    return rope_math.cos_sin(positions, rope_math.default_inv_freq(head_dim, theta))
+
+
+def model_rope_tables(positions: np.ndarray, cfg: ModelConfig) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: [T, D] float32 with the model's rope scaling (and YaRN's attention factor) applied."""
+    return rope_math.cos_sin(positions, rope_math.inv_freq(cfg), rope_math.attention_factor(cfg))
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -70,12 +76,18 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate / (np.float32(1) + np.exp(-gate)) * up
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int | None = None) -> np.ndarray:
     """q: [n, n_heads, D] at positions start..start+n-1; k, v: [S, n_kv, D] with S = start + n.
 
-    Returns [n, n_heads * D].  Query i sees keys 0..start+i (causal).
+    Returns [n, n_heads * D].  Query i sees keys 0..start+i (causal), only the last ``window`` of them
+    when a sliding window is set.
     """
     n, n_heads, d = q.shape
+    if window is not None:
+        first = max(0, k.shape[0] - n - window + 1)      # the oldest key this step's first query sees
+        k, v, start = k[first:], v[first:], start - first
+        if n > 1:
+            return _windowed(q, k, v, start, window)
     s, n_kv, _ = k.shape
     group = n_heads // n_kv
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [n_kv, g, n, D]
@@ -89,6 +101,24 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int) -> np.nda
     probs = np.exp(scores)
     probs /= np.add.reduce(probs, axis=-1, keepdims=True)
     out = probs @ v.transpose(1, 0, 2)[:, None]                      # [n_kv, g, n, D]
+    return out.transpose(2, 0, 1, 3).reshape(n, n_heads * d)
+
+
+def _windowed(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int) -> np.ndarray:
+    """attention with a causal and sliding-window mask (prefill chunks under a window)."""
+    n, n_heads, d = q.shape
+    s, n_kv, _ = k.shape
+    group = n_heads // n_kv
+    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)
+    scores = (qg @ k.transpose(1, 2, 0)[:, None]) * attention_scale(d)
+    query_pos = start + np.arange(n)[:, None]
+    key_pos = np.arange(s)[None, :]
+    visible = (key_pos <= query_pos) & (key_pos > query_pos - window)
+    scores = np.where(visible, scores, np.float32(-np.inf))
+    scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+    out = probs @ v.transpose(1, 0, 2)[:, None]
     return out.transpose(2, 0, 1, 3).reshape(n, n_heads * d)
 
 
@@ -108,7 +138,7 @@ class CpuKV:
         return self.k.shape[1]
 
 
-class CpuExecutor:
+class CpuExecutor(Executor):
     """Runs whole steps (any mix of sessions and token counts) with numpy."""
 
     name = "cpu"
@@ -126,9 +156,14 @@ class CpuExecutor:
                                        np.broadcast_to(plain(lw.k_norm), (c.num_key_value_heads, c.head_dim))])
                        if c.qk_norm else None) for lw in weights.layers]
         self.final_norm = plain(weights.final_norm)
+        self.qkv_bias = [plain(lw.qkv_bias) if lw.qkv_bias is not None else None for lw in weights.layers]
         self._cos = self._sin = np.zeros((0, 1, c.head_dim), np.float32)
         self._swap = np.zeros(0, np.int64)
-        self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0}
+        self.counters = StepCounters()
+
+    def plan(self, tokens: int):
+        import scheduler
+        return scheduler.build_plan(self.config, tokens, "cpu")
 
     def dense(self, w: QTensor) -> np.ndarray:
         """float32 copy of a Q8_0 weight, built on first use."""
@@ -158,12 +193,12 @@ class CpuExecutor:
         need = int(positions.max()) + 1
         if need > len(self._cos):
             size = max(need, 2 * len(self._cos), 64)
-            self._cos, self._sin, self._swap = rope_rotation(*rope_tables(np.arange(size), self.config.head_dim,
-                                                                           self.config.rope_theta))
+            self._cos, self._sin, self._swap = rope_rotation(*model_rope_tables(np.arange(size), self.config))
         return self._cos[positions], self._sin[positions]
 
-    def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]]) -> list[np.ndarray]:
-        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each.
+    def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each, or with
+        logits="last" each session's last row only, [1, V] (lm_head runs on those rows alone).
 
         All sessions' tokens go through every projection as one [T, K] matmul
         (T = Σ n_i); attention runs per session over its own cache.  Q and K
@@ -184,9 +219,12 @@ class CpuExecutor:
         with trace.span("embed", op="embed"):
             dense_embed = self._dequantized.get(id(w.embed.qs))             # built when it is the tied lm_head
             x = dense_embed[ids] if dense_embed is not None else w.embed.dequantize_rows(ids)    # [T, H]
-        for li, (layer, norms) in enumerate(zip(w.layers, self.norms)):
+        window = c.sliding_window
+        for li, (layer, norms, bias) in enumerate(zip(w.layers, self.norms, self.qkv_bias)):
             attn_norm, mlp_norm, qk_norm = norms
             qkv = self.linear(rmsnorm(x, attn_norm, eps), layer.wqkv, "qkv", li)    # [T, q + 2kv]
+            if bias is not None:
+                qkv += bias
             qk = qkv[:, :qk_size].reshape(-1, heads, c.head_dim)
             if qk_norm is not None:
                 qk = rmsnorm(qk, qk_norm, eps)
@@ -199,19 +237,21 @@ class CpuExecutor:
                     end = start + len(ids)
                     kv.k[li, start:end] = k
                     kv.v[li, start:end] = v
-                    attn = attention(q, kv.k[li, :end], kv.v[li, :end], start)
+                    attn = attention(q, kv.k[li, :end], kv.v[li, :end], start, window)
                 else:
                     attn = np.empty((len(ids), c.q_size), np.float32)
                     for (kv, _, start), lo, hi in zip(batch, bounds[:-1], bounds[1:]):
                         end = start + (hi - lo)
                         kv.k[li, start:end] = k[lo:hi]
                         kv.v[li, start:end] = v[lo:hi]
-                        attn[lo:hi] = attention(q[lo:hi], kv.k[li, :end], kv.v[li, :end], start)
+                        attn[lo:hi] = attention(q[lo:hi], kv.k[li, :end], kv.v[li, :end], start, window)
             x = x + self.linear(attn, layer.wo, "wo", li)
             gu = self.linear(rmsnorm(x, mlp_norm, eps), layer.w_gate_up, "gate_up", li)
             x = x + self.linear(silu_mul(gu[:, :c.intermediate_size], gu[:, c.intermediate_size:]), layer.w_down,
                                 "down", li)
-        logits = self.linear(rmsnorm(x, self.final_norm, eps), w.lm_head, "lm_head")
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(ids)
-        return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        if logits == "last":
+            x, bounds = x[np.asarray(bounds[1:]) - 1], list(range(len(batch) + 1))
+        out = self.linear(rmsnorm(x, self.final_norm, eps), w.lm_head, "lm_head")
+        self.counters.steps += 1
+        self.counters.tokens += len(ids)
+        return [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -30,12 +30,15 @@ import numpy as np
 import scheduler
 
 from kestrel_stream.obs import prof
+from kestrel_stream.options import Options
+from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.obs import trace
-from kestrel_stream.run.host import CpuExecutor, CpuKV, rope_tables
+from kestrel_stream.model import rope
+from kestrel_stream.run.host import CpuExecutor, CpuKV, model_rope_tables
 from kestrel_stream.run.hybrid_host import HostOps
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.kernels import ROPE_SIGNATURE, KernelSet, QWeight, attention_launch, gemv_launch
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ROPE_SIGNATURE, KernelSet, QWeight, attention_launch, gemv_launch
 from kestrel_stream.run.weight_cache import DeviceWeights
 
 # state each op reads, by side ("xn": x·w and 1/rms of the norm the op consumes, device only)
@@ -60,24 +63,29 @@ class HybridKV:
     capacity: int
 
 
-class HybridExecutor(HostOps, DeviceWeights):
+class HybridExecutor(HostOps, DeviceWeights, Executor):
     name = "cuda"
 
     def __init__(self, weights: ModelWeights, mode: str, profile, max_seq_len: int = 2048,
                  max_batch: int = 32, max_sessions: int | None = None, prefill_chunk: int = 64,
-                 group_choice: dict | None = None):
+                 group_choice: dict | None = None, options: Options | None = None):
+        self.options = Options.from_env() if options is None else options
         c = weights.config
         self.group_choice = group_choice
         self.weights, self.config, self.mode, self.profile = weights, c, mode, profile
         kind, count = scheduler.parse_mode(mode)
         self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
+        if self.gpu_layers and (c.head_dim not in ATTENTION_HEAD_DIMS or c.gqa_group > 8):
+            raise ValueError(f"mode {mode} runs attention on the GPU, whose kernels serve head_dim "
+                             f"{'/'.join(map(str, ATTENTION_HEAD_DIMS))} with <= 8 q heads per kv head; "
+                             f"{weights.source or 'model'} has head_dim={c.head_dim}, group={c.gqa_group}: "
+                             "use mode gated or cpu")
         self.cpu = CpuExecutor(weights)
         self.device = driver.Device(0)
-        self.kernels = KernelSet(self.device)
+        self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
         self.max_tokens = max(max_batch, prefill_chunk)
-        self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "h2d_bytes": 0, "d2h_bytes": 0,
-                      "weight_uploads": 0, "weight_upload_bytes": 0}
+        self.counters = StepCounters.counting("weight_uploads", "weight_upload_bytes")
         T = self.max_tokens
         widths = {"x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size, "attn": c.q_size,
                   "act": c.intermediate_size, "logits": c.vocab_size}
@@ -86,7 +94,8 @@ class HybridExecutor(HostOps, DeviceWeights):
         sessions = max_sessions or 2 * max_batch
         capacity = (weights.quantized_bytes() + 4 * T * (sum(widths.values()) + c.q_size + c.hidden_size + 1)
                     + 4 * partial_floats + 20 * T + 256
-                    + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1))
+                    + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1)
+                           + (widths["qkv"] * c.num_hidden_layers if c.qkv_bias else 0))
                     + (sessions * max_seq_len * self.kv_bytes_per_position if self.gpu_layers else 0)
                     + driver.Arena.ALIGN * (16 * c.num_hidden_layers + 64))
         self.arena = driver.Arena(capacity)
@@ -95,8 +104,8 @@ class HybridExecutor(HostOps, DeviceWeights):
         self.xn_dev = self.arena.array((T, c.hidden_size), np.float32)       # x · the next norm's weight
         self.inv_rms_dev = self.arena.array((T,), np.float32)               # that norm's 1/rms per token
         self.partials = self.arena.array((partial_floats,), np.float32)
-        self.counters = self.arena.array((64 + T * c.num_key_value_heads,), np.uint32)   # last-block tickets
-        driver.h2d_sync(self.counters.ptr, np.zeros(64 + T * c.num_key_value_heads, np.uint32))
+        self.tickets = self.arena.array((64 + T * c.num_key_value_heads,), np.uint32)   # last-block tickets
+        driver.h2d_sync(self.tickets.ptr, np.zeros(64 + T * c.num_key_value_heads, np.uint32))
         widths_pinned = dict(widths, xn=c.hidden_size + 1)                  # host-made xn rows, then 1/rms
         self.pinned = {name: driver.PinnedBuffer(T * w * 4) for name, w in widths_pinned.items()}
         self.host = {name: self.pinned[name].view(np.float32, (T, w)) for name, w in widths.items()}
@@ -111,8 +120,7 @@ class HybridExecutor(HostOps, DeviceWeights):
         self._qweights: dict[int, QWeight] = {}
         self._plans: dict[int, scheduler.Plan] = {}
         self._launches: dict[tuple, list] = {}
-        self.inv_freq = self._vector((1.0 / (c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.int64)
-                                                               .astype(np.float32) / c.head_dim))).astype(np.float32))
+        self.inv_freq = self._vector(rope.inv_freq(c))
         self.preload()
 
     def preload(self) -> None:
@@ -137,7 +145,8 @@ class HybridExecutor(HostOps, DeviceWeights):
     def plan(self, tokens: int) -> scheduler.Plan:
         if tokens not in self._plans:
             plan = scheduler.build_plan(self.config, tokens=tokens, mode=self.mode, profile=self.profile,
-                                        gpu_available=True, group_choice=self.group_choice)
+                                        gpu_available=True, group_choice=self.group_choice,
+                                        minflop=self.options.minflop)
             scheduler.audit_plan(plan, self.config)
             self._plans[tokens] = plan
         return self._plans[tokens]
@@ -176,10 +185,10 @@ class HybridExecutor(HostOps, DeviceWeights):
         for name in pending:
             nbytes = tokens * self.widths[name] * 4
             driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
-            self.stats["d2h_bytes"] += nbytes
+            self.counters.d2h_bytes += nbytes
             self.valid[name].add("host")
         self.stream.synchronize()
-        self.stats["syncs"] += 1
+        self.counters.syncs += 1
         self._uploads_in_flight.clear()
         if self._call is not None:
             self._call["d2h+sync"] = (time.perf_counter() - start) * 1e6
@@ -189,7 +198,7 @@ class HybridExecutor(HostOps, DeviceWeights):
         if "dev" not in self.valid[name]:
             nbytes = tokens * self.widths[name] * 4
             driver.h2d_async(self.dev[name].ptr, self.pinned[name], nbytes, self.stream)
-            self.stats["h2d_bytes"] += nbytes
+            self.counters.h2d_bytes += nbytes
             self.valid[name].add("dev")
             self._uploads_in_flight.add(name)
 
@@ -204,7 +213,7 @@ class HybridExecutor(HostOps, DeviceWeights):
         self.host_inv_rms[:tokens] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(self.config.rms_norm_eps))
         driver.h2d_async(self.xn_dev.ptr, self.host_xn, tokens * self.config.hidden_size * 4, self.stream)
         driver.h2d_async(self.inv_rms_dev.ptr, self.host_inv_rms, tokens * 4, self.stream)
-        self.stats["h2d_bytes"] += tokens * (self.config.hidden_size + 1) * 4
+        self.counters.h2d_bytes += tokens * (self.config.hidden_size + 1) * 4
         self._uploads_in_flight.add("xn")
         self.xn_norm = norm
 
@@ -212,7 +221,7 @@ class HybridExecutor(HostOps, DeviceWeights):
         """Before the host overwrites `name`'s pinned copy: wait for an async upload still reading it."""
         if name in self._uploads_in_flight:
             self.stream.synchronize()
-            self.stats["syncs"] += 1
+            self.counters.syncs += 1
             self._uploads_in_flight.clear()
 
     def _host_writes(self, name: str) -> None:
@@ -228,19 +237,22 @@ class HybridExecutor(HostOps, DeviceWeights):
             prof.record_call(call, uploads=uploads)
 
     # ---- one step ---------------------------------------------------------------------------------
-    def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]]) -> list[np.ndarray]:
-        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each."""
+    def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each; logits="last":
+        each session's last row, [1, V] (the plan's lm_head still runs on every row of a chunk here)."""
         self.device.make_current()
         rows = [(kv, int(t), start + i) for kv, ids, start in batch
                 for i, t in enumerate(np.asarray(ids, np.int64).reshape(-1))]
-        logits = np.empty((len(rows), self.config.vocab_size), np.float32)
+        out = np.empty((len(rows), self.config.vocab_size), np.float32)
         for lo in range(0, len(rows), self.max_tokens):
             chunk = rows[lo:lo + self.max_tokens]
-            logits[lo:lo + len(chunk)] = self._run_chunk(chunk)
-        self.stats["steps"] += 1
-        self.stats["tokens"] += len(rows)
+            out[lo:lo + len(chunk)] = self._run_chunk(chunk)
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
         bounds = np.cumsum([0] + [len(np.atleast_1d(ids)) for _, ids, _ in batch])
-        return [logits[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+        if logits == "last":
+            return [out[hi - 1:hi] for hi in bounds[1:]]
+        return [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
 
     def _run_chunk(self, rows) -> np.ndarray:
         T = len(rows)
@@ -258,13 +270,13 @@ class HybridExecutor(HostOps, DeviceWeights):
                 self.runs[-1][2] = i + 1
             else:
                 self.runs.append([kv, i, i + 1, pos])
-        self.cos, self.sin = rope_tables(self.positions, self.config.head_dim, self.config.rope_theta)
+        self.cos, self.sin = model_rope_tables(self.positions, self.config)
         if self.gpu_layers:
             for i, (kv, _, pos) in enumerate(rows):
                 self.staged_kvbase[i] = (kv.device.ptr - self.arena.base) // 4
                 self.staged_pos[i] = pos
             driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
-            self.stats["h2d_bytes"] += self.staging.nbytes
+            self.counters.h2d_bytes += self.staging.nbytes
         for segment in plan.segments:
             if segment.side == "cpu":
                 reads = {name for op in segment.ops for name in HOST_READS.get(self._role(op), ())}
@@ -329,7 +341,7 @@ class HybridExecutor(HostOps, DeviceWeights):
         for launch in launches:
             launch.enqueue(self.stream)
         self._call["gemm"] = self._call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
-        self.stats["launches"] += len(launches)
+        self.counters.launches += len(launches)
         if role in WRITES:
             self.valid[WRITES[role]] = {"dev"}
         if role in ("o", "down"):
@@ -344,18 +356,19 @@ class HybridExecutor(HostOps, DeviceWeights):
                 return [k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads, T),
                                  (32,), ROPE_SIGNATURE,
                                  [d["qkv"].ptr, self.q_dev.ptr, self.arena.base, kvbase, pos, vec["q_norm"],
-                                  vec["k_norm"], self.inv_freq, eps, li, self.gpu_layers,
+                                  vec["k_norm"], self.inv_freq, vec["qkv_bias"], eps, li, self.gpu_layers,
                                   c.num_attention_heads, c.num_key_value_heads, c.head_dim])]
             return [attention_launch(k, self.q_dev.ptr, self.arena.base, kvbase, pos, d["attn"].ptr,
-                                     self.partials.ptr, self.counters.ptr + 4 * 64, T, li, self.gpu_layers,
-                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, ATTENTION_SPLITS)]
+                                     self.partials.ptr, self.tickets.ptr + 4 * 64, T, li, self.gpu_layers,
+                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, ATTENTION_SPLITS,
+                                     window=c.sliding_window or 0, scale=rope.softmax_scale(c))]
         w = self._qweight(self._tensor(op), stages, role == "gate_up")
         H, I = c.hidden_size, c.intermediate_size
         if role in ("o", "down"):
             x_in, width = (d["attn"].ptr, c.q_size) if role == "o" else (d["act"].ptr, I)
             return [gemv_launch(k, w, x_in, width, d["x"].ptr, H, T, res=d["x"].ptr,
                                 normw_out=self._vector(self._next_norm(op)), xn_out=self.xn_dev.ptr,
-                                inv_rms_out=self.inv_rms_dev.ptr, counter=self.counters.ptr, eps=eps)]
+                                inv_rms_out=self.inv_rms_dev.ptr, counter=self.tickets.ptr, eps=eps)]
         if role == "gate_up":
             return [gemv_launch(k, w, self.xn_dev.ptr, H, d["act"].ptr, I, T, silu_pairs=True,
                                 inv_rms_in=self.inv_rms_dev.ptr)]

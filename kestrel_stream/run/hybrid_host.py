@@ -66,6 +66,11 @@ class HostOps:
         q = qkv[:, :c.q_size].reshape(T, c.num_attention_heads, c.head_dim)
         k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(T, c.num_key_value_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_key_value_heads, c.head_dim)
+        if lw.qkv_bias is not None:          # Qwen2: the GPU adds it in its rope kernel, the host here
+            qkv = qkv + lw.qkv_bias
+            q = qkv[:, :c.q_size].reshape(T, c.num_attention_heads, c.head_dim)
+            k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(T, c.num_key_value_heads, c.head_dim)
+            v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
             q = rmsnorm(q, lw.q_norm, c.rms_norm_eps)
             k = rmsnorm(k, lw.k_norm, c.rms_norm_eps)
@@ -82,5 +87,5 @@ class HostOps:
         for kv, lo, hi, start in self.runs:
             end = start + hi - lo
             self.host["attn"][lo:hi] = attention(self._q_host[lo:hi], kv.host.k[layer, :end],
-                                                 kv.host.v[layer, :end], start)
+                                                 kv.host.v[layer, :end], start, self.config.sliding_window)
 

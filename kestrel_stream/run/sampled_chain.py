@@ -21,5 +21,5 @@ class SampledChain(GreedyChain):
         x = self.x
         x.sampler.stage(states)
         driver.h2d_async(x.sampler.state.ptr, x.sampler.host_state, len(states) * states[0].nbytes, x.stream)
-        x.stats["h2d_bytes"] += len(states) * states[0].nbytes
+        x.counters.h2d_bytes += len(states) * states[0].nbytes
         return self.run(rows, steps)

@@ -17,12 +17,20 @@ tail of one kernel hide the DRAM latency of the next.
 from __future__ import annotations
 
 from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, ROPE_SIGNATURE, Launch, attention_launch, gemv_launch
+from kestrel_stream.model import rope
 
 LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
 
 
-def step_launches(x, tokens: int) -> list[Launch]:
-    """The kernels of one step over `tokens` tokens of GpuExecutor `x`, in order, with their arguments."""
+def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
+    """The kernels of one step over `tokens` tokens of GpuExecutor `x`, in order, with their arguments.
+
+    lm_rows = (first, count): lm_head runs on token rows first..first+count-1 only, into logits rows
+    0..count-1 (None: every row).  count 0 leaves lm_head out, unless the weights are streamed: the
+    window streams lm_head in ring order whatever the step wants, so one row is computed then."""
+    first, count = lm_rows if lm_rows is not None else (0, tokens)
+    if count == 0 and x.window.streamed:
+        first, count = tokens - 1, 1
     c, k, T = x.config, x.kernels, x.max_tokens
     eps, L = c.rms_norm_eps, c.num_hidden_layers
     kvbase, ids, pos = x.params.ptr, x.params.ptr + 8 * T, x.params.ptr + 12 * T
@@ -38,12 +46,12 @@ def step_launches(x, tokens: int) -> list[Launch]:
         out.append(k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads,
                                                      tokens), (32,), ROPE_SIGNATURE,
                             [x.qkv.ptr, x.q.ptr, x.arena.base, kvbase, pos, lw["q_norm"],
-                             lw["k_norm"], x.inv_freq, eps, li, L, c.num_attention_heads,
+                             lw["k_norm"], x.inv_freq, lw["qkv_bias"], eps, li, L, c.num_attention_heads,
                              c.num_key_value_heads, c.head_dim]))
         out.append(attention_launch(k, x.q.ptr, x.arena.base, kvbase, pos, x.attn.ptr,
                                     x.partials.ptr, x.attention_counters.ptr, tokens, li, L,
                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                    x.attention_splits))
+                                    x.attention_splits, window=c.sliding_window or 0, scale=rope.softmax_scale(c)))
         out.append(gemv_launch(k, lw["wo"], x.attn.ptr, c.q_size, xp, H, tokens, res=xp,
                                normw_out=norm_after[li], xn_out=xn, inv_rms_out=inv_rms, counter=counter,
                                eps=eps))
@@ -52,8 +60,10 @@ def step_launches(x, tokens: int) -> list[Launch]:
         out.append(gemv_launch(k, lw["w_down"], x.act.ptr, I, xp, H, tokens, res=xp,
                                normw_out=norm_after_down[li], xn_out=xn, inv_rms_out=inv_rms,
                                counter=counter, eps=eps))
-    out.append(gemv_launch(k, x.lm_head, xn, H, x.logits.ptr, c.vocab_size, tokens, inv_rms_in=inv_rms))
-    ops = [("embed", None)] + [(op, li) for li in range(L) for op in LAYER_OPS] + [("lm_head", None)]
+    if count:
+        out.append(gemv_launch(k, x.lm_head, xn + 4 * H * first, H, x.logits.ptr, c.vocab_size, count,
+                               inv_rms_in=inv_rms + 4 * first))
+    ops = [("embed", None)] + [(op, li) for li in range(L) for op in LAYER_OPS] + [("lm_head", None)] * bool(count)
     assert len(ops) == len(out), "LAYER_OPS names each launch of a layer"
     for launch, (op, layer) in zip(out, ops):
         launch.label(op=op, layer=layer)

@@ -8,7 +8,7 @@ Tolerance: a row mismatches when max|gpu - cpu| / max|cpu| > 2e-3 (the same
 bound the full-model tests hold the GPU to) or when its argmax differs while
 the reference's top two logits are more than that bound apart (a genuine tie
 may flip either way without being an error).  The count is in
-`executor.stats["verify_mismatches"]` (rows checked in "verify_rows") and is
+`executor.counters.verify_mismatches` (rows checked in verify_rows) and is
 printed at interpreter exit.
 """
 from __future__ import annotations
@@ -38,12 +38,12 @@ def compare_rows(gpu: np.ndarray, cpu: np.ndarray, tolerance: float = RELATIVE_T
 
 
 class Verifier:
-    def __init__(self, weights: ModelWeights, stats: dict):
+    def __init__(self, weights: ModelWeights, counters):
         self.reference = CpuExecutor(weights)
         self.shadows: dict[int, object] = {}
-        self.stats = stats
-        stats.setdefault("verify_mismatches", 0)
-        stats.setdefault("verify_rows", 0)
+        self.counters = counters
+        counters.verify_mismatches = counters.verify_mismatches or 0
+        counters.verify_rows = counters.verify_rows or 0
         atexit.register(self.report)
 
     def track(self, kv) -> None:
@@ -52,15 +52,15 @@ class Verifier:
     def forget(self, kv) -> None:
         self.shadows.pop(id(kv), None)
 
-    def check(self, batch, gpu_outputs: list[np.ndarray]) -> int:
+    def check(self, batch, gpu_outputs: list[np.ndarray], logits: str = "all") -> int:
         cpu_batch = [(self.shadows[id(kv)], tokens, start) for kv, tokens, start in batch]
-        expected = self.reference.forward(cpu_batch)
+        expected = self.reference.forward(cpu_batch, logits=logits)
         bad = sum(compare_rows(g, r) for g, r in zip(gpu_outputs, expected))
-        self.stats["verify_mismatches"] += bad
-        self.stats["verify_rows"] += sum(len(r) for r in expected)
+        self.counters.verify_mismatches += bad
+        self.counters.verify_rows += sum(len(r) for r in expected)
         return bad
 
     def report(self) -> None:
-        print(f"KESTREL_VERIFY: {self.stats['verify_mismatches']} mismatching logits rows of "
-              f"{self.stats['verify_rows']} checked (tolerance {RELATIVE_TOLERANCE} relative)",
+        print(f"KESTREL_VERIFY: {self.counters.verify_mismatches} mismatching logits rows of "
+              f"{self.counters.verify_rows} checked (tolerance {RELATIVE_TOLERANCE} relative)",
               file=sys.stderr)

@@ -1,7 +1,7 @@
 """The device copies of a model's weights, made on first use and kept (the hybrid executor's weight cache).
 
 A mixin: the class using it provides ``arena``, ``weights``, ``config`` and
-``stats`` and the dicts ``_vectors`` and ``_qweights``.  Every upload is
+``counters`` (a StepCounters) and the dicts ``_vectors`` and ``_qweights``.  Every upload is
 counted (``weight_uploads``) and timed into the profile table's ``upload``
 stage; a lookup is its ``cache_probe``.
 """
@@ -40,15 +40,16 @@ class DeviceWeights:
             driver.h2d_sync(qs, w.qs[order])
             driver.h2d_sync(sc, w.scales[order])
             cached = self._qweights[id(w)] = QWeight(qs, sc, w.shape[0], w.shape[1])
-            self.stats["weight_uploads"] += 1
-            self.stats["weight_upload_bytes"] += w.nbytes
+            self.counters.weight_uploads += 1
+            self.counters.weight_upload_bytes += w.nbytes
             stages["upload"] = stages.get("upload", 0.0) + (time.perf_counter() - start) * 1e6
             stages["uploads"] = stages.get("uploads", 0) + 1
         return cached
 
     def _layer_vectors(self, li: int) -> dict:
         lw = self.weights.layers[li]
-        return {name: self._vector(getattr(lw, name)) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm")}
+        return {name: self._vector(getattr(lw, name)) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm",
+                                                                        "qkv_bias")}
 
     def _tensor(self, op):
         """The fused QTensor behind a projection op."""

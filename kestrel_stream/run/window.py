@@ -61,7 +61,7 @@ def weight_tensors(weights) -> dict[str, tuple[QTensor, bool]]:
 
 
 def step_launch_items(num_layers: int) -> list:
-    """The window item each launch of GpuExecutor._step_launches reads (None: no Q8 weight, or the embed table)."""
+    """The window item each launch of GpuExecutor.step_launches reads (None: no Q8 weight, or the embed table)."""
     per_layer = lambda i: [f"L{i}.qkv", None, None, f"L{i}.o", f"L{i}.gate_up", f"L{i}.down"]
     return [None] + [name for i in range(num_layers) for name in per_layer(i)] + ["lm_head"]
 
@@ -229,20 +229,22 @@ class WeightWindow:
         return self._timing_pool
 
     # ---- counters (after each pass's sync) ----------------------------------------------------------
-    def account(self, stats: dict) -> None:
-        """One pass through the step's weights: bytes streamed, hits/misses, and busy times when timed."""
-        stats["streamed_bytes"] = stats.get("streamed_bytes", 0) + self.streamed_bytes_per_step
-        stats["h2d_bytes"] = stats.get("h2d_bytes", 0) + self.streamed_bytes_per_step
-        stats["window_hits"] = stats.get("window_hits", 0) + len(self.resident)
-        stats["window_misses"] = stats.get("window_misses", 0) + len(self.streamed)
+    def account(self, counters) -> None:
+        """One pass through the step's weights: bytes streamed, hits/misses, and busy times when timed
+        (counters: a StepCounters)."""
+        c = counters
+        c.streamed_bytes = (c.streamed_bytes or 0) + self.streamed_bytes_per_step
+        c.h2d_bytes += self.streamed_bytes_per_step
+        c.window_hits = (c.window_hits or 0) + len(self.resident)
+        c.window_misses = (c.window_misses or 0) + len(self.streamed)
         timed, self._timed = self._timed, None
         if timed:
             copy_ms = sum(end.elapsed_ms(begin) for begin, end in timed["copy"])
             stall_ms = sum(end.elapsed_ms(begin) for begin, end in timed["wait"])
             span_ms = timed["end"].elapsed_ms(timed["start"])
-            stats["copy_busy_ms"] = stats.get("copy_busy_ms", 0.0) + copy_ms
-            stats["compute_busy_ms"] = stats.get("compute_busy_ms", 0.0) + max(span_ms - stall_ms, 0.0)
-            stats["step_span_ms"] = stats.get("step_span_ms", 0.0) + span_ms
+            c.copy_busy_ms = (c.copy_busy_ms or 0.0) + copy_ms
+            c.compute_busy_ms = (c.compute_busy_ms or 0.0) + max(span_ms - stall_ms, 0.0)
+            c.step_span_ms = (c.step_span_ms or 0.0) + span_ms
 
     # ---- load report ----------------------------------------------------------------------------------
     def preload_report(self, budget_bytes: int | None, needs_bytes: int) -> tuple[str, str | None]:

@@ -367,11 +367,9 @@ def run_daemon(args) -> int:
     cfg = engine.config
     log(f"model {args.model}: {cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"vocab {cfg.vocab_size}; device {engine.device}, mode {engine.mode}, max_seq_len {engine.max_seq_len}")
-    for label, name in (("plan", "plan_summary"), ("preload", "preload_line")):
-        value = getattr(engine, name, None) or getattr(engine.executor, name, None)
-        value = value() if callable(value) else value
-        if value:
-            log(f"{label}: {value}" if label == "plan" else str(value))
+    log(f"plan: {engine.plan_summary()}")
+    if engine.executor.preload_line:
+        log(engine.executor.preload_line)
     try:
         return anyio.run(serve, engine, args)
     finally:

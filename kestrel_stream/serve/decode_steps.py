@@ -63,7 +63,9 @@ class DecodeSteps:
             items = [(chunk.payload.session, chunk.payload.ids(chunk.start, chunk.count)) for chunk in runnable]
             # greedy: every chunk needs only its last row's argmax, which the device then takes
             greedy = all(chunk.payload.greedy_enough(chunk.final) for chunk in runnable)
-            out = self.engine.step(items, greedy=greedy)     # tokens [B], or logits [n_i, V] per session
+            # no chunk wants every row's logits: lm_head runs on each session's last row alone
+            rows = "last" if all(chunk.payload.want != "logits" for chunk in runnable) else "all"
+            out = self.engine.step(items, greedy=greedy, logits=rows)   # tokens [B], or logits per session
         except Exception as e:          # a device failure fails this step's requests, not the daemon
             for chunk in runnable:
                 chunk.payload.error = e

@@ -54,7 +54,9 @@ class Service:
         self.traces = traces                    # serve/traces.py DaemonTraces; None: no trace_start
         self.vocab_size = engine.config.vocab_size
         # Built once: the plan is fixed for the engine's mode, and stats() should stay a cheap round trip.
-        self.plan = describe(getattr(engine, "plan_summary", None) or getattr(engine.executor, "plan_summary", None))
+        self.plan = engine.plan_summary()
+        window = engine.executor.window_plan
+        self.residency = window.describe().splitlines()[0] if window is not None else None
         self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0,
                          "decode_step_s": 0.0}         # engine time of those steps, on the step thread
         self.decode_steps = DecodeSteps(engine, self.counters, batcher)
@@ -277,8 +279,8 @@ class Service:
             "model": str(getattr(engine.weights, "source", "")) or None,
             "device": engine.device, "mode": engine.mode,
             "plan": self.plan,
-            "residency": describe(getattr(executor, "residency", None)),
-            "counters": {key: value for key, value in executor.stats.items() if isinstance(value, (int, float))},
+            "residency": self.residency,
+            "counters": executor.counters.as_dict(),
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
             **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
@@ -286,14 +288,6 @@ class Service:
             "inline_steps": self.steps.inline_steps,
         }
 
-
-def describe(value):
-    """A JSON-safe form of an engine attribute that may be a method, a dict or an object."""
-    if callable(value):
-        value = value()
-    if value is None or isinstance(value, (str, int, float, bool, list, dict)):
-        return value
-    return str(value)
 
 
 def tracer():

@@ -64,7 +64,7 @@ class Generation:
 
     # -- the steps ----------------------------------------------------------
     def _first(self, s) -> int:
-        return self._pick(s.prefill(self.ids)[-1], 0)
+        return self._pick(s.prefill(self.ids, logits="last"), 0)
 
     def _pick(self, logits: np.ndarray, step: int) -> int:
         return sample_logits(logits, self.params, self.seed, step, self.ids + self.tokens)
@@ -79,8 +79,7 @@ class Generation:
                     return chained
             return [s.decode_greedy(token)]
         if not params.penalized:
-            if engine.chain_greedy and budget > 1 and trace.active is None and \
-                    hasattr(engine.executor, "generate_sampled"):
+            if engine.chain_greedy and budget > 1 and trace.active is None:
                 from kestrel_stream.run.device_sampler import pack_state
                 chained = engine._generate_chained(s, token, min(budget, chunk),
                                                    sample=pack_state(params, self.seed, step))
@@ -94,11 +93,11 @@ class Generation:
         engine, stop = self.engine, self.stop
         with engine.new_session() as s:
             s._check_room(len(self.ids) + max(stop.max_new_tokens - 1, 0))
-            before = dict(engine.executor.stats)
+            before = engine.executor.counters.as_dict()
             t0 = time.perf_counter()
             token = self._first(s) if stop.max_new_tokens > 0 else None
             t1 = time.perf_counter()
-            mid = dict(engine.executor.stats)
+            mid = engine.executor.counters.as_dict()
             pending = [token] if token is not None else []
             chunk = CHAIN_FIRST_CHUNK if stop.eos_ids or stop.stop else CHAIN_MAX_CHUNK
             while pending:
@@ -112,7 +111,7 @@ class Generation:
                     pending = self._next_tokens(s, token, budget, chunk)
                     chunk = min(2 * chunk, CHAIN_MAX_CHUNK)
             t2 = time.perf_counter()
-            after = dict(engine.executor.stats)
+            after = engine.executor.counters.as_dict()
         if stop.reason is None:
             stop.reason = LENGTH
         self.result = engine._result(self.tokens, t1 - t0, t2 - t1, len(self.ids), before, mid, after,

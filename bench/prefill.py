@@ -1,0 +1,123 @@
+"""`gpu` mode prefill (pp512) and batched greedy decode, in the shape of llama-bench / llama-batched-bench.
+
+    PYTHONPATH=. python3 -m bench.prefill [--model F.gguf | --shape qwen3-1.7b|qwen3-8b] [--out DIR]
+        [--sessions 1,4,8,16,32] [--prompt-len 128] [--new-tokens 64] [--pp 512] [--repeats 3]
+
+pp: one session prefills `--pp` tokens with logits="last" (lm_head on the last row only); tok/s of
+the best of `--repeats` (llama-bench's pp512 is a mean over its repetitions, after a warm-up).
+Batched decode: N sessions each prefill a `--prompt-len` prompt, then `--new-tokens` greedy steps of
+all N together through forward_greedy (one graph replay per bucket, argmax on the device, 4 bytes per
+session back); aggregate tok/s = N * new tokens / decode time (llama-batched-bench's S_TG).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from kestrel_stream.cli.bench import environment
+from kestrel_stream.cuda import driver
+from kestrel_stream.loading.presets import random_q8_weights
+from kestrel_stream.run.gpu_executor import GpuExecutor
+
+from .report import write_results
+
+
+def load(args):
+    if args.model:
+        from kestrel_stream.loading.loader import load_weights
+        return load_weights(args.model)
+    return random_q8_weights(args.shape, seed=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=None, help="a .gguf file (default: random weights of --shape)")
+    parser.add_argument("--shape", default="qwen3-1.7b", choices=["qwen3-1.7b", "qwen3-8b"])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--sessions", default="1,4,8,16,32")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--pp", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ops", action="store_true", help="also print GPU time per op of one pp step")
+    args = parser.parse_args()
+    counts = [int(n) for n in args.sessions.split(",")]
+    weights = load(args)
+    c = weights.config
+    seq = max(args.pp, args.prompt_len + args.new_tokens + 1)
+    gpu = GpuExecutor(weights, max_seq_len=seq, max_batch=max(counts), max_sessions=max(counts) + 1,
+                      prefill_chunk=max(args.pp, 64))
+    rng = np.random.default_rng(0)
+    rows = []
+
+    kv = gpu.alloc_kv(seq)
+    prompt = rng.integers(0, c.vocab_size, args.pp)
+    gpu.forward([(kv, prompt, 0)], logits="last")       # warm-up: module loads, launch lists
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        gpu.forward([(kv, prompt, 0)], logits="last")
+        times.append(time.perf_counter() - t0)
+    if args.ops:
+        print(op_breakdown(gpu, kv, prompt), flush=True)
+    gpu.free_kv(kv)
+    row = {"test": f"pp{args.pp}", "sessions": 1, "tok_s": round(args.pp / min(times), 1),
+           "ms": round(min(times) * 1e3, 2)}
+    print(row, flush=True)
+    rows.append(row)
+
+    for n in counts:
+        sessions = [gpu.alloc_kv(seq) for _ in range(n)]
+        prompts = [rng.integers(0, c.vocab_size, args.prompt_len) for _ in range(n)]
+        t0 = time.perf_counter()
+        tokens = gpu.forward_greedy([(kv, p, 0) for kv, p in zip(sessions, prompts)])
+        prefill_s = time.perf_counter() - t0
+        step = lambda pos, toks: [(kv, np.array([int(t)]), pos) for kv, t in zip(sessions, toks)]
+        gpu.forward_greedy(step(args.prompt_len, tokens))        # captures this bucket's graph
+        t0 = time.perf_counter()
+        for i in range(args.new_tokens):
+            tokens = gpu.forward_greedy(step(args.prompt_len + i, tokens))
+        decode_s = time.perf_counter() - t0
+        row = {"test": f"pp{args.prompt_len}+tg{args.new_tokens}", "sessions": n,
+               "tok_s": round(n * args.new_tokens / decode_s, 1), "ms": round(decode_s / args.new_tokens * 1e3, 2),
+               "prefill_tok_s": round(n * args.prompt_len / prefill_s, 1)}
+        print(row, flush=True)
+        rows.append(row)
+        for kv in sessions:
+            gpu.free_kv(kv)
+    env = environment()
+    env.update(machine=driver.detect(), model=args.model or f"random {args.shape}")
+    notes = (f"{args.model or 'random Q8_0 weights, ' + args.shape + ' shape'}. pp rows: one session, "
+             f"logits of the last row only, best of {args.repeats}. Batched rows: tok_s = aggregate greedy "
+             f"decode (sessions x {args.new_tokens} tokens / decode time), ms = per step; prefill_tok_s = "
+             f"the {args.prompt_len}-token prompts of all sessions in one step.")
+    path = write_results(f"h200-prefill-{args.shape if not args.model else 'gguf'}", env, rows,
+                         ["test", "sessions", "tok_s", "ms", "prefill_tok_s"], notes, args.out)
+    print(f"wrote {path}")
+    gpu.close()
+
+
+def op_breakdown(gpu: GpuExecutor, kv, prompt) -> dict:
+    """GPU µs per op (summed over layers) of one prefill step over `prompt`, each launch between two
+    timing events (so without overlap between kernels)."""
+    rows = gpu._rows([(kv, prompt, 0)])
+    gpu.stage(rows, len(rows))
+    driver.h2d_async(gpu.params.ptr, gpu.staging, gpu.staging.nbytes, gpu.stream)
+    launches = gpu.step_launches(len(rows), (len(rows) - 1, 1))
+    events = [driver.Event(timing=True) for _ in range(len(launches) + 1)]
+    events[0].record(gpu.stream)
+    for launch, event in zip(launches, events[1:]):
+        launch.enqueue(gpu.stream)
+        event.record(gpu.stream)
+    gpu.stream.synchronize()
+    totals: dict = {}
+    for launch, before, after in zip(launches, events, events[1:]):
+        op = launch.labels.get("op", launch.name)
+        totals[op] = totals.get(op, 0.0) + after.elapsed_ms(before) * 1e3
+    return {op: round(us, 1) for op, us in totals.items()}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""The tile shapes of kernels_ptx/q8_mma.cu (int8 tensor-core GEMM) and which one a step gets.
+
+A variant is BM tokens x BN weight rows per block, WARPS_M x WARPS_N warps, BK of K per pipeline
+stage.  Kernel names are q8_mma_<BM>x<BN>[k<BK>] (+ "_silu").  Pure Python: the emulated device and the bench read it without a driver.
+"""
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+MMA_MIN_TOKENS = 9      # up to 8 tokens the GEMV kernels stream the weights once; more go to tensor cores
+
+
+class Tile(NamedTuple):
+    tokens: int          # BM
+    rows: int            # BN
+    warps_m: int
+    warps_n: int
+    k_step: int = 64     # BK: K per pipeline stage
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+
+TILES = {"16x64": Tile(16, 64, 1, 4), "16x64k128": Tile(16, 64, 1, 4, 128), "16x32k256": Tile(16, 32, 1, 4, 256),
+         "16x32k128": Tile(16, 32, 1, 4, 128), "16x16k256": Tile(16, 16, 1, 2, 256),
+         "32x64": Tile(32, 64, 2, 2), "32x64k128": Tile(32, 64, 2, 2, 128), "64x64": Tile(64, 64, 2, 2),
+         "64x128": Tile(64, 128, 2, 4)}
+
+
+def kernel_name(tile: str, silu_pairs: bool) -> str:
+    return f"q8_mma_{tile}" + ("_silu" if silu_pairs else "")
+
+
+def parse(name: str) -> tuple[Tile, bool]:
+    """(tile, silu_pairs) of a q8_mma kernel name."""
+    match = re.fullmatch(r"q8_mma_(\d+x\d+(?:k\d+)?)(_silu)?", name)
+    assert match and match.group(1) in TILES, f"not a q8_mma kernel: {name}"
+    return TILES[match.group(1)], match.group(2) is not None
+
+
+def choose_tile(tokens: int, rows: int) -> str:
+    """The tile for a tokens x rows output, from bench/mma.py on the H200 (bench/results/*-mma.md).
+
+    Up to 64 tokens (batched decode, short chunks) a step is latency-bound, one block per SM at most:
+    16-token tiles win (a weight tile re-read per 16 tokens comes from L2), and for up to 4096 rows
+    and 32 tokens the 32-row tile with 256-wide K stages, which doubles the blocks.  Prefill-sized
+    steps want the 64 x 128 tile (least re-reading, most mma per load).
+    """
+    if tokens <= 32 and rows <= 4096:
+        return "16x32k256"
+    return "16x64" if tokens <= 64 else "64x128"

@@ -1,0 +1,90 @@
+"""Writing a model as a GGUF file (the tests' round trip: kestrel-stream reads it back bit for bit)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter, LlamaFileType, RopeScalingType
+
+from kestrel_stream.loading.gguf import PERMUTED_ARCHS, ROPE_FREQS, permute_rows, rope_row_order
+from kestrel_stream.model.rope import default_inv_freq, inv_freq
+from kestrel_stream.model.quant import QTensor
+from kestrel_stream.model.weights import ModelWeights
+
+
+def export_gguf(weights: ModelWeights, path: str | Path) -> Path:
+    """Write ``weights`` as a GGUF file: Q8_0 linear weights and embedding, F32 norms.
+
+    The file holds the model metadata and tensors llama.cpp names, but no
+    tokenizer; kestrel-stream reads it back bit for bit.
+    """
+    cfg, path = weights.config, Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    writer = GGUFWriter(str(tmp), "llama" if cfg.arch in PERMUTED_ARCHS else cfg.arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_theta)
+    if cfg.sliding_window:
+        writer.add_sliding_window(cfg.sliding_window)
+    scaling = cfg.rope_scaling
+    if scaling is not None and scaling.type in ("linear", "yarn"):     # as llama.cpp's converter writes them
+        writer.add_rope_scaling_type(RopeScalingType(scaling.type))
+        writer.add_rope_scaling_factor(scaling.factor)
+        if scaling.type == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(scaling.original_max_position_embeddings)
+            writer.add_rope_scaling_yarn_beta_fast(scaling.beta_fast)
+            writer.add_rope_scaling_yarn_beta_slow(scaling.beta_slow)
+            if scaling.attention_factor is not None:
+                writer.add_rope_scaling_attn_factors(scaling.attention_factor)
+    elif scaling is not None or cfg.rope_freq_factors:     # llama3: per-frequency divisors
+        writer.add_tensor(ROPE_FREQS, (default_inv_freq(cfg.head_dim, cfg.rope_theta) / inv_freq(cfg))
+                          .astype(np.float32))
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_file_type(LlamaFileType.MOSTLY_Q8_0)
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+
+    def add_q8(name: str, q: QTensor):
+        writer.add_tensor(name, q.to_blocks(), raw_dtype=GGMLQuantizationType.Q8_0)
+
+    add_q8("token_embd.weight", weights.embed)
+    writer.add_tensor("output_norm.weight", np.asarray(weights.final_norm, dtype=np.float32))
+    if not weights.tied:
+        add_q8("output.weight", weights.lm_head)
+    q_rows, kv_rows, ffn_rows = cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    for i, layer in enumerate(weights.layers):
+        wq = layer.wqkv.rows(0, q_rows)
+        wk = layer.wqkv.rows(q_rows, q_rows + kv_rows)
+        if cfg.arch in PERMUTED_ARCHS:
+            wq = permute_rows(wq, rope_row_order(q_rows, cfg.num_attention_heads, to_gguf=True))
+            wk = permute_rows(wk, rope_row_order(kv_rows, cfg.num_key_value_heads, to_gguf=True))
+        blk = f"blk.{i}"
+        writer.add_tensor(f"{blk}.attn_norm.weight", np.asarray(layer.attn_norm, dtype=np.float32))
+        add_q8(f"{blk}.attn_q.weight", wq)
+        add_q8(f"{blk}.attn_k.weight", wk)
+        add_q8(f"{blk}.attn_v.weight", layer.wqkv.rows(q_rows + kv_rows, q_rows + 2 * kv_rows))
+        if layer.qkv_bias is not None:
+            bias = np.asarray(layer.qkv_bias, dtype=np.float32)
+            writer.add_tensor(f"{blk}.attn_q.bias", bias[:q_rows])
+            writer.add_tensor(f"{blk}.attn_k.bias", bias[q_rows:q_rows + kv_rows])
+            writer.add_tensor(f"{blk}.attn_v.bias", bias[q_rows + kv_rows:])
+        add_q8(f"{blk}.attn_output.weight", layer.wo)
+        if layer.q_norm is not None:
+            writer.add_tensor(f"{blk}.attn_q_norm.weight", np.asarray(layer.q_norm, dtype=np.float32))
+            writer.add_tensor(f"{blk}.attn_k_norm.weight", np.asarray(layer.k_norm, dtype=np.float32))
+        writer.add_tensor(f"{blk}.ffn_norm.weight", np.asarray(layer.mlp_norm, dtype=np.float32))
+        add_q8(f"{blk}.ffn_gate.weight", layer.w_gate_up.rows(0, ffn_rows))
+        add_q8(f"{blk}.ffn_up.weight", layer.w_gate_up.rows(ffn_rows, 2 * ffn_rows))
+        add_q8(f"{blk}.ffn_down.weight", layer.w_down)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tmp.replace(path)
+    return path

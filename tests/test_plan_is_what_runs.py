@@ -1,0 +1,92 @@
+"""The plan is what runs: for every mode and several batch sizes, the plan's launches and syncs per step
+equal what the executor counted on the emulated device (tests/fake_cuda.py).
+
+A decode batch runs as the executor's chunks (gpu mode: graph buckets of at most 8 sessions, padded to
+the bucket), each chunk one step of the plan of its size; the expected counts sum the plans of those
+chunks.  In gpu mode the step's kernels sit in one graph: the plan's launches are the graph's kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import fake_cuda
+import scheduler
+from kestrel_stream.loading.presets import random_q8_weights
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, step_rows
+from kestrel_stream.run.engine import Engine
+from kestrel_stream.run.hybrid import HybridExecutor
+
+CONFIG = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=3,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                     max_position_embeddings=64)
+MAX_SEQ_LEN, MAX_BATCH = 16, 12
+BATCHES = (1, 3, 8, 12)
+MODES = ("cpu", "gpu", "gpu-eager", "gpu-window", "gated", "gated-fast-link", "layers=1", "layers=3")
+# a link so fast that the cost model offloads groups of this small model: gated mode with GPU segments
+FAST_LINK = dataclasses.replace(scheduler.H200_MEASURED, round_trip_us=1.0, host_weight_GBps=0.5,
+                                host_gflops=5.0, gpu_launch_us=0.5)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_q8_weights(CONFIG, seed=5)
+
+
+def build(weights, mode: str) -> Engine:
+    if mode == "cpu":
+        return Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    if mode.startswith("gpu"):
+        budget = None
+        if mode == "gpu-window":       # half the weights resident, the rest streamed every step
+            needs = arena_needs(CONFIG, *step_rows(MAX_BATCH)[:1], 2 * MAX_BATCH + 1, MAX_SEQ_LEN, 16,
+                                logits_rows=step_rows(MAX_BATCH)[1])
+            budget = budget_for_weight_fraction(CONFIG, needs, 0.5)
+        engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
+                        vram_budget=budget)
+        engine.executor.use_graphs = mode != "gpu-eager"
+        return engine
+    engine = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    profile = FAST_LINK if mode == "gated-fast-link" else scheduler.H200_MEASURED
+    mode = mode.removesuffix("-fast-link")
+    engine.device, engine.mode = "cuda", mode
+    engine.executor = HybridExecutor(weights, mode, profile, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    return engine
+
+
+def chunks(engine, batch: int) -> list[int]:
+    """The token counts of the steps the executor runs one decode batch as."""
+    x = engine.executor
+    if engine.mode != "gpu":
+        step = getattr(x, "max_tokens", batch)
+        return [min(step, batch - lo) for lo in range(0, batch, step)]
+    if not x.use_graphs:
+        return [min(x.max_tokens, batch - lo) for lo in range(0, batch, x.max_tokens)]
+    sizes = [min(x.graph_rows, batch - lo) for lo in range(0, batch, x.graph_rows)]
+    return [next(b for b in x.buckets if b >= n) for n in sizes]
+
+
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("mode", MODES)
+def test_plan_counters_equal_the_executors(weights, monkeypatch, mode, batch):
+    fake_cuda.install(monkeypatch, mode="deferred")
+    engine = build(weights, mode)
+    sessions = [engine.new_session() for _ in range(batch)]
+    pairs = [(s, 3 + i) for i, s in enumerate(sessions)]
+    engine.decode_batch(pairs)               # first step: graphs captured, weights warmed
+    before = engine.executor.counters.as_dict()
+    engine.decode_batch([(s, 7 + i) for i, s in enumerate(sessions)])
+    if mode == "gpu-window":
+        assert engine.executor.window.streamed, "the budget should stream some weights"
+    after = engine.executor.counters.as_dict()
+    ran = {key: after[key] - before.get(key, 0) for key in after}
+    plans = [engine.executor.plan(n) for n in chunks(engine, batch)]
+    launches = ran["kernels"] if mode in ("gpu", "gpu-window") else ran["launches"]
+    assert launches == sum(p.launches_per_step for p in plans), f"{mode} batch {batch}"
+    assert (launches > 0) == (mode not in ("cpu", "gated")), "the modes that offload launch kernels"
+    assert ran["syncs"] == sum(p.syncs_per_step for p in plans), f"{mode} batch {batch}"
+    assert ran["steps"] == 1 and ran["tokens"] == batch
+    engine.close()
