@@ -274,6 +274,8 @@ async def serve(engine, args) -> int:
     from scheduler.batcher import StepBatcher
     from kestrel_stream.serve.service import Service
     from kestrel_stream.serve.traces import DaemonTraces, prepare_trace_dir
+    from kestrel_stream.serve.http.server import http_server
+    http = http_server(args)
     limits = limits_from_args(args)
     uses_runtime_dir = not args.trace_dir or not (args.socket or args.tcp)
     made_dir = make_runtime_dir() if uses_runtime_dir else None     # removed at exit, once empty
@@ -316,8 +318,13 @@ async def serve(engine, args) -> int:
             daemon.spawn = tg.start_soon
             for one in getattr(listener, "listeners", [listener]):     # TCP may listen on IPv4 and IPv6
                 tg.start_soon(daemon.accept_forever, one, tg)
+            if http is not None:        # the OpenAI-compatible API on the same service (serve/http/)
+                await tg.start(http.run, service)
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
+                    if http is not None:        # no new generations; running HTTP responses end first
+                        service.start_draining()
+                        await http.stop()
                     await daemon.shutdown(tg.cancel_scope, signal.Signals(signum).name)
                     break
     finally:
@@ -349,6 +356,8 @@ def run_daemon(args) -> int:
     if not 0 <= args.inline_max_ms <= 1000 or not 0 <= args.spin_us <= 100_000:
         raise ValueError(f"--inline-max-ms must be in 0..1000 (got {args.inline_max_ms}) and --spin-us in "
                          f"0..100000 (got {args.spin_us})")
+    from kestrel_stream.serve.http.server import http_options
+    http_options(args)                      # bad --http flags fail before the model loads
     if getattr(args, "trace", None):          # `serve --trace FILE`: the CLI stops and writes it at exit
         from kestrel_stream.obs import trace
         trace.start(args.trace, command="serve")
@@ -393,6 +402,8 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-frame-mb", type=int, default=Limits().max_frame_bytes >> 20,
                    help="largest request frame accepted once authenticated (before hello: 4 KiB)")
     add_limit_args(p)
+    from kestrel_stream.serve.http.server import add_http_args
+    add_http_args(p)
 
 
 SOCKET_HELP = ("$XDG_RUNTIME_DIR/kestrel-stream.sock; without $XDG_RUNTIME_DIR $TMPDIR/kestrel-<uid>/kestrel-stream.sock, "

@@ -42,10 +42,10 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _WHITESPACE = " \t\n\r"
 
 
-def load_limited(text: str):
+def load_limited(text: str, max_chars: int = MAX_TEXT_CHARS):
     """The one JSON value in ``text``; JSONLimitError if it is not JSON or breaks a limit."""
-    if len(text) > MAX_TEXT_CHARS:
-        raise JSONLimitError(f"{len(text)} characters of JSON (the limit is {MAX_TEXT_CHARS})")
+    if len(text) > max_chars:
+        raise JSONLimitError(f"{len(text)} characters of JSON (the limit is {max_chars})")
     if text.count("[") + text.count("{") > MAX_DEPTH:
         check_depth(text)
     scan = _scan_checked if _DIGIT_RUN.search(text) else _scan

@@ -1,0 +1,186 @@
+"""Serving over HTTP: N clients x (prompt + generated tokens) against any OpenAI-compatible /v1 endpoint.
+
+    python3 -m bench.http_serve [--preset tiny | --model PATH] [--device cpu|cuda] [--mode auto]
+                                [--clients 1,16,32] [--prompt-tokens 128] [--new-tokens 64] [--out DIR] [--label NAME]
+    python3 -m bench.http_serve --base-url http://127.0.0.1:8080/v1 --served-model NAME --vocab-size V --label llama-server
+    # on the H200, ours then llama-server's on the same GGUF:
+    #   python3 -m bench.http_serve --model qwen3-1.7b-q8_0.gguf --device cuda --label h200
+    #   llama-server -m qwen3-1.7b-q8_0.gguf -ngl 99 -np 32 -c 8192 --port 8080 &
+    #   python3 -m bench.http_serve --base-url http://127.0.0.1:8080/v1 --vocab-size 151936 --label h200-llama-server
+
+Without --base-url a daemon is started here with ``serve --http 127.0.0.1:0``.
+Each client sends one streaming ``/v1/completions`` request at the same
+moment as the others: a prompt of random token ids (a list of ids, which
+both this server and llama-server take; a different prompt per client),
+``max_tokens`` = --new-tokens, greedy, ``ignore_eos`` so every client gets
+exactly that many tokens.  Time to first token is from sending the request
+to its first streamed choice; aggregate tok/s is every client's generated
+tokens (the usage chunk's count where the server sends one) over the time
+from the start to the last client's last chunk.  The load generator is one
+asyncio loop in this process: on a machine with few cores it competes with
+the server.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")     # before numpy loads, here and in the daemon
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kestrel_stream.cli.bench import environment  # noqa: E402
+from kestrel_stream.loading.presets import ensure_preset  # noqa: E402
+
+from .report import write_results  # noqa: E402
+from .serve import daemon_vocab_size, percentile  # noqa: E402
+
+
+def start_daemon(model, args, tmp: Path) -> tuple[subprocess.Popen, str]:
+    """``serve --http 127.0.0.1:0`` and the base URL it logs."""
+    log_path = tmp / "daemon.log"
+    log = open(log_path, "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model),
+                             "--device", args.device, "--mode", args.mode, "--socket", str(tmp / "ks.sock"),
+                             "--http", "127.0.0.1:0", "--served-model-name", "bench",
+                             "--max-batch", str(args.max_batch), "--max-sessions", str(max(args.client_counts) + 4),
+                             "--max-seq-len", str(args.prompt_tokens + args.new_tokens + 8)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 900
+    while True:
+        found = re.search(r"http listening on (http://\S+/v1)", log_path.read_text())
+        if found:
+            return proc, found.group(1)
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"daemon did not start: {log_path.read_text()}")
+        time.sleep(0.05)
+
+
+async def model_name(http: httpx.AsyncClient, base_url: str) -> str:
+    response = await http.get(f"{base_url}/models")
+    response.raise_for_status()
+    return response.json()["data"][0]["id"]
+
+
+async def one_request(http: httpx.AsyncClient, base_url: str, body: dict) -> tuple[float, float, int]:
+    """(time to first token s, finish time, generated tokens) of one streaming completion."""
+    sent = time.perf_counter()
+    first, chunks, usage = None, 0, None
+    async with http.stream("POST", f"{base_url}/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"].get("completion_tokens")
+            if chunk.get("choices"):
+                chunks += 1
+                if first is None:
+                    first = time.perf_counter() - sent
+    return first if first is not None else float("nan"), time.perf_counter(), usage if usage else chunks
+
+
+async def round_of(base_url: str, model: str, clients: int, args, vocab: int, seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    bodies = [{"model": model, "prompt": rng.integers(0, vocab, args.prompt_tokens).tolist(),
+               "max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
+               "stream_options": {"include_usage": True}} for _ in range(clients)]
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as http:
+        started = time.perf_counter()
+        results = await asyncio.gather(*(one_request(http, base_url, b) for b in bodies))
+    ttft_s = [r[0] for r in results]
+    tokens = sum(r[2] for r in results)
+    return {"tok_s": tokens / (max(r[1] for r in results) - started), "ttft_s": ttft_s, "tokens": tokens}
+
+
+def rows_at(base_url: str, args, vocab: int) -> list[dict]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    async def name() -> str:
+        async with httpx.AsyncClient(timeout=60, headers=headers) as http:
+            return args.served_model or await model_name(http, base_url)
+    model = asyncio.run(name())
+    warm = argparse.Namespace(**{**vars(args), "prompt_tokens": min(args.prompt_tokens, 16), "new_tokens": 4})
+    asyncio.run(round_of(base_url, model, 2, warm, vocab, 0))
+    rows = []
+    for clients in args.client_counts:
+        for repeat in range(args.repeat):
+            run = asyncio.run(round_of(base_url, model, clients, args, vocab, 1000 * clients + repeat))
+            ttft_ms = [t * 1e3 for t in run["ttft_s"]]
+            rows.append({"server": args.server, "clients": clients, "run": repeat, "tok_s": round(run["tok_s"], 1),
+                         "ttft_p50_ms": round(statistics.median(ttft_ms), 2),
+                         "ttft_p99_ms": round(percentile(ttft_ms, 0.99), 2),
+                         "tokens": run["tokens"], "expected_tokens": clients * args.new_tokens})
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base-url", default=None, help="an OpenAI-compatible /v1 URL (default: start our daemon)")
+    parser.add_argument("--served-model", default=None, help="the request's 'model' (default: /v1/models' first)")
+    parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key ($OPENAI_API_KEY)")
+    parser.add_argument("--vocab-size", type=int, default=None, help="prompt ids are drawn below it (with "
+                                                                     "--base-url; else the model's)")
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: make --preset)")
+    parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--mode", default="auto")
+    parser.add_argument("--max-batch", type=int, default=32)
+    parser.add_argument("--clients", default="1,16,32")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--label", default="", help="appended to the result file name (e.g. the machine)")
+    args = parser.parse_args()
+    args.client_counts = [int(c) for c in args.clients.split(",")]
+    if min(args.client_counts) < 1 or args.prompt_tokens < 1 or args.new_tokens < 1:
+        parser.error("--clients, --prompt-tokens and --new-tokens must be >= 1")
+    if args.base_url:
+        if args.vocab_size is None:
+            parser.error("--base-url needs --vocab-size (prompt ids are drawn below it)")
+        args.server = args.base_url
+        rows = rows_at(args.base_url.rstrip("/"), args, args.vocab_size)
+        name = f"http-serve-{args.served_model or 'endpoint'}"
+    else:
+        model = args.model or ensure_preset(args.preset)
+        args.server = "kestrel-stream"
+        with tempfile.TemporaryDirectory(prefix="kestrel-http-") as tmp:
+            proc, base_url = start_daemon(model, args, Path(tmp))
+            try:
+                vocab = args.vocab_size or daemon_vocab_size(Path(tmp) / "ks.sock")
+                rows = rows_at(base_url, args, vocab)
+            finally:
+                proc.send_signal(signal.SIGTERM)
+                if proc.wait(60) != 0:
+                    raise RuntimeError(f"daemon exited {proc.returncode}")
+        name = f"http-serve-{args.model and Path(args.model).name or args.preset}-{args.device}"
+    name += f"-{args.label}" if args.label else ""
+    path = write_results(name, environment(), rows,
+                         ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tokens",
+                          "expected_tokens"], out_dir=args.out,
+                         notes=f"HTTP, streaming /v1/completions; {os.cpu_count()} cores. Each client: a "
+                               f"{args.prompt_tokens}-token prompt (random ids), {args.new_tokens} greedy tokens "
+                               f"with ignore_eos. tok_s = generated tokens of all clients / (last chunk - start); "
+                               f"ttft = request sent -> first streamed choice.")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

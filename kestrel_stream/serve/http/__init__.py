@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP API of the daemon: an ASGI app under hypercorn, on the daemon's batcher."""

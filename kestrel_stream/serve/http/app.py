@@ -1,0 +1,201 @@
+"""The ASGI app (starlette): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+
+``Gate`` wraps every request at the ASGI level: the bearer key (constant
+time), the number of generations running at once, and the status counts for
+/metrics; it holds a generation's slot until its whole response, stream
+included, has been sent or abandoned.  Bodies are read up to a byte limit and
+parsed with serve/json_limits.py; every refusal is OpenAI's error shape.
+"""
+from __future__ import annotations
+
+import hmac
+import time
+from contextlib import aclosing
+
+from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kestrel_stream.serve.http.errors import APIError
+from kestrel_stream.serve.http.generate import HttpGeneration
+from kestrel_stream.serve.http.metrics import Metrics
+from kestrel_stream.serve.http.requests import parse_request
+from kestrel_stream.serve.http.responses import DONE, Shape, sse
+from kestrel_stream.serve.json_limits import JSONLimitError, load_limited
+
+GENERATING = ("/v1/completions", "/v1/chat/completions")
+OPEN_PATHS = ("/health",)           # answered without the key: a load balancer's probe
+
+
+class Gate:
+    """ASGI middleware: authorization, the concurrency limit, and the per-status request counts."""
+
+    def __init__(self, app, api_key: str | None, max_requests: int, metrics: Metrics):
+        self.app, self.metrics, self.max_requests = app, metrics, max_requests
+        self.api_key = api_key.encode() if api_key else None
+        self.running = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path, status = scope["path"], [500]
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+        try:
+            refusal = self.refusal(scope, path)
+            if refusal is not None:
+                return await refusal.response()(scope, receive, send_counted)
+            if path not in GENERATING:
+                return await self.app(scope, receive, send_counted)
+            self.running += 1
+            try:
+                await self.app(scope, receive, send_counted)
+            finally:
+                self.running -= 1
+        finally:
+            self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(status[0])).inc()
+
+    def refusal(self, scope, path: str) -> APIError | None:
+        if self.api_key is not None and path not in OPEN_PATHS:
+            offered = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    offered = value
+            scheme, _, key = offered.partition(b" ")
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
+                return APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
+                                "authentication_error", code="invalid_api_key")
+        if path in GENERATING and self.running >= self.max_requests:
+            return APIError(429, f"{self.running} generations are running, the limit "
+                                 f"(--http-max-requests {self.max_requests}); retry later", "rate_limit_error",
+                            code="too_many_requests")
+        return None
+
+
+KNOWN_PATHS = GENERATING + ("/v1/models", "/health", "/metrics")
+
+
+class API:
+    def __init__(self, service, model_name: str, max_body_bytes: int, metrics: Metrics):
+        self.service, self.model_name, self.max_body_bytes = service, model_name, max_body_bytes
+        self.metrics = metrics
+
+    async def body(self, request: Request):
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self.too_large()
+        data = bytearray()
+        try:
+            async for part in request.stream():
+                data += part
+                if len(data) > self.max_body_bytes:
+                    raise self.too_large()
+        except ClientDisconnect:
+            raise APIError(400, "the client closed the request before its body ended") from None
+        try:
+            return load_limited(data.decode("utf-8"), max_chars=self.max_body_bytes)
+        except (UnicodeDecodeError, JSONLimitError) as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the request body is over {self.max_body_bytes} bytes (--http-max-body-kb)",
+                        code="request_too_large")
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await self.body(request)
+            parsed = parse_request(body, chat, self.service.vocab_size)
+            model = body.get("model")
+            if not isinstance(model, str) or model != self.model_name:
+                raise APIError(404, f"model {model!r} does not exist; this server has {self.model_name!r}",
+                               param="model", code="model_not_found")
+            generation = HttpGeneration(self.service, parsed)
+        except APIError as e:
+            return e.response()
+        shape = Shape(chat, self.model_name, generation)
+        self.metrics.prompt_tokens.inc(generation.prompt_tokens)
+        if parsed.stream:
+            return StreamingResponse(self.stream(generation, shape), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        outs = []
+        try:
+            async with aclosing(generation.run()) as tokens:
+                async for out in tokens:
+                    outs.append(out)
+        except APIError as e:
+            return e.response()
+        finally:
+            self.account(generation)
+        return JSONResponse(shape.complete(outs))
+
+    async def stream(self, generation: HttpGeneration, shape: Shape):
+        usage = generation.request.include_usage
+        try:
+            if shape.chat:
+                yield sse(shape.chunk([], first=True, include_usage=usage))
+            plain = generation.request.logprobs is None
+            # closed explicitly when this stream is (a client gone): its session is freed now, not at collection
+            async with aclosing(generation.run()) as tokens:
+                async for out in tokens:            # a chunk per token, text or not (held back): TTFT is honest
+                    yield shape.token_event(out, usage) if plain else sse(shape.chunk([out], include_usage=usage))
+            yield sse(shape.chunk([], generation.finish_reason, include_usage=usage))
+            if usage:
+                yield sse(shape.usage_chunk())
+        except APIError as e:
+            yield sse(e.body())
+        finally:
+            self.account(generation)
+        yield DONE
+
+    def account(self, generation: HttpGeneration) -> None:
+        self.metrics.completion_tokens.inc(len(generation.tokens))
+        if generation.first_token_s is not None:
+            self.metrics.ttft.observe(generation.first_token_s)
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": int(STARTED_S), "owned_by": "kestrel-stream",
+             "max_model_len": self.service.engine.max_seq_len}]})
+
+    async def health(self, request: Request) -> Response:
+        if self.service.draining:
+            return JSONResponse({"status": "shutting_down"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self, request: Request) -> Response:
+        body, content_type = self.metrics.exposition()
+        return Response(body, media_type=content_type)
+
+
+STARTED_S = time.time()
+
+
+async def not_found(request: Request, exc) -> Response:
+    return APIError(404, f"no route {request.method} {request.url.path}", code="not_found").response()
+
+
+async def wrong_method(request: Request, exc) -> Response:
+    return APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
+
+
+def build_app(service, model_name: str, api_key: str | None, max_requests: int, max_body_bytes: int):
+    """The ASGI app: starlette routes behind the Gate."""
+    metrics = Metrics(service)
+    api = API(service, model_name, max_body_bytes, metrics)
+    routes = [Route("/v1/completions", api.completions, methods=["POST"]),
+              Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
+              Route("/v1/models", api.models, methods=["GET"]),
+              Route("/health", api.health, methods=["GET"]),
+              Route("/metrics", api.prometheus, methods=["GET"])]
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
+    return Gate(app, api_key, max_requests, metrics)

@@ -1,0 +1,81 @@
+"""/metrics: Prometheus text from prometheus-client, in a registry of the app's own.
+
+HTTP counts (requests by path and status, prompt and completion tokens, time
+to first token) are recorded as requests pass; the daemon's own figures
+(steps, step time, batch size, queue depth, sessions, KV positions, window
+hits and misses) are read from Service.stats() at each scrape, so socket and
+HTTP clients are counted alike and nothing is added to the step thread's work.
+"""
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class Metrics:
+    def __init__(self, service):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kestrel_http_requests", "HTTP requests by path and status",
+                                ["path", "status"], registry=self.registry)
+        self.prompt_tokens = Counter("kestrel_http_prompt_tokens", "prompt tokens of HTTP generations",
+                                     registry=self.registry)
+        self.completion_tokens = Counter("kestrel_http_completion_tokens", "tokens generated for HTTP requests",
+                                         registry=self.registry)
+        self.ttft = Histogram("kestrel_http_time_to_first_token_seconds", "from the request's start to its "
+                              "first token", buckets=TTFT_BUCKETS_S, registry=self.registry)
+        self.registry.register(DaemonCollector(service))
+
+    def exposition(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class DaemonCollector:
+    """The daemon's stats (both transports) as metric families, read at scrape time."""
+
+    def __init__(self, service):
+        self.service = service
+
+    def collect(self):
+        service = self.service
+        stats = service.stats()
+        counters = stats.get("counters", {})
+
+        def counter(name, doc, value):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], float(value))
+            return family
+
+        def gauge(name, doc, value):
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], float(value))
+            return family
+        yield counter("kestrel_daemon_requests", "daemon requests over the socket transports", stats["requests"])
+        yield counter("kestrel_daemon_errors", "daemon requests answered with an error", stats["errors"])
+        yield counter("kestrel_steps", "engine steps the batcher formed", stats.get("steps", 0))
+        yield counter("kestrel_decode_steps", "engine steps with decode tokens", stats["decode_steps"])
+        yield counter("kestrel_decode_step_seconds", "engine time of the decode steps (divide by "
+                      "kestrel_decode_steps_total for the mean step time)", stats["decode_step_s"])
+        yield counter("kestrel_decode_tokens", "decode tokens run in steps (both transports)",
+                      stats.get("decode_tokens", 0))
+        yield counter("kestrel_prompt_tokens", "prompt tokens run in steps (both transports)",
+                      stats.get("prompt_tokens", 0))
+        yield gauge("kestrel_mean_batch", "mean sessions per batched step", stats.get("mean_batch", 0.0))
+        yield gauge("kestrel_tokens_per_step", "mean tokens per engine step", stats.get("tokens_per_step", 0.0))
+        yield gauge("kestrel_queue_depth", "jobs waiting in the batcher", stats.get("queue_depth", 0))
+        yield gauge("kestrel_sessions", "open sessions", stats["sessions"])
+        yield gauge("kestrel_max_sessions", "--max-sessions", stats["max_sessions"])
+        ttft = stats.get("ttft_ms") or {}
+        for key in ("p50", "p99"):
+            if isinstance(ttft.get(key), (int, float)):
+                yield gauge(f"kestrel_ttft_{key}_seconds", f"time to first token, {key} of the daemon's prompts",
+                            ttft[key] / 1e3)
+        sessions = list(service.engine.sessions.values())
+        yield gauge("kestrel_kv_positions_used", "KV cache positions filled in open sessions",
+                    sum(s.position for s in sessions))
+        yield gauge("kestrel_kv_positions_allocated", "KV cache positions of open sessions",
+                    sum(s.max_seq_len for s in sessions))
+        for key in ("window_hits", "window_misses"):
+            if key in counters:
+                yield counter(f"kestrel_{key}", f"weight window {key.split('_')[1]} (offloaded modes)", counters[key])

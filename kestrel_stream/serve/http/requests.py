@@ -1,0 +1,165 @@
+"""The body of a completions or chat completions request, checked field by field into a ``TextRequest``.
+
+Every field is checked for its type and range before anything reaches the
+engine; a bad one is answered 400 with the field named in ``param``.  Fields
+OpenAI defines that this server does not implement (``n`` > 1, ``best_of``,
+``echo``, ``suffix``, tools) are refused rather than ignored, so a client never
+gets an answer to a question it did not ask.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kestrel_stream.serve.http.errors import APIError, bad_param
+from kestrel_stream.text.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 4                # OpenAI's limit
+MAX_TOP_LOGPROBS_CHAT = 20
+MAX_LOGPROBS_COMPLETIONS = 5
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
+
+KNOWN_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "n", "user",
+                "logit_bias", "ignore_eos"}           # top_k, min_p, repeat_penalty, ignore_eos: as llama-server
+KNOWN_COMPLETIONS = KNOWN_COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+KNOWN_CHAT = KNOWN_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+
+
+@dataclass
+class TextRequest:
+    chat: bool
+    prompt: str | list[int] | list[dict]    # text, token ids, or chat messages
+    max_tokens: int | None                  # None: the room left in the context
+    params: SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool                     # stream_options.include_usage: a last chunk with usage
+    logprobs: int | None                    # None: none; else how many alternatives per token (0..)
+    ignore_eos: bool = False                # generate max_tokens whatever the model says (benchmarks)
+
+
+def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integer and not isinstance(value, int)):
+        kind = "an integer" if integer else "a number"
+        raise bad_param(name, f"expected {kind}, got {type(value).__name__} {value!r}", "invalid_type")
+    if (not integer and not math.isfinite(value)) or not low <= value <= high:
+        raise bad_param(name, f"{value!r} is outside {low}..{high}")
+    return value
+
+
+def stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_param("stop", f"expected a string or a list of strings, got {stop!r}", "invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad_param("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+    return [s for s in stops if s]      # OpenAI accepts "" and ignores it
+
+
+def parse_request(body, chat: bool, vocab_size: int) -> TextRequest:
+    """The checked request; APIError 400 naming the first bad field."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
+    unknown = sorted(set(body) - (KNOWN_CHAT if chat else KNOWN_COMPLETIONS))
+    if unknown:
+        raise bad_param(unknown[0], "this field is not supported by this server", "unsupported_parameter")
+    if number(body, "n", 1, 1, 1 << 30, integer=True) != 1:
+        raise bad_param("n", "only n=1 is supported")
+    if not chat and number(body, "best_of", 1, 1, 1 << 30, integer=True) != 1:
+        raise bad_param("best_of", "only best_of=1 is supported")
+    if not chat and body.get("echo") not in (None, False):
+        raise bad_param("echo", "echo is not supported")
+    if not chat and body.get("suffix") is not None:
+        raise bad_param("suffix", "suffix is not supported")
+    if body.get("logit_bias") not in (None, {}):
+        raise bad_param("logit_bias", "logit_bias is not supported")
+    stream = body.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_param("stream", f"expected a boolean, got {stream!r}", "invalid_type")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise bad_param("stream_options", f"expected {{'include_usage': bool}}, got {options!r}", "invalid_type")
+    prompt = chat_messages(body) if chat else completion_prompt(body, vocab_size)
+    limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = number(body, limit_name, None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, 0, 1 << 31,
+                        integer=True)
+    try:
+        params = SamplingParams(
+            temperature=float(number(body, "temperature", 1.0, 0.0, 2.0)),
+            top_p=float(number(body, "top_p", 1.0, 1e-9, 1.0)),
+            top_k=number(body, "top_k", 0, -1, 1 << 31, integer=True),
+            min_p=float(number(body, "min_p", 0.0, 0.0, 1.0)),
+            presence_penalty=float(number(body, "presence_penalty", 0.0, -2.0, 2.0)),
+            frequency_penalty=float(number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
+            repeat_penalty=float(number(body, "repeat_penalty", 1.0, 1e-3, 10.0)),
+            seed=number(body, "seed", None, 0, 2 ** 64 - 1, integer=True))
+    except ValueError as e:             # the checks above should leave nothing for SamplingParams to refuse
+        raise APIError(400, str(e)) from None
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_param("ignore_eos", f"expected a boolean, got {ignore_eos!r}", "invalid_type")
+    return TextRequest(chat, prompt, max_tokens, params, stop_strings(body), stream,
+                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos)
+
+
+def logprobs_of(body: dict, chat: bool) -> int | None:
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise bad_param("logprobs", f"expected a boolean, got {wanted!r}", "invalid_type")
+        top = number(body, "top_logprobs", None, 0, MAX_TOP_LOGPROBS_CHAT, integer=True)
+        if top is not None and not wanted:
+            raise bad_param("top_logprobs", "needs logprobs: true")
+        return (top or 0) if wanted else None
+    return number(body, "logprobs", None, 0, MAX_LOGPROBS_COMPLETIONS, integer=True)
+
+
+def completion_prompt(body: dict, vocab_size: int) -> str | list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]              # a batch of one prompt, as the openai client may send it
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_param("prompt", "the prompt is empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise bad_param("prompt", f"token id {bad} is outside the vocabulary 0..{vocab_size - 1}")
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise bad_param("prompt", "only one prompt per request is supported")
+    raise bad_param("prompt", f"expected a non-empty string or a list of token ids, got {prompt!r:.80}",
+                    "invalid_type")
+
+
+def chat_messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad_param("messages", "expected a non-empty list of {'role': ..., 'content': ...}", "invalid_type")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad_param(f"messages[{i}]", f"expected an object with a string 'role', got {m!r:.80}",
+                            "invalid_type")
+        content = m.get("content")
+        if isinstance(content, list):   # content parts: only text ones can be rendered
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                       for p in content):
+                raise bad_param(f"messages[{i}].content", "only text content parts are supported")
+            content = "".join(p["text"] for p in content)
+        if content is None:
+            content = ""
+        if not isinstance(content, str):
+            raise bad_param(f"messages[{i}].content", f"expected a string, got {content!r:.80}", "invalid_type")
+        out.append({"role": m["role"], "content": content})
+    return out

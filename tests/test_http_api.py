@@ -1,0 +1,219 @@
+"""The OpenAI-compatible HTTP API (serve --http) against a daemon started here, with the real openai client
+(httpx for raw bodies): completions, chat, streaming, stop strings, max_tokens, logprobs, errors, a client
+leaving mid-stream, and concurrent streams batched together that give the tokens of solo runs."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import time
+
+import httpx
+import openai
+import pytest
+from http_helpers import CONTEXT, HttpDaemon, chat_model, metric
+
+KEY = "test-key-0123456789"
+MODEL = "tiny-chat"
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("http")
+    d = HttpDaemon(chat_model(tmp / "model"), tmp, "--served-model-name", MODEL, "--http-max-body-kb", "64",
+                   env={**__import__("daemon_helpers").ENV, "KESTREL_API_KEY": KEY})
+    yield d
+    assert d.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(daemon):
+    return openai.OpenAI(base_url=daemon.base_url, api_key=KEY, max_retries=0, timeout=30)
+
+
+def raw(daemon, method: str, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.request(method, daemon.base_url.removesuffix("/v1") + path, headers=headers, timeout=30, **kwargs)
+
+
+def error_of(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_models_and_health(daemon, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert raw(daemon, "GET", "/health", key=None).json() == {"status": "ok"}
+
+
+def test_completion_greedy_max_tokens_and_usage(client):
+    first = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=12, temperature=0)
+    again = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=12, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "length" and choice.text == again.choices[0].text
+    assert first.usage.prompt_tokens == len("Hello there".encode()) and first.usage.completion_tokens == 12
+    assert first.usage.total_tokens == first.usage.prompt_tokens + 12
+    short = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=3, temperature=0)
+    assert short.usage.completion_tokens == 3
+
+
+def test_completion_stream_equals_whole_answer(client):
+    whole = client.completions.create(model=MODEL, prompt="Stream me", max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt="Stream me", max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 20
+
+
+def test_chat_through_template_and_stream(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    prompt = "<system>be brief\n<user>hi\n<assistant>"
+    assert whole.usage.prompt_tokens == len(prompt.encode())
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == 16
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings_end_with_stop(client):
+    text = client.completions.create(model=MODEL, prompt="abc", max_tokens=40, temperature=0).choices[0].text
+    stop = next(text[i:i + 2] for i in range(4, len(text) - 2) if "\ufffd" not in text[i:i + 2])
+    expected = text[:text.find(stop)]
+    for stream in (False, True):
+        got = client.completions.create(model=MODEL, prompt="abc", max_tokens=40, temperature=0,
+                                        stop=["never-there", stop], stream=stream)
+        choices = [c.choices[0] for c in got] if stream else [got.choices[0]]
+        assert "".join(c.text for c in choices) == expected and choices[-1].finish_reason == "stop"
+
+
+def test_sampling_with_a_seed_repeats(client):
+    args = dict(model=MODEL, prompt="seeded", max_tokens=16, temperature=0.9, top_p=0.9, presence_penalty=0.5,
+                frequency_penalty=0.5, extra_body={"top_k": 50, "min_p": 0.01})
+    a = client.completions.create(seed=7, **args).choices[0].text
+    assert a == client.completions.create(seed=7, **args).choices[0].text
+    others = {client.completions.create(seed=s, **args).choices[0].text for s in (8, 9, 10)}
+    assert others != {a}
+
+
+def test_logprobs_completions_and_chat(client):
+    done = client.completions.create(model=MODEL, prompt="lp", max_tokens=6, temperature=0, logprobs=3)
+    lp = done.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(p <= 0 and max(top.values()) == pytest.approx(p) for p, top in zip(lp.token_logprobs, lp.top_logprobs))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "lp"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=4)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 5
+    for entry in content:
+        tops = [t.logprob for t in entry.top_logprobs]
+        assert len(tops) == 4 and tops == sorted(tops, reverse=True) and entry.logprob == pytest.approx(tops[0])
+        assert sum(math.exp(t) for t in tops) <= 1.0 + 1e-9
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "temperature": 5}, "temperature"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "stop": [1]}, "stop"),
+    ({"prompt": "x", "logprobs": 9}, "logprobs"),
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": [999]}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+])
+def test_bad_parameters_are_400_naming_the_field(daemon, body, param):
+    error = error_of(raw(daemon, "POST", "/v1/completions", json={"model": MODEL, **body}), 400)
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_bad_chat_bodies(daemon):
+    for body, param in (({"messages": []}, "messages"), ({"messages": [{"role": "user", "content": 3}]},
+                                                          "messages[0].content"),
+                        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs")):
+        assert error_of(raw(daemon, "POST", "/v1/chat/completions", json={"model": MODEL, **body}), 400)["param"] == param
+
+
+def test_bad_json_unknown_model_too_long_and_too_large(daemon, client):
+    assert error_of(raw(daemon, "POST", "/v1/completions", content=b"{not json"), 400)["code"] == "invalid_json"
+    assert error_of(raw(daemon, "POST", "/v1/completions", content=b"[1, 2]"), 400)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="y" * CONTEXT, max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="y" * (CONTEXT - 10), max_tokens=20)
+    assert e.value.body["param"] == "max_tokens"
+    big = json.dumps({"model": MODEL, "prompt": "z" * (70 << 10)}).encode()
+    assert error_of(raw(daemon, "POST", "/v1/completions", content=big), 413)["code"] == "request_too_large"
+    assert error_of(raw(daemon, "GET", "/v1/nowhere"), 404)
+    assert error_of(raw(daemon, "GET", "/v1/completions"), 405)
+
+
+def test_wrong_or_missing_key_is_401(daemon):
+    wrong = openai.OpenAI(base_url=daemon.base_url, api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.models.list()
+    assert e.value.body["code"] == "invalid_api_key"
+    assert error_of(raw(daemon, "POST", "/v1/completions", key=None, json={"model": MODEL, "prompt": "x"}),
+                    401)["type"] == "authentication_error"
+    assert error_of(raw(daemon, "GET", "/metrics", key=KEY[:-1]), 401)
+
+
+def test_disconnect_mid_stream_frees_the_session(daemon):
+    metrics = lambda: raw(daemon, "GET", "/metrics").text      # noqa: E731
+    before = metric(metrics(), "kestrel_http_completion_tokens_total")
+    body = {"model": MODEL, "prompt": "long", "max_tokens": CONTEXT - 10, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=30) as http:
+        with http.stream("POST", daemon.base_url + "/completions", json=body,
+                         headers={"Authorization": f"Bearer {KEY}"}) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: {"))
+            assert metric(metrics(), "kestrel_sessions") == 1
+    deadline = time.monotonic() + 5
+    while metric(metrics(), "kestrel_sessions") != 0:
+        assert time.monotonic() < deadline, "the session stayed open after its client left"
+        time.sleep(0.02)
+    generated = metric(metrics(), "kestrel_http_completion_tokens_total") - before
+    assert 0 < generated < CONTEXT - 10         # it stopped when the client left, not at max_tokens
+
+
+def test_concurrent_streaming_chats_equal_solo_runs(daemon):
+    """32 streams at once, batched together (mean batch > 1), each text the same as its chat alone."""
+    chats = [[{"role": "user", "content": f"question {i} " + "x" * (i % 7)}] for i in range(32)]
+
+    async def one(client, messages) -> str:
+        stream = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24,
+                                                      temperature=0, stream=True)
+        return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=daemon.base_url, api_key=KEY, max_retries=0, timeout=60) as client:
+            solo = [await one(client, m) for m in chats]
+            batches_before = metric(raw(daemon, "GET", "/metrics").text, "kestrel_mean_batch")
+            together = await asyncio.gather(*(one(client, m) for m in chats))
+            return solo, together, batches_before
+    solo, together, mean_before = asyncio.run(main())
+    assert together == solo and len(set(solo)) > 1
+    assert metric(raw(daemon, "GET", "/metrics").text, "kestrel_mean_batch") > mean_before
+
+
+def test_metrics_count_requests_and_tokens(daemon, client):
+    client.completions.create(model=MODEL, prompt="count", max_tokens=4, temperature=0)
+    text = raw(daemon, "GET", "/metrics").text
+    assert 'kestrel_http_requests_total{path="/v1/completions",status="200"}' in text
+    assert metric(text, "kestrel_http_completion_tokens_total") >= 4
+    assert metric(text, "kestrel_http_time_to_first_token_seconds_count") >= 1
+    for name in ("kestrel_steps_total", "kestrel_decode_step_seconds_total", "kestrel_queue_depth",
+                 "kestrel_kv_positions_used"):
+        metric(text, name)

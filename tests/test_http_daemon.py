@@ -1,0 +1,106 @@
+"""serve --http beside the socket: the same batcher and engine for both transports, texts as Engine.generate
+gives them, the start-up checks of --http and the key, the concurrency limit, and a shutdown mid-stream."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+
+import httpx
+import openai
+import pytest
+from daemon_helpers import ENV
+from http_helpers import HttpDaemon, chat_model, metric
+
+import kestrel_stream as ks
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return chat_model(tmp_path_factory.mktemp("http-model") / "model")
+
+
+def test_texts_equal_engine_generate_and_socket_clients_share_steps(model, tmp_path):
+    """Greedy and seeded sampled texts equal Engine.generate in process; a socket client's greedy tokens
+    decoded at the same time as HTTP streams run in the same steps (mean batch > 1) and equal its solo run."""
+    engine = ks.load(str(model), device="cpu")
+    messages = [{"role": "user", "content": "same text"}]
+    greedy = engine.generate(messages, max_new_tokens=20).text
+    sampled = engine.generate("sampled", max_new_tokens=20, temperature=0.8, top_k=0, top_p=0.9, min_p=0.0,
+                              seed=11).text
+    engine.close()
+    d = HttpDaemon(model, tmp_path, "--served-model-name", "m")
+    try:
+        client = openai.OpenAI(base_url=d.base_url, api_key="unused", max_retries=0)
+        got = client.chat.completions.create(model="m", messages=messages, max_tokens=20, temperature=0)
+        assert got.choices[0].message.content == greedy
+        got = client.completions.create(model="m", prompt="sampled", max_tokens=20, temperature=0.8, top_p=0.9,
+                                        seed=11)
+        assert got.choices[0].text == sampled
+        prompt = list(range(40, 90))
+        with ks.Client(d.address) as sock, sock.new_session() as s:
+            alone = s.generate(prompt, 30)
+        results, errors = {}, []
+
+        def stream(i: int) -> None:
+            try:
+                chunks = client.completions.create(model="m", prompt=f"stream {i}", max_tokens=60, temperature=0,
+                                                   stream=True)
+                results[i] = "".join(c.choices[0].text for c in chunks)
+            except Exception as e:          # noqa: BLE001 - reported below
+                errors.append(e)
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        with ks.Client(d.address) as sock, sock.new_session() as s:
+            together = s.generate(prompt, 30)
+        for t in threads:
+            t.join()
+        assert not errors and len(results) == 6 and together == alone
+        stats = httpx.get(d.base_url.removesuffix("/v1") + "/metrics").text
+        assert metric(stats, "kestrel_mean_batch") > 1.0
+    finally:
+        assert d.stop() == 0
+
+
+def run_serve(model, *flags, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model), "--device", "cpu",
+                           *flags], capture_output=True, text=True, timeout=60, env=env or ENV)
+
+
+def test_non_loopback_bind_needs_a_key_and_bad_flags_fail_before_loading(model, tmp_path):
+    proc = run_serve(model, "--socket", str(tmp_path / "s"), "--http", "0.0.0.0:0")
+    assert proc.returncode != 0 and "needs an API key" in proc.stderr and "model " not in proc.stderr
+    proc = run_serve(model, "--socket", str(tmp_path / "s"), "--http", "localhost")
+    assert proc.returncode != 0 and "expected HOST:PORT" in proc.stderr
+    key_file = tmp_path / "key"
+    key_file.write_text("k\n")
+    key_file.chmod(0o644)
+    proc = run_serve(model, "--socket", str(tmp_path / "s"), "--http", "127.0.0.1:0", "--api-key-file", str(key_file))
+    assert proc.returncode != 0 and "mode 0600" in proc.stderr
+
+
+def test_key_file_concurrency_limit_and_shutdown_mid_stream(model, tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text("file-key\n")
+    key_file.chmod(0o600)
+    d = HttpDaemon(model, tmp_path, "--served-model-name", "m", "--api-key-file", str(key_file),
+                   "--http-max-requests", "1")
+    headers = {"Authorization": "Bearer file-key"}
+    body = {"model": "m", "prompt": "long", "max_tokens": 400, "temperature": 0, "stream": True}
+    try:
+        with httpx.Client(timeout=30, headers=headers) as http:
+            with http.stream("POST", d.base_url + "/completions", json=body) as first:
+                lines = first.iter_lines()
+                assert next(line for line in lines if line.startswith("data: {"))
+                second = http.post(d.base_url + "/completions", json={**body, "stream": False})
+                assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_requests"
+                d.proc.send_signal(signal.SIGTERM)          # shutdown while the stream runs
+                rest = list(lines)
+            assert "data: [DONE]" in rest          # the running stream ended whole
+        assert d.proc.wait(20) == 0
+        log = d.log_path.read_text()
+        assert "stopped" in log and "Traceback" not in log
+    finally:
+        d.stop()

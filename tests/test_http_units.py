@@ -1,0 +1,68 @@
+"""serve/http pieces without a daemon: the fast stream event equals the general chunk, request checks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kestrel_stream.serve.http.errors import APIError
+from kestrel_stream.serve.http.generate import TokenOut, log_probs
+from kestrel_stream.serve.http.requests import parse_request
+from kestrel_stream.serve.http.responses import Shape, sse
+
+
+class Plain:
+    class request:
+        logprobs = None
+
+
+@pytest.mark.parametrize("chat", [False, True])
+@pytest.mark.parametrize("usage", [False, True])
+def test_token_event_equals_the_chunk(chat, usage):
+    shape = Shape(chat, "m", Plain)
+    for text in ('a"\u00e9\n\\', "", "\ufffd"):
+        out = TokenOut(5, text)
+        assert json.loads(shape.token_event(out, usage)[6:]) == json.loads(sse(shape.chunk([out], include_usage=usage))[6:])
+
+
+def test_defaults_and_refusals():
+    r = parse_request({"model": "m", "prompt": "x"}, chat=False, vocab_size=256)
+    assert r.max_tokens == 16 and r.params.temperature == 1.0 and r.params.top_k == 0 and r.stop == []
+    r = parse_request({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}],
+                       "stop": "x", "max_completion_tokens": 3}, chat=True, vocab_size=256)
+    assert r.max_tokens == 3 and r.stop == ["x"] and r.prompt == [{"role": "user", "content": "a"}]
+    for body, param in (({"prompt": "x", "tools": []}, "tools"), ({"prompt": "x", "echo": True}, "echo"),
+                        ({"prompt": "x", "stop": ["a"] * 5}, "stop"), ({"prompt": "x", "top_k": True}, "top_k")):
+        with pytest.raises(APIError) as e:
+            parse_request({"model": "m", **body}, chat=False, vocab_size=256)
+        assert e.value.status == 400 and e.value.param == param
+
+
+def test_log_probs_are_a_log_softmax():
+    logits = [2.0, 0.0, 1.0, -1.0]
+    import numpy as np
+    chosen, top = log_probs(np.array(logits, np.float32), 2, 2)
+    assert [t for t, _ in top] == [0, 2] and chosen == pytest.approx(top[1][1])
+    assert sum(np.exp(np.array(logits) - np.log(np.exp(logits).sum()))) == pytest.approx(1.0)
+    assert top[0][1] == pytest.approx(2.0 - np.log(np.exp(logits).sum()))
+
+
+def test_metrics_name_the_daemon_stats_window_counters_included():
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kestrel_stream.serve.http.metrics import Metrics
+    stats = {"requests": 3, "errors": 1, "steps": 10, "decode_steps": 8, "decode_step_s": 0.5, "decode_tokens": 40,
+             "prompt_tokens": 100, "mean_batch": 4.0, "tokens_per_step": 14.0, "queue_depth": 2, "sessions": 2,
+             "max_sessions": 64, "ttft_ms": {"p50": 12.0, "p99": 30.0, "samples": 5},
+             "counters": {"window_hits": 7, "window_misses": 2}}
+    sessions = {1: SimpleNamespace(position=5, max_seq_len=64), 2: SimpleNamespace(position=9, max_seq_len=32)}
+    service = SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(sessions=sessions))
+    body, content_type = Metrics(service).exposition()
+    assert content_type.startswith("text/plain")
+    values = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
+    assert values["kestrel_window_hits_total"] == 7 and values["kestrel_window_misses_total"] == 2
+    assert values["kestrel_kv_positions_used"] == 14 and values["kestrel_kv_positions_allocated"] == 96
+    assert values["kestrel_ttft_p99_seconds"] == pytest.approx(0.03) and values["kestrel_queue_depth"] == 2
+    assert values["kestrel_decode_step_seconds_total"] == 0.5 and values["kestrel_mean_batch"] == 4.0
