@@ -54,6 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device memory for gpu mode (weights + KV caches + activations): e.g. 2GiB, 1500MB, "
                         "0.5 (fraction of free VRAM); weights that do not fit stream over PCIe")
     p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
+                   help="gpu mode's KV cache: f16 (default) or f32 (the reference arithmetic)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
     p.add_argument("--prof", action="store_true",
                    help="print the per-stage profile table of offloaded calls at exit (as KESTREL_PROF=1)")
@@ -70,7 +72,8 @@ def load_engine(args):
         from kestrel_stream.obs import trace
         trace.start(args.trace, command=args.command)
     return ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
-                   max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"))
+                   max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"),
+                   kv_dtype=args.kv_dtype)
 
 
 def cmd_make_model(args) -> int:
@@ -205,7 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vram-budget", default=None, help="also show gpu mode's residency window under this budget")
     p.add_argument("--max-seq-len", type=int, default=None, help="KV positions per session (with --vram-budget)")
     p.add_argument("--max-batch", type=int, default=32, help="sessions per step (with --vram-budget)")
-    p.add_argument("--max-sessions", type=int, default=None, help="KV caches reserved (with --vram-budget)")
+    p.add_argument("--max-sessions", type=int, default=None, help="KV block tables (with --vram-budget)")
+    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="gpu mode's KV pool (with --vram-budget)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_plan)
 

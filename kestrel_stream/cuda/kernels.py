@@ -149,6 +149,7 @@ class QWeight:
 
 GEMV_SIGNATURE = "pppippipppppfiii"
 ROPE_SIGNATURE = "ppppppppfiiiii"      # qkv_norm_rope_append
+ROPE_PAGED_SIGNATURE = "ppppppppfiiiiii"   # qkv_rope_append_paged_{f16,f32}: + block_shift
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tiled q8_matmul
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
@@ -194,3 +195,17 @@ def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: 
     return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiif",
                           [q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
                            n_heads, n_kv, 1.0 / float(np.sqrt(head_dim))])
+
+
+def paged_attention_launch(kernels: KernelSet, q: int, tables: int, table_row: int, pos: int, out: int,
+                           partials: int, counters: int, tokens: int, layer: int, n_layers: int, n_heads: int,
+                           n_kv: int, head_dim: int, splits: int, block_shift: int, kv_dtype: str) -> Launch:
+    """attention_launch over gpu mode's paged pool (kernels_ptx/kv_cache.cuh): keys through each
+    token's block-table row, f16 or float32."""
+    rows = tokens * n_heads * splits
+    part_acc, part_max = partials, partials + 4 * rows * head_dim
+    part_sum = part_max + 4 * rows
+    return kernels.launch(f"attention_paged_d{head_dim}_{kv_dtype}", (n_kv, tokens, splits), (128,),
+                          "pppppppppiiiifi",
+                          [q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
+                           n_heads, n_kv, 1.0 / float(np.sqrt(head_dim)), block_shift])

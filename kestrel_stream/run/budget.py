@@ -15,6 +15,7 @@ from scheduler.ops import step_ops
 from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_items
 
 ALIGN = 256                      # the arena's sub-allocation alignment (driver.Arena.ALIGN)
+CHAIN_HISTORY_STEPS = 256       # greedy_chain.MAX_STEPS_PER_SYNC
 DEFAULT_MARGIN_BYTES = 512 << 20  # left free for the driver, modules and graphs when no budget is given
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -73,17 +74,21 @@ class ArenaNeeds:
         return self.kv_bytes + self.activation_bytes + self.slack_bytes
 
 
-def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_splits: int) -> ArenaNeeds:
-    """KV caches + activations + workspace of GpuExecutor for `max_tokens` tokens per step."""
+def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_splits: int,
+                kv_bytes_per_position: int | None = None, table_bytes: int = 0) -> ArenaNeeds:
+    """KV caches + activations + workspace of an executor for `max_tokens` tokens per step
+    (float32 KV for `sessions` x `max_seq_len` positions unless kv_bytes_per_position says otherwise;
+    table_bytes: gpu mode's block tables, with the activations)."""
     T, H, V = max_tokens, c.hidden_size, c.vocab_size
     qkv_width = c.q_size + 2 * c.kv_size
     partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
     activation_floats = (T * (2 * H + qkv_width + 2 * c.q_size + c.intermediate_size + V + 1 +
                               c.num_key_value_heads) + partial_floats)
     norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
-    kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
+    if kv_bytes_per_position is None:
+        kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
     return ArenaNeeds(kv_bytes=sessions * max_seq_len * kv_bytes_per_position,
-                      activation_bytes=4 * (activation_floats + norm_floats) + 16 * T,
+                      activation_bytes=4 * (activation_floats + norm_floats) + 16 * T + table_bytes,
                       slack_bytes=ALIGN * (12 * c.num_hidden_layers + 64),
                       sessions=sessions, max_seq_len=max_seq_len)
 
@@ -141,3 +146,51 @@ def plan_arena(config, needs: ArenaNeeds, budget_bytes: int | None, slot_count: 
                 + window.slot_count * (window.slot_bytes + 2 * ALIGN) * bool(window.streamed))
     assert capacity <= budget_bytes, (capacity, budget_bytes)
     return capacity, window
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """gpu mode's device memory: the arena (weights, activations, block tables) and the KV pool beside it."""
+    arena_bytes: int
+    window: WindowPlan | None
+    kv: "KVPoolPlan"
+    needs: ArenaNeeds             # kv_bytes: the least the pool must get (see plan_gpu_memory)
+    budget_bytes: int | None
+
+    def describe(self) -> str:
+        mib = 2**20
+        head = (f"arena {self.arena_bytes / mib:.1f} MiB (weights, activations, KV tables); "
+                f"{self.kv.describe()}")
+        return head if self.window is None else head + "\n" + self.window.describe()
+
+
+def plan_gpu_memory(c, *, budget_bytes: int | None, free_bytes: int, max_tokens: int, max_sessions: int,
+                    max_seq_len: int, attention_splits: int, max_batch: int = 1, kv_dtype: str = "f16",
+                    block_size: int = 16,
+                    kv_pool_bytes: int | None = None, slot_count: int = 2, prefetch_distance: int = 1,
+                    small_item_bytes: int = 64 * 1024) -> GpuMemoryPlan:
+    """Split a VRAM budget (None: free VRAM less a margin) over the arena and the KV pool.
+
+    Weights first: the pool gets what resident weights, activations and tables leave, at least one
+    session of max_seq_len, a block for each other session of a full batch and the scratch block
+    (weights stream to make room).  With kv_pool_bytes the other way round:
+    the pool is that size and the weights get the rest."""
+    from scheduler.kv_pool import kv_bytes_per_position, plan_kv_pool
+    per_position = kv_bytes_per_position(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
+    block_bytes = block_size * per_position
+    min_positions = (-(-max_seq_len // block_size) + max_batch) * block_size
+    table_bytes = (max_sessions + 1) * -(-max_seq_len // block_size) * 8 + ALIGN
+    table_bytes += CHAIN_HISTORY_STEPS * max_tokens * 4 + 2 * ALIGN        # greedy_chain's history and counter
+    reserved = kv_pool_bytes if kv_pool_bytes is not None else min_positions * per_position
+    needs = arena_needs(c, max_tokens, 1, 1, attention_splits, kv_bytes_per_position=reserved,
+                        table_bytes=table_bytes)
+    needs = ArenaNeeds(needs.kv_bytes, needs.activation_bytes, needs.slack_bytes, sessions=1,
+                       max_seq_len=reserved // per_position)
+    full = sum(i.nbytes for i in weight_items(c)) + needs.total
+    budget = resolve_budget(budget_bytes, free_bytes, full)
+    capacity, window = plan_arena(c, needs, budget, slot_count, prefetch_distance, small_item_bytes)
+    arena_bytes = capacity - needs.kv_bytes
+    left = (budget if budget is not None else max(free_bytes - DEFAULT_MARGIN_BYTES, 0)) - arena_bytes
+    kv = plan_kv_pool(block_bytes, block_size, left_bytes=left, min_positions=min_positions,
+                      default_positions=min_positions, fixed_bytes=kv_pool_bytes)
+    return GpuMemoryPlan(arena_bytes, window, kv, needs, budget)
