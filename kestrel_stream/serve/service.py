@@ -130,9 +130,17 @@ class Service:
         session = self.session_of(conn, header, "prefill")
         want, k = self.want_of(header, "prefill")
         ids = self.token_ids(arrays, "prefill")
-        logits = await self.steps.run(session.prefill, ids)
+        logits = await self.steps.run(self.prefill_for(want), session, ids)
         fields, out = answer(logits, want, k)
         return {"position": session.position, **fields}, out
+
+    def prefill_for(self, want: str):
+        """(session, ids) -> logits: through the engine's prefix cache when only the last row is
+        wanted (a cached prompt prefix is adopted, not computed), else the plain prefill."""
+        cache = self.engine.prefix_cache
+        if cache is None or want == "logits":
+            return lambda session, ids: session.prefill(ids)
+        return cache.prefill_last
 
     async def op_decode(self, conn, header, arrays):
         session, token, want, k = self.decode_request(conn, header)
@@ -185,7 +193,7 @@ class Service:
         count = field_int(header, "n", "generate", 0, session.max_seq_len)
         ids = self.token_ids(arrays, "generate")
         session._check_room(len(ids) + max(count - 1, 0))
-        logits = await self.steps.run(session.prefill, ids)
+        logits = await self.steps.run(self.prefill_for("last"), session, ids)
         tokens = [int(np.argmax(logits[-1]))] if count else []
         while len(tokens) < count:
             job = await self.decode(session, tokens[-1], "token", 1)
@@ -258,6 +266,10 @@ class Service:
             "plan": self.plan,
             "residency": describe(getattr(executor, "residency", None)),
             "counters": {key: value for key, value in executor.stats.items() if isinstance(value, (int, float))},
+            "kv": executor.kv_stats(),
+            "prefix_cache": {} if engine.prefix_cache is None else dict(
+                engine.prefix_cache.stats, cached_positions=engine.prefix_cache.cached_positions,
+                budget_positions=engine.prefix_cache.budget_positions),
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
             **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
