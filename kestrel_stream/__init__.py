@@ -22,10 +22,14 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
 
     kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic)."""
     from kestrel_stream.loading.loader import load_weights
-    device, mode = resolve_device(device, mode)
-    weights = load_weights(path, cache=cache, progress=progress)
-    return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
-                  max_sessions=max_sessions, vram_budget=vram_budget, kv_dtype=kv_dtype)
+    from kestrel_stream.obs.load_stages import stage
+    with stage("resolve device"):
+        device, mode = resolve_device(device, mode)
+    with stage("weights: read, split, fuse"):
+        weights = load_weights(path, cache=cache, progress=progress)
+    with stage("engine: executor"):
+        return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
+                      max_sessions=max_sessions, vram_budget=vram_budget, kv_dtype=kv_dtype)
 
 
 def __getattr__(name):

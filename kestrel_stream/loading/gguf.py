@@ -22,6 +22,7 @@ from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGU
 from kestrel_stream.model.config import ConfigError, ModelConfig
 from kestrel_stream.loading.loader import LoadError, Progress, assemble_weights
 from kestrel_stream.model.quant import QTensor, quantize
+from kestrel_stream.obs.load_stages import stage
 from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, hf_tensor_shapes
 
 SUPPORTED_ARCHS = ("llama", "qwen3")
@@ -118,7 +119,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None) -> ModelWeight
     """Load a llama/qwen3 .gguf file with Q8_0, F16 or F32 tensors."""
     path = Path(path)
     try:
-        reader = CheckedReader(path)
+        with stage("  GGUF metadata and mmap"):
+            reader = CheckedReader(path)
     except LoadError:
         raise
     except (ValueError, OSError, KeyError, IndexError) as e:

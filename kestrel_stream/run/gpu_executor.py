@@ -30,7 +30,7 @@ import numpy as np
 
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.weights import ModelWeights
-from kestrel_stream.obs import prof
+from kestrel_stream.obs import load_stages, prof
 from kestrel_stream.run.budget import parse_vram_budget, plan_gpu_memory
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.greedy_chain import GreedyChain
@@ -66,7 +66,8 @@ class GpuExecutor:
         self.max_tokens = max(max_batch, prefill_chunk)
         self.attention_splits = attention_splits
         self.device = driver.Device(0)
-        self.kernels = KernelSet(self.device)
+        with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
+            self.kernels = KernelSet(self.device)
         self.stream = driver.Stream("compute")
         self.stats = {"steps": 0, "tokens": 0, "syncs": 0, "launches": 0, "kernels": 0,
                       "h2d_bytes": 0, "d2h_bytes": 0, "graph_replays": 0, "graphs_captured": 0}
@@ -85,8 +86,11 @@ class GpuExecutor:
             kv_pool_bytes=kv_pool_bytes, slot_count=window_slots, prefetch_distance=prefetch_distance,
             small_item_bytes=small_item_bytes)
         self.needs, self.vram_budget, self.window_plan = self.memory.needs, self.memory.budget_bytes, self.memory.window
-        self.arena = driver.Arena(self.memory.arena_bytes)
+        with load_stages.stage("  arena"):
+            self.arena = driver.Arena(self.memory.arena_bytes)
         self._upload_weights()
+        load_stages.record("  weights: pinned images", self.window.images_s)
+        load_stages.record("  weights: H2D", self.window.preload_s)
 
         a = self.arena
         self.x = a.array((T, H), np.float32)             # residual stream
@@ -117,8 +121,9 @@ class GpuExecutor:
         driver.h2d_sync(self.argmax_counters.ptr, np.zeros(T, np.uint32))
         self.host_tokens = driver.PinnedBuffer(T * 4)
         self.host_tokens_view = self.host_tokens.view(np.int32, (T,))
-        self.kv = PagedKVCache(c, self.memory.kv, kv_dtype, max_sessions or DEFAULT_MAX_SESSIONS, max_seq_len,
-                               a, self.stream)
+        with load_stages.stage("  KV pool and block tables"):
+            self.kv = PagedKVCache(c, self.memory.kv, kv_dtype, max_sessions or DEFAULT_MAX_SESSIONS,
+                                   max_seq_len, a, self.stream)
         self._scratch_kv = self.kv.open(1)       # padded slots decode token 0 at its position 0
         self.kv.prepare(self._scratch_kv, 0, 1)
         self._launches: dict[int, list[Launch]] = {}
@@ -256,7 +261,7 @@ class GpuExecutor:
         self._stage(rows, bucket)
         key = (bucket, greedy)
         if key not in self._graphs:
-            with driver.capture(self.stream) as captured:
+            with load_stages.stage("graph capture"), driver.capture(self.stream) as captured:
                 kernel_count = self._enqueue_step(bucket, greedy)
             self._graphs[key] = captured.graph
             self._graph_kernels[key] = kernel_count

@@ -1,0 +1,42 @@
+"""Load stages (obs/load_stages.py): ks.load of a GGUF file and gpu mode's build record where time went,
+and --prof prints them."""
+from __future__ import annotations
+
+import fake_cuda
+import kestrel_stream as ks
+from kestrel_stream.loading.gguf import export_gguf
+from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.obs import load_stages
+from kestrel_stream.run.engine import Engine
+from test_cli import run_cli
+
+
+def test_a_gguf_load_records_its_stages(tmp_path):
+    path = export_gguf(random_q8_weights(PRESETS["tiny"], seed=0), tmp_path / "tiny.gguf")
+    load_stages.reset()
+    ks.load(path, device="cpu", max_seq_len=32).close()
+    stages = load_stages.snapshot()
+    for name in ("weights: read, split, fuse", "  GGUF metadata and mmap", "  Q8_0 split into qs/scales",
+                 "engine: executor"):
+        assert name in stages and stages[name]["s"] >= 0
+    assert stages["  Q8_0 split into qs/scales"]["count"] >= 7         # one per Q8_0 tensor
+    assert "  GGUF metadata and mmap" in load_stages.report()
+
+
+def test_gpu_mode_records_kernels_arena_weights_kv_and_capture(monkeypatch):
+    fake_cuda.install(monkeypatch, mode="deferred")
+    load_stages.reset()
+    engine = Engine(random_q8_weights(PRESETS["tiny"], seed=0), device="cuda", mode="gpu", max_seq_len=32)
+    with engine.new_session() as s:
+        s.decode(1)
+    stages = load_stages.snapshot()
+    for name in ("  kernels: NVRTC or disk cache, module load", "  arena", "  weights: pinned images",
+                 "  weights: H2D", "  KV pool and block tables", "graph capture"):
+        assert name in stages, sorted(stages)
+    engine.close()
+
+
+def test_prof_prints_the_load_stages(tiny_model):
+    proc = run_cli("generate", "--model", str(tiny_model), "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
+                   "--device", "cpu", "--prof")
+    assert "load stages" in proc.stderr and "weights: read, split, fuse" in proc.stderr
