@@ -91,3 +91,22 @@ def test_f16_kv_tracks_the_cpu_engine_over_64_decode_steps(emulated, preset):
             token = int(np.argmax(expected))
     assert worst < 2e-3, worst
     gpu.close()
+
+
+def test_plan_shows_the_pool_where_the_static_reservation_did_not_fit(tmp_path):
+    """qwen3-1.7b under 24 GiB: 65 float32 caches of 2,048 positions (today's reservation) need ~30 GB;
+    the pool holds the weights resident and still has room for over 100 sessions of 2,048."""
+    import json
+    from test_cli import run_cli
+    config = PRESETS["qwen3-1.7b"]
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf_dict()))
+    with pytest.raises(WindowBudgetError):
+        plan_arena(config, arena_needs(config, 64, 65, 2048, 16), 24 << 30)
+    out = json.loads(run_cli("plan", "--model", str(tmp_path), "--mode", "gpu", "--profile", "h200",
+                             "--vram-budget", "24GiB", "--json").stdout)["window"]
+    pool = out["kv_pool"]
+    assert out["streamed_bytes_per_step"] == 0 and pool["kv_dtype"] == "f16" and pool["policy"] == "budget"
+    assert pool["sessions_of_max_seq_len"] > 100 and out["arena_bytes"] + pool["max_bytes"] <= 24 << 30
+    f32 = json.loads(run_cli("plan", "--model", str(tmp_path), "--mode", "gpu", "--profile", "h200",
+                             "--vram-budget", "24GiB", "--kv-dtype", "f32", "--json").stdout)["window"]["kv_pool"]
+    assert f32["block_bytes"] == 2 * pool["block_bytes"]

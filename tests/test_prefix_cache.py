@@ -89,3 +89,24 @@ def test_shared_prefix_blocks_survive_the_eviction_of_their_first_owner(weights)
     cache.prefill_last(s, common + [2] * 16 + [7])
     assert cache.stats["prefix_reused_tokens"] - before == 48       # found through entry 2's hashes
     engine.close()
+
+
+def test_gpu_mode_entries_share_the_pools_blocks(weights, monkeypatch):
+    import fake_cuda
+    fake_cuda.install(monkeypatch, mode="deferred")
+    engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=128, max_batch=4)
+    cache = engine.enable_prefix_cache(budget_positions=256)
+    used = lambda: engine.executor.kv_stats()["kv_blocks_used"]      # noqa: E731
+    base = used()
+    prompt = list(range(40))
+    first = engine.new_session()
+    cache.prefill_last(first, prompt)
+    assert used() == base + 3                        # 40 positions: 3 blocks, the entry shares 2 of them
+    second = engine.new_session()
+    logits = cache.prefill_last(second, prompt[:32] + [7, 7, 7])
+    assert cache.stats["prefix_reused_tokens"] == 32 and logits.shape[0] == 3
+    with engine.new_session() as fresh:
+        assert relative_error(logits[-1], fresh.prefill(prompt[:32] + [7, 7, 7])[-1]) < 2e-3
+    first.close()
+    second.close()
+    engine.close()

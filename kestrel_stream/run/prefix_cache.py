@@ -20,9 +20,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kestrel_stream.errors import CapacityError
 from scheduler.kv_pool import block_hashes
 
 DEFAULT_BLOCK_SIZE = 16
+MAX_ENTRIES = 32       # each entry holds a cache handle (in gpu mode a block-table row, see --max-sessions)
 
 
 @dataclass
@@ -41,7 +43,8 @@ class PrefixCache:
         self.entries: OrderedDict[int, Entry] = OrderedDict()    # id(entry) -> entry, least recent first
         self.by_hash: dict[int, tuple[Entry, int]] = {}         # block hash -> (entry, positions it names)
         self.cached_positions = 0
-        self.stats = {"prefix_hits": 0, "prefix_misses": 0, "prefix_reused_tokens": 0, "prefix_evictions": 0}
+        self.stats = {"prefix_hits": 0, "prefix_misses": 0, "prefix_reused_tokens": 0, "prefix_evictions": 0,
+                      "prefix_store_failures": 0}
 
     def prefill_last(self, session, ids) -> np.ndarray:
         """session.prefill(ids) for a caller that needs only the last row: logits [m, V] of the
@@ -79,7 +82,14 @@ class PrefixCache:
         length = len(hashes) * self.block_size
         if length > self.budget_positions:
             return
-        entry = Entry(self.engine.fork_kv_of(session, length), length, hashes)
+        while len(self.entries) >= MAX_ENTRIES:
+            self._evict(next(iter(self.entries.values())))
+        try:
+            kv = self.engine.fork_kv_of(session, length)
+        except CapacityError:           # no table row or memory left for an entry: serve without caching
+            self.stats["prefix_store_failures"] += 1
+            return
+        entry = Entry(kv, length, hashes)
         self.entries[id(entry)] = entry
         self.cached_positions += length
         for i, h in enumerate(hashes):
