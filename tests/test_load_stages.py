@@ -40,3 +40,21 @@ def test_prof_prints_the_load_stages(tiny_model):
     proc = run_cli("generate", "--model", str(tiny_model), "--prompt-ids", "1,2,3", "--max-new-tokens", "2",
                    "--device", "cpu", "--prof")
     assert "load stages" in proc.stderr and "weights: read, split, fuse" in proc.stderr
+
+
+def test_the_preload_through_small_staging_buffers_uploads_every_weight(monkeypatch):
+    """Many staging rounds under the deferred stream policy: a buffer rewritten before its upload ran
+    would corrupt a weight, and the logits would differ from the CPU engine's."""
+    import numpy as np
+    from hf_oracle import relative_error
+    from kestrel_stream.run import window
+    fake_cuda.install(monkeypatch, mode="deferred")
+    monkeypatch.setattr(window, "PRELOAD_CHUNK_BYTES", 4096)
+    weights = random_q8_weights(PRESETS["tiny"], seed=4)
+    gpu = Engine(weights, device="cuda", mode="gpu", max_seq_len=32)
+    cpu = Engine(weights, device="cpu", max_seq_len=32)
+    with gpu.new_session() as s, cpu.new_session() as ref:
+        got, expected = s.prefill([3, 1, 4, 1, 5]), ref.prefill([3, 1, 4, 1, 5])
+    assert relative_error(got, expected) < 2e-3
+    np.testing.assert_array_equal(got.argmax(axis=1), expected.argmax(axis=1))
+    gpu.close()
