@@ -121,7 +121,8 @@ class Engine:
         self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, self.config.max_position_embeddings)
         self.max_batch = max_batch
         vram_budget = parse_vram_budget(vram_budget)       # bytes, or a fraction of free VRAM
-        # max_sessions: how many KV caches a GPU executor reserves device memory for (default 2 x max_batch)
+        # max_sessions: gpu mode's block-table rows (default 256), the split modes' reserved KV caches
+        # (default 2 x max_batch)
         # kv_dtype: gpu mode's KV pool (f16, or f32 as the reference); the CPU engine keeps float32
         self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, vram_budget,
                                       kv_dtype)
