@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 
-import kestrel_stream as ks
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.loading.presets import PRESETS, random_q8_weights
 from kestrel_stream.run.engine import Engine, resolve_device
@@ -27,12 +26,16 @@ from kestrel_stream.run.engine import Engine, resolve_device
 from .report import write_results
 
 
-def build(model: str, device: str, mode: str, max_seq_len: int, kv_dtype: str) -> Engine:
+def load_model_weights(model: str):
     if model in PRESETS:
-        device, mode = resolve_device(device, mode)
-        return Engine(random_q8_weights(PRESETS[model], seed=0), device=device, mode=mode,
-                      max_seq_len=max_seq_len, max_batch=4, kv_dtype=kv_dtype)
-    return ks.load(model, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=4, kv_dtype=kv_dtype)
+        return random_q8_weights(PRESETS[model], seed=0)
+    from kestrel_stream.loading.loader import load_weights
+    return load_weights(model)
+
+
+def build(weights, device: str, mode: str, max_seq_len: int, kv_dtype: str) -> Engine:
+    device, mode = resolve_device(device, mode)
+    return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=4, kv_dtype=kv_dtype)
 
 
 def first_token(engine: Engine, prompt: list[int]) -> tuple[float, list[int]]:
@@ -67,8 +70,9 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     max_seq_len = args.prefix_len + args.suffix_len + 16
-    engine = build(args.model, args.device, args.mode, max_seq_len, args.kv_dtype)
-    reference = build(args.model, args.device, args.mode, max_seq_len, args.kv_dtype)
+    weights = load_model_weights(args.model)
+    engine = build(weights, args.device, args.mode, max_seq_len, args.kv_dtype)
+    reference = build(weights, args.device, args.mode, max_seq_len, args.kv_dtype)
     engine.enable_prefix_cache(budget_positions=4 * max_seq_len)
     vocab = engine.config.vocab_size
     rng = np.random.default_rng(0)
