@@ -58,9 +58,9 @@ __device__ __forceinline__ void attention_split_body(
 #pragma unroll
         for (int u = 0; u < KEYS_PER_ITER; u++) {
             int p = min(p0 + u * ATTN_WARPS, end - 1);   // a duplicate key is loaded, then skipped
+            const typename Rows::Elem* krow = rows.row(p);
 #pragma unroll
             for (int c = 0; c < PER_LANE; c++) {
-                const typename Rows::Elem* krow = rows.row(p);
                 kr[u][c] = load_kv(krow + lane + 32 * c);
                 vr[u][c] = load_kv(krow + v_offset + lane + 32 * c);
             }
