@@ -59,21 +59,25 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", default="1,4,8")
+    parser.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="the paged KV pool's type")
     args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    max_batch, max_seq_len = max(8, *batches), max(1024, args.prompt_len + args.new_tokens + 16)
     rng = np.random.default_rng(0)
     weights = random_weights(rng)
     weight_bytes = weights.quantized_bytes()
     t0 = time.perf_counter()
-    gpu = GpuExecutor(weights, max_seq_len=1024, max_batch=8, max_sessions=8, prefill_chunk=64)
+    gpu = GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_batch, prefill_chunk=64,
+                      kv_dtype=args.kv_dtype)
     load_s = time.perf_counter() - t0
     copy_gb_s = measure_copy_bandwidth(gpu.arena, gpu.stream, 256 << 20)
     rows = []
     prompt = rng.integers(0, 151936, args.prompt_len)
-    kv = gpu.alloc_kv(1024)
+    kv = gpu.alloc_kv(max_seq_len)
     gpu.forward([(kv, prompt[:8], 0)])             # warm-up: module load, first launches
     gpu.free_kv(kv)
-    for batch in [int(b) for b in args.batches.split(",")]:
-        sessions = [gpu.alloc_kv(1024) for _ in range(batch)]
+    for batch in batches:
+        sessions = [gpu.alloc_kv(max_seq_len) for _ in range(batch)]
         t0 = time.perf_counter()
         for kv in sessions:
             gpu.forward([(kv, prompt, 0)])
@@ -95,15 +99,16 @@ def main() -> None:
         chain_rows = [(kv, np.array([tokens[i]]), args.prompt_len) for i, kv in enumerate(sessions)]
         gpu.generate_greedy(chain_rows, 2)                # capture the chain graph
         t0 = time.perf_counter()
-        gpu.generate_greedy(chain_rows, args.new_tokens)
+        chained = gpu.generate_greedy(chain_rows, args.new_tokens)    # None past graph_rows sessions
         chained_s = time.perf_counter() - t0
-        graph_us = replay_us(gpu, batch)
+        # a batch past graph_rows replays the graph_rows bucket in chunks
+        graph_us = replay_us(gpu, min(batch, gpu.graph_rows)) * -(-batch // gpu.graph_rows)
         step_ms = decode_s / args.new_tokens * 1000
-        row = {"batch": batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+        row = {"batch": batch, "kv_dtype": args.kv_dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "prefill_tok_s": round(batch * args.prompt_len / prefill_s, 1),
                "decode_tok_s": round(batch * args.new_tokens / decode_s, 1),
                "greedy_tok_s": round(batch * args.new_tokens / greedy_s, 1),
-               "chained_tok_s": round(batch * args.new_tokens / chained_s, 1),
+               "chained_tok_s": round(batch * args.new_tokens / chained_s, 1) if chained is not None else None,
                "ms_per_step": round(step_ms, 3), "gpu_ms_per_step": round(graph_us / 1000, 3),
                "syncs_per_step": syncs / args.new_tokens,
                "weight_GB_s": round(weight_bytes / (step_ms / 1000) / 1e9, 1),
@@ -127,7 +132,7 @@ def main() -> None:
              f"gpu_ms_per_step: back-to-back graph replays timed with events. "
              f"{gpu._graph_kernels.get((1, False))} kernels per decode step.")
     path = write_results("h200-gpu-decode", env, rows,
-                         ["batch", "prompt_len", "new_tokens", "prefill_tok_s", "decode_tok_s", "greedy_tok_s", "chained_tok_s", "ms_per_step",
+                         ["batch", "kv_dtype", "prompt_len", "new_tokens", "prefill_tok_s", "decode_tok_s", "greedy_tok_s", "chained_tok_s", "ms_per_step",
                           "gpu_ms_per_step", "syncs_per_step", "weight_GB_s", "frac_d2d_copy",
                           "frac_hbm_read_gpu_only"], notes=notes, out_dir=args.out)
     print(f"wrote {path}")

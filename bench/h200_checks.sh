@@ -2,8 +2,9 @@
 # Every GPU check and H200 bench of the project in one device call (about 10 minutes: split it with STEPS
 # across calls of at most 600 s):
 #   OUT=/some/dir KESTREL_COMMIT=<hash> [STEPS="tests decode ..."] bash bench/h200_checks.sh
-# STEPS picks some of: tests decode variants modes kernels window traces daemon serve http search (default: all, in that
-# order; search = the gate against all 32 group choices, ~2 minutes).
+# STEPS picks some of: tests decode variants modes kernels window traces daemon serve http search kv (default:
+# all, in that order; search = the gate against all 32 group choices, ~2 minutes; kv = the KV pool's benches:
+# 32 sessions at 1k context with f16 and f32 KV, prefix reuse).
 # Result files (md/json/traces/html) and every step's log (logs/*.txt) land in $OUT/h200-results.tgz, since
 # the device tool returns at most 8 files; each log's last lines also go to stdout.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
 set -uo pipefail
@@ -12,7 +13,7 @@ RESULTS=$(mktemp -d)
 mkdir -p "$OUT" "$RESULTS/logs"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # each step's log, then the archive again: a call cut short still returns what finished
-STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search}
+STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv}
 run() {
     local seconds=$1 log=$2; shift 2
     [[ " $STEPS " == *" ${log%.txt} "* ]] || return 0
@@ -35,3 +36,7 @@ run 300 serve.txt python3 -m bench.serve --preset qwen3-1.7b --device cuda --mod
 run 300 http.txt python3 -m bench.http_serve --preset qwen3-1.7b --device cuda --mode gpu --label h200 \
     --out "$RESULTS"
 run 240 search.txt python3 -m bench.modes --search-only --search-steps 2 --out "$RESULTS"
+run 240 kv.txt bash -c "python3 -m bench.gpu_decode --batches 32 --prompt-len 1000 --new-tokens 32 --kv-dtype f16 \
+    --out $RESULTS/kv-f16 && python3 -m bench.gpu_decode --batches 32 --prompt-len 1000 --new-tokens 32 \
+    --kv-dtype f32 --out $RESULTS/kv-f32 && python3 -m bench.prefix_reuse --model qwen3-1.7b --device cuda \
+    --mode gpu --out $RESULTS"

@@ -12,30 +12,30 @@
 // Head dims that are not a multiple of 32 (80) leave the top lanes of the last
 // chunk idle (zeros in q and k, nothing stored).
 //
-// KV pool layout (float32, element offsets from the pool base):
-//   kvbase[t] + ((p * n_layers + layer) * 2 + {0: k, 1: v}) * n_kv * D + head * D
-// so no per-session capacity enters the address: one base per token finds it.
+// Where the keys are (kv_cache.cuh): the split modes' contiguous float32 caches
+// (attention_split_d*), or gpu mode's paged pool in f16 or float32
+// (attention_paged_d*_f16 / _f32); one body serves both.
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 #define ATTN_WARPS 4
 #define ATTN_MAX_GROUP 8
 #define ATTN_MAX_GROUP_D 2048   // group * head_dim (checked on the host)
 #define ATTN_MAX_SPLITS 32
 
-template <int D>   // head_dim, a constant so q and acc stay in registers
+// D: head_dim, a constant so q and acc stay in registers.  The caller ran pdl_wait
+// (rows were built from per-token params) and passes this block's token's K rows.
+template <int D, typename Rows>
 __device__ __forceinline__ void attention_split_body(
-        const float* __restrict__ q, const float* __restrict__ kvpool, const long long* __restrict__ kvbase,
-        const int* __restrict__ pos, float* part_acc, float* part_max, float* part_sum,
-        float* __restrict__ out, unsigned int* counters, int layer, int n_layers, int n_heads, int n_kv,
-        int window, float softmax_scale) {
+        const float* __restrict__ q, const Rows rows, const int* __restrict__ pos, float* part_acc,
+        float* part_max, float* part_sum, float* __restrict__ out, unsigned int* counters, int n_heads,
+        int n_kv, int window, float softmax_scale) {
     constexpr int PER_LANE = (D + 31) / 32;
     constexpr int KEYS_PER_ITER = PER_LANE <= 4 ? 4 : 2;   // keys whose loads are in flight together
     __shared__ float merge_acc[ATTN_WARPS][ATTN_MAX_GROUP_D];
     __shared__ float merge_max[ATTN_WARPS][ATTN_MAX_GROUP], merge_sum[ATTN_WARPS][ATTN_MAX_GROUP];
     __shared__ bool is_last_split;
     __shared__ float split_weight[ATTN_MAX_GROUP][ATTN_MAX_SPLITS], split_den[ATTN_MAX_GROUP];
-    pdl_launch_dependents();
-    pdl_wait();   // see common.cuh
     const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_heads / n_kv;
@@ -43,9 +43,7 @@ __device__ __forceinline__ void attention_split_body(
     const int first_key = window > 0 ? max(pos[t] - window + 1, 0) : 0;
     const int n_keys = pos[t] + 1 - first_key, per_split = max((n_keys + splits - 1) / splits, 16);
     const int begin = first_key + split * per_split, end = first_key + min(split * per_split + per_split, n_keys);
-    const long long stride_pos = (long long)n_layers * 2 * n_kv * D;
-    const float* kbase = kvpool + kvbase[t] + (long long)layer * 2 * n_kv * D + (long long)head_kv * D;
-    const float* vbase = kbase + (long long)n_kv * D;
+    const long long v_offset = (long long)n_kv * D;   // a position's V row follows its K row
 
     float qr[ATTN_MAX_GROUP][PER_LANE], acc[ATTN_MAX_GROUP][PER_LANE];
     float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP];
@@ -66,11 +64,12 @@ __device__ __forceinline__ void attention_split_body(
 #pragma unroll
         for (int u = 0; u < KEYS_PER_ITER; u++) {
             int p = min(p0 + u * ATTN_WARPS, end - 1);   // a duplicate key is loaded, then skipped
+            const typename Rows::Elem* krow = rows.row(p);
 #pragma unroll
             for (int c = 0; c < PER_LANE; c++) {
                 bool inside = D % 32 == 0 || lane + 32 * c < D;
-                kr[u][c] = inside ? kbase[p * stride_pos + lane + 32 * c] : 0.f;
-                vr[u][c] = inside ? vbase[p * stride_pos + lane + 32 * c] : 0.f;
+                kr[u][c] = inside ? load_kv(krow + lane + 32 * c) : 0.f;
+                vr[u][c] = inside ? load_kv(krow + v_offset + lane + 32 * c) : 0.f;
             }
         }
 #pragma unroll
@@ -159,8 +158,13 @@ __device__ __forceinline__ void attention_split_body(
             const float* q, const float* kvpool, const long long* kvbase, const int* pos,       \
             float* part_acc, float* part_max, float* part_sum, float* out, unsigned int* counters,\
             int layer, int n_layers, int n_heads, int n_kv, int window, float softmax_scale) {  \
-        attention_split_body<D>(q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out,      \
-                                counters, layer, n_layers, n_heads, n_kv, window, softmax_scale);\
+        pdl_launch_dependents();                                                                \
+        pdl_wait();   /* see common.cuh */                                                      \
+        const long long stride = (long long)n_layers * 2 * n_kv * D;                            \
+        ContiguousRows rows{kvpool + kvbase[blockIdx.y] + (long long)layer * 2 * n_kv * D       \
+                            + (long long)blockIdx.x * D, stride};                               \
+        attention_split_body<D>(q, rows, pos, part_acc, part_max, part_sum, out, counters,      \
+                                n_heads, n_kv, window, softmax_scale);                          \
     }
 // every head dim of kestrel_stream.cuda.kernels.ATTENTION_HEAD_DIMS: the common models' (each one
 // more costs NVRTC ~3 s per architecture; the template serves any D <= 256 that is a multiple of 16)
@@ -171,3 +175,28 @@ DEFINE_ATTENTION(96)
 DEFINE_ATTENTION(128)
 DEFINE_ATTENTION(256)
 
+// tables: every session's block-address row; table_row[t]: where token t's session's row starts
+#define DEFINE_PAGED_ATTENTION(D, SUFFIX, E)                                                    \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_paged_d##D##_##SUFFIX(\
+            const float* q, const unsigned long long* tables, const long long* table_row,       \
+            const int* pos, float* part_acc, float* part_max, float* part_sum, float* out,      \
+            unsigned int* counters, int layer, int n_layers, int n_heads, int n_kv, int window, \
+            float softmax_scale, int block_shift) {                                             \
+        pdl_launch_dependents();                                                                \
+        pdl_wait();   /* see common.cuh */                                                      \
+        PagedRows<E> rows{tables + table_row[blockIdx.y],                                       \
+                          (long long)layer * 2 * n_kv * D + (long long)blockIdx.x * D,          \
+                          (long long)n_layers * 2 * n_kv * D, block_shift};                     \
+        attention_split_body<D>(q, rows, pos, part_acc, part_max, part_sum, out, counters,      \
+                                n_heads, n_kv, window, softmax_scale);                          \
+    }
+// the same head dims as attention_split_d*, for each KV dtype
+#define DEFINE_PAGED_ATTENTION_DTYPE(SUFFIX, E)                                                 \
+    DEFINE_PAGED_ATTENTION(32, SUFFIX, E)                                                       \
+    DEFINE_PAGED_ATTENTION(64, SUFFIX, E)                                                       \
+    DEFINE_PAGED_ATTENTION(80, SUFFIX, E)                                                       \
+    DEFINE_PAGED_ATTENTION(96, SUFFIX, E)                                                       \
+    DEFINE_PAGED_ATTENTION(128, SUFFIX, E)                                                      \
+    DEFINE_PAGED_ATTENTION(256, SUFFIX, E)
+DEFINE_PAGED_ATTENTION_DTYPE(f16, half_bits)
+DEFINE_PAGED_ATTENTION_DTYPE(f32, float)

@@ -5,23 +5,47 @@
 // holds elements lane + 32c (i < D), for any even D <= 256; the rotate_half
 // partner (i +- D/2) is read back through shared memory, since it lies in
 // another lane unless D % 64 == 0.  Every rope scaling type is the host's
-// inverse-frequency table.
+// inverse-frequency table.  The KV destination (kv_cache.cuh): a contiguous
+// float32 cache (qkv_norm_rope_append) or gpu mode's paged pool in f16 or float32
+// (qkv_rope_append_paged_f16 / _f32); one body serves all three.
 #include "common.cuh"
+#include "kv_cache.cuh"
 
 #define ROPE_MAX_PER_LANE 8   // head_dim <= 256
 #define ROPE_MAX_D 256
 
-extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
+// The K or V row of token t at position p: contiguous, float32
+struct ContiguousDst {
+    typedef float Elem;
+    float* kvpool; const long long* kvbase; int layer, n_layers, n_kv, D;
+    __device__ __forceinline__ float* row(int t, int p, bool is_v, int kv_head) const {
+        return kvpool + kvbase[t] + (((long long)p * n_layers + layer) * 2 + (is_v ? 1 : 0)) * n_kv * D
+               + (long long)kv_head * D;
+    }
+};
+
+template <typename E>
+struct PagedDst {
+    typedef E Elem;
+    const unsigned long long* tables; const long long* table_row; int layer, n_layers, n_kv, D, block_shift;
+    __device__ __forceinline__ E* row(int t, int p, bool is_v, int kv_head) const {
+        E* block = reinterpret_cast<E*>(tables[table_row[t] + (p >> block_shift)]);
+        long long within = p & ((1 << block_shift) - 1);
+        return block + ((within * n_layers + layer) * 2 + (is_v ? 1 : 0)) * n_kv * D + (long long)kv_head * D;
+    }
+};
+
+template <typename Dst>
+__device__ __forceinline__ void qkv_norm_rope_append_body(
         const float* __restrict__ qkv,        // [T, (n_heads + 2 n_kv) * D]
         float* __restrict__ q_out,            // [T, n_heads * D]
-        float* __restrict__ kvpool,
-        const long long* __restrict__ kvbase, // [T]
+        const Dst cache,
         const int* __restrict__ pos,          // [T]
         const float* __restrict__ q_norm,     // [D] or null (Llama)
         const float* __restrict__ k_norm,     // [D] or null
         const float* __restrict__ inv_freq,   // [D/2], computed on the host as the reference does
         const float* __restrict__ bias,       // [(n_heads + 2 n_kv) * D] or null (all but Qwen2)
-        float eps, int layer, int n_layers, int n_heads, int n_kv, int D) {
+        float eps, int n_heads, int n_kv, int D) {
     pdl_launch_dependents();
     pdl_wait();   // see common.cuh
     const int head = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
@@ -39,14 +63,8 @@ extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
         v[c] = c < per_lane && i < D ? src[i] + (bias ? bias[head * D + i] : 0.f) : 0.f;
     }
 
-    float* dst;
-    if (is_q) {
-        dst = q_out + (long long)t * n_heads * D + (long long)head * D;
-    } else {
-        int kv_head = is_v ? head - n_heads - n_kv : head - n_heads;
-        dst = kvpool + kvbase[t] + (((long long)p * n_layers + layer) * 2 + (is_v ? 1 : 0)) * n_kv * D
-              + (long long)kv_head * D;
-    }
+    float* q_dst = is_q ? q_out + (long long)t * n_heads * D + (long long)head * D : nullptr;
+    typename Dst::Elem* kv_dst = is_q ? nullptr : cache.row(t, p, is_v, is_v ? head - n_heads - n_kv : head - n_heads);
     if (!is_v) {
         const float* norm_w = is_q ? q_norm : k_norm;
         if (norm_w) {
@@ -73,6 +91,31 @@ extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
         }
     }
 #pragma unroll
-    for (int c = 0; c < ROPE_MAX_PER_LANE; c++)
-        if (c < per_lane && lane + 32 * c < D) dst[lane + 32 * c] = v[c];
+    for (int c = 0; c < ROPE_MAX_PER_LANE; c++) {
+        if (c >= per_lane || lane + 32 * c >= D) continue;
+        if (is_q) q_dst[lane + 32 * c] = v[c];
+        else store_kv(kv_dst + lane + 32 * c, v[c]);
+    }
 }
+
+extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
+        const float* qkv, float* q_out, float* kvpool, const long long* kvbase, const int* pos,
+        const float* q_norm, const float* k_norm, const float* inv_freq, const float* bias, float eps,
+        int layer, int n_layers, int n_heads, int n_kv, int D) {
+    qkv_norm_rope_append_body(qkv, q_out, ContiguousDst{kvpool, kvbase, layer, n_layers, n_kv, D}, pos,
+                              q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D);
+}
+
+// tables / table_row: see kv_cache.cuh
+#define DEFINE_PAGED_APPEND(SUFFIX, E)                                                              \
+    extern "C" __global__ void __launch_bounds__(32) qkv_rope_append_paged_##SUFFIX(              \
+            const float* qkv, float* q_out, const unsigned long long* tables, const long long* table_row,\
+            const int* pos, const float* q_norm, const float* k_norm, const float* inv_freq,        \
+            const float* bias, float eps, int layer, int n_layers, int n_heads, int n_kv, int D,    \
+            int block_shift) {                                                                      \
+        qkv_norm_rope_append_body(qkv, q_out,                                                       \
+                                  PagedDst<E>{tables, table_row, layer, n_layers, n_kv, D, block_shift},\
+                                  pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D);     \
+    }
+DEFINE_PAGED_APPEND(f16, half_bits)
+DEFINE_PAGED_APPEND(f32, float)

@@ -16,19 +16,27 @@ __version__ = "0.1.0"
 
 
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
-         max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None) -> Engine:
-    """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it."""
+         max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None,
+         kv_dtype: str = "f16") -> Engine:
+    """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it.
+
+    kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic)."""
     from kestrel_stream.loading.loader import load_weights
     from kestrel_stream.obs import prof
+    from kestrel_stream.obs.load_stages import stage
     from kestrel_stream.options import Options
     options = Options.from_env(vram_budget=vram_budget)      # every KESTREL_* setting, read once, here
-    device, mode = resolve_device(device, mode)
+    with stage("resolve device"):
+        device, mode = resolve_device(device, mode)
     if options.prof:
         prof.enable()               # before loading: the table has the load's stage times too
     from kestrel_stream.text.tokenizer import load_tokenizer
-    weights = load_weights(path, cache=cache, progress=progress)
-    return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
-                  max_sessions=max_sessions, options=options, tokenizer=load_tokenizer(path))
+    with stage("weights: read, split, fuse"):
+        weights = load_weights(path, cache=cache, progress=progress)
+    with stage("engine: executor"):
+        return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
+                      max_sessions=max_sessions, options=options, tokenizer=load_tokenizer(path),
+                      kv_dtype=kv_dtype)
 
 
 def __getattr__(name):

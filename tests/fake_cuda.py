@@ -127,6 +127,11 @@ def h2d_sync(dst_ptr: int, src: np.ndarray) -> None:
     dev(dst_ptr, src.nbytes)[:] = src.reshape(-1).view(np.uint8)
 
 
+def d2d_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: Stream) -> None:
+    dev(dst_ptr, nbytes), dev(src_ptr, nbytes)
+    stream.enqueue("run", lambda: dev(dst_ptr, nbytes).__setitem__(slice(None), dev(src_ptr, nbytes)))
+
+
 def memset_async(ptr: int, nbytes: int, stream: Stream) -> None:
     dev(ptr, nbytes)
     stream.enqueue("run", lambda: dev(ptr, nbytes).__setitem__(slice(None), 0))
@@ -209,7 +214,7 @@ def install(monkeypatch, mode: str = "immediate") -> None:
     monkeypatch.setitem(POLICY, "mode", mode)
     names = dict(Device=Device, Stream=new_stream, Event=Event, PinnedBuffer=PinnedBuffer, Arena=Arena,
                  register_host=register_host, h2d_async=h2d_async, d2h_async=d2h_async, h2d_sync=h2d_sync,
-                 memset_async=memset_async, capture=capture, Graph=Graph,
+                 d2d_async=d2d_async, memset_async=memset_async, capture=capture, Graph=Graph,
                  detect=lambda: "Emulated H200 sm_90", gpu_available=lambda: True,
                  gpu_status=lambda: (True, "Emulated H200 sm_90"))
     for name, value in names.items():

@@ -166,13 +166,45 @@ def rmsnorm(v, w, eps):
 
 def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm, inv_freq, bias, eps, layer,
                          n_layers, n_heads, n_kv, D) -> None:
+    def kv_row(t, p, is_v, kv_head):
+        base = int(dev(kvbase + 8 * t, 8, np.int64)[0])
+        return f32(kvpool + 4 * (base + ((p * n_layers + layer) * 2 + int(is_v)) * n_kv * D + kv_head * D), D)
+    rope_append(launch, qkv, q_out, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D)
+
+
+KV_DTYPES = {"f16": np.float16, "f32": np.float32}
+
+
+def paged_rows(tables, table_row, t, block_shift, dtype, n_layers, n_kv, D):
+    """(block of position p as [block_size, L, 2, n_kv, D] `dtype`) for token t's session."""
+    bs = 1 << block_shift
+    row = int(dev(table_row + 8 * t, 8, np.int64)[0])
+    itemsize = np.dtype(dtype).itemsize
+
+    def block(p):
+        address = int(dev(tables + 8 * (row + (p >> block_shift)), 8, np.uint64)[0])
+        return dev(address, bs * n_layers * 2 * n_kv * D * itemsize, dtype).reshape(bs, n_layers, 2, n_kv, D)
+    return block
+
+
+def qkv_rope_append_paged(launch, qkv, q_out, tables, table_row, pos, q_norm, k_norm, inv_freq, bias, eps,
+                          layer, n_layers, n_heads, n_kv, D, block_shift) -> None:
+    dtype = KV_DTYPES[launch.name.rsplit("_", 1)[1]]
+
+    def kv_row(t, p, is_v, kv_head):
+        block = paged_rows(tables, table_row, t, block_shift, dtype, n_layers, n_kv, D)(p)
+        return block[p & ((1 << block_shift) - 1), layer, int(is_v), kv_head]      # rounds to dtype on store
+    rope_append(launch, qkv, q_out, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D)
+
+
+def rope_append(launch, qkv, q_out, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D) -> None:
+    """qkv_rope.cu's shared body; kv_row(t, p, is_v, kv_head) is the destination row's view."""
     heads, T = launch.grid[0], launch.grid[1]
     assert heads == n_heads + 2 * n_kv and launch.block[0] == 32 and D % 2 == 0 and D <= 256
     width, half = heads * D, D // 2
     freqs = f32(inv_freq, half)
     for t in range(T):
         p = int(dev(pos + 4 * t, 4, np.int32)[0])
-        base = int(dev(kvbase + 8 * t, 8, np.int64)[0])
         angle = np.float32(p) * np.concatenate([freqs, freqs])
         cos, sin = np.cos(angle), np.sin(angle)
         for head in range(heads):
@@ -180,27 +212,51 @@ def qkv_norm_rope_append(launch, qkv, q_out, kvpool, kvbase, pos, q_norm, k_norm
             if bias:
                 v = v + f32(bias + 4 * head * D, D)
             is_q, is_v = head < n_heads, head >= n_heads + n_kv
-            if is_q:
-                dst = q_out + 4 * (t * n_heads * D + head * D)
-            else:
-                kv_head = head - n_heads - n_kv if is_v else head - n_heads
-                dst = kvpool + 4 * (base + ((p * n_layers + layer) * 2 + int(is_v)) * n_kv * D + kv_head * D)
             if not is_v:
                 norm_w = q_norm if is_q else k_norm
                 if norm_w:
                     v = rmsnorm(v, f32(norm_w, D), eps)
                 v = v * cos + np.concatenate([-v[half:], v[:half]]) * sin
-            f32(dst, D)[:] = v
+            if is_q:
+                f32(q_out + 4 * (t * n_heads * D + head * D), D)[:] = v
+            else:
+                kv_row(t, p, is_v, head - n_heads - n_kv if is_v else head - n_heads)[:] = v
 
 
 def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer,
                     n_layers, n_heads, n_kv, window, softmax_scale) -> None:
     D = int(launch.name.rsplit("_d", 1)[1])
+    stride_pos = n_layers * 2 * n_kv * D
+
+    def keys_values(t, n_keys):
+        base = int(dev(kvbase + 8 * t, 8, np.int64)[0])
+        cache = rows(kvpool + 4 * (base + layer * 2 * n_kv * D), n_keys, stride_pos, 2 * n_kv * D)
+        return cache[:, :n_kv * D].reshape(n_keys, n_kv, D), cache[:, n_kv * D:].reshape(n_keys, n_kv, D)
+    attend(launch, D, q, keys_values, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
+           window, softmax_scale)
+
+
+def attention_paged(launch, q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer,
+                    n_layers, n_heads, n_kv, window, softmax_scale, block_shift) -> None:
+    _, head, dtype_name = launch.name.rsplit("_", 2)
+    D, dtype = int(head[1:]), KV_DTYPES[dtype_name]
+
+    def keys_values(t, n_keys):
+        block = paged_rows(tables, table_row, t, block_shift, dtype, n_layers, n_kv, D)
+        bs = 1 << block_shift
+        cache = np.concatenate([block(p)[:, layer] for p in range(0, n_keys, bs)])[:n_keys].astype(np.float32)
+        return cache[:, 0], cache[:, 1]                                      # [n_keys, n_kv, D] each
+    attend(launch, D, q, keys_values, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
+           window, softmax_scale)
+
+
+def attend(launch, D, q, keys_values, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
+           window, softmax_scale) -> None:
+    """attention.cu's shared body; keys_values(t, n_keys) gives token t's K and V [n_keys, n_kv, D]."""
     n_kv_grid, T, splits = launch.grid
     group = n_heads // n_kv
     assert n_kv_grid == n_kv and n_heads % n_kv == 0 and group <= 8 and group * D <= 2048 and splits <= 32
     assert launch.block == (128, 1, 1)
-    stride_pos = n_layers * 2 * n_kv * D
     partial_rows = T * n_heads * splits                  # the workspace must fit: [rows, D] + [rows] + [rows]
     dev(part_acc, 4 * partial_rows * D), dev(part_max, 4 * partial_rows), dev(part_sum, 4 * partial_rows)
     for t in range(T):
@@ -208,11 +264,8 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
             take_ticket(counters + 4 * (t * n_kv + h))
         n_keys = int(dev(pos + 4 * t, 4, np.int32)[0]) + 1
         first = max(n_keys - window, 0) if window > 0 else 0
-        base = int(dev(kvbase + 8 * t, 8, np.int64)[0])
-        cache = rows(kvpool + 4 * (base + layer * 2 * n_kv * D), n_keys, stride_pos, 2 * n_kv * D)[first:]
-        n_keys -= first
-        keys = cache[:, :n_kv * D].reshape(n_keys, n_kv, D)
-        values = cache[:, n_kv * D:].reshape(n_keys, n_kv, D)
+        keys, values = keys_values(t, n_keys)
+        keys, values = keys[first:], values[first:]
         qt = f32(q + 4 * t * n_heads * D, n_heads * D).reshape(n_kv, group, D) * np.float32(softmax_scale)
         scores = np.einsum("hgd,phd->hgp", qt, keys)
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
@@ -247,4 +300,6 @@ KERNELS = [
     (r"chain_advance", chain_advance),
     (r"qkv_norm_rope_append", qkv_norm_rope_append),
     (r"attention_split_d(32|64|80|96|128|256)", attention_split),
+    (r"qkv_rope_append_paged_(f16|f32)", qkv_rope_append_paged),
+    (r"attention_paged_d(32|64|80|96|128|256)_(f16|f32)", attention_paged),
 ]

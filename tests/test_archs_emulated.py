@@ -16,7 +16,7 @@ import fake_cuda
 import kestrel_stream as ks
 from hf_oracle import relative_error
 from kestrel_stream.loading.presets import make_model
-from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, step_rows
+from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.gpu_executor import GpuExecutor
 from test_executors_emulated import FAST_LINK, MAX_BATCH, MAX_SEQ_LEN, hybrid_engine
@@ -47,9 +47,7 @@ def engine_for(weights, mode):
         budget = None
         if mode == "window":
             c = weights.config
-            tokens, logits_rows = step_rows(MAX_BATCH)
-            budget = budget_for_weight_fraction(c, arena_needs(c, tokens, 2 * MAX_BATCH + 1, MAX_SEQ_LEN, 16,
-                                                               logits_rows=logits_rows), 0.5)
+            budget = budget_for_weight_fraction(c, gpu_mode_needs(c, MAX_BATCH, MAX_SEQ_LEN), 0.5)
         engine = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
         engine.device, engine.mode = "cuda", "gpu"
         # these models' weights are all "small items" (kept resident) unless the threshold drops

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import kestrel_stream as ks
-from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, step_rows
+from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.host import CpuExecutor
 from kestrel_stream.model.quant import quantize
@@ -51,8 +51,7 @@ def random_weights(arch: str, seed: int = 0) -> ModelWeights:
 
 def streaming_executor(weights, fraction, slots=2, distance=1):
     from kestrel_stream.run.gpu_executor import GpuExecutor
-    needs = arena_needs(weights.config, max(BATCH, CHUNK), 2 * BATCH + 1, SEQ, 16,
-                        logits_rows=step_rows(BATCH, CHUNK)[1])
+    needs = gpu_mode_needs(weights.config, BATCH, SEQ, CHUNK)
     budget = budget_for_weight_fraction(weights.config, needs, fraction, slots)
     gpu = GpuExecutor(weights, max_seq_len=SEQ, max_batch=BATCH, prefill_chunk=CHUNK, vram_budget=budget,
                       window_slots=slots, prefetch_distance=distance)
@@ -141,8 +140,8 @@ def test_too_small_budget_fails_at_load_naming_the_numbers(llama_model):
 def test_generate_json_reports_the_window(llama_model, capsys):
     from kestrel_stream.cli.main import main
     cpu = ks.load(llama_model, device="cpu")
-    cfg = cpu.config            # the engine's defaults: max_batch 32 → 512-token steps, 64 logits rows, 65 KV caches
-    needs = arena_needs(cfg, step_rows(32)[0], 65, cpu.max_seq_len, 16, logits_rows=step_rows(32)[1])
+    cfg = cpu.config            # the engine's defaults: max_batch 32 → 512-token steps, 64 logits rows
+    needs = gpu_mode_needs(cfg, 32, cpu.max_seq_len)
     budget = budget_for_weight_fraction(cfg, needs, 0.5)
     common = ["generate", "--model", str(llama_model), "--prompt-ids", "5,3,200,17", "--max-new-tokens", "8",
               "--json"]

@@ -15,7 +15,7 @@ import fake_cuda
 import scheduler
 from kestrel_stream.loading.presets import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
-from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, step_rows
+from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.hybrid import HybridExecutor
 
@@ -42,8 +42,7 @@ def build(weights, mode: str) -> Engine:
     if mode.startswith("gpu"):
         budget = None
         if mode == "gpu-window":       # half the weights resident, the rest streamed every step
-            needs = arena_needs(CONFIG, *step_rows(MAX_BATCH)[:1], 2 * MAX_BATCH + 1, MAX_SEQ_LEN, 16,
-                                logits_rows=step_rows(MAX_BATCH)[1])
+            needs = gpu_mode_needs(CONFIG, MAX_BATCH, MAX_SEQ_LEN)
             budget = budget_for_weight_fraction(CONFIG, needs, 0.5)
         engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
                         vram_budget=budget)

@@ -63,6 +63,12 @@ class Device:
             def record(self, stream):
                 self.latest = (stream, len(stream.ops))   # everything enqueued on stream so far
 
+            def synchronize(self):
+                device.run()
+
+            def destroy(self):
+                pass
+
         class PinnedBuffer:
             def __init__(self, nbytes):
                 self.nbytes = nbytes

@@ -75,6 +75,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"KV positions per session: prompt + generated tokens (default: {DEFAULT_MAX_SEQ_LEN}, "
                         f"or the model's max_position_embeddings when smaller, e.g. 512 for the tiny preset)")
     p.add_argument("--verbose", action="store_true", help="say why there is no GPU, and log loads and caches")
+    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
+                   help="gpu mode's KV cache: f16 (default) or f32 (the reference arithmetic)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
     p.add_argument("--prof", action="store_true",
                    help="print the per-stage profile table of offloaded calls at exit (as KESTREL_PROF=1)")
@@ -101,7 +103,8 @@ def load_engine(args):
         from kestrel_stream.obs import trace
         trace.start(args.trace, command=args.command)
     return ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
-                   max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"))
+                   max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"),
+                   kv_dtype=args.kv_dtype)
 
 
 def cmd_make_model(args) -> int:
@@ -279,7 +282,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="KV positions per session (with --vram-budget; default: 2048 or the model's context)")
     p.add_argument("--max-batch", type=int_at_least(1), default=32, help="sessions per step (with --vram-budget)")
     p.add_argument("--max-sessions", type=int_at_least(1), default=None,
-                   help="KV caches reserved (with --vram-budget; default: 2 x --max-batch)")
+                   help="KV block tables (with --vram-budget; default: 2 x --max-batch)")
+    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="gpu mode's KV pool (with --vram-budget)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 

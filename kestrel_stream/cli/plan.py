@@ -60,8 +60,10 @@ def cmd_plan(args) -> int:
 
 
 def window_report(cfg, args) -> dict:
-    """What `gpu` mode keeps resident and streams per step under --vram-budget (the executor's own split)."""
-    from kestrel_stream.run.budget import arena_needs, parse_vram_budget, plan_arena
+    """How `gpu` mode splits --vram-budget (the executor's own split): the arena with the resident
+    weights, what streams per step, and the KV pool's limit."""
+    from kestrel_stream.run.budget import parse_vram_budget, plan_gpu_memory
+    from kestrel_stream.run.gpu_executor import DEFAULT_MAX_SESSIONS
     budget = parse_vram_budget(args.vram_budget)
     if isinstance(budget, float):
         from kestrel_stream.run.engine import gpu_status
@@ -70,19 +72,26 @@ def window_report(cfg, args) -> dict:
         from kestrel_stream.cuda import driver
         budget = int(budget * driver.Device(0).free_bytes())
     max_seq_len = args.max_seq_len or min(2048, cfg.max_position_embeddings)
-    sessions = (args.max_sessions or 2 * args.max_batch) + 1
-    needs = arena_needs(cfg, max(args.max_batch, 64), sessions, max_seq_len, 16)
-    capacity, window = plan_arena(cfg, needs, budget)
-    report = {"budget_bytes": budget, "arena_bytes": capacity, "kv_bytes": needs.kv_bytes,
-              "activation_bytes": needs.activation_bytes + needs.slack_bytes}
+    memory = plan_gpu_memory(cfg, budget_bytes=budget, free_bytes=budget, max_tokens=max(args.max_batch, 64),
+                             max_sessions=args.max_sessions or DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len,
+                             attention_splits=16, max_batch=args.max_batch, kv_dtype=args.kv_dtype)
+    needs, window, kv = memory.needs, memory.window, memory.kv
+    report = {"budget_bytes": budget, "arena_bytes": memory.arena_bytes,
+              "activation_bytes": needs.activation_bytes + needs.slack_bytes,
+              "kv_pool": {"kv_dtype": args.kv_dtype, "block_size": kv.block_size, "block_bytes": kv.block_bytes,
+                          "max_blocks": kv.max_blocks, "max_bytes": kv.max_bytes, "max_positions": kv.max_positions,
+                          "policy": kv.policy, "sessions_of_max_seq_len": kv.max_positions // max_seq_len}}
+    report["kv_bytes"] = kv.max_bytes
     if window is None:
-        report["text"] = (f"window: every weight resident; arena {capacity / 1e6:.1f} MB of the "
-                          f"{budget / 1e6:.1f} MB budget (KV {needs.kv_bytes / 1e6:.1f} MB)")
-        report.update(resident_bytes=capacity - needs.total, streamed_bytes_per_step=0)
+        report["text"] = (f"window: every weight resident; arena {memory.arena_bytes / 1e6:.1f} MB of the "
+                          f"{budget / 1e6:.1f} MB budget")
+        report.update(resident_bytes=memory.arena_bytes - needs.activation_bytes - needs.slack_bytes,
+                      streamed_bytes_per_step=0)
     else:
         report["text"] = window.describe()
         report.update(resident_bytes=window.resident_bytes, streamed_bytes_per_step=window.streamed_bytes_per_step,
                       slots=window.to_dict().get("slot_count"))
+    report["text"] += "\n" + kv.describe() + f"; {kv.max_positions // max_seq_len} session(s) of {max_seq_len}"
     return report
 
 

@@ -203,6 +203,11 @@ def h2d_sync(dst_ptr: int, src: np.ndarray) -> None:
     check(cu.cuMemcpyHtoD(dst_ptr, src.ctypes.data, src.nbytes), "cuMemcpyHtoD")
 
 
+def d2d_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: Stream) -> None:
+    """Device-to-device copy in stream order (KV blocks: copy-on-write, forks)."""
+    check(cu.cuMemcpyDtoDAsync(dst_ptr, src_ptr, nbytes, stream.handle), "cuMemcpyDtoDAsync")
+
+
 def memset_async(ptr: int, nbytes: int, stream: Stream) -> None:
     check(cu.cuMemsetD8Async(ptr, 0, nbytes, stream.handle), "cuMemsetD8Async")
 

@@ -152,7 +152,9 @@ class QWeight:
 
 GEMV_SIGNATURE = "pppippipppppfiii"
 ROPE_SIGNATURE = "pppppppppfiiiii"     # qkv_norm_rope_append
-# head dims kernels_ptx/attention.cu instantiates (qkv_rope.cu serves any even D <= 256)
+ROPE_PAGED_SIGNATURE = "pppppppppfiiiiii"   # qkv_rope_append_paged_{f16,f32}: + block_shift
+# head dims kernels_ptx/attention.cu instantiates (qkv_rope.cu serves any even D <= 256), for the
+# contiguous caches and the paged pool alike
 ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tensor-core q8_mma
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
@@ -211,3 +213,20 @@ def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: 
     return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiiif",
                           [q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
                            n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale])
+
+
+def paged_attention_launch(kernels: KernelSet, q: int, tables: int, table_row: int, pos: int, out: int,
+                           partials: int, counters: int, tokens: int, layer: int, n_layers: int, n_heads: int,
+                           n_kv: int, head_dim: int, splits: int, block_shift: int, kv_dtype: str,
+                           window: int = 0, scale: float | None = None) -> Launch:
+    """attention_launch over gpu mode's paged pool (kernels_ptx/kv_cache.cuh): keys through each
+    token's block-table row, f16 or float32."""
+    rows = tokens * n_heads * splits
+    part_acc, part_max = partials, partials + 4 * rows * head_dim
+    part_sum = part_max + 4 * rows
+    assert head_dim in ATTENTION_HEAD_DIMS, head_dim
+    return kernels.launch(f"attention_paged_d{head_dim}_{kv_dtype}", (n_kv, tokens, splits), (128,),
+                          "pppppppppiiiiifi",
+                          [q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
+                           n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale,
+                           block_shift])

@@ -34,6 +34,7 @@ from kestrel_stream.model.config import ConfigError, ModelConfig
 from kestrel_stream.model.quant import QTensor, quantize
 from kestrel_stream.model.rope import RopeScaling
 from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, assemble_weights, hf_tensor_shapes
+from kestrel_stream.obs.load_stages import stage
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 GGUF_LAYER_NAMES = {
@@ -209,7 +210,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
               cache_dir: str | Path | None = None) -> ModelWeights:
     """Load a llama/qwen2/qwen3 .gguf file of any type ``gguf.quants`` reads (cached once converted)."""
     path = Path(path)
-    f = open_gguf(path)
+    with stage("  GGUF metadata and mmap"):
+        f = open_gguf(path)
     cfg = config_from_metadata(f)
     to_gguf = gguf_names(cfg)
     expected = {to_gguf[hf]: shape for hf, shape in hf_tensor_shapes(cfg).items()}

@@ -39,6 +39,9 @@ def enable() -> None:
 def _print_at_exit() -> None:
     sys.stdout.flush()          # keep the table after the command's own output
     print(report(), file=sys.stderr)
+    from kestrel_stream.obs import load_stages
+    if load_stages.snapshot():
+        print(load_stages.report(), file=sys.stderr)
 
 
 def record_call(stage_us: dict[str, float], uploads: int = 0) -> None:

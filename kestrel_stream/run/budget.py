@@ -87,9 +87,12 @@ def step_rows(max_batch: int, prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> tupl
 
 
 def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_splits: int,
-                logits_rows: int | None = None) -> ArenaNeeds:
-    """KV caches + activations + workspace of GpuExecutor for `max_tokens` tokens per step, with
-    logits for `logits_rows` of them (default all)."""
+                logits_rows: int | None = None, kv_bytes_per_position: int | None = None,
+                table_bytes: int = 0) -> ArenaNeeds:
+    """KV caches + activations + workspace of an executor for `max_tokens` tokens per step, with
+    logits for `logits_rows` of them (default all) (float32 KV for `sessions` x `max_seq_len` positions
+    unless kv_bytes_per_position says otherwise; table_bytes: gpu mode's block tables, with the
+    activations)."""
     T, H, V = max_tokens, c.hidden_size, c.vocab_size
     qkv_width = c.q_size + 2 * c.kv_size
     partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
@@ -99,9 +102,10 @@ def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_s
     norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
     if c.qkv_bias:
         norm_floats += qkv_width * c.num_hidden_layers
-    kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
+    if kv_bytes_per_position is None:
+        kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
     return ArenaNeeds(kv_bytes=sessions * max_seq_len * kv_bytes_per_position,
-                      activation_bytes=4 * (activation_floats + norm_floats) + 16 * T,
+                      activation_bytes=4 * (activation_floats + norm_floats) + 16 * T + table_bytes,
                       slack_bytes=ALIGN * (12 * c.num_hidden_layers + 64),
                       sessions=sessions, max_seq_len=max_seq_len)
 
@@ -159,3 +163,61 @@ def plan_arena(config, needs: ArenaNeeds, budget_bytes: int | None, slot_count: 
                 + window.slot_count * (window.slot_bytes + 2 * ALIGN) * bool(window.streamed))
     assert capacity <= budget_bytes, (capacity, budget_bytes)
     return capacity, window
+
+
+@dataclass(frozen=True)
+class GpuMemoryPlan:
+    """gpu mode's device memory: the arena (weights, activations, block tables) and the KV pool beside it."""
+    arena_bytes: int
+    window: WindowPlan | None
+    kv: "KVPoolPlan"
+    needs: ArenaNeeds             # kv_bytes: the least the pool must get (see plan_gpu_memory)
+    budget_bytes: int | None
+
+    def describe(self) -> str:
+        mib = 2**20
+        head = (f"arena {self.arena_bytes / mib:.1f} MiB (weights, activations, KV tables); "
+                f"{self.kv.describe()}")
+        return head if self.window is None else head + "\n" + self.window.describe()
+
+
+def plan_gpu_memory(c, *, budget_bytes: int | None, free_bytes: int, max_tokens: int, max_sessions: int,
+                    max_seq_len: int, attention_splits: int, max_batch: int = 1, kv_dtype: str = "f16",
+                    block_size: int = 16, logits_rows: int | None = None,
+                    kv_pool_bytes: int | None = None, slot_count: int = 2, prefetch_distance: int = 1,
+                    small_item_bytes: int = 64 * 1024) -> GpuMemoryPlan:
+    """Split a VRAM budget (None: free VRAM less a margin) over the arena and the KV pool.
+
+    Weights first: the pool gets what resident weights, activations and tables leave, at least one
+    session of max_seq_len, a block for each other session of a full batch and the scratch block
+    (weights stream to make room).  With kv_pool_bytes the other way round:
+    the pool is that size and the weights get the rest."""
+    from scheduler.kv_pool import kv_bytes_per_position, plan_kv_pool
+    per_position = kv_bytes_per_position(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
+    block_bytes = block_size * per_position
+    min_positions = (-(-max_seq_len // block_size) + max_batch) * block_size
+    table_bytes = (max_sessions + 1) * -(-max_seq_len // block_size) * 8 + ALIGN
+    reserved = kv_pool_bytes if kv_pool_bytes is not None else min_positions * per_position
+    needs = arena_needs(c, max_tokens, 1, 1, attention_splits, logits_rows=logits_rows,
+                        kv_bytes_per_position=reserved, table_bytes=table_bytes)
+    needs = ArenaNeeds(needs.kv_bytes, needs.activation_bytes, needs.slack_bytes, sessions=1,
+                       max_seq_len=reserved // per_position)
+    full = sum(i.nbytes for i in weight_items(c)) + needs.total
+    budget = resolve_budget(budget_bytes, free_bytes, full)
+    capacity, window = plan_arena(c, needs, budget, slot_count, prefetch_distance, small_item_bytes)
+    arena_bytes = capacity - needs.kv_bytes
+    left = (budget if budget is not None else max(free_bytes - DEFAULT_MARGIN_BYTES, 0)) - arena_bytes
+    kv = plan_kv_pool(block_bytes, block_size, left_bytes=left, min_positions=min_positions,
+                      default_positions=min_positions, fixed_bytes=kv_pool_bytes)
+    return GpuMemoryPlan(arena_bytes, window, kv, needs, budget)
+
+
+def gpu_mode_needs(c, max_batch: int, max_seq_len: int, prefill_chunk: int = PREFILL_CHUNK_TOKENS,
+                   max_sessions: int = 256, attention_splits: int = 16, kv_dtype: str = "f16") -> ArenaNeeds:
+    """What GpuExecutor's arena and its least KV pool take besides the weights (for
+    budget_for_weight_fraction): plan_gpu_memory's needs with no budget.  max_sessions: its
+    block-table rows (gpu_executor.DEFAULT_MAX_SESSIONS)."""
+    max_tokens, logits_rows = step_rows(max_batch, prefill_chunk)
+    return plan_gpu_memory(c, budget_bytes=None, free_bytes=1 << 50, max_tokens=max_tokens,
+                           max_sessions=max_sessions, max_seq_len=max_seq_len, attention_splits=attention_splits,
+                           max_batch=max_batch, kv_dtype=kv_dtype, logits_rows=logits_rows).needs

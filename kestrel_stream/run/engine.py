@@ -65,15 +65,20 @@ def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, 
     return "cuda", ("gpu" if mode == "auto" else mode)
 
 
+KV_DTYPES = ("f16", "f32")
+
+
 def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: int,
-                  max_batch: int, max_sessions: int | None, options: Options):
+                  max_batch: int, max_sessions: int | None, options: Options, kv_dtype: str = "f16"):
+    if kv_dtype not in KV_DTYPES:
+        raise DeviceError(f"kv_dtype {kv_dtype!r}: expected f16 (gpu mode's default) or f32 (the reference)")
     if device == "cpu":
         from kestrel_stream.run.host import CpuExecutor
         return CpuExecutor(weights)
     if mode == "gpu":
         from kestrel_stream.run.gpu_executor import GpuExecutor
         return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
-                           options=options)
+                           options=options, kv_dtype=kv_dtype)
     if options.vram_budget is not None:
         print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",
               file=sys.stderr)
@@ -113,7 +118,8 @@ class Engine:
 
     def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
                  max_seq_len: int | None = None, max_batch: int = 32, max_sessions: int | None = None,
-                 vram_budget: int | None = None, options: Options | None = None, tokenizer=None):
+                 vram_budget: int | None = None, options: Options | None = None, tokenizer=None,
+                 kv_dtype: str = "f16"):
         # options: the KESTREL_* settings, read here unless ks.load (or the CLI) already did
         options = Options.from_env() if options is None else options
         if vram_budget is not None:
@@ -131,14 +137,27 @@ class Engine:
                                 f"max_position_embeddings)")
         self.max_seq_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, context)
         self.max_batch = max_batch
-        # max_sessions: how many KV caches a GPU executor reserves device memory for (default 2 x max_batch)
-        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, options)
+        # max_sessions: gpu mode's block-table rows (default 256), the split modes' reserved KV caches
+        # (default 2 x max_batch)
+        # kv_dtype: gpu mode's KV pool (f16, or f32 as the reference); the CPU engine keeps float32
+        self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, options,
+                                      kv_dtype)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()       # one step at a time through the executor
         self.sessions: dict[int, Session] = {}
+        self.prefix_cache = None            # a PrefixCache (prefix_cache.py) where enable_prefix_cache asked
         recorder = trace.start_for_process(options.trace_path)   # KESTREL_TRACE, or a trace the CLI began
         if recorder is not None:
             recorder.metadata.update(device=device, mode=mode, layers=self.config.num_hidden_layers)
+
+    def enable_prefix_cache(self, budget_positions: int, block_size: int = 16):
+        """Reuse cached prompt prefixes across sessions (PrefixCache.prefill_last), within
+        `budget_positions` cached positions; 0 turns it off."""
+        from kestrel_stream.run.prefix_cache import PrefixCache
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        self.prefix_cache = PrefixCache(self, budget_positions, block_size) if budget_positions else None
+        return self.prefix_cache
 
     def plan_summary(self) -> str:
         """One line on how a decode step runs here (the daemon logs it)."""
@@ -252,7 +271,27 @@ class Engine:
         s.position += steps
         return produced
 
+    def fork_kv_of(self, session: "Session", length: int):
+        """A cache holding `session`'s first `length` positions and no room beyond (PrefixCache entries)."""
+        with self._lock:
+            return self.executor.fork_kv(session.kv, length, length)
+
+    def free_kv_of(self, kv) -> None:
+        with self._lock:
+            self.executor.free_kv(kv)
+
+    def fork_session(self, parent: "Session") -> "Session":
+        """A new session continuing from `parent`'s tokens (Session.fork)."""
+        with self._lock:         # a step of the executor may be using the parent's cache
+            kv = self.executor.fork_kv(parent.kv, parent.position)
+        child = Session(self, next(self._ids), parent.max_seq_len, kv=kv)
+        child.position, child.tokens = parent.position, list(parent.tokens)
+        self.sessions[child.id] = child
+        return child
+
     def close(self) -> None:
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         for s in list(self.sessions.values()):
             s.close()
         self.executor.close()
@@ -261,9 +300,9 @@ class Engine:
 class Session:
     """A decode stream with its own KV cache of ``max_seq_len`` positions."""
 
-    def __init__(self, engine: Engine, session_id: int, max_seq_len: int):
+    def __init__(self, engine: Engine, session_id: int, max_seq_len: int, kv=None):
         self.engine, self.id, self.max_seq_len = engine, session_id, max_seq_len
-        self.kv = engine.executor.alloc_kv(max_seq_len)
+        self.kv = engine.executor.alloc_kv(max_seq_len) if kv is None else kv
         self.position = 0
         self.tokens: list[int] = []
         self.closed = False
@@ -322,9 +361,34 @@ class Session:
 
     def reset(self) -> None:
         """Forget the sequence; the KV cache is reused from position 0."""
+        self.truncate(0)
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` tokens (0 <= length <= position); the next token goes at `length`."""
         self._check_open()
-        self.position = 0
-        self.tokens.clear()
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or not 0 <= length <= self.position:
+            raise CapacityError(f"session {self.id}: truncate({length!r}) needs an int in 0..{self.position} "
+                                f"(the session's position)")
+        length = int(length)
+        with self.engine._lock:
+            self.engine.executor.truncate_kv(self.kv, length)
+        self.position = length
+        del self.tokens[length:]
+
+    def adopt(self, kv, length: int, tokens: list[int]) -> None:
+        """Start this fresh session from the first `length` positions of another cache (a prefix)."""
+        assert self.position == 0 and len(tokens) == length
+        engine = self.engine
+        with engine._lock:
+            mine = engine.executor.fork_kv(kv, length, self.max_seq_len)
+            engine.executor.free_kv(self.kv)
+        self.kv, self.position, self.tokens = mine, length, list(tokens)
+
+    def fork(self) -> "Session":
+        """A new session with this one's tokens and cache (shared copy-on-write where the executor
+        pages its KV, copied otherwise); both continue independently."""
+        self._check_open()
+        return self.engine.fork_session(self)
 
     def close(self) -> None:
         if not self.closed:

@@ -65,6 +65,18 @@ class Executor(ABC):
     def free_kv(self, kv) -> None: ...
 
     @abstractmethod
+    def truncate_kv(self, kv, length: int) -> None:
+        """Keep `kv`'s first `length` positions (Session.truncate)."""
+
+    @abstractmethod
+    def fork_kv(self, kv, length: int, capacity: int | None = None):
+        """A new cache of `capacity` positions (default kv's) holding `kv`'s first `length` (Session.fork)."""
+
+    @abstractmethod
+    def kv_stats(self) -> dict:
+        """What the KV caches hold (the daemon's `stats`)."""
+
+    @abstractmethod
     def forward(self, batch: list, logits: str = "all") -> list[np.ndarray]:
         """Logits [n_i, vocab] float32 per session; logits="last": [1, vocab], each session's last row
         (the only rows lm_head computes)."""

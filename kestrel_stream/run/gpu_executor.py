@@ -3,7 +3,8 @@
 An Executor (executor.py): alloc_kv / free_kv / forward(batch, logits) / counters.
 
 Static buffers, sized at load for `max_tokens` = max(max_batch, prefill_chunk)
-tokens, live in the one device arena beside the weights and the KV caches.  A
+tokens, live in the one device arena beside the weights; the KV cache is a
+pool of blocks committed as sessions grow (kv_paged.py), f16 by default.  A
 step's per-token scalars (token id, position, KV base) are written by the host
 into a pinned staging block; the step's first node copies that block to the
 device, and every kernel reads them from there, so one captured graph per
@@ -21,20 +22,19 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 
 from kestrel_stream.model import rope
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.weights import ModelWeights
-from kestrel_stream.obs import prof
+from kestrel_stream.obs import load_stages, prof
 from kestrel_stream.options import Options
-from kestrel_stream.run.budget import (PREFILL_CHUNK_TOKENS, arena_needs, plan_arena,
-                                       resolve_budget, step_rows)
+from kestrel_stream.run.budget import PREFILL_CHUNK_TOKENS, plan_gpu_memory, step_rows
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.device_sampler import DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
+from kestrel_stream.run.kv_paged import PagedKV, PagedKVCache
 from kestrel_stream.run.sampled_chain import SampledChain
 from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, GEMV_MAX_TOKENS, KernelSet, Launch
 from kestrel_stream.run.executor import Executor, StepCounters
@@ -42,12 +42,8 @@ from kestrel_stream.run.step_launches import argmax_launch, step_launches as bui
 from kestrel_stream.run.window import WeightWindow
 
 
-@dataclass
-class GpuKV:
-    """A session's KV cache in the arena: [capacity, L, 2 (k|v), n_kv, D] float32."""
-    ptr: int
-    capacity: int
-    base_elements: int   # offset from the arena base in float32 elements (what kernels read)
+GpuKV = PagedKV          # the name sessions' caches had before the pool
+DEFAULT_MAX_SESSIONS = 256  # block-table rows (8 bytes per block of max_seq_len each): cheap, unlike KV
 
 
 class GpuExecutor(Executor):
@@ -57,12 +53,17 @@ class GpuExecutor(Executor):
     def __init__(self, weights: ModelWeights, max_seq_len: int = 4096, max_batch: int = 8,
                  max_sessions: int | None = None, prefill_chunk: int = PREFILL_CHUNK_TOKENS, attention_splits: int = 16,
                  verify: bool | None = None, vram_budget=None, window_slots: int = 2, prefetch_distance: int = 1,
-                 small_item_bytes: int = 64 * 1024, options: Options | None = None):
+                 small_item_bytes: int = 64 * 1024, options: Options | None = None, kv_dtype: str = "f16",
+                 kv_block_size: int = 16, kv_pool_bytes: int | None = None):
         """vram_budget: parsed bytes or fraction (Options.with_); None takes the options' budget."""
         self.options = Options.from_env() if options is None else options
         # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
         self.programmatic = self.options.programmatic_launch
         c: ModelConfig = weights.config
+        if kv_dtype not in ("f16", "f32"):
+            raise ValueError(f"kv_dtype {kv_dtype!r}: expected f16 (default) or f32 (the reference)")
+        if kv_block_size not in (16, 32, 64):
+            raise ValueError(f"kv_block_size {kv_block_size}: expected 16, 32 or 64 positions")
         if c.head_dim not in ATTENTION_HEAD_DIMS or c.gqa_group > 8 or not 1 <= attention_splits <= 32:
             raise ValueError(f"gpu mode needs head_dim in {'/'.join(map(str, ATTENTION_HEAD_DIMS))} and <= 8 q "
                              f"heads per kv head; "
@@ -72,25 +73,31 @@ class GpuExecutor(Executor):
         self.max_tokens, self.logits_rows = step_rows(max_batch, prefill_chunk)
         self.attention_splits = attention_splits
         self.device = driver.Device(0)
-        self.kernels = KernelSet(self.device, self.options)
+        with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
+            self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured")
 
         T, H, V = self.max_tokens, c.hidden_size, c.vocab_size
         qkv_width = c.q_size + 2 * c.kv_size
-        self.kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
-        sessions = (max_sessions or 2 * max_batch) + 1          # +1: scratch cache for padded slots
+        self.kv_dtype = kv_dtype
         partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
-        # the arena holds KV caches + activations + weights; under a budget too small for all the
-        # weights, the residency window keeps some resident and streams the rest (stream_window.py)
-        self.needs = arena_needs(c, T, sessions, max_seq_len, attention_splits, self.logits_rows)
+        # the arena holds activations + block tables + weights, the KV pool grows beside it; under a
+        # budget too small for all the weights, the residency window keeps some resident and streams
+        # the rest (stream_window.py)
         vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
-        self.vram_budget = resolve_budget(vram_budget, self.device.free_bytes(),
-                                          weights.quantized_bytes() + self.needs.total)
-        capacity, self.window_plan = plan_arena(c, self.needs, self.vram_budget, window_slots, prefetch_distance,
-                                                small_item_bytes)
-        self.arena = driver.Arena(capacity)
+        self.memory = plan_gpu_memory(
+            c, budget_bytes=vram_budget, free_bytes=self.device.free_bytes(), max_tokens=T,
+            max_sessions=max_sessions or DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len,
+            attention_splits=attention_splits, max_batch=max_batch, kv_dtype=kv_dtype, block_size=kv_block_size,
+            logits_rows=self.logits_rows, kv_pool_bytes=kv_pool_bytes, slot_count=window_slots,
+            prefetch_distance=prefetch_distance, small_item_bytes=small_item_bytes)
+        self.needs, self.vram_budget, self.window_plan = self.memory.needs, self.memory.budget_bytes, self.memory.window
+        with load_stages.stage("  arena"):
+            self.arena = driver.Arena(self.memory.arena_bytes)
         self._upload_weights()
+        load_stages.record("  weights: pinned images", self.window.images_s)
+        load_stages.record("  weights: H2D", self.window.preload_s)
 
         a = self.arena
         self.x = a.array((T, H), np.float32)             # residual stream
@@ -121,7 +128,11 @@ class GpuExecutor(Executor):
         driver.h2d_sync(self.argmax_counters.ptr, np.zeros(T, np.uint32))
         self.host_tokens = driver.PinnedBuffer(T * 4)
         self.host_tokens_view = self.host_tokens.view(np.int32, (T,))
-        self.scratch_kv = self.alloc_kv(1)
+        with load_stages.stage("  KV pool and block tables"):
+            self.kv = PagedKVCache(c, self.memory.kv, kv_dtype, max_sessions or DEFAULT_MAX_SESSIONS,
+                                   max_seq_len, a, self.stream)
+        self.scratch_kv = self.kv.open(1)        # padded slots decode token 0 at its position 0
+        self.kv.prepare(self.scratch_kv, 0, 1)
         self._launches: dict[int, list[Launch]] = {}
         self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
         self._graph_kernels: dict[tuple[int, bool], int] = {}
@@ -170,17 +181,30 @@ class GpuExecutor(Executor):
         self.weight_bytes = self.arena.used_bytes
 
     # ---- KV caches -----------------------------------------------------------------------------
-    def alloc_kv(self, max_seq_len: int) -> GpuKV:
-        ptr = self.arena.alloc(max_seq_len * self.kv_bytes_per_position)
-        kv = GpuKV(ptr, max_seq_len, (ptr - self.arena.base) // 4)
-        if getattr(self, "verifier", None):
+    def alloc_kv(self, max_seq_len: int) -> PagedKV:
+        kv = self.kv.open(max_seq_len)
+        if self.verifier:
             self.verifier.track(kv)
         return kv
 
-    def free_kv(self, kv: GpuKV) -> None:
-        self.arena.free(kv.ptr)
+    def free_kv(self, kv: PagedKV) -> None:
+        self.kv.close(kv)
         if self.verifier:
             self.verifier.forget(kv)
+
+    def truncate_kv(self, kv: PagedKV, length: int) -> None:
+        self.kv.truncate(kv, length)          # whole blocks past `length` go back to the pool
+
+    def fork_kv(self, kv: PagedKV, length: int, capacity: int | None = None) -> PagedKV:
+        """A new cache of `capacity` positions (default kv's) sharing `kv`'s first `length` positions'
+        blocks (copy-on-write: kv_pool.prepare_write)."""
+        child = self.kv.fork(kv, length, capacity or kv.capacity)
+        if self.verifier:
+            self.verifier.fork(kv, child, length)
+        return child
+
+    def kv_stats(self) -> dict:
+        return self.kv.stats()
 
     # ---- the launch lists (step_launches.py), built once per token count ------------------------------
     def step_launches(self, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
@@ -229,6 +253,13 @@ class GpuExecutor(Executor):
             rows.extend((kv, int(t), start + i) for i, t in enumerate(tokens))
         return rows
 
+    def _reserve(self, spans) -> None:
+        """KV blocks for the positions a step (or chain of steps) writes, (kv, start, end) each; the
+        changed table entries are uploaded ahead of the step's kernels on the same stream."""
+        for kv, start, end in spans:
+            self.kv.prepare(kv, start, end)
+        self.kv.flush()
+
     def _replayable(self, batch, rows) -> bool:
         """A decode step (one token per session, at most max_batch) with no timed streaming: a graph."""
         self.window.timing = self.window.wants_timing()     # timed streamed steps run eagerly
@@ -242,7 +273,7 @@ class GpuExecutor(Executor):
         self.stage(rows, bucket)
         key = (bucket, greedy)
         if key not in self._graphs:
-            with driver.capture(self.stream) as captured:
+            with load_stages.stage("graph capture"), driver.capture(self.stream) as captured:
                 kernel_count = self._enqueue_step(bucket, greedy)
             self._graphs[key] = captured.graph
             self._graph_kernels[key] = kernel_count
@@ -270,6 +301,7 @@ class GpuExecutor(Executor):
         span within each chunk), and prefill chunks are then max_tokens long instead of logits_rows."""
         self.device.make_current()
         rows = self._rows(batch)
+        self._reserve((kv, start, start + len(np.atleast_1d(t))) for kv, t, start in batch)
         V = self.config.vocab_size
         bounds = np.cumsum([0] + [len(np.atleast_1d(t)) for _, t, _ in batch])
         wanted = bounds[1:] - 1 if logits == "last" else np.arange(len(rows))    # rows whose logits return
@@ -323,6 +355,7 @@ class GpuExecutor(Executor):
         rows = self._rows(batch)
         if self.verifier is not None or not self._replayable(batch, rows):
             return np.array([int(np.argmax(out[-1])) for out in self.forward(batch, logits="last")], np.int64)
+        self._reserve((kv, position, position + 1) for kv, _, position in rows)
         tokens = np.empty(len(rows), np.int64)
         for lo in range(0, len(rows), self.graph_rows):
             chunk = rows[lo:lo + self.graph_rows]
@@ -342,6 +375,7 @@ class GpuExecutor(Executor):
         rows = self._rows(batch)
         if self.verifier is not None or not self._replayable(batch, rows) or len(rows) > self.graph_rows:
             return None
+        self._reserve((kv, position, position + 1) for kv, _, position in rows)
         self.sampler.stage(states)
         self._replay(rows, greedy="sample")
         self.counters.steps += 1
@@ -356,6 +390,7 @@ class GpuExecutor(Executor):
         if (self.verifier is not None or prof.enabled or not self._replayable(batch, rows)
                 or len(rows) > self.graph_rows or any(p + steps > kv.capacity for kv, _, p in rows)):
             return None
+        self._reserve((kv, position, position + steps) for kv, _, position in rows)   # positions advance on the device
         return self.sampled_chain.run_sampled(rows, steps, states)
 
     def generate_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int) -> np.ndarray | None:
@@ -373,6 +408,7 @@ class GpuExecutor(Executor):
             if position + steps > kv.capacity:
                 raise ValueError(f"KV cache holds {kv.capacity} positions; {steps} steps from {position} "
                                  f"need {position + steps}")
+        self._reserve((kv, position, position + steps) for kv, _, position in rows)   # positions advance on the device
         return self.chain.run(rows, steps)
 
     def plan(self, tokens: int):
@@ -393,6 +429,7 @@ class GpuExecutor(Executor):
         self.host_logits.free()
         self.host_tokens.free()
         self.window.close()
+        self.kv.release()
         self.arena.release()
 
     def _count(self, launches: int, kernels: int, d2h: int) -> None:

@@ -187,6 +187,19 @@ class CpuExecutor(Executor):
     def free_kv(self, kv: CpuKV) -> None:
         pass
 
+    def kv_stats(self) -> dict:
+        return {}        # one float32 cache per session, no pool
+
+    def truncate_kv(self, kv: CpuKV, length: int) -> None:
+        pass        # positions past `length` are written again before any step reads them
+
+    def fork_kv(self, kv: CpuKV, length: int, capacity: int | None = None) -> CpuKV:
+        """A new cache of `capacity` positions (default kv's) holding the first `length` of `kv`."""
+        new = self.alloc_kv(capacity or kv.capacity)
+        new.k[:, :length] = kv.k[:, :length]
+        new.v[:, :length] = kv.v[:, :length]
+        return new
+
     def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos, signed sin [T, 1, D] for positions [T] (rope_rotation's form): rows of tables built once for
         every position so far (each row's arithmetic is rope_tables' own), so a step indexes them."""

@@ -175,6 +175,24 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
             self.arena.free(kv.device.ptr)
             kv.device = None
 
+    def kv_stats(self) -> dict:
+        return {}        # one float32 cache per session, no pool
+
+    def truncate_kv(self, kv: HybridKV, length: int) -> None:
+        pass        # positions past `length` are written again before any step reads them
+
+    def fork_kv(self, kv: HybridKV, length: int, capacity: int | None = None) -> HybridKV:
+        """A new cache holding the first `length` positions of `kv`: host rows copied, device rows
+        copied on the device (position-major layout: the prefix is one contiguous range)."""
+        new = self.alloc_kv(capacity or kv.capacity)
+        if kv.host is not None:
+            new.host.k[:, :length] = kv.host.k[:, :length]
+            new.host.v[:, :length] = kv.host.v[:, :length]
+        if kv.device is not None and length:
+            driver.d2d_async(new.device.ptr, kv.device.ptr, length * self.kv_bytes_per_position, self.stream)
+            self.stream.synchronize()
+        return new
+
     # ---- moving state between the sides ---------------------------------------------------------
     def _to_host(self, names, tokens: int) -> None:
         """Download every named state the host reads that only the device has; one sync."""

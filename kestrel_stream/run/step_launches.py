@@ -16,7 +16,8 @@ tail of one kernel hide the DRAM latency of the next.
 """
 from __future__ import annotations
 
-from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, ROPE_SIGNATURE, Launch, attention_launch, gemv_launch
+from kestrel_stream.cuda.kernels import (GEMV_MAX_TOKENS, ROPE_PAGED_SIGNATURE, Launch, gemv_launch,
+                                         paged_attention_launch)
 from kestrel_stream.model import rope
 
 LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
@@ -43,15 +44,17 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
                      eps, H])]
     for li, lw in enumerate(x.layers):
         out.append(gemv_launch(k, lw["wqkv"], xn, H, x.qkv.ptr, QKV, tokens, inv_rms_in=inv_rms))
-        out.append(k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads,
-                                                     tokens), (32,), ROPE_SIGNATURE,
-                            [x.qkv.ptr, x.q.ptr, x.arena.base, kvbase, pos, lw["q_norm"],
+        # KV through the session's block table (kvbase = its table row, kv_paged.py)
+        out.append(k.launch(f"qkv_rope_append_paged_{x.kv_dtype}", (c.num_attention_heads + 2 * c.num_key_value_heads,
+                                                                    tokens), (32,), ROPE_PAGED_SIGNATURE,
+                            [x.qkv.ptr, x.q.ptr, x.kv.table_ptr, kvbase, pos, lw["q_norm"],
                              lw["k_norm"], x.inv_freq, lw["qkv_bias"], eps, li, L, c.num_attention_heads,
-                             c.num_key_value_heads, c.head_dim]))
-        out.append(attention_launch(k, x.q.ptr, x.arena.base, kvbase, pos, x.attn.ptr,
-                                    x.partials.ptr, x.attention_counters.ptr, tokens, li, L,
-                                    c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                    x.attention_splits, window=c.sliding_window or 0, scale=rope.softmax_scale(c)))
+                             c.num_key_value_heads, c.head_dim, x.kv.block_shift]))
+        out.append(paged_attention_launch(k, x.q.ptr, x.kv.table_ptr, kvbase, pos, x.attn.ptr,
+                                          x.partials.ptr, x.attention_counters.ptr, tokens, li, L,
+                                          c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                          x.attention_splits, x.kv.block_shift, x.kv_dtype,
+                                          window=c.sliding_window or 0, scale=rope.softmax_scale(c)))
         out.append(gemv_launch(k, lw["wo"], x.attn.ptr, c.q_size, xp, H, tokens, res=xp,
                                normw_out=norm_after[li], xn_out=xn, inv_rms_out=inv_rms, counter=counter,
                                eps=eps))

@@ -49,6 +49,9 @@ class Verifier:
     def track(self, kv) -> None:
         self.shadows[id(kv)] = self.reference.alloc_kv(kv.capacity)
 
+    def fork(self, kv, child, length: int) -> None:
+        self.shadows[id(child)] = self.reference.fork_kv(self.shadows[id(kv)], length, child.capacity)
+
     def forget(self, kv) -> None:
         self.shadows.pop(id(kv), None)
 

@@ -5,7 +5,7 @@ int8, then scales [rows, cols/32] fp16 at the next 256-byte boundary (gate_up
 with its rows interleaved (gate j, up j) for the SiLU epilogue) -- in page-locked
 host memory (cuMemHostAlloc: the quantized cache's read-only memory maps cannot
 be registered, and the interleave needs a copy anyway).  Resident images go up
-in one H2D copy into one arena block (the preload) and that host copy is freed;
+into one arena block (the preload, overlapped with building them: upload_images);
 streamed images stay pinned and are copied every step.
 
 The ring: streamed item k of a step (k = 0, 1, ... in step order) lives in slot
@@ -82,6 +82,55 @@ def write_image(dst: np.ndarray, w: QTensor, interleave: bool) -> None:
         scales[:] = w.scales
 
 
+PRELOAD_CHUNK_BYTES = 64 << 20
+
+
+def upload_images(items, device_base: int, stream, chunk_bytes: int | None = None) -> tuple[float, float]:
+    """Resident images to the device through two pinned staging buffers of `chunk_bytes` (at least the
+    largest image) in turn: while one uploads, the host writes the next images into the other (after
+    its event), so building overlaps the upload and no pinned copy of every resident weight is needed.
+
+    items: (offset from device_base, QTensor, interleave) in offset order, images back to back at
+    aligned offsets.  Returns (seconds writing images, seconds of upload not hidden behind them)."""
+    if not items:
+        return 0.0, 0.0
+    sizes = [_align(image_bytes(*w.shape)) for _, w, _ in items]
+    chunk_bytes = max(chunk_bytes or PRELOAD_CHUNK_BYTES, max(sizes))
+    groups, current, used = [], [], 0           # consecutive items that fit one buffer
+    for item, size in zip(items, sizes):
+        if current and used + size > chunk_bytes:
+            groups.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += size
+    groups.append(current)
+    buffers = [driver.PinnedBuffer(chunk_bytes) for _ in range(min(2, len(groups)))]
+    uploaded = [driver.Event(name=f"preload buffer {i}") for i in range(len(buffers))]
+    in_flight = [False] * len(buffers)
+    writing_s = 0.0
+    started = time.perf_counter()
+    for k, group in enumerate(groups):
+        b = k % len(buffers)
+        if in_flight[b]:
+            uploaded[b].synchronize()
+        t = time.perf_counter()
+        first = group[0][0]
+        for offset, w, interleave in group:
+            write_image(buffers[b].bytes[offset - first:offset - first + image_bytes(*w.shape)], w, interleave)
+        writing_s += time.perf_counter() - t
+        last_offset, last_w, _ = group[-1]
+        nbytes = last_offset - first + image_bytes(*last_w.shape)
+        driver.h2d_async(device_base + first, buffers[b], nbytes, stream)
+        uploaded[b].record(stream)
+        in_flight[b] = True
+    stream.synchronize()
+    total_s = time.perf_counter() - started
+    for buf, event in zip(buffers, uploaded):
+        event.destroy()
+        buf.free()
+    return writing_s, total_s - writing_s
+
+
 class WeightWindow:
     def __init__(self, weights, arena: driver.Arena, plan, compute_stream: driver.Stream):
         tensors = weight_tensors(weights)
@@ -98,16 +147,14 @@ class WeightWindow:
             sizes = [_align(image_bytes(*tensors[n][0].shape)) for n in names]
             return dict(zip(names, np.cumsum([0] + sizes[:-1]).tolist())), sum(sizes)
 
-        # resident: one arena block, filled by one H2D from a pinned image freed right after
-        start = time.perf_counter()
+        # resident: one arena block, filled from two pinned staging buffers in turn
         resident_at, self.resident_bytes = offsets(self.resident)
-        staging = driver.PinnedBuffer(self.resident_bytes)
-        for name, offset in resident_at.items():
-            w, interleave = tensors[name]
-            write_image(staging.bytes[offset:offset + image_bytes(*w.shape)], w, interleave)
         self.resident_base = arena.alloc(self.resident_bytes)
         for name, offset in resident_at.items():
             self.qweights[name] = self._qweight(self.resident_base + offset, tensors[name][0])
+        resident_images_s, self.preload_s = upload_images(
+            [(offset, *tensors[name]) for name, offset in resident_at.items()], self.resident_base, compute_stream)
+        start = time.perf_counter()
         # streamed: pinned images kept for the step's copies, and the ring of slots
         stream_at, streamed_host_bytes = offsets(self.streamed)
         self.host = driver.PinnedBuffer(streamed_host_bytes) if self.streamed else None
@@ -122,14 +169,7 @@ class WeightWindow:
         for k, name in enumerate(self.streamed):
             self.qweights[name] = self._qweight(self.ring_base + (k % self.slot_count) * self.slot_stride,
                                                 tensors[name][0])
-        self.images_s = time.perf_counter() - start
-
-        start = time.perf_counter()
-        if self.resident_bytes:
-            driver.h2d_async(self.resident_base, staging, self.resident_bytes, compute_stream)
-            compute_stream.synchronize()
-        self.preload_s = time.perf_counter() - start
-        staging.free()
+        self.images_s = resident_images_s + time.perf_counter() - start      # preload_s: the upload not hidden
 
         self.copy_stream = driver.Stream("window copy h2d") if self.streamed else None
         self.loaded = [driver.Event(name=f"slot {s} loaded") for s in range(self.slot_count)]

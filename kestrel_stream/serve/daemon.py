@@ -351,6 +351,8 @@ def run_daemon(args) -> int:
         raise ValueError("--max-sessions and --max-batch must be >= 1")
     if not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
         raise ValueError(f"--step-tokens must be in 1..{MAX_STEP_TOKENS}, got {args.step_tokens}")
+    if args.prefix_cache_positions is not None and args.prefix_cache_positions < 0:
+        raise ValueError(f"--prefix-cache-positions must be >= 0 (got {args.prefix_cache_positions})")
     if not 1 <= args.max_frame_mb <= MAX_RESPONSE_BYTES >> 20:
         raise ValueError(f"--max-frame-mb must be in 1..{MAX_RESPONSE_BYTES >> 20}")
     if not 0 <= args.inline_max_ms <= 1000 or not 0 <= args.spin_us <= 100_000:
@@ -363,7 +365,10 @@ def run_daemon(args) -> int:
         trace.start(args.trace, command="serve")
     engine = ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
                      max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
-                     cache=not args.no_cache)
+                     cache=not args.no_cache, kv_dtype=args.kv_dtype)
+    prefix_positions = (4 * engine.max_seq_len if args.prefix_cache_positions is None
+                        else args.prefix_cache_positions)
+    engine.enable_prefix_cache(prefix_positions)
     cfg = engine.config
     log(f"model {args.model}: {cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
         f"vocab {cfg.vocab_size}; device {engine.device}, mode {engine.mode}, max_seq_len {engine.max_seq_len}")
@@ -387,6 +392,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--trace-dir", default=None, help="where clients' trace_start files go (default: a private "
                                                      "kestrel-traces dir beside the default socket)")
     p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once")
+    p.add_argument("--prefix-cache-positions", type=int, default=None,
+                   help="KV positions of cached prompt prefixes reused across sessions by block hash "
+                        "(default 4 x max_seq_len; 0: off)")
     p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
                    help="how long a decode step waits for other sessions' steps")

@@ -141,9 +141,21 @@ class Service:
         want, k = self.want_of(header, "prefill")
         ids = self.token_ids(arrays, "prefill")
         session._check_room(len(ids))
-        job = await self.prefill(session, ids, want, k)
+        job = await self.prefill_cached(session, ids, want, k)
         fields, out = job.result
         return {"position": job.position, **fields}, out
+
+    async def prefill_cached(self, session: Session, ids: np.ndarray, want: str, k: int) -> PrefillJob:
+        """self.prefill through the engine's prefix cache when only the last row is wanted: a fresh
+        session adopts the cached prefix of the prompt, the batcher computes the rest, and the
+        prompt's full blocks are cached after it."""
+        cache = self.engine.prefix_cache
+        if cache is None or want == "logits":
+            return await self.prefill(session, ids, want, k)
+        reused = await self.steps.run(cache.adopt, session, ids)
+        job = await self.prefill(session, ids[reused:], want, k)
+        await self.steps.run(cache.store, session, ids)
+        return job
 
     async def op_decode(self, conn, header, arrays):
         session, token, want, k = self.decode_request(conn, header)
@@ -196,7 +208,7 @@ class Service:
         count = field_int(header, "n", "generate", 0, session.max_seq_len)
         ids = self.token_ids(arrays, "generate")
         session._check_room(len(ids) + max(count - 1, 0))
-        job = await self.prefill(session, ids, "token", 1)
+        job = await self.prefill_cached(session, ids, "token", 1)
         tokens = [job.result[0]["token"]] if count else []
         while len(tokens) < count:
             job = await self.decode(session, tokens[-1], "token", 1)
@@ -281,6 +293,10 @@ class Service:
             "plan": self.plan,
             "residency": self.residency,
             "counters": executor.counters.as_dict(),
+            "kv": executor.kv_stats(),
+            "prefix_cache": {} if engine.prefix_cache is None else dict(
+                engine.prefix_cache.stats, cached_positions=engine.prefix_cache.cached_positions,
+                budget_positions=engine.prefix_cache.budget_positions),
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
             **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
