@@ -47,12 +47,14 @@ def test_emulated_gpu_sampling_draws_the_cpu_engines_tokens(weights, monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("two_launches", [False, True], ids=["sample_rows", "candidates_then_finish"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sample_kernel_matches_the_reference_distribution(case):
-    """20,000 rows of the same logits, row r drawing with step r: one launch, a chi-square test."""
+def test_sample_kernel_matches_the_reference_distribution(case, two_launches):
+    """20,000 rows of the same logits, row r drawing with step r: sample_rows, or sample_candidates then
+    sample_finish (the path gpu mode takes), then a chi-square test."""
     from kestrel_stream.cuda import driver
     from kestrel_stream.cuda.kernels import KernelSet
-    from kestrel_stream.run.device_sampler import pack_state
+    from kestrel_stream.run.device_sampler import SAMPLE_CAP, candidate_splits, pack_state
     from kestrel_stream.text.sampling import SamplingParams
     if not driver.gpu_available():
         pytest.skip(driver.detect())
@@ -64,7 +66,14 @@ def test_sample_kernel_matches_the_reference_distribution(case):
     logits_ptr, state_ptr, out_ptr = arena.alloc(draws * V * 4), arena.alloc(state.nbytes), arena.alloc(draws * 4)
     driver.h2d_sync(logits_ptr, np.ascontiguousarray(np.tile(LOGITS, (draws, 1))))
     driver.h2d_sync(state_ptr, state)
-    kernels.launch("sample_rows", (draws,), (1024,), "pipp", [logits_ptr, V, state_ptr, out_ptr]).enqueue(stream)
+    if two_launches:
+        S = candidate_splits(V)
+        cand = arena.alloc(draws * S * (2 * SAMPLE_CAP + 4) * 4)
+        kernels.launch("sample_candidates", (S, draws), (256,), "pipp", [logits_ptr, V, state_ptr, cand]).enqueue(stream)
+        kernels.launch("sample_finish", (draws,), (1024,), "pippip",
+                       [logits_ptr, V, state_ptr, cand, S, out_ptr]).enqueue(stream)
+    else:
+        kernels.launch("sample_rows", (draws,), (1024,), "pipp", [logits_ptr, V, state_ptr, out_ptr]).enqueue(stream)
     tokens = np.empty(draws, np.int32)
     driver.d2h_async(tokens, out_ptr, tokens.nbytes, stream)
     stream.synchronize()
