@@ -56,7 +56,8 @@ class DeviceSampler:
         self.host_state = driver.PinnedBuffer(STATE_WORDS * T * 4)
         self.host_state_view = self.host_state.view(np.uint32, (T, STATE_WORDS))
         self.splits = candidate_splits(executor.config.vocab_size)
-        self.candidates = executor.arena.array((T * self.splits * (2 * SAMPLE_CAP + 4),), np.uint32)
+        # a sampled step has a logits row per token, so at most logits_rows tokens draw at once
+        self.candidates = executor.arena.array((executor.logits_rows * self.splits * (2 * SAMPLE_CAP + 4),), np.uint32)
 
     def stage(self, states: list[np.ndarray]) -> None:
         self.host_state_view[:len(states)] = states
