@@ -356,3 +356,31 @@ def test_arena_reuses_freed_blocks_and_accounts_bytes():
     with pytest.raises(driver.CudaError, match="arena full"):
         arena.alloc(2 << 20)
     arena.release()
+
+
+def test_sample_candidates_then_finish_draw_the_reference_tokens(gpu):
+    """The two-launch sampler against the reference sampler row by row: top_k inside the candidates'
+    range (1, 40, 64), outside it (0, 65: the whole row), logits rounded to quarters (ties), and 100
+    ties at the top of one slice, which leaves some of them out (the whole row again); every token is one the filters keep, nearly
+    all equal the reference's draw (float32 sums on the device), and each row's Philox step advances."""
+    from kestrel_stream.run.device_sampler import SAMPLE_CAP, candidate_splits, pack_state
+    from kestrel_stream.text.sampling import SamplingParams, filter_threshold, sample_logits
+    rng, V, T = np.random.default_rng(14), 151936, 60
+    logits = (3 * rng.standard_normal((T, V))).astype(np.float32)
+    logits[T // 2:] = np.round(logits[T // 2:] * 4) / 4
+    logits[T - 5:, 100:200] = 20.0      # 100 ties at the top inside slice 0: it keeps top_k of them
+    params = [SamplingParams(temperature=0.8, top_k=[1, 40, 64, 0, 65][t % 5], top_p=0.95, min_p=0.01)
+              for t in range(T)]
+    state = np.stack([pack_state(p, 7, 1000 + t) for t, p in enumerate(params)])
+    S = candidate_splits(V)
+    data, state_ptr = gpu.put(logits), gpu.put(state)
+    cand, result = gpu.arena.alloc(T * S * (2 * SAMPLE_CAP + 4) * 4), gpu.arena.alloc(T * 4)
+    gpu.run([gpu.kernels.launch("sample_candidates", (S, T), (256,), "pipp", [data, V, state_ptr, cand]),
+             gpu.kernels.launch("sample_finish", (T,), (1024,), "pippip", [data, V, state_ptr, cand, S, result])])
+    tokens = gpu.get(result, (T,), np.int32)
+    want = [sample_logits(logits[t], params[t], 7, 1000 + t) for t in range(T)]
+    for t in range(T):
+        assert logits[t, tokens[t]] >= filter_threshold(logits[t], params[t]), f"row {t}: token {tokens[t]}"
+    assert sum(int(a == b) for a, b in zip(tokens, want)) >= T - 1
+    steps = gpu.get(state_ptr, (T, 8), np.uint32)[:, 6]
+    np.testing.assert_array_equal(steps, 1001 + np.arange(T))

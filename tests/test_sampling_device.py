@@ -47,12 +47,14 @@ def test_emulated_gpu_sampling_draws_the_cpu_engines_tokens(weights, monkeypatch
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("two_launches", [False, True], ids=["sample_rows", "candidates_then_finish"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_sample_kernel_matches_the_reference_distribution(case):
-    """20,000 rows of the same logits, row r drawing with step r: one launch, a chi-square test."""
+def test_sample_kernel_matches_the_reference_distribution(case, two_launches):
+    """20,000 rows of the same logits, row r drawing with step r: sample_rows, or sample_candidates then
+    sample_finish (the path gpu mode takes), then a chi-square test."""
     from kestrel_stream.cuda import driver
     from kestrel_stream.cuda.kernels import KernelSet
-    from kestrel_stream.run.device_sampler import pack_state
+    from kestrel_stream.run.device_sampler import SAMPLE_CAP, candidate_splits, pack_state
     from kestrel_stream.text.sampling import SamplingParams
     if not driver.gpu_available():
         pytest.skip(driver.detect())
@@ -64,10 +66,48 @@ def test_sample_kernel_matches_the_reference_distribution(case):
     logits_ptr, state_ptr, out_ptr = arena.alloc(draws * V * 4), arena.alloc(state.nbytes), arena.alloc(draws * 4)
     driver.h2d_sync(logits_ptr, np.ascontiguousarray(np.tile(LOGITS, (draws, 1))))
     driver.h2d_sync(state_ptr, state)
-    kernels.launch("sample_rows", (draws,), (1024,), "pipp", [logits_ptr, V, state_ptr, out_ptr]).enqueue(stream)
+    if two_launches:
+        S = candidate_splits(V)
+        cand = arena.alloc(draws * S * (2 * SAMPLE_CAP + 4) * 4)
+        kernels.launch("sample_candidates", (S, draws), (256,), "pipp", [logits_ptr, V, state_ptr, cand]).enqueue(stream)
+        kernels.launch("sample_finish", (draws,), (1024,), "pippip",
+                       [logits_ptr, V, state_ptr, cand, S, out_ptr]).enqueue(stream)
+    else:
+        kernels.launch("sample_rows", (draws,), (1024,), "pipp", [logits_ptr, V, state_ptr, out_ptr]).enqueue(stream)
     tokens = np.empty(draws, np.int32)
     driver.d2h_async(tokens, out_ptr, tokens.nbytes, stream)
     stream.synchronize()
     counts = np.bincount(tokens, minlength=V)
     stat, dof = chi_square(counts, expected_probs(LOGITS.astype(np.float64), **CASES[case]))
     assert stat < chi2_critical(dof), f"{case}: chi-square {stat:.1f} over {dof} dof"
+
+
+def test_emulated_candidates_then_finish_draw_the_reference_tokens(monkeypatch):
+    """The twins of the two-launch sampler: candidates per slice (top_k 1, 40, 64), the whole row for top_k
+    0 and 65 and for a slice that left out ties at the row's k-th value; every token is the reference's."""
+    from fake_kernels import cand_views
+    from kestrel_stream.cuda import driver
+    from kestrel_stream.run.device_sampler import SAMPLE_CAP, candidate_splits, pack_state
+    from kestrel_stream.text.sampling import SamplingParams, sample_logits
+    fake_cuda.install(monkeypatch)
+    rng, V, T = np.random.default_rng(14), 4096, 20
+    logits = (3 * rng.standard_normal((T, V))).astype(np.float32)
+    logits[T // 2:] = np.round(logits[T // 2:] * 4) / 4
+    logits[T - 5:, 10:110] = 20.0              # 100 ties at the top inside slice 0
+    params = [SamplingParams(temperature=0.8, top_k=[1, 40, 64, 0, 65][t % 5], top_p=0.95, min_p=0.01)
+              for t in range(T)]
+    state = np.stack([pack_state(p, 7, 1000 + t) for t, p in enumerate(params)])
+    S, arena, stream, kernels = candidate_splits(V), driver.Arena(8 << 20), driver.Stream(), fake_cuda.FakeKernelSet()
+    data, state_ptr = arena.alloc(logits.nbytes), arena.alloc(state.nbytes)
+    cand, result = arena.alloc(T * S * (2 * SAMPLE_CAP + 4) * 4), arena.alloc(T * 4)
+    driver.h2d_sync(data, logits)
+    driver.h2d_sync(state_ptr, state)
+    kernels.launch("sample_candidates", (S, T), (256,), "pipp", [data, V, state_ptr, cand]).enqueue(stream)
+    kernels.launch("sample_finish", (T,), (1024,), "pippip", [data, V, state_ptr, cand, S, result]).enqueue(stream)
+    tokens = fake_cuda.dev(result, T * 4, np.int32)
+    assert tokens.tolist() == [sample_logits(logits[t], params[t], 7, 1000 + t) for t in range(T)]
+    assert fake_cuda.dev(state_ptr, state.nbytes, np.uint32).reshape(T, 8)[:, 6].tolist() == list(range(1001, 1001 + T))
+    _, _, meta = cand_views(cand, 1, S)                            # top_k 40 of random logits
+    assert meta[:, 0].tolist() == [40] * S and not meta[:, 1].any()
+    _, ids, meta = cand_views(cand, T - 4, S)                      # top_k 40 of the 100 ties: left out
+    assert meta[0, :2].tolist() == [40, 1] and ids[0, :40].tolist() == list(range(10, 50))

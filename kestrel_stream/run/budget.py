@@ -75,6 +75,7 @@ class ArenaNeeds:
 
 ARGMAX_SPLITS = 64           # GpuExecutor.argmax_splits
 CHAIN_STEPS_PER_SYNC = 256   # greedy_chain.MAX_STEPS_PER_SYNC
+SAMPLE_CANDIDATE_WORDS = 64 * (2 * 64 + 4)   # per logits row: device_sampler's most splits x (2 x SAMPLE_CAP + 4)
 PREFILL_CHUNK_TOKENS = 512   # tokens per prefill step in gpu mode (tensor-core GEMM tiles of 64 tokens)
 
 
@@ -98,7 +99,8 @@ def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_s
     partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
     activation_floats = (T * (2 * H + qkv_width + 2 * c.q_size + c.intermediate_size + 1 +
                               c.num_key_value_heads) + partial_floats + V * (logits_rows or T)
-                         + T * (2 * ARGMAX_SPLITS + 2 + CHAIN_STEPS_PER_SYNC))   # argmax, greedy chain history
+                         + T * (2 * ARGMAX_SPLITS + 2 + CHAIN_STEPS_PER_SYNC)    # argmax, greedy chain history
+                         + (logits_rows or T) * SAMPLE_CANDIDATE_WORDS)          # sampling candidates
     norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
     if c.qkv_bias:
         norm_floats += qkv_width * c.num_hidden_layers

@@ -4,6 +4,11 @@ Each row's sampling state (8 words: temperature, top_k, top_p, min_p, seed,
 step; see sample.cu) sits in device memory and is uploaded from a pinned
 buffer inside the step's graph, so the graph is captured once per batch
 bucket and every replay draws with the state written just before it.
+
+With 0 < top_k <= SAMPLE_CAP the draw is two launches, as argmax_split
+spreads the vocabulary over blocks: sample_candidates keeps each slice's
+top_k logits, sample_finish filters and draws over those few; any other
+top_k (and ties the slices left out) samples the whole row in sample_finish.
 """
 from __future__ import annotations
 
@@ -13,6 +18,24 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import Launch
 
 STATE_WORDS = 8
+SAMPLE_CAP = 64              # sample.cu: the largest top_k drawn from per-slice candidates
+SAMPLE_MAX_SPLITS = 64       # sample.cu: the most vocabulary slices (sample_finish's shared memory)
+
+
+def candidate_splits(vocab_size: int) -> int:
+    """Vocabulary slices for sample_candidates: about 256 logits per thread block at the least."""
+    return max(1, min(SAMPLE_MAX_SPLITS, -(-vocab_size // 256)))
+
+
+class LaunchSequence:
+    """Launches enqueued one after another, used where one Launch is (a graph captures them all)."""
+
+    def __init__(self, *launches: Launch):
+        self.launches = launches
+
+    def enqueue(self, stream) -> None:
+        for launch in self.launches:
+            launch.enqueue(stream)
 
 
 def pack_state(params, seed: int, step: int) -> np.ndarray:
@@ -32,6 +55,9 @@ class DeviceSampler:
         self.state = executor.arena.array((STATE_WORDS * T,), np.uint32)
         self.host_state = driver.PinnedBuffer(STATE_WORDS * T * 4)
         self.host_state_view = self.host_state.view(np.uint32, (T, STATE_WORDS))
+        self.splits = candidate_splits(executor.config.vocab_size)
+        # a sampled step has a logits row per token, so at most logits_rows tokens draw at once
+        self.candidates = executor.arena.array((executor.logits_rows * self.splits * (2 * SAMPLE_CAP + 4),), np.uint32)
 
     def stage(self, states: list[np.ndarray]) -> None:
         self.host_state_view[:len(states)] = states
@@ -41,15 +67,20 @@ class DeviceSampler:
         driver.h2d_async(self.state.ptr, self.host_state, tokens * STATE_WORDS * 4, stream)
         self._launch(tokens).enqueue(stream)
 
-    def _launch(self, tokens: int) -> Launch:
+    def _launch(self, tokens: int) -> LaunchSequence:
         x = self.x
         key = ("sample", tokens)
         if key not in x._launches:
-            launch = x.kernels.launch("sample_rows", (tokens,), (1024,), "pipp",
-                                      [x.logits.ptr, x.config.vocab_size, self.state.ptr, x.argmax_out.ptr])
-            launch.label(op="sample")
-            launch.programmatic = x.step_launches(tokens)[-1].programmatic
-            x._launches[key] = launch
+            V, programmatic = x.config.vocab_size, x.step_launches(tokens)[-1].programmatic
+            first = x.kernels.launch("sample_candidates", (self.splits, tokens), (256,), "pipp",
+                                     [x.logits.ptr, V, self.state.ptr, self.candidates.ptr])
+            finish = x.kernels.launch("sample_finish", (tokens,), (1024,), "pippip",
+                                      [x.logits.ptr, V, self.state.ptr, self.candidates.ptr, self.splits,
+                                       x.argmax_out.ptr])
+            for launch in (first, finish):
+                launch.label(op="sample")
+                launch.programmatic = programmatic
+            x._launches[key] = LaunchSequence(first, finish)
         return x._launches[key]
 
     def close(self) -> None:

@@ -9,12 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.kernels import Launch
+from kestrel_stream.run.device_sampler import LaunchSequence
 from kestrel_stream.run.greedy_chain import GreedyChain
 
 
 class SampledChain(GreedyChain):
-    def _pick_launch(self, bucket: int) -> Launch:
+    def _pick_launch(self, bucket: int) -> LaunchSequence:
         return self.x.sampler._launch(bucket)
 
     def run_sampled(self, rows: list, steps: int, states: list[np.ndarray]) -> np.ndarray:
