@@ -165,3 +165,12 @@ def test_bad_fields_are_refused_and_change_nothing(daemon, fields, match):
             client.call("generate", {"session": s.id, "n": 4, **fields}, arrays)
         assert client.call("stats", {}, {})[0]["stats"]["sessions"] >= 1
         assert s.generate([1, 2], 3).position == 4        # the session was untouched: the prompt starts at 0
+
+
+def test_leaving_a_stream_early_keeps_the_connection_usable(daemon, daemon_engine):
+    with ks.Client(daemon.address) as client:
+        stream = client.generate("Hello", 20, stream=True)
+        next(stream)
+        stream.close()                                  # the rest of its frames are read and dropped
+        assert client.generate([1, 2], 3) == daemon_engine.generate([1, 2], 3).tokens
+        assert client.stats()["sessions"] == 0
