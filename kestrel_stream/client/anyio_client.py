@@ -61,8 +61,9 @@ class AsyncRemoteSession:
 
 class AsyncGeneration:
     """A generate request, sent when used: awaited, the Generated tokens; iterated (``async for``, with
-    stream=True), each Piece as its frame arrives, then ``result``.  Leaving the loop early closes the
-    connection (the rest of the stream would be in its way)."""
+    stream=True), each Piece as its frame arrives, then ``result``.  To leave the loop early, iterate inside
+    ``contextlib.aclosing(generation.__aiter__())``: closing it closes the connection (the rest of the stream
+    would be in its way); an iteration left without closing holds the connection until it is collected."""
 
     def __init__(self, frames, stream: bool):
         self._frames, self.stream, self.result = frames, stream, None
