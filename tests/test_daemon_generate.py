@@ -174,3 +174,19 @@ def test_leaving_a_stream_early_keeps_the_connection_usable(daemon, daemon_engin
         stream.close()                                  # the rest of its frames are read and dropped
         assert client.generate([1, 2], 3) == daemon_engine.generate([1, 2], 3).tokens
         assert client.stats()["sessions"] == 0
+
+
+def test_async_stream_left_early_inside_aclosing_closes_its_connection(daemon, daemon_engine):
+    from contextlib import aclosing
+
+    async def main():
+        async with await ks.AsyncClient.connect(daemon.address) as client:
+            async with aclosing(client.generate("Hello", 30, stream=True).__aiter__()) as pieces:
+                async for _ in pieces:
+                    break
+            left_closed = client.closed
+        async with await ks.AsyncClient.connect(daemon.address) as other:
+            return left_closed, await other.generate([1, 2], 3)
+
+    left_closed, tokens = anyio.run(main)
+    assert left_closed and tokens == daemon_engine.generate([1, 2], 3).tokens

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import itertools
+from contextlib import aclosing
 import socket
 
 import anyio
@@ -39,9 +40,10 @@ class AsyncRemoteSession:
         return AsyncGeneration(lambda: self._frames(*request), stream)
 
     async def _frames(self, op, fields, arrays):
-        async for header, out in self.client.call_stream(op, fields, arrays):
-            self.position = header.get("position", self.position)
-            yield header, out
+        async with aclosing(self.client.call_stream(op, fields, arrays)) as frames:
+            async for header, out in frames:
+                self.position = header.get("position", self.position)
+                yield header, out
 
     async def reset(self) -> None:
         await self._send("reset", {"session": self.id}, {})
@@ -77,11 +79,12 @@ class AsyncGeneration:
         return self.result
 
     async def __aiter__(self):
-        async for header, arrays in self._frames():
-            if header.get("done") or not self.stream:      # the last frame: the frames' generators end here
-                self.result = Generated(header, arrays)
-            else:
-                yield Piece(header["token"], header["text"])
+        async with aclosing(self._frames()) as frames:      # closed with this one, in this task
+            async for header, arrays in frames:
+                if header.get("done") or not self.stream:      # the last frame: the frames' generators end here
+                    self.result = Generated(header, arrays)
+                else:
+                    yield Piece(header["token"], header["text"])
 
 
 class AsyncClient:
@@ -235,8 +238,9 @@ class AsyncClient:
         async def frames():
             async with await self.new_session() as s:
                 request = _Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), stream)
-                async for frame in s._frames(*request):
-                    yield frame
+                async with aclosing(s._frames(*request)) as session_frames:
+                    async for frame in session_frames:
+                        yield frame
         return AsyncGeneration(frames, stream)
 
     async def stats(self) -> dict:
