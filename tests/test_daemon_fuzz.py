@@ -76,7 +76,7 @@ def send_rest(sock, data: bytes, rng) -> None:
     try:
         send_split(sock, data, rng)
         sock.shutdown(socket.SHUT_WR)
-    except (BrokenPipeError, ConnectionResetError):
+    except OSError:                 # broken pipe, reset, or not connected any more
         pass
 
 

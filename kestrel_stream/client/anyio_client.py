@@ -7,12 +7,14 @@
 from __future__ import annotations
 
 import itertools
+from contextlib import aclosing
 import socket
 
 import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from kestrel_stream.client.sync import DEFAULT_TIMEOUT_S, _Requests, check_response, parse_address, resolve_token, shaped
+from kestrel_stream.client.sync import (DEFAULT_TIMEOUT_S, Generated, Piece, _Requests, check_response, generate_options,
+                                        parse_address, resolve_token, shaped)
 from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, encode_frame, parse_body,
                        parse_prefix)
 
@@ -32,8 +34,16 @@ class AsyncRemoteSession:
     async def decode(self, token: int, want: str = "logits", k: int = 5):
         return shaped(want, *await self._send(*_Requests.decode(self.id, token, want, k)))
 
-    async def generate(self, prompt_ids, max_new_tokens: int) -> list[int]:
-        return (await self._send(*_Requests.generate(self.id, prompt_ids, max_new_tokens)))[1]["tokens"].tolist()
+    def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options) -> "AsyncGeneration":
+        """RemoteSession.generate: ``await`` it for the Generated tokens, or ``async for`` over its Pieces."""
+        request = _Requests.generate(self.id, prompt, max_new_tokens, generate_options(**options), stream)
+        return AsyncGeneration(lambda: self._frames(*request), stream)
+
+    async def _frames(self, op, fields, arrays):
+        async with aclosing(self.client.call_stream(op, fields, arrays)) as frames:
+            async for header, out in frames:
+                self.position = header.get("position", self.position)
+                yield header, out
 
     async def reset(self) -> None:
         await self._send("reset", {"session": self.id}, {})
@@ -49,6 +59,32 @@ class AsyncRemoteSession:
     async def __aexit__(self, *exc):
         if not self.client.closed:
             await self.close()
+
+
+class AsyncGeneration:
+    """A generate request, sent when used: awaited, the Generated tokens; iterated (``async for``, with
+    stream=True), each Piece as its frame arrives, then ``result``.  To leave the loop early, iterate inside
+    ``contextlib.aclosing(generation.__aiter__())``: closing it closes the connection (the rest of the stream
+    would be in its way); an iteration left without closing holds the connection until it is collected."""
+
+    def __init__(self, frames, stream: bool):
+        self._frames, self.stream, self.result = frames, stream, None
+
+    def __await__(self):
+        return self._run().__await__()
+
+    async def _run(self) -> Generated:
+        async for _ in self:
+            pass
+        return self.result
+
+    async def __aiter__(self):
+        async with aclosing(self._frames()) as frames:      # closed with this one, in this task
+            async for header, arrays in frames:
+                if header.get("done") or not self.stream:      # the last frame: the frames' generators end here
+                    self.result = Generated(header, arrays)
+                else:
+                    yield Piece(header["token"], header["text"])
 
 
 class AsyncClient:
@@ -147,6 +183,33 @@ class AsyncClient:
             await self.aclose()
             raise
 
+    async def call_stream(self, op: str, fields: dict, arrays: dict):
+        """The frames of a request answered in several (generate with stream), up to the last; the client
+        is closed if the caller leaves before it."""
+        if self.closed or self.stream is None:
+            raise ConnectionError("this client is closed")
+        async with self._lock:
+            request_id = next(self._ids)
+            over = False
+            try:
+                with anyio.fail_after(self.timeout):
+                    await self._send(encode_frame({"op": op, "id": request_id, **fields}, arrays))
+                while not over:
+                    with anyio.fail_after(self.timeout):
+                        frame = await self._read_frame()
+                    over = True
+                    header, out = check_response(frame, request_id)
+                    over = bool(header.get("done")) or not fields.get("stream")
+                    yield header, out
+            except TimeoutError:
+                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
+                                   f"connection closed") from None
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
+                raise ConnectionError(f"{op}: the daemon closed the connection ({type(e).__name__})") from None
+            finally:
+                if not over:
+                    await self.aclose()
+
     async def _read_frame(self) -> Frame:
         header_bytes, payload_bytes = parse_prefix(await self._receive_exactly(PREFIX_BYTES), MAX_RESPONSE_BYTES)
         head = await self._receive_exactly(header_bytes)
@@ -170,9 +233,15 @@ class AsyncClient:
         header, _ = await self.call("open", {"max_seq_len": max_seq_len}, {})
         return AsyncRemoteSession(self, header["session"], header["max_seq_len"])
 
-    async def generate(self, prompt_ids, max_new_tokens: int) -> list[int]:
-        async with await self.new_session() as s:
-            return await s.generate(prompt_ids, max_new_tokens)
+    def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options) -> AsyncGeneration:
+        """AsyncRemoteSession.generate in a fresh session, closed at the end."""
+        async def frames():
+            async with await self.new_session() as s:
+                request = _Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), stream)
+                async with aclosing(s._frames(*request)) as session_frames:
+                    async for frame in session_frames:
+                        yield frame
+        return AsyncGeneration(frames, stream)
 
     async def stats(self) -> dict:
         return (await self.call("stats", {}, {}))[0]["stats"]

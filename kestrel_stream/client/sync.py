@@ -99,8 +99,67 @@ class _Requests:
         return "decode", {"session": sid, "token": token, **want_fields(want, k)}, {}
 
     @staticmethod
-    def generate(sid, prompt, n):
-        return "generate", {"session": sid, "n": int(n)}, {"ids": ids_array(prompt, "generate")}
+    def generate(sid, prompt, n, options: dict | None = None, stream: bool = False):
+        """prompt: text (the daemon's tokenizer encodes it) or token ids; options: sampling and stop fields."""
+        fields = {"session": sid, "n": int(n), **{k: v for k, v in (options or {}).items() if v is not None}}
+        if stream:
+            fields["stream"] = True
+        if isinstance(prompt, str):
+            return "generate", {**fields, "prompt": prompt}, {}
+        return "generate", fields, {"ids": ids_array(prompt, "generate")}
+
+
+def generate_options(temperature=None, top_k=None, top_p=None, min_p=None, repeat_penalty=None,
+                     presence_penalty=None, frequency_penalty=None, seed=None, stop=None, ignore_eos=None) -> dict:
+    """The generate request's optional fields; None: the daemon's default (Engine.generate's)."""
+    if isinstance(stop, str):
+        stop = [stop]
+    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
+            "repeat_penalty": repeat_penalty, "presence_penalty": presence_penalty,
+            "frequency_penalty": frequency_penalty, "seed": seed, "stop": stop, "ignore_eos": ignore_eos}
+
+
+class Piece(NamedTuple):
+    """One streamed token and the text it released ("" while text is held back), as Engine.generate's."""
+    token: int
+    text: str
+
+
+class Generated(list):
+    """A generation's tokens (a list, as the greedy generate always returned) with .tokens, .text
+    (None when the daemon's model has no tokenizer), .stop_reason ("eos", "stop" or "length")."""
+
+    def __init__(self, header: dict, arrays: dict):
+        super().__init__(arrays["tokens"].tolist())
+        self.text, self.stop_reason = header.get("text"), header.get("stop_reason")
+        self.position = header.get("position")
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self)
+
+
+class RemoteStream:
+    """What generate(stream=True) returns: Pieces as their frames arrive; ``result`` (Generated) at the end."""
+
+    def __init__(self, frames):
+        self._frames, self.result = frames, None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Piece:
+        if self.result is not None:
+            raise StopIteration
+        header, arrays = next(self._frames)
+        if header.get("done"):
+            self.result = Generated(header, arrays)
+            self._frames.close()
+            raise StopIteration
+        return Piece(header["token"], header["text"])
+
+    def close(self) -> None:
+        self._frames.close()
 
 
 # -- blocking ---------------------------------------------------------------------------
@@ -121,9 +180,19 @@ class RemoteSession:
         """Logits [vocab] (want="logits"), only the greedy token (int), or TopK(ids, logits) of k."""
         return shaped(want, *self._send(*_Requests.decode(self.id, token, want, k)))
 
-    def generate(self, prompt_ids, max_new_tokens: int) -> list[int]:
-        """Greedy, server-side: prefill the prompt, then decode; the generated tokens."""
-        return self._send(*_Requests.generate(self.id, prompt_ids, max_new_tokens))[1]["tokens"].tolist()
+    def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options):
+        """Server-side generation from text or token ids, each step batched with other clients' (greedy
+        unless temperature > 0; options: generate_options' names).  The Generated tokens, or with
+        stream=True a RemoteStream of Pieces."""
+        request = _Requests.generate(self.id, prompt, max_new_tokens, generate_options(**options), stream)
+        if stream:
+            return RemoteStream(self._frames(*request))
+        return Generated(*self._send(*request))
+
+    def _frames(self, op, fields, arrays):
+        for header, out in self.client.call_stream(op, fields, arrays):
+            self.position = header.get("position", self.position)
+            yield header, out
 
     def reset(self) -> None:
         self._send("reset", {"session": self.id}, {})
@@ -225,6 +294,39 @@ class Client:
             self.close()
             raise
 
+    def call_stream(self, op: str, fields: dict, arrays: dict):
+        """The frames of a request answered in several (generate with stream), up to the one with "done".
+        Left early, the rest is read and dropped, so the connection stays in step."""
+        if self.closed:
+            raise ConnectionError("this client is closed")
+        request_id = next(self._ids)
+        over = False
+        try:
+            self.sock.sendall(encode_frame({"op": op, "id": request_id, **fields}, arrays))
+            while not over:
+                frame = self._receive(op)
+                over = True                     # an error frame ends the request too
+                header, out = check_response(frame, request_id)
+                over = bool(header.get("done"))
+                yield header, out
+        except ShuttingDownError:
+            self.close()
+            raise
+        finally:
+            while not over and not self.closed:
+                header = self._receive(op).header
+                over = not header.get("ok") or bool(header.get("done"))
+
+    def _receive(self, op: str) -> Frame:
+        try:
+            return self._read_frame()
+        except (OSError, ValueError) as e:
+            self.close()
+            if isinstance(e, (TimeoutError, BlockingIOError)):
+                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
+                                   f"connection closed") from None
+            raise
+
     def _parting_notice(self) -> Frame | None:
         """The frame a daemon sent before closing this connection, if one is still to be read."""
         try:
@@ -237,9 +339,16 @@ class Client:
         header, _ = self.call("open", {"max_seq_len": max_seq_len}, {})
         return RemoteSession(self, header["session"], header["max_seq_len"])
 
-    def generate(self, prompt_ids, max_new_tokens: int) -> list[int]:
+    def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options):
+        """RemoteSession.generate in a fresh session, closed at the end (of the stream, with stream=True)."""
+        if stream:
+            return RemoteStream(self._stream_in_session(prompt, max_new_tokens, options))
         with self.new_session() as s:
-            return s.generate(prompt_ids, max_new_tokens)
+            return s.generate(prompt, max_new_tokens, **options)
+
+    def _stream_in_session(self, prompt, max_new_tokens, options):
+        with self.new_session() as s:
+            yield from s._frames(*_Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), True))
 
     def stats(self) -> dict:
         return self.call("stats", {}, {})[0]["stats"]
@@ -267,4 +376,4 @@ def connect(address=None, token: str | None = None, timeout: float | None = DEFA
     return Client(address, token=token, timeout=timeout)
 
 
-__all__ = ["Client", "RemoteSession", "TopK", "connect", "parse_address"]
+__all__ = ["Client", "Generated", "Piece", "RemoteSession", "RemoteStream", "TopK", "connect", "parse_address"]

@@ -112,11 +112,11 @@ class Daemon:
         from kestrel_stream.serve.service import Connection
         if isinstance(stream, anyio.abc.UNIXSocketStream):
             peer = SocketPeer(stream, self.limits.max_frame_bytes, self.spawn, self.reader, self.limits)
-            conn = Connection(peer=str(id(stream)), send_from_step=peer.send_from_step_thread)
+            conn = Connection(peer=str(id(stream)), send_from_step=peer.send_from_step_thread, send_frame=peer.send)
             peer.take_at_once = lambda frame: self.take_at_once(peer, conn, frame)
         else:
             peer = Peer(stream, self.limits.max_frame_bytes, self.spawn, self.limits)
-            conn = Connection(peer=str(id(stream)))
+            conn = Connection(peer=str(id(stream)), send_frame=peer.send)
         self.peers.add(peer)
         self.unauthenticated += 1
         self.service.connections.add(id(peer))

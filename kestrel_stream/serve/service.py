@@ -15,6 +15,7 @@ never its batch.
 from __future__ import annotations
 
 import threading
+from typing import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -22,6 +23,7 @@ import numpy as np
 
 from scheduler.batcher import StepBatcher
 
+from kestrel_stream.serve.generate_op import parse_generate, run_generation
 from kestrel_stream.serve.decode_steps import DecodeJob, DecodeSteps, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
@@ -34,6 +36,7 @@ WANTS = ("logits", "last", "token", "topk")
 class Connection:
     peer: str
     send_from_step: SendFromStep | None = None     # None: answers go out from the event loop
+    send_frame: Callable[..., Awaitable[None]] | None = None    # loop: a frame before the answer (streaming)
     authenticated: bool = False
     sessions: dict[int, Session] = field(default_factory=dict)
 
@@ -203,18 +206,11 @@ class Service:
             self.draining = True
 
     async def op_generate(self, conn, header, arrays):
-        """Greedy: prefill the prompt, then n-1 decode steps batched with other sessions."""
+        """Text or ids in; sampled or greedy tokens out, each step batched with other sessions'
+        (serve/generate_op.py); with stream: true one frame per token before the answer."""
         session = self.session_of(conn, header, "generate")
-        count = field_int(header, "n", "generate", 0, session.max_seq_len)
-        ids = self.token_ids(arrays, "generate")
-        session._check_room(len(ids) + max(count - 1, 0))
-        job = await self.prefill_cached(session, ids, "token", 1)
-        tokens = [job.result[0]["token"]] if count else []
-        while len(tokens) < count:
-            job = await self.decode(session, tokens[-1], "token", 1)
-            tokens.append(job.result[0]["token"])
-        self.counters["generated_tokens"] += len(tokens)
-        return {"position": session.position}, {"tokens": np.asarray(tokens, np.int32)}
+        request = parse_generate(self.engine, header, arrays, session.max_seq_len)
+        return await run_generation(self, session, request, conn.send_frame, header.get("id"))
 
     async def op_reset(self, conn, header, arrays):
         session = self.session_of(conn, header, "reset")

@@ -64,9 +64,9 @@ class Generation:
 
     # -- the steps ----------------------------------------------------------
     def _first(self, s) -> int:
-        return self._pick(s.prefill(self.ids, logits="last"), 0)
+        return self.pick(s.prefill(self.ids, logits="last"), 0)
 
-    def _pick(self, logits: np.ndarray, step: int) -> int:
+    def pick(self, logits: np.ndarray, step: int) -> int:
         return sample_logits(logits, self.params, self.seed, step, self.ids + self.tokens)
 
     def _next_tokens(self, s, token: int, budget: int, chunk: int) -> list[int]:
@@ -86,7 +86,7 @@ class Generation:
                 if chained is not None:
                     return chained
             return [s.decode_sample(token, params, self.seed, step)]
-        return [self._pick(s.decode(token), step)]
+        return [self.pick(s.decode(token), step)]
 
     def pieces(self):
         """Run the generation, yielding a Piece per token; `result` is set when it ends."""
@@ -102,7 +102,7 @@ class Generation:
             chunk = CHAIN_FIRST_CHUNK if stop.eos_ids or stop.stop else CHAIN_MAX_CHUNK
             while pending:
                 token = pending.pop(0)
-                piece = self._account(token)
+                piece = self.account(token)
                 yield piece
                 if stop.reason is not None:
                     break
@@ -118,7 +118,7 @@ class Generation:
                                      text="".join(self.text_parts) if self.decoder else None,
                                      stop_reason=stop.reason)
 
-    def _account(self, token: int) -> Piece:
+    def account(self, token: int) -> Piece:
         stop = self.stop
         self.tokens.append(token)
         is_eos = token in stop.eos_ids
