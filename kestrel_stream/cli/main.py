@@ -292,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("serve", help="run the daemon: own the model, answer clients on a socket")
     add_engine_args(p)
-    from kestrel_stream.serve.daemon import add_serve_args
+    from kestrel_stream.serve.flags import add_serve_args
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -1,0 +1,62 @@
+"""``kestrel-stream serve``'s flags: their defaults, help texts and range checks (before the model loads)."""
+from __future__ import annotations
+
+from kestrel_stream.serve.limits import Limits, add_limit_args
+from kestrel_stream.serve.protocol import MAX_RESPONSE_BYTES
+
+DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
+DEFAULT_SPIN_US = 300.0
+DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
+DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS
+MAX_STEP_TOKENS = 65536
+
+
+def check_serve_args(args) -> None:
+    if args.max_sessions < 1 or args.max_batch < 1:
+        raise ValueError("--max-sessions and --max-batch must be >= 1")
+    if not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
+        raise ValueError(f"--step-tokens must be in 1..{MAX_STEP_TOKENS}, got {args.step_tokens}")
+    if args.prefix_cache_positions is not None and args.prefix_cache_positions < 0:
+        raise ValueError(f"--prefix-cache-positions must be >= 0 (got {args.prefix_cache_positions})")
+    if not 1 <= args.max_frame_mb <= MAX_RESPONSE_BYTES >> 20:
+        raise ValueError(f"--max-frame-mb must be in 1..{MAX_RESPONSE_BYTES >> 20}")
+    if not 0 <= args.inline_max_ms <= 1000 or not 0 <= args.spin_us <= 100_000:
+        raise ValueError(f"--inline-max-ms must be in 0..1000 (got {args.inline_max_ms}) and --spin-us in "
+                         f"0..100000 (got {args.spin_us})")
+
+
+def add_serve_args(p) -> None:
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", default=None, help=f"Unix socket path (default: {SOCKET_HELP})")
+    where.add_argument("--tcp", default=None, metavar="HOST:PORT", help="listen on TCP (loopback; needs a token)")
+    p.add_argument("--token", default=None, help="TCP token; visible to every user in /proc, prefer --token-file "
+                                                 "or $KESTREL_TOKEN")
+    p.add_argument("--token-file", default=None, help="TCP token file (mode 0600): read if it exists, else a "
+                                                      "generated token is written there")
+    p.add_argument("--trace-dir", default=None, help="where clients' trace_start files go (default: a private "
+                                                     "kestrel-traces dir beside the default socket)")
+    p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once")
+    p.add_argument("--prefix-cache-positions", type=int, default=None,
+                   help="KV positions of cached prompt prefixes reused across sessions by block hash "
+                        "(default 4 x max_seq_len; 0: off)")
+    p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
+    p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
+                   help="how long a decode step waits for other sessions' steps")
+    p.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
+                   help="token budget of one engine step: every queued session's decode token, then chunks of "
+                        "queued prompts up to this many tokens in all; a longer prompt runs over several steps")
+    p.add_argument("--inline-max-ms", type=float, default=DEFAULT_INLINE_MAX_S * 1e3,
+                   help="a lone session's decode step runs on the socket reader thread, without a hop to the step "
+                        "thread, while its steps take less than this (0: never)")
+    p.add_argument("--spin-us", type=float, default=DEFAULT_SPIN_US,
+                   help="after such a step the reader polls for the next request this long before it sleeps, "
+                        "burning that CPU time so the request finds the core awake (0: sleep at once)")
+    p.add_argument("--max-frame-mb", type=int, default=Limits().max_frame_bytes >> 20,
+                   help="largest request frame accepted once authenticated (before hello: 4 KiB)")
+    add_limit_args(p)
+    from kestrel_stream.serve.http.server import add_http_args
+    add_http_args(p)
+
+
+SOCKET_HELP = ("$XDG_RUNTIME_DIR/kestrel-stream.sock; without $XDG_RUNTIME_DIR $TMPDIR/kestrel-<uid>/kestrel-stream.sock, "
+               "the directory made 0700 and removed at exit when the daemon made it")
