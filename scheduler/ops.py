@@ -1,6 +1,11 @@
-"""The op graph of one Llama/Qwen3 step, in execution order, with its costs.
+"""The step program: the ops of one Llama/Qwen3 step, in execution order, with their costs.
 
-Every op names the Hugging Face tensors it owns, so a plan built from these
+Nothing else knows this order: the plan places these ops (plan.py), the host
+backend runs each with numpy and the device backend turns each into a launch
+(kestrel_stream/run/).  Every op declares the state it reads and writes (the
+buffers below, per token), the norm its projection folds in as a prologue and
+the norm its epilogue prepares for the next projection on the device.  Every op
+names the Hugging Face tensors it owns, so a plan built from these
 ops can be audited to place every weight of the model exactly once (the
 seed's lm_head lesson: a projection that silently never reached the offload
 path). Costs are for M tokens in the step:
@@ -28,11 +33,24 @@ TOKEN_ID_BYTES = 4  # int32 ids enter the step
 PROJECTION_GROUPS = ("qkv", "o", "gate_up", "down", "lm_head")
 # op kinds fused into a neighbouring projection's prologue / epilogue on either side: no launch of their own
 FUSED_KINDS = ("norm", "elementwise")
+# the step's state, float32 per token ("xn": x * the next norm's weight, then 1/rms: a device-side form of x;
+# "params": token id, position and KV table row, 16 bytes, read by device ops of the KV cache and embed)
+STATE_FLOATS = {"x": lambda c: c.hidden_size, "xn": lambda c: c.hidden_size + 1,
+                "qkv": lambda c: c.q_size + 2 * c.kv_size, "q": lambda c: c.q_size, "attn": lambda c: c.q_size,
+                "act": lambda c: c.intermediate_size, "logits": lambda c: c.vocab_size}
+PARAMS_BYTES_PER_TOKEN = 16
+DEVICE_IMAGE_ALIGN = 256      # a Q8 weight's device image: qs, then scales at the next such boundary
 
 
 def q8_bytes(rows: int, cols: int) -> int:
     elements = rows * cols
     return elements + 2 * elements // Q8_GROUP
+
+
+def image_bytes(rows: int, cols: int) -> int:
+    """Device bytes of one Q8 weight laid out as qs [rows, cols] int8, then scales at the next aligned boundary."""
+    qs = rows * cols
+    return -(-qs // DEVICE_IMAGE_ALIGN) * DEVICE_IMAGE_ALIGN + qs // 16
 
 
 @dataclass(frozen=True)
@@ -55,6 +73,27 @@ class Op:
     extra_flops: float = 0.0  # FLOPs not tied to a weight (attention, elementwise)
     gathers_from: str | None = None  # embed reads rows of this tensor (tied or not)
     row_runs: int = 1         # contiguous row ranges of the fused weight (a split group's part may have two)
+    reads: tuple = ()         # state read (STATE_FLOATS names), as the host reads it
+    writes: tuple = ()        # state written
+    prologue: str | None = None   # the norm op folded into this projection: on the device it reads "xn" for "x"
+    prepares: str | None = None   # the norm op whose "xn" this op's epilogue writes when it runs on the device
+    full_rows: int = 0        # rows of the whole fused weight (a split part covers some of them)
+
+    def device_reads(self) -> tuple:
+        """The state this op reads on the device."""
+        reads = tuple("xn" if (name == "x" and self.prologue) else name for name in self.reads)
+        return reads + (("params",) if self.kind in ("embed", "rope", "attention") else ())
+
+    def read_weight_bytes(self, tokens: int) -> int:
+        """Q8 matrix bytes the op reads in a step of `tokens` tokens: a projection all of its weights, embed
+        the rows it gathers (norm vectors and biases are left out)."""
+        if self.kind == "embed":
+            return tokens * q8_bytes(1, self.output_bytes // (FLOAT32_BYTES * tokens))
+        return sum(w.nbytes for w in self.weights if len(w.shape) == 2)
+
+    def image_bytes(self) -> int:
+        """The device image bytes of this op's fused Q8 weight (what the residency window streams)."""
+        return image_bytes(sum(w.shape[0] for w in self.weights), self.weights[0].shape[1])
 
     @property
     def is_projection(self) -> bool:
@@ -119,6 +158,7 @@ def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
         rope_weights += (_bias(p + "self_attn.q_proj.bias", Q, tokens), _bias(p + "self_attn.k_proj.bias", KV, tokens),
                          _bias(p + "self_attn.v_proj.bias", KV, tokens))
     keys = context_len + tokens
+    next_norm = f"L{layer + 1}.attn_norm" if layer + 1 < config.num_hidden_layers else "final_norm"
     return [
         Op(name + "attn_norm", "norm", layer, (_norm(p + "input_layernorm.weight", H, tokens),),
            act * H, act * H),
@@ -126,27 +166,31 @@ def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
            (_projection(p + "self_attn.q_proj.weight", (Q, H), tokens),
             _projection(p + "self_attn.k_proj.weight", (KV, H), tokens),
             _projection(p + "self_attn.v_proj.weight", (KV, H), tokens)),
-           act * H, act * (Q + 2 * KV), group="qkv"),
+           act * H, act * (Q + 2 * KV), group="qkv", reads=("x",), writes=("qkv",), prologue=name + "attn_norm",
+           full_rows=Q + 2 * KV),
         # q/k norm + RoPE + KV append: one op, because one kernel does all three
         Op(name + "rope", "rope", layer, rope_weights, act * (Q + 2 * KV), act * Q,
-           extra_flops=6.0 * tokens * (Q + KV)),
+           extra_flops=6.0 * tokens * (Q + KV), reads=("qkv",), writes=("q",)),
         # reads the whole KV cache of this layer: QK^T and P·V are 2·2·M·keys·Q FLOPs
         Op(name + "attention", "attention", layer, (), act * Q + FLOAT32_BYTES * 2 * keys * KV,
-           act * Q, extra_flops=4.0 * tokens * keys * Q),
+           act * Q, extra_flops=4.0 * tokens * keys * Q, reads=("q",), writes=("attn",)),
         Op(name + "o", "projection", layer,
            (_projection(p + "self_attn.o_proj.weight", (H, Q), tokens),),
-           act * (Q + H), act * H, group="o"),
+           act * (Q + H), act * H, group="o", reads=("attn", "x"), writes=("x",), prepares=name + "mlp_norm",
+           full_rows=H),
         Op(name + "mlp_norm", "norm", layer,
            (_norm(p + "post_attention_layernorm.weight", H, tokens),), act * H, act * H),
         Op(name + "gate_up", "projection", layer,
            (_projection(p + "mlp.gate_proj.weight", (I, H), tokens),
             _projection(p + "mlp.up_proj.weight", (I, H), tokens)),
-           act * H, act * 2 * I, group="gate_up"),
+           act * H, act * 2 * I, group="gate_up", reads=("x",), writes=("act",), prologue=name + "mlp_norm",
+           full_rows=2 * I),
         Op(name + "silu_mul", "elementwise", layer, (), act * 2 * I, act * I,
            extra_flops=5.0 * tokens * I),
         Op(name + "down", "projection", layer,
            (_projection(p + "mlp.down_proj.weight", (H, I), tokens),),
-           act * (I + H), act * H, group="down"),
+           act * (I + H), act * H, group="down", reads=("act", "x"), writes=("x",), prepares=next_norm,
+           full_rows=H),
     ]
 
 
@@ -165,12 +209,13 @@ def step_ops(config, tokens: int, context_len: int = 0) -> list:
     tied = bool(config.tie_word_embeddings)
     head = _projection(embed_name if tied else "lm_head.weight", (V, H), tokens)
     ops = [Op("embed", "embed", None, () if tied else (embed_table,),
-              TOKEN_ID_BYTES * tokens, act * H, gathers_from=embed_name)]
+              TOKEN_ID_BYTES * tokens, act * H, gathers_from=embed_name, writes=("x",), prepares="L0.attn_norm")]
     for layer in range(config.num_hidden_layers):
         ops += layer_ops(config, layer, tokens, context_len)
     ops.append(Op("final_norm", "norm", None, (_norm("model.norm.weight", H, tokens),),
                   act * H, act * H))
-    ops.append(Op("lm_head", "projection", None, (head,), act * H, act * V, group="lm_head"))
+    ops.append(Op("lm_head", "projection", None, (head,), act * H, act * V, group="lm_head", reads=("x",),
+                  writes=("logits",), prologue="final_norm", full_rows=V))
     return ops
 
 

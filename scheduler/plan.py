@@ -1,11 +1,11 @@
 """Placement plan: which side runs every op of a step, cut into segments.
 
 A Plan is the ordered list of Segments of one step; a Segment is a run of
-consecutive ops on one side. A GPU segment does one H2D of its first op's
-inputs, its launches (one per op; a fused group is one op), one D2H of its
-last op's outputs and one sync, because the host needs that output next (or
-it is the step's result). The residual stream is counted where o/down read it,
-which over-counts H2D slightly when an executor keeps it on the device.
+consecutive ops on one side. A GPU segment does its launches (one per op; a
+fused group is one op, a split part one per row range); what moves between
+the sides and when the host waits follows from the state each op reads and
+writes (transfers.py): as a rule one download and one sync where the host
+needs a GPU segment's output next, or at the step's end.
 
 The per-mode placement rules are in placement.py. Modes: cpu, gated, gpu,
 layers=N, and auto (cpu without a GPU, else gpu; the residency window streams
@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from .gate import Gate, GateDecision, gpu_segment_cost, host_time_us, minflop_from_env
 from .ops import PROJECTION_GROUPS, model_weight_names, step_ops
 from .placement import fixed_sides, gated_sides
+from .transfers import count_transfers
 
 
 class PlanAuditError(AssertionError):
@@ -48,8 +49,9 @@ class Placement:
 class Segment:
     side: str
     ops: list
-    h2d_bytes: int = 0  # inputs uploaded at the start (GPU segments only)
-    d2h_bytes: int = 0  # outputs the host needs at the end (GPU segments only)
+    h2d_bytes: int = 0  # state, params and streamed weights uploaded during it (GPU segments only)
+    d2h_bytes: int = 0  # state downloaded while it is the latest GPU segment
+    syncs: int = 0      # host waits for it
 
     @property
     def launches(self) -> int:
@@ -67,9 +69,7 @@ class Plan:
 
     @property
     def syncs_per_step(self) -> int:
-        # adjacent GPU ops share a segment, so every GPU segment ends where the
-        # host needs its output: the next op is on the host, or the step ends
-        return sum(1 for s in self.segments if s.side == "gpu")
+        return sum(s.syncs for s in self.segments)
 
     @property
     def launches_per_step(self) -> int:
@@ -90,6 +90,10 @@ class Plan:
     def weight_bytes_on(self, side: str) -> int:
         return sum(p.nbytes for p in self.placements.values() if p.side == side)
 
+    def weight_read_bytes_on(self, side: str) -> int:
+        """Q8 matrix bytes the ops on one side read per step (Op.read_weight_bytes)."""
+        return sum(op.read_weight_bytes(self.tokens) for op in self.ops_on(side))
+
     def groups_on_gpu(self) -> dict:
         """{group: True if any of its weights runs on the GPU} (compare with a search)."""
         found = {g: False for g in PROJECTION_GROUPS}
@@ -103,7 +107,9 @@ class Plan:
                 "h2d_bytes_per_step": self.h2d_bytes_per_step,
                 "d2h_bytes_per_step": self.d2h_bytes_per_step,
                 "gpu_weight_bytes": self.weight_bytes_on("gpu"),
-                "cpu_weight_bytes": self.weight_bytes_on("cpu")}
+                "cpu_weight_bytes": self.weight_bytes_on("cpu"),
+                "gpu_weight_read_bytes": self.weight_read_bytes_on("gpu"),
+                "cpu_weight_read_bytes": self.weight_read_bytes_on("cpu")}
 
     def predicted_step_us(self, profile, resident_weights=None) -> float:
         """Cost-model time of the step: host ops plus one round trip per GPU segment."""
@@ -126,7 +132,7 @@ class Plan:
             "counters": self.counters(), "notes": list(self.notes),
             "segments": [{"side": s.side, "ops": [op.name for op in s.ops],
                           "h2d_bytes": s.h2d_bytes, "d2h_bytes": s.d2h_bytes,
-                          "launches": s.launches} for s in self.segments],
+                          "syncs": s.syncs, "launches": s.launches} for s in self.segments],
             "weights": [p.__dict__.copy() for p in self.placements.values()],
         }
 
@@ -161,14 +167,9 @@ def parse_mode(mode: str) -> tuple:
     raise ValueError(f"mode {mode!r}: expected cpu, gated, gpu, auto or layers=N")
 
 
-def _segments(placed) -> list:
-    segments = []
-    for side, run in itertools.groupby(placed, key=lambda item: item[1]):
-        ops = [op for op, _, _ in run]
-        seg = Segment(side, ops)
-        if side == "gpu":
-            seg.h2d_bytes, seg.d2h_bytes = ops[0].input_bytes, ops[-1].output_bytes
-        segments.append(seg)
+def _segments(placed, config, tokens: int, streamed=frozenset()) -> list:
+    segments = [Segment(side, [op for op, _, _ in run]) for side, run in itertools.groupby(placed, key=lambda i: i[1])]
+    count_transfers(segments, config, tokens, streamed)
     return segments
 
 
@@ -187,7 +188,7 @@ def _placements(placed) -> dict:
 def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
                minflop: float | None = None, environ=None, gpu_available: bool | None = None,
                resident_weights=None, group_choice: dict | None = None,
-               segment_aware: bool = True, context_len: int = 0) -> Plan:
+               segment_aware: bool = True, context_len: int = 0, streamed=frozenset()) -> Plan:
     """The plan of one step of M=`tokens` tokens.
 
     profile: DeviceProfile (None: no GPU measured). minflop: the seed's plain
@@ -198,7 +199,8 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     forcing those groups in every layer (the bench's exhaustive search).
     segment_aware: refine the cost-model gate's choice by whole-step
     prediction (skipped with a threshold, forced groups or resident_weights,
-    where per-layer decisions may legitimately differ).
+    where per-layer decisions may legitimately differ).  streamed: names of
+    the ops whose weights the residency window copies every step (gpu mode).
     """
     if tokens < 1:
         raise ValueError(f"tokens={tokens}: a step has at least one token")
@@ -219,7 +221,7 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
             gate = Gate(profile, minflop, resident_weights)
         placed = gated_sides(ops, _decider(gate, forced))
         if gate and minflop is None and segment_aware and not forced and resident_weights is None:
-            placed, refined = _refine_groups(ops, tokens, gate, placed, profile)
+            placed, refined = _refine_groups(ops, tokens, gate, placed, profile, config)
             notes += refined
         notes.append("gate: " + (f"KESTREL_MINFLOP={minflop:.3g} per projection"
                                  if minflop is not None else
@@ -232,7 +234,7 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     if config.tie_word_embeddings:
         notes.append("tied embeddings: lm_head owns model.embed_tokens.weight; "
                      "embed gathers M rows of it")
-    return Plan(resolved, mode, tokens, _segments(placed), _placements(placed), notes)
+    return Plan(resolved, mode, tokens, _segments(placed, config, tokens, streamed), _placements(placed), notes)
 
 
 def _decider(gate, forced: dict, why: dict | None = None):
@@ -246,14 +248,14 @@ def _decider(gate, forced: dict, why: dict | None = None):
     return decide
 
 
-def _predict(placed, tokens, profile) -> float:
-    return Plan("gated", "gated", tokens, _segments(placed), {}).predicted_step_us(profile)
+def _predict(placed, tokens, profile, config) -> float:
+    return Plan("gated", "gated", tokens, _segments(placed, config, tokens), {}).predicted_step_us(profile)
 
 
-def _refine_groups(ops, tokens, gate, placed, profile):
+def _refine_groups(ops, tokens, gate, placed, profile, config):
     """Flip one group at a time (every layer) while the whole-step prediction improves."""
     gate_choice = Plan("gated", "gated", tokens, [], _placements(placed)).groups_on_gpu()
-    choice, best_us = dict(gate_choice), _predict(placed, tokens, profile)
+    choice, best_us = dict(gate_choice), _predict(placed, tokens, profile, config)
     why, notes = {}, []
 
     def differing(trial):  # only groups that differ from the gate's own verdict are forced
@@ -264,7 +266,7 @@ def _refine_groups(ops, tokens, gate, placed, profile):
         for group in PROJECTION_GROUPS:
             trial = dict(choice, **{group: not choice[group]})
             trial_placed = gated_sides(ops, _decider(gate, differing(trial)))
-            trials.append((_predict(trial_placed, tokens, profile), group, trial))
+            trials.append((_predict(trial_placed, tokens, profile, config), group, trial))
         trial_us, group, trial = min(trials)
         if trial_us >= best_us:
             return placed, notes

@@ -1,5 +1,6 @@
-"""The plan is what runs: for every mode and several batch sizes, the plan's launches and syncs per step
-equal what the executor counted on the emulated device (tests/fake_cuda.py).
+"""The plan is what runs: for every mode and several batch sizes, the plan's launches, syncs, H2D and D2H
+bytes and the weight bytes read on each side per step equal what the executor counted on the emulated
+device (tests/fake_cuda.py).
 
 A decode batch runs as the executor's chunks (gpu mode: graph buckets of at most 8 sessions, padded to
 the bucket), each chunk one step of the plan of its size; the expected counts sum the plans of those
@@ -25,7 +26,13 @@ CONFIG = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_h
                      max_position_embeddings=64)
 MAX_SEQ_LEN, MAX_BATCH = 16, 12
 BATCHES = (1, 3, 8, 12)
-MODES = ("cpu", "gpu", "gpu-eager", "gpu-window", "gated", "gated-fast-link", "layers=1", "layers=3")
+MODES = ("cpu", "gpu", "gpu-eager", "gpu-window", "gpu-window-35", "gated", "gated-fast-link", "gated-split",
+         "layers=1", "layers=3")
+# per-step counters: (the executor's name, the plan's)
+COUNTERS = (("syncs", "syncs_per_step"), ("h2d_bytes", "h2d_bytes_per_step"), ("d2h_bytes", "d2h_bytes_per_step"),
+            ("gpu_weight_read_bytes", "gpu_weight_read_bytes"), ("cpu_weight_read_bytes", "cpu_weight_read_bytes"))
+# the seed's threshold between the q and the k/v projections of a one-token step: the qkv group splits
+SPLIT_MINFLOP = 1e5
 # a link so fast that the cost model offloads groups of this small model: gated mode with GPU segments
 FAST_LINK = dataclasses.replace(scheduler.H200_MEASURED, round_trip_us=1.0, host_weight_GBps=0.5,
                                 host_gflops=5.0, gpu_launch_us=0.5)
@@ -41,18 +48,20 @@ def build(weights, mode: str) -> Engine:
         return Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
     if mode.startswith("gpu"):
         budget = None
-        if mode == "gpu-window":       # half the weights resident, the rest streamed every step
+        if mode.startswith("gpu-window"):       # half (35 %) of the weights resident, the rest streamed
             needs = gpu_mode_needs(CONFIG, MAX_BATCH, MAX_SEQ_LEN)
-            budget = budget_for_weight_fraction(CONFIG, needs, 0.5)
+            budget = budget_for_weight_fraction(CONFIG, needs, 0.35 if mode.endswith("-35") else 0.5)
         engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
                         vram_budget=budget)
         engine.executor.use_graphs = mode != "gpu-eager"
         return engine
     engine = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
     profile = FAST_LINK if mode == "gated-fast-link" else scheduler.H200_MEASURED
-    mode = mode.removesuffix("-fast-link")
+    options = engine.options.with_(minflop=SPLIT_MINFLOP if mode == "gated-split" else None)
+    mode = mode.removesuffix("-fast-link").removesuffix("-split")
     engine.device, engine.mode = "cuda", mode
-    engine.executor = HybridExecutor(weights, mode, profile, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    engine.executor = HybridExecutor(weights, mode, profile, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
+                                     options=options)
     return engine
 
 
@@ -78,14 +87,19 @@ def test_plan_counters_equal_the_executors(weights, monkeypatch, mode, batch):
     engine.decode_batch(pairs)               # first step: graphs captured, weights warmed
     before = engine.executor.counters.as_dict()
     engine.decode_batch([(s, 7 + i) for i, s in enumerate(sessions)])
-    if mode == "gpu-window":
+    if mode.startswith("gpu-window"):
         assert engine.executor.window.streamed, "the budget should stream some weights"
     after = engine.executor.counters.as_dict()
     ran = {key: after[key] - before.get(key, 0) for key in after}
     plans = [engine.executor.plan(n) for n in chunks(engine, batch)]
-    launches = ran["kernels"] if mode in ("gpu", "gpu-window") else ran["launches"]
+    launches = ran["kernels"] if mode in ("gpu", "gpu-window", "gpu-window-35") else ran["launches"]
     assert launches == sum(p.launches_per_step for p in plans), f"{mode} batch {batch}"
     assert (launches > 0) == (mode not in ("cpu", "gated")), "the modes that offload launch kernels"
-    assert ran["syncs"] == sum(p.syncs_per_step for p in plans), f"{mode} batch {batch}"
+    for ours, planned in COUNTERS:
+        assert ran.get(ours, 0) == sum(p.counters()[planned] for p in plans), f"{mode} batch {batch}: {ours}"
+    weights_read = ran.get("gpu_weight_read_bytes", 0) + ran.get("cpu_weight_read_bytes", 0)
+    assert weights_read >= len(plans) * weights.lm_head.nbytes, "every step reads lm_head on one side"
+    if mode == "gated-split" and batch == 1:
+        assert any(op.name.endswith("[gpu]") for op in plans[0].ops_on("gpu")), "the qkv group should split"
     assert ran["steps"] == 1 and ran["tokens"] == batch
     engine.close()

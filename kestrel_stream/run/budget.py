@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from scheduler.ops import step_ops
+from scheduler.ops import DEVICE_IMAGE_ALIGN, image_bytes, step_ops  # noqa: F401  (image_bytes: public here too)
 from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_items
 
 ALIGN = 256                      # the arena's sub-allocation alignment (driver.Arena.ALIGN)
@@ -118,10 +118,6 @@ def weight_items(config) -> list:
     return window_items(ops)
 
 
-def image_bytes(rows: int, cols: int) -> int:
-    """Device bytes of one Q8 weight laid out as qs [rows, cols] int8, then scales at the next ALIGN boundary."""
-    qs = rows * cols
-    return -(-qs // ALIGN) * ALIGN + qs // 16
 
 
 def embedding_owner(config) -> str:

@@ -26,6 +26,8 @@ class StepCounters:
     h2d_bytes: int = 0
     d2h_bytes: int = 0
     kernels: int | None = None      # kernels run (a graph launch runs many)
+    gpu_weight_read_bytes: int | None = None   # Q8 weight bytes the step's kernels read (embed: its rows)
+    cpu_weight_read_bytes: int | None = None   # the same for the host's ops (of the Q8 weights they multiply by)
     graph_replays: int | None = None
     graphs_captured: int | None = None
     weight_uploads: int | None = None

@@ -39,7 +39,9 @@ from kestrel_stream.run.sampled_chain import SampledChain
 from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, GEMV_MAX_TOKENS, KernelSet, Launch
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
+from kestrel_stream.run.step_params import StepParams
 from kestrel_stream.run.window import WeightWindow
+from scheduler.ops import PARAMS_BYTES_PER_TOKEN
 
 
 GpuKV = PagedKV          # the name sessions' caches had before the pool
@@ -76,7 +78,7 @@ class GpuExecutor(Executor):
         with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
             self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
-        self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured")
+        self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured", "gpu_weight_read_bytes")
 
         T, H, V = self.max_tokens, c.hidden_size, c.vocab_size
         qkv_width = c.q_size + 2 * c.kv_size
@@ -113,11 +115,8 @@ class GpuExecutor(Executor):
         self.attention_counters = a.array((T * c.num_key_value_heads,), np.uint32)   # last-split tickets
         driver.h2d_sync(self.counter.ptr, np.zeros(64, np.uint32))
         driver.h2d_sync(self.attention_counters.ptr, np.zeros(T * c.num_key_value_heads, np.uint32))
-        self.params = a.array((T * 16,), np.uint8)       # kvbase int64[T] | ids int32[T] | pos int32[T]
-        self.staging = driver.PinnedBuffer(T * 16)
-        self.staged_kvbase = self.staging.view(np.int64, (T,), 0)
-        self.staged_ids = self.staging.view(np.int32, (T,), 8 * T)
-        self.staged_pos = self.staging.view(np.int32, (T,), 12 * T)
+        self.step_params = StepParams(a, T)              # kvbase | ids | pos of the step's tokens
+        self.params, self.staging = self.step_params.device, self.step_params.host
         self.host_logits = driver.PinnedBuffer(self.logits_rows * V * 4)
         self.host_logits_view = self.host_logits.view(np.float32, (self.logits_rows, V))
         # greedy steps: argmax on the device, 4 bytes per token back (argmax_split's partials and tickets)
@@ -134,8 +133,9 @@ class GpuExecutor(Executor):
         self.scratch_kv = self.kv.open(1)        # padded slots decode token 0 at its position 0
         self.kv.prepare(self.scratch_kv, 0, 1)
         self._launches: dict[int, list[Launch]] = {}
+        self._weight_read: dict = {}        # id of a cached launch list -> the weight bytes its kernels read
         self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
-        self._graph_kernels: dict[tuple[int, bool], int] = {}
+        self._graph_kernels: dict[tuple[int, bool], tuple[int, int]] = {}   # -> (kernels, weight bytes read)
         self._prof_events = (driver.Event(timing=True), driver.Event(timing=True)) if prof.enabled else ()
         # decode graphs per bucket of sessions up to max_batch (at most logits_rows): 1..8 on the GEMV
         # kernels, 16..64 on the tensor-core GEMM; a bigger batch replays the largest in chunks
@@ -211,25 +211,31 @@ class GpuExecutor(Executor):
         key = tokens if lm_rows is None or lm_rows == (0, tokens) else (tokens, *lm_rows)
         if key not in self._launches:
             self._launches[key] = build_step_launches(self, tokens, lm_rows)
+            self._weight_read[id(self._launches[key])] = sum(l.labels.get("bytes", 0) for l in self._launches[key])
         return self._launches[key]
 
-    def _enqueue_step(self, tokens: int, greedy: bool = False, lm_rows: tuple[int, int] | None = None) -> int:
+    def weight_read_bytes(self, launches: list[Launch]) -> int:
+        """The weight bytes a launch list of step_launches reads."""
+        return self._weight_read[id(launches)]
+
+    def _enqueue_step(self, tokens: int, greedy: bool = False, lm_rows: tuple[int, int] | None = None) -> tuple[int, int]:
         """Params H2D, every kernel, the logits of lm_rows = (first, count) (default: every row) or,
-        greedy, each row's argmax, D2H on the compute stream; returns the kernel count."""
-        driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
+        greedy, each row's argmax, D2H on the compute stream; returns (kernels, weight bytes they read)."""
+        self.step_params.upload(tokens, self.stream)
         launches = self.step_launches(tokens, lm_rows)
         self.window.enqueue_step(launches, self.stream)   # streamed weights: copies + slot events
+        weight_read = self.weight_read_bytes(launches)
         if not greedy:
             count = tokens if lm_rows is None else lm_rows[1]
             if count:
                 driver.d2h_async(self.host_logits, self.logits.ptr, count * self.config.vocab_size * 4, self.stream)
-            return len(launches)
+            return len(launches), weight_read
         if greedy == "sample":                              # device_sampler.py: the sampled token instead
             self.sampler.enqueue(tokens, self.stream)
         else:
             self.argmax_launch(tokens).enqueue(self.stream)
         driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
-        return len(launches) + 1
+        return len(launches) + 1, weight_read
 
     def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
@@ -238,10 +244,9 @@ class GpuExecutor(Executor):
         return self._launches[key]
 
     def stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:
-        for i, (kv, token, position) in enumerate(rows):
-            self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = kv.base_elements, token, position
-        for i in range(len(rows), padded):   # padded slots decode token 0 at position 0 of the scratch cache
-            self.staged_kvbase[i], self.staged_ids[i], self.staged_pos[i] = self.scratch_kv.base_elements, 0, 0
+        # padded slots decode token 0 at position 0 of the scratch cache
+        self.step_params.stage([(kv.base_elements, token, position) for kv, token, position in rows], padded,
+                               (self.scratch_kv.base_elements, 0, 0))
 
     # ---- one step ------------------------------------------------------------------------------
     def _rows(self, batch) -> list[tuple[GpuKV, int, int]]:
@@ -274,9 +279,8 @@ class GpuExecutor(Executor):
         key = (bucket, greedy)
         if key not in self._graphs:
             with load_stages.stage("graph capture"), driver.capture(self.stream) as captured:
-                kernel_count = self._enqueue_step(bucket, greedy)
+                self._graph_kernels[key] = self._enqueue_step(bucket, greedy)
             self._graphs[key] = captured.graph
-            self._graph_kernels[key] = kernel_count
             self.counters.graphs_captured += 1
         started = time.perf_counter()
         if prof.enabled:
@@ -286,7 +290,7 @@ class GpuExecutor(Executor):
             self._prof_events[1].record(self.stream)
         self.stream.synchronize()
         waited = time.perf_counter()
-        self._count(launches=1, kernels=self._graph_kernels[key],
+        self._count(1, *self._graph_kernels[key], tokens=bucket,
                     d2h=bucket * 4 if greedy else bucket * self.config.vocab_size * 4)
         self.counters.graph_replays += 1
         if not prof.enabled:
@@ -321,9 +325,9 @@ class GpuExecutor(Executor):
                 first = int(wanted[inside[0]]) - lo if inside.size else 0
                 count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
                 self.stage(chunk, len(chunk))
-                kernel_count = self._enqueue_step(len(chunk), lm_rows=(first, count))
+                kernel_count, weight_read = self._enqueue_step(len(chunk), lm_rows=(first, count))
                 self.stream.synchronize()
-                self._count(launches=kernel_count, kernels=kernel_count, d2h=count * V * 4)
+                self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk), d2h=count * V * 4)
                 out[inside] = self.host_logits_view[wanted[inside] - lo - first]
         self.counters.steps += 1
         self.counters.tokens += len(rows)
@@ -413,7 +417,7 @@ class GpuExecutor(Executor):
 
     def plan(self, tokens: int):
         import scheduler
-        return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True)
+        return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True, streamed=set(self.window.streamed))
 
     def close(self) -> None:
         """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""
@@ -425,18 +429,20 @@ class GpuExecutor(Executor):
         for graph in self._graphs.values():
             graph.destroy()
         self._graphs.clear()
-        self.staging.free()
+        self.step_params.free()
         self.host_logits.free()
         self.host_tokens.free()
         self.window.close()
         self.kv.release()
         self.arena.release()
 
-    def _count(self, launches: int, kernels: int, d2h: int) -> None:
+    def _count(self, launches: int, kernels: int, weight_read: int, tokens: int, d2h: int) -> None:
+        """One synced pass over `tokens` rows: `launches` as issued, the `kernels` they ran, params up."""
         c = self.counters
         c.syncs += 1
         c.launches += launches
         c.kernels += kernels
-        c.h2d_bytes += self.staging.nbytes
+        c.gpu_weight_read_bytes += weight_read
+        c.h2d_bytes += PARAMS_BYTES_PER_TOKEN * tokens
         c.d2h_bytes += d2h
         self.window.account(c)

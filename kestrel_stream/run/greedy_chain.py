@@ -39,10 +39,10 @@ class GreedyChain:
     def _advance_launch(self, tokens: int) -> Launch:
         x = self.x
         if tokens not in self._advance:
-            T = x.max_tokens
+            kvbase, ids, pos = x.step_params.pointers(tokens)
             launch = x.kernels.launch(
                 "chain_advance", (1,), (32,), "ppppppqi",
-                [x.params.ptr + 8 * T, x.params.ptr + 12 * T, x.params.ptr, x.argmax_out.ptr, self.counter.ptr,
+                [ids, pos, kvbase, x.argmax_out.ptr, self.counter.ptr,
                  self.history.ptr, x.scratch_kv.base_elements, tokens])
             launch.label(op="chain_advance")
             launch.programmatic = x.argmax_launch(tokens).programmatic
@@ -62,7 +62,7 @@ class GreedyChain:
                 self._pick_launch(bucket).enqueue(x.stream)
                 self._advance_launch(bucket).enqueue(x.stream)
             self._graphs[bucket] = captured.graph
-            self._kernels[bucket] = len(launches) + 2
+            self._kernels[bucket] = len(launches) + 2, x.weight_read_bytes(launches)
             x.counters.graphs_captured += 1
         return self._graphs[bucket]
 
@@ -74,10 +74,12 @@ class GreedyChain:
         graph = self._graph(bucket)
         out = np.empty((steps, len(rows)), np.int64)
         history = self.host_history.view(np.int32, (self.steps_per_sync, bucket))
+        _, staged_ids, staged_pos = x.step_params.views(bucket)
+        kernels, weight_read = self._kernels[bucket]
         done = 0
         while done < steps:
             n = min(self.steps_per_sync, steps - done)
-            driver.h2d_async(x.params.ptr, x.staging, x.staging.nbytes, x.stream)
+            params_bytes = x.step_params.upload(bucket, x.stream)
             driver.h2d_async(self.counter.ptr, self._zero, 4, x.stream)
             for _ in range(n):
                 graph.launch(x.stream)
@@ -85,14 +87,15 @@ class GreedyChain:
             x.stream.synchronize()
             out[done:done + n] = history[:n, :len(rows)]
             for i in range(len(rows)):   # the next run of the chain starts where this one stopped
-                x.staged_ids[i] = out[done + n - 1, i]
-                x.staged_pos[i] += n
+                staged_ids[i] = out[done + n - 1, i]
+                staged_pos[i] += n
             done += n
             c = x.counters
             c.syncs += 1
             c.launches += n
-            c.kernels += n * self._kernels[bucket]
-            c.h2d_bytes += x.staging.nbytes + 4
+            c.kernels += n * kernels
+            c.gpu_weight_read_bytes += n * weight_read
+            c.h2d_bytes += params_bytes + 4
             c.d2h_bytes += n * bucket * 4
             c.graph_replays += n
             c.steps += n

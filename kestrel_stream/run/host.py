@@ -159,7 +159,7 @@ class CpuExecutor(Executor):
         self.qkv_bias = [plain(lw.qkv_bias) if lw.qkv_bias is not None else None for lw in weights.layers]
         self._cos = self._sin = np.zeros((0, 1, c.head_dim), np.float32)
         self._swap = np.zeros(0, np.int64)
-        self.counters = StepCounters()
+        self.counters = StepCounters.counting("cpu_weight_read_bytes")
 
     def plan(self, tokens: int):
         import scheduler
@@ -173,6 +173,7 @@ class CpuExecutor(Executor):
         return self._dequantized[key]
 
     def linear(self, x: np.ndarray, w: QTensor, op: str = "linear", layer: int = -1) -> np.ndarray:
+        self.counters.cpu_weight_read_bytes += w.nbytes
         if trace.active is None:
             return x @ self.dense(w).T
         rows, cols = w.shape
@@ -232,6 +233,7 @@ class CpuExecutor(Executor):
         with trace.span("embed", op="embed"):
             dense_embed = self._dequantized.get(id(w.embed.qs))             # built when it is the tied lm_head
             x = dense_embed[ids] if dense_embed is not None else w.embed.dequantize_rows(ids)    # [T, H]
+        self.counters.cpu_weight_read_bytes += len(ids) * w.embed.nbytes // w.embed.shape[0]
         window = c.sliding_window
         for li, (layer, norms, bias) in enumerate(zip(w.layers, self.norms, self.qkv_bias)):
             attn_norm, mlp_norm, qk_norm = norms

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import scheduler
+from scheduler.ops import q8_bytes
 
 from kestrel_stream.obs import prof
 from kestrel_stream.options import Options
@@ -39,14 +40,9 @@ from kestrel_stream.run.hybrid_host import HostOps
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ROPE_SIGNATURE, KernelSet, QWeight, attention_launch, gemv_launch
+from kestrel_stream.run.step_params import StepParams
 from kestrel_stream.run.weight_cache import DeviceWeights
 
-# state each op reads, by side ("xn": x·w and 1/rms of the norm the op consumes, device only)
-HOST_READS = {"qkv": ("x",), "rope": ("qkv",), "o": ("attn", "x"), "gate_up": ("x",), "down": ("act", "x"),
-              "lm_head": ("x",)}
-GPU_READS = {"qkv": ("xn",), "rope": ("qkv",), "o": ("attn", "x"), "gate_up": ("xn",), "down": ("act", "x"),
-             "lm_head": ("xn",)}
-WRITES = {"qkv": "qkv", "attention": "attn", "o": "x", "gate_up": "act", "down": "x", "lm_head": "logits"}
 ATTENTION_SPLITS = 16
 
 
@@ -85,7 +81,8 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
         self.max_tokens = max(max_batch, prefill_chunk)
-        self.counters = StepCounters.counting("weight_uploads", "weight_upload_bytes")
+        self.counters = StepCounters.counting("weight_uploads", "weight_upload_bytes", "gpu_weight_read_bytes",
+                                              "cpu_weight_read_bytes")
         T = self.max_tokens
         widths = {"x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size, "attn": c.q_size,
                   "act": c.intermediate_size, "logits": c.vocab_size}
@@ -112,10 +109,7 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         self.host_xn = self.pinned["xn"].view(np.float32, (T, c.hidden_size))
         self.host_inv_rms = self.pinned["xn"].view(np.float32, (T,), 4 * T * c.hidden_size)
         self.widths = widths
-        self.params = self.arena.array((T * 16,), np.uint8)
-        self.staging = driver.PinnedBuffer(T * 16)
-        self.staged_kvbase = self.staging.view(np.int64, (T,), 0)
-        self.staged_pos = self.staging.view(np.int32, (T,), 12 * T)
+        self.step_params = StepParams(self.arena, T)      # kvbase and pos of the GPU layers' attention
         self._vectors: dict[int, int] = {}
         self._qweights: dict[int, QWeight] = {}
         self._plans: dict[int, scheduler.Plan] = {}
@@ -290,15 +284,11 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
                 self.runs.append([kv, i, i + 1, pos])
         self.cos, self.sin = model_rope_tables(self.positions, self.config)
         if self.gpu_layers:
-            for i, (kv, _, pos) in enumerate(rows):
-                self.staged_kvbase[i] = (kv.device.ptr - self.arena.base) // 4
-                self.staged_pos[i] = pos
-            driver.h2d_async(self.params.ptr, self.staging, self.staging.nbytes, self.stream)
-            self.counters.h2d_bytes += self.staging.nbytes
+            self.step_params.stage([((kv.device.ptr - self.arena.base) // 4, t, pos) for kv, t, pos in rows], T)
+            self.counters.h2d_bytes += self.step_params.upload(T, self.stream)
         for segment in plan.segments:
             if segment.side == "cpu":
-                reads = {name for op in segment.ops for name in HOST_READS.get(self._role(op), ())}
-                self._to_host(sorted(reads), T)
+                self._to_host(scheduler.segment_inputs(segment.ops), T)
                 for op in segment.ops:
                     if trace.active is None:
                         self._host_op(op, T)
@@ -344,10 +334,10 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         if role in ("norm", "elementwise"):
             return
         start = time.perf_counter()
-        for name in GPU_READS.get(role, ()):
+        for name in op.device_reads():             # the step program's reads (params: staged per step)
             if name == "xn":
                 self._xn_to_device(self._consumed_norm(op), T)
-            else:
+            elif name in self.widths:
                 self._to_device(name, T)
         self._call["h2d"] = self._call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
         launches = self._launches.get((op.name, T))
@@ -360,8 +350,10 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
             launch.enqueue(self.stream)
         self._call["gemm"] = self._call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
         self.counters.launches += len(launches)
-        if role in WRITES:
-            self.valid[WRITES[role]] = {"dev"}
+        self.counters.gpu_weight_read_bytes += sum(launch.labels.get("bytes", 0) for launch in launches)
+        for name in op.writes:
+            if name in self.widths:
+                self.valid[name] = {"dev"}
         if role in ("o", "down"):
             self.xn_norm = self._next_norm(op)
 
@@ -369,7 +361,7 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         c, k, eps, d = self.config, self.kernels, self.config.rms_norm_eps, self.dev
         if role in ("rope", "attention"):
             li, vec = op.layer, self._layer_vectors(op.layer)
-            kvbase, pos = self.params.ptr, self.params.ptr + 12 * self.max_tokens
+            kvbase, _, pos = self.step_params.pointers(T)
             if role == "rope":
                 return [k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads, T),
                                  (32,), ROPE_SIGNATURE,
@@ -386,21 +378,23 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
             x_in, width = (d["attn"].ptr, c.q_size) if role == "o" else (d["act"].ptr, I)
             return [gemv_launch(k, w, x_in, width, d["x"].ptr, H, T, res=d["x"].ptr,
                                 normw_out=self._vector(self._next_norm(op)), xn_out=self.xn_dev.ptr,
-                                inv_rms_out=self.inv_rms_dev.ptr, counter=self.tickets.ptr, eps=eps)]
+                                inv_rms_out=self.inv_rms_dev.ptr, counter=self.tickets.ptr,
+                                eps=eps).label(bytes=q8_bytes(w.rows, w.cols))]
         if role == "gate_up":
             return [gemv_launch(k, w, self.xn_dev.ptr, H, d["act"].ptr, I, T, silu_pairs=True,
-                                inv_rms_in=self.inv_rms_dev.ptr)]
+                                inv_rms_in=self.inv_rms_dev.ptr).label(bytes=q8_bytes(w.rows, w.cols))]
         out = "logits" if role == "lm_head" else "qkv"
         launches = []
         for lo, hi in self._row_runs(op):       # a split qkv runs its GPU rows in place
             part = QWeight(w.qs + lo * w.cols, w.scales + 2 * lo * (w.cols // 32), hi - lo, w.cols)
             launches.append(gemv_launch(k, part, self.xn_dev.ptr, H, d[out].ptr + 4 * lo, self.widths[out], T,
-                                        inv_rms_in=self.inv_rms_dev.ptr))
+                                        inv_rms_in=self.inv_rms_dev.ptr).label(bytes=q8_bytes(hi - lo, w.cols)))
         return launches
 
     def close(self) -> None:
         self.device.make_current()
         self.stream.synchronize()
-        for buffer in list(self.pinned.values()) + [self.staging]:
+        for buffer in self.pinned.values():
             buffer.free()
+        self.step_params.free()
         self.arena.release()

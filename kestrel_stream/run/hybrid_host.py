@@ -22,6 +22,7 @@ class HostOps:
         if role == "embed":
             self._host_writes("x")
             h["x"][:T] = self.weights.embed.dequantize_rows(self.ids)
+            self.counters.cpu_weight_read_bytes += T * self.weights.embed.nbytes // self.weights.embed.shape[0]
             return
         if role == "rope":
             return self._host_rope(op.layer, T)
@@ -38,7 +39,10 @@ class HostOps:
             x_in = h["attn"][:T]
         else:
             x_in = h["act"][:T]
-        dense = self.cpu.dense(self._tensor(op))
+        tensor = self._tensor(op)
+        dense = self.cpu.dense(tensor)
+        rows = sum(hi - lo for lo, hi in self._row_runs(op))     # a split group's host part: its rows
+        self.counters.cpu_weight_read_bytes += rows * tensor.nbytes // tensor.shape[0]
         if role in ("o", "down"):
             self._host_writes("x")
             h["x"][:T] += x_in @ dense.T
@@ -49,7 +53,7 @@ class HostOps:
             h["act"][:T] = silu_mul(gate_up[:, :c.intermediate_size], gate_up[:, c.intermediate_size:])
             return
         out = {"qkv": "qkv", "lm_head": "logits"}[role]
-        if "dev" in self.valid[out] and "host" not in self.valid[out]:   # a split group: GPU part first
+        if rows < tensor.shape[0] and self.valid[out] == {"dev"}:   # a split group's host part: the GPU part's rows
             self._to_host([out], T)
             for lo, hi in self._row_runs(op):
                 h[out][:T, lo:hi] = x_in @ dense[lo:hi].T

@@ -32,9 +32,9 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
     first, count = lm_rows if lm_rows is not None else (0, tokens)
     if count == 0 and x.window.streamed:
         first, count = tokens - 1, 1
-    c, k, T = x.config, x.kernels, x.max_tokens
+    c, k = x.config, x.kernels
     eps, L = c.rms_norm_eps, c.num_hidden_layers
-    kvbase, ids, pos = x.params.ptr, x.params.ptr + 8 * T, x.params.ptr + 12 * T
+    kvbase, ids, pos = x.step_params.pointers(tokens)
     H, QKV, I = c.hidden_size, c.q_size + 2 * c.kv_size, c.intermediate_size
     xp, xn, inv_rms, counter = x.x.ptr, x.xn.ptr, x.inv_rms.ptr, x.counter.ptr
     norm_after = [lw["mlp_norm"] for lw in x.layers]                 # what O's epilogue prepares
@@ -68,8 +68,11 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
                                inv_rms_in=inv_rms + 4 * first))
     ops = [("embed", None)] + [(op, li) for li in range(L) for op in LAYER_OPS] + [("lm_head", None)] * bool(count)
     assert len(ops) == len(out), "LAYER_OPS names each launch of a layer"
-    for launch, (op, layer) in zip(out, ops):
-        launch.label(op=op, layer=layer)
+    q8 = lambda w: w.rows * (w.cols + w.cols // 16)     # noqa: E731  (Q8 bytes: int8 and a half scale per 32)
+    weight_bytes = ([tokens * (H + H // 16)] + [b for lw in x.layers for b in (q8(lw["wqkv"]), 0, 0, q8(lw["wo"]),
+                    q8(lw["w_gate_up"]), q8(lw["w_down"]))] + [q8(x.lm_head)] * bool(count))
+    for launch, (op, layer), nbytes in zip(out, ops, weight_bytes):
+        launch.label(op=op, layer=layer, bytes=nbytes)      # the weight bytes it reads (embed: its rows)
     # programmatic dependent launch: each kernel after the first may be scheduled while its
     # predecessor runs and prefetch its weights.  Decode-sized steps only (the GEMV path): with
     # the tiled matmul of prefill chunks it measured slower (1066 vs 1572 tok/s for 64-token
