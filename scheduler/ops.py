@@ -72,11 +72,11 @@ class Op:
     group: str | None = None  # fused projection group, one of PROJECTION_GROUPS
     extra_flops: float = 0.0  # FLOPs not tied to a weight (attention, elementwise)
     gathers_from: str | None = None  # embed reads rows of this tensor (tied or not)
-    row_runs: int = 1         # contiguous row ranges of the fused weight (a split group's part may have two)
     reads: tuple = ()         # state read (STATE_FLOATS names), as the host reads it
     writes: tuple = ()        # state written
     prologue: str | None = None   # the norm op folded into this projection: on the device it reads "xn" for "x"
     prepares: str | None = None   # the norm op whose "xn" this op's epilogue writes when it runs on the device
+    row_ranges: tuple = ()    # (first, end) rows of the fused weight this op computes: all, or a split part's
     full_rows: int = 0        # rows of the whole fused weight (a split part covers some of them)
 
     def device_reads(self) -> tuple:
@@ -103,7 +103,7 @@ class Op:
     def launches(self) -> int:
         """Kernel launches of this op on the GPU: a norm is the consuming projection's prologue (and the
         epilogue of the one that wrote x), SiLU·mul gate_up's epilogue, so neither launches anything."""
-        return 0 if self.kind in FUSED_KINDS else self.row_runs
+        return 0 if self.kind in FUSED_KINDS else max(len(self.row_ranges), 1)
 
     @property
     def flops(self) -> float:
@@ -123,10 +123,16 @@ class Op:
         assert kept, f"{self.name}: empty subset"
         rows_all = sum(w.shape[0] for w in self.weights)
         rows_kept = sum(w.shape[0] for w in kept)
-        flags = [w.name in weight_names for w in self.weights]
-        runs = sum(1 for i, on in enumerate(flags) if on and (i == 0 or not flags[i - 1]))
+        ranges, first = [], 0
+        for w in self.weights:
+            end = first + w.shape[0]
+            if w.name in weight_names and ranges and ranges[-1][1] == first:   # consecutive kept weights: one range
+                ranges[-1] = (ranges[-1][0], end)
+            elif w.name in weight_names:
+                ranges.append((first, end))
+            first = end
         return replace(self, name=f"{self.name}[{suffix}]", weights=kept,
-                       output_bytes=self.output_bytes * rows_kept // rows_all, row_runs=runs)
+                       output_bytes=self.output_bytes * rows_kept // rows_all, row_ranges=tuple(ranges))
 
 
 def _projection(name, shape, tokens) -> WeightRef:
@@ -167,7 +173,7 @@ def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
             _projection(p + "self_attn.k_proj.weight", (KV, H), tokens),
             _projection(p + "self_attn.v_proj.weight", (KV, H), tokens)),
            act * H, act * (Q + 2 * KV), group="qkv", reads=("x",), writes=("qkv",), prologue=name + "attn_norm",
-           full_rows=Q + 2 * KV),
+           full_rows=Q + 2 * KV, row_ranges=((0, Q + 2 * KV),)),
         # q/k norm + RoPE + KV append: one op, because one kernel does all three
         Op(name + "rope", "rope", layer, rope_weights, act * (Q + 2 * KV), act * Q,
            extra_flops=6.0 * tokens * (Q + KV), reads=("qkv",), writes=("q",)),
@@ -177,20 +183,20 @@ def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
         Op(name + "o", "projection", layer,
            (_projection(p + "self_attn.o_proj.weight", (H, Q), tokens),),
            act * (Q + H), act * H, group="o", reads=("attn", "x"), writes=("x",), prepares=name + "mlp_norm",
-           full_rows=H),
+           full_rows=H, row_ranges=((0, H),)),
         Op(name + "mlp_norm", "norm", layer,
            (_norm(p + "post_attention_layernorm.weight", H, tokens),), act * H, act * H),
         Op(name + "gate_up", "projection", layer,
            (_projection(p + "mlp.gate_proj.weight", (I, H), tokens),
             _projection(p + "mlp.up_proj.weight", (I, H), tokens)),
            act * H, act * 2 * I, group="gate_up", reads=("x",), writes=("act",), prologue=name + "mlp_norm",
-           full_rows=2 * I),
+           full_rows=2 * I, row_ranges=((0, 2 * I),)),
         Op(name + "silu_mul", "elementwise", layer, (), act * 2 * I, act * I,
            extra_flops=5.0 * tokens * I),
         Op(name + "down", "projection", layer,
            (_projection(p + "mlp.down_proj.weight", (H, I), tokens),),
            act * (I + H), act * H, group="down", reads=("act", "x"), writes=("x",), prepares=next_norm,
-           full_rows=H),
+           full_rows=H, row_ranges=((0, H),)),
     ]
 
 
@@ -215,7 +221,7 @@ def step_ops(config, tokens: int, context_len: int = 0) -> list:
     ops.append(Op("final_norm", "norm", None, (_norm("model.norm.weight", H, tokens),),
                   act * H, act * H))
     ops.append(Op("lm_head", "projection", None, (head,), act * H, act * V, group="lm_head", reads=("x",),
-                  writes=("logits",), prologue="final_norm", full_rows=V))
+                  writes=("logits",), prologue="final_norm", full_rows=V, row_ranges=((0, V),)))
     return ops
 
 

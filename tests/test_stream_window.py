@@ -119,8 +119,9 @@ class Device:
 class FakeLaunch:
     """A launch whose first argument is its weight's qs address; running it checks the bytes there."""
 
-    def __init__(self, name, qweight, expected):
+    def __init__(self, name, qweight, expected, weight=None):
         self.name, self.qweight, self.expected = name, qweight, expected
+        self.labels = {"weight": weight} if weight else {}        # the window item it reads (device_ops.py)
         self.storage = np.array([qweight.qs if qweight else 0], np.uint64)
 
     def enqueue(self, stream):
@@ -158,10 +159,10 @@ def build(monkeypatch, seed, fraction, slots, distance, broken=False):
         images[name] = np.zeros(image_bytes(*w.shape), np.uint8)
         write_image(images[name], w, interleave)
     launches = []
-    for index, name in enumerate(step_launch_items(SMALL.num_hidden_layers)):
+    for index, name in enumerate(step_launch_items(SMALL)):
         table = "lm_head" if index == 0 else name       # the embed kernel gathers from the (resident) table
         launches.append(FakeLaunch(f"launch {index}", window.qweight(table) if table else None,
-                                   images.get(table)))
+                                   images.get(table), name))
     return device, window, compute, launches, plan
 
 

@@ -32,6 +32,7 @@ from kestrel_stream.obs import load_stages, prof
 from kestrel_stream.options import Options
 from kestrel_stream.run.budget import PREFILL_CHUNK_TOKENS, plan_gpu_memory, step_rows
 from kestrel_stream.cuda import driver
+from kestrel_stream.run.device_ops import DeviceOps, DeviceState, KVCaches
 from kestrel_stream.run.device_sampler import DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.run.kv_paged import PagedKV, PagedKVCache
@@ -132,6 +133,12 @@ class GpuExecutor(Executor):
                                    max_seq_len, a, self.stream)
         self.scratch_kv = self.kv.open(1)        # padded slots decode token 0 at its position 0
         self.kv.prepare(self.scratch_kv, 0, 1)
+        state = DeviceState(self.x.ptr, self.xn.ptr, self.inv_rms.ptr, self.qkv.ptr, self.q.ptr, self.attn.ptr,
+                            self.act.ptr, self.logits.ptr, self.counter.ptr, self.partials.ptr,
+                            self.attention_counters.ptr)
+        kv_caches = KVCaches(self.kv.table_ptr, c.num_hidden_layers, self.kv.block_shift, kv_dtype, attention_splits)
+        self.device_ops = DeviceOps(self.kernels, weights, state, kv_caches, self.step_params, self.inv_freq,
+                                    self.qweight, self.vector)
         self._launches: dict[int, list[Launch]] = {}
         self._weight_read: dict = {}        # id of a cached launch list -> the weight bytes its kernels read
         self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
@@ -161,24 +168,27 @@ class GpuExecutor(Executor):
         if warning:
             print(f"kestrel-stream: {warning}", file=sys.stderr)
 
-        def vector(v: np.ndarray | None) -> int:
-            if v is None:
-                return 0
-            ptr = self.arena.alloc(v.size * 4)
-            driver.h2d_sync(ptr, np.asarray(v, np.float32))
-            return ptr
-
-        c, w, q = self.config, self.weights, self.window.qweight   # gate_up rows interleaved (gate j, up j)
-        self.lm_head = q("lm_head")
-        self.embed = self.lm_head if w.tied else q("embed")
-        self.final_norm = vector(w.final_norm)
-        self.layers = [dict(attn_norm=vector(l.attn_norm), wqkv=q(f"L{i}.qkv"), wo=q(f"L{i}.o"),
-                            mlp_norm=vector(l.mlp_norm), w_gate_up=q(f"L{i}.gate_up"),
-                            w_down=q(f"L{i}.down"), q_norm=vector(l.q_norm), k_norm=vector(l.k_norm),
-                            qkv_bias=vector(l.qkv_bias))
-                       for i, l in enumerate(w.layers)]
-        self.inv_freq = vector(rope.inv_freq(c))
+        # norm weights, q/k norms, biases and the rope table: uploaded now (never while a graph is captured)
+        c, w = self.config, self.weights
+        vectors = [w.final_norm] + [v for l in w.layers for v in (l.attn_norm, l.mlp_norm, l.q_norm, l.k_norm,
+                                                                   l.qkv_bias) if v is not None]
+        self._vectors = {}
+        for v in vectors:
+            self._vectors[id(v)] = (v, self.arena.alloc(v.size * 4))     # v kept alive: its id stays its own
+            driver.h2d_sync(self._vectors[id(v)][1], np.asarray(v, np.float32))
+        inv_freq = rope.inv_freq(c)
+        self.inv_freq = self.arena.alloc(inv_freq.size * 4)
+        driver.h2d_sync(self.inv_freq, inv_freq)
         self.weight_bytes = self.arena.used_bytes
+
+    def vector(self, v: np.ndarray | None) -> int:
+        """The device copy of a norm weight, q/k norm or bias of the model (0: none)."""
+        return 0 if v is None else self._vectors[id(v)][1]
+
+    def qweight(self, op):
+        """The device weight a projection (or the embed gather) of the step program reads: the window's."""
+        tied_embed = op.kind == "embed" and self.weights.tied
+        return self.window.qweight("lm_head" if tied_embed else op.name)
 
     # ---- KV caches -----------------------------------------------------------------------------
     def alloc_kv(self, max_seq_len: int) -> PagedKV:

@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import numpy as np
 
 import scheduler
-from scheduler.ops import q8_bytes
 
 from kestrel_stream.obs import prof
 from kestrel_stream.options import Options
@@ -39,7 +38,8 @@ from kestrel_stream.run.host import CpuExecutor, CpuKV, model_rope_tables
 from kestrel_stream.run.hybrid_host import HostOps
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ROPE_SIGNATURE, KernelSet, QWeight, attention_launch, gemv_launch
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, KernelSet, QWeight
+from kestrel_stream.run.device_ops import DeviceOps, DeviceState, KVCaches, fused_tensor, norm_weight
 from kestrel_stream.run.step_params import StepParams
 from kestrel_stream.run.weight_cache import DeviceWeights
 
@@ -115,6 +115,14 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         self._plans: dict[int, scheduler.Plan] = {}
         self._launches: dict[tuple, list] = {}
         self.inv_freq = self._vector(rope.inv_freq(c))
+        d = self.dev
+        state = DeviceState(d["x"].ptr, self.xn_dev.ptr, self.inv_rms_dev.ptr, d["qkv"].ptr, self.q_dev.ptr,
+                            d["attn"].ptr, d["act"].ptr, d["logits"].ptr, self.tickets.ptr, self.partials.ptr,
+                            self.tickets.ptr + 4 * 64)
+        kv_caches = KVCaches(self.arena.base, self.gpu_layers, None, "f32", ATTENTION_SPLITS)   # HybridKV.device
+        self.device_ops = DeviceOps(self.kernels, weights, state, kv_caches, self.step_params, self.inv_freq,
+                                    lambda op: self._qweight(fused_tensor(weights, op), self._call,
+                                                             op.group == "gate_up"), self._vector)
         self.preload()
 
     def preload(self) -> None:
@@ -123,10 +131,12 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         plan = self.plan(1)
         wanted = [op for seg in plan.segments if seg.side == "gpu" for op in seg.ops if op.group]
         for op in wanted:
-            self._qweight(self._tensor(op), {}, op.group == "gate_up")
+            self._qweight(fused_tensor(self.weights, op), {}, op.group == "gate_up")
         for op in (op for seg in plan.segments if seg.side == "gpu" for op in seg.ops):
             if op.layer is not None:
-                self._layer_vectors(op.layer)
+                layer = self.weights.layers[op.layer]
+                for v in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.qkv_bias):
+                    self._vector(v)
         total = sum(1 for op in plan.segments for _ in op.ops)
         self.preload_line = (f"preload: {len(wanted)}/{len(wanted)} GPU weights warmed in "
                              f"{time.perf_counter() - start:.2f} s; device cache {self.arena.used_bytes / 1e6:.1f} MB / "
@@ -315,20 +325,6 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         return op.group or op.kind
 
     # ---- the GPU side -------------------------------------------------------------------------------
-    def _consumed_norm(self, op) -> np.ndarray:
-        """The RMSNorm weight folded into a projection that reads normalized x."""
-        if op.group == "lm_head":
-            return self.weights.final_norm
-        lw = self.weights.layers[op.layer]
-        return lw.attn_norm if op.group == "qkv" else lw.mlp_norm
-
-    def _next_norm(self, op) -> np.ndarray:
-        """The norm applied to x after o / down writes it: their epilogue prepares its xn and 1/rms."""
-        layers = self.weights.layers
-        if op.group == "o":
-            return layers[op.layer].mlp_norm
-        return layers[op.layer + 1].attn_norm if op.layer + 1 < len(layers) else self.weights.final_norm
-
     def _gpu_op(self, op, T: int) -> None:
         role = self._role(op)
         if role in ("norm", "elementwise"):
@@ -336,13 +332,13 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         start = time.perf_counter()
         for name in op.device_reads():             # the step program's reads (params: staged per step)
             if name == "xn":
-                self._xn_to_device(self._consumed_norm(op), T)
+                self._xn_to_device(norm_weight(self.weights, op.prologue), T)
             elif name in self.widths:
                 self._to_device(name, T)
         self._call["h2d"] = self._call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
         launches = self._launches.get((op.name, T))
         if launches is None:
-            launches = self._launches[(op.name, T)] = self._build_launches(op, role, T, self._call)
+            launches = self._launches[(op.name, T)] = self.device_ops.launches(op, T)
             for launch in launches:
                 launch.label(op=op.name, layer=op.layer, segment="gpu")
         start = time.perf_counter()
@@ -354,42 +350,8 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         for name in op.writes:
             if name in self.widths:
                 self.valid[name] = {"dev"}
-        if role in ("o", "down"):
-            self.xn_norm = self._next_norm(op)
-
-    def _build_launches(self, op, role: str, T: int, stages: dict) -> list:
-        c, k, eps, d = self.config, self.kernels, self.config.rms_norm_eps, self.dev
-        if role in ("rope", "attention"):
-            li, vec = op.layer, self._layer_vectors(op.layer)
-            kvbase, _, pos = self.step_params.pointers(T)
-            if role == "rope":
-                return [k.launch("qkv_norm_rope_append", (c.num_attention_heads + 2 * c.num_key_value_heads, T),
-                                 (32,), ROPE_SIGNATURE,
-                                 [d["qkv"].ptr, self.q_dev.ptr, self.arena.base, kvbase, pos, vec["q_norm"],
-                                  vec["k_norm"], self.inv_freq, vec["qkv_bias"], eps, li, self.gpu_layers,
-                                  c.num_attention_heads, c.num_key_value_heads, c.head_dim])]
-            return [attention_launch(k, self.q_dev.ptr, self.arena.base, kvbase, pos, d["attn"].ptr,
-                                     self.partials.ptr, self.tickets.ptr + 4 * 64, T, li, self.gpu_layers,
-                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim, ATTENTION_SPLITS,
-                                     window=c.sliding_window or 0, scale=rope.softmax_scale(c))]
-        w = self._qweight(self._tensor(op), stages, role == "gate_up")
-        H, I = c.hidden_size, c.intermediate_size
-        if role in ("o", "down"):
-            x_in, width = (d["attn"].ptr, c.q_size) if role == "o" else (d["act"].ptr, I)
-            return [gemv_launch(k, w, x_in, width, d["x"].ptr, H, T, res=d["x"].ptr,
-                                normw_out=self._vector(self._next_norm(op)), xn_out=self.xn_dev.ptr,
-                                inv_rms_out=self.inv_rms_dev.ptr, counter=self.tickets.ptr,
-                                eps=eps).label(bytes=q8_bytes(w.rows, w.cols))]
-        if role == "gate_up":
-            return [gemv_launch(k, w, self.xn_dev.ptr, H, d["act"].ptr, I, T, silu_pairs=True,
-                                inv_rms_in=self.inv_rms_dev.ptr).label(bytes=q8_bytes(w.rows, w.cols))]
-        out = "logits" if role == "lm_head" else "qkv"
-        launches = []
-        for lo, hi in self._row_runs(op):       # a split qkv runs its GPU rows in place
-            part = QWeight(w.qs + lo * w.cols, w.scales + 2 * lo * (w.cols // 32), hi - lo, w.cols)
-            launches.append(gemv_launch(k, part, self.xn_dev.ptr, H, d[out].ptr + 4 * lo, self.widths[out], T,
-                                        inv_rms_in=self.inv_rms_dev.ptr).label(bytes=q8_bytes(hi - lo, w.cols)))
-        return launches
+        if op.prepares:                           # o / down's epilogue: xn and 1/rms of the next norm
+            self.xn_norm = norm_weight(self.weights, op.prepares)
 
     def close(self) -> None:
         self.device.make_current()

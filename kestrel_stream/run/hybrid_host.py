@@ -8,6 +8,7 @@ projection from the same state.
 """
 from __future__ import annotations
 
+from kestrel_stream.run.device_ops import fused_tensor, norm_weight
 from kestrel_stream.run.host import apply_rope, attention, rmsnorm, silu_mul
 
 
@@ -28,20 +29,13 @@ class HostOps:
             return self._host_rope(op.layer, T)
         if role == "attention":
             return self._host_attention(op.layer, T)
-        lw = self.weights.layers[op.layer] if op.layer is not None else None
-        if role == "qkv":
-            x_in = rmsnorm(h["x"][:T], lw.attn_norm, c.rms_norm_eps)
-        elif role == "gate_up":
-            x_in = rmsnorm(h["x"][:T], lw.mlp_norm, c.rms_norm_eps)
-        elif role == "lm_head":
-            x_in = rmsnorm(h["x"][:T], self.weights.final_norm, c.rms_norm_eps)
-        elif role == "o":
-            x_in = h["attn"][:T]
-        else:
-            x_in = h["act"][:T]
-        tensor = self._tensor(op)
+        if op.prologue:                           # the norm folded into the projection
+            x_in = rmsnorm(h["x"][:T], norm_weight(self.weights, op.prologue), c.rms_norm_eps)
+        else:                                     # o, down: attention's output, silu(gate)·up
+            x_in = h[op.reads[0]][:T]
+        tensor = fused_tensor(self.weights, op)
         dense = self.cpu.dense(tensor)
-        rows = sum(hi - lo for lo, hi in self._row_runs(op))     # a split group's host part: its rows
+        rows = sum(hi - lo for lo, hi in op.row_ranges)     # a split group's host part: its rows
         self.counters.cpu_weight_read_bytes += rows * tensor.nbytes // tensor.shape[0]
         if role in ("o", "down"):
             self._host_writes("x")
@@ -55,12 +49,12 @@ class HostOps:
         out = {"qkv": "qkv", "lm_head": "logits"}[role]
         if rows < tensor.shape[0] and self.valid[out] == {"dev"}:   # a split group's host part: the GPU part's rows
             self._to_host([out], T)
-            for lo, hi in self._row_runs(op):
+            for lo, hi in op.row_ranges:
                 h[out][:T, lo:hi] = x_in @ dense[lo:hi].T
             self.valid[out] = {"host"}
             return
         self._host_writes(out)
-        for lo, hi in self._row_runs(op):
+        for lo, hi in op.row_ranges:
             h[out][:T, lo:hi] = x_in @ dense[lo:hi].T
 
     def _host_rope(self, li: int, T: int) -> None:

@@ -1,12 +1,10 @@
-"""The launch list of a `gpu` mode step: which kernels, in what order, on which buffers.
+"""The launch list of a `gpu` mode step: the step program's ops (scheduler/ops.py) as device launches.
 
-Launches per layer (6): fused QKV GEMV; q/k norm + RoPE + KV append; split-key
-attention (merged by its last block); O GEMV + residual; fused gate/up GEMV
-with SiLU·mul in its epilogue (gate and up rows interleaved at load); down GEMV
-+ residual.  Then lm_head.  RMSNorm never costs a launch or a re-read: the
-kernel that writes the residual stream x (embedding, O and down epilogues) also
-writes xn = x * next norm weight and, from its last block, 1/rms(x) per token;
-the consuming GEMV multiplies its dot products by that scale.
+Every op of the program with a launch of its own, in program order, through
+the device backend (device_ops.py): per layer (6) fused QKV GEMV; q/k norm +
+RoPE + KV append; split-key attention (merged by its last block); O GEMV +
+residual; fused gate/up GEMV with SiLU·mul in its epilogue; down GEMV +
+residual.  Embed before, lm_head after (on the rows whose logits are wanted).
 
 On sm_90 and later the kernels after the first are launched with programmatic
 stream serialization: a kernel is scheduled while its predecessor finishes,
@@ -16,11 +14,9 @@ tail of one kernel hide the DRAM latency of the next.
 """
 from __future__ import annotations
 
-from kestrel_stream.cuda.kernels import (GEMV_MAX_TOKENS, ROPE_PAGED_SIGNATURE, Launch, gemv_launch,
-                                         paged_attention_launch)
-from kestrel_stream.model import rope
+from scheduler.ops import step_ops
+from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, Launch
 
-LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
 
 
 def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
@@ -32,47 +28,8 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
     first, count = lm_rows if lm_rows is not None else (0, tokens)
     if count == 0 and x.window.streamed:
         first, count = tokens - 1, 1
-    c, k = x.config, x.kernels
-    eps, L = c.rms_norm_eps, c.num_hidden_layers
-    kvbase, ids, pos = x.step_params.pointers(tokens)
-    H, QKV, I = c.hidden_size, c.q_size + 2 * c.kv_size, c.intermediate_size
-    xp, xn, inv_rms, counter = x.x.ptr, x.xn.ptr, x.inv_rms.ptr, x.counter.ptr
-    norm_after = [lw["mlp_norm"] for lw in x.layers]                 # what O's epilogue prepares
-    norm_after_down = [lw["attn_norm"] for lw in x.layers[1:]] + [x.final_norm]
-    out = [k.launch("embed_q8", (tokens,), (256,), "pppppppfi",
-                    [x.embed.qs, x.embed.scales, ids, xp, xn, x.layers[0]["attn_norm"], inv_rms,
-                     eps, H])]
-    for li, lw in enumerate(x.layers):
-        out.append(gemv_launch(k, lw["wqkv"], xn, H, x.qkv.ptr, QKV, tokens, inv_rms_in=inv_rms))
-        # KV through the session's block table (kvbase = its table row, kv_paged.py)
-        out.append(k.launch(f"qkv_rope_append_paged_{x.kv_dtype}", (c.num_attention_heads + 2 * c.num_key_value_heads,
-                                                                    tokens), (32,), ROPE_PAGED_SIGNATURE,
-                            [x.qkv.ptr, x.q.ptr, x.kv.table_ptr, kvbase, pos, lw["q_norm"],
-                             lw["k_norm"], x.inv_freq, lw["qkv_bias"], eps, li, L, c.num_attention_heads,
-                             c.num_key_value_heads, c.head_dim, x.kv.block_shift]))
-        out.append(paged_attention_launch(k, x.q.ptr, x.kv.table_ptr, kvbase, pos, x.attn.ptr,
-                                          x.partials.ptr, x.attention_counters.ptr, tokens, li, L,
-                                          c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                          x.attention_splits, x.kv.block_shift, x.kv_dtype,
-                                          window=c.sliding_window or 0, scale=rope.softmax_scale(c)))
-        out.append(gemv_launch(k, lw["wo"], x.attn.ptr, c.q_size, xp, H, tokens, res=xp,
-                               normw_out=norm_after[li], xn_out=xn, inv_rms_out=inv_rms, counter=counter,
-                               eps=eps))
-        out.append(gemv_launch(k, lw["w_gate_up"], xn, H, x.act.ptr, I, tokens, silu_pairs=True,
-                               inv_rms_in=inv_rms))
-        out.append(gemv_launch(k, lw["w_down"], x.act.ptr, I, xp, H, tokens, res=xp,
-                               normw_out=norm_after_down[li], xn_out=xn, inv_rms_out=inv_rms,
-                               counter=counter, eps=eps))
-    if count:
-        out.append(gemv_launch(k, x.lm_head, xn + 4 * H * first, H, x.logits.ptr, c.vocab_size, count,
-                               inv_rms_in=inv_rms + 4 * first))
-    ops = [("embed", None)] + [(op, li) for li in range(L) for op in LAYER_OPS] + [("lm_head", None)] * bool(count)
-    assert len(ops) == len(out), "LAYER_OPS names each launch of a layer"
-    q8 = lambda w: w.rows * (w.cols + w.cols // 16)     # noqa: E731  (Q8 bytes: int8 and a half scale per 32)
-    weight_bytes = ([tokens * (H + H // 16)] + [b for lw in x.layers for b in (q8(lw["wqkv"]), 0, 0, q8(lw["wo"]),
-                    q8(lw["w_gate_up"]), q8(lw["w_down"]))] + [q8(x.lm_head)] * bool(count))
-    for launch, (op, layer), nbytes in zip(out, ops, weight_bytes):
-        launch.label(op=op, layer=layer, bytes=nbytes)      # the weight bytes it reads (embed: its rows)
+    out = [launch for op in step_ops(x.config, tokens) if op.launches and (count or op.group != "lm_head")
+           for launch in x.device_ops.launches(op, tokens, (first, count))]
     # programmatic dependent launch: each kernel after the first may be scheduled while its
     # predecessor runs and prefetch its weights.  Decode-sized steps only (the GEMV path): with
     # the tiled matmul of prefill chunks it measured slower (1066 vs 1572 tok/s for 64-token

@@ -45,32 +45,3 @@ class DeviceWeights:
             stages["upload"] = stages.get("upload", 0.0) + (time.perf_counter() - start) * 1e6
             stages["uploads"] = stages.get("uploads", 0) + 1
         return cached
-
-    def _layer_vectors(self, li: int) -> dict:
-        lw = self.weights.layers[li]
-        return {name: self._vector(getattr(lw, name)) for name in ("attn_norm", "mlp_norm", "q_norm", "k_norm",
-                                                                        "qkv_bias")}
-
-    def _tensor(self, op):
-        """The fused QTensor behind a projection op."""
-        if op.group == "lm_head":
-            return self.weights.lm_head
-        lw = self.weights.layers[op.layer]
-        return {"qkv": lw.wqkv, "o": lw.wo, "gate_up": lw.w_gate_up, "down": lw.w_down}[op.group]
-
-    def _row_runs(self, op) -> list[tuple[int, int]]:
-        """Contiguous row ranges of the fused weight that this (possibly split) op owns."""
-        c = self.config
-        starts = {"q_proj": (0, c.q_size), "k_proj": (c.q_size, c.kv_size),
-                  "v_proj": (c.q_size + c.kv_size, c.kv_size), "gate_proj": (0, c.intermediate_size),
-                  "up_proj": (c.intermediate_size, c.intermediate_size)}
-        runs = []
-        for w in op.weights:
-            part = w.name.rsplit(".", 2)[-2]
-            lo, n = starts.get(part, (0, w.shape[0]))
-            if runs and runs[-1][1] == lo:
-                runs[-1] = (runs[-1][0], lo + n)
-            else:
-                runs.append((lo, lo + n))
-        return runs
-

@@ -42,6 +42,8 @@ from kestrel_stream.run.budget import ALIGN, image_bytes
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import QWeight
+from kestrel_stream.run.device_ops import fused_tensor
+from scheduler.ops import step_ops
 
 
 def _align(nbytes: int) -> int:
@@ -49,21 +51,14 @@ def _align(nbytes: int) -> int:
 
 
 def weight_tensors(weights) -> dict[str, tuple[QTensor, bool]]:
-    """Window item name → (tensor, rows interleaved as gate/up pairs), in step order."""
-    out = {}
-    if not weights.tied:
-        out["embed"] = (weights.embed, False)
-    for i, layer in enumerate(weights.layers):
-        out.update({f"L{i}.qkv": (layer.wqkv, False), f"L{i}.o": (layer.wo, False),
-                    f"L{i}.gate_up": (layer.w_gate_up, True), f"L{i}.down": (layer.w_down, False)})
-    out["lm_head"] = (weights.lm_head, False)
-    return out
+    """Window item name (the step program's op) -> (tensor, rows interleaved as gate/up pairs), in step order."""
+    return {op.name: (fused_tensor(weights, op), op.group == "gate_up") for op in step_ops(weights.config, 1)
+            if op.group or (op.kind == "embed" and not weights.tied)}
 
 
-def step_launch_items(num_layers: int) -> list:
-    """The window item each launch of GpuExecutor.step_launches reads (None: no Q8 weight, or the embed table)."""
-    per_layer = lambda i: [f"L{i}.qkv", None, None, f"L{i}.o", f"L{i}.gate_up", f"L{i}.down"]
-    return [None] + [name for i in range(num_layers) for name in per_layer(i)] + ["lm_head"]
+def step_launch_items(config) -> list:
+    """The window item each launch of a gpu mode step reads (None: no Q8 weight, or the embed table)."""
+    return [op.name if op.group else None for op in step_ops(config, 1) if op.launches]
 
 
 def write_image(dst: np.ndarray, w: QTensor, interleave: bool) -> None:
@@ -140,7 +135,6 @@ class WeightWindow:
         self.slot_count = plan.slot_count if self.streamed else 0
         self.prefetch_distance = plan.prefetch_distance if self.streamed else 0
         self.total_items = len(tensors)
-        self.num_layers = len(weights.layers)
         self.qweights: dict[str, QWeight] = {}
 
         def offsets(names):
@@ -204,8 +198,7 @@ class WeightWindow:
             for launch in launches:
                 launch.enqueue(stream)
             return
-        items = step_launch_items(self.num_layers)
-        assert len(items) == len(launches), "launch list does not match step_launch_items"
+        items = [launch.labels.get("weight") for launch in launches]     # device_ops labels each projection
         if id(launches) not in self._checked:      # every streamed launch reads its slot's address
             for launch, name in zip(launches, items):
                 assert name is None or int(launch.storage[0]) == self.qweights[name].qs, (launch.name, name)

@@ -1,0 +1,145 @@
+"""The device backend: one op of the step program (scheduler/ops.py) as its prepared launches.
+
+Every mode builds its launches here: gpu mode's whole step (step_launches.py)
+and the GPU segments of gated and layers=N (hybrid.py).  What differs between
+them is handed in: the device state buffers, where each op's weight lives (the
+residency window, or the weight cache), and the KV caches (gpu mode's paged
+pool, or layers=N's contiguous float32 caches).
+
+RMSNorm never costs a launch or a re-read: the kernel that writes the residual
+stream x (embedding, o and down epilogues) also writes xn = x * the weight of
+the norm the op `prepares` and, from its last block, 1/rms(x) per token; the
+projection whose `prologue` is that norm multiplies its dot products by the
+scale.  SiLU·mul is gate_up's epilogue (gate and up rows interleaved at load).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from kestrel_stream.cuda.kernels import (ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
+                                         gemv_launch, paged_attention_launch)
+from kestrel_stream.model import rope
+
+
+def norm_weight(weights, name: str):
+    """The weight vector of a norm op of the program ("L3.attn_norm", "L3.mlp_norm", "final_norm")."""
+    if name == "final_norm":
+        return weights.final_norm
+    layer, which = name.split(".")
+    return getattr(weights.layers[int(layer[1:])], which)
+
+
+def fused_tensor(weights, op):
+    """The fused QTensor a projection (or an untied embed) of the program reads."""
+    if op.kind == "embed":
+        return weights.embed
+    if op.group == "lm_head":
+        return weights.lm_head
+    layer = weights.layers[op.layer]
+    return {"qkv": layer.wqkv, "o": layer.wo, "gate_up": layer.w_gate_up, "down": layer.w_down}[op.group]
+
+
+def q8_bytes(w: QWeight, rows: int | None = None) -> int:
+    """Q8 bytes of `rows` rows (default all) of a device weight: int8 values and a half scale per 32."""
+    return (w.rows if rows is None else rows) * (w.cols + w.cols // 16)
+
+
+@dataclass
+class DeviceState:
+    """Device addresses of the step's state (rows = tokens of the step)."""
+    x: int             # [T, H] the residual stream
+    xn: int            # [T, H] x * the prepared norm's weight
+    inv_rms: int       # [T] that norm's 1/rms per token
+    qkv: int           # [T, q + 2 kv]
+    q: int             # [T, q] after norm + rope
+    attn: int          # [T, q]
+    act: int           # [T, I] silu(gate) * up
+    logits: int        # [rows, V]
+    counter: int       # the GEMV epilogue's last-block ticket
+    partials: int      # split attention's partial results
+    attention_counters: int   # its last-split tickets
+
+
+@dataclass
+class KVCaches:
+    """Where rope appends keys and values and attention reads them."""
+    base: int                  # paged: the block tables; contiguous: the arena the sessions' caches lie in
+    layers: int                # layers the caches hold
+    block_shift: int | None    # paged: log2 positions per block; None: contiguous float32 caches
+    dtype: str = "f32"
+    splits: int = 16           # split-key attention's splits
+
+
+class DeviceOps:
+    """weight(op) -> QWeight of a projection; vector(array or None) -> its device address (0 for None)."""
+
+    def __init__(self, kernels, weights, state: DeviceState, kv: KVCaches, params, inv_freq: int,
+                 weight: Callable, vector: Callable):
+        self.kernels, self.weights, self.config = kernels, weights, weights.config
+        self.state, self.kv, self.params, self.inv_freq = state, kv, params, inv_freq
+        self.weight, self.vector = weight, vector
+
+    def launches(self, op, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
+        """The launches of `op` over `tokens` tokens, labelled with the role, layer and weight bytes they
+        read.  lm_rows = (first, count): lm_head on token rows first..first+count-1 only, into logits rows
+        0..count-1."""
+        role = op.group or op.kind
+        if role in ("rope", "attention"):
+            launch = (self._rope if role == "rope" else self._attention)(op.layer, tokens)
+            return [launch.label(op=role, layer=op.layer, bytes=0)]
+        c, k, s, eps = self.config, self.kernels, self.state, self.config.rms_norm_eps
+        H = c.hidden_size
+        w = self.weight(op)
+        if role == "embed":
+            _, ids, _ = self.params.pointers(tokens)
+            launch = k.launch("embed_q8", (tokens,), (256,), "pppppppfi",
+                              [w.qs, w.scales, ids, s.x, s.xn, self.vector(norm_weight(self.weights, op.prepares)),
+                               s.inv_rms, eps, H])
+            return [launch.label(op=role, bytes=tokens * q8_bytes(w, 1))]
+        if role in ("o", "down"):
+            x_in, width = (s.attn, c.q_size) if role == "o" else (s.act, c.intermediate_size)
+            out = [gemv_launch(k, w, x_in, width, s.x, H, tokens, res=s.x,
+                               normw_out=self.vector(norm_weight(self.weights, op.prepares)), xn_out=s.xn,
+                               inv_rms_out=s.inv_rms, counter=s.counter, eps=eps).label(bytes=q8_bytes(w))]
+        elif role == "gate_up":
+            out = [gemv_launch(k, w, s.xn, H, s.act, c.intermediate_size, tokens, silu_pairs=True,
+                               inv_rms_in=s.inv_rms).label(bytes=q8_bytes(w))]
+        else:                                   # qkv, lm_head: a split part runs its rows in place
+            first, count = lm_rows if lm_rows is not None and role == "lm_head" else (0, tokens)
+            y, ldy = (s.logits, c.vocab_size) if role == "lm_head" else (s.qkv, c.q_size + 2 * c.kv_size)
+            out = []
+            for lo, hi in op.row_ranges:
+                part = QWeight(w.qs + lo * w.cols, w.scales + 2 * lo * (w.cols // 32), hi - lo, w.cols)
+                out.append(gemv_launch(k, part, s.xn + 4 * H * first, H, y + 4 * lo, ldy, count,
+                                       inv_rms_in=s.inv_rms + 4 * first).label(bytes=q8_bytes(part)))
+        for launch in out:       # weight: the residency window's item the launch reads
+            launch.label(op=role, layer=op.layer, weight=op.name)
+        return out
+
+    def _layer_vectors(self, li: int) -> list[int]:
+        layer = self.weights.layers[li]
+        return [self.vector(layer.q_norm), self.vector(layer.k_norm), self.inv_freq, self.vector(layer.qkv_bias)]
+
+    def _rope(self, li: int, tokens: int) -> Launch:
+        """q/k norm + RoPE + KV append (+ Qwen2's qkv bias), one kernel."""
+        c, kv, s = self.config, self.kv, self.state
+        kvbase, _, pos = self.params.pointers(tokens)
+        args = ([s.qkv, s.q, kv.base, kvbase, pos, *self._layer_vectors(li), c.rms_norm_eps, li, kv.layers,
+                 c.num_attention_heads, c.num_key_value_heads, c.head_dim])
+        grid = (c.num_attention_heads + 2 * c.num_key_value_heads, tokens)
+        if kv.block_shift is None:
+            return self.kernels.launch("qkv_norm_rope_append", grid, (32,), ROPE_SIGNATURE, args)
+        return self.kernels.launch(f"qkv_rope_append_paged_{kv.dtype}", grid, (32,), ROPE_PAGED_SIGNATURE,
+                                   args + [kv.block_shift])
+
+    def _attention(self, li: int, tokens: int) -> Launch:
+        """Split-key attention over each token's session cache, merged by its last split."""
+        c, kv, s = self.config, self.kv, self.state
+        kvbase, _, pos = self.params.pointers(tokens)
+        common = (s.q, kv.base, kvbase, pos, s.attn, s.partials, s.attention_counters, tokens, li, kv.layers,
+                  c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv.splits)
+        window, scale = c.sliding_window or 0, rope.softmax_scale(c)
+        if kv.block_shift is None:
+            return attention_launch(self.kernels, *common, window=window, scale=scale)
+        return paged_attention_launch(self.kernels, *common, kv.block_shift, kv.dtype, window=window, scale=scale)
