@@ -17,6 +17,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
+from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import (ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
                                          gemv_launch, paged_attention_launch)
 from kestrel_stream.model import rope
@@ -59,6 +62,21 @@ class DeviceState:
     counter: int       # the GEMV epilogue's last-block ticket
     partials: int      # split attention's partial results
     attention_counters: int   # its last-split tickets
+
+    @classmethod
+    def allocate(cls, arena, config, tokens: int, logits_rows: int, splits: int) -> tuple["DeviceState", dict]:
+        """The buffers in `arena` for steps of up to `tokens` tokens (logits for `logits_rows` of them), the
+        tickets zeroed: the state, and the arrays by name."""
+        c, T = config, tokens
+        shapes = {"x": (T, c.hidden_size), "xn": (T, c.hidden_size), "qkv": (T, c.q_size + 2 * c.kv_size),
+                  "q": (T, c.q_size), "attn": (T, c.q_size), "act": (T, c.intermediate_size),
+                  "logits": (logits_rows, c.vocab_size), "inv_rms": (T,),
+                  "partials": (T * c.num_attention_heads * splits * (c.head_dim + 2),)}
+        arrays = {name: arena.array(shape, np.float32) for name, shape in shapes.items()}
+        for name, count in (("counter", 64), ("attention_counters", T * c.num_key_value_heads)):
+            arrays[name] = arena.array((count,), np.uint32)
+            driver.h2d_sync(arrays[name].ptr, np.zeros(count, np.uint32))
+        return cls(**{name: array.ptr for name, array in arrays.items()}), arrays
 
 
 @dataclass

@@ -33,7 +33,7 @@ from kestrel_stream.options import Options
 from kestrel_stream.run.budget import PREFILL_CHUNK_TOKENS, plan_gpu_memory, step_rows
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.device_ops import DeviceOps, DeviceState, KVCaches
-from kestrel_stream.run.device_sampler import DeviceSampler
+from kestrel_stream.run.device_sampler import STATE_WORDS, DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.run.kv_paged import PagedKV, PagedKVCache
 from kestrel_stream.run.sampled_chain import SampledChain
@@ -41,6 +41,7 @@ from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, GEMV_MAX_TOKENS, Ke
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
 from kestrel_stream.run.step_params import StepParams
+from kestrel_stream.run.weight_cache import WeightCache, layer_vectors
 from kestrel_stream.run.window import WeightWindow
 from scheduler.ops import PARAMS_BYTES_PER_TOKEN
 
@@ -81,10 +82,8 @@ class GpuExecutor(Executor):
         self.stream = driver.Stream("compute")
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured", "gpu_weight_read_bytes")
 
-        T, H, V = self.max_tokens, c.hidden_size, c.vocab_size
-        qkv_width = c.q_size + 2 * c.kv_size
+        T, V = self.max_tokens, c.vocab_size
         self.kv_dtype = kv_dtype
-        partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
         # the arena holds activations + block tables + weights, the KV pool grows beside it; under a
         # budget too small for all the weights, the residency window keeps some resident and streams
         # the rest (stream_window.py)
@@ -103,19 +102,8 @@ class GpuExecutor(Executor):
         load_stages.record("  weights: H2D", self.window.preload_s)
 
         a = self.arena
-        self.x = a.array((T, H), np.float32)             # residual stream
-        self.xn = a.array((T, H), np.float32)            # x * the next RMSNorm's weight
-        self.qkv = a.array((T, qkv_width), np.float32)
-        self.q = a.array((T, c.q_size), np.float32)      # q after norm + rope
-        self.attn = a.array((T, c.q_size), np.float32)
-        self.act = a.array((T, c.intermediate_size), np.float32)   # silu(gate) * up
-        self.logits = a.array((self.logits_rows, V), np.float32)
-        self.inv_rms = a.array((T,), np.float32)         # the next RMSNorm's 1/rms per token
-        self.partials = a.array((partial_floats,), np.float32)
-        self.counter = a.array((64,), np.uint32)         # last-block ticket of the GEMV epilogue
-        self.attention_counters = a.array((T * c.num_key_value_heads,), np.uint32)   # last-split tickets
-        driver.h2d_sync(self.counter.ptr, np.zeros(64, np.uint32))
-        driver.h2d_sync(self.attention_counters.ptr, np.zeros(T * c.num_key_value_heads, np.uint32))
+        self.state, arrays = DeviceState.allocate(a, c, T, self.logits_rows, attention_splits)
+        self.logits = arrays["logits"]
         self.step_params = StepParams(a, T)              # kvbase | ids | pos of the step's tokens
         self.params, self.staging = self.step_params.device, self.step_params.host
         self.host_logits = driver.PinnedBuffer(self.logits_rows * V * 4)
@@ -133,16 +121,14 @@ class GpuExecutor(Executor):
                                    max_seq_len, a, self.stream)
         self.scratch_kv = self.kv.open(1)        # padded slots decode token 0 at its position 0
         self.kv.prepare(self.scratch_kv, 0, 1)
-        state = DeviceState(self.x.ptr, self.xn.ptr, self.inv_rms.ptr, self.qkv.ptr, self.q.ptr, self.attn.ptr,
-                            self.act.ptr, self.logits.ptr, self.counter.ptr, self.partials.ptr,
-                            self.attention_counters.ptr)
         kv_caches = KVCaches(self.kv.table_ptr, c.num_hidden_layers, self.kv.block_shift, kv_dtype, attention_splits)
-        self.device_ops = DeviceOps(self.kernels, weights, state, kv_caches, self.step_params, self.inv_freq,
-                                    self.qweight, self.vector)
+        self.device_ops = DeviceOps(self.kernels, weights, self.state, kv_caches, self.step_params, self.inv_freq,
+                                    self.qweight, self.cache.vector)
         self._launches: dict[int, list[Launch]] = {}
         self._weight_read: dict = {}        # id of a cached launch list -> the weight bytes its kernels read
         self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
-        self._graph_kernels: dict[tuple[int, bool], tuple[int, int]] = {}   # -> (kernels, weight bytes read)
+        self._graph_kernels: dict[tuple[int, bool], int] = {}
+        self._graph_weight_read: dict[tuple[int, bool], int] = {}    # the weight bytes a replay's kernels read
         self._prof_events = (driver.Event(timing=True), driver.Event(timing=True)) if prof.enabled else ()
         # decode graphs per bucket of sessions up to max_batch (at most logits_rows): 1..8 on the GEMV
         # kernels, 16..64 on the tensor-core GEMM; a bigger batch replays the largest in chunks
@@ -169,21 +155,11 @@ class GpuExecutor(Executor):
             print(f"kestrel-stream: {warning}", file=sys.stderr)
 
         # norm weights, q/k norms, biases and the rope table: uploaded now (never while a graph is captured)
-        c, w = self.config, self.weights
-        vectors = [w.final_norm] + [v for l in w.layers for v in (l.attn_norm, l.mlp_norm, l.q_norm, l.k_norm,
-                                                                   l.qkv_bias) if v is not None]
-        self._vectors = {}
-        for v in vectors:
-            self._vectors[id(v)] = (v, self.arena.alloc(v.size * 4))     # v kept alive: its id stays its own
-            driver.h2d_sync(self._vectors[id(v)][1], np.asarray(v, np.float32))
-        inv_freq = rope.inv_freq(c)
-        self.inv_freq = self.arena.alloc(inv_freq.size * 4)
-        driver.h2d_sync(self.inv_freq, inv_freq)
+        self.cache = WeightCache(self.arena, self.counters)
+        for v in layer_vectors(self.weights):
+            self.cache.vector(v)
+        self.inv_freq = self.cache.vector(rope.inv_freq(self.config))
         self.weight_bytes = self.arena.used_bytes
-
-    def vector(self, v: np.ndarray | None) -> int:
-        """The device copy of a norm weight, q/k norm or bias of the model (0: none)."""
-        return 0 if v is None else self._vectors[id(v)][1]
 
     def qweight(self, op):
         """The device weight a projection (or the embed gather) of the step program reads: the window's."""
@@ -289,7 +265,7 @@ class GpuExecutor(Executor):
         key = (bucket, greedy)
         if key not in self._graphs:
             with load_stages.stage("graph capture"), driver.capture(self.stream) as captured:
-                self._graph_kernels[key] = self._enqueue_step(bucket, greedy)
+                self._graph_kernels[key], self._graph_weight_read[key] = self._enqueue_step(bucket, greedy)
             self._graphs[key] = captured.graph
             self.counters.graphs_captured += 1
         started = time.perf_counter()
@@ -300,8 +276,10 @@ class GpuExecutor(Executor):
             self._prof_events[1].record(self.stream)
         self.stream.synchronize()
         waited = time.perf_counter()
-        self._count(1, *self._graph_kernels[key], tokens=bucket,
+        self._count(1, self._graph_kernels[key], self._graph_weight_read[key], tokens=bucket,
                     d2h=bucket * 4 if greedy else bucket * self.config.vocab_size * 4)
+        if greedy == "sample":                      # the rows' sampling states went up inside the graph
+            self.counters.h2d_bytes += bucket * STATE_WORDS * 4
         self.counters.graph_replays += 1
         if not prof.enabled:
             return {}
@@ -361,15 +339,33 @@ class GpuExecutor(Executor):
             yield lo, hi
             lo = hi
 
-    def forward_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> np.ndarray:
-        """Like forward, but only each session's greedy next token (argmax of its last logits row):
-        int64 [len(batch)].  A decode step computes the argmax on the device and copies 4 bytes per
-        token back instead of the logits; anything else (prefill, KESTREL_VERIFY) goes through forward."""
+    def _device_rows(self, batch, steps: int = 1, whole_graph: bool = True, chained: bool = False):
+        """The rows of a decode step whose next token the device picks (argmax or draw), with KV blocks for
+        `steps` positions each; None where the caller takes the logits instead: not a replayable decode
+        step, KESTREL_VERIFY, more sessions than one graph (whole_graph), KESTREL_PROF (chained)."""
         self.device.make_current()
         rows = self._rows(batch)
-        if self.verifier is not None or not self._replayable(batch, rows):
-            return np.array([int(np.argmax(out[-1])) for out in self.forward(batch, logits="last")], np.int64)
-        self._reserve((kv, position, position + 1) for kv, _, position in rows)
+        if (self.verifier is not None or (chained and prof.enabled) or not self._replayable(batch, rows)
+                or (whole_graph and len(rows) > self.graph_rows)):
+            return None
+        for kv, _, position in rows:
+            if position + steps > kv.capacity:
+                raise ValueError(f"KV cache holds {kv.capacity} positions; {steps} steps from {position} "
+                                 f"need {position + steps}")
+        self._reserve((kv, position, position + steps) for kv, _, position in rows)   # positions advance on the device
+        return rows
+
+    def _finish(self, rows, tokens: np.ndarray) -> np.ndarray:
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
+        return tokens
+
+    def forward_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> np.ndarray:
+        """Each session's greedy next token, int64 [len(batch)]: a decode step takes the argmax on the
+        device and copies 4 bytes per token back instead of the logits."""
+        rows = self._device_rows(batch, whole_graph=False)
+        if rows is None:
+            return super().forward_greedy(batch)
         tokens = np.empty(len(rows), np.int64)
         for lo in range(0, len(rows), self.graph_rows):
             chunk = rows[lo:lo + self.graph_rows]
@@ -377,53 +373,33 @@ class GpuExecutor(Executor):
             if prof.enabled:
                 prof.record_call({**stages, "reduce": 0.0})
             tokens[lo:lo + len(chunk)] = self.host_tokens_view[:len(chunk)]
-        self.counters.steps += 1
-        self.counters.tokens += len(rows)
-        return tokens
+        return self._finish(rows, tokens)
 
     def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
-        """Like forward_greedy, with each row's token drawn on the device (states: device_sampler.pack_state
-        per row): int64 [len(batch)]; None where the step is not a replayable decode step (the caller
-        then samples from forward's logits)."""
-        self.device.make_current()
-        rows = self._rows(batch)
-        if self.verifier is not None or not self._replayable(batch, rows) or len(rows) > self.graph_rows:
+        """Each row's token drawn on the device (states: device_sampler.pack_state per row), int64
+        [len(batch)]; None: the caller samples from forward's logits."""
+        rows = self._device_rows(batch)
+        if rows is None:
             return None
-        self._reserve((kv, position, position + 1) for kv, _, position in rows)
         self.sampler.stage(states)
         self._replay(rows, greedy="sample")
-        self.counters.steps += 1
-        self.counters.tokens += len(rows)
-        return self.host_tokens_view[:len(rows)].astype(np.int64)
+        return self._finish(rows, self.host_tokens_view[:len(rows)].astype(np.int64))
 
     def generate_sampled(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int,
                          states: list[np.ndarray]) -> np.ndarray | None:
         """generate_greedy's chain with each step's token drawn on the device (sampled_chain.py)."""
-        self.device.make_current()
-        rows = self._rows(batch)
-        if (self.verifier is not None or prof.enabled or not self._replayable(batch, rows)
-                or len(rows) > self.graph_rows or any(p + steps > kv.capacity for kv, _, p in rows)):
+        if any(position + steps > kv.capacity for kv, _, position in batch):
             return None
-        self._reserve((kv, position, position + steps) for kv, _, position in rows)   # positions advance on the device
-        return self.sampled_chain.run_sampled(rows, steps, states)
+        rows = self._device_rows(batch, steps, chained=True)
+        return None if rows is None else self.sampled_chain.run_sampled(rows, steps, states)
 
     def generate_greedy(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int) -> np.ndarray | None:
         """`steps` greedy decode steps chained on the device (greedy_chain.py): each session's next
         `steps` tokens, int64 [steps, len(batch)], one host sync per GreedyChain.steps_per_sync steps.
-        None where this configuration steps one token at a time instead (not a one-token-per-session
-        batch of at most graph_rows sessions, KESTREL_VERIFY, KESTREL_PROF, a timed streamed step):
-        the caller then steps."""
-        self.device.make_current()
-        rows = self._rows(batch)
-        if (self.verifier is not None or prof.enabled or not self._replayable(batch, rows)
-                or len(rows) > self.graph_rows):
-            return None
-        for kv, _, position in rows:
-            if position + steps > kv.capacity:
-                raise ValueError(f"KV cache holds {kv.capacity} positions; {steps} steps from {position} "
-                                 f"need {position + steps}")
-        self._reserve((kv, position, position + steps) for kv, _, position in rows)   # positions advance on the device
-        return self.chain.run(rows, steps)
+        None where this configuration steps one token at a time instead (_device_rows; a timed streamed
+        step): the caller then steps."""
+        rows = self._device_rows(batch, steps, chained=True)
+        return None if rows is None else self.chain.run(rows, steps)
 
     def plan(self, tokens: int):
         import scheduler

@@ -86,39 +86,22 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
     if window is not None:
         first = max(0, k.shape[0] - n - window + 1)      # the oldest key this step's first query sees
         k, v, start = k[first:], v[first:], start - first
-        if n > 1:
-            return _windowed(q, k, v, start, window)
     s, n_kv, _ = k.shape
     group = n_heads // n_kv
     qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)          # [n_kv, g, n, D]
     kt = k.transpose(1, 2, 0)[:, None]                               # [n_kv, 1, D, S]
     scores = (qg @ kt) * attention_scale(d)                          # [n_kv, g, n, S]
     if n > 1:
-        visible = np.arange(s)[None, :] <= (start + np.arange(n))[:, None]   # [n, S]
+        query_pos, key_pos = (start + np.arange(n))[:, None], np.arange(s)[None, :]
+        visible = key_pos <= query_pos                                   # [n, S]
+        if window is not None:
+            visible &= key_pos > query_pos - window
         scores = np.where(visible, scores, np.float32(-np.inf))
     # ufunc reductions called directly: what ndarray.max / .sum run, without their Python-level wrappers
     scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
     probs = np.exp(scores)
     probs /= np.add.reduce(probs, axis=-1, keepdims=True)
     out = probs @ v.transpose(1, 0, 2)[:, None]                      # [n_kv, g, n, D]
-    return out.transpose(2, 0, 1, 3).reshape(n, n_heads * d)
-
-
-def _windowed(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int) -> np.ndarray:
-    """attention with a causal and sliding-window mask (prefill chunks under a window)."""
-    n, n_heads, d = q.shape
-    s, n_kv, _ = k.shape
-    group = n_heads // n_kv
-    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)
-    scores = (qg @ k.transpose(1, 2, 0)[:, None]) * attention_scale(d)
-    query_pos = start + np.arange(n)[:, None]
-    key_pos = np.arange(s)[None, :]
-    visible = (key_pos <= query_pos) & (key_pos > query_pos - window)
-    scores = np.where(visible, scores, np.float32(-np.inf))
-    scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
-    probs = np.exp(scores)
-    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
-    out = probs @ v.transpose(1, 0, 2)[:, None]
     return out.transpose(2, 0, 1, 3).reshape(n, n_heads * d)
 
 

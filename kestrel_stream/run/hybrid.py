@@ -38,10 +38,10 @@ from kestrel_stream.run.host import CpuExecutor, CpuKV, model_rope_tables
 from kestrel_stream.run.hybrid_host import HostOps
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, KernelSet, QWeight
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, KernelSet
 from kestrel_stream.run.device_ops import DeviceOps, DeviceState, KVCaches, fused_tensor, norm_weight
 from kestrel_stream.run.step_params import StepParams
-from kestrel_stream.run.weight_cache import DeviceWeights
+from kestrel_stream.run.weight_cache import WeightCache, layer_vectors
 
 ATTENTION_SPLITS = 16
 
@@ -59,7 +59,7 @@ class HybridKV:
     capacity: int
 
 
-class HybridExecutor(HostOps, DeviceWeights, Executor):
+class HybridExecutor(HostOps, Executor):
     name = "cuda"
 
     def __init__(self, weights: ModelWeights, mode: str, profile, max_seq_len: int = 2048,
@@ -96,13 +96,8 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
                     + (sessions * max_seq_len * self.kv_bytes_per_position if self.gpu_layers else 0)
                     + driver.Arena.ALIGN * (16 * c.num_hidden_layers + 64))
         self.arena = driver.Arena(capacity)
-        self.dev = {name: self.arena.array((T, w), np.float32) for name, w in widths.items()}
-        self.q_dev = self.arena.array((T, c.q_size), np.float32)
-        self.xn_dev = self.arena.array((T, c.hidden_size), np.float32)       # x · the next norm's weight
-        self.inv_rms_dev = self.arena.array((T,), np.float32)               # that norm's 1/rms per token
-        self.partials = self.arena.array((partial_floats,), np.float32)
-        self.tickets = self.arena.array((64 + T * c.num_key_value_heads,), np.uint32)   # last-block tickets
-        driver.h2d_sync(self.tickets.ptr, np.zeros(64 + T * c.num_key_value_heads, np.uint32))
+        state, self.dev = DeviceState.allocate(self.arena, c, T, T, ATTENTION_SPLITS)
+        self.xn_dev, self.inv_rms_dev = self.dev["xn"], self.dev["inv_rms"]     # x · the next norm's weight, its 1/rms
         widths_pinned = dict(widths, xn=c.hidden_size + 1)                  # host-made xn rows, then 1/rms
         self.pinned = {name: driver.PinnedBuffer(T * w * 4) for name, w in widths_pinned.items()}
         self.host = {name: self.pinned[name].view(np.float32, (T, w)) for name, w in widths.items()}
@@ -110,19 +105,14 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         self.host_inv_rms = self.pinned["xn"].view(np.float32, (T,), 4 * T * c.hidden_size)
         self.widths = widths
         self.step_params = StepParams(self.arena, T)      # kvbase and pos of the GPU layers' attention
-        self._vectors: dict[int, int] = {}
-        self._qweights: dict[int, QWeight] = {}
+        self.cache = WeightCache(self.arena, self.counters)     # weights uploaded on first GPU use, kept
         self._plans: dict[int, scheduler.Plan] = {}
         self._launches: dict[tuple, list] = {}
-        self.inv_freq = self._vector(rope.inv_freq(c))
-        d = self.dev
-        state = DeviceState(d["x"].ptr, self.xn_dev.ptr, self.inv_rms_dev.ptr, d["qkv"].ptr, self.q_dev.ptr,
-                            d["attn"].ptr, d["act"].ptr, d["logits"].ptr, self.tickets.ptr, self.partials.ptr,
-                            self.tickets.ptr + 4 * 64)
+        self.inv_freq = self.cache.vector(rope.inv_freq(c))
         kv_caches = KVCaches(self.arena.base, self.gpu_layers, None, "f32", ATTENTION_SPLITS)   # HybridKV.device
         self.device_ops = DeviceOps(self.kernels, weights, state, kv_caches, self.step_params, self.inv_freq,
-                                    lambda op: self._qweight(fused_tensor(weights, op), self._call,
-                                                             op.group == "gate_up"), self._vector)
+                                    lambda op: self.cache.qweight(fused_tensor(weights, op), self._call,
+                                                                  op.group == "gate_up"), self.cache.vector)
         self.preload()
 
     def preload(self) -> None:
@@ -131,16 +121,13 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         plan = self.plan(1)
         wanted = [op for seg in plan.segments if seg.side == "gpu" for op in seg.ops if op.group]
         for op in wanted:
-            self._qweight(fused_tensor(self.weights, op), {}, op.group == "gate_up")
-        for op in (op for seg in plan.segments if seg.side == "gpu" for op in seg.ops):
-            if op.layer is not None:
-                layer = self.weights.layers[op.layer]
-                for v in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.qkv_bias):
-                    self._vector(v)
+            self.cache.qweight(fused_tensor(self.weights, op), {}, op.group == "gate_up")
+        for v in layer_vectors(self.weights):
+            self.cache.vector(v)
         total = sum(1 for op in plan.segments for _ in op.ops)
         self.preload_line = (f"preload: {len(wanted)}/{len(wanted)} GPU weights warmed in "
                              f"{time.perf_counter() - start:.2f} s; device cache {self.arena.used_bytes / 1e6:.1f} MB / "
-                             f"{len(self._qweights)} entries ({self.mode}: {plan.syncs_per_step} GPU segments "
+                             f"{len(self.cache.qweights)} entries ({self.mode}: {plan.syncs_per_step} GPU segments "
                              f"over {total} ops)")
         self.preload_line += "".join(f"; {note}" for note in plan.notes if note.startswith("offloaded "))
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)

@@ -61,14 +61,11 @@ class HostOps:
         c = self.config
         qkv = self.host["qkv"][:T]
         lw = self.weights.layers[li]
+        if lw.qkv_bias is not None:          # Qwen2: the GPU adds it in its rope kernel, the host here
+            qkv = qkv + lw.qkv_bias
         q = qkv[:, :c.q_size].reshape(T, c.num_attention_heads, c.head_dim)
         k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(T, c.num_key_value_heads, c.head_dim)
         v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_key_value_heads, c.head_dim)
-        if lw.qkv_bias is not None:          # Qwen2: the GPU adds it in its rope kernel, the host here
-            qkv = qkv + lw.qkv_bias
-            q = qkv[:, :c.q_size].reshape(T, c.num_attention_heads, c.head_dim)
-            k = qkv[:, c.q_size:c.q_size + c.kv_size].reshape(T, c.num_key_value_heads, c.head_dim)
-            v = qkv[:, c.q_size + c.kv_size:].reshape(T, c.num_key_value_heads, c.head_dim)
         if c.qk_norm:
             q = rmsnorm(q, lw.q_norm, c.rms_norm_eps)
             k = rmsnorm(k, lw.k_norm, c.rms_norm_eps)

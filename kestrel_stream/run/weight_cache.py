@@ -1,9 +1,10 @@
-"""The device copies of a model's weights, made on first use and kept (the hybrid executor's weight cache).
+"""Device copies of a model's weights made on first use and kept: the hybrid executor's Q8 weights, and
+every executor's vectors (norm weights, q/k norms, biases, the rope table) in the arena.
 
-A mixin: the class using it provides ``arena``, ``weights``, ``config`` and
-``counters`` (a StepCounters) and the dicts ``_vectors`` and ``_qweights``.  Every upload is
-counted (``weight_uploads``) and timed into the profile table's ``upload``
-stage; a lookup is its ``cache_probe``.
+Every Q8 upload is counted (``weight_uploads``, ``weight_upload_bytes`` of the StepCounters given) and
+timed into the profile table's ``upload`` stage; a lookup is its ``cache_probe``.  gpu mode's Q8 weights
+live in the residency window (window.py) instead, and it warms every vector at load, since nothing may
+be uploaded while a graph is captured.
 """
 from __future__ import annotations
 
@@ -15,20 +16,26 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import QWeight
 
 
-class DeviceWeights:
-    def _vector(self, v: np.ndarray | None) -> int:
+class WeightCache:
+    def __init__(self, arena, counters):
+        self.arena, self.counters = arena, counters
+        self.vectors: dict[int, tuple[np.ndarray, int]] = {}      # id -> (the array, kept alive; its address)
+        self.qweights: dict[int, QWeight] = {}
+
+    def vector(self, v: np.ndarray | None) -> int:
+        """The device address of a float32 copy of `v` (0 for None)."""
         if v is None:
             return 0
-        if id(v) not in self._vectors:
-            ptr = self.arena.alloc(v.nbytes)
+        if id(v) not in self.vectors:
+            ptr = self.arena.alloc(v.size * 4)
             driver.h2d_sync(ptr, np.asarray(v, np.float32))
-            self._vectors[id(v)] = (v, ptr)     # keep v alive: its id must not be reused
-        return self._vectors[id(v)][1]
+            self.vectors[id(v)] = (v, ptr)
+        return self.vectors[id(v)][1]
 
-    def _qweight(self, w, stages: dict, interleave_halves: bool = False) -> QWeight:
+    def qweight(self, w, stages: dict, interleave_halves: bool = False) -> QWeight:
         """The device copy of a Q8_0 weight; gate_up's rows go up as (gate j, up j) pairs for the SiLU epilogue."""
         start = time.perf_counter()
-        cached = self._qweights.get(id(w))
+        cached = self.qweights.get(id(w))
         stages["cache_probe"] = stages.get("cache_probe", 0.0) + (time.perf_counter() - start) * 1e6
         if cached is None:
             start = time.perf_counter()
@@ -39,9 +46,15 @@ class DeviceWeights:
                 order = np.stack([np.arange(half), half + np.arange(half)], axis=1).reshape(-1)
             driver.h2d_sync(qs, w.qs[order])
             driver.h2d_sync(sc, w.scales[order])
-            cached = self._qweights[id(w)] = QWeight(qs, sc, w.shape[0], w.shape[1])
+            cached = self.qweights[id(w)] = QWeight(qs, sc, w.shape[0], w.shape[1])
             self.counters.weight_uploads += 1
             self.counters.weight_upload_bytes += w.nbytes
             stages["upload"] = stages.get("upload", 0.0) + (time.perf_counter() - start) * 1e6
             stages["uploads"] = stages.get("uploads", 0) + 1
         return cached
+
+
+def layer_vectors(weights) -> list:
+    """Every vector of the model the device kernels read, in load order (None left out)."""
+    return [weights.final_norm] + [v for layer in weights.layers for v in (
+        layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm, layer.qkv_bias) if v is not None]
