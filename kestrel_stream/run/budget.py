@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from scheduler.ops import DEVICE_IMAGE_ALIGN, image_bytes, step_ops  # noqa: F401  (image_bytes: public here too)
+from scheduler.ops import image_bytes, step_ops  # noqa: F401  (image_bytes: window.py and the tests import it here)
 from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_items
 
 ALIGN = 256                      # the arena's sub-allocation alignment (driver.Arena.ALIGN)
