@@ -1,6 +1,6 @@
-"""The plan is what runs: for every mode and several batch sizes, the plan's launches, syncs, H2D and D2H
-bytes and the weight bytes read on each side per step equal what the executor counted on the emulated
-device (tests/fake_cuda.py).
+"""The plan is what runs: for every mode, several decode batch sizes and prompt lengths, the plan's launches,
+syncs, H2D and D2H bytes and the weight bytes read on each side per step equal what the executor counted on
+the emulated device (tests/fake_cuda.py).
 
 A decode batch runs as the executor's chunks (gpu mode: graph buckets of at most 8 sessions, padded to
 the bucket), each chunk one step of the plan of its size; the expected counts sum the plans of those
@@ -77,29 +77,57 @@ def chunks(engine, batch: int) -> list[int]:
     return [next(b for b in x.buckets if b >= n) for n in sizes]
 
 
+def ran_one_step(engine, step) -> dict:
+    """The executor's counters over one call of step(), after a first call that warms weights and graphs."""
+    step()
+    before = engine.executor.counters.as_dict()
+    step()
+    after = engine.executor.counters.as_dict()
+    return {key: after[key] - before.get(key, 0) for key in after}
+
+
+def assert_the_plans_ran(engine, mode: str, ran: dict, plans: list, label: str) -> None:
+    launches = ran["kernels"] if mode in ("gpu", "gpu-window", "gpu-window-35") else ran["launches"]
+    assert launches == sum(p.launches_per_step for p in plans), label
+    assert (launches > 0) == (mode not in ("cpu", "gated")), "the modes that offload launch kernels"
+    for ours, planned in COUNTERS:
+        assert ran.get(ours, 0) == sum(p.counters()[planned] for p in plans), f"{label}: {ours}"
+    weights_read = ran.get("gpu_weight_read_bytes", 0) + ran.get("cpu_weight_read_bytes", 0)
+    assert weights_read >= len(plans) * engine.weights.lm_head.nbytes, "every step reads lm_head on one side"
+    if mode.startswith("gpu-window"):
+        assert engine.executor.window.streamed, "the budget should stream some weights"
+
+
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("mode", MODES)
 def test_plan_counters_equal_the_executors(weights, monkeypatch, mode, batch):
     fake_cuda.install(monkeypatch, mode="deferred")
     engine = build(weights, mode)
     sessions = [engine.new_session() for _ in range(batch)]
-    pairs = [(s, 3 + i) for i, s in enumerate(sessions)]
-    engine.decode_batch(pairs)               # first step: graphs captured, weights warmed
-    before = engine.executor.counters.as_dict()
-    engine.decode_batch([(s, 7 + i) for i, s in enumerate(sessions)])
-    if mode.startswith("gpu-window"):
-        assert engine.executor.window.streamed, "the budget should stream some weights"
-    after = engine.executor.counters.as_dict()
-    ran = {key: after[key] - before.get(key, 0) for key in after}
+    first_tokens = iter((3, 7))         # the warm-up step's, then the counted step's
+
+    def step():
+        first = next(first_tokens)
+        engine.decode_batch([(s, first + i) for i, s in enumerate(sessions)])
+
+    ran = ran_one_step(engine, step)
     plans = [engine.executor.plan(n) for n in chunks(engine, batch)]
-    launches = ran["kernels"] if mode in ("gpu", "gpu-window", "gpu-window-35") else ran["launches"]
-    assert launches == sum(p.launches_per_step for p in plans), f"{mode} batch {batch}"
-    assert (launches > 0) == (mode not in ("cpu", "gated")), "the modes that offload launch kernels"
-    for ours, planned in COUNTERS:
-        assert ran.get(ours, 0) == sum(p.counters()[planned] for p in plans), f"{mode} batch {batch}: {ours}"
-    weights_read = ran.get("gpu_weight_read_bytes", 0) + ran.get("cpu_weight_read_bytes", 0)
-    assert weights_read >= len(plans) * weights.lm_head.nbytes, "every step reads lm_head on one side"
+    assert_the_plans_ran(engine, mode, ran, plans, f"{mode} batch {batch}")
     if mode == "gated-split" and batch == 1:
         assert any(op.name.endswith("[gpu]") for op in plans[0].ops_on("gpu")), "the qkv group should split"
     assert ran["steps"] == 1 and ran["tokens"] == batch
+    engine.close()
+
+
+@pytest.mark.parametrize("prompt_len", (5, 14))
+@pytest.mark.parametrize("mode", MODES)
+def test_a_prompts_step_runs_the_plan_of_its_token_count(weights, monkeypatch, mode, prompt_len):
+    """A prefill wanting every logits row (prompt_len <= the chunk sizes here: one step; 14 tokens take the
+    tensor-core kernels in gpu mode)."""
+    fake_cuda.install(monkeypatch, mode="deferred")
+    engine = build(weights, mode)
+    prompt = list(range(1, prompt_len + 1))
+    ran = ran_one_step(engine, lambda: engine.new_session().prefill(prompt))
+    assert_the_plans_ran(engine, mode, ran, [engine.executor.plan(prompt_len)], f"{mode} prompt {prompt_len}")
+    assert ran["steps"] == 1 and ran["tokens"] == prompt_len
     engine.close()
