@@ -131,3 +131,22 @@ def test_a_prompts_step_runs_the_plan_of_its_token_count(weights, monkeypatch, m
     assert_the_plans_ran(engine, mode, ran, [engine.executor.plan(prompt_len)], f"{mode} prompt {prompt_len}")
     assert ran["steps"] == 1 and ran["tokens"] == prompt_len
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", (1, 8, 12))
+@pytest.mark.parametrize("mode", ("gpu", "gpu-eager", "gpu-window", "gated-fast-link", "gated-split", "layers=1"))
+def test_on_the_device_the_plan_is_what_runs(weights, mode, batch):
+    """The same comparison on a real GPU (skipped without one)."""
+    engine = build(weights, mode)
+    sessions = [engine.new_session() for _ in range(batch)]
+    first_tokens = iter((3, 7))
+
+    def step():
+        first = next(first_tokens)
+        engine.decode_batch([(s, first + i) for i, s in enumerate(sessions)])
+
+    ran = ran_one_step(engine, step)
+    assert_the_plans_ran(engine, mode, ran, [engine.executor.plan(n) for n in chunks(engine, batch)],
+                         f"{mode} batch {batch} on the device")
+    engine.close()
