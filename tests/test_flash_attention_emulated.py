@@ -111,6 +111,12 @@ def test_short_runs_f32_kv_and_other_head_dims_keep_the_split_kernel(flash_calls
     assert flash_calls == [], "a 3-token run in the step: the split kernel"
     x.forward([(short_kv, np.array(prompt(16, 5)), 3)])
     assert flash_calls == [16] * BASE.num_hidden_layers
+    flash_calls.clear()      # one launch list per token count, decided anew each step by its rows
+    steps = [[(20, 0), (20, 0)], [(37, 0), (3, 0)], [(40, 0)]]
+    for step, uses_flash in zip(steps, (True, False, True)):
+        x.forward([(x.alloc_kv(256), np.array(prompt(n, n)), start) for n, start in step])
+        assert flash_calls == [40] * BASE.num_hidden_layers * uses_flash, step
+        flash_calls.clear()
     gpu.close()
     _, f32_kv = engines(config(128, 4, 2), kv_dtype="f32")
     names = {launch.name for launch in f32_kv.executor.step_launches(64)}

@@ -4,7 +4,7 @@ A step's attention is the split-key kernel (attention.cu: decode, one query row 
 spread over many blocks) or the flash kernel (query tiles of one session sharing every K/V tile on
 tensor cores).  Which one depends on how the step's rows are grouped into sessions, which the
 launch list (built once per token count) does not know: `AttentionChoice` stands in the list for
-both and picks when it is enqueued, from the step's staged rows.  Graph captures are decode steps
+both and picks when it is enqueued, from the step's staged rows (`StepChoice`: once per step).  Graph captures are decode steps
 (one row per session), so a capture always gets the split kernel.
 """
 from __future__ import annotations
@@ -60,6 +60,19 @@ def flash_attention_launch(kernels, q: int, tables: int, table_row: int, pos: in
                            1.0 / float(np.sqrt(head_dim)) if scale is None else scale, block_shift])
 
 
+class StepChoice:
+    """Which kernel one step's attention uses, decided by its first layer's launch when enqueued (from
+    the staged rows: one decision per step, not per layer) and read by every later layer's."""
+
+    def __init__(self, staged_table_rows: Callable[[], np.ndarray], head_dim: int):
+        self.staged_table_rows, self.head_dim = staged_table_rows, head_dim
+        self.flash = False
+
+    def decide(self) -> bool:
+        self.flash = prefers_flash(self.head_dim, self.staged_table_rows())
+        return self.flash
+
+
 class AttentionChoice:
     """A step's attention launch: `flash` where the staged rows come in runs of at least
     FLASH_MIN_ROWS per session (prefill chunks), `split` otherwise and in every graph capture.
@@ -67,9 +80,8 @@ class AttentionChoice:
     kernel: "auto" (that choice), or "split" / "flash" to force one (benches, tests).  Labels and the
     programmatic flag go to both launches; each traces under its own kernel name."""
 
-    def __init__(self, split, flash, staged_table_rows: Callable[[], np.ndarray], head_dim: int):
-        self.split, self.flash = split, flash
-        self.staged_table_rows, self.head_dim = staged_table_rows, head_dim
+    def __init__(self, split, flash, step: StepChoice, first_layer: bool):
+        self.split, self.flash, self.step, self.first_layer = split, flash, step, first_layer
         self.kernel = "auto"
 
     @property
@@ -95,12 +107,13 @@ class AttentionChoice:
         self.flash.programmatic = enabled
 
     def chosen(self, stream):
-        """The launch this step runs on `stream`."""
+        """The launch this step runs on `stream` (the first layer's call decides for the step)."""
         if self.kernel != "auto":
             return self.flash if self.kernel == "flash" else self.split
         if stream.capturing:
             return self.split
-        return self.flash if prefers_flash(self.head_dim, self.staged_table_rows()) else self.split
+        use_flash = self.step.decide() if self.first_layer else self.step.flash
+        return self.flash if use_flash else self.split
 
     def enqueue(self, stream) -> None:
         self.chosen(stream).enqueue(stream)
@@ -109,13 +122,13 @@ class AttentionChoice:
         self.chosen(stream).submit(stream)
 
 
-def attention_choice(kernels, split, staged_table_rows: Callable[[], np.ndarray], *, q: int, tables: int,
-                     table_row: int, pos: int, out: int, tokens: int, layer: int, n_layers: int, n_heads: int,
-                     n_kv: int, head_dim: int, block_shift: int, kv_dtype: str, window: int, scale: float):
+def attention_choice(kernels, split, step: StepChoice, *, q: int, tables: int, table_row: int, pos: int,
+                     out: int, tokens: int, layer: int, n_layers: int, n_heads: int, n_kv: int, head_dim: int,
+                     block_shift: int, kv_dtype: str, window: int, scale: float):
     """`split` (paged_attention_launch) itself where the flash kernel cannot serve the step (float32
     KV, another head dim or GQA group, fewer tokens than FLASH_MIN_ROWS), else an AttentionChoice."""
     if not flash_supported(head_dim, kv_dtype, n_heads // n_kv) or tokens < FLASH_MIN_ROWS[head_dim]:
         return split
     flash = flash_attention_launch(kernels, q, tables, table_row, pos, out, tokens, layer, n_layers, n_heads,
                                    n_kv, head_dim, block_shift, window, scale)
-    return AttentionChoice(split, flash, staged_table_rows, head_dim)
+    return AttentionChoice(split, flash, step, first_layer=layer == 0)
