@@ -22,6 +22,7 @@ import numpy as np
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import (ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
                                          gemv_launch, paged_attention_launch)
+from kestrel_stream.cuda.flash_attention import StepChoice, attention_choice
 from kestrel_stream.model import rope
 
 
@@ -97,6 +98,7 @@ class DeviceOps:
         self.kernels, self.weights, self.config = kernels, weights, weights.config
         self.state, self.kv, self.params, self.inv_freq = state, kv, params, inv_freq
         self.weight, self.vector = weight, vector
+        self._step_choices: dict[int, StepChoice] = {}
 
     def launches(self, op, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
         """The launches of `op` over `tokens` tokens, labelled with the role, layer and weight bytes they
@@ -152,7 +154,8 @@ class DeviceOps:
                                    args + [kv.block_shift])
 
     def _attention(self, li: int, tokens: int) -> Launch:
-        """Split-key attention over each token's session cache, merged by its last split."""
+        """Split-key attention over each token's session cache, merged by its last split (or, on the paged
+        pool, the choice between it and the flash kernel: cuda/flash_attention.py)."""
         c, kv, s = self.config, self.kv, self.state
         kvbase, _, pos = self.params.pointers(tokens)
         common = (s.q, kv.base, kvbase, pos, s.attn, s.partials, s.attention_counters, tokens, li, kv.layers,
@@ -160,4 +163,11 @@ class DeviceOps:
         window, scale = c.sliding_window or 0, rope.softmax_scale(c)
         if kv.block_shift is None:
             return attention_launch(self.kernels, *common, window=window, scale=scale)
-        return paged_attention_launch(self.kernels, *common, kv.block_shift, kv.dtype, window=window, scale=scale)
+        split = paged_attention_launch(self.kernels, *common, kv.block_shift, kv.dtype, window=window, scale=scale)
+        if tokens not in self._step_choices:     # flash or split: decided once per step, by its first layer
+            self._step_choices[tokens] = StepChoice(lambda: self.params.views(tokens)[0], c.head_dim)
+        # prefill chunks: the tensor-core flash kernel, picked per step from the staged rows
+        return attention_choice(self.kernels, split, self._step_choices[tokens], q=s.q, tables=kv.base,
+                                table_row=kvbase, pos=pos, out=s.attn, tokens=tokens, layer=li, n_layers=kv.layers,
+                                n_heads=c.num_attention_heads, n_kv=c.num_key_value_heads, head_dim=c.head_dim,
+                                block_shift=kv.block_shift, kv_dtype=kv.dtype, window=window, scale=scale)
