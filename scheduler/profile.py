@@ -13,7 +13,6 @@ import re
 from dataclasses import MISSING, asdict, dataclass, fields, replace
 from pathlib import Path
 
-CACHE_DIR_ENV = "KESTREL_CACHE_DIR"     # read by kestrel_stream.options, which passes the directory down
 
 
 @dataclass(frozen=True)

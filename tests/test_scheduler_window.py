@@ -15,7 +15,7 @@ QWEN3_1_7B = ModelConfig(arch="qwen3", hidden_size=2048, intermediate_size=6144,
 
 
 def gpu_items(config=QWEN3_1_7B, tokens=1):
-    plan = build_plan(config, tokens, "gpu", H200_MEASURED, environ={})
+    plan = build_plan(config, tokens, "gpu", H200_MEASURED)
     return window_items(plan.ops_on("gpu"))
 
 

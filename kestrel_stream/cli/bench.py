@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from kestrel_stream.options import Environment
 from kestrel_stream.run.engine import Engine
 
 
@@ -46,12 +47,13 @@ def measure(engine: Engine, prompt_len: int = 32, new_tokens: int = 64, repeats:
     }
 
 
-def environment() -> dict:
-    """Date, machine and commit for a result file."""
+def environment(settings: Environment | None = None) -> dict:
+    """Date, machine and commit for a result file; `settings`: the process's Environment (read here when None)."""
     import os
+    settings = Environment.from_env() if settings is None else settings
     # a copy of the tree without (or with a stale) .git, as on the GPU machine, names its commit
     # through KESTREL_COMMIT, which wins over what git says
-    commit = os.environ.get("KESTREL_COMMIT", "") or source_commit() or "unknown"
+    commit = settings.commit or source_commit() or "unknown"
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -13,6 +13,7 @@ import socket
 import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from kestrel_stream.options import Environment
 from kestrel_stream.client.sync import (DEFAULT_TIMEOUT_S, Generated, Piece, _Requests, check_response, generate_options,
                                         parse_address, resolve_token, shaped)
 from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, encode_frame, parse_body,
@@ -105,7 +106,8 @@ class AsyncClient:
         return client
 
     async def open(self) -> None:
-        kind, where = parse_address(self.address)
+        environment = Environment.from_env()          # $KESTREL_SOCKET, $KESTREL_TOKEN: read once, here
+        kind, where = parse_address(self.address, environment)
         try:
             with anyio.fail_after(self.timeout):
                 if kind == "unix":
@@ -122,7 +124,7 @@ class AsyncClient:
         # stream adds a scheduling checkpoint and a reader registration to every call.
         self.sock = self.stream.extra(anyio.abc.SocketAttribute.raw_socket) if kind == "unix" else None
         self.buffer = bytearray()
-        self.info, _ = await self.call("hello", {"v": VERSION, "token": resolve_token(kind, self.token)}, {})
+        self.info, _ = await self.call("hello", {"v": VERSION, "token": resolve_token(kind, self.token, environment)}, {})
 
     async def _receive_exactly(self, count: int) -> bytes:
         if self.sock is None:

@@ -236,17 +236,18 @@ SOCKET_NAME = "kestrel-stream.sock"
 TOKEN_NAME = "kestrel-stream.token"
 
 
-def fallback_runtime_dir() -> Path | None:
-    """$TMPDIR/kestrel-<uid>/ (/tmp/kestrel-<uid>/ without $TMPDIR) when $XDG_RUNTIME_DIR is unset or not
-    a directory, else None."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return None if xdg and os.path.isdir(xdg) else Path(tempfile.gettempdir()) / f"kestrel-{os.getuid()}"
+def fallback_runtime_dir(xdg_runtime_dir: Path | None) -> Path | None:
+    """$TMPDIR/kestrel-<uid>/ (/tmp/kestrel-<uid>/ without $TMPDIR) when $XDG_RUNTIME_DIR (Environment.runtime_dir)
+    is unset or not a directory, else None."""
+    if xdg_runtime_dir and xdg_runtime_dir.is_dir():
+        return None
+    return Path(tempfile.gettempdir()) / f"kestrel-{os.getuid()}"
 
 
-def make_runtime_dir() -> Path | None:
+def make_runtime_dir(xdg_runtime_dir: Path | None) -> Path | None:
     """Make the fallback directory if it is the one in use and missing; return it when this call made it
     (the daemon then removes it at exit, once empty)."""
-    path = fallback_runtime_dir()
+    path = fallback_runtime_dir(xdg_runtime_dir)
     if path is None or path.exists():
         return None
     try:
@@ -256,11 +257,11 @@ def make_runtime_dir() -> Path | None:
     return path
 
 
-def runtime_dir() -> Path:
+def runtime_dir(xdg_runtime_dir: Path | None) -> Path:
     """A directory only this user can enter: $XDG_RUNTIME_DIR, else $TMPDIR/kestrel-<uid>/ (made 0700)."""
-    path = fallback_runtime_dir()
+    path = fallback_runtime_dir(xdg_runtime_dir)
     if path is None:
-        return Path(os.environ["XDG_RUNTIME_DIR"])
+        return xdg_runtime_dir
     path.mkdir(mode=0o700, exist_ok=True)
     info = path.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
@@ -269,9 +270,9 @@ def runtime_dir() -> Path:
     return path
 
 
-def default_socket_path() -> Path:
-    return runtime_dir() / SOCKET_NAME
+def default_socket_path(xdg_runtime_dir: Path | None) -> Path:
+    return runtime_dir(xdg_runtime_dir) / SOCKET_NAME
 
 
-def default_token_path() -> Path:
-    return runtime_dir() / TOKEN_NAME
+def default_token_path(xdg_runtime_dir: Path | None) -> Path:
+    return runtime_dir(xdg_runtime_dir) / TOKEN_NAME
