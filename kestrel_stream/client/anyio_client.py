@@ -20,6 +20,10 @@ from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VER
                        parse_prefix)
 
 
+# the connection broke or timed out (TimeoutError is an OSError): the stream is out of step, the client closed
+LOST = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError)
+
+
 class AsyncRemoteSession:
     def __init__(self, client: "AsyncClient", session_id: int, max_seq_len: int):
         self.client, self.id, self.max_seq_len, self.position, self.closed = client, session_id, max_seq_len, 0, False
@@ -169,13 +173,9 @@ class AsyncClient:
                             raise
                     else:
                         frame = await self._read_frame()
-            except TimeoutError:
+            except LOST as e:
                 await self.aclose()
-                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
-                                   f"connection closed") from None
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
-                await self.aclose()
-                raise ConnectionError(f"{op}: the daemon closed the connection ({type(e).__name__})") from None
+                raise self._lost(op, e) from None
         if notice is not None:
             await self.aclose()
             raise notice
@@ -203,14 +203,17 @@ class AsyncClient:
                     header, out = check_response(frame, request_id)
                     over = bool(header.get("done")) or not fields.get("stream")
                     yield header, out
-            except TimeoutError:
-                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
-                                   f"connection closed") from None
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
-                raise ConnectionError(f"{op}: the daemon closed the connection ({type(e).__name__})") from None
+            except LOST as e:
+                raise self._lost(op, e) from None
             finally:
                 if not over:
                     await self.aclose()
+
+    def _lost(self, op: str, e: BaseException) -> Exception:
+        """What a request whose connection broke (or timed out) raises; the connection is closed."""
+        if isinstance(e, TimeoutError):
+            return TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; connection closed")
+        return ConnectionError(f"{op}: the daemon closed the connection ({type(e).__name__})")
 
     async def _read_frame(self) -> Frame:
         header_bytes, payload_bytes = parse_prefix(await self._receive_exactly(PREFIX_BYTES), MAX_RESPONSE_BYTES)

@@ -289,11 +289,7 @@ class Client:
             check_response(notice, request_id)
             raise
         except (OSError, ValueError) as e:       # a timeout or half-read frame leaves the stream unusable
-            self.close()
-            if isinstance(e, (TimeoutError, BlockingIOError)):
-                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
-                                   f"connection closed") from None
-            raise
+            self._lost(op, e)
         try:
             return check_response(frame, request_id)
         except ShuttingDownError:
@@ -327,11 +323,15 @@ class Client:
         try:
             return self._read_frame()
         except (OSError, ValueError) as e:
-            self.close()
-            if isinstance(e, (TimeoutError, BlockingIOError)):
-                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
-                                   f"connection closed") from None
-            raise
+            self._lost(op, e)
+
+    def _lost(self, op: str, e: Exception):
+        """Close (the stream is out of step) and raise: a timeout as TimeoutError naming `op`, else `e`."""
+        self.close()
+        if isinstance(e, (TimeoutError, BlockingIOError)):
+            raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
+                               f"connection closed") from None
+        raise e
 
     def _parting_notice(self) -> Frame | None:
         """The frame a daemon sent before closing this connection, if one is still to be read."""

@@ -15,7 +15,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from kestrel_stream.serve.protocol import DaemonError
+from kestrel_stream.serve.protocol import DaemonError, check_private
 
 
 def log(message: str) -> None:
@@ -64,10 +64,7 @@ def load_token(args, token_path: Path, env_token: str | None) -> str:
     if env_token:
         return env_token
     if args.token_file and token_path.exists():
-        info = token_path.stat()
-        if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise PermissionError(f"--token-file {token_path}: must be owned by uid {os.getuid()} with mode 0600 "
-                                  f"(it is uid {info.st_uid}, mode {info.st_mode & 0o777:o})")
+        check_private(token_path, f"--token-file {token_path}", "0600")
         token = token_path.read_text().strip()
         if not token:
             raise ValueError(f"--token-file {token_path} is empty")

@@ -263,11 +263,16 @@ def runtime_dir(xdg_runtime_dir: Path | None) -> Path:
     if path is None:
         return xdg_runtime_dir
     path.mkdir(mode=0o700, exist_ok=True)
+    check_private(path, str(path), "0700")
+    return path
+
+
+def check_private(path: Path, what: str, mode: str) -> None:
+    """`path` (`what` in the message) must be this user's, with no bits for group or others."""
     info = path.stat()
     if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0700 "
+        raise PermissionError(f"{what}: must be owned by uid {os.getuid()} with mode {mode} "
                               f"(it is uid {info.st_uid}, mode {info.st_mode & 0o777:o})")
-    return path
 
 
 def default_socket_path(xdg_runtime_dir: Path | None) -> Path:

@@ -24,7 +24,8 @@ import numpy as np
 from scheduler.batcher import StepBatcher
 
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
-from kestrel_stream.serve.decode_steps import DecodeJob, DecodeSteps, PrefillJob, SendFromStep
+from kestrel_stream.serve.decode_steps import DecodeSteps
+from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
 from kestrel_stream.serve.protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
@@ -242,16 +243,14 @@ class Service:
     # -- steps -----------------------------------------------------------------------
     async def prefill(self, session: Session, ids: np.ndarray, want: str, k: int) -> PrefillJob:
         """A prompt, in chunks beside other sessions' decodes as the batcher chooses; the handler answers."""
-        job = PrefillJob(session, ids, want, k)
-        self.steps.submit(job)
-        await job.wait()
-        if job.error is not None:
-            raise job.error
-        return job
+        return await self.run_job(PrefillJob(session, ids, want, k))
 
     async def decode(self, session: Session, token: int, want: str, k: int) -> DecodeJob:
         """One decode step, batched with other sessions' steps; the handler answers."""
-        job = DecodeJob(session, token, want, k)
+        return await self.run_job(DecodeJob(session, token, want, k))
+
+    async def run_job(self, job):
+        """Submit a step job to the batcher and wait for it; its error is raised here."""
         self.steps.submit(job)
         await job.wait()
         if job.error is not None:
