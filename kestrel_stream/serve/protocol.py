@@ -217,15 +217,6 @@ def parse_array_spec(spec, where: str) -> tuple[str, np.dtype, tuple[int, ...]]:
     return name, DTYPES[dtype], tuple(shape)
 
 
-def decode_frame(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
-    """A whole frame from bytes (tests and tools; sockets read prefix, header, payload in turn)."""
-    header_bytes, payload_bytes = parse_prefix(data[:PREFIX_BYTES], max_frame_bytes)
-    if len(data) != PREFIX_BYTES + header_bytes + payload_bytes:
-        raise ProtocolError(f"frame: prefix announces {PREFIX_BYTES + header_bytes + payload_bytes} bytes, "
-                            f"got {len(data)}", fatal=True)
-    return parse_body(data[PREFIX_BYTES:PREFIX_BYTES + header_bytes], data[PREFIX_BYTES + header_bytes:])
-
-
 def error_header(request_id, err: BaseException) -> dict:
     code = getattr(err, "code", DaemonError.code)
     return {"id": request_id, "ok": False, "code": code, "message": str(err) or type(err).__name__}
