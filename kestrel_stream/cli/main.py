@@ -124,6 +124,7 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from kestrel_stream.cli.bench import speeds
     from kestrel_stream.cli.text_args import generate_kwargs, prompt_from_args
     from kestrel_stream.text.generation import prompt_ids
     engine = load_engine(args)
@@ -143,13 +144,7 @@ def cmd_generate(args) -> int:
     report = {
         "tokens": result.tokens,
         "prompt_len": result.prompt_len,
-        "prefill_tok_s": round(result.prefill_tok_s, 2),
-        "decode_tok_s": round(result.decode_tok_s, 2),
-        "ms_per_token": round(1000.0 / result.decode_tok_s, 3) if result.decode_tok_s else None,
-        "syncs_per_token": result.stats.get("syncs_per_token", 0.0),
-        "launches_per_token": result.stats.get("launches_per_token", 0.0),
-        "mode": engine.mode,
-        "device": engine.device,
+        **speeds(engine, result.prefill_tok_s, result.decode_tok_s, result.stats),
         "warmup_s": round(warmup.prefill_s + warmup.decode_s, 4) if warmup else None,
         "stop_reason": result.stop_reason,
     }
