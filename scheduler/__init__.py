@@ -7,8 +7,7 @@ from .gate import MINFLOP_ENV, Gate, GateDecision, GpuCost
 from .ops import PROJECTION_GROUPS, Op, WeightRef, model_weight_names, step_ops
 from .plan import Placement, Plan, PlanAuditError, Segment, audit_plan, build_plan, parse_mode
 from .search import GroupPlanResult, enumerate_group_plans, gate_vs_best
-from .window import (WindowBudgetError, WindowItem, WindowPlan, WindowStats, plan_window,
-                     simulate_lru, simulate_window, window_items)
+from .window import WindowBudgetError, WindowItem, WindowPlan, plan_window, window_items
 from .profile import (H200_MEASURED, SEED_LIKE, DeviceProfile, load_profile,
                       profile_cache_path, save_profile)
 
@@ -19,6 +18,5 @@ __all__ = [
     "build_plan", "enumerate_group_plans", "gate_vs_best", "parse_mode",
     "H200_MEASURED", "SEED_LIKE", "DeviceProfile", "load_profile", "profile_cache_path",
     "save_profile",
-    "WindowBudgetError", "WindowItem", "WindowPlan", "WindowStats", "plan_window",
-    "simulate_lru", "simulate_window", "window_items",
+    "WindowBudgetError", "WindowItem", "WindowPlan", "plan_window", "window_items",
 ]
