@@ -227,18 +227,21 @@ class Service:
         return {"stats": self.stats()}, {}
 
     async def op_trace_start(self, conn, header, arrays):
-        trace = tracer()
-        if trace is None or self.traces is None:
-            raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
+        trace = self.trace_module()
         path = await self.steps.run(self.traces.start, conn, header.get("path"), trace)
         return {"path": str(path)}, {}
 
     async def op_trace_stop(self, conn, header, arrays):
+        trace = self.trace_module()
+        written = await self.steps.run(self.traces.stop, conn, trace)
+        return {"path": str(written) if written is not None else None}, {}
+
+    def trace_module(self):
+        """The trace module for trace_start/trace_stop; UnavailableError in a build without it."""
         trace = tracer()
         if trace is None or self.traces is None:
             raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
-        written = await self.steps.run(self.traces.stop, conn, trace)
-        return {"path": str(written) if written is not None else None}, {}
+        return trace
 
     # -- steps -----------------------------------------------------------------------
     async def prefill(self, session: Session, ids: np.ndarray, want: str, k: int) -> PrefillJob:
