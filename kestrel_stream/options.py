@@ -1,9 +1,12 @@
-"""Run-time options: every KESTREL_* setting of the engine, parsed once where the engine is built.
+"""Every setting read from the environment, in one place: this module is the only reader of os.environ.
 
-``Options.from_env()`` reads the environment (and takes what flags or ks.load
-arguments gave) into one frozen object; the engine passes it down to the
-executor, the kernel set and the planner, and nothing below reads the
-environment.  A bad value raises here, naming the variable.
+``Options.from_env()`` reads the engine's KESTREL_* settings (and takes what
+flags or ks.load arguments gave) into one frozen object when the engine is
+built; the engine passes it down to the executor, the kernel set and the
+planner.  ``Environment.from_env()`` reads the daemon's, the clients' and the
+bench's own variables where they start (the CLI's main, ks.Client, a bench
+driver), and they pass it down.  Nothing below reads the environment, and
+nothing reads it at import time.  A bad value raises here, naming the variable.
 
     KESTREL_PROF=1            the per-stage profile table at exit (as --prof)
     KESTREL_TRACE=FILE        a Chrome trace of the whole process, written at exit (as --trace)
@@ -15,18 +18,19 @@ environment.  A bad value raises here, naming the variable.
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
 
-The daemon's and clients' own variables (KESTREL_SOCKET, KESTREL_TOKEN) are
-read by the CLI and the client where they enter, not here.
+The daemon's, clients' and result files' variables (Environment):
+
+    KESTREL_SOCKET=ADDRESS    the daemon a client connects to without an address (a path or tcp://HOST:PORT)
+    KESTREL_TOKEN=TOKEN       the TCP token: the daemon's when no --token/--token-file, a client's when none given
+    KESTREL_API_KEY=KEY       serve --http's bearer key when no --api-key/--api-key-file
+    KESTREL_COMMIT=HASH       the commit a result file names (a copy of the tree without .git)
+    XDG_RUNTIME_DIR=DIR       where the default socket, token and trace directory live
 """
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS
-from kestrel_stream.run.budget import parse_vram_budget
-from scheduler.gate import minflop_from_env
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class Options:
     @classmethod
     def from_env(cls, environ=None, **given) -> "Options":
         """The environment's settings, overridden by `given` (flags, ks.load arguments)."""
+        from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS    # (see with_)
         env = os.environ if environ is None else environ
         m1 = env.get("KESTREL_GEMV_M1")
         if m1 is None and env.get("KESTREL_GEMV_M1_ROWS"):
@@ -58,7 +63,7 @@ class Options:
                              f"{', '.join(repr(v) for v in MULTI_VARIANTS)}")
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
-                      minflop=minflop_from_env(env), gemv_m1=m1, gemv_mn=mn,
+                      minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn,
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")))
         return options.with_(**given)
@@ -66,9 +71,41 @@ class Options:
     def with_(self, **changes) -> "Options":
         """A copy with `changes`; a VRAM budget is parsed here (bytes or a fraction), once."""
         if "vram_budget" in changes:
+            from kestrel_stream.run.budget import parse_vram_budget     # imported here: the CLI and clients start without it
             changes["vram_budget"] = parse_vram_budget(changes["vram_budget"])
         return replace(self, **changes)
 
 
 def _path(text: str | None) -> Path | None:
     return Path(text) if text else None
+
+
+def _minflop(text: str | None) -> float | None:
+    """KESTREL_MINFLOP as a number of FLOPs, or None when unset/empty."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"KESTREL_MINFLOP={text!r}: expected a number of FLOPs, e.g. 1e7") from None
+    if value < 0:
+        raise ValueError(f"KESTREL_MINFLOP={text!r}: must be >= 0")
+    return value
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The daemon's, clients' and result files' settings from the environment (the engine's are Options)."""
+    socket: str | None = None           # KESTREL_SOCKET
+    token: str | None = None            # KESTREL_TOKEN
+    api_key: str | None = None          # KESTREL_API_KEY
+    commit: str | None = None           # KESTREL_COMMIT
+    runtime_dir: Path | None = None     # XDG_RUNTIME_DIR, when it is set
+
+    @classmethod
+    def from_env(cls, environ=None) -> "Environment":
+        env = os.environ if environ is None else environ
+        return cls(socket=env.get("KESTREL_SOCKET") or None, token=env.get("KESTREL_TOKEN") or None,
+                   api_key=env.get("KESTREL_API_KEY") or None, commit=env.get("KESTREL_COMMIT") or None,
+                   runtime_dir=_path(env.get("XDG_RUNTIME_DIR")))

@@ -14,25 +14,9 @@ explicit minflop) brings back the seed's per-projection threshold instead.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 MINFLOP_ENV = "KESTREL_MINFLOP"
-
-
-def minflop_from_env(environ=None) -> float | None:
-    """KESTREL_MINFLOP as a number of FLOPs, or None when unset/empty."""
-    environ = os.environ if environ is None else environ
-    text = environ.get(MINFLOP_ENV, "").strip()
-    if not text:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{MINFLOP_ENV}={text!r}: expected a number of FLOPs, e.g. 1e7") from None
-    if value < 0:
-        raise ValueError(f"{MINFLOP_ENV}={text!r}: must be >= 0")
-    return value
 
 
 def _us(amount: float, per_second_in_billions: float) -> float:

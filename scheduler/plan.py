@@ -24,7 +24,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .gate import Gate, GateDecision, gpu_segment_cost, host_time_us, minflop_from_env
+from .gate import Gate, GateDecision, gpu_segment_cost, host_time_us
 from .ops import PROJECTION_GROUPS, model_weight_names, step_ops
 from .placement import fixed_sides, gated_sides
 from .transfers import count_transfers
@@ -186,15 +186,14 @@ def _placements(placed) -> dict:
 
 
 def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
-               minflop: float | None = None, environ=None, gpu_available: bool | None = None,
+               minflop: float | None = None, gpu_available: bool | None = None,
                resident_weights=None, group_choice: dict | None = None,
                segment_aware: bool = True, context_len: int = 0, streamed=frozenset()) -> Plan:
     """The plan of one step of M=`tokens` tokens.
 
     profile: DeviceProfile (None: no GPU measured). minflop: the seed's plain
-    per-projection threshold; when None and `environ` is given, its
-    KESTREL_MINFLOP (the engine passes Options.minflop; the scheduler itself
-    reads no environment). resident_weights: weight names already on the device
+    per-projection threshold (the engine passes Options.minflop, KESTREL_MINFLOP;
+    the scheduler reads no environment). resident_weights: weight names already on the device
     (None: all); the others pay an upload. group_choice: {group: on_gpu}
     forcing those groups in every layer (the bench's exhaustive search).
     segment_aware: refine the cost-model gate's choice by whole-step
@@ -213,8 +212,6 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     ops = step_ops(config, tokens, context_len)
     total_layers = config.num_hidden_layers
     if kind == "gated":
-        if minflop is None and environ is not None:
-            minflop = minflop_from_env(environ)
         forced = dict(group_choice or {})
         gate = None
         if set(forced) != set(PROJECTION_GROUPS):

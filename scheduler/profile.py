@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import MISSING, asdict, dataclass, fields, replace
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 
-CACHE_DIR_ENV = "KESTREL_CACHE_DIR"     # read by kestrel_stream.options, which passes the directory down
 
 
 @dataclass(frozen=True)
@@ -51,13 +50,6 @@ class DeviceProfile:
         for key in ("name", "driver"):
             kwargs[key] = str(kwargs[key])
         return cls(**kwargs)
-
-    def with_measured(self, **figures) -> "DeviceProfile":
-        """This profile with some figures replaced by measured ones (calibration plugs in here)."""
-        unknown = set(figures) - {f.name for f in fields(self)}
-        if unknown:
-            raise ValueError(f"unknown profile figures: {', '.join(sorted(unknown))}")
-        return replace(self, **figures)
 
 
 # Figures from CUDA_NOTES.md (H200, measured 2026-11-30). The host figures were

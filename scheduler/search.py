@@ -29,7 +29,7 @@ def enumerate_group_plans(config, tokens: int, profile, *, resident_weights=None
     results = []
     for bits in itertools.product((False, True), repeat=len(PROJECTION_GROUPS)):
         choice = dict(zip(PROJECTION_GROUPS, bits))
-        plan = build_plan(config, tokens, "gated", profile, environ={}, group_choice=choice,
+        plan = build_plan(config, tokens, "gated", profile, group_choice=choice,
                           resident_weights=resident_weights, context_len=context_len)
         results.append(GroupPlanResult(choice, plan.predicted_step_us(profile, resident_weights),
                                        plan.syncs_per_step, plan.launches_per_step, plan))
@@ -38,7 +38,7 @@ def enumerate_group_plans(config, tokens: int, profile, *, resident_weights=None
 
 def gate_vs_best(config, tokens: int, profile, *, context_len: int = 0) -> dict:
     """The calibrated gate's plan next to the best enumerated one (predicted times)."""
-    gated = build_plan(config, tokens, "gated", profile, environ={}, context_len=context_len)
+    gated = build_plan(config, tokens, "gated", profile, context_len=context_len)
     best = enumerate_group_plans(config, tokens, profile, context_len=context_len)[0]
     gated_us = gated.predicted_step_us(profile)
     return {"tokens": tokens, "gate_choice": gated.groups_on_gpu(), "gate_us": gated_us,

@@ -15,6 +15,16 @@ import numpy as np
 
 from kestrel_stream.serve import protocol as wire
 
+def decode_frame(data: bytes, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> wire.Frame:
+    """A whole frame from bytes (the daemon and clients read prefix, header, payload in turn)."""
+    header_bytes, payload_bytes = wire.parse_prefix(data[:wire.PREFIX_BYTES], max_frame_bytes)
+    if len(data) != wire.PREFIX_BYTES + header_bytes + payload_bytes:
+        raise wire.ProtocolError(f"frame: prefix announces {wire.PREFIX_BYTES + header_bytes + payload_bytes} "
+                                 f"bytes, got {len(data)}", fatal=True)
+    head_end = wire.PREFIX_BYTES + header_bytes
+    return wire.parse_body(data[wire.PREFIX_BYTES:head_end], data[head_end:])
+
+
 ENV = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
 
 

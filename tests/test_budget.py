@@ -7,7 +7,8 @@ from kestrel_stream.run.budget import (ALIGN, arena_needs, budget_for_weight_fra
                                    plan_arena, resolve_budget, weight_items)
 from kestrel_stream.cli.main import build_parser
 from kestrel_stream.loading.presets import PRESETS
-from scheduler import WindowBudgetError, simulate_window
+from scheduler import WindowBudgetError
+from window_sim import simulate_window
 
 QWEN3_1_7B = PRESETS["qwen3-1.7b"]
 NEEDS = arena_needs(QWEN3_1_7B, max_tokens=64, sessions=3, max_seq_len=1024, attention_splits=16)

@@ -148,12 +148,13 @@ def test_serve_without_xdg_runtime_dir_removes_the_fallback_dir_it_made(tmp_path
 
 
 def test_serve_leaves_a_runtime_dir_it_did_not_make(tmp_path, monkeypatch):
+    from kestrel_stream.options import Environment
     from kestrel_stream.serve import protocol
-    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)       # gettempdir() caches; read $TMPDIR again
-    made = protocol.make_runtime_dir()
+    unset = Environment.from_env({}).runtime_dir
+    made = protocol.make_runtime_dir(unset)
     assert made == tmp_path / f"kestrel-{os.getuid()}" and made.is_dir()
-    assert protocol.make_runtime_dir() is None          # already there: not this call's to remove
-    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
-    assert protocol.make_runtime_dir() is None and protocol.default_socket_path() == tmp_path / "kestrel-stream.sock"
+    assert protocol.make_runtime_dir(unset) is None          # already there: not this call's to remove
+    xdg = Environment.from_env({"XDG_RUNTIME_DIR": str(tmp_path)}).runtime_dir
+    assert protocol.make_runtime_dir(xdg) is None and protocol.default_socket_path(xdg) == tmp_path / "kestrel-stream.sock"

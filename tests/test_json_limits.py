@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from kestrel_stream.serve import protocol as wire
+from daemon_helpers import decode_frame
 from kestrel_stream.serve.json_limits import MAX_DEPTH, MAX_NUMBER_CHARS, JSONLimitError, load_limited
 
 
@@ -51,7 +52,7 @@ def test_parse_body_answers_every_hostile_header_with_a_protocol_error(head):
 
 def test_parse_prefix_takes_the_smaller_limits_of_a_connection_before_hello():
     frame = wire.encode_frame({"op": "hello", "id": 1, "pad": "x" * 5000})
-    assert wire.decode_frame(frame).header["pad"] == "x" * 5000
+    assert decode_frame(frame).header["pad"] == "x" * 5000
     with pytest.raises(wire.ProtocolError, match="outside 2..4096") as caught:
         wire.parse_prefix(frame[:wire.PREFIX_BYTES], 4096, 4096)
     assert caught.value.fatal

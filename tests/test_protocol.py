@@ -9,6 +9,7 @@ import pytest
 
 import kestrel_stream as ks
 from kestrel_stream.serve import protocol as wire
+from daemon_helpers import decode_frame
 
 
 def raw_frame(header, payload=b"", magic=b"KS", version=wire.VERSION, flags=0, header_len=None, payload_len=None):
@@ -20,7 +21,7 @@ def raw_frame(header, payload=b"", magic=b"KS", version=wire.VERSION, flags=0, h
 def test_round_trip_keeps_header_dtypes_and_shapes():
     arrays = {"ids": np.array([1, 2, 3], np.int64), "logits": np.arange(12, dtype=np.float32).reshape(3, 4),
               "half": np.ones((2, 0), np.float16), "small": np.array([7], np.int32)}
-    frame = wire.decode_frame(wire.encode_frame({"op": "prefill", "id": 9, "session": 4}, arrays))
+    frame = decode_frame(wire.encode_frame({"op": "prefill", "id": 9, "session": 4}, arrays))
     assert frame.header == {"op": "prefill", "id": 9, "session": 4}
     for name, array in arrays.items():
         assert frame.arrays[name].dtype == array.dtype and frame.arrays[name].shape == array.shape
@@ -29,7 +30,7 @@ def test_round_trip_keeps_header_dtypes_and_shapes():
 
 def test_big_endian_input_goes_out_little_endian():
     data = wire.encode_frame({"op": "x"}, {"v": np.array([1.5, -2.0], dtype=">f4")})
-    frame = wire.decode_frame(data)
+    frame = decode_frame(data)
     assert frame.arrays["v"].dtype.str == "<f4" and frame.arrays["v"].tolist() == [1.5, -2.0]
     assert data.endswith(np.array([1.5, -2.0], "<f4").tobytes())
 
@@ -50,15 +51,15 @@ def test_encode_refuses_dtypes_off_the_allow_list(dtype):
 ])
 def test_framing_errors_are_fatal(frame, match):
     with pytest.raises(wire.ProtocolError, match=match) as info:
-        wire.decode_frame(frame)
+        decode_frame(frame)
     assert info.value.fatal
 
 
 def test_frame_limit_is_configurable():
     data = wire.encode_frame({"op": "x"}, {"a": np.zeros(1000, np.float32)})
-    wire.decode_frame(data, max_frame_bytes=len(data))
+    decode_frame(data, max_frame_bytes=len(data))
     with pytest.raises(wire.ProtocolError, match="exceeds"):
-        wire.decode_frame(data, max_frame_bytes=len(data) - 1)
+        decode_frame(data, max_frame_bytes=len(data) - 1)
     with pytest.raises(ks.CapacityError, match="frame limit"):
         wire.encode_frame({"op": "x"}, {"a": np.zeros(1000, np.float32)}, max_frame_bytes=100)
 
@@ -82,21 +83,21 @@ def test_frame_limit_is_configurable():
 ])
 def test_header_errors_name_the_field_and_are_not_fatal(header, payload, match):
     with pytest.raises(wire.ProtocolError, match=match) as info:
-        wire.decode_frame(raw_frame(header, payload))
+        decode_frame(raw_frame(header, payload))
     assert not info.value.fatal
 
 
 def test_truncated_frame_is_fatal():
     data = wire.encode_frame({"op": "x"}, {"a": np.zeros(4, np.int32)})
     with pytest.raises(wire.ProtocolError, match="announces") as info:
-        wire.decode_frame(data[:-3])
+        decode_frame(data[:-3])
     assert info.value.fatal
     with pytest.raises(wire.ProtocolError, match="prefix: got 5"):
-        wire.decode_frame(data[:5])
+        decode_frame(data[:5])
 
 
 def test_parsed_arrays_are_read_only_views():
-    frame = wire.decode_frame(wire.encode_frame({"op": "x"}, {"a": np.arange(3, dtype=np.int32)}))
+    frame = decode_frame(wire.encode_frame({"op": "x"}, {"a": np.arange(3, dtype=np.int32)}))
     with pytest.raises(ValueError):
         frame.arrays["a"][0] = 5
 

@@ -29,7 +29,7 @@ def side_of(plan, op_name):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("tokens", [1, 32])
 def test_every_mode_places_every_weight_exactly_once(config, mode, tokens):
-    plan = build_plan(config, tokens, mode, H200_MEASURED, environ={})
+    plan = build_plan(config, tokens, mode, H200_MEASURED)
     audit_plan(plan, config)
     description = plan.describe()
     for name in model_weight_names(config):
@@ -47,7 +47,7 @@ def test_audit_names_match_the_checkpoint_layout():
 
 
 def test_audit_catches_a_missing_or_doubled_weight():
-    plan = build_plan(QWEN3_1_7B, 1, "gpu", H200_MEASURED, environ={})
+    plan = build_plan(QWEN3_1_7B, 1, "gpu", H200_MEASURED)
     ops = plan.segments[0].ops
     lm_head = next(op for op in ops if op.name == "lm_head")
     missing = dataclasses.replace(plan, segments=[dataclasses.replace(
@@ -77,13 +77,13 @@ def test_op_costs_follow_the_shapes():
 
 
 def test_cpu_mode_has_no_gpu_work():
-    plan = build_plan(QWEN3_1_7B, 1, "cpu", H200_MEASURED, environ={})
+    plan = build_plan(QWEN3_1_7B, 1, "cpu", H200_MEASURED)
     assert [s.side for s in plan.segments] == ["cpu"]
     assert (plan.syncs_per_step, plan.launches_per_step, plan.h2d_bytes_per_step) == (0, 0, 0)
 
 
 def test_gpu_mode_is_one_segment_and_one_sync():
-    plan = build_plan(QWEN3_1_7B, 1, "gpu", H200_MEASURED, environ={})
+    plan = build_plan(QWEN3_1_7B, 1, "gpu", H200_MEASURED)
     assert [s.side for s in plan.segments] == ["gpu"]
     assert plan.syncs_per_step == 1
     # norms and SiLU·mul are fused into the projections: 6 launches per layer, embed and lm_head
@@ -94,25 +94,25 @@ def test_gpu_mode_is_one_segment_and_one_sync():
 
 
 def test_layers_mode_follows_ngl():
-    plan = build_plan(QWEN3_1_7B, 1, "layers=10", H200_MEASURED, environ={})
+    plan = build_plan(QWEN3_1_7B, 1, "layers=10", H200_MEASURED)
     assert plan.mode == "layers=10"
     assert [s.side for s in plan.segments] == ["cpu", "gpu", "cpu"]
     assert plan.syncs_per_step == 1
     assert side_of(plan, "L9.attention") == "gpu" and side_of(plan, "L10.attn_norm") == "cpu"
     assert side_of(plan, "embed") == side_of(plan, "lm_head") == "cpu"
     assert "offloaded 10/28 layers" in plan.notes
-    full = build_plan(QWEN3_1_7B, 1, "layers=28", H200_MEASURED, environ={})
+    full = build_plan(QWEN3_1_7B, 1, "layers=28", H200_MEASURED)
     assert [s.side for s in full.segments] == ["cpu", "gpu"]  # the output follows all layers
     assert side_of(full, "lm_head") == "gpu" and side_of(full, "embed") == "cpu"
     assert build_plan(QWEN3_1_7B, 1, "layers=99", H200_MEASURED).groups_on_gpu() == \
         full.groups_on_gpu()
-    none = build_plan(QWEN3_1_7B, 1, "layers=0", H200_MEASURED, environ={})
+    none = build_plan(QWEN3_1_7B, 1, "layers=0", H200_MEASURED)
     assert none.syncs_per_step == 0
 
 
 def test_auto_mode_picks_by_gpu_presence():
-    assert build_plan(QWEN3_1_7B, 1, "auto", None, environ={}).mode == "cpu"
-    assert build_plan(QWEN3_1_7B, 1, "auto", H200_MEASURED, environ={}).mode == "gpu"
+    assert build_plan(QWEN3_1_7B, 1, "auto", None).mode == "cpu"
+    assert build_plan(QWEN3_1_7B, 1, "auto", H200_MEASURED).mode == "gpu"
     assert build_plan(QWEN3_1_7B, 1, "auto", H200_MEASURED, gpu_available=False).mode == "cpu"
 
 
@@ -124,7 +124,7 @@ def test_mode_parsing_errors_name_the_input():
 
 
 def test_fusion_groups_are_one_launch_per_layer_group():
-    plan = build_plan(QWEN3_1_7B, 1, "gated", H200_MEASURED, environ={})
+    plan = build_plan(QWEN3_1_7B, 1, "gated", H200_MEASURED)
     place = plan.placements
     q, k, v = (place[f"model.layers.3.self_attn.{x}_proj.weight"] for x in "qkv")
     assert q.op == k.op == v.op == "L3.qkv" and q.group == "qkv"
@@ -136,7 +136,7 @@ def test_fusion_groups_are_one_launch_per_layer_group():
 
 
 def test_gated_syncs_count_segments_not_projections():
-    plan = build_plan(QWEN3_1_7B, 1, "gated", H200_MEASURED, environ={})
+    plan = build_plan(QWEN3_1_7B, 1, "gated", H200_MEASURED)
     # per layer: [o, mlp_norm, gate_up, silu_mul, down, next attn_norm, next qkv] on the GPU,
     # rope + attention on the host (KV cache there); plus the first qkv segment
     assert plan.syncs_per_step == LAYERS + 1
@@ -155,7 +155,7 @@ def test_gated_syncs_count_segments_not_projections():
 
 
 def test_seed_threshold_plan_has_one_sync_per_layer():
-    plan = build_plan(QWEN3_1_7B, 1, "gated", minflop=1e7, environ={})
+    plan = build_plan(QWEN3_1_7B, 1, "gated", minflop=1e7)
     # gate_up, silu_mul, down per layer; the last layer's joins final_norm and lm_head
     assert plan.syncs_per_step == LAYERS
     last = plan.segments[-1]
@@ -164,7 +164,7 @@ def test_seed_threshold_plan_has_one_sync_per_layer():
 
 
 def test_threshold_splitting_a_group_keeps_each_weight_once():
-    plan = build_plan(QWEN3_1_7B, 1, "gated", minflop=6e6, environ={})  # Q passes, K/V do not
+    plan = build_plan(QWEN3_1_7B, 1, "gated", minflop=6e6)  # Q passes, K/V do not
     audit_plan(plan, QWEN3_1_7B)
     gpu_part = next(op for op in plan.ops_on("gpu") if op.name == "L0.qkv[gpu]")
     cpu_part = next(op for op in plan.ops_on("cpu") if op.name == "L0.qkv[cpu]")
@@ -173,9 +173,9 @@ def test_threshold_splitting_a_group_keeps_each_weight_once():
 
 
 def test_predicted_time_counts_one_round_trip_per_segment():
-    seed = build_plan(QWEN3_1_7B, 1, "gated", SEED_LIKE, environ={})
-    cpu = build_plan(QWEN3_1_7B, 1, "cpu", SEED_LIKE, environ={})
-    gpu = build_plan(QWEN3_1_7B, 1, "gpu", SEED_LIKE, environ={})
+    seed = build_plan(QWEN3_1_7B, 1, "gated", SEED_LIKE)
+    cpu = build_plan(QWEN3_1_7B, 1, "cpu", SEED_LIKE)
+    gpu = build_plan(QWEN3_1_7B, 1, "gpu", SEED_LIKE)
     assert gpu.predicted_step_us(SEED_LIKE) < seed.predicted_step_us(SEED_LIKE) < \
         cpu.predicted_step_us(SEED_LIKE)
     streamed = gpu.predicted_step_us(SEED_LIKE, resident_weights=set())

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from kestrel_stream.model.config import ModelConfig
-from scheduler import (H200_MEASURED, WindowBudgetError, WindowItem, build_plan, plan_window,
-                       simulate_lru, simulate_window, window_items)
+from scheduler import H200_MEASURED, WindowBudgetError, WindowItem, build_plan, plan_window, window_items
+from window_sim import simulate_lru, simulate_window
 
 QWEN3_1_7B = ModelConfig(arch="qwen3", hidden_size=2048, intermediate_size=6144,
                          num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -15,7 +15,7 @@ QWEN3_1_7B = ModelConfig(arch="qwen3", hidden_size=2048, intermediate_size=6144,
 
 
 def gpu_items(config=QWEN3_1_7B, tokens=1):
-    plan = build_plan(config, tokens, "gpu", H200_MEASURED, environ={})
+    plan = build_plan(config, tokens, "gpu", H200_MEASURED)
     return window_items(plan.ops_on("gpu"))
 
 

@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from kestrel_stream.options import Environment
 from kestrel_stream.run.engine import Engine
 
 
@@ -31,27 +32,30 @@ def measure(engine: Engine, prompt_len: int = 32, new_tokens: int = 64, repeats:
             on_run()
     decode = statistics.median(r.decode_tok_s for r in runs)
     prefill = statistics.median(r.prefill_tok_s for r in runs)
-    last = runs[-1].stats
+    return {"prompt_len": prompt_len, "new_tokens": new_tokens, "repeats": repeats,
+            **speeds(engine, prefill, decode, runs[-1].stats)}
+
+
+def speeds(engine: Engine, prefill_tok_s: float, decode_tok_s: float, stats: dict) -> dict:
+    """The speed fields of `generate --json` and `bench --json`; `stats`: a GenerateResult's."""
     return {
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
-        "repeats": repeats,
-        "prefill_tok_s": round(prefill, 2),
-        "decode_tok_s": round(decode, 2),
-        "ms_per_token": round(1000.0 / decode, 3) if decode else None,
-        "syncs_per_token": last.get("syncs_per_token", 0.0),
-        "launches_per_token": last.get("launches_per_token", 0.0),
-        "device": engine.device,
+        "prefill_tok_s": round(prefill_tok_s, 2),
+        "decode_tok_s": round(decode_tok_s, 2),
+        "ms_per_token": round(1000.0 / decode_tok_s, 3) if decode_tok_s else None,
+        "syncs_per_token": stats.get("syncs_per_token", 0.0),
+        "launches_per_token": stats.get("launches_per_token", 0.0),
         "mode": engine.mode,
+        "device": engine.device,
     }
 
 
-def environment() -> dict:
-    """Date, machine and commit for a result file."""
+def environment(settings: Environment | None = None) -> dict:
+    """Date, machine and commit for a result file; `settings`: the process's Environment (read here when None)."""
     import os
+    settings = Environment.from_env() if settings is None else settings
     # a copy of the tree without (or with a stale) .git, as on the GPU machine, names its commit
     # through KESTREL_COMMIT, which wins over what git says
-    commit = os.environ.get("KESTREL_COMMIT", "") or source_commit() or "unknown"
+    commit = settings.commit or source_commit() or "unknown"
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kestrel_stream.errors import KestrelError
+from kestrel_stream.options import Environment
 from kestrel_stream.cli.args import (HelpFormatter, UsageError, check_model_flags, check_room, choose_device,
                                      enable_verbose_logs, int_at_least, join_negative_ids, mode_arg, parse_ids)
 from kestrel_stream.cli.plan import cmd_calibrate, cmd_plan
@@ -123,6 +124,7 @@ def cmd_make_model(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from kestrel_stream.cli.bench import speeds
     from kestrel_stream.cli.text_args import generate_kwargs, prompt_from_args
     from kestrel_stream.text.generation import prompt_ids
     engine = load_engine(args)
@@ -142,13 +144,7 @@ def cmd_generate(args) -> int:
     report = {
         "tokens": result.tokens,
         "prompt_len": result.prompt_len,
-        "prefill_tok_s": round(result.prefill_tok_s, 2),
-        "decode_tok_s": round(result.decode_tok_s, 2),
-        "ms_per_token": round(1000.0 / result.decode_tok_s, 3) if result.decode_tok_s else None,
-        "syncs_per_token": result.stats.get("syncs_per_token", 0.0),
-        "launches_per_token": result.stats.get("launches_per_token", 0.0),
-        "mode": engine.mode,
-        "device": engine.device,
+        **speeds(engine, result.prefill_tok_s, result.decode_tok_s, result.stats),
         "warmup_s": round(warmup.prefill_s + warmup.decode_s, 4) if warmup else None,
         "stop_reason": result.stop_reason,
     }
@@ -195,7 +191,7 @@ def cmd_bench(args) -> int:
     with measure_bar(args.repeats) as bar:
         result = measure(engine, prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.repeats,
                          on_run=lambda: bar.update(1))
-    result.update(model=args.model, preset=preset, **environment())
+    result.update(model=args.model, preset=preset, **environment(args.environment))
     if args.json:
         print(json.dumps(result))
     else:
@@ -210,7 +206,7 @@ def cmd_bench(args) -> int:
 def cmd_serve(args) -> int:
     from kestrel_stream.serve.daemon import run_daemon
     prepare_engine(args)
-    return run_daemon(args)
+    return run_daemon(args, args.environment)
 
 
 def cmd_timeline(args) -> int:
@@ -320,6 +316,7 @@ def main(argv=None) -> int:
         parser.print_help(sys.stderr)
         return 2
     args = parser.parse_args(argv)
+    args.environment = Environment.from_env()     # the daemon's and result files' variables, read once, here
     try:
         return args.func(args)
     except UsageError as e:

@@ -13,10 +13,15 @@ import socket
 import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+from kestrel_stream.options import Environment
 from kestrel_stream.client.sync import (DEFAULT_TIMEOUT_S, Generated, Piece, _Requests, check_response, generate_options,
                                         parse_address, resolve_token, shaped)
 from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, encode_frame, parse_body,
                        parse_prefix)
+
+
+# the connection broke or timed out (TimeoutError is an OSError): the stream is out of step, the client closed
+LOST = (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError)
 
 
 class AsyncRemoteSession:
@@ -105,7 +110,8 @@ class AsyncClient:
         return client
 
     async def open(self) -> None:
-        kind, where = parse_address(self.address)
+        environment = Environment.from_env()          # $KESTREL_SOCKET, $KESTREL_TOKEN: read once, here
+        kind, where = parse_address(self.address, environment)
         try:
             with anyio.fail_after(self.timeout):
                 if kind == "unix":
@@ -122,7 +128,7 @@ class AsyncClient:
         # stream adds a scheduling checkpoint and a reader registration to every call.
         self.sock = self.stream.extra(anyio.abc.SocketAttribute.raw_socket) if kind == "unix" else None
         self.buffer = bytearray()
-        self.info, _ = await self.call("hello", {"v": VERSION, "token": resolve_token(kind, self.token)}, {})
+        self.info, _ = await self.call("hello", {"v": VERSION, "token": resolve_token(kind, self.token, environment)}, {})
 
     async def _receive_exactly(self, count: int) -> bytes:
         if self.sock is None:
@@ -167,13 +173,9 @@ class AsyncClient:
                             raise
                     else:
                         frame = await self._read_frame()
-            except TimeoutError:
+            except LOST as e:
                 await self.aclose()
-                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
-                                   f"connection closed") from None
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
-                await self.aclose()
-                raise ConnectionError(f"{op}: the daemon closed the connection ({type(e).__name__})") from None
+                raise self._lost(op, e) from None
         if notice is not None:
             await self.aclose()
             raise notice
@@ -201,14 +203,17 @@ class AsyncClient:
                     header, out = check_response(frame, request_id)
                     over = bool(header.get("done")) or not fields.get("stream")
                     yield header, out
-            except TimeoutError:
-                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
-                                   f"connection closed") from None
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError, OSError) as e:
-                raise ConnectionError(f"{op}: the daemon closed the connection ({type(e).__name__})") from None
+            except LOST as e:
+                raise self._lost(op, e) from None
             finally:
                 if not over:
                     await self.aclose()
+
+    def _lost(self, op: str, e: BaseException) -> Exception:
+        """What a request whose connection broke (or timed out) raises; the connection is closed."""
+        if isinstance(e, TimeoutError):
+            return TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; connection closed")
+        return ConnectionError(f"{op}: the daemon closed the connection ({type(e).__name__})")
 
     async def _read_frame(self) -> Frame:
         header_bytes, payload_bytes = parse_prefix(await self._receive_exactly(PREFIX_BYTES), MAX_RESPONSE_BYTES)

@@ -12,7 +12,6 @@ of its code (kestrel_stream.errors / protocol), with the daemon's message.
 from __future__ import annotations
 
 import itertools
-import os
 import socket
 import struct
 from typing import NamedTuple
@@ -20,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from kestrel_stream.errors import InvalidTokenError
+from kestrel_stream.options import Environment
 from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, default_socket_path,
                        default_token_path, encode_frame, error_from_code, parse_body, parse_prefix)
 
@@ -32,9 +32,13 @@ class TopK(NamedTuple):
     logits: np.ndarray       # float32 [k]
 
 
-def parse_address(address) -> tuple[str, object]:
-    """("unix", path) or ("tcp", (host, port)) from a path, "unix:PATH" or "tcp://HOST:PORT"."""
-    text = str(address if address is not None else os.environ.get("KESTREL_SOCKET") or default_socket_path())
+def parse_address(address, environment: Environment | None = None) -> tuple[str, object]:
+    """("unix", path) or ("tcp", (host, port)) from a path, "unix:PATH" or "tcp://HOST:PORT"; without an
+    address, $KESTREL_SOCKET, else the default socket (`environment`: read here when None)."""
+    if address is None:
+        environment = Environment.from_env() if environment is None else environment
+        address = environment.socket or default_socket_path(environment.runtime_dir)
+    text = str(address)
     if text.startswith("tcp://") or text.startswith("tcp:"):
         host, _, port = text.split(":", 1)[1].lstrip("/").rpartition(":")
         if not port.isdigit():
@@ -43,12 +47,13 @@ def parse_address(address) -> tuple[str, object]:
     return "unix", text.removeprefix("unix:")
 
 
-def resolve_token(kind: str, token: str | None) -> str | None:
+def resolve_token(kind: str, token: str | None, environment: Environment) -> str | None:
+    """A TCP connection's token: `token`, else $KESTREL_TOKEN, else the default token file's."""
     if kind != "tcp" or token:
         return token
-    if os.environ.get("KESTREL_TOKEN"):
-        return os.environ["KESTREL_TOKEN"]
-    path = default_token_path()
+    if environment.token:
+        return environment.token
+    path = default_token_path(environment.runtime_dir)
     return path.read_text().strip() if path.exists() else None
 
 
@@ -214,7 +219,8 @@ class Client:
     """Blocking client; ``address`` is a socket path, "unix:PATH" or "tcp://HOST:PORT" (default socket if None)."""
 
     def __init__(self, address=None, token: str | None = None, timeout: float | None = DEFAULT_TIMEOUT_S):
-        kind, where = parse_address(address)
+        environment = Environment.from_env()          # $KESTREL_SOCKET, $KESTREL_TOKEN: read once, here
+        kind, where = parse_address(address, environment)
         self.timeout, self.closed, self._ids = timeout, False, itertools.count(1)
         self.sock = socket.socket(socket.AF_UNIX if kind == "unix" else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.settimeout(timeout)
@@ -235,7 +241,7 @@ class Client:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
         self._buffer = bytearray(RECEIVE_BYTES)         # frames are received into this, then copied out once
         self._filled = 0
-        self.info, _ = self.call("hello", {"v": VERSION, "token": resolve_token(kind, token)}, {})
+        self.info, _ = self.call("hello", {"v": VERSION, "token": resolve_token(kind, token, environment)}, {})
 
     def _fill(self, count: int) -> None:
         if count > len(self._buffer):
@@ -283,11 +289,7 @@ class Client:
             check_response(notice, request_id)
             raise
         except (OSError, ValueError) as e:       # a timeout or half-read frame leaves the stream unusable
-            self.close()
-            if isinstance(e, (TimeoutError, BlockingIOError)):
-                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
-                                   f"connection closed") from None
-            raise
+            self._lost(op, e)
         try:
             return check_response(frame, request_id)
         except ShuttingDownError:
@@ -321,11 +323,15 @@ class Client:
         try:
             return self._read_frame()
         except (OSError, ValueError) as e:
-            self.close()
-            if isinstance(e, (TimeoutError, BlockingIOError)):
-                raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
-                                   f"connection closed") from None
-            raise
+            self._lost(op, e)
+
+    def _lost(self, op: str, e: Exception):
+        """Close (the stream is out of step) and raise: a timeout as TimeoutError naming `op`, else `e`."""
+        self.close()
+        if isinstance(e, (TimeoutError, BlockingIOError)):
+            raise TimeoutError(f"{op}: no answer from the daemon within {self.timeout} s; "
+                               f"connection closed") from None
+        raise e
 
     def _parting_notice(self) -> Frame | None:
         """The frame a daemon sent before closing this connection, if one is still to be read."""

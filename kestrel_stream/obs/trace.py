@@ -53,11 +53,10 @@ active: "Recorder | None" = None
 class _Span:
     """A host slice (ph X) on the calling thread's row, emitted when it closes."""
 
-    __slots__ = ("rec", "name", "cat", "args", "start_us", "flow_ids")
+    __slots__ = ("rec", "name", "cat", "args", "start_us")
 
     def __init__(self, rec: "Recorder", name: str, cat: str, args: dict):
         self.rec, self.name, self.cat, self.args = rec, name, cat, args
-        self.flow_ids: list[int] = []
 
     def __enter__(self):
         self.start_us = self.rec.now_us()
@@ -175,9 +174,6 @@ class Recorder:
         """Pin device ``device``'s reference event to the host clock (now, unless given)."""
         self.device_pid(device, label)
         self._reference_us[device] = self.now_us() if host_us is None else host_us
-
-    def has_reference(self, device: int = 0) -> bool:
-        return device in self._reference_us
 
     def launch(self, stream: str, name: str, *, device: int = 0, host_start_us: float | None = None,
                cat: str = "kernel", **args) -> int:

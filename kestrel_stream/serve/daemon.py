@@ -266,7 +266,7 @@ class Daemon:
         scope.cancel()
 
 
-async def serve(engine, args) -> int:
+async def serve(engine, args, environment) -> int:
     from scheduler.batcher import StepBatcher
     from kestrel_stream.serve.service import Service
     from kestrel_stream.serve.traces import DaemonTraces, prepare_trace_dir
@@ -274,8 +274,8 @@ async def serve(engine, args) -> int:
     http = http_server(args)
     limits = limits_from_args(args)
     uses_runtime_dir = not args.trace_dir or not (args.socket or args.tcp)
-    made_dir = make_runtime_dir() if uses_runtime_dir else None     # removed at exit, once empty
-    traces = DaemonTraces(prepare_trace_dir(args.trace_dir), limits.trace_max_events)
+    made_dir = make_runtime_dir(environment.runtime_dir) if uses_runtime_dir else None     # removed at exit, once empty
+    traces = DaemonTraces(prepare_trace_dir(args.trace_dir, environment.runtime_dir), limits.trace_max_events)
     batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3,
                            step_tokens=args.step_tokens)
     service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3,
@@ -286,13 +286,13 @@ async def serve(engine, args) -> int:
         host = host.strip("[]") or "127.0.0.1"
         if host not in ("127.0.0.1", "localhost", "::1"):
             log(f"WARNING: listening on {host}, which is not loopback; anyone with the token can connect")
-        token_path = Path(args.token_file) if args.token_file else default_token_path()
-        daemon = Daemon(engine, service, load_token(args, token_path), limits)
+        token_path = Path(args.token_file) if args.token_file else default_token_path(environment.runtime_dir)
+        daemon = Daemon(engine, service, load_token(args, token_path, environment.token), limits)
         listener = await anyio.create_tcp_listener(local_host=host, local_port=int(port))
         bound = listener.listeners[0].extra(anyio.abc.SocketAttribute.local_address)
         where = f"tcp:{bound[0]}:{bound[1]} (token required)"
     else:
-        socket_path = Path(args.socket) if args.socket else default_socket_path()
+        socket_path = Path(args.socket) if args.socket else default_socket_path(environment.runtime_dir)
         prepare_socket_path(socket_path)
         with private_umask():
             listener = await anyio.create_unix_listener(socket_path, mode=0o600)
@@ -340,8 +340,10 @@ async def serve(engine, args) -> int:
     return 0
 
 
-def run_daemon(args) -> int:
-    """Load the model, log what was loaded, and serve until SIGINT/SIGTERM."""
+def run_daemon(args, environment) -> int:
+    """Load the model, log what was loaded, and serve until SIGINT/SIGTERM.
+
+    environment: the process's Environment (socket directory, token), read by the CLI."""
     import kestrel_stream as ks
     check_serve_args(args)
     from kestrel_stream.serve.http.server import http_options
@@ -362,6 +364,6 @@ def run_daemon(args) -> int:
     if engine.executor.preload_line:
         log(engine.executor.preload_line)
     try:
-        return anyio.run(serve, engine, args)
+        return anyio.run(serve, engine, args, environment)
     finally:
         engine.close()

@@ -15,7 +15,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from kestrel_stream.serve.protocol import DaemonError
+from kestrel_stream.serve.protocol import DaemonError, check_private
 
 
 def log(message: str) -> None:
@@ -54,21 +54,17 @@ def prepare_socket_path(path: Path) -> None:
     raise DaemonError(f"{path}: another daemon is already listening there")
 
 
-def load_token(args, token_path: Path) -> str:
-    """$KESTREL_TOKEN, else the token file's (kept private), else a new one written there.
+def load_token(args, token_path: Path, env_token: str | None) -> str:
+    """--token, else $KESTREL_TOKEN (`env_token`), else the token file's (kept private), else a new one written there.
 
     ``--token`` still works, but every user can read it in /proc/PID/cmdline."""
     if args.token:
         log("WARNING: --token is visible to every user in /proc/<pid>/cmdline; use --token-file or $KESTREL_TOKEN")
         return args.token
-    token = os.environ.get("KESTREL_TOKEN")
-    if token:
-        return token
+    if env_token:
+        return env_token
     if args.token_file and token_path.exists():
-        info = token_path.stat()
-        if info.st_uid != os.getuid() or info.st_mode & 0o077:
-            raise PermissionError(f"--token-file {token_path}: must be owned by uid {os.getuid()} with mode 0600 "
-                                  f"(it is uid {info.st_uid}, mode {info.st_mode & 0o777:o})")
+        check_private(token_path, f"--token-file {token_path}", "0600")
         token = token_path.read_text().strip()
         if not token:
             raise ValueError(f"--token-file {token_path} is empty")

@@ -217,15 +217,6 @@ def parse_array_spec(spec, where: str) -> tuple[str, np.dtype, tuple[int, ...]]:
     return name, DTYPES[dtype], tuple(shape)
 
 
-def decode_frame(data: bytes, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Frame:
-    """A whole frame from bytes (tests and tools; sockets read prefix, header, payload in turn)."""
-    header_bytes, payload_bytes = parse_prefix(data[:PREFIX_BYTES], max_frame_bytes)
-    if len(data) != PREFIX_BYTES + header_bytes + payload_bytes:
-        raise ProtocolError(f"frame: prefix announces {PREFIX_BYTES + header_bytes + payload_bytes} bytes, "
-                            f"got {len(data)}", fatal=True)
-    return parse_body(data[PREFIX_BYTES:PREFIX_BYTES + header_bytes], data[PREFIX_BYTES + header_bytes:])
-
-
 def error_header(request_id, err: BaseException) -> dict:
     code = getattr(err, "code", DaemonError.code)
     return {"id": request_id, "ok": False, "code": code, "message": str(err) or type(err).__name__}
@@ -236,17 +227,18 @@ SOCKET_NAME = "kestrel-stream.sock"
 TOKEN_NAME = "kestrel-stream.token"
 
 
-def fallback_runtime_dir() -> Path | None:
-    """$TMPDIR/kestrel-<uid>/ (/tmp/kestrel-<uid>/ without $TMPDIR) when $XDG_RUNTIME_DIR is unset or not
-    a directory, else None."""
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    return None if xdg and os.path.isdir(xdg) else Path(tempfile.gettempdir()) / f"kestrel-{os.getuid()}"
+def fallback_runtime_dir(xdg_runtime_dir: Path | None) -> Path | None:
+    """$TMPDIR/kestrel-<uid>/ (/tmp/kestrel-<uid>/ without $TMPDIR) when $XDG_RUNTIME_DIR (Environment.runtime_dir)
+    is unset or not a directory, else None."""
+    if xdg_runtime_dir and xdg_runtime_dir.is_dir():
+        return None
+    return Path(tempfile.gettempdir()) / f"kestrel-{os.getuid()}"
 
 
-def make_runtime_dir() -> Path | None:
+def make_runtime_dir(xdg_runtime_dir: Path | None) -> Path | None:
     """Make the fallback directory if it is the one in use and missing; return it when this call made it
     (the daemon then removes it at exit, once empty)."""
-    path = fallback_runtime_dir()
+    path = fallback_runtime_dir(xdg_runtime_dir)
     if path is None or path.exists():
         return None
     try:
@@ -256,22 +248,27 @@ def make_runtime_dir() -> Path | None:
     return path
 
 
-def runtime_dir() -> Path:
+def runtime_dir(xdg_runtime_dir: Path | None) -> Path:
     """A directory only this user can enter: $XDG_RUNTIME_DIR, else $TMPDIR/kestrel-<uid>/ (made 0700)."""
-    path = fallback_runtime_dir()
+    path = fallback_runtime_dir(xdg_runtime_dir)
     if path is None:
-        return Path(os.environ["XDG_RUNTIME_DIR"])
+        return xdg_runtime_dir
     path.mkdir(mode=0o700, exist_ok=True)
-    info = path.stat()
-    if info.st_uid != os.getuid() or info.st_mode & 0o077:
-        raise PermissionError(f"{path} must be owned by uid {os.getuid()} with mode 0700 "
-                              f"(it is uid {info.st_uid}, mode {info.st_mode & 0o777:o})")
+    check_private(path, str(path), "0700")
     return path
 
 
-def default_socket_path() -> Path:
-    return runtime_dir() / SOCKET_NAME
+def check_private(path: Path, what: str, mode: str) -> None:
+    """`path` (`what` in the message) must be this user's, with no bits for group or others."""
+    info = path.stat()
+    if info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{what}: must be owned by uid {os.getuid()} with mode {mode} "
+                              f"(it is uid {info.st_uid}, mode {info.st_mode & 0o777:o})")
 
 
-def default_token_path() -> Path:
-    return runtime_dir() / TOKEN_NAME
+def default_socket_path(xdg_runtime_dir: Path | None) -> Path:
+    return runtime_dir(xdg_runtime_dir) / SOCKET_NAME
+
+
+def default_token_path(xdg_runtime_dir: Path | None) -> Path:
+    return runtime_dir(xdg_runtime_dir) / TOKEN_NAME

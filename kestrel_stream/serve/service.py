@@ -24,7 +24,8 @@ import numpy as np
 from scheduler.batcher import StepBatcher
 
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
-from kestrel_stream.serve.decode_steps import DecodeJob, DecodeSteps, PrefillJob, SendFromStep
+from kestrel_stream.serve.decode_steps import DecodeSteps
+from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
 from kestrel_stream.serve.protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
@@ -226,32 +227,33 @@ class Service:
         return {"stats": self.stats()}, {}
 
     async def op_trace_start(self, conn, header, arrays):
-        trace = tracer()
-        if trace is None or self.traces is None:
-            raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
+        trace = self.trace_module()
         path = await self.steps.run(self.traces.start, conn, header.get("path"), trace)
         return {"path": str(path)}, {}
 
     async def op_trace_stop(self, conn, header, arrays):
+        trace = self.trace_module()
+        written = await self.steps.run(self.traces.stop, conn, trace)
+        return {"path": str(written) if written is not None else None}, {}
+
+    def trace_module(self):
+        """The trace module for trace_start/trace_stop; UnavailableError in a build without it."""
         trace = tracer()
         if trace is None or self.traces is None:
             raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
-        written = await self.steps.run(self.traces.stop, conn, trace)
-        return {"path": str(written) if written is not None else None}, {}
+        return trace
 
     # -- steps -----------------------------------------------------------------------
     async def prefill(self, session: Session, ids: np.ndarray, want: str, k: int) -> PrefillJob:
         """A prompt, in chunks beside other sessions' decodes as the batcher chooses; the handler answers."""
-        job = PrefillJob(session, ids, want, k)
-        self.steps.submit(job)
-        await job.wait()
-        if job.error is not None:
-            raise job.error
-        return job
+        return await self.run_job(PrefillJob(session, ids, want, k))
 
     async def decode(self, session: Session, token: int, want: str, k: int) -> DecodeJob:
         """One decode step, batched with other sessions' steps; the handler answers."""
-        job = DecodeJob(session, token, want, k)
+        return await self.run_job(DecodeJob(session, token, want, k))
+
+    async def run_job(self, job):
+        """Submit a step job to the batcher and wait for it; its error is raised here."""
         self.steps.submit(job)
         await job.wait()
         if job.error is not None:

@@ -37,9 +37,9 @@ class CappedEvents(list):
             self.dropped += 1
 
 
-def prepare_trace_dir(path: str | None) -> Path:
+def prepare_trace_dir(path: str | None, xdg_runtime_dir: Path | None) -> Path:
     """--trace-dir, made 0700 if missing; by default a private dir beside the daemon's socket."""
-    directory = Path(path) if path else runtime_dir() / DEFAULT_DIR_NAME
+    directory = Path(path) if path else runtime_dir(xdg_runtime_dir) / DEFAULT_DIR_NAME
     directory.mkdir(mode=0o700, parents=bool(path), exist_ok=True)
     info = os.lstat(directory)
     if not os.path.isdir(directory) or info.st_uid != os.getuid():

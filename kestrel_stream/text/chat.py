@@ -4,8 +4,6 @@ from __future__ import annotations
 from datetime import datetime
 from functools import lru_cache
 
-ROLES = ("system", "user", "assistant", "tool")
-
 
 class ChatTemplateError(ValueError):
     """A template that fails to compile or raises while rendering (raise_exception)."""

@@ -72,21 +72,20 @@ class Generation:
     def _next_tokens(self, s, token: int, budget: int, chunk: int) -> list[int]:
         """The tokens after `token`: a chained chunk (greedy on gpu) or one step."""
         engine, params, step = self.engine, self.params, len(self.tokens)
-        if params.greedy and not params.penalized:
-            if engine.chain_greedy and budget > 1 and trace.active is None:
-                chained = engine._generate_chained(s, token, min(budget, chunk))
-                if chained is not None:
-                    return chained
-            return [s.decode_greedy(token)]
-        if not params.penalized:
-            if engine.chain_greedy and budget > 1 and trace.active is None:
-                from kestrel_stream.run.device_sampler import pack_state
-                chained = engine._generate_chained(s, token, min(budget, chunk),
-                                                   sample=pack_state(params, self.seed, step))
-                if chained is not None:
-                    return chained
-            return [s.decode_sample(token, params, self.seed, step)]
-        return [self.pick(s.decode(token), step)]
+        if params.penalized:            # the penalties need the history: logits back, sampled on the host
+            return [self.pick(s.decode(token), step)]
+        if engine.chain_greedy and budget > 1 and trace.active is None:
+            chained = engine._generate_chained(s, token, min(budget, chunk), sample=self._device_state(step))
+            if chained is not None:
+                return chained
+        return [s.decode_greedy(token) if params.greedy else s.decode_sample(token, params, self.seed, step)]
+
+    def _device_state(self, step: int):
+        """The device sampler's state row for a sampled chain; None for a greedy one."""
+        if self.params.greedy:
+            return None
+        from kestrel_stream.run.device_sampler import pack_state     # the CUDA driver: for sampled chains only
+        return pack_state(self.params, self.seed, step)
 
     def pieces(self):
         """Run the generation, yielding a Piece per token; `result` is set when it ends."""
