@@ -12,6 +12,7 @@ import hmac
 import time
 from contextlib import aclosing
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -39,25 +40,31 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, status = scope["path"], [500]
+        path, status, left = scope["path"], [None], [False]
 
         async def send_counted(message):
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
             await send(message)
+
+        async def receive_noted():
+            message = await receive()
+            left[0] = left[0] or message["type"] == "http.disconnect"
+            return message
         try:
             refusal = self.refusal(scope, path)
             if refusal is not None:
-                return await refusal.response()(scope, receive, send_counted)
+                return await refusal.response()(scope, receive_noted, send_counted)
             if path not in GENERATING:
-                return await self.app(scope, receive, send_counted)
+                return await self.app(scope, receive_noted, send_counted)
             self.running += 1
             try:
-                await self.app(scope, receive, send_counted)
+                await self.app(scope, receive_noted, send_counted)
             finally:
                 self.running -= 1
         finally:
-            self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(status[0])).inc()
+            code = status[0] or (CLIENT_LEFT if left[0] else 500)
+            self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(code)).inc()
 
     def refusal(self, scope, path: str) -> APIError | None:
         if self.api_key is not None and path not in OPEN_PATHS:
@@ -77,6 +84,17 @@ class Gate:
 
 
 KNOWN_PATHS = GENERATING + ("/v1/models", "/health", "/metrics")
+CLIENT_LEFT = 499           # the status /metrics counts for a client that left before its answer (as nginx logs it)
+
+
+class Gone(Response):
+    """The answer to a client that left before it: nothing to send, the connection is closed already."""
+
+    def __init__(self):
+        super().__init__(status_code=CLIENT_LEFT)
+
+    async def __call__(self, scope, receive, send) -> None:
+        return None
 
 
 class API:
@@ -127,16 +145,38 @@ class API:
         if parsed.stream:
             return StreamingResponse(self.stream(generation, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        outs = []
-        try:
-            async with aclosing(generation.run()) as tokens:
-                async for out in tokens:
-                    outs.append(out)
-        except APIError as e:
-            return e.response()
-        finally:
-            self.account(generation)
+        outs = await self.collect(generation, request.receive)
+        if outs is None:
+            return Gone()
+        if isinstance(outs, APIError):
+            return outs.response()
         return JSONResponse(shape.complete(outs))
+
+    async def collect(self, generation: HttpGeneration, receive) -> list | APIError | None:
+        """Every token of a whole (not streamed) answer; None when the client left first.
+
+        Nothing is sent until the end, so only the ASGI ``http.disconnect`` tells that the client is gone; it is
+        awaited beside the generation, which is then cancelled: its session closes at once (HttpGeneration.run's
+        ``finally``) instead of running on to max_tokens for nobody."""
+        outs: list = []
+        result: list | APIError | None = None
+        async with anyio.create_task_group() as group:
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass                            # the body was read whole before: nothing else should come
+                group.cancel_scope.cancel()
+            group.start_soon(watch)
+            try:
+                async with aclosing(generation.run()) as tokens:
+                    async for out in tokens:
+                        outs.append(out)
+                result = outs
+            except APIError as e:
+                result = e
+            finally:
+                self.account(generation)
+                group.cancel_scope.cancel()         # the watcher, once the answer is whole
+        return result
 
     async def stream(self, generation: HttpGeneration, shape: Shape):
         usage = generation.request.include_usage
