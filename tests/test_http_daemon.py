@@ -3,9 +3,11 @@ gives them, the start-up checks of --http and the key, the concurrency limit, an
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from daemon_helpers import ENV
@@ -96,6 +98,7 @@ def test_key_file_concurrency_limit_and_shutdown_mid_stream(model, tmp_path):
                 assert next(line for line in lines if line.startswith("data: {"))
                 second = http.post(d.base_url + "/completions", json={**body, "stream": False})
                 assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_requests"
+                assert second.headers["Retry-After"] == "1"
                 d.proc.send_signal(signal.SIGTERM)          # shutdown while the stream runs
                 rest = list(lines)
             assert "data: [DONE]" in rest          # the running stream ended whole
@@ -104,3 +107,35 @@ def test_key_file_concurrency_limit_and_shutdown_mid_stream(model, tmp_path):
         assert "stopped" in log and "Traceback" not in log
     finally:
         d.stop()
+
+
+def test_requests_at_once_are_capped_and_a_trickling_body_times_out(model, tmp_path):
+    """--http-max-concurrent 1: a request whose body has not all arrived holds the one place, so another path
+    gets 503 with Retry-After (/health still answers); --http-body-timeout-s ends the trickle with 408."""
+    d = HttpDaemon(model, tmp_path, "--served-model-name", "m", "--http-max-concurrent", "1",
+                   "--http-body-timeout-s", "1")
+    base = d.base_url.removesuffix("/v1")
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as slow:
+            slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"model\": ")
+            deadline = time.monotonic() + 10
+            while (busy := httpx.get(d.base_url + "/models", timeout=10)).status_code == 200:
+                assert time.monotonic() < deadline, "the trickling request never held its place"
+                time.sleep(0.02)
+            assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"
+            assert busy.json()["error"]["code"] == "server_overloaded" and "--http-max-concurrent 1" in busy.text
+            assert httpx.get(base + "/health", timeout=10).json() == {"status": "ok"}
+            answer = b""
+            while b"request_timeout" not in answer and (part := slow.recv(4096)):
+                answer += part
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+        deadline = time.monotonic() + 10
+        while httpx.get(d.base_url + "/models", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the place stayed taken after the 408"
+            time.sleep(0.02)
+        text = httpx.get(base + "/metrics", timeout=10).text
+        assert 'kestrel_http_requests_total{path="/v1/completions",status="408"} 1.0' in text
+    finally:
+        assert d.stop() == 0

@@ -21,7 +21,7 @@ import numpy as np
 
 from kestrel_stream.errors import CapacityError, KestrelError
 from kestrel_stream.serve.decode_steps import DecodeJob
-from kestrel_stream.serve.http.errors import APIError
+from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.requests import TextRequest
 from kestrel_stream.serve.service import Connection
 from kestrel_stream.text.chat import ChatTemplateError
@@ -92,7 +92,7 @@ class HttpGeneration:
         try:
             await service.op_open(conn, {"max_seq_len": len(self.ids) + self.max_tokens}, {})
         except CapacityError as e:
-            raise APIError(429, str(e), "server_error", code="capacity") from None
+            raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
         session = next(iter(conn.sessions.values()))
         try:
             job = await service.prefill(session, np.asarray(self.ids, np.int64), self.want, 1)
