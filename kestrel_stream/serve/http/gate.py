@@ -32,11 +32,15 @@ class Gate:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        path, status, left = scope["path"], [None], [False]
+        path, counted, left = scope["path"], [False], [False]
+
+        def count(status: int) -> None:
+            counted[0] = True
+            self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()
 
         async def send_counted(message):
             if message["type"] == "http.response.start":
-                status[0] = message["status"]
+                count(message["status"])        # before the client can see it: a scrape after agrees with it
             await send(message)
 
         async def receive_noted():
@@ -58,8 +62,8 @@ class Gate:
                 self.handling -= 1
                 self.running -= generating
         finally:
-            code = status[0] or (CLIENT_LEFT if left[0] else 500)
-            self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(code)).inc()
+            if not counted[0]:
+                count(CLIENT_LEFT if left[0] else 500)
 
     def refusal(self, scope, path: str) -> APIError | None:
         if path in OPEN_PATHS:
