@@ -22,9 +22,14 @@ MODEL = "tiny-chat"
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+def model(tmp_path_factory):
+    return chat_model(tmp_path_factory.mktemp("http-model") / "model")
+
+
+@pytest.fixture(scope="module")
+def daemon(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
-    d = HttpDaemon(chat_model(tmp / "model"), tmp, "--served-model-name", MODEL, "--http-max-body-kb", "64",
+    d = HttpDaemon(model, tmp, "--served-model-name", MODEL, "--http-max-body-kb", "64",
                    env={**__import__("daemon_helpers").ENV, "KESTREL_API_KEY": KEY})
     yield d
     assert d.stop() == 0
@@ -257,6 +262,24 @@ def test_concurrent_streaming_chats_equal_solo_runs(daemon):
     solo, together, mean_before = asyncio.run(main())
     assert together == solo and len(set(solo)) > 1
     assert metric(raw(daemon, "GET", "/metrics").text, "kestrel_mean_batch") > mean_before
+
+
+def test_chats_sharing_a_system_prompt_reuse_its_kv_and_keep_their_texts(daemon, client, model):
+    """The second chat's prompt starts with the first's system turn: its blocks come from the prefix cache
+    (counted in /metrics) and its text is still the one Engine.generate gives it alone."""
+    system = {"role": "system", "content": "Answer in one short sentence, and never repeat yourself. " * 4}
+    chats = [[system, {"role": "user", "content": question}] for question in ("first?", "second?")]
+    engine = ks.load(str(model), device="cpu")
+    alone = [engine.generate(messages, max_new_tokens=12).text for messages in chats]
+    engine.close()
+    before = raw(daemon, "GET", "/metrics").text
+    texts = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+             .choices[0].message.content for messages in chats]
+    after = raw(daemon, "GET", "/metrics").text
+    assert texts == alone
+    assert metric(after, "kestrel_prefix_hits_total") == metric(before, "kestrel_prefix_hits_total") + 1
+    reused = metric(after, "kestrel_prefix_reused_tokens_total") - metric(before, "kestrel_prefix_reused_tokens_total")
+    assert reused >= len(system["content"]) - 32     # the system turn, whole blocks of it (byte tokens)
 
 
 def test_metrics_count_requests_and_tokens(daemon, client):
