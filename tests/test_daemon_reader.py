@@ -7,23 +7,16 @@ import sys
 import time
 
 import numpy as np
-import pytest
 from daemon_helpers import ENV, DaemonProcess, raw_connect, read_frame, solo_tokens
 
 import kestrel_stream as ks
 from kestrel_stream.serve import protocol as wire
 
 
-@pytest.fixture(scope="module")
-def daemon(tiny_model, tmp_path_factory):
-    """conftest's daemon, but a lone session's decode step counts as short up to 1 s, not 2 ms: on a loaded
-    machine a tiny model's step can take over 2 ms, which turns the shortcut off by design (it is a latency policy
-    of the measured step time), and the tests here are of the shortcut itself."""
-    where = tmp_path_factory.mktemp("daemon")
-    proc = DaemonProcess(tiny_model, where / "serve.log", "--socket", str(where / "ks.sock"),
-                         "--max-seq-len", "128", "--inline-max-ms", "1000")
-    yield proc
-    assert proc.stop() == 0, (where / "serve.log").read_text()
+# A lone session's decode step counts as short up to 1 s, not 2 ms: on a loaded machine a tiny model's step can
+# take over 2 ms, which turns the shortcut off by design (a latency policy of the measured step time, tested in
+# test_step_thread.py); the tests here are of the shortcut itself.
+DAEMON_FLAGS = ("--inline-max-ms", "1000")
 
 
 def test_frames_that_arrive_in_pieces_are_answered_whole_and_in_order(daemon, daemon_engine):
@@ -90,8 +83,8 @@ def test_a_lone_clients_steps_run_on_the_reader_thread_with_its_solo_tokens(daem
 
 
 def test_inline_steps_and_spinning_can_be_turned_off(tiny_model, daemon_engine, tmp_path):
-    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
-                         "--max-seq-len", "128", "--inline-max-ms", "0", "--spin-us", "0")
+    proc = DaemonProcess.on_socket(tiny_model, tmp_path, "--max-seq-len", "128", "--inline-max-ms", "0",
+                                   "--spin-us", "0")
     try:
         with ks.Client(proc.address) as client, client.new_session() as s:
             tokens = [s.prefill([2, 7], want="token")]
