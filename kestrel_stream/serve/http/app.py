@@ -25,6 +25,7 @@ from kestrel_stream.serve.http.requests import parse_request
 from kestrel_stream.serve.http.responses import DONE, Shape, sse
 from kestrel_stream.serve.json_limits import JSONLimitError, load_limited
 
+
 class Gone(Response):
     """The answer to a client that left before it: nothing to send, the connection is closed already."""
 
