@@ -45,7 +45,8 @@ from kestrel_stream.cli.bench import environment  # noqa: E402
 from kestrel_stream.loading.presets import ensure_preset  # noqa: E402
 from kestrel_stream.serve.protocol import PREFIX_BYTES, encode_frame, parse_body, parse_prefix  # noqa: E402
 
-from .daemon_latency import BLOCK, BLOCK_WARMUP, PROMPT, parse_daemon_sources, start_daemon, stop_daemon  # noqa: E402
+from .daemon_latency import BLOCK, BLOCK_WARMUP, PROMPT, parse_daemon_sources, start_daemon  # noqa: E402
+from .daemons import stop_daemon  # noqa: E402
 from .report import write_results  # noqa: E402
 
 MAX_SEQ_LEN = 256

@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -37,25 +34,19 @@ import kestrel_stream as ks  # noqa: E402
 from kestrel_stream.cli.bench import environment  # noqa: E402
 from kestrel_stream.loading.presets import ensure_preset  # noqa: E402
 
+from . import daemons  # noqa: E402
+from .daemons import add_daemon_args, client_counts, clients_round, result_name, stop_daemon  # noqa: E402
 from .report import write_results  # noqa: E402
 
 PROMPT = [1, 2, 3, 4]
 
 
-def start_daemon(model, args, socket_path: Path, max_batch: int, source: str | None = None) -> subprocess.Popen:
+def start_daemon(model, args, socket_path: Path, max_batch: int, source: str | None = None):
     """`kestrel-stream serve` on socket_path; ``source``: run the package from that source tree instead."""
-    log = open(socket_path.with_suffix(f".b{max_batch}.log"), "w")
-    env = dict(os.environ, PYTHONPATH=source) if source else None
-    proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model), "--device",
-                             args.device, "--mode", args.mode, "--socket", str(socket_path), "--max-batch",
-                             str(max_batch), "--max-sessions", str(max(args.client_counts, default=1) + 4),
-                             "--max-seq-len", str(args.max_seq_len)], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=source)
-    deadline = time.monotonic() + 600
-    while "listening on" not in Path(log.name).read_text():     # the socket file exists a moment before it listens
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"daemon did not start: {Path(log.name).read_text()}")
-        time.sleep(0.05)
+    proc, _ = daemons.start_daemon(model, socket_path.with_suffix(f".b{max_batch}.log"), "--device", args.device,
+                                   "--mode", args.mode, "--socket", str(socket_path), "--max-batch", str(max_batch),
+                                   "--max-sessions", str(max(args.client_counts, default=1) + 4),
+                                   "--max-seq-len", str(args.max_seq_len), source=source)
     return proc
 
 
@@ -68,12 +59,6 @@ def parse_daemon_sources(parser, specs: list[str]) -> list[tuple[str, str]]:
             parser.error(f"--daemon {spec!r}: expected LABEL=DIR with DIR/kestrel_stream in it")
         daemons.append((label, str(Path(source).resolve())))
     return daemons
-
-
-def stop_daemon(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    if proc.wait(60) != 0:
-        raise RuntimeError(f"daemon exited {proc.returncode}")
 
 
 BLOCK = 20              # calls of one kind in a row; kinds take turns block by block
@@ -183,28 +168,9 @@ def repeated_latency_rows(engine, model, args, socket_path: Path) -> list[dict]:
 
 
 async def aggregate_tok_s(socket_path: Path, clients: int, tokens: int) -> float:
-    ready = anyio.Event()
-    started = [0]
-
-    async def one(i: int) -> None:
-        async with ks.AsyncClient(str(socket_path)) as client:
-            async with await client.new_session() as s:
-                token = await s.prefill([i % 7 + 1, 2, 3], want="token")
-                started[0] += 1
-                if started[0] == clients:
-                    ready.set()
-                await ready.wait()             # every client is prefilled before the clock starts
-                for _ in range(tokens):
-                    token = await s.decode(token, want="token")
-                finished.append(time.perf_counter())
-
-    finished: list[float] = []
-    async with anyio.create_task_group() as tg:
-        for i in range(clients):
-            tg.start_soon(one, i)
-        await ready.wait()
-        t0 = time.perf_counter()
-    return clients * tokens / (max(finished) - t0)
+    """Decode tok/s of ``clients`` sessions together, timed once every one has prefilled its prompt."""
+    prompts = [[i % 7 + 1, 2, 3] for i in range(clients)]
+    return (await clients_round(socket_path, prompts, tokens, prefill_first=True))["tok_s"]
 
 
 def throughput_rows(model, args, socket_path: Path) -> list[dict]:
@@ -230,23 +196,16 @@ def throughput_rows(model, args, socket_path: Path) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: make --preset)")
-    parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--mode", default="auto")
+    add_daemon_args(parser, clients="1,4,16,32")
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--clients", default="1,4,16,32")
     parser.add_argument("--tokens", type=int, default=200, help="decode steps per client in the throughput runs")
-    parser.add_argument("--max-batch", type=int, default=32)
     parser.add_argument("--max-seq-len", type=int, default=256)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--label", default="", help="appended to the result file name (e.g. the machine)")
     parser.add_argument("--repeat", type=int, default=1,
                         help="latency runs, each with a newly started daemon; medians over runs are added")
     parser.add_argument("--daemon", action="append", default=[], metavar="LABEL=DIR", dest="daemon_sources",
                         help="also measure the latency of the daemon served from source tree DIR, in turns")
     args = parser.parse_args()
-    args.client_counts = [int(c) for c in args.clients.split(",")] if args.clients else []
+    args.client_counts = client_counts(parser, args)
     args.daemons = parse_daemon_sources(parser, args.daemon_sources)
     model = args.model or ensure_preset(args.preset)
     engine = ks.load(model, device=args.device, mode=args.mode, max_seq_len=args.max_seq_len)
@@ -258,9 +217,7 @@ def main() -> None:
         rows += throughput_rows(model, args, socket_path) if args.client_counts else []
     env = environment()
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
-    name = f"daemon-latency-{args.model and Path(args.model).name or args.preset}-{device}-{mode}"
-    name += f"-{args.label}" if args.label else ""
-    path = write_results(name, env, [{"device": device, "mode": mode, **row} for row in rows],
+    path = write_results(result_name("daemon-latency", args, device, mode), env, [{"device": device, "mode": mode, **row} for row in rows],
                          ["kind", "device", "mode", "daemon", "run", "want", "inproc_us", "daemon_us", "overhead_us", "paired_overhead_us",
                           "daemon_p90_us", "daemon_step_us", "stats_rtt_us", "overhead_range_us", "clients", "batching", "tok_s", "mean_batch"], out_dir=args.out,
                          notes=f"Unix socket; OPENBLAS_NUM_THREADS={blas}; {os.cpu_count()} cores. Latency: "

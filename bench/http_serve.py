@@ -26,11 +26,7 @@ import argparse
 import asyncio
 import json
 import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -38,33 +34,24 @@ from pathlib import Path
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")     # before numpy loads, here and in the daemon
 
 import httpx  # noqa: E402
-import numpy as np  # noqa: E402
 
 from kestrel_stream.cli.bench import environment  # noqa: E402
 from kestrel_stream.loading.presets import ensure_preset  # noqa: E402
 
+from . import daemons  # noqa: E402
+from .daemons import (add_daemon_args, client_counts, daemon_vocab_size, percentile, random_prompts,  # noqa: E402
+                      result_name, stop_daemon)
 from .report import write_results  # noqa: E402
-from .serve import daemon_vocab_size, percentile  # noqa: E402
 
 
-def start_daemon(model, args, tmp: Path) -> tuple[subprocess.Popen, str]:
+def start_daemon(model, args, tmp: Path):
     """``serve --http 127.0.0.1:0`` and the base URL it logs."""
-    log_path = tmp / "daemon.log"
-    log = open(log_path, "w")
-    proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(model),
-                             "--device", args.device, "--mode", args.mode, "--socket", str(tmp / "ks.sock"),
-                             "--http", "127.0.0.1:0", "--served-model-name", "bench",
-                             "--max-batch", str(args.max_batch), "--max-sessions", str(max(args.client_counts) + 4),
-                             "--max-seq-len", str(args.prompt_tokens + args.new_tokens + 8)],
-                            stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while True:
-        found = re.search(r"http listening on (http://\S+/v1)", log_path.read_text())
-        if found:
-            return proc, found.group(1)
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"daemon did not start: {log_path.read_text()}")
-        time.sleep(0.05)
+    return daemons.start_daemon(model, tmp / "daemon.log", "--device", args.device, "--mode", args.mode,
+                                "--socket", str(tmp / "ks.sock"), "--http", "127.0.0.1:0",
+                                "--served-model-name", "bench", "--max-batch", str(args.max_batch),
+                                "--max-sessions", str(max(args.client_counts) + 4),
+                                "--max-seq-len", str(args.prompt_tokens + args.new_tokens + 8),
+                                listening=r"http listening on (http://\S+/v1)")
 
 
 async def model_name(http: httpx.AsyncClient, base_url: str) -> str:
@@ -94,10 +81,9 @@ async def one_request(http: httpx.AsyncClient, base_url: str, body: dict) -> tup
 
 
 async def round_of(base_url: str, model: str, clients: int, args, vocab: int, seed: int) -> dict:
-    rng = np.random.default_rng(seed)
-    bodies = [{"model": model, "prompt": rng.integers(0, vocab, args.prompt_tokens).tolist(),
-               "max_tokens": args.new_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-               "stream_options": {"include_usage": True}} for _ in range(clients)]
+    bodies = [{"model": model, "prompt": prompt.tolist(), "max_tokens": args.new_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+              for prompt in random_prompts(vocab, clients, args.prompt_tokens, seed)]
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as http:
@@ -137,27 +123,20 @@ def main() -> None:
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key ($OPENAI_API_KEY)")
     parser.add_argument("--vocab-size", type=int, default=None, help="prompt ids are drawn below it (with "
                                                                      "--base-url; else the model's)")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--model", default=None, help="checkpoint directory or .gguf (default: make --preset)")
-    parser.add_argument("--device", default="cpu", choices=["auto", "cpu", "cuda"])
-    parser.add_argument("--mode", default="auto")
-    parser.add_argument("--max-batch", type=int, default=32)
-    parser.add_argument("--clients", default="1,16,32")
+    add_daemon_args(parser)
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--label", default="", help="appended to the result file name (e.g. the machine)")
     args = parser.parse_args()
-    args.client_counts = [int(c) for c in args.clients.split(",")]
-    if min(args.client_counts) < 1 or args.prompt_tokens < 1 or args.new_tokens < 1:
+    args.client_counts = client_counts(parser, args)
+    if not args.client_counts or args.prompt_tokens < 1 or args.new_tokens < 1:
         parser.error("--clients, --prompt-tokens and --new-tokens must be >= 1")
     if args.base_url:
         if args.vocab_size is None:
             parser.error("--base-url needs --vocab-size (prompt ids are drawn below it)")
         args.server = args.base_url
         rows = rows_at(args.base_url.rstrip("/"), args, args.vocab_size)
-        name = f"http-serve-{args.served_model or 'endpoint'}"
+        name = "-".join(["http-serve", args.served_model or "endpoint"] + ([args.label] if args.label else []))
     else:
         model = args.model or ensure_preset(args.preset)
         args.server = "kestrel-stream"
@@ -167,11 +146,8 @@ def main() -> None:
                 vocab = args.vocab_size or daemon_vocab_size(Path(tmp) / "ks.sock")
                 rows = rows_at(base_url, args, vocab)
             finally:
-                proc.send_signal(signal.SIGTERM)
-                if proc.wait(60) != 0:
-                    raise RuntimeError(f"daemon exited {proc.returncode}")
-        name = f"http-serve-{args.model and Path(args.model).name or args.preset}-{args.device}"
-    name += f"-{args.label}" if args.label else ""
+                stop_daemon(proc)
+        name = result_name("http-serve", args, args.device)
     path = write_results(name, environment(), rows,
                          ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tokens",
                           "expected_tokens"], out_dir=args.out,

@@ -48,12 +48,12 @@ def daemon_engine(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model, tmp_path_factory):
-    """A `kestrel-stream serve` process on a temp Unix socket, shared by one test module."""
+def daemon(tiny_model, tmp_path_factory, request):
+    """A `kestrel-stream serve` process on a temp Unix socket, shared by one test module; a module's
+    ``DAEMON_FLAGS`` (a tuple of serve flags) are added to its daemon's."""
     from daemon_helpers import DaemonProcess
     where = tmp_path_factory.mktemp("daemon")
-    proc = DaemonProcess(tiny_model, where / "serve.log", "--socket", str(where / "ks.sock"),
-                         "--max-seq-len", "128", "--max-sessions", "48",
-                         "--trace-dir", str(where / "traces"))
+    proc = DaemonProcess.on_socket(tiny_model, where, "--max-seq-len", "128", "--max-sessions", "48",
+                                   "--trace-dir", str(where / "traces"), *getattr(request.module, "DAEMON_FLAGS", ()))
     yield proc
     assert proc.stop() == 0, (where / "serve.log").read_text()

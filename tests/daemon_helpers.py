@@ -37,6 +37,11 @@ class DaemonProcess:
                                      env=env or ENV, preexec_fn=preexec_fn)
         self.address = self.wait_for_listen_line()
 
+    @classmethod
+    def on_socket(cls, model, where: Path, *flags: str, **kwargs) -> "DaemonProcess":
+        """``serve --socket WHERE/ks.sock FLAGS...``, logging to WHERE/serve.log."""
+        return cls(model, where / "serve.log", "--socket", str(where / "ks.sock"), *flags, **kwargs)
+
     def wait_for_listen_line(self, timeout_s: float = 60.0) -> str:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -56,6 +61,21 @@ class DaemonProcess:
             return self.proc.wait(timeout_s)
         finally:
             self.log.close()
+
+
+def run_clients(address: str, count: int, one_client) -> dict:
+    """``await one_client(i)`` for i in 0..count-1 all at once (one anyio loop), then the daemon's stats."""
+    import anyio
+
+    import kestrel_stream as ks
+
+    async def all_clients() -> dict:
+        async with anyio.create_task_group() as tg:
+            for i in range(count):
+                tg.start_soon(one_client, i)
+        async with ks.AsyncClient(address) as client:
+            return await client.stats()
+    return anyio.run(all_clients)
 
 
 def raw_connect(path: str, hello: bool = True) -> socket.socket:

@@ -13,7 +13,7 @@ from kestrel_stream.loading.presets import PRESETS, make_model
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
-CONTEXT = 512
+CONTEXT = 2048                  # the engine's default max_seq_len: a generation to its end outlasts a test's disconnect
 
 
 def chat_model(directory: Path) -> Path:

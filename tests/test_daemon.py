@@ -11,7 +11,8 @@ import time
 import anyio
 import numpy as np
 import pytest
-from daemon_helpers import ENV, DaemonProcess, closed_by_peer, frame_bytes, raw_connect, read_frame, solo_tokens
+from daemon_helpers import (ENV, DaemonProcess, closed_by_peer, frame_bytes, raw_connect, read_frame, run_clients,
+                            solo_tokens)
 
 import kestrel_stream as ks
 from kestrel_stream.serve import protocol as wire
@@ -101,8 +102,7 @@ def test_pipelined_requests_are_answered_in_order(daemon, daemon_engine):
 
 def test_a_lone_client_does_not_wait_for_the_batching_window(tiny_model, tmp_path):
     """Only sessions that are decoding hold a batch back; an idle one next to a lone client does not."""
-    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
-                         "--batch-window-ms", "400")
+    proc = DaemonProcess.on_socket(tiny_model, tmp_path, "--batch-window-ms", "400")
     try:
         with ks.Client(proc.address) as client, ks.Client(proc.address) as idle:
             idle.new_session().prefill([1], want="token")
@@ -146,15 +146,8 @@ def test_concurrent_clients_get_their_solo_tokens(daemon, daemon_engine):
                     tokens.append(await s.decode(tokens[-1], want="token"))
                 got[i] = tokens
 
-    async def all_clients() -> dict:
-        async with anyio.create_task_group() as tg:
-            for i in range(CLIENTS):
-                tg.start_soon(one_client, i)
-        async with ks.AsyncClient(daemon.address) as client:
-            return await client.stats()
-
     before = ks.connect(daemon.address).stats()
-    stats = anyio.run(all_clients)
+    stats = run_clients(daemon.address, CLIENTS, one_client)
     assert [got[i] for i in range(CLIENTS)] == expected
     batches = stats["batches"] - before["batches"]
     assert batches < CLIENTS * STEPS / 2, f"{batches} batches: decode steps were not batched"

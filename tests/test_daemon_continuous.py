@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 import numpy as np
 import pytest
-from daemon_helpers import ENV, DaemonProcess
+from daemon_helpers import ENV, DaemonProcess, run_clients
 from solo_reference import solo_runs
 
 import kestrel_stream as ks
@@ -25,8 +25,8 @@ CLIENTS, DECODES = 32, 4
 
 
 def start_daemon(long_tiny_model, where, *flags) -> DaemonProcess:
-    return DaemonProcess(long_tiny_model, where / "serve.log", "--socket", str(where / "ks.sock"), "--max-seq-len",
-                         str(MAX_SEQ_LEN), "--max-sessions", "48", "--step-tokens", str(STEP_TOKENS), *flags)
+    return DaemonProcess.on_socket(long_tiny_model, where, "--max-seq-len", str(MAX_SEQ_LEN), "--max-sessions", "48",
+                                   "--step-tokens", str(STEP_TOKENS), *flags)
 
 
 def vocab_size(model) -> int:
@@ -77,14 +77,7 @@ def test_32_clients_with_prompts_of_1_to_1000_tokens_get_their_solo_tokens(long_
                         tokens.append(await s.decode(tokens[-1], want="token"))
                     got[i] = tokens
 
-        async def all_clients() -> dict:
-            async with anyio.create_task_group() as tg:
-                for i in range(CLIENTS):
-                    tg.start_soon(one_client, i)
-            async with ks.AsyncClient(daemon.address) as client:
-                return await client.stats()
-
-        stats = anyio.run(all_clients)
+        stats = run_clients(daemon.address, CLIENTS, one_client)
     finally:
         assert daemon.stop() == 0, daemon.log_path.read_text()
     # each session alone in process: the prompt's token, decodes, more prompt, decodes

@@ -119,7 +119,7 @@ def test_socket_path_that_is_a_file_or_in_a_symlinked_dir_is_refused(tiny_model,
 
 
 def test_an_idle_client_after_shutdown_gets_the_shutting_down_error(tiny_model, tmp_path):
-    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"))
+    proc = DaemonProcess.on_socket(tiny_model, tmp_path)
 
     async def main():
         client = ks.Client(proc.address)
@@ -138,8 +138,8 @@ def test_an_idle_client_after_shutdown_gets_the_shutting_down_error(tiny_model, 
 def test_running_out_of_file_descriptors_pauses_accepting_and_keeps_serving(tiny_model, tmp_path):
     def few_descriptors():
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
-                         "--max-connections", "1000", "--max-unauthenticated", "1000", preexec_fn=few_descriptors)
+    proc = DaemonProcess.on_socket(tiny_model, tmp_path, "--max-connections", "1000", "--max-unauthenticated", "1000",
+                                   preexec_fn=few_descriptors)
     try:
         with ks.Client(proc.address) as early, early.new_session() as s:
             token = s.prefill([1, 2], want="token")
@@ -173,8 +173,7 @@ def test_running_out_of_file_descriptors_pauses_accepting_and_keeps_serving(tiny
 
 def test_trace_files_stay_in_the_trace_dir_and_each_client_keeps_its_own(tiny_model, tmp_path):
     traces = tmp_path / "traces"
-    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
-                         "--trace-dir", str(traces), "--trace-max-events", "40")
+    proc = DaemonProcess.on_socket(tiny_model, tmp_path, "--trace-dir", str(traces), "--trace-max-events", "40")
     try:
         (traces / "taken.json").write_text("mine")
         with ks.Client(proc.address) as a, ks.Client(proc.address) as b:
@@ -250,8 +249,8 @@ def test_dropped_connections_release_their_buffers(tiny_model, tmp_path):
     if hard < 2200:
         pytest.skip(f"RLIMIT_NOFILE {hard} is below the 1,000 connections of a round")
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2200), hard))
-    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
-                         "--max-connections", "1100", "--max-unauthenticated", "1100")
+    proc = DaemonProcess.on_socket(tiny_model, tmp_path, "--max-connections", "1100",
+                                   "--max-unauthenticated", "1100")
     try:
         half_frames_round(proc.address, 2)           # warm: the allocator's arenas, the first connections
         connections_round(proc.address, 50)

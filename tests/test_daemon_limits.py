@@ -15,9 +15,10 @@ from kestrel_stream.serve import protocol as wire
 @pytest.fixture(scope="module")
 def tight(tiny_model, tmp_path_factory):
     where = tmp_path_factory.mktemp("tight")
-    proc = DaemonProcess(tiny_model, where / "serve.log", "--socket", str(where / "ks.sock"), "--max-seq-len", "128",
-                         "--max-connections", "4", "--max-unauthenticated", "2", "--hello-timeout-s", "0.5",
-                         "--idle-timeout-s", "1.0", "--max-sessions-per-client", "2", "--write-timeout-s", "0.5")
+    proc = DaemonProcess.on_socket(tiny_model, where, "--max-seq-len", "128",
+                                   "--max-connections", "4", "--max-unauthenticated", "2", "--hello-timeout-s", "0.5",
+                                   "--idle-timeout-s", "1.0", "--max-sessions-per-client", "2",
+                                   "--write-timeout-s", "0.5")
     yield proc
     assert proc.stop() == 0, (where / "serve.log").read_text()
 

@@ -11,8 +11,7 @@ PREFIX = [int(t) for t in np.random.default_rng(3).integers(0, 256, 1000)]
 
 
 def test_a_second_client_reuses_the_first_clients_prefix(long_tiny_model, tmp_path):
-    proc = DaemonProcess(long_tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
-                         "--max-seq-len", "1100")
+    proc = DaemonProcess.on_socket(long_tiny_model, tmp_path, "--max-seq-len", "1100")
     engine = ks.load(long_tiny_model, device="cpu", max_seq_len=1100)
     try:
         with ks.Client(proc.address) as first, first.new_session() as s:
@@ -34,8 +33,7 @@ def test_a_second_client_reuses_the_first_clients_prefix(long_tiny_model, tmp_pa
 
 
 def test_prefix_reuse_can_be_turned_off(tiny_model, tmp_path):
-    proc = DaemonProcess(tiny_model, tmp_path / "serve.log", "--socket", str(tmp_path / "ks.sock"),
-                         "--prefix-cache-positions", "0")
+    proc = DaemonProcess.on_socket(tiny_model, tmp_path, "--prefix-cache-positions", "0")
     try:
         with ks.Client(proc.address) as client, client.new_session() as s:
             s.generate(list(range(40)), 2)

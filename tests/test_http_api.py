@@ -6,10 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import socket
+import threading
 import time
 
 import pytest
 from http_helpers import CONTEXT, HttpDaemon, chat_model, metric
+
+import kestrel_stream as ks
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")   # the test extra; absent on a bare GPU machine
 
@@ -18,9 +22,14 @@ MODEL = "tiny-chat"
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory):
+def model(tmp_path_factory):
+    return chat_model(tmp_path_factory.mktemp("http-model") / "model")
+
+
+@pytest.fixture(scope="module")
+def daemon(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
-    d = HttpDaemon(chat_model(tmp / "model"), tmp, "--served-model-name", MODEL, "--http-max-body-kb", "64",
+    d = HttpDaemon(model, tmp, "--served-model-name", MODEL, "--http-max-body-kb", "64",
                    env={**__import__("daemon_helpers").ENV, "KESTREL_API_KEY": KEY})
     yield d
     assert d.stop() == 0
@@ -188,6 +197,53 @@ def test_disconnect_mid_stream_frees_the_session(daemon):
     assert 0 < generated < CONTEXT - 10         # it stopped when the client left, not at max_tokens
 
 
+def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_a_client_leaving_before_a_whole_answer_cancels_it_and_others_run_on(daemon, client):
+    """A non-streaming request's client closes its socket mid-generation: the generation stops there (not at
+    max_tokens), its session is closed, the step thread goes idle, and a stream running beside is undisturbed."""
+    beside_args = dict(model=MODEL, prompt="beside", max_tokens=300, temperature=0, extra_body={"ignore_eos": True})
+    solo = client.completions.create(**beside_args).choices[0].text
+    text = lambda: raw(daemon, "GET", "/metrics").text                   # noqa: E731
+    before = metric(text(), "kestrel_http_completion_tokens_total")
+    body = json.dumps({"model": MODEL, "prompt": "long", "max_tokens": CONTEXT - 10, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    host, port = daemon.base_url.removeprefix("http://").removesuffix("/v1").rsplit(":", 1)
+    beside, got = threading.Event(), {}
+
+    def stream_beside() -> None:
+        chunks = client.completions.create(stream=True, **beside_args)
+        parts = []
+        for chunk in chunks:
+            parts.append(chunk.choices[0].text)
+            beside.set()
+        got["text"] = "".join(parts)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: " + str(len(body)).encode()
+                     + b"\r\n\r\n" + body)
+        wait_for(lambda: metric(text(), "kestrel_sessions") == 1, "the long generation did not start")
+        thread = threading.Thread(target=stream_beside)
+        thread.start()
+        assert beside.wait(10)
+    thread.join(30)
+    assert got["text"] == solo
+    with ks.Client(daemon.address) as sock_client:
+        wait_for(lambda: sock_client.stats()["sessions"] == 0, "the departed client's session stayed open")
+        steps = sock_client.stats()["steps"]
+        time.sleep(0.2)
+        stats = sock_client.stats()
+        assert stats["steps"] == steps and stats["queue_depth"] == 0, "the step thread kept stepping for nobody"
+    generated = metric(text(), "kestrel_http_completion_tokens_total") - before - beside_args["max_tokens"]
+    assert 0 < generated < CONTEXT - 10             # it stopped when its client left, not at max_tokens
+    assert 'kestrel_http_requests_total{path="/v1/completions",status="499"} 1.0' in text()
+
+
 def test_concurrent_streaming_chats_equal_solo_runs(daemon):
     """32 streams at once, batched together (mean batch > 1), each text the same as its chat alone."""
     chats = [[{"role": "user", "content": f"question {i} " + "x" * (i % 7)}] for i in range(32)]
@@ -206,6 +262,24 @@ def test_concurrent_streaming_chats_equal_solo_runs(daemon):
     solo, together, mean_before = asyncio.run(main())
     assert together == solo and len(set(solo)) > 1
     assert metric(raw(daemon, "GET", "/metrics").text, "kestrel_mean_batch") > mean_before
+
+
+def test_chats_sharing_a_system_prompt_reuse_its_kv_and_keep_their_texts(daemon, client, model):
+    """The second chat's prompt starts with the first's system turn: its blocks come from the prefix cache
+    (counted in /metrics) and its text is still the one Engine.generate gives it alone."""
+    system = {"role": "system", "content": "Answer in one short sentence, and never repeat yourself. " * 4}
+    chats = [[system, {"role": "user", "content": question}] for question in ("first?", "second?")]
+    engine = ks.load(str(model), device="cpu")
+    alone = [engine.generate(messages, max_new_tokens=12).text for messages in chats]
+    engine.close()
+    before = raw(daemon, "GET", "/metrics").text
+    texts = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+             .choices[0].message.content for messages in chats]
+    after = raw(daemon, "GET", "/metrics").text
+    assert texts == alone
+    assert metric(after, "kestrel_prefix_hits_total") == metric(before, "kestrel_prefix_hits_total") + 1
+    reused = metric(after, "kestrel_prefix_reused_tokens_total") - metric(before, "kestrel_prefix_reused_tokens_total")
+    assert reused >= len(system["content"]) - 32     # the system turn, whole blocks of it (byte tokens)
 
 
 def test_metrics_count_requests_and_tokens(daemon, client):

@@ -3,9 +3,11 @@ gives them, the start-up checks of --http and the key, the concurrency limit, an
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 from daemon_helpers import ENV
@@ -96,6 +98,7 @@ def test_key_file_concurrency_limit_and_shutdown_mid_stream(model, tmp_path):
                 assert next(line for line in lines if line.startswith("data: {"))
                 second = http.post(d.base_url + "/completions", json={**body, "stream": False})
                 assert second.status_code == 429 and second.json()["error"]["code"] == "too_many_requests"
+                assert second.headers["Retry-After"] == "1"
                 d.proc.send_signal(signal.SIGTERM)          # shutdown while the stream runs
                 rest = list(lines)
             assert "data: [DONE]" in rest          # the running stream ended whole
@@ -104,3 +107,59 @@ def test_key_file_concurrency_limit_and_shutdown_mid_stream(model, tmp_path):
         assert "stopped" in log and "Traceback" not in log
     finally:
         d.stop()
+
+
+def trickle(host: str, port: int) -> socket.socket:
+    """A request whose headers arrived and whose body never ends."""
+    slow = socket.create_connection((host, port), timeout=30)
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: 100\r\n\r\n{\"model\": ")
+    return slow
+
+
+def answered(sock: socket.socket) -> bool:
+    """The daemon has written to (or closed) the socket; nothing is read."""
+    try:
+        sock.setblocking(False)
+        sock.recv(1, socket.MSG_PEEK)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        sock.settimeout(30)
+
+
+def test_requests_at_once_are_capped_and_a_trickling_body_times_out(model, tmp_path):
+    """--http-max-concurrent 1: a request whose body has not all arrived holds the one place, so another path
+    gets 503 with Retry-After (/health still answers); --http-body-timeout-s ends the trickle with 408."""
+    d = HttpDaemon(model, tmp_path, "--served-model-name", "m", "--http-max-concurrent", "1",
+                   "--http-body-timeout-s", "2")
+    base = d.base_url.removesuffix("/v1")
+    host, port = base.removeprefix("http://").rsplit(":", 1)
+    try:
+        with httpx.Client(timeout=30) as http:
+            deadline, trickles, busy = time.monotonic() + 60, 0, None
+            while busy is None:             # on a loaded machine a trickle may time out before a poll sees it
+                assert time.monotonic() < deadline, "no trickling request was seen holding its place"
+                slow, trickles = trickle(host, int(port)), trickles + 1
+                while busy is None and not answered(slow):
+                    polled = http.get(d.base_url + "/models")
+                    busy = polled if polled.status_code == 503 else None
+                if busy is None:
+                    slow.close()
+            assert busy.headers["Retry-After"] == "1" and "--http-max-concurrent 1" in busy.text
+            assert busy.json()["error"]["code"] == "server_overloaded"
+            assert http.get(base + "/health").json() == {"status": "ok"}
+            answer = b""
+            while b"request_timeout" not in answer and (part := slow.recv(4096)):
+                answer += part
+            slow.close()
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+            deadline = time.monotonic() + 30
+            while http.get(d.base_url + "/models").status_code != 200:
+                assert time.monotonic() < deadline, "the place stayed taken after the 408"
+                time.sleep(0.02)
+            text = http.get(base + "/metrics").text
+        assert f'kestrel_http_requests_total{{path="/v1/completions",status="408"}} {trickles}.0' in text
+    finally:
+        assert d.stop() == 0

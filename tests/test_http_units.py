@@ -47,7 +47,7 @@ def test_log_probs_are_a_log_softmax():
     assert top[0][1] == pytest.approx(2.0 - np.log(np.exp(logits).sum()))
 
 
-def test_metrics_name_the_daemon_stats_window_counters_included():
+def test_metrics_name_the_daemon_stats_window_kv_pool_and_prefix_counters_included():
     from types import SimpleNamespace
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -56,7 +56,9 @@ def test_metrics_name_the_daemon_stats_window_counters_included():
     stats = {"requests": 3, "errors": 1, "steps": 10, "decode_steps": 8, "decode_step_s": 0.5, "decode_tokens": 40,
              "prompt_tokens": 100, "mean_batch": 4.0, "tokens_per_step": 14.0, "queue_depth": 2, "sessions": 2,
              "max_sessions": 64, "ttft_ms": {"p50": 12.0, "p99": 30.0, "samples": 5},
-             "counters": {"window_hits": 7, "window_misses": 2}}
+             "counters": {"window_hits": 7, "window_misses": 2},
+             "kv": {"kv_blocks_used": 5, "kv_blocks_cached": 3, "kv_blocks_max": 100, "kv_bytes_used": 5 << 20},
+             "prefix_cache": {"prefix_hits": 4, "prefix_misses": 6, "prefix_reused_tokens": 640}}
     sessions = {1: SimpleNamespace(position=5, max_seq_len=64), 2: SimpleNamespace(position=9, max_seq_len=32)}
     service = SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(sessions=sessions))
     body, content_type = Metrics(service).exposition()
@@ -66,3 +68,5 @@ def test_metrics_name_the_daemon_stats_window_counters_included():
     assert values["kestrel_kv_positions_used"] == 14 and values["kestrel_kv_positions_allocated"] == 96
     assert values["kestrel_ttft_p99_seconds"] == pytest.approx(0.03) and values["kestrel_queue_depth"] == 2
     assert values["kestrel_decode_step_seconds_total"] == 0.5 and values["kestrel_mean_batch"] == 4.0
+    assert values["kestrel_kv_blocks_used"] == 5 and values["kestrel_kv_blocks_max"] == 100
+    assert values["kestrel_prefix_hits_total"] == 4 and values["kestrel_prefix_reused_tokens_total"] == 640

@@ -54,7 +54,7 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-frame-mb", type=int, default=Limits().max_frame_bytes >> 20,
                    help="largest request frame accepted once authenticated (before hello: 4 KiB)")
     add_limit_args(p)
-    from kestrel_stream.serve.http.server import add_http_args
+    from kestrel_stream.serve.http.options import add_http_args
     add_http_args(p)
 
 

@@ -1,88 +1,45 @@
 """The ASGI app (starlette): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
-``Gate`` wraps every request at the ASGI level: the bearer key (constant
-time), the number of generations running at once, and the status counts for
-/metrics; it holds a generation's slot until its whole response, stream
-included, has been sent or abandoned.  Bodies are read up to a byte limit and
-parsed with serve/json_limits.py; every refusal is OpenAI's error shape.
+Every request passes serve/http/gate.py's ``Gate`` first (the key, the
+concurrency limits, the status counts).  Bodies are read up to a byte limit
+and a time limit and parsed with serve/json_limits.py; every refusal is
+OpenAI's error shape.
 """
 from __future__ import annotations
 
-import hmac
 import time
 from contextlib import aclosing
 
+import anyio
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kestrel_stream.serve.http.errors import APIError
+from kestrel_stream.serve.http.gate import CLIENT_LEFT, Gate
 from kestrel_stream.serve.http.generate import HttpGeneration
 from kestrel_stream.serve.http.metrics import Metrics
+from kestrel_stream.serve.http.options import HttpOptions
 from kestrel_stream.serve.http.requests import parse_request
 from kestrel_stream.serve.http.responses import DONE, Shape, sse
 from kestrel_stream.serve.json_limits import JSONLimitError, load_limited
 
-GENERATING = ("/v1/completions", "/v1/chat/completions")
-OPEN_PATHS = ("/health",)           # answered without the key: a load balancer's probe
 
+class Gone(Response):
+    """The answer to a client that left before it: nothing to send, the connection is closed already."""
 
-class Gate:
-    """ASGI middleware: authorization, the concurrency limit, and the per-status request counts."""
+    def __init__(self):
+        super().__init__(status_code=CLIENT_LEFT)
 
-    def __init__(self, app, api_key: str | None, max_requests: int, metrics: Metrics):
-        self.app, self.metrics, self.max_requests = app, metrics, max_requests
-        self.api_key = api_key.encode() if api_key else None
-        self.running = 0
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        path, status = scope["path"], [500]
-
-        async def send_counted(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-        try:
-            refusal = self.refusal(scope, path)
-            if refusal is not None:
-                return await refusal.response()(scope, receive, send_counted)
-            if path not in GENERATING:
-                return await self.app(scope, receive, send_counted)
-            self.running += 1
-            try:
-                await self.app(scope, receive, send_counted)
-            finally:
-                self.running -= 1
-        finally:
-            self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(status[0])).inc()
-
-    def refusal(self, scope, path: str) -> APIError | None:
-        if self.api_key is not None and path not in OPEN_PATHS:
-            offered = b""
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    offered = value
-            scheme, _, key = offered.partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
-                return APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
-                                "authentication_error", code="invalid_api_key")
-        if path in GENERATING and self.running >= self.max_requests:
-            return APIError(429, f"{self.running} generations are running, the limit "
-                                 f"(--http-max-requests {self.max_requests}); retry later", "rate_limit_error",
-                            code="too_many_requests")
+    async def __call__(self, scope, receive, send) -> None:
         return None
 
 
-KNOWN_PATHS = GENERATING + ("/v1/models", "/health", "/metrics")
-
-
 class API:
-    def __init__(self, service, model_name: str, max_body_bytes: int, metrics: Metrics):
+    def __init__(self, service, model_name: str, max_body_bytes: int, body_timeout_s: float, metrics: Metrics):
         self.service, self.model_name, self.max_body_bytes = service, model_name, max_body_bytes
-        self.metrics = metrics
+        self.body_timeout_s, self.metrics = body_timeout_s, metrics
 
     async def body(self, request: Request):
         declared = request.headers.get("content-length")
@@ -90,12 +47,16 @@ class API:
             raise self.too_large()
         data = bytearray()
         try:
-            async for part in request.stream():
-                data += part
-                if len(data) > self.max_body_bytes:
-                    raise self.too_large()
+            with anyio.fail_after(self.body_timeout_s):     # a body trickling in holds a place of the Gate
+                async for part in request.stream():
+                    data += part
+                    if len(data) > self.max_body_bytes:
+                        raise self.too_large()
         except ClientDisconnect:
             raise APIError(400, "the client closed the request before its body ended") from None
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive whole within {self.body_timeout_s:g} s "
+                                f"(--http-body-timeout-s)", code="request_timeout") from None
         try:
             return load_limited(data.decode("utf-8"), max_chars=self.max_body_bytes)
         except (UnicodeDecodeError, JSONLimitError) as e:
@@ -127,16 +88,38 @@ class API:
         if parsed.stream:
             return StreamingResponse(self.stream(generation, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        outs = []
-        try:
-            async with aclosing(generation.run()) as tokens:
-                async for out in tokens:
-                    outs.append(out)
-        except APIError as e:
-            return e.response()
-        finally:
-            self.account(generation)
+        outs = await self.collect(generation, request.receive)
+        if outs is None:
+            return Gone()
+        if isinstance(outs, APIError):
+            return outs.response()
         return JSONResponse(shape.complete(outs))
+
+    async def collect(self, generation: HttpGeneration, receive) -> list | APIError | None:
+        """Every token of a whole (not streamed) answer; None when the client left first.
+
+        Nothing is sent until the end, so only the ASGI ``http.disconnect`` tells that the client is gone; it is
+        awaited beside the generation, which is then cancelled: its session closes at once (HttpGeneration.run's
+        ``finally``) instead of running on to max_tokens for nobody."""
+        outs: list = []
+        result: list | APIError | None = None
+        async with anyio.create_task_group() as group:
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass                            # the body was read whole before: nothing else should come
+                group.cancel_scope.cancel()
+            group.start_soon(watch)
+            try:
+                async with aclosing(generation.run()) as tokens:
+                    async for out in tokens:
+                        outs.append(out)
+                result = outs
+            except APIError as e:
+                result = e
+            finally:
+                self.account(generation)
+                group.cancel_scope.cancel()         # the watcher, once the answer is whole
+        return result
 
     async def stream(self, generation: HttpGeneration, shape: Shape):
         usage = generation.request.include_usage
@@ -188,14 +171,14 @@ async def wrong_method(request: Request, exc) -> Response:
     return APIError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed").response()
 
 
-def build_app(service, model_name: str, api_key: str | None, max_requests: int, max_body_bytes: int):
+def build_app(service, options: HttpOptions):
     """The ASGI app: starlette routes behind the Gate."""
     metrics = Metrics(service)
-    api = API(service, model_name, max_body_bytes, metrics)
+    api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),
               Route("/health", api.health, methods=["GET"]),
               Route("/metrics", api.prometheus, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
-    return Gate(app, api_key, max_requests, metrics)
+    return Gate(app, options, metrics)

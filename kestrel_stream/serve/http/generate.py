@@ -1,5 +1,5 @@
 """One HTTP generation on the daemon's batcher: the prompt's chunks and each decode token are jobs of the
-same step thread and batcher as the socket clients' (Service.prefill / Service.decode), so HTTP and
+same step thread and batcher as the socket clients' (Service.prefill_cached / DecodeJob), so HTTP and
 socket sessions share every engine step.  A token's next decode is queued
 before the token is sent, so the response's encoding and writing overlap the
 next step instead of delaying it.
@@ -21,7 +21,7 @@ import numpy as np
 
 from kestrel_stream.errors import CapacityError, KestrelError
 from kestrel_stream.serve.decode_steps import DecodeJob
-from kestrel_stream.serve.http.errors import APIError
+from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.requests import TextRequest
 from kestrel_stream.serve.service import Connection
 from kestrel_stream.text.chat import ChatTemplateError
@@ -92,10 +92,12 @@ class HttpGeneration:
         try:
             await service.op_open(conn, {"max_seq_len": len(self.ids) + self.max_tokens}, {})
         except CapacityError as e:
-            raise APIError(429, str(e), "server_error", code="capacity") from None
+            raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
         session = next(iter(conn.sessions.values()))
         try:
-            job = await service.prefill(session, np.asarray(self.ids, np.int64), self.want, 1)
+            # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier turns)
+            # computes only the rest, as the socket clients' generate does
+            job = await service.prefill_cached(session, np.asarray(self.ids, np.int64), self.want, 1)
             while True:
                 out = self.account(job)
                 if self.first_token_s is None:

@@ -2,9 +2,10 @@
 
 HTTP counts (requests by path and status, prompt and completion tokens, time
 to first token) are recorded as requests pass; the daemon's own figures
-(steps, step time, batch size, queue depth, sessions, KV positions, window
-hits and misses) are read from Service.stats() at each scrape, so socket and
-HTTP clients are counted alike and nothing is added to the step thread's work.
+(steps, step time, batch size, queue depth, sessions, KV positions and pool
+blocks, window hits and misses, prefix cache hits) are read from
+Service.stats() at each scrape, so socket and HTTP clients are counted alike
+and nothing is added to the step thread's work.
 """
 from __future__ import annotations
 
@@ -79,3 +80,15 @@ class DaemonCollector:
         for key in ("window_hits", "window_misses"):
             if key in counters:
                 yield counter(f"kestrel_{key}", f"weight window {key.split('_')[1]} (offloaded modes)", counters[key])
+        kv = stats.get("kv") or {}          # the device's paged KV pool; the host engines keep a cache per session
+        for key, doc in (("kv_blocks_used", "KV pool blocks held by open sessions"),
+                         ("kv_blocks_cached", "KV pool blocks holding cached prompt prefixes"),
+                         ("kv_blocks_max", "KV pool blocks in all"), ("kv_bytes_used", "KV pool bytes in use")):
+            if key in kv:
+                yield gauge(f"kestrel_{key}", doc, kv[key])
+        prefix = stats.get("prefix_cache") or {}
+        for key, doc in (("prefix_hits", "prompts that reused a cached prefix"),
+                         ("prefix_misses", "prompts that found no cached prefix"),
+                         ("prefix_reused_tokens", "prompt tokens taken from the prefix cache instead of computed")):
+            if key in prefix:
+                yield counter(f"kestrel_{key}", doc, prefix[key])

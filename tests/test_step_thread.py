@@ -1,0 +1,45 @@
+"""StepThread's shortcut for a lone session (run_inline) as a policy of measured step time, without a daemon:
+a short step runs on the thread that read its request, and after a step slower than inline_max_s the next one
+goes to the step thread, until a step there is short again."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+from kestrel_stream.serve.step_thread import StepThread
+from scheduler.batcher import StepBatcher
+
+INLINE_MAX_S = 0.2                  # far above a scheduling delay: the steps here are 0 s or 0.25 s long
+
+
+def job(step_s: float) -> SimpleNamespace:
+    return SimpleNamespace(session=SimpleNamespace(id=1), arrived_s=time.perf_counter(), tokens=1, step_s=step_s)
+
+
+def test_a_step_slower_than_inline_max_sends_the_next_one_to_the_step_thread():
+    ran: list[str] = []                 # the thread each step ran on
+
+    def run_batch(chunks) -> None:
+        for chunk in chunks:
+            time.sleep(chunk.payload.step_s)
+            ran.append(threading.current_thread().name)
+
+    async def main() -> None:
+        steps = StepThread(StepBatcher(max_batch=4, step_tokens=8, window_s=0.0), run_batch, INLINE_MAX_S)
+        try:
+            for step_s in (0.0, 0.25, 0.0, 0.0):
+                count = len(ran)
+                steps.submit(job(step_s), at_once=True)     # as the reader thread submits a lone decode
+                while len(ran) == count:
+                    await asyncio.sleep(0.001)
+                with steps.turn:                # the step thread has timed its step and let go
+                    pass
+        finally:
+            steps.stop()
+        here = threading.current_thread().name
+        # the slow second step still ran inline (the one before it was short); the third was sent on, and the
+        # step thread's short step let the fourth run inline again
+        assert ran == [here, here, "kestrel-step", here] and steps.inline_steps == 3
+    asyncio.run(main())
