@@ -30,13 +30,28 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
         device, mode = resolve_device(device, mode)
     if options.prof:
         prof.enable()               # before loading: the table has the load's stage times too
+    from concurrent.futures import ThreadPoolExecutor
     from kestrel_stream.text.tokenizer import load_tokenizer
-    with stage("weights: read, split, fuse"):
-        weights = load_weights(path, cache=cache, progress=progress)
-    with stage("engine: executor"):
-        return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
-                      max_sessions=max_sessions, options=options, tokenizer=load_tokenizer(path),
-                      kv_dtype=kv_dtype)
+
+    def tokenizer():
+        with stage("tokenizer (beside the weights)"):
+            return load_tokenizer(path)
+
+    # The tokenizer is built while the weights load: their copies and uploads release the GIL.
+    with ThreadPoolExecutor(1, thread_name_prefix="kestrel-tokenizer") as pool:
+        pending = pool.submit(tokenizer)
+        with stage("weights: read, split, fuse"):
+            weights = load_weights(path, cache=cache, progress=progress)
+        with stage("engine: executor"):
+            engine = Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
+                            max_sessions=max_sessions, options=options, kv_dtype=kv_dtype)
+        try:
+            with stage("tokenizer: wait"):
+                engine.tokenizer = pending.result()
+        except BaseException:
+            engine.close()
+            raise
+    return engine
 
 
 def __getattr__(name):
