@@ -130,3 +130,13 @@ def test_a_tensor_off_the_files_alignment_is_a_load_error_naming_it(tmp_path):
     with pytest.raises(LoadError, match=rf"{tensor.name!r}.*alignment") as info:
         load_weights(bad)
     assert str(bad) in str(info.value)
+
+
+def test_the_weights_and_the_tokenizer_share_one_parsed_header_until_the_file_changes(tmp_path):
+    from kestrel_stream.loading.gguf_file import open_shared
+    path = export_gguf(random_q8_weights(PRESETS["tiny"], seed=2), tmp_path / "tiny.gguf")
+    first = open_shared(path)
+    assert open_shared(path) is first
+    export_gguf(random_q8_weights(PRESETS["tiny"], seed=5), path)        # rewritten: parsed again
+    os.utime(path, ns=(first_ns := path.stat().st_mtime_ns + 10**9, first_ns))
+    assert open_shared(path) is not first

@@ -30,7 +30,7 @@ from gguf import quants as gguf_quants
 
 from kestrel_stream.errors import LoadError
 from kestrel_stream.loading import Progress, qcache
-from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError
+from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError, open_shared
 from kestrel_stream.model.config import ConfigError, ModelConfig
 from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor, quantize
@@ -82,7 +82,7 @@ def permute_rows(q: QTensor, order: np.ndarray) -> QTensor:
 def open_gguf(path: str | Path) -> GGUFFile:
     """The file's header (tensor descriptors, lazily decoded metadata), or a LoadError naming the file."""
     try:
-        return GGUFFile(path)
+        return open_shared(path)
     except GGUFFormatError as e:
         raise LoadError(str(e)) from None
     except OSError as e:

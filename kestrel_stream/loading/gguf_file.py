@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import mmap
 import struct
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +92,7 @@ class GGUFFile:
             except ValueError:                      # an empty file cannot be mapped
                 raise GGUFFormatError(f"{self.path}: empty file, not GGUF") from None
         self.file_bytes = len(self._map)
+        self._decode_lock = threading.Lock()      # one array decoded at a time (open_shared's readers)
         self._fields: dict[str, object] = {}
         self.tensors: dict[str, TensorInfo] = {}
         try:
@@ -206,16 +209,37 @@ class GGUFFile:
                 raise KeyError(f"{self.path}: GGUF metadata key {key!r} is missing")
             return default
         if isinstance(value, _LazyArray):
-            try:
-                value = self._fields[key] = self._decode(value)
-            except (struct.error, UnicodeDecodeError) as e:
-                raise GGUFFormatError(f"{self.path}: GGUF metadata array {key!r} is corrupt ({e})") from None
+            with self._decode_lock:
+                value = self._fields[key]
+                if isinstance(value, _LazyArray):
+                    try:
+                        value = self._fields[key] = self._decode(value)
+                    except (struct.error, UnicodeDecodeError) as e:
+                        raise GGUFFormatError(f"{self.path}: GGUF metadata array {key!r} is corrupt ({e})") from None
         return value
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """uint8 view of one tensor's data (no copy)."""
         info = self.tensors[name]
         return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+
+_shared_lock = threading.Lock()
+_shared: "weakref.WeakValueDictionary[tuple, GGUFFile]" = weakref.WeakValueDictionary()
+
+
+def open_shared(path: str | Path) -> GGUFFile:
+    """The parsed header of `path`, shared by everyone holding it (ks.load's weights and its tokenizer,
+    on two threads, parse a vocabulary's 300k strings once); a file changed since is parsed again."""
+    path = Path(path)
+    status = path.stat()
+    key = (str(path.resolve()), status.st_size, status.st_mtime_ns)
+    with _shared_lock:
+        f = _shared.get(key)
+        if f is None:
+            f = GGUFFile(path)
+            _shared[key] = f
+    return f
 
 
 def gguf_metadata(path: str | Path, key: str, default=_MISSING):

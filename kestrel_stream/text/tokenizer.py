@@ -161,9 +161,9 @@ def from_hf_dir(ckpt_dir: Path) -> Tokenizer:
 def gguf_tokenizer_fields(path: Path) -> dict:
     """The file's tokenizer.* metadata (key -> value), read through the header's mmap: the tensor data
     after it is never touched, so the cost is the vocabulary's, not the file's."""
-    from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError
+    from kestrel_stream.loading.gguf_file import GGUFFormatError, open_shared
     try:
-        f = GGUFFile(path)
+        f = open_shared(path)
         return {key: f.metadata(key) for key in f.keys() if key.startswith("tokenizer.")}
     except GGUFFormatError as e:
         raise TokenizerError(str(e)) from None
