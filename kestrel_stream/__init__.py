@@ -17,15 +17,19 @@ __version__ = "0.1.0"
 
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None,
-         kv_dtype: str = "f16") -> Engine:
+         kv_dtype: str = "f16", cpu_threads: int | None = None) -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it.
 
-    kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic)."""
+    kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic).
+    cpu_threads: the CPU engine's BLAS threads, process-wide (None: BLAS's default; 1 where other
+    processes share the cores, see run/blas_threads.py)."""
     from kestrel_stream.loading.loader import load_weights
     from kestrel_stream.obs import prof
     from kestrel_stream.obs.load_stages import stage
     from kestrel_stream.options import Options
+    from kestrel_stream.run.blas_threads import set_cpu_threads
     options = Options.from_env(vram_budget=vram_budget)      # every KESTREL_* setting, read once, here
+    set_cpu_threads(cpu_threads)
     with stage("resolve device"):
         device, mode = resolve_device(device, mode)
     if options.prof:
