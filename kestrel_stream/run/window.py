@@ -143,11 +143,6 @@ class WeightWindow:
         self.resident_base = arena.alloc(self.resident_bytes)
         for name, offset in resident_at.items():
             self.qweights[name] = self._qweight(self.resident_base + offset, tensors[name][0])
-        writer = ImageWriter()
-        resident_images_s, self.preload_s = upload_images(
-            [(offset, *tensors[name]) for name, offset in resident_at.items()], self.resident_base, compute_stream,
-            writer=writer)
-        start = time.perf_counter()
         # streamed: pinned images kept for the step's copies, and the ring of slots
         stream_at, streamed_host_bytes = offsets(self.streamed)
         self.host = driver.PinnedBuffer(streamed_host_bytes) if self.streamed else None
@@ -155,8 +150,12 @@ class WeightWindow:
         for name, offset in stream_at.items():
             w, _ = tensors[name]
             self.copies.append((self.host.bytes[offset:offset + image_bytes(*w.shape)], image_bytes(*w.shape)))
-        writer.write_images([(view, *tensors[name]) for (view, _), name in zip(self.copies, stream_at)])
-        writer.close()
+        with ImageWriter() as writer:
+            resident_images_s, self.preload_s = upload_images(
+                [(offset, *tensors[name]) for name, offset in resident_at.items()], self.resident_base,
+                compute_stream, writer=writer)
+            start = time.perf_counter()
+            writer.write_images([(view, *tensors[name]) for (view, _), name in zip(self.copies, stream_at)])
         self.streamed_bytes_per_step = sum(nbytes for _, nbytes in self.copies)
         self.slot_stride = max((_align(n) for _, n in self.copies), default=0)
         self.ring_base = arena.alloc(self.slot_count * self.slot_stride) if self.streamed else 0
