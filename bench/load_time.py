@@ -1,6 +1,7 @@
 """Load to first token: a fresh process imports kestrel_stream, loads a model and produces a token.
 
-    PYTHONPATH=. python3 -m bench.load_time --model FILE.gguf|DIR [--device cuda] [--repeats 3] [--out DIR]
+    PYTHONPATH=. python3 -m bench.load_time --model FILE.gguf|DIR [--device cuda | --emulated] [--repeats 3]
+        [--baseline OTHER_TREE] [--out DIR]
 
 Each repeat is a new Python process (the page cache stays warm after the first, as the target
 asks: load to first token with a warm page cache), timed from just before it starts to its
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -27,6 +29,11 @@ import numpy as np
 import kestrel_stream as ks
 from kestrel_stream.obs import load_stages
 load_stages.record("import kestrel_stream", time.perf_counter() - t)
+if sys.argv[6] == "emulated":       # tests/fake_cuda.py: gpu mode's load path with no GPU (numpy kernels)
+    sys.path.insert(0, "tests")
+    import fake_cuda
+    from _pytest.monkeypatch import MonkeyPatch
+    fake_cuda.install(MonkeyPatch())
 engine = ks.load(sys.argv[2], device=sys.argv[3], mode=sys.argv[4], max_seq_len=int(sys.argv[5]))
 with load_stages.stage("first token (4-token prefill)"), engine.new_session() as s:
     token = int(np.argmax(s.prefill([1, 2, 3, 4])[-1]))
@@ -38,13 +45,31 @@ json.dump({"to_first_token_s": first - started, "stages": load_stages.snapshot()
 """
 
 
-def run_once(args) -> dict:
+def run_once(args, tree: Path) -> dict:
+    """One fresh process loading from the source tree `tree` (this one, or --baseline's)."""
     started = time.time()
+    env = dict(os.environ, PYTHONPATH=str(tree))
     proc = subprocess.run([sys.executable, "-c", CHILD, repr(started), args.model, args.device, args.mode,
-                           str(args.max_seq_len)], capture_output=True, text=True, check=False)
+                           str(args.max_seq_len), "emulated" if args.emulated else ""],
+                          capture_output=True, text=True, check=False, cwd=tree, env=env)
     if proc.returncode != 0:
-        raise SystemExit(f"load_time: the child failed:\n{proc.stderr[-4000:]}")
+        raise SystemExit(f"load_time: the child ({tree}) failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def tree_commit(tree: Path) -> str:
+    proc = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    return proc.stdout.strip() or "unknown"
+
+
+def medians(runs: list[dict]) -> dict[str, float]:
+    names = list(dict.fromkeys(name for r in runs for name in r["stages"]))
+    out = {name: round(statistics.median(r["stages"].get(name, {"s": 0})["s"] for r in runs), 3) for name in names}
+    out[TOTAL] = round(statistics.median(r["to_first_token_s"] for r in runs), 3)
+    return out
+
+
+TOTAL = "load to first token (process start to token)"
 
 
 def main() -> None:
@@ -55,22 +80,38 @@ def main() -> None:
     p.add_argument("--max-seq-len", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
+    p.add_argument("--emulated", action="store_true",
+                   help="gpu mode on the emulated device of tests/fake_cuda.py (load stages; kernels are numpy)")
+    p.add_argument("--baseline", default=None, metavar="DIR",
+                   help="a source tree of another commit (e.g. a git worktree): its runs alternate with this "
+                        "tree's, so both see the same machine load; the table gets a column for each")
     args = p.parse_args()
-    runs = [run_once(args) for _ in range(args.repeats)]
-    names = list(runs[-1]["stages"])
-    rows = [{"stage": name, "median_s": round(statistics.median(r["stages"].get(name, {"s": 0})["s"] for r in runs), 3)}
-            for name in names]
-    total = statistics.median(r["to_first_token_s"] for r in runs)
-    rows.append({"stage": "load to first token (process start to token)", "median_s": round(total, 3)})
+    if args.emulated:
+        args.device, args.mode = "cuda", "gpu"
+    here = Path(__file__).resolve().parents[1]
+    trees = {"median_s": here} if args.baseline is None else {"baseline_s": Path(args.baseline).resolve(),
+                                                               "median_s": here}
+    runs: dict[str, list[dict]] = {column: [] for column in trees}
+    for _ in range(args.repeats):
+        for column, tree in trees.items():
+            runs[column].append(run_once(args, tree))
+    table = {column: medians(r) for column, r in runs.items()}
+    names = list(dict.fromkeys(name for t in table.values() for name in t if name != TOTAL)) + [TOTAL]
+    rows = [{"stage": name, **{column: table[column].get(name, "") for column in trees}} for name in names]
     for row in rows:
-        print(f"{row['stage']:<52} {row['median_s']:8.3f} s")
+        print(f"{row['stage']:<52} " + " ".join(f"{row[c]:>9}" for c in trees))
     if args.out:
         from kestrel_stream.cli.bench import environment
         from .report import write_results
-        name = f"load-time-{Path(args.model).stem}-{runs[-1]['device']}"
-        notes = (f"device {runs[-1]['device']}, mode {runs[-1]['mode']}, {args.repeats} fresh processes, "
-                 f"medians; the first may have read the file cold")
-        print(f"wrote {write_results(name, environment(), rows, ['stage', 'median_s'], notes, Path(args.out))}")
+        last = runs["median_s"][-1]
+        name = f"load-time-{Path(args.model).stem}-{last['device']}{'-emulated' if args.emulated else ''}"
+        notes = (f"device {last['device']}, mode {last['mode']}, {args.repeats} fresh processes per tree, "
+                 f"medians (s); the first may have read the file cold; commits: "
+                 + ", ".join(f"{column} {tree_commit(tree)}" for column, tree in trees.items()))
+        env = environment()
+        if args.baseline:
+            env["baseline_commit"] = tree_commit(trees["baseline_s"])
+        print(f"wrote {write_results(name, env, rows, ['stage', *trees], notes, Path(args.out))}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Time to first token with and without a cached prompt prefix (run/prefix_cache.py).
 
     PYTHONPATH=. python3 -m bench.prefix_reuse --model PATH|PRESET [--device cpu|cuda] [--mode gpu]
-        [--prefix-len 1000] [--suffix-len 16] [--repeats 5] [--out DIR]
+        [--prefix-len 1000] [--suffix-len 16] [--repeats 5] [--cpu-threads N] [--out DIR]
 
 For each repeat: a fresh random prefix; request A (prefix + suffix A) computes all of it and leaves
 the prefix cached; request B (prefix + suffix B, a new session) adopts the cached prefix and
@@ -22,6 +22,7 @@ import numpy as np
 
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.run.blas_threads import cpu_threads_now, set_cpu_threads
 from kestrel_stream.run.engine import Engine, resolve_device
 
 from .report import write_results
@@ -73,8 +74,10 @@ def main() -> None:
     p.add_argument("--prefix-len", type=int, default=1000)
     p.add_argument("--suffix-len", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--cpu-threads", type=int, default=None, help="the CPU engine's BLAS threads (ks.load's cpu_threads)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    set_cpu_threads(args.cpu_threads)
     max_seq_len = args.prefix_len + args.suffix_len + 16
     weights = load_model_weights(args.model, max_seq_len)
     engine = build(weights, args.device, args.mode, max_seq_len, args.kv_dtype)
@@ -95,7 +98,8 @@ def main() -> None:
     cold_ms, warm_ms = statistics.median(cold) * 1e3, statistics.median(warm) * 1e3
     row = {"model": Path(args.model).name, "device": engine.device, "mode": engine.mode,
            "kv_dtype": args.kv_dtype if engine.mode == "gpu" else "f32", "prefix_len": args.prefix_len,
-           "suffix_len": args.suffix_len, "repeats": args.repeats, "ttft_fresh_ms": round(cold_ms, 2),
+           "suffix_len": args.suffix_len, "repeats": args.repeats, "blas_threads": cpu_threads_now(),
+           "ttft_fresh_ms": round(cold_ms, 2),
            "ttft_cached_prefix_ms": round(warm_ms, 2), "speedup": round(cold_ms / warm_ms, 1),
            "tokens_identical": identical, **{k: v for k, v in engine.prefix_cache.stats.items()}}
     print(row)

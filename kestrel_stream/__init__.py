@@ -17,26 +17,45 @@ __version__ = "0.1.0"
 
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None,
-         kv_dtype: str = "f16") -> Engine:
+         kv_dtype: str = "f16", cpu_threads: int | None = None) -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it.
 
-    kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic)."""
+    kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic).
+    cpu_threads: the CPU engine's BLAS threads, process-wide (None: BLAS's default; 1 where other
+    processes share the cores, see run/blas_threads.py)."""
     from kestrel_stream.loading.loader import load_weights
     from kestrel_stream.obs import prof
     from kestrel_stream.obs.load_stages import stage
     from kestrel_stream.options import Options
+    from kestrel_stream.run.blas_threads import set_cpu_threads
     options = Options.from_env(vram_budget=vram_budget)      # every KESTREL_* setting, read once, here
+    set_cpu_threads(cpu_threads)
     with stage("resolve device"):
         device, mode = resolve_device(device, mode)
     if options.prof:
         prof.enable()               # before loading: the table has the load's stage times too
+    from concurrent.futures import ThreadPoolExecutor
     from kestrel_stream.text.tokenizer import load_tokenizer
-    with stage("weights: read, split, fuse"):
-        weights = load_weights(path, cache=cache, progress=progress)
-    with stage("engine: executor"):
-        return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
-                      max_sessions=max_sessions, options=options, tokenizer=load_tokenizer(path),
-                      kv_dtype=kv_dtype)
+
+    def tokenizer():
+        with stage("tokenizer (beside the weights)"):
+            return load_tokenizer(path)
+
+    # The tokenizer is built while the weights load: their copies and uploads release the GIL.
+    with ThreadPoolExecutor(1, thread_name_prefix="kestrel-tokenizer") as pool:
+        pending = pool.submit(tokenizer)
+        with stage("weights: read, split, fuse"):
+            weights = load_weights(path, cache=cache, progress=progress)
+        with stage("engine: executor"):
+            engine = Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
+                            max_sessions=max_sessions, options=options, kv_dtype=kv_dtype)
+        try:
+            with stage("tokenizer: wait"):
+                engine.tokenizer = pending.result()
+        except BaseException:
+            engine.close()
+            raise
+    return engine
 
 
 def __getattr__(name):

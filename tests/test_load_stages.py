@@ -16,10 +16,11 @@ def test_a_gguf_load_records_its_stages(tmp_path):
     load_stages.reset()
     ks.load(path, device="cpu", max_seq_len=32).close()
     stages = load_stages.snapshot()
-    for name in ("weights: read, split, fuse", "  GGUF metadata and mmap", "  Q8_0 split into qs/scales",
-                 "engine: executor"):
+    for name in ("weights: read, split, fuse", "  GGUF metadata and mmap", "  Q8_0 blocks: views of the mmap",
+                 "engine: executor", "tokenizer (beside the weights)"):
         assert name in stages and stages[name]["s"] >= 0
-    assert stages["  Q8_0 split into qs/scales"]["count"] >= 7         # one per Q8_0 tensor
+    assert stages["  Q8_0 blocks: views of the mmap"]["count"] >= 7         # one per Q8_0 tensor
+    assert not any("split" in name and "qs/scales" in name for name in stages)   # the CPU engine splits nothing
     assert "  GGUF metadata and mmap" in load_stages.report()
 
 

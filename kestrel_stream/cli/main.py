@@ -79,6 +79,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
                    help="gpu mode's KV cache: f16 (default) or f32 (the reference arithmetic)")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
+    p.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
+                   help="BLAS threads of the CPU engine (default: BLAS's own, one per core; 1 is faster for "
+                        "short steps where other processes share the cores)")
     p.add_argument("--prof", action="store_true",
                    help="print the per-stage profile table of offloaded calls at exit (as KESTREL_PROF=1)")
     p.add_argument("--trace", default=None, metavar="FILE",
@@ -105,7 +108,7 @@ def load_engine(args):
         trace.start(args.trace, command=args.command)
     return ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
                    max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"),
-                   kv_dtype=args.kv_dtype)
+                   kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads)
 
 
 def cmd_make_model(args) -> int:

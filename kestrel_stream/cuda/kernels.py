@@ -35,6 +35,20 @@ def load_module(name: str, arch: str, cache_dir=None):
     return _modules[key]
 
 
+def load_modules(names, arch: str, cache_dir=None) -> None:
+    """Every module of `names` not loaded yet: compiled (or read from the disk cache) on threads at
+    once -- NVRTC releases the GIL, so a cold cache costs about the slowest module's compile instead of
+    the sum -- then loaded here, in the thread whose context is current."""
+    from concurrent.futures import ThreadPoolExecutor
+    missing = [name for name in names if (name, arch) not in _modules]
+    if not missing:
+        return
+    with ThreadPoolExecutor(len(missing), thread_name_prefix="kestrel-nvrtc") as pool:
+        cubins = list(pool.map(lambda name: compile_cubin(name, arch, cache_dir=cache_dir)[0], missing))
+    for name, cubin in zip(missing, cubins):
+        _modules[(name, arch)] = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
+
+
 class KernelSet:
     """Every kernel function of every family, by name, for one device."""
 
@@ -44,8 +58,7 @@ class KernelSet:
         self.gemv_m1 = options.gemv_m1 if options is not None else None
         self.gemv_mn = options.gemv_mn if options is not None else None
         self._functions: dict[str, object] = {}
-        for source in KERNEL_SOURCES:
-            load_module(source, device.arch, options.kernel_cache_dir if options is not None else None)
+        load_modules(KERNEL_SOURCES, device.arch, options.kernel_cache_dir if options is not None else None)
 
     def function(self, kernel_name: str):
         if kernel_name not in self._functions:

@@ -1,8 +1,9 @@
 """GGUF files (llama.cpp's format) for the ``llama``, ``qwen2`` and ``qwen3`` architectures.
 
 Reading maps llama.cpp tensor names and metadata keys onto our HF-named
-layout and reuses the loader's assembly.  Q8_0 tensors are split into
-qs/scales losslessly (no requantization); every other type ``gguf.quants``
+layout and reuses the loader's assembly.  Q8_0 tensors stay in the file's
+blocks, views of its mmap (model/q8_blocks.py: split into qs/scales by the
+one copy each consumer makes); every other type ``gguf.quants``
 dequantizes (F32, F16, BF16, Q4_0..Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS) is
 converted to Q8_0, the one format the kernels run, row chunk by row chunk.
 A file that needed conversion is cached like a Hugging Face checkpoint
@@ -29,8 +30,9 @@ from gguf import quants as gguf_quants
 
 from kestrel_stream.errors import LoadError
 from kestrel_stream.loading import Progress, qcache
-from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError
+from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError, open_shared
 from kestrel_stream.model.config import ConfigError, ModelConfig
+from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor, quantize
 from kestrel_stream.model.rope import RopeScaling
 from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, assemble_weights, hf_tensor_shapes
@@ -80,7 +82,7 @@ def permute_rows(q: QTensor, order: np.ndarray) -> QTensor:
 def open_gguf(path: str | Path) -> GGUFFile:
     """The file's header (tensor descriptors, lazily decoded metadata), or a LoadError naming the file."""
     try:
-        return GGUFFile(path)
+        return open_shared(path)
     except GGUFFormatError as e:
         raise LoadError(str(e)) from None
     except OSError as e:
@@ -240,17 +242,23 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
         name = to_gguf[hf_name]
         t = f.tensors[name]
         raw = f.tensor_bytes(name)
+        order = None
+        if cfg.arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
+            n_head = cfg.num_attention_heads if name.endswith("attn_q.weight") else cfg.num_key_value_heads
+            order = rope_row_order(t.shape[0], n_head, to_gguf=False)
         if t.qtype == T.Q8_0:
-            q = QTensor.from_blocks(raw, t.shape)
+            with stage("  Q8_0 blocks: views of the mmap"):
+                if order is not None:       # the one Q8_0 copy at load: whole rows of blocks, reordered
+                    raw = raw.reshape(t.shape[0], -1)[order]
+                q = Q8Blocks.from_bytes(raw, t.shape)
         else:
             q = quantize(DequantRows(raw, t.qtype, t.shape), rows_per_chunk=CONVERT_ROWS)
             counts = converted[t.qtype.name]
             counts[0] += 1
             counts[1] += t.nbytes
             counts[2] += q.nbytes
-        if cfg.arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
-            n_head = cfg.num_attention_heads if name.endswith("attn_q.weight") else cfg.num_key_value_heads
-            q = permute_rows(q, rope_row_order(t.shape[0], n_head, to_gguf=False))
+            if order is not None:
+                q = permute_rows(q, order)
         advance(name, "read" if t.qtype == T.Q8_0 else f"convert {t.qtype.name}")
         return q
 

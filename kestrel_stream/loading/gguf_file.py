@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import mmap
 import struct
+import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +38,22 @@ NUMPY_DTYPES = {
     GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "<u8", GGUFValueType.INT64: "<i8", GGUFValueType.FLOAT64: "<f8",
 }
 _MISSING = object()
+_U64 = struct.Struct("<Q")
+
+
+def _walk_strings(buf, pos: int, count: int, decode: bool) -> tuple[list[str] | None, int]:
+    """`count` length-prefixed strings from byte `pos`: (the strings, or None when only skipping; the
+    end).  One tight loop, since a vocabulary's tokens and merges are 100k+ strings each."""
+    unpack, end, out = _U64.unpack_from, len(buf), [] if decode else None
+    for _ in range(count):
+        (n,) = unpack(buf, pos)
+        pos += 8
+        if pos + n > end:
+            raise struct.error(f"a string of {n} bytes at byte {pos} runs past the end")
+        if decode:
+            out.append(str(buf[pos:pos + n], "utf-8"))
+        pos += n
+    return out, pos
 
 
 class GGUFFormatError(ValueError):
@@ -74,6 +92,7 @@ class GGUFFile:
             except ValueError:                      # an empty file cannot be mapped
                 raise GGUFFormatError(f"{self.path}: empty file, not GGUF") from None
         self.file_bytes = len(self._map)
+        self._decode_lock = threading.Lock()      # one array decoded at a time (open_shared's readers)
         self._fields: dict[str, object] = {}
         self.tensors: dict[str, TensorInfo] = {}
         try:
@@ -99,8 +118,7 @@ class GGUFFile:
         if item_type in SCALAR_FORMATS:
             self._pos += count * struct.calcsize(SCALAR_FORMATS[item_type])
         elif item_type == GGUFValueType.STRING:
-            for _ in range(count):
-                self._pos += 8 + struct.unpack_from("<Q", self._map, self._pos)[0]
+            self._pos = _walk_strings(self._map, self._pos, count, decode=False)[1]
         else:                                       # nested arrays: rare, walked element by element
             for _ in range(count):
                 self._value(GGUFValueType(self._read("<I")), lazy=True)
@@ -147,7 +165,12 @@ class GGUFFile:
             infos.append((name, dims, qtype, offset))
         alignment = self.metadata(ALIGNMENT_KEY, DEFAULT_ALIGNMENT)
         data_start = -(-self._pos // alignment) * alignment
+        if not isinstance(alignment, int) or alignment <= 0:
+            raise GGUFFormatError(f"{self.path}: {ALIGNMENT_KEY} is {alignment!r}, not a positive integer")
         for name, dims, qtype, offset in infos:
+            if offset % alignment:      # llama.cpp refuses these too; the blocks would be read off their grid
+                raise GGUFFormatError(f"{self.path}: tensor {name!r} starts at data offset {offset}, not a "
+                                      f"multiple of the file's alignment {alignment}")
             block_size, type_bytes = GGML_QUANT_SIZES[qtype]
             n = int(np.prod(dims, dtype=np.int64))
             if dims and dims[0] % block_size:
@@ -170,7 +193,7 @@ class GGUFFile:
         saved, self._pos = getattr(self, "_pos", 0), array.offset
         try:
             if array.item_type == GGUFValueType.STRING:
-                return [self._string() for _ in range(array.count)]
+                return _walk_strings(self._map, array.offset, array.count, decode=True)[0]
             return [self._value(GGUFValueType(self._read("<I")), lazy=False) for _ in range(array.count)]
         finally:
             self._pos = saved
@@ -186,13 +209,37 @@ class GGUFFile:
                 raise KeyError(f"{self.path}: GGUF metadata key {key!r} is missing")
             return default
         if isinstance(value, _LazyArray):
-            value = self._fields[key] = self._decode(value)
+            with self._decode_lock:
+                value = self._fields[key]
+                if isinstance(value, _LazyArray):
+                    try:
+                        value = self._fields[key] = self._decode(value)
+                    except (struct.error, UnicodeDecodeError) as e:
+                        raise GGUFFormatError(f"{self.path}: GGUF metadata array {key!r} is corrupt ({e})") from None
         return value
 
     def tensor_bytes(self, name: str) -> np.ndarray:
         """uint8 view of one tensor's data (no copy)."""
         info = self.tensors[name]
         return np.frombuffer(self._map, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+
+
+_shared_lock = threading.Lock()
+_shared: "weakref.WeakValueDictionary[tuple, GGUFFile]" = weakref.WeakValueDictionary()
+
+
+def open_shared(path: str | Path) -> GGUFFile:
+    """The parsed header of `path`, shared by everyone holding it (ks.load's weights and its tokenizer,
+    on two threads, parse a vocabulary's 300k strings once); a file changed since is parsed again."""
+    path = Path(path)
+    status = path.stat()
+    key = (str(path.resolve()), status.st_size, status.st_mtime_ns)
+    with _shared_lock:
+        f = _shared.get(key)
+        if f is None:
+            f = GGUFFile(path)
+            _shared[key] = f
+    return f
 
 
 def gguf_metadata(path: str | Path, key: str, default=_MISSING):

@@ -61,6 +61,11 @@ class QTensor:
         out *= np.asarray(self.scales)[index].astype(np.float32)[:, :, None]
         return out.reshape(n, k)
 
+    def copy_into(self, qs_out: np.ndarray, scales_out: np.ndarray) -> None:
+        """The split layout into qs_out [N, K] int8 and scales_out [N, K/32] fp16 (any strides)."""
+        qs_out[...] = self.qs
+        scales_out[...] = self.scales
+
     def to_blocks(self) -> np.ndarray:
         """GGUF Q8_0 bytes: uint8 [N, K/32 * 34]."""
         n, k = self.qs.shape

@@ -95,6 +95,11 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def fuse_rows(parts: list[QTensor]) -> QTensor:
+    """Row-wise concatenation by the parts' own kind (views of a GGUF file's blocks stay views)."""
+    return type(parts[0]).concat(parts)
+
+
 def assemble_weights(cfg: ModelConfig, linear: Callable[[str], QTensor], norm: Callable[[str], np.ndarray],
                      source: str) -> ModelWeights:
     """Build ModelWeights from per-tensor getters keyed by HF name, fusing QKV and gate/up rows."""
@@ -105,10 +110,10 @@ def assemble_weights(cfg: ModelConfig, linear: Callable[[str], QTensor], norm: C
             return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
         layers.append(LayerWeights(
             attn_norm=norm(hf("attn_norm")),
-            wqkv=QTensor.concat([linear(hf("q")), linear(hf("k")), linear(hf("v"))]),
+            wqkv=fuse_rows([linear(hf("q")), linear(hf("k")), linear(hf("v"))]),
             wo=linear(hf("o")),
             mlp_norm=norm(hf("mlp_norm")),
-            w_gate_up=QTensor.concat([linear(hf("gate")), linear(hf("up"))]),
+            w_gate_up=fuse_rows([linear(hf("gate")), linear(hf("up"))]),
             w_down=linear(hf("down")),
             q_norm=norm(hf("q_norm")) if cfg.qk_norm else None,
             k_norm=norm(hf("k_norm")) if cfg.qk_norm else None,

@@ -150,7 +150,7 @@ class CpuExecutor(Executor):
 
     def dense(self, w: QTensor) -> np.ndarray:
         """float32 copy of a Q8_0 weight, built on first use."""
-        key = id(w.qs)
+        key = id(w)            # the tied lm_head is the embed object itself
         if key not in self._dequantized:
             self._dequantized[key] = w.dequantize()
         return self._dequantized[key]
@@ -214,7 +214,7 @@ class CpuExecutor(Executor):
         cos, sin = self.rope(positions)
         heads, qk_size = c.num_attention_heads + c.num_key_value_heads, c.q_size + c.kv_size
         with trace.span("embed", op="embed"):
-            dense_embed = self._dequantized.get(id(w.embed.qs))             # built when it is the tied lm_head
+            dense_embed = self._dequantized.get(id(w.embed))             # built when it is the tied lm_head
             x = dense_embed[ids] if dense_embed is not None else w.embed.dequantize_rows(ids)    # [T, H]
         self.counters.cpu_weight_read_bytes += len(ids) * w.embed.nbytes // w.embed.shape[0]
         window = c.sliding_window

@@ -43,6 +43,7 @@ from kestrel_stream.model.quant import QTensor
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import QWeight
 from kestrel_stream.run.device_ops import fused_tensor
+from kestrel_stream.run.image_writer import ImageWriter, write_image  # noqa: F401  (write_image: re-exported)
 from scheduler.ops import step_ops
 
 
@@ -61,26 +62,11 @@ def step_launch_items(config) -> list:
     return [op.name if op.group else None for op in step_ops(config, 1) if op.launches]
 
 
-def write_image(dst: np.ndarray, w: QTensor, interleave: bool) -> None:
-    """The device layout of `w` into the uint8 view `dst` (image_bytes long)."""
-    rows, cols = w.shape
-    qs = dst[:rows * cols].view(np.int8).reshape(rows, cols)
-    scales = dst[_align(rows * cols):_align(rows * cols) + rows * cols // 16].view(np.float16)
-    scales = scales.reshape(rows, cols // 32)
-    if interleave:   # rows gate 0, up 0, gate 1, up 1, ...
-        half = rows // 2
-        qs.reshape(half, 2, cols)[:, 0], qs.reshape(half, 2, cols)[:, 1] = w.qs[:half], w.qs[half:]
-        pairs = scales.reshape(half, 2, cols // 32)
-        pairs[:, 0], pairs[:, 1] = w.scales[:half], w.scales[half:]
-    else:
-        qs[:] = w.qs
-        scales[:] = w.scales
-
-
 PRELOAD_CHUNK_BYTES = 64 << 20
 
 
-def upload_images(items, device_base: int, stream, chunk_bytes: int | None = None) -> tuple[float, float]:
+def upload_images(items, device_base: int, stream, chunk_bytes: int | None = None,
+                  writer: ImageWriter | None = None) -> tuple[float, float]:
     """Resident images to the device through two pinned staging buffers of `chunk_bytes` (at least the
     largest image) in turn: while one uploads, the host writes the next images into the other (after
     its event), so building overlaps the upload and no pinned copy of every resident weight is needed.
@@ -110,8 +96,13 @@ def upload_images(items, device_base: int, stream, chunk_bytes: int | None = Non
             uploaded[b].synchronize()
         t = time.perf_counter()
         first = group[0][0]
-        for offset, w, interleave in group:
-            write_image(buffers[b].bytes[offset - first:offset - first + image_bytes(*w.shape)], w, interleave)
+        jobs = [(buffers[b].bytes[offset - first:offset - first + image_bytes(*w.shape)], w, interleave)
+                for offset, w, interleave in group]
+        if writer is None:
+            with ImageWriter() as own:
+                own.write_images(jobs)
+        else:
+            writer.write_images(jobs)
         writing_s += time.perf_counter() - t
         last_offset, last_w, _ = group[-1]
         nbytes = last_offset - first + image_bytes(*last_w.shape)
@@ -146,17 +137,19 @@ class WeightWindow:
         self.resident_base = arena.alloc(self.resident_bytes)
         for name, offset in resident_at.items():
             self.qweights[name] = self._qweight(self.resident_base + offset, tensors[name][0])
-        resident_images_s, self.preload_s = upload_images(
-            [(offset, *tensors[name]) for name, offset in resident_at.items()], self.resident_base, compute_stream)
-        start = time.perf_counter()
         # streamed: pinned images kept for the step's copies, and the ring of slots
         stream_at, streamed_host_bytes = offsets(self.streamed)
         self.host = driver.PinnedBuffer(streamed_host_bytes) if self.streamed else None
         self.copies = []        # (pinned host view, image bytes) of streamed item k
         for name, offset in stream_at.items():
-            w, interleave = tensors[name]
-            write_image(self.host.bytes[offset:offset + image_bytes(*w.shape)], w, interleave)
+            w, _ = tensors[name]
             self.copies.append((self.host.bytes[offset:offset + image_bytes(*w.shape)], image_bytes(*w.shape)))
+        with ImageWriter() as writer:
+            resident_images_s, self.preload_s = upload_images(
+                [(offset, *tensors[name]) for name, offset in resident_at.items()], self.resident_base,
+                compute_stream, writer=writer)
+            start = time.perf_counter()
+            writer.write_images([(view, *tensors[name]) for (view, _), name in zip(self.copies, stream_at)])
         self.streamed_bytes_per_step = sum(nbytes for _, nbytes in self.copies)
         self.slot_stride = max((_align(n) for _, n in self.copies), default=0)
         self.ring_base = arena.alloc(self.slot_count * self.slot_stride) if self.streamed else 0

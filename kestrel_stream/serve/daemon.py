@@ -353,7 +353,7 @@ def run_daemon(args, environment) -> int:
         trace.start(args.trace, command="serve")
     engine = ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
                      max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
-                     cache=not args.no_cache, kv_dtype=args.kv_dtype)
+                     cache=not args.no_cache, kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads)
     prefix_positions = (4 * engine.max_seq_len if args.prefix_cache_positions is None
                         else args.prefix_cache_positions)
     engine.enable_prefix_cache(prefix_positions)

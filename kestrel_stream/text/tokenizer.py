@@ -85,8 +85,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     None where the model carries none."""
     path = Path(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
-        from kestrel_stream.text.gguf_meta import read_metadata
-        return from_gguf_metadata(read_metadata(path, prefix="tokenizer."), str(path))
+        return from_gguf_metadata(gguf_tokenizer_fields(path), str(path))
     if (path / "tokenizer.json").is_file():
         return from_hf_dir(path)
     return None
@@ -159,6 +158,17 @@ def from_hf_dir(ckpt_dir: Path) -> Tokenizer:
 
 
 # -- GGUF -------------------------------------------------------------------
+def gguf_tokenizer_fields(path: Path) -> dict:
+    """The file's tokenizer.* metadata (key -> value), read through the header's mmap: the tensor data
+    after it is never touched, so the cost is the vocabulary's, not the file's."""
+    from kestrel_stream.loading.gguf_file import GGUFFormatError, open_shared
+    try:
+        f = open_shared(path)
+        return {key: f.metadata(key) for key in f.keys() if key.startswith("tokenizer.")}
+    except GGUFFormatError as e:
+        raise TokenizerError(str(e)) from None
+
+
 def _field(fields: dict, key: str, default=None):
     return fields.get(key, default)
 
