@@ -17,10 +17,12 @@ __version__ = "0.1.0"
 
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None,
-         kv_dtype: str = "f16") -> Engine:
+         kv_dtype: str = "f16", gguf_blocks: str = "native") -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it.
 
-    kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic)."""
+    kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic).
+    gguf_blocks: "native" runs a GGUF's Q4_0 / Q4_K / Q6_K tensors in their own blocks (default),
+    "q8_0" converts them to Q8_0 at load."""
     from kestrel_stream.loading.loader import load_weights
     from kestrel_stream.obs import prof
     from kestrel_stream.obs.load_stages import stage
@@ -32,7 +34,7 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
         prof.enable()               # before loading: the table has the load's stage times too
     from kestrel_stream.text.tokenizer import load_tokenizer
     with stage("weights: read, split, fuse"):
-        weights = load_weights(path, cache=cache, progress=progress)
+        weights = load_weights(path, cache=cache, progress=progress, gguf_blocks=gguf_blocks)
     with stage("engine: executor"):
         return Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
                       max_sessions=max_sessions, options=options, tokenizer=load_tokenizer(path),

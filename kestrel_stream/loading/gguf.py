@@ -2,9 +2,11 @@
 
 Reading maps llama.cpp tensor names and metadata keys onto our HF-named
 layout and reuses the loader's assembly.  Q8_0 tensors are split into
-qs/scales losslessly (no requantization); every other type ``gguf.quants``
-dequantizes (F32, F16, BF16, Q4_0..Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS) is
-converted to Q8_0, the one format the kernels run, row chunk by row chunk.
+qs/scales losslessly (no requantization); Q4_0, Q4_K and Q6_K tensors stay in
+their blocks (model/quant4.py: the kernels run them natively) unless the load
+asks for ``blocks="q8_0"``; every other type ``gguf.quants`` dequantizes (F32,
+F16, BF16, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS) is converted to
+Q8_0, row chunk by row chunk.
 A file that needed conversion is cached like a Hugging Face checkpoint
 (qcache), so the conversion runs once; the load prints one line saying what
 was converted.  Norms, biases and rope_freqs become float32.
@@ -32,6 +34,7 @@ from kestrel_stream.loading import Progress, qcache
 from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError
 from kestrel_stream.model.config import ConfigError, ModelConfig
 from kestrel_stream.model.quant import QTensor, quantize
+from kestrel_stream.model.quant4 import BLOCK_TYPES, BlockTensor, RowStack
 from kestrel_stream.model.rope import RopeScaling
 from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, assemble_weights, hf_tensor_shapes
 from kestrel_stream.obs.load_stages import stage
@@ -48,6 +51,8 @@ GGUF_GLOBAL_NAMES = {"embed": "token_embd", "final_norm": "output_norm", "lm_hea
 ROPE_FREQS = "rope_freqs.weight"
 T = GGMLQuantizationType
 NATIVE_TYPES = (T.Q8_0,)
+BLOCK_NATIVE_TYPES = tuple(T[name] for name in BLOCK_TYPES)   # kept as blocks unless blocks="q8_0"
+GGUF_BLOCKS = ("native", "q8_0")
 # Types converted to Q8_0 at load (gguf.quants dequantizes each of them).
 CONVERTED_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
                    T.IQ4_NL, T.IQ4_XS)
@@ -73,8 +78,42 @@ def rope_row_order(rows: int, n_head: int, to_gguf: bool) -> np.ndarray:
     return np.arange(rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(rows)
 
 
-def permute_rows(q: QTensor, order: np.ndarray) -> QTensor:
+def permute_rows(q, order: np.ndarray):
+    if isinstance(q, BlockTensor):
+        return q.take(order)
     return QTensor(q.qs[order], q.scales[order])
+
+
+def weight_formats_of(weights: ModelWeights) -> tuple[tuple[str, str], ...]:
+    """(HF name, block format) of every linear weight the assembled weights keep in a block format
+    (a fused part that fell back to Q8_0 is Q8_0 whatever its file type)."""
+    cfg, out = weights.config, []
+
+    def add(names_rows: list[tuple[str, int]], w) -> None:
+        parts = [(w.fmt, w.shape[0])] if isinstance(w, BlockTensor) else \
+            [(p.fmt, p.shape[0]) for p in w.parts] if isinstance(w, RowStack) else []
+        at, bounds = 0, []
+        for fmt, rows in parts:
+            bounds.append((at, at + rows, fmt))
+            at += rows
+        at = 0
+        for name, rows in names_rows:
+            fmt = next((f for lo, hi, f in bounds if lo <= at < hi), None)
+            if fmt is not None:
+                out.append((name, fmt))
+            at += rows
+
+    add([(HF_GLOBAL_NAMES["embed"], cfg.vocab_size)], weights.embed)
+    if not weights.tied:
+        add([(HF_GLOBAL_NAMES["lm_head"], cfg.vocab_size)], weights.lm_head)
+    for i, lw in enumerate(weights.layers):
+        def hf(key: str) -> str:
+            return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
+        add([(hf("q"), cfg.q_size), (hf("k"), cfg.kv_size), (hf("v"), cfg.kv_size)], lw.wqkv)
+        add([(hf("o"), cfg.hidden_size)], lw.wo)
+        add([(hf("gate"), cfg.intermediate_size), (hf("up"), cfg.intermediate_size)], lw.w_gate_up)
+        add([(hf("down"), cfg.hidden_size)], lw.w_down)
+    return tuple(out)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -207,8 +246,13 @@ def conversion_line(counts: dict[str, list[int]]) -> str:
 
 
 def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = True,
-              cache_dir: str | Path | None = None) -> ModelWeights:
-    """Load a llama/qwen2/qwen3 .gguf file of any type ``gguf.quants`` reads (cached once converted)."""
+              cache_dir: str | Path | None = None, blocks: str = "native") -> ModelWeights:
+    """Load a llama/qwen2/qwen3 .gguf file of any type ``gguf.quants`` reads (cached once converted).
+
+    blocks: "native" keeps Q4_0 / Q4_K / Q6_K tensors as blocks; "q8_0" converts them to Q8_0 too."""
+    if blocks not in GGUF_BLOCKS:
+        raise LoadError(f"{path}: blocks={blocks!r}; expected one of {', '.join(GGUF_BLOCKS)}")
+    kept = NATIVE_TYPES + (BLOCK_NATIVE_TYPES if blocks == "native" else ())
     path = Path(path)
     with stage("  GGUF metadata and mmap"):
         f = open_gguf(path)
@@ -216,9 +260,11 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
     to_gguf = gguf_names(cfg)
     expected = {to_gguf[hf]: shape for hf, shape in hf_tensor_shapes(cfg).items()}
     check_tensors(f, cfg, expected)
-    needs_conversion = any(f.tensors[n].qtype not in NATIVE_TYPES for n, s in expected.items() if len(s) == 2)
+    linear_types = {f.tensors[n].qtype for n, s in expected.items() if len(s) == 2}
+    needs_conversion = any(t not in kept for t in linear_types)
     cache_path = key = None
-    if cache and needs_conversion:
+    # the quantized cache holds Q8_0 weights only: a file that keeps blocks converts its other tensors each load
+    if cache and needs_conversion and not linear_types & set(kept) - set(NATIVE_TYPES):
         key = qcache.cache_key(cfg, [path])
         cache_path = qcache.cache_path(path.parent, cache_dir, stem=path.name)
         weights = qcache.read(cache_path, key, cfg, source=str(path), progress=progress)
@@ -242,6 +288,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
         raw = f.tensor_bytes(name)
         if t.qtype == T.Q8_0:
             q = QTensor.from_blocks(raw, t.shape)
+        elif t.qtype in kept:
+            q = BlockTensor(t.qtype.name, np.asarray(raw, np.uint8).reshape(t.shape[0], -1), t.shape[1])
         else:
             q = quantize(DequantRows(raw, t.qtype, t.shape), rows_per_chunk=CONVERT_ROWS)
             counts = converted[t.qtype.name]
@@ -251,7 +299,7 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
         if cfg.arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
             n_head = cfg.num_attention_heads if name.endswith("attn_q.weight") else cfg.num_key_value_heads
             q = permute_rows(q, rope_row_order(t.shape[0], n_head, to_gguf=False))
-        advance(name, "read" if t.qtype == T.Q8_0 else f"convert {t.qtype.name}")
+        advance(name, "read" if t.qtype in kept else f"convert {t.qtype.name}")
         return q
 
     def norm(hf_name: str) -> np.ndarray:
@@ -261,6 +309,9 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
         return w
 
     weights = assemble_weights(cfg, linear, norm, str(path))
+    formats = weight_formats_of(weights)
+    if formats:
+        weights.config = dataclasses.replace(cfg, weight_formats=formats)
     weights.extra["format"] = "gguf"
     if converted:
         line = conversion_line(converted)
