@@ -143,11 +143,15 @@ class Launch:
 
 @dataclass
 class QWeight:
-    """A Q8_0 weight in device memory: qs [rows, cols] int8 and scales [rows, cols/32] fp16."""
+    """A weight in device memory: for Q8_0 qs [rows, cols] int8 and scales [rows, cols/32] fp16; for a
+    block format (fmt Q4_0 / Q4_K / Q6_K, model/quant4.py) its blocks' qs and meta bytes, row after row.
+    `tail`: the last rows in a second block format (a fused QKV whose v rows are Q6_K)."""
     qs: int
     scales: int
     rows: int
     cols: int
+    fmt: str = "Q8_0"
+    tail: "QWeight | None" = None
 
 
 GEMV_SIGNATURE = "pppippipppppfiii"
@@ -175,6 +179,11 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     tokens a tile of mma_variants.TILES (by default mma_variants.choose_tile) or "simt", the fp32 tiled
     q8_matmul.cu (exact fp32 activations; the baseline the bench compares with).
     """
+    if w.fmt != "Q8_0":       # 4/6-bit block formats: kernels_ptx/q4_gemv.cu, q4_mma.cu
+        from kestrel_stream.cuda.block_kernels import block_gemv_launch
+        return block_gemv_launch(kernels, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs, inv_rms_in=inv_rms_in,
+                                 res=res, normw_out=normw_out, xn_out=xn_out, inv_rms_out=inv_rms_out,
+                                 counter=counter, eps=eps)
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
     if tokens > GEMV_MAX_TOKENS and variant == "simt":

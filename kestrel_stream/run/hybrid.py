@@ -38,6 +38,7 @@ from kestrel_stream.run.host import CpuExecutor, CpuKV, model_rope_tables
 from kestrel_stream.run.hybrid_host import HostOps
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.block_kernels import qweight_rows
 from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ROPE_SIGNATURE, KernelSet, QWeight, attention_launch, gemv_launch
 from kestrel_stream.run.weight_cache import DeviceWeights
 
@@ -393,7 +394,7 @@ class HybridExecutor(HostOps, DeviceWeights, Executor):
         out = "logits" if role == "lm_head" else "qkv"
         launches = []
         for lo, hi in self._row_runs(op):       # a split qkv runs its GPU rows in place
-            part = QWeight(w.qs + lo * w.cols, w.scales + 2 * lo * (w.cols // 32), hi - lo, w.cols)
+            part = qweight_rows(w, lo, hi)
             launches.append(gemv_launch(k, part, self.xn_dev.ptr, H, d[out].ptr + 4 * lo, self.widths[out], T,
                                         inv_rms_in=self.inv_rms_dev.ptr))
         return launches

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from kestrel_stream.cuda.kernels import (GEMV_MAX_TOKENS, ROPE_PAGED_SIGNATURE, Launch, gemv_launch,
                                          paged_attention_launch)
+from kestrel_stream.cuda.block_kernels import embed_kernel
 from kestrel_stream.model import rope
 
 LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
@@ -39,7 +40,7 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
     xp, xn, inv_rms, counter = x.x.ptr, x.xn.ptr, x.inv_rms.ptr, x.counter.ptr
     norm_after = [lw["mlp_norm"] for lw in x.layers]                 # what O's epilogue prepares
     norm_after_down = [lw["attn_norm"] for lw in x.layers[1:]] + [x.final_norm]
-    out = [k.launch("embed_q8", (tokens,), (256,), "pppppppfi",
+    out = [k.launch(embed_kernel(x.embed), (tokens,), (256,), "pppppppfi",
                     [x.embed.qs, x.embed.scales, ids, xp, xn, x.layers[0]["attn_norm"], inv_rms,
                      eps, H])]
     for li, lw in enumerate(x.layers):

@@ -2,7 +2,8 @@
 
 Every Q8 weight is laid out once, at load, as a device image -- qs [rows, cols]
 int8, then scales [rows, cols/32] fp16 at the next 256-byte boundary (gate_up
-with its rows interleaved (gate j, up j) for the SiLU epilogue) -- in page-locked
+with its rows interleaved (gate j, up j) for the SiLU epilogue; a 4/6-bit block
+weight the same way: every part's qs, then every part's meta, model/quant4.image_layout) -- in page-locked
 host memory (cuMemHostAlloc: the quantized cache's read-only memory maps cannot
 be registered, and the interleave needs a copy anyway).  Resident images go up
 into one arena block (the preload, overlapped with building them: upload_images);
@@ -38,8 +39,10 @@ import numpy as np
 
 from kestrel_stream.obs import prof
 from kestrel_stream.obs import trace
-from kestrel_stream.run.budget import ALIGN, image_bytes
+from kestrel_stream.run.budget import ALIGN
+from kestrel_stream.run.block_weights import device_qweight, write_block_image
 from kestrel_stream.model.quant import QTensor
+from kestrel_stream.model.quant4 import image_bytes_of
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import QWeight
 
@@ -67,7 +70,10 @@ def step_launch_items(num_layers: int) -> list:
 
 
 def write_image(dst: np.ndarray, w: QTensor, interleave: bool) -> None:
-    """The device layout of `w` into the uint8 view `dst` (image_bytes long)."""
+    """The device layout of `w` into the uint8 view `dst` (image_bytes_of long)."""
+    if not isinstance(w, QTensor):          # 4/6-bit blocks: qs | meta per format part
+        write_block_image(dst, w, interleave)
+        return
     rows, cols = w.shape
     qs = dst[:rows * cols].view(np.int8).reshape(rows, cols)
     scales = dst[_align(rows * cols):_align(rows * cols) + rows * cols // 16].view(np.float16)
@@ -94,7 +100,7 @@ def upload_images(items, device_base: int, stream, chunk_bytes: int | None = Non
     aligned offsets.  Returns (seconds writing images, seconds of upload not hidden behind them)."""
     if not items:
         return 0.0, 0.0
-    sizes = [_align(image_bytes(*w.shape)) for _, w, _ in items]
+    sizes = [_align(image_bytes_of(w)) for _, w, _ in items]
     chunk_bytes = max(chunk_bytes or PRELOAD_CHUNK_BYTES, max(sizes))
     groups, current, used = [], [], 0           # consecutive items that fit one buffer
     for item, size in zip(items, sizes):
@@ -116,10 +122,10 @@ def upload_images(items, device_base: int, stream, chunk_bytes: int | None = Non
         t = time.perf_counter()
         first = group[0][0]
         for offset, w, interleave in group:
-            write_image(buffers[b].bytes[offset - first:offset - first + image_bytes(*w.shape)], w, interleave)
+            write_image(buffers[b].bytes[offset - first:offset - first + image_bytes_of(w)], w, interleave)
         writing_s += time.perf_counter() - t
         last_offset, last_w, _ = group[-1]
-        nbytes = last_offset - first + image_bytes(*last_w.shape)
+        nbytes = last_offset - first + image_bytes_of(last_w)
         driver.h2d_async(device_base + first, buffers[b], nbytes, stream)
         uploaded[b].record(stream)
         in_flight[b] = True
@@ -144,7 +150,7 @@ class WeightWindow:
         self.qweights: dict[str, QWeight] = {}
 
         def offsets(names):
-            sizes = [_align(image_bytes(*tensors[n][0].shape)) for n in names]
+            sizes = [_align(image_bytes_of(tensors[n][0])) for n in names]
             return dict(zip(names, np.cumsum([0] + sizes[:-1]).tolist())), sum(sizes)
 
         # resident: one arena block, filled from two pinned staging buffers in turn
@@ -161,8 +167,8 @@ class WeightWindow:
         self.copies = []        # (pinned host view, image bytes) of streamed item k
         for name, offset in stream_at.items():
             w, interleave = tensors[name]
-            write_image(self.host.bytes[offset:offset + image_bytes(*w.shape)], w, interleave)
-            self.copies.append((self.host.bytes[offset:offset + image_bytes(*w.shape)], image_bytes(*w.shape)))
+            write_image(self.host.bytes[offset:offset + image_bytes_of(w)], w, interleave)
+            self.copies.append((self.host.bytes[offset:offset + image_bytes_of(w)], image_bytes_of(w)))
         self.streamed_bytes_per_step = sum(nbytes for _, nbytes in self.copies)
         self.slot_stride = max((_align(n) for _, n in self.copies), default=0)
         self.ring_base = arena.alloc(self.slot_count * self.slot_stride) if self.streamed else 0
@@ -181,8 +187,7 @@ class WeightWindow:
 
     @staticmethod
     def _qweight(address: int, w: QTensor) -> QWeight:
-        rows, cols = w.shape
-        return QWeight(address, address + _align(rows * cols), rows, cols)
+        return device_qweight(address, w)
 
     def qweight(self, name: str) -> QWeight:
         return self.qweights[name]
