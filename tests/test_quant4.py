@@ -137,3 +137,12 @@ def test_llama_mix_follows_llama_cpp():
     assert tensor_type("q4_k_m", "blk.3.attn_v.weight", 28, True) == "Q4_K"
     assert tensor_type("q4_k_m", "blk.5.ffn_down.weight", 28, True) == "Q6_K"
     assert tensor_type("q4_k_m", "blk.5.ffn_up.weight", 28, True) == "Q4_K"
+
+
+@pytest.mark.parametrize("mix,cfg", [("q4_k_m", CFG), ("q4_0", LLAMA)], ids=["q4_k_m", "q4_0-llama"])
+def test_plan_counts_the_formats_the_file_loads_to(tmp_path, mix, cfg):
+    from kestrel_stream.cli.plan import read_config
+    path = tmp_path / "m.gguf"
+    write_gguf(cfg, None, str(path), seed=0, mix=mix)
+    assert read_config(str(path)).weight_formats == load_weights(path).config.weight_formats != ()
+    assert read_config(str(path), "q8_0").weight_formats == ()

@@ -84,6 +84,35 @@ def permute_rows(q, order: np.ndarray):
     return QTensor(q.qs[order], q.scales[order])
 
 
+def planned_weight_formats(f: GGUFFile, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """weight_formats_of the weights this file loads to (blocks="native"), from its tensor types alone:
+    the fusion rules of quant4.fuse_rows applied to the types instead of the tensors."""
+    to_gguf, out = gguf_names(cfg), []
+
+    def kind(hf_name: str) -> str:
+        qtype = f.tensors[to_gguf[hf_name]].qtype
+        return qtype.name if qtype in BLOCK_NATIVE_TYPES else "Q8_0"
+
+    def group(names: list[str], allow_stack: bool) -> None:
+        kinds = [kind(n) for n in names]
+        runs = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+        exact = "Q8_0" not in kinds and (len(runs) == 1 or (allow_stack and len(runs) == 2))
+        if exact:
+            out.extend(zip(names, kinds))
+
+    group([HF_GLOBAL_NAMES["embed"]], True)
+    if not cfg.tie_word_embeddings:
+        group([HF_GLOBAL_NAMES["lm_head"]], True)
+    for i in range(cfg.num_hidden_layers):
+        def hf(key: str) -> str:
+            return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
+        group([hf("q"), hf("k"), hf("v")], True)
+        group([hf("o")], True)
+        group([hf("gate"), hf("up")], False)
+        group([hf("down")], True)
+    return tuple((n, k) for n, k in out if k != "Q8_0")
+
+
 def weight_formats_of(weights: ModelWeights) -> tuple[tuple[str, str], ...]:
     """(HF name, block format) of every linear weight the assembled weights keep in a block format
     (a fused part that fell back to Q8_0 is Q8_0 whatever its file type)."""
