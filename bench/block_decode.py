@@ -5,8 +5,8 @@
     PYTHONPATH=. python3 -m bench.block_decode /tmp/q17-q4km.gguf /tmp/q17-q8.gguf [--out DIR]
 
 Per file: gpu mode with every weight resident (decode tok/s at batch 1 through GpuExecutor.forward:
-graph replay, one sync, logits out) and at 50 % of the weight bytes (bench.window's budget: KV and
-activations + half the weights), with the bytes streamed per step, the PCIe roofline (pinned H2D
+graph replay, one sync, logits out) and at 50 % of the weight bytes (a budget of the executor's KV
+pool and activations, gpu_mode_needs, + half the weights), with the bytes streamed per step, the PCIe roofline (pinned H2D
 measured here / streamed bytes) and the fraction of it reached.  x_q8_0: tok/s over the Q8_0 file's
 at the same budget (the last file named Q8_0 in its types).  The llama.cpp side of the comparison is
 llama-bench on the same files (`-ngl 99 -n 128 -p 0` and `-ngl <half the layers>`).
@@ -22,7 +22,7 @@ import numpy as np
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver
 from kestrel_stream.loading.loader import load_weights
-from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction
+from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.run.gpu_executor import GpuExecutor
 
 from .report import write_results
@@ -51,7 +51,7 @@ def main() -> None:
     for path in args.files:
         weights = load_weights(path)
         kind, config = file_kind(weights), weights.config
-        needs = arena_needs(config, max(SESSIONS, CHUNK), SESSIONS + 1, SEQ, 16)
+        needs = gpu_mode_needs(config, SESSIONS, SEQ, CHUNK, max_sessions=SESSIONS)   # what GpuExecutor takes
         for fraction in [float(f) for f in args.fractions.split(",")]:
             budget = budget_for_weight_fraction(config, needs, fraction) if fraction < 1 else None
             gpu = GpuExecutor(weights, max_seq_len=SEQ, max_batch=SESSIONS, max_sessions=SESSIONS,
