@@ -137,7 +137,9 @@ def write(preset, vocab_path: str | None, out: str, seed: int = 0, mix: str = "q
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-1.7b", choices=sorted(PRESETS))
-    p.add_argument("--vocab", required=True, help="a llama.cpp vocab GGUF whose tokenizer fields are copied")
+    p.add_argument("--vocab", default=None,
+                   help="a llama.cpp vocab GGUF whose tokenizer fields are copied (llama.cpp needs them; "
+                        "kestrel-stream does not)")
     p.add_argument("-o", "--out", required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mix", default="q8_0", choices=MIXES, help="the matrices' types (see above)")
