@@ -2,12 +2,16 @@
 
     PYTHONPATH=. python3 -m bench.prefill [--model F.gguf | --shape qwen3-1.7b|qwen3-8b] [--out DIR]
         [--sessions 1,4,8,16,32] [--prompt-len 128] [--new-tokens 64] [--pp 512] [--repeats 3]
+        [--attention auto|split|flash] [--ops]
 
 pp: one session prefills `--pp` tokens with logits="last" (lm_head on the last row only); tok/s of
 the best of `--repeats` (llama-bench's pp512 is a mean over its repetitions, after a warm-up).
 Batched decode: N sessions each prefill a `--prompt-len` prompt, then `--new-tokens` greedy steps of
 all N together through forward_greedy (one graph replay per bucket, argmax on the device, 4 bytes per
 session back); aggregate tok/s = N * new tokens / decode time (llama-batched-bench's S_TG).
+The pp row's attention_ms is the GPU time of the pp step's attention launches (every layer), each
+between two timing events; --attention split|flash forces that kernel for the pp step (default: the
+step's own choice, cuda/flash_attention.py), so one run each gives the A/B.
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ import numpy as np
 
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.flash_attention import AttentionChoice
 from kestrel_stream.loading.presets import random_q8_weights
 from kestrel_stream.run.gpu_executor import GpuExecutor
 
@@ -42,6 +47,8 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--ops", action="store_true", help="also print GPU time per op of one pp step")
+    parser.add_argument("--attention", default="auto", choices=["auto", "split", "flash"],
+                        help="the pp step's attention kernel (default: the step's own choice)")
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]
     weights = load(args)
@@ -55,16 +62,24 @@ def main() -> None:
     kv = gpu.alloc_kv(seq)
     prompt = rng.integers(0, c.vocab_size, args.pp)
     gpu.forward([(kv, prompt, 0)], logits="last")       # warm-up: module loads, launch lists
+    choices = [launch for launch in gpu.step_launches(args.pp, (args.pp - 1, 1)) if isinstance(launch, AttentionChoice)]
+    for launch in choices:
+        launch.kernel = args.attention
+    if args.attention != "auto" and not choices:
+        print(f"--attention {args.attention}: this model's attention has one kernel only (the split kernel)")
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
         gpu.forward([(kv, prompt, 0)], logits="last")
         times.append(time.perf_counter() - t0)
+    ops = op_breakdown(gpu, kv, prompt)
     if args.ops:
-        print(op_breakdown(gpu, kv, prompt), flush=True)
+        print(ops, flush=True)
     gpu.free_kv(kv)
-    row = {"test": f"pp{args.pp}", "sessions": 1, "tok_s": round(args.pp / min(times), 1),
-           "ms": round(min(times) * 1e3, 2)}
+    row = {"test": f"pp{args.pp}" + (f" ({args.attention} attention)" if choices and args.attention != "auto" else ""),
+           "sessions": 1,
+           "tok_s": round(args.pp / min(times), 1), "ms": round(min(times) * 1e3, 2),
+           "attention_ms": round(ops.get("attention", 0.0) / 1e3, 2)}
     print(row, flush=True)
     rows.append(row)
 
@@ -94,7 +109,7 @@ def main() -> None:
              f"decode (sessions x {args.new_tokens} tokens / decode time), ms = per step; prefill_tok_s = "
              f"the {args.prompt_len}-token prompts of all sessions in one step.")
     path = write_results(f"h200-prefill-{args.shape if not args.model else 'gguf'}", env, rows,
-                         ["test", "sessions", "tok_s", "ms", "prefill_tok_s"], notes, args.out)
+                         ["test", "sessions", "tok_s", "ms", "attention_ms", "prefill_tok_s"], notes, args.out)
     print(f"wrote {path}")
     gpu.close()
 

@@ -368,6 +368,11 @@ def sample_finish(launch, logits, V, state, cand, S, out) -> None:
         dev(out, 4 * T, np.int32)[t] = draw_row(x, ids, words[t], params)
 
 
+def flash_attention_paged(launch, *args) -> None:
+    from fake_flash import flash_attention_paged as twin   # its own file; it imports this one
+    twin(launch, *args)
+
+
 from fake_block_kernels import BLOCK_KERNELS   # noqa: E402  (it uses the helpers above)
 
 KERNELS = BLOCK_KERNELS + [
@@ -385,4 +390,5 @@ KERNELS = BLOCK_KERNELS + [
     (r"attention_split_d(32|64|80|96|128|256)", attention_split),
     (r"qkv_rope_append_paged_(f16|f32)", qkv_rope_append_paged),
     (r"attention_paged_d(32|64|80|96|128|256)_(f16|f32)", attention_paged),
+    (r"flash_attention_paged_d(64|128)_f16", flash_attention_paged),
 ]

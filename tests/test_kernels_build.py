@@ -110,3 +110,18 @@ def test_gemv_variant_choice_and_override():
         Options.from_env({"KESTREL_GEMV_MN": "o2"})
     with pytest.raises(ValueError, match="KESTREL_GEMV_M1='w7': not a GEMV variant"):
         Options.from_env({"KESTREL_GEMV_M1": "w7"})
+
+
+def test_flash_attention_table_matches_the_kernel_source():
+    """The head dims and rows per block the launcher assumes are the ones flash_attention.cu defines,
+    and every block's static shared memory stays under the 48 KiB that needs no opt-in."""
+    import re
+    from kestrel_stream.cuda import flash_attention as fa
+    source = (build.source_dir() / "flash_attention.cu").read_text()
+    assert tuple(int(d) for d in re.findall(r"^DEFINE_FLASH_ATTENTION\((\d+)\)", source, flags=re.M)) == \
+        fa.FLASH_HEAD_DIMS
+    assert re.search(r"^#define FLASH_WARPS (\d+)", source, flags=re.M)[1] == str(fa.FLASH_THREADS // 32)
+    assert fa.FLASH_ROWS == 16 * fa.FLASH_THREADS // 32
+    for D in fa.FLASH_HEAD_DIMS:            # K and V tiles, two stages, BN = 4096 / D keys of D + 8 halves
+        shared_bytes = 2 * 2 * (4096 // D) * (D + 8) * 2 + fa.FLASH_ROWS * (8 + 4)
+        assert shared_bytes < 48 * 1024, (D, shared_bytes)

@@ -158,7 +158,8 @@ def test_tracing_off_adds_nothing_measurable(tiny_model, cpu_trace):
         session.decode(token)
         step_s.append(time.perf_counter() - start)
     engine.close()
-    assert span_s < 2e-6 and check_s < 0.5e-6
+    # relative to the step measured on the same machine at the same time, not an absolute figure: a loaded CI
+    # machine slows both alike
     off_cost_s = spans * span_s + checks * check_s
     assert off_cost_s < 0.02 * statistics.median(step_s), (spans, span_s, checks, check_s, step_s)
 

@@ -1,9 +1,10 @@
 """The launch list of a `gpu` mode step: which kernels, in what order, on which buffers.
 
 Launches per layer (6): fused QKV GEMV; q/k norm + RoPE + KV append; split-key
-attention (merged by its last block); O GEMV + residual; fused gate/up GEMV
-with SiLU·mul in its epilogue (gate and up rows interleaved at load); down GEMV
-+ residual.  Then lm_head.  RMSNorm never costs a launch or a re-read: the
+attention (merged by its last block), or for prefill chunks the tensor-core flash
+kernel (cuda/flash_attention.py); O GEMV + residual; fused gate/up GEMV with
+SiLU·mul in its epilogue (gate and up rows interleaved at load); down GEMV +
+residual.  Then lm_head.  RMSNorm never costs a launch or a re-read: the
 kernel that writes the residual stream x (embedding, O and down epilogues) also
 writes xn = x * next norm weight and, from its last block, 1/rms(x) per token;
 the consuming GEMV multiplies its dot products by that scale.
@@ -19,6 +20,7 @@ from __future__ import annotations
 from kestrel_stream.cuda.kernels import (GEMV_MAX_TOKENS, ROPE_PAGED_SIGNATURE, Launch, gemv_launch,
                                          paged_attention_launch)
 from kestrel_stream.cuda.block_kernels import embed_kernel
+from kestrel_stream.cuda.flash_attention import StepChoice, attention_choice
 from kestrel_stream.model import rope
 
 LAYER_OPS = ("qkv", "rope", "attention", "o", "gate_up", "down")   # launches per layer, in order
@@ -40,6 +42,7 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
     xp, xn, inv_rms, counter = x.x.ptr, x.xn.ptr, x.inv_rms.ptr, x.counter.ptr
     norm_after = [lw["mlp_norm"] for lw in x.layers]                 # what O's epilogue prepares
     norm_after_down = [lw["attn_norm"] for lw in x.layers[1:]] + [x.final_norm]
+    attention_kernel = StepChoice(lambda: x.staged_kvbase[:tokens], c.head_dim)   # flash or split, per step
     out = [k.launch(embed_kernel(x.embed), (tokens,), (256,), "pppppppfi",
                     [x.embed.qs, x.embed.scales, ids, xp, xn, x.layers[0]["attn_norm"], inv_rms,
                      eps, H])]
@@ -51,11 +54,17 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
                             [x.qkv.ptr, x.q.ptr, x.kv.table_ptr, kvbase, pos, lw["q_norm"],
                              lw["k_norm"], x.inv_freq, lw["qkv_bias"], eps, li, L, c.num_attention_heads,
                              c.num_key_value_heads, c.head_dim, x.kv.block_shift]))
-        out.append(paged_attention_launch(k, x.q.ptr, x.kv.table_ptr, kvbase, pos, x.attn.ptr,
-                                          x.partials.ptr, x.attention_counters.ptr, tokens, li, L,
-                                          c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                          x.attention_splits, x.kv.block_shift, x.kv_dtype,
-                                          window=c.sliding_window or 0, scale=rope.softmax_scale(c)))
+        split = paged_attention_launch(k, x.q.ptr, x.kv.table_ptr, kvbase, pos, x.attn.ptr,
+                                       x.partials.ptr, x.attention_counters.ptr, tokens, li, L,
+                                       c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                       x.attention_splits, x.kv.block_shift, x.kv_dtype,
+                                       window=c.sliding_window or 0, scale=rope.softmax_scale(c))
+        # prefill chunks: the tensor-core flash kernel, picked per step from the staged rows
+        out.append(attention_choice(k, split, attention_kernel, q=x.q.ptr, tables=x.kv.table_ptr,
+                                    table_row=kvbase, pos=pos, out=x.attn.ptr, tokens=tokens, layer=li,
+                                    n_layers=L, n_heads=c.num_attention_heads, n_kv=c.num_key_value_heads,
+                                    head_dim=c.head_dim, block_shift=x.kv.block_shift, kv_dtype=x.kv_dtype,
+                                    window=c.sliding_window or 0, scale=rope.softmax_scale(c)))
         out.append(gemv_launch(k, lw["wo"], x.attn.ptr, c.q_size, xp, H, tokens, res=xp,
                                normw_out=norm_after[li], xn_out=xn, inv_rms_out=inv_rms, counter=counter,
                                eps=eps))

@@ -1,0 +1,134 @@
+"""The tensor-core attention of kernels_ptx/flash_attention.cu, and which attention a step gets.
+
+A step's attention is the split-key kernel (attention.cu: decode, one query row per session, keys
+spread over many blocks) or the flash kernel (query tiles of one session sharing every K/V tile on
+tensor cores).  Which one depends on how the step's rows are grouped into sessions, which the
+launch list (built once per token count) does not know: `AttentionChoice` stands in the list for
+both and picks when it is enqueued, from the step's staged rows (`StepChoice`: once per step).  Graph captures are decode steps
+(one row per session), so a capture always gets the split kernel.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+FLASH_HEAD_DIMS = (64, 128)     # flash_attention.cu's DEFINE_FLASH_ATTENTION lines
+FLASH_ROWS = 64                 # (token, q head) rows per block: FLASH_ROWS // group tokens
+FLASH_THREADS = 128
+FLASH_SIGNATURE = "pppppiiiiiifi"
+# The fewest query rows per session (and tokens per step) for which the flash kernel replaces the
+# split kernel, per head dim.  Not yet measured on the GPU: 16 = one mma row tile of tokens, the
+# size at which a K/V tile is shared by enough rows to pay for itself.  bench/prefill.py
+# --attention split|flash measures both sides.
+FLASH_MIN_ROWS = {64: 16, 128: 16}
+
+
+def flash_supported(head_dim: int, kv_dtype: str, group: int) -> bool:
+    """Whether flash_attention.cu serves this model's attention (paged f16 KV, <= 8 q heads per kv head)."""
+    return head_dim in FLASH_HEAD_DIMS and kv_dtype == "f16" and 1 <= group <= 8
+
+
+def tile_tokens(group: int) -> int:
+    """Query tokens per block for `group` q heads per kv head."""
+    return FLASH_ROWS // group
+
+
+def shortest_run(table_rows: np.ndarray) -> int:
+    """Length of the shortest run of equal entries (one session's consecutive rows) in a step's rows."""
+    if len(table_rows) == 0:
+        return 0
+    starts = np.flatnonzero(table_rows[1:] != table_rows[:-1]) + 1
+    return int(np.diff(np.concatenate(([0], starts, [len(table_rows)]))).min())
+
+
+def prefers_flash(head_dim: int, table_rows: np.ndarray) -> bool:
+    """The measured choice (FLASH_MIN_ROWS) for a step whose rows' sessions are `table_rows`."""
+    return shortest_run(table_rows) >= FLASH_MIN_ROWS[head_dim]
+
+
+def flash_attention_launch(kernels, q: int, tables: int, table_row: int, pos: int, out: int, tokens: int,
+                           layer: int, n_layers: int, n_heads: int, n_kv: int, head_dim: int, block_shift: int,
+                           window: int = 0, scale: float | None = None):
+    """Causal attention of `tokens` query rows over the paged f16 pool (kernels_ptx/kv_cache.cuh), the
+    arguments of paged_attention_launch less the split workspace: no partials, no tickets."""
+    group = n_heads // n_kv
+    assert flash_supported(head_dim, "f16", group) and n_heads % n_kv == 0, (head_dim, n_heads, n_kv)
+    grid = (n_kv, -(-tokens // tile_tokens(group)))
+    return kernels.launch(f"flash_attention_paged_d{head_dim}_f16", grid, (FLASH_THREADS,), FLASH_SIGNATURE,
+                          [q, tables, table_row, pos, out, tokens, layer, n_layers, n_heads, n_kv, window,
+                           1.0 / float(np.sqrt(head_dim)) if scale is None else scale, block_shift])
+
+
+class StepChoice:
+    """Which kernel one step's attention uses, decided by its first layer's launch when enqueued (from
+    the staged rows: one decision per step, not per layer) and read by every later layer's."""
+
+    def __init__(self, staged_table_rows: Callable[[], np.ndarray], head_dim: int):
+        self.staged_table_rows, self.head_dim = staged_table_rows, head_dim
+        self.flash = False
+
+    def decide(self) -> bool:
+        self.flash = prefers_flash(self.head_dim, self.staged_table_rows())
+        return self.flash
+
+
+class AttentionChoice:
+    """A step's attention launch: `flash` where the staged rows come in runs of at least
+    FLASH_MIN_ROWS per session (prefill chunks), `split` otherwise and in every graph capture.
+
+    kernel: "auto" (that choice), or "split" / "flash" to force one (benches, tests).  Labels and the
+    programmatic flag go to both launches; each traces under its own kernel name."""
+
+    def __init__(self, split, flash, step: StepChoice, first_layer: bool):
+        self.split, self.flash, self.step, self.first_layer = split, flash, step, first_layer
+        self.kernel = "auto"
+
+    @property
+    def name(self) -> str:
+        return self.split.name
+
+    @property
+    def labels(self) -> dict:
+        return self.split.labels
+
+    def label(self, **labels) -> "AttentionChoice":
+        self.split.label(**labels)
+        self.flash.label(**labels)
+        return self
+
+    @property
+    def programmatic(self) -> bool:
+        return self.split.programmatic
+
+    @programmatic.setter
+    def programmatic(self, enabled: bool) -> None:
+        self.split.programmatic = enabled
+        self.flash.programmatic = enabled
+
+    def chosen(self, stream):
+        """The launch this step runs on `stream` (the first layer's call decides for the step)."""
+        if self.kernel != "auto":
+            return self.flash if self.kernel == "flash" else self.split
+        if stream.capturing:
+            return self.split
+        use_flash = self.step.decide() if self.first_layer else self.step.flash
+        return self.flash if use_flash else self.split
+
+    def enqueue(self, stream) -> None:
+        self.chosen(stream).enqueue(stream)
+
+    def submit(self, stream) -> None:
+        self.chosen(stream).submit(stream)
+
+
+def attention_choice(kernels, split, step: StepChoice, *, q: int, tables: int, table_row: int, pos: int,
+                     out: int, tokens: int, layer: int, n_layers: int, n_heads: int, n_kv: int, head_dim: int,
+                     block_shift: int, kv_dtype: str, window: int, scale: float):
+    """`split` (paged_attention_launch) itself where the flash kernel cannot serve the step (float32
+    KV, another head dim or GQA group, fewer tokens than FLASH_MIN_ROWS), else an AttentionChoice."""
+    if not flash_supported(head_dim, kv_dtype, n_heads // n_kv) or tokens < FLASH_MIN_ROWS[head_dim]:
+        return split
+    flash = flash_attention_launch(kernels, q, tables, table_row, pos, out, tokens, layer, n_layers, n_heads,
+                                   n_kv, head_dim, block_shift, window, scale)
+    return AttentionChoice(split, flash, step, first_layer=layer == 0)
