@@ -141,3 +141,9 @@ def test_row_slices_of_a_two_format_weight(dev):
         dev.run(gemv_launch(dev.kernels, part, dev.put(x), 256, y, hi - lo, 1))
         want = x @ dense[lo:hi].T
         assert np.abs(dev.get(y, (1, hi - lo)) - want).max() <= 1e-5 * np.abs(want).max(), (lo, hi)
+
+
+def test_the_block_launches_share_the_q8_contract():
+    from kestrel_stream.cuda import block_kernels, kernels
+    assert block_kernels.BLOCK_GEMV_SIGNATURE == kernels.GEMV_SIGNATURE + "ppi"
+    assert block_kernels.GEMV_MAX_TOKENS == kernels.GEMV_MAX_TOKENS

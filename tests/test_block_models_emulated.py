@@ -22,7 +22,6 @@ from kestrel_stream.run.hybrid import HybridExecutor
 from kestrel_stream.run.window import weight_tensors
 from test_executors_emulated import MAX_BATCH, MAX_SEQ_LEN, gpu_needs
 from test_quant4 import CFG, LLAMA
-import scheduler
 from kestrel_stream.run.budget import budget_for_weight_fraction
 
 # every weight above the window's 64 KB "always resident" size in its format, so half a budget streams

@@ -7,10 +7,12 @@ the next one up), <fmt>[_<tail fmt>]_mma[_silu] beyond; embed_<fmt> for the embe
 """
 from __future__ import annotations
 
-from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, GEMV_SIGNATURE, KernelSet, Launch, QWeight
+from kestrel_stream.cuda.device_weight import QWeight
 from scheduler.ops import BLOCK_FORMATS
 
-BLOCK_GEMV_SIGNATURE = GEMV_SIGNATURE + "ppi"     # + qs_b, meta_b, rows_a
+# kernels.GEMV_SIGNATURE + qs_b, meta_b, rows_a (kernels.py dispatches here: this module must not import it)
+BLOCK_GEMV_SIGNATURE = "pppippipppppfiii" + "ppi"
+GEMV_MAX_TOKENS = 8                               # kernels.GEMV_MAX_TOKENS
 GEMV_TOKENS = (1, 2, 4, 8)                        # q4_gemv.cu's M
 GEMV_THREADS = 64
 MMA_ROWS, MMA_TOKENS, MMA_THREADS = 64, 64, 128   # q4_mma.cu's QM_BN, QM_BM, QM_THREADS
@@ -39,10 +41,10 @@ def weight_bytes(w: QWeight) -> int:
     return sum(n * (w.cols // BLOCK_FORMATS[p.fmt][0]) * BLOCK_FORMATS[p.fmt][1] for p, n in zip(parts, rows))
 
 
-def block_gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: int, tokens: int, *,
+def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, tokens: int, *,
                       silu_pairs: bool = False, inv_rms_in: int = 0, res: int = 0, normw_out: int = 0,
-                      xn_out: int = 0, inv_rms_out: int = 0, counter: int = 0, eps: float = 1e-6) -> Launch:
-    """kernels.gemv_launch for a block-format weight (same contract)."""
+                      xn_out: int = 0, inv_rms_out: int = 0, counter: int = 0, eps: float = 1e-6):
+    """kernels.gemv_launch for a block-format weight (same contract); `kernels`: a KernelSet."""
     tail = w.tail
     assert (w.fmt, tail.fmt if tail else None) in KERNEL_FORMATS, f"no kernel for {w.fmt} then {tail and tail.fmt}"
     assert not (silu_pairs and tail), "gate/up rows share one format"

@@ -11,7 +11,6 @@ set by the builders and the executors) as its args.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -21,6 +20,7 @@ from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 from kestrel_stream.obs import trace
 from kestrel_stream.cuda.driver import Device, Stream, check, timed
 from kestrel_stream.cuda import mma_variants
+from kestrel_stream.cuda.device_weight import QWeight   # noqa: F401  (kept importable from here)
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
 _modules: dict[tuple[str, str], object] = {}
@@ -140,19 +140,6 @@ class Launch:
 
 
 # ---- typed builders for the kernel families (argument order = the .cu signatures) ----------------
-
-@dataclass
-class QWeight:
-    """A weight in device memory: for Q8_0 qs [rows, cols] int8 and scales [rows, cols/32] fp16; for a
-    block format (fmt Q4_0 / Q4_K / Q6_K, model/quant4.py) its blocks' qs and meta bytes, row after row.
-    `tail`: the last rows in a second block format (a fused QKV whose v rows are Q6_K)."""
-    qs: int
-    scales: int
-    rows: int
-    cols: int
-    fmt: str = "Q8_0"
-    tail: "QWeight | None" = None
-
 
 GEMV_SIGNATURE = "pppippipppppfiii"
 ROPE_SIGNATURE = "pppppppppfiiiii"     # qkv_norm_rope_append
