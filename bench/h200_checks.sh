@@ -2,10 +2,11 @@
 # Every GPU check and H200 bench of the project in one device call (about 10 minutes: split it with STEPS
 # across calls of at most 600 s):
 #   OUT=/some/dir KESTREL_COMMIT=<hash> [STEPS="tests decode ..."] bash bench/h200_checks.sh
-# STEPS picks some of: tests decode variants modes kernels window traces daemon serve http search kv prefill (default:
-# all, in that order; search = the gate against all 32 group choices, ~2 minutes; kv = the KV pool's benches:
-# 32 sessions at 1k context with f16 and f32 KV, prefix reuse; prefill = pp512 with the split and the flash
-# attention kernel, qwen3-1.7b shapes).
+# STEPS picks some of: tests decode variants modes kernels window traces daemon serve http search kv prefill
+# blocks (default: all, in that order; search = the gate against all 32 group choices, ~2 minutes; kv = the
+# KV pool's benches: 32 sessions at 1k context with f16 and f32 KV, prefix reuse; prefill = pp512 with the
+# split and the flash attention kernel, qwen3-1.7b shapes; blocks = the 4-bit kernels' GPU tests and
+# bench.block_decode on random Q4_K_M and Q8_0 files of the qwen3-1.7b shape; needs the gguf wheel).
 # Result files (md/json/traces/html) and every step's log (logs/*.txt) land in $OUT/h200-results.tgz, since
 # the device tool returns at most 8 files; each log's last lines also go to stdout.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
 set -uo pipefail
@@ -14,7 +15,7 @@ RESULTS=$(mktemp -d)
 mkdir -p "$OUT" "$RESULTS/logs"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # each step's log, then the archive again: a call cut short still returns what finished
-STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill}
+STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill blocks}
 run() {
     local seconds=$1 log=$2; shift 2
     [[ " $STEPS " == *" ${log%.txt} "* ]] || return 0
@@ -43,3 +44,7 @@ run 240 kv.txt bash -c "python3 -m bench.gpu_decode --batches 32 --prompt-len 10
     --mode gpu --out $RESULTS"
 run 300 prefill.txt bash -c "for shape in qwen3-1.7b; do for a in split flash; do python3 -m bench.prefill \
     --shape \$shape --attention \$a --sessions 16,32 --ops --out $RESULTS/prefill-\$a || exit 1; done; done"
+run 420 blocks.txt bash -c "python3 -m pytest -m gpu -q tests/test_block_kernels.py tests/test_block_models_emulated.py \
+    && python3 -m bench.make_gguf --preset qwen3-1.7b --mix q4_k_m -o /tmp/q17-q4km.gguf \
+    && python3 -m bench.make_gguf --preset qwen3-1.7b -o /tmp/q17-q8.gguf \
+    && python3 -m bench.block_decode /tmp/q17-q4km.gguf /tmp/q17-q8.gguf --out $RESULTS"

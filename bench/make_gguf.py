@@ -1,9 +1,13 @@
-"""Write a random Q8_0 GGUF of a preset's shapes that both kestrel-stream and llama.cpp load.
+"""Write a random GGUF of a preset's shapes that both kestrel-stream and llama.cpp load.
 
     python3 -m bench.make_gguf --preset qwen3-1.7b --vocab PATH/ggml-vocab-qwen2.gguf -o /tmp/q17.gguf
+    python3 -m bench.make_gguf --preset qwen3-8b --mix q4_k_m --vocab PATH/ggml-vocab-qwen2.gguf -o /tmp/q8b-q4km.gguf
 
 The tokenizer fields come from a llama.cpp vocab file (models/ggml-vocab-qwen2.gguf in its source), so
-llama.cpp accepts the file; the weights are random int8 blocks with small fp16 scales (speed, not text).
+llama.cpp accepts the file; the weights are random blocks with small fp16 scales (speed, not text).
+--mix picks each matrix's type: q8_0 (every matrix), q4_0 / q4_k / q6_k (every matrix, output Q6_K
+for q4_0 and q4_k as llama.cpp does), or q4_k_m, llama.cpp's Q4_K_M: Q4_K, with Q6_K for output (the
+embedding when tied) and for attn_v and ffn_down in the layers use_more_bits picks.
 """
 from __future__ import annotations
 
@@ -14,6 +18,12 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
 from kestrel_stream.loading.presets import PRESETS
+from kestrel_stream.model.quant4 import random_blocks
+
+MIXES = ("q8_0", "q4_0", "q4_k", "q6_k", "q4_k_m")
+FILE_TYPES = {"q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0,
+              "q4_k": LlamaFileType.MOSTLY_Q4_K_S, "q6_k": LlamaFileType.MOSTLY_Q6_K,
+              "q4_k_m": LlamaFileType.MOSTLY_Q4_K_M}
 
 Q8_BLOCK = np.dtype([("d", "<f2"), ("qs", "i1", 32)])
 
@@ -48,12 +58,32 @@ def random_q8(pool: np.ndarray, rng: np.random.Generator, rows: int, cols: int) 
     return blocks.view(np.uint8).reshape(rows, -1)
 
 
-def write(preset: str, vocab_path: str, out: str, seed: int = 0) -> None:
-    cfg = PRESETS[preset]
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v / ffn_down Q4_K_M keeps in Q6_K (C integer division)."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def tensor_type(mix: str, name: str, layers: int, tied: bool) -> str:
+    """The GGUF type of matrix `name` (llama.cpp's names) in a file of `mix`."""
+    if mix in ("q8_0", "q6_k"):
+        return mix.upper()
+    output = name == "output.weight" or (tied and name == "token_embd.weight")
+    if output:
+        return "Q6_K"
+    if mix != "q4_k_m":
+        return mix.upper()
+    if name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(int(name.split(".")[1]), layers):
+        return "Q6_K"
+    return "Q4_K"
+
+
+def write(preset, vocab_path: str | None, out: str, seed: int = 0, mix: str = "q8_0") -> dict[str, str]:
+    """Write the file; returns {tensor name: GGUF type} of its matrices.  preset: a name or a ModelConfig."""
+    cfg = PRESETS[preset] if isinstance(preset, str) else preset
     rng = np.random.default_rng(seed)
-    pool = rng.integers(-127, 128, size=1 << 28, dtype=np.int8)
+    pool = rng.integers(-127, 128, size=1 << 28 if isinstance(preset, str) else 1 << 16, dtype=np.int8)
     w = GGUFWriter(out, cfg.arch)
-    w.add_name(f"random-{preset}")
+    w.add_name(f"random-{preset if isinstance(preset, str) else cfg.arch}")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -65,13 +95,20 @@ def write(preset: str, vocab_path: str, out: str, seed: int = 0) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(LlamaFileType.MOSTLY_Q8_0)
+    w.add_file_type(FILE_TYPES[mix])
     w.add_quantization_version(2)
-    copy_tokenizer_fields(w, vocab_path)
+    if vocab_path:
+        copy_tokenizer_fields(w, vocab_path)
     h, q, kv, ffn, v = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size, cfg.vocab_size
     ones = lambda n: np.ones(n, np.float32)  # noqa: E731
-    q8 = lambda name, rows, cols: w.add_tensor(name, random_q8(pool, rng, rows, cols),  # noqa: E731
-                                               raw_dtype=GGMLQuantizationType.Q8_0)
+    types = {}
+
+    def q8(name: str, rows: int, cols: int) -> None:
+        kind = types[name] = tensor_type(mix, name, cfg.num_hidden_layers, cfg.tie_word_embeddings)
+        std = 0.02 if name == "token_embd.weight" else 1.0 / np.sqrt(cols)
+        data = (random_q8(pool, rng, rows, cols) if kind == "Q8_0"
+                else random_blocks(rng, kind, rows, cols, std))
+        w.add_tensor(name, data, raw_dtype=GGMLQuantizationType[kind])
     q8("token_embd.weight", v, h)
     w.add_tensor("output_norm.weight", ones(h))
     if not cfg.tie_word_embeddings:
@@ -94,18 +131,23 @@ def write(preset: str, vocab_path: str, out: str, seed: int = 0) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return types
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="qwen3-1.7b", choices=sorted(PRESETS))
-    p.add_argument("--vocab", required=True, help="a llama.cpp vocab GGUF whose tokenizer fields are copied")
+    p.add_argument("--vocab", default=None,
+                   help="a llama.cpp vocab GGUF whose tokenizer fields are copied (llama.cpp needs them; "
+                        "kestrel-stream does not)")
     p.add_argument("-o", "--out", required=True)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--mix", default="q8_0", choices=MIXES, help="the matrices' types (see above)")
     args = p.parse_args()
     t0 = time.perf_counter()
-    write(args.preset, args.vocab, args.out, args.seed)
-    print(f"wrote {args.out} ({args.preset}) in {time.perf_counter() - t0:.1f} s")
+    types = write(args.preset, args.vocab, args.out, args.seed, args.mix)
+    counts = {kind: list(types.values()).count(kind) for kind in sorted(set(types.values()))}
+    print(f"wrote {args.out} ({args.preset}, {args.mix}: {counts}) in {time.perf_counter() - t0:.1f} s")
 
 
 if __name__ == "__main__":

@@ -17,12 +17,14 @@ __version__ = "0.1.0"
 
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None,
-         kv_dtype: str = "f16", cpu_threads: int | None = None) -> Engine:
+         kv_dtype: str = "f16", cpu_threads: int | None = None, gguf_blocks: str = "native") -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it.
 
     kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic).
     cpu_threads: the CPU engine's BLAS threads, process-wide (None: BLAS's default; 1 where other
-    processes share the cores, see run/blas_threads.py)."""
+    processes share the cores, see run/blas_threads.py).
+    gguf_blocks: "native" runs a GGUF's Q4_0 / Q4_K / Q6_K tensors in their own blocks (default),
+    "q8_0" converts them to Q8_0 at load."""
     from kestrel_stream.loading.loader import load_weights
     from kestrel_stream.obs import prof
     from kestrel_stream.obs.load_stages import stage
@@ -45,7 +47,7 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     with ThreadPoolExecutor(1, thread_name_prefix="kestrel-tokenizer") as pool:
         pending = pool.submit(tokenizer)
         with stage("weights: read, split, fuse"):
-            weights = load_weights(path, cache=cache, progress=progress)
+            weights = load_weights(path, cache=cache, progress=progress, gguf_blocks=gguf_blocks)
         with stage("engine: executor"):
             engine = Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
                             max_sessions=max_sessions, options=options, kv_dtype=kv_dtype)

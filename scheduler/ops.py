@@ -11,14 +11,15 @@ seed's lm_head lesson: a projection that silently never reached the offload
 path). Costs are for M tokens in the step:
 
 - projection FLOPs: 2·M·N·K for a weight of shape [N, K];
-- weight bytes: Q8_0 storage, N·K int8 + one fp16 scale per 32 → N·K·34/32;
-  norm vectors are kept in float32 (4 bytes per element);
+- weight bytes: the storage of the weight's block format (config.weight_formats,
+  Q8_0 unless it names another): Q8_0 N·K·34/32, Q4_0 N·K·18/32, Q4_K N·K·144/256,
+  Q6_K N·K·210/256; norm vectors are kept in float32 (4 bytes per element);
 - activation bytes: float32, everything the op reads / writes besides weights.
 
 The config is duck-typed: any object with the ModelConfig fields works
 (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 num_key_value_heads, head_dim, vocab_size, tie_word_embeddings, qk_norm,
-qkv_bias, q_size, kv_size).
+qkv_bias, q_size, kv_size, weight_formats).
 """
 from __future__ import annotations
 
@@ -42,6 +43,10 @@ PARAMS_BYTES_PER_TOKEN = 16
 DEVICE_IMAGE_ALIGN = 256      # a Q8 weight's device image: qs, then scales at the next such boundary
 
 
+# block format → (elements per block, bytes per block); every block lies inside one row
+BLOCK_FORMATS = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_K": (256, 144), "Q6_K": (256, 210)}
+
+
 def q8_bytes(rows: int, cols: int) -> int:
     elements = rows * cols
     return elements + 2 * elements // Q8_GROUP
@@ -51,6 +56,17 @@ def image_bytes(rows: int, cols: int) -> int:
     """Device bytes of one Q8 weight laid out as qs [rows, cols] int8, then scales at the next aligned boundary."""
     qs = rows * cols
     return -(-qs // DEVICE_IMAGE_ALIGN) * DEVICE_IMAGE_ALIGN + qs // 16
+
+
+def format_bytes(rows: int, cols: int, fmt: str = "Q8_0") -> int:
+    """Storage bytes of a [rows, cols] weight in block format `fmt`."""
+    elements, nbytes = BLOCK_FORMATS[fmt]
+    return rows * (cols // elements) * nbytes
+
+
+def weight_formats(config) -> dict:
+    """HF weight name → block format, for the weights config.weight_formats names (the rest are Q8_0)."""
+    return dict(config.weight_formats)
 
 
 @dataclass(frozen=True)
@@ -135,9 +151,9 @@ class Op:
                        output_bytes=self.output_bytes * rows_kept // rows_all, row_ranges=tuple(ranges))
 
 
-def _projection(name, shape, tokens) -> WeightRef:
+def _weight(name, shape, tokens, fmt: str = "Q8_0") -> WeightRef:
     rows, cols = shape
-    return WeightRef(name, (rows, cols), q8_bytes(rows, cols), 2.0 * tokens * rows * cols)
+    return WeightRef(name, (rows, cols), format_bytes(rows, cols, fmt), 2.0 * tokens * rows * cols)
 
 
 def _norm(name, size, tokens) -> WeightRef:
@@ -149,8 +165,12 @@ def _bias(name, size, tokens) -> WeightRef:
     return WeightRef(name, (size,), size * FLOAT32_BYTES, 1.0 * tokens * size)
 
 
-def layer_ops(config, layer: int, tokens: int, context_len: int) -> list:
+def layer_ops(config, layer: int, tokens: int, context_len: int, formats: dict | None = None) -> list:
     """The nine ops of one decoder layer, in order. context_len: KV entries attention reads."""
+    formats = weight_formats(config) if formats is None else formats
+
+    def _projection(name, shape, tokens):
+        return _weight(name, shape, tokens, formats.get(name, "Q8_0"))
     H, I = config.hidden_size, config.intermediate_size
     Q, KV, D = config.q_size, config.kv_size, config.head_dim
     p = f"model.layers.{layer}."
@@ -211,13 +231,15 @@ def step_ops(config, tokens: int, context_len: int = 0) -> list:
     H, V = config.hidden_size, config.vocab_size
     act = FLOAT32_BYTES * tokens
     embed_name = "model.embed_tokens.weight"
-    embed_table = _projection(embed_name, (V, H), 0)
+    formats = weight_formats(config)
+    embed_table = _weight(embed_name, (V, H), 0, formats.get(embed_name, "Q8_0"))
     tied = bool(config.tie_word_embeddings)
-    head = _projection(embed_name if tied else "lm_head.weight", (V, H), tokens)
+    head_name = embed_name if tied else "lm_head.weight"
+    head = _weight(head_name, (V, H), tokens, formats.get(head_name, "Q8_0"))
     ops = [Op("embed", "embed", None, () if tied else (embed_table,),
               TOKEN_ID_BYTES * tokens, act * H, gathers_from=embed_name, writes=("x",), prepares="L0.attn_norm")]
     for layer in range(config.num_hidden_layers):
-        ops += layer_ops(config, layer, tokens, context_len)
+        ops += layer_ops(config, layer, tokens, context_len, formats)
     ops.append(Op("final_norm", "norm", None, (_norm("model.norm.weight", H, tokens),),
                   act * H, act * H))
     ops.append(Op("lm_head", "projection", None, (head,), act * H, act * V, group="lm_head", reads=("x",),

@@ -76,15 +76,23 @@ def q8_product(launch, qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, x
                eps, N, K, ntok, tokens: int, silu: bool, int8_activations: bool = False) -> None:
     """The shared contract of q8_gemv.cu, q8_matmul.cu and q8_mma.cu for `tokens` rows of x."""
     assert K % 32 == 0 and qs % 16 == 0 and scales % 2 == 0, (launch.name, K, qs, scales)
-    assert not silu or N % 2 == 0, "SiLU pairs need an even row count"
-    if inv_rms_out:
-        take_ticket(counter, sums=launch.name.startswith("q8_gemv"),
-                    tickets=launch.grid[1] if int8_activations and launch.grid[1] <= 8 else 1)
     if int8_activations:
         s = mma_product(rows(x, tokens, ldx, K), dev(qs, N * K, np.int8).reshape(N, K),
                         dev(scales, 2 * N * (K // 32), np.float16).reshape(N, K // 32))
     else:
         s = rows(x, tokens, ldx, K) @ q8_dense(qs, scales, N, K).T                 # [tokens, N]
+    gemv_epilogues(launch, s, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, ntok,
+                   tokens, silu, sums=launch.name.startswith("q8_gemv"),
+                   tickets=launch.grid[1] if int8_activations and launch.grid[1] <= 8 else 1)
+
+
+def gemv_epilogues(launch, s, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, ntok,
+                   tokens: int, silu: bool, sums: bool, tickets: int) -> None:
+    """What every GEMV/GEMM kernel does with its products s [tokens, N]: inv_rms_in, SiLU pairs, residual,
+    y, xn and the last block's inv_rms (the tickets and sums it finds must be zero)."""
+    assert not silu or N % 2 == 0, "SiLU pairs need an even row count"
+    if inv_rms_out:
+        take_ticket(counter, sums=sums, tickets=tickets)
     if inv_rms_in:
         s *= f32(inv_rms_in, tokens)[:, None]
     out = silu_mul(s[:, 0::2], s[:, 1::2]) if silu else s
@@ -365,7 +373,9 @@ def flash_attention_paged(launch, *args) -> None:
     twin(launch, *args)
 
 
-KERNELS = [
+from fake_block_kernels import BLOCK_KERNELS   # noqa: E402  (it uses the helpers above)
+
+KERNELS = BLOCK_KERNELS + [
     (r"sample_rows", sample_rows),
     (r"sample_candidates", sample_candidates),
     (r"sample_finish", sample_finish),

@@ -1,4 +1,5 @@
 """Every common GGUF type loads: converted to Q8_0 at load (Q8_0 kept), cached, reported in one line.
+(Q4_0, Q4_K and Q6_K stay blocks by default, tests/test_quant4.py; here they load with gguf_blocks="q8_0".)
 
 The check per type: a tensor of that type loads to exactly what our Q8_0
 quantizer makes of the floats ``gguf.quants.dequantize`` gives for its bytes
@@ -98,7 +99,7 @@ def write_gguf(path, qtype, seed=0, tokens=None):
 def test_each_type_loads_to_its_dequantized_values_rounded_to_q8_0(tmp_path, qtype, capfd):
     path = tmp_path / f"model-{qtype.name}.gguf"
     written = write_gguf(path, qtype)
-    weights = load_weights(path, cache=False)
+    weights = load_weights(path, cache=False, gguf_blocks="q8_0")    # Q4_0 / Q4_K / Q6_K converted too
     layer = weights.layers[0]
     loaded = {"token_embd.weight": weights.embed, "output.weight": weights.lm_head,
               "blk.0.attn_output.weight": layer.wo, "blk.0.ffn_down.weight": layer.w_down,
@@ -121,7 +122,7 @@ def test_each_type_loads_to_its_dequantized_values_rounded_to_q8_0(tmp_path, qty
 
 def test_a_converted_gguf_is_cached_and_a_corrupt_cache_rebuilt(tmp_path, capfd):
     path = tmp_path / "model.gguf"
-    write_gguf(path, T.Q4_K)
+    write_gguf(path, T.Q5_K)
     first = load_weights(path)
     assert first.extra["qcache"]["hit"] is False
     cache_file = first.extra["qcache"]["path"]

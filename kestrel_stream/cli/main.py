@@ -78,6 +78,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verbose", action="store_true", help="say why there is no GPU, and log loads and caches")
     p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
                    help="gpu mode's KV cache: f16 (default) or f32 (the reference arithmetic)")
+    p.add_argument("--gguf-blocks", default="native", choices=["native", "q8_0"],
+                   help="a GGUF's Q4_0 / Q4_K / Q6_K tensors: run in their blocks (native, default) or "
+                        "converted to Q8_0 at load")
     p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
     p.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
                    help="BLAS threads of the CPU engine (default: BLAS's own, one per core; 1 is faster for "
@@ -108,7 +111,8 @@ def load_engine(args):
         trace.start(args.trace, command=args.command)
     return ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
                    max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"),
-                   kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads)
+                   kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads,
+                   gguf_blocks=args.gguf_blocks)
 
 
 def cmd_make_model(args) -> int:
@@ -283,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-sessions", type=int_at_least(1), default=None,
                    help="KV block tables (with --vram-budget; default: 2 x --max-batch)")
     p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"], help="gpu mode's KV pool (with --vram-budget)")
+    p.add_argument("--gguf-blocks", default="native", choices=["native", "q8_0"],
+                   help="count a GGUF's Q4_0 / Q4_K / Q6_K tensors in their blocks (native) or as Q8_0")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_plan)
 

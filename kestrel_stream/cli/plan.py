@@ -5,15 +5,20 @@ import json
 from pathlib import Path
 
 
-def read_config(path: str):
-    """The ModelConfig of a checkpoint directory or .gguf file, without loading weights."""
+def read_config(path: str, gguf_blocks: str = "native"):
+    """The ModelConfig of a checkpoint directory or .gguf file, without loading weights (a GGUF's with the
+    block formats its weights will load in)."""
     from kestrel_stream.model.config import ModelConfig
     p = Path(path)
     if p.is_dir():
         return ModelConfig.from_file(p / "config.json")
     if p.suffix == ".gguf" and p.is_file():
-        from kestrel_stream.loading.gguf import config_from_metadata, open_gguf
-        return config_from_metadata(open_gguf(p))
+        import dataclasses
+        from kestrel_stream.loading.gguf import config_from_metadata, open_gguf, planned_weight_formats
+        f = open_gguf(p)
+        cfg = config_from_metadata(f)
+        return dataclasses.replace(cfg, weight_formats=planned_weight_formats(f, cfg)) \
+            if gguf_blocks == "native" else cfg
     if not p.exists():
         raise FileNotFoundError(f"{path}: no such file or directory")
     raise FileNotFoundError(f"{path}: not a checkpoint directory or .gguf file")
@@ -39,7 +44,7 @@ def resolve_profile(name: str | None):
 
 def cmd_plan(args) -> int:
     import scheduler
-    cfg = read_config(args.model)
+    cfg = read_config(args.model, args.gguf_blocks)
     profile, note = resolve_profile(args.profile)
     gpu_here = profile is not None            # calibrated here, or a profile given by --profile
     if profile is None and args.mode not in ("auto", "cpu"):

@@ -11,7 +11,6 @@ set by the builders and the executors) as its args.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 from cuda.bindings import driver as cu
@@ -21,6 +20,7 @@ from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 from kestrel_stream.obs import trace
 from kestrel_stream.cuda.driver import Device, Stream, check, timed
 from kestrel_stream.cuda import mma_variants
+from kestrel_stream.cuda.device_weight import QWeight   # noqa: F401  (kept importable from here)
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
 _modules: dict[tuple[str, str], object] = {}
@@ -154,15 +154,6 @@ class Launch:
 
 # ---- typed builders for the kernel families (argument order = the .cu signatures) ----------------
 
-@dataclass
-class QWeight:
-    """A Q8_0 weight in device memory: qs [rows, cols] int8 and scales [rows, cols/32] fp16."""
-    qs: int
-    scales: int
-    rows: int
-    cols: int
-
-
 GEMV_SIGNATURE = "pppippipppppfiii"
 ROPE_SIGNATURE = "pppppppppfiiiii"     # qkv_norm_rope_append
 ROPE_PAGED_SIGNATURE = "pppppppppfiiiiii"   # qkv_rope_append_paged_{f16,f32}: + block_shift
@@ -188,6 +179,11 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     tokens a tile of mma_variants.TILES (by default mma_variants.choose_tile) or "simt", the fp32 tiled
     q8_matmul.cu (exact fp32 activations; the baseline the bench compares with).
     """
+    if w.fmt != "Q8_0":       # 4/6-bit block formats: kernels_ptx/q4_gemv.cu, q4_mma.cu
+        from kestrel_stream.cuda.block_kernels import block_gemv_launch
+        return block_gemv_launch(kernels, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs, inv_rms_in=inv_rms_in,
+                                 res=res, normw_out=normw_out, xn_out=xn_out, inv_rms_out=inv_rms_out,
+                                 counter=counter, eps=eps)
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
     if tokens > GEMV_MAX_TOKENS and variant == "simt":

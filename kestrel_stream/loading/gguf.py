@@ -3,9 +3,11 @@
 Reading maps llama.cpp tensor names and metadata keys onto our HF-named
 layout and reuses the loader's assembly.  Q8_0 tensors stay in the file's
 blocks, views of its mmap (model/q8_blocks.py: split into qs/scales by the
-one copy each consumer makes); every other type ``gguf.quants``
-dequantizes (F32, F16, BF16, Q4_0..Q5_1, Q2_K..Q6_K, IQ4_NL, IQ4_XS) is
-converted to Q8_0, the one format the kernels run, row chunk by row chunk.
+one copy each consumer makes); Q4_0, Q4_K and Q6_K tensors stay in their
+blocks (model/quant4.py: the kernels run them natively) unless the load asks
+for ``blocks="q8_0"``; every other type ``gguf.quants`` dequantizes (F32, F16,
+BF16, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS) is converted to
+Q8_0, row chunk by row chunk.
 A file that needed conversion is cached like a Hugging Face checkpoint
 (qcache), so the conversion runs once; the load prints one line saying what
 was converted.  Norms, biases and rope_freqs become float32.
@@ -34,6 +36,7 @@ from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError, open_sha
 from kestrel_stream.model.config import ConfigError, ModelConfig
 from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor, quantize
+from kestrel_stream.model.quant4 import BLOCK_TYPES, BlockTensor, RowStack
 from kestrel_stream.model.rope import RopeScaling
 from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, assemble_weights, hf_tensor_shapes
 from kestrel_stream.obs.load_stages import stage
@@ -50,6 +53,8 @@ GGUF_GLOBAL_NAMES = {"embed": "token_embd", "final_norm": "output_norm", "lm_hea
 ROPE_FREQS = "rope_freqs.weight"
 T = GGMLQuantizationType
 NATIVE_TYPES = (T.Q8_0,)
+BLOCK_NATIVE_TYPES = tuple(T[name] for name in BLOCK_TYPES)   # kept as blocks unless blocks="q8_0"
+GGUF_BLOCKS = ("native", "q8_0")
 # Types converted to Q8_0 at load (gguf.quants dequantizes each of them).
 CONVERTED_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
                    T.IQ4_NL, T.IQ4_XS)
@@ -75,8 +80,71 @@ def rope_row_order(rows: int, n_head: int, to_gguf: bool) -> np.ndarray:
     return np.arange(rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(rows)
 
 
-def permute_rows(q: QTensor, order: np.ndarray) -> QTensor:
+def permute_rows(q, order: np.ndarray):
+    if isinstance(q, BlockTensor):
+        return q.take(order)
     return QTensor(q.qs[order], q.scales[order])
+
+
+def planned_weight_formats(f: GGUFFile, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
+    """weight_formats_of the weights this file loads to (blocks="native"), from its tensor types alone:
+    the fusion rules of quant4.fuse_rows applied to the types instead of the tensors."""
+    to_gguf, out = gguf_names(cfg), []
+
+    def kind(hf_name: str) -> str:
+        qtype = f.tensors[to_gguf[hf_name]].qtype
+        return qtype.name if qtype in BLOCK_NATIVE_TYPES else "Q8_0"
+
+    def group(names: list[str], allow_stack: bool) -> None:
+        kinds = [kind(n) for n in names]
+        runs = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+        exact = "Q8_0" not in kinds and (len(runs) == 1 or (allow_stack and len(runs) == 2))
+        if exact:
+            out.extend(zip(names, kinds))
+
+    group([HF_GLOBAL_NAMES["embed"]], True)
+    if not cfg.tie_word_embeddings:
+        group([HF_GLOBAL_NAMES["lm_head"]], True)
+    for i in range(cfg.num_hidden_layers):
+        def hf(key: str) -> str:
+            return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
+        group([hf("q"), hf("k"), hf("v")], True)
+        group([hf("o")], True)
+        group([hf("gate"), hf("up")], False)
+        group([hf("down")], True)
+    return tuple((n, k) for n, k in out if k != "Q8_0")
+
+
+def weight_formats_of(weights: ModelWeights) -> tuple[tuple[str, str], ...]:
+    """(HF name, block format) of every linear weight the assembled weights keep in a block format
+    (a fused part that fell back to Q8_0 is Q8_0 whatever its file type)."""
+    cfg, out = weights.config, []
+
+    def add(names_rows: list[tuple[str, int]], w) -> None:
+        parts = [(w.fmt, w.shape[0])] if isinstance(w, BlockTensor) else \
+            [(p.fmt, p.shape[0]) for p in w.parts] if isinstance(w, RowStack) else []
+        at, bounds = 0, []
+        for fmt, rows in parts:
+            bounds.append((at, at + rows, fmt))
+            at += rows
+        at = 0
+        for name, rows in names_rows:
+            fmt = next((f for lo, hi, f in bounds if lo <= at < hi), None)
+            if fmt is not None:
+                out.append((name, fmt))
+            at += rows
+
+    add([(HF_GLOBAL_NAMES["embed"], cfg.vocab_size)], weights.embed)
+    if not weights.tied:
+        add([(HF_GLOBAL_NAMES["lm_head"], cfg.vocab_size)], weights.lm_head)
+    for i, lw in enumerate(weights.layers):
+        def hf(key: str) -> str:
+            return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
+        add([(hf("q"), cfg.q_size), (hf("k"), cfg.kv_size), (hf("v"), cfg.kv_size)], lw.wqkv)
+        add([(hf("o"), cfg.hidden_size)], lw.wo)
+        add([(hf("gate"), cfg.intermediate_size), (hf("up"), cfg.intermediate_size)], lw.w_gate_up)
+        add([(hf("down"), cfg.hidden_size)], lw.w_down)
+    return tuple(out)
 
 
 def open_gguf(path: str | Path) -> GGUFFile:
@@ -209,8 +277,13 @@ def conversion_line(counts: dict[str, list[int]]) -> str:
 
 
 def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = True,
-              cache_dir: str | Path | None = None) -> ModelWeights:
-    """Load a llama/qwen2/qwen3 .gguf file of any type ``gguf.quants`` reads (cached once converted)."""
+              cache_dir: str | Path | None = None, blocks: str = "native") -> ModelWeights:
+    """Load a llama/qwen2/qwen3 .gguf file of any type ``gguf.quants`` reads (cached once converted).
+
+    blocks: "native" keeps Q4_0 / Q4_K / Q6_K tensors as blocks; "q8_0" converts them to Q8_0 too."""
+    if blocks not in GGUF_BLOCKS:
+        raise LoadError(f"{path}: blocks={blocks!r}; expected one of {', '.join(GGUF_BLOCKS)}")
+    kept = NATIVE_TYPES + (BLOCK_NATIVE_TYPES if blocks == "native" else ())
     path = Path(path)
     with stage("  GGUF metadata and mmap"):
         f = open_gguf(path)
@@ -218,9 +291,11 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
     to_gguf = gguf_names(cfg)
     expected = {to_gguf[hf]: shape for hf, shape in hf_tensor_shapes(cfg).items()}
     check_tensors(f, cfg, expected)
-    needs_conversion = any(f.tensors[n].qtype not in NATIVE_TYPES for n, s in expected.items() if len(s) == 2)
+    linear_types = {f.tensors[n].qtype for n, s in expected.items() if len(s) == 2}
+    needs_conversion = any(t not in kept for t in linear_types)
     cache_path = key = None
-    if cache and needs_conversion:
+    # the quantized cache holds Q8_0 weights only: a file that keeps blocks converts its other tensors each load
+    if cache and needs_conversion and not linear_types & set(kept) - set(NATIVE_TYPES):
         key = qcache.cache_key(cfg, [path])
         cache_path = qcache.cache_path(path.parent, cache_dir, stem=path.name)
         weights = qcache.read(cache_path, key, cfg, source=str(path), progress=progress)
@@ -251,6 +326,10 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
                 if order is not None:       # the one Q8_0 copy at load: whole rows of blocks, reordered
                     raw = raw.reshape(t.shape[0], -1)[order]
                 q = Q8Blocks.from_bytes(raw, t.shape)
+        elif t.qtype in kept:
+            q = BlockTensor(t.qtype.name, np.asarray(raw, np.uint8).reshape(t.shape[0], -1), t.shape[1])
+            if order is not None:
+                q = permute_rows(q, order)
         else:
             q = quantize(DequantRows(raw, t.qtype, t.shape), rows_per_chunk=CONVERT_ROWS)
             counts = converted[t.qtype.name]
@@ -259,7 +338,7 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
             counts[2] += q.nbytes
             if order is not None:
                 q = permute_rows(q, order)
-        advance(name, "read" if t.qtype == T.Q8_0 else f"convert {t.qtype.name}")
+        advance(name, "read" if t.qtype in kept else f"convert {t.qtype.name}")
         return q
 
     def norm(hf_name: str) -> np.ndarray:
@@ -269,6 +348,9 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
         return w
 
     weights = assemble_weights(cfg, linear, norm, str(path))
+    formats = weight_formats_of(weights)
+    if formats:
+        weights.config = dataclasses.replace(cfg, weight_formats=formats)
     weights.extra["format"] = "gguf"
     if converted:
         line = conversion_line(converted)

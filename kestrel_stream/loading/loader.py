@@ -46,12 +46,14 @@ class TensorSource:
 
 
 def load_weights(path: str | Path, *, cache: bool = True, cache_dir: str | Path | None = None,
-                 progress: Progress | None = None) -> ModelWeights:
-    """Load a HF checkpoint directory or a .gguf file (either cached as Q8_0 once converted)."""
+                 progress: Progress | None = None, gguf_blocks: str = "native") -> ModelWeights:
+    """Load a HF checkpoint directory or a .gguf file (either cached as Q8_0 once converted).
+
+    gguf_blocks: "native" keeps a GGUF's Q4_0 / Q4_K / Q6_K tensors in their blocks, "q8_0" converts them."""
     path = Path(path)
     if path.is_file() and path.suffix.lower() == ".gguf":
         from kestrel_stream.loading.gguf import read_gguf
-        return read_gguf(path, progress=progress, cache=cache, cache_dir=cache_dir)
+        return read_gguf(path, progress=progress, cache=cache, cache_dir=cache_dir, blocks=gguf_blocks)
     if path.is_dir():
         return _load_hf_dir(path, cache, cache_dir, progress)
     if not path.exists():

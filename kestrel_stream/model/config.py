@@ -45,6 +45,9 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
     rope_freq_factors: tuple[float, ...] | None = None   # a GGUF's rope_freqs.weight: [D/2] divisors
     sliding_window: int | None = None   # attention sees the last sliding_window positions (Mistral)
+    # (HF weight name, block format) for linear weights kept in a format other than Q8_0 (a GGUF's
+    # Q4_0 / Q4_K / Q6_K tensors, model/quant4.py): what the cost model and the window count
+    weight_formats: tuple[tuple[str, str], ...] = ()
 
     @property
     def qkv_bias(self) -> bool:

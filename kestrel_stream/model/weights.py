@@ -1,6 +1,7 @@
 """The weights of one model as the executors see them.
 
-Linear weights are Q8_0 (``QTensor``); norms stay float32.  Projections that
+Linear weights are Q8_0 (``QTensor``) or, from a GGUF file, kept in its 4-bit
+block formats (``BlockTensor`` / ``RowStack``, model/quant4.py); norms stay float32.  Projections that
 share an input are fused when the weights load (gpt-fast's ``wqkv`` hook), so
 every executor sees one QKV weight and one gate+up weight; the fusion is a
 row-wise concatenation and changes no element's arithmetic.
@@ -14,12 +15,13 @@ import numpy as np
 
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.quant import QTensor
+from kestrel_stream.model.quant4 import fuse_rows
 
 
 @dataclass
 class LayerWeights:
     attn_norm: np.ndarray          # [H] float32
-    wqkv: QTensor                  # [q_size + 2*kv_size, H]: rows q, then k, then v
+    wqkv: QTensor                  # [q_size + 2*kv_size, H]: rows q, then k, then v (any linear weight type)
     wo: QTensor                    # [H, q_size]
     mlp_norm: np.ndarray           # [H] float32
     w_gate_up: QTensor             # [2*I, H]: rows gate, then up
@@ -44,7 +46,7 @@ class ModelWeights:
         return self.lm_head is self.embed
 
     def quantized_bytes(self) -> int:
-        """Bytes of all Q8_0 weights (qs + scales), counting a tied embedding once."""
+        """Bytes of all linear weights in their formats, counting a tied embedding once."""
         total = self.embed.nbytes + (0 if self.tied else self.lm_head.nbytes)
         for layer in self.layers:
             total += layer.wqkv.nbytes + layer.wo.nbytes + layer.w_gate_up.nbytes + layer.w_down.nbytes
@@ -95,11 +97,6 @@ def hf_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def fuse_rows(parts: list[QTensor]) -> QTensor:
-    """Row-wise concatenation by the parts' own kind (views of a GGUF file's blocks stay views)."""
-    return type(parts[0]).concat(parts)
-
-
 def assemble_weights(cfg: ModelConfig, linear: Callable[[str], QTensor], norm: Callable[[str], np.ndarray],
                      source: str) -> ModelWeights:
     """Build ModelWeights from per-tensor getters keyed by HF name, fusing QKV and gate/up rows."""
@@ -113,7 +110,7 @@ def assemble_weights(cfg: ModelConfig, linear: Callable[[str], QTensor], norm: C
             wqkv=fuse_rows([linear(hf("q")), linear(hf("k")), linear(hf("v"))]),
             wo=linear(hf("o")),
             mlp_norm=norm(hf("mlp_norm")),
-            w_gate_up=fuse_rows([linear(hf("gate")), linear(hf("up"))]),
+            w_gate_up=fuse_rows([linear(hf("gate")), linear(hf("up"))], allow_stack=False),
             w_down=linear(hf("down")),
             q_norm=norm(hf("q_norm")) if cfg.qk_norm else None,
             k_norm=norm(hf("k_norm")) if cfg.qk_norm else None,

@@ -19,6 +19,7 @@ from typing import Callable
 
 import numpy as np
 
+from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows, weight_bytes
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import (ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
                                          gemv_launch, paged_attention_launch)
@@ -45,7 +46,10 @@ def fused_tensor(weights, op):
 
 
 def q8_bytes(w: QWeight, rows: int | None = None) -> int:
-    """Q8 bytes of `rows` rows (default all) of a device weight: int8 values and a half scale per 32."""
+    """Weight bytes of `rows` rows (default all) of a device weight in its format: for Q8_0 int8 values and
+    a half scale per 32; the block formats by their blocks (a table's rows are all of one format)."""
+    if w.fmt != "Q8_0" or w.tail is not None:
+        return weight_bytes(w) if rows is None else weight_bytes(w) * rows // w.rows
     return (w.rows if rows is None else rows) * (w.cols + w.cols // 16)
 
 
@@ -113,7 +117,7 @@ class DeviceOps:
         w = self.weight(op)
         if role == "embed":
             _, ids, _ = self.params.pointers(tokens)
-            launch = k.launch("embed_q8", (tokens,), (256,), "pppppppfi",
+            launch = k.launch(embed_kernel(w), (tokens,), (256,), "pppppppfi",
                               [w.qs, w.scales, ids, s.x, s.xn, self.vector(norm_weight(self.weights, op.prepares)),
                                s.inv_rms, eps, H])
             return [launch.label(op=role, bytes=tokens * q8_bytes(w, 1))]
@@ -130,7 +134,7 @@ class DeviceOps:
             y, ldy = (s.logits, c.vocab_size) if role == "lm_head" else (s.qkv, c.q_size + 2 * c.kv_size)
             out = []
             for lo, hi in op.row_ranges:
-                part = QWeight(w.qs + lo * w.cols, w.scales + 2 * lo * (w.cols // 32), hi - lo, w.cols)
+                part = qweight_rows(w, lo, hi)
                 out.append(gemv_launch(k, part, s.xn + 4 * H * first, H, y + 4 * lo, ldy, count,
                                        inv_rms_in=s.inv_rms + 4 * first).label(bytes=q8_bytes(part)))
         for launch in out:       # weight: the residency window's item the launch reads

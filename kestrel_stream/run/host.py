@@ -27,6 +27,7 @@ from kestrel_stream.obs import trace
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model import rope as rope_math
 from kestrel_stream.model.quant import QTensor
+from kestrel_stream.model.quant4 import tensor_key
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.run.executor import Executor, StepCounters
 
@@ -149,8 +150,8 @@ class CpuExecutor(Executor):
         return scheduler.build_plan(self.config, tokens, "cpu")
 
     def dense(self, w: QTensor) -> np.ndarray:
-        """float32 copy of a Q8_0 weight, built on first use."""
-        key = id(w)            # the tied lm_head is the embed object itself
+        """float32 copy of a linear weight (Q8_0 or a block format), built on first use."""
+        key = tensor_key(w)
         if key not in self._dequantized:
             self._dequantized[key] = w.dequantize()
         return self._dequantized[key]
@@ -214,7 +215,7 @@ class CpuExecutor(Executor):
         cos, sin = self.rope(positions)
         heads, qk_size = c.num_attention_heads + c.num_key_value_heads, c.q_size + c.kv_size
         with trace.span("embed", op="embed"):
-            dense_embed = self._dequantized.get(id(w.embed))             # built when it is the tied lm_head
+            dense_embed = self._dequantized.get(tensor_key(w.embed))             # built when it is the tied lm_head
             x = dense_embed[ids] if dense_embed is not None else w.embed.dequantize_rows(ids)    # [T, H]
         self.counters.cpu_weight_read_bytes += len(ids) * w.embed.nbytes // w.embed.shape[0]
         window = c.sliding_window

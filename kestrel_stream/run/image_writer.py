@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kestrel_stream.model.quant import QTensor
+from kestrel_stream.run.block_weights import write_block_image
 from kestrel_stream.run.budget import ALIGN
 
 PIECE_BYTES = 4 << 20          # rows per task: big enough that a copy, not Python, is what a task costs
@@ -28,6 +29,9 @@ def _align(nbytes: int) -> int:
 def write_image(dst: np.ndarray, w: QTensor, interleave: bool, start: int = 0, stop: int | None = None) -> None:
     """Rows [start, stop) of the device layout of `w` into the uint8 view `dst` (image_bytes long);
     with `interleave` the range counts (gate, up) pairs, of which there are rows / 2."""
+    if not isinstance(w, QTensor):
+        write_block_image(dst, w, interleave)
+        return
     rows, cols = w.shape
     qs = dst[:rows * cols].view(np.int8).reshape(rows, cols)
     scales = dst[_align(rows * cols):_align(rows * cols) + rows * cols // 16].view(np.float16)
@@ -59,6 +63,9 @@ class ImageWriter:
     def write_images(self, jobs) -> None:
         pieces = []
         for dst, w, interleave in jobs:
+            if not isinstance(w, QTensor):      # 4/6-bit blocks: qs | meta per format part, in one piece
+                pieces.append((dst, w, interleave, 0, None))
+                continue
             rows, cols = w.shape
             units = rows // 2 if interleave else rows
             unit_bytes = cols * (2 if interleave else 1)

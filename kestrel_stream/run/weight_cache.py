@@ -14,6 +14,8 @@ import numpy as np
 
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import QWeight
+from kestrel_stream.model.quant import QTensor
+from kestrel_stream.run.block_weights import block_image, device_qweight
 
 
 class WeightCache:
@@ -37,6 +39,16 @@ class WeightCache:
         start = time.perf_counter()
         cached = self.qweights.get(id(w))
         stages["cache_probe"] = stages.get("cache_probe", 0.0) + (time.perf_counter() - start) * 1e6
+        if cached is None and not isinstance(w, QTensor):     # 4/6-bit blocks: one image, qs | meta parts
+            start = time.perf_counter()
+            image = block_image(w, interleave_halves)
+            address = self.arena.alloc(image.nbytes)
+            driver.h2d_sync(address, image)
+            cached = self.qweights[id(w)] = device_qweight(address, w)
+            self.counters.weight_uploads += 1
+            self.counters.weight_upload_bytes += w.nbytes
+            stages["upload"] = stages.get("upload", 0.0) + (time.perf_counter() - start) * 1e6
+            stages["uploads"] = stages.get("uploads", 0) + 1
         if cached is None:
             start = time.perf_counter()
             qs, sc = self.arena.alloc(w.qs.nbytes), self.arena.alloc(w.scales.nbytes)

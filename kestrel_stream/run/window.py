@@ -2,7 +2,8 @@
 
 Every Q8 weight is laid out once, at load, as a device image -- qs [rows, cols]
 int8, then scales [rows, cols/32] fp16 at the next 256-byte boundary (gate_up
-with its rows interleaved (gate j, up j) for the SiLU epilogue) -- in page-locked
+with its rows interleaved (gate j, up j) for the SiLU epilogue; a 4/6-bit block
+weight the same way: every part's qs, then every part's meta, model/quant4.image_layout) -- in page-locked
 host memory (cuMemHostAlloc: the quantized cache's read-only memory maps cannot
 be registered, and the interleave needs a copy anyway).  Resident images go up
 into one arena block (the preload, overlapped with building them: upload_images);
@@ -38,8 +39,10 @@ import numpy as np
 
 from kestrel_stream.obs import prof
 from kestrel_stream.obs import trace
-from kestrel_stream.run.budget import ALIGN, image_bytes
+from kestrel_stream.run.budget import ALIGN
+from kestrel_stream.run.block_weights import device_qweight, write_block_image
 from kestrel_stream.model.quant import QTensor
+from kestrel_stream.model.quant4 import image_bytes_of
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import QWeight
 from kestrel_stream.run.device_ops import fused_tensor
@@ -75,7 +78,7 @@ def upload_images(items, device_base: int, stream, chunk_bytes: int | None = Non
     aligned offsets.  Returns (seconds writing images, seconds of upload not hidden behind them)."""
     if not items:
         return 0.0, 0.0
-    sizes = [_align(image_bytes(*w.shape)) for _, w, _ in items]
+    sizes = [_align(image_bytes_of(w)) for _, w, _ in items]
     chunk_bytes = max(chunk_bytes or PRELOAD_CHUNK_BYTES, max(sizes))
     groups, current, used = [], [], 0           # consecutive items that fit one buffer
     for item, size in zip(items, sizes):
@@ -96,7 +99,7 @@ def upload_images(items, device_base: int, stream, chunk_bytes: int | None = Non
             uploaded[b].synchronize()
         t = time.perf_counter()
         first = group[0][0]
-        jobs = [(buffers[b].bytes[offset - first:offset - first + image_bytes(*w.shape)], w, interleave)
+        jobs = [(buffers[b].bytes[offset - first:offset - first + image_bytes_of(w)], w, interleave)
                 for offset, w, interleave in group]
         if writer is None:
             with ImageWriter() as own:
@@ -105,7 +108,7 @@ def upload_images(items, device_base: int, stream, chunk_bytes: int | None = Non
             writer.write_images(jobs)
         writing_s += time.perf_counter() - t
         last_offset, last_w, _ = group[-1]
-        nbytes = last_offset - first + image_bytes(*last_w.shape)
+        nbytes = last_offset - first + image_bytes_of(last_w)
         driver.h2d_async(device_base + first, buffers[b], nbytes, stream)
         uploaded[b].record(stream)
         in_flight[b] = True
@@ -129,7 +132,7 @@ class WeightWindow:
         self.qweights: dict[str, QWeight] = {}
 
         def offsets(names):
-            sizes = [_align(image_bytes(*tensors[n][0].shape)) for n in names]
+            sizes = [_align(image_bytes_of(tensors[n][0])) for n in names]
             return dict(zip(names, np.cumsum([0] + sizes[:-1]).tolist())), sum(sizes)
 
         # resident: one arena block, filled from two pinned staging buffers in turn
@@ -143,7 +146,7 @@ class WeightWindow:
         self.copies = []        # (pinned host view, image bytes) of streamed item k
         for name, offset in stream_at.items():
             w, _ = tensors[name]
-            self.copies.append((self.host.bytes[offset:offset + image_bytes(*w.shape)], image_bytes(*w.shape)))
+            self.copies.append((self.host.bytes[offset:offset + image_bytes_of(w)], image_bytes_of(w)))
         with ImageWriter() as writer:
             resident_images_s, self.preload_s = upload_images(
                 [(offset, *tensors[name]) for name, offset in resident_at.items()], self.resident_base,
@@ -168,8 +171,7 @@ class WeightWindow:
 
     @staticmethod
     def _qweight(address: int, w: QTensor) -> QWeight:
-        rows, cols = w.shape
-        return QWeight(address, address + _align(rows * cols), rows, cols)
+        return device_qweight(address, w)
 
     def qweight(self, name: str) -> QWeight:
         return self.qweights[name]

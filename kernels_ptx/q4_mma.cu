@@ -1,0 +1,320 @@
+// Matrix-matrix product on int8 tensor cores (steps of more than 8 tokens) over the 4/6-bit
+// block formats of q4_formats.cuh, with q4_gemv.cu's arguments (a second format for the
+// last rows) and q8_mma.cu's epilogues (inv_rms_in, SiLU·mul pairs, residual, xn, inv_rms).
+//
+// Every format is groups of 16 weights w = s * (level - BIAS) - o.  Per BK-wide stage a block
+// decodes its weight tile to int8 (level - BIAS) in shared memory with each group's s and o,
+// and quantises the x tile per token and group of 16 in two int8 levels as q8_mma.cu does
+// (d = amax / 127, hi = rn(v / d), lo = rn((v - hi d) 128 / d)).  A group is half of one
+// m16n8k32 K step: the step runs once per half with the other half of the weight fragment
+// zeroed, so each product carries one weight scale:
+//   c = mma(lo, w_half, mma(hi, w_half, 0) << 7),  acc += c * (d / 128) * s  - xsum * o
+// (xsum = the group's fp32 sum of x; o is non-zero for Q4_K's mins only).
+// Roles as in q8_mma.cu: A = 16 tokens x 32 k (row), B = 32 k x 8 weight rows (col), a
+// thread's C pair is two adjacent weight rows of one token (a gate/up pair for SiLU).
+// The next stage's raw weight units are loaded into registers while the current one computes.
+#include "common.cuh"
+#include "q4_formats.cuh"
+
+#define QM_BM 64            // tokens per block
+#define QM_BN 64            // weight rows per block
+#define QM_BK 128           // K per stage: a whole number of units of every format
+#define QM_WARPS_M 2
+#define QM_WARPS_N 2
+#define QM_THREADS (32 * QM_WARPS_M * QM_WARPS_N)
+#define QM_STRIDE (QM_BK + 16)   // bytes per shared row: fragment loads spread over the banks
+#define QM_GROUPS (QM_BK / 16)
+
+struct MmaShared {
+    __align__(16) unsigned char w_tile[QM_BN * QM_STRIDE];
+    __align__(16) unsigned char x_tile[2][QM_BM * QM_STRIDE];   // [hi|lo]
+    __align__(16) float w_s[QM_GROUPS][QM_BN];
+    __align__(16) float w_o[QM_GROUPS][QM_BN];
+    float x_s[QM_GROUPS][QM_BM];      // d / 128 per token and group
+    float x_sum[QM_GROUPS][QM_BM];    // fp32 sum of the group's x per token
+    bool is_last_block;
+};
+
+__device__ __forceinline__ float qm_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+
+__device__ __forceinline__ void qm_mma_s8(int (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2],
+                                          const int (&c)[4]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%11,%12,%13};"
+        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
+          "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
+}
+
+__device__ __forceinline__ int qm_quantise(float v, float inv) { return max(-127, min(127, __float2int_rn(v * inv))); }
+
+__device__ __forceinline__ unsigned int qm_pack4(int q0, int q1, int q2, int q3) {
+    return (q0 & 0xff) | ((q1 & 0xff) << 8) | ((q2 & 0xff) << 16) | ((unsigned int)(q3 & 0xff) << 24);
+}
+
+// unsigned level bytes minus BIAS as int8 bytes, byte-wise: v + (128 - BIAS) never carries for the
+// formats' level ranges (Q4: 0..15, Q6_K: 0..63), and ^ 0x80 takes the 128 back off modulo 256
+template <int BIAS>
+__device__ __forceinline__ unsigned int levels_s8(unsigned int lv) {
+    if (BIAS == 0) return lv;
+    return (lv + 0x01010101u * (unsigned int)(128 - BIAS)) ^ 0x80808080u;
+}
+
+template <class F>
+struct StageWeights {
+    static constexpr int UNITS = QM_BK / F::UNIT;                  // units per row per stage
+    static constexpr int SLOTS = QM_BN * UNITS / QM_THREADS;        // units per thread per stage
+    static_assert(SLOTS >= 1 && QM_BN * UNITS % QM_THREADS == 0, "tile");
+    typename F::Raw raw[SLOTS];
+
+    __device__ __forceinline__ void load(const unsigned char* qs, const unsigned char* meta, int row0, int row_first,
+                                         int row_end, int K, int k0) {
+        const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
+        const int units = K / F::UNIT;
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++) {
+            const int slot = threadIdx.x + j * QM_THREADS, r = slot / UNITS, u = k0 / F::UNIT + slot % UNITS;
+            const long long row = min(row0 + r, row_end - 1) - row_first;   // a clamped row is never stored
+            if (u < units) {
+                F::load(raw[j], qs + row * qs_row, meta + row * meta_row, u);
+            } else {
+                raw[j] = typename F::Raw{};   // the K tail (Q4_0): zero scales, zero products
+            }
+        }
+    }
+
+    __device__ __forceinline__ void store(MmaShared& sh, int k0) const {
+#pragma unroll
+        for (int j = 0; j < SLOTS; j++) {
+            const int slot = threadIdx.x + j * QM_THREADS, r = slot / UNITS, u = k0 / F::UNIT + slot % UNITS;
+            Group g[F::GROUPS];
+            F::decode(raw[j], u, g);
+#pragma unroll
+            for (int gi = 0; gi < F::GROUPS; gi++) {
+                const int at = g[gi].k - k0;   // 0..QM_BK-16, a multiple of 16
+                uint4 v;
+                v.x = levels_s8<F::BIAS>(g[gi].lv[0]);
+                v.y = levels_s8<F::BIAS>(g[gi].lv[1]);
+                v.z = levels_s8<F::BIAS>(g[gi].lv[2]);
+                v.w = levels_s8<F::BIAS>(g[gi].lv[3]);
+                *(uint4*)&sh.w_tile[r * QM_STRIDE + at] = v;
+                sh.w_s[at >> 4][r] = g[gi].s;
+                sh.w_o[at >> 4][r] = g[gi].o;
+            }
+        }
+    }
+};
+
+// x [tok0, tok0 + BM) x [k0, k0 + BK) quantised into shared memory (zeros past ntok and K)
+__device__ __forceinline__ void store_x(MmaShared& sh, const float* x, int ldx, int tok0, int ntok, int K, int k0) {
+    constexpr int LOADS = QM_BM * (QM_BK / 4) / QM_THREADS;
+#pragma unroll 4
+    for (int j = 0; j < LOADS; j++) {
+        const int f = threadIdx.x + j * QM_THREADS, r = f / (QM_BK / 4), c4 = f % (QM_BK / 4);
+        const int tok = tok0 + r, k = k0 + 4 * c4;
+        const float4 v = (tok < ntok && k < K) ? *(const float4*)(x + (long long)tok * ldx + k)
+                                               : make_float4(0.f, 0.f, 0.f, 0.f);
+        // a group of 16 is 4 consecutive lanes
+        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+        float sum = (v.x + v.y) + (v.z + v.w);
+#pragma unroll
+        for (int o = 1; o < 4; o <<= 1) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+            sum += __shfl_xor_sync(0xffffffffu, sum, o);
+        }
+        const float d = amax / 127.0f;
+        const float inv = d != 0.f ? 1.0f / d : 0.f;
+        const float inv_lo = inv * 128.0f;   // exact: a power of two
+        const int h0 = qm_quantise(v.x, inv), h1 = qm_quantise(v.y, inv), h2 = qm_quantise(v.z, inv),
+                  h3 = qm_quantise(v.w, inv);
+        *(unsigned int*)&sh.x_tile[0][r * QM_STRIDE + 4 * c4] = qm_pack4(h0, h1, h2, h3);
+        *(unsigned int*)&sh.x_tile[1][r * QM_STRIDE + 4 * c4] =
+            qm_pack4(qm_quantise(__fmaf_rn(-(float)h0, d, v.x), inv_lo), qm_quantise(__fmaf_rn(-(float)h1, d, v.y), inv_lo),
+                     qm_quantise(__fmaf_rn(-(float)h2, d, v.z), inv_lo), qm_quantise(__fmaf_rn(-(float)h3, d, v.w), inv_lo));
+        if ((c4 & 3) == 0) {
+            sh.x_s[c4 >> 2][r] = d * (1.0f / 128.0f);   // the unit of 128 hi + lo
+            sh.x_sum[c4 >> 2][r] = sum;
+        }
+    }
+}
+
+template <class F, bool SILU_PAIRS>
+__device__ __forceinline__ void mma_part(
+        MmaShared& sh, const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, int row0,
+        int row_first, int row_end, const float* x, int ldx, const float* inv_rms_in, float* y, int ldy,
+        const float* res, const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter, float eps,
+        int N, int K, int ntok) {
+    constexpr int FM = QM_BM / 16 / QM_WARPS_M, FN = QM_BN / 8 / QM_WARPS_N;   // mma tiles per warp
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int warp_m = warp / QM_WARPS_N, warp_n = warp % QM_WARPS_N;
+    const int tok0 = blockIdx.y * QM_BM;
+    const int stages = (K + QM_BK - 1) / QM_BK;
+
+    float acc[FM][FN][4];
+#pragma unroll
+    for (int i = 0; i < FM; i++)
+#pragma unroll
+        for (int j = 0; j < FN; j++)
+#pragma unroll
+            for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
+
+    StageWeights<F> weights;
+    weights.load(qs, meta, row0, row_first, row_end, K, 0);   // constant weights: safe before pdl_wait
+    pdl_wait();   // x is written by the previous kernel
+    for (int s = 0; s < stages; s++) {
+        const int k0 = s * QM_BK;
+        weights.store(sh, k0);
+        store_x(sh, x, ldx, tok0, ntok, K, k0);
+        __syncthreads();
+        if (s + 1 < stages) weights.load(qs, meta, row0, row_first, row_end, K, k0 + QM_BK);
+#pragma unroll
+        for (int b = 0; b < QM_BK / 32; b++) {
+            unsigned int a[FM][4], a_lo[FM][4], bw[FN][2];
+#pragma unroll
+            for (int i = 0; i < FM; i++) {
+                const int at = (warp_m * FM * 16 + i * 16 + g) * QM_STRIDE + b * 32 + t * 4;
+#pragma unroll
+                for (int level = 0; level < 2; level++) {
+                    const unsigned char* p = sh.x_tile[level] + at;
+                    unsigned int (&frag)[4] = level ? a_lo[i] : a[i];
+                    frag[0] = *(const unsigned int*)p;
+                    frag[1] = *(const unsigned int*)(p + 8 * QM_STRIDE);
+                    frag[2] = *(const unsigned int*)(p + 16);
+                    frag[3] = *(const unsigned int*)(p + 8 * QM_STRIDE + 16);
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < FN; j++) {
+                const unsigned char* p = sh.w_tile + (warp_n * FN * 8 + j * 8 + g) * QM_STRIDE + b * 32 + t * 4;
+                bw[j][0] = *(const unsigned int*)p;          // k 0..15 of the step
+                bw[j][1] = *(const unsigned int*)(p + 16);   // k 16..31
+            }
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                const int grp = 2 * b + half;
+#pragma unroll
+                for (int i = 0; i < FM; i++) {
+                    const int m = warp_m * FM * 16 + i * 16 + g;
+                    const float xs0 = sh.x_s[grp][m], xs1 = sh.x_s[grp][m + 8];
+                    const float xsum0 = sh.x_sum[grp][m], xsum1 = sh.x_sum[grp][m + 8];
+#pragma unroll
+                    for (int j = 0; j < FN; j++) {
+                        const int n = warp_n * FN * 8 + j * 8 + t * 2;
+                        const float2 ws = *(const float2*)&sh.w_s[grp][n];
+                        const unsigned int bh[2] = {half ? 0u : bw[j][0], half ? bw[j][1] : 0u};
+                        const int zero[4] = {0, 0, 0, 0};
+                        int hi[4], d[4];
+                        qm_mma_s8(hi, a[i], bh, zero);
+#pragma unroll
+                        for (int c = 0; c < 4; c++) hi[c] <<= 7;   // |hi| <= 16 * 127 * 32: no overflow
+                        qm_mma_s8(d, a_lo[i], bh, hi);
+                        acc[i][j][0] = fmaf((float)d[0], xs0 * ws.x, acc[i][j][0]);
+                        acc[i][j][1] = fmaf((float)d[1], xs0 * ws.y, acc[i][j][1]);
+                        acc[i][j][2] = fmaf((float)d[2], xs1 * ws.x, acc[i][j][2]);
+                        acc[i][j][3] = fmaf((float)d[3], xs1 * ws.y, acc[i][j][3]);
+                        if (F::MINS) {
+                            const float2 wo = *(const float2*)&sh.w_o[grp][n];
+                            acc[i][j][0] = fmaf(-xsum0, wo.x, acc[i][j][0]);
+                            acc[i][j][1] = fmaf(-xsum0, wo.y, acc[i][j][1]);
+                            acc[i][j][2] = fmaf(-xsum1, wo.x, acc[i][j][2]);
+                            acc[i][j][3] = fmaf(-xsum1, wo.y, acc[i][j][3]);
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();   // every warp is done with the tiles before the next stage overwrites them
+    }
+
+#pragma unroll
+    for (int i = 0; i < FM; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int tok = tok0 + warp_m * FM * 16 + i * 16 + g + 8 * h;
+            if (tok >= ntok) continue;
+            const float scale = inv_rms_in ? inv_rms_in[tok] : 1.0f;
+#pragma unroll
+            for (int j = 0; j < FN; j++) {
+                const int row = row0 + warp_n * FN * 8 + j * 8 + t * 2;   // even: a (gate, up) pair
+                const float v0 = acc[i][j][2 * h] * scale, v1 = acc[i][j][2 * h + 1] * scale;
+                if (SILU_PAIRS) {
+                    if (row >= row_end) continue;
+                    const int col = row >> 1;
+                    const long long at = (long long)tok * ldy + col;
+                    float s = qm_silu_mul(v0, v1);
+                    if (res) s += res[at];
+                    y[at] = s;
+                    if (xn_out) xn_out[at] = s * normw_out[col];
+                } else {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const int col = row + e;
+                        if (col >= row_end) continue;
+                        const long long at = (long long)tok * ldy + col;
+                        float s = e ? v1 : v0;
+                        if (res) s += res[at];
+                        y[at] = s;
+                        if (xn_out) xn_out[at] = s * normw_out[col];
+                    }
+                }
+            }
+        }
+    if (inv_rms_out == nullptr) return;
+
+    // q8_mma.cu's last-block 1/rms: one ticket per row of token blocks (counter[0..7]), one beyond 8 rows
+    const bool ticket_per_row = gridDim.y <= 8;
+    unsigned int* ticket = counter + (ticket_per_row ? blockIdx.y : 0);
+    const unsigned int blocks_in_ticket = ticket_per_row ? gridDim.x : gridDim.x * gridDim.y;
+    __threadfence();   // this block's y is visible device-wide before its ticket is
+    __syncthreads();
+    if (tid == 0) sh.is_last_block = atomicAdd(ticket, 1u) == blocks_in_ticket - 1;
+    __syncthreads();
+    if (!sh.is_last_block) return;
+    __threadfence();
+    const int m_end = ticket_per_row ? min(tok0 + QM_BM, ntok) : ntok;
+    for (int m = (ticket_per_row ? tok0 : 0) + warp; m < m_end; m += QM_THREADS / 32) {
+        const float* yrow = y + (long long)m * ldy;
+        float sq = 0.f;
+        for (int k = lane; k < N; k += 32) { float v = __ldcg(yrow + k); sq += v * v; }
+        sq = warp_sum(sq);
+        if (lane == 0) inv_rms_out[m] = 1.0f / sqrtf(sq / (float)N + eps);
+    }
+    if (tid == 0) *ticket = 0u;
+}
+
+template <class FA, class FB, bool SILU_PAIRS>
+__device__ __forceinline__ void q4_mma_body(
+        const unsigned char* qs, const unsigned char* meta, const float* x, int ldx, const float* inv_rms_in,
+        float* y, int ldy, const float* res, const float* normw_out, float* xn_out, float* inv_rms_out,
+        unsigned int* counter, float eps, int N, int K, int ntok, const unsigned char* qs_b,
+        const unsigned char* meta_b, int rows_a) {
+    __shared__ MmaShared sh;   // one copy whichever part the block runs
+    pdl_launch_dependents();
+    const int head_blocks = (rows_a + QM_BN - 1) / QM_BN;
+    if (same_format<FA, FB>::value || (int)blockIdx.x < head_blocks) {
+        mma_part<FA, SILU_PAIRS>(sh, qs, meta, blockIdx.x * QM_BN, 0, rows_a, x, ldx, inv_rms_in, y, ldy, res,
+                                 normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok);
+    } else {
+        mma_part<FB, SILU_PAIRS>(sh, qs_b, meta_b, rows_a + (blockIdx.x - head_blocks) * QM_BN, rows_a, N, x, ldx,
+                                 inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok);
+    }
+}
+
+#define DEFINE_Q4_MMA(FA, FB, SILU, NAME)                                                           \
+    extern "C" __global__ void __launch_bounds__(QM_THREADS) NAME(                                 \
+            const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,           \
+            const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,  \
+            float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,     \
+            int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {        \
+        q4_mma_body<FA, FB, SILU>(qs, meta, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out,    \
+                                  inv_rms_out, counter, eps, N, K, ntok, qs_b, meta_b, rows_a);    \
+    }
+DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, false, q4_0_mma)
+DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, true, q4_0_mma_silu)
+DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, false, q4_k_mma)
+DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, true, q4_k_mma_silu)
+DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, false, q6_k_mma)
+DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, true, q6_k_mma_silu)
+DEFINE_Q4_MMA(FmtQ4_K, FmtQ6_K, false, q4_k_q6_k_mma)

@@ -1,0 +1,149 @@
+"""The 4/6-bit block-format kernels (q4_gemv.cu, q4_mma.cu, embed_<fmt>) against numpy on awkward shapes.
+
+Each case runs on the emulated device (fake_block_kernels' twins: CI) and, marked `gpu`, on a real
+one with the NVRTC-built kernels.  Reference: float32 x @ dequant(W).T with gguf-py's values
+(test_quant4), then the epilogues; the GEMV within 1e-5 relative (fp32 sums in another order), the
+tensor-core GEMM within 2e-3 (its int8 activations, the Q8_0 GEMM's tolerance).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fake_cuda
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows
+from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, gemv_launch
+from kestrel_stream.model.quant4 import BlockTensor, fuse_rows, random_blocks
+from kestrel_stream.run.block_weights import block_image, device_qweight
+
+DEVICES = ["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not driver.gpu_available(), reason="no GPU")])]
+# (format(s), rows per part, K): odd row counts, K of a few blocks (Q4_0: not a multiple of 128)
+WEIGHTS = {"Q4_0": (("Q4_0",), (37,), 160), "Q4_K": (("Q4_K",), (70,), 768), "Q6_K": (("Q6_K",), (9,), 512),
+           "Q4_K+Q6_K": (("Q4_K", "Q6_K"), (24, 10), 256), "Q4_K-big": (("Q4_K",), (258,), 2048)}
+TOKENS = (1, 2, 3, 8, 9, 70)
+
+
+class Harness:
+    def __init__(self, kind: str, monkeypatch):
+        if kind == "emulated":
+            fake_cuda.install(monkeypatch)
+        from kestrel_stream.cuda import kernels
+        self.device = driver.Device(0)
+        self.kernels = kernels.KernelSet(self.device)
+        self.arena = driver.Arena(64 << 20)
+        self.stream = driver.Stream()
+
+    def put(self, array: np.ndarray) -> int:
+        array = np.ascontiguousarray(array)
+        ptr = self.arena.alloc(max(array.nbytes, 16))
+        driver.h2d_sync(ptr, array)
+        return ptr
+
+    def get(self, ptr: int, shape) -> np.ndarray:
+        out = np.empty(shape, np.float32)
+        driver.d2h_async(out, ptr, out.nbytes, self.stream)
+        self.stream.synchronize()
+        return out
+
+    def run(self, launch) -> None:
+        launch.enqueue(self.stream)
+        self.stream.synchronize()
+
+
+@pytest.fixture(params=DEVICES)
+def dev(request, monkeypatch):
+    h = Harness(request.param, monkeypatch)
+    yield h
+    h.arena.release()
+
+
+def weight(name: str, seed: int):
+    formats, rows, cols = WEIGHTS[name]
+    rng = np.random.default_rng(seed)
+    parts = [BlockTensor(f, random_blocks(rng, f, n, cols, 1 / np.sqrt(cols)), cols) for f, n in zip(formats, rows)]
+    return fuse_rows(parts)
+
+
+def upload(dev: Harness, w, interleave: bool = False):
+    return device_qweight(dev.put(block_image(w, interleave)), w)
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("epilogue", ["rmsnorm", "residual_xn_rms", "silu_pairs"])
+def test_block_gemv_and_gemm_match_numpy(dev, name, tokens, epilogue):
+    w = weight(name, seed=len(name) + tokens)
+    n, k = w.shape
+    if epilogue == "silu_pairs" and (n % 2 or len(WEIGHTS[name][0]) > 1):
+        pytest.skip("gate/up pairs: an even row count of one format")
+    rng = np.random.default_rng(tokens)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    s = x @ w.dequantize().T
+    qw = upload(dev, w, interleave=epilogue == "silu_pairs")
+    xp, counter = dev.put(x), dev.put(np.zeros(GEMV_COUNTER_BYTES // 4, np.uint32))
+    if epilogue == "rmsnorm":
+        inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
+        y = dev.put(np.zeros((tokens, n), np.float32))
+        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, inv_rms_in=dev.put(inv_rms_in)))
+        want, got = s * inv_rms_in[:, None], dev.get(y, (tokens, n))
+    elif epilogue == "silu_pairs":
+        half = n // 2
+        y = dev.put(np.zeros((tokens, half), np.float32))
+        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, half, tokens, silu_pairs=True))
+        gate, up = s[:, :half], s[:, half:]
+        want, got = gate / (1 + np.exp(-gate)) * up, dev.get(y, (tokens, half))
+    else:
+        res = rng.standard_normal((tokens, n)).astype(np.float32)
+        normw = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+        y, xn, inv_rms = dev.put(res), dev.put(np.zeros((tokens, n), np.float32)), dev.put(np.zeros(tokens, np.float32))
+        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, res=y, normw_out=dev.put(normw), xn_out=xn,
+                            inv_rms_out=inv_rms, counter=counter, eps=1e-6))
+        out = s + res
+        got = dev.get(y, (tokens, n))
+        tol = 1e-5 if tokens <= 8 else 2e-3
+        np.testing.assert_allclose(dev.get(xn, (tokens, n)), got * normw, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(dev.get(inv_rms, (tokens,)), 1 / np.sqrt(np.mean(out * out, axis=1) + 1e-6),
+                                   rtol=10 * tol)
+        assert not dev.get(counter, (GEMV_COUNTER_BYTES // 4,)).any(), "tickets and sums reset for the next launch"
+        want = out
+    tol = 1e-5 if tokens <= 8 else 2e-3
+    assert np.abs(got - want).max() <= tol * np.abs(want).max(), (name, tokens, epilogue)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q6_K"])
+def test_block_embedding_rows_are_the_dequantized_rows(dev, fmt):
+    cols = 256
+    rng = np.random.default_rng(4)
+    table = BlockTensor(fmt, random_blocks(rng, fmt, 50, cols, 0.02), cols)
+    ids = np.array([49, 0, 7, 7], np.int32)
+    normw = (1 + 0.1 * rng.standard_normal(cols)).astype(np.float32)
+    out, xn, inv_rms = (dev.put(np.zeros(n, np.float32)) for n in (4 * cols, 4 * cols, 4))
+    qw = upload(dev, table)
+    dev.run(dev.kernels.launch(embed_kernel(qw), (4,), (256,), "pppppppfi",
+                               [qw.qs, qw.scales, dev.put(ids), out, xn, dev.put(normw), inv_rms, 1e-6, cols]))
+    rows = table.dequantize_rows(ids)
+    assert np.array_equal(dev.get(out, (4, cols)), rows)              # the values the CPU engine embeds
+    np.testing.assert_allclose(dev.get(xn, (4, cols)), rows * normw, rtol=1e-6)
+    np.testing.assert_allclose(dev.get(inv_rms, (4,)), 1 / np.sqrt(np.mean(rows * rows, axis=1) + 1e-6), rtol=1e-5)
+
+
+def test_row_slices_of_a_two_format_weight(dev):
+    """The split modes run runs of a fused QKV's rows (hybrid.py): a slice across the formats' boundary."""
+    w = weight("Q4_K+Q6_K", seed=1)
+    qw = upload(dev, w)
+    x = np.random.default_rng(2).standard_normal((1, 256)).astype(np.float32)
+    dense = w.dequantize()
+    for lo, hi in ((0, 24), (24, 34), (20, 30), (5, 12)):
+        part = qweight_rows(qw, lo, hi)
+        y = dev.put(np.zeros(hi - lo, np.float32))
+        dev.run(gemv_launch(dev.kernels, part, dev.put(x), 256, y, hi - lo, 1))
+        want = x @ dense[lo:hi].T
+        assert np.abs(dev.get(y, (1, hi - lo)) - want).max() <= 1e-5 * np.abs(want).max(), (lo, hi)
+
+
+def test_the_block_launches_share_the_q8_contract():
+    from kestrel_stream.cuda import block_kernels, kernels
+    assert block_kernels.BLOCK_GEMV_SIGNATURE == kernels.GEMV_SIGNATURE + "ppi"
+    assert block_kernels.GEMV_MAX_TOKENS == kernels.GEMV_MAX_TOKENS
