@@ -270,7 +270,7 @@ def write_image_parts(dst: np.ndarray, w, order: np.ndarray | slice = slice(None
 def tensor_key(w) -> int:
     """The id of the array behind a weight (one dequantized copy per stored weight, whatever view holds it)."""
     if isinstance(w, QTensor):
-        return id(w.qs)
+        return id(w)        # the tied lm_head is the embed object itself; w.qs would split a GGUF view
     return id(w.blocks) if isinstance(w, BlockTensor) else id(w.head.blocks)
 
 
