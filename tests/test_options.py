@@ -54,8 +54,6 @@ PENDING = {
     # the default root of the quantized cache (loading/qcache.py) and of the kernel cache (kernels_ptx/build.py):
     # loading/ is being reorganised on another branch; both move into Options with it
     "XDG_CACHE_HOME",
-    # serve --http's key (serve/http/, being changed on another branch); Environment.api_key replaces it
-    "KESTREL_API_KEY",
 }
 READS = re.compile(r"\bos\s*\.\s*(environb?|getenv|putenv|unsetenv)\b|from\s+os\s+import[^\n]*\b(environb?|getenv)\b")
 

@@ -101,4 +101,4 @@ def read_api_key(args) -> str | None:
         if not key:
             raise ValueError(f"--api-key-file {path} is empty")
         return key
-    return os.environ.get("KESTREL_API_KEY") or None
+    return args.environment.api_key         # $KESTREL_API_KEY, read once by the CLI (options.Environment)
