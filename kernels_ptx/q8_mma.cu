@@ -19,6 +19,14 @@
 // registers, to be quantised into shared memory after the current stage.  Few
 // tokens mean little work per stage: those tiles take a longer BK, so more
 // bytes are in flight per stage and a row of K costs fewer stage latencies.
+//
+// Split K (few tokens, few row tiles: too few blocks to keep the SMs' loads in flight): gridDim.z
+// blocks share one output tile, each walking a contiguous run of ceil(stages / gridDim.z) K stages
+// with the arithmetic of the unsplit kernel.  Every split parks its fp32 fragment in `partials`
+// (in the thread's own fragment order, so stores and reloads are coalesced float4), then takes the
+// tile's ticket; the last to arrive sums splits 0..z-1 in order (a fixed order: the result does not
+// depend on which block came last), resets the ticket for the next launch or graph replay, and runs
+// the epilogue alone.  gridDim.z == 1 never touches partials or tickets.
 #include "common.cuh"
 
 // bytes per shared row: BK + 16 keeps the fragment loads free of bank conflicts (BK a multiple of 64)
@@ -62,7 +70,8 @@ template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, bool SILU_PAIRS>
 __device__ __forceinline__ void q8_mma_body(
         const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
-        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
+        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok, float* partials,
+        unsigned int* tickets) {
     constexpr int THREADS = 32 * WARPS_M * WARPS_N;
     constexpr int FM = BM / 16 / WARPS_M, FN = BN / 8 / WARPS_N;   // mma tiles per warp
     constexpr int KB = BK / 32;                                    // Q8_0 blocks per stage
@@ -77,14 +86,17 @@ __device__ __forceinline__ void q8_mma_body(
     __shared__ __align__(16) unsigned char x_tile[2][2][BM * MMA_STRIDE];   // [stage][hi|lo]
     __shared__ float w_scale[2][KB][BN];    // [stage][block of the stage][row]
     __shared__ float x_scale[2][KB][BM];    // [stage][block of the stage][token]
-    __shared__ bool is_last_block;
+    __shared__ bool is_last_block, is_last_split;
     pdl_launch_dependents();
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;                          // mma fragment coordinates
     const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
     const int tok0 = blockIdx.y * BM, row0 = blockIdx.x * BN;
-    const int stages = (K + BK - 1) / BK, kblocks = K >> 5;
+    const int kblocks = K >> 5;
+    // this split's K stages [stage_begin, stage_end): the host picks gridDim.z so none is empty
+    const int splits = gridDim.z, stages_all = (K + BK - 1) / BK, stages_per_split = (stages_all + splits - 1) / splits;
+    const int stage_begin = blockIdx.z * stages_per_split, stage_end = min(stages_all, stage_begin + stages_per_split);
 
     auto issue_weights = [&](int stage, int k0) {   // constant weights: safe before pdl_wait
 #pragma unroll
@@ -147,16 +159,16 @@ __device__ __forceinline__ void q8_mma_body(
 #pragma unroll
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
 
-    issue_weights(0, 0);
-    load_weight_scales(0);
+    issue_weights(0, stage_begin * BK);
+    load_weight_scales(stage_begin * BK);
     pdl_wait();   // x is written by the previous kernel
-    load_x(0);
-    for (int s = 0; s < stages; s++) {
-        const int cur = s & 1;
+    load_x(stage_begin * BK);
+    for (int s = stage_begin; s < stage_end; s++) {
+        const int cur = (s - stage_begin) & 1;
         store_stage(cur);
         asm volatile("cp.async.wait_group 0;" ::: "memory");
         __syncthreads();   // stage `cur` complete; every warp is done with the other stage
-        if (s + 1 < stages) {
+        if (s + 1 < stage_end) {
             issue_weights(cur ^ 1, (s + 1) * BK);
             load_weight_scales((s + 1) * BK);
             load_x((s + 1) * BK);
@@ -207,6 +219,37 @@ __device__ __forceinline__ void q8_mma_body(
                 }
             }
         }
+    }
+
+    if (splits > 1) {
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        float4* tile_partials = reinterpret_cast<float4*>(partials) + (long long)tile * splits * (FM * FN * THREADS);
+        float4* mine = tile_partials + blockIdx.z * (FM * FN * THREADS);
+#pragma unroll
+        for (int i = 0; i < FM; i++)
+#pragma unroll
+            for (int j = 0; j < FN; j++)
+                __stcg(mine + (i * FN + j) * THREADS + tid,
+                       make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
+        __threadfence();   // this split's partial is visible device-wide before its ticket is
+        __syncthreads();
+        if (tid == 0) is_last_split = atomicAdd(tickets + tile, 1u) == (unsigned int)splits - 1;
+        __syncthreads();
+        if (!is_last_split) return;
+        __threadfence();
+#pragma unroll
+        for (int i = 0; i < FM; i++)
+#pragma unroll
+            for (int j = 0; j < FN; j++) {   // this split's own part too: read back, the same bits
+                const float4* part = tile_partials + (i * FN + j) * THREADS + tid;
+                float4 sum = __ldcg(part);
+                for (int z = 1; z < splits; z++) {
+                    const float4 v = __ldcg(part + z * (FM * FN * THREADS));
+                    sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+                }
+                acc[i][j][0] = sum.x; acc[i][j][1] = sum.y; acc[i][j][2] = sum.z; acc[i][j][3] = sum.w;
+            }
+        if (tid == 0) tickets[tile] = 0u;   // every split of the tile has taken its ticket
     }
 
 #pragma unroll
@@ -267,15 +310,17 @@ __device__ __forceinline__ void q8_mma_body(
     if (tid == 0) *ticket = 0u;
 }
 
-// q8_mma_<BM>x<BN>[k<BK>] (+ _silu): the tile shapes of kestrel_stream/cuda/mma_variants.py
+// q8_mma_<BM>x<BN>[k<BK>] (+ _silu): the tile shapes of kestrel_stream/cuda/mma_variants.py; the
+// split count is the grid's z (mma_variants.choose_splits), not a kernel of its own
 #define DEFINE_MMA(BM, BN, BK, WM, WN, SILU, NAME)                                               \
     extern "C" __global__ void __launch_bounds__(32 * WM * WN) NAME(                             \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                    \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
-            int ntok) {                                                                          \
+            int ntok, float* partials, unsigned int* tickets) {                                  \
         q8_mma_body<BM, BN, BK, WM, WN, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out,\
-                                          xn_out, inv_rms_out, counter, eps, N, K, ntok);        \
+                                          xn_out, inv_rms_out, counter, eps, N, K, ntok, partials,   \
+                                          tickets);                                              \
     }
 #define DEFINE_MMA_PAIR(BM, BN, BK, WM, WN, SUFFIX)                     \
     DEFINE_MMA(BM, BN, BK, WM, WN, false, q8_mma_##SUFFIX)               \

@@ -56,29 +56,39 @@ def quantize_rows_q8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     return hi.astype(np.int8), lo.astype(np.int8), d
 
 
-def mma_product(x: np.ndarray, wq: np.ndarray, w_scales: np.ndarray) -> np.ndarray:
+def mma_product(x: np.ndarray, wq: np.ndarray, w_scales: np.ndarray, blocks_per_split: int | None = None
+                ) -> np.ndarray:
     """q8_mma.cu's arithmetic: x [T, K] float32 against a Q8_0 weight (int8 [N, K], fp16 [N, K/32]):
     exact integer dot products of (128 hi + lo) per 32-block, scaled by d / 128 * w_scale into fp32
-    sums, block by block."""
+    sums, block by block; split K (blocks_per_split): one such sum per run of blocks, the runs' sums
+    added in order."""
     hi, lo, d = quantize_rows_q8(x)
     n, k = wq.shape
     wb = wq.reshape(n, k // 32, 32).astype(np.float64)
     ws = w_scales.astype(np.float32)
-    acc = np.zeros((x.shape[0], n), np.float32)
-    for b in range(k // 32):            # |dot| <= 32 * 127 * 127 * 129 < 2^31: exact in float64
-        q = 128 * hi[:, b, :].astype(np.float64) + lo[:, b, :]
-        dots = (q @ wb[:, b, :].T).astype(np.float32)
-        acc += dots * ((d[:, b, None] * np.float32(1 / 128)) * ws[None, :, b])
-    return acc
+    q = (128 * hi.astype(np.float64) + lo).transpose(1, 0, 2)                  # [K/32, T, 32]
+    per_split = blocks_per_split or k // 32
+    chunk = max(1, (1 << 22) // max(x.shape[0] * n, 1))       # blocks whose dot products are made at once
+    total = np.zeros((x.shape[0], n), np.float32)
+    for first in range(0, k // 32, per_split):
+        acc = np.zeros((x.shape[0], n), np.float32)
+        end = min(first + per_split, k // 32)
+        for c0 in range(first, end, chunk):   # |dot| <= 32 * 127 * 127 * 129 < 2^31: exact in float64
+            dots = (q[c0:min(c0 + chunk, end)] @ wb[:, c0:min(c0 + chunk, end), :].transpose(1, 2, 0)).astype(np.float32)
+            for b, block_dots in enumerate(dots, c0):            # the kernel's order: block by block
+                acc += block_dots * ((d[:, b, None] * np.float32(1 / 128)) * ws[None, :, b])
+        total = acc if first == 0 else total + acc
+    return total
 
 
 def q8_product(launch, qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter,
-               eps, N, K, ntok, tokens: int, silu: bool, int8_activations: bool = False) -> None:
+               eps, N, K, ntok, tokens: int, silu: bool, int8_activations: bool = False,
+               blocks_per_split: int | None = None) -> None:
     """The shared contract of q8_gemv.cu, q8_matmul.cu and q8_mma.cu for `tokens` rows of x."""
     assert K % 32 == 0 and qs % 16 == 0 and scales % 2 == 0, (launch.name, K, qs, scales)
     if int8_activations:
         s = mma_product(rows(x, tokens, ldx, K), dev(qs, N * K, np.int8).reshape(N, K),
-                        dev(scales, 2 * N * (K // 32), np.float16).reshape(N, K // 32))
+                        dev(scales, 2 * N * (K // 32), np.float16).reshape(N, K // 32), blocks_per_split)
     else:
         s = rows(x, tokens, ldx, K) @ q8_dense(qs, scales, N, K).T                 # [tokens, N]
     gemv_epilogues(launch, s, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, ntok,
@@ -125,13 +135,21 @@ def q8_matmul(launch, *args) -> None:
 
 
 def q8_mma(launch, *args) -> None:
-    x, ldx, N, ntok = args[2], args[3], args[13], args[15]
+    x, ldx, N, K, ntok = args[2], args[3], args[13], args[14], args[15]
+    partials, tickets = args[16:]
     tile, silu = mma_variants.parse(launch.name)
+    gx, gy, splits = launch.grid
     assert launch.block == (tile.threads, 1, 1), f"{launch.name}: block {launch.block}"
-    assert launch.grid[0] * tile.rows >= N and launch.grid[1] * tile.tokens >= ntok and launch.grid[2] == 1, \
+    assert gx * tile.rows >= N and gy * tile.tokens >= ntok, \
         f"{launch.name}: grid {launch.grid} misses part of {ntok} tokens x {N} rows"
     assert ldx % 4 == 0 and x % 16 == 0, f"{launch.name}: float4 loads of x misaligned (x {x:#x}, ldx {ldx})"
-    q8_product(launch, *args, tokens=ntok, silu=silu, int8_activations=True)
+    assert mma_variants.split_is_valid(K, tile, splits), f"{launch.name}: {splits} K splits of K={K} leave one empty"
+    if splits > 1:      # a BM x BN float32 tile per block, 16-byte aligned; a zeroed ticket per output tile
+        assert partials % 16 == 0, f"{launch.name}: partials at {partials:#x} not 16-byte aligned"
+        dev(partials, 4 * gx * gy * splits * tile.tokens * tile.rows)
+        take_ticket(tickets, tickets=gx * gy)
+    q8_product(launch, *args[:16], tokens=ntok, silu=silu, int8_activations=True,
+               blocks_per_split=mma_variants.blocks_per_split(K, tile, splits))
 
 
 def embed_q8(launch, qs, scales, ids, out, xn, normw, inv_rms, eps, H) -> None:

@@ -43,3 +43,57 @@ def test_tile_choice_pads_at_most_a_tile(tokens, rows):
     assert tokens > 64 or tile.tokens == 16, "decode batches of 9..64 sessions get a 16-token tile"
     name = mma_variants.kernel_name(mma_variants.choose_tile(tokens, rows), True)
     assert mma_variants.parse(name) == (tile, True)
+
+
+@pytest.mark.parametrize("blocks_per_split", [1, 3, 8])
+def test_split_product_sums_runs_of_blocks_in_order(blocks_per_split):
+    """Split K changes only where the fp32 sums break: each run of blocks summed alone, the runs added in
+    order -- the unsplit product of each run's slice of K, then added."""
+    rng = np.random.default_rng(blocks_per_split)
+    tokens, n, k = 17, 64, 32 * 11
+    w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    got = mma_product(x, w.qs, w.scales, blocks_per_split)
+    runs = [mma_product(x[:, 32 * b:32 * (b + blocks_per_split)], w.qs[:, 32 * b:32 * (b + blocks_per_split)],
+                        w.scales[:, b:b + blocks_per_split]) for b in range(0, k // 32, blocks_per_split)]
+    want = runs[0]
+    for run in runs[1:]:
+        want = want + run
+    np.testing.assert_array_equal(got, want)
+    unsplit = mma_product(x, w.qs, w.scales)
+    assert np.abs(got - unsplit).max() / np.abs(unsplit).max() < 1e-5
+
+
+@pytest.mark.parametrize("tokens", [9, 16, 17, 32, 33, 63, 64, 65, 128, 512])
+@pytest.mark.parametrize("rows,k", [(4096, 2048), (2048, 2048), (12288, 2048), (2048, 6144), (6144, 4096),
+                                    (4096, 12288), (24576, 4096), (151936, 2048), (1024, 2048), (96, 96),
+                                    (288, 1056)])
+def test_chosen_split_fills_the_sms_and_fits_the_scratch_bound(tokens, rows, k):
+    variant = mma_variants.choose_variant(tokens, rows, k)
+    tile_name, splits = mma_variants.parse_variant(variant)
+    tile = mma_variants.TILES[tile_name]
+    assert tile_name == mma_variants.choose_tile(tokens, rows)
+    assert mma_variants.split_is_valid(k, tile, splits), variant
+    gx, gy, gz = mma_variants.grid(tokens, rows, tile_name, splits)
+    if tokens > mma_variants.SPLIT_MAX_TOKENS or gx * gy >= mma_variants.SPLIT_TARGET_BLOCKS:
+        assert splits == 1, variant
+    else:                          # as many blocks as the target asks, or every split at least two K stages
+        per_split = -(-mma_variants.stages(k, tile) // splits)
+        assert gx * gy * gz >= mma_variants.SPLIT_TARGET_BLOCKS or per_split <= 3, variant
+        assert splits == 1 or per_split >= 2, variant
+    floats, tickets = mma_variants.scratch_floats(tokens, rows, tile_name, splits)
+    bound_floats, bound_tickets = mma_variants.scratch_bound(max(tokens, 64))
+    assert floats <= bound_floats and tickets <= bound_tickets, (variant, floats, tickets)
+    assert (floats == 0) == (splits == 1)
+
+
+def test_variant_names_round_trip_and_bad_ones_say_what():
+    assert mma_variants.parse_variant("16x32k256") == ("16x32k256", 1)
+    assert mma_variants.parse_variant("16x32k256s4") == ("16x32k256", 4)
+    assert mma_variants.variant_name("64x128", 1) == "64x128" and mma_variants.variant_name("16x64", 3) == "16x64s3"
+    for bad in ("16x48", "16x64s", "s4", "16x64k128x2"):
+        with pytest.raises(ValueError, match="q8_mma variant"):
+            mma_variants.parse_variant(bad)
+    assert not mma_variants.split_is_valid(2048, mma_variants.TILES["16x32k256"], 9), "8 stages: 9 splits"
+    assert not mma_variants.split_is_valid(1024, mma_variants.TILES["16x64"], 7), "16 stages in runs of 3: 6 used"
+    assert mma_variants.scratch_bound(8) == (0, 0), "steps of up to 8 tokens run the GEMV"

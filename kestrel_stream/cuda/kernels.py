@@ -168,7 +168,7 @@ GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, 
 def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: int, tokens: int, *,
                 silu_pairs: bool = False, inv_rms_in: int = 0, res: int = 0, normw_out: int = 0,
                 xn_out: int = 0, inv_rms_out: int = 0, counter: int = 0, eps: float = 1e-6,
-                variant: str | None = None) -> Launch:
+                variant: str | None = None, split_scratch: mma_variants.SplitScratch | None = None) -> Launch:
     """y = W @ x for `tokens` rows of x, with the epilogues of kernels_ptx/q8_gemv.cu.
 
     The GEMV for up to 8 tokens, the int8 tensor-core GEMM (q8_mma.cu) beyond.  inv_rms_in scales
@@ -177,8 +177,9 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     xn_out gets y * normw_out; inv_rms_out (+ `counter`, a zeroed GEMV_COUNTER_BYTES scratch)
     gets 1/rms(y) per token.  variant: a single-token layout of gemv_variants.VARIANTS (by
     default the one measured fastest for the shape), or of MULTI_VARIANTS for 2..8 tokens; beyond 8
-    tokens a tile of mma_variants.TILES (by default mma_variants.choose_tile) or "simt", the fp32 tiled
-    q8_matmul.cu (exact fp32 activations; the baseline the bench compares with).
+    tokens a variant of mma_variants (a tile, + "s<splits>" to split K; by default choose_variant's, unsplit
+    without `split_scratch`) or "simt", the fp32 tiled q8_matmul.cu (exact fp32 activations; the
+    baseline the bench compares with).  split_scratch: the partials and tickets split launches share.
     """
     if w.fmt != "Q8_0":       # 4/6-bit block formats: kernels_ptx/q4_gemv.cu, q4_mma.cu
         from kestrel_stream.cuda.block_kernels import block_gemv_launch
@@ -191,11 +192,7 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
         launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
                                 (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)
     elif tokens > GEMV_MAX_TOKENS:
-        tile_name = variant or mma_variants.choose_tile(tokens, w.rows)
-        tile = mma_variants.TILES[tile_name]
-        launch = kernels.launch(mma_variants.kernel_name(tile_name, silu_pairs),
-                                (-(-w.rows // tile.rows), -(-tokens // tile.tokens)), (tile.threads,),
-                                GEMV_SIGNATURE, args)
+        launch = _mma_launch(kernels, w, tokens, silu_pairs, args, variant, split_scratch)
     else:
         if variant is None:
             variant = (m1_variant(w.rows, w.cols, kernels.gemv_m1) if tokens == 1
@@ -205,6 +202,28 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
                                 (shape.threads,), GEMV_SIGNATURE, args)
     # weight bytes: int8 values + one fp16 scale per 32
     return launch.label(flops=2 * w.rows * w.cols * tokens, bytes=w.rows * w.cols + w.rows * (w.cols // 32) * 2)
+
+
+MMA_SIGNATURE = GEMV_SIGNATURE + "pp"     # q8_mma.cu: + split K's partials and tickets
+
+
+def _mma_launch(kernels: KernelSet, w: QWeight, tokens: int, silu_pairs: bool, args: list, variant: str | None,
+                scratch: mma_variants.SplitScratch | None) -> Launch:
+    if variant is None:
+        variant = (mma_variants.choose_variant(tokens, w.rows, w.cols) if scratch is not None
+                   else mma_variants.choose_tile(tokens, w.rows))
+    tile_name, splits = mma_variants.parse_variant(variant)
+    tile = mma_variants.TILES[tile_name]
+    assert mma_variants.split_is_valid(w.cols, tile, splits), \
+        f"{variant}: {splits} splits of {mma_variants.stages(w.cols, tile)} K stages leave one empty"
+    partial_floats, tickets = mma_variants.scratch_floats(tokens, w.rows, tile_name, splits)
+    if splits > 1:
+        assert scratch is not None and partial_floats <= scratch.partial_floats and tickets <= scratch.ticket_count, \
+            f"{variant} on {tokens} x {w.rows}: needs {partial_floats} partial floats and {tickets} tickets, has {scratch}"
+    split_args = [scratch.partials, scratch.tickets] if splits > 1 else [0, 0]
+    return kernels.launch(mma_variants.kernel_name(tile_name, silu_pairs),
+                          mma_variants.grid(tokens, w.rows, tile_name, splits), (tile.threads,), MMA_SIGNATURE,
+                          args + split_args)
 
 
 def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: int, out: int,

@@ -1,7 +1,10 @@
 """The tile shapes of kernels_ptx/q8_mma.cu (int8 tensor-core GEMM) and which one a step gets.
 
 A variant is BM tokens x BN weight rows per block, WARPS_M x WARPS_N warps, BK of K per pipeline
-stage.  Kernel names are q8_mma_<BM>x<BN>[k<BK>] (+ "_silu").  Pure Python: the emulated device and the bench read it without a driver.
+stage.  Kernel names are q8_mma_<BM>x<BN>[k<BK>] (+ "_silu").  A variant is a tile and its K split:
+"16x32k256" or "16x32k256s4" (4 blocks per output tile, each a quarter of the K stages, merged by
+the last to finish: the grid's z).  Pure Python: the emulated device and the bench read it without a
+driver.
 """
 from __future__ import annotations
 
@@ -51,3 +54,88 @@ def choose_tile(tokens: int, rows: int) -> str:
     if tokens <= 32 and rows <= 4096:
         return "16x32k256"
     return "16x64" if tokens <= 64 else "64x128"
+
+
+# Split K: up to 64 tokens a tile walks the whole K alone, and 2048 rows make 64 tiles for 132 SMs;
+# splitting K gives enough blocks in flight.  Larger steps have tiles enough.
+SPLIT_MAX_TOKENS = 64
+SPLIT_TARGET_BLOCKS = 2 * 132        # two waves of one block per SM of an H200
+SPLIT_TILES = ("16x32k256", "16x64")  # what choose_tile gives up to SPLIT_MAX_TOKENS
+
+
+def variant_name(tile: str, splits: int) -> str:
+    return tile if splits == 1 else f"{tile}s{splits}"
+
+
+def parse_variant(name: str) -> tuple[str, int]:
+    """(tile, splits) of a variant name: "16x32k256" -> ("16x32k256", 1), "16x32k256s4" -> (.., 4)."""
+    match = re.fullmatch(r"(\d+x\d+(?:k\d+)?)(?:s(\d+))?", name)
+    if not match or match.group(1) not in TILES:
+        raise ValueError(f"not a q8_mma variant: {name!r} (a tile of {', '.join(TILES)}, optionally + s<splits>)")
+    return match.group(1), int(match.group(2) or 1)
+
+
+def stages(k: int, tile: Tile) -> int:
+    return -(-k // tile.k_step)
+
+
+def split_is_valid(k: int, tile: Tile, splits: int) -> bool:
+    """Every one of `splits` runs of ceil(stages / splits) K stages is non-empty (the kernel's split rule)."""
+    total = stages(k, tile)
+    return 1 <= splits <= total and (splits - 1) * -(-total // splits) < total
+
+
+def blocks_per_split(k: int, tile: Tile, splits: int) -> int:
+    """Q8_0 blocks (32 of K) each split walks (the last may walk fewer)."""
+    return -(-stages(k, tile) // splits) * (tile.k_step // 32)
+
+
+def choose_splits(tokens: int, rows: int, k: int, tile_name: str) -> int:
+    """K splits for a tokens x rows x k step on `tile_name`: enough blocks for SPLIT_TARGET_BLOCKS, each
+    split at least two K stages (the double buffer's depth), none empty; 1 beyond SPLIT_MAX_TOKENS."""
+    tile = TILES[tile_name]
+    tiles = -(-rows // tile.rows) * -(-tokens // tile.tokens)
+    if tokens > SPLIT_MAX_TOKENS or tiles >= SPLIT_TARGET_BLOCKS:
+        return 1
+    splits = min(-(-SPLIT_TARGET_BLOCKS // tiles), max(stages(k, tile) // 2, 1))
+    per_split = -(-stages(k, tile) // splits)
+    return -(-stages(k, tile) // per_split)        # the same runs, none left empty
+
+
+def choose_variant(tokens: int, rows: int, k: int) -> str:
+    """choose_tile's tile with choose_splits' split count."""
+    tile = choose_tile(tokens, rows)
+    return variant_name(tile, choose_splits(tokens, rows, k, tile))
+
+
+def grid(tokens: int, rows: int, tile_name: str, splits: int) -> tuple[int, int, int]:
+    tile = TILES[tile_name]
+    return -(-rows // tile.rows), -(-tokens // tile.tokens), splits
+
+
+def scratch_floats(tokens: int, rows: int, tile_name: str, splits: int) -> tuple[int, int]:
+    """(partial floats, tickets) a split launch needs: a BM x BN tile per block, a ticket per tile."""
+    if splits == 1:
+        return 0, 0
+    gx, gy, _ = grid(tokens, rows, tile_name, splits)
+    tile = TILES[tile_name]
+    return gx * gy * splits * tile.tokens * tile.rows, gx * gy
+
+
+def scratch_bound(max_tokens: int) -> tuple[int, int]:
+    """(partial floats, tickets) enough for every choose_variant launch of up to `max_tokens` tokens, of any
+    row count or K: a split launch has fewer than SPLIT_TARGET_BLOCKS tiles and, splitting them, fewer than
+    2 x SPLIT_TARGET_BLOCKS blocks."""
+    if max_tokens < MMA_MIN_TOKENS:
+        return 0, 0
+    area = max(TILES[name].tokens * TILES[name].rows for name in SPLIT_TILES)
+    return 2 * SPLIT_TARGET_BLOCKS * area, SPLIT_TARGET_BLOCKS
+
+
+class SplitScratch(NamedTuple):
+    """Device memory of split launches: float32 partial tiles and zeroed uint32 tickets (each launch's last
+    split resets the ones it took)."""
+    partials: int
+    partial_floats: int
+    tickets: int
+    ticket_count: int

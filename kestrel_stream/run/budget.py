@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from kestrel_stream.cuda import mma_variants
 from scheduler.ops import image_bytes, step_ops  # noqa: F401  (image_bytes: window.py and the tests import it here)
 from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_items
 
@@ -104,6 +105,8 @@ def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_s
     norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim
     if c.qkv_bias:
         norm_floats += qkv_width * c.num_hidden_layers
+    split_floats, split_tickets = mma_variants.scratch_bound(T)      # split-K partials, tickets
+    activation_floats += max(split_floats, 4) + max(split_tickets, 1)
     if kv_bytes_per_position is None:
         kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
     return ArenaNeeds(kv_bytes=sessions * max_seq_len * kv_bytes_per_position,

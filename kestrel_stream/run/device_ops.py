@@ -20,7 +20,7 @@ from typing import Callable
 import numpy as np
 
 from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows, weight_bytes
-from kestrel_stream.cuda import driver
+from kestrel_stream.cuda import driver, mma_variants
 from kestrel_stream.cuda.kernels import (ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
                                          gemv_launch, paged_attention_launch)
 from kestrel_stream.cuda.flash_attention import StepChoice, attention_choice
@@ -67,6 +67,7 @@ class DeviceState:
     counter: int       # the GEMV epilogue's last-block ticket
     partials: int      # split attention's partial results
     attention_counters: int   # its last-split tickets
+    split_scratch: mma_variants.SplitScratch   # split-K q8_mma launches' partial tiles and tickets
 
     @classmethod
     def allocate(cls, arena, config, tokens: int, logits_rows: int, splits: int) -> tuple["DeviceState", dict]:
@@ -78,10 +79,16 @@ class DeviceState:
                   "logits": (logits_rows, c.vocab_size), "inv_rms": (T,),
                   "partials": (T * c.num_attention_heads * splits * (c.head_dim + 2),)}
         arrays = {name: arena.array(shape, np.float32) for name, shape in shapes.items()}
-        for name, count in (("counter", 64), ("attention_counters", T * c.num_key_value_heads)):
+        partial_floats, ticket_count = mma_variants.scratch_bound(T)
+        arrays["split_partials"] = arena.array((max(partial_floats, 4),), np.float32)
+        for name, count in (("counter", 64), ("attention_counters", T * c.num_key_value_heads),
+                            ("split_tickets", max(ticket_count, 1))):
             arrays[name] = arena.array((count,), np.uint32)
             driver.h2d_sync(arrays[name].ptr, np.zeros(count, np.uint32))
-        return cls(**{name: array.ptr for name, array in arrays.items()}), arrays
+        scratch = mma_variants.SplitScratch(arrays["split_partials"].ptr, partial_floats, arrays["split_tickets"].ptr,
+                                            ticket_count)
+        pointers = {name: array.ptr for name, array in arrays.items() if not name.startswith("split_")}
+        return cls(**pointers, split_scratch=scratch), arrays
 
 
 @dataclass
@@ -125,10 +132,11 @@ class DeviceOps:
             x_in, width = (s.attn, c.q_size) if role == "o" else (s.act, c.intermediate_size)
             out = [gemv_launch(k, w, x_in, width, s.x, H, tokens, res=s.x,
                                normw_out=self.vector(norm_weight(self.weights, op.prepares)), xn_out=s.xn,
-                               inv_rms_out=s.inv_rms, counter=s.counter, eps=eps).label(bytes=q8_bytes(w))]
+                               inv_rms_out=s.inv_rms, counter=s.counter, eps=eps,
+                               split_scratch=s.split_scratch).label(bytes=q8_bytes(w))]
         elif role == "gate_up":
             out = [gemv_launch(k, w, s.xn, H, s.act, c.intermediate_size, tokens, silu_pairs=True,
-                               inv_rms_in=s.inv_rms).label(bytes=q8_bytes(w))]
+                               inv_rms_in=s.inv_rms, split_scratch=s.split_scratch).label(bytes=q8_bytes(w))]
         else:                                   # qkv, lm_head: a split part runs its rows in place
             first, count = lm_rows if lm_rows is not None and role == "lm_head" else (0, tokens)
             y, ldy = (s.logits, c.vocab_size) if role == "lm_head" else (s.qkv, c.q_size + 2 * c.kv_size)
@@ -136,7 +144,8 @@ class DeviceOps:
             for lo, hi in op.row_ranges:
                 part = qweight_rows(w, lo, hi)
                 out.append(gemv_launch(k, part, s.xn + 4 * H * first, H, y + 4 * lo, ldy, count,
-                                       inv_rms_in=s.inv_rms + 4 * first).label(bytes=q8_bytes(part)))
+                                       inv_rms_in=s.inv_rms + 4 * first,
+                                       split_scratch=s.split_scratch).label(bytes=q8_bytes(part)))
         for launch in out:       # weight: the residency window's item the launch reads
             launch.label(op=role, layer=op.layer, weight=op.name)
         return out
