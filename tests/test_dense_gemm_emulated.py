@@ -228,3 +228,15 @@ def test_the_binding_maps_row_major_onto_cublas_and_resets_the_workspace_per_str
     assert (gemm[14].value, gemm[15], gemm[16], gemm[17]) == (0x40, cublas.CUDA_R_32F, 100, cublas.CUBLAS_COMPUTE_32F)
     blas.gemm_nt(type("S", (), {"handle": 0xDEF})(), 7, 96, 160, 0x20, 160, 0x30, 160, 0x40, 100)
     assert [name for name, _ in lib.calls].count("cublasSetWorkspace_v2") == 2
+
+
+def test_cublas_is_an_optional_linux_extra():
+    from pathlib import Path
+
+    from packaging.requirements import Requirement
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert not any(Requirement(d).name == "nvidia-cublas" for d in project["dependencies"])
+    [extra] = [Requirement(d) for d in project["optional-dependencies"]["cublas"]]
+    assert extra.name == "nvidia-cublas" and extra.marker.evaluate({"sys_platform": "linux"})
+    assert not extra.marker.evaluate({"sys_platform": "darwin"})

@@ -126,7 +126,8 @@ class DeviceOps:
             x_in, width = (s.attn, c.q_size) if role == "o" else (s.act, c.intermediate_size)
             out = [gemv_launch(k, w, x_in, width, s.x, H, tokens, res=s.x,
                                normw_out=self.vector(norm_weight(self.weights, op.prepares)), xn_out=s.xn,
-                               inv_rms_out=s.inv_rms, counter=s.counter, eps=eps, dense=s.dense).label(bytes=q8_bytes(w))]
+                               inv_rms_out=s.inv_rms, counter=s.counter, eps=eps,
+                               dense=s.dense).label(bytes=q8_bytes(w))]
         elif role == "gate_up":
             out = [gemv_launch(k, w, s.xn, H, s.act, c.intermediate_size, tokens, silu_pairs=True,
                                inv_rms_in=s.inv_rms, dense=s.dense).label(bytes=q8_bytes(w))]
