@@ -240,3 +240,20 @@ def test_cublas_is_an_optional_linux_extra():
     [extra] = [Requirement(d) for d in project["optional-dependencies"]["cublas"]]
     assert extra.name == "nvidia-cublas" and extra.marker.evaluate({"sys_platform": "linux"})
     assert not extra.marker.evaluate({"sys_platform": "darwin"})
+
+
+def test_a_trace_shows_each_library_gemm(monkeypatch, tmp_path):
+    """Each GEMM is a launch of its own on the compute stream's row (its kernels trace as theirs do)."""
+    import json
+
+    from kestrel_stream.obs import trace
+    fake_cuda.install(monkeypatch, mode="deferred", cublas=True)
+    _, gpu = engines(QWEN3)
+    trace.start(tmp_path / "trace.json")
+    try:
+        gpu.new_session().prefill(prompt(40, 1))
+    finally:
+        path = trace.stop()
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "launch cublas_gemm_f16"]
+    assert len(events) == gemms_per_step(QWEN3) and {e["args"]["stream"] for e in events} == {"compute"}
+    gpu.close()
