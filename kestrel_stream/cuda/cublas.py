@@ -18,7 +18,9 @@ import sys
 CUBLAS_OP_N, CUBLAS_OP_T = 0, 1
 CUDA_R_32F, CUDA_R_16F = 0, 2                 # cudaDataType_t
 CUBLAS_COMPUTE_32F = 68                       # cublasComputeType_t: fp32 accumulation
-CUBLAS_GEMM_DEFAULT_TENSOR_OP = 99            # cublasGemmAlgo_t: the heuristic's choice, tensor cores allowed
+# cublasGemmAlgo_t: the heuristic's choice.  With fp16 operands and fp32 compute it takes the tensor cores
+# (the older CUBLAS_GEMM_DEFAULT_TENSOR_OP, 99, is deprecated and means the same)
+CUBLAS_GEMM_DEFAULT = -1
 CUBLAS_DEFAULT_MATH = 0                       # cublasMath_t
 
 _STATUS = {0: "SUCCESS", 1: "NOT_INITIALIZED", 3: "ALLOC_FAILED", 7: "INVALID_VALUE", 8: "ARCH_MISMATCH",
@@ -97,7 +99,7 @@ class Cublas:
             self._handle, CUBLAS_OP_T, CUBLAS_OP_N, cols, rows, depth, ctypes.byref(self._one),
             ctypes.c_void_p(b), CUDA_R_16F, ldb, ctypes.c_void_p(a), CUDA_R_16F, lda,
             ctypes.byref(self._one if accumulate else self._zero), ctypes.c_void_p(c), CUDA_R_32F, ldc,
-            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT_TENSOR_OP)
+            CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
         _check(status, f"cublasGemmEx({rows}x{cols}x{depth})")
 
     def destroy(self) -> None:
