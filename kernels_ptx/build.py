@@ -31,9 +31,8 @@ def source_dir() -> Path:
 
 
 def default_cache_dir() -> Path:
-    """Where compiled kernels go unless the engine's options (KESTREL_KERNEL_CACHE) name a directory."""
-    return Path(os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
-                             "kestrel-stream", "kernels"))
+    """Where compiled kernels go when a caller names no directory (the engine passes Options.kernel_cache)."""
+    return Path.home() / ".cache" / "kestrel-stream" / "kernels"
 
 
 def nvrtc_version() -> tuple[int, int]:

@@ -48,6 +48,16 @@ class Options:
     kernel_cache_dir: Path | None = None     # None: kernels_ptx.build's default
     cache_dir: Path | None = None            # None: ~/.cache/kestrel-stream
 
+    @property
+    def cache_root(self) -> Path:
+        """Where the kernel and profile caches go: cache_dir, or default_cache_root()."""
+        return self.cache_dir or default_cache_root()
+
+    @property
+    def kernel_cache(self) -> Path:
+        """The compiled kernels' directory: kernel_cache_dir, or cache_root/kernels."""
+        return self.kernel_cache_dir or self.cache_root / "kernels"
+
     @classmethod
     def from_env(cls, environ=None, **given) -> "Options":
         """The environment's settings, overridden by `given` (flags, ks.load arguments)."""
@@ -105,6 +115,13 @@ def _minflop(text: str | None) -> float | None:
     if value < 0:
         raise ValueError(f"KESTREL_MINFLOP={text!r}: must be >= 0")
     return value
+
+
+def default_cache_root(environ=None) -> Path:
+    """~/.cache/kestrel-stream, or $XDG_CACHE_HOME/kestrel-stream where that is set: the default home of the
+    quantized-weight, kernel and profile caches."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel-stream"
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""gpu mode's paged KV pool on the emulated device: KV reserved only as sessions use it, many short and a
-few long sessions under one budget, and f16 KV against the CPU engine over prefill + 64 decode steps."""
+"""gpu mode's paged KV pool: KV reserved only as sessions use it, many short and a few long sessions under
+one budget, and f16 KV against the CPU engine over prefill + 64 decode steps.  Each test runs on the
+emulated device and, marked `gpu`, on a real one where there is one."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,7 @@ import pytest
 
 import fake_cuda
 from hf_oracle import relative_error
+from kestrel_stream.cuda import driver
 from kestrel_stream.errors import CapacityError
 from kestrel_stream.loading.presets import PRESETS, random_q8_weights
 from kestrel_stream.run.budget import arena_needs, plan_arena
@@ -18,9 +20,13 @@ from scheduler import WindowBudgetError
 PROMPT = [5, 3, 200, 17, 42, 8, 1, 99, 250, 7, 64, 31]
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    fake_cuda.install(monkeypatch, mode="deferred")
+@pytest.fixture(params=["emulated", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not driver.gpu_available(), reason=f"{driver.detect()}")])])
+def emulated(request, monkeypatch):
+    """The device the test's engines run on: the emulated one, or the real GPU."""
+    if request.param == "emulated":
+        fake_cuda.install(monkeypatch, mode="deferred")
+    return request.param
 
 
 def test_a_load_commits_no_kv_and_sessions_take_blocks_as_they_grow(emulated):

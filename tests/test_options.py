@@ -50,11 +50,7 @@ def test_the_engine_keeps_the_options_it_was_built_with(tmp_path, monkeypatch):
 
 # The variables still read outside options.py, each with why; a read of any other fails the test below, and
 # so does a listed one no longer read (the list only shrinks).
-PENDING = {
-    # the default root of the quantized cache (loading/qcache.py) and of the kernel cache (kernels_ptx/build.py):
-    # loading/ is being reorganised on another branch; both move into Options with it
-    "XDG_CACHE_HOME",
-}
+PENDING: set[str] = set()
 READS = re.compile(r"\bos\s*\.\s*(environb?|getenv|putenv|unsetenv)\b|from\s+os\s+import[^\n]*\b(environb?|getenv)\b")
 
 

@@ -20,6 +20,7 @@ from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 from kestrel_stream.obs import trace
 from kestrel_stream.cuda.driver import Device, Stream, check, timed
 from kestrel_stream.cuda import mma_variants
+from kestrel_stream.options import Options
 from kestrel_stream.cuda.device_weight import QWeight   # noqa: F401  (kept importable from here)
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
@@ -58,7 +59,7 @@ class KernelSet:
         self.gemv_m1 = options.gemv_m1 if options is not None else None
         self.gemv_mn = options.gemv_mn if options is not None else None
         self._functions: dict[str, object] = {}
-        load_modules(KERNEL_SOURCES, device.arch, options.kernel_cache_dir if options is not None else None)
+        load_modules(KERNEL_SOURCES, device.arch, (options or Options()).kernel_cache)
 
     def function(self, kernel_name: str):
         if kernel_name not in self._functions:

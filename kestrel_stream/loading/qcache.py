@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.options import default_cache_root
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.model.weights import LayerWeights, ModelWeights
 
@@ -52,7 +53,7 @@ def cache_key(cfg: ModelConfig, shard_files: list[Path]) -> str:
 
 
 def default_cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel-stream" / "qcache"
+    return default_cache_root() / "qcache"
 
 
 def cache_path(ckpt_dir: Path, cache_dir: str | Path | None = None, stem: str | None = None) -> Path:

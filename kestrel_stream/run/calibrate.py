@@ -43,7 +43,7 @@ def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfil
     (default: the profiles directory under the options' cache_dir, KESTREL_CACHE_DIR)."""
     if cache_dir is None:
         from kestrel_stream.options import Options
-        cache_dir = default_cache_dir((options or Options.from_env()).cache_dir)
+        cache_dir = default_cache_dir((options or Options.from_env()).cache_root)
     from kestrel_stream.cuda import driver
     from kestrel_stream.cuda.calibrate import measure_gpu
     from cuda.bindings import driver as cu
