@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 -m bench.prefill [--model F.gguf | --shape qwen3-1.7b|qwen3-8b] [--out DIR]
         [--sessions 1,4,8,16,32] [--prompt-len 128] [--new-tokens 64] [--pp 512] [--repeats 3]
-        [--attention auto|split|flash] [--ops]
+        [--attention auto|split|flash] [--ops] [--gemm both|cublas|q8] [--pp-sweep 128,256]
 
 pp: one session prefills `--pp` tokens with logits="last" (lm_head on the last row only); tok/s of
 the best of `--repeats` (llama-bench's pp512 is a mean over its repetitions, after a warm-up).
@@ -12,6 +12,11 @@ session back); aggregate tok/s = N * new tokens / decode time (llama-batched-ben
 The pp row's attention_ms is the GPU time of the pp step's attention launches (every layer), each
 between two timing events; --attention split|flash forces that kernel for the pp step (default: the
 step's own choice, cuda/flash_attention.py), so one run each gives the A/B.
+--gemm both runs each pp step twice, once with its projections on cuBLAS (the library GEMM path of
+steps of >= scheduler.dense.DENSE_MIN_TOKENS tokens, when the `cublas` extra is installed) and once on
+the built-in q8_mma kernels; gemm_ms / gemm_tflops are the GPU time and rate of the step's projections
+(each projection between two timing events, the cuBLAS path's weight expansion and epilogues included).
+--pp-sweep adds shorter pp steps (e.g. 64,128,256) to find where cuBLAS starts to win.
 """
 from __future__ import annotations
 
@@ -24,7 +29,10 @@ from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.flash_attention import AttentionChoice
 from kestrel_stream.loading.presets import random_q8_weights
+from kestrel_stream.options import Options
 from kestrel_stream.run.gpu_executor import GpuExecutor
+from scheduler.dense import DENSE_MIN_TOKENS
+from scheduler.ops import PROJECTION_GROUPS
 
 from .report import write_results
 
@@ -49,39 +57,41 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="also print GPU time per op of one pp step")
     parser.add_argument("--attention", default="auto", choices=["auto", "split", "flash"],
                         help="the pp step's attention kernel (default: the step's own choice)")
+    parser.add_argument("--gemm", default="both", choices=["both", "cublas", "q8"],
+                        help="the pp step's projections: cuBLAS, the built-in q8_mma, or one run of each")
+    parser.add_argument("--pp-sweep", default="", help="more pp lengths, comma-separated (e.g. 64,128,256)")
+    parser.add_argument("--cublas-min-tokens", type=int, default=None,
+                        help="the executor's threshold (default scheduler.dense.DENSE_MIN_TOKENS)")
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]
     weights = load(args)
     c = weights.config
     seq = max(args.pp, args.prompt_len + args.new_tokens + 1)
+    # the sweep's shorter steps must reach the library path too: its threshold at most the shortest
+    lengths = [args.pp] + [int(n) for n in args.pp_sweep.split(",") if n]
+    min_tokens = args.cublas_min_tokens if args.cublas_min_tokens is not None else (
+        min([DENSE_MIN_TOKENS] + lengths) if args.pp_sweep else None)
     gpu = GpuExecutor(weights, max_seq_len=seq, max_batch=max(counts), max_sessions=max(counts) + 1,
-                      prefill_chunk=max(args.pp, 64))
+                      prefill_chunk=max(args.pp, 64), options=Options.from_env().with_(cublas_min_tokens=min_tokens))
+    scratch = gpu.state.dense            # None: cuBLAS absent (or off); then only q8_mma rows
+    gemms = {"both": ["cublas", "q8"], "cublas": ["cublas"], "q8": ["q8"]}[args.gemm]
+    if scratch is None and "cublas" in gemms:
+        print("cuBLAS path off (see the line above): q8_mma rows only")
+        gemms = ["q8"]
     rng = np.random.default_rng(0)
     rows = []
-
     kv = gpu.alloc_kv(seq)
-    prompt = rng.integers(0, c.vocab_size, args.pp)
-    gpu.forward([(kv, prompt, 0)], logits="last")       # warm-up: module loads, launch lists
-    choices = [launch for launch in gpu.step_launches(args.pp, (args.pp - 1, 1)) if isinstance(launch, AttentionChoice)]
-    for launch in choices:
-        launch.kernel = args.attention
-    if args.attention != "auto" and not choices:
-        print(f"--attention {args.attention}: this model's attention has one kernel only (the split kernel)")
-    times = []
-    for _ in range(args.repeats):
-        t0 = time.perf_counter()
-        gpu.forward([(kv, prompt, 0)], logits="last")
-        times.append(time.perf_counter() - t0)
-    ops = op_breakdown(gpu, kv, prompt)
-    if args.ops:
-        print(ops, flush=True)
+    for pp in lengths:
+        prompt = rng.integers(0, c.vocab_size, pp)
+        for gemm in gemms:
+            use_gemm(gpu, scratch if gemm == "cublas" else None)
+            row = pp_row(gpu, kv, prompt, args, gemm)
+            print(row, flush=True)
+            rows.append(row)
     gpu.free_kv(kv)
-    row = {"test": f"pp{args.pp}" + (f" ({args.attention} attention)" if choices and args.attention != "auto" else ""),
-           "sessions": 1,
-           "tok_s": round(args.pp / min(times), 1), "ms": round(min(times) * 1e3, 2),
-           "attention_ms": round(ops.get("attention", 0.0) / 1e3, 2)}
-    print(row, flush=True)
-    rows.append(row)
+    use_gemm(gpu, scratch)
+    if scratch is not None and args.cublas_min_tokens is None:     # decode rows: the default threshold
+        scratch.min_tokens = gpu.dense_min_tokens = DENSE_MIN_TOKENS
 
     for n in counts:
         sessions = [gpu.alloc_kv(seq) for _ in range(n)]
@@ -109,14 +119,47 @@ def main() -> None:
              f"decode (sessions x {args.new_tokens} tokens / decode time), ms = per step; prefill_tok_s = "
              f"the {args.prompt_len}-token prompts of all sessions in one step.")
     path = write_results(f"h200-prefill-{args.shape if not args.model else 'gguf'}", env, rows,
-                         ["test", "sessions", "tok_s", "ms", "attention_ms", "prefill_tok_s"], notes, args.out)
+                         ["test", "gemm", "sessions", "tok_s", "ms", "gemm_ms", "gemm_tflops", "attention_ms",
+                          "prefill_tok_s"], notes, args.out)
     print(f"wrote {path}")
     gpu.close()
 
 
-def op_breakdown(gpu: GpuExecutor, kv, prompt) -> dict:
+def use_gemm(gpu: GpuExecutor, scratch) -> None:
+    """Projections of later steps on cuBLAS (`scratch`: the executor's DenseScratch) or, None, on the
+    built-in kernels: the launch lists are rebuilt."""
+    gpu.state.dense = scratch
+    gpu._launches.clear()
+
+
+def pp_row(gpu: GpuExecutor, kv, prompt, args, gemm: str) -> dict:
+    """One session prefilling `prompt` with logits="last": the best of args.repeats after a warm-up."""
+    pp = len(prompt)
+    gpu.forward([(kv, prompt, 0)], logits="last")       # warm-up: module loads, launch lists
+    choices = [launch for launch in gpu.step_launches(pp, (pp - 1, 1)) if isinstance(launch, AttentionChoice)]
+    for launch in choices:
+        launch.kernel = args.attention
+    if args.attention != "auto" and not choices:
+        print(f"--attention {args.attention}: this model's attention has one kernel only (the split kernel)")
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        gpu.forward([(kv, prompt, 0)], logits="last")
+        times.append(time.perf_counter() - t0)
+    ops, flops = op_breakdown(gpu, kv, prompt)
+    if args.ops:
+        print(gemm, ops, flush=True)
+    gemm_us = sum(us for op, us in ops.items() if op in PROJECTION_GROUPS)
+    return {"test": f"pp{pp}" + (f" ({args.attention} attention)" if choices and args.attention != "auto" else ""),
+            "gemm": "cuBLAS" if gemm == "cublas" else "q8_mma", "sessions": 1,
+            "tok_s": round(pp / min(times), 1), "ms": round(min(times) * 1e3, 2),
+            "gemm_ms": round(gemm_us / 1e3, 2), "gemm_tflops": round(flops / gemm_us / 1e6, 1) if gemm_us else None,
+            "attention_ms": round(ops.get("attention", 0.0) / 1e3, 2)}
+
+
+def op_breakdown(gpu: GpuExecutor, kv, prompt) -> tuple[dict, float]:
     """GPU µs per op (summed over layers) of one prefill step over `prompt`, each launch between two
-    timing events (so without overlap between kernels)."""
+    timing events (so without overlap between kernels), and the FLOPs of its projections."""
     rows = gpu._rows([(kv, prompt, 0)])
     gpu.stage(rows, len(rows))
     driver.h2d_async(gpu.params.ptr, gpu.staging, gpu.staging.nbytes, gpu.stream)
@@ -131,7 +174,8 @@ def op_breakdown(gpu: GpuExecutor, kv, prompt) -> dict:
     for launch, before, after in zip(launches, events, events[1:]):
         op = launch.labels.get("op", launch.name)
         totals[op] = totals.get(op, 0.0) + after.elapsed_ms(before) * 1e3
-    return {op: round(us, 1) for op, us in totals.items()}
+    flops = sum(launch.labels.get("flops", 0) for launch in launches if launch.labels.get("op") in PROJECTION_GROUPS)
+    return {op: round(us, 1) for op, us in totals.items()}, flops
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_MINFLOP=F         the seed's per-projection FLOP threshold instead of the cost model (gated)
     KESTREL_GEMV_M1=SUFFIX    force one single-token GEMV layout (KESTREL_GEMV_M1_ROWS=4|2: "r4" | "")
     KESTREL_GEMV_MN=SUFFIX    force one 2..8-token GEMV layout
+    KESTREL_CUBLAS_MIN_TOKENS=N  gpu mode's steps of >= N tokens on cuBLAS (default 128; 0: never)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
 
@@ -43,6 +44,7 @@ class Options:
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
+    cublas_min_tokens: int | None = None     # None: scheduler.dense.DENSE_MIN_TOKENS; 0: the built-in GEMM always
     kernel_cache_dir: Path | None = None     # None: kernels_ptx.build's default
     cache_dir: Path | None = None            # None: ~/.cache/kestrel-stream
 
@@ -74,6 +76,7 @@ class Options:
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn,
+                      cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")))
         return options.with_(**given)
@@ -88,6 +91,16 @@ class Options:
 
 def _path(text: str | None) -> Path | None:
     return Path(text) if text else None
+
+
+def _tokens(text: str | None, name: str) -> int | None:
+    """A token count >= 0 from the environment, or None when unset/empty."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    if not text.isdigit():
+        raise ValueError(f"{name}={text!r}: expected a number of tokens >= 0 (0: off)")
+    return int(text)
 
 
 def _minflop(text: str | None) -> float | None:

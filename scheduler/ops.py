@@ -94,6 +94,7 @@ class Op:
     prepares: str | None = None   # the norm op whose "xn" this op's epilogue writes when it runs on the device
     row_ranges: tuple = ()    # (first, end) rows of the fused weight this op computes: all, or a split part's
     full_rows: int = 0        # rows of the whole fused weight (a split part covers some of them)
+    launches_per_range: int = 1   # kernels per row range: 1, or the library GEMM path's (scheduler/dense.py)
 
     def device_reads(self) -> tuple:
         """The state this op reads on the device."""
@@ -119,7 +120,7 @@ class Op:
     def launches(self) -> int:
         """Kernel launches of this op on the GPU: a norm is the consuming projection's prologue (and the
         epilogue of the one that wrote x), SiLU·mul gate_up's epilogue, so neither launches anything."""
-        return 0 if self.kind in FUSED_KINDS else max(len(self.row_ranges), 1)
+        return 0 if self.kind in FUSED_KINDS else max(len(self.row_ranges), 1) * self.launches_per_range
 
     @property
     def flops(self) -> float:

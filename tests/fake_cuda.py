@@ -154,6 +154,7 @@ _READ = {"p": np.uint64, "q": np.int64, "i": np.int32, "f": np.float32}
 
 class FakeLaunch:
     programmatic = False   # kernels.Launch's programmatic stream serialization flag (no effect here)
+    launch_count = 1
 
     def __init__(self, name: str, grid, block, signature: str, args, shared_bytes: int = 0):
         from fake_kernels import KERNELS   # the numpy twins of kernels_ptx
@@ -203,11 +204,14 @@ class FakeKernelSet:
 
 
 # ---- installing -------------------------------------------------------------------------------------------------
-def install(monkeypatch, mode: str = "immediate") -> None:
-    """Swap the emulation into kestrel_stream.cuda for the test (monkeypatch undoes it)."""
+def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
+    """Swap the emulation into kestrel_stream.cuda for the test (monkeypatch undoes it).  cublas: an
+    emulated cuBLAS (fake_dense.FakeCublas) for the library GEMM path; else the library is absent."""
     import kestrel_stream.run.calibrate
     import scheduler
     from kestrel_stream.cuda import calibrate
+    from kestrel_stream.cuda import cublas as cublas_module
+    from fake_dense import FakeCublas
     from kestrel_stream.run import gpu_executor as executor
     from kestrel_stream.run import hybrid
     from kestrel_stream.cuda import kernels
@@ -222,3 +226,4 @@ def install(monkeypatch, mode: str = "immediate") -> None:
     for module in (kernels, executor, hybrid, calibrate):
         monkeypatch.setattr(module, "KernelSet", FakeKernelSet)
     monkeypatch.setattr(kestrel_stream.run.calibrate, "calibrate", lambda *a, **k: scheduler.H200_MEASURED)
+    monkeypatch.setattr(cublas_module, "load", (lambda log=None: FakeCublas()) if cublas else (lambda log=None: None))

@@ -79,6 +79,7 @@ class AttentionChoice:
 
     kernel: "auto" (that choice), or "split" / "flash" to force one (benches, tests).  Labels and the
     programmatic flag go to both launches; each traces under its own kernel name."""
+    launch_count = 1
 
     def __init__(self, split, flash, step: StepChoice, first_layer: bool):
         self.split, self.flash, self.step, self.first_layer = split, flash, step, first_layer

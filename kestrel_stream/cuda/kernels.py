@@ -82,6 +82,7 @@ _WRITERS = {"p": np.uint64, "q": np.int64, "i": np.int32, "f": np.float32}
 
 class Launch:
     """One kernel launch with its grid, block and pre-packed arguments."""
+    launch_count = 1      # launches per entry of a launch list (dense_gemm.DenseGemm enqueues several)
 
     def __init__(self, function, name: str, grid, block, signature: str, args, shared_bytes: int = 0):
         assert len(signature) == len(args), f"{name}: {len(args)} args for signature {signature!r}"
@@ -168,7 +169,8 @@ GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, 
 def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: int, tokens: int, *,
                 silu_pairs: bool = False, inv_rms_in: int = 0, res: int = 0, normw_out: int = 0,
                 xn_out: int = 0, inv_rms_out: int = 0, counter: int = 0, eps: float = 1e-6,
-                variant: str | None = None, split_scratch: mma_variants.SplitScratch | None = None) -> Launch:
+                variant: str | None = None, split_scratch: mma_variants.SplitScratch | None = None,
+                dense=None) -> Launch:
     """y = W @ x for `tokens` rows of x, with the epilogues of kernels_ptx/q8_gemv.cu.
 
     The GEMV for up to 8 tokens, the int8 tensor-core GEMM (q8_mma.cu) beyond.  inv_rms_in scales
@@ -180,7 +182,15 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     tokens a variant of mma_variants (a tile, + "s<splits>" to split K; by default choose_variant's, unsplit
     without `split_scratch`) or "simt", the fp32 tiled q8_matmul.cu (exact fp32 activations; the
     baseline the bench compares with).  split_scratch: the partials and tickets split launches share.
+    dense: a dense_gemm.DenseScratch; the steps and weights it serves run as a cuBLAS GEMM on fp16
+    (a DenseGemm: several launches), unless `variant` names a kernel.
     """
+    if dense is not None and variant is None and dense.serves(w, tokens, silu_pairs):
+        from kestrel_stream.cuda.dense_gemm import dense_gemm_launch
+        return dense_gemm_launch(kernels, dense, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs,
+                                 inv_rms_in=inv_rms_in, res=res, normw_out=normw_out, xn_out=xn_out,
+                                 inv_rms_out=inv_rms_out, eps=eps).label(
+            flops=2 * w.rows * w.cols * tokens, bytes=w.rows * w.cols + w.rows * (w.cols // 32) * 2)
     if w.fmt != "Q8_0":       # 4/6-bit block formats: kernels_ptx/q4_gemv.cu, q4_mma.cu
         from kestrel_stream.cuda.block_kernels import block_gemv_launch
         return block_gemv_launch(kernels, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs, inv_rms_in=inv_rms_in,

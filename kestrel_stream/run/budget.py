@@ -90,11 +90,11 @@ def step_rows(max_batch: int, prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> tupl
 
 def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_splits: int,
                 logits_rows: int | None = None, kv_bytes_per_position: int | None = None,
-                table_bytes: int = 0) -> ArenaNeeds:
+                table_bytes: int = 0, scratch_bytes: int = 0) -> ArenaNeeds:
     """KV caches + activations + workspace of an executor for `max_tokens` tokens per step, with
     logits for `logits_rows` of them (default all) (float32 KV for `sessions` x `max_seq_len` positions
     unless kv_bytes_per_position says otherwise; table_bytes: gpu mode's block tables, with the
-    activations)."""
+    activations; scratch_bytes: the library GEMM path's, scheduler/dense.py)."""
     T, H, V = max_tokens, c.hidden_size, c.vocab_size
     qkv_width = c.q_size + 2 * c.kv_size
     partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
@@ -110,7 +110,7 @@ def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_s
     if kv_bytes_per_position is None:
         kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
     return ArenaNeeds(kv_bytes=sessions * max_seq_len * kv_bytes_per_position,
-                      activation_bytes=4 * (activation_floats + norm_floats) + 16 * T + table_bytes,
+                      activation_bytes=4 * (activation_floats + norm_floats) + 16 * T + table_bytes + scratch_bytes,
                       slack_bytes=ALIGN * (12 * c.num_hidden_layers + 64),
                       sessions=sessions, max_seq_len=max_seq_len)
 
@@ -186,13 +186,14 @@ def plan_gpu_memory(c, *, budget_bytes: int | None, free_bytes: int, max_tokens:
                     max_seq_len: int, attention_splits: int, max_batch: int = 1, kv_dtype: str = "f16",
                     block_size: int = 16, logits_rows: int | None = None,
                     kv_pool_bytes: int | None = None, slot_count: int = 2, prefetch_distance: int = 1,
-                    small_item_bytes: int = 64 * 1024) -> GpuMemoryPlan:
+                    small_item_bytes: int = 64 * 1024, scratch_bytes: int = 0) -> GpuMemoryPlan:
     """Split a VRAM budget (None: free VRAM less a margin) over the arena and the KV pool.
 
     Weights first: the pool gets what resident weights, activations and tables leave, at least one
     session of max_seq_len, a block for each other session of a full batch and the scratch block
     (weights stream to make room).  With kv_pool_bytes the other way round:
-    the pool is that size and the weights get the rest."""
+    the pool is that size and the weights get the rest.  scratch_bytes: the library GEMM path's
+    (scheduler/dense.py), with the activations."""
     from scheduler.kv_pool import kv_bytes_per_position, plan_kv_pool
     per_position = kv_bytes_per_position(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
     block_bytes = block_size * per_position
@@ -200,7 +201,7 @@ def plan_gpu_memory(c, *, budget_bytes: int | None, free_bytes: int, max_tokens:
     table_bytes = (max_sessions + 1) * -(-max_seq_len // block_size) * 8 + ALIGN
     reserved = kv_pool_bytes if kv_pool_bytes is not None else min_positions * per_position
     needs = arena_needs(c, max_tokens, 1, 1, attention_splits, logits_rows=logits_rows,
-                        kv_bytes_per_position=reserved, table_bytes=table_bytes)
+                        kv_bytes_per_position=reserved, table_bytes=table_bytes, scratch_bytes=scratch_bytes)
     needs = ArenaNeeds(needs.kv_bytes, needs.activation_bytes, needs.slack_bytes, sessions=1,
                        max_seq_len=reserved // per_position)
     full = sum(i.nbytes for i in weight_items(c)) + needs.total

@@ -68,6 +68,7 @@ class DeviceState:
     partials: int      # split attention's partial results
     attention_counters: int   # its last-split tickets
     split_scratch: mma_variants.SplitScratch   # split-K q8_mma launches' partial tiles and tickets
+    dense: object = None      # cuda/dense_gemm.DenseScratch: steps of many tokens on cuBLAS (None: off)
 
     @classmethod
     def allocate(cls, arena, config, tokens: int, logits_rows: int, splits: int) -> tuple["DeviceState", dict]:
@@ -133,10 +134,11 @@ class DeviceOps:
             out = [gemv_launch(k, w, x_in, width, s.x, H, tokens, res=s.x,
                                normw_out=self.vector(norm_weight(self.weights, op.prepares)), xn_out=s.xn,
                                inv_rms_out=s.inv_rms, counter=s.counter, eps=eps,
-                               split_scratch=s.split_scratch).label(bytes=q8_bytes(w))]
+                               split_scratch=s.split_scratch, dense=s.dense).label(bytes=q8_bytes(w))]
         elif role == "gate_up":
             out = [gemv_launch(k, w, s.xn, H, s.act, c.intermediate_size, tokens, silu_pairs=True,
-                               inv_rms_in=s.inv_rms, split_scratch=s.split_scratch).label(bytes=q8_bytes(w))]
+                               inv_rms_in=s.inv_rms, split_scratch=s.split_scratch,
+                               dense=s.dense).label(bytes=q8_bytes(w))]
         else:                                   # qkv, lm_head: a split part runs its rows in place
             first, count = lm_rows if lm_rows is not None and role == "lm_head" else (0, tokens)
             y, ldy = (s.logits, c.vocab_size) if role == "lm_head" else (s.qkv, c.q_size + 2 * c.kv_size)
@@ -145,7 +147,7 @@ class DeviceOps:
                 part = qweight_rows(w, lo, hi)
                 out.append(gemv_launch(k, part, s.xn + 4 * H * first, H, y + 4 * lo, ldy, count,
                                        inv_rms_in=s.inv_rms + 4 * first,
-                                       split_scratch=s.split_scratch).label(bytes=q8_bytes(part)))
+                                       split_scratch=s.split_scratch, dense=s.dense).label(bytes=q8_bytes(part)))
         for launch in out:       # weight: the residency window's item the launch reads
             launch.label(op=role, layer=op.layer, weight=op.name)
         return out

@@ -32,6 +32,7 @@ from kestrel_stream.obs import load_stages, prof
 from kestrel_stream.options import Options
 from kestrel_stream.run.budget import PREFILL_CHUNK_TOKENS, plan_gpu_memory, step_rows
 from kestrel_stream.cuda import driver
+from kestrel_stream.run import dense_path
 from kestrel_stream.run.device_ops import DeviceOps, DeviceState, KVCaches
 from kestrel_stream.run.device_sampler import STATE_WORDS, DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
@@ -81,6 +82,8 @@ class GpuExecutor(Executor):
             self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured", "gpu_weight_read_bytes")
+        # steps of >= dense_min_tokens tokens: cuBLAS on fp16 expansions of the weights (dense_path.py)
+        self.dense_min_tokens, self.blas = dense_path.open_blas(self.options, self.max_tokens)
 
         T, V = self.max_tokens, c.vocab_size
         self.kv_dtype = kv_dtype
@@ -93,7 +96,8 @@ class GpuExecutor(Executor):
             max_sessions=max_sessions or DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len,
             attention_splits=attention_splits, max_batch=max_batch, kv_dtype=kv_dtype, block_size=kv_block_size,
             logits_rows=self.logits_rows, kv_pool_bytes=kv_pool_bytes, slot_count=window_slots,
-            prefetch_distance=prefetch_distance, small_item_bytes=small_item_bytes)
+            prefetch_distance=prefetch_distance, small_item_bytes=small_item_bytes,
+            scratch_bytes=dense_path.scratch_bytes(c, T, self.blas))
         self.needs, self.vram_budget, self.window_plan = self.memory.needs, self.memory.budget_bytes, self.memory.window
         with load_stages.stage("  arena"):
             self.arena = driver.Arena(self.memory.arena_bytes)
@@ -104,6 +108,7 @@ class GpuExecutor(Executor):
         a = self.arena
         self.state, arrays = DeviceState.allocate(a, c, T, self.logits_rows, attention_splits)
         self.logits = arrays["logits"]
+        self.state.dense = dense_path.allocate_scratch(a, c, T, self.dense_min_tokens, self.blas)
         self.step_params = StepParams(a, T)              # kvbase | ids | pos of the step's tokens
         self.params, self.staging = self.step_params.device, self.step_params.host
         self.host_logits = driver.PinnedBuffer(self.logits_rows * V * 4)
@@ -126,6 +131,7 @@ class GpuExecutor(Executor):
                                     self.qweight, self.cache.vector)
         self._launches: dict[int, list[Launch]] = {}
         self._weight_read: dict = {}        # id of a cached launch list -> the weight bytes its kernels read
+        self._kernel_count: dict = {}       # id of a cached launch list -> the launches it makes
         self._graphs: dict[tuple[int, bool], driver.Graph] = {}      # (bucket, greedy) -> the captured step
         self._graph_kernels: dict[tuple[int, bool], int] = {}
         self._graph_weight_read: dict[tuple[int, bool], int] = {}    # the weight bytes a replay's kernels read
@@ -198,7 +204,12 @@ class GpuExecutor(Executor):
         if key not in self._launches:
             self._launches[key] = build_step_launches(self, tokens, lm_rows)
             self._weight_read[id(self._launches[key])] = sum(l.labels.get("bytes", 0) for l in self._launches[key])
+            self._kernel_count[id(self._launches[key])] = sum(l.launch_count for l in self._launches[key])
         return self._launches[key]
+
+    def kernel_count(self, launches: list[Launch]) -> int:
+        """The launches a launch list of step_launches makes (a library GEMM entry makes several)."""
+        return self._kernel_count[id(launches)]
 
     def weight_read_bytes(self, launches: list[Launch]) -> int:
         """The weight bytes a launch list of step_launches reads."""
@@ -215,13 +226,13 @@ class GpuExecutor(Executor):
             count = tokens if lm_rows is None else lm_rows[1]
             if count:
                 driver.d2h_async(self.host_logits, self.logits.ptr, count * self.config.vocab_size * 4, self.stream)
-            return len(launches), weight_read
+            return self.kernel_count(launches), weight_read
         if greedy == "sample":                              # device_sampler.py: the sampled token instead
             self.sampler.enqueue(tokens, self.stream)
         else:
             self.argmax_launch(tokens).enqueue(self.stream)
         driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
-        return len(launches) + 1, weight_read
+        return self.kernel_count(launches) + 1, weight_read
 
     def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
@@ -403,7 +414,8 @@ class GpuExecutor(Executor):
 
     def plan(self, tokens: int):
         import scheduler
-        return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True, streamed=set(self.window.streamed))
+        return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True, streamed=set(self.window.streamed),
+                                    dense_min_tokens=self.dense_min_tokens)
 
     def close(self) -> None:
         """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""
@@ -420,6 +432,8 @@ class GpuExecutor(Executor):
         self.host_tokens.free()
         self.window.close()
         self.kv.release()
+        if self.blas is not None:
+            self.blas.destroy()
         self.arena.release()
 
     def _count(self, launches: int, kernels: int, weight_read: int, tokens: int, d2h: int) -> None:

@@ -62,7 +62,7 @@ class GreedyChain:
                 self._pick_launch(bucket).enqueue(x.stream)
                 self._advance_launch(bucket).enqueue(x.stream)
             self._graphs[bucket] = captured.graph
-            self._kernels[bucket] = len(launches) + 2, x.weight_read_bytes(launches)
+            self._kernels[bucket] = x.kernel_count(launches) + 2, x.weight_read_bytes(launches)
             x.counters.graphs_captured += 1
         return self._graphs[bucket]
 

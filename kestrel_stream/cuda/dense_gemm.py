@@ -1,0 +1,143 @@
+"""A Q8_0 projection of many tokens as a library GEMM: the launch object gemv_launch returns for it.
+
+`DenseGemm` stands in a step's launch list for one projection (like kernels.Launch: enqueue(stream),
+labels, the weight address in storage[0] for the residency window) and enqueues, in stream order:
+
+  q8_dequant_f16   the Q8_0 weight -> fp16 [N, K] in the scratch (dense_gemm.cu)
+  gemm_input_f16   x (times inv_rms_in) -> fp16 A [T, K]
+  cuBLAS GEMM      C = A @ W^T, fp32 accumulation: straight into y (qkv, lm_head), added into y in
+                   place (o, down: y is the residual they add to), or into the fp32 scratch (gate_up)
+  gemm_epilogue    where needed: SiLU·mul from the scratch, residual add, xn_out and inv_rms_out
+
+`launch_count` says how many launches that is (3 or 4), and the plan counts the same
+(scheduler/dense.py).  Which steps and weights take this path: `DenseScratch.serves`.  No model
+knowledge: shapes come from the caller.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from kestrel_stream.obs import trace
+from kestrel_stream.cuda import driver
+
+EPILOGUE_SIGNATURE = "pippppppfi"        # gemm_epilogue(_silu): c, ldc, y, ldy, res, normw, xn, inv_rms, eps, N
+THREADS = 256
+MAX_DEQUANT_BLOCKS = 1 << 16             # grid-stride beyond
+
+
+@dataclass
+class DenseScratch:
+    """The device buffers of the library GEMM path and the handle that runs it.
+
+    weights: fp16 [weight_elements] (one expanded weight at a time); inputs: fp16 [max_tokens, max_cols];
+    outputs: fp32 [max_tokens * output_floats] (GEMM results an epilogue reads)."""
+    blas: object              # cublas.Cublas (tests: the emulated device's twin)
+    min_tokens: int
+    max_tokens: int
+    weights: int
+    weight_elements: int
+    inputs: int
+    max_cols: int
+    outputs: int
+    output_floats: int
+
+    @classmethod
+    def allocate(cls, arena, blas, *, min_tokens: int, max_tokens: int, weight_elements: int, max_cols: int,
+                 output_floats: int, workspace_bytes: int) -> "DenseScratch":
+        weights = arena.array((weight_elements,), np.float16)
+        inputs = arena.array((max_tokens * max_cols,), np.float16)
+        outputs = arena.array((max_tokens * output_floats,), np.float32)
+        workspace = arena.array((workspace_bytes,), np.uint8)
+        blas.use_workspace(workspace.ptr, workspace_bytes)
+        return cls(blas, min_tokens, max_tokens, weights.ptr, weight_elements, inputs.ptr, max_cols, outputs.ptr,
+                   output_floats)
+
+    def serves(self, w, tokens: int, silu_pairs: bool) -> bool:
+        """Whether a step of `tokens` tokens computes weight `w` here: Q8_0 that fits the scratch."""
+        return (w.fmt == "Q8_0" and w.tail is None and self.min_tokens <= tokens <= self.max_tokens
+                and w.rows * w.cols <= self.weight_elements and w.cols <= self.max_cols
+                and (not silu_pairs or tokens * w.rows <= self.max_tokens * self.output_floats))
+
+
+class DenseGemm:
+    """One projection's launches on the library GEMM path, enqueued as one entry of a launch list."""
+
+    def __init__(self, blas, dequant, inputs, gemm: dict, epilogue=None):
+        self.blas, self.dequant, self.inputs, self.gemm, self.epilogue = blas, dequant, inputs, gemm, epilogue
+        self.parts = [launch for launch in (dequant, inputs, epilogue) if launch is not None]
+        self.launch_count = 3 + (epilogue is not None)
+        self.name = "dense_gemm"
+        self.labels: dict = {}
+        self.storage = dequant.storage       # [0]: the Q8_0 weight's address (the window checks it)
+
+    def label(self, **labels) -> "DenseGemm":
+        """Labels of the whole projection; each part traces under its own kernel name with op/layer/weight."""
+        self.labels.update((k, v) for k, v in labels.items() if v is not None)
+        shared = {k: v for k, v in labels.items() if k in ("op", "layer", "weight") and v is not None}
+        for part in self.parts:
+            part.label(**shared)
+        if "bytes" in labels:
+            self.dequant.label(bytes=labels["bytes"])
+        return self
+
+    @property
+    def programmatic(self) -> bool:
+        return self.dequant.programmatic
+
+    @programmatic.setter
+    def programmatic(self, enabled: bool) -> None:
+        for part in self.parts:      # each kernel waits for its predecessor (pdl_wait) before it reads
+            part.programmatic = enabled
+
+    def _gemm(self, stream) -> None:
+        g = self.gemm
+        self.blas.gemm_nt(stream, g["rows"], g["cols"], g["depth"], g["a"], g["lda"], g["b"], g["ldb"], g["c"],
+                          g["ldc"], accumulate=g["accumulate"])
+
+    def enqueue(self, stream) -> None:
+        self.dequant.enqueue(stream)
+        self.inputs.enqueue(stream)
+        rec = trace.active
+        if rec is None or stream.capturing:
+            self._gemm(stream)
+        else:
+            g = self.gemm
+            driver.timed(rec, stream, lambda: self._gemm(stream), "cublas_gemm_f16",
+                         **{k: v for k, v in self.labels.items() if k in ("op", "layer", "weight")},
+                         flops=2 * g["rows"] * g["cols"] * g["depth"])
+        if self.epilogue is not None:
+            self.epilogue.enqueue(stream)
+
+    def submit(self, stream) -> None:
+        """Every part on `stream`, untraced."""
+        self.dequant.submit(stream)
+        self.inputs.submit(stream)
+        self._gemm(stream)
+        if self.epilogue is not None:
+            self.epilogue.submit(stream)
+
+
+def dense_gemm_launch(kernels, scratch: DenseScratch, w, x: int, ldx: int, y: int, ldy: int, tokens: int, *,
+                      silu_pairs: bool = False, inv_rms_in: int = 0, res: int = 0, normw_out: int = 0,
+                      xn_out: int = 0, inv_rms_out: int = 0, eps: float = 1e-6) -> DenseGemm:
+    """gemv_launch's contract (kernels.gemv_launch) on the library GEMM path; scratch.serves(w, tokens, silu_pairs)."""
+    assert scratch.serves(w, tokens, silu_pairs), (w.rows, w.cols, tokens)
+    N, K = w.rows, w.cols
+    chunks = N * K // 16
+    dequant = kernels.launch("q8_dequant_f16", (min(-(-chunks // THREADS), MAX_DEQUANT_BLOCKS),), (THREADS,),
+                             "pppii", [w.qs, w.scales, scratch.weights, N, K])
+    inputs = kernels.launch("gemm_input_f16", (-(-K // (4 * THREADS)), tokens), (THREADS,), "pippi",
+                            [x, ldx, inv_rms_in, scratch.inputs, K])
+    in_place = not silu_pairs and res in (0, y)          # the GEMM writes (or adds into) y itself
+    c, ldc = (y, ldy) if in_place else (scratch.outputs, N)
+    gemm = dict(rows=tokens, cols=N, depth=K, a=scratch.inputs, lda=K, b=scratch.weights, ldb=K, c=c, ldc=ldc,
+                accumulate=in_place and res == y and res != 0)
+    epilogue = None
+    if not in_place or xn_out or inv_rms_out:
+        outputs = N // 2 if silu_pairs else N
+        epilogue = kernels.launch("gemm_epilogue" + ("_silu" if silu_pairs else ""), (tokens,), (THREADS,),
+                                  EPILOGUE_SIGNATURE, [c, ldc, y, ldy, 0 if in_place else res, normw_out, xn_out,
+                                                       inv_rms_out, eps, outputs])
+    return DenseGemm(scratch.blas, dequant, inputs, gemm, epilogue)
