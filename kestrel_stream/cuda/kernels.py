@@ -177,13 +177,14 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     gets 1/rms(y) per token.  variant: a single-token layout of gemv_variants.VARIANTS (by
     default the one measured fastest for the shape), or of MULTI_VARIANTS for 2..8 tokens; beyond 8
     tokens a tile of mma_variants.TILES (by default mma_variants.choose_tile) or "simt", the fp32 tiled
-    q8_matmul.cu (exact fp32 activations; the baseline the bench compares with).
+    q8_matmul.cu (exact fp32 activations; the baseline the bench compares with).  For a block-format
+    weight: a layout of q4_gemv_variants.variants(M) (block_kernels.block_gemv_launch).
     """
     if w.fmt != "Q8_0":       # 4/6-bit block formats: kernels_ptx/q4_gemv.cu, q4_mma.cu
         from kestrel_stream.cuda.block_kernels import block_gemv_launch
         return block_gemv_launch(kernels, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs, inv_rms_in=inv_rms_in,
                                  res=res, normw_out=normw_out, xn_out=xn_out, inv_rms_out=inv_rms_out,
-                                 counter=counter, eps=eps)
+                                 counter=counter, eps=eps, variant=variant)
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
     if tokens > GEMV_MAX_TOKENS and variant == "simt":
