@@ -16,9 +16,9 @@ from kestrel_stream.cuda import q4_gemv_variants as qv
 from test_block_kernels import DEVICES, WEIGHTS, Harness, check_product, silu_pairs_apply
 
 EPILOGUES = ("rmsnorm", "residual_xn_rms", "silu_pairs")
-# (layout, tokens): each one-token layout at 1; each 2..8-token layout at 2, 3 (M = 4 running 3) and 8;
-# the original kernel at 1 and 5
-CASES = ([(v, 1) for v in qv.M1_VARIANTS] + [(v, t) for v in qv.MN_VARIANTS for t in (2, 3, 8)]
+# (layout, tokens): each one-token layout at 1; each 2..8-token layout at every M full (2, 4, 8) and with
+# tokens left out (3 on M = 4, 5 on M = 8); the original kernel at 1 and 5
+CASES = ([(v, 1) for v in qv.M1_VARIANTS] + [(v, t) for v in qv.MN_VARIANTS for t in (2, 3, 4, 5, 8)]
          + [(qv.LEGACY, 1), (qv.LEGACY, 5)])
 
 
