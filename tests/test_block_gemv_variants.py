@@ -119,3 +119,25 @@ def test_bench_times_every_layout_and_names_the_winners(monkeypatch):
     assert {key[1] for key in measured} == {1}                    # 3 tokens run M = 4: not a table entry
     for (code, m, n, k), variant in measured.items():
         assert qv.parse(qv.kernel_name(code, m, variant, False))[2] == variant
+
+
+def test_kestrel_gemv_block_forces_a_layout_where_it_fits(monkeypatch):
+    """KESTREL_GEMV_BLOCK="" runs the first kernel everywhere (the A/B switch); a one-token layout
+    leaves 2..8 tokens to the rule; a bad name fails naming the variable."""
+    import numpy as np
+
+    from kestrel_stream.options import Options
+    from test_block_kernels import upload, weight
+    h = Harness("emulated", monkeypatch)
+    from kestrel_stream.cuda import kernels
+    qw = upload(h, weight("Q4_K", seed=0))
+    x, y = h.put(np.zeros((8, 768), np.float32)), h.put(np.zeros((8, 70), np.float32))
+    names = {}
+    for value in ("", "t64r8u1"):
+        kernel_set = kernels.KernelSet(h.device, Options.from_env({"KESTREL_GEMV_BLOCK": value}))
+        names[value] = [kernels.gemv_launch(kernel_set, qw, x, 768, y, 70, t).name for t in (1, 4)]
+    h.arena.release()
+    assert names[""] == ["q4_k_gemv_m1", "q4_k_gemv_m4"]
+    assert names["t64r8u1"] == ["q4_k_gemv_m1_t64r8u1", "q4_k_gemv_m4_o64r4u1"]
+    with pytest.raises(ValueError, match="KESTREL_GEMV_BLOCK='w7'"):
+        Options.from_env({"KESTREL_GEMV_BLOCK": "w7"})

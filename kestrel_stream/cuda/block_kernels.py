@@ -42,7 +42,8 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
                       xn_out: int = 0, inv_rms_out: int = 0, counter: int = 0, eps: float = 1e-6,
                       variant: str | None = None):
     """kernels.gemv_launch for a block-format weight (same contract); `kernels`: a KernelSet.  variant: a
-    GEMV layout of q4_gemv_variants.variants(M) for 1..8 tokens (default: q4_gemv_variants.choose)."""
+    GEMV layout of q4_gemv_variants.variants(M) for 1..8 tokens (default: q4_gemv_variants.choose, which
+    takes the kernel set's gemv_block, KESTREL_GEMV_BLOCK, where it fits)."""
     tail = w.tail
     assert (w.fmt, tail.fmt if tail else None) in KERNEL_FORMATS, f"no kernel for {w.fmt} then {tail and tail.fmt}"
     assert not (silu_pairs and tail), "gate/up rows share one format"
@@ -56,7 +57,8 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
                                 BLOCK_GEMV_SIGNATURE, args)
     else:
         m, code = gemv_m(tokens), _code(w)
-        name = q4_gemv_variants.choose(code, w.fmt, w.rows, w.cols, tokens, silu_pairs, variant)
+        name = q4_gemv_variants.choose(code, w.fmt, w.rows, w.cols, tokens, silu_pairs, variant,
+                                       kernels.gemv_block)
         layout = q4_gemv_variants.variants(m)[name]
         launch = kernels.launch(q4_gemv_variants.kernel_name(code, m, name, silu_pairs),
                                 (q4_gemv_variants.grid_blocks(layout, head_rows, w.rows - head_rows),),

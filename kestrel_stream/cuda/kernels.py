@@ -57,6 +57,7 @@ class KernelSet:
         # GEMV layouts forced by Options (KESTREL_GEMV_M1 / _MN); None: the measured choice per shape
         self.gemv_m1 = options.gemv_m1 if options is not None else None
         self.gemv_mn = options.gemv_mn if options is not None else None
+        self.gemv_block = options.gemv_block if options is not None else None   # KESTREL_GEMV_BLOCK
         self._functions: dict[str, object] = {}
         load_modules(KERNEL_SOURCES, device.arch, options.kernel_cache_dir if options is not None else None)
 

@@ -23,6 +23,7 @@ LEGACY = ""
 M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r4u3": Variant(64, 4, 3),
                "t128r4u3": Variant(128, 4, 3)}
 MN_VARIANTS = {"o64r4u1": Variant(64, 4, 1), "o32r4u2": Variant(32, 4, 2)}
+ALL_VARIANTS = (LEGACY, *M1_VARIANTS, *MN_VARIANTS)   # what Options.gemv_block (KESTREL_GEMV_BLOCK) may name
 GEMV_TOKENS = (1, 2, 4, 8)             # the kernels' M; a launch of fewer tokens runs the next M up
 # the (weight code, SiLU pairs) the tiled layouts are built for (q4_gemv_tiled.cuh's DEFINE_Q4_TILED_SET);
 # the rest (Q6_K gate/up pairs) run the original kernel
@@ -61,10 +62,11 @@ def has_tiled(code: str, silu: bool) -> bool:
 
 
 def choose(code: str, fmt: str, rows: int, cols: int, tokens: int, silu: bool = False,
-           forced: str | None = None) -> str:
+           forced: str | None = None, preferred: str | None = None) -> str:
     """The layout for a block-format GEMV of a rows x cols weight over `tokens` (1..8) tokens.
 
-    `forced` (a name of variants(M)) wins; then MEASURED; then a rule from the row length: one token
+    `forced` (a name of variants(M): the `variant` of a launch) wins; then `preferred` (Options.gemv_block,
+    KESTREL_GEMV_BLOCK) where it is a layout of M-token kernels; then MEASURED; then a rule from the row length: one token
     takes the layout that covers a row in whole passes with the least idle threads (loads in flight
     per thread over passes, as q8's measured table prefers), the vocabulary projection a long grid
     of one-warp blocks; 2..8 tokens the 64-thread row-outer layout.
@@ -73,6 +75,8 @@ def choose(code: str, fmt: str, rows: int, cols: int, tokens: int, silu: bool = 
     if forced is not None:
         assert forced in variants(m), f"no block-format GEMV layout {forced!r} for {m} tokens: {sorted(variants(m))}"
         return forced if forced == LEGACY or has_tiled(code, silu) else LEGACY
+    if preferred is not None and preferred in variants(m):
+        return preferred if preferred == LEGACY or has_tiled(code, silu) else LEGACY
     if not has_tiled(code, silu):
         return LEGACY
     measured = MEASURED.get((code, m, rows, cols))
