@@ -11,25 +11,18 @@
 //   s[m, n] = sum over groups of 16: s_g * sum_i (level_i - BIAS) x[m, k_g + i]  (- o_g sum_i x[m, k_g + i])
 //
 // Threads of a block take the units of a row in turn (q4_formats.cuh), all ROWS rows' loads of a
-// unit in flight at once; the weights of the first unit are loaded before pdl_wait (common.cuh).
+// unit in flight at once (the layout the tiled kernels of q4_gemv_m1.cu / q4_gemv_mn.cu are measured
+// against: block_kernels.py's variant ""); the weights of the first unit are loaded before pdl_wait (common.cuh).
 // embed_<fmt>: the embedding gather of the embed kernel (elementwise.cu's embed_q8) for a table
 // in a block format, the values of quant4.dequantize_blocks exactly (products not contracted).
 #include "common.cuh"
 #include "q4_formats.cuh"
+#include "q4_gemv_epilogue.cuh"
 
-#define GEMV_MAX_ROWS 4
 #define GEMV_THREADS 64
 
 // rows per block of the M-token kernel (cuda/block_kernels.py: gemv_rows)
 template <int M> struct GemvRows { static constexpr int value = M <= 2 ? 4 : 2; };
-
-__device__ __forceinline__ float q4_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
-
-struct GemvShared {
-    float partial[GEMV_THREADS / 32][GEMV_MAX_ROWS * 8];
-    float squares[GEMV_MAX_ROWS * 8];
-    bool is_last_block;
-};
 
 template <class F, int M>
 __device__ __forceinline__ void unit_dots(const typename F::Raw& raw, int u, const float* x, int ldx, int ntok,
@@ -65,12 +58,11 @@ __device__ __forceinline__ void unit_dots(const typename F::Raw& raw, int u, con
 // end at row_end; y columns are the weight's global row numbers
 template <class F, int M, bool SILU_PAIRS>
 __device__ __forceinline__ void gemv_part(
-        GemvShared& sh, const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, int row0,
-        int row_first, int row_end, const float* x, int ldx, const float* inv_rms_in, float* y, int ldy,
-        const float* res, const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter,
-        float eps, int N, int K, int ntok) {
-    constexpr int ROWS = GemvRows<M>::value, THREADS = GEMV_THREADS, WARPS = THREADS / 32;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+        GemvSharedT<M, GemvRows<M>::value, GEMV_THREADS>& sh, const unsigned char* __restrict__ qs,
+        const unsigned char* __restrict__ meta, int row0, int row_first, int row_end, const float* x, int ldx,
+        const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
+        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
+    constexpr int ROWS = GemvRows<M>::value, THREADS = GEMV_THREADS;
     const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
     float acc[ROWS][M];
 #pragma unroll
@@ -91,61 +83,8 @@ __device__ __forceinline__ void gemv_part(
         for (int r = 0; r < ROWS; r++) unit_dots<F, M>(raw[r], u, x, ldx, ntok, acc[r]);
     }
 
-    pdl_wait();   // threads with no unit wait here
-#pragma unroll
-    for (int r = 0; r < ROWS; r++)
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            float s = warp_sum(acc[r][m]);
-            if (lane == 0) sh.partial[warp][r * M + m] = s;
-        }
-    __syncthreads();
-    if (threadIdx.x < ROWS * M) {
-        int i = threadIdx.x, m = i % M;
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < WARPS; w++) s += sh.partial[w][i];
-        if (inv_rms_in && m < ntok) s *= inv_rms_in[m];
-        sh.partial[0][i] = s;   // each thread rewrites only its own entry
-    }
-    __syncthreads();
-    const int outputs = SILU_PAIRS ? ROWS / 2 : ROWS;
-    if (threadIdx.x < outputs * M) {
-        int r = threadIdx.x / M, m = threadIdx.x % M;
-        int row = SILU_PAIRS ? row0 + 2 * r : row0 + r;
-        int col = SILU_PAIRS ? row / 2 : row;
-        float s = 0.f;
-        if (row < row_end && m < ntok) {
-            s = SILU_PAIRS ? q4_silu_mul(sh.partial[0][(2 * r) * M + m], sh.partial[0][(2 * r + 1) * M + m])
-                           : sh.partial[0][r * M + m];
-            long long at = (long long)m * ldy + col;
-            if (res) s += res[at];
-            y[at] = s;
-            if (xn_out) xn_out[at] = s * normw_out[col];
-        }
-        sh.squares[threadIdx.x] = s * s;   // [r][m]; rows past the end add 0
-    }
-    if (inv_rms_out == nullptr) return;
-
-    float* sums = (float*)(counter + 8);
-    __syncthreads();
-    if (threadIdx.x == 0) {   // one thread adds the block's squares and takes the ticket
-        for (int m = 0; m < ntok; m++) {
-            float sq = 0.f;
-            for (int r = 0; r < outputs; r++) sq += sh.squares[r * M + m];
-            atomicAdd(sums + m, sq);
-        }
-        __threadfence();   // the sums land before the ticket is taken
-        sh.is_last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!sh.is_last_block) return;
-    __threadfence();
-    if (threadIdx.x < ntok) {
-        float total = atomicExch(sums + threadIdx.x, 0.f);   // read at L2, and zeroed for the next launch
-        inv_rms_out[threadIdx.x] = 1.0f / sqrtf(total / (float)N + eps);
-    }
-    if (threadIdx.x == 0) *counter = 0u;
+    q4_gemv_epilogue<M, ROWS, THREADS, SILU_PAIRS>(sh, acc, row0, row_end, inv_rms_in, y, ldy, res, normw_out,
+                                                 xn_out, inv_rms_out, counter, eps, N, ntok);
 }
 
 template <class FA, class FB, int M, bool SILU_PAIRS>
@@ -154,7 +93,7 @@ __device__ __forceinline__ void q4_gemv_body(
         float* y, int ldy, const float* res, const float* normw_out, float* xn_out, float* inv_rms_out,
         unsigned int* counter, float eps, int N, int K, int ntok, const unsigned char* qs_b,
         const unsigned char* meta_b, int rows_a) {
-    __shared__ GemvShared sh;
+    __shared__ GemvSharedT<M, GemvRows<M>::value, GEMV_THREADS> sh;
     pdl_launch_dependents();
     constexpr int ROWS = GemvRows<M>::value;
     const int head_blocks = (rows_a + ROWS - 1) / ROWS;

@@ -16,6 +16,7 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_GEMV_M1=SUFFIX    force one single-token GEMV layout (KESTREL_GEMV_M1_ROWS=4|2: "r4" | "")
     KESTREL_GEMV_MN=SUFFIX    force one 2..8-token GEMV layout
     KESTREL_CUBLAS_MIN_TOKENS=N  gpu mode's steps of >= N tokens on cuBLAS (default 128; 0: never)
+    KESTREL_GEMV_BLOCK=NAME   force one 4/6-bit GEMV layout where it fits the token count ("": the first kernel)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
 
@@ -45,6 +46,7 @@ class Options:
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
     cublas_min_tokens: int | None = None     # None: scheduler.dense.DENSE_MIN_TOKENS; 0: the built-in GEMM always
+    gemv_block: str | None = None            # a layout of cuda/q4_gemv_variants.py; None: choose's
     kernel_cache_dir: Path | None = None     # None: kernels_ptx.build's default
     cache_dir: Path | None = None            # None: ~/.cache/kestrel-stream
 
@@ -61,6 +63,7 @@ class Options:
     @classmethod
     def from_env(cls, environ=None, **given) -> "Options":
         """The environment's settings, overridden by `given` (flags, ks.load arguments)."""
+        from kestrel_stream.cuda import q4_gemv_variants
         from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS    # (see with_)
         env = os.environ if environ is None else environ
         m1 = env.get("KESTREL_GEMV_M1")
@@ -73,9 +76,13 @@ class Options:
         if mn is not None and mn not in MULTI_VARIANTS:
             raise ValueError(f"KESTREL_GEMV_MN={mn!r}: not a multi-token GEMV variant; one of "
                              f"{', '.join(repr(v) for v in MULTI_VARIANTS)}")
+        block = env.get("KESTREL_GEMV_BLOCK")
+        if block is not None and block not in q4_gemv_variants.ALL_VARIANTS:
+            raise ValueError(f"KESTREL_GEMV_BLOCK={block!r}: not a block-format GEMV layout; one of "
+                             f"{', '.join(repr(v) for v in q4_gemv_variants.ALL_VARIANTS)}")
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
-                      minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn,
+                      minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
                       cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")))

@@ -4,8 +4,9 @@ The weight comes back from the device image's qs and meta parts as GGUF blocks (
 so a wrong pointer, stride or part offset gives wrong numbers.  The GEMV twin multiplies by the
 dequantized weight (fp32, like the kernel); the GEMM twin repeats q4_mma.cu's int8 arithmetic:
 x in two int8 levels per token and group of 16, exact integer dots with the weight's levels,
-scaled by d/128 * s, less xsum * o.  Each checks the launch shape, the alignment of every
-vector load and that a single-format kernel covers all N rows.
+scaled by d/128 * s, less xsum * o.  Each checks the launch shape (the GEMV's layout from its name:
+cuda/q4_gemv_variants.py), the alignment of every vector load and that a single-format kernel covers
+all N rows.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import re
 import numpy as np
 
 from fake_cuda import dev
-from kestrel_stream.cuda.block_kernels import MMA_ROWS, MMA_THREADS, MMA_TOKENS, PART_BYTES, gemv_rows
+from kestrel_stream.cuda import q4_gemv_variants
+from kestrel_stream.cuda.block_kernels import MMA_ROWS, MMA_THREADS, MMA_TOKENS, PART_BYTES
 from kestrel_stream.model.quant4 import dequantize_blocks, group_form, join_blocks
 from scheduler.ops import BLOCK_FORMATS
 
@@ -58,11 +60,12 @@ def _blocks_per_part(args, rows_per_block: int) -> int:
 def q4_gemv(launch, *args) -> None:
     import fake_kernels as fk
     x, ldx, N, K, ntok = args[2], args[3], args[13], args[14], args[15]
-    m, silu = re.search(r"_gemv_m([1248])(_silu)?$", launch.name).groups()
-    m = int(m)
+    _code, m, variant, silu = q4_gemv_variants.parse(launch.name)
+    layout = q4_gemv_variants.variants(m)[variant]
     assert 1 <= ntok <= m and (m == 1 or ntok > m // 2), f"{launch.name} for {ntok} tokens"
-    assert launch.block == (64, 1, 1) and launch.grid[1:] == (1, 1), launch.name
-    assert launch.grid[0] == _blocks_per_part(args, gemv_rows(m)), f"{launch.name}: grid {launch.grid}"
+    assert launch.block == (layout.threads, 1, 1) and launch.grid[1:] == (1, 1), launch.name
+    assert launch.grid[0] == _blocks_per_part(args, layout.rows), f"{launch.name}: grid {launch.grid}"
+    assert not silu or layout.rows % 2 == 0, f"{launch.name}: (gate, up) pairs split across blocks"
     assert all((x + 4 * t * ldx) % 16 == 0 for t in range(ntok)), f"{launch.name}: x rows not 16-byte aligned"
     s = fk.rows(x, ntok, ldx, K) @ dense(launch.name, args).T
     fk.gemv_epilogues(launch, s, *args[4:13], N, ntok, ntok, bool(silu), sums=True, tickets=1)
@@ -122,7 +125,7 @@ def embed_blocks(launch, qs, meta, ids, out, xn, normw, inv_rms, eps, H) -> None
 
 
 BLOCK_KERNELS = [
-    (r"(q4_0|q4_k|q6_k)(_q6_k)?_gemv_m[1248](_silu)?", q4_gemv),
+    (r"(q4_0|q4_k|q6_k)(_q6_k)?_gemv_m[1248](_[a-z0-9]+)?(_silu)?", q4_gemv),
     (r"(q4_0|q4_k|q6_k)(_q6_k)?_mma(_silu)?", q4_mma),
     (r"embed_(q4_0|q4_k|q6_k)", embed_blocks),
 ]

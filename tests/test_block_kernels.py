@@ -74,10 +74,20 @@ def upload(dev: Harness, w, interleave: bool = False):
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("epilogue", ["rmsnorm", "residual_xn_rms", "silu_pairs"])
 def test_block_gemv_and_gemm_match_numpy(dev, name, tokens, epilogue):
+    if epilogue == "silu_pairs" and not silu_pairs_apply(name):
+        pytest.skip("gate/up pairs: an even row count of one format")
+    check_product(dev, name, tokens, epilogue)
+
+
+def silu_pairs_apply(name: str) -> bool:
+    formats, rows, _ = WEIGHTS[name]
+    return len(formats) == 1 and rows[0] % 2 == 0
+
+
+def check_product(dev, name: str, tokens: int, epilogue: str, variant: str | None = None) -> None:
+    """gemv_launch (layout `variant`, default the chosen one) of weight `name` against numpy, with `epilogue`."""
     w = weight(name, seed=len(name) + tokens)
     n, k = w.shape
-    if epilogue == "silu_pairs" and (n % 2 or len(WEIGHTS[name][0]) > 1):
-        pytest.skip("gate/up pairs: an even row count of one format")
     rng = np.random.default_rng(tokens)
     x = rng.standard_normal((tokens, k)).astype(np.float32)
     s = x @ w.dequantize().T
@@ -86,12 +96,12 @@ def test_block_gemv_and_gemm_match_numpy(dev, name, tokens, epilogue):
     if epilogue == "rmsnorm":
         inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
         y = dev.put(np.zeros((tokens, n), np.float32))
-        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, inv_rms_in=dev.put(inv_rms_in)))
+        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, inv_rms_in=dev.put(inv_rms_in), variant=variant))
         want, got = s * inv_rms_in[:, None], dev.get(y, (tokens, n))
     elif epilogue == "silu_pairs":
         half = n // 2
         y = dev.put(np.zeros((tokens, half), np.float32))
-        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, half, tokens, silu_pairs=True))
+        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, half, tokens, silu_pairs=True, variant=variant))
         gate, up = s[:, :half], s[:, half:]
         want, got = gate / (1 + np.exp(-gate)) * up, dev.get(y, (tokens, half))
     else:
@@ -99,7 +109,7 @@ def test_block_gemv_and_gemm_match_numpy(dev, name, tokens, epilogue):
         normw = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
         y, xn, inv_rms = dev.put(res), dev.put(np.zeros((tokens, n), np.float32)), dev.put(np.zeros(tokens, np.float32))
         dev.run(gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, res=y, normw_out=dev.put(normw), xn_out=xn,
-                            inv_rms_out=inv_rms, counter=counter, eps=1e-6))
+                            inv_rms_out=inv_rms, counter=counter, eps=1e-6, variant=variant))
         out = s + res
         got = dev.get(y, (tokens, n))
         tol = 1e-5 if tokens <= 8 else 2e-3
@@ -109,7 +119,7 @@ def test_block_gemv_and_gemm_match_numpy(dev, name, tokens, epilogue):
         assert not dev.get(counter, (GEMV_COUNTER_BYTES // 4,)).any(), "tickets and sums reset for the next launch"
         want = out
     tol = 1e-5 if tokens <= 8 else 2e-3
-    assert np.abs(got - want).max() <= tol * np.abs(want).max(), (name, tokens, epilogue)
+    assert np.abs(got - want).max() <= tol * np.abs(want).max(), (name, tokens, epilogue, variant)
 
 
 @pytest.mark.parametrize("fmt", ["Q4_0", "Q4_K", "Q6_K"])

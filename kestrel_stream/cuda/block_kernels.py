@@ -2,19 +2,20 @@
 
 A block-format QWeight points at its image's qs and meta parts (model/quant4.image_layout);
 a weight whose last rows are in a second format (a fused QKV with Q6_K v rows) carries them as
-its `tail`.  Kernel names: <fmt>[_<tail fmt>]_gemv_m<M>[_silu] for 1..8 tokens (M = 1, 2, 4, 8:
-the next one up), <fmt>[_<tail fmt>]_mma[_silu] beyond; embed_<fmt> for the embedding gather.
+its `tail`.  Kernel names: <fmt>[_<tail fmt>]_gemv_m<M>[_<layout>][_silu] for 1..8 tokens (M = 1,
+2, 4, 8: the next one up; layouts: cuda/q4_gemv_variants.py), <fmt>[_<tail fmt>]_mma[_silu] beyond;
+embed_<fmt> for the embedding gather.
 """
 from __future__ import annotations
 
+from kestrel_stream.cuda import q4_gemv_variants
 from kestrel_stream.cuda.device_weight import QWeight
 from scheduler.ops import BLOCK_FORMATS
 
 # kernels.GEMV_SIGNATURE + qs_b, meta_b, rows_a (kernels.py dispatches here: this module must not import it)
 BLOCK_GEMV_SIGNATURE = "pppippipppppfiii" + "ppi"
 GEMV_MAX_TOKENS = 8                               # kernels.GEMV_MAX_TOKENS
-GEMV_TOKENS = (1, 2, 4, 8)                        # q4_gemv.cu's M
-GEMV_THREADS = 64
+GEMV_TOKENS = q4_gemv_variants.GEMV_TOKENS       # the GEMV kernels' M
 MMA_ROWS, MMA_TOKENS, MMA_THREADS = 64, 64, 128   # q4_mma.cu's QM_BN, QM_BM, QM_THREADS
 # format → (qs bytes, meta bytes) per block (model/quant4.SPLITS)
 PART_BYTES = {"Q8_0": (32, 2), "Q4_0": (16, 2), "Q4_K": (128, 16), "Q6_K": (192, 18)}
@@ -22,13 +23,8 @@ PART_BYTES = {"Q8_0": (32, 2), "Q4_0": (16, 2), "Q4_K": (128, 16), "Q6_K": (192,
 KERNEL_FORMATS = (("Q4_0", None), ("Q4_K", None), ("Q6_K", None), ("Q4_K", "Q6_K"))
 
 
-def gemv_rows(m: int) -> int:
-    """Rows per block of q4_gemv.cu's M-token kernel (GemvRows)."""
-    return 4 if m <= 2 else 2
-
-
-def gemv_m(tokens: int) -> int:
-    return next(m for m in GEMV_TOKENS if m >= tokens)
+gemv_rows = q4_gemv_variants.legacy_rows     # kept importable: rows per block of q4_gemv.cu's kernel
+gemv_m = q4_gemv_variants.gemv_m
 
 
 def _code(w: QWeight) -> str:
@@ -43,8 +39,11 @@ def weight_bytes(w: QWeight) -> int:
 
 def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, tokens: int, *,
                       silu_pairs: bool = False, inv_rms_in: int = 0, res: int = 0, normw_out: int = 0,
-                      xn_out: int = 0, inv_rms_out: int = 0, counter: int = 0, eps: float = 1e-6):
-    """kernels.gemv_launch for a block-format weight (same contract); `kernels`: a KernelSet."""
+                      xn_out: int = 0, inv_rms_out: int = 0, counter: int = 0, eps: float = 1e-6,
+                      variant: str | None = None):
+    """kernels.gemv_launch for a block-format weight (same contract); `kernels`: a KernelSet.  variant: a
+    GEMV layout of q4_gemv_variants.variants(M) for 1..8 tokens (default: q4_gemv_variants.choose, which
+    takes the kernel set's gemv_block, KESTREL_GEMV_BLOCK, where it fits)."""
     tail = w.tail
     assert (w.fmt, tail.fmt if tail else None) in KERNEL_FORMATS, f"no kernel for {w.fmt} then {tail and tail.fmt}"
     assert not (silu_pairs and tail), "gate/up rows share one format"
@@ -57,10 +56,13 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
         launch = kernels.launch(f"{_code(w)}_mma{silu}", (blocks, -(-tokens // MMA_TOKENS)), (MMA_THREADS,),
                                 BLOCK_GEMV_SIGNATURE, args)
     else:
-        m = gemv_m(tokens)
-        rows = gemv_rows(m)
-        blocks = -(-head_rows // rows) + -(-(w.rows - head_rows) // rows)
-        launch = kernels.launch(f"{_code(w)}_gemv_m{m}{silu}", (blocks,), (GEMV_THREADS,), BLOCK_GEMV_SIGNATURE, args)
+        m, code = gemv_m(tokens), _code(w)
+        name = q4_gemv_variants.choose(code, w.fmt, w.rows, w.cols, tokens, silu_pairs, variant,
+                                       kernels.gemv_block)
+        layout = q4_gemv_variants.variants(m)[name]
+        launch = kernels.launch(q4_gemv_variants.kernel_name(code, m, name, silu_pairs),
+                                (q4_gemv_variants.grid_blocks(layout, head_rows, w.rows - head_rows),),
+                                (layout.threads,), BLOCK_GEMV_SIGNATURE, args)
     return launch.label(flops=2 * w.rows * w.cols * tokens, bytes=weight_bytes(w))
 
 

@@ -58,6 +58,7 @@ class KernelSet:
         # GEMV layouts forced by Options (KESTREL_GEMV_M1 / _MN); None: the measured choice per shape
         self.gemv_m1 = options.gemv_m1 if options is not None else None
         self.gemv_mn = options.gemv_mn if options is not None else None
+        self.gemv_block = options.gemv_block if options is not None else None   # KESTREL_GEMV_BLOCK
         self._functions: dict[str, object] = {}
         load_modules(KERNEL_SOURCES, device.arch, (options or Options()).kernel_cache)
 
@@ -184,6 +185,7 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     baseline the bench compares with).  split_scratch: the partials and tickets split launches share.
     dense: a dense_gemm.DenseScratch; the steps and weights it serves run as a cuBLAS GEMM on fp16
     (a DenseGemm: several launches), unless `variant` names a kernel.
+    For a block-format weight: a layout of q4_gemv_variants.variants(M) (block_kernels.block_gemv_launch).
     """
     if dense is not None and variant is None and dense.serves(w, tokens, silu_pairs):
         from kestrel_stream.cuda.dense_gemm import dense_gemm_launch
@@ -195,7 +197,7 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
         from kestrel_stream.cuda.block_kernels import block_gemv_launch
         return block_gemv_launch(kernels, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs, inv_rms_in=inv_rms_in,
                                  res=res, normw_out=normw_out, xn_out=xn_out, inv_rms_out=inv_rms_out,
-                                 counter=counter, eps=eps)
+                                 counter=counter, eps=eps, variant=variant)
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
     if tokens > GEMV_MAX_TOKENS and variant == "simt":

@@ -1,0 +1,12 @@
+// Single-token block-format GEMV layouts (q4_gemv_tiled.cuh), one kernel set per variant of
+// kestrel_stream/cuda/q4_gemv_variants.M1_VARIANTS: tTrRuU = T threads, R rows per block, U units
+// per thread in flight.  Names: <fmt>[_<tail fmt>]_gemv_m1_<variant>[_silu].
+#include "common.cuh"
+#include "q4_formats.cuh"
+#include "q4_gemv_epilogue.cuh"
+#include "q4_gemv_tiled.cuh"
+
+DEFINE_Q4_TILED_SET(1, 32, 4, 2, false, t32r4u2)
+DEFINE_Q4_TILED_SET(1, 64, 8, 1, false, t64r8u1)
+DEFINE_Q4_TILED_SET(1, 64, 4, 3, false, t64r4u3)
+DEFINE_Q4_TILED_SET(1, 128, 4, 3, false, t128r4u3)

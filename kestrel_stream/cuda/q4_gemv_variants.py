@@ -1,0 +1,119 @@
+"""The block-format GEMV layouts (kernels_ptx/q4_gemv.cu, q4_gemv_m1.cu, q4_gemv_mn.cu) and which one a shape gets.
+
+A variant is THREADS x ROWS x UNROLL: a block of THREADS threads owns ROWS weight rows and each
+thread keeps ROWS * UNROLL units' loads in flight (a unit: 16 B of nibbles = 32 weights for
+Q4_0/Q4_K, 3 x 16 B = 64 weights for Q6_K, which keeps half the UNROLL, rounded up).  "" is q4_gemv.cu's original kernel (64 threads, 4 rows
+for 1..2 tokens, 2 for 4..8, one unit in flight per row), kept for A/B; tTrRuU are the one-token
+layouts, oTrRuU the row-outer layouts for 2..8 tokens.  Kernel names:
+<fmt>[_<tail fmt>]_gemv_m<M>[_<variant>][_silu].  Pure Python: the emulated device, the tests and
+the bench read it without a driver.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Variant(NamedTuple):
+    threads: int
+    rows: int
+    unroll: int
+
+
+LEGACY = ""
+M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r4u3": Variant(64, 4, 3),
+               "t128r4u3": Variant(128, 4, 3)}
+MN_VARIANTS = {"o64r4u1": Variant(64, 4, 1), "o32r4u2": Variant(32, 4, 2)}
+ALL_VARIANTS = (LEGACY, *M1_VARIANTS, *MN_VARIANTS)   # what Options.gemv_block (KESTREL_GEMV_BLOCK) may name
+GEMV_TOKENS = (1, 2, 4, 8)             # the kernels' M; a launch of fewer tokens runs the next M up
+# the (weight code, SiLU pairs) the tiled layouts are built for (q4_gemv_tiled.cuh's DEFINE_Q4_TILED_SET);
+# the rest (Q6_K gate/up pairs) run the original kernel
+TILED_CODES = {("q4_0", False), ("q4_0", True), ("q4_k", False), ("q4_k", True), ("q6_k", False),
+               ("q4_k_q6_k", False)}
+# weights per unit of each format (q4_formats.cuh's UNIT)
+UNIT_WEIGHTS = {"Q4_0": 32, "Q4_K": 32, "Q6_K": 64}
+
+# Measured winners, (weight code, M, rows, cols) → variant, as bench/block_gemv.py prints them (its
+# "MEASURED = {...}" line); shapes not listed take the rule of `choose`.
+MEASURED: dict[tuple[str, int, int, int], str] = {}
+
+
+def gemv_m(tokens: int) -> int:
+    return next(m for m in GEMV_TOKENS if m >= tokens)
+
+
+def legacy_rows(m: int) -> int:
+    """Rows per block of q4_gemv.cu's M-token kernel (its GemvRows)."""
+    return 4 if m <= 2 else 2
+
+
+def variants(m: int) -> dict[str, Variant]:
+    """Every layout of the M-token kernels, the original one first."""
+    legacy = {LEGACY: Variant(64, legacy_rows(m), 1)}
+    return {**legacy, **(M1_VARIANTS if m == 1 else MN_VARIANTS)}
+
+
+def units_in_flight(fmt: str, variant: Variant) -> int:
+    """Units each thread loads per row and pass: Q6_K's three-load units keep half the unroll (rounded up)."""
+    return -(-variant.unroll // 2) if fmt == "Q6_K" else variant.unroll
+
+
+def has_tiled(code: str, silu: bool) -> bool:
+    return (code, silu) in TILED_CODES
+
+
+def choose(code: str, fmt: str, rows: int, cols: int, tokens: int, silu: bool = False,
+           forced: str | None = None, preferred: str | None = None) -> str:
+    """The layout for a block-format GEMV of a rows x cols weight over `tokens` (1..8) tokens.
+
+    `forced` (a name of variants(M): the `variant` of a launch) wins; then `preferred` (Options.gemv_block,
+    KESTREL_GEMV_BLOCK) where it is a layout of M-token kernels; then MEASURED; then a rule from the row length: one token
+    takes the layout that covers a row in whole passes with the least idle threads (loads in flight
+    per thread over passes, as q8's measured table prefers), the vocabulary projection a long grid
+    of one-warp blocks; 2..8 tokens the 64-thread row-outer layout.
+    """
+    m = gemv_m(tokens)
+    if forced is not None:
+        assert forced in variants(m), f"no block-format GEMV layout {forced!r} for {m} tokens: {sorted(variants(m))}"
+        return forced if forced == LEGACY or has_tiled(code, silu) else LEGACY
+    if preferred is not None and preferred in variants(m):
+        return preferred if preferred == LEGACY or has_tiled(code, silu) else LEGACY
+    if not has_tiled(code, silu):
+        return LEGACY
+    measured = MEASURED.get((code, m, rows, cols))
+    if measured is not None:
+        return measured
+    if m > 1:
+        return "o64r4u1"
+    if rows >= 65536:
+        return "t32r4u2"
+    units = cols // UNIT_WEIGHTS[fmt]
+
+    def idle_then_passes(name: str) -> tuple[float, int]:
+        v = M1_VARIANTS[name]
+        per_pass = v.threads * units_in_flight(fmt, v)
+        passes = -(-units // per_pass)
+        return 1 - units / (passes * per_pass), passes
+
+    return min(M1_VARIANTS, key=idle_then_passes)   # ties: the first listed (fewer threads, more blocks)
+
+
+def kernel_name(code: str, m: int, variant: str, silu: bool) -> str:
+    return f"{code}_gemv_m{m}" + (f"_{variant}" if variant else "") + ("_silu" if silu else "")
+
+
+def parse(name: str) -> tuple[str, int, str, bool]:
+    """(weight code, M, variant, silu) of a block-format GEMV kernel name."""
+    silu = name.endswith("_silu")
+    core = name[:-len("_silu")] if silu else name
+    code, _, tail = core.partition("_gemv_m")
+    head, _, variant = tail.partition("_")
+    m = int(head)
+    assert variant in variants(m), f"{name}: unknown layout {variant!r}"
+    assert variant == LEGACY or has_tiled(code, silu), f"{name}: no tiled kernel for {code}"
+    return code, m, variant, silu
+
+
+def grid_blocks(variant: Variant, head_rows: int, tail_rows: int) -> int:
+    """Blocks of a launch: each format part's rows in blocks of variant.rows."""
+    return -(-head_rows // variant.rows) + -(-tail_rows // variant.rows)
+
