@@ -177,7 +177,9 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     gets 1/rms(y) per token.  variant: a single-token layout of gemv_variants.VARIANTS (by
     default the one measured fastest for the shape), or of MULTI_VARIANTS for 2..8 tokens; beyond 8
     tokens a tile of mma_variants.TILES (by default mma_variants.choose_tile) or "simt", the fp32 tiled
-    q8_matmul.cu (exact fp32 activations; the baseline the bench compares with).
+    q8_matmul.cu (exact fp32 activations; the baseline the bench compares with); from
+    mma_variants.F16_MIN_TOKENS tokens on, by default, the fp16 tensor-core GEMM (q8_mma_f16.cu), a
+    tile of mma_variants.F16_TILES (by default mma_variants.choose_f16_tile).
     """
     if w.fmt != "Q8_0":       # 4/6-bit block formats: kernels_ptx/q4_gemv.cu, q4_mma.cu
         from kestrel_stream.cuda.block_kernels import block_gemv_launch
@@ -186,7 +188,13 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
                                  counter=counter, eps=eps)
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
-    if tokens > GEMV_MAX_TOKENS and variant == "simt":
+    if tokens > GEMV_MAX_TOKENS and mma_variants.uses_f16(tokens, variant):   # prefill-sized: fp16 tensor cores
+        tile_name = variant or mma_variants.choose_f16_tile(tokens, w.rows)
+        tile = mma_variants.F16_TILES[tile_name]
+        launch = kernels.launch(mma_variants.f16_kernel_name(tile_name, silu_pairs),
+                                (-(-w.rows // tile.rows), -(-tokens // tile.tokens)), (tile.threads,),
+                                GEMV_SIGNATURE, args)
+    elif tokens > GEMV_MAX_TOKENS and variant == "simt":
         launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
                                 (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)
     elif tokens > GEMV_MAX_TOKENS:
