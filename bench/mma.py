@@ -47,14 +47,15 @@ def main() -> None:
     bench = Bench(KernelSet(device), driver.Stream(), driver.Arena(4 << 30), args.repeats)
     if args.only != "prefill":
         for tokens, n, k in SHAPES:
-            default = mma_variants.choose_tile(tokens, n)
-            bench.shape("", "", tokens, n, k, ["simt", *mma_variants.TILES], default)
+            default = default_variant(tokens, n)
+            variants = ["simt", *mma_variants.TILES]
+            bench.shape("", "", tokens, n, k, variants + ([default] if default not in variants else []), default)
     if args.only != "decode":
         for model, projection, n, k in LAYER_SHAPES:
             for tokens in PREFILL_TOKENS:
-                default = mma_variants.choose_f16_tile(tokens, n) if mma_variants.uses_f16(tokens) else \
-                    mma_variants.choose_tile(tokens, n)
+                default = default_variant(tokens, n)
                 variants = [*mma_variants.F16_TILES, *INT8_PREFILL_TILES] + (["simt"] if tokens <= 512 else [])
+                variants += [default] if default not in variants else []
                 bench.shape(model, projection, tokens, n, k, variants, default)
         print_winners(bench.rows)
     notes = ("q8_mma (int8) and q8_f16mma (fp16) tiles vs q8_matmul (simt); default = the launcher's pick "
@@ -63,6 +64,13 @@ def main() -> None:
     path = write_results("h200-mma", environment(), bench.rows,
                          ["model", "op", "tokens", "rows", "k", "kernel", "default", "us", "tflop_s"], notes, args.out)
     print(f"results: {path}")
+
+
+def default_variant(tokens: int, n: int) -> str:
+    """What gemv_launch picks for a tokens x n output with no variant given."""
+    if mma_variants.uses_f16(tokens):
+        return mma_variants.choose_f16_tile(tokens, n)
+    return mma_variants.choose_tile(tokens, n)
 
 
 class Bench:

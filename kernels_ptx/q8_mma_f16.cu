@@ -3,7 +3,10 @@
 // row pairs, residual, xn and last-block inv_rms).
 //
 // Arithmetic: weights dequantised to fp16 as fp16(q * d) (one rounding of an exact product), the fp32
-// activations rounded to fp16, products summed in fp32 by mma.sync.m16n8k16.f32.f16.f16.f32.
+// activations rounded to fp16, products summed in fp32 by mma.sync.m16n8k16.f32.f16.f16.f32.  With
+// inv_rms_in, x is scaled per token before it is rounded (fp16(x * inv_rms)), not the sums after: the
+// normed activations are O(norm weight), while a raw residual stream (qkv's, gate_up's, lm_head's x)
+// may hold values past fp16's 65504.
 //
 // Roles as in q8_mma.cu: A (16 x 16, row) = 16 tokens of x, B (16 x 8, col) = 8 weight rows, so a
 // thread's C pair (c0, c1) is two adjacent weight rows of one token (a (gate, up) pair for SiLU·mul).
@@ -118,11 +121,13 @@ __device__ __forceinline__ void q8_f16mma_body(
                                               : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     };
+    float x_scale[X_LOADS];   // inv_rms_in of each x row this thread loads (the same rows every stage)
     auto store_x = [&](int buffer) {
 #pragma unroll
         for (int j = 0; j < X_LOADS; j++) {
             int f = tid + j * THREADS, r = f / (BK / 4), c4 = f % (BK / 4);
-            const float4 v = x_regs[j];
+            const float4 v = make_float4(x_regs[j].x * x_scale[j], x_regs[j].y * x_scale[j],
+                                         x_regs[j].z * x_scale[j], x_regs[j].w * x_scale[j]);
             *(uint2*)&x_tile[buffer][r * F16_X_STRIDE + c4 * 4] = make_uint2(f16x2_of(v.x, v.y), f16x2_of(v.z, v.w));
         }
     };
@@ -138,7 +143,12 @@ __device__ __forceinline__ void q8_f16mma_body(
 #pragma unroll
     for (int s = 0; s < STAGES - 1; s++) issue_weights(s, s * BK);
     load_scales(0);
-    pdl_wait();   // x is written by the previous kernel
+    pdl_wait();   // x and inv_rms_in are written by the previous kernel
+#pragma unroll
+    for (int j = 0; j < X_LOADS; j++) {
+        const int tok = tok0 + (tid + j * THREADS) / (BK / 4);
+        x_scale[j] = inv_rms_in && tok < ntok ? inv_rms_in[tok] : 1.0f;
+    }
     load_x(0);
     for (int s = 0; s < stages; s++) {
         const int buffer = s & 1, slot = s % STAGES;
@@ -188,11 +198,10 @@ __device__ __forceinline__ void q8_f16mma_body(
         for (int h = 0; h < 2; h++) {
             const int tok = tok0 + warp_m * FM * 16 + i * 16 + g + 8 * h;
             if (tok >= ntok) continue;
-            const float scale = inv_rms_in ? inv_rms_in[tok] : 1.0f;
 #pragma unroll
             for (int j = 0; j < FN; j++) {
                 const int row = row0 + warp_n * FN * 8 + j * 8 + c * 2;   // even: a (gate, up) pair
-                const float v0 = acc[i][j][2 * h] * scale, v1 = acc[i][j][2 * h + 1] * scale;
+                const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];   // inv_rms_in: already in x
                 if (SILU_PAIRS) {
                     if (row >= N) continue;
                     const int col = row >> 1;
@@ -238,9 +247,10 @@ __device__ __forceinline__ void q8_f16mma_body(
     if (tid == 0) *ticket = 0u;
 }
 
-// q8_f16mma_<BM>x<BN>[k<BK>][_s<STAGES>] (+ _silu): the tiles of kestrel_stream/cuda/mma_variants.F16_TILES
-#define DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, SILU, NAME)                                            \
-    extern "C" __global__ void __launch_bounds__(32 * WM * WN) NAME(                                 \
+// q8_f16mma_<BM>x<BN>[k<BK>][w<warps>][_s<STAGES>][_b<MINB>] (+ _silu): the tiles of
+// kestrel_stream/cuda/mma_variants.F16_TILES; MINB blocks per SM caps the registers (65536 / (MINB x threads))
+#define DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, MINB, SILU, NAME)                                      \
+    extern "C" __global__ void __launch_bounds__(32 * WM * WN, MINB) NAME(                           \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                        \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,    \
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,       \
@@ -249,13 +259,14 @@ __device__ __forceinline__ void q8_f16mma_body(
                                                      normw_out, xn_out, inv_rms_out, counter, eps, N, K, \
                                                      ntok);                                          \
     }
-#define DEFINE_F16MMA_PAIR(BM, BN, BK, WM, WN, ST, SUFFIX)                  \
-    DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, false, q8_f16mma_##SUFFIX)        \
-    DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, true, q8_f16mma_##SUFFIX##_silu)
-DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 4, 128x128)
-DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 3, 128x128_s3)
-DEFINE_F16MMA_PAIR(64, 128, 32, 1, 4, 4, 64x128)
-DEFINE_F16MMA_PAIR(64, 128, 32, 2, 4, 4, 64x128w8)
-DEFINE_F16MMA_PAIR(128, 64, 32, 2, 2, 4, 128x64)
-DEFINE_F16MMA_PAIR(64, 64, 32, 1, 2, 4, 64x64)
-DEFINE_F16MMA_PAIR(64, 64, 64, 2, 2, 4, 64x64k64)
+#define DEFINE_F16MMA_PAIR(BM, BN, BK, WM, WN, ST, MINB, SUFFIX)                  \
+    DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, MINB, false, q8_f16mma_##SUFFIX)        \
+    DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, MINB, true, q8_f16mma_##SUFFIX##_silu)
+DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 4, 1, 128x128)
+DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 4, 2, 128x128_b2)
+DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 3, 1, 128x128_s3)
+DEFINE_F16MMA_PAIR(64, 128, 32, 1, 4, 4, 1, 64x128)
+DEFINE_F16MMA_PAIR(64, 128, 32, 2, 4, 4, 1, 64x128w8)
+DEFINE_F16MMA_PAIR(128, 64, 32, 2, 2, 4, 1, 128x64)
+DEFINE_F16MMA_PAIR(64, 64, 32, 1, 2, 4, 1, 64x64)
+DEFINE_F16MMA_PAIR(64, 64, 64, 2, 2, 4, 1, 64x64k64)

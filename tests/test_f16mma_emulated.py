@@ -40,13 +40,25 @@ def test_weights_round_once_to_fp16_and_products_sum_in_fp32():
     assert relative_error(got, exact16) < 1e-6
 
 
+def test_a_residual_stream_past_fp16_range_is_normed_before_rounding():
+    """With inv_rms_in, x is scaled per token before it becomes fp16: a raw residual stream of 3e5
+    (fp16 holds 65504) gives the normed product, not inf."""
+    rng = np.random.default_rng(4)
+    w = quantize(rng.standard_normal((64, 96)).astype(np.float32) / np.sqrt(96))
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    inv_rms = np.full(5, 1 / 3e5, np.float32)
+    got = fake_f16mma.f16mma_product(x * np.float32(3e5), w.qs, w.scales, inv_rms)
+    assert relative_error(got, x @ w.dequantize().T) < 2e-3
+
+
 def test_tile_table_matches_the_kernel_source():
     """Every tile the launcher can pick is instantiated in q8_mma_f16.cu with the same shape, warps, BK
     and stages (plain and _silu), and its static shared memory stays within the 48 KiB that needs no
     opt-in: STAGES int8 weight tiles of BK + 16 bytes a row and two fp16 x tiles of BK + 16 halves."""
     source = (build.source_dir() / "q8_mma_f16.cu").read_text()
-    defined = {m[7]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), int(m[2]), int(m[5]))
-               for m in re.findall(r"^DEFINE_F16MMA_PAIR\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), ((\w+))\)",
+    defined = {"f16_" + m[7]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), int(m[2]), int(m[5]),
+                                          int(m[6]))
+               for m in re.findall(r"^DEFINE_F16MMA_PAIR\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\w+)\)",
                                    source, flags=re.M)}
     assert defined == mma_variants.F16_TILES
     for name, tile in mma_variants.F16_TILES.items():
@@ -69,9 +81,12 @@ def test_steps_from_the_threshold_on_take_the_fp16_gemm(monkeypatch, tokens, row
         assert launch.block[0] == tile.threads
     else:
         assert launch.name.startswith("q8_mma_" if tokens > 8 else "q8_gemv_")
-    forced = gemv_launch(KernelSet(), QWeight(0, 0, rows, 64), 0, 64, 0, rows, max(tokens, 9), variant="128x64",
-                         silu_pairs=True)
+    forced = gemv_launch(KernelSet(), QWeight(0, 0, rows, 64), 0, 64, 0, rows, max(tokens, 9),
+                         variant="f16_128x64", silu_pairs=True)
     assert forced.name == "q8_f16mma_128x64_silu"
+    int8 = gemv_launch(KernelSet(), QWeight(0, 0, rows, 64), 0, 64, 0, rows, max(tokens, 9), variant="64x128")
+    assert int8.name == "q8_mma_64x128", "an int8 tile asked for by name stays int8 at any token count"
+    assert not set(mma_variants.F16_TILES) & set(mma_variants.TILES)
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.gpu,
 
 F16_TOKENS = (128, 200, 511, 512, 513)
 F16_SHAPES = [(96, 160), (1056, 544), (288, 2080)]      # N and K multiples of 32, not of 128
-EPILOGUES = ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms", "strided"]
+EPILOGUES = ["plain", "rmsnorm", "rmsnorm_large", "silu_pairs", "residual_xn_rms", "strided"]
 
 
 @pytest.mark.parametrize("tokens", F16_TOKENS)
@@ -25,7 +25,8 @@ EPILOGUES = ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms", "strided"]
 @pytest.mark.parametrize("epilogue", EPILOGUES)
 def test_q8_f16mma_matches_numpy(gpu, n, k, tokens, tile, epilogue):
     """To 1e-4 of the twin (fp16 weights and activations, fp32 sums) and 2e-3 of fp32 activations;
-    "strided": x and y rows wider than K and N, as qkv's row parts and lm_head's row ranges run."""
+    "strided": x and y rows wider than K and N, as qkv's row parts and lm_head's row ranges run;
+    "rmsnorm_large": x past fp16's range, brought back by inv_rms_in before the rounding."""
     rng = np.random.default_rng(n + k + tokens)
     w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
     x = rng.standard_normal((tokens, k)).astype(np.float32)
@@ -33,14 +34,16 @@ def test_q8_f16mma_matches_numpy(gpu, n, k, tokens, tile, epilogue):
     inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
     res = rng.standard_normal((tokens, n)).astype(np.float32)
     normw_out = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    if epilogue == "rmsnorm_large":         # a raw residual stream past fp16's range, normed by inv_rms_in
+        x, inv_rms_in = x * np.float32(3e5), inv_rms_in / np.float32(3e5)
+    scaled = epilogue in ("rmsnorm", "rmsnorm_large", "silu_pairs")
 
     def finish(s):
-        if epilogue in ("rmsnorm", "silu_pairs"):
-            s = s * inv_rms_in[:, None]
         out = silu_mul(s[:, 0::2], s[:, 1::2]) if epilogue == "silu_pairs" else s
         return out + res if epilogue == "residual_xn_rms" else out
 
-    twin, exact = finish(f16mma_product(x, w.qs, w.scales)), finish(x @ w.dequantize().T)
+    twin = finish(f16mma_product(x, w.qs, w.scales, inv_rms_in if scaled else None))
+    exact = finish((x @ w.dequantize().T) * (inv_rms_in[:, None] if scaled else 1))
     cols = twin.shape[1]
     ldx, ldy = (k + 32, cols + 64) if epilogue == "strided" else (k, cols)
     x_rows = np.zeros((tokens, ldx), np.float32)
@@ -53,6 +56,7 @@ def test_q8_f16mma_matches_numpy(gpu, n, k, tokens, tile, epilogue):
     xn, inv_rms_out = gpu.put(np.zeros((tokens, n), np.float32)), gpu.put(np.zeros(tokens, np.float32))
     counter = gpu.put(np.zeros(16, np.uint32))
     extra = {"plain": {}, "strided": {}, "rmsnorm": {"inv_rms_in": gpu.put(inv_rms_in)},
+             "rmsnorm_large": {"inv_rms_in": gpu.put(inv_rms_in)},
              "silu_pairs": {"inv_rms_in": gpu.put(inv_rms_in), "silu_pairs": True},
              "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
                                  "inv_rms_out": inv_rms_out, "counter": counter}}[epilogue]
@@ -72,7 +76,7 @@ def test_q8_f16mma_matches_numpy(gpu, n, k, tokens, tile, epilogue):
         assert not gpu.get(counter, (16,), np.uint32)[:8].any(), "the tickets are zeroed for the next launch"
 
 
-@pytest.mark.parametrize("tile", ["128x128", "64x128"])
+@pytest.mark.parametrize("tile", ["f16_128x128", "f16_64x128"])
 def test_programmatic_chain_of_f16_gemms_keeps_dependencies(gpu, tile):
     """Dependent 256-token GEMMs with programmatic stream serialization in one graph: each reads the
     xn and 1/rms the previous one's epilogue wrote, x_{i+1} = x_i + W_i (x_i / rms(x_i))."""
@@ -83,7 +87,7 @@ def test_programmatic_chain_of_f16_gemms_keeps_dependencies(gpu, tile):
     inv0 = (1 / np.sqrt(np.mean(x0 * x0, axis=1) + 1e-6)).astype(np.float32)
     want, inv = x0.copy(), inv0
     for w in weights:
-        want = want + f16mma_product(want, w.qs, w.scales) * inv[:, None]
+        want = want + f16mma_product(want, w.qs, w.scales, inv)
         inv = 1 / np.sqrt(np.mean(want * want, axis=1) + 1e-6)
     ones = gpu.put(np.ones(n, np.float32))
     x, xn = gpu.put(x0), [gpu.put(x0), gpu.put(x0)]

@@ -65,27 +65,30 @@ class F16Tile(NamedTuple):
     warps_n: int
     k_step: int = 32     # BK: K per pipeline stage
     stages: int = 4      # weight tiles in flight (cp.async ring)
+    min_blocks: int = 1  # blocks per SM the registers are capped for (__launch_bounds__)
 
     @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n
 
 
-# kernel suffix -> tile: <BM>x<BN>[k<BK>][w<warps> where two tiles differ only in warps][_s<stages>]
-F16_TILES = {"128x128": F16Tile(128, 128, 2, 4), "128x128_s3": F16Tile(128, 128, 2, 4, stages=3),
-             "64x128": F16Tile(64, 128, 1, 4), "64x128w8": F16Tile(64, 128, 2, 4), "128x64": F16Tile(128, 64, 2, 2),
-             "64x64": F16Tile(64, 64, 1, 2), "64x64k64": F16Tile(64, 64, 2, 2, k_step=64)}
+# variant -> tile: f16_<BM>x<BN>[k<BK>][w<warps> where two tiles differ only in warps][_s<stages>][_b<min_blocks>],
+# the kernel q8_f16mma_<the same suffix>; the f16_ prefix keeps gemv_launch's variant names apart from TILES'
+F16_TILES = {"f16_128x128": F16Tile(128, 128, 2, 4), "f16_128x128_b2": F16Tile(128, 128, 2, 4, min_blocks=2),
+             "f16_128x128_s3": F16Tile(128, 128, 2, 4, stages=3), "f16_64x128": F16Tile(64, 128, 1, 4),
+             "f16_64x128w8": F16Tile(64, 128, 2, 4), "f16_128x64": F16Tile(128, 64, 2, 2),
+             "f16_64x64": F16Tile(64, 64, 1, 2), "f16_64x64k64": F16Tile(64, 64, 2, 2, k_step=64)}
 
 
 def f16_kernel_name(tile: str, silu_pairs: bool) -> str:
-    return f"q8_f16mma_{tile}" + ("_silu" if silu_pairs else "")
+    return "q8_f16mma_" + tile.removeprefix("f16_") + ("_silu" if silu_pairs else "")
 
 
 def f16_parse(name: str) -> tuple[F16Tile, bool]:
     """(tile, silu_pairs) of a q8_f16mma kernel name."""
-    match = re.fullmatch(r"q8_f16mma_(\d+x\d+(?:k\d+)?(?:w\d+)?(?:_s\d+)?)(_silu)?", name)
-    assert match and match.group(1) in F16_TILES, f"not a q8_f16mma kernel: {name}"
-    return F16_TILES[match.group(1)], match.group(2) is not None
+    match = re.fullmatch(r"q8_f16mma_(\d+x\d+(?:k\d+)?(?:w\d+)?(?:_s\d+)?(?:_b\d+)?)(_silu)?", name)
+    assert match and "f16_" + match.group(1) in F16_TILES, f"not a q8_f16mma kernel: {name}"
+    return F16_TILES["f16_" + match.group(1)], match.group(2) is not None
 
 
 def uses_f16(tokens: int, variant: str | None = None) -> bool:
@@ -98,4 +101,4 @@ def choose_f16_tile(tokens: int, rows: int, sm_count: int = 132) -> str:
     """The fp16 tile for a tokens x rows output: the 128 x 128 tile (most mma per byte loaded) where it
     still gives every SM a block, else the 64 x 128 one, which doubles the blocks."""
     blocks = -(-rows // 128) * -(-tokens // 128)
-    return "128x128" if blocks >= sm_count else "64x128"
+    return "f16_128x128" if blocks >= sm_count else "f16_64x128"
