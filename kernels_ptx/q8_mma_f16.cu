@@ -19,8 +19,8 @@
 // loads of fp16 x (rows g and g + 8), with no shuffles and no ldmatrix.
 //
 // Pipeline per BK-wide K stage: the int8 weight tile arrives by cp.async, STAGES deep; each thread's
-// weight scales and x float4s for the next stage wait in registers during the current stage, then x
-// is rounded to fp16 into the other half of a double-buffered shared tile.  Each weight word is
+// weight scales and x float4s for a later stage (XPF stages ahead) wait in registers meanwhile, then x
+// is rounded to fp16 into one half of a double-buffered shared tile.  Each weight word is
 // dequantised in registers (PRMT into the mantissa of 1024, subtract, scale) once per warp and used by
 // all FM of the warp's 16-token tiles.
 #include "common.cuh"
@@ -61,7 +61,7 @@ __device__ __forceinline__ void mma_f16_acc(float (&d)[4], const unsigned int (&
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool SILU_PAIRS>
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, int XPF, bool SILU_PAIRS>
 __device__ __forceinline__ void q8_f16mma_body(
         const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
@@ -71,7 +71,8 @@ __device__ __forceinline__ void q8_f16mma_body(
     constexpr int KB = BK / 32;                                    // Q8_0 blocks per stage
     constexpr int X_LOADS = BM * (BK / 4) / THREADS;               // float4 of x per thread per stage
     constexpr int W_LOADS = BN * (BK / 16) / THREADS;              // 16-byte weight chunks per thread
-    static_assert(FM >= 1 && FN >= 1 && X_LOADS >= 1 && W_LOADS >= 1 && BK % 32 == 0 && STAGES >= 2, "tile");
+    static_assert(FM >= 1 && FN >= 1 && X_LOADS >= 1 && W_LOADS >= 1 && BK % 32 == 0 && STAGES >= 2 && XPF >= 1,
+                  "tile");
     static_assert(BM * (BK / 4) % THREADS == 0 && BN * (BK / 16) % THREADS == 0, "tile shape");
 
     __shared__ __align__(16) unsigned char w_tile[STAGES][BN * F16_W_STRIDE];
@@ -98,8 +99,7 @@ __device__ __forceinline__ void q8_f16mma_body(
         asm volatile("cp.async.commit_group;" ::: "memory");   // one group per stage, empty past K
     };
     // the f16x2 scale pair (d, d) of this thread's B-fragment row g of each n tile, per block of a stage
-    unsigned int scale_next[FN][KB];
-    auto load_scales = [&](int k0) {
+    auto load_scales = [&](int k0, unsigned int (&dst)[FN][KB]) {
 #pragma unroll
         for (int j = 0; j < FN; j++) {
             const int row = min(row0 + warp_n * FN * 8 + j * 8 + g, N - 1);
@@ -107,27 +107,26 @@ __device__ __forceinline__ void q8_f16mma_body(
             for (int b = 0; b < KB; b++) {
                 const int block = (k0 >> 5) + b;
                 const unsigned int h = block < kblocks ? scales[(long long)row * kblocks + block] : 0u;
-                scale_next[j][b] = h | (h << 16);
+                dst[j][b] = h | (h << 16);
             }
         }
     };
-    float4 x_regs[X_LOADS];
-    auto load_x = [&](int k0) {
+    auto load_x = [&](int k0, float4 (&dst)[X_LOADS]) {
 #pragma unroll
         for (int j = 0; j < X_LOADS; j++) {
             int f = tid + j * THREADS, r = f / (BK / 4), k = k0 + (f % (BK / 4)) * 4;
             int tok = tok0 + r;
-            x_regs[j] = (tok < ntok && k < K) ? *(const float4*)(x + (long long)tok * ldx + k)
-                                              : make_float4(0.f, 0.f, 0.f, 0.f);
+            dst[j] = (tok < ntok && k < K) ? *(const float4*)(x + (long long)tok * ldx + k)
+                                           : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     };
     float x_scale[X_LOADS];   // inv_rms_in of each x row this thread loads (the same rows every stage)
-    auto store_x = [&](int buffer) {
+    auto store_x = [&](int buffer, const float4 (&src)[X_LOADS]) {
 #pragma unroll
         for (int j = 0; j < X_LOADS; j++) {
             int f = tid + j * THREADS, r = f / (BK / 4), c4 = f % (BK / 4);
-            const float4 v = make_float4(x_regs[j].x * x_scale[j], x_regs[j].y * x_scale[j],
-                                         x_regs[j].z * x_scale[j], x_regs[j].w * x_scale[j]);
+            const float4 v = make_float4(src[j].x * x_scale[j], src[j].y * x_scale[j], src[j].z * x_scale[j],
+                                         src[j].w * x_scale[j]);
             *(uint2*)&x_tile[buffer][r * F16_X_STRIDE + c4 * 4] = make_uint2(f16x2_of(v.x, v.y), f16x2_of(v.z, v.w));
         }
     };
@@ -140,19 +139,25 @@ __device__ __forceinline__ void q8_f16mma_body(
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
 
+    // x and the scales of stage s wait in set s % XPF of these registers, loaded XPF stages ahead
+    float4 x_regs[XPF][X_LOADS];
+    unsigned int scale_regs[XPF][FN][KB];
 #pragma unroll
-    for (int s = 0; s < STAGES - 1; s++) issue_weights(s, s * BK);
-    load_scales(0);
+    for (int st = 0; st < STAGES - 1; st++) issue_weights(st, st * BK);
+#pragma unroll
+    for (int d = 0; d < XPF; d++) load_scales(d * BK, scale_regs[d]);
     pdl_wait();   // x and inv_rms_in are written by the previous kernel
 #pragma unroll
     for (int j = 0; j < X_LOADS; j++) {
         const int tok = tok0 + (tid + j * THREADS) / (BK / 4);
         x_scale[j] = inv_rms_in && tok < ntok ? inv_rms_in[tok] : 1.0f;
     }
-    load_x(0);
-    for (int s = 0; s < stages; s++) {
+#pragma unroll
+    for (int d = 0; d < XPF; d++) load_x(d * BK, x_regs[d]);   // past K: zeros
+
+    auto stage = [&](int s, float4 (&x_next)[X_LOADS], unsigned int (&scale_next)[FN][KB]) {
         const int buffer = s & 1, slot = s % STAGES;
-        store_x(buffer);
+        store_x(buffer, x_next);
         unsigned int scale[FN][KB];
 #pragma unroll
         for (int j = 0; j < FN; j++)
@@ -161,9 +166,9 @@ __device__ __forceinline__ void q8_f16mma_body(
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");   // stage s's weights are in
         __syncthreads();   // ... for every thread, x of stage s too; every warp is done with stage s - 1
         issue_weights((s + STAGES - 1) % STAGES, (s + STAGES - 1) * BK);   // into stage s - 1's slot
-        if (s + 1 < stages) {
-            load_scales((s + 1) * BK);
-            load_x((s + 1) * BK);
+        if (s + XPF < stages) {
+            load_scales((s + XPF) * BK, scale_next);
+            load_x((s + XPF) * BK, x_next);
         }
         const half_bits* xt = x_tile[buffer];
         const unsigned char* wt = w_tile[slot];
@@ -189,7 +194,11 @@ __device__ __forceinline__ void q8_f16mma_body(
                 for (int i = 0; i < FM; i++) mma_f16_acc(acc[i][j], a[i], b0, b1);
             }
         }
-    }
+    };
+    for (int s0 = 0; s0 < stages; s0 += XPF)   // unrolled by XPF: each register set has a fixed name
+#pragma unroll
+        for (int d = 0; d < XPF; d++)
+            if (s0 + d < stages) stage(s0 + d, x_regs[d], scale_regs[d]);
     asm volatile("cp.async.wait_group 0;" ::: "memory");   // no copy outlives the block
 
 #pragma unroll
@@ -247,26 +256,30 @@ __device__ __forceinline__ void q8_f16mma_body(
     if (tid == 0) *ticket = 0u;
 }
 
-// q8_f16mma_<BM>x<BN>[k<BK>][w<warps>][_s<STAGES>][_b<MINB>] (+ _silu): the tiles of
-// kestrel_stream/cuda/mma_variants.F16_TILES; MINB blocks per SM caps the registers (65536 / (MINB x threads))
-#define DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, MINB, SILU, NAME)                                      \
+// q8_f16mma_<BM>x<BN>[k<BK>][w<warps>][_s<STAGES>][_x<XPF>][_b<MINB>] (+ _silu): the tiles of
+// kestrel_stream/cuda/mma_variants.F16_TILES; MINB blocks per SM caps the registers (65536 / (MINB x threads));
+// XPF: stages x is loaded ahead of its use
+#define DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, XPF, MINB, SILU, NAME)                                 \
     extern "C" __global__ void __launch_bounds__(32 * WM * WN, MINB) NAME(                           \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                        \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,    \
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,       \
             int ntok) {                                                                              \
-        q8_f16mma_body<BM, BN, BK, WM, WN, ST, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,    \
+        q8_f16mma_body<BM, BN, BK, WM, WN, ST, XPF, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,    \
                                                      normw_out, xn_out, inv_rms_out, counter, eps, N, K, \
                                                      ntok);                                          \
     }
-#define DEFINE_F16MMA_PAIR(BM, BN, BK, WM, WN, ST, MINB, SUFFIX)                  \
-    DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, MINB, false, q8_f16mma_##SUFFIX)        \
-    DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, MINB, true, q8_f16mma_##SUFFIX##_silu)
-DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 4, 1, 128x128)
-DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 4, 2, 128x128_b2)
-DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 3, 1, 128x128_s3)
-DEFINE_F16MMA_PAIR(64, 128, 32, 1, 4, 4, 1, 64x128)
-DEFINE_F16MMA_PAIR(64, 128, 32, 2, 4, 4, 1, 64x128w8)
-DEFINE_F16MMA_PAIR(128, 64, 32, 2, 2, 4, 1, 128x64)
-DEFINE_F16MMA_PAIR(64, 64, 32, 1, 2, 4, 1, 64x64)
-DEFINE_F16MMA_PAIR(64, 64, 64, 2, 2, 4, 1, 64x64k64)
+#define DEFINE_F16MMA_PAIR(BM, BN, BK, WM, WN, ST, XPF, MINB, SUFFIX)                  \
+    DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, XPF, MINB, false, q8_f16mma_##SUFFIX)        \
+    DEFINE_F16MMA(BM, BN, BK, WM, WN, ST, XPF, MINB, true, q8_f16mma_##SUFFIX##_silu)
+DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 4, 1, 1, 128x128)
+DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 4, 2, 1, 128x128_x2)
+DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 4, 1, 2, 128x128_b2)
+DEFINE_F16MMA_PAIR(128, 128, 32, 2, 4, 3, 1, 1, 128x128_s3)
+DEFINE_F16MMA_PAIR(64, 128, 32, 1, 4, 4, 1, 1, 64x128)
+DEFINE_F16MMA_PAIR(64, 128, 32, 1, 4, 4, 2, 1, 64x128_x2)
+DEFINE_F16MMA_PAIR(64, 128, 32, 2, 4, 4, 1, 1, 64x128w8)
+DEFINE_F16MMA_PAIR(64, 128, 32, 2, 4, 4, 2, 1, 64x128w8_x2)
+DEFINE_F16MMA_PAIR(128, 64, 32, 2, 2, 4, 1, 1, 128x64)
+DEFINE_F16MMA_PAIR(64, 64, 32, 1, 2, 4, 1, 1, 64x64)
+DEFINE_F16MMA_PAIR(64, 64, 64, 2, 2, 4, 1, 1, 64x64k64)

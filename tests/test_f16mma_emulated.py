@@ -56,10 +56,10 @@ def test_tile_table_matches_the_kernel_source():
     and stages (plain and _silu), and its static shared memory stays within the 48 KiB that needs no
     opt-in: STAGES int8 weight tiles of BK + 16 bytes a row and two fp16 x tiles of BK + 16 halves."""
     source = (build.source_dir() / "q8_mma_f16.cu").read_text()
-    defined = {"f16_" + m[7]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), int(m[2]), int(m[5]),
-                                          int(m[6]))
-               for m in re.findall(r"^DEFINE_F16MMA_PAIR\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\w+)\)",
-                                   source, flags=re.M)}
+    pattern = r"^DEFINE_F16MMA_PAIR\(" + ", ".join([r"(\d+)"] * 8) + r", (\w+)\)"
+    defined = {"f16_" + m[8]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), k_step=int(m[2]),
+                                                   stages=int(m[5]), x_ahead=int(m[6]), min_blocks=int(m[7]))
+               for m in re.findall(pattern, source, flags=re.M)}
     assert defined == mma_variants.F16_TILES
     for name, tile in mma_variants.F16_TILES.items():
         shared_bytes = tile.stages * tile.rows * (tile.k_step + 16) + 2 * tile.tokens * (tile.k_step + 16) * 2
