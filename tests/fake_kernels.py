@@ -386,6 +386,11 @@ def sample_finish(launch, logits, V, state, cand, S, out) -> None:
         dev(out, 4 * T, np.int32)[t] = draw_row(x, ids, words[t], params)
 
 
+def q8_f16mma(launch, *args) -> None:
+    from fake_f16mma import q8_f16mma as twin   # its own file; it imports this one
+    twin(launch, *args)
+
+
 def flash_attention_paged(launch, *args) -> None:
     from fake_flash import flash_attention_paged as twin   # its own file; it imports this one
     twin(launch, *args)
@@ -401,6 +406,7 @@ KERNELS = BLOCK_KERNELS + DENSE_KERNELS + [
     (r"q8_gemv_m[1-8]_[a-z0-9]+(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
     (r"q8_matmul(_silu)?", q8_matmul),
     (r"q8_mma_\d+x\d+(k\d+)?(_silu)?", q8_mma),
+    (r"q8_f16mma_\w+", q8_f16mma),
     (r"embed_q8", embed_q8),
     (r"argmax_rows", argmax_rows),
     (r"argmax_split", argmax_split),

@@ -186,6 +186,8 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     dense: a dense_gemm.DenseScratch; the steps and weights it serves run as a cuBLAS GEMM on fp16
     (a DenseGemm: several launches), unless `variant` names a kernel.
     For a block-format weight: a layout of q4_gemv_variants.variants(M) (block_kernels.block_gemv_launch).
+    From mma_variants.F16_MIN_TOKENS tokens on, by default, the fp16 tensor-core GEMM (q8_mma_f16.cu), a
+    tile of mma_variants.F16_TILES (by default mma_variants.choose_f16_tile).
     """
     if dense is not None and variant is None and dense.serves(w, tokens, silu_pairs):
         from kestrel_stream.cuda.dense_gemm import dense_gemm_launch
@@ -200,7 +202,13 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
                                  counter=counter, eps=eps, variant=variant)
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
-    if tokens > GEMV_MAX_TOKENS and variant == "simt":
+    if tokens > GEMV_MAX_TOKENS and mma_variants.uses_f16(tokens, variant):   # prefill-sized: fp16 tensor cores
+        tile_name = variant or mma_variants.choose_f16_tile(tokens, w.rows)
+        tile = mma_variants.F16_TILES[tile_name]
+        launch = kernels.launch(mma_variants.f16_kernel_name(tile_name, silu_pairs),
+                                (-(-w.rows // tile.rows), -(-tokens // tile.tokens)), (tile.threads,),
+                                GEMV_SIGNATURE, args)
+    elif tokens > GEMV_MAX_TOKENS and variant == "simt":
         launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
                                 (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)
     elif tokens > GEMV_MAX_TOKENS:

@@ -139,3 +139,58 @@ class SplitScratch(NamedTuple):
     partial_floats: int
     tickets: int
     ticket_count: int
+
+
+# ---- fp16 tensor-core tiles for prefill-sized steps: kernels_ptx/q8_mma_f16.cu ----------------------------
+
+F16_MIN_TOKENS = 128    # steps of this many tokens or more take the fp16 GEMM (bench/mma.py sweeps it)
+
+
+class F16Tile(NamedTuple):
+    tokens: int          # BM
+    rows: int            # BN
+    warps_m: int
+    warps_n: int
+    k_step: int = 32     # BK: K per pipeline stage
+    stages: int = 4      # weight tiles in flight (cp.async ring)
+    min_blocks: int = 1  # blocks per SM the registers are capped for (__launch_bounds__)
+    x_ahead: int = 1     # stages x (and the scales) are loaded ahead of their use, in registers
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+
+# variant -> tile: f16_<BM>x<BN>[k<BK>][w<warps> where two tiles differ only in warps][_s<stages>][_x<x_ahead>]
+# [_b<min_blocks>], the kernel q8_f16mma_<the same suffix>; the f16_ prefix keeps gemv_launch's variant
+# names apart from TILES'
+F16_TILES = {"f16_128x128": F16Tile(128, 128, 2, 4), "f16_128x128_x2": F16Tile(128, 128, 2, 4, x_ahead=2),
+             "f16_128x128_b2": F16Tile(128, 128, 2, 4, min_blocks=2),
+             "f16_128x128_s3": F16Tile(128, 128, 2, 4, stages=3), "f16_64x128": F16Tile(64, 128, 1, 4),
+             "f16_64x128_x2": F16Tile(64, 128, 1, 4, x_ahead=2), "f16_64x128w8": F16Tile(64, 128, 2, 4),
+             "f16_64x128w8_x2": F16Tile(64, 128, 2, 4, x_ahead=2), "f16_128x64": F16Tile(128, 64, 2, 2),
+             "f16_64x64": F16Tile(64, 64, 1, 2), "f16_64x64k64": F16Tile(64, 64, 2, 2, k_step=64)}
+
+
+def f16_kernel_name(tile: str, silu_pairs: bool) -> str:
+    return "q8_f16mma_" + tile.removeprefix("f16_") + ("_silu" if silu_pairs else "")
+
+
+def f16_parse(name: str) -> tuple[F16Tile, bool]:
+    """(tile, silu_pairs) of a q8_f16mma kernel name."""
+    match = re.fullmatch(r"q8_f16mma_(\d+x\d+(?:k\d+)?(?:w\d+)?(?:_s\d+)?(?:_x\d+)?(?:_b\d+)?)(_silu)?", name)
+    assert match and "f16_" + match.group(1) in F16_TILES, f"not a q8_f16mma kernel: {name}"
+    return F16_TILES["f16_" + match.group(1)], match.group(2) is not None
+
+
+def uses_f16(tokens: int, variant: str | None = None) -> bool:
+    """Whether a GEMM of `tokens` rows of x runs q8_mma_f16.cu: a tile of F16_TILES asked for by name,
+    or by default every step of F16_MIN_TOKENS tokens and more."""
+    return variant in F16_TILES if variant is not None else tokens >= F16_MIN_TOKENS
+
+
+def choose_f16_tile(tokens: int, rows: int, sm_count: int = 132) -> str:
+    """The fp16 tile for a tokens x rows output: the 128 x 128 tile (most mma per byte loaded) where it
+    still gives every SM a block, else the 64 x 128 one, which doubles the blocks."""
+    blocks = -(-rows // 128) * -(-tokens // 128)
+    return "f16_128x128" if blocks >= sm_count else "f16_64x128"

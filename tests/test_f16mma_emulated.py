@@ -1,0 +1,141 @@
+"""CI (no GPU): the fp16 tensor-core GEMM of prefill-sized steps (kernels_ptx/q8_mma_f16.cu) through its
+numpy twin (fake_f16mma): its arithmetic, which steps get it, its tile table against the kernel source,
+and gpu mode's prefill logits through it against the CPU engine."""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+import pytest
+
+import fake_cuda
+import fake_f16mma
+from hf_oracle import relative_error
+from kernels_ptx import build
+from kestrel_stream.cuda import mma_variants
+from kestrel_stream.loading.presets import random_q8_weights
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.model.quant import quantize
+from kestrel_stream.run.engine import Engine
+
+QWEN3 = ModelConfig(arch="qwen3", hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256,
+                    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                    max_position_embeddings=512)
+LLAMA = dataclasses.replace(QWEN3, arch="llama", rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def test_weights_round_once_to_fp16_and_products_sum_in_fp32():
+    rng = np.random.default_rng(3)
+    w = quantize(rng.standard_normal((96, 160)).astype(np.float32) / np.sqrt(160))
+    w16 = fake_f16mma.f16_weights(w.qs, w.scales)
+    assert w16.dtype == np.float16
+    np.testing.assert_array_equal(w16, w.dequantize().astype(np.float16))   # the CPU engine's weight, rounded
+    x = rng.standard_normal((130, 160)).astype(np.float32)
+    got, want = fake_f16mma.f16mma_product(x, w.qs, w.scales), x @ w.dequantize().T
+    assert got.dtype == np.float32 and got.shape == (130, 96)
+    assert 1e-5 < relative_error(got, want) < 2e-3     # fp16 rounding shows, and stays small
+    exact16 = x.astype(np.float16).astype(np.float64) @ w16.astype(np.float64).T
+    assert relative_error(got, exact16) < 1e-6
+
+
+def test_a_residual_stream_past_fp16_range_is_normed_before_rounding():
+    """With inv_rms_in, x is scaled per token before it becomes fp16: a raw residual stream of 3e5
+    (fp16 holds 65504) gives the normed product, not inf."""
+    rng = np.random.default_rng(4)
+    w = quantize(rng.standard_normal((64, 96)).astype(np.float32) / np.sqrt(96))
+    x = rng.standard_normal((5, 96)).astype(np.float32)
+    inv_rms = np.full(5, 1 / 3e5, np.float32)
+    got = fake_f16mma.f16mma_product(x * np.float32(3e5), w.qs, w.scales, inv_rms)
+    assert relative_error(got, x @ w.dequantize().T) < 2e-3
+
+
+def test_tile_table_matches_the_kernel_source():
+    """Every tile the launcher can pick is instantiated in q8_mma_f16.cu with the same shape, warps, BK
+    and stages (plain and _silu), and its static shared memory stays within the 48 KiB that needs no
+    opt-in: STAGES int8 weight tiles of BK + 16 bytes a row and two fp16 x tiles of BK + 16 halves."""
+    source = (build.source_dir() / "q8_mma_f16.cu").read_text()
+    pattern = r"^DEFINE_F16MMA_PAIR\(" + ", ".join([r"(\d+)"] * 8) + r", (\w+)\)"
+    defined = {"f16_" + m[8]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), k_step=int(m[2]),
+                                                   stages=int(m[5]), x_ahead=int(m[6]), min_blocks=int(m[7]))
+               for m in re.findall(pattern, source, flags=re.M)}
+    assert defined == mma_variants.F16_TILES
+    for name, tile in mma_variants.F16_TILES.items():
+        shared_bytes = tile.stages * tile.rows * (tile.k_step + 16) + 2 * tile.tokens * (tile.k_step + 16) * 2
+        assert shared_bytes <= 48 * 1024, (name, shared_bytes)
+        assert tile.tokens % (16 * tile.warps_m) == 0 and tile.rows % (8 * tile.warps_n) == 0, name
+        for silu in (False, True):
+            assert mma_variants.f16_parse(mma_variants.f16_kernel_name(name, silu)) == (tile, silu)
+
+
+@pytest.mark.parametrize("tokens", [9, 64, 127, 128, 200, 511, 512, 513, 2048])
+@pytest.mark.parametrize("rows", [96, 2048, 12288, 151936])
+def test_steps_from_the_threshold_on_take_the_fp16_gemm(monkeypatch, tokens, rows):
+    fake_cuda.install(monkeypatch)
+    from kestrel_stream.cuda.kernels import KernelSet, QWeight, gemv_launch
+    launch = gemv_launch(KernelSet(), QWeight(0, 0, rows, 64), 0, 64, 0, rows, tokens)
+    if tokens >= mma_variants.F16_MIN_TOKENS:
+        tile, silu = mma_variants.f16_parse(launch.name)
+        assert launch.grid[:2] == (-(-rows // tile.rows), -(-tokens // tile.tokens)) and not silu
+        assert launch.block[0] == tile.threads
+    else:
+        assert launch.name.startswith("q8_mma_" if tokens > 8 else "q8_gemv_")
+    forced = gemv_launch(KernelSet(), QWeight(0, 0, rows, 64), 0, 64, 0, rows, max(tokens, 9),
+                         variant="f16_128x64", silu_pairs=True)
+    assert forced.name == "q8_f16mma_128x64_silu"
+    int8 = gemv_launch(KernelSet(), QWeight(0, 0, rows, 64), 0, 64, 0, rows, max(tokens, 9), variant="64x128")
+    assert int8.name == "q8_mma_64x128", "an int8 tile asked for by name stays int8 at any token count"
+    assert not set(mma_variants.F16_TILES) & set(mma_variants.TILES)
+
+
+@pytest.fixture
+def f16_calls(monkeypatch):
+    """The emulated device, and the (tokens, kernel) of every fp16 GEMM launch that ran."""
+    fake_cuda.install(monkeypatch, mode="deferred")
+    calls = []
+    twin = fake_f16mma.q8_f16mma
+
+    def counting(launch, *args):
+        calls.append((args[15], launch.name))
+        twin(launch, *args)
+    monkeypatch.setattr(fake_f16mma, "q8_f16mma", counting)
+    return calls
+
+
+def assert_same_argmax_where_decided(got, want, tolerance=2e-3):
+    """Identical argmax on every row whose reference top two differ by more than twice the error bound
+    (tolerance x max |logit|): over hundreds of rows of a random model a few are near-ties, which any
+    arithmetic 2e-3 away from fp32 may order either way.  Nearly every row must be decided."""
+    top2 = np.sort(want, axis=1)[:, -2:]
+    decided = top2[:, 1] - top2[:, 0] > 2 * tolerance * np.abs(want).max()
+    assert decided.mean() > 0.9, decided.mean()
+    np.testing.assert_array_equal(got.argmax(axis=1)[decided], want.argmax(axis=1)[decided])
+
+
+@pytest.mark.parametrize("cfg", [QWEN3, LLAMA], ids=["qwen3", "llama"])
+def test_prefill_through_the_fp16_gemm_tracks_the_cpu_engine(f16_calls, cfg):
+    """A 200-token prompt in one step (every projection and lm_head on the fp16 GEMM), then 130 more
+    continuing it, then decodes on the int8 kernels: logits within 2e-3 of the CPU engine, the same argmax
+    wherever the CPU engine's is not a near-tie."""
+    weights = random_q8_weights(cfg, seed=11)
+    cpu = Engine(weights, device="cpu", max_seq_len=400)
+    # max_batch 256: logits buffered for 256 rows, so a prompt of 200 runs in one step, all rows wanted
+    gpu = Engine(weights, device="cuda", mode="gpu", max_seq_len=400, max_batch=256)
+    rng = np.random.default_rng(2)
+    first, second = ([int(t) for t in rng.integers(1, 250, n)] for n in (200, 130))
+    with cpu.new_session() as ref, gpu.new_session() as s:
+        for chunk in (first, second):
+            want, got = ref.prefill(chunk), s.prefill(chunk)
+            assert relative_error(got, want) < 2e-3
+            assert_same_argmax_where_decided(got, want)
+        per_step = 4 * cfg.num_hidden_layers + 1          # qkv, o, gate_up, down per layer + lm_head
+        assert sorted({tokens for tokens, _ in f16_calls}) == [130, 200], f16_calls
+        assert len(f16_calls) == 2 * per_step, f16_calls
+        assert any(name.endswith("_silu") for _, name in f16_calls)
+        token = int(np.argmax(want[-1]))
+        for _ in range(2):
+            want, got = ref.decode(token), s.decode(token)
+            assert relative_error(got, want) < 2e-3 and int(np.argmax(got)) == int(np.argmax(want))
+            token = int(np.argmax(want))
+        assert len(f16_calls) == 2 * per_step, "decode steps stay on the GEMV"
