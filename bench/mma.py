@@ -58,7 +58,8 @@ class Bench:
 
     def vector(self, count: int, fill=None) -> int:
         ptr = self.arena.alloc(4 * count)
-        values = self.rng.standard_normal(count).astype(np.float32) if fill is None else np.full(count, fill, np.float32)
+        values = (self.rng.standard_normal(count).astype(np.float32) if fill is None
+                  else np.full(count, fill, np.float32))
         driver.h2d_sync(ptr, values)
         return ptr
 

@@ -26,7 +26,8 @@
 // (in the thread's own fragment order, so stores and reloads are coalesced float4), then takes the
 // tile's ticket; the last to arrive sums splits 0..z-1 in order (a fixed order: the result does not
 // depend on which block came last), resets the ticket for the next launch or graph replay, and runs
-// the epilogue alone.  gridDim.z == 1 never touches partials or tickets.
+// the epilogue alone.  gridDim.z == 1 never touches partials or tickets; tiles of more than 16
+// tokens are compiled without the split (gridDim.z must be 1).
 #include "common.cuh"
 
 // bytes per shared row: BK + 16 keeps the fragment loads free of bank conflicts (BK a multiple of 64)
@@ -78,6 +79,9 @@ __device__ __forceinline__ void q8_mma_body(
     constexpr int X_LOADS = BM * (BK / 4) / THREADS;               // float4 of x per thread per stage
     constexpr int W_LOADS = BN * (BK / 16) / THREADS;              // 16-byte weight chunks per thread
     constexpr int S_LOADS = BN * KB / THREADS;                     // weight scales per thread
+    // only the 16-token tiles of few-token steps split K: the others keep the registers of their
+    // prefill-sized tiles (mma_variants.Tile.splits_k); their grid's z is 1
+    constexpr bool SPLIT_K = BM == 16;
     static_assert(FM >= 1 && FN >= 1 && X_LOADS >= 1 && W_LOADS >= 1 && S_LOADS >= 1 && BK % 64 == 0, "tile");
     static_assert(BM * (BK / 4) % THREADS == 0 && BN * (BK / 16) % THREADS == 0 && BN * KB % THREADS == 0,
                   "tile shape");
@@ -221,7 +225,7 @@ __device__ __forceinline__ void q8_mma_body(
         }
     }
 
-    if (splits > 1) {
+    if (SPLIT_K && splits > 1) {
         const int tile = blockIdx.y * gridDim.x + blockIdx.x;
         float4* tile_partials = reinterpret_cast<float4*>(partials) + (long long)tile * splits * (FM * FN * THREADS);
         float4* mine = tile_partials + blockIdx.z * (FM * FN * THREADS);
@@ -237,18 +241,20 @@ __device__ __forceinline__ void q8_mma_body(
         __syncthreads();
         if (!is_last_split) return;
         __threadfence();
+        // acc = split 0 + split 1 + ... in that order, this split's own part read back too (the same bits)
+        const float4* part = tile_partials + tid;
+        for (int z = 0; z < splits; z++, part += FM * FN * THREADS)
 #pragma unroll
-        for (int i = 0; i < FM; i++)
+            for (int i = 0; i < FM; i++)
 #pragma unroll
-            for (int j = 0; j < FN; j++) {   // this split's own part too: read back, the same bits
-                const float4* part = tile_partials + (i * FN + j) * THREADS + tid;
-                float4 sum = __ldcg(part);
-                for (int z = 1; z < splits; z++) {
-                    const float4 v = __ldcg(part + z * (FM * FN * THREADS));
-                    sum.x += v.x; sum.y += v.y; sum.z += v.z; sum.w += v.w;
+                for (int j = 0; j < FN; j++) {
+                    const float4 v = __ldcg(part + (i * FN + j) * THREADS);
+                    if (z == 0) {
+                        acc[i][j][0] = v.x; acc[i][j][1] = v.y; acc[i][j][2] = v.z; acc[i][j][3] = v.w;
+                    } else {
+                        acc[i][j][0] += v.x; acc[i][j][1] += v.y; acc[i][j][2] += v.z; acc[i][j][3] += v.w;
+                    }
                 }
-                acc[i][j][0] = sum.x; acc[i][j][1] = sum.y; acc[i][j][2] = sum.z; acc[i][j][3] = sum.w;
-            }
         if (tid == 0) tickets[tile] = 0u;   // every split of the tile has taken its ticket
     }
 

@@ -74,7 +74,8 @@ def mma_product(x: np.ndarray, wq: np.ndarray, w_scales: np.ndarray, blocks_per_
         acc = np.zeros((x.shape[0], n), np.float32)
         end = min(first + per_split, k // 32)
         for c0 in range(first, end, chunk):   # |dot| <= 32 * 127 * 127 * 129 < 2^31: exact in float64
-            dots = (q[c0:min(c0 + chunk, end)] @ wb[:, c0:min(c0 + chunk, end), :].transpose(1, 2, 0)).astype(np.float32)
+            c1 = min(c0 + chunk, end)
+            dots = (q[c0:c1] @ wb[:, c0:c1, :].transpose(1, 2, 0)).astype(np.float32)
             for b, block_dots in enumerate(dots, c0):            # the kernel's order: block by block
                 acc += block_dots * ((d[:, b, None] * np.float32(1 / 128)) * ws[None, :, b])
         total = acc if first == 0 else total + acc
@@ -143,7 +144,7 @@ def q8_mma(launch, *args) -> None:
     assert gx * tile.rows >= N and gy * tile.tokens >= ntok, \
         f"{launch.name}: grid {launch.grid} misses part of {ntok} tokens x {N} rows"
     assert ldx % 4 == 0 and x % 16 == 0, f"{launch.name}: float4 loads of x misaligned (x {x:#x}, ldx {ldx})"
-    assert mma_variants.split_is_valid(K, tile, splits), f"{launch.name}: {splits} K splits of K={K} leave one empty"
+    assert mma_variants.split_is_valid(K, tile, splits), f"{launch.name}: K={K} split {splits} ways"
     if splits > 1:      # a BM x BN float32 tile per block, 16-byte aligned; a zeroed ticket per output tile
         assert partials % 16 == 0, f"{launch.name}: partials at {partials:#x} not 16-byte aligned"
         dev(partials, 4 * gx * gy * splits * tile.tokens * tile.rows)

@@ -97,3 +97,6 @@ def test_variant_names_round_trip_and_bad_ones_say_what():
     assert not mma_variants.split_is_valid(2048, mma_variants.TILES["16x32k256"], 9), "8 stages: 9 splits"
     assert not mma_variants.split_is_valid(1024, mma_variants.TILES["16x64"], 7), "16 stages in runs of 3: 6 used"
     assert mma_variants.scratch_bound(8) == (0, 0), "steps of up to 8 tokens run the GEMV"
+    for name, tile in mma_variants.TILES.items():   # prefill-sized tiles are compiled without split K
+        assert mma_variants.split_is_valid(4096, tile, 2) == (tile.tokens == 16), name
+    assert set(mma_variants.SMALL_STEP_TILES) <= {name for name, tile in mma_variants.TILES.items() if tile.splits_k}

@@ -235,11 +235,11 @@ def _mma_launch(kernels: KernelSet, w: QWeight, tokens: int, silu_pairs: bool, a
     tile_name, splits = mma_variants.parse_variant(variant)
     tile = mma_variants.TILES[tile_name]
     assert mma_variants.split_is_valid(w.cols, tile, splits), \
-        f"{variant}: {splits} splits of {mma_variants.stages(w.cols, tile)} K stages leave one empty"
+        f"{variant}: K={w.cols} cannot be split {splits} ways (a 16-token tile, no split left empty)"
     partial_floats, tickets = mma_variants.scratch_floats(tokens, w.rows, tile_name, splits)
     if splits > 1:
         assert scratch is not None and partial_floats <= scratch.partial_floats and tickets <= scratch.ticket_count, \
-            f"{variant} on {tokens} x {w.rows}: needs {partial_floats} partial floats and {tickets} tickets, has {scratch}"
+            f"{variant} on {tokens} x {w.rows}: needs {partial_floats} partial floats, {tickets} tickets; has {scratch}"
     split_args = [scratch.partials, scratch.tickets] if splits > 1 else [0, 0]
     return kernels.launch(mma_variants.kernel_name(tile_name, silu_pairs),
                           mma_variants.grid(tokens, w.rows, tile_name, splits), (tile.threads,), MMA_SIGNATURE,

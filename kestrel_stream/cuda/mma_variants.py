@@ -25,6 +25,11 @@ class Tile(NamedTuple):
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n
 
+    @property
+    def splits_k(self) -> bool:
+        """Compiled with split K (q8_mma.cu's SPLIT_K): the 16-token tiles of few-token steps."""
+        return self.tokens == 16
+
 
 TILES = {"16x64": Tile(16, 64, 1, 4), "16x64k128": Tile(16, 64, 1, 4, 128), "16x32k256": Tile(16, 32, 1, 4, 256),
          "16x32k128": Tile(16, 32, 1, 4, 128), "16x16k256": Tile(16, 16, 1, 2, 256),
@@ -60,7 +65,7 @@ def choose_tile(tokens: int, rows: int) -> str:
 # splitting K gives enough blocks in flight.  Larger steps have tiles enough.
 SPLIT_MAX_TOKENS = 64
 SPLIT_TARGET_BLOCKS = 2 * 132        # two waves of one block per SM of an H200
-SPLIT_TILES = ("16x32k256", "16x64")  # what choose_tile gives up to SPLIT_MAX_TOKENS
+SMALL_STEP_TILES = ("16x32k256", "16x64")   # what choose_tile gives up to SPLIT_MAX_TOKENS
 
 
 def variant_name(tile: str, splits: int) -> str:
@@ -80,9 +85,10 @@ def stages(k: int, tile: Tile) -> int:
 
 
 def split_is_valid(k: int, tile: Tile, splits: int) -> bool:
-    """Every one of `splits` runs of ceil(stages / splits) K stages is non-empty (the kernel's split rule)."""
+    """Every one of `splits` runs of ceil(stages / splits) K stages is non-empty (the kernel's split rule),
+    on a tile compiled with split K."""
     total = stages(k, tile)
-    return 1 <= splits <= total and (splits - 1) * -(-total // splits) < total
+    return splits == 1 or (tile.splits_k and splits <= total and (splits - 1) * -(-total // splits) < total)
 
 
 def blocks_per_split(k: int, tile: Tile, splits: int) -> int:
@@ -128,7 +134,7 @@ def scratch_bound(max_tokens: int) -> tuple[int, int]:
     2 x SPLIT_TARGET_BLOCKS blocks."""
     if max_tokens < MMA_MIN_TOKENS:
         return 0, 0
-    area = max(TILES[name].tokens * TILES[name].rows for name in SPLIT_TILES)
+    area = max(TILES[name].tokens * TILES[name].rows for name in SMALL_STEP_TILES)
     return 2 * SPLIT_TARGET_BLOCKS * area, SPLIT_TARGET_BLOCKS
 
 
