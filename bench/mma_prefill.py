@@ -62,7 +62,8 @@ def main() -> None:
     notes = ("q8_mma (int8) and q8_f16mma (fp16) tiles vs q8_matmul (simt); default = the launcher's pick "
              f"(F16_MIN_TOKENS {mma_variants.F16_MIN_TOKENS}). Up to {args.repeats} launches per graph, "
              "median of 5 replays; weights are 4-200 MB, partly L2-resident.")
-    path = write_results("h200-mma", environment(), bench.rows,
+    name = "h200-mma" + (f"-{args.only}" if args.only else "")
+    path = write_results(name, environment(), bench.rows,
                          ["model", "op", "tokens", "rows", "k", "kernel", "default", "us", "tflop_s"], notes, args.out)
     print(f"results: {path}")
 
