@@ -228,3 +228,4 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
         monkeypatch.setattr(module, "KernelSet", FakeKernelSet)
     monkeypatch.setattr(kestrel_stream.run.calibrate, "calibrate", lambda *a, **k: scheduler.H200_MEASURED)
     monkeypatch.setattr(cublas_module, "load", (lambda log=None: FakeCublas()) if cublas else (lambda log=None: None))
+    monkeypatch.setattr(cublas_module, "available", lambda: cublas)

@@ -72,14 +72,19 @@ def test_chosen_split_fills_the_sms_and_fits_the_scratch_bound(tokens, rows, k):
     variant = mma_variants.choose_variant(tokens, rows, k)
     tile_name, splits = mma_variants.parse_variant(variant)
     tile = mma_variants.TILES[tile_name]
-    assert tile_name == mma_variants.choose_tile(tokens, rows)
+    assert tile_name == mma_variants.split_tile(tokens, rows)
+    assert splits <= mma_variants.MAX_SPLITS
     assert mma_variants.split_is_valid(k, tile, splits), variant
     gx, gy, gz = mma_variants.grid(tokens, rows, tile_name, splits)
     if tokens > mma_variants.SPLIT_MAX_TOKENS or gx * gy >= mma_variants.SPLIT_TARGET_BLOCKS:
         assert splits == 1, variant
-    else:                          # as many blocks as the target asks, or every split at least two K stages
-        per_split = -(-mma_variants.stages(k, tile) // splits)
-        assert gx * gy * gz >= mma_variants.SPLIT_TARGET_BLOCKS or per_split <= 3, variant
+    else:   # the target's blocks but for the rounding to runs of equal length, or the most splits, or the
+            # shortest runs (two K stages: the double buffer's depth)
+        total = mma_variants.stages(k, tile)
+        per_split = -(-total // splits)
+        shortest = -(-total // max(total // 2, 1))
+        assert (gx * gy * gz * per_split >= mma_variants.SPLIT_TARGET_BLOCKS * (per_split - 1)
+                or splits == mma_variants.MAX_SPLITS or per_split == shortest), variant
         assert splits == 1 or per_split >= 2, variant
     floats, tickets = mma_variants.scratch_floats(tokens, rows, tile_name, splits)
     bound_floats, bound_tickets = mma_variants.scratch_bound(max(tokens, 64))

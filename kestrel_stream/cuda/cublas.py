@@ -127,6 +127,11 @@ def _library():
     return _loaded["lib"]
 
 
+def available() -> bool:
+    """Whether the library loads here (load() may still fail to initialise a handle)."""
+    return not isinstance(_library(), str)
+
+
 def load(log=None) -> Cublas | None:
     """A handle on the current context, or None (and one line to `log`, default stderr) without cuBLAS."""
     found = _library()

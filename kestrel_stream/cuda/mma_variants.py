@@ -64,8 +64,13 @@ def choose_tile(tokens: int, rows: int) -> str:
 # Split K: up to 64 tokens a tile walks the whole K alone, and 2048 rows make 64 tiles for 132 SMs;
 # splitting K gives enough blocks in flight.  Larger steps have tiles enough.
 SPLIT_MAX_TOKENS = 64
-SPLIT_TARGET_BLOCKS = 2 * 132        # two waves of one block per SM of an H200
-SMALL_STEP_TILES = ("16x32k256", "16x64")   # what choose_tile gives up to SPLIT_MAX_TOKENS
+# Blocks a split launch aims at, and the most splits: from bench/mma.py --sweep splits on the H200
+# (bench/results/2026-12-01-h200-mma-split-winners.md): many short splits keep more weight bytes in
+# flight than two waves of long ones (the 1.7B and 8B projections at 9..64 tokens: 20 % less time
+# in all than a two-wave target, within 4 % of each shape's best split).
+SPLIT_TARGET_BLOCKS = 12 * 132
+MAX_SPLITS = 16
+SMALL_STEP_TILES = ("16x32k256", "16x64", "16x64k128")   # what choose_tile and split_tile give up to SPLIT_MAX_TOKENS
 
 
 def variant_name(tile: str, splits: int) -> str:
@@ -103,14 +108,22 @@ def choose_splits(tokens: int, rows: int, k: int, tile_name: str) -> int:
     tiles = -(-rows // tile.rows) * -(-tokens // tile.tokens)
     if tokens > SPLIT_MAX_TOKENS or tiles >= SPLIT_TARGET_BLOCKS:
         return 1
-    splits = min(-(-SPLIT_TARGET_BLOCKS // tiles), max(stages(k, tile) // 2, 1))
+    splits = min(-(-SPLIT_TARGET_BLOCKS // tiles), max(stages(k, tile) // 2, 1), MAX_SPLITS)
     per_split = -(-stages(k, tile) // splits)
     return -(-stages(k, tile) // per_split)        # the same runs, none left empty
 
 
+def split_tile(tokens: int, rows: int) -> str:
+    """The tile of a step that may split K: up to 32 tokens the 16 x 64 tile with 128-wide K stages
+    (twice the stages of 16x32k256 to split), up to 64 the 16 x 64 one; choose_tile's beyond."""
+    if tokens > SPLIT_MAX_TOKENS:
+        return choose_tile(tokens, rows)
+    return "16x64k128" if tokens <= 32 else "16x64"
+
+
 def choose_variant(tokens: int, rows: int, k: int) -> str:
-    """choose_tile's tile with choose_splits' split count."""
-    tile = choose_tile(tokens, rows)
+    """split_tile's tile with choose_splits' split count."""
+    tile = split_tile(tokens, rows)
     return variant_name(tile, choose_splits(tokens, rows, k, tile))
 
 
@@ -196,7 +209,13 @@ def uses_f16(tokens: int, variant: str | None = None) -> bool:
 
 
 def choose_f16_tile(tokens: int, rows: int, sm_count: int = 132) -> str:
-    """The fp16 tile for a tokens x rows output: the 128 x 128 tile (most mma per byte loaded) where it
-    still gives every SM a block, else the 64 x 128 one, which doubles the blocks."""
-    blocks = -(-rows // 128) * -(-tokens // 128)
-    return "f16_128x128" if blocks >= sm_count else "f16_64x128"
+    """The fp16 tile for a tokens x rows output, from bench/mma_prefill.py on the H200
+    (bench/results/2026-12-01-h200-mma-prefill.md; within 2 % of every qwen3-1.7b/8b layer shape's best
+    at 128..2048 tokens in all): the 64 x 64 tile with 64-wide K stages while 64 x 128 tiles would not
+    give every SM a block, the two-blocks-per-SM 128 x 128 tile once even those fill two waves of up to
+    4096 rows, else 64 x 128."""
+    if -(-rows // 128) * -(-tokens // 64) <= sm_count:
+        return "f16_64x64k64"
+    if -(-rows // 128) * -(-tokens // 128) >= 2 * sm_count - 8 and rows <= 4096:
+        return "f16_128x128_b2"
+    return "f16_64x128"

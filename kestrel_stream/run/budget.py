@@ -215,11 +215,19 @@ def plan_gpu_memory(c, *, budget_bytes: int | None, free_bytes: int, max_tokens:
 
 
 def gpu_mode_needs(c, max_batch: int, max_seq_len: int, prefill_chunk: int = PREFILL_CHUNK_TOKENS,
-                   max_sessions: int = 256, attention_splits: int = 16, kv_dtype: str = "f16") -> ArenaNeeds:
+                   max_sessions: int = 256, attention_splits: int = 16, kv_dtype: str = "f16",
+                   dense: bool | None = None) -> ArenaNeeds:
     """What GpuExecutor's arena and its least KV pool take besides the weights (for
     budget_for_weight_fraction): plan_gpu_memory's needs with no budget.  max_sessions: its
-    block-table rows (gpu_executor.DEFAULT_MAX_SESSIONS)."""
+    block-table rows (gpu_executor.DEFAULT_MAX_SESSIONS).  dense: whether the library GEMM path's
+    scratch is in the arena (None: where cuBLAS loads and steps reach DENSE_MIN_TOKENS, as the
+    executor decides with default options)."""
+    from scheduler.dense import DENSE_MIN_TOKENS, scratch_shape
     max_tokens, logits_rows = step_rows(max_batch, prefill_chunk)
+    if dense is None:
+        from kestrel_stream.cuda import cublas
+        dense = max_tokens >= DENSE_MIN_TOKENS and cublas.available()
     return plan_gpu_memory(c, budget_bytes=None, free_bytes=1 << 50, max_tokens=max_tokens,
                            max_sessions=max_sessions, max_seq_len=max_seq_len, attention_splits=attention_splits,
-                           max_batch=max_batch, kv_dtype=kv_dtype, logits_rows=logits_rows).needs
+                           max_batch=max_batch, kv_dtype=kv_dtype, logits_rows=logits_rows,
+                           scratch_bytes=scratch_shape(c).nbytes(max_tokens) if dense else 0).needs
