@@ -121,6 +121,8 @@ def test_bench_times_every_layout_and_names_the_winners(monkeypatch):
     assert {key[1] for key in measured} == {1}                    # 3 tokens run M = 4: not a table entry
     for (code, m, n, k), variant in measured.items():
         assert qv.parse(qv.kernel_name(code, m, variant, False))[2] == variant
+    estimates = block_gemv.mix_estimates(rows)       # a Q4_K_M step's GEMVs per M: legacy, default, fastest
+    assert [line.split(" M=")[1].split(":")[0] for line in estimates] == ["1", "3"]
 
 
 def test_kestrel_gemv_block_forces_a_layout_where_it_fits(monkeypatch):
