@@ -178,6 +178,41 @@ def winners(rows: list[dict]) -> tuple[list[str], dict]:
     return lines, measured
 
 
+# a Q4_K_M file's GEMVs per token: projection → [(format, share of the layers)] (llama.cpp's mix: Q6_K for
+# attn_v and ffn_down in about half the layers, and for the output)
+Q4_K_M_MIX = {"qkv": [("Q4_K+Q6_K", 0.5), ("Q4_K", 0.5)], "o": [("Q4_K", 1.0)], "gate_up": [("Q4_K", 1.0)],
+              "down": [("Q6_K", 0.5), ("Q4_K", 0.5)]}
+LAYERS = {"qwen3-1.7b": 28, "qwen3-8b": 36}
+
+
+def mix_estimates(rows: list[dict]) -> list[str]:
+    """Per model and M: the GEMV µs of one Q4_K_M decode step (every layer's projections + lm_head in Q6_K)
+    with the original kernel, the default layouts and the fastest ones, from the rows measured."""
+    def us(model, projection, fmt, tokens, pick) -> float | None:
+        group = [r for r in rows if (r["model"], r["projection"], r["format"], r["M"]) == (model, projection, fmt,
+                                                                                         tokens)]
+        chosen = {"best": group, "legacy": [r for r in group if r["variant"] == "legacy"],
+                  "default": [r for r in group if r["default"]]}[pick]
+        return min(r["us"] for r in chosen) if chosen else None
+
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        for tokens in dict.fromkeys(r["M"] for r in rows):
+            totals = {}
+            for pick in ("legacy", "default", "best"):
+                parts = [us(model, p, fmt, tokens, pick) for p, mix in Q4_K_M_MIX.items() for fmt, _ in mix]
+                head = us(model, "lm_head", "Q6_K", tokens, pick)
+                if any(v is None for v in parts) or head is None:
+                    break
+                shares = [share for mix in Q4_K_M_MIX.values() for _, share in mix]
+                totals[pick] = LAYERS.get(model, 1) * sum(v * s for v, s in zip(parts, shares)) + head
+            if len(totals) == 3:
+                lines.append(f"{model} Q4_K_M step GEMVs M={tokens}: legacy {totals['legacy']:.0f} us, default "
+                             f"{totals['default']:.0f} us, fastest {totals['best']:.0f} us "
+                             f"(x{totals['legacy'] / max(totals['best'], 1e-9):.2f})")
+    return lines
+
+
 def run(kernels, arena, stream, models: dict, formats, tokens_list, rng, repeats: int = REPEATS) -> list[dict]:
     """Every row of the bench; models: name → shapes, as MODELS."""
     width = max(max(shapes[p][i] for p in EPILOGUES for i in (0, 1)) for shapes in models.values())
@@ -207,11 +242,12 @@ def main() -> None:
     args = parser.parse_args()
     device = driver.Device(0)
     kernels, stream = kernel_module.KernelSet(device), driver.Stream()
-    arena = driver.Arena(3 << 30)
+    arena = driver.Arena(8 << 30)          # the 8B shapes' rotated copies (COLD_BYTES each) and the Q8_0 beside them
     rng = np.random.default_rng(0)
     rows = run(kernels, arena, stream, {name: MODELS[name] for name in args.models.split(",")}, args.formats.split(","),
                [int(t) for t in args.tokens.split(",")], rng)
     lines, measured = winners(rows)
+    lines += mix_estimates(rows)
     print("\n".join(lines))
     print("MEASURED = " + repr(dict(sorted(measured.items()))), flush=True)
     env = environment()

@@ -1,6 +1,7 @@
 // Block-format GEMV layouts for 2..8 tokens (q4_gemv_tiled.cuh, row-outer), one kernel set per M in
 // (2, 4, 8) and variant of kestrel_stream/cuda/q4_gemv_variants.MN_VARIANTS: oTrRuU = T threads, R rows
 // per block, U units per thread in flight.  Names: <fmt>[_<tail fmt>]_gemv_m<M>_<variant>[_silu].
+// (The layouts with x shared by the rows, gTrRuU: q4_gemv_mg.cu.)
 #include "common.cuh"
 #include "q4_formats.cuh"
 #include "q4_gemv_epilogue.cuh"

@@ -5,11 +5,13 @@
 // 3 x 16 B, of which half the UNROLL, rounded up) and takes every THREADS-th unit of the row.
 //
 // What the old kernel spent per weight beyond the multiply-add, and where it goes here:
-// - one token: each unit's 32 (Q6_K 64) x values are loaded once and, for Q4_K's mins, summed once,
-//   then serve all ROWS rows (q4_gemv.cu reloads and re-sums them per row);
-// - 2..8 tokens (ROW_OUTER): one row's levels are made floats once (Q4_K: the dequantized weights
-//   s * level - o, one fma each, so no x sums at all) and serve every token, x re-read from L1 per
-//   row, so registers hold one row's 16 weights instead of ROWS' and more warps stay resident.
+// - x shared by the rows (t layouts: one token; g: 2..8): each group's 16 x values per token are loaded
+//   once and, for Q4_K's mins at one token, summed once, then serve all ROWS rows (q4_gemv.cu reloads
+//   and re-sums them per row); at 2..8 tokens Q4_K's weights are dequantized once (s * level - o) and
+//   need no x sums at all;
+// - row-outer (o layouts, 2..8 tokens): one row's weights as floats at a time serve every token, x
+//   re-read from L1 per row, so registers hold one row's 16 weights instead of ROWS' and more warps
+//   stay resident (q8_gemv.cu's o layouts), at ROWS times the L1 traffic of the g layouts.
 // - Q4_K's scale block: decoded four scales to a word instead of one at a time (TiledDecode).
 // Arithmetic: fp32 x, weights exact in fp32 (levels and scales as quant4.group_form), fp32 sums
 // (the numpy twin: x @ dequantize(W).T within 1e-5 of the largest output).
@@ -74,7 +76,7 @@ __device__ __forceinline__ float4 load_x4_l1(const float* p) {
 }
 
 // one token: a group's 16 x values in registers (and their sum, for the mins) against every row's
-// group, one group at a time (registers: 16 x values, not the unit's 32 or 64)
+// group, one group at a time, levels made floats as the fmas take them (registers: 16 x values)
 template <class F, int ROWS>
 __device__ __forceinline__ void unit_rows_m1(const typename F::Raw (&raw)[ROWS], int u, const float* x,
                                              float (&acc)[ROWS][1]) {
@@ -100,6 +102,51 @@ __device__ __forceinline__ void unit_rows_m1(const typename F::Raw (&raw)[ROWS],
             for (int i = 0; i < 16; i++) dot = fmaf(level_float(g[gi].lv[i >> 2], i & 3, (float)F::BIAS), xv[i], dot);
             acc[r][0] = fmaf(g[gi].s, dot, acc[r][0]);
             if (F::MINS) acc[r][0] = fmaf(-g[gi].o, xsum, acc[r][0]);
+        }
+    }
+}
+
+// 2..8 tokens, x shared by the rows: one group at a time, every row's 16 weights of the group as floats
+// (Q4_K: dequantized, s * level - o, so no x sums), then each token's 16 x values, loaded once for all
+// ROWS rows, against them
+template <class F, int M, int ROWS>
+__device__ __forceinline__ void unit_rows_shared(const typename F::Raw (&raw)[ROWS], int u, const float* x,
+                                                 int ldx, int ntok, float (&acc)[ROWS][M]) {
+    static_assert(M > 1, "one token: unit_rows_m1");
+#pragma unroll
+    for (int gi = 0; gi < F::GROUPS; gi++) {
+        float wf[ROWS][16], s[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            Group g[F::GROUPS];
+            TiledDecode<F>::run(raw[r], u, g);   // only group gi is used: the rest is dead code here
+            s[r] = g[gi].s;
+#pragma unroll
+            for (int i = 0; i < 16; i++) {
+                const float level = level_float(g[gi].lv[i >> 2], i & 3, (float)F::BIAS);
+                wf[r][i] = F::MINS ? fmaf(g[gi].s, level, -g[gi].o) : level;
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            if (m >= ntok) break;   // uniform: the kernel of the next M up runs ntok < M tokens
+            const float4* xp = (const float4*)(x + (long long)m * ldx + UnitK<F>::at(u, gi));
+            float xv[16];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float4 v = xp[i];
+                xv[4 * i] = v.x;
+                xv[4 * i + 1] = v.y;
+                xv[4 * i + 2] = v.z;
+                xv[4 * i + 3] = v.w;
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                float dot = 0.f;
+#pragma unroll
+                for (int i = 0; i < 16; i++) dot = fmaf(wf[r][i], xv[i], dot);
+                acc[r][m] = F::MINS ? acc[r][m] + dot : fmaf(s[r], dot, acc[r][m]);
+            }
         }
     }
 }
@@ -146,7 +193,6 @@ __device__ __forceinline__ void tiled_part(
         const unsigned char* __restrict__ meta, int row0, int row_first, int row_end, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
         float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
-    static_assert(ROW_OUTER || M == 1, "one token per launch, or the row-outer layout");
     const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
     const unsigned char* qs_r[ROWS];
     const unsigned char* meta_r[ROWS];
@@ -181,7 +227,8 @@ __device__ __forceinline__ void tiled_part(
             const int u = u0 + j * THREADS;
             if (u >= units) break;
             if constexpr (ROW_OUTER) unit_rows_outer<F, M, ROWS>(raw[j], u, x, ldx, ntok, acc);
-            else unit_rows_m1<F, ROWS>(raw[j], u, x, acc);
+            else if constexpr (M == 1) unit_rows_m1<F, ROWS>(raw[j], u, x, acc);
+            else unit_rows_shared<F, M, ROWS>(raw[j], u, x, ldx, ntok, acc);
         }
     }
     q4_gemv_epilogue<M, ROWS, THREADS, SILU_PAIRS>(sh, acc, row0, row_end, inv_rms_in, y, ldy, res, normw_out,

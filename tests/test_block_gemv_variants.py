@@ -16,9 +16,9 @@ from kestrel_stream.cuda import q4_gemv_variants as qv
 from test_block_kernels import DEVICES, WEIGHTS, Harness, check_product, silu_pairs_apply
 
 EPILOGUES = ("rmsnorm", "residual_xn_rms", "silu_pairs")
-# (layout, tokens): each one-token layout at 1; each 2..8-token layout at every M full (2, 4, 8) and with
-# tokens left out (3 on M = 4, 5 on M = 8); the original kernel at 1 and 5
-CASES = ([(v, 1) for v in qv.M1_VARIANTS] + [(v, t) for v in qv.MN_VARIANTS for t in (2, 3, 4, 5, 8)]
+# (layout, tokens): each one-token layout at 1; each 2..8-token layout at M = 2 and 8 full and M = 4 with a
+# token left out (3); the original kernel at 1 and 5
+CASES = ([(v, 1) for v in qv.M1_VARIANTS] + [(v, t) for v in qv.MN_VARIANTS for t in (2, 3, 8)]
          + [(qv.LEGACY, 1), (qv.LEGACY, 5)])
 
 
@@ -42,14 +42,16 @@ def test_the_layouts_are_the_kernels_that_exist():
     """Each Python layout is instantiated in the .cu with the same threads, rows and unroll (the emulated
     device cannot tell a missing kernel from a present one)."""
     m1 = (source_dir() / "q4_gemv_m1.cu").read_text()
-    mn = (source_dir() / "q4_gemv_mn.cu").read_text()
+    mn = {"o": (source_dir() / "q4_gemv_mn.cu").read_text(), "g": (source_dir() / "q4_gemv_mg.cu").read_text()}
     for name, v in qv.M1_VARIANTS.items():
         assert f"DEFINE_Q4_TILED_SET(1, {v.threads}, {v.rows}, {v.unroll}, false, {name})" in m1, name
-    for name, v in qv.MN_VARIANTS.items():
-        assert f"DEFINE_Q4_TILED_SET(M, {v.threads}, {v.rows}, {v.unroll}, true, {name})" in mn, name
+    for name, v in qv.MN_VARIANTS.items():       # o: row-outer (true), g: x shared by the rows (false)
+        row_outer = "true" if name[0] == "o" else "false"
+        assert f"DEFINE_Q4_TILED_SET(M, {v.threads}, {v.rows}, {v.unroll}, {row_outer}, {name})" in mn[name[0]], name
     assert len(re.findall(r"^\s*DEFINE_Q4_TILED_SET\(1,", m1, re.M)) == len(qv.M1_VARIANTS)
-    assert len(re.findall(r"DEFINE_Q4_TILED_SET\(M,", mn)) == len(qv.MN_VARIANTS)
-    assert re.findall(r"^DEFINE_Q4_TILED_MN\((\d)\)", mn, re.M) == ["2", "4", "8"]
+    assert sum(len(re.findall(r"DEFINE_Q4_TILED_SET\(M,", text)) for text in mn.values()) == len(qv.MN_VARIANTS)
+    assert re.findall(r"^DEFINE_Q4_TILED_MN\((\d)\)", mn["o"], re.M) == ["2", "4", "8"]
+    assert re.findall(r"^DEFINE_Q4_TILED_MG\((\d)\)", mn["g"], re.M) == ["2", "4", "8"]
     tiled = (source_dir() / "q4_gemv_tiled.cuh").read_text()
     built = set(re.findall(r"(q4_0|q4_k_q6_k|q4_k|q6_k)_gemv_m##M##_##SUFFIX(##_silu)?\)", tiled))
     assert {(code, bool(silu)) for code, silu in built} == qv.TILED_CODES
@@ -119,6 +121,8 @@ def test_bench_times_every_layout_and_names_the_winners(monkeypatch):
     assert {key[1] for key in measured} == {1}                    # 3 tokens run M = 4: not a table entry
     for (code, m, n, k), variant in measured.items():
         assert qv.parse(qv.kernel_name(code, m, variant, False))[2] == variant
+    estimates = block_gemv.mix_estimates(rows)       # a Q4_K_M step's GEMVs per M: legacy, default, fastest
+    assert [line.split(" M=")[1].split(":")[0] for line in estimates] == ["1", "3"]
 
 
 def test_kestrel_gemv_block_forces_a_layout_where_it_fits(monkeypatch):
@@ -138,6 +142,6 @@ def test_kestrel_gemv_block_forces_a_layout_where_it_fits(monkeypatch):
         names[value] = [kernels.gemv_launch(kernel_set, qw, x, 768, y, 70, t).name for t in (1, 4)]
     h.arena.release()
     assert names[""] == ["q4_k_gemv_m1", "q4_k_gemv_m4"]
-    assert names["t64r8u1"] == ["q4_k_gemv_m1_t64r8u1", "q4_k_gemv_m4_o64r4u1"]
+    assert names["t64r8u1"] == ["q4_k_gemv_m1_t64r8u1", "q4_k_gemv_m4_g64r4u1"]
     with pytest.raises(ValueError, match="KESTREL_GEMV_BLOCK='w7'"):
         Options.from_env({"KESTREL_GEMV_BLOCK": "w7"})

@@ -4,7 +4,7 @@ A variant is THREADS x ROWS x UNROLL: a block of THREADS threads owns ROWS weigh
 thread keeps ROWS * UNROLL units' loads in flight (a unit: 16 B of nibbles = 32 weights for
 Q4_0/Q4_K, 3 x 16 B = 64 weights for Q6_K, which keeps half the UNROLL, rounded up).  "" is q4_gemv.cu's original kernel (64 threads, 4 rows
 for 1..2 tokens, 2 for 4..8, one unit in flight per row), kept for A/B; tTrRuU are the one-token
-layouts, oTrRuU the row-outer layouts for 2..8 tokens.  Kernel names:
+layouts, gTrRuU (x shared by the rows) and oTrRuU (row-outer) the layouts for 2..8 tokens.  Kernel names:
 <fmt>[_<tail fmt>]_gemv_m<M>[_<variant>][_silu].  Pure Python: the emulated device, the tests and
 the bench read it without a driver.
 """
@@ -22,7 +22,8 @@ class Variant(NamedTuple):
 LEGACY = ""
 M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r4u3": Variant(64, 4, 3),
                "t128r4u3": Variant(128, 4, 3)}
-MN_VARIANTS = {"o64r4u1": Variant(64, 4, 1), "o32r4u2": Variant(32, 4, 2)}
+MN_VARIANTS = {"g64r4u1": Variant(64, 4, 1), "g32r4u2": Variant(32, 4, 2), "o64r4u1": Variant(64, 4, 1),
+               "o32r4u2": Variant(32, 4, 2)}
 ALL_VARIANTS = (LEGACY, *M1_VARIANTS, *MN_VARIANTS)   # what Options.gemv_block (KESTREL_GEMV_BLOCK) may name
 GEMV_TOKENS = (1, 2, 4, 8)             # the kernels' M; a launch of fewer tokens runs the next M up
 # the (weight code, SiLU pairs) the tiled layouts are built for (q4_gemv_tiled.cuh's DEFINE_Q4_TILED_SET);
@@ -69,7 +70,7 @@ def choose(code: str, fmt: str, rows: int, cols: int, tokens: int, silu: bool = 
     KESTREL_GEMV_BLOCK) where it is a layout of M-token kernels; then MEASURED; then a rule from the row length: one token
     takes the layout that covers a row in whole passes with the least idle threads (loads in flight
     per thread over passes, as q8's measured table prefers), the vocabulary projection a long grid
-    of one-warp blocks; 2..8 tokens the 64-thread row-outer layout.
+    of one-warp blocks; 2..8 tokens the 64-thread layout with x shared by the rows.
     """
     m = gemv_m(tokens)
     if forced is not None:
@@ -83,7 +84,7 @@ def choose(code: str, fmt: str, rows: int, cols: int, tokens: int, silu: bool = 
     if measured is not None:
         return measured
     if m > 1:
-        return "o64r4u1"
+        return "g64r4u1"     # x read once per token for all rows: 1/ROWS of the row-outer L1 traffic
     if rows >= 65536:
         return "t32r4u2"
     units = cols // UNIT_WEIGHTS[fmt]
