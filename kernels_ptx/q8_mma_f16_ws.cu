@@ -13,8 +13,10 @@
 //   - A and B fragments come by ldmatrix.x4 (A: one per 16 tokens x 16 k, B: one per 16 rows x 16 k)
 //     from XOR-swizzled rows (16-byte chunk c of row r at c ^ f(r)): conflict-free for ldmatrix and for
 //     the conversion's 16-byte stores.
-// Shared memory is dynamic (F16Tile.shared_bytes: STAGES x BN x BK int8 + 2 x (BN + BM) x BK fp16); the
-// kernel traps if launched with less.
+// X_ASYNC (the "_xa" tiles): x comes by cp.async too, into a STAGES-deep fp32 ring, instead of waiting a
+// stage ahead in registers (BM x BK / threads float4s each): fewer registers, more shared memory.
+// Shared memory is dynamic (F16Tile.shared_bytes: STAGES x BN x BK int8 [+ STAGES x BM x BK fp32 x]
+// + 2 x (BN + BM) x BK fp16); the kernel traps if launched with less.
 #include "common.cuh"
 
 __device__ __forceinline__ float ws_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
@@ -64,7 +66,7 @@ __device__ __forceinline__ int ws_swizzle(int row, int chunk) {
     return row * (BK * 2) + phys * 16;
 }
 
-template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool SILU_PAIRS>
+template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, int STAGES, bool X_ASYNC, bool SILU_PAIRS>
 __device__ __forceinline__ void q8_f16mma_ws_body(
         const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
@@ -75,7 +77,8 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
     constexpr int X_LOADS = BM * (BK / 4) / THREADS;                 // float4 of x per thread per stage
     constexpr int W_LOADS = BN * (BK / 16) / THREADS;                // 16-byte int8 chunks per thread per stage
     constexpr int W8_BYTES = BN * BK, W16_BYTES = BN * BK * 2, X16_BYTES = BM * BK * 2;
-    constexpr unsigned int SHARED_BYTES = STAGES * W8_BYTES + 2 * (W16_BYTES + X16_BYTES);
+    constexpr int X32_BYTES = X_ASYNC ? BM * BK * 4 : 0;             // X_ASYNC: fp32 x ring slot
+    constexpr unsigned int SHARED_BYTES = STAGES * (W8_BYTES + X32_BYTES) + 2 * (W16_BYTES + X16_BYTES);
     static_assert(FM >= 1 && FN >= 2 && FN % 2 == 0 && X_LOADS >= 1 && W_LOADS >= 1 && STAGES >= 2, "tile");
     static_assert(BM * (BK / 4) % THREADS == 0 && BN * (BK / 16) % THREADS == 0 && THREADS % 4 == 0, "tile");
 
@@ -89,6 +92,8 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
     unsigned char* w8 = ws_shared;                               // [STAGES][BN][BK] int8, thread-private chunks
     unsigned char* w16 = w8 + STAGES * W8_BYTES;                 // [2][BN][BK] fp16, swizzled
     unsigned char* x16 = w16 + 2 * W16_BYTES;                    // [2][BM][BK] fp16, swizzled
+    unsigned char* x32 = x16 + 2 * X16_BYTES;                    // X_ASYNC: [STAGES][BM][BK] fp32, thread-private
+    const unsigned int x32_s = (unsigned int)__cvta_generic_to_shared(x32);
     const unsigned int w8_s = (unsigned int)__cvta_generic_to_shared(w8);
     const unsigned int w16_s = (unsigned int)__cvta_generic_to_shared(w16);
     const unsigned int x16_s = (unsigned int)__cvta_generic_to_shared(x16);
@@ -110,7 +115,23 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
                 ws_cp_async16(w8_s + slot * W8_BYTES + chunk * 16, qs + (long long)row * K + min(k, K - 16), k < K);
             }
         }
-        asm volatile("cp.async.commit_group;" ::: "memory");   // one group per stage, empty past K
+    };
+    auto commit = [] { asm volatile("cp.async.commit_group;" ::: "memory"); };   // one group per stage, empty past K
+    // X_ASYNC: x of stage k0 by cp.async into ring slot `slot`, the float4s load_x would load (zeros past
+    // ntok and K); like the weights, each thread reads back only what it copied
+    auto issue_x = [&](int slot, int k0) {
+        if (k0 < K) {
+#pragma unroll
+            for (int j = 0; j < X_LOADS; j++) {
+                const int f = tid + j * THREADS, r = f / (BK / 4), k = k0 + (f % (BK / 4)) * 4, tok = tok0 + r;
+                const float* src = x + (long long)min(tok, ntok - 1) * ldx + min(k, K - 4);
+                ws_cp_async16(x32_s + slot * X32_BYTES + f * 16, src, tok < ntok && k < K);
+            }
+        }
+    };
+    auto read_x = [&](int slot, float4 (&dst)[X_LOADS]) {
+#pragma unroll
+        for (int j = 0; j < X_LOADS; j++) dst[j] = *(const float4*)(x32 + slot * X32_BYTES + (tid + j * THREADS) * 16);
     };
     auto load_scales = [&](int k0, unsigned int (&dst)[W_LOADS]) {
 #pragma unroll
@@ -171,7 +192,10 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
     float4 x_regs[X_LOADS];
     unsigned int scale_regs[W_LOADS];
 #pragma unroll
-    for (int st = 0; st < STAGES; st++) issue_weights(st, st * BK);
+    for (int st = 0; st < STAGES; st++) {
+        issue_weights(st, st * BK);
+        commit();
+    }
     load_scales(0, scale_regs);
     pdl_wait();   // x and inv_rms_in are written by the previous kernel
 #pragma unroll
@@ -179,12 +203,22 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
         const int tok = tok0 + (tid + j * THREADS) / (BK / 4);
         x_scale[j] = inv_rms_in && tok < ntok ? inv_rms_in[tok] : 1.0f;
     }
-    load_x(0, x_regs);
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");   // stage 0's own chunks are in
+    if (X_ASYNC) {   // groups W0 .. W(STAGES-1), then X0 .. X(STAGES-1)
+#pragma unroll
+        for (int st = 0; st < STAGES; st++) {
+            issue_x(st, st * BK);
+            commit();
+        }
+    } else {
+        load_x(0, x_regs);
+    }
+    // stage 0's own chunks are in (X_ASYNC: x of stage 0 too: all but the newest STAGES - 1 groups)
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");
+    if (X_ASYNC) read_x(0, x_regs);
     convert(0, x_regs, scale_regs);
     if (stages > 1) {
         load_scales(BK, scale_regs);
-        load_x(BK, x_regs);
+        if (!X_ASYNC) load_x(BK, x_regs);
     }
     __syncthreads();
 
@@ -194,12 +228,15 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
     const int b_row = warp_n * WROW + (lane & 7) + ((lane >> 4) << 3), b_chunk = (lane >> 3) & 1;
     for (int s = 0; s < stages; s++) {
         issue_weights(s % STAGES, (s + STAGES) * BK);   // into stage s's slot: this thread converted it
+        if (X_ASYNC) issue_x(s % STAGES, (s + STAGES) * BK);
+        commit();
         if (s + 1 < stages) {
             asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory");   // stage s + 1's chunks
+            if (X_ASYNC) read_x((s + 1) % STAGES, x_regs);
             convert(s + 1, x_regs, scale_regs);   // into the other buffer: its readers passed the last barrier
             if (s + 2 < stages) {
                 load_scales((s + 2) * BK, scale_regs);
-                load_x((s + 2) * BK, x_regs);
+                if (!X_ASYNC) load_x((s + 2) * BK, x_regs);
             }
         }
         const unsigned int xb = x16_s + (s & 1) * X16_BYTES, wb = w16_s + (s & 1) * W16_BYTES;
@@ -278,24 +315,29 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
     if (tid == 0) *ticket = 0u;
 }
 
-// q8_f16mma_<BM>x<BN>k<BK>[w<warps>]_ws_s<STAGES>[_b<MINB>] (+ _silu): the "_ws" tiles of
-// mma_variants.F16_TILES; MINB blocks per SM caps the registers (65536 / (MINB x threads))
-#define DEFINE_F16MMA_WS(BM, BN, BK, WM, WN, ST, MINB, SILU, NAME)                                   \
+// q8_f16mma_<BM>x<BN>[k<BK>]_ws[_xa]_s<STAGES>[_b<MINB>] (+ _silu): the "_ws" tiles of
+// mma_variants.F16_TILES; XA (_xa): x by cp.async too; MINB blocks per SM caps the registers (65536 / (MINB x threads))
+#define DEFINE_F16MMA_WS(BM, BN, BK, WM, WN, ST, XA, MINB, SILU, NAME)                               \
     extern "C" __global__ void __launch_bounds__(32 * WM * WN, MINB) NAME(                           \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                        \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,    \
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,       \
             int ntok) {                                                                              \
-        q8_f16mma_ws_body<BM, BN, BK, WM, WN, ST, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,      \
-                                                       normw_out, xn_out, inv_rms_out, counter, eps, N, K, \
-                                                       ntok);                                        \
+        q8_f16mma_ws_body<BM, BN, BK, WM, WN, ST, XA, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,  \
+                                                           normw_out, xn_out, inv_rms_out, counter, eps, N, \
+                                                           K, ntok);                                 \
     }
-#define DEFINE_F16MMA_WS_PAIR(BM, BN, BK, WM, WN, ST, MINB, SUFFIX)            \
-    DEFINE_F16MMA_WS(BM, BN, BK, WM, WN, ST, MINB, false, q8_f16mma_##SUFFIX)  \
-    DEFINE_F16MMA_WS(BM, BN, BK, WM, WN, ST, MINB, true, q8_f16mma_##SUFFIX##_silu)
-DEFINE_F16MMA_WS_PAIR(128, 128, 64, 2, 4, 3, 1, 128x128k64_ws_s3)
-DEFINE_F16MMA_WS_PAIR(128, 128, 32, 2, 4, 4, 2, 128x128_ws_s4_b2)
-DEFINE_F16MMA_WS_PAIR(128, 256, 64, 2, 4, 3, 1, 128x256k64_ws_s3)
-DEFINE_F16MMA_WS_PAIR(128, 128, 32, 2, 4, 4, 1, 128x128_ws_s4)
-DEFINE_F16MMA_WS_PAIR(64, 128, 64, 2, 4, 4, 2, 64x128k64_ws_s4_b2)
-DEFINE_F16MMA_WS_PAIR(64, 64, 64, 2, 2, 4, 2, 64x64k64_ws_s4_b2)
+#define DEFINE_F16MMA_WS_PAIR(BM, BN, BK, WM, WN, ST, XA, MINB, SUFFIX)            \
+    DEFINE_F16MMA_WS(BM, BN, BK, WM, WN, ST, XA, MINB, false, q8_f16mma_##SUFFIX)  \
+    DEFINE_F16MMA_WS(BM, BN, BK, WM, WN, ST, XA, MINB, true, q8_f16mma_##SUFFIX##_silu)
+DEFINE_F16MMA_WS_PAIR(128, 128, 64, 2, 4, 3, 0, 1, 128x128k64_ws_s3)
+DEFINE_F16MMA_WS_PAIR(128, 128, 32, 2, 4, 4, 0, 2, 128x128_ws_s4_b2)
+DEFINE_F16MMA_WS_PAIR(128, 128, 32, 2, 4, 4, 0, 1, 128x128_ws_s4)
+DEFINE_F16MMA_WS_PAIR(128, 256, 64, 2, 4, 3, 0, 1, 128x256k64_ws_s3)
+DEFINE_F16MMA_WS_PAIR(64, 128, 64, 2, 4, 4, 0, 2, 64x128k64_ws_s4_b2)
+DEFINE_F16MMA_WS_PAIR(64, 64, 64, 2, 2, 4, 0, 2, 64x64k64_ws_s4_b2)
+DEFINE_F16MMA_WS_PAIR(128, 128, 32, 2, 4, 3, 1, 2, 128x128_ws_xa_s3_b2)
+DEFINE_F16MMA_WS_PAIR(128, 64, 32, 2, 2, 3, 1, 2, 128x64_ws_xa_s3_b2)
+DEFINE_F16MMA_WS_PAIR(64, 128, 32, 2, 4, 4, 1, 2, 64x128_ws_xa_s4_b2)
+DEFINE_F16MMA_WS_PAIR(128, 128, 64, 2, 4, 3, 1, 1, 128x128k64_ws_xa_s3)
+DEFINE_F16MMA_WS_PAIR(128, 256, 32, 2, 4, 4, 1, 1, 128x256_ws_xa_s4)

@@ -62,22 +62,25 @@ def test_tile_table_matches_the_kernel_source():
                                                    stages=int(m[5]), x_ahead=int(m[6]), min_blocks=int(m[7]))
                for m in re.findall(pattern, source, flags=re.M)}
     ws_source = (build.source_dir() / "q8_mma_f16_ws.cu").read_text()
-    ws_pattern = r"^DEFINE_F16MMA_WS_PAIR\(" + ", ".join([r"(\d+)"] * 7) + r", (\w+)\)"
-    ws_defined = {"f16_" + m[7]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), k_step=int(m[2]),
-                                                      stages=int(m[5]), min_blocks=int(m[6]), weights_in_shared=True)
+    ws_pattern = r"^DEFINE_F16MMA_WS_PAIR\(" + ", ".join([r"(\d+)"] * 8) + r", (\w+)\)"
+    ws_defined = {"f16_" + m[8]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), k_step=int(m[2]),
+                                                      stages=int(m[5]), min_blocks=int(m[7]), weights_in_shared=True,
+                                                      x_async=m[6] == "1")
                   for m in re.findall(ws_pattern, ws_source, flags=re.M)}
     assert ws_defined == mma_variants.F16_WS_TILES and len(ws_defined) >= 4
     assert {**defined, **ws_defined} == mma_variants.F16_TILES and not set(defined) & set(ws_defined)
     assert "q8_mma_f16_ws.cu" in build.KERNEL_SOURCES
     for name, tile in mma_variants.F16_TILES.items():
         if tile.weights_in_shared:
-            assert tile.shared_bytes == (tile.stages * tile.rows * tile.k_step
+            x_ring = tile.stages * tile.tokens * tile.k_step * 4 if tile.x_async else 0
+            assert tile.shared_bytes == (tile.stages * tile.rows * tile.k_step + x_ring
                                          + 2 * (tile.rows + tile.tokens) * tile.k_step * 2), name
+            assert ("_xa_" in name) == tile.x_async, name
             assert tile.k_step in (32, 64) and tile.min_blocks * tile.shared_bytes <= 227 * 1024, name
             assert tile.rows % (16 * tile.warps_n) == 0, (name, "B fragments come two n tiles per ldmatrix.x4")
         else:
             shared_bytes = tile.stages * tile.rows * (tile.k_step + 16) + 2 * tile.tokens * (tile.k_step + 16) * 2
-            assert shared_bytes <= 48 * 1024 and tile.shared_bytes == 0, (name, shared_bytes)
+            assert shared_bytes <= 48 * 1024 and tile.shared_bytes == 0 and not tile.x_async, (name, shared_bytes)
         assert tile.tokens % (16 * tile.warps_m) == 0 and tile.rows % (8 * tile.warps_n) == 0, name
         for silu in (False, True):
             assert mma_variants.f16_parse(mma_variants.f16_kernel_name(name, silu)) == (tile, silu)
