@@ -216,7 +216,11 @@ F16_WS_TILES = {"f16_128x128k64_ws_s3": F16Tile(128, 128, 2, 4, 64, stages=3, we
                 "f16_64x128_ws_xa_s4_b2": F16Tile(64, 128, 2, 4, 32, stages=4, min_blocks=2, weights_in_shared=True,
                                                   x_async=True),
                 "f16_128x128k64_ws_xa_s3": F16Tile(128, 128, 2, 4, 64, stages=3, weights_in_shared=True, x_async=True),
-                "f16_128x256_ws_xa_s4": F16Tile(128, 256, 2, 4, 32, stages=4, weights_in_shared=True, x_async=True)}
+                "f16_128x256_ws_xa_s4": F16Tile(128, 256, 2, 4, 32, stages=4, weights_in_shared=True, x_async=True),
+                "f16_64x64k64_ws_xa_s3_b2": F16Tile(64, 64, 2, 2, 64, stages=3, min_blocks=2, weights_in_shared=True,
+                                                    x_async=True),
+                "f16_64x64_ws_xa_s4_b4": F16Tile(64, 64, 2, 2, 32, stages=4, min_blocks=4, weights_in_shared=True,
+                                                 x_async=True)}
 F16_TILES.update(F16_WS_TILES)
 
 
