@@ -160,7 +160,7 @@ class SplitScratch(NamedTuple):
     ticket_count: int
 
 
-# ---- fp16 tensor-core tiles for prefill-sized steps: kernels_ptx/q8_mma_f16.cu ----------------------------
+# ---- fp16 tensor-core tiles for prefill-sized steps: kernels_ptx/q8_mma_f16.cu, q8_mma_f16_ws.cu -----------
 
 F16_MIN_TOKENS = 128    # steps of this many tokens or more take the fp16 GEMM (bench/mma.py sweeps it)
 
@@ -185,8 +185,9 @@ class F16Tile(NamedTuple):
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory a launch passes: the int8 ring (stages x BN x BK) and two fp16 weight and
-        x tiles ((BN + BM) x BK halves each); 0 for q8_mma_f16.cu's static tiles."""
+        """Dynamic shared memory a launch passes: the int8 ring (stages x BN x BK), with x_async the fp32 x
+        ring (stages x BM x BK floats), and two fp16 weight and x tiles ((BN + BM) x BK halves each); 0 for
+        q8_mma_f16.cu's static tiles."""
         if not self.weights_in_shared:
             return 0
         x_ring = self.stages * self.tokens * self.k_step * 4 if self.x_async else 0
