@@ -2,6 +2,7 @@
 q8_matmul.cu, in TFLOP/s.
 
     PYTHONPATH=. python3 -m bench.mma_prefill [--out DIR] [--repeats N] [--only decode|prefill]
+                                              [--f16-tiles SUBSTRING]
 
 decode: tokens x rows x K of the qwen3-1.7b projections at batched-decode token counts (16, 32, 64)
 and a 512-token prefill, every int8 tile of mma_variants.TILES plus simt.  prefill: the layer shapes
@@ -43,7 +44,12 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", choices=("decode", "prefill"), default=None)
+    parser.add_argument("--f16-tiles", default=None, metavar="SUBSTRING",
+                        help="prefill: only the fp16 tiles whose name contains this (e.g. _ws), beside the default")
     args = parser.parse_args()
+    f16_tiles = [name for name in mma_variants.F16_TILES if args.f16_tiles is None or args.f16_tiles in name]
+    if not f16_tiles:
+        parser.error(f"--f16-tiles {args.f16_tiles!r}: no tile of {', '.join(mma_variants.F16_TILES)}")
     device = driver.Device(0)
     bench = Bench(KernelSet(device), driver.Stream(), driver.Arena(4 << 30), args.repeats)
     if args.only != "prefill":
@@ -55,7 +61,7 @@ def main() -> None:
         for model, projection, n, k in LAYER_SHAPES:
             for tokens in PREFILL_TOKENS:
                 default = default_variant(tokens, n)
-                variants = [*mma_variants.F16_TILES, *INT8_PREFILL_TILES]
+                variants = [*f16_tiles, *INT8_PREFILL_TILES]
                 variants += [default] if default not in variants else []
                 bench.shape(model, projection, tokens, n, k, variants, default)
         print_winners(bench.rows)

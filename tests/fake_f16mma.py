@@ -32,6 +32,7 @@ def q8_f16mma(launch, *args) -> None:
     qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok = args
     tile, silu = mma_variants.f16_parse(launch.name)
     assert launch.block == (tile.threads, 1, 1), f"{launch.name}: block {launch.block}"
+    assert launch.shared_bytes == tile.shared_bytes, f"{launch.name}: {launch.shared_bytes} bytes of dynamic shared"
     assert launch.grid[0] * tile.rows >= N and launch.grid[1] * tile.tokens >= ntok and launch.grid[2] == 1, \
         f"{launch.name}: grid {launch.grid} misses part of {ntok} tokens x {N} rows"
     assert ldx % 4 == 0 and x % 16 == 0, f"{launch.name}: float4 loads of x misaligned (x {x:#x}, ldx {ldx})"

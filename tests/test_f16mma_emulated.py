@@ -52,18 +52,35 @@ def test_a_residual_stream_past_fp16_range_is_normed_before_rounding():
 
 
 def test_tile_table_matches_the_kernel_source():
-    """Every tile the launcher can pick is instantiated in q8_mma_f16.cu with the same shape, warps, BK
-    and stages (plain and _silu), and its static shared memory stays within the 48 KiB that needs no
-    opt-in: STAGES int8 weight tiles of BK + 16 bytes a row and two fp16 x tiles of BK + 16 halves."""
+    """Every tile the launcher can pick is instantiated with the same shape, warps, BK and stages (plain
+    and _silu): q8_mma_f16.cu's within the 48 KiB of static shared memory that needs no opt-in (STAGES
+    int8 weight tiles of BK + 16 bytes a row and two fp16 x tiles of BK + 16 halves), q8_mma_f16_ws.cu's
+    (weights_in_shared) with the dynamic shared memory the kernel lays out, min_blocks of them to an SM."""
     source = (build.source_dir() / "q8_mma_f16.cu").read_text()
     pattern = r"^DEFINE_F16MMA_PAIR\(" + ", ".join([r"(\d+)"] * 8) + r", (\w+)\)"
     defined = {"f16_" + m[8]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), k_step=int(m[2]),
                                                    stages=int(m[5]), x_ahead=int(m[6]), min_blocks=int(m[7]))
                for m in re.findall(pattern, source, flags=re.M)}
-    assert defined == mma_variants.F16_TILES
+    ws_source = (build.source_dir() / "q8_mma_f16_ws.cu").read_text()
+    ws_pattern = r"^DEFINE_F16MMA_WS_PAIR\(" + ", ".join([r"(\d+)"] * 8) + r", (\w+)\)"
+    ws_defined = {"f16_" + m[8]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), k_step=int(m[2]),
+                                                      stages=int(m[5]), min_blocks=int(m[7]), weights_in_shared=True,
+                                                      x_async=m[6] == "1")
+                  for m in re.findall(ws_pattern, ws_source, flags=re.M)}
+    assert ws_defined == mma_variants.F16_WS_TILES and len(ws_defined) >= 4
+    assert {**defined, **ws_defined} == mma_variants.F16_TILES and not set(defined) & set(ws_defined)
+    assert "q8_mma_f16_ws.cu" in build.KERNEL_SOURCES
     for name, tile in mma_variants.F16_TILES.items():
-        shared_bytes = tile.stages * tile.rows * (tile.k_step + 16) + 2 * tile.tokens * (tile.k_step + 16) * 2
-        assert shared_bytes <= 48 * 1024, (name, shared_bytes)
+        if tile.weights_in_shared:
+            x_ring = tile.stages * tile.tokens * tile.k_step * 4 if tile.x_async else 0
+            assert tile.shared_bytes == (tile.stages * tile.rows * tile.k_step + x_ring
+                                         + 2 * (tile.rows + tile.tokens) * tile.k_step * 2), name
+            assert ("_xa_" in name) == tile.x_async, name
+            assert tile.k_step in (32, 64) and tile.min_blocks * tile.shared_bytes <= 227 * 1024, name
+            assert tile.rows % (16 * tile.warps_n) == 0, (name, "B fragments come two n tiles per ldmatrix.x4")
+        else:
+            shared_bytes = tile.stages * tile.rows * (tile.k_step + 16) + 2 * tile.tokens * (tile.k_step + 16) * 2
+            assert shared_bytes <= 48 * 1024 and tile.shared_bytes == 0 and not tile.x_async, (name, shared_bytes)
         assert tile.tokens % (16 * tile.warps_m) == 0 and tile.rows % (8 * tile.warps_n) == 0, name
         for silu in (False, True):
             assert mma_variants.f16_parse(mma_variants.f16_kernel_name(name, silu)) == (tile, silu)
@@ -139,3 +156,47 @@ def test_prefill_through_the_fp16_gemm_tracks_the_cpu_engine(f16_calls, cfg):
             assert relative_error(got, want) < 2e-3 and int(np.argmax(got)) == int(np.argmax(want))
             token = int(np.argmax(want))
         assert len(f16_calls) == 2 * per_step, "decode steps stay on the GEMV"
+
+
+@pytest.mark.parametrize("tile", list(mma_variants.F16_WS_TILES))
+def test_weights_in_shared_tiles_launch_with_their_dynamic_shared_memory(monkeypatch, tile):
+    """A _ws tile asked for by name runs q8_mma_f16_ws.cu's kernel with F16Tile.shared_bytes of dynamic
+    shared memory, and the twin (which checks that byte count) gives fp16 x fp16 -> fp32 products."""
+    fake_cuda.install(monkeypatch)
+    from kestrel_stream.cuda import driver
+    from kestrel_stream.cuda.kernels import KernelSet, QWeight, gemv_launch
+    rng = np.random.default_rng(6)
+    n, k, tokens = 160, 224, 130
+    w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    arena = driver.Arena(1 << 20)
+    qs, scales, xd = (arena.alloc(a.nbytes) for a in (w.qs, w.scales, x))
+    for ptr, a in ((qs, w.qs), (scales, w.scales), (xd, x)):
+        driver.h2d_sync(ptr, a)
+    y = arena.alloc(4 * tokens * n)
+    launch = gemv_launch(KernelSet(), QWeight(qs, scales, n, k), xd, k, y, n, tokens, variant=tile)
+    assert launch.name == "q8_f16mma_" + tile.removeprefix("f16_")
+    assert launch.shared_bytes == mma_variants.F16_TILES[tile].shared_bytes > 0
+    launch.enqueue(driver.Stream())
+    np.testing.assert_allclose(fake_cuda.dev(y, 4 * tokens * n, np.float32).reshape(tokens, n),
+                               fake_f16mma.f16mma_product(x, w.qs, w.scales), rtol=1e-6, atol=1e-6)
+
+
+def test_dynamic_shared_memory_past_48_kib_is_opted_in_once_per_kernel(monkeypatch):
+    """KernelSet.launch sets CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES for a launch past the static
+    48 KiB (once per kernel and size), and never for one within it."""
+    from kestrel_stream.cuda import kernels as kernels_module
+    calls = []
+    monkeypatch.setattr(kernels_module.cu, "cuFuncSetAttribute",
+                        lambda fn, attribute, value: calls.append((fn, attribute, value)) or
+                        (kernels_module.cu.CUresult.CUDA_SUCCESS,))
+    monkeypatch.setattr(kernels_module, "Launch", lambda function, name, *rest: (function, name, rest[-1]))
+    ks = object.__new__(kernels_module.KernelSet)
+    ks._functions, ks._dynamic_shared = {"a": "fa", "b": "fb"}, {}
+    big = mma_variants.F16_TILES["f16_128x128k64_ws_s3"].shared_bytes
+    for _ in range(2):
+        assert ks.launch("a", (1,), (256,), "", [], big) == ("fa", "a", big)
+    ks.launch("b", (1,), (256,), "", [], 48 * 1024)
+    ks.launch("b", (1,), (256,), "", [], 0)
+    attribute = kernels_module.cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    assert calls == [("fa", attribute, big)]

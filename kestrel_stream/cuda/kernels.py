@@ -25,6 +25,7 @@ from kestrel_stream.cuda.device_weight import QWeight   # noqa: F401  (kept impo
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
 _modules: dict[tuple[str, str], object] = {}
+STATIC_SHARED_BYTES = 48 * 1024   # shared memory per block a launch gets without cuFuncSetAttribute
 
 
 def load_module(name: str, arch: str, cache_dir=None):
@@ -60,6 +61,7 @@ class KernelSet:
         self.gemv_mn = options.gemv_mn if options is not None else None
         self.gemv_block = options.gemv_block if options is not None else None   # KESTREL_GEMV_BLOCK
         self._functions: dict[str, object] = {}
+        self._dynamic_shared: dict[str, int] = {}   # kernel -> the dynamic shared bytes it is opted in for
         load_modules(KERNEL_SOURCES, device.arch, (options or Options()).kernel_cache)
 
     def function(self, kernel_name: str):
@@ -74,7 +76,14 @@ class KernelSet:
         return self._functions[kernel_name]
 
     def launch(self, kernel_name: str, grid, block, signature: str, args, shared_bytes: int = 0) -> "Launch":
-        return Launch(self.function(kernel_name), kernel_name, grid, block, signature, args, shared_bytes)
+        function = self.function(kernel_name)
+        if shared_bytes > STATIC_SHARED_BYTES and self._dynamic_shared.get(kernel_name, 0) < shared_bytes:
+            # past 48 KiB a kernel's dynamic shared memory needs an opt-in, once per function
+            attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            check(cu.cuFuncSetAttribute(function, attribute, shared_bytes),
+                  f"cuFuncSetAttribute({kernel_name}, max dynamic shared {shared_bytes} bytes)")
+            self._dynamic_shared[kernel_name] = shared_bytes
+        return Launch(function, kernel_name, grid, block, signature, args, shared_bytes)
 
 
 # argument kinds: "p" device pointer (or 0 for null), "i" int32, "q" int64, "f" float32
@@ -207,7 +216,7 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
         tile = mma_variants.F16_TILES[tile_name]
         launch = kernels.launch(mma_variants.f16_kernel_name(tile_name, silu_pairs),
                                 (-(-w.rows // tile.rows), -(-tokens // tile.tokens)), (tile.threads,),
-                                GEMV_SIGNATURE, args)
+                                GEMV_SIGNATURE, args, tile.shared_bytes)
     elif tokens > GEMV_MAX_TOKENS and variant == "simt":
         launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
                                 (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)

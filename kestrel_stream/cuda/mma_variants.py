@@ -160,7 +160,7 @@ class SplitScratch(NamedTuple):
     ticket_count: int
 
 
-# ---- fp16 tensor-core tiles for prefill-sized steps: kernels_ptx/q8_mma_f16.cu ----------------------------
+# ---- fp16 tensor-core tiles for prefill-sized steps: kernels_ptx/q8_mma_f16.cu, q8_mma_f16_ws.cu -----------
 
 F16_MIN_TOKENS = 128    # steps of this many tokens or more take the fp16 GEMM (bench/mma.py sweeps it)
 
@@ -174,10 +174,24 @@ class F16Tile(NamedTuple):
     stages: int = 4      # weight tiles in flight (cp.async ring)
     min_blocks: int = 1  # blocks per SM the registers are capped for (__launch_bounds__)
     x_ahead: int = 1     # stages x (and the scales) are loaded ahead of their use, in registers
+    # q8_mma_f16_ws.cu: the weight tile dequantised once per block into fp16 shared memory, fragments by
+    # ldmatrix (dynamic shared memory, shared_bytes); else q8_mma_f16.cu (each warp converts its own words)
+    weights_in_shared: bool = False
+    x_async: bool = False    # _ws tiles only: x by cp.async into a `stages`-deep fp32 ring, not registers (_xa)
 
     @property
     def threads(self) -> int:
         return 32 * self.warps_m * self.warps_n
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory a launch passes: the int8 ring (stages x BN x BK), with x_async the fp32 x
+        ring (stages x BM x BK floats), and two fp16 weight and x tiles ((BN + BM) x BK halves each); 0 for
+        q8_mma_f16.cu's static tiles."""
+        if not self.weights_in_shared:
+            return 0
+        x_ring = self.stages * self.tokens * self.k_step * 4 if self.x_async else 0
+        return self.stages * self.rows * self.k_step + x_ring + 2 * (self.rows + self.tokens) * self.k_step * 2
 
 
 # variant -> tile: f16_<BM>x<BN>[k<BK>][w<warps> where two tiles differ only in warps][_s<stages>][_x<x_ahead>]
@@ -189,6 +203,26 @@ F16_TILES = {"f16_128x128": F16Tile(128, 128, 2, 4), "f16_128x128_x2": F16Tile(1
              "f16_64x128_x2": F16Tile(64, 128, 1, 4, x_ahead=2), "f16_64x128w8": F16Tile(64, 128, 2, 4),
              "f16_64x128w8_x2": F16Tile(64, 128, 2, 4, x_ahead=2), "f16_128x64": F16Tile(128, 64, 2, 2),
              "f16_64x64": F16Tile(64, 64, 1, 2), "f16_64x64k64": F16Tile(64, 64, 2, 2, k_step=64)}
+# the _ws tiles (weights_in_shared): q8_f16mma_<BM>x<BN>[k<BK>]_ws[_xa]_s<stages>[_b<min_blocks>]
+F16_WS_TILES = {"f16_128x128k64_ws_s3": F16Tile(128, 128, 2, 4, 64, stages=3, weights_in_shared=True),
+                "f16_128x128_ws_s4_b2": F16Tile(128, 128, 2, 4, 32, stages=4, min_blocks=2, weights_in_shared=True),
+                "f16_128x128_ws_s4": F16Tile(128, 128, 2, 4, 32, stages=4, weights_in_shared=True),
+                "f16_128x256k64_ws_s3": F16Tile(128, 256, 2, 4, 64, stages=3, weights_in_shared=True),
+                "f16_64x128k64_ws_s4_b2": F16Tile(64, 128, 2, 4, 64, stages=4, min_blocks=2, weights_in_shared=True),
+                "f16_64x64k64_ws_s4_b2": F16Tile(64, 64, 2, 2, 64, stages=4, min_blocks=2, weights_in_shared=True),
+                "f16_128x128_ws_xa_s3_b2": F16Tile(128, 128, 2, 4, 32, stages=3, min_blocks=2, weights_in_shared=True,
+                                                   x_async=True),
+                "f16_128x64_ws_xa_s3_b2": F16Tile(128, 64, 2, 2, 32, stages=3, min_blocks=2, weights_in_shared=True,
+                                                  x_async=True),
+                "f16_64x128_ws_xa_s4_b2": F16Tile(64, 128, 2, 4, 32, stages=4, min_blocks=2, weights_in_shared=True,
+                                                  x_async=True),
+                "f16_128x128k64_ws_xa_s3": F16Tile(128, 128, 2, 4, 64, stages=3, weights_in_shared=True, x_async=True),
+                "f16_128x256_ws_xa_s4": F16Tile(128, 256, 2, 4, 32, stages=4, weights_in_shared=True, x_async=True),
+                "f16_64x64k64_ws_xa_s3_b2": F16Tile(64, 64, 2, 2, 64, stages=3, min_blocks=2, weights_in_shared=True,
+                                                    x_async=True),
+                "f16_64x64_ws_xa_s4_b4": F16Tile(64, 64, 2, 2, 32, stages=4, min_blocks=4, weights_in_shared=True,
+                                                 x_async=True)}
+F16_TILES.update(F16_WS_TILES)
 
 
 def f16_kernel_name(tile: str, silu_pairs: bool) -> str:
@@ -197,7 +231,7 @@ def f16_kernel_name(tile: str, silu_pairs: bool) -> str:
 
 def f16_parse(name: str) -> tuple[F16Tile, bool]:
     """(tile, silu_pairs) of a q8_f16mma kernel name."""
-    match = re.fullmatch(r"q8_f16mma_(\d+x\d+(?:k\d+)?(?:w\d+)?(?:_s\d+)?(?:_x\d+)?(?:_b\d+)?)(_silu)?", name)
+    match = re.fullmatch(r"q8_f16mma_(\d+x\d+(?:k\d+)?(?:w\d+)?(?:_ws)?(?:_xa)?(?:_s\d+)?(?:_x\d+)?(?:_b\d+)?)(_silu)?", name)
     assert match and "f16_" + match.group(1) in F16_TILES, f"not a q8_f16mma kernel: {name}"
     return F16_TILES["f16_" + match.group(1)], match.group(2) is not None
 
