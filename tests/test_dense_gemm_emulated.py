@@ -246,8 +246,12 @@ def test_a_trace_shows_each_library_gemm(monkeypatch, tmp_path):
     """Each GEMM is a launch of its own on the compute stream's row (its kernels trace as theirs do)."""
     import json
 
+    from kestrel_stream.cuda import driver
     from kestrel_stream.obs import trace
     fake_cuda.install(monkeypatch, mode="deferred", cublas=True)
+    # the trace's GPU clock and reference stream outlive it in the driver module: put them back afterwards
+    monkeypatch.setattr(driver, "_gpu_times", None)
+    monkeypatch.setattr(driver, "_reference_stream", None)
     _, gpu = engines(QWEN3)
     trace.start(tmp_path / "trace.json")
     try:
