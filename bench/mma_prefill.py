@@ -45,9 +45,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--only", choices=("decode", "prefill"), default=None)
     parser.add_argument("--f16-tiles", default=None, metavar="SUBSTRING",
-                        help="prefill: only the fp16 tiles whose name contains this (e.g. _ws), beside the default")
+                        help="prefill: only the fp16 tiles whose name contains this (e.g. _ws; !_ws: those without), "
+                             "beside the default")
     args = parser.parse_args()
-    f16_tiles = [name for name in mma_variants.F16_TILES if args.f16_tiles is None or args.f16_tiles in name]
+    def wanted(name: str) -> bool:
+        if args.f16_tiles is None:
+            return True
+        return args.f16_tiles[1:] not in name if args.f16_tiles.startswith("!") else args.f16_tiles in name
+    f16_tiles = [name for name in mma_variants.F16_TILES if wanted(name)]
     if not f16_tiles:
         parser.error(f"--f16-tiles {args.f16_tiles!r}: no tile of {', '.join(mma_variants.F16_TILES)}")
     device = driver.Device(0)
