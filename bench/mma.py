@@ -10,8 +10,9 @@ graph and timed with events around replays (bench/gpu_kernels.py's method; weigh
 mostly L2-resident: a compute figure, not an HBM one).
 
 splits: the four projections of qwen3-1.7b and qwen3-8b at 9, 16, 32 and 64 tokens, with the
-residual + next-norm epilogue on o/down and SiLU·mul on gate_up as the step runs them; every 16-token
-tile with every valid split count of SPLIT_COUNTS.  Launches rotate over copies of the weight
+residual + next-norm epilogue on o/down and SiLU·mul on gate_up as the step runs them; every tile
+compiled with split K (q8_mma.cu's 16-token tiles, q8_mma_pipe.cu's pipelined ones) with every valid
+split count of SPLIT_COUNTS.  Launches rotate over copies of the weight
 spanning more than the L2 (a decode step reads each weight once from HBM).  The winner per shape is
 marked; choose_variant's pick is the default.
 """
@@ -93,8 +94,8 @@ def free_since(bench: Bench, before: set) -> None:
 
 
 def split_candidates(tokens: int, n: int, k: int) -> list[str]:
-    """Every 16-token tile with every valid split count, and choose_variant's pick."""
-    out = [mma_variants.variant_name(tile, s) for tile, shape in mma_variants.TILES.items() if shape.tokens == 16
+    """Every split-K tile with every valid split count, and choose_variant's pick."""
+    out = [mma_variants.variant_name(tile, s) for tile, shape in mma_variants.TILES.items() if shape.splits_k
            for s in SPLIT_COUNTS if mma_variants.split_is_valid(k, shape, s)]
     default = mma_variants.choose_variant(tokens, n, k)
     return out if default in out else out + [default]

@@ -94,7 +94,7 @@ def test_split_bench_sweeps_every_valid_split_and_marks_one_winner(emulated, mon
         for tokens in bench_mma.SPLIT_TOKENS:
             mine = [r for r in rows if (r["op"], r["tokens"]) == (op, tokens)]
             want = {mma_variants.variant_name(tile, s) for tile, shape in mma_variants.TILES.items()
-                    if shape.tokens == 16 for s in bench_mma.SPLIT_COUNTS if mma_variants.split_is_valid(k, shape, s)}
+                    if shape.splits_k for s in bench_mma.SPLIT_COUNTS if mma_variants.split_is_valid(k, shape, s)}
             assert {r["variant"] for r in mine} == want | {mma_variants.choose_variant(tokens, n, k)}
             assert sum(r["best"] for r in mine) >= 1 and sum(r["default"] for r in mine) == 1
             (winner,) = [w for w in winners if (w["op"], w["tokens"]) == (op, tokens)]
