@@ -294,10 +294,11 @@ __device__ __forceinline__ void q8_mma_pipe_body(
     if (tid == 0) *ticket = 0u;
 }
 
-// q8_mma_<BM>x<BN>k<BK>p<STAGES> (+ _silu): the pipelined tiles of kestrel_stream/cuda/mma_variants.py
-// (Tile.stages > 2); XC, the x chunk, is what fits the 48 KB of static shared memory
-#define DEFINE_PIPE(BM, BN, BK, STAGES, XC, WN, SILU, NAME)                                      \
-    extern "C" __global__ void __launch_bounds__(32 * WN) NAME(                                  \
+// q8_mma_<BM>x<BN>k<BK>p<STAGES>c<XC>[b<MINB>] (+ _silu): the pipelined tiles of
+// kestrel_stream/cuda/mma_variants.py (Tile.stages > 2), XC the x chunk (what fits the 48 KB of static
+// shared memory), MINB the blocks per SM the registers are capped for (1: uncapped)
+#define DEFINE_PIPE(BM, BN, BK, STAGES, XC, WN, MINB, SILU, NAME)                                \
+    extern "C" __global__ void __launch_bounds__(32 * WN, MINB) NAME(                            \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                    \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
@@ -305,12 +306,16 @@ __device__ __forceinline__ void q8_mma_pipe_body(
         q8_mma_pipe_body<BM, BN, BK, STAGES, XC, WN, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,\
                 normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, partials, tickets);    \
     }
-#define DEFINE_PIPE_PAIR(BM, BN, BK, STAGES, XC, WN, SUFFIX)                  \
-    DEFINE_PIPE(BM, BN, BK, STAGES, XC, WN, false, q8_mma_##SUFFIX)           \
-    DEFINE_PIPE(BM, BN, BK, STAGES, XC, WN, true, q8_mma_##SUFFIX##_silu)
-DEFINE_PIPE_PAIR(16, 64, 128, 3, 512, 4, 16x64k128p3)
-DEFINE_PIPE_PAIR(16, 64, 64, 4, 512, 4, 16x64k64p4)
-DEFINE_PIPE_PAIR(16, 32, 256, 3, 512, 4, 16x32k256p3)
-DEFINE_PIPE_PAIR(16, 128, 64, 3, 256, 8, 16x128k64p3)
-DEFINE_PIPE_PAIR(32, 64, 64, 4, 256, 4, 32x64k64p4)
-DEFINE_PIPE_PAIR(32, 64, 128, 3, 256, 4, 32x64k128p3)
+#define DEFINE_PIPE_PAIR(BM, BN, BK, STAGES, XC, WN, MINB, SUFFIX)                  \
+    DEFINE_PIPE(BM, BN, BK, STAGES, XC, WN, MINB, false, q8_mma_##SUFFIX)           \
+    DEFINE_PIPE(BM, BN, BK, STAGES, XC, WN, MINB, true, q8_mma_##SUFFIX##_silu)
+DEFINE_PIPE_PAIR(16, 64, 128, 3, 512, 4, 1, 16x64k128p3c512)
+DEFINE_PIPE_PAIR(16, 64, 128, 3, 256, 4, 4, 16x64k128p3c256b4)
+DEFINE_PIPE_PAIR(16, 64, 64, 4, 512, 4, 1, 16x64k64p4c512)
+DEFINE_PIPE_PAIR(16, 64, 64, 4, 256, 4, 4, 16x64k64p4c256b4)
+DEFINE_PIPE_PAIR(16, 32, 256, 3, 512, 4, 1, 16x32k256p3c512)
+DEFINE_PIPE_PAIR(16, 128, 64, 3, 256, 8, 1, 16x128k64p3c256)
+DEFINE_PIPE_PAIR(32, 64, 64, 4, 256, 4, 1, 32x64k64p4c256)
+DEFINE_PIPE_PAIR(32, 64, 128, 3, 256, 4, 1, 32x64k128p3c256)
+DEFINE_PIPE_PAIR(32, 128, 64, 3, 128, 8, 1, 32x128k64p3c128)
+DEFINE_PIPE_PAIR(64, 64, 64, 4, 128, 4, 1, 64x64k64p4c128)

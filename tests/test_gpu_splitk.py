@@ -187,7 +187,7 @@ def test_chosen_split_runs_in_the_device_states_scratch(dev, tokens, rows, k):
 
 
 @pytest.mark.parametrize("variants", [["16x32k256s3", "16x64s5", "16x64k128s2", "16x16k256s5"],
-                                      ["16x64k128p3s3", "32x64k64p4s5", "16x128k64p3s2", "16x32k256p3s5"]])
+                                      ["16x64k128p3c512s3", "32x64k64p4c256s5", "16x128k64p3c256s2", "64x64k64p4c128s5"]])
 def test_graph_replays_twice_with_tickets_reset(dev, variants):
     """A graph of split launches sharing one scratch -- every epilogue, the residual one in place --
     replayed twice: equal results both times (each last split reset its tickets), tickets zero after."""

@@ -108,22 +108,22 @@ def test_variant_names_round_trip_and_bad_ones_say_what():
 
 
 def test_pipelined_tiles_match_the_kernel_source():
-    """Every q8_mma_pipe.cu kernel is a TILES entry with the same BM x BN, BK, stages and warps, and
-    every pipelined TILES entry is defined there; each fits the 48 KB of static shared memory."""
+    """Every q8_mma_pipe.cu kernel is a TILES entry with the same BM x BN, BK, stages, x chunk, warps and
+    register cap, and every pipelined TILES entry is defined there; each fits 48 KB of static shared memory."""
     import re
     from kernels_ptx.build import source_dir
     text = (source_dir() / "q8_mma_pipe.cu").read_text()
-    defined = {m.group(7): tuple(int(v) for v in m.groups()[:6])
-               for m in re.finditer(r"^DEFINE_PIPE_PAIR\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\w+)\)", text, re.M)}
+    defined = {m.group(8): tuple(int(v) for v in m.groups()[:7]) for m in re.finditer(
+        r"^DEFINE_PIPE_PAIR\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\w+)\)", text, re.M)}
     pipelined = {name: tile for name, tile in mma_variants.TILES.items() if tile.pipelined}
     assert set(defined) == set(pipelined) and len(defined) >= 4
-    for name, (bm, bn, bk, stages, chunk, warps) in defined.items():
+    for name, (bm, bn, bk, stages, chunk, warps, blocks) in defined.items():
         tile = pipelined[name]
-        assert (tile.tokens, tile.rows, tile.k_step, tile.stages, tile.warps_m, tile.warps_n) == \
-            (bm, bn, bk, stages, 1, warps), name
-        assert chunk % bk == 0 and name == f"{bm}x{bn}k{bk}p{stages}"
+        assert (tile.tokens, tile.rows, tile.k_step, tile.stages, tile.x_chunk, tile.warps_m, tile.warps_n,
+                tile.min_blocks) == (bm, bn, bk, stages, chunk, 1, warps, blocks), name
+        assert chunk % bk == 0 and name == f"{bm}x{bn}k{bk}p{stages}c{chunk}" + (f"b{blocks}" if blocks > 1 else "")
         shared = (stages * bn * (bk + 16) + 4 * stages * bn * (bk // 64 + 1) + 2 * bm * (chunk + 16)
                   + 4 * bm * (chunk // 32) + 4 * warps * bm)
-        assert shared <= 48 << 10, (name, shared)
+        assert shared <= 48 << 10 and blocks * shared <= 228 << 10, (name, shared)
         assert mma_variants.parse(mma_variants.kernel_name(name, True)) == (tile, True)
         assert mma_variants.parse_variant(name + "s4") == (name, 4)
