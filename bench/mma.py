@@ -10,7 +10,7 @@ mma_variants.TILES plus the default choice, unsplit.  Each kernel is captured RE
 graph and timed with events around replays (bench/gpu_kernels.py's method; weights are 4-25 MB, so
 mostly L2-resident: a compute figure, not an HBM one).
 
-splits: the four projections of qwen3-1.7b and qwen3-8b at 9, 16, 32 and 64 tokens, with the
+splits: the four projections of qwen3-1.7b and qwen3-8b (and 1.7b's lm_head) at 9, 16, 32 and 64 tokens, with the
 residual + next-norm epilogue on o/down and SiLU·mul on gate_up as the step runs them; every tile
 compiled with split K (q8_mma.cu's 16-token tiles, q8_mma_pipe.cu's pipelined ones) with every valid
 split count of SPLIT_COUNTS.  Launches rotate over copies of the weight
@@ -21,6 +21,7 @@ pick is always timed), --models to some models.
 from __future__ import annotations
 
 import argparse
+from math import prod
 
 import numpy as np
 
@@ -39,7 +40,10 @@ SHAPES = [(512, 2048, 2048), (512, 6144, 2048), (512, 2048, 6144), (512, 12288, 
 SPLIT_SHAPES = {("qwen3-1.7b", "qkv"): (4096, 2048), ("qwen3-1.7b", "o"): (2048, 2048),
                 ("qwen3-1.7b", "gate_up"): (12288, 2048), ("qwen3-1.7b", "down"): (2048, 6144),
                 ("qwen3-8b", "qkv"): (6144, 4096), ("qwen3-8b", "o"): (4096, 4096),
-                ("qwen3-8b", "gate_up"): (24576, 4096), ("qwen3-8b", "down"): (4096, 12288)}
+                ("qwen3-8b", "gate_up"): (24576, 4096), ("qwen3-8b", "down"): (4096, 12288),
+                # the vocabulary projection of a decode step: every 16-token tile of a 32-token step reads
+                # the 311 MB weight again from HBM; a 32- or 64-token tile reads it once
+                ("qwen3-1.7b", "lm_head"): (151936, 2048)}
 SPLIT_TOKENS = (9, 16, 32, 64)
 SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 ROTATE_BYTES = 256 << 20          # weight copies a timed graph cycles through: beyond the H200's 50 MB L2
@@ -96,10 +100,12 @@ def free_since(bench: Bench, before: set) -> None:
 
 
 def split_candidates(tokens: int, n: int, k: int, tiles=None) -> list[str]:
-    """Every split-K tile (of `tiles`, default all) with every valid split count, and choose_variant's pick."""
+    """Every split-K tile (of `tiles`, default all) with every valid split count, and choose_variant's pick;
+    unsplit only where the tile alone gives SPLIT_TARGET_BLOCKS blocks."""
     out = [mma_variants.variant_name(tile, s) for tile, shape in mma_variants.TILES.items()
            if shape.splits_k and (tiles is None or tile in tiles)
-           for s in SPLIT_COUNTS if mma_variants.split_is_valid(k, shape, s)]
+           for s in SPLIT_COUNTS if mma_variants.split_is_valid(k, shape, s)
+           and (s == 1 or prod(mma_variants.grid(tokens, n, tile, 1)) < mma_variants.SPLIT_TARGET_BLOCKS)]
     default = mma_variants.choose_variant(tokens, n, k)
     return out if default in out else out + [default]
 
