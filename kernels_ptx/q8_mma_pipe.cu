@@ -12,9 +12,10 @@
 //  - BM = 32 tiles give each warp two m16 fragments that share every weight fragment it reads;
 //  - the last block's 1/rms reads y as float4, a row of the tile per unrolled load, and sums the
 //    block's warps in shared memory (q8_mma.cu walks the rows one warp each, scalar loads).
-// Scales by cp.async: a row's KB fp16 scales of a stage start at half index row * kblocks + k0/32,
-// 2-byte aligned only; the block copies the KB / 2 + 1 aligned 4-byte words around them (a word
-// past the end of the array zero-filled) and reads each row at its parity.  Scales beyond K (the
+// Scales by cp.async: a row's KB fp16 scales of a stage start at half index row * kblocks + k0/32
+// (+ 1 where `scales` itself is 2 mod 4: indices count from the aligned word below it), 2-byte aligned
+// only; the block copies the KB / 2 + 1 aligned 4-byte words around them (a word past the end of the
+// array zero-filled) and reads each row at its parity.  Scales beyond K (the
 // tail of the last stage) are the next row's, finite, and meet zero-filled weights and zero x.
 #include "common.cuh"
 #include "q8_mma.cuh"
@@ -53,7 +54,10 @@ __device__ __forceinline__ void q8_mma_pipe_body(
     const int g = lane >> 2, t = lane & 3;
     const int tok0 = blockIdx.y * BM, row0 = blockIdx.x * BN;
     const int kblocks = K >> 5;
-    const long long scale_bytes = 2LL * N * kblocks;
+    // fp16 scales as 4-byte words from the aligned word at or below `scales` (half index `scale_shift`)
+    const unsigned int* scale_words = reinterpret_cast<const unsigned int*>((unsigned long long)scales & ~3ull);
+    const int scale_shift = ((unsigned long long)scales & 2) ? 1 : 0;
+    const long long scale_bytes = 2LL * ((long long)N * kblocks + scale_shift);
     const int splits = gridDim.z, stages_all = (K + BK - 1) / BK, stages_per_split = (stages_all + splits - 1) / splits;
     const int stage_begin = blockIdx.z * stages_per_split, stage_end = min(stages_all, stage_begin + stages_per_split);
     const int n_stages = stage_end - stage_begin, k_begin = stage_begin * BK;
@@ -68,10 +72,10 @@ __device__ __forceinline__ void q8_mma_pipe_body(
         }
         for (int c = tid; c < BN * SW; c += THREADS) {
             const int r = c / SW, row = min(row0 + r, N - 1);
-            const long long word = (((long long)row * kblocks + (k0 >> 5)) >> 1) + c % SW;
+            const long long word = (((long long)row * kblocks + (k0 >> 5) + scale_shift) >> 1) + c % SW;
             const long long left = scale_bytes - 4 * word;
             const int bytes = left >= 4 ? 4 : left > 0 ? (int)left : 0;
-            cp_async4(&w_scale_words[slot][c], (const unsigned int*)scales + (bytes ? word : 0), bytes);
+            cp_async4(&w_scale_words[slot][c], scale_words + (bytes ? word : 0), bytes);
         }
         asm volatile("cp.async.commit_group;");
     };
@@ -101,7 +105,7 @@ __device__ __forceinline__ void q8_mma_pipe_body(
     // a weight row's scale of block b of the stage in `slot` (row_in_tile as issue_stage clamped it)
     auto weight_scale = [&](int slot, int row_in_tile, int b) -> float {
         const int row = min(row0 + row_in_tile, N - 1);
-        const int parity = (int)(((long long)row * kblocks) & 1);   // k0 / 32 is even: BK % 64 == 0
+        const int parity = (int)(((long long)row * kblocks + scale_shift) & 1);   // k0 / 32 is even: BK % 64 == 0
         const half_bits* h = reinterpret_cast<const half_bits*>(&w_scale_words[slot][row_in_tile * SW]);
         return half_to_float(h[parity + b]);
     };

@@ -145,7 +145,6 @@ def q8_mma(launch, *args) -> None:
         f"{launch.name}: grid {launch.grid} misses part of {ntok} tokens x {N} rows"
     assert ldx % 4 == 0 and x % 16 == 0, f"{launch.name}: float4 loads of x misaligned (x {x:#x}, ldx {ldx})"
     assert mma_variants.split_is_valid(K, tile, splits), f"{launch.name}: K={K} split {splits} ways"
-    assert not tile.pipelined or args[1] % 4 == 0, f"{launch.name}: scales at {args[1]:#x}: 4-byte words by cp.async"
     if splits > 1:      # a BM x BN float32 tile per block, 16-byte aligned; a zeroed ticket per output tile
         assert partials % 16 == 0, f"{launch.name}: partials at {partials:#x} not 16-byte aligned"
         dev(partials, 4 * gx * gy * splits * tile.tokens * tile.rows)

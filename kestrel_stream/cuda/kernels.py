@@ -236,8 +236,6 @@ def _mma_launch(kernels: KernelSet, w: QWeight, tokens: int, silu_pairs: bool, a
     tile = mma_variants.TILES[tile_name]
     assert mma_variants.split_is_valid(w.cols, tile, splits), \
         f"{variant}: K={w.cols} cannot be split {splits} ways (a 16-token tile, no split left empty)"
-    assert not tile.pipelined or w.scales % 4 == 0, \
-        f"{variant}: weight scales at {w.scales:#x} are not 4-byte aligned (q8_mma_pipe.cu copies them by words)"
     partial_floats, tickets = mma_variants.scratch_floats(tokens, w.rows, tile_name, splits)
     if splits > 1:
         assert scratch is not None and partial_floats <= scratch.partial_floats and tickets <= scratch.ticket_count, \

@@ -37,7 +37,7 @@ class Tile(NamedTuple):
 
     @property
     def pipelined(self) -> bool:
-        """A q8_mma_pipe.cu tile (weights and their scales by cp.async: 4-byte aligned scales)."""
+        """A q8_mma_pipe.cu tile (weights and their fp16 scales by cp.async)."""
         return self.stages > 2
 
 
