@@ -10,6 +10,7 @@
 //    memory), all of a chunk's loads issued at once: a split of up to XC of K quantises x once,
 //    and its weight ring runs without waiting on x;
 //  - BM = 32 tiles give each warp two m16 fragments that share every weight fragment it reads;
+//  - the last split of a tile reads eight splits' partials at once (q8_mma.cu one split after the other);
 //  - the last block's 1/rms reads y as float4, a row of the tile per unrolled load, and sums the
 //    block's warps in shared memory (q8_mma.cu walks the rows one warp each, scalar loads).
 // Scales by cp.async: a row's KB fp16 scales of a stage start at half index row * kblocks + k0/32
@@ -79,13 +80,17 @@ __device__ __forceinline__ void q8_mma_pipe_body(
         }
         asm volatile("cp.async.commit_group;");
     };
-    auto load_chunk = [&](int kc) {   // x[tok0 .., kc .. kc + XC) -> hi, lo, d / 128 in shared memory
+    // x[tok0 .., kc .. kc + XC) -> hi, lo, d / 128 in shared memory; zeros from k_end on (the split's
+    // K run ends there: a short split reads only its own x)
+    const int k_end = min(K, stage_end * BK);
+    auto load_chunk = [&](int kc) {
         float4 v[X_LOADS];
 #pragma unroll
         for (int j = 0; j < X_LOADS; j++) {
             int f = tid + j * THREADS, r = f / (XC / 4), k = kc + (f % (XC / 4)) * 4;
             int tok = tok0 + r;
-            v[j] = (tok < ntok && k < K) ? *(const float4*)(x + (long long)tok * ldx + k) : make_float4(0.f, 0.f, 0.f, 0.f);
+            v[j] = (tok < ntok && k < k_end) ? *(const float4*)(x + (long long)tok * ldx + k)
+                                             : make_float4(0.f, 0.f, 0.f, 0.f);
         }
 #pragma unroll
         for (int j = 0; j < X_LOADS; j++) {
@@ -200,7 +205,10 @@ __device__ __forceinline__ void q8_mma_pipe_body(
         __syncthreads();
         if (!is_last_split) return;
         __threadfence();
+        // unrolled: eight splits' loads in flight at once (one L2 latency per eight splits, not per split);
+        // the adds stay in split order
         const float4* part = tile_partials + tid;
+#pragma unroll 8
         for (int z = 0; z < splits; z++, part += FM * FN * THREADS)
 #pragma unroll
             for (int i = 0; i < FM; i++)
