@@ -3,9 +3,9 @@
 A variant is BM tokens x BN weight rows per block, WARPS_M x WARPS_N warps, BK of K per pipeline
 stage.  Kernel names are q8_mma_<BM>x<BN>[k<BK>][p<stages>c<chunk>[b<blocks>]] (+ "_silu"): without p,
 q8_mma.cu's double-buffered tiles; with p, q8_mma_pipe.cu's few-token tiles (a ring of that many
-weight stages, x quantised once per `chunk` of a block's K run, registers capped for `blocks` per SM).  A variant is a tile and its K split:
-"16x32k256" or "16x32k256s4" (4 blocks per output tile, each a quarter of the K stages, merged by
-the last to finish: the grid's z).  Pure Python: the emulated device and the bench read it without a
+weight stages, x quantised once per `chunk` of a block's K run, registers capped for `blocks` per SM).
+A variant is a tile and its K split: "16x32k256" or "16x32k256s4" (4 blocks per output tile, each a
+quarter of the K stages, merged by the last to finish: the grid's z).  Pure Python: the emulated device and the bench read it without a
 driver.
 """
 from __future__ import annotations
