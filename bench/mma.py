@@ -156,6 +156,11 @@ def sweep_splits(bench: Bench, tiles=None, models=None) -> tuple[list[dict], lis
             winners.append({"model": model, "op": op, "tokens": tokens, "best": best, "best_us": round(best_us, 2),
                             "default": default, "default_us": round(by_variant[default], 2),
                             "unsplit_default_us": round(by_variant.get(unsplit_default, float("nan")), 2)})
+            for family, pipelined in (("double_buffered", False), ("pipelined", True)):   # q8_mma.cu, q8_mma_pipe.cu
+                mine = [(us, v) for us, v, _ in results
+                        if mma_variants.TILES[mma_variants.parse_variant(v)[0]].pipelined == pipelined]
+                if mine:
+                    winners[-1][f"best_{family}"], winners[-1][f"best_{family}_us"] = min(mine)[1], round(min(mine)[0], 2)
         free_since(bench, before)
     return rows, winners
 
@@ -193,7 +198,8 @@ def main() -> None:
                                          "default", "best", "us", "weight_GB_s"], notes, args.out))
         print("results:", write_results("h200-mma-split-winners", env, winners,
                                         ["model", "op", "tokens", "best", "best_us", "default", "default_us",
-                                         "unsplit_default_us"], notes, args.out))
+                                         "unsplit_default_us", "best_double_buffered", "best_double_buffered_us",
+                                         "best_pipelined", "best_pipelined_us"], notes, args.out))
 
 
 if __name__ == "__main__":

@@ -105,3 +105,5 @@ def test_split_bench_sweeps_every_valid_split_and_marks_one_winner(emulated, mon
             (winner,) = [w for w in winners if (w["op"], w["tokens"]) == (op, tokens)]
             assert winner["default"] == mma_variants.choose_variant(tokens, n, k)
             assert winner["best"] in {r["variant"] for r in mine if r["best"]}
+            assert min(winner["best_double_buffered_us"], winner["best_pipelined_us"]) == winner["best_us"]
+            assert mma_variants.TILES[mma_variants.parse_variant(winner["best_pipelined"])[0]].pipelined
