@@ -9,6 +9,8 @@
 //  - x is quantised once per XC-wide chunk of the block's K run (hi, lo int8 and d / 128 in shared
 //    memory), all of a chunk's loads issued at once: a split of up to XC of K quantises x once,
 //    and its weight ring runs without waiting on x;
+//    X_AHEAD tiles load the next chunk into registers as soon as one is quantised (short chunks:
+//    a long K run does not wait on x at every chunk);
 //  - BM = 32 tiles give each warp two m16 fragments that share every weight fragment it reads;
 //  - the last split of a tile reads eight splits' partials at once (q8_mma.cu one split after the other);
 //  - the last block's 1/rms reads y as float4, a row of the tile per unrolled load, and sums the
@@ -26,7 +28,7 @@ __device__ __forceinline__ void cp_async4(void* smem, const void* gmem, int byte
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(gmem), "r"(bytes));
 }
 
-template <int BM, int BN, int BK, int STAGES, int XC, int WARPS_N, bool SILU_PAIRS>
+template <int BM, int BN, int BK, int STAGES, int XC, bool X_AHEAD, int WARPS_N, bool SILU_PAIRS>
 __device__ __forceinline__ void q8_mma_pipe_body(
         const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
@@ -83,8 +85,8 @@ __device__ __forceinline__ void q8_mma_pipe_body(
     // x[tok0 .., kc .. kc + XC) -> hi, lo, d / 128 in shared memory; zeros from k_end on (the split's
     // K run ends there: a short split reads only its own x)
     const int k_end = min(K, stage_end * BK);
-    auto load_chunk = [&](int kc) {
-        float4 v[X_LOADS];
+    float4 v[X_LOADS];
+    auto fetch_chunk = [&](int kc) {
 #pragma unroll
         for (int j = 0; j < X_LOADS; j++) {
             int f = tid + j * THREADS, r = f / (XC / 4), k = kc + (f % (XC / 4)) * 4;
@@ -92,6 +94,8 @@ __device__ __forceinline__ void q8_mma_pipe_body(
             v[j] = (tok < ntok && k < k_end) ? *(const float4*)(x + (long long)tok * ldx + k)
                                              : make_float4(0.f, 0.f, 0.f, 0.f);
         }
+    };
+    auto store_chunk = [&]() {
 #pragma unroll
         for (int j = 0; j < X_LOADS; j++) {
             int f = tid + j * THREADS, r = f / (XC / 4), c4 = f % (XC / 4);
@@ -129,11 +133,15 @@ __device__ __forceinline__ void q8_mma_pipe_body(
         else asm volatile("cp.async.commit_group;");   // empty: every iteration waits on the same count
     }
     pdl_wait();   // x is written by the previous kernel
+    if (X_AHEAD) fetch_chunk(k_begin);
     for (int s = 0; s < n_stages; s++) {
         const int kx = (s * BK) % XC;   // this stage's offset in the x chunk
         if (kx == 0) {
             if (s) __syncthreads();     // every warp is done with the last chunk
-            load_chunk(k_begin + s * BK);
+            if (!X_AHEAD) fetch_chunk(k_begin + s * BK);
+            store_chunk();
+            // X_AHEAD: the next chunk's loads in flight while this one is multiplied
+            if (X_AHEAD && k_begin + s * BK + XC < k_end) fetch_chunk(k_begin + s * BK + XC);
         }
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
         __syncthreads();   // stage s and the chunk visible; every warp done with stage s - 1's slot
@@ -306,28 +314,32 @@ __device__ __forceinline__ void q8_mma_pipe_body(
     if (tid == 0) *ticket = 0u;
 }
 
-// q8_mma_<BM>x<BN>k<BK>p<STAGES>c<XC>[b<MINB>] (+ _silu): the pipelined tiles of
+// q8_mma_<BM>x<BN>k<BK>p<STAGES>c<XC>[x2][b<MINB>] (+ _silu): the pipelined tiles of
 // kestrel_stream/cuda/mma_variants.py (Tile.stages > 2), XC the x chunk (what fits the 48 KB of static
-// shared memory), MINB the blocks per SM the registers are capped for (1: uncapped)
-#define DEFINE_PIPE(BM, BN, BK, STAGES, XC, WN, MINB, SILU, NAME)                                \
+// shared memory), x2 the next chunk loaded ahead (XA), MINB the blocks per SM the registers are capped
+// for (1: uncapped)
+#define DEFINE_PIPE(BM, BN, BK, STAGES, XC, XA, WN, MINB, SILU, NAME)                            \
     extern "C" __global__ void __launch_bounds__(32 * WN, MINB) NAME(                            \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                    \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
             int ntok, float* partials, unsigned int* tickets) {                                  \
-        q8_mma_pipe_body<BM, BN, BK, STAGES, XC, WN, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,\
+        q8_mma_pipe_body<BM, BN, BK, STAGES, XC, XA, WN, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,\
                 normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, partials, tickets);    \
     }
-#define DEFINE_PIPE_PAIR(BM, BN, BK, STAGES, XC, WN, MINB, SUFFIX)                  \
-    DEFINE_PIPE(BM, BN, BK, STAGES, XC, WN, MINB, false, q8_mma_##SUFFIX)           \
-    DEFINE_PIPE(BM, BN, BK, STAGES, XC, WN, MINB, true, q8_mma_##SUFFIX##_silu)
-DEFINE_PIPE_PAIR(16, 64, 128, 3, 512, 4, 1, 16x64k128p3c512)
-DEFINE_PIPE_PAIR(16, 64, 128, 3, 256, 4, 4, 16x64k128p3c256b4)
-DEFINE_PIPE_PAIR(16, 64, 64, 4, 512, 4, 1, 16x64k64p4c512)
-DEFINE_PIPE_PAIR(16, 64, 64, 4, 256, 4, 4, 16x64k64p4c256b4)
-DEFINE_PIPE_PAIR(16, 32, 256, 3, 512, 4, 1, 16x32k256p3c512)
-DEFINE_PIPE_PAIR(16, 128, 64, 3, 256, 8, 1, 16x128k64p3c256)
-DEFINE_PIPE_PAIR(32, 64, 64, 4, 256, 4, 1, 32x64k64p4c256)
-DEFINE_PIPE_PAIR(32, 64, 128, 3, 256, 4, 1, 32x64k128p3c256)
-DEFINE_PIPE_PAIR(32, 128, 64, 3, 128, 8, 1, 32x128k64p3c128)
-DEFINE_PIPE_PAIR(64, 64, 64, 4, 128, 4, 1, 64x64k64p4c128)
+#define DEFINE_PIPE_PAIR(BM, BN, BK, STAGES, XC, XA, WN, MINB, SUFFIX)                  \
+    DEFINE_PIPE(BM, BN, BK, STAGES, XC, XA, WN, MINB, false, q8_mma_##SUFFIX)           \
+    DEFINE_PIPE(BM, BN, BK, STAGES, XC, XA, WN, MINB, true, q8_mma_##SUFFIX##_silu)
+DEFINE_PIPE_PAIR(16, 64, 128, 3, 512, false, 4, 1, 16x64k128p3c512)
+DEFINE_PIPE_PAIR(16, 64, 128, 3, 256, false, 4, 4, 16x64k128p3c256b4)
+DEFINE_PIPE_PAIR(16, 64, 64, 4, 512, false, 4, 1, 16x64k64p4c512)
+DEFINE_PIPE_PAIR(16, 64, 64, 4, 256, false, 4, 4, 16x64k64p4c256b4)
+DEFINE_PIPE_PAIR(16, 32, 256, 3, 512, false, 4, 1, 16x32k256p3c512)
+DEFINE_PIPE_PAIR(16, 128, 64, 3, 256, false, 8, 1, 16x128k64p3c256)
+DEFINE_PIPE_PAIR(32, 64, 64, 4, 256, false, 4, 1, 32x64k64p4c256)
+DEFINE_PIPE_PAIR(32, 64, 128, 3, 256, false, 4, 1, 32x64k128p3c256)
+DEFINE_PIPE_PAIR(32, 128, 64, 3, 128, false, 8, 1, 32x128k64p3c128)
+DEFINE_PIPE_PAIR(64, 64, 64, 4, 128, false, 4, 1, 64x64k64p4c128)
+DEFINE_PIPE_PAIR(16, 64, 128, 4, 128, true, 4, 1, 16x64k128p4c128x2)
+DEFINE_PIPE_PAIR(16, 64, 64, 4, 128, true, 4, 4, 16x64k64p4c128x2b4)
+DEFINE_PIPE_PAIR(32, 64, 64, 4, 128, true, 4, 1, 32x64k64p4c128x2)

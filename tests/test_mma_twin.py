@@ -113,15 +113,17 @@ def test_pipelined_tiles_match_the_kernel_source():
     import re
     from kernels_ptx.build import source_dir
     text = (source_dir() / "q8_mma_pipe.cu").read_text()
-    defined = {m.group(8): tuple(int(v) for v in m.groups()[:7]) for m in re.finditer(
-        r"^DEFINE_PIPE_PAIR\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\d+), (\w+)\)", text, re.M)}
+    defined = {m.group(9): (*(int(v) for v in m.groups()[:5]), m.group(6) == "true", int(m.group(7)), int(m.group(8)))
+               for m in re.finditer(r"^DEFINE_PIPE_PAIR\((\d+), (\d+), (\d+), (\d+), (\d+), (true|false), (\d+), "
+                                    r"(\d+), (\w+)\)", text, re.M)}
     pipelined = {name: tile for name, tile in mma_variants.TILES.items() if tile.pipelined}
     assert set(defined) == set(pipelined) and len(defined) >= 4
-    for name, (bm, bn, bk, stages, chunk, warps, blocks) in defined.items():
+    for name, (bm, bn, bk, stages, chunk, ahead, warps, blocks) in defined.items():
         tile = pipelined[name]
-        assert (tile.tokens, tile.rows, tile.k_step, tile.stages, tile.x_chunk, tile.warps_m, tile.warps_n,
-                tile.min_blocks) == (bm, bn, bk, stages, chunk, 1, warps, blocks), name
-        assert chunk % bk == 0 and name == f"{bm}x{bn}k{bk}p{stages}c{chunk}" + (f"b{blocks}" if blocks > 1 else "")
+        assert (tile.tokens, tile.rows, tile.k_step, tile.stages, tile.x_chunk, tile.x_ahead, tile.warps_m,
+                tile.warps_n, tile.min_blocks) == (bm, bn, bk, stages, chunk, 2 if ahead else 1, 1, warps, blocks), name
+        assert chunk % bk == 0 and name == (f"{bm}x{bn}k{bk}p{stages}c{chunk}" + ("x2" if ahead else "")
+                                            + (f"b{blocks}" if blocks > 1 else ""))
         shared = (stages * bn * (bk + 16) + 4 * stages * bn * (bk // 64 + 1) + 2 * bm * (chunk + 16)
                   + 4 * bm * (chunk // 32) + 4 * warps * bm)
         assert shared <= 48 << 10 and blocks * shared <= 228 << 10, (name, shared)
