@@ -18,8 +18,8 @@
 // Scales by cp.async: a row's KB fp16 scales of a stage start at half index row * kblocks + k0/32
 // (+ 1 where `scales` itself is 2 mod 4: indices count from the aligned word below it), 2-byte aligned
 // only; the block copies the KB / 2 + 1 aligned 4-byte words around them (a word past the end of the
-// array zero-filled) and reads each row at its parity.  Scales beyond K (the
-// tail of the last stage) are the next row's, finite, and meet zero-filled weights and zero x.
+// array zero-filled) and reads each row at its parity.  Scales beyond K (the tail of the last stage)
+// are the next row's, finite, and meet zero-filled weights and zero x.
 #include "common.cuh"
 #include "q8_mma.cuh"
 
