@@ -3,11 +3,12 @@
 # across calls of at most 600 s):
 #   OUT=/some/dir KESTREL_COMMIT=<hash> [STEPS="tests decode ..."] bash bench/h200_checks.sh
 # STEPS picks some of: tests decode variants modes kernels window traces daemon serve http search kv prefill
-# blocks splits f16mma blockgemv (default: all, in that order; f16mma = the fp16 prefill GEMM's GPU tests and bench.mma_prefill's sweep; search = the gate against all 32 group choices, ~2 minutes; kv = the
+# blocks splits fewtok f16mma blockgemv (default: all, in that order; f16mma = the fp16 prefill GEMM's GPU tests and bench.mma_prefill's sweep; search = the gate against all 32 group choices, ~2 minutes; kv = the
 # KV pool's benches: 32 sessions at 1k context with f16 and f32 KV, prefix reuse; prefill = pp512 with the
 # split and the flash attention kernel, qwen3-1.7b shapes; blocks = the 4-bit kernels' GPU tests and
 # bench.block_decode on random Q4_K_M and Q8_0 files of the qwen3-1.7b shape; needs the gguf wheel; splits =
-# the split-K GPU tests and bench.mma's split sweep at 9..64 tokens, 1.7B and 8B shapes;
+# the split-K GPU tests and bench.mma's split sweep at 9..64 tokens, 1.7B and 8B shapes; fewtok = the pipelined
+# few-token tiles' GPU tests, the 1.7B split sweep and bench.fewtok_decode on its winners vs the default;
 # blockgemv = every 4/6-bit GEMV layout's GPU tests and bench.block_gemv at the qwen3-1.7b and 8b shapes).
 # Result files (md/json/traces/html) and every step's log (logs/*.txt) land in $OUT/h200-results.tgz, since
 # the device tool returns at most 8 files; each log's last lines also go to stdout.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
@@ -17,7 +18,7 @@ RESULTS=$(mktemp -d)
 mkdir -p "$OUT" "$RESULTS/logs"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # each step's log, then the archive again: a call cut short still returns what finished
-STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill blocks splits f16mma blockgemv}
+STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill blocks splits fewtok f16mma blockgemv}
 run() {
     local seconds=$1 log=$2; shift 2
     [[ " $STEPS " == *" ${log%.txt} "* ]] || return 0
@@ -52,6 +53,9 @@ run 420 blocks.txt bash -c "python3 -m pytest -m gpu -q tests/test_block_kernels
     && python3 -m bench.block_decode /tmp/q17-q4km.gguf /tmp/q17-q8.gguf --out $RESULTS"
 run 420 splits.txt bash -c "python3 -m pytest -m gpu -q tests/test_gpu_splitk.py \
     && python3 -m bench.mma --sweep splits --out $RESULTS"
+run 590 fewtok.txt bash -c "python3 -m pytest -m gpu -q -x tests/test_gpu_splitk.py -k 'pipelined or replays or p3c or p4c' \
+    && python3 -m bench.mma --sweep splits --repeats 10 --models qwen3-1.7b --out $RESULTS/fewtok \
+    && python3 -m bench.fewtok_decode --winners \$(ls $RESULTS/fewtok/*-split-winners.json) --ops --out $RESULTS"
 run 540 f16mma.txt bash -c "python3 -m pytest -m gpu -q -x tests/test_gpu_f16mma.py \
     && python3 -m bench.mma_prefill --only prefill --out $RESULTS"
 run 420 blockgemv.txt bash -c "python3 -m pytest -m gpu -q tests/test_block_gemv_variants.py \

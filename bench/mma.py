@@ -1,7 +1,8 @@
 """The tensor-core Q8_0 GEMM (q8_mma.cu): its tiles against the fp32 SIMT q8_matmul.cu, and its K splits
 at batched-decode token counts.
 
-    PYTHONPATH=. python3 -m bench.mma [--sweep tiles|splits|all] [--out DIR] [--repeats N]
+    PYTHONPATH=. python3 -m bench.mma [--sweep tiles|splits|all] [--out DIR] [--repeats N] [--tiles A,B]
+                                     [--models qwen3-1.7b,qwen3-8b]
 
 tiles: tokens x rows x K of the qwen3-1.7b projections (o / qkv-ish 2048x2048, 6144x2048, down
 2048x6144) at prefill (512) and batched-decode (16, 32, 64) token counts; every tile of
@@ -9,15 +10,18 @@ mma_variants.TILES plus the default choice, unsplit.  Each kernel is captured RE
 graph and timed with events around replays (bench/gpu_kernels.py's method; weights are 4-25 MB, so
 mostly L2-resident: a compute figure, not an HBM one).
 
-splits: the four projections of qwen3-1.7b and qwen3-8b at 9, 16, 32 and 64 tokens, with the
-residual + next-norm epilogue on o/down and SiLU·mul on gate_up as the step runs them; every 16-token
-tile with every valid split count of SPLIT_COUNTS.  Launches rotate over copies of the weight
+splits: the four projections of qwen3-1.7b and qwen3-8b (and 1.7b's lm_head) at 9, 16, 32 and 64 tokens, with the
+residual + next-norm epilogue on o/down and SiLU·mul on gate_up as the step runs them; every tile
+compiled with split K (q8_mma.cu's 16-token tiles, q8_mma_pipe.cu's pipelined ones) with every valid
+split count of SPLIT_COUNTS.  Launches rotate over copies of the weight
 spanning more than the L2 (a decode step reads each weight once from HBM).  The winner per shape is
-marked; choose_variant's pick is the default.
+marked; choose_variant's pick is the default.  --tiles keeps the split sweep to some tiles (the default
+pick is always timed), --models to some models.
 """
 from __future__ import annotations
 
 import argparse
+from math import prod
 
 import numpy as np
 
@@ -36,7 +40,10 @@ SHAPES = [(512, 2048, 2048), (512, 6144, 2048), (512, 2048, 6144), (512, 12288, 
 SPLIT_SHAPES = {("qwen3-1.7b", "qkv"): (4096, 2048), ("qwen3-1.7b", "o"): (2048, 2048),
                 ("qwen3-1.7b", "gate_up"): (12288, 2048), ("qwen3-1.7b", "down"): (2048, 6144),
                 ("qwen3-8b", "qkv"): (6144, 4096), ("qwen3-8b", "o"): (4096, 4096),
-                ("qwen3-8b", "gate_up"): (24576, 4096), ("qwen3-8b", "down"): (4096, 12288)}
+                ("qwen3-8b", "gate_up"): (24576, 4096), ("qwen3-8b", "down"): (4096, 12288),
+                # the vocabulary projection of a decode step: every 16-token tile of a 32-token step reads
+                # the 311 MB weight again from HBM; a 32- or 64-token tile reads it once
+                ("qwen3-1.7b", "lm_head"): (151936, 2048)}
 SPLIT_TOKENS = (9, 16, 32, 64)
 SPLIT_COUNTS = (1, 2, 3, 4, 5, 6, 8, 12, 16)
 ROTATE_BYTES = 256 << 20          # weight copies a timed graph cycles through: beyond the H200's 50 MB L2
@@ -92,17 +99,22 @@ def free_since(bench: Bench, before: set) -> None:
         bench.arena.free(bench.arena.base + offset)
 
 
-def split_candidates(tokens: int, n: int, k: int) -> list[str]:
-    """Every 16-token tile with every valid split count, and choose_variant's pick."""
-    out = [mma_variants.variant_name(tile, s) for tile, shape in mma_variants.TILES.items() if shape.tokens == 16
-           for s in SPLIT_COUNTS if mma_variants.split_is_valid(k, shape, s)]
+def split_candidates(tokens: int, n: int, k: int, tiles=None) -> list[str]:
+    """Every split-K tile (of `tiles`, default all) with every valid split count, and choose_variant's pick;
+    unsplit only where the tile alone gives SPLIT_TARGET_BLOCKS blocks."""
+    out = [mma_variants.variant_name(tile, s) for tile, shape in mma_variants.TILES.items()
+           if shape.splits_k and (tiles is None or tile in tiles)
+           for s in SPLIT_COUNTS if mma_variants.split_is_valid(k, shape, s)
+           and (s == 1 or prod(mma_variants.grid(tokens, n, tile, 1)) < mma_variants.SPLIT_TARGET_BLOCKS)]
     default = mma_variants.choose_variant(tokens, n, k)
     return out if default in out else out + [default]
 
 
-def sweep_splits(bench: Bench) -> tuple[list[dict], list[dict]]:
+def sweep_splits(bench: Bench, tiles=None, models=None) -> tuple[list[dict], list[dict]]:
     rows, winners = [], []
     for (model, op), (n, k) in SPLIT_SHAPES.items():
+        if models is not None and model not in models:
+            continue
         before = set(bench.arena._live)
         weight_bytes = n * k * 17 // 16
         copies = max(1, min(bench.repeats, -(-ROTATE_BYTES // weight_bytes)))
@@ -118,7 +130,7 @@ def sweep_splits(bench: Bench) -> tuple[list[dict], list[dict]]:
         for tokens in SPLIT_TOKENS:
             default = mma_variants.choose_variant(tokens, n, k)
             results = []
-            for variant in split_candidates(tokens, n, k):
+            for variant in split_candidates(tokens, n, k, tiles):
                 floats, tickets = mma_variants.scratch_floats(tokens, n, *mma_variants.parse_variant(variant))
                 scratch = mma_variants.SplitScratch(bench.vector(max(floats, 4), 0.0), floats,
                                                     bench.vector(max(tickets, 1), 0.0), tickets)
@@ -144,6 +156,11 @@ def sweep_splits(bench: Bench) -> tuple[list[dict], list[dict]]:
             winners.append({"model": model, "op": op, "tokens": tokens, "best": best, "best_us": round(best_us, 2),
                             "default": default, "default_us": round(by_variant[default], 2),
                             "unsplit_default_us": round(by_variant.get(unsplit_default, float("nan")), 2)})
+            for family, pipelined in (("double_buffered", False), ("pipelined", True)):   # q8_mma.cu, q8_mma_pipe.cu
+                mine = [(us, v) for us, v, _ in results
+                        if mma_variants.TILES[mma_variants.parse_variant(v)[0]].pipelined == pipelined]
+                if mine:
+                    winners[-1][f"best_{family}"], winners[-1][f"best_{family}_us"] = min(mine)[1], round(min(mine)[0], 2)
         free_since(bench, before)
     return rows, winners
 
@@ -153,7 +170,17 @@ def main() -> None:
     parser.add_argument("--sweep", choices=("tiles", "splits", "all"), default="all")
     parser.add_argument("--out", default=None)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--tiles", default=None, help="comma-separated TILES names for the split sweep (default all)")
+    parser.add_argument("--models", default=None, help="comma-separated models of SPLIT_SHAPES (default all)")
     args = parser.parse_args()
+    tiles = args.tiles.split(",") if args.tiles else None
+    models = args.models.split(",") if args.models else None
+    unknown = sorted(set(tiles or ()) - {name for name, tile in mma_variants.TILES.items() if tile.splits_k})
+    if unknown:
+        parser.error(f"--tiles: not split-K tiles of mma_variants.TILES: {', '.join(unknown)}")
+    known_models = {model for model, _ in SPLIT_SHAPES}
+    if models and set(models) - known_models:
+        parser.error(f"--models: {', '.join(sorted(set(models) - known_models))} not in {', '.join(sorted(known_models))}")
     bench, env = Bench(args.repeats), environment()
     if args.sweep in ("tiles", "all"):
         rows = sweep_tiles(bench)
@@ -162,7 +189,7 @@ def main() -> None:
         print("results:", write_results("h200-mma", env, rows, ["tokens", "rows", "k", "kernel", "default", "us",
                                                                  "tflop_s"], notes, args.out))
     if args.sweep in ("splits", "all"):
-        rows, winners = sweep_splits(bench)
+        rows, winners = sweep_splits(bench, tiles, models)
         notes = ("q8_mma K splits (variant TILE[sS], S blocks per output tile merged by the last); default = "
                  f"mma_variants.choose_variant's pick; weights rotated over >= {ROTATE_BYTES >> 20} MB of copies; "
                  f"{args.repeats} launches per graph, median of 5 replays.")
@@ -171,7 +198,8 @@ def main() -> None:
                                          "default", "best", "us", "weight_GB_s"], notes, args.out))
         print("results:", write_results("h200-mma-split-winners", env, winners,
                                         ["model", "op", "tokens", "best", "best_us", "default", "default_us",
-                                         "unsplit_default_us"], notes, args.out))
+                                         "unsplit_default_us", "best_double_buffered", "best_double_buffered_us",
+                                         "best_pipelined", "best_pipelined_us"], notes, args.out))
 
 
 if __name__ == "__main__":

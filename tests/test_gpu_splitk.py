@@ -30,6 +30,12 @@ SPLIT_CASES = ([pytest.param("gpu", t, tile, s, e, marks=GPU)
                + [("emulated", TOKENS[i % len(TOKENS)], tile, s, e)
                   for i, (tile, s, e) in enumerate((tile, s, e) for tile in SPLIT_TILES for s in SPLITS
                                                    for e in EPILOGUES)])
+# q8_mma_pipe.cu's tiles unsplit too, on a K of several x chunks with a partial last stage
+PIPE_TILES = [name for name, tile in mma_variants.TILES.items() if tile.pipelined]
+PIPE_K = 1568
+PIPE_CASES = ([pytest.param("gpu", t, tile, e, marks=GPU) for t in TOKENS for tile in PIPE_TILES for e in EPILOGUES]
+              + [("emulated", TOKENS[i % len(TOKENS)], tile, EPILOGUES[i % len(EPILOGUES)])
+                 for i, tile in enumerate(PIPE_TILES)])
 
 
 class Harness:
@@ -146,6 +152,23 @@ def test_split_k_matches_numpy(dev, tokens, tile, splits, epilogue):
     assert not dev.get(scratch.tickets, (scratch.ticket_count,), np.uint32).any(), "the last splits reset the tickets"
 
 
+@pytest.mark.parametrize("dev,tokens,tile,epilogue", PIPE_CASES, indirect=["dev"])
+def test_pipelined_tile_unsplit_matches_numpy(dev, tokens, tile, epilogue):
+    """... with the fp16 scales at an address of 2 mod 4 (a row slice of a weight of odd K / 32 starts
+    there; the kernel copies the scales by 4-byte words from the aligned one below)."""
+    case = Case(tokens, N, PIPE_K, epilogue, seed=7 * tokens)
+    bufs = case.upload(dev)
+    shifted = dev.put(np.concatenate([np.zeros(1, np.float16), case.w.scales.ravel()])) + 2
+    bufs["qw"] = dev.kernels_module.QWeight(bufs["qw"].qs, shifted, case.n, case.k)
+    launch = case.launch(dev, bufs, tile, None)
+    assert launch.name == mma_variants.kernel_name(tile, epilogue == "silu_pairs") and launch.grid[2] == 1
+    launch.enqueue(dev.stream)
+    got = dev.get(bufs["y"], (tokens, case.cols))
+    assert rel_err(got, case.want(None)) < 1e-5
+    assert rel_err(got, case.finish(case.x @ case.w.dequantize().T)) < 1e-4
+    case.check_epilogue_outputs(dev, bufs, got)
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("rows,k", [(1056, 2048), (544, 4096)])
 def test_chosen_split_runs_in_the_device_states_scratch(dev, tokens, rows, k):
@@ -167,11 +190,12 @@ def test_chosen_split_runs_in_the_device_states_scratch(dev, tokens, rows, k):
     case.check_epilogue_outputs(dev, bufs, got)
 
 
-def test_graph_replays_twice_with_tickets_reset(dev):
+@pytest.mark.parametrize("variants", [["16x32k256s3", "16x64s5", "16x64k128s2", "16x16k256s5"],
+                                      ["16x64k128p3c512s3", "32x64k64p4c256s5", "16x128k64p3c256s2", "64x64k64p4c128s5"]])
+def test_graph_replays_twice_with_tickets_reset(dev, variants):
     """A graph of split launches sharing one scratch -- every epilogue, the residual one in place --
     replayed twice: equal results both times (each last split reset its tickets), tickets zero after."""
     cases = [Case(tokens, N, K, epilogue, seed=i) for i, (tokens, epilogue) in enumerate(zip(TOKENS, EPILOGUES))]
-    variants = ["16x32k256s3", "16x64s5", "16x64k128s2", "16x16k256s5"]
     scratch_floats = max(mma_variants.scratch_floats(c.tokens, N, *mma_variants.parse_variant(v))[0]
                          for c, v in zip(cases, variants))
     tickets = max(mma_variants.scratch_floats(c.tokens, N, *mma_variants.parse_variant(v))[1]

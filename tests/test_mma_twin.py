@@ -103,5 +103,29 @@ def test_variant_names_round_trip_and_bad_ones_say_what():
     assert not mma_variants.split_is_valid(1024, mma_variants.TILES["16x64"], 7), "16 stages in runs of 3: 6 used"
     assert mma_variants.scratch_bound(8) == (0, 0), "steps of up to 8 tokens run the GEMV"
     for name, tile in mma_variants.TILES.items():   # prefill-sized tiles are compiled without split K
-        assert mma_variants.split_is_valid(4096, tile, 2) == (tile.tokens == 16), name
+        assert mma_variants.split_is_valid(4096, tile, 2) == (tile.tokens == 16 or tile.stages > 2), name
     assert set(mma_variants.SMALL_STEP_TILES) <= {name for name, tile in mma_variants.TILES.items() if tile.splits_k}
+
+
+def test_pipelined_tiles_match_the_kernel_source():
+    """Every q8_mma_pipe.cu kernel is a TILES entry with the same BM x BN, BK, stages, x chunk, warps and
+    register cap, and every pipelined TILES entry is defined there; each fits 48 KB of static shared memory."""
+    import re
+    from kernels_ptx.build import source_dir
+    text = (source_dir() / "q8_mma_pipe.cu").read_text()
+    defined = {m.group(9): (*(int(v) for v in m.groups()[:5]), m.group(6) == "true", int(m.group(7)), int(m.group(8)))
+               for m in re.finditer(r"^DEFINE_PIPE_PAIR\((\d+), (\d+), (\d+), (\d+), (\d+), (true|false), (\d+), "
+                                    r"(\d+), (\w+)\)", text, re.M)}
+    pipelined = {name: tile for name, tile in mma_variants.TILES.items() if tile.pipelined}
+    assert set(defined) == set(pipelined) and len(defined) >= 4
+    for name, (bm, bn, bk, stages, chunk, ahead, warps, blocks) in defined.items():
+        tile = pipelined[name]
+        assert (tile.tokens, tile.rows, tile.k_step, tile.stages, tile.x_chunk, tile.x_ahead, tile.warps_m,
+                tile.warps_n, tile.min_blocks) == (bm, bn, bk, stages, chunk, 2 if ahead else 1, 1, warps, blocks), name
+        assert chunk % bk == 0 and name == (f"{bm}x{bn}k{bk}p{stages}c{chunk}" + ("x2" if ahead else "")
+                                            + (f"b{blocks}" if blocks > 1 else ""))
+        shared = (stages * bn * (bk + 16) + 4 * stages * bn * (bk // 64 + 1) + 2 * bm * (chunk + 16)
+                  + 4 * bm * (chunk // 32) + 4 * warps * bm)
+        assert shared <= 48 << 10 and blocks * shared <= 228 << 10, (name, shared)
+        assert mma_variants.parse(mma_variants.kernel_name(name, True)) == (tile, True)
+        assert mma_variants.parse_variant(name + "s4") == (name, 4)

@@ -89,14 +89,21 @@ def test_split_bench_sweeps_every_valid_split_and_marks_one_winner(emulated, mon
     monkeypatch.setattr(bench_mma, "KernelSet", fake_cuda.FakeKernelSet)
     monkeypatch.setattr(bench_mma, "SPLIT_SHAPES", {("toy", "down"): (96, 1056), ("toy", "gate_up"): (192, 512)})
     monkeypatch.setattr(bench_mma, "SPLIT_TOKENS", (9, 17))
+    monkeypatch.setattr(mma_variants, "SPLIT_TARGET_BLOCKS", 8)   # tiles of 16 or 32 rows fill it alone: unsplit
     rows, winners = bench_mma.sweep_splits(bench_mma.Bench(repeats=2, arena_bytes=64 << 20))
     for (model, op), (n, k) in bench_mma.SPLIT_SHAPES.items():
         for tokens in bench_mma.SPLIT_TOKENS:
             mine = [r for r in rows if (r["op"], r["tokens"]) == (op, tokens)]
             want = {mma_variants.variant_name(tile, s) for tile, shape in mma_variants.TILES.items()
-                    if shape.tokens == 16 for s in bench_mma.SPLIT_COUNTS if mma_variants.split_is_valid(k, shape, s)}
+                    if shape.splits_k for s in bench_mma.SPLIT_COUNTS if mma_variants.split_is_valid(k, shape, s)
+                    and (s == 1 or -(-n // shape.rows) * -(-tokens // shape.tokens) < 8)}
+            assert any(r["splits"] > 1 for r in mine) and any(r["variant"] == "16x16k256" for r in mine)
+            if op == "gate_up":    # 12 tiles of 16 rows: the 16x16 tile is swept unsplit only
+                assert not any(r["variant"].startswith("16x16k256s") for r in mine)
             assert {r["variant"] for r in mine} == want | {mma_variants.choose_variant(tokens, n, k)}
             assert sum(r["best"] for r in mine) >= 1 and sum(r["default"] for r in mine) == 1
             (winner,) = [w for w in winners if (w["op"], w["tokens"]) == (op, tokens)]
             assert winner["default"] == mma_variants.choose_variant(tokens, n, k)
             assert winner["best"] in {r["variant"] for r in mine if r["best"]}
+            assert min(winner["best_double_buffered_us"], winner["best_pipelined_us"]) == winner["best_us"]
+            assert mma_variants.TILES[mma_variants.parse_variant(winner["best_pipelined"])[0]].pipelined

@@ -1,9 +1,12 @@
 """The tile shapes of kernels_ptx/q8_mma.cu (int8 tensor-core GEMM) and which one a step gets.
 
 A variant is BM tokens x BN weight rows per block, WARPS_M x WARPS_N warps, BK of K per pipeline
-stage.  Kernel names are q8_mma_<BM>x<BN>[k<BK>] (+ "_silu").  A variant is a tile and its K split:
-"16x32k256" or "16x32k256s4" (4 blocks per output tile, each a quarter of the K stages, merged by
-the last to finish: the grid's z).  Pure Python: the emulated device and the bench read it without a
+stage.  Kernel names are q8_mma_<BM>x<BN>[k<BK>][p<stages>c<chunk>[x2][b<blocks>]] (+ "_silu"): without p,
+q8_mma.cu's double-buffered tiles; with p, q8_mma_pipe.cu's few-token tiles (a ring of that many
+weight stages, x quantised once per `chunk` of a block's K run, x2: the next chunk loaded ahead,
+registers capped for `blocks` per SM).
+A variant is a tile and its K split: "16x32k256" or "16x32k256s4" (4 blocks per output tile, each a
+quarter of the K stages, merged by the last to finish: the grid's z).  Pure Python: the emulated device and the bench read it without a
 driver.
 """
 from __future__ import annotations
@@ -20,6 +23,10 @@ class Tile(NamedTuple):
     warps_m: int
     warps_n: int
     k_step: int = 64     # BK: K per pipeline stage
+    stages: int = 2      # weight stages in the cp.async ring: 2 = q8_mma.cu's double buffer, more = q8_mma_pipe.cu
+    x_chunk: int = 0     # q8_mma_pipe.cu: K of x quantised into shared memory at once
+    min_blocks: int = 1  # q8_mma_pipe.cu: blocks per SM the registers are capped for (__launch_bounds__)
+    x_ahead: int = 1     # q8_mma_pipe.cu: 2 = the next x chunk loaded into registers while one is multiplied
 
     @property
     def threads(self) -> int:
@@ -27,14 +34,30 @@ class Tile(NamedTuple):
 
     @property
     def splits_k(self) -> bool:
-        """Compiled with split K (q8_mma.cu's SPLIT_K): the 16-token tiles of few-token steps."""
-        return self.tokens == 16
+        """Compiled with split K: q8_mma.cu's 16-token tiles (its SPLIT_K) and every q8_mma_pipe.cu tile."""
+        return self.tokens == 16 or self.pipelined
+
+    @property
+    def pipelined(self) -> bool:
+        """A q8_mma_pipe.cu tile (weights and their fp16 scales by cp.async)."""
+        return self.stages > 2
 
 
 TILES = {"16x64": Tile(16, 64, 1, 4), "16x64k128": Tile(16, 64, 1, 4, 128), "16x32k256": Tile(16, 32, 1, 4, 256),
          "16x32k128": Tile(16, 32, 1, 4, 128), "16x16k256": Tile(16, 16, 1, 2, 256),
          "32x64": Tile(32, 64, 2, 2), "32x64k128": Tile(32, 64, 2, 2, 128), "64x64": Tile(64, 64, 2, 2),
-         "64x128": Tile(64, 128, 2, 4)}
+         "64x128": Tile(64, 128, 2, 4),
+         # q8_mma_pipe.cu: few-token tiles with a deeper weight ring and x quantised once per chunk
+         **{name: Tile(bm, bn, 1, warps, bk, stages, chunk, blocks, 2 if "x2" in name else 1)
+            for name, (bm, bn, bk, stages, chunk, warps, blocks) in {
+                "16x64k128p3c512": (16, 64, 128, 3, 512, 4, 1), "16x64k128p3c256b4": (16, 64, 128, 3, 256, 4, 4),
+                "16x64k64p4c512": (16, 64, 64, 4, 512, 4, 1), "16x64k64p4c256b4": (16, 64, 64, 4, 256, 4, 4),
+                "16x32k256p3c512": (16, 32, 256, 3, 512, 4, 1), "16x128k64p3c256": (16, 128, 64, 3, 256, 8, 1),
+                "32x64k64p4c256": (32, 64, 64, 4, 256, 4, 1), "32x64k128p3c256": (32, 64, 128, 3, 256, 4, 1),
+                "32x128k64p3c128": (32, 128, 64, 3, 128, 8, 1), "64x64k64p4c128": (64, 64, 64, 4, 128, 4, 1),
+                "16x64k128p4c128x2": (16, 64, 128, 4, 128, 4, 1), "16x64k64p4c128x2b4": (16, 64, 64, 4, 128, 4, 4),
+                "32x64k64p4c128x2": (32, 64, 64, 4, 128, 4, 1),
+            }.items()}}
 
 
 def kernel_name(tile: str, silu_pairs: bool) -> str:
@@ -43,7 +66,7 @@ def kernel_name(tile: str, silu_pairs: bool) -> str:
 
 def parse(name: str) -> tuple[Tile, bool]:
     """(tile, silu_pairs) of a q8_mma kernel name."""
-    match = re.fullmatch(r"q8_mma_(\d+x\d+(?:k\d+)?)(_silu)?", name)
+    match = re.fullmatch(r"q8_mma_(\d+x\d+(?:k\d+)?(?:p\d+c\d+(?:x2)?(?:b\d+)?)?)(_silu)?", name)
     assert match and match.group(1) in TILES, f"not a q8_mma kernel: {name}"
     return TILES[match.group(1)], match.group(2) is not None
 
@@ -79,7 +102,7 @@ def variant_name(tile: str, splits: int) -> str:
 
 def parse_variant(name: str) -> tuple[str, int]:
     """(tile, splits) of a variant name: "16x32k256" -> ("16x32k256", 1), "16x32k256s4" -> (.., 4)."""
-    match = re.fullmatch(r"(\d+x\d+(?:k\d+)?)(?:s(\d+))?", name)
+    match = re.fullmatch(r"(\d+x\d+(?:k\d+)?(?:p\d+c\d+(?:x2)?(?:b\d+)?)?)(?:s(\d+))?", name)
     if not match or match.group(1) not in TILES:
         raise ValueError(f"not a q8_mma variant: {name!r} (a tile of {', '.join(TILES)}, optionally + s<splits>)")
     return match.group(1), int(match.group(2) or 1)
