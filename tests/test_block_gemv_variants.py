@@ -73,7 +73,8 @@ def test_choose_names_a_kernel_for_every_model_shape(tokens):
                 assert name != qv.LEGACY or not qv.has_tiled(code, silu)
 
 
-def test_one_token_rule_covers_rows_in_whole_passes():
+def test_one_token_rule_covers_rows_in_whole_passes(monkeypatch):
+    monkeypatch.setattr(qv, "MEASURED", {})                 # the rule alone, not the measured table
     # K = 2048 of Q4_K: 64 units a row, one pass of 32 x 2; K = 6144: 192 units, 64 x 3; K = 12288: 128 x 3
     assert qv.choose("q4_k", "Q4_K", 4096, 2048, 1) == "t32r4u2"
     assert qv.choose("q4_k", "Q4_K", 2048, 6144, 1) == "t64r4u3"

@@ -76,7 +76,13 @@ def test_chosen_split_fills_the_sms_and_fits_the_scratch_bound(tokens, rows, k):
     assert splits <= mma_variants.MAX_SPLITS
     assert mma_variants.split_is_valid(k, tile, splits), variant
     gx, gy, gz = mma_variants.grid(tokens, rows, tile_name, splits)
-    if tokens > mma_variants.SPLIT_MAX_TOKENS or gx * gy >= mma_variants.SPLIT_TARGET_BLOCKS:
+    if tile.pipelined:               # a power of two of x chunks per split, up to about PIPE_TARGET_BLOCKS blocks
+        assert splits & (splits - 1) == 0 and gx * gy * splits <= max(gx * gy, mma_variants.PIPE_TARGET_BLOCKS), variant
+        doubled = 2 * splits
+        assert (tokens > mma_variants.SPLIT_MAX_TOKENS or gx * gy * doubled > mma_variants.PIPE_TARGET_BLOCKS
+                or doubled > -(-k // tile.x_chunk) or doubled > mma_variants.MAX_SPLITS
+                or not mma_variants.split_is_valid(k, tile, doubled)), variant
+    elif tokens > mma_variants.SPLIT_MAX_TOKENS or gx * gy >= mma_variants.SPLIT_TARGET_BLOCKS:
         assert splits == 1, variant
     else:   # the target's blocks but for the rounding to runs of equal length, or the most splits, or the
             # shortest runs (two K stages: the double buffer's depth)

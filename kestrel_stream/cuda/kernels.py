@@ -212,7 +212,7 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
     if tokens > GEMV_MAX_TOKENS and mma_variants.uses_f16(tokens, variant):   # prefill-sized: fp16 tensor cores
-        tile_name = variant or mma_variants.choose_f16_tile(tokens, w.rows)
+        tile_name = variant or mma_variants.choose_f16_tile(tokens, w.rows, k=w.cols)
         tile = mma_variants.F16_TILES[tile_name]
         launch = kernels.launch(mma_variants.f16_kernel_name(tile_name, silu_pairs),
                                 (-(-w.rows // tile.rows), -(-tokens // tile.tokens)), (tile.threads,),

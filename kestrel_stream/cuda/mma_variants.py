@@ -93,7 +93,7 @@ SPLIT_MAX_TOKENS = 64
 # in all than a two-wave target, within 4 % of each shape's best split).
 SPLIT_TARGET_BLOCKS = 12 * 132
 MAX_SPLITS = 16
-SMALL_STEP_TILES = ("16x32k256", "16x64", "16x64k128")   # what choose_tile and split_tile give up to SPLIT_MAX_TOKENS
+SMALL_STEP_TILES = ("16x32k256", "16x64", "16x64k128", "16x128k64p3c256")   # what choose_tile and split_tile give up to SPLIT_MAX_TOKENS
 
 
 def variant_name(tile: str, splits: int) -> str:
@@ -129,6 +129,8 @@ def choose_splits(tokens: int, rows: int, k: int, tile_name: str) -> int:
     split at least two K stages (the double buffer's depth), none empty; 1 beyond SPLIT_MAX_TOKENS."""
     tile = TILES[tile_name]
     tiles = -(-rows // tile.rows) * -(-tokens // tile.tokens)
+    if tile.pipelined:
+        return _pipelined_splits(tokens, tiles, k, tile)
     if tokens > SPLIT_MAX_TOKENS or tiles >= SPLIT_TARGET_BLOCKS:
         return 1
     splits = min(-(-SPLIT_TARGET_BLOCKS // tiles), max(stages(k, tile) // 2, 1), MAX_SPLITS)
@@ -136,11 +138,34 @@ def choose_splits(tokens: int, rows: int, k: int, tile_name: str) -> int:
     return -(-stages(k, tile) // per_split)        # the same runs, none left empty
 
 
+# The pipelined tile of few-token steps of up to PIPE_MAX_ROWS rows (qkv, o, down), and the blocks its
+# splits aim at: from bench/mma.py --sweep splits on the H200 (bench/results/2026-12-01-h200-mma-split-
+# winners-pipelined.md): each split a power-of-two share of the x chunks, about two waves of blocks --
+# within 5 % of the best split of each qwen3-1.7b projection at 9..64 tokens, 10-20 % under the
+# double-buffered tiles' best.
+PIPE_TILE = "16x128k64p3c256"
+PIPE_MAX_ROWS = 8192
+PIPE_TARGET_BLOCKS = 256
+
+
+def _pipelined_splits(tokens: int, tiles: int, k: int, tile: Tile) -> int:
+    if tokens > SPLIT_MAX_TOKENS or tiles >= PIPE_TARGET_BLOCKS:
+        return 1
+    chunks = -(-k // tile.x_chunk)
+    splits = 1
+    while splits * 2 <= min(PIPE_TARGET_BLOCKS // tiles, chunks, MAX_SPLITS) and split_is_valid(k, tile, splits * 2):
+        splits *= 2
+    return splits
+
+
 def split_tile(tokens: int, rows: int) -> str:
-    """The tile of a step that may split K: up to 32 tokens the 16 x 64 tile with 128-wide K stages
-    (twice the stages of 16x32k256 to split), up to 64 the 16 x 64 one; choose_tile's beyond."""
+    """The tile of a step that may split K: up to PIPE_MAX_ROWS rows the pipelined PIPE_TILE; wider
+    (gate_up, lm_head) up to 32 tokens the 16 x 64 tile with 128-wide K stages, up to 64 the 16 x 64
+    one; choose_tile's beyond SPLIT_MAX_TOKENS."""
     if tokens > SPLIT_MAX_TOKENS:
         return choose_tile(tokens, rows)
+    if rows <= PIPE_MAX_ROWS:
+        return PIPE_TILE
     return "16x64k128" if tokens <= 32 else "16x64"
 
 
@@ -265,14 +290,16 @@ def uses_f16(tokens: int, variant: str | None = None) -> bool:
     return variant in F16_TILES if variant is not None else tokens >= F16_MIN_TOKENS
 
 
-def choose_f16_tile(tokens: int, rows: int, sm_count: int = 132) -> str:
-    """The fp16 tile for a tokens x rows output, from bench/mma_prefill.py on the H200
-    (bench/results/2026-12-01-h200-mma-prefill.md; within 2 % of every qwen3-1.7b/8b layer shape's best
-    at 128..2048 tokens in all): the 64 x 64 tile with 64-wide K stages while 64 x 128 tiles would not
-    give every SM a block, the two-blocks-per-SM 128 x 128 tile once even those fill two waves of up to
-    4096 rows, else 64 x 128."""
+def choose_f16_tile(tokens: int, rows: int, sm_count: int = 132, k: int = 0) -> str:
+    """The fp16 tile for a tokens x rows (x k) output, from bench/mma_prefill.py on the H200
+    (bench/results/2026-12-01-h200-mma-prefill-ws.md; within 3 % in all of every qwen3-1.7b/8b layer
+    shape's best at 128..2048 tokens): the weight-in-shared-memory tiles -- 64 x 64 while 64 x 128 tiles
+    would not give every SM a block, 128 x 256 for the largest steps (2,048 tokens, or K of 4,096 and
+    more with two waves of such tiles), else 64 x 128 with 64-wide K stages."""
+    for name in ("f16_64x64k64_ws_xa_s3_b2", "f16_128x256_ws_xa_s4", "f16_64x128k64_ws_s4_b2"):
+        assert name in F16_TILES, name
     if -(-rows // 128) * -(-tokens // 64) <= sm_count:
-        return "f16_64x64k64"
-    if -(-rows // 128) * -(-tokens // 128) >= 2 * sm_count - 8 and rows <= 4096:
-        return "f16_128x128_b2"
-    return "f16_64x128"
+        return "f16_64x64k64_ws_xa_s3_b2"
+    if tokens >= 2048 or (k >= 4096 and -(-rows // 256) * -(-tokens // 128) >= 2 * sm_count):
+        return "f16_128x256_ws_xa_s4"
+    return "f16_64x128k64_ws_s4_b2"
