@@ -59,13 +59,13 @@ def main() -> None:
     bench = Bench(KernelSet(device), driver.Stream(), driver.Arena(4 << 30), args.repeats)
     if args.only != "prefill":
         for tokens, n, k in SHAPES:
-            default = default_variant(tokens, n)
+            default = default_variant(tokens, n, k)
             variants = ["simt", *mma_variants.TILES]
             bench.shape("", "", tokens, n, k, variants + ([default] if default not in variants else []), default)
     if args.only != "decode":
         for model, projection, n, k in LAYER_SHAPES:
             for tokens in PREFILL_TOKENS:
-                default = default_variant(tokens, n)
+                default = default_variant(tokens, n, k)
                 variants = [*f16_tiles, *INT8_PREFILL_TILES]
                 variants += [default] if default not in variants else []
                 bench.shape(model, projection, tokens, n, k, variants, default)
@@ -79,10 +79,10 @@ def main() -> None:
     print(f"results: {path}")
 
 
-def default_variant(tokens: int, n: int) -> str:
+def default_variant(tokens: int, n: int, k: int = 0) -> str:
     """What gemv_launch picks for a tokens x n output with no variant given."""
     if mma_variants.uses_f16(tokens):
-        return mma_variants.choose_f16_tile(tokens, n)
+        return mma_variants.choose_f16_tile(tokens, n, k=k)
     return mma_variants.choose_tile(tokens, n)
 
 
