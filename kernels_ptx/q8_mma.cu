@@ -29,6 +29,7 @@
 // the epilogue alone.  gridDim.z == 1 never touches partials or tickets; tiles of more than 16
 // tokens are compiled without the split (gridDim.z must be 1).
 #include "common.cuh"
+#include "mma_epilogue.cuh"
 #include "q8_mma.cuh"
 
 // bytes per shared row: BK + 16 keeps the fragment loads free of bank conflicts (BK a multiple of 64)
@@ -236,26 +237,7 @@ __device__ __forceinline__ void q8_mma_body(
             for (int j = 0; j < FN; j++) {
                 const int row = row0 + warp_n * FN * 8 + j * 8 + t * 2;   // even: a (gate, up) pair
                 const float v0 = acc[i][j][2 * h] * scale, v1 = acc[i][j][2 * h + 1] * scale;
-                if (SILU_PAIRS) {
-                    if (row >= N) continue;
-                    const int col = row >> 1;
-                    const long long at = (long long)tok * ldy + col;
-                    float s = mma_silu_mul(v0, v1);
-                    if (res) s += res[at];
-                    y[at] = s;
-                    if (xn_out) xn_out[at] = s * normw_out[col];
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int col = row + e;
-                        if (col >= N) continue;
-                        const long long at = (long long)tok * ldy + col;
-                        float s = e ? v1 : v0;
-                        if (res) s += res[at];
-                        y[at] = s;
-                        if (xn_out) xn_out[at] = s * normw_out[col];
-                    }
-                }
+                mma_store_pair<SILU_PAIRS>(tok, row, v0, v1, N, ldy, y, res, normw_out, xn_out);
             }
         }
     if (inv_rms_out == nullptr) return;

@@ -2,7 +2,6 @@
 // m16n8k32 int8 mma, and the two-level activation quantisation (hi, lo) both kernels share.
 #pragma once
 
-__device__ __forceinline__ float mma_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
     unsigned int dst = (unsigned int)__cvta_generic_to_shared(smem);

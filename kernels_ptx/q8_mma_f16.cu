@@ -24,11 +24,11 @@
 // dequantised in registers (PRMT into the mantissa of 1024, subtract, scale) once per warp and used by
 // all FM of the warp's 16-token tiles.
 #include "common.cuh"
+#include "mma_epilogue.cuh"
 
 #define F16_W_STRIDE (BK + 16)   // bytes per int8 weight row: 32-bit fragment loads free of bank conflicts
 #define F16_X_STRIDE (BK + 16)   // halves per fp16 x row: 64-bit fragment loads free of bank conflicts
 
-__device__ __forceinline__ float f16mma_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
 __device__ __forceinline__ void f16mma_cp_async16(void* smem, const void* gmem, bool valid) {
     unsigned int dst = (unsigned int)__cvta_generic_to_shared(smem);
@@ -211,26 +211,7 @@ __device__ __forceinline__ void q8_f16mma_body(
             for (int j = 0; j < FN; j++) {
                 const int row = row0 + warp_n * FN * 8 + j * 8 + c * 2;   // even: a (gate, up) pair
                 const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];   // inv_rms_in: already in x
-                if (SILU_PAIRS) {
-                    if (row >= N) continue;
-                    const int col = row >> 1;
-                    const long long at = (long long)tok * ldy + col;
-                    float s = f16mma_silu_mul(v0, v1);
-                    if (res) s += res[at];
-                    y[at] = s;
-                    if (xn_out) xn_out[at] = s * normw_out[col];
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int col = row + e;
-                        if (col >= N) continue;
-                        const long long at = (long long)tok * ldy + col;
-                        float s = e ? v1 : v0;
-                        if (res) s += res[at];
-                        y[at] = s;
-                        if (xn_out) xn_out[at] = s * normw_out[col];
-                    }
-                }
+                mma_store_pair<SILU_PAIRS>(tok, row, v0, v1, N, ldy, y, res, normw_out, xn_out);
             }
         }
     if (inv_rms_out == nullptr) return;
