@@ -60,10 +60,11 @@ async def model_name(http: httpx.AsyncClient, base_url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def one_request(http: httpx.AsyncClient, base_url: str, body: dict) -> tuple[float, float, int]:
-    """(time to first token s, finish time, generated tokens) of one streaming completion."""
+async def one_request(http: httpx.AsyncClient, base_url: str, body: dict) -> tuple[float, float, int, str | None]:
+    """(time to first token s, finish time, generated tokens, the error event's message or None) of one
+    streaming completion: a server that fails a request after its 200 says so in the stream."""
     sent = time.perf_counter()
-    first, chunks, usage = None, 0, None
+    first, chunks, usage, error = None, 0, None, None
     async with http.stream("POST", f"{base_url}/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
@@ -71,13 +72,16 @@ async def one_request(http: httpx.AsyncClient, base_url: str, body: dict) -> tup
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if chunk.get("error"):
+                err = chunk["error"]
+                error = str(err.get("message", err) if isinstance(err, dict) else err)[:200]
             if chunk.get("usage"):
                 usage = chunk["usage"].get("completion_tokens")
             if chunk.get("choices"):
                 chunks += 1
                 if first is None:
                     first = time.perf_counter() - sent
-    return first if first is not None else float("nan"), time.perf_counter(), usage if usage else chunks
+    return first if first is not None else float("nan"), time.perf_counter(), usage if usage else chunks, error
 
 
 async def round_of(base_url: str, model: str, clients: int, args, vocab: int, seed: int) -> dict:
@@ -91,7 +95,9 @@ async def round_of(base_url: str, model: str, clients: int, args, vocab: int, se
         results = await asyncio.gather(*(one_request(http, base_url, b) for b in bodies))
     ttft_s = [r[0] for r in results]
     tokens = sum(r[2] for r in results)
-    return {"tok_s": tokens / (max(r[1] for r in results) - started), "ttft_s": ttft_s, "tokens": tokens}
+    errors = [r[3] for r in results if r[3] is not None or r[2] < args.new_tokens]
+    return {"tok_s": tokens / (max(r[1] for r in results) - started), "ttft_s": ttft_s, "tokens": tokens,
+            "short_streams": len(errors), "error": next((e for e in errors if e), "")}
 
 
 def rows_at(base_url: str, args, vocab: int) -> list[dict]:
@@ -111,7 +117,8 @@ def rows_at(base_url: str, args, vocab: int) -> list[dict]:
             rows.append({"server": args.server, "clients": clients, "run": repeat, "tok_s": round(run["tok_s"], 1),
                          "ttft_p50_ms": round(statistics.median(ttft_ms), 2),
                          "ttft_p99_ms": round(percentile(ttft_ms, 0.99), 2),
-                         "tokens": run["tokens"], "expected_tokens": clients * args.new_tokens})
+                         "tokens": run["tokens"], "expected_tokens": clients * args.new_tokens,
+                         "short_streams": run["short_streams"], "error": run["error"]})
             print(rows[-1], flush=True)
     return rows
 
@@ -150,11 +157,12 @@ def main() -> None:
         name = result_name("http-serve", args, args.device)
     path = write_results(name, environment(), rows,
                          ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tokens",
-                          "expected_tokens"], out_dir=args.out,
+                          "expected_tokens", "short_streams", "error"], out_dir=args.out,
                          notes=f"HTTP, streaming /v1/completions; {os.cpu_count()} cores. Each client: a "
                                f"{args.prompt_tokens}-token prompt (random ids), {args.new_tokens} greedy tokens "
                                f"with ignore_eos. tok_s = generated tokens of all clients / (last chunk - start); "
-                               f"ttft = request sent -> first streamed choice.")
+                               f"ttft = request sent -> first streamed choice; short_streams: requests that ended with fewer "
+                               f"tokens than asked (error: the first in-stream error message).")
     print(f"wrote {path}")
 
 
