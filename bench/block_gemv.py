@@ -26,6 +26,8 @@ from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, gemv_launch
 from kestrel_stream.model.quant4 import BlockTensor, fuse_rows, random_blocks
 from kestrel_stream.run.block_weights import block_image, device_qweight
 
+from .gpu_kernels import time_graph_us
+
 # projection → (rows, cols) per model; qkv_v: the v rows of QKV (the Q6_K tail of the stack)
 MODELS = {"qwen3-1.7b": {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (12288, 2048), "down": (2048, 6144),
                          "lm_head": (151936, 2048), "qkv_v": 1024},
@@ -36,24 +38,6 @@ EPILOGUES = {"qkv": "rmsnorm", "lm_head": "rmsnorm", "o": "residual_xn_rms", "do
              "gate_up": "silu_pairs"}
 REPEATS = 40
 COLD_BYTES = 400 << 20
-
-
-def time_graph_us(stream, enqueue, repeats: int = REPEATS, replays: int = 5) -> float:
-    """Median µs per enqueue() call, from `replays` replays of a graph holding `repeats` calls."""
-    with driver.capture(stream) as captured:
-        for i in range(repeats):
-            enqueue(i)
-    start, stop = driver.Event(timing=True), driver.Event(timing=True)
-    captured.graph.launch(stream)   # warm-up
-    times = []
-    for _ in range(replays):
-        start.record(stream)
-        captured.graph.launch(stream)
-        stop.record(stream)
-        stop.synchronize()
-        times.append(stop.elapsed_ms(start) * 1000 / repeats)
-    captured.graph.destroy()
-    return float(np.median(times))
 
 
 def make_weight(fmt: str, rows: int, cols: int, v_rows: int, rng):
