@@ -19,7 +19,7 @@ import fake_cuda
 import scheduler
 from kestrel_stream.obs import prof
 from hf_oracle import relative_error
-from kestrel_stream.run.budget import budget_for_weight_fraction, plan_gpu_memory, step_rows
+from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.gpu_executor import DEFAULT_MAX_SESSIONS, GpuExecutor
 from kestrel_stream.run.hybrid import HybridExecutor
@@ -71,11 +71,10 @@ def emulated(monkeypatch):
     return monkeypatch
 
 
-def gpu_needs(c, max_tokens: int = step_rows(MAX_BATCH)[0], max_batch: int = MAX_BATCH):
-    """What gpu mode's arena and least KV pool take besides the weights."""
-    return plan_gpu_memory(c, budget_bytes=None, free_bytes=1 << 40, max_tokens=max_tokens,
-                           max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=MAX_SEQ_LEN, attention_splits=16,
-                           max_batch=max_batch, logits_rows=step_rows(max_batch)[1]).needs
+def gpu_needs(c, max_batch: int = MAX_BATCH):
+    """What gpu mode's arena and least KV pool take besides the weights (the library GEMM's scratch
+    too, where cuBLAS loads: on the real GPU)."""
+    return gpu_mode_needs(c, max_batch, MAX_SEQ_LEN, max_sessions=DEFAULT_MAX_SESSIONS)
 
 
 def gpu_engine(weights, fraction=None, **kw):
@@ -256,7 +255,7 @@ def test_decode_batches_beyond_eight_run_the_tensor_core_graphs(model, emulated,
             assert relative_error(row, alone) < 2e-3
     engine.close()
     c = weights.config                                # streamed weights: one 16-session step, one stream
-    needs = gpu_needs(c, step_rows(16)[0], 16)
+    needs = gpu_needs(c, 16)
     streamed = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=16,
                       vram_budget=budget_for_weight_fraction(c, needs, 0.25))
     assert streamed.executor.window.streamed and streamed.executor.buckets[-1] == 16
