@@ -3,7 +3,7 @@ winners, against the default choice, in one run; and where a decode step's GPU t
 
     PYTHONPATH=. python3 -m bench.fewtok_decode [--winners DIR/DATE-h200-mma-split-winners.json]
         [--shape qwen3-1.7b|qwen3-8b] [--sessions 9,16,32,64] [--prompt-len 128] [--new-tokens 64]
-        [--ops] [--out DIR]
+        [--ops] [--split-blocks 1024,4096] [--out DIR]
 
 choice "default": mma_variants.choose_variant as committed.  "winners": for a GEMM of T tokens whose
 (rows, K) is a shape of bench/mma.py's SPLIT_SHAPES, the winner of `--winners` (bench/mma.py --sweep
@@ -11,6 +11,8 @@ splits' JSON) at the smallest swept token count >= T, where it is valid for K an
 scratch the executor allocates for it (mma_variants.scratch_bound with the winners' tiles counted);
 the default elsewhere.  Each choice gets its own executor (graphs captured per bucket with it).
 --ops: GPU µs per op of one decode step of each session count, each launch between two timing events.
+--split-blocks: split-key attention's target blocks per step (cuda/flash_attention.SPLIT_TARGET_BLOCKS;
+the splits of a step come from it), one executor per value; rows say which.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from contextlib import contextmanager
 import numpy as np
 
 from kestrel_stream.cli.bench import environment
-from kestrel_stream.cuda import driver, mma_variants
+from kestrel_stream.cuda import driver, flash_attention, mma_variants
 from kestrel_stream.loading.presets import random_q8_weights
 from kestrel_stream.run.gpu_executor import GpuExecutor
 
@@ -128,6 +130,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--ops", action="store_true", help="GPU time per op of one decode step")
+    parser.add_argument("--split-blocks", default="", help="comma-separated SPLIT_TARGET_BLOCKS values to run")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]
@@ -140,16 +143,22 @@ def main() -> None:
             parser.error(f"--winners {args.winners}: no rows of {args.shape} shapes")
     weights = random_q8_weights(args.shape, seed=0)
     rows = []
-    for choice, chosen in [("default", None)] + ([("winners", table)] if table else []):
-        with installed(chosen):
-            rows += run_choice(weights, args, counts, choice)
+    default_blocks = flash_attention.SPLIT_TARGET_BLOCKS
+    for blocks in [int(b) for b in args.split_blocks.split(",") if b] or [default_blocks]:
+        flash_attention.SPLIT_TARGET_BLOCKS = blocks
+        try:
+            for choice, chosen in [("default", None)] + ([("winners", table)] if table else []):
+                with installed(chosen):
+                    rows += [dict(row, split_blocks=blocks) for row in run_choice(weights, args, counts, choice)]
+        finally:
+            flash_attention.SPLIT_TARGET_BLOCKS = default_blocks
     env = environment()
     env.update(machine=driver.detect(), model=f"random {args.shape}")
     notes = (f"random Q8_0 weights, {args.shape} shape; {args.prompt_len}-token prompts, then {args.new_tokens} "
              f"greedy steps of all sessions (graph replays); tok_s = aggregate, ms = per step. winners: "
              f"{args.winners or '-'}; gpu_ms / ops_us: one step eagerly, launch by launch (no overlap).")
     path = write_results(f"h200-fewtok-decode-{args.shape}", env, rows,
-                         ["choice", "sessions", "tok_s", "ms", "gpu_ms", "ops_us"], notes, args.out)
+                         ["choice", "split_blocks", "sessions", "tok_s", "ms", "gpu_ms", "ops_us"], notes, args.out)
     print(f"wrote {path}")
 
 

@@ -62,3 +62,14 @@ def test_decode_rows_run_the_winner_on_the_emulated_device(monkeypatch):
         args = argparse.Namespace(prompt_len=3, new_tokens=2, ops=True)
         rows = fewtok_decode.run_choice(weights, args, [9, 16], "winners")
     assert [r["sessions"] for r in rows] == [9, 16] and all(r["tok_s"] > 0 and r["ops_us"]["down"] >= 0 for r in rows)
+
+
+def test_split_count_keeps_one_session_at_most_splits_and_trims_batches():
+    from kestrel_stream.cuda.flash_attention import SPLIT_TARGET_BLOCKS, split_count
+    assert [split_count(t, 8, 16) for t in (1, 4, 8)] == [16, 16, 16], "decode of few sessions: every split"
+    counts = [split_count(t, 8, 16) for t in (1, 9, 16, 32, 64, 512)]
+    assert counts == sorted(counts, reverse=True) and counts[-1] == 1
+    for tokens in (9, 16, 32, 64):
+        splits = split_count(tokens, 8, 16)
+        assert 8 * tokens * splits >= SPLIT_TARGET_BLOCKS > 8 * tokens * (splits - 1), tokens
+    assert split_count(1, 1, 4) == 4 and split_count(0, 8, 16) == 16

@@ -24,6 +24,18 @@ FLASH_SIGNATURE = "pppppiiiiiifi"
 FLASH_MIN_ROWS = {64: 16, 128: 16}
 
 
+# Split-key attention launches n_kv x tokens x splits blocks.  One session's decode needs the key
+# splits to fill the GPU; a step of many sessions brings n_kv x tokens blocks already, and each split
+# more only adds partial writes, a merge and blocks that wait for a slot.  A step gets the splits that
+# make about SPLIT_TARGET_BLOCKS blocks (bench/fewtok_decode.py --split-blocks measures the choice).
+SPLIT_TARGET_BLOCKS = 1024
+
+
+def split_count(tokens: int, n_kv: int, max_splits: int) -> int:
+    """Key splits of a split-kernel step of `tokens` query rows (1..max_splits)."""
+    return max(1, min(max_splits, -(-SPLIT_TARGET_BLOCKS // (n_kv * max(tokens, 1)))))
+
+
 def flash_supported(head_dim: int, kv_dtype: str, group: int) -> bool:
     """Whether flash_attention.cu serves this model's attention (paged f16 KV, <= 8 q heads per kv head)."""
     return head_dim in FLASH_HEAD_DIMS and kv_dtype == "f16" and 1 <= group <= 8

@@ -23,7 +23,7 @@ from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows, weight
 from kestrel_stream.cuda import driver, mma_variants
 from kestrel_stream.cuda.kernels import (ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
                                          gemv_launch, paged_attention_launch)
-from kestrel_stream.cuda.flash_attention import StepChoice, attention_choice
+from kestrel_stream.cuda.flash_attention import StepChoice, attention_choice, split_count
 from kestrel_stream.model import rope
 
 
@@ -99,7 +99,7 @@ class KVCaches:
     layers: int                # layers the caches hold
     block_shift: int | None    # paged: log2 positions per block; None: contiguous float32 caches
     dtype: str = "f32"
-    splits: int = 16           # split-key attention's splits
+    splits: int = 16           # split-key attention's most splits (a step's: flash_attention.split_count)
 
 
 class DeviceOps:
@@ -174,7 +174,8 @@ class DeviceOps:
         c, kv, s = self.config, self.kv, self.state
         kvbase, _, pos = self.params.pointers(tokens)
         common = (s.q, kv.base, kvbase, pos, s.attn, s.partials, s.attention_counters, tokens, li, kv.layers,
-                  c.num_attention_heads, c.num_key_value_heads, c.head_dim, kv.splits)
+                  c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                  split_count(tokens, c.num_key_value_heads, kv.splits))
         window, scale = c.sliding_window or 0, rope.softmax_scale(c)
         if kv.block_shift is None:
             return attention_launch(self.kernels, *common, window=window, scale=scale)
