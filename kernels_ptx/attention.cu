@@ -23,6 +23,53 @@
 #define ATTN_MAX_GROUP_D 2048   // group * head_dim (checked on the host)
 #define ATTN_MAX_SPLITS 32
 
+// The row element a lane's c-th value is: with D a multiple of 32, PER_LANE contiguous elements per
+// lane, so a K or V row is one vector load per lane (8 B of f16 at D = 128); else (80) lane + 32 c,
+// the top lanes of the last chunk idle.
+template <int D, int PER_LANE>
+__device__ __forceinline__ int lane_elem(int lane, int c) {
+    return D % 32 == 0 ? lane * PER_LANE + c : lane + 32 * c;
+}
+
+template <int N> struct LaneVec;   // N contiguous f16 as one load
+template <> struct LaneVec<2> { typedef unsigned int T; };
+template <> struct LaneVec<4> { typedef uint2 T; };
+template <> struct LaneVec<8> { typedef uint4 T; };
+
+template <int D, int PER_LANE>
+__device__ __forceinline__ void load_lane_elems(const half_bits* row, int lane, float (&out)[PER_LANE]) {
+    if constexpr (D % 32 == 0 && (PER_LANE == 2 || PER_LANE == 4 || PER_LANE == 8)) {
+        typedef typename LaneVec<PER_LANE>::T V;
+        V v = *reinterpret_cast<const V*>(row + lane * PER_LANE);
+        const half_bits* h = reinterpret_cast<const half_bits*>(&v);
+#pragma unroll
+        for (int c = 0; c < PER_LANE; c++) out[c] = half_to_float(h[c]);
+    } else {
+#pragma unroll
+        for (int c = 0; c < PER_LANE; c++) {
+            const int e = lane_elem<D, PER_LANE>(lane, c);
+            out[c] = e < D ? load_kv(row + e) : 0.f;
+        }
+    }
+}
+
+template <int D, int PER_LANE>
+__device__ __forceinline__ void load_lane_elems(const float* row, int lane, float (&out)[PER_LANE]) {
+    if constexpr (D % 32 == 0 && (PER_LANE == 2 || PER_LANE == 4 || PER_LANE == 8)) {
+#pragma unroll
+        for (int c = 0; c < PER_LANE; c += 2) {   // 8 B loads: a session's cache offset need not be 16 B aligned
+            float2 v = *reinterpret_cast<const float2*>(row + lane * PER_LANE + c);
+            out[c] = v.x; out[c + 1] = v.y;
+        }
+    } else {
+#pragma unroll
+        for (int c = 0; c < PER_LANE; c++) {
+            const int e = lane_elem<D, PER_LANE>(lane, c);
+            out[c] = e < D ? row[e] : 0.f;
+        }
+    }
+}
+
 // D: head_dim, a constant so q and acc stay in registers.  The caller ran pdl_wait
 // (rows were built from per-token params) and passes this block's token's K rows.
 template <int D, typename Rows>
@@ -54,8 +101,8 @@ __device__ __forceinline__ void attention_split_body(
 #pragma unroll
         for (int c = 0; c < PER_LANE; c++) {
             acc[g][c] = 0.f;
-            bool inside = D % 32 == 0 || lane + 32 * c < D;
-            qr[g][c] = g < group && inside ? qt[g * D + lane + 32 * c] * softmax_scale : 0.f;
+            const int e = lane_elem<D, PER_LANE>(lane, c);
+            qr[g][c] = g < group && e < D ? qt[g * D + e] * softmax_scale : 0.f;
         }
     }
 
@@ -65,12 +112,8 @@ __device__ __forceinline__ void attention_split_body(
         for (int u = 0; u < KEYS_PER_ITER; u++) {
             int p = min(p0 + u * ATTN_WARPS, end - 1);   // a duplicate key is loaded, then skipped
             const typename Rows::Elem* krow = rows.row(p);
-#pragma unroll
-            for (int c = 0; c < PER_LANE; c++) {
-                bool inside = D % 32 == 0 || lane + 32 * c < D;
-                kr[u][c] = inside ? load_kv(krow + lane + 32 * c) : 0.f;
-                vr[u][c] = inside ? load_kv(krow + v_offset + lane + 32 * c) : 0.f;
-            }
+            load_lane_elems<D, PER_LANE>(krow, lane, kr[u]);
+            load_lane_elems<D, PER_LANE>(krow + v_offset, lane, vr[u]);
         }
 #pragma unroll
         for (int u = 0; u < KEYS_PER_ITER; u++) {
@@ -99,7 +142,7 @@ __device__ __forceinline__ void attention_split_body(
         if (lane == 0) { merge_max[warp][g] = run_max[g]; merge_sum[warp][g] = run_sum[g]; }
 #pragma unroll
         for (int c = 0; c < PER_LANE; c++)
-            if (D % 32 == 0 || lane + 32 * c < D) merge_acc[warp][g * D + lane + 32 * c] = acc[g][c];
+            if (lane_elem<D, PER_LANE>(lane, c) < D) merge_acc[warp][g * D + lane_elem<D, PER_LANE>(lane, c)] = acc[g][c];
     }
     __syncthreads();
     const long long part_row = ((long long)t * n_heads + (long long)head_kv * group) * splits + split;
