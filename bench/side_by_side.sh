@@ -4,7 +4,8 @@
 #   OUT=DIR KESTREL_COMMIT=<hash> STEPS="build models ours" bash bench/side_by_side.sh
 #   OUT=DIR KESTREL_COMMIT=<hash> STEPS="llama serve load" bash bench/side_by_side.sh
 # STEPS picks some of (in this order):
-#   build   unpack the llama.cpp source (LLAMA_SRC, a .tgz holding llama.cpp/) to /tmp/llama and start its
+#   build   unpack the llama.cpp source (LLAMA_SRC, a .tgz holding llama.cpp/, and LLAMA_MODELS_SRC, its
+#           src/models and tools/mtmd/models folders where the first left them out) to /tmp/llama and start its
 #           CUDA build in the background (setsid: it outlives the call; ~8 minutes on 12 jobs)
 #   models  random GGUFs of the qwen3-1.7b and qwen3-8b shapes, Q8_0 and Q4_K_M, in /tmp (bench/make_gguf.py)
 #   ours    pp512 and batched decode (bench/prefill.py), 4-bit vs Q8_0 decode and window (bench/block_decode.py)
@@ -16,6 +17,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/side-by-side}
 LLAMA_SRC=${LLAMA_SRC:-.llama/llama_src.tgz}
+LLAMA_MODELS_SRC=${LLAMA_MODELS_SRC:-.llama/llama_models_src.tgz}
 LLAMA=/tmp/llama/llama.cpp
 BIN=$LLAMA/build/bin
 STEPS=${STEPS:-build models ours llama serve load kv}
@@ -36,6 +38,8 @@ build() {
     [[ -x $BIN/llama-server ]] && { echo "already built"; return 0; }
     pgrep -f "cmake --build" > /dev/null && { echo "build running"; return 0; }
     mkdir -p /tmp/llama && tar xzf "$LLAMA_SRC" -C /tmp/llama
+    # src/models/ and tools/mtmd/models/ where the source archive left out its models/ folders
+    [[ -f $LLAMA_MODELS_SRC ]] && tar xzf "$LLAMA_MODELS_SRC" -C /tmp/llama
     cd "$LLAMA" && setsid nohup bash -c 'cmake -B build -DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 \
         -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DCMAKE_BUILD_TYPE=Release \
         && cmake --build build -j 12 --target llama-bench llama-batched-bench llama-server' \
@@ -107,7 +111,7 @@ kv() {
         && python3 -m bench.prefix_reuse --model qwen3-1.7b --device cuda --mode gpu --out "$OUT/prefix"
 }
 
-export OUT LLAMA_SRC LLAMA BIN
+export OUT LLAMA_SRC LLAMA_MODELS_SRC LLAMA BIN
 export -f build models ours wait_build llama serve load kv
 step 60 build
 step 300 models
