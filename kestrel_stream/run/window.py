@@ -70,16 +70,17 @@ PRELOAD_CHUNK_BYTES = 64 << 20
 
 def upload_images(items, device_base: int, stream, chunk_bytes: int | None = None,
                   writer: ImageWriter | None = None) -> tuple[float, float]:
-    """Resident images to the device through two pinned staging buffers of `chunk_bytes` (at least the
-    largest image) in turn: while one uploads, the host writes the next images into the other (after
-    its event), so building overlaps the upload and no pinned copy of every resident weight is needed.
+    """Resident images to the device through two pinned staging buffers in turn, each holding groups of
+    images of up to `chunk_bytes` (an image bigger than that is a group alone): while one uploads, the
+    host writes the next images into the other (after its event), so building overlaps the upload and
+    no pinned copy of every resident weight is needed.
 
     items: (offset from device_base, QTensor, interleave) in offset order, images back to back at
     aligned offsets.  Returns (seconds writing images, seconds of upload not hidden behind them)."""
     if not items:
         return 0.0, 0.0
     sizes = [_align(image_bytes_of(w)) for _, w, _ in items]
-    chunk_bytes = max(chunk_bytes or PRELOAD_CHUNK_BYTES, max(sizes))
+    chunk_bytes = chunk_bytes or PRELOAD_CHUNK_BYTES
     groups, current, used = [], [], 0           # consecutive items that fit one buffer
     for item, size in zip(items, sizes):
         if current and used + size > chunk_bytes:
@@ -88,7 +89,10 @@ def upload_images(items, device_base: int, stream, chunk_bytes: int | None = Non
         current.append(item)
         used += size
     groups.append(current)
-    buffers = [driver.PinnedBuffer(chunk_bytes) for _ in range(min(2, len(groups)))]
+    # each buffer as big as the largest group it takes (group k: buffer k % 2): one image bigger than a
+    # chunk (a vocabulary-sized lm_head) makes one buffer its size, not both, and pinning costs by the byte
+    group_bytes = [group[-1][0] - group[0][0] + image_bytes_of(group[-1][1]) for group in groups]
+    buffers = [driver.PinnedBuffer(max(group_bytes[b::2])) for b in range(min(2, len(groups)))]
     uploaded = [driver.Event(name=f"preload buffer {i}") for i in range(len(buffers))]
     in_flight = [False] * len(buffers)
     writing_s = 0.0
