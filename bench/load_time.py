@@ -78,7 +78,7 @@ def compile_bytecode(tree: Path, emulated: bool) -> str:
     files = sum(1 for folder in folders for _ in folder.rglob("*.py"))
     if not all(compileall.compile_dir(str(folder), quiet=1) for folder in folders):
         raise SystemExit(f"load_time: compileall failed in {tree} (a syntax error?)")
-    return (f"bytecode: {files} files of {', '.join(f.name for f in folders)} in {tree} compiled "
+    return (f"bytecode: {files} files of {', '.join(f.name for f in folders)} in {tree} compiled where stale "
             f"(compileall, as an install does) in {time.perf_counter() - start:.2f} s")
 
 
