@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import fake_cuda
 import numpy as np
+import pytest
 from kestrel_stream.loading.presets import PRESETS, random_q8_weights
 from kestrel_stream.run import window
 
 
-def test_one_big_image_pins_one_big_buffer_and_every_image_arrives(monkeypatch):
+@pytest.mark.parametrize("pattern", ["sssBsss", "BBs", "sBsB", "B"])
+def test_big_images_pin_one_big_buffer_and_every_image_arrives(monkeypatch, pattern):
+    """s: an image of less than a chunk, B: one bigger (two small ones make a chunk)."""
     fake_cuda.install(monkeypatch, mode="deferred")
     from kestrel_stream.cuda import driver
     pinned = []
@@ -21,20 +24,21 @@ def test_one_big_image_pins_one_big_buffer_and_every_image_arrives(monkeypatch):
     monkeypatch.setattr(driver, "PinnedBuffer", recorded)
     layer = random_q8_weights(PRESETS["tiny"], seed=3).layers[0]
     small, big = layer.w_down, layer.wqkv                    # 64x160 and 512x64 int8 (+ scales)
-    order = [small, small, small, big, small, small, small]
+    order = [big if c == "B" else small for c in pattern]
     sizes = [window._align(window.image_bytes_of(w)) for w in order]
     offsets = np.cumsum([0] + sizes[:-1]).tolist()
-    chunk = 2 * sizes[0]                                    # two small ones a group; the big one alone
-    assert sizes[3] > chunk
+    chunk = 2 * window._align(window.image_bytes_of(small))
+    assert window.image_bytes_of(big) > chunk
     arena = driver.Arena(sum(sizes))
     base = arena.alloc(sum(sizes))
-    stream = driver.Stream("test")
-    window.upload_images([(o, w, False) for o, w in zip(offsets, order)], base, stream, chunk_bytes=chunk)
-    # groups [s s] [s] [B] [s s] [s]: buffer 0 takes groups 0, 2, 4 (B), buffer 1 groups 1 and 3
+    window.upload_images([(o, w, False) for o, w in zip(offsets, order)], base, driver.Stream("test"),
+                         chunk_bytes=chunk)
     image = window.image_bytes_of
-    assert pinned == [image(big), sizes[0] + image(small)], pinned
-    assert sum(pinned) < 2 * sizes[3]
+    two_small = window._align(image(small)) + image(small)
+    expected_buffers = {"sssBsss": [image(big), two_small], "BBs": [image(big), image(small)],
+                        "sBsB": [image(big), image(small)], "B": [image(big)]}[pattern]
+    assert pinned == expected_buffers, pinned            # before: both buffers as big as the big image
     for offset, w in zip(offsets, order):
-        expected = np.zeros(window.image_bytes_of(w), np.uint8)
-        window.write_image(expected, w, False)
-        np.testing.assert_array_equal(fake_cuda.dev(base + offset, expected.nbytes), expected)
+        written = np.zeros(image(w), np.uint8)
+        window.write_image(written, w, False)
+        np.testing.assert_array_equal(fake_cuda.dev(base + offset, written.nbytes), written)
