@@ -1,14 +1,23 @@
 """Load to first token: a fresh process imports kestrel_stream, loads a model and produces a token.
 
     PYTHONPATH=. python3 -m bench.load_time --model FILE.gguf|DIR [--device cuda | --emulated] [--repeats 3]
-        [--baseline OTHER_TREE] [--out DIR]
+        [--baseline OTHER_TREE] [--no-bytecode] [--out DIR]
 
 Each repeat is a new Python process (the page cache stays warm after the first, as the target
 asks: load to first token with a warm page cache), timed from just before it starts to its
 first greedy token (a 4-token prefill) and, separately, the first decode step (which captures
 the decode graph in gpu mode).  The child reports every load stage (obs/load_stages.py: GGUF
 metadata and mmap, Q8_0 split, fusion, kernels, arena, pinned images, H2D, KV pool, graph
-capture); the table is the median of each over the repeats.
+capture); the table is the median of each over the repeats.  The tokenizer is built on first
+use, after the timed token, so its row ("tokenizer (built on first use)") is what a text prompt
+would add to the first request; it is not part of the total.
+
+Before the first repeat, each tree's packages (kestrel_stream, scheduler, kernels_ptx; with
+--emulated the emulator's tests/ too) are compiled to bytecode with compileall, as pip does when
+it installs the package: a source tree whose processes may not write bytecode
+(PYTHONDONTWRITEBYTECODE, a read-only checkout) would otherwise compile every module in every fresh
+process, a cost an installed package never pays.
+The report says how many files that compiled; --no-bytecode skips it.
 """
 from __future__ import annotations
 
@@ -40,6 +49,7 @@ with load_stages.stage("first token (4-token prefill)"), engine.new_session() as
     first = time.time()
     with load_stages.stage("first decode step"):
         s.decode_greedy(token)
+engine.tokenizer                    # built on first use: its stage row is what a text prompt would add
 json.dump({"to_first_token_s": first - started, "stages": load_stages.snapshot(), "device": engine.device,
            "mode": engine.mode}, sys.stdout)
 """
@@ -55,6 +65,21 @@ def run_once(args, tree: Path) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"load_time: the child ({tree}) failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+PACKAGES = ("kestrel_stream", "scheduler", "kernels_ptx")     # what an install compiles (pyproject's packages)
+
+
+def compile_bytecode(tree: Path, emulated: bool) -> str:
+    """Compile the tree's packages to __pycache__ as an install does; one line saying what it did."""
+    import compileall
+    start = time.perf_counter()
+    folders = [tree / name for name in PACKAGES + (("tests",) if emulated else ())]
+    files = sum(1 for folder in folders for _ in folder.rglob("*.py"))
+    if not all(compileall.compile_dir(str(folder), quiet=1) for folder in folders):
+        raise SystemExit(f"load_time: compileall failed in {tree} (a syntax error?)")
+    return (f"bytecode: {files} files of {', '.join(f.name for f in folders)} in {tree} compiled where stale "
+            f"(compileall, as an install does) in {time.perf_counter() - start:.2f} s")
 
 
 def tree_commit(tree: Path) -> str:
@@ -85,12 +110,19 @@ def main() -> None:
     p.add_argument("--baseline", default=None, metavar="DIR",
                    help="a source tree of another commit (e.g. a git worktree): its runs alternate with this "
                         "tree's, so both see the same machine load; the table gets a column for each")
+    p.add_argument("--no-bytecode", action="store_true",
+                   help="leave the trees' modules uncompiled (each fresh process then compiles what it imports)")
     args = p.parse_args()
     if args.emulated:
         args.device, args.mode = "cuda", "gpu"
     here = Path(__file__).resolve().parents[1]
     trees = {"median_s": here} if args.baseline is None else {"baseline_s": Path(args.baseline).resolve(),
                                                                "median_s": here}
+    bytecode = "bytecode: not compiled first (--no-bytecode)"
+    if not args.no_bytecode:
+        lines = [compile_bytecode(tree, args.emulated) for tree in dict.fromkeys(trees.values())]
+        bytecode = "; ".join(lines)
+        print("\n".join(lines))
     runs: dict[str, list[dict]] = {column: [] for column in trees}
     for _ in range(args.repeats):
         for column, tree in trees.items():
@@ -107,7 +139,7 @@ def main() -> None:
         name = f"load-time-{Path(args.model).stem}-{last['device']}{'-emulated' if args.emulated else ''}"
         notes = (f"device {last['device']}, mode {last['mode']}, {args.repeats} fresh processes per tree, "
                  f"medians (s); the first may have read the file cold; commits: "
-                 + ", ".join(f"{column} {tree_commit(tree)}" for column, tree in trees.items()))
+                 + ", ".join(f"{column} {tree_commit(tree)}" for column, tree in trees.items()) + f"; {bytecode}")
         env = environment()
         if args.baseline:
             env["baseline_commit"] = tree_commit(trees["baseline_s"])

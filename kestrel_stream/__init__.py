@@ -8,6 +8,8 @@
 """
 from __future__ import annotations
 
+from functools import partial
+
 from kestrel_stream.model.config import ConfigError, ModelConfig
 from kestrel_stream.run.engine import Engine, GenerateResult, Session, resolve_device
 from kestrel_stream.errors import CapacityError, DeviceError, InvalidTokenError, KestrelError, SessionClosedError
@@ -30,34 +32,26 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     from kestrel_stream.obs.load_stages import stage
     from kestrel_stream.options import Options
     from kestrel_stream.run.blas_threads import set_cpu_threads
+    from kestrel_stream.text.lazy_tokenizer import LazyTokenizer
     options = Options.from_env(vram_budget=vram_budget)      # every KESTREL_* setting, read once, here
     set_cpu_threads(cpu_threads)
     with stage("resolve device"):
         device, mode = resolve_device(device, mode)
     if options.prof:
         prof.enable()               # before loading: the table has the load's stage times too
-    from concurrent.futures import ThreadPoolExecutor
-    from kestrel_stream.text.tokenizer import load_tokenizer
-
-    def tokenizer():
-        with stage("tokenizer (beside the weights)"):
-            return load_tokenizer(path)
-
-    # The tokenizer is built while the weights load: their copies and uploads release the GIL.
-    with ThreadPoolExecutor(1, thread_name_prefix="kestrel-tokenizer") as pool:
-        pending = pool.submit(tokenizer)
-        with stage("weights: read, split, fuse"):
-            weights = load_weights(path, cache=cache, progress=progress, gguf_blocks=gguf_blocks)
-        with stage("engine: executor"):
-            engine = Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
-                            max_sessions=max_sessions, options=options, kv_dtype=kv_dtype)
-        try:
-            with stage("tokenizer: wait"):
-                engine.tokenizer = pending.result()
-        except BaseException:
-            engine.close()
-            raise
+    with stage("weights: read, split, fuse"):
+        weights = load_weights(path, cache=cache, progress=progress, gguf_blocks=gguf_blocks)
+    with stage("engine: executor"):
+        engine = Engine(weights, device=device, mode=mode, max_seq_len=max_seq_len, max_batch=max_batch,
+                        max_sessions=max_sessions, options=options, kv_dtype=kv_dtype)
+    # built on first use (engine.tokenizer): token-id callers never pay for it, text callers pay once
+    engine.tokenizer = LazyTokenizer(partial(_load_tokenizer, path), str(path))
     return engine
+
+
+def _load_tokenizer(path):
+    from kestrel_stream.text.tokenizer import load_tokenizer      # the tokenizers library: only when built
+    return load_tokenizer(path)
 
 
 def __getattr__(name):

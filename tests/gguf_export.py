@@ -12,11 +12,12 @@ from kestrel_stream.model.quant import QTensor
 from kestrel_stream.model.weights import ModelWeights
 
 
-def export_gguf(weights: ModelWeights, path: str | Path) -> Path:
+def export_gguf(weights: ModelWeights, path: str | Path, byte_tokenizer: bool = False) -> Path:
     """Write ``weights`` as a GGUF file: Q8_0 linear weights and embedding, F32 norms.
 
-    The file holds the model metadata and tensors llama.cpp names, but no
-    tokenizer; kestrel-stream reads it back bit for bit.
+    The file holds the model metadata and tensors llama.cpp names, and no
+    tokenizer unless ``byte_tokenizer`` (a gpt2-type vocabulary of the 256
+    bytes, for a vocab of 256 or more); kestrel-stream reads it back bit for bit.
     """
     cfg, path = weights.config, Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -47,6 +48,8 @@ def export_gguf(weights: ModelWeights, path: str | Path) -> Path:
         writer.add_tensor(ROPE_FREQS, (default_inv_freq(cfg.head_dim, cfg.rope_theta) / inv_freq(cfg))
                           .astype(np.float32))
     writer.add_vocab_size(cfg.vocab_size)
+    if byte_tokenizer:
+        add_byte_tokenizer(writer, cfg.vocab_size)
     writer.add_file_type(LlamaFileType.MOSTLY_Q8_0)
     writer.add_quantization_version(GGML_QUANT_VERSION)
 
@@ -88,3 +91,17 @@ def export_gguf(weights: ModelWeights, path: str | Path) -> Path:
     writer.close()
     tmp.replace(path)
     return path
+
+
+def add_byte_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
+    """tokenizer.ggml.* of a byte-level BPE: GPT-2's printable alphabet in byte order for bytes 0..254,
+    then the one merge "Ġ t" (GGUF keeps no empty merges array) as id 255."""
+    from tokenizers import pre_tokenizers
+    from kestrel_stream.text.tokenizer import _byte_of
+    assert vocab_size >= 256, "a byte tokenizer needs a vocabulary of at least 256"
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)[:255]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(alphabet + ["Ġt"] + [f"<extra_{i}>" for i in range(vocab_size - 256)])
+    writer.add_token_merges(["Ġ t"])
+    writer.add_eos_token_id(10)             # "\n"

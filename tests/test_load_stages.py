@@ -14,10 +14,13 @@ from test_cli import run_cli
 def test_a_gguf_load_records_its_stages(tmp_path):
     path = export_gguf(random_q8_weights(PRESETS["tiny"], seed=0), tmp_path / "tiny.gguf")
     load_stages.reset()
-    ks.load(path, device="cpu", max_seq_len=32).close()
+    engine = ks.load(path, device="cpu", max_seq_len=32)
+    assert "tokenizer (built on first use)" not in load_stages.snapshot()      # not part of the load
+    assert engine.tokenizer is None          # the exported file carries none; looking is the first use
+    engine.close()
     stages = load_stages.snapshot()
     for name in ("weights: read, split, fuse", "  GGUF metadata and mmap", "  Q8_0 blocks: views of the mmap",
-                 "engine: executor", "tokenizer (beside the weights)"):
+                 "engine: executor", "tokenizer (built on first use)"):
         assert name in stages and stages[name]["s"] >= 0
     assert stages["  Q8_0 blocks: views of the mmap"]["count"] >= 7         # one per Q8_0 tensor
     assert not any("split" in name and "qs/scales" in name for name in stages)   # the CPU engine splits nothing

@@ -19,6 +19,7 @@ from kestrel_stream.obs import prof
 from kestrel_stream.options import Options
 from kestrel_stream.errors import CapacityError, DeviceError, InvalidTokenError, SessionClosedError
 from kestrel_stream.model.weights import ModelWeights
+from kestrel_stream.text.lazy_tokenizer import LazyTokenizer
 from kestrel_stream.run.device_choice import MODES, gpu_status, parse_mode, resolve_device  # noqa: F401  (public here too)
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -89,7 +90,7 @@ class Engine:
         if options.prof:
             prof.enable()
         self.weights = weights
-        self.tokenizer = tokenizer          # text/tokenizer.Tokenizer, or None (token ids only)
+        self.tokenizer = tokenizer          # a Tokenizer, None (token ids only) or a LazyTokenizer (ks.load's)
         self.config: ModelConfig = weights.config
         self.device, self.mode = device, mode
         context = self.config.max_position_embeddings
@@ -110,6 +111,26 @@ class Engine:
         recorder = trace.start_for_process(options.trace_path)   # KESTREL_TRACE, or a trace the CLI began
         if recorder is not None:
             recorder.metadata.update(device=device, mode=mode, layers=self.config.num_hidden_layers)
+
+    @property
+    def tokenizer(self):
+        """text/tokenizer.Tokenizer, or None where the model has none (token ids only).  ks.load's is built
+        here on first use (text/lazy_tokenizer.py); a tokenizer that cannot be built raises TokenizerError."""
+        return self._tokenizer.get()
+
+    @tokenizer.setter
+    def tokenizer(self, value) -> None:
+        self._tokenizer = value if isinstance(value, LazyTokenizer) else LazyTokenizer.ready(value)
+
+    @property
+    def tokenizer_built(self) -> bool:
+        """Whether reading `tokenizer` returns at once (it was built, or its build failed)."""
+        return self._tokenizer.built
+
+    def build_tokenizer_in_background(self) -> None:
+        """Start building the tokenizer on a thread now (servers, right after the load), so the first
+        text request rarely waits for it."""
+        self._tokenizer.start_background()
 
     def enable_prefix_cache(self, budget_positions: int, block_size: int = 16):
         """Reuse cached prompt prefixes across sessions (PrefixCache.prefill_last), within

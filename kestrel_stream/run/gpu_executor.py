@@ -77,13 +77,15 @@ class GpuExecutor(Executor):
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.max_tokens, self.logits_rows = step_rows(max_batch, prefill_chunk)
         self.attention_splits = attention_splits
-        self.device = driver.Device(0)
+        with load_stages.stage("  device and context"):
+            self.device = driver.Device(0)
         with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
             self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured", "gpu_weight_read_bytes")
         # steps of >= dense_min_tokens tokens: cuBLAS on fp16 expansions of the weights (dense_path.py)
-        self.dense_min_tokens, self.blas = dense_path.open_blas(self.options, self.max_tokens)
+        with load_stages.stage("  cuBLAS: library and handle"):
+            self.dense_min_tokens, self.blas = dense_path.open_blas(self.options, self.max_tokens)
 
         T, V = self.max_tokens, c.vocab_size
         self.kv_dtype = kv_dtype
@@ -101,11 +103,12 @@ class GpuExecutor(Executor):
         self.needs, self.vram_budget, self.window_plan = self.memory.needs, self.memory.budget_bytes, self.memory.window
         with load_stages.stage("  arena"):
             self.arena = driver.Arena(self.memory.arena_bytes)
-        self._upload_weights()
+        with load_stages.stage("  weights (all): pinning, images, H2D"):
+            self._upload_weights()
         load_stages.record("  weights: pinned images", self.window.images_s)
         load_stages.record("  weights: H2D", self.window.preload_s)
 
-        a = self.arena
+        a, buffers_start = self.arena, time.perf_counter()
         self.state, arrays = DeviceState.allocate(a, c, T, self.logits_rows, attention_splits)
         self.logits = arrays["logits"]
         self.state.dense = dense_path.allocate_scratch(a, c, T, self.dense_min_tokens, self.blas)
@@ -143,6 +146,7 @@ class GpuExecutor(Executor):
         self.chain = GreedyChain(self)
         self.sampler = DeviceSampler(self)
         self.sampled_chain = SampledChain(self)
+        load_stages.record("  buffers, KV pool, launches, chains (all)", time.perf_counter() - buffers_start)
 
         if verify is None:
             verify = self.options.verify

@@ -70,16 +70,19 @@ PRELOAD_CHUNK_BYTES = 64 << 20
 
 def upload_images(items, device_base: int, stream, chunk_bytes: int | None = None,
                   writer: ImageWriter | None = None) -> tuple[float, float]:
-    """Resident images to the device through two pinned staging buffers of `chunk_bytes` (at least the
-    largest image) in turn: while one uploads, the host writes the next images into the other (after
-    its event), so building overlaps the upload and no pinned copy of every resident weight is needed.
+    """Resident images to the device through two pinned staging buffers in turn, each holding groups of
+    images of up to `chunk_bytes` (an image bigger than that is a group alone): while one uploads, the
+    host writes the next images into the other (after its event), so building overlaps the upload and
+    no pinned copy of every resident weight is needed.
 
     items: (offset from device_base, QTensor, interleave) in offset order, images back to back at
     aligned offsets.  Returns (seconds writing images, seconds of upload not hidden behind them)."""
     if not items:
         return 0.0, 0.0
     sizes = [_align(image_bytes_of(w)) for _, w, _ in items]
-    chunk_bytes = max(chunk_bytes or PRELOAD_CHUNK_BYTES, max(sizes))
+    # a chunk holds every image but those of the largest size (a vocabulary-sized embed or lm_head)
+    distinct = sorted(set(sizes))
+    chunk_bytes = max(chunk_bytes or PRELOAD_CHUNK_BYTES, distinct[-2] if len(distinct) > 1 else 0)
     groups, current, used = [], [], 0           # consecutive items that fit one buffer
     for item, size in zip(items, sizes):
         if current and used + size > chunk_bytes:
@@ -88,13 +91,21 @@ def upload_images(items, device_base: int, stream, chunk_bytes: int | None = Non
         current.append(item)
         used += size
     groups.append(current)
-    buffers = [driver.PinnedBuffer(chunk_bytes) for _ in range(min(2, len(groups)))]
+    # Buffer 0 holds the largest group, buffer 1 the largest group of at most a chunk; groups alternate
+    # between them, but one bigger than a chunk (an image of the largest size) always takes buffer 0, so
+    # those make one buffer their size, not both (pinning costs by the byte)
+    group_bytes = [group[-1][0] - group[0][0] + image_bytes_of(group[-1][1]) for group in groups]
+    chunked = [n for n in group_bytes if n <= chunk_bytes] or group_bytes
+    buffer_bytes = [max(group_bytes)] + ([max(chunked)] if len(groups) > 1 else [])
+    buffers = [driver.PinnedBuffer(n) for n in buffer_bytes]
     uploaded = [driver.Event(name=f"preload buffer {i}") for i in range(len(buffers))]
     in_flight = [False] * len(buffers)
     writing_s = 0.0
     started = time.perf_counter()
+    b = len(buffers) - 1                        # the first group takes buffer 0
     for k, group in enumerate(groups):
-        b = k % len(buffers)
+        # the other buffer than the last group's, unless that is buffer 1 and the group does not fit it
+        b = 1 - b if len(buffers) == 2 and (b == 1 or group_bytes[k] <= buffer_bytes[1]) else 0
         if in_flight[b]:
             uploaded[b].synchronize()
         t = time.perf_counter()

@@ -354,6 +354,7 @@ def run_daemon(args, environment) -> int:
     engine = ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
                      max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
                      cache=not args.no_cache, kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads)
+    engine.build_tokenizer_in_background()   # while the daemon starts: the first text request rarely waits
     prefix_positions = (4 * engine.max_seq_len if args.prefix_cache_positions is None
                         else args.prefix_cache_positions)
     engine.enable_prefix_cache(prefix_positions)

@@ -210,8 +210,19 @@ class Service:
         """Text or ids in; sampled or greedy tokens out, each step batched with other sessions'
         (serve/generate_op.py); with stream: true one frame per token before the answer."""
         session = self.session_of(conn, header, "generate")
+        await self.tokenizer()
         request = parse_generate(self.engine, header, arrays, session.max_seq_len)
         return await run_generation(self, session, request, conn.send_frame, header.get("id"))
+
+    async def tokenizer(self):
+        """The engine's tokenizer (None: the model has none), waited for on a worker thread while its
+        background build runs, so the event loop keeps serving; UnavailableError where it cannot be built."""
+        engine = self.engine
+        try:
+            return engine.tokenizer if engine.tokenizer_built else await anyio.to_thread.run_sync(
+                lambda: engine.tokenizer)
+        except ValueError as e:             # TokenizerError: its message names the file and the cause
+            raise UnavailableError(str(e)) from None
 
     async def op_reset(self, conn, header, arrays):
         session = self.session_of(conn, header, "reset")

@@ -24,6 +24,7 @@ from kestrel_stream.serve.http.options import HttpOptions
 from kestrel_stream.serve.http.requests import parse_request
 from kestrel_stream.serve.http.responses import DONE, Shape, sse
 from kestrel_stream.serve.json_limits import JSONLimitError, load_limited
+from kestrel_stream.serve.protocol import UnavailableError
 
 
 class Gone(Response):
@@ -80,9 +81,12 @@ class API:
             if not isinstance(model, str) or model != self.model_name:
                 raise APIError(404, f"model {model!r} does not exist; this server has {self.model_name!r}",
                                param="model", code="model_not_found")
+            await self.service.tokenizer()      # built in the background after the load: may still be running
             generation = HttpGeneration(self.service, parsed)
         except APIError as e:
             return e.response()
+        except UnavailableError as e:
+            return APIError(500, str(e), type_="server_error", code="tokenizer_unavailable").response()
         shape = Shape(chat, self.model_name, generation)
         self.metrics.prompt_tokens.inc(generation.prompt_tokens)
         if parsed.stream:
