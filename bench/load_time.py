@@ -55,10 +55,18 @@ json.dump({"to_first_token_s": first - started, "stages": load_stages.snapshot()
 """
 
 
+def child_path(tree: Path) -> str:
+    """PYTHONPATH for a child loading from `tree`: the tree, then the caller's entries that hold no
+    kestrel_stream of their own (where its dependencies were installed with --target, as on the device)."""
+    keep = [entry for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if entry and not (Path(entry) / "kestrel_stream").is_dir()]
+    return os.pathsep.join([str(tree), *keep])
+
+
 def run_once(args, tree: Path) -> dict:
     """One fresh process loading from the source tree `tree` (this one, or --baseline's)."""
     started = time.time()
-    env = dict(os.environ, PYTHONPATH=str(tree))
+    env = dict(os.environ, PYTHONPATH=child_path(tree))
     proc = subprocess.run([sys.executable, "-c", CHILD, repr(started), args.model, args.device, args.mode,
                            str(args.max_seq_len), "emulated" if args.emulated else ""],
                           capture_output=True, text=True, check=False, cwd=tree, env=env)
