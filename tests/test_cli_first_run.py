@@ -49,6 +49,11 @@ def test_verb_help_shows_defaults():
     bench = " ".join(run_cli("bench", "--help").stdout.split())
     assert "(default: 32)" in bench and "(default: 64)" in bench and "(default: 3)" in bench
     assert "~/.cache/kestrel-stream/models" in bench
+    make = " ".join(run_cli("make-model", "--help").stdout.split())
+    assert "random seed of the weights (default: 0)" in make and "(default: bf16)" in make   # 0 is shown too
+    assert "llama3-tiny (Llama 3.x rope scaling" in make and "mistral-tiny (sliding window" in make
+    serve = " ".join(run_cli("serve", "--help").stdout.split())
+    assert "(0: never) (default: 0.0)" in serve
 
 
 @needs_no_gpu

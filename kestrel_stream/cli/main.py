@@ -240,7 +240,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "preset's shapes, tensor by tensor, sharded at 2 GiB.")
     p.add_argument("out_dir", help="directory to write (made if missing)")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS),
-                   help="tiny: Qwen3-shaped, 2 layers; llama-tiny; the real shapes of the Qwen3 models")
+                   help="tiny: Qwen3-shaped, 2 layers; llama-tiny; llama3-tiny (Llama 3.x rope scaling, "
+                        "head_dim 32), mistral-tiny (sliding window, head_dim 80), qwen2-tiny (q/k/v bias, YaRN); "
+                        "the real shapes of the Qwen3 models")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"], help="stored dtype")
     p.set_defaults(func=cmd_make_model)
