@@ -75,6 +75,17 @@ def test_no_notice_where_the_device_does_not_matter(tmp_path, tiny_model):
     assert run_cli("generate", "--model", tiny_model, "--prompt-ids", "1", "--device", "cpu").stderr == ""
 
 
+@pytest.mark.parametrize("flags,message", [
+    (["--http", "0.0.0.0:8080"], "--http 0.0.0.0:8080: a non-loopback address needs an API key"),
+    (["--step-tokens", "0"], "--step-tokens must be in 1.."),
+])
+def test_bad_serve_flags_fail_before_the_notice_and_the_load(tiny_model, flags, message):
+    env = {k: v for k, v in os.environ.items() if k != "KESTREL_API_KEY"}
+    proc = run_cli("serve", "--model", tiny_model, *flags, env=env)
+    assert proc.returncode == 1
+    assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("flags,code,message", [
     (["--max-seq-len", "100000000"], 2, "--max-seq-len 100000000 exceeds this model's context of 512 positions"),
     (["--max-seq-len", "0"], 2, "argument --max-seq-len: must be >= 1, got 0"),

@@ -212,6 +212,10 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     from kestrel_stream.serve.daemon import run_daemon
+    from kestrel_stream.serve.flags import check_serve_args
+    from kestrel_stream.serve.http.server import http_options
+    check_serve_args(args)          # bad serve and --http flags fail first: no device notice, no load
+    http_options(args)
     prepare_engine(args)
     return run_daemon(args, args.environment)
 
