@@ -66,6 +66,16 @@ def test_no_gpu_notice_is_one_short_line_and_verbose_says_why(tiny_model):
     assert gpu_status()[1] in first_line(verbose.stderr)
 
 
+@needs_no_gpu
+def test_calibrate_without_a_gpu_says_so_in_short_and_verbose_says_why():
+    proc = run_cli("calibrate")
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert first_line(proc.stdout) == "no GPU found (details: --verbose); host figures only:"
+    assert json.loads(proc.stdout.split("\n", 1)[1])["host_gflops"] > 0
+    verbose = run_cli("calibrate", "--verbose")
+    assert first_line(verbose.stdout) == f"no GPU found ({gpu_status()[1]}); host figures only:"
+
+
 def test_no_notice_where_the_device_does_not_matter(tmp_path, tiny_model):
     missing = run_cli("generate", "--model", tmp_path / "nope", "--prompt-ids", "1")
     assert missing.returncode == 1

@@ -299,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="measure this machine's device profile for the cost-model gate")
+    p.add_argument("--verbose", action="store_true", help="say why there is no GPU")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("serve", help="run the daemon: own the model, answer clients on a socket")
