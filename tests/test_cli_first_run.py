@@ -76,6 +76,19 @@ def test_calibrate_without_a_gpu_says_so_in_short_and_verbose_says_why():
     assert first_line(verbose.stdout) == f"no GPU found ({gpu_status()[1]}); host figures only:"
 
 
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["plan", "--model", "TINY", "--mode", "cpu"]])
+def test_output_into_a_pipe_closed_early_ends_without_a_traceback(tiny_model, args):
+    """`kestrel-stream ... | head -0`: the reader is gone before the first line (closed as the process starts,
+    so every write meets a closed pipe whatever the output's size)."""
+    args = [str(tiny_model) if a == "TINY" else a for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(60) in (0, 141), stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr and "Exception ignored" not in stderr, stderr
+
+
 def test_no_notice_where_the_device_does_not_matter(tmp_path, tiny_model):
     missing = run_cli("generate", "--model", tmp_path / "nope", "--prompt-ids", "1")
     assert missing.returncode == 1

@@ -326,6 +326,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    try:
+        return run_command(argv)
+    except BrokenPipeError:
+        # `kestrel-stream ... | head`: the reader left. No traceback, and none at exit either, when Python
+        # flushes stdout into the closed pipe: stdout goes to /dev/null (the signal module's SIGPIPE note).
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                  # 128 + SIGPIPE, what a shell reports for a writer the pipe ended
+
+
+def run_command(argv=None) -> int:
     argv = join_negative_ids(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     if not argv:                    # a bare `kestrel-stream`: the help, as for a usage error
