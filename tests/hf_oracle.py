@@ -14,7 +14,8 @@ def hf_model_with_weights(model_dir, weights):
     state = model.state_dict()
 
     def put(name, value):
-        state[name].copy_(torch.from_numpy(np.ascontiguousarray(value)))
+        # a writable copy where the value is a view of a read-only mmap (torch warns on those)
+        state[name].copy_(torch.from_numpy(np.require(value, requirements=("C", "W"))))
 
     with torch.no_grad():
         put("model.embed_tokens.weight", weights.embed.dequantize())

@@ -5,7 +5,8 @@ The CPU engine itself matches transformers on these presets (test_oracle.py); he
 one graph (gpu), the residency window streaming half the weights (window), the gate (gated, a link
 fast enough that projections go to the GPU) and layers=1 — must give the same logits within 2e-3
 with identical argmax over a 12-token prefill (longer than mistral-tiny's window of 6) and 8 decode
-steps.
+steps; and the same against transformers on the same weights (within 2e-3 of both, not only by way of
+the CPU engine).
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 
 import fake_cuda
 import kestrel_stream as ks
-from hf_oracle import relative_error
+from hf_oracle import hf_logits, hf_model_with_weights, relative_error
 from kestrel_stream.loading.presets import make_model
 from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.run.engine import Engine
@@ -39,7 +40,18 @@ def run(engine):
 def model(request, tmp_path_factory):
     model_dir = make_model(tmp_path_factory.mktemp(request.param) / "m", request.param, seed=5, dtype="f32")
     weights = ks.load(model_dir, device="cpu").weights
+    CHECKPOINT_OF[id(weights)] = model_dir
     return weights, run(Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH))
+
+
+CHECKPOINT_OF: dict = {}     # id(weights) -> the checkpoint they came from (transformers reads its config.json)
+
+
+def transformers_logits(weights, reference) -> np.ndarray:
+    """transformers' logits at every position of the CPU engine's tokens (prompt + its greedy decode)."""
+    pytest.importorskip("transformers")
+    tokens = PROMPT + [int(t) for t in reference[len(PROMPT) - 1:-1].argmax(axis=1)]
+    return hf_logits(hf_model_with_weights(CHECKPOINT_OF[id(weights)], weights), tokens)
 
 
 def engine_for(weights, mode):
@@ -70,6 +82,19 @@ def test_every_gpu_path_matches_the_cpu_engine(model, mode, monkeypatch):
     for position in range(len(ours)):
         assert relative_error(ours[position], reference[position]) < 2e-3, f"position {position}"
     np.testing.assert_array_equal(ours.argmax(axis=1), reference.argmax(axis=1))
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", ["gpu", "window", "gated", "layers=1"])
+def test_every_gpu_path_matches_transformers(model, mode, monkeypatch):
+    fake_cuda.install(monkeypatch, mode="deferred")
+    weights, reference = model
+    expected = transformers_logits(weights, reference)
+    engine = engine_for(weights, mode)
+    ours = run(engine)
+    for position in range(len(ours)):
+        assert relative_error(ours[position], expected[position]) < 2e-3, f"position {position}"
+    np.testing.assert_array_equal(ours.argmax(axis=1), expected.argmax(axis=1))
     engine.close()
 
 

@@ -69,6 +69,8 @@ def test_demo_runs_the_daemon_and_writes_a_timeline(tmp_path):
     proc = run_cli("demo", "--dir", str(tmp_path), "--device", "cpu")
     assert "session A: 12 greedy tokens" in proc.stdout and "session B: 12 greedy tokens" in proc.stdout
     assert "exit code 0" in proc.stdout
+    assert "  as text: '" in proc.stdout                        # the generated ids through the tokenizer
+    assert "batching: " in proc.stdout and "mean_batch" in proc.stdout and "2.0: both sessions" in proc.stdout
     assert (tmp_path / "tiny" / "config.json").exists()
     html = (tmp_path / "demo-timeline.html").read_text()
     assert "<svg" in html and 'src="http' not in html and 'href="http' not in html

@@ -49,6 +49,11 @@ def test_verb_help_shows_defaults():
     bench = " ".join(run_cli("bench", "--help").stdout.split())
     assert "(default: 32)" in bench and "(default: 64)" in bench and "(default: 3)" in bench
     assert "~/.cache/kestrel-stream/models" in bench
+    make = " ".join(run_cli("make-model", "--help").stdout.split())
+    assert "random seed of the weights (default: 0)" in make and "(default: bf16)" in make   # 0 is shown too
+    assert "llama3-tiny (Llama 3.x rope scaling" in make and "mistral-tiny (sliding window" in make
+    serve = " ".join(run_cli("serve", "--help").stdout.split())
+    assert "(0: never) (default: 0.0)" in serve
 
 
 @needs_no_gpu
@@ -61,6 +66,29 @@ def test_no_gpu_notice_is_one_short_line_and_verbose_says_why(tiny_model):
     assert gpu_status()[1] in first_line(verbose.stderr)
 
 
+@needs_no_gpu
+def test_calibrate_without_a_gpu_says_so_in_short_and_verbose_says_why():
+    proc = run_cli("calibrate")
+    assert proc.returncode == 0 and proc.stderr == ""
+    assert first_line(proc.stdout) == "no GPU found (details: --verbose); host figures only:"
+    assert json.loads(proc.stdout.split("\n", 1)[1])["host_gflops"] > 0
+    verbose = run_cli("calibrate", "--verbose")
+    assert first_line(verbose.stdout) == f"no GPU found ({gpu_status()[1]}); host figures only:"
+
+
+@pytest.mark.parametrize("args", [["--help"], ["generate", "--help"], ["plan", "--model", "TINY", "--mode", "cpu"]])
+def test_output_into_a_pipe_closed_early_ends_without_a_traceback(tiny_model, args):
+    """`kestrel-stream ... | head -0`: the reader is gone before the first line (closed as the process starts,
+    so every write meets a closed pipe whatever the output's size)."""
+    args = [str(tiny_model) if a == "TINY" else a for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel_stream", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    assert proc.wait(60) in (0, 141), stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr and "Exception ignored" not in stderr, stderr
+
+
 def test_no_notice_where_the_device_does_not_matter(tmp_path, tiny_model):
     missing = run_cli("generate", "--model", tmp_path / "nope", "--prompt-ids", "1")
     assert missing.returncode == 1
@@ -68,6 +96,17 @@ def test_no_notice_where_the_device_does_not_matter(tmp_path, tiny_model):
     assert run_cli("make-model", tmp_path / "m", "--preset", "tiny").stderr == ""
     assert run_cli("plan", "--model", tiny_model, "--mode", "cpu").stderr == ""
     assert run_cli("generate", "--model", tiny_model, "--prompt-ids", "1", "--device", "cpu").stderr == ""
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--http", "0.0.0.0:8080"], "--http 0.0.0.0:8080: a non-loopback address needs an API key"),
+    (["--step-tokens", "0"], "--step-tokens must be in 1.."),
+])
+def test_bad_serve_flags_fail_before_the_notice_and_the_load(tiny_model, flags, message):
+    env = {k: v for k, v in os.environ.items() if k != "KESTREL_API_KEY"}
+    proc = run_cli("serve", "--model", tiny_model, *flags, env=env)
+    assert proc.returncode == 1
+    assert len(proc.stderr.splitlines()) == 1 and message in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("flags,code,message", [

@@ -1,8 +1,8 @@
 """A CPU-only install: the CUDA wheels are Linux-only, and every CPU path runs without cuda.bindings.
 
 The resolution itself needs the network, so it is a documented command (README, Dependencies), not a test:
-pip evaluates markers for the running interpreter even with --platform, so the check resolves the
-dependencies these markers leave for macOS / Windows with --platform and --only-binary=:all:.
+pip evaluates markers for the running interpreter even with --platform, so the check is uv's
+``uv pip install --dry-run --python-platform ... --only-binary :all: .``, which evaluates them for the target.
 """
 from __future__ import annotations
 

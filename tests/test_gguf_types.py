@@ -116,7 +116,7 @@ def test_each_type_loads_to_its_dequantized_values_rounded_to_q8_0(tmp_path, qty
     if qtype == T.Q8_0:
         assert line is None
     else:
-        assert line.startswith(f"gguf: converted to Q8_0: {qtype.name} x9 (") and "9 tensors" in line
+        assert line.startswith(f"gguf: converted to Q8_0: {qtype.name} x9 (") and line.endswith(" MB)")
         assert line in capfd.readouterr().err
 
 
@@ -178,3 +178,12 @@ def test_open_is_fast_when_the_tokenizer_is_not_read(tmp_path):
     f = open_gguf(path)
     assert f.metadata("qwen3.block_count") == 1
     assert time.perf_counter() - start < 0.5
+
+
+def test_the_conversion_line_gives_each_type_and_with_several_the_totals():
+    from kestrel_stream.loading.gguf import conversion_line
+    assert conversion_line({"Q4_1": [210, 66_400_000, 112_800_000]}) == \
+        "gguf: converted to Q8_0: Q4_1 x210 (66.4 MB -> 112.8 MB)"
+    assert conversion_line({"Q5_K": [2, 3_000_000, 4_000_000], "Q4_1": [1, 1_000_000, 2_000_000]}) == \
+        ("gguf: converted to Q8_0: Q4_1 x1 (1.0 MB -> 2.0 MB), Q5_K x2 (3.0 MB -> 4.0 MB); 3 tensors, "
+         "4.0 MB -> 6.0 MB")

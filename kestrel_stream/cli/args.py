@@ -29,7 +29,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action):
         text = action.help or ""
-        if action.default in (None, False) or "default" in text:
+        # by identity: a default of 0 or 0.0 (--seed, --temp) equals False but is a value worth showing
+        if action.default is None or action.default is False or "default" in text:
             return text
         return super()._get_help_string(action)
 

@@ -212,6 +212,10 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     from kestrel_stream.serve.daemon import run_daemon
+    from kestrel_stream.serve.flags import check_serve_args
+    from kestrel_stream.serve.http.server import http_options
+    check_serve_args(args)          # bad serve and --http flags fail first: no device notice, no load
+    http_options(args)
     prepare_engine(args)
     return run_daemon(args, args.environment)
 
@@ -240,7 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "preset's shapes, tensor by tensor, sharded at 2 GiB.")
     p.add_argument("out_dir", help="directory to write (made if missing)")
     p.add_argument("--preset", required=True, choices=sorted(PRESETS),
-                   help="tiny: Qwen3-shaped, 2 layers; llama-tiny; the real shapes of the Qwen3 models")
+                   help="tiny: Qwen3-shaped, 2 layers; llama-tiny; llama3-tiny (Llama 3.x rope scaling, "
+                        "head_dim 32), mistral-tiny (sliding window, head_dim 80), qwen2-tiny (q/k/v bias, YaRN); "
+                        "the real shapes of the Qwen3 models")
     p.add_argument("--seed", type=int, default=0, help="random seed of the weights")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "f16", "f32"], help="stored dtype")
     p.set_defaults(func=cmd_make_model)
@@ -293,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("calibrate", help="measure this machine's device profile for the cost-model gate")
+    p.add_argument("--verbose", action="store_true", help="say why there is no GPU")
     p.set_defaults(func=cmd_calibrate)
 
     p = sub.add_parser("serve", help="run the daemon: own the model, answer clients on a socket")
@@ -319,6 +326,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    try:
+        return run_command(argv)
+    except BrokenPipeError:
+        # `kestrel-stream ... | head`: the reader left. No traceback, and none at exit either, when Python
+        # flushes stdout into the closed pipe: stdout goes to /dev/null (the signal module's SIGPIPE note).
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141                  # 128 + SIGPIPE, what a shell reports for a writer the pipe ended
+
+
+def run_command(argv=None) -> int:
     argv = join_negative_ids(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     if not argv:                    # a bare `kestrel-stream`: the help, as for a usage error

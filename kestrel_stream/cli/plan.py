@@ -105,7 +105,8 @@ def cmd_calibrate(args) -> int:
     from kestrel_stream.run.calibrate import calibrate, measure_host
     available, reason = gpu_status()
     if not available:
-        print(f"no GPU ({reason}); host figures only:")
+        why = f" ({reason})" if args.verbose else " (details: --verbose)"
+        print(f"no GPU found{why}; host figures only:")
         print(json.dumps(measure_host(), indent=2))
         return 0
     profile = calibrate(force=True)

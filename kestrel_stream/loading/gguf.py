@@ -270,6 +270,8 @@ def conversion_line(counts: dict[str, list[int]]) -> str:
     """counts: type name → [tensors, bytes in the file, Q8_0 bytes] for every converted linear tensor."""
     parts = ", ".join(f"{kind} x{n} ({before / 1e6:.1f} MB -> {after / 1e6:.1f} MB)"
                       for kind, (n, before, after) in sorted(counts.items()))
+    if len(counts) == 1:            # the one type's part is already the total
+        return f"gguf: converted to Q8_0: {parts}"
     before = sum(v[1] for v in counts.values())
     after = sum(v[2] for v in counts.values())
     return (f"gguf: converted to Q8_0: {parts}; {sum(v[0] for v in counts.values())} tensors, "
