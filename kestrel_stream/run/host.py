@@ -131,6 +131,7 @@ class CpuExecutor(Executor):
         self.weights = weights
         self.config: ModelConfig = weights.config
         self._dequantized: dict[int, np.ndarray] = {}
+        self._by_object: dict[int, tuple] = {}
         # Norm weights as plain float32 arrays (a memory-mapped one would make every result it touches a
         # memmap, each with a Python-level finalizer); q_norm and k_norm stacked per head, [q + kv heads, D].
         plain = lambda a: np.array(a, np.float32)   # noqa: E731
@@ -151,18 +152,27 @@ class CpuExecutor(Executor):
 
     def dense(self, w: QTensor) -> np.ndarray:
         """float32 copy of a linear weight (Q8_0 or a block format), built on first use."""
-        key = tensor_key(w)
-        if key not in self._dequantized:
-            self._dequantized[key] = w.dequantize()
-        return self._dequantized[key]
+        return self._weight(w)[1]
+
+    def _weight(self, w) -> tuple:
+        """(w, its float32 copy, its stored bytes), looked up by the object first: a step's projections
+        skip tensor_key and nbytes (the entry keeps `w`, so its id is not reused)."""
+        entry = self._by_object.get(id(w))
+        if entry is None:
+            key = tensor_key(w)
+            if key not in self._dequantized:
+                self._dequantized[key] = w.dequantize()
+            entry = self._by_object[id(w)] = (w, self._dequantized[key], w.nbytes)
+        return entry
 
     def linear(self, x: np.ndarray, w: QTensor, op: str = "linear", layer: int = -1) -> np.ndarray:
-        self.counters.cpu_weight_read_bytes += w.nbytes
+        _, dense, nbytes = self._weight(w)
+        self.counters.cpu_weight_read_bytes += nbytes
         if trace.active is None:
-            return x @ self.dense(w).T
+            return x @ dense.T
         rows, cols = w.shape
-        with trace.span(op, op=op, layer=layer, flops=2 * x.shape[0] * rows * cols, bytes=w.nbytes):
-            return x @ self.dense(w).T
+        with trace.span(op, op=op, layer=layer, flops=2 * x.shape[0] * rows * cols, bytes=nbytes):
+            return x @ dense.T
 
     def alloc_kv(self, max_seq_len: int) -> CpuKV:
         c = self.config
