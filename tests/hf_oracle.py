@@ -55,3 +55,12 @@ def hf_logits(model, token_ids) -> np.ndarray:
 def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
     """max |ours - reference| / max |reference|: the tolerance measure used throughout."""
     return float(np.abs(ours - reference).max() / np.abs(reference).max())
+
+
+def assert_logits_match(ours: np.ndarray, reference: np.ndarray, tolerance: float = 2e-3, label: str = "") -> None:
+    """Every position's logits within `tolerance` (relative_error) of the reference's, and the same argmax
+    at every position: the oracle tests' bar."""
+    assert len(ours) == len(reference), (len(ours), len(reference))
+    for position in range(len(ours)):
+        assert relative_error(ours[position], reference[position]) < tolerance, f"{label}position {position}"
+    np.testing.assert_array_equal(ours.argmax(axis=1), reference.argmax(axis=1))

@@ -15,7 +15,7 @@ import pytest
 
 import fake_cuda
 import kestrel_stream as ks
-from hf_oracle import hf_logits, hf_model_with_weights, relative_error
+from hf_oracle import assert_logits_match, hf_logits, hf_model_with_weights, relative_error
 from kestrel_stream.loading.presets import make_model
 from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.run.engine import Engine
@@ -79,9 +79,7 @@ def test_every_gpu_path_matches_the_cpu_engine(model, mode, monkeypatch):
     if mode == "gated":
         assert engine.executor.plan(1).syncs_per_step > 0, "the fast link should offload some projections"
     ours = run(engine)
-    for position in range(len(ours)):
-        assert relative_error(ours[position], reference[position]) < 2e-3, f"position {position}"
-    np.testing.assert_array_equal(ours.argmax(axis=1), reference.argmax(axis=1))
+    assert_logits_match(ours, reference)
     engine.close()
 
 
@@ -92,9 +90,7 @@ def test_every_gpu_path_matches_transformers(model, mode, monkeypatch):
     expected = transformers_logits(weights, reference)
     engine = engine_for(weights, mode)
     ours = run(engine)
-    for position in range(len(ours)):
-        assert relative_error(ours[position], expected[position]) < 2e-3, f"position {position}"
-    np.testing.assert_array_equal(ours.argmax(axis=1), expected.argmax(axis=1))
+    assert_logits_match(ours, expected)
     engine.close()
 
 

@@ -4,10 +4,9 @@ transformers (skipped where transformers is not installed) — the same checks a
 on the real kernels (skipped without a GPU)."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from hf_oracle import relative_error
+from hf_oracle import assert_logits_match
 from test_archs_emulated import engine_for, model, run, transformers_logits   # noqa: F401  (model: a fixture)
 
 pytestmark = pytest.mark.gpu
@@ -18,9 +17,7 @@ def test_every_gpu_path_matches_the_cpu_engine_on_the_device(model, mode):  # no
     weights, reference = model
     engine = engine_for(weights, mode)
     ours = run(engine)
-    for position in range(len(ours)):
-        assert relative_error(ours[position], reference[position]) < 2e-3, f"position {position}"
-    np.testing.assert_array_equal(ours.argmax(axis=1), reference.argmax(axis=1))
+    assert_logits_match(ours, reference)
     engine.close()
 
 
@@ -30,7 +27,5 @@ def test_every_gpu_path_matches_transformers_on_the_device(model, mode):  # noqa
     expected = transformers_logits(weights, reference)
     engine = engine_for(weights, mode)
     ours = run(engine)
-    for position in range(len(ours)):
-        assert relative_error(ours[position], expected[position]) < 2e-3, f"position {position}"
-    np.testing.assert_array_equal(ours.argmax(axis=1), expected.argmax(axis=1))
+    assert_logits_match(ours, expected)
     engine.close()
