@@ -28,6 +28,9 @@ __device__ __forceinline__ uint4 load_weights16(const void* p) {
     return v;
 }
 
+// a hint: the 32-byte sector (or more) of p into L2, no register, nothing to wait for
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // level byte `which` of `word` minus `bias`, exactly (the biased byte spliced into 2^23's mantissa)
 __device__ __forceinline__ float level_float(unsigned int word, int which, float bias) {
     return __int_as_float(__byte_perm(word, 0x4B000000u, 0x7540 + which)) - (8388608.0f + bias);
@@ -42,6 +45,10 @@ struct FmtQ4_0 {
     static __device__ __forceinline__ void load(Raw& r, const unsigned char* qs, const unsigned char* meta, int u) {
         r.q = load_weights16(qs + 16 * u);
         r.d = __ldg((const half_bits*)meta + u);
+    }
+    static __device__ __forceinline__ void prefetch(const unsigned char* qs, const unsigned char* meta, int u) {
+        prefetch_l2(qs + 16 * u);
+        prefetch_l2((const half_bits*)meta + u);
     }
     static __device__ __forceinline__ void decode(const Raw& r, int u, Group (&g)[GROUPS]) {
         const unsigned int w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
@@ -81,6 +88,10 @@ struct FmtQ4_K {
         r.q = load_weights16(qs + 16 * u);                        // unit c of super-block u / 8: bytes 16 c
         r.m = __ldg((const uint4*)(meta + 16 * (u >> 3)));
     }
+    static __device__ __forceinline__ void prefetch(const unsigned char* qs, const unsigned char* meta, int u) {
+        prefetch_l2(qs + 16 * u);
+        prefetch_l2(meta + 16 * (u >> 3));
+    }
     static __device__ __forceinline__ void decode(const Raw& r, int u, Group (&g)[GROUPS]) {
         const int sb = u >> 3, c = u & 7, j = c >> 1, l0 = (c & 1) * 16;
         const unsigned int w[4] = {r.q.x, r.q.y, r.q.z, r.q.w};
@@ -119,6 +130,14 @@ struct FmtQ6_K {
 #pragma unroll
         for (int k = 0; k < 4; k++) r.sc[k] = (float)__ldg((const signed char*)m + 8 * hh + 2 * k + (l0 >> 4));
         r.d = __ldg((const half_bits*)(m + 16));
+    }
+    static __device__ __forceinline__ void prefetch(const unsigned char* qs, const unsigned char* meta, int u) {
+        const int sb = u >> 2, hh = (u >> 1) & 1, l0 = (u & 1) * 16;
+        const unsigned char* base = qs + 192 * (long long)sb;
+        prefetch_l2(base + 64 * hh + l0);
+        prefetch_l2(base + 64 * hh + 32 + l0);
+        prefetch_l2(base + 128 + 32 * hh + l0);
+        prefetch_l2(meta + 18 * (long long)sb + 8 * hh);
     }
     static __device__ __forceinline__ void decode(const Raw& r, int u, Group (&g)[GROUPS]) {
         const int sb = u >> 2, hh = (u >> 1) & 1, l0 = (u & 1) * 16;

@@ -75,11 +75,23 @@ __device__ __forceinline__ float4 load_x4_l1(const float* p) {
     return v;
 }
 
+// Q4_K's levels as subnormal floats (the p layouts): the level byte L zero-extended is the float
+// L * 2^-149, so with x scaled by X_SCALE = 2^96 the fma takes L * x * 2^-53 exactly, and the scale,
+// times S_SCALE = 2^53 (exact), undoes it: the same sums as L * x, one PRMT and one FFMA a weight
+// instead of PRMT, FADD and FFMA.  Only where the result of a product or sum falls below 2^-126
+// (|sum| < 2^-73 unscaled) does it round differently, by at most 2^-97; x must stay below 2^32.
+struct Subnormal { static constexpr float X_SCALE = 0x1p96f, S_SCALE = 0x1p53f; };
+
+__device__ __forceinline__ float level_subnormal(unsigned int word, int which) {
+    return __int_as_float(__byte_perm(word, 0u, 0x4440 + which));
+}
+
 // one token: a group's 16 x values in registers (and their sum, for the mins) against every row's
 // group, one group at a time, levels made floats as the fmas take them (registers: 16 x values)
-template <class F, int ROWS>
+template <class F, int ROWS, bool SUB = false>
 __device__ __forceinline__ void unit_rows_m1(const typename F::Raw (&raw)[ROWS], int u, const float* x,
                                              float (&acc)[ROWS][1]) {
+    static_assert(!SUB || (F::BIAS == 0 && F::MINS), "subnormal levels: unbiased levels (Q4_K) only");
 #pragma unroll
     for (int gi = 0; gi < F::GROUPS; gi++) {
         const float4* xp = (const float4*)(x + UnitK<F>::at(u, gi));
@@ -93,14 +105,22 @@ __device__ __forceinline__ void unit_rows_m1(const typename F::Raw (&raw)[ROWS],
             xv[4 * i + 3] = v.w;
             if (F::MINS) xsum += (v.x + v.y) + (v.z + v.w);
         }
+        if (SUB) {
+#pragma unroll
+            for (int i = 0; i < 16; i++) xv[i] *= Subnormal::X_SCALE;
+        }
 #pragma unroll
         for (int r = 0; r < ROWS; r++) {
             Group g[F::GROUPS];
             TiledDecode<F>::run(raw[r], u, g);   // only group gi is used: the rest is dead code here
             float dot = 0.f;
 #pragma unroll
-            for (int i = 0; i < 16; i++) dot = fmaf(level_float(g[gi].lv[i >> 2], i & 3, (float)F::BIAS), xv[i], dot);
-            acc[r][0] = fmaf(g[gi].s, dot, acc[r][0]);
+            for (int i = 0; i < 16; i++) {
+                const float level = SUB ? level_subnormal(g[gi].lv[i >> 2], i & 3)
+                                        : level_float(g[gi].lv[i >> 2], i & 3, (float)F::BIAS);
+                dot = fmaf(level, xv[i], dot);
+            }
+            acc[r][0] = fmaf(SUB ? g[gi].s * Subnormal::S_SCALE : g[gi].s, dot, acc[r][0]);
             if (F::MINS) acc[r][0] = fmaf(-g[gi].o, xsum, acc[r][0]);
         }
     }
@@ -186,8 +206,50 @@ __device__ __forceinline__ void unit_rows_outer(const typename F::Raw (&raw)[ROW
     }
 }
 
+// the weight loads of one pass: units u0 + j THREADS (j < U) of each row, those past the row skipped
+template <class F, int ROWS, int THREADS, int U>
+__device__ __forceinline__ void load_pass(typename F::Raw (&raw)[U][ROWS], const unsigned char* const (&qs_r)[ROWS],
+                                          const unsigned char* const (&meta_r)[ROWS], int u0, int units) {
+#pragma unroll
+    for (int j = 0; j < U; j++) {
+        const int u = u0 + j * THREADS;
+        if (u < units) {
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) F::load(raw[j][r], qs_r[r], meta_r[r], u);
+        }
+    }
+}
+
+// the p layouts: the next pass's units requested into L2 as this pass's loads go out, so that pass's
+// loads wait for an L2 hit, not for HBM (the compiler issues a load only a short way ahead of its
+// math; a prefetch holds no register).  Units past the row: the row's last unit again (no branch).
+template <class F, int ROWS, int THREADS, int U>
+__device__ __forceinline__ void prefetch_pass(const unsigned char* const (&qs_r)[ROWS],
+                                              const unsigned char* const (&meta_r)[ROWS], int u0, int units) {
+#pragma unroll
+    for (int j = 0; j < U; j++) {
+        const int u = min(u0 + j * THREADS, units - 1);
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) F::prefetch(qs_r[r], meta_r[r], u);
+    }
+}
+
+// the math of one pass (SUB: Q4_K's levels as subnormals, at one token)
+template <class F, int M, int ROWS, int THREADS, int U, bool ROW_OUTER, bool SUB>
+__device__ __forceinline__ void math_pass(const typename F::Raw (&raw)[U][ROWS], int u0, int units, const float* x,
+                                          int ldx, int ntok, float (&acc)[ROWS][M]) {
+#pragma unroll
+    for (int j = 0; j < U; j++) {
+        const int u = u0 + j * THREADS;
+        if (u >= units) break;
+        if constexpr (ROW_OUTER) unit_rows_outer<F, M, ROWS>(raw[j], u, x, ldx, ntok, acc);
+        else if constexpr (M == 1) unit_rows_m1<F, ROWS, SUB>(raw[j], u, x, acc);
+        else unit_rows_shared<F, M, ROWS>(raw[j], u, x, ldx, ntok, acc);
+    }
+}
+
 // rows [row0, row0 + ROWS) of one format part whose rows start at row_first and end at row_end
-template <class F, int M, int ROWS, int THREADS, int UNROLL, bool ROW_OUTER, bool SILU_PAIRS>
+template <class F, int M, int ROWS, int THREADS, int UNROLL, bool ROW_OUTER, bool SILU_PAIRS, bool PREFETCH>
 __device__ __forceinline__ void tiled_part(
         GemvSharedT<M, ROWS, THREADS>& sh, const unsigned char* __restrict__ qs,
         const unsigned char* __restrict__ meta, int row0, int row_first, int row_end, const float* x, int ldx,
@@ -210,32 +272,22 @@ __device__ __forceinline__ void tiled_part(
 
     // a Q6_K unit is three 16-byte loads and 17 registers: half the units in flight (rounded up)
     constexpr int U = F::UNIT == 64 ? (UNROLL + 1) / 2 : UNROLL;
+    constexpr int STEP = THREADS * U;   // units of a row one pass of the block covers
     const int units = K / F::UNIT;
-    for (int u0 = threadIdx.x; u0 < units; u0 += THREADS * U) {
+    static_assert(!PREFETCH || (M == 1 && !ROW_OUTER), "the p layouts are one-token ones");
+    for (int u0 = threadIdx.x; u0 < units; u0 += STEP) {
         typename F::Raw raw[U][ROWS];
-#pragma unroll
-        for (int j = 0; j < U; j++) {
-            const int u = u0 + j * THREADS;
-            if (u < units) {
-#pragma unroll
-                for (int r = 0; r < ROWS; r++) F::load(raw[j][r], qs_r[r], meta_r[r], u);
-            }
-        }
+        load_pass<F, ROWS, THREADS, U>(raw, qs_r, meta_r, u0, units);
+        if (PREFETCH && u0 + STEP < units) prefetch_pass<F, ROWS, THREADS, U>(qs_r, meta_r, u0 + STEP, units);
         if (u0 == (int)threadIdx.x) pdl_wait();   // x (and y, res) belong to earlier kernels
-#pragma unroll
-        for (int j = 0; j < U; j++) {
-            const int u = u0 + j * THREADS;
-            if (u >= units) break;
-            if constexpr (ROW_OUTER) unit_rows_outer<F, M, ROWS>(raw[j], u, x, ldx, ntok, acc);
-            else if constexpr (M == 1) unit_rows_m1<F, ROWS>(raw[j], u, x, acc);
-            else unit_rows_shared<F, M, ROWS>(raw[j], u, x, ldx, ntok, acc);
-        }
+        math_pass<F, M, ROWS, THREADS, U, ROW_OUTER, PREFETCH && F::MINS>(raw, u0, units, x, ldx, ntok, acc);
     }
     q4_gemv_epilogue<M, ROWS, THREADS, SILU_PAIRS>(sh, acc, row0, row_end, inv_rms_in, y, ldy, res, normw_out,
                                                  xn_out, inv_rms_out, counter, eps, N, ntok);
 }
 
-template <class FA, class FB, int M, int ROWS, int THREADS, int UNROLL, bool ROW_OUTER, bool SILU_PAIRS>
+template <class FA, class FB, int M, int ROWS, int THREADS, int UNROLL, bool ROW_OUTER, bool SILU_PAIRS,
+          bool PREFETCH>
 __device__ __forceinline__ void q4_tiled_body(
         const unsigned char* qs, const unsigned char* meta, const float* x, int ldx, const float* inv_rms_in,
         float* y, int ldy, const float* res, const float* normw_out, float* xn_out, float* inv_rms_out,
@@ -245,36 +297,44 @@ __device__ __forceinline__ void q4_tiled_body(
     pdl_launch_dependents();
     const int head_blocks = (rows_a + ROWS - 1) / ROWS;
     if (same_format<FA, FB>::value || (int)blockIdx.x < head_blocks) {
-        tiled_part<FA, M, ROWS, THREADS, UNROLL, ROW_OUTER, SILU_PAIRS>(
+        tiled_part<FA, M, ROWS, THREADS, UNROLL, ROW_OUTER, SILU_PAIRS, PREFETCH>(
                 sh, qs, meta, blockIdx.x * ROWS, 0, rows_a, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out,
                 inv_rms_out, counter, eps, N, K, ntok);
     } else {
-        tiled_part<FB, M, ROWS, THREADS, UNROLL, ROW_OUTER, SILU_PAIRS>(
+        tiled_part<FB, M, ROWS, THREADS, UNROLL, ROW_OUTER, SILU_PAIRS, PREFETCH>(
                 sh, qs_b, meta_b, rows_a + (blockIdx.x - head_blocks) * ROWS, rows_a, N, x, ldx, inv_rms_in, y,
                 ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok);
     }
 }
 
-#define DEFINE_Q4_TILED(FA, FB, M, THREADS, ROWS, UNROLL, ROW_OUTER, SILU, NAME)                        \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                         \
-            const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,                \
-            const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,       \
-            float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,          \
-            int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {             \
-        q4_tiled_body<FA, FB, M, ROWS, THREADS, UNROLL, ROW_OUTER, SILU>(                               \
-                qs, meta, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, \
-                N, K, ntok, qs_b, meta_b, rows_a);                                                      \
+#define DEFINE_Q4_TILED(FA, FB, M, THREADS, ROWS, UNROLL, ROW_OUTER, SILU, PREFETCH, NAME)                  \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                             \
+            const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,                    \
+            const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,           \
+            float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,              \
+            int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {                 \
+        q4_tiled_body<FA, FB, M, ROWS, THREADS, UNROLL, ROW_OUTER, SILU, PREFETCH>(                         \
+                qs, meta, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,    \
+                N, K, ntok, qs_b, meta_b, rows_a);                                                          \
     }
 
 // the (format, tail format, SiLU) kernels of one layout (q4_gemv_variants.TILED_CODES): Q4_0 and Q4_K
 // plain and SiLU pairs, Q6_K plain, Q4_K then Q6_K rows (a Q4_K_M file's QKV)
-#define DEFINE_Q4_TILED_SET(M, THREADS, ROWS, UNROLL, ROW_OUTER, SUFFIX)                                    \
-    DEFINE_Q4_TILED(FmtQ4_0, FmtQ4_0, M, THREADS, ROWS, UNROLL, ROW_OUTER, false, q4_0_gemv_m##M##_##SUFFIX) \
-    DEFINE_Q4_TILED(FmtQ4_0, FmtQ4_0, M, THREADS, ROWS, UNROLL, ROW_OUTER, true,                            \
+#define DEFINE_Q4_TILED_SET_AS(M, THREADS, ROWS, UNROLL, ROW_OUTER, PREFETCH, SUFFIX)                       \
+    DEFINE_Q4_TILED(FmtQ4_0, FmtQ4_0, M, THREADS, ROWS, UNROLL, ROW_OUTER, false, PREFETCH,                 \
+                    q4_0_gemv_m##M##_##SUFFIX)                                                              \
+    DEFINE_Q4_TILED(FmtQ4_0, FmtQ4_0, M, THREADS, ROWS, UNROLL, ROW_OUTER, true, PREFETCH,                  \
                     q4_0_gemv_m##M##_##SUFFIX##_silu)                                                       \
-    DEFINE_Q4_TILED(FmtQ4_K, FmtQ4_K, M, THREADS, ROWS, UNROLL, ROW_OUTER, false, q4_k_gemv_m##M##_##SUFFIX) \
-    DEFINE_Q4_TILED(FmtQ4_K, FmtQ4_K, M, THREADS, ROWS, UNROLL, ROW_OUTER, true,                            \
+    DEFINE_Q4_TILED(FmtQ4_K, FmtQ4_K, M, THREADS, ROWS, UNROLL, ROW_OUTER, false, PREFETCH,                 \
+                    q4_k_gemv_m##M##_##SUFFIX)                                                              \
+    DEFINE_Q4_TILED(FmtQ4_K, FmtQ4_K, M, THREADS, ROWS, UNROLL, ROW_OUTER, true, PREFETCH,                  \
                     q4_k_gemv_m##M##_##SUFFIX##_silu)                                                       \
-    DEFINE_Q4_TILED(FmtQ6_K, FmtQ6_K, M, THREADS, ROWS, UNROLL, ROW_OUTER, false, q6_k_gemv_m##M##_##SUFFIX) \
-    DEFINE_Q4_TILED(FmtQ4_K, FmtQ6_K, M, THREADS, ROWS, UNROLL, ROW_OUTER, false,                           \
+    DEFINE_Q4_TILED(FmtQ6_K, FmtQ6_K, M, THREADS, ROWS, UNROLL, ROW_OUTER, false, PREFETCH,                 \
+                    q6_k_gemv_m##M##_##SUFFIX)                                                              \
+    DEFINE_Q4_TILED(FmtQ4_K, FmtQ6_K, M, THREADS, ROWS, UNROLL, ROW_OUTER, false, PREFETCH,                 \
                     q4_k_q6_k_gemv_m##M##_##SUFFIX)
+#define DEFINE_Q4_TILED_SET(M, THREADS, ROWS, UNROLL, ROW_OUTER, SUFFIX)                                    \
+    DEFINE_Q4_TILED_SET_AS(M, THREADS, ROWS, UNROLL, ROW_OUTER, false, SUFFIX)
+// the p layouts (one token): the next pass's units prefetched into L2, Q4_K's levels as subnormals
+#define DEFINE_Q4_PREFETCH_SET(M, THREADS, ROWS, UNROLL, SUFFIX) \
+    DEFINE_Q4_TILED_SET_AS(M, THREADS, ROWS, UNROLL, false, true, SUFFIX)

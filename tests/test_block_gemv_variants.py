@@ -38,17 +38,49 @@ def test_every_layout_matches_numpy(dev, name, variant, tokens, epilogue):
     check_product(dev, name, tokens, epilogue, variant=variant)
 
 
+@pytest.mark.parametrize("name", sorted(WEIGHTS))
+def test_prefetching_layouts_give_the_plain_layouts_floats(dev, name):
+    """A p layout sums in its t twin's order and its subnormal Q4_K levels are exact: the same floats
+    bit for bit, x spanning six decades (what the scaling by 2^96 must survive)."""
+    import numpy as np
+
+    from kestrel_stream.cuda.kernels import gemv_launch
+    from test_block_kernels import upload, weight
+    w = weight(name, seed=3)
+    n, k = w.shape
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal(k) * 10.0 ** rng.uniform(-3, 3, k)).astype(np.float32)[None, :]
+    qw, xp = upload(dev, w), dev.put(x)
+
+    def product(variant: str) -> np.ndarray:
+        y = dev.put(np.zeros((1, n), np.float32))
+        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, n, 1, variant=variant))
+        return dev.get(y, (1, n))
+
+    twins = [v for v in qv.M1_VARIANTS if v[0] == "p" and "t" + v[1:] in qv.M1_VARIANTS]
+    assert len(twins) >= 3
+    out = {v: product(v) for v in twins}
+    for v in twins:
+        np.testing.assert_array_equal(out[v], product("t" + v[1:]), err_msg=f"{name} {v}")
+    s = x @ w.dequantize().T
+    assert np.abs(out[twins[0]] - s).max() <= 1e-5 * np.abs(s).max()
+
+
 def test_the_layouts_are_the_kernels_that_exist():
     """Each Python layout is instantiated in the .cu with the same threads, rows and unroll (the emulated
     device cannot tell a missing kernel from a present one)."""
     m1 = (source_dir() / "q4_gemv_m1.cu").read_text()
     mn = {"o": (source_dir() / "q4_gemv_mn.cu").read_text(), "g": (source_dir() / "q4_gemv_mg.cu").read_text()}
-    for name, v in qv.M1_VARIANTS.items():
-        assert f"DEFINE_Q4_TILED_SET(1, {v.threads}, {v.rows}, {v.unroll}, false, {name})" in m1, name
+    for name, v in qv.M1_VARIANTS.items():       # t: plain, p: prefetching (DEFINE_Q4_PREFETCH_SET)
+        if name[0] == "p":
+            assert f"DEFINE_Q4_PREFETCH_SET(1, {v.threads}, {v.rows}, {v.unroll}, {name})" in m1, name
+        else:
+            assert f"DEFINE_Q4_TILED_SET(1, {v.threads}, {v.rows}, {v.unroll}, false, {name})" in m1, name
     for name, v in qv.MN_VARIANTS.items():       # o: row-outer (true), g: x shared by the rows (false)
         row_outer = "true" if name[0] == "o" else "false"
         assert f"DEFINE_Q4_TILED_SET(M, {v.threads}, {v.rows}, {v.unroll}, {row_outer}, {name})" in mn[name[0]], name
-    assert len(re.findall(r"^\s*DEFINE_Q4_TILED_SET\(1,", m1, re.M)) == len(qv.M1_VARIANTS)
+    assert len(re.findall(r"^\s*DEFINE_Q4_(?:TILED|PREFETCH)_SET\(1,", m1, re.M)) == len(qv.M1_VARIANTS)
+    assert {name[0] for name in qv.M1_VARIANTS} == {"t", "p"} and {name[0] for name in qv.MN_VARIANTS} == {"g", "o"}
     assert sum(len(re.findall(r"DEFINE_Q4_TILED_SET\(M,", text)) for text in mn.values()) == len(qv.MN_VARIANTS)
     assert re.findall(r"^DEFINE_Q4_TILED_MN\((\d)\)", mn["o"], re.M) == ["2", "4", "8"]
     assert re.findall(r"^DEFINE_Q4_TILED_MG\((\d)\)", mn["g"], re.M) == ["2", "4", "8"]

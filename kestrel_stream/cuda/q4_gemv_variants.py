@@ -4,7 +4,9 @@ A variant is THREADS x ROWS x UNROLL: a block of THREADS threads owns ROWS weigh
 thread keeps ROWS * UNROLL units' loads in flight (a unit: 16 B of nibbles = 32 weights for
 Q4_0/Q4_K, 3 x 16 B = 64 weights for Q6_K, which keeps half the UNROLL, rounded up).  "" is q4_gemv.cu's original kernel (64 threads, 4 rows
 for 1..2 tokens, 2 for 4..8, one unit in flight per row), kept for A/B; tTrRuU are the one-token
-layouts, gTrRuU (x shared by the rows) and oTrRuU (row-outer) the layouts for 2..8 tokens.  Kernel names:
+layouts, pTrRuU the same with the next pass's units prefetched into L2 during this pass (its loads
+then wait for L2, not HBM) and Q4_K's levels as subnormal floats (one FADD a weight less), gTrRuU (x
+shared by the rows) and oTrRuU (row-outer) the layouts for 2..8 tokens.  Kernel names:
 <fmt>[_<tail fmt>]_gemv_m<M>[_<variant>][_silu].  Pure Python: the emulated device, the tests and
 the bench read it without a driver.
 """
@@ -21,7 +23,10 @@ class Variant(NamedTuple):
 
 LEGACY = ""
 M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r4u3": Variant(64, 4, 3),
-               "t128r4u3": Variant(128, 4, 3)}
+               "t128r4u3": Variant(128, 4, 3),
+               # the next pass prefetched into L2, Q4_K's levels subnormal: for rows of several passes (o, down)
+               "p64r8u1": Variant(64, 8, 1), "p64r4u1": Variant(64, 4, 1), "p32r4u2": Variant(32, 4, 2),
+               "p64r4u3": Variant(64, 4, 3)}
 MN_VARIANTS = {"g64r4u1": Variant(64, 4, 1), "g32r4u2": Variant(32, 4, 2), "o64r4u1": Variant(64, 4, 1),
                "o32r4u2": Variant(32, 4, 2)}
 ALL_VARIANTS = (LEGACY, *M1_VARIANTS, *MN_VARIANTS)   # what Options.gemv_block (KESTREL_GEMV_BLOCK) may name
@@ -144,12 +149,13 @@ def choose(code: str, fmt: str, rows: int, cols: int, tokens: int, silu: bool = 
     units = cols // UNIT_WEIGHTS[fmt]
 
     def idle_then_passes(name: str) -> tuple[float, int]:
-        v = M1_VARIANTS[name]
+        v = M1_VARIANTS[name]   # the t layouts only: the p ones are chosen by measurement
         per_pass = v.threads * units_in_flight(fmt, v)
         passes = -(-units // per_pass)
         return 1 - units / (passes * per_pass), passes
 
-    return min(M1_VARIANTS, key=idle_then_passes)   # ties: the first listed (fewer threads, more blocks)
+    rule_layouts = [name for name in M1_VARIANTS if name.startswith("t")]
+    return min(rule_layouts, key=idle_then_passes)   # ties: the first listed (fewer threads, more blocks)
 
 
 def kernel_name(code: str, m: int, variant: str, silu: bool) -> str:
