@@ -72,17 +72,17 @@ __device__ __forceinline__ void load_lane_elems(const float* row, int lane, floa
 
 // D: head_dim, a constant so q and acc stay in registers.  The caller ran pdl_wait
 // (rows were built from per-token params) and passes this block's token's K rows.
-template <int D, typename Rows>
+template <int D, int G, typename Rows>
 __device__ __forceinline__ void attention_split_body(
         const float* __restrict__ q, const Rows rows, const int* __restrict__ pos, float* part_acc,
         float* part_max, float* part_sum, float* __restrict__ out, unsigned int* counters, int n_heads,
         int n_kv, int window, float softmax_scale) {
     constexpr int PER_LANE = (D + 31) / 32;
-    constexpr int KEYS_PER_ITER = PER_LANE <= 4 ? 4 : 2;   // keys whose loads are in flight together
-    __shared__ float merge_acc[ATTN_WARPS][ATTN_MAX_GROUP_D];
-    __shared__ float merge_max[ATTN_WARPS][ATTN_MAX_GROUP], merge_sum[ATTN_WARPS][ATTN_MAX_GROUP];
+    constexpr int KEYS_PER_ITER = G <= 2 && PER_LANE <= 4 ? 8 : PER_LANE <= 4 ? 4 : 2;   // keys whose loads are in flight together
+    __shared__ float merge_acc[ATTN_WARPS][(G * D < ATTN_MAX_GROUP_D ? G * D : ATTN_MAX_GROUP_D)];
+    __shared__ float merge_max[ATTN_WARPS][G], merge_sum[ATTN_WARPS][G];
     __shared__ bool is_last_split;
-    __shared__ float split_weight[ATTN_MAX_GROUP][ATTN_MAX_SPLITS], split_den[ATTN_MAX_GROUP];
+    __shared__ float split_weight[G][ATTN_MAX_SPLITS], split_den[G];
     const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_heads / n_kv;
@@ -92,11 +92,11 @@ __device__ __forceinline__ void attention_split_body(
     const int begin = first_key + split * per_split, end = first_key + min(split * per_split + per_split, n_keys);
     const long long v_offset = (long long)n_kv * D;   // a position's V row follows its K row
 
-    float qr[ATTN_MAX_GROUP][PER_LANE], acc[ATTN_MAX_GROUP][PER_LANE];
-    float run_max[ATTN_MAX_GROUP], run_sum[ATTN_MAX_GROUP];
+    float qr[G][PER_LANE], acc[G][PER_LANE];
+    float run_max[G], run_sum[G];
     const float* qt = q + (long long)t * n_heads * D + (long long)head_kv * group * D;
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_GROUP; g++) {
+    for (int g = 0; g < G; g++) {
         run_max[g] = -INFINITY; run_sum[g] = 0.f;
 #pragma unroll
         for (int c = 0; c < PER_LANE; c++) {
@@ -119,7 +119,7 @@ __device__ __forceinline__ void attention_split_body(
         for (int u = 0; u < KEYS_PER_ITER; u++) {
             if (u > 0 && p0 + u * ATTN_WARPS >= end) break;
 #pragma unroll
-            for (int g = 0; g < ATTN_MAX_GROUP; g++) {
+            for (int g = 0; g < G; g++) {
                 if (g >= group) break;
                 float s = 0.f;
 #pragma unroll
@@ -137,7 +137,7 @@ __device__ __forceinline__ void attention_split_body(
     }
 
 #pragma unroll
-    for (int g = 0; g < ATTN_MAX_GROUP; g++) {
+    for (int g = 0; g < G; g++) {
         if (g >= group) break;
         if (lane == 0) { merge_max[warp][g] = run_max[g]; merge_sum[warp][g] = run_sum[g]; }
 #pragma unroll
@@ -206,8 +206,8 @@ __device__ __forceinline__ void attention_split_body(
         const long long stride = (long long)n_layers * 2 * n_kv * D;                            \
         ContiguousRows rows{kvpool + kvbase[blockIdx.y] + (long long)layer * 2 * n_kv * D       \
                             + (long long)blockIdx.x * D, stride};                               \
-        attention_split_body<D>(q, rows, pos, part_acc, part_max, part_sum, out, counters,      \
-                                n_heads, n_kv, window, softmax_scale);                          \
+        attention_split_body<D, ATTN_MAX_GROUP>(q, rows, pos, part_acc, part_max, part_sum, out,\
+                                                counters, n_heads, n_kv, window, softmax_scale); \
     }
 // every head dim of kestrel_stream.cuda.kernels.ATTENTION_HEAD_DIMS: the common models' (each one
 // more costs NVRTC ~3 s per architecture; the template serves any D <= 256 that is a multiple of 16)
@@ -219,8 +219,10 @@ DEFINE_ATTENTION(128)
 DEFINE_ATTENTION(256)
 
 // tables: every session's block-address row; table_row[t]: where token t's session's row starts
-#define DEFINE_PAGED_ATTENTION(D, SUFFIX, E)                                                    \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_paged_d##D##_##SUFFIX(\
+#define DEFINE_PAGED_ATTENTION(D, SUFFIX, E) DEFINE_PAGED_ATTENTION_G(D, SUFFIX, E, ATTN_MAX_GROUP, )
+// G: the most q heads per kv head the kernel serves (its registers hold q and the sums of G heads)
+#define DEFINE_PAGED_ATTENTION_G(D, SUFFIX, E, G, NAME_TAIL)                                     \
+    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_paged_d##D##_##SUFFIX##NAME_TAIL(\
             const float* q, const unsigned long long* tables, const long long* table_row,       \
             const int* pos, float* part_acc, float* part_max, float* part_sum, float* out,      \
             unsigned int* counters, int layer, int n_layers, int n_heads, int n_kv, int window, \
@@ -230,8 +232,8 @@ DEFINE_ATTENTION(256)
         PagedRows<E> rows{tables + table_row[blockIdx.y],                                       \
                           (long long)layer * 2 * n_kv * D + (long long)blockIdx.x * D,          \
                           (long long)n_layers * 2 * n_kv * D, block_shift};                     \
-        attention_split_body<D>(q, rows, pos, part_acc, part_max, part_sum, out, counters,      \
-                                n_heads, n_kv, window, softmax_scale);                          \
+        attention_split_body<D, G>(q, rows, pos, part_acc, part_max, part_sum, out, counters,   \
+                                   n_heads, n_kv, window, softmax_scale);                        \
     }
 // the same head dims as attention_split_d*, for each KV dtype
 #define DEFINE_PAGED_ATTENTION_DTYPE(SUFFIX, E)                                                 \
@@ -243,3 +245,8 @@ DEFINE_ATTENTION(256)
     DEFINE_PAGED_ATTENTION(256, SUFFIX, E)
 DEFINE_PAGED_ATTENTION_DTYPE(f16, half_bits)
 DEFINE_PAGED_ATTENTION_DTYPE(f32, float)
+// Groups of at most 2 q heads per kv head (Qwen3-1.7B: 16 / 8) in gpu mode's f16 pool: a quarter of
+// the registers for q and the sums, so more blocks per SM and 8 keys in flight per warp
+// (kestrel_stream.cuda.kernels.SMALL_GROUP_ATTENTION lists these)
+DEFINE_PAGED_ATTENTION_G(64, f16, half_bits, 2, _g2)   // one line per SMALL_GROUP_ATTENTION entry
+DEFINE_PAGED_ATTENTION_G(128, f16, half_bits, 2, _g2)

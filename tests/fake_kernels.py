@@ -8,6 +8,8 @@ last-block reductions (inv_rms, the split merge) are computed directly.
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from fake_cuda import dev
@@ -265,8 +267,9 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
 
 def attention_paged(launch, q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer,
                     n_layers, n_heads, n_kv, window, softmax_scale, block_shift) -> None:
-    _, head, dtype_name = launch.name.rsplit("_", 2)
-    D, dtype = int(head[1:]), KV_DTYPES[dtype_name]
+    head, dtype_name, small_group = re.fullmatch(r"attention_paged_d(\d+)_(f16|f32)(_g2)?", launch.name).groups()
+    D, dtype = int(head), KV_DTYPES[dtype_name]
+    assert not small_group or n_heads <= 2 * n_kv, "a _g2 kernel holds at most 2 q heads per kv head"
 
     def keys_values(t, n_keys):
         block = paged_rows(tables, table_row, t, block_shift, dtype, n_layers, n_kv, D)
@@ -415,6 +418,6 @@ KERNELS = BLOCK_KERNELS + DENSE_KERNELS + [
     (r"qkv_norm_rope_append", qkv_norm_rope_append),
     (r"attention_split_d(32|64|80|96|128|256)", attention_split),
     (r"qkv_rope_append_paged_(f16|f32)", qkv_rope_append_paged),
-    (r"attention_paged_d(32|64|80|96|128|256)_(f16|f32)", attention_paged),
+    (r"attention_paged_d(32|64|80|96|128|256)_(f16|f32)(_g2)?", attention_paged),
     (r"flash_attention_paged_d(64|128)_f16", flash_attention_paged),
 ]

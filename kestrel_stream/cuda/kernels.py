@@ -172,6 +172,8 @@ ROPE_PAGED_SIGNATURE = "pppppppppfiiiiii"   # qkv_rope_append_paged_{f16,f32}: +
 # head dims kernels_ptx/attention.cu instantiates (qkv_rope.cu serves any even D <= 256), for the
 # contiguous caches and the paged pool alike
 ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
+# (head_dim, KV dtype) of attention.cu's _g2 kernels: paged attention for at most 2 q heads per kv head
+SMALL_GROUP_ATTENTION = {(64, "f16"), (128, "f16")}
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tensor-core q8_mma
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
@@ -283,7 +285,9 @@ def paged_attention_launch(kernels: KernelSet, q: int, tables: int, table_row: i
     part_acc, part_max = partials, partials + 4 * rows * head_dim
     part_sum = part_max + 4 * rows
     assert head_dim in ATTENTION_HEAD_DIMS, head_dim
-    return kernels.launch(f"attention_paged_d{head_dim}_{kv_dtype}", (n_kv, tokens, splits), (128,),
+    small_group = n_heads <= 2 * n_kv and (head_dim, kv_dtype) in SMALL_GROUP_ATTENTION
+    return kernels.launch(f"attention_paged_d{head_dim}_{kv_dtype}{'_g2' if small_group else ''}",
+                          (n_kv, tokens, splits), (128,),
                           "pppppppppiiiiifi",
                           [q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
                            n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale,
