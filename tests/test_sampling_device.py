@@ -85,7 +85,7 @@ def test_sample_kernel_matches_the_reference_distribution(case, two_launches):
 def test_emulated_candidates_then_finish_draw_the_reference_tokens(monkeypatch):
     """The twins of the two-launch sampler: candidates per slice (top_k 1, 40, 64), the whole row for top_k
     0 and 65 and for a slice that left out ties at the row's k-th value; every token is the reference's."""
-    from fake_kernels import cand_views
+    from fake_sample import cand_views
     from kestrel_stream.cuda import driver
     from kestrel_stream.run.device_sampler import SAMPLE_CAP, candidate_splits, pack_state
     from kestrel_stream.text.sampling import SamplingParams, sample_logits
