@@ -14,6 +14,7 @@
 // thread's C pair is two adjacent weight rows of one token (a gate/up pair for SiLU).
 // The next stage's raw weight units are loaded into registers while the current one computes.
 #include "common.cuh"
+#include "mma_epilogue.cuh"
 #include "q4_formats.cuh"
 
 #define QM_BM 64            // tokens per block
@@ -34,8 +35,6 @@ struct MmaShared {
     float x_sum[QM_GROUPS][QM_BM];    // fp32 sum of the group's x per token
     bool is_last_block;
 };
-
-__device__ __forceinline__ float qm_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
 __device__ __forceinline__ void qm_mma_s8(int (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2],
                                           const int (&c)[4]) {
@@ -239,26 +238,7 @@ __device__ __forceinline__ void mma_part(
             for (int j = 0; j < FN; j++) {
                 const int row = row0 + warp_n * FN * 8 + j * 8 + t * 2;   // even: a (gate, up) pair
                 const float v0 = acc[i][j][2 * h] * scale, v1 = acc[i][j][2 * h + 1] * scale;
-                if (SILU_PAIRS) {
-                    if (row >= row_end) continue;
-                    const int col = row >> 1;
-                    const long long at = (long long)tok * ldy + col;
-                    float s = qm_silu_mul(v0, v1);
-                    if (res) s += res[at];
-                    y[at] = s;
-                    if (xn_out) xn_out[at] = s * normw_out[col];
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int col = row + e;
-                        if (col >= row_end) continue;
-                        const long long at = (long long)tok * ldy + col;
-                        float s = e ? v1 : v0;
-                        if (res) s += res[at];
-                        y[at] = s;
-                        if (xn_out) xn_out[at] = s * normw_out[col];
-                    }
-                }
+                mma_store_pair<SILU_PAIRS>(tok, row, v0, v1, row_end, ldy, y, res, normw_out, xn_out);
             }
         }
     if (inv_rms_out == nullptr) return;

@@ -18,8 +18,7 @@
 // Shared memory is dynamic (F16Tile.shared_bytes: STAGES x BN x BK int8 [+ STAGES x BM x BK fp32 x]
 // + 2 x (BN + BM) x BK fp16); the kernel traps if launched with less.
 #include "common.cuh"
-
-__device__ __forceinline__ float ws_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+#include "mma_epilogue.cuh"
 
 __device__ __forceinline__ void ws_cp_async16(unsigned int dst, const void* gmem, bool valid) {
     int bytes = valid ? 16 : 0;   // 0: the 16 bytes are zero-filled (the K tail)
@@ -270,26 +269,7 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
             for (int j = 0; j < FN; j++) {
                 const int row = row0 + warp_n * WROW + j * 8 + c * 2;   // even: a (gate, up) pair
                 const float v0 = acc[i][j][2 * h], v1 = acc[i][j][2 * h + 1];
-                if (SILU_PAIRS) {
-                    if (row >= N) continue;
-                    const int col = row >> 1;
-                    const long long at = (long long)tok * ldy + col;
-                    float v = ws_silu_mul(v0, v1);
-                    if (res) v += res[at];
-                    y[at] = v;
-                    if (xn_out) xn_out[at] = v * normw_out[col];
-                } else {
-#pragma unroll
-                    for (int e = 0; e < 2; e++) {
-                        const int col = row + e;
-                        if (col >= N) continue;
-                        const long long at = (long long)tok * ldy + col;
-                        float v = e ? v1 : v0;
-                        if (res) v += res[at];
-                        y[at] = v;
-                        if (xn_out) xn_out[at] = v * normw_out[col];
-                    }
-                }
+                mma_store_pair<SILU_PAIRS>(tok, row, v0, v1, N, ldy, y, res, normw_out, xn_out);
             }
         }
     if (inv_rms_out == nullptr) return;
