@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python3 -m bench.prefill [--model F.gguf | --shape qwen3-1.7b|qwen3-8b] [--out DIR]
         [--sessions 1,4,8,16,32] [--prompt-len 128] [--new-tokens 64] [--pp 512] [--repeats 3]
-        [--attention auto|split|flash] [--ops] [--gemm both|cublas|q8] [--pp-sweep 128,256]
+        [--attention auto|split|flash] [--ops] [--gemm all|cublas|builtin|q8] [--pp-sweep 128,256]
 
 pp: one session prefills `--pp` tokens with logits="last" (lm_head on the last row only); tok/s of
 the best of `--repeats` (llama-bench's pp512 is a mean over its repetitions, after a warm-up).
@@ -12,15 +12,17 @@ session back); aggregate tok/s = N * new tokens / decode time (llama-batched-ben
 The pp row's attention_ms is the GPU time of the pp step's attention launches (every layer), each
 between two timing events; --attention split|flash forces that kernel for the pp step (default: the
 step's own choice, cuda/flash_attention.py), so one run each gives the A/B.
---gemm both runs each pp step twice, once with its projections on cuBLAS (the library GEMM path of
-steps of >= scheduler.dense.DENSE_MIN_TOKENS tokens, when the `cublas` extra is installed) and once on
-the built-in q8_mma kernels; gemm_ms / gemm_tflops are the GPU time and rate of the step's projections
-(each projection between two timing events, the cuBLAS path's weight expansion and epilogues included).
+--gemm all (or both) runs each pp step once per GEMM: the dense path of steps of >=
+scheduler.dense.DENSE_MIN_TOKENS tokens on cuBLAS (when the `cublas` extra is installed) and on the
+built-in q8_gemm_f16 (the default without cuBLAS), then the q8_mma tensor-core kernels (the path off);
+gemm_ms / gemm_tflops are the GPU time and rate of the step's projections (each projection between two
+timing events, the input rounding, the cuBLAS path's weight expansion and the epilogues included).
 --pp-sweep adds shorter pp steps (e.g. 64,128,256) to find where cuBLAS starts to win.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import numpy as np
@@ -57,8 +59,8 @@ def main() -> None:
     parser.add_argument("--ops", action="store_true", help="also print GPU time per op of one pp step")
     parser.add_argument("--attention", default="auto", choices=["auto", "split", "flash"],
                         help="the pp step's attention kernel (default: the step's own choice)")
-    parser.add_argument("--gemm", default="both", choices=["both", "cublas", "q8"],
-                        help="the pp step's projections: cuBLAS, the built-in q8_mma, or one run of each")
+    parser.add_argument("--gemm", default="all", choices=["all", "both", "cublas", "builtin", "q8"],
+                        help="the pp step's projections: cuBLAS, the built-in dense GEMM, q8_mma, or one run of each")
     parser.add_argument("--pp-sweep", default="", help="more pp lengths, comma-separated (e.g. 64,128,256)")
     parser.add_argument("--cublas-min-tokens", type=int, default=None,
                         help="the executor's threshold (default scheduler.dense.DENSE_MIN_TOKENS)")
@@ -73,18 +75,21 @@ def main() -> None:
         min([DENSE_MIN_TOKENS] + lengths) if args.pp_sweep else None)
     gpu = GpuExecutor(weights, max_seq_len=seq, max_batch=max(counts), max_sessions=max(counts) + 1,
                       prefill_chunk=max(args.pp, 64), options=Options.from_env().with_(cublas_min_tokens=min_tokens))
-    scratch = gpu.state.dense            # None: cuBLAS absent (or off); then only q8_mma rows
-    gemms = {"both": ["cublas", "q8"], "cublas": ["cublas"], "q8": ["q8"]}[args.gemm]
-    if scratch is None and "cublas" in gemms:
-        print("cuBLAS path off (see the line above): q8_mma rows only")
-        gemms = ["q8"]
+    scratch = gpu.state.dense            # the dense path: cuBLAS's, or the built-in GEMM's (fused)
+    every = ["cublas", "builtin", "q8"]
+    gemms = {"all": every, "both": every, "cublas": ["cublas"], "builtin": ["builtin"], "q8": ["q8"]}[args.gemm]
+    if (scratch is None or scratch.fused) and "cublas" in gemms:
+        print("cuBLAS path off (see the line above): no cuBLAS rows")
+        gemms = [g for g in gemms if g != "cublas"]
+    scratches = {"cublas": scratch, "q8": None,
+                 "builtin": None if scratch is None else dataclasses.replace(scratch, blas=None, weights=0)}
     rng = np.random.default_rng(0)
     rows = []
     kv = gpu.alloc_kv(seq)
     for pp in lengths:
         prompt = rng.integers(0, c.vocab_size, pp)
         for gemm in gemms:
-            use_gemm(gpu, scratch if gemm == "cublas" else None)
+            use_gemm(gpu, scratches[gemm])
             row = pp_row(gpu, kv, prompt, args, gemm)
             print(row, flush=True)
             rows.append(row)
@@ -151,7 +156,7 @@ def pp_row(gpu: GpuExecutor, kv, prompt, args, gemm: str) -> dict:
         print(gemm, ops, flush=True)
     gemm_us = sum(us for op, us in ops.items() if op in PROJECTION_GROUPS)
     return {"test": f"pp{pp}" + (f" ({args.attention} attention)" if choices and args.attention != "auto" else ""),
-            "gemm": "cuBLAS" if gemm == "cublas" else "q8_mma", "sessions": 1,
+            "gemm": {"cublas": "cuBLAS", "builtin": "q8_gemm_f16", "q8": "q8_mma"}[gemm], "sessions": 1,
             "tok_s": round(pp / min(times), 1), "ms": round(min(times) * 1e3, 2),
             "gemm_ms": round(gemm_us / 1e3, 2), "gemm_tflops": round(flops / gemm_us / 1e6, 1) if gemm_us else None,
             "attention_ms": round(ops.get("attention", 0.0) / 1e3, 2)}

@@ -37,10 +37,12 @@ class ScratchShape:
     max_cols: int              # fp16 inputs: the widest K of a projection, per token
     output_floats: int         # fp32 GEMM outputs an epilogue reads, per token: gate_up's 2 x intermediate
 
-    def nbytes(self, max_tokens: int) -> int:
-        """Device bytes of the scratch for steps of up to `max_tokens` tokens (alignment included)."""
-        parts = (2 * self.weight_elements, 2 * max_tokens * self.max_cols, 4 * max_tokens * self.output_floats,
-                 WORKSPACE_BYTES)
+    def nbytes(self, max_tokens: int, fused: bool = False) -> int:
+        """Device bytes of the scratch for steps of up to `max_tokens` tokens (alignment included); fused:
+        the built-in GEMM's, without cuBLAS's fp16 weight and workspace."""
+        parts = (2 * max_tokens * self.max_cols, 4 * max_tokens * self.output_floats)
+        if not fused:
+            parts += (2 * self.weight_elements, WORKSPACE_BYTES)
         return sum(-(-p // ALIGN) * ALIGN + ALIGN for p in parts)
 
 
@@ -51,9 +53,10 @@ def scratch_shape(config) -> ScratchShape:
                         max_cols=max(H, config.q_size, I), output_floats=2 * I)
 
 
-def launches_per_range(op) -> int:
-    """Launches of one row range of projection `op` on the library GEMM path."""
-    return 4 if op.group in EPILOGUE_GROUPS else 3
+def launches_per_range(op, fused: bool = False) -> int:
+    """Launches of one row range of projection `op` on the dense path: the input rounding, the GEMM, an
+    epilogue where the op has one, and with cuBLAS (not fused) the weight's expansion first."""
+    return 2 + (op.group in EPILOGUE_GROUPS) + (not fused)
 
 
 def takes_dense(op, tokens: int, config, min_tokens: int) -> bool:
@@ -68,9 +71,10 @@ def takes_dense(op, tokens: int, config, min_tokens: int) -> bool:
     return cols <= shape.max_cols and all((hi - lo) * cols <= shape.weight_elements for lo, hi in op.row_ranges)
 
 
-def dense_ops(ops, config, tokens: int, min_tokens: int | None) -> list:
-    """`ops` with the launches of those that take the library GEMM path (none when min_tokens is None)."""
+def dense_ops(ops, config, tokens: int, min_tokens: int | None, fused: bool = False) -> list:
+    """`ops` with the launches of those that take the dense path (none when min_tokens is None); fused:
+    the built-in GEMM, else cuBLAS."""
     if min_tokens is None:
         return list(ops)
-    return [replace(op, launches_per_range=launches_per_range(op)) if takes_dense(op, tokens, config, min_tokens)
-            else op for op in ops]
+    return [replace(op, launches_per_range=launches_per_range(op, fused))
+            if takes_dense(op, tokens, config, min_tokens) else op for op in ops]

@@ -190,7 +190,7 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
                minflop: float | None = None, gpu_available: bool | None = None,
                resident_weights=None, group_choice: dict | None = None,
                segment_aware: bool = True, context_len: int = 0, streamed=frozenset(),
-               dense_min_tokens: int | None = None) -> Plan:
+               dense_min_tokens: int | None = None, dense_fused: bool = False) -> Plan:
     """The plan of one step of M=`tokens` tokens.
 
     profile: DeviceProfile (None: no GPU measured). minflop: the seed's plain
@@ -202,7 +202,8 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     prediction (skipped with a threshold, forced groups or resident_weights,
     where per-layer decisions may legitimately differ).  streamed: names of
     the ops whose weights the residency window copies every step (gpu mode).
-    dense_min_tokens: gpu mode's library GEMM path from this many tokens (dense.py; None: off).
+    dense_min_tokens: gpu mode's dense GEMM path from this many tokens (dense.py; None: off); dense_fused:
+    on the built-in GEMM, not cuBLAS.
     """
     if tokens < 1:
         raise ValueError(f"tokens={tokens}: a step has at least one token")
@@ -228,8 +229,9 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
                                  f"cost model, profile {getattr(profile, 'name', None)}"))
     else:
         if kind == "gpu" and dense_min_tokens is not None and tokens >= dense_min_tokens:
-            ops = dense_ops(ops, config, tokens, dense_min_tokens)
-            notes.append(f"library GEMM (cuBLAS) for the Q8_0 projections: {tokens} >= {dense_min_tokens} tokens")
+            ops = dense_ops(ops, config, tokens, dense_min_tokens, dense_fused)
+            notes.append(f"dense GEMM ({'built-in' if dense_fused else 'cuBLAS'}) for the Q8_0 projections: "
+                         f"{tokens} >= {dense_min_tokens} tokens")
         placed = fixed_sides(ops, kind, layer_count, total_layers)
     resolved = f"layers={layer_count}" if kind == "layers" else kind
     if kind == "layers":

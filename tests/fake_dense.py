@@ -55,6 +55,23 @@ def gemm_epilogue(launch, c, ldc, y, ldy, res, normw_out, xn_out, inv_rms_out, e
         dev(inv_rms_out, 4 * T, np.float32)[:] = 1.0 / np.sqrt(np.mean(np.square(out), axis=1) + np.float32(eps))
 
 
+def q8_gemm_f16(launch, qs, scales, a, lda, c, ldc, T, N, K, accumulate) -> None:
+    """kernels_ptx/q8_gemm_f16.cu: C (+)= A @ fp16(q * d)^T, float32 sums."""
+    from kestrel_stream.cuda.dense_gemm import GEMM_TILES
+    tile = next(t for t in GEMM_TILES if t.name == launch.name)
+    assert launch.block == (tile.threads, 1, 1) and launch.shared_bytes >= tile.shared_bytes, launch.name
+    assert launch.grid[0] * tile.tokens >= T and launch.grid[1] * tile.rows >= N, (launch.grid, T, N)
+    assert K % 32 == 0 and K >= 32 and N % 2 == 0, (N, K)
+    assert qs % 16 == 0 and a % 16 == 0 and lda % 8 == 0 and scales % 2 == 0, "16-byte cp.async misaligned"
+    assert c % 8 == 0 and ldc % 2 == 0, f"float2 stores misaligned (c {c:#x}, ldc {ldc})"
+    w = dev(qs, N * K, np.int8).reshape(N, K // 32, 32).astype(np.float32)
+    d = dev(scales, 2 * N * (K // 32), np.float16).reshape(N, K // 32, 1).astype(np.float32)
+    product = (strided(a, T, lda, K, np.float16).astype(np.float32)
+               @ (w * d).reshape(N, K).astype(np.float16).astype(np.float32).T)
+    out = strided(c, T, ldc, N, np.float32)
+    out[:] = out + product if accumulate else product
+
+
 class FakeCublas:
     """cuda/cublas.Cublas on the emulated device: fp16 operands, float32 products and sums."""
     path, version_text = "emulated", "emulated"
@@ -86,5 +103,6 @@ class FakeCublas:
 DENSE_KERNELS = [
     (r"q8_dequant_f16", q8_dequant_f16),
     (r"gemm_input_f16", gemm_input_f16),
+    (r"q8_gemm_f16_\d+x\d+_w\dx\d_s\d", q8_gemm_f16),
     (r"gemm_epilogue(_silu)?", gemm_epilogue),
 ]

@@ -159,18 +159,45 @@ def test_streamed_weights_on_cublas(monkeypatch):
 
 
 @pytest.mark.parametrize("library", [False, True])
-def test_without_the_path_the_built_in_kernels_run(monkeypatch, library):
-    """No cuBLAS (library False), or cublas_min_tokens=0: no scratch, q8_mma for the long step."""
+@pytest.mark.parametrize("cfg", [QWEN3, LLAMA], ids=["qwen3", "llama"])
+def test_without_cublas_the_built_in_gemm_runs(monkeypatch, library, cfg):
+    """No cuBLAS (library False), or cublas_min_tokens=0: the dense path on q8_gemm_f16.cu from
+    DENSE_MIN_TOKENS tokens -- no weight expansion, no weight scratch --, q8_mma below it; logits
+    within 2e-3 of the CPU engine with the same argmax."""
     fake_cuda.install(monkeypatch, mode="deferred", cublas=library)
-    cpu, gpu = engines(QWEN3, min_tokens=0 if library else MIN_TOKENS)
+    cpu, gpu = engines(cfg, min_tokens=0 if library else MIN_TOKENS)
     x = gpu.executor
-    assert x.blas is None and x.state.dense is None and x.dense_min_tokens is None
+    assert x.blas is None and x.dense_min_tokens == DENSE_MIN_TOKENS
+    assert x.state.dense.fused and x.state.dense.weights == 0
+    long = DENSE_MIN_TOKENS + 9
+    dense = [launch for launch in x.step_launches(long) if isinstance(launch, DenseGemm)]
+    assert len(dense) == gemms_per_step(cfg)
+    assert all(launch.dequant is None and launch.builtin.name.startswith("q8_gemm_f16_") for launch in dense)
+    assert sorted({launch.launch_count for launch in dense}) == [2, 3]     # qkv, lm_head: 2; o, gate_up, down: 3
     assert all(launch.launch_count == 1 for launch in x.step_launches(40))
     assert any(launch.name.startswith("q8_mma") for launch in x.step_launches(40))
-    want, got = cpu.new_session().prefill(prompt(40, 1)), gpu.new_session().prefill(prompt(40, 1))
-    assert relative_error(got, want) < 2e-3
-    assert not any("cuBLAS" in note for note in x.plan(40).notes)
+    for n, seed in ((40, 1), (long, 2)):
+        want, got = cpu.new_session().prefill(prompt(n, seed)), gpu.new_session().prefill(prompt(n, seed))
+        assert relative_error(got, want) < 2e-3, n
+        np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
+    assert any("built-in" in note for note in x.plan(long).notes)
+    assert not any("dense GEMM" in note for note in x.plan(40).notes)
     gpu.close()
+
+
+def test_the_plan_counts_the_built_in_gemm_launches(monkeypatch):
+    """A prefill past DENSE_MIN_TOKENS on the built-in GEMM: the plan's launches, syncs and bytes equal the
+    executor's; each layer adds 7 launches (o, gate_up, down: 3 each, qkv 2, for 1 each)."""
+    fake_cuda.install(monkeypatch, mode="deferred", cublas=False)
+    weights = random_q8_weights(QWEN3, seed=5)
+    engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=256, max_batch=160)   # 160 rows of logits
+    n = DENSE_MIN_TOKENS + 3
+    ran = ran_one_step(engine, lambda: engine.new_session().prefill(prompt(n, 3)))
+    plan = engine.executor.plan(n)
+    assert_the_plans_ran(engine, "gpu", ran, [plan], f"prefill {n}")
+    plain = scheduler.build_plan(QWEN3, n, "gpu", gpu_available=True)
+    assert plan.launches_per_step == plain.launches_per_step + 7 * QWEN3.num_hidden_layers + lm_head_fits(QWEN3)
+    engine.close()
 
 
 def test_the_scratch_is_in_the_arena_budget(monkeypatch):
@@ -178,7 +205,9 @@ def test_the_scratch_is_in_the_arena_budget(monkeypatch):
     _, on = engines(QWEN3)
     fake_cuda.install(monkeypatch, mode="deferred", cublas=False)
     _, off = engines(QWEN3)
-    assert on.executor.memory.arena_bytes - off.executor.memory.arena_bytes == scratch_shape(QWEN3).nbytes(512)
+    shape = scratch_shape(QWEN3)
+    assert on.executor.memory.arena_bytes - off.executor.memory.arena_bytes == shape.nbytes(512) - shape.nbytes(512, fused=True)
+    assert shape.nbytes(512, fused=True) < shape.nbytes(512) - 2 * shape.weight_elements
     on.close(), off.close()
 
 

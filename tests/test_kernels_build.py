@@ -94,6 +94,22 @@ def test_gemv_variant_table_matches_the_kernel_source():
     assert gemv_variants.parse("q8_gemv_m5_o64r4u2") == (5, gemv_variants.MULTI_VARIANTS["o64r4u2"], False)
 
 
+def test_dense_gemm_tiles_match_the_kernel_source():
+    """Every tile cuda/dense_gemm.GEMM_TILES launches is defined in q8_gemm_f16.cu with the same shape,
+    warps and stages, fits an H200 block's shared memory, and the rule picks one for any step."""
+    import re
+    from kestrel_stream.cuda.dense_gemm import GEMM_TILES, MEASURED_GEMM, GemmTile, choose_gemm_tile
+    source = (build.source_dir() / "q8_gemm_f16.cu").read_text()
+    defined = {GemmTile(*(int(v) for v in m[:5]))
+               for m in re.findall(r"^DEFINE_Q8_GEMM_F16\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", source, flags=re.M)}
+    assert defined == set(GEMM_TILES)
+    assert all(tile.shared_bytes <= 227 * 1024 for tile in GEMM_TILES)
+    names = {tile.name for tile in GEMM_TILES}
+    assert set(MEASURED_GEMM.values()) <= names
+    assert choose_gemm_tile(512, 24576, 4096).blocks(512, 24576) >= 132       # enough blocks: a large tile
+    assert choose_gemm_tile(128, 2048, 2048) == GEMM_TILES[-1]                   # too few for any: the smallest
+
+
 def test_gemv_variant_choice_and_override():
     from kestrel_stream.cuda import gemv_variants
     from kestrel_stream.options import Options

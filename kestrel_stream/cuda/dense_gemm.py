@@ -1,21 +1,24 @@
-"""A Q8_0 projection of many tokens as a library GEMM: the launch object gemv_launch returns for it.
+"""A Q8_0 projection of many tokens as one GEMM: the launch object gemv_launch returns for it.
 
 `DenseGemm` stands in a step's launch list for one projection (like kernels.Launch: enqueue(stream),
 labels, the weight address in storage[0] for the residency window) and enqueues, in stream order:
 
-  q8_dequant_f16   the Q8_0 weight -> fp16 [N, K] in the scratch (dense_gemm.cu)
+  q8_dequant_f16   cuBLAS only: the Q8_0 weight -> fp16 [N, K] in the scratch (dense_gemm.cu)
   gemm_input_f16   x (times inv_rms_in) -> fp16 A [T, K]
-  cuBLAS GEMM      C = A @ W^T, fp32 accumulation: straight into y (qkv, lm_head), added into y in
-                   place (o, down: y is the residual they add to), or into the fp32 scratch (gate_up)
+  the GEMM         C = A @ W^T, fp32 accumulation: straight into y (qkv, lm_head), added into y in
+                   place (o, down: y is the residual they add to), or into the fp32 scratch (gate_up).
+                   cuBLAS on the fp16 expansion where the library loads, else the built-in
+                   q8_gemm_f16.cu, which expands the Q8_0 weight in registers (no weight scratch)
   gemm_epilogue    where needed: SiLU·mul from the scratch, residual add, xn_out and inv_rms_out
 
-`launch_count` says how many launches that is (3 or 4), and the plan counts the same
+`launch_count` says how many launches that is (2 to 4), and the plan counts the same
 (scheduler/dense.py).  Which steps and weights take this path: `DenseScratch.serves`.  No model
 knowledge: shapes come from the caller.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -25,15 +28,61 @@ from kestrel_stream.cuda import driver
 EPILOGUE_SIGNATURE = "pippppppfi"        # gemm_epilogue(_silu): c, ldc, y, ldy, res, normw, xn, inv_rms, eps, N
 THREADS = 256
 MAX_DEQUANT_BLOCKS = 1 << 16             # grid-stride beyond
+GEMM_SIGNATURE = "pppipiiiii"            # q8_gemm_f16: qs, scales, a, lda, c, ldc, T, N, K, accumulate
+GEMM_K_STEP = 64                         # q8_gemm_f16.cu's BK
+
+
+class GemmTile(NamedTuple):
+    """A q8_gemm_f16.cu tile: tokens x rows of output per block, its warps, the cp.async ring's depth."""
+    tokens: int
+    rows: int
+    warps_m: int
+    warps_n: int
+    stages: int
+
+    @property
+    def name(self) -> str:
+        return f"q8_gemm_f16_{self.tokens}x{self.rows}_w{self.warps_m}x{self.warps_n}_s{self.stages}"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def shared_bytes(self) -> int:
+        """Dynamic shared memory: per stage, fp16 A rows of 160 bytes, int8 rows of 80, 8 bytes of scales a row."""
+        return self.stages * (self.tokens * (2 * GEMM_K_STEP + 32) + self.rows * (GEMM_K_STEP + 16) + self.rows * 8)
+
+    def blocks(self, tokens: int, rows: int) -> int:
+        return -(-tokens // self.tokens) * -(-rows // self.rows)
+
+
+# the tiles q8_gemm_f16.cu compiles (its DEFINE_Q8_GEMM_F16 lines), largest first
+GEMM_TILES = (GemmTile(128, 256, 2, 4, 4), GemmTile(256, 128, 4, 2, 3), GemmTile(128, 128, 2, 4, 4),
+              GemmTile(128, 128, 2, 2, 3), GemmTile(64, 128, 2, 2, 4), GemmTile(64, 64, 2, 2, 4))
+# (tokens, rows, cols) -> tile name, from the H200 sweep (bench/mma_prefill.py --gemm); shapes not in it take
+# choose_gemm_tile's rule
+MEASURED_GEMM: dict[tuple[int, int, int], str] = {}
+
+
+def choose_gemm_tile(tokens: int, rows: int, cols: int, sm_count: int = 132) -> GemmTile:
+    """The measured tile for this shape, else the largest tile that still gives every SM a block."""
+    by_name = {tile.name: tile for tile in GEMM_TILES}
+    if (tokens, rows, cols) in MEASURED_GEMM:
+        return by_name[MEASURED_GEMM[(tokens, rows, cols)]]
+    for tile in GEMM_TILES:
+        if tile.blocks(tokens, rows) >= sm_count:
+            return tile
+    return GEMM_TILES[-1]
 
 
 @dataclass
 class DenseScratch:
-    """The device buffers of the library GEMM path and the handle that runs it.
+    """The device buffers of the dense path and the library handle that runs it (None: q8_gemm_f16.cu).
 
-    weights: fp16 [weight_elements] (one expanded weight at a time); inputs: fp16 [max_tokens, max_cols];
-    outputs: fp32 [max_tokens * output_floats] (GEMM results an epilogue reads)."""
-    blas: object              # cublas.Cublas (tests: the emulated device's twin)
+    weights: cuBLAS only, fp16 [weight_elements] (one expanded weight at a time); inputs: fp16
+    [max_tokens, max_cols]; outputs: fp32 [max_tokens * output_floats] (GEMM results an epilogue reads)."""
+    blas: object              # cublas.Cublas (tests: the emulated device's twin), or None: the built-in GEMM
     min_tokens: int
     max_tokens: int
     weights: int
@@ -46,13 +95,19 @@ class DenseScratch:
     @classmethod
     def allocate(cls, arena, blas, *, min_tokens: int, max_tokens: int, weight_elements: int, max_cols: int,
                  output_floats: int, workspace_bytes: int) -> "DenseScratch":
-        weights = arena.array((weight_elements,), np.float16)
+        weights = arena.array((weight_elements,), np.float16).ptr if blas is not None else 0
         inputs = arena.array((max_tokens * max_cols,), np.float16)
         outputs = arena.array((max_tokens * output_floats,), np.float32)
-        workspace = arena.array((workspace_bytes,), np.uint8)
-        blas.use_workspace(workspace.ptr, workspace_bytes)
-        return cls(blas, min_tokens, max_tokens, weights.ptr, weight_elements, inputs.ptr, max_cols, outputs.ptr,
+        if blas is not None:
+            workspace = arena.array((workspace_bytes,), np.uint8)
+            blas.use_workspace(workspace.ptr, workspace_bytes)
+        return cls(blas, min_tokens, max_tokens, weights, weight_elements, inputs.ptr, max_cols, outputs.ptr,
                    output_floats)
+
+    @property
+    def fused(self) -> bool:
+        """Whether the built-in GEMM runs (the weight expanded in registers), not cuBLAS."""
+        return self.blas is None
 
     def serves(self, w, tokens: int, silu_pairs: bool) -> bool:
         """Whether a step of `tokens` tokens computes weight `w` here: Q8_0 that fits the scratch."""
@@ -64,13 +119,16 @@ class DenseScratch:
 class DenseGemm:
     """One projection's launches on the library GEMM path, enqueued as one entry of a launch list."""
 
-    def __init__(self, blas, dequant, inputs, gemm: dict, epilogue=None):
+    def __init__(self, blas, dequant, inputs, gemm, epilogue=None):
+        """gemm: cuBLAS's gemm_nt arguments (a dict) after `dequant`, or, with blas None, the built-in
+        q8_gemm_f16 launch (dequant None)."""
         self.blas, self.dequant, self.inputs, self.gemm, self.epilogue = blas, dequant, inputs, gemm, epilogue
-        self.parts = [launch for launch in (dequant, inputs, epilogue) if launch is not None]
-        self.launch_count = 3 + (epilogue is not None)
+        self.builtin = None if blas is not None else gemm
+        self.parts = [launch for launch in (dequant, inputs, self.builtin, epilogue) if launch is not None]
+        self.launch_count = len(self.parts) + (blas is not None)
         self.name = "dense_gemm"
         self.labels: dict = {}
-        self.storage = dequant.storage       # [0]: the Q8_0 weight's address (the window checks it)
+        self.storage = (dequant or gemm).storage    # [0]: the Q8_0 weight's address (the window checks it)
 
     def label(self, **labels) -> "DenseGemm":
         """Labels of the whole projection; each part traces under its own kernel name with op/layer/weight."""
@@ -79,12 +137,12 @@ class DenseGemm:
         for part in self.parts:
             part.label(**shared)
         if "bytes" in labels:
-            self.dequant.label(bytes=labels["bytes"])
+            (self.dequant or self.builtin).label(bytes=labels["bytes"])
         return self
 
     @property
     def programmatic(self) -> bool:
-        return self.dequant.programmatic
+        return self.parts[0].programmatic
 
     @programmatic.setter
     def programmatic(self, enabled: bool) -> None:
@@ -97,6 +155,10 @@ class DenseGemm:
                           g["ldc"], accumulate=g["accumulate"])
 
     def enqueue(self, stream) -> None:
+        if self.builtin is not None:
+            for part in self.parts:
+                part.enqueue(stream)
+            return
         self.dequant.enqueue(stream)
         self.inputs.enqueue(stream)
         rec = trace.active
@@ -112,6 +174,10 @@ class DenseGemm:
 
     def submit(self, stream) -> None:
         """Every part on `stream`, untraced."""
+        if self.builtin is not None:
+            for part in self.parts:
+                part.submit(stream)
+            return
         self.dequant.submit(stream)
         self.inputs.submit(stream)
         self._gemm(stream)
@@ -126,14 +192,22 @@ def dense_gemm_launch(kernels, scratch: DenseScratch, w, x: int, ldx: int, y: in
     assert scratch.serves(w, tokens, silu_pairs), (w.rows, w.cols, tokens)
     N, K = w.rows, w.cols
     chunks = N * K // 16
-    dequant = kernels.launch("q8_dequant_f16", (min(-(-chunks // THREADS), MAX_DEQUANT_BLOCKS),), (THREADS,),
-                             "pppii", [w.qs, w.scales, scratch.weights, N, K])
+    dequant = None if scratch.fused else kernels.launch(
+        "q8_dequant_f16", (min(-(-chunks // THREADS), MAX_DEQUANT_BLOCKS),), (THREADS,), "pppii",
+        [w.qs, w.scales, scratch.weights, N, K])
     inputs = kernels.launch("gemm_input_f16", (-(-K // (4 * THREADS)), tokens), (THREADS,), "pippi",
                             [x, ldx, inv_rms_in, scratch.inputs, K])
     in_place = not silu_pairs and res in (0, y)          # the GEMM writes (or adds into) y itself
     c, ldc = (y, ldy) if in_place else (scratch.outputs, N)
-    gemm = dict(rows=tokens, cols=N, depth=K, a=scratch.inputs, lda=K, b=scratch.weights, ldb=K, c=c, ldc=ldc,
-                accumulate=in_place and res == y and res != 0)
+    accumulate = in_place and res == y and res != 0
+    if scratch.fused:
+        tile = choose_gemm_tile(tokens, N, K)
+        gemm = kernels.launch(tile.name, (-(-tokens // tile.tokens), -(-N // tile.rows)), (tile.threads,),
+                              GEMM_SIGNATURE, [w.qs, w.scales, scratch.inputs, K, c, ldc, tokens, N, K,
+                                               int(accumulate)], tile.shared_bytes).label(flops=2 * tokens * N * K)
+    else:
+        gemm = dict(rows=tokens, cols=N, depth=K, a=scratch.inputs, lda=K, b=scratch.weights, ldb=K, c=c, ldc=ldc,
+                    accumulate=accumulate)
     epilogue = None
     if not in_place or xn_out or inv_rms_out:
         outputs = N // 2 if silu_pairs else N

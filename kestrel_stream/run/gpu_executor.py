@@ -83,7 +83,7 @@ class GpuExecutor(Executor):
             self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured", "gpu_weight_read_bytes")
-        # steps of >= dense_min_tokens tokens: cuBLAS on fp16 expansions of the weights (dense_path.py)
+        # steps of >= dense_min_tokens tokens: one fp16 GEMM per Q8_0 projection, cuBLAS or built-in (dense_path.py)
         with load_stages.stage("  cuBLAS: library and handle"):
             self.dense_min_tokens, self.blas = dense_path.open_blas(self.options, self.max_tokens)
 
@@ -99,7 +99,7 @@ class GpuExecutor(Executor):
             attention_splits=attention_splits, max_batch=max_batch, kv_dtype=kv_dtype, block_size=kv_block_size,
             logits_rows=self.logits_rows, kv_pool_bytes=kv_pool_bytes, slot_count=window_slots,
             prefetch_distance=prefetch_distance, small_item_bytes=small_item_bytes,
-            scratch_bytes=dense_path.scratch_bytes(c, T, self.blas))
+            scratch_bytes=dense_path.scratch_bytes(c, T, self.dense_min_tokens, self.blas))
         self.needs, self.vram_budget, self.window_plan = self.memory.needs, self.memory.budget_bytes, self.memory.window
         with load_stages.stage("  arena"):
             self.arena = driver.Arena(self.memory.arena_bytes)
@@ -419,7 +419,7 @@ class GpuExecutor(Executor):
     def plan(self, tokens: int):
         import scheduler
         return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True, streamed=set(self.window.streamed),
-                                    dense_min_tokens=self.dense_min_tokens)
+                                    dense_min_tokens=self.dense_min_tokens, dense_fused=self.blas is None)
 
     def close(self) -> None:
         """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""

@@ -1,0 +1,159 @@
+"""The built-in dense GEMM (kernels_ptx/q8_gemm_f16.cu) on a GPU: every tile against numpy on awkward shapes
+(tokens 9..511, N and K multiples of 32 but not of 128, K / 32 odd, scales 2 mod 4 bytes), with and without
+accumulation; through gemv_launch with every epilogue; in a captured graph; and gpu-mode prefill logits
+on it against the CPU engine (Qwen3 and Llama).  Skipped without a GPU."""
+import numpy as np
+import pytest
+
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.dense_gemm import GEMM_SIGNATURE, GEMM_TILES, DenseGemm, DenseScratch
+from kestrel_stream.cuda.kernels import QWeight
+from kestrel_stream.model.quant import quantize
+from kestrel_stream.run.host import CpuExecutor, silu_mul
+from test_gpu_kernels import Gpu, rel_err
+from test_gpu_model import random_weights, relative
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not driver.gpu_available(), reason=f"{driver.detect()}")]
+
+TOKENS = (9, 17, 63, 64, 65, 200, 511)
+SHAPES = [(96, 160), (1056, 544), (288, 96)]        # N, K: multiples of 32, not of 128; 96 / 32 and 544 / 32 odd
+MAX_TOKENS = 512
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return Gpu()
+
+
+def case(n: int, k: int, tokens: int):
+    rng = np.random.default_rng(n * 3 + k + tokens)
+    w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+    a = rng.standard_normal((tokens, k)).astype(np.float16)
+    return w, a, rng
+
+
+def want(w, a, c0=None):
+    """float64 products of the fp16 operands the kernel multiplies: fp16(q * d) and A."""
+    n, k = w.qs.shape
+    w16 = (w.qs.reshape(n, -1, 32).astype(np.float32) * w.scales.astype(np.float32)[:, :, None]).reshape(n, k)
+    out = a.astype(np.float64) @ w16.astype(np.float16).astype(np.float64).T
+    return out if c0 is None else out + c0
+
+
+@pytest.mark.parametrize("tile", GEMM_TILES, ids=[t.name for t in GEMM_TILES])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_every_tile_matches_numpy(gpu, tile, n, k):
+    """Every token count of TOKENS, C written with ldc wider than N, then added into (accumulate); the
+    scales at an address 2 mod 4 (a row range of a fused weight starts there when K / 32 is odd)."""
+    for tokens in TOKENS:
+        w, a, rng = case(n, k, tokens)
+        scales = np.concatenate([np.zeros(1, np.float16), w.scales.reshape(-1)])
+        scale_base = gpu.put(scales) + 2
+        qs, a_ptr = gpu.put(w.qs), gpu.put(a)
+        ldc = n + 32
+        c0 = rng.standard_normal((tokens, ldc)).astype(np.float32)
+        c = gpu.put(c0)
+        grid = (-(-tokens // tile.tokens), -(-n // tile.rows))
+        for accumulate in (0, 1):
+            launch = gpu.kernels.launch(tile.name, grid, (tile.threads,), GEMM_SIGNATURE,
+                                        [qs, scale_base, a_ptr, k, c, ldc, tokens, n, k, accumulate],
+                                        tile.shared_bytes)
+            before = gpu.get(c, (tokens, ldc))
+            gpu.run([launch])
+            got = gpu.get(c, (tokens, ldc))
+            expected = want(w, a, before[:, :n] if accumulate else None)
+            assert rel_err(got[:, :n], expected) < 1e-5, (tile.name, tokens, accumulate)
+            np.testing.assert_array_equal(got[:, n:], c0[:, n:], err_msg="nothing written past N")
+
+
+@pytest.mark.parametrize("tokens", (128, 200, 511))
+@pytest.mark.parametrize("n,k", SHAPES[:2])
+@pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
+def test_the_dense_path_on_the_built_in_gemm(gpu, n, k, tokens, epilogue):
+    """Through gemv_launch with a built-in DenseScratch: within 1e-4 of float64 products of the fp16-rounded
+    operands, 2e-3 of the float32 product of the Q8_0 weight; 2 launches, 3 with an epilogue."""
+    scratch = DenseScratch.allocate(gpu.arena, None, min_tokens=1, max_tokens=MAX_TOKENS, weight_elements=n * k,
+                                    max_cols=k, output_floats=n, workspace_bytes=0)
+    w = quantize(np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+    rng = np.random.default_rng(tokens)
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
+    res = rng.standard_normal((tokens, n)).astype(np.float32)
+    normw_out = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    dense_w = w.dequantize()
+    scaled = x * inv_rms_in[:, None] if epilogue in ("rmsnorm", "silu_pairs") else x
+
+    def finish(s):
+        out = silu_mul(s[:, 0::2], s[:, 1::2]) if epilogue == "silu_pairs" else s
+        return out + res if epilogue == "residual_xn_rms" else out
+
+    rounded = finish(scaled.astype(np.float16).astype(np.float64) @ dense_w.astype(np.float16).astype(np.float64).T)
+    exact = finish(scaled @ dense_w.T)
+    cols, ldy = exact.shape[1], exact.shape[1] + 32
+    y0 = np.zeros((tokens, ldy), np.float32)
+    if epilogue == "residual_xn_rms":
+        y0[:, :n] = res
+    y, xn = gpu.put(y0), gpu.put(np.zeros((tokens, ldy), np.float32))
+    inv_rms_out = gpu.put(np.zeros(tokens, np.float32))
+    extra = {"plain": {}, "rmsnorm": {"inv_rms_in": gpu.put(inv_rms_in)},
+             "silu_pairs": {"inv_rms_in": gpu.put(inv_rms_in), "silu_pairs": True},
+             "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
+                                 "inv_rms_out": inv_rms_out}}[epilogue]
+    qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
+    launch = gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, ldy, tokens, dense=scratch, **extra)
+    assert isinstance(launch, DenseGemm) and launch.dequant is None
+    assert launch.launch_count == (2 if epilogue in ("plain", "rmsnorm") else 3)
+    gpu.run(launch)
+    got = gpu.get(y, (tokens, ldy))
+    assert rel_err(got[:, :cols], rounded) < 1e-4
+    assert rel_err(got[:, :cols], exact) < 2e-3
+    assert not got[:, cols:].any(), "nothing written past the output's columns"
+    if epilogue == "residual_xn_rms":
+        np.testing.assert_allclose(gpu.get(xn, (tokens, ldy))[:, :n], got[:, :n] * normw_out, rtol=1e-6)
+        np.testing.assert_allclose(gpu.get(inv_rms_out, (tokens,)),
+                                   1 / np.sqrt(np.mean(got[:, :n] ** 2, axis=1) + 1e-6), rtol=1e-5)
+
+
+def test_a_captured_graph_replays_the_built_in_gemm(gpu):
+    n, k, tokens = 1056, 544, 200
+    scratch = DenseScratch.allocate(gpu.arena, None, min_tokens=1, max_tokens=MAX_TOKENS, weight_elements=n * k,
+                                    max_cols=k, output_floats=n, workspace_bytes=0)
+    w, _, rng = case(n, k, tokens)
+    qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
+    x_ptr, y = gpu.put(np.zeros((tokens, k), np.float32)), gpu.put(np.zeros((tokens, n), np.float32))
+    launch = gpu.gemv_launch(gpu.kernels, qw, x_ptr, k, y, n, tokens, dense=scratch)
+    with driver.capture(gpu.stream) as captured:
+        launch.enqueue(gpu.stream)
+    for trial in range(2):
+        x = rng.standard_normal((tokens, k)).astype(np.float32)
+        driver.h2d_sync(x_ptr, x)
+        captured.graph.launch(gpu.stream)
+        gpu.stream.synchronize()
+        assert rel_err(gpu.get(y, (tokens, n)), x @ w.dequantize().T) < 2e-3, trial
+    captured.graph.destroy()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_prefill_on_the_built_in_gemm_matches_cpu(arch):
+    """cuBLAS off (cublas_min_tokens=0): a 300-token prompt with its last row's logits and 150 tokens with
+    every row's, through the built-in GEMM from 128 tokens: 2e-3 of the numpy engine, the same argmax."""
+    from kestrel_stream.options import Options
+    from kestrel_stream.run.gpu_executor import GpuExecutor
+    weights = random_weights(arch, seed=2)
+    cpu = CpuExecutor(weights)
+    gpu = GpuExecutor(weights, max_seq_len=480, max_batch=16, max_sessions=18, prefill_chunk=300,
+                      options=Options.from_env().with_(cublas_min_tokens=0))
+    assert gpu.blas is None and gpu.state.dense.fused
+    assert any(isinstance(launch, DenseGemm) for launch in gpu.step_launches(300, (299, 1)))
+    rng = np.random.default_rng(4)
+    first, second = (rng.integers(0, weights.config.vocab_size, n) for n in (300, 150))
+    cpu_kv, gpu_kv = cpu.alloc_kv(480), gpu.alloc_kv(480)
+    [want_logits] = cpu.forward([(cpu_kv, first, 0)], logits="last")
+    [got] = gpu.forward([(gpu_kv, first, 0)], logits="last")
+    assert relative(got, want_logits) < 2e-3 and int(got.argmax()) == int(want_logits.argmax())
+    [want_logits] = cpu.forward([(cpu_kv, second, 300)])
+    [got] = gpu.forward([(gpu_kv, second, 300)])
+    assert relative(got, want_logits) < 2e-3
+    np.testing.assert_array_equal(got.argmax(axis=1), want_logits.argmax(axis=1))
+    gpu.close()
