@@ -1,4 +1,4 @@
-"""The built-in dense GEMM's tiles (kernels_ptx/q8_gemm_f16.cu, cuda/dense_gemm.GEMM_TILES) on every layer
+"""The built-in dense GEMM's tiles (kernels_ptx/q8_gemm_f16.cu, q8_wgmma.cu on sm_90: cuda/dense_gemm.ALL_GEMM_TILES) on every layer
 shape of qwen3-1.7b and qwen3-8b, beside the fp16 q8_mma_f16 tile the launcher would pick, in TFLOP/s.
 
     PYTHONPATH=. python3 -m bench.q8_gemm [--out DIR] [--tokens 128,256,512] [--repeats N]
@@ -15,7 +15,7 @@ import numpy as np
 
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver, mma_variants
-from kestrel_stream.cuda.dense_gemm import GEMM_SIGNATURE, GEMM_TILES, choose_gemm_tile
+from kestrel_stream.cuda.dense_gemm import ALL_GEMM_TILES, GEMM_SIGNATURE, GEMM_TILES, choose_gemm_tile
 from kestrel_stream.cuda.kernels import KernelSet, QWeight, gemv_launch
 
 from .gpu_kernels import time_graph_us
@@ -46,7 +46,7 @@ def main() -> None:
             driver.h2d_sync(x, rng.standard_normal(tokens * k).astype(np.float32))
             flops = 2.0 * tokens * n * k
             results = {}
-            for tile in GEMM_TILES:
+            for tile in ALL_GEMM_TILES if device.arch == "sm_90" else GEMM_TILES:
                 launch = kernels.launch(tile.name, (-(-tokens // tile.tokens), -(-n // tile.rows)), (tile.threads,),
                                         GEMM_SIGNATURE, [qs, scales, a, k, c, n, tokens, n, k, 0], tile.shared_bytes)
                 results[tile.name] = time_graph_us(stream, lambda i: launch.enqueue(stream), repeats=args.repeats)
@@ -54,7 +54,7 @@ def main() -> None:
             f16_us = time_graph_us(stream, lambda i: f16.enqueue(stream), repeats=args.repeats)
             best = min(results, key=results.get)
             measured[(tokens, n, k)] = best
-            default = choose_gemm_tile(tokens, n, k).name
+            default = choose_gemm_tile(tokens, n, k, arch=device.arch).name
             for name, us in results.items():
                 rows.append({"model": model, "op": op, "tokens": tokens, "N": n, "K": k, "kernel": name,
                              "us": round(us, 2), "tflops": round(flops / us / 1e6, 1),

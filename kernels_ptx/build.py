@@ -21,7 +21,9 @@ from pathlib import Path
 KERNEL_SOURCES = ("q8_gemv.cu", "q8_matmul.cu", "q8_mma.cu", "q8_mma_pipe.cu", "q8_mma_f16.cu", "q8_mma_f16_ws.cu",
                   "qkv_rope.cu", "attention.cu", "flash_attention.cu",
                   "elementwise.cu", "sample.cu", "q4_gemv.cu", "q4_mma.cu", "dense_gemm.cu",
-                  "q4_gemv_m1.cu", "q4_gemv_mn.cu", "q4_gemv_mg.cu", "q8_gemm_f16.cu")
+                  "q4_gemv_m1.cu", "q4_gemv_mn.cu", "q4_gemv_mg.cu", "q8_gemm_f16.cu", "q8_wgmma.cu")
+# sources with arch-specific instructions (wgmma): compiled for sm_90a on an sm_90 GPU
+ARCH_FEATURE_SOURCES = ("q8_wgmma.cu",)
 # no --use_fast_math: expf/sinf/cosf must track the numpy reference to ~1 ulp
 BASE_OPTIONS = ("-std=c++17", "--extra-device-vectorization", "-lineinfo")
 
@@ -111,9 +113,14 @@ def _carries_nvrtc(dist_info: Path) -> bool:
 def cache_path(name: str, arch: str, extra_options: tuple[str, ...] = (), cache_dir: str | Path | None = None) -> Path:
     """Where compile_cubin keeps kernels_ptx/<name> for `arch`: named by a hash of (source, options,
     nvrtc_stamp(), arch)."""
-    key_text = "\0".join((load_source(name), *_options(arch, extra_options), nvrtc_stamp(), arch))
+    key_text = "\0".join((load_source(name), *_options(target_arch(name, arch), extra_options), nvrtc_stamp(), arch))
     key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
     return Path(cache_dir or default_cache_dir()) / f"{Path(name).stem}-{arch}-{key}.cubin"
+
+
+def target_arch(name: str, arch: str) -> str:
+    """The architecture kernels_ptx/<name> is compiled for on an `arch` GPU (sm_90a for ARCH_FEATURE_SOURCES)."""
+    return arch + "a" if name in ARCH_FEATURE_SOURCES and arch == "sm_90" else arch
 
 
 def _options(arch: str, extra_options: tuple[str, ...]) -> tuple[str, ...]:
@@ -145,7 +152,7 @@ def compile_cubin(name: str, arch: str, extra_options: tuple[str, ...] = (),
     cached = cache_path(name, arch, extra_options, cache_dir)
     if use_cache and cached.exists():
         return cached.read_bytes(), ""
-    source, options, nvrtc = load_source(name), _options(arch, extra_options), _nvrtc()
+    source, options, nvrtc = load_source(name), _options(target_arch(name, arch), extra_options), _nvrtc()
     err, prog = nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], [])
     _check(err, f"nvrtcCreateProgram({name})")
     try:

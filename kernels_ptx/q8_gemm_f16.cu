@@ -25,23 +25,7 @@
 //   - blocks along x share a weight tile (consecutive blocks: its token tiles), so it is read from HBM once.
 // Rows past N, tokens past T and K past the end are zero-filled in shared memory and never stored.
 #include "common.cuh"
-
-__device__ __forceinline__ void gemm_cp16(unsigned int dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void gemm_cp4(unsigned int dst, const void* src, bool valid) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0)
-                 : "memory");
-}
-
-__device__ __forceinline__ void gemm_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-template <int PENDING>
-__device__ __forceinline__ void gemm_wait() {
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-}
+#include "cp_async.cuh"
 
 __device__ __forceinline__ void gemm_mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                          unsigned int b1) {
@@ -102,7 +86,7 @@ __device__ __forceinline__ void q8_gemm_f16_body(const int8* __restrict__ qs, co
             const int chunk = tid + j * THREADS;
             if (B_CHUNKS % THREADS != 0 && chunk >= B_CHUNKS) break;
             const int r = chunk / (BK / 16), part = chunk % (BK / 16), row = row0 + r, k = k0 + part * 16;
-            gemm_cp16(sb + r * B_STRIDE + part * 16, qs + (long long)min(row, N - 1) * K + min(k, K - 16),
+            cp_async16(sb + r * B_STRIDE + part * 16, qs + (long long)min(row, N - 1) * K + min(k, K - 16),
                       row < N && k < K);
         }
 #pragma unroll
@@ -112,7 +96,7 @@ __device__ __forceinline__ void q8_gemm_f16_body(const int8* __restrict__ qs, co
             const int r = w / SW, row = row0 + r;
             const long long word = (((long long)row * kblocks + (k0 >> 5) + shift) >> 1) + w % SW;
             const bool valid = row < N && word < word_count;
-            gemm_cp4(ss + w * 4, words + (valid ? word : 0), valid);
+            cp_async4(ss + w * 4, words + (valid ? word : 0), valid);
         }
     };
     auto issue_inputs = [&](int s) {
@@ -124,11 +108,11 @@ __device__ __forceinline__ void q8_gemm_f16_body(const int8* __restrict__ qs, co
                 const int chunk = tid + j * THREADS;
                 if (A_CHUNKS % THREADS != 0 && chunk >= A_CHUNKS) break;
                 const int r = chunk / (BK / 8), part = chunk % (BK / 8), tok = tok0 + r, k = k0 + part * 8;
-                gemm_cp16(sa + r * A_STRIDE + part * 16, a + (long long)min(tok, T - 1) * lda + min(k, K - 8),
+                cp_async16(sa + r * A_STRIDE + part * 16, a + (long long)min(tok, T - 1) * lda + min(k, K - 8),
                           tok < T && k < K);
             }
         }
-        gemm_commit();   // one group per stage, empty past K
+        cp_async_commit();   // one group per stage, empty past K
     };
 
 #pragma unroll
@@ -147,7 +131,7 @@ __device__ __forceinline__ void q8_gemm_f16_body(const int8* __restrict__ qs, co
 
     const int a_row = warp_m * WTOK + g, b_row = warp_n * WROW;
     for (int s = 0; s < stages; s++) {
-        gemm_wait<STAGES - 2>();
+        cp_async_wait<STAGES - 2>();
         __syncthreads();   // stage s is in for every thread; every warp is done with stage s - 1's slot
         issue_weights(s + STAGES - 1);
         issue_inputs(s + STAGES - 1);
@@ -195,7 +179,7 @@ __device__ __forceinline__ void q8_gemm_f16_body(const int8* __restrict__ qs, co
             }
         }
     }
-    gemm_wait<0>();   // no copy outlives the block
+    cp_async_wait<0>();   // no copy outlives the block
 
 #pragma unroll
     for (int i = 0; i < FM; i++)

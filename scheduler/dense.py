@@ -59,8 +59,9 @@ def launches_per_range(op, fused: bool = False) -> int:
     return 2 + (op.group in EPILOGUE_GROUPS) + (not fused)
 
 
-def takes_dense(op, tokens: int, config, min_tokens: int) -> bool:
-    """Whether projection `op` of a step of `tokens` tokens runs on the library GEMM path."""
+def takes_dense(op, tokens: int, config, min_tokens: int, fused: bool = False) -> bool:
+    """Whether projection `op` of a step of `tokens` tokens runs on the dense path: a Q8_0 projection whose
+    weight fits cuBLAS's scratch (the built-in GEMM, fused, needs no weight scratch: any)."""
     if not op.is_projection or tokens < min_tokens:
         return False
     formats = weight_formats(config)
@@ -68,7 +69,8 @@ def takes_dense(op, tokens: int, config, min_tokens: int) -> bool:
         return False
     cols = op.weights[0].shape[1]
     shape = scratch_shape(config)
-    return cols <= shape.max_cols and all((hi - lo) * cols <= shape.weight_elements for lo, hi in op.row_ranges)
+    return cols <= shape.max_cols and (fused or all((hi - lo) * cols <= shape.weight_elements
+                                                    for lo, hi in op.row_ranges))
 
 
 def dense_ops(ops, config, tokens: int, min_tokens: int | None, fused: bool = False) -> list:
@@ -77,4 +79,4 @@ def dense_ops(ops, config, tokens: int, min_tokens: int | None, fused: bool = Fa
     if min_tokens is None:
         return list(ops)
     return [replace(op, launches_per_range=launches_per_range(op, fused))
-            if takes_dense(op, tokens, config, min_tokens) else op for op in ops]
+            if takes_dense(op, tokens, config, min_tokens, fused) else op for op in ops]

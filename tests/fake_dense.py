@@ -56,9 +56,9 @@ def gemm_epilogue(launch, c, ldc, y, ldy, res, normw_out, xn_out, inv_rms_out, e
 
 
 def q8_gemm_f16(launch, qs, scales, a, lda, c, ldc, T, N, K, accumulate) -> None:
-    """kernels_ptx/q8_gemm_f16.cu: C (+)= A @ fp16(q * d)^T, float32 sums."""
-    from kestrel_stream.cuda.dense_gemm import GEMM_TILES
-    tile = next(t for t in GEMM_TILES if t.name == launch.name)
+    """kernels_ptx/q8_gemm_f16.cu and q8_wgmma.cu: C (+)= A @ fp16(q * d)^T, float32 sums."""
+    from kestrel_stream.cuda.dense_gemm import ALL_GEMM_TILES
+    tile = next(t for t in ALL_GEMM_TILES if t.name == launch.name)
     assert launch.block == (tile.threads, 1, 1) and launch.shared_bytes >= tile.shared_bytes, launch.name
     assert launch.grid[0] * tile.tokens >= T and launch.grid[1] * tile.rows >= N, (launch.grid, T, N)
     assert K % 32 == 0 and K >= 32 and N % 2 == 0, (N, K)
@@ -103,6 +103,6 @@ class FakeCublas:
 DENSE_KERNELS = [
     (r"q8_dequant_f16", q8_dequant_f16),
     (r"gemm_input_f16", gemm_input_f16),
-    (r"q8_gemm_f16_\d+x\d+_w\dx\d_s\d", q8_gemm_f16),
+    (r"q8_gemm_f16_\d+x\d+_w\dx\d_s\d|q8_wgmma_\d+x\d+_s\d", q8_gemm_f16),
     (r"gemm_epilogue(_silu)?", gemm_epilogue),
 ]

@@ -1,4 +1,4 @@
-"""The built-in dense GEMM (kernels_ptx/q8_gemm_f16.cu) on a GPU: every tile against numpy on awkward shapes
+"""The built-in dense GEMM (kernels_ptx/q8_gemm_f16.cu, q8_wgmma.cu) on a GPU: every tile against numpy on awkward shapes
 (tokens 9..511, N and K multiples of 32 but not of 128, K / 32 odd, scales 2 mod 4 bytes), with and without
 accumulation; through gemv_launch with every epilogue; in a captured graph; and gpu-mode prefill logits
 on it against the CPU engine (Qwen3 and Llama).  Skipped without a GPU."""
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.dense_gemm import GEMM_SIGNATURE, GEMM_TILES, DenseGemm, DenseScratch
+from kestrel_stream.cuda.dense_gemm import ALL_GEMM_TILES, GEMM_SIGNATURE, DenseGemm, DenseScratch
 from kestrel_stream.cuda.kernels import QWeight
 from kestrel_stream.model.quant import quantize
 from kestrel_stream.run.host import CpuExecutor, silu_mul
@@ -41,11 +41,14 @@ def want(w, a, c0=None):
     return out if c0 is None else out + c0
 
 
-@pytest.mark.parametrize("tile", GEMM_TILES, ids=[t.name for t in GEMM_TILES])
+@pytest.mark.parametrize("tile", ALL_GEMM_TILES, ids=[t.name for t in ALL_GEMM_TILES])
 @pytest.mark.parametrize("n,k", SHAPES)
 def test_every_tile_matches_numpy(gpu, tile, n, k):
     """Every token count of TOKENS, C written with ldc wider than N, then added into (accumulate); the
-    scales at an address 2 mod 4 (a row range of a fused weight starts there when K / 32 is odd)."""
+    scales at an address 2 mod 4 (a row range of a fused weight starts there when K / 32 is odd).
+    q8_wgmma.cu's tiles on sm_90 only."""
+    if tile.wgmma and gpu.device.arch != "sm_90":
+        pytest.skip(f"wgmma needs sm_90, this GPU is {gpu.device.arch}")
     for tokens in TOKENS:
         w, a, rng = case(n, k, tokens)
         scales = np.concatenate([np.zeros(1, np.float16), w.scales.reshape(-1)])

@@ -98,13 +98,17 @@ def test_dense_gemm_tiles_match_the_kernel_source():
     """Every tile cuda/dense_gemm.GEMM_TILES launches is defined in q8_gemm_f16.cu with the same shape,
     warps and stages, fits an H200 block's shared memory, and the rule picks one for any step."""
     import re
-    from kestrel_stream.cuda.dense_gemm import GEMM_TILES, MEASURED_GEMM, GemmTile, choose_gemm_tile
+    from kestrel_stream.cuda.dense_gemm import (ALL_GEMM_TILES, GEMM_TILES, MEASURED_GEMM, WGMMA_TILES, GemmTile,
+                                                choose_gemm_tile, wgmma_tile)
     source = (build.source_dir() / "q8_gemm_f16.cu").read_text()
     defined = {GemmTile(*(int(v) for v in m[:5]))
                for m in re.findall(r"^DEFINE_Q8_GEMM_F16\((\d+), (\d+), (\d+), (\d+), (\d+), (\d+)\)", source, flags=re.M)}
     assert defined == set(GEMM_TILES)
-    assert all(tile.shared_bytes <= 227 * 1024 for tile in GEMM_TILES)
-    names = {tile.name for tile in GEMM_TILES}
+    wgmma = (build.source_dir() / "q8_wgmma.cu").read_text()
+    assert {wgmma_tile(int(m[1]), int(m[2]), int(m[3])) for m in
+            re.findall(r"^DEFINE_Q8_WGMMA\((\d+), (\d+), (\d+), (\d+)\)", wgmma, flags=re.M)} == set(WGMMA_TILES)
+    assert all(tile.shared_bytes <= 227 * 1024 for tile in ALL_GEMM_TILES)
+    names = {tile.name for tile in ALL_GEMM_TILES}
     assert set(MEASURED_GEMM.values()) <= names
     assert choose_gemm_tile(512, 24576, 4096).blocks(512, 24576) >= 132       # enough blocks: a large tile
     assert choose_gemm_tile(128, 2048, 2048) == GEMM_TILES[-1]                   # too few for any: the smallest

@@ -33,43 +33,81 @@ GEMM_K_STEP = 64                         # q8_gemm_f16.cu's BK
 
 
 class GemmTile(NamedTuple):
-    """A q8_gemm_f16.cu tile: tokens x rows of output per block, its warps, the cp.async ring's depth."""
+    """A tile of the built-in GEMM: tokens x weight rows of output per block.  q8_gemm_f16.cu (mma.sync,
+    warps_m x warps_n warps) or, wgmma, q8_wgmma.cu (sm_90: one warpgroup per 64 rows); the cp.async
+    ring's depth."""
     tokens: int
     rows: int
     warps_m: int
     warps_n: int
     stages: int
+    wgmma: bool = False
 
     @property
     def name(self) -> str:
+        if self.wgmma:
+            return f"q8_wgmma_{self.rows}x{self.tokens}_s{self.stages}"
         return f"q8_gemm_f16_{self.tokens}x{self.rows}_w{self.warps_m}x{self.warps_n}_s{self.stages}"
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps_m * self.warps_n
+        return 128 * (self.rows // 64) if self.wgmma else 32 * self.warps_m * self.warps_n
 
     @property
     def shared_bytes(self) -> int:
-        """Dynamic shared memory: per stage, fp16 A rows of 160 bytes, int8 rows of 80, 8 bytes of scales a row."""
+        """Dynamic shared memory.  Per stage: fp16 token rows (160 bytes for 128; wgmma: 128, swizzled), int8
+        weight rows of 80 bytes, 8 bytes of scales a row; wgmma stages at 1024-byte boundaries, plus 1024
+        to align the first."""
+        if self.wgmma:
+            stage = self.tokens * 2 * GEMM_K_STEP + self.rows * (GEMM_K_STEP + 16) + self.rows * 8
+            return self.stages * (-(-stage // 1024) * 1024) + 1024
         return self.stages * (self.tokens * (2 * GEMM_K_STEP + 32) + self.rows * (GEMM_K_STEP + 16) + self.rows * 8)
 
     def blocks(self, tokens: int, rows: int) -> int:
         return -(-tokens // self.tokens) * -(-rows // self.rows)
 
 
+def wgmma_tile(rows: int, tokens: int, stages: int) -> GemmTile:
+    return GemmTile(tokens, rows, 0, 0, stages, wgmma=True)
+
+
 # the tiles q8_gemm_f16.cu compiles (its DEFINE_Q8_GEMM_F16 lines), largest first
 GEMM_TILES = (GemmTile(128, 256, 2, 4, 4), GemmTile(256, 128, 4, 2, 3), GemmTile(128, 128, 2, 4, 4),
               GemmTile(128, 128, 2, 2, 3), GemmTile(64, 128, 2, 2, 4), GemmTile(64, 64, 2, 2, 4))
-# (tokens, rows, cols) -> tile name, from the H200 sweep (bench/mma_prefill.py --gemm); shapes not in it take
-# choose_gemm_tile's rule
-MEASURED_GEMM: dict[tuple[int, int, int], str] = {}
+# q8_wgmma.cu's (DEFINE_Q8_WGMMA: warpgroups, rows, tokens, stages), sm_90 only
+WGMMA_TILES = (wgmma_tile(128, 256, 4), wgmma_tile(128, 128, 4), wgmma_tile(64, 256, 4), wgmma_tile(64, 128, 4))
+ALL_GEMM_TILES = GEMM_TILES + WGMMA_TILES
+# (tokens, rows, cols) -> tile name, from the H200 sweep (bench/results/2026-12-01-h200-q8-gemm-wgmma.md);
+# shapes not in it take choose_gemm_tile's rule
+MEASURED_GEMM: dict[tuple[int, int, int], str] = {
+                 (128, 2048, 2048): 'q8_gemm_f16_64x64_w2x2_s4',
+                 (128, 2048, 6144): 'q8_wgmma_64x128_s4',
+                 (128, 4096, 2048): 'q8_gemm_f16_64x64_w2x2_s4',
+                 (128, 4096, 4096): 'q8_gemm_f16_64x64_w2x2_s4',
+                 (128, 4096, 12288): 'q8_wgmma_64x128_s4',
+                 (128, 6144, 4096): 'q8_wgmma_64x128_s4',
+                 (128, 12288, 2048): 'q8_wgmma_64x128_s4',
+                 (128, 24576, 4096): 'q8_wgmma_64x128_s4',
+                 (512, 2048, 2048): 'q8_wgmma_64x128_s4',
+                 (512, 2048, 6144): 'q8_wgmma_64x128_s4',
+                 (512, 4096, 2048): 'q8_wgmma_64x128_s4',
+                 (512, 4096, 4096): 'q8_wgmma_64x128_s4',
+                 (512, 4096, 12288): 'q8_wgmma_64x128_s4',
+                 (512, 6144, 4096): 'q8_wgmma_128x256_s4',
+                 (512, 12288, 2048): 'q8_wgmma_64x128_s4',
+                 (512, 24576, 4096): 'q8_wgmma_128x256_s4'}
 
 
-def choose_gemm_tile(tokens: int, rows: int, cols: int, sm_count: int = 132) -> GemmTile:
-    """The measured tile for this shape, else the largest tile that still gives every SM a block."""
-    by_name = {tile.name: tile for tile in GEMM_TILES}
-    if (tokens, rows, cols) in MEASURED_GEMM:
+def choose_gemm_tile(tokens: int, rows: int, cols: int, sm_count: int = 132, arch: str = "sm_90") -> GemmTile:
+    """The measured tile for this shape, else the sweep's rule: on sm_90 wgmma's 64 x 128 tiles (128 x 256
+    for 512+ tokens, 6,144+ rows and K of 4,096+) unless they leave most SMs without a block; elsewhere (and then) the
+    largest mma.sync tile that still gives every SM a block."""
+    tiles = ALL_GEMM_TILES if arch == "sm_90" else GEMM_TILES
+    by_name = {tile.name: tile for tile in tiles}
+    if MEASURED_GEMM.get((tokens, rows, cols)) in by_name:
         return by_name[MEASURED_GEMM[(tokens, rows, cols)]]
+    if arch == "sm_90" and wgmma_tile(64, 128, 4).blocks(tokens, rows) >= 0.6 * sm_count:
+        return wgmma_tile(128, 256, 4) if tokens >= 512 and rows >= 6144 and cols >= 4096 else wgmma_tile(64, 128, 4)
     for tile in GEMM_TILES:
         if tile.blocks(tokens, rows) >= sm_count:
             return tile
@@ -110,9 +148,10 @@ class DenseScratch:
         return self.blas is None
 
     def serves(self, w, tokens: int, silu_pairs: bool) -> bool:
-        """Whether a step of `tokens` tokens computes weight `w` here: Q8_0 that fits the scratch."""
+        """Whether a step of `tokens` tokens computes weight `w` here: Q8_0 that fits the scratch (cuBLAS's
+        weight scratch: the built-in GEMM needs none)."""
         return (w.fmt == "Q8_0" and w.tail is None and self.min_tokens <= tokens <= self.max_tokens
-                and w.rows * w.cols <= self.weight_elements and w.cols <= self.max_cols
+                and (self.fused or w.rows * w.cols <= self.weight_elements) and w.cols <= self.max_cols
                 and (not silu_pairs or tokens * w.rows <= self.max_tokens * self.output_floats))
 
 
@@ -201,7 +240,8 @@ def dense_gemm_launch(kernels, scratch: DenseScratch, w, x: int, ldx: int, y: in
     c, ldc = (y, ldy) if in_place else (scratch.outputs, N)
     accumulate = in_place and res == y and res != 0
     if scratch.fused:
-        tile = choose_gemm_tile(tokens, N, K)
+        device = getattr(kernels, "device", None)
+        tile = choose_gemm_tile(tokens, N, K, arch=getattr(device, "arch", "sm_90"))
         gemm = kernels.launch(tile.name, (-(-tokens // tile.tokens), -(-N // tile.rows)), (tile.threads,),
                               GEMM_SIGNATURE, [w.qs, w.scales, scratch.inputs, K, c, ldc, tokens, N, K,
                                                int(accumulate)], tile.shared_bytes).label(flops=2 * tokens * N * K)
