@@ -353,7 +353,8 @@ class WeightWindow:
         if not self.streamed:
             return line, None
         line += (f"; ring {self.slot_count} x {self.slot_stride / mb:.1f} MB, prefetch distance "
-                 f"{self.prefetch_distance}, streaming {self.streamed_bytes_per_step / mb:.1f} MB/step")
+                 f"{self.prefetch_distance}, streaming {self.streamed_bytes_per_step / mb:.1f} MB/step "
+                 f"({self.primed} primed during the step before)")
         wanted = self.resident_bytes + self.streamed_bytes_per_step + needs_bytes
         warning = (f"WARNING: only {len(self.resident)}/{self.total_items} weights stay resident: the VRAM budget "
                    f"{(budget_bytes or 0) / mb:.1f} MB is {(wanted - (budget_bytes or 0)) / mb:.1f} MB short, so "
