@@ -103,7 +103,8 @@ def test_each_step_copies_every_item_once_and_ends_with_the_primes(monkeypatch, 
     log, window, compute, (one, _) = build(monkeypatch, weights, slots, distance)
     n, primed = len(window.streamed), window.primed
     sizes = [nbytes for _, nbytes in window.copies]
-    assert log.count("copy", window.copy_stream) == primed and window.prime_bytes == sum(sizes[:primed])   # the load's prime
+    # the load's prime
+    assert log.count("copy", window.copy_stream) == primed and window.prime_bytes == sum(sizes[:primed])
     item_at = {view.ctypes.data: k for k, (view, _) in enumerate(window.copies)}
     counters = StepCounters()
     for step in range(3):

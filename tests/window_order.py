@@ -63,7 +63,8 @@ class OrderLog:
                     return
                 where, index = event.latest
                 if self.capturing:
-                    assert where == "capture", f"{self.name}: a captured stream waits on {event.name} recorded outside the capture"
+                    assert where == "capture", \
+                        f"{self.name}: a captured stream waits on {event.name} recorded outside the capture"
                     log.capture.append((self, "wait", dict(on=index, event=event.name)))
                 else:
                     assert where == "node", f"{self.name}: waits on {event.name}, last recorded inside a capture"
@@ -141,7 +142,8 @@ class OrderLog:
             node_of[i] = self.add(lane, kind, after=after, **{k: v for k, v in info.items() if k != "on"})
         end = self.last[stream]
         for n in range(first, len(self.nodes)):
-            assert n == end or self.before(n, end), f"replay {self.replays}: {self.nodes[n]} is not joined into the graph's end"
+            assert n == end or self.before(n, end), \
+                f"replay {self.replays}: {self.nodes[n]} is not joined into the graph's end"
 
     # ---- kernels ----------------------------------------------------------------------------------------
     def kernel(self, stream, reads: int, weight: str | None) -> None:

@@ -243,7 +243,7 @@ class WeightWindow:
         Every step copies each streamed item once (in-step items p..n-1 and the primes of 0..p-1), so
         a step's bytes are streamed_bytes_per_step; the creation's prime (prime_bytes) is load work.
         Timing: a step's copy pairs are indexed by item (primes by the item they load next step);
-        the stall pairs of items k < p are not recorded.
+        the stall pairs of items k < p are not recorded, the wait on `join` (for the primes) is one.
         """
         if not self.streamed:
             for launch in launches:
@@ -286,9 +286,12 @@ class WeightWindow:
                 self._prime(primes.pop(0)[1], timed)
         assert not primes, "every primed slot has a last reader"
         self.join.record(self.copy_stream)
+        if timed:                                   # compute waiting for the primes is a stall too
+            timed["join"][0].record(stream)
         stream.wait(self.join)
         self.copy_stream.capturing = False
         if timed:
+            timed["join"][1].record(stream)
             timed["end"].record(stream)
             self._timed = timed
 
@@ -320,7 +323,7 @@ class WeightWindow:
     def _timing_events(self, n: int) -> dict:
         if getattr(self, "_timing_pool", None) is None:
             pair = lambda: (driver.Event(timing=True), driver.Event(timing=True))
-            self._timing_pool = {"start": driver.Event(timing=True), "end": driver.Event(timing=True),
+            self._timing_pool = {"start": driver.Event(timing=True), "end": driver.Event(timing=True), "join": pair(),
                                  "copy": [pair() for _ in range(n)], "wait": [pair() for _ in range(n)]}
         return self._timing_pool
 
@@ -336,7 +339,7 @@ class WeightWindow:
         timed, self._timed = self._timed, None
         if timed:
             copy_ms = sum(end.elapsed_ms(begin) for begin, end in timed["copy"])
-            stall_ms = sum(end.elapsed_ms(begin) for begin, end in timed["wait"][self.primed:])
+            stall_ms = sum(end.elapsed_ms(begin) for begin, end in timed["wait"][self.primed:] + [timed["join"]])
             span_ms = timed["end"].elapsed_ms(timed["start"])
             c.copy_busy_ms = (c.copy_busy_ms or 0.0) + copy_ms
             c.compute_busy_ms = (c.compute_busy_ms or 0.0) + max(span_ms - stall_ms, 0.0)
