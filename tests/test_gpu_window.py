@@ -76,6 +76,48 @@ def compare_decode(gpu, weights):
     assert gpu.stats["graph_replays"] == DECODE_STEPS
 
 
+def compare_mixed_steps(gpu, weights):
+    """Consecutive steps of different token counts against the CPU engine: eager prefill chunks, decode graphs
+    of three buckets (captured, then replayed in turn), a two-token step between them -- each step starts
+    from the slots the one before it primed, whatever its kind."""
+    cpu = CpuExecutor(weights)
+    sessions = [(cpu.alloc_kv(SEQ), gpu.alloc_kv(SEQ)) for _ in range(3)]
+    state = {}                      # session -> (next token, position)
+
+    def step(rows):                 # rows: (session, tokens or None for its next token)
+        batch = [(i, np.array([state[i][0]]) if t is None else np.asarray(t), 0 if t is not None and i not in state
+                  else state[i][1]) for i, t in rows]
+        want = cpu.forward([(sessions[i][0], t, p) for i, t, p in batch])
+        got = gpu.forward([(sessions[i][1], t, p) for i, t, p in batch])
+        for (i, t, p), w, g in zip(batch, want, got):
+            assert relative_error(g, w) < 2e-3, f"session {i} at {p}"
+            np.testing.assert_array_equal(g.argmax(axis=1), w.argmax(axis=1))
+            state[i] = (int(w[-1].argmax()), p + len(t))
+        return len(batch)
+
+    passes, before, replays = 0, gpu.stats.get("streamed_bytes", 0), gpu.stats.get("graph_replays", 0)
+    step([(0, PROMPT)]); passes += 2                              # two eager chunks
+    step([(0, None)]); step([(0, None)]); passes += 2              # bucket 1: capture, replay
+    step([(1, PROMPT[:3])]); passes += 1                          # a 3-token eager step
+    step([(0, None), (1, None)]); passes += 1                     # bucket 2
+    step([(0, None)]); passes += 1                                # bucket 1 again
+    step([(1, [state[1][0], 7])]); passes += 1                    # two tokens of one session: eager
+    step([(2, PROMPT[5:9])]); passes += 1
+    for _ in range(3):                                            # buckets 4, 1, 2 in turn
+        step([(0, None), (1, None), (2, None)]); step([(2, None)]); step([(1, None), (0, None)]); passes += 3
+    assert gpu.stats["streamed_bytes"] - before == passes * gpu.window.streamed_bytes_per_step
+    assert gpu.stats["graph_replays"] - replays == 13           # every one-token step
+
+
+@pytest.mark.parametrize("slots,distance", [(2, 1), (3, 1), (3, 2)])
+def test_consecutive_steps_of_different_token_counts(slots, distance):
+    weights = random_weights("qwen3", seed=5)
+    gpu = streaming_executor(weights, 0.25, slots, distance)
+    assert len(gpu.window.streamed) > 2 * slots
+    compare_mixed_steps(gpu, weights)
+    gpu.close()
+
+
 @pytest.mark.parametrize("slots,distance", [(1, 0), (2, 1)])
 def test_smallest_ring_reuses_slots_without_a_race(slots, distance):
     weights = random_weights("qwen3", seed=1)

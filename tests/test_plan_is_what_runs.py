@@ -150,3 +150,20 @@ def test_on_the_device_the_plan_is_what_runs(weights, mode, batch):
     assert_the_plans_ran(engine, mode, ran, [engine.executor.plan(n) for n in chunks(engine, batch)],
                          f"{mode} batch {batch} on the device")
     engine.close()
+
+
+@pytest.mark.parametrize("mode", ("gpu-window", "gpu-window-35"))
+def test_the_windows_prime_at_load_is_outside_the_step_counters(weights, monkeypatch, mode):
+    """The window copies the first step's first streamed items once at load (window.prime_bytes); every step
+    then re-primes the next one's, so even the first step counts exactly its plan's H2D bytes."""
+    fake_cuda.install(monkeypatch, mode="deferred")
+    engine = build(weights, mode)
+    window = engine.executor.window
+    assert window.prime_bytes == sum(nbytes for _, nbytes in window.copies[:window.primed]) > 0
+    before = engine.executor.counters.as_dict()
+    engine.decode_batch([(engine.new_session(), 3)])
+    after = engine.executor.counters.as_dict()
+    ran = {key: after[key] - before.get(key, 0) for key in after}
+    assert_the_plans_ran(engine, mode, ran, [engine.executor.plan(1)], f"{mode}: the first step")
+    assert ran["streamed_bytes"] == window.streamed_bytes_per_step
+    engine.close()

@@ -23,9 +23,17 @@ most `prefetch_distance` items ahead.  The host enqueues in step order, so when
 a stream waits on an event, the event's latest record is the one meant (the
 proof is in enqueue_step).  Inside stream capture the same calls build the
 graph: the copy stream joins the capture by waiting on `fork` (recorded on the
-capturing stream) and rejoins it through `join` before the capture ends.  A step
-starts with every slot free: graph replays and eager chunks on the compute
-stream are ordered, and the compute stream waits for the copy stream's last copy.
+capturing stream) and rejoins it through `join` before the capture ends.
+
+Cross-step priming: weights do not depend on tokens, so the first `primed` =
+min(prefetch_distance + 1, n) items of the NEXT step are copied at the end of
+this one, each into its slot (item j < S lives in slot j) once this step's last
+reader of that slot released it.  The link stays busy through the step's tail
+(the layers after the last streamed item, lm_head, sampling) instead of idling
+there and then making the next step wait for item 0.  Invariant: when a step's
+first op runs on the compute stream, slots 0..primed-1 hold items 0..primed-1
+and those copies are complete -- the window primes them once at creation, and
+every step re-primes them before the `join` its compute stream waits on.
 
 Copy/compute busy times need timing events, which cannot be read out of a graph
 replay; with KESTREL_PROF=1 or a trace active, streamed steps run eagerly with
@@ -179,6 +187,14 @@ class WeightWindow:
         self.timing = False            # set per step by the executor (eager steps only)
         self._timed = None             # timing events of the last eager step, read after its sync
         self._checked: set[int] = set()
+        self.compute_stream = compute_stream
+        # items 0..primed-1 are loaded when a step starts; the step re-primes slot j after its last reader
+        S, n = self.slot_count, len(self.streamed)
+        self.primed = min(self.prefetch_distance + 1, n)
+        self.prime_order = sorted((j + (n - 1 - j) // S * S, j) for j in range(self.primed))   # (last reader, slot)
+        self.prime_bytes = sum(nbytes for _, nbytes in self.copies[:self.primed])
+        if self.streamed:
+            self._prime_at_load()
 
     @staticmethod
     def _qweight(address: int, w: QTensor) -> QWeight:
@@ -191,19 +207,49 @@ class WeightWindow:
         return bool(self.streamed) and (prof.enabled or trace.active is not None)
 
     # ---- the step ---------------------------------------------------------------------------------
+    def _prime_at_load(self) -> None:
+        """The first step's items 0..primed-1 into their slots; the compute stream waits for them (no host
+        sync), so whatever runs on it next -- an eager step or a graph replay -- finds them loaded."""
+        for j in range(self.primed):
+            self._copy(j)
+        self.join.record(self.copy_stream)
+        self.compute_stream.wait(self.join)
+
     def enqueue_step(self, launches: list, stream: driver.Stream) -> None:
         """Every launch on `stream`; streamed weights copied on the copy stream, ordered by the slot events.
 
-        Why each wait sees the record it means: copy c is enqueued while compute is at item
-        k = c - P (P = prefetch_distance < S = slot_count), after items 0..k-1 were enqueued.
-        released[c%S]'s latest record is then item c-S's (c-S <= k-1, and item c is later);
-        released[(c-P-1)%S]'s is item k-1's.  loaded[k%S]'s latest record when compute waits
-        for item k is copy k's: copies up to k+P are enqueued and k+S > k+P.
+        Why each wait sees the record it means (P = prefetch_distance < S = slot_count, n items,
+        p = primed = min(P+1, n); the host enqueues items in step order):
+        - In-step copy c (p <= c < n) is enqueued while compute is at item k = c - P >= 1, after items
+          0..k-1 were enqueued.  released[c%S]'s latest record is then item c-S's (c-S <= k-1, and the
+          slot's next reader is item c); released[(c-P-1)%S]'s is item k-1's (its next is k-1+S > k).
+        - Compute waits for item k >= p on loaded[k%S], whose latest record is copy k's: copies up to
+          k+P are enqueued and the slot's next copy is k+S > k+P (primes record no `loaded`).
+        - Items k < p have no wait: by the invariant (module docstring) they were loaded before the
+          step's first op -- the previous step ended with `stream` waiting on `join`, recorded on the
+          copy stream after its primes, and the window's creation ended the same way.  A graph replay
+          is ordered on the compute stream like an eager step, and its primes are nodes of the graph
+          joined into it before the capture ends, so replays stay self-contained.  A capture runs
+          nothing: the slots keep what the last step that ran left there.
+        - The prime of slot j (j < p) waits on released[j] after item L_j, the slot's last reader this
+          step (the largest k < n with k % S == j), was enqueued: its latest record is L_j's.  The
+          slot's in-step copies precede it on the copy stream (FIFO, and in a graph the same lane).
+          Primes wait until every in-step copy is enqueued, so none of this step's copies queues
+          behind the next step's on the copy stream.
+        - Copies into slots >= p at the start of a step need no slot wait: their last readers ran in
+          earlier steps, before `fork`.  Steps of any token count (or batch bucket) share the ring and
+          the streamed order (asserted), so the invariant holds across them in any sequence; n < S
+          or n <= P only shrink p and the in-step copies (with n <= P every item is a prime).
+        Every step copies each streamed item once (in-step items p..n-1 and the primes of 0..p-1), so
+        a step's bytes are streamed_bytes_per_step; the creation's prime (prime_bytes) is load work.
+        Timing: a step's copy pairs are indexed by item (primes by the item they load next step);
+        the stall pairs of items k < p are not recorded, the wait on `join` (for the primes) is one.
         """
         if not self.streamed:
             for launch in launches:
                 launch.enqueue(stream)
             return
+        assert stream is self.compute_stream, "the priming invariant orders steps on the window's compute stream"
         items = [launch.labels.get("weight") for launch in launches]     # device_ops labels each projection
         if id(launches) not in self._checked:      # every streamed launch reads its slot's address
             for launch, name in zip(launches, items):
@@ -211,7 +257,7 @@ class WeightWindow:
             order = [name for name in items if name in self.streamed]
             assert order == self.streamed, "streamed items must be read in ring order"
             self._checked.add(id(launches))
-        S, P, n = self.slot_count, self.prefetch_distance, len(self.streamed)
+        S, P, n, primed = self.slot_count, self.prefetch_distance, len(self.streamed), self.primed
         position = {name: k for k, name in enumerate(self.streamed)}
         timed = self._timing_events(n) if self.timing else None
         self.copy_stream.capturing = getattr(stream, "capturing", False)   # it joins the capture through fork
@@ -219,9 +265,7 @@ class WeightWindow:
         self.copy_stream.wait(self.fork)
         if timed:
             timed["start"].record(stream)
-        for c in range(min(P + 1, n)):
-            self._issue(c, timed)
-        issued = min(P + 1, n)
+        issued, primes = primed, list(self.prime_order)
         for launch, name in zip(launches, items):
             k = position.get(name) if name is not None else None
             if k is None:
@@ -230,17 +274,24 @@ class WeightWindow:
             while issued <= min(k + P, n - 1):
                 self._issue(issued, timed)
                 issued += 1
-            if timed:
-                timed["wait"][k][0].record(stream)
-            stream.wait(self.loaded[k % S])
-            if timed:
-                timed["wait"][k][1].record(stream)
+            if k >= primed:
+                if timed:
+                    timed["wait"][k][0].record(stream)
+                stream.wait(self.loaded[k % S])
+                if timed:
+                    timed["wait"][k][1].record(stream)
             launch.enqueue(stream)
             self.released[k % S].record(stream)
+            while issued == n and primes and primes[0][0] <= k:
+                self._prime(primes.pop(0)[1], timed)
+        assert not primes, "every primed slot has a last reader"
         self.join.record(self.copy_stream)
+        if timed:                                   # compute waiting for the primes is a stall too
+            timed["join"][0].record(stream)
         stream.wait(self.join)
         self.copy_stream.capturing = False
         if timed:
+            timed["join"][1].record(stream)
             timed["end"].record(stream)
             self._timed = timed
 
@@ -252,18 +303,27 @@ class WeightWindow:
         pace = c - P - 1
         if pace >= 0 and pace != c - S:             # compute reached item c - P
             self.copy_stream.wait(self.released[pace % S])
+        self._copy(c, timed)
+        self.loaded[slot].record(self.copy_stream)
+
+    def _prime(self, j: int, timed) -> None:
+        """Next step's item j into slot j, once this step's last reader of the slot released it."""
+        self.copy_stream.wait(self.released[j])
+        self._copy(j, timed)
+
+    def _copy(self, c: int, timed=None) -> None:
         if timed:
             timed["copy"][c][0].record(self.copy_stream)
         host_image, nbytes = self.copies[c]
-        driver.h2d_async(self.ring_base + slot * self.slot_stride, host_image, nbytes, self.copy_stream)
+        driver.h2d_async(self.ring_base + (c % self.slot_count) * self.slot_stride, host_image, nbytes,
+                         self.copy_stream)
         if timed:
             timed["copy"][c][1].record(self.copy_stream)
-        self.loaded[slot].record(self.copy_stream)
 
     def _timing_events(self, n: int) -> dict:
         if getattr(self, "_timing_pool", None) is None:
             pair = lambda: (driver.Event(timing=True), driver.Event(timing=True))
-            self._timing_pool = {"start": driver.Event(timing=True), "end": driver.Event(timing=True),
+            self._timing_pool = {"start": driver.Event(timing=True), "end": driver.Event(timing=True), "join": pair(),
                                  "copy": [pair() for _ in range(n)], "wait": [pair() for _ in range(n)]}
         return self._timing_pool
 
@@ -279,7 +339,7 @@ class WeightWindow:
         timed, self._timed = self._timed, None
         if timed:
             copy_ms = sum(end.elapsed_ms(begin) for begin, end in timed["copy"])
-            stall_ms = sum(end.elapsed_ms(begin) for begin, end in timed["wait"])
+            stall_ms = sum(end.elapsed_ms(begin) for begin, end in timed["wait"][self.primed:] + [timed["join"]])
             span_ms = timed["end"].elapsed_ms(timed["start"])
             c.copy_busy_ms = (c.copy_busy_ms or 0.0) + copy_ms
             c.compute_busy_ms = (c.compute_busy_ms or 0.0) + max(span_ms - stall_ms, 0.0)
@@ -296,7 +356,8 @@ class WeightWindow:
         if not self.streamed:
             return line, None
         line += (f"; ring {self.slot_count} x {self.slot_stride / mb:.1f} MB, prefetch distance "
-                 f"{self.prefetch_distance}, streaming {self.streamed_bytes_per_step / mb:.1f} MB/step")
+                 f"{self.prefetch_distance}, streaming {self.streamed_bytes_per_step / mb:.1f} MB/step "
+                 f"({self.primed} primed during the step before)")
         wanted = self.resident_bytes + self.streamed_bytes_per_step + needs_bytes
         warning = (f"WARNING: only {len(self.resident)}/{self.total_items} weights stay resident: the VRAM budget "
                    f"{(budget_bytes or 0) / mb:.1f} MB is {(wanted - (budget_bytes or 0)) / mb:.1f} MB short, so "
