@@ -136,13 +136,20 @@ def _check(err, what: str, log: str = "") -> None:
 
 
 def load_source(name: str) -> str:
-    """The .cu text with local #include "x.cuh" spliced in (NVRTC sees one translation unit)."""
-    text = (source_dir() / name).read_text()
+    """The .cu text with local #include "x.cuh" spliced in, headers' own includes too, each header once
+    (NVRTC sees one translation unit)."""
+    seen: set[str] = set()
+
+    def expand(text: str) -> str:
+        return re.sub(r'^#include "([\w.]+)"\s*$', splice, text, flags=re.M)
 
     def splice(match: re.Match) -> str:
-        return (source_dir() / match.group(1)).read_text().replace("#pragma once", "")
+        if match.group(1) in seen:
+            return ""
+        seen.add(match.group(1))
+        return expand((source_dir() / match.group(1)).read_text().replace("#pragma once", ""))
 
-    return re.sub(r'^#include "([\w.]+)"\s*$', splice, text, flags=re.M)
+    return expand((source_dir() / name).read_text())
 
 
 def compile_cubin(name: str, arch: str, extra_options: tuple[str, ...] = (),

@@ -26,6 +26,7 @@
 // Rows past N, tokens past T and K past the end are zero-filled in shared memory and never stored.
 #include "common.cuh"
 #include "cp_async.cuh"
+#include "q8_tile.cuh"
 
 __device__ __forceinline__ void gemm_mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                          unsigned int b1) {
@@ -36,27 +37,18 @@ __device__ __forceinline__ void gemm_mma(float (&d)[4], const unsigned int (&a)[
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two signed bytes of `biased` (each xor 0x80) picked by `selector`, as fp16 q * d (d2: d in both halves).
-__device__ __forceinline__ unsigned int gemm_dequant_pair(unsigned int biased, unsigned int selector,
-                                                          unsigned int d2) {
-    unsigned int h = __byte_perm(biased, 0x64646464u, selector), q, r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q) : "r"(h), "r"(0x64806480u));
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(q), "r"(d2));
-    return r;
-}
-
 template <int BM, int BN, int WARPS_M, int WARPS_N, int STAGES>
 __device__ __forceinline__ void q8_gemm_f16_body(const int8* __restrict__ qs, const half_bits* __restrict__ scales,
                                                  const half_bits* __restrict__ a, int lda, float* c, int ldc, int T,
                                                  int N, int K, int accumulate) {
-    constexpr int BK = 64, KB = BK / 32, SW = KB / 2 + 1;     // K per stage, its 32-blocks, scale words a row
+    constexpr int BK = Q8_TILE_K, KB = BK / 32, SW = Q8_TILE_SCALE_WORDS;   // K per stage, its 32-blocks, scale words a row
     constexpr int THREADS = 32 * WARPS_M * WARPS_N;
     constexpr int WTOK = BM / WARPS_M, WROW = BN / WARPS_N;  // a warp's output tile
     constexpr int FM = WTOK / 16, FN = WROW / 8;             // its mma tiles
-    constexpr int A_STRIDE = BK * 2 + 32, B_STRIDE = BK + 16;
+    constexpr int A_STRIDE = BK * 2 + 32, B_STRIDE = Q8_TILE_STRIDE;
     constexpr int A_BYTES = BM * A_STRIDE, B_BYTES = BN * B_STRIDE, S_BYTES = BN * SW * 4;
     constexpr int STAGE_BYTES = A_BYTES + B_BYTES + S_BYTES;
-    constexpr int A_CHUNKS = BM * (BK / 8), B_CHUNKS = BN * (BK / 16), S_WORDS = BN * SW;
+    constexpr int A_CHUNKS = BM * (BK / 8);
     static_assert(FM >= 1 && FN % 4 == 0 && STAGES >= 2, "tile");
     static_assert(A_BYTES % 16 == 0 && B_BYTES % 16 == 0 && STAGE_BYTES % 16 == 0, "16-byte cp.async slots");
 
@@ -72,32 +64,12 @@ __device__ __forceinline__ void q8_gemm_f16_body(const int8* __restrict__ qs, co
     const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
     const int tok0 = blockIdx.x * BM, row0 = blockIdx.y * BN;
     const int kblocks = K >> 5, stages = (K + BK - 1) / BK;
-    // scales as aligned words: half index i of `scales` is half (i + shift) of `words`
-    const int shift = (int)(((unsigned long long)scales >> 1) & 1);
-    const unsigned int* words = (const unsigned int*)((unsigned long long)scales & ~3ull);
-    const long long word_count = ((long long)N * kblocks + shift + 1) >> 1;
+    const Q8Scales sc(scales, N, kblocks);
 
     auto issue_weights = [&](int s) {
         if (s >= stages) return;
-        const int k0 = s * BK;
-        const unsigned int sb = base + (s % STAGES) * STAGE_BYTES + A_BYTES, ss = sb + B_BYTES;
-#pragma unroll
-        for (int j = 0; j < (B_CHUNKS + THREADS - 1) / THREADS; j++) {
-            const int chunk = tid + j * THREADS;
-            if (B_CHUNKS % THREADS != 0 && chunk >= B_CHUNKS) break;
-            const int r = chunk / (BK / 16), part = chunk % (BK / 16), row = row0 + r, k = k0 + part * 16;
-            cp_async16(sb + r * B_STRIDE + part * 16, qs + (long long)min(row, N - 1) * K + min(k, K - 16),
-                      row < N && k < K);
-        }
-#pragma unroll
-        for (int j = 0; j < (S_WORDS + THREADS - 1) / THREADS; j++) {
-            const int w = tid + j * THREADS;
-            if (S_WORDS % THREADS != 0 && w >= S_WORDS) break;
-            const int r = w / SW, row = row0 + r;
-            const long long word = (((long long)row * kblocks + (k0 >> 5) + shift) >> 1) + w % SW;
-            const bool valid = row < N && word < word_count;
-            cp_async4(ss + w * 4, words + (valid ? word : 0), valid);
-        }
+        const unsigned int sb = base + (s % STAGES) * STAGE_BYTES + A_BYTES;
+        q8_tile_issue<BN, THREADS>(sb, sb + B_BYTES, qs, sc, row0, s * BK, N, K, kblocks, tid);
     };
     auto issue_inputs = [&](int s) {
         if (s < stages) {
@@ -143,7 +115,7 @@ __device__ __forceinline__ void q8_gemm_f16_body(const int8* __restrict__ qs, co
 #pragma unroll
         for (int j = 0; j < FN; j++) {
             const int r = b_row + j * 8 + g;
-            const int parity = (int)(((long long)(row0 + r) * kblocks + (s * BK >> 5) + shift) & 1);
+            const int parity = sc.parity(row0 + r, kblocks, s * BK >> 5);
 #pragma unroll
             for (int kb = 0; kb < KB; kb++) {
                 const unsigned int d = sscale[r * SW * 2 + parity + kb];
@@ -171,8 +143,8 @@ __device__ __forceinline__ void q8_gemm_f16_body(const int8* __restrict__ qs, co
                 for (int t = 0; t < 4; t++) {
                     const int j = jj * 4 + t;
                     const unsigned int biased = raw[t] ^ 0x80808080u;
-                    const unsigned int b0 = gemm_dequant_pair(biased, 0x4140u, d2[j][kk / 2]);
-                    const unsigned int b1 = gemm_dequant_pair(biased, 0x4342u, d2[j][kk / 2]);
+                    const unsigned int b0 = q8_dequant_pair(biased, 0x4140u, d2[j][kk / 2]);
+                    const unsigned int b1 = q8_dequant_pair(biased, 0x4342u, d2[j][kk / 2]);
 #pragma unroll
                     for (int i = 0; i < FM; i++) gemm_mma(acc[i][j], af[i], b0, b1);
                 }

@@ -19,10 +19,10 @@
 // weight rows.  Rows past N, tokens past T and K past its end are zero-filled and never stored.
 // wgmma needs sm_90a (kernels_ptx/build.py compiles this file for it); on other GPUs the kernels trap.
 #include "common.cuh"
-#include "cp_async.cuh"
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define KESTREL_WGMMA 1
+#include "q8_tile.cuh"
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[64], const unsigned int (&a)[4], unsigned long long desc) {
     asm volatile(
         "{\n"
@@ -91,23 +91,16 @@ __device__ __forceinline__ unsigned long long wgmma_desc(unsigned int smem_addre
 }
 #endif
 
-__device__ __forceinline__ unsigned int wg_dequant_pair(unsigned int biased, unsigned int selector, unsigned int d2) {
-    unsigned int h = __byte_perm(biased, 0x64646464u, selector), q, r;
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(q) : "r"(h), "r"(0x64806480u));
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(q), "r"(d2));
-    return r;
-}
-
 template <int WG, int BT, int STAGES>
 __device__ __forceinline__ void q8_wgmma_body(const int8* __restrict__ qs, const half_bits* __restrict__ scales,
                                               const half_bits* __restrict__ a, int lda, float* c, int ldc, int T,
                                               int N, int K, int accumulate) {
 #ifdef KESTREL_WGMMA
-    constexpr int BK = 64, KB = BK / 32, SW = KB / 2 + 1;
+    constexpr int BK = Q8_TILE_K, SW = Q8_TILE_SCALE_WORDS;
     constexpr int BW = 64 * WG, THREADS = 128 * WG, ACC = BT / 2;
-    constexpr int X_BYTES = BT * 128, W_STRIDE = BK + 16, W_BYTES = BW * W_STRIDE, S_BYTES = BW * SW * 4;
+    constexpr int X_BYTES = BT * 128, W_STRIDE = Q8_TILE_STRIDE, W_BYTES = BW * W_STRIDE, S_BYTES = BW * SW * 4;
     constexpr int STAGE_BYTES = (X_BYTES + W_BYTES + S_BYTES + 1023) / 1024 * 1024;
-    constexpr int X_CHUNKS = BT * (BK / 8), W_CHUNKS = BW * (BK / 16), S_WORDS = BW * SW;
+    constexpr int X_CHUNKS = BT * (BK / 8);
     static_assert(BT == 128 || BT == 256, "wgmma N");
 
     extern __shared__ __align__(1024) unsigned char wg_shared[];
@@ -123,31 +116,12 @@ __device__ __forceinline__ void q8_wgmma_body(const int8* __restrict__ qs, const
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
     const int tok0 = blockIdx.x * BT, row0 = blockIdx.y * BW;
     const int kblocks = K >> 5, stages = (K + BK - 1) / BK;
-    const int shift = (int)(((unsigned long long)scales >> 1) & 1);
-    const unsigned int* words = (const unsigned int*)((unsigned long long)scales & ~3ull);
-    const long long word_count = ((long long)N * kblocks + shift + 1) >> 1;
+    const Q8Scales sc(scales, N, kblocks);
 
     auto issue_weights = [&](int s) {
         if (s >= stages) return;
-        const int k0 = s * BK;
-        const unsigned int sw = base + (s % STAGES) * STAGE_BYTES + X_BYTES, ss = sw + W_BYTES;
-#pragma unroll
-        for (int j = 0; j < (W_CHUNKS + THREADS - 1) / THREADS; j++) {
-            const int chunk = tid + j * THREADS;
-            if (W_CHUNKS % THREADS != 0 && chunk >= W_CHUNKS) break;
-            const int r = chunk / (BK / 16), part = chunk % (BK / 16), row = row0 + r, k = k0 + part * 16;
-            cp_async16(sw + r * W_STRIDE + part * 16, qs + (long long)min(row, N - 1) * K + min(k, K - 16),
-                       row < N && k < K);
-        }
-#pragma unroll
-        for (int j = 0; j < (S_WORDS + THREADS - 1) / THREADS; j++) {
-            const int w = tid + j * THREADS;
-            if (S_WORDS % THREADS != 0 && w >= S_WORDS) break;
-            const int r = w / SW, row = row0 + r;
-            const long long word = (((long long)row * kblocks + (k0 >> 5) + shift) >> 1) + w % SW;
-            const bool valid = row < N && word < word_count;
-            cp_async4(ss + w * 4, words + (valid ? word : 0), valid);
-        }
+        const unsigned int sw = base + (s % STAGES) * STAGE_BYTES + X_BYTES;
+        q8_tile_issue<BW, THREADS>(sw, sw + W_BYTES, qs, sc, row0, s * BK, N, K, kblocks, tid);
     };
     auto issue_tokens = [&](int s) {
         if (s < stages) {
@@ -187,8 +161,7 @@ __device__ __forceinline__ void q8_wgmma_body(const int8* __restrict__ qs, const
         const unsigned char* wtile = generic_base + slot * STAGE_BYTES + X_BYTES;
         const half_bits* sscale = (const half_bits*)(wtile + W_BYTES);
         const int kb0 = (s * BK) >> 5;
-        const int p_lo = (int)(((long long)(row0 + r_lo) * kblocks + kb0 + shift) & 1);
-        const int p_hi = (int)(((long long)(row0 + r_hi) * kblocks + kb0 + shift) & 1);
+        const int p_lo = sc.parity(row0 + r_lo, kblocks, kb0), p_hi = sc.parity(row0 + r_hi, kblocks, kb0);
         unsigned int af[BK / 16][4];
 #pragma unroll
         for (int kk = 0; kk < BK / 16; kk++) {
@@ -197,10 +170,10 @@ __device__ __forceinline__ void q8_wgmma_body(const int8* __restrict__ qs, const
             const unsigned short* hi = (const unsigned short*)(wtile + r_hi * W_STRIDE + kk * 16 + 2 * q);
             const unsigned int w_lo = ((unsigned int)lo[0] | ((unsigned int)lo[4] << 16)) ^ 0x80808080u;
             const unsigned int w_hi = ((unsigned int)hi[0] | ((unsigned int)hi[4] << 16)) ^ 0x80808080u;
-            af[kk][0] = wg_dequant_pair(w_lo, 0x4140u, d_lo | (d_lo << 16));   // row g, k 2q, 2q + 1
-            af[kk][1] = wg_dequant_pair(w_hi, 0x4140u, d_hi | (d_hi << 16));   // row g + 8
-            af[kk][2] = wg_dequant_pair(w_lo, 0x4342u, d_lo | (d_lo << 16));   // row g, k 2q + 8, 2q + 9
-            af[kk][3] = wg_dequant_pair(w_hi, 0x4342u, d_hi | (d_hi << 16));
+            af[kk][0] = q8_dequant_pair(w_lo, 0x4140u, d_lo | (d_lo << 16));   // row g, k 2q, 2q + 1
+            af[kk][1] = q8_dequant_pair(w_hi, 0x4140u, d_hi | (d_hi << 16));   // row g + 8
+            af[kk][2] = q8_dequant_pair(w_lo, 0x4342u, d_lo | (d_lo << 16));   // row g, k 2q + 8, 2q + 9
+            af[kk][3] = q8_dequant_pair(w_hi, 0x4342u, d_hi | (d_hi << 16));
         }
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll

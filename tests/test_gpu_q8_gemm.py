@@ -9,7 +9,8 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.dense_gemm import ALL_GEMM_TILES, GEMM_SIGNATURE, DenseGemm, DenseScratch
 from kestrel_stream.cuda.kernels import QWeight
 from kestrel_stream.model.quant import quantize
-from kestrel_stream.run.host import CpuExecutor, silu_mul
+from kestrel_stream.run.host import CpuExecutor
+from test_gpu_dense_gemm import check_dense_projection
 from test_gpu_kernels import Gpu, rel_err
 from test_gpu_model import random_weights, relative
 
@@ -74,48 +75,12 @@ def test_every_tile_matches_numpy(gpu, tile, n, k):
 @pytest.mark.parametrize("n,k", SHAPES[:2])
 @pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
 def test_the_dense_path_on_the_built_in_gemm(gpu, n, k, tokens, epilogue):
-    """Through gemv_launch with a built-in DenseScratch: within 1e-4 of float64 products of the fp16-rounded
-    operands, 2e-3 of the float32 product of the Q8_0 weight; 2 launches, 3 with an epilogue."""
+    """test_gpu_dense_gemm's checks with a built-in DenseScratch: no weight expansion, 2 launches, 3 with an
+    epilogue."""
     scratch = DenseScratch.allocate(gpu.arena, None, min_tokens=1, max_tokens=MAX_TOKENS, weight_elements=n * k,
                                     max_cols=k, output_floats=n, workspace_bytes=0)
-    w = quantize(np.random.default_rng(n + k).standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
-    rng = np.random.default_rng(tokens)
-    x = rng.standard_normal((tokens, k)).astype(np.float32)
-    inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
-    res = rng.standard_normal((tokens, n)).astype(np.float32)
-    normw_out = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-    dense_w = w.dequantize()
-    scaled = x * inv_rms_in[:, None] if epilogue in ("rmsnorm", "silu_pairs") else x
-
-    def finish(s):
-        out = silu_mul(s[:, 0::2], s[:, 1::2]) if epilogue == "silu_pairs" else s
-        return out + res if epilogue == "residual_xn_rms" else out
-
-    rounded = finish(scaled.astype(np.float16).astype(np.float64) @ dense_w.astype(np.float16).astype(np.float64).T)
-    exact = finish(scaled @ dense_w.T)
-    cols, ldy = exact.shape[1], exact.shape[1] + 32
-    y0 = np.zeros((tokens, ldy), np.float32)
-    if epilogue == "residual_xn_rms":
-        y0[:, :n] = res
-    y, xn = gpu.put(y0), gpu.put(np.zeros((tokens, ldy), np.float32))
-    inv_rms_out = gpu.put(np.zeros(tokens, np.float32))
-    extra = {"plain": {}, "rmsnorm": {"inv_rms_in": gpu.put(inv_rms_in)},
-             "silu_pairs": {"inv_rms_in": gpu.put(inv_rms_in), "silu_pairs": True},
-             "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
-                                 "inv_rms_out": inv_rms_out}}[epilogue]
-    qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
-    launch = gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, ldy, tokens, dense=scratch, **extra)
-    assert isinstance(launch, DenseGemm) and launch.dequant is None
-    assert launch.launch_count == (2 if epilogue in ("plain", "rmsnorm") else 3)
-    gpu.run(launch)
-    got = gpu.get(y, (tokens, ldy))
-    assert rel_err(got[:, :cols], rounded) < 1e-4
-    assert rel_err(got[:, :cols], exact) < 2e-3
-    assert not got[:, cols:].any(), "nothing written past the output's columns"
-    if epilogue == "residual_xn_rms":
-        np.testing.assert_allclose(gpu.get(xn, (tokens, ldy))[:, :n], got[:, :n] * normw_out, rtol=1e-6)
-        np.testing.assert_allclose(gpu.get(inv_rms_out, (tokens,)),
-                                   1 / np.sqrt(np.mean(got[:, :n] ** 2, axis=1) + 1e-6), rtol=1e-5)
+    launch = check_dense_projection(gpu, scratch, n, k, tokens, epilogue)
+    assert launch.dequant is None and launch.launch_count == (2 if epilogue in ("plain", "rmsnorm") else 3)
 
 
 def test_a_captured_graph_replays_the_built_in_gemm(gpu):
