@@ -156,7 +156,7 @@ def pp_row(gpu: GpuExecutor, kv, prompt, args, gemm: str) -> dict:
         print(gemm, ops, flush=True)
     gemm_us = sum(us for op, us in ops.items() if op in PROJECTION_GROUPS)
     return {"test": f"pp{pp}" + (f" ({args.attention} attention)" if choices and args.attention != "auto" else ""),
-            "gemm": {"cublas": "cuBLAS", "builtin": "q8_gemm_f16", "q8": "q8_mma"}[gemm], "sessions": 1,
+            "gemm": {"cublas": "cuBLAS", "builtin": "built-in", "q8": "q8_mma"}[gemm], "sessions": 1,
             "tok_s": round(pp / min(times), 1), "ms": round(min(times) * 1e3, 2),
             "gemm_ms": round(gemm_us / 1e3, 2), "gemm_tflops": round(flops / gemm_us / 1e6, 1) if gemm_us else None,
             "attention_ms": round(ops.get("attention", 0.0) / 1e3, 2)}
