@@ -6,7 +6,10 @@ Q4_0/Q4_K, 3 x 16 B = 64 weights for Q6_K, which keeps half the UNROLL, rounded 
 for 1..2 tokens, 2 for 4..8, one unit in flight per row), kept for A/B; tTrRuU are the one-token
 layouts, pTrRuU the same with the next pass's units prefetched into L2 during this pass (its loads
 then wait for L2, not HBM) and Q4_K's levels as subnormal floats (one FADD a weight less), gTrRuU (x
-shared by the rows) and oTrRuU (row-outer) the layouts for 2..8 tokens.  Kernel names:
+shared by the rows) and oTrRuU (row-outer) the layouts for 2..8 tokens; dTrRuU one-token layouts on
+integer dot products (kernels_ptx/q4_gemv_dp4a.cuh: x quantised to two int8 levels in shared memory,
+U D-units of 64 weights per row in flight, at most blocks_per_sm blocks per SM, each running several
+row tiles).  Kernel names:
 <fmt>[_<tail fmt>]_gemv_m<M>[_<variant>][_silu].  Pure Python: the emulated device, the tests and
 the bench read it without a driver.
 """
@@ -19,6 +22,7 @@ class Variant(NamedTuple):
     threads: int
     rows: int
     unroll: int
+    blocks_per_sm: int = 0   # d layouts: the grid's cap per SM (0: a block per tile of rows)
 
 
 LEGACY = ""
@@ -26,7 +30,11 @@ M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r
                "t128r4u3": Variant(128, 4, 3),
                # the next pass prefetched into L2, Q4_K's levels subnormal: for rows of several passes (o, down)
                "p64r8u1": Variant(64, 8, 1), "p64r4u1": Variant(64, 4, 1), "p32r4u2": Variant(32, 4, 2),
-               "p64r4u3": Variant(64, 4, 3)}
+               "p64r4u3": Variant(64, 4, 3),
+               # dp4a on x quantised per block (Q4_0, Q4_K; Q6_K rows keep the p arithmetic); the cap: about
+               # the blocks the registers of the Q4_K kernel let reside, so x is quantised once per resident block
+               "d32r4u1": Variant(32, 4, 1, 12), "d64r4u1": Variant(64, 4, 1, 6), "d128r4u1": Variant(128, 4, 1, 3),
+               "d64r8u1": Variant(64, 8, 1, 4)}
 MN_VARIANTS = {"g64r4u1": Variant(64, 4, 1), "g32r4u2": Variant(32, 4, 2), "o64r4u1": Variant(64, 4, 1),
                "o32r4u2": Variant(32, 4, 2)}
 ALL_VARIANTS = (LEGACY, *M1_VARIANTS, *MN_VARIANTS)   # what Options.gemv_block (KESTREL_GEMV_BLOCK) may name
@@ -167,7 +175,21 @@ def parse(name: str) -> tuple[str, int, str, bool]:
     return code, m, variant, silu
 
 
-def grid_blocks(variant: Variant, head_rows: int, tail_rows: int) -> int:
-    """Blocks of a launch: each format part's rows in blocks of variant.rows."""
-    return -(-head_rows // variant.rows) + -(-tail_rows // variant.rows)
+def grid_blocks(variant: Variant, head_rows: int, tail_rows: int, sm_count: int = 0) -> int:
+    """Blocks of a launch: each format part's rows in tiles of variant.rows, a block per tile, or for a d
+    layout at most blocks_per_sm per SM (sm_count: the device's)."""
+    tiles = -(-head_rows // variant.rows) + -(-tail_rows // variant.rows)
+    if variant.blocks_per_sm and sm_count:
+        return min(tiles, variant.blocks_per_sm * sm_count)
+    return tiles
+
+
+def is_dp4a(variant: str) -> bool:
+    return variant.startswith("d")
+
+
+def dp4a_shared_bytes(code: str, cols: int) -> int:
+    """Dynamic shared memory of a d layout's kernel: x quantised as q4_gemv_dp4a.cuh keeps it (per 64
+    elements 64 B of hi and lo bytes and a float4 of scales and sums); none for Q6_K rows alone."""
+    return 0 if code == "q6_k" else 144 * -(-cols // 64)
 

@@ -1,0 +1,360 @@
+// The one-token block-format GEMV on integer dot products (the dTrRuU layouts of q4_gemv_m1d.cu):
+// q4_gemv.cu's contract, the rows and threads of the tiled layouts (q4_gemv_tiled.cuh), but Q4_0 and
+// Q4_K nibbles meet x as int8 in dp4a instead of as floats in an FMA each.
+//
+// x, once per block, into dynamic shared memory (q4_gemv_variants.dp4a_shared_bytes): per 32-block
+// d = amax / 127, hi = rn(x / d), lo = rn((x - hi d) 128 / d) as q8_mma.cuh's quantise4 (so
+// x = (128 hi + lo) d / 128 to ~2^-15 of the block's amax), d / 128 and the block's sum (of those x).
+// Weights by D-unit: 32 bytes of a row's nibbles (units 2v, 2v + 1 of q4_formats.cuh), 64 weights,
+// x elements [64 v, 64 v + 64), x blocks 2v and 2v + 1 (Q4_K: sub-blocks 2p, 2p + 1 of a super-block;
+// Q4_0: two blocks).  Per block g of the two, exact in int32:
+//   G = sum_i level_i (128 hi_i + lo_i)            (Q4_K's high nibbles in place, 16 q: its s / 16)
+//   Q4_K: acc += s_g (d_g / 128) G - o_g sum_g      Q4_0: acc += d_w (d_g / 128 G - 8 sum_g)
+// Shared x is stored in planes of 16 elements (plane p of D-unit v: elements 64 v + 16 p ..), so the
+// threads of a warp, which take consecutive D-units, read consecutive 16 bytes: no bank conflicts.
+// A block runs row tiles tile = blockIdx.x, + gridDim.x, ... (the host caps the grid at blocks_per_sm
+// per SM), so one quantisation of x serves several tiles of a long weight; each tile's epilogue takes a
+// ticket (q4_gemv_epilogue's `tickets`: the launch's tile count).  Q6_K rows (alone, or a Q4_K_M QKV's
+// v rows) keep the float arithmetic of the prefetching p layouts in these kernels.
+#pragma once
+// (include common.cuh, q4_formats.cuh, q4_gemv_epilogue.cuh and q4_gemv_tiled.cuh first)
+
+// unsigned weight bytes (0..15, or 16 q) times signed x bytes, added to c
+__device__ __forceinline__ int dp4a_us(unsigned int w, unsigned int x, int c) {
+    int d;
+    asm("dp4a.u32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(w), "r"(x), "r"(c));
+    return d;
+}
+
+__device__ __forceinline__ unsigned int word_of(const uint4& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// v + 1.5 * 2^23 rounds v (|v| < 2^22) to an integer, to nearest even: the bits' low byte is that
+// integer as int8 (what __float2int_rn then a byte mask give, without the quarter-rate F2I)
+#define DP4A_ROUND 12582912.0f
+
+__device__ __forceinline__ unsigned int pack_low_bytes(float a, float b, float c, float d) {
+    const unsigned int ab = __byte_perm(__float_as_uint(a), __float_as_uint(b), 0x0040);
+    const unsigned int cd = __byte_perm(__float_as_uint(c), __float_as_uint(d), 0x0040);
+    return __byte_perm(ab, cd, 0x5410);
+}
+
+// 16 values of a 32-block of scale d (inv = 1/d, or 0 for an all-zero block) as hi and lo bytes:
+// q8_mma.cuh's quantise4 (rn(v inv), then rn(fma(-hi, d, v) 128 inv)), products unfused; no clamp
+// is needed: |v inv| <= 127 (1 + 3 ulp) and |lo| <= 64
+__device__ __forceinline__ void quantise16(const float (&v)[16], float d, float inv, uint4& hi, uint4& lo) {
+    const float inv_lo = inv * 128.0f;   // exact: a power of two
+    float rh[16], rl[16];
+#pragma unroll
+    for (int i = 0; i < 16; i++) {
+        rh[i] = __fadd_rn(__fmul_rn(v[i], inv), DP4A_ROUND);
+        const float h = __fsub_rn(rh[i], DP4A_ROUND);
+        rl[i] = __fadd_rn(__fmul_rn(__fmaf_rn(-h, d, v[i]), inv_lo), DP4A_ROUND);
+    }
+    hi = make_uint4(pack_low_bytes(rh[0], rh[1], rh[2], rh[3]), pack_low_bytes(rh[4], rh[5], rh[6], rh[7]),
+                    pack_low_bytes(rh[8], rh[9], rh[10], rh[11]), pack_low_bytes(rh[12], rh[13], rh[14], rh[15]));
+    lo = make_uint4(pack_low_bytes(rl[0], rl[1], rl[2], rl[3]), pack_low_bytes(rl[4], rl[5], rl[6], rl[7]),
+                    pack_low_bytes(rl[8], rl[9], rl[10], rl[11]), pack_low_bytes(rl[12], rl[13], rl[14], rl[15]));
+}
+
+// x [0, K) quantised into planes [8][dunits] (hi planes 0..3, lo planes 0..3) and meta [dunits]
+// {d0 / 128, sum0, d1 / 128, sum1}, sum: of the quantised block, d / 128 * sum (128 hi + lo), so that the
+// mins (and Q4_0's - 8) meet the same x as the levels: the product is then W times quantised x exactly,
+// where the fp32 sum of x would add the error of sum level x_q against q x to it; elements past K (Q4_0's half D-unit) are zeros.  A warp takes 8
+// D-units a turn, lane = 8 p + (v & 7): the two halves of a 32-block are lanes l and l ^ 8.
+template <int THREADS>
+__device__ __forceinline__ void quantise_x(const float* x, int K, int dunits, uint4* planes, float2* meta2) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = lane >> 3;
+    for (int base = 8 * warp; base < dunits; base += 8 * (THREADS / 32)) {   // warp-uniform: full-mask shuffles
+        const int v = base + (lane & 7), k = 64 * v + 16 * p;
+        float xv[16];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const float4 f = k < K ? ((const float4*)(x + k))[i] : make_float4(0.f, 0.f, 0.f, 0.f);
+            xv[4 * i] = f.x;
+            xv[4 * i + 1] = f.y;
+            xv[4 * i + 2] = f.z;
+            xv[4 * i + 3] = f.w;
+        }
+        float amax = 0.f;
+#pragma unroll
+        for (int i = 0; i < 16; i++) amax = fmaxf(amax, fabsf(xv[i]));
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 8));
+        const float d = amax / 127.0f;
+        const float inv = d != 0.f ? 1.0f / d : 0.f;
+        uint4 hi, lo;
+        quantise16(xv, d, inv, hi, lo);
+        int hi_sum = 0, lo_sum = 0;
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            hi_sum = dp4a_us(0x01010101u, word_of(hi, i), hi_sum);
+            lo_sum = dp4a_us(0x01010101u, word_of(lo, i), lo_sum);
+        }
+        int sum = 128 * hi_sum + lo_sum;
+        sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+        if (v < dunits) {
+            planes[p * dunits + v] = hi;
+            planes[(4 + p) * dunits + v] = lo;
+            if ((p & 1) == 0) meta2[2 * v + (p >> 1)] = make_float2(d * (1.0f / 128.0f), d * (1.0f / 128.0f) * (float)sum);
+        }
+    }
+}
+
+// a D-unit of each format: its loads, its nibble words (plane p, word i: the levels of x elements
+// 64 v + 16 p + 4 i ..) and the float math of its two blocks' integer dots
+template <class F> struct DUnit;
+
+template <> struct DUnit<FmtQ4_K> {
+    struct Raw { uint4 q0, q1, m; };
+    static __device__ __forceinline__ void load(Raw& r, const unsigned char* qs, const unsigned char* meta, int v,
+                                                int /*units*/) {
+        r.q0 = load_weights16(qs + 32 * v);
+        r.q1 = load_weights16(qs + 32 * v + 16);
+        r.m = __ldg((const uint4*)(meta + 16 * (v >> 2)));
+    }
+    static __device__ __forceinline__ void prefetch(const unsigned char* qs, const unsigned char* meta, int v) {
+        prefetch_l2(qs + 32 * v);
+        prefetch_l2(meta + 16 * (v >> 2));
+    }
+    // planes 0, 1: sub-block 2p's elements 0..15, 16..31 (low nibbles); 2, 3: sub-block 2p + 1 (16 q)
+    static __device__ __forceinline__ unsigned int nibbles(const Raw& r, int p, int i) {
+        return word_of(p & 1 ? r.q1 : r.q0, i) & (p < 2 ? 0x0F0F0F0Fu : 0xF0F0F0F0u);
+    }
+    static __device__ __forceinline__ float apply(const Raw& r, int v, int dot0, int dot1, float4 xm, float acc) {
+        Group g[2];
+        TiledDecode<FmtQ4_K>::run(FmtQ4_K::Raw{r.q0, r.m}, 2 * v, g);   // s, o of sub-blocks 2p, 2p + 1 (s / 16)
+        acc = fmaf(g[0].s * xm.x, (float)dot0, acc);
+        acc = fmaf(-g[0].o, xm.y, acc);
+        acc = fmaf(g[1].s * xm.z, (float)dot1, acc);
+        return fmaf(-g[1].o, xm.w, acc);
+    }
+};
+
+template <> struct DUnit<FmtQ4_0> {
+    struct Raw { uint4 q0, q1; half_bits d0, d1; };
+    // K a multiple of 32 only: the last D-unit may hold one block (the second reads as zeros)
+    static __device__ __forceinline__ void load(Raw& r, const unsigned char* qs, const unsigned char* meta, int v,
+                                                int units) {
+        r.q0 = load_weights16(qs + 32 * v);
+        r.d0 = __ldg((const half_bits*)meta + 2 * v);
+        const bool second = 2 * v + 1 < units;
+        r.q1 = second ? load_weights16(qs + 32 * v + 16) : make_uint4(0u, 0u, 0u, 0u);
+        r.d1 = second ? __ldg((const half_bits*)meta + 2 * v + 1) : (half_bits)0;
+    }
+    static __device__ __forceinline__ void prefetch(const unsigned char* qs, const unsigned char* meta, int v) {
+        prefetch_l2(qs + 32 * v);
+        prefetch_l2((const half_bits*)meta + 2 * v);
+    }
+    // planes 0, 1: block 2v's elements 0..15 (low nibbles), 16..31 (high); 2, 3: block 2v + 1
+    static __device__ __forceinline__ unsigned int nibbles(const Raw& r, int p, int i) {
+        const unsigned int w = word_of(p < 2 ? r.q0 : r.q1, i);
+        return (p & 1 ? w >> 4 : w) & 0x0F0F0F0Fu;
+    }
+    static __device__ __forceinline__ float apply(const Raw& r, int /*v*/, int dot0, int dot1, float4 xm, float acc) {
+        acc = fmaf(half_to_float(r.d0), fmaf(xm.x, (float)dot0, -8.0f * xm.y), acc);   // levels q - 8
+        return fmaf(half_to_float(r.d1), fmaf(xm.z, (float)dot1, -8.0f * xm.w), acc);
+    }
+};
+
+// rows [row0, row0 + ROWS) of a dp4a format (rows from row_first to row_end) against the quantised x;
+// `next_row0` >= 0: the block's next tile, same format, whose first pass is prefetched during the last
+// pass of this one.  `quantise`: the block's first dp4a tile quantises x after its first loads are out.
+template <class F, int ROWS, int THREADS, int UNROLL, bool SILU_PAIRS>
+__device__ __forceinline__ void dp4a_tile(
+        GemvSharedT<1, ROWS, THREADS>& sh, uint4* planes, float4* xmeta, bool quantise, int next_row0,
+        const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, int row0, int row_first,
+        int row_end, const float* x, const float* inv_rms_in, float* y, int ldy, const float* res,
+        const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,
+        int ntok, unsigned int tickets) {
+    using D = DUnit<F>;
+    const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
+    const unsigned char* qs_r[ROWS];
+    const unsigned char* meta_r[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const long long row = min(row0 + r, row_end - 1) - row_first;   // a clamped row is never stored
+        qs_r[r] = qs + row * qs_row;
+        meta_r[r] = meta + row * meta_row;
+    }
+    float acc[ROWS][1];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r][0] = 0.f;
+    const int units = K / 32, dunits = (K + 63) / 64;
+    constexpr int STEP = THREADS * UNROLL;
+    auto prefetch = [&](const unsigned char* const (&q)[ROWS], const unsigned char* const (&m)[ROWS], int v0) {
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int v = min(v0 + j * THREADS, dunits - 1);   // past the row: its last D-unit again
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) D::prefetch(q[r], m[r], v);
+        }
+    };
+    if (quantise) {   // block-uniform: every thread gets here
+        prefetch(qs_r, meta_r, threadIdx.x);   // the first pass on its way into L2, holding no register
+        pdl_wait();                            // x (and y, res) belong to earlier kernels
+        quantise_x<THREADS>(x, K, dunits, planes, (float2*)xmeta);
+        __syncthreads();
+    }
+    for (int v0 = threadIdx.x; v0 < dunits; v0 += STEP) {
+        typename D::Raw raw[UNROLL][ROWS];
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int v = v0 + j * THREADS;
+            if (v < dunits) {
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) D::load(raw[j][r], qs_r[r], meta_r[r], v, units);
+            }
+        }
+        if (v0 + STEP < dunits) {
+            prefetch(qs_r, meta_r, v0 + STEP);
+        } else if (next_row0 >= 0) {   // the next tile's first pass, its rows clamped as that tile clamps them
+            const unsigned char* qs_n[ROWS];
+            const unsigned char* meta_n[ROWS];
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) {
+                const long long row = min(next_row0 + r, row_end - 1) - row_first;
+                qs_n[r] = qs + row * qs_row;
+                meta_n[r] = meta + row * meta_row;
+            }
+            prefetch(qs_n, meta_n, threadIdx.x);
+        }
+#pragma unroll
+        for (int j = 0; j < UNROLL; j++) {
+            const int v = v0 + j * THREADS;
+            if (v >= dunits) break;
+            const float4 xm = xmeta[v];
+            int dots[ROWS][2];
+#pragma unroll
+            for (int g = 0; g < 2; g++) {
+                const uint4 h0 = planes[(2 * g) * dunits + v], h1 = planes[(2 * g + 1) * dunits + v];
+                const uint4 l0 = planes[(4 + 2 * g) * dunits + v], l1 = planes[(5 + 2 * g) * dunits + v];
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    int c = 0;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) c = dp4a_us(D::nibbles(raw[j][r], 2 * g, i), word_of(h0, i), c);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) c = dp4a_us(D::nibbles(raw[j][r], 2 * g + 1, i), word_of(h1, i), c);
+                    c *= 128;   // 128 hi + lo, exact: |c| < 2^27
+#pragma unroll
+                    for (int i = 0; i < 4; i++) c = dp4a_us(D::nibbles(raw[j][r], 2 * g, i), word_of(l0, i), c);
+#pragma unroll
+                    for (int i = 0; i < 4; i++) c = dp4a_us(D::nibbles(raw[j][r], 2 * g + 1, i), word_of(l1, i), c);
+                    dots[r][g] = c;
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < ROWS; r++) acc[r][0] = D::apply(raw[j][r], v, dots[r][0], dots[r][1], xm, acc[r][0]);
+        }
+    }
+    q4_gemv_epilogue<1, ROWS, THREADS, SILU_PAIRS>(sh, acc, row0, row_end, inv_rms_in, y, ldy, res, normw_out, xn_out,
+                                                 inv_rms_out, counter, eps, N, ntok, tickets);
+}
+
+// a tile of float rows (Q6_K): the p layouts' loop (q4_gemv_tiled.cuh's tiled_part) with a ticket count
+template <class F, int ROWS, int THREADS, int UNROLL>
+__device__ __forceinline__ void float_tile(
+        GemvSharedT<1, ROWS, THREADS>& sh, const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta,
+        int row0, int row_first, int row_end, const float* x, const float* inv_rms_in, float* y, int ldy,
+        const float* res, const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter, float eps,
+        int N, int K, int ntok, unsigned int tickets) {
+    const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
+    const unsigned char* qs_r[ROWS];
+    const unsigned char* meta_r[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) {
+        const long long row = min(row0 + r, row_end - 1) - row_first;
+        qs_r[r] = qs + row * qs_row;
+        meta_r[r] = meta + row * meta_row;
+    }
+    float acc[ROWS][1];
+#pragma unroll
+    for (int r = 0; r < ROWS; r++) acc[r][0] = 0.f;
+    constexpr int U = F::UNIT == 64 ? (UNROLL + 1) / 2 : UNROLL;
+    constexpr int STEP = THREADS * U;
+    const int units = K / F::UNIT;
+    for (int u0 = threadIdx.x; u0 < units; u0 += STEP) {
+        typename F::Raw raw[U][ROWS];
+        load_pass<F, ROWS, THREADS, U>(raw, qs_r, meta_r, u0, units);
+        if (u0 + STEP < units) prefetch_pass<F, ROWS, THREADS, U>(qs_r, meta_r, u0 + STEP, units);
+        if (u0 == (int)threadIdx.x) pdl_wait();
+        math_pass<F, 1, ROWS, THREADS, U, false, false>(raw, u0, units, x, 0, 1, acc);
+    }
+    q4_gemv_epilogue<1, ROWS, THREADS, false>(sh, acc, row0, row_end, inv_rms_in, y, ldy, res, normw_out, xn_out,
+                                            inv_rms_out, counter, eps, N, ntok, tickets);
+}
+
+template <class F> struct IsDp4a { static constexpr bool value = !same_format<F, FmtQ6_K>::value; };
+
+template <class F, int ROWS, int THREADS, int UNROLL, bool SILU_PAIRS>
+__device__ __forceinline__ void any_tile(
+        GemvSharedT<1, ROWS, THREADS>& sh, uint4* planes, float4* xmeta, bool quantise, int next_row0,
+        const unsigned char* qs, const unsigned char* meta, int row0, int row_first, int row_end, const float* x,
+        const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
+        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok, unsigned int tickets) {
+    if constexpr (IsDp4a<F>::value) {
+        dp4a_tile<F, ROWS, THREADS, UNROLL, SILU_PAIRS>(sh, planes, xmeta, quantise, next_row0, qs, meta, row0,
+                                                        row_first, row_end, x, inv_rms_in, y, ldy, res, normw_out,
+                                                        xn_out, inv_rms_out, counter, eps, N, K, ntok, tickets);
+    } else {
+        static_assert(!SILU_PAIRS, "no Q6_K gate/up pairs");
+        float_tile<F, ROWS, THREADS, UNROLL>(sh, qs, meta, row0, row_first, row_end, x, inv_rms_in, y, ldy, res,
+                                             normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, tickets);
+    }
+}
+
+// rows [0, rows_a) in format FA, [rows_a, N) in FB (q4_gemv.cu's contract), in tiles of ROWS: FA's
+// tiles first, every gridDim.x-th tile to a block
+template <class FA, class FB, int ROWS, int THREADS, int UNROLL, bool SILU_PAIRS>
+__device__ __forceinline__ void q4_dp4a_body(
+        const unsigned char* qs, const unsigned char* meta, const float* x, const float* inv_rms_in, float* y,
+        int ldy, const float* res, const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter,
+        float eps, int N, int K, int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {
+    __shared__ GemvSharedT<1, ROWS, THREADS> sh;
+    extern __shared__ uint4 dp4a_shared[];   // planes [8][dunits], then meta [dunits]
+    pdl_launch_dependents();
+    const int dunits = (K + 63) / 64;
+    uint4* planes = dp4a_shared;
+    float4* xmeta = (float4*)(dp4a_shared + 8 * dunits);
+    const int head_tiles = (rows_a + ROWS - 1) / ROWS, tiles = head_tiles + (N - rows_a + ROWS - 1) / ROWS;
+    bool quantised = false;
+    for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+        if (tile != (int)blockIdx.x) __syncthreads();   // the last tile's epilogue is done with `sh`
+        const int next = tile + gridDim.x;
+        if (same_format<FA, FB>::value || tile < head_tiles) {
+            const int next_row0 = next < tiles && (same_format<FA, FB>::value || next < head_tiles) ? next * ROWS : -1;
+            any_tile<FA, ROWS, THREADS, UNROLL, SILU_PAIRS>(
+                    sh, planes, xmeta, !quantised, next_row0, qs, meta, tile * ROWS, 0, rows_a, x, inv_rms_in, y, ldy,
+                    res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, tiles);
+            quantised = true;
+        } else {
+            const int row0 = rows_a + (tile - head_tiles) * ROWS, next_row0 = next < tiles ? row0 + (int)gridDim.x * ROWS : -1;
+            any_tile<FB, ROWS, THREADS, UNROLL, false>(
+                    sh, planes, xmeta, !quantised, next_row0, qs_b, meta_b, row0, rows_a, N, x, inv_rms_in, y, ldy,
+                    res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, tiles);
+            quantised = true;
+        }
+    }
+}
+
+#define DEFINE_Q4_DP4A(FA, FB, THREADS, ROWS, UNROLL, SILU, NAME)                                             \
+    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                             \
+            const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,                    \
+            const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,           \
+            float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,              \
+            int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {                 \
+        q4_dp4a_body<FA, FB, ROWS, THREADS, UNROLL, SILU>(qs, meta, x, inv_rms_in, y, ldy, res, normw_out,  \
+                                                          xn_out, inv_rms_out, counter, eps, N, K, ntok,    \
+                                                          qs_b, meta_b, rows_a);                            \
+    }
+
+// the kernels of one layout (q4_gemv_variants.TILED_CODES): Q4_0 and Q4_K plain and SiLU pairs on
+// dp4a, Q6_K plain in floats, Q4_K then Q6_K rows
+#define DEFINE_Q4_DP4A_SET(THREADS, ROWS, UNROLL, SUFFIX)                                                    \
+    DEFINE_Q4_DP4A(FmtQ4_0, FmtQ4_0, THREADS, ROWS, UNROLL, false, q4_0_gemv_m1_##SUFFIX)                   \
+    DEFINE_Q4_DP4A(FmtQ4_0, FmtQ4_0, THREADS, ROWS, UNROLL, true, q4_0_gemv_m1_##SUFFIX##_silu)             \
+    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ4_K, THREADS, ROWS, UNROLL, false, q4_k_gemv_m1_##SUFFIX)                   \
+    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ4_K, THREADS, ROWS, UNROLL, true, q4_k_gemv_m1_##SUFFIX##_silu)             \
+    DEFINE_Q4_DP4A(FmtQ6_K, FmtQ6_K, THREADS, ROWS, UNROLL, false, q6_k_gemv_m1_##SUFFIX)                   \
+    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ6_K, THREADS, ROWS, UNROLL, false, q4_k_q6_k_gemv_m1_##SUFFIX)
