@@ -157,50 +157,66 @@ template <> struct DUnit<FmtQ4_0> {
     }
 };
 
-// rows [row0, row0 + ROWS) of a dp4a format (rows from row_first to row_end) against the quantised x;
-// `next_row0` >= 0: the block's next tile, same format, whose first pass is prefetched during the last
-// pass of this one.  `quantise`: the block's first dp4a tile quantises x after its first loads are out.
-template <class F, int ROWS, int THREADS, int UNROLL, bool SILU_PAIRS>
+// Row groups: a tile of GROUPS * ROWS rows, thread group gi (TG threads, whole warps) taking rows
+// gi ROWS .. gi ROWS + ROWS - 1 of it, so the block's one quantisation of x serves GROUPS times the rows one
+// thread holds.  For the shared epilogue each thread's sums sit at its group's rows, zeros elsewhere.
+template <int ROWS, int GROUPS>
+__device__ __forceinline__ void group_sums(const float (&acc)[ROWS][1], int group, float (&all)[GROUPS * ROWS][1]) {
+#pragma unroll
+    for (int gi = 0; gi < GROUPS; gi++)
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) all[gi * ROWS + r][0] = group == gi ? acc[r][0] : 0.f;
+}
+
+// the tile of rows [row0, row0 + GROUPS ROWS) of a dp4a format (its rows from row_first to row_end) against
+// the quantised x; `next_row0` >= 0: the block's next tile, same format, whose first pass is prefetched
+// during the last pass of this one.  `quantise`: the block's first dp4a tile quantises x once its first
+// pass is on its way into L2.
+template <class F, int ROWS, int TG, int GROUPS, int UNROLL, bool SILU_PAIRS>
 __device__ __forceinline__ void dp4a_tile(
-        GemvSharedT<1, ROWS, THREADS>& sh, uint4* planes, float4* xmeta, bool quantise, int next_row0,
+        GemvSharedT<1, GROUPS * ROWS, TG * GROUPS>& sh, uint4* planes, float4* xmeta, bool quantise, int next_row0,
         const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, int row0, int row_first,
         int row_end, const float* x, const float* inv_rms_in, float* y, int ldy, const float* res,
         const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,
         int ntok, unsigned int tickets) {
     using D = DUnit<F>;
+    const int group = threadIdx.x / TG, tt = threadIdx.x % TG;
     const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
+    auto row_pointers = [&](int first, const unsigned char* (&q)[ROWS], const unsigned char* (&m)[ROWS]) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const long long row = min(first + group * ROWS + r, row_end - 1) - row_first;   // clamped: never stored
+            q[r] = qs + row * qs_row;
+            m[r] = meta + row * meta_row;
+        }
+    };
     const unsigned char* qs_r[ROWS];
     const unsigned char* meta_r[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        const long long row = min(row0 + r, row_end - 1) - row_first;   // a clamped row is never stored
-        qs_r[r] = qs + row * qs_row;
-        meta_r[r] = meta + row * meta_row;
-    }
+    row_pointers(row0, qs_r, meta_r);
     float acc[ROWS][1];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r][0] = 0.f;
     const int units = K / 32, dunits = (K + 63) / 64;
-    constexpr int STEP = THREADS * UNROLL;
+    constexpr int STEP = TG * UNROLL;
     auto prefetch = [&](const unsigned char* const (&q)[ROWS], const unsigned char* const (&m)[ROWS], int v0) {
 #pragma unroll
         for (int j = 0; j < UNROLL; j++) {
-            const int v = min(v0 + j * THREADS, dunits - 1);   // past the row: its last D-unit again
+            const int v = min(v0 + j * TG, dunits - 1);   // past the row: its last D-unit again
 #pragma unroll
             for (int r = 0; r < ROWS; r++) D::prefetch(q[r], m[r], v);
         }
     };
     if (quantise) {   // block-uniform: every thread gets here
-        prefetch(qs_r, meta_r, threadIdx.x);   // the first pass on its way into L2, holding no register
-        pdl_wait();                            // x (and y, res) belong to earlier kernels
-        quantise_x<THREADS>(x, K, dunits, planes, (float2*)xmeta);
+        prefetch(qs_r, meta_r, tt);   // the first pass on its way into L2, holding no register
+        pdl_wait();                   // x (and y, res) belong to earlier kernels
+        quantise_x<TG * GROUPS>(x, K, dunits, planes, (float2*)xmeta);
         __syncthreads();
     }
-    for (int v0 = threadIdx.x; v0 < dunits; v0 += STEP) {
+    for (int v0 = tt; v0 < dunits; v0 += STEP) {
         typename D::Raw raw[UNROLL][ROWS];
 #pragma unroll
         for (int j = 0; j < UNROLL; j++) {
-            const int v = v0 + j * THREADS;
+            const int v = v0 + j * TG;
             if (v < dunits) {
 #pragma unroll
                 for (int r = 0; r < ROWS; r++) D::load(raw[j][r], qs_r[r], meta_r[r], v, units);
@@ -211,17 +227,12 @@ __device__ __forceinline__ void dp4a_tile(
         } else if (next_row0 >= 0) {   // the next tile's first pass, its rows clamped as that tile clamps them
             const unsigned char* qs_n[ROWS];
             const unsigned char* meta_n[ROWS];
-#pragma unroll
-            for (int r = 0; r < ROWS; r++) {
-                const long long row = min(next_row0 + r, row_end - 1) - row_first;
-                qs_n[r] = qs + row * qs_row;
-                meta_n[r] = meta + row * meta_row;
-            }
-            prefetch(qs_n, meta_n, threadIdx.x);
+            row_pointers(next_row0, qs_n, meta_n);
+            prefetch(qs_n, meta_n, tt);
         }
 #pragma unroll
         for (int j = 0; j < UNROLL; j++) {
-            const int v = v0 + j * THREADS;
+            const int v = v0 + j * TG;
             if (v >= dunits) break;
             const float4 xm = xmeta[v];
             int dots[ROWS][2];
@@ -248,23 +259,28 @@ __device__ __forceinline__ void dp4a_tile(
             for (int r = 0; r < ROWS; r++) acc[r][0] = D::apply(raw[j][r], v, dots[r][0], dots[r][1], xm, acc[r][0]);
         }
     }
-    q4_gemv_epilogue<1, ROWS, THREADS, SILU_PAIRS>(sh, acc, row0, row_end, inv_rms_in, y, ldy, res, normw_out, xn_out,
-                                                 inv_rms_out, counter, eps, N, ntok, tickets);
+    float all[GROUPS * ROWS][1];
+    group_sums<ROWS, GROUPS>(acc, group, all);
+    q4_gemv_epilogue<1, GROUPS * ROWS, TG * GROUPS, SILU_PAIRS>(sh, all, row0, row_end, inv_rms_in, y, ldy, res,
+                                                              normw_out, xn_out, inv_rms_out, counter, eps, N, ntok,
+                                                              tickets);
 }
 
-// a tile of float rows (Q6_K): the p layouts' loop (q4_gemv_tiled.cuh's tiled_part) with a ticket count
-template <class F, int ROWS, int THREADS, int UNROLL>
+// a tile of float rows (Q6_K): the p layouts' loop (q4_gemv_tiled.cuh's tiled_part) per thread group, with
+// a ticket count
+template <class F, int ROWS, int TG, int GROUPS, int UNROLL>
 __device__ __forceinline__ void float_tile(
-        GemvSharedT<1, ROWS, THREADS>& sh, const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta,
-        int row0, int row_first, int row_end, const float* x, const float* inv_rms_in, float* y, int ldy,
-        const float* res, const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter, float eps,
-        int N, int K, int ntok, unsigned int tickets) {
+        GemvSharedT<1, GROUPS * ROWS, TG * GROUPS>& sh, const unsigned char* __restrict__ qs,
+        const unsigned char* __restrict__ meta, int row0, int row_first, int row_end, const float* x,
+        const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
+        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok, unsigned int tickets) {
+    const int group = threadIdx.x / TG, tt = threadIdx.x % TG;
     const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
     const unsigned char* qs_r[ROWS];
     const unsigned char* meta_r[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) {
-        const long long row = min(row0 + r, row_end - 1) - row_first;
+        const long long row = min(row0 + group * ROWS + r, row_end - 1) - row_first;
         qs_r[r] = qs + row * qs_row;
         meta_r[r] = meta + row * meta_row;
     }
@@ -272,89 +288,94 @@ __device__ __forceinline__ void float_tile(
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r][0] = 0.f;
     constexpr int U = F::UNIT == 64 ? (UNROLL + 1) / 2 : UNROLL;
-    constexpr int STEP = THREADS * U;
+    constexpr int STEP = TG * U;
     const int units = K / F::UNIT;
-    for (int u0 = threadIdx.x; u0 < units; u0 += STEP) {
+    for (int u0 = tt; u0 < units; u0 += STEP) {
         typename F::Raw raw[U][ROWS];
-        load_pass<F, ROWS, THREADS, U>(raw, qs_r, meta_r, u0, units);
-        if (u0 + STEP < units) prefetch_pass<F, ROWS, THREADS, U>(qs_r, meta_r, u0 + STEP, units);
-        if (u0 == (int)threadIdx.x) pdl_wait();
-        math_pass<F, 1, ROWS, THREADS, U, false, false>(raw, u0, units, x, 0, 1, acc);
+        load_pass<F, ROWS, TG, U>(raw, qs_r, meta_r, u0, units);
+        if (u0 + STEP < units) prefetch_pass<F, ROWS, TG, U>(qs_r, meta_r, u0 + STEP, units);
+        if (u0 == tt) pdl_wait();
+        math_pass<F, 1, ROWS, TG, U, false, false>(raw, u0, units, x, 0, 1, acc);
     }
-    q4_gemv_epilogue<1, ROWS, THREADS, false>(sh, acc, row0, row_end, inv_rms_in, y, ldy, res, normw_out, xn_out,
-                                            inv_rms_out, counter, eps, N, ntok, tickets);
+    float all[GROUPS * ROWS][1];
+    group_sums<ROWS, GROUPS>(acc, group, all);
+    q4_gemv_epilogue<1, GROUPS * ROWS, TG * GROUPS, false>(sh, all, row0, row_end, inv_rms_in, y, ldy, res, normw_out,
+                                                         xn_out, inv_rms_out, counter, eps, N, ntok, tickets);
 }
 
 template <class F> struct IsDp4a { static constexpr bool value = !same_format<F, FmtQ6_K>::value; };
 
-template <class F, int ROWS, int THREADS, int UNROLL, bool SILU_PAIRS>
+template <class F, int ROWS, int TG, int GROUPS, int UNROLL, bool SILU_PAIRS>
 __device__ __forceinline__ void any_tile(
-        GemvSharedT<1, ROWS, THREADS>& sh, uint4* planes, float4* xmeta, bool quantise, int next_row0,
+        GemvSharedT<1, GROUPS * ROWS, TG * GROUPS>& sh, uint4* planes, float4* xmeta, bool quantise, int next_row0,
         const unsigned char* qs, const unsigned char* meta, int row0, int row_first, int row_end, const float* x,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
         float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok, unsigned int tickets) {
     if constexpr (IsDp4a<F>::value) {
-        dp4a_tile<F, ROWS, THREADS, UNROLL, SILU_PAIRS>(sh, planes, xmeta, quantise, next_row0, qs, meta, row0,
-                                                        row_first, row_end, x, inv_rms_in, y, ldy, res, normw_out,
-                                                        xn_out, inv_rms_out, counter, eps, N, K, ntok, tickets);
+        dp4a_tile<F, ROWS, TG, GROUPS, UNROLL, SILU_PAIRS>(sh, planes, xmeta, quantise, next_row0, qs, meta, row0,
+                                                           row_first, row_end, x, inv_rms_in, y, ldy, res, normw_out,
+                                                           xn_out, inv_rms_out, counter, eps, N, K, ntok, tickets);
     } else {
         static_assert(!SILU_PAIRS, "no Q6_K gate/up pairs");
-        float_tile<F, ROWS, THREADS, UNROLL>(sh, qs, meta, row0, row_first, row_end, x, inv_rms_in, y, ldy, res,
-                                             normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, tickets);
+        float_tile<F, ROWS, TG, GROUPS, UNROLL>(sh, qs, meta, row0, row_first, row_end, x, inv_rms_in, y, ldy, res,
+                                                normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, tickets);
     }
 }
 
-// rows [0, rows_a) in format FA, [rows_a, N) in FB (q4_gemv.cu's contract), in tiles of ROWS: FA's
-// tiles first, every gridDim.x-th tile to a block
-template <class FA, class FB, int ROWS, int THREADS, int UNROLL, bool SILU_PAIRS>
+// rows [0, rows_a) in format FA, [rows_a, N) in FB (q4_gemv.cu's contract), in tiles of TILE = GROUPS ROWS
+// rows: FA's tiles first, every gridDim.x-th tile to a block
+template <class FA, class FB, int ROWS, int TG, int GROUPS, int UNROLL, bool SILU_PAIRS>
 __device__ __forceinline__ void q4_dp4a_body(
         const unsigned char* qs, const unsigned char* meta, const float* x, const float* inv_rms_in, float* y,
         int ldy, const float* res, const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter,
         float eps, int N, int K, int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {
-    __shared__ GemvSharedT<1, ROWS, THREADS> sh;
+    constexpr int TILE = GROUPS * ROWS;
+    __shared__ GemvSharedT<1, TILE, TG * GROUPS> sh;
     extern __shared__ uint4 dp4a_shared[];   // planes [8][dunits], then meta [dunits]
     pdl_launch_dependents();
     const int dunits = (K + 63) / 64;
     uint4* planes = dp4a_shared;
     float4* xmeta = (float4*)(dp4a_shared + 8 * dunits);
-    const int head_tiles = (rows_a + ROWS - 1) / ROWS, tiles = head_tiles + (N - rows_a + ROWS - 1) / ROWS;
+    const int head_tiles = (rows_a + TILE - 1) / TILE, tiles = head_tiles + (N - rows_a + TILE - 1) / TILE;
     bool quantised = false;
     for (int tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
         if (tile != (int)blockIdx.x) __syncthreads();   // the last tile's epilogue is done with `sh`
         const int next = tile + gridDim.x;
         if (same_format<FA, FB>::value || tile < head_tiles) {
-            const int next_row0 = next < tiles && (same_format<FA, FB>::value || next < head_tiles) ? next * ROWS : -1;
-            any_tile<FA, ROWS, THREADS, UNROLL, SILU_PAIRS>(
-                    sh, planes, xmeta, !quantised, next_row0, qs, meta, tile * ROWS, 0, rows_a, x, inv_rms_in, y, ldy,
+            const int next_row0 = next < tiles && (same_format<FA, FB>::value || next < head_tiles) ? next * TILE : -1;
+            any_tile<FA, ROWS, TG, GROUPS, UNROLL, SILU_PAIRS>(
+                    sh, planes, xmeta, !quantised, next_row0, qs, meta, tile * TILE, 0, rows_a, x, inv_rms_in, y, ldy,
                     res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, tiles);
-            quantised = true;
         } else {
-            const int row0 = rows_a + (tile - head_tiles) * ROWS, next_row0 = next < tiles ? row0 + (int)gridDim.x * ROWS : -1;
-            any_tile<FB, ROWS, THREADS, UNROLL, false>(
+            const int row0 = rows_a + (tile - head_tiles) * TILE;
+            const int next_row0 = next < tiles ? row0 + (int)gridDim.x * TILE : -1;
+            any_tile<FB, ROWS, TG, GROUPS, UNROLL, false>(
                     sh, planes, xmeta, !quantised, next_row0, qs_b, meta_b, row0, rows_a, N, x, inv_rms_in, y, ldy,
                     res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, tiles);
-            quantised = true;
         }
+        quantised = true;   // (a Q6_K tile quantises nothing, and needs nothing quantised after it)
     }
 }
 
-#define DEFINE_Q4_DP4A(FA, FB, THREADS, ROWS, UNROLL, SILU, NAME)                                             \
-    extern "C" __global__ void __launch_bounds__(THREADS) NAME(                                             \
+// THREADS threads in GROUPS groups, TILE rows a tile (TILE / GROUPS a thread), MIN_BLOCKS: the blocks per
+// SM the registers must allow (ptxas's budget: 65536 / (THREADS MIN_BLOCKS) a thread)
+#define DEFINE_Q4_DP4A(FA, FB, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, SILU, NAME)                          \
+    extern "C" __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) NAME(                                 \
             const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,                    \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,           \
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,              \
             int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {                 \
-        q4_dp4a_body<FA, FB, ROWS, THREADS, UNROLL, SILU>(qs, meta, x, inv_rms_in, y, ldy, res, normw_out,  \
-                                                          xn_out, inv_rms_out, counter, eps, N, K, ntok,    \
-                                                          qs_b, meta_b, rows_a);                            \
+        q4_dp4a_body<FA, FB, (TILE) / (GROUPS), (THREADS) / (GROUPS), GROUPS, UNROLL, SILU>(                \
+                qs, meta, x, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, K,   \
+                ntok, qs_b, meta_b, rows_a);                                                                \
     }
 
 // the kernels of one layout (q4_gemv_variants.TILED_CODES): Q4_0 and Q4_K plain and SiLU pairs on
 // dp4a, Q6_K plain in floats, Q4_K then Q6_K rows
-#define DEFINE_Q4_DP4A_SET(THREADS, ROWS, UNROLL, SUFFIX)                                                    \
-    DEFINE_Q4_DP4A(FmtQ4_0, FmtQ4_0, THREADS, ROWS, UNROLL, false, q4_0_gemv_m1_##SUFFIX)                   \
-    DEFINE_Q4_DP4A(FmtQ4_0, FmtQ4_0, THREADS, ROWS, UNROLL, true, q4_0_gemv_m1_##SUFFIX##_silu)             \
-    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ4_K, THREADS, ROWS, UNROLL, false, q4_k_gemv_m1_##SUFFIX)                   \
-    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ4_K, THREADS, ROWS, UNROLL, true, q4_k_gemv_m1_##SUFFIX##_silu)             \
-    DEFINE_Q4_DP4A(FmtQ6_K, FmtQ6_K, THREADS, ROWS, UNROLL, false, q6_k_gemv_m1_##SUFFIX)                   \
-    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ6_K, THREADS, ROWS, UNROLL, false, q4_k_q6_k_gemv_m1_##SUFFIX)
+#define DEFINE_Q4_DP4A_SET(THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, SUFFIX)                                       \
+    DEFINE_Q4_DP4A(FmtQ4_0, FmtQ4_0, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, false, q4_0_gemv_m1_##SUFFIX)       \
+    DEFINE_Q4_DP4A(FmtQ4_0, FmtQ4_0, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, true, q4_0_gemv_m1_##SUFFIX##_silu) \
+    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ4_K, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, false, q4_k_gemv_m1_##SUFFIX)       \
+    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ4_K, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, true, q4_k_gemv_m1_##SUFFIX##_silu) \
+    DEFINE_Q4_DP4A(FmtQ6_K, FmtQ6_K, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, false, q6_k_gemv_m1_##SUFFIX)       \
+    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ6_K, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, false, q4_k_q6_k_gemv_m1_##SUFFIX)

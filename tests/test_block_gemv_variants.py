@@ -76,8 +76,10 @@ def test_the_layouts_are_the_kernels_that_exist():
         if name[0] == "p":
             assert f"DEFINE_Q4_PREFETCH_SET(1, {v.threads}, {v.rows}, {v.unroll}, {name})" in m1, name
         elif name[0] == "d":
-            assert f"DEFINE_Q4_DP4A_SET({v.threads}, {v.rows}, {v.unroll}, {name})" in m1d, name
-            assert v.blocks_per_sm > 0, name
+            assert (f"DEFINE_Q4_DP4A_SET({v.threads}, {v.rows}, {v.unroll}, {v.groups}, {v.blocks_per_sm}, {name})"
+                    in m1d), name            # the grid's cap: the blocks the kernel's registers allow per SM
+            assert v.blocks_per_sm > 0 and (v.groups > 1) == name.endswith(f"g{v.groups}"), name
+            assert v.threads % (32 * v.groups) == 0 and v.rows % (2 * v.groups) == 0, name   # warps, pairs per group
         else:
             assert f"DEFINE_Q4_TILED_SET(1, {v.threads}, {v.rows}, {v.unroll}, false, {name})" in m1, name
     for name, v in qv.MN_VARIANTS.items():       # o: row-outer (true), g: x shared by the rows (false)

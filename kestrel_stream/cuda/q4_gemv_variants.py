@@ -9,7 +9,7 @@ then wait for L2, not HBM) and Q4_K's levels as subnormal floats (one FADD a wei
 shared by the rows) and oTrRuU (row-outer) the layouts for 2..8 tokens; dTrRuU one-token layouts on
 integer dot products (kernels_ptx/q4_gemv_dp4a.cuh: x quantised to two int8 levels in shared memory,
 U D-units of 64 weights per row in flight, at most blocks_per_sm blocks per SM, each running several
-row tiles).  Kernel names:
+row tiles; dTrRuUgG: G groups of T / G threads, R / G rows each).  Kernel names:
 <fmt>[_<tail fmt>]_gemv_m<M>[_<variant>][_silu].  Pure Python: the emulated device, the tests and
 the bench read it without a driver.
 """
@@ -23,6 +23,7 @@ class Variant(NamedTuple):
     rows: int
     unroll: int
     blocks_per_sm: int = 0   # d layouts: the grid's cap per SM (0: a block per tile of rows)
+    groups: int = 1          # d layouts: thread groups of a block, threads / groups of them on rows / groups rows each
 
 
 LEGACY = ""
@@ -31,10 +32,12 @@ M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r
                # the next pass prefetched into L2, Q4_K's levels subnormal: for rows of several passes (o, down)
                "p64r8u1": Variant(64, 8, 1), "p64r4u1": Variant(64, 4, 1), "p32r4u2": Variant(32, 4, 2),
                "p64r4u3": Variant(64, 4, 3),
-               # dp4a on x quantised per block (Q4_0, Q4_K; Q6_K rows keep the p arithmetic); the cap: about
-               # the blocks the registers of the Q4_K kernel let reside, so x is quantised once per resident block
-               "d32r4u1": Variant(32, 4, 1, 12), "d64r4u1": Variant(64, 4, 1, 6), "d128r4u1": Variant(128, 4, 1, 3),
-               "d64r8u1": Variant(64, 8, 1, 4)}
+               # dp4a on x quantised per block (Q4_0, Q4_K; Q6_K rows keep the p arithmetic); the cap: the
+               # blocks its registers let reside (q4_gemv_m1d.cu's MIN_BLOCKS), so x is quantised once per
+               # resident block; gG: G groups of threads share one quantisation over G times the rows
+               "d32r4u1": Variant(32, 4, 1, 16), "d64r4u1": Variant(64, 4, 1, 8), "d64r8u1": Variant(64, 8, 1, 4),
+               "d128r8u1g2": Variant(128, 8, 1, 4, 2), "d256r16u1g4": Variant(256, 16, 1, 2, 4),
+               "d128r16u1g4": Variant(128, 16, 1, 4, 4)}
 MN_VARIANTS = {"g64r4u1": Variant(64, 4, 1), "g32r4u2": Variant(32, 4, 2), "o64r4u1": Variant(64, 4, 1),
                "o32r4u2": Variant(32, 4, 2)}
 ALL_VARIANTS = (LEGACY, *M1_VARIANTS, *MN_VARIANTS)   # what Options.gemv_block (KESTREL_GEMV_BLOCK) may name
