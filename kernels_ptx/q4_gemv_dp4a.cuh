@@ -3,7 +3,7 @@
 // Q4_K nibbles meet x as int8 in dp4a instead of as floats in an FMA each.
 //
 // x, once per block, into dynamic shared memory (q4_gemv_variants.dp4a_shared_bytes): per 32-block
-// d = amax / 127, hi = rn(x / d), lo = rn((x - hi d) 128 / d) as q8_mma.cuh's quantise4 (so
+// d = amax / 127, hi = rn(x / d), lo = rn((x / d - hi) 128), q8_mma.cuh's two levels (so
 // x = (128 hi + lo) d / 128 to ~2^-15 of the block's amax), d / 128 and the block's sum (of those x).
 // Weights by D-unit: 32 bytes of a row's nibbles (units 2v, 2v + 1 of q4_formats.cuh), 64 weights,
 // x elements [64 v, 64 v + 64), x blocks 2v and 2v + 1 (Q4_K: sub-blocks 2p, 2p + 1 of a super-block;
@@ -40,17 +40,17 @@ __device__ __forceinline__ unsigned int pack_low_bytes(float a, float b, float c
     return __byte_perm(ab, cd, 0x5410);
 }
 
-// 16 values of a 32-block of scale d (inv = 1/d, or 0 for an all-zero block) as hi and lo bytes:
-// q8_mma.cuh's quantise4 (rn(v inv), then rn(fma(-hi, d, v) 128 inv)), products unfused; no clamp
-// is needed: |v inv| <= 127 (1 + 3 ulp) and |lo| <= 64
-__device__ __forceinline__ void quantise16(const float (&v)[16], float d, float inv, uint4& hi, uint4& lo) {
-    const float inv_lo = inv * 128.0f;   // exact: a power of two
+// 16 values of a 32-block (inv = 1/d, or 0 for an all-zero block) as hi and lo bytes: t = v inv,
+// hi = rn(t) (q8_mma.cuh's rn(v inv)), lo = rn(128 (t - hi)), where t - hi and the 128 are exact
+// (Sterbenz) and one FFMA rounds: one operation a value less than q8's fma(-hi, d, v) 128 inv, the
+// same lo but for t's own rounding (2^-17 of d).  No clamp is needed: |t| <= 127 (1 + 3 ulp), |lo| <= 64.
+__device__ __forceinline__ void quantise16(const float (&v)[16], float inv, uint4& hi, uint4& lo) {
     float rh[16], rl[16];
 #pragma unroll
     for (int i = 0; i < 16; i++) {
-        rh[i] = __fadd_rn(__fmul_rn(v[i], inv), DP4A_ROUND);
-        const float h = __fsub_rn(rh[i], DP4A_ROUND);
-        rl[i] = __fadd_rn(__fmul_rn(__fmaf_rn(-h, d, v[i]), inv_lo), DP4A_ROUND);
+        const float t = __fmul_rn(v[i], inv);
+        rh[i] = __fadd_rn(t, DP4A_ROUND);
+        rl[i] = __fmaf_rn(__fsub_rn(t, __fsub_rn(rh[i], DP4A_ROUND)), 128.0f, DP4A_ROUND);
     }
     hi = make_uint4(pack_low_bytes(rh[0], rh[1], rh[2], rh[3]), pack_low_bytes(rh[4], rh[5], rh[6], rh[7]),
                     pack_low_bytes(rh[8], rh[9], rh[10], rh[11]), pack_low_bytes(rh[12], rh[13], rh[14], rh[15]));
@@ -84,7 +84,7 @@ __device__ __forceinline__ void quantise_x(const float* x, int K, int dunits, ui
         const float d = amax / 127.0f;
         const float inv = d != 0.f ? 1.0f / d : 0.f;
         uint4 hi, lo;
-        quantise16(xv, d, inv, hi, lo);
+        quantise16(xv, inv, hi, lo);
         int hi_sum = 0, lo_sum = 0;
 #pragma unroll
         for (int i = 0; i < 4; i++) {

@@ -1,8 +1,8 @@
 """numpy twin of the one-token dp4a GEMV layouts (kernels_ptx/q4_gemv_dp4a.cuh, the d variants of
 cuda/q4_gemv_variants.py), for fake_block_kernels.
 
-What the kernel computes: x quantised per 32-block as q8_mma.cuh does (d = amax / 127, hi = rn(x / d),
-lo = rn(fma(-hi, d, x) 128 / d), the block's sum of those quantised x), then per row and
+What the kernel computes: x quantised per 32-block in two int8 levels (d = amax / 127, t = x / d as
+x * (1/d), hi = rn(t), lo = rn(128 (t - hi)), the block's sum of those quantised x), then per row and
 32-block the exact integer G = sum level (128 hi + lo) and the float math
   Q4_K: s d/128 G - o sum,   Q4_0: d_w (d/128 G - 8 sum);
 Q6_K rows in fp32 against the dequantized weight, as the kernel's float tiles.  The launch is checked
@@ -28,9 +28,9 @@ def quantize_x(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.nd
     blocks = padded.reshape(-1, 32)
     d = np.abs(blocks).max(axis=1) / np.float32(127)
     inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)[:, None]
-    hi = ((blocks * inv) + ROUND) - ROUND                                # rn, ties to even
-    residual = (blocks.astype(np.float64) - hi.astype(np.float64) * d[:, None].astype(np.float64)).astype(np.float32)
-    lo = ((residual * (inv * np.float32(128))) + ROUND) - ROUND
+    t = blocks * inv
+    hi = (t + ROUND) - ROUND                                             # rn, ties to even
+    lo = ((t - hi) * np.float32(128) + ROUND) - ROUND                    # t - hi and the 128 exact: one rounding
     assert np.abs(hi).max(initial=0) <= 127 and np.abs(lo).max(initial=0) <= 127
     unit = d * np.float32(1 / 128)
     sums = unit * (128 * hi.astype(np.int64) + lo.astype(np.int64)).sum(axis=1).astype(np.float32)
