@@ -15,7 +15,7 @@
 // A block runs row tiles tile = blockIdx.x, + gridDim.x, ... (the host caps the grid at blocks_per_sm
 // per SM), so one quantisation of x serves several tiles of a long weight; each tile's epilogue takes a
 // ticket (q4_gemv_epilogue's `tickets`: the launch's tile count).  Q6_K rows (alone, or a Q4_K_M QKV's
-// v rows) keep the float arithmetic of the prefetching p layouts in these kernels.
+// v rows) take their units as the float layouts do, four groups of 16 with a scale each (q6k_tile).
 #pragma once
 // (include common.cuh, q4_formats.cuh, q4_gemv_epilogue.cuh and q4_gemv_tiled.cuh first)
 
@@ -58,13 +58,15 @@ __device__ __forceinline__ void quantise16(const float (&v)[16], float inv, uint
                     pack_low_bytes(rl[8], rl[9], rl[10], rl[11]), pack_low_bytes(rl[12], rl[13], rl[14], rl[15]));
 }
 
-// x [0, K) quantised into planes [8][dunits] (hi planes 0..3, lo planes 0..3) and meta [dunits]
-// {d0 / 128, sum0, d1 / 128, sum1}, sum: of the quantised block, d / 128 * sum (128 hi + lo), so that the
+// x [0, K) quantised into planes [8][dunits] (hi planes 0..3, lo planes 0..3), meta [dunits]
+// {d0 / 128, sum0, d1 / 128, sum1} and sums16 [dunits][4] (each plane's 16 values: Q6_K's scales are per
+// 16), a sum: of the quantised values, d / 128 * sum (128 hi + lo), so that the
 // mins (and Q4_0's - 8) meet the same x as the levels: the product is then W times quantised x exactly,
 // where the fp32 sum of x would add the error of sum level x_q against q x to it; elements past K (Q4_0's half D-unit) are zeros.  A warp takes 8
 // D-units a turn, lane = 8 p + (v & 7): the two halves of a 32-block are lanes l and l ^ 8.
 template <int THREADS>
-__device__ __forceinline__ void quantise_x(const float* x, int K, int dunits, uint4* planes, float2* meta2) {
+__device__ __forceinline__ void quantise_x(const float* x, int K, int dunits, uint4* planes, float2* meta2,
+                                           float* sums16) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, p = lane >> 3;
     for (int base = 8 * warp; base < dunits; base += 8 * (THREADS / 32)) {   // warp-uniform: full-mask shuffles
         const int v = base + (lane & 7), k = 64 * v + 16 * p;
@@ -91,12 +93,13 @@ __device__ __forceinline__ void quantise_x(const float* x, int K, int dunits, ui
             hi_sum = dp4a_us(0x01010101u, word_of(hi, i), hi_sum);
             lo_sum = dp4a_us(0x01010101u, word_of(lo, i), lo_sum);
         }
-        int sum = 128 * hi_sum + lo_sum;
-        sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+        const int piece = 128 * hi_sum + lo_sum, sum = piece + __shfl_xor_sync(0xffffffffu, piece, 8);
+        const float unit = d * (1.0f / 128.0f);   // of 128 hi + lo
         if (v < dunits) {
             planes[p * dunits + v] = hi;
             planes[(4 + p) * dunits + v] = lo;
-            if ((p & 1) == 0) meta2[2 * v + (p >> 1)] = make_float2(d * (1.0f / 128.0f), d * (1.0f / 128.0f) * (float)sum);
+            if ((p & 1) == 0) meta2[2 * v + (p >> 1)] = make_float2(unit, unit * (float)sum);
+            sums16[4 * v + p] = unit * (float)piece;
         }
     }
 }
@@ -209,7 +212,7 @@ __device__ __forceinline__ void dp4a_tile(
     if (quantise) {   // block-uniform: every thread gets here
         prefetch(qs_r, meta_r, tt);   // the first pass on its way into L2, holding no register
         pdl_wait();                   // x (and y, res) belong to earlier kernels
-        quantise_x<TG * GROUPS>(x, K, dunits, planes, (float2*)xmeta);
+        quantise_x<TG * GROUPS>(x, K, dunits, planes, (float2*)xmeta, (float*)(xmeta + dunits));
         __syncthreads();
     }
     for (int v0 = tt; v0 < dunits; v0 += STEP) {
@@ -266,36 +269,78 @@ __device__ __forceinline__ void dp4a_tile(
                                                               tickets);
 }
 
-// a tile of float rows (Q6_K): the p layouts' loop (q4_gemv_tiled.cuh's tiled_part) per thread group, with
-// a ticket count
-template <class F, int ROWS, int TG, int GROUPS, int UNROLL>
-__device__ __forceinline__ void float_tile(
-        GemvSharedT<1, GROUPS * ROWS, TG * GROUPS>& sh, const unsigned char* __restrict__ qs,
-        const unsigned char* __restrict__ meta, int row0, int row_first, int row_end, const float* x,
-        const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
-        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok, unsigned int tickets) {
+// a tile of Q6_K rows: q4_formats.cuh's units (64 weights, four groups of 16 with a scale each, levels
+// 0..63 unsigned) as the float layouts take them, TG threads of a group on every TG-th unit; per group
+// G = sum level (128 hi + lo) over its 16 x values, acc += s (d / 128 G - 32 sum16)
+template <int ROWS, int TG, int GROUPS, int UNROLL>
+__device__ __forceinline__ void q6k_tile(
+        GemvSharedT<1, GROUPS * ROWS, TG * GROUPS>& sh, uint4* planes, float4* xmeta, bool quantise, int next_row0,
+        const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, int row0, int row_first,
+        int row_end, const float* x, const float* inv_rms_in, float* y, int ldy, const float* res,
+        const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,
+        int ntok, unsigned int tickets) {
+    using F = FmtQ6_K;
     const int group = threadIdx.x / TG, tt = threadIdx.x % TG;
     const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
+    auto row_pointers = [&](int first, const unsigned char* (&q)[ROWS], const unsigned char* (&m)[ROWS]) {
+#pragma unroll
+        for (int r = 0; r < ROWS; r++) {
+            const long long row = min(first + group * ROWS + r, row_end - 1) - row_first;   // clamped: never stored
+            q[r] = qs + row * qs_row;
+            m[r] = meta + row * meta_row;
+        }
+    };
     const unsigned char* qs_r[ROWS];
     const unsigned char* meta_r[ROWS];
-#pragma unroll
-    for (int r = 0; r < ROWS; r++) {
-        const long long row = min(row0 + group * ROWS + r, row_end - 1) - row_first;
-        qs_r[r] = qs + row * qs_row;
-        meta_r[r] = meta + row * meta_row;
-    }
+    row_pointers(row0, qs_r, meta_r);
     float acc[ROWS][1];
 #pragma unroll
     for (int r = 0; r < ROWS; r++) acc[r][0] = 0.f;
-    constexpr int U = F::UNIT == 64 ? (UNROLL + 1) / 2 : UNROLL;
+    const int units = K / F::UNIT, dunits = (K + 63) / 64;
+    constexpr int U = (UNROLL + 1) / 2;   // three 16-byte loads a unit: half the units in flight, as tiled_part
     constexpr int STEP = TG * U;
-    const int units = K / F::UNIT;
+    const float* xmeta_f = (const float*)xmeta;
+    const float* sums16 = (const float*)(xmeta + dunits);
+    if (quantise) {
+        prefetch_pass<F, ROWS, TG, U>(qs_r, meta_r, tt, units);
+        pdl_wait();
+        quantise_x<TG * GROUPS>(x, K, dunits, planes, (float2*)xmeta, (float*)(xmeta + dunits));
+        __syncthreads();
+    }
     for (int u0 = tt; u0 < units; u0 += STEP) {
         typename F::Raw raw[U][ROWS];
         load_pass<F, ROWS, TG, U>(raw, qs_r, meta_r, u0, units);
-        if (u0 + STEP < units) prefetch_pass<F, ROWS, TG, U>(qs_r, meta_r, u0 + STEP, units);
-        if (u0 == tt) pdl_wait();
-        math_pass<F, 1, ROWS, TG, U, false, false>(raw, u0, units, x, 0, 1, acc);
+        if (u0 + STEP < units) {
+            prefetch_pass<F, ROWS, TG, U>(qs_r, meta_r, u0 + STEP, units);
+        } else if (next_row0 >= 0) {
+            const unsigned char* qs_n[ROWS];
+            const unsigned char* meta_n[ROWS];
+            row_pointers(next_row0, qs_n, meta_n);
+            prefetch_pass<F, ROWS, TG, U>(qs_n, meta_n, tt, units);
+        }
+#pragma unroll
+        for (int j = 0; j < U; j++) {
+            const int u = u0 + j * TG;
+            if (u >= units) break;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int e = UnitK<FmtQ6_K>::at(u, k), v = e >> 6, p = (e >> 4) & 3;   // plane p of D-unit v
+                const uint4 h = planes[p * dunits + v], l = planes[(4 + p) * dunits + v];
+                const float unit = xmeta_f[4 * v + 2 * (p >> 1)], bias = -32.0f * sums16[4 * v + p];
+#pragma unroll
+                for (int r = 0; r < ROWS; r++) {
+                    Group g[4];
+                    F::decode(raw[j][r], u, g);   // only group k is used: the rest is dead code here
+                    int c = 0;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) c = dp4a_us(g[k].lv[i], word_of(h, i), c);
+                    c *= 128;
+#pragma unroll
+                    for (int i = 0; i < 4; i++) c = dp4a_us(g[k].lv[i], word_of(l, i), c);
+                    acc[r][0] = fmaf(g[k].s, fmaf(unit, (float)c, bias), acc[r][0]);
+                }
+            }
+        }
     }
     float all[GROUPS * ROWS][1];
     group_sums<ROWS, GROUPS>(acc, group, all);
@@ -303,22 +348,21 @@ __device__ __forceinline__ void float_tile(
                                                          xn_out, inv_rms_out, counter, eps, N, ntok, tickets);
 }
 
-template <class F> struct IsDp4a { static constexpr bool value = !same_format<F, FmtQ6_K>::value; };
-
 template <class F, int ROWS, int TG, int GROUPS, int UNROLL, bool SILU_PAIRS>
 __device__ __forceinline__ void any_tile(
         GemvSharedT<1, GROUPS * ROWS, TG * GROUPS>& sh, uint4* planes, float4* xmeta, bool quantise, int next_row0,
         const unsigned char* qs, const unsigned char* meta, int row0, int row_first, int row_end, const float* x,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
         float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok, unsigned int tickets) {
-    if constexpr (IsDp4a<F>::value) {
+    if constexpr (same_format<F, FmtQ6_K>::value) {
+        static_assert(!SILU_PAIRS, "no Q6_K gate/up pairs");
+        q6k_tile<ROWS, TG, GROUPS, UNROLL>(sh, planes, xmeta, quantise, next_row0, qs, meta, row0, row_first,
+                                           row_end, x, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out,
+                                           counter, eps, N, K, ntok, tickets);
+    } else {
         dp4a_tile<F, ROWS, TG, GROUPS, UNROLL, SILU_PAIRS>(sh, planes, xmeta, quantise, next_row0, qs, meta, row0,
                                                            row_first, row_end, x, inv_rms_in, y, ldy, res, normw_out,
                                                            xn_out, inv_rms_out, counter, eps, N, K, ntok, tickets);
-    } else {
-        static_assert(!SILU_PAIRS, "no Q6_K gate/up pairs");
-        float_tile<F, ROWS, TG, GROUPS, UNROLL>(sh, qs, meta, row0, row_first, row_end, x, inv_rms_in, y, ldy, res,
-                                                normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, tickets);
     }
 }
 
@@ -331,7 +375,7 @@ __device__ __forceinline__ void q4_dp4a_body(
         float eps, int N, int K, int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {
     constexpr int TILE = GROUPS * ROWS;
     __shared__ GemvSharedT<1, TILE, TG * GROUPS> sh;
-    extern __shared__ uint4 dp4a_shared[];   // planes [8][dunits], then meta [dunits]
+    extern __shared__ uint4 dp4a_shared[];   // planes [8][dunits], then meta [dunits], sums16 [dunits]
     pdl_launch_dependents();
     const int dunits = (K + 63) / 64;
     uint4* planes = dp4a_shared;
@@ -353,7 +397,7 @@ __device__ __forceinline__ void q4_dp4a_body(
                     sh, planes, xmeta, !quantised, next_row0, qs_b, meta_b, row0, rows_a, N, x, inv_rms_in, y, ldy,
                     res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok, tiles);
         }
-        quantised = true;   // (a Q6_K tile quantises nothing, and needs nothing quantised after it)
+        quantised = true;
     }
 }
 
@@ -370,12 +414,18 @@ __device__ __forceinline__ void q4_dp4a_body(
                 ntok, qs_b, meta_b, rows_a);                                                                \
     }
 
-// the kernels of one layout (q4_gemv_variants.TILED_CODES): Q4_0 and Q4_K plain and SiLU pairs on
-// dp4a, Q6_K plain in floats, Q4_K then Q6_K rows
+// Q6_K's units hold 17 registers a row (and its four groups' levels): 3/4 of the blocks per SM, so it
+// keeps them in registers (fewer blocks than the grid's cap reside; the rest follow)
+#define Q6K_MIN_BLOCKS(MIN_BLOCKS) ((MIN_BLOCKS) * 3 / 4 > 0 ? (MIN_BLOCKS) * 3 / 4 : 1)
+
+// the kernels of one layout (q4_gemv_variants.TILED_CODES): Q4_0 and Q4_K plain and SiLU pairs, Q6_K
+// plain, Q4_K then Q6_K rows
 #define DEFINE_Q4_DP4A_SET(THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, SUFFIX)                                       \
     DEFINE_Q4_DP4A(FmtQ4_0, FmtQ4_0, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, false, q4_0_gemv_m1_##SUFFIX)       \
     DEFINE_Q4_DP4A(FmtQ4_0, FmtQ4_0, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, true, q4_0_gemv_m1_##SUFFIX##_silu) \
     DEFINE_Q4_DP4A(FmtQ4_K, FmtQ4_K, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, false, q4_k_gemv_m1_##SUFFIX)       \
     DEFINE_Q4_DP4A(FmtQ4_K, FmtQ4_K, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, true, q4_k_gemv_m1_##SUFFIX##_silu) \
-    DEFINE_Q4_DP4A(FmtQ6_K, FmtQ6_K, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, false, q6_k_gemv_m1_##SUFFIX)       \
-    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ6_K, THREADS, TILE, UNROLL, GROUPS, MIN_BLOCKS, false, q4_k_q6_k_gemv_m1_##SUFFIX)
+    DEFINE_Q4_DP4A(FmtQ6_K, FmtQ6_K, THREADS, TILE, UNROLL, GROUPS, Q6K_MIN_BLOCKS(MIN_BLOCKS), false,              \
+                   q6_k_gemv_m1_##SUFFIX)                                                                          \
+    DEFINE_Q4_DP4A(FmtQ4_K, FmtQ6_K, THREADS, TILE, UNROLL, GROUPS, Q6K_MIN_BLOCKS(MIN_BLOCKS), false,              \
+                   q4_k_q6_k_gemv_m1_##SUFFIX)

@@ -1,6 +1,7 @@
 """The one-token dp4a GEMV layouts (dTrRuU, kernels_ptx/q4_gemv_dp4a.cuh) beside the float ones.
 
-Every d layout also runs test_block_gemv_variants' awkward weights and epilogues against numpy (within
+Every d layout (Q4_0, Q4_K, Q6_K and the Q4_K + Q6_K stack on dp4a) also runs test_block_gemv_variants'
+awkward weights and epilogues against numpy (within
 test_block_kernels.check_tolerance).  Here: the twin's x quantisation and integer path, the d layouts
 against the plain p/t layouts and against the twin's arithmetic (marked `gpu` on a real device: there
 the integer path is checked to fp32 rounding, not to the quantisation's tolerance), blocks that run many
@@ -32,7 +33,7 @@ def test_x_quantisation_keeps_fifteen_bits():
     rng = np.random.default_rng(0)
     x = (rng.standard_normal(160) * 10.0 ** rng.uniform(-3, 3, 160)).astype(np.float32)
     x[64:96] = 0.0                                            # an all-zero block: d = 0, no division
-    hi, lo, unit, sums = fake_dp4a.quantize_x(x)
+    hi, lo, unit, sums, sums16 = fake_dp4a.quantize_x(x)
     assert hi.shape == (6, 32) and np.abs(hi).max() <= 127 and np.abs(lo).max() <= 64
     assert not hi[2:3].any() and not lo[2:3].any() and unit[2] == 0 and sums[2] == 0
     assert not hi[5].any() and unit[5] == 0                   # the padding of Q4_0's half D-unit
@@ -43,16 +44,17 @@ def test_x_quantisation_keeps_fifteen_bits():
     amax = np.abs(blocks).max(axis=1, keepdims=True)
     assert (np.abs(back - blocks) <= amax / 32512 + 1e-30).all()           # d / 256, d = amax / 127
     np.testing.assert_allclose(sums, back.sum(axis=1), rtol=1e-6, atol=1e-30)
+    np.testing.assert_allclose(sums16, back.reshape(-1, 16).sum(axis=1), rtol=1e-6, atol=1e-30)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q4_K-big"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q4_K-big", "Q6_K"])
 def test_twin_is_the_weight_times_quantised_x(name):
     """The integer path is W times the quantised x to fp32 rounding, and x's quantisation alone is what
     separates it from the float product."""
     w = weight(name, seed=2)
     n, k = w.shape
     x = np.random.default_rng(3).standard_normal(k).astype(np.float32)
-    hi, lo, unit, _sums = fake_dp4a.quantize_x(x)
+    hi, lo, unit, _sums, _sums16 = fake_dp4a.quantize_x(x)
     xq = ((128 * hi + lo) * unit[:, None].astype(np.float64)).reshape(-1)[:k]
     dense = w.dequantize().astype(np.float64)
     got = fake_dp4a.dp4a_products(w.fmt, w.blocks, x, k)
@@ -142,8 +144,7 @@ def test_the_d_kernels_are_in_the_cubin():
 
 def test_shared_bytes_and_grid_of_the_d_layouts():
     v = qv.M1_VARIANTS["d64r4u1"]
-    assert qv.dp4a_shared_bytes("q4_k", 4096) == 64 * 144 and qv.dp4a_shared_bytes("q4_0", 160) == 3 * 144
-    assert qv.dp4a_shared_bytes("q6_k", 4096) == 0
+    assert qv.dp4a_shared_bytes("q4_k", 4096) == 64 * 160 and qv.dp4a_shared_bytes("q4_0", 160) == 3 * 160
     assert qv.dp4a_shared_bytes("q4_k", 12288) < 48 * 1024          # every model shape without the opt-in
     assert qv.grid_blocks(v, 151936, 0, 132) == 8 * 132 and qv.grid_blocks(v, 37, 0, 132) == 10
     assert qv.grid_blocks(qv.M1_VARIANTS["p64r8u1"], 151936, 0, 132) == 151936 // 8   # one tile a block

@@ -32,7 +32,7 @@ M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r
                # the next pass prefetched into L2, Q4_K's levels subnormal: for rows of several passes (o, down)
                "p64r8u1": Variant(64, 8, 1), "p64r4u1": Variant(64, 4, 1), "p32r4u2": Variant(32, 4, 2),
                "p64r4u3": Variant(64, 4, 3),
-               # dp4a on x quantised per block (Q4_0, Q4_K; Q6_K rows keep the p arithmetic); the cap: the
+               # dp4a on x quantised per block (Q4_0, Q4_K, Q6_K); the cap: the
                # blocks its registers let reside (q4_gemv_m1d.cu's MIN_BLOCKS), so x is quantised once per
                # resident block; gG: G groups of threads share one quantisation over G times the rows
                "d32r4u1": Variant(32, 4, 1, 16), "d64r4u1": Variant(64, 4, 1, 8), "d64r8u1": Variant(64, 8, 1, 4),
@@ -192,7 +192,7 @@ def is_dp4a(variant: str) -> bool:
 
 
 def dp4a_shared_bytes(code: str, cols: int) -> int:
-    """Dynamic shared memory of a d layout's kernel: x quantised as q4_gemv_dp4a.cuh keeps it (per 64
-    elements 64 B of hi and lo bytes and a float4 of scales and sums); none for Q6_K rows alone."""
-    return 0 if code == "q6_k" else 144 * -(-cols // 64)
+    """Dynamic shared memory of a d layout's kernel (every weight code): x quantised as q4_gemv_dp4a.cuh
+    keeps it, per 64 elements 64 B of hi and lo bytes, a float4 of scales and sums per 32, one of sums per 16."""
+    return 160 * -(-cols // 64)
 
