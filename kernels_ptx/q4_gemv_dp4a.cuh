@@ -1,6 +1,6 @@
 // The one-token block-format GEMV on integer dot products (the dTrRuU layouts of q4_gemv_m1d.cu):
-// q4_gemv.cu's contract, the rows and threads of the tiled layouts (q4_gemv_tiled.cuh), but Q4_0 and
-// Q4_K nibbles meet x as int8 in dp4a instead of as floats in an FMA each.
+// q4_gemv.cu's contract, the rows and threads of the tiled layouts (q4_gemv_tiled.cuh), but Q4_0, Q4_K
+// and Q6_K levels meet x as int8 in dp4a instead of as floats in an FMA each.
 //
 // x, once per block, into dynamic shared memory (q4_gemv_variants.dp4a_shared_bytes): per 32-block
 // d = amax / 127, hi = rn(x / d), lo = rn((x / d - hi) 128), q8_mma.cuh's two levels (so
