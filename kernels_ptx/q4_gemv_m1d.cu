@@ -8,6 +8,7 @@
 #include "q4_formats.cuh"
 #include "q4_gemv_epilogue.cuh"
 #include "q4_gemv_tiled.cuh"
+#include "q4_dp4a_x.cuh"
 #include "q4_gemv_dp4a.cuh"
 
 DEFINE_Q4_DP4A_SET(32, 4, 1, 1, 16, d32r4u1)
