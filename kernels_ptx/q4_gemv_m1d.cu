@@ -18,3 +18,6 @@ DEFINE_Q4_DP4A_SET(64, 8, 1, 1, 4, d64r8u1)
 DEFINE_Q4_DP4A_SET(128, 8, 1, 2, 4, d128r8u1g2)
 DEFINE_Q4_DP4A_SET(256, 16, 1, 4, 2, d256r16u1g4)
 DEFINE_Q4_DP4A_SET(128, 16, 1, 4, 4, d128r16u1g4)
+// one block an SM: x quantised once per SM (per SM it costs blocks x K, which these make K), 16 warps
+DEFINE_Q4_DP4A_SET(512, 32, 1, 8, 1, d512r32u1g8)
+DEFINE_Q4_DP4A_SET(512, 16, 1, 8, 1, d512r16u1g8)

@@ -37,7 +37,8 @@ M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r
                # resident block; gG: G groups of threads share one quantisation over G times the rows
                "d32r4u1": Variant(32, 4, 1, 16), "d64r4u1": Variant(64, 4, 1, 8), "d64r8u1": Variant(64, 8, 1, 4),
                "d128r8u1g2": Variant(128, 8, 1, 4, 2), "d256r16u1g4": Variant(256, 16, 1, 2, 4),
-               "d128r16u1g4": Variant(128, 16, 1, 4, 4)}
+               "d128r16u1g4": Variant(128, 16, 1, 4, 4),
+               "d512r32u1g8": Variant(512, 32, 1, 1, 8), "d512r16u1g8": Variant(512, 16, 1, 1, 8)}
 MN_VARIANTS = {"g64r4u1": Variant(64, 4, 1), "g32r4u2": Variant(32, 4, 2), "o64r4u1": Variant(64, 4, 1),
                "o32r4u2": Variant(32, 4, 2)}
 ALL_VARIANTS = (LEGACY, *M1_VARIANTS, *MN_VARIANTS)   # what Options.gemv_block (KESTREL_GEMV_BLOCK) may name
