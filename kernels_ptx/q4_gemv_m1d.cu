@@ -13,7 +13,6 @@
 
 DEFINE_Q4_DP4A_SET(32, 4, 1, 1, 16, d32r4u1)
 DEFINE_Q4_DP4A_SET(64, 4, 1, 1, 8, d64r4u1)
-DEFINE_Q4_DP4A_SET(64, 8, 1, 1, 4, d64r8u1)
 // row groups: one quantisation of x for 8 and 16 rows, four rows a thread
 DEFINE_Q4_DP4A_SET(128, 8, 1, 2, 4, d128r8u1g2)
 DEFINE_Q4_DP4A_SET(256, 16, 1, 4, 2, d256r16u1g4)

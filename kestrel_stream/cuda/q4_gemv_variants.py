@@ -35,7 +35,7 @@ M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r
                # dp4a on x quantised per block (Q4_0, Q4_K, Q6_K); the cap: the
                # blocks its registers let reside (q4_gemv_m1d.cu's MIN_BLOCKS), so x is quantised once per
                # resident block; gG: G groups of threads share one quantisation over G times the rows
-               "d32r4u1": Variant(32, 4, 1, 16), "d64r4u1": Variant(64, 4, 1, 8), "d64r8u1": Variant(64, 8, 1, 4),
+               "d32r4u1": Variant(32, 4, 1, 16), "d64r4u1": Variant(64, 4, 1, 8),
                "d128r8u1g2": Variant(128, 8, 1, 4, 2), "d256r16u1g4": Variant(256, 16, 1, 2, 4),
                "d128r16u1g4": Variant(128, 16, 1, 4, 4),
                "d512r32u1g8": Variant(512, 32, 1, 1, 8), "d512r16u1g8": Variant(512, 16, 1, 1, 8)}
