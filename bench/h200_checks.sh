@@ -62,5 +62,5 @@ run 540 f16mma.txt bash -c "python3 -m pytest -m gpu -q -x tests/test_gpu_f16mma
 run 420 blockgemv.txt bash -c "python3 -m pytest -m gpu -q tests/test_block_gemv_variants.py \
     && python3 -m bench.block_gemv --out $RESULTS"
 run 420 dp4a.txt bash -c "python3 -m pytest -m gpu -q tests/test_dp4a_gemv.py \
-    && python3 -m pytest -m gpu -q tests/test_block_gemv_variants.py -k 'gpu and (d32 or d64 or d128 or d256)' \
+    && python3 -m pytest -m gpu -q tests/test_block_gemv_variants.py -k 'gpu and (d32 or d64 or d128 or d256 or d512)' \
     && python3 -m bench.block_gemv --tokens 1 --layouts d --out $RESULTS"
