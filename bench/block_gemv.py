@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 -m bench.block_gemv [--out DIR] [--commit HASH] [--formats Q4_K,Q6_K,Q4_0,Q4_K+Q6_K]
                                              [--tokens 1,2,4,8] [--models qwen3-1.7b,qwen3-8b]
+                                             [--layouts d,p64r8u1]
 
 For each format (and the Q4_K + Q6_K stack of a Q4_K_M file's QKV), each layer shape and each token
 count, every layout of cuda/q4_gemv_variants.variants(M) (the original kernel "" included) runs with
@@ -12,6 +13,8 @@ rotating weight copies, so a replay reads more than the L2 holds.  The Q8_0 GEMV
 and token count (its default layout) is the row `Q8_0`.  The summary names the fastest layout per
 (format, shape, M) with its speed-up over the original kernel and prints a `MEASURED = {...}` line for
 cuda/q4_gemv_variants.MEASURED.  GB/s counts the weight's bytes (block_kernels.weight_bytes).
+--layouts times only the layouts named or of the families given by their letter (d: the dp4a ones), beside
+the original kernel and the layout choose picks now (a shorter sweep: `--tokens 1 --layouts d,p64r8u1`).
 """
 from __future__ import annotations
 
@@ -75,8 +78,14 @@ class Buffers:
         return rows, dict(inv_rms_in=self.inv_rms_in)
 
 
+def wanted(variant: str, chosen: str, layouts) -> bool:
+    """Whether a sweep restricted to `layouts` (names or family letters; None: all) times `variant`."""
+    return (layouts is None or variant in (qv.LEGACY, chosen) or variant in layouts
+            or any(len(f) == 1 and variant.startswith(f) for f in layouts))
+
+
 def bench_shape(kernels, arena, stream, buffers: Buffers, fmt: str, model: str, shapes: dict, projection: str,
-                tokens_list, rng, repeats: int = REPEATS) -> list[dict]:
+                tokens_list, rng, repeats: int = REPEATS, layouts=None) -> list[dict]:
     """Rows of every layout for one weight shape (shapes: one entry of MODELS)."""
     n, k = shapes[projection]
     w = make_weight(fmt, n, k, shapes["qkv_v"], rng)
@@ -98,6 +107,8 @@ def bench_shape(kernels, arena, stream, buffers: Buffers, fmt: str, model: str, 
         chosen = qv.choose(code, weights[0].fmt, n, k, tokens, epilogue == "silu_pairs")
         for variant in qv.variants(m):
             if variant != qv.LEGACY and not qv.has_tiled(code, epilogue == "silu_pairs"):
+                continue
+            if not wanted(variant, chosen, layouts):
                 continue
             launches = [gemv_launch(kernels, qw, buffers.x, k, buffers.y, ldy, tokens, variant=variant, **extra)
                         for qw in weights]
@@ -197,8 +208,9 @@ def mix_estimates(rows: list[dict]) -> list[str]:
     return lines
 
 
-def run(kernels, arena, stream, models: dict, formats, tokens_list, rng, repeats: int = REPEATS) -> list[dict]:
-    """Every row of the bench; models: name → shapes, as MODELS."""
+def run(kernels, arena, stream, models: dict, formats, tokens_list, rng, repeats: int = REPEATS,
+        layouts=None) -> list[dict]:
+    """Every row of the bench; models: name → shapes, as MODELS; layouts: as `wanted`."""
     width = max(max(shapes[p][i] for p in EPILOGUES for i in (0, 1)) for shapes in models.values())
     buffers = Buffers(arena, width, rng)
     rows = []
@@ -208,7 +220,7 @@ def run(kernels, arena, stream, models: dict, formats, tokens_list, rng, repeats
                 if fmt == "Q4_K+Q6_K" and projection != "qkv":
                     continue
                 rows += bench_shape(kernels, arena, stream, buffers, fmt, model, shapes, projection, tokens_list,
-                                    rng, repeats)
+                                    rng, repeats, layouts)
             rows += bench_q8(kernels, arena, stream, buffers, model, shapes, projection, tokens_list, rng, repeats)
     return rows
 
@@ -223,13 +235,18 @@ def main() -> None:
     parser.add_argument("--formats", default=",".join(FORMATS))
     parser.add_argument("--tokens", default="1,2,4,8")
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--layouts", default=None, help="layout names or family letters to time (default: all)")
     args = parser.parse_args()
+    layouts = args.layouts.split(",") if args.layouts else None
+    for name in layouts or []:
+        if not (len(name) == 1 and any(v.startswith(name) for v in qv.ALL_VARIANTS if v)) and name not in qv.ALL_VARIANTS:
+            parser.error(f"--layouts {name!r}: not a layout of cuda/q4_gemv_variants.py nor a family letter")
     device = driver.Device(0)
     kernels, stream = kernel_module.KernelSet(device), driver.Stream()
     arena = driver.Arena(8 << 30)          # the 8B shapes' rotated copies (COLD_BYTES each) and the Q8_0 beside them
     rng = np.random.default_rng(0)
     rows = run(kernels, arena, stream, {name: MODELS[name] for name in args.models.split(",")}, args.formats.split(","),
-               [int(t) for t in args.tokens.split(",")], rng)
+               [int(t) for t in args.tokens.split(",")], rng, layouts=layouts)
     lines, measured = winners(rows)
     lines += mix_estimates(rows)
     print("\n".join(lines))
@@ -237,7 +254,8 @@ def main() -> None:
     env = environment()
     env.update(machine=driver.detect(), commit=args.commit or env["commit"])
     notes = ("Layouts of kestrel_stream/cuda/q4_gemv_variants.py (legacy: q4_gemv.cu's original kernel; tTrRuU one "
-             "token, oTrRuU 2..8 tokens: T threads, R rows per block, U units per thread in flight); default: the "
+             "token, pTrRuU prefetching, dTrRuU on dp4a, oTrRuU/gTrRuU 2..8 tokens: T threads, R rows per block, U "
+             "units per thread in flight); default: the "
              "layout q4_gemv_variants.choose picks now. Epilogue: the step's for that projection. GB/s: weight bytes "
              "per launch / time; Q8_0 rows: the Q8_0 GEMV at the same shape. Fastest per shape: " + "; ".join(lines)
              + f". MEASURED = {dict(sorted(measured.items()))!r}")

@@ -9,7 +9,8 @@
 # bench.block_decode on random Q4_K_M and Q8_0 files of the qwen3-1.7b shape; needs the gguf wheel; splits =
 # the split-K GPU tests and bench.mma's split sweep at 9..64 tokens, 1.7B and 8B shapes; fewtok = the pipelined
 # few-token tiles' GPU tests, the 1.7B split sweep and bench.fewtok_decode on its winners vs the default;
-# blockgemv = every 4/6-bit GEMV layout's GPU tests and bench.block_gemv at the qwen3-1.7b and 8b shapes).
+# blockgemv = every 4/6-bit GEMV layout's GPU tests and bench.block_gemv at the qwen3-1.7b and 8b shapes;
+# dp4a = the one-token dp4a layouts' GPU tests and their bench.block_gemv sweep beside the default layouts).
 # Result files (md/json/traces/html) and every step's log (logs/*.txt) land in $OUT/h200-results.tgz, since
 # the device tool returns at most 8 files; each log's last lines also go to stdout.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
 set -uo pipefail
@@ -18,7 +19,7 @@ RESULTS=$(mktemp -d)
 mkdir -p "$OUT" "$RESULTS/logs"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # each step's log, then the archive again: a call cut short still returns what finished
-STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill blocks splits fewtok f16mma blockgemv}
+STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill blocks splits fewtok f16mma blockgemv dp4a}
 run() {
     local seconds=$1 log=$2; shift 2
     [[ " $STEPS " == *" ${log%.txt} "* ]] || return 0
@@ -60,3 +61,6 @@ run 540 f16mma.txt bash -c "python3 -m pytest -m gpu -q -x tests/test_gpu_f16mma
     && python3 -m bench.mma_prefill --only prefill --out $RESULTS"
 run 420 blockgemv.txt bash -c "python3 -m pytest -m gpu -q tests/test_block_gemv_variants.py \
     && python3 -m bench.block_gemv --out $RESULTS"
+run 420 dp4a.txt bash -c "python3 -m pytest -m gpu -q tests/test_dp4a_gemv.py \
+    && python3 -m pytest -m gpu -q tests/test_block_gemv_variants.py -k 'gpu and (d32 or d64 or d128 or d256 or d512)' \
+    && python3 -m bench.block_gemv --tokens 1 --layouts d --out $RESULTS"

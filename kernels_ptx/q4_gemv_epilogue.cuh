@@ -2,7 +2,9 @@
 // per-thread sums acc[ROWS][M] of rows [row0, row0 + ROWS) reduced over its THREADS threads, then
 // q8_gemv.cu's contract: inv_rms_in, SiLU·mul of (gate, up) row pairs, residual, y, xn_out and the
 // last block's inv_rms_out (per-token sums of squares in counter[8..15], ticket in counter[0]).
-// Rows at or past row_end compute garbage from clamped loads and are never stored.
+// Rows at or past row_end compute garbage from clamped loads and are never stored.  `tickets`: the
+// epilogue calls of the launch the last one waits for (0: one per block; q4_gemv_dp4a.cuh's blocks
+// run several row tiles each).
 #pragma once
 // (include common.cuh first: build.py splices includes one level deep)
 
@@ -18,7 +20,7 @@ template <int M, int ROWS, int THREADS, bool SILU_PAIRS>
 __device__ __forceinline__ void q4_gemv_epilogue(
         GemvSharedT<M, ROWS, THREADS>& sh, float (&acc)[ROWS][M], int row0, int row_end,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
-        float* inv_rms_out, unsigned int* counter, float eps, int N, int ntok) {
+        float* inv_rms_out, unsigned int* counter, float eps, int N, int ntok, unsigned int tickets = 0) {
     constexpr int WARPS = THREADS / 32;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     pdl_wait();   // threads with no unit wait here
@@ -66,7 +68,7 @@ __device__ __forceinline__ void q4_gemv_epilogue(
             atomicAdd(sums + m, sq);
         }
         __threadfence();   // the sums land before the ticket is taken
-        sh.is_last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
+        sh.is_last_block = atomicAdd(counter, 1u) == (tickets ? tickets : gridDim.x) - 1;
     }
     __syncthreads();
     if (!sh.is_last_block) return;

@@ -61,6 +61,9 @@ def q4_gemv(launch, *args) -> None:
     import fake_kernels as fk
     x, ldx, N, K, ntok = args[2], args[3], args[13], args[14], args[15]
     _code, m, variant, silu = q4_gemv_variants.parse(launch.name)
+    if q4_gemv_variants.is_dp4a(variant):
+        from fake_dp4a import q4_gemv_dp4a     # (it imports this module)
+        return q4_gemv_dp4a(launch, *args)
     layout = q4_gemv_variants.variants(m)[variant]
     assert 1 <= ntok <= m and (m == 1 or ntok > m // 2), f"{launch.name} for {ntok} tokens"
     assert launch.block == (layout.threads, 1, 1) and launch.grid[1:] == (1, 1), launch.name

@@ -70,17 +70,27 @@ def test_the_layouts_are_the_kernels_that_exist():
     """Each Python layout is instantiated in the .cu with the same threads, rows and unroll (the emulated
     device cannot tell a missing kernel from a present one)."""
     m1 = (source_dir() / "q4_gemv_m1.cu").read_text()
+    m1d = (source_dir() / "q4_gemv_m1d.cu").read_text()
     mn = {"o": (source_dir() / "q4_gemv_mn.cu").read_text(), "g": (source_dir() / "q4_gemv_mg.cu").read_text()}
-    for name, v in qv.M1_VARIANTS.items():       # t: plain, p: prefetching (DEFINE_Q4_PREFETCH_SET)
+    for name, v in qv.M1_VARIANTS.items():       # t: plain, p: prefetching (DEFINE_Q4_PREFETCH_SET), d: dp4a
         if name[0] == "p":
             assert f"DEFINE_Q4_PREFETCH_SET(1, {v.threads}, {v.rows}, {v.unroll}, {name})" in m1, name
+        elif name[0] == "d":
+            assert (f"DEFINE_Q4_DP4A_SET({v.threads}, {v.rows}, {v.unroll}, {v.groups}, {v.blocks_per_sm}, {name})"
+                    in m1d), name            # the grid's cap: the blocks the kernel's registers allow per SM
+            assert v.blocks_per_sm > 0 and (v.groups > 1) == name.endswith(f"g{v.groups}"), name
+            assert v.threads % (32 * v.groups) == 0 and v.rows % (2 * v.groups) == 0, name   # warps, pairs per group
         else:
             assert f"DEFINE_Q4_TILED_SET(1, {v.threads}, {v.rows}, {v.unroll}, false, {name})" in m1, name
     for name, v in qv.MN_VARIANTS.items():       # o: row-outer (true), g: x shared by the rows (false)
         row_outer = "true" if name[0] == "o" else "false"
         assert f"DEFINE_Q4_TILED_SET(M, {v.threads}, {v.rows}, {v.unroll}, {row_outer}, {name})" in mn[name[0]], name
-    assert len(re.findall(r"^\s*DEFINE_Q4_(?:TILED|PREFETCH)_SET\(1,", m1, re.M)) == len(qv.M1_VARIANTS)
-    assert {name[0] for name in qv.M1_VARIANTS} == {"t", "p"} and {name[0] for name in qv.MN_VARIANTS} == {"g", "o"}
+    assert len(re.findall(r"^\s*DEFINE_Q4_(?:TILED|PREFETCH)_SET\(1,", m1, re.M)) + \
+        len(re.findall(r"^DEFINE_Q4_DP4A_SET\(", m1d, re.M)) == len(qv.M1_VARIANTS)
+    dp4a = (source_dir() / "q4_gemv_dp4a.cuh").read_text()
+    built_d = set(re.findall(r"(q4_0|q4_k_q6_k|q4_k|q6_k)_gemv_m1_##SUFFIX(##_silu)?\)", dp4a))
+    assert {(code, bool(silu)) for code, silu in built_d} == qv.TILED_CODES
+    assert {name[0] for name in qv.M1_VARIANTS} == {"t", "p", "d"} and {name[0] for name in qv.MN_VARIANTS} == {"g", "o"}
     assert sum(len(re.findall(r"DEFINE_Q4_TILED_SET\(M,", text)) for text in mn.values()) == len(qv.MN_VARIANTS)
     assert re.findall(r"^DEFINE_Q4_TILED_MN\((\d)\)", mn["o"], re.M) == ["2", "4", "8"]
     assert re.findall(r"^DEFINE_Q4_TILED_MG\((\d)\)", mn["g"], re.M) == ["2", "4", "8"]

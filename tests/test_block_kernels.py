@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fake_cuda
-from kestrel_stream.cuda import driver
+from kestrel_stream.cuda import driver, q4_gemv_variants
 from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows
 from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, gemv_launch
 from kestrel_stream.model.quant4 import BlockTensor, fuse_rows, random_blocks
@@ -84,6 +84,14 @@ def silu_pairs_apply(name: str) -> bool:
     return len(formats) == 1 and rows[0] % 2 == 0
 
 
+def check_tolerance(tokens: int, kernel: str) -> float:
+    """Of the largest output: fp32 GEMVs 1e-5; the dp4a layouts 3e-4 (x to 2^-15 of each 32-block's amax:
+    up to ~1e-4 of the largest output on these weights); the int8 GEMMs 2e-3."""
+    if tokens > 8:
+        return 2e-3
+    return 3e-4 if q4_gemv_variants.is_dp4a(q4_gemv_variants.parse(kernel)[2]) else 1e-5
+
+
 def check_product(dev, name: str, tokens: int, epilogue: str, variant: str | None = None) -> None:
     """gemv_launch (layout `variant`, default the chosen one) of weight `name` against numpy, with `epilogue`."""
     w = weight(name, seed=len(name) + tokens)
@@ -96,29 +104,32 @@ def check_product(dev, name: str, tokens: int, epilogue: str, variant: str | Non
     if epilogue == "rmsnorm":
         inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
         y = dev.put(np.zeros((tokens, n), np.float32))
-        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, inv_rms_in=dev.put(inv_rms_in), variant=variant))
+        launch = gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, inv_rms_in=dev.put(inv_rms_in), variant=variant)
+        dev.run(launch)
         want, got = s * inv_rms_in[:, None], dev.get(y, (tokens, n))
     elif epilogue == "silu_pairs":
         half = n // 2
         y = dev.put(np.zeros((tokens, half), np.float32))
-        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, half, tokens, silu_pairs=True, variant=variant))
+        launch = gemv_launch(dev.kernels, qw, xp, k, y, half, tokens, silu_pairs=True, variant=variant)
+        dev.run(launch)
         gate, up = s[:, :half], s[:, half:]
         want, got = gate / (1 + np.exp(-gate)) * up, dev.get(y, (tokens, half))
     else:
         res = rng.standard_normal((tokens, n)).astype(np.float32)
         normw = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
         y, xn, inv_rms = dev.put(res), dev.put(np.zeros((tokens, n), np.float32)), dev.put(np.zeros(tokens, np.float32))
-        dev.run(gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, res=y, normw_out=dev.put(normw), xn_out=xn,
-                            inv_rms_out=inv_rms, counter=counter, eps=1e-6, variant=variant))
+        launch = gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, res=y, normw_out=dev.put(normw), xn_out=xn,
+                             inv_rms_out=inv_rms, counter=counter, eps=1e-6, variant=variant)
+        dev.run(launch)
         out = s + res
         got = dev.get(y, (tokens, n))
-        tol = 1e-5 if tokens <= 8 else 2e-3
+        tol = check_tolerance(tokens, launch.name)
         np.testing.assert_allclose(dev.get(xn, (tokens, n)), got * normw, rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(dev.get(inv_rms, (tokens,)), 1 / np.sqrt(np.mean(out * out, axis=1) + 1e-6),
                                    rtol=10 * tol)
         assert not dev.get(counter, (GEMV_COUNTER_BYTES // 4,)).any(), "tickets and sums reset for the next launch"
         want = out
-    tol = 1e-5 if tokens <= 8 else 2e-3
+    tol = check_tolerance(tokens, launch.name)
     assert np.abs(got - want).max() <= tol * np.abs(want).max(), (name, tokens, epilogue, variant)
 
 

@@ -60,9 +60,11 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
         name = q4_gemv_variants.choose(code, w.fmt, w.rows, w.cols, tokens, silu_pairs, variant,
                                        kernels.gemv_block)
         layout = q4_gemv_variants.variants(m)[name]
+        shared = q4_gemv_variants.dp4a_shared_bytes(code, w.cols) if q4_gemv_variants.is_dp4a(name) else 0
+        sm_count = kernels.device.sm_count if layout.blocks_per_sm else 0   # the d layouts' grid cap
         launch = kernels.launch(q4_gemv_variants.kernel_name(code, m, name, silu_pairs),
-                                (q4_gemv_variants.grid_blocks(layout, head_rows, w.rows - head_rows),),
-                                (layout.threads,), BLOCK_GEMV_SIGNATURE, args)
+                                (q4_gemv_variants.grid_blocks(layout, head_rows, w.rows - head_rows, sm_count),),
+                                (layout.threads,), BLOCK_GEMV_SIGNATURE, args, shared)
     return launch.label(flops=2 * w.rows * w.cols * tokens, bytes=weight_bytes(w))
 
 

@@ -6,7 +6,10 @@ Q4_0/Q4_K, 3 x 16 B = 64 weights for Q6_K, which keeps half the UNROLL, rounded 
 for 1..2 tokens, 2 for 4..8, one unit in flight per row), kept for A/B; tTrRuU are the one-token
 layouts, pTrRuU the same with the next pass's units prefetched into L2 during this pass (its loads
 then wait for L2, not HBM) and Q4_K's levels as subnormal floats (one FADD a weight less), gTrRuU (x
-shared by the rows) and oTrRuU (row-outer) the layouts for 2..8 tokens.  Kernel names:
+shared by the rows) and oTrRuU (row-outer) the layouts for 2..8 tokens; dTrRuU one-token layouts on
+integer dot products (kernels_ptx/q4_gemv_dp4a.cuh: x quantised to two int8 levels in shared memory,
+U D-units of 64 weights per row in flight, at most blocks_per_sm blocks per SM, each running several
+row tiles; dTrRuUgG: G groups of T / G threads, R / G rows each).  Kernel names:
 <fmt>[_<tail fmt>]_gemv_m<M>[_<variant>][_silu].  Pure Python: the emulated device, the tests and
 the bench read it without a driver.
 """
@@ -19,6 +22,8 @@ class Variant(NamedTuple):
     threads: int
     rows: int
     unroll: int
+    blocks_per_sm: int = 0   # d layouts: the grid's cap per SM (0: a block per tile of rows)
+    groups: int = 1          # d layouts: thread groups of a block, threads / groups of them on rows / groups rows each
 
 
 LEGACY = ""
@@ -26,7 +31,14 @@ M1_VARIANTS = {"t32r4u2": Variant(32, 4, 2), "t64r8u1": Variant(64, 8, 1), "t64r
                "t128r4u3": Variant(128, 4, 3),
                # the next pass prefetched into L2, Q4_K's levels subnormal: for rows of several passes (o, down)
                "p64r8u1": Variant(64, 8, 1), "p64r4u1": Variant(64, 4, 1), "p32r4u2": Variant(32, 4, 2),
-               "p64r4u3": Variant(64, 4, 3)}
+               "p64r4u3": Variant(64, 4, 3),
+               # dp4a on x quantised per block (Q4_0, Q4_K, Q6_K); the cap: the
+               # blocks its registers let reside (q4_gemv_m1d.cu's MIN_BLOCKS), so x is quantised once per
+               # resident block; gG: G groups of threads share one quantisation over G times the rows
+               "d32r4u1": Variant(32, 4, 1, 16), "d64r4u1": Variant(64, 4, 1, 8),
+               "d128r8u1g2": Variant(128, 8, 1, 4, 2), "d256r16u1g4": Variant(256, 16, 1, 2, 4),
+               "d128r16u1g4": Variant(128, 16, 1, 4, 4),
+               "d512r32u1g8": Variant(512, 32, 1, 1, 8), "d512r16u1g8": Variant(512, 16, 1, 1, 8)}
 MN_VARIANTS = {"g64r4u1": Variant(64, 4, 1), "g32r4u2": Variant(32, 4, 2), "o64r4u1": Variant(64, 4, 1),
                "o32r4u2": Variant(32, 4, 2)}
 ALL_VARIANTS = (LEGACY, *M1_VARIANTS, *MN_VARIANTS)   # what Options.gemv_block (KESTREL_GEMV_BLOCK) may name
@@ -167,7 +179,21 @@ def parse(name: str) -> tuple[str, int, str, bool]:
     return code, m, variant, silu
 
 
-def grid_blocks(variant: Variant, head_rows: int, tail_rows: int) -> int:
-    """Blocks of a launch: each format part's rows in blocks of variant.rows."""
-    return -(-head_rows // variant.rows) + -(-tail_rows // variant.rows)
+def grid_blocks(variant: Variant, head_rows: int, tail_rows: int, sm_count: int = 0) -> int:
+    """Blocks of a launch: each format part's rows in tiles of variant.rows, a block per tile, or for a d
+    layout at most blocks_per_sm per SM (sm_count: the device's)."""
+    tiles = -(-head_rows // variant.rows) + -(-tail_rows // variant.rows)
+    if variant.blocks_per_sm and sm_count:
+        return min(tiles, variant.blocks_per_sm * sm_count)
+    return tiles
+
+
+def is_dp4a(variant: str) -> bool:
+    return variant.startswith("d")
+
+
+def dp4a_shared_bytes(code: str, cols: int) -> int:
+    """Dynamic shared memory of a d layout's kernel (every weight code): x quantised as q4_gemv_dp4a.cuh
+    keeps it, per 64 elements 64 B of hi and lo bytes, a float4 of scales and sums per 32, one of sums per 16."""
+    return 160 * -(-cols // 64)
 
