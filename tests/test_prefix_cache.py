@@ -113,3 +113,28 @@ def test_gpu_mode_entries_share_the_pools_blocks(weights, monkeypatch):
     first.close()
     second.close()
     engine.close()
+
+
+def test_cached_prefixes_give_way_to_new_sessions_when_the_tables_are_full(weights, monkeypatch):
+    """gpu mode with 6 block-table rows: 5 prompts each leave a cached entry (a row each) after their
+    sessions close; 5 new sessions at once still open (the oldest entries are evicted, one per session that
+    needs its row), a sixth takes the last entry's row, and a seventh fails with the table's CapacityError."""
+    import fake_cuda
+    from kestrel_stream.errors import CapacityError
+    fake_cuda.install(monkeypatch, mode="deferred")
+    engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=64, max_batch=4, max_sessions=6)
+    cache = engine.enable_prefix_cache(budget_positions=1024)
+    for i in range(5):
+        with engine.new_session() as s:
+            cache.prefill_last(s, [i + 1] * 20)
+    assert len(cache.entries) == 5
+    sessions = [engine.new_session() for _ in range(5)]
+    assert len(cache.entries) == 1 and cache.stats["prefix_evictions"] == 4
+    assert cache.prefill_last(sessions[0], [5] * 20).shape[0] == 4      # the newest entry's 16 positions adopted
+    sessions.append(engine.new_session())
+    assert not cache.entries
+    with pytest.raises(CapacityError, match="session tables"):
+        engine.new_session()
+    for s in sessions:
+        s.close()
+    engine.close()

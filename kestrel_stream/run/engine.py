@@ -157,9 +157,19 @@ class Engine:
         length = max_seq_len or self.max_seq_len
         if not 0 < length <= self.max_seq_len:
             raise CapacityError(f"max_seq_len={length} is outside 1..{self.max_seq_len} (the engine's limit)")
-        session = Session(self, next(self._ids), length)
+        session = Session(self, next(self._ids), length, kv=self._alloc_session_kv(length))
         self.sessions[session.id] = session
         return session
+
+    def _alloc_session_kv(self, length: int):
+        """A cache for a new session; where the KV (block-table rows, pool blocks) is full, cached prompt
+        prefixes give way, least recently used first: a live session outranks a cached one."""
+        while True:
+            try:
+                return self.executor.alloc_kv(length)
+            except CapacityError:
+                if self.prefix_cache is None or not self.prefix_cache.evict_oldest():
+                    raise
 
     def check_tokens(self, ids, where: str) -> np.ndarray:
         if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self.config.vocab_size:
@@ -362,8 +372,14 @@ class Session:
         assert self.position == 0 and len(tokens) == length
         engine = self.engine
         with engine._lock:
-            mine = engine.executor.fork_kv(kv, length, self.max_seq_len)
+            # the fresh session's own empty cache goes first, so the fork finds its table row even when
+            # every other row is taken; if the fork fails, the session gets an empty cache back
             engine.executor.free_kv(self.kv)
+            try:
+                mine = engine.executor.fork_kv(kv, length, self.max_seq_len)
+            except Exception:
+                self.kv = engine.executor.alloc_kv(self.max_seq_len)
+                raise
         self.kv, self.position, self.tokens = mine, length, list(tokens)
 
     def fork(self) -> "Session":

@@ -105,6 +105,13 @@ class PrefixCache:
         while self.cached_positions > self.budget_positions:
             self._evict(next(iter(self.entries.values())))
 
+    def evict_oldest(self) -> bool:
+        """Give the least recently used entry's cache back (a new session needs its room); False when empty."""
+        if not self.entries:
+            return False
+        self._evict(next(iter(self.entries.values())))
+        return True
+
     def _evict(self, entry: Entry) -> None:
         del self.entries[id(entry)]
         self.cached_positions -= entry.length
