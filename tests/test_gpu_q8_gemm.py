@@ -7,10 +7,9 @@ import pytest
 
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.dense_gemm import ALL_GEMM_TILES, GEMM_SIGNATURE, DenseGemm, DenseScratch
-from kestrel_stream.cuda.kernels import QWeight
 from kestrel_stream.model.quant import quantize
 from kestrel_stream.run.host import CpuExecutor
-from test_gpu_dense_gemm import check_dense_projection
+from test_gpu_dense_gemm import check_dense_projection, check_graph_replay
 from test_gpu_kernels import Gpu, rel_err
 from test_gpu_model import random_weights, relative
 
@@ -84,22 +83,9 @@ def test_the_dense_path_on_the_built_in_gemm(gpu, n, k, tokens, epilogue):
 
 
 def test_a_captured_graph_replays_the_built_in_gemm(gpu):
-    n, k, tokens = 1056, 544, 200
-    scratch = DenseScratch.allocate(gpu.arena, None, min_tokens=1, max_tokens=MAX_TOKENS, weight_elements=n * k,
-                                    max_cols=k, output_floats=n, workspace_bytes=0)
-    w, _, rng = case(n, k, tokens)
-    qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
-    x_ptr, y = gpu.put(np.zeros((tokens, k), np.float32)), gpu.put(np.zeros((tokens, n), np.float32))
-    launch = gpu.gemv_launch(gpu.kernels, qw, x_ptr, k, y, n, tokens, dense=scratch)
-    with driver.capture(gpu.stream) as captured:
-        launch.enqueue(gpu.stream)
-    for trial in range(2):
-        x = rng.standard_normal((tokens, k)).astype(np.float32)
-        driver.h2d_sync(x_ptr, x)
-        captured.graph.launch(gpu.stream)
-        gpu.stream.synchronize()
-        assert rel_err(gpu.get(y, (tokens, n)), x @ w.dequantize().T) < 2e-3, trial
-    captured.graph.destroy()
+    scratch = DenseScratch.allocate(gpu.arena, None, min_tokens=1, max_tokens=MAX_TOKENS, weight_elements=1056 * 544,
+                                    max_cols=544, output_floats=1056, workspace_bytes=0)
+    check_graph_replay(gpu, scratch)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
