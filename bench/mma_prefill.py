@@ -1,4 +1,4 @@
-"""The tensor-core Q8_0 GEMMs -- int8 q8_mma.cu and fp16 q8_mma_f16.cu -- against the fp32 SIMT
+"""The tensor-core Q8_0 GEMMs -- int8 q8_mma.cu and fp16 q8_mma_f16_ws.cu -- against the fp32 SIMT
 q8_matmul.cu, in TFLOP/s.
 
     PYTHONPATH=. python3 -m bench.mma_prefill [--out DIR] [--repeats N] [--only decode|prefill]

@@ -1,4 +1,4 @@
-// The store of one accumulator pair of the tensor-core GEMMs (q8_mma.cu, q8_mma_pipe.cu, q8_mma_f16.cu,
+// The store of one accumulator pair of the tensor-core GEMMs (q8_mma.cu, q8_mma_pipe.cu,
 // q8_mma_f16_ws.cu, q4_mma.cu; N: the end of the rows the launch writes):
 // a thread's C pair (v0, v1) is two adjacent weight rows of one token, so a (gate, up) row pair of
 // gate_up stays in one thread for SiLU·mul.  Then the residual (y may be res itself: o and down write the

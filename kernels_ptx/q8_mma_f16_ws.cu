@@ -1,11 +1,10 @@
 // Q8_0 matrix-matrix product on fp16 tensor cores, weights dequantised ONCE per block into shared memory
-// (the "_ws" tiles of kestrel_stream/cuda/mma_variants.F16_TILES).  Arguments, arithmetic and epilogues
-// are q8_mma_f16.cu's: fp16(q * d) weights, fp16(x * inv_rms_in) activations, fp32 sums, then inv_rms_in
-// is already in x; SiLU·mul row pairs, residual, xn and the last block's 1/rms.
+// (the tiles of kestrel_stream/cuda/mma_variants.F16_TILES), for steps of 128+ tokens that have no dense
+// path (gated and layers=N modes' device steps; gpu mode runs q8_wgmma.cu / q8_gemm_f16.cu).  Arguments
+// and epilogues are the GEMV's: fp16(q * d) weights, fp16(x * inv_rms_in) activations, fp32 sums;
+// SiLU·mul row pairs, residual, xn and the last block's 1/rms.
 //
-// Why another kernel: q8_mma_f16.cu has every warp convert its own copy of the int8 weight words it
-// multiplies (WARPS_M copies per block) and loads fragments with 32/64-bit shared loads, with a barrier
-// every 32 of K.  Here:
+// How:
 //   - each thread dequantises exactly the 16-byte int8 chunks it itself copied by cp.async (so the int8
 //     ring needs no barrier: a slot is read and refilled by the same thread) into an fp16 tile;
 //   - x is rounded to fp16 into a second tile; both are double-buffered, one __syncthreads per BK stage,
@@ -274,7 +273,7 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
         }
     if (inv_rms_out == nullptr) return;
 
-    // The last block of each row of token blocks computes its tokens' 1/rms, as in q8_mma_f16.cu (one
+    // The last block of each row of token blocks computes its tokens' 1/rms, as q8_mma.cu's (one
     // ticket per row of blocks, counter[0..7]; more than 8 rows of blocks: one ticket).
     const bool ticket_per_row = gridDim.y <= 8;
     unsigned int* ticket = counter + (ticket_per_row ? blockIdx.y : 0);
@@ -310,16 +309,8 @@ __device__ __forceinline__ void q8_f16mma_ws_body(
 #define DEFINE_F16MMA_WS_PAIR(BM, BN, BK, WM, WN, ST, XA, MINB, SUFFIX)            \
     DEFINE_F16MMA_WS(BM, BN, BK, WM, WN, ST, XA, MINB, false, q8_f16mma_##SUFFIX)  \
     DEFINE_F16MMA_WS(BM, BN, BK, WM, WN, ST, XA, MINB, true, q8_f16mma_##SUFFIX##_silu)
-DEFINE_F16MMA_WS_PAIR(128, 128, 64, 2, 4, 3, 0, 1, 128x128k64_ws_s3)
-DEFINE_F16MMA_WS_PAIR(128, 128, 32, 2, 4, 4, 0, 2, 128x128_ws_s4_b2)
-DEFINE_F16MMA_WS_PAIR(128, 128, 32, 2, 4, 4, 0, 1, 128x128_ws_s4)
-DEFINE_F16MMA_WS_PAIR(128, 256, 64, 2, 4, 3, 0, 1, 128x256k64_ws_s3)
-DEFINE_F16MMA_WS_PAIR(64, 128, 64, 2, 4, 4, 0, 2, 64x128k64_ws_s4_b2)
-DEFINE_F16MMA_WS_PAIR(64, 64, 64, 2, 2, 4, 0, 2, 64x64k64_ws_s4_b2)
-DEFINE_F16MMA_WS_PAIR(128, 128, 32, 2, 4, 3, 1, 2, 128x128_ws_xa_s3_b2)
-DEFINE_F16MMA_WS_PAIR(128, 64, 32, 2, 2, 3, 1, 2, 128x64_ws_xa_s3_b2)
-DEFINE_F16MMA_WS_PAIR(64, 128, 32, 2, 4, 4, 1, 2, 64x128_ws_xa_s4_b2)
-DEFINE_F16MMA_WS_PAIR(128, 128, 64, 2, 4, 3, 1, 1, 128x128k64_ws_xa_s3)
-DEFINE_F16MMA_WS_PAIR(128, 256, 32, 2, 4, 4, 1, 1, 128x256_ws_xa_s4)
 DEFINE_F16MMA_WS_PAIR(64, 64, 64, 2, 2, 3, 1, 2, 64x64k64_ws_xa_s3_b2)
-DEFINE_F16MMA_WS_PAIR(64, 64, 32, 2, 2, 4, 1, 4, 64x64_ws_xa_s4_b4)
+DEFINE_F16MMA_WS_PAIR(128, 256, 32, 2, 4, 4, 1, 1, 128x256_ws_xa_s4)
+DEFINE_F16MMA_WS_PAIR(64, 128, 64, 2, 4, 4, 0, 2, 64x128k64_ws_s4_b2)
+DEFINE_F16MMA_WS_PAIR(128, 128, 64, 2, 4, 3, 0, 1, 128x128k64_ws_s3)
+DEFINE_F16MMA_WS_PAIR(128, 128, 32, 2, 4, 3, 1, 2, 128x128_ws_xa_s3_b2)

@@ -1,4 +1,4 @@
-"""numpy twin of kernels_ptx/q8_mma_f16.cu (the fp16 tensor-core GEMM of prefill-sized steps).
+"""numpy twin of kernels_ptx/q8_mma_f16_ws.cu (the fp16 tensor-core GEMM of prefill-sized steps without the dense path).
 
 Weights dequantised to fp16 as fp16(q * d), activations (times inv_rms_in, when given) rounded to fp16,
 products summed in float32, then the epilogues every GEMV/GEMM kernel shares (fake_kernels.gemv_epilogues).
@@ -20,7 +20,7 @@ def f16_weights(wq: np.ndarray, w_scales: np.ndarray) -> np.ndarray:
 
 def f16mma_product(x: np.ndarray, wq: np.ndarray, w_scales: np.ndarray, inv_rms=None) -> np.ndarray:
     """x [T, K] float32 (times inv_rms [T] per token, before the rounding) against a Q8_0 weight as
-    q8_mma_f16.cu computes it: [T, N] float32."""
+    q8_mma_f16_ws.cu computes it: [T, N] float32."""
     if inv_rms is not None:
         x = x * inv_rms.astype(np.float32)[:, None]
     x16 = x.astype(np.float16).astype(np.float32)

@@ -1,4 +1,4 @@
-"""CI (no GPU): the fp16 tensor-core GEMM of prefill-sized steps (kernels_ptx/q8_mma_f16.cu) through its
+"""CI (no GPU): the fp16 tensor-core GEMM of prefill-sized steps without the dense path (kernels_ptx/q8_mma_f16_ws.cu) through its
 numpy twin (fake_f16mma): its arithmetic, which steps get it, its tile table against the kernel source,
 and gpu mode's prefill logits through it against the CPU engine."""
 from __future__ import annotations
@@ -52,38 +52,30 @@ def test_a_residual_stream_past_fp16_range_is_normed_before_rounding():
 
 
 def test_tile_table_matches_the_kernel_source():
-    """Every tile the launcher can pick is instantiated with the same shape, warps, BK and stages (plain
-    and _silu): q8_mma_f16.cu's within the 48 KiB of static shared memory that needs no opt-in (STAGES
-    int8 weight tiles of BK + 16 bytes a row and two fp16 x tiles of BK + 16 halves), q8_mma_f16_ws.cu's
-    (weights_in_shared) with the dynamic shared memory the kernel lays out, min_blocks of them to an SM."""
-    source = (build.source_dir() / "q8_mma_f16.cu").read_text()
-    pattern = r"^DEFINE_F16MMA_PAIR\(" + ", ".join([r"(\d+)"] * 8) + r", (\w+)\)"
-    defined = {"f16_" + m[8]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), k_step=int(m[2]),
-                                                   stages=int(m[5]), x_ahead=int(m[6]), min_blocks=int(m[7]))
-               for m in re.findall(pattern, source, flags=re.M)}
+    """Every tile the launcher can pick is instantiated in q8_mma_f16_ws.cu with the same shape, warps, BK,
+    stages and x ring (plain and _silu), with the dynamic shared memory the kernel lays out, min_blocks of
+    them to an SM; choose_f16_tile picks only tiles of the table."""
     ws_source = (build.source_dir() / "q8_mma_f16_ws.cu").read_text()
     ws_pattern = r"^DEFINE_F16MMA_WS_PAIR\(" + ", ".join([r"(\d+)"] * 8) + r", (\w+)\)"
     ws_defined = {"f16_" + m[8]: mma_variants.F16Tile(int(m[0]), int(m[1]), int(m[3]), int(m[4]), k_step=int(m[2]),
                                                       stages=int(m[5]), min_blocks=int(m[7]), weights_in_shared=True,
                                                       x_async=m[6] == "1")
                   for m in re.findall(ws_pattern, ws_source, flags=re.M)}
-    assert ws_defined == mma_variants.F16_WS_TILES and len(ws_defined) >= 4
-    assert {**defined, **ws_defined} == mma_variants.F16_TILES and not set(defined) & set(ws_defined)
+    assert ws_defined == mma_variants.F16_WS_TILES == mma_variants.F16_TILES and len(ws_defined) >= 4
     assert "q8_mma_f16_ws.cu" in build.KERNEL_SOURCES
     for name, tile in mma_variants.F16_TILES.items():
-        if tile.weights_in_shared:
-            x_ring = tile.stages * tile.tokens * tile.k_step * 4 if tile.x_async else 0
-            assert tile.shared_bytes == (tile.stages * tile.rows * tile.k_step + x_ring
-                                         + 2 * (tile.rows + tile.tokens) * tile.k_step * 2), name
-            assert ("_xa_" in name) == tile.x_async, name
-            assert tile.k_step in (32, 64) and tile.min_blocks * tile.shared_bytes <= 227 * 1024, name
-            assert tile.rows % (16 * tile.warps_n) == 0, (name, "B fragments come two n tiles per ldmatrix.x4")
-        else:
-            shared_bytes = tile.stages * tile.rows * (tile.k_step + 16) + 2 * tile.tokens * (tile.k_step + 16) * 2
-            assert shared_bytes <= 48 * 1024 and tile.shared_bytes == 0 and not tile.x_async, (name, shared_bytes)
+        x_ring = tile.stages * tile.tokens * tile.k_step * 4 if tile.x_async else 0
+        assert tile.shared_bytes == (tile.stages * tile.rows * tile.k_step + x_ring
+                                     + 2 * (tile.rows + tile.tokens) * tile.k_step * 2), name
+        assert ("_xa_" in name) == tile.x_async, name
+        assert tile.k_step in (32, 64) and tile.min_blocks * tile.shared_bytes <= 227 * 1024, name
+        assert tile.rows % (16 * tile.warps_n) == 0, (name, "B fragments come two n tiles per ldmatrix.x4")
         assert tile.tokens % (16 * tile.warps_m) == 0 and tile.rows % (8 * tile.warps_n) == 0, name
         for silu in (False, True):
             assert mma_variants.f16_parse(mma_variants.f16_kernel_name(name, silu)) == (tile, silu)
+    for tokens in (128, 512, 2048):
+        for rows, k in ((2048, 2048), (24576, 4096), (151936, 2048)):
+            assert mma_variants.choose_f16_tile(tokens, rows, k=k) in mma_variants.F16_TILES
 
 
 @pytest.mark.parametrize("tokens", [9, 64, 127, 128, 200, 511, 512, 513, 2048])
@@ -99,8 +91,8 @@ def test_steps_from_the_threshold_on_take_the_fp16_gemm(monkeypatch, tokens, row
     else:
         assert launch.name.startswith("q8_mma_" if tokens > 8 else "q8_gemv_")
     forced = gemv_launch(KernelSet(), QWeight(0, 0, rows, 64), 0, 64, 0, rows, max(tokens, 9),
-                         variant="f16_128x64", silu_pairs=True)
-    assert forced.name == "q8_f16mma_128x64_silu"
+                         variant="f16_128x128k64_ws_s3", silu_pairs=True)
+    assert forced.name == "q8_f16mma_128x128k64_ws_s3_silu"
     int8 = gemv_launch(KernelSet(), QWeight(0, 0, rows, 64), 0, 64, 0, rows, max(tokens, 9), variant="64x128")
     assert int8.name == "q8_mma_64x128", "an int8 tile asked for by name stays int8 at any token count"
     assert not set(mma_variants.F16_TILES) & set(mma_variants.TILES)

@@ -1,5 +1,5 @@
-"""The fp16 tensor-core GEMMs of prefill-sized steps (kernels_ptx/q8_mma_f16.cu, and q8_mma_f16_ws.cu's
-_ws tiles with dynamic shared memory) against their numpy twin (fake_f16mma.f16mma_product) on awkward
+"""The fp16 tensor-core GEMM of prefill-sized steps without the dense path (kernels_ptx/q8_mma_f16_ws.cu's
+tiles, dynamic shared memory) against its numpy twin (fake_f16mma.f16mma_product) on awkward
 shapes, every tile and every epilogue (run on a GPU; skipped without one)."""
 import numpy as np
 import pytest
@@ -76,7 +76,7 @@ def test_q8_f16mma_matches_numpy(gpu, n, k, tokens, tile, epilogue):
         assert not gpu.get(counter, (16,), np.uint32)[:8].any(), "the tickets are zeroed for the next launch"
 
 
-@pytest.mark.parametrize("tile", ["f16_128x128", "f16_64x128", "f16_128x128k64_ws_s3", "f16_128x128_ws_xa_s3_b2"])
+@pytest.mark.parametrize("tile", ["f16_64x128k64_ws_s4_b2", "f16_128x128k64_ws_s3", "f16_128x128_ws_xa_s3_b2"])
 def test_programmatic_chain_of_f16_gemms_keeps_dependencies(gpu, tile):
     """Dependent 256-token GEMMs with programmatic stream serialization in one graph: each reads the
     xn and 1/rms the previous one's epilogue wrote, x_{i+1} = x_i + W_i (x_i / rms(x_i))."""

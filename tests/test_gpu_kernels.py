@@ -142,7 +142,7 @@ def test_q8_mma_matches_numpy(gpu, n, k, tokens, tile, epilogue):
              "silu_pairs": {"inv_rms_in": gpu.put(inv_rms_in), "silu_pairs": True},
              "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
                                  "inv_rms_out": inv_rms_out, "counter": counter}}[epilogue]
-    if tile is None and mma_variants.uses_f16(tokens):   # the default there is q8_mma_f16.cu (test_gpu_f16mma.py)
+    if tile is None and mma_variants.uses_f16(tokens):   # the default there is q8_mma_f16_ws.cu (test_gpu_f16mma.py)
         tile = mma_variants.choose_tile(tokens, n)
     launch = gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, cols, tokens, variant=tile, **extra)
     assert launch.name.startswith("q8_mma_")

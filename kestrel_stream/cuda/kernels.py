@@ -194,10 +194,10 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     tokens a variant of mma_variants (a tile, + "s<splits>" to split K; by default choose_variant's, unsplit
     without `split_scratch`) or "simt", the fp32 tiled q8_matmul.cu (exact fp32 activations; the
     baseline the bench compares with).  split_scratch: the partials and tickets split launches share.
-    dense: a dense_gemm.DenseScratch; the steps and weights it serves run as a cuBLAS GEMM on fp16
-    (a DenseGemm: several launches), unless `variant` names a kernel.
+    dense: a dense_gemm.DenseScratch; the steps and weights it serves run on the dense path, one fp16
+    tensor-core GEMM (a DenseGemm: several launches), unless `variant` names a kernel.
     For a block-format weight: a layout of q4_gemv_variants.variants(M) (block_kernels.block_gemv_launch).
-    From mma_variants.F16_MIN_TOKENS tokens on, by default, the fp16 tensor-core GEMM (q8_mma_f16.cu), a
+    From mma_variants.F16_MIN_TOKENS tokens on, by default, the fp16 tensor-core GEMM (q8_mma_f16_ws.cu), a
     tile of mma_variants.F16_TILES (by default mma_variants.choose_f16_tile).
     """
     if dense is not None and variant is None and dense.serves(w, tokens, silu_pairs):

@@ -208,7 +208,9 @@ class SplitScratch(NamedTuple):
     ticket_count: int
 
 
-# ---- fp16 tensor-core tiles for prefill-sized steps: kernels_ptx/q8_mma_f16.cu, q8_mma_f16_ws.cu -----------
+# ---- fp16 tensor-core tiles for prefill-sized steps without the dense path: kernels_ptx/q8_mma_f16_ws.cu ------
+# (gpu mode's steps of 128+ tokens take the dense path, cuda/dense_gemm.py; these serve the device steps of
+# gated and layers=N modes, which have no dense scratch)
 
 F16_MIN_TOKENS = 128    # steps of this many tokens or more take the fp16 GEMM (bench/mma.py sweeps it)
 
@@ -221,11 +223,10 @@ class F16Tile(NamedTuple):
     k_step: int = 32     # BK: K per pipeline stage
     stages: int = 4      # weight tiles in flight (cp.async ring)
     min_blocks: int = 1  # blocks per SM the registers are capped for (__launch_bounds__)
-    x_ahead: int = 1     # stages x (and the scales) are loaded ahead of their use, in registers
-    # q8_mma_f16_ws.cu: the weight tile dequantised once per block into fp16 shared memory, fragments by
-    # ldmatrix (dynamic shared memory, shared_bytes); else q8_mma_f16.cu (each warp converts its own words)
-    weights_in_shared: bool = False
-    x_async: bool = False    # _ws tiles only: x by cp.async into a `stages`-deep fp32 ring, not registers (_xa)
+    # the weight tile dequantised once per block into fp16 shared memory, fragments by ldmatrix (dynamic
+    # shared memory, shared_bytes): every tile of q8_mma_f16_ws.cu
+    weights_in_shared: bool = True
+    x_async: bool = False    # x by cp.async into a `stages`-deep fp32 ring, not registers (_xa)
 
     @property
     def threads(self) -> int:
@@ -234,43 +235,21 @@ class F16Tile(NamedTuple):
     @property
     def shared_bytes(self) -> int:
         """Dynamic shared memory a launch passes: the int8 ring (stages x BN x BK), with x_async the fp32 x
-        ring (stages x BM x BK floats), and two fp16 weight and x tiles ((BN + BM) x BK halves each); 0 for
-        q8_mma_f16.cu's static tiles."""
-        if not self.weights_in_shared:
-            return 0
+        ring (stages x BM x BK floats), and two fp16 weight and x tiles ((BN + BM) x BK halves each)."""
         x_ring = self.stages * self.tokens * self.k_step * 4 if self.x_async else 0
         return self.stages * self.rows * self.k_step + x_ring + 2 * (self.rows + self.tokens) * self.k_step * 2
 
 
-# variant -> tile: f16_<BM>x<BN>[k<BK>][w<warps> where two tiles differ only in warps][_s<stages>][_x<x_ahead>]
-# [_b<min_blocks>], the kernel q8_f16mma_<the same suffix>; the f16_ prefix keeps gemv_launch's variant
-# names apart from TILES'
-F16_TILES = {"f16_128x128": F16Tile(128, 128, 2, 4), "f16_128x128_x2": F16Tile(128, 128, 2, 4, x_ahead=2),
-             "f16_128x128_b2": F16Tile(128, 128, 2, 4, min_blocks=2),
-             "f16_128x128_s3": F16Tile(128, 128, 2, 4, stages=3), "f16_64x128": F16Tile(64, 128, 1, 4),
-             "f16_64x128_x2": F16Tile(64, 128, 1, 4, x_ahead=2), "f16_64x128w8": F16Tile(64, 128, 2, 4),
-             "f16_64x128w8_x2": F16Tile(64, 128, 2, 4, x_ahead=2), "f16_128x64": F16Tile(128, 64, 2, 2),
-             "f16_64x64": F16Tile(64, 64, 1, 2), "f16_64x64k64": F16Tile(64, 64, 2, 2, k_step=64)}
-# the _ws tiles (weights_in_shared): q8_f16mma_<BM>x<BN>[k<BK>]_ws[_xa]_s<stages>[_b<min_blocks>]
-F16_WS_TILES = {"f16_128x128k64_ws_s3": F16Tile(128, 128, 2, 4, 64, stages=3, weights_in_shared=True),
-                "f16_128x128_ws_s4_b2": F16Tile(128, 128, 2, 4, 32, stages=4, min_blocks=2, weights_in_shared=True),
-                "f16_128x128_ws_s4": F16Tile(128, 128, 2, 4, 32, stages=4, weights_in_shared=True),
-                "f16_128x256k64_ws_s3": F16Tile(128, 256, 2, 4, 64, stages=3, weights_in_shared=True),
-                "f16_64x128k64_ws_s4_b2": F16Tile(64, 128, 2, 4, 64, stages=4, min_blocks=2, weights_in_shared=True),
-                "f16_64x64k64_ws_s4_b2": F16Tile(64, 64, 2, 2, 64, stages=4, min_blocks=2, weights_in_shared=True),
-                "f16_128x128_ws_xa_s3_b2": F16Tile(128, 128, 2, 4, 32, stages=3, min_blocks=2, weights_in_shared=True,
-                                                   x_async=True),
-                "f16_128x64_ws_xa_s3_b2": F16Tile(128, 64, 2, 2, 32, stages=3, min_blocks=2, weights_in_shared=True,
-                                                  x_async=True),
-                "f16_64x128_ws_xa_s4_b2": F16Tile(64, 128, 2, 4, 32, stages=4, min_blocks=2, weights_in_shared=True,
-                                                  x_async=True),
-                "f16_128x128k64_ws_xa_s3": F16Tile(128, 128, 2, 4, 64, stages=3, weights_in_shared=True, x_async=True),
-                "f16_128x256_ws_xa_s4": F16Tile(128, 256, 2, 4, 32, stages=4, weights_in_shared=True, x_async=True),
-                "f16_64x64k64_ws_xa_s3_b2": F16Tile(64, 64, 2, 2, 64, stages=3, min_blocks=2, weights_in_shared=True,
+# the tiles of q8_mma_f16_ws.cu (weights_in_shared): q8_f16mma_<BM>x<BN>[k<BK>]_ws[_xa]_s<stages>[_b<min_blocks>];
+# the f16_ prefix keeps gemv_launch's variant names apart from TILES'.  choose_f16_tile picks the first three.
+F16_WS_TILES = {"f16_64x64k64_ws_xa_s3_b2": F16Tile(64, 64, 2, 2, 64, stages=3, min_blocks=2, weights_in_shared=True,
                                                     x_async=True),
-                "f16_64x64_ws_xa_s4_b4": F16Tile(64, 64, 2, 2, 32, stages=4, min_blocks=4, weights_in_shared=True,
-                                                 x_async=True)}
-F16_TILES.update(F16_WS_TILES)
+                "f16_128x256_ws_xa_s4": F16Tile(128, 256, 2, 4, 32, stages=4, weights_in_shared=True, x_async=True),
+                "f16_64x128k64_ws_s4_b2": F16Tile(64, 128, 2, 4, 64, stages=4, min_blocks=2, weights_in_shared=True),
+                "f16_128x128k64_ws_s3": F16Tile(128, 128, 2, 4, 64, stages=3, weights_in_shared=True),
+                "f16_128x128_ws_xa_s3_b2": F16Tile(128, 128, 2, 4, 32, stages=3, min_blocks=2, weights_in_shared=True,
+                                                   x_async=True)}
+F16_TILES = dict(F16_WS_TILES)
 
 
 def f16_kernel_name(tile: str, silu_pairs: bool) -> str:
@@ -285,7 +264,7 @@ def f16_parse(name: str) -> tuple[F16Tile, bool]:
 
 
 def uses_f16(tokens: int, variant: str | None = None) -> bool:
-    """Whether a GEMM of `tokens` rows of x runs q8_mma_f16.cu: a tile of F16_TILES asked for by name,
+    """Whether a GEMM of `tokens` rows of x runs q8_mma_f16_ws.cu: a tile of F16_TILES asked for by name,
     or by default every step of F16_MIN_TOKENS tokens and more."""
     return variant in F16_TILES if variant is not None else tokens >= F16_MIN_TOKENS
 
