@@ -17,6 +17,7 @@ from kestrel_stream.obs import trace
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.obs import prof
 from kestrel_stream.options import Options
+from kestrel_stream.run.prefix_cache import PrefixCache, alloc_kv_making_room
 from kestrel_stream.errors import CapacityError, DeviceError, InvalidTokenError, SessionClosedError
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.text.lazy_tokenizer import LazyTokenizer
@@ -135,7 +136,6 @@ class Engine:
     def enable_prefix_cache(self, budget_positions: int, block_size: int = 16):
         """Reuse cached prompt prefixes across sessions (PrefixCache.prefill_last), within
         `budget_positions` cached positions; 0 turns it off."""
-        from kestrel_stream.run.prefix_cache import PrefixCache
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         self.prefix_cache = PrefixCache(self, budget_positions, block_size) if budget_positions else None
@@ -157,19 +157,10 @@ class Engine:
         length = max_seq_len or self.max_seq_len
         if not 0 < length <= self.max_seq_len:
             raise CapacityError(f"max_seq_len={length} is outside 1..{self.max_seq_len} (the engine's limit)")
-        session = Session(self, next(self._ids), length, kv=self._alloc_session_kv(length))
+        kv = alloc_kv_making_room(self.executor, self.prefix_cache, length)
+        session = Session(self, next(self._ids), length, kv=kv)
         self.sessions[session.id] = session
         return session
-
-    def _alloc_session_kv(self, length: int):
-        """A cache for a new session; where the KV (block-table rows, pool blocks) is full, cached prompt
-        prefixes give way, least recently used first: a live session outranks a cached one."""
-        while True:
-            try:
-                return self.executor.alloc_kv(length)
-            except CapacityError:
-                if self.prefix_cache is None or not self.prefix_cache.evict_oldest():
-                    raise
 
     def check_tokens(self, ids, where: str) -> np.ndarray:
         if type(ids) is list and len(ids) == 1 and type(ids[0]) is int and 0 <= ids[0] < self.config.vocab_size:

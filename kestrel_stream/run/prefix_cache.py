@@ -27,6 +27,17 @@ DEFAULT_BLOCK_SIZE = 16
 MAX_ENTRIES = 32       # each entry holds a cache handle (in gpu mode a block-table row, see --max-sessions)
 
 
+def alloc_kv_making_room(executor, cache: "PrefixCache | None", length: int):
+    """A cache for a new session; where the KV (block-table rows, pool blocks) is full, the prefix cache's
+    entries give way, least recently used first: a live session outranks a cached prompt."""
+    while True:
+        try:
+            return executor.alloc_kv(length)
+        except CapacityError:
+            if cache is None or not cache.evict_oldest():
+                raise
+
+
 @dataclass
 class Entry:
     kv: object                 # the executor's cache handle, holding `length` positions
