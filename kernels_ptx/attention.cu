@@ -17,184 +17,7 @@
 // (attention_paged_d*_f16 / _f32); one body serves both.
 #include "common.cuh"
 #include "kv_cache.cuh"
-
-#define ATTN_WARPS 4
-#define ATTN_MAX_GROUP 8
-#define ATTN_MAX_GROUP_D 2048   // group * head_dim (checked on the host)
-#define ATTN_MAX_SPLITS 32
-
-// The row element a lane's c-th value is: with D a multiple of 32, PER_LANE contiguous elements per
-// lane, so a K or V row is one vector load per lane (8 B of f16 at D = 128); else (80) lane + 32 c,
-// the top lanes of the last chunk idle.
-template <int D, int PER_LANE>
-__device__ __forceinline__ int lane_elem(int lane, int c) {
-    return D % 32 == 0 ? lane * PER_LANE + c : lane + 32 * c;
-}
-
-template <int N> struct LaneVec;   // N contiguous f16 as one load
-template <> struct LaneVec<2> { typedef unsigned int T; };
-template <> struct LaneVec<4> { typedef uint2 T; };
-template <> struct LaneVec<8> { typedef uint4 T; };
-
-template <int D, int PER_LANE>
-__device__ __forceinline__ void load_lane_elems(const half_bits* row, int lane, float (&out)[PER_LANE]) {
-    if constexpr (D % 32 == 0 && (PER_LANE == 2 || PER_LANE == 4 || PER_LANE == 8)) {
-        typedef typename LaneVec<PER_LANE>::T V;
-        V v = *reinterpret_cast<const V*>(row + lane * PER_LANE);
-        const half_bits* h = reinterpret_cast<const half_bits*>(&v);
-#pragma unroll
-        for (int c = 0; c < PER_LANE; c++) out[c] = half_to_float(h[c]);
-    } else {
-#pragma unroll
-        for (int c = 0; c < PER_LANE; c++) {
-            const int e = lane_elem<D, PER_LANE>(lane, c);
-            out[c] = e < D ? load_kv(row + e) : 0.f;
-        }
-    }
-}
-
-template <int D, int PER_LANE>
-__device__ __forceinline__ void load_lane_elems(const float* row, int lane, float (&out)[PER_LANE]) {
-    if constexpr (D % 32 == 0 && (PER_LANE == 2 || PER_LANE == 4 || PER_LANE == 8)) {
-#pragma unroll
-        for (int c = 0; c < PER_LANE; c += 2) {   // 8 B loads: a session's cache offset need not be 16 B aligned
-            float2 v = *reinterpret_cast<const float2*>(row + lane * PER_LANE + c);
-            out[c] = v.x; out[c + 1] = v.y;
-        }
-    } else {
-#pragma unroll
-        for (int c = 0; c < PER_LANE; c++) {
-            const int e = lane_elem<D, PER_LANE>(lane, c);
-            out[c] = e < D ? row[e] : 0.f;
-        }
-    }
-}
-
-// D: head_dim, a constant so q and acc stay in registers.  The caller ran pdl_wait
-// (rows were built from per-token params) and passes this block's token's K rows.
-template <int D, int G, typename Rows>
-__device__ __forceinline__ void attention_split_body(
-        const float* __restrict__ q, const Rows rows, const int* __restrict__ pos, float* part_acc,
-        float* part_max, float* part_sum, float* __restrict__ out, unsigned int* counters, int n_heads,
-        int n_kv, int window, float softmax_scale) {
-    constexpr int PER_LANE = (D + 31) / 32;
-    constexpr int KEYS_PER_ITER = G <= 2 && PER_LANE <= 4 ? 8 : PER_LANE <= 4 ? 4 : 2;   // keys whose loads are in flight together
-    __shared__ float merge_acc[ATTN_WARPS][(G * D < ATTN_MAX_GROUP_D ? G * D : ATTN_MAX_GROUP_D)];
-    __shared__ float merge_max[ATTN_WARPS][G], merge_sum[ATTN_WARPS][G];
-    __shared__ bool is_last_split;
-    __shared__ float split_weight[G][ATTN_MAX_SPLITS], split_den[G];
-    const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int group = n_heads / n_kv;
-    // at least 16 keys per split: short contexts use few splits, the rest exit at once
-    const int first_key = window > 0 ? max(pos[t] - window + 1, 0) : 0;
-    const int n_keys = pos[t] + 1 - first_key, per_split = max((n_keys + splits - 1) / splits, 16);
-    const int begin = first_key + split * per_split, end = first_key + min(split * per_split + per_split, n_keys);
-    const long long v_offset = (long long)n_kv * D;   // a position's V row follows its K row
-
-    float qr[G][PER_LANE], acc[G][PER_LANE];
-    float run_max[G], run_sum[G];
-    const float* qt = q + (long long)t * n_heads * D + (long long)head_kv * group * D;
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-        run_max[g] = -INFINITY; run_sum[g] = 0.f;
-#pragma unroll
-        for (int c = 0; c < PER_LANE; c++) {
-            acc[g][c] = 0.f;
-            const int e = lane_elem<D, PER_LANE>(lane, c);
-            qr[g][c] = g < group && e < D ? qt[g * D + e] * softmax_scale : 0.f;
-        }
-    }
-
-    for (int p0 = begin + warp; p0 < end; p0 += KEYS_PER_ITER * ATTN_WARPS) {
-        float kr[KEYS_PER_ITER][PER_LANE], vr[KEYS_PER_ITER][PER_LANE];
-#pragma unroll
-        for (int u = 0; u < KEYS_PER_ITER; u++) {
-            int p = min(p0 + u * ATTN_WARPS, end - 1);   // a duplicate key is loaded, then skipped
-            const typename Rows::Elem* krow = rows.row(p);
-            load_lane_elems<D, PER_LANE>(krow, lane, kr[u]);
-            load_lane_elems<D, PER_LANE>(krow + v_offset, lane, vr[u]);
-        }
-#pragma unroll
-        for (int u = 0; u < KEYS_PER_ITER; u++) {
-            if (u > 0 && p0 + u * ATTN_WARPS >= end) break;
-#pragma unroll
-            for (int g = 0; g < G; g++) {
-                if (g >= group) break;
-                float s = 0.f;
-#pragma unroll
-                for (int c = 0; c < PER_LANE; c++) s = fmaf(qr[g][c], kr[u][c], s);
-                s = warp_sum(s);
-                float new_max = fmaxf(run_max[g], s);
-                float correction = expf(run_max[g] - new_max);
-                float weight = expf(s - new_max);
-                run_sum[g] = run_sum[g] * correction + weight;
-#pragma unroll
-                for (int c = 0; c < PER_LANE; c++) acc[g][c] = fmaf(acc[g][c], correction, weight * vr[u][c]);
-                run_max[g] = new_max;
-            }
-        }
-    }
-
-#pragma unroll
-    for (int g = 0; g < G; g++) {
-        if (g >= group) break;
-        if (lane == 0) { merge_max[warp][g] = run_max[g]; merge_sum[warp][g] = run_sum[g]; }
-#pragma unroll
-        for (int c = 0; c < PER_LANE; c++)
-            if (lane_elem<D, PER_LANE>(lane, c) < D) merge_acc[warp][g * D + lane_elem<D, PER_LANE>(lane, c)] = acc[g][c];
-    }
-    __syncthreads();
-    const long long part_row = ((long long)t * n_heads + (long long)head_kv * group) * splits + split;
-    for (int i = threadIdx.x; i < group * D; i += ATTN_WARPS * 32) {
-        int g = i / D, d = i % D;
-        float block_max = -INFINITY;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) block_max = fmaxf(block_max, merge_max[w][g]);
-        float num = 0.f, den = 0.f;
-#pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) {
-            // a warp that saw no key has max -inf and contributes nothing
-            float f = merge_max[w][g] == -INFINITY ? 0.f : expf(merge_max[w][g] - block_max);
-            num += merge_acc[w][i] * f;
-            den += merge_sum[w][g] * f;
-        }
-        long long row = part_row + (long long)g * splits;
-        part_acc[row * D + d] = num;
-        if (d == 0) { part_max[row] = block_max; part_sum[row] = den; }
-    }
-
-    __threadfence();   // partials visible device-wide before the ticket
-    __syncthreads();
-    unsigned int* counter = counters + (long long)t * n_kv + head_kv;
-    if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1u) == (unsigned int)(splits - 1);
-    __syncthreads();
-    if (!is_last_split) return;
-    __threadfence();
-    const long long first = ((long long)t * n_heads + (long long)head_kv * group) * splits;
-    // per q head: the weight of each split, e^(max_s - max), staged once (one warp per head)
-    for (int g = warp; g < group; g += ATTN_WARPS) {
-        float m = lane < splits ? __ldcg(part_max + first + (long long)g * splits + lane) : -INFINITY;
-        float total_max = warp_max(m);
-        float f = m == -INFINITY ? 0.f : expf(m - total_max);   // an empty split weighs nothing
-        float den = warp_sum(lane < splits ? f * __ldcg(part_sum + first + (long long)g * splits + lane) : 0.f);
-        if (lane < splits) split_weight[g][lane] = f;
-        if (lane == 0) split_den[g] = den;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < group * D; i += ATTN_WARPS * 32) {
-        int g = i / D, d = i % D;
-        const float* acc_g = part_acc + (first + (long long)g * splits) * D + d;
-        float num = 0.f;
-#pragma unroll 4
-        for (int s = 0; s < splits; s++) {
-            float f = split_weight[g][s];
-            if (f != 0.f) num += __ldcg(acc_g + (long long)s * D) * f;   // empty splits wrote no acc
-        }
-        out[(long long)t * n_heads * D + (long long)head_kv * group * D + i] = num / split_den[g];
-    }
-    if (threadIdx.x == 0) *counter = 0u;
-}
+#include "attention_body.cuh"
 
 #define DEFINE_ATTENTION(D)                                                                     \
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_split_d##D(         \
@@ -206,8 +29,9 @@ __device__ __forceinline__ void attention_split_body(
         const long long stride = (long long)n_layers * 2 * n_kv * D;                            \
         ContiguousRows rows{kvpool + kvbase[blockIdx.y] + (long long)layer * 2 * n_kv * D       \
                             + (long long)blockIdx.x * D, stride};                               \
-        attention_split_body<D, ATTN_MAX_GROUP>(q, rows, pos, part_acc, part_max, part_sum, out,\
-                                                counters, n_heads, n_kv, window, softmax_scale); \
+        attention_split_body<D, ATTN_MAX_GROUP>(q + group_q_offset(n_heads, n_kv, D), rows, pos,     \
+                                                part_acc, part_max, part_sum, out, counters,    \
+                                                n_heads, n_kv, window, softmax_scale);          \
     }
 // every head dim of kestrel_stream.cuda.kernels.ATTENTION_HEAD_DIMS: the common models' (each one
 // more costs NVRTC ~3 s per architecture; the template serves any D <= 256 that is a multiple of 16)
@@ -232,8 +56,9 @@ DEFINE_ATTENTION(256)
         PagedRows<E> rows{tables + table_row[blockIdx.y],                                       \
                           (long long)layer * 2 * n_kv * D + (long long)blockIdx.x * D,          \
                           (long long)n_layers * 2 * n_kv * D, block_shift};                     \
-        attention_split_body<D, G>(q, rows, pos, part_acc, part_max, part_sum, out, counters,   \
-                                   n_heads, n_kv, window, softmax_scale);                        \
+        attention_split_body<D, G>(q + group_q_offset(n_heads, n_kv, D), rows, pos, part_acc,    \
+                                   part_max, part_sum, out, counters, n_heads, n_kv, window,    \
+                                   softmax_scale);                                              \
     }
 // the same head dims as attention_split_d*, for each KV dtype
 #define DEFINE_PAGED_ATTENTION_DTYPE(SUFFIX, E)                                                 \

@@ -40,3 +40,15 @@ struct PagedRows {
         return block + (long long)(p & ((1 << block_shift) - 1)) * stride + offset;
     }
 };
+
+// The K (is_v false) or V row an append writes: token t's at position p, through its block-table row.
+template <typename E>
+struct PagedDst {
+    typedef E Elem;
+    const unsigned long long* tables; const long long* table_row; int layer, n_layers, n_kv, D, block_shift;
+    __device__ __forceinline__ E* row(int t, int p, bool is_v, int kv_head) const {
+        E* block = reinterpret_cast<E*>(tables[table_row[t] + (p >> block_shift)]);
+        long long within = p & ((1 << block_shift) - 1);
+        return block + ((within * n_layers + layer) * 2 + (is_v ? 1 : 0)) * n_kv * D + (long long)kv_head * D;
+    }
+};

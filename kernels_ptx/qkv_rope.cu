@@ -1,18 +1,15 @@
 // After the fused QKV projection: Qwen2's q/k/v bias, Qwen3's per-head q/k
 // RMSNorm, RoPE (HF rotate_half convention) and the KV-cache append, in one launch.
-// grid (n_heads + 2 * n_kv, T), one warp per head: blockIdx.x < n_heads is a q
-// head, then k heads, then v heads (biased, otherwise copied as they are).  Lane
-// holds elements lane + 32c (i < D), for any even D <= 256; the rotate_half
-// partner (i +- D/2) is read back through shared memory, since it lies in
-// another lane unless D % 64 == 0.  Every rope scaling type is the host's
-// inverse-frequency table.  The KV destination (kv_cache.cuh): a contiguous
-// float32 cache (qkv_norm_rope_append) or gpu mode's paged pool in f16 or float32
-// (qkv_rope_append_paged_f16 / _f32); one body serves all three.
+// grid (n_heads + 2 * n_kv, T), one warp per head (rope_head.cuh): blockIdx.x <
+// n_heads is a q head, then k heads, then v heads (biased, otherwise copied as
+// they are).  Every rope scaling type is the host's inverse-frequency table.
+// The KV destination (kv_cache.cuh): a contiguous float32 cache
+// (qkv_norm_rope_append) or gpu mode's paged pool in f16 or float32
+// (qkv_rope_append_paged_f16 / _f32); one body serves all three.  One-token
+// steps of gpu mode run this op as attention's prologue instead (attention_rope.cu).
 #include "common.cuh"
 #include "kv_cache.cuh"
-
-#define ROPE_MAX_PER_LANE 8   // head_dim <= 256
-#define ROPE_MAX_D 256
+#include "rope_head.cuh"
 
 // The K or V row of token t at position p: contiguous, float32
 struct ContiguousDst {
@@ -21,17 +18,6 @@ struct ContiguousDst {
     __device__ __forceinline__ float* row(int t, int p, bool is_v, int kv_head) const {
         return kvpool + kvbase[t] + (((long long)p * n_layers + layer) * 2 + (is_v ? 1 : 0)) * n_kv * D
                + (long long)kv_head * D;
-    }
-};
-
-template <typename E>
-struct PagedDst {
-    typedef E Elem;
-    const unsigned long long* tables; const long long* table_row; int layer, n_layers, n_kv, D, block_shift;
-    __device__ __forceinline__ E* row(int t, int p, bool is_v, int kv_head) const {
-        E* block = reinterpret_cast<E*>(tables[table_row[t] + (p >> block_shift)]);
-        long long within = p & ((1 << block_shift) - 1);
-        return block + ((within * n_layers + layer) * 2 + (is_v ? 1 : 0)) * n_kv * D + (long long)kv_head * D;
     }
 };
 
@@ -49,47 +35,17 @@ __device__ __forceinline__ void qkv_norm_rope_append_body(
     pdl_launch_dependents();
     pdl_wait();   // see common.cuh
     const int head = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
-    const int per_lane = (D + 31) >> 5, half = D >> 1;
+    const int per_lane = (D + 31) >> 5;
     __shared__ float staged[ROPE_MAX_D];
     const int width = (n_heads + 2 * n_kv) * D;
-    const float* src = qkv + (long long)t * width + (long long)head * D;
     const int p = pos[t];
     const bool is_q = head < n_heads, is_v = head >= n_heads + n_kv;
 
     float v[ROPE_MAX_PER_LANE];
-#pragma unroll
-    for (int c = 0; c < ROPE_MAX_PER_LANE; c++) {
-        int i = lane + 32 * c;
-        v[c] = c < per_lane && i < D ? src[i] + (bias ? bias[head * D + i] : 0.f) : 0.f;
-    }
-
+    load_head(qkv + (long long)t * width + (long long)head * D, bias ? bias + head * D : nullptr, D, lane, v);
     float* q_dst = is_q ? q_out + (long long)t * n_heads * D + (long long)head * D : nullptr;
     typename Dst::Elem* kv_dst = is_q ? nullptr : cache.row(t, p, is_v, is_v ? head - n_heads - n_kv : head - n_heads);
-    if (!is_v) {
-        const float* norm_w = is_q ? q_norm : k_norm;
-        if (norm_w) {
-            float sq = 0.f;
-#pragma unroll
-            for (int c = 0; c < ROPE_MAX_PER_LANE; c++) sq += v[c] * v[c];
-            float inv = 1.0f / sqrtf(warp_sum(sq) / (float)D + eps);
-#pragma unroll
-            for (int c = 0; c < ROPE_MAX_PER_LANE; c++)
-                if (c < per_lane && lane + 32 * c < D) v[c] = v[c] * inv * norm_w[lane + 32 * c];
-        }
-#pragma unroll
-        for (int c = 0; c < ROPE_MAX_PER_LANE; c++)
-            if (c < per_lane && lane + 32 * c < D) staged[lane + 32 * c] = v[c];
-        __syncwarp();
-#pragma unroll
-        for (int c = 0; c < ROPE_MAX_PER_LANE; c++) {
-            int i = lane + 32 * c;
-            if (c >= per_lane || i >= D) continue;
-            int freq_index = i < half ? i : i - half;
-            float angle = (float)p * inv_freq[freq_index];
-            float partner = i < half ? -staged[i + half] : staged[i - half];
-            v[c] = v[c] * cosf(angle) + partner * sinf(angle);
-        }
-    }
+    if (!is_v) norm_rope_head(v, is_q ? q_norm : k_norm, inv_freq, eps, p, D, staged, lane);
 #pragma unroll
     for (int c = 0; c < ROPE_MAX_PER_LANE; c++) {
         if (c >= per_lane || lane + 32 * c >= D) continue;

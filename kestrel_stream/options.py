@@ -12,6 +12,7 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_TRACE=FILE        a Chrome trace of the whole process, written at exit (as --trace)
     KESTREL_VERIFY=1          recompute every GPU step on the host and count mismatches
     KESTREL_PDL=0             no programmatic dependent launch between a step's kernels
+    KESTREL_FUSED_ROPE=0      one-token gpu steps keep a rope launch per layer (not attention's prologue)
     KESTREL_MINFLOP=F         the seed's per-projection FLOP threshold instead of the cost model (gated)
     KESTREL_GEMV_M1=SUFFIX    force one single-token GEMV layout (KESTREL_GEMV_M1_ROWS=4|2: "r4" | "")
     KESTREL_GEMV_MN=SUFFIX    force one 2..8-token GEMV layout
@@ -42,6 +43,7 @@ class Options:
     trace_path: str | None = None
     verify: bool = False
     programmatic_launch: bool = True
+    fused_rope: bool = True                  # one-token gpu steps: rope as attention's prologue (ops.fuse_rope)
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
@@ -82,6 +84,7 @@ class Options:
                              f"{', '.join(repr(v) for v in q4_gemv_variants.ALL_VARIANTS)}")
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
+                      fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0",
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
                       cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),

@@ -90,11 +90,13 @@ class Op:
     gathers_from: str | None = None  # embed reads rows of this tensor (tied or not)
     reads: tuple = ()         # state read (STATE_FLOATS names), as the host reads it
     writes: tuple = ()        # state written
-    prologue: str | None = None   # the norm op folded into this projection: on the device it reads "xn" for "x"
+    prologue: str | None = None   # the op folded into this one's kernel: a projection's norm (on the device it
+                                  # reads "xn" for "x"), or a one-token step's rope into attention (fuse_rope)
     prepares: str | None = None   # the norm op whose "xn" this op's epilogue writes when it runs on the device
     row_ranges: tuple = ()    # (first, end) rows of the fused weight this op computes: all, or a split part's
     full_rows: int = 0        # rows of the whole fused weight (a split part covers some of them)
     launches_per_range: int = 1   # kernels per row range: 1, or the library GEMM path's (scheduler/dense.py)
+    fused_into: str | None = None  # the op whose kernel runs this one as its prologue (fuse_rope): no launch
 
     def device_reads(self) -> tuple:
         """The state this op reads on the device."""
@@ -120,7 +122,9 @@ class Op:
     def launches(self) -> int:
         """Kernel launches of this op on the GPU: a norm is the consuming projection's prologue (and the
         epilogue of the one that wrote x), SiLU·mul gate_up's epilogue, so neither launches anything."""
-        return 0 if self.kind in FUSED_KINDS else max(len(self.row_ranges), 1) * self.launches_per_range
+        if self.kind in FUSED_KINDS or self.fused_into:
+            return 0
+        return max(len(self.row_ranges), 1) * self.launches_per_range
 
     @property
     def flops(self) -> float:
@@ -246,6 +250,25 @@ def step_ops(config, tokens: int, context_len: int = 0) -> list:
     ops.append(Op("lm_head", "projection", None, (head,), act * H, act * V, group="lm_head", reads=("x",),
                   writes=("logits",), prologue="final_norm", full_rows=V, row_ranges=((0, V),)))
     return ops
+
+
+def fuse_rope(ops: list, tokens: int) -> list:
+    """A one-token device step's ops (other steps': `ops` as they are) with each layer's rope op (q/k norm, RoPE, KV append) run as its
+    attention's prologue: attention reads qkv, rotates q and the new key itself and appends k and v, one
+    launch less per layer (kernels_ptx/attention_rope.cu).  Steps of one token only: with several tokens
+    of one session in a step, a later token attends to a key that another block appends."""
+    if tokens != 1:
+        return ops
+    fused, by_name = [], {op.name: op for op in ops}
+    for op in ops:
+        if op.kind == "rope":
+            op = replace(op, fused_into=f"L{op.layer}.attention")
+        elif op.kind == "attention":
+            rope = by_name[f"L{op.layer}.rope"]
+            op = replace(op, prologue=rope.name, reads=rope.reads, input_bytes=op.input_bytes - rope.output_bytes
+                         + rope.input_bytes)
+        fused.append(op)
+    return fused
 
 
 def model_weight_names(config) -> set:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from .gate import Gate, GateDecision, gpu_segment_cost, host_time_us
 from .dense import dense_ops
-from .ops import PROJECTION_GROUPS, model_weight_names, step_ops
+from .ops import PROJECTION_GROUPS, fuse_rope, model_weight_names, step_ops
 from .placement import fixed_sides, gated_sides
 from .transfers import count_transfers
 
@@ -190,7 +190,7 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
                minflop: float | None = None, gpu_available: bool | None = None,
                resident_weights=None, group_choice: dict | None = None,
                segment_aware: bool = True, context_len: int = 0, streamed=frozenset(),
-               dense_min_tokens: int | None = None, dense_fused: bool = False) -> Plan:
+               dense_min_tokens: int | None = None, dense_fused: bool = False, rope_fused: bool = False) -> Plan:
     """The plan of one step of M=`tokens` tokens.
 
     profile: DeviceProfile (None: no GPU measured). minflop: the seed's plain
@@ -203,7 +203,8 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     where per-layer decisions may legitimately differ).  streamed: names of
     the ops whose weights the residency window copies every step (gpu mode).
     dense_min_tokens: gpu mode's dense GEMM path from this many tokens (dense.py; None: off); dense_fused:
-    on the built-in GEMM, not cuBLAS.
+    on the built-in GEMM, not cuBLAS.  rope_fused: gpu mode's one-token steps run each layer's rope as its
+    attention's prologue (ops.fuse_rope).
     """
     if tokens < 1:
         raise ValueError(f"tokens={tokens}: a step has at least one token")
@@ -232,6 +233,9 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
             ops = dense_ops(ops, config, tokens, dense_min_tokens, dense_fused)
             notes.append(f"dense GEMM ({'built-in' if dense_fused else 'cuBLAS'}) for the Q8_0 projections: "
                          f"{tokens} >= {dense_min_tokens} tokens")
+        if kind == "gpu" and rope_fused and tokens == 1:
+            ops = fuse_rope(ops, tokens)
+            notes.append("one-token step: each layer's rope runs as its attention's prologue")
         placed = fixed_sides(ops, kind, layer_count, total_layers)
     resolved = f"layers={layer_count}" if kind == "layers" else kind
     if kind == "layers":

@@ -227,9 +227,18 @@ def qkv_rope_append_paged(launch, qkv, q_out, tables, table_row, pos, q_norm, k_
 
 
 def rope_append(launch, qkv, q_out, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D) -> None:
-    """qkv_rope.cu's shared body; kv_row(t, p, is_v, kv_head) is the destination row's view."""
+    """qkv_rope.cu's launch: grid (n_heads + 2 n_kv, T), a warp per head."""
     heads, T = launch.grid[0], launch.grid[1]
-    assert heads == n_heads + 2 * n_kv and launch.block[0] == 32 and D % 2 == 0 and D <= 256
+    assert heads == n_heads + 2 * n_kv and launch.block[0] == 32
+    q_row = lambda t, head: f32(q_out + 4 * (t * n_heads * D + head * D), D)
+    rope_heads(T, qkv, q_row, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D)
+
+
+def rope_heads(T, qkv, q_row, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D) -> None:
+    """rope_head.cuh over every head of T tokens: q_row(t, head) and kv_row(t, p, is_v, kv_head) are the
+    destination rows' views."""
+    assert D % 2 == 0 and D <= 256
+    heads = n_heads + 2 * n_kv
     width, half = heads * D, D // 2
     freqs = f32(inv_freq, half)
     for t in range(T):
@@ -247,7 +256,7 @@ def rope_append(launch, qkv, q_out, kv_row, pos, q_norm, k_norm, inv_freq, bias,
                     v = rmsnorm(v, f32(norm_w, D), eps)
                 v = v * cos + np.concatenate([-v[half:], v[:half]]) * sin
             if is_q:
-                f32(q_out + 4 * (t * n_heads * D + head * D), D)[:] = v
+                q_row(t, head)[:] = v
             else:
                 kv_row(t, p, is_v, head - n_heads - n_kv if is_v else head - n_heads)[:] = v
 
@@ -261,8 +270,8 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
         base = int(dev(kvbase + 8 * t, 8, np.int64)[0])
         cache = rows(kvpool + 4 * (base + layer * 2 * n_kv * D), n_keys, stride_pos, 2 * n_kv * D)
         return cache[:, :n_kv * D].reshape(n_keys, n_kv, D), cache[:, n_kv * D:].reshape(n_keys, n_kv, D)
-    attend(launch, D, q, keys_values, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
-           window, softmax_scale)
+    attend(launch, D, lambda t: f32(q + 4 * t * n_heads * D, n_heads * D), keys_values, pos, part_acc, part_max,
+           part_sum, out, counters, n_heads, n_kv, window, softmax_scale)
 
 
 def attention_paged(launch, q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer,
@@ -271,18 +280,46 @@ def attention_paged(launch, q, tables, table_row, pos, part_acc, part_max, part_
     D, dtype = int(head), KV_DTYPES[dtype_name]
     assert not small_group or n_heads <= 2 * n_kv, "a _g2 kernel holds at most 2 q heads per kv head"
 
+    keys_values = paged_keys_values(tables, table_row, block_shift, dtype, layer, n_layers, n_kv, D)
+    attend(launch, D, lambda t: f32(q + 4 * t * n_heads * D, n_heads * D), keys_values, pos, part_acc, part_max,
+           part_sum, out, counters, n_heads, n_kv, window, softmax_scale)
+
+
+def paged_keys_values(tables, table_row, block_shift, dtype, layer, n_layers, n_kv, D):
+    """keys_values(t, n_keys) of attend over the paged pool."""
     def keys_values(t, n_keys):
         block = paged_rows(tables, table_row, t, block_shift, dtype, n_layers, n_kv, D)
         bs = 1 << block_shift
         cache = np.concatenate([block(p)[:, layer] for p in range(0, n_keys, bs)])[:n_keys].astype(np.float32)
         return cache[:, 0], cache[:, 1]                                      # [n_keys, n_kv, D] each
-    attend(launch, D, q, keys_values, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
-           window, softmax_scale)
+    return keys_values
 
 
-def attend(launch, D, q, keys_values, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
+def attention_rope_paged(launch, qkv, tables, table_row, pos, q_norm, k_norm, inv_freq, bias, eps, part_acc,
+                         part_max, part_sum, out, counters, layer, n_layers, n_heads, n_kv, window, softmax_scale,
+                         block_shift) -> None:
+    """attention_rope.cu: the rope op (q rotated in shared memory, k and v appended), then attention."""
+    head, dtype_name, small_group = re.fullmatch(r"attention_rope_paged_d(\d+)_(f16)(_g2)?", launch.name).groups()
+    D, dtype = int(head), KV_DTYPES[dtype_name]
+    assert bool(small_group) == (n_heads <= 2 * n_kv), "_g2 exactly where at most 2 q heads per kv head"
+    T = launch.grid[1]
+    sessions = [int(dev(table_row + 8 * t, 8, np.int64)[0]) for t in range(T)]
+    assert len(set(sessions)) == T, f"rows of one session in one step: {sessions} (the kernel needs one each)"
+    q = np.zeros((T, n_heads, D), np.float32)
+
+    def kv_row(t, p, is_v, kv_head):
+        block = paged_rows(tables, table_row, t, block_shift, dtype, n_layers, n_kv, D)(p)
+        return block[p & ((1 << block_shift) - 1), layer, int(is_v), kv_head]
+    rope_heads(T, qkv, lambda t, h: q[t, h], kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D)
+    attend(launch, D, lambda t: q[t].reshape(-1), paged_keys_values(tables, table_row, block_shift, dtype, layer,
+                                                                      n_layers, n_kv, D),
+           pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv, window, softmax_scale)
+
+
+def attend(launch, D, queries, keys_values, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
            window, softmax_scale) -> None:
-    """attention.cu's shared body; keys_values(t, n_keys) gives token t's K and V [n_keys, n_kv, D]."""
+    """attention_body.cuh; queries(t) gives token t's q [n_heads * D], keys_values(t, n_keys) its K and V
+    [n_keys, n_kv, D]."""
     n_kv_grid, T, splits = launch.grid
     group = n_heads // n_kv
     assert n_kv_grid == n_kv and n_heads % n_kv == 0 and group <= 8 and group * D <= 2048 and splits <= 32
@@ -296,7 +333,7 @@ def attend(launch, D, q, keys_values, pos, part_acc, part_max, part_sum, out, co
         first = max(n_keys - window, 0) if window > 0 else 0
         keys, values = keys_values(t, n_keys)
         keys, values = keys[first:], values[first:]
-        qt = f32(q + 4 * t * n_heads * D, n_heads * D).reshape(n_kv, group, D) * np.float32(softmax_scale)
+        qt = queries(t).reshape(n_kv, group, D) * np.float32(softmax_scale)
         scores = np.einsum("hgd,phd->hgp", qt, keys)
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
@@ -333,5 +370,6 @@ KERNELS = BLOCK_KERNELS + DENSE_KERNELS + [
     (r"attention_split_d(32|64|80|96|128|256)", attention_split),
     (r"qkv_rope_append_paged_(f16|f32)", qkv_rope_append_paged),
     (r"attention_paged_d(32|64|80|96|128|256)_(f16|f32)(_g2)?", attention_paged),
+    (r"attention_rope_paged_d(64|128)_f16(_g2)?", attention_rope_paged),
     (r"flash_attention_paged_d(64|128)_f16", flash_attention_paged),
 ]

@@ -174,6 +174,10 @@ ROPE_PAGED_SIGNATURE = "pppppppppfiiiiii"   # qkv_rope_append_paged_{f16,f32}: +
 ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
 # (head_dim, KV dtype) of attention.cu's _g2 kernels: paged attention for at most 2 q heads per kv head
 SMALL_GROUP_ATTENTION = {(64, "f16"), (128, "f16")}
+# (head_dim, KV dtype) of attention_rope.cu's kernels: a one-token step's attention with the rope op as its
+# prologue (each with a _g2 twin for at most 2 q heads per kv head, as SMALL_GROUP_ATTENTION)
+ROPE_ATTENTION = {(64, "f16"), (128, "f16")}
+ROPE_ATTENTION_SIGNATURE = "ppppppppfpppppiiiiifi"
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tensor-core q8_mma
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
@@ -292,3 +296,22 @@ def paged_attention_launch(kernels: KernelSet, q: int, tables: int, table_row: i
                           [q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
                            n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale,
                            block_shift])
+
+
+def rope_attention_launch(kernels: KernelSet, qkv: int, vectors: list[int], eps: float, tables: int, table_row: int,
+                          pos: int, out: int, partials: int, counters: int, tokens: int, layer: int, n_layers: int,
+                          n_heads: int, n_kv: int, head_dim: int, splits: int, block_shift: int, kv_dtype: str,
+                          window: int = 0, scale: float | None = None) -> Launch:
+    """paged_attention_launch with the rope op (qkv_rope_append_paged's work) as its prologue: q from the
+    qkv rows, k and v appended at each token's position.  vectors: the rope op's q_norm, k_norm, inv_freq
+    and qkv bias addresses (0: none).  Each token must be the only row of its session in the step."""
+    rows = tokens * n_heads * splits
+    part_acc, part_max = partials, partials + 4 * rows * head_dim
+    part_sum = part_max + 4 * rows
+    assert (head_dim, kv_dtype) in ROPE_ATTENTION, (head_dim, kv_dtype)
+    small_group = n_heads <= 2 * n_kv
+    return kernels.launch(f"attention_rope_paged_d{head_dim}_{kv_dtype}{'_g2' if small_group else ''}",
+                          (n_kv, tokens, splits), (128,), ROPE_ATTENTION_SIGNATURE,
+                          [qkv, tables, table_row, pos, *vectors, eps, part_acc, part_max, part_sum, out, counters,
+                           layer, n_layers, n_heads, n_kv, window,
+                           1.0 / float(np.sqrt(head_dim)) if scale is None else scale, block_shift])

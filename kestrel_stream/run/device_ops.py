@@ -22,7 +22,7 @@ import numpy as np
 from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows, weight_bytes
 from kestrel_stream.cuda import driver, mma_variants
 from kestrel_stream.cuda.kernels import (ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
-                                         gemv_launch, paged_attention_launch)
+                                         gemv_launch, paged_attention_launch, rope_attention_launch)
 from kestrel_stream.cuda.flash_attention import StepChoice, attention_choice, split_count
 from kestrel_stream.model import rope
 
@@ -118,7 +118,10 @@ class DeviceOps:
         0..count-1."""
         role = op.group or op.kind
         if role in ("rope", "attention"):
-            launch = (self._rope if role == "rope" else self._attention)(op.layer, tokens)
+            if role == "attention" and op.prologue:      # the rope op as its prologue (ops.fuse_rope)
+                launch = self._rope_attention(op.layer, tokens)
+            else:
+                launch = (self._rope if role == "rope" else self._attention)(op.layer, tokens)
             return [launch.label(op=role, layer=op.layer, bytes=0)]
         c, k, s, eps = self.config, self.kernels, self.state, self.config.rms_norm_eps
         H = c.hidden_size
@@ -167,6 +170,16 @@ class DeviceOps:
             return self.kernels.launch("qkv_norm_rope_append", grid, (32,), ROPE_SIGNATURE, args)
         return self.kernels.launch(f"qkv_rope_append_paged_{kv.dtype}", grid, (32,), ROPE_PAGED_SIGNATURE,
                                    args + [kv.block_shift])
+
+    def _rope_attention(self, li: int, tokens: int) -> Launch:
+        """Split-key attention with the rope op as its prologue, on the paged pool (one row per session)."""
+        c, kv, s = self.config, self.kv, self.state
+        kvbase, _, pos = self.params.pointers(tokens)
+        return rope_attention_launch(self.kernels, s.qkv, self._layer_vectors(li), c.rms_norm_eps, kv.base, kvbase,
+                                     pos, s.attn, s.partials, s.attention_counters, tokens, li, kv.layers,
+                                     c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                     split_count(tokens, c.num_key_value_heads, kv.splits), kv.block_shift, kv.dtype,
+                                     window=c.sliding_window or 0, scale=rope.softmax_scale(c))
 
     def _attention(self, li: int, tokens: int) -> Launch:
         """Split-key attention over each token's session cache, merged by its last split (or, on the paged

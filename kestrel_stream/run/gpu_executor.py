@@ -38,7 +38,7 @@ from kestrel_stream.run.device_sampler import STATE_WORDS, DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.run.kv_paged import PagedKV, PagedKVCache
 from kestrel_stream.run.sampled_chain import SampledChain
-from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, GEMV_MAX_TOKENS, KernelSet, Launch
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, GEMV_MAX_TOKENS, ROPE_ATTENTION, KernelSet, Launch
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
 from kestrel_stream.run.step_params import StepParams
@@ -65,6 +65,8 @@ class GpuExecutor(Executor):
         # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
         self.programmatic = self.options.programmatic_launch
         c: ModelConfig = weights.config
+        # one-token steps: each layer's rope as its attention's prologue (scheduler/ops.py fuse_rope)
+        self.rope_fused = self.options.fused_rope and (c.head_dim, kv_dtype) in ROPE_ATTENTION
         if kv_dtype not in ("f16", "f32"):
             raise ValueError(f"kv_dtype {kv_dtype!r}: expected f16 (default) or f32 (the reference)")
         if kv_block_size not in (16, 32, 64):
@@ -419,7 +421,8 @@ class GpuExecutor(Executor):
     def plan(self, tokens: int):
         import scheduler
         return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True, streamed=set(self.window.streamed),
-                                    dense_min_tokens=self.dense_min_tokens, dense_fused=self.blas is None)
+                                    dense_min_tokens=self.dense_min_tokens, dense_fused=self.blas is None,
+                                    rope_fused=self.rope_fused)
 
     def close(self) -> None:
         """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""

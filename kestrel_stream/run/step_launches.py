@@ -6,6 +6,8 @@ RoPE + KV append; split-key attention (merged by its last block), or for
 prefill chunks the tensor-core flash kernel (cuda/flash_attention.py); O GEMV +
 residual; fused gate/up GEMV with SiLU·mul in its epilogue; down GEMV +
 residual.  Embed before, lm_head after (on the rows whose logits are wanted).
+A one-token step has 5 per layer: attention does the rope op as its prologue
+(scheduler/ops.py fuse_rope).
 
 On sm_90 and later the kernels after the first are launched with programmatic
 stream serialization: a kernel is scheduled while its predecessor finishes,
@@ -15,7 +17,7 @@ tail of one kernel hide the DRAM latency of the next.
 """
 from __future__ import annotations
 
-from scheduler.ops import step_ops
+from scheduler.ops import fuse_rope, step_ops
 from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS, Launch
 
 
@@ -29,7 +31,10 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
     first, count = lm_rows if lm_rows is not None else (0, tokens)
     if count == 0 and x.window.streamed:
         first, count = tokens - 1, 1
-    out = [launch for op in step_ops(x.config, tokens) if op.launches and (count or op.group != "lm_head")
+    ops = step_ops(x.config, tokens)
+    if x.rope_fused:                   # one-token steps: rope runs as attention's prologue
+        ops = fuse_rope(ops, tokens)
+    out = [launch for op in ops if op.launches and (count or op.group != "lm_head")
            for launch in x.device_ops.launches(op, tokens, (first, count))]
     # programmatic dependent launch: each kernel after the first may be scheduled while its
     # predecessor runs and prefetch its weights.  Decode-sized steps only (the GEMV path): with
