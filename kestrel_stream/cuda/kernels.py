@@ -261,6 +261,11 @@ def _mma_launch(kernels: KernelSet, w: QWeight, tokens: int, silu_pairs: bool, a
                           args + split_args)
 
 
+def split_partials(partials: int, rows: int, head_dim: int) -> tuple[int, int, int]:
+    """Split-key attention's workspace as (acc [rows, head_dim], max [rows], sum [rows]) float32 addresses."""
+    return partials, partials + 4 * rows * head_dim, partials + 4 * rows * (head_dim + 1)
+
+
 def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: int, out: int,
                      partials: int, counters: int, tokens: int, layer: int, n_layers: int, n_heads: int,
                      n_kv: int, head_dim: int, splits: int, window: int = 0, scale: float | None = None) -> Launch:
@@ -270,9 +275,7 @@ def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: 
 
     partials: tokens*n_heads*splits*(head_dim+2) floats; counters: tokens*n_kv zeroed uint32.
     """
-    rows = tokens * n_heads * splits
-    part_acc, part_max = partials, partials + 4 * rows * head_dim
-    part_sum = part_max + 4 * rows
+    part_acc, part_max, part_sum = split_partials(partials, tokens * n_heads * splits, head_dim)
     assert head_dim in ATTENTION_HEAD_DIMS, head_dim
     return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiiif",
                           [q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
@@ -285,9 +288,7 @@ def paged_attention_launch(kernels: KernelSet, q: int, tables: int, table_row: i
                            window: int = 0, scale: float | None = None) -> Launch:
     """attention_launch over gpu mode's paged pool (kernels_ptx/kv_cache.cuh): keys through each
     token's block-table row, f16 or float32."""
-    rows = tokens * n_heads * splits
-    part_acc, part_max = partials, partials + 4 * rows * head_dim
-    part_sum = part_max + 4 * rows
+    part_acc, part_max, part_sum = split_partials(partials, tokens * n_heads * splits, head_dim)
     assert head_dim in ATTENTION_HEAD_DIMS, head_dim
     small_group = n_heads <= 2 * n_kv and (head_dim, kv_dtype) in SMALL_GROUP_ATTENTION
     return kernels.launch(f"attention_paged_d{head_dim}_{kv_dtype}{'_g2' if small_group else ''}",
@@ -305,9 +306,7 @@ def rope_attention_launch(kernels: KernelSet, qkv: int, vectors: list[int], eps:
     """paged_attention_launch with the rope op (qkv_rope_append_paged's work) as its prologue: q from the
     qkv rows, k and v appended at each token's position.  vectors: the rope op's q_norm, k_norm, inv_freq
     and qkv bias addresses (0: none).  Each token must be the only row of its session in the step."""
-    rows = tokens * n_heads * splits
-    part_acc, part_max = partials, partials + 4 * rows * head_dim
-    part_sum = part_max + 4 * rows
+    part_acc, part_max, part_sum = split_partials(partials, tokens * n_heads * splits, head_dim)
     assert (head_dim, kv_dtype) in ROPE_ATTENTION, (head_dim, kv_dtype)
     small_group = n_heads <= 2 * n_kv
     return kernels.launch(f"attention_rope_paged_d{head_dim}_{kv_dtype}{'_g2' if small_group else ''}",
