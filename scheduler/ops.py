@@ -121,7 +121,8 @@ class Op:
     @property
     def launches(self) -> int:
         """Kernel launches of this op on the GPU: a norm is the consuming projection's prologue (and the
-        epilogue of the one that wrote x), SiLU·mul gate_up's epilogue, so neither launches anything."""
+        epilogue of the one that wrote x), SiLU·mul gate_up's epilogue, a fused rope attention's prologue,
+        so none of them launches anything."""
         if self.kind in FUSED_KINDS or self.fused_into:
             return 0
         return max(len(self.row_ranges), 1) * self.launches_per_range
@@ -253,10 +254,11 @@ def step_ops(config, tokens: int, context_len: int = 0) -> list:
 
 
 def fuse_rope(ops: list, tokens: int) -> list:
-    """A one-token device step's ops (other steps': `ops` as they are) with each layer's rope op (q/k norm, RoPE, KV append) run as its
+    """A one-token device step's ops with each layer's rope op (q/k norm, RoPE, KV append) run as its
     attention's prologue: attention reads qkv, rotates q and the new key itself and appends k and v, one
-    launch less per layer (kernels_ptx/attention_rope.cu).  Steps of one token only: with several tokens
-    of one session in a step, a later token attends to a key that another block appends."""
+    launch less per layer (kernels_ptx/attention_rope.cu).  Steps of one token only (other steps' `ops`
+    come back as they are): with several tokens of one session in a step, a later token attends to a
+    key that another block appends."""
     if tokens != 1:
         return ops
     fused, by_name = [], {op.name: op for op in ops}
