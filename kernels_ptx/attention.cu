@@ -23,7 +23,8 @@
     extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32) attention_split_d##D(         \
             const float* q, const float* kvpool, const long long* kvbase, const int* pos,       \
             float* part_acc, float* part_max, float* part_sum, float* out, unsigned int* counters,\
-            int layer, int n_layers, int n_heads, int n_kv, int window, float softmax_scale) {  \
+            int layer, int n_layers, int n_heads, int n_kv, int window, float softmax_scale,    \
+            int min_keys) {                                                                     \
         pdl_launch_dependents();                                                                \
         pdl_wait();   /* see common.cuh */                                                      \
         const long long stride = (long long)n_layers * 2 * n_kv * D;                            \
@@ -31,7 +32,7 @@
                             + (long long)blockIdx.x * D, stride};                               \
         attention_split_body<D, ATTN_MAX_GROUP>(q + group_q_offset(n_heads, n_kv, D), rows, pos,     \
                                                 part_acc, part_max, part_sum, out, counters,    \
-                                                n_heads, n_kv, window, softmax_scale);          \
+                                                n_heads, n_kv, window, softmax_scale, min_keys);\
     }
 // every head dim of kestrel_stream.cuda.kernels.ATTENTION_HEAD_DIMS: the common models' (each one
 // more costs NVRTC ~3 s per architecture; the template serves any D <= 256 that is a multiple of 16)
@@ -50,7 +51,7 @@ DEFINE_ATTENTION(256)
             const float* q, const unsigned long long* tables, const long long* table_row,       \
             const int* pos, float* part_acc, float* part_max, float* part_sum, float* out,      \
             unsigned int* counters, int layer, int n_layers, int n_heads, int n_kv, int window, \
-            float softmax_scale, int block_shift) {                                             \
+            float softmax_scale, int block_shift, int min_keys) {                               \
         pdl_launch_dependents();                                                                \
         pdl_wait();   /* see common.cuh */                                                      \
         PagedRows<E> rows{tables + table_row[blockIdx.y],                                       \
@@ -58,7 +59,7 @@ DEFINE_ATTENTION(256)
                           (long long)n_layers * 2 * n_kv * D, block_shift};                     \
         attention_split_body<D, G>(q + group_q_offset(n_heads, n_kv, D), rows, pos, part_acc,    \
                                    part_max, part_sum, out, counters, n_heads, n_kv, window,    \
-                                   softmax_scale);                                              \
+                                   softmax_scale, min_keys);                                    \
     }
 // the same head dims as attention_split_d*, for each KV dtype
 #define DEFINE_PAGED_ATTENTION_DTYPE(SUFFIX, E)                                                 \

@@ -60,6 +60,13 @@ __device__ __forceinline__ void load_lane_elems(const float* row, int lane, floa
     }
 }
 
+// Keys per split block of a (kv head, token) holding n_keys keys: at least min_keys, so short contexts
+// use few splits (the others exit at once); with every key in split 0 that block writes the output
+// itself (no partials, no ticket).
+__device__ __forceinline__ int keys_per_split(int n_keys, int splits, int min_keys) {
+    return max((n_keys + splits - 1) / splits, min_keys);
+}
+
 // D: head_dim, a constant so q and acc stay in registers.  The caller ran pdl_wait
 // (rows were built from per-token params) and passes this block's token's K rows and its
 // group's q rows, qt[g * D + i] (global memory, or shared after attention_rope.cu's prologue).
@@ -67,7 +74,7 @@ template <int D, int G, typename Rows>
 __device__ __forceinline__ void attention_split_body(
         const float* __restrict__ qt, const Rows rows, const int* __restrict__ pos, float* part_acc,
         float* part_max, float* part_sum, float* __restrict__ out, unsigned int* counters, int n_heads,
-        int n_kv, int window, float softmax_scale) {
+        int n_kv, int window, float softmax_scale, int min_keys) {
     constexpr int PER_LANE = (D + 31) / 32;
     constexpr int KEYS_PER_ITER = G <= 2 && PER_LANE <= 4 ? 8 : PER_LANE <= 4 ? 4 : 2;   // keys whose loads are in flight together
     __shared__ float merge_acc[ATTN_WARPS][(G * D < ATTN_MAX_GROUP_D ? G * D : ATTN_MAX_GROUP_D)];
@@ -77,9 +84,10 @@ __device__ __forceinline__ void attention_split_body(
     const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_heads / n_kv;
-    // at least 16 keys per split: short contexts use few splits, the rest exit at once
     const int first_key = window > 0 ? max(pos[t] - window + 1, 0) : 0;
-    const int n_keys = pos[t] + 1 - first_key, per_split = max((n_keys + splits - 1) / splits, 16);
+    const int n_keys = pos[t] + 1 - first_key, per_split = keys_per_split(n_keys, splits, min_keys);
+    const bool alone = n_keys <= per_split;   // split 0 holds every key: it writes out, the others leave
+    if (alone && split > 0) return;
     const int begin = first_key + split * per_split, end = first_key + min(split * per_split + per_split, n_keys);
     const long long v_offset = (long long)n_kv * D;   // a position's V row follows its K row
 
@@ -149,10 +157,15 @@ __device__ __forceinline__ void attention_split_body(
             num += merge_acc[w][i] * f;
             den += merge_sum[w][g] * f;
         }
+        if (alone) {          // the merge below would give num * 1 / (den * 1): the same bits
+            out[(long long)t * n_heads * D + (long long)head_kv * group * D + i] = num / den;
+            continue;
+        }
         long long row = part_row + (long long)g * splits;
         part_acc[row * D + d] = num;
         if (d == 0) { part_max[row] = block_max; part_sum[row] = den; }
     }
+    if (alone) return;
 
     __threadfence();   // partials visible device-wide before the ticket
     __syncthreads();

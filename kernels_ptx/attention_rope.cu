@@ -21,7 +21,8 @@ __device__ __forceinline__ void attention_rope_body(
         const float* __restrict__ qkv, const unsigned long long* tables, const long long* table_row,
         const int* pos, const float* q_norm, const float* k_norm, const float* inv_freq, const float* bias,
         float eps, float* part_acc, float* part_max, float* part_sum, float* out, unsigned int* counters,
-        int layer, int n_layers, int n_heads, int n_kv, int window, float softmax_scale, int block_shift) {
+        int layer, int n_layers, int n_heads, int n_kv, int window, float softmax_scale, int block_shift,
+        int min_keys) {
     __shared__ float q_rows[G * D];
     __shared__ float staged[ATTN_WARPS][ROPE_MAX_D];
     const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -30,7 +31,8 @@ __device__ __forceinline__ void attention_rope_body(
     const float* row = qkv + (long long)t * (n_heads + 2 * n_kv) * D;
     // the split whose keys hold position p, as attention_split_body cuts them
     const int first_key = window > 0 ? max(p - window + 1, 0) : 0;
-    const int n_keys = p + 1 - first_key, per_split = max((n_keys + splits - 1) / splits, 16);
+    const int n_keys = p + 1 - first_key, per_split = keys_per_split(n_keys, splits, min_keys);
+    if (n_keys <= per_split && split > 0) return;   // split 0 alone holds the keys (attention_body.cuh)
     const int jobs = group + ((n_keys - 1) / per_split == split ? 2 : 0);   // q heads, then k and v
     const PagedDst<E> cache{tables, table_row, layer, n_layers, n_kv, D, block_shift};
     for (int j = warp; j < jobs; j += ATTN_WARPS) {
@@ -50,7 +52,7 @@ __device__ __forceinline__ void attention_rope_body(
     PagedRows<E> rows{tables + table_row[t], (long long)layer * 2 * n_kv * D + (long long)head_kv * D,
                       (long long)n_layers * 2 * n_kv * D, block_shift};
     attention_split_body<D, G>(q_rows, rows, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
-                               window, softmax_scale);
+                               window, softmax_scale, min_keys);
 }
 
 #define DEFINE_ATTENTION_ROPE(D, SUFFIX, E, G, NAME_TAIL)                                       \
@@ -60,12 +62,13 @@ __device__ __forceinline__ void attention_rope_body(
             const int* pos, const float* q_norm, const float* k_norm, const float* inv_freq,    \
             const float* bias, float eps, float* part_acc, float* part_max, float* part_sum,    \
             float* out, unsigned int* counters, int layer, int n_layers, int n_heads, int n_kv, \
-            int window, float softmax_scale, int block_shift) {                                 \
+            int window, float softmax_scale, int block_shift, int min_keys) {                   \
         pdl_launch_dependents();                                                                \
         pdl_wait();   /* see common.cuh */                                                      \
         attention_rope_body<D, G, E>(qkv, tables, table_row, pos, q_norm, k_norm, inv_freq, bias,\
                                      eps, part_acc, part_max, part_sum, out, counters, layer,   \
-                                     n_layers, n_heads, n_kv, window, softmax_scale, block_shift);\
+                                     n_layers, n_heads, n_kv, window, softmax_scale, block_shift,\
+                                     min_keys);                                                 \
     }
 // kestrel_stream.cuda.kernels.ROPE_ATTENTION lists these: gpu mode's f16 pool, the common head dims,
 // the _g2 ones for at most 2 q heads per kv head as attention.cu's

@@ -262,7 +262,7 @@ def rope_heads(T, qkv, q_row, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, 
 
 
 def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer,
-                    n_layers, n_heads, n_kv, window, softmax_scale) -> None:
+                    n_layers, n_heads, n_kv, window, softmax_scale, min_keys) -> None:
     D = int(launch.name.rsplit("_d", 1)[1])
     stride_pos = n_layers * 2 * n_kv * D
 
@@ -271,18 +271,18 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
         cache = rows(kvpool + 4 * (base + layer * 2 * n_kv * D), n_keys, stride_pos, 2 * n_kv * D)
         return cache[:, :n_kv * D].reshape(n_keys, n_kv, D), cache[:, n_kv * D:].reshape(n_keys, n_kv, D)
     attend(launch, D, lambda t: f32(q + 4 * t * n_heads * D, n_heads * D), keys_values, pos, part_acc, part_max,
-           part_sum, out, counters, n_heads, n_kv, window, softmax_scale)
+           part_sum, out, counters, n_heads, n_kv, window, softmax_scale, min_keys)
 
 
 def attention_paged(launch, q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer,
-                    n_layers, n_heads, n_kv, window, softmax_scale, block_shift) -> None:
+                    n_layers, n_heads, n_kv, window, softmax_scale, block_shift, min_keys) -> None:
     head, dtype_name, small_group = re.fullmatch(r"attention_paged_d(\d+)_(f16|f32)(_g2)?", launch.name).groups()
     D, dtype = int(head), KV_DTYPES[dtype_name]
     assert not small_group or n_heads <= 2 * n_kv, "a _g2 kernel holds at most 2 q heads per kv head"
 
     keys_values = paged_keys_values(tables, table_row, block_shift, dtype, layer, n_layers, n_kv, D)
     attend(launch, D, lambda t: f32(q + 4 * t * n_heads * D, n_heads * D), keys_values, pos, part_acc, part_max,
-           part_sum, out, counters, n_heads, n_kv, window, softmax_scale)
+           part_sum, out, counters, n_heads, n_kv, window, softmax_scale, min_keys)
 
 
 def paged_keys_values(tables, table_row, block_shift, dtype, layer, n_layers, n_kv, D):
@@ -297,7 +297,7 @@ def paged_keys_values(tables, table_row, block_shift, dtype, layer, n_layers, n_
 
 def attention_rope_paged(launch, qkv, tables, table_row, pos, q_norm, k_norm, inv_freq, bias, eps, part_acc,
                          part_max, part_sum, out, counters, layer, n_layers, n_heads, n_kv, window, softmax_scale,
-                         block_shift) -> None:
+                         block_shift, min_keys) -> None:
     """attention_rope.cu: the rope op (q rotated in shared memory, k and v appended), then attention."""
     head, dtype_name, small_group = re.fullmatch(r"attention_rope_paged_d(\d+)_(f16)(_g2)?", launch.name).groups()
     D, dtype = int(head), KV_DTYPES[dtype_name]
@@ -313,17 +313,17 @@ def attention_rope_paged(launch, qkv, tables, table_row, pos, q_norm, k_norm, in
     rope_heads(T, qkv, lambda t, h: q[t, h], kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D)
     attend(launch, D, lambda t: q[t].reshape(-1), paged_keys_values(tables, table_row, block_shift, dtype, layer,
                                                                       n_layers, n_kv, D),
-           pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv, window, softmax_scale)
+           pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv, window, softmax_scale, min_keys)
 
 
 def attend(launch, D, queries, keys_values, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
-           window, softmax_scale) -> None:
+           window, softmax_scale, min_keys) -> None:
     """attention_body.cuh; queries(t) gives token t's q [n_heads * D], keys_values(t, n_keys) its K and V
     [n_keys, n_kv, D]."""
     n_kv_grid, T, splits = launch.grid
     group = n_heads // n_kv
     assert n_kv_grid == n_kv and n_heads % n_kv == 0 and group <= 8 and group * D <= 2048 and splits <= 32
-    assert launch.block == (128, 1, 1)
+    assert launch.block == (128, 1, 1) and min_keys >= 1
     partial_rows = T * n_heads * splits                  # the workspace must fit: [rows, D] + [rows] + [rows]
     dev(part_acc, 4 * partial_rows * D), dev(part_max, 4 * partial_rows), dev(part_sum, 4 * partial_rows)
     for t in range(T):

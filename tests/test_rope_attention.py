@@ -6,7 +6,8 @@ the separate rope + attention launches (bit for bit on the emulation, whose twin
 positions that cross KV blocks (16) and attention splits (16 keys each, the new key in split 0, 1, 2),
 for a group of 2 q heads per kv head (the _g2 kernels) and of 4; the launch lists and the plan agree
 that a one-token step has no rope launch and a two-token one keeps it; Options(fused_rope=False)
-(KESTREL_FUSED_ROPE=0) keeps it in every step.
+(KESTREL_FUSED_ROPE=0) keeps it in every step.  The split blocks' fewest keys (attention_min_keys) moves
+no logit past 1e-5.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 import fake_cuda
 from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.kernels import ATTENTION_MIN_KEYS
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.options import Options
 from kestrel_stream.run.gpu_executor import GpuExecutor
@@ -42,9 +44,9 @@ def device(request, monkeypatch):
     return request.param
 
 
-def executor(weights, fused: bool) -> GpuExecutor:
+def executor(weights, fused: bool, min_keys: int = ATTENTION_MIN_KEYS) -> GpuExecutor:
     return GpuExecutor(weights, max_seq_len=SEQ, max_batch=2, max_sessions=2, prefill_chunk=16,
-                       options=Options(fused_rope=fused))
+                       options=Options(fused_rope=fused), attention_min_keys=min_keys)
 
 
 def decode_logits(gpu: GpuExecutor, steps: int) -> np.ndarray:
@@ -88,6 +90,26 @@ def test_fused_decode_matches_separate_launches(device, shape):
         assert (np.abs(ours - expected) / scale).max() < 1e-5
         np.testing.assert_array_equal(ours.argmax(axis=1), expected.argmax(axis=1))
 
+
+
+@pytest.mark.parametrize("min_keys", [1, 32, 64])
+def test_keys_per_split_block_change_no_logits(device, min_keys):
+    """Fewer, longer split blocks (a context of at most min_keys keys: one block, no merge) attend to the
+    same keys: the logits of the default split within 1e-5, the same argmax, fused rope or not."""
+    weights = random_q8_weights(CONFIGS["llama-g4"], seed=6)
+    steps = SEQ - len(PROMPT) - 2
+    reference, ours, separate = (executor(weights, False), executor(weights, True, min_keys),
+                                 executor(weights, False, min_keys))
+    try:
+        expected = decode_logits(reference, steps)
+        results = [decode_logits(ours, steps), decode_logits(separate, steps)]
+    finally:
+        for gpu in (reference, ours, separate):
+            gpu.close()
+    scale = np.abs(expected).max(axis=1, keepdims=True)
+    for logits in results:
+        assert (np.abs(logits - expected) / scale).max() < 1e-5
+        np.testing.assert_array_equal(logits.argmax(axis=1), expected.argmax(axis=1))
 
 
 def test_rope_attention_table_matches_the_kernel_source():

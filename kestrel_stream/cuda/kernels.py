@@ -177,7 +177,10 @@ SMALL_GROUP_ATTENTION = {(64, "f16"), (128, "f16")}
 # (head_dim, KV dtype) of attention_rope.cu's kernels: a one-token step's attention with the rope op as its
 # prologue (each with a _g2 twin for at most 2 q heads per kv head, as SMALL_GROUP_ATTENTION)
 ROPE_ATTENTION = {(64, "f16"), (128, "f16")}
-ROPE_ATTENTION_SIGNATURE = "ppppppppfpppppiiiiifi"
+ROPE_ATTENTION_SIGNATURE = "ppppppppfpppppiiiiifii"
+# split-key attention's fewest keys per split block (attention_body.cuh keys_per_split): a (kv head, token)
+# with at most this many keys runs as one block that writes its output, with no partials and no merge
+ATTENTION_MIN_KEYS = 16
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tensor-core q8_mma
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
@@ -268,24 +271,27 @@ def split_partials(partials: int, rows: int, head_dim: int) -> tuple[int, int, i
 
 def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: int, out: int,
                      partials: int, counters: int, tokens: int, layer: int, n_layers: int, n_heads: int,
-                     n_kv: int, head_dim: int, splits: int, window: int = 0, scale: float | None = None) -> Launch:
+                     n_kv: int, head_dim: int, splits: int, window: int = 0, scale: float | None = None,
+                     min_keys: int = ATTENTION_MIN_KEYS) -> Launch:
     """Split-key attention, merged by each (kv head, token)'s last split block.
 
-    window: a sliding window's length (0: none); scale: the softmax scale (default 1/sqrt(head_dim)).
+    window: a sliding window's length (0: none); scale: the softmax scale (default 1/sqrt(head_dim));
+    min_keys: the fewest keys a split block takes (ATTENTION_MIN_KEYS).
 
     partials: tokens*n_heads*splits*(head_dim+2) floats; counters: tokens*n_kv zeroed uint32.
     """
     part_acc, part_max, part_sum = split_partials(partials, tokens * n_heads * splits, head_dim)
     assert head_dim in ATTENTION_HEAD_DIMS, head_dim
-    return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiiif",
+    return kernels.launch(f"attention_split_d{head_dim}", (n_kv, tokens, splits), (128,), "pppppppppiiiiifi",
                           [q, kvpool, kvbase, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
-                           n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale])
+                           n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale,
+                           min_keys])
 
 
 def paged_attention_launch(kernels: KernelSet, q: int, tables: int, table_row: int, pos: int, out: int,
                            partials: int, counters: int, tokens: int, layer: int, n_layers: int, n_heads: int,
                            n_kv: int, head_dim: int, splits: int, block_shift: int, kv_dtype: str,
-                           window: int = 0, scale: float | None = None) -> Launch:
+                           window: int = 0, scale: float | None = None, min_keys: int = ATTENTION_MIN_KEYS) -> Launch:
     """attention_launch over gpu mode's paged pool (kernels_ptx/kv_cache.cuh): keys through each
     token's block-table row, f16 or float32."""
     part_acc, part_max, part_sum = split_partials(partials, tokens * n_heads * splits, head_dim)
@@ -293,16 +299,16 @@ def paged_attention_launch(kernels: KernelSet, q: int, tables: int, table_row: i
     small_group = n_heads <= 2 * n_kv and (head_dim, kv_dtype) in SMALL_GROUP_ATTENTION
     return kernels.launch(f"attention_paged_d{head_dim}_{kv_dtype}{'_g2' if small_group else ''}",
                           (n_kv, tokens, splits), (128,),
-                          "pppppppppiiiiifi",
+                          "pppppppppiiiiifii",
                           [q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
                            n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale,
-                           block_shift])
+                           block_shift, min_keys])
 
 
 def rope_attention_launch(kernels: KernelSet, qkv: int, vectors: list[int], eps: float, tables: int, table_row: int,
                           pos: int, out: int, partials: int, counters: int, tokens: int, layer: int, n_layers: int,
                           n_heads: int, n_kv: int, head_dim: int, splits: int, block_shift: int, kv_dtype: str,
-                          window: int = 0, scale: float | None = None) -> Launch:
+                          window: int = 0, scale: float | None = None, min_keys: int = ATTENTION_MIN_KEYS) -> Launch:
     """paged_attention_launch with the rope op (qkv_rope_append_paged's work) as its prologue: q from the
     qkv rows, k and v appended at each token's position.  vectors: the rope op's q_norm, k_norm, inv_freq
     and qkv bias addresses (0: none).  Each token must be the only row of its session in the step."""
@@ -313,4 +319,4 @@ def rope_attention_launch(kernels: KernelSet, qkv: int, vectors: list[int], eps:
                           (n_kv, tokens, splits), (128,), ROPE_ATTENTION_SIGNATURE,
                           [qkv, tables, table_row, pos, *vectors, eps, part_acc, part_max, part_sum, out, counters,
                            layer, n_layers, n_heads, n_kv, window,
-                           1.0 / float(np.sqrt(head_dim)) if scale is None else scale, block_shift])
+                           1.0 / float(np.sqrt(head_dim)) if scale is None else scale, block_shift, min_keys])

@@ -21,7 +21,7 @@ import numpy as np
 
 from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows, weight_bytes
 from kestrel_stream.cuda import driver, mma_variants
-from kestrel_stream.cuda.kernels import (ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
+from kestrel_stream.cuda.kernels import (ATTENTION_MIN_KEYS, ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
                                          gemv_launch, paged_attention_launch, rope_attention_launch)
 from kestrel_stream.cuda.flash_attention import StepChoice, attention_choice, split_count
 from kestrel_stream.model import rope
@@ -100,6 +100,7 @@ class KVCaches:
     block_shift: int | None    # paged: log2 positions per block; None: contiguous float32 caches
     dtype: str = "f32"
     splits: int = 16           # split-key attention's most splits (a step's: flash_attention.split_count)
+    min_keys: int = ATTENTION_MIN_KEYS   # its fewest keys per split block
 
 
 class DeviceOps:
@@ -179,7 +180,7 @@ class DeviceOps:
                                      pos, s.attn, s.partials, s.attention_counters, tokens, li, kv.layers,
                                      c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                      split_count(tokens, c.num_key_value_heads, kv.splits), kv.block_shift, kv.dtype,
-                                     window=c.sliding_window or 0, scale=rope.softmax_scale(c))
+                                     window=c.sliding_window or 0, scale=rope.softmax_scale(c), min_keys=kv.min_keys)
 
     def _attention(self, li: int, tokens: int) -> Launch:
         """Split-key attention over each token's session cache, merged by its last split (or, on the paged
@@ -191,8 +192,9 @@ class DeviceOps:
                   split_count(tokens, c.num_key_value_heads, kv.splits))
         window, scale = c.sliding_window or 0, rope.softmax_scale(c)
         if kv.block_shift is None:
-            return attention_launch(self.kernels, *common, window=window, scale=scale)
-        split = paged_attention_launch(self.kernels, *common, kv.block_shift, kv.dtype, window=window, scale=scale)
+            return attention_launch(self.kernels, *common, window=window, scale=scale, min_keys=kv.min_keys)
+        split = paged_attention_launch(self.kernels, *common, kv.block_shift, kv.dtype, window=window, scale=scale,
+                                       min_keys=kv.min_keys)
         if tokens not in self._step_choices:     # flash or split: decided once per step, by its first layer
             self._step_choices[tokens] = StepChoice(lambda: self.params.views(tokens)[0], c.head_dim)
         # prefill chunks: the tensor-core flash kernel, picked per step from the staged rows
