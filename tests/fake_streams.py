@@ -142,6 +142,11 @@ class Graph:
 
     def launch(self, stream: Stream) -> None:
         stream.enqueue("run", self._replay)
+        # an event recorded in the capture is recorded by each launch (cuGraphAddEventRecordNode): a host
+        # wait on it returns once the replay is done -- later than CUDA's, which returns at the node
+        for _, kind, payload in self.recorded:
+            if kind == "record":
+                payload.target = (stream, len(stream.ops))
 
     def _replay(self) -> None:
         lanes, events = {}, {}

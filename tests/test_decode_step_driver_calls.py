@@ -47,6 +47,7 @@ class DriverLog:
         for name in ("h2d_async", "d2h_async", "h2d_sync", "d2d_async", "memset_async"):
             monkeypatch.setattr(driver, name, self._copy(name, getattr(driver, name)))
         enqueue, launch, synchronize = fake_cuda.FakeLaunch.enqueue, fake_streams.Graph.launch, fake_streams.Stream.synchronize
+        event_sync = fake_streams.Event.synchronize
         log = self
 
         def kernel(launch_self, stream):
@@ -61,10 +62,15 @@ class DriverLog:
             log.calls["sync"] += 1
             synchronize(stream_self)
 
+        def wait_event(event_self):      # a host wait for an event is a sync too
+            log.calls["sync"] += 1
+            event_sync(event_self)
+
         monkeypatch.setattr(fake_cuda.FakeLaunch, "enqueue", kernel)
         monkeypatch.setattr(fake_cuda.FakeLaunch, "submit", kernel)
         monkeypatch.setattr(fake_streams.Graph, "launch", graph)
         monkeypatch.setattr(fake_streams.Stream, "synchronize", sync)
+        monkeypatch.setattr(fake_streams.Event, "synchronize", wait_event)
 
     def _copy(self, name, real):
         def copy(*args, **kw):

@@ -184,3 +184,23 @@ def test_steps_on_another_stream_are_refused(monkeypatch, weights):
     with pytest.raises(AssertionError, match="compute stream"):
         window.enqueue_step(one, log.module().Stream("other"))
     np.testing.assert_equal(log.count("kernel"), 0)
+
+
+def test_the_host_waits_for_a_steps_outputs_not_for_the_next_steps_primes(monkeypatch):
+    """Lazy copies (a copy runs only when a stream waits for it): after an eager streamed step returns its
+    logits, the primes of the next step are still queued on the copy stream; the next step finds them."""
+    import test_gpu_window as on_gpu
+    fake_cuda.install(monkeypatch, mode="deferred")
+    monkeypatch.setitem(fake_cuda.POLICY, "eager", ())
+    weights = on_gpu.random_weights("qwen3", seed=1)
+    gpu = on_gpu.streaming_executor(weights, 0.25, slots=3, distance=1)
+    gpu.use_graphs = False
+    kv = gpu.alloc_kv(64)
+    copy = gpu.window.copy_stream
+    gpu.forward([(kv, np.arange(5), 0)])
+    first = gpu.forward([(kv, np.array([7]), 5)])[0]
+    assert copy.done < len(copy.ops), "the host waited for the primes"
+    second = gpu.forward([(kv, np.array([7]), 6)])[0]
+    assert np.isfinite(first).all() and np.isfinite(second).all()
+    gpu.free_kv(kv)
+    gpu.close()

@@ -86,6 +86,7 @@ class GpuExecutor(Executor):
         with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
             self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
+        self.outputs_ready = driver.Event(name="step outputs")   # recorded after a step's copy out
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured", "gpu_weight_read_bytes")
         # steps of >= dense_min_tokens tokens: one fp16 GEMM per Q8_0 projection, cuBLAS or built-in (dense_path.py)
         with load_stages.stage("  cuBLAS: library and handle"):
@@ -229,19 +230,28 @@ class GpuExecutor(Executor):
         greedy, each row's argmax, D2H on the compute stream; returns (kernels, weight bytes they read)."""
         self.step_params.upload(tokens, self.stream)
         launches = self.step_launches(tokens, lm_rows)
-        self.window.enqueue_step(launches, self.stream)   # streamed weights: copies + slot events
-        weight_read = self.weight_read_bytes(launches)
-        if not greedy:
-            count = tokens if lm_rows is None else lm_rows[1]
-            if count:
-                driver.d2h_async(self.host_logits, self.logits.ptr, count * self.config.vocab_size * 4, self.stream)
-            return self.kernel_count(launches), weight_read
-        if greedy == "sample":                              # device_sampler.py: the sampled token instead
-            self.sampler.enqueue(tokens, self.stream)
-        else:
-            self.argmax_launch(tokens).enqueue(self.stream)
-        driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
-        return self.kernel_count(launches) + 1, weight_read
+
+        def outputs() -> None:      # before the compute stream waits for the window's primes
+            if not greedy:
+                count = tokens if lm_rows is None else lm_rows[1]
+                if count:
+                    driver.d2h_async(self.host_logits, self.logits.ptr, count * self.config.vocab_size * 4,
+                                     self.stream)
+            else:
+                if greedy == "sample":                      # device_sampler.py: the sampled token instead
+                    self.sampler.enqueue(tokens, self.stream)
+                else:
+                    self.argmax_launch(tokens).enqueue(self.stream)
+                driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
+            self.outputs_ready.record(self.stream)
+        self.window.enqueue_step(launches, self.stream, then=outputs)   # streamed weights: copies + slot events
+        return self.kernel_count(launches) + (1 if greedy else 0), self.weight_read_bytes(launches)
+
+    def _wait_outputs(self) -> None:
+        """The host's one wait of a step: for its outputs (the event after their copy out), not for the
+        window's primes of the next step behind them; the whole stream under KESTREL_PROF, whose timing
+        events come after."""
+        (self.stream if prof.enabled else self.outputs_ready).synchronize()
 
     def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
@@ -294,7 +304,7 @@ class GpuExecutor(Executor):
         self._graphs[key].launch(self.stream)
         if prof.enabled:
             self._prof_events[1].record(self.stream)
-        self.stream.synchronize()
+        self._wait_outputs()
         waited = time.perf_counter()
         self._count(1, self._graph_kernels[key], self._graph_weight_read[key], tokens=bucket,
                     d2h=bucket * 4 if greedy else bucket * self.config.vocab_size * 4)
@@ -334,7 +344,7 @@ class GpuExecutor(Executor):
                 count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
                 self.stage(chunk, len(chunk))
                 kernel_count, weight_read = self._enqueue_step(len(chunk), lm_rows=(first, count))
-                self.stream.synchronize()
+                self._wait_outputs()
                 self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk), d2h=count * V * 4)
                 out[inside] = self.host_logits_view[wanted[inside] - lo - first]
         self.counters.steps += 1

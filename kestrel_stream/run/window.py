@@ -33,7 +33,10 @@ reader of that slot released it.  The link stays busy through the step's tail
 there and then making the next step wait for item 0.  Invariant: when a step's
 first op runs on the compute stream, slots 0..primed-1 hold items 0..primed-1
 and those copies are complete -- the window primes them once at creation, and
-every step re-primes them before the `join` its compute stream waits on.
+every step re-primes them before the `join` its compute stream waits on.  That
+wait comes after the step's outputs (enqueue_step's `then`): the host waits for
+an event recorded with them, not for the primes, so the copies keep the link
+busy while the host takes the outputs and enqueues the next step.
 
 Copy/compute busy times need timing events, which cannot be read out of a graph
 replay; with KESTREL_PROF=1 or a trace active, streamed steps run eagerly with
@@ -215,8 +218,11 @@ class WeightWindow:
         self.join.record(self.copy_stream)
         self.compute_stream.wait(self.join)
 
-    def enqueue_step(self, launches: list, stream: driver.Stream) -> None:
+    def enqueue_step(self, launches: list, stream: driver.Stream, then=None) -> None:
         """Every launch on `stream`; streamed weights copied on the copy stream, ordered by the slot events.
+        then(): enqueues the step's outputs (the copy out, the token pick) on `stream` after the launches and
+        before it waits for the next step's primes, so a host waiting for the outputs (an event recorded
+        in then) does not wait for those copies, which go on through the host's turn.
 
         Why each wait sees the record it means (P = prefetch_distance < S = slot_count, n items,
         p = primed = min(P+1, n); the host enqueues items in step order):
@@ -248,6 +254,8 @@ class WeightWindow:
         if not self.streamed:
             for launch in launches:
                 launch.enqueue(stream)
+            if then is not None:
+                then()
             return
         assert stream is self.compute_stream, "the priming invariant orders steps on the window's compute stream"
         items = [launch.labels.get("weight") for launch in launches]     # device_ops labels each projection
@@ -286,6 +294,8 @@ class WeightWindow:
                 self._prime(primes.pop(0)[1], timed)
         assert not primes, "every primed slot has a last reader"
         self.join.record(self.copy_stream)
+        if then is not None:
+            then()
         if timed:                                   # compute waiting for the primes is a stall too
             timed["join"][0].record(stream)
         stream.wait(self.join)
