@@ -102,8 +102,8 @@ def capturing() -> bool:
 
 
 class Event:
-    def __init__(self, timing: bool = False, name: str = "event"):
-        self.name, self.target = name, None
+    def __init__(self, timing: bool = False, name: str = "event", external: bool = False):
+        self.name, self.target, self.external = name, None, external
 
     def record(self, stream: Stream) -> None:
         if stream.capturing:
@@ -115,6 +115,9 @@ class Event:
     mark = record
 
     def synchronize(self) -> None:
+        if self.target is not None and self.target[0] == "capture":
+            # CUDA: a plain record in a capture leaves no record a host can wait on (only an external one does)
+            raise CudaError(f"cuEventSynchronize failed: event {self.name!r} was recorded only in a capture")
         if self.target is not None:
             _run_until(*self.target)
 
@@ -142,10 +145,10 @@ class Graph:
 
     def launch(self, stream: Stream) -> None:
         stream.enqueue("run", self._replay)
-        # an event recorded in the capture is recorded by each launch (cuGraphAddEventRecordNode): a host
-        # wait on it returns once the replay is done -- later than CUDA's, which returns at the node
+        # an external event recorded in the capture is recorded by each launch (an event-record node): a
+        # host wait on it returns once the replay is done -- later than CUDA's, which returns at the node
         for _, kind, payload in self.recorded:
-            if kind == "record":
+            if kind == "record" and payload.external:
                 payload.target = (stream, len(stream.ops))
 
     def _replay(self) -> None:

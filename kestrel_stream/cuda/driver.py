@@ -104,15 +104,20 @@ class Device:
 
 
 class Event:
-    """`name` labels its record/wait instants in a trace ("weights 3 ready", ...)."""
+    """`name` labels its record/wait instants in a trace ("weights 3 ready", ...).  A record inside a stream
+    capture only orders the captured streams and leaves nothing a host can wait on; an `external` event's
+    record becomes an event-record node of the graph (CU_EVENT_RECORD_EXTERNAL), so each replay records it
+    and the host can synchronize on it (a step's outputs, before the graph's tail)."""
 
-    def __init__(self, timing: bool = False, name: str = "event"):
+    def __init__(self, timing: bool = False, name: str = "event", external: bool = False):
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check(cu.cuEventCreate(flags), "cuEventCreate")
         self.name = name
+        self.record_flags = (cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL if external
+                             else cu.CUevent_record_flags.CU_EVENT_RECORD_DEFAULT)
 
     def record(self, stream: "Stream") -> None:
-        check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
+        check(cu.cuEventRecordWithFlags(self.handle, stream.handle, self.record_flags), "cuEventRecordWithFlags")
         rec = trace.active
         if rec is not None and not stream.capturing:
             rec.event_record(stream.name, self.name)

@@ -86,7 +86,7 @@ class GpuExecutor(Executor):
         with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
             self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
-        self.outputs_ready = driver.Event(name="step outputs")   # recorded after a step's copy out
+        self.outputs_ready = driver.Event(name="step outputs", external=True)   # after a step's copy out, graphs too
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured", "gpu_weight_read_bytes")
         # steps of >= dense_min_tokens tokens: one fp16 GEMM per Q8_0 projection, cuBLAS or built-in (dense_path.py)
         with load_stages.stage("  cuBLAS: library and handle"):
