@@ -95,7 +95,9 @@ def test_fused_decode_matches_separate_launches(device, shape):
 @pytest.mark.parametrize("min_keys", [1, 32, 64])
 def test_keys_per_split_block_change_no_logits(device, min_keys):
     """Fewer, longer split blocks (a context of at most min_keys keys: one block, no merge) attend to the
-    same keys: the logits of the default split within 1e-5, the same argmax, fused rope or not."""
+    same keys, fused rope or not: the same argmax, and logits within 1e-3 of the row's largest.  Another
+    split regroups the softmax sums, so the rounding differs and grows over the steps and layers of a
+    random model (1.2e-4 at min_keys 1 on the H200)."""
     weights = random_q8_weights(CONFIGS["llama-g4"], seed=6)
     steps = SEQ - len(PROMPT) - 2
     reference, ours, separate = (executor(weights, False), executor(weights, True, min_keys),
@@ -108,7 +110,7 @@ def test_keys_per_split_block_change_no_logits(device, min_keys):
             gpu.close()
     scale = np.abs(expected).max(axis=1, keepdims=True)
     for logits in results:
-        assert (np.abs(logits - expected) / scale).max() < 1e-5
+        assert (np.abs(logits - expected) / scale).max() < 1e-3
         np.testing.assert_array_equal(logits.argmax(axis=1), expected.argmax(axis=1))
 
 

@@ -113,11 +113,14 @@ class Event:
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
         self.handle = check(cu.cuEventCreate(flags), "cuEventCreate")
         self.name = name
-        self.record_flags = (cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL if external
-                             else cu.CUevent_record_flags.CU_EVENT_RECORD_DEFAULT)
+        self.external = external
 
     def record(self, stream: "Stream") -> None:
-        check(cu.cuEventRecordWithFlags(self.handle, stream.handle, self.record_flags), "cuEventRecordWithFlags")
+        if self.external and stream.capturing:      # the flag is only valid inside a capture
+            check(cu.cuEventRecordWithFlags(self.handle, stream.handle,
+                                            cu.CUevent_record_flags.CU_EVENT_RECORD_EXTERNAL), "cuEventRecordWithFlags")
+        else:
+            check(cu.cuEventRecord(self.handle, stream.handle), "cuEventRecord")
         rec = trace.active
         if rec is not None and not stream.capturing:
             rec.event_record(stream.name, self.name)
