@@ -1,7 +1,7 @@
 """CI (no GPU): which split-key attention kernel and how many key splits a step's launch gets."""
 import pytest
 
-from kestrel_stream.cuda.flash_attention import split_count
+from kestrel_stream.cuda.flash_attention import partial_floats, split_count
 from kestrel_stream.cuda.kernels import SMALL_GROUP_ATTENTION, paged_attention_launch
 
 
@@ -39,3 +39,17 @@ def test_every_small_group_entry_is_defined_in_the_source():
     defined = {(int(d), dtype) for d, dtype in re.findall(r"^DEFINE_PAGED_ATTENTION_G\((\d+), (\w+), \w+, 2, _g2\)",
                                                           source, re.M)}
     assert defined == SMALL_GROUP_ATTENTION
+
+
+@pytest.mark.parametrize("n_kv", [2, 8])
+@pytest.mark.parametrize("max_tokens", [1, 8, 64, 512])
+def test_the_partials_hold_every_step_up_to_the_largest(n_kv, max_tokens):
+    """Each step of 1..max_tokens rows fits the partials (its rows x splits x q heads x (head_dim + 2)), and
+    the buffer is no larger than the step with the most (row, split) pairs needs -- a decode step of 8
+    rows at 16 splits, not max_tokens x 16."""
+    n_heads, head_dim = 4 * n_kv, 128
+    size = partial_floats(max_tokens, n_heads, n_kv, head_dim, 16)
+    needs = [t * split_count(t, n_kv, 16) * n_heads * (head_dim + 2) for t in range(1, max_tokens + 1)]
+    assert max(needs) == size
+    if max_tokens == 512:
+        assert size < max_tokens * 16 * n_heads * (head_dim + 2) / 8

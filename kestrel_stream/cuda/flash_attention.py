@@ -36,6 +36,14 @@ def split_count(tokens: int, n_kv: int, max_splits: int) -> int:
     return max(1, min(max_splits, -(-SPLIT_TARGET_BLOCKS // (n_kv * max(tokens, 1)))))
 
 
+def partial_floats(max_tokens: int, n_heads: int, n_kv: int, head_dim: int, max_splits: int) -> int:
+    """Floats split attention's partials take for steps of up to `max_tokens` rows: the most (row, split)
+    pairs a step launches (split_count falls as rows grow, so the largest step is not the one with the
+    most pairs) x q heads x (head_dim accumulators + max + sum)."""
+    pairs = max(t * split_count(t, n_kv, max_splits) for t in range(1, max(max_tokens, 1) + 1))
+    return pairs * n_heads * (head_dim + 2)
+
+
 def flash_supported(head_dim: int, kv_dtype: str, group: int) -> bool:
     """Whether flash_attention.cu serves this model's attention (paged f16 KV, <= 8 q heads per kv head)."""
     return head_dim in FLASH_HEAD_DIMS and kv_dtype == "f16" and 1 <= group <= 8

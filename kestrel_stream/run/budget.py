@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass
 
 from kestrel_stream.cuda import mma_variants
+from kestrel_stream.cuda.flash_attention import partial_floats
 from scheduler.ops import image_bytes, step_ops  # noqa: F401  (image_bytes: window.py and the tests import it here)
 from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_items
 
@@ -97,9 +98,9 @@ def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_s
     activations; scratch_bytes: the library GEMM path's, scheduler/dense.py)."""
     T, H, V = max_tokens, c.hidden_size, c.vocab_size
     qkv_width = c.q_size + 2 * c.kv_size
-    partial_floats = T * c.num_attention_heads * attention_splits * (c.head_dim + 2)
+    partials = partial_floats(T, c.num_attention_heads, c.num_key_value_heads, c.head_dim, attention_splits)
     activation_floats = (T * (2 * H + qkv_width + 2 * c.q_size + c.intermediate_size + 1 +
-                              c.num_key_value_heads) + partial_floats + V * (logits_rows or T)
+                              c.num_key_value_heads) + partials + V * (logits_rows or T)
                          + T * (2 * ARGMAX_SPLITS + 2 + CHAIN_STEPS_PER_SYNC)    # argmax, greedy chain history
                          + (logits_rows or T) * SAMPLE_CANDIDATE_WORDS)          # sampling candidates
     norm_floats = H * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * c.num_hidden_layers + c.head_dim

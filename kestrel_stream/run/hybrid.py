@@ -38,6 +38,7 @@ from kestrel_stream.run.host import CpuExecutor, CpuKV, model_rope_tables
 from kestrel_stream.run.hybrid_host import HostOps
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.cuda import driver, mma_variants
+from kestrel_stream.cuda.flash_attention import partial_floats as attention_partials
 from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, KernelSet
 from kestrel_stream.run.device_ops import DeviceOps, DeviceState, KVCaches, fused_tensor, norm_weight
 from kestrel_stream.run.step_params import StepParams
@@ -86,7 +87,8 @@ class HybridExecutor(HostOps, Executor):
         T = self.max_tokens
         widths = {"x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size, "attn": c.q_size,
                   "act": c.intermediate_size, "logits": c.vocab_size}
-        partial_floats = T * c.num_attention_heads * ATTENTION_SPLITS * (c.head_dim + 2)
+        partial_floats = attention_partials(T, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                            ATTENTION_SPLITS)
         partial_floats += sum(max(n, 4) for n in mma_variants.scratch_bound(T))      # split-K partials, tickets
         self.kv_bytes_per_position = max(self.gpu_layers, 1) * 2 * c.kv_size * 4
         sessions = max_sessions or 2 * max_batch
