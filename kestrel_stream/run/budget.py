@@ -75,7 +75,7 @@ class ArenaNeeds:
         return self.kv_bytes + self.activation_bytes + self.slack_bytes
 
 
-ARGMAX_SPLITS = 64           # GpuExecutor.argmax_splits
+ARGMAX_SPLITS = 64           # argmax_split's blocks per row (step_outputs.py)
 CHAIN_STEPS_PER_SYNC = 256   # greedy_chain.MAX_STEPS_PER_SYNC
 SAMPLE_CANDIDATE_WORDS = 64 * (2 * 64 + 4)   # per logits row: device_sampler's most splits x (2 x SAMPLE_CAP + 4)
 PREFILL_CHUNK_TOKENS = 512   # tokens per prefill step in gpu mode (tensor-core GEMM tiles of 64 tokens)

@@ -76,7 +76,7 @@ class DeviceSampler:
                                      [x.logits.ptr, V, self.state.ptr, self.candidates.ptr])
             finish = x.kernels.launch("sample_finish", (tokens,), (1024,), "pippip",
                                       [x.logits.ptr, V, self.state.ptr, self.candidates.ptr, self.splits,
-                                       x.argmax_out.ptr])
+                                       x.outputs.argmax_out.ptr])
             for launch in (first, finish):
                 launch.label(op="sample")
                 launch.programmatic = programmatic

@@ -10,8 +10,8 @@ into a pinned staging block; the step's first node copies that block to the
 device, and every kernel reads them from there, so one captured graph per
 decode batch-size bucket (1, 2, 4, 8 sessions on the GEMV kernels; 16, 32, 64
 on the tensor-core GEMM, up to max_batch) serves every later step.  Decode:
-fill staging, one graph launch, one stream sync (the step's only host sync),
-copy logits out; a bigger batch replays the largest bucket in chunks.  Prefill
+fill staging, one graph launch, one host wait for the step's outputs (its only
+sync: step_outputs.py), copy logits out; a bigger batch replays the largest bucket in chunks.  Prefill
 and mixed batches run the same launch list eagerly, one sync per chunk: chunks
 of `logits_rows` tokens when every row's logits are wanted, of `max_tokens`
 when only each session's last row is (lm_head then runs on those rows alone).
@@ -38,9 +38,10 @@ from kestrel_stream.run.device_sampler import STATE_WORDS, DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.run.kv_paged import PagedKV, PagedKVCache
 from kestrel_stream.run.sampled_chain import SampledChain
-from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MIN_KEYS, GEMV_MAX_TOKENS, ROPE_ATTENTION, KernelSet, Launch
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MIN_KEYS, ROPE_ATTENTION, KernelSet, Launch
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
+from kestrel_stream.run.step_outputs import StepOutputs
 from kestrel_stream.run.step_params import StepParams
 from kestrel_stream.run.weight_cache import WeightCache, layer_vectors
 from kestrel_stream.run.window import WeightWindow
@@ -86,7 +87,6 @@ class GpuExecutor(Executor):
         with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
             self.kernels = KernelSet(self.device, self.options)
         self.stream = driver.Stream("compute")
-        self.outputs_ready = driver.Event(name="step outputs", external=True)   # after a step's copy out, graphs too
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured", "gpu_weight_read_bytes")
         # steps of >= dense_min_tokens tokens: one fp16 GEMM per Q8_0 projection, cuBLAS or built-in (dense_path.py)
         with load_stages.stage("  cuBLAS: library and handle"):
@@ -119,16 +119,7 @@ class GpuExecutor(Executor):
         self.state.dense = dense_path.allocate_scratch(a, c, T, self.dense_min_tokens, self.blas)
         self.step_params = StepParams(a, T)              # kvbase | ids | pos of the step's tokens
         self.params, self.staging = self.step_params.device, self.step_params.host
-        self.host_logits = driver.PinnedBuffer(self.logits_rows * V * 4)
-        self.host_logits_view = self.host_logits.view(np.float32, (self.logits_rows, V))
-        # greedy steps: argmax on the device, 4 bytes per token back (argmax_split's partials and tickets)
-        self.argmax_splits = 64
-        self.argmax_partials = a.array((2 * T * self.argmax_splits,), np.float32)
-        self.argmax_counters = a.array((T,), np.uint32)
-        self.argmax_out = a.array((T,), np.int32)
-        driver.h2d_sync(self.argmax_counters.ptr, np.zeros(T, np.uint32))
-        self.host_tokens = driver.PinnedBuffer(T * 4)
-        self.host_tokens_view = self.host_tokens.view(np.int32, (T,))
+        self.outputs = StepOutputs(a, V, T, self.logits_rows, self.logits.ptr)   # logits or tokens back, one wait
         with load_stages.stage("  KV pool and block tables"):
             self.kv = PagedKVCache(c, self.memory.kv, kv_dtype, max_sessions or DEFAULT_MAX_SESSIONS,
                                    max_seq_len, a, self.stream)
@@ -233,25 +224,13 @@ class GpuExecutor(Executor):
 
         def outputs() -> None:      # before the compute stream waits for the window's primes
             if not greedy:
-                count = tokens if lm_rows is None else lm_rows[1]
-                if count:
-                    driver.d2h_async(self.host_logits, self.logits.ptr, count * self.config.vocab_size * 4,
-                                     self.stream)
+                self.outputs.enqueue_logits(tokens if lm_rows is None else lm_rows[1], self.stream)
+            elif greedy == "sample":                        # device_sampler.py: the sampled token instead
+                self.outputs.enqueue_tokens(lambda stream: self.sampler.enqueue(tokens, stream), tokens, self.stream)
             else:
-                if greedy == "sample":                      # device_sampler.py: the sampled token instead
-                    self.sampler.enqueue(tokens, self.stream)
-                else:
-                    self.argmax_launch(tokens).enqueue(self.stream)
-                driver.d2h_async(self.host_tokens, self.argmax_out.ptr, tokens * 4, self.stream)
-            self.outputs_ready.record(self.stream)
+                self.outputs.enqueue_tokens(self.argmax_launch(tokens).enqueue, tokens, self.stream)
         self.window.enqueue_step(launches, self.stream, then=outputs)   # streamed weights: copies + slot events
         return self.kernel_count(launches) + (1 if greedy else 0), self.weight_read_bytes(launches)
-
-    def _wait_outputs(self) -> None:
-        """The host's one wait of a step: for its outputs (the event after their copy out), not for the
-        window's primes of the next step behind them; the whole stream under KESTREL_PROF, whose timing
-        events come after."""
-        (self.stream if prof.enabled else self.outputs_ready).synchronize()
 
     def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
@@ -304,7 +283,7 @@ class GpuExecutor(Executor):
         self._graphs[key].launch(self.stream)
         if prof.enabled:
             self._prof_events[1].record(self.stream)
-        self._wait_outputs()
+        self.outputs.wait(self.stream, whole_stream=prof.enabled)
         waited = time.perf_counter()
         self._count(1, self._graph_kernels[key], self._graph_weight_read[key], tokens=bucket,
                     d2h=bucket * 4 if greedy else bucket * self.config.vocab_size * 4)
@@ -333,7 +312,7 @@ class GpuExecutor(Executor):
                 chunk = rows[lo:lo + self.graph_rows]
                 stages = self._replay(chunk, greedy=False)
                 started = time.perf_counter()
-                out[lo:lo + len(chunk)] = self.host_logits_view[:len(chunk)]
+                out[lo:lo + len(chunk)] = self.outputs.logits_view[:len(chunk)]
                 if prof.enabled:
                     prof.record_call({**stages, "reduce": (time.perf_counter() - started) * 1e6})
         else:
@@ -344,9 +323,9 @@ class GpuExecutor(Executor):
                 count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
                 self.stage(chunk, len(chunk))
                 kernel_count, weight_read = self._enqueue_step(len(chunk), lm_rows=(first, count))
-                self._wait_outputs()
+                self.outputs.wait(self.stream, whole_stream=prof.enabled)
                 self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk), d2h=count * V * 4)
-                out[inside] = self.host_logits_view[wanted[inside] - lo - first]
+                out[inside] = self.outputs.logits_view[wanted[inside] - lo - first]
         self.counters.steps += 1
         self.counters.tokens += len(rows)
         if logits == "last":
@@ -402,7 +381,7 @@ class GpuExecutor(Executor):
             stages = self._replay(chunk, greedy=True)
             if prof.enabled:
                 prof.record_call({**stages, "reduce": 0.0})
-            tokens[lo:lo + len(chunk)] = self.host_tokens_view[:len(chunk)]
+            tokens[lo:lo + len(chunk)] = self.outputs.tokens_view[:len(chunk)]
         return self._finish(rows, tokens)
 
     def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
@@ -413,7 +392,7 @@ class GpuExecutor(Executor):
             return None
         self.sampler.stage(states)
         self._replay(rows, greedy="sample")
-        return self._finish(rows, self.host_tokens_view[:len(rows)].astype(np.int64))
+        return self._finish(rows, self.outputs.tokens_view[:len(rows)].astype(np.int64))
 
     def generate_sampled(self, batch: list[tuple[GpuKV, np.ndarray, int]], steps: int,
                          states: list[np.ndarray]) -> np.ndarray | None:
@@ -448,8 +427,7 @@ class GpuExecutor(Executor):
             graph.destroy()
         self._graphs.clear()
         self.step_params.free()
-        self.host_logits.free()
-        self.host_tokens.free()
+        self.outputs.free()
         self.window.close()
         self.kv.release()
         if self.blas is not None:

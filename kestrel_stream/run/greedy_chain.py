@@ -42,7 +42,7 @@ class GreedyChain:
             kvbase, ids, pos = x.step_params.pointers(tokens)
             launch = x.kernels.launch(
                 "chain_advance", (1,), (32,), "ppppppqi",
-                [ids, pos, kvbase, x.argmax_out.ptr, self.counter.ptr,
+                [ids, pos, kvbase, x.outputs.argmax_out.ptr, self.counter.ptr,
                  self.history.ptr, x.scratch_kv.base_elements, tokens])
             launch.label(op="chain_advance")
             launch.programmatic = x.argmax_launch(tokens).programmatic

@@ -48,12 +48,12 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
 
 
 def argmax_launch(x, tokens: int, programmatic: bool) -> Launch:
-    """Each of `tokens` logits rows' argmax into x.argmax_out: the greedy step's last kernel."""
-    S, T = x.argmax_splits, x.max_tokens
+    """Each of `tokens` logits rows' argmax into x.outputs.argmax_out: the greedy step's last kernel."""
+    o, T = x.outputs, x.max_tokens
     launch = x.kernels.launch(
-        "argmax_split", (S, tokens), (256,), "pipppp",
-        [x.logits.ptr, x.config.vocab_size, x.argmax_partials.ptr,
-         x.argmax_partials.ptr + 4 * T * S, x.argmax_counters.ptr, x.argmax_out.ptr])
+        "argmax_split", (o.argmax_splits, tokens), (256,), "pipppp",
+        [x.logits.ptr, x.config.vocab_size, o.argmax_partials.ptr,
+         o.argmax_partials.ptr + 4 * T * o.argmax_splits, o.argmax_counters.ptr, o.argmax_out.ptr])
     launch.label(op="argmax")
     launch.programmatic = programmatic
     return launch
