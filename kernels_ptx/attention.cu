@@ -4,9 +4,10 @@
 // `splits` contiguous ranges, one block each.  A block's 4 warps take keys in
 // turn (several per iteration, so their loads overlap), keep an online softmax per q head
 // of the GQA group (which shares every k/v load), merge through shared memory
-// and write an unnormalised partial.  The last split block of a (kv head, token)
-// to finish (atomic ticket, reset by that block for the next launch or graph
-// replay) merges all splits in a fixed order: no second launch.
+// and write an unnormalised partial.  Only the first ceil(keys / keys per split)
+// blocks hold keys; the others exit at launch.  The last of those to finish (atomic
+// ticket, reset by that block for the next launch or graph replay) merges their
+// partials in a fixed order: no second launch.
 //
 // A sliding window (window > 0) starts each query's keys at pos - window + 1.
 // Head dims that are not a multiple of 32 (80) leave the top lanes of the last

@@ -61,10 +61,15 @@ __device__ __forceinline__ void load_lane_elems(const float* row, int lane, floa
 }
 
 // Keys per split block of a (kv head, token) holding n_keys keys: at least min_keys, so short contexts
-// use few splits (the others exit at once); with every key in split 0 that block writes the output
-// itself (no partials, no ticket).
+// use few splits; with every key in split 0 that block writes the output itself (no partials, no ticket).
 __device__ __forceinline__ int keys_per_split(int n_keys, int splits, int min_keys) {
     return max((n_keys + splits - 1) / splits, min_keys);
+}
+
+// The split blocks of a (kv head, token) that hold keys: the first ceil(n_keys / per_split).  The rest
+// exit at launch, before any prologue, partial or ticket; the ticket and the merge count these alone.
+__device__ __forceinline__ int active_splits(int n_keys, int per_split) {
+    return (n_keys + per_split - 1) / per_split;
 }
 
 // D: head_dim, a constant so q and acc stay in registers.  The caller ran pdl_wait
@@ -86,8 +91,9 @@ __device__ __forceinline__ void attention_split_body(
     const int group = n_heads / n_kv;
     const int first_key = window > 0 ? max(pos[t] - window + 1, 0) : 0;
     const int n_keys = pos[t] + 1 - first_key, per_split = keys_per_split(n_keys, splits, min_keys);
-    const bool alone = n_keys <= per_split;   // split 0 holds every key: it writes out, the others leave
-    if (alone && split > 0) return;
+    const int active = active_splits(n_keys, per_split);
+    if (split >= active) return;              // no keys here: the ticket and the merge count active blocks
+    const bool alone = active == 1;           // split 0 holds every key: it writes out itself
     const int begin = first_key + split * per_split, end = first_key + min(split * per_split + per_split, n_keys);
     const long long v_offset = (long long)n_kv * D;   // a position's V row follows its K row
 
@@ -170,18 +176,18 @@ __device__ __forceinline__ void attention_split_body(
     __threadfence();   // partials visible device-wide before the ticket
     __syncthreads();
     unsigned int* counter = counters + (long long)t * n_kv + head_kv;
-    if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1u) == (unsigned int)(splits - 1);
+    if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1u) == (unsigned int)(active - 1);
     __syncthreads();
     if (!is_last_split) return;
     __threadfence();
     const long long first = ((long long)t * n_heads + (long long)head_kv * group) * splits;
     // per q head: the weight of each split, e^(max_s - max), staged once (one warp per head)
     for (int g = warp; g < group; g += ATTN_WARPS) {
-        float m = lane < splits ? __ldcg(part_max + first + (long long)g * splits + lane) : -INFINITY;
+        float m = lane < active ? __ldcg(part_max + first + (long long)g * splits + lane) : -INFINITY;
         float total_max = warp_max(m);
-        float f = m == -INFINITY ? 0.f : expf(m - total_max);   // an empty split weighs nothing
-        float den = warp_sum(lane < splits ? f * __ldcg(part_sum + first + (long long)g * splits + lane) : 0.f);
-        if (lane < splits) split_weight[g][lane] = f;
+        float f = m == -INFINITY ? 0.f : expf(m - total_max);   // lanes past the active splits: nothing
+        float den = warp_sum(lane < active ? f * __ldcg(part_sum + first + (long long)g * splits + lane) : 0.f);
+        if (lane < active) split_weight[g][lane] = f;
         if (lane == 0) split_den[g] = den;
     }
     __syncthreads();
@@ -190,9 +196,9 @@ __device__ __forceinline__ void attention_split_body(
         const float* acc_g = part_acc + (first + (long long)g * splits) * D + d;
         float num = 0.f;
 #pragma unroll 4
-        for (int s = 0; s < splits; s++) {
+        for (int s = 0; s < active; s++) {
             float f = split_weight[g][s];
-            if (f != 0.f) num += __ldcg(acc_g + (long long)s * D) * f;   // empty splits wrote no acc
+            if (f != 0.f) num += __ldcg(acc_g + (long long)s * D) * f;
         }
         out[(long long)t * n_heads * D + (long long)head_kv * group * D + i] = num / split_den[g];
     }

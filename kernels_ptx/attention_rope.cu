@@ -32,7 +32,7 @@ __device__ __forceinline__ void attention_rope_body(
     // the split whose keys hold position p, as attention_split_body cuts them
     const int first_key = window > 0 ? max(p - window + 1, 0) : 0;
     const int n_keys = p + 1 - first_key, per_split = keys_per_split(n_keys, splits, min_keys);
-    if (n_keys <= per_split && split > 0) return;   // split 0 alone holds the keys (attention_body.cuh)
+    if (split >= active_splits(n_keys, per_split)) return;   // a block without keys (attention_body.cuh)
     const int jobs = group + ((n_keys - 1) / per_split == split ? 2 : 0);   // q heads, then k and v
     const PagedDst<E> cache{tables, table_row, layer, n_layers, n_kv, D, block_shift};
     for (int j = warp; j < jobs; j += ATTN_WARPS) {
