@@ -26,7 +26,8 @@ import numpy as np
 from kestrel_stream.cuda import driver, kernels as kernel_module, q4_gemv_variants as qv
 from kestrel_stream.cuda.block_kernels import weight_bytes
 from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, gemv_launch
-from kestrel_stream.model.quant4 import BlockTensor, fuse_rows, random_blocks
+from kestrel_stream.model.quant4 import BlockTensor, fuse_rows
+from bench.synthetic import random_blocks
 from kestrel_stream.run.block_weights import block_image, device_qweight
 
 from .gpu_kernels import time_graph_us

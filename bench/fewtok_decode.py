@@ -25,7 +25,7 @@ import numpy as np
 
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver, flash_attention, mma_variants
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.run.gpu_executor import GpuExecutor
 
 from .mma import SPLIT_SHAPES

@@ -18,7 +18,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
 
 from kestrel_stream.loading.presets import PRESETS
-from kestrel_stream.model.quant4 import random_blocks
+from bench.synthetic import random_blocks
 
 MIXES = ("q8_0", "q4_0", "q4_k", "q6_k", "q4_k_m")
 FILE_TYPES = {"q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0,

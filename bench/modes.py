@@ -13,7 +13,7 @@ groups {qkv, o, gate_up, down, lm_head} (same choice in every layer), each
 choice *timed* at M = 1 (one session) and M = 32 (32 sessions, one batched
 step), next to the cost model's prediction for it.
 
-Weights are random Q8_0 drawn directly (presets.random_q8_weights): the
+Weights are random Q8_0 drawn directly (bench/synthetic.py random_q8_weights): the
 arithmetic and bytes are those of the real shapes, without minutes of
 checkpoint writing and quantization on the device.
 """
@@ -29,7 +29,7 @@ import numpy as np
 import scheduler
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.run.engine import Engine
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 
 from .report import write_results
 

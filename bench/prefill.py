@@ -30,7 +30,7 @@ import numpy as np
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.flash_attention import AttentionChoice
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.options import Options
 from kestrel_stream.run.gpu_executor import GpuExecutor
 from scheduler.dense import DENSE_MIN_TOKENS

@@ -21,7 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from kestrel_stream.cli.bench import environment
-from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.loading.presets import PRESETS
+from bench.synthetic import random_q8_weights
 from kestrel_stream.run.blas_threads import cpu_threads_now, set_cpu_threads
 from kestrel_stream.run.engine import Engine, resolve_device
 

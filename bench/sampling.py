@@ -31,7 +31,8 @@ def build_engine(args) -> Engine:
         from .gpu_decode import random_weights
         weights = random_weights(np.random.default_rng(0))
     else:
-        from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+        from kestrel_stream.loading.presets import PRESETS
+        from bench.synthetic import random_q8_weights
         weights = random_q8_weights(PRESETS["tiny"], seed=0)
     return Engine(weights, device=device, mode=mode, max_seq_len=1024, max_batch=4)
 

@@ -7,7 +7,7 @@
 The device layer traces itself (kestrel_stream/cuda/driver.py, device_trace.py):
 this only turns tracing on around `--steps` decode steps, after a prefill and
 warm-up steps (graph capture, launch lists, plans), and renders the result.
-Weights are random Q8_0 of the preset's real shapes (presets.random_q8_weights);
+Weights are random Q8_0 of the preset's real shapes (bench/synthetic.py random_q8_weights);
 `--vram-budget` is handed to the engine (window mode: gpu with a small budget).
 The screenshot needs headless Chromium; where it is absent (the device
 machine) `--png-only` makes the PNGs later from the HTML files.
@@ -26,7 +26,7 @@ from kestrel_stream.obs import timeline
 from kestrel_stream.obs import trace
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.engine import Engine
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome")
 

@@ -24,7 +24,7 @@ from kestrel_stream.cli.bench import environment
 from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.gpu_executor import GpuExecutor
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 
 from .report import write_results
 

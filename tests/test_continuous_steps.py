@@ -9,7 +9,7 @@ import pytest
 import fake_cuda
 from hf_oracle import relative_error
 from kestrel_stream.run.engine import Engine
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.serve.decode_steps import DecodeJob, DecodeSteps, PrefillJob
 from scheduler.batcher import StepBatcher
 from test_executors_emulated import CONFIGS

@@ -20,7 +20,7 @@ import pytest
 import fake_cuda
 import fake_streams
 from kestrel_stream.cuda import driver
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.engine import Engine
 from scheduler.ops import PARAMS_BYTES_PER_TOKEN

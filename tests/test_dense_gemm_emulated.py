@@ -13,7 +13,8 @@ import scheduler
 from hf_oracle import relative_error
 from kestrel_stream.cuda import cublas
 from kestrel_stream.cuda.dense_gemm import DenseGemm
-from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.loading.presets import PRESETS
+from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.options import Options
 from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.executor import Executor, StepCounters
 

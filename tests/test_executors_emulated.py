@@ -24,7 +24,7 @@ from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.gpu_executor import DEFAULT_MAX_SESSIONS, GpuExecutor
 from kestrel_stream.run.hybrid import HybridExecutor
 from kestrel_stream.run.engine import Engine
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 
 CONFIGS = {
     "qwen3": ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=4,

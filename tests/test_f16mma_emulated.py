@@ -14,7 +14,7 @@ import fake_f16mma
 from hf_oracle import relative_error
 from kernels_ptx import build
 from kestrel_stream.cuda import mma_variants
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.quant import quantize
 from kestrel_stream.run.engine import Engine

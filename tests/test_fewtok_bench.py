@@ -48,7 +48,7 @@ def test_decode_rows_run_the_winner_on_the_emulated_device(monkeypatch):
 
     import fake_cuda
     from test_splitk_emulated import CONFIG
-    from kestrel_stream.loading.presets import random_q8_weights
+    from bench.synthetic import random_q8_weights
     from kestrel_stream.run.gpu_executor import GpuExecutor
     fake_cuda.install(monkeypatch, mode="deferred")
     weights = random_q8_weights(CONFIG, seed=5)

@@ -12,7 +12,7 @@ import fake_cuda
 import fake_flash
 from hf_oracle import relative_error
 from kestrel_stream.cuda import flash_attention as fa
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.engine import Engine
 

@@ -12,7 +12,8 @@ import fake_cuda
 from hf_oracle import relative_error
 from kestrel_stream.cuda import driver
 from kestrel_stream.errors import CapacityError
-from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.loading.presets import PRESETS
+from bench.synthetic import random_q8_weights
 from kestrel_stream.run.budget import arena_needs, plan_arena
 from kestrel_stream.run.engine import Engine
 from scheduler import WindowBudgetError

@@ -13,7 +13,8 @@ import pytest
 from gguf_export import export_gguf
 
 import kestrel_stream as ks
-from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.loading.presets import PRESETS
+from bench.synthetic import random_q8_weights
 from kestrel_stream.obs import load_stages
 from kestrel_stream.text import tokenizer as tokenizer_module
 from kestrel_stream.text.lazy_tokenizer import STAGE

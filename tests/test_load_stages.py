@@ -5,7 +5,8 @@ from __future__ import annotations
 import fake_cuda
 import kestrel_stream as ks
 from gguf_export import export_gguf
-from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.loading.presets import PRESETS
+from bench.synthetic import random_q8_weights
 from kestrel_stream.obs import load_stages
 from kestrel_stream.run.engine import Engine
 from test_cli import run_cli

@@ -6,7 +6,8 @@ from __future__ import annotations
 import fake_cuda
 import numpy as np
 import pytest
-from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.loading.presets import PRESETS
+from bench.synthetic import random_q8_weights
 from kestrel_stream.run import window
 
 

@@ -7,7 +7,7 @@ import pytest
 
 import fake_cuda
 from hf_oracle import relative_error
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.engine import Engine
 

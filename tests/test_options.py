@@ -39,7 +39,7 @@ def test_no_module_reads_kestrel_settings_at_import():
 
 
 def test_the_engine_keeps_the_options_it_was_built_with(tmp_path, monkeypatch):
-    from kestrel_stream.loading.presets import random_q8_weights
+    from bench.synthetic import random_q8_weights
     from kestrel_stream.run.engine import Engine
     monkeypatch.setenv("KESTREL_MINFLOP", "5")
     engine = Engine(random_q8_weights("tiny", seed=1), device="cpu")

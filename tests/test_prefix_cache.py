@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from hf_oracle import relative_error
-from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.loading.presets import PRESETS
+from bench.synthetic import random_q8_weights
 from kestrel_stream.run.engine import Engine
 
 RNG = np.random.default_rng(11)

@@ -11,7 +11,8 @@ import kestrel_stream as ks
 from gguf_export import export_gguf
 from kestrel_stream.errors import LoadError
 from kestrel_stream.loading.loader import load_weights
-from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.loading.presets import PRESETS
+from bench.synthetic import random_q8_weights
 from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.obs import load_stages

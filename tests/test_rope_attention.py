@@ -20,7 +20,7 @@ from kestrel_stream.cuda.kernels import ATTENTION_MIN_KEYS
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.options import Options
 from kestrel_stream.run.gpu_executor import GpuExecutor
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 
 CONFIGS = {   # (q heads per kv head, head_dim): (2, 128) the _g2 kernel, (4, 64) the 8-head one
     "qwen3-g2": ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=2,

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import fake_cuda
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.engine import Engine
 from test_sampling import CASES, LOGITS, chi2_critical, chi_square, expected_probs

@@ -8,7 +8,8 @@ import pytest
 import fake_cuda
 from hf_oracle import relative_error
 from kestrel_stream.errors import CapacityError, SessionClosedError
-from kestrel_stream.loading.presets import PRESETS, random_q8_weights
+from kestrel_stream.loading.presets import PRESETS
+from bench.synthetic import random_q8_weights
 from kestrel_stream.run.engine import Engine
 
 PROMPT = [5, 3, 200, 17, 42, 8, 1, 99, 250, 7, 64, 31, 2, 4, 6, 8, 10, 12, 14]   # 19: a block and a bit

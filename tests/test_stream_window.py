@@ -21,7 +21,7 @@ from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, i
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run import window as stream_window
 from kestrel_stream.run.window import WeightWindow, step_launch_items, weight_tensors, write_image
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 
 SMALL = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=6,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fake_cuda
-from kestrel_stream.loading.presets import random_q8_weights
+from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run import window as stream_window
 from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, plan_arena

@@ -121,34 +121,3 @@ def ensure_preset(preset: str, seed: int = 0, dtype: str = "bf16",
     if not (out_dir / "config.json").exists():
         make_model(out_dir, preset, seed=seed, dtype=dtype, on_tensor=on_tensor)
     return out_dir
-
-
-def random_q8_weights(preset: str | ModelConfig, seed: int = 0):
-    """ModelWeights with random Q8_0 values drawn directly: no float matrices, no quantization pass.
-
-    For benchmarks of the large presets, where writing and quantizing a checkpoint
-    would cost more than the measurement.  Scales keep activations finite as in
-    ``random_tensor`` (int8 values ~ U[-127, 127] have std ~73).
-    """
-    from kestrel_stream.model.quant import QTensor
-    from kestrel_stream.model.weights import LayerWeights, ModelWeights
-    cfg = PRESETS[preset] if isinstance(preset, str) else preset
-    rng = np.random.default_rng(seed)
-
-    def linear(rows: int, cols: int, scale: float) -> QTensor:
-        return QTensor(rng.integers(-127, 128, (rows, cols), dtype=np.int8),
-                       np.full((rows, cols // 32), scale / 73.0, np.float16))
-
-    def norm(size: int) -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
-
-    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    residual_scale = 1.0 / np.sqrt(2 * L)
-    layers = [LayerWeights(norm(H), linear(cfg.q_size + 2 * cfg.kv_size, H, 1 / np.sqrt(H)),
-                           linear(H, cfg.q_size, residual_scale / np.sqrt(cfg.q_size)), norm(H),
-                           linear(2 * I, H, 1 / np.sqrt(H)), linear(H, I, residual_scale / np.sqrt(I)),
-                           norm(cfg.head_dim) if cfg.qk_norm else None, norm(cfg.head_dim) if cfg.qk_norm else None)
-              for _ in range(L)]
-    embed = linear(cfg.vocab_size, H, 0.02)
-    lm_head = embed if cfg.tie_word_embeddings else linear(cfg.vocab_size, H, 1 / np.sqrt(H))
-    return ModelWeights(cfg, embed, layers, norm(H), lm_head, source=f"random {cfg.arch} ({seed})")

@@ -302,27 +302,3 @@ def group_form(blocks: np.ndarray, fmt: str, cols: int) -> tuple[np.ndarray, np.
     else:
         raise ValueError(f"not a block format: {fmt}")
     return levels.reshape(n, cols), s.reshape(n, cols // 16), o.reshape(n, cols // 16)
-
-
-def random_blocks(rng: np.random.Generator, fmt: str, rows: int, cols: int, std: float) -> np.ndarray:
-    """Random GGUF blocks uint8 [rows, cols/QK * block_bytes] whose weights have about `std` spread around 0
-    (random level and scale bytes; the fp16 fields set so)."""
-    elements, nbytes = BLOCK_FORMATS[fmt]
-    raw = rng.integers(0, 256, (rows, cols // elements, nbytes), dtype=np.uint8)
-
-    def put(offset: int, value: float) -> None:
-        jitter = rng.uniform(0.5, 1.5, raw.shape[:2])
-        raw[:, :, offset:offset + 2] = (jitter * value).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
-
-    if fmt == "Q4_0":
-        put(0, std / 4.6)                      # levels -8..7: spread ~4.6
-    elif fmt == "Q4_K":
-        d = std / (4.6 * 32)                   # levels 0..15 times scales 0..63 (~32)
-        put(0, d)
-        put(2, d * 7.5 * 32 / 32)              # mins ~32 x dmin recentre the levels' mean 7.5 x scale
-    elif fmt == "Q6_K":
-        raw[:, :, 192:208] = rng.integers(1, 64, (rows, cols // elements, 16), dtype=np.uint8)   # scales > 0
-        put(208, std / (18.5 * 32))            # levels -32..31: spread ~18.5, scales ~32
-    else:
-        raise ValueError(f"not a block format: {fmt}")
-    return raw.reshape(rows, -1)

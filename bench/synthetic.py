@@ -1,0 +1,67 @@
+"""Synthetic weights for the tests and benches: a random Q8_0 model drawn directly, and random GGUF blocks.
+
+Neither is a way to load a model; the library's own random checkpoints (the tiny demo preset) are
+written and quantised by kestrel_stream.loading.presets.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kestrel_stream.loading.presets import PRESETS
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.model.quant4 import BLOCK_FORMATS
+
+
+def random_q8_weights(preset: str | ModelConfig, seed: int = 0):
+    """ModelWeights with random Q8_0 values drawn directly: no float matrices, no quantization pass.
+
+    For benchmarks of the large presets, where writing and quantizing a checkpoint
+    would cost more than the measurement.  Scales keep activations finite as in
+    ``random_tensor`` (int8 values ~ U[-127, 127] have std ~73).
+    """
+    from kestrel_stream.model.quant import QTensor
+    from kestrel_stream.model.weights import LayerWeights, ModelWeights
+    cfg = PRESETS[preset] if isinstance(preset, str) else preset
+    rng = np.random.default_rng(seed)
+
+    def linear(rows: int, cols: int, scale: float) -> QTensor:
+        return QTensor(rng.integers(-127, 128, (rows, cols), dtype=np.int8),
+                       np.full((rows, cols // 32), scale / 73.0, np.float16))
+
+    def norm(size: int) -> np.ndarray:
+        return (1.0 + 0.1 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
+
+    H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    residual_scale = 1.0 / np.sqrt(2 * L)
+    layers = [LayerWeights(norm(H), linear(cfg.q_size + 2 * cfg.kv_size, H, 1 / np.sqrt(H)),
+                           linear(H, cfg.q_size, residual_scale / np.sqrt(cfg.q_size)), norm(H),
+                           linear(2 * I, H, 1 / np.sqrt(H)), linear(H, I, residual_scale / np.sqrt(I)),
+                           norm(cfg.head_dim) if cfg.qk_norm else None, norm(cfg.head_dim) if cfg.qk_norm else None)
+              for _ in range(L)]
+    embed = linear(cfg.vocab_size, H, 0.02)
+    lm_head = embed if cfg.tie_word_embeddings else linear(cfg.vocab_size, H, 1 / np.sqrt(H))
+    return ModelWeights(cfg, embed, layers, norm(H), lm_head, source=f"random {cfg.arch} ({seed})")
+
+
+def random_blocks(rng: np.random.Generator, fmt: str, rows: int, cols: int, std: float) -> np.ndarray:
+    """Random GGUF blocks uint8 [rows, cols/QK * block_bytes] whose weights have about `std` spread around 0
+    (random level and scale bytes; the fp16 fields set so)."""
+    elements, nbytes = BLOCK_FORMATS[fmt]
+    raw = rng.integers(0, 256, (rows, cols // elements, nbytes), dtype=np.uint8)
+
+    def put(offset: int, value: float) -> None:
+        jitter = rng.uniform(0.5, 1.5, raw.shape[:2])
+        raw[:, :, offset:offset + 2] = (jitter * value).astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+
+    if fmt == "Q4_0":
+        put(0, std / 4.6)                      # levels -8..7: spread ~4.6
+    elif fmt == "Q4_K":
+        d = std / (4.6 * 32)                   # levels 0..15 times scales 0..63 (~32)
+        put(0, d)
+        put(2, d * 7.5 * 32 / 32)              # mins ~32 x dmin recentre the levels' mean 7.5 x scale
+    elif fmt == "Q6_K":
+        raw[:, :, 192:208] = rng.integers(1, 64, (rows, cols // elements, 16), dtype=np.uint8)   # scales > 0
+        put(208, std / (18.5 * 32))            # levels -32..31: spread ~18.5, scales ~32
+    else:
+        raise ValueError(f"not a block format: {fmt}")
+    return raw.reshape(rows, -1)
