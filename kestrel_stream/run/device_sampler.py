@@ -58,6 +58,7 @@ class DeviceSampler:
         self.splits = candidate_splits(executor.config.vocab_size)
         # a sampled step has a logits row per token, so at most logits_rows tokens draw at once
         self.candidates = executor.arena.array((executor.logits_rows * self.splits * (2 * SAMPLE_CAP + 4),), np.uint32)
+        self._launches: dict[int, LaunchSequence] = {}     # token count -> the two sampling launches
 
     def stage(self, states: list[np.ndarray]) -> None:
         self.host_state_view[:len(states)] = states
@@ -69,8 +70,7 @@ class DeviceSampler:
 
     def _launch(self, tokens: int) -> LaunchSequence:
         x = self.x
-        key = ("sample", tokens)
-        if key not in x._launches:
+        if tokens not in self._launches:
             V, programmatic = x.config.vocab_size, x.step_launches(tokens)[-1].programmatic
             first = x.kernels.launch("sample_candidates", (self.splits, tokens), (256,), "pipp",
                                      [x.logits.ptr, V, self.state.ptr, self.candidates.ptr])
@@ -80,8 +80,8 @@ class DeviceSampler:
             for launch in (first, finish):
                 launch.label(op="sample")
                 launch.programmatic = programmatic
-            x._launches[key] = LaunchSequence(first, finish)
-        return x._launches[key]
+            self._launches[tokens] = LaunchSequence(first, finish)
+        return self._launches[tokens]
 
     def close(self) -> None:
         self.host_state.free()
