@@ -21,10 +21,11 @@ import numpy as np
 
 from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows, weight_bytes
 from kestrel_stream.cuda import driver, mma_variants
-from kestrel_stream.cuda.kernels import (ATTENTION_MIN_KEYS, ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight, attention_launch,
-                                         gemv_launch, paged_attention_launch, rope_attention_launch)
-from kestrel_stream.cuda.flash_attention import StepChoice, attention_choice, split_count
-from kestrel_stream.cuda.flash_attention import partial_floats as attention_partials
+from kestrel_stream.cuda.kernels import (ATTENTION_MIN_KEYS, ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight,
+                                         attention_launch, gemv_launch, paged_attention_launch,
+                                         rope_attention_launch)
+from kestrel_stream.cuda.flash_attention import (StepChoice, attention_choice, partial_floats as attention_partials,
+                                                 split_count)
 from kestrel_stream.model import rope
 
 
@@ -79,7 +80,8 @@ class DeviceState:
         shapes = {"x": (T, c.hidden_size), "xn": (T, c.hidden_size), "qkv": (T, c.q_size + 2 * c.kv_size),
                   "q": (T, c.q_size), "attn": (T, c.q_size), "act": (T, c.intermediate_size),
                   "logits": (logits_rows, c.vocab_size), "inv_rms": (T,),
-                  "partials": (attention_partials(T, c.num_attention_heads, c.num_key_value_heads, c.head_dim, splits),)}
+                  "partials": (attention_partials(T, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+                                                  splits),)}
         arrays = {name: arena.array(shape, np.float32) for name, shape in shapes.items()}
         partial_floats, ticket_count = mma_variants.scratch_bound(T)
         arrays["split_partials"] = arena.array((max(partial_floats, 4),), np.float32)

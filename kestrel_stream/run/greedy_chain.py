@@ -59,7 +59,8 @@ class GreedyChain:
             with driver.capture(x.stream) as captured:
                 launches = x.step_launches(bucket)
                 pick, advance = self._pick_launch(bucket), self._advance_launch(bucket)
-                x.window.enqueue_step(launches, x.stream, then=lambda: (pick.enqueue(x.stream), advance.enqueue(x.stream)))
+                x.window.enqueue_step(launches, x.stream,
+                                      then=lambda: (pick.enqueue(x.stream), advance.enqueue(x.stream)))
             self._graphs[bucket] = captured.graph
             self._kernels[bucket] = x.kernel_count(launches) + 2, x.weight_read_bytes(launches)
             x.counters.graphs_captured += 1
