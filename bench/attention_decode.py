@@ -1,14 +1,16 @@
-"""Batch-1 decode step time on the device by the split blocks' fewest keys (attention_min_keys).
+"""Batch-1 decode step time on the device by the split blocks' fewest keys (attention_min_keys) and
+warps (attention_warps).
 
     PYTHONPATH=. python3 -m bench.attention_decode /tmp/q8b-q4_k_m.gguf [--min-keys 16,32,64,128]
-                                                   [--positions 8,64,128,512,1000] [--out DIR]
+                                                   [--warps 4,8] [--positions 8,64,128,512,1000] [--out DIR]
 
-Per min_keys: gpu mode's one-token launch list (the rope op inside attention unless KESTREL_FUSED_ROPE=0)
+Per (warps, min_keys): gpu mode's one-token launch list (the rope op inside attention unless KESTREL_FUSED_ROPE=0)
 captured as one graph and replayed back to back (timing events around --repeats replays, no host
 work between them), at each position of a session's cache; and the graph of the attention launches
 alone.  A context of at most min_keys keys runs as one block per (kv head, token) that writes its
 output (attention_body.cuh): fewer blocks and no merge, but each block's warps take more keys in turn.
-The fastest min_keys per position range is what kestrel_stream.cuda.kernels.ATTENTION_MIN_KEYS should be.
+The fastest pair per position range is what kestrel_stream.cuda.kernels.ATTENTION_MIN_KEYS and
+ATTENTION_WARPS should be.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="a GGUF file (bench/make_gguf.py)")
     parser.add_argument("--min-keys", default="16,32,64,128")
+    parser.add_argument("--warps", default="4", help="comma-separated warps per block of the fused kernel (4, 8)")
     parser.add_argument("--positions", default="8,64,128,512,1000")
     parser.add_argument("--repeats", type=int, default=40)
     parser.add_argument("--out", default=None)
@@ -55,9 +58,10 @@ def main() -> None:
     seq = max(positions) + 16
     weights = load_weights(args.model)
     rows = []
-    for min_keys in [int(m) for m in args.min_keys.split(",")]:
+    choices = [(int(w), int(m)) for w in args.warps.split(",") for m in args.min_keys.split(",")]
+    for warps, min_keys in choices:
         gpu = GpuExecutor(weights, max_seq_len=seq, max_batch=1, max_sessions=2, prefill_chunk=16,
-                          attention_min_keys=min_keys)
+                          attention_min_keys=min_keys, attention_warps=warps)
         kv = gpu.alloc_kv(seq)
         gpu.forward([(kv, np.arange(16) % weights.config.vocab_size, 0)])
         gpu._reserve([(kv, 0, seq)])            # blocks for every position the replays read
@@ -66,7 +70,7 @@ def main() -> None:
         for position in positions:
             gpu.stage(gpu._rows([(kv, np.array([5]), position)]), 1)
             gpu.step_params.upload(1, gpu.stream)
-            row = {"file": os.path.basename(args.model), "min_keys": min_keys, "position": position,
+            row = {"file": os.path.basename(args.model), "warps": warps, "min_keys": min_keys, "position": position,
                    "step_us": round(graph_us(gpu, launches, args.repeats), 1),
                    "attention_us": round(graph_us(gpu, attention, args.repeats), 1), "launches": len(launches)}
             print(row, flush=True)
@@ -76,9 +80,10 @@ def main() -> None:
     env.update(machine=driver.detect(), commit=args.commit or env["commit"])
     notes = ("In-graph µs of one batch-1 decode step (step_us) and of its attention launches alone (attention_us), "
              f"{args.repeats} replays back to back; min_keys: the fewest keys a split block of split-key attention "
-             "takes (a context of at most that many keys: one block, no merge).")
+             "takes (a context of at most that many keys: one block, no merge); warps: a block's in the kernel with the "
+             "rope prologue (8: its _w8 kernels).")
     path = write_results("h200-attention-decode", env, rows,
-                         ["file", "min_keys", "position", "step_us", "attention_us", "launches"], notes=notes,
+                         ["file", "warps", "min_keys", "position", "step_us", "attention_us", "launches"], notes=notes,
                          out_dir=args.out)
     print(f"wrote {path}")
 

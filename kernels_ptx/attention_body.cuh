@@ -4,6 +4,7 @@
 #pragma once
 
 #define ATTN_WARPS 4
+#define ATTN_WIDE_WARPS 8       // attention_rope.cu's _w8 kernels (D <= 128: merge_acc stays in 48 KB)
 #define ATTN_MAX_GROUP 8
 #define ATTN_MAX_GROUP_D 2048   // group * head_dim (checked on the host)
 #define ATTN_MAX_SPLITS 32
@@ -72,18 +73,20 @@ __device__ __forceinline__ int active_splits(int n_keys, int per_split) {
     return (n_keys + per_split - 1) / per_split;
 }
 
-// D: head_dim, a constant so q and acc stay in registers.  The caller ran pdl_wait
-// (rows were built from per-token params) and passes this block's token's K rows and its
-// group's q rows, qt[g * D + i] (global memory, or shared after attention_rope.cu's prologue).
-template <int D, int G, typename Rows>
+// D: head_dim, a constant so q and acc stay in registers; W: the block's warps (ATTN_WARPS, or
+// ATTN_WIDE_WARPS for attention_rope.cu's _w8 kernels: more keys per block, merged in shared
+// memory).  The caller ran pdl_wait (rows were built from per-token params) and passes this
+// block's token's K rows and its group's q rows, qt[g * D + i] (global memory, or shared after
+// attention_rope.cu's prologue).
+template <int D, int G, typename Rows, int W = ATTN_WARPS>
 __device__ __forceinline__ void attention_split_body(
         const float* __restrict__ qt, const Rows rows, const int* __restrict__ pos, float* part_acc,
         float* part_max, float* part_sum, float* __restrict__ out, unsigned int* counters, int n_heads,
         int n_kv, int window, float softmax_scale, int min_keys) {
     constexpr int PER_LANE = (D + 31) / 32;
     constexpr int KEYS_PER_ITER = G <= 2 && PER_LANE <= 4 ? 8 : PER_LANE <= 4 ? 4 : 2;   // keys whose loads are in flight together
-    __shared__ float merge_acc[ATTN_WARPS][(G * D < ATTN_MAX_GROUP_D ? G * D : ATTN_MAX_GROUP_D)];
-    __shared__ float merge_max[ATTN_WARPS][G], merge_sum[ATTN_WARPS][G];
+    __shared__ float merge_acc[W][(G * D < ATTN_MAX_GROUP_D ? G * D : ATTN_MAX_GROUP_D)];
+    __shared__ float merge_max[W][G], merge_sum[W][G];
     __shared__ bool is_last_split;
     __shared__ float split_weight[G][ATTN_MAX_SPLITS], split_den[G];
     const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
@@ -110,18 +113,18 @@ __device__ __forceinline__ void attention_split_body(
         }
     }
 
-    for (int p0 = begin + warp; p0 < end; p0 += KEYS_PER_ITER * ATTN_WARPS) {
+    for (int p0 = begin + warp; p0 < end; p0 += KEYS_PER_ITER * W) {
         float kr[KEYS_PER_ITER][PER_LANE], vr[KEYS_PER_ITER][PER_LANE];
 #pragma unroll
         for (int u = 0; u < KEYS_PER_ITER; u++) {
-            int p = min(p0 + u * ATTN_WARPS, end - 1);   // a duplicate key is loaded, then skipped
+            int p = min(p0 + u * W, end - 1);   // a duplicate key is loaded, then skipped
             const typename Rows::Elem* krow = rows.row(p);
             load_lane_elems<D, PER_LANE>(krow, lane, kr[u]);
             load_lane_elems<D, PER_LANE>(krow + v_offset, lane, vr[u]);
         }
 #pragma unroll
         for (int u = 0; u < KEYS_PER_ITER; u++) {
-            if (u > 0 && p0 + u * ATTN_WARPS >= end) break;
+            if (u > 0 && p0 + u * W >= end) break;
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 if (g >= group) break;
@@ -150,14 +153,14 @@ __device__ __forceinline__ void attention_split_body(
     }
     __syncthreads();
     const long long part_row = ((long long)t * n_heads + (long long)head_kv * group) * splits + split;
-    for (int i = threadIdx.x; i < group * D; i += ATTN_WARPS * 32) {
+    for (int i = threadIdx.x; i < group * D; i += W * 32) {
         int g = i / D, d = i % D;
         float block_max = -INFINITY;
 #pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) block_max = fmaxf(block_max, merge_max[w][g]);
+        for (int w = 0; w < W; w++) block_max = fmaxf(block_max, merge_max[w][g]);
         float num = 0.f, den = 0.f;
 #pragma unroll
-        for (int w = 0; w < ATTN_WARPS; w++) {
+        for (int w = 0; w < W; w++) {
             // a warp that saw no key has max -inf and contributes nothing
             float f = merge_max[w][g] == -INFINITY ? 0.f : expf(merge_max[w][g] - block_max);
             num += merge_acc[w][i] * f;
@@ -182,7 +185,7 @@ __device__ __forceinline__ void attention_split_body(
     __threadfence();
     const long long first = ((long long)t * n_heads + (long long)head_kv * group) * splits;
     // per q head: the weight of each split, e^(max_s - max), staged once (one warp per head)
-    for (int g = warp; g < group; g += ATTN_WARPS) {
+    for (int g = warp; g < group; g += W) {
         float m = lane < active ? __ldcg(part_max + first + (long long)g * splits + lane) : -INFINITY;
         float total_max = warp_max(m);
         float f = m == -INFINITY ? 0.f : expf(m - total_max);   // lanes past the active splits: nothing
@@ -191,7 +194,7 @@ __device__ __forceinline__ void attention_split_body(
         if (lane == 0) split_den[g] = den;
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < group * D; i += ATTN_WARPS * 32) {
+    for (int i = threadIdx.x; i < group * D; i += W * 32) {
         int g = i / D, d = i % D;
         const float* acc_g = part_acc + (first + (long long)g * splits) * D + d;
         float num = 0.f;

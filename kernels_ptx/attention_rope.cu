@@ -16,7 +16,7 @@
 #include "rope_head.cuh"
 #include "attention_body.cuh"
 
-template <int D, int G, typename E>
+template <int D, int G, typename E, int W>
 __device__ __forceinline__ void attention_rope_body(
         const float* __restrict__ qkv, const unsigned long long* tables, const long long* table_row,
         const int* pos, const float* q_norm, const float* k_norm, const float* inv_freq, const float* bias,
@@ -24,7 +24,7 @@ __device__ __forceinline__ void attention_rope_body(
         int layer, int n_layers, int n_heads, int n_kv, int window, float softmax_scale, int block_shift,
         int min_keys) {
     __shared__ float q_rows[G * D];
-    __shared__ float staged[ATTN_WARPS][ROPE_MAX_D];
+    __shared__ float staged[W][D];
     const int head_kv = blockIdx.x, t = blockIdx.y, split = blockIdx.z, splits = gridDim.z;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int group = n_heads / n_kv, p = pos[t], per_lane = (D + 31) >> 5;
@@ -35,7 +35,7 @@ __device__ __forceinline__ void attention_rope_body(
     if (split >= active_splits(n_keys, per_split)) return;   // a block without keys (attention_body.cuh)
     const int jobs = group + ((n_keys - 1) / per_split == split ? 2 : 0);   // q heads, then k and v
     const PagedDst<E> cache{tables, table_row, layer, n_layers, n_kv, D, block_shift};
-    for (int j = warp; j < jobs; j += ATTN_WARPS) {
+    for (int j = warp; j < jobs; j += W) {
         const int head = j < group ? head_kv * group + j : n_heads + (j - group) * n_kv + head_kv;
         float v[ROPE_MAX_PER_LANE];
         load_head(row + (long long)head * D, bias ? bias + (long long)head * D : nullptr, D, lane, v);
@@ -51,12 +51,14 @@ __device__ __forceinline__ void attention_rope_body(
     __syncthreads();   // q_rows complete; the appended K/V rows visible to this block's loads
     PagedRows<E> rows{tables + table_row[t], (long long)layer * 2 * n_kv * D + (long long)head_kv * D,
                       (long long)n_layers * 2 * n_kv * D, block_shift};
-    attention_split_body<D, G>(q_rows, rows, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
-                               window, softmax_scale, min_keys);
+    attention_split_body<D, G, PagedRows<E>, W>(q_rows, rows, pos, part_acc, part_max, part_sum, out, counters,
+                                                n_heads, n_kv, window, softmax_scale, min_keys);
 }
 
-#define DEFINE_ATTENTION_ROPE(D, SUFFIX, E, G, NAME_TAIL)                                       \
-    extern "C" __global__ void __launch_bounds__(ATTN_WARPS * 32)                              \
+#define DEFINE_ATTENTION_ROPE(D, SUFFIX, E, G, NAME_TAIL) DEFINE_ATTENTION_ROPE_W(D, SUFFIX, E, G, ATTN_WARPS, NAME_TAIL)
+// W warps a block: ATTN_WIDE_WARPS for the _w8 kernels
+#define DEFINE_ATTENTION_ROPE_W(D, SUFFIX, E, G, W, NAME_TAIL)                                  \
+    extern "C" __global__ void __launch_bounds__(W * 32)                                       \
     attention_rope_paged_d##D##_##SUFFIX##NAME_TAIL(                                            \
             const float* qkv, const unsigned long long* tables, const long long* table_row,     \
             const int* pos, const float* q_norm, const float* k_norm, const float* inv_freq,    \
@@ -65,7 +67,7 @@ __device__ __forceinline__ void attention_rope_body(
             int window, float softmax_scale, int block_shift, int min_keys) {                   \
         pdl_launch_dependents();                                                                \
         pdl_wait();   /* see common.cuh */                                                      \
-        attention_rope_body<D, G, E>(qkv, tables, table_row, pos, q_norm, k_norm, inv_freq, bias,\
+        attention_rope_body<D, G, E, W>(qkv, tables, table_row, pos, q_norm, k_norm, inv_freq, bias,\
                                      eps, part_acc, part_max, part_sum, out, counters, layer,   \
                                      n_layers, n_heads, n_kv, window, softmax_scale, block_shift,\
                                      min_keys);                                                 \
@@ -76,3 +78,9 @@ DEFINE_ATTENTION_ROPE(64, f16, half_bits, ATTN_MAX_GROUP, )
 DEFINE_ATTENTION_ROPE(128, f16, half_bits, ATTN_MAX_GROUP, )
 DEFINE_ATTENTION_ROPE(64, f16, half_bits, 2, _g2)
 DEFINE_ATTENTION_ROPE(128, f16, half_bits, 2, _g2)
+// the same with ATTN_WIDE_WARPS warps a block (kestrel_stream.cuda.kernels.ATTENTION_WARPS): a block takes
+// twice the keys in one pass, so a short context needs fewer split blocks and merges
+DEFINE_ATTENTION_ROPE_W(64, f16, half_bits, ATTN_MAX_GROUP, ATTN_WIDE_WARPS, _w8)
+DEFINE_ATTENTION_ROPE_W(128, f16, half_bits, ATTN_MAX_GROUP, ATTN_WIDE_WARPS, _w8)
+DEFINE_ATTENTION_ROPE_W(64, f16, half_bits, 2, ATTN_WIDE_WARPS, _g2_w8)
+DEFINE_ATTENTION_ROPE_W(128, f16, half_bits, 2, ATTN_WIDE_WARPS, _g2_w8)

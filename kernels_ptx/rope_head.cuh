@@ -19,8 +19,8 @@ __device__ __forceinline__ void load_head(const float* src, const float* bias, i
 }
 
 // Qwen3's per-head RMSNorm (norm_w null: none, Llama) and RoPE (HF rotate_half) at position p, in
-// place; inv_freq [D/2] is the host's table (every rope scaling type); staged: ROPE_MAX_D floats of
-// this warp's shared memory.
+// place; inv_freq [D/2] is the host's table (every rope scaling type); staged: D (<= ROPE_MAX_D) floats
+// of this warp's shared memory.
 __device__ __forceinline__ void norm_rope_head(float (&v)[ROPE_MAX_PER_LANE], const float* norm_w,
                                                const float* inv_freq, float eps, int p, int D,
                                                float* staged, int lane) {

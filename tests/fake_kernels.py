@@ -299,7 +299,7 @@ def attention_rope_paged(launch, qkv, tables, table_row, pos, q_norm, k_norm, in
                          part_max, part_sum, out, counters, layer, n_layers, n_heads, n_kv, window, softmax_scale,
                          block_shift, min_keys) -> None:
     """attention_rope.cu: the rope op (q rotated in shared memory, k and v appended), then attention."""
-    head, dtype_name, small_group = re.fullmatch(r"attention_rope_paged_d(\d+)_(f16)(_g2)?", launch.name).groups()
+    head, dtype_name, small_group = re.fullmatch(r"attention_rope_paged_d(\d+)_(f16)(_g2)?(?:_w8)?", launch.name).groups()
     D, dtype = int(head), KV_DTYPES[dtype_name]
     assert bool(small_group) == (n_heads <= 2 * n_kv), "_g2 exactly where at most 2 q heads per kv head"
     T = launch.grid[1]
@@ -323,7 +323,7 @@ def attend(launch, D, queries, keys_values, pos, part_acc, part_max, part_sum, o
     n_kv_grid, T, splits = launch.grid
     group = n_heads // n_kv
     assert n_kv_grid == n_kv and n_heads % n_kv == 0 and group <= 8 and group * D <= 2048 and splits <= 32
-    assert launch.block == (128, 1, 1) and min_keys >= 1
+    assert launch.block == (256 if launch.name.endswith("_w8") else 128, 1, 1) and min_keys >= 1   # 8 or 4 warps
     partial_rows = T * n_heads * splits                  # the workspace must fit: [rows, D] + [rows] + [rows]
     dev(part_acc, 4 * partial_rows * D), dev(part_max, 4 * partial_rows), dev(part_sum, 4 * partial_rows)
     for t in range(T):
@@ -370,6 +370,6 @@ KERNELS = BLOCK_KERNELS + DENSE_KERNELS + [
     (r"attention_split_d(32|64|80|96|128|256)", attention_split),
     (r"qkv_rope_append_paged_(f16|f32)", qkv_rope_append_paged),
     (r"attention_paged_d(32|64|80|96|128|256)_(f16|f32)(_g2)?", attention_paged),
-    (r"attention_rope_paged_d(64|128)_f16(_g2)?", attention_rope_paged),
+    (r"attention_rope_paged_d(64|128)_f16(_g2)?(_w8)?", attention_rope_paged),
     (r"flash_attention_paged_d(64|128)_f16", flash_attention_paged),
 ]

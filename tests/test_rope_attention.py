@@ -16,7 +16,7 @@ import pytest
 
 import fake_cuda
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.kernels import ATTENTION_MIN_KEYS
+from kestrel_stream.cuda.kernels import ATTENTION_MIN_KEYS, ATTENTION_WARPS
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.options import Options
 from kestrel_stream.run.gpu_executor import GpuExecutor
@@ -44,9 +44,9 @@ def device(request, monkeypatch):
     return request.param
 
 
-def executor(weights, fused: bool, min_keys: int = ATTENTION_MIN_KEYS) -> GpuExecutor:
+def executor(weights, fused: bool, min_keys: int = ATTENTION_MIN_KEYS, warps: int = ATTENTION_WARPS) -> GpuExecutor:
     return GpuExecutor(weights, max_seq_len=SEQ, max_batch=2, max_sessions=2, prefill_chunk=16,
-                       options=Options(fused_rope=fused), attention_min_keys=min_keys)
+                       options=Options(fused_rope=fused), attention_min_keys=min_keys, attention_warps=warps)
 
 
 def decode_logits(gpu: GpuExecutor, steps: int) -> np.ndarray:
@@ -114,6 +114,27 @@ def test_keys_per_split_block_change_no_logits(device, min_keys):
         np.testing.assert_array_equal(logits.argmax(axis=1), expected.argmax(axis=1))
 
 
+@pytest.mark.parametrize("shape", sorted(CONFIGS))
+@pytest.mark.parametrize("min_keys", [16, 32, 64])
+def test_eight_warp_blocks_change_no_logits(device, shape, min_keys):
+    """attention_warps=8 (the _w8 kernels: a block's keys in half the passes) attends to the same keys as
+    the default 4-warp blocks with the separate rope launch: the same argmax, logits within 1e-3 of the
+    row's largest (the warps' merge regroups the softmax sums, as another split does)."""
+    weights = random_q8_weights(CONFIGS[shape], seed=7)
+    steps = SEQ - len(PROMPT) - 2
+    reference, wide = executor(weights, False), executor(weights, True, min_keys, warps=8)
+    try:
+        names = [n for n in kernel_names(wide, 1) if n.startswith("attention_rope")]
+        assert len(names) == weights.config.num_hidden_layers and all(n.endswith("_w8") for n in names)
+        expected, logits = decode_logits(reference, steps), decode_logits(wide, steps)
+    finally:
+        reference.close()
+        wide.close()
+    scale = np.abs(expected).max(axis=1, keepdims=True)
+    assert (np.abs(logits - expected) / scale).max() < 1e-3
+    np.testing.assert_array_equal(logits.argmax(axis=1), expected.argmax(axis=1))
+
+
 def test_rope_attention_table_matches_the_kernel_source():
     import re
     from kernels_ptx import build
@@ -123,3 +144,13 @@ def test_rope_attention_table_matches_the_kernel_source():
     expected = {(str(d), dtype, group, tail) for d, dtype in ROPE_ATTENTION
                 for group, tail in (("ATTN_MAX_GROUP", ""), ("2", "_g2"))}
     assert defined == expected
+    wide = set(re.findall(r"^DEFINE_ATTENTION_ROPE_W\((\d+), (\w+), \w+, (\w+), ATTN_WIDE_WARPS, (\w*)\)",
+                          source, re.M))
+    assert wide == {(d, dtype, group, tail + "_w8") for d, dtype, group, tail in expected}
+
+
+def test_attention_warps_outside_the_kernels_are_refused():
+    from kestrel_stream.cuda.kernels import rope_attention_launch
+    with pytest.raises(AssertionError, match="attention warps 16"):
+        rope_attention_launch(None, 0, [0, 0, 0, 0], 1e-6, 0, 0, 0, 0, 0, 0, 1, 0, 2, 8, 2, 64, 1, 4, "f16",
+                              warps=16)

@@ -181,6 +181,11 @@ ROPE_ATTENTION_SIGNATURE = "ppppppppfpppppiiiiifii"
 # split-key attention's fewest keys per split block (attention_body.cuh keys_per_split): a (kv head, token)
 # with at most this many keys runs as one block that writes its output, with no partials and no merge
 ATTENTION_MIN_KEYS = 16
+# warps a block of attention_rope.cu takes (4: ATTN_WARPS; 8: its _w8 kernels, ATTN_WIDE_WARPS): a wider
+# block reads a split's keys in fewer passes, so with more keys per split a short context needs fewer
+# blocks and merges (bench/attention_decode.py --warps)
+ROPE_ATTENTION_WARPS = (4, 8)
+ATTENTION_WARPS = 4
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tensor-core q8_mma
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
@@ -308,15 +313,18 @@ def paged_attention_launch(kernels: KernelSet, q: int, tables: int, table_row: i
 def rope_attention_launch(kernels: KernelSet, qkv: int, vectors: list[int], eps: float, tables: int, table_row: int,
                           pos: int, out: int, partials: int, counters: int, tokens: int, layer: int, n_layers: int,
                           n_heads: int, n_kv: int, head_dim: int, splits: int, block_shift: int, kv_dtype: str,
-                          window: int = 0, scale: float | None = None, min_keys: int = ATTENTION_MIN_KEYS) -> Launch:
+                          window: int = 0, scale: float | None = None, min_keys: int = ATTENTION_MIN_KEYS,
+                          warps: int = ATTENTION_WARPS) -> Launch:
     """paged_attention_launch with the rope op (qkv_rope_append_paged's work) as its prologue: q from the
     qkv rows, k and v appended at each token's position.  vectors: the rope op's q_norm, k_norm, inv_freq
-    and qkv bias addresses (0: none).  Each token must be the only row of its session in the step."""
+    and qkv bias addresses (0: none).  Each token must be the only row of its session in the step.
+    warps: a block's (ROPE_ATTENTION_WARPS)."""
     part_acc, part_max, part_sum = split_partials(partials, tokens * n_heads * splits, head_dim)
     assert (head_dim, kv_dtype) in ROPE_ATTENTION, (head_dim, kv_dtype)
-    small_group = n_heads <= 2 * n_kv
-    return kernels.launch(f"attention_rope_paged_d{head_dim}_{kv_dtype}{'_g2' if small_group else ''}",
-                          (n_kv, tokens, splits), (128,), ROPE_ATTENTION_SIGNATURE,
+    assert warps in ROPE_ATTENTION_WARPS, f"attention warps {warps}: expected one of {ROPE_ATTENTION_WARPS}"
+    tail = ("_g2" if n_heads <= 2 * n_kv else "") + ("_w8" if warps == 8 else "")
+    return kernels.launch(f"attention_rope_paged_d{head_dim}_{kv_dtype}{tail}",
+                          (n_kv, tokens, splits), (32 * warps,), ROPE_ATTENTION_SIGNATURE,
                           [qkv, tables, table_row, pos, *vectors, eps, part_acc, part_max, part_sum, out, counters,
                            layer, n_layers, n_heads, n_kv, window,
                            1.0 / float(np.sqrt(head_dim)) if scale is None else scale, block_shift, min_keys])

@@ -21,8 +21,8 @@ import numpy as np
 
 from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows, weight_bytes
 from kestrel_stream.cuda import driver, mma_variants
-from kestrel_stream.cuda.kernels import (ATTENTION_MIN_KEYS, ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE, Launch, QWeight,
-                                         attention_launch, gemv_launch, paged_attention_launch,
+from kestrel_stream.cuda.kernels import (ATTENTION_MIN_KEYS, ATTENTION_WARPS, ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE,
+                                         Launch, QWeight, attention_launch, gemv_launch, paged_attention_launch,
                                          rope_attention_launch)
 from kestrel_stream.cuda.flash_attention import (StepChoice, attention_choice, partial_floats as attention_partials,
                                                  split_count)
@@ -104,6 +104,7 @@ class KVCaches:
     dtype: str = "f32"
     splits: int = 16           # split-key attention's most splits (a step's: flash_attention.split_count)
     min_keys: int = ATTENTION_MIN_KEYS   # its fewest keys per split block
+    warps: int = ATTENTION_WARPS         # a block's warps in the kernel with the rope prologue
 
 
 class DeviceOps:
@@ -183,7 +184,8 @@ class DeviceOps:
                                      pos, s.attn, s.partials, s.attention_counters, tokens, li, kv.layers,
                                      c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                                      split_count(tokens, c.num_key_value_heads, kv.splits), kv.block_shift, kv.dtype,
-                                     window=c.sliding_window or 0, scale=rope.softmax_scale(c), min_keys=kv.min_keys)
+                                     window=c.sliding_window or 0, scale=rope.softmax_scale(c), min_keys=kv.min_keys,
+                                     warps=kv.warps)
 
     def _attention(self, li: int, tokens: int) -> Launch:
         """Split-key attention over each token's session cache, merged by its last split (or, on the paged

@@ -38,7 +38,7 @@ from kestrel_stream.run.device_sampler import STATE_WORDS, DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
 from kestrel_stream.run.kv_paged import PagedKV, PagedKVCache
 from kestrel_stream.run.sampled_chain import SampledChain
-from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MIN_KEYS, ROPE_ATTENTION, KernelSet, Launch
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MIN_KEYS, ATTENTION_WARPS, ROPE_ATTENTION, KernelSet, Launch
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
 from kestrel_stream.run.step_outputs import StepOutputs
@@ -61,9 +61,10 @@ class GpuExecutor(Executor):
                  verify: bool | None = None, vram_budget=None, window_slots: int = 2, prefetch_distance: int = 1,
                  small_item_bytes: int = 64 * 1024, options: Options | None = None, kv_dtype: str = "f16",
                  kv_block_size: int = 16, kv_pool_bytes: int | None = None,
-                 attention_min_keys: int = ATTENTION_MIN_KEYS):
+                 attention_min_keys: int = ATTENTION_MIN_KEYS, attention_warps: int = ATTENTION_WARPS):
         """vram_budget: parsed bytes or fraction (Options.with_); None takes the options' budget.
-        attention_min_keys: split-key attention's fewest keys per split block (bench/attention_decode.py)."""
+        attention_min_keys: split-key attention's fewest keys per split block; attention_warps: a block's warps
+        in one-token steps' attention (both chosen by bench/attention_decode.py)."""
         self.options = Options.from_env() if options is None else options
         # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
         self.programmatic = self.options.programmatic_launch
@@ -126,7 +127,7 @@ class GpuExecutor(Executor):
         self.scratch_kv = self.kv.open(1)        # padded slots decode token 0 at its position 0
         self.kv.prepare(self.scratch_kv, 0, 1)
         kv_caches = KVCaches(self.kv.table_ptr, c.num_hidden_layers, self.kv.block_shift, kv_dtype, attention_splits,
-                             attention_min_keys)
+                             attention_min_keys, attention_warps)
         self.device_ops = DeviceOps(self.kernels, weights, self.state, kv_caches, self.step_params, self.inv_freq,
                                     self.qweight, self.cache.vector)
         self._launches: dict[int, list[Launch]] = {}
