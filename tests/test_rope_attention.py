@@ -74,7 +74,9 @@ def test_fused_decode_matches_separate_launches(device, shape):
         one = kernel_names(fused, 1)
         assert not any(name.startswith("qkv_rope") for name in one)
         assert sum(name.startswith("attention_rope_paged") for name in one) == layers
-        assert all(name.endswith("_g2") == (group <= 2) for name in one if name.startswith("attention_rope"))
+        rope_attention = [name for name in one if name.startswith("attention_rope")]
+        assert all(("_g2" in name) == (group <= 2) for name in rope_attention)
+        assert all(name.endswith("_w8") == (ATTENTION_WARPS == 8) for name in rope_attention)
         assert sum(name.startswith("qkv_rope_append_paged") for name in kernel_names(fused, 2)) == layers
         assert len(kernel_names(separate, 1)) == len(one) + layers
         for tokens in (1, 2):      # the plan counts what the launch lists hold

@@ -185,7 +185,7 @@ ATTENTION_MIN_KEYS = 16
 # block reads a split's keys in fewer passes, so with more keys per split a short context needs fewer
 # blocks and merges (bench/attention_decode.py --warps)
 ROPE_ATTENTION_WARPS = (4, 8)
-ATTENTION_WARPS = 4
+ATTENTION_WARPS = 8
 GEMV_MAX_TOKENS = 8      # q8_gemv_m1..m8; more tokens per launch go to the tensor-core q8_mma
 GEMV_COUNTER_BYTES = 64   # the zeroed scratch behind `counter`: uint32 ticket, float sums [8..15]
 
