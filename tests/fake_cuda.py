@@ -213,8 +213,7 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
     from kestrel_stream.cuda import calibrate
     from kestrel_stream.cuda import cublas as cublas_module
     from fake_dense import FakeCublas
-    from kestrel_stream.run import gpu_executor as executor
-    from kestrel_stream.run import hybrid
+    from kestrel_stream.run import device_backend
     from kestrel_stream.cuda import kernels
     monkeypatch.setitem(POLICY, "mode", mode)
     names = dict(Device=Device, Stream=new_stream, Event=Event, PinnedBuffer=PinnedBuffer, Arena=Arena,
@@ -224,7 +223,7 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
                  gpu_status=lambda: (True, "Emulated H200 sm_90"))
     for name, value in names.items():
         monkeypatch.setattr(real_driver, name, value)
-    for module in (kernels, executor, hybrid, calibrate):
+    for module in (kernels, device_backend, calibrate):
         monkeypatch.setattr(module, "KernelSet", FakeKernelSet)
     monkeypatch.setattr(kestrel_stream.run.calibrate, "calibrate", lambda *a, **k: scheduler.H200_MEASURED)
     monkeypatch.setattr(cublas_module, "load", (lambda log=None: FakeCublas()) if cublas else (lambda log=None: None))

@@ -42,7 +42,8 @@ def build(monkeypatch, weights, slots, distance, fraction=0.5, streamed=None, cl
         _, plan = plan_arena(SMALL, needs, budget, slots, distance, small_item_bytes=0)
     else:
         names = [name for name in weight_tensors(weights) if name != "lm_head"]   # the embed gathers from it
-        plan = types.SimpleNamespace(streamed=tuple(names[:streamed]), slot_count=slots, prefetch_distance=distance)
+        plan = types.SimpleNamespace(streamed=tuple(names[:streamed]), slot_count=slots, prefetch_distance=distance,
+                                     on_host=())
     compute = log.module().Stream("compute")
     window = cls(weights, types.SimpleNamespace(alloc=log.alloc), plan, compute)
     items = step_launch_items(SMALL)

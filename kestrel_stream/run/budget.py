@@ -78,6 +78,7 @@ class ArenaNeeds:
 ARGMAX_SPLITS = 64           # argmax_split's blocks per row (step_outputs.py)
 CHAIN_STEPS_PER_SYNC = 256   # greedy_chain.MAX_STEPS_PER_SYNC
 SAMPLE_CANDIDATE_WORDS = 64 * (2 * 64 + 4)   # per logits row: device_sampler's most splits x (2 x SAMPLE_CAP + 4)
+DEFAULT_MAX_SESSIONS = 256  # block-table rows (8 bytes per block of max_seq_len each): cheap, unlike KV
 PREFILL_CHUNK_TOKENS = 512   # tokens per prefill step in gpu mode (tensor-core GEMM tiles of 64 tokens)
 
 
@@ -233,3 +234,32 @@ def gpu_mode_needs(c, max_batch: int, max_seq_len: int, prefill_chunk: int = PRE
                            max_sessions=max_sessions, max_seq_len=max_seq_len, attention_splits=attention_splits,
                            max_batch=max_batch, kv_dtype=kv_dtype, logits_rows=logits_rows,
                            scratch_bytes=scratch).needs
+
+
+def plan_mixed_memory(c, *, resident: set, max_tokens: int, kv_layers: int, max_sessions: int, sessions: int,
+                      max_seq_len: int, attention_splits: int, block_size: int = 16) -> GpuMemoryPlan:
+    """gated and layers=N's device memory: the arena holds the weights named in `resident` (window items:
+    what the mode's plans run on the GPU; all of them stay resident, none stream: the plan, not a budget,
+    decides what the GPU reads) and one step's state; the KV pool beside it holds float32 keys and values
+    of the first `kv_layers` layers (none: attention runs on the host), `max_sessions` block-table rows,
+    and at most `sessions` x `max_seq_len` positions, committed as sessions grow."""
+    from scheduler.kv_pool import kv_bytes_per_position, plan_kv_pool
+    items = weight_items(c)
+    kept = [i for i in items if i.name in resident]
+    window = WindowPlan(
+        budget_bytes=0, slot_count=0, slot_bytes=0, prefetch_distance=0, resident=tuple(i.name for i in kept),
+        streamed=(), on_host=tuple(i.name for i in items if i.name not in resident),
+        resident_bytes=sum(i.nbytes for i in kept), streamed_bytes_per_step=0,
+        reasons={i.name: "resident: a plan of the mode runs it on the GPU" if i.name in resident else
+                 "on the host: the mode's plans run it there" for i in items})
+    width = -(-max_seq_len // block_size)
+    table_bytes = (max_sessions + 1) * width * 8 + ALIGN if kv_layers else 0
+    needs = arena_needs(c, max_tokens, 0, max_seq_len, attention_splits, kv_bytes_per_position=0,
+                        table_bytes=table_bytes)
+    arena_bytes = needs.total + window.resident_bytes + 2 * ALIGN * len(kept)
+    kv = None
+    if kv_layers:
+        block_bytes = block_size * kv_bytes_per_position(kv_layers, c.num_key_value_heads, c.head_dim, "f32")
+        kv = plan_kv_pool(block_bytes, block_size, left_bytes=None, min_positions=width * block_size,
+                          default_positions=width * block_size, fixed_bytes=max(sessions, 1) * width * block_bytes)
+    return GpuMemoryPlan(arena_bytes, window, kv, needs, None)

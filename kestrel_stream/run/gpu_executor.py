@@ -25,31 +25,24 @@ import time
 
 import numpy as np
 
-from kestrel_stream.model import rope
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.obs import load_stages, prof
 from kestrel_stream.options import Options
-from kestrel_stream.run.budget import PREFILL_CHUNK_TOKENS, plan_gpu_memory, step_rows
+from kestrel_stream.run.budget import DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, plan_gpu_memory, step_rows
 from kestrel_stream.cuda import driver
-from kestrel_stream.run import dense_path
-from kestrel_stream.run.device_ops import DeviceOps, DeviceState, KVCaches
+from kestrel_stream.run.device_backend import DeviceBackend
 from kestrel_stream.run.device_sampler import STATE_WORDS, DeviceSampler
 from kestrel_stream.run.greedy_chain import GreedyChain
-from kestrel_stream.run.kv_paged import PagedKV, PagedKVCache
+from kestrel_stream.run.kv_paged import PagedKV
 from kestrel_stream.run.sampled_chain import SampledChain
-from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MIN_KEYS, ATTENTION_WARPS, ROPE_ATTENTION, KernelSet, Launch
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MIN_KEYS, ATTENTION_WARPS, ROPE_ATTENTION, Launch
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
-from kestrel_stream.run.step_outputs import StepOutputs
-from kestrel_stream.run.step_params import StepParams
-from kestrel_stream.run.weight_cache import WeightCache, layer_vectors
-from kestrel_stream.run.window import WeightWindow
 from scheduler.ops import PARAMS_BYTES_PER_TOKEN
 
 
 GpuKV = PagedKV          # the name sessions' caches had before the pool
-DEFAULT_MAX_SESSIONS = 256  # block-table rows (8 bytes per block of max_seq_len each): cheap, unlike KV
 
 
 class GpuExecutor(Executor):
@@ -83,53 +76,40 @@ class GpuExecutor(Executor):
         self.max_seq_len, self.max_batch = max_seq_len, max_batch
         self.max_tokens, self.logits_rows = step_rows(max_batch, prefill_chunk)
         self.attention_splits = attention_splits
-        with load_stages.stage("  device and context"):
-            self.device = driver.Device(0)
-        with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
-            self.kernels = KernelSet(self.device, self.options)
-        self.stream = driver.Stream("compute")
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured", "gpu_weight_read_bytes")
-        # steps of >= dense_min_tokens tokens: one fp16 GEMM per Q8_0 projection, cuBLAS or built-in (dense_path.py)
-        with load_stages.stage("  cuBLAS: library and handle"):
-            self.dense_min_tokens, self.blas = dense_path.open_blas(self.options, self.max_tokens)
-
-        T, V = self.max_tokens, c.vocab_size
         self.kv_dtype = kv_dtype
-        # the arena holds activations + block tables + weights, the KV pool grows beside it; under a
-        # budget too small for all the weights, the residency window keeps some resident and streams
-        # the rest (stream_window.py)
         vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
-        self.memory = plan_gpu_memory(
-            c, budget_bytes=vram_budget, free_bytes=self.device.free_bytes(), max_tokens=T,
-            max_sessions=max_sessions or DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len,
-            attention_splits=attention_splits, max_batch=max_batch, kv_dtype=kv_dtype, block_size=kv_block_size,
-            logits_rows=self.logits_rows, kv_pool_bytes=kv_pool_bytes, slot_count=window_slots,
-            prefetch_distance=prefetch_distance, small_item_bytes=small_item_bytes,
-            scratch_bytes=dense_path.scratch_bytes(c, T, self.dense_min_tokens, self.blas))
-        self.needs, self.vram_budget, self.window_plan = self.memory.needs, self.memory.budget_bytes, self.memory.window
-        with load_stages.stage("  arena"):
-            self.arena = driver.Arena(self.memory.arena_bytes)
-        with load_stages.stage("  weights (all): pinning, images, H2D"):
-            self._upload_weights()
-        load_stages.record("  weights: pinned images", self.window.images_s)
-        load_stages.record("  weights: H2D", self.window.preload_s)
+        sessions = max_sessions or DEFAULT_MAX_SESSIONS
 
-        a, buffers_start = self.arena, time.perf_counter()
-        self.state, arrays = DeviceState.allocate(a, c, T, self.logits_rows, attention_splits)
-        self.logits = arrays["logits"]
-        self.state.dense = dense_path.allocate_scratch(a, c, T, self.dense_min_tokens, self.blas)
-        self.step_params = StepParams(a, T)              # kvbase | ids | pos of the step's tokens
+        def plan_memory(free_bytes: int, scratch_bytes: int):
+            # the arena holds activations + block tables + weights, the KV pool grows beside it; under a
+            # budget too small for all the weights, the residency window keeps some resident and streams
+            # the rest (window.py)
+            return plan_gpu_memory(
+                c, budget_bytes=vram_budget, free_bytes=free_bytes, max_tokens=self.max_tokens,
+                max_sessions=sessions, max_seq_len=max_seq_len, attention_splits=attention_splits,
+                max_batch=max_batch, kv_dtype=kv_dtype, block_size=kv_block_size, logits_rows=self.logits_rows,
+                kv_pool_bytes=kv_pool_bytes, slot_count=window_slots, prefetch_distance=prefetch_distance,
+                small_item_bytes=small_item_bytes, scratch_bytes=scratch_bytes)
+        self.backend = b = DeviceBackend(
+            weights, self.options, self.counters, max_tokens=self.max_tokens, logits_rows=self.logits_rows,
+            plan_memory=plan_memory, kv_dtype=kv_dtype, kv_layers=c.num_hidden_layers, max_sessions=sessions,
+            max_seq_len=max_seq_len, attention_splits=attention_splits, attention_min_keys=attention_min_keys,
+            attention_warps=attention_warps)
+        self.device, self.kernels, self.stream, self.arena = b.device, b.kernels, b.stream, b.arena
+        self.dense_min_tokens, self.blas = b.dense_min_tokens, b.blas
+        self.memory, self.window, self.cache, self.inv_freq = b.memory, b.window, b.cache, b.inv_freq
+        self.needs, self.vram_budget, self.window_plan = b.memory.needs, b.memory.budget_bytes, b.memory.window
+        self.weight_bytes = b.weight_bytes
+        self.preload_line, warning = self.window.preload_report(self.vram_budget, self.needs.total)
+        print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
+        if warning:
+            print(f"kestrel-stream: {warning}", file=sys.stderr)
+        self.state, self.logits, self.step_params, self.outputs = b.state, b.logits, b.step_params, b.outputs
         self.params, self.staging = self.step_params.device, self.step_params.host
-        self.outputs = StepOutputs(a, V, T, self.logits_rows, self.logits.ptr)   # logits or tokens back, one wait
-        with load_stages.stage("  KV pool and block tables"):
-            self.kv = PagedKVCache(c, self.memory.kv, kv_dtype, max_sessions or DEFAULT_MAX_SESSIONS,
-                                   max_seq_len, a, self.stream)
+        self.kv, self.device_ops = b.kv, b.ops
         self.scratch_kv = self.kv.open(1)        # padded slots decode token 0 at its position 0
         self.kv.prepare(self.scratch_kv, 0, 1)
-        kv_caches = KVCaches(self.kv.table_ptr, c.num_hidden_layers, self.kv.block_shift, kv_dtype, attention_splits,
-                             attention_min_keys, attention_warps)
-        self.device_ops = DeviceOps(self.kernels, weights, self.state, kv_caches, self.step_params, self.inv_freq,
-                                    self.qweight, self.cache.vector)
         self._launches: dict[int, list[Launch]] = {}
         self._weight_read: dict = {}        # id of a cached launch list -> the weight bytes its kernels read
         self._kernel_count: dict = {}       # id of a cached launch list -> the launches it makes
@@ -144,7 +124,7 @@ class GpuExecutor(Executor):
         self.chain = GreedyChain(self)
         self.sampler = DeviceSampler(self)
         self.sampled_chain = SampledChain(self)
-        load_stages.record("  buffers, KV pool, launches, chains (all)", time.perf_counter() - buffers_start)
+        load_stages.record("  buffers, KV pool, launches, chains (all)", time.perf_counter() - b.buffers_started)
 
         if verify is None:
             verify = self.options.verify
@@ -152,27 +132,6 @@ class GpuExecutor(Executor):
         if verify:
             from kestrel_stream.run.verify import Verifier
             self.verifier = Verifier(weights, self.counters)
-
-    # ---- weights -----------------------------------------------------------------------------
-    def _upload_weights(self) -> None:
-        # Q8 weights: the resident ones preloaded into the arena, the rest streamed through the ring
-        self.window = WeightWindow(self.weights, self.arena, self.window_plan, self.stream)
-        self.preload_line, warning = self.window.preload_report(self.vram_budget, self.needs.total)
-        print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
-        if warning:
-            print(f"kestrel-stream: {warning}", file=sys.stderr)
-
-        # norm weights, q/k norms, biases and the rope table: uploaded now (never while a graph is captured)
-        self.cache = WeightCache(self.arena, self.counters)
-        for v in layer_vectors(self.weights):
-            self.cache.vector(v)
-        self.inv_freq = self.cache.vector(rope.inv_freq(self.config))
-        self.weight_bytes = self.arena.used_bytes
-
-    def qweight(self, op):
-        """The device weight a projection (or the embed gather) of the step program reads: the window's."""
-        tied_embed = op.kind == "embed" and self.weights.tied
-        return self.window.qweight("lm_head" if tied_embed else op.name)
 
     # ---- KV caches -----------------------------------------------------------------------------
     def alloc_kv(self, max_seq_len: int) -> PagedKV:
@@ -427,13 +386,7 @@ class GpuExecutor(Executor):
         for graph in self._graphs.values():
             graph.destroy()
         self._graphs.clear()
-        self.step_params.free()
-        self.outputs.free()
-        self.window.close()
-        self.kv.release()
-        if self.blas is not None:
-            self.blas.destroy()
-        self.arena.release()
+        self.backend.close()
 
     def _count(self, launches: int, kernels: int, weight_read: int, tokens: int, d2h: int) -> None:
         """One synced pass over `tokens` rows: `launches` as issued, the `kernels` they ran, params up."""

@@ -16,8 +16,12 @@ Entering a host segment downloads everything it reads from the device with
 one sync; entering a GPU segment uploads what it reads, asynchronously. Syncs
 per step therefore equal the plan's GPU segments, never one per projection.
 
-Weights live in a device cache: uploaded on first GPU use and kept (the
-``upload`` stage of the profile table), warmed at load for the decode plan.
+The device side is the backend every offloading mode builds (device_backend.py):
+its arena, its paged KV pool (float32 here, for the first N layers) and its
+residency window, which holds every weight that the plans of 1, 2, 4, ...
+max_tokens tokens put on the GPU, uploaded at load and kept (counted in
+weight_uploads); nothing streams.  A weight some other plan puts there (a
+forced group choice) is uploaded on first use and kept.
 """
 from __future__ import annotations
 
@@ -33,16 +37,16 @@ from kestrel_stream.obs import prof
 from kestrel_stream.options import Options
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.obs import trace
-from kestrel_stream.model import rope
 from kestrel_stream.run.host import CpuExecutor, CpuKV, model_rope_tables
 from kestrel_stream.run.hybrid_host import HostOps
 from kestrel_stream.model.weights import ModelWeights
-from kestrel_stream.cuda import driver, mma_variants
-from kestrel_stream.cuda.flash_attention import partial_floats as attention_partials
-from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, KernelSet
-from kestrel_stream.run.device_ops import DeviceOps, DeviceState, KVCaches, fused_tensor, norm_weight
-from kestrel_stream.run.step_params import StepParams
-from kestrel_stream.run.weight_cache import WeightCache, layer_vectors
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS
+from kestrel_stream.run.budget import DEFAULT_MAX_SESSIONS, plan_mixed_memory
+from kestrel_stream.run.device_backend import DeviceBackend
+from kestrel_stream.run.device_ops import norm_weight
+from kestrel_stream.run.kv_paged import PagedKV
+from kestrel_stream.run.window import weight_tensors
 
 ATTENTION_SPLITS = 16
 
@@ -56,7 +60,7 @@ def _op_span(side: str, op):
 @dataclass
 class HybridKV:
     host: CpuKV | None          # layers whose attention runs on the host (index li - gpu_layers)
-    device: object | None       # driver.DeviceArray of [capacity, gpu_layers, 2, n_kv, D] float32
+    device: PagedKV | None      # the GPU layers' float32 keys and values in the device backend's pool
     capacity: int
 
 
@@ -78,59 +82,48 @@ class HybridExecutor(HostOps, Executor):
                              f"{weights.source or 'model'} has head_dim={c.head_dim}, group={c.gqa_group}: "
                              "use mode gated or cpu")
         self.cpu = CpuExecutor(weights)
-        self.device = driver.Device(0)
-        self.kernels = KernelSet(self.device, self.options)
-        self.stream = driver.Stream("compute")
-        self.max_tokens = max(max_batch, prefill_chunk)
+        self.max_tokens = T = max(max_batch, prefill_chunk)
         self.counters = StepCounters.counting("weight_uploads", "weight_upload_bytes", "gpu_weight_read_bytes",
                                               "cpu_weight_read_bytes")
-        T = self.max_tokens
-        widths = {"x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size, "attn": c.q_size,
-                  "act": c.intermediate_size, "logits": c.vocab_size}
-        partial_floats = attention_partials(T, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-                                            ATTENTION_SPLITS)
-        partial_floats += sum(max(n, 4) for n in mma_variants.scratch_bound(T))      # split-K partials, tickets
-        self.kv_bytes_per_position = max(self.gpu_layers, 1) * 2 * c.kv_size * 4
-        sessions = max_sessions or 2 * max_batch
-        capacity = (weights.quantized_bytes() + 4 * T * (sum(widths.values()) + c.q_size + c.hidden_size + 1)
-                    + 4 * partial_floats + 20 * T + 256
-                    + 4 * (c.hidden_size * (2 * c.num_hidden_layers + 1) + 2 * c.head_dim * (c.num_hidden_layers + 1)
-                           + (widths["qkv"] * c.num_hidden_layers if c.qkv_bias else 0))
-                    + (sessions * max_seq_len * self.kv_bytes_per_position if self.gpu_layers else 0)
-                    + driver.Arena.ALIGN * (16 * c.num_hidden_layers + 64))
-        self.arena = driver.Arena(capacity)
-        state, self.dev = DeviceState.allocate(self.arena, c, T, T, ATTENTION_SPLITS)
-        self.xn_dev, self.inv_rms_dev = self.dev["xn"], self.dev["inv_rms"]     # x · the next norm's weight, its 1/rms
-        widths_pinned = dict(widths, xn=c.hidden_size + 1)                  # host-made xn rows, then 1/rms
-        self.pinned = {name: driver.PinnedBuffer(T * w * 4) for name, w in widths_pinned.items()}
-        self.host = {name: self.pinned[name].view(np.float32, (T, w)) for name, w in widths.items()}
-        self.host_xn = self.pinned["xn"].view(np.float32, (T, c.hidden_size))
-        self.host_inv_rms = self.pinned["xn"].view(np.float32, (T,), 4 * T * c.hidden_size)
-        self.widths = widths
-        self.step_params = StepParams(self.arena, T)      # kvbase and pos of the GPU layers' attention
-        self.cache = WeightCache(self.arena, self.counters)     # weights uploaded on first GPU use, kept
         self._plans: dict[int, scheduler.Plan] = {}
         self._launches: dict[tuple, list] = {}
-        self.inv_freq = self.cache.vector(rope.inv_freq(c))
-        kv_caches = KVCaches(self.arena.base, self.gpu_layers, None, "f32", ATTENTION_SPLITS)   # HybridKV.device
-        self.device_ops = DeviceOps(self.kernels, weights, state, kv_caches, self.step_params, self.inv_freq,
-                                    lambda op: self.cache.qweight(fused_tensor(weights, op), self._call,
-                                                                  op.group == "gate_up"), self.cache.vector)
-        self.preload()
-
-    def preload(self) -> None:
-        """Warm every weight the decode plan runs on the GPU, and say how much stayed resident."""
         start = time.perf_counter()
-        plan = self.plan(1)
-        wanted = [op for seg in plan.segments if seg.side == "gpu" for op in seg.ops if op.group]
-        for op in wanted:
-            self.cache.qweight(fused_tensor(self.weights, op), {}, op.group == "gate_up")
-        for v in layer_vectors(self.weights):
-            self.cache.vector(v)
+        resident = self._gpu_weights()
+        table_rows = max_sessions or DEFAULT_MAX_SESSIONS
+        # float32 KV for the GPU layers, at most (max_sessions or 2 x max_batch) full-length sessions' worth
+        memory = lambda free_bytes, scratch_bytes: plan_mixed_memory(     # noqa: E731
+            c, resident=resident, max_tokens=T, kv_layers=self.gpu_layers, max_sessions=table_rows,
+            sessions=max_sessions or 2 * max_batch, max_seq_len=max_seq_len, attention_splits=ATTENTION_SPLITS)
+        self.backend = b = DeviceBackend(
+            weights, self.options, self.counters, max_tokens=T, logits_rows=T, plan_memory=memory, kv_dtype="f32",
+            kv_layers=self.gpu_layers, max_sessions=table_rows, max_seq_len=max_seq_len,
+            attention_splits=ATTENTION_SPLITS, dense=False, step_outputs=False, pinned_state=True)
+        self.device, self.kernels, self.stream, self.arena = b.device, b.kernels, b.stream, b.arena
+        self.window, self.kv, self.step_params, self.device_ops = b.window, b.kv, b.step_params, b.ops
+        self.dev = b.arrays
+        self.xn_dev, self.inv_rms_dev = self.dev["xn"], self.dev["inv_rms"]     # x · the next norm's weight, its 1/rms
+        self.pinned, self.host, self.widths = b.pinned.buffers, b.pinned.views, b.pinned.widths
+        self.host_xn, self.host_inv_rms = b.pinned.xn, b.pinned.inv_rms         # host-made xn rows, then 1/rms
+        tensors = weight_tensors(weights)
+        self.counters.weight_uploads += len(self.window.resident)
+        self.counters.weight_upload_bytes += sum(tensors[name][0].nbytes for name in self.window.resident)
+        self._report_preload(time.perf_counter() - start)
+
+    def _gpu_weights(self) -> set:
+        """The window items the plans of 1, 2, 4, ... max_tokens tokens run on the GPU: the resident set.
+        The gate offloads more as steps grow, so these cover the steps of sizes between; a weight some
+        other plan wants there (a forced group choice) is uploaded on its first use and kept."""
+        T = self.max_tokens
+        counts = sorted({min(1 << i, T) for i in range(T.bit_length() + 1)})
+        return {op.name.split("[")[0] for t in counts for op in self.plan(t).ops_on("gpu") if op.group}
+
+    def _report_preload(self, seconds: float) -> None:
+        """Say how many weights the window holds and how the decode plan splits the step."""
+        plan, window = self.plan(1), self.window
         total = sum(1 for op in plan.segments for _ in op.ops)
-        self.preload_line = (f"preload: {len(wanted)}/{len(wanted)} GPU weights warmed in "
-                             f"{time.perf_counter() - start:.2f} s; device cache {self.arena.used_bytes / 1e6:.1f} MB / "
-                             f"{len(self.cache.qweights)} entries ({self.mode}: {plan.syncs_per_step} GPU segments "
+        self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
+                             f"{seconds:.2f} s; device cache {window.resident_bytes / 1e6:.1f} MB / "
+                             f"{len(window.resident)} entries ({self.mode}: {plan.syncs_per_step} GPU segments "
                              f"over {total} ops)")
         self.preload_line += "".join(f"; {note}" for note in plan.notes if note.startswith("offloaded "))
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
@@ -159,33 +152,32 @@ class HybridExecutor(HostOps, Executor):
         if host_layers:
             shape = (host_layers, max_seq_len, c.num_key_value_heads, c.head_dim)
             host = CpuKV(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
-        device = None
-        if self.gpu_layers:
-            device = self.arena.array((max_seq_len * self.kv_bytes_per_position,), np.uint8)
-        return HybridKV(host, device, max_seq_len)
+        return HybridKV(host, self.kv.open(max_seq_len) if self.kv else None, max_seq_len)
 
     def free_kv(self, kv: HybridKV) -> None:
         if kv.device is not None:
-            self.arena.free(kv.device.ptr)
+            self.kv.close(kv.device)
             kv.device = None
 
     def kv_stats(self) -> dict:
-        return {}        # one float32 cache per session, no pool
+        return self.kv.stats() if self.kv else {}       # gated: the caches are on the host
 
     def truncate_kv(self, kv: HybridKV, length: int) -> None:
-        pass        # positions past `length` are written again before any step reads them
+        if kv.device is not None:      # host rows past `length` are written again before any step reads them
+            self.kv.truncate(kv.device, length)
 
     def fork_kv(self, kv: HybridKV, length: int, capacity: int | None = None) -> HybridKV:
-        """A new cache holding the first `length` positions of `kv`: host rows copied, device rows
-        copied on the device (position-major layout: the prefix is one contiguous range)."""
-        new = self.alloc_kv(capacity or kv.capacity)
+        """A new cache holding the first `length` positions of `kv`: host rows copied, device blocks
+        shared (copy-on-write: kv_paged.prepare)."""
+        capacity = capacity or kv.capacity
+        host = None
         if kv.host is not None:
-            new.host.k[:, :length] = kv.host.k[:, :length]
-            new.host.v[:, :length] = kv.host.v[:, :length]
-        if kv.device is not None and length:
-            driver.d2d_async(new.device.ptr, kv.device.ptr, length * self.kv_bytes_per_position, self.stream)
-            self.stream.synchronize()
-        return new
+            shape = (kv.host.k.shape[0], capacity) + kv.host.k.shape[2:]
+            host = CpuKV(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+            host.k[:, :length] = kv.host.k[:, :length]
+            host.v[:, :length] = kv.host.v[:, :length]
+        device = self.kv.fork(kv.device, length, capacity) if kv.device is not None else None
+        return HybridKV(host, device, capacity)
 
     # ---- moving state between the sides ---------------------------------------------------------
     def _to_host(self, names, tokens: int) -> None:
@@ -283,8 +275,11 @@ class HybridExecutor(HostOps, Executor):
             else:
                 self.runs.append([kv, i, i + 1, pos])
         self.cos, self.sin = model_rope_tables(self.positions, self.config)
-        if self.gpu_layers:
-            self.step_params.stage([((kv.device.ptr - self.arena.base) // 4, t, pos) for kv, t, pos in rows], T)
+        if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
+            for kv, lo, hi, start in self.runs:
+                self.kv.prepare(kv.device, start, start + hi - lo)
+            self.kv.flush()
+            self.step_params.stage([(kv.device.base_elements, t, pos) for kv, t, pos in rows], T)
             self.counters.h2d_bytes += self.step_params.upload(T, self.stream)
         for segment in plan.segments:
             if segment.side == "cpu":
@@ -344,9 +339,4 @@ class HybridExecutor(HostOps, Executor):
             self.xn_norm = norm_weight(self.weights, op.prepares)
 
     def close(self) -> None:
-        self.device.make_current()
-        self.stream.synchronize()
-        for buffer in self.pinned.values():
-            buffer.free()
-        self.step_params.free()
-        self.arena.release()
+        self.backend.close()

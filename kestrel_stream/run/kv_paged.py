@@ -1,6 +1,7 @@
-"""gpu mode's KV cache: scheduler.kv_pool's blocks backed by device memory, and the block tables.
+"""The device's KV cache: scheduler.kv_pool's blocks backed by device memory, and the block tables.
 
-Blocks are [block_size, L, 2 (k|v), n_kv, D] of f16 (default) or float32.
+Blocks are [block_size, L, 2 (k|v), n_kv, D] of f16 (default) or float32, L the layers whose
+attention runs on the device (every layer in gpu mode, the first N in layers=N).
 Device memory for them is allocated in chunks as the pool commits blocks, so a
 load reserves none; the pool's size limit comes from the VRAM budget
 (KVPoolPlan).  Every session owns one row of a device table of block
@@ -35,12 +36,13 @@ class PagedKV:
 
 class PagedKVCache:
     def __init__(self, config, plan: KVPoolPlan, kv_dtype: str, max_sessions: int, max_seq_len: int,
-                 arena, stream):
+                 arena, stream, layers: int | None = None):
+        """layers: how many of the model's layers (the first ones) the blocks hold; None: all."""
         self.kv_dtype, self.plan, self.stream = kv_dtype, plan, stream
         self.block_size, self.block_bytes = plan.block_size, plan.block_bytes
         assert self.block_size & (self.block_size - 1) == 0, "block_size is a power of two (kernels shift)"
         assert plan.block_bytes == self.block_size * kv_bytes_per_position(
-            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_dtype)
+            layers or config.num_hidden_layers, config.num_key_value_heads, config.head_dim, kv_dtype)
         self.block_shift = self.block_size.bit_length() - 1
         self.width = -(-max_seq_len // self.block_size)          # table entries per session
         self.rows = max_sessions + 1                            # + the scratch session of padded slots

@@ -147,7 +147,8 @@ class WeightWindow:
         tensors = weight_tensors(weights)
         self.plan = plan
         self.streamed = list(plan.streamed) if plan else []
-        self.resident = [name for name in tensors if name not in self.streamed]
+        on_host = set(plan.on_host) if plan else set()       # a mixed mode's host-side weights: not uploaded
+        self.resident = [name for name in tensors if name not in self.streamed and name not in on_host]
         self.slot_count = plan.slot_count if self.streamed else 0
         self.prefetch_distance = plan.prefetch_distance if self.streamed else 0
         self.total_items = len(tensors)
