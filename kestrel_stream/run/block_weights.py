@@ -36,7 +36,7 @@ def write_block_image(dst: np.ndarray, w, interleave: bool) -> None:
 
 
 def block_image(w, interleave: bool) -> np.ndarray:
-    """The image as a new uint8 array (the hybrid executor's per-weight uploads)."""
+    """The image as a new uint8 array (a weight uploaded after load: weight_cache.py)."""
     out = np.zeros(image_bytes_of(w), np.uint8)
     write_block_image(out, w, interleave)
     return out

@@ -124,7 +124,7 @@ class DeviceBackend:
             with load_stages.stage("  KV pool and block tables"):
                 self.kv = PagedKVCache(c, self.memory.kv, kv_dtype, max_sessions, max_seq_len, self.arena,
                                        self.stream, layers=kv_layers)
-        kv_caches = KVCaches(self.kv.table_ptr if self.kv else 0, kv_layers, self.kv.block_shift if self.kv else None,
+        kv_caches = KVCaches(self.kv.table_ptr if self.kv else 0, kv_layers, self.kv.block_shift if self.kv else 0,
                              kv_dtype, attention_splits, attention_min_keys, attention_warps)
         self.ops = DeviceOps(self.kernels, weights, self.state, kv_caches, self.step_params, self.inv_freq,
                              self.qweight, self.cache.vector)

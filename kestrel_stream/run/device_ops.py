@@ -1,10 +1,10 @@
 """The device backend: one op of the step program (scheduler/ops.py) as its prepared launches.
 
 Every mode builds its launches here: gpu mode's whole step (step_launches.py)
-and the GPU segments of gated and layers=N (hybrid.py).  What differs between
-them is handed in: the device state buffers, where each op's weight lives (the
-residency window, or the weight cache), and the KV caches (gpu mode's paged
-pool, or layers=N's contiguous float32 caches).
+and the GPU segments of gated and layers=N (hybrid.py), over the buffers of
+the one device backend (device_backend.py).  What differs between them is
+handed in: where each op's weight lives, and the paged KV pool's layers and
+dtype (gpu mode's f16 or float32, layers=N's float32 for its first N layers).
 
 RMSNorm never costs a launch or a re-read: the kernel that writes the residual
 stream x (embedding, o and down epilogues) also writes xn = x * the weight of
@@ -21,9 +21,8 @@ import numpy as np
 
 from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows, weight_bytes
 from kestrel_stream.cuda import driver, mma_variants
-from kestrel_stream.cuda.kernels import (ATTENTION_MIN_KEYS, ATTENTION_WARPS, ROPE_PAGED_SIGNATURE, ROPE_SIGNATURE,
-                                         Launch, QWeight, attention_launch, gemv_launch, paged_attention_launch,
-                                         rope_attention_launch)
+from kestrel_stream.cuda.kernels import (ATTENTION_MIN_KEYS, ATTENTION_WARPS, ROPE_PAGED_SIGNATURE, Launch,
+                                         QWeight, gemv_launch, paged_attention_launch, rope_attention_launch)
 from kestrel_stream.cuda.flash_attention import (StepChoice, attention_choice, partial_floats as attention_partials,
                                                  split_count)
 from kestrel_stream.model import rope
@@ -97,10 +96,10 @@ class DeviceState:
 
 @dataclass
 class KVCaches:
-    """Where rope appends keys and values and attention reads them."""
-    base: int                  # paged: the block tables; contiguous: the arena the sessions' caches lie in
+    """Where rope appends keys and values and attention reads them: the paged pool (kv_paged.py)."""
+    base: int                  # the block tables (0: no pool, attention runs on the host)
     layers: int                # layers the caches hold
-    block_shift: int | None    # paged: log2 positions per block; None: contiguous float32 caches
+    block_shift: int           # log2 positions per block
     dtype: str = "f32"
     splits: int = 16           # split-key attention's most splits (a step's: flash_attention.split_count)
     min_keys: int = ATTENTION_MIN_KEYS   # its fewest keys per split block
@@ -171,8 +170,6 @@ class DeviceOps:
         args = ([s.qkv, s.q, kv.base, kvbase, pos, *self._layer_vectors(li), c.rms_norm_eps, li, kv.layers,
                  c.num_attention_heads, c.num_key_value_heads, c.head_dim])
         grid = (c.num_attention_heads + 2 * c.num_key_value_heads, tokens)
-        if kv.block_shift is None:
-            return self.kernels.launch("qkv_norm_rope_append", grid, (32,), ROPE_SIGNATURE, args)
         return self.kernels.launch(f"qkv_rope_append_paged_{kv.dtype}", grid, (32,), ROPE_PAGED_SIGNATURE,
                                    args + [kv.block_shift])
 
@@ -188,16 +185,14 @@ class DeviceOps:
                                      warps=kv.warps)
 
     def _attention(self, li: int, tokens: int) -> Launch:
-        """Split-key attention over each token's session cache, merged by its last split (or, on the paged
-        pool, the choice between it and the flash kernel: cuda/flash_attention.py)."""
+        """Split-key attention over each token's session cache, merged by its last split, or the flash
+        kernel where it serves the step (cuda/flash_attention.py)."""
         c, kv, s = self.config, self.kv, self.state
         kvbase, _, pos = self.params.pointers(tokens)
         common = (s.q, kv.base, kvbase, pos, s.attn, s.partials, s.attention_counters, tokens, li, kv.layers,
                   c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                   split_count(tokens, c.num_key_value_heads, kv.splits))
         window, scale = c.sliding_window or 0, rope.softmax_scale(c)
-        if kv.block_shift is None:
-            return attention_launch(self.kernels, *common, window=window, scale=scale, min_keys=kv.min_keys)
         split = paged_attention_launch(self.kernels, *common, kv.block_shift, kv.dtype, window=window, scale=scale,
                                        min_keys=kv.min_keys)
         if tokens not in self._step_choices:     # flash or split: decided once per step, by its first layer

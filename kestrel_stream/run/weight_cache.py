@@ -1,10 +1,11 @@
-"""Device copies of a model's weights made on first use and kept: the hybrid executor's Q8 weights, and
-every executor's vectors (norm weights, q/k norms, biases, the rope table) in the arena.
+"""Device copies of a model's weights made on first use and kept: every mode's vectors (norm weights, q/k
+norms, biases, the rope table) in the arena, and a projection weight the residency window does not hold
+(device_backend.py: a mixed mode's plan that puts one more on the GPU).
 
 Every Q8 upload is counted (``weight_uploads``, ``weight_upload_bytes`` of the StepCounters given) and
 timed into the profile table's ``upload`` stage; a lookup is its ``cache_probe``.  gpu mode's Q8 weights
-live in the residency window (window.py) instead, and it warms every vector at load, since nothing may
-be uploaded while a graph is captured.
+live in the residency window (window.py), and every vector is warmed at load, since nothing may be
+uploaded while a graph is captured.
 """
 from __future__ import annotations
 

@@ -1,0 +1,75 @@
+"""Every mode that offloads builds the one device backend (run/device_backend.py), on the emulated device:
+gpu mode and the mixed modes share its arena, window and paged KV pool.  layers=N keeps its GPU layers'
+float32 keys and values in the pool; the window holds exactly the weights the mode's plans run on the GPU;
+a weight a forced plan adds is uploaded on its first use, and the logits stay the CPU engine's."""
+from __future__ import annotations
+
+import pytest
+
+import scheduler
+from hf_oracle import assert_logits_match
+from kestrel_stream.run.device_backend import DeviceBackend
+from kestrel_stream.run.engine import Engine
+from test_executors_emulated import (CONFIGS, FAST_LINK, MAX_BATCH, MAX_SEQ_LEN, PROMPTS, emulated,  # noqa: F401
+                                     gpu_engine, hybrid_engine, run)
+from bench.synthetic import random_q8_weights
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return random_q8_weights(CONFIGS["qwen3"], seed=3)
+
+
+@pytest.fixture(scope="module")
+def reference(weights):
+    cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    return run(cpu, PROMPTS[0])[0]
+
+
+def gpu_projections(plan) -> set:
+    return {op.name.split("[")[0] for op in plan.ops_on("gpu") if op.group}
+
+
+@pytest.mark.parametrize("mode", ["gpu", "gated", "layers=1"],
+                         ids=["gpu-mode", "gated", "layers=1"])        # an id "gpu" is the gpu mark
+def test_every_offloading_mode_builds_the_device_backend(weights, emulated, mode):
+    engine = gpu_engine(weights) if mode == "gpu" else hybrid_engine(weights, mode, FAST_LINK)
+    backend = engine.executor.backend
+    assert isinstance(backend, DeviceBackend)
+    assert engine.executor.window is backend.window and not backend.window.streamed
+    if mode != "gpu":
+        wanted = set().union(*(gpu_projections(engine.executor.plan(t)) for t in (1, 2, 4, 8, 16, 32, 64)))
+        assert wanted and set(backend.window.resident) == wanted, "resident: what the plans run on the GPU"
+        assert engine.executor.stats["weight_uploads"] == len(wanted)
+    engine.close()
+
+
+def test_layers_mode_keeps_its_gpu_layers_kv_in_the_float32_pool(weights, emulated, reference):
+    engine = hybrid_engine(weights, "layers=1")
+    x = engine.executor
+    assert x.kv_stats()["kv_dtype"] == "f32" and x.kv_stats()["kv_blocks_used"] == 0
+    assert x.kv.block_bytes == x.kv.block_size * 2 * weights.config.kv_size * 4, "one layer's k and v"
+    ours, _ = run(engine, PROMPTS[0])
+    assert_logits_match(ours, reference)
+    s = engine.new_session()
+    s.prefill(PROMPTS[0])                                # 12 positions: one block of 16
+    assert x.kv_stats()["kv_blocks_used"] == 1
+    s.truncate(0)
+    assert x.kv_stats()["kv_blocks_used"] == 0, "a truncated session gives its blocks back"
+    engine.close()
+
+
+def test_a_weight_a_forced_plan_adds_is_uploaded_on_first_use(weights, emulated, reference):
+    engine = hybrid_engine(weights, "gated", scheduler.H200_MEASURED, prefill_chunk=MAX_BATCH)   # steps <= 4 tokens
+    x = engine.executor
+    assert not x.window.resident, "the measured link keeps this small model's short steps on the host"
+    x.set_group_choice({"gate_up": True})
+    before = x.stats["weight_uploads"]
+    ours, _ = run(engine, PROMPTS[0])
+    layers = weights.config.num_hidden_layers
+    assert x.stats["weight_uploads"] - before == layers, "each layer's gate_up once"
+    assert_logits_match(ours, reference)
+    run(engine, PROMPTS[0])
+    assert x.stats["weight_uploads"] - before == layers, "and kept"
+    assert x.stats["gpu_weight_read_bytes"] > 0
+    engine.close()
