@@ -1,5 +1,6 @@
-"""Every mode that offloads builds the one device backend (run/device_backend.py), on the emulated device:
-gpu mode and the mixed modes share its arena, window and paged KV pool.  layers=N keeps its GPU layers'
+"""Every mode that offloads runs on one executor class (run/device_executor.py) over one device backend
+(run/device_backend.py), on the emulated device: gpu mode and the mixed modes share its arena, window and
+paged KV pool.  layers=N keeps its GPU layers'
 float32 keys and values in the pool; the window holds exactly the weights the mode's plans run on the GPU;
 a weight a forced plan adds is uploaded on its first use, and the logits stay the CPU engine's."""
 from __future__ import annotations
@@ -9,6 +10,9 @@ import pytest
 import scheduler
 from hf_oracle import assert_logits_match
 from kestrel_stream.run.device_backend import DeviceBackend
+from kestrel_stream.run.device_executor import DeviceExecutor
+from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.hybrid import HybridExecutor
 from kestrel_stream.run.engine import Engine
 from test_executors_emulated import (CONFIGS, FAST_LINK, MAX_BATCH, MAX_SEQ_LEN, PROMPTS, emulated,  # noqa: F401
                                      gpu_engine, hybrid_engine, run)
@@ -35,6 +39,7 @@ def gpu_projections(plan) -> set:
 def test_every_offloading_mode_builds_the_device_backend(weights, emulated, mode):
     engine = gpu_engine(weights) if mode == "gpu" else hybrid_engine(weights, mode, FAST_LINK)
     backend = engine.executor.backend
+    assert type(engine.executor) is DeviceExecutor is GpuExecutor is HybridExecutor, "one executor class"
     assert isinstance(backend, DeviceBackend)
     assert engine.executor.window is backend.window and not backend.window.streamed
     if mode != "gpu":

@@ -1,9 +1,9 @@
 """The device backend: what every mode that runs ops on the GPU builds once, at load.
 
-gpu mode (gpu_executor.py) and the mixed modes, gated and layers=N (hybrid.py),
-hold one each: the device and its context, the kernels, the compute stream, one
-arena sized by budget.py, the weights the residency window supplies (window.py)
-and the small vectors (norms, q/k norms, biases, the rope table: WeightCache),
+DeviceExecutor (device_executor.py) builds one in every mode, gpu, gated and
+layers=N: the device and its context, the kernels, the compute stream, one arena
+sized by budget.py, the weights the residency window supplies (window.py) and
+the small vectors (norms, q/k norms, biases, the rope table: WeightCache),
 the paged KV pool (kv_paged.py), the step's parameters (StepParams) and state
 buffers (DeviceState), and DeviceOps, which turns an op of the step program into
 its prepared launches.  What differs between the modes is handed in: how the

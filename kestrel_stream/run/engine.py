@@ -38,19 +38,18 @@ def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: in
     if device == "cpu":
         from kestrel_stream.run.host import CpuExecutor
         return CpuExecutor(weights)
+    from kestrel_stream.run.device_executor import DeviceExecutor
     if mode == "gpu":
-        from kestrel_stream.run.gpu_executor import GpuExecutor
-        return GpuExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
-                           options=options, kv_dtype=kv_dtype)
+        return DeviceExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
+                              options=options, kv_dtype=kv_dtype)
     if options.vram_budget is not None:
         print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",
               file=sys.stderr)
-    from kestrel_stream.run.hybrid import HybridExecutor
     profile = None
     if mode == "gated":                 # the cost model needs this machine's figures: measured once, cached
         from kestrel_stream.run.calibrate import calibrate
         profile = calibrate(options=options)
-    return HybridExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch,
+    return DeviceExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch,
                           max_sessions=max_sessions, options=options)
 
 

@@ -1,6 +1,6 @@
 """The host half of a split step (gated and layers=N modes): numpy ops on the pinned host state.
 
-A mixin of cuda.hybrid.HybridExecutor, kept apart because it is the CPU
+A mixin of segment_steps.SegmentSteps (DeviceExecutor's plans with host segments), kept apart because it is the CPU
 reference arithmetic (kestrel_stream.run.host) applied to one op at a time and
 touches no device: norms and SiLU·mul are folded into the projection that
 consumes them, exactly as on the GPU side, so either side can run any
@@ -13,7 +13,7 @@ from kestrel_stream.run.host import apply_rope, attention, rmsnorm, silu_mul
 
 
 class HostOps:
-    """Host-side ops; expects the attributes HybridExecutor sets up (host, valid, weights, ...)."""
+    """Host-side ops; expects the attributes DeviceExecutor sets up (host, valid, weights, ...)."""
 
     def _host_op(self, op, T: int) -> None:
         c, role = self.config, self._role(op)
