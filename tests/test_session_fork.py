@@ -87,14 +87,17 @@ def test_bad_truncates_and_closed_sessions_change_nothing(engine):
         s.fork()
 
 
-def test_gpu_forks_share_blocks_until_written(weights, monkeypatch):
+@pytest.mark.parametrize("mode, kv_dtype", [("gpu", "f16"), ("layers=1", "f32")],
+                         ids=["gpu-mode", "layers=1"])       # an id "gpu" is the gpu mark
+def test_device_forks_share_blocks_until_written(weights, monkeypatch, mode, kv_dtype):
+    """gpu mode's pool, and layers=N's float32 pool of its GPU layers (the host layers' rows are copied)."""
     fake_cuda.install(monkeypatch, mode="deferred")
-    engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=64, max_batch=4)
+    engine = Engine(weights, device="cuda", mode=mode, max_seq_len=64, max_batch=4)
     kv_stats = engine.executor.kv_stats
-    base = kv_stats()["kv_blocks_used"]               # the scratch session's block
+    base = kv_stats()["kv_blocks_used"]               # gpu mode: the scratch session's block
     s = engine.new_session()
     s.prefill(PROMPT)                                 # 19 positions: 2 blocks of 16
-    assert kv_stats()["kv_blocks_used"] == base + 2 and kv_stats()["kv_dtype"] == "f16"
+    assert kv_stats()["kv_blocks_used"] == base + 2 and kv_stats()["kv_dtype"] == kv_dtype
     child = s.fork()
     assert kv_stats()["kv_blocks_used"] == base + 2   # shared
     child.decode(3)
