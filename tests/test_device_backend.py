@@ -9,6 +9,7 @@ import pytest
 
 import scheduler
 from hf_oracle import assert_logits_match
+from kestrel_stream.run.budget import plan_mixed_memory, weight_items
 from kestrel_stream.run.device_backend import DeviceBackend
 from kestrel_stream.run.device_executor import DeviceExecutor
 from kestrel_stream.run.gpu_executor import GpuExecutor
@@ -78,3 +79,17 @@ def test_a_weight_a_forced_plan_adds_is_uploaded_on_first_use(weights, emulated,
     assert x.stats["weight_uploads"] - before == layers, "and kept"
     assert x.stats["gpu_weight_read_bytes"] > 0
     engine.close()
+
+
+def test_the_mixed_modes_memory_plan_holds_only_what_the_plans_put_on_the_gpu():
+    c = CONFIGS["qwen3"]
+    items = {i.name: i.nbytes for i in weight_items(c)}
+    plan = lambda resident, layers: plan_mixed_memory(            # noqa: E731
+        c, resident=resident, max_tokens=64, kv_layers=layers, max_sessions=256, sessions=8, max_seq_len=32,
+        attention_splits=16)
+    none, layer0 = plan(set(), 0), plan({"L0.qkv", "L0.o", "L0.gate_up", "L0.down"}, 1)
+    assert none.window.resident == () and set(none.window.on_host) == set(items) and none.kv is None
+    assert layer0.window.resident == ("L0.qkv", "L0.o", "L0.gate_up", "L0.down") and not layer0.window.streamed
+    assert layer0.arena_bytes - none.arena_bytes >= sum(items[n] for n in layer0.window.resident)
+    assert layer0.kv.block_bytes == 16 * 2 * c.kv_size * 4, "float32 k and v of one layer per position"
+    assert layer0.kv.max_blocks == 8 * 2, "8 sessions of 32 positions"

@@ -1,4 +1,5 @@
-"""The VRAM budget: parsing `--vram-budget` and splitting it over the `gpu` mode's device arena.
+"""The VRAM budget: parsing `--vram-budget` and splitting it over the `gpu` mode's device arena; the
+arena and KV pool of the mixed modes (plan_mixed_memory).
 
 Pure arithmetic, no CUDA: the arena holds the KV caches, the activations and
 workspace of one step, and the weights; the weights get what the rest leaves,
@@ -221,7 +222,7 @@ def gpu_mode_needs(c, max_batch: int, max_seq_len: int, prefill_chunk: int = PRE
                    dense: bool | None = None) -> ArenaNeeds:
     """What GpuExecutor's arena and its least KV pool take besides the weights (for
     budget_for_weight_fraction): plan_gpu_memory's needs with no budget.  max_sessions: its
-    block-table rows (gpu_executor.DEFAULT_MAX_SESSIONS).  dense: whether the dense GEMM path's
+    block-table rows (DEFAULT_MAX_SESSIONS).  dense: whether the dense GEMM path's
     scratch is in the arena (None: where steps reach DENSE_MIN_TOKENS, as the executor decides with
     default options; cuBLAS's weight scratch and workspace where it loads)."""
     from scheduler.dense import DENSE_MIN_TOKENS, scratch_shape
