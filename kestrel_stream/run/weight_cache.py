@@ -15,8 +15,9 @@ import numpy as np
 
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import QWeight
-from kestrel_stream.model.quant import QTensor
-from kestrel_stream.run.block_weights import block_image, device_qweight
+from kestrel_stream.model.quant4 import image_bytes_of
+from kestrel_stream.run.block_weights import device_qweight
+from kestrel_stream.run.image_writer import write_image
 
 
 class WeightCache:
@@ -36,30 +37,18 @@ class WeightCache:
         return self.vectors[id(v)][1]
 
     def qweight(self, w, stages: dict, interleave_halves: bool = False) -> QWeight:
-        """The device copy of a Q8_0 weight; gate_up's rows go up as (gate j, up j) pairs for the SiLU epilogue."""
+        """The device copy of a projection weight in the residency window's image layout (any format; gate_up's
+        rows as (gate j, up j) pairs for the SiLU epilogue)."""
         start = time.perf_counter()
         cached = self.qweights.get(id(w))
         stages["cache_probe"] = stages.get("cache_probe", 0.0) + (time.perf_counter() - start) * 1e6
-        if cached is None and not isinstance(w, QTensor):     # 4/6-bit blocks: one image, qs | meta parts
+        if cached is None:
             start = time.perf_counter()
-            image = block_image(w, interleave_halves)
+            image = np.zeros(image_bytes_of(w), np.uint8)
+            write_image(image, w, interleave_halves)
             address = self.arena.alloc(image.nbytes)
             driver.h2d_sync(address, image)
             cached = self.qweights[id(w)] = device_qweight(address, w)
-            self.counters.weight_uploads += 1
-            self.counters.weight_upload_bytes += w.nbytes
-            stages["upload"] = stages.get("upload", 0.0) + (time.perf_counter() - start) * 1e6
-            stages["uploads"] = stages.get("uploads", 0) + 1
-        if cached is None:
-            start = time.perf_counter()
-            qs, sc = self.arena.alloc(w.qs.nbytes), self.arena.alloc(w.scales.nbytes)
-            order = slice(None)
-            if interleave_halves:
-                half = w.shape[0] // 2
-                order = np.stack([np.arange(half), half + np.arange(half)], axis=1).reshape(-1)
-            driver.h2d_sync(qs, w.qs[order])
-            driver.h2d_sync(sc, w.scales[order])
-            cached = self.qweights[id(w)] = QWeight(qs, sc, w.shape[0], w.shape[1])
             self.counters.weight_uploads += 1
             self.counters.weight_upload_bytes += w.nbytes
             stages["upload"] = stages.get("upload", 0.0) + (time.perf_counter() - start) * 1e6
