@@ -331,7 +331,7 @@ class Session:
         arr = self.engine.check_tokens([token], f"session {self.id} decode")
         self._check_room(1)
         if not params.penalized:
-            from kestrel_stream.run.device_sampler import pack_state
+            from kestrel_stream.run.sample_state import pack_state
             with self.engine._lock:
                 out = self.engine.executor.forward_sample([(self.kv, arr, self.position)], [pack_state(params, seed, step)])
             if out is not None:
