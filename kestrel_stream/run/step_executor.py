@@ -14,14 +14,15 @@ scheduler's plan of each step:
 - `gated` and `layers=N` plans have host segments too: segment_steps.py walks them, host ops in
   numpy (hybrid_host.py), device ops as prepared launches, state moved only where segments meet.
 
-The device backend is the same in every mode that offloads; what the mode changes is its memory plan (the residency
-window's resident set and streaming ring, the KV pool's layers and dtype) and which buffers return
-a step's outputs (StepOutputs, or the pinned state copies of the mixed modes).
+The device backend is the same in every mode that offloads; what the mode changes is its memory plan
+(the residency window's resident set and streaming ring, the KV pool's layers and dtype) and which
+buffers return a step's outputs (StepOutputs, or the pinned state copies of the mixed modes).
 """
 from __future__ import annotations
 
 import sys
 import time
+from types import MethodType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -57,9 +58,10 @@ class StepExecutor(GraphSteps, SegmentSteps, Executor):
         """mode: gpu (the default), cpu, gated or layers=N; profile: the cost model's device figures (gated).
         vram_budget: parsed bytes or fraction (Options.with_), gpu mode's; None takes the options' budget.
         attention_min_keys: split-key attention's fewest keys per split block; attention_warps: a block's warps
-        in one-token steps' attention (default: cuda.kernels' choice by bench/attention_decode.py).  kv_dtype, kv_block_size,
-        kv_pool_bytes, window_slots, prefetch_distance, small_item_bytes and verify: gpu mode's (the mixed
-        modes keep float32 KV and every GPU weight resident); group_choice: gated mode's forced groups."""
+        in one-token steps' attention (default: cuda.kernels' values, chosen by bench/attention_decode.py).
+        kv_dtype, kv_block_size, kv_pool_bytes, window_slots, prefetch_distance, small_item_bytes and verify:
+        gpu mode's (the mixed modes keep float32 KV and every GPU weight resident); group_choice: gated mode's
+        forced groups.  cpu mode reads none of these."""
         c = weights.config
         kind, count = scheduler.parse_mode(mode)
         self.weights, self.config = weights, c
@@ -149,6 +151,10 @@ class StepExecutor(GraphSteps, SegmentSteps, Executor):
         (self.forward, self.forward_greedy, self.plan, self.alloc_kv, self.free_kv, self.truncate_kv, self.fork_kv,
          self.kv_stats, self.close) = (host.forward, host.forward_greedy, host.plan, host.alloc_kv, host.free_kv,
                                        host.truncate_kv, host.fork_kv, host.kv_stats, host.close)
+        # no device to sample or chain on: Executor's answers (None, the engine steps), not graph_steps' checks
+        self.forward_sample, self.generate_greedy, self.generate_sampled = (
+            MethodType(Executor.forward_sample, self), MethodType(Executor.generate_greedy, self),
+            MethodType(Executor.generate_sampled, self))
 
     def _check_gpu_mode(self, kv_dtype: str, kv_block_size: int, attention_splits: int) -> None:
         from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS
