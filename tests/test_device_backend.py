@@ -1,4 +1,4 @@
-"""Every mode that offloads runs on one executor class (run/device_executor.py) over one device backend
+"""Every mode that offloads runs on one executor class (run/step_executor.py) over one device backend
 (run/device_backend.py), on the emulated device: gpu mode and the mixed modes share its arena, window and
 paged KV pool.  layers=N keeps its GPU layers'
 float32 keys and values in the pool; the window holds exactly the weights the mode's plans run on the GPU;
@@ -12,6 +12,7 @@ from hf_oracle import assert_logits_match
 from kestrel_stream.run.budget import plan_mixed_memory, weight_items
 from kestrel_stream.run.device_backend import DeviceBackend
 from kestrel_stream.run.device_executor import DeviceExecutor
+from kestrel_stream.run.step_executor import StepExecutor
 from kestrel_stream.run.gpu_executor import GpuExecutor
 from kestrel_stream.run.hybrid import HybridExecutor
 from kestrel_stream.run.engine import Engine
@@ -40,7 +41,7 @@ def gpu_projections(plan) -> set:
 def test_every_offloading_mode_builds_the_device_backend(weights, emulated, mode):
     engine = gpu_engine(weights) if mode == "gpu" else hybrid_engine(weights, mode, FAST_LINK)
     backend = engine.executor.backend
-    assert type(engine.executor) is DeviceExecutor is GpuExecutor is HybridExecutor, "one executor class"
+    assert type(engine.executor) is StepExecutor is DeviceExecutor is GpuExecutor is HybridExecutor, "one class"
     assert isinstance(backend, DeviceBackend)
     assert engine.executor.window is backend.window and not backend.window.streamed
     if mode != "gpu":

@@ -8,7 +8,8 @@ from kestrel_stream.cuda import cublas, driver
 from kestrel_stream.cuda.dense_gemm import DenseGemm, DenseScratch
 from kestrel_stream.cuda.kernels import QWeight
 from kestrel_stream.model.quant import quantize
-from kestrel_stream.run.host import CpuExecutor, silu_mul
+from kestrel_stream.run.host import silu_mul
+from kestrel_stream.run.step_executor import CpuExecutor
 from scheduler.dense import WORKSPACE_BYTES
 from test_gpu_kernels import Gpu, rel_err
 from test_gpu_model import random_weights, relative

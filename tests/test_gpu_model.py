@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kestrel_stream.model.config import ModelConfig
-from kestrel_stream.run.host import CpuExecutor
+from kestrel_stream.run.step_executor import CpuExecutor
 from kestrel_stream.cuda import driver
 from kestrel_stream.model.quant import quantize
 from kestrel_stream.model.weights import LayerWeights, ModelWeights

@@ -8,7 +8,7 @@ import pytest
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.dense_gemm import ALL_GEMM_TILES, GEMM_SIGNATURE, DenseGemm, DenseScratch
 from kestrel_stream.model.quant import quantize
-from kestrel_stream.run.host import CpuExecutor
+from kestrel_stream.run.step_executor import CpuExecutor
 from test_gpu_dense_gemm import check_dense_projection, check_graph_replay
 from test_gpu_kernels import Gpu, rel_err
 from test_gpu_model import random_weights, relative

@@ -15,7 +15,7 @@ import pytest
 import kestrel_stream as ks
 from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.model.config import ModelConfig
-from kestrel_stream.run.host import CpuExecutor
+from kestrel_stream.run.step_executor import CpuExecutor
 from kestrel_stream.model.quant import quantize
 from kestrel_stream.model.weights import LayerWeights, ModelWeights
 

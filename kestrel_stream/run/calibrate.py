@@ -1,6 +1,6 @@
 """``kestrel-stream calibrate``: measure this machine's DeviceProfile once and cache it.
 
-Host figures come from numpy doing what the CPU executor does (float32 BLAS on
+Host figures come from numpy doing what the host backend does (float32 BLAS on
 dequantized weights); GPU figures from kestrel_stream.cuda.calibrate.  The
 profile is cached per device + driver (scheduler.profile), so later runs and
 the lazy first use of a GPU read it instead of measuring again.

@@ -1,6 +1,6 @@
 """The device backend: what every mode that runs ops on the GPU builds once, at load.
 
-DeviceExecutor (device_executor.py) builds one in every mode, gpu, gated and
+StepExecutor (step_executor.py) builds one in every mode that offloads, gpu, gated and
 layers=N: the device and its context, the kernels, the compute stream, one arena
 sized by budget.py, the weights the residency window supplies (window.py) and
 the small vectors (norms, q/k norms, biases, the rope table: WeightCache),

@@ -26,24 +26,7 @@ from kestrel_stream.cuda.kernels import (ATTENTION_MIN_KEYS, ATTENTION_WARPS, RO
 from kestrel_stream.cuda.flash_attention import (StepChoice, attention_choice, partial_floats as attention_partials,
                                                  split_count)
 from kestrel_stream.model import rope
-
-
-def norm_weight(weights, name: str):
-    """The weight vector of a norm op of the program ("L3.attn_norm", "L3.mlp_norm", "final_norm")."""
-    if name == "final_norm":
-        return weights.final_norm
-    layer, which = name.split(".")
-    return getattr(weights.layers[int(layer[1:])], which)
-
-
-def fused_tensor(weights, op):
-    """The fused QTensor a projection (or an untied embed) of the program reads."""
-    if op.kind == "embed":
-        return weights.embed
-    if op.group == "lm_head":
-        return weights.lm_head
-    layer = weights.layers[op.layer]
-    return {"qkv": layer.wqkv, "o": layer.wo, "gate_up": layer.w_gate_up, "down": layer.w_down}[op.group]
+from kestrel_stream.model.op_tensors import fused_tensor, norm_weight  # noqa: F401  (importable from here too)
 
 
 def q8_bytes(w: QWeight, rows: int | None = None) -> int:

@@ -16,8 +16,8 @@ import numpy as np
 
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import Launch
+from kestrel_stream.run.sample_state import STATE_WORDS, pack_state  # noqa: F401  (importable from here too)
 
-STATE_WORDS = 8
 SAMPLE_CAP = 64              # sample.cu: the largest top_k drawn from per-slice candidates
 SAMPLE_MAX_SPLITS = 64       # sample.cu: the most vocabulary slices (sample_finish's shared memory)
 
@@ -36,16 +36,6 @@ class LaunchSequence:
     def enqueue(self, stream) -> None:
         for launch in self.launches:
             launch.enqueue(stream)
-
-
-def pack_state(params, seed: int, step: int) -> np.ndarray:
-    """One row's state words, as sample.cu reads them."""
-    words = np.zeros(STATE_WORDS, np.uint32)
-    words[[0, 2, 3]] = np.array([params.temperature, min(params.top_p, 1.0), params.min_p], np.float32).view(np.uint32)
-    words[1] = max(params.top_k, 0)
-    words[4], words[5] = seed & 0xFFFFFFFF, seed >> 32
-    words[6], words[7] = step & 0xFFFFFFFF, step >> 32
-    return words
 
 
 class DeviceSampler:

@@ -35,13 +35,12 @@ def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: in
                   max_batch: int, max_sessions: int | None, options: Options, kv_dtype: str = "f16"):
     if kv_dtype not in KV_DTYPES:
         raise DeviceError(f"kv_dtype {kv_dtype!r}: expected f16 (gpu mode's default) or f32 (the reference)")
+    from kestrel_stream.run.step_executor import StepExecutor
     if device == "cpu":
-        from kestrel_stream.run.host import CpuExecutor
-        return CpuExecutor(weights)
-    from kestrel_stream.run.device_executor import DeviceExecutor
+        return StepExecutor(weights, "cpu", options=options)
     if mode == "gpu":
-        return DeviceExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
-                              options=options, kv_dtype=kv_dtype)
+        return StepExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
+                            options=options, kv_dtype=kv_dtype)
     if options.vram_budget is not None:
         print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",
               file=sys.stderr)
@@ -49,8 +48,8 @@ def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: in
     if mode == "gated":                 # the cost model needs this machine's figures: measured once, cached
         from kestrel_stream.run.calibrate import calibrate
         profile = calibrate(options=options)
-    return DeviceExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch,
-                          max_sessions=max_sessions, options=options)
+    return StepExecutor(weights, mode, profile, max_seq_len=max_seq_len, max_batch=max_batch,
+                        max_sessions=max_sessions, options=options)
 
 
 @dataclass
@@ -332,7 +331,7 @@ class Session:
         arr = self.engine.check_tokens([token], f"session {self.id} decode")
         self._check_room(1)
         if not params.penalized:
-            from kestrel_stream.run.device_sampler import pack_state
+            from kestrel_stream.run.sample_state import pack_state
             with self.engine._lock:
                 out = self.engine.executor.forward_sample([(self.kv, arr, self.position)], [pack_state(params, seed, step)])
             if out is not None:

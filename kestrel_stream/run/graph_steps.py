@@ -1,6 +1,6 @@
 """gpu mode's steps: the plan is one device segment, every op of the step on the device.
 
-The part of DeviceExecutor (device_executor.py) that runs a whole-step plan.
+The part of StepExecutor (step_executor.py) that runs a whole-step plan.
 
 Static buffers, sized at load for `max_tokens` = max(max_batch, prefill_chunk)
 tokens, live in the one device arena beside the weights; the KV cache is a
@@ -21,28 +21,31 @@ The launch list of a step and why it looks as it does: step_launches.py.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from kestrel_stream.obs import load_stages, prof
-from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.kernels import Launch
-from kestrel_stream.run.device_sampler import STATE_WORDS, DeviceSampler
-from kestrel_stream.run.greedy_chain import GreedyChain
-from kestrel_stream.run.kv_paged import PagedKV
-from kestrel_stream.run.sampled_chain import SampledChain
-from kestrel_stream.run.step_launches import argmax_launch, step_launches as build_step_launches
 from scheduler.ops import PARAMS_BYTES_PER_TOKEN
 
-
-GpuKV = PagedKV          # the name sessions' caches had before the pool
+if TYPE_CHECKING:
+    from kestrel_stream.cuda.kernels import Launch
+    from kestrel_stream.run.kv_paged import PagedKV as GpuKV
 
 
 class GraphSteps:
-    """DeviceExecutor's whole-step path; expects the backend's parts DeviceExecutor._build names."""
+    """StepExecutor's whole-step path; expects the backend's parts StepExecutor._build names.
+
+    Its CUDA modules are imported where gpu mode builds its parts (and where a launch list or a graph
+    is first made), not with this module: cpu mode's executor is the same class and runs without
+    cuda.bindings."""
 
     def _start_graph_steps(self, verify: bool) -> None:
         """The launch caches, graphs, chains and device sampler of gpu mode (after the backend)."""
+        from kestrel_stream.cuda import driver
+        from kestrel_stream.run.device_sampler import STATE_WORDS, DeviceSampler
+        from kestrel_stream.run.greedy_chain import GreedyChain
+        from kestrel_stream.run.sampled_chain import SampledChain
         # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
         self.programmatic = self.options.programmatic_launch
         self.scratch_kv = self.kv.open(1)        # padded slots decode token 0 at its position 0
@@ -60,6 +63,7 @@ class GraphSteps:
         self.buckets = sorted({min(1 << i, self.graph_rows) for i in range(self.graph_rows.bit_length() + 1)})
         self.chain = GreedyChain(self)
         self.sampler = DeviceSampler(self)
+        self.sample_state_bytes = STATE_WORDS * 4       # a row's sampling state, uploaded inside the graph
         self.sampled_chain = SampledChain(self)
         load_stages.record("  buffers, KV pool, launches, chains (all)",
                            time.perf_counter() - self.backend.buffers_started)
@@ -72,6 +76,7 @@ class GraphSteps:
     def step_launches(self, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
         key = tokens if lm_rows is None or lm_rows == (0, tokens) else (tokens, *lm_rows)
         if key not in self._launches:
+            from kestrel_stream.run.step_launches import step_launches as build_step_launches
             self._launches[key] = build_step_launches(self, tokens, lm_rows)
             self._weight_read[id(self._launches[key])] = sum(l.labels.get("bytes", 0) for l in self._launches[key])
             self._kernel_count[id(self._launches[key])] = sum(l.launch_count for l in self._launches[key])
@@ -104,6 +109,7 @@ class GraphSteps:
     def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
         if key not in self._launches:
+            from kestrel_stream.run.step_launches import argmax_launch
             self._launches[key] = argmax_launch(self, tokens, self.step_launches(tokens)[-1].programmatic)
         return self._launches[key]
 
@@ -142,6 +148,7 @@ class GraphSteps:
         self.stage(rows, bucket)
         key = (bucket, greedy)
         if key not in self._graphs:
+            from kestrel_stream.cuda import driver
             with load_stages.stage("graph capture"), driver.capture(self.stream) as captured:
                 self._graph_kernels[key], self._graph_weight_read[key] = self._enqueue_step(bucket, greedy)
             self._graphs[key] = captured.graph
@@ -157,7 +164,7 @@ class GraphSteps:
         self._count(1, self._graph_kernels[key], self._graph_weight_read[key], tokens=bucket,
                     d2h=bucket * 4 if greedy else bucket * self.config.vocab_size * 4)
         if greedy == "sample":                      # the rows' sampling states went up inside the graph
-            self.counters.h2d_bytes += bucket * STATE_WORDS * 4
+            self.counters.h2d_bytes += bucket * self.sample_state_bytes
         self.counters.graph_replays += 1
         if not prof.enabled:
             return {}

@@ -1,4 +1,8 @@
-"""The numpy CPU executor: the numerical reference for every GPU kernel.
+"""The host backend: numpy arithmetic, the numerical reference for every GPU kernel.
+
+cpu mode's executor (step_executor.py) hands each step to HostBackend.forward whole; gated and
+layers=N run its functions one op at a time (hybrid_host.py); KESTREL_VERIFY recomputes the GPU's
+steps on it (verify.py).
 
 Arithmetic, all float32 (matching Hugging Face transformers run in float32 on
 the same dequantized weights):
@@ -29,7 +33,7 @@ from kestrel_stream.model import rope as rope_math
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.model.quant4 import tensor_key
 from kestrel_stream.model.weights import ModelWeights
-from kestrel_stream.run.executor import Executor, StepCounters
+from kestrel_stream.run.executor import StepCounters
 
 
 def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
@@ -122,12 +126,11 @@ class CpuKV:
         return self.k.shape[1]
 
 
-class CpuExecutor(Executor):
-    """Runs whole steps (any mix of sessions and token counts) with numpy."""
+class HostBackend:
+    """Runs whole steps (any mix of sessions and token counts) with numpy; counts into `counters`
+    (the executor's; default: its own)."""
 
-    name = "cpu"
-
-    def __init__(self, weights: ModelWeights):
+    def __init__(self, weights: ModelWeights, counters: StepCounters | None = None):
         self.weights = weights
         self.config: ModelConfig = weights.config
         self._dequantized: dict[int, np.ndarray] = {}
@@ -144,7 +147,7 @@ class CpuExecutor(Executor):
         self.qkv_bias = [plain(lw.qkv_bias) if lw.qkv_bias is not None else None for lw in weights.layers]
         self._cos = self._sin = np.zeros((0, 1, c.head_dim), np.float32)
         self._swap = np.zeros(0, np.int64)
-        self.counters = StepCounters.counting("cpu_weight_read_bytes")
+        self.counters = StepCounters.counting("cpu_weight_read_bytes") if counters is None else counters
 
     def plan(self, tokens: int):
         import scheduler
@@ -182,6 +185,9 @@ class CpuExecutor(Executor):
     def free_kv(self, kv: CpuKV) -> None:
         pass
 
+    def close(self) -> None:
+        pass        # numpy arrays only
+
     def kv_stats(self) -> dict:
         return {}        # one float32 cache per session, no pool
 
@@ -194,6 +200,10 @@ class CpuExecutor(Executor):
         new.k[:, :length] = kv.k[:, :length]
         new.v[:, :length] = kv.v[:, :length]
         return new
+
+    def forward_greedy(self, batch: list[tuple[CpuKV, np.ndarray, int]]) -> np.ndarray:
+        """Each session's greedy next token (argmax of its last logits row): int64 [len(batch)]."""
+        return np.array([int(np.argmax(rows[-1])) for rows in self.forward(batch, logits="last")], np.int64)
 
     def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """cos, signed sin [T, 1, D] for positions [T] (rope_rotation's form): rows of tables built once for

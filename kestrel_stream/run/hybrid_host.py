@@ -1,6 +1,6 @@
 """The host half of a split step (gated and layers=N modes): numpy ops on the pinned host state.
 
-A mixin of segment_steps.SegmentSteps (DeviceExecutor's plans with host segments), kept apart because it is the CPU
+A mixin of segment_steps.SegmentSteps (StepExecutor's plans with host segments), kept apart because it is the CPU
 reference arithmetic (kestrel_stream.run.host) applied to one op at a time and
 touches no device: norms and SiLU·mul are folded into the projection that
 consumes them, exactly as on the GPU side, so either side can run any
@@ -8,12 +8,12 @@ projection from the same state.
 """
 from __future__ import annotations
 
-from kestrel_stream.run.device_ops import fused_tensor, norm_weight
+from kestrel_stream.model.op_tensors import fused_tensor, norm_weight
 from kestrel_stream.run.host import apply_rope, attention, rmsnorm, silu_mul
 
 
 class HostOps:
-    """Host-side ops; expects the attributes DeviceExecutor sets up (host, valid, weights, ...)."""
+    """Host-side ops; expects the attributes StepExecutor sets up (host, valid, weights, ...)."""
 
     def _host_op(self, op, T: int) -> None:
         c, role = self.config, self._role(op)
@@ -34,7 +34,7 @@ class HostOps:
         else:                                     # o, down: attention's output, silu(gate)·up
             x_in = h[op.reads[0]][:T]
         tensor = fused_tensor(self.weights, op)
-        dense = self.cpu.dense(tensor)
+        dense = self.host_backend.dense(tensor)
         rows = sum(hi - lo for lo, hi in op.row_ranges)     # a split group's host part: its rows
         self.counters.cpu_weight_read_bytes += rows * tensor.nbytes // tensor.shape[0]
         if role in ("o", "down"):

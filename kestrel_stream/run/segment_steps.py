@@ -1,6 +1,6 @@
 """`gated` and `layers=N` modes: one step split between host and GPU by a scheduler Plan.
 
-The part of DeviceExecutor (device_executor.py) that runs plans with host segments.  The plan
+The part of StepExecutor (step_executor.py) that runs plans with host segments.  The plan
 says which side runs each op; this path runs them and moves the
 step's state between the sides only where the plan's segments meet.  State
 tensors (rows = tokens of the step):
@@ -29,6 +29,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -36,11 +37,12 @@ import scheduler
 
 from kestrel_stream.obs import prof
 from kestrel_stream.obs import trace
-from kestrel_stream.run.host import CpuExecutor, CpuKV, model_rope_tables
+from kestrel_stream.model.op_tensors import norm_weight
+from kestrel_stream.run.host import CpuKV, HostBackend, model_rope_tables
 from kestrel_stream.run.hybrid_host import HostOps
-from kestrel_stream.cuda import driver
-from kestrel_stream.run.device_ops import norm_weight
-from kestrel_stream.run.kv_paged import PagedKV
+
+if TYPE_CHECKING:
+    from kestrel_stream.run.kv_paged import PagedKV
 
 ATTENTION_SPLITS = 16
 
@@ -59,12 +61,16 @@ class HybridKV:
 
 
 class SegmentSteps(HostOps):
-    """DeviceExecutor's path for plans with host segments; expects the backend's parts
-    DeviceExecutor._build names."""
+    """StepExecutor's path for plans with host segments; expects the backend's parts
+    StepExecutor._build names.  The CUDA driver is imported where these modes build their parts, not
+    with this module (cpu mode's executor is the same class and runs without cuda.bindings)."""
 
     def _start_segment_steps(self, load_s: float) -> None:
-        """The host reference and the pinned state copies (after the backend), and the load's report."""
-        self.cpu = CpuExecutor(self.weights)
+        """The host backend (its dense weights), the pinned state copies (after the device backend), and
+        the load's report."""
+        from kestrel_stream.cuda import driver
+        self.driver = driver                    # the state copies between the sides
+        self.host_backend = HostBackend(self.weights, self.counters)
         b = self.backend
         self.dev = b.arrays
         self.xn_dev, self.inv_rms_dev = self.dev["xn"], self.dev["inv_rms"]     # x · the next norm's weight, its 1/rms
@@ -88,7 +94,7 @@ class SegmentSteps(HostOps):
         start = time.perf_counter()
         for name in pending:
             nbytes = tokens * self.widths[name] * 4
-            driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
+            self.driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
             self.counters.d2h_bytes += nbytes
             self.valid[name].add("host")
         self.stream.synchronize()
@@ -101,7 +107,7 @@ class SegmentSteps(HostOps):
     def _to_device(self, name: str, tokens: int) -> None:
         if "dev" not in self.valid[name]:
             nbytes = tokens * self.widths[name] * 4
-            driver.h2d_async(self.dev[name].ptr, self.pinned[name], nbytes, self.stream)
+            self.driver.h2d_async(self.dev[name].ptr, self.pinned[name], nbytes, self.stream)
             self.counters.h2d_bytes += nbytes
             self.valid[name].add("dev")
             self._uploads_in_flight.add(name)
@@ -115,8 +121,8 @@ class SegmentSteps(HostOps):
         x = self.host["x"][:tokens]
         self.host_xn[:tokens] = x * norm
         self.host_inv_rms[:tokens] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(self.config.rms_norm_eps))
-        driver.h2d_async(self.xn_dev.ptr, self.host_xn, tokens * self.config.hidden_size * 4, self.stream)
-        driver.h2d_async(self.inv_rms_dev.ptr, self.host_inv_rms, tokens * 4, self.stream)
+        self.driver.h2d_async(self.xn_dev.ptr, self.host_xn, tokens * self.config.hidden_size * 4, self.stream)
+        self.driver.h2d_async(self.inv_rms_dev.ptr, self.host_inv_rms, tokens * 4, self.stream)
         self.counters.h2d_bytes += tokens * (self.config.hidden_size + 1) * 4
         self._uploads_in_flight.add("xn")
         self.xn_norm = norm

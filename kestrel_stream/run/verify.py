@@ -2,7 +2,7 @@
 
 The GPU step runs as one captured graph, so verification works at the step's
 output: each verified session has a shadow CPU KV cache that sees the same
-tokens, and every logits row the GPU returns is compared with CpuExecutor's.
+tokens, and every logits row the GPU returns is compared with the host backend's (host.py).
 
 Tolerance: a row mismatches when max|gpu - cpu| / max|cpu| > 2e-3 (the same
 bound the full-model tests hold the GPU to) or when its argmax differs while
@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from kestrel_stream.run.host import CpuExecutor
+from kestrel_stream.run.host import HostBackend
 from kestrel_stream.model.weights import ModelWeights
 
 RELATIVE_TOLERANCE = 2e-3
@@ -39,7 +39,7 @@ def compare_rows(gpu: np.ndarray, cpu: np.ndarray, tolerance: float = RELATIVE_T
 
 class Verifier:
     def __init__(self, weights: ModelWeights, counters):
-        self.reference = CpuExecutor(weights)
+        self.reference = HostBackend(weights)      # its own counters: the GPU's stay the GPU's
         self.shadows: dict[int, object] = {}
         self.counters = counters
         counters.verify_mismatches = counters.verify_mismatches or 0

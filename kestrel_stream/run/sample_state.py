@@ -1,0 +1,17 @@
+"""A sampled row's state words, as kernels_ptx/sample.cu reads them: packed on the host for the device
+sampler (device_sampler.py), CUDA-free so the engine and generation can pack a row in any mode."""
+from __future__ import annotations
+
+import numpy as np
+
+STATE_WORDS = 8
+
+
+def pack_state(params, seed: int, step: int) -> np.ndarray:
+    """One row's state words: temperature, top_k, top_p, min_p, seed (two words), step (two words)."""
+    words = np.zeros(STATE_WORDS, np.uint32)
+    words[[0, 2, 3]] = np.array([params.temperature, min(params.top_p, 1.0), params.min_p], np.float32).view(np.uint32)
+    words[1] = max(params.top_k, 0)
+    words[4], words[5] = seed & 0xFFFFFFFF, seed >> 32
+    words[6], words[7] = step & 0xFFFFFFFF, step >> 32
+    return words
