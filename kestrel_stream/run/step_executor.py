@@ -70,9 +70,6 @@ class StepExecutor(GraphSteps, SegmentSteps, Executor):
             self._start_host()
             return
         self.options = Options.from_env() if options is None else options
-        from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS, ATTENTION_MIN_KEYS, ATTENTION_WARPS, ROPE_ATTENTION
-        from kestrel_stream.run.device_backend import DeviceBackend
-        from kestrel_stream.run.window import weight_tensors
         self.whole_step = kind in ("gpu", "auto")       # the plan is one device segment
         self.mode, self.profile, self.group_choice = ("gpu" if self.whole_step else mode), profile, group_choice
         self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
@@ -82,41 +79,63 @@ class StepExecutor(GraphSteps, SegmentSteps, Executor):
         self._plans: dict[int, scheduler.Plan] = {}
         self._launches: dict = {}
         if self.whole_step:
-            self._check_gpu_mode(kv_dtype, kv_block_size, attention_splits)
-            self.max_tokens, self.logits_rows = step_rows(self.max_batch, prefill_chunk)
-            self.attention_splits, self.kv_dtype = attention_splits, kv_dtype
-            # one-token steps: each layer's rope as its attention's prologue (scheduler/ops.py fuse_rope)
-            self.rope_fused = self.options.fused_rope and (c.head_dim, kv_dtype) in ROPE_ATTENTION
-            self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured",
-                                                  "gpu_weight_read_bytes")
-            vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
-            sessions = max_sessions or DEFAULT_MAX_SESSIONS
+            self._start_gpu(prefill_chunk, max_sessions, attention_splits=attention_splits, verify=verify,
+                            vram_budget=vram_budget, window_slots=window_slots, prefetch_distance=prefetch_distance,
+                            small_item_bytes=small_item_bytes, kv_dtype=kv_dtype, kv_block_size=kv_block_size,
+                            kv_pool_bytes=kv_pool_bytes, attention_min_keys=attention_min_keys,
+                            attention_warps=attention_warps)
+        else:
+            self._start_mixed(mode, prefill_chunk, max_sessions)
 
-            def plan_memory(free_bytes: int, scratch_bytes: int):
-                # the arena holds activations + block tables + weights, the KV pool grows beside it; under a
-                # budget too small for all the weights, the residency window keeps some resident and streams
-                # the rest (window.py)
-                return plan_gpu_memory(
-                    c, budget_bytes=vram_budget, free_bytes=free_bytes, max_tokens=self.max_tokens,
-                    max_sessions=sessions, max_seq_len=self.max_seq_len, attention_splits=attention_splits,
-                    max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size,
-                    logits_rows=self.logits_rows, kv_pool_bytes=kv_pool_bytes, slot_count=window_slots,
-                    prefetch_distance=prefetch_distance, small_item_bytes=small_item_bytes,
-                    scratch_bytes=scratch_bytes)
-            self._build(DeviceBackend(
-                weights, self.options, self.counters, max_tokens=self.max_tokens, logits_rows=self.logits_rows,
-                plan_memory=plan_memory, kv_dtype=kv_dtype, kv_layers=c.num_hidden_layers, max_sessions=sessions,
-                max_seq_len=self.max_seq_len, attention_splits=attention_splits,
-                attention_min_keys=ATTENTION_MIN_KEYS if attention_min_keys is None else attention_min_keys,
-                attention_warps=ATTENTION_WARPS if attention_warps is None else attention_warps))
-            self.needs, self.vram_budget, self.window_plan = (self.memory.needs, self.memory.budget_bytes,
-                                                              self.memory.window)
-            self.preload_line, warning = self.window.preload_report(self.vram_budget, self.needs.total)
-            print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
-            if warning:
-                print(f"kestrel-stream: {warning}", file=sys.stderr)
-            self._start_graph_steps(self.options.verify if verify is None else verify)
-            return
+    def _start_gpu(self, prefill_chunk: int, max_sessions: int | None, *, attention_splits: int, verify,
+                   vram_budget, window_slots: int, prefetch_distance: int, small_item_bytes: int, kv_dtype: str,
+                   kv_block_size: int, kv_pool_bytes: int | None, attention_min_keys: int | None,
+                   attention_warps: int | None) -> None:
+        """gpu mode: the whole step on the device backend, its weights the residency window's under the budget."""
+        from kestrel_stream.cuda.kernels import ATTENTION_MIN_KEYS, ATTENTION_WARPS, ROPE_ATTENTION
+        from kestrel_stream.run.device_backend import DeviceBackend
+        c, weights = self.config, self.weights
+        self._check_gpu_mode(kv_dtype, kv_block_size, attention_splits)
+        self.max_tokens, self.logits_rows = step_rows(self.max_batch, prefill_chunk)
+        self.attention_splits, self.kv_dtype = attention_splits, kv_dtype
+        # one-token steps: each layer's rope as its attention's prologue (scheduler/ops.py fuse_rope)
+        self.rope_fused = self.options.fused_rope and (c.head_dim, kv_dtype) in ROPE_ATTENTION
+        self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured",
+                                              "gpu_weight_read_bytes")
+        vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
+        sessions = max_sessions or DEFAULT_MAX_SESSIONS
+
+        def plan_memory(free_bytes: int, scratch_bytes: int):
+            # the arena holds activations + block tables + weights, the KV pool grows beside it; under a
+            # budget too small for all the weights, the residency window keeps some resident and streams
+            # the rest (window.py)
+            return plan_gpu_memory(
+                c, budget_bytes=vram_budget, free_bytes=free_bytes, max_tokens=self.max_tokens,
+                max_sessions=sessions, max_seq_len=self.max_seq_len, attention_splits=attention_splits,
+                max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size,
+                logits_rows=self.logits_rows, kv_pool_bytes=kv_pool_bytes, slot_count=window_slots,
+                prefetch_distance=prefetch_distance, small_item_bytes=small_item_bytes,
+                scratch_bytes=scratch_bytes)
+        self._build(DeviceBackend(
+            weights, self.options, self.counters, max_tokens=self.max_tokens, logits_rows=self.logits_rows,
+            plan_memory=plan_memory, kv_dtype=kv_dtype, kv_layers=c.num_hidden_layers, max_sessions=sessions,
+            max_seq_len=self.max_seq_len, attention_splits=attention_splits,
+            attention_min_keys=ATTENTION_MIN_KEYS if attention_min_keys is None else attention_min_keys,
+            attention_warps=ATTENTION_WARPS if attention_warps is None else attention_warps))
+        self.needs, self.vram_budget, self.window_plan = (self.memory.needs, self.memory.budget_bytes,
+                                                          self.memory.window)
+        self.preload_line, warning = self.window.preload_report(self.vram_budget, self.needs.total)
+        print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
+        if warning:
+            print(f"kestrel-stream: {warning}", file=sys.stderr)
+        self._start_graph_steps(self.options.verify if verify is None else verify)
+
+    def _start_mixed(self, mode: str, prefill_chunk: int, max_sessions: int | None) -> None:
+        """gated and layers=N: host and device segments; the device backend holds what the plans put on the GPU."""
+        from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS
+        from kestrel_stream.run.device_backend import DeviceBackend
+        from kestrel_stream.run.window import weight_tensors
+        c, weights = self.config, self.weights
         if self.gpu_layers and (c.head_dim not in ATTENTION_HEAD_DIMS or c.gqa_group > 8):
             raise ValueError(f"mode {mode} runs attention on the GPU, whose kernels serve head_dim "
                              f"{'/'.join(map(str, ATTENTION_HEAD_DIMS))} with <= 8 q heads per kv head; "
