@@ -191,26 +191,26 @@ class SegmentSteps(HostOps):
         for segment in plan.segments:
             if segment.side == "cpu":
                 self._to_host(scheduler.segment_inputs(segment.ops), T)
-                for op in segment.ops:
-                    if trace.active is None:
-                        self._host_op(op, T)
-                    else:
-                        with _op_span("cpu", op):
-                            self._host_op(op, T)
+                self._run_ops("cpu", segment.ops, self._host_op, T)
             else:
                 self._call = {}
-                for op in segment.ops:
-                    if trace.active is None:
-                        self._gpu_op(op, T)
-                    else:
-                        with _op_span("gpu", op):
-                            self._gpu_op(op, T)
+                self._run_ops("gpu", segment.ops, self._gpu_op, T)
                 if prof.enabled:      # attribute GPU time to gemm, not to the next sync
                     start = time.perf_counter()
                     self.stream.synchronize()
                     self._call["gemm"] = self._call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
         self._to_host(["logits"], T)
         return self.host["logits"][:T]
+
+    @staticmethod
+    def _run_ops(side: str, ops, run, T: int) -> None:
+        """One segment's ops on `side` in order, each in its own trace span while tracing."""
+        for op in ops:
+            if trace.active is None:
+                run(op, T)
+            else:
+                with _op_span(side, op):
+                    run(op, T)
 
     @staticmethod
     def _role(op) -> str:
