@@ -1,6 +1,6 @@
 """numpy twins of the 4/6-bit block-format kernels (kernels_ptx/q4_gemv.cu, q4_mma.cu), for fake_cuda.
 
-The weight comes back from the device image's qs and meta parts as GGUF blocks (quant4.join_blocks),
+The weight comes back from the device image's qs and meta parts as GGUF blocks (quant4_reference.join_blocks),
 so a wrong pointer, stride or part offset gives wrong numbers.  The GEMV twin multiplies by the
 dequantized weight (fp32, like the kernel); the GEMM twin repeats q4_mma.cu's int8 arithmetic:
 x in two int8 levels per token and group of 16, exact integer dots with the weight's levels,
@@ -17,7 +17,8 @@ import numpy as np
 from fake_cuda import dev
 from kestrel_stream.cuda import q4_gemv_variants
 from kestrel_stream.cuda.block_kernels import MMA_ROWS, MMA_THREADS, MMA_TOKENS, PART_BYTES
-from kestrel_stream.model.quant4 import dequantize_blocks, group_form, join_blocks
+from kestrel_stream.model.quant4 import dequantize_blocks
+from quant4_reference import group_form, join_blocks
 from scheduler.ops import BLOCK_FORMATS
 
 META_ALIGN = {"Q4_0": 2, "Q4_K": 16, "Q6_K": 2}     # the widest load of each format's meta

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from kestrel_stream.cuda import q4_gemv_variants
-from kestrel_stream.model.quant4 import group_form
+from quant4_reference import group_form
 
 ROUND = np.float32(12582912.0)   # 1.5 * 2^23: the kernel's DP4A_ROUND
 

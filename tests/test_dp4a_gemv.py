@@ -15,7 +15,7 @@ import pytest
 import fake_dp4a
 from kestrel_stream.cuda import q4_gemv_variants as qv
 from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, gemv_launch
-from kestrel_stream.model.quant4 import group_form
+from quant4_reference import group_form
 from test_block_kernels import DEVICES, WEIGHTS, Harness, upload, weight
 
 D_LAYOUTS = [name for name in qv.M1_VARIANTS if qv.is_dp4a(name)]

@@ -17,8 +17,8 @@ from kestrel_stream.loading.presets import make_model
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.quant import QTensor, quantize
 from bench.synthetic import random_blocks
-from kestrel_stream.model.quant4 import (BlockTensor, RowStack, fuse_rows, group_form, image_bytes_of,
-                                         image_layout, join_blocks, write_image_parts)
+from kestrel_stream.model.quant4 import BlockTensor, RowStack, fuse_rows, image_bytes_of, image_layout, write_image_parts
+from quant4_reference import group_form, join_blocks
 from scheduler.ops import format_bytes, step_ops
 
 from hf_oracle import assert_logits_match, hf_logits, hf_model_with_weights
