@@ -23,8 +23,13 @@ real_model = pytest.mark.skipif(os.environ.get("KESTREL_REAL_MODEL_TESTS", "1") 
 
 
 @pytest.fixture(scope="session")
-def data_cache(pytestconfig) -> Path:
-    return Path(pytestconfig.cache.mkdir("kestrel-text-data"))
+def data_cache(pytestconfig, tmp_path_factory) -> Path:
+    """pytest's cache folder, kept across runs; a run's temporary folder where the cache plugin is off
+    (`-p no:cacheprovider`)."""
+    cache = getattr(pytestconfig, "cache", None)
+    if cache is None:
+        return tmp_path_factory.mktemp("kestrel-text-data")
+    return Path(cache.mkdir("kestrel-text-data"))
 
 
 @pytest.fixture(scope="session")
