@@ -5,7 +5,7 @@
 For one engine (`ks.load(MODEL, device="cuda", mode="gpu", max_seq_len=1024)`) and eight sessions
 after a 128-token prompt each, per round: `decode_batch(pairs, greedy=True)` timed end to end
 (ms per step), then the bucket's captured graph alone, launched and synchronized back to back
-(`executor._graphs[(8, True)]`: the GPU's time for the step plus one launch and one sync), and the
+(`executor.steps._graphs[(8, True)]`: the GPU's time for the step plus one launch and one sync), and the
 difference, the step's host time.  Both trees before and after the step program keep that graph
 under that key.  A regression that is all in the first figure is the host's; one that moves the
 second is the device's (kernels, copies, memory layout).  One JSON line on stdout.
@@ -53,7 +53,7 @@ def main() -> None:
     for _ in range(3):                                   # graph capture, warm-up
         eng.decode_batch(pairs, greedy=True)
     x = eng.executor
-    graph = x._graphs[(BATCH, True)]
+    graph = x.steps._graphs[(BATCH, True)]
     step_ms, graph_ms = [], []
     for _ in range(a.rounds):
         t0 = time.perf_counter()
@@ -63,8 +63,8 @@ def main() -> None:
         # the same graph again (positions do not advance: the kernels read the last step's params)
         t0 = time.perf_counter()
         for _ in range(a.steps):
-            graph.launch(x.stream)
-            x.stream.synchronize()
+            graph.launch(x.steps.stream)
+            x.steps.stream.synchronize()
         graph_ms.append((time.perf_counter() - t0) / a.steps * 1e3)
     step, replay = statistics.median(step_ms), statistics.median(graph_ms)
     print(json.dumps({"label": a.label, "batch": BATCH, "steps": a.steps, "rounds": a.rounds,

@@ -22,24 +22,24 @@ import numpy as np
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver
 from kestrel_stream.loading.loader import load_weights
-from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.compat import GpuExecutor
 
 from .report import write_results
 
 
 def graph_us(gpu: GpuExecutor, launches, repeats: int) -> float:
     """µs per replay of a graph of `launches`, replayed `repeats` times back to back."""
-    with driver.capture(gpu.stream) as captured:
+    with driver.capture(gpu.steps.stream) as captured:
         for launch in launches:
-            launch.enqueue(gpu.stream)
+            launch.enqueue(gpu.steps.stream)
     graph = captured.graph
-    graph.launch(gpu.stream)
+    graph.launch(gpu.steps.stream)
     start, stop = driver.Event(timing=True), driver.Event(timing=True)
-    start.record(gpu.stream)
+    start.record(gpu.steps.stream)
     for _ in range(repeats):
-        graph.launch(gpu.stream)
-    stop.record(gpu.stream)
-    gpu.stream.synchronize()
+        graph.launch(gpu.steps.stream)
+    stop.record(gpu.steps.stream)
+    gpu.steps.stream.synchronize()
     graph.destroy()
     return stop.elapsed_ms(start) / repeats * 1e3
 
@@ -64,12 +64,12 @@ def main() -> None:
                           attention_min_keys=min_keys, attention_warps=warps)
         kv = gpu.alloc_kv(seq)
         gpu.forward([(kv, np.arange(16) % weights.config.vocab_size, 0)])
-        gpu._reserve([(kv, 0, seq)])            # blocks for every position the replays read
-        launches = gpu.step_launches(1)
+        gpu.steps._reserve([(kv, 0, seq)])            # blocks for every position the replays read
+        launches = gpu.steps.step_launches(1)
         attention = [launch for launch in launches if launch.labels.get("op") == "attention"]
         for position in positions:
-            gpu.stage(gpu._rows([(kv, np.array([5]), position)]), 1)
-            gpu.step_params.upload(1, gpu.stream)
+            gpu.steps.stage(gpu.steps._rows([(kv, np.array([5]), position)]), 1)
+            gpu.steps.step_params.upload(1, gpu.steps.stream)
             row = {"file": os.path.basename(args.model), "warps": warps, "min_keys": min_keys, "position": position,
                    "step_us": round(graph_us(gpu, launches, args.repeats), 1),
                    "attention_us": round(graph_us(gpu, attention, args.repeats), 1), "launches": len(launches)}

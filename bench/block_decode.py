@@ -22,8 +22,8 @@ import numpy as np
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver
 from kestrel_stream.loading.loader import load_weights
-from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
-from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.device.budget import budget_for_weight_fraction, gpu_mode_needs
+from kestrel_stream.run.compat import GpuExecutor
 
 from .report import write_results
 from .window import CHUNK, SEQ, SESSIONS, decode, measure_h2d_gb_s
@@ -61,7 +61,7 @@ def main() -> None:
             roofline = h2d_gb_s * 1e9 / streamed if streamed else None
             row = {"file": os.path.basename(path), "formats": kind, "weights_pct": round(100 * fraction),
                    "weight_MB": round(weights.quantized_bytes() / 1e6, 1),
-                   "resident": f"{len(gpu.window.resident)}/{gpu.window.total_items}",
+                   "resident": f"{len(gpu.steps.window.resident)}/{gpu.steps.window.total_items}",
                    "streamed_MB_per_step": round(streamed / 1e6, 1), "tok_s": round(result["tok_s"], 1),
                    "ms_per_step": round(result["ms_per_step"], 3),
                    "pcie_roofline_tok_s": round(roofline, 1) if roofline else "-",

@@ -28,7 +28,7 @@ from kestrel_stream.cuda.block_kernels import weight_bytes
 from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, gemv_launch
 from kestrel_stream.model.quant4 import BlockTensor, fuse_rows
 from bench.synthetic import random_blocks
-from kestrel_stream.run.block_weights import block_image, device_qweight
+from kestrel_stream.run.device.block_weights import block_image, device_qweight
 
 from .gpu_kernels import time_graph_us
 

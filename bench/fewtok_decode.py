@@ -26,7 +26,7 @@ import numpy as np
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver, flash_attention, mma_variants
 from bench.synthetic import random_q8_weights
-from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.compat import GpuExecutor
 
 from .mma import SPLIT_SHAPES
 from .report import write_results
@@ -75,17 +75,17 @@ def installed(table):
 
 def decode_ops(gpu: GpuExecutor, sessions, tokens, position: int) -> dict:
     """GPU µs per op (summed over layers) of one decode step of these sessions, eagerly, launch by launch."""
-    rows = gpu._rows([(kv, np.array([int(t)]), position) for kv, t in zip(sessions, tokens)])
-    bucket = next(b for b in gpu.buckets if b >= len(rows))
-    gpu.stage(rows, bucket)
-    driver.h2d_async(gpu.params.ptr, gpu.staging, gpu.staging.nbytes, gpu.stream)
-    launches = gpu.step_launches(bucket)
+    rows = gpu.steps._rows([(kv, np.array([int(t)]), position) for kv, t in zip(sessions, tokens)])
+    bucket = next(b for b in gpu.steps.buckets if b >= len(rows))
+    gpu.steps.stage(rows, bucket)
+    driver.h2d_async(gpu.steps.step_params.device.ptr, gpu.steps.step_params.host, gpu.steps.step_params.host.nbytes, gpu.steps.stream)
+    launches = gpu.steps.step_launches(bucket)
     events = [driver.Event(timing=True) for _ in range(len(launches) + 1)]
-    events[0].record(gpu.stream)
+    events[0].record(gpu.steps.stream)
     for launch, event in zip(launches, events[1:]):
-        launch.enqueue(gpu.stream)
-        event.record(gpu.stream)
-    gpu.stream.synchronize()
+        launch.enqueue(gpu.steps.stream)
+        event.record(gpu.steps.stream)
+    gpu.steps.stream.synchronize()
     totals: dict = {}
     for launch, before, after in zip(launches, events, events[1:]):
         op = launch.labels.get("op", launch.name)

@@ -19,7 +19,7 @@ import numpy as np
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.cuda import driver
-from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.compat import GpuExecutor
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.model.weights import LayerWeights, ModelWeights
 
@@ -71,7 +71,7 @@ def main() -> None:
                       kv_dtype=args.kv_dtype)
     load_s = time.perf_counter() - t0
     copy_arena = driver.Arena(2 * (256 << 20) + (1 << 20))   # the executor's arena holds only what it needs
-    copy_gb_s = measure_copy_bandwidth(copy_arena, gpu.stream, 256 << 20)
+    copy_gb_s = measure_copy_bandwidth(copy_arena, gpu.steps.stream, 256 << 20)
     copy_arena.release()
     rows = []
     prompt = rng.integers(0, 151936, args.prompt_len)
@@ -104,7 +104,7 @@ def main() -> None:
         chained = gpu.generate_greedy(chain_rows, args.new_tokens)    # None past graph_rows sessions
         chained_s = time.perf_counter() - t0
         # a batch past graph_rows replays the graph_rows bucket in chunks
-        graph_us = replay_us(gpu, min(batch, gpu.graph_rows)) * -(-batch // gpu.graph_rows)
+        graph_us = replay_us(gpu, min(batch, gpu.steps.graph_rows)) * -(-batch // gpu.steps.graph_rows)
         step_ms = decode_s / args.new_tokens * 1000
         row = {"batch": batch, "kv_dtype": args.kv_dtype, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                "prefill_tok_s": round(batch * args.prompt_len / prefill_s, 1),
@@ -123,7 +123,7 @@ def main() -> None:
     env = environment()
     env.update(machine=driver.detect(), commit=args.commit or env["commit"], d2d_copy_GB_s=round(copy_gb_s, 1),
                weight_MB=round(weight_bytes / 1e6, 1), load_s=round(load_s, 2),
-               kernels_per_step=gpu._graph_kernels.get((1, False)))
+               kernels_per_step=gpu.steps._graph_kernels.get((1, False)))
     notes = (f"qwen3-1.7b shape (28 layers, hidden 2048, intermediate 6144, 16/8 heads, head_dim 128, "
              f"vocab 151936, tied), random Q8_0 weights, {weight_bytes / 1e6:.0f} MB read per step. "
              f"Device-to-device copy measured here: {copy_gb_s:.0f} GB/s (read + write). "
@@ -132,7 +132,7 @@ def main() -> None:
              f"what greedy daemon decodes use; chained_tok_s: generate_greedy(), the greedy steps chained on the "
              f"device, one sync for all of them (what generate() uses); "
              f"gpu_ms_per_step: back-to-back graph replays timed with events. "
-             f"{gpu._graph_kernels.get((1, False))} kernels per decode step.")
+             f"{gpu.steps._graph_kernels.get((1, False))} kernels per decode step.")
     path = write_results("h200-gpu-decode", env, rows,
                          ["batch", "kv_dtype", "prompt_len", "new_tokens", "prefill_tok_s", "decode_tok_s", "greedy_tok_s", "chained_tok_s", "ms_per_step",
                           "gpu_ms_per_step", "syncs_per_step", "weight_GB_s", "frac_d2d_copy",
@@ -143,12 +143,12 @@ def main() -> None:
 
 def replay_us(gpu: GpuExecutor, bucket: int, replays: int = 20) -> float:
     """GPU time of one decode step: the bucket's graph replayed back to back (same positions)."""
-    graph = gpu._graphs[(bucket, False)]
+    graph = gpu.steps._graphs[(bucket, False)]
     start, stop = driver.Event(timing=True), driver.Event(timing=True)
-    start.record(gpu.stream)
+    start.record(gpu.steps.stream)
     for _ in range(replays):
-        graph.launch(gpu.stream)
-    stop.record(gpu.stream)
+        graph.launch(gpu.steps.stream)
+    stop.record(gpu.steps.stream)
     stop.synchronize()
     return stop.elapsed_ms(start) * 1000 / replays
 

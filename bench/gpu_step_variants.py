@@ -19,20 +19,20 @@ import numpy as np
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda import gemv_variants
-from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.compat import GpuExecutor
 
 from .gpu_decode import HBM_READ_GB_S, random_weights, replay_us
 from .report import write_results
 
 
 def measure(gpu: GpuExecutor, kv, policy: str, programmatic: bool, context: int, steps: int) -> dict:
-    gpu.kernels.gemv_m1 = None if policy == "default" else policy     # as KESTREL_GEMV_M1=policy
-    gpu.programmatic = programmatic
-    for graphs in (gpu._graphs, gpu.chain._graphs):   # recapture with this layout and launch mode
+    gpu.steps.kernels.gemv_m1 = None if policy == "default" else policy     # as KESTREL_GEMV_M1=policy
+    gpu.steps.programmatic = programmatic
+    for graphs in (gpu.steps._graphs, gpu.steps.chain._graphs):   # recapture with this layout and launch mode
         for graph in graphs.values():
             graph.destroy()
         graphs.clear()
-    gpu._launches.clear()
+    gpu.steps._launches.clear()
     token = np.array([17])
     gpu.forward_greedy([(kv, token, context)])      # capture the greedy graph too
     t0 = time.perf_counter()

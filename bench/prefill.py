@@ -32,7 +32,7 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.flash_attention import AttentionChoice
 from bench.synthetic import random_q8_weights
 from kestrel_stream.options import Options
-from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.compat import GpuExecutor
 from scheduler.dense import DENSE_MIN_TOKENS
 from scheduler.ops import PROJECTION_GROUPS
 
@@ -75,7 +75,7 @@ def main() -> None:
         min([DENSE_MIN_TOKENS] + lengths) if args.pp_sweep else None)
     gpu = GpuExecutor(weights, max_seq_len=seq, max_batch=max(counts), max_sessions=max(counts) + 1,
                       prefill_chunk=max(args.pp, 64), options=Options.from_env().with_(cublas_min_tokens=min_tokens))
-    scratch = gpu.state.dense            # the dense path: cuBLAS's, or the built-in GEMM's (fused)
+    scratch = gpu.steps.state.dense            # the dense path: cuBLAS's, or the built-in GEMM's (fused)
     every = ["cublas", "builtin", "q8"]
     gemms = {"all": every, "both": every, "cublas": ["cublas"], "builtin": ["builtin"], "q8": ["q8"]}[args.gemm]
     if (scratch is None or scratch.fused) and "cublas" in gemms:
@@ -96,7 +96,7 @@ def main() -> None:
     gpu.free_kv(kv)
     use_gemm(gpu, scratch)
     if scratch is not None and args.cublas_min_tokens is None:     # decode rows: the default threshold
-        scratch.min_tokens = gpu.dense_min_tokens = DENSE_MIN_TOKENS
+        scratch.min_tokens = gpu.backend.dense_min_tokens = DENSE_MIN_TOKENS
 
     for n in counts:
         sessions = [gpu.alloc_kv(seq) for _ in range(n)]
@@ -133,15 +133,15 @@ def main() -> None:
 def use_gemm(gpu: GpuExecutor, scratch) -> None:
     """Projections of later steps on cuBLAS (`scratch`: the executor's DenseScratch) or, None, on the
     built-in kernels: the launch lists are rebuilt."""
-    gpu.state.dense = scratch
-    gpu._launches.clear()
+    gpu.steps.state.dense = scratch
+    gpu.steps._launches.clear()
 
 
 def pp_row(gpu: GpuExecutor, kv, prompt, args, gemm: str) -> dict:
     """One session prefilling `prompt` with logits="last": the best of args.repeats after a warm-up."""
     pp = len(prompt)
     gpu.forward([(kv, prompt, 0)], logits="last")       # warm-up: module loads, launch lists
-    choices = [launch for launch in gpu.step_launches(pp, (pp - 1, 1)) if isinstance(launch, AttentionChoice)]
+    choices = [launch for launch in gpu.steps.step_launches(pp, (pp - 1, 1)) if isinstance(launch, AttentionChoice)]
     for launch in choices:
         launch.kernel = args.attention
     if args.attention != "auto" and not choices:
@@ -165,16 +165,16 @@ def pp_row(gpu: GpuExecutor, kv, prompt, args, gemm: str) -> dict:
 def op_breakdown(gpu: GpuExecutor, kv, prompt) -> tuple[dict, float]:
     """GPU µs per op (summed over layers) of one prefill step over `prompt`, each launch between two
     timing events (so without overlap between kernels), and the FLOPs of its projections."""
-    rows = gpu._rows([(kv, prompt, 0)])
-    gpu.stage(rows, len(rows))
-    driver.h2d_async(gpu.params.ptr, gpu.staging, gpu.staging.nbytes, gpu.stream)
-    launches = gpu.step_launches(len(rows), (len(rows) - 1, 1))
+    rows = gpu.steps._rows([(kv, prompt, 0)])
+    gpu.steps.stage(rows, len(rows))
+    driver.h2d_async(gpu.steps.step_params.device.ptr, gpu.steps.step_params.host, gpu.steps.step_params.host.nbytes, gpu.steps.stream)
+    launches = gpu.steps.step_launches(len(rows), (len(rows) - 1, 1))
     events = [driver.Event(timing=True) for _ in range(len(launches) + 1)]
-    events[0].record(gpu.stream)
+    events[0].record(gpu.steps.stream)
     for launch, event in zip(launches, events[1:]):
-        launch.enqueue(gpu.stream)
-        event.record(gpu.stream)
-    gpu.stream.synchronize()
+        launch.enqueue(gpu.steps.stream)
+        event.record(gpu.steps.stream)
+    gpu.steps.stream.synchronize()
     totals: dict = {}
     for launch, before, after in zip(launches, events, events[1:]):
         op = launch.labels.get("op", launch.name)

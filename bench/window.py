@@ -3,7 +3,7 @@
     PYTHONPATH=. python3 -m bench.window [--out DIR] [--commit HASH]
 
 For budgets of 25/50/75/100% of the weight bytes (on top of the KV caches and
-activations, see kestrel_stream.run.budget.budget_for_weight_fraction): decode tok/s
+activations, see kestrel_stream.run.device.budget.budget_for_weight_fraction): decode tok/s
 at batch 1 end to end through GpuExecutor.forward (graph replay with the copy
 stream's prefetch, one sync, logits out), the PCIe roofline (pinned H2D
 bandwidth measured here ÷ bytes streamed per token) and the fraction of it
@@ -21,9 +21,9 @@ import numpy as np
 
 from kestrel_stream.obs import prof
 from kestrel_stream.cli.bench import environment
-from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction
+from kestrel_stream.run.device.budget import arena_needs, budget_for_weight_fraction
 from kestrel_stream.cuda import driver
-from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.compat import GpuExecutor
 from bench.synthetic import random_q8_weights
 
 from .report import write_results
@@ -101,14 +101,14 @@ def main() -> None:
         budget = budget_for_weight_fraction(config, needs, fraction)
         gpu = GpuExecutor(weights, max_seq_len=SEQ, max_batch=SESSIONS, max_sessions=SESSIONS, prefill_chunk=CHUNK,
                           vram_budget=budget)
-        window = gpu.window
+        window = gpu.steps.window
         batches = [1, 4, 16] if fraction == 0.5 else [1]
         for batch in batches:
             result = decode(gpu, batch, args.steps, rng)
             streamed = result.get("streamed_bytes", 0.0)
             roofline = batch * h2d_gb_s * 1e9 / streamed if streamed else None
             row = {"weights_pct": round(100 * fraction), "budget_MB": round(budget / 1e6, 1),
-                   "arena_MB": round(gpu.arena.capacity_bytes / 1e6, 1), "sessions": batch,
+                   "arena_MB": round(gpu.steps.arena.capacity_bytes / 1e6, 1), "sessions": batch,
                    "resident_MB": round(window.resident_bytes / 1e6, 1),
                    "resident": f"{len(window.resident)}/{window.total_items}",
                    "ring": f"{window.slot_count}x{window.slot_stride / 1e6:.1f}MB" if window.streamed else "-",

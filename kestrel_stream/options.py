@@ -94,7 +94,7 @@ class Options:
     def with_(self, **changes) -> "Options":
         """A copy with `changes`; a VRAM budget is parsed here (bytes or a fraction), once."""
         if "vram_budget" in changes:
-            from kestrel_stream.run.budget import parse_vram_budget     # imported here: the CLI and clients start without it
+            from kestrel_stream.run.device.budget import parse_vram_budget     # imported here: the CLI and clients start without it
             changes["vram_budget"] = parse_vram_budget(changes["vram_budget"])
         return replace(self, **changes)
 

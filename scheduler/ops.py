@@ -253,6 +253,12 @@ def step_ops(config, tokens: int, context_len: int = 0) -> list:
     return ops
 
 
+def runs_alone(op: Op) -> bool:
+    """Whether `op` runs as a call of its own on either side (a launch on the device, a function on the host):
+    norms and elementwise ops are the prologue or epilogue of a projection, a fused rope attention's."""
+    return op.kind not in FUSED_KINDS and not op.fused_into
+
+
 def fuse_rope(ops: list, tokens: int) -> list:
     """A one-token device step's ops with each layer's rope op (q/k norm, RoPE, KV append) run as its
     attention's prologue: attention reads qkv, rotates q and the new key itself and appends k and v, one

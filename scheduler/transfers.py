@@ -1,6 +1,6 @@
 """What a placed step moves between host and device, and when the host waits: the plan's H2D, D2H and syncs.
 
-The rules are the executor's (kestrel_stream/run/segment_steps.py follows them through
+The rules are the executor's (kestrel_stream/run/mixed.py follows them through
 `segment_inputs`), applied to the state each op of the step program declares:
 
 - the step starts with no state anywhere; a device op of the KV cache or embed

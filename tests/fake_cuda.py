@@ -213,7 +213,7 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
     from kestrel_stream.cuda import calibrate
     from kestrel_stream.cuda import cublas as cublas_module
     from fake_dense import FakeCublas
-    from kestrel_stream.run import device_backend
+    from kestrel_stream.run.device import backend as device_backend
     from kestrel_stream.cuda import kernels
     monkeypatch.setitem(POLICY, "mode", mode)
     names = dict(Device=Device, Stream=new_stream, Event=Event, PinnedBuffer=PinnedBuffer, Arena=Arena,

@@ -17,9 +17,9 @@ import fake_cuda
 import kestrel_stream as ks
 from hf_oracle import assert_logits_match, hf_logits, hf_model_with_weights, relative_error
 from kestrel_stream.loading.presets import make_model
-from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
+from kestrel_stream.run.device.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.run.engine import Engine
-from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.compat import GpuExecutor
 from test_executors_emulated import FAST_LINK, MAX_BATCH, MAX_SEQ_LEN, hybrid_engine
 
 PRESETS = ("llama3-tiny", "mistral-tiny", "qwen2-tiny", "tiny")
@@ -66,7 +66,7 @@ def engine_for(weights, mode):
         engine.executor = GpuExecutor(weights, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH, vram_budget=budget,
                                       small_item_bytes=1024)
         if mode == "window":
-            assert engine.executor.window.streamed, "the budget should stream some weights"
+            assert engine.executor.backend.window.streamed, "the budget should stream some weights"
         return engine
     return hybrid_engine(weights, mode, FAST_LINK if mode == "gated" else None)
 

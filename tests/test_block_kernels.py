@@ -16,7 +16,7 @@ from kestrel_stream.cuda.block_kernels import embed_kernel, qweight_rows
 from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, gemv_launch
 from kestrel_stream.model.quant4 import BlockTensor, fuse_rows
 from bench.synthetic import random_blocks
-from kestrel_stream.run.block_weights import block_image, device_qweight
+from kestrel_stream.run.device.block_weights import block_image, device_qweight
 
 DEVICES = ["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not driver.gpu_available(), reason="no GPU")])]

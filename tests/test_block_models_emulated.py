@@ -18,11 +18,11 @@ from kestrel_stream.loading.loader import load_weights
 from kestrel_stream.loading.presets import make_model
 from kestrel_stream.model.quant4 import BlockTensor, RowStack
 from kestrel_stream.run.engine import Engine
-from kestrel_stream.run.hybrid import HybridExecutor
-from kestrel_stream.run.window import weight_tensors
+from kestrel_stream.run.compat import HybridExecutor
+from kestrel_stream.run.device.weight_window import weight_tensors
 from test_executors_emulated import MAX_BATCH, MAX_SEQ_LEN, gpu_needs
 from test_quant4 import CFG, LLAMA
-from kestrel_stream.run.budget import budget_for_weight_fraction
+from kestrel_stream.run.device.budget import budget_for_weight_fraction
 
 # every weight above the window's 64 KB "always resident" size in its format, so half a budget streams
 QWEN3 = dataclasses.replace(CFG, hidden_size=512, intermediate_size=1024, num_attention_heads=8)
@@ -74,7 +74,7 @@ def test_gpu_and_window_modes(model, monkeypatch, fraction, device, request):
     budget = None if fraction is None else budget_for_weight_fraction(c, gpu_needs(c), fraction)
     engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
                     vram_budget=budget)
-    window = engine.executor.window
+    window = engine.executor.backend.window
     assert bool(window.streamed) == (fraction is not None)
     if fraction is not None:   # what crosses PCIe per step is the weights' own bytes (plus alignment)
         tensors = weight_tensors(weights)
@@ -82,7 +82,7 @@ def test_gpu_and_window_modes(model, monkeypatch, fraction, device, request):
         assert planned == sum(tensors[name][0].nbytes for name in window.streamed)
         assert planned <= window.streamed_bytes_per_step < planned + 256 * len(window.streamed)
     check_against_transformers(engine, hf)
-    names = {launch.name for launch in engine.executor.step_launches(1)}
+    names = {launch.name for launch in engine.executor.steps.step_launches(1)}
     assert any(n.startswith(("q4_", "q6_")) for n in names), names
     engine.close()
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from kestrel_stream.run.budget import (ALIGN, arena_needs, budget_for_weight_fraction, parse_vram_budget,
+from kestrel_stream.run.device.budget import (ALIGN, arena_needs, budget_for_weight_fraction, parse_vram_budget,
                                    plan_arena, resolve_budget, weight_items)
 from kestrel_stream.cli.main import build_parser
 from kestrel_stream.loading.presets import PRESETS

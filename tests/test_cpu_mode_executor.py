@@ -13,7 +13,7 @@ import numpy as np
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.executor import Executor
 from kestrel_stream.run.host import HostBackend
-from kestrel_stream.run.step_executor import CpuExecutor, StepExecutor
+from kestrel_stream.run.compat import CpuExecutor, StepExecutor
 from test_executors_emulated import CONFIGS
 from bench.synthetic import random_q8_weights
 
@@ -25,9 +25,9 @@ def test_cpu_mode_is_the_one_class_over_the_host_backend():
     engine = Engine(weights, device="cpu", max_seq_len=64, max_batch=4)
     executor = engine.executor
     assert type(executor) is StepExecutor and isinstance(executor, Executor) and executor.name == "cpu"
-    assert not hasattr(executor, "backend"), "cpu mode builds no device backend"
-    assert not isinstance(executor.host_backend, Executor), "the host backend is a backend, not an executor"
-    assert executor.host_backend.counters is executor.counters
+    assert executor.backend is None, "cpu mode builds no device backend"
+    assert not isinstance(executor.steps, Executor), "the host backend is a backend, not an executor"
+    assert executor.steps.counters is executor.counters
     assert executor.plan(3).segments[0].side == "cpu" and len(executor.plan(3).segments) == 1
 
     reference = HostBackend(weights)            # the arithmetic on its own: the executor's numbers, exactly

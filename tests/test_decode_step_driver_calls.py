@@ -131,7 +131,7 @@ def test_a_replayed_batch8_step_is_one_graph_launch_one_sync_and_no_other_device
     assert capture["captured kernel"] == plan.launches_per_step + 1, "the plan's kernels + the argmax"
     assert capture["captured h2d_async"] == 1 and log.captured_bytes["h2d_async"] == PARAMS_BYTES_PER_TOKEN * BATCH
     assert capture["captured d2h_async"] == 1 and log.captured_bytes["d2h_async"] == 4 * BATCH
-    assert x._graph_kernels[(BATCH, True)] == plan.launches_per_step + 1
+    assert x.steps._graph_kernels[(BATCH, True)] == plan.launches_per_step + 1
 
     before = x.counters.as_dict()
     for _ in range(STEPS - 1):

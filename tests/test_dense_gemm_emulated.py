@@ -17,7 +17,7 @@ from kestrel_stream.loading.presets import PRESETS
 from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.options import Options
-from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
+from kestrel_stream.run.device.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.run.engine import Engine
 from scheduler.dense import DENSE_MIN_TOKENS, scratch_shape, takes_dense
 from test_plan_is_what_runs import assert_the_plans_ran, ran_one_step
@@ -58,7 +58,7 @@ def test_prefill_on_cublas_tracks_the_cpu_engine(monkeypatch, cfg):
     same argmax."""
     fake_cuda.install(monkeypatch, mode="deferred", cublas=True)
     cpu, gpu = engines(cfg)
-    blas = gpu.executor.blas
+    blas = gpu.executor.backend.blas
     with cpu.new_session() as ref, gpu.new_session() as s:
         want, got = ref.prefill(prompt(40, 1)), s.prefill(prompt(40, 1))
         assert relative_error(got, want) < 2e-3
@@ -80,10 +80,10 @@ def test_which_ops_take_the_path(monkeypatch):
     fake_cuda.install(monkeypatch, mode="deferred", cublas=True)
     _, gpu = engines(LLAMA)
     x = gpu.executor
-    names = {launch.labels["op"]: type(launch) for launch in x.step_launches(MIN_TOKENS) if "op" in launch.labels}
+    names = {launch.labels["op"]: type(launch) for launch in x.steps.step_launches(MIN_TOKENS) if "op" in launch.labels}
     assert all(names[op] is DenseGemm for op in ("qkv", "o", "gate_up", "down")), names
     assert names["lm_head"] is not DenseGemm and names["attention"] is not DenseGemm
-    assert not any(isinstance(launch, DenseGemm) for launch in x.step_launches(MIN_TOKENS - 1))
+    assert not any(isinstance(launch, DenseGemm) for launch in x.steps.step_launches(MIN_TOKENS - 1))
     gpu.close()
     real = PRESETS["qwen3-1.7b"]
     ops = {op.group: op for op in scheduler.step_ops(real, 512) if op.is_projection}
@@ -119,7 +119,7 @@ def test_the_plan_counts_the_library_launches(monkeypatch, batch):
         engine.decode_batch([(s, first + i) for i, s in enumerate(sessions)])
 
     ran = ran_one_step(engine, step)
-    bucket = next(b for b in x.buckets if b >= batch)
+    bucket = next(b for b in x.steps.buckets if b >= batch)
     assert_the_plans_ran(engine, "gpu", ran, [x.plan(bucket)], f"decode {batch}")
     assert ran["graph_replays"] == 1
     engine.close()
@@ -140,7 +140,7 @@ def test_graph_replays_on_cublas_match_the_cpu_engine(monkeypatch):
         for w, g in zip(want, got):
             assert relative_error(g, w) < 2e-3 and int(np.argmax(g)) == int(np.argmax(w))
         tokens = [int(np.argmax(w)) for w in want]
-    assert gpu.executor.counters.graphs_captured == 1 and gpu.executor.blas.gemms == gemms_per_step(QWEN3)
+    assert gpu.executor.counters.graphs_captured == 1 and gpu.executor.backend.blas.gemms == gemms_per_step(QWEN3)
     gpu.close()
 
 
@@ -151,11 +151,11 @@ def test_streamed_weights_on_cublas(monkeypatch):
     needs = gpu_mode_needs(cfg, 4, 256)
     budget = budget_for_weight_fraction(cfg, needs, 0.5)        # needs count the GEMM scratch (cuBLAS loads)
     cpu, gpu = engines(cfg, vram_budget=budget)
-    assert gpu.executor.window.streamed, "the budget should stream some weights"
+    assert gpu.executor.backend.window.streamed, "the budget should stream some weights"
     want, got = cpu.new_session().prefill(prompt(40, 4)), gpu.new_session().prefill(prompt(40, 4))
     assert relative_error(got, want) < 2e-3
     np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
-    assert gpu.executor.blas.gemms == gemms_per_step(cfg)
+    assert gpu.executor.backend.blas.gemms == gemms_per_step(cfg)
     gpu.close()
 
 
@@ -168,15 +168,15 @@ def test_without_cublas_the_built_in_gemm_runs(monkeypatch, library, cfg):
     fake_cuda.install(monkeypatch, mode="deferred", cublas=library)
     cpu, gpu = engines(cfg, min_tokens=0 if library else MIN_TOKENS)
     x = gpu.executor
-    assert x.blas is None and x.dense_min_tokens == DENSE_MIN_TOKENS
-    assert x.state.dense.fused and x.state.dense.weights == 0
+    assert x.backend.blas is None and x.backend.dense_min_tokens == DENSE_MIN_TOKENS
+    assert x.backend.state.dense.fused and x.backend.state.dense.weights == 0
     long = DENSE_MIN_TOKENS + 9
-    dense = [launch for launch in x.step_launches(long) if isinstance(launch, DenseGemm)]
+    dense = [launch for launch in x.steps.step_launches(long) if isinstance(launch, DenseGemm)]
     assert len(dense) == 4 * cfg.num_hidden_layers + 1          # lm_head too: no weight scratch to fit
     assert all(launch.dequant is None and launch.builtin.name.startswith("q8_gemm_f16_") for launch in dense)
     assert sorted({launch.launch_count for launch in dense}) == [2, 3]     # qkv, lm_head: 2; o, gate_up, down: 3
-    assert all(launch.launch_count == 1 for launch in x.step_launches(40))
-    assert any(launch.name.startswith("q8_mma") for launch in x.step_launches(40))
+    assert all(launch.launch_count == 1 for launch in x.steps.step_launches(40))
+    assert any(launch.name.startswith("q8_mma") for launch in x.steps.step_launches(40))
     for n, seed in ((40, 1), (long, 2)):
         want, got = cpu.new_session().prefill(prompt(n, seed)), gpu.new_session().prefill(prompt(n, seed))
         assert relative_error(got, want) < 2e-3, n
@@ -208,7 +208,7 @@ def test_the_scratch_is_in_the_arena_budget(monkeypatch):
     fake_cuda.install(monkeypatch, mode="deferred", cublas=False)
     _, off = engines(QWEN3)
     shape = scratch_shape(QWEN3)
-    assert on.executor.memory.arena_bytes - off.executor.memory.arena_bytes == shape.nbytes(512) - shape.nbytes(512, fused=True)
+    assert on.executor.backend.memory.arena_bytes - off.executor.backend.memory.arena_bytes == shape.nbytes(512) - shape.nbytes(512, fused=True)
     assert shape.nbytes(512, fused=True) < shape.nbytes(512) - 2 * shape.weight_elements
     on.close(), off.close()
 

@@ -9,12 +9,12 @@ import pytest
 
 import scheduler
 from hf_oracle import assert_logits_match
-from kestrel_stream.run.budget import plan_mixed_memory, weight_items
-from kestrel_stream.run.device_backend import DeviceBackend
-from kestrel_stream.run.device_executor import DeviceExecutor
+from kestrel_stream.run.device.budget import plan_mixed_memory, weight_items
+from kestrel_stream.run.device.backend import DeviceBackend
+from kestrel_stream.run.compat import DeviceExecutor
 from kestrel_stream.run.step_executor import StepExecutor
-from kestrel_stream.run.gpu_executor import GpuExecutor
-from kestrel_stream.run.hybrid import HybridExecutor
+from kestrel_stream.run.compat import GpuExecutor
+from kestrel_stream.run.compat import HybridExecutor
 from kestrel_stream.run.engine import Engine
 from test_executors_emulated import (CONFIGS, FAST_LINK, MAX_BATCH, MAX_SEQ_LEN, PROMPTS, emulated,  # noqa: F401
                                      gpu_engine, hybrid_engine, run)
@@ -43,7 +43,7 @@ def test_every_offloading_mode_builds_the_device_backend(weights, emulated, mode
     backend = engine.executor.backend
     assert type(engine.executor) is StepExecutor is DeviceExecutor is GpuExecutor is HybridExecutor, "one class"
     assert isinstance(backend, DeviceBackend)
-    assert engine.executor.window is backend.window and not backend.window.streamed
+    assert engine.executor.backend.window is backend.window and not backend.window.streamed
     if mode != "gpu":
         wanted = set().union(*(gpu_projections(engine.executor.plan(t)) for t in (1, 2, 4, 8, 16, 32, 64)))
         assert wanted and set(backend.window.resident) == wanted, "resident: what the plans run on the GPU"
@@ -55,7 +55,7 @@ def test_layers_mode_keeps_its_gpu_layers_kv_in_the_float32_pool(weights, emulat
     engine = hybrid_engine(weights, "layers=1")
     x = engine.executor
     assert x.kv_stats()["kv_dtype"] == "f32" and x.kv_stats()["kv_blocks_used"] == 0
-    assert x.kv.block_bytes == x.kv.block_size * 2 * weights.config.kv_size * 4, "one layer's k and v"
+    assert x.backend.kv.block_bytes == x.backend.kv.block_size * 2 * weights.config.kv_size * 4, "one layer's k and v"
     ours, _ = run(engine, PROMPTS[0])
     assert_logits_match(ours, reference)
     s = engine.new_session()
@@ -69,7 +69,7 @@ def test_layers_mode_keeps_its_gpu_layers_kv_in_the_float32_pool(weights, emulat
 def test_a_weight_a_forced_plan_adds_is_uploaded_on_first_use(weights, emulated, reference):
     engine = hybrid_engine(weights, "gated", scheduler.H200_MEASURED, prefill_chunk=MAX_BATCH)   # steps <= 4 tokens
     x = engine.executor
-    assert not x.window.resident, "the measured link keeps this small model's short steps on the host"
+    assert not x.backend.window.resident, "the measured link keeps this small model's short steps on the host"
     x.set_group_choice({"gate_up": True})
     before = x.stats["weight_uploads"]
     ours, _ = run(engine, PROMPTS[0])

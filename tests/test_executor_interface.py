@@ -22,7 +22,7 @@ def test_the_engine_does_not_probe_its_executor():
 
 
 def test_the_greedy_chain_reads_no_private_member_of_the_executor():
-    tree = ast.parse((RUN / "greedy_chain.py").read_text())
+    tree = ast.parse((RUN / "device" / "greedy_chain.py").read_text())
     private = [ast.unparse(node) for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                and isinstance(node.value, ast.Name) and node.value.id == "x" and node.attr.startswith("_")]
     assert private == []

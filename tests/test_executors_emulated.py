@@ -19,10 +19,10 @@ import fake_cuda
 import scheduler
 from kestrel_stream.obs import prof
 from hf_oracle import assert_logits_match, relative_error
-from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
+from kestrel_stream.run.device.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.model.config import ModelConfig
-from kestrel_stream.run.gpu_executor import DEFAULT_MAX_SESSIONS, GpuExecutor
-from kestrel_stream.run.hybrid import HybridExecutor
+from kestrel_stream.run.compat import DEFAULT_MAX_SESSIONS, GpuExecutor
+from kestrel_stream.run.compat import HybridExecutor
 from kestrel_stream.run.engine import Engine
 from bench.synthetic import random_q8_weights
 
@@ -128,7 +128,7 @@ def test_gpu_mode_streaming_weights(model, emulated, fraction, graphs, copies):
     weights, reference = model
     emulated.setitem(fake_cuda.POLICY, "eager", fake_cuda.POLICY["eager"] if copies == "eager" else ())
     engine = gpu_engine(weights, fraction, use_graphs=graphs)
-    window = engine.executor.window
+    window = engine.executor.backend.window
     assert window.streamed and window.resident, "the budget should split the weights"
     assert check_against_cpu(engine, reference) == [1, 1]
     assert engine.executor.stats["window_misses"] > 0
@@ -216,7 +216,7 @@ def test_greedy_steps_take_the_argmax_on_the_device(model, emulated, fraction):
         for c in check:
             c.close()
         expected = [int(t) for t in tokens]
-    assert (4, True) in gpu._graphs, sorted(gpu._graphs)   # a greedy graph beside the logits ones
+    assert (4, True) in gpu.steps._graphs, sorted(gpu.steps._graphs)   # a greedy graph beside the logits ones
     engine.chain_greedy = False                               # one step per sync (chained: next test)
     result = engine.generate(PROMPTS[0], DECODE_STEPS + 1)
     np.testing.assert_array_equal(result.tokens, reference[0][len(PROMPTS[0]) - 1:].argmax(axis=1))
@@ -231,7 +231,7 @@ def test_decode_batches_beyond_eight_run_the_tensor_core_graphs(model, emulated,
     weights, _ = model
     engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=16)
     gpu = engine.executor
-    assert gpu.buckets == [1, 2, 4, 8, 16]
+    assert gpu.steps.buckets == [1, 2, 4, 8, 16]
     prompts = [[1 + i, 2, 3 + i] for i in range(11)]
     sessions = [engine.new_session() for _ in prompts]
     solo = []
@@ -243,7 +243,7 @@ def test_decode_batches_beyond_eight_run_the_tensor_core_graphs(model, emulated,
     before = gpu.stats["syncs"]
     out = engine.decode_batch([(s, 11) for s in sessions], greedy=greedy)
     assert gpu.stats["syncs"] - before == 1
-    names = {launch.name for launch in gpu.step_launches(16)}
+    names = {launch.name for launch in gpu.steps.step_launches(16)}
     assert any(n.startswith("q8_mma_16x") and n.endswith("_silu") for n in names), names
     assert not any(n.startswith("q8_gemv") or n.startswith("q8_matmul") for n in names), names
     if greedy:
@@ -256,7 +256,7 @@ def test_decode_batches_beyond_eight_run_the_tensor_core_graphs(model, emulated,
     needs = gpu_needs(c, 16)
     streamed = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=16,
                       vram_budget=budget_for_weight_fraction(c, needs, 0.25))
-    assert streamed.executor.window.streamed and streamed.executor.buckets[-1] == 16
+    assert streamed.executor.backend.window.streamed and streamed.executor.steps.buckets[-1] == 16
     streamed.close()
 
 
@@ -266,13 +266,13 @@ def test_programmatic_launch_for_decode_steps_only(model, emulated):
     weights, _ = model
     engine = gpu_engine(weights)
     run(engine, PROMPTS[0])
-    launches = engine.executor._launches
+    launches = engine.executor.steps._launches
     assert not launches[1][0].programmatic and all(launch.programmatic for launch in launches[1][1:])
     assert not any(launch.programmatic for launch in launches[len(PROMPTS[0])])
     engine.close()
     streamed = gpu_engine(weights, 0.25)
     run(streamed, PROMPTS[1])
-    assert not any(launch.programmatic for launch in streamed.executor._launches[1])
+    assert not any(launch.programmatic for launch in streamed.executor.steps._launches[1])
     streamed.close()
 
 
@@ -283,7 +283,7 @@ def test_generate_chains_greedy_steps_on_the_device(model, emulated, fraction):
     weights, reference = model
     engine = gpu_engine(weights, fraction)
     gpu = engine.executor
-    gpu.chain.steps_per_sync = 4
+    gpu.steps.chain.steps_per_sync = 4
     steps = DECODE_STEPS + 3                          # 11 chained steps: runs of 4, 4, 3
     result = engine.generate(PROMPTS[0], steps + 1)
     engine.chain_greedy = False
@@ -338,7 +338,7 @@ def test_prefill_in_chunks(model, emulated, name):
         engine.executor = GpuExecutor(weights, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH, prefill_chunk=8)
     else:
         engine = make_split_engine(weights, name, emulated, prefill_chunk=8)
-    assert engine.executor.max_tokens == 8
+    assert engine.executor.steps.max_tokens == 8
     check_against_cpu(engine, reference)
     engine.close()
 

@@ -102,7 +102,7 @@ def test_steps_from_the_threshold_on_take_the_fp16_gemm(monkeypatch, tokens, row
 def f16_calls(monkeypatch):
     """The emulated device with gpu mode's dense path off (as the device steps of gated and layers=N modes
     run: no dense scratch), and the (tokens, kernel) of every fp16 GEMM launch that ran."""
-    from kestrel_stream.run import dense_path
+    from kestrel_stream.run.device import dense_path
     fake_cuda.install(monkeypatch, mode="deferred")
     monkeypatch.setattr(dense_path, "open_blas", lambda options, max_tokens: (None, None))
     calls = []

@@ -49,13 +49,13 @@ def test_decode_rows_run_the_winner_on_the_emulated_device(monkeypatch):
     import fake_cuda
     from test_splitk_emulated import CONFIG
     from bench.synthetic import random_q8_weights
-    from kestrel_stream.run.gpu_executor import GpuExecutor
+    from kestrel_stream.run.compat import GpuExecutor
     fake_cuda.install(monkeypatch, mode="deferred")
     weights = random_q8_weights(CONFIG, seed=5)
     table = {(CONFIG.hidden_size, CONFIG.intermediate_size): [(16, "32x64k64p4c256s4")]}
     with fewtok_decode.installed(table):
         gpu = GpuExecutor(weights, max_seq_len=16, max_batch=16, max_sessions=17)
-        down = [launch for launch in gpu.step_launches(16) if launch.labels.get("op") == "down"]
+        down = [launch for launch in gpu.steps.step_launches(16) if launch.labels.get("op") == "down"]
         assert down and all(l.name == "q8_mma_32x64k64p4c256" and l.grid[2] == 4 for l in down), \
             [(l.name, l.grid) for l in down]
         gpu.close()

@@ -119,11 +119,11 @@ def test_short_runs_f32_kv_and_other_head_dims_keep_the_split_kernel(flash_calls
         flash_calls.clear()
     gpu.close()
     _, f32_kv = engines(config(128, 4, 2), kv_dtype="f32")
-    names = {launch.name for launch in f32_kv.executor.step_launches(64)}
-    assert not any(isinstance(launch, fa.AttentionChoice) for launch in f32_kv.executor.step_launches(64)), names
+    names = {launch.name for launch in f32_kv.executor.steps.step_launches(64)}
+    assert not any(isinstance(launch, fa.AttentionChoice) for launch in f32_kv.executor.steps.step_launches(64)), names
     f32_kv.close()
     _, other = engines(config(32, 4, 2))
-    assert not any(isinstance(launch, fa.AttentionChoice) for launch in other.executor.step_launches(64))
+    assert not any(isinstance(launch, fa.AttentionChoice) for launch in other.executor.steps.step_launches(64))
     other.close()
 
 
@@ -146,7 +146,7 @@ def test_forcing_either_kernel_gives_the_same_logits(flash_calls):
     tokens = np.array(prompt(33, 7))
     outs = {}
     for kernel in ("split", "flash"):
-        for launch in x.step_launches(33):
+        for launch in x.steps.step_launches(33):
             if isinstance(launch, fa.AttentionChoice):
                 launch.kernel = kernel
         kv = x.alloc_kv(256)

@@ -365,7 +365,7 @@ def test_sample_candidates_then_finish_draw_the_reference_tokens(gpu):
     range (1, 40, 64), outside it (0, 65: the whole row), logits rounded to quarters (ties), and 100
     ties at the top of one slice, which leaves some of them out (the whole row again); every token is one the filters keep, nearly
     all equal the reference's draw (float32 sums on the device), and each row's Philox step advances."""
-    from kestrel_stream.run.device_sampler import SAMPLE_CAP, candidate_splits, pack_state
+    from kestrel_stream.run.device.sampler import SAMPLE_CAP, candidate_splits, pack_state
     from kestrel_stream.text.sampling import SamplingParams, filter_threshold, sample_logits
     rng, V, T = np.random.default_rng(14), 151936, 60
     logits = (3 * rng.standard_normal((T, V))).astype(np.float32)

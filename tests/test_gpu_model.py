@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from kestrel_stream.model.config import ModelConfig
-from kestrel_stream.run.step_executor import CpuExecutor
+from kestrel_stream.run.compat import CpuExecutor
 from kestrel_stream.cuda import driver
 from kestrel_stream.model.quant import quantize
 from kestrel_stream.model.weights import LayerWeights, ModelWeights
@@ -50,7 +50,7 @@ def relative(got, want):
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_gpu_mode_matches_cpu_over_prefill_and_16_decode_steps(arch):
-    from kestrel_stream.run.gpu_executor import GpuExecutor
+    from kestrel_stream.run.compat import GpuExecutor
     weights = random_weights(arch)
     cpu = CpuExecutor(weights)
     gpu = GpuExecutor(weights, max_seq_len=64, max_batch=4, prefill_chunk=16, verify=True)
@@ -77,7 +77,7 @@ def test_gpu_mode_matches_cpu_over_prefill_and_16_decode_steps(arch):
 
 
 def test_batched_decode_uses_padded_buckets_and_matches_cpu():
-    from kestrel_stream.run.gpu_executor import GpuExecutor
+    from kestrel_stream.run.compat import GpuExecutor
     weights = random_weights("qwen3", seed=5)
     cpu = CpuExecutor(weights)
     gpu = GpuExecutor(weights, max_seq_len=32, max_batch=4, prefill_chunk=16)
@@ -118,9 +118,9 @@ def test_greedy_generate_takes_the_argmax_on_the_device(arch):
     got = engine.generate(prompt, 16)
     assert got.tokens == want.tokens
     assert got.stats["syncs_per_token"] == 1 and got.stats["d2h_bytes"] == 4 * 15
-    assert (1, True) in engine.executor._graphs
+    assert (1, True) in engine.executor.steps._graphs
     engine.chain_greedy = True                  # chained on the device: runs of 6 steps per host sync
-    engine.executor.chain.steps_per_sync = 6
+    engine.executor.steps.chain.steps_per_sync = 6
     chained = engine.generate(prompt, 16)
     assert chained.tokens == want.tokens and chained.stats["syncs"] == 3   # 15 steps: 6 + 6 + 3
     engine.close()
@@ -130,7 +130,7 @@ def test_greedy_generate_takes_the_argmax_on_the_device(arch):
 def test_batched_decode_of_9_to_64_sessions_and_last_row_prefill_match_cpu(arch):
     """Decode batches of 11 and 40 sessions (the bucket-16 and bucket-64 graphs, tensor-core GEMM)
     and a 300-token prefill asking for its last row only, against the numpy engine: 2e-3, same argmax."""
-    from kestrel_stream.run.gpu_executor import GpuExecutor
+    from kestrel_stream.run.compat import GpuExecutor
     weights = random_weights(arch, seed=2)
     cpu = CpuExecutor(weights)
     gpu = GpuExecutor(weights, max_seq_len=320, max_batch=64, max_sessions=41)
@@ -153,5 +153,5 @@ def test_batched_decode_of_9_to_64_sessions_and_last_row_prefill_match_cpu(arch)
             assert relative(g[0], w[0]) < 2e-3 and np.argmax(g[0]) == np.argmax(w[0])
         for ckv, gkv in pairs:
             gpu.free_kv(gkv)
-    assert {16, 64} <= {bucket for bucket, _ in gpu._graphs}
+    assert {16, 64} <= {bucket for bucket, _ in gpu.steps._graphs}
     gpu.close()

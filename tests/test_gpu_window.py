@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import kestrel_stream as ks
-from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
+from kestrel_stream.run.device.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.model.config import ModelConfig
-from kestrel_stream.run.step_executor import CpuExecutor
+from kestrel_stream.run.compat import CpuExecutor
 from kestrel_stream.model.quant import quantize
 from kestrel_stream.model.weights import LayerWeights, ModelWeights
 
@@ -50,12 +50,12 @@ def random_weights(arch: str, seed: int = 0) -> ModelWeights:
 
 
 def streaming_executor(weights, fraction, slots=2, distance=1):
-    from kestrel_stream.run.gpu_executor import GpuExecutor
+    from kestrel_stream.run.compat import GpuExecutor
     needs = gpu_mode_needs(weights.config, BATCH, SEQ, CHUNK)
     budget = budget_for_weight_fraction(weights.config, needs, fraction, slots)
     gpu = GpuExecutor(weights, max_seq_len=SEQ, max_batch=BATCH, prefill_chunk=CHUNK, vram_budget=budget,
                       window_slots=slots, prefetch_distance=distance)
-    assert gpu.arena.capacity_bytes <= budget
+    assert gpu.steps.arena.capacity_bytes <= budget
     return gpu
 
 
@@ -105,7 +105,7 @@ def compare_mixed_steps(gpu, weights):
     step([(2, PROMPT[5:9])]); passes += 1
     for _ in range(3):                                            # buckets 4, 1, 2 in turn
         step([(0, None), (1, None), (2, None)]); step([(2, None)]); step([(1, None), (0, None)]); passes += 3
-    assert gpu.stats["streamed_bytes"] - before == passes * gpu.window.streamed_bytes_per_step
+    assert gpu.stats["streamed_bytes"] - before == passes * gpu.steps.window.streamed_bytes_per_step
     assert gpu.stats["graph_replays"] - replays == 13           # every one-token step
 
 
@@ -113,7 +113,7 @@ def compare_mixed_steps(gpu, weights):
 def test_consecutive_steps_of_different_token_counts(slots, distance):
     weights = random_weights("qwen3", seed=5)
     gpu = streaming_executor(weights, 0.25, slots, distance)
-    assert len(gpu.window.streamed) > 2 * slots
+    assert len(gpu.steps.window.streamed) > 2 * slots
     compare_mixed_steps(gpu, weights)
     gpu.close()
 
@@ -127,7 +127,7 @@ def test_smallest_ring_reuses_slots_without_a_race(slots, distance):
     compare_decode(gpu, weights)
     passes = 2 + DECODE_STEPS                          # two prefill chunks, then one pass per decoded token
     assert gpu.stats["window_misses"] == passes * len(window.streamed)
-    assert gpu.stats["streamed_bytes"] == passes * gpu.window.streamed_bytes_per_step
+    assert gpu.stats["streamed_bytes"] == passes * gpu.steps.window.streamed_bytes_per_step
     gpu.close()
 
 
@@ -157,15 +157,15 @@ def test_batched_decode_streams_once_per_step():
         for i, (g, w) in enumerate(zip(got, want)):
             assert relative_error(g, w) < 2e-3 and int(g.argmax()) == int(w.argmax())
             tokens[i], positions[i] = int(w.argmax()), positions[i] + 1
-    assert gpu.stats["streamed_bytes"] - before == 4 * gpu.window.streamed_bytes_per_step
+    assert gpu.stats["streamed_bytes"] - before == 4 * gpu.steps.window.streamed_bytes_per_step
     gpu.close()
 
 
 def test_everything_fits_streams_nothing():
     weights = random_weights("llama", seed=4)
     gpu = streaming_executor(weights, 1.0)
-    assert gpu.window_plan is None and gpu.window.streamed == []
-    total = len(gpu.window.resident)
+    assert gpu.window_plan is None and gpu.steps.window.streamed == []
+    total = len(gpu.steps.window.resident)
     assert gpu.preload_line.startswith(f"preload: {total}/{total} weights warmed in ")
     compare_decode(gpu, weights)
     assert gpu.stats["streamed_bytes"] == 0 and gpu.stats["window_misses"] == 0

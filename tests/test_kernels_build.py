@@ -59,7 +59,7 @@ def test_kernel_cache_directory_comes_from_the_options(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["kestrel_stream.cuda", "kestrel_stream.cuda.driver",
-                                    "kestrel_stream.cuda.kernels", "kestrel_stream.run.gpu_executor",
+                                    "kestrel_stream.cuda.kernels", "kestrel_stream.run.compat",
                                     "kestrel_stream.run.verify"])
 def test_device_layer_imports_without_a_driver(module):
     importlib.import_module(module)

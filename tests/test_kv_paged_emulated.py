@@ -14,7 +14,7 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.errors import CapacityError
 from kestrel_stream.loading.presets import PRESETS
 from bench.synthetic import random_q8_weights
-from kestrel_stream.run.budget import arena_needs, plan_arena
+from kestrel_stream.run.device.budget import arena_needs, plan_arena
 from kestrel_stream.run.engine import Engine
 from scheduler import WindowBudgetError
 
@@ -60,9 +60,9 @@ def test_1000_short_and_4_long_sessions_fit_where_the_static_reservation_fails(e
     short = [engine.new_session() for _ in range(1000)]
     long = [engine.new_session() for _ in range(4)]
     for s in short:                       # what a 100-token prefill reserves, without running 1000 of them
-        gpu.kv.prepare(s.kv, 0, short_len)
+        gpu.backend.kv.prepare(s.kv, 0, short_len)
     for s in long:
-        gpu.kv.prepare(s.kv, 0, long_len)
+        gpu.backend.kv.prepare(s.kv, 0, long_len)
     stats = gpu.kv_stats()
     blocks = 1000 * -(-short_len // 16) + 4 * (long_len // 16) + 1
     assert stats["kv_blocks_used"] == blocks and stats["kv_bytes_committed"] <= budget
@@ -75,8 +75,8 @@ def test_1000_short_and_4_long_sessions_fit_where_the_static_reservation_fails(e
     with pytest.raises(CapacityError, match="KV pool"):  # more long sessions until the pool is spent
         for _ in range(stats["kv_blocks_max"] // (long_len // 16) + 1):
             extra.append(engine.new_session())
-            gpu.kv.prepare(extra[-1].kv, 0, long_len)
-    assert gpu.kv.length(extra[-1].kv) == 0               # the failed one took nothing
+            gpu.backend.kv.prepare(extra[-1].kv, 0, long_len)
+    assert gpu.backend.kv.length(extra[-1].kv) == 0               # the failed one took nothing
     for s in short + long + extra:
         s.close()
     assert gpu.kv_stats()["kv_blocks_used"] == 1

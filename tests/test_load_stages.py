@@ -52,7 +52,7 @@ def test_the_preload_through_small_staging_buffers_uploads_every_weight(monkeypa
     would corrupt a weight, and the logits would differ from the CPU engine's."""
     import numpy as np
     from hf_oracle import relative_error
-    from kestrel_stream.run import window
+    from kestrel_stream.run.device import weight_window as window
     fake_cuda.install(monkeypatch, mode="deferred")
     monkeypatch.setattr(window, "PRELOAD_CHUNK_BYTES", 4096)
     weights = random_q8_weights(PRESETS["tiny"], seed=4)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from kestrel_stream.loading.presets import PRESETS
 from bench.synthetic import random_q8_weights
-from kestrel_stream.run import window
+from kestrel_stream.run.device import weight_window as window
 
 
 @pytest.mark.parametrize("pattern", ["sssBsss", "BBs", "sBsB", "B"])

@@ -43,9 +43,9 @@ def test_cpu_prefill_last_is_the_last_row(cpu):
 @pytest.fixture
 def gpu(weights, monkeypatch):
     fake_cuda.install(monkeypatch, mode="deferred")
-    from kestrel_stream.run.gpu_executor import GpuExecutor
+    from kestrel_stream.run.compat import GpuExecutor
     executor = GpuExecutor(weights, max_seq_len=128, max_batch=4, prefill_chunk=96)
-    assert (executor.max_tokens, executor.logits_rows) == (96, 64)
+    assert (executor.steps.max_tokens, executor.steps.logits_rows) == (96, 64)
     yield executor
     executor.close()
 
@@ -65,7 +65,7 @@ def test_gpu_prefill_last_runs_lm_head_once_and_copies_one_row(gpu, cpu):
     assert last.shape == (1, CONFIG.vocab_size)
     assert gpu.stats["syncs"] - before["syncs"] == 2, "chunks of max_tokens (96 + 4)"
     assert gpu.stats["d2h_bytes"] - before["d2h_bytes"] == 4 * CONFIG.vocab_size
-    first_chunk = gpu.step_launches(96, (0, 0))
+    first_chunk = gpu.steps.step_launches(96, (0, 0))
     assert "lm_head" not in [launch.labels["op"] for launch in first_chunk]
     [want] = cpu_last_rows(cpu, [PROMPT])
     assert relative_error(last[0], want) < 2e-3 and int(np.argmax(last[0])) == int(np.argmax(want))

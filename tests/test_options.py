@@ -31,7 +31,7 @@ def test_a_bad_setting_names_itself(env, message):
 
 def test_no_module_reads_kestrel_settings_at_import():
     """Importing the runtime with every setting on changes nothing: the switches stay off until an engine is built."""
-    code = ("import kestrel_stream, kestrel_stream.run.gpu_executor as g, kestrel_stream.obs.prof as p, "
+    code = ("import kestrel_stream, kestrel_stream.run.compat as g, kestrel_stream.obs.prof as p, "
             "kestrel_stream.obs.trace as t; assert not p.enabled and t.active is None; "
             "assert not hasattr(g.GpuExecutor, 'programmatic')")
     env = {"KESTREL_PROF": "1", "KESTREL_TRACE": "/nonexistent/t.json", "KESTREL_PDL": "0", "PATH": "/usr/bin:/bin"}

@@ -16,9 +16,9 @@ import fake_cuda
 import scheduler
 from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
-from kestrel_stream.run.budget import budget_for_weight_fraction, gpu_mode_needs
+from kestrel_stream.run.device.budget import budget_for_weight_fraction, gpu_mode_needs
 from kestrel_stream.run.engine import Engine
-from kestrel_stream.run.hybrid import HybridExecutor
+from kestrel_stream.run.compat import HybridExecutor
 
 CONFIG = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=3,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=256,
@@ -67,7 +67,7 @@ def build(weights, mode: str) -> Engine:
 
 def chunks(engine, batch: int) -> list[int]:
     """The token counts of the steps the executor runs one decode batch as."""
-    x = engine.executor
+    x = engine.executor.steps
     if engine.mode != "gpu":
         step = getattr(x, "max_tokens", batch)
         return [min(step, batch - lo) for lo in range(0, batch, step)]
@@ -95,7 +95,7 @@ def assert_the_plans_ran(engine, mode: str, ran: dict, plans: list, label: str) 
     weights_read = ran.get("gpu_weight_read_bytes", 0) + ran.get("cpu_weight_read_bytes", 0)
     assert weights_read >= len(plans) * engine.weights.lm_head.nbytes, "every step reads lm_head on one side"
     if mode.startswith("gpu-window"):
-        assert engine.executor.window.streamed, "the budget should stream some weights"
+        assert engine.executor.backend.window.streamed, "the budget should stream some weights"
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -158,7 +158,7 @@ def test_the_windows_prime_at_load_is_outside_the_step_counters(weights, monkeyp
     then re-primes the next one's, so even the first step counts exactly its plan's H2D bytes."""
     fake_cuda.install(monkeypatch, mode="deferred")
     engine = build(weights, mode)
-    window = engine.executor.window
+    window = engine.executor.backend.window
     assert window.prime_bytes == sum(nbytes for _, nbytes in window.copies[:window.primed]) > 0
     before = engine.executor.counters.as_dict()
     engine.decode_batch([(engine.new_session(), 3)])

@@ -16,9 +16,9 @@ from bench.synthetic import random_q8_weights
 from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.obs import load_stages
-from kestrel_stream.run import image_writer
-from kestrel_stream.run.image_writer import ImageWriter, write_image
-from kestrel_stream.run.budget import image_bytes
+from kestrel_stream.run.device import image_writer
+from kestrel_stream.run.device.image_writer import ImageWriter, write_image
+from kestrel_stream.run.device.budget import image_bytes
 
 
 @pytest.fixture(scope="module")

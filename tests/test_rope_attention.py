@@ -19,7 +19,7 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import ATTENTION_MIN_KEYS, ATTENTION_WARPS
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.options import Options
-from kestrel_stream.run.gpu_executor import GpuExecutor
+from kestrel_stream.run.compat import GpuExecutor
 from bench.synthetic import random_q8_weights
 
 CONFIGS = {   # (q heads per kv head, head_dim): (2, 128) the _g2 kernel, (4, 64) the 8-head one
@@ -60,7 +60,7 @@ def decode_logits(gpu: GpuExecutor, steps: int) -> np.ndarray:
 
 
 def kernel_names(gpu: GpuExecutor, tokens: int) -> list[str]:
-    return [launch.name for launch in gpu.step_launches(tokens)]
+    return [launch.name for launch in gpu.steps.step_launches(tokens)]
 
 
 @pytest.mark.parametrize("shape", sorted(CONFIGS))

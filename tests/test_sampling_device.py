@@ -36,7 +36,7 @@ def test_emulated_gpu_sampling_draws_the_cpu_engines_tokens(weights, monkeypatch
         assert gpu.executor.stats["syncs"] - before["syncs"] == 1 + steps          # prefill + one per step
         # the prompt's last logits row once, then 4 bytes per sampled token
         assert gpu.executor.stats["d2h_bytes"] - before["d2h_bytes"] == CONFIG.vocab_size * 4 + 4 * steps   # the last row
-    assert any(key[1] == "sample" for key in gpu.executor._graphs)
+    assert any(key[1] == "sample" for key in gpu.executor.steps._graphs)
     gpu.chain_greedy = True                  # chained on the device: the same draws, fewer syncs
     for seed, expected in zip((1, 2), want):
         before = dict(gpu.executor.stats)
@@ -54,7 +54,7 @@ def test_sample_kernel_matches_the_reference_distribution(case, two_launches):
     sample_finish (the path gpu mode takes), then a chi-square test."""
     from kestrel_stream.cuda import driver
     from kestrel_stream.cuda.kernels import KernelSet
-    from kestrel_stream.run.device_sampler import SAMPLE_CAP, candidate_splits, pack_state
+    from kestrel_stream.run.device.sampler import SAMPLE_CAP, candidate_splits, pack_state
     from kestrel_stream.text.sampling import SamplingParams
     if not driver.gpu_available():
         pytest.skip(driver.detect())
@@ -87,7 +87,7 @@ def test_emulated_candidates_then_finish_draw_the_reference_tokens(monkeypatch):
     0 and 65 and for a slice that left out ties at the row's k-th value; every token is the reference's."""
     from fake_sample import cand_views
     from kestrel_stream.cuda import driver
-    from kestrel_stream.run.device_sampler import SAMPLE_CAP, candidate_splits, pack_state
+    from kestrel_stream.run.device.sampler import SAMPLE_CAP, candidate_splits, pack_state
     from kestrel_stream.text.sampling import SamplingParams, sample_logits
     fake_cuda.install(monkeypatch)
     rng, V, T = np.random.default_rng(14), 4096, 20

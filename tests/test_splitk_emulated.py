@@ -12,7 +12,7 @@ from hf_oracle import relative_error
 from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.engine import Engine
-from kestrel_stream.run.hybrid import HybridExecutor
+from kestrel_stream.run.compat import HybridExecutor
 
 # down's K (the intermediate size) spans 8 K stages of the 16x32k256 tile: its few row tiles get split
 CONFIG = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=2048, num_hidden_layers=2,
@@ -65,7 +65,7 @@ def assert_matches(ours, reference):
 def test_gpu_mode_batched_decode_runs_split_k(weights, reference, emulated):
     engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
     assert_matches(two_batched_steps(engine), reference)
-    split = split_launches(engine.executor.step_launches(16))
+    split = split_launches(engine.executor.steps.step_launches(16))
     assert {launch.labels["op"] for launch in split} == {"down"}, [launch.name for launch in split]
     assert len(split) == CONFIG.num_hidden_layers
     assert engine.executor.stats["graph_replays"] >= 2, "the bucket-16 graph ran twice"
@@ -77,7 +77,7 @@ def test_layers_mode_runs_split_k_on_its_device_segment(weights, reference, emul
     engine.device, engine.mode = "cuda", "layers=1"
     engine.executor = HybridExecutor(weights, "layers=1", None, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
     assert_matches(two_batched_steps(engine), reference)
-    split = split_launches(launch for launches in engine.executor._launches.values() for launch in launches)
+    split = split_launches(launch for launches in engine.executor.steps._launches.values() for launch in launches)
     assert split and all(launch.labels["op"].endswith("down") for launch in split), [l.labels for l in split]
     engine.close()
 

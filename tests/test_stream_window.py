@@ -17,10 +17,10 @@ import pytest
 
 from kestrel_stream.run.executor import StepCounters
 
-from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, image_bytes, plan_arena
+from kestrel_stream.run.device.budget import arena_needs, budget_for_weight_fraction, image_bytes, plan_arena
 from kestrel_stream.model.config import ModelConfig
-from kestrel_stream.run import window as stream_window
-from kestrel_stream.run.window import WeightWindow, step_launch_items, weight_tensors, write_image
+from kestrel_stream.run.device import weight_window as stream_window
+from kestrel_stream.run.device.weight_window import WeightWindow, step_launch_items, weight_tensors, write_image
 from bench.synthetic import random_q8_weights
 
 SMALL = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=6,

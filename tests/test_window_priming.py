@@ -15,10 +15,10 @@ import pytest
 import fake_cuda
 from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
-from kestrel_stream.run import window as stream_window
-from kestrel_stream.run.budget import arena_needs, budget_for_weight_fraction, plan_arena
+from kestrel_stream.run.device import weight_window as stream_window
+from kestrel_stream.run.device.budget import arena_needs, budget_for_weight_fraction, plan_arena
 from kestrel_stream.run.executor import StepCounters
-from kestrel_stream.run.window import WeightWindow, step_launch_items, weight_tensors
+from kestrel_stream.run.device.weight_window import WeightWindow, step_launch_items, weight_tensors
 from window_order import Launch, OrderLog
 
 SMALL = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=6,
@@ -175,7 +175,7 @@ def test_mixed_token_counts_match_the_cpu_engine_on_the_emulated_device(monkeypa
         monkeypatch.setitem(fake_cuda.POLICY, "eager", ("window copy h2d",) if copies == "eager" else ())
         weights = on_gpu.random_weights("qwen3", seed=1)
         gpu = on_gpu.streaming_executor(weights, 0.25, slots=3, distance=1)
-        assert gpu.window.primed == 2 and len(gpu.window.streamed) > 6
+        assert gpu.steps.window.primed == 2 and len(gpu.steps.window.streamed) > 6
         on_gpu.compare_mixed_steps(gpu, weights)
         gpu.close()
 
@@ -197,7 +197,7 @@ def test_the_host_waits_for_a_steps_outputs_not_for_the_next_steps_primes(monkey
     gpu = on_gpu.streaming_executor(weights, 0.25, slots=3, distance=1)
     gpu.use_graphs = False
     kv = gpu.alloc_kv(64)
-    copy = gpu.window.copy_stream
+    copy = gpu.steps.window.copy_stream
     gpu.forward([(kv, np.arange(5), 0)])
     first = gpu.forward([(kv, np.array([7]), 5)])[0]
     assert copy.done < len(copy.ops), "the host waited for the primes"

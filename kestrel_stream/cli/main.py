@@ -54,7 +54,7 @@ def progress_bar(desc: str):
 
 
 def vram_budget_arg(text: str):
-    from kestrel_stream.run.budget import parse_vram_budget
+    from kestrel_stream.run.device.budget import parse_vram_budget
     try:
         return parse_vram_budget(text)
     except ValueError as e:
@@ -179,7 +179,7 @@ def window_report(engine, stats: dict) -> dict:
         return {}
     keep = ("resident_bytes", "streamed_bytes_per_step", "slot_count", "slot_bytes", "prefetch_distance")
     out = {"window": {key: getattr(window, key) for key in keep} | {
-        "vram_budget_bytes": engine.executor.vram_budget, "weight_budget_bytes": window.budget_bytes,
+        "vram_budget_bytes": engine.executor.backend.memory.budget_bytes, "weight_budget_bytes": window.budget_bytes,
         "resident_items": len(window.resident), "streamed_items": len(window.streamed)}}
     for key in WINDOW_COUNTERS:
         if f"{key}_per_token" in stats:

@@ -67,8 +67,8 @@ def cmd_plan(args) -> int:
 def window_report(cfg, args) -> dict:
     """How `gpu` mode splits --vram-budget (the executor's own split): the arena with the resident
     weights, what streams per step, and the KV pool's limit."""
-    from kestrel_stream.run.budget import parse_vram_budget, plan_gpu_memory
-    from kestrel_stream.run.gpu_executor import DEFAULT_MAX_SESSIONS
+    from kestrel_stream.run.device.budget import parse_vram_budget, plan_gpu_memory
+    from kestrel_stream.run.compat import DEFAULT_MAX_SESSIONS
     budget = parse_vram_budget(args.vram_budget)
     if isinstance(budget, float):
         from kestrel_stream.run.engine import gpu_status

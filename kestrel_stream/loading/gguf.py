@@ -18,6 +18,9 @@ rotate_half halves; within each head, rows [0..hd/2) and [hd/2..hd) are
 interleaved.  We use HF's rope, so the reader undoes that permutation and the
 writer applies it.  A row permutation commutes with row-wise Q8_0, so it is
 applied to qs and scales directly, still bit-exact.
+
+One concern, a GGUF's mapping onto the model's layout: tensor names, metadata keys, types and the
+llama row permutation are read together, since each depends on the others.
 """
 from __future__ import annotations
 

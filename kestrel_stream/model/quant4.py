@@ -30,7 +30,7 @@ BLOCK_TYPES = ("Q4_0", "Q4_K", "Q6_K")
 # format → ((qs start, stop), (meta start, stop)) within one GGUF block
 SPLITS = {"Q8_0": ((2, 34), (0, 2)), "Q4_0": ((2, 18), (0, 2)), "Q4_K": ((16, 144), (0, 16)),
           "Q6_K": ((0, 192), (192, 210))}
-IMAGE_ALIGN = 256            # the meta part starts at this boundary (run/budget.ALIGN)
+IMAGE_ALIGN = 256            # the meta part starts at this boundary (run/device/budget.ALIGN)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -220,7 +220,7 @@ def fuse_rows(parts: list, allow_stack: bool = True):
 def image_layout(w) -> list[tuple[str, int, int, int, int]]:
     """(format, rows, qs offset, meta offset, image bytes) per part of a weight's device image: every
     part's qs back to back from 0 (each a multiple of 16 bytes), then at the next IMAGE_ALIGN boundary
-    every part's meta, each at a 16-byte boundary.  One part: exactly the Q8_0 image of run/window.py."""
+    every part's meta, each at a 16-byte boundary.  One part: exactly the Q8_0 image of run/device/weight_window.py."""
     parts = tensor_parts(w)
     qs_sizes = [_part_bytes(p)[0] for p in parts]
     meta_at = -(-sum(qs_sizes) // IMAGE_ALIGN) * IMAGE_ALIGN

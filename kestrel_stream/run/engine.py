@@ -3,6 +3,8 @@
 The engine owns the weights and one executor; a session owns a KV cache and
 its position.  Every input is validated here, before any state changes, so a
 bad token id or an over-long prompt raises and leaves the session as it was.
+One concern, the public session API, which is long because every method of it checks its inputs
+before it touches a cache.
 """
 from __future__ import annotations
 
@@ -184,10 +186,13 @@ class Engine:
         executor with forward_greedy (gpu mode) then takes the argmax on the device and copies back
         4 bytes per token instead of the logits."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
-        traced = trace.NULL_SPAN if trace.active is None else trace.step(sum(len(ids) for _, ids in items),
-                                                                        sessions=len(items))
-        with self._lock, traced:
-            out = self.executor.forward_greedy(batch) if greedy else self.executor.forward(batch, logits=logits)
+        with self._lock:
+            if trace.active is None:
+                out = self.executor.forward_greedy(batch) if greedy else self.executor.forward(batch, logits=logits)
+            else:
+                with trace.step(sum(len(ids) for _, ids in items), sessions=len(items)):
+                    out = (self.executor.forward_greedy(batch) if greedy
+                           else self.executor.forward(batch, logits=logits))
         for s, ids in items:
             s.position += len(ids)
             s.tokens.extend(np.asarray(ids).tolist())
@@ -240,7 +245,7 @@ class Engine:
 
     def _generate_chained(self, s: "Session", token: int, steps: int, sample=None) -> list[int] | None:
         """The next `steps` greedy tokens of `s` after `token`, chained on the device where the executor
-        can (gpu mode: several steps per host sync); None where it cannot.  sample: a device_sampler
+        can (gpu mode: several steps per host sync); None where it cannot.  sample: a device/sampler.py
         state row to draw the tokens instead."""
         with self._lock:
             out = self.executor.generate_greedy([(s.kv, np.array([token]), s.position)], steps) if sample is None else \
@@ -331,7 +336,7 @@ class Session:
         arr = self.engine.check_tokens([token], f"session {self.id} decode")
         self._check_room(1)
         if not params.penalized:
-            from kestrel_stream.run.sample_state import pack_state
+            from kestrel_stream.run.device.sample_state import pack_state
             with self.engine._lock:
                 out = self.engine.executor.forward_sample([(self.kv, arr, self.position)], [pack_state(params, seed, step)])
             if out is not None:

@@ -32,7 +32,7 @@ class StepCounters:
     graphs_captured: int | None = None
     weight_uploads: int | None = None
     weight_upload_bytes: int | None = None
-    streamed_bytes: int | None = None        # the residency window's counters (window.py)
+    streamed_bytes: int | None = None        # the residency window's counters (device/weight_window.py)
     window_hits: int | None = None
     window_misses: int | None = None
     copy_busy_ms: float | None = None
@@ -92,7 +92,7 @@ class Executor(ABC):
         return np.array([int(np.argmax(rows[-1])) for rows in self.forward(batch, logits="last")], np.int64)
 
     def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
-        """Each session's next token drawn on the device (states: device_sampler.pack_state per row),
+        """Each session's next token drawn on the device (states: device/sample_state.pack_state per row),
         int64 [len(batch)]; None: the caller samples from forward's logits."""
         return None
 

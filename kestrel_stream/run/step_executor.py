@@ -1,18 +1,18 @@
-"""The executor of every mode: `cpu` over the host backend, `gpu`, `gated` and `layers=N` over one
-device backend.
+"""The executor of every mode: one class, the mode's steps handed to the backend that runs them.
 
 An Executor (executor.py): alloc_kv / free_kv / forward(batch, logits) / counters.  It runs the
-scheduler's plan of each step:
+scheduler's plan of each step (`plan(tokens)`), whose segments say which backend runs which ops of the
+step program (scheduler/ops.py):
 
-- `cpu` mode's plan is one host segment, the whole step: the host backend (host.py) runs it in numpy,
-  and the executor's calls are bound to the backend's at build (the fast path: a step costs what the
-  backend's own call does).  No device backend is built and nothing CUDA is imported, so cpu mode
-  runs without cuda.bindings; the device modes import their parts where they build them;
-- `gpu` mode's plan is one device segment, the whole step: graph_steps.py runs it as one captured
-  graph per decode batch bucket (eagerly for prefill and mixed batches), takes greedy and sampled
-  tokens on the device and chains decode steps there;
-- `gated` and `layers=N` plans have host segments too: segment_steps.py walks them, host ops in
-  numpy (hybrid_host.py), device ops as prepared launches, state moved only where segments meet.
+- `cpu`: one host segment, the whole step: the host backend (run/host/) runs it as one program of
+  numpy calls.  No device backend is built and nothing CUDA is imported, so cpu mode runs without
+  cuda.bindings; the device modes import their parts where they build them;
+- `gpu`: one device segment, the whole step: the device backend's WholeStep (run/device/whole_step.py)
+  runs it as one captured graph per decode batch bucket (eagerly for prefill and mixed batches), takes
+  greedy and sampled tokens on the device and chains decode steps there;
+- `gated` and `layers=N`: host and device segments: MixedSteps (run/mixed.py) walks them in order, host
+  segments as the host backend's programs, device segments as the device backend's launches, and moves
+  the step's state only where segments meet.
 
 The device backend is the same in every mode that offloads; what the mode changes is its memory plan
 (the residency window's resident set and streaming ring, the KV pool's layers and dtype) and which
@@ -22,31 +22,23 @@ from __future__ import annotations
 
 import sys
 import time
-from types import MethodType
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 import scheduler
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
-from kestrel_stream.run.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, plan_gpu_memory, plan_mixed_memory,
-                                      step_rows)
+from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, plan_gpu_memory,
+                                              plan_mixed_memory, step_rows)
 from kestrel_stream.run.executor import Executor, StepCounters
-from kestrel_stream.run.graph_steps import GraphSteps
-from kestrel_stream.run.host import CpuKV, HostBackend
-from kestrel_stream.run.segment_steps import ATTENTION_SPLITS, HybridKV, SegmentSteps
-
-if TYPE_CHECKING:
-    from kestrel_stream.run.device_backend import DeviceBackend
+from kestrel_stream.run.host.backend import HostBackend
 
 # (max_seq_len, max_batch, prefill_chunk) when not given: gpu mode's, the mixed modes'
 DEFAULTS = {True: (4096, 8, PREFILL_CHUNK_TOKENS), False: (2048, 32, 64)}
 
 
-class StepExecutor(GraphSteps, SegmentSteps, Executor):
+class StepExecutor(Executor):
     name = "cuda"         # cpu mode: "cpu"
-    use_graphs = True     # gpu mode; False: decode steps launch every kernel eagerly (the bench's baseline)
 
     def __init__(self, weights: ModelWeights, mode: str = "gpu", profile=None, *, max_seq_len: int | None = None,
                  max_batch: int | None = None, max_sessions: int | None = None, prefill_chunk: int | None = None,
@@ -65,20 +57,20 @@ class StepExecutor(GraphSteps, SegmentSteps, Executor):
         c = weights.config
         kind, count = scheduler.parse_mode(mode)
         self.weights, self.config = weights, c
+        self._plans: dict[int, scheduler.Plan] = {}
         if kind == "cpu":
-            self.options = options          # (the host backend reads none)
-            self._start_host()
+            self.name, self.mode, self.options = "cpu", "cpu", options    # (the host backend reads no options)
+            self.counters = StepCounters.counting("cpu_weight_read_bytes")
+            self.steps = HostBackend(weights, self.counters)
             return
         self.options = Options.from_env() if options is None else options
-        self.whole_step = kind in ("gpu", "auto")       # the plan is one device segment
-        self.mode, self.profile, self.group_choice = ("gpu" if self.whole_step else mode), profile, group_choice
+        whole_step = kind in ("gpu", "auto")       # the plan is one device segment
+        self.mode, self.profile, self.group_choice = ("gpu" if whole_step else mode), profile, group_choice
         self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
-        default_seq, default_batch, default_chunk = DEFAULTS[self.whole_step]
+        default_seq, default_batch, default_chunk = DEFAULTS[whole_step]
         self.max_seq_len, self.max_batch = max_seq_len or default_seq, max_batch or default_batch
         prefill_chunk = prefill_chunk or default_chunk
-        self._plans: dict[int, scheduler.Plan] = {}
-        self._launches: dict = {}
-        if self.whole_step:
+        if whole_step:
             self._start_gpu(prefill_chunk, max_sessions, attention_splits=attention_splits, verify=verify,
                             vram_budget=vram_budget, window_slots=window_slots, prefetch_distance=prefetch_distance,
                             small_item_bytes=small_item_bytes, kv_dtype=kv_dtype, kv_block_size=kv_block_size,
@@ -93,13 +85,13 @@ class StepExecutor(GraphSteps, SegmentSteps, Executor):
                    attention_warps: int | None) -> None:
         """gpu mode: the whole step on the device backend, its weights the residency window's under the budget."""
         from kestrel_stream.cuda.kernels import ATTENTION_MIN_KEYS, ATTENTION_WARPS, ROPE_ATTENTION
-        from kestrel_stream.run.device_backend import DeviceBackend
+        from kestrel_stream.run.device.backend import DeviceBackend
+        from kestrel_stream.run.device.whole_step import WholeStep
         c, weights = self.config, self.weights
         self._check_gpu_mode(kv_dtype, kv_block_size, attention_splits)
-        self.max_tokens, self.logits_rows = step_rows(self.max_batch, prefill_chunk)
-        self.attention_splits, self.kv_dtype = attention_splits, kv_dtype
+        max_tokens, logits_rows = step_rows(self.max_batch, prefill_chunk)
         # one-token steps: each layer's rope as its attention's prologue (scheduler/ops.py fuse_rope)
-        self.rope_fused = self.options.fused_rope and (c.head_dim, kv_dtype) in ROPE_ATTENTION
+        rope_fused = self.options.fused_rope and (c.head_dim, kv_dtype) in ROPE_ATTENTION
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured",
                                               "gpu_weight_read_bytes")
         vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
@@ -108,72 +100,62 @@ class StepExecutor(GraphSteps, SegmentSteps, Executor):
         def plan_memory(free_bytes: int, scratch_bytes: int):
             # the arena holds activations + block tables + weights, the KV pool grows beside it; under a
             # budget too small for all the weights, the residency window keeps some resident and streams
-            # the rest (window.py)
+            # the rest (device/weight_window.py)
             return plan_gpu_memory(
-                c, budget_bytes=vram_budget, free_bytes=free_bytes, max_tokens=self.max_tokens,
+                c, budget_bytes=vram_budget, free_bytes=free_bytes, max_tokens=max_tokens,
                 max_sessions=sessions, max_seq_len=self.max_seq_len, attention_splits=attention_splits,
                 max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size,
-                logits_rows=self.logits_rows, kv_pool_bytes=kv_pool_bytes, slot_count=window_slots,
+                logits_rows=logits_rows, kv_pool_bytes=kv_pool_bytes, slot_count=window_slots,
                 prefetch_distance=prefetch_distance, small_item_bytes=small_item_bytes,
                 scratch_bytes=scratch_bytes)
-        self._build(DeviceBackend(
-            weights, self.options, self.counters, max_tokens=self.max_tokens, logits_rows=self.logits_rows,
+        backend = DeviceBackend(
+            weights, self.options, self.counters, max_tokens=max_tokens, logits_rows=logits_rows,
             plan_memory=plan_memory, kv_dtype=kv_dtype, kv_layers=c.num_hidden_layers, max_sessions=sessions,
             max_seq_len=self.max_seq_len, attention_splits=attention_splits,
             attention_min_keys=ATTENTION_MIN_KEYS if attention_min_keys is None else attention_min_keys,
-            attention_warps=ATTENTION_WARPS if attention_warps is None else attention_warps))
-        self.needs, self.vram_budget, self.window_plan = (self.memory.needs, self.memory.budget_bytes,
-                                                          self.memory.window)
-        self.preload_line, warning = self.window.preload_report(self.vram_budget, self.needs.total)
+            attention_warps=ATTENTION_WARPS if attention_warps is None else attention_warps)
+        memory = backend.memory
+        self.preload_line, warning = backend.window.preload_report(memory.budget_bytes, memory.needs.total)
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
         if warning:
             print(f"kestrel-stream: {warning}", file=sys.stderr)
-        self._start_graph_steps(self.options.verify if verify is None else verify)
+        self.window_plan = memory.window
+        self.steps = WholeStep(backend, self.counters, max_batch=self.max_batch, rope_fused=rope_fused,
+                               verify=self.options.verify if verify is None else verify)
 
     def _start_mixed(self, mode: str, prefill_chunk: int, max_sessions: int | None) -> None:
         """gated and layers=N: host and device segments; the device backend holds what the plans put on the GPU."""
         from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS
-        from kestrel_stream.run.device_backend import DeviceBackend
-        from kestrel_stream.run.window import weight_tensors
+        from kestrel_stream.run.device.backend import DeviceBackend
+        from kestrel_stream.run.device.weight_window import weight_tensors
+        from kestrel_stream.run.mixed import ATTENTION_SPLITS, MixedSteps
         c, weights = self.config, self.weights
         if self.gpu_layers and (c.head_dim not in ATTENTION_HEAD_DIMS or c.gqa_group > 8):
             raise ValueError(f"mode {mode} runs attention on the GPU, whose kernels serve head_dim "
                              f"{'/'.join(map(str, ATTENTION_HEAD_DIMS))} with <= 8 q heads per kv head; "
                              f"{weights.source or 'model'} has head_dim={c.head_dim}, group={c.gqa_group}: "
                              "use mode gated or cpu")
-        self.max_tokens = T = max(self.max_batch, prefill_chunk)
+        T = max(self.max_batch, prefill_chunk)
         self.counters = StepCounters.counting("weight_uploads", "weight_upload_bytes", "gpu_weight_read_bytes",
                                               "cpu_weight_read_bytes")
         start = time.perf_counter()
-        resident = self._gpu_weights()
+        resident = self._gpu_weights(T)
         table_rows = max_sessions or DEFAULT_MAX_SESSIONS
         # float32 KV for the GPU layers, at most (max_sessions or 2 x max_batch) full-length sessions' worth
         memory = lambda free_bytes, scratch_bytes: plan_mixed_memory(     # noqa: E731
             c, resident=resident, max_tokens=T, kv_layers=self.gpu_layers, max_sessions=table_rows,
             sessions=max_sessions or 2 * self.max_batch, max_seq_len=self.max_seq_len,
             attention_splits=ATTENTION_SPLITS)
-        self._build(DeviceBackend(
+        backend = DeviceBackend(
             weights, self.options, self.counters, max_tokens=T, logits_rows=T, plan_memory=memory, kv_dtype="f32",
             kv_layers=self.gpu_layers, max_sessions=table_rows, max_seq_len=self.max_seq_len,
-            attention_splits=ATTENTION_SPLITS, dense=False, step_outputs=False, pinned_state=True))
+            attention_splits=ATTENTION_SPLITS, dense=False, step_outputs=False, pinned_state=True)
         tensors = weight_tensors(weights)
-        self.counters.weight_uploads += len(self.window.resident)
-        self.counters.weight_upload_bytes += sum(tensors[name][0].nbytes for name in self.window.resident)
-        self._start_segment_steps(time.perf_counter() - start)
-
-    def _start_host(self) -> None:
-        """cpu mode: the host backend runs every step whole, counting into the executor's counters; the
-        executor's calls are the backend's own (bound here, so a step pays no dispatch)."""
-        self.name, self.mode, self.whole_step, self.gpu_layers = "cpu", "cpu", False, 0
-        self.counters = StepCounters.counting("cpu_weight_read_bytes")
-        self.host_backend = host = HostBackend(self.weights, self.counters)
-        (self.forward, self.forward_greedy, self.plan, self.alloc_kv, self.free_kv, self.truncate_kv, self.fork_kv,
-         self.kv_stats, self.close) = (host.forward, host.forward_greedy, host.plan, host.alloc_kv, host.free_kv,
-                                       host.truncate_kv, host.fork_kv, host.kv_stats, host.close)
-        # no device to sample or chain on: Executor's answers (None, the engine steps), not graph_steps' checks
-        self.forward_sample, self.generate_greedy, self.generate_sampled = (
-            MethodType(Executor.forward_sample, self), MethodType(Executor.generate_greedy, self),
-            MethodType(Executor.generate_sampled, self))
+        self.counters.weight_uploads += len(backend.window.resident)
+        self.counters.weight_upload_bytes += sum(tensors[name][0].nbytes for name in backend.window.resident)
+        self.steps = MixedSteps(backend, self.counters, self.plan, gpu_layers=self.gpu_layers, max_tokens=T,
+                                mode=self.mode, load_s=time.perf_counter() - start)
+        self.preload_line = self.steps.preload_line
 
     def _check_gpu_mode(self, kv_dtype: str, kv_block_size: int, attention_splits: int) -> None:
         from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS
@@ -187,31 +169,23 @@ class StepExecutor(GraphSteps, SegmentSteps, Executor):
                              f"heads per kv head; "
                              f"{self.weights.source or 'model'} has head_dim={c.head_dim}, group={c.gqa_group}")
 
-    def _build(self, backend: DeviceBackend) -> None:
-        """The backend's parts under the names the step code, the chains and the benches use."""
-        self.backend = b = backend
-        self.device, self.kernels, self.stream, self.arena = b.device, b.kernels, b.stream, b.arena
-        self.dense_min_tokens, self.blas = b.dense_min_tokens, b.blas
-        self.memory, self.window, self.cache, self.inv_freq = b.memory, b.window, b.cache, b.inv_freq
-        self.weight_bytes, self.kv, self.device_ops = b.weight_bytes, b.kv, b.ops
-        self.state, self.logits, self.step_params, self.outputs = b.state, b.logits, b.step_params, b.outputs
-        self.params, self.staging = self.step_params.device, self.step_params.host
-
-    def _gpu_weights(self) -> set:
+    def _gpu_weights(self, T: int) -> set:
         """The window items the plans of 1, 2, 4, ... max_tokens tokens run on the GPU: a mixed mode's
         resident set.  The gate offloads more as steps grow, so these cover the steps of sizes between; a
         weight some other plan wants there (a forced group choice) is uploaded on its first use and kept."""
-        T = self.max_tokens
         counts = sorted({min(1 << i, T) for i in range(T.bit_length() + 1)})
         return {op.name.split("[")[0] for t in counts for op in self.plan(t).ops_on("gpu") if op.group}
 
     # ---- plans ----------------------------------------------------------------------------------
     def plan(self, tokens: int) -> scheduler.Plan:
         """The plan of a step of `tokens` tokens, as this executor runs it."""
-        if self.whole_step:
+        if self.mode == "cpu":
+            return self.steps.plan(tokens)
+        if self.mode == "gpu":
+            b = self.steps.backend
             return scheduler.build_plan(self.config, tokens, "gpu", gpu_available=True,
-                                        streamed=set(self.window.streamed), dense_min_tokens=self.dense_min_tokens,
-                                        dense_fused=self.blas is None, rope_fused=self.rope_fused)
+                                        streamed=set(b.window.streamed), dense_min_tokens=b.dense_min_tokens,
+                                        dense_fused=b.blas is None, rope_fused=self.steps.rope_fused)
         if tokens not in self._plans:
             plan = scheduler.build_plan(self.config, tokens=tokens, mode=self.mode, profile=self.profile,
                                         gpu_available=True, group_choice=self.group_choice,
@@ -224,80 +198,55 @@ class StepExecutor(GraphSteps, SegmentSteps, Executor):
         """Force groups on/off in every layer (the bench's exhaustive search); weights stay on the device."""
         self.group_choice = group_choice
         self._plans.clear()
-        self._launches.clear()
+        self.steps.clear_launches()
 
-    # ---- KV caches: the backend's pool (gpu mode: every layer; layers=N: the first N), host caches for
-    # the layers whose attention runs on the host ---------------------------------------------------------
+    @property
+    def backend(self):
+        """The device backend (None in cpu mode)."""
+        return None if self.mode == "cpu" else self.steps.backend
+
+    @property
+    def use_graphs(self) -> bool:
+        """gpu mode: decode steps replay one graph per batch bucket; False launches every kernel eagerly."""
+        return self.steps.use_graphs
+
+    @use_graphs.setter
+    def use_graphs(self, value: bool) -> None:
+        self.steps.use_graphs = value
+
+    # ---- what the engine asks: each the mode's steps' own --------------------------------------------
     def alloc_kv(self, max_seq_len: int):
-        device = self.kv.open(max_seq_len) if self.kv else None
-        if self.whole_step:
-            if self.verifier:
-                self.verifier.track(device)
-            return device
-        return HybridKV(self._host_kv(max_seq_len), device, max_seq_len)
-
-    def _host_kv(self, capacity: int) -> CpuKV | None:
-        c = self.config
-        host_layers = c.num_hidden_layers - self.gpu_layers
-        if not host_layers:
-            return None
-        shape = (host_layers, capacity, c.num_key_value_heads, c.head_dim)
-        return CpuKV(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+        return self.steps.alloc_kv(max_seq_len)
 
     def free_kv(self, kv) -> None:
-        if self.whole_step:
-            self.kv.close(kv)
-            if self.verifier:
-                self.verifier.forget(kv)
-        elif kv.device is not None:
-            self.kv.close(kv.device)
-            kv.device = None
+        self.steps.free_kv(kv)
 
     def truncate_kv(self, kv, length: int) -> None:
-        # whole blocks past `length` go back to the pool; host rows past it are written again before any
-        # step reads them
-        device = kv if self.whole_step else kv.device
-        if device is not None:
-            self.kv.truncate(device, length)
+        self.steps.truncate_kv(kv, length)
 
     def fork_kv(self, kv, length: int, capacity: int | None = None):
-        """A new cache of `capacity` positions (default kv's) sharing `kv`'s first `length` positions' device
-        blocks (copy-on-write: kv_pool.prepare_write); host rows copied."""
-        capacity = capacity or kv.capacity
-        if self.whole_step:
-            child = self.kv.fork(kv, length, capacity)
-            if self.verifier:
-                self.verifier.fork(kv, child, length)
-            return child
-        host = self._host_kv(capacity)
-        if host is not None:
-            host.k[:, :length] = kv.host.k[:, :length]
-            host.v[:, :length] = kv.host.v[:, :length]
-        return HybridKV(host, self.kv.fork(kv.device, length, capacity) if kv.device is not None else None, capacity)
+        return self.steps.fork_kv(kv, length, capacity)
 
     def kv_stats(self) -> dict:
-        return self.kv.stats() if self.kv else {}       # gated: the caches are on the host
+        return self.steps.kv_stats()
 
-    # ---- steps ------------------------------------------------------------------------------------
     def forward(self, batch: list, logits: str = "all") -> list[np.ndarray]:
         """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] float32 each, or with
         logits="last" each session's last row, [1, V]."""
-        if self.whole_step:
-            return self._forward_whole_step(batch, logits)
-        return self._forward_segments(batch, logits)
+        return self.steps.forward(batch, logits)
+
+    def forward_greedy(self, batch: list) -> np.ndarray:
+        return self.steps.forward_greedy(batch)
+
+    def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
+        return self.steps.forward_sample(batch, states)
+
+    def generate_greedy(self, batch: list, steps: int) -> np.ndarray | None:
+        return self.steps.generate_greedy(batch, steps)
+
+    def generate_sampled(self, batch: list, steps: int, states: list) -> np.ndarray | None:
+        return self.steps.generate_sampled(batch, steps, states)
 
     def close(self) -> None:
-        """Give the arena, graphs and pinned buffers back (the engine calls this on close)."""
-        self.device.make_current()
-        self.stream.synchronize()
-        if self.whole_step:
-            self._close_graph_steps()
-        self.backend.close()
-
-
-DeviceExecutor = StepExecutor       # the name the offloading modes' executor had
-
-
-def CpuExecutor(weights: ModelWeights) -> StepExecutor:        # noqa: N802  (the name cpu mode's executor had)
-    """The executor in cpu mode: every step on the host backend."""
-    return StepExecutor(weights, "cpu")
+        """Give the device's arena, graphs and pinned buffers back (the engine calls this on close)."""
+        self.steps.close()

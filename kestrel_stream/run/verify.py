@@ -2,7 +2,7 @@
 
 The GPU step runs as one captured graph, so verification works at the step's
 output: each verified session has a shadow CPU KV cache that sees the same
-tokens, and every logits row the GPU returns is compared with the host backend's (host.py).
+tokens, and every logits row the GPU returns is compared with the host backend's (run/host/).
 
 Tolerance: a row mismatches when max|gpu - cpu| / max|cpu| > 2e-3 (the same
 bound the full-model tests hold the GPU to) or when its argmax differs while

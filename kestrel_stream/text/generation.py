@@ -84,7 +84,7 @@ class Generation:
         """The device sampler's state row for a sampled chain; None for a greedy one."""
         if self.params.greedy:
             return None
-        from kestrel_stream.run.sample_state import pack_state
+        from kestrel_stream.run.device.sample_state import pack_state
         return pack_state(self.params, self.seed, step)
 
     def pieces(self):

@@ -1,5 +1,5 @@
 """A sampled row's state words, as kernels_ptx/sample.cu reads them: packed on the host for the device
-sampler (device_sampler.py), CUDA-free so the engine and generation can pack a row in any mode."""
+sampler (sampler.py), CUDA-free so the engine and generation can pack a row in any mode."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,10 +1,10 @@
 """Device copies of a model's weights made on first use and kept: every mode's vectors (norm weights, q/k
 norms, biases, the rope table) in the arena, and a projection weight the residency window does not hold
-(device_backend.py: a mixed mode's plan that puts one more on the GPU).
+(backend.py: a mixed mode's plan that puts one more on the GPU).
 
 Every Q8 upload is counted (``weight_uploads``, ``weight_upload_bytes`` of the StepCounters given) and
 timed into the profile table's ``upload`` stage; a lookup is its ``cache_probe``.  gpu mode's Q8 weights
-live in the residency window (window.py), and every vector is warmed at load, since nothing may be
+live in the residency window (weight_window.py), and every vector is warmed at load, since nothing may be
 uploaded while a graph is captured.
 """
 from __future__ import annotations
@@ -16,8 +16,8 @@ import numpy as np
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import QWeight
 from kestrel_stream.model.quant4 import image_bytes_of
-from kestrel_stream.run.block_weights import device_qweight
-from kestrel_stream.run.image_writer import write_image
+from kestrel_stream.run.device.block_weights import device_qweight
+from kestrel_stream.run.device.image_writer import write_image
 
 
 class WeightCache:

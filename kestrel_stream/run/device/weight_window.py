@@ -1,5 +1,9 @@
 """The VRAM residency window of `gpu` mode: resident weights, a ring of streaming slots, and the step's copies.
 
+One concern, the window's mechanism (its policy is scheduler/window.py): the images, the ring and the
+events that order a slot's copy against the kernels reading it belong together, since a change to one
+is a race in another.
+
 Every Q8 weight is laid out once, at load, as a device image -- qs [rows, cols]
 int8, then scales [rows, cols/32] fp16 at the next 256-byte boundary (gate_up
 with its rows interleaved (gate j, up j) for the SiLU epilogue; a 4/6-bit block
@@ -50,14 +54,14 @@ import numpy as np
 
 from kestrel_stream.obs import prof
 from kestrel_stream.obs import trace
-from kestrel_stream.run.budget import ALIGN
-from kestrel_stream.run.block_weights import device_qweight, write_block_image
+from kestrel_stream.run.device.budget import ALIGN
+from kestrel_stream.run.device.block_weights import device_qweight, write_block_image
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.model.quant4 import image_bytes_of
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import QWeight
-from kestrel_stream.run.device_ops import fused_tensor
-from kestrel_stream.run.image_writer import ImageWriter, write_image  # noqa: F401  (write_image: re-exported)
+from kestrel_stream.run.device.ops import fused_tensor
+from kestrel_stream.run.device.image_writer import ImageWriter, write_image  # noqa: F401  (write_image: re-exported)
 from scheduler.ops import step_ops
 
 

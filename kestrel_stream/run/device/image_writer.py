@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from kestrel_stream.model.quant import QTensor
-from kestrel_stream.run.block_weights import write_block_image
-from kestrel_stream.run.budget import ALIGN
+from kestrel_stream.run.device.block_weights import write_block_image
+from kestrel_stream.run.device.budget import ALIGN
 
 PIECE_BYTES = 4 << 20          # rows per task: big enough that a copy, not Python, is what a task costs
 MAX_WORKERS = 8                # past this the copies are bound by memory bandwidth, not threads

@@ -78,7 +78,7 @@ class ArenaNeeds:
 
 ARGMAX_SPLITS = 64           # argmax_split's blocks per row (step_outputs.py)
 CHAIN_STEPS_PER_SYNC = 256   # greedy_chain.MAX_STEPS_PER_SYNC
-SAMPLE_CANDIDATE_WORDS = 64 * (2 * 64 + 4)   # per logits row: device_sampler's most splits x (2 x SAMPLE_CAP + 4)
+SAMPLE_CANDIDATE_WORDS = 64 * (2 * 64 + 4)   # per logits row: sampler.py's most splits x (2 x SAMPLE_CAP + 4)
 DEFAULT_MAX_SESSIONS = 256  # block-table rows (8 bytes per block of max_seq_len each): cheap, unlike KV
 PREFILL_CHUNK_TOKENS = 512   # tokens per prefill step in gpu mode (tensor-core GEMM tiles of 64 tokens)
 

@@ -1,6 +1,7 @@
-"""gpu mode's steps: the plan is one device segment, every op of the step on the device.
+"""gpu mode's steps: the plan is one device segment, every op of the step on the device backend.
 
-The part of StepExecutor (step_executor.py) that runs a whole-step plan.
+The executor (run/step_executor.py) hands every step of a whole-step plan to WholeStep, which holds what
+those steps use of the device backend (backend.py) and the graphs, chains and sampler built on it.
 
 Static buffers, sized at load for `max_tokens` = max(max_batch, prefill_chunk)
 tokens, live in the one device arena beside the weights; the KV cache is a
@@ -16,7 +17,7 @@ and mixed batches run the same launch list eagerly, one sync per chunk: chunks
 of `logits_rows` tokens when every row's logits are wanted, of `max_tokens`
 when only each session's last row is (lm_head then runs on those rows alone).
 
-The launch list of a step and why it looks as it does: step_launches.py.
+The launch list of a step and why it looks as it does: launches.py.
 """
 from __future__ import annotations
 
@@ -25,27 +26,34 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from kestrel_stream.cuda import driver
 from kestrel_stream.obs import load_stages, prof
+from kestrel_stream.run.device.greedy_chain import GreedyChain
+from kestrel_stream.run.device.launches import argmax_launch, step_launches
+from kestrel_stream.run.device.sampled_chain import SampledChain
+from kestrel_stream.run.device.sampler import STATE_WORDS, DeviceSampler
+from kestrel_stream.run.steps import Steps
 from scheduler.ops import PARAMS_BYTES_PER_TOKEN
 
 if TYPE_CHECKING:
     from kestrel_stream.cuda.kernels import Launch
-    from kestrel_stream.run.kv_paged import PagedKV as GpuKV
+    from kestrel_stream.run.device.backend import DeviceBackend
+    from kestrel_stream.run.device.kv_paged import PagedKV as GpuKV
 
 
-class GraphSteps:
-    """StepExecutor's whole-step path; expects the backend's parts StepExecutor._build names.
+class WholeStep(Steps):
+    """gpu mode's steps over one device backend: eager launch lists, one graph per decode bucket, greedy
+    and sampled chains, the device sampler."""
+    use_graphs = True     # False: decode steps launch every kernel eagerly (the bench's baseline)
 
-    Its CUDA modules are imported where gpu mode builds its parts (and where a launch list or a graph
-    is first made), not with this module: cpu mode's executor is the same class and runs without
-    cuda.bindings."""
-
-    def _start_graph_steps(self, verify: bool) -> None:
-        """The launch caches, graphs, chains and device sampler of gpu mode (after the backend)."""
-        from kestrel_stream.cuda import driver
-        from kestrel_stream.run.device_sampler import STATE_WORDS, DeviceSampler
-        from kestrel_stream.run.greedy_chain import GreedyChain
-        from kestrel_stream.run.sampled_chain import SampledChain
+    def __init__(self, backend: DeviceBackend, counters, *, max_batch: int, rope_fused: bool, verify: bool):
+        self.backend = b = backend
+        self.config, self.weights, self.options, self.counters = b.weights.config, b.weights, b.options, counters
+        self.max_batch, self.max_tokens, self.logits_rows, self.rope_fused = (max_batch, b.max_tokens,
+                                                                              b.logits_rows, rope_fused)
+        self.device, self.kernels, self.stream, self.arena = b.device, b.kernels, b.stream, b.arena
+        self.window, self.kv, self.device_ops = b.window, b.kv, b.ops
+        self.logits, self.step_params, self.outputs = b.logits, b.step_params, b.outputs
         # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
         self.programmatic = self.options.programmatic_launch
         self.scratch_kv = self.kv.open(1)        # padded slots decode token 0 at its position 0
@@ -72,12 +80,40 @@ class GraphSteps:
             from kestrel_stream.run.verify import Verifier
             self.verifier = Verifier(self.weights, self.counters)
 
-    # ---- the launch lists (step_launches.py), built once per token count ------------------------------
+    def clear_launches(self) -> None:
+        self._launches.clear()
+
+    # ---- KV caches: the backend's paged pool, every layer ----------------------------------------------
+    def alloc_kv(self, max_seq_len: int) -> GpuKV:
+        kv = self.kv.open(max_seq_len)
+        if self.verifier:
+            self.verifier.track(kv)
+        return kv
+
+    def free_kv(self, kv: GpuKV) -> None:
+        self.kv.close(kv)
+        if self.verifier:
+            self.verifier.forget(kv)
+
+    def truncate_kv(self, kv: GpuKV, length: int) -> None:
+        self.kv.truncate(kv, length)        # whole blocks past `length` go back to the pool
+
+    def fork_kv(self, kv: GpuKV, length: int, capacity: int | None = None) -> GpuKV:
+        """A new cache of `capacity` positions (default kv's) sharing `kv`'s first `length` positions' blocks
+        (copy-on-write: kv_pool.prepare_write)."""
+        child = self.kv.fork(kv, length, capacity or kv.capacity)
+        if self.verifier:
+            self.verifier.fork(kv, child, length)
+        return child
+
+    def kv_stats(self) -> dict:
+        return self.kv.stats()
+
+    # ---- the launch lists (launches.py), built once per token count ------------------------------
     def step_launches(self, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
         key = tokens if lm_rows is None or lm_rows == (0, tokens) else (tokens, *lm_rows)
         if key not in self._launches:
-            from kestrel_stream.run.step_launches import step_launches as build_step_launches
-            self._launches[key] = build_step_launches(self, tokens, lm_rows)
+            self._launches[key] = step_launches(self, tokens, lm_rows)
             self._weight_read[id(self._launches[key])] = sum(l.labels.get("bytes", 0) for l in self._launches[key])
             self._kernel_count[id(self._launches[key])] = sum(l.launch_count for l in self._launches[key])
         return self._launches[key]
@@ -99,7 +135,7 @@ class GraphSteps:
         def outputs() -> None:      # before the compute stream waits for the window's primes
             if not greedy:
                 self.outputs.enqueue_logits(tokens if lm_rows is None else lm_rows[1], self.stream)
-            elif greedy == "sample":                        # device_sampler.py: the sampled token instead
+            elif greedy == "sample":                        # sampler.py: the sampled token instead
                 self.outputs.enqueue_tokens(lambda stream: self.sampler.enqueue(tokens, stream), tokens, self.stream)
             else:
                 self.outputs.enqueue_tokens(self.argmax_launch(tokens).enqueue, tokens, self.stream)
@@ -109,7 +145,6 @@ class GraphSteps:
     def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
         if key not in self._launches:
-            from kestrel_stream.run.step_launches import argmax_launch
             self._launches[key] = argmax_launch(self, tokens, self.step_launches(tokens)[-1].programmatic)
         return self._launches[key]
 
@@ -148,7 +183,6 @@ class GraphSteps:
         self.stage(rows, bucket)
         key = (bucket, greedy)
         if key not in self._graphs:
-            from kestrel_stream.cuda import driver
             with load_stages.stage("graph capture"), driver.capture(self.stream) as captured:
                 self._graph_kernels[key], self._graph_weight_read[key] = self._enqueue_step(bucket, greedy)
             self._graphs[key] = captured.graph
@@ -172,8 +206,7 @@ class GraphSteps:
         gpu_us = self._prof_events[1].elapsed_ms(self._prof_events[0]) * 1e3
         return {"gemm": gpu_us, "d2h+sync": max((waited - started) * 1e6 - gpu_us, 0.0)}
 
-    def _forward_whole_step(self, batch: list[tuple[GpuKV, np.ndarray, int]],
-                            logits: str = "all") -> list[np.ndarray]:
+    def forward(self, batch: list[tuple[GpuKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
         """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] float32 each, or
         with logits="last" each session's last row, [1, V]: lm_head runs on the wanted rows only (their
         span within each chunk), and prefill chunks are then max_tokens long instead of logits_rows."""
@@ -230,8 +263,6 @@ class GraphSteps:
         `steps` positions each; None where the caller takes the logits instead: a plan with host segments,
         not a replayable decode step, KESTREL_VERIFY, more sessions than one graph (whole_graph),
         KESTREL_PROF (chained)."""
-        if not self.whole_step:
-            return None
         self.device.make_current()
         rows = self._rows(batch)
         if (self.verifier is not None or (chained and prof.enabled) or not self._replayable(batch, rows)
@@ -265,7 +296,7 @@ class GraphSteps:
         return self._finish(rows, tokens)
 
     def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
-        """Each row's token drawn on the device (states: device_sampler.pack_state per row), int64
+        """Each row's token drawn on the device (states: device/sample_state.pack_state per row), int64
         [len(batch)]; None: the caller samples from forward's logits."""
         rows = self._device_rows(batch)
         if rows is None:
@@ -290,13 +321,17 @@ class GraphSteps:
         rows = self._device_rows(batch, steps, chained=True)
         return None if rows is None else self.chain.run(rows, steps)
 
-    def _close_graph_steps(self) -> None:
+    def close(self) -> None:
+        """Give the graphs, chains, sampler and the backend's memory back."""
+        self.device.make_current()
+        self.stream.synchronize()
         self.chain.close()
         self.sampler.close()
         self.sampled_chain.close()
         for graph in self._graphs.values():
             graph.destroy()
         self._graphs.clear()
+        self.backend.close()
 
     def _count(self, launches: int, kernels: int, weight_read: int, tokens: int, d2h: int) -> None:
         """One synced pass over `tokens` rows: `launches` as issued, the `kernels` they ran, params up."""

@@ -1,7 +1,7 @@
 """What a gpu-mode step hands back to the host, and the host's one wait for it.
 
 A step's outputs are the logits of its wanted rows, or each row's next token (argmax_split, or a
-draw: device_sampler.py) as 4 bytes a row.  Either way they are copied into pinned host buffers on
+draw: sampler.py) as 4 bytes a row.  Either way they are copied into pinned host buffers on
 the compute stream, and an event is recorded after that copy.  The host waits on the event, not on
 the stream, so work queued behind the outputs (the window's primes of the next step) goes on
 through the host's turn.  Inside a capture the event is an external record node, so every replay
@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from kestrel_stream.cuda import driver
-from kestrel_stream.run.budget import ARGMAX_SPLITS
+from kestrel_stream.run.device.budget import ARGMAX_SPLITS
 
 
 class StepOutputs:

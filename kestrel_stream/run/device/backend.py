@@ -2,7 +2,7 @@
 
 StepExecutor (step_executor.py) builds one in every mode that offloads, gpu, gated and
 layers=N: the device and its context, the kernels, the compute stream, one arena
-sized by budget.py, the weights the residency window supplies (window.py) and
+sized by budget.py, the weights the residency window supplies (weight_window.py) and
 the small vectors (norms, q/k norms, biases, the rope table: WeightCache),
 the paged KV pool (kv_paged.py), the step's parameters (StepParams) and state
 buffers (DeviceState), and DeviceOps, which turns an op of the step program into
@@ -26,14 +26,14 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import ATTENTION_MIN_KEYS, ATTENTION_WARPS, KernelSet, QWeight
 from kestrel_stream.model import rope
 from kestrel_stream.obs import load_stages
-from kestrel_stream.run import dense_path
-from kestrel_stream.run.budget import GpuMemoryPlan
-from kestrel_stream.run.device_ops import DeviceOps, DeviceState, KVCaches, fused_tensor
-from kestrel_stream.run.kv_paged import PagedKVCache
-from kestrel_stream.run.step_outputs import StepOutputs
-from kestrel_stream.run.step_params import StepParams
-from kestrel_stream.run.weight_cache import WeightCache, layer_vectors
-from kestrel_stream.run.window import WeightWindow
+from kestrel_stream.run.device import dense_path
+from kestrel_stream.run.device.budget import GpuMemoryPlan
+from kestrel_stream.run.device.ops import DeviceOps, DeviceState, KVCaches, fused_tensor
+from kestrel_stream.run.device.kv_paged import PagedKVCache
+from kestrel_stream.run.device.step_outputs import StepOutputs
+from kestrel_stream.run.device.step_params import StepParams
+from kestrel_stream.run.device.weight_cache import WeightCache, layer_vectors
+from kestrel_stream.run.device.weight_window import WeightWindow
 
 
 class OwnAllocations:

@@ -1,8 +1,8 @@
 """The device backend: one op of the step program (scheduler/ops.py) as its prepared launches.
 
-Every mode builds its launches here: gpu mode's whole step (step_launches.py)
-and the GPU segments of gated and layers=N (segment_steps.py), over the buffers of
-the one device backend (device_backend.py).  What differs between them is
+Every mode builds its launches here: gpu mode's whole step (launches.py)
+and the GPU segments of gated and layers=N (run/mixed.py), over the buffers of
+the one device backend (backend.py).  What differs between them is
 handed in: where each op's weight lives, and the paged KV pool's layers and
 dtype (gpu mode's f16 or float32, layers=N's float32 for its first N layers).
 

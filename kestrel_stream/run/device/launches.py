@@ -1,7 +1,7 @@
 """The launch list of a `gpu` mode step: the step program's ops (scheduler/ops.py) as device launches.
 
 Every op of the program with a launch of its own, in program order, through
-the device backend (device_ops.py): per layer (6) fused QKV GEMV; q/k norm +
+the device backend (ops.py): per layer (6) fused QKV GEMV; q/k norm +
 RoPE + KV append; split-key attention (merged by its last block), or for
 prefill chunks the tensor-core flash kernel (cuda/flash_attention.py); O GEMV +
 residual; fused gate/up GEMV with SiLU·mul in its epilogue; down GEMV +

@@ -16,7 +16,7 @@ import numpy as np
 
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import Launch
-from kestrel_stream.run.sample_state import STATE_WORDS, pack_state  # noqa: F401  (importable from here too)
+from kestrel_stream.run.device.sample_state import STATE_WORDS, pack_state  # noqa: F401  (importable from here too)
 
 SAMPLE_CAP = 64              # sample.cu: the largest top_k drawn from per-slice candidates
 SAMPLE_MAX_SPLITS = 64       # sample.cu: the most vocabulary slices (sample_finish's shared memory)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from kestrel_stream.cuda import driver
-from kestrel_stream.run.device_sampler import LaunchSequence
-from kestrel_stream.run.greedy_chain import GreedyChain
+from kestrel_stream.run.device.sampler import LaunchSequence
+from kestrel_stream.run.device.greedy_chain import GreedyChain
 
 
 class SampledChain(GreedyChain):

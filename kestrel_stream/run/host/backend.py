@@ -1,0 +1,160 @@
+"""The host backend: the weights' float32 copies, rope tables and KV caches on the host, and the step
+program's host segments run as HostPrograms (program.py).
+
+cpu mode's executor hands every step to `forward` (its plan is one host segment, the whole step);
+gated and layers=N run their host segments through `program`; KESTREL_VERIFY recomputes the GPU's steps
+with `forward` (verify.py).  Dequantized weights are built once per weight on first use and kept (one
+float copy of the model); the embedding is never dequantized whole unless it is also the (tied) lm_head.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+import scheduler
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.model.op_tensors import norm_weight
+from kestrel_stream.model.quant import QTensor
+from kestrel_stream.model.quant4 import tensor_key
+from kestrel_stream.model.weights import ModelWeights
+from kestrel_stream.run.executor import StepCounters
+from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
+from kestrel_stream.run.host.program import HostProgram, HostState
+from kestrel_stream.run.steps import Steps
+
+
+@dataclass
+class CpuKV:
+    """One session's KV cache on the host: k, v [L, max_seq_len, n_kv, D] float32."""
+    k: np.ndarray
+    v: np.ndarray
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+
+def session_runs(batch) -> tuple[np.ndarray, np.ndarray, list]:
+    """A batch of (kv, token ids [n_i], start position) as the step's rows: ids [T], positions [T] and the
+    sessions as runs of rows (kv, first row, end row, start position)."""
+    if len(batch) == 1:
+        kv, ids, start = batch[0]
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        return ids, np.arange(start, start + len(ids)), [(kv, 0, len(ids), start)]
+    ids = np.concatenate([np.asarray(t, np.int64).reshape(-1) for _, t, _ in batch])
+    positions = np.concatenate([np.arange(p, p + len(np.atleast_1d(t))) for _, t, p in batch])
+    runs, lo = [], 0
+    for kv, t, start in batch:
+        hi = lo + len(np.atleast_1d(t))
+        runs.append((kv, lo, hi, start))
+        lo = hi
+    return ids, positions, runs
+
+
+class HostBackend(Steps):
+    """Runs whole steps (any mix of sessions and token counts) and host segments with numpy; counts into
+    `counters` (the executor's; default: its own)."""
+
+    def __init__(self, weights: ModelWeights, counters: StepCounters | None = None):
+        self.weights = weights
+        self.config: ModelConfig = weights.config
+        self._dequantized: dict[int, np.ndarray] = {}
+        # Norm weights as plain float32 arrays (a memory-mapped one would make every result it touches a
+        # memmap, each with a Python-level finalizer); q_norm and k_norm stacked per head, [q + kv heads, D].
+        plain = lambda a: np.array(a, np.float32)   # noqa: E731
+        c = self.config
+        self._norms: dict[str, np.ndarray] = {}
+        self.qk_norms = [np.concatenate([np.broadcast_to(plain(lw.q_norm), (c.num_attention_heads, c.head_dim)),
+                                         np.broadcast_to(plain(lw.k_norm), (c.num_key_value_heads, c.head_dim))])
+                         if c.qk_norm else None for lw in weights.layers]
+        self.qkv_bias = [plain(lw.qkv_bias) if lw.qkv_bias is not None else None for lw in weights.layers]
+        self._cos = self._sin = np.zeros((0, 1, c.head_dim), np.float32)
+        half = c.head_dim // 2       # rope_rotation's swap of the halves of a head
+        self.rope_swap = np.concatenate([np.arange(half, 2 * half), np.arange(half)])
+        self.counters = StepCounters.counting("cpu_weight_read_bytes") if counters is None else counters
+        self._whole_step: HostProgram | None = None
+
+    def plan(self, tokens: int):
+        return scheduler.build_plan(self.config, tokens, "cpu")
+
+    def program(self, ops, span_prefix: str = "") -> HostProgram:
+        """A segment's ops bound to their numpy functions (the callers keep it per plan)."""
+        return HostProgram(self, ops, span_prefix)
+
+    # ---- what the programs read ----------------------------------------------------------------------
+    def dense(self, w: QTensor) -> np.ndarray:
+        """float32 copy of a linear weight (Q8_0 or a block format), built on first use."""
+        key = tensor_key(w)
+        if key not in self._dequantized:
+            self._dequantized[key] = w.dequantize()
+        return self._dequantized[key]
+
+    def dense_if_built(self, w: QTensor) -> np.ndarray | None:
+        return self._dequantized.get(tensor_key(w))
+
+    def norm(self, name: str) -> np.ndarray:
+        """A norm op's weight ("L3.attn_norm", "final_norm") as a plain float32 array."""
+        if name not in self._norms:
+            self._norms[name] = np.array(norm_weight(self.weights, name), np.float32)
+        return self._norms[name]
+
+    def rope(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """cos, signed sin [T, 1, D] for positions [T] (rope_rotation's form): rows of tables built once for
+        every position so far (each row's arithmetic is rope_tables' own), so a step indexes them."""
+        need = int(positions.max()) + 1
+        if need > len(self._cos):
+            size = max(need, 2 * len(self._cos), 64)
+            self._cos, self._sin, _ = rope_rotation(*model_rope_tables(np.arange(size), self.config))
+        return self._cos[positions], self._sin[positions]
+
+    # ---- KV caches -----------------------------------------------------------------------------------
+    def alloc_kv(self, max_seq_len: int, layers: int | None = None) -> CpuKV:
+        c = self.config
+        shape = (c.num_hidden_layers if layers is None else layers, max_seq_len, c.num_key_value_heads, c.head_dim)
+        return CpuKV(np.zeros(shape, np.float32), np.zeros(shape, np.float32))
+
+    def free_kv(self, kv: CpuKV) -> None:
+        pass
+
+    def close(self) -> None:
+        pass        # numpy arrays only
+
+    def kv_stats(self) -> dict:
+        return {}        # one float32 cache per session, no pool
+
+    def truncate_kv(self, kv: CpuKV, length: int) -> None:
+        pass        # positions past `length` are written again before any step reads them
+
+    def fork_kv(self, kv: CpuKV, length: int, capacity: int | None = None) -> CpuKV:
+        """A new cache of `capacity` positions (default kv's) holding the first `length` of `kv`."""
+        new = self.alloc_kv(capacity or kv.capacity, kv.k.shape[0])
+        new.k[:, :length] = kv.k[:, :length]
+        new.v[:, :length] = kv.v[:, :length]
+        return new
+
+    # ---- whole steps ---------------------------------------------------------------------------------
+    def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each, or with
+        logits="last" each session's last row only, [1, V] (lm_head runs on those rows alone).
+
+        The plan of a cpu step is one host segment, the whole step program; its ops are the same for
+        every token count (only their costs differ), so one program serves every step.  All sessions'
+        tokens go through every projection as one [T, K] matmul (T = Σ n_i); attention runs per session
+        over its own cache.
+        """
+        if self._whole_step is None:
+            (segment,) = self.plan(1).segments
+            self._whole_step = self.program(segment.ops)
+        ids, positions, runs = session_runs(batch)
+        bounds = [lo for _, lo, _, _ in runs] + [len(ids)]
+        cos, sin = self.rope(positions)
+        last = np.asarray(bounds[1:]) - 1 if logits == "last" else None
+        state = HostState(ids, runs, cos, sin, last)
+        self._whole_step.run(state)
+        out = state.read("logits")
+        self.counters.steps += 1
+        self.counters.tokens += len(ids)
+        if logits == "last":
+            return [out[i:i + 1] for i in range(len(batch))]
+        return [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -1,0 +1,314 @@
+"""`gated` and `layers=N` steps: the plan's segments in order, host segments on the host backend's programs,
+device segments as the device backend's launches, the step's state moved only where segments meet.
+
+State tensors (rows = tokens of the step):
+
+    x [T, H] residual   qkv [T, q+2kv]   attn [T, q]   act [T, I] = silu(gate)·up   logits [T, V]
+
+each with a pinned host copy and a device copy and a record of which copy is current (SegmentState).
+Norms and SiLU·mul own no state of their own: SiLU·mul is the epilogue of gate_up on either side, and
+an RMSNorm is folded into the projection that consumes it.  On the GPU that projection reads xn = x·w
+and 1/rms per token, which the GEMV that wrote x on the device prepares in its epilogue, or the host
+computes and uploads when x was last written there.  Entering a host segment downloads everything it
+reads from the device with one sync; entering a GPU segment uploads what it reads, asynchronously.
+Syncs per step therefore equal the plan's GPU segments, never one per projection.
+
+The device side is the backend every offloading mode builds (device/backend.py): its arena, its paged KV
+pool (float32 here, for the first N layers) and its residency window, which holds every weight that the
+plans of 1, 2, 4, ... max_tokens tokens put on the GPU, uploaded at load and kept (counted in
+weight_uploads); nothing streams.  A weight some other plan puts there (a forced group choice) is
+uploaded on first use and kept.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+import scheduler
+from kestrel_stream.cuda import driver
+from kestrel_stream.model.op_tensors import norm_weight
+from kestrel_stream.obs import prof, trace
+from kestrel_stream.run.host.backend import CpuKV, HostBackend
+from kestrel_stream.run.steps import Steps
+
+if TYPE_CHECKING:
+    from kestrel_stream.run.device.backend import DeviceBackend
+    from kestrel_stream.run.device.kv_paged import PagedKV
+
+ATTENTION_SPLITS = 16
+
+
+@dataclass
+class HybridKV:
+    host: CpuKV | None          # layers whose attention runs on the host (index li - gpu_layers)
+    device: PagedKV | None      # the GPU layers' float32 keys and values in the device backend's pool
+    capacity: int
+
+
+class SegmentState:
+    """One step's state between the sides: the pinned host copies, the device copies, which is current,
+    and the moves between them (the host program's StepState on the host side)."""
+
+    def __init__(self, backend: DeviceBackend, counters, rows, gpu_layers: int, rope):
+        b = backend
+        self.backend, self.counters, self.stream, self.gpu_layers = b, counters, b.stream, gpu_layers
+        self.dev, self.pinned, self.host, self.widths = b.arrays, b.pinned.buffers, b.pinned.views, b.pinned.widths
+        self.T = len(rows)
+        self.valid = {name: set() for name in self.widths}
+        self.local: dict[str, np.ndarray] = {}       # host-only state of a host segment (q)
+        self.xn_norm = None                           # the norm whose xn the device holds
+        self.uploads_in_flight: set = set()
+        self.call = None                              # KESTREL_PROF's stages of the current GPU segment
+        self.ids = np.array([t for _, t, _ in rows], np.int64)
+        positions = np.array([p for _, _, p in rows], np.int64)
+        # sessions as runs of consecutive rows: (kv, first row, last row + 1, start position)
+        runs = []
+        for i, (kv, _, pos) in enumerate(rows):
+            if runs and runs[-1][0] is kv and runs[-1][2] == i:
+                runs[-1][2] = i + 1
+            else:
+                runs.append([kv, i, i + 1, pos])
+        self.runs = [tuple(run) for run in runs]
+        self.cos, self.sin = rope(positions)
+        self.lm_rows = None                           # lm_head runs on every row of a chunk here
+
+    # ---- the host program's view (program.StepState) ------------------------------------------------
+    def read(self, name: str) -> np.ndarray:
+        return self.local[name] if name in self.local else self.host[name][:self.T]
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        if name not in self.widths:
+            self.local[name] = value
+            return
+        self._host_writes(name)
+        self.host[name][:self.T] = value
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        self._host_writes(name)
+        self.host[name][:self.T] += value
+
+    def write_rows(self, name: str, lo: int, hi: int, value: np.ndarray, width: int) -> None:
+        """A split group's host part: its rows beside the GPU part's (downloaded first when it ran)."""
+        if self.valid[name] == {"dev"}:
+            self.to_host([name])
+            self.valid[name] = {"host"}
+        else:
+            self._host_writes(name)
+        self.host[name][:self.T, lo:hi] = value
+
+    def host_kv(self, kv) -> tuple:
+        return kv.host, self.gpu_layers
+
+    # ---- moving state between the sides -------------------------------------------------------------
+    def to_host(self, names) -> None:
+        """Download every named state the host reads that only the device has; one sync."""
+        pending = [n for n in names if n in self.valid and self.valid[n] == {"dev"}]   # not made yet: skipped
+        if not pending:
+            return
+        start = time.perf_counter()
+        for name in pending:
+            nbytes = self.T * self.widths[name] * 4
+            driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
+            self.counters.d2h_bytes += nbytes
+            self.valid[name].add("host")
+        self.stream.synchronize()
+        self.counters.syncs += 1
+        self.uploads_in_flight.clear()
+        if self.call is not None:
+            self.call["d2h+sync"] = (time.perf_counter() - start) * 1e6
+            self.finish_call()
+
+    def to_device(self, name: str) -> None:
+        if "dev" not in self.valid[name]:
+            nbytes = self.T * self.widths[name] * 4
+            driver.h2d_async(self.dev[name].ptr, self.pinned[name], nbytes, self.stream)
+            self.counters.h2d_bytes += nbytes
+            self.valid[name].add("dev")
+            self.uploads_in_flight.add(name)
+
+    def xn_to_device(self, norm: np.ndarray, eps: float) -> None:
+        """Make the device's xn / 1/rms those of `norm` over x, computing them on the host if x was written there."""
+        if self.xn_norm is norm:
+            return
+        T, pinned = self.T, self.backend.pinned
+        self.to_host(["x"])
+        self._wait_upload("xn")
+        x = self.host["x"][:T]
+        pinned.xn[:T] = x * norm
+        pinned.inv_rms[:T] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(eps))
+        hidden = x.shape[1]
+        driver.h2d_async(self.dev["xn"].ptr, pinned.xn, T * hidden * 4, self.stream)
+        driver.h2d_async(self.dev["inv_rms"].ptr, pinned.inv_rms, T * 4, self.stream)
+        self.counters.h2d_bytes += T * (hidden + 1) * 4
+        self.uploads_in_flight.add("xn")
+        self.xn_norm = norm
+
+    def device_wrote(self, op, prepared_norm) -> None:
+        for name in op.writes:
+            if name in self.widths:
+                self.valid[name] = {"dev"}
+        if prepared_norm is not None:             # o / down's epilogue: xn and 1/rms of the next norm
+            self.xn_norm = prepared_norm
+
+    def _wait_upload(self, name: str) -> None:
+        """Before the host overwrites `name`'s pinned copy: wait for an async upload still reading it."""
+        if name in self.uploads_in_flight:
+            self.stream.synchronize()
+            self.counters.syncs += 1
+            self.uploads_in_flight.clear()
+
+    def _host_writes(self, name: str) -> None:
+        self._wait_upload(name)
+        self.valid[name] = {"host"}
+        if name == "x":
+            self.xn_norm = None
+
+    def finish_call(self) -> None:
+        call, self.call = self.call, None
+        if prof.enabled:
+            uploads = call.pop("uploads", 0)
+            prof.record_call(call, uploads=uploads)
+
+
+class MixedSteps(Steps):
+    """gated and layers=N steps over the host backend and one device backend."""
+
+    def __init__(self, backend: DeviceBackend, counters, plan, *, gpu_layers: int, max_tokens: int, mode: str,
+                 load_s: float):
+        self.backend, self.counters, self.plan = backend, counters, plan
+        self.config, self.weights = backend.weights.config, backend.weights
+        self.gpu_layers, self.max_tokens = gpu_layers, max_tokens
+        self.host = HostBackend(self.weights, counters)
+        self._host_programs: dict = {}       # (tokens, segment index) -> HostProgram
+        self._launches: dict = {}            # (op name, tokens) -> the op's device launches
+        window, first = backend.window, plan(1)
+        total = sum(1 for segment in first.segments for _ in segment.ops)
+        self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
+                             f"{load_s:.2f} s; device cache {window.resident_bytes / 1e6:.1f} MB / "
+                             f"{len(window.resident)} entries ({mode}: {first.syncs_per_step} GPU segments "
+                             f"over {total} ops)")
+        self.preload_line += "".join(f"; {note}" for note in first.notes if note.startswith("offloaded "))
+        print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
+
+    def clear_launches(self) -> None:
+        """Forget the prepared launches and host programs (the plans changed: a forced group choice)."""
+        self._launches.clear()
+        self._host_programs.clear()
+
+    # ---- KV caches: the backend's pool for the first gpu_layers layers, host caches for the rest ---------
+    def alloc_kv(self, max_seq_len: int) -> HybridKV:
+        device = self.backend.kv.open(max_seq_len) if self.backend.kv else None
+        return HybridKV(self._host_kv(max_seq_len), device, max_seq_len)
+
+    def _host_kv(self, capacity: int) -> CpuKV | None:
+        host_layers = self.config.num_hidden_layers - self.gpu_layers
+        return self.host.alloc_kv(capacity, host_layers) if host_layers else None
+
+    def free_kv(self, kv: HybridKV) -> None:
+        if kv.device is not None:
+            self.backend.kv.close(kv.device)
+            kv.device = None
+
+    def truncate_kv(self, kv: HybridKV, length: int) -> None:
+        # whole blocks past `length` go back to the pool; host rows past it are written again before any
+        # step reads them
+        if kv.device is not None:
+            self.backend.kv.truncate(kv.device, length)
+
+    def fork_kv(self, kv: HybridKV, length: int, capacity: int | None = None) -> HybridKV:
+        """A new cache of `capacity` positions (default kv's) sharing `kv`'s first `length` positions' device
+        blocks (copy-on-write: kv_pool.prepare_write); host rows copied."""
+        capacity = capacity or kv.capacity
+        host = self._host_kv(capacity)
+        if host is not None:
+            host.k[:, :length] = kv.host.k[:, :length]
+            host.v[:, :length] = kv.host.v[:, :length]
+        device = self.backend.kv.fork(kv.device, length, capacity) if kv.device is not None else None
+        return HybridKV(host, device, capacity)
+
+    def kv_stats(self) -> dict:
+        return self.backend.kv.stats() if self.backend.kv else {}       # gated: the caches are on the host
+
+    def close(self) -> None:
+        self.backend.close()
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+        """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each; logits="last":
+        each session's last row, [1, V] (the plan's lm_head still runs on every row of a chunk here)."""
+        self.backend.device.make_current()
+        rows = [(kv, int(t), start + i) for kv, ids, start in batch
+                for i, t in enumerate(np.asarray(ids, np.int64).reshape(-1))]
+        out = np.empty((len(rows), self.config.vocab_size), np.float32)
+        for lo in range(0, len(rows), self.max_tokens):
+            chunk = rows[lo:lo + self.max_tokens]
+            out[lo:lo + len(chunk)] = self._run_chunk(chunk)
+        self.counters.steps += 1
+        self.counters.tokens += len(rows)
+        bounds = np.cumsum([0] + [len(np.atleast_1d(ids)) for _, ids, _ in batch])
+        if logits == "last":
+            return [out[hi - 1:hi] for hi in bounds[1:]]
+        return [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+
+    def _run_chunk(self, rows) -> np.ndarray:
+        """One step of the plan over `rows`: its segments in order, each on its side."""
+        T, b = len(rows), self.backend
+        plan = self.plan(T)
+        state = SegmentState(b, self.counters, rows, self.gpu_layers, self.host.rope)
+        if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
+            for kv, lo, hi, start in state.runs:
+                b.kv.prepare(kv.device, start, start + hi - lo)
+            b.kv.flush()
+            b.step_params.stage([(kv.device.base_elements, t, pos) for kv, t, pos in rows], T)
+            self.counters.h2d_bytes += b.step_params.upload(T, b.stream)
+        for index, segment in enumerate(plan.segments):
+            if segment.side == "cpu":
+                state.to_host(scheduler.segment_inputs(segment.ops))
+                key = (T, index)
+                if key not in self._host_programs:
+                    self._host_programs[key] = self.host.program(segment.ops, "cpu ")
+                self._host_programs[key].run(state)
+                continue
+            state.call = {}
+            for op in segment.ops:
+                if scheduler.runs_alone(op):
+                    self._device_op(op, state)
+            if prof.enabled:      # attribute GPU time to gemm, not to the next sync
+                start = time.perf_counter()
+                b.stream.synchronize()
+                state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
+        state.to_host(["logits"])
+        return state.host["logits"][:T]
+
+    def _device_op(self, op, state: SegmentState) -> None:
+        """One op of a device segment: upload what it reads that the device lacks, then its launches."""
+        T, b = state.T, self.backend
+        start = time.perf_counter()
+        for name in op.device_reads():             # the step program's reads (params: staged per step)
+            if name == "xn":
+                state.xn_to_device(norm_weight(self.weights, op.prologue), self.config.rms_norm_eps)
+            elif name in state.widths:
+                state.to_device(name)
+        state.call["h2d"] = state.call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
+        launches = self._launches.get((op.name, T))
+        if launches is None:
+            launches = self._launches[(op.name, T)] = b.ops.launches(op, T)
+            for launch in launches:
+                launch.label(op=op.name, layer=op.layer, segment="gpu")
+        start = time.perf_counter()
+        if trace.active is None:
+            for launch in launches:
+                launch.enqueue(b.stream)
+        else:
+            with trace.span(f"gpu {op.group or op.kind}", op=op.name, layer=-1 if op.layer is None else op.layer,
+                            flops=float(op.flops), bytes=int(op.weight_bytes), segment="gpu"):
+                for launch in launches:
+                    launch.enqueue(b.stream)
+        state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
+        self.counters.launches += len(launches)
+        self.counters.gpu_weight_read_bytes += sum(launch.labels.get("bytes", 0) for launch in launches)
+        state.device_wrote(op, norm_weight(self.weights, op.prepares) if op.prepares else None)
