@@ -144,7 +144,7 @@ class Service:
         session = self.session_of(conn, header, "prefill")
         want, k = self.want_of(header, "prefill")
         ids = self.token_ids(arrays, "prefill")
-        session._check_room(len(ids))
+        session.check_room(len(ids))
         job = await self.prefill_cached(session, ids, want, k)
         fields, out = job.result
         return {"position": job.position, **fields}, out
