@@ -31,9 +31,9 @@ from kestrel_stream.serve.limits import Limits, limits_from_args
 from kestrel_stream.serve.memory import map_large_buffers
 from kestrel_stream.serve.peer import Peer, SocketPeer, WriteTimeoutError
 from kestrel_stream.serve.socket_reader import SocketReader
-from kestrel_stream.serve.protocol import (VERSION, AuthError, DaemonError, IdleTimeoutError,
-                                           ProtocolError, default_socket_path, default_token_path, encode_frame,
-                                           error_header, make_runtime_dir)
+from kestrel_stream.wire.protocol import (VERSION, AuthError, DaemonError, IdleTimeoutError,
+                                          ProtocolError, default_socket_path, default_token_path, encode_frame,
+                                          error_header, make_runtime_dir)
 
 DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight requests
 

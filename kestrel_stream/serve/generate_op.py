@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kestrel_stream.errors import KestrelError
-from kestrel_stream.serve.protocol import ProtocolError
+from kestrel_stream.wire.protocol import ProtocolError
 from kestrel_stream.text.generation import Generation
 from kestrel_stream.text.sampling import SamplingParams
 from kestrel_stream.text.stop import LENGTH
