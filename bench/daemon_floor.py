@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import kestrel_stream as ks  # noqa: E402
 from kestrel_stream.cli.bench import environment  # noqa: E402
 from kestrel_stream.loading.presets import ensure_preset  # noqa: E402
-from kestrel_stream.serve.protocol import PREFIX_BYTES, encode_frame, parse_body, parse_prefix  # noqa: E402
+from kestrel_stream.wire.protocol import PREFIX_BYTES, encode_frame, parse_body, parse_prefix  # noqa: E402
 
 from .daemon_latency import BLOCK, BLOCK_WARMUP, PROMPT, parse_daemon_sources, start_daemon  # noqa: E402
 from .daemons import stop_daemon  # noqa: E402

@@ -18,7 +18,7 @@ import anyio
 import numpy as np
 
 import kestrel_stream as ks
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 START_TIMEOUT_S = 900       # a large GGUF converted on first use, then preloaded to the device
 

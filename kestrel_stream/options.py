@@ -32,6 +32,7 @@ The daemon's, clients' and result files' variables (Environment):
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -94,9 +95,38 @@ class Options:
     def with_(self, **changes) -> "Options":
         """A copy with `changes`; a VRAM budget is parsed here (bytes or a fraction), once."""
         if "vram_budget" in changes:
-            from kestrel_stream.run.device.budget import parse_vram_budget     # imported here: the CLI and clients start without it
             changes["vram_budget"] = parse_vram_budget(changes["vram_budget"])
         return replace(self, **changes)
+
+
+_BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_vram_budget(value) -> int | float | None:
+    """`2GiB`, `1500MB`, `123456` (bytes) → int bytes; `0.5` → a fraction (0, 1] of free VRAM; None stays None.
+
+    Already-parsed values pass through, so every entry point may call it.
+    """
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        return value
+    if isinstance(value, float) and 0 < value <= 1:
+        return value
+    text = str(value).strip()
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)", text)
+    if match is None or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"--vram-budget {value!r}: expected a size such as 2GiB, 1500MB or 4000000000 "
+                         f"(bytes), or a fraction of free VRAM such as 0.5")
+    number, unit = match.group(1), match.group(2).lower()
+    if not unit and "." in number:
+        fraction = float(number)
+        if not 0 < fraction <= 1:
+            raise ValueError(f"--vram-budget {value!r}: a fraction of free VRAM must be in (0, 1]")
+        return fraction
+    size = int(float(number) * _BYTE_UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"--vram-budget {value!r}: the budget must be positive")
+    return size
 
 
 def _path(text: str | None) -> Path | None:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 def decode_frame(data: bytes, max_frame_bytes: int = wire.DEFAULT_MAX_FRAME_BYTES) -> wire.Frame:
     """A whole frame from bytes (the daemon and clients read prefix, header, payload in turn)."""

@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 DEEP = "[" * 1000 + "]" * 1000
 RAW = {                       # JSON text that json.dumps cannot write, or that breaks a limit

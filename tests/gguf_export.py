@@ -97,7 +97,7 @@ def add_byte_tokenizer(writer: GGUFWriter, vocab_size: int) -> None:
     """tokenizer.ggml.* of a byte-level BPE: GPT-2's printable alphabet in byte order for bytes 0..254,
     then the one merge "Ġ t" (GGUF keeps no empty merges array) as id 255."""
     from tokenizers import pre_tokenizers
-    from kestrel_stream.text.tokenizer import _byte_of
+    from kestrel_stream.loading.presets import _byte_of
     assert vocab_size >= 256, "a byte tokenizer needs a vocabulary of at least 256"
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=_byte_of)[:255]
     writer.add_tokenizer_model("gpt2")

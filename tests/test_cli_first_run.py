@@ -188,7 +188,7 @@ def test_serve_without_xdg_runtime_dir_removes_the_fallback_dir_it_made(tmp_path
 
 def test_serve_leaves_a_runtime_dir_it_did_not_make(tmp_path, monkeypatch):
     from kestrel_stream.options import Environment
-    from kestrel_stream.serve import protocol
+    from kestrel_stream.wire import protocol
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.setattr("tempfile.tempdir", None)       # gettempdir() caches; read $TMPDIR again
     unset = Environment.from_env({}).runtime_dir

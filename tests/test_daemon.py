@@ -15,7 +15,7 @@ from daemon_helpers import (ENV, DaemonProcess, closed_by_peer, frame_bytes, raw
                             solo_tokens)
 
 import kestrel_stream as ks
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 CLIENTS, STEPS = 32, 50
 

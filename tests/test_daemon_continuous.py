@@ -18,7 +18,7 @@ from solo_reference import solo_runs
 
 import kestrel_stream as ks
 from kestrel_stream.errors import CapacityError, InvalidTokenError
-from kestrel_stream.serve.protocol import ProtocolError, UnknownSessionError
+from kestrel_stream.wire.protocol import ProtocolError, UnknownSessionError
 
 MAX_SEQ_LEN, STEP_TOKENS = 2100, 128
 CLIENTS, DECODES = 32, 4

@@ -12,7 +12,7 @@ from daemon_helpers import DaemonProcess, closed_by_peer, read_frame, solo_token
 from fuzz_frames import answered_frames, fatal_frames
 
 import kestrel_stream as ks
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 BATCH = 100                 # frames pipelined before their answers are read
 

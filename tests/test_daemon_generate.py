@@ -10,7 +10,7 @@ import pytest
 from daemon_helpers import raw_connect, read_frame
 
 import kestrel_stream as ks
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 SAMPLED = dict(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02, seed=1234)
 PENALIZED = dict(temperature=0.7, repeat_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1, seed=99)

@@ -16,7 +16,7 @@ import pytest
 from daemon_helpers import ENV, DaemonProcess, closed_by_peer, frame_bytes, raw_connect, read_frame, rss_bytes
 
 import kestrel_stream as ks
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 HOSTILE = {         # JSON that Python's parser fails on with something other than JSONDecodeError, or not at all
     "huge_int": b'{"op":"hello","id":' + b"1" * 4400 + b',"v":1}',

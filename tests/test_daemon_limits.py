@@ -9,7 +9,7 @@ import pytest
 from daemon_helpers import DaemonProcess, closed_by_peer, frame_bytes, raw_connect, read_frame
 
 import kestrel_stream as ks
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import numpy as np
 from daemon_helpers import ENV, DaemonProcess, raw_connect, read_frame, solo_tokens
 
 import kestrel_stream as ks
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 
 # A lone session's decode step counts as short up to 1 s, not 2 ms: on a loaded machine a tiny model's step can

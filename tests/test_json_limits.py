@@ -1,4 +1,4 @@
-"""Header JSON within explicit limits (kestrel_stream/serve/json_limits.py), and parse_body turning every failure
+"""Header JSON within explicit limits (kestrel_stream/wire/json_limits.py), and parse_body turning every failure
 of a hostile header into a ProtocolError."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 from daemon_helpers import decode_frame
-from kestrel_stream.serve.json_limits import MAX_DEPTH, MAX_NUMBER_CHARS, JSONLimitError, load_limited
+from kestrel_stream.wire.json_limits import MAX_DEPTH, MAX_NUMBER_CHARS, JSONLimitError, load_limited
 
 
 def test_ordinary_headers_parse_as_json_does():

@@ -9,7 +9,7 @@ import anyio
 import numpy as np
 from daemon_helpers import read_frame
 
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 
 
 def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import kestrel_stream as ks
-from kestrel_stream.serve import protocol as wire
+from kestrel_stream.wire import protocol as wire
 from daemon_helpers import decode_frame
 
 

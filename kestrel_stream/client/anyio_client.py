@@ -16,7 +16,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from kestrel_stream.options import Environment
 from kestrel_stream.client.sync import (DEFAULT_TIMEOUT_S, Generated, Piece, _Requests, check_response, generate_options,
                                         parse_address, resolve_token, shaped)
-from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, encode_frame, parse_body,
+from kestrel_stream.wire.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, encode_frame, parse_body,
                        parse_prefix)
 
 

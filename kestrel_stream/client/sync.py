@@ -20,7 +20,7 @@ import numpy as np
 
 from kestrel_stream.errors import InvalidTokenError
 from kestrel_stream.options import Environment
-from kestrel_stream.serve.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, default_socket_path,
+from kestrel_stream.wire.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, default_socket_path,
                        default_token_path, encode_frame, error_from_code, parse_body, parse_prefix)
 
 DEFAULT_TIMEOUT_S = 60.0

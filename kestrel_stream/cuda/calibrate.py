@@ -18,10 +18,12 @@ def _median_us(samples: list[float]) -> float:
     return float(np.median(samples)) * 1e6
 
 
-def measure_gpu(repeats: int = 200) -> dict:
-    """Figures in the DeviceProfile's units (µs, GB/s), plus the device's name and driver."""
+def measure_gpu(repeats: int = 200, options=None) -> dict:
+    """Figures in the DeviceProfile's units (µs, GB/s), plus the device's name and driver.
+
+    options: the engine's Options (where the kernels are cached)."""
     device = driver.Device(0)
-    kernels = KernelSet(device)
+    kernels = KernelSet(device, options)
     stream = driver.Stream()
     rows, cols = 6144, 2048                                  # a gate/up-sized weight: 12.6 MB of Q8_0
     weight = quantize(np.random.default_rng(0).standard_normal((rows, cols), dtype=np.float32))

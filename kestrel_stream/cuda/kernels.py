@@ -20,7 +20,6 @@ from kernels_ptx.build import KERNEL_SOURCES, compile_cubin
 from kestrel_stream.obs import trace
 from kestrel_stream.cuda.driver import Device, Stream, check, timed
 from kestrel_stream.cuda import mma_variants
-from kestrel_stream.options import Options
 from kestrel_stream.cuda.device_weight import QWeight   # noqa: F401  (kept importable from here)
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
@@ -62,7 +61,8 @@ class KernelSet:
         self.gemv_block = options.gemv_block if options is not None else None   # KESTREL_GEMV_BLOCK
         self._functions: dict[str, object] = {}
         self._dynamic_shared: dict[str, int] = {}   # kernel -> the dynamic shared bytes it is opted in for
-        load_modules(KERNEL_SOURCES, device.arch, (options or Options()).kernel_cache)
+        # the engine's Options.kernel_cache; without options, kernels_ptx.build's default directory
+        load_modules(KERNEL_SOURCES, device.arch, options.kernel_cache if options is not None else None)
 
     def function(self, kernel_name: str):
         if kernel_name not in self._functions:

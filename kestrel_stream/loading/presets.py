@@ -98,9 +98,31 @@ def make_model(out_dir: str | Path, preset: str | ModelConfig, seed: int = 0, dt
     specs = list(hf_tensor_shapes(cfg).items())
     write_checkpoint(out_dir, cfg.to_hf_dict(), specs, random_weights(cfg, seed), dtype=dtype,
                      max_shard_bytes=max_shard_bytes, on_tensor=on_tensor)
-    from kestrel_stream.text.tokenizer import write_byte_tokenizer
     write_byte_tokenizer(out_dir, cfg.vocab_size)          # so generate and the demo print text
     return out_dir
+
+
+def write_byte_tokenizer(out_dir: Path, vocab_size: int) -> Path | None:
+    """A byte-level tokenizer.json (one token per byte, ids 0..255) for a random preset checkpoint, so its
+    output reads as text; None where the vocabulary is smaller than 256."""
+    if vocab_size < 256:
+        return None
+    import tokenizers                       # imported here: make-model's weights need only numpy
+    from tokenizers import decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _byte_of(ch))
+    hf = tokenizers.Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    path = Path(out_dir) / "tokenizer.json"
+    hf.save(str(path))
+    return path
+
+
+def _byte_of(ch: str) -> int:
+    """GPT-2's byte -> printable character map, inverted (printable bytes map to themselves)."""
+    code = ord(ch)
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    return code if code in printable else sorted(set(range(256)) - set(printable))[code - 256]
 
 
 def cache_root() -> Path:

@@ -41,9 +41,11 @@ def measure_host(repeats: int = 5) -> dict:
 def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfile:
     """The cached profile of GPU 0 (measured now when missing or when ``force``), kept in `cache_dir`
     (default: the profiles directory under the options' cache_dir, KESTREL_CACHE_DIR)."""
-    if cache_dir is None:
+    if options is None:
         from kestrel_stream.options import Options
-        cache_dir = default_cache_dir((options or Options.from_env()).cache_root)
+        options = Options.from_env()
+    if cache_dir is None:
+        cache_dir = default_cache_dir(options.cache_root)
     from kestrel_stream.cuda import driver
     from kestrel_stream.cuda.calibrate import measure_gpu
     from cuda.bindings import driver as cu
@@ -54,6 +56,6 @@ def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfil
         cached = load_profile(device.name, version, cache_dir)
         if cached is not None:
             return cached
-    profile = DeviceProfile(**measure_gpu(), **measure_host())
+    profile = DeviceProfile(**measure_gpu(options=options), **measure_host())
     save_profile(profile, cache_dir)
     return profile

@@ -211,7 +211,7 @@ class Engine:
         for i, (s, token) in enumerate(pairs):
             s._check_open()
             ids = self.check_tokens([token], f"decode_batch item {i} (session {s.id})")
-            s._check_room(1)
+            s.check_room(1)
             items.append((s, ids))
         if greedy:
             return self.step(items, greedy=True)
@@ -232,7 +232,9 @@ class Engine:
         generation = Generation(self, prompt, max_new_tokens, params, stop, ignore_eos)
         return Stream(generation) if stream else generation.run()
 
-    def _result(self, tokens, prefill_s, decode_s, prompt_len, before, mid, after, **text) -> GenerateResult:
+    def generation_result(self, tokens, prefill_s, decode_s, prompt_len, before, mid, after, **text) -> GenerateResult:
+        """A generation's result: its tokens and times, and the executor's counters per decoded token
+        (`before`, `mid`, `after`: counters.as_dict() before the prefill, after it and at the end)."""
         decode_steps = max(len(tokens) - 1, 0)
         stats = {key: after[key] - mid.get(key, 0) for key in after if isinstance(after[key], (int, float))}
         stats["prefill_syncs"] = mid.get("syncs", 0) - before.get("syncs", 0)
@@ -243,10 +245,15 @@ class Engine:
                 stats[f"{key}_per_token"] = stats[key] / decode_steps if decode_steps else 0.0
         return GenerateResult(tokens, prefill_s, decode_s, prompt_len, stats, **text)
 
-    def _generate_chained(self, s: "Session", token: int, steps: int, sample=None) -> list[int] | None:
-        """The next `steps` greedy tokens of `s` after `token`, chained on the device where the executor
-        can (gpu mode: several steps per host sync); None where it cannot.  sample: a device/sampler.py
-        state row to draw the tokens instead."""
+    def generate_chained(self, s: "Session", token: int, steps: int, params=None, seed: int = 0,
+                         step: int = 0) -> list[int] | None:
+        """The next `steps` tokens of `s` after `token`, chained on the device where the executor can
+        (gpu mode: several steps per host sync); None where it cannot.  Greedy, or drawn with sampling
+        `params` (text/sampling.py) from (seed, step) onwards, the draws Session.decode_sample makes."""
+        sample = None
+        if params is not None and not params.greedy:
+            from kestrel_stream.run.device.sample_state import pack_state
+            sample = pack_state(params, seed, step)
         with self._lock:
             out = self.executor.generate_greedy([(s.kv, np.array([token]), s.position)], steps) if sample is None else \
                 self.executor.generate_sampled([(s.kv, np.array([token]), s.position)], steps, [sample])
@@ -297,7 +304,8 @@ class Session:
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed")
 
-    def _check_room(self, count: int) -> None:
+    def check_room(self, count: int) -> None:
+        """CapacityError unless `count` more tokens fit the session's max_seq_len."""
         if self.position + count > self.max_seq_len:
             raise CapacityError(f"session {self.id}: {count} more token(s) at position {self.position} "
                                 f"exceed max_seq_len={self.max_seq_len}")
@@ -310,7 +318,7 @@ class Session:
                              f"{', '.join(map(repr, LOGITS))}")
         self._check_open()
         arr = self.engine.check_tokens(ids, f"session {self.id} prefill")
-        self._check_room(len(arr))
+        self.check_room(len(arr))
         out = self.engine.step([(self, arr)], logits=logits)[0]
         return out[0] if logits == "last" else out
 
@@ -318,14 +326,14 @@ class Session:
         """Append one token; logits [vocab] float32."""
         self._check_open()
         arr = self.engine.check_tokens([token], f"session {self.id} decode")
-        self._check_room(1)
+        self.check_room(1)
         return self.engine.step([(self, arr)])[0][0]
 
     def decode_greedy(self, token: int) -> int:
         """Append one token; the greedy next token (argmax of the logits, on the device in gpu mode)."""
         self._check_open()
         arr = self.engine.check_tokens([token], f"session {self.id} decode")
-        self._check_room(1)
+        self.check_room(1)
         return int(self.engine.step([(self, arr)], greedy=True)[0])
 
     def decode_sample(self, token: int, params, seed: int, step: int) -> int:
@@ -334,7 +342,7 @@ class Session:
         from kestrel_stream.text.sampling import sample_logits
         self._check_open()
         arr = self.engine.check_tokens([token], f"session {self.id} decode")
-        self._check_room(1)
+        self.check_room(1)
         if not params.penalized:
             from kestrel_stream.run.device.sample_state import pack_state
             with self.engine._lock:

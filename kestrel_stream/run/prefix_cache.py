@@ -61,7 +61,7 @@ class PrefixCache:
         """session.prefill(ids) for a caller that needs only the last row: logits [m, V] of the
         prompt's last m tokens (m >= 1), the cached prefix before them adopted instead of computed."""
         tokens = [int(t) for t in np.asarray(self.engine.check_tokens(ids, f"session {session.id} prefill"))]
-        session._check_room(len(tokens))
+        session.check_room(len(tokens))
         reused = self.adopt(session, tokens)
         logits = session.prefill(tokens[reused:])
         self.store(session, tokens)

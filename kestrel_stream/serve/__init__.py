@@ -1,1 +1,1 @@
-"""The daemon: connections, the socket protocol, the step thread and the batcher glue."""
+"""The daemon: connections, the step thread and the batcher glue; the socket protocol it speaks is wire/."""

@@ -31,9 +31,9 @@ from kestrel_stream.serve.limits import Limits, limits_from_args
 from kestrel_stream.serve.memory import map_large_buffers
 from kestrel_stream.serve.peer import Peer, SocketPeer, WriteTimeoutError
 from kestrel_stream.serve.socket_reader import SocketReader
-from kestrel_stream.serve.protocol import (VERSION, AuthError, DaemonError, IdleTimeoutError,
-                                           ProtocolError, default_socket_path, default_token_path, encode_frame,
-                                           error_header, make_runtime_dir)
+from kestrel_stream.wire.protocol import (VERSION, AuthError, DaemonError, IdleTimeoutError,
+                                          ProtocolError, default_socket_path, default_token_path, encode_frame,
+                                          error_header, make_runtime_dir)
 
 DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight requests
 
@@ -344,16 +344,16 @@ def run_daemon(args, environment) -> int:
     """Load the model, log what was loaded, and serve until SIGINT/SIGTERM.
 
     environment: the process's Environment (socket directory, token), read by the CLI."""
-    import kestrel_stream as ks
+    from kestrel_stream.api import load
     check_serve_args(args)
     from kestrel_stream.serve.http.server import http_options
     http_options(args)                      # bad --http flags fail before the model loads
     if getattr(args, "trace", None):          # `serve --trace FILE`: the CLI stops and writes it at exit
         from kestrel_stream.obs import trace
         trace.start(args.trace, command="serve")
-    engine = ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
-                     max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
-                     cache=not args.no_cache, kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads)
+    engine = load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
+                  max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
+                  cache=not args.no_cache, kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads)
     engine.build_tokenizer_in_background()   # while the daemon starts: the first text request rarely waits
     prefix_positions = (4 * engine.max_seq_len if args.prefix_cache_positions is None
                         else args.prefix_cache_positions)

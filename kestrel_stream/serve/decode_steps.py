@@ -14,7 +14,7 @@ from scheduler.batcher import StepBatcher
 
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, SessionClosedError
-from kestrel_stream.serve.protocol import error_header
+from kestrel_stream.wire.protocol import error_header
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, StepJob
 
 

@@ -15,7 +15,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from kestrel_stream.serve.protocol import DaemonError, check_private
+from kestrel_stream.wire.protocol import DaemonError, check_private
 
 
 def log(message: str) -> None:

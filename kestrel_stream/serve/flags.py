@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kestrel_stream.serve.limits import Limits, add_limit_args
-from kestrel_stream.serve.protocol import MAX_RESPONSE_BYTES
+from kestrel_stream.wire.protocol import MAX_RESPONSE_BYTES
 
 DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
 DEFAULT_SPIN_US = 300.0

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kestrel_stream.errors import KestrelError
-from kestrel_stream.serve.protocol import ProtocolError
+from kestrel_stream.wire.protocol import ProtocolError
 from kestrel_stream.text.generation import Generation
 from kestrel_stream.text.sampling import SamplingParams
 from kestrel_stream.text.stop import LENGTH
@@ -112,7 +112,7 @@ async def run_generation(service, session, request: GenerateRequest, send_frame,
     params, stop = generation.params, generation.stop
     # greedy without penalties needs only the argmax (on the device in gpu mode), else the last logits row
     want = "token" if params.greedy and not params.penalized else "last"
-    session._check_room(len(generation.ids) + max(stop.max_new_tokens - 1, 0))
+    session.check_room(len(generation.ids) + max(stop.max_new_tokens - 1, 0))
     if stop.max_new_tokens > 0:
         job = await service.prefill_cached(session, np.asarray(generation.ids, np.int64), want, 1)
         while True:

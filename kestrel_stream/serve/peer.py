@@ -22,8 +22,8 @@ import anyio
 
 from kestrel_stream.errors import KestrelError
 from kestrel_stream.serve.limits import Limits
-from kestrel_stream.serve.protocol import (MAX_HEADER_BYTES, PREFIX_BYTES, Frame, ProtocolError, encode_frame, error_header,
-                                           parse_body, parse_prefix)
+from kestrel_stream.wire.protocol import (MAX_HEADER_BYTES, PREFIX_BYTES, Frame, ProtocolError, encode_frame, error_header,
+                                          parse_body, parse_prefix)
 from kestrel_stream.serve.socket_reader import SocketReader
 
 FRAME_TIMEOUT_S = 30.0          # a started frame must arrive whole this fast (no half-sent frames held open)

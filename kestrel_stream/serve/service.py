@@ -28,7 +28,7 @@ from kestrel_stream.serve.decode_steps import DecodeSteps
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
-from kestrel_stream.serve.protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
+from kestrel_stream.wire.protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
 from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S, StepThread
 
 WANTS = ("logits", "last", "token", "topk")
@@ -144,7 +144,7 @@ class Service:
         session = self.session_of(conn, header, "prefill")
         want, k = self.want_of(header, "prefill")
         ids = self.token_ids(arrays, "prefill")
-        session._check_room(len(ids))
+        session.check_room(len(ids))
         job = await self.prefill_cached(session, ids, want, k)
         fields, out = job.result
         return {"position": job.position, **fields}, out

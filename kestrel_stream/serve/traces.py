@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 
 from kestrel_stream.errors import CapacityError
-from kestrel_stream.serve.protocol import ProtocolError, UnavailableError, runtime_dir
+from kestrel_stream.wire.protocol import ProtocolError, UnavailableError, runtime_dir
 
 TRACE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SUFFIXES = (".json", ".json.gz")

@@ -75,23 +75,16 @@ class Generation:
         if params.penalized:            # the penalties need the history: logits back, sampled on the host
             return [self.pick(s.decode(token), step)]
         if engine.chain_greedy and budget > 1 and trace.active is None:
-            chained = engine._generate_chained(s, token, min(budget, chunk), sample=self._device_state(step))
+            chained = engine.generate_chained(s, token, min(budget, chunk), params, self.seed, step)
             if chained is not None:
                 return chained
         return [s.decode_greedy(token) if params.greedy else s.decode_sample(token, params, self.seed, step)]
-
-    def _device_state(self, step: int):
-        """The device sampler's state row for a sampled chain; None for a greedy one."""
-        if self.params.greedy:
-            return None
-        from kestrel_stream.run.device.sample_state import pack_state
-        return pack_state(self.params, self.seed, step)
 
     def pieces(self):
         """Run the generation, yielding a Piece per token; `result` is set when it ends."""
         engine, stop = self.engine, self.stop
         with engine.new_session() as s:
-            s._check_room(len(self.ids) + max(stop.max_new_tokens - 1, 0))
+            s.check_room(len(self.ids) + max(stop.max_new_tokens - 1, 0))
             before = engine.executor.counters.as_dict()
             t0 = time.perf_counter()
             token = self._first(s) if stop.max_new_tokens > 0 else None
@@ -113,9 +106,9 @@ class Generation:
             after = engine.executor.counters.as_dict()
         if stop.reason is None:
             stop.reason = LENGTH
-        self.result = engine._result(self.tokens, t1 - t0, t2 - t1, len(self.ids), before, mid, after,
-                                     text="".join(self.text_parts) if self.decoder else None,
-                                     stop_reason=stop.reason)
+        self.result = engine.generation_result(self.tokens, t1 - t0, t2 - t1, len(self.ids), before, mid, after,
+                                               text="".join(self.text_parts) if self.decoder else None,
+                                               stop_reason=stop.reason)
 
     def account(self, token: int) -> Piece:
         stop = self.stop

@@ -91,27 +91,6 @@ def load_tokenizer(path: str | Path) -> Tokenizer | None:
     return None
 
 
-def write_byte_tokenizer(out_dir: Path, vocab_size: int) -> Path | None:
-    """A byte-level tokenizer.json (one token per byte, ids 0..255) for a random preset checkpoint, so its
-    output reads as text; None where the vocabulary is smaller than 256."""
-    if vocab_size < 256:
-        return None
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _byte_of(ch))
-    hf = tokenizers.Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    path = Path(out_dir) / "tokenizer.json"
-    hf.save(str(path))
-    return path
-
-
-def _byte_of(ch: str) -> int:
-    """GPT-2's byte -> printable character map, inverted (printable bytes map to themselves)."""
-    code = ord(ch)
-    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
-    return code if code in printable else sorted(set(range(256)) - set(printable))[code - 256]
-
-
 # -- Hugging Face directory -------------------------------------------------
 def _read_json(file: Path) -> dict:
     if not file.is_file():

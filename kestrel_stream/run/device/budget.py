@@ -1,4 +1,4 @@
-"""The VRAM budget: parsing `--vram-budget` and splitting it over the `gpu` mode's device arena; the
+"""The VRAM budget (parsed by options.parse_vram_budget) split over the `gpu` mode's device arena; the
 arena and KV pool of the mixed modes (plan_mixed_memory).
 
 Pure arithmetic, no CUDA: the arena holds the KV caches, the activations and
@@ -9,44 +9,16 @@ budget, or raises WindowBudgetError naming every number.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 from kestrel_stream.cuda import mma_variants
 from kestrel_stream.cuda.flash_attention import partial_floats
+from kestrel_stream.options import parse_vram_budget  # noqa: F401  (importable from here too)
 from scheduler.ops import image_bytes, step_ops  # noqa: F401  (image_bytes: window.py and the tests import it here)
 from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_items
 
 ALIGN = 256                      # the arena's sub-allocation alignment (driver.Arena.ALIGN)
 DEFAULT_MARGIN_BYTES = 512 << 20  # left free for the driver, modules and graphs when no budget is given
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_vram_budget(value) -> int | float | None:
-    """`2GiB`, `1500MB`, `123456` (bytes) → int bytes; `0.5` → a fraction (0, 1] of free VRAM; None stays None.
-
-    Already-parsed values pass through, so every entry point may call it.
-    """
-    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value > 0):
-        return value
-    if isinstance(value, float) and 0 < value <= 1:
-        return value
-    text = str(value).strip()
-    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"--vram-budget {value!r}: expected a size such as 2GiB, 1500MB or 4000000000 "
-                         f"(bytes), or a fraction of free VRAM such as 0.5")
-    number, unit = match.group(1), match.group(2).lower()
-    if not unit and "." in number:
-        fraction = float(number)
-        if not 0 < fraction <= 1:
-            raise ValueError(f"--vram-budget {value!r}: a fraction of free VRAM must be in (0, 1]")
-        return fraction
-    size = int(float(number) * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"--vram-budget {value!r}: the budget must be positive")
-    return size
 
 
 def resolve_budget(budget: int | float | None, free_bytes: int, full_bytes: int) -> int | None:

@@ -2,7 +2,7 @@
 
 Every request passes serve/http/gate.py's ``Gate`` first (the key, the
 concurrency limits, the status counts).  Bodies are read up to a byte limit
-and a time limit and parsed with serve/json_limits.py; every refusal is
+and a time limit and parsed with wire/json_limits.py; every refusal is
 OpenAI's error shape.
 """
 from __future__ import annotations
@@ -23,8 +23,8 @@ from kestrel_stream.serve.http.metrics import Metrics
 from kestrel_stream.serve.http.options import HttpOptions
 from kestrel_stream.serve.http.requests import parse_request
 from kestrel_stream.serve.http.responses import DONE, Shape, sse
-from kestrel_stream.serve.json_limits import JSONLimitError, load_limited
-from kestrel_stream.serve.protocol import UnavailableError
+from kestrel_stream.wire.json_limits import JSONLimitError, load_limited
+from kestrel_stream.wire.protocol import UnavailableError
 
 
 class Gone(Response):

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kestrel_stream.serve.json_limits import JSONLimitError, load_limited
+from kestrel_stream.wire.json_limits import JSONLimitError, load_limited
 from kestrel_stream.errors import CapacityError, DeviceError, InvalidTokenError, KestrelError, SessionClosedError
 
 MAGIC = b"KS"
