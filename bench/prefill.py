@@ -75,7 +75,7 @@ def main() -> None:
         min([DENSE_MIN_TOKENS] + lengths) if args.pp_sweep else None)
     gpu = GpuExecutor(weights, max_seq_len=seq, max_batch=max(counts), max_sessions=max(counts) + 1,
                       prefill_chunk=max(args.pp, 64), options=Options.from_env().with_(cublas_min_tokens=min_tokens))
-    scratch = gpu.steps.state.dense            # the dense path: cuBLAS's, or the built-in GEMM's (fused)
+    scratch = gpu.backend.state.dense            # the dense path: cuBLAS's, or the built-in GEMM's (fused)
     every = ["cublas", "builtin", "q8"]
     gemms = {"all": every, "both": every, "cublas": ["cublas"], "builtin": ["builtin"], "q8": ["q8"]}[args.gemm]
     if (scratch is None or scratch.fused) and "cublas" in gemms:
@@ -133,7 +133,7 @@ def main() -> None:
 def use_gemm(gpu: GpuExecutor, scratch) -> None:
     """Projections of later steps on cuBLAS (`scratch`: the executor's DenseScratch) or, None, on the
     built-in kernels: the launch lists are rebuilt."""
-    gpu.steps.state.dense = scratch
+    gpu.backend.state.dense = scratch
     gpu.steps._launches.clear()
 
 

@@ -28,7 +28,7 @@ def harness():
     blas = cublas.load()
     if blas is None:
         pytest.skip("cuBLAS is not installed (pip install 'kestrel-stream[cublas]')")
-    scratch = DenseScratch.allocate(gpu.steps.arena, blas, min_tokens=1, max_tokens=MAX_TOKENS,
+    scratch = DenseScratch.allocate(gpu.arena, blas, min_tokens=1, max_tokens=MAX_TOKENS,
                                     weight_elements=max(n * k for n, k in SHAPES), max_cols=max(k for _, k in SHAPES),
                                     output_floats=max(n for n, _ in SHAPES), workspace_bytes=WORKSPACE_BYTES)
     yield gpu, scratch
@@ -48,9 +48,9 @@ def test_dequant_and_input_kernels_round_like_numpy(harness, n, k):
     w, x, rng = case(n, k, 200)
     inv_rms = (0.5 + rng.random(200)).astype(np.float32)
     qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
-    dequant = gpu.steps.kernels.launch("q8_dequant_f16", (-(-n * k // 16 // 256),), (256,), "pppii",
+    dequant = gpu.kernels.launch("q8_dequant_f16", (-(-n * k // 16 // 256),), (256,), "pppii",
                                  [qw.qs, qw.scales, scratch.weights, n, k])
-    inputs = gpu.steps.kernels.launch("gemm_input_f16", (-(-k // 1024), 200), (256,), "pippi",
+    inputs = gpu.kernels.launch("gemm_input_f16", (-(-k // 1024), 200), (256,), "pippi",
                                 [gpu.put(x), k, gpu.put(inv_rms), scratch.inputs, k])
     gpu.run([dequant, inputs])
     want_w = (w.qs.reshape(n, -1, 32).astype(np.float32) * w.scales.astype(np.float32)[:, :, None]).reshape(n, k)
@@ -98,7 +98,7 @@ def check_dense_projection(gpu, scratch, n: int, k: int, tokens: int, epilogue: 
              "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
                                  "inv_rms_out": inv_rms_out}}[epilogue]
     qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
-    launch = gpu.gemv_launch(gpu.steps.kernels, qw, gpu.put(x), k, y, ldy, tokens, dense=scratch, **extra)
+    launch = gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, ldy, tokens, dense=scratch, **extra)
     assert isinstance(launch, DenseGemm)
     gpu.run(launch)
     got = gpu.get(y, (tokens, ldy))
@@ -125,14 +125,14 @@ def check_graph_replay(gpu, scratch) -> None:
     w, x, rng = case(n, k, tokens)
     qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
     x_ptr, y = gpu.put(x), gpu.put(np.zeros((tokens, n), np.float32))
-    launch = gpu.gemv_launch(gpu.steps.kernels, qw, x_ptr, k, y, n, tokens, dense=scratch)
-    with driver.capture(gpu.steps.stream) as captured:
-        launch.enqueue(gpu.steps.stream)
+    launch = gpu.gemv_launch(gpu.kernels, qw, x_ptr, k, y, n, tokens, dense=scratch)
+    with driver.capture(gpu.stream) as captured:
+        launch.enqueue(gpu.stream)
     for trial in range(2):
         x = rng.standard_normal((tokens, k)).astype(np.float32)
         driver.h2d_sync(x_ptr, x)
-        captured.graph.launch(gpu.steps.stream)
-        gpu.steps.stream.synchronize()
+        captured.graph.launch(gpu.stream)
+        gpu.stream.synchronize()
         assert rel_err(gpu.get(y, (tokens, n)), x @ w.dequantize().T) < 2e-3, trial
     captured.graph.destroy()
 

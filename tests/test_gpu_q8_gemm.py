@@ -47,8 +47,8 @@ def test_every_tile_matches_numpy(gpu, tile, n, k):
     """Every token count of TOKENS, C written with ldc wider than N, then added into (accumulate); the
     scales at an address 2 mod 4 (a row range of a fused weight starts there when K / 32 is odd).
     q8_wgmma.cu's tiles on sm_90 only."""
-    if tile.wgmma and gpu.steps.device.arch != "sm_90":
-        pytest.skip(f"wgmma needs sm_90, this GPU is {gpu.steps.device.arch}")
+    if tile.wgmma and gpu.device.arch != "sm_90":
+        pytest.skip(f"wgmma needs sm_90, this GPU is {gpu.device.arch}")
     for tokens in TOKENS:
         w, a, rng = case(n, k, tokens)
         scales = np.concatenate([np.zeros(1, np.float16), w.scales.reshape(-1)])
@@ -59,7 +59,7 @@ def test_every_tile_matches_numpy(gpu, tile, n, k):
         c = gpu.put(c0)
         grid = (-(-tokens // tile.tokens), -(-n // tile.rows))
         for accumulate in (0, 1):
-            launch = gpu.steps.kernels.launch(tile.name, grid, (tile.threads,), GEMM_SIGNATURE,
+            launch = gpu.kernels.launch(tile.name, grid, (tile.threads,), GEMM_SIGNATURE,
                                         [qs, scale_base, a_ptr, k, c, ldc, tokens, n, k, accumulate],
                                         tile.shared_bytes)
             before = gpu.get(c, (tokens, ldc))
@@ -76,14 +76,14 @@ def test_every_tile_matches_numpy(gpu, tile, n, k):
 def test_the_dense_path_on_the_built_in_gemm(gpu, n, k, tokens, epilogue):
     """test_gpu_dense_gemm's checks with a built-in DenseScratch: no weight expansion, 2 launches, 3 with an
     epilogue."""
-    scratch = DenseScratch.allocate(gpu.steps.arena, None, min_tokens=1, max_tokens=MAX_TOKENS, weight_elements=n * k,
+    scratch = DenseScratch.allocate(gpu.arena, None, min_tokens=1, max_tokens=MAX_TOKENS, weight_elements=n * k,
                                     max_cols=k, output_floats=n, workspace_bytes=0)
     launch = check_dense_projection(gpu, scratch, n, k, tokens, epilogue)
     assert launch.dequant is None and launch.launch_count == (2 if epilogue in ("plain", "rmsnorm") else 3)
 
 
 def test_a_captured_graph_replays_the_built_in_gemm(gpu):
-    scratch = DenseScratch.allocate(gpu.steps.arena, None, min_tokens=1, max_tokens=MAX_TOKENS, weight_elements=1056 * 544,
+    scratch = DenseScratch.allocate(gpu.arena, None, min_tokens=1, max_tokens=MAX_TOKENS, weight_elements=1056 * 544,
                                     max_cols=544, output_floats=1056, workspace_bytes=0)
     check_graph_replay(gpu, scratch)
 
@@ -98,7 +98,7 @@ def test_prefill_on_the_built_in_gemm_matches_cpu(arch):
     cpu = CpuExecutor(weights)
     gpu = GpuExecutor(weights, max_seq_len=480, max_batch=16, max_sessions=18, prefill_chunk=300,
                       options=Options.from_env().with_(cublas_min_tokens=0))
-    assert gpu.backend.blas is None and gpu.steps.state.dense.fused
+    assert gpu.backend.blas is None and gpu.backend.state.dense.fused
     assert any(isinstance(launch, DenseGemm) for launch in gpu.steps.step_launches(300, (299, 1)))
     rng = np.random.default_rng(4)
     first, second = (rng.integers(0, weights.config.vocab_size, n) for n in (300, 150))
