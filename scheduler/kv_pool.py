@@ -47,10 +47,17 @@ def block_hashes(tokens: Sequence[int], block_size: int, parent: int = ROOT_HASH
     return out
 
 
+NOWHERE = 1 << 62      # a position past every session's capacity
+
+
 @dataclass
 class BlockTable:
     blocks: list[int]
     length: int = 0        # positions written (valid) so far
+    # positions from here to the end of the last block lie in blocks this session alone holds and no prefix
+    # names: writing there takes, copies and publishes nothing, so the caller may skip prepare_write and
+    # only advance `length` (a decode step inside its block).  Forks, adoption and publishing reset it.
+    writable_from: int = NOWHERE
 
 
 class KVPool:
@@ -99,6 +106,7 @@ class KVPool:
         table.blocks, table.length = list(parent.blocks), parent.length
         for block in table.blocks:
             self.refcount[block] += 1
+        parent.writable_from = NOWHERE          # its blocks are shared now
         return table
 
     def prepare_write(self, sid: Hashable, start: int, end: int) -> list[tuple[int, int]]:
@@ -128,6 +136,7 @@ class KVPool:
         while len(table.blocks) < last:
             table.blocks.append(self._take())
         table.length = max(table.length, end)
+        table.writable_from = first * bs        # blocks first.. are this session's alone, unnamed
         return copies
 
     # ---- prefix reuse -------------------------------------------------------------------------
@@ -136,6 +145,7 @@ class KVPool:
         positions); returns how many blocks are published under their hash now."""
         table = self.tables[sid]
         assert len(tokens) <= table.length, (len(tokens), table.length)
+        table.writable_from = NOWHERE           # some of its blocks may be named now
         published = 0
         for block, h in zip(table.blocks, block_hashes(tokens, self.block_size)):
             owner = self._block_of.get(h)
@@ -164,6 +174,7 @@ class KVPool:
                 del self._cached[block]
             self.refcount[block] += 1
         table.blocks, table.length = list(blocks), len(blocks) * self.block_size
+        table.writable_from = NOWHERE           # shared and named blocks
         return table.length
 
     # ---- blocks ---------------------------------------------------------------------------------

@@ -142,3 +142,24 @@ def test_sizing_from_the_budget_and_the_other_way_round():
         plan_kv_pool(block, 16, left_bytes=None, min_positions=100, default_positions=64, fixed_bytes=block)
     with pytest.raises(ValueError, match="kv_dtype"):
         kv_bytes_per_position(1, 1, 64, "q4")
+
+
+def test_a_write_inside_blocks_a_session_alone_holds_needs_no_pool_work():
+    """BlockTable.writable_from: after prepare_write the written blocks are the session's own; a fork, a
+    publish or an adoption makes them shared or named again, and the next write copies."""
+    pool = KVPool(max_blocks=8, block_size=4)
+    pool.open("a")
+    pool.prepare_write("a", 0, 3)
+    table = pool.tables["a"]
+    assert table.writable_from == 0 and 3 <= len(table.blocks) * 4          # position 3: in place
+    pool.fork("a", "b")
+    assert table.writable_from > 3 and pool.tables["b"].writable_from > 3     # shared: copy first
+    assert pool.prepare_write("a", 3, 4) == [(0, 1)]                          # the copy-on-write still happens
+    assert table.writable_from == 0
+    pool.register("a", [1, 2, 3, 4])
+    assert table.writable_from > 4                                            # named: a write copies it
+    pool.open("c")
+    pool.prepare_write("c", 0, 1)
+    pool.truncate("c", 0)
+    pool.adopt("c", pool.match([1, 2, 3, 4]))
+    assert pool.tables["c"].writable_from > 4

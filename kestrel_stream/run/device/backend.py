@@ -30,8 +30,8 @@ from kestrel_stream.run.device import dense_path
 from kestrel_stream.run.device.budget import GpuMemoryPlan
 from kestrel_stream.run.device.ops import DeviceOps, DeviceState, KVCaches, fused_tensor
 from kestrel_stream.run.device.kv_paged import PagedKVCache
-from kestrel_stream.run.device.step_outputs import StepOutputs
-from kestrel_stream.run.device.step_params import StepParams
+from kestrel_stream.run.device.step_io import StepOutputs
+from kestrel_stream.run.device.step_io import StepParams
 from kestrel_stream.run.device.weight_cache import WeightCache, layer_vectors
 from kestrel_stream.run.device.weight_window import WeightWindow
 

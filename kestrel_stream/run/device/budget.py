@@ -48,7 +48,7 @@ class ArenaNeeds:
         return self.kv_bytes + self.activation_bytes + self.slack_bytes
 
 
-ARGMAX_SPLITS = 64           # argmax_split's blocks per row (step_outputs.py)
+ARGMAX_SPLITS = 64           # argmax_split's blocks per row (step_io.py)
 CHAIN_STEPS_PER_SYNC = 256   # greedy_chain.MAX_STEPS_PER_SYNC
 SAMPLE_CANDIDATE_WORDS = 64 * (2 * 64 + 4)   # per logits row: sampler.py's most splits x (2 x SAMPLE_CAP + 4)
 DEFAULT_MAX_SESSIONS = 256  # block-table rows (8 bytes per block of max_seq_len each): cheap, unlike KV

@@ -86,7 +86,11 @@ class PagedKVCache:
     def prepare(self, kv: PagedKV, start: int, end: int) -> None:
         """Blocks for positions [start, end) of `kv`, copied first where shared; CapacityError (nothing
         changed) when the pool is out of blocks."""
-        blocks = self.pool.tables[kv.row].blocks
+        table = self.pool.tables[kv.row]
+        if table.writable_from <= start and end <= len(table.blocks) << self.block_shift:
+            table.length = max(table.length, end)    # inside blocks it alone holds: BlockTable.writable_from
+            return
+        blocks = table.blocks
         first = start // self.block_size
         written = blocks[first:]         # prepare_write replaces blocks from `first` on in place, or appends
         try:

@@ -12,7 +12,7 @@ device, and every kernel reads them from there, so one captured graph per
 decode batch-size bucket (1, 2, 4, 8 sessions on the GEMV kernels; 16, 32, 64
 on the tensor-core GEMM, up to max_batch) serves every later step.  Decode:
 fill staging, one graph launch, one host wait for the step's outputs (its only
-sync: step_outputs.py), copy logits out; a bigger batch replays the largest bucket in chunks.  Prefill
+sync: step_io.py), copy logits out; a bigger batch replays the largest bucket in chunks.  Prefill
 and mixed batches run the same launch list eagerly, one sync per chunk: chunks
 of `logits_rows` tokens when every row's logits are wanted, of `max_tokens`
 when only each session's last row is (lm_head then runs on those rows alone).
