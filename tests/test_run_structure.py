@@ -54,7 +54,7 @@ def test_long_modules_say_why_they_are_one_concern():
     assert not long, f"over {LONG_MODULE_LINES} lines without a docstring sentence on why they are one concern: {long}"
 
 
-@pytest.mark.parametrize("mode", ["cpu", "gpu", "gated", "layers=1"])
+@pytest.mark.parametrize("mode", ["cpu", "gpu", "gated", "layers=1"], ids=["cpu", "whole-device", "gated", "layers"])
 def test_the_executor_holds_few_attributes(monkeypatch, mode):
     fake_cuda.install(monkeypatch)
     weights = random_q8_weights(CONFIG, seed=2)
