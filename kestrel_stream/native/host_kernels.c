@@ -1,0 +1,615 @@
+/* Host kernels: quantized GEMV/GEMM on GGUF blocks as stored, and the float ops around them.
+ *
+ * Weights are never copied to float.  Each call quantizes its activations per block (q8_0: one float
+ * scale per 32 values, for Q8_0 and Q4_0 weights; q8_K: one float scale per 256 and the sum of every
+ * 16 quantized values, for Q4_K and Q6_K), takes integer dot products per weight block, and
+ * accumulates block results in float32.  native/twins.py is the same arithmetic in numpy.
+ *
+ * Each dot product has a scalar version and SIMD versions (AVX2: maddubs; AVX-512 VNNI: vpdpbusd).
+ * The caller names the widest ISA to use (ks_isa_supported() says which the CPU has); the build
+ * compiles every version for the running machine, so a forced lower path runs here too.
+ * Compiled with -ffp-contract=off: the float steps round as numpy's do (no fused multiply-adds the
+ * twin does not make), except where a kernel calls an FMA intrinsic itself.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <omp.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3 };
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+static inline float h2f(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+
+static inline float h2f_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h2f(h);
+}
+
+int ks_isa_supported(void) {
+    __builtin_cpu_init();
+    int mask = 1 << ISA_SCALAR;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        mask |= 1 << ISA_AVX2;
+    if ((mask & (1 << ISA_AVX2)) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        mask |= 1 << ISA_AVX512VNNI;
+    return mask;
+}
+
+int ks_max_threads(void) { return omp_get_max_threads(); }
+
+/* ---------------------------------------------------------------- activation quantization */
+
+/* q8 activations of one token: qs [K] int8; d [K/QA] float; bsums [K/16] int16 (q8_K only). */
+typedef struct {
+    int8_t *qs;
+    float *d;
+    int16_t *bsums;
+} act_t;
+
+static inline float roundf_away(float v) { return truncf(v + copysignf(0.5f, v)); }
+
+/* d = max|x| / 127, q = round(x / d) (half away from zero), per `group` values. */
+static void quantize_act(const float *x, int K, int group, int8_t *qs, float *d, int16_t *bsums) {
+    for (int b = 0; b < K / group; b++) {
+        const float *xb = x + (ptrdiff_t)b * group;
+        float amax = 0.0f;
+        for (int i = 0; i < group; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        float db = amax / 127.0f;
+        float id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        int8_t *qb = qs + (ptrdiff_t)b * group;
+        for (int i = 0; i < group; i++) qb[i] = (int8_t)roundf_away(xb[i] * id);
+    }
+    if (bsums)
+        for (int g = 0; g < K / 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += qs[g * 16 + i];
+            bsums[g] = (int16_t)s;
+        }
+}
+
+/* Exposed for the twins' test: the activation quantization alone. */
+void ks_quantize_act(const float *x, int K, int group, int8_t *qs, float *d, int16_t *bsums) {
+    quantize_act(x, K, group, qs, d, group == 256 ? bsums : NULL);
+}
+
+/* ---------------------------------------------------------------- horizontal sums */
+
+TARGET_AVX2 static inline float hsum256_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TARGET_AVX2 static inline int hsum256_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* ---------------------------------------------------------------- Q8_0: qs [K] int8, scales [K/32] f16 */
+
+static float dot_q8_0_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    const int8_t *wq = (const int8_t *)w;
+    float acc = 0.0f;
+    for (int b = 0; b < K / 32; b++) {
+        int s = 0;
+        for (int i = 0; i < 32; i++) s += wq[b * 32 + i] * a->qs[b * 32 + i];
+        acc += h2f_at(meta + 2 * b) * a->d[b] * (float)s;
+    }
+    return acc;
+}
+
+/* |w| as unsigned bytes times a with w's sign: maddubs's operands without overflow (|a| <= 127). */
+TARGET_AVX2 static inline __m256 q8_0_block_avx2(const int8_t *wq, const int8_t *aq, float scale, __m256 acc) {
+    __m256i w = _mm256_loadu_si256((const __m256i *)wq);
+    __m256i x = _mm256_loadu_si256((const __m256i *)aq);
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    __m256i p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
+}
+
+TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    const int8_t *wq = (const int8_t *)w;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int nb = K / 32, b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        acc0 = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], acc0);
+        acc1 = q8_0_block_avx2(wq + b * 32 + 32, a->qs + b * 32 + 32, h2f_at(meta + 2 * b + 2) * a->d[b + 1], acc1);
+    }
+    if (b < nb) acc0 = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], acc0);
+    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+}
+
+/* Two 32-value blocks' scales as one vector: lanes 0-7 s0, lanes 8-15 s1. */
+TARGET_VNNI static inline __m512 pair_scale(float s0, float s1) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(s0)),
+                                               _mm256_castps_pd(_mm256_set1_ps(s1)), 1));
+}
+
+TARGET_VNNI static inline __m512 q8_0_pair_vnni(const int8_t *wq, const int8_t *aq, __m512 scale, __m512 acc) {
+    __m512i w = _mm512_loadu_si512((const void *)wq);
+    __m512i x = _mm512_loadu_si512((const void *)aq);
+    __mmask64 negative = _mm512_movepi8_mask(w);
+    __m512i xs = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc);
+}
+
+TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    const int8_t *wq = (const int8_t *)w;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int nb = K / 32, b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        __m128 wd = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(meta + 2 * b)));
+        __m128 s = _mm_mul_ps(wd, _mm_loadu_ps(a->d + b));
+        float sv[4];
+        _mm_storeu_ps(sv, s);
+        acc0 = q8_0_pair_vnni(wq + b * 32, a->qs + b * 32, pair_scale(sv[0], sv[1]), acc0);
+        acc1 = q8_0_pair_vnni(wq + b * 32 + 64, a->qs + b * 32 + 64, pair_scale(sv[2], sv[3]), acc1);
+    }
+    float r = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    __m256 tail = _mm256_setzero_ps();
+    for (; b < nb; b++) tail = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], tail);
+    return r + hsum256_ps(tail);
+}
+
+/* ---------------------------------------------------------------- Q4_0: 18-byte blocks, d f16 + 16 nibble bytes */
+
+static float dot_q4_0_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    float acc = 0.0f;
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk = w + 18 * b;
+        const int8_t *x = a->qs + b * 32;
+        int s = 0;
+        for (int i = 0; i < 16; i++)
+            s += ((blk[2 + i] & 0x0F) - 8) * x[i] + ((blk[2 + i] >> 4) - 8) * x[i + 16];
+        acc += h2f_at(blk) * a->d[b] * (float)s;
+    }
+    return acc;
+}
+
+TARGET_AVX2 static inline __m256 q4_0_block_avx2(const uint8_t *blk, const int8_t *aq, float scale, __m256 acc) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
+    __m128i low = _mm_set1_epi8(0x0F);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+    q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    __m256i x = _mm256_loadu_si256((const __m256i *)aq);
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+    __m256i p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
+}
+
+TARGET_AVX2 static float dot_q4_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int nb = K / 32, b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        acc0 = q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b], acc0);
+        acc1 = q4_0_block_avx2(w + 18 * b + 18, a->qs + b * 32 + 32, h2f_at(w + 18 * b + 18) * a->d[b + 1], acc1);
+    }
+    if (b < nb) acc0 = q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b], acc0);
+    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+}
+
+/* Two blocks per vector, nibbles unsigned (0..15): dot(q, x) - dot(8, x) per lane is exact. */
+TARGET_VNNI static float dot_q4_0_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m512i eight = _mm512_set1_epi8(8);
+    const __m512i order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    __m512 acc = _mm512_setzero_ps();
+    int nb = K / 32, b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const uint8_t *b0 = w + 18 * b, *b1 = b0 + 18;
+        __m256i bytes = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b1 + 2)),
+                                         _mm_loadu_si128((const __m128i *)(b0 + 2)));
+        __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+        /* [lo0 hi0 lo1 hi1]: block 0's values 0..31, then block 1's */
+        __m512i q = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
+        __m512i x = _mm512_loadu_si512((const void *)(a->qs + b * 32));
+        __m512i p = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x),
+                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, x));
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_scale(h2f_at(b0) * a->d[b], h2f_at(b1) * a->d[b + 1]), acc);
+    }
+    float r = _mm512_reduce_add_ps(acc);
+    if (b < nb) r += hsum256_ps(q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b],
+                                                _mm256_setzero_ps()));
+    return r;
+}
+
+/* ---------------------------------------------------------------- Q4_K: 144-byte super-blocks of 256 */
+
+/* The 8 six-bit scales and mins from the 12 packed bytes (as model/quant4.q4k_scale_min). */
+static inline void q4k_scale_min(const uint8_t *q, int *sc, int *m) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        m[j] = q[j + 4] & 63;
+        sc[j + 4] = (q[j + 8] & 0x0F) | ((q[j] >> 6) << 4);
+        m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+    }
+}
+
+static inline int q4k_mins(const int *m, const int16_t *bsums) {
+    int s = 0;
+    for (int j = 0; j < 8; j++) s += m[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return s;
+}
+
+static float dot_q4_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+        const int8_t *x = a->qs + b * 256;
+        int sc[8], m[8];
+        q4k_scale_min(blk + 4, sc, m);
+        int sumi = 0;
+        for (int c = 0; c < 4; c++) {
+            int lo = 0, hi = 0;
+            for (int i = 0; i < 32; i++) {
+                lo += (qs[32 * c + i] & 0x0F) * x[64 * c + i];
+                hi += (qs[32 * c + i] >> 4) * x[64 * c + 32 + i];
+            }
+            sumi += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+        }
+        int summ = q4k_mins(m, a->bsums + b * 16);
+        acc += a->d[b] * (h2f_at(blk) * (float)sumi - h2f_at(blk + 2) * (float)summ);
+    }
+    return acc;
+}
+
+TARGET_AVX2 static float dot_q4_K_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+        const int8_t *x = a->qs + b * 256;
+        int sc[8], m[8];
+        q4k_scale_min(blk + 4, sc, m);
+        __m256i sum = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), _mm256_loadu_si256((const __m256i *)(x + 64 * c)));
+            __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), low),
+                                              _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32)));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(lo, _mm256_set1_epi16((short)sc[2 * c])));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(hi, _mm256_set1_epi16((short)sc[2 * c + 1])));
+        }
+        int summ = q4k_mins(m, a->bsums + b * 16);
+        acc += a->d[b] * (h2f_at(blk) * (float)hsum256_epi32(sum) - h2f_at(blk + 2) * (float)summ);
+    }
+    return acc;
+}
+
+TARGET_VNNI static inline __m512i pair_epi16(int s0, int s1) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)s0), _mm256_set1_epi16((short)s1), 1);
+}
+
+TARGET_VNNI static inline __m512i load_pair256(const int8_t *p0, const int8_t *p1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p0)),
+                              _mm256_loadu_si256((const __m256i *)p1), 1);
+}
+
+/* 64 quant bytes (two 32-byte chunks) per vector: low nibbles are sub-blocks 4c, 4c+2; high 4c+1, 4c+3. */
+TARGET_VNNI static float dot_q4_K_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+        const int8_t *x = a->qs + b * 256;
+        int sc[8], m[8];
+        q4k_scale_min(blk + 4, sc, m);
+        __m512i sum = _mm512_setzero_si512();
+        for (int c = 0; c < 2; c++) {
+            __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * c));
+            const int8_t *xc = x + 128 * c;
+            __m512i lo = _mm512_maddubs_epi16(_mm512_and_si512(q, low), load_pair256(xc, xc + 64));
+            __m512i hi = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q, 4), low), load_pair256(xc + 32, xc + 96));
+            sum = _mm512_add_epi32(sum, _mm512_madd_epi16(lo, pair_epi16(sc[4 * c], sc[4 * c + 2])));
+            sum = _mm512_add_epi32(sum, _mm512_madd_epi16(hi, pair_epi16(sc[4 * c + 1], sc[4 * c + 3])));
+        }
+        int summ = q4k_mins(m, a->bsums + b * 16);
+        acc += a->d[b] * (h2f_at(blk) * (float)_mm512_reduce_add_epi32(sum) - h2f_at(blk + 2) * (float)summ);
+    }
+    return acc;
+}
+
+/* ---------------------------------------------------------------- Q6_K: 210-byte super-blocks of 256 */
+/* value 128h + 32s + i: low 4 bits from ql[64h + 32(s%2) + i] (low nibble for s < 2, high for s >= 2),
+   high 2 bits from qh[32h + i] >> 2s; q - 32 times the int8 scale of its 16. */
+
+static inline int q6k_offsets(const int8_t *sc, const int16_t *bsums) {
+    int s = 0;
+    for (int g = 0; g < 16; g++) s += sc[g] * bsums[g];
+    return 32 * s;
+}
+
+static float dot_q6_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const int8_t *x = a->qs + b * 256;
+        int sums[16] = {0};
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int i = 0; i < 32; i++) {
+                    int l = ql[64 * h + 32 * (s & 1) + i];
+                    l = s < 2 ? l & 0x0F : l >> 4;
+                    int q = l | (((qh[32 * h + i] >> (2 * s)) & 3) << 4);
+                    int e = 128 * h + 32 * s + i;
+                    sums[e / 16] += q * x[e];
+                }
+        int sumi = 0;
+        for (int g = 0; g < 16; g++) sumi += sc[g] * sums[g];
+        sumi -= q6k_offsets(sc, a->bsums + b * 16);
+        acc += a->d[b] * h2f_at(blk + 208) * (float)sumi;
+    }
+    return acc;
+}
+
+TARGET_AVX2 static float dot_q6_K_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const int8_t *x = a->qs + b * 256;
+        __m256i sum = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i lows[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+            for (int s = 0; s < 4; s++) {
+                __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), two), 4);
+                __m256i q = _mm256_or_si256(lows[s], high);
+                __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x + 128 * h + 32 * s)));
+                int g = 8 * h + 2 * s;
+                __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scale));
+            }
+        }
+        int sumi = hsum256_epi32(sum) - q6k_offsets(sc, a->bsums + b * 16);
+        acc += a->d[b] * h2f_at(blk + 208) * (float)sumi;
+    }
+    return acc;
+}
+
+/* 64 values per vector: half h's s and s+1 (two 32-value pieces), their four scales of 16. */
+TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const int8_t *x = a->qs + b * 256;
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * h));   /* pieces s=0 | s=1 low nibbles */
+            __m256i hb256 = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(hb256), hb256, 1);
+            for (int p = 0; p < 2; p++) {       /* p = 0: s = 0, 1 (low nibbles); p = 1: s = 2, 3 (high) */
+                __m512i lq = p == 0 ? _mm512_and_si512(l, low) : _mm512_and_si512(_mm512_srli_epi16(l, 4), low);
+                /* lanes 0-255 are piece s = 2p (shift 4p), lanes 256-511 piece s = 2p + 1 (shift 4p + 2) */
+                __m512i shifted = _mm512_mask_blend_epi64(0xF0, _mm512_srli_epi16(hb, 4 * p), _mm512_srli_epi16(hb, 4 * p + 2));
+                __m512i q = _mm512_or_si512(lq, _mm512_slli_epi16(_mm512_and_si512(shifted, two), 4));
+                __m512i prod = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(x + 128 * h + 64 * p)));
+                int g = 8 * h + 4 * p;
+                __m512i scale = _mm512_set_epi16(sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3],
+                                                 sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2],
+                                                 sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1],
+                                                 sc[g], sc[g], sc[g], sc[g], sc[g], sc[g], sc[g], sc[g]);
+                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, scale));
+            }
+        }
+        int sumi = _mm512_reduce_add_epi32(sum) - q6k_offsets(sc, a->bsums + b * 16);
+        acc += a->d[b] * h2f_at(blk + 208) * (float)sumi;
+    }
+    return acc;
+}
+
+/* ---------------------------------------------------------------- the GEMM driver */
+
+typedef float (*dot_fn)(const uint8_t *w, const uint8_t *meta, const act_t *a, int K);
+
+static const dot_fn DOTS[4][3] = {
+    {dot_q8_0_scalar, dot_q8_0_avx2, dot_q8_0_vnni},
+    {dot_q4_0_scalar, dot_q4_0_avx2, dot_q4_0_vnni},
+    {dot_q4_K_scalar, dot_q4_K_avx2, dot_q4_K_vnni},
+    {dot_q6_K_scalar, dot_q6_K_avx2, dot_q6_K_vnni},
+};
+
+static __thread uint8_t *scratch;
+static __thread size_t scratch_bytes;
+
+static void *scratch_for(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_bytes = scratch ? bytes : 0;
+    }
+    return scratch;
+}
+
+#define ROW_TILE 16
+
+/* out[t, r] = dot(weight row r, x[t]) for r < N, t < T.  w: row r at w + r * w_stride; meta (Q8_0's
+   scales, f16) at meta + r * meta_stride.  Returns 0, or -1 when memory for the activations ran out. */
+int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride,
+              int N, int K, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride, int threads) {
+    const int group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
+    const size_t qs_bytes = (size_t)K, d_bytes = (size_t)(K / group) * 4, bs_bytes = group == 256 ? (size_t)(K / 16) * 2 : 0;
+    const size_t per_token = (qs_bytes + d_bytes + bs_bytes + 63) / 64 * 64;
+    uint8_t *buf = scratch_for(per_token * (size_t)T);
+    if (!buf) return -1;
+    const dot_fn dot = DOTS[fmt][isa];
+    const int tiles = (N + ROW_TILE - 1) / ROW_TILE;
+    if (threads < 1) threads = 1;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int t = 0; t < T; t++) {
+            uint8_t *p = buf + per_token * (size_t)t;
+            quantize_act(x + x_stride * t, K, group, (int8_t *)p, (float *)(p + qs_bytes),
+                         bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL);
+        }
+#pragma omp for schedule(static)
+        for (int tile = 0; tile < tiles; tile++) {
+            int r1 = (tile + 1) * ROW_TILE < N ? (tile + 1) * ROW_TILE : N;
+            for (int t = 0; t < T; t++) {
+                uint8_t *p = buf + per_token * (size_t)t;
+                act_t a = {(int8_t *)p, (float *)(p + qs_bytes), bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL};
+                float *o = out + out_stride * t;
+                for (int r = tile * ROW_TILE; r < r1; r++)
+                    o[r] = dot(w + w_stride * r, meta ? meta + meta_stride * r : NULL, &a, K);
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- float ops (run/host.py's conventions) */
+
+/* out[r] = (x[r] / sqrt(sum(x[r]^2) / n + eps)) * w[r % w_rows] */
+void ks_rmsnorm(const float *x, ptrdiff_t x_stride, int rows, int n, const float *w, int w_rows, float eps,
+                float *out, ptrdiff_t out_stride, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads) if (rows * n >= 16384)
+    for (int r = 0; r < rows; r++) {
+        const float *xr = x + x_stride * r;
+        const float *wr = w + (ptrdiff_t)(r % w_rows) * n;
+        float *o = out + out_stride * r;
+        float part[16] = {0};
+        int i = 0;
+        for (; i + 16 <= n; i += 16)
+            for (int j = 0; j < 16; j++) part[j] += xr[i + j] * xr[i + j];
+        float ss = 0.0f;
+        for (int j = 0; j < 16; j++) ss += part[j];
+        for (; i < n; i++) ss += xr[i] * xr[i];
+        float root = sqrtf(ss / (float)n + eps);
+        for (i = 0; i < n; i++) o[i] = (xr[i] / root) * wr[i];
+    }
+}
+
+/* out = gate / (1 + exp(-gate)) * up, row by row */
+void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
+                 float *out, ptrdiff_t out_stride, int threads) {
+    int chunks = n >= 1024 ? 4 : 1;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n >= 8192)
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < chunks; c++) {
+            const float *g = gate + g_stride * r, *u = up + u_stride * r;
+            float *o = out + out_stride * r;
+            int i0 = (int)((long)n * c / chunks), i1 = (int)((long)n * (c + 1) / chunks);
+            for (int i = i0; i < i1; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        }
+}
+
+/* In place, rotate-half: x' = x * cos + cat(-x2, x1) * sin.  x: [T, heads, D] (token stride, head stride);
+   cos, sin: [T, D]. */
+void ks_rope(float *x, ptrdiff_t t_stride, ptrdiff_t h_stride, int T, int heads, int D, const float *cos_t,
+             const float *sin_t) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < heads; h++) {
+            float *v = x + t_stride * t + h_stride * h;
+            const float *c = cos_t + (ptrdiff_t)t * D, *s = sin_t + (ptrdiff_t)t * D;
+            for (int i = 0; i < half; i++) {
+                float x1 = v[i], x2 = v[i + half];
+                v[i] = x1 * c[i] + (-x2) * s[i];
+                v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+}
+
+static inline float kv_at(const void *base, int f16, ptrdiff_t index) {
+    return f16 ? h2f(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+}
+
+/* q: [n, H, D] at positions start..start+n-1 (strides q_t, q_h); k, v: [S, n_kv, D] float32 or f16
+   (kv_f16), row stride kv_t, head stride kv_h (elements); out: [n, H * D] (row stride out_t).  Query i
+   sees keys max(0, start+i-window+1) .. start+i (window <= 0: no window); q head h reads kv head
+   h / (H / n_kv).  softmax(q k^T * scale) v, as run/host.attention. */
+int ks_attention(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
+                 int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
+                 float *out, ptrdiff_t out_t, int threads) {
+    const int group = H / n_kv, S = start + n;
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (n * H > 1)
+    {
+        float *probs = malloc(sizeof(float) * (size_t)S + sizeof(float) * (size_t)D);
+        float *acc = probs ? probs + S : NULL;
+        if (!probs) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int job = 0; job < n * H; job++) {
+            if (!probs) continue;
+            int i = job / H, h = job % H, kvh = h / group;
+            int pos = start + i;
+            int first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
+            const float *qv = q + q_t * i + q_h * h;
+            float best = -INFINITY;
+            for (int j = first; j <= pos; j++) {
+                ptrdiff_t base = kv_t * j + kv_h * kvh;
+                float part[8] = {0};
+                int d = 0;
+                for (; d + 8 <= D; d += 8)
+                    for (int u = 0; u < 8; u++) part[u] += qv[d + u] * kv_at(k, kv_f16, base + d + u);
+                float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+                for (; d < D; d++) s += qv[d] * kv_at(k, kv_f16, base + d);
+                s *= scale;
+                probs[j] = s;
+                best = s > best ? s : best;
+            }
+            float total = 0.0f;
+            for (int j = first; j <= pos; j++) {
+                probs[j] = expf(probs[j] - best);
+                total += probs[j];
+            }
+            for (int d = 0; d < D; d++) acc[d] = 0.0f;
+            for (int j = first; j <= pos; j++) {
+                float p = probs[j] / total;
+                ptrdiff_t base = kv_t * j + kv_h * kvh;
+                for (int d = 0; d < D; d++) acc[d] += p * kv_at(v, kv_f16, base + d);
+            }
+            float *o = out + out_t * i + (ptrdiff_t)h * D;
+            for (int d = 0; d < D; d++) o[d] = acc[d];
+        }
+        free(probs);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Bytes read per second by a plain summing loop, for the bench: sum of 64-bit words over n words. */
+uint64_t ks_read_sum(const uint64_t *p, size_t n, int threads) {
+    uint64_t total = 0;
+#pragma omp parallel for reduction(+ : total) schedule(static) num_threads(threads)
+    for (size_t i = 0; i < n; i++) total += p[i];
+    return total;
+}

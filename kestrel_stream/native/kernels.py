@@ -1,0 +1,188 @@
+"""ctypes bindings of the host kernels: numpy arrays in, numpy arrays out.
+
+Every function checks its arrays once (dtype, shape, inner contiguity) and passes pointers and row
+strides, so row slices and column slices of a fused output (gate | up) go in without a copy.  ctypes
+releases the GIL for the call.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+ISAS = ("scalar", "avx2", "avx512vnni")                # widening order; the C enum's values
+FORMATS = {"Q8_0": (0, 32, None), "Q4_0": (1, 32, 18), "Q4_K": (2, 256, 144), "Q6_K": (3, 256, 210)}
+# fmt → (C enum, values per block, bytes per block of a block-format row; Q8_0 is split qs | scales)
+
+_p, _i, _z, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_float
+
+
+def physical_cores() -> int:
+    """The cores this process may run on, one per physical core (SMT siblings counted once)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+class HostKernels:
+    """The loaded library: quantized matmuls and float ops, on `threads` threads with the widest ISA
+    up to `isa` that the CPU has."""
+
+    def __init__(self, path: Path, isa: str | None = None, threads: int | None = None):
+        self.path = path
+        self._lib = lib = ctypes.CDLL(str(path))
+        lib.ks_isa_supported.restype = _i
+        lib.ks_matmul.argtypes = [_i, _i, _p, _z, _p, _z, _i, _i, _p, _z, _i, _p, _z, _i]
+        lib.ks_matmul.restype = _i
+        lib.ks_quantize_act.argtypes = [_p, _i, _i, _p, _p, _p]
+        lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
+        lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]
+        lib.ks_rope.argtypes = [_p, _z, _z, _i, _i, _i, _p, _p]
+        lib.ks_attention.argtypes = [_p, _z, _z, _i, _i, _i, _p, _p, _i, _z, _z, _i, _i, _i, _f, _p, _z, _i]
+        lib.ks_attention.restype = _i
+        lib.ks_read_sum.argtypes = [_p, ctypes.c_size_t, _i]
+        lib.ks_read_sum.restype = ctypes.c_uint64
+        mask = lib.ks_isa_supported()
+        self.supported = tuple(name for i, name in enumerate(ISAS) if mask >> i & 1)
+        if isa is not None and isa not in ISAS:
+            raise ValueError(f"host kernel ISA {isa!r}: one of {', '.join(ISAS)}")
+        widest = self.supported[-1]
+        self.isa = widest if isa is None else ISAS[min(ISAS.index(isa), ISAS.index(widest))]
+        self.threads = threads or physical_cores()
+
+    def with_isa(self, isa: str) -> "HostKernels":
+        """The same library, run with at most `isa` (tests force each fallback this way)."""
+        return HostKernels(self.path, isa, self.threads)
+
+    # ------------------------------------------------------------ quantized matmuls
+
+    def matmul_q8_0(self, x: np.ndarray, qs: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [T, K]; a Q8_0 weight as stored (model/quant.QTensor): qs int8 [N, K], scales
+        float16 [N, K/32] → float32 [T, N]."""
+        assert qs.dtype == np.int8 and scales.dtype == np.float16 and qs.ndim == scales.ndim == 2
+        n, k = qs.shape
+        assert k % 32 == 0 and scales.shape == (n, k // 32), (qs.shape, scales.shape)
+        _rows_contiguous(qs, scales)
+        return self._matmul("Q8_0", x, qs, scales, n, k, out)
+
+    def matmul_blocks(self, x: np.ndarray, fmt: str, blocks: np.ndarray, cols: int,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [T, cols]; a Q4_0 / Q4_K / Q6_K weight as stored (model/quant4.BlockTensor):
+        blocks uint8 [N, cols/QK * block bytes] → float32 [T, N]."""
+        _, elements, nbytes = FORMATS[fmt]
+        assert nbytes is not None and blocks.dtype == np.uint8 and blocks.ndim == 2
+        assert cols % elements == 0 and blocks.shape[1] == cols // elements * nbytes, (fmt, blocks.shape, cols)
+        _rows_contiguous(blocks)
+        return self._matmul(fmt, x, blocks, None, blocks.shape[0], cols, out)
+
+    def _matmul(self, fmt, x, w, meta, n, k, out):
+        x = _float_rows(x, k)
+        t = x.shape[0]
+        out = np.empty((t, n), np.float32) if out is None else out
+        assert out.dtype == np.float32 and out.shape == (t, n) and (t == 0 or out.strides[1] == 4)
+        if t == 0 or n == 0:
+            return out
+        status = self._lib.ks_matmul(FORMATS[fmt][0], ISAS.index(self.isa), w.ctypes.data, w.strides[0],
+                                     None if meta is None else meta.ctypes.data, 0 if meta is None else meta.strides[0],
+                                     n, k, x.ctypes.data, x.strides[0] // 4, t, out.ctypes.data, out.strides[0] // 4,
+                                     self.threads)
+        if status != 0:
+            raise MemoryError(f"host kernels: no memory for {t} x {k} quantized activations")
+        return out
+
+    def quantize_activations(self, x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """One token's activation quantization as the matmuls do it (group 32: q8_0; 256: q8_K):
+        (qs int8 [K], d float32 [K/group], bsums int16 [K/16] for q8_K, else None)."""
+        x = np.ascontiguousarray(x, np.float32)
+        k = x.shape[0]
+        assert x.ndim == 1 and k % group == 0 and group in (32, 256)
+        qs, d = np.empty(k, np.int8), np.empty(k // group, np.float32)
+        bsums = np.empty(k // 16, np.int16) if group == 256 else None
+        self._lib.ks_quantize_act(x.ctypes.data, k, group, qs.ctypes.data, d.ctypes.data,
+                                  None if bsums is None else bsums.ctypes.data)
+        return qs, d, bsums
+
+    # ------------------------------------------------------------ float ops
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [..., n]; w: float32 [n], or [h, n] for x [..., h, n] (q/k norms per head) → x's shape."""
+        n = x.shape[-1]
+        w = np.ascontiguousarray(w, np.float32)
+        assert x.dtype == np.float32 and w.shape[-1] == n and x.shape[x.ndim - w.ndim:] == w.shape
+        rows2d = _float_rows(x.reshape(-1, n), n)
+        out = np.empty(x.shape, np.float32) if out is None else out
+        assert out.dtype == np.float32 and out.shape == x.shape and out.flags.c_contiguous
+        out2d = out.reshape(-1, n)
+        w_rows = 1 if w.ndim == 1 else w.shape[0]
+        self._lib.ks_rmsnorm(rows2d.ctypes.data, rows2d.strides[0] // 4, rows2d.shape[0], n, w.ctypes.data,
+                             w_rows, eps, out2d.ctypes.data, out2d.strides[0] // 4, self.threads)
+        return out
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """gate, up: float32 [T, n] (row strides of their own: slices of one gate|up output) → [T, n]."""
+        t, n = gate.shape
+        assert up.shape == (t, n)
+        gate, up = _float_rows(gate, n), _float_rows(up, n)
+        out = np.empty((t, n), np.float32) if out is None else out
+        assert out.dtype == np.float32 and out.shape == (t, n) and out.strides[1] == 4
+        self._lib.ks_silu_mul(gate.ctypes.data, gate.strides[0] // 4, up.ctypes.data, up.strides[0] // 4, t, n,
+                              out.ctypes.data, out.strides[0] // 4, self.threads)
+        return out
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """In place: x float32 [T, heads, D] (D contiguous) rotated by cos, sin [T, D] (rotate-half, as
+        run/host.apply_rope).  Returns x."""
+        t, heads, d = x.shape
+        assert x.dtype == np.float32 and x.strides[2] == 4 and cos.shape == sin.shape == (t, d)
+        cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+        self._lib.ks_rope(x.ctypes.data, x.strides[0] // 4, x.strides[1] // 4, t, heads, d, cos.ctypes.data,
+                          sin.ctypes.data)
+        return x
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int | None = None,
+                  scale: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """q: float32 [n, H, D] at positions start..start+n-1; k, v: [S, n_kv, D] float32 or float16 with
+        S >= start + n (the first start + n are read) → [n, H * D], as run/host.attention (GQA, causal,
+        sliding window)."""
+        n, heads, d = q.shape
+        assert q.dtype == np.float32 and q.strides[2] == 4
+        assert k.dtype == v.dtype and k.dtype in (np.float32, np.float16) and k.strides == v.strides
+        s, n_kv, dk = k.shape
+        assert dk == d and v.shape == k.shape and s >= start + n and heads % n_kv == 0
+        assert k.strides[2] == k.itemsize
+        out = np.empty((n, heads * d), np.float32) if out is None else out
+        assert out.dtype == np.float32 and out.shape == (n, heads * d) and out.strides[1] == 4
+        scale = float(np.float32(1.0 / np.sqrt(d))) if scale is None else scale
+        status = self._lib.ks_attention(q.ctypes.data, q.strides[0] // 4, q.strides[1] // 4, n, heads, d,
+                                        k.ctypes.data, v.ctypes.data, int(k.dtype == np.float16),
+                                        k.strides[0] // k.itemsize, k.strides[1] // k.itemsize, n_kv, start,
+                                        window or 0, scale, out.ctypes.data, out.strides[0] // 4, self.threads)
+        if status != 0:
+            raise MemoryError("host kernels: no memory for attention scores")
+        return out
+
+    def read_sum(self, words: np.ndarray, threads: int | None = None) -> int:
+        """The sum of a uint64 array, read once by `threads` threads (the bench's memory-read baseline)."""
+        assert words.dtype == np.uint64 and words.flags.c_contiguous
+        return int(self._lib.ks_read_sum(words.ctypes.data, words.size, threads or self.threads))
+
+
+def _rows_contiguous(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        assert a.shape[0] <= 1 or a.strides[0] > 0, "rows in ascending memory order"
+        assert a.strides[1] == a.itemsize, "each row contiguous"
+
+
+def _float_rows(x: np.ndarray, k: int) -> np.ndarray:
+    """x as float32 [T, k] with contiguous rows (a copy only when x is not already that)."""
+    if x.dtype != np.float32 or x.ndim != 2 or (x.shape[0] > 0 and x.strides[1] != 4):
+        x = np.ascontiguousarray(x, np.float32).reshape(-1, k)
+    assert x.shape[1] == k, (x.shape, k)
+    return x
