@@ -20,6 +20,8 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compile
 # K not a multiple of 256 where the format allows it; N odd
 SHAPES = {"Q8_0": [(67, 800), (5, 96)], "Q4_0": [(67, 800), (5, 96)], "Q4_K": [(67, 768), (3, 256)],
           "Q6_K": [(67, 768), (3, 256)]}
+# 1, 2: a dot product per row and token; 17, 64: with VNNI, 16 tokens in lanes (a partial group too);
+# 5: lanes for the 4- and 6-bit formats, dots for Q8_0 (host_kernels.c, ks_lanes_min_tokens)
 TOKENS = (1, 2, 5, 17, 64)
 
 

@@ -433,6 +433,181 @@ TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, co
     return acc;
 }
 
+/* ---------------------------------------------------------------- many tokens: tokens in lanes (VNNI) */
+/* For 4+ tokens, vpdpbusd runs with 16 tokens in the lanes of one vector: each token's activations
+   as unsigned bytes (q + 128), 4 values per lane (act_tiles), and 4 of one weight row's signed values
+   broadcast to every lane.  A weight row is unpacked once per call (unpack_row: signed values, a
+   float scale and its value sum per group of G, Q4_K's min per group) and read by every token, so a
+   block is decoded once, not once per token.  q + 128 adds 128 * (the row's group sum), taken off
+   before the group's float scale. */
+
+#define LANES 16
+
+typedef struct {
+    int group;          /* values per weight group: 32, or 16 for Q6_K */
+    int act_group;      /* values per activation scale: 32 (q8_0) or 256 (q8_K) */
+    int has_mins;       /* Q4_K: value = scale * q - min, per group of 32 */
+} tiled_t;
+
+static const tiled_t TILED[4] = {{32, 32, 0}, {32, 32, 0}, {32, 256, 1}, {16, 256, 0}};
+
+/* Sums of the unsigned bytes of x: (first 16, last 16). */
+TARGET_VNNI static inline void sum_halves(__m256i x, int *lo, int *hi) {
+    __m256i s = _mm256_sad_epu8(x, _mm256_setzero_si256());
+    *lo = (int)(_mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1));
+    *hi = (int)(_mm256_extract_epi64(s, 2) + _mm256_extract_epi64(s, 3));
+}
+
+/* One weight row as signed bytes vals [K] (Q8_0: the row itself); per group its float scale, Q4_K's
+   float min, and 128 times the sum of its values (sums). */
+TARGET_VNNI static const int8_t *unpack_row(int fmt, const uint8_t *w, const uint8_t *meta, int K, int8_t *vals,
+                                            float *scale, float *mins, int32_t *sums) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    int lo, hi;
+    if (fmt == FMT_Q8_0) {
+        for (int b = 0; b < K / 32; b++) {
+            scale[b] = h2f_at(meta + 2 * b);
+            sum_halves(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32 * b)), _mm256_set1_epi8((char)0x80)), &lo, &hi);
+            sums[b] = 128 * (lo + hi - 32 * 128);
+        }
+        return (const int8_t *)w;
+    }
+    if (fmt == FMT_Q4_0) {
+        for (int b = 0; b < K / 32; b++) {
+            const uint8_t *blk = w + 18 * b;
+            scale[b] = h2f_at(blk);
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
+            __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low);
+            sum_halves(q, &lo, &hi);
+            sums[b] = 128 * (lo + hi - 8 * 32);
+            _mm256_storeu_si256((__m256i *)(vals + 32 * b), _mm256_sub_epi8(q, _mm256_set1_epi8(8)));
+        }
+        return vals;
+    }
+    if (fmt == FMT_Q4_K) {
+        for (int b = 0; b < K / 256; b++) {
+            const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+            float d = h2f_at(blk), dmin = h2f_at(blk + 2);
+            int sc[8], m[8];
+            q4k_scale_min(blk + 4, sc, m);
+            for (int j = 0; j < 8; j++) {
+                scale[8 * b + j] = d * (float)sc[j];
+                mins[8 * b + j] = dmin * (float)m[j];
+            }
+            for (int c = 0; c < 4; c++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i ql = _mm256_and_si256(q, low), qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                sum_halves(ql, &lo, &hi);
+                sums[8 * b + 2 * c] = 128 * (lo + hi);
+                sum_halves(qh, &lo, &hi);
+                sums[8 * b + 2 * c + 1] = 128 * (lo + hi);
+                _mm256_storeu_si256((__m256i *)(vals + 256 * b + 64 * c), ql);
+                _mm256_storeu_si256((__m256i *)(vals + 256 * b + 64 * c + 32), qh);
+            }
+        }
+        return vals;
+    }
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        float d = h2f_at(blk + 208);
+        for (int g = 0; g < 16; g++) scale[16 * b + g] = d * (float)sc[g];
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i lows[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+            for (int s = 0; s < 4; s++) {
+                __m256i q = _mm256_or_si256(lows[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), three), 4));
+                int g = 16 * b + 8 * h + 2 * s;
+                sum_halves(q, &lo, &hi);
+                sums[g] = 128 * (lo - 32 * 16);
+                sums[g + 1] = 128 * (hi - 32 * 16);
+                _mm256_storeu_si256((__m256i *)(vals + 256 * b + 128 * h + 32 * s), _mm256_sub_epi8(q, _mm256_set1_epi8(32)));
+            }
+        }
+    }
+    return vals;
+}
+
+/* Tokens t0..t0+15 of the quantized activations into lanes: bytes [K/4][16][4] (q + 128, zero past T),
+   scales [K/act_group][16], and (Q4_K) value sums per 32, [K/32][16] float. */
+static void act_tiles(const uint8_t *buf, size_t per_token, size_t qs_bytes, size_t d_bytes, int K, int act_group,
+                      int with_sums, int t0, int T, uint8_t *bytes, float *d, float *sums) {
+    for (int l = 0; l < LANES; l++) {
+        int t = t0 + l;
+        const int8_t *qs = t < T ? (const int8_t *)(buf + per_token * (size_t)t) : NULL;
+        const float *ad = t < T ? (const float *)(buf + per_token * (size_t)t + qs_bytes) : NULL;
+        const int16_t *bs = t < T ? (const int16_t *)(buf + per_token * (size_t)t + qs_bytes + d_bytes) : NULL;
+        for (int q = 0; q < K / 4; q++) {
+            uint32_t v = 0x80808080u;
+            if (qs) {
+                memcpy(&v, qs + 4 * q, 4);
+                v ^= 0x80808080u;
+            }
+            memcpy(bytes + ((size_t)q * LANES + l) * 4, &v, 4);
+        }
+        for (int b = 0; b < K / act_group; b++) d[b * LANES + l] = ad ? ad[b] : 0.0f;
+        if (with_sums)
+            for (int j = 0; j < K / 32; j++) sums[j * LANES + l] = bs ? (float)(bs[2 * j] + bs[2 * j + 1]) : 0.0f;
+    }
+}
+
+#define TILE_ROWS 8
+
+/* out[r][l] for 8 rows and 16 token lanes; group, act_group and has_mins are constants in each caller,
+   so the quad loop unrolls and the accumulators stay in registers. */
+TARGET_VNNI static inline __attribute__((always_inline)) void lanes_kernel(
+    const int group, const int act_group, const int has_mins, int K, const int8_t *const *vals,
+    const float *const *scale, const float *const *mins, const int32_t *const *sums, const uint8_t *bytes,
+    const float *d, const float *asums, float out[TILE_ROWS][LANES]) {
+    __m512 total[TILE_ROWS], part[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) total[r] = part[r] = _mm512_setzero_ps();
+    for (int g0 = 0; g0 < K; g0 += group) {
+        const int gi = g0 / group;
+        __m512i acc[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_set1_epi32(-sums[r][gi]);
+        for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
+            __m512i a = _mm512_load_si512((const void *)(bytes + (size_t)q * 64));
+            for (int r = 0; r < TILE_ROWS; r++) {
+                int32_t wv;
+                memcpy(&wv, vals[r] + 4 * q, 4);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], a, _mm512_set1_epi32(wv));
+            }
+        }
+        if (act_group == 32) {
+            __m512 ad = _mm512_load_ps(d + (size_t)gi * LANES);
+            for (int r = 0; r < TILE_ROWS; r++)
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(scale[r][gi]), ad), total[r]);
+        } else {
+            for (int r = 0; r < TILE_ROWS; r++) {
+                part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(scale[r][gi]), part[r]);
+                if (has_mins)
+                    part[r] = _mm512_fnmadd_ps(_mm512_set1_ps(mins[r][gi]), _mm512_load_ps(asums + (size_t)gi * LANES), part[r]);
+            }
+            if ((g0 + group) % 256 == 0) {
+                __m512 ad = _mm512_load_ps(d + (size_t)(g0 / 256) * LANES);
+                for (int r = 0; r < TILE_ROWS; r++) {
+                    total[r] = _mm512_fmadd_ps(part[r], ad, total[r]);
+                    part[r] = _mm512_setzero_ps();
+                }
+            }
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) _mm512_storeu_ps(out[r], total[r]);
+}
+
+#define LANES_ARGS int K, const int8_t *const *vals, const float *const *scale, const float *const *mins, \
+    const int32_t *const *sums, const uint8_t *bytes, const float *d, const float *asums, float out[TILE_ROWS][LANES]
+#define LANES_PASS K, vals, scale, mins, sums, bytes, d, asums, out
+TARGET_VNNI static void lanes_g32_a32(LANES_ARGS) { lanes_kernel(32, 32, 0, LANES_PASS); }
+TARGET_VNNI static void lanes_g32_a256_mins(LANES_ARGS) { lanes_kernel(32, 256, 1, LANES_PASS); }
+TARGET_VNNI static void lanes_g16_a256(LANES_ARGS) { lanes_kernel(16, 256, 0, LANES_PASS); }
+typedef void (*lanes_fn)(LANES_ARGS);
+static const lanes_fn LANES_KERNELS[4] = {lanes_g32_a32, lanes_g32_a32, lanes_g32_a256_mins, lanes_g16_a256};
+
 /* ---------------------------------------------------------------- the GEMM driver */
 
 typedef float (*dot_fn)(const uint8_t *w, const uint8_t *meta, const act_t *a, int K);
@@ -458,6 +633,11 @@ static void *scratch_for(size_t bytes) {
 
 #define ROW_TILE 16
 
+/* From this many tokens the VNNI path runs 16 tokens in lanes (lanes_kernel), per format; fewer: a dot
+   product per row and token.  Measured on one core (bench/host_kernels.py's shapes): a group of 16 lanes
+   costs about as much as 5 (Q8_0), 4 (Q4_0) or 3 (Q4_K, Q6_K) tokens' dot products. */
+int ks_lanes_min_tokens[4] = {6, 4, 3, 3};
+
 /* out[t, r] = dot(weight row r, x[t]) for r < N, t < T.  w: row r at w + r * w_stride; meta (Q8_0's
    scales, f16) at meta + r * meta_stride.  Returns 0, or -1 when memory for the activations ran out. */
 int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride,
@@ -465,10 +645,17 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
     const int group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
     const size_t qs_bytes = (size_t)K, d_bytes = (size_t)(K / group) * 4, bs_bytes = group == 256 ? (size_t)(K / 16) * 2 : 0;
     const size_t per_token = (qs_bytes + d_bytes + bs_bytes + 63) / 64 * 64;
-    uint8_t *buf = scratch_for(per_token * (size_t)T);
+    const int lanes = isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
+    const int token_groups = (T + LANES - 1) / LANES;
+    /* per token group: bytes [K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
+    const size_t tile_bytes = (size_t)K * LANES + (size_t)(K / group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
+    uint8_t *buf = scratch_for(per_token * (size_t)T + (lanes ? tile_bytes * (size_t)token_groups : 0));
     if (!buf) return -1;
+    uint8_t *tiles = buf + per_token * (size_t)T;
     const dot_fn dot = DOTS[fmt][isa];
-    const int tiles = (N + ROW_TILE - 1) / ROW_TILE;
+    const int row_tiles = (N + ROW_TILE - 1) / ROW_TILE;
+    const int wgroup = TILED[fmt].group;
+    int failed = 0;
     if (threads < 1) threads = 1;
 #pragma omp parallel num_threads(threads)
     {
@@ -478,19 +665,67 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
             quantize_act(x + x_stride * t, K, group, (int8_t *)p, (float *)(p + qs_bytes),
                          bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL);
         }
+        if (!lanes) {
 #pragma omp for schedule(static)
-        for (int tile = 0; tile < tiles; tile++) {
-            int r1 = (tile + 1) * ROW_TILE < N ? (tile + 1) * ROW_TILE : N;
-            for (int t = 0; t < T; t++) {
-                uint8_t *p = buf + per_token * (size_t)t;
-                act_t a = {(int8_t *)p, (float *)(p + qs_bytes), bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL};
-                float *o = out + out_stride * t;
-                for (int r = tile * ROW_TILE; r < r1; r++)
-                    o[r] = dot(w + w_stride * r, meta ? meta + meta_stride * r : NULL, &a, K);
+            for (int tile = 0; tile < row_tiles; tile++) {
+                int r1 = (tile + 1) * ROW_TILE < N ? (tile + 1) * ROW_TILE : N;
+                for (int t = 0; t < T; t++) {
+                    uint8_t *p = buf + per_token * (size_t)t;
+                    act_t a = {(int8_t *)p, (float *)(p + qs_bytes), bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL};
+                    float *o = out + out_stride * t;
+                    for (int r = tile * ROW_TILE; r < r1; r++)
+                        o[r] = dot(w + w_stride * r, meta ? meta + meta_stride * r : NULL, &a, K);
+                }
             }
+        } else {
+#pragma omp for schedule(static)
+            for (int tg = 0; tg < token_groups; tg++) {
+                uint8_t *tile = tiles + tile_bytes * (size_t)tg;
+                act_tiles(buf, per_token, qs_bytes, d_bytes, K, group, fmt == FMT_Q4_K, tg * LANES, T, tile,
+                          (float *)(tile + (size_t)K * LANES), (float *)(tile + (size_t)K * LANES + (size_t)(K / group) * LANES * 4));
+            }
+            /* per thread: TILE_ROWS unpacked rows (values, scales, mins, sums) */
+            const size_t ng = (size_t)(K / wgroup);
+            uint8_t *own = aligned_alloc(64, ((size_t)TILE_ROWS * (K + ng * 12) + 64 * 4 + 63) / 64 * 64);
+            if (!own) {
+#pragma omp atomic write
+                failed = 1;
+            }
+#pragma omp for schedule(static)
+            for (int tile = 0; tile < row_tiles; tile++) {
+                if (!own) continue;
+                int r1 = (tile + 1) * ROW_TILE < N ? (tile + 1) * ROW_TILE : N;
+                for (int r0 = tile * ROW_TILE; r0 < r1; r0 += TILE_ROWS) {
+                    int R = r1 - r0 < TILE_ROWS ? r1 - r0 : TILE_ROWS;
+                    const int8_t *vals[TILE_ROWS];
+                    const float *scale[TILE_ROWS], *mins[TILE_ROWS];
+                    const int32_t *sums[TILE_ROWS];
+                    for (int r = 0; r < TILE_ROWS; r++) {
+                        if (r >= R) {       /* past N: row r0 again, its results dropped */
+                            vals[r] = vals[0], scale[r] = scale[0], mins[r] = mins[0], sums[r] = sums[0];
+                            continue;
+                        }
+                        uint8_t *mine = own + (size_t)r * (K + ng * 12);
+                        float *sc = (float *)(mine + K), *mn = sc + ng;
+                        int32_t *sm = (int32_t *)(mn + ng);
+                        vals[r] = unpack_row(fmt, w + w_stride * (r0 + r), meta ? meta + meta_stride * (r0 + r) : NULL, K,
+                                             (int8_t *)mine, sc, mn, sm);
+                        scale[r] = sc, mins[r] = mn, sums[r] = sm;
+                    }
+                    for (int tg = 0; tg < token_groups; tg++) {
+                        uint8_t *tile_p = tiles + tile_bytes * (size_t)tg;
+                        float res[TILE_ROWS][LANES];
+                        LANES_KERNELS[fmt](K, vals, scale, mins, sums, tile_p, (const float *)(tile_p + (size_t)K * LANES),
+                                           (const float *)(tile_p + (size_t)K * LANES + (size_t)(K / group) * LANES * 4), res);
+                        for (int l = 0; l < LANES && tg * LANES + l < T; l++)
+                            for (int r = 0; r < R; r++) out[out_stride * (tg * LANES + l) + r0 + r] = res[r][l];
+                    }
+                }
+            }
+            free(own);
         }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* ---------------------------------------------------------------- float ops (run/host.py's conventions) */
