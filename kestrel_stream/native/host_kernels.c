@@ -666,7 +666,7 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
                          bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL);
         }
         if (!lanes) {
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
             for (int tile = 0; tile < row_tiles; tile++) {
                 int r1 = (tile + 1) * ROW_TILE < N ? (tile + 1) * ROW_TILE : N;
                 for (int t = 0; t < T; t++) {
@@ -691,7 +691,7 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
 #pragma omp atomic write
                 failed = 1;
             }
-#pragma omp for schedule(static)
+#pragma omp for schedule(dynamic, 4)
             for (int tile = 0; tile < row_tiles; tile++) {
                 if (!own) continue;
                 int r1 = (tile + 1) * ROW_TILE < N ? (tile + 1) * ROW_TILE : N;
