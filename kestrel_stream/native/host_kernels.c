@@ -657,13 +657,22 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
     const int wgroup = TILED[fmt].group;
     int failed = 0;
     if (threads < 1) threads = 1;
+    /* a few tokens are quantized here, before the threads start: one barrier less per call */
+    const int quantize_inside = T > 4;
+    for (int t = 0; t < T && !quantize_inside; t++) {
+        uint8_t *p = buf + per_token * (size_t)t;
+        quantize_act(x + x_stride * t, K, group, (int8_t *)p, (float *)(p + qs_bytes),
+                     bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL);
+    }
 #pragma omp parallel num_threads(threads)
     {
+        if (quantize_inside) {
 #pragma omp for schedule(static)
-        for (int t = 0; t < T; t++) {
-            uint8_t *p = buf + per_token * (size_t)t;
-            quantize_act(x + x_stride * t, K, group, (int8_t *)p, (float *)(p + qs_bytes),
-                         bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL);
+            for (int t = 0; t < T; t++) {
+                uint8_t *p = buf + per_token * (size_t)t;
+                quantize_act(x + x_stride * t, K, group, (int8_t *)p, (float *)(p + qs_bytes),
+                             bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL);
+            }
         }
         if (!lanes) {
 #pragma omp for schedule(dynamic, 4)
