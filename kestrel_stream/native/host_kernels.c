@@ -759,17 +759,41 @@ void ks_rmsnorm(const float *x, ptrdiff_t x_stride, int rows, int n, const float
     }
 }
 
+/* exp(x) for float32, within 2 ulp of expf on [-87.3, 88.7] (0 below, inf above): x = n ln2 + r,
+   |r| <= ln2/2, e^r by a degree-6 polynomial (Cephes' expf coefficients), times 2^n through the exponent
+   bits.  Plain arithmetic, so a loop over it vectorizes (libm's expf does not without -ffast-math). */
+static inline float exp_poly(float x) {
+    float xc = fminf(fmaxf(x, -87.33654f), 88.72283f);
+    float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    y = y * scale;
+    y = x < -87.33654f ? 0.0f : y;
+    return x > 88.72283f ? INFINITY : y;
+}
+
 /* out = gate / (1 + exp(-gate)) * up, row by row */
 void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
                  float *out, ptrdiff_t out_stride, int threads) {
     int chunks = n >= 1024 ? 4 : 1;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n >= 8192)
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n >= 65536)
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chunks; c++) {
             const float *g = gate + g_stride * r, *u = up + u_stride * r;
             float *o = out + out_stride * r;
             int i0 = (int)((long)n * c / chunks), i1 = (int)((long)n * (c + 1) / chunks);
-            for (int i = i0; i < i1; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+#pragma omp simd
+            for (int i = i0; i < i1; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
         }
 }
 
@@ -790,60 +814,90 @@ void ks_rope(float *x, ptrdiff_t t_stride, ptrdiff_t h_stride, int T, int heads,
         }
 }
 
-static inline float kv_at(const void *base, int f16, ptrdiff_t index) {
-    return f16 ? h2f(((const uint16_t *)base)[index]) : ((const float *)base)[index];
+/* Row j of a KV head as float32: the row itself, or (f16) converted into tmp. */
+static inline const float *kv_row(const void *base, int f16, ptrdiff_t offset, int D, float *tmp) {
+    if (!f16) return (const float *)base + offset;
+    const uint16_t *h = (const uint16_t *)base + offset;
+    int d = 0;
+#ifdef __F16C__
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(tmp + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
+#endif
+    for (; d < D; d++) tmp[d] = h2f(h[d]);
+    return tmp;
+}
+
+/* One job: query heads 0..nh*group-1 from q (head stride q_h) over kv heads 0..nh-1 at `head` (head
+   stride kv_h), keys first..pos: the nh kv heads of a key row are adjacent in memory, so a job streams
+   through them; each row is read (and converted) once for its group of query heads.
+   probs: [nh * group][S]; tmp: [D]. */
+static void attention_job(const float *q, ptrdiff_t q_h, int group, int nh, int D, const void *k, const void *v,
+                          int f16, ptrdiff_t kv_t, ptrdiff_t kv_h, ptrdiff_t head, int first, int pos, float scale,
+                          float *probs, int S, float *tmp, float *best, float *out) {
+    const int heads = nh * group;
+    for (int g = 0; g < heads; g++) best[g] = -INFINITY;
+    for (int j = first; j <= pos; j++)
+        for (int hh = 0; hh < nh; hh++) {
+            const float *kr = kv_row(k, f16, kv_t * j + head + kv_h * hh, D, tmp);
+            for (int g = hh * group; g < (hh + 1) * group; g++) {
+                const float *qv = q + q_h * g;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < D; d++) s += qv[d] * kr[d];
+                s *= scale;
+                probs[(size_t)g * S + j] = s;
+                best[g] = s > best[g] ? s : best[g];
+            }
+        }
+    for (int g = 0; g < heads; g++) {
+        float *p = probs + (size_t)g * S, total = 0.0f, bg = best[g];
+#pragma omp simd reduction(+ : total)
+        for (int j = first; j <= pos; j++) {
+            p[j] = exp_poly(p[j] - bg);
+            total += p[j];
+        }
+#pragma omp simd
+        for (int j = first; j <= pos; j++) p[j] = p[j] / total;
+        for (int d = 0; d < D; d++) out[(size_t)g * D + d] = 0.0f;
+    }
+    for (int j = first; j <= pos; j++)
+        for (int hh = 0; hh < nh; hh++) {
+            const float *vr = kv_row(v, f16, kv_t * j + head + kv_h * hh, D, tmp);
+            for (int g = hh * group; g < (hh + 1) * group; g++) {
+                float pj = probs[(size_t)g * S + j], *o = out + (size_t)g * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) o[d] += pj * vr[d];
+            }
+        }
 }
 
 /* q: [n, H, D] at positions start..start+n-1 (strides q_t, q_h); k, v: [S, n_kv, D] float32 or f16
    (kv_f16), row stride kv_t, head stride kv_h (elements); out: [n, H * D] (row stride out_t).  Query i
    sees keys max(0, start+i-window+1) .. start+i (window <= 0: no window); q head h reads kv head
-   h / (H / n_kv).  softmax(q k^T * scale) v, as run/host.attention. */
+   h / (H / n_kv).  softmax(q k^T * scale) v, as run/host.attention; jobs are (query, kv head) pairs, so
+   the heads of a group read each key and value row once. */
 int ks_attention(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
                  int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
                  float *out, ptrdiff_t out_t, int threads) {
     const int group = H / n_kv, S = start + n;
+    /* jobs: (query, a run of adjacent kv heads), about `threads` jobs per query when there are few queries */
+    const int parts = n >= threads ? 1 : (threads + n - 1) / n < n_kv ? (threads + n - 1) / n : n_kv;
+    const int run = (n_kv + parts - 1) / parts, runs = (n_kv + run - 1) / run;
     int failed = 0;
-#pragma omp parallel num_threads(threads) if (n * H > 1)
+#pragma omp parallel num_threads(threads) if (n * runs > 1 && (size_t)S * n * H * D >= 65536)
     {
-        float *probs = malloc(sizeof(float) * (size_t)S + sizeof(float) * (size_t)D);
-        float *acc = probs ? probs + S : NULL;
+        float *probs = malloc(sizeof(float) * ((size_t)S * run * group + (size_t)D + (size_t)run * group));
         if (!probs) {
 #pragma omp atomic write
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int job = 0; job < n * H; job++) {
+        for (int job = 0; job < n * runs; job++) {
             if (!probs) continue;
-            int i = job / H, h = job % H, kvh = h / group;
-            int pos = start + i;
+            int i = job / runs, h0 = (job % runs) * run, nh = n_kv - h0 < run ? n_kv - h0 : run, pos = start + i;
             int first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-            const float *qv = q + q_t * i + q_h * h;
-            float best = -INFINITY;
-            for (int j = first; j <= pos; j++) {
-                ptrdiff_t base = kv_t * j + kv_h * kvh;
-                float part[8] = {0};
-                int d = 0;
-                for (; d + 8 <= D; d += 8)
-                    for (int u = 0; u < 8; u++) part[u] += qv[d + u] * kv_at(k, kv_f16, base + d + u);
-                float s = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
-                for (; d < D; d++) s += qv[d] * kv_at(k, kv_f16, base + d);
-                s *= scale;
-                probs[j] = s;
-                best = s > best ? s : best;
-            }
-            float total = 0.0f;
-            for (int j = first; j <= pos; j++) {
-                probs[j] = expf(probs[j] - best);
-                total += probs[j];
-            }
-            for (int d = 0; d < D; d++) acc[d] = 0.0f;
-            for (int j = first; j <= pos; j++) {
-                float p = probs[j] / total;
-                ptrdiff_t base = kv_t * j + kv_h * kvh;
-                for (int d = 0; d < D; d++) acc[d] += p * kv_at(v, kv_f16, base + d);
-            }
-            float *o = out + out_t * i + (ptrdiff_t)h * D;
-            for (int d = 0; d < D; d++) o[d] = acc[d];
+            attention_job(q + q_t * i + q_h * (ptrdiff_t)(h0 * group), q_h, group, nh, D, k, v, kv_f16, kv_t, kv_h,
+                          kv_h * h0, first, pos, scale, probs, S, probs + (size_t)S * run * group,
+                          probs + (size_t)S * run * group + D, out + out_t * i + (ptrdiff_t)h0 * group * D);
         }
         free(probs);
     }
