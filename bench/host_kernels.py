@@ -47,17 +47,19 @@ def layer_bytes(layer) -> int:
     return sum(w.nbytes + (0 if s is None else s.nbytes) for _, _, w, s in layer)
 
 
-def time_calls(run, count: int, repeats: int) -> tuple[float, float]:
-    """(best, median) seconds per call of run(i) for i over `count` layers, after one warm pass."""
+def time_calls(run, count: int, repeats: int) -> tuple[float, float, float]:
+    """(best, median) wall seconds per call of run(i) for i over `count` layers, after one warm pass, and
+    the median CPU seconds of the process per call (all threads; spinning included)."""
     for i in range(count):
         run(i)
-    times = []
+    times, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for i in range(count):
             run(i)
         times.append((time.perf_counter() - start) / count)
-    return min(times), statistics.median(times)
+        cpu.append((time.process_time() - cpu_start) / count)
+    return min(times), statistics.median(times), statistics.median(cpu)
 
 
 def main() -> None:
@@ -68,10 +70,14 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="distinct layers cycled (4 Q8_0 layers: 212 MB)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--isa", default=None, help="the widest ISA to use (default: the CPU's widest)")
+    parser.add_argument("--omp-wait-policy", choices=("active", "passive"), default=None,
+                        help="OMP_WAIT_POLICY for the kernels' OpenMP threads (default: GNU OpenMP's own)")
     parser.add_argument("--name", default="host-kernels")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     load = os.getloadavg()
+    if args.omp_wait_policy:
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()    # read by libgomp when the library loads
     kernels = native.load(isa=args.isa)
     cores = native.physical_cores()
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, cores})
@@ -86,16 +92,16 @@ def main() -> None:
     # plain memory read: 1 GiB of uint64 words
     words = np.ones(1 << 27, np.uint64)
     for n in threads:
-        best, median = time_calls(lambda i: kernels.read_sum(words, n), 1, args.repeats)
+        best, median, cpu = time_calls(lambda i: kernels.read_sum(words, n), 1, args.repeats)
         add({"what": "memory read (C loop)", "threads": n, "tokens": "", "GB_s": round(words.nbytes / best / 1e9, 1),
-             "GB_s_median": round(words.nbytes / median / 1e9, 1), "ms": round(best * 1e3, 2)})
+             "GB_s_median": round(words.nbytes / median / 1e9, 1), "ms": round(best * 1e3, 2), "cpu_ms": round(cpu * 1e3, 2)})
     from threadpoolctl import threadpool_limits
     for n in threads:
         with threadpool_limits(n):
-            best, median = time_calls(lambda i: words.sum(), 1, args.repeats)
+            best, median, cpu = time_calls(lambda i: words.sum(), 1, args.repeats)
         add({"what": "memory read (numpy sum)", "threads": f"{n} (numpy: 1)", "tokens": "",
              "GB_s": round(words.nbytes / best / 1e9, 1), "GB_s_median": round(words.nbytes / median / 1e9, 1),
-             "ms": round(best * 1e3, 2)})
+             "ms": round(best * 1e3, 2), "cpu_ms": round(cpu * 1e3, 2)})
     del words
 
     for fmt in args.types.split(","):
@@ -113,10 +119,10 @@ def main() -> None:
                             k.matmul_q8_0(x[c], w, s, out=outs[r])
                         else:
                             k.matmul_blocks(x[c], fmt, w, c, out=outs[r])
-                best, median = time_calls(run, len(layers), args.repeats)
+                best, median, cpu = time_calls(run, len(layers), args.repeats)
                 add({"what": f"{fmt} {k.isa}", "threads": n, "tokens": t, "GB_s": round(nbytes / best / 1e9, 1),
                      "GB_s_median": round(nbytes / median / 1e9, 1), "ms": round(best * 1e3, 2),
-                     "layer_MB": round(nbytes / 1e6, 1)})
+                     "cpu_ms": round(cpu * 1e3, 2), "layer_MB": round(nbytes / 1e6, 1)})
         del layers
 
     # numpy float32 matmul of dequantized weights (the host backend today), in Q8_0 bytes per second
@@ -127,10 +133,11 @@ def main() -> None:
         x = {c: rng.standard_normal((t, c)).astype(np.float32) for _, c in SHAPES.values()}
         for n in threads:
             with threadpool_limits(n):
-                best, median = time_calls(lambda i: [x[w.shape[1]] @ w.T for w in dense[i]], len(dense), args.repeats)
+                best, median, cpu = time_calls(lambda i: [x[w.shape[1]] @ w.T for w in dense[i]], len(dense), args.repeats)
             add({"what": "numpy float32 (as Q8_0 bytes)", "threads": n, "tokens": t,
                  "GB_s": round(q8_bytes / best / 1e9, 1), "GB_s_median": round(q8_bytes / median / 1e9, 1),
-                 "ms": round(best * 1e3, 2), "layer_MB": f"{f32_bytes / 1e6:.0f} (float32)"})
+                 "ms": round(best * 1e3, 2), "cpu_ms": round(cpu * 1e3, 2),
+                 "layer_MB": f"{f32_bytes / 1e6:.0f} (float32)"})
 
     # the float ops at qwen3-1.7b's shapes, one token, against run/host.py's numpy
     from kestrel_stream.run import host
@@ -148,19 +155,20 @@ def main() -> None:
         q = rng.standard_normal((1, heads, d)).astype(np.float32)
         kv = [rng.standard_normal((context, n_kv, d)).astype(np.float32) for _ in range(2)]
         kv16 = [a.astype(np.float16) for a in kv]
-        ops += [(f"attention 1 query, {context} keys, f32 KV", lambda k, q=q, kv=kv: k.attention(q, kv[0], kv[1], context - 1),
-                 lambda q=q, kv=kv: host.attention(q, kv[0], kv[1], context - 1)),
-                (f"attention 1 query, {context} keys, f16 KV", lambda k, q=q, kv=kv16: k.attention(q, kv[0], kv[1], context - 1),
-                 None)]
+        last = context - 1
+        ops += [(f"attention 1 query, {context} keys, f32 KV", lambda k, q=q, kv=kv, p=last: k.attention(q, kv[0], kv[1], p),
+                 lambda q=q, kv=kv, p=last: host.attention(q, kv[0], kv[1], p)),
+                (f"attention 1 query, {context} keys, f16 KV",
+                 lambda k, q=q, kv=kv16, p=last: k.attention(q, kv[0], kv[1], p), None)]
     for name, native_op, numpy_op in ops:
         for n in threads:
             k = native.HostKernels(kernels.path, isa=kernels.isa, threads=n)
-            best, median = time_calls(lambda i: native_op(k), 20, args.repeats)
+            best, median, cpu = time_calls(lambda i: native_op(k), 20, args.repeats)
             row = {"what": f"op: {name}", "threads": n, "tokens": 1, "us": round(best * 1e6, 1),
                    "us_median": round(median * 1e6, 1)}
             if numpy_op is not None:
                 with threadpool_limits(n):
-                    np_best, _ = time_calls(lambda i: numpy_op(), 20, args.repeats)
+                    np_best, _, _ = time_calls(lambda i: numpy_op(), 20, args.repeats)
                 row["numpy_us"] = round(np_best * 1e6, 1)
             add(row)
 
@@ -176,8 +184,10 @@ def main() -> None:
              f"ISA {kernels.isa} (CPU has: {', '.join(kernels.supported)}). numpy float32 rows count the "
              "Q8_0 bytes of the same layer (the float32 weights are 4 bytes per value). "
              f"Load average before the run: {load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on a machine of "
-             f"{os.cpu_count()} CPUs: other processes shared the cores.")
-    path = write_results(args.name, env, rows, ["what", "threads", "tokens", "GB_s", "GB_s_median", "ms", "layer_MB",
+             f"{os.cpu_count()} CPUs: other processes shared the cores. cpu_ms: the process's CPU time per "
+             "call, all threads (a thread spinning at a barrier counts). OpenMP wait policy: "
+             f"{args.omp_wait_policy or 'GNU default (spin, then sleep)'}.")
+    path = write_results(args.name, env, rows, ["what", "threads", "tokens", "GB_s", "GB_s_median", "ms", "cpu_ms", "layer_MB",
                                                     "us", "us_median", "numpy_us"],
                          notes=notes, out_dir=args.out)
     print(f"wrote {path}")

@@ -763,7 +763,8 @@ void ks_rmsnorm(const float *x, ptrdiff_t x_stride, int rows, int n, const float
    |r| <= ln2/2, e^r by a degree-6 polynomial (Cephes' expf coefficients), times 2^n through the exponent
    bits.  Plain arithmetic, so a loop over it vectorizes (libm's expf does not without -ffast-math). */
 static inline float exp_poly(float x) {
-    float xc = fminf(fmaxf(x, -87.33654f), 88.72283f);
+    float xc = x < -87.33654f ? -87.33654f : x;
+    xc = xc > 88.72283f ? 88.72283f : xc;
     float n = floorf(xc * 1.44269504088896341f + 0.5f);
     float r = xc - n * 0.693359375f;
     r = r - n * -2.12194440e-4f;
@@ -774,12 +775,17 @@ static inline float exp_poly(float x) {
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     float y = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    y = y * scale;
+    union {
+        int32_t i;
+        float f;
+    } two_n = {((int32_t)n + 127) << 23};
+    y = y * two_n.f;
     y = x < -87.33654f ? 0.0f : y;
     return x > 88.72283f ? INFINITY : y;
+}
+
+static void silu_mul_run(const float *restrict g, const float *restrict u, float *restrict o, int n) {
+    for (int i = 0; i < n; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
 }
 
 /* out = gate / (1 + exp(-gate)) * up, row by row */
@@ -789,11 +795,8 @@ void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff
 #pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n >= 65536)
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < chunks; c++) {
-            const float *g = gate + g_stride * r, *u = up + u_stride * r;
-            float *o = out + out_stride * r;
             int i0 = (int)((long)n * c / chunks), i1 = (int)((long)n * (c + 1) / chunks);
-#pragma omp simd
-            for (int i = i0; i < i1; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+            silu_mul_run(gate + g_stride * r + i0, up + u_stride * r + i0, out + out_stride * r + i0, i1 - i0);
         }
 }
 
