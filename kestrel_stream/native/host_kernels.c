@@ -308,29 +308,60 @@ TARGET_VNNI static inline __m512i load_pair256(const int8_t *p0, const int8_t *p
                               _mm256_loadu_si256((const __m256i *)p1), 1);
 }
 
-/* 64 quant bytes (two 32-byte chunks) per vector: low nibbles are sub-blocks 4c, 4c+2; high 4c+1, 4c+3. */
+/* The 8 scales and 8 mins of a Q4_K super-block as bytes, from its 12 packed bytes, four at a time
+   (the same unpacking as q4k_scale_min). */
+static inline void q4k_scale_min_bytes(const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    uint32_t w[3], out[4];
+    memcpy(w, q, 12);
+    out[0] = w[0] & 0x3f3f3f3fu;
+    out[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    out[2] = w[1] & 0x3f3f3f3fu;
+    out[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, out, 8);
+    memcpy(m, out + 2, 8);
+}
+
+/* 64 quant bytes (two 32-byte chunks) per vector: low nibbles are sub-blocks 4c, 4c+2; high 4c+1, 4c+3.
+   Scales reach the 16-bit lanes by one permute of the 8 scales; the per-lane int32 sums are scaled in
+   float per super-block and reduced once at the end; the mins term (dmin * sum_j m_j * (sum of the
+   activations of sub-block j)) runs on 128-bit vectors. */
 TARGET_VNNI static float dot_q4_K_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    float acc = 0.0f;
+    /* 16-bit lane l of a permuted scale vector takes scale idx[l]: lanes 0-15 one sub-block, 16-31 another */
+    const __m512i pick02 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i pick13 = _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1);
+    const __m512i pick46 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i pick57 = _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1);
+    __m512 acc = _mm512_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps();
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 144 * b, *qs = blk + 16;
         const int8_t *x = a->qs + b * 256;
-        int sc[8], m[8];
-        q4k_scale_min(blk + 4, sc, m);
-        __m512i sum = _mm512_setzero_si512();
-        for (int c = 0; c < 2; c++) {
-            __m512i q = _mm512_loadu_si512((const void *)(qs + 64 * c));
-            const int8_t *xc = x + 128 * c;
-            __m512i lo = _mm512_maddubs_epi16(_mm512_and_si512(q, low), load_pair256(xc, xc + 64));
-            __m512i hi = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q, 4), low), load_pair256(xc + 32, xc + 96));
-            sum = _mm512_add_epi32(sum, _mm512_madd_epi16(lo, pair_epi16(sc[4 * c], sc[4 * c + 2])));
-            sum = _mm512_add_epi32(sum, _mm512_madd_epi16(hi, pair_epi16(sc[4 * c + 1], sc[4 * c + 3])));
-        }
-        int summ = q4k_mins(m, a->bsums + b * 16);
-        acc += a->d[b] * (h2f_at(blk) * (float)_mm512_reduce_add_epi32(sum) - h2f_at(blk + 2) * (float)summ);
+        uint8_t sc[8], m[8];
+        q4k_scale_min_bytes(blk + 4, sc, m);
+        __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        __m512i q0 = _mm512_loadu_si512((const void *)qs), q1 = _mm512_loadu_si512((const void *)(qs + 64));
+        __m512i p0 = _mm512_maddubs_epi16(_mm512_and_si512(q0, low), load_pair256(x, x + 64));
+        __m512i p1 = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low), load_pair256(x + 32, x + 96));
+        __m512i p2 = _mm512_maddubs_epi16(_mm512_and_si512(q1, low), load_pair256(x + 128, x + 192));
+        __m512i p3 = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low), load_pair256(x + 160, x + 224));
+        __m512i sum = _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_madd_epi16(p0, _mm512_permutexvar_epi16(pick02, sc16)),
+                             _mm512_madd_epi16(p1, _mm512_permutexvar_epi16(pick13, sc16))),
+            _mm512_add_epi32(_mm512_madd_epi16(p2, _mm512_permutexvar_epi16(pick46, sc16)),
+                             _mm512_madd_epi16(p3, _mm512_permutexvar_epi16(pick57, sc16))));
+        float dad = h2f_at(blk) * a->d[b], dmad = h2f_at(blk + 2) * a->d[b];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dad), acc);
+        /* sums of the activations per sub-block of 32 (pairs of bsums) times the mins */
+        const __m128i *bs = (const __m128i *)(a->bsums + b * 16);
+        __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
+        __m128i mins = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m)), pairs);
+        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(mins), _mm_set1_ps(dmad), acc_min);
     }
-    return acc;
+    __m128 t = _mm_add_ps(acc_min, _mm_movehl_ps(acc_min, acc_min));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(t);
 }
 
 /* ---------------------------------------------------------------- Q6_K: 210-byte super-blocks of 256 */
@@ -399,15 +430,24 @@ TARGET_AVX2 static float dot_q6_K_avx2(const uint8_t *w, const uint8_t *meta, co
     return acc;
 }
 
-/* 64 values per vector: half h's s and s+1 (two 32-value pieces), their four scales of 16. */
+/* 64 values per vector: half h's s and s+1 (two 32-value pieces), their four scales of 16 through one
+   permute of the 16 scales; per-lane int32 sums scaled in float per super-block, reduced once; the
+   offset (32 * sum_g scale_g * bsum_g) on a 256-bit vector. */
 TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
     const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
-    float acc = 0.0f;
+    __m512i pick[4];            /* lanes 0-7: scale 4i, 8-15: 4i+1, 16-23: 4i+2, 24-31: 4i+3 */
+    for (int i = 0; i < 4; i++)
+        pick[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(4 * i + 1)),
+                                                                             _mm_set1_epi16((short)(4 * i)))),
+                                     _mm256_set_m128i(_mm_set1_epi16((short)(4 * i + 3)), _mm_set1_epi16((short)(4 * i + 2))), 1);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 acc_off = _mm256_setzero_ps();
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
-        const int8_t *sc = (const int8_t *)(blk + 192);
         const int8_t *x = a->qs + b * 256;
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        __m512i sc512 = _mm512_castsi256_si512(sc16);
         __m512i sum = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
             __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * h));   /* pieces s=0 | s=1 low nibbles */
@@ -419,18 +459,15 @@ TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, co
                 __m512i shifted = _mm512_mask_blend_epi64(0xF0, _mm512_srli_epi16(hb, 4 * p), _mm512_srli_epi16(hb, 4 * p + 2));
                 __m512i q = _mm512_or_si512(lq, _mm512_slli_epi16(_mm512_and_si512(shifted, two), 4));
                 __m512i prod = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(x + 128 * h + 64 * p)));
-                int g = 8 * h + 4 * p;
-                __m512i scale = _mm512_set_epi16(sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3], sc[g + 3],
-                                                 sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2], sc[g + 2],
-                                                 sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1], sc[g + 1],
-                                                 sc[g], sc[g], sc[g], sc[g], sc[g], sc[g], sc[g], sc[g]);
-                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, scale));
+                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, _mm512_permutexvar_epi16(pick[2 * h + p], sc512)));
             }
         }
-        int sumi = _mm512_reduce_add_epi32(sum) - q6k_offsets(sc, a->bsums + b * 16);
-        acc += a->d[b] * h2f_at(blk + 208) * (float)sumi;
+        float dad = h2f_at(blk + 208) * a->d[b];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dad), acc);
+        __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums + b * 16)), sc16);
+        acc_off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.0f * dad), acc_off);
     }
-    return acc;
+    return _mm512_reduce_add_ps(acc) - hsum256_ps(acc_off);
 }
 
 /* ---------------------------------------------------------------- many tokens: tokens in lanes (VNNI) */
