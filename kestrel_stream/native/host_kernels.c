@@ -671,9 +671,11 @@ static void *scratch_for(size_t bytes) {
 #define ROW_TILE 16
 
 /* From this many tokens the VNNI path runs 16 tokens in lanes (lanes_kernel), per format; fewer: a dot
-   product per row and token.  Measured on one core (bench/host_kernels.py's shapes): a group of 16 lanes
-   costs about as much as 5 (Q8_0), 4 (Q4_0) or 3 (Q4_K, Q6_K) tokens' dot products. */
-int ks_lanes_min_tokens[4] = {6, 4, 3, 3};
+   product per row and token.  Measured on one core (2048x2048, thread time): a group of 16 lanes costs
+   about as much as 5-6 (Q8_0), 3-4 (Q4_0), 5-6 (Q4_K) or 4-5 (Q6_K) tokens' dot products.  A group of
+   8 lanes (256-bit) was tried and cost the same as 16: the per-row work (unpacking, broadcasts,
+   scales per group) does not shrink with the lanes. */
+int ks_lanes_min_tokens[4] = {6, 4, 6, 5};
 
 /* out[t, r] = dot(weight row r, x[t]) for r < N, t < T.  w: row r at w + r * w_stride; meta (Q8_0's
    scales, f16) at meta + r * meta_stride.  Returns 0, or -1 when memory for the activations ran out. */
