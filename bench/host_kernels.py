@@ -113,12 +113,12 @@ def main() -> None:
             for n in threads:
                 k = native.HostKernels(kernels.path, isa=kernels.isa, threads=n)
 
+                prepared = [[k.prepare_q8_0(w, s) if s is not None else k.prepare_blocks(fmt, w, c)
+                             for r, c, w, s in layer] for layer in layers]
+
                 def run(i):
-                    for r, c, w, s in layers[i]:
-                        if s is not None:
-                            k.matmul_q8_0(x[c], w, s, out=outs[r])
-                        else:
-                            k.matmul_blocks(x[c], fmt, w, c, out=outs[r])
+                    for w in prepared[i]:
+                        k.matmul(x[w.cols], w, out=outs[w.rows])
                 best, median, cpu = time_calls(run, len(layers), args.repeats)
                 add({"what": f"{fmt} {k.isa}", "threads": n, "tokens": t, "GB_s": round(nbytes / best / 1e9, 1),
                      "GB_s_median": round(nbytes / median / 1e9, 1), "ms": round(best * 1e3, 2),

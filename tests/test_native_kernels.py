@@ -115,6 +115,17 @@ def test_matmul_takes_strided_views_without_copies(kernels):
                                    rtol=0, atol=1e-5)
 
 
+def test_a_prepared_weight_serves_every_call(kernels):
+    rng = np.random.default_rng(8)
+    w = quantize(rng.standard_normal((33, 256)).astype(np.float32))
+    prepared = kernels.prepare_q8_0(w.qs, w.scales)
+    assert (prepared.rows, prepared.cols, prepared.nbytes) == (33, 256, w.nbytes)
+    wide = rng.standard_normal((6, 512)).astype(np.float32)
+    for x in (wide[:1, :256], wide[2:3, ::2], wide[:, 256:], wide[::3, :256].astype(np.float64)):
+        np.testing.assert_allclose(kernels.matmul(x, prepared), twins.matmul_q8_0(x.astype(np.float32), w.qs, w.scales),
+                                   rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_count_changes_no_result(kernels, threads):
     rng = np.random.default_rng(threads)

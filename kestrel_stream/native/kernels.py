@@ -56,6 +56,8 @@ class HostKernels:
         widest = self.supported[-1]
         self.isa = widest if isa is None else ISAS[min(ISAS.index(isa), ISAS.index(widest))]
         self.threads = threads or physical_cores()
+        self._isa_id = ISAS.index(self.isa)
+        self._matmul_c = lib.ks_matmul
 
     def with_isa(self, isa: str) -> "HostKernels":
         """The same library, run with at most `isa` (tests force each fallback this way)."""
@@ -63,39 +65,52 @@ class HostKernels:
 
     # ------------------------------------------------------------ quantized matmuls
 
-    def matmul_q8_0(self, x: np.ndarray, qs: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """x: float32 [T, K]; a Q8_0 weight as stored (model/quant.QTensor): qs int8 [N, K], scales
-        float16 [N, K/32] → float32 [T, N]."""
+    def prepare_q8_0(self, qs: np.ndarray, scales: np.ndarray) -> "PreparedWeight":
+        """A Q8_0 weight as stored (model/quant.QTensor): qs int8 [N, K], scales float16 [N, K/32],
+        checked once and held for `matmul` (no copy)."""
         assert qs.dtype == np.int8 and scales.dtype == np.float16 and qs.ndim == scales.ndim == 2
         n, k = qs.shape
         assert k % 32 == 0 and scales.shape == (n, k // 32), (qs.shape, scales.shape)
         _rows_contiguous(qs, scales)
-        return self._matmul("Q8_0", x, qs, scales, n, k, out)
+        return PreparedWeight("Q8_0", n, k, qs.ctypes.data, qs.strides[0], scales.ctypes.data, scales.strides[0],
+                              (qs, scales))
 
-    def matmul_blocks(self, x: np.ndarray, fmt: str, blocks: np.ndarray, cols: int,
-                      out: np.ndarray | None = None) -> np.ndarray:
-        """x: float32 [T, cols]; a Q4_0 / Q4_K / Q6_K weight as stored (model/quant4.BlockTensor):
-        blocks uint8 [N, cols/QK * block bytes] → float32 [T, N]."""
+    def prepare_blocks(self, fmt: str, blocks: np.ndarray, cols: int) -> "PreparedWeight":
+        """A Q4_0 / Q4_K / Q6_K weight as stored (model/quant4.BlockTensor): blocks uint8
+        [N, cols/QK * block bytes], checked once and held for `matmul` (no copy)."""
         _, elements, nbytes = FORMATS[fmt]
         assert nbytes is not None and blocks.dtype == np.uint8 and blocks.ndim == 2
         assert cols % elements == 0 and blocks.shape[1] == cols // elements * nbytes, (fmt, blocks.shape, cols)
         _rows_contiguous(blocks)
-        return self._matmul(fmt, x, blocks, None, blocks.shape[0], cols, out)
+        return PreparedWeight(fmt, blocks.shape[0], cols, blocks.ctypes.data, blocks.strides[0], None, 0, (blocks,))
 
-    def _matmul(self, fmt, x, w, meta, n, k, out):
-        x = _float_rows(x, k)
+    def matmul(self, x: np.ndarray, w: "PreparedWeight", out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [T, K] (rows contiguous; any row stride) → float32 [T, N] (or into `out`, any row
+        stride), on a prepared weight."""
+        if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != w.cols or x.strides[1] != 4:
+            x = _float_rows(x, w.cols)
         t = x.shape[0]
-        out = np.empty((t, n), np.float32) if out is None else out
-        assert out.dtype == np.float32 and out.shape == (t, n) and (t == 0 or out.strides[1] == 4)
-        if t == 0 or n == 0:
+        if out is None:
+            out = np.empty((t, w.rows), np.float32)
+        else:
+            assert out.dtype == np.float32 and out.shape == (t, w.rows) and (w.rows < 2 or out.strides[1] == 4)
+        if t == 0 or w.rows == 0:
             return out
-        status = self._lib.ks_matmul(FORMATS[fmt][0], ISAS.index(self.isa), w.ctypes.data, w.strides[0],
-                                     None if meta is None else meta.ctypes.data, 0 if meta is None else meta.strides[0],
-                                     n, k, x.ctypes.data, x.strides[0] // 4, t, out.ctypes.data, out.strides[0] // 4,
-                                     self.threads)
+        status = self._matmul_c(w.fmt_id, self._isa_id, w.w_ptr, w.w_stride, w.meta_ptr, w.meta_stride, w.rows,
+                                w.cols, _address(x), x.strides[0] >> 2, t, _address(out), out.strides[0] >> 2,
+                                self.threads)
         if status != 0:
-            raise MemoryError(f"host kernels: no memory for {t} x {k} quantized activations")
+            raise MemoryError(f"host kernels: no memory for {t} x {w.cols} quantized activations")
         return out
+
+    def matmul_q8_0(self, x: np.ndarray, qs: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [T, K] @ a Q8_0 weight (qs int8 [N, K], scales float16 [N, K/32]) → float32 [T, N]."""
+        return self.matmul(x, self.prepare_q8_0(qs, scales), out)
+
+    def matmul_blocks(self, x: np.ndarray, fmt: str, blocks: np.ndarray, cols: int,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [T, cols] @ a Q4_0 / Q4_K / Q6_K weight (blocks uint8 [N, cols/QK * bytes]) → [T, N]."""
+        return self.matmul(x, self.prepare_blocks(fmt, blocks, cols), out)
 
     def quantize_activations(self, x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """One token's activation quantization as the matmuls do it (group 32: q8_0; 256: q8_K):
@@ -172,6 +187,26 @@ class HostKernels:
         """The sum of a uint64 array, read once by `threads` threads (the bench's memory-read baseline)."""
         assert words.dtype == np.uint64 and words.flags.c_contiguous
         return int(self._lib.ks_read_sum(words.ctypes.data, words.size, threads or self.threads))
+
+
+class PreparedWeight:
+    """A quantized weight checked once for HostKernels.matmul: its format, shape, pointers and row
+    strides; it holds its arrays, so the pointers stay valid while it lives."""
+    __slots__ = ("fmt", "fmt_id", "rows", "cols", "w_ptr", "w_stride", "meta_ptr", "meta_stride", "nbytes", "arrays")
+
+    def __init__(self, fmt, rows, cols, w_ptr, w_stride, meta_ptr, meta_stride, arrays):
+        self.fmt, self.fmt_id, self.rows, self.cols = fmt, FORMATS[fmt][0], rows, cols
+        self.w_ptr, self.w_stride, self.meta_ptr, self.meta_stride = w_ptr, w_stride, meta_ptr, meta_stride
+        self.arrays = arrays
+        self.nbytes = sum(a.nbytes for a in arrays)
+
+
+def _address(a: np.ndarray) -> int:
+    """The address of a's first element: through the buffer protocol where a is writable and
+    C-contiguous (a fifth of the cost of a.ctypes.data), else a.ctypes.data."""
+    if a.flags.c_contiguous and a.flags.writeable:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    return a.ctypes.data
 
 
 def _rows_contiguous(*arrays: np.ndarray) -> None:
