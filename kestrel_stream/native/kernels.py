@@ -136,8 +136,8 @@ class HostKernels:
         assert out.dtype == np.float32 and out.shape == x.shape and out.flags.c_contiguous
         out2d = out.reshape(-1, n)
         w_rows = 1 if w.ndim == 1 else w.shape[0]
-        self._lib.ks_rmsnorm(rows2d.ctypes.data, rows2d.strides[0] // 4, rows2d.shape[0], n, w.ctypes.data,
-                             w_rows, eps, out2d.ctypes.data, out2d.strides[0] // 4, self.threads)
+        self._lib.ks_rmsnorm(_address(rows2d), rows2d.strides[0] // 4, rows2d.shape[0], n, _address(w),
+                             w_rows, eps, _address(out2d), out2d.strides[0] // 4, self.threads)
         return out
 
     def silu_mul(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -147,8 +147,8 @@ class HostKernels:
         gate, up = _float_rows(gate, n), _float_rows(up, n)
         out = np.empty((t, n), np.float32) if out is None else out
         assert out.dtype == np.float32 and out.shape == (t, n) and out.strides[1] == 4
-        self._lib.ks_silu_mul(gate.ctypes.data, gate.strides[0] // 4, up.ctypes.data, up.strides[0] // 4, t, n,
-                              out.ctypes.data, out.strides[0] // 4, self.threads)
+        self._lib.ks_silu_mul(_address(gate), gate.strides[0] // 4, _address(up), up.strides[0] // 4, t, n,
+                              _address(out), out.strides[0] // 4, self.threads)
         return out
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -157,8 +157,8 @@ class HostKernels:
         t, heads, d = x.shape
         assert x.dtype == np.float32 and x.strides[2] == 4 and cos.shape == sin.shape == (t, d)
         cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
-        self._lib.ks_rope(x.ctypes.data, x.strides[0] // 4, x.strides[1] // 4, t, heads, d, cos.ctypes.data,
-                          sin.ctypes.data)
+        self._lib.ks_rope(_address(x), x.strides[0] // 4, x.strides[1] // 4, t, heads, d, _address(cos),
+                          _address(sin))
         return x
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int | None = None,
@@ -175,10 +175,10 @@ class HostKernels:
         out = np.empty((n, heads * d), np.float32) if out is None else out
         assert out.dtype == np.float32 and out.shape == (n, heads * d) and out.strides[1] == 4
         scale = float(np.float32(1.0 / np.sqrt(d))) if scale is None else scale
-        status = self._lib.ks_attention(q.ctypes.data, q.strides[0] // 4, q.strides[1] // 4, n, heads, d,
-                                        k.ctypes.data, v.ctypes.data, int(k.dtype == np.float16),
+        status = self._lib.ks_attention(_address(q), q.strides[0] // 4, q.strides[1] // 4, n, heads, d,
+                                        _address(k), _address(v), int(k.dtype == np.float16),
                                         k.strides[0] // k.itemsize, k.strides[1] // k.itemsize, n_kv, start,
-                                        window or 0, scale, out.ctypes.data, out.strides[0] // 4, self.threads)
+                                        window or 0, scale, _address(out), out.strides[0] // 4, self.threads)
         if status != 0:
             raise MemoryError("host kernels: no memory for attention scores")
         return out
@@ -204,7 +204,7 @@ class PreparedWeight:
 def _address(a: np.ndarray) -> int:
     """The address of a's first element: through the buffer protocol where a is writable and
     C-contiguous (a fifth of the cost of a.ctypes.data), else a.ctypes.data."""
-    if a.flags.c_contiguous and a.flags.writeable:
+    if a.flags.c_contiguous and a.flags.writeable and a.nbytes:
         return ctypes.addressof(ctypes.c_char.from_buffer(a))
     return a.ctypes.data
 
