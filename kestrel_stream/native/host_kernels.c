@@ -884,7 +884,7 @@ static void attention_job(const float *q, ptrdiff_t q_h, int group, int nh, int 
                 const float *qv = q + q_h * g;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int d = 0; d < D; d++) s += qv[d] * kr[d];
+                for (int d = 0; d < D; d++) s = fmaf(qv[d], kr[d], s);
                 s *= scale;
                 probs[(size_t)g * S + j] = s;
                 best[g] = s > best[g] ? s : best[g];
@@ -907,7 +907,7 @@ static void attention_job(const float *q, ptrdiff_t q_h, int group, int nh, int 
             for (int g = hh * group; g < (hh + 1) * group; g++) {
                 float pj = probs[(size_t)g * S + j], *o = out + (size_t)g * D;
 #pragma omp simd
-                for (int d = 0; d < D; d++) o[d] += pj * vr[d];
+                for (int d = 0; d < D; d++) o[d] = fmaf(pj, vr[d], o[d]);
             }
         }
 }
