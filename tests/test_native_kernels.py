@@ -23,6 +23,7 @@ SHAPES = {"Q8_0": [(67, 800), (5, 96)], "Q4_0": [(67, 800), (5, 96)], "Q4_K": [(
 # 1, 2, 5: a dot product per row and token (5: lanes for Q4_0); 7, 17, 64: with VNNI, 16 tokens in lanes (partial
 # groups too; host_kernels.c, ks_lanes_min_tokens)
 TOKENS = (1, 2, 5, 7, 17, 64)
+FORMATS_ORDER = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,30 @@ def test_thread_count_changes_no_result(kernels, threads):
     x = rng.standard_normal((4, 320)).astype(np.float32)
     one = call(native.HostKernels(kernels.path, threads=1), x)
     np.testing.assert_array_equal(call(native.HostKernels(kernels.path, threads=threads), x), one)
+
+
+def test_the_portable_build_runs_scalar_c_only(tmp_path):
+    """Built without the x86 SIMD code and without _Float16 (as on other architectures and compilers):
+    every ISA asked for runs the scalar C, halves converted by their bit fields."""
+    from kestrel_stream.native.build import build_library
+    path = build_library(tmp_path, extra_flags=("-DKS_NO_X86", "-DKS_NO_FLOAT16"))
+    portable = native.HostKernels(path, isa="avx512vnni", threads=2)
+    assert portable.supported == ("scalar",) and portable.isa == "scalar"
+    rng = np.random.default_rng(11)
+    for fmt in FORMATS_ORDER:
+        n, k = SHAPES[fmt][1]
+        call, twin, _ = make_weight(rng, fmt, n, k)
+        for t in (1, 17):
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            expect = twin(x)
+            np.testing.assert_allclose(call(portable, x), expect, rtol=0, atol=2e-6 * np.abs(expect).max())
+    gu = rng.standard_normal((2, 64)).astype(np.float32)
+    np.testing.assert_allclose(portable.silu_mul(gu[:, :32], gu[:, 32:]), host.silu_mul(gu[:, :32], gu[:, 32:]),
+                               rtol=2e-6, atol=1e-7)
+    q = rng.standard_normal((1, 4, 32)).astype(np.float32)
+    kv = rng.standard_normal((9, 2, 32)).astype(np.float16)
+    np.testing.assert_allclose(portable.attention(q, kv, kv, 8), host.attention(q, kv.astype(np.float32),
+                               kv.astype(np.float32), 8), rtol=0, atol=2e-5)
 
 
 def test_rmsnorm_as_the_host_backend(kernels):

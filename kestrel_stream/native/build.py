@@ -60,21 +60,22 @@ def cpu_signature() -> str:
     return f"{fields.get('model name', platform.machine())}; {fields.get('flags', fields.get('Features', ''))}"
 
 
-def library_path(cache_dir: Path, cc: str) -> Path:
-    key_text = "\0".join((source_path().read_text(), *FLAGS, compiler_version(cc), cpu_signature()))
+def library_path(cache_dir: Path, cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
+    key_text = "\0".join((source_path().read_text(), *FLAGS, *extra_flags, compiler_version(cc), cpu_signature()))
     key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
     return Path(cache_dir) / f"host_kernels-{platform.machine()}-{key}.so"
 
 
-def build_library(cache_dir: Path, cc: str = DEFAULT_CC) -> Path:
-    """The cached shared library's path, compiling it first when it is not there."""
-    target = library_path(cache_dir, cc)
+def build_library(cache_dir: Path, cc: str = DEFAULT_CC, extra_flags: tuple[str, ...] = ()) -> Path:
+    """The cached shared library's path, compiling it first when it is not there (`extra_flags`, e.g.
+    -DKS_NO_X86 for the scalar-only build the tests make, join the flags and the key)."""
+    target = library_path(cache_dir, cc, extra_flags)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         out = Path(tmp) / target.name
-        cmd = [shutil.which(cc) or cc, *FLAGS, str(source_path()), "-o", str(out), "-lm"]
+        cmd = [shutil.which(cc) or cc, *FLAGS, *extra_flags, str(source_path()), "-o", str(out), "-lm"]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         except (OSError, subprocess.TimeoutExpired) as e:

@@ -11,7 +11,14 @@
  * Compiled with -ffp-contract=off: the float steps round as numpy's do (no fused multiply-adds the
  * twin does not make), except where a kernel calls an FMA intrinsic itself.
  */
+/* KS_X86: the SIMD paths (x86-64 and x86); elsewhere, or built with -DKS_NO_X86, every ISA runs the
+   scalar C (the tests build that too). */
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(KS_NO_X86)
+#define KS_X86 1
 #include <immintrin.h>
+#else
+#define KS_X86 0
+#endif
 #include <math.h>
 #include <omp.h>
 #include <stddef.h>
@@ -25,11 +32,34 @@ enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3 };
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
+#if defined(__FLT16_MAX__) && !defined(KS_NO_FLOAT16)     /* KS_NO_FLOAT16: the tests build the other too */
 static inline float h2f(uint16_t h) {
     _Float16 f;
     memcpy(&f, &h, 2);
     return (float)f;
 }
+#else
+static inline float h2f(uint16_t h) {    /* IEEE half to float by its fields, where there is no _Float16 */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {                              /* subnormal: normalize */
+        int shift = 0;
+        while (!(mant & 0x400)) {
+            mant <<= 1;
+            shift++;
+        }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mant & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
 
 static inline float h2f_at(const uint8_t *p) {
     uint16_t h;
@@ -38,13 +68,15 @@ static inline float h2f_at(const uint8_t *p) {
 }
 
 int ks_isa_supported(void) {
-    __builtin_cpu_init();
     int mask = 1 << ISA_SCALAR;
+#if KS_X86
+    __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         mask |= 1 << ISA_AVX2;
     if ((mask & (1 << ISA_AVX2)) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         mask |= 1 << ISA_AVX512VNNI;
+#endif
     return mask;
 }
 
@@ -88,6 +120,7 @@ void ks_quantize_act(const float *x, int K, int group, int8_t *qs, float *d, int
 
 /* ---------------------------------------------------------------- horizontal sums */
 
+#if KS_X86
 TARGET_AVX2 static inline float hsum256_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -101,6 +134,7 @@ TARGET_AVX2 static inline int hsum256_epi32(__m256i v) {
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
     return _mm_cvtsi128_si32(s);
 }
+#endif
 
 /* ---------------------------------------------------------------- Q8_0: qs [K] int8, scales [K/32] f16 */
 
@@ -115,6 +149,7 @@ static float dot_q8_0_scalar(const uint8_t *w, const uint8_t *meta, const act_t 
     return acc;
 }
 
+#if KS_X86
 /* |w| as unsigned bytes times a with w's sign: maddubs's operands without overflow (|a| <= 127). */
 TARGET_AVX2 static inline __m256 q8_0_block_avx2(const int8_t *wq, const int8_t *aq, float scale, __m256 acc) {
     __m256i w = _mm256_loadu_si256((const __m256i *)wq);
@@ -168,6 +203,7 @@ TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const uint8_t *meta, co
     for (; b < nb; b++) tail = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], tail);
     return r + hsum256_ps(tail);
 }
+#endif
 
 /* ---------------------------------------------------------------- Q4_0: 18-byte blocks, d f16 + 16 nibble bytes */
 
@@ -185,6 +221,7 @@ static float dot_q4_0_scalar(const uint8_t *w, const uint8_t *meta, const act_t 
     return acc;
 }
 
+#if KS_X86
 TARGET_AVX2 static inline __m256 q4_0_block_avx2(const uint8_t *blk, const int8_t *aq, float scale, __m256 acc) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
     __m128i low = _mm_set1_epi8(0x0F);
@@ -233,6 +270,7 @@ TARGET_VNNI static float dot_q4_0_vnni(const uint8_t *w, const uint8_t *meta, co
                                                 _mm256_setzero_ps()));
     return r;
 }
+#endif
 
 /* ---------------------------------------------------------------- Q4_K: 144-byte super-blocks of 256 */
 
@@ -275,6 +313,7 @@ static float dot_q4_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t 
     return acc;
 }
 
+#if KS_X86
 TARGET_AVX2 static float dot_q4_K_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
     const __m256i low = _mm256_set1_epi8(0x0F);
@@ -363,6 +402,7 @@ TARGET_VNNI static float dot_q4_K_vnni(const uint8_t *w, const uint8_t *meta, co
     t = _mm_add_ss(t, _mm_movehdup_ps(t));
     return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(t);
 }
+#endif
 
 /* ---------------------------------------------------------------- Q6_K: 210-byte super-blocks of 256 */
 /* value 128h + 32s + i: low 4 bits from ql[64h + 32(s%2) + i] (low nibble for s < 2, high for s >= 2),
@@ -399,6 +439,7 @@ static float dot_q6_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t 
     return acc;
 }
 
+#if KS_X86
 TARGET_AVX2 static float dot_q6_K_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
@@ -469,6 +510,7 @@ TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, co
     }
     return _mm512_reduce_add_ps(acc) - hsum256_ps(acc_off);
 }
+#endif
 
 /* ---------------------------------------------------------------- many tokens: tokens in lanes (VNNI) */
 /* For 4+ tokens, vpdpbusd runs with 16 tokens in the lanes of one vector: each token's activations
@@ -480,6 +522,7 @@ TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, co
 
 #define LANES 16
 
+#if KS_X86
 typedef struct {
     int group;          /* values per weight group: 32, or 16 for Q6_K */
     int act_group;      /* values per activation scale: 32 (q8_0) or 256 (q8_K) */
@@ -644,17 +687,27 @@ TARGET_VNNI static void lanes_g32_a256_mins(LANES_ARGS) { lanes_kernel(32, 256, 
 TARGET_VNNI static void lanes_g16_a256(LANES_ARGS) { lanes_kernel(16, 256, 0, LANES_PASS); }
 typedef void (*lanes_fn)(LANES_ARGS);
 static const lanes_fn LANES_KERNELS[4] = {lanes_g32_a32, lanes_g32_a32, lanes_g32_a256_mins, lanes_g16_a256};
+#endif
 
 /* ---------------------------------------------------------------- the GEMM driver */
 
 typedef float (*dot_fn)(const uint8_t *w, const uint8_t *meta, const act_t *a, int K);
 
+#if KS_X86
 static const dot_fn DOTS[4][3] = {
     {dot_q8_0_scalar, dot_q8_0_avx2, dot_q8_0_vnni},
     {dot_q4_0_scalar, dot_q4_0_avx2, dot_q4_0_vnni},
     {dot_q4_K_scalar, dot_q4_K_avx2, dot_q4_K_vnni},
     {dot_q6_K_scalar, dot_q6_K_avx2, dot_q6_K_vnni},
 };
+#else
+static const dot_fn DOTS[4][3] = {
+    {dot_q8_0_scalar, dot_q8_0_scalar, dot_q8_0_scalar},
+    {dot_q4_0_scalar, dot_q4_0_scalar, dot_q4_0_scalar},
+    {dot_q4_K_scalar, dot_q4_K_scalar, dot_q4_K_scalar},
+    {dot_q6_K_scalar, dot_q6_K_scalar, dot_q6_K_scalar},
+};
+#endif
 
 static __thread uint8_t *scratch;
 static __thread size_t scratch_bytes;
@@ -684,16 +737,14 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
     const int group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
     const size_t qs_bytes = (size_t)K, d_bytes = (size_t)(K / group) * 4, bs_bytes = group == 256 ? (size_t)(K / 16) * 2 : 0;
     const size_t per_token = (qs_bytes + d_bytes + bs_bytes + 63) / 64 * 64;
-    const int lanes = isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
+    const int lanes = KS_X86 && isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
     const int token_groups = (T + LANES - 1) / LANES;
     /* per token group: bytes [K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
     const size_t tile_bytes = (size_t)K * LANES + (size_t)(K / group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
     uint8_t *buf = scratch_for(per_token * (size_t)T + (lanes ? tile_bytes * (size_t)token_groups : 0));
     if (!buf) return -1;
-    uint8_t *tiles = buf + per_token * (size_t)T;
     const dot_fn dot = DOTS[fmt][isa];
     const int row_tiles = (N + ROW_TILE - 1) / ROW_TILE;
-    const int wgroup = TILED[fmt].group;
     int failed = 0;
     if (threads < 1) threads = 1;
     /* a few tokens are quantized here, before the threads start: one barrier less per call */
@@ -725,7 +776,11 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
                         o[r] = dot(w + w_stride * r, meta ? meta + meta_stride * r : NULL, &a, K);
                 }
             }
-        } else {
+        }
+#if KS_X86
+        else {
+            uint8_t *tiles = buf + per_token * (size_t)T;
+            const int wgroup = TILED[fmt].group;
 #pragma omp for schedule(static)
             for (int tg = 0; tg < token_groups; tg++) {
                 uint8_t *tile = tiles + tile_bytes * (size_t)tg;
@@ -772,6 +827,7 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
             }
             free(own);
         }
+#endif
     }
     return failed ? -1 : 0;
 }
@@ -861,7 +917,7 @@ static inline const float *kv_row(const void *base, int f16, ptrdiff_t offset, i
     if (!f16) return (const float *)base + offset;
     const uint16_t *h = (const uint16_t *)base + offset;
     int d = 0;
-#ifdef __F16C__
+#if KS_X86 && defined(__F16C__)
     for (; d + 8 <= D; d += 8) _mm256_storeu_ps(tmp + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
 #endif
     for (; d < D; d++) tmp[d] = h2f(h[d]);
