@@ -70,15 +70,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="distinct layers cycled (4 Q8_0 layers: 212 MB)")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--isa", default=None, help="the widest ISA to use (default: the CPU's widest)")
-    parser.add_argument("--omp-wait-policy", choices=("active", "passive"), default=None,
-                        help="OMP_WAIT_POLICY for the kernels' OpenMP threads (default: GNU OpenMP's own)")
+    parser.add_argument("--spin-us", type=int, default=None,
+                        help="how long an idle worker polls before it sleeps (default: the library's, 100)")
     parser.add_argument("--name", default="host-kernels")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     load = os.getloadavg()
-    if args.omp_wait_policy:
-        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()    # read by libgomp when the library loads
-    kernels = native.load(isa=args.isa)
+    kernels = native.load(isa=args.isa, spin_us=args.spin_us)
     cores = native.physical_cores()
     threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, cores})
     tokens = [int(t) for t in args.tokens.split(",")]
@@ -185,8 +183,8 @@ def main() -> None:
              "Q8_0 bytes of the same layer (the float32 weights are 4 bytes per value). "
              f"Load average before the run: {load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on a machine of "
              f"{os.cpu_count()} CPUs: other processes shared the cores. cpu_ms: the process's CPU time per "
-             "call, all threads (a thread spinning at a barrier counts). OpenMP wait policy: "
-             f"{args.omp_wait_policy or 'GNU default (spin, then sleep)'}.")
+             "call, all threads (a worker polling for work counts). Idle workers poll for "
+             f"{args.spin_us if args.spin_us is not None else 100} us before sleeping.")
     path = write_results(args.name, env, rows, ["what", "threads", "tokens", "GB_s", "GB_s_median", "ms", "cpu_ms", "layer_MB",
                                                     "us", "us_median", "numpy_us"],
                          notes=notes, out_dir=args.out)

@@ -2,7 +2,10 @@
 with each forced fallback; the no-compiler path."""
 from __future__ import annotations
 
+import os
 import shutil
+import signal
+import time
 
 import numpy as np
 import pytest
@@ -158,6 +161,30 @@ def test_the_portable_build_runs_scalar_c_only(tmp_path):
     kv = rng.standard_normal((9, 2, 32)).astype(np.float16)
     np.testing.assert_allclose(portable.attention(q, kv, kv, 8), host.attention(q, kv.astype(np.float32),
                                kv.astype(np.float32), 8), rtol=0, atol=2e-5)
+
+
+def test_a_forked_child_runs_the_kernels_on_its_own_workers(kernels):
+    """The parent's workers do not exist in a child; the child starts its own (GNU OpenMP's would hang)."""
+    rng = np.random.default_rng(12)
+    call, twin, _ = make_weight(rng, "Q8_0", 300, 256)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    two = native.HostKernels(kernels.path, threads=2)
+    np.testing.assert_allclose(call(two, x), twin(x), rtol=0, atol=1e-5)
+    assert two.pool_workers >= 1
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if np.allclose(call(two, x), twin(x), rtol=0, atol=1e-5) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in the kernels")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
 
 
 def test_rmsnorm_as_the_host_backend(kernels):

@@ -28,7 +28,7 @@ class NativeUnavailable(RuntimeError):
 
 
 def load(options=None, *, isa: str | None = None, threads: int | None = None, cc: str | None = None,
-         cache_dir: Path | None = None) -> HostKernels:
+         cache_dir: Path | None = None, spin_us: int | None = None) -> HostKernels:
     """The host kernels for this machine, built on first use.  Settings come from `options`
     (kestrel_stream.options.Options: host_isa, host_cc, host_kernel_cache, cpu threads) unless given
     here.  Raises NativeUnavailable when there is no compiler or the build fails."""
@@ -43,7 +43,7 @@ def load(options=None, *, isa: str | None = None, threads: int | None = None, cc
         first, _, log = str(e).partition("\n")
         raise NativeUnavailable(first, log) from None
     try:
-        return HostKernels(path, isa=isa, threads=threads)
+        return HostKernels(path, isa=isa, threads=threads, spin_us=spin_us)
     except OSError as e:
         raise NativeUnavailable(f"{path.name} did not load: {e}") from None
 

@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = "host_kernels.c"
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp", "-std=gnu11")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp-simd", "-pthread", "-std=gnu11")
 DEFAULT_CC = "cc"
 
 

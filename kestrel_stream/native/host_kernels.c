@@ -5,6 +5,10 @@
  * 16 quantized values, for Q4_K and Q6_K), takes integer dot products per weight block, and
  * accumulates block results in float32.  native/twins.py is the same arithmetic in numpy.
  *
+ * Threads: a small pool of persistent workers of its own (below), not OpenMP: GNU OpenMP's workers hang
+ * a forked child, and its spin-then-sleep cannot be set per call.  `#pragma omp simd` (-fopenmp-simd)
+ * only asks for vector loops.
+ *
  * Each dot product has a scalar version and SIMD versions (AVX2: maddubs; AVX-512 VNNI: vpdpbusd).
  * The caller names the widest ISA to use (ks_isa_supported() says which the CPU has); the build
  * compiles every version for the running machine, so a forced lower path runs here too.
@@ -20,7 +24,10 @@
 #define KS_X86 0
 #endif
 #include <math.h>
-#include <omp.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -80,7 +87,138 @@ int ks_isa_supported(void) {
     return mask;
 }
 
-int ks_max_threads(void) { return omp_get_max_threads(); }
+/* ---------------------------------------------------------------- thread pool */
+/* Persistent workers, started on first use: a call publishes a job (a function of (context, index,
+   count)), runs index 0 itself and waits for the others.  Between jobs a worker polls for
+   `spin_us` microseconds, then sleeps on a condition variable.  A forked child starts its own workers
+   (pthread_atfork), so a process that forks after using the kernels keeps working in the child. */
+
+typedef void (*pool_fn)(void *ctx, int index, int count);
+
+#define POOL_MAX 256
+
+static struct {
+    pthread_mutex_t call;           /* one job at a time (callers from several threads queue here) */
+    pthread_mutex_t lock;           /* with wake / done: sleeping and waking */
+    pthread_cond_t wake, done;
+    int workers;                    /* started (indices 1..workers) */
+    pool_fn fn;
+    void *ctx;
+    int count;
+    _Atomic unsigned long generation;
+    _Atomic int remaining;
+    _Atomic int spin_us;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          0, NULL, NULL, 0, 0, 0, 100};
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static inline void cpu_relax(void) {
+#if KS_X86
+    _mm_pause();
+#endif
+}
+
+static inline double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+static void pool_after_fork(void) {     /* the child has none of the parent's workers */
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.workers = 0;
+    atomic_store(&pool.remaining, 0);
+}
+
+static void pool_register(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+typedef struct {
+    int index;
+    unsigned long seen;
+} worker_start_t;
+
+static void *pool_worker(void *arg) {
+    worker_start_t start = *(worker_start_t *)arg;
+    free(arg);
+    unsigned long seen = start.seen;
+    for (;;) {
+        unsigned long g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        if (g == seen) {
+            double until = now_us() + atomic_load_explicit(&pool.spin_us, memory_order_relaxed);
+            for (int i = 1; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; i++) {
+                cpu_relax();
+                if ((i & 63) == 0 && now_us() > until) {
+                    pthread_mutex_lock(&pool.lock);
+                    while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                    pthread_mutex_unlock(&pool.lock);
+                    break;
+                }
+            }
+        }
+        seen = g;
+        if (start.index < pool.count) {
+            pool.fn(pool.ctx, start.index, pool.count);
+            if (atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_acq_rel) == 1) {
+                pthread_mutex_lock(&pool.lock);
+                pthread_cond_signal(&pool.done);
+                pthread_mutex_unlock(&pool.lock);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* fn(ctx, i, count) for i in 0..count-1, index 0 on the calling thread; returns when all have. */
+static void pool_run(pool_fn fn, void *ctx, int count) {
+    if (count > POOL_MAX) count = POOL_MAX;
+    if (count <= 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    pthread_once(&pool_once, pool_register);
+    pthread_mutex_lock(&pool.call);
+    while (pool.workers < count - 1) {
+        worker_start_t *start = malloc(sizeof *start);
+        pthread_t thread;
+        if (!start) break;
+        start->index = pool.workers + 1;
+        start->seen = atomic_load(&pool.generation);
+        if (pthread_create(&thread, NULL, pool_worker, start) != 0) {
+            free(start);
+            break;
+        }
+        pthread_detach(thread);
+        pool.workers++;
+    }
+    if (count > pool.workers + 1) count = pool.workers + 1;
+    pool.fn = fn, pool.ctx = ctx, pool.count = count;
+    atomic_store(&pool.remaining, count - 1);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    fn(ctx, 0, count);
+    double until = now_us() + atomic_load_explicit(&pool.spin_us, memory_order_relaxed);
+    for (int i = 1; atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0; i++) {
+        cpu_relax();
+        if ((i & 63) == 0 && now_us() > until) {
+            pthread_mutex_lock(&pool.lock);
+            while (atomic_load(&pool.remaining) > 0) pthread_cond_wait(&pool.done, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&pool.call);
+}
+
+/* How long (microseconds) an idle worker, or a caller waiting for workers, polls before sleeping. */
+void ks_set_spin_us(int spin_us) { atomic_store(&pool.spin_us, spin_us < 0 ? 0 : spin_us); }
+
+int ks_pool_workers(void) { return pool.workers; }
 
 /* ---------------------------------------------------------------- activation quantization */
 
@@ -730,118 +868,155 @@ static void *scratch_for(size_t bytes) {
    scales per group) does not shrink with the lanes. */
 int ks_lanes_min_tokens[4] = {6, 4, 6, 5};
 
+typedef struct {
+    int fmt, isa, N, K, T, group;
+    const uint8_t *w, *meta;
+    ptrdiff_t w_stride, meta_stride, x_stride, out_stride;
+    const float *x;
+    float *out;
+    uint8_t *buf, *tiles;
+    size_t per_token, qs_bytes, d_bytes, bs_bytes, tile_bytes;
+    int token_groups, row_tiles;
+    _Atomic int next;               /* the next row tile to hand out */
+    _Atomic int failed;
+} matmul_t;
+
+static inline act_t token_act(const matmul_t *m, int t) {
+    uint8_t *p = m->buf + m->per_token * (size_t)t;
+    return (act_t){(int8_t *)p, (float *)(p + m->qs_bytes), m->bs_bytes ? (int16_t *)(p + m->qs_bytes + m->d_bytes) : NULL};
+}
+
+static void matmul_quantize(void *ctx, int index, int count) {
+    matmul_t *m = ctx;
+    for (int t = index; t < m->T; t += count) {
+        act_t a = token_act(m, t);
+        quantize_act(m->x + m->x_stride * t, m->K, m->group, a.qs, a.d, a.bsums);
+    }
+}
+
+#define TILES_PER_GRAB 4        /* row tiles a thread takes at a time: 64 rows */
+
+static void matmul_dots(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    matmul_t *m = ctx;
+    const dot_fn dot = DOTS[m->fmt][m->isa];
+    for (int first; (first = atomic_fetch_add_explicit(&m->next, TILES_PER_GRAB, memory_order_relaxed)) < m->row_tiles;) {
+        int r0 = first * ROW_TILE, r1 = (first + TILES_PER_GRAB) * ROW_TILE < m->N ? (first + TILES_PER_GRAB) * ROW_TILE : m->N;
+        for (int t = 0; t < m->T; t++) {
+            act_t a = token_act(m, t);
+            float *o = m->out + m->out_stride * t;
+            for (int r = r0; r < r1; r++)
+                o[r] = dot(m->w + m->w_stride * r, m->meta ? m->meta + m->meta_stride * r : NULL, &a, m->K);
+        }
+    }
+}
+
+#if KS_X86
+static void matmul_tiles(void *ctx, int index, int count) {
+    matmul_t *m = ctx;
+    const size_t scales = (size_t)m->K * LANES, sums = scales + (size_t)(m->K / m->group) * LANES * 4;
+    for (int tg = index; tg < m->token_groups; tg += count) {
+        uint8_t *tile = m->tiles + m->tile_bytes * (size_t)tg;
+        act_tiles(m->buf, m->per_token, m->qs_bytes, m->d_bytes, m->K, m->group, m->fmt == FMT_Q4_K, tg * LANES, m->T,
+                  tile, (float *)(tile + scales), (float *)(tile + sums));
+    }
+}
+
+static void matmul_lanes(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    matmul_t *m = ctx;
+    const int K = m->K, N = m->N;
+    const size_t ng = (size_t)(K / TILED[m->fmt].group), row_bytes = K + ng * 12;
+    const size_t scales = (size_t)K * LANES, sums = scales + (size_t)(K / m->group) * LANES * 4;
+    /* this thread's TILE_ROWS unpacked rows (values, scales, mins, sums) */
+    uint8_t *own = aligned_alloc(64, (TILE_ROWS * row_bytes + 63) / 64 * 64);
+    if (!own) {
+        atomic_store(&m->failed, 1);
+        return;
+    }
+    for (int first; (first = atomic_fetch_add_explicit(&m->next, TILES_PER_GRAB, memory_order_relaxed)) < m->row_tiles;) {
+        int r_end = (first + TILES_PER_GRAB) * ROW_TILE < N ? (first + TILES_PER_GRAB) * ROW_TILE : N;
+        for (int r0 = first * ROW_TILE; r0 < r_end; r0 += TILE_ROWS) {
+            int R = r_end - r0 < TILE_ROWS ? r_end - r0 : TILE_ROWS;
+            const int8_t *vals[TILE_ROWS];
+            const float *scale[TILE_ROWS], *mins[TILE_ROWS];
+            const int32_t *sum[TILE_ROWS];
+            for (int r = 0; r < TILE_ROWS; r++) {
+                if (r >= R) {       /* past N: row r0 again, its results dropped */
+                    vals[r] = vals[0], scale[r] = scale[0], mins[r] = mins[0], sum[r] = sum[0];
+                    continue;
+                }
+                uint8_t *mine = own + (size_t)r * row_bytes;
+                float *sc = (float *)(mine + K), *mn = sc + ng;
+                int32_t *sm = (int32_t *)(mn + ng);
+                vals[r] = unpack_row(m->fmt, m->w + m->w_stride * (r0 + r), m->meta ? m->meta + m->meta_stride * (r0 + r) : NULL,
+                                     K, (int8_t *)mine, sc, mn, sm);
+                scale[r] = sc, mins[r] = mn, sum[r] = sm;
+            }
+            for (int tg = 0; tg < m->token_groups; tg++) {
+                const uint8_t *tile = m->tiles + m->tile_bytes * (size_t)tg;
+                float res[TILE_ROWS][LANES];
+                LANES_KERNELS[m->fmt](K, vals, scale, mins, sum, tile, (const float *)(tile + scales),
+                                      (const float *)(tile + sums), res);
+                for (int l = 0; l < LANES && tg * LANES + l < m->T; l++)
+                    for (int r = 0; r < R; r++) m->out[m->out_stride * (tg * LANES + l) + r0 + r] = res[r][l];
+            }
+        }
+    }
+    free(own);
+}
+#endif
+
 /* out[t, r] = dot(weight row r, x[t]) for r < N, t < T.  w: row r at w + r * w_stride; meta (Q8_0's
    scales, f16) at meta + r * meta_stride.  Returns 0, or -1 when memory for the activations ran out. */
 int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride,
               int N, int K, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride, int threads) {
-    const int group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
-    const size_t qs_bytes = (size_t)K, d_bytes = (size_t)(K / group) * 4, bs_bytes = group == 256 ? (size_t)(K / 16) * 2 : 0;
-    const size_t per_token = (qs_bytes + d_bytes + bs_bytes + 63) / 64 * 64;
+    matmul_t m = {.fmt = fmt, .isa = isa, .N = N, .K = K, .T = T, .w = w, .meta = meta, .w_stride = w_stride,
+                  .meta_stride = meta_stride, .x_stride = x_stride, .out_stride = out_stride, .x = x, .out = out};
+    m.group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
+    m.qs_bytes = (size_t)K, m.d_bytes = (size_t)(K / m.group) * 4, m.bs_bytes = m.group == 256 ? (size_t)(K / 16) * 2 : 0;
+    m.per_token = (m.qs_bytes + m.d_bytes + m.bs_bytes + 63) / 64 * 64;
+    m.row_tiles = (N + ROW_TILE - 1) / ROW_TILE;
     const int lanes = KS_X86 && isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
-    const int token_groups = (T + LANES - 1) / LANES;
+    m.token_groups = (T + LANES - 1) / LANES;
     /* per token group: bytes [K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
-    const size_t tile_bytes = (size_t)K * LANES + (size_t)(K / group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
-    uint8_t *buf = scratch_for(per_token * (size_t)T + (lanes ? tile_bytes * (size_t)token_groups : 0));
-    if (!buf) return -1;
-    const dot_fn dot = DOTS[fmt][isa];
-    const int row_tiles = (N + ROW_TILE - 1) / ROW_TILE;
-    int failed = 0;
+    m.tile_bytes = (size_t)K * LANES + (size_t)(K / m.group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
+    m.buf = scratch_for(m.per_token * (size_t)T + (lanes ? m.tile_bytes * (size_t)m.token_groups : 0));
+    if (!m.buf) return -1;
+    m.tiles = m.buf + m.per_token * (size_t)T;
     if (threads < 1) threads = 1;
-    /* a few tokens are quantized here, before the threads start: one barrier less per call */
-    const int quantize_inside = T > 4;
-    for (int t = 0; t < T && !quantize_inside; t++) {
-        uint8_t *p = buf + per_token * (size_t)t;
-        quantize_act(x + x_stride * t, K, group, (int8_t *)p, (float *)(p + qs_bytes),
-                     bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL);
-    }
-#pragma omp parallel num_threads(threads)
-    {
-        if (quantize_inside) {
-#pragma omp for schedule(static)
-            for (int t = 0; t < T; t++) {
-                uint8_t *p = buf + per_token * (size_t)t;
-                quantize_act(x + x_stride * t, K, group, (int8_t *)p, (float *)(p + qs_bytes),
-                             bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL);
-            }
-        }
-        if (!lanes) {
-#pragma omp for schedule(dynamic, 4)
-            for (int tile = 0; tile < row_tiles; tile++) {
-                int r1 = (tile + 1) * ROW_TILE < N ? (tile + 1) * ROW_TILE : N;
-                for (int t = 0; t < T; t++) {
-                    uint8_t *p = buf + per_token * (size_t)t;
-                    act_t a = {(int8_t *)p, (float *)(p + qs_bytes), bs_bytes ? (int16_t *)(p + qs_bytes + d_bytes) : NULL};
-                    float *o = out + out_stride * t;
-                    for (int r = tile * ROW_TILE; r < r1; r++)
-                        o[r] = dot(w + w_stride * r, meta ? meta + meta_stride * r : NULL, &a, K);
-                }
-            }
-        }
+    const int grabs = (m.row_tiles + TILES_PER_GRAB - 1) / TILES_PER_GRAB;
+    const int workers = threads < grabs ? threads : grabs;
+    /* a few tokens are quantized on the calling thread: no job of their own */
+    pool_run(matmul_quantize, &m, T > 4 ? (threads < T ? threads : T) : 1);
 #if KS_X86
-        else {
-            uint8_t *tiles = buf + per_token * (size_t)T;
-            const int wgroup = TILED[fmt].group;
-#pragma omp for schedule(static)
-            for (int tg = 0; tg < token_groups; tg++) {
-                uint8_t *tile = tiles + tile_bytes * (size_t)tg;
-                act_tiles(buf, per_token, qs_bytes, d_bytes, K, group, fmt == FMT_Q4_K, tg * LANES, T, tile,
-                          (float *)(tile + (size_t)K * LANES), (float *)(tile + (size_t)K * LANES + (size_t)(K / group) * LANES * 4));
-            }
-            /* per thread: TILE_ROWS unpacked rows (values, scales, mins, sums) */
-            const size_t ng = (size_t)(K / wgroup);
-            uint8_t *own = aligned_alloc(64, ((size_t)TILE_ROWS * (K + ng * 12) + 64 * 4 + 63) / 64 * 64);
-            if (!own) {
-#pragma omp atomic write
-                failed = 1;
-            }
-#pragma omp for schedule(dynamic, 4)
-            for (int tile = 0; tile < row_tiles; tile++) {
-                if (!own) continue;
-                int r1 = (tile + 1) * ROW_TILE < N ? (tile + 1) * ROW_TILE : N;
-                for (int r0 = tile * ROW_TILE; r0 < r1; r0 += TILE_ROWS) {
-                    int R = r1 - r0 < TILE_ROWS ? r1 - r0 : TILE_ROWS;
-                    const int8_t *vals[TILE_ROWS];
-                    const float *scale[TILE_ROWS], *mins[TILE_ROWS];
-                    const int32_t *sums[TILE_ROWS];
-                    for (int r = 0; r < TILE_ROWS; r++) {
-                        if (r >= R) {       /* past N: row r0 again, its results dropped */
-                            vals[r] = vals[0], scale[r] = scale[0], mins[r] = mins[0], sums[r] = sums[0];
-                            continue;
-                        }
-                        uint8_t *mine = own + (size_t)r * (K + ng * 12);
-                        float *sc = (float *)(mine + K), *mn = sc + ng;
-                        int32_t *sm = (int32_t *)(mn + ng);
-                        vals[r] = unpack_row(fmt, w + w_stride * (r0 + r), meta ? meta + meta_stride * (r0 + r) : NULL, K,
-                                             (int8_t *)mine, sc, mn, sm);
-                        scale[r] = sc, mins[r] = mn, sums[r] = sm;
-                    }
-                    for (int tg = 0; tg < token_groups; tg++) {
-                        uint8_t *tile_p = tiles + tile_bytes * (size_t)tg;
-                        float res[TILE_ROWS][LANES];
-                        LANES_KERNELS[fmt](K, vals, scale, mins, sums, tile_p, (const float *)(tile_p + (size_t)K * LANES),
-                                           (const float *)(tile_p + (size_t)K * LANES + (size_t)(K / group) * LANES * 4), res);
-                        for (int l = 0; l < LANES && tg * LANES + l < T; l++)
-                            for (int r = 0; r < R; r++) out[out_stride * (tg * LANES + l) + r0 + r] = res[r][l];
-                    }
-                }
-            }
-            free(own);
-        }
-#endif
+    if (lanes) {
+        pool_run(matmul_tiles, &m, threads < m.token_groups ? threads : m.token_groups);
+        pool_run(matmul_lanes, &m, workers);
+        return atomic_load(&m.failed) ? -1 : 0;
     }
-    return failed ? -1 : 0;
+#endif
+    pool_run(matmul_dots, &m, workers);
+    return 0;
 }
 
 /* ---------------------------------------------------------------- float ops (run/host.py's conventions) */
 
-/* out[r] = (x[r] / sqrt(sum(x[r]^2) / n + eps)) * w[r % w_rows] */
-void ks_rmsnorm(const float *x, ptrdiff_t x_stride, int rows, int n, const float *w, int w_rows, float eps,
-                float *out, ptrdiff_t out_stride, int threads) {
-#pragma omp parallel for schedule(static) num_threads(threads) if (rows * n >= 16384)
-    for (int r = 0; r < rows; r++) {
-        const float *xr = x + x_stride * r;
-        const float *wr = w + (ptrdiff_t)(r % w_rows) * n;
-        float *o = out + out_stride * r;
+typedef struct {
+    const float *x, *w;
+    float *out;
+    ptrdiff_t x_stride, out_stride;
+    int rows, n, w_rows;
+    float eps;
+} rmsnorm_t;
+
+static void rmsnorm_rows(void *ctx, int index, int count) {
+    const rmsnorm_t *c = ctx;
+    const int n = c->n;
+    for (int r = index; r < c->rows; r += count) {
+        const float *xr = c->x + c->x_stride * r;
+        const float *wr = c->w + (ptrdiff_t)(r % c->w_rows) * n;
+        float *o = c->out + c->out_stride * r;
         float part[16] = {0};
         int i = 0;
         for (; i + 16 <= n; i += 16)
@@ -849,9 +1024,22 @@ void ks_rmsnorm(const float *x, ptrdiff_t x_stride, int rows, int n, const float
         float ss = 0.0f;
         for (int j = 0; j < 16; j++) ss += part[j];
         for (; i < n; i++) ss += xr[i] * xr[i];
-        float root = sqrtf(ss / (float)n + eps);
+        float root = sqrtf(ss / (float)n + c->eps);
         for (i = 0; i < n; i++) o[i] = (xr[i] / root) * wr[i];
     }
+}
+
+/* The threads for `work` values of an elementwise op: one below 16K values (a job costs more). */
+static inline int op_threads(int threads, size_t work, int items) {
+    int t = work < 16384 ? 1 : threads;
+    return t < items ? t : items;
+}
+
+/* out[r] = (x[r] / sqrt(sum(x[r]^2) / n + eps)) * w[r % w_rows] */
+void ks_rmsnorm(const float *x, ptrdiff_t x_stride, int rows, int n, const float *w, int w_rows, float eps,
+                float *out, ptrdiff_t out_stride, int threads) {
+    rmsnorm_t c = {x, w, out, x_stride, out_stride, rows, n, w_rows, eps};
+    pool_run(rmsnorm_rows, &c, op_threads(threads, (size_t)rows * n, rows));
 }
 
 /* exp(x) for float32, within 2 ulp of expf on [-87.3, 88.7] (0 below, inf above): x = n ln2 + r,
@@ -883,16 +1071,27 @@ static void silu_mul_run(const float *restrict g, const float *restrict u, float
     for (int i = 0; i < n; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
 }
 
+typedef struct {
+    const float *gate, *up;
+    float *out;
+    ptrdiff_t g_stride, u_stride, out_stride;
+    int rows, n, chunks;
+} silu_t;
+
+static void silu_mul_parts(void *ctx, int index, int count) {
+    const silu_t *c = ctx;
+    for (int job = index; job < c->rows * c->chunks; job += count) {
+        int r = job / c->chunks, part = job % c->chunks;
+        int i0 = (int)((long)c->n * part / c->chunks), i1 = (int)((long)c->n * (part + 1) / c->chunks);
+        silu_mul_run(c->gate + c->g_stride * r + i0, c->up + c->u_stride * r + i0, c->out + c->out_stride * r + i0, i1 - i0);
+    }
+}
+
 /* out = gate / (1 + exp(-gate)) * up, row by row */
 void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
                  float *out, ptrdiff_t out_stride, int threads) {
-    int chunks = n >= 1024 ? 4 : 1;
-#pragma omp parallel for collapse(2) schedule(static) num_threads(threads) if (rows * n >= 65536)
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < chunks; c++) {
-            int i0 = (int)((long)n * c / chunks), i1 = (int)((long)n * (c + 1) / chunks);
-            silu_mul_run(gate + g_stride * r + i0, up + u_stride * r + i0, out + out_stride * r + i0, i1 - i0);
-        }
+    silu_t c = {gate, up, out, g_stride, u_stride, out_stride, rows, n, n >= 4096 ? 4 : 1};
+    pool_run(silu_mul_parts, &c, op_threads(threads, (size_t)rows * n / 4, rows * c.chunks));
 }
 
 /* In place, rotate-half: x' = x * cos + cat(-x2, x1) * sin.  x: [T, heads, D] (token stride, head stride);
@@ -973,39 +1172,72 @@ static void attention_job(const float *q, ptrdiff_t q_h, int group, int nh, int 
    sees keys max(0, start+i-window+1) .. start+i (window <= 0: no window); q head h reads kv head
    h / (H / n_kv).  softmax(q k^T * scale) v, as run/host.attention; jobs are (query, kv head) pairs, so
    the heads of a group read each key and value row once. */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    float *out;
+    ptrdiff_t q_t, q_h, kv_t, kv_h, out_t;
+    int n, D, group, n_kv, start, window, kv_f16, run, runs, S;
+    float scale;
+    _Atomic int next, failed;
+} attention_t;
+
+static void attention_jobs(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    attention_t *c = ctx;
+    const int group = c->group, run = c->run, S = c->S, D = c->D;
+    float *probs = malloc(sizeof(float) * ((size_t)S * run * group + (size_t)D + (size_t)run * group));
+    if (!probs) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    for (int job; (job = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < c->n * c->runs;) {
+        int i = job / c->runs, h0 = (job % c->runs) * run, nh = c->n_kv - h0 < run ? c->n_kv - h0 : run, pos = c->start + i;
+        int first = c->window > 0 && pos - c->window + 1 > 0 ? pos - c->window + 1 : 0;
+        attention_job(c->q + c->q_t * i + c->q_h * (ptrdiff_t)(h0 * group), c->q_h, group, nh, D, c->k, c->v, c->kv_f16,
+                      c->kv_t, c->kv_h, c->kv_h * h0, first, pos, c->scale, probs, S, probs + (size_t)S * run * group,
+                      probs + (size_t)S * run * group + D, c->out + c->out_t * i + (ptrdiff_t)h0 * group * D);
+    }
+    free(probs);
+}
+
 int ks_attention(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
                  int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
                  float *out, ptrdiff_t out_t, int threads) {
-    const int group = H / n_kv, S = start + n;
+    if (threads < 1) threads = 1;
+    attention_t c = {.q = q, .k = k, .v = v, .out = out, .q_t = q_t, .q_h = q_h, .kv_t = kv_t, .kv_h = kv_h, .out_t = out_t,
+                     .n = n, .D = D, .group = H / n_kv, .n_kv = n_kv, .start = start, .window = window, .kv_f16 = kv_f16,
+                     .S = start + n, .scale = scale};
     /* jobs: (query, a run of adjacent kv heads), about `threads` jobs per query when there are few queries */
     const int parts = n >= threads ? 1 : (threads + n - 1) / n < n_kv ? (threads + n - 1) / n : n_kv;
-    const int run = (n_kv + parts - 1) / parts, runs = (n_kv + run - 1) / run;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) if (n * runs > 1 && (size_t)S * n * H * D >= 65536)
-    {
-        float *probs = malloc(sizeof(float) * ((size_t)S * run * group + (size_t)D + (size_t)run * group));
-        if (!probs) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int job = 0; job < n * runs; job++) {
-            if (!probs) continue;
-            int i = job / runs, h0 = (job % runs) * run, nh = n_kv - h0 < run ? n_kv - h0 : run, pos = start + i;
-            int first = window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0;
-            attention_job(q + q_t * i + q_h * (ptrdiff_t)(h0 * group), q_h, group, nh, D, k, v, kv_f16, kv_t, kv_h,
-                          kv_h * h0, first, pos, scale, probs, S, probs + (size_t)S * run * group,
-                          probs + (size_t)S * run * group + D, out + out_t * i + (ptrdiff_t)h0 * group * D);
-        }
-        free(probs);
-    }
-    return failed ? -1 : 0;
+    c.run = (n_kv + parts - 1) / parts, c.runs = (n_kv + c.run - 1) / c.run;
+    pool_run(attention_jobs, &c, op_threads(threads, (size_t)c.S * n * H * D / 4, n * c.runs));
+    return atomic_load(&c.failed) ? -1 : 0;
 }
 
-/* Bytes read per second by a plain summing loop, for the bench: sum of 64-bit words over n words. */
-uint64_t ks_read_sum(const uint64_t *p, size_t n, int threads) {
+typedef struct {
+    const uint64_t *p;
+    size_t n;
+    uint64_t partial[POOL_MAX];
+} read_sum_t;
+
+static void read_sum_part(void *ctx, int index, int count) {
+    read_sum_t *c = ctx;
+    size_t lo = c->n * (size_t)index / (size_t)count, hi = c->n * (size_t)(index + 1) / (size_t)count;
     uint64_t total = 0;
-#pragma omp parallel for reduction(+ : total) schedule(static) num_threads(threads)
-    for (size_t i = 0; i < n; i++) total += p[i];
+    for (size_t i = lo; i < hi; i++) total += c->p[i];
+    c->partial[index] = total;
+}
+
+/* The sum of n 64-bit words read once by `threads` threads: the bench's plain memory read. */
+uint64_t ks_read_sum(const uint64_t *p, size_t n, int threads) {
+    read_sum_t *c = calloc(1, sizeof *c);
+    if (!c) return 0;
+    c->p = p, c->n = n;
+    int count = threads < 1 ? 1 : threads > POOL_MAX ? POOL_MAX : threads;
+    pool_run(read_sum_part, c, count);
+    uint64_t total = 0;
+    for (int i = 0; i < count; i++) total += c->partial[i];
+    free(c);
     return total;
 }

@@ -33,9 +33,11 @@ def physical_cores() -> int:
 
 class HostKernels:
     """The loaded library: quantized matmuls and float ops, on `threads` threads with the widest ISA
-    up to `isa` that the CPU has."""
+    up to `isa` that the CPU has.  The threads are the library's own persistent workers (one pool per
+    process); `spin_us` sets how long an idle one polls for the next call before it sleeps (default
+    100 us: calls a step apart find it awake; 0 on a machine shared with other work)."""
 
-    def __init__(self, path: Path, isa: str | None = None, threads: int | None = None):
+    def __init__(self, path: Path, isa: str | None = None, threads: int | None = None, spin_us: int | None = None):
         self.path = path
         self._lib = lib = ctypes.CDLL(str(path))
         lib.ks_isa_supported.restype = _i
@@ -49,6 +51,10 @@ class HostKernels:
         lib.ks_attention.restype = _i
         lib.ks_read_sum.argtypes = [_p, ctypes.c_size_t, _i]
         lib.ks_read_sum.restype = ctypes.c_uint64
+        lib.ks_set_spin_us.argtypes = [_i]
+        lib.ks_pool_workers.restype = _i
+        if spin_us is not None:          # the library's pool is one per process: this sets it for every caller
+            lib.ks_set_spin_us(spin_us)
         mask = lib.ks_isa_supported()
         self.supported = tuple(name for i, name in enumerate(ISAS) if mask >> i & 1)
         if isa is not None and isa not in ISAS:
@@ -58,6 +64,11 @@ class HostKernels:
         self.threads = threads or physical_cores()
         self._isa_id = ISAS.index(self.isa)
         self._matmul_c = lib.ks_matmul
+
+    @property
+    def pool_workers(self) -> int:
+        """Worker threads the library has started in this process (the calling thread is not one)."""
+        return self._lib.ks_pool_workers()
 
     def with_isa(self, isa: str) -> "HostKernels":
         """The same library, run with at most `isa` (tests force each fallback this way)."""
