@@ -102,9 +102,9 @@ static struct {
     pthread_mutex_t lock;           /* with wake / done: sleeping and waking */
     pthread_cond_t wake, done;
     int workers;                    /* started (indices 1..workers) */
-    pool_fn fn;
-    void *ctx;
-    int count;
+    _Atomic(pool_fn) fn;            /* the job: written before generation is incremented, read after */
+    _Atomic(void *) ctx;
+    _Atomic int count;
     _Atomic unsigned long generation;
     _Atomic int remaining;
     _Atomic int spin_us;
@@ -159,9 +159,15 @@ static void *pool_worker(void *arg) {
                 }
             }
         }
+        /* the job of generation g, read whole: a job published meanwhile (possible only where this
+           worker takes no part in g) is taken on the next turn instead */
+        pool_fn fn = atomic_load(&pool.fn);
+        void *ctx = atomic_load(&pool.ctx);
+        int count = atomic_load(&pool.count);
+        if (atomic_load(&pool.generation) != g) continue;
         seen = g;
-        if (start.index < pool.count) {
-            pool.fn(pool.ctx, start.index, pool.count);
+        if (start.index < count) {
+            fn(ctx, start.index, count);
             if (atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_acq_rel) == 1) {
                 pthread_mutex_lock(&pool.lock);
                 pthread_cond_signal(&pool.done);
@@ -195,7 +201,9 @@ static void pool_run(pool_fn fn, void *ctx, int count) {
         pool.workers++;
     }
     if (count > pool.workers + 1) count = pool.workers + 1;
-    pool.fn = fn, pool.ctx = ctx, pool.count = count;
+    atomic_store(&pool.fn, fn);
+    atomic_store(&pool.ctx, ctx);
+    atomic_store(&pool.count, count);
     atomic_store(&pool.remaining, count - 1);
     pthread_mutex_lock(&pool.lock);
     atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
