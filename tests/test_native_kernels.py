@@ -163,6 +163,29 @@ def test_the_portable_build_runs_scalar_c_only(tmp_path):
                                kv.astype(np.float32), 8), rtol=0, atol=2e-5)
 
 
+def test_calls_from_several_python_threads_share_the_pool(kernels):
+    import threading
+    rng = np.random.default_rng(13)
+    call, twin, _ = make_weight(rng, "Q8_0", 200, 256)
+    xs = [rng.standard_normal((t, 256)).astype(np.float32) for t in (1, 3, 20)]
+    expect = [twin(x) for x in xs]
+    bad = []
+
+    def run(seed):
+        r = np.random.default_rng(seed)
+        for _ in range(150):
+            j, threads = int(r.integers(0, 3)), int(r.integers(1, 4))
+            if not np.allclose(call(native.HostKernels(kernels.path, threads=threads), xs[j]), expect[j], atol=1e-5):
+                bad.append((seed, j, threads))
+
+    runners = [threading.Thread(target=run, args=(seed,)) for seed in range(3)]
+    for r in runners:
+        r.start()
+    for r in runners:
+        r.join(timeout=60)
+    assert not any(r.is_alive() for r in runners) and not bad
+
+
 def test_a_forked_child_runs_the_kernels_on_its_own_workers(kernels):
     """The parent's workers do not exist in a child; the child starts its own (GNU OpenMP's would hang)."""
     rng = np.random.default_rng(12)
