@@ -2,8 +2,11 @@
 
     from kestrel_stream import native
     kernels = native.load(options)      # HostKernels, or NativeUnavailable (its message is one line)
-    y = kernels.matmul_q8_0(x, w.qs, w.scales)          # x float32 [T, K] → [T, N]
-    y = kernels.matmul_blocks(x, w.fmt, w.blocks, w.cols)
+    wq = kernels.prepare_q8_0(w.qs, w.scales)           # once per weight (no copy)
+    wb = kernels.prepare_blocks(w.fmt, w.blocks, w.cols)
+    y = kernels.matmul(x, wq)                           # x float32 [T, K] → [T, N]
+    kernels.rmsnorm(x, w, eps), kernels.silu_mul(gate, up), kernels.rope(qk, cos, sin),
+    kernels.attention(q, k, v, start, window)           # run/host.py's conventions
 
 The numpy twins of the same arithmetic are in native/twins.py.  Importing the package compiles
 nothing; `load` builds the library on first use (cached under Options.host_kernel_cache) and
@@ -14,9 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from kestrel_stream.native.build import DEFAULT_CC, NativeBuildError, build_library
-from kestrel_stream.native.kernels import FORMATS, ISAS, HostKernels, physical_cores
+from kestrel_stream.native.kernels import FORMATS, ISAS, HostKernels, PreparedWeight, physical_cores
 
-__all__ = ["FORMATS", "ISAS", "HostKernels", "NativeUnavailable", "availability", "load", "physical_cores"]
+__all__ = ["FORMATS", "ISAS", "HostKernels", "NativeUnavailable", "PreparedWeight", "availability", "load",
+           "physical_cores"]
 
 
 class NativeUnavailable(RuntimeError):
@@ -30,8 +34,9 @@ class NativeUnavailable(RuntimeError):
 def load(options=None, *, isa: str | None = None, threads: int | None = None, cc: str | None = None,
          cache_dir: Path | None = None, spin_us: int | None = None) -> HostKernels:
     """The host kernels for this machine, built on first use.  Settings come from `options`
-    (kestrel_stream.options.Options: host_isa, host_cc, host_kernel_cache, cpu threads) unless given
-    here.  Raises NativeUnavailable when there is no compiler or the build fails."""
+    (kestrel_stream.options.Options: host_isa, host_cc, host_kernel_cache) unless given here; threads
+    default to the physical cores, spin_us to the library's 100.  Raises NativeUnavailable when there is
+    no compiler or the build fails."""
     if options is None:
         from kestrel_stream.options import Options
         options = Options()
