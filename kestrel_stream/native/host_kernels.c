@@ -391,27 +391,44 @@ TARGET_AVX2 static float dot_q4_0_avx2(const uint8_t *w, const uint8_t *meta, co
     return hsum256_ps(_mm256_add_ps(acc0, acc1));
 }
 
-/* Two blocks per vector, nibbles unsigned (0..15): dot(q, x) - dot(8, x) per lane is exact. */
+/* Two blocks per vector, nibbles unsigned (0..15): dot(q, x) - dot(8, x) per lane is exact.  Eight
+   blocks per turn: their eight scales (times the activations') in one vector, permuted into the lanes
+   of each pair. */
+TARGET_VNNI static inline __m512i q4_0_pair_dot(const uint8_t *b0, const int8_t *x) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m512i order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    __m256i bytes = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b0 + 20)), _mm_loadu_si128((const __m128i *)(b0 + 2)));
+    __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    /* [lo0 hi0 lo1 hi1]: block 0's values 0..31, then block 1's */
+    __m512i q = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
+    __m512i xv = _mm512_loadu_si512((const void *)x);
+    return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), xv));
+}
+
 TARGET_VNNI static float dot_q4_0_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m512i eight = _mm512_set1_epi8(8);
-    const __m512i order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
-    __m512 acc = _mm512_setzero_ps();
+    __m512i pick[4];            /* lanes 0-7: block 2p's scale, 8-15: block 2p+1's */
+    for (int p = 0; p < 4; p++)
+        pick[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int nb = K / 32, b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        const uint8_t *b0 = w + 18 * b, *b1 = b0 + 18;
-        __m256i bytes = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b1 + 2)),
-                                         _mm_loadu_si128((const __m128i *)(b0 + 2)));
-        __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
-        /* [lo0 hi0 lo1 hi1]: block 0's values 0..31, then block 1's */
-        __m512i q = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
-        __m512i x = _mm512_loadu_si512((const void *)(a->qs + b * 32));
-        __m512i p = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x),
-                                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, x));
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), pair_scale(h2f_at(b0) * a->d[b], h2f_at(b1) * a->d[b + 1]), acc);
+    for (; b + 8 <= nb; b += 8) {
+        const uint8_t *blk = w + 18 * b;
+        uint16_t d[8];
+        for (int i = 0; i < 8; i++) memcpy(d + i, blk + 18 * i, 2);
+        __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)), _mm256_loadu_ps(a->d + b));
+        __m512 s512 = _mm512_castps256_ps512(s);
+        const int8_t *x = a->qs + b * 32;
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk, x)), _mm512_permutexvar_ps(pick[0], s512), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 36, x + 64)), _mm512_permutexvar_ps(pick[1], s512), acc1);
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 72, x + 128)), _mm512_permutexvar_ps(pick[2], s512), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 108, x + 192)), _mm512_permutexvar_ps(pick[3], s512), acc1);
     }
-    float r = _mm512_reduce_add_ps(acc);
+    for (; b + 2 <= nb; b += 2)
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(w + 18 * b, a->qs + b * 32)),
+                               pair_scale(h2f_at(w + 18 * b) * a->d[b], h2f_at(w + 18 * b + 18) * a->d[b + 1]), acc0);
+    float r = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
     if (b < nb) r += hsum256_ps(q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b],
                                                 _mm256_setzero_ps()));
     return r;
