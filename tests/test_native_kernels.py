@@ -275,6 +275,13 @@ def test_a_failed_build_falls_back_with_one_line_and_keeps_the_log(tmp_path):
     assert not list(tmp_path.glob("*.so"))
 
 
+def test_an_unwritable_cache_falls_back_with_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    ok, reason = native.availability(cache_dir=blocker / "host_kernels")
+    assert not ok and "\n" not in reason and "cannot write the host kernels' cache" in reason
+
+
 def test_the_library_is_cached_by_source_flags_compiler_and_cpu(tmp_path):
     first = native.load(cache_dir=tmp_path)
     assert first.path.parent == tmp_path and first.path.exists()

@@ -72,16 +72,19 @@ def build_library(cache_dir: Path, cc: str = DEFAULT_CC, extra_flags: tuple[str,
     target = library_path(cache_dir, cc, extra_flags)
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [shutil.which(cc) or cc, *FLAGS, *extra_flags, str(source_path()), "-o", str(out), "-lm"]
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise NativeBuildError(f"compiling {SOURCE} with {cc!r} failed: {e}") from None
-        if done.returncode != 0:
-            log = (done.stderr or done.stdout).strip()
-            raise NativeBuildError(f"compiling {SOURCE} with {cc!r} failed (status {done.returncode})\n{log}")
-        os.replace(out, target)     # atomic: a concurrent process never loads half a file
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+            out = Path(tmp) / target.name
+            cmd = [shutil.which(cc) or cc, *FLAGS, *extra_flags, str(source_path()), "-o", str(out), "-lm"]
+            try:
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise NativeBuildError(f"compiling {SOURCE} with {cc!r} failed: {e}") from None
+            if done.returncode != 0:
+                log = (done.stderr or done.stdout).strip()
+                raise NativeBuildError(f"compiling {SOURCE} with {cc!r} failed (status {done.returncode})\n{log}")
+            os.replace(out, target)     # atomic: a concurrent process never loads half a file
+    except OSError as e:
+        raise NativeBuildError(f"cannot write the host kernels' cache {target.parent}: {e.strerror or e}") from None
     return target
