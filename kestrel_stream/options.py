@@ -21,6 +21,7 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
     KESTREL_HOST_ISA=NAME     the widest ISA the native host kernels use: scalar | avx2 | avx512vnni
+    KESTREL_HOST_SPIN_US=N    how long the native host kernels' idle workers poll before sleeping (default 100)
     CC=COMPILER               the C compiler that builds the native host kernels (default: cc)
 
 The daemon's, clients' and result files' variables (Environment):
@@ -57,6 +58,7 @@ class Options:
     cache_dir: Path | None = None            # None: ~/.cache/kestrel-stream
     host_isa: str | None = None              # None: the widest the CPU has (native.ISAS)
     host_cc: str | None = None               # None: cc
+    host_spin_us: int | None = None          # None: the library's default (100)
 
     @property
     def cache_root(self) -> Path:
@@ -103,7 +105,8 @@ class Options:
                       cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")),
-                      host_isa=host_isa, host_cc=env.get("CC") or None)
+                      host_isa=host_isa, host_cc=env.get("CC") or None,
+                      host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"))
         return options.with_(**given)
 
     def with_(self, **changes) -> "Options":
@@ -118,13 +121,13 @@ def _path(text: str | None) -> Path | None:
     return Path(text) if text else None
 
 
-def _tokens(text: str | None, name: str) -> int | None:
-    """A token count >= 0 from the environment, or None when unset/empty."""
+def _tokens(text: str | None, name: str, unit: str = "tokens") -> int | None:
+    """A count >= 0 (of tokens, or `unit`) from the environment, or None when unset/empty."""
     text = (text or "").strip()
     if not text:
         return None
     if not text.isdigit():
-        raise ValueError(f"{name}={text!r}: expected a number of tokens >= 0 (0: off)")
+        raise ValueError(f"{name}={text!r}: expected a number of {unit} >= 0" + (" (0: off)" if unit == "tokens" else ""))
     return int(text)
 
 

@@ -57,6 +57,9 @@ def test_options_name_the_same_isas_and_force_one():
     assert native.load(Options.from_env({"KESTREL_HOST_ISA": "scalar"})).isa == "scalar"
     with pytest.raises(ValueError, match="KESTREL_HOST_ISA"):
         Options.from_env({"KESTREL_HOST_ISA": "sse9"})
+    assert Options.from_env({"KESTREL_HOST_SPIN_US": "0"}).host_spin_us == 0
+    with pytest.raises(ValueError, match="KESTREL_HOST_SPIN_US='-1': expected a number of microseconds"):
+        Options.from_env({"KESTREL_HOST_SPIN_US": "-1"})
 
 
 def test_this_machine_runs_its_widest_isa(kernels):

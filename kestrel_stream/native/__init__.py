@@ -34,14 +34,15 @@ class NativeUnavailable(RuntimeError):
 def load(options=None, *, isa: str | None = None, threads: int | None = None, cc: str | None = None,
          cache_dir: Path | None = None, spin_us: int | None = None) -> HostKernels:
     """The host kernels for this machine, built on first use.  Settings come from `options`
-    (kestrel_stream.options.Options: host_isa, host_cc, host_kernel_cache) unless given here; threads
-    default to the physical cores, spin_us to the library's 100.  Raises NativeUnavailable when there is
+    (kestrel_stream.options.Options: host_isa, host_cc, host_spin_us, host_kernel_cache) unless given
+    here; threads default to the physical cores, spin_us to the library's 100.  Raises NativeUnavailable when there is
     no compiler or the build fails."""
     if options is None:
         from kestrel_stream.options import Options
         options = Options()
     cc = cc or options.host_cc or DEFAULT_CC
     isa = isa or options.host_isa
+    spin_us = options.host_spin_us if spin_us is None else spin_us
     try:
         path = build_library(Path(cache_dir or options.host_kernel_cache), cc)
     except NativeBuildError as e:
