@@ -20,6 +20,9 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_GEMV_BLOCK=NAME   force one 4/6-bit GEMV layout where it fits the token count ("": the first kernel)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
+    KESTREL_HOST_ISA=NAME     the widest ISA the native host kernels use: scalar | avx2 | avx512vnni
+    KESTREL_HOST_SPIN_US=N    how long the native host kernels' idle workers poll before sleeping (default 100)
+    CC=COMPILER               the C compiler that builds the native host kernels (default: cc)
 
 The daemon's, clients' and result files' variables (Environment):
 
@@ -35,6 +38,8 @@ import os
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+HOST_ISAS = ("scalar", "avx2", "avx512vnni")     # native.ISAS (not imported: it loads ctypes and numpy)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,9 @@ class Options:
     gemv_block: str | None = None            # a layout of cuda/q4_gemv_variants.py; None: choose's
     kernel_cache_dir: Path | None = None     # None: kernels_ptx.build's default
     cache_dir: Path | None = None            # None: ~/.cache/kestrel-stream
+    host_isa: str | None = None              # None: the widest the CPU has (native.ISAS)
+    host_cc: str | None = None               # None: cc
+    host_spin_us: int | None = None          # None: the library's default (100)
 
     @property
     def cache_root(self) -> Path:
@@ -62,6 +70,11 @@ class Options:
     def kernel_cache(self) -> Path:
         """The compiled kernels' directory: kernel_cache_dir, or cache_root/kernels."""
         return self.kernel_cache_dir or self.cache_root / "kernels"
+
+    @property
+    def host_kernel_cache(self) -> Path:
+        """The native host kernels' built libraries: cache_root/host_kernels."""
+        return self.cache_root / "host_kernels"
 
     @classmethod
     def from_env(cls, environ=None, **given) -> "Options":
@@ -83,13 +96,18 @@ class Options:
         if block is not None and block not in q4_gemv_variants.ALL_VARIANTS:
             raise ValueError(f"KESTREL_GEMV_BLOCK={block!r}: not a block-format GEMV layout; one of "
                              f"{', '.join(repr(v) for v in q4_gemv_variants.ALL_VARIANTS)}")
+        host_isa = env.get("KESTREL_HOST_ISA") or None
+        if host_isa is not None and host_isa not in HOST_ISAS:
+            raise ValueError(f"KESTREL_HOST_ISA={host_isa!r}: one of {', '.join(HOST_ISAS)}")
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0",
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
                       cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),
-                      cache_dir=_path(env.get("KESTREL_CACHE_DIR")))
+                      cache_dir=_path(env.get("KESTREL_CACHE_DIR")),
+                      host_isa=host_isa, host_cc=env.get("CC") or None,
+                      host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"))
         return options.with_(**given)
 
     def with_(self, **changes) -> "Options":
@@ -133,13 +151,13 @@ def _path(text: str | None) -> Path | None:
     return Path(text) if text else None
 
 
-def _tokens(text: str | None, name: str) -> int | None:
-    """A token count >= 0 from the environment, or None when unset/empty."""
+def _tokens(text: str | None, name: str, unit: str = "tokens") -> int | None:
+    """A count >= 0 (of tokens, or `unit`) from the environment, or None when unset/empty."""
     text = (text or "").strip()
     if not text:
         return None
     if not text.isdigit():
-        raise ValueError(f"{name}={text!r}: expected a number of tokens >= 0 (0: off)")
+        raise ValueError(f"{name}={text!r}: expected a number of {unit} >= 0" + (" (0: off)" if unit == "tokens" else ""))
     return int(text)
 
 

@@ -1,0 +1,1272 @@
+/* Host kernels: quantized GEMV/GEMM on GGUF blocks as stored, and the float ops around them.
+ *
+ * Weights are never copied to float.  Each call quantizes its activations per block (q8_0: one float
+ * scale per 32 values, for Q8_0 and Q4_0 weights; q8_K: one float scale per 256 and the sum of every
+ * 16 quantized values, for Q4_K and Q6_K), takes integer dot products per weight block, and
+ * accumulates block results in float32.  native/twins.py is the same arithmetic in numpy.
+ *
+ * Threads: a small pool of persistent workers of its own (below), not OpenMP: GNU OpenMP's workers hang
+ * a forked child, and its spin-then-sleep cannot be set per call.  `#pragma omp simd` (-fopenmp-simd)
+ * only asks for vector loops.
+ *
+ * Each dot product has a scalar version and SIMD versions (AVX2: maddubs; AVX-512 VNNI: vpdpbusd).
+ * The caller names the widest ISA to use (ks_isa_supported() says which the CPU has); the build
+ * compiles every version for the running machine, so a forced lower path runs here too.
+ * Compiled with -ffp-contract=off: the float steps round as numpy's do (no fused multiply-adds the
+ * twin does not make), except where a kernel calls an FMA intrinsic itself.
+ */
+/* KS_X86: the SIMD paths (x86-64 and x86); elsewhere, or built with -DKS_NO_X86, every ISA runs the
+   scalar C (the tests build that too). */
+#if (defined(__x86_64__) || defined(__i386__)) && !defined(KS_NO_X86)
+#define KS_X86 1
+#include <immintrin.h>
+#else
+#define KS_X86 0
+#endif
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#include <unistd.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
+enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3 };
+
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+
+#if defined(__FLT16_MAX__) && !defined(KS_NO_FLOAT16)     /* KS_NO_FLOAT16: the tests build the other too */
+static inline float h2f(uint16_t h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+#else
+static inline float h2f(uint16_t h) {    /* IEEE half to float by its fields, where there is no _Float16 */
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (mant << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (mant << 13);
+    } else if (mant == 0) {
+        bits = sign;
+    } else {                              /* subnormal: normalize */
+        int shift = 0;
+        while (!(mant & 0x400)) {
+            mant <<= 1;
+            shift++;
+        }
+        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mant & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+#endif
+
+static inline float h2f_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h2f(h);
+}
+
+int ks_isa_supported(void) {
+    int mask = 1 << ISA_SCALAR;
+#if KS_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        mask |= 1 << ISA_AVX2;
+    if ((mask & (1 << ISA_AVX2)) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        mask |= 1 << ISA_AVX512VNNI;
+#endif
+    return mask;
+}
+
+/* ---------------------------------------------------------------- thread pool */
+/* Persistent workers, started on first use: a call publishes a job (a function of (context, index,
+   count)), runs index 0 itself and waits for the others.  Between jobs a worker polls for
+   `spin_us` microseconds, then sleeps on a condition variable.  A forked child starts its own workers
+   (pthread_atfork), so a process that forks after using the kernels keeps working in the child. */
+
+typedef void (*pool_fn)(void *ctx, int index, int count);
+
+#define POOL_MAX 256
+
+static struct {
+    pthread_mutex_t call;           /* one job at a time (callers from several threads queue here) */
+    pthread_mutex_t lock;           /* with wake / done: sleeping and waking */
+    pthread_cond_t wake, done;
+    int workers;                    /* started (indices 1..workers) */
+    _Atomic(pool_fn) fn;            /* the job: written before generation is incremented, read after */
+    _Atomic(void *) ctx;
+    _Atomic int count;
+    _Atomic unsigned long generation;
+    _Atomic int remaining;
+    _Atomic int spin_us;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          0, NULL, NULL, 0, 0, 0, 100};
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+
+static inline void cpu_relax(void) {
+#if KS_X86
+    _mm_pause();
+#endif
+}
+
+static inline double now_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec * 1e-3;
+}
+
+static void pool_after_fork(void) {     /* the child has none of the parent's workers */
+    pthread_mutex_init(&pool.call, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.workers = 0;
+    atomic_store(&pool.remaining, 0);
+}
+
+static void pool_register(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+typedef struct {
+    int index;
+    unsigned long seen;
+} worker_start_t;
+
+static void *pool_worker(void *arg) {
+    worker_start_t start = *(worker_start_t *)arg;
+    free(arg);
+    unsigned long seen = start.seen;
+    for (;;) {
+        unsigned long g = atomic_load_explicit(&pool.generation, memory_order_acquire);
+        if (g == seen) {
+            double until = now_us() + atomic_load_explicit(&pool.spin_us, memory_order_relaxed);
+            for (int i = 1; (g = atomic_load_explicit(&pool.generation, memory_order_acquire)) == seen; i++) {
+                cpu_relax();
+                if ((i & 63) == 0 && now_us() > until) {
+                    pthread_mutex_lock(&pool.lock);
+                    while ((g = atomic_load(&pool.generation)) == seen) pthread_cond_wait(&pool.wake, &pool.lock);
+                    pthread_mutex_unlock(&pool.lock);
+                    break;
+                }
+            }
+        }
+        /* the job of generation g, read whole: a job published meanwhile (possible only where this
+           worker takes no part in g) is taken on the next turn instead */
+        pool_fn fn = atomic_load(&pool.fn);
+        void *ctx = atomic_load(&pool.ctx);
+        int count = atomic_load(&pool.count);
+        if (atomic_load(&pool.generation) != g) continue;
+        seen = g;
+        if (start.index < count) {
+            fn(ctx, start.index, count);
+            if (atomic_fetch_sub_explicit(&pool.remaining, 1, memory_order_acq_rel) == 1) {
+                pthread_mutex_lock(&pool.lock);
+                pthread_cond_signal(&pool.done);
+                pthread_mutex_unlock(&pool.lock);
+            }
+        }
+    }
+    return NULL;
+}
+
+/* fn(ctx, i, count) for i in 0..count-1, index 0 on the calling thread; returns when all have. */
+static void pool_run(pool_fn fn, void *ctx, int count) {
+    if (count > POOL_MAX) count = POOL_MAX;
+    if (count <= 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    pthread_once(&pool_once, pool_register);
+    pthread_mutex_lock(&pool.call);
+    while (pool.workers < count - 1) {
+        worker_start_t *start = malloc(sizeof *start);
+        pthread_t thread;
+        if (!start) break;
+        start->index = pool.workers + 1;
+        start->seen = atomic_load(&pool.generation);
+        if (pthread_create(&thread, NULL, pool_worker, start) != 0) {
+            free(start);
+            break;
+        }
+        pthread_detach(thread);
+        pool.workers++;
+    }
+    if (count > pool.workers + 1) count = pool.workers + 1;
+    atomic_store(&pool.fn, fn);
+    atomic_store(&pool.ctx, ctx);
+    atomic_store(&pool.count, count);
+    atomic_store(&pool.remaining, count - 1);
+    pthread_mutex_lock(&pool.lock);
+    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    fn(ctx, 0, count);
+    double until = now_us() + atomic_load_explicit(&pool.spin_us, memory_order_relaxed);
+    for (int i = 1; atomic_load_explicit(&pool.remaining, memory_order_acquire) > 0; i++) {
+        cpu_relax();
+        if ((i & 63) == 0 && now_us() > until) {
+            pthread_mutex_lock(&pool.lock);
+            while (atomic_load(&pool.remaining) > 0) pthread_cond_wait(&pool.done, &pool.lock);
+            pthread_mutex_unlock(&pool.lock);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&pool.call);
+}
+
+/* How long (microseconds) an idle worker, or a caller waiting for workers, polls before sleeping. */
+void ks_set_spin_us(int spin_us) { atomic_store(&pool.spin_us, spin_us < 0 ? 0 : spin_us); }
+
+int ks_pool_workers(void) { return pool.workers; }
+
+/* ---------------------------------------------------------------- activation quantization */
+
+/* q8 activations of one token: qs [K] int8; d [K/QA] float; bsums [K/16] int16 (q8_K only). */
+typedef struct {
+    int8_t *qs;
+    float *d;
+    int16_t *bsums;
+} act_t;
+
+static inline float roundf_away(float v) { return truncf(v + copysignf(0.5f, v)); }
+
+/* d = max|x| / 127, q = round(x / d) (half away from zero), per `group` values. */
+static void quantize_act(const float *x, int K, int group, int8_t *qs, float *d, int16_t *bsums) {
+    for (int b = 0; b < K / group; b++) {
+        const float *xb = x + (ptrdiff_t)b * group;
+        float amax = 0.0f;
+        for (int i = 0; i < group; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        float db = amax / 127.0f;
+        float id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        int8_t *qb = qs + (ptrdiff_t)b * group;
+        for (int i = 0; i < group; i++) qb[i] = (int8_t)roundf_away(xb[i] * id);
+    }
+    if (bsums)
+        for (int g = 0; g < K / 16; g++) {
+            int s = 0;
+            for (int i = 0; i < 16; i++) s += qs[g * 16 + i];
+            bsums[g] = (int16_t)s;
+        }
+}
+
+/* Exposed for the twins' test: the activation quantization alone. */
+void ks_quantize_act(const float *x, int K, int group, int8_t *qs, float *d, int16_t *bsums) {
+    quantize_act(x, K, group, qs, d, group == 256 ? bsums : NULL);
+}
+
+/* ---------------------------------------------------------------- horizontal sums */
+
+#if KS_X86
+TARGET_AVX2 static inline float hsum256_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+TARGET_AVX2 static inline int hsum256_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    return _mm_cvtsi128_si32(s);
+}
+#endif
+
+/* ---------------------------------------------------------------- Q8_0: qs [K] int8, scales [K/32] f16 */
+
+static float dot_q8_0_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    const int8_t *wq = (const int8_t *)w;
+    float acc = 0.0f;
+    for (int b = 0; b < K / 32; b++) {
+        int s = 0;
+        for (int i = 0; i < 32; i++) s += wq[b * 32 + i] * a->qs[b * 32 + i];
+        acc += h2f_at(meta + 2 * b) * a->d[b] * (float)s;
+    }
+    return acc;
+}
+
+#if KS_X86
+/* |w| as unsigned bytes times a with w's sign: maddubs's operands without overflow (|a| <= 127). */
+TARGET_AVX2 static inline __m256 q8_0_block_avx2(const int8_t *wq, const int8_t *aq, float scale, __m256 acc) {
+    __m256i w = _mm256_loadu_si256((const __m256i *)wq);
+    __m256i x = _mm256_loadu_si256((const __m256i *)aq);
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+    __m256i p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
+}
+
+TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    const int8_t *wq = (const int8_t *)w;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int nb = K / 32, b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        acc0 = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], acc0);
+        acc1 = q8_0_block_avx2(wq + b * 32 + 32, a->qs + b * 32 + 32, h2f_at(meta + 2 * b + 2) * a->d[b + 1], acc1);
+    }
+    if (b < nb) acc0 = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], acc0);
+    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+}
+
+/* Two 32-value blocks' scales as one vector: lanes 0-7 s0, lanes 8-15 s1. */
+TARGET_VNNI static inline __m512 pair_scale(float s0, float s1) {
+    return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castps_pd(_mm512_set1_ps(s0)),
+                                               _mm256_castps_pd(_mm256_set1_ps(s1)), 1));
+}
+
+TARGET_VNNI static inline __m512 q8_0_pair_vnni(const int8_t *wq, const int8_t *aq, __m512 scale, __m512 acc) {
+    __m512i w = _mm512_loadu_si512((const void *)wq);
+    __m512i x = _mm512_loadu_si512((const void *)aq);
+    __mmask64 negative = _mm512_movepi8_mask(w);
+    __m512i xs = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc);
+}
+
+TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    const int8_t *wq = (const int8_t *)w;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int nb = K / 32, b = 0;
+    for (; b + 4 <= nb; b += 4) {
+        __m128 wd = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(meta + 2 * b)));
+        __m128 s = _mm_mul_ps(wd, _mm_loadu_ps(a->d + b));
+        float sv[4];
+        _mm_storeu_ps(sv, s);
+        acc0 = q8_0_pair_vnni(wq + b * 32, a->qs + b * 32, pair_scale(sv[0], sv[1]), acc0);
+        acc1 = q8_0_pair_vnni(wq + b * 32 + 64, a->qs + b * 32 + 64, pair_scale(sv[2], sv[3]), acc1);
+    }
+    float r = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    __m256 tail = _mm256_setzero_ps();
+    for (; b < nb; b++) tail = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], tail);
+    return r + hsum256_ps(tail);
+}
+#endif
+
+/* ---------------------------------------------------------------- Q4_0: 18-byte blocks, d f16 + 16 nibble bytes */
+
+static float dot_q4_0_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    float acc = 0.0f;
+    for (int b = 0; b < K / 32; b++) {
+        const uint8_t *blk = w + 18 * b;
+        const int8_t *x = a->qs + b * 32;
+        int s = 0;
+        for (int i = 0; i < 16; i++)
+            s += ((blk[2 + i] & 0x0F) - 8) * x[i] + ((blk[2 + i] >> 4) - 8) * x[i + 16];
+        acc += h2f_at(blk) * a->d[b] * (float)s;
+    }
+    return acc;
+}
+
+#if KS_X86
+TARGET_AVX2 static inline __m256 q4_0_block_avx2(const uint8_t *blk, const int8_t *aq, float scale, __m256 acc) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
+    __m128i low = _mm_set1_epi8(0x0F);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+    q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    __m256i x = _mm256_loadu_si256((const __m256i *)aq);
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+    __m256i p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
+}
+
+TARGET_AVX2 static float dot_q4_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int nb = K / 32, b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        acc0 = q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b], acc0);
+        acc1 = q4_0_block_avx2(w + 18 * b + 18, a->qs + b * 32 + 32, h2f_at(w + 18 * b + 18) * a->d[b + 1], acc1);
+    }
+    if (b < nb) acc0 = q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b], acc0);
+    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+}
+
+/* Two blocks per vector, nibbles unsigned (0..15): dot(q, x) - dot(8, x) per lane is exact.  Eight
+   blocks per turn: their eight scales (times the activations') in one vector, permuted into the lanes
+   of each pair. */
+TARGET_VNNI static inline __m512i q4_0_pair_dot(const uint8_t *b0, const int8_t *x) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m512i order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    __m256i bytes = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b0 + 20)), _mm_loadu_si128((const __m128i *)(b0 + 2)));
+    __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+    /* [lo0 hi0 lo1 hi1]: block 0's values 0..31, then block 1's */
+    __m512i q = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
+    __m512i xv = _mm512_loadu_si512((const void *)x);
+    return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), xv));
+}
+
+TARGET_VNNI static float dot_q4_0_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    __m512i pick[4];            /* lanes 0-7: block 2p's scale, 8-15: block 2p+1's */
+    for (int p = 0; p < 4; p++)
+        pick[p] = _mm512_inserti64x4(_mm512_set1_epi32(2 * p), _mm256_set1_epi32(2 * p + 1), 1);
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    int nb = K / 32, b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        const uint8_t *blk = w + 18 * b;
+        uint16_t d[8];
+        for (int i = 0; i < 8; i++) memcpy(d + i, blk + 18 * i, 2);
+        __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)), _mm256_loadu_ps(a->d + b));
+        __m512 s512 = _mm512_castps256_ps512(s);
+        const int8_t *x = a->qs + b * 32;
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk, x)), _mm512_permutexvar_ps(pick[0], s512), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 36, x + 64)), _mm512_permutexvar_ps(pick[1], s512), acc1);
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 72, x + 128)), _mm512_permutexvar_ps(pick[2], s512), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 108, x + 192)), _mm512_permutexvar_ps(pick[3], s512), acc1);
+    }
+    for (; b + 2 <= nb; b += 2)
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(w + 18 * b, a->qs + b * 32)),
+                               pair_scale(h2f_at(w + 18 * b) * a->d[b], h2f_at(w + 18 * b + 18) * a->d[b + 1]), acc0);
+    float r = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+    if (b < nb) r += hsum256_ps(q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b],
+                                                _mm256_setzero_ps()));
+    return r;
+}
+#endif
+
+/* ---------------------------------------------------------------- Q4_K: 144-byte super-blocks of 256 */
+
+/* The 8 six-bit scales and mins from the 12 packed bytes (as model/quant4.q4k_scale_min). */
+static inline void q4k_scale_min(const uint8_t *q, int *sc, int *m) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = q[j] & 63;
+        m[j] = q[j + 4] & 63;
+        sc[j + 4] = (q[j + 8] & 0x0F) | ((q[j] >> 6) << 4);
+        m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+    }
+}
+
+static inline int q4k_mins(const int *m, const int16_t *bsums) {
+    int s = 0;
+    for (int j = 0; j < 8; j++) s += m[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return s;
+}
+
+static float dot_q4_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+        const int8_t *x = a->qs + b * 256;
+        int sc[8], m[8];
+        q4k_scale_min(blk + 4, sc, m);
+        int sumi = 0;
+        for (int c = 0; c < 4; c++) {
+            int lo = 0, hi = 0;
+            for (int i = 0; i < 32; i++) {
+                lo += (qs[32 * c + i] & 0x0F) * x[64 * c + i];
+                hi += (qs[32 * c + i] >> 4) * x[64 * c + 32 + i];
+            }
+            sumi += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+        }
+        int summ = q4k_mins(m, a->bsums + b * 16);
+        acc += a->d[b] * (h2f_at(blk) * (float)sumi - h2f_at(blk + 2) * (float)summ);
+    }
+    return acc;
+}
+
+#if KS_X86
+TARGET_AVX2 static float dot_q4_K_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+        const int8_t *x = a->qs + b * 256;
+        int sc[8], m[8];
+        q4k_scale_min(blk + 4, sc, m);
+        __m256i sum = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), _mm256_loadu_si256((const __m256i *)(x + 64 * c)));
+            __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), low),
+                                              _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32)));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(lo, _mm256_set1_epi16((short)sc[2 * c])));
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(hi, _mm256_set1_epi16((short)sc[2 * c + 1])));
+        }
+        int summ = q4k_mins(m, a->bsums + b * 16);
+        acc += a->d[b] * (h2f_at(blk) * (float)hsum256_epi32(sum) - h2f_at(blk + 2) * (float)summ);
+    }
+    return acc;
+}
+
+TARGET_VNNI static inline __m512i pair_epi16(int s0, int s1) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)s0), _mm256_set1_epi16((short)s1), 1);
+}
+
+TARGET_VNNI static inline __m512i load_pair256(const int8_t *p0, const int8_t *p1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p0)),
+                              _mm256_loadu_si256((const __m256i *)p1), 1);
+}
+
+/* The 8 scales and 8 mins of a Q4_K super-block as bytes, from its 12 packed bytes, four at a time
+   (the same unpacking as q4k_scale_min). */
+static inline void q4k_scale_min_bytes(const uint8_t *q, uint8_t *sc, uint8_t *m) {
+    uint32_t w[3], out[4];
+    memcpy(w, q, 12);
+    out[0] = w[0] & 0x3f3f3f3fu;
+    out[1] = (w[2] & 0x0f0f0f0fu) | (((w[0] >> 6) & 0x03030303u) << 4);
+    out[2] = w[1] & 0x3f3f3f3fu;
+    out[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | (((w[1] >> 6) & 0x03030303u) << 4);
+    memcpy(sc, out, 8);
+    memcpy(m, out + 2, 8);
+}
+
+/* 64 quant bytes (two 32-byte chunks) per vector: low nibbles are sub-blocks 4c, 4c+2; high 4c+1, 4c+3.
+   Scales reach the 16-bit lanes by one permute of the 8 scales; the per-lane int32 sums are scaled in
+   float per super-block and reduced once at the end; the mins term (dmin * sum_j m_j * (sum of the
+   activations of sub-block j)) runs on 128-bit vectors. */
+TARGET_VNNI static float dot_q4_K_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    /* 16-bit lane l of a permuted scale vector takes scale idx[l]: lanes 0-15 one sub-block, 16-31 another */
+    const __m512i pick02 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+    const __m512i pick13 = _mm512_inserti64x4(_mm512_set1_epi16(1), _mm256_set1_epi16(3), 1);
+    const __m512i pick46 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i pick57 = _mm512_inserti64x4(_mm512_set1_epi16(5), _mm256_set1_epi16(7), 1);
+    __m512 acc = _mm512_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps();
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+        const int8_t *x = a->qs + b * 256;
+        uint8_t sc[8], m[8];
+        q4k_scale_min_bytes(blk + 4, sc, m);
+        __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        __m512i q0 = _mm512_loadu_si512((const void *)qs), q1 = _mm512_loadu_si512((const void *)(qs + 64));
+        __m512i p0 = _mm512_maddubs_epi16(_mm512_and_si512(q0, low), load_pair256(x, x + 64));
+        __m512i p1 = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low), load_pair256(x + 32, x + 96));
+        __m512i p2 = _mm512_maddubs_epi16(_mm512_and_si512(q1, low), load_pair256(x + 128, x + 192));
+        __m512i p3 = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low), load_pair256(x + 160, x + 224));
+        __m512i sum = _mm512_add_epi32(
+            _mm512_add_epi32(_mm512_madd_epi16(p0, _mm512_permutexvar_epi16(pick02, sc16)),
+                             _mm512_madd_epi16(p1, _mm512_permutexvar_epi16(pick13, sc16))),
+            _mm512_add_epi32(_mm512_madd_epi16(p2, _mm512_permutexvar_epi16(pick46, sc16)),
+                             _mm512_madd_epi16(p3, _mm512_permutexvar_epi16(pick57, sc16))));
+        float dad = h2f_at(blk) * a->d[b], dmad = h2f_at(blk + 2) * a->d[b];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dad), acc);
+        /* sums of the activations per sub-block of 32 (pairs of bsums) times the mins */
+        const __m128i *bs = (const __m128i *)(a->bsums + b * 16);
+        __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
+        __m128i mins = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m)), pairs);
+        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(mins), _mm_set1_ps(dmad), acc_min);
+    }
+    __m128 t = _mm_add_ps(acc_min, _mm_movehl_ps(acc_min, acc_min));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return _mm512_reduce_add_ps(acc) - _mm_cvtss_f32(t);
+}
+#endif
+
+/* ---------------------------------------------------------------- Q6_K: 210-byte super-blocks of 256 */
+/* value 128h + 32s + i: low 4 bits from ql[64h + 32(s%2) + i] (low nibble for s < 2, high for s >= 2),
+   high 2 bits from qh[32h + i] >> 2s; q - 32 times the int8 scale of its 16. */
+
+static inline int q6k_offsets(const int8_t *sc, const int16_t *bsums) {
+    int s = 0;
+    for (int g = 0; g < 16; g++) s += sc[g] * bsums[g];
+    return 32 * s;
+}
+
+static float dot_q6_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const int8_t *x = a->qs + b * 256;
+        int sums[16] = {0};
+        for (int h = 0; h < 2; h++)
+            for (int s = 0; s < 4; s++)
+                for (int i = 0; i < 32; i++) {
+                    int l = ql[64 * h + 32 * (s & 1) + i];
+                    l = s < 2 ? l & 0x0F : l >> 4;
+                    int q = l | (((qh[32 * h + i] >> (2 * s)) & 3) << 4);
+                    int e = 128 * h + 32 * s + i;
+                    sums[e / 16] += q * x[e];
+                }
+        int sumi = 0;
+        for (int g = 0; g < 16; g++) sumi += sc[g] * sums[g];
+        sumi -= q6k_offsets(sc, a->bsums + b * 16);
+        acc += a->d[b] * h2f_at(blk + 208) * (float)sumi;
+    }
+    return acc;
+}
+
+#if KS_X86
+TARGET_AVX2 static float dot_q6_K_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+    float acc = 0.0f;
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const int8_t *x = a->qs + b * 256;
+        __m256i sum = _mm256_setzero_si256();
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i lows[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), low),
+                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+            for (int s = 0; s < 4; s++) {
+                __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), two), 4);
+                __m256i q = _mm256_or_si256(lows[s], high);
+                __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x + 128 * h + 32 * s)));
+                int g = 8 * h + 2 * s;
+                __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scale));
+            }
+        }
+        int sumi = hsum256_epi32(sum) - q6k_offsets(sc, a->bsums + b * 16);
+        acc += a->d[b] * h2f_at(blk + 208) * (float)sumi;
+    }
+    return acc;
+}
+
+/* 64 values per vector: half h's s and s+1 (two 32-value pieces), their four scales of 16 through one
+   permute of the 16 scales; per-lane int32 sums scaled in float per super-block, reduced once; the
+   offset (32 * sum_g scale_g * bsum_g) on a 256-bit vector. */
+TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
+    __m512i pick[4];            /* lanes 0-7: scale 4i, 8-15: 4i+1, 16-23: 4i+2, 24-31: 4i+3 */
+    for (int i = 0; i < 4; i++)
+        pick[i] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(_mm_set1_epi16((short)(4 * i + 1)),
+                                                                             _mm_set1_epi16((short)(4 * i)))),
+                                     _mm256_set_m128i(_mm_set1_epi16((short)(4 * i + 3)), _mm_set1_epi16((short)(4 * i + 2))), 1);
+    __m512 acc = _mm512_setzero_ps();
+    __m256 acc_off = _mm256_setzero_ps();
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
+        const int8_t *x = a->qs + b * 256;
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
+        __m512i sc512 = _mm512_castsi256_si512(sc16);
+        __m512i sum = _mm512_setzero_si512();
+        for (int h = 0; h < 2; h++) {
+            __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * h));   /* pieces s=0 | s=1 low nibbles */
+            __m256i hb256 = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m512i hb = _mm512_inserti64x4(_mm512_castsi256_si512(hb256), hb256, 1);
+            for (int p = 0; p < 2; p++) {       /* p = 0: s = 0, 1 (low nibbles); p = 1: s = 2, 3 (high) */
+                __m512i lq = p == 0 ? _mm512_and_si512(l, low) : _mm512_and_si512(_mm512_srli_epi16(l, 4), low);
+                /* lanes 0-255 are piece s = 2p (shift 4p), lanes 256-511 piece s = 2p + 1 (shift 4p + 2) */
+                __m512i shifted = _mm512_mask_blend_epi64(0xF0, _mm512_srli_epi16(hb, 4 * p), _mm512_srli_epi16(hb, 4 * p + 2));
+                __m512i q = _mm512_or_si512(lq, _mm512_slli_epi16(_mm512_and_si512(shifted, two), 4));
+                __m512i prod = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(x + 128 * h + 64 * p)));
+                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, _mm512_permutexvar_epi16(pick[2 * h + p], sc512)));
+            }
+        }
+        float dad = h2f_at(blk + 208) * a->d[b];
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dad), acc);
+        __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums + b * 16)), sc16);
+        acc_off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.0f * dad), acc_off);
+    }
+    return _mm512_reduce_add_ps(acc) - hsum256_ps(acc_off);
+}
+#endif
+
+/* ---------------------------------------------------------------- many tokens: tokens in lanes (VNNI) */
+/* For 4+ tokens, vpdpbusd runs with 16 tokens in the lanes of one vector: each token's activations
+   as unsigned bytes (q + 128), 4 values per lane (act_tiles), and 4 of one weight row's signed values
+   broadcast to every lane.  A weight row is unpacked once per call (unpack_row: signed values, a
+   float scale and its value sum per group of G, Q4_K's min per group) and read by every token, so a
+   block is decoded once, not once per token.  q + 128 adds 128 * (the row's group sum), taken off
+   before the group's float scale. */
+
+#define LANES 16
+
+#if KS_X86
+typedef struct {
+    int group;          /* values per weight group: 32, or 16 for Q6_K */
+    int act_group;      /* values per activation scale: 32 (q8_0) or 256 (q8_K) */
+    int has_mins;       /* Q4_K: value = scale * q - min, per group of 32 */
+} tiled_t;
+
+static const tiled_t TILED[4] = {{32, 32, 0}, {32, 32, 0}, {32, 256, 1}, {16, 256, 0}};
+
+/* Sums of the unsigned bytes of x: (first 16, last 16). */
+TARGET_VNNI static inline void sum_halves(__m256i x, int *lo, int *hi) {
+    __m256i s = _mm256_sad_epu8(x, _mm256_setzero_si256());
+    *lo = (int)(_mm256_extract_epi64(s, 0) + _mm256_extract_epi64(s, 1));
+    *hi = (int)(_mm256_extract_epi64(s, 2) + _mm256_extract_epi64(s, 3));
+}
+
+/* One weight row as signed bytes vals [K] (Q8_0: the row itself); per group its float scale, Q4_K's
+   float min, and 128 times the sum of its values (sums). */
+TARGET_VNNI static const int8_t *unpack_row(int fmt, const uint8_t *w, const uint8_t *meta, int K, int8_t *vals,
+                                            float *scale, float *mins, int32_t *sums) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    int lo, hi;
+    if (fmt == FMT_Q8_0) {
+        for (int b = 0; b < K / 32; b++) {
+            scale[b] = h2f_at(meta + 2 * b);
+            sum_halves(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(w + 32 * b)), _mm256_set1_epi8((char)0x80)), &lo, &hi);
+            sums[b] = 128 * (lo + hi - 32 * 128);
+        }
+        return (const int8_t *)w;
+    }
+    if (fmt == FMT_Q4_0) {
+        for (int b = 0; b < K / 32; b++) {
+            const uint8_t *blk = w + 18 * b;
+            scale[b] = h2f_at(blk);
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
+            __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low);
+            sum_halves(q, &lo, &hi);
+            sums[b] = 128 * (lo + hi - 8 * 32);
+            _mm256_storeu_si256((__m256i *)(vals + 32 * b), _mm256_sub_epi8(q, _mm256_set1_epi8(8)));
+        }
+        return vals;
+    }
+    if (fmt == FMT_Q4_K) {
+        for (int b = 0; b < K / 256; b++) {
+            const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+            float d = h2f_at(blk), dmin = h2f_at(blk + 2);
+            int sc[8], m[8];
+            q4k_scale_min(blk + 4, sc, m);
+            for (int j = 0; j < 8; j++) {
+                scale[8 * b + j] = d * (float)sc[j];
+                mins[8 * b + j] = dmin * (float)m[j];
+            }
+            for (int c = 0; c < 4; c++) {
+                __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+                __m256i ql = _mm256_and_si256(q, low), qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+                sum_halves(ql, &lo, &hi);
+                sums[8 * b + 2 * c] = 128 * (lo + hi);
+                sum_halves(qh, &lo, &hi);
+                sums[8 * b + 2 * c + 1] = 128 * (lo + hi);
+                _mm256_storeu_si256((__m256i *)(vals + 256 * b + 64 * c), ql);
+                _mm256_storeu_si256((__m256i *)(vals + 256 * b + 64 * c + 32), qh);
+            }
+        }
+        return vals;
+    }
+    const __m256i three = _mm256_set1_epi8(3);
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        float d = h2f_at(blk + 208);
+        for (int g = 0; g < 16; g++) scale[16 * b + g] = d * (float)sc[g];
+        for (int h = 0; h < 2; h++) {
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
+            __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
+            __m256i hb = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
+            __m256i lows[4] = {_mm256_and_si256(l0, low), _mm256_and_si256(l1, low),
+                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), low), _mm256_and_si256(_mm256_srli_epi16(l1, 4), low)};
+            for (int s = 0; s < 4; s++) {
+                __m256i q = _mm256_or_si256(lows[s], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), three), 4));
+                int g = 16 * b + 8 * h + 2 * s;
+                sum_halves(q, &lo, &hi);
+                sums[g] = 128 * (lo - 32 * 16);
+                sums[g + 1] = 128 * (hi - 32 * 16);
+                _mm256_storeu_si256((__m256i *)(vals + 256 * b + 128 * h + 32 * s), _mm256_sub_epi8(q, _mm256_set1_epi8(32)));
+            }
+        }
+    }
+    return vals;
+}
+
+/* Tokens t0..t0+15 of the quantized activations into lanes: bytes [K/4][16][4] (q + 128, zero past T),
+   scales [K/act_group][16], and (Q4_K) value sums per 32, [K/32][16] float. */
+static void act_tiles(const uint8_t *buf, size_t per_token, size_t qs_bytes, size_t d_bytes, int K, int act_group,
+                      int with_sums, int t0, int T, uint8_t *bytes, float *d, float *sums) {
+    for (int l = 0; l < LANES; l++) {
+        int t = t0 + l;
+        const int8_t *qs = t < T ? (const int8_t *)(buf + per_token * (size_t)t) : NULL;
+        const float *ad = t < T ? (const float *)(buf + per_token * (size_t)t + qs_bytes) : NULL;
+        const int16_t *bs = t < T ? (const int16_t *)(buf + per_token * (size_t)t + qs_bytes + d_bytes) : NULL;
+        for (int q = 0; q < K / 4; q++) {
+            uint32_t v = 0x80808080u;
+            if (qs) {
+                memcpy(&v, qs + 4 * q, 4);
+                v ^= 0x80808080u;
+            }
+            memcpy(bytes + ((size_t)q * LANES + l) * 4, &v, 4);
+        }
+        for (int b = 0; b < K / act_group; b++) d[b * LANES + l] = ad ? ad[b] : 0.0f;
+        if (with_sums)
+            for (int j = 0; j < K / 32; j++) sums[j * LANES + l] = bs ? (float)(bs[2 * j] + bs[2 * j + 1]) : 0.0f;
+    }
+}
+
+#define TILE_ROWS 8
+
+/* out[r][l] for 8 rows and 16 token lanes; group, act_group and has_mins are constants in each caller,
+   so the quad loop unrolls and the accumulators stay in registers. */
+TARGET_VNNI static inline __attribute__((always_inline)) void lanes_kernel(
+    const int group, const int act_group, const int has_mins, int K, const int8_t *const *vals,
+    const float *const *scale, const float *const *mins, const int32_t *const *sums, const uint8_t *bytes,
+    const float *d, const float *asums, float out[TILE_ROWS][LANES]) {
+    __m512 total[TILE_ROWS], part[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) total[r] = part[r] = _mm512_setzero_ps();
+    for (int g0 = 0; g0 < K; g0 += group) {
+        const int gi = g0 / group;
+        __m512i acc[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_set1_epi32(-sums[r][gi]);
+        for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
+            __m512i a = _mm512_load_si512((const void *)(bytes + (size_t)q * 64));
+            for (int r = 0; r < TILE_ROWS; r++) {
+                int32_t wv;
+                memcpy(&wv, vals[r] + 4 * q, 4);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], a, _mm512_set1_epi32(wv));
+            }
+        }
+        if (act_group == 32) {
+            __m512 ad = _mm512_load_ps(d + (size_t)gi * LANES);
+            for (int r = 0; r < TILE_ROWS; r++)
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(scale[r][gi]), ad), total[r]);
+        } else {
+            for (int r = 0; r < TILE_ROWS; r++) {
+                part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(scale[r][gi]), part[r]);
+                if (has_mins)
+                    part[r] = _mm512_fnmadd_ps(_mm512_set1_ps(mins[r][gi]), _mm512_load_ps(asums + (size_t)gi * LANES), part[r]);
+            }
+            if ((g0 + group) % 256 == 0) {
+                __m512 ad = _mm512_load_ps(d + (size_t)(g0 / 256) * LANES);
+                for (int r = 0; r < TILE_ROWS; r++) {
+                    total[r] = _mm512_fmadd_ps(part[r], ad, total[r]);
+                    part[r] = _mm512_setzero_ps();
+                }
+            }
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) _mm512_storeu_ps(out[r], total[r]);
+}
+
+#define LANES_ARGS int K, const int8_t *const *vals, const float *const *scale, const float *const *mins, \
+    const int32_t *const *sums, const uint8_t *bytes, const float *d, const float *asums, float out[TILE_ROWS][LANES]
+#define LANES_PASS K, vals, scale, mins, sums, bytes, d, asums, out
+TARGET_VNNI static void lanes_g32_a32(LANES_ARGS) { lanes_kernel(32, 32, 0, LANES_PASS); }
+TARGET_VNNI static void lanes_g32_a256_mins(LANES_ARGS) { lanes_kernel(32, 256, 1, LANES_PASS); }
+TARGET_VNNI static void lanes_g16_a256(LANES_ARGS) { lanes_kernel(16, 256, 0, LANES_PASS); }
+typedef void (*lanes_fn)(LANES_ARGS);
+static const lanes_fn LANES_KERNELS[4] = {lanes_g32_a32, lanes_g32_a32, lanes_g32_a256_mins, lanes_g16_a256};
+#endif
+
+/* ---------------------------------------------------------------- the GEMM driver */
+
+typedef float (*dot_fn)(const uint8_t *w, const uint8_t *meta, const act_t *a, int K);
+
+#if KS_X86
+static const dot_fn DOTS[4][3] = {
+    {dot_q8_0_scalar, dot_q8_0_avx2, dot_q8_0_vnni},
+    {dot_q4_0_scalar, dot_q4_0_avx2, dot_q4_0_vnni},
+    {dot_q4_K_scalar, dot_q4_K_avx2, dot_q4_K_vnni},
+    {dot_q6_K_scalar, dot_q6_K_avx2, dot_q6_K_vnni},
+};
+#else
+static const dot_fn DOTS[4][3] = {
+    {dot_q8_0_scalar, dot_q8_0_scalar, dot_q8_0_scalar},
+    {dot_q4_0_scalar, dot_q4_0_scalar, dot_q4_0_scalar},
+    {dot_q4_K_scalar, dot_q4_K_scalar, dot_q4_K_scalar},
+    {dot_q6_K_scalar, dot_q6_K_scalar, dot_q6_K_scalar},
+};
+#endif
+
+static __thread uint8_t *scratch;
+static __thread size_t scratch_bytes;
+
+static void *scratch_for(size_t bytes) {
+    if (bytes > scratch_bytes) {
+        free(scratch);
+        scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        scratch_bytes = scratch ? bytes : 0;
+    }
+    return scratch;
+}
+
+#define ROW_TILE 16
+
+/* From this many tokens the VNNI path runs 16 tokens in lanes (lanes_kernel), per format; fewer: a dot
+   product per row and token.  Measured on one core (2048x2048, thread time): a group of 16 lanes costs
+   about as much as 5-6 (Q8_0), 3-4 (Q4_0), 5-6 (Q4_K) or 4-5 (Q6_K) tokens' dot products.  A group of
+   8 lanes (256-bit) was tried and cost the same as 16: the per-row work (unpacking, broadcasts,
+   scales per group) does not shrink with the lanes. */
+int ks_lanes_min_tokens[4] = {6, 4, 6, 5};
+
+typedef struct {
+    int fmt, isa, N, K, T, group;
+    const uint8_t *w, *meta;
+    ptrdiff_t w_stride, meta_stride, x_stride, out_stride;
+    const float *x;
+    float *out;
+    uint8_t *buf, *tiles;
+    size_t per_token, qs_bytes, d_bytes, bs_bytes, tile_bytes;
+    int token_groups, row_tiles;
+    _Atomic int next;               /* the next row tile to hand out */
+    _Atomic int failed;
+} matmul_t;
+
+static inline act_t token_act(const matmul_t *m, int t) {
+    uint8_t *p = m->buf + m->per_token * (size_t)t;
+    return (act_t){(int8_t *)p, (float *)(p + m->qs_bytes), m->bs_bytes ? (int16_t *)(p + m->qs_bytes + m->d_bytes) : NULL};
+}
+
+static void matmul_quantize(void *ctx, int index, int count) {
+    matmul_t *m = ctx;
+    for (int t = index; t < m->T; t += count) {
+        act_t a = token_act(m, t);
+        quantize_act(m->x + m->x_stride * t, m->K, m->group, a.qs, a.d, a.bsums);
+    }
+}
+
+#define TILES_PER_GRAB 4        /* row tiles a thread takes at a time: 64 rows */
+
+static void matmul_dots(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    matmul_t *m = ctx;
+    const dot_fn dot = DOTS[m->fmt][m->isa];
+    for (int first; (first = atomic_fetch_add_explicit(&m->next, TILES_PER_GRAB, memory_order_relaxed)) < m->row_tiles;) {
+        int r0 = first * ROW_TILE, r1 = (first + TILES_PER_GRAB) * ROW_TILE < m->N ? (first + TILES_PER_GRAB) * ROW_TILE : m->N;
+        for (int t = 0; t < m->T; t++) {
+            act_t a = token_act(m, t);
+            float *o = m->out + m->out_stride * t;
+            for (int r = r0; r < r1; r++)
+                o[r] = dot(m->w + m->w_stride * r, m->meta ? m->meta + m->meta_stride * r : NULL, &a, m->K);
+        }
+    }
+}
+
+#if KS_X86
+static void matmul_tiles(void *ctx, int index, int count) {
+    matmul_t *m = ctx;
+    const size_t scales = (size_t)m->K * LANES, sums = scales + (size_t)(m->K / m->group) * LANES * 4;
+    for (int tg = index; tg < m->token_groups; tg += count) {
+        uint8_t *tile = m->tiles + m->tile_bytes * (size_t)tg;
+        act_tiles(m->buf, m->per_token, m->qs_bytes, m->d_bytes, m->K, m->group, m->fmt == FMT_Q4_K, tg * LANES, m->T,
+                  tile, (float *)(tile + scales), (float *)(tile + sums));
+    }
+}
+
+static void matmul_lanes(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    matmul_t *m = ctx;
+    const int K = m->K, N = m->N;
+    const size_t ng = (size_t)(K / TILED[m->fmt].group), row_bytes = K + ng * 12;
+    const size_t scales = (size_t)K * LANES, sums = scales + (size_t)(K / m->group) * LANES * 4;
+    /* this thread's TILE_ROWS unpacked rows (values, scales, mins, sums) */
+    uint8_t *own = aligned_alloc(64, (TILE_ROWS * row_bytes + 63) / 64 * 64);
+    if (!own) {
+        atomic_store(&m->failed, 1);
+        return;
+    }
+    for (int first; (first = atomic_fetch_add_explicit(&m->next, TILES_PER_GRAB, memory_order_relaxed)) < m->row_tiles;) {
+        int r_end = (first + TILES_PER_GRAB) * ROW_TILE < N ? (first + TILES_PER_GRAB) * ROW_TILE : N;
+        for (int r0 = first * ROW_TILE; r0 < r_end; r0 += TILE_ROWS) {
+            int R = r_end - r0 < TILE_ROWS ? r_end - r0 : TILE_ROWS;
+            const int8_t *vals[TILE_ROWS];
+            const float *scale[TILE_ROWS], *mins[TILE_ROWS];
+            const int32_t *sum[TILE_ROWS];
+            for (int r = 0; r < TILE_ROWS; r++) {
+                if (r >= R) {       /* past N: row r0 again, its results dropped */
+                    vals[r] = vals[0], scale[r] = scale[0], mins[r] = mins[0], sum[r] = sum[0];
+                    continue;
+                }
+                uint8_t *mine = own + (size_t)r * row_bytes;
+                float *sc = (float *)(mine + K), *mn = sc + ng;
+                int32_t *sm = (int32_t *)(mn + ng);
+                vals[r] = unpack_row(m->fmt, m->w + m->w_stride * (r0 + r), m->meta ? m->meta + m->meta_stride * (r0 + r) : NULL,
+                                     K, (int8_t *)mine, sc, mn, sm);
+                scale[r] = sc, mins[r] = mn, sum[r] = sm;
+            }
+            for (int tg = 0; tg < m->token_groups; tg++) {
+                const uint8_t *tile = m->tiles + m->tile_bytes * (size_t)tg;
+                float res[TILE_ROWS][LANES];
+                LANES_KERNELS[m->fmt](K, vals, scale, mins, sum, tile, (const float *)(tile + scales),
+                                      (const float *)(tile + sums), res);
+                for (int l = 0; l < LANES && tg * LANES + l < m->T; l++)
+                    for (int r = 0; r < R; r++) m->out[m->out_stride * (tg * LANES + l) + r0 + r] = res[r][l];
+            }
+        }
+    }
+    free(own);
+}
+#endif
+
+/* out[t, r] = dot(weight row r, x[t]) for r < N, t < T.  w: row r at w + r * w_stride; meta (Q8_0's
+   scales, f16) at meta + r * meta_stride.  Returns 0, or -1 when memory for the activations ran out. */
+int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride,
+              int N, int K, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride, int threads) {
+    matmul_t m = {.fmt = fmt, .isa = isa, .N = N, .K = K, .T = T, .w = w, .meta = meta, .w_stride = w_stride,
+                  .meta_stride = meta_stride, .x_stride = x_stride, .out_stride = out_stride, .x = x, .out = out};
+    m.group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
+    m.qs_bytes = (size_t)K, m.d_bytes = (size_t)(K / m.group) * 4, m.bs_bytes = m.group == 256 ? (size_t)(K / 16) * 2 : 0;
+    m.per_token = (m.qs_bytes + m.d_bytes + m.bs_bytes + 63) / 64 * 64;
+    m.row_tiles = (N + ROW_TILE - 1) / ROW_TILE;
+    const int lanes = KS_X86 && isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
+    m.token_groups = (T + LANES - 1) / LANES;
+    /* per token group: bytes [K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
+    m.tile_bytes = (size_t)K * LANES + (size_t)(K / m.group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
+    m.buf = scratch_for(m.per_token * (size_t)T + (lanes ? m.tile_bytes * (size_t)m.token_groups : 0));
+    if (!m.buf) return -1;
+    m.tiles = m.buf + m.per_token * (size_t)T;
+    if (threads < 1) threads = 1;
+    const int grabs = (m.row_tiles + TILES_PER_GRAB - 1) / TILES_PER_GRAB;
+    const int workers = threads < grabs ? threads : grabs;
+    /* a few tokens are quantized on the calling thread: no job of their own */
+    pool_run(matmul_quantize, &m, T > 4 ? (threads < T ? threads : T) : 1);
+#if KS_X86
+    if (lanes) {
+        pool_run(matmul_tiles, &m, threads < m.token_groups ? threads : m.token_groups);
+        pool_run(matmul_lanes, &m, workers);
+        return atomic_load(&m.failed) ? -1 : 0;
+    }
+#endif
+    pool_run(matmul_dots, &m, workers);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- float ops (run/host.py's conventions) */
+
+typedef struct {
+    const float *x, *w;
+    float *out;
+    ptrdiff_t x_stride, out_stride;
+    int rows, n, w_rows;
+    float eps;
+} rmsnorm_t;
+
+static void rmsnorm_rows(void *ctx, int index, int count) {
+    const rmsnorm_t *c = ctx;
+    const int n = c->n;
+    for (int r = index; r < c->rows; r += count) {
+        const float *xr = c->x + c->x_stride * r;
+        const float *wr = c->w + (ptrdiff_t)(r % c->w_rows) * n;
+        float *o = c->out + c->out_stride * r;
+        float part[16] = {0};
+        int i = 0;
+        for (; i + 16 <= n; i += 16)
+            for (int j = 0; j < 16; j++) part[j] += xr[i + j] * xr[i + j];
+        float ss = 0.0f;
+        for (int j = 0; j < 16; j++) ss += part[j];
+        for (; i < n; i++) ss += xr[i] * xr[i];
+        float root = sqrtf(ss / (float)n + c->eps);
+        for (i = 0; i < n; i++) o[i] = (xr[i] / root) * wr[i];
+    }
+}
+
+/* The threads for `work` values of an elementwise op: one below 16K values (a job costs more). */
+static inline int op_threads(int threads, size_t work, int items) {
+    int t = work < 16384 ? 1 : threads;
+    return t < items ? t : items;
+}
+
+/* out[r] = (x[r] / sqrt(sum(x[r]^2) / n + eps)) * w[r % w_rows] */
+void ks_rmsnorm(const float *x, ptrdiff_t x_stride, int rows, int n, const float *w, int w_rows, float eps,
+                float *out, ptrdiff_t out_stride, int threads) {
+    rmsnorm_t c = {x, w, out, x_stride, out_stride, rows, n, w_rows, eps};
+    pool_run(rmsnorm_rows, &c, op_threads(threads, (size_t)rows * n, rows));
+}
+
+/* exp(x) for float32, within 2 ulp of expf on [-87.3, 88.7] (0 below, inf above): x = n ln2 + r,
+   |r| <= ln2/2, e^r by a degree-6 polynomial (Cephes' expf coefficients), times 2^n through the exponent
+   bits.  Plain arithmetic, so a loop over it vectorizes (libm's expf does not without -ffast-math). */
+static inline float exp_poly(float x) {
+    float xc = x < -87.33654f ? -87.33654f : x;
+    xc = xc > 88.72283f ? 88.72283f : xc;
+    float n = floorf(xc * 1.44269504088896341f + 0.5f);
+    float r = xc - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    float y = p * r * r + r + 1.0f;
+    union {
+        int32_t i;
+        float f;
+    } two_n = {((int32_t)n + 127) << 23};
+    y = y * two_n.f;
+    y = x < -87.33654f ? 0.0f : y;
+    return x > 88.72283f ? INFINITY : y;
+}
+
+static void silu_mul_run(const float *restrict g, const float *restrict u, float *restrict o, int n) {
+    for (int i = 0; i < n; i++) o[i] = g[i] / (1.0f + exp_poly(-g[i])) * u[i];
+}
+
+typedef struct {
+    const float *gate, *up;
+    float *out;
+    ptrdiff_t g_stride, u_stride, out_stride;
+    int rows, n, chunks;
+} silu_t;
+
+static void silu_mul_parts(void *ctx, int index, int count) {
+    const silu_t *c = ctx;
+    for (int job = index; job < c->rows * c->chunks; job += count) {
+        int r = job / c->chunks, part = job % c->chunks;
+        int i0 = (int)((long)c->n * part / c->chunks), i1 = (int)((long)c->n * (part + 1) / c->chunks);
+        silu_mul_run(c->gate + c->g_stride * r + i0, c->up + c->u_stride * r + i0, c->out + c->out_stride * r + i0, i1 - i0);
+    }
+}
+
+/* out = gate / (1 + exp(-gate)) * up, row by row */
+void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
+                 float *out, ptrdiff_t out_stride, int threads) {
+    silu_t c = {gate, up, out, g_stride, u_stride, out_stride, rows, n, n >= 4096 ? 4 : 1};
+    pool_run(silu_mul_parts, &c, op_threads(threads, (size_t)rows * n / 4, rows * c.chunks));
+}
+
+/* In place, rotate-half: x' = x * cos + cat(-x2, x1) * sin.  x: [T, heads, D] (token stride, head stride);
+   cos, sin: [T, D]. */
+void ks_rope(float *x, ptrdiff_t t_stride, ptrdiff_t h_stride, int T, int heads, int D, const float *cos_t,
+             const float *sin_t) {
+    int half = D / 2;
+    for (int t = 0; t < T; t++)
+        for (int h = 0; h < heads; h++) {
+            float *v = x + t_stride * t + h_stride * h;
+            const float *c = cos_t + (ptrdiff_t)t * D, *s = sin_t + (ptrdiff_t)t * D;
+            for (int i = 0; i < half; i++) {
+                float x1 = v[i], x2 = v[i + half];
+                v[i] = x1 * c[i] + (-x2) * s[i];
+                v[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+}
+
+/* Row j of a KV head as float32: the row itself, or (f16) converted into tmp. */
+static inline const float *kv_row(const void *base, int f16, ptrdiff_t offset, int D, float *tmp) {
+    if (!f16) return (const float *)base + offset;
+    const uint16_t *h = (const uint16_t *)base + offset;
+    int d = 0;
+#if KS_X86 && defined(__F16C__)
+    for (; d + 8 <= D; d += 8) _mm256_storeu_ps(tmp + d, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + d))));
+#endif
+    for (; d < D; d++) tmp[d] = h2f(h[d]);
+    return tmp;
+}
+
+/* One job: query heads 0..nh*group-1 from q (head stride q_h) over kv heads 0..nh-1 at `head` (head
+   stride kv_h), keys first..pos: the nh kv heads of a key row are adjacent in memory, so a job streams
+   through them; each row is read (and converted) once for its group of query heads.
+   probs: [nh * group][S]; tmp: [D]. */
+static void attention_job(const float *q, ptrdiff_t q_h, int group, int nh, int D, const void *k, const void *v,
+                          int f16, ptrdiff_t kv_t, ptrdiff_t kv_h, ptrdiff_t head, int first, int pos, float scale,
+                          float *probs, int S, float *tmp, float *best, float *out) {
+    const int heads = nh * group;
+    for (int g = 0; g < heads; g++) best[g] = -INFINITY;
+    for (int j = first; j <= pos; j++)
+        for (int hh = 0; hh < nh; hh++) {
+            const float *kr = kv_row(k, f16, kv_t * j + head + kv_h * hh, D, tmp);
+            for (int g = hh * group; g < (hh + 1) * group; g++) {
+                const float *qv = q + q_h * g;
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int d = 0; d < D; d++) s = fmaf(qv[d], kr[d], s);
+                s *= scale;
+                probs[(size_t)g * S + j] = s;
+                best[g] = s > best[g] ? s : best[g];
+            }
+        }
+    for (int g = 0; g < heads; g++) {
+        float *p = probs + (size_t)g * S, total = 0.0f, bg = best[g];
+#pragma omp simd reduction(+ : total)
+        for (int j = first; j <= pos; j++) {
+            p[j] = exp_poly(p[j] - bg);
+            total += p[j];
+        }
+#pragma omp simd
+        for (int j = first; j <= pos; j++) p[j] = p[j] / total;
+        for (int d = 0; d < D; d++) out[(size_t)g * D + d] = 0.0f;
+    }
+    for (int j = first; j <= pos; j++)
+        for (int hh = 0; hh < nh; hh++) {
+            const float *vr = kv_row(v, f16, kv_t * j + head + kv_h * hh, D, tmp);
+            for (int g = hh * group; g < (hh + 1) * group; g++) {
+                float pj = probs[(size_t)g * S + j], *o = out + (size_t)g * D;
+#pragma omp simd
+                for (int d = 0; d < D; d++) o[d] = fmaf(pj, vr[d], o[d]);
+            }
+        }
+}
+
+/* q: [n, H, D] at positions start..start+n-1 (strides q_t, q_h); k, v: [S, n_kv, D] float32 or f16
+   (kv_f16), row stride kv_t, head stride kv_h (elements); out: [n, H * D] (row stride out_t).  Query i
+   sees keys max(0, start+i-window+1) .. start+i (window <= 0: no window); q head h reads kv head
+   h / (H / n_kv).  softmax(q k^T * scale) v, as run/host.attention; jobs are (query, kv head) pairs, so
+   the heads of a group read each key and value row once.  Jobs of several queries each (every row read
+   once for all of them) were measured and ran 0-10 % slower at 1-64 queries: the dot products per key,
+   not the reads, bound it.  With several queries numpy's batched matmul (one BLAS thread) is faster:
+   16 queries over 512 keys 2.1 ms against 3.2, 64 over 2,048 20 ms against 53; with one query this is
+   (0.8-1.1 ms against 1.3-1.7 over 2,048 keys). */
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    float *out;
+    ptrdiff_t q_t, q_h, kv_t, kv_h, out_t;
+    int n, D, group, n_kv, start, window, kv_f16, run, runs, S;
+    float scale;
+    _Atomic int next, failed;
+} attention_t;
+
+static void attention_jobs(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    attention_t *c = ctx;
+    const int group = c->group, run = c->run, S = c->S, D = c->D;
+    float *probs = malloc(sizeof(float) * ((size_t)S * run * group + (size_t)D + (size_t)run * group));
+    if (!probs) {
+        atomic_store(&c->failed, 1);
+        return;
+    }
+    for (int job; (job = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < c->n * c->runs;) {
+        int i = job / c->runs, h0 = (job % c->runs) * run, nh = c->n_kv - h0 < run ? c->n_kv - h0 : run, pos = c->start + i;
+        int first = c->window > 0 && pos - c->window + 1 > 0 ? pos - c->window + 1 : 0;
+        attention_job(c->q + c->q_t * i + c->q_h * (ptrdiff_t)(h0 * group), c->q_h, group, nh, D, c->k, c->v, c->kv_f16,
+                      c->kv_t, c->kv_h, c->kv_h * h0, first, pos, c->scale, probs, S, probs + (size_t)S * run * group,
+                      probs + (size_t)S * run * group + D, c->out + c->out_t * i + (ptrdiff_t)h0 * group * D);
+    }
+    free(probs);
+}
+
+int ks_attention(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
+                 int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
+                 float *out, ptrdiff_t out_t, int threads) {
+    if (threads < 1) threads = 1;
+    attention_t c = {.q = q, .k = k, .v = v, .out = out, .q_t = q_t, .q_h = q_h, .kv_t = kv_t, .kv_h = kv_h, .out_t = out_t,
+                     .n = n, .D = D, .group = H / n_kv, .n_kv = n_kv, .start = start, .window = window, .kv_f16 = kv_f16,
+                     .S = start + n, .scale = scale};
+    /* jobs: (query, a run of adjacent kv heads), about `threads` jobs per query when there are few queries */
+    const int parts = n >= threads ? 1 : (threads + n - 1) / n < n_kv ? (threads + n - 1) / n : n_kv;
+    c.run = (n_kv + parts - 1) / parts, c.runs = (n_kv + c.run - 1) / c.run;
+    pool_run(attention_jobs, &c, op_threads(threads, (size_t)c.S * n * H * D / 4, n * c.runs));
+    return atomic_load(&c.failed) ? -1 : 0;
+}
+
+typedef struct {
+    const uint64_t *p;
+    size_t n;
+    uint64_t partial[POOL_MAX];
+} read_sum_t;
+
+static void read_sum_part(void *ctx, int index, int count) {
+    read_sum_t *c = ctx;
+    size_t lo = c->n * (size_t)index / (size_t)count, hi = c->n * (size_t)(index + 1) / (size_t)count;
+    uint64_t total = 0;
+    for (size_t i = lo; i < hi; i++) total += c->p[i];
+    c->partial[index] = total;
+}
+
+/* The sum of n 64-bit words read once by `threads` threads: the bench's plain memory read. */
+uint64_t ks_read_sum(const uint64_t *p, size_t n, int threads) {
+    read_sum_t *c = calloc(1, sizeof *c);
+    if (!c) return 0;
+    c->p = p, c->n = n;
+    int count = threads < 1 ? 1 : threads > POOL_MAX ? POOL_MAX : threads;
+    pool_run(read_sum_part, c, count);
+    uint64_t total = 0;
+    for (int i = 0; i < count; i++) total += c->partial[i];
+    free(c);
+    return total;
+}

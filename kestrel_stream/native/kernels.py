@@ -1,0 +1,234 @@
+"""ctypes bindings of the host kernels: numpy arrays in, numpy arrays out.
+
+Every function checks its arrays once (dtype, shape, inner contiguity) and passes pointers and row
+strides, so row slices and column slices of a fused output (gate | up) go in without a copy.  ctypes
+releases the GIL for the call.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import numpy as np
+
+ISAS = ("scalar", "avx2", "avx512vnni")                # widening order; the C enum's values
+FORMATS = {"Q8_0": (0, 32, None), "Q4_0": (1, 32, 18), "Q4_K": (2, 256, 144), "Q6_K": (3, 256, 210)}
+# fmt → (C enum, values per block, bytes per block of a block-format row; Q8_0 is split qs | scales)
+
+_p, _i, _z, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_float
+
+
+def physical_cores() -> int:
+    """The cores this process may run on, one per physical core (SMT siblings counted once)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    cores = set()
+    for cpu in cpus:
+        try:
+            cores.add(Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list").read_text().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
+
+
+class HostKernels:
+    """The loaded library: quantized matmuls and float ops, on `threads` threads with the widest ISA
+    up to `isa` that the CPU has.  The threads are the library's own persistent workers (one pool per
+    process); `spin_us` sets how long an idle one polls for the next call before it sleeps (default
+    100 us: calls a step apart find it awake; 0 on a machine shared with other work)."""
+
+    def __init__(self, path: Path, isa: str | None = None, threads: int | None = None, spin_us: int | None = None):
+        self.path = path
+        self._lib = lib = ctypes.CDLL(str(path))
+        lib.ks_isa_supported.restype = _i
+        lib.ks_matmul.argtypes = [_i, _i, _p, _z, _p, _z, _i, _i, _p, _z, _i, _p, _z, _i]
+        lib.ks_matmul.restype = _i
+        lib.ks_quantize_act.argtypes = [_p, _i, _i, _p, _p, _p]
+        lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
+        lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]
+        lib.ks_rope.argtypes = [_p, _z, _z, _i, _i, _i, _p, _p]
+        lib.ks_attention.argtypes = [_p, _z, _z, _i, _i, _i, _p, _p, _i, _z, _z, _i, _i, _i, _f, _p, _z, _i]
+        lib.ks_attention.restype = _i
+        lib.ks_read_sum.argtypes = [_p, ctypes.c_size_t, _i]
+        lib.ks_read_sum.restype = ctypes.c_uint64
+        lib.ks_set_spin_us.argtypes = [_i]
+        lib.ks_pool_workers.restype = _i
+        if spin_us is not None:          # the library's pool is one per process: this sets it for every caller
+            lib.ks_set_spin_us(spin_us)
+        mask = lib.ks_isa_supported()
+        self.supported = tuple(name for i, name in enumerate(ISAS) if mask >> i & 1)
+        if isa is not None and isa not in ISAS:
+            raise ValueError(f"host kernel ISA {isa!r}: one of {', '.join(ISAS)}")
+        widest = self.supported[-1]
+        self.isa = widest if isa is None else ISAS[min(ISAS.index(isa), ISAS.index(widest))]
+        self.threads = threads or physical_cores()
+        self._isa_id = ISAS.index(self.isa)
+        self._matmul_c = lib.ks_matmul
+
+    @property
+    def pool_workers(self) -> int:
+        """Worker threads the library has started in this process (the calling thread is not one)."""
+        return self._lib.ks_pool_workers()
+
+    def with_isa(self, isa: str) -> "HostKernels":
+        """The same library, run with at most `isa` (tests force each fallback this way)."""
+        return HostKernels(self.path, isa, self.threads)
+
+    # ------------------------------------------------------------ quantized matmuls
+
+    def prepare_q8_0(self, qs: np.ndarray, scales: np.ndarray) -> "PreparedWeight":
+        """A Q8_0 weight as stored (model/quant.QTensor): qs int8 [N, K], scales float16 [N, K/32],
+        checked once and held for `matmul` (no copy)."""
+        assert qs.dtype == np.int8 and scales.dtype == np.float16 and qs.ndim == scales.ndim == 2
+        n, k = qs.shape
+        assert k % 32 == 0 and scales.shape == (n, k // 32), (qs.shape, scales.shape)
+        _rows_contiguous(qs, scales)
+        return PreparedWeight("Q8_0", n, k, qs.ctypes.data, qs.strides[0], scales.ctypes.data, scales.strides[0],
+                              (qs, scales))
+
+    def prepare_blocks(self, fmt: str, blocks: np.ndarray, cols: int) -> "PreparedWeight":
+        """A Q4_0 / Q4_K / Q6_K weight as stored (model/quant4.BlockTensor): blocks uint8
+        [N, cols/QK * block bytes], checked once and held for `matmul` (no copy)."""
+        _, elements, nbytes = FORMATS[fmt]
+        assert nbytes is not None and blocks.dtype == np.uint8 and blocks.ndim == 2
+        assert cols % elements == 0 and blocks.shape[1] == cols // elements * nbytes, (fmt, blocks.shape, cols)
+        _rows_contiguous(blocks)
+        return PreparedWeight(fmt, blocks.shape[0], cols, blocks.ctypes.data, blocks.strides[0], None, 0, (blocks,))
+
+    def matmul(self, x: np.ndarray, w: "PreparedWeight", out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [T, K] (rows contiguous; any row stride) → float32 [T, N] (or into `out`, any row
+        stride), on a prepared weight."""
+        if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != w.cols or x.strides[1] != 4:
+            x = _float_rows(x, w.cols)
+        t = x.shape[0]
+        if out is None:
+            out = np.empty((t, w.rows), np.float32)
+        else:
+            assert out.dtype == np.float32 and out.shape == (t, w.rows) and (w.rows < 2 or out.strides[1] == 4)
+        if t == 0 or w.rows == 0:
+            return out
+        status = self._matmul_c(w.fmt_id, self._isa_id, w.w_ptr, w.w_stride, w.meta_ptr, w.meta_stride, w.rows,
+                                w.cols, _address(x), x.strides[0] >> 2, t, _address(out), out.strides[0] >> 2,
+                                self.threads)
+        if status != 0:
+            raise MemoryError(f"host kernels: no memory for {t} x {w.cols} quantized activations")
+        return out
+
+    def matmul_q8_0(self, x: np.ndarray, qs: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [T, K] @ a Q8_0 weight (qs int8 [N, K], scales float16 [N, K/32]) → float32 [T, N]."""
+        return self.matmul(x, self.prepare_q8_0(qs, scales), out)
+
+    def matmul_blocks(self, x: np.ndarray, fmt: str, blocks: np.ndarray, cols: int,
+                      out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [T, cols] @ a Q4_0 / Q4_K / Q6_K weight (blocks uint8 [N, cols/QK * bytes]) → [T, N]."""
+        return self.matmul(x, self.prepare_blocks(fmt, blocks, cols), out)
+
+    def quantize_activations(self, x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """One token's activation quantization as the matmuls do it (group 32: q8_0; 256: q8_K):
+        (qs int8 [K], d float32 [K/group], bsums int16 [K/16] for q8_K, else None)."""
+        x = np.ascontiguousarray(x, np.float32)
+        k = x.shape[0]
+        assert x.ndim == 1 and k % group == 0 and group in (32, 256)
+        qs, d = np.empty(k, np.int8), np.empty(k // group, np.float32)
+        bsums = np.empty(k // 16, np.int16) if group == 256 else None
+        self._lib.ks_quantize_act(x.ctypes.data, k, group, qs.ctypes.data, d.ctypes.data,
+                                  None if bsums is None else bsums.ctypes.data)
+        return qs, d, bsums
+
+    # ------------------------------------------------------------ float ops
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray | None = None) -> np.ndarray:
+        """x: float32 [..., n]; w: float32 [n], or [h, n] for x [..., h, n] (q/k norms per head) → x's shape."""
+        n = x.shape[-1]
+        w = np.ascontiguousarray(w, np.float32)
+        assert x.dtype == np.float32 and w.shape[-1] == n and x.shape[x.ndim - w.ndim:] == w.shape
+        rows2d = _float_rows(x.reshape(-1, n), n)
+        out = np.empty(x.shape, np.float32) if out is None else out
+        assert out.dtype == np.float32 and out.shape == x.shape and out.flags.c_contiguous
+        out2d = out.reshape(-1, n)
+        w_rows = 1 if w.ndim == 1 else w.shape[0]
+        self._lib.ks_rmsnorm(_address(rows2d), rows2d.strides[0] // 4, rows2d.shape[0], n, _address(w),
+                             w_rows, eps, _address(out2d), out2d.strides[0] // 4, self.threads)
+        return out
+
+    def silu_mul(self, gate: np.ndarray, up: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """gate, up: float32 [T, n] (row strides of their own: slices of one gate|up output) → [T, n]."""
+        t, n = gate.shape
+        assert up.shape == (t, n)
+        gate, up = _float_rows(gate, n), _float_rows(up, n)
+        out = np.empty((t, n), np.float32) if out is None else out
+        assert out.dtype == np.float32 and out.shape == (t, n) and out.strides[1] == 4
+        self._lib.ks_silu_mul(_address(gate), gate.strides[0] // 4, _address(up), up.strides[0] // 4, t, n,
+                              _address(out), out.strides[0] // 4, self.threads)
+        return out
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+        """In place: x float32 [T, heads, D] (D contiguous) rotated by cos, sin [T, D] (rotate-half, as
+        run/host.apply_rope).  Returns x."""
+        t, heads, d = x.shape
+        assert x.dtype == np.float32 and x.strides[2] == 4 and cos.shape == sin.shape == (t, d)
+        cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
+        self._lib.ks_rope(_address(x), x.strides[0] // 4, x.strides[1] // 4, t, heads, d, _address(cos),
+                          _address(sin))
+        return x
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int | None = None,
+                  scale: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
+        """q: float32 [n, H, D] at positions start..start+n-1; k, v: [S, n_kv, D] float32 or float16 with
+        S >= start + n (the first start + n are read) → [n, H * D], as run/host.attention (GQA, causal,
+        sliding window)."""
+        n, heads, d = q.shape
+        assert q.dtype == np.float32 and q.strides[2] == 4
+        assert k.dtype == v.dtype and k.dtype in (np.float32, np.float16) and k.strides == v.strides
+        s, n_kv, dk = k.shape
+        assert dk == d and v.shape == k.shape and s >= start + n and heads % n_kv == 0
+        assert k.strides[2] == k.itemsize
+        out = np.empty((n, heads * d), np.float32) if out is None else out
+        assert out.dtype == np.float32 and out.shape == (n, heads * d) and out.strides[1] == 4
+        scale = float(np.float32(1.0 / np.sqrt(d))) if scale is None else scale
+        status = self._lib.ks_attention(_address(q), q.strides[0] // 4, q.strides[1] // 4, n, heads, d,
+                                        _address(k), _address(v), int(k.dtype == np.float16),
+                                        k.strides[0] // k.itemsize, k.strides[1] // k.itemsize, n_kv, start,
+                                        window or 0, scale, _address(out), out.strides[0] // 4, self.threads)
+        if status != 0:
+            raise MemoryError("host kernels: no memory for attention scores")
+        return out
+
+    def read_sum(self, words: np.ndarray, threads: int | None = None) -> int:
+        """The sum of a uint64 array, read once by `threads` threads (the bench's memory-read baseline)."""
+        assert words.dtype == np.uint64 and words.flags.c_contiguous
+        return int(self._lib.ks_read_sum(words.ctypes.data, words.size, threads or self.threads))
+
+
+class PreparedWeight:
+    """A quantized weight checked once for HostKernels.matmul: its format, shape, pointers and row
+    strides; it holds its arrays, so the pointers stay valid while it lives."""
+    __slots__ = ("fmt", "fmt_id", "rows", "cols", "w_ptr", "w_stride", "meta_ptr", "meta_stride", "nbytes", "arrays")
+
+    def __init__(self, fmt, rows, cols, w_ptr, w_stride, meta_ptr, meta_stride, arrays):
+        self.fmt, self.fmt_id, self.rows, self.cols = fmt, FORMATS[fmt][0], rows, cols
+        self.w_ptr, self.w_stride, self.meta_ptr, self.meta_stride = w_ptr, w_stride, meta_ptr, meta_stride
+        self.arrays = arrays
+        self.nbytes = sum(a.nbytes for a in arrays)
+
+
+def _address(a: np.ndarray) -> int:
+    """The address of a's first element: through the buffer protocol where a is writable and
+    C-contiguous (a fifth of the cost of a.ctypes.data), else a.ctypes.data."""
+    if a.flags.c_contiguous and a.flags.writeable and a.nbytes:
+        return ctypes.addressof(ctypes.c_char.from_buffer(a))
+    return a.ctypes.data
+
+
+def _rows_contiguous(*arrays: np.ndarray) -> None:
+    for a in arrays:
+        assert a.shape[0] <= 1 or a.strides[0] > 0, "rows in ascending memory order"
+        assert a.strides[1] == a.itemsize, "each row contiguous"
+
+
+def _float_rows(x: np.ndarray, k: int) -> np.ndarray:
+    """x as float32 [T, k] with contiguous rows (a copy only when x is not already that)."""
+    if x.dtype != np.float32 or x.ndim != 2 or (x.shape[0] > 0 and x.strides[1] != 4):
+        x = np.ascontiguousarray(x, np.float32).reshape(-1, k)
+    assert x.shape[1] == k, (x.shape, k)
+    return x

@@ -1,0 +1,293 @@
+"""Native host kernels against their numpy twins and the float reference, with the widest ISA and
+with each forced fallback; the no-compiler path."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from bench.synthetic import random_blocks
+from kestrel_stream import native
+from kestrel_stream.model.quant import quantize
+from kestrel_stream.model.quant4 import BlockTensor
+from kestrel_stream.native import twins
+from kestrel_stream.options import HOST_ISAS, Options
+from kestrel_stream.run import host
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+# K not a multiple of 256 where the format allows it; N odd
+SHAPES = {"Q8_0": [(67, 800), (5, 96)], "Q4_0": [(67, 800), (5, 96)], "Q4_K": [(67, 768), (3, 256)],
+          "Q6_K": [(67, 768), (3, 256)]}
+# 1, 2, 5: a dot product per row and token (5: lanes for Q4_0); 7, 17, 64: with VNNI, 16 tokens in lanes (partial
+# groups too; host_kernels.c, ks_lanes_min_tokens)
+TOKENS = (1, 2, 5, 7, 17, 64)
+FORMATS_ORDER = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return native.load()
+
+
+def isas(kernels):
+    return [kernels.with_isa(isa) for isa in kernels.supported]
+
+
+def make_weight(rng, fmt, n, k):
+    """(the kernel call, the twin call, the float weight) of a random weight in `fmt`."""
+    if fmt == "Q8_0":
+        w = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+        return (lambda kern, x: kern.matmul_q8_0(x, w.qs, w.scales),
+                lambda x: twins.matmul_q8_0(x, w.qs, w.scales), w.dequantize())
+    blocks = random_blocks(rng, fmt, n, k, 0.02)
+    if fmt == "Q6_K":           # every int8 scale, negative ones too
+        blocks.reshape(n, k // 256, 210)[:, :, 192:208] = rng.integers(0, 256, (n, k // 256, 16), dtype=np.uint8)
+    w = BlockTensor(fmt, blocks, k)
+    return (lambda kern, x: kern.matmul_blocks(x, fmt, w.blocks, k),
+            lambda x: twins.matmul_blocks(x, fmt, w.blocks, k), w.dequantize())
+
+
+def test_options_name_the_same_isas_and_force_one():
+    assert HOST_ISAS == native.ISAS
+    assert native.load(Options.from_env({"KESTREL_HOST_ISA": "scalar"})).isa == "scalar"
+    with pytest.raises(ValueError, match="KESTREL_HOST_ISA"):
+        Options.from_env({"KESTREL_HOST_ISA": "sse9"})
+    assert Options.from_env({"KESTREL_HOST_SPIN_US": "0"}).host_spin_us == 0
+    with pytest.raises(ValueError, match="KESTREL_HOST_SPIN_US='-1': expected a number of microseconds"):
+        Options.from_env({"KESTREL_HOST_SPIN_US": "-1"})
+
+
+def test_this_machine_runs_its_widest_isa(kernels):
+    assert kernels.supported[0] == "scalar" and kernels.isa == kernels.supported[-1]
+    assert kernels.with_isa("avx512vnni").isa == kernels.supported[-1]     # never above what the CPU has
+
+
+@pytest.mark.parametrize("group", [32, 256])
+def test_activation_quantization_is_the_twins_bit_for_bit(kernels, group):
+    rng = np.random.default_rng(group)
+    x = rng.standard_normal(1024).astype(np.float32) * rng.uniform(0.01, 10, 1024).astype(np.float32)
+    x[:group] = 0                                   # a zero block: d = 0, q = 0
+    x[group:2 * group] = np.float32(0.5) * np.arange(-group // 2, group // 2) / 63.5 * 127   # ties at .5
+    qs, d, bsums = kernels.quantize_activations(x, group)
+    tq, td, tb = twins.quantize_activations(x[None], group)
+    np.testing.assert_array_equal(qs, tq[0])
+    np.testing.assert_array_equal(d, td[0])
+    if group == 256:
+        np.testing.assert_array_equal(bsums, tb[0])
+    assert np.abs(qs.astype(np.int32)).max() <= 127
+
+
+@pytest.mark.parametrize("fmt", list(SHAPES))
+def test_matmul_matches_twin_and_float_reference_on_every_isa(kernels, fmt):
+    rng = np.random.default_rng(len(fmt) + ord(fmt[1]))
+    error_sq = ref_sq = 0.0
+    for n, k in SHAPES[fmt]:
+        call, twin, dense = make_weight(rng, fmt, n, k)
+        for t in TOKENS:
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            expect, ref = twin(x), x @ dense.T
+            error_sq += float(np.square(expect - ref).sum())
+            ref_sq += float(np.square(ref).sum())
+            for kern in isas(kernels):
+                got = call(kern, x)
+                assert got.shape == (t, n) and got.dtype == np.float32
+                np.testing.assert_allclose(got, expect, rtol=0, atol=2e-6 * np.abs(expect).max() + 1e-30,
+                                           err_msg=f"{fmt} {kern.isa} N={n} K={k} T={t}")
+    # the int8 activations' error against float32 arithmetic on the same weights, relative (RMS over
+    # every shape and token count: one small case alone varies by a factor of 2)
+    assert (error_sq / ref_sq) ** 0.5 < 0.012, fmt
+
+
+def test_matmul_takes_strided_views_without_copies(kernels):
+    rng = np.random.default_rng(7)
+    wide = quantize(rng.standard_normal((40, 512)).astype(np.float32))
+    qs, scales = wide.qs[3:38:2, 64:448], wide.scales[3:38:2, 2:14]      # every other row, a column range
+    x_all = rng.standard_normal((9, 600)).astype(np.float32)
+    x = x_all[::2, 100:484]                                             # row stride 1200 floats
+    out_all = np.full((5, 50), 7.0, np.float32)
+    for kern in isas(kernels):
+        got = kern.matmul_q8_0(x, qs, scales, out=out_all[:, 10:28])
+        assert got.base is out_all or np.shares_memory(got, out_all)
+        np.testing.assert_allclose(got, twins.matmul_q8_0(x, qs, scales), rtol=0, atol=1e-5)
+        assert (out_all[:, :10] == 7).all() and (out_all[:, 28:] == 7).all()
+    blocks = random_blocks(rng, "Q4_K", 21, 1024, 0.02)
+    for kern in isas(kernels):
+        np.testing.assert_allclose(kern.matmul_blocks(x_all[:3, :256], "Q4_K", blocks[1::2, 144:288], 256),
+                                   twins.matmul_blocks(x_all[:3, :256], "Q4_K", blocks[1::2, 144:288], 256),
+                                   rtol=0, atol=1e-5)
+
+
+def test_a_prepared_weight_serves_every_call(kernels):
+    rng = np.random.default_rng(8)
+    w = quantize(rng.standard_normal((33, 256)).astype(np.float32))
+    prepared = kernels.prepare_q8_0(w.qs, w.scales)
+    assert (prepared.rows, prepared.cols, prepared.nbytes) == (33, 256, w.nbytes)
+    wide = rng.standard_normal((6, 512)).astype(np.float32)
+    for x in (wide[:1, :256], wide[2:3, ::2], wide[:, 256:], wide[::3, :256].astype(np.float64)):
+        np.testing.assert_allclose(kernels.matmul(x, prepared), twins.matmul_q8_0(x.astype(np.float32), w.qs, w.scales),
+                                   rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_thread_count_changes_no_result(kernels, threads):
+    rng = np.random.default_rng(threads)
+    call, twin, _ = make_weight(rng, "Q4_0", 101, 320)
+    x = rng.standard_normal((4, 320)).astype(np.float32)
+    one = call(native.HostKernels(kernels.path, threads=1), x)
+    np.testing.assert_array_equal(call(native.HostKernels(kernels.path, threads=threads), x), one)
+
+
+def test_the_portable_build_runs_scalar_c_only(tmp_path):
+    """Built without the x86 SIMD code and without _Float16 (as on other architectures and compilers):
+    every ISA asked for runs the scalar C, halves converted by their bit fields."""
+    from kestrel_stream.native.build import build_library
+    path = build_library(tmp_path, extra_flags=("-DKS_NO_X86", "-DKS_NO_FLOAT16"))
+    portable = native.HostKernels(path, isa="avx512vnni", threads=2)
+    assert portable.supported == ("scalar",) and portable.isa == "scalar"
+    rng = np.random.default_rng(11)
+    for fmt in FORMATS_ORDER:
+        n, k = SHAPES[fmt][1]
+        call, twin, _ = make_weight(rng, fmt, n, k)
+        for t in (1, 17):
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            expect = twin(x)
+            np.testing.assert_allclose(call(portable, x), expect, rtol=0, atol=2e-6 * np.abs(expect).max())
+    gu = rng.standard_normal((2, 64)).astype(np.float32)
+    np.testing.assert_allclose(portable.silu_mul(gu[:, :32], gu[:, 32:]), host.silu_mul(gu[:, :32], gu[:, 32:]),
+                               rtol=2e-6, atol=1e-7)
+    q = rng.standard_normal((1, 4, 32)).astype(np.float32)
+    kv = rng.standard_normal((9, 2, 32)).astype(np.float16)
+    np.testing.assert_allclose(portable.attention(q, kv, kv, 8), host.attention(q, kv.astype(np.float32),
+                               kv.astype(np.float32), 8), rtol=0, atol=2e-5)
+
+
+def test_calls_from_several_python_threads_share_the_pool(kernels):
+    import threading
+    rng = np.random.default_rng(13)
+    call, twin, _ = make_weight(rng, "Q8_0", 200, 256)
+    xs = [rng.standard_normal((t, 256)).astype(np.float32) for t in (1, 3, 20)]
+    expect = [twin(x) for x in xs]
+    bad = []
+
+    def run(seed):
+        r = np.random.default_rng(seed)
+        for _ in range(150):
+            j, threads = int(r.integers(0, 3)), int(r.integers(1, 4))
+            if not np.allclose(call(native.HostKernels(kernels.path, threads=threads), xs[j]), expect[j], atol=1e-5):
+                bad.append((seed, j, threads))
+
+    runners = [threading.Thread(target=run, args=(seed,)) for seed in range(3)]
+    for r in runners:
+        r.start()
+    for r in runners:
+        r.join(timeout=60)
+    assert not any(r.is_alive() for r in runners) and not bad
+
+
+def test_a_forked_child_runs_the_kernels_on_its_own_workers(kernels):
+    """The parent's workers do not exist in a child; the child starts its own (GNU OpenMP's would hang)."""
+    rng = np.random.default_rng(12)
+    call, twin, _ = make_weight(rng, "Q8_0", 300, 256)
+    x = rng.standard_normal((3, 256)).astype(np.float32)
+    two = native.HostKernels(kernels.path, threads=2)
+    np.testing.assert_allclose(call(two, x), twin(x), rtol=0, atol=1e-5)
+    assert two.pool_workers >= 1
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os._exit(0 if np.allclose(call(two, x), twin(x), rtol=0, atol=1e-5) else 1)
+        finally:
+            os._exit(2)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in the kernels")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
+
+
+def test_rmsnorm_as_the_host_backend(kernels):
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((5, 1000)).astype(np.float32) * 3
+    w = rng.standard_normal(1000).astype(np.float32)
+    np.testing.assert_allclose(kernels.rmsnorm(x, w, 1e-6), host.rmsnorm(x, w, 1e-6), rtol=2e-6, atol=1e-6)
+    qk = rng.standard_normal((3, 6, 64)).astype(np.float32)          # q/k heads normed per head
+    per_head = rng.standard_normal((6, 64)).astype(np.float32)
+    np.testing.assert_allclose(kernels.rmsnorm(qk, per_head, 1e-6), host.rmsnorm(qk, per_head, 1e-6),
+                               rtol=2e-6, atol=1e-6)
+
+
+def test_silu_mul_on_the_halves_of_a_fused_output(kernels):
+    rng = np.random.default_rng(2)
+    gu = rng.standard_normal((7, 2 * 300)).astype(np.float32) * 4
+    gu[0, :6] = [-100, -88.5, -30, 30, 88.5, 100]          # the exp's clamps and its overflow
+    got = kernels.silu_mul(gu[:, :300], gu[:, 300:])
+    with np.errstate(over="ignore"):                         # numpy's exp(100) is inf, as the kernel's
+        expect = host.silu_mul(gu[:, :300], gu[:, 300:])
+    np.testing.assert_allclose(got, expect, rtol=2e-6, atol=1e-7)
+
+
+def test_rope_in_place_as_apply_rope(kernels):
+    rng = np.random.default_rng(3)
+    cos, sin = host.rope_tables(np.arange(11, 16), 128, 1e6)
+    qkv = rng.standard_normal((5, 12 * 128)).astype(np.float32)
+    qk = qkv[:, :10 * 128].reshape(5, 10, 128)                       # a view of the projection's output
+    expect = host.apply_rope(qk.copy(), cos, sin)
+    kernels.rope(qk, cos, sin)
+    np.testing.assert_allclose(qk, expect, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
+@pytest.mark.parametrize("n, start, window", [(1, 0, None), (1, 40, None), (3, 37, None), (7, 20, 5), (1, 40, 8)])
+def test_attention_as_the_host_backend(kernels, kv_dtype, n, start, window):
+    rng = np.random.default_rng(n * 100 + start)
+    heads, n_kv, d, capacity = 8, 2, 64, 64
+    q = rng.standard_normal((n, heads, d)).astype(np.float32)
+    k = rng.standard_normal((capacity, n_kv, d)).astype(kv_dtype)
+    v = rng.standard_normal((capacity, n_kv, d)).astype(kv_dtype)
+    s = start + n
+    expect = host.attention(q, k[:s].astype(np.float32), v[:s].astype(np.float32), start, window)
+    got = kernels.attention(q, k, v, start, window)
+    np.testing.assert_allclose(got, expect, rtol=0, atol=2e-5)
+
+
+def test_no_compiler_falls_back_with_one_line(tmp_path):
+    ok, reason = native.availability(cc=str(tmp_path / "no-such-cc"), cache_dir=tmp_path)
+    assert not ok and "\n" not in reason
+    assert reason.startswith("kestrel-stream: native host kernels unavailable") and "using numpy" in reason
+    with pytest.raises(native.NativeUnavailable, match="no C compiler"):
+        native.load(Options.from_env({"CC": str(tmp_path / "no-such-cc")}), cache_dir=tmp_path)
+
+
+def test_a_failed_build_falls_back_with_one_line_and_keeps_the_log(tmp_path):
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo broken 1.0; exit 0; fi\n"
+                      "echo 'host_kernels.c:1: error: nothing works' >&2; exit 1\n")
+    broken.chmod(0o755)
+    with pytest.raises(native.NativeUnavailable) as info:
+        native.load(cc=str(broken), cache_dir=tmp_path)
+    assert "\n" not in str(info.value) and "status 1" in str(info.value)
+    assert "nothing works" in info.value.log
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_an_unwritable_cache_falls_back_with_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    ok, reason = native.availability(cache_dir=blocker / "host_kernels")
+    assert not ok and "\n" not in reason and "cannot write the host kernels' cache" in reason
+
+
+def test_the_library_is_cached_by_source_flags_compiler_and_cpu(tmp_path):
+    first = native.load(cache_dir=tmp_path)
+    assert first.path.parent == tmp_path and first.path.exists()
+    mtime = first.path.stat().st_mtime_ns
+    assert native.load(cache_dir=tmp_path).path == first.path and first.path.stat().st_mtime_ns == mtime
+    assert native.load(Options.from_env({"KESTREL_CACHE_DIR": str(tmp_path)})).path.parent == tmp_path / "host_kernels"
