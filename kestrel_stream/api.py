@@ -15,8 +15,8 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it.
 
     kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic).
-    cpu_threads: the CPU engine's BLAS threads, process-wide (None: BLAS's default; 1 where other
-    processes share the cores, see run/blas_threads.py).
+    cpu_threads: the host's threads, process-wide: the native host kernels' and BLAS's (None: the
+    physical cores, BLAS's default; 1 where other processes share the cores, see run/blas_threads.py).
     gguf_blocks: "native" runs a GGUF's Q4_0 / Q4_K / Q6_K tensors in their own blocks (default),
     "q8_0" converts them to Q8_0 at load."""
     from kestrel_stream.loading.loader import load_weights
@@ -25,7 +25,7 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     from kestrel_stream.options import Options
     from kestrel_stream.run.blas_threads import set_cpu_threads
     from kestrel_stream.text.lazy_tokenizer import LazyTokenizer
-    options = Options.from_env(vram_budget=vram_budget)      # every KESTREL_* setting, read once, here
+    options = Options.from_env(vram_budget=vram_budget, host_threads=cpu_threads)   # every KESTREL_* setting, once
     set_cpu_threads(cpu_threads)
     with stage("resolve device"):
         device, mode = resolve_device(device, mode)

@@ -20,6 +20,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_GEMV_BLOCK=NAME   force one 4/6-bit GEMV layout where it fits the token count ("": the first kernel)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
+    KESTREL_HOST_KERNELS=numpy  the host backend multiplies on float32 copies with numpy (the reference
+                              arithmetic) instead of the native quantized kernels (default: native)
     KESTREL_HOST_ISA=NAME     the widest ISA the native host kernels use: scalar | avx2 | avx512vnni
     KESTREL_HOST_SPIN_US=N    how long the native host kernels' idle workers poll before sleeping (default 100)
     CC=COMPILER               the C compiler that builds the native host kernels (default: cc)
@@ -60,6 +62,8 @@ class Options:
     host_isa: str | None = None              # None: the widest the CPU has (native.ISAS)
     host_cc: str | None = None               # None: cc
     host_spin_us: int | None = None          # None: the library's default (100)
+    host_kernels: str = "native"             # the host backend's projections: native kernels, or numpy
+    host_threads: int | None = None          # the native host kernels' threads (None: the physical cores)
 
     @property
     def cache_root(self) -> Path:
@@ -99,6 +103,9 @@ class Options:
         host_isa = env.get("KESTREL_HOST_ISA") or None
         if host_isa is not None and host_isa not in HOST_ISAS:
             raise ValueError(f"KESTREL_HOST_ISA={host_isa!r}: one of {', '.join(HOST_ISAS)}")
+        host_kernels = env.get("KESTREL_HOST_KERNELS") or "native"
+        if host_kernels not in ("native", "numpy"):
+            raise ValueError(f"KESTREL_HOST_KERNELS={host_kernels!r}: native or numpy")
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0",
@@ -106,7 +113,7 @@ class Options:
                       cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")),
-                      host_isa=host_isa, host_cc=env.get("CC") or None,
+                      host_isa=host_isa, host_cc=env.get("CC") or None, host_kernels=host_kernels,
                       host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"))
         return options.with_(**given)
 

@@ -30,7 +30,7 @@ def test_cpu_mode_is_the_one_class_over_the_host_backend():
     assert executor.steps.counters is executor.counters
     assert executor.plan(3).segments[0].side == "cpu" and len(executor.plan(3).segments) == 1
 
-    reference = HostBackend(weights)            # the arithmetic on its own: the executor's numbers, exactly
+    reference = HostBackend(weights, options=engine.options)   # the arithmetic on its own: the executor's numbers, exactly
     prompt = np.array([5, 3, 200, 17, 42], np.int64)
     ours = executor.forward([(executor.alloc_kv(16), prompt, 0)])[0]
     theirs = reference.forward([(reference.alloc_kv(16), prompt, 0)])[0]

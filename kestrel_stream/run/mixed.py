@@ -178,11 +178,11 @@ class MixedSteps(Steps):
     """gated and layers=N steps over the host backend and one device backend."""
 
     def __init__(self, backend: DeviceBackend, counters, plan, *, gpu_layers: int, max_tokens: int, mode: str,
-                 load_s: float):
+                 load_s: float, options=None):
         self.backend, self.counters, self.plan = backend, counters, plan
         self.config, self.weights = backend.weights.config, backend.weights
         self.gpu_layers, self.max_tokens = gpu_layers, max_tokens
-        self.host = HostBackend(self.weights, counters)
+        self.host = HostBackend(self.weights, counters, options)
         self._host_programs: dict = {}       # (tokens, segment index) -> HostProgram
         self._launches: dict = {}            # (op name, tokens) -> the op's device launches
         window, first = backend.window, plan(1)

@@ -59,9 +59,9 @@ class StepExecutor(Executor):
         self.weights, self.config = weights, c
         self._plans: dict[int, scheduler.Plan] = {}
         if kind == "cpu":
-            self.name, self.mode, self.options = "cpu", "cpu", options    # (the host backend reads no options)
+            self.name, self.mode, self.options = "cpu", "cpu", options    # None: numpy's reference arithmetic
             self.counters = StepCounters.counting("cpu_weight_read_bytes")
-            self.steps = HostBackend(weights, self.counters)
+            self.steps = HostBackend(weights, self.counters, options)
             return
         self.options = Options.from_env() if options is None else options
         whole_step = kind in ("gpu", "auto")       # the plan is one device segment
@@ -154,7 +154,7 @@ class StepExecutor(Executor):
         self.counters.weight_uploads += len(backend.window.resident)
         self.counters.weight_upload_bytes += sum(tensors[name][0].nbytes for name in backend.window.resident)
         self.steps = MixedSteps(backend, self.counters, self.plan, gpu_layers=self.gpu_layers, max_tokens=T,
-                                mode=self.mode, load_s=time.perf_counter() - start)
+                                mode=self.mode, load_s=time.perf_counter() - start, options=self.options)
         self.preload_line = self.steps.preload_line
 
     def _check_gpu_mode(self, kv_dtype: str, kv_block_size: int, attention_splits: int) -> None:

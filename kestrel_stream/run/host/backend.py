@@ -1,14 +1,21 @@
-"""The host backend: the weights' float32 copies, rope tables and KV caches on the host, and the step
-program's host segments run as HostPrograms (program.py).
+"""The host backend: the weights as the host multiplies them, rope tables and KV caches on the host, and
+the step program's host segments run as HostPrograms (program.py).
+
+A projection runs on the native host kernels (kestrel_stream/native: the weight's own quantized blocks,
+activations quantized per block, integer dot products) where they build for this machine, or on a
+float32 copy of the weight with numpy (`KESTREL_HOST_KERNELS=numpy`, or no C compiler: one line says so):
+the reference arithmetic, which KESTREL_VERIFY and the oracle tests hold the rest to.
 
 cpu mode's executor hands every step to `forward` (its plan is one host segment, the whole step);
 gated and layers=N run their host segments through `program`; KESTREL_VERIFY recomputes the GPU's steps
-with `forward` (verify.py).  Dequantized weights are built once per weight on first use and kept (one
+with `forward` (verify.py).  numpy's float copies are built once per weight on first use and kept (one
 float copy of the model); the embedding is never dequantized whole unless it is also the (tied) lm_head.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -16,8 +23,9 @@ import scheduler
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.op_tensors import norm_weight
 from kestrel_stream.model.quant import QTensor
-from kestrel_stream.model.quant4 import tensor_key
+from kestrel_stream.model.quant4 import tensor_format, tensor_key, tensor_parts
 from kestrel_stream.model.weights import ModelWeights
+from kestrel_stream.options import Options
 from kestrel_stream.run.executor import StepCounters
 from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
 from kestrel_stream.run.host.program import HostProgram, HostState
@@ -52,11 +60,32 @@ def session_runs(batch) -> tuple[np.ndarray, np.ndarray, list]:
     return ids, positions, runs
 
 
-class HostBackend(Steps):
-    """Runs whole steps (any mix of sessions and token counts) and host segments with numpy; counts into
-    `counters` (the executor's; default: its own)."""
+_NATIVE: dict = {}      # (settings) -> HostKernels or the reason they are unavailable: loaded once a process
 
-    def __init__(self, weights: ModelWeights, counters: StepCounters | None = None):
+
+def native_kernels(options: Options | None):
+    """The native host kernels `options` ask for, or None (numpy): asked not to, or they do not build here
+    (said once, in one line)."""
+    if options is None or options.host_kernels == "numpy":
+        return None
+    key = (options.host_isa, options.host_cc, options.host_spin_us, options.host_threads, options.host_kernel_cache)
+    if key not in _NATIVE:
+        from kestrel_stream import native
+        try:
+            _NATIVE[key] = native.load(options, threads=options.host_threads)
+        except native.NativeUnavailable as e:
+            print(e, file=sys.stderr)
+            _NATIVE[key] = None
+    return _NATIVE[key]
+
+
+class HostBackend(Steps):
+    """Runs whole steps (any mix of sessions and token counts) and host segments; counts into `counters`
+    (the executor's; default: its own).  options: which kernels multiply (Options.host_kernels; None: numpy,
+    the reference)."""
+
+    def __init__(self, weights: ModelWeights, counters: StepCounters | None = None, options: Options | None = None):
+        self.kernels = native_kernels(options)
         self.weights = weights
         self.config: ModelConfig = weights.config
         self._dequantized: dict[int, np.ndarray] = {}
@@ -89,6 +118,35 @@ class HostBackend(Steps):
         if key not in self._dequantized:
             self._dequantized[key] = w.dequantize()
         return self._dequantized[key]
+
+    def linear(self, w, lo: int = 0, hi: int | None = None) -> Callable[[np.ndarray], np.ndarray]:
+        """x [T, K] float32 -> x @ W[lo:hi].T [T, hi - lo]: on the native kernels over the weight's own
+        blocks, or on its float32 copy with numpy."""
+        rows = w.shape[0]
+        hi = rows if hi is None else hi
+        if self.kernels is None:
+            dense = self.dense(w)
+            dense_t = (dense if (lo, hi) == (0, rows) else dense[lo:hi]).T
+            return lambda x: x @ dense_t
+        kernels, parts, first = self.kernels, [], 0
+        for part in tensor_parts(w):                 # a RowStack's runs of one format each, in row order
+            end = first + part.shape[0]
+            if first < hi and lo < end:
+                piece = part.rows(max(lo, first) - first, min(hi, end) - first)
+                prepared = (kernels.prepare_q8_0(piece.qs, piece.scales) if tensor_format(piece) == "Q8_0"
+                            else kernels.prepare_blocks(piece.fmt, piece.blocks, piece.cols))
+                parts.append((max(lo, first) - lo, prepared))
+            first = end
+        if len(parts) == 1:
+            prepared = parts[0][1]
+            return lambda x: kernels.matmul(x, prepared)
+
+        def stacked(x: np.ndarray) -> np.ndarray:
+            out = np.empty((x.shape[0], hi - lo), np.float32)
+            for offset, prepared in parts:
+                kernels.matmul(x, prepared, out=out[:, offset:offset + prepared.rows])
+            return out
+        return stacked
 
     def dense_if_built(self, w: QTensor) -> np.ndarray | None:
         return self._dequantized.get(tensor_key(w))

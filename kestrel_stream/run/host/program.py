@@ -108,12 +108,12 @@ def _projection(backend, op):
     weight's float32 copy, the epilogue (residual add, SiLU·mul)."""
     c, counters = backend.config, backend.counters
     tensor = fused_tensor(backend.weights, op)
-    dense = backend.dense(tensor)
     norm = backend.norm(op.prologue) if op.prologue else None
     rows = sum(hi - lo for lo, hi in op.row_ranges)
     nbytes = rows * tensor.nbytes // tensor.shape[0]
     eps, source, role, inter = c.rms_norm_eps, op.reads[0], op.group, c.intermediate_size
     whole = rows == tensor.shape[0]
+    matmul = backend.linear(tensor) if whole else None        # x [T, K] -> x @ W.T
 
     def x_in(state: StepState) -> np.ndarray:
         if norm is None:                         # o, down: attention's output, silu(gate)·up
@@ -125,27 +125,28 @@ def _projection(backend, op):
 
     if role in ("o", "down"):
         def run(state: StepState) -> None:
-            state.add("x", x_in(state) @ dense.T)
+            state.add("x", matmul(x_in(state)))
             counters.cpu_weight_read_bytes += nbytes
     elif role == "gate_up":                      # gate and up always share a side (equal shapes)
         def run(state: StepState) -> None:
-            gate_up = x_in(state) @ dense.T
+            gate_up = matmul(x_in(state))
             state.write("act", silu_mul(gate_up[:, :inter], gate_up[:, inter:]))
             counters.cpu_weight_read_bytes += nbytes
     elif whole:                                  # qkv, lm_head
         out = "logits" if role == "lm_head" else "qkv"
 
         def run(state: StepState) -> None:
-            state.write(out, x_in(state) @ dense.T)
+            state.write(out, matmul(x_in(state)))
             counters.cpu_weight_read_bytes += nbytes
     else:                                        # a split group's host part: its rows beside the GPU part's
         out = "logits" if role == "lm_head" else "qkv"
         ranges, width = op.row_ranges, op.full_rows
+        parts = [(lo, hi, backend.linear(tensor, lo, hi)) for lo, hi in ranges]
 
         def run(state: StepState) -> None:
             x = x_in(state)
-            for lo, hi in ranges:
-                state.write_rows(out, lo, hi, x @ dense[lo:hi].T, width)
+            for lo, hi, part in parts:
+                state.write_rows(out, lo, hi, part(x), width)
             counters.cpu_weight_read_bytes += nbytes
     return run
 
