@@ -53,10 +53,11 @@ def test_stop_strings_read_escapes_as_llama_cpp_does():
 
 @pytest.mark.parametrize("verb,flags,message", [
     ("generate", ["-p", "x", "--bogus"], "unrecognized arguments: --bogus"),
+    ("chat", ["--prompt", "x"], "unrecognized arguments: --prompt x"),
     ("serve", ["--spin", "1", "--max-batchh", "2"], "unrecognized arguments"),
     ("generate", ["-p", "x", "--top-p", "2"], "argument --top-p: must be in (0, 1], got 2"),
     ("generate", ["-p", "x", "--temp", "-1"], "argument --temp: must be in 0..100, got -1"),
-    ("generate", ["-p", "x", "--min-p", "1.5"], "argument --min-p: must be in 0..1, got 1.5"),
+    ("chat", ["--min-p", "1.5"], "argument --min-p: must be in 0..1, got 1.5"),
     ("generate", ["-p", "x", "--temp", "nan"], "argument --temp: must be in 0..100, got nan"),
     ("generate", ["-p", "x", "-n", "0"], "argument -n/--max-new-tokens: must be >= 1, or -1"),
     ("generate", ["-p", "x", "-s", "-5"], "argument -s/--seed: must be in 0..2**64-1 (or -1: random), got -5"),

@@ -236,6 +236,11 @@ def cmd_serve(args) -> int:
     return run_daemon(args, args.environment)
 
 
+def cmd_chat(args) -> int:
+    from kestrel_stream.cli.chat import run_chat
+    return run_chat(args, load_engine(args))
+
+
 def cmd_timeline(args) -> int:
     from kestrel_stream.obs.timeline import run
     out, summary = run(args.trace_file, args.output, args.steps)
@@ -283,6 +288,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "session has room (prompt + N - 1 positions within --max-seq-len)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_generate)
+
+    from kestrel_stream.cli.chat import add_chat_args
+    p = sub.add_parser("chat", help="talk with a model in the terminal",
+                       description="A conversation in the terminal with the model's chat template; the answer "
+                                   "streams as it is generated.  Earlier turns stay in the session's KV cache, so "
+                                   "each turn computes only its own tokens.  A line ending in \\ continues on the "
+                                   "next; \"\"\" starts and ends a block of lines.  /reset starts again, "
+                                   "/system TEXT sets the system message (and starts again), /exit or end of "
+                                   "input (Ctrl-D) leaves; Ctrl-C stops an answer and keeps the conversation.")
+    add_engine_args(p, tuning_group(p))
+    add_chat_args(p)
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="prefill and decode throughput",
                        description="Prefill and decode throughput: the median of --repeats greedy generations "
