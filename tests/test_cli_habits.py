@@ -82,7 +82,7 @@ def test_serve_help_puts_everyday_flags_first_and_tuning_and_limits_under_headin
     out = run_cli("serve", "--help").stdout
     options, tuning, limits = (out.index(h) for h in ("\noptions:", "\ntuning and diagnostics:", "\nlimits:"))
     assert options < tuning < limits
-    for flag in ("--model", "--http HOST:PORT", "--api-key-file", "--socket", "--max-sessions MAX"):
+    for flag in ("--model", "-hf", "--http HOST:PORT", "--api-key-file", "--socket", "--max-sessions MAX"):
         assert out.index(flag, options) < tuning, flag
     for flag in ("--spin-us", "--inline-max-ms", "--step-tokens", "--kv-dtype", "--prof"):
         assert out.index(flag, tuning) < limits, flag

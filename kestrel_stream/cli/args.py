@@ -143,6 +143,13 @@ def join_negative_ids(argv: list[str]) -> list[str]:
     return out
 
 
+def resolve_model_arg(args) -> None:
+    """--model (and --hf-file) as a local path: a Hub name is fetched here, or found in the cache."""
+    from kestrel_stream.loading.hub import resolve_model
+    args.model = str(resolve_model(args.model, getattr(args, "hf_file", None), progress=bars_shown()))
+    args.hf_file = None
+
+
 def check_model_flags(args):
     """The model's config (read without loading weights), after checking the flags it limits.
 

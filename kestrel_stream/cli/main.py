@@ -10,7 +10,7 @@ from kestrel_stream.errors import KestrelError
 from kestrel_stream.options import Environment
 from kestrel_stream.cli.args import (HelpFormatter, UsageError, bars_shown, check_model_flags, check_room,
                                      choose_device, enable_verbose_logs, int_at_least, join_negative_ids, mode_arg,
-                                     new_tokens_arg, parse_ids)
+                                     new_tokens_arg, parse_ids, resolve_model_arg)
 from kestrel_stream.cli.plan import cmd_calibrate, cmd_plan
 
 DESCRIPTION = """\
@@ -32,7 +32,9 @@ examples:
 """
 
 
-MODEL_HELP = "Hugging Face checkpoint directory or .gguf file"
+MODEL_HELP = ("a Hugging Face checkpoint directory, a .gguf file, or a model on the Hugging Face Hub: org/repo "
+              "(safetensors), org/repo:Q4_K_M or org/repo:FILE.gguf (a GGUF), downloaded once into its cache; "
+              "a local path wins")
 
 
 class Parser(argparse.ArgumentParser):
@@ -76,7 +78,9 @@ def vram_budget_arg(text: str):
 def add_engine_args(p: argparse.ArgumentParser, tuning) -> None:
     """The flags of every verb that loads a model; the everyday ones on `p`, the rest under `tuning`."""
     from kestrel_stream.run.engine import DEFAULT_MAX_SEQ_LEN
-    p.add_argument("-m", "--model", required=True, metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("-m", "--model", "-hf", required=True, metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("-hff", "--hf-file", default=None, metavar="FILE",
+                   help="the GGUF file of a --model org/repo to load (as org/repo:FILE)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: the GPU when there is one, else the CPU engine")
     p.add_argument("--mode", default="auto", type=mode_arg,
@@ -109,6 +113,7 @@ def prepare_engine(args) -> None:
     args.device and args.mode become what will run, so ks.load announces nothing more."""
     if args.verbose:
         enable_verbose_logs()
+    resolve_model_arg(args)
     check_model_flags(args)
     args.device, args.mode = choose_device(args)
 
@@ -230,10 +235,18 @@ def cmd_serve(args) -> int:
     from kestrel_stream.serve.daemon import run_daemon
     from kestrel_stream.serve.flags import check_serve_args
     from kestrel_stream.serve.http.server import http_options
+    from kestrel_stream.loading.hub import is_hub_name
     check_serve_args(args)          # bad serve and --http flags fail first: no device notice, no load
+    if args.served_model_name is None and is_hub_name(args.model):
+        args.served_model_name = args.model         # the name asked for, not its cache folder's
     http_options(args)
     prepare_engine(args)
     return run_daemon(args, args.environment)
+
+
+def cmd_plan_of(args) -> int:
+    resolve_model_arg(args)         # a Hub name: fetched (or found in the cache) before its config is read
+    return cmd_plan(args)
 
 
 def cmd_chat(args) -> int:
@@ -334,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-blocks", default="native", choices=["native", "q8_0"],
                    help="count a GGUF's Q4_0 / Q4_K / Q6_K tensors in their blocks (native) or as Q8_0")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan_of)
 
     p = sub.add_parser("calibrate", help="measure this machine's device profile for the cost-model gate")
     p.add_argument("--verbose", action="store_true", help="say why there is no GPU")
