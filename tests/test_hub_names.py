@@ -96,3 +96,18 @@ def test_what_reads_as_a_name():
     from kestrel_stream.loading.hub import is_hub_name
     assert is_hub_name("org/tiny-GGUF:Q8_0") and not is_hub_name("/no/such/dir") and not is_hub_name("model.gguf")
     assert build_parser().parse_args(["serve", "-hf", "org/tiny", "-hff", "x.gguf"]).hf_file == "x.gguf"
+
+
+def test_which_files_of_a_repo_make_the_checkpoint_and_which_gguf_a_quant_names():
+    from kestrel_stream.loading.hub import checkpoint_files, choose_gguf
+    mistral = ["config.json", "consolidated.safetensors", "model-00001-of-00002.safetensors",
+               "model-00002-of-00002.safetensors", "model.safetensors.index.json", "tokenizer.json",
+               "tokenizer.model", "params.json", "README.md", "original/model.safetensors"]
+    assert sorted(checkpoint_files(mistral)) == ["config.json", "model-00001-of-00002.safetensors",
+                                                 "model-00002-of-00002.safetensors", "model.safetensors.index.json",
+                                                 "params.json", "tokenizer.json", "tokenizer.model"]
+    assert checkpoint_files(["model.safetensors", "README.md"]) == []          # no config: not a checkpoint
+    ggufs = ["Qwen3-8B-Q4_K_M.gguf", "Qwen3-8B-Q4_K_S.gguf", "Qwen3-8B-Q4_K.gguf", "sub/Qwen3-8B-Q8_0.gguf"]
+    assert choose_gguf("o/r", "q4_k", ggufs) == "Qwen3-8B-Q4_K.gguf"          # a whole part of the name wins
+    assert choose_gguf("o/r", "Q8_0", ggufs) == "sub/Qwen3-8B-Q8_0.gguf"
+    assert choose_gguf("o/r", "Qwen3-8B-Q8_0.gguf", ggufs) == "sub/Qwen3-8B-Q8_0.gguf"

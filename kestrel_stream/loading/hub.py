@@ -16,8 +16,8 @@ from kestrel_stream.errors import LoadError
 
 # org/repo with an optional :FILE.gguf or :QUANT; names as the Hub allows them (letters, digits, - _ .)
 HUB_NAME = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*)(?::(?P<file>[^:]+))?")
-# what a safetensors checkpoint needs: config, tokenizer, weights (not the repo's other formats)
-CHECKPOINT_FILES = ["*.json", "*.safetensors", "tokenizer.model", "*.txt", "*.jinja"]
+# what a safetensors checkpoint needs besides its weights: config, tokenizer, chat template (top level only)
+CHECKPOINT_SUFFIXES = (".json", ".txt", ".jinja", ".model")
 
 
 class HubError(LoadError):
@@ -54,9 +54,9 @@ def _fetch(repo: str, wanted: str | None, progress: bool) -> Path:
     files = _repo_files(repo)
     ggufs = sorted(f for f in files if f.lower().endswith(".gguf"))
     if wanted is None:
-        if "config.json" in files and any(f.endswith(".safetensors") for f in files):
-            return Path(_hub_call(repo, "snapshot_download", repo, allow_patterns=CHECKPOINT_FILES,
-                                  **_bars(progress)))
+        checkpoint = checkpoint_files(files)
+        if checkpoint:
+            return Path(_hub_call(repo, "snapshot_download", repo, allow_patterns=checkpoint, **_bars(progress)))
         if len(ggufs) == 1:
             wanted = ggufs[0]
         elif ggufs:
@@ -67,6 +67,18 @@ def _fetch(repo: str, wanted: str | None, progress: bool) -> Path:
                            f"file among its {len(files)} files")
     chosen = choose_gguf(repo, wanted, ggufs)
     return Path(_hub_call(repo, "hf_hub_download", repo, chosen, **_bars(progress)))
+
+
+def checkpoint_files(files: list[str]) -> list[str]:
+    """The files of a safetensors checkpoint among a repo's: config, tokenizer and template files and the
+    weights at the top level; the model*.safetensors shards where there are (a repo may also hold the same
+    weights in another layout, e.g. Mistral's consolidated.safetensors).  [] when it is not one."""
+    top = [f for f in files if "/" not in f]
+    weights = [f for f in top if f.endswith(".safetensors")]
+    weights = [f for f in weights if f.startswith("model")] or weights
+    if "config.json" not in top or not weights:
+        return []
+    return weights + [f for f in top if f.endswith(CHECKPOINT_SUFFIXES)]
 
 
 def choose_gguf(repo: str, wanted: str, ggufs: list[str]) -> str:
