@@ -88,3 +88,26 @@ def test_a_model_without_a_chat_template_is_a_clear_error(tiny_model):
     proc = subprocess.run([sys.executable, "-m", "kestrel_stream", "chat", "-m", str(tiny_model), "--device", "cpu"],
                           input="hi\n", capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "no chat template" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_sampled_answers_repeat_with_the_seed(model):
+    flags = ("--temp", "0.9", "--top-k", "0", "--min-p", "0", "-s", "3")
+    first, turns = chat(model, "hello\nagain\n", *flags)
+    second, _ = chat(model, "hello\nagain\n", *flags)
+    greedy, _ = chat(model, "hello\nagain\n")
+    assert first.stdout == second.stdout and first.stdout != greedy.stdout
+    assert turns[1][0] == prefill_len("\n<user>again\n<assistant>")
+
+
+def test_a_template_that_rewrites_earlier_turns_prefills_the_conversation_again(tmp_path):
+    import json
+    from dataclasses import replace
+    from kestrel_stream.loading.presets import PRESETS, make_model
+    path = make_model(tmp_path, replace(PRESETS["tiny"], max_position_embeddings=2048), seed=1, dtype="f32")
+    # past answers shown by their first 2 characters only (as templates drop a past answer's reasoning)
+    template = ("{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{{ m.content[:2] }}{% else %}"
+                "{{ m.content }}{% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    proc, turns = chat(path, "hello\nnext\n")
+    assert "the template rewrote earlier turns" in proc.stderr
+    assert turns[1][0] > prefill_len("<user>hello\n<assistant>") + prefill_len("<user>next\n<assistant>")

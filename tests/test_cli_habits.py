@@ -95,3 +95,32 @@ def test_top_level_help_shows_gguf_chat_and_http_examples():
     examples = out[out.index("examples:"):]
     assert "kestrel-stream chat -m " in examples and ".gguf" in examples and ":Q4_K_M" in examples
     assert "--chat " in examples and "--http 127.0.0.1:8080" in examples
+
+
+def test_load_progress_shows_on_a_terminal_only(monkeypatch):
+    import fcntl
+    import io
+    import pty
+    import select
+    import struct
+    import termios
+    import time
+    from kestrel_stream.cli.main import progress_bar
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a terminal of 24 x 100
+    seen = {}
+    for name, stream in (("terminal", os.fdopen(slave, "w")), ("pipe", io.StringIO())):
+        monkeypatch.setattr(sys, "stderr", stream)
+        update = progress_bar("loading")
+        update(0, 100)
+        time.sleep(0.6)                         # a load that takes a moment (the bar waits 0.5 s to appear)
+        update(50, 100, "layer 1")
+        update(100, 100)
+        stream.flush()
+        if name == "terminal":
+            seen[name] = os.read(master, 1 << 16).decode() if select.select([master], [], [], 5)[0] else ""
+        else:
+            seen[name] = stream.getvalue()
+    os.close(master)
+    assert "loading" in seen["terminal"] and "50" in seen["terminal"]
+    assert seen["pipe"] == ""
