@@ -11,14 +11,20 @@ from kestrel_stream.run.engine import Engine, resolve_device
 
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None,
-         kv_dtype: str = "f16", cpu_threads: int | None = None, gguf_blocks: str = "native") -> Engine:
+         kv_dtype: str = "f16", cpu_threads: int | None = None, gguf_blocks: str = "native",
+         hf_file: str | None = None) -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it.
+
+    path may also name a model on the Hugging Face Hub (loading/hub.py): "org/repo" (a safetensors
+    checkpoint), "org/repo:FILE.gguf" or "org/repo:Q4_K_M" (a GGUF; or hf_file="FILE"), downloaded once into
+    huggingface_hub's cache; a local path wins over a name it could also be.
 
     kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic).
     cpu_threads: the host's threads, process-wide: the native host kernels' and BLAS's (None: the
     physical cores, BLAS's default; 1 where other processes share the cores, see run/blas_threads.py).
     gguf_blocks: "native" runs a GGUF's Q4_0 / Q4_K / Q6_K tensors in their own blocks (default),
     "q8_0" converts them to Q8_0 at load."""
+    from kestrel_stream.loading.hub import resolve_model
     from kestrel_stream.loading.loader import load_weights
     from kestrel_stream.obs import prof
     from kestrel_stream.obs.load_stages import stage
@@ -26,6 +32,7 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     from kestrel_stream.run.blas_threads import set_cpu_threads
     from kestrel_stream.text.lazy_tokenizer import LazyTokenizer
     options = Options.from_env(vram_budget=vram_budget, host_threads=cpu_threads)   # every KESTREL_* setting, once
+    path = resolve_model(path, hf_file)
     set_cpu_threads(cpu_threads)
     with stage("resolve device"):
         device, mode = resolve_device(device, mode)

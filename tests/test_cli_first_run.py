@@ -43,7 +43,7 @@ def test_bare_command_prints_the_help_with_examples_and_exits_2():
 
 def test_verb_help_shows_defaults():
     out = run_cli("generate", "--help").stdout
-    assert "(default: 16)" in out and "(default: auto)" in out
+    assert "-1 (the default): until the end of generation" in " ".join(out.split()) and "(default: auto)" in out
     assert "default: 2048" in out and "512" in out            # --max-seq-len's default and the tiny preset's
     assert "(default: None)" not in out and "(default: False)" not in out
     bench = " ".join(run_cli("bench", "--help").stdout.split())
@@ -111,13 +111,15 @@ def test_bad_serve_flags_fail_before_the_notice_and_the_load(tiny_model, flags, 
 
 @pytest.mark.parametrize("flags,code,message", [
     (["--max-seq-len", "100000000"], 2, "--max-seq-len 100000000 exceeds this model's context of 512 positions"),
-    (["--max-seq-len", "0"], 2, "argument --max-seq-len: must be >= 1, got 0"),
-    (["--max-seq-len", "-3"], 2, "argument --max-seq-len: must be >= 1, got -3"),
+    (["--max-seq-len", "0"], 2, "argument -c/--max-seq-len: must be >= 1, got 0"),
+    (["-c", "-3"], 2, "argument -c/--max-seq-len: must be >= 1, got -3"),
     (["--max-new-tokens", "100000"], 2, "need 100000 positions, more than a session's 512; 512 is this model's "
                                         "whole context"),
     (["--max-seq-len", "64", "--max-new-tokens", "100"], 2, "raise --max-seq-len (now 64; this model allows up "
                                                             "to 512)"),
-    (["--max-new-tokens", "-1"], 2, "argument --max-new-tokens: must be >= 0, got -1"),
+    (["--max-new-tokens", "0"], 2, "argument -n/--max-new-tokens: must be >= 1, or -1 (until the end of "
+                                   "generation), got 0"),
+    (["-n", "-2"], 2, "argument -n/--max-new-tokens: must be >= 1, or -1 (until the end of generation), got -2"),
     (["--mode", "nonsense"], 2, "argument --mode: unknown mode 'nonsense'"),
 ])
 def test_bad_sizes_and_modes_name_the_flag_and_the_limit(tiny_model, flags, code, message):

@@ -48,6 +48,65 @@ def int_at_least(minimum: int):
     return parse
 
 
+def number_in(low: float, high: float, low_open: bool = False):
+    """An argparse type: a finite number in low..high (above low when low_open)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not (low < value if low_open else low <= value) or not value <= high:
+            where = f"({low:g}, {high:g}]" if low_open else f"{low:g}..{high:g}"
+            raise argparse.ArgumentTypeError(f"must be in {where}, got {text}")
+        return value
+    return parse
+
+
+def new_tokens_arg(text: str) -> int:
+    """An argparse type: tokens to generate, >= 1, or -1 for "until the end of generation" (llama.cpp's -n -1),
+    which the command bounds by the room left in the session."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value != -1 and value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, or -1 (until the end of generation), got {value}")
+    return value
+
+
+def seed_arg(text: str) -> int | None:
+    """An argparse type: a seed in 0..2**64-1, or -1 for a random one (llama.cpp's -s -1)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value == -1:
+        return None
+    if not 0 <= value < 2 ** 64:
+        raise argparse.ArgumentTypeError(f"must be in 0..2**64-1 (or -1: random), got {value}")
+    return value
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def escaped(text: str) -> str:
+    r"""An argparse type: text with \n, \t, \r and \\ read as escapes, as llama.cpp reads them (a shell
+    passes `--stop "\n\n"` as backslash-n twice); any other backslash stays as written."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in _ESCAPES:
+            out.append(_ESCAPES[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    value = "".join(out)
+    if not value:
+        raise argparse.ArgumentTypeError("expected a non-empty string")
+    return value
+
+
 def mode_arg(text: str) -> str:
     """An argparse type: auto|cpu|gated|gpu|layers=N, canonical."""
     from kestrel_stream.errors import DeviceError
@@ -82,6 +141,13 @@ def join_negative_ids(argv: list[str]) -> list[str]:
         else:
             out.append(arg)
     return out
+
+
+def resolve_model_arg(args) -> None:
+    """--model (and --hf-file) as a local path: a Hub name is fetched here, or found in the cache."""
+    from kestrel_stream.loading.hub import resolve_model
+    args.model = str(resolve_model(args.model, getattr(args, "hf_file", None), progress=bars_shown()))
+    args.hf_file = None
 
 
 def check_model_flags(args):
@@ -123,6 +189,12 @@ def choose_device(args) -> tuple[str, str]:
         else:
             print(NO_GPU_NOTICE, file=sys.stderr)
     return device, mode_used
+
+
+def bars_shown() -> bool:
+    """Progress bars (loads, conversions, downloads, bench runs) only where a person watches: stderr a terminal,
+    not a pipe or a log file."""
+    return sys.stderr.isatty()
 
 
 def enable_verbose_logs() -> None:

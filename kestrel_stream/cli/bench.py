@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from kestrel_stream.cli.args import bars_shown
 from kestrel_stream.options import Environment
 from kestrel_stream.run.engine import Engine
 
@@ -100,7 +101,7 @@ def preset_checkpoint(preset: str) -> Path:
     print(f"bench: writing a random {preset} checkpoint ({total / 1e9:.2f} GB, bf16) to {out_dir} "
           f"(once; later runs reuse it)", file=sys.stderr)
     with tqdm(total=total, desc=f"writing {preset}", unit="B", unit_scale=True, delay=0.5, file=sys.stderr,
-              leave=False) as bar:
+              leave=False, disable=not bars_shown()) as bar:
         return ensure_preset(preset, on_tensor=lambda name: bar.update(sizes[name]))
 
 
@@ -108,4 +109,4 @@ def measure_bar(repeats: int):
     """A bar over the warm-up and the measured runs (shown when they take a moment)."""
     from tqdm import tqdm
     return tqdm(total=repeats + 1, desc="measuring (warm-up + runs)", unit="run", delay=0.5, file=sys.stderr,
-                leave=False)
+                leave=False, disable=not bars_shown())

@@ -8,8 +8,9 @@ from pathlib import Path
 
 from kestrel_stream.errors import KestrelError
 from kestrel_stream.options import Environment
-from kestrel_stream.cli.args import (HelpFormatter, UsageError, check_model_flags, check_room, choose_device,
-                                     enable_verbose_logs, int_at_least, join_negative_ids, mode_arg, parse_ids)
+from kestrel_stream.cli.args import (HelpFormatter, UsageError, bars_shown, check_model_flags, check_room,
+                                     choose_device, enable_verbose_logs, int_at_least, join_negative_ids, mode_arg,
+                                     new_tokens_arg, parse_ids, resolve_model_arg)
 from kestrel_stream.cli.plan import cmd_calibrate, cmd_plan
 
 DESCRIPTION = """\
@@ -17,14 +18,23 @@ An asynchronous, stream-pipelined offload scheduler for LLM inference: the GPU
 engine on cuda-python where there is a GPU, the numpy CPU engine elsewhere.
 
 examples:
+  kestrel-stream chat -m unsloth/Qwen3-0.6B-GGUF:Q4_K_M          # talk to a GGUF from the Hugging Face Hub
+  kestrel-stream generate -m model.Q4_K_M.gguf -p "Once upon a time" -n 64
+  kestrel-stream generate -m Qwen/Qwen3-0.6B --chat "What is 2+2?"   # one turn, the model's chat template
+  kestrel-stream serve -m model.gguf --http 127.0.0.1:8080       # OpenAI API; a chat page at http://127.0.0.1:8080/
   kestrel-stream demo                                   # tiny model, daemon, two clients, a timeline
   kestrel-stream make-model /tmp/m --preset tiny        # random Qwen3 weights, Hugging Face layout
-  kestrel-stream generate --model /tmp/m --prompt-ids 1,2,3 --max-new-tokens 16 --json
+  kestrel-stream generate -m /tmp/m --prompt-ids 1,2,3 -n 16 --json
   kestrel-stream bench --preset qwen3-0.6b --device cpu
-  kestrel-stream serve --model /tmp/m                   # the daemon for Python clients
+  kestrel-stream serve -m /tmp/m                        # the daemon for Python clients
 
 `kestrel-stream VERB --help` lists a verb's flags and their defaults.
 """
+
+
+MODEL_HELP = ("a Hugging Face checkpoint directory, a .gguf file, or a model on the Hugging Face Hub: org/repo "
+              "(safetensors), org/repo:Q4_K_M or org/repo:FILE.gguf (a GGUF), downloaded once into its cache; "
+              "a local path wins")
 
 
 class Parser(argparse.ArgumentParser):
@@ -33,6 +43,10 @@ class Parser(argparse.ArgumentParser):
     def __init__(self, *a, **kw):
         kw.setdefault("formatter_class", HelpFormatter)
         super().__init__(*a, **kw)
+
+
+def tuning_group(p: argparse.ArgumentParser):
+    return p.add_argument_group("tuning and diagnostics", "the defaults suit most uses")
 
 
 def progress_bar(desc: str):
@@ -44,7 +58,7 @@ def progress_bar(desc: str):
         nonlocal bar
         if bar is None:
             bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, delay=0.5, file=sys.stderr,
-                       leave=False)
+                       leave=False, disable=not bars_shown())
         if what:
             bar.set_postfix_str(what[-40:], refresh=False)
         bar.update(done - bar.n)
@@ -61,9 +75,12 @@ def vram_budget_arg(text: str):
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_engine_args(p: argparse.ArgumentParser, tuning) -> None:
+    """The flags of every verb that loads a model; the everyday ones on `p`, the rest under `tuning`."""
     from kestrel_stream.run.engine import DEFAULT_MAX_SEQ_LEN
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or .gguf file")
+    p.add_argument("-m", "--model", "-hf", required=True, metavar="MODEL", help=MODEL_HELP)
+    p.add_argument("-hff", "--hf-file", default=None, metavar="FILE",
+                   help="the GGUF file of a --model org/repo to load (as org/repo:FILE)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: the GPU when there is one, else the CPU engine")
     p.add_argument("--mode", default="auto", type=mode_arg,
@@ -72,23 +89,23 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="device memory for gpu mode (weights + KV caches + activations): e.g. 2GiB, 1500MB, "
                         "0.5 (fraction of free VRAM); weights that do not fit stream over PCIe "
                         "(default: free VRAM minus a margin)")
-    p.add_argument("--max-seq-len", type=int_at_least(1), default=None, metavar="N",
+    p.add_argument("-c", "--max-seq-len", type=int_at_least(1), default=None, metavar="N",
                    help=f"KV positions per session: prompt + generated tokens (default: {DEFAULT_MAX_SEQ_LEN}, "
                         f"or the model's max_position_embeddings when smaller, e.g. 512 for the tiny preset)")
-    p.add_argument("--verbose", action="store_true", help="say why there is no GPU, and log loads and caches")
-    p.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
-                   help="gpu mode's KV cache: f16 (default) or f32 (the reference arithmetic)")
-    p.add_argument("--gguf-blocks", default="native", choices=["native", "q8_0"],
-                   help="a GGUF's Q4_0 / Q4_K / Q6_K tensors: run in their blocks (native, default) or "
-                        "converted to Q8_0 at load")
-    p.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
-    p.add_argument("--cpu-threads", type=int_at_least(1), default=None, metavar="N",
+    p.add_argument("-t", "--cpu-threads", type=int_at_least(1), default=None, metavar="N",
                    help="BLAS threads of the CPU engine (default: BLAS's own, one per core; 1 is faster for "
                         "short steps where other processes share the cores)")
-    p.add_argument("--prof", action="store_true",
-                   help="print the per-stage profile table of offloaded calls at exit (as KESTREL_PROF=1)")
-    p.add_argument("--trace", default=None, metavar="FILE",
-                   help="record a Chrome trace (.json or .json.gz; view with `timeline` or Perfetto)")
+    p.add_argument("--verbose", action="store_true", help="say why there is no GPU, and log loads and caches")
+    tuning.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
+                        help="gpu mode's KV cache: f16 (default) or f32 (the reference arithmetic)")
+    tuning.add_argument("--gguf-blocks", default="native", choices=["native", "q8_0"],
+                        help="a GGUF's Q4_0 / Q4_K / Q6_K tensors: run in their blocks (native, default) or "
+                             "converted to Q8_0 at load")
+    tuning.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
+    tuning.add_argument("--prof", action="store_true",
+                        help="print the per-stage profile table of offloaded calls at exit (as KESTREL_PROF=1)")
+    tuning.add_argument("--trace", default=None, metavar="FILE",
+                        help="record a Chrome trace (.json or .json.gz; view with `timeline` or Perfetto)")
 
 
 def prepare_engine(args) -> None:
@@ -96,6 +113,7 @@ def prepare_engine(args) -> None:
     args.device and args.mode become what will run, so ks.load announces nothing more."""
     if args.verbose:
         enable_verbose_logs()
+    resolve_model_arg(args)
     check_model_flags(args)
     args.device, args.mode = choose_device(args)
 
@@ -122,7 +140,7 @@ def cmd_make_model(args) -> int:
     from kestrel_stream.model.weights import hf_tensor_shapes
     total = len(hf_tensor_shapes(cfg))
     with tqdm(total=total, desc=f"writing {args.preset}", unit="tensor", delay=0.5, file=sys.stderr,
-              leave=False) as bar:
+              leave=False, disable=not bars_shown()) as bar:
         out = make_model(args.out_dir, args.preset, seed=args.seed, dtype=args.dtype,
                          on_tensor=lambda name: bar.update(1))
     print(f"wrote {args.preset} ({cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
@@ -136,7 +154,10 @@ def cmd_generate(args) -> int:
     from kestrel_stream.text.generation import prompt_ids
     engine = load_engine(args)
     prompt = prompt_from_args(args, engine)
-    check_room(engine, len(prompt_ids(engine, prompt)), args.max_new_tokens, "--max-new-tokens")
+    prompt_len = len(prompt_ids(engine, prompt))
+    if args.max_new_tokens == -1:       # until the end of generation: as far as the session has room
+        args.max_new_tokens = max(engine.max_seq_len - prompt_len + 1, 1)
+    check_room(engine, prompt_len, args.max_new_tokens, "-n/--max-new-tokens")
     # a first call pays one-time costs (page faults, dequantized caches, graph capture): a short run of
     # the same prompt takes them, so the reported speeds are the steady ones; a --trace keeps to the run asked for
     warmup = None if args.trace else engine.generate(prompt, min(2, args.max_new_tokens), **generate_kwargs(args))
@@ -214,10 +235,23 @@ def cmd_serve(args) -> int:
     from kestrel_stream.serve.daemon import run_daemon
     from kestrel_stream.serve.flags import check_serve_args
     from kestrel_stream.serve.http.server import http_options
+    from kestrel_stream.loading.hub import is_hub_name
     check_serve_args(args)          # bad serve and --http flags fail first: no device notice, no load
+    if args.served_model_name is None and is_hub_name(args.model):
+        args.served_model_name = args.model         # the name asked for, not its cache folder's
     http_options(args)
     prepare_engine(args)
     return run_daemon(args, args.environment)
+
+
+def cmd_plan_of(args) -> int:
+    resolve_model_arg(args)         # a Hub name: fetched (or found in the cache) before its config is read
+    return cmd_plan(args)
+
+
+def cmd_chat(args) -> int:
+    from kestrel_stream.cli.chat import run_chat
+    return run_chat(args, load_engine(args))
 
 
 def cmd_timeline(args) -> int:
@@ -236,8 +270,11 @@ def cmd_demo(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from kestrel_stream.loading.presets import PRESETS
+    from kestrel_stream import __version__
     parser = Parser(prog="kestrel-stream", description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"kestrel-stream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="VERB")
+    parser.verbs = sub.choices          # verb -> its parser: its own usage on its errors
 
     p = sub.add_parser("make-model", help="write a random Hugging Face checkpoint of a preset's shapes",
                        description="Write a random Hugging Face checkpoint (config.json + safetensors) of a "
@@ -255,20 +292,34 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate from a text prompt, a chat message or token ids, greedy (the "
                                    "default) or sampled; prints the text as it comes, then the speeds "
                                    "(measured after a short warm-up run).")
-    add_engine_args(p)
+    tuning = tuning_group(p)
+    add_engine_args(p, tuning)
     from kestrel_stream.cli.text_args import add_text_args
     add_text_args(p, parse_ids)
-    p.add_argument("--max-new-tokens", type=int_at_least(0), default=16, metavar="N",
-                   help="tokens to generate (prompt + N - 1 must fit in --max-seq-len)")
+    p.add_argument("-n", "--max-new-tokens", type=new_tokens_arg, default=-1, metavar="N",
+                   help="tokens to generate; -1 (the default): until the end of generation, as far as the "
+                        "session has room (prompt + N - 1 positions within --max-seq-len)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_generate)
+
+    from kestrel_stream.cli.chat import add_chat_args
+    p = sub.add_parser("chat", help="talk with a model in the terminal",
+                       description="A conversation in the terminal with the model's chat template; the answer "
+                                   "streams as it is generated.  Earlier turns stay in the session's KV cache, so "
+                                   "each turn computes only its own tokens.  A line ending in \\ continues on the "
+                                   "next; \"\"\" starts and ends a block of lines.  /reset starts again, "
+                                   "/system TEXT sets the system message (and starts again), /exit or end of "
+                                   "input (Ctrl-D) leaves; Ctrl-C stops an answer and keeps the conversation.")
+    add_engine_args(p, tuning_group(p))
+    add_chat_args(p)
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="prefill and decode throughput",
                        description="Prefill and decode throughput: the median of --repeats greedy generations "
                                    "after one warm-up.  Without --model, a random checkpoint of --preset is "
                                    "written once under the cache dir ($KESTREL_CACHE_DIR, default "
                                    "~/.cache/kestrel-stream/models) and reused.")
-    add_engine_args(p)
+    add_engine_args(p, tuning_group(p))
     p.set_defaults(model=None)
     for action in p._actions:
         if action.dest == "model":
@@ -282,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench)
 
     p = sub.add_parser("plan", help="print every weight's placement, fused group, FLOPs, bytes and why")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint directory or .gguf file")
+    p.add_argument("-m", "--model", required=True, metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--mode", default="auto", type=mode_arg, help="auto|cpu|gated|gpu|layers=N")
     p.add_argument("--batch", type=int_at_least(1), default=1, help="tokens per step (M)")
     p.add_argument("--profile", default=None, help="h200 | seed | a profile JSON file (default: calibrate this GPU)")
@@ -296,16 +347,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-blocks", default="native", choices=["native", "q8_0"],
                    help="count a GGUF's Q4_0 / Q4_K / Q6_K tensors in their blocks (native) or as Q8_0")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_plan)
+    p.set_defaults(func=cmd_plan_of)
 
     p = sub.add_parser("calibrate", help="measure this machine's device profile for the cost-model gate")
     p.add_argument("--verbose", action="store_true", help="say why there is no GPU")
     p.set_defaults(func=cmd_calibrate)
 
-    p = sub.add_parser("serve", help="run the daemon: own the model, answer clients on a socket")
-    add_engine_args(p)
+    p = sub.add_parser("serve", help="run the daemon: own the model, answer clients on a socket (and HTTP)",
+                       description="Run the daemon: it owns the model and batches every client's steps; Python "
+                                   "clients on a Unix socket (or --tcp), other tools on the OpenAI-compatible "
+                                   "HTTP API with --http, which also serves a chat page at /.")
+    tuning = tuning_group(p)
+    add_engine_args(p, tuning)
+    from kestrel_stream.cli.serve_help import sorted_flags
     from kestrel_stream.serve.flags import add_serve_args
-    add_serve_args(p)
+    add_serve_args(sorted_flags(p, tuning))
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("timeline", help="HTML timeline and summary of a --trace file")
@@ -342,11 +398,14 @@ def run_command(argv=None) -> int:
     if not argv:                    # a bare `kestrel-stream`: the help, as for a usage error
         parser.print_help(sys.stderr)
         return 2
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:                     # the verb's usage, not the top level's: the flags that verb has
+        parser.verbs[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     args.environment = Environment.from_env()     # the daemon's and result files' variables, read once, here
     try:
         return args.func(args)
     except UsageError as e:
+        parser.verbs[args.command].print_usage(sys.stderr)
         print(f"kestrel-stream {args.command}: error: {e}", file=sys.stderr)
         return 2
     except MemoryError as e:

@@ -1,4 +1,5 @@
-"""The ASGI app (starlette): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
+"""The ASGI app (starlette): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and the chat
+page at / (chat.html beside this file: one static page that talks to /v1/chat/completions).
 
 Every request passes serve/http/gate.py's ``Gate`` first (the key, the
 concurrency limits, the status counts).  Bodies are read up to a byte limit
@@ -9,11 +10,12 @@ from __future__ import annotations
 
 import time
 from contextlib import aclosing
+from importlib import resources
 
 import anyio
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kestrel_stream.serve.http.errors import APIError
@@ -165,6 +167,16 @@ class API:
 
 
 STARTED_S = time.time()
+# the page may reach nothing but this server: inline script and style, requests to its own origin
+PAGE_POLICY = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'"
+
+
+def chat_page():
+    page = resources.files(__package__).joinpath("chat.html").read_bytes()
+
+    async def serve_page(request: Request) -> Response:
+        return HTMLResponse(page, headers={"Content-Security-Policy": PAGE_POLICY, "Cache-Control": "no-cache"})
+    return serve_page
 
 
 async def not_found(request: Request, exc) -> Response:
@@ -183,6 +195,7 @@ def build_app(service, options: HttpOptions):
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),
               Route("/health", api.health, methods=["GET"]),
-              Route("/metrics", api.prometheus, methods=["GET"])]
+              Route("/metrics", api.prometheus, methods=["GET"]),
+              Route("/", chat_page(), methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
     return Gate(app, options, metrics)
