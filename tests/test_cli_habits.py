@@ -105,7 +105,7 @@ def test_load_progress_shows_on_a_terminal_only(monkeypatch):
     import struct
     import termios
     import time
-    from kestrel_stream.cli.main import progress_bar
+    from kestrel_stream.cli.engine_args import progress_bar
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a terminal of 24 x 100
     seen = {}

@@ -8,9 +8,10 @@ from pathlib import Path
 
 from kestrel_stream.errors import KestrelError
 from kestrel_stream.options import Environment
-from kestrel_stream.cli.args import (HelpFormatter, UsageError, bars_shown, check_model_flags, check_room,
-                                     choose_device, enable_verbose_logs, int_at_least, join_negative_ids, mode_arg,
-                                     new_tokens_arg, parse_ids, resolve_model_arg)
+from kestrel_stream.cli.args import (UsageError, bars_shown, check_room, choose_device, int_at_least,
+                                     join_negative_ids, mode_arg, new_tokens_arg, parse_ids, resolve_model_arg)
+from kestrel_stream.cli.engine_args import (MODEL_HELP, Parser, add_engine_args, load_engine, prepare_engine,
+                                            tuning_group)
 from kestrel_stream.cli.plan import cmd_calibrate, cmd_plan
 
 DESCRIPTION = """\
@@ -30,107 +31,6 @@ examples:
 
 `kestrel-stream VERB --help` lists a verb's flags and their defaults.
 """
-
-
-MODEL_HELP = ("a Hugging Face checkpoint directory, a .gguf file, or a model on the Hugging Face Hub: org/repo "
-              "(safetensors), org/repo:Q4_K_M or org/repo:FILE.gguf (a GGUF), downloaded once into its cache; "
-              "a local path wins")
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse with defaults in --help; the verbs' parsers are of this class too."""
-
-    def __init__(self, *a, **kw):
-        kw.setdefault("formatter_class", HelpFormatter)
-        super().__init__(*a, **kw)
-
-
-def tuning_group(p: argparse.ArgumentParser):
-    return p.add_argument_group("tuning and diagnostics", "the defaults suit most uses")
-
-
-def progress_bar(desc: str):
-    """A load-progress callback (bytes done of total) that shows a bar only when loading takes a moment."""
-    from tqdm import tqdm
-    bar = None
-
-    def update(done: int, total: int, what: str = "") -> None:
-        nonlocal bar
-        if bar is None:
-            bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, delay=0.5, file=sys.stderr,
-                       leave=False, disable=not bars_shown())
-        if what:
-            bar.set_postfix_str(what[-40:], refresh=False)
-        bar.update(done - bar.n)
-        if done >= total:
-            bar.close()
-    return update
-
-
-def vram_budget_arg(text: str):
-    from kestrel_stream.run.device.budget import parse_vram_budget
-    try:
-        return parse_vram_budget(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def add_engine_args(p: argparse.ArgumentParser, tuning) -> None:
-    """The flags of every verb that loads a model; the everyday ones on `p`, the rest under `tuning`."""
-    from kestrel_stream.run.engine import DEFAULT_MAX_SEQ_LEN
-    p.add_argument("-m", "--model", "-hf", required=True, metavar="MODEL", help=MODEL_HELP)
-    p.add_argument("-hff", "--hf-file", default=None, metavar="FILE",
-                   help="the GGUF file of a --model org/repo to load (as org/repo:FILE)")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
-                   help="auto: the GPU when there is one, else the CPU engine")
-    p.add_argument("--mode", default="auto", type=mode_arg,
-                   help="auto|cpu|gated|gpu|layers=N: where each op runs (auto: gpu with a GPU, cpu without)")
-    p.add_argument("--vram-budget", default=None, type=vram_budget_arg,
-                   help="device memory for gpu mode (weights + KV caches + activations): e.g. 2GiB, 1500MB, "
-                        "0.5 (fraction of free VRAM); weights that do not fit stream over PCIe "
-                        "(default: free VRAM minus a margin)")
-    p.add_argument("-c", "--max-seq-len", type=int_at_least(1), default=None, metavar="N",
-                   help=f"KV positions per session: prompt + generated tokens (default: {DEFAULT_MAX_SEQ_LEN}, "
-                        f"or the model's max_position_embeddings when smaller, e.g. 512 for the tiny preset)")
-    p.add_argument("-t", "--cpu-threads", type=int_at_least(1), default=None, metavar="N",
-                   help="BLAS threads of the CPU engine (default: BLAS's own, one per core; 1 is faster for "
-                        "short steps where other processes share the cores)")
-    p.add_argument("--verbose", action="store_true", help="say why there is no GPU, and log loads and caches")
-    tuning.add_argument("--kv-dtype", default="f16", choices=["f16", "f32"],
-                        help="gpu mode's KV cache: f16 (default) or f32 (the reference arithmetic)")
-    tuning.add_argument("--gguf-blocks", default="native", choices=["native", "q8_0"],
-                        help="a GGUF's Q4_0 / Q4_K / Q6_K tensors: run in their blocks (native, default) or "
-                             "converted to Q8_0 at load")
-    tuning.add_argument("--no-cache", action="store_true", help="do not read or write the quantized cache")
-    tuning.add_argument("--prof", action="store_true",
-                        help="print the per-stage profile table of offloaded calls at exit (as KESTREL_PROF=1)")
-    tuning.add_argument("--trace", default=None, metavar="FILE",
-                        help="record a Chrome trace (.json or .json.gz; view with `timeline` or Perfetto)")
-
-
-def prepare_engine(args) -> None:
-    """Check --model and the flags it limits, then pick the device (the one no-GPU notice is printed here):
-    args.device and args.mode become what will run, so ks.load announces nothing more."""
-    if args.verbose:
-        enable_verbose_logs()
-    resolve_model_arg(args)
-    check_model_flags(args)
-    args.device, args.mode = choose_device(args)
-
-
-def load_engine(args):
-    import kestrel_stream as ks
-    prepare_engine(args)
-    if getattr(args, "prof", False):
-        from kestrel_stream.obs import prof
-        prof.enable()
-    if getattr(args, "trace", None):
-        from kestrel_stream.obs import trace
-        trace.start(args.trace, command=args.command)
-    return ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
-                   max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"),
-                   kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads,
-                   gguf_blocks=args.gguf_blocks)
 
 
 def cmd_make_model(args) -> int:
