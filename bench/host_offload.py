@@ -1,0 +1,102 @@
+"""The host side of every offload beside llama.cpp on the same files: the CPU engine's decode (tg) and
+64-token prefill (pp64), and `--mode layers=N` decode, against `llama-bench -ngl 0` / `-ngl N` with the same
+threads, in one run.
+
+    python3 -m bench.host_offload FILE.gguf [FILE2.gguf ...] [--threads 16] [--layers 14]
+        [--llama-bench PATH/llama-bench] [--out DIR]
+
+Ours: ks.load(FILE, device="cpu", cpu_threads=T) (and device="cuda", mode="layers=N"); a session decodes
+--new-tokens tokens after one token (llama-bench's tg from an empty context) and prefills --prompt tokens in
+one step (pp), medians of --repeats after a warm-up.  llama.cpp: `llama-bench -m FILE -ngl 0|N -t T -p 64
+-n 32 -r 3 -o json` (avg_ts).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+import kestrel_stream as ks
+from kestrel_stream.cli.bench import environment
+
+from .report import write_results
+
+
+def ours(path: str, device: str, mode: str, threads: int, prompt: int, new_tokens: int, repeats: int) -> dict:
+    engine = ks.load(path, device=device, mode=mode, cpu_threads=threads, max_seq_len=max(prompt, new_tokens) + 8)
+    rng = np.random.default_rng(0)
+    ids = [int(t) for t in rng.integers(0, engine.config.vocab_size, prompt)]
+    decode, prefill = [], []
+    for r in range(repeats + 1):                     # the first round warms the caches and is left out
+        s = engine.new_session()
+        t0 = time.perf_counter()
+        s.prefill(ids, logits="last")
+        pp = time.perf_counter() - t0
+        s.reset()
+        token = s.decode_greedy(1)
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            token = s.decode_greedy(token)
+        tg = time.perf_counter() - t0
+        s.close()
+        if r:
+            prefill.append(prompt / pp)
+            decode.append(new_tokens / tg)
+    engine.close()
+    return {"pp_tok_s": round(statistics.median(prefill), 2), "tg_tok_s": round(statistics.median(decode), 2)}
+
+
+def llama(binary: str, path: str, layers: int, threads: int, prompt: int, new_tokens: int) -> dict:
+    out = subprocess.run([binary, "-m", path, "-ngl", str(layers), "-t", str(threads), "-p", str(prompt),
+                          "-n", str(new_tokens), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+    rows = json.loads(out.stdout)
+    result = {}
+    for row in rows:
+        key = "pp_tok_s" if row.get("n_prompt") else "tg_tok_s"
+        result[key] = round(float(row["avg_ts"]), 2)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=14, help="layers on the GPU for the layers=N rows")
+    parser.add_argument("--prompt", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench built on this machine")
+    parser.add_argument("--no-gpu", action="store_true", help="only the CPU rows")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = []
+    configs = [("cpu", "cpu", 0)] + ([] if args.no_gpu else [("cuda", f"layers={args.layers}", args.layers)])
+    for path in args.files:
+        for device, mode, ngl in configs:
+            row = {"file": path.rsplit("/", 1)[-1], "ours": f"{device} {mode}", "llama.cpp": f"-ngl {ngl}",
+                   "threads": args.threads}
+            mine = ours(path, device, mode, args.threads, args.prompt, args.new_tokens, args.repeats)
+            row.update({f"ours_{k}": v for k, v in mine.items()})
+            if args.llama_bench:
+                theirs = llama(args.llama_bench, path, ngl, args.threads, args.prompt, args.new_tokens)
+                row.update({f"llama_{k}": v for k, v in theirs.items()})
+                for k in ("pp_tok_s", "tg_tok_s"):
+                    if k in theirs:
+                        row[f"ratio_{k.split('_')[0]}"] = round(mine[k] / theirs[k], 3)
+            print(row, flush=True)
+            rows.append(row)
+    columns = ["file", "ours", "llama.cpp", "threads", "ours_pp_tok_s", "llama_pp_tok_s", "ratio_pp",
+               "ours_tg_tok_s", "llama_tg_tok_s", "ratio_tg"]
+    path = write_results("host-offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
+                         out_dir=args.out,
+                         notes=f"pp: one step of {args.prompt} tokens; tg: {args.new_tokens} greedy tokens after one; "
+                               f"ours medians of {args.repeats} after a warm-up, llama-bench -r 3 averages.")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
