@@ -72,6 +72,9 @@ class Service:
         self.queued_at_once = 0                 # of those, the ones the reader thread queued (only it counts)
         self.stats_at_once_count = 0            # stats requests the reader thread answered (only it counts)
         self.admit = threading.Lock()           # the reader thread's decodes against the start of a shutdown
+        # Sessions reserved by an open still on the step thread, plus those open: --max-sessions counts this,
+        # taken before the open's first await, so opens racing each other cannot pass the limit together.
+        self.held_sessions = 0
 
     @property
     def inflight(self) -> int:
@@ -125,17 +128,23 @@ class Service:
         length = header.get("max_seq_len")
         if length is not None:
             length = field_int(header, "max_seq_len", "open", 1, 2**31)     # the engine checks its own limit
-        if len(self.engine.sessions) >= self.max_sessions:
-            raise CapacityError(f"open: the daemon already holds {len(self.engine.sessions)} sessions "
+        if self.held_sessions >= self.max_sessions:
+            raise CapacityError(f"open: the daemon already holds {self.held_sessions} sessions "
                                 f"(--max-sessions {self.max_sessions})")
         if len(conn.sessions) >= self.sessions_per_client:
             raise CapacityError(f"open: this client already holds {len(conn.sessions)} sessions "
                                 f"(--max-sessions-per-client {self.sessions_per_client})")
+        self.held_sessions += 1
         try:
-            session = await self.steps.run(self.engine.new_session, length)
+            # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread is
+            # making; it is registered below, with no await between, so the client's cleanup closes it.
+            with anyio.CancelScope(shield=True):
+                session = await self.steps.run(self.engine.new_session, length)
         except CapacityError:
+            self.held_sessions -= 1
             raise
         except Exception as e:          # e.g. the device arena has no room for one more KV cache
+            self.held_sessions -= 1
             raise CapacityError(f"open: the engine could not allocate a session ({type(e).__name__}: {e})") from e
         conn.sessions[session.id] = session
         return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
@@ -275,7 +284,10 @@ class Service:
     async def close_sessions(self, conn: Connection, session_ids) -> None:
         sessions = [conn.sessions.pop(sid) for sid in list(session_ids)]
         with anyio.CancelScope(shield=True):
-            await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
+            try:
+                await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
+            finally:
+                self.held_sessions -= len(sessions)
 
     async def client_left(self, conn: Connection) -> None:
         """Its trace, if one records, is stopped and written."""

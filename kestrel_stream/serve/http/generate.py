@@ -90,11 +90,11 @@ class HttpGeneration:
             raise APIError(503, "the daemon is shutting down", "server_error", code="shutting_down")
         conn = Connection(peer="http")
         try:
-            await service.op_open(conn, {"max_seq_len": len(self.ids) + self.max_tokens}, {})
-        except CapacityError as e:
-            raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
-        session = next(iter(conn.sessions.values()))
-        try:
+            try:
+                await service.op_open(conn, {"max_seq_len": len(self.ids) + self.max_tokens}, {})
+            except CapacityError as e:
+                raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
+            session = next(iter(conn.sessions.values()))
             # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier turns)
             # computes only the rest, as the socket clients' generate does
             job = await service.prefill_cached(session, np.asarray(self.ids, np.int64), self.want, 1)
@@ -114,8 +114,9 @@ class HttpGeneration:
         except KestrelError as e:
             raise APIError(500, f"{type(e).__name__}: {e}", "server_error") from None
         finally:
-            with anyio.CancelScope(shield=True):        # a client gone mid-stream frees its session now
-                await service.close_sessions(conn, list(conn.sessions))
+            if conn.sessions:
+                with anyio.CancelScope(shield=True):    # a client gone mid-stream frees its session now
+                    await service.close_sessions(conn, list(conn.sessions))
         self.finish_reason = FINISH[self.stop.reason]
 
     def account(self, job) -> TokenOut:

@@ -23,6 +23,7 @@ class HttpServer:
     def __init__(self, options: HttpOptions):
         self.options = options
         self.stopping, self.stopped = anyio.Event(), anyio.Event()
+        self.bound: tuple | None = None         # the listening socket's address, once bound
 
     async def run(self, service, task_status) -> None:
         """Serve until ``stop``; task_status.started() once listening."""
@@ -41,7 +42,7 @@ class HttpServer:
         config.h11_max_incomplete_size = 64 * 1024
         try:
             sockets = config.create_sockets()
-            bound = sockets.insecure_sockets[0].getsockname()
+            bound = self.bound = sockets.insecure_sockets[0].getsockname()
             app = build_app(service, options)
             where = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
             log(f"http listening on http://{where}/v1 (model {options.model_name!r}"

@@ -1,0 +1,105 @@
+"""A session lives as long as its request, on every transport: clients that leave at any moment (HTTP/1.1 FIN or
+RST, socket clients closing mid-open) leave no session open, a well-formed client is served
+throughout, and --max-sessions holds against opens racing each other."""
+from __future__ import annotations
+
+import json
+import random
+import socket
+import struct
+import threading
+import time
+
+import pytest
+from daemon_helpers import raw_connect, read_frame
+from http_helpers import chat_model
+from inprocess_daemon import MODEL_NAME, InProcessDaemon, http_answer, http_request
+
+import kestrel_stream as ks
+from kestrel_stream.serve import protocol as wire
+
+ROUNDS = 200
+MAX_SESSIONS = 8
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return chat_model(tmp_path_factory.mktemp("sessions-model") / "model")
+
+
+@pytest.fixture
+def server(model, tmp_path):
+    d = InProcessDaemon(model, tmp_path, max_sessions=MAX_SESSIONS)
+    yield d
+    d.stop()
+
+
+def completion_body(i: int, stream: bool = False, max_tokens: int = 64) -> bytes:
+    return json.dumps({"model": MODEL_NAME, "prompt": f"leave {i}", "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": stream}).encode()
+
+
+def served(server, retry_for_s: float = 2.0) -> None:
+    """A well-formed request gets its whole answer (as a client honouring Retry-After would: the places of clients
+    that just left free as their cancellations land)."""
+    deadline = time.monotonic() + retry_for_s
+    while True:
+        with server.connect_http() as sock:
+            sock.sendall(http_request("POST", "/v1/completions", completion_body(0, max_tokens=4)))
+            status, body = http_answer(sock)
+        if status != 429 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert status == 200, (body, server.sessions())
+    assert json.loads(body)["usage"]["completion_tokens"] == 4
+
+
+def leave(sock: socket.socket, reset: bool) -> None:
+    if reset:       # RST instead of FIN
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def test_http1_clients_leaving_at_any_moment_leave_no_session(server):
+    rng = random.Random(1)
+    for i in range(ROUNDS):
+        sock = server.connect_http()
+        sock.sendall(http_request("POST", "/v1/completions", completion_body(i, stream=i % 3 == 0)))
+        time.sleep(rng.uniform(0, 0.002))
+        leave(sock, reset=i % 2 == 1)
+        if i % 50 == 49:
+            served(server)
+    assert server.settled_sessions() == 0, f"{server.sessions()} sessions left open by departed clients"
+    assert server.service.held_sessions == 0
+    served(server)
+
+
+def test_socket_clients_leaving_mid_open_leave_no_session(server):
+    rng = random.Random(3)
+    for i in range(ROUNDS):
+        sock = raw_connect(str(server.socket_path))
+        sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+        time.sleep(rng.uniform(0, 0.002))
+        leave(sock, reset=i % 2 == 1)
+    assert server.settled_sessions() == 0, f"{server.sessions()} sessions left open by departed socket clients"
+    served(server)
+
+
+def test_max_sessions_holds_against_racing_opens(server):
+    """Three times --max-sessions socket clients open a session each, all at once, and keep it: exactly
+    --max-sessions succeed, the others get a capacity error naming the flag."""
+    clients = [raw_connect(str(server.socket_path)) for _ in range(3 * MAX_SESSIONS)]
+    try:
+        for sock in clients:
+            sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+        replies = [read_frame(sock).header for sock in clients]
+        opened = [r for r in replies if r["ok"]]
+        refused = [r for r in replies if not r["ok"]]
+        assert len(opened) == MAX_SESSIONS and server.sessions() == MAX_SESSIONS
+        assert all(r["code"] == "capacity" and "--max-sessions" in r["message"] for r in refused)
+    finally:
+        for sock in clients:
+            sock.close()
+    assert server.settled_sessions() == 0
+    with ks.Client(str(server.socket_path)) as client, client.new_session():
+        assert client.stats()["sessions"] == 1
