@@ -3,10 +3,14 @@ so a test can race thousands of clients against it in seconds and look at the en
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from pathlib import Path
 
 import anyio
+import h2.config
+import h2.connection
+import h2.events
 from anyio.from_thread import start_blocking_portal
 
 import kestrel_stream as ks
@@ -103,3 +107,80 @@ def http_answer(sock: socket.socket) -> tuple[int, bytes]:
             break
         body += part
     return int(head.split(b" ")[1]), body
+
+
+class H2Client:
+    """HTTP/2 with prior knowledge over one connection, its answers read and dropped on a thread."""
+
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.lock = threading.Lock()
+        self.closed = False             # the server closed the connection
+        self.ended: set[int] = set()
+        self.statuses: dict[int, int] = {}
+        with self.lock:
+            self.conn.initiate_connection()
+            self.flush()
+        self.reader = threading.Thread(target=self.read, daemon=True)
+        self.reader.start()
+
+    def flush(self) -> None:
+        self.sock.sendall(self.conn.data_to_send())
+
+    def read(self) -> None:
+        try:
+            while data := self.sock.recv(65536):
+                with self.lock:
+                    for event in self.conn.receive_data(data):
+                        if isinstance(event, h2.events.DataReceived):
+                            self.conn.acknowledge_received_data(event.flow_controlled_length, event.stream_id)
+                        elif isinstance(event, h2.events.ResponseReceived):
+                            self.statuses[event.stream_id] = int(dict(event.headers)[b":status"])
+                        elif isinstance(event, (h2.events.StreamEnded, h2.events.StreamReset)):
+                            self.ended.add(event.stream_id)
+                    self.flush()
+        except OSError:
+            pass
+        finally:
+            self.closed = True
+
+    def post(self, path: str, body: bytes, method: str = "POST") -> int:
+        """Stream id of a request sent whole; its body in frames as flow control lets them go."""
+        with self.lock:
+            stream = self.conn.get_next_available_stream_id()
+            self.conn.send_headers(stream, [(":method", method), (":path", path), (":scheme", "http"),
+                                            (":authority", "127.0.0.1"), ("content-type", "application/json"),
+                                            ("content-length", str(len(body)))], end_stream=not body)
+            self.flush()
+        sent = 0
+        while sent < len(body):
+            with self.lock:
+                if stream in self.ended:
+                    break
+                room = min(self.conn.local_flow_control_window(stream), self.conn.max_outbound_frame_size)
+                if room > 0:
+                    part = body[sent:sent + room]
+                    sent += len(part)
+                    self.conn.send_data(stream, part, end_stream=sent == len(body))
+                    self.flush()
+            if room <= 0:
+                time.sleep(0.001)
+        return stream
+
+    def status(self, stream: int, timeout_s: float = 10.0) -> int | None:
+        """The status of a stream's answer once it has ended (None: reset without one)."""
+        deadline = time.monotonic() + timeout_s
+        while stream not in self.ended:
+            assert time.monotonic() < deadline, f"stream {stream} did not end"
+            time.sleep(0.005)
+        return self.statuses.get(stream)
+
+    def reset(self, stream: int) -> None:
+        with self.lock:
+            if stream not in self.ended:
+                self.conn.reset_stream(stream)
+                self.flush()
+
+    def close(self) -> None:
+        self.sock.close()

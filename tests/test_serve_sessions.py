@@ -1,5 +1,5 @@
 """A session lives as long as its request, on every transport: clients that leave at any moment (HTTP/1.1 FIN or
-RST, socket clients closing mid-open) leave no session open, a well-formed client is served
+RST, HTTP/2 stream resets, socket clients closing mid-open) leave no session open, a well-formed client is served
 throughout, and --max-sessions holds against opens racing each other."""
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import json
 import random
 import socket
 import struct
-import threading
 import time
 
 import pytest
 from daemon_helpers import raw_connect, read_frame
 from http_helpers import chat_model
-from inprocess_daemon import MODEL_NAME, InProcessDaemon, http_answer, http_request
+from inprocess_daemon import MODEL_NAME, H2Client, InProcessDaemon, http_answer, http_request
 
 import kestrel_stream as ks
 from kestrel_stream.serve import protocol as wire
@@ -71,6 +70,23 @@ def test_http1_clients_leaving_at_any_moment_leave_no_session(server):
             served(server)
     assert server.settled_sessions() == 0, f"{server.sessions()} sessions left open by departed clients"
     assert server.service.held_sessions == 0
+    served(server)
+
+
+def test_http2_streams_reset_at_any_moment_leave_no_session(server):
+    rng = random.Random(2)
+    client = H2Client(server.http_port)
+    try:
+        for i in range(ROUNDS):
+            stream = client.post("/v1/completions", completion_body(i, stream=i % 2 == 0))
+            time.sleep(rng.uniform(0, 0.002))
+            client.reset(stream)
+            if i % 50 == 49:
+                served(server)
+        assert server.settled_sessions() == 0, f"{server.sessions()} sessions left open by reset streams"
+        assert server.service.held_sessions == 0
+    finally:
+        client.close()
     served(server)
 
 

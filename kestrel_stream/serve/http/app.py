@@ -1,9 +1,10 @@
 """The ASGI app (starlette): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics.
 
 Every request passes serve/http/gate.py's ``Gate`` first (the key, the
-concurrency limits, the status counts).  Bodies are read up to a byte limit
-and a time limit and parsed with serve/json_limits.py; every refusal is
-OpenAI's error shape.
+concurrency limit, the status counts).  A generation's body is read up to a
+byte limit and a time limit, then parsed, checked and tokenized off the event
+loop (serve/http/prepare.py); only then does it take a generation slot
+(serve/http/slots.py).  Every refusal is OpenAI's error shape.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ from kestrel_stream.serve.http.gate import CLIENT_LEFT, Gate
 from kestrel_stream.serve.http.generate import HttpGeneration
 from kestrel_stream.serve.http.metrics import Metrics
 from kestrel_stream.serve.http.options import HttpOptions
-from kestrel_stream.serve.http.requests import parse_request
+from kestrel_stream.serve.http.prepare import Preparer
+from kestrel_stream.serve.http.slots import GenerationSlots
 from kestrel_stream.serve.http.responses import DONE, Shape, sse
-from kestrel_stream.serve.json_limits import JSONLimitError, load_limited
 from kestrel_stream.serve.protocol import UnavailableError
 
 
@@ -38,11 +39,13 @@ class Gone(Response):
 
 
 class API:
-    def __init__(self, service, model_name: str, max_body_bytes: int, body_timeout_s: float, metrics: Metrics):
+    def __init__(self, service, model_name: str, max_body_bytes: int, body_timeout_s: float, metrics: Metrics,
+                 slots: GenerationSlots):
         self.service, self.model_name, self.max_body_bytes = service, model_name, max_body_bytes
-        self.body_timeout_s, self.metrics = body_timeout_s, metrics
+        self.body_timeout_s, self.metrics, self.slots = body_timeout_s, metrics, slots
+        self.preparer = Preparer(service, model_name, max_body_bytes)
 
-    async def body(self, request: Request):
+    async def body(self, request: Request) -> bytearray:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self.too_large()
@@ -58,10 +61,7 @@ class API:
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive whole within {self.body_timeout_s:g} s "
                                 f"(--http-body-timeout-s)", code="request_timeout") from None
-        try:
-            return load_limited(data.decode("utf-8"), max_chars=self.max_body_bytes)
-        except (UnicodeDecodeError, JSONLimitError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        return data
 
     def too_large(self) -> APIError:
         return APIError(413, f"the request body is over {self.max_body_bytes} bytes (--http-max-body-kb)",
@@ -75,24 +75,26 @@ class API:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         try:
-            body = await self.body(request)
-            parsed = parse_request(body, chat, self.service.vocab_size)
-            model = body.get("model")
-            if not isinstance(model, str) or model != self.model_name:
-                raise APIError(404, f"model {model!r} does not exist; this server has {self.model_name!r}",
-                               param="model", code="model_not_found")
-            await self.service.tokenizer()      # built in the background after the load: may still be running
-            generation = HttpGeneration(self.service, parsed)
+            generation = await self.preparer.generation(await self.body(request), chat)
+            self.slots.take()           # only now: a body still arriving, or a bad one, holds no generation slot
         except APIError as e:
             return e.response()
         except UnavailableError as e:
             return APIError(500, str(e), type_="server_error", code="tokenizer_unavailable").response()
+        try:
+            response = await self.answer(generation, chat, request.receive)
+        except BaseException:
+            self.slots.give_back()
+            raise
+        return self.slots.holding(response)
+
+    async def answer(self, generation: HttpGeneration, chat: bool, receive) -> Response:
         shape = Shape(chat, self.model_name, generation)
         self.metrics.prompt_tokens.inc(generation.prompt_tokens)
-        if parsed.stream:
+        if generation.request.stream:
             return StreamingResponse(self.stream(generation, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        outs = await self.collect(generation, request.receive)
+        outs = await self.collect(generation, receive)
         if outs is None:
             return Gone()
         if isinstance(outs, APIError):
@@ -178,7 +180,8 @@ async def wrong_method(request: Request, exc) -> Response:
 def build_app(service, options: HttpOptions):
     """The ASGI app: starlette routes behind the Gate."""
     metrics = Metrics(service)
-    api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics)
+    api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics,
+              GenerationSlots(options.max_requests))
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),

@@ -1,16 +1,18 @@
-"""What every HTTP request passes first (ASGI middleware): the bearer key, the two concurrency limits, and the
+"""What every HTTP request passes first (ASGI middleware): the bearer key, the concurrency limit, and the
 per-status request counts of /metrics.
 
 The key is compared in constant time.  ``--http-max-concurrent`` bounds the
 requests being handled at once, whatever their path, those whose bodies are
-still arriving included (503); ``--http-max-requests`` bounds the generations
-among them (429).  Both refusals carry Retry-After, which the openai client
-honours when it retries.  A request holds its places until its whole
-response, stream included, has been sent or abandoned.
+still arriving included (503, with Retry-After, which the openai client
+honours when it retries).  A request holds its place until its whole
+response, stream included, has been sent or abandoned.  The generations
+among them are bounded once their bodies are whole (serve/http/slots.py).
 """
 from __future__ import annotations
 
 import hmac
+
+import anyio
 
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.metrics import Metrics
@@ -27,12 +29,12 @@ class Gate:
         self.app, self.options, self.metrics = app, options, metrics
         self.api_key = options.api_key.encode() if options.api_key else None
         self.handling = 0           # requests past the gate, /health excepted
-        self.running = 0            # of which generations
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path, counted, left = scope["path"], [False], [False]
+        body_done = [scope.get("http_version") != "2"]     # see drain_body
 
         def count(status: int) -> None:
             counted[0] = True
@@ -40,12 +42,15 @@ class Gate:
 
         async def send_counted(message):
             if message["type"] == "http.response.start":
+                if not body_done[0]:
+                    await self.drain_body(receive_noted, body_done)
                 count(message["status"])        # before the client can see it: a scrape after agrees with it
             await send(message)
 
         async def receive_noted():
             message = await receive()
             left[0] = left[0] or message["type"] == "http.disconnect"
+            body_done[0] = body_done[0] or left[0] or not message.get("more_body", False)
             return message
         try:
             refusal = self.refusal(scope, path)
@@ -53,17 +58,26 @@ class Gate:
                 return await refusal.response()(scope, receive_noted, send_counted)
             if path in OPEN_PATHS:
                 return await self.app(scope, receive_noted, send_counted)
-            generating = path in GENERATING
             self.handling += 1
-            self.running += generating
             try:
                 await self.app(scope, receive_noted, send_counted)
             finally:
                 self.handling -= 1
-                self.running -= generating
         finally:
             if not counted[0]:
                 count(CLIENT_LEFT if left[0] else 500)
+
+    async def drain_body(self, receive, body_done: list) -> None:
+        """HTTP/2: read (and drop) the rest of a request body before answering without it (a refusal).
+
+        hypercorn's HTTP/2 protocol closes the whole connection, every stream
+        of the client's with it, on a DATA frame for a stream whose answer
+        already ended; so a refused stream stays open until its body has come,
+        within the body limits."""
+        seen = 0
+        with anyio.move_on_after(self.options.body_timeout_s):
+            while not body_done[0] and seen <= self.options.max_body_bytes:
+                seen += len((await receive()).get("body", b""))
 
     def refusal(self, scope, path: str) -> APIError | None:
         if path in OPEN_PATHS:
@@ -82,9 +96,4 @@ class Gate:
             return APIError(503, f"{self.handling} HTTP requests are being handled, the limit "
                                  f"(--http-max-concurrent {limit}); retry later", "server_error",
                             code="server_overloaded", retry_after_s=RETRY_AFTER_S)
-        limit = self.options.max_requests
-        if path in GENERATING and self.running >= limit:
-            return APIError(429, f"{self.running} generations are running, the limit "
-                                 f"(--http-max-requests {limit}); retry later", "rate_limit_error",
-                            code="too_many_requests", retry_after_s=RETRY_AFTER_S)
         return None

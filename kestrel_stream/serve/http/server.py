@@ -42,6 +42,8 @@ class HttpServer:
         config.h11_max_incomplete_size = 64 * 1024
         try:
             sockets = config.create_sockets()
+            for sock in sockets.insecure_sockets:      # listening before the line that says so is logged
+                sock.listen(config.backlog)
             bound = self.bound = sockets.insecure_sockets[0].getsockname()
             app = build_app(service, options)
             where = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
