@@ -42,6 +42,8 @@ def client(daemon):
 
 def raw(daemon, method: str, path: str, key: str | None = KEY, **kwargs) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if method == "POST":
+        headers["Content-Type"] = "application/json"
     return httpx.request(method, daemon.base_url.removesuffix("/v1") + path, headers=headers, timeout=30, **kwargs)
 
 

@@ -1,14 +1,20 @@
-"""What the HTTP API lets a client hold: generation slots are taken only by whole, valid bodies; a refused HTTP/2
-stream leaves its connection serving."""
+"""What the HTTP API lets a client hold, and what a web page can make a browser do with it: generation slots are
+taken only by whole, valid bodies; headers have a deadline; a refused HTTP/2 stream leaves its connection serving;
+without a key only requests naming this server are answered; POST bodies are JSON; no Location is built from the
+Host header; CORS is off unless configured."""
 from __future__ import annotations
 
 import json
 import logging
+import socket
 import time
 
 import pytest
 from http_helpers import chat_model
 from inprocess_daemon import MODEL_NAME, H2Client, InProcessDaemon, http_answer, http_request
+
+KEY = "limits-key"
+
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
@@ -17,7 +23,8 @@ def model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
-    d = InProcessDaemon(model, tmp_path_factory.mktemp("limits"), max_sessions=8, max_requests=2)
+    d = InProcessDaemon(model, tmp_path_factory.mktemp("limits"), max_sessions=8, max_requests=2,
+                        header_timeout_s=0.5, allowed_hosts=("myhost.local",))
     yield d
     d.stop()
 
@@ -59,6 +66,15 @@ def test_bodies_still_arriving_hold_no_generation_slot(server):
             sock.close()
 
 
+def test_incomplete_headers_are_cut_off_at_the_header_timeout(server):
+    with server.connect_http() as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nHo")
+        started = time.monotonic()
+        sock.settimeout(10)
+        assert sock.recv(100) == b""            # closed, without an answer
+        assert time.monotonic() - started < 5
+
+
 def test_a_refused_http2_stream_leaves_its_connection_serving(server, caplog):
     """An answer given before its request's body arrived (a wrong method here) used to make hypercorn close the
     whole HTTP/2 connection with a KeyError traceback when the rest of the body came."""
@@ -72,3 +88,62 @@ def test_a_refused_http2_stream_leaves_its_connection_serving(server, caplog):
         assert "KeyError" not in caplog.text and "Traceback" not in caplog.text
     finally:
         client.close()
+
+
+@pytest.mark.parametrize("host, status", [("attacker.example", 421), ("attacker.example:8080", 421),
+                                          ("localhost", 200), ("127.0.0.1:9", 200), ("[::1]:80", 200),
+                                          ("myhost.local", 200), ("LOCALHOST.", 200), ("127.0.0.1.evil.example", 421)])
+def test_without_a_key_only_requests_naming_this_server_are_answered(server, host, status):
+    for request in (http_request("GET", "/v1/models", host=host),
+                    http_request("POST", "/v1/completions", generation(), host=host)):
+        got, _, body = ask(server, request)
+        assert got == status, body
+        if status == 421:
+            assert json.loads(body)["error"]["code"] == "misdirected_request"
+
+
+@pytest.mark.parametrize("content_type, status", [("text/plain", 415), ("application/x-www-form-urlencoded", 415),
+                                                  ("multipart/form-data; boundary=x", 415), ("", 415),
+                                                  ("application/json; charset=utf-8", 200),
+                                                  ("Application/JSON", 200)])
+def test_post_bodies_must_be_json(server, content_type, status):
+    got, _, body = ask(server, http_request("POST", "/v1/completions", generation(), content_type=content_type))
+    assert got == status, body
+    if status == 415:
+        assert json.loads(body)["error"]["code"] == "unsupported_media_type"
+
+
+def test_other_routes_take_no_body(server):
+    got, _, body = ask(server, http_request("GET", "/v1/models", b"{}"))
+    assert got == 413 and "takes no request body" in json.loads(body)["error"]["message"]
+
+
+def test_no_redirect_takes_its_location_from_the_host_header(model, tmp_path):
+    d = InProcessDaemon(model, tmp_path, api_key=KEY)
+    try:
+        auth = f"Authorization: Bearer {KEY}\r\n".encode()
+        got, head, _ = ask(d, http_request("GET", "/v1/models/", host="attacker.example", extra=auth))
+        assert got == 404 and b"location:" not in head
+        got, _, _ = ask(d, http_request("GET", "/v1/models", host="any.name", extra=auth))
+        assert got == 200                       # with a key the Host header is not checked
+    finally:
+        d.stop()
+
+
+def preflight(origin: str) -> bytes:
+    return (f"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nOrigin: {origin}\r\n"
+            f"Access-Control-Request-Method: POST\r\nAccess-Control-Request-Headers: content-type\r\n"
+            f"Content-Length: 0\r\n\r\n").encode()
+
+
+def test_cors_is_off_unless_an_origin_is_configured(server, model, tmp_path):
+    got, head, _ = ask(server, preflight("http://localhost:3000"))
+    assert got == 405 and b"access-control-allow-origin" not in head
+    d = InProcessDaemon(model, tmp_path, cors_origins=("http://localhost:3000",))
+    try:
+        got, head, _ = ask(d, preflight("http://localhost:3000"))
+        assert got == 200 and b"access-control-allow-origin: http://localhost:3000" in head
+        got, head, _ = ask(d, preflight("http://attacker.example"))
+        assert b"access-control-allow-origin" not in head
+    finally:
+        d.stop()

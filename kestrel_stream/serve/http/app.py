@@ -13,6 +13,7 @@ from contextlib import aclosing
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -178,7 +179,7 @@ async def wrong_method(request: Request, exc) -> Response:
 
 
 def build_app(service, options: HttpOptions):
-    """The ASGI app: starlette routes behind the Gate."""
+    """The ASGI app: starlette routes behind the Gate (and CORS where --http-cors-origin asks for it)."""
     metrics = Metrics(service)
     api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics,
               GenerationSlots(options.max_requests))
@@ -188,4 +189,10 @@ def build_app(service, options: HttpOptions):
               Route("/health", api.health, methods=["GET"]),
               Route("/metrics", api.prometheus, methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
-    return Gate(app, options, metrics)
+    app.router.redirect_slashes = False     # its redirect would build Location from the request's Host header
+    gate = Gate(app, options, metrics)
+    if not options.cors_origins:
+        return gate
+    # outside the Gate: a browser's preflight carries no key, and its answer gives nothing away
+    return CORSMiddleware(gate, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
+                          allow_headers=["Authorization", "Content-Type"])

@@ -1,5 +1,14 @@
-"""What every HTTP request passes first (ASGI middleware): the bearer key, the concurrency limit, and the
-per-status request counts of /metrics.
+"""What every HTTP request passes first (ASGI middleware): the Host check, the bearer key, the request's shape
+(POST bodies are JSON; other routes take no body), the concurrency limit, and the per-status request counts of
+/metrics.
+
+Without an API key the server is on loopback, where a web page the user
+visits could still reach it: by DNS rebinding (a name of the page's that
+resolves to 127.0.0.1, sent as Host: answered 421 unless it names this
+server) or by a cross-site form post (its body is never application/json:
+415).  Browsers send neither an Authorization header nor a JSON content type
+across sites without a CORS preflight, which the API answers only for
+--http-cors-origin origins.
 
 The key is compared in constant time.  ``--http-max-concurrent`` bounds the
 requests being handled at once, whatever their path, those whose bodies are
@@ -16,7 +25,7 @@ import anyio
 
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.metrics import Metrics
-from kestrel_stream.serve.http.options import HttpOptions
+from kestrel_stream.serve.http.options import HttpOptions, is_loopback
 
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = ("/health",)           # answered without the key and the limits: a load balancer's probe
@@ -29,6 +38,9 @@ class Gate:
         self.app, self.options, self.metrics = app, options, metrics
         self.api_key = options.api_key.encode() if options.api_key else None
         self.handling = 0           # requests past the gate, /health excepted
+        bound = options.host.lower().strip("[]")
+        # None: any Host (an API key guards the server instead)
+        self.hosts = None if self.api_key is not None else {"localhost", bound, *options.allowed_hosts}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -80,20 +92,37 @@ class Gate:
                 seen += len((await receive()).get("body", b""))
 
     def refusal(self, scope, path: str) -> APIError | None:
+        headers = dict(scope["headers"])        # the last of a repeated name, as starlette reads it
+        if self.hosts is not None:
+            host = headers.get(b"host", headers.get(b":authority"))
+            if host is not None and not self.known_host(host):
+                return APIError(421, f"Host {host.decode('latin-1')[:100]!r} does not name this server; without an "
+                                     f"API key only its address, localhost and --http-allowed-host names are "
+                                     f"answered", code="misdirected_request")
         if path in OPEN_PATHS:
             return None
         if self.api_key is not None:
-            offered = b""
-            for name, value in scope["headers"]:
-                if name == b"authorization":
-                    offered = value
-            scheme, _, key = offered.partition(b" ")
+            scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(key.strip(), self.api_key):
                 return APIError(401, "missing or wrong API key (send 'Authorization: Bearer KEY')",
                                 "authentication_error", code="invalid_api_key")
+        if scope["method"] == "POST":
+            media_type = headers.get(b"content-type", b"").partition(b";")[0].strip().lower()
+            if media_type != b"application/json":
+                return APIError(415, f"Content-Type must be application/json, got "
+                                     f"{media_type.decode('latin-1')[:100]!r}", code="unsupported_media_type")
+        elif headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers:
+            return APIError(413, f"{scope['method']} {path} takes no request body", code="request_too_large")
         limit = self.options.max_concurrent
         if self.handling >= limit:
             return APIError(503, f"{self.handling} HTTP requests are being handled, the limit "
                                  f"(--http-max-concurrent {limit}); retry later", "server_error",
                             code="server_overloaded", retry_after_s=RETRY_AFTER_S)
         return None
+
+    def known_host(self, host: bytes) -> bool:
+        """Whether a Host header (name or address, with or without a port) names this server."""
+        text = host.decode("latin-1").strip().lower()
+        name = text[1:text.find("]")] if text.startswith("[") else text.rpartition(":")[0] if ":" in text else text
+        name = name.rstrip(".")
+        return name in self.hosts or is_loopback(name)

@@ -40,6 +40,7 @@ class HttpServer:
         config.errorlog = None                  # the daemon logs its own lines
         config.graceful_timeout = GRACEFUL_TIMEOUT_S
         config.h11_max_incomplete_size = 64 * 1024
+        config.keep_alive_timeout = options.header_timeout_s      # idle, or headers still arriving
         try:
             sockets = config.create_sockets()
             for sock in sockets.insecure_sockets:      # listening before the line that says so is logged
