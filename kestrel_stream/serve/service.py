@@ -24,6 +24,7 @@ import numpy as np
 from scheduler.batcher import StepBatcher
 
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
+from kestrel_stream.serve.prefix_scopes import PrefixScopes
 from kestrel_stream.serve.decode_steps import DecodeSteps
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
@@ -64,6 +65,7 @@ class Service:
         self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0,
                          "decode_step_s": 0.0}         # engine time of those steps, on the step thread
         self.decode_steps = DecodeSteps(engine, self.counters, batcher)
+        self.prefix_scopes = PrefixScopes(engine)
         self.steps = StepThread(batcher, self.decode_steps.run, inline_max_s)
         self.connections: set[int] = set()
         self.draining = False
@@ -139,7 +141,7 @@ class Service:
             # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread is
             # making; it is registered below, with no await between, so the client's cleanup closes it.
             with anyio.CancelScope(shield=True):
-                session = await self.steps.run(self.engine.new_session, length)
+                session = await self.steps.run(self.prefix_scopes.new_session, length)
         except CapacityError:
             self.held_sessions -= 1
             raise
@@ -158,16 +160,17 @@ class Service:
         fields, out = job.result
         return {"position": job.position, **fields}, out
 
-    async def prefill_cached(self, session: Session, ids: np.ndarray, want: str, k: int) -> PrefillJob:
+    async def prefill_cached(self, session: Session, ids: np.ndarray, want: str, k: int,
+                             scope: str | None = None) -> PrefillJob:
         """self.prefill through the engine's prefix cache when only the last row is wanted: a fresh
         session adopts the cached prefix of the prompt, the batcher computes the rest, and the
-        prompt's full blocks are cached after it."""
-        cache = self.engine.prefix_cache
-        if cache is None or want == "logits":
+        prompt's full blocks are cached after it.  scope: a request's own cache (serve/prefix_scopes.py;
+        None: the shared one)."""
+        if self.engine.prefix_cache is None or want == "logits":
             return await self.prefill(session, ids, want, k)
-        reused = await self.steps.run(cache.adopt, session, ids)
+        reused = await self.steps.run(self.prefix_scopes.adopt, scope, session, ids)
         job = await self.prefill(session, ids[reused:], want, k)
-        await self.steps.run(cache.store, session, ids)
+        await self.steps.run(self.prefix_scopes.store, scope, session, ids)
         return job
 
     async def op_decode(self, conn, header, arrays):
@@ -315,9 +318,7 @@ class Service:
             "residency": self.residency,
             "counters": executor.counters.as_dict(),
             "kv": executor.kv_stats(),
-            "prefix_cache": {} if engine.prefix_cache is None else dict(
-                engine.prefix_cache.stats, cached_positions=engine.prefix_cache.cached_positions,
-                budget_positions=engine.prefix_cache.budget_positions),
+            "prefix_cache": self.prefix_scopes.stats(),
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
             **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,

@@ -26,6 +26,7 @@ from kestrel_stream.serve.http.options import HttpOptions
 from kestrel_stream.serve.http.prepare import Preparer
 from kestrel_stream.serve.http.slots import GenerationSlots
 from kestrel_stream.serve.http.responses import DONE, Shape, sse
+from kestrel_stream.serve.prefix_scopes import scope_name
 from kestrel_stream.serve.protocol import UnavailableError
 
 
@@ -41,10 +42,10 @@ class Gone(Response):
 
 class API:
     def __init__(self, service, model_name: str, max_body_bytes: int, body_timeout_s: float, metrics: Metrics,
-                 slots: GenerationSlots):
+                 slots: GenerationSlots, key_scope: str | None = None):
         self.service, self.model_name, self.max_body_bytes = service, model_name, max_body_bytes
         self.body_timeout_s, self.metrics, self.slots = body_timeout_s, metrics, slots
-        self.preparer = Preparer(service, model_name, max_body_bytes)
+        self.preparer = Preparer(service, model_name, max_body_bytes, key_scope)
 
     async def body(self, request: Request) -> bytearray:
         declared = request.headers.get("content-length")
@@ -181,8 +182,10 @@ async def wrong_method(request: Request, exc) -> Response:
 def build_app(service, options: HttpOptions):
     """The ASGI app: starlette routes behind the Gate (and CORS where --http-cors-origin asks for it)."""
     metrics = Metrics(service)
+    # one API key today, so its scope is the same for every HTTP request: apart from the socket clients'
+    key_scope = scope_name("key", options.api_key or "") if options.prefix_scope == "key" else None
     api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics,
-              GenerationSlots(options.max_requests))
+              GenerationSlots(options.max_requests), key_scope)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),

@@ -22,6 +22,7 @@ DEFAULT_MAX_CONCURRENT = 256        # as --max-connections of the socket transpo
 DEFAULT_BODY_TIMEOUT_S = 30.0
 DEFAULT_HEADER_TIMEOUT_S = 5.0      # hypercorn's keep-alive timeout, which is also the headers' time
 MAX_COUNT = 1 << 20
+PREFIX_SCOPES = ("shared", "key")
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class HttpOptions:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a connection without a whole request's headers this long
     allowed_hosts: tuple[str, ...] = ()     # Host names accepted besides the bound address and loopback's
     cors_origins: tuple[str, ...] = ()      # origins a browser may call the API from (none: CORS off)
+    prefix_scope: str = "shared"            # "key": HTTP requests reuse only prefixes cached under their API key
 
 
 def add_http_args(p) -> None:
@@ -60,6 +62,10 @@ def add_http_args(p) -> None:
     p.add_argument("--http-allowed-host", action="append", default=[], metavar="NAME",
                    help="without an API key, a Host name accepted besides the bound address, localhost, 127.0.0.1 "
                         "and ::1 (others get 421); repeatable")
+    p.add_argument("--prefix-cache-scope", choices=PREFIX_SCOPES, default="shared",
+                   help="shared: every client reuses every cached prompt prefix; key: HTTP requests reuse only "
+                        "prefixes cached by requests with their API key (socket clients keep theirs apart); a "
+                        "request's cache_salt narrows either to requests with the same salt")
     p.add_argument("--http-cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="an origin (scheme://host[:port]) whose web pages may call the API; repeatable "
                         "(default: none, CORS off)")
@@ -109,7 +115,8 @@ def http_options(args) -> HttpOptions | None:
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name or str(args.model)
     return HttpOptions(host, int(port), key, max_requests, args.http_max_body_kb << 10, name,
                        args.http_max_concurrent, args.http_body_timeout_s, args.http_header_timeout_s,
-                       tuple(n.lower() for n in args.http_allowed_host), tuple(args.http_cors_origin))
+                       tuple(n.lower() for n in args.http_allowed_host), tuple(args.http_cors_origin),
+                       args.prefix_cache_scope)
 
 
 def read_api_key(args) -> str | None:

@@ -25,8 +25,10 @@ LARGE_BODY_BYTES = 256 << 10        # from here a body is parsed walking its lis
 
 
 class Preparer:
-    def __init__(self, service, model_name: str, max_body_bytes: int):
+    def __init__(self, service, model_name: str, max_body_bytes: int, key_scope: str | None = None):
+        """key_scope: the prefix cache scope of HTTP requests (--prefix-cache-scope key), None: shared."""
         self.service, self.model_name, self.max_body_bytes = service, model_name, max_body_bytes
+        self.key_scope = key_scope
         self.large_bodies = anyio.CapacityLimiter(1)
         self.bounds: PromptBounds | None = None         # once the tokenizer is built
 
@@ -67,7 +69,7 @@ class Preparer:
             raise APIError(404, f"model {model!r:.80} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")
         del body
-        return HttpGeneration(self.service, parsed)
+        return HttpGeneration(self.service, parsed, self.key_scope)
 
     def prompt_bounds(self) -> PromptBounds:
         if self.bounds is None:         # races are harmless: every thread computes the same value

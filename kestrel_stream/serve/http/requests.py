@@ -19,13 +19,15 @@ from kestrel_stream.serve.http.errors import APIError, bad_param
 from kestrel_stream.text.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4                # OpenAI's limit
+MAX_CACHE_SALT_CHARS = 256
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 KNOWN_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                 "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "n", "user",
-                "logit_bias", "ignore_eos"}           # top_k, min_p, repeat_penalty, ignore_eos: as llama-server
+                "logit_bias", "ignore_eos", "cache_salt"}   # top_k, min_p, repeat_penalty, ignore_eos: as llama-server;
+                                                        # cache_salt: as vLLM
 KNOWN_COMPLETIONS = KNOWN_COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 KNOWN_CHAT = KNOWN_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -59,6 +61,7 @@ class TextRequest:
     include_usage: bool                     # stream_options.include_usage: a last chunk with usage
     logprobs: int | None                    # None: none; else how many alternatives per token (0..)
     ignore_eos: bool = False                # generate max_tokens whatever the model says (benchmarks)
+    cache_salt: str | None = None           # reuse only prefixes cached by requests with the same salt
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -138,8 +141,12 @@ def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad_param("ignore_eos", f"expected a boolean, got {ignore_eos!r}", "invalid_type")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise bad_param("cache_salt", f"expected a string of 1..{MAX_CACHE_SALT_CHARS} characters, got "
+                                      f"{salt!r:.80}", "invalid_type")
     return TextRequest(chat, prompt, max_tokens, params, stop_strings(body), stream,
-                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos)
+                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos, salt)
 
 
 def logprobs_of(body: dict, chat: bool) -> int | None:
