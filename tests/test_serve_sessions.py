@@ -9,6 +9,7 @@ import socket
 import struct
 import time
 
+import numpy as np
 import pytest
 from daemon_helpers import raw_connect, read_frame
 from http_helpers import chat_model
@@ -119,3 +120,33 @@ def test_max_sessions_holds_against_racing_opens(server):
     assert server.settled_sessions() == 0
     with ks.Client(str(server.socket_path)) as client, client.new_session():
         assert client.stats()["sessions"] == 1
+
+
+def test_socket_clients_closing_during_long_prefills_stop_their_work(server):
+    """Eight clients send a 2,000-token prompt each (64 steps of 256 tokens in all) and close their sockets: their
+    prompts stop being computed and their sessions are freed after a few steps, not when the prompts would have
+    ended; a client that only shuts its writing side still gets its answer."""
+    ids = np.arange(1, 2001, dtype=np.int64) % 250 + 1
+    clients = []
+    for _ in range(8):
+        sock = raw_connect(str(server.socket_path))
+        sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+        session = read_frame(sock).header["session"]
+        sock.sendall(wire.encode_frame({"op": "prefill", "id": 2, "session": session, "want": "logits"},
+                                       {"ids": ids}))
+        clients.append(sock)
+    time.sleep(0.1)
+    steps_at_close = server.service.stats()["steps"]
+    for sock in clients:
+        leave(sock, reset=False)
+    assert server.settled_sessions(timeout_s=30) == 0
+    steps_after = server.service.stats()["steps"] - steps_at_close
+    assert steps_after <= 16, f"{steps_after} steps ran for clients that had left (their prompts needed 64)"
+    assert server.service.stats()["queue_depth"] == 0
+    with raw_connect(str(server.socket_path)) as sock:
+        sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+        session = read_frame(sock).header["session"]
+        sock.sendall(wire.encode_frame({"op": "prefill", "id": 2, "session": session, "want": "token"},
+                                       {"ids": ids[:50]}))
+        sock.shutdown(socket.SHUT_WR)
+        assert read_frame(sock).header["ok"]
