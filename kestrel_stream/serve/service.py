@@ -14,7 +14,9 @@ never its batch.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from typing import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +26,7 @@ import numpy as np
 from scheduler.batcher import StepBatcher
 
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
+from kestrel_stream.serve.memory import release_freed_memory
 from kestrel_stream.serve.prefix_scopes import PrefixScopes
 from kestrel_stream.serve.decode_steps import DecodeSteps
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
@@ -33,6 +36,7 @@ from kestrel_stream.serve.protocol import Frame, ProtocolError, ShuttingDownErro
 from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S, StepThread
 
 WANTS = ("logits", "last", "token", "topk")
+TRIM_INTERVAL_S = 1.0       # while sessions stay open, freed memory is given back at most this often
 
 @dataclass
 class Connection:
@@ -77,6 +81,8 @@ class Service:
         # Sessions reserved by an open still on the step thread, plus those open: --max-sessions counts this,
         # taken before the open's first await, so opens racing each other cannot pass the limit together.
         self.held_sessions = 0
+        self.trimmed_at = 0.0                   # when freed memory was last given back (monotonic s)
+        self.idle_trim: asyncio.TimerHandle | None = None
 
     @property
     def inflight(self) -> int:
@@ -291,6 +297,23 @@ class Service:
                 await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
             finally:
                 self.held_sessions -= len(sessions)
+        if sessions:
+            self.trim_soon()
+
+    def trim_soon(self) -> None:
+        """Loop: give freed pages back to the system, off the loop: at most every TRIM_INTERVAL_S while sessions
+        are open, and TRIM_INTERVAL_S after the last one closed (once its request's objects are gone too)."""
+        loop, now = asyncio.get_running_loop(), time.monotonic()
+        if now - self.trimmed_at >= TRIM_INTERVAL_S:
+            self.trimmed_at = now
+            loop.run_in_executor(None, release_freed_memory)
+        if self.held_sessions == 0 and self.idle_trim is None:
+            def trim_when_idle() -> None:
+                self.idle_trim = None
+                if self.held_sessions == 0:
+                    self.trimmed_at = time.monotonic()
+                    loop.run_in_executor(None, release_freed_memory)
+            self.idle_trim = loop.call_later(TRIM_INTERVAL_S, trim_when_idle)
 
     async def client_left(self, conn: Connection) -> None:
         """Its trace, if one records, is stopped and written."""

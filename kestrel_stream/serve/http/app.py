@@ -80,6 +80,7 @@ class API:
             generation = await self.preparer.generation(await self.body(request), chat)
             self.slots.take()           # only now: a body still arriving, or a bad one, holds no generation slot
         except APIError as e:
+            self.service.trim_soon()    # what a refused body held (up to --http-max-body-kb) goes back
             return e.response()
         except UnavailableError as e:
             return APIError(500, str(e), type_="server_error", code="tokenizer_unavailable").response()
