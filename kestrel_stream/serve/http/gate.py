@@ -92,7 +92,7 @@ class Gate:
                 seen += len((await receive()).get("body", b""))
 
     def refusal(self, scope, path: str) -> APIError | None:
-        headers = dict(scope["headers"])        # the last of a repeated name, as starlette reads it
+        headers = dict(scope["headers"])        # a repeated name: its last value
         if self.hosts is not None:
             host = headers.get(b"host", headers.get(b":authority"))
             if host is not None and not self.known_host(host):
