@@ -7,6 +7,7 @@ import json
 import random
 import socket
 import struct
+import threading
 import time
 
 import numpy as np
@@ -150,3 +151,41 @@ def test_socket_clients_closing_during_long_prefills_stop_their_work(server):
                                        {"ids": ids[:50]}))
         sock.shutdown(socket.SHUT_WR)
         assert read_frame(sock).header["ok"]
+
+
+def test_max_sessions_holds_against_http_and_socket_opens_together(server):
+    """Socket opens and HTTP generations racing for the same --max-sessions: the engine never holds more, sampled
+    throughout; every HTTP request is answered whole or refused with 429 naming the flag."""
+    peak, racing = [0], threading.Event()
+    racing.set()
+
+    def sample() -> None:
+        while racing.is_set():
+            peak[0] = max(peak[0], server.sessions())
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    statuses: list = []
+
+    def generate(i: int) -> None:
+        with server.connect_http() as sock:
+            sock.sendall(http_request("POST", "/v1/completions", completion_body(i, max_tokens=16)))
+            status, body = http_answer(sock)
+        statuses.append((status, body))
+    clients = [raw_connect(str(server.socket_path)) for _ in range(2 * MAX_SESSIONS)]
+    try:
+        senders = [threading.Thread(target=generate, args=(i,)) for i in range(MAX_SESSIONS)]
+        for t in senders:
+            t.start()
+        for sock in clients:
+            sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+        opened = sum(read_frame(sock).header["ok"] for sock in clients)
+        for t in senders:
+            t.join(60)
+    finally:
+        racing.clear()
+        sampler.join()
+        for sock in clients:
+            sock.close()
+    assert peak[0] <= MAX_SESSIONS and opened <= MAX_SESSIONS
+    assert all(status == 200 or (status == 429 and b"--max-sessions" in body) for status, body in statuses), statuses
+    assert server.settled_sessions() == 0
