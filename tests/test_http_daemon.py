@@ -112,7 +112,7 @@ def test_key_file_concurrency_limit_and_shutdown_mid_stream(model, tmp_path):
 def trickle(host: str, port: int) -> socket.socket:
     """A request whose headers arrived and whose body never ends."""
     slow = socket.create_connection((host, port), timeout=30)
-    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                  b"Content-Length: 100\r\n\r\n{\"model\": ")
     return slow
 

@@ -70,3 +70,47 @@ def test_metrics_name_the_daemon_stats_window_kv_pool_and_prefix_counters_includ
     assert values["kestrel_decode_step_seconds_total"] == 0.5 and values["kestrel_mean_batch"] == 4.0
     assert values["kestrel_kv_blocks_used"] == 5 and values["kestrel_kv_blocks_max"] == 100
     assert values["kestrel_prefix_hits_total"] == 4 and values["kestrel_prefix_reused_tokens_total"] == 640
+
+
+@pytest.mark.parametrize("field, value", [("user", 5), ("user", ["a"]), ("stream_options", 0),
+                                          ("stream_options", []), ("stream_options", {"include_usage": "yes"}),
+                                          ("stream_options", {"other": True}), ("echo", 0), ("echo", "no")])
+def test_user_stream_options_and_echo_are_type_checked(field, value):
+    with pytest.raises(APIError) as e:
+        parse_request({"model": "m", "prompt": "x", field: value}, chat=False, vocab_size=256)
+    assert e.value.status == 400 and e.value.param == field and e.value.code == "invalid_type"
+    ok = parse_request({"model": "m", "prompt": "x", "user": "u", "echo": False,
+                        "stream_options": {"include_usage": True}}, chat=False, vocab_size=256)
+    assert ok.include_usage
+
+
+def test_the_idle_timeout_is_on_by_default():
+    from kestrel_stream.cli.main import build_parser
+    from kestrel_stream.serve.limits import limits_from_args
+    args = build_parser().parse_args(["serve", "--model", "m"])
+    assert limits_from_args(args).idle_timeout_s == 600
+
+
+def test_prefix_counters_in_metrics_move_a_minute_at_a_time():
+    """A scrape right after a request does not tell whether it reused a cached prefix."""
+    from types import SimpleNamespace
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kestrel_stream.serve.http.metrics import PREFIX_WINDOW_S, Metrics
+    prefix = {"prefix_hits": 1, "prefix_misses": 0, "prefix_reused_tokens": 32}
+    stats = {"requests": 0, "errors": 0, "decode_steps": 0, "decode_step_s": 0.0, "sessions": 0, "max_sessions": 1,
+             "prefix_cache": prefix}
+    now = [100.0]
+    metrics = Metrics(SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(sessions={})), clock=lambda: now[0])
+
+    def reused() -> float:
+        body = metrics.exposition()[0].decode()
+        return {s.name: s.value for f in text_string_to_metric_families(body) for s in f.samples}[
+            "kestrel_prefix_reused_tokens_total"]
+    assert reused() == 32
+    prefix.update(prefix_hits=2, prefix_reused_tokens=64)      # another request reused 32 positions
+    now[0] += 1.0
+    assert reused() == 32
+    now[0] += PREFIX_WINDOW_S
+    assert reused() == 64

@@ -58,3 +58,34 @@ def test_parse_prefix_takes_the_smaller_limits_of_a_connection_before_hello():
     assert caught.value.fatal
     frame = wire.encode_frame({"op": "prefill"}, {"ids": np.zeros(4, np.int64)})
     assert wire.parse_prefix(frame[:wire.PREFIX_BYTES], 4096, 4096)[1] == 32
+
+
+WALKED_SAME = ['{"a":[1,2,{"b":[3,{"c":"x"}]}],"d":"\\u00e9","e":{}}', "[]", ' {"a" : [ ] , "b":[ 1 , 2 ] } ', '"s"',
+               '"a\\nb\\"c\\\\d\\/e\\u00e9\\ud83d\\ude00f"', "[null, false, true, -1.5e3, 0]",
+               json.dumps({"messages": [{"role": "user", "content": "y" * 200_000 + "\n" + "z" * 70_000}]})]
+
+
+@pytest.mark.parametrize("text", WALKED_SAME)
+def test_walked_parse_equals_json(text):
+    from kestrel_stream.wire.json_limits import load_walked
+    assert load_walked(text, 1 << 20) == json.loads(text)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[" * (MAX_DEPTH + 1) + "]" * (MAX_DEPTH + 1), "nesting"), ('{"a":' + "1" * 50 + "}", "a number of"),
+    ('{"\\ud800":1}', "lone surrogate"), ('"\\ud83dx"', "lone surrogate"), ('{"a":NaN}', "NaN"),
+    ('{"a":1,}', "property name"), ("[1 2]", "expecting ','"), ('"ab', "unterminated"), ('"a\tb"', "control"),
+    ('"\\x"', "invalid escape"), ("[1]  x", "extra data"), ("  ", "not JSON"),
+])
+def test_walked_parse_refuses_what_load_limited_refuses(text, message):
+    from kestrel_stream.wire.json_limits import load_walked
+    with pytest.raises(JSONLimitError, match=message):
+        load_walked(text, 1 << 20)
+
+
+def test_walked_parse_stops_at_the_first_item_past_the_limit_naming_the_key():
+    from kestrel_stream.wire.json_limits import load_walked
+    with pytest.raises(JSONLimitError) as caught:
+        load_walked(json.dumps({"model": "m", "messages": [{"role": "user"}] * 100}), 1 << 20, max_items=10)
+    assert caught.value.where == "messages" and "more than 10 items" in str(caught.value)
+    assert load_walked('{"prompt": [1, 2, 3]}', 100, max_items=3) == {"prompt": [1, 2, 3]}

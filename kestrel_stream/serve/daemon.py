@@ -201,13 +201,19 @@ class Daemon:
                                  "mode": self.engine.mode})
                 continue
             try:
-                answer = await self.service.handle(conn, frame)
+                with anyio.CancelScope() as request:
+                    peer.on_gone = request.cancel          # a client that closed its socket needs no answer
+                    answer = await self.service.handle(conn, frame)
             except KestrelError as e:
                 await self.refuse(peer, request_id, e)
                 continue
             except Exception as e:      # a bug must not take the other sessions down with it
                 await self.refuse(peer, request_id, DaemonError(f"{type(e).__name__}: {e}"))
                 continue
+            finally:
+                peer.on_gone = None
+            if request.cancelled_caught:
+                return                  # serve_admitted's cleanup frees the sessions and drops their queued work
             if type(answer) is not tuple:       # a decode the step thread answers
                 peer.pending = answer
                 continue

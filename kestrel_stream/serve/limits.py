@@ -16,7 +16,9 @@ class Limits:
     max_connections: int = 256              # open connections, authenticated or not
     max_unauthenticated: int = 32           # of those, connections that have not said hello yet
     hello_timeout_s: float = 10.0           # a new connection must say hello this fast
-    idle_timeout_s: float = 0.0             # an authenticated connection with no request this long ends (0: never)
+    # an authenticated connection with no request this long ends, its sessions freed (0: never); on by default so
+    # that clients that vanish without a FIN (a host gone, a NAT that forgot them) do not hold sessions for good
+    idle_timeout_s: float = 600.0
     max_frame_bytes: int = 16 << 20         # one request frame, once authenticated
     hello_frame_bytes: int = 4096           # one frame before hello (the hello itself is ~100 bytes)
     max_buffered_bytes: int = 64 << 20      # read ahead of one connection's coroutine before reading pauses
@@ -41,7 +43,8 @@ def add_limit_args(p) -> None:
     p.add_argument("--hello-timeout-s", type=float, default=d.hello_timeout_s,
                    help="a new connection that sends no hello this long is closed")
     p.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s,
-                   help="an authenticated connection that sends nothing this long is closed (0: never)")
+                   help="an authenticated connection that sends nothing this long is closed and its sessions freed "
+                        "(default 600; 0: never)")
     p.add_argument("--max-buffered-mb", type=int, default=d.max_buffered_bytes >> 20,
                    help="bytes read ahead of one connection before the daemon stops reading it")
     p.add_argument("--write-timeout-s", type=float, default=d.write_timeout_s,

@@ -12,6 +12,7 @@ and every answer goes out from the loop.
 from __future__ import annotations
 
 import asyncio
+import select
 import socket
 import threading
 import time
@@ -71,6 +72,9 @@ class Peer:
                                 # kept here, which would be a reference cycle through the peer)
         self.tasks: set[asyncio.Task] = set()
         self.pending = None                 # the DecodeJob the step thread answers; the next request waits for it
+        # Loop: called once the client has closed its socket (not merely shut its writing side; Unix sockets only):
+        # the request in flight is cancelled, so its work (a long prompt's chunks) stops and its sessions are freed
+        self.on_gone: Callable[[], None] | None = None
 
     # -- reading ---------------------------------------------------------------------
     def authenticate(self) -> None:
@@ -218,10 +222,10 @@ class SocketPeer(Peer):
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                self.end(anyio.BrokenResourceError(str(e)))
+                self.end(anyio.BrokenResourceError(str(e)), gone=True)
                 return
             if not received:
-                self.end(anyio.EndOfStream())
+                self.end(anyio.EndOfStream(), gone=self.hung_up())
                 return
             self.buffer += scratch[:received]
             self.last_active = time.monotonic()
@@ -280,11 +284,27 @@ class SocketPeer(Peer):
         with self.lock:
             self.end(anyio.BrokenResourceError(f"reading the connection failed: {type(error).__name__}: {error}"))
 
-    def end(self, why: BaseException) -> None:
+    def hung_up(self) -> bool:
+        """Reader thread, at the end of the bytes: whether the client closed its socket (POLLHUP), rather than
+        shut down only its writing side to wait for its answers."""
+        poller = select.poll()
+        poller.register(self.fd, select.POLLIN)
+        return any(events & select.POLLHUP for _, events in poller.poll(0))
+
+    def end(self, why: BaseException, gone: bool = False) -> None:
         """Holding lock."""
         self.ended = why
         self.pause_reading()
         self.wake_soon()
+        if gone:
+            try:
+                self.loop.call_soon_threadsafe(self.client_gone)
+            except RuntimeError:            # the loop is closed: the daemon has stopped
+                pass
+
+    def client_gone(self) -> None:
+        if self.on_gone is not None:
+            self.on_gone()
 
     def wake_soon(self) -> None:
         try:

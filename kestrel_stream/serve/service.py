@@ -14,7 +14,9 @@ never its batch.
 """
 from __future__ import annotations
 
+import asyncio
 import threading
+import time
 from typing import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -24,6 +26,8 @@ import numpy as np
 from scheduler.batcher import StepBatcher
 
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
+from kestrel_stream.serve.memory import release_freed_memory
+from kestrel_stream.serve.prefix_scopes import PrefixScopes
 from kestrel_stream.serve.decode_steps import DecodeSteps
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
@@ -32,6 +36,7 @@ from kestrel_stream.wire.protocol import Frame, ProtocolError, ShuttingDownError
 from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S, StepThread
 
 WANTS = ("logits", "last", "token", "topk")
+TRIM_INTERVAL_S = 1.0       # while sessions stay open, freed memory is given back at most this often
 
 @dataclass
 class Connection:
@@ -64,6 +69,7 @@ class Service:
         self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0,
                          "decode_step_s": 0.0}         # engine time of those steps, on the step thread
         self.decode_steps = DecodeSteps(engine, self.counters, batcher)
+        self.prefix_scopes = PrefixScopes(engine)
         self.steps = StepThread(batcher, self.decode_steps.run, inline_max_s)
         self.connections: set[int] = set()
         self.draining = False
@@ -72,6 +78,11 @@ class Service:
         self.queued_at_once = 0                 # of those, the ones the reader thread queued (only it counts)
         self.stats_at_once_count = 0            # stats requests the reader thread answered (only it counts)
         self.admit = threading.Lock()           # the reader thread's decodes against the start of a shutdown
+        # Sessions reserved by an open still on the step thread, plus those open: --max-sessions counts this,
+        # taken before the open's first await, so opens racing each other cannot pass the limit together.
+        self.held_sessions = 0
+        self.trimmed_at = 0.0                   # when freed memory was last given back (monotonic s)
+        self.idle_trim: asyncio.TimerHandle | None = None
 
     @property
     def inflight(self) -> int:
@@ -125,17 +136,23 @@ class Service:
         length = header.get("max_seq_len")
         if length is not None:
             length = field_int(header, "max_seq_len", "open", 1, 2**31)     # the engine checks its own limit
-        if len(self.engine.sessions) >= self.max_sessions:
-            raise CapacityError(f"open: the daemon already holds {len(self.engine.sessions)} sessions "
+        if self.held_sessions >= self.max_sessions:
+            raise CapacityError(f"open: the daemon already holds {self.held_sessions} sessions "
                                 f"(--max-sessions {self.max_sessions})")
         if len(conn.sessions) >= self.sessions_per_client:
             raise CapacityError(f"open: this client already holds {len(conn.sessions)} sessions "
                                 f"(--max-sessions-per-client {self.sessions_per_client})")
+        self.held_sessions += 1
         try:
-            session = await self.steps.run(self.engine.new_session, length)
+            # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread is
+            # making; it is registered below, with no await between, so the client's cleanup closes it.
+            with anyio.CancelScope(shield=True):
+                session = await self.steps.run(self.prefix_scopes.new_session, length)
         except CapacityError:
+            self.held_sessions -= 1
             raise
         except Exception as e:          # e.g. the device arena has no room for one more KV cache
+            self.held_sessions -= 1
             raise CapacityError(f"open: the engine could not allocate a session ({type(e).__name__}: {e})") from e
         conn.sessions[session.id] = session
         return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
@@ -149,16 +166,17 @@ class Service:
         fields, out = job.result
         return {"position": job.position, **fields}, out
 
-    async def prefill_cached(self, session: Session, ids: np.ndarray, want: str, k: int) -> PrefillJob:
+    async def prefill_cached(self, session: Session, ids: np.ndarray, want: str, k: int,
+                             scope: str | None = None) -> PrefillJob:
         """self.prefill through the engine's prefix cache when only the last row is wanted: a fresh
         session adopts the cached prefix of the prompt, the batcher computes the rest, and the
-        prompt's full blocks are cached after it."""
-        cache = self.engine.prefix_cache
-        if cache is None or want == "logits":
+        prompt's full blocks are cached after it.  scope: a request's own cache (serve/prefix_scopes.py;
+        None: the shared one)."""
+        if self.engine.prefix_cache is None or want == "logits":
             return await self.prefill(session, ids, want, k)
-        reused = await self.steps.run(cache.adopt, session, ids)
+        reused = await self.steps.run(self.prefix_scopes.adopt, scope, session, ids)
         job = await self.prefill(session, ids[reused:], want, k)
-        await self.steps.run(cache.store, session, ids)
+        await self.steps.run(self.prefix_scopes.store, scope, session, ids)
         return job
 
     async def op_decode(self, conn, header, arrays):
@@ -275,7 +293,27 @@ class Service:
     async def close_sessions(self, conn: Connection, session_ids) -> None:
         sessions = [conn.sessions.pop(sid) for sid in list(session_ids)]
         with anyio.CancelScope(shield=True):
-            await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
+            try:
+                await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
+            finally:
+                self.held_sessions -= len(sessions)
+        if sessions:
+            self.trim_soon()
+
+    def trim_soon(self) -> None:
+        """Loop: give freed pages back to the system, off the loop: at most every TRIM_INTERVAL_S while sessions
+        are open, and TRIM_INTERVAL_S after the last one closed (once its request's objects are gone too)."""
+        loop, now = asyncio.get_running_loop(), time.monotonic()
+        if now - self.trimmed_at >= TRIM_INTERVAL_S:
+            self.trimmed_at = now
+            loop.run_in_executor(None, release_freed_memory)
+        if self.held_sessions == 0 and self.idle_trim is None:
+            def trim_when_idle() -> None:
+                self.idle_trim = None
+                if self.held_sessions == 0:
+                    self.trimmed_at = time.monotonic()
+                    loop.run_in_executor(None, release_freed_memory)
+            self.idle_trim = loop.call_later(TRIM_INTERVAL_S, trim_when_idle)
 
     async def client_left(self, conn: Connection) -> None:
         """Its trace, if one records, is stopped and written."""
@@ -303,9 +341,7 @@ class Service:
             "residency": self.residency,
             "counters": executor.counters.as_dict(),
             "kv": executor.kv_stats(),
-            "prefix_cache": {} if engine.prefix_cache is None else dict(
-                engine.prefix_cache.stats, cached_positions=engine.prefix_cache.cached_positions,
-                budget_positions=engine.prefix_cache.budget_positions),
+            "prefix_cache": self.prefix_scopes.stats(),
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
             **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,

@@ -2,9 +2,10 @@
 page at / (chat.html beside this file: one static page that talks to /v1/chat/completions).
 
 Every request passes serve/http/gate.py's ``Gate`` first (the key, the
-concurrency limits, the status counts).  Bodies are read up to a byte limit
-and a time limit and parsed with wire/json_limits.py; every refusal is
-OpenAI's error shape.
+concurrency limit, the status counts).  A generation's body is read up to a
+byte limit and a time limit, then parsed (wire/json_limits.py), checked and tokenized off the event
+loop (serve/http/prepare.py); only then does it take a generation slot
+(serve/http/slots.py).  Every refusal is OpenAI's error shape.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from importlib import resources
 
 import anyio
 from starlette.applications import Starlette
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -23,9 +25,10 @@ from kestrel_stream.serve.http.gate import CLIENT_LEFT, Gate
 from kestrel_stream.serve.http.generate import HttpGeneration
 from kestrel_stream.serve.http.metrics import Metrics
 from kestrel_stream.serve.http.options import HttpOptions
-from kestrel_stream.serve.http.requests import parse_request
+from kestrel_stream.serve.http.prepare import Preparer
+from kestrel_stream.serve.http.slots import GenerationSlots
 from kestrel_stream.serve.http.responses import DONE, Shape, sse
-from kestrel_stream.wire.json_limits import JSONLimitError, load_limited
+from kestrel_stream.serve.prefix_scopes import scope_name
 from kestrel_stream.wire.protocol import UnavailableError
 
 
@@ -40,11 +43,13 @@ class Gone(Response):
 
 
 class API:
-    def __init__(self, service, model_name: str, max_body_bytes: int, body_timeout_s: float, metrics: Metrics):
+    def __init__(self, service, model_name: str, max_body_bytes: int, body_timeout_s: float, metrics: Metrics,
+                 slots: GenerationSlots, key_scope: str | None = None):
         self.service, self.model_name, self.max_body_bytes = service, model_name, max_body_bytes
-        self.body_timeout_s, self.metrics = body_timeout_s, metrics
+        self.body_timeout_s, self.metrics, self.slots = body_timeout_s, metrics, slots
+        self.preparer = Preparer(service, model_name, max_body_bytes, key_scope)
 
-    async def body(self, request: Request):
+    async def body(self, request: Request) -> bytearray:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self.too_large()
@@ -60,10 +65,7 @@ class API:
         except TimeoutError:
             raise APIError(408, f"the request body did not arrive whole within {self.body_timeout_s:g} s "
                                 f"(--http-body-timeout-s)", code="request_timeout") from None
-        try:
-            return load_limited(data.decode("utf-8"), max_chars=self.max_body_bytes)
-        except (UnicodeDecodeError, JSONLimitError) as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+        return data
 
     def too_large(self) -> APIError:
         return APIError(413, f"the request body is over {self.max_body_bytes} bytes (--http-max-body-kb)",
@@ -77,24 +79,27 @@ class API:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         try:
-            body = await self.body(request)
-            parsed = parse_request(body, chat, self.service.vocab_size)
-            model = body.get("model")
-            if not isinstance(model, str) or model != self.model_name:
-                raise APIError(404, f"model {model!r} does not exist; this server has {self.model_name!r}",
-                               param="model", code="model_not_found")
-            await self.service.tokenizer()      # built in the background after the load: may still be running
-            generation = HttpGeneration(self.service, parsed)
+            generation = await self.preparer.generation(await self.body(request), chat)
+            self.slots.take()           # only now: a body still arriving, or a bad one, holds no generation slot
         except APIError as e:
+            self.service.trim_soon()    # what a refused body held (up to --http-max-body-kb) goes back
             return e.response()
         except UnavailableError as e:
             return APIError(500, str(e), type_="server_error", code="tokenizer_unavailable").response()
+        try:
+            response = await self.answer(generation, chat, request.receive)
+        except BaseException:
+            self.slots.give_back()
+            raise
+        return self.slots.holding(response)
+
+    async def answer(self, generation: HttpGeneration, chat: bool, receive) -> Response:
         shape = Shape(chat, self.model_name, generation)
         self.metrics.prompt_tokens.inc(generation.prompt_tokens)
-        if parsed.stream:
+        if generation.request.stream:
             return StreamingResponse(self.stream(generation, shape), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        outs = await self.collect(generation, request.receive)
+        outs = await self.collect(generation, receive)
         if outs is None:
             return Gone()
         if isinstance(outs, APIError):
@@ -188,9 +193,12 @@ async def wrong_method(request: Request, exc) -> Response:
 
 
 def build_app(service, options: HttpOptions):
-    """The ASGI app: starlette routes behind the Gate."""
+    """The ASGI app: starlette routes behind the Gate (and CORS where --http-cors-origin asks for it)."""
     metrics = Metrics(service)
-    api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics)
+    # one API key today, so its scope is the same for every HTTP request: apart from the socket clients'
+    key_scope = scope_name("key", options.api_key or "") if options.prefix_scope == "key" else None
+    api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics,
+              GenerationSlots(options.max_requests), key_scope)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),
@@ -198,4 +206,10 @@ def build_app(service, options: HttpOptions):
               Route("/metrics", api.prometheus, methods=["GET"]),
               Route("/", chat_page(), methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
-    return Gate(app, options, metrics)
+    app.router.redirect_slashes = False     # its redirect would build Location from the request's Host header
+    gate = Gate(app, options, metrics)
+    if not options.cors_origins:
+        return gate
+    # outside the Gate: a browser's preflight carries no key, and its answer gives nothing away
+    return CORSMiddleware(gate, allow_origins=list(options.cors_origins), allow_methods=["GET", "POST"],
+                          allow_headers=["Authorization", "Content-Type"])

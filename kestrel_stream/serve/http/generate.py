@@ -23,6 +23,7 @@ from kestrel_stream.errors import CapacityError, KestrelError
 from kestrel_stream.serve.decode_steps import DecodeJob
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.requests import TextRequest
+from kestrel_stream.serve.prefix_scopes import scope_name
 from kestrel_stream.serve.service import Connection
 from kestrel_stream.text.chat import ChatTemplateError
 from kestrel_stream.text.detok import IncrementalDecoder
@@ -42,9 +43,13 @@ class TokenOut:
 
 
 class HttpGeneration:
-    def __init__(self, service, request: TextRequest):
-        """Tokenizes and checks the room; APIError (400) before anything runs."""
+    def __init__(self, service, request: TextRequest, key_scope: str | None = None):
+        """Tokenizes and checks the room; APIError (400) before anything runs.  key_scope: the prefix cache scope
+        of the request's API key (--prefix-cache-scope key; None: shared), narrowed by its cache_salt."""
         self.service, self.request, engine = service, request, service.engine
+        self.prefix_scope = key_scope
+        if request.cache_salt is not None:
+            self.prefix_scope = scope_name("salt", f"{key_scope}\0{request.cache_salt}")
         tokenizer = self.tokenizer = engine.tokenizer
         if tokenizer is None and not (isinstance(request.prompt, list) and not request.chat):
             raise APIError(400, "the model has no tokenizer: give the prompt as token ids", param="prompt")
@@ -90,14 +95,15 @@ class HttpGeneration:
             raise APIError(503, "the daemon is shutting down", "server_error", code="shutting_down")
         conn = Connection(peer="http")
         try:
-            await service.op_open(conn, {"max_seq_len": len(self.ids) + self.max_tokens}, {})
-        except CapacityError as e:
-            raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
-        session = next(iter(conn.sessions.values()))
-        try:
+            try:
+                await service.op_open(conn, {"max_seq_len": len(self.ids) + self.max_tokens}, {})
+            except CapacityError as e:
+                raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
+            session = next(iter(conn.sessions.values()))
             # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier turns)
             # computes only the rest, as the socket clients' generate does
-            job = await service.prefill_cached(session, np.asarray(self.ids, np.int64), self.want, 1)
+            job = await service.prefill_cached(session, np.asarray(self.ids, np.int64), self.want, 1,
+                                               self.prefix_scope)
             while True:
                 out = self.account(job)
                 if self.first_token_s is None:
@@ -114,8 +120,9 @@ class HttpGeneration:
         except KestrelError as e:
             raise APIError(500, f"{type(e).__name__}: {e}", "server_error") from None
         finally:
-            with anyio.CancelScope(shield=True):        # a client gone mid-stream frees its session now
-                await service.close_sessions(conn, list(conn.sessions))
+            if conn.sessions:
+                with anyio.CancelScope(shield=True):    # a client gone mid-stream frees its session now
+                    await service.close_sessions(conn, list(conn.sessions))
         self.finish_reason = FINISH[self.stop.reason]
 
     def account(self, job) -> TokenOut:

@@ -6,17 +6,30 @@ to first token) are recorded as requests pass; the daemon's own figures
 blocks, window hits and misses, prefix cache hits) are read from
 Service.stats() at each scrape, so socket and HTTP clients are counted alike
 and nothing is added to the step thread's work.
+
+The prefix cache's counters are the exception: read at each scrape they
+would tell a client whether its last request reused a cached prefix, an
+answer about other clients' prompts.  They are published as they were at
+the start of the current PREFIX_WINDOW_S window, so one scrape shows a
+minute's reuse, not a request's.
 """
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+PREFIX_WINDOW_S = 60.0
+PREFIX_COUNTERS = (("prefix_hits", "prompts that reused a cached prefix"),
+                   ("prefix_misses", "prompts that found no cached prefix"),
+                   ("prefix_reused_tokens", "prompt tokens taken from the prefix cache instead of computed"))
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Metrics:
-    def __init__(self, service):
+    def __init__(self, service, clock=time.monotonic):
+        """clock: seconds, for the prefix counters' window."""
         self.registry = CollectorRegistry()
         self.requests = Counter("kestrel_http_requests", "HTTP requests by path and status",
                                 ["path", "status"], registry=self.registry)
@@ -26,7 +39,7 @@ class Metrics:
                                          registry=self.registry)
         self.ttft = Histogram("kestrel_http_time_to_first_token_seconds", "from the request's start to its "
                               "first token", buckets=TTFT_BUCKETS_S, registry=self.registry)
-        self.registry.register(DaemonCollector(service))
+        self.registry.register(DaemonCollector(service, clock))
 
     def exposition(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -35,8 +48,18 @@ class Metrics:
 class DaemonCollector:
     """The daemon's stats (both transports) as metric families, read at scrape time."""
 
-    def __init__(self, service):
-        self.service = service
+    def __init__(self, service, clock=time.monotonic):
+        self.service, self.clock = service, clock
+        self.prefix_published: dict = {}
+        self.prefix_published_at: float | None = None
+
+    def prefix_counters(self, current: dict) -> dict:
+        """The prefix counters as of the start of the current window."""
+        now = self.clock()
+        if self.prefix_published_at is None or now - self.prefix_published_at >= PREFIX_WINDOW_S:
+            self.prefix_published = {key: current[key] for key, _ in PREFIX_COUNTERS if key in current}
+            self.prefix_published_at = now
+        return self.prefix_published
 
     def collect(self):
         service = self.service
@@ -86,9 +109,7 @@ class DaemonCollector:
                          ("kv_blocks_max", "KV pool blocks in all"), ("kv_bytes_used", "KV pool bytes in use")):
             if key in kv:
                 yield gauge(f"kestrel_{key}", doc, kv[key])
-        prefix = stats.get("prefix_cache") or {}
-        for key, doc in (("prefix_hits", "prompts that reused a cached prefix"),
-                         ("prefix_misses", "prompts that found no cached prefix"),
-                         ("prefix_reused_tokens", "prompt tokens taken from the prefix cache instead of computed")):
+        prefix = self.prefix_counters(stats.get("prefix_cache") or {})
+        for key, doc in PREFIX_COUNTERS:
             if key in prefix:
-                yield counter(f"kestrel_{key}", doc, prefix[key])
+                yield counter(f"kestrel_{key}", f"{doc} (as of the start of the current minute)", prefix[key])

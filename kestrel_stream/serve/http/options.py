@@ -3,6 +3,9 @@ model loads (the style of serve/limits.py: parsed once, passed down as ``HttpOpt
 
 The API key is required for a bind beyond loopback; like the TCP token it is
 read from --api-key-file or $KESTREL_API_KEY rather than the command line.
+Without a key, requests must name this server in their Host header (the
+bound address, localhost, or a name of --http-allowed-host), so that a web
+page the user visits cannot reach the API through a DNS name it controls.
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ LOOPBACK_NAMES = ("localhost",)
 DEFAULT_MAX_BODY_KB = 4096
 DEFAULT_MAX_CONCURRENT = 256        # as --max-connections of the socket transports
 DEFAULT_BODY_TIMEOUT_S = 30.0
+DEFAULT_HEADER_TIMEOUT_S = 5.0      # hypercorn's keep-alive timeout, which is also the headers' time
 MAX_COUNT = 1 << 20
+PREFIX_SCOPES = ("shared", "key")
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,10 @@ class HttpOptions:
     model_name: str | None      # None: the model's directory or file name
     max_concurrent: int = DEFAULT_MAX_CONCURRENT    # requests being handled, any path; one more is answered 503
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S  # a request body must arrive whole this fast, else 408
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # a connection without a whole request's headers this long
+    allowed_hosts: tuple[str, ...] = ()     # Host names accepted besides the bound address and loopback's
+    cors_origins: tuple[str, ...] = ()      # origins a browser may call the API from (none: CORS off)
+    prefix_scope: str = "shared"            # "key": HTTP requests reuse only prefixes cached under their API key
 
 
 def add_http_args(p) -> None:
@@ -46,7 +55,20 @@ def add_http_args(p) -> None:
     p.add_argument("--http-body-timeout-s", type=float, default=DEFAULT_BODY_TIMEOUT_S,
                    help="a request body that has not arrived whole within this long gets 408")
     p.add_argument("--http-max-body-kb", type=int, default=DEFAULT_MAX_BODY_KB,
-                   help="largest HTTP request body; a larger one gets 413")
+                   help="largest HTTP request body of a generation; a larger one gets 413 (other routes take none)")
+    p.add_argument("--http-header-timeout-s", type=float, default=DEFAULT_HEADER_TIMEOUT_S,
+                   help="an HTTP connection whose request headers have not arrived whole within this long "
+                        "(an idle keep-alive connection too) is closed")
+    p.add_argument("--http-allowed-host", action="append", default=[], metavar="NAME",
+                   help="without an API key, a Host name accepted besides the bound address, localhost, 127.0.0.1 "
+                        "and ::1 (others get 421); repeatable")
+    p.add_argument("--prefix-cache-scope", choices=PREFIX_SCOPES, default="shared",
+                   help="shared: every client reuses every cached prompt prefix; key: HTTP requests reuse only "
+                        "prefixes cached by requests with their API key (socket clients keep theirs apart); a "
+                        "request's cache_salt narrows either to requests with the same salt")
+    p.add_argument("--http-cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="an origin (scheme://host[:port]) whose web pages may call the API; repeatable "
+                        "(default: none, CORS off)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id of /v1/models and the 'model' field requests must name "
                         "(default: the model path's last component)")
@@ -77,13 +99,24 @@ def http_options(args) -> HttpOptions | None:
     checks = (("--http-max-requests", max_requests, 1, MAX_COUNT),
               ("--http-max-concurrent", args.http_max_concurrent, 1, MAX_COUNT),
               ("--http-body-timeout-s", args.http_body_timeout_s, 0.001, 3600),
+              ("--http-header-timeout-s", args.http_header_timeout_s, 0.001, 3600),
               ("--http-max-body-kb", args.http_max_body_kb, 1, MAX_COUNT))
     for flag, value, low, high in checks:
         if not low <= value <= high:
             raise ValueError(f"{flag} must be in {low}..{high}, got {value}")
+    for origin in args.http_cors_origin:
+        scheme, sep, rest = origin.partition("://")
+        if scheme not in ("http", "https") or not sep or not rest or "/" in rest:
+            raise ValueError(f"--http-cors-origin {origin!r}: expected scheme://host[:port], e.g. "
+                             f"http://localhost:3000")
+    for name in args.http_allowed_host:
+        if not name or any(c in name for c in "/ :@"):
+            raise ValueError(f"--http-allowed-host {name!r}: expected a host name, e.g. myhost.local")
     name = args.served_model_name or Path(str(args.model).rstrip("/")).name or str(args.model)
     return HttpOptions(host, int(port), key, max_requests, args.http_max_body_kb << 10, name,
-                       args.http_max_concurrent, args.http_body_timeout_s)
+                       args.http_max_concurrent, args.http_body_timeout_s, args.http_header_timeout_s,
+                       tuple(n.lower() for n in args.http_allowed_host), tuple(args.http_cors_origin),
+                       args.prefix_cache_scope)
 
 
 def read_api_key(args) -> str | None:

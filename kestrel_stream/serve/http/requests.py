@@ -5,6 +5,10 @@ engine; a bad one is answered 400 with the field named in ``param``.  Fields
 OpenAI defines that this server does not implement (``n`` > 1, ``best_of``,
 ``echo``, ``suffix``, tools) are refused rather than ignored, so a client never
 gets an answer to a question it did not ask.
+
+A prompt's size is bounded before it is rendered or tokenized (``PromptBounds``):
+no more messages than the context has tokens, and no more characters than
+the context's tokens could hold at the tokenizer's longest token.
 """
 from __future__ import annotations
 
@@ -15,15 +19,35 @@ from kestrel_stream.serve.http.errors import APIError, bad_param
 from kestrel_stream.text.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4                # OpenAI's limit
+MAX_CACHE_SALT_CHARS = 256
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 
 KNOWN_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                 "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "n", "user",
-                "logit_bias", "ignore_eos"}           # top_k, min_p, repeat_penalty, ignore_eos: as llama-server
+                "logit_bias", "ignore_eos", "cache_salt"}   # top_k, min_p, repeat_penalty, ignore_eos: as llama-server;
+                                                        # cache_salt: as vLLM
 KNOWN_COMPLETIONS = KNOWN_COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 KNOWN_CHAT = KNOWN_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+
+
+@dataclass(frozen=True)
+class PromptBounds:
+    """What a prompt may hold before it is tokenized: each message is at least one token of the context, each
+    token at most ``max_token_chars`` characters (the vocabulary's longest)."""
+    context_tokens: int
+    max_token_chars: int
+
+    @property
+    def max_chars(self) -> int:
+        return self.context_tokens * self.max_token_chars
+
+    def check_chars(self, chars: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise APIError(400, f"{param}: {chars} characters cannot fit this model's context of "
+                                f"{self.context_tokens} tokens (at most {self.max_token_chars} characters a token)",
+                           param=param, code="context_length_exceeded")
 
 
 @dataclass
@@ -37,6 +61,7 @@ class TextRequest:
     include_usage: bool                     # stream_options.include_usage: a last chunk with usage
     logprobs: int | None                    # None: none; else how many alternatives per token (0..)
     ignore_eos: bool = False                # generate max_tokens whatever the model says (benchmarks)
+    cache_salt: str | None = None           # reuse only prefixes cached by requests with the same salt
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -63,8 +88,9 @@ def stop_strings(body: dict) -> list[str]:
     return [s for s in stops if s]      # OpenAI accepts "" and ignores it
 
 
-def parse_request(body, chat: bool, vocab_size: int) -> TextRequest:
-    """The checked request; APIError 400 naming the first bad field."""
+def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None = None) -> TextRequest:
+    """The checked request; APIError 400 naming the first bad field.  bounds: the prompt's size is checked
+    against them (None: not checked here)."""
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - (KNOWN_CHAT if chat else KNOWN_COMPLETIONS))
@@ -74,8 +100,14 @@ def parse_request(body, chat: bool, vocab_size: int) -> TextRequest:
         raise bad_param("n", "only n=1 is supported")
     if not chat and number(body, "best_of", 1, 1, 1 << 30, integer=True) != 1:
         raise bad_param("best_of", "only best_of=1 is supported")
-    if not chat and body.get("echo") not in (None, False):
+    echo = body.get("echo")
+    if not chat and echo is not None and not isinstance(echo, bool):
+        raise bad_param("echo", f"expected a boolean, got {echo!r:.80}", "invalid_type")
+    if not chat and echo:
         raise bad_param("echo", "echo is not supported")
+    user = body.get("user")
+    if user is not None and not isinstance(user, str):
+        raise bad_param("user", f"expected a string, got {user!r:.80}", "invalid_type")
     if not chat and body.get("suffix") is not None:
         raise bad_param("suffix", "suffix is not supported")
     if body.get("logit_bias") not in (None, {}):
@@ -85,10 +117,12 @@ def parse_request(body, chat: bool, vocab_size: int) -> TextRequest:
         stream = False
     if not isinstance(stream, bool):
         raise bad_param("stream", f"expected a boolean, got {stream!r}", "invalid_type")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-        raise bad_param("stream_options", f"expected {{'include_usage': bool}}, got {options!r}", "invalid_type")
-    prompt = chat_messages(body) if chat else completion_prompt(body, vocab_size)
+    options = body.get("stream_options")
+    options = {} if options is None else options
+    if (not isinstance(options, dict) or set(options) - {"include_usage"}
+            or not isinstance(options.get("include_usage", False), bool)):
+        raise bad_param("stream_options", f"expected {{'include_usage': bool}}, got {options!r:.80}", "invalid_type")
+    prompt = chat_messages(body, bounds) if chat else completion_prompt(body, vocab_size, bounds)
     limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = number(body, limit_name, None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, 0, 1 << 31,
                         integer=True)
@@ -107,8 +141,12 @@ def parse_request(body, chat: bool, vocab_size: int) -> TextRequest:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise bad_param("ignore_eos", f"expected a boolean, got {ignore_eos!r}", "invalid_type")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT_CHARS):
+        raise bad_param("cache_salt", f"expected a string of 1..{MAX_CACHE_SALT_CHARS} characters, got "
+                                      f"{salt!r:.80}", "invalid_type")
     return TextRequest(chat, prompt, max_tokens, params, stop_strings(body), stream,
-                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos)
+                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos, salt)
 
 
 def logprobs_of(body: dict, chat: bool) -> int | None:
@@ -123,14 +161,19 @@ def logprobs_of(body: dict, chat: bool) -> int | None:
     return number(body, "logprobs", None, 0, MAX_LOGPROBS_COMPLETIONS, integer=True)
 
 
-def completion_prompt(body: dict, vocab_size: int) -> str | list[int]:
+def completion_prompt(body: dict, vocab_size: int, bounds: PromptBounds | None) -> str | list[int]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]              # a batch of one prompt, as the openai client may send it
     if isinstance(prompt, str):
         if not prompt:
             raise bad_param("prompt", "the prompt is empty")
+        if bounds is not None:
+            bounds.check_chars(len(prompt), "prompt")
         return prompt
+    if isinstance(prompt, list) and bounds is not None and len(prompt) > bounds.context_tokens:
+        raise APIError(400, f"prompt: {len(prompt)} token ids; this model's context is {bounds.context_tokens} "
+                            f"tokens", param="prompt", code="context_length_exceeded")
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         bad = next((t for t in prompt if not 0 <= t < vocab_size), None)
         if bad is not None:
@@ -142,11 +185,14 @@ def completion_prompt(body: dict, vocab_size: int) -> str | list[int]:
                     "invalid_type")
 
 
-def chat_messages(body: dict) -> list[dict]:
+def chat_messages(body: dict, bounds: PromptBounds | None) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad_param("messages", "expected a non-empty list of {'role': ..., 'content': ...}", "invalid_type")
-    out = []
+    if bounds is not None and len(messages) > bounds.context_tokens:
+        raise APIError(400, f"messages: {len(messages)} messages cannot fit this model's context of "
+                            f"{bounds.context_tokens} tokens", param="messages", code="context_length_exceeded")
+    out, chars = [], 0
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_param(f"messages[{i}]", f"expected an object with a string 'role', got {m!r:.80}",
@@ -161,5 +207,8 @@ def chat_messages(body: dict) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise bad_param(f"messages[{i}].content", f"expected a string, got {content!r:.80}", "invalid_type")
+        chars += len(content) + len(m["role"])
         out.append({"role": m["role"], "content": content})
+    if bounds is not None:
+        bounds.check_chars(chars, "messages")
     return out

@@ -14,6 +14,7 @@ from kestrel_stream.serve.endpoint import log
 from kestrel_stream.serve.http.options import HttpOptions, http_options
 
 GRACEFUL_TIMEOUT_S = 5.0
+_closing_at_eof = False
 
 
 class HttpServer:
@@ -23,6 +24,7 @@ class HttpServer:
     def __init__(self, options: HttpOptions):
         self.options = options
         self.stopping, self.stopped = anyio.Event(), anyio.Event()
+        self.bound: tuple | None = None         # the listening socket's address, once bound
 
     async def run(self, service, task_status) -> None:
         """Serve until ``stop``; task_status.started() once listening."""
@@ -31,6 +33,7 @@ class HttpServer:
         from hypercorn.utils import wrap_app
 
         from kestrel_stream.serve.http.app import build_app
+        close_sockets_at_eof()
         options = self.options
         config = Config()
         config.bind = [f"[{options.host}]:{options.port}" if ":" in options.host
@@ -39,9 +42,12 @@ class HttpServer:
         config.errorlog = None                  # the daemon logs its own lines
         config.graceful_timeout = GRACEFUL_TIMEOUT_S
         config.h11_max_incomplete_size = 64 * 1024
+        config.keep_alive_timeout = options.header_timeout_s      # idle, or headers still arriving
         try:
             sockets = config.create_sockets()
-            bound = sockets.insecure_sockets[0].getsockname()
+            for sock in sockets.insecure_sockets:      # listening before the line that says so is logged
+                sock.listen(config.backlog)
+            bound = self.bound = sockets.insecure_sockets[0].getsockname()
             app = build_app(service, options)
             where = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
             log(f"http listening on http://{where}/v1 (model {options.model_name!r}"
@@ -58,6 +64,24 @@ class HttpServer:
         self.stopping.set()
         with anyio.move_on_after(GRACEFUL_TIMEOUT_S + 1.0):
             await self.stopped.wait()
+
+
+def close_sockets_at_eof() -> None:
+    """hypercorn (0.18) keeps a connection's socket after its client closed it until the connection's keep-alive
+    timer (--http-header-timeout-s) runs out, so quick connections pile up descriptors (2,000 of them held 2,000
+    fds for 5 s).  Once its reading side has ended a connection has nothing to keep alive: the timer is stopped
+    there, and the connection closes as soon as its requests have ended."""
+    global _closing_at_eof
+    if _closing_at_eof:
+        return
+    from hypercorn.asyncio.tcp_server import TCPServer
+    read_data = TCPServer._read_data
+
+    async def read_data_then_stop_the_timer(self) -> None:
+        await read_data(self)
+        await self.idle_task.stop()
+    TCPServer._read_data = read_data_then_stop_the_timer
+    _closing_at_eof = True
 
 
 def http_server(args) -> HttpServer | None:

@@ -1,0 +1,82 @@
+"""Tenants kept apart in the prefix cache: a request's cache_salt reuses only prefixes cached by requests with the
+same salt, --prefix-cache-scope key keeps HTTP requests' prefixes apart from the socket clients', the scopes stay
+within the cache's budget, and the texts are those of a run without any cache."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from http_helpers import chat_model
+from inprocess_daemon import MODEL_NAME, InProcessDaemon, http_answer, http_request
+
+import kestrel_stream as ks
+from kestrel_stream.serve.prefix_scopes import MAX_SCOPES
+
+SYSTEM = "You are a careful assistant of the ACME company; its secret launch code is 7-4-1. " * 2
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return chat_model(tmp_path_factory.mktemp("scopes-model") / "model")
+
+
+@pytest.fixture
+def server(model, tmp_path):
+    d = InProcessDaemon(model, tmp_path)
+    yield d
+    d.stop()
+
+
+def chat(server, question: str, **fields) -> tuple[int, dict]:
+    body = json.dumps({"model": MODEL_NAME, "max_tokens": 6, "temperature": 0, **fields,
+                       "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]})
+    with server.connect_http() as sock:
+        sock.sendall(http_request("POST", "/v1/chat/completions", body.encode()))
+        status, answer = http_answer(sock)
+    return status, json.loads(answer)
+
+
+def reused_by(server, question: str, **fields) -> tuple[int, str]:
+    """(prompt positions taken from the prefix cache, text) of one request."""
+    before = server.service.stats()["prefix_cache"]["prefix_reused_tokens"]
+    status, answer = chat(server, question, **fields)
+    assert status == 200, answer
+    return (server.service.stats()["prefix_cache"]["prefix_reused_tokens"] - before,
+            answer["choices"][0]["message"]["content"])
+
+
+def test_a_cache_salt_reuses_only_its_own_prefixes(server):
+    shared, text = reused_by(server, "one?")
+    assert shared == 0
+    assert reused_by(server, "two?")[0] > 0                         # shared: the system turn is reused
+    salted, salted_text = reused_by(server, "one?", cache_salt="tenant-a")
+    assert salted == 0 and salted_text == text                       # nothing of the shared cache, same text
+    assert reused_by(server, "two?", cache_salt="tenant-a")[0] > 0  # its own prefix, cached by the request before
+    assert reused_by(server, "three?", cache_salt="tenant-b")[0] == 0
+
+
+def test_scope_key_keeps_http_requests_apart_from_socket_clients(model, tmp_path):
+    d = InProcessDaemon(model, tmp_path, prefix_scope="key")
+    try:
+        prompt = f"<system>{SYSTEM}\n<user>one?\n<assistant>"
+        with ks.Client(str(d.socket_path)) as client:
+            client.generate(prompt, 4)
+            assert client.generate(prompt, 4) and client.stats()["prefix_cache"]["prefix_hits"] == 1
+        assert reused_by(d, "one?")[0] == 0                 # the socket client's prompt is not the API's to reuse
+        assert reused_by(d, "two?")[0] > 0                  # the API's own is
+    finally:
+        d.stop()
+
+
+def test_many_salts_stay_within_the_budget_and_the_scope_count(server):
+    budget = server.service.stats()["prefix_cache"]["budget_positions"]
+    for i in range(MAX_SCOPES + 4):
+        assert reused_by(server, "q?", cache_salt=f"salt {i}")[0] == 0
+    stats = server.service.stats()["prefix_cache"]
+    assert stats["scopes"] == MAX_SCOPES and stats["cached_positions"] <= budget
+
+
+@pytest.mark.parametrize("salt", [3, "", "x" * 257, ["a"]])
+def test_a_bad_cache_salt_is_400_naming_it(server, salt):
+    status, answer = chat(server, "q?", cache_salt=salt)
+    assert status == 400 and answer["error"]["param"] == "cache_salt"
