@@ -14,7 +14,7 @@ from kestrel_stream.wire import protocol as wire
 
 def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():
     """The step thread writes what a full socket takes; the loop sends the rest before anything else goes out."""
-    from kestrel_stream.serve.peer import SocketPeer as Peer
+    from kestrel_stream.serve.socket_peer import SocketPeer as Peer
 
     async def main():
         ours, theirs = socket.socketpair()
@@ -46,7 +46,7 @@ def test_an_answer_the_socket_takes_only_in_part_is_finished_whole_and_first():
 
 def test_an_answer_waits_for_a_write_in_progress_and_goes_out_whole():
     """When another write holds the socket, the step thread leaves its answer to the loop, which sends it next."""
-    from kestrel_stream.serve.peer import SocketPeer
+    from kestrel_stream.serve.socket_peer import SocketPeer
 
     async def main():
         ours, theirs = socket.socketpair()
@@ -74,7 +74,7 @@ def test_an_answer_waits_for_a_write_in_progress_and_goes_out_whole():
 def test_reading_pauses_once_the_frames_read_ahead_hold_max_buffered_bytes():
     """--max-buffered-mb: a client that sends faster than its requests are answered is read no further ahead."""
     from kestrel_stream.serve.limits import Limits
-    from kestrel_stream.serve.peer import SocketPeer
+    from kestrel_stream.serve.socket_peer import SocketPeer
 
     async def main():
         ours, theirs = socket.socketpair()
@@ -106,7 +106,7 @@ def test_a_closed_connection_is_freed_at_once_with_its_half_read_frame():
     import gc
     import weakref
 
-    from kestrel_stream.serve.peer import SocketPeer
+    from kestrel_stream.serve.socket_peer import SocketPeer
 
     async def main():
         ours, theirs = socket.socketpair()

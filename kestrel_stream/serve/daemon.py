@@ -10,6 +10,9 @@ in-flight steps finish, tell every client, and exit 0.  What one client may
 hold (connections, bytes, time, sessions) is bounded by serve/limits.py, and
 whatever goes wrong inside one connection ends that connection, never the
 daemon; endpoint.py guards the socket path and the token.
+
+One concern, the daemon's lifetime: listening, accepting, the per-connection request loop and an orderly
+stop live together because each decides what the others may still do.
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ from kestrel_stream.serve.endpoint import log, load_token, prepare_socket_path, 
 from kestrel_stream.serve.flags import check_serve_args
 from kestrel_stream.serve.limits import Limits, limits_from_args
 from kestrel_stream.serve.memory import map_large_buffers
-from kestrel_stream.serve.peer import Peer, SocketPeer, WriteTimeoutError
+from kestrel_stream.serve.peer import Peer, WriteTimeoutError
+from kestrel_stream.serve.socket_peer import SocketPeer
 from kestrel_stream.serve.socket_reader import SocketReader
 from kestrel_stream.wire.protocol import (VERSION, AuthError, DaemonError, IdleTimeoutError,
                                           ProtocolError, default_socket_path, default_token_path, encode_frame,

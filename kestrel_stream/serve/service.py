@@ -11,6 +11,9 @@ read its request (step_thread.py, socket_reader.py).
 Requests are validated here, once, before they reach the engine; a decode
 that is already queued when its session closes or fills up fails alone,
 never its batch.
+
+One concern, a request's life in the daemon: who owns which session, and what each operation may do to
+it, are checked in one place so that no path frees or reuses a session another still holds.
 """
 from __future__ import annotations
 
