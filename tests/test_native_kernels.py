@@ -150,6 +150,41 @@ def test_a_prepared_weight_serves_every_call(kernels):
                                    rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", FORMATS_ORDER)
+def test_extreme_values_do_not_overflow_the_joined_integer_sums(kernels, fmt):
+    """The largest weights (and Q4_K/Q6_K scales and mins) of each format against activations whose
+    levels are 127 and -64 everywhere (128 * hi + lo at its largest): every path matches the twin."""
+    k = 512
+    x = np.full((20, k), 126.5, np.float32)
+    x[:, ::32] = 127                                # d = 1: v = 126.5 → hi 127, lo -64
+    x[10:] *= -1
+    if fmt == "Q8_0":
+        qs = np.full((3, k), 127, np.int8)
+        qs[1] = -127
+        scales = np.full((3, k // 32), 1.0, np.float16)
+        call, twin = (lambda kern, x: kern.matmul_q8_0(x, qs, scales)), (lambda x: twins.matmul_q8_0(x, qs, scales))
+    else:
+        size = native.FORMATS[fmt][2]
+        blocks = np.full((3, k // native.FORMATS[fmt][1], size), 0xFF, np.uint8)
+        if fmt == "Q4_0":
+            blocks[1, :, 2:] = 0x00                                             # every value -8
+            blocks[:, :, 0:2] = np.array([1.0], np.float16).view(np.uint8)
+        elif fmt == "Q4_K":
+            blocks[:, :, 0:4] = np.array([1.0, 0.5], np.float16).view(np.uint8)  # d, dmin; scales, mins 63
+        else:
+            blocks[1, :, 192:208] = 0x80                                        # scales -128
+            blocks[:, :, 208:210] = np.array([1.0], np.float16).view(np.uint8)
+        blocks = blocks.reshape(3, -1)
+        call = lambda kern, x: kern.matmul_blocks(x, fmt, blocks, k)
+        twin = lambda x: twins.matmul_blocks(x, fmt, blocks, k)
+    for rows in (x[:1], x[9:12], x):              # a dot product per row and token; 16 tokens in lanes
+        expect = twin(rows)
+        assert np.abs(expect).max() > 1e5
+        for kern in isas(kernels):
+            np.testing.assert_allclose(call(kern, rows), expect, rtol=0, atol=2e-6 * np.abs(expect).max(),
+                                       err_msg=f"{fmt} {kern.isa} T={len(rows)}")
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_thread_count_changes_no_result(kernels, threads):
     rng = np.random.default_rng(threads)
