@@ -1,9 +1,11 @@
 /* Host kernels: quantized GEMV/GEMM on GGUF blocks as stored, and the float ops around them.
  *
- * Weights are never copied to float.  Each call quantizes its activations per block (q8_0: one float
- * scale per 32 values, for Q8_0 and Q4_0 weights; q8_K: one float scale per 256 and the sum of every
- * 16 quantized values, for Q4_K and Q6_K), takes integer dot products per weight block, and
- * accumulates block results in float32.  native/twins.py is the same arithmetic in numpy.
+ * Weights are never copied to float.  Each call quantizes its activations per block in two int8 levels
+ * (q8_0: one float scale d per 32 values, for Q8_0 and Q4_0 weights; q8_K: one per 256 and each level's
+ * sum of every 16 values, for Q4_K and Q6_K): hi = round(x / d), lo = round((x / d - hi) * 128), so
+ * x = d * (hi + lo / 128) to about max|x| * 2^-15 (one level: 2^-8, ~0.5 % RMS per projection; two:
+ * ~5e-5).  Integer dot products per weight block of both levels, joined as 128 * hi + lo, scaled by
+ * d / 128; block results accumulated in float32.  native/twins.py is the same arithmetic in numpy.
  *
  * Threads: a small pool of persistent workers of its own (below), not OpenMP: GNU OpenMP's workers hang
  * a forked child, and its spin-then-sleep cannot be set per call.  `#pragma omp simd` (-fopenmp-simd)
@@ -230,17 +232,22 @@ int ks_pool_workers(void) { return pool.workers; }
 
 /* ---------------------------------------------------------------- activation quantization */
 
-/* q8 activations of one token: qs [K] int8; d [K/QA] float; bsums [K/16] int16 (q8_K only). */
+/* q8 activations of one token in two int8 levels: qs (hi) [K] and lo [K] int8; d [K/QA] float; bsums and
+   bsums_lo [K/16] int16 (q8_K only).  Value i of a block is d * (qs[i] + lo[i] / 128). */
 typedef struct {
-    int8_t *qs;
+    int8_t *qs, *lo;
     float *d;
-    int16_t *bsums;
+    int16_t *bsums, *bsums_lo;
 } act_t;
+
+#define LO_SCALE 0.0078125f     /* 1/128: the lo level's step in units of d */
 
 static inline float roundf_away(float v) { return truncf(v + copysignf(0.5f, v)); }
 
-/* d = max|x| / 127, q = round(x / d) (half away from zero), per `group` values. */
-static void quantize_act(const float *x, int K, int group, int8_t *qs, float *d, int16_t *bsums) {
+/* Per `group` values: d = max|x| / 127, v = x * (1 / d), hi = round(v), lo = round((v - hi) * 128) (half
+   away from zero; v - hi is exact, |lo| <= 64).  The pair carries x to about max|x| * 2^-15. */
+static void quantize_act(const float *x, int K, int group, int8_t *qs, int8_t *lo, float *d, int16_t *bsums,
+                         int16_t *bsums_lo) {
     for (int b = 0; b < K / group; b++) {
         const float *xb = x + (ptrdiff_t)b * group;
         float amax = 0.0f;
@@ -248,20 +255,26 @@ static void quantize_act(const float *x, int K, int group, int8_t *qs, float *d,
         float db = amax / 127.0f;
         float id = db != 0.0f ? 1.0f / db : 0.0f;
         d[b] = db;
-        int8_t *qb = qs + (ptrdiff_t)b * group;
-        for (int i = 0; i < group; i++) qb[i] = (int8_t)roundf_away(xb[i] * id);
+        int8_t *qb = qs + (ptrdiff_t)b * group, *lb = lo + (ptrdiff_t)b * group;
+        for (int i = 0; i < group; i++) {
+            float v = xb[i] * id, h = roundf_away(v);
+            qb[i] = (int8_t)h;
+            lb[i] = (int8_t)roundf_away((v - h) * 128.0f);
+        }
     }
     if (bsums)
         for (int g = 0; g < K / 16; g++) {
-            int s = 0;
-            for (int i = 0; i < 16; i++) s += qs[g * 16 + i];
+            int s = 0, l = 0;
+            for (int i = 0; i < 16; i++) s += qs[g * 16 + i], l += lo[g * 16 + i];
             bsums[g] = (int16_t)s;
+            bsums_lo[g] = (int16_t)l;
         }
 }
 
 /* Exposed for the twins' test: the activation quantization alone. */
-void ks_quantize_act(const float *x, int K, int group, int8_t *qs, float *d, int16_t *bsums) {
-    quantize_act(x, K, group, qs, d, group == 256 ? bsums : NULL);
+void ks_quantize_act(const float *x, int K, int group, int8_t *qs, int8_t *lo, float *d, int16_t *bsums,
+                     int16_t *bsums_lo) {
+    quantize_act(x, K, group, qs, lo, d, group == 256 ? bsums : NULL, bsums_lo);
 }
 
 /* ---------------------------------------------------------------- horizontal sums */
@@ -284,36 +297,46 @@ TARGET_AVX2 static inline int hsum256_epi32(__m256i v) {
 
 /* ---------------------------------------------------------------- Q8_0: qs [K] int8, scales [K/32] f16 */
 
+/* Per 32-block: s = 128 * dot(w, hi) + dot(w, lo) exactly in int32 (|s| < 2^26), scaled by
+   d_w * d / 128. */
 static float dot_q8_0_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     const int8_t *wq = (const int8_t *)w;
     float acc = 0.0f;
     for (int b = 0; b < K / 32; b++) {
-        int s = 0;
-        for (int i = 0; i < 32; i++) s += wq[b * 32 + i] * a->qs[b * 32 + i];
-        acc += h2f_at(meta + 2 * b) * a->d[b] * (float)s;
+        int s = 0, l = 0;
+        for (int i = 0; i < 32; i++) {
+            s += wq[b * 32 + i] * a->qs[b * 32 + i];
+            l += wq[b * 32 + i] * a->lo[b * 32 + i];
+        }
+        acc += h2f_at(meta + 2 * b) * a->d[b] * LO_SCALE * (float)(128 * s + l);
     }
     return acc;
 }
 
 #if KS_X86
-/* |w| as unsigned bytes times a with w's sign: maddubs's operands without overflow (|a| <= 127). */
-TARGET_AVX2 static inline __m256 q8_0_block_avx2(const int8_t *wq, const int8_t *aq, float scale, __m256 acc) {
+/* |w| as unsigned bytes times a with w's sign: maddubs's operands without overflow (|a| <= 127); the two
+   levels' int32 lanes joined as 128 * hi + lo.  `scale` is d_w * d / 128. */
+TARGET_AVX2 static inline __m256 q8_0_block_avx2(const int8_t *wq, const int8_t *aq, const int8_t *al, float scale,
+                                                 __m256 acc) {
     __m256i w = _mm256_loadu_si256((const __m256i *)wq);
-    __m256i x = _mm256_loadu_si256((const __m256i *)aq);
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-    __m256i p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    __m256i aw = _mm256_sign_epi8(w, w), ones = _mm256_set1_epi16(1);
+    __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)aq), w)), ones);
+    __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)al), w)), ones);
+    __m256i p32 = _mm256_add_epi32(_mm256_slli_epi32(ph, 7), pl);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
 }
+
+#define Q8_0_SCALE(b) (h2f_at(meta + 2 * (b)) * a->d[b] * LO_SCALE)
 
 TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     const int8_t *wq = (const int8_t *)w;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int nb = K / 32, b = 0;
     for (; b + 2 <= nb; b += 2) {
-        acc0 = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], acc0);
-        acc1 = q8_0_block_avx2(wq + b * 32 + 32, a->qs + b * 32 + 32, h2f_at(meta + 2 * b + 2) * a->d[b + 1], acc1);
+        acc0 = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, a->lo + b * 32, Q8_0_SCALE(b), acc0);
+        acc1 = q8_0_block_avx2(wq + b * 32 + 32, a->qs + b * 32 + 32, a->lo + b * 32 + 32, Q8_0_SCALE(b + 1), acc1);
     }
-    if (b < nb) acc0 = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], acc0);
+    if (b < nb) acc0 = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, a->lo + b * 32, Q8_0_SCALE(b), acc0);
     return hsum256_ps(_mm256_add_ps(acc0, acc1));
 }
 
@@ -323,12 +346,15 @@ TARGET_VNNI static inline __m512 pair_scale(float s0, float s1) {
                                                _mm256_castps_pd(_mm256_set1_ps(s1)), 1));
 }
 
-TARGET_VNNI static inline __m512 q8_0_pair_vnni(const int8_t *wq, const int8_t *aq, __m512 scale, __m512 acc) {
-    __m512i w = _mm512_loadu_si512((const void *)wq);
-    __m512i x = _mm512_loadu_si512((const void *)aq);
+TARGET_VNNI static inline __m512 q8_0_pair_vnni(const int8_t *wq, const int8_t *aq, const int8_t *al, __m512 scale,
+                                               __m512 acc) {
+    __m512i w = _mm512_loadu_si512((const void *)wq), aw = _mm512_abs_epi8(w);
     __mmask64 negative = _mm512_movepi8_mask(w);
+    __m512i x = _mm512_loadu_si512((const void *)aq), xl = _mm512_loadu_si512((const void *)al);
     __m512i xs = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
-    __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(w), xs);
+    __m512i xls = _mm512_mask_sub_epi8(xl, negative, _mm512_setzero_si512(), xl);
+    __m512i p = _mm512_slli_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), aw, xs), 7);
+    p = _mm512_dpbusd_epi32(p, aw, xls);                /* 128 * hi + lo */
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), scale, acc);
 }
 
@@ -338,15 +364,15 @@ TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const uint8_t *meta, co
     int nb = K / 32, b = 0;
     for (; b + 4 <= nb; b += 4) {
         __m128 wd = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(meta + 2 * b)));
-        __m128 s = _mm_mul_ps(wd, _mm_loadu_ps(a->d + b));
+        __m128 s = _mm_mul_ps(_mm_mul_ps(wd, _mm_loadu_ps(a->d + b)), _mm_set1_ps(LO_SCALE));
         float sv[4];
         _mm_storeu_ps(sv, s);
-        acc0 = q8_0_pair_vnni(wq + b * 32, a->qs + b * 32, pair_scale(sv[0], sv[1]), acc0);
-        acc1 = q8_0_pair_vnni(wq + b * 32 + 64, a->qs + b * 32 + 64, pair_scale(sv[2], sv[3]), acc1);
+        acc0 = q8_0_pair_vnni(wq + b * 32, a->qs + b * 32, a->lo + b * 32, pair_scale(sv[0], sv[1]), acc0);
+        acc1 = q8_0_pair_vnni(wq + b * 32 + 64, a->qs + b * 32 + 64, a->lo + b * 32 + 64, pair_scale(sv[2], sv[3]), acc1);
     }
     float r = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
     __m256 tail = _mm256_setzero_ps();
-    for (; b < nb; b++) tail = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, h2f_at(meta + 2 * b) * a->d[b], tail);
+    for (; b < nb; b++) tail = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, a->lo + b * 32, Q8_0_SCALE(b), tail);
     return r + hsum256_ps(tail);
 }
 #endif
@@ -358,52 +384,61 @@ static float dot_q4_0_scalar(const uint8_t *w, const uint8_t *meta, const act_t 
     float acc = 0.0f;
     for (int b = 0; b < K / 32; b++) {
         const uint8_t *blk = w + 18 * b;
-        const int8_t *x = a->qs + b * 32;
-        int s = 0;
-        for (int i = 0; i < 16; i++)
-            s += ((blk[2 + i] & 0x0F) - 8) * x[i] + ((blk[2 + i] >> 4) - 8) * x[i + 16];
-        acc += h2f_at(blk) * a->d[b] * (float)s;
+        const int8_t *x = a->qs + b * 32, *xl = a->lo + b * 32;
+        int s = 0, l = 0;
+        for (int i = 0; i < 16; i++) {
+            int q0 = (blk[2 + i] & 0x0F) - 8, q1 = (blk[2 + i] >> 4) - 8;
+            s += q0 * x[i] + q1 * x[i + 16];
+            l += q0 * xl[i] + q1 * xl[i + 16];
+        }
+        acc += h2f_at(blk) * a->d[b] * LO_SCALE * (float)(128 * s + l);
     }
     return acc;
 }
 
 #if KS_X86
-TARGET_AVX2 static inline __m256 q4_0_block_avx2(const uint8_t *blk, const int8_t *aq, float scale, __m256 acc) {
+TARGET_AVX2 static inline __m256 q4_0_block_avx2(const uint8_t *blk, const int8_t *aq, const int8_t *al, float scale,
+                                                 __m256 acc) {
     __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
     __m128i low = _mm_set1_epi8(0x0F);
     __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
     q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-    __m256i x = _mm256_loadu_si256((const __m256i *)aq);
-    __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
-    __m256i p32 = _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+    __m256i aw = _mm256_sign_epi8(q, q), ones = _mm256_set1_epi16(1);
+    __m256i ph = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)aq), q)), ones);
+    __m256i pl = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)al), q)), ones);
+    __m256i p32 = _mm256_add_epi32(_mm256_slli_epi32(ph, 7), pl);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
 }
+
+#define Q4_0_SCALE(b) (h2f_at(w + 18 * (b)) * a->d[b] * LO_SCALE)
 
 TARGET_AVX2 static float dot_q4_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int nb = K / 32, b = 0;
     for (; b + 2 <= nb; b += 2) {
-        acc0 = q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b], acc0);
-        acc1 = q4_0_block_avx2(w + 18 * b + 18, a->qs + b * 32 + 32, h2f_at(w + 18 * b + 18) * a->d[b + 1], acc1);
+        acc0 = q4_0_block_avx2(w + 18 * b, a->qs + b * 32, a->lo + b * 32, Q4_0_SCALE(b), acc0);
+        acc1 = q4_0_block_avx2(w + 18 * b + 18, a->qs + b * 32 + 32, a->lo + b * 32 + 32, Q4_0_SCALE(b + 1), acc1);
     }
-    if (b < nb) acc0 = q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b], acc0);
+    if (b < nb) acc0 = q4_0_block_avx2(w + 18 * b, a->qs + b * 32, a->lo + b * 32, Q4_0_SCALE(b), acc0);
     return hsum256_ps(_mm256_add_ps(acc0, acc1));
 }
 
-/* Two blocks per vector, nibbles unsigned (0..15): dot(q, x) - dot(8, x) per lane is exact.  Eight
-   blocks per turn: their eight scales (times the activations') in one vector, permuted into the lanes
-   of each pair. */
-TARGET_VNNI static inline __m512i q4_0_pair_dot(const uint8_t *b0, const int8_t *x) {
+/* Two blocks per vector, nibbles unsigned (0..15): dot(q, x) - dot(8, x) per lane is exact, for each
+   level, joined as 128 * hi + lo.  Eight blocks per turn: their eight scales (times the activations')
+   in one vector, permuted into the lanes of each pair. */
+TARGET_VNNI static inline __m512i q4_0_pair_dot(const uint8_t *b0, const int8_t *x, const int8_t *xl) {
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m512i order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), eight = _mm512_set1_epi8(8);
     __m256i bytes = _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(b0 + 20)), _mm_loadu_si128((const __m128i *)(b0 + 2)));
     __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
     /* [lo0 hi0 lo1 hi1]: block 0's values 0..31, then block 1's */
     __m512i q = _mm512_permutex2var_epi64(_mm512_castsi256_si512(lo), order, _mm512_castsi256_si512(hi));
-    __m512i xv = _mm512_loadu_si512((const void *)x);
-    return _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv),
-                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(8), xv));
+    __m512i xv = _mm512_loadu_si512((const void *)x), xlv = _mm512_loadu_si512((const void *)xl);
+    __m512i h = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q, xv),
+                                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, xv));
+    __m512i l = _mm512_dpbusd_epi32(_mm512_slli_epi32(h, 7), q, xlv);
+    return _mm512_sub_epi32(l, _mm512_dpbusd_epi32(_mm512_setzero_si512(), eight, xlv));
 }
 
 TARGET_VNNI static float dot_q4_0_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
@@ -417,20 +452,20 @@ TARGET_VNNI static float dot_q4_0_vnni(const uint8_t *w, const uint8_t *meta, co
         const uint8_t *blk = w + 18 * b;
         uint16_t d[8];
         for (int i = 0; i < 8; i++) memcpy(d + i, blk + 18 * i, 2);
-        __m256 s = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)), _mm256_loadu_ps(a->d + b));
+        __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)), _mm256_loadu_ps(a->d + b)),
+                                 _mm256_set1_ps(LO_SCALE));
         __m512 s512 = _mm512_castps256_ps512(s);
-        const int8_t *x = a->qs + b * 32;
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk, x)), _mm512_permutexvar_ps(pick[0], s512), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 36, x + 64)), _mm512_permutexvar_ps(pick[1], s512), acc1);
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 72, x + 128)), _mm512_permutexvar_ps(pick[2], s512), acc0);
-        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 108, x + 192)), _mm512_permutexvar_ps(pick[3], s512), acc1);
+        const int8_t *x = a->qs + b * 32, *xl = a->lo + b * 32;
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk, x, xl)), _mm512_permutexvar_ps(pick[0], s512), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 36, x + 64, xl + 64)), _mm512_permutexvar_ps(pick[1], s512), acc1);
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 72, x + 128, xl + 128)), _mm512_permutexvar_ps(pick[2], s512), acc0);
+        acc1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(blk + 108, x + 192, xl + 192)), _mm512_permutexvar_ps(pick[3], s512), acc1);
     }
     for (; b + 2 <= nb; b += 2)
-        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(w + 18 * b, a->qs + b * 32)),
-                               pair_scale(h2f_at(w + 18 * b) * a->d[b], h2f_at(w + 18 * b + 18) * a->d[b + 1]), acc0);
+        acc0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q4_0_pair_dot(w + 18 * b, a->qs + b * 32, a->lo + b * 32)),
+                               pair_scale(Q4_0_SCALE(b), Q4_0_SCALE(b + 1)), acc0);
     float r = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-    if (b < nb) r += hsum256_ps(q4_0_block_avx2(w + 18 * b, a->qs + b * 32, h2f_at(w + 18 * b) * a->d[b],
-                                                _mm256_setzero_ps()));
+    if (b < nb) r += hsum256_ps(q4_0_block_avx2(w + 18 * b, a->qs + b * 32, a->lo + b * 32, Q4_0_SCALE(b), _mm256_setzero_ps()));
     return r;
 }
 #endif
@@ -453,25 +488,30 @@ static inline int q4k_mins(const int *m, const int16_t *bsums) {
     return s;
 }
 
+/* Per super-block: sumi = 128 * sumi(hi) + sumi(lo) and summ likewise from each level's bsums, in 64 bits
+   (the joined sums can pass 2^31), scaled by d / 128. */
 static float dot_q4_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
     float acc = 0.0f;
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 144 * b, *qs = blk + 16;
-        const int8_t *x = a->qs + b * 256;
+        const int8_t *x = a->qs + b * 256, *xl = a->lo + b * 256;
         int sc[8], m[8];
         q4k_scale_min(blk + 4, sc, m);
-        int sumi = 0;
+        int64_t sumi = 0;
         for (int c = 0; c < 4; c++) {
-            int lo = 0, hi = 0;
+            int lo = 0, hi = 0, lo_l = 0, hi_l = 0;
             for (int i = 0; i < 32; i++) {
-                lo += (qs[32 * c + i] & 0x0F) * x[64 * c + i];
-                hi += (qs[32 * c + i] >> 4) * x[64 * c + 32 + i];
+                int q0 = qs[32 * c + i] & 0x0F, q1 = qs[32 * c + i] >> 4;
+                lo += q0 * x[64 * c + i];
+                hi += q1 * x[64 * c + 32 + i];
+                lo_l += q0 * xl[64 * c + i];
+                hi_l += q1 * xl[64 * c + 32 + i];
             }
-            sumi += sc[2 * c] * lo + sc[2 * c + 1] * hi;
+            sumi += (int64_t)sc[2 * c] * (128 * lo + lo_l) + (int64_t)sc[2 * c + 1] * (128 * hi + hi_l);
         }
-        int summ = q4k_mins(m, a->bsums + b * 16);
-        acc += a->d[b] * (h2f_at(blk) * (float)sumi - h2f_at(blk + 2) * (float)summ);
+        int64_t summ = 128 * (int64_t)q4k_mins(m, a->bsums + b * 16) + q4k_mins(m, a->bsums_lo + b * 16);
+        acc += a->d[b] * LO_SCALE * (h2f_at(blk) * (float)sumi - h2f_at(blk + 2) * (float)summ);
     }
     return acc;
 }
@@ -483,20 +523,24 @@ TARGET_AVX2 static float dot_q4_K_avx2(const uint8_t *w, const uint8_t *meta, co
     float acc = 0.0f;
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 144 * b, *qs = blk + 16;
-        const int8_t *x = a->qs + b * 256;
+        const int8_t *x = a->qs + b * 256, *xl = a->lo + b * 256;
         int sc[8], m[8];
         q4k_scale_min(blk + 4, sc, m);
-        __m256i sum = _mm256_setzero_si256();
+        __m256i sum = _mm256_setzero_si256(), sum_l = _mm256_setzero_si256();
         for (int c = 0; c < 4; c++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i lo = _mm256_maddubs_epi16(_mm256_and_si256(q, low), _mm256_loadu_si256((const __m256i *)(x + 64 * c)));
-            __m256i hi = _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(q, 4), low),
-                                              _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32)));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(lo, _mm256_set1_epi16((short)sc[2 * c])));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(hi, _mm256_set1_epi16((short)sc[2 * c + 1])));
+            __m256i ql = _mm256_and_si256(q, low), qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+            __m256i s0 = _mm256_set1_epi16((short)sc[2 * c]), s1 = _mm256_set1_epi16((short)sc[2 * c + 1]);
+            __m256i lo = _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(x + 64 * c)));
+            __m256i hi = _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32)));
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(lo, s0), _mm256_madd_epi16(hi, s1)));
+            lo = _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(xl + 64 * c)));
+            hi = _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(xl + 64 * c + 32)));
+            sum_l = _mm256_add_epi32(sum_l, _mm256_add_epi32(_mm256_madd_epi16(lo, s0), _mm256_madd_epi16(hi, s1)));
         }
-        int summ = q4k_mins(m, a->bsums + b * 16);
-        acc += a->d[b] * (h2f_at(blk) * (float)hsum256_epi32(sum) - h2f_at(blk + 2) * (float)summ);
+        int64_t sumi = 128 * (int64_t)hsum256_epi32(sum) + hsum256_epi32(sum_l);
+        int64_t summ = 128 * (int64_t)q4k_mins(m, a->bsums + b * 16) + q4k_mins(m, a->bsums_lo + b * 16);
+        acc += a->d[b] * LO_SCALE * (h2f_at(blk) * (float)sumi - h2f_at(blk + 2) * (float)summ);
     }
     return acc;
 }
@@ -539,26 +583,33 @@ TARGET_VNNI static float dot_q4_K_vnni(const uint8_t *w, const uint8_t *meta, co
     __m128 acc_min = _mm_setzero_ps();
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 144 * b, *qs = blk + 16;
-        const int8_t *x = a->qs + b * 256;
         uint8_t sc[8], m[8];
         q4k_scale_min_bytes(blk + 4, sc, m);
         __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
+        __m512i s02 = _mm512_permutexvar_epi16(pick02, sc16), s13 = _mm512_permutexvar_epi16(pick13, sc16);
+        __m512i s46 = _mm512_permutexvar_epi16(pick46, sc16), s57 = _mm512_permutexvar_epi16(pick57, sc16);
         __m512i q0 = _mm512_loadu_si512((const void *)qs), q1 = _mm512_loadu_si512((const void *)(qs + 64));
-        __m512i p0 = _mm512_maddubs_epi16(_mm512_and_si512(q0, low), load_pair256(x, x + 64));
-        __m512i p1 = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q0, 4), low), load_pair256(x + 32, x + 96));
-        __m512i p2 = _mm512_maddubs_epi16(_mm512_and_si512(q1, low), load_pair256(x + 128, x + 192));
-        __m512i p3 = _mm512_maddubs_epi16(_mm512_and_si512(_mm512_srli_epi16(q1, 4), low), load_pair256(x + 160, x + 224));
-        __m512i sum = _mm512_add_epi32(
-            _mm512_add_epi32(_mm512_madd_epi16(p0, _mm512_permutexvar_epi16(pick02, sc16)),
-                             _mm512_madd_epi16(p1, _mm512_permutexvar_epi16(pick13, sc16))),
-            _mm512_add_epi32(_mm512_madd_epi16(p2, _mm512_permutexvar_epi16(pick46, sc16)),
-                             _mm512_madd_epi16(p3, _mm512_permutexvar_epi16(pick57, sc16))));
-        float dad = h2f_at(blk) * a->d[b], dmad = h2f_at(blk + 2) * a->d[b];
+        __m512i n0 = _mm512_and_si512(q0, low), n1 = _mm512_and_si512(_mm512_srli_epi16(q0, 4), low);
+        __m512i n2 = _mm512_and_si512(q1, low), n3 = _mm512_and_si512(_mm512_srli_epi16(q1, 4), low);
+        __m512i sum = _mm512_setzero_si512();
+        for (int level = 0; level < 2; level++) {   /* hi, then lo: sum = 128 * hi + lo per lane (< 2^27) */
+            const int8_t *x = (level ? a->lo : a->qs) + b * 256;
+            __m512i p0 = _mm512_maddubs_epi16(n0, load_pair256(x, x + 64));
+            __m512i p1 = _mm512_maddubs_epi16(n1, load_pair256(x + 32, x + 96));
+            __m512i p2 = _mm512_maddubs_epi16(n2, load_pair256(x + 128, x + 192));
+            __m512i p3 = _mm512_maddubs_epi16(n3, load_pair256(x + 160, x + 224));
+            sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 7),
+                                   _mm512_add_epi32(_mm512_add_epi32(_mm512_madd_epi16(p0, s02), _mm512_madd_epi16(p1, s13)),
+                                                    _mm512_add_epi32(_mm512_madd_epi16(p2, s46), _mm512_madd_epi16(p3, s57))));
+        }
+        float dad = h2f_at(blk) * (a->d[b] * LO_SCALE), dmad = h2f_at(blk + 2) * (a->d[b] * LO_SCALE);
         acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dad), acc);
-        /* sums of the activations per sub-block of 32 (pairs of bsums) times the mins */
-        const __m128i *bs = (const __m128i *)(a->bsums + b * 16);
-        __m128i pairs = _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1));
-        __m128i mins = _mm_madd_epi16(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m)), pairs);
+        /* sums of the activations per sub-block of 32 (pairs of bsums) times the mins, each level */
+        __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m));
+        const __m128i *bs = (const __m128i *)(a->bsums + b * 16), *bl = (const __m128i *)(a->bsums_lo + b * 16);
+        __m128i mins = _mm_madd_epi16(m16, _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)));
+        __m128i mins_l = _mm_madd_epi16(m16, _mm_hadd_epi16(_mm_loadu_si128(bl), _mm_loadu_si128(bl + 1)));
+        mins = _mm_add_epi32(_mm_slli_epi32(mins, 7), mins_l);
         acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(mins), _mm_set1_ps(dmad), acc_min);
     }
     __m128 t = _mm_add_ps(acc_min, _mm_movehl_ps(acc_min, acc_min));
@@ -577,14 +628,16 @@ static inline int q6k_offsets(const int8_t *sc, const int16_t *bsums) {
     return 32 * s;
 }
 
+/* Per super-block: sumi = 128 * sumi(hi) + sumi(lo) (each less its offsets), in 64 bits, scaled by
+   d * d_w / 128. */
 static float dot_q6_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
     float acc = 0.0f;
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
         const int8_t *sc = (const int8_t *)(blk + 192);
-        const int8_t *x = a->qs + b * 256;
-        int sums[16] = {0};
+        const int8_t *x = a->qs + b * 256, *xl = a->lo + b * 256;
+        int sums[16] = {0}, sums_l[16] = {0};
         for (int h = 0; h < 2; h++)
             for (int s = 0; s < 4; s++)
                 for (int i = 0; i < 32; i++) {
@@ -593,11 +646,13 @@ static float dot_q6_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t 
                     int q = l | (((qh[32 * h + i] >> (2 * s)) & 3) << 4);
                     int e = 128 * h + 32 * s + i;
                     sums[e / 16] += q * x[e];
+                    sums_l[e / 16] += q * xl[e];
                 }
-        int sumi = 0;
-        for (int g = 0; g < 16; g++) sumi += sc[g] * sums[g];
+        int sumi = 0, sumi_l = 0;
+        for (int g = 0; g < 16; g++) sumi += sc[g] * sums[g], sumi_l += sc[g] * sums_l[g];
         sumi -= q6k_offsets(sc, a->bsums + b * 16);
-        acc += a->d[b] * h2f_at(blk + 208) * (float)sumi;
+        sumi_l -= q6k_offsets(sc, a->bsums_lo + b * 16);
+        acc += a->d[b] * LO_SCALE * h2f_at(blk + 208) * (float)(128 * (int64_t)sumi + sumi_l);
     }
     return acc;
 }
@@ -610,8 +665,8 @@ TARGET_AVX2 static float dot_q6_K_avx2(const uint8_t *w, const uint8_t *meta, co
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
         const int8_t *sc = (const int8_t *)(blk + 192);
-        const int8_t *x = a->qs + b * 256;
-        __m256i sum = _mm256_setzero_si256();
+        const int8_t *x = a->qs + b * 256, *xl = a->lo + b * 256;
+        __m256i sum = _mm256_setzero_si256(), sum_l = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
             __m256i l1 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h + 32));
@@ -622,21 +677,25 @@ TARGET_AVX2 static float dot_q6_K_avx2(const uint8_t *w, const uint8_t *meta, co
             for (int s = 0; s < 4; s++) {
                 __m256i high = _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), two), 4);
                 __m256i q = _mm256_or_si256(lows[s], high);
-                __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x + 128 * h + 32 * s)));
                 int g = 8 * h + 2 * s;
                 __m256i scale = _mm256_set_m128i(_mm_set1_epi16(sc[g + 1]), _mm_set1_epi16(sc[g]));
+                __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x + 128 * h + 32 * s)));
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, scale));
+                p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(xl + 128 * h + 32 * s)));
+                sum_l = _mm256_add_epi32(sum_l, _mm256_madd_epi16(p, scale));
             }
         }
         int sumi = hsum256_epi32(sum) - q6k_offsets(sc, a->bsums + b * 16);
-        acc += a->d[b] * h2f_at(blk + 208) * (float)sumi;
+        int sumi_l = hsum256_epi32(sum_l) - q6k_offsets(sc, a->bsums_lo + b * 16);
+        acc += a->d[b] * LO_SCALE * h2f_at(blk + 208) * (float)(128 * (int64_t)sumi + sumi_l);
     }
     return acc;
 }
 
 /* 64 values per vector: half h's s and s+1 (two 32-value pieces), their four scales of 16 through one
-   permute of the 16 scales; per-lane int32 sums scaled in float per super-block, reduced once; the
-   offset (32 * sum_g scale_g * bsum_g) on a 256-bit vector. */
+   permute of the 16 scales; per-lane int32 sums of each level, joined in float (128 * hi + lo can pass
+   2^31 here) and scaled per super-block, reduced once; the offset (32 * sum_g scale_g * bsum_g, the two
+   levels' bsums joined in int32) on a 256-bit vector. */
 TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
     const __m512i low = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3);
@@ -649,10 +708,10 @@ TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, co
     __m256 acc_off = _mm256_setzero_ps();
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
-        const int8_t *x = a->qs + b * 256;
+        const int8_t *x = a->qs + b * 256, *xl = a->lo + b * 256;
         __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(blk + 192)));
         __m512i sc512 = _mm512_castsi256_si512(sc16);
-        __m512i sum = _mm512_setzero_si512();
+        __m512i sum = _mm512_setzero_si512(), sum_l = _mm512_setzero_si512();
         for (int h = 0; h < 2; h++) {
             __m512i l = _mm512_loadu_si512((const void *)(ql + 64 * h));   /* pieces s=0 | s=1 low nibbles */
             __m256i hb256 = _mm256_loadu_si256((const __m256i *)(qh + 32 * h));
@@ -662,18 +721,46 @@ TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, co
                 /* lanes 0-255 are piece s = 2p (shift 4p), lanes 256-511 piece s = 2p + 1 (shift 4p + 2) */
                 __m512i shifted = _mm512_mask_blend_epi64(0xF0, _mm512_srli_epi16(hb, 4 * p), _mm512_srli_epi16(hb, 4 * p + 2));
                 __m512i q = _mm512_or_si512(lq, _mm512_slli_epi16(_mm512_and_si512(shifted, two), 4));
+                __m512i scale = _mm512_permutexvar_epi16(pick[2 * h + p], sc512);
                 __m512i prod = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(x + 128 * h + 64 * p)));
-                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, _mm512_permutexvar_epi16(pick[2 * h + p], sc512)));
+                sum = _mm512_add_epi32(sum, _mm512_madd_epi16(prod, scale));
+                prod = _mm512_maddubs_epi16(q, _mm512_loadu_si512((const void *)(xl + 128 * h + 64 * p)));
+                sum_l = _mm512_add_epi32(sum_l, _mm512_madd_epi16(prod, scale));
             }
         }
-        float dad = h2f_at(blk + 208) * a->d[b];
-        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(dad), acc);
+        float dad = h2f_at(blk + 208) * (a->d[b] * LO_SCALE);
+        __m512 joined = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(128.0f), _mm512_cvtepi32_ps(sum_l));
+        acc = _mm512_fmadd_ps(joined, _mm512_set1_ps(dad), acc);
         __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums + b * 16)), sc16);
+        __m256i off_l = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums_lo + b * 16)), sc16);
+        off = _mm256_add_epi32(_mm256_slli_epi32(off, 7), off_l);
         acc_off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.0f * dad), acc_off);
     }
     return _mm512_reduce_add_ps(acc) - hsum256_ps(acc_off);
 }
 #endif
+
+/* ---------------------------------------------------------------- one call's state */
+
+typedef struct {
+    int fmt, isa, N, K, T, group;
+    const uint8_t *w, *meta;
+    ptrdiff_t w_stride, meta_stride, x_stride, out_stride;
+    const float *x;
+    float *out;
+    uint8_t *buf, *tiles;
+    size_t per_token, qs_bytes, d_bytes, bs_bytes, tile_bytes;
+    int token_groups, row_tiles;
+    _Atomic int next;               /* the next row tile to hand out */
+    _Atomic int failed;
+} matmul_t;
+
+/* Token t's activations in buf: hi [K] | lo [K] | d [K/group] | bsums [K/16] | bsums_lo [K/16] (q8_K). */
+static inline act_t token_act(const matmul_t *m, int t) {
+    uint8_t *p = m->buf + m->per_token * (size_t)t, *d = p + 2 * m->qs_bytes;
+    int16_t *bs = m->bs_bytes ? (int16_t *)(d + m->d_bytes) : NULL;
+    return (act_t){(int8_t *)p, (int8_t *)(p + m->qs_bytes), (float *)d, bs, bs ? bs + m->bs_bytes / 2 : NULL};
+}
 
 /* ---------------------------------------------------------------- many tokens: tokens in lanes (VNNI) */
 /* For 4+ tokens, vpdpbusd runs with 16 tokens in the lanes of one vector: each token's activations
@@ -681,7 +768,9 @@ TARGET_VNNI static float dot_q6_K_vnni(const uint8_t *w, const uint8_t *meta, co
    broadcast to every lane.  A weight row is unpacked once per call (unpack_row: signed values, a
    float scale and its value sum per group of G, Q4_K's min per group) and read by every token, so a
    block is decoded once, not once per token.  q + 128 adds 128 * (the row's group sum), taken off
-   before the group's float scale. */
+   before the group's float scale.  Each level has its own bytes; a group's int32 sum runs over the hi
+   bytes, is shifted by 7 (times 128) and continues over the lo bytes: 128 * hi + lo exactly (below 2^27
+   for every format's groups), and the tile's scales are d / 128. */
 
 #define LANES 16
 
@@ -775,26 +864,31 @@ TARGET_VNNI static const int8_t *unpack_row(int fmt, const uint8_t *w, const uin
     return vals;
 }
 
-/* Tokens t0..t0+15 of the quantized activations into lanes: bytes [K/4][16][4] (q + 128, zero past T),
-   scales [K/act_group][16], and (Q4_K) value sums per 32, [K/32][16] float. */
-static void act_tiles(const uint8_t *buf, size_t per_token, size_t qs_bytes, size_t d_bytes, int K, int act_group,
-                      int with_sums, int t0, int T, uint8_t *bytes, float *d, float *sums) {
+/* Tokens t0..t0+15 of the quantized activations into lanes: bytes [2][K/4][16][4] (the hi level, then the
+   lo level; q + 128, zero past T), scales d / 128 [K/act_group][16], and (Q4_K) the value sums per 32 of
+   128 * hi + lo, [K/32][16] float. */
+static void act_tiles(const matmul_t *m, int t0, uint8_t *bytes, float *d, float *sums) {
+    const int K = m->K;
     for (int l = 0; l < LANES; l++) {
         int t = t0 + l;
-        const int8_t *qs = t < T ? (const int8_t *)(buf + per_token * (size_t)t) : NULL;
-        const float *ad = t < T ? (const float *)(buf + per_token * (size_t)t + qs_bytes) : NULL;
-        const int16_t *bs = t < T ? (const int16_t *)(buf + per_token * (size_t)t + qs_bytes + d_bytes) : NULL;
-        for (int q = 0; q < K / 4; q++) {
-            uint32_t v = 0x80808080u;
-            if (qs) {
-                memcpy(&v, qs + 4 * q, 4);
-                v ^= 0x80808080u;
+        act_t a = t < m->T ? token_act(m, t) : (act_t){NULL, NULL, NULL, NULL, NULL};
+        for (int level = 0; level < 2; level++) {
+            const int8_t *qs = level ? a.lo : a.qs;
+            uint8_t *out = bytes + (size_t)level * K * LANES;
+            for (int q = 0; q < K / 4; q++) {
+                uint32_t v = 0x80808080u;
+                if (qs) {
+                    memcpy(&v, qs + 4 * q, 4);
+                    v ^= 0x80808080u;
+                }
+                memcpy(out + ((size_t)q * LANES + l) * 4, &v, 4);
             }
-            memcpy(bytes + ((size_t)q * LANES + l) * 4, &v, 4);
         }
-        for (int b = 0; b < K / act_group; b++) d[b * LANES + l] = ad ? ad[b] : 0.0f;
-        if (with_sums)
-            for (int j = 0; j < K / 32; j++) sums[j * LANES + l] = bs ? (float)(bs[2 * j] + bs[2 * j + 1]) : 0.0f;
+        for (int b = 0; b < K / m->group; b++) d[b * LANES + l] = a.d ? a.d[b] * LO_SCALE : 0.0f;
+        if (m->fmt == FMT_Q4_K)
+            for (int j = 0; j < K / 32; j++)
+                sums[j * LANES + l] = a.bsums ? (float)(128 * (a.bsums[2 * j] + a.bsums[2 * j + 1]) +
+                                                        a.bsums_lo[2 * j] + a.bsums_lo[2 * j + 1]) : 0.0f;
     }
 }
 
@@ -812,12 +906,17 @@ TARGET_VNNI static inline __attribute__((always_inline)) void lanes_kernel(
         const int gi = g0 / group;
         __m512i acc[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_set1_epi32(-sums[r][gi]);
-        for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
-            __m512i a = _mm512_load_si512((const void *)(bytes + (size_t)q * 64));
-            for (int r = 0; r < TILE_ROWS; r++) {
-                int32_t wv;
-                memcpy(&wv, vals[r] + 4 * q, 4);
-                acc[r] = _mm512_dpbusd_epi32(acc[r], a, _mm512_set1_epi32(wv));
+        for (int level = 0; level < 2; level++) {
+            const uint8_t *lb = bytes + (size_t)level * K * LANES;
+            if (level)
+                for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_sub_epi32(_mm512_slli_epi32(acc[r], 7), _mm512_set1_epi32(sums[r][gi]));
+            for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
+                __m512i a = _mm512_load_si512((const void *)(lb + (size_t)q * 64));
+                for (int r = 0; r < TILE_ROWS; r++) {
+                    int32_t wv;
+                    memcpy(&wv, vals[r] + 4 * q, 4);
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], a, _mm512_set1_epi32(wv));
+                }
             }
         }
         if (act_group == 32) {
@@ -893,29 +992,11 @@ static void *scratch_for(size_t bytes) {
    scales per group) does not shrink with the lanes. */
 int ks_lanes_min_tokens[4] = {6, 4, 6, 5};
 
-typedef struct {
-    int fmt, isa, N, K, T, group;
-    const uint8_t *w, *meta;
-    ptrdiff_t w_stride, meta_stride, x_stride, out_stride;
-    const float *x;
-    float *out;
-    uint8_t *buf, *tiles;
-    size_t per_token, qs_bytes, d_bytes, bs_bytes, tile_bytes;
-    int token_groups, row_tiles;
-    _Atomic int next;               /* the next row tile to hand out */
-    _Atomic int failed;
-} matmul_t;
-
-static inline act_t token_act(const matmul_t *m, int t) {
-    uint8_t *p = m->buf + m->per_token * (size_t)t;
-    return (act_t){(int8_t *)p, (float *)(p + m->qs_bytes), m->bs_bytes ? (int16_t *)(p + m->qs_bytes + m->d_bytes) : NULL};
-}
-
 static void matmul_quantize(void *ctx, int index, int count) {
     matmul_t *m = ctx;
     for (int t = index; t < m->T; t += count) {
         act_t a = token_act(m, t);
-        quantize_act(m->x + m->x_stride * t, m->K, m->group, a.qs, a.d, a.bsums);
+        quantize_act(m->x + m->x_stride * t, m->K, m->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
     }
 }
 
@@ -939,11 +1020,10 @@ static void matmul_dots(void *ctx, int index, int count) {
 #if KS_X86
 static void matmul_tiles(void *ctx, int index, int count) {
     matmul_t *m = ctx;
-    const size_t scales = (size_t)m->K * LANES, sums = scales + (size_t)(m->K / m->group) * LANES * 4;
+    const size_t scales = (size_t)m->K * LANES * 2, sums = scales + (size_t)(m->K / m->group) * LANES * 4;
     for (int tg = index; tg < m->token_groups; tg += count) {
         uint8_t *tile = m->tiles + m->tile_bytes * (size_t)tg;
-        act_tiles(m->buf, m->per_token, m->qs_bytes, m->d_bytes, m->K, m->group, m->fmt == FMT_Q4_K, tg * LANES, m->T,
-                  tile, (float *)(tile + scales), (float *)(tile + sums));
+        act_tiles(m, tg * LANES, tile, (float *)(tile + scales), (float *)(tile + sums));
     }
 }
 
@@ -952,7 +1032,7 @@ static void matmul_lanes(void *ctx, int index, int count) {
     matmul_t *m = ctx;
     const int K = m->K, N = m->N;
     const size_t ng = (size_t)(K / TILED[m->fmt].group), row_bytes = K + ng * 12;
-    const size_t scales = (size_t)K * LANES, sums = scales + (size_t)(K / m->group) * LANES * 4;
+    const size_t scales = (size_t)K * LANES * 2, sums = scales + (size_t)(K / m->group) * LANES * 4;
     /* this thread's TILE_ROWS unpacked rows (values, scales, mins, sums) */
     uint8_t *own = aligned_alloc(64, (TILE_ROWS * row_bytes + 63) / 64 * 64);
     if (!own) {
@@ -1000,12 +1080,12 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
                   .meta_stride = meta_stride, .x_stride = x_stride, .out_stride = out_stride, .x = x, .out = out};
     m.group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
     m.qs_bytes = (size_t)K, m.d_bytes = (size_t)(K / m.group) * 4, m.bs_bytes = m.group == 256 ? (size_t)(K / 16) * 2 : 0;
-    m.per_token = (m.qs_bytes + m.d_bytes + m.bs_bytes + 63) / 64 * 64;
+    m.per_token = (2 * (m.qs_bytes + m.bs_bytes) + m.d_bytes + 63) / 64 * 64;     /* both levels */
     m.row_tiles = (N + ROW_TILE - 1) / ROW_TILE;
     const int lanes = KS_X86 && isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
     m.token_groups = (T + LANES - 1) / LANES;
-    /* per token group: bytes [K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
-    m.tile_bytes = (size_t)K * LANES + (size_t)(K / m.group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
+    /* per token group: bytes [2][K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
+    m.tile_bytes = (size_t)K * LANES * 2 + (size_t)(K / m.group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
     m.buf = scratch_for(m.per_token * (size_t)T + (lanes ? m.tile_bytes * (size_t)m.token_groups : 0));
     if (!m.buf) return -1;
     m.tiles = m.buf + m.per_token * (size_t)T;

@@ -43,7 +43,7 @@ class HostKernels:
         lib.ks_isa_supported.restype = _i
         lib.ks_matmul.argtypes = [_i, _i, _p, _z, _p, _z, _i, _i, _p, _z, _i, _p, _z, _i]
         lib.ks_matmul.restype = _i
-        lib.ks_quantize_act.argtypes = [_p, _i, _i, _p, _p, _p]
+        lib.ks_quantize_act.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p]
         lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
         lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]
         lib.ks_rope.argtypes = [_p, _z, _z, _i, _i, _i, _p, _p]
@@ -123,17 +123,20 @@ class HostKernels:
         """x: float32 [T, cols] @ a Q4_0 / Q4_K / Q6_K weight (blocks uint8 [N, cols/QK * bytes]) → [T, N]."""
         return self.matmul(x, self.prepare_blocks(fmt, blocks, cols), out)
 
-    def quantize_activations(self, x: np.ndarray, group: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """One token's activation quantization as the matmuls do it (group 32: q8_0; 256: q8_K):
-        (qs int8 [K], d float32 [K/group], bsums int16 [K/16] for q8_K, else None)."""
+    def quantize_activations(self, x: np.ndarray, group: int) -> tuple:
+        """One token's activation quantization as the matmuls do it, in two int8 levels (group 32: q8_0;
+        256: q8_K): (hi int8 [K], lo int8 [K], d float32 [K/group], and for q8_K each level's bsums int16
+        [K/16], else None, None); value i is d * (hi[i] + lo[i] / 128)."""
         x = np.ascontiguousarray(x, np.float32)
         k = x.shape[0]
         assert x.ndim == 1 and k % group == 0 and group in (32, 256)
-        qs, d = np.empty(k, np.int8), np.empty(k // group, np.float32)
+        hi, lo, d = np.empty(k, np.int8), np.empty(k, np.int8), np.empty(k // group, np.float32)
         bsums = np.empty(k // 16, np.int16) if group == 256 else None
-        self._lib.ks_quantize_act(x.ctypes.data, k, group, qs.ctypes.data, d.ctypes.data,
-                                  None if bsums is None else bsums.ctypes.data)
-        return qs, d, bsums
+        bsums_lo = np.empty(k // 16, np.int16) if group == 256 else None
+        self._lib.ks_quantize_act(x.ctypes.data, k, group, hi.ctypes.data, lo.ctypes.data, d.ctypes.data,
+                                  None if bsums is None else bsums.ctypes.data,
+                                  None if bsums_lo is None else bsums_lo.ctypes.data)
+        return hi, lo, d, bsums, bsums_lo
 
     # ------------------------------------------------------------ float ops
 
