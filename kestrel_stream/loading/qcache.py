@@ -97,7 +97,8 @@ def flatten(weights: ModelWeights) -> list[tuple[str, np.ndarray]]:
             arrays += [(f"layers.{i}.router", moe.router),
                        (f"layers.{i}.experts_gate_up.qs", moe.gate_up.qs),
                        (f"layers.{i}.experts_gate_up.scales", moe.gate_up.scales),
-                       (f"layers.{i}.experts_down.qs", moe.down.qs), (f"layers.{i}.experts_down.scales", moe.down.scales)]
+                       (f"layers.{i}.experts_down.qs", moe.down.qs),
+                       (f"layers.{i}.experts_down.scales", moe.down.scales)]
     return arrays
 
 

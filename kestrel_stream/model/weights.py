@@ -144,14 +144,15 @@ def assemble_weights(cfg: ModelConfig, linear: Callable[[str], QTensor], norm: C
     for i in range(cfg.num_hidden_layers):
         def hf(key: str) -> str:
             return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
+        routed = cfg.moe_layer(i)
         layers.append(LayerWeights(
             attn_norm=norm(hf("attn_norm")),
             wqkv=fuse_rows([linear(hf("q")), linear(hf("k")), linear(hf("v"))]),
             wo=linear(hf("o")),
             mlp_norm=norm(hf("mlp_norm")),
-            w_gate_up=None if cfg.moe_layer(i) else fuse_rows([linear(hf("gate")), linear(hf("up"))], allow_stack=False),
-            w_down=None if cfg.moe_layer(i) else linear(hf("down")),
-            moe=assemble_experts(cfg, i, linear, norm) if cfg.moe_layer(i) else None,
+            w_gate_up=None if routed else fuse_rows([linear(hf("gate")), linear(hf("up"))], allow_stack=False),
+            w_down=None if routed else linear(hf("down")),
+            moe=assemble_experts(cfg, i, linear, norm) if routed else None,
             q_norm=norm(hf("q_norm")) if cfg.qk_norm else None,
             k_norm=norm(hf("k_norm")) if cfg.qk_norm else None,
             qkv_bias=np.concatenate([norm(hf("q_bias")), norm(hf("k_bias")), norm(hf("v_bias"))])
