@@ -62,6 +62,12 @@ def export_gguf(weights: ModelWeights, path: str | Path, byte_tokenizer: bool = 
     def add_q8(name: str, q: QTensor):
         writer.add_tensor(name, q.to_blocks(), raw_dtype=GGMLQuantizationType.Q8_0)
 
+    def add_experts(name: str, experts: list):
+        """[E, rows, cols] in the experts' own blocks (Q8_0, or a BlockTensor's format)."""
+        fmt = "Q8_0" if isinstance(experts[0], QTensor) else experts[0].fmt
+        blocks = [np.asarray(w.to_blocks() if fmt == "Q8_0" else w.blocks) for w in experts]
+        writer.add_tensor(name, np.stack(blocks), raw_dtype=GGMLQuantizationType[fmt])
+
     add_q8("token_embd.weight", weights.embed)
     writer.add_tensor("output_norm.weight", np.asarray(weights.final_norm, dtype=np.float32))
     if not weights.tied:
@@ -93,11 +99,8 @@ def export_gguf(weights: ModelWeights, path: str | Path, byte_tokenizer: bool = 
             writer.add_tensor(f"{blk}.ffn_gate_inp.weight", np.asarray(moe.router, dtype=np.float32))
             gate_up = [moe.gate_up.rows(*moe.gate_up_rows(e)) for e in range(moe.experts)]
             for name, part in (("gate", lambda w: w.rows(0, inter)), ("up", lambda w: w.rows(inter, 2 * inter))):
-                writer.add_tensor(f"{blk}.ffn_{name}_exps.weight", np.stack([part(w).to_blocks() for w in gate_up]),
-                                  raw_dtype=GGMLQuantizationType.Q8_0)
-            writer.add_tensor(f"{blk}.ffn_down_exps.weight",
-                              np.stack([moe.down.rows(*moe.down_rows(e)).to_blocks() for e in range(moe.experts)]),
-                              raw_dtype=GGMLQuantizationType.Q8_0)
+                add_experts(f"{blk}.ffn_{name}_exps.weight", [part(w) for w in gate_up])
+            add_experts(f"{blk}.ffn_down_exps.weight", [moe.down.rows(*moe.down_rows(e)) for e in range(moe.experts)])
             continue
         add_q8(f"{blk}.ffn_gate.weight", layer.w_gate_up.rows(0, ffn_rows))
         add_q8(f"{blk}.ffn_up.weight", layer.w_gate_up.rows(ffn_rows, 2 * ffn_rows))
