@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 import scheduler
-from bench.synthetic import random_blocks
+from bench.synthetic import random_blocks, random_q8_weights
 from kestrel_stream.loading.loader import load_weights
 from kestrel_stream.loading.presets import PRESETS, make_model
 from kestrel_stream.model.quant4 import BlockTensor
+from kestrel_stream.obs import trace
 from kestrel_stream.options import Options
 from kestrel_stream.run.host.arithmetic import rmsnorm, route, silu_mul
 from kestrel_stream.run.host.backend import HostBackend
@@ -80,6 +81,32 @@ def test_a_batch_of_sessions_equals_each_alone(moe_model):
     together = engine.executor.forward([(kv, np.array(p), 0) for kv, p in zip(kvs, (PROMPT, PROMPT[3:], [9]))])
     for a, b in zip(alone, together):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(a).max())
+
+
+def test_the_host_runs_a_moe_plans_ops_in_its_order(moe_model, tmp_path):
+    """router and experts are entries of the host backend's table: a step runs the plan's ops, no others."""
+    engine = numpy_engine(moe_model)
+    session = engine.new_session()
+    session.prefill([3, 1, 4])
+    path = tmp_path / "step.json"
+    trace.start(path)
+    try:
+        session.prefill([5, 6, 7, 8, 9])
+    finally:
+        trace.stop()
+    ran = [(e["name"], e["args"]["layer"]) for e in json.loads(path.read_text())["traceEvents"]
+           if e.get("ph") == "X" and e.get("cat") == "host" and "op" in e.get("args", {})]
+    plans = [[(op.group or op.kind, -1 if op.layer is None else op.layer) for op in engine.executor.plan(t).ops_on("cpu")
+              if scheduler.runs_alone(op)] for t in (1, 5, 64)]
+    assert ran == plans[0] == plans[1] == plans[2]
+    routed = [i for i in range(engine.config.num_hidden_layers) if engine.config.moe_layer(i)]
+    assert [layer for kind, layer in ran if kind == "router"] == [layer for kind, layer in ran if kind == "experts"] == routed
+
+
+def test_random_q8_weights_of_a_moe_preset_run():
+    weights = random_q8_weights("qwen3-moe-tiny", seed=1)
+    logits = Engine(weights, device="cpu", options=NUMPY).new_session().prefill(PROMPT)
+    assert np.isfinite(logits).all() and logits.std() > 0
 
 
 def test_routing_ties_go_to_the_lowest_expert():

@@ -88,7 +88,7 @@ class HostProgram:
             return
         for op, call in zip(self.ops, self.calls):
             with trace.span(f"{self.span_prefix}{op.group or op.kind}", op=op.name, layer=-1 if op.layer is None else op.layer,
-                            flops=float(op.flops), bytes=int(op.weight_bytes), segment="cpu"):
+                            flops=float(op.flops), bytes=int(op.active_weight_bytes), segment="cpu"):
                 call(state)
 
 
