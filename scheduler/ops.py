@@ -91,7 +91,7 @@ class WeightRef:
 @dataclass(frozen=True)
 class Op:
     name: str                 # "L3.qkv", "embed", "lm_head"
-    kind: str                 # embed | norm | projection | rope | attention | elementwise
+    kind: str                 # embed | norm | projection | rope | attention | elementwise | router | experts
     layer: int | None         # None for embed, final_norm, lm_head
     weights: tuple            # WeightRef owned by this op (each weight owned by exactly one op)
     input_bytes: int          # activations read (incl. the residual where the op adds it)

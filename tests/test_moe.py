@@ -11,9 +11,11 @@ import pytest
 
 import scheduler
 from bench.synthetic import random_blocks, random_q8_weights
+from kestrel_stream.cli.plan import read_config
 from kestrel_stream.loading.loader import load_weights
 from kestrel_stream.loading.presets import PRESETS, make_model
 from kestrel_stream.model.quant4 import BlockTensor
+from kestrel_stream.model.weights import hf_tensor_shapes
 from kestrel_stream.obs import trace
 from kestrel_stream.options import Options
 from kestrel_stream.run.host.arithmetic import rmsnorm, route, silu_mul
@@ -193,6 +195,7 @@ def test_experts_stay_in_their_gguf_blocks(tmp_path):
         assert isinstance(b.moe.down, BlockTensor) and b.moe.down.fmt == "Q6_K"
         np.testing.assert_array_equal(b.moe.gate_up.blocks, a.moe.gate_up.blocks)
         np.testing.assert_array_equal(b.moe.down.blocks, a.moe.down.blocks)
+    assert read_config(str(path)).weight_formats == loaded.config.weight_formats     # what `plan` costs
     formats = dict(loaded.config.weight_formats)
     gate, up, down = expert_names(cfg, 1, 3)
     assert (formats[gate], formats[up], formats[down]) == ("Q4_K", "Q4_K", "Q6_K")
@@ -230,6 +233,16 @@ def test_every_expert_is_placed_exactly_once(preset, mode):
         assert groups.count("router") == len(routed)
         assert (mode == "cpu") != any("mixture of experts" in note for note in plan.notes)
     assert expert_names(cfg, routed[-1], cfg.num_experts - 1)[2] in plan.describe()
+
+
+def test_the_30b_preset_has_qwen3_30b_a3bs_shape():
+    cfg = PRESETS["qwen3-30b-a3b"]
+    shapes = hf_tensor_shapes(cfg)
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    expert = sum(int(np.prod(s)) for name, s in shapes.items() if ".experts." in name) // cfg.num_experts
+    active = total - expert * (cfg.num_experts - cfg.num_experts_per_tok)
+    assert 30.4e9 < total < 30.6e9 and 3.2e9 < active < 3.4e9          # "30B-A3B"
+    assert len([n for n in shapes if ".experts." in n]) == 48 * 128 * 3
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 64])

@@ -66,7 +66,7 @@ class StepExecutor(Executor):
         if c.is_moe:
             raise ValueError(f"mode {mode}: {weights.source or 'this model'} is a mixture-of-experts model "
                              f"({c.arch}); its device path (router and experts on the GPU) is not built yet: "
-                             "use mode cpu (device='cpu')")
+                             "run it on the CPU engine (--device cpu; ks.load(..., device='cpu'))")
         self.options = Options.from_env() if options is None else options
         whole_step = kind in ("gpu", "auto")       # the plan is one device segment
         self.mode, self.profile, self.group_choice = ("gpu" if whole_step else mode), profile, group_choice
