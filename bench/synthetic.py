@@ -20,7 +20,7 @@ def random_q8_weights(preset: str | ModelConfig, seed: int = 0):
     ``random_tensor`` (int8 values ~ U[-127, 127] have std ~73).
     """
     from kestrel_stream.model.quant import QTensor
-    from kestrel_stream.model.weights import LayerWeights, ModelWeights
+    from kestrel_stream.model.weights import LayerWeights, ModelWeights, MoeWeights
     cfg = PRESETS[preset] if isinstance(preset, str) else preset
     rng = np.random.default_rng(seed)
 
@@ -32,12 +32,21 @@ def random_q8_weights(preset: str | ModelConfig, seed: int = 0):
         return (1.0 + 0.1 * rng.standard_normal(size, dtype=np.float32)).astype(np.float32)
 
     H, I, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    E, expert_I = cfg.num_experts, cfg.moe_intermediate_size
     residual_scale = 1.0 / np.sqrt(2 * L)
+
+    def experts() -> MoeWeights:         # a routed layer: the router float32, the experts stacked
+        router = (rng.standard_normal((E, H), dtype=np.float32) / np.float32(np.sqrt(H))).astype(np.float32)
+        return MoeWeights(router, linear(E * 2 * expert_I, H, 1 / np.sqrt(H)),
+                          linear(E * H, expert_I, residual_scale / np.sqrt(expert_I)))
+
     layers = [LayerWeights(norm(H), linear(cfg.q_size + 2 * cfg.kv_size, H, 1 / np.sqrt(H)),
                            linear(H, cfg.q_size, residual_scale / np.sqrt(cfg.q_size)), norm(H),
-                           linear(2 * I, H, 1 / np.sqrt(H)), linear(H, I, residual_scale / np.sqrt(I)),
-                           norm(cfg.head_dim) if cfg.qk_norm else None, norm(cfg.head_dim) if cfg.qk_norm else None)
-              for _ in range(L)]
+                           None if cfg.moe_layer(i) else linear(2 * I, H, 1 / np.sqrt(H)),
+                           None if cfg.moe_layer(i) else linear(H, I, residual_scale / np.sqrt(I)),
+                           norm(cfg.head_dim) if cfg.qk_norm else None, norm(cfg.head_dim) if cfg.qk_norm else None,
+                           moe=experts() if cfg.moe_layer(i) else None)
+              for i in range(L)]
     embed = linear(cfg.vocab_size, H, 0.02)
     lm_head = embed if cfg.tie_word_embeddings else linear(cfg.vocab_size, H, 1 / np.sqrt(H))
     return ModelWeights(cfg, embed, layers, norm(H), lm_head, source=f"random {cfg.arch} ({seed})")

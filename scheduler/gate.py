@@ -26,13 +26,13 @@ def _us(amount: float, per_second_in_billions: float) -> float:
 
 def host_time_us(op, profile) -> float:
     """Predicted host time of an op: compute- or memory-bound, whichever is slower."""
-    bytes_read = op.weight_bytes + op.input_bytes + op.output_bytes
+    bytes_read = op.active_weight_bytes + op.input_bytes + op.output_bytes
     return max(_us(op.flops, profile.host_gflops), _us(bytes_read, profile.host_weight_GBps))
 
 
 def gpu_compute_us(op, profile) -> float:
     """Kernel time of an op whose weights are already resident (launch cost not included)."""
-    bytes_read = op.weight_bytes if op.weights else op.input_bytes + op.output_bytes
+    bytes_read = op.active_weight_bytes if op.weights else op.input_bytes + op.output_bytes
     return max(_us(op.flops, profile.gpu_gflops), _us(bytes_read, profile.gpu_weight_GBps))
 
 

@@ -16,14 +16,24 @@ path). Costs are for M tokens in the step:
   Q6_K N·K·210/256; norm vectors are kept in float32 (4 bytes per element);
 - activation bytes: float32, everything the op reads / writes besides weights.
 
+In a mixture-of-experts layer (moe.py) gate_up, silu_mul and down become `router` (a float32 projection onto
+the experts, softmax and top-k) and `experts` (the chosen experts' gate_up, SiLU·mul and down for each
+token, weighted and added into the residual); the experts op owns every expert's weights, and its FLOPs
+and read bytes are those of the experts a step of M tokens is expected to use (`read_fraction`).
+
 The config is duck-typed: any object with the ModelConfig fields works
 (hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
 num_key_value_heads, head_dim, vocab_size, tie_word_embeddings, qk_norm,
-qkv_bias, q_size, kv_size, weight_formats).
+qkv_bias, q_size, kv_size, weight_formats, num_experts, num_experts_per_tok,
+moe_intermediate_size, moe_layer).
+
+One concern, the step program: the ops, their order and their costs are read together.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+
+from .moe import ROUTE_FLOATS_PER_CHOICE, expected_experts, expert_names, expert_shapes, moe_weight_names, router_name
 
 Q8_GROUP = 32
 FLOAT32_BYTES = 4
@@ -38,7 +48,8 @@ FUSED_KINDS = ("norm", "elementwise")
 # "params": token id, position and KV table row, 16 bytes, read by device ops of the KV cache and embed)
 STATE_FLOATS = {"x": lambda c: c.hidden_size, "xn": lambda c: c.hidden_size + 1,
                 "qkv": lambda c: c.q_size + 2 * c.kv_size, "q": lambda c: c.q_size, "attn": lambda c: c.q_size,
-                "act": lambda c: c.intermediate_size, "logits": lambda c: c.vocab_size}
+                "act": lambda c: c.intermediate_size, "logits": lambda c: c.vocab_size,
+                "route": lambda c: ROUTE_FLOATS_PER_CHOICE * c.num_experts_per_tok}
 PARAMS_BYTES_PER_TOKEN = 16
 DEVICE_IMAGE_ALIGN = 256      # a Q8 weight's device image: qs, then scales at the next such boundary
 
@@ -80,7 +91,7 @@ class WeightRef:
 @dataclass(frozen=True)
 class Op:
     name: str                 # "L3.qkv", "embed", "lm_head"
-    kind: str                 # embed | norm | projection | rope | attention | elementwise
+    kind: str                 # embed | norm | projection | rope | attention | elementwise | router | experts
     layer: int | None         # None for embed, final_norm, lm_head
     weights: tuple            # WeightRef owned by this op (each weight owned by exactly one op)
     input_bytes: int          # activations read (incl. the residual where the op adds it)
@@ -97,6 +108,8 @@ class Op:
     full_rows: int = 0        # rows of the whole fused weight (a split part covers some of them)
     launches_per_range: int = 1   # kernels per row range: 1, or the library GEMM path's (scheduler/dense.py)
     fused_into: str | None = None  # the op whose kernel runs this one as its prologue (fuse_rope): no launch
+    read_fraction: float = 1.0     # the share of its weights' bytes a step reads (experts: the expected
+                                   # distinct experts of the step over all of them)
 
     def device_reads(self) -> tuple:
         """The state this op reads on the device."""
@@ -108,7 +121,7 @@ class Op:
         the rows it gathers (norm vectors and biases are left out)."""
         if self.kind == "embed":
             return tokens * q8_bytes(1, self.output_bytes // (FLOAT32_BYTES * tokens))
-        return sum(w.nbytes for w in self.weights if len(w.shape) == 2)
+        return int(sum(w.nbytes for w in self.weights if len(w.shape) == 2) * self.read_fraction)
 
     def image_bytes(self) -> int:
         """The device image bytes of this op's fused Q8 weight (what the residency window streams)."""
@@ -133,7 +146,13 @@ class Op:
 
     @property
     def weight_bytes(self) -> int:
+        """Storage bytes of the op's weights (what placement holds)."""
         return sum(w.nbytes for w in self.weights)
+
+    @property
+    def active_weight_bytes(self) -> int:
+        """Weight bytes a step reads (what the op's time is made of)."""
+        return int(self.weight_bytes * self.read_fraction)
 
     def subset(self, weight_names, suffix: str) -> "Op":
         """The same op restricted to some of its weights (a group split by a per-projection gate).
@@ -172,7 +191,8 @@ def _bias(name, size, tokens) -> WeightRef:
 
 
 def layer_ops(config, layer: int, tokens: int, context_len: int, formats: dict | None = None) -> list:
-    """The nine ops of one decoder layer, in order. context_len: KV entries attention reads."""
+    """The nine ops of one decoder layer, in order (eight in a routed layer: router and experts for gate_up,
+    silu_mul and down). context_len: KV entries attention reads."""
     formats = weight_formats(config) if formats is None else formats
 
     def _projection(name, shape, tokens):
@@ -191,7 +211,7 @@ def layer_ops(config, layer: int, tokens: int, context_len: int, formats: dict |
                          _bias(p + "self_attn.v_proj.bias", KV, tokens))
     keys = context_len + tokens
     next_norm = f"L{layer + 1}.attn_norm" if layer + 1 < config.num_hidden_layers else "final_norm"
-    return [
+    attention = [
         Op(name + "attn_norm", "norm", layer, (_norm(p + "input_layernorm.weight", H, tokens),),
            act * H, act * H),
         Op(name + "qkv", "projection", layer,
@@ -212,6 +232,10 @@ def layer_ops(config, layer: int, tokens: int, context_len: int, formats: dict |
            full_rows=H, row_ranges=((0, H),)),
         Op(name + "mlp_norm", "norm", layer,
            (_norm(p + "post_attention_layernorm.weight", H, tokens),), act * H, act * H),
+    ]
+    if config.moe_layer(layer):
+        return attention + _routed_mlp(config, layer, tokens, formats, next_norm)
+    return attention + [
         Op(name + "gate_up", "projection", layer,
            (_projection(p + "mlp.gate_proj.weight", (I, H), tokens),
             _projection(p + "mlp.up_proj.weight", (I, H), tokens)),
@@ -223,6 +247,26 @@ def layer_ops(config, layer: int, tokens: int, context_len: int, formats: dict |
            (_projection(p + "mlp.down_proj.weight", (H, I), tokens),),
            act * (I + H), act * H, group="down", reads=("act", "x"), writes=("x",), prepares=next_norm,
            full_rows=H, row_ranges=((0, H),)),
+    ]
+
+
+def _routed_mlp(config, layer: int, tokens: int, formats: dict, next_norm: str) -> list:
+    """The router and the experts of a mixture-of-experts layer (in place of gate_up, silu_mul, down)."""
+    H, E, k, I = config.hidden_size, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size
+    act, name = FLOAT32_BYTES * tokens, f"L{layer}."
+    route = act * ROUTE_FLOATS_PER_CHOICE * k
+    router = router_name(config, layer)       # kept float32: the choice of experts is made at full precision
+    expert_tokens = tokens * k / E             # expected tokens per expert: each weight's FLOPs
+    experts = tuple(_weight(weight, shape, expert_tokens, formats.get(weight, "Q8_0"))
+                    for e in range(E)
+                    for weight, shape in zip(expert_names(config, layer, e), expert_shapes(config)))
+    return [
+        Op(name + "router", "router", layer, (WeightRef(router, (E, H), E * H * FLOAT32_BYTES, 2.0 * tokens * E * H),),
+           act * H, route, extra_flops=5.0 * tokens * E, reads=("x",), writes=("route",), prologue=name + "mlp_norm"),
+        # per token: k experts' gate_up, SiLU·mul and down, their weighted sum added into x
+        Op(name + "experts", "experts", layer, experts, act * 2 * H + route, act * H,
+           extra_flops=tokens * k * (5.0 * I + 2.0 * H), reads=("x", "route"), writes=("x",),
+           prologue=name + "mlp_norm", prepares=next_norm, read_fraction=expected_experts(E, k, tokens) / E),
     ]
 
 
@@ -290,7 +334,11 @@ def model_weight_names(config) -> set:
     if config.qk_norm:
         per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
     biases = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"] if config.qkv_bias else []
+    mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
     for layer in range(config.num_hidden_layers):
-        names.update(f"model.layers.{layer}.{part}.weight" for part in per_layer)
+        routed = config.moe_layer(layer)
+        names.update(f"model.layers.{layer}.{part}.weight" for part in per_layer if not (routed and part in mlp))
         names.update(f"model.layers.{layer}.{part}.bias" for part in biases)
+        if routed:
+            names.update(moe_weight_names(config, layer))
     return names

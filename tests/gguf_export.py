@@ -21,7 +21,7 @@ def export_gguf(weights: ModelWeights, path: str | Path, byte_tokenizer: bool = 
     """
     cfg, path = weights.config, Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    writer = GGUFWriter(str(tmp), "llama" if cfg.arch in PERMUTED_ARCHS else cfg.arch)
+    writer = GGUFWriter(str(tmp), "llama" if cfg.arch in PERMUTED_ARCHS else cfg.arch.replace("_", ""))
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -47,6 +47,12 @@ def export_gguf(weights: ModelWeights, path: str | Path, byte_tokenizer: bool = 
     elif scaling is not None or cfg.rope_freq_factors:     # llama3: per-frequency divisors
         writer.add_tensor(ROPE_FREQS, (default_inv_freq(cfg.head_dim, cfg.rope_theta) / inv_freq(cfg))
                           .astype(np.float32))
+    if cfg.num_experts:                     # as llama.cpp's converter writes Qwen3-MoE and Mixtral
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        if cfg.arch == "qwen3_moe":
+            writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            writer.add_expert_weights_norm(cfg.norm_topk_prob)
     writer.add_vocab_size(cfg.vocab_size)
     if byte_tokenizer:
         add_byte_tokenizer(writer, cfg.vocab_size)
@@ -55,6 +61,12 @@ def export_gguf(weights: ModelWeights, path: str | Path, byte_tokenizer: bool = 
 
     def add_q8(name: str, q: QTensor):
         writer.add_tensor(name, q.to_blocks(), raw_dtype=GGMLQuantizationType.Q8_0)
+
+    def add_experts(name: str, experts: list):
+        """[E, rows, cols] in the experts' own blocks (Q8_0, or a BlockTensor's format)."""
+        fmt = "Q8_0" if isinstance(experts[0], QTensor) else experts[0].fmt
+        blocks = [np.asarray(w.to_blocks() if fmt == "Q8_0" else w.blocks) for w in experts]
+        writer.add_tensor(name, np.stack(blocks), raw_dtype=GGMLQuantizationType[fmt])
 
     add_q8("token_embd.weight", weights.embed)
     writer.add_tensor("output_norm.weight", np.asarray(weights.final_norm, dtype=np.float32))
@@ -82,6 +94,14 @@ def export_gguf(weights: ModelWeights, path: str | Path, byte_tokenizer: bool = 
             writer.add_tensor(f"{blk}.attn_q_norm.weight", np.asarray(layer.q_norm, dtype=np.float32))
             writer.add_tensor(f"{blk}.attn_k_norm.weight", np.asarray(layer.k_norm, dtype=np.float32))
         writer.add_tensor(f"{blk}.ffn_norm.weight", np.asarray(layer.mlp_norm, dtype=np.float32))
+        if layer.moe is not None:           # 3-D [E, rows, cols] expert tensors, the router in float32
+            moe, inter = layer.moe, cfg.moe_intermediate_size
+            writer.add_tensor(f"{blk}.ffn_gate_inp.weight", np.asarray(moe.router, dtype=np.float32))
+            gate_up = [moe.gate_up.rows(*moe.gate_up_rows(e)) for e in range(moe.experts)]
+            for name, part in (("gate", lambda w: w.rows(0, inter)), ("up", lambda w: w.rows(inter, 2 * inter))):
+                add_experts(f"{blk}.ffn_{name}_exps.weight", [part(w) for w in gate_up])
+            add_experts(f"{blk}.ffn_down_exps.weight", [moe.down.rows(*moe.down_rows(e)) for e in range(moe.experts)])
+            continue
         add_q8(f"{blk}.ffn_gate.weight", layer.w_gate_up.rows(0, ffn_rows))
         add_q8(f"{blk}.ffn_up.weight", layer.w_gate_up.rows(ffn_rows, 2 * ffn_rows))
         add_q8(f"{blk}.ffn_down.weight", layer.w_down)

@@ -29,10 +29,16 @@ def hf_model_with_weights(model_dir, weights):
             put(prefix + "self_attn.k_proj.weight", qkv[c.q_size: c.q_size + c.kv_size])
             put(prefix + "self_attn.v_proj.weight", qkv[c.q_size + c.kv_size:])
             put(prefix + "self_attn.o_proj.weight", layer.wo.dequantize())
-            gate_up = layer.w_gate_up.dequantize()
-            put(prefix + "mlp.gate_proj.weight", gate_up[: c.intermediate_size])
-            put(prefix + "mlp.up_proj.weight", gate_up[c.intermediate_size:])
-            put(prefix + "mlp.down_proj.weight", layer.w_down.dequantize())
+            if layer.moe is not None:           # transformers keeps the experts stacked: [E, 2I, H], [E, H, I]
+                E = layer.moe.experts
+                put(prefix + "mlp.gate.weight", layer.moe.router)
+                put(prefix + "mlp.experts.gate_up_proj", layer.moe.gate_up.dequantize().reshape(E, -1, c.hidden_size))
+                put(prefix + "mlp.experts.down_proj", layer.moe.down.dequantize().reshape(E, c.hidden_size, -1))
+            else:
+                gate_up = layer.w_gate_up.dequantize()
+                put(prefix + "mlp.gate_proj.weight", gate_up[: c.intermediate_size])
+                put(prefix + "mlp.up_proj.weight", gate_up[c.intermediate_size:])
+                put(prefix + "mlp.down_proj.weight", layer.w_down.dequantize())
             put(prefix + "input_layernorm.weight", layer.attn_norm)
             put(prefix + "post_attention_layernorm.weight", layer.mlp_norm)
             if c.qkv_bias:

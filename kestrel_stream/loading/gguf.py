@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp's format) for the ``llama``, ``qwen2`` and ``qwen3`` architectures.
+"""GGUF files (llama.cpp's format) for the ``llama``, ``qwen2``, ``qwen3`` and ``qwen3moe`` architectures
+(and Mixtral: arch ``llama`` with ``ffn_*_exps`` tensors).
 
 Reading maps llama.cpp tensor names and metadata keys onto our HF-named
 layout and reuses the loader's assembly.  Q8_0 tensors stay in the file's
@@ -18,6 +19,10 @@ rotate_half halves; within each head, rows [0..hd/2) and [hd/2..hd) are
 interleaved.  We use HF's rope, so the reader undoes that permutation and the
 writer applies it.  A row permutation commutes with row-wise Q8_0, so it is
 applied to qs and scales directly, still bit-exact.
+
+A routed layer's experts are 3-D tensors, [E, rows, cols] (``blk.N.ffn_{gate,up,down}_exps``): expert e
+of the HF layout is rows [e*rows, (e+1)*rows) of the tensor seen as [E*rows, cols], in the file's own
+blocks (``expert_slices``); the router ``blk.N.ffn_gate_inp`` is read as float32.
 
 One concern, a GGUF's mapping onto the model's layout: tensor names, metadata keys, types and the
 llama row permutation are read together, since each depends on the others.
@@ -41,17 +46,22 @@ from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor, quantize
 from kestrel_stream.model.quant4 import BLOCK_TYPES, BlockTensor, RowStack
 from kestrel_stream.model.rope import RopeScaling
-from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, assemble_weights, hf_tensor_shapes
+from kestrel_stream.model.weights import (DENSE_MLP_KEYS, HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights,
+                                          assemble_weights, hf_tensor_shapes)
 from kestrel_stream.obs.load_stages import stage
+from scheduler.moe import expert_names, expert_shapes, router_name
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
+MODEL_TYPES = {"qwen3moe": "qwen3_moe"}      # GGUF arch -> config.json model_type, where they differ
+ROUTER = "ffn_gate_inp.weight"
+EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")   # gate, up, down
 GGUF_LAYER_NAMES = {
     "attn_norm": "attn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
     "o": "attn_output.weight", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
     "mlp_norm": "ffn_norm.weight", "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
     "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
 }
-PERMUTED_ARCHS = ("llama", "mistral")   # written as GGUF arch llama, q/k rows permuted
+PERMUTED_ARCHS = ("llama", "mistral", "mixtral")   # written as GGUF arch llama, q/k rows permuted
 GGUF_GLOBAL_NAMES = {"embed": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
 ROPE_FREQS = "rope_freqs.weight"
 T = GGMLQuantizationType
@@ -70,9 +80,41 @@ def gguf_names(cfg: ModelConfig) -> dict[str, str]:
     """HF tensor name → llama.cpp tensor name, for every tensor of ``cfg``."""
     names = {HF_GLOBAL_NAMES[k]: f"{v}.weight" for k, v in GGUF_GLOBAL_NAMES.items()}
     for i in range(cfg.num_hidden_layers):
+        routed = cfg.moe_layer(i)
         for key, gguf_key in GGUF_LAYER_NAMES.items():
-            names[f"model.layers.{i}.{HF_LAYER_NAMES[key]}"] = f"blk.{i}.{gguf_key}"
+            if not (routed and key in DENSE_MLP_KEYS):
+                names[f"model.layers.{i}.{HF_LAYER_NAMES[key]}"] = f"blk.{i}.{gguf_key}"
+        if routed:
+            names[router_name(cfg, i)] = f"blk.{i}.{ROUTER}"
     return names
+
+
+def expert_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
+    """HF name of every expert tensor → (the GGUF 3-D tensor holding it, first row, end row) of that tensor
+    seen as [E * rows, cols]."""
+    out = {}
+    for i in range(cfg.num_hidden_layers):
+        if cfg.moe_layer(i):
+            for e in range(cfg.num_experts):
+                for hf, tensor, (rows, _) in zip(expert_names(cfg, i, e), EXPERT_TENSORS, expert_shapes(cfg)):
+                    out[hf] = (f"blk.{i}.{tensor}", e * rows, (e + 1) * rows)
+    return out
+
+
+def gguf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a GGUF file of ``cfg`` holds (rope_freqs aside), llama.cpp name → shape: experts 3-D."""
+    to_gguf, experts, shapes = gguf_names(cfg), expert_slices(cfg), {}
+    for hf, shape in hf_tensor_shapes(cfg).items():
+        if hf in experts:
+            shapes[experts[hf][0]] = (cfg.num_experts, *shape)
+        else:
+            shapes[to_gguf[hf]] = shape
+    return shapes
+
+
+def _is_linear(name: str, shape: tuple[int, ...]) -> bool:
+    """A weight kept in blocks (a matrix or a stack of experts); the router and vectors are read as float32."""
+    return len(shape) >= 2 and not name.endswith(ROUTER)
 
 
 def rope_row_order(rows: int, n_head: int, to_gguf: bool) -> np.ndarray:
@@ -92,10 +134,10 @@ def permute_rows(q, order: np.ndarray):
 def planned_weight_formats(f: GGUFFile, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
     """weight_formats_of the weights this file loads to (blocks="native"), from its tensor types alone:
     the fusion rules of quant4.fuse_rows applied to the types instead of the tensors."""
-    to_gguf, out = gguf_names(cfg), []
+    to_gguf, experts, out = gguf_names(cfg), expert_slices(cfg), []
 
     def kind(hf_name: str) -> str:
-        qtype = f.tensors[to_gguf[hf_name]].qtype
+        qtype = f.tensors[experts[hf_name][0] if hf_name in experts else to_gguf[hf_name]].qtype
         return qtype.name if qtype in BLOCK_NATIVE_TYPES else "Q8_0"
 
     def group(names: list[str], allow_stack: bool) -> None:
@@ -113,6 +155,11 @@ def planned_weight_formats(f: GGUFFile, cfg: ModelConfig) -> tuple[tuple[str, st
             return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
         group([hf("q"), hf("k"), hf("v")], True)
         group([hf("o")], True)
+        if cfg.moe_layer(i):             # assemble_experts' stacks: every expert's gate+up, every down
+            names = [expert_names(cfg, i, e) for e in range(cfg.num_experts)]
+            group([n for gate, up, _ in names for n in (gate, up)], False)
+            group([down for _, _, down in names], False)
+            continue
         group([hf("gate"), hf("up")], False)
         group([hf("down")], True)
     return tuple((n, k) for n, k in out if k != "Q8_0")
@@ -145,6 +192,12 @@ def weight_formats_of(weights: ModelWeights) -> tuple[tuple[str, str], ...]:
             return f"model.layers.{i}.{HF_LAYER_NAMES[key]}"
         add([(hf("q"), cfg.q_size), (hf("k"), cfg.kv_size), (hf("v"), cfg.kv_size)], lw.wqkv)
         add([(hf("o"), cfg.hidden_size)], lw.wo)
+        if lw.moe is not None:
+            names = [expert_names(cfg, i, e) for e in range(cfg.num_experts)]
+            inter = cfg.moe_intermediate_size
+            add([(n, inter) for gate, up, _ in names for n in (gate, up)], lw.moe.gate_up)
+            add([(down, cfg.hidden_size) for _, _, down in names], lw.moe.down)
+            continue
         add([(hf("gate"), cfg.intermediate_size), (hf("up"), cfg.intermediate_size)], lw.w_gate_up)
         add([(hf("down"), cfg.hidden_size)], lw.w_down)
     return tuple(out)
@@ -202,7 +255,7 @@ def config_from_metadata(f: GGUFFile, path: Path | None = None) -> ModelConfig:
     hidden, heads = meta("embedding_length"), meta("attention.head_count")
     max_positions = meta("context_length", 4096)
     d = {
-        "model_type": arch, "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
+        "model_type": MODEL_TYPES.get(arch, arch), "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
         "intermediate_size": meta("feed_forward_length"), "num_attention_heads": heads,
         "num_key_value_heads": meta("attention.head_count_kv", heads),
         "head_dim": meta("attention.key_length", hidden // heads if isinstance(heads, int) and heads else 0),
@@ -210,9 +263,21 @@ def config_from_metadata(f: GGUFFile, path: Path | None = None) -> ModelConfig:
         "rope_theta": meta("rope.freq_base", 10000.0), "max_position_embeddings": max_positions,
         "tie_word_embeddings": "output.weight" not in tensors,
     }
+    experts = f.metadata(f"{arch}.expert_count", 0) or 0
+    if experts and arch == "llama":         # llama.cpp writes Mixtral as arch llama, with expert tensors
+        d.update(model_type="mixtral", num_local_experts=experts, num_experts_per_tok=meta("expert_used_count"))
+    elif experts and arch == "qwen3moe":
+        layers = d["num_hidden_layers"] if isinstance(d["num_hidden_layers"], int) else 0
+        d.update(num_experts=experts, num_experts_per_tok=meta("expert_used_count"),
+                 moe_intermediate_size=meta("expert_feed_forward_length"),
+                 norm_topk_prob=bool(f.metadata(f"{arch}.expert_weights_norm", True)),   # llama.cpp's default
+                 mlp_only_layers=[i for i in range(layers) if f"blk.{i}.{ROUTER}" not in tensors])
+    elif experts or arch == "qwen3moe":
+        raise LoadError(f"{path}: GGUF architecture {arch!r} with {arch}.expert_count={experts} is not supported")
     window = f.metadata(f"{arch}.attention.sliding_window", None)
     if window and arch == "llama":          # llama.cpp writes Mistral as arch llama
-        d["model_type"], d["sliding_window"] = "mistral", int(window)
+        d["sliding_window"] = int(window)
+        d["model_type"] = "mixtral" if experts else "mistral"
     try:
         cfg = ModelConfig.from_dict(d, where=f"{path} (GGUF metadata)")
     except ConfigError as e:
@@ -258,7 +323,7 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig, expected: dict[str, tuple[int, 
         t = tensors[name]
         if t.shape != shape:
             raise LoadError(f"{path}: tensor {name!r} has shape {list(t.shape)}, the metadata implies {list(shape)}")
-        if t.qtype not in (LINEAR_TYPES if len(shape) == 2 else VECTOR_TYPES):
+        if t.qtype not in (LINEAR_TYPES if _is_linear(name, shape) else VECTOR_TYPES):
             unloadable[t.qtype.name].append(name)
     if unloadable:
         kinds = "; ".join(f"{kind}: {', '.join(names[:3])}{f' (and {len(names) - 3} more)' if len(names) > 3 else ''}"
@@ -293,10 +358,10 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
     with stage("  GGUF metadata and mmap"):
         f = open_gguf(path)
     cfg = config_from_metadata(f)
-    to_gguf = gguf_names(cfg)
-    expected = {to_gguf[hf]: shape for hf, shape in hf_tensor_shapes(cfg).items()}
+    to_gguf, experts = gguf_names(cfg), expert_slices(cfg)
+    expected = gguf_shapes(cfg)
     check_tensors(f, cfg, expected)
-    linear_types = {f.tensors[n].qtype for n, s in expected.items() if len(s) == 2}
+    linear_types = {f.tensors[n].qtype for n, s in expected.items() if _is_linear(n, s)}
     needs_conversion = any(t not in kept for t in linear_types)
     cache_path = key = None
     # the quantized cache holds Q8_0 weights only: a file that keeps blocks converts its other tensors each load
@@ -312,16 +377,22 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
     done_bytes = 0
     converted: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
 
-    def advance(name: str, what: str):
+    def advance(name: str, what: str, share: int = 1):
         nonlocal done_bytes
-        done_bytes += f.tensors[name].nbytes
+        done_bytes += f.tensors[name].nbytes // share
         if progress:
             progress(done_bytes, total_bytes, f"{what} {name}")
 
     def linear(hf_name: str) -> QTensor:
-        name = to_gguf[hf_name]
-        t = f.tensors[name]
-        raw = f.tensor_bytes(name)
+        if hf_name in experts:              # rows of a 3-D tensor of experts: a view of the file's blocks
+            name, lo, hi = experts[hf_name]
+            t = f.tensors[name]
+            raw = f.tensor_bytes(name).reshape(t.shape[0] * t.shape[1], -1)[lo:hi]
+            t = dataclasses.replace(t, shape=(hi - lo, t.shape[2]), nbytes=raw.nbytes)
+        else:
+            name = to_gguf[hf_name]
+            t = f.tensors[name]
+            raw = f.tensor_bytes(name)
         order = None
         if cfg.arch in PERMUTED_ARCHS and name.endswith(("attn_q.weight", "attn_k.weight")):
             n_head = cfg.num_attention_heads if name.endswith("attn_q.weight") else cfg.num_key_value_heads
@@ -343,7 +414,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
             counts[2] += q.nbytes
             if order is not None:
                 q = permute_rows(q, order)
-        advance(name, "read" if t.qtype in kept else f"convert {t.qtype.name}")
+        advance(name, "read" if t.qtype in kept else f"convert {t.qtype.name}",
+                cfg.num_experts if hf_name in experts else 1)
         return q
 
     def norm(hf_name: str) -> np.ndarray:

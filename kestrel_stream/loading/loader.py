@@ -230,8 +230,9 @@ def quantize_checkpoint(cfg: ModelConfig, sources: dict[str, TensorSource], sour
         advance(name, "quantize")
         return q
 
-    def norm(name: str) -> np.ndarray:
-        w = np.array(tensor_view(sources[name]), dtype=np.float32)
+    def norm(name: str) -> np.ndarray:     # a norm, a bias or a router: float32
+        view = tensor_view(sources[name])
+        w = np.array(view[:] if isinstance(view, Bf16Rows) else view, dtype=np.float32)
         advance(name, "read")
         return w
 

@@ -49,6 +49,18 @@ PRESETS: dict[str, ModelConfig] = {
                               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
                               max_position_embeddings=512,
                               rope_scaling=RopeScaling("yarn", 4.0, original_max_position_embeddings=128)),
+    # Mixture of experts: Qwen3-MoE with a dense layer between two routed ones (mlp_only_layers), and
+    # Mixtral; few enough experts that a short prompt reaches every one of them.
+    "qwen3-moe-tiny": ModelConfig(arch="qwen3_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+                                  rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                                  max_position_embeddings=512, num_experts=8, num_experts_per_tok=2,
+                                  moe_intermediate_size=64, norm_topk_prob=True, dense_layers=(1,)),
+    "mixtral-tiny": ModelConfig(arch="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+                                rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
+                                max_position_embeddings=512, num_experts=4, num_experts_per_tok=2,
+                                moe_intermediate_size=96, norm_topk_prob=True),
     "qwen3-0.6b": ModelConfig(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                               num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
@@ -61,6 +73,11 @@ PRESETS: dict[str, ModelConfig] = {
                             num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                             rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
                             max_position_embeddings=40960),
+    "qwen3-30b-a3b": ModelConfig(arch="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                                 num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                                 rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                                 max_position_embeddings=40960, num_experts=128, num_experts_per_tok=8,
+                                 moe_intermediate_size=768, norm_topk_prob=True),
 }
 
 
@@ -74,7 +91,7 @@ def random_tensor(rng: np.random.Generator, name: str, shape: tuple[int, ...], c
         scale = 0.02 if name.endswith("embed_tokens.weight") else 1.0 / np.sqrt(shape[1])
     else:
         scale = 1.0 / np.sqrt(shape[1])
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(("o_proj.weight", "down_proj.weight", ".w2.weight")):    # w2: Mixtral's expert down
             scale /= np.sqrt(2 * cfg.num_hidden_layers)
     out = rng.standard_normal(shape, dtype=np.float32)
     out *= np.float32(scale)

@@ -9,6 +9,9 @@ memory-map it.  File layout (little-endian):
                  tensors [{name, dtype, shape, offset, crc32}]
     zero padding to ALIGN_BYTES, then each array at an ALIGN_BYTES-aligned offset
 
+A routed layer stores its router and its two stacked expert weights instead of
+gate_up and down (the config in the key says which layers route, so the layout
+of dense models is unchanged and needs no new version).
 The key hashes the format version, the config and every shard's (name, size,
 mtime_ns): editing or touching a shard makes the cache stale.  A stale,
 truncated or corrupt file is reported in the log and rebuilt by the caller.
@@ -30,7 +33,7 @@ import numpy as np
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.options import default_cache_root
 from kestrel_stream.model.quant import QTensor
-from kestrel_stream.model.weights import LayerWeights, ModelWeights
+from kestrel_stream.model.weights import LayerWeights, ModelWeights, MoeWeights
 
 log = logging.getLogger(__name__)
 
@@ -87,19 +90,32 @@ def flatten(weights: ModelWeights) -> list[tuple[str, np.ndarray]]:
                 arrays.append((f"layers.{i}.{field}", getattr(layer, field)))
         for field in ("wqkv", "wo", "w_gate_up", "w_down"):
             q = getattr(layer, field)
-            arrays += [(f"layers.{i}.{field}.qs", q.qs), (f"layers.{i}.{field}.scales", q.scales)]
+            if q is not None:           # None: a routed layer's MLP, its experts below
+                arrays += [(f"layers.{i}.{field}.qs", q.qs), (f"layers.{i}.{field}.scales", q.scales)]
+        if layer.moe is not None:
+            moe = layer.moe
+            arrays += [(f"layers.{i}.router", moe.router),
+                       (f"layers.{i}.experts_gate_up.qs", moe.gate_up.qs),
+                       (f"layers.{i}.experts_gate_up.scales", moe.gate_up.scales),
+                       (f"layers.{i}.experts_down.qs", moe.down.qs),
+                       (f"layers.{i}.experts_down.scales", moe.down.scales)]
     return arrays
 
 
 def unflatten(arrays: dict[str, np.ndarray], cfg: ModelConfig, tied: bool, source: str) -> ModelWeights:
-    def q(name: str) -> QTensor:
-        return QTensor(arrays[f"{name}.qs"], arrays[f"{name}.scales"])
+    def q(name: str) -> QTensor | None:
+        return QTensor(arrays[f"{name}.qs"], arrays[f"{name}.scales"]) if f"{name}.qs" in arrays else None
+
+    def experts(i: int) -> MoeWeights | None:
+        if not cfg.moe_layer(i):
+            return None
+        return MoeWeights(arrays[f"layers.{i}.router"], q(f"layers.{i}.experts_gate_up"), q(f"layers.{i}.experts_down"))
 
     layers = [LayerWeights(
         attn_norm=arrays[f"layers.{i}.attn_norm"], wqkv=q(f"layers.{i}.wqkv"), wo=q(f"layers.{i}.wo"),
         mlp_norm=arrays[f"layers.{i}.mlp_norm"], w_gate_up=q(f"layers.{i}.w_gate_up"),
         w_down=q(f"layers.{i}.w_down"), q_norm=arrays.get(f"layers.{i}.q_norm"),
-        k_norm=arrays.get(f"layers.{i}.k_norm"), qkv_bias=arrays.get(f"layers.{i}.qkv_bias"),
+        k_norm=arrays.get(f"layers.{i}.k_norm"), qkv_bias=arrays.get(f"layers.{i}.qkv_bias"), moe=experts(i),
     ) for i in range(cfg.num_hidden_layers)]
     embed = q("embed")
     return ModelWeights(config=cfg, embed=embed, layers=layers, final_norm=arrays["final_norm"],

@@ -1,11 +1,14 @@
-"""Model configuration: Llama (1-3.x), Mistral, Qwen2/2.5 and Qwen3, parsed from a Hugging Face config.json.
+"""Model configuration: Llama (1-3.x), Mistral, Qwen2/2.5, Qwen3 and the mixture-of-experts Qwen3-MoE and
+Mixtral, parsed from a Hugging Face config.json.
 
 Only the fields a decode step needs are kept (gpt-fast's ModelArgs, mlx-lm's
 from_dict); anything that would change the arithmetic and is not supported
 (an o/MLP bias, rope scaling other than linear/llama3/yarn, another
 activation) is rejected with a message that names it, rather than silently
 computing something else.  Mistral is Llama-shaped with an optional sliding
-attention window; Qwen2 adds a bias to the q, k and v projections.
+attention window; Qwen2 adds a bias to the q, k and v projections.  Qwen3-MoE is Qwen3 with a routed MLP
+(softmax over the experts, top-k, renormalized when norm_topk_prob; some layers may keep a dense MLP),
+Mixtral is Mistral with one (top-k on the router's logits, softmax over the chosen).
 """
 from __future__ import annotations
 
@@ -20,8 +23,13 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 QKV_BIAS_ARCHS = ("qwen2",)
+QK_NORM_ARCHS = ("qwen3", "qwen3_moe")
+SLIDING_ARCHS = ("mistral", "mixtral")
+MOE_ARCHS = ("qwen3_moe", "mixtral")
 
 
 class ConfigError(ValueError):
@@ -30,7 +38,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    arch: str                      # "llama" | "mistral" | "qwen2" | "qwen3"
+    arch: str                      # "llama" | "mistral" | "qwen2" | "qwen3" | "qwen3_moe" | "mixtral"
     hidden_size: int               # H
     intermediate_size: int         # I (MLP width)
     num_hidden_layers: int         # L
@@ -48,6 +56,27 @@ class ModelConfig:
     # (HF weight name, block format) for linear weights kept in a format other than Q8_0 (a GGUF's
     # Q4_0 / Q4_K / Q6_K tensors, model/quant4.py): what the cost model and the window count
     weight_formats: tuple[tuple[str, str], ...] = ()
+    # mixture of experts (0 experts: a dense model)
+    num_experts: int = 0               # E, experts of a routed layer
+    num_experts_per_tok: int = 0       # k, experts each token uses
+    moe_intermediate_size: int = 0     # one expert's MLP width
+    norm_topk_prob: bool = False       # the chosen experts' weights renormalized to sum to 1
+    dense_layers: tuple[int, ...] = () # layers of an MoE model with a dense MLP (Qwen3-MoE's mlp_only_layers and
+                                       # the layers decoder_sparse_step skips)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether `layer` routes its MLP through experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    @property
+    def router_softmax_first(self) -> bool:
+        """Qwen3-MoE: softmax over every expert, then top-k (renormalized when norm_topk_prob); Mixtral: top-k
+        on the logits, then softmax over the chosen (equal to renormalizing the first's)."""
+        return self.arch != "mixtral"
 
     @property
     def qkv_bias(self) -> bool:
@@ -57,7 +86,7 @@ class ModelConfig:
     @property
     def qk_norm(self) -> bool:
         """Qwen3 applies an RMSNorm over head_dim to every q and k head before RoPE."""
-        return self.arch == "qwen3"
+        return self.arch in QK_NORM_ARCHS
 
     @property
     def q_size(self) -> int:
@@ -123,7 +152,7 @@ class ModelConfig:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        window = d.get("sliding_window") if arch == "mistral" else None
+        window = d.get("sliding_window") if arch in SLIDING_ARCHS else None
         if arch == "qwen2" and d.get("use_sliding_window"):
             raise ConfigError(f"{where}: use_sliding_window=true (sliding attention in some Qwen2 layers only) "
                               "is not supported")
@@ -144,9 +173,11 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             rope_scaling=scaling,
             sliding_window=window,
+            **_moe_fields(d, arch, where),
         )
         for name, size in (("hidden_size", cfg.hidden_size),
                            ("intermediate_size", cfg.intermediate_size),
+                           ("moe_intermediate_size", cfg.moe_intermediate_size),
                            ("num_attention_heads*head_dim", cfg.q_size)):
             if size % 32:
                 raise ConfigError(f"{where}: {name}={size} is not a multiple of 32, "
@@ -187,8 +218,50 @@ class ModelConfig:
             "attention_bias": self.qkv_bias,
             "torch_dtype": "float32",
             **({"rope_scaling": _rope_dict(self.rope_scaling)} if self.rope_scaling else {}),
-            **({"sliding_window": self.sliding_window} if self.arch == "mistral" else {}),
+            **({"sliding_window": self.sliding_window} if self.arch in SLIDING_ARCHS else {}),
+            **_moe_dict(self),
         }
+
+
+def _moe_fields(d: dict, arch: str, where: str) -> dict:
+    """The mixture-of-experts fields of a config.json (none for a dense architecture)."""
+    if arch not in MOE_ARCHS:
+        return {}
+
+    def positive(key):
+        value = d.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where}: {key!r} must be a positive integer for {arch}, got {value!r}")
+        return value
+    layers = d.get("num_hidden_layers")
+    if arch == "mixtral":
+        experts, width, normalize, dense = positive("num_local_experts"), positive("intermediate_size"), True, ()
+    else:
+        experts, width = positive("num_experts"), positive("moe_intermediate_size")
+        normalize = bool(d.get("norm_topk_prob", False))
+        step, only = d.get("decoder_sparse_step", 1), d.get("mlp_only_layers") or []
+        if not isinstance(step, int) or step <= 0 or not all(isinstance(i, int) for i in only):
+            raise ConfigError(f"{where}: decoder_sparse_step={step!r} / mlp_only_layers={only!r} are not valid")
+        dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    chosen = positive("num_experts_per_tok")
+    if chosen > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok={chosen} is more than the {experts} experts")
+    if d.get("shared_expert_intermediate_size"):
+        raise ConfigError(f"{where}: a shared expert is not supported for {arch}")
+    return dict(num_experts=experts, num_experts_per_tok=chosen, moe_intermediate_size=width,
+                norm_topk_prob=normalize, dense_layers=dense)
+
+
+def _moe_dict(c: ModelConfig) -> dict:
+    """config.json's mixture-of-experts keys for ``c``."""
+    if c.arch == "mixtral":
+        return {"num_local_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
+                "router_jitter_noise": 0.0}
+    if c.arch == "qwen3_moe":
+        return {"num_experts": c.num_experts, "num_experts_per_tok": c.num_experts_per_tok,
+                "moe_intermediate_size": c.moe_intermediate_size, "norm_topk_prob": c.norm_topk_prob,
+                "decoder_sparse_step": 1, "mlp_only_layers": list(c.dense_layers), "use_sliding_window": False}
+    return {}
 
 
 def _rope_dict(s: RopeScaling) -> dict:

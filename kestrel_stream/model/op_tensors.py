@@ -19,3 +19,10 @@ def fused_tensor(weights, op):
         return weights.lm_head
     layer = weights.layers[op.layer]
     return {"qkv": layer.wqkv, "o": layer.wo, "gate_up": layer.w_gate_up, "down": layer.w_down}[op.group]
+
+
+def moe_weights(weights, op):
+    """The router and experts (model.weights.MoeWeights) a router or experts op of a routed layer reads."""
+    moe = weights.layers[op.layer].moe
+    assert moe is not None, f"{op.name}: layer {op.layer} has no experts"
+    return moe

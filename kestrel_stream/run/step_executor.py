@@ -63,6 +63,10 @@ class StepExecutor(Executor):
             self.counters = StepCounters.counting("cpu_weight_read_bytes")
             self.steps = HostBackend(weights, self.counters, options)
             return
+        if c.is_moe:
+            raise ValueError(f"mode {mode}: {weights.source or 'this model'} is a mixture-of-experts model "
+                             f"({c.arch}); its device path (router and experts on the GPU) is not built yet: "
+                             "run it on the CPU engine (--device cpu; ks.load(..., device='cpu'))")
         self.options = Options.from_env() if options is None else options
         whole_step = kind in ("gpu", "auto")       # the plan is one device segment
         self.mode, self.profile, self.group_choice = ("gpu" if whole_step else mode), profile, group_choice

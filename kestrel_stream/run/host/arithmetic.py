@@ -13,6 +13,8 @@ the same dequantized weights):
 Qwen3 additionally rmsnorms every q and k head over D (q_norm, k_norm) before RoPE; Qwen2 adds its
 q/k/v bias to the projection; rope scaling (linear, llama3, yarn) is the inverse-frequency table of
 model/rope.py; a sliding window (Mistral) lets query position p see keys p - window + 1 .. p.
+A routed MLP (Qwen3-MoE, Mixtral) sends each token to k experts chosen by `route` and sums their mlp outputs
+weighted by the router's probabilities.
 """
 from __future__ import annotations
 
@@ -101,3 +103,26 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
 @functools.cache
 def attention_scale(d: int) -> np.float32:
     return np.float32(1.0 / np.sqrt(d))
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    """Softmax over the last axis, float32 (the row max subtracted first)."""
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def route(logits: np.ndarray, k: int, softmax_first: bool, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The k experts each token uses and their weights, from the router's logits [T, E] float32:
+    (ids [T, k] int64, weights [T, k] float32), the highest first.
+
+    softmax_first (Qwen3-MoE): softmax over every expert, the top k, renormalized to sum to 1 when
+    `normalize`; else (Mixtral) the top k logits, softmax over them.  Ties go to the lowest expert id (a
+    stable sort), so the choice is the same on every run and every machine."""
+    scores = softmax(logits) if softmax_first else logits
+    ids = np.argsort(-scores, axis=-1, kind="stable")[:, :k]
+    chosen = np.take_along_axis(scores, ids, axis=-1)
+    if not softmax_first:
+        return ids, softmax(chosen)
+    if normalize:
+        chosen = chosen / chosen.sum(axis=-1, keepdims=True)
+    return ids, chosen

@@ -18,9 +18,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kestrel_stream.model.op_tensors import fused_tensor, norm_weight
+from kestrel_stream.model.op_tensors import fused_tensor, moe_weights
 from kestrel_stream.obs import trace
-from kestrel_stream.run.host.arithmetic import attention, rmsnorm, rotate, silu_mul
+from kestrel_stream.run.host.arithmetic import attention, rmsnorm, rotate, route, silu_mul
 from scheduler.ops import runs_alone
 
 
@@ -88,7 +88,7 @@ class HostProgram:
             return
         for op, call in zip(self.ops, self.calls):
             with trace.span(f"{self.span_prefix}{op.group or op.kind}", op=op.name, layer=-1 if op.layer is None else op.layer,
-                            flops=float(op.flops), bytes=int(op.weight_bytes), segment="cpu"):
+                            flops=float(op.flops), bytes=int(op.active_weight_bytes), segment="cpu"):
                 call(state)
 
 
@@ -201,5 +201,45 @@ def _attention(backend, op):
     return run
 
 
+def _router(backend, op):
+    """A routed layer's choice: the normed x onto the experts (float32 weights), the k experts of each
+    token and their weights, as "route" rows: ids, then weights."""
+    c, moe = backend.config, moe_weights(backend.weights, op)
+    norm, eps, k = backend.norm(op.prologue), c.rms_norm_eps, c.num_experts_per_tok
+    router_t = np.ascontiguousarray(moe.router, np.float32).T      # [H, E]
+    softmax_first, normalize = c.router_softmax_first, c.norm_topk_prob
+
+    def run(state: StepState) -> None:
+        ids, weights = route(rmsnorm(state.read("x"), norm, eps) @ router_t, k, softmax_first, normalize)
+        state.write("route", np.concatenate([ids.astype(np.float32), weights], axis=1))
+    return run
+
+
+def _experts(backend, op):
+    """The chosen experts of a routed layer: per expert the rows of the tokens that chose it, gathered,
+    through its gate_up, SiLU·mul and down (each a row range of the stacked weights, on the native kernels
+    where they build), weighted by the router and added into x."""
+    c, counters, moe = backend.config, backend.counters, moe_weights(backend.weights, op)
+    norm, eps, k, inter = backend.norm(op.prologue), c.rms_norm_eps, c.num_experts_per_tok, c.moe_intermediate_size
+    gate_up = [backend.linear(moe.gate_up, *moe.gate_up_rows(e)) for e in range(moe.experts)]
+    down = [backend.linear(moe.down, *moe.down_rows(e)) for e in range(moe.experts)]
+    expert_bytes = moe.nbytes // moe.experts
+
+    def run(state: StepState) -> None:
+        xn = rmsnorm(state.read("x"), norm, eps)
+        chosen = state.read("route")
+        ids, weights = chosen[:, :k].astype(np.int64), chosen[:, k:]
+        out = np.zeros_like(xn)
+        used = np.unique(ids)
+        for e in used:                           # ascending expert id: the sum's order is fixed
+            rows, slot = np.nonzero(ids == e)    # each token chooses an expert at most once
+            h = gate_up[e](xn[rows])
+            out[rows] += weights[rows, slot, None] * down[e](silu_mul(h[:, :inter], h[:, inter:]))
+        state.add("x", out)
+        counters.cpu_weight_read_bytes += len(used) * expert_bytes
+    return run
+
+
 # op kind -> the function that binds one op of it (a new op kind is a new entry here)
-BIND = {"embed": _embed, "projection": _projection, "rope": _rope, "attention": _attention}
+BIND = {"embed": _embed, "projection": _projection, "rope": _rope, "attention": _attention,
+        "router": _router, "experts": _experts}
