@@ -109,6 +109,7 @@ class Engine:
         self._lock = threading.Lock()       # one step at a time through the executor
         self.sessions: dict[int, Session] = {}
         self.prefix_cache = None            # a PrefixCache (prefix_cache.py) where enable_prefix_cache asked
+        self.speculation = None             # a spec.Speculation (ks.load's draft= or spec="lookup"): generate's draft
         recorder = trace.start_for_process(options.trace_path)   # KESTREL_TRACE, or a trace the CLI began
         if recorder is not None:
             recorder.metadata.update(device=device, mode=mode, layers=self.config.num_hidden_layers)
@@ -220,16 +221,23 @@ class Engine:
     def generate(self, prompt, max_new_tokens: int = 16, *, temperature: float = 0.0, top_k: int = 40,
                  top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
-                 stop: list[str] | None = None, stream: bool = False, ignore_eos: bool = False):
+                 stop: list[str] | None = None, stream: bool = False, ignore_eos: bool = False,
+                 speculative: bool | None = None):
         """Generate in a fresh session from text, chat messages or token ids (text/generation.py).
         Greedy unless temperature > 0; stops at EOS/EOT, a stop string or max_new_tokens.
-        stream=True: an iterator of Pieces (token, text) whose .result is set at the end."""
+        stream=True: an iterator of Pieces (token, text) whose .result is set at the end.
+        speculative: draft and verify (spec/) with the engine's draft; None: where the engine has one,
+        False: plain decoding.  The output is the same either way (greedy) or of the same distribution."""
         from kestrel_stream.text.generation import Generation, Stream
         from kestrel_stream.text.sampling import SamplingParams
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, seed=seed)
-        generation = Generation(self, prompt, max_new_tokens, params, stop, ignore_eos)
+        if speculative and self.speculation is None:
+            raise ValueError("speculative=True: the engine has no draft; load it with ks.load(..., draft=PATH) "
+                             "or spec=\"lookup\"")
+        speculation = self.speculation if speculative is not False else None
+        generation = Generation(self, prompt, max_new_tokens, params, stop, ignore_eos, speculation)
         return Stream(generation) if stream else generation.run()
 
     def generation_result(self, tokens, prefill_s, decode_s, prompt_len, before, mid, after, **text) -> GenerateResult:
@@ -287,6 +295,9 @@ class Engine:
             self.prefix_cache.clear()
         for s in list(self.sessions.values()):
             s.close()
+        if self.speculation is not None:
+            self.speculation.close()
+            self.speculation = None
         self.executor.close()
 
 
