@@ -8,6 +8,9 @@ from functools import partial
 
 from kestrel_stream.run.engine import Engine, resolve_device
 
+DRAFT_SESSIONS = 4      # a draft model's KV pool on a GPU: sessions of max_seq_len (one per generation)
+KV_BLOCK = 16           # gpu mode's KV block (positions)
+
 
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None,
@@ -27,8 +30,9 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
 
     draft: a draft model for speculative decoding (a path or a hub name, as `path`), whose tokenizer must be
     the target's: loaded first, on the same device, every weight resident (gpu mode) with its own KV.  On a
-    GPU it takes its share of the VRAM first: a byte `vram_budget` is the pair's (the target gets what the
-    draft leaves), a fraction or no budget applies to the VRAM the draft left free.  spec="lookup": prompt
+    GPU it takes its share of the VRAM first (its weights and a KV pool of DRAFT_SESSIONS sessions): a byte
+    `vram_budget` is the pair's (the target gets what the draft leaves), a fraction or no budget applies
+    to the VRAM the draft left free.  spec="lookup": prompt
     lookup instead (no model).  draft_max: the longest drafted chain (generate adapts it to the acceptance);
     engine.generate speculates by default once the engine has a draft."""
     from kestrel_stream.loading.hub import resolve_model
@@ -93,11 +97,22 @@ def _speculation(draft, spec, draft_max, target_weights, target_tokenizer, targe
     target_len = max_seq_len or min(DEFAULT_MAX_SEQ_LEN, target_weights.config.max_position_embeddings)
     check_same_vocabulary(target_tokenizer.get(), _load_tokenizer(draft_path), target_weights.config.vocab_size,
                           draft_weights.config.vocab_size, target_path, draft_path)
+    draft_len = min(target_len, draft_weights.config.max_position_embeddings)
+    kv_pool_bytes = _draft_kv_pool_bytes(draft_weights.config, draft_len, kv_dtype) if device == "cuda" else None
+    # one session a step (a generation's); every weight resident where it fits, the KV pool fixed
     draft_engine = Engine(draft_weights, device=device, mode="gpu" if device == "cuda" else "cpu",
-                          max_seq_len=min(target_len, draft_weights.config.max_position_embeddings),
-                          max_batch=max_batch, options=options.with_(vram_budget=None), kv_dtype=kv_dtype)
+                          max_seq_len=draft_len, max_batch=1, options=options.with_(vram_budget=None),
+                          kv_dtype=kv_dtype, kv_pool_bytes=kv_pool_bytes)
     draft_engine.tokenizer = None           # its tokens are the target's (checked above)
     return Speculation.model(draft_engine, target_weights.config.vocab_size, draft_max)
+
+
+def _draft_kv_pool_bytes(config, max_seq_len: int, kv_dtype: str) -> int:
+    """A draft's KV pool on a GPU: DRAFT_SESSIONS sessions of max_seq_len and the scratch block, fixed."""
+    from scheduler.kv_pool import kv_bytes_per_position
+    per_position = kv_bytes_per_position(config.num_hidden_layers, config.num_key_value_heads, config.head_dim,
+                                         kv_dtype)
+    return (DRAFT_SESSIONS * -(-max_seq_len // KV_BLOCK) + 1) * KV_BLOCK * per_position
 
 
 def _target_budget(speculation, budget, device: str):

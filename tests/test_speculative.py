@@ -177,3 +177,21 @@ def test_speculative_true_without_a_draft_is_an_error(tiny_model):
     with pytest.raises(ValueError, match="no draft"):
         engine.generate([1, 2, 3], 4, speculative=True)
     engine.close()
+
+
+def test_a_draft_takes_its_share_of_the_vram_budget(tiny_model, monkeypatch):
+    """On the (emulated) device the draft is loaded first, all resident with a fixed KV pool; a byte budget is
+    the pair's, and a budget the draft alone fills is refused, saying so."""
+    from kestrel_stream.errors import DeviceError
+    fake_cuda.install(monkeypatch, mode="deferred")
+    budget = 128 << 20
+    engine = ks.load(tiny_model, device="cuda", mode="gpu", vram_budget=budget, draft=tiny_model, max_seq_len=64)
+    share = engine.speculation.device_bytes()
+    assert 0 < share < budget and engine.speculation.draft.engine.mode == "gpu"
+    assert engine.executor.backend.memory.budget_bytes == budget - share
+    out = engine.generate([1, 2, 3], 20)
+    assert out.tokens == engine.generate([1, 2, 3], 20, speculative=False).tokens
+    assert out.stats["spec_acceptance"] == 1.0
+    engine.close()
+    with pytest.raises(DeviceError, match="the draft model alone takes"):
+        ks.load(tiny_model, device="cuda", mode="gpu", vram_budget=share - 1, draft=tiny_model, max_seq_len=64)

@@ -34,7 +34,8 @@ KV_DTYPES = ("f16", "f32")
 
 
 def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: int,
-                  max_batch: int, max_sessions: int | None, options: Options, kv_dtype: str = "f16"):
+                  max_batch: int, max_sessions: int | None, options: Options, kv_dtype: str = "f16",
+                  kv_pool_bytes: int | None = None):
     if kv_dtype not in KV_DTYPES:
         raise DeviceError(f"kv_dtype {kv_dtype!r}: expected f16 (gpu mode's default) or f32 (the reference)")
     from kestrel_stream.run.step_executor import StepExecutor
@@ -42,7 +43,7 @@ def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: in
         return StepExecutor(weights, "cpu", options=options)
     if mode == "gpu":
         return StepExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
-                            options=options, kv_dtype=kv_dtype)
+                            options=options, kv_dtype=kv_dtype, kv_pool_bytes=kv_pool_bytes)
     if options.vram_budget is not None:
         print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",
               file=sys.stderr)
@@ -82,7 +83,7 @@ class Engine:
     def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
                  max_seq_len: int | None = None, max_batch: int = 32, max_sessions: int | None = None,
                  vram_budget: int | None = None, options: Options | None = None, tokenizer=None,
-                 kv_dtype: str = "f16"):
+                 kv_dtype: str = "f16", kv_pool_bytes: int | None = None):
         # options: the KESTREL_* settings, read here unless ks.load (or the CLI) already did
         options = Options.from_env() if options is None else options
         if vram_budget is not None:
@@ -103,8 +104,9 @@ class Engine:
         # max_sessions: gpu mode's block-table rows (default 256), the split modes' reserved KV caches
         # (default 2 x max_batch)
         # kv_dtype: gpu mode's KV pool (f16, or f32 as the reference); the CPU engine keeps float32
+        # kv_pool_bytes: gpu mode's KV pool, that size (a draft model's); None: what the budget leaves
         self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, options,
-                                      kv_dtype)
+                                      kv_dtype, kv_pool_bytes)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()       # one step at a time through the executor
         self.sessions: dict[int, Session] = {}

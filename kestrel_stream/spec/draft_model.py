@@ -29,7 +29,7 @@ class DraftModel:
         if self.engine.mode != "gpu":
             return 0
         memory = self.engine.executor.backend.memory
-        return memory.arena_bytes + memory.kv.max_bytes
+        return memory.arena_bytes + memory.kv.max_bytes          # the pool is fixed (ks.load's kv_pool_bytes)
 
     def close(self) -> None:
         self.engine.close()
