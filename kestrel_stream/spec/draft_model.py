@@ -3,8 +3,9 @@
 Each generation opens a stream: one draft session that follows the target's
 sequence.  Before a round the session is rewound to what it shares with the
 target's sequence (the drafts the target rejected go) and fed the rest; then
-it drafts k tokens one step each, greedy or drawn with the generation's
-sampling parameters (the q that rejection sampling divides by).  The draft's
+it drafts k tokens, greedy (chained on the device in gpu mode: k steps, one
+sync) or drawn one step each with the generation's sampling parameters (the q
+that rejection sampling divides by).  The draft's
 rows are read in the target's vocabulary (cut, or padded with tokens it never
 draws), so p and q line up.
 """
@@ -46,36 +47,45 @@ class DraftModelStream:
             return logits[:vocab]
         return np.concatenate([logits, np.full(vocab - len(logits), -np.inf, np.float32)])
 
-    def _sync(self, context: list[int]) -> np.ndarray:
-        """Rewind the session to what it shares with `context`, feed the rest; the last position's logits."""
+    def _rewind(self, context: list[int]) -> int:
+        """Rewind the session to what it shares with context[:-1] (the drafts the target rejected go); that length."""
         s = self.session
         common = 0
-        for mine, theirs in zip(s.tokens, context):
+        for mine, theirs in zip(s.tokens, context[:-1]):
             if mine != theirs:
                 break
             common += 1
-        common = min(common, len(context) - 1)         # the last token is fed again for its logits
         if common < s.position:
             s.truncate(common)
-        return s.prefill(context[common:], logits="last")
+        return common
 
     def propose(self, context: list[int], k: int, params, seed: int, step: int):
         """(up to k drafted tokens after `context`, their q rows [n, vocab] or None when greedy)."""
-        k = min(k, self.session.max_seq_len - len(context) + 1)   # the k-th draft is not fed
-        if k <= 0 or len(context) > self.session.max_seq_len:
+        s, vocab = self.session, self.model.target_vocab
+        k = min(k, s.max_seq_len - len(context) + 1)          # the k-th draft is not fed
+        if k <= 0 or len(context) > s.max_seq_len:
             return [], None
-        logits = self._sync(context)
-        drafts, q_rows = [], []
         device_greedy = params.greedy and not params.penalized
+        common = self._rewind(context)
+        if device_greedy and self.model.engine.device == "cuda":     # k steps chained on the device, one sync
+            if common < len(context) - 1:
+                s.prefill(context[common:-1], logits="last")
+            chained = self.model.engine.generate_chained(s, context[-1], k)
+            if chained is not None:
+                cut = next((i for i, t in enumerate(chained) if t >= vocab), len(chained))
+                return chained[:cut], None
+            common = len(context) - 1
+        logits = s.prefill(context[common:], logits="last")
+        drafts, q_rows = [], []
         for i in range(k):
             if i > 0:
                 if device_greedy:
-                    token = self.session.decode_greedy(drafts[-1])
-                    if token >= self.model.target_vocab:     # a padding row of a larger draft vocabulary
+                    token = s.decode_greedy(drafts[-1])
+                    if token >= vocab:                      # a padding row of a larger draft vocabulary
                         break
                     drafts.append(token)
                     continue
-                logits = self.session.decode(drafts[-1])
+                logits = s.decode(drafts[-1])
             row = self._rows_in_target_vocab(logits)
             history = context + drafts
             if params.greedy:
