@@ -195,3 +195,19 @@ def test_a_draft_takes_its_share_of_the_vram_budget(tiny_model, monkeypatch):
     engine.close()
     with pytest.raises(DeviceError, match="the draft model alone takes"):
         ks.load(tiny_model, device="cuda", mode="gpu", vram_budget=share - 1, draft=tiny_model, max_seq_len=64)
+
+
+def test_penalized_greedy_output_equals_plain_decoding():
+    """Greedy with penalties picks over the history, drafted tokens included, as plain decoding does."""
+    weights = random_q8_weights(CONFIG, seed=2)
+    target = Engine(weights, device="cpu", max_seq_len=64)
+    kw = dict(repeat_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1)
+    plain = target.generate(PROMPT, NEW_TOKENS, **kw)
+    for speculation in (Speculation.model(Engine(perturbed(weights, 9, 60), device="cpu", max_seq_len=64),
+                                          CONFIG.vocab_size), Speculation.lookup(draft_max=4)):
+        target.speculation = speculation
+        out = target.generate(PROMPT, NEW_TOKENS, **kw)
+        assert out.tokens == plain.tokens
+        assert out.stats["spec_drafted"] > 0 or speculation.kind == "lookup"   # penalties repeat little
+        speculation.close()
+    target.close()
