@@ -211,3 +211,10 @@ def test_penalized_greedy_output_equals_plain_decoding():
         assert out.stats["spec_drafted"] > 0 or speculation.kind == "lookup"   # penalties repeat little
         speculation.close()
     target.close()
+
+
+def test_prompt_lookup_continues_the_latest_longest_match():
+    from kestrel_stream.spec.lookup import lookup_draft
+    assert lookup_draft([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 2, 3, 4], 3) == [7, 8, 2]   # the 3-gram's latest match
+    assert lookup_draft([1, 2, 3, 9, 5, 3], 4) == [9, 5, 3]                          # a 1-gram, cut at the end
+    assert lookup_draft([1, 2, 3], 4) == [] and lookup_draft([4], 4) == [] and lookup_draft([1, 1], 0) == []
