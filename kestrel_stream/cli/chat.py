@@ -59,6 +59,8 @@ class Conversation:
         self.seed = params.resolved_seed()
         self.steps = 0                  # tokens drawn in this conversation: the sampler's counter
         self.session = engine.new_session()
+        # speculative decoding where the engine has a draft (-md, --spec): one decoder for the whole conversation
+        self.spec = engine.speculation.decoder(self.session, params, self.seed) if engine.speculation else None
         self.system = system
         self.interrupted = False
         self.reset()
@@ -73,6 +75,8 @@ class Conversation:
         self.reset()
 
     def close(self) -> None:
+        if self.spec is not None:
+            self.spec.close()
         self.session.close()
 
     def turn_text(self, messages: list[dict]) -> tuple[str, bool]:
@@ -113,10 +117,12 @@ class Conversation:
         stop = StopChecker(eos, self.stop, budget)
         decoder = IncrementalDecoder(tok, ids)
         answer: list[int] = []          # the answer's tokens fed to the KV
-        token = self._draw(logits)
+        start = s.position
+        pending = [self._draw(logits)]
         t0 = time.perf_counter()
         self.interrupted = False
-        while True:
+        while pending:
+            token = pending.pop(0)
             is_eos = token in stop.eos_ids
             piece = stop.push(token, decoder.push(token) if not is_eos else "")
             if stop.reason in (EOS, LENGTH):
@@ -126,7 +132,10 @@ class Conversation:
             if stop.reason is not None or self.interrupted:
                 break
             answer.append(token)
-            token = self._next(s, token)
+            if not pending:
+                pending = self._next(s, token, budget - stop.count)
+        if s.position > start + len(answer):        # a speculative round ran past the end: the KV keeps the answer
+            s.truncate(start + len(answer))
         elapsed_s = time.perf_counter() - t0
         said = tok.decode(answer)
         self.kv_text += said
@@ -142,13 +151,18 @@ class Conversation:
         self.steps += 1
         return token
 
-    def _next(self, s, token: int) -> int:
-        """Feed `token`, draw the next: on the device where it can (greedy or sampled), else on the host."""
+    def _next(self, s, token: int, budget: int) -> list[int]:
+        """Feed `token`, draw what follows: a speculative round's tokens (at most `budget`), or one token
+        on the device where it can (greedy or sampled), else on the host."""
         params, step = self.params, self.steps
+        if self.spec is not None:
+            out = self.spec.next_tokens(token, s.tokens + [token], step, budget)
+            self.steps += len(out)
+            return out
         if params.penalized:
-            return self._draw(s.decode(token))
+            return [self._draw(s.decode(token))]
         self.steps += 1
-        return s.decode_greedy(token) if params.greedy else s.decode_sample(token, params, self.seed, step)
+        return [s.decode_greedy(token) if params.greedy else s.decode_sample(token, params, self.seed, step)]
 
 
 def read_message(prompt: str):

@@ -84,6 +84,21 @@ def add_engine_args(p: argparse.ArgumentParser, tuning) -> None:
                         help="record a Chrome trace (.json or .json.gz; view with `timeline` or Perfetto)")
 
 
+def add_draft_args(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding's flags (generate, chat), as llama.cpp names them."""
+    from kestrel_stream.spec.speculation import DEFAULT_DRAFT_MAX, SPEC_KINDS
+    g = p.add_argument_group("speculative decoding", "a draft proposes tokens, the model verifies them many a "
+                             "step; greedy output is the same as without, sampled output of the same distribution")
+    draft = g.add_mutually_exclusive_group()
+    draft.add_argument("-md", "--model-draft", default=None, metavar="MODEL",
+                       help="a small model of the same tokenizer drafting for --model (a path or hub name, as "
+                            "--model); loaded on the same device, all resident, inside --vram-budget")
+    draft.add_argument("--spec", default=None, choices=SPEC_KINDS,
+                       help="lookup: drafts copied from earlier in the prompt and the output (no model)")
+    g.add_argument("--draft-max", type=int_at_least(1), default=DEFAULT_DRAFT_MAX, metavar="N",
+                   help="the longest drafted chain (adapted to the acceptance)")
+
+
 def prepare_engine(args) -> None:
     """Check --model and the flags it limits, then pick the device (the one no-GPU notice is printed here):
     args.device and args.mode become what will run, so ks.load announces nothing more."""
@@ -106,4 +121,5 @@ def load_engine(args):
     return ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
                    max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"),
                    kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads,
-                   gguf_blocks=args.gguf_blocks)
+                   gguf_blocks=args.gguf_blocks, draft=getattr(args, "model_draft", None),
+                   spec=getattr(args, "spec", None), draft_max=getattr(args, "draft_max", 8))

@@ -10,8 +10,8 @@ from kestrel_stream.errors import KestrelError
 from kestrel_stream.options import Environment
 from kestrel_stream.cli.args import (UsageError, bars_shown, check_room, choose_device, int_at_least,
                                      join_negative_ids, mode_arg, new_tokens_arg, parse_ids, resolve_model_arg)
-from kestrel_stream.cli.engine_args import (MODEL_HELP, Parser, add_engine_args, load_engine, prepare_engine,
-                                            tuning_group)
+from kestrel_stream.cli.engine_args import (MODEL_HELP, Parser, add_draft_args, add_engine_args, load_engine,
+                                            prepare_engine, tuning_group)
 from kestrel_stream.cli.plan import cmd_calibrate, cmd_plan
 
 DESCRIPTION = """\
@@ -79,6 +79,8 @@ def cmd_generate(args) -> int:
     if result.text is not None:
         report["text"] = result.text
     report.update(window_report(engine, result.stats))
+    if "spec_passes" in result.stats:
+        report.update({key: result.stats[key] for key in SPEC_REPORT})
     if args.json:
         print(json.dumps(report))
     else:
@@ -90,6 +92,9 @@ def cmd_generate(args) -> int:
               + f"; stopped: {result.stop_reason}", file=sys.stderr if show_text else sys.stdout)
     engine.close()
     return 0
+
+
+SPEC_REPORT = ("spec_acceptance", "spec_tokens_per_pass", "spec_drafted", "spec_accepted", "spec_passes")
 
 
 def window_report(engine, stats: dict) -> dict:
@@ -196,6 +201,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(p, tuning)
     from kestrel_stream.cli.text_args import add_text_args
     add_text_args(p, parse_ids)
+    add_draft_args(p)
     p.add_argument("-n", "--max-new-tokens", type=new_tokens_arg, default=-1, metavar="N",
                    help="tokens to generate; -1 (the default): until the end of generation, as far as the "
                         "session has room (prompt + N - 1 positions within --max-seq-len)")
@@ -212,6 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "input (Ctrl-D) leaves; Ctrl-C stops an answer and keeps the conversation.")
     add_engine_args(p, tuning_group(p))
     add_chat_args(p)
+    add_draft_args(p)
     p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("bench", help="prefill and decode throughput",

@@ -34,7 +34,8 @@ KV_DTYPES = ("f16", "f32")
 
 
 def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: int,
-                  max_batch: int, max_sessions: int | None, options: Options, kv_dtype: str = "f16"):
+                  max_batch: int, max_sessions: int | None, options: Options, kv_dtype: str = "f16",
+                  kv_pool_bytes: int | None = None):
     if kv_dtype not in KV_DTYPES:
         raise DeviceError(f"kv_dtype {kv_dtype!r}: expected f16 (gpu mode's default) or f32 (the reference)")
     from kestrel_stream.run.step_executor import StepExecutor
@@ -42,7 +43,7 @@ def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: in
         return StepExecutor(weights, "cpu", options=options)
     if mode == "gpu":
         return StepExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
-                            options=options, kv_dtype=kv_dtype)
+                            options=options, kv_dtype=kv_dtype, kv_pool_bytes=kv_pool_bytes)
     if options.vram_budget is not None:
         print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",
               file=sys.stderr)
@@ -82,7 +83,7 @@ class Engine:
     def __init__(self, weights: ModelWeights, device: str = "cpu", mode: str = "cpu",
                  max_seq_len: int | None = None, max_batch: int = 32, max_sessions: int | None = None,
                  vram_budget: int | None = None, options: Options | None = None, tokenizer=None,
-                 kv_dtype: str = "f16"):
+                 kv_dtype: str = "f16", kv_pool_bytes: int | None = None):
         # options: the KESTREL_* settings, read here unless ks.load (or the CLI) already did
         options = Options.from_env() if options is None else options
         if vram_budget is not None:
@@ -103,12 +104,14 @@ class Engine:
         # max_sessions: gpu mode's block-table rows (default 256), the split modes' reserved KV caches
         # (default 2 x max_batch)
         # kv_dtype: gpu mode's KV pool (f16, or f32 as the reference); the CPU engine keeps float32
+        # kv_pool_bytes: gpu mode's KV pool, that size (a draft model's); None: what the budget leaves
         self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, options,
-                                      kv_dtype)
+                                      kv_dtype, kv_pool_bytes)
         self._ids = itertools.count(1)
         self._lock = threading.Lock()       # one step at a time through the executor
         self.sessions: dict[int, Session] = {}
         self.prefix_cache = None            # a PrefixCache (prefix_cache.py) where enable_prefix_cache asked
+        self.speculation = None             # a spec.Speculation (ks.load's draft= or spec="lookup"): generate's draft
         recorder = trace.start_for_process(options.trace_path)   # KESTREL_TRACE, or a trace the CLI began
         if recorder is not None:
             recorder.metadata.update(device=device, mode=mode, layers=self.config.num_hidden_layers)
@@ -220,16 +223,23 @@ class Engine:
     def generate(self, prompt, max_new_tokens: int = 16, *, temperature: float = 0.0, top_k: int = 40,
                  top_p: float = 0.95, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  presence_penalty: float = 0.0, frequency_penalty: float = 0.0, seed: int | None = None,
-                 stop: list[str] | None = None, stream: bool = False, ignore_eos: bool = False):
+                 stop: list[str] | None = None, stream: bool = False, ignore_eos: bool = False,
+                 speculative: bool | None = None):
         """Generate in a fresh session from text, chat messages or token ids (text/generation.py).
         Greedy unless temperature > 0; stops at EOS/EOT, a stop string or max_new_tokens.
-        stream=True: an iterator of Pieces (token, text) whose .result is set at the end."""
+        stream=True: an iterator of Pieces (token, text) whose .result is set at the end.
+        speculative: draft and verify (spec/) with the engine's draft; None: where the engine has one,
+        False: plain decoding.  The output is the same either way (greedy) or of the same distribution."""
         from kestrel_stream.text.generation import Generation, Stream
         from kestrel_stream.text.sampling import SamplingParams
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, presence_penalty=presence_penalty,
                                 frequency_penalty=frequency_penalty, seed=seed)
-        generation = Generation(self, prompt, max_new_tokens, params, stop, ignore_eos)
+        if speculative and self.speculation is None:
+            raise ValueError("speculative=True: the engine has no draft; load it with ks.load(..., draft=PATH) "
+                             "or spec=\"lookup\"")
+        speculation = self.speculation if speculative is not False else None
+        generation = Generation(self, prompt, max_new_tokens, params, stop, ignore_eos, speculation)
         return Stream(generation) if stream else generation.run()
 
     def generation_result(self, tokens, prefill_s, decode_s, prompt_len, before, mid, after, **text) -> GenerateResult:
@@ -287,6 +297,9 @@ class Engine:
             self.prefix_cache.clear()
         for s in list(self.sessions.values()):
             s.close()
+        if self.speculation is not None:
+            self.speculation.close()
+            self.speculation = None
         self.executor.close()
 
 

@@ -10,6 +10,7 @@ after it appears.  Sampled steps draw on the device where the executor can
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -46,7 +47,8 @@ def prompt_ids(engine, prompt, add_special: bool = True) -> list[int]:
 
 class Generation:
     def __init__(self, engine, prompt, max_new_tokens: int, params: SamplingParams, stop=None,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, speculation=None):
+        # speculation: a spec.Speculation (drafts verified many tokens a step) or None (plain decoding)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens={max_new_tokens!r}: expected an integer >= 0")
         self.engine, self.params = engine, params
@@ -61,6 +63,8 @@ class Generation:
         self.tokens: list[int] = []
         self.text_parts: list[str] = []
         self.result = None
+        self.speculation = speculation
+        self.spec = None                # the spec.SpecDecoder of the running generation
 
     # -- the steps ----------------------------------------------------------
     def _first(self, s) -> int:
@@ -72,6 +76,8 @@ class Generation:
     def _next_tokens(self, s, token: int, budget: int, chunk: int) -> list[int]:
         """The tokens after `token`: a chained chunk (greedy on gpu) or one step."""
         engine, params, step = self.engine, self.params, len(self.tokens)
+        if self.spec is not None:
+            return self.spec.next_tokens(token, self.ids + self.tokens, step, budget)
         if params.penalized:            # the penalties need the history: logits back, sampled on the host
             return [self.pick(s.decode(token), step)]
         if engine.chain_greedy and budget > 1 and trace.active is None:
@@ -83,7 +89,7 @@ class Generation:
     def pieces(self):
         """Run the generation, yielding a Piece per token; `result` is set when it ends."""
         engine, stop = self.engine, self.stop
-        with engine.new_session() as s:
+        with engine.new_session() as s, self._speculating(s):
             s.check_room(len(self.ids) + max(stop.max_new_tokens - 1, 0))
             before = engine.executor.counters.as_dict()
             t0 = time.perf_counter()
@@ -109,6 +115,20 @@ class Generation:
         self.result = engine.generation_result(self.tokens, t1 - t0, t2 - t1, len(self.ids), before, mid, after,
                                                text="".join(self.text_parts) if self.decoder else None,
                                                stop_reason=stop.reason)
+        if self.spec is not None:
+            self.result.stats.update(self.spec.stats.as_dict())
+
+    @contextmanager
+    def _speculating(self, s):
+        """self.spec on session `s` while the generation runs, where the engine speculates."""
+        if self.speculation is None:
+            yield
+            return
+        self.spec = self.speculation.decoder(s, self.params, self.seed)
+        try:
+            yield
+        finally:
+            self.spec.close()
 
     def account(self, token: int) -> Piece:
         stop = self.stop

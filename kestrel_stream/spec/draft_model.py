@@ -1,0 +1,100 @@
+"""A draft model: a small model of the target's tokenizer, an engine of its own with its own sessions and KV.
+
+Each generation opens a stream: one draft session that follows the target's
+sequence.  Before a round the session is rewound to what it shares with the
+target's sequence (the drafts the target rejected go) and fed the rest; then
+it drafts k tokens, greedy (chained on the device in gpu mode: k steps, one
+sync) or drawn one step each with the generation's sampling parameters (the q
+that rejection sampling divides by).  The draft's
+rows are read in the target's vocabulary (cut, or padded with tokens it never
+draws), so p and q line up.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kestrel_stream.spec.accept import ROW_DRAFT, distribution, draw_from
+from kestrel_stream.text.sampling import philox_uniform, sample_logits
+
+
+class DraftModel:
+    name = "draft"
+
+    def __init__(self, engine, target_vocab: int):
+        self.engine, self.target_vocab = engine, target_vocab
+
+    def open(self, max_seq_len: int) -> "DraftModelStream":
+        return DraftModelStream(self, min(max_seq_len, self.engine.max_seq_len))
+
+    def device_bytes(self) -> int:
+        if self.engine.mode != "gpu":
+            return 0
+        memory = self.engine.executor.backend.memory
+        return memory.arena_bytes + memory.kv.max_bytes          # the pool is fixed (ks.load's kv_pool_bytes)
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class DraftModelStream:
+    def __init__(self, model: DraftModel, max_seq_len: int):
+        self.model = model
+        self.session = model.engine.new_session(max_seq_len)
+
+    def _rows_in_target_vocab(self, logits: np.ndarray) -> np.ndarray:
+        vocab = self.model.target_vocab
+        if len(logits) >= vocab:
+            return logits[:vocab]
+        return np.concatenate([logits, np.full(vocab - len(logits), -np.inf, np.float32)])
+
+    def _rewind(self, context: list[int]) -> int:
+        """Rewind the session to what it shares with context[:-1] (the drafts the target rejected go); that length."""
+        s = self.session
+        common = 0
+        for mine, theirs in zip(s.tokens, context[:-1]):
+            if mine != theirs:
+                break
+            common += 1
+        if common < s.position:
+            s.truncate(common)
+        return common
+
+    def propose(self, context: list[int], k: int, params, seed: int, step: int):
+        """(up to k drafted tokens after `context`, their q rows [n, vocab] or None when greedy)."""
+        s, vocab = self.session, self.model.target_vocab
+        k = min(k, s.max_seq_len - len(context) + 1)          # the k-th draft is not fed
+        if k <= 0 or len(context) > s.max_seq_len:
+            return [], None
+        device_greedy = params.greedy and not params.penalized
+        common = self._rewind(context)
+        if device_greedy and self.model.engine.device == "cuda":     # k steps chained on the device, one sync
+            if common < len(context) - 1:
+                s.prefill(context[common:-1], logits="last")
+            chained = self.model.engine.generate_chained(s, context[-1], k)
+            if chained is not None:
+                cut = next((i for i, t in enumerate(chained) if t >= vocab), len(chained))
+                return chained[:cut], None
+            common = len(context) - 1
+        logits = s.prefill(context[common:], logits="last")
+        drafts, q_rows = [], []
+        for i in range(k):
+            if i > 0:
+                if device_greedy:
+                    token = s.decode_greedy(drafts[-1])
+                    if token >= vocab:                      # a padding row of a larger draft vocabulary
+                        break
+                    drafts.append(token)
+                    continue
+                logits = s.decode(drafts[-1])
+            row = self._rows_in_target_vocab(logits)
+            history = context + drafts
+            if params.greedy:
+                drafts.append(sample_logits(row, params, 0, 0, history))
+            else:
+                q = distribution(row, params, history)
+                q_rows.append(q)
+                drafts.append(draw_from(q, philox_uniform(seed, step + i, ROW_DRAFT)))
+        return drafts, (np.stack(q_rows) if q_rows else None)
+
+    def close(self) -> None:
+        self.session.close()

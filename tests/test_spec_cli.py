@@ -1,0 +1,48 @@
+"""Speculative decoding from the command line: `generate -md` / `--spec lookup` print the same tokens as plain
+decoding and report the acceptance in --json; `chat -md` answers as plain chat does, turn after turn."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from http_helpers import chat_model
+
+
+def run(*args, stdin=None):
+    proc = subprocess.run([sys.executable, "-m", "kestrel_stream", *args], input=stdin, capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    return proc
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return chat_model(tmp_path_factory.mktemp("spec-chat"))
+
+
+def test_generate_json_reports_acceptance_and_keeps_the_tokens(model):
+    common = ("generate", "-m", str(model), "--device", "cpu", "-p", "abcabcabc", "-n", "24", "--json")
+    plain = json.loads(run(*common).stdout)
+    assert "spec_acceptance" not in plain
+    for flags in (("-md", str(model)), ("--spec", "lookup", "--draft-max", "4")):
+        report = json.loads(run(*common, *flags).stdout)
+        assert report["tokens"] == plain["tokens"], flags
+        assert 0.0 <= report["spec_acceptance"] <= 1.0 and report["spec_tokens_per_pass"] >= 1.0
+    assert json.loads(run(*common, "-md", str(model)).stdout)["spec_acceptance"] == 1.0
+
+
+def test_chat_with_a_draft_answers_as_plain_chat(model):
+    stdin = "hello\nsecond question\n/reset\nagain\n"
+    flags = ("chat", "-m", str(model), "--device", "cpu", "-n", "12")
+    plain = run(*flags, stdin=stdin)
+    speculative = run(*flags, "-md", str(model), stdin=stdin)
+    assert speculative.stdout == plain.stdout
+    lookup = run(*flags, "--spec", "lookup", stdin=stdin)
+    assert lookup.stdout == plain.stdout
+    # a stop string inside a kept run: the KV keeps the answer only, so the next turn goes on as plain chat's
+    cut = run(*flags, "--stop", "*", stdin=stdin)
+    assert "; stop]" in cut.stderr
+    assert run(*flags, "--stop", "*", "-md", str(model), stdin=stdin).stdout == cut.stdout
