@@ -53,7 +53,7 @@ def test_verb_help_shows_defaults():
     assert "random seed of the weights (default: 0)" in make and "(default: bf16)" in make   # 0 is shown too
     assert "llama3-tiny (Llama 3.x rope scaling" in make and "mistral-tiny (sliding window" in make
     serve = " ".join(run_cli("serve", "--help").stdout.split())
-    assert "(0: never) (default: 0.0)" in serve
+    assert "(0: never) (default: 600.0)" in serve
 
 
 @needs_no_gpu

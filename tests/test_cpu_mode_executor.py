@@ -38,10 +38,12 @@ def test_cpu_mode_is_the_one_class_over_the_host_backend():
     assert executor.stats["steps"] == 1 and executor.stats["tokens"] == len(prompt)
     assert executor.stats["cpu_weight_read_bytes"] == reference.counters.cpu_weight_read_bytes > 0
 
-    legacy = CpuExecutor(weights)               # the name cpu mode's executor had, the same behaviour
-    assert type(legacy) is StepExecutor and legacy.name == "cpu"
+    legacy = CpuExecutor(weights)               # the name cpu mode's executor had: numpy's reference arithmetic
+    assert type(legacy) is StepExecutor and legacy.name == "cpu" and legacy.steps.kernels is None
+    numpy_reference = HostBackend(weights)
     kv = legacy.alloc_kv(16)
-    assert np.array_equal(legacy.forward([(kv, prompt, 0)])[0], theirs)
+    assert np.array_equal(legacy.forward([(kv, prompt, 0)])[0],
+                          numpy_reference.forward([(numpy_reference.alloc_kv(16), prompt, 0)])[0])
     child = legacy.fork_kv(kv, 3, 8)
     assert child.capacity == 8 and np.array_equal(child.k[:, :3], kv.k[:, :3])
     assert legacy.forward_greedy([(kv, [7], len(prompt))]).dtype == np.int64 and legacy.kv_stats() == {}

@@ -64,7 +64,7 @@ def test_cpu_engine_runs_without_cuda_bindings(tmp_path, tiny_model):
     blocked = subprocess.run([sys.executable, "-c", "import cuda.bindings"], env=env, capture_output=True)
     assert blocked.returncode != 0           # the block works
     assert run("make-model", tmp_path / "m", "--preset", "llama-tiny").returncode == 0
-    report = json.loads(run("generate", "--model", tiny_model, "--prompt-ids", "1,2", "--json").stdout)
+    report = json.loads(run("generate", "--model", tiny_model, "--prompt-ids", "1,2", "-n", "16", "--json").stdout)
     assert report["device"] == "cpu" and len(report["tokens"]) == 16
     bench = run("bench", "--model", tiny_model, "--prompt-len", "4", "--new-tokens", "4", "--repeats", "1", "--json")
     assert json.loads(bench.stdout)["decode_tok_s"] > 0

@@ -44,7 +44,7 @@ def add_limit_args(p) -> None:
                    help="a new connection that sends no hello this long is closed")
     p.add_argument("--idle-timeout-s", type=float, default=d.idle_timeout_s,
                    help="an authenticated connection that sends nothing this long is closed and its sessions freed "
-                        "(default 600; 0: never)")
+                        "(0: never)")
     p.add_argument("--max-buffered-mb", type=int, default=d.max_buffered_bytes >> 20,
                    help="bytes read ahead of one connection before the daemon stops reading it")
     p.add_argument("--write-timeout-s", type=float, default=d.write_timeout_s,
