@@ -1,5 +1,5 @@
-"""The host backend's op table: each op kind of the step program (scheduler/ops.py) bound to its numpy
-function, once per segment.
+"""The host backend's op table: each op kind of the step program (scheduler/ops.py) bound to its host
+function, once per segment (projections through HostBackend.linear: the native kernels, or numpy).
 
 A HostProgram is a segment's ops in the plan's order, each op that runs alone as one call; a norm is the
 prologue of the projection that reads it and SiLU·mul the epilogue of gate_up, on the host as on the
@@ -73,7 +73,7 @@ class HostState:
 
 
 class HostProgram:
-    """One segment of the step program as numpy calls, bound once; `run(state)` runs them in order."""
+    """One segment of the step program as host calls, bound once; `run(state)` runs them in order."""
 
     def __init__(self, backend, ops, span_prefix: str = ""):
         """span_prefix: what the trace's host slices of these ops start with ("cpu " in a mixed step)."""
@@ -104,8 +104,8 @@ def _embed(backend, op):
 
 
 def _projection(backend, op):
-    """qkv, o, gate_up, down, lm_head (or a split group's part): the prologue's norm, the matmul on the
-    weight's float32 copy, the epilogue (residual add, SiLU·mul)."""
+    """qkv, o, gate_up, down, lm_head (or a split group's part): the prologue's norm, the matmul
+    (HostBackend.linear), the epilogue (residual add, SiLU·mul)."""
     c, counters = backend.config, backend.counters
     tensor = fused_tensor(backend.weights, op)
     norm = backend.norm(op.prologue) if op.prologue else None
