@@ -67,14 +67,7 @@ def load_limited(text: str, max_chars: int = MAX_TEXT_CHARS):
         check_depth(text)
     scan = _scan_checked if _DIGIT_RUN.search(text) else _scan
     start = len(text) - len(text.lstrip(_WHITESPACE))
-    try:
-        value, end = scan(text, start)
-    except StopIteration as e:
-        raise JSONLimitError(f"not JSON at character {e.value}") from None
-    except JSONLimitError:
-        raise
-    except (ValueError, RecursionError) as e:
-        raise JSONLimitError(str(e)) from None
+    value, end = _scanned(scan, text, start)
     if text[end:].strip(_WHITESPACE):
         raise JSONLimitError(f"extra data after the JSON value at character {end}")
     if "\\u" in text or "\\U" in text:
@@ -172,15 +165,20 @@ def _walk(text: str, at: int, depth: int, max_items: int | None, where: str | No
         at = skip(text, at + 1).end()
 
 
-def _scan_scalar(text: str, at: int):
+def _scanned(scan, text: str, at: int):
+    """scan(text, at) -> (value, end), its failures as JSONLimitError naming where."""
     try:
-        return _scan_checked(text, at)
+        return scan(text, at)
     except StopIteration as e:
         raise JSONLimitError(f"not JSON at character {e.value}") from None
     except JSONLimitError:
         raise
     except (ValueError, RecursionError) as e:
         raise JSONLimitError(str(e)) from None
+
+
+def _scan_scalar(text: str, at: int):
+    return _scanned(_scan_checked, text, at)
 
 
 def _scan_string(text: str, at: int):
