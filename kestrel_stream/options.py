@@ -25,6 +25,9 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_HOST_ISA=NAME     the widest ISA the native host kernels use: scalar | avx2 | avx512vnni
     KESTREL_HOST_SPIN_US=N    how long the native host kernels' idle workers poll before sleeping (default 100)
     CC=COMPILER               the C compiler that builds the native host kernels (default: cc)
+    KESTREL_OFFLOAD=WHICH     gpu mode under a VRAM budget the weights do not fit: auto (the cost model picks),
+                              stream (the window alone: every non-resident weight crosses PCIe) or place
+                              (mode offload: resident, streamed and host-computed layers)
 
 The daemon's, clients' and result files' variables (Environment):
 
@@ -64,6 +67,7 @@ class Options:
     host_spin_us: int | None = None          # None: the library's default (100)
     host_kernels: str = "native"             # the host backend's projections: native kernels, or numpy
     host_threads: int | None = None          # the native host kernels' threads (None: the physical cores)
+    offload: str = "auto"                    # gpu mode short of VRAM: auto | stream | place (KESTREL_OFFLOAD)
 
     @property
     def cache_root(self) -> Path:
@@ -106,6 +110,9 @@ class Options:
         host_kernels = env.get("KESTREL_HOST_KERNELS") or "native"
         if host_kernels not in ("native", "numpy"):
             raise ValueError(f"KESTREL_HOST_KERNELS={host_kernels!r}: native or numpy")
+        offload = env.get("KESTREL_OFFLOAD") or "auto"
+        if offload not in OFFLOAD_CHOICES:
+            raise ValueError(f"KESTREL_OFFLOAD={offload!r}: one of {', '.join(OFFLOAD_CHOICES)}")
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0",
@@ -114,7 +121,8 @@ class Options:
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")),
                       host_isa=host_isa, host_cc=env.get("CC") or None, host_kernels=host_kernels,
-                      host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"))
+                      host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"),
+                      offload=offload)
         return options.with_(**given)
 
     def with_(self, **changes) -> "Options":
@@ -124,6 +132,7 @@ class Options:
         return replace(self, **changes)
 
 
+OFFLOAD_CHOICES = ("auto", "stream", "place")
 _BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -12,6 +12,10 @@ string or, for gated projections, {weight name: GateDecision}.
   layer on the CPU too); final_norm and lm_head go to the GPU only when all
   layers do (N >= L), as llama.cpp offloads its output layer only past the
   last layer.
+- offload: each layer's projection groups where the offload placement homes the layer (resident or
+  streamed: the GPU; host: the host), rope and attention on the GPU over the device KV pool (a layer may
+  change home between step sizes without moving its cache), embed on the host, lm_head resident or on the
+  host; norms and SiLU·mul by the sandwich rule below.
 - gated: each projection group follows the gate. rope and attention stay on
   the host: in gated mode the KV cache lives on the host, so attention never
   moves it. A stateless op (norm, silu_mul) runs on the GPU when both its
@@ -74,6 +78,29 @@ def gated_sides(ops, decide) -> list:
             placed.append((op, "cpu", "token ids arrive on the host; gathers M rows"))
         else:
             placed.append((op, None, None))
+    return _sandwich(placed)
+
+
+def offload_sides(ops, homes, head: str) -> list:
+    """Placement for an offload placement (scheduler/offload.py): homes per layer, lm_head's home."""
+    placed = []
+    for op in ops:
+        if op.is_projection:
+            home = head if op.group == "lm_head" else homes[op.layer]
+            side = "cpu" if home == "host" else "gpu"
+            where = f"layer {op.layer}" if op.layer is not None else "lm_head"
+            placed.append((op, side, f"offload: {where} {home}"))
+        elif op.kind in ("rope", "attention"):
+            placed.append((op, "gpu", "offload: attention on the GPU, over the device KV pool"))
+        elif op.kind == "embed":
+            placed.append((op, "cpu", "offload: the embedding table stays on the host (M rows gathered)"))
+        else:
+            placed.append((op, None, None))
+    return _sandwich(placed)
+
+
+def _sandwich(placed) -> list:
+    """Stateless ops (side None) on the GPU between GPU ops, else on the host where their input is."""
     for i, (op, side, _) in enumerate(placed):  # stateless ops: the sandwich rule
         if side is None:
             before = placed[i - 1][1] if i > 0 else "cpu"

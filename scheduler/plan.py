@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from .gate import Gate, GateDecision, gpu_segment_cost, host_time_us
 from .dense import dense_ops
 from .ops import PROJECTION_GROUPS, fuse_rope, model_weight_names, step_ops
-from .placement import fixed_sides, gated_sides
+from .placement import fixed_sides, gated_sides, offload_sides
 from .transfers import count_transfers
 
 
@@ -159,13 +159,13 @@ class Plan:
 def parse_mode(mode: str) -> tuple:
     """'layers=12' -> ('layers', 12); other modes -> (mode, None). Errors name the input."""
     text = mode.strip().lower()
-    if text in ("cpu", "gated", "gpu", "auto"):
+    if text in ("cpu", "gated", "gpu", "auto", "offload"):
         return text, None
     if text.startswith("layers="):
         count = text.split("=", 1)[1]
         if count.isdigit():
             return "layers", int(count)
-    raise ValueError(f"mode {mode!r}: expected cpu, gated, gpu, auto or layers=N")
+    raise ValueError(f"mode {mode!r}: expected cpu, gated, gpu, auto, offload or layers=N")
 
 
 def _segments(placed, config, tokens: int, streamed=frozenset()) -> list:
@@ -190,7 +190,8 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
                minflop: float | None = None, gpu_available: bool | None = None,
                resident_weights=None, group_choice: dict | None = None,
                segment_aware: bool = True, context_len: int = 0, streamed=frozenset(),
-               dense_min_tokens: int | None = None, dense_fused: bool = False, rope_fused: bool = False) -> Plan:
+               dense_min_tokens: int | None = None, dense_fused: bool = False, rope_fused: bool = False,
+               offload=None) -> Plan:
     """The plan of one step of M=`tokens` tokens.
 
     profile: DeviceProfile (None: no GPU measured). minflop: the seed's plain
@@ -204,7 +205,8 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     the ops whose weights the residency window copies every step (gpu mode).
     dense_min_tokens: gpu mode's dense GEMM path from this many tokens (dense.py; None: off); dense_fused:
     on the built-in GEMM, not cuBLAS.  rope_fused: gpu mode's one-token steps run each layer's rope as its
-    attention's prologue (ops.fuse_rope).
+    attention's prologue (ops.fuse_rope).  offload: mode offload's OffloadPlacement for this step size
+    (offload.place / place_for_tokens): which layers run on the host; `streamed` names the ops it streams.
     """
     if tokens < 1:
         raise ValueError(f"tokens={tokens}: a step has at least one token")
@@ -228,6 +230,14 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
         notes.append("gate: " + (f"KESTREL_MINFLOP={minflop:.3g} per projection"
                                  if minflop is not None else
                                  f"cost model, profile {getattr(profile, 'name', None)}"))
+    elif kind == "offload":
+        if offload is None:
+            raise ValueError("mode offload: the plan needs the offload placement (scheduler.offload.place)")
+        placed = offload_sides(ops, offload.homes, offload.head)
+        streamed = frozenset(streamed) | {op.name for op in ops if op.group and op.layer is not None
+                                          and offload.homes[op.layer] == "streamed"}
+        notes.append(offload.describe().splitlines()[0])
+        notes.append(offload.describe().splitlines()[1].strip())
     else:
         if kind == "gpu" and dense_min_tokens is not None and tokens >= dense_min_tokens:
             ops = dense_ops(ops, config, tokens, dense_min_tokens, dense_fused)

@@ -27,11 +27,16 @@ class DeviceProfile:
     host_gflops: float       # float32 matmul on the host (bounds M>1 projections)
     host_weight_GBps: float  # weight bytes/s of the host q8 mat-vec (bounds M=1 projections)
     gpu_gflops: float = 30000.0  # q8 matmul compute bound, reached only at large M
+    # host memory is one pool: the host kernels and pinned H2D each read it slower while the other runs
+    # (None: not measured; the offload placement then assumes they do not slow each other)
+    host_joint_GBps: float | None = None   # host_weight_GBps while an H2D stream runs
+    h2d_joint_GBps: float | None = None    # h2d_GBps while the host kernels run
+    host_call_us: float | None = None      # one host kernel call from Python (dispatch, pool wake-up)
 
     def __post_init__(self):
         for f in fields(self):
-            if f.type in ("float", float):
-                value = getattr(self, f.name)
+            value = getattr(self, f.name)
+            if f.type in ("float", float) or (f.type == "float | None" and value is not None):
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"DeviceProfile.{f.name} must be a positive number, "
                                      f"got {value!r}")
@@ -63,6 +68,16 @@ H200_MEASURED = DeviceProfile(
     gpu_launch_us=5.0,        # cuLaunchKernel from Python, empty kernel
     host_gflops=500.0, host_weight_GBps=20.0,
     gpu_gflops=30000.0,
+)
+
+# An H200 machine's host memory pool (issue figures, 2026-12-03, machine B: 16 threads of AVX-512 VNNI
+# int8 GEMV over Q8_0, pinned H2D on its own thread, each alone and both at once), with the GPU figures
+# above: the offload placement's tests and `plan` without a measured profile.
+H200_POOL = DeviceProfile(
+    name="NVIDIA H200 (pool figures)", driver="13.0",
+    round_trip_us=19.5, h2d_GBps=54.5, d2h_GBps=55.3, gpu_weight_GBps=1500.0, gpu_launch_us=5.0,
+    host_gflops=1500.0, host_weight_GBps=72.0, gpu_gflops=30000.0,
+    host_joint_GBps=58.0, h2d_joint_GBps=51.5, host_call_us=8.0,
 )
 
 # The seed's machine (RTX 5090 era): ~100 us per offloaded call. Host rates come

@@ -16,6 +16,8 @@ limits beyond simple geometry and alignment checks.
 """
 from __future__ import annotations
 
+import os
+
 import itertools
 import re
 
@@ -226,5 +228,9 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
     for module in (kernels, device_backend, calibrate):
         monkeypatch.setattr(module, "KernelSet", FakeKernelSet)
     monkeypatch.setattr(kestrel_stream.run.calibrate, "calibrate", lambda *a, **k: scheduler.H200_MEASURED)
+    # gpu mode under a budget keeps the window alone unless a test asks for mode offload's choice: the
+    # emulation has no host memory pool to weigh
+    if "KESTREL_OFFLOAD" not in os.environ:
+        monkeypatch.setenv("KESTREL_OFFLOAD", "stream")
     monkeypatch.setattr(cublas_module, "load", (lambda log=None: FakeCublas()) if cublas else (lambda log=None: None))
     monkeypatch.setattr(cublas_module, "available", lambda: cublas)

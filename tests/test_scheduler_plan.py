@@ -119,7 +119,7 @@ def test_auto_mode_picks_by_gpu_presence():
 def test_mode_parsing_errors_name_the_input():
     assert parse_mode("layers=12") == ("layers", 12)
     for bad in ("layers=", "layers=-1", "turbo"):
-        with pytest.raises(ValueError, match="expected cpu, gated, gpu, auto or layers=N"):
+        with pytest.raises(ValueError, match="expected cpu, gated, gpu, auto, offload or layers=N"):
             parse_mode(bad)
 
 

@@ -5,7 +5,7 @@ import sys
 
 from kestrel_stream.errors import DeviceError
 
-MODES = ("auto", "cpu", "gated", "gpu")
+MODES = ("auto", "cpu", "gated", "gpu", "offload")
 
 
 def gpu_status() -> tuple[bool, str]:

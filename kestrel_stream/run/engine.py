@@ -41,8 +41,8 @@ def make_executor(weights: ModelWeights, device: str, mode: str, max_seq_len: in
     from kestrel_stream.run.step_executor import StepExecutor
     if device == "cpu":
         return StepExecutor(weights, "cpu", options=options)
-    if mode == "gpu":
-        return StepExecutor(weights, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
+    if mode in ("gpu", "offload"):      # offload: gpu mode's budget, resident / streamed / host layers
+        return StepExecutor(weights, mode, max_seq_len=max_seq_len, max_batch=max_batch, max_sessions=max_sessions,
                             options=options, kv_dtype=kv_dtype, kv_pool_bytes=kv_pool_bytes)
     if options.vram_budget is not None:
         print(f"kestrel-stream: --vram-budget applies to mode gpu; mode {mode} places weights by its plan",

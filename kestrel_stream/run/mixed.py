@@ -1,4 +1,4 @@
-"""`gated` and `layers=N` steps: the plan's segments in order, host segments on the host backend's programs,
+"""`gated`, `layers=N` and `offload` steps: the plan's segments in order, host segments on the host backend's programs,
 device segments as the device backend's launches, the step's state moved only where segments meet.
 
 State tensors (rows = tokens of the step):
@@ -14,10 +14,12 @@ reads from the device with one sync; entering a GPU segment uploads what it read
 Syncs per step therefore equal the plan's GPU segments, never one per projection.
 
 The device side is the backend every offloading mode builds (device/backend.py): its arena, its paged KV
-pool (float32 here, for the first N layers) and its residency window, which holds every weight that the
-plans of 1, 2, 4, ... max_tokens tokens put on the GPU, uploaded at load and kept (counted in
-weight_uploads); nothing streams.  A weight some other plan puts there (a forced group choice) is
-uploaded on first use and kept.
+pool (float32 for the first N layers in gated and layers=N; every layer, f16 by default, in offload) and its
+residency window.  In gated and layers=N the window holds every weight that the plans of 1, 2, 4, ...
+max_tokens tokens put on the GPU, uploaded at load and kept (counted in weight_uploads), and nothing
+streams; a weight some other plan puts there (a forced group choice) is uploaded on first use and kept.
+In offload the window holds the resident layers, and the layers a step's plan streams go through its
+ring (device/stream_ring.py) while the host computes the others.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ from kestrel_stream.run.steps import Steps
 if TYPE_CHECKING:
     from kestrel_stream.run.device.backend import DeviceBackend
     from kestrel_stream.run.device.kv_paged import PagedKV
+    from kestrel_stream.run.device.stream_ring import StreamRing
 
 ATTENTION_SPLITS = 16
 
@@ -178,8 +181,9 @@ class MixedSteps(Steps):
     """gated and layers=N steps over the host backend and one device backend."""
 
     def __init__(self, backend: DeviceBackend, counters, plan, *, gpu_layers: int, max_tokens: int, mode: str,
-                 load_s: float, options=None):
-        self.backend, self.counters, self.plan = backend, counters, plan
+                 load_s: float, options=None, ring: StreamRing | None = None):
+        """ring: mode offload's streaming of the items a step's plan streams (device/stream_ring.py)."""
+        self.backend, self.counters, self.plan, self.ring = backend, counters, plan, ring
         self.config, self.weights = backend.weights.config, backend.weights
         self.gpu_layers, self.max_tokens = gpu_layers, max_tokens
         self.host = HostBackend(self.weights, counters, options)
@@ -259,6 +263,9 @@ class MixedSteps(Steps):
         T, b = len(rows), self.backend
         plan = self.plan(T)
         state = SegmentState(b, self.counters, rows, self.gpu_layers, self.host.rope)
+        if self.ring is not None:    # the items this step streams, in its order; the first copies go out
+            self.ring.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
+                             if op.name in self.ring.index], b.stream)
         if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
             for kv, lo, hi, start in state.runs:
                 b.kv.prepare(kv.device, start, start + hi - lo)
@@ -282,6 +289,9 @@ class MixedSteps(Steps):
                 b.stream.synchronize()
                 state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
         state.to_host(["logits"])
+        if self.ring is not None:
+            self.counters.h2d_bytes += self.ring.bytes_per_step
+            self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + self.ring.bytes_per_step
         return state.host["logits"][:T]
 
     def _device_op(self, op, state: SegmentState) -> None:
@@ -294,12 +304,16 @@ class MixedSteps(Steps):
             elif name in state.widths:
                 state.to_device(name)
         state.call["h2d"] = state.call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
+        streamed = self.ring is not None and self.ring.streams(op.name)
         launches = self._launches.get((op.name, T))
         if launches is None:
-            launches = self._launches[(op.name, T)] = b.ops.launches(op, T)
+            weight = self.ring.qweight(op.name, self.ring.order[op.name]) if streamed else None
+            launches = self._launches[(op.name, T)] = b.ops.launches(op, T, weight=weight)
             for launch in launches:
                 launch.label(op=op.name, layer=op.layer, segment="gpu")
         start = time.perf_counter()
+        if streamed:
+            self.ring.before(op.name, b.stream)
         if trace.active is None:
             for launch in launches:
                 launch.enqueue(b.stream)
@@ -308,6 +322,8 @@ class MixedSteps(Steps):
                             flops=float(op.flops), bytes=int(op.weight_bytes), segment="gpu"):
                 for launch in launches:
                     launch.enqueue(b.stream)
+        if streamed:
+            self.ring.after(op.name, b.stream)
         state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
         self.counters.launches += len(launches)
         self.counters.gpu_weight_read_bytes += sum(launch.labels.get("bytes", 0) for launch in launches)

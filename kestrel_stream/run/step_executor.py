@@ -10,9 +10,11 @@ step program (scheduler/ops.py):
 - `gpu`: one device segment, the whole step: the device backend's WholeStep (run/device/whole_step.py)
   runs it as one captured graph per decode batch bucket (eagerly for prefill and mixed batches), takes
   greedy and sampled tokens on the device and chains decode steps there;
-- `gated` and `layers=N`: host and device segments: MixedSteps (run/mixed.py) walks them in order, host
-  segments as the host backend's programs, device segments as the device backend's launches, and moves
-  the step's state only where segments meet.
+- `gated`, `layers=N` and `offload`: host and device segments: MixedSteps (run/mixed.py) walks them in
+  order, host segments as the host backend's programs, device segments as the device backend's launches,
+  and moves the step's state only where segments meet.  `offload` is what gpu mode becomes when the weights
+  do not fit its VRAM budget and the cost model (scheduler/offload.py) predicts host compute beside the
+  streaming ring beats streaming alone: resident, streamed and host layers, the split chosen per step size.
 
 The device backend is the same in every mode that offloads; what the mode changes is its memory plan
 (the residency window's resident set and streaming ring, the KV pool's layers and dtype) and which
@@ -29,7 +31,7 @@ import scheduler
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
 from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, plan_gpu_memory,
-                                              plan_mixed_memory, step_rows)
+                                              plan_mixed_memory, plan_offload_memory, step_rows)
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.host.backend import HostBackend
 
@@ -58,6 +60,7 @@ class StepExecutor(Executor):
         kind, count = scheduler.parse_mode(mode)
         self.weights, self.config = weights, c
         self._plans: dict[int, scheduler.Plan] = {}
+        self.placement = None                      # mode offload's placement of one-token steps
         if kind == "cpu":
             self.name, self.mode, self.options = "cpu", "cpu", options    # None: numpy's reference arithmetic
             self.counters = StepCounters.counting("cpu_weight_read_bytes")
@@ -68,6 +71,13 @@ class StepExecutor(Executor):
                              f"({c.arch}); its device path (router and experts on the GPU) is not built yet: "
                              "run it on the CPU engine (--device cpu; ks.load(..., device='cpu'))")
         self.options = Options.from_env() if options is None else options
+        vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
+        if kind in ("gpu", "auto") and self._offload_wins(vram_budget, max_seq_len, max_batch, kv_dtype, profile):
+            kind = mode = "offload"
+        if kind == "offload":
+            self._start_offload(profile, vram_budget, max_seq_len, max_batch, max_sessions, prefill_chunk, kv_dtype,
+                                kv_block_size)
+            return
         whole_step = kind in ("gpu", "auto")       # the plan is one device segment
         self.mode, self.profile, self.group_choice = ("gpu" if whole_step else mode), profile, group_choice
         self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
@@ -98,7 +108,6 @@ class StepExecutor(Executor):
         rope_fused = self.options.fused_rope and (c.head_dim, kv_dtype) in ROPE_ATTENTION
         self.counters = StepCounters.counting("kernels", "graph_replays", "graphs_captured",
                                               "gpu_weight_read_bytes")
-        vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
         sessions = max_sessions or DEFAULT_MAX_SESSIONS
 
         def plan_memory(free_bytes: int, scratch_bytes: int):
@@ -161,6 +170,84 @@ class StepExecutor(Executor):
                                 mode=self.mode, load_s=time.perf_counter() - start, options=self.options)
         self.preload_line = self.steps.preload_line
 
+    def _offload_wins(self, vram_budget, max_seq_len, max_batch, kv_dtype: str, profile) -> bool:
+        """gpu mode under a budget the weights do not fit: whether mode offload's placement (host layers beside
+        the ring) is predicted faster than the window streaming every non-resident weight (Options.offload:
+        auto asks the cost model, place always, stream never)."""
+        if self.options.offload == "stream" or self.config.is_moe:
+            return False
+        from kestrel_stream.cuda import driver
+        c = self.config
+        max_tokens, _ = step_rows(max_batch or DEFAULTS[True][1], PREFILL_CHUNK_TOKENS)
+        free = driver.Device(0).free_bytes()
+        try:
+            memory = plan_gpu_memory(c, budget_bytes=vram_budget, free_bytes=free, max_tokens=max_tokens,
+                                     max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or DEFAULTS[True][0],
+                                     attention_splits=16, max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype)
+        except scheduler.WindowBudgetError:
+            return True                           # gpu mode's window cannot start here; offload's may
+
+        if memory.window is None or not memory.window.streamed:
+            return False                          # everything resident
+        if self.options.offload == "place":
+            return True
+        profile = self._pool_profile(profile)
+        placement = plan_offload_memory(
+            c, budget_bytes=vram_budget, free_bytes=free, profile=profile, max_tokens=max_tokens,
+            max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or DEFAULTS[True][0], attention_splits=16,
+            max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype).placement
+        return bool(placement.layers("host")) or placement.head == "host"
+
+    def _pool_profile(self, profile):
+        """The cost model's figures for mode offload: the given profile, else this machine's (measured once and
+        cached: calibrate)."""
+        if profile is not None and getattr(profile, "host_joint_GBps", None):
+            return profile
+        from kestrel_stream.run.calibrate import calibrate
+        return calibrate(options=self.options)
+
+    def _start_offload(self, profile, vram_budget, max_seq_len, max_batch, max_sessions, prefill_chunk,
+                       kv_dtype: str, kv_block_size: int) -> None:
+        """Mode offload: resident layers in the arena, streamed layers through the ring, host layers on the host
+        backend, attention on the GPU for every layer; the placement per step size (plan)."""
+        from kestrel_stream.run.device.backend import DeviceBackend
+        from kestrel_stream.run.device.stream_ring import StreamRing
+        from kestrel_stream.run.mixed import ATTENTION_SPLITS, MixedSteps
+        c, weights = self.config, self.weights
+        self._check_gpu_mode(kv_dtype, kv_block_size, ATTENTION_SPLITS)
+        self.mode, self.group_choice = "offload", None
+        self.profile = self._pool_profile(profile)
+        self.gpu_layers = c.num_hidden_layers                      # every layer's attention and KV on the GPU
+        default_seq, default_batch, default_chunk = DEFAULTS[False]
+        self.max_seq_len, self.max_batch = max_seq_len or DEFAULTS[True][0], max_batch or DEFAULTS[True][1]
+        T = max(self.max_batch, prefill_chunk or default_chunk)
+        self.counters = StepCounters.counting("gpu_weight_read_bytes", "cpu_weight_read_bytes")
+        start = time.perf_counter()
+        table_rows = max_sessions or DEFAULT_MAX_SESSIONS
+        memory = lambda free_bytes, scratch_bytes: plan_offload_memory(     # noqa: E731
+            c, budget_bytes=vram_budget, free_bytes=free_bytes, profile=self.profile, max_tokens=T,
+            max_sessions=table_rows, max_seq_len=self.max_seq_len, attention_splits=ATTENTION_SPLITS,
+            max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size)
+        backend = DeviceBackend(
+            weights, self.options, self.counters, max_tokens=T, logits_rows=T, plan_memory=memory, kv_dtype=kv_dtype,
+            kv_layers=c.num_hidden_layers, max_sessions=table_rows, max_seq_len=self.max_seq_len,
+            attention_splits=ATTENTION_SPLITS, dense=False, step_outputs=False, pinned_state=True)
+        self.placement = backend.memory.placement
+        self.window_plan = backend.memory.window
+        ring = StreamRing(backend.window, weights) if backend.window.streamed else None
+        self.steps = MixedSteps(backend, self.counters, self.plan, gpu_layers=self.gpu_layers, max_tokens=T,
+                                mode=self.mode, load_s=time.perf_counter() - start, options=self.options, ring=ring)
+        self.preload_line = self.steps.preload_line
+        for line in self.placement.describe().splitlines():
+            print(f"kestrel-stream: {line}", file=sys.stderr)
+
+    def placement_for(self, tokens: int):
+        """Mode offload's placement of a step of `tokens` tokens (the resident layers and ring kept)."""
+        from scheduler import offload
+        if tokens == 1:
+            return self.placement
+        return offload.place_for_tokens(self.placement, self.config, self.profile, tokens)
+
     def _check_gpu_mode(self, kv_dtype: str, kv_block_size: int, attention_splits: int) -> None:
         from kestrel_stream.cuda.kernels import ATTENTION_HEAD_DIMS
         c = self.config
@@ -193,7 +280,8 @@ class StepExecutor(Executor):
         if tokens not in self._plans:
             plan = scheduler.build_plan(self.config, tokens=tokens, mode=self.mode, profile=self.profile,
                                         gpu_available=True, group_choice=self.group_choice,
-                                        minflop=self.options.minflop)
+                                        minflop=self.options.minflop,
+                                        offload=self.placement_for(tokens) if self.mode == "offload" else None)
             scheduler.audit_plan(plan, self.config)
             self._plans[tokens] = plan
         return self._plans[tokens]

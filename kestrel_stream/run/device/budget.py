@@ -149,6 +149,7 @@ class GpuMemoryPlan:
     kv: "KVPoolPlan"
     needs: ArenaNeeds             # kv_bytes: the least the pool must get (see plan_gpu_memory)
     budget_bytes: int | None
+    placement: object = None      # mode offload's scheduler.offload.OffloadPlacement (steps of one token)
 
     def describe(self) -> str:
         mib = 2**20
@@ -236,3 +237,70 @@ def plan_mixed_memory(c, *, resident: set, max_tokens: int, kv_layers: int, max_
         kv = plan_kv_pool(block_bytes, block_size, left_bytes=None, min_positions=width * block_size,
                           default_positions=width * block_size, fixed_bytes=max(sessions, 1) * width * block_bytes)
     return GpuMemoryPlan(arena_bytes, window, kv, needs, None)
+
+
+def offload_window(c, placement) -> WindowPlan:
+    """The window of an offload placement: resident layers (and lm_head when resident), every other layer's
+    projections as streamed items (a step's plan streams some of them), embed (and a host lm_head) left on
+    the host."""
+    items = {i.name: i for i in weight_items(c)}
+    resident, streamed, on_host, reasons = [], [], [], {}
+    for name, item in items.items():
+        layer = int(name[1:].split(".")[0]) if name.startswith("L") else None
+        home = placement.homes[layer] if layer is not None else placement.head if name == "lm_head" else "host"
+        if home == "resident":
+            resident.append(name)
+            reasons[name] = "resident: the offload placement keeps it"
+        elif layer is not None:
+            streamed.append(name)
+            reasons[name] = ("streamed through the ring or computed on the host, by step size (the placement "
+                             f"of a one-token step: {home})")
+        else:
+            on_host.append(name)
+            reasons[name] = ("on the host: a step gathers M rows of the table" if name == "embed" else
+                             "on the host: the offload placement computes it there")
+    return WindowPlan(
+        budget_bytes=placement.budget_bytes, slot_count=placement.slot_count, slot_bytes=placement.slot_bytes,
+        prefetch_distance=max(placement.slot_count - 1, 0), resident=tuple(resident), streamed=tuple(streamed),
+        on_host=tuple(on_host), resident_bytes=sum(items[n].nbytes for n in resident),
+        streamed_bytes_per_step=placement.streamed_bytes, reasons=reasons)
+
+
+def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int, profile, max_tokens: int,
+                        max_sessions: int, max_seq_len: int, attention_splits: int, max_batch: int = 1,
+                        kv_dtype: str = "f16", block_size: int = 16) -> GpuMemoryPlan:
+    """Mode offload's device memory under one budget: the KV pool for every layer (attention runs on the GPU)
+    holds at least one session of max_seq_len plus a block for each other session of a full batch; the
+    step's activations; then the weights: the offload placement (scheduler/offload.py) of what is left,
+    resident layers and a ring.  What the weights leave goes to the pool."""
+    from scheduler import offload
+    from scheduler.kv_pool import kv_bytes_per_position, plan_kv_pool
+    per_position = kv_bytes_per_position(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
+    block_bytes = block_size * per_position
+    min_positions = (-(-max_seq_len // block_size) + max_batch) * block_size
+    table_bytes = (max_sessions + 1) * -(-max_seq_len // block_size) * 8 + ALIGN
+    needs = arena_needs(c, max_tokens, 1, 1, attention_splits, logits_rows=max_tokens,
+                        kv_bytes_per_position=min_positions * per_position, table_bytes=table_bytes)
+    needs = ArenaNeeds(needs.kv_bytes, needs.activation_bytes, needs.slack_bytes, sessions=1,
+                       max_seq_len=min_positions)
+    items = weight_items(c)
+    full = sum(i.nbytes for i in items) + needs.total
+    budget = resolve_budget(budget_bytes, free_bytes, full)
+    if budget is None:
+        budget = max(free_bytes - DEFAULT_MARGIN_BYTES, 0)
+    alignment = 2 * ALIGN * (len(items) + 8)
+    weight_budget = budget - needs.total - alignment
+    mib = 2**20
+    if weight_budget <= 0:
+        raise WindowBudgetError(
+            f"--vram-budget {budget} B ({budget / mib:.1f} MiB) is too small for mode offload: the KV pool's "
+            f"least ({needs.kv_bytes / mib:.1f} MiB: {min_positions} positions of every layer, {kv_dtype}) and "
+            f"the step's activations ({(needs.activation_bytes + needs.slack_bytes) / mib:.1f} MiB) leave "
+            "nothing for weights; raise --vram-budget or lower --max-seq-len")
+    placement = offload.place(c, weight_budget, profile, tokens=1)
+    window = offload_window(c, placement)
+    arena_bytes = (needs.total - needs.kv_bytes + window.resident_bytes + placement.ring_bytes
+                   + 2 * ALIGN * (len(window.resident) + placement.slot_count))
+    kv = plan_kv_pool(block_bytes, block_size, left_bytes=budget - arena_bytes, min_positions=min_positions,
+                      default_positions=min_positions)
+    return GpuMemoryPlan(arena_bytes, window, kv, needs, budget, placement=placement)

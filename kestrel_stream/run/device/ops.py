@@ -99,10 +99,12 @@ class DeviceOps:
         self.weight, self.vector = weight, vector
         self._step_choices: dict[int, StepChoice] = {}
 
-    def launches(self, op, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
+    def launches(self, op, tokens: int, lm_rows: tuple[int, int] | None = None,
+                 weight: QWeight | None = None) -> list[Launch]:
         """The launches of `op` over `tokens` tokens, labelled with the role, layer and weight bytes they
         read.  lm_rows = (first, count): lm_head on token rows first..first+count-1 only, into logits rows
-        0..count-1."""
+        0..count-1.  weight: where the op's weight is this step (mode offload's ring slot), if not where
+        `self.weight` says."""
         role = op.group or op.kind
         if role in ("rope", "attention"):
             if role == "attention" and op.prologue:      # the rope op as its prologue (ops.fuse_rope)
@@ -112,7 +114,7 @@ class DeviceOps:
             return [launch.label(op=role, layer=op.layer, bytes=0)]
         c, k, s, eps = self.config, self.kernels, self.state, self.config.rms_norm_eps
         H = c.hidden_size
-        w = self.weight(op)
+        w = weight if weight is not None else self.weight(op)
         if role == "embed":
             _, ids, _ = self.params.pointers(tokens)
             launch = k.launch(embed_kernel(w), (tokens,), (256,), "pppppppfi",

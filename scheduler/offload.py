@@ -1,0 +1,428 @@
+"""Offload placement: each layer's projections resident in VRAM, streamed through the ring, or computed on
+the host where they lie, chosen by the step time a measured cost model predicts.
+
+When the weights do not fit the VRAM budget, a batch-1 step must read every non-resident byte out of host
+memory.  Two readers can do it: the host's own kernels (the bytes never leave), and the copy engine (the
+bytes cross PCIe into a ring slot and a GPU kernel reads them there).  Both draw on one pool of host memory
+bandwidth, whose size differs between machines, so the profile carries four rates (calibrate measures them):
+host kernels alone, pinned H2D alone, and each while the other runs.  The floor of a step is then
+
+    roofline = (non-resident bytes) / max(host alone, link alone, host joint + link joint) + resident GPU time
+
+and a placement reaches it when the cores and the link are busy together for the whole step.
+
+The unit of placement is a layer's projection groups (qkv, o, gate_up, down), which share a home: a host
+layer hands its activations over twice (qkv up for attention, attention down for o), a streamed layer none.
+Attention always runs on the GPU over the device KV pool, so a layer can change home between steps of
+different sizes without moving its cache.  The embedding table stays on the host (a step gathers M rows of
+it); lm_head is resident or computed on the host.
+
+The choice, for a weight budget (the caller has taken KV, activations and workspace out of it):
+- the ring: S slots of the largest streamed item, a copy running up to S-1 items ahead of the GPU, so a
+  host layer's time is covered by copies of the streamed layers after it;
+- resident: as many layers as the budget holds after the ring (and lm_head when it is resident), spread
+  over the step so the copy engine also runs while they compute;
+- per step size (M tokens), how many of the other layers the host computes: every count is simulated
+  (simulate_step) and the fastest kept.  Streamed bytes are shared by the step's tokens and host compute
+  grows with them, so larger steps stream more.
+
+simulate_step walks the step's ops in order: the host's clock (its kernels, its launches, its waits) and
+the copy engine's (a copy starts once its slot's last reader finished), a GPU op starting when its launch
+was issued, the GPU is free and its slot is loaded.  A host op overlapping copies runs at the joint rate,
+a copy overlapping host ops at the joint link rate (damped passes settle which overlap).
+
+One concern, the offload placement: the choice and the simulation that prices it are read together, since a
+change to what the simulation models changes what the search picks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .gate import gpu_compute_us
+from .ops import step_ops
+
+HOMES = ("resident", "streamed", "host")
+LAYER_GROUPS = ("qkv", "o", "gate_up", "down")
+DEVICE_ALIGN = 256
+SLOT_COUNTS = (2, 3, 4, 5, 6)      # ring sizes tried
+PASSES = 6                         # simulate_step's passes over the step
+HOST_CALL_US = 8.0                 # Python and pool dispatch of one host kernel call (default)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // DEVICE_ALIGN) * DEVICE_ALIGN + DEVICE_ALIGN
+
+
+@dataclass(frozen=True)
+class PoolRates:
+    """GB/s of the two readers of host memory, alone and together."""
+    host: float
+    link: float
+    host_joint: float
+    link_joint: float
+
+    @classmethod
+    def of(cls, profile) -> "PoolRates":
+        host, link = profile.host_weight_GBps, profile.h2d_GBps
+        host_joint = getattr(profile, "host_joint_GBps", None) or host
+        link_joint = getattr(profile, "h2d_joint_GBps", None) or link
+        return cls(host, link, min(host_joint, host), min(link_joint, link))
+
+    def best_us(self, nbytes: float) -> float:
+        """The least time to read `nbytes` out of host memory with the cores and the link."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / (max(self.host, self.link, self.host_joint + self.link_joint) * 1e3)
+
+
+@dataclass(frozen=True)
+class StepSim:
+    total_us: float
+    copy_busy_us: float
+    host_busy_us: float
+    gpu_busy_us: float
+    handoffs: int
+
+
+@dataclass
+class OffloadPlacement:
+    """Where each layer's projections run in steps of `tokens` tokens, and what that is predicted to cost."""
+    tokens: int
+    homes: tuple                   # per layer: resident | streamed | host
+    head: str                      # lm_head: resident | host
+    slot_count: int
+    slot_bytes: int
+    layer_bytes: tuple             # per layer: its projections' device bytes
+    head_bytes: int
+    predicted: StepSim
+    roofline_us: float
+    budget_bytes: int
+    notes: list = field(default_factory=list)
+
+    @property
+    def resident_bytes(self) -> int:
+        return (sum(b for b, h in zip(self.layer_bytes, self.homes) if h == "resident")
+                + (self.head_bytes if self.head == "resident" else 0))
+
+    @property
+    def streamed_bytes(self) -> int:
+        return sum(b for b, h in zip(self.layer_bytes, self.homes) if h == "streamed")
+
+    @property
+    def host_bytes(self) -> int:
+        return (sum(b for b, h in zip(self.layer_bytes, self.homes) if h == "host")
+                + (self.head_bytes if self.head == "host" else 0))
+
+    @property
+    def ring_bytes(self) -> int:
+        return self.slot_count * self.slot_bytes
+
+    def layers(self, home: str) -> tuple:
+        return tuple(i for i, h in enumerate(self.homes) if h == home)
+
+    def with_homes(self, homes, predicted: StepSim, tokens: int) -> "OffloadPlacement":
+        return OffloadPlacement(tokens, tuple(homes), self.head, self.slot_count, self.slot_bytes,
+                                self.layer_bytes, self.head_bytes, predicted, self.roofline_us, self.budget_bytes,
+                                list(self.notes))
+
+    def to_dict(self) -> dict:
+        p = self.predicted
+        return {"tokens": self.tokens, "homes": list(self.homes), "head": self.head,
+                "slot_count": self.slot_count, "slot_bytes": self.slot_bytes,
+                "resident_bytes": self.resident_bytes, "streamed_bytes": self.streamed_bytes,
+                "host_bytes": self.host_bytes, "ring_bytes": self.ring_bytes, "budget_bytes": self.budget_bytes,
+                "predicted_us": round(p.total_us, 1), "roofline_us": round(self.roofline_us, 1),
+                "copy_busy_us": round(p.copy_busy_us, 1), "host_busy_us": round(p.host_busy_us, 1),
+                "gpu_busy_us": round(p.gpu_busy_us, 1), "handoffs": p.handoffs}
+
+    def describe(self) -> str:
+        mb, p = 1e6, self.predicted
+        letters = "".join({"resident": "R", "streamed": "S", "host": "H"}[h] for h in self.homes)
+        lines = [f"offload, M={self.tokens}: layers {letters} (R resident, S streamed, H host), lm_head {self.head}; "
+                 f"resident {self.resident_bytes / mb:.1f} MB + ring {self.slot_count} x "
+                 f"{self.slot_bytes / mb:.1f} MB of {self.budget_bytes / mb:.1f} MB; per step: streamed "
+                 f"{self.streamed_bytes / mb:.1f} MB, host {self.host_bytes / mb:.1f} MB",
+                 f"  predicted {p.total_us / 1e3:.2f} ms (copy engine busy {p.copy_busy_us / 1e3:.2f}, host "
+                 f"{p.host_busy_us / 1e3:.2f}, GPU {p.gpu_busy_us / 1e3:.2f}, {p.handoffs} hand-offs); roofline "
+                 f"{self.roofline_us / 1e3:.2f} ms ({self.roofline_us / max(p.total_us, 1e-9):.0%} of it)"]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# ---- the step's work, by op --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Work:
+    side: str          # "gpu" | "host"
+    us: float          # GPU compute, or host time at the host-alone rate (its joint time: us_joint)
+    us_joint: float
+    launches: int
+    item: int = -1     # streamed item index (GPU ops reading a ring slot)
+    nbytes: int = 0    # streamed bytes of that item
+
+
+def _layer_items(config) -> tuple[list, int, int]:
+    """(per layer device bytes of each projection group, largest group, lm_head device bytes)."""
+    ops = step_ops(config, 1)
+    per_layer = [{} for _ in range(config.num_hidden_layers)]
+    head = 0
+    for op in ops:
+        if op.group == "lm_head":
+            head = _aligned(op.weight_bytes)
+        elif op.group:
+            per_layer[op.layer][op.group] = _aligned(op.weight_bytes)
+    largest = max(max(groups.values()) for groups in per_layer)
+    return per_layer, largest, head
+
+
+def _host_us(op, profile, rate_GBps: float) -> float:
+    """An op's host time at a given host-memory rate: compute- or memory-bound, whichever is slower."""
+    bytes_read = op.active_weight_bytes + op.input_bytes + op.output_bytes
+    return max(op.flops / (profile.host_gflops * 1e3), bytes_read / (rate_GBps * 1e3))
+
+
+@dataclass(frozen=True)
+class _OpCost:
+    layer: int | None      # None: lm_head (head=True) or an op that always runs on the GPU
+    head: bool
+    placed: bool           # a projection: its home decides its side
+    gpu_us: float
+    host_us: float
+    host_joint_us: float
+    launches: int
+    nbytes: int            # device bytes of its weight (what a ring slot receives)
+
+
+def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -> list:
+    """Each op's time on either side for steps of `tokens` tokens (norms and SiLU·mul ride on projections)."""
+    out = []
+    call_us = getattr(profile, "host_call_us", None) or HOST_CALL_US
+    for op in step_ops(config, tokens, context_len):
+        if op.kind in ("norm", "elementwise"):
+            continue
+        if op.kind == "embed":                          # always on the host
+            out.append(_OpCost(None, False, False, 0.0, call_us, call_us, 0, -1))
+            continue
+        placed = bool(op.group)
+        out.append(_OpCost(op.layer, op.group == "lm_head", placed, gpu_compute_us(op, profile),
+                           _host_us(op, profile, rates.host) + call_us if placed else 0.0,
+                           _host_us(op, profile, rates.host_joint) + call_us if placed else 0.0,
+                           op.launches or 1, _aligned(op.weight_bytes) if placed else 0))
+    return out
+
+
+def _work(costs: list, homes, head: str) -> list:
+    out, item = [], 0
+    for c in costs:
+        if c.nbytes < 0:
+            out.append(_Work("host", c.host_us, c.host_joint_us, 0))
+            continue
+        home = (head if c.head else homes[c.layer]) if c.placed else "resident"
+        if home == "host":
+            out.append(_Work("host", c.host_us, c.host_joint_us, 0))
+        elif home == "streamed":
+            out.append(_Work("gpu", c.gpu_us, c.gpu_us, c.launches, item, c.nbytes))
+            item += 1
+        else:
+            out.append(_Work("gpu", c.gpu_us, c.gpu_us, c.launches))
+    return out
+
+
+def _overlap(spans: list, others: list) -> list:
+    """For each (begin, end) of `spans` (in time order, disjoint), the share of it `others` (the same) cover."""
+    shares, j = [], 0
+    for begin, end in spans:
+        while j < len(others) and others[j][1] <= begin:
+            j += 1
+        covered, k = 0.0, j
+        while k < len(others) and others[k][0] < end:
+            covered += max(0.0, min(end, others[k][1]) - max(begin, others[k][0]))
+            k += 1
+        shares.append(covered / (end - begin) if end > begin else 0.0)
+    return shares
+
+
+def simulate_step(work: list, slot_count: int, profile, rates: PoolRates) -> StepSim:
+    """Predicted time of one step: the host's clock and the copy engine's, over the ops in order.  A host
+    op's time mixes its alone and joint rates by the share of it copies overlapped in the previous pass, a
+    copy's by the share host ops overlapped."""
+    launch_us, handoff_us = profile.gpu_launch_us, profile.round_trip_us
+    streamed = [w for w in work if w.item >= 0]
+    host_share: dict = {}
+    copy_share = [0.0] * len(streamed)
+    result = None
+    for passes in range(PASSES):
+        t = gpu_free = copy_free = 0.0      # host clock; the GPU's last finish; the copy engine's
+        copy_end, release = [0.0] * len(streamed), [0.0] * len(streamed)
+        host_spans, copy_spans, host_index = [], [], []
+        side, handoffs, issued = "host", 0, 0
+
+        def issue_copies(upto: int) -> None:
+            nonlocal issued, copy_free
+            while issued <= min(upto, len(streamed) - 1):
+                c = issued
+                start = max(copy_free, release[c - slot_count] if c >= slot_count else 0.0)
+                share = copy_share[c]
+                copy_free = start + streamed[c].nbytes * (share / rates.link_joint + (1 - share) / rates.link) / 1e3
+                copy_end[c] = copy_free
+                copy_spans.append((start, copy_free))
+                issued += 1
+
+        issue_copies(slot_count - 1)             # the step's first copies go out with its start
+        for index, w in enumerate(work):
+            if w.side != side:
+                if side == "gpu":                # the host waits for the GPU's result
+                    t = max(t, gpu_free)
+                t += handoff_us
+                handoffs += 1
+                side = w.side
+            if w.side == "host":
+                share = host_share.get(index, 0.0)
+                us = share * w.us_joint + (1 - share) * w.us
+                host_spans.append((t, t + us))
+                host_index.append(index)
+                t += us
+                continue
+            t += launch_us * w.launches
+            start = max(t, gpu_free)
+            if w.item >= 0:
+                start = max(start, copy_end[w.item])
+            gpu_free = start + w.us
+            if w.item >= 0:
+                release[w.item] = gpu_free
+                issue_copies(w.item + slot_count)
+        total = max(t, gpu_free) + (handoff_us if side == "gpu" else 0.0)
+        # damped: the shares move halfway to what this pass saw, so two passes cannot flip-flop
+        seen = dict(zip(host_index, _overlap(host_spans, copy_spans)))
+        host_share = {i: (host_share.get(i, 0.0) + s) / 2 if passes else s for i, s in seen.items()}
+        copy_share = [(a + b) / 2 if passes else b for a, b in zip(copy_share, _overlap(copy_spans, host_spans))]
+        result = StepSim(total, sum(e - b for b, e in copy_spans), sum(e - b for b, e in host_spans),
+                         sum(w.us for w in work if w.side == "gpu"), handoffs)
+    return result
+
+
+def spread(counts: dict, length: int) -> tuple:
+    """`length` homes with counts[home] of each, every home spread evenly over the positions."""
+    assert sum(counts.values()) == length, (counts, length)
+    placed, taken = [], {home: 0 for home in counts}
+    for i in range(length):
+        # the home furthest behind its even share at position i
+        home = max(counts, key=lambda h: (counts[h] * (i + 1) / length - taken[h], counts[h]))
+        placed.append(home)
+        taken[home] += 1
+    return tuple(placed)
+
+
+def _homes(resident: tuple, flexible_hosts: int) -> tuple:
+    """The layers not resident split into host and streamed layers, each spread evenly among them."""
+    flexible = [i for i, h in enumerate(resident) if h != "resident"]
+    order = spread({"host": flexible_hosts, "streamed": len(flexible) - flexible_hosts}, len(flexible))
+    homes = list(resident)
+    for layer, home in zip(flexible, order):
+        homes[layer] = home
+    return tuple(homes)
+
+
+def _predict(costs, homes, head, slot_count, profile, rates) -> StepSim:
+    return simulate_step(_work(costs, homes, head), slot_count, profile, rates)
+
+
+def roofline_us(config, homes, head, profile, tokens: int = 1, context_len: int = 0) -> float:
+    """The floor of a step with these resident weights: the non-resident bytes at the pool's best rate, plus
+    the GPU time of the resident ops (and attention)."""
+    per_layer, _, head_bytes = _layer_items(config)
+    rates = PoolRates.of(profile)
+    off = sum(sum(g.values()) for g, h in zip(per_layer, homes) if h != "resident")
+    off += head_bytes if head != "resident" else 0
+    costs = op_costs(config, tokens, context_len, profile, rates)
+    gpu = sum(w.us for w in _work(costs, homes, head) if w.side == "gpu" and w.item < 0)
+    return rates.best_us(off) + gpu
+
+
+def place(config, budget_bytes: int, profile, tokens: int = 1, context_len: int = 0,
+          slot_counts=SLOT_COUNTS) -> OffloadPlacement:
+    """The placement predicted fastest for steps of `tokens` tokens under a weight budget (bytes)."""
+    if config.num_experts:
+        raise ValueError(f"offload placement: {config.arch} is a mixture-of-experts model; its experts are "
+                         "not placed yet")
+    per_layer, largest, head_bytes = _layer_items(config)
+    layer_bytes = tuple(sum(g.values()) for g in per_layer)
+    L = config.num_hidden_layers
+    rates = PoolRates.of(profile)
+    costs = op_costs(config, tokens, context_len, profile, rates)
+    best = None
+    for head in ("resident", "host"):
+        for slots in slot_counts:
+            left = budget_bytes - (head_bytes if head == "resident" else 0)
+            ring = slots * largest
+            if left < ring:
+                if left < 0:
+                    continue
+                ring, slots_used = 0, 0          # no room for a ring: resident or host only
+            else:
+                slots_used = slots
+            room = left - ring
+            resident_count, used = 0, 0
+            for b in sorted(layer_bytes):        # layers are alike: as many as fit
+                if used + b > room:
+                    break
+                used += b
+                resident_count += 1
+            base = spread({"resident": resident_count, "other": L - resident_count}, L)
+            flexible = L - resident_count
+            if not flexible:                     # everything fits: no ring
+                slots_used = 0
+            choices = range(flexible + 1) if slots_used else (flexible,)
+            for hosts in choices:
+                homes = _homes(base, hosts)
+                sim = _predict(costs, homes, head, max(slots_used, 1), profile, rates)
+                if best is None or sim.total_us < best[0].total_us - 1e-6:
+                    best = (sim, homes, head, slots_used)
+            if not slots_used:
+                break
+    if best is None:
+        raise ValueError(f"offload placement: a weight budget of {budget_bytes} B holds nothing")
+    sim, homes, head, slots = best
+    placement = OffloadPlacement(tokens, homes, head, slots, largest if slots else 0, layer_bytes, head_bytes, sim,
+                                 roofline_us(config, homes, head, profile, tokens, context_len), budget_bytes)
+    return placement
+
+
+def place_for_tokens(base: OffloadPlacement, config, profile, tokens: int, context_len: int = 0) -> OffloadPlacement:
+    """`base`'s resident layers, lm_head and ring kept (what is in VRAM does not change between steps); the
+    other layers split between the host and the ring as predicted fastest for steps of `tokens` tokens."""
+    rates = PoolRates.of(profile)
+    costs = op_costs(config, tokens, context_len, profile, rates)
+    resident = tuple(h if h == "resident" else "other" for h in base.homes)
+    flexible = sum(1 for h in resident if h != "resident")
+    choices = range(flexible + 1) if base.slot_count else (flexible,)
+    best = None
+    for hosts in choices:
+        homes = _homes(resident, hosts)
+        sim = _predict(costs, homes, base.head, max(base.slot_count, 1), profile, rates)
+        if best is None or sim.total_us < best[0].total_us - 1e-6:
+            best = (sim, homes)
+    sim, homes = best
+    placement = base.with_homes(homes, sim, tokens)
+    placement.roofline_us = roofline_us(config, homes, base.head, profile, tokens, context_len)
+    return placement
+
+
+def streaming_only(config, budget_bytes: int, profile, tokens: int = 1, slot_count: int = 2) -> StepSim | None:
+    """The predicted step of the window alone (every non-resident layer streamed), for the comparison that
+    picks between it and a placement with host work; None when the budget holds no ring."""
+    per_layer, largest, head_bytes = _layer_items(config)
+    layer_bytes = [sum(g.values()) for g in per_layer]
+    room = budget_bytes - head_bytes - slot_count * largest
+    if room < 0:
+        return None
+    count, used = 0, 0
+    for b in sorted(layer_bytes):
+        if used + b > room:
+            break
+        used += b
+        count += 1
+    L = config.num_hidden_layers
+    base = spread({"resident": count, "other": L - count}, L)
+    homes = _homes(base, 0)
+    rates = PoolRates.of(profile)
+    return _predict(op_costs(config, tokens, 0, profile, rates), homes, "resident", slot_count, profile, rates)

@@ -1,0 +1,145 @@
+"""Mode offload on the numpy device emulation (fake_cuda) against the CPU engine: every kind of placement
+the cost model can choose (host layers only, streamed layers only, both, lm_head on the host), with the
+copy engine running as early as its waits allow (a missing `released` wait overwrites a slot still being
+read) and as late as possible (a missing `loaded` wait reads a stale slot); the placement of each step size
+is the one its plan runs; a budget that holds nothing is refused before anything is allocated."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import fake_cuda
+import scheduler
+from hf_oracle import assert_logits_match
+from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.run.device.budget import (budget_for_weight_fraction, gpu_mode_needs, plan_offload_memory,
+                                              weight_items)
+from kestrel_stream.run.engine import Engine
+from kestrel_stream.run.step_executor import StepExecutor
+from bench.synthetic import random_q8_weights
+from scheduler.window import WindowBudgetError
+
+CONFIG = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=6,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
+                     rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
+                     max_position_embeddings=512)
+PROMPTS = ([5, 3, 200, 17, 42, 8, 1, 99, 250, 7, 64, 31], [9, 8, 7, 6, 5])
+MAX_SEQ_LEN, MAX_BATCH, DECODE_STEPS = 32, 4, 6
+# the pool's figures with overheads scaled to these small layers, so the bytes decide
+POOL = dataclasses.replace(scheduler.profile.H200_POOL, round_trip_us=0.05, gpu_launch_us=0.05, host_call_us=0.05)
+PROFILES = {
+    "mixed": POOL,
+    "host": dataclasses.replace(POOL, h2d_GBps=0.05, h2d_joint_GBps=0.04),
+    "ring": dataclasses.replace(POOL, host_weight_GBps=0.05, host_joint_GBps=0.04, host_gflops=1.0),
+}
+
+
+@pytest.fixture(scope="module")
+def model():
+    weights = random_q8_weights(CONFIG, seed=5)
+    cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    return weights, [run(cpu, prompt) for prompt in PROMPTS]
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    fake_cuda.install(monkeypatch, mode="deferred")
+    return monkeypatch
+
+
+def run(engine, prompt) -> np.ndarray:
+    s = engine.new_session()
+    steps = [s.prefill(prompt)]
+    token = int(np.argmax(steps[0][-1]))
+    for _ in range(DECODE_STEPS):
+        steps.append(s.decode(token)[None])
+        token = int(np.argmax(steps[-1][-1]))
+    s.close()
+    return np.concatenate(steps)
+
+
+def budget_for(fraction: float, profile) -> int:
+    """A budget whose weight part is `fraction` of the weights."""
+    needs = plan_offload_memory(CONFIG, budget_bytes=1 << 40, free_bytes=1 << 41, profile=profile, max_tokens=64,
+                                max_sessions=256, max_seq_len=MAX_SEQ_LEN, attention_splits=16,
+                                max_batch=MAX_BATCH).needs
+    items = weight_items(CONFIG)
+    return needs.total + 2 * 256 * (len(items) + 8) + int(fraction * sum(i.nbytes for i in items))
+
+
+def offload_engine(weights, profile, fraction: float, mode: str = "offload"):
+    executor = StepExecutor(weights, mode, profile, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
+                            vram_budget=budget_for(fraction, profile))
+    engine = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    engine.device, engine.mode, engine.executor = "cuda", executor.mode, executor
+    return engine
+
+
+@pytest.mark.parametrize("copies", ["eager", "lazy"])
+@pytest.mark.parametrize("kind,fraction", [("mixed", 0.5), ("host", 0.5), ("ring", 0.5), ("mixed", 0.12),
+                                           ("ring", 0.3)])
+def test_every_placement_matches_the_cpu_engine(model, emulated, kind, fraction, copies):
+    weights, reference = model
+    emulated.setitem(fake_cuda.POLICY, "eager", fake_cuda.POLICY["eager"] if copies == "eager" else ())
+    engine = offload_engine(weights, PROFILES[kind], fraction)
+    placement = engine.executor.placement
+    homes = set(placement.homes)
+    if kind == "host":
+        assert "streamed" not in homes and "host" in homes
+    elif kind == "ring":
+        assert "host" not in homes and "streamed" in homes
+    else:
+        assert {"host", "streamed"} <= homes, placement.describe()
+    for prompt, expected in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected)
+    stats = engine.executor.stats
+    streamed = engine.executor.plan(1).h2d_bytes_per_step
+    assert (stats["streamed_bytes"] or 0) > 0 if "streamed" in homes else not stats["streamed_bytes"]
+    assert streamed > 0
+    engine.close()
+
+
+def test_lm_head_on_the_host(model, emulated):
+    """A budget with room for a ring but not for lm_head's table keeps lm_head on the host."""
+    weights, reference = model
+    engine = offload_engine(weights, PROFILES["mixed"], 0.12)
+    assert engine.executor.placement.head == "host"
+    assert_logits_match(run(engine, PROMPTS[0]), reference[0])
+    engine.close()
+
+
+def test_each_step_size_runs_its_own_placement(model, emulated):
+    """Where the split differs between step sizes, each step streams what its plan says (the ring follows
+    the plan's order), and the results still match."""
+    weights, reference = model
+    flip = dataclasses.replace(POOL, host_gflops=150.0)       # host compute-bound from a few tokens on
+    engine = offload_engine(weights, flip, 0.5)
+    one, twelve = engine.executor.placement_for(1), engine.executor.placement_for(12)
+    assert one.layers("host") and not twelve.layers("host"), (one.homes, twelve.homes)
+    for prompt, expected in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected)
+    engine.close()
+
+
+def test_gpu_mode_under_a_short_budget_becomes_offload(model, emulated):
+    """gpu mode short of VRAM becomes offload where the cost model puts work on the host, and keeps the
+    window alone with KESTREL_OFFLOAD=stream."""
+    weights, _ = model
+    emulated.setenv("KESTREL_OFFLOAD", "auto")
+    executor = StepExecutor(weights, "gpu", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
+                            vram_budget=budget_for(0.3, POOL))
+    assert executor.mode == "offload" and executor.placement.layers("host")
+    executor.close()
+    emulated.setenv("KESTREL_OFFLOAD", "stream")
+    budget = budget_for_weight_fraction(CONFIG, gpu_mode_needs(CONFIG, MAX_BATCH, MAX_SEQ_LEN), 0.5)
+    executor = StepExecutor(weights, "gpu", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH, vram_budget=budget)
+    assert executor.mode == "gpu" and executor.backend.window.streamed
+    executor.close()
+
+
+def test_a_budget_without_room_for_weights_is_refused(model, emulated):
+    weights, _ = model
+    with pytest.raises(WindowBudgetError, match="too small for mode offload.*raise --vram-budget"):
+        StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH, vram_budget=1 << 20)

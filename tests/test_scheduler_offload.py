@@ -1,0 +1,96 @@
+"""The offload placement (scheduler/offload.py): pure arithmetic over the qwen3 presets' shapes and an H200
+machine's pool figures: the budget is kept, the roofline is a floor, the split moves with the step size."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kestrel_stream.loading.presets import PRESETS
+from scheduler import audit_plan, build_plan, offload
+from scheduler.profile import H200_POOL
+
+LAYER_BYTES = {name: sum(offload._layer_items(PRESETS[name])[0][0].values()) for name in ("qwen3-1.7b", "qwen3-8b")}
+
+
+def budget(name: str, fraction: float) -> int:
+    """The VRAM of llama.cpp's -ngl at `fraction` of the layers (its output layer stays on the host)."""
+    c = PRESETS[name]
+    return int(c.num_hidden_layers * fraction) * LAYER_BYTES[name]
+
+
+@pytest.mark.parametrize("name", ["qwen3-1.7b", "qwen3-8b"])
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_placement_keeps_the_budget_and_the_roofline_is_a_floor(name, fraction):
+    c = PRESETS[name]
+    p = offload.place(c, budget(name, fraction), H200_POOL)
+    assert p.resident_bytes + p.ring_bytes <= p.budget_bytes
+    assert len(p.homes) == c.num_hidden_layers and set(p.homes) <= set(offload.HOMES)
+    assert p.layers("host"), "at batch 1 on this pool the host should compute some layers"
+    assert p.layers("streamed"), "and the link stream others"
+    assert p.roofline_us <= p.predicted.total_us
+    assert p.predicted.total_us <= 1.25 * p.roofline_us, p.describe()
+    # streaming alone (the window of before) is slower where there is a ring to compare with
+    alone = offload.streaming_only(c, p.budget_bytes, H200_POOL)
+    assert alone is None or alone.total_us > p.predicted.total_us
+
+
+def test_more_vram_is_never_slower():
+    c = PRESETS["qwen3-1.7b"]
+    times = [offload.place(c, budget("qwen3-1.7b", f), H200_POOL).predicted.total_us for f in (0.25, 0.5, 0.75)]
+    assert times[0] > times[1] > times[2]
+
+
+def test_the_split_moves_to_the_ring_as_steps_grow():
+    """Streamed bytes are shared by a step's tokens, host compute grows with them: larger steps stream more,
+    the resident layers and lm_head stay where they are."""
+    c = PRESETS["qwen3-8b"]
+    one = offload.place(c, budget("qwen3-8b", 0.5), H200_POOL)
+    hosts = []
+    for tokens in (1, 16, 64, 256):
+        p = offload.place_for_tokens(one, c, H200_POOL, tokens)
+        assert p.layers("resident") == one.layers("resident") and p.head == one.head
+        hosts.append(len(p.layers("host")))
+    assert hosts == sorted(hosts, reverse=True) and hosts[0] > hosts[-1], hosts
+    assert hosts[-1] == 0, "a 256-token step streams every non-resident layer"
+
+
+def test_a_slow_link_puts_the_work_on_the_host_and_a_slow_host_on_the_link():
+    c = PRESETS["qwen3-1.7b"]
+    slow_link = dataclasses.replace(H200_POOL, h2d_GBps=0.5, h2d_joint_GBps=0.4)
+    slow_host = dataclasses.replace(H200_POOL, host_weight_GBps=0.5, host_joint_GBps=0.4)
+    p = offload.place(c, budget("qwen3-1.7b", 0.5), slow_link)
+    assert not p.layers("streamed") and p.layers("host")
+    q = offload.place(c, budget("qwen3-1.7b", 0.5), slow_host)
+    assert not q.layers("host") and q.layers("streamed") and q.head == "resident"
+
+
+def test_homes_are_spread_evenly():
+    homes = offload.spread({"host": 3, "streamed": 6}, 9)
+    assert homes.count("host") == 3 and all(homes[i:i + 3].count("host") == 1 for i in (0, 3, 6)), homes
+
+
+def test_plan_places_every_weight_once_where_the_placement_says():
+    c = PRESETS["qwen3-1.7b"]
+    p = offload.place(c, budget("qwen3-1.7b", 0.5), H200_POOL)
+    plan = build_plan(c, 1, "offload", H200_POOL, offload=p)
+    audit_plan(plan, c)
+    for name, placement in plan.placements.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            layer = int(name.split(".")[2])
+            assert placement.side == ("cpu" if p.homes[layer] == "host" else "gpu"), (name, p.homes[layer])
+        if "self_attn" in name and "norm" in name:
+            assert placement.side == "gpu", name          # q/k norm: the rope op, on the GPU
+    assert plan.placements["model.embed_tokens.weight"].side == ("gpu" if p.head == "resident" else "cpu")
+    assert plan.h2d_bytes_per_step >= p.streamed_bytes
+    assert "offload, M=1" in "\n".join(plan.notes)
+
+
+def test_a_budget_of_nothing_is_refused():
+    with pytest.raises(ValueError, match="holds nothing"):
+        offload.place(PRESETS["qwen3-1.7b"], -1, H200_POOL)
+
+
+def test_moe_is_refused_with_a_reason():
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        offload.place(PRESETS["qwen3-moe-tiny"], 10**9, H200_POOL)
