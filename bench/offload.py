@@ -1,0 +1,181 @@
+"""Mode offload beside llama.cpp at the same VRAM for weights, with this machine's host memory pool and the
+roofline of each row, in one run.
+
+    python3 -m bench.offload FILE.gguf [FILE2.gguf ...] [--fractions 0.5 0.25] [--threads 16]
+        [--llama-bench PATH/llama-bench] [--sessions 16] [--out DIR]
+
+Per file and fraction f: llama.cpp runs `llama-bench -m FILE -ngl N -t T -p 0 -n NEW -r 3` with N = f x the
+layers (its output layer stays on the host below all layers); ours gets N layers' weight bytes for weights,
+on top of what mode offload's KV pool (one session of --max-seq-len) and activations take, and decodes
+--new-tokens greedy tokens after one (medians of --repeats after a warm-up).  Beside each row: the
+placement (R resident, S streamed, H host per layer), its predicted step time and the roofline
+(scheduler/offload.py: the non-resident bytes at the pool's best rate plus the resident GPU time), the
+measured step as a fraction of each, and the window alone (gpu mode, KESTREL_OFFLOAD=stream) at the same
+budget.  The pool figures come from `calibrate` forced at the start (measure_pool).  --sessions S adds
+decode of S sessions at once (ours: decode_batch; llama.cpp: llama-batched-bench -ngl N -npp 32 -ntg 32 -npl
+S when --llama-batched-bench is given).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import time
+
+import numpy as np
+
+import kestrel_stream as ks
+from kestrel_stream.cli.bench import environment
+
+from .report import write_results
+
+
+def weight_budget_of(path: str, layers: int) -> tuple[int, int]:
+    """(bytes of `layers` decoder layers' projections, layer count) of a GGUF file, from the step program."""
+    from scheduler import offload
+    engine = ks.load(path, device="cpu")
+    config = engine.config
+    engine.close()
+    per_layer, _, _ = offload._layer_items(config)
+    return sum(sum(g.values()) for g in per_layer[:layers]), config.num_hidden_layers
+
+
+def offload_budget(path: str, weight_bytes: int, max_seq_len: int, profile) -> int:
+    """The --vram-budget that leaves `weight_bytes` for weights after mode offload's KV pool and activations."""
+    from kestrel_stream.run.device.budget import ALIGN, plan_offload_memory, weight_items
+    from kestrel_stream.run.step_executor import DEFAULTS
+    engine = ks.load(path, device="cpu")
+    c = engine.config
+    engine.close()
+    max_batch = DEFAULTS[True][1]
+    needs = plan_offload_memory(c, budget_bytes=1 << 50, free_bytes=1 << 51, profile=profile,
+                                max_tokens=max(max_batch, DEFAULTS[False][2]), max_sessions=256,
+                                max_seq_len=max_seq_len, attention_splits=16, max_batch=max_batch).needs
+    return needs.total + 2 * ALIGN * (len(weight_items(c)) + 8) + weight_bytes
+
+
+def decode_rate(engine, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """(median tok/s, median ms per step) of greedy decode after one token."""
+    rates = []
+    for r in range(repeats + 1):
+        s = engine.new_session()
+        token = s.decode_greedy(1)
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            token = s.decode_greedy(token)
+        elapsed = time.perf_counter() - t0
+        s.close()
+        if r:
+            rates.append(new_tokens / elapsed)
+    rate = statistics.median(rates)
+    return rate, 1e3 / rate
+
+
+def batch_rate(engine, sessions: int, new_tokens: int) -> float:
+    """Tokens/s of `sessions` sessions decoding together (after a 32-token prompt each)."""
+    rng = np.random.default_rng(0)
+    group = [engine.new_session() for _ in range(sessions)]
+    for s in group:
+        s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, 32)], logits="last")
+    tokens = [(s, 1) for s in group]
+    engine.decode_batch(tokens)
+    t0 = time.perf_counter()
+    for _ in range(new_tokens):
+        engine.decode_batch(tokens)
+    elapsed = time.perf_counter() - t0
+    for s in group:
+        s.close()
+    return sessions * new_tokens / elapsed
+
+
+def llama_tg(binary: str, path: str, layers: int, threads: int, new_tokens: int) -> float:
+    out = subprocess.run([binary, "-m", path, "-ngl", str(layers), "-t", str(threads), "-p", "0",
+                          "-n", str(new_tokens), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
+    return round(float(json.loads(out.stdout)[0]["avg_ts"]), 2)
+
+
+def llama_batched(binary: str, path: str, layers: int, threads: int, sessions: int) -> float:
+    out = subprocess.run([binary, "-m", path, "-ngl", str(layers), "-t", str(threads), "-c", str(sessions * 80),
+                          "-npp", "32", "-ntg", "32", "-npl", str(sessions)], capture_output=True, text=True,
+                         check=True)
+    rows = [line for line in out.stdout.splitlines() if line.strip().startswith("|") and re.search(r"\d", line)]
+    cells = [c.strip() for c in rows[-1].strip("|").split("|")]
+    return float(cells[7])          # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25])
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-seq-len", type=int, default=512)
+    parser.add_argument("--sessions", type=int, default=0)
+    parser.add_argument("--no-stream", action="store_true", help="skip the window-alone rows")
+    parser.add_argument("--llama-bench", default=None)
+    parser.add_argument("--llama-batched-bench", default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    from kestrel_stream.options import Options
+    from kestrel_stream.run.calibrate import calibrate
+    options = Options.from_env(host_threads=args.threads)
+    profile = calibrate(force=True, options=options)
+    pool = {k: getattr(profile, k) for k in ("host_weight_GBps", "h2d_GBps", "host_joint_GBps", "h2d_joint_GBps",
+                                             "host_call_us", "host_gflops", "round_trip_us", "gpu_weight_GBps")}
+    print("pool:", pool, flush=True)
+    rows = []
+    for path in args.files:
+        for fraction in args.fractions:
+            _, layer_count = weight_budget_of(path, 0)
+            ngl = round(layer_count * fraction)
+            weights, _ = weight_budget_of(path, ngl)
+            budget = offload_budget(path, weights, args.max_seq_len, profile)
+            row = {"file": os.path.basename(path), "ngl": ngl, "weight_MB": round(weights / 1e6, 1),
+                   "budget_MB": round(budget / 1e6, 1)}
+            os.environ["KESTREL_OFFLOAD"] = "place"
+            engine = ks.load(path, mode="offload", vram_budget=budget, max_seq_len=args.max_seq_len,
+                             cpu_threads=args.threads)
+            placement = engine.executor.placement
+            rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
+            letters = "".join(h[0].upper() for h in placement.homes)
+            row.update({"placement": f"{letters} head {placement.head}", "ours_tok_s": round(rate, 2),
+                        "step_ms": round(step_ms, 2), "predicted_ms": round(placement.predicted.total_us / 1e3, 2),
+                        "roofline_ms": round(placement.roofline_us / 1e3, 2),
+                        "of_roofline": round(placement.roofline_us / 1e3 / step_ms, 3),
+                        "predicted_error": round(placement.predicted.total_us / 1e3 / step_ms - 1, 3)})
+            if args.sessions:
+                row["ours_batch_tok_s"] = round(batch_rate(engine, args.sessions, args.new_tokens), 1)
+            engine.close()
+            if not args.no_stream:
+                os.environ["KESTREL_OFFLOAD"] = "stream"
+                engine = ks.load(path, mode="gpu", vram_budget=budget, max_seq_len=args.max_seq_len)
+                row["stream_tok_s"] = round(decode_rate(engine, args.new_tokens, args.repeats)[0], 2)
+                if args.sessions:
+                    row["stream_batch_tok_s"] = round(batch_rate(engine, args.sessions, args.new_tokens), 1)
+                engine.close()
+            if args.llama_bench:
+                row["llama_tok_s"] = llama_tg(args.llama_bench, path, ngl, args.threads, args.new_tokens)
+                row["ratio"] = round(row["ours_tok_s"] / row["llama_tok_s"], 3)
+            if args.sessions and args.llama_batched_bench:
+                row["llama_batch_tok_s"] = llama_batched(args.llama_batched_bench, path, ngl, args.threads,
+                                                         args.sessions)
+                row["batch_ratio"] = round(row["ours_batch_tok_s"] / row["llama_batch_tok_s"], 3)
+            print(row, flush=True)
+            rows.append(row)
+    columns = ["file", "ngl", "weight_MB", "budget_MB", "placement", "ours_tok_s", "stream_tok_s", "llama_tok_s",
+               "ratio", "step_ms", "predicted_ms", "predicted_error", "roofline_ms", "of_roofline",
+               "ours_batch_tok_s", "stream_batch_tok_s", "llama_batch_tok_s", "batch_ratio"]
+    out = write_results("offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
+                        out_dir=args.out,
+                        notes=(f"host memory pool (calibrate, this run): {pool}. Ours: mode offload with N layers' "
+                               f"weight bytes for weights; llama.cpp -ngl N. {args.new_tokens} greedy tokens after "
+                               f"one, medians of {args.repeats}; llama-bench -r 3 averages."))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
