@@ -50,8 +50,11 @@ def cmd_plan(args) -> int:
     if profile is None and args.mode not in ("auto", "cpu"):
         profile = scheduler.H200_MEASURED
     from kestrel_stream.options import Options
+    placement = None
+    if args.mode == "offload":
+        placement = offload_placement(cfg, args, profile)
     plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here,
-                                minflop=Options.from_env().minflop)
+                                minflop=Options.from_env().minflop, offload=placement)
     scheduler.audit_plan(plan, cfg)
     window = window_report(cfg, args) if args.vram_budget else None
     if args.json:
@@ -62,6 +65,37 @@ def cmd_plan(args) -> int:
         if window:
             print(window["text"])
     return 0
+
+
+def offload_placement(cfg, args, profile):
+    """Mode offload's placement for steps of --batch tokens under --vram-budget (the executor's own split);
+    each step size's line goes to stderr: the placement and its predicted step for 1, 4, 16, 64 tokens."""
+    import sys
+    from scheduler import offload
+    from kestrel_stream.run.device.budget import parse_vram_budget, plan_offload_memory
+    from kestrel_stream.run.compat import DEFAULT_MAX_SESSIONS
+    if not args.vram_budget:
+        raise ValueError("plan --mode offload needs --vram-budget SIZE (what the weights do not fit)")
+    budget = parse_vram_budget(args.vram_budget)
+    if isinstance(budget, float):
+        raise ValueError("plan --mode offload: give --vram-budget as a size such as 2GiB")
+    if not getattr(profile, "host_joint_GBps", None):
+        profile = scheduler_pool()
+        print(f"offload: no measured host memory pool in the profile; the H200 pool figures "
+              f"({profile.name}) price the placement", file=sys.stderr)
+    max_seq_len = args.max_seq_len or min(2048, cfg.max_position_embeddings)
+    memory = plan_offload_memory(cfg, budget_bytes=budget, free_bytes=budget, profile=profile,
+                                 max_tokens=max(args.max_batch, 64), max_sessions=args.max_sessions or
+                                 DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len, attention_splits=16,
+                                 max_batch=args.max_batch)
+    for tokens in sorted({1, 4, 16, 64, args.batch}):
+        print(offload.place_for_tokens(memory.placement, cfg, profile, tokens).describe(), file=sys.stderr)
+    return offload.place_for_tokens(memory.placement, cfg, profile, args.batch)
+
+
+def scheduler_pool():
+    from scheduler.profile import H200_POOL
+    return H200_POOL
 
 
 def window_report(cfg, args) -> dict:
