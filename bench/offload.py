@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--max-seq-len", type=int, default=512)
     parser.add_argument("--sessions", type=int, default=0)
     parser.add_argument("--no-stream", action="store_true", help="skip the window-alone rows")
+    parser.add_argument("--homes", nargs="*", default=[],
+                        help="placements to run beside the chosen one (KESTREL_OFFLOAD_HOMES's form, per fraction "
+                             "as FRACTION=LETTERS[:head])")
     parser.add_argument("--llama-bench", default=None)
     parser.add_argument("--llama-batched-bench", default=None)
     parser.add_argument("--out", default=None)
@@ -137,11 +140,24 @@ def main() -> None:
             row = {"file": os.path.basename(path), "ngl": ngl, "weight_MB": round(weights / 1e6, 1),
                    "budget_MB": round(budget / 1e6, 1)}
             os.environ["KESTREL_OFFLOAD"] = "place"
+            for given in [h.split("=", 1)[1] for h in args.homes if float(h.split("=", 1)[0]) == fraction]:
+                os.environ["KESTREL_OFFLOAD_HOMES"] = given
+                engine = ks.load(path, mode="offload", vram_budget=budget, max_seq_len=args.max_seq_len,
+                                 cpu_threads=args.threads)
+                p = engine.executor.placement
+                given_rate, given_ms = decode_rate(engine, args.new_tokens, args.repeats)
+                engine.close()
+                print({"given": given, "tok_s": round(given_rate, 2), "step_ms": round(given_ms, 2),
+                       "predicted_ms": round(p.predicted.total_us / 1e3, 2)}, flush=True)
+                row.setdefault("given", []).append(f"{given} {given_rate:.1f} tok/s "
+                                                   f"(predicted {1e6 / p.predicted.total_us:.1f})")
+            os.environ.pop("KESTREL_OFFLOAD_HOMES", None)
             engine = ks.load(path, mode="offload", vram_budget=budget, max_seq_len=args.max_seq_len,
                              cpu_threads=args.threads)
             placement = engine.executor.placement
             rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
-            letters = "".join(h[0].upper() for h in placement.homes)
+            from scheduler.offload import HOME_LETTERS
+            letters = "".join(HOME_LETTERS[h] for h in placement.homes)
             row.update({"placement": f"{letters} head {placement.head}", "ours_tok_s": round(rate, 2),
                         "step_ms": round(step_ms, 2), "predicted_ms": round(placement.predicted.total_us / 1e3, 2),
                         "roofline_ms": round(placement.roofline_us / 1e3, 2),
@@ -168,7 +184,7 @@ def main() -> None:
             rows.append(row)
     columns = ["file", "ngl", "weight_MB", "budget_MB", "placement", "ours_tok_s", "stream_tok_s", "llama_tok_s",
                "ratio", "step_ms", "predicted_ms", "predicted_error", "roofline_ms", "of_roofline",
-               "ours_batch_tok_s", "stream_batch_tok_s", "llama_batch_tok_s", "batch_ratio"]
+               "ours_batch_tok_s", "stream_batch_tok_s", "llama_batch_tok_s", "batch_ratio", "given"]
     out = write_results("offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
                         out_dir=args.out,
                         notes=(f"host memory pool (calibrate, this run): {pool}. Ours: mode offload with N layers' "

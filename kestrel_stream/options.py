@@ -28,6 +28,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_OFFLOAD=WHICH     gpu mode under a VRAM budget the weights do not fit: auto (the cost model picks),
                               stream (the window alone: every non-resident weight crosses PCIe) or place
                               (mode offload: resident, streamed and host-computed layers)
+    KESTREL_OFFLOAD_HOMES=H.. mode offload's layers given, a letter each (R resident, S streamed, H host,
+                              M MLP on the host), then optionally :host or :resident for lm_head (benches)
 
 The daemon's, clients' and result files' variables (Environment):
 
@@ -68,6 +70,7 @@ class Options:
     host_kernels: str = "native"             # the host backend's projections: native kernels, or numpy
     host_threads: int | None = None          # the native host kernels' threads (None: the physical cores)
     offload: str = "auto"                    # gpu mode short of VRAM: auto | stream | place (KESTREL_OFFLOAD)
+    offload_homes: str | None = None         # mode offload's layers given (KESTREL_OFFLOAD_HOMES; None: chosen)
 
     @property
     def cache_root(self) -> Path:
@@ -122,7 +125,7 @@ class Options:
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")),
                       host_isa=host_isa, host_cc=env.get("CC") or None, host_kernels=host_kernels,
                       host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"),
-                      offload=offload)
+                      offload=offload, offload_homes=env.get("KESTREL_OFFLOAD_HOMES") or None)
         return options.with_(**given)
 
     def with_(self, **changes) -> "Options":

@@ -11,8 +11,9 @@ host kernels alone, pinned H2D alone, and each while the other runs.  The floor 
 
 and a placement reaches it when the cores and the link are busy together for the whole step.
 
-The unit of placement is a layer's projection groups (qkv, o, gate_up, down), which share a home: a host
-layer hands its activations over twice (qkv up for attention, attention down for o), a streamed layer none.
+The unit of placement is a layer: resident, streamed, host (its four projection groups on the host, its
+activations handed over twice: qkv up for attention, attention down for o) or mlp (gate_up and down on the
+host, qkv and o streamed: one hand-off each way, ktransformers' split of a layer).
 Attention always runs on the GPU over the device KV pool, so a layer can change home between steps of
 different sizes without moving its cache.  The embedding table stays on the host (a step gathers M rows of
 it); lm_head is resident or computed on the host.
@@ -41,10 +42,24 @@ from dataclasses import dataclass, field
 from .gate import gpu_compute_us
 from .ops import step_ops
 
-HOMES = ("resident", "streamed", "host")
+HOMES = ("resident", "streamed", "host", "mlp")
+MLP_GROUPS = ("gate_up", "down")
+HOME_LETTERS = {"resident": "R", "streamed": "S", "host": "H", "mlp": "M"}
+LETTERS_KEY = "R resident, S streamed, H host, M MLP on the host"
+
+
+def group_home(home: str, group: str) -> str:
+    """Where a projection group of a layer homed `home` runs: resident, streamed or host.  A layer homed
+    "mlp" computes its MLP (gate_up, down: three quarters of its bytes) on the host and streams qkv and o,
+    so the host takes x once per layer (after o) and gives it back once (after down); a "host" layer runs
+    all four groups there, handing over twice (qkv up for attention, attention down for o)."""
+    if home == "mlp":
+        return "host" if group in MLP_GROUPS else "streamed"
+    return home
 LAYER_GROUPS = ("qkv", "o", "gate_up", "down")
 DEVICE_ALIGN = 256
 SLOT_COUNTS = (2, 3, 4, 5, 6)      # ring sizes tried
+HOST_KINDS = ("host", "mlp")         # the two ways a layer computes on the host
 PASSES = 6                         # simulate_step's passes over the step
 HOST_CALL_US = 8.0                 # Python and pool dispatch of one host kernel call (default)
 
@@ -92,26 +107,28 @@ class OffloadPlacement:
     head: str                      # lm_head: resident | host
     slot_count: int
     slot_bytes: int
-    layer_bytes: tuple             # per layer: its projections' device bytes
+    layer_bytes: tuple             # per layer: {projection group: device bytes}
     head_bytes: int
     predicted: StepSim
     roofline_us: float
     budget_bytes: int
     notes: list = field(default_factory=list)
 
+    def _bytes(self, where: str) -> int:
+        return (sum(b for groups, h in zip(self.layer_bytes, self.homes) for g, b in groups.items()
+                    if group_home(h, g) == where) + (self.head_bytes if self.head == where else 0))
+
     @property
     def resident_bytes(self) -> int:
-        return (sum(b for b, h in zip(self.layer_bytes, self.homes) if h == "resident")
-                + (self.head_bytes if self.head == "resident" else 0))
+        return self._bytes("resident")
 
     @property
     def streamed_bytes(self) -> int:
-        return sum(b for b, h in zip(self.layer_bytes, self.homes) if h == "streamed")
+        return self._bytes("streamed")
 
     @property
     def host_bytes(self) -> int:
-        return (sum(b for b, h in zip(self.layer_bytes, self.homes) if h == "host")
-                + (self.head_bytes if self.head == "host" else 0))
+        return self._bytes("host")
 
     @property
     def ring_bytes(self) -> int:
@@ -137,8 +154,8 @@ class OffloadPlacement:
 
     def describe(self) -> str:
         mb, p = 1e6, self.predicted
-        letters = "".join({"resident": "R", "streamed": "S", "host": "H"}[h] for h in self.homes)
-        lines = [f"offload, M={self.tokens}: layers {letters} (R resident, S streamed, H host), lm_head {self.head}; "
+        letters = "".join(HOME_LETTERS[h] for h in self.homes)
+        lines = [f"offload, M={self.tokens}: layers {letters} ({LETTERS_KEY}), lm_head {self.head}; "
                  f"resident {self.resident_bytes / mb:.1f} MB + ring {self.slot_count} x "
                  f"{self.slot_bytes / mb:.1f} MB of {self.budget_bytes / mb:.1f} MB; per step: streamed "
                  f"{self.streamed_bytes / mb:.1f} MB, host {self.host_bytes / mb:.1f} MB",
@@ -183,6 +200,7 @@ def _host_us(op, profile, rate_GBps: float) -> float:
 @dataclass(frozen=True)
 class _OpCost:
     layer: int | None      # None: lm_head (head=True) or an op that always runs on the GPU
+    group: str | None
     head: bool
     placed: bool           # a projection: its home decides its side
     gpu_us: float
@@ -200,10 +218,10 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -
         if op.kind in ("norm", "elementwise"):
             continue
         if op.kind == "embed":                          # always on the host
-            out.append(_OpCost(None, False, False, 0.0, call_us, call_us, 0, -1))
+            out.append(_OpCost(None, None, False, False, 0.0, call_us, call_us, 0, -1))
             continue
         placed = bool(op.group)
-        out.append(_OpCost(op.layer, op.group == "lm_head", placed, gpu_compute_us(op, profile),
+        out.append(_OpCost(op.layer, op.group, op.group == "lm_head", placed, gpu_compute_us(op, profile),
                            _host_us(op, profile, rates.host) + call_us if placed else 0.0,
                            _host_us(op, profile, rates.host_joint) + call_us if placed else 0.0,
                            op.launches or 1, _aligned(op.weight_bytes) if placed else 0))
@@ -216,7 +234,7 @@ def _work(costs: list, homes, head: str) -> list:
         if c.nbytes < 0:
             out.append(_Work("host", c.host_us, c.host_joint_us, 0))
             continue
-        home = (head if c.head else homes[c.layer]) if c.placed else "resident"
+        home = (head if c.head else group_home(homes[c.layer], c.group)) if c.placed else "resident"
         if home == "host":
             out.append(_Work("host", c.host_us, c.host_joint_us, 0))
         elif home == "streamed":
@@ -312,10 +330,11 @@ def spread(counts: dict, length: int) -> tuple:
     return tuple(placed)
 
 
-def _homes(resident: tuple, flexible_hosts: int) -> tuple:
-    """The layers not resident split into host and streamed layers, each spread evenly among them."""
+def _homes(resident: tuple, flexible_hosts: int, kind: str = "host") -> tuple:
+    """The layers not resident split into `kind` (host or mlp) and streamed layers, each spread evenly among
+    them."""
     flexible = [i for i, h in enumerate(resident) if h != "resident"]
-    order = spread({"host": flexible_hosts, "streamed": len(flexible) - flexible_hosts}, len(flexible))
+    order = spread({kind: flexible_hosts, "streamed": len(flexible) - flexible_hosts}, len(flexible))
     homes = list(resident)
     for layer, home in zip(flexible, order):
         homes[layer] = home
@@ -331,7 +350,7 @@ def roofline_us(config, homes, head, profile, tokens: int = 1, context_len: int 
     the GPU time of the resident ops (and attention)."""
     per_layer, _, head_bytes = _layer_items(config)
     rates = PoolRates.of(profile)
-    off = sum(sum(g.values()) for g, h in zip(per_layer, homes) if h != "resident")
+    off = sum(b for g, h in zip(per_layer, homes) for group, b in g.items() if group_home(h, group) != "resident")
     off += head_bytes if head != "resident" else 0
     costs = op_costs(config, tokens, context_len, profile, rates)
     gpu = sum(w.us for w in _work(costs, homes, head) if w.side == "gpu" and w.item < 0)
@@ -346,6 +365,7 @@ def place(config, budget_bytes: int, profile, tokens: int = 1, context_len: int 
                          "not placed yet")
     per_layer, largest, head_bytes = _layer_items(config)
     layer_bytes = tuple(sum(g.values()) for g in per_layer)
+    group_bytes = tuple(dict(g) for g in per_layer)
     L = config.num_hidden_layers
     rates = PoolRates.of(profile)
     costs = op_costs(config, tokens, context_len, profile, rates)
@@ -371,9 +391,11 @@ def place(config, budget_bytes: int, profile, tokens: int = 1, context_len: int 
             flexible = L - resident_count
             if not flexible:                     # everything fits: no ring
                 slots_used = 0
-            choices = range(flexible + 1) if slots_used else (flexible,)
-            for hosts in choices:
-                homes = _homes(base, hosts)
+            choices = [(k, n) for k in HOST_KINDS for n in range(1, flexible + 1)] + [("host", 0)]
+            if not slots_used:
+                choices = [("host", flexible)]
+            for kind, hosts in choices:
+                homes = _homes(base, hosts, kind)
                 sim = _predict(costs, homes, head, max(slots_used, 1), profile, rates)
                 if best is None or sim.total_us < best[0].total_us - 1e-6:
                     best = (sim, homes, head, slots_used)
@@ -382,22 +404,66 @@ def place(config, budget_bytes: int, profile, tokens: int = 1, context_len: int 
     if best is None:
         raise ValueError(f"offload placement: a weight budget of {budget_bytes} B holds nothing")
     sim, homes, head, slots = best
-    placement = OffloadPlacement(tokens, homes, head, slots, largest if slots else 0, layer_bytes, head_bytes, sim,
+    placement = OffloadPlacement(tokens, homes, head, slots, largest if slots else 0, group_bytes, head_bytes, sim,
                                  roofline_us(config, homes, head, profile, tokens, context_len), budget_bytes)
     return placement
 
 
+def parse_homes(text: str, layers: int) -> tuple[tuple, str | None]:
+    """'HSRM...' (a letter per layer, HOME_LETTERS) with an optional ':host' or ':resident' for lm_head, as
+    KESTREL_OFFLOAD_HOMES gives it -> (homes, head or None).  Errors name the input."""
+    letters, _, head = text.strip().partition(":")
+    by_letter = {v: k for k, v in HOME_LETTERS.items()}
+    if len(letters) != layers or any(ch not in by_letter for ch in letters.upper()):
+        raise ValueError(f"KESTREL_OFFLOAD_HOMES={text!r}: expected {layers} letters of "
+                         f"{''.join(by_letter)} ({LETTERS_KEY}), then optionally :host or :resident for lm_head")
+    if head not in ("", "host", "resident"):
+        raise ValueError(f"KESTREL_OFFLOAD_HOMES={text!r}: lm_head is :host or :resident, not :{head}")
+    return tuple(by_letter[ch] for ch in letters.upper()), head or None
+
+
+def place_given(config, budget_bytes: int, profile, homes: tuple, head: str | None = None, tokens: int = 1,
+                context_len: int = 0) -> OffloadPlacement:
+    """A placement with the layers' homes given (a bench's or a test's); lm_head resident if the budget
+    holds it beside the resident layers and the ring (unless `head` says), the ring as large as the rest
+    allows, up to the largest of SLOT_COUNTS."""
+    per_layer, largest, head_bytes = _layer_items(config)
+    rates = PoolRates.of(profile)
+    costs = op_costs(config, tokens, context_len, profile, rates)
+    resident = sum(b for g, h in zip(per_layer, homes) for group, b in g.items() if group_home(h, group) == "resident")
+    streams = any(group_home(h, g) == "streamed" for groups, h in zip(per_layer, homes) for g in groups)
+    if head is None:
+        head = "resident" if budget_bytes - resident - SLOT_COUNTS[0] * largest * streams >= head_bytes else "host"
+    left = budget_bytes - resident - (head_bytes if head == "resident" else 0)
+    slots = min(max(SLOT_COUNTS), left // largest) if streams else 0
+    if left < 0 or (streams and slots < 2):
+        raise ValueError(f"offload placement {''.join(HOME_LETTERS[h] for h in homes)} (lm_head {head}): "
+                         f"{resident + (head_bytes if head == 'resident' else 0)} B resident and a ring of two "
+                         f"{largest} B slots exceed the weight budget of {budget_bytes} B")
+    sim = _predict(costs, homes, head, max(slots, 1), profile, rates)
+    return OffloadPlacement(tokens, tuple(homes), head, slots, largest if slots else 0,
+                            tuple(dict(g) for g in per_layer), head_bytes, sim,
+                            roofline_us(config, homes, head, profile, tokens, context_len), budget_bytes,
+                            ["homes given (KESTREL_OFFLOAD_HOMES)"])
+
+
 def place_for_tokens(base: OffloadPlacement, config, profile, tokens: int, context_len: int = 0) -> OffloadPlacement:
     """`base`'s resident layers, lm_head and ring kept (what is in VRAM does not change between steps); the
-    other layers split between the host and the ring as predicted fastest for steps of `tokens` tokens."""
+    other layers split between the host and the ring as predicted fastest for steps of `tokens` tokens.
+    Homes given (KESTREL_OFFLOAD_HOMES) are kept for every step size."""
+    if base.notes and base.notes[0].startswith("homes given"):
+        return place_given(config, base.budget_bytes, profile, base.homes,
+                           base.head, tokens, context_len)
     rates = PoolRates.of(profile)
     costs = op_costs(config, tokens, context_len, profile, rates)
     resident = tuple(h if h == "resident" else "other" for h in base.homes)
     flexible = sum(1 for h in resident if h != "resident")
-    choices = range(flexible + 1) if base.slot_count else (flexible,)
+    choices = [(k, n) for k in HOST_KINDS for n in range(1, flexible + 1)] + [("host", 0)]
+    if not base.slot_count:
+        choices = [("host", flexible)]
     best = None
-    for hosts in choices:
-        homes = _homes(resident, hosts)
+    for kind, hosts in choices:
+        homes = _homes(resident, hosts, kind)
         sim = _predict(costs, homes, base.head, max(base.slot_count, 1), profile, rates)
         if best is None or sim.total_us < best[0].total_us - 1e-6:
             best = (sim, homes)

@@ -83,10 +83,11 @@ def gated_sides(ops, decide) -> list:
 
 def offload_sides(ops, homes, head: str) -> list:
     """Placement for an offload placement (scheduler/offload.py): homes per layer, lm_head's home."""
+    from .offload import group_home
     placed = []
     for op in ops:
         if op.is_projection:
-            home = head if op.group == "lm_head" else homes[op.layer]
+            home = head if op.group == "lm_head" else group_home(homes[op.layer], op.group)
             side = "cpu" if home == "host" else "gpu"
             where = f"layer {op.layer}" if op.layer is not None else "lm_head"
             placed.append((op, side, f"offload: {where} {home}"))

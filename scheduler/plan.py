@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from .gate import Gate, GateDecision, gpu_segment_cost, host_time_us
 from .dense import dense_ops
 from .ops import PROJECTION_GROUPS, fuse_rope, model_weight_names, step_ops
+from .offload import group_home
 from .placement import fixed_sides, gated_sides, offload_sides
 from .transfers import count_transfers
 
@@ -235,7 +236,7 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
             raise ValueError("mode offload: the plan needs the offload placement (scheduler.offload.place)")
         placed = offload_sides(ops, offload.homes, offload.head)
         streamed = frozenset(streamed) | {op.name for op in ops if op.group and op.layer is not None
-                                          and offload.homes[op.layer] == "streamed"}
+                                          and group_home(offload.homes[op.layer], op.group) == "streamed"}
         notes.append(offload.describe().splitlines()[0])
         notes.append(offload.describe().splitlines()[1].strip())
     else:

@@ -21,6 +21,13 @@ from kestrel_stream.model.weights import LayerWeights, ModelWeights
 
 from hf_oracle import relative_error
 
+
+@pytest.fixture(autouse=True)
+def window_alone(monkeypatch):
+    """These budgets test the window: gpu mode keeps it alone instead of becoming mode offload."""
+    monkeypatch.setenv("KESTREL_OFFLOAD", "stream")
+
+
 pytestmark = pytest.mark.gpu
 
 SHAPES = {   # every Q8 weight above the 64 KB "always resident" size, so budgets really stream

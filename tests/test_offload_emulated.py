@@ -87,16 +87,16 @@ def test_every_placement_matches_the_cpu_engine(model, emulated, kind, fraction,
     placement = engine.executor.placement
     homes = set(placement.homes)
     if kind == "host":
-        assert "streamed" not in homes and "host" in homes
+        assert not placement.streamed_bytes and placement.host_bytes
     elif kind == "ring":
-        assert "host" not in homes and "streamed" in homes
+        assert not placement.host_bytes and placement.streamed_bytes
     else:
-        assert {"host", "streamed"} <= homes, placement.describe()
+        assert placement.host_bytes and placement.streamed_bytes, placement.describe()
     for prompt, expected in zip(PROMPTS, reference):
         assert_logits_match(run(engine, prompt), expected)
     stats = engine.executor.stats
     streamed = engine.executor.plan(1).h2d_bytes_per_step
-    assert (stats["streamed_bytes"] or 0) > 0 if "streamed" in homes else not stats["streamed_bytes"]
+    assert (stats["streamed_bytes"] or 0) > 0 if placement.streamed_bytes else not stats["streamed_bytes"]
     assert streamed > 0
     engine.close()
 
@@ -117,7 +117,7 @@ def test_each_step_size_runs_its_own_placement(model, emulated):
     flip = dataclasses.replace(POOL, host_gflops=150.0)       # host compute-bound from a few tokens on
     engine = offload_engine(weights, flip, 0.5)
     one, twelve = engine.executor.placement_for(1), engine.executor.placement_for(12)
-    assert one.layers("host") and not twelve.layers("host"), (one.homes, twelve.homes)
+    assert one.host_bytes and not twelve.host_bytes, (one.homes, twelve.homes)
     for prompt, expected in zip(PROMPTS, reference):
         assert_logits_match(run(engine, prompt), expected)
     engine.close()
@@ -130,7 +130,7 @@ def test_gpu_mode_under_a_short_budget_becomes_offload(model, emulated):
     emulated.setenv("KESTREL_OFFLOAD", "auto")
     executor = StepExecutor(weights, "gpu", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
                             vram_budget=budget_for(0.3, POOL))
-    assert executor.mode == "offload" and executor.placement.layers("host")
+    assert executor.mode == "offload" and executor.placement.host_bytes
     executor.close()
     emulated.setenv("KESTREL_OFFLOAD", "stream")
     budget = budget_for_weight_fraction(CONFIG, gpu_mode_needs(CONFIG, MAX_BATCH, MAX_SEQ_LEN), 0.5)
@@ -143,3 +143,29 @@ def test_a_budget_without_room_for_weights_is_refused(model, emulated):
     weights, _ = model
     with pytest.raises(WindowBudgetError, match="too small for mode offload.*raise --vram-budget"):
         StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH, vram_budget=1 << 20)
+
+
+@pytest.mark.parametrize("homes", ["MHSRMS", "MMMMMM:host", "HSHSHS:resident"])
+def test_homes_given_run_as_given(model, emulated, homes):
+    """KESTREL_OFFLOAD_HOMES: every home a layer can have (the MLP alone on the host too), as given."""
+    weights, reference = model
+    emulated.setenv("KESTREL_OFFLOAD_HOMES", homes)
+    engine = offload_engine(weights, POOL, 0.5)
+    placement = engine.executor.placement
+    assert "".join(scheduler.offload.HOME_LETTERS[h] for h in placement.homes) == homes.split(":")[0]
+    if ":" in homes:
+        assert placement.head == homes.split(":")[1]
+    for prompt, expected in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected)
+    if homes[0] in "MH":            # layer 0's MLP on the host in steps of every size
+        plan = engine.executor.plan(5)
+        sides = [p.side for name, p in plan.placements.items() if name.startswith("model.layers.0.mlp.")]
+        assert sides == ["cpu"] * 3, sides
+    engine.close()
+
+
+def test_homes_given_badly_are_refused_naming_the_setting(model, emulated):
+    weights, _ = model
+    emulated.setenv("KESTREL_OFFLOAD_HOMES", "RSX")
+    with pytest.raises(ValueError, match="KESTREL_OFFLOAD_HOMES='RSX': expected 6 letters"):
+        offload_engine(weights, POOL, 0.5)

@@ -26,7 +26,7 @@ def test_placement_keeps_the_budget_and_the_roofline_is_a_floor(name, fraction):
     p = offload.place(c, budget(name, fraction), H200_POOL)
     assert p.resident_bytes + p.ring_bytes <= p.budget_bytes
     assert len(p.homes) == c.num_hidden_layers and set(p.homes) <= set(offload.HOMES)
-    assert p.layers("host"), "at batch 1 on this pool the host should compute some layers"
+    assert p.layers("host") or p.layers("mlp"), "at batch 1 on this pool the host should compute some layers"
     assert p.layers("streamed"), "and the link stream others"
     assert p.roofline_us <= p.predicted.total_us
     assert p.predicted.total_us <= 1.25 * p.roofline_us, p.describe()
@@ -50,7 +50,7 @@ def test_the_split_moves_to_the_ring_as_steps_grow():
     for tokens in (1, 16, 64, 256):
         p = offload.place_for_tokens(one, c, H200_POOL, tokens)
         assert p.layers("resident") == one.layers("resident") and p.head == one.head
-        hosts.append(len(p.layers("host")))
+        hosts.append(p.host_bytes)
     assert hosts == sorted(hosts, reverse=True) and hosts[0] > hosts[-1], hosts
     assert hosts[-1] == 0, "a 256-token step streams every non-resident layer"
 
@@ -62,7 +62,7 @@ def test_a_slow_link_puts_the_work_on_the_host_and_a_slow_host_on_the_link():
     p = offload.place(c, budget("qwen3-1.7b", 0.5), slow_link)
     assert not p.layers("streamed") and p.layers("host")
     q = offload.place(c, budget("qwen3-1.7b", 0.5), slow_host)
-    assert not q.layers("host") and q.layers("streamed") and q.head == "resident"
+    assert not q.host_bytes and q.layers("streamed") and q.head == "resident"
 
 
 def test_homes_are_spread_evenly():
@@ -78,7 +78,11 @@ def test_plan_places_every_weight_once_where_the_placement_says():
     for name, placement in plan.placements.items():
         if ".layers." in name and name.endswith("proj.weight"):
             layer = int(name.split(".")[2])
-            assert placement.side == ("cpu" if p.homes[layer] == "host" else "gpu"), (name, p.homes[layer])
+            group = next(g for g, part in (("qkv", "self_attn"), ("o", "o_proj"), ("gate_up", "gate_proj"),
+                                           ("gate_up", "up_proj"), ("down", "down_proj")) if part in name)
+            group = "o" if "o_proj" in name else group
+            on_host = offload.group_home(p.homes[layer], group) == "host"
+            assert placement.side == ("cpu" if on_host else "gpu"), (name, p.homes[layer])
         if "self_attn" in name and "norm" in name:
             assert placement.side == "gpu", name          # q/k norm: the rope op, on the GPU
     assert plan.placements["model.embed_tokens.weight"].side == ("gpu" if p.head == "resident" else "cpu")

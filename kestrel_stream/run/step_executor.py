@@ -196,7 +196,7 @@ class StepExecutor(Executor):
             c, budget_bytes=vram_budget, free_bytes=free, profile=profile, max_tokens=max_tokens,
             max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or DEFAULTS[True][0], attention_splits=16,
             max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype).placement
-        return bool(placement.layers("host")) or placement.head == "host"
+        return placement.host_bytes > 0
 
     def _pool_profile(self, profile):
         """The cost model's figures for mode offload: the given profile, else this machine's (measured once and
@@ -227,7 +227,7 @@ class StepExecutor(Executor):
         memory = lambda free_bytes, scratch_bytes: plan_offload_memory(     # noqa: E731
             c, budget_bytes=vram_budget, free_bytes=free_bytes, profile=self.profile, max_tokens=T,
             max_sessions=table_rows, max_seq_len=self.max_seq_len, attention_splits=ATTENTION_SPLITS,
-            max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size)
+            max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size, homes=self.options.offload_homes)
         backend = DeviceBackend(
             weights, self.options, self.counters, max_tokens=T, logits_rows=T, plan_memory=memory, kv_dtype=kv_dtype,
             kv_layers=c.num_hidden_layers, max_sessions=table_rows, max_seq_len=self.max_seq_len,

@@ -268,11 +268,12 @@ def offload_window(c, placement) -> WindowPlan:
 
 def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int, profile, max_tokens: int,
                         max_sessions: int, max_seq_len: int, attention_splits: int, max_batch: int = 1,
-                        kv_dtype: str = "f16", block_size: int = 16) -> GpuMemoryPlan:
+                        kv_dtype: str = "f16", block_size: int = 16, homes: str | None = None) -> GpuMemoryPlan:
     """Mode offload's device memory under one budget: the KV pool for every layer (attention runs on the GPU)
     holds at least one session of max_seq_len plus a block for each other session of a full batch; the
     step's activations; then the weights: the offload placement (scheduler/offload.py) of what is left,
-    resident layers and a ring.  What the weights leave goes to the pool."""
+    resident layers and a ring (homes: the layers' homes given, KESTREL_OFFLOAD_HOMES's form).  What the
+    weights leave goes to the pool."""
     from scheduler import offload
     from scheduler.kv_pool import kv_bytes_per_position, plan_kv_pool
     per_position = kv_bytes_per_position(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
@@ -297,7 +298,11 @@ def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int,
             f"least ({needs.kv_bytes / mib:.1f} MiB: {min_positions} positions of every layer, {kv_dtype}) and "
             f"the step's activations ({(needs.activation_bytes + needs.slack_bytes) / mib:.1f} MiB) leave "
             "nothing for weights; raise --vram-budget or lower --max-seq-len")
-    placement = offload.place(c, weight_budget, profile, tokens=1)
+    if homes:
+        given, head = offload.parse_homes(homes, c.num_hidden_layers)
+        placement = offload.place_given(c, weight_budget, profile, given, head)
+    else:
+        placement = offload.place(c, weight_budget, profile, tokens=1)
     window = offload_window(c, placement)
     arena_bytes = (needs.total - needs.kv_bytes + window.resident_bytes + placement.ring_bytes
                    + 2 * ALIGN * (len(window.resident) + placement.slot_count))
