@@ -169,3 +169,18 @@ def test_homes_given_badly_are_refused_naming_the_setting(model, emulated):
     emulated.setenv("KESTREL_OFFLOAD_HOMES", "RSX")
     with pytest.raises(ValueError, match="KESTREL_OFFLOAD_HOMES='RSX': expected 6 letters"):
         offload_engine(weights, POOL, 0.5)
+
+
+def test_prefill_wanting_the_last_row_computes_and_returns_only_it(model, emulated):
+    """logits="last": lm_head runs on the last row alone and one row comes back, the same numbers."""
+    weights, reference = model
+    engine = offload_engine(weights, POOL, 0.5)
+    moved = []
+    for logits in ("all", "last"):
+        before = engine.executor.stats["d2h_bytes"]
+        with engine.new_session() as s:
+            out = s.prefill(PROMPTS[0], logits=logits)
+        moved.append(engine.executor.stats["d2h_bytes"] - before)
+        assert_logits_match(np.atleast_2d(out)[-1:], reference[0][len(PROMPTS[0]) - 1:len(PROMPTS[0])])
+    assert moved[0] - moved[1] == (len(PROMPTS[0]) - 1) * CONFIG.vocab_size * 4, moved
+    engine.close()

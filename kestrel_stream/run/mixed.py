@@ -77,18 +77,23 @@ class SegmentState:
                 runs.append([kv, i, i + 1, pos])
         self.runs = [tuple(run) for run in runs]
         self.cos, self.sin = rope(positions)
-        self.lm_rows = None                           # lm_head runs on every row of a chunk here
+        self.lm_rows = None                           # the rows lm_head computes (None: every row of the chunk)
 
     # ---- the host program's view (program.StepState) ------------------------------------------------
     def read(self, name: str) -> np.ndarray:
         return self.local[name] if name in self.local else self.host[name][:self.T]
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits the step computes: lm_head's rows, packed from row 0."""
+        return self.T if self.lm_rows is None else len(self.lm_rows)
 
     def write(self, name: str, value: np.ndarray) -> None:
         if name not in self.widths:
             self.local[name] = value
             return
         self._host_writes(name)
-        self.host[name][:self.T] = value
+        self.host[name][:len(value)] = value
 
     def add(self, name: str, value: np.ndarray) -> None:
         self._host_writes(name)
@@ -114,8 +119,9 @@ class SegmentState:
             return
         start = time.perf_counter()
         for name in pending:
-            nbytes = self.T * self.widths[name] * 4
-            driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
+            nbytes = (self.logit_rows if name == "logits" else self.T) * self.widths[name] * 4
+            if nbytes:
+                driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
             self.counters.d2h_bytes += nbytes
             self.valid[name].add("host")
         self.stream.synchronize()
@@ -243,26 +249,39 @@ class MixedSteps(Steps):
     # ---- steps ------------------------------------------------------------------------------------
     def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
         """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each; logits="last":
-        each session's last row, [1, V] (the plan's lm_head still runs on every row of a chunk here)."""
+        each session's last row, [1, V]: lm_head runs on the chunk's wanted rows alone where they are one run
+        (a prefill's last row, a decode batch), on none in a prefill's earlier chunks."""
         self.backend.device.make_current()
         rows = [(kv, int(t), start + i) for kv, ids, start in batch
                 for i, t in enumerate(np.asarray(ids, np.int64).reshape(-1))]
-        out = np.empty((len(rows), self.config.vocab_size), np.float32)
+        bounds = np.cumsum([0] + [len(np.atleast_1d(ids)) for _, ids, _ in batch])
+        wanted = set(int(hi) - 1 for hi in bounds[1:]) if logits == "last" else None
+        out = {}
         for lo in range(0, len(rows), self.max_tokens):
             chunk = rows[lo:lo + self.max_tokens]
-            out[lo:lo + len(chunk)] = self._run_chunk(chunk)
+            lm = None
+            if wanted is not None:
+                mine = sorted(r - lo for r in wanted if lo <= r < lo + len(chunk))
+                contiguous = not mine or mine[-1] - mine[0] + 1 == len(mine)
+                lm = (mine[0] if mine else 0, len(mine)) if contiguous else None
+            computed = self._run_chunk(chunk, lm).copy()      # the pinned rows are the next chunk's
+            first = lm[0] if lm is not None else 0
+            for i in range(len(computed)):
+                out[lo + first + i] = computed[i]
         self.counters.steps += 1
         self.counters.tokens += len(rows)
-        bounds = np.cumsum([0] + [len(np.atleast_1d(ids)) for _, ids, _ in batch])
         if logits == "last":
-            return [out[hi - 1:hi] for hi in bounds[1:]]
-        return [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
+            return [out[int(hi) - 1][None] for hi in bounds[1:]]
+        return [np.stack([out[r] for r in range(lo, hi)]) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
-    def _run_chunk(self, rows) -> np.ndarray:
-        """One step of the plan over `rows`: its segments in order, each on its side."""
+    def _run_chunk(self, rows, lm: tuple[int, int] | None = None) -> np.ndarray:
+        """One step of the plan over `rows`: its segments in order, each on its side; lm = (first, count): the
+        rows lm_head computes (None: all), whose logits come back."""
         T, b = len(rows), self.backend
         plan = self.plan(T)
         state = SegmentState(b, self.counters, rows, self.gpu_layers, self.host.rope)
+        if lm is not None:
+            state.lm_rows = np.arange(lm[0], lm[0] + lm[1])
         if self.ring is not None:    # the items this step streams, in its order; the first copies go out
             self.ring.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
                              if op.name in self.ring.index], b.stream)
@@ -283,7 +302,7 @@ class MixedSteps(Steps):
             state.call = {}
             for op in segment.ops:
                 if scheduler.runs_alone(op):
-                    self._device_op(op, state)
+                    self._device_op(op, state, lm)
             if prof.enabled:      # attribute GPU time to gemm, not to the next sync
                 start = time.perf_counter()
                 b.stream.synchronize()
@@ -292,10 +311,11 @@ class MixedSteps(Steps):
         if self.ring is not None:
             self.counters.h2d_bytes += self.ring.bytes_per_step
             self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + self.ring.bytes_per_step
-        return state.host["logits"][:T]
+        return state.host["logits"][:state.logit_rows]
 
-    def _device_op(self, op, state: SegmentState) -> None:
-        """One op of a device segment: upload what it reads that the device lacks, then its launches."""
+    def _device_op(self, op, state: SegmentState, lm: tuple[int, int] | None = None) -> None:
+        """One op of a device segment: upload what it reads that the device lacks, then its launches (lm_head's
+        on the rows `lm` names)."""
         T, b = state.T, self.backend
         start = time.perf_counter()
         for name in op.device_reads():             # the step program's reads (params: staged per step)
@@ -305,10 +325,13 @@ class MixedSteps(Steps):
                 state.to_device(name)
         state.call["h2d"] = state.call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
         streamed = self.ring is not None and self.ring.streams(op.name)
-        launches = self._launches.get((op.name, T))
+        lm_rows = lm if op.group == "lm_head" and lm is not None and lm != (0, T) else None
+        key = (op.name, T) if lm_rows is None else (op.name, T, lm_rows)
+        launches = self._launches.get(key)
         if launches is None:
             weight = self.ring.qweight(op.name, self.ring.order[op.name]) if streamed else None
-            launches = self._launches[(op.name, T)] = b.ops.launches(op, T, weight=weight)
+            launches = [] if lm_rows is not None and lm_rows[1] == 0 else b.ops.launches(op, T, lm_rows, weight)
+            self._launches[key] = launches
             for launch in launches:
                 launch.label(op=op.name, layer=op.layer, segment="gpu")
         start = time.perf_counter()
