@@ -193,8 +193,8 @@ class MixedSteps(Steps):
         self.config, self.weights = backend.weights.config, backend.weights
         self.gpu_layers, self.max_tokens = gpu_layers, max_tokens
         self.host = HostBackend(self.weights, counters, options)
-        self._host_programs: dict = {}       # (tokens, segment index) -> HostProgram
-        self._launches: dict = {}            # (op name, tokens) -> the op's device launches
+        self._host_programs: dict = {}       # (tokens, segment index) -> (its inputs, its HostProgram)
+        self._prepared: dict = {}            # (op name, tokens[, lm rows]) -> _prepare's tuple
         window, first = backend.window, plan(1)
         total = sum(1 for segment in first.segments for _ in segment.ops)
         self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
@@ -206,7 +206,7 @@ class MixedSteps(Steps):
 
     def clear_launches(self) -> None:
         """Forget the prepared launches and host programs (the plans changed: a forced group choice)."""
-        self._launches.clear()
+        self._prepared.clear()
         self._host_programs.clear()
 
     # ---- KV caches: the backend's pool for the first gpu_layers layers, host caches for the rest ---------
@@ -293,11 +293,13 @@ class MixedSteps(Steps):
             self.counters.h2d_bytes += b.step_params.upload(T, b.stream)
         for index, segment in enumerate(plan.segments):
             if segment.side == "cpu":
-                state.to_host(scheduler.segment_inputs(segment.ops))
                 key = (T, index)
                 if key not in self._host_programs:
-                    self._host_programs[key] = self.host.program(segment.ops, "cpu ")
-                self._host_programs[key].run(state)
+                    self._host_programs[key] = (scheduler.segment_inputs(segment.ops),
+                                                self.host.program(segment.ops, "cpu "))
+                inputs, program = self._host_programs[key]
+                state.to_host(inputs)
+                program.run(state)
                 continue
             state.call = {}
             for op in segment.ops:
@@ -315,39 +317,53 @@ class MixedSteps(Steps):
 
     def _device_op(self, op, state: SegmentState, lm: tuple[int, int] | None = None) -> None:
         """One op of a device segment: upload what it reads that the device lacks, then its launches (lm_head's
-        on the rows `lm` names)."""
+        on the rows `lm` names).  What does not change between steps is worked out once per op and size."""
         T, b = state.T, self.backend
-        start = time.perf_counter()
-        for name in op.device_reads():             # the step program's reads (params: staged per step)
-            if name == "xn":
-                state.xn_to_device(norm_weight(self.weights, op.prologue), self.config.rms_norm_eps)
-            elif name in state.widths:
-                state.to_device(name)
-        state.call["h2d"] = state.call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
-        streamed = self.ring is not None and self.ring.streams(op.name)
         lm_rows = lm if op.group == "lm_head" and lm is not None and lm != (0, T) else None
         key = (op.name, T) if lm_rows is None else (op.name, T, lm_rows)
-        launches = self._launches.get(key)
-        if launches is None:
-            weight = self.ring.qweight(op.name, self.ring.order[op.name]) if streamed else None
-            launches = [] if lm_rows is not None and lm_rows[1] == 0 else b.ops.launches(op, T, lm_rows, weight)
-            self._launches[key] = launches
-            for launch in launches:
-                launch.label(op=op.name, layer=op.layer, segment="gpu")
-        start = time.perf_counter()
+        prepared = self._prepared.get(key)
+        if prepared is None:
+            prepared = self._prepared[key] = self._prepare(op, T, lm_rows)
+        reads, prologue, launches, streamed, nbytes, prepares = prepared
+        timed = prof.enabled
+        start = time.perf_counter() if timed else 0.0
+        for name in reads:                         # the step program's reads (params: staged per step)
+            if name == "xn":
+                state.xn_to_device(prologue, self.config.rms_norm_eps)
+            else:
+                state.to_device(name)
+        if timed:
+            state.call["h2d"] = state.call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
+            start = time.perf_counter()
+        stream = b.stream
         if streamed:
-            self.ring.before(op.name, b.stream)
+            self.ring.before(op.name, stream)
         if trace.active is None:
             for launch in launches:
-                launch.enqueue(b.stream)
+                launch.enqueue(stream)
         else:
             with trace.span(f"gpu {op.group or op.kind}", op=op.name, layer=-1 if op.layer is None else op.layer,
                             flops=float(op.flops), bytes=int(op.weight_bytes), segment="gpu"):
                 for launch in launches:
-                    launch.enqueue(b.stream)
+                    launch.enqueue(stream)
         if streamed:
-            self.ring.after(op.name, b.stream)
-        state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
+            self.ring.after(op.name, stream)
+        if timed:
+            state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
         self.counters.launches += len(launches)
-        self.counters.gpu_weight_read_bytes += sum(launch.labels.get("bytes", 0) for launch in launches)
-        state.device_wrote(op, norm_weight(self.weights, op.prepares) if op.prepares else None)
+        self.counters.gpu_weight_read_bytes += nbytes
+        state.device_wrote(op, prepares)
+
+    def _prepare(self, op, T: int, lm_rows) -> tuple:
+        """(reads, the prologue's norm weight, launches, streamed?, weight bytes, the norm its epilogue prepares)
+        of an op in steps of T tokens."""
+        b = self.backend
+        streamed = self.ring is not None and self.ring.streams(op.name)
+        reads = tuple(name for name in op.device_reads() if name == "xn" or name in b.pinned.widths)
+        weight = self.ring.qweight(op.name, self.ring.order[op.name]) if streamed else None
+        launches = [] if lm_rows is not None and lm_rows[1] == 0 else b.ops.launches(op, T, lm_rows, weight)
+        for launch in launches:
+            launch.label(op=op.name, layer=op.layer, segment="gpu")
+        return (reads, norm_weight(self.weights, op.prologue) if op.prologue else None, launches, streamed,
+                sum(launch.labels.get("bytes", 0) for launch in launches),
+                norm_weight(self.weights, op.prepares) if op.prepares else None)
