@@ -109,6 +109,15 @@ class KVPool:
         parent.writable_from = NOWHERE          # its blocks are shared now
         return table
 
+    def blocks_needed(self, sid: Hashable, start: int, end: int) -> int:
+        """New blocks prepare_write(sid, start, end) would take (appended, or replacing shared ones)."""
+        table = self.tables[sid]
+        bs = self.block_size
+        first, last = start // bs, -(-end // bs)
+        replace = sum(1 for i in range(first, min(last, len(table.blocks)))
+                      if self.refcount[table.blocks[i]] > 1 or table.blocks[i] in self._hash_of)
+        return replace + max(last - len(table.blocks), 0)
+
     def prepare_write(self, sid: Hashable, start: int, end: int) -> list[tuple[int, int]]:
         """Make positions [start, end) writable for `sid` and mark [0, end) valid.
 

@@ -83,6 +83,29 @@ def test_1000_short_and_4_long_sessions_fit_where_the_static_reservation_fails(e
     engine.close()
 
 
+def test_a_step_the_pool_cannot_hold_is_refused_before_it_runs(emulated):
+    """A prefill in several chunks whose blocks the pool cannot all give is refused whole, before its first
+    chunk: the session keeps its position, the pool its blocks; once blocks are free the same prefill runs
+    and matches the CPU engine."""
+    block_bytes = 16 * PRESETS["tiny"].num_hidden_layers * 2 * PRESETS["tiny"].kv_size * 2
+    config = dataclasses.replace(PRESETS["tiny"], max_position_embeddings=1024)
+    weights = random_q8_weights(config, seed=1)
+    engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=1024, max_batch=4,
+                    kv_pool_bytes=100 * block_bytes)
+    a, b = engine.new_session(), engine.new_session()
+    a.prefill([7] * 1000)                                # 63 blocks of 100 (and the scratch session's)
+    used = engine.executor.kv_stats()["kv_blocks_used"]
+    prompt = [int(t) % 250 + 1 for t in range(600)]
+    with pytest.raises(CapacityError, match="the step needs 38 more block"):
+        b.prefill(prompt)                  # chunks of 512 and 88 tokens: the first alone would fit
+    assert b.position == 0 and not b.tokens and engine.executor.kv_stats()["kv_blocks_used"] == used
+    a.close()
+    cpu = Engine(weights, device="cpu", max_seq_len=1024)
+    with cpu.new_session() as ref:
+        assert relative_error(b.prefill(prompt), ref.prefill(prompt)) < 2e-3
+    engine.close()
+
+
 @pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
 def test_f16_kv_tracks_the_cpu_engine_over_64_decode_steps(emulated, preset):
     weights = random_q8_weights(PRESETS[preset], seed=7)

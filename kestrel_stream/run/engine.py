@@ -190,6 +190,9 @@ class Engine:
         4 bytes per token instead of the logits."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
         with self._lock:
+            check = getattr(self.executor, "check_kv_room", None)
+            if check is not None:
+                check(batch)
             if trace.active is None:
                 out = self.executor.forward_greedy(batch) if greedy else self.executor.forward(batch, logits=logits)
             else:

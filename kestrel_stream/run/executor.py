@@ -75,6 +75,10 @@ class Executor(ABC):
         """A new cache of `capacity` positions (default kv's) holding `kv`'s first `length` (Session.fork)."""
 
     @abstractmethod
+    def check_kv_room(self, batch: list) -> None:
+        """CapacityError, before anything changes, when the step's new positions do not fit the KV caches
+        (an executor with a shared pool checks it; per-session caches always fit their max_seq_len)."""
+
     def kv_stats(self) -> dict:
         """What the KV caches hold (the daemon's `stats`)."""
 

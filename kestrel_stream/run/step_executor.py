@@ -322,6 +322,13 @@ class StepExecutor(Executor):
     def kv_stats(self) -> dict:
         return self.steps.kv_stats()
 
+    def check_kv_room(self, batch: list) -> None:
+        pool = None if self.mode == "cpu" else self.steps.backend.kv
+        if pool is None:
+            return
+        writes = [(getattr(kv, "device", kv), start, start + len(np.atleast_1d(ids))) for kv, ids, start in batch]
+        pool.check_room([(kv, lo, hi) for kv, lo, hi in writes if kv is not None])
+
     def forward(self, batch: list, logits: str = "all") -> list[np.ndarray]:
         """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] float32 each, or with
         logits="last" each session's last row, [1, V]."""

@@ -83,6 +83,17 @@ class PagedKVCache:
     def length(self, kv: PagedKV) -> int:
         return self.pool.tables[kv.row].length
 
+    def check_room(self, writes) -> None:
+        """CapacityError, before anything changes, unless the pool holds every write's new blocks at once
+        (writes: (kv, start, end) per session of a step): a step never runs out of blocks half-way."""
+        need = sum(self.pool.blocks_needed(kv.row, start, end) for kv, start, end in writes)
+        available = self.pool.available_blocks()
+        if need > available:
+            raise CapacityError(f"KV pool: the step needs {need} more block(s) of {self.block_size} positions "
+                                f"for {len(writes)} session(s), {available} of {self.pool.max_blocks} are "
+                                f"available ({self.plan.describe()}); close sessions, or raise --vram-budget "
+                                "or lower --max-seq-len")
+
     def prepare(self, kv: PagedKV, start: int, end: int) -> None:
         """Blocks for positions [start, end) of `kv`, copied first where shared; CapacityError (nothing
         changed) when the pool is out of blocks."""
