@@ -13,27 +13,33 @@
 // Roles as in q8_mma.cu: A = 16 tokens x 32 k (row), B = 32 k x 8 weight rows (col), a
 // thread's C pair is two adjacent weight rows of one token (a gate/up pair for SiLU).
 // The next stage's raw weight units are loaded into registers while the current one computes.
+//
+// Two token tiles: <fmt>_mma, 64 tokens x 64 rows (2 x 2 warps), for prefill-sized steps, and
+// <fmt>_mma16, 16 tokens x 64 rows (1 x 4 warps), for steps of up to 64 tokens: there a 64-token tile
+// quantises and multiplies mostly padding, and a projection of a few thousand rows gives a few dozen
+// blocks, each walking the whole K alone.  Both split K over the grid's z as q8_mma.cu does: each
+// split walks a contiguous run of ceil(stages / gridDim.z) stages, parks its fp32 fragments in
+// `partials`, and the last split of a tile to take its ticket sums splits 0..z-1 in order (the
+// result does not depend on which came last), resets the ticket and runs the epilogue alone.
+// gridDim.z == 1 never touches partials or tickets.
 #include "common.cuh"
 #include "mma_epilogue.cuh"
 #include "q4_formats.cuh"
 
-#define QM_BM 64            // tokens per block
 #define QM_BN 64            // weight rows per block
 #define QM_BK 128           // K per stage: a whole number of units of every format
-#define QM_WARPS_M 2
-#define QM_WARPS_N 2
-#define QM_THREADS (32 * QM_WARPS_M * QM_WARPS_N)
+#define QM_THREADS 128      // 4 warps: 2 x 2 for 64 tokens, 1 x 4 for 16
 #define QM_STRIDE (QM_BK + 16)   // bytes per shared row: fragment loads spread over the banks
 #define QM_GROUPS (QM_BK / 16)
 
-struct MmaShared {
+template <int BM> struct MmaShared {
     __align__(16) unsigned char w_tile[QM_BN * QM_STRIDE];
-    __align__(16) unsigned char x_tile[2][QM_BM * QM_STRIDE];   // [hi|lo]
+    __align__(16) unsigned char x_tile[2][BM * QM_STRIDE];   // [hi|lo]
     __align__(16) float w_s[QM_GROUPS][QM_BN];
     __align__(16) float w_o[QM_GROUPS][QM_BN];
-    float x_s[QM_GROUPS][QM_BM];      // d / 128 per token and group
-    float x_sum[QM_GROUPS][QM_BM];    // fp32 sum of the group's x per token
-    bool is_last_block;
+    float x_s[QM_GROUPS][BM];      // d / 128 per token and group
+    float x_sum[QM_GROUPS][BM];    // fp32 sum of the group's x per token
+    bool is_last_block, is_last_split;
 };
 
 __device__ __forceinline__ void qm_mma_s8(int (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2],
@@ -83,7 +89,8 @@ struct StageWeights {
         }
     }
 
-    __device__ __forceinline__ void store(MmaShared& sh, int k0) const {
+    template <class Shared>
+    __device__ __forceinline__ void store(Shared& sh, int k0) const {
 #pragma unroll
         for (int j = 0; j < SLOTS; j++) {
             const int slot = threadIdx.x + j * QM_THREADS, r = slot / UNITS, u = k0 / F::UNIT + slot % UNITS;
@@ -106,8 +113,11 @@ struct StageWeights {
 };
 
 // x [tok0, tok0 + BM) x [k0, k0 + BK) quantised into shared memory (zeros past ntok and K)
-__device__ __forceinline__ void store_x(MmaShared& sh, const float* x, int ldx, int tok0, int ntok, int K, int k0) {
-    constexpr int LOADS = QM_BM * (QM_BK / 4) / QM_THREADS;
+template <int BM>
+__device__ __forceinline__ void store_x(MmaShared<BM>& sh, const float* x, int ldx, int tok0, int ntok, int K,
+                                        int k0) {
+    constexpr int LOADS = BM * (QM_BK / 4) / QM_THREADS;
+    static_assert(LOADS >= 1 && BM * (QM_BK / 4) % QM_THREADS == 0, "x tile");
 #pragma unroll 4
     for (int j = 0; j < LOADS; j++) {
         const int f = threadIdx.x + j * QM_THREADS, r = f / (QM_BK / 4), c4 = f % (QM_BK / 4);
@@ -138,18 +148,23 @@ __device__ __forceinline__ void store_x(MmaShared& sh, const float* x, int ldx, 
     }
 }
 
-template <class F, bool SILU_PAIRS>
+template <class F, int BM, int WARPS_M, bool SILU_PAIRS>
 __device__ __forceinline__ void mma_part(
-        MmaShared& sh, const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, int row0,
+        MmaShared<BM>& sh, const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, int row0,
         int row_first, int row_end, const float* x, int ldx, const float* inv_rms_in, float* y, int ldy,
         const float* res, const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter, float eps,
-        int N, int K, int ntok) {
-    constexpr int FM = QM_BM / 16 / QM_WARPS_M, FN = QM_BN / 8 / QM_WARPS_N;   // mma tiles per warp
+        int N, int K, int ntok, float* partials, unsigned int* tickets) {
+    constexpr int WARPS_N = QM_THREADS / 32 / WARPS_M;
+    constexpr int FM = BM / 16 / WARPS_M, FN = QM_BN / 8 / WARPS_N;   // mma tiles per warp
+    static_assert(FM >= 1 && FN >= 1 && BM % (16 * WARPS_M) == 0, "tile");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int warp_m = warp / QM_WARPS_N, warp_n = warp % QM_WARPS_N;
-    const int tok0 = blockIdx.y * QM_BM;
-    const int stages = (K + QM_BK - 1) / QM_BK;
+    const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+    const int tok0 = blockIdx.y * BM;
+    // this split's K stages [stage_begin, stage_end): the host picks gridDim.z so that none is empty
+    const int splits = gridDim.z, stages_all = (K + QM_BK - 1) / QM_BK;
+    const int stages_per_split = (stages_all + splits - 1) / splits;
+    const int stage_begin = blockIdx.z * stages_per_split, stage_end = min(stages_all, stage_begin + stages_per_split);
 
     float acc[FM][FN][4];
 #pragma unroll
@@ -160,14 +175,15 @@ __device__ __forceinline__ void mma_part(
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
 
     StageWeights<F> weights;
-    weights.load(qs, meta, row0, row_first, row_end, K, 0);   // constant weights: safe before pdl_wait
+    // constant weights: safe before pdl_wait
+    weights.load(qs, meta, row0, row_first, row_end, K, stage_begin * QM_BK);
     pdl_wait();   // x is written by the previous kernel
-    for (int s = 0; s < stages; s++) {
+    for (int s = stage_begin; s < stage_end; s++) {
         const int k0 = s * QM_BK;
         weights.store(sh, k0);
-        store_x(sh, x, ldx, tok0, ntok, K, k0);
+        store_x<BM>(sh, x, ldx, tok0, ntok, K, k0);
         __syncthreads();
-        if (s + 1 < stages) weights.load(qs, meta, row0, row_first, row_end, K, k0 + QM_BK);
+        if (s + 1 < stage_end) weights.load(qs, meta, row0, row_first, row_end, K, k0 + QM_BK);
 #pragma unroll
         for (int b = 0; b < QM_BK / 32; b++) {
             unsigned int a[FM][4], a_lo[FM][4], bw[FN][2];
@@ -227,6 +243,40 @@ __device__ __forceinline__ void mma_part(
         __syncthreads();   // every warp is done with the tiles before the next stage overwrites them
     }
 
+    if (splits > 1) {
+        // the tiles of both format parts are numbered along x: blockIdx.x is the launch's row tile
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        float4* tile_partials = reinterpret_cast<float4*>(partials) + (long long)tile * splits * (FM * FN * QM_THREADS);
+        float4* mine = tile_partials + blockIdx.z * (FM * FN * QM_THREADS);
+#pragma unroll
+        for (int i = 0; i < FM; i++)
+#pragma unroll
+            for (int j = 0; j < FN; j++)
+                __stcg(mine + (i * FN + j) * QM_THREADS + tid,
+                       make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
+        __threadfence();   // this split's partial is visible device-wide before its ticket is
+        __syncthreads();
+        if (tid == 0) sh.is_last_split = atomicAdd(tickets + tile, 1u) == (unsigned int)splits - 1;
+        __syncthreads();
+        if (!sh.is_last_split) return;
+        __threadfence();
+        // acc = split 0 + split 1 + ... in that order, this split's own part read back too (the same bits)
+        const float4* part = tile_partials + tid;
+        for (int z = 0; z < splits; z++, part += FM * FN * QM_THREADS)
+#pragma unroll
+            for (int i = 0; i < FM; i++)
+#pragma unroll
+                for (int j = 0; j < FN; j++) {
+                    const float4 v = __ldcg(part + (i * FN + j) * QM_THREADS);
+                    if (z == 0) {
+                        acc[i][j][0] = v.x; acc[i][j][1] = v.y; acc[i][j][2] = v.z; acc[i][j][3] = v.w;
+                    } else {
+                        acc[i][j][0] += v.x; acc[i][j][1] += v.y; acc[i][j][2] += v.z; acc[i][j][3] += v.w;
+                    }
+                }
+        if (tid == 0) tickets[tile] = 0u;   // every split of the tile has taken its ticket
+    }
+
 #pragma unroll
     for (int i = 0; i < FM; i++)
 #pragma unroll
@@ -253,7 +303,7 @@ __device__ __forceinline__ void mma_part(
     __syncthreads();
     if (!sh.is_last_block) return;
     __threadfence();
-    const int m_end = ticket_per_row ? min(tok0 + QM_BM, ntok) : ntok;
+    const int m_end = ticket_per_row ? min(tok0 + BM, ntok) : ntok;
     for (int m = (ticket_per_row ? tok0 : 0) + warp; m < m_end; m += QM_THREADS / 32) {
         const float* yrow = y + (long long)m * ldy;
         float sq = 0.f;
@@ -264,37 +314,48 @@ __device__ __forceinline__ void mma_part(
     if (tid == 0) *ticket = 0u;
 }
 
-template <class FA, class FB, bool SILU_PAIRS>
+template <class FA, class FB, int BM, int WARPS_M, bool SILU_PAIRS>
 __device__ __forceinline__ void q4_mma_body(
         const unsigned char* qs, const unsigned char* meta, const float* x, int ldx, const float* inv_rms_in,
         float* y, int ldy, const float* res, const float* normw_out, float* xn_out, float* inv_rms_out,
         unsigned int* counter, float eps, int N, int K, int ntok, const unsigned char* qs_b,
-        const unsigned char* meta_b, int rows_a) {
-    __shared__ MmaShared sh;   // one copy whichever part the block runs
+        const unsigned char* meta_b, int rows_a, float* partials, unsigned int* tickets) {
+    __shared__ MmaShared<BM> sh;   // one copy whichever part the block runs
     pdl_launch_dependents();
     const int head_blocks = (rows_a + QM_BN - 1) / QM_BN;
     if (same_format<FA, FB>::value || (int)blockIdx.x < head_blocks) {
-        mma_part<FA, SILU_PAIRS>(sh, qs, meta, blockIdx.x * QM_BN, 0, rows_a, x, ldx, inv_rms_in, y, ldy, res,
-                                 normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok);
+        mma_part<FA, BM, WARPS_M, SILU_PAIRS>(sh, qs, meta, blockIdx.x * QM_BN, 0, rows_a, x, ldx, inv_rms_in, y,
+                                              ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok,
+                                              partials, tickets);
     } else {
-        mma_part<FB, SILU_PAIRS>(sh, qs_b, meta_b, rows_a + (blockIdx.x - head_blocks) * QM_BN, rows_a, N, x, ldx,
-                                 inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok);
+        mma_part<FB, BM, WARPS_M, SILU_PAIRS>(sh, qs_b, meta_b, rows_a + (blockIdx.x - head_blocks) * QM_BN, rows_a,
+                                              N, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out,
+                                              counter, eps, N, K, ntok, partials, tickets);
     }
 }
 
-#define DEFINE_Q4_MMA(FA, FB, SILU, NAME)                                                           \
+// <fmt>[_<tail fmt>]_mma[16][_silu]: block_kernels.py's MMA_TILES; the split count is the grid's z
+#define DEFINE_Q4_MMA(FA, FB, BM, WARPS_M, SILU, NAME)                                              \
     extern "C" __global__ void __launch_bounds__(QM_THREADS) NAME(                                 \
             const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,           \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,  \
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,     \
-            int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {        \
-        q4_mma_body<FA, FB, SILU>(qs, meta, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out,    \
-                                  inv_rms_out, counter, eps, N, K, ntok, qs_b, meta_b, rows_a);    \
+            int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a,          \
+            float* partials, unsigned int* tickets) {                                              \
+        q4_mma_body<FA, FB, BM, WARPS_M, SILU>(qs, meta, x, ldx, inv_rms_in, y, ldy, res, normw_out,\
+                                               xn_out, inv_rms_out, counter, eps, N, K, ntok, qs_b, \
+                                               meta_b, rows_a, partials, tickets);                 \
     }
-DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, false, q4_0_mma)
-DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, true, q4_0_mma_silu)
-DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, false, q4_k_mma)
-DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, true, q4_k_mma_silu)
-DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, false, q6_k_mma)
-DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, true, q6_k_mma_silu)
-DEFINE_Q4_MMA(FmtQ4_K, FmtQ6_K, false, q4_k_q6_k_mma)
+#define DEFINE_Q4_MMA_TILES(FA, FB, SILU, NAME)            \
+    DEFINE_Q4_MMA(FA, FB, 64, 2, SILU, NAME)               \
+    DEFINE_Q4_MMA(FA, FB, 16, 1, SILU, NAME##16)
+DEFINE_Q4_MMA_TILES(FmtQ4_0, FmtQ4_0, false, q4_0_mma)
+DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, 64, 2, true, q4_0_mma_silu)
+DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, 16, 1, true, q4_0_mma16_silu)
+DEFINE_Q4_MMA_TILES(FmtQ4_K, FmtQ4_K, false, q4_k_mma)
+DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, 64, 2, true, q4_k_mma_silu)
+DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, 16, 1, true, q4_k_mma16_silu)
+DEFINE_Q4_MMA_TILES(FmtQ6_K, FmtQ6_K, false, q6_k_mma)
+DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, 64, 2, true, q6_k_mma_silu)
+DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, 16, 1, true, q6_k_mma16_silu)
+DEFINE_Q4_MMA_TILES(FmtQ4_K, FmtQ6_K, false, q4_k_q6_k_mma)
