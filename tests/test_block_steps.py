@@ -159,3 +159,17 @@ def test_the_16_token_tile_serves_up_to_64_tokens():
     assert [block_kernels.mma_tile(t) for t in (9, 16, 17, 64, 65, 512)] == ["mma16"] * 4 + ["mma"] * 2
     with pytest.raises(ValueError):
         block_kernels.parse_mma_variant("mma32")
+
+
+def test_the_gemm_can_take_over_from_fewer_tokens(monkeypatch):
+    """KESTREL_BLOCK_MMA_MIN_TOKENS moves the GEMV/GEMM switch down (the bench compares both sides)."""
+    import fake_cuda
+    from kestrel_stream.options import Options
+    fake_cuda.install(monkeypatch)
+    from kestrel_stream.cuda import driver, kernels
+    ks = kernels.KernelSet(driver.Device(0), Options.from_env({"KESTREL_BLOCK_MMA_MIN_TOKENS": "4"}))
+    w = QWeight(1 << 20, 1 << 21, 640, 1024, "Q4_K")
+    names = [gemv_launch(ks, w, 1 << 22, 1024, 1 << 23, 640, t).name for t in (1, 3, 4, 8, 9)]
+    assert names[:2] == [n for n in names[:2] if "_gemv_m" in n] and all(n == "q4_k_mma16" for n in names[2:])
+    with pytest.raises(ValueError, match="2..9"):
+        Options.from_env({"KESTREL_BLOCK_MMA_MIN_TOKENS": "12"})

@@ -21,6 +21,7 @@ from scheduler.ops import BLOCK_FORMATS
 # kernels.GEMV_SIGNATURE + qs_b, meta_b, rows_a (kernels.py dispatches here: this module must not import it)
 BLOCK_GEMV_SIGNATURE = "pppippipppppfiii" + "ppi"
 GEMV_MAX_TOKENS = 8                               # kernels.GEMV_MAX_TOKENS
+MMA_MIN_TOKENS = GEMV_MAX_TOKENS + 1              # by default; Options.block_mma_min_tokens may lower it
 GEMV_TOKENS = q4_gemv_variants.GEMV_TOKENS       # the GEMV kernels' M
 BLOCK_MMA_SIGNATURE = BLOCK_GEMV_SIGNATURE + "pp"  # + split K's partials and tickets
 MMA_ROWS, MMA_THREADS, MMA_K_STEP = 64, 128, 128  # q4_mma.cu's QM_BN, QM_THREADS, QM_BK
@@ -34,7 +35,10 @@ class MmaTile(NamedTuple):
 
 MMA_TILES = {"mma": MmaTile(64, ""), "mma16": MmaTile(16, "16")}
 MMA_TOKENS = MMA_TILES["mma"].tokens             # the prefill-sized tile's tokens per block
-SMALL_TILE_MAX_TOKENS = 64    # up to here the 16-token tile: a 64-token one would multiply padding
+SMALL_TILE_MAX_TOKENS = 64    # up to here the 16-token tile (where the 64-token one's grid is small)
+# 17..64 tokens: the 64-token tile once its grid has this many row tiles per SM -- then every SM has
+# blocks, and each weight stage is decoded once per 64 tokens rather than once per 16
+WIDE_ROW_TILES_PER_SM = 2
 # Split K: blocks a split launch aims at per SM, the most splits, and the fewest K stages a split walks
 # (the next stage's weights are loaded while one computes).  Not yet measured on the GPU: a few blocks
 # per SM resident, as q8_mma.cu's splits aim at (mma_variants.SPLIT_TARGET_BLOCKS); bench/steps.py shows
@@ -62,9 +66,15 @@ def weight_bytes(w: QWeight) -> int:
     return sum(n * (w.cols // BLOCK_FORMATS[p.fmt][0]) * BLOCK_FORMATS[p.fmt][1] for p, n in zip(parts, rows))
 
 
-def mma_tile(tokens: int) -> str:
-    """The token tile of a block-format GEMM over `tokens` tokens."""
-    return "mma16" if tokens <= SMALL_TILE_MAX_TOKENS else "mma"
+def mma_tile(tokens: int, row_tiles: int = 0, sm_count: int = 132) -> str:
+    """The token tile of a block-format GEMM over `tokens` tokens of a weight of `row_tiles` row tiles:
+    16 tokens up to 16; up to SMALL_TILE_MAX_TOKENS unless the row tiles alone fill the SMs
+    (WIDE_ROW_TILES_PER_SM); 64 beyond."""
+    if tokens <= MMA_TILES["mma16"].tokens:
+        return "mma16"
+    if tokens <= SMALL_TILE_MAX_TOKENS and row_tiles < WIDE_ROW_TILES_PER_SM * sm_count:
+        return "mma16"
+    return "mma"
 
 
 def mma_stages(cols: int) -> int:
@@ -130,7 +140,8 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
     """kernels.gemv_launch for a block-format weight (same contract); `kernels`: a KernelSet.  variant: a
     GEMV layout of q4_gemv_variants.variants(M) for 1..8 tokens (default: q4_gemv_variants.choose, which
     takes the kernel set's gemv_block, KESTREL_GEMV_BLOCK, where it fits), or a GEMM tile of MMA_TILES
-    (+ "s<splits>"), for any token count.  split_scratch: the partials and tickets split launches share
+    (+ "s<splits>"), for any token count; by default the GEMM from the kernel set's block_mma_min_tokens
+    (KESTREL_BLOCK_MMA_MIN_TOKENS) or MMA_MIN_TOKENS tokens on.  split_scratch: the partials and tickets split launches share
     (mma_variants.SplitScratch; None: K is not split)."""
     tail = w.tail
     assert (w.fmt, tail.fmt if tail else None) in KERNEL_FORMATS, f"no kernel for {w.fmt} then {tail and tail.fmt}"
@@ -139,10 +150,13 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens, (tail or w).qs, (tail or w).scales, head_rows]
     silu = "_silu" if silu_pairs else ""
-    if tokens > GEMV_MAX_TOKENS or is_mma_variant(variant):
-        tile, splits = parse_mma_variant(variant) if variant is not None else (mma_tile(tokens), None)
+    min_tokens = kernels.block_mma_min_tokens or MMA_MIN_TOKENS
+    if tokens > GEMV_MAX_TOKENS or is_mma_variant(variant) or (tokens >= min_tokens and variant is None):
+        sm_count = kernels.device.sm_count
+        tile, splits = (parse_mma_variant(variant) if variant is not None
+                        else (mma_tile(tokens, mma_grid(w, tokens, "mma")[0], sm_count), None))
         if splits is None:
-            splits = mma_splits(w, tokens, tile, kernels.device.sm_count, split_scratch)
+            splits = mma_splits(w, tokens, tile, sm_count, split_scratch)
         assert split_is_valid(w.cols, splits), f"K={w.cols} cannot be split {splits} ways (none left empty)"
         partial_floats, tickets = split_floats(w, tokens, tile, splits)
         if splits > 1:

@@ -59,6 +59,8 @@ class KernelSet:
         self.gemv_m1 = options.gemv_m1 if options is not None else None
         self.gemv_mn = options.gemv_mn if options is not None else None
         self.gemv_block = options.gemv_block if options is not None else None   # KESTREL_GEMV_BLOCK
+        # KESTREL_BLOCK_MMA_MIN_TOKENS; None: block_kernels.MMA_MIN_TOKENS
+        self.block_mma_min_tokens = options.block_mma_min_tokens if options is not None else None
         self._functions: dict[str, object] = {}
         self._dynamic_shared: dict[str, int] = {}   # kernel -> the dynamic shared bytes it is opted in for
         # the engine's Options.kernel_cache; without options, kernels_ptx.build's default directory
