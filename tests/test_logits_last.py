@@ -92,3 +92,30 @@ def test_gpu_last_rows_of_several_sessions(gpu, cpu, lengths, syncs):
         assert relative_error(got[0], want) < 2e-3 and int(np.argmax(got[0])) == int(np.argmax(want))
     for kv in kvs:
         gpu.free_kv(kv)
+
+
+def test_cpu_prefill_argmax_is_each_rows_argmax(cpu):
+    with cpu.new_session() as full, cpu.new_session() as picks:
+        want = np.argmax(full.prefill(PROMPT[:20]), axis=1)
+        got = picks.prefill(PROMPT[:20], logits="argmax")
+        assert got.dtype == np.int64 and np.array_equal(got, want)
+        assert picks.position == 20
+
+
+def test_gpu_argmax_rows_on_the_device_copy_four_bytes_a_row(gpu):
+    """Two sessions, 100 rows: chunks of logits_rows (64 + 36), argmax_split on each, 4 bytes a row back;
+    the picks are the argmax of the same step's logits."""
+    prompts = [PROMPT[:70], PROMPT[:30]]
+    kvs = [gpu.alloc_kv(128) for _ in prompts]
+    before = dict(gpu.stats)
+    picks = gpu.forward_argmax([(kv, np.array(p), 0) for kv, p in zip(kvs, prompts)])
+    assert gpu.stats["syncs"] - before["syncs"] == 2
+    assert gpu.stats["d2h_bytes"] - before["d2h_bytes"] == 4 * 100
+    for kv in kvs:
+        gpu.truncate_kv(kv, 0)
+    full = gpu.forward([(kv, np.array(p), 0) for kv, p in zip(kvs, prompts)])
+    for got, rows, p in zip(picks, full, prompts):
+        assert got.dtype == np.int64 and got.shape == (len(p),)
+        assert np.array_equal(got, np.argmax(rows, axis=1))
+    for kv in kvs:
+        gpu.free_kv(kv)

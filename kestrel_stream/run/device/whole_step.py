@@ -17,7 +17,12 @@ and mixed batches run the same launch list eagerly, one sync per chunk: chunks
 of `logits_rows` tokens when every row's logits are wanted, of `max_tokens`
 when only each session's last row is (lm_head then runs on those rows alone).
 
-The launch list of a step and why it looks as it does: launches.py.
+Rows whose argmax is all a caller needs (greedy verification of drafted tokens) get it on the device:
+argmax_split over the chunk's logits rows, 4 bytes a row back (forward_argmax).
+
+The launch list of a step and why it looks as it does: launches.py.  One concern, one file: every way
+a gpu-mode step is run and what it hands back (logits, argmax rows, tokens, chains) over the same
+staged rows, launch lists and outputs.
 """
 from __future__ import annotations
 
@@ -294,6 +299,26 @@ class WholeStep(Steps):
                 prof.record_call({**stages, "reduce": 0.0})
             tokens[lo:lo + len(chunk)] = self.outputs.tokens_view[:len(chunk)]
         return self._finish(rows, tokens)
+
+    def forward_argmax(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> list[np.ndarray]:
+        """Every row's argmax, int64 [n_i] per session: the step's launches then argmax_split over its
+        logits rows on the device, 4 bytes a row back (chunks of logits_rows rows, one sync each)."""
+        if self.verifier is not None:          # KESTREL_VERIFY compares logits
+            return super().forward_argmax(batch)
+        self.device.make_current()
+        rows = self._rows(batch)
+        self._reserve((kv, start, start + len(np.atleast_1d(t))) for kv, t, start in batch)
+        tokens = np.empty(len(rows), np.int64)
+        for lo in range(0, len(rows), self.logits_rows):
+            chunk = rows[lo:lo + self.logits_rows]
+            self.stage(chunk, len(chunk))
+            kernel_count, weight_read = self._enqueue_step(len(chunk), greedy=True, lm_rows=(0, len(chunk)))
+            self.outputs.wait(self.stream, whole_stream=prof.enabled)
+            self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk), d2h=len(chunk) * 4)
+            tokens[lo:lo + len(chunk)] = self.outputs.tokens_view[:len(chunk)]
+        self._finish(rows, tokens)
+        bounds = np.cumsum([0] + [len(np.atleast_1d(t)) for _, t, _ in batch])
+        return [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
         """Each row's token drawn on the device (states: device/sample_state.pack_state per row), int64
