@@ -72,7 +72,12 @@ def test_gpu_prefill_last_runs_lm_head_once_and_copies_one_row(gpu, cpu):
     before = dict(gpu.stats)
     [full] = gpu.forward([(kv, np.array(PROMPT), 0)])
     assert full.shape == (len(PROMPT), CONFIG.vocab_size)
-    assert gpu.stats["syncs"] - before["syncs"] == 2, "chunks of logits_rows (64 + 36)"
+    assert gpu.stats["syncs"] - before["syncs"] == 3, "a 96-token step, its lm_head on rows 0..63 then 64..95; 4"
+    step_kernels = gpu.steps.kernel_count(gpu.steps.step_launches(96, (0, 64)))
+    lm_head_kernels = sum(l.launch_count for l in gpu.steps.step_launches(96, (64, 32)) if l.labels["op"] == "lm_head")
+    assert gpu.stats["kernels"] - before["kernels"] == (step_kernels + lm_head_kernels
+                                                         + gpu.steps.kernel_count(gpu.steps.step_launches(4))), \
+        "the layers run once per chunk"
     assert gpu.stats["d2h_bytes"] - before["d2h_bytes"] == 4 * CONFIG.vocab_size * len(PROMPT)
     assert relative_error(full[-1], last[0]) < 2e-3     # other chunks: GEMV vs GEMM for the last rows
     gpu.free_kv(kv)
