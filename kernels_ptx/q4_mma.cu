@@ -112,41 +112,56 @@ struct StageWeights {
     }
 };
 
-// x [tok0, tok0 + BM) x [k0, k0 + BK) quantised into shared memory (zeros past ntok and K)
-template <int BM>
-__device__ __forceinline__ void store_x(MmaShared<BM>& sh, const float* x, int ldx, int tok0, int ntok, int K,
-                                        int k0) {
-    constexpr int LOADS = BM * (QM_BK / 4) / QM_THREADS;
+// x [tok0, tok0 + BM) x [k0, k0 + BK): loaded into registers (zeros past ntok and K), then quantised into
+// shared memory.  The 16-token tile loads the next stage's x with its weights, while a stage computes
+// (16 registers); the 64-token one loads each stage's as it quantises it (64 would be too many).
+template <int BM> struct StageX {
+    static constexpr int LOADS = BM * (QM_BK / 4) / QM_THREADS;
+    static constexpr bool AHEAD = BM <= 16;
     static_assert(LOADS >= 1 && BM * (QM_BK / 4) % QM_THREADS == 0, "x tile");
-#pragma unroll 4
-    for (int j = 0; j < LOADS; j++) {
-        const int f = threadIdx.x + j * QM_THREADS, r = f / (QM_BK / 4), c4 = f % (QM_BK / 4);
-        const int tok = tok0 + r, k = k0 + 4 * c4;
-        const float4 v = (tok < ntok && k < K) ? *(const float4*)(x + (long long)tok * ldx + k)
-                                               : make_float4(0.f, 0.f, 0.f, 0.f);
-        // a group of 16 is 4 consecutive lanes
-        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-        float sum = (v.x + v.y) + (v.z + v.w);
+    float4 v[LOADS];
+
+    __device__ __forceinline__ void load(const float* x, int ldx, int tok0, int ntok, int K, int k0) {
 #pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        }
-        const float d = amax / 127.0f;
-        const float inv = d != 0.f ? 1.0f / d : 0.f;
-        const float inv_lo = inv * 128.0f;   // exact: a power of two
-        const int h0 = qm_quantise(v.x, inv), h1 = qm_quantise(v.y, inv), h2 = qm_quantise(v.z, inv),
-                  h3 = qm_quantise(v.w, inv);
-        *(unsigned int*)&sh.x_tile[0][r * QM_STRIDE + 4 * c4] = qm_pack4(h0, h1, h2, h3);
-        *(unsigned int*)&sh.x_tile[1][r * QM_STRIDE + 4 * c4] =
-            qm_pack4(qm_quantise(__fmaf_rn(-(float)h0, d, v.x), inv_lo), qm_quantise(__fmaf_rn(-(float)h1, d, v.y), inv_lo),
-                     qm_quantise(__fmaf_rn(-(float)h2, d, v.z), inv_lo), qm_quantise(__fmaf_rn(-(float)h3, d, v.w), inv_lo));
-        if ((c4 & 3) == 0) {
-            sh.x_s[c4 >> 2][r] = d * (1.0f / 128.0f);   // the unit of 128 hi + lo
-            sh.x_sum[c4 >> 2][r] = sum;
+        for (int j = 0; j < LOADS; j++) {
+            const int f = threadIdx.x + j * QM_THREADS, r = f / (QM_BK / 4), c4 = f % (QM_BK / 4);
+            const int tok = tok0 + r, k = k0 + 4 * c4;
+            v[j] = (tok < ntok && k < K) ? *(const float4*)(x + (long long)tok * ldx + k)
+                                         : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
-}
+
+    __device__ __forceinline__ void store(MmaShared<BM>& sh) const {
+#pragma unroll
+        for (int j = 0; j < LOADS; j++) {
+            const int f = threadIdx.x + j * QM_THREADS, r = f / (QM_BK / 4), c4 = f % (QM_BK / 4);
+            const float4 x4 = v[j];
+            // a group of 16 is 4 consecutive lanes
+            float amax = fmaxf(fmaxf(fabsf(x4.x), fabsf(x4.y)), fmaxf(fabsf(x4.z), fabsf(x4.w)));
+            float sum = (x4.x + x4.y) + (x4.z + x4.w);
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) {
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            }
+            const float d = amax / 127.0f;
+            const float inv = d != 0.f ? 1.0f / d : 0.f;
+            const float inv_lo = inv * 128.0f;   // exact: a power of two
+            const int h0 = qm_quantise(x4.x, inv), h1 = qm_quantise(x4.y, inv), h2 = qm_quantise(x4.z, inv),
+                      h3 = qm_quantise(x4.w, inv);
+            *(unsigned int*)&sh.x_tile[0][r * QM_STRIDE + 4 * c4] = qm_pack4(h0, h1, h2, h3);
+            *(unsigned int*)&sh.x_tile[1][r * QM_STRIDE + 4 * c4] =
+                qm_pack4(qm_quantise(__fmaf_rn(-(float)h0, d, x4.x), inv_lo),
+                         qm_quantise(__fmaf_rn(-(float)h1, d, x4.y), inv_lo),
+                         qm_quantise(__fmaf_rn(-(float)h2, d, x4.z), inv_lo),
+                         qm_quantise(__fmaf_rn(-(float)h3, d, x4.w), inv_lo));
+            if ((c4 & 3) == 0) {
+                sh.x_s[c4 >> 2][r] = d * (1.0f / 128.0f);   // the unit of 128 hi + lo
+                sh.x_sum[c4 >> 2][r] = sum;
+            }
+        }
+    }
+};
 
 template <class F, int BM, int WARPS_M, bool SILU_PAIRS>
 __device__ __forceinline__ void mma_part(
@@ -177,13 +192,19 @@ __device__ __forceinline__ void mma_part(
     StageWeights<F> weights;
     // constant weights: safe before pdl_wait
     weights.load(qs, meta, row0, row_first, row_end, K, stage_begin * QM_BK);
+    StageX<BM> xs;
     pdl_wait();   // x is written by the previous kernel
+    if (StageX<BM>::AHEAD) xs.load(x, ldx, tok0, ntok, K, stage_begin * QM_BK);
     for (int s = stage_begin; s < stage_end; s++) {
         const int k0 = s * QM_BK;
         weights.store(sh, k0);
-        store_x<BM>(sh, x, ldx, tok0, ntok, K, k0);
+        if (!StageX<BM>::AHEAD) xs.load(x, ldx, tok0, ntok, K, k0);
+        xs.store(sh);
         __syncthreads();
-        if (s + 1 < stage_end) weights.load(qs, meta, row0, row_first, row_end, K, k0 + QM_BK);
+        if (s + 1 < stage_end) {
+            weights.load(qs, meta, row0, row_first, row_end, K, k0 + QM_BK);
+            if (StageX<BM>::AHEAD) xs.load(x, ldx, tok0, ntok, K, k0 + QM_BK);
+        }
 #pragma unroll
         for (int b = 0; b < QM_BK / 32; b++) {
             unsigned int a[FM][4], a_lo[FM][4], bw[FN][2];
