@@ -5,12 +5,12 @@
 // Every format is groups of 16 weights w = s * (level - BIAS) - o.  Per BK-wide stage a block
 // decodes its weight tile to int8 (level - BIAS) in shared memory with each group's s and o,
 // and quantises the x tile per token and group of 16 in two int8 levels as q8_mma.cu does
-// (d = amax / 127, hi = rn(v / d), lo = rn((v - hi d) 128 / d)).  A group is half of one
-// m16n8k32 K step: the step runs once per half with the other half of the weight fragment
-// zeroed, so each product carries one weight scale:
-//   c = mma(lo, w_half, mma(hi, w_half, 0) << 7),  acc += c * (d / 128) * s  - xsum * o
+// (d = amax / 127, hi = rn(v / d), lo = rn((v - hi d) 128 / d)).  A group is one m16n8k16
+// K step (the first or second half of q8_mma.cu's m16n8k32 fragments), so each product
+// carries one weight scale:
+//   c = mma(lo, w, mma(hi, w, 0) << 7),  acc += c * (d / 128) * s  - xsum * o
 // (xsum = the group's fp32 sum of x; o is non-zero for Q4_K's mins only).
-// Roles as in q8_mma.cu: A = 16 tokens x 32 k (row), B = 32 k x 8 weight rows (col), a
+// Roles as in q8_mma.cu: A = 16 tokens x 16 k (row), B = 16 k x 8 weight rows (col), a
 // thread's C pair is two adjacent weight rows of one token (a gate/up pair for SiLU).
 // The next stage's raw weight units are loaded into registers while the current one computes.
 //
@@ -42,14 +42,13 @@ template <int BM> struct MmaShared {
     bool is_last_block, is_last_split;
 };
 
-__device__ __forceinline__ void qm_mma_s8(int (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2],
-                                          const int (&c)[4]) {
+// one group of 16: A rows g and g + 8 at k 4t..4t+3 (a0, a1), B column g at k 4t..4t+3 (b)
+__device__ __forceinline__ void qm_mma_s8_k16(int (&d)[4], unsigned int a0, unsigned int a1, unsigned int b,
+                                              const int (&c)[4]) {
     asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};"
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-          "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
+        : "r"(a0), "r"(a1), "r"(b), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
 }
 
 __device__ __forceinline__ int qm_quantise(float v, float inv) { return max(-127, min(127, __float2int_rn(v * inv))); }
@@ -239,13 +238,13 @@ __device__ __forceinline__ void mma_part(
                     for (int j = 0; j < FN; j++) {
                         const int n = warp_n * FN * 8 + j * 8 + t * 2;
                         const float2 ws = *(const float2*)&sh.w_s[grp][n];
-                        const unsigned int bh[2] = {half ? 0u : bw[j][0], half ? bw[j][1] : 0u};
+                        // the m16n8k32 fragments' first half is k 0..15 (a0, a1; b0), the second 16..31
                         const int zero[4] = {0, 0, 0, 0};
                         int hi[4], d[4];
-                        qm_mma_s8(hi, a[i], bh, zero);
+                        qm_mma_s8_k16(hi, a[i][2 * half], a[i][2 * half + 1], bw[j][half], zero);
 #pragma unroll
                         for (int c = 0; c < 4; c++) hi[c] <<= 7;   // |hi| <= 16 * 127 * 32: no overflow
-                        qm_mma_s8(d, a_lo[i], bh, hi);
+                        qm_mma_s8_k16(d, a_lo[i][2 * half], a_lo[i][2 * half + 1], bw[j][half], hi);
                         acc[i][j][0] = fmaf((float)d[0], xs0 * ws.x, acc[i][j][0]);
                         acc[i][j][1] = fmaf((float)d[1], xs0 * ws.y, acc[i][j][1]);
                         acc[i][j][2] = fmaf((float)d[2], xs1 * ws.x, acc[i][j][2]);
