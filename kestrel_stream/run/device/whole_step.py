@@ -250,7 +250,10 @@ class WholeStep(Steps):
                     self.outputs.wait(self.stream, whole_stream=prof.enabled)
                     self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk) if n == 0 else 0,
                                 d2h=count * V * 4)
-                    out[inside] = self.outputs.logits_view[wanted[inside] - lo - first]
+                    if logits == "all":         # the rows first.. are wanted[inside], consecutive
+                        out[inside[0]:inside[0] + count] = self.outputs.logits_view[:count]
+                    else:
+                        out[inside] = self.outputs.logits_view[wanted[inside] - lo - first]
         self.counters.steps += 1
         self.counters.tokens += len(rows)
         if logits == "last":
