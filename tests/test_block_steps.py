@@ -173,3 +173,25 @@ def test_the_gemm_can_take_over_from_fewer_tokens(monkeypatch):
     assert names[:2] == [n for n in names[:2] if "_gemv_m" in n] and all(n == "q4_k_mma16" for n in names[2:])
     with pytest.raises(ValueError, match="2..9"):
         Options.from_env({"KESTREL_BLOCK_MMA_MIN_TOKENS": "12"})
+
+
+# a 1.5B model's down (Q4_K or Q6_K in a Q4_K_M file) and QKV (Q4_K with Q6_K v rows): K split many ways
+MODEL_SHAPES = [("Q4_K", (1536,), 8960, 11), ("Q6_K", (1536,), 8960, 64), ("Q4_K+Q6_K", (1792, 256), 1536, 33),
+                ("Q4_0", (896,), 4864, 70)]
+
+
+@pytest.mark.parametrize("fmt,rows,cols,tokens", MODEL_SHAPES)
+def test_model_shaped_steps_match_numpy(dev, fmt, rows, cols, tokens):
+    formats = tuple(fmt.split("+"))
+    rng = np.random.default_rng(cols + tokens)
+    w = fuse_rows([BlockTensor(f, random_blocks(rng, f, n, cols, 1 / np.sqrt(cols)), cols)
+                   for f, n in zip(formats, rows)])
+    qw = upload(dev, w)
+    n, k = w.shape
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    y = dev.put(np.zeros((tokens, n), np.float32))
+    launch = gemv_launch(dev.kernels, qw, dev.put(x), k, y, n, tokens, split_scratch=dev.scratch)
+    assert launch.grid[2] > 1, "these shapes split K"
+    dev.run(launch)
+    want = x @ w.dequantize().T
+    assert np.abs(dev.get(y, (tokens, n)) - want).max() <= 2e-3 * np.abs(want).max(), (fmt, tokens, launch.grid)
