@@ -185,7 +185,8 @@ class Engine:
         """One executor step over several sessions; all inputs were validated by the caller.
 
         Logits [n_i, V] per session (logits="last": [1, V], each session's last row, the only rows
-        lm_head computes), or with greedy=True each session's greedy next token (int64 [B]): an
+        lm_head computes; logits="argmax": each row's argmax, int64 [n_i], Executor.forward_argmax),
+        or with greedy=True each session's greedy next token (int64 [B]): an
         executor with forward_greedy (gpu mode) then takes the argmax on the device and copies back
         4 bytes per token instead of the logits."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
