@@ -10,7 +10,9 @@
 # the split-K GPU tests and bench.mma's split sweep at 9..64 tokens, 1.7B and 8B shapes; fewtok = the pipelined
 # few-token tiles' GPU tests, the 1.7B split sweep and bench.fewtok_decode on its winners vs the default;
 # blockgemv = every 4/6-bit GEMV layout's GPU tests and bench.block_gemv at the qwen3-1.7b and 8b shapes;
-# dp4a = the one-token dp4a layouts' GPU tests and their bench.block_gemv sweep beside the default layouts).
+# dp4a = the one-token dp4a layouts' GPU tests and their bench.block_gemv sweep beside the default layouts;
+# steps = the block-format steps of 1..70 tokens' GPU tests, bench.block_mma's tile/split sweep at the
+# qwen2.5-1.5b shapes and bench.steps on random qwen3-1.7b Q4_K_M and Q8_0 files, LLAMA_BENCH=PATH beside).
 # Result files (md/json/traces/html) and every step's log (logs/*.txt) land in $OUT/h200-results.tgz, since
 # the device tool returns at most 8 files; each log's last lines also go to stdout.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
 set -uo pipefail
@@ -19,7 +21,7 @@ RESULTS=$(mktemp -d)
 mkdir -p "$OUT" "$RESULTS/logs"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # each step's log, then the archive again: a call cut short still returns what finished
-STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill blocks splits fewtok f16mma blockgemv dp4a}
+STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill blocks splits fewtok f16mma blockgemv dp4a steps}
 run() {
     local seconds=$1 log=$2; shift 2
     [[ " $STEPS " == *" ${log%.txt} "* ]] || return 0
@@ -64,3 +66,8 @@ run 420 blockgemv.txt bash -c "python3 -m pytest -m gpu -q tests/test_block_gemv
 run 420 dp4a.txt bash -c "python3 -m pytest -m gpu -q tests/test_dp4a_gemv.py \
     && python3 -m pytest -m gpu -q tests/test_block_gemv_variants.py -k 'gpu and (d32 or d64 or d128 or d256 or d512)' \
     && python3 -m bench.block_gemv --tokens 1 --layouts d --out $RESULTS"
+run 590 steps.txt bash -c "python3 -m pytest -m gpu -q -x tests/test_block_steps.py tests/test_block_kernels.py \
+    && python3 -m bench.block_mma --models qwen2.5-1.5b --formats Q4_K,Q6_K --out $RESULTS \
+    && python3 -m bench.make_gguf --preset qwen3-1.7b --mix q4_k_m -o /tmp/q17-q4km.gguf \
+    && python3 -m bench.make_gguf --preset qwen3-1.7b -o /tmp/q17-q8.gguf \
+    && python3 -m bench.steps /tmp/q17-q4km.gguf /tmp/q17-q8.gguf \${LLAMA_BENCH:+--llama-bench \$LLAMA_BENCH} --out $RESULTS"

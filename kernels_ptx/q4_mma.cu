@@ -5,45 +5,50 @@
 // Every format is groups of 16 weights w = s * (level - BIAS) - o.  Per BK-wide stage a block
 // decodes its weight tile to int8 (level - BIAS) in shared memory with each group's s and o,
 // and quantises the x tile per token and group of 16 in two int8 levels as q8_mma.cu does
-// (d = amax / 127, hi = rn(v / d), lo = rn((v - hi d) 128 / d)).  A group is half of one
-// m16n8k32 K step: the step runs once per half with the other half of the weight fragment
-// zeroed, so each product carries one weight scale:
-//   c = mma(lo, w_half, mma(hi, w_half, 0) << 7),  acc += c * (d / 128) * s  - xsum * o
+// (d = amax / 127, hi = rn(v / d), lo = rn((v - hi d) 128 / d)).  A group is one m16n8k16
+// K step (the first or second half of q8_mma.cu's m16n8k32 fragments), so each product
+// carries one weight scale:
+//   c = mma(lo, w, mma(hi, w, 0) << 7),  acc += c * (d / 128) * s  - xsum * o
 // (xsum = the group's fp32 sum of x; o is non-zero for Q4_K's mins only).
-// Roles as in q8_mma.cu: A = 16 tokens x 32 k (row), B = 32 k x 8 weight rows (col), a
+// Roles as in q8_mma.cu: A = 16 tokens x 16 k (row), B = 16 k x 8 weight rows (col), a
 // thread's C pair is two adjacent weight rows of one token (a gate/up pair for SiLU).
 // The next stage's raw weight units are loaded into registers while the current one computes.
+//
+// Two token tiles: <fmt>_mma, 64 tokens x 64 rows (2 x 2 warps), for prefill-sized steps, and
+// <fmt>_mma16, 16 tokens x 64 rows (1 x 4 warps), for steps of up to 64 tokens: there a 64-token tile
+// quantises and multiplies mostly padding, and a projection of a few thousand rows gives a few dozen
+// blocks, each walking the whole K alone.  Both split K over the grid's z as q8_mma.cu does: each
+// split walks a contiguous run of ceil(stages / gridDim.z) stages, parks its fp32 fragments in
+// `partials`, and the last split of a tile to take its ticket sums splits 0..z-1 in order (the
+// result does not depend on which came last), resets the ticket and runs the epilogue alone.
+// gridDim.z == 1 never touches partials or tickets.
 #include "common.cuh"
 #include "mma_epilogue.cuh"
 #include "q4_formats.cuh"
 
-#define QM_BM 64            // tokens per block
 #define QM_BN 64            // weight rows per block
 #define QM_BK 128           // K per stage: a whole number of units of every format
-#define QM_WARPS_M 2
-#define QM_WARPS_N 2
-#define QM_THREADS (32 * QM_WARPS_M * QM_WARPS_N)
+#define QM_THREADS 128      // 4 warps: 2 x 2 for 64 tokens, 1 x 4 for 16
 #define QM_STRIDE (QM_BK + 16)   // bytes per shared row: fragment loads spread over the banks
 #define QM_GROUPS (QM_BK / 16)
 
-struct MmaShared {
+template <int BM> struct MmaShared {
     __align__(16) unsigned char w_tile[QM_BN * QM_STRIDE];
-    __align__(16) unsigned char x_tile[2][QM_BM * QM_STRIDE];   // [hi|lo]
+    __align__(16) unsigned char x_tile[2][BM * QM_STRIDE];   // [hi|lo]
     __align__(16) float w_s[QM_GROUPS][QM_BN];
     __align__(16) float w_o[QM_GROUPS][QM_BN];
-    float x_s[QM_GROUPS][QM_BM];      // d / 128 per token and group
-    float x_sum[QM_GROUPS][QM_BM];    // fp32 sum of the group's x per token
-    bool is_last_block;
+    float x_s[QM_GROUPS][BM];      // d / 128 per token and group
+    float x_sum[QM_GROUPS][BM];    // fp32 sum of the group's x per token
+    bool is_last_block, is_last_split;
 };
 
-__device__ __forceinline__ void qm_mma_s8(int (&d)[4], const unsigned int (&a)[4], const unsigned int (&b)[2],
-                                          const int (&c)[4]) {
+// one group of 16: A rows g and g + 8 at k 4t..4t+3 (a0, a1), B column g at k 4t..4t+3 (b)
+__device__ __forceinline__ void qm_mma_s8_k16(int (&d)[4], unsigned int a0, unsigned int a1, unsigned int b,
+                                              const int (&c)[4]) {
     asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%11,%12,%13};"
+        "mma.sync.aligned.m16n8k16.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5}, {%6}, {%7,%8,%9,%10};"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]),
-          "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
+        : "r"(a0), "r"(a1), "r"(b), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
 }
 
 __device__ __forceinline__ int qm_quantise(float v, float inv) { return max(-127, min(127, __float2int_rn(v * inv))); }
@@ -83,7 +88,8 @@ struct StageWeights {
         }
     }
 
-    __device__ __forceinline__ void store(MmaShared& sh, int k0) const {
+    template <class Shared>
+    __device__ __forceinline__ void store(Shared& sh, int k0) const {
 #pragma unroll
         for (int j = 0; j < SLOTS; j++) {
             const int slot = threadIdx.x + j * QM_THREADS, r = slot / UNITS, u = k0 / F::UNIT + slot % UNITS;
@@ -105,51 +111,74 @@ struct StageWeights {
     }
 };
 
-// x [tok0, tok0 + BM) x [k0, k0 + BK) quantised into shared memory (zeros past ntok and K)
-__device__ __forceinline__ void store_x(MmaShared& sh, const float* x, int ldx, int tok0, int ntok, int K, int k0) {
-    constexpr int LOADS = QM_BM * (QM_BK / 4) / QM_THREADS;
-#pragma unroll 4
-    for (int j = 0; j < LOADS; j++) {
-        const int f = threadIdx.x + j * QM_THREADS, r = f / (QM_BK / 4), c4 = f % (QM_BK / 4);
-        const int tok = tok0 + r, k = k0 + 4 * c4;
-        const float4 v = (tok < ntok && k < K) ? *(const float4*)(x + (long long)tok * ldx + k)
-                                               : make_float4(0.f, 0.f, 0.f, 0.f);
-        // a group of 16 is 4 consecutive lanes
-        float amax = fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
-        float sum = (v.x + v.y) + (v.z + v.w);
+// x [tok0, tok0 + BM) x [k0, k0 + BK): loaded into registers (zeros past ntok and K), then quantised into
+// shared memory.  The 16-token tile loads the next stage's x with its weights, while a stage computes
+// (16 registers); the 64-token one loads each stage's as it quantises it (64 would be too many).
+template <int BM> struct StageX {
+    static constexpr int LOADS = BM * (QM_BK / 4) / QM_THREADS;
+    static constexpr bool AHEAD = BM <= 16;
+    static_assert(LOADS >= 1 && BM * (QM_BK / 4) % QM_THREADS == 0, "x tile");
+    float4 v[LOADS];
+
+    __device__ __forceinline__ void load(const float* x, int ldx, int tok0, int ntok, int K, int k0) {
 #pragma unroll
-        for (int o = 1; o < 4; o <<= 1) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-            sum += __shfl_xor_sync(0xffffffffu, sum, o);
-        }
-        const float d = amax / 127.0f;
-        const float inv = d != 0.f ? 1.0f / d : 0.f;
-        const float inv_lo = inv * 128.0f;   // exact: a power of two
-        const int h0 = qm_quantise(v.x, inv), h1 = qm_quantise(v.y, inv), h2 = qm_quantise(v.z, inv),
-                  h3 = qm_quantise(v.w, inv);
-        *(unsigned int*)&sh.x_tile[0][r * QM_STRIDE + 4 * c4] = qm_pack4(h0, h1, h2, h3);
-        *(unsigned int*)&sh.x_tile[1][r * QM_STRIDE + 4 * c4] =
-            qm_pack4(qm_quantise(__fmaf_rn(-(float)h0, d, v.x), inv_lo), qm_quantise(__fmaf_rn(-(float)h1, d, v.y), inv_lo),
-                     qm_quantise(__fmaf_rn(-(float)h2, d, v.z), inv_lo), qm_quantise(__fmaf_rn(-(float)h3, d, v.w), inv_lo));
-        if ((c4 & 3) == 0) {
-            sh.x_s[c4 >> 2][r] = d * (1.0f / 128.0f);   // the unit of 128 hi + lo
-            sh.x_sum[c4 >> 2][r] = sum;
+        for (int j = 0; j < LOADS; j++) {
+            const int f = threadIdx.x + j * QM_THREADS, r = f / (QM_BK / 4), c4 = f % (QM_BK / 4);
+            const int tok = tok0 + r, k = k0 + 4 * c4;
+            v[j] = (tok < ntok && k < K) ? *(const float4*)(x + (long long)tok * ldx + k)
+                                         : make_float4(0.f, 0.f, 0.f, 0.f);
         }
     }
-}
 
-template <class F, bool SILU_PAIRS>
+    __device__ __forceinline__ void store(MmaShared<BM>& sh) const {
+#pragma unroll
+        for (int j = 0; j < LOADS; j++) {
+            const int f = threadIdx.x + j * QM_THREADS, r = f / (QM_BK / 4), c4 = f % (QM_BK / 4);
+            const float4 x4 = v[j];
+            // a group of 16 is 4 consecutive lanes
+            float amax = fmaxf(fmaxf(fabsf(x4.x), fabsf(x4.y)), fmaxf(fabsf(x4.z), fabsf(x4.w)));
+            float sum = (x4.x + x4.y) + (x4.z + x4.w);
+#pragma unroll
+            for (int o = 1; o < 4; o <<= 1) {
+                amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+                sum += __shfl_xor_sync(0xffffffffu, sum, o);
+            }
+            const float d = amax / 127.0f;
+            const float inv = d != 0.f ? 1.0f / d : 0.f;
+            const float inv_lo = inv * 128.0f;   // exact: a power of two
+            const int h0 = qm_quantise(x4.x, inv), h1 = qm_quantise(x4.y, inv), h2 = qm_quantise(x4.z, inv),
+                      h3 = qm_quantise(x4.w, inv);
+            *(unsigned int*)&sh.x_tile[0][r * QM_STRIDE + 4 * c4] = qm_pack4(h0, h1, h2, h3);
+            *(unsigned int*)&sh.x_tile[1][r * QM_STRIDE + 4 * c4] =
+                qm_pack4(qm_quantise(__fmaf_rn(-(float)h0, d, x4.x), inv_lo),
+                         qm_quantise(__fmaf_rn(-(float)h1, d, x4.y), inv_lo),
+                         qm_quantise(__fmaf_rn(-(float)h2, d, x4.z), inv_lo),
+                         qm_quantise(__fmaf_rn(-(float)h3, d, x4.w), inv_lo));
+            if ((c4 & 3) == 0) {
+                sh.x_s[c4 >> 2][r] = d * (1.0f / 128.0f);   // the unit of 128 hi + lo
+                sh.x_sum[c4 >> 2][r] = sum;
+            }
+        }
+    }
+};
+
+template <class F, int BM, int WARPS_M, bool SILU_PAIRS>
 __device__ __forceinline__ void mma_part(
-        MmaShared& sh, const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, int row0,
+        MmaShared<BM>& sh, const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, int row0,
         int row_first, int row_end, const float* x, int ldx, const float* inv_rms_in, float* y, int ldy,
         const float* res, const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter, float eps,
-        int N, int K, int ntok) {
-    constexpr int FM = QM_BM / 16 / QM_WARPS_M, FN = QM_BN / 8 / QM_WARPS_N;   // mma tiles per warp
+        int N, int K, int ntok, float* partials, unsigned int* tickets) {
+    constexpr int WARPS_N = QM_THREADS / 32 / WARPS_M;
+    constexpr int FM = BM / 16 / WARPS_M, FN = QM_BN / 8 / WARPS_N;   // mma tiles per warp
+    static_assert(FM >= 1 && FN >= 1 && BM % (16 * WARPS_M) == 0, "tile");
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;
-    const int warp_m = warp / QM_WARPS_N, warp_n = warp % QM_WARPS_N;
-    const int tok0 = blockIdx.y * QM_BM;
-    const int stages = (K + QM_BK - 1) / QM_BK;
+    const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+    const int tok0 = blockIdx.y * BM;
+    // this split's K stages [stage_begin, stage_end): the host picks gridDim.z so that none is empty
+    const int splits = gridDim.z, stages_all = (K + QM_BK - 1) / QM_BK;
+    const int stages_per_split = (stages_all + splits - 1) / splits;
+    const int stage_begin = blockIdx.z * stages_per_split, stage_end = min(stages_all, stage_begin + stages_per_split);
 
     float acc[FM][FN][4];
 #pragma unroll
@@ -160,14 +189,21 @@ __device__ __forceinline__ void mma_part(
             for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
 
     StageWeights<F> weights;
-    weights.load(qs, meta, row0, row_first, row_end, K, 0);   // constant weights: safe before pdl_wait
+    // constant weights: safe before pdl_wait
+    weights.load(qs, meta, row0, row_first, row_end, K, stage_begin * QM_BK);
+    StageX<BM> xs;
     pdl_wait();   // x is written by the previous kernel
-    for (int s = 0; s < stages; s++) {
+    if (StageX<BM>::AHEAD) xs.load(x, ldx, tok0, ntok, K, stage_begin * QM_BK);
+    for (int s = stage_begin; s < stage_end; s++) {
         const int k0 = s * QM_BK;
         weights.store(sh, k0);
-        store_x(sh, x, ldx, tok0, ntok, K, k0);
+        if (!StageX<BM>::AHEAD) xs.load(x, ldx, tok0, ntok, K, k0);
+        xs.store(sh);
         __syncthreads();
-        if (s + 1 < stages) weights.load(qs, meta, row0, row_first, row_end, K, k0 + QM_BK);
+        if (s + 1 < stage_end) {
+            weights.load(qs, meta, row0, row_first, row_end, K, k0 + QM_BK);
+            if (StageX<BM>::AHEAD) xs.load(x, ldx, tok0, ntok, K, k0 + QM_BK);
+        }
 #pragma unroll
         for (int b = 0; b < QM_BK / 32; b++) {
             unsigned int a[FM][4], a_lo[FM][4], bw[FN][2];
@@ -202,13 +238,13 @@ __device__ __forceinline__ void mma_part(
                     for (int j = 0; j < FN; j++) {
                         const int n = warp_n * FN * 8 + j * 8 + t * 2;
                         const float2 ws = *(const float2*)&sh.w_s[grp][n];
-                        const unsigned int bh[2] = {half ? 0u : bw[j][0], half ? bw[j][1] : 0u};
+                        // the m16n8k32 fragments' first half is k 0..15 (a0, a1; b0), the second 16..31
                         const int zero[4] = {0, 0, 0, 0};
                         int hi[4], d[4];
-                        qm_mma_s8(hi, a[i], bh, zero);
+                        qm_mma_s8_k16(hi, a[i][2 * half], a[i][2 * half + 1], bw[j][half], zero);
 #pragma unroll
                         for (int c = 0; c < 4; c++) hi[c] <<= 7;   // |hi| <= 16 * 127 * 32: no overflow
-                        qm_mma_s8(d, a_lo[i], bh, hi);
+                        qm_mma_s8_k16(d, a_lo[i][2 * half], a_lo[i][2 * half + 1], bw[j][half], hi);
                         acc[i][j][0] = fmaf((float)d[0], xs0 * ws.x, acc[i][j][0]);
                         acc[i][j][1] = fmaf((float)d[1], xs0 * ws.y, acc[i][j][1]);
                         acc[i][j][2] = fmaf((float)d[2], xs1 * ws.x, acc[i][j][2]);
@@ -225,6 +261,40 @@ __device__ __forceinline__ void mma_part(
             }
         }
         __syncthreads();   // every warp is done with the tiles before the next stage overwrites them
+    }
+
+    if (splits > 1) {
+        // the tiles of both format parts are numbered along x: blockIdx.x is the launch's row tile
+        const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+        float4* tile_partials = reinterpret_cast<float4*>(partials) + (long long)tile * splits * (FM * FN * QM_THREADS);
+        float4* mine = tile_partials + blockIdx.z * (FM * FN * QM_THREADS);
+#pragma unroll
+        for (int i = 0; i < FM; i++)
+#pragma unroll
+            for (int j = 0; j < FN; j++)
+                __stcg(mine + (i * FN + j) * QM_THREADS + tid,
+                       make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]));
+        __threadfence();   // this split's partial is visible device-wide before its ticket is
+        __syncthreads();
+        if (tid == 0) sh.is_last_split = atomicAdd(tickets + tile, 1u) == (unsigned int)splits - 1;
+        __syncthreads();
+        if (!sh.is_last_split) return;
+        __threadfence();
+        // acc = split 0 + split 1 + ... in that order, this split's own part read back too (the same bits)
+        const float4* part = tile_partials + tid;
+        for (int z = 0; z < splits; z++, part += FM * FN * QM_THREADS)
+#pragma unroll
+            for (int i = 0; i < FM; i++)
+#pragma unroll
+                for (int j = 0; j < FN; j++) {
+                    const float4 v = __ldcg(part + (i * FN + j) * QM_THREADS);
+                    if (z == 0) {
+                        acc[i][j][0] = v.x; acc[i][j][1] = v.y; acc[i][j][2] = v.z; acc[i][j][3] = v.w;
+                    } else {
+                        acc[i][j][0] += v.x; acc[i][j][1] += v.y; acc[i][j][2] += v.z; acc[i][j][3] += v.w;
+                    }
+                }
+        if (tid == 0) tickets[tile] = 0u;   // every split of the tile has taken its ticket
     }
 
 #pragma unroll
@@ -253,7 +323,7 @@ __device__ __forceinline__ void mma_part(
     __syncthreads();
     if (!sh.is_last_block) return;
     __threadfence();
-    const int m_end = ticket_per_row ? min(tok0 + QM_BM, ntok) : ntok;
+    const int m_end = ticket_per_row ? min(tok0 + BM, ntok) : ntok;
     for (int m = (ticket_per_row ? tok0 : 0) + warp; m < m_end; m += QM_THREADS / 32) {
         const float* yrow = y + (long long)m * ldy;
         float sq = 0.f;
@@ -264,37 +334,48 @@ __device__ __forceinline__ void mma_part(
     if (tid == 0) *ticket = 0u;
 }
 
-template <class FA, class FB, bool SILU_PAIRS>
+template <class FA, class FB, int BM, int WARPS_M, bool SILU_PAIRS>
 __device__ __forceinline__ void q4_mma_body(
         const unsigned char* qs, const unsigned char* meta, const float* x, int ldx, const float* inv_rms_in,
         float* y, int ldy, const float* res, const float* normw_out, float* xn_out, float* inv_rms_out,
         unsigned int* counter, float eps, int N, int K, int ntok, const unsigned char* qs_b,
-        const unsigned char* meta_b, int rows_a) {
-    __shared__ MmaShared sh;   // one copy whichever part the block runs
+        const unsigned char* meta_b, int rows_a, float* partials, unsigned int* tickets) {
+    __shared__ MmaShared<BM> sh;   // one copy whichever part the block runs
     pdl_launch_dependents();
     const int head_blocks = (rows_a + QM_BN - 1) / QM_BN;
     if (same_format<FA, FB>::value || (int)blockIdx.x < head_blocks) {
-        mma_part<FA, SILU_PAIRS>(sh, qs, meta, blockIdx.x * QM_BN, 0, rows_a, x, ldx, inv_rms_in, y, ldy, res,
-                                 normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok);
+        mma_part<FA, BM, WARPS_M, SILU_PAIRS>(sh, qs, meta, blockIdx.x * QM_BN, 0, rows_a, x, ldx, inv_rms_in, y,
+                                              ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok,
+                                              partials, tickets);
     } else {
-        mma_part<FB, SILU_PAIRS>(sh, qs_b, meta_b, rows_a + (blockIdx.x - head_blocks) * QM_BN, rows_a, N, x, ldx,
-                                 inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok);
+        mma_part<FB, BM, WARPS_M, SILU_PAIRS>(sh, qs_b, meta_b, rows_a + (blockIdx.x - head_blocks) * QM_BN, rows_a,
+                                              N, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out,
+                                              counter, eps, N, K, ntok, partials, tickets);
     }
 }
 
-#define DEFINE_Q4_MMA(FA, FB, SILU, NAME)                                                           \
+// <fmt>[_<tail fmt>]_mma[16][_silu]: block_kernels.py's MMA_TILES; the split count is the grid's z
+#define DEFINE_Q4_MMA(FA, FB, BM, WARPS_M, SILU, NAME)                                              \
     extern "C" __global__ void __launch_bounds__(QM_THREADS) NAME(                                 \
             const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,           \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,  \
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,     \
-            int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a) {        \
-        q4_mma_body<FA, FB, SILU>(qs, meta, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out,    \
-                                  inv_rms_out, counter, eps, N, K, ntok, qs_b, meta_b, rows_a);    \
+            int ntok, const unsigned char* qs_b, const unsigned char* meta_b, int rows_a,          \
+            float* partials, unsigned int* tickets) {                                              \
+        q4_mma_body<FA, FB, BM, WARPS_M, SILU>(qs, meta, x, ldx, inv_rms_in, y, ldy, res, normw_out,\
+                                               xn_out, inv_rms_out, counter, eps, N, K, ntok, qs_b, \
+                                               meta_b, rows_a, partials, tickets);                 \
     }
-DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, false, q4_0_mma)
-DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, true, q4_0_mma_silu)
-DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, false, q4_k_mma)
-DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, true, q4_k_mma_silu)
-DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, false, q6_k_mma)
-DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, true, q6_k_mma_silu)
-DEFINE_Q4_MMA(FmtQ4_K, FmtQ6_K, false, q4_k_q6_k_mma)
+#define DEFINE_Q4_MMA_TILES(FA, FB, SILU, NAME)            \
+    DEFINE_Q4_MMA(FA, FB, 64, 2, SILU, NAME)               \
+    DEFINE_Q4_MMA(FA, FB, 16, 1, SILU, NAME##16)
+DEFINE_Q4_MMA_TILES(FmtQ4_0, FmtQ4_0, false, q4_0_mma)
+DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, 64, 2, true, q4_0_mma_silu)
+DEFINE_Q4_MMA(FmtQ4_0, FmtQ4_0, 16, 1, true, q4_0_mma16_silu)
+DEFINE_Q4_MMA_TILES(FmtQ4_K, FmtQ4_K, false, q4_k_mma)
+DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, 64, 2, true, q4_k_mma_silu)
+DEFINE_Q4_MMA(FmtQ4_K, FmtQ4_K, 16, 1, true, q4_k_mma16_silu)
+DEFINE_Q4_MMA_TILES(FmtQ6_K, FmtQ6_K, false, q6_k_mma)
+DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, 64, 2, true, q6_k_mma_silu)
+DEFINE_Q4_MMA(FmtQ6_K, FmtQ6_K, 16, 1, true, q6_k_mma16_silu)
+DEFINE_Q4_MMA_TILES(FmtQ4_K, FmtQ6_K, false, q4_k_q6_k_mma)

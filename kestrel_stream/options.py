@@ -18,6 +18,7 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_GEMV_MN=SUFFIX    force one 2..8-token GEMV layout
     KESTREL_CUBLAS_MIN_TOKENS=N  gpu mode's steps of >= N tokens on cuBLAS (default 128; 0: never)
     KESTREL_GEMV_BLOCK=NAME   force one 4/6-bit GEMV layout where it fits the token count ("": the first kernel)
+    KESTREL_BLOCK_MMA_MIN_TOKENS=N  4/6-bit steps of >= N tokens (2..9) on the tensor-core GEMM (default 9)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
     KESTREL_HOST_KERNELS=numpy  the host backend multiplies on float32 copies with numpy (the reference
@@ -62,6 +63,7 @@ class Options:
     gemv_mn: str | None = None
     cublas_min_tokens: int | None = None     # None: scheduler.dense.DENSE_MIN_TOKENS; 0: the built-in GEMM always
     gemv_block: str | None = None            # a layout of cuda/q4_gemv_variants.py; None: choose's
+    block_mma_min_tokens: int | None = None  # None: cuda/block_kernels.MMA_MIN_TOKENS
     kernel_cache_dir: Path | None = None     # None: kernels_ptx.build's default
     cache_dir: Path | None = None            # None: ~/.cache/kestrel-stream
     host_isa: str | None = None              # None: the widest the CPU has (native.ISAS)
@@ -107,6 +109,9 @@ class Options:
         if block is not None and block not in q4_gemv_variants.ALL_VARIANTS:
             raise ValueError(f"KESTREL_GEMV_BLOCK={block!r}: not a block-format GEMV layout; one of "
                              f"{', '.join(repr(v) for v in q4_gemv_variants.ALL_VARIANTS)}")
+        block_mma = _tokens(env.get("KESTREL_BLOCK_MMA_MIN_TOKENS"), "KESTREL_BLOCK_MMA_MIN_TOKENS")
+        if block_mma is not None and not 2 <= block_mma <= 9:
+            raise ValueError(f"KESTREL_BLOCK_MMA_MIN_TOKENS={block_mma}: 2..9 (the GEMV layouts serve up to 8 tokens)")
         host_isa = env.get("KESTREL_HOST_ISA") or None
         if host_isa is not None and host_isa not in HOST_ISAS:
             raise ValueError(f"KESTREL_HOST_ISA={host_isa!r}: one of {', '.join(HOST_ISAS)}")
@@ -120,6 +125,7 @@ class Options:
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0",
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
+                      block_mma_min_tokens=block_mma,
                       cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")),

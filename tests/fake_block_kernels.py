@@ -5,8 +5,9 @@ so a wrong pointer, stride or part offset gives wrong numbers.  The GEMV twin mu
 dequantized weight (fp32, like the kernel); the GEMM twin repeats q4_mma.cu's int8 arithmetic:
 x in two int8 levels per token and group of 16, exact integer dots with the weight's levels,
 scaled by d/128 * s, less xsum * o.  Each checks the launch shape (the GEMV's layout from its name:
-cuda/q4_gemv_variants.py), the alignment of every vector load and that a single-format kernel covers
-all N rows.
+cuda/q4_gemv_variants.py; the GEMM's token tile from its name and K split from the grid's z), the
+alignment of every vector load and that a single-format kernel covers all N rows.  A split GEMM's sum
+of fp32 partials is the unsplit sum in another order: within the GEMM's tolerance.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 
 from fake_cuda import dev
 from kestrel_stream.cuda import q4_gemv_variants
-from kestrel_stream.cuda.block_kernels import MMA_ROWS, MMA_THREADS, MMA_TOKENS, PART_BYTES
+from kestrel_stream.cuda.block_kernels import MMA_ROWS, MMA_THREADS, MMA_TILES, PART_BYTES, split_is_valid
 from kestrel_stream.model.quant4 import dequantize_blocks
 from quant4_reference import group_form, join_blocks
 from scheduler.ops import BLOCK_FORMATS
@@ -89,11 +90,23 @@ def quantize_groups(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
 def q4_mma(launch, *args) -> None:
     import fake_kernels as fk
     x, ldx, N, K, ntok = args[2], args[3], args[13], args[14], args[15]
+    partials, tickets = args[19:21]
     silu = launch.name.endswith("_silu")
-    assert launch.block == (MMA_THREADS, 1, 1) and launch.grid[2] == 1, launch.name
-    assert launch.grid[0] == _blocks_per_part(args, MMA_ROWS) and launch.grid[1] == -(-ntok // MMA_TOKENS), \
+    tile = "mma16" if re.search(r"_mma16(_silu)?$", launch.name) else "mma"
+    splits = launch.grid[2]
+    assert launch.block == (MMA_THREADS, 1, 1), launch.name
+    assert launch.grid[0] == _blocks_per_part(args, MMA_ROWS) and \
+        launch.grid[1] == -(-ntok // MMA_TILES[tile].tokens), \
         f"{launch.name}: grid {launch.grid} for {ntok} tokens x {N} rows"
-    assert ldx % 4 == 0 and x % 16 == 0, f"{launch.name}: float4 loads of x misaligned"
+    assert split_is_valid(K, splits), f"{launch.name}: K={K} split {splits} ways leaves a split empty"
+    if splits > 1:      # a tile of fp32 per block, 16-byte aligned; a zeroed ticket per output tile
+        count = launch.grid[0] * launch.grid[1]
+        floats = count * splits * MMA_TILES[tile].tokens * MMA_ROWS
+        assert partials % 16 == 0, f"{launch.name}: partials at {partials:#x} not 16-byte aligned"
+        dev(partials, 4 * floats)
+        fk.take_ticket(tickets, tickets=count)
+    else:
+        assert partials == 0 and tickets == 0, f"{launch.name}: an unsplit launch is given split scratch"
     xs = fk.rows(x, ntok, ldx, K)
     padded = np.zeros((ntok, -(-K // 128) * 128), np.float32)     # stages of 128, zeros past K
     padded[:, :K] = xs
@@ -130,6 +143,6 @@ def embed_blocks(launch, qs, meta, ids, out, xn, normw, inv_rms, eps, H) -> None
 
 BLOCK_KERNELS = [
     (r"(q4_0|q4_k|q6_k)(_q6_k)?_gemv_m[1248](_[a-z0-9]+)?(_silu)?", q4_gemv),
-    (r"(q4_0|q4_k|q6_k)(_q6_k)?_mma(_silu)?", q4_mma),
+    (r"(q4_0|q4_k|q6_k)(_q6_k)?_mma(16)?(_silu)?", q4_mma),
     (r"embed_(q4_0|q4_k|q6_k)", embed_blocks),
 ]

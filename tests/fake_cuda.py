@@ -201,6 +201,7 @@ class FakeKernelSet:
         self.gemv_m1 = options.gemv_m1 if options is not None else None
         self.gemv_mn = options.gemv_mn if options is not None else None
         self.gemv_block = options.gemv_block if options is not None else None
+        self.block_mma_min_tokens = options.block_mma_min_tokens if options is not None else None
 
     def launch(self, kernel_name: str, grid, block, signature: str, args, shared_bytes: int = 0) -> FakeLaunch:
         return FakeLaunch(kernel_name, grid, block, signature, args, shared_bytes)

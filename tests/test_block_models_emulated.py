@@ -2,7 +2,8 @@
 mode, on the emulated device (fake_cuda + fake_block_kernels; gpu and window modes also on a real GPU,
 marked `gpu`), against transformers on the same
 dequantized weights: every position within 2e-3 relative, the same argmax.  A 12-token prefill runs
-the tensor-core GEMM (q4_mma), a 5-token one the GEMV (q4_gemv_m8 for 5 tokens), then 4 decode steps."""
+the tensor-core GEMM (q4_mma's 16-token tile), a 5-token one the GEMV (q4_gemv_m8 for 5 tokens), a
+20-token one two 16-token tiles with K split, then 4 decode steps."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,7 +30,7 @@ QWEN3 = dataclasses.replace(CFG, hidden_size=512, intermediate_size=1024, num_at
 LLAMA_512 = dataclasses.replace(LLAMA, hidden_size=512, intermediate_size=1024, num_attention_heads=8,
                                 num_key_value_heads=2)
 MODELS = {"q4_k_m-qwen3": ("q4_k_m", QWEN3), "q4_0-llama": ("q4_0", LLAMA_512), "q6_k-qwen3": ("q6_k", QWEN3)}
-PROMPTS = ([5, 3, 200, 17, 42, 8, 1, 99, 250, 7, 64, 31], [9, 8, 7, 6, 5])
+PROMPTS = ([5, 3, 200, 17, 42, 8, 1, 99, 250, 7, 64, 31], [9, 8, 7, 6, 5], [(7 * i + 3) % 251 for i in range(20)])
 DECODE_STEPS = 4
 
 

@@ -63,8 +63,8 @@ def test_shortest_run_and_the_choice():
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 2, 2), (128, 4, 2), (64, 8, 2), (128, 8, 1)])
 def test_prefill_through_the_flash_kernel_tracks_the_cpu_engine(flash_calls, head_dim, heads, kv_heads):
-    """A 45-token prompt, then 70 tokens continuing it (steps of 64 logits rows: 64 from position 45 on
-    the flash kernel, 6 on the split kernel), then decodes; tiles of 64 / group tokens."""
+    """A 45-token prompt, then 70 tokens continuing it (one step on the flash kernel from position 45,
+    its lm_head run per 64 logits rows), then decodes; tiles of 64 / group tokens."""
     cpu, gpu = engines(config(head_dim, heads, kv_heads))
     first, second = prompt(45, 1), prompt(70, 2)
     with cpu.new_session() as ref, gpu.new_session() as s:
@@ -72,7 +72,7 @@ def test_prefill_through_the_flash_kernel_tracks_the_cpu_engine(flash_calls, hea
             want, got = ref.prefill(chunk), s.prefill(chunk)
             assert relative_error(got, want) < 2e-3
             np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
-        assert flash_calls == [45, 45, 64, 64], flash_calls
+        assert flash_calls == [45, 45, 70, 70], flash_calls
         ran = len(flash_calls)
         token = int(np.argmax(want[-1]))
         for _ in range(3):

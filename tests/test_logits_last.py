@@ -72,7 +72,12 @@ def test_gpu_prefill_last_runs_lm_head_once_and_copies_one_row(gpu, cpu):
     before = dict(gpu.stats)
     [full] = gpu.forward([(kv, np.array(PROMPT), 0)])
     assert full.shape == (len(PROMPT), CONFIG.vocab_size)
-    assert gpu.stats["syncs"] - before["syncs"] == 2, "chunks of logits_rows (64 + 36)"
+    assert gpu.stats["syncs"] - before["syncs"] == 3, "a 96-token step, its lm_head on rows 0..63 then 64..95; 4"
+    step_kernels = gpu.steps.kernel_count(gpu.steps.step_launches(96, (0, 64)))
+    lm_head_kernels = sum(l.launch_count for l in gpu.steps.step_launches(96, (64, 32)) if l.labels["op"] == "lm_head")
+    assert gpu.stats["kernels"] - before["kernels"] == (step_kernels + lm_head_kernels
+                                                         + gpu.steps.kernel_count(gpu.steps.step_launches(4))), \
+        "the layers run once per chunk"
     assert gpu.stats["d2h_bytes"] - before["d2h_bytes"] == 4 * CONFIG.vocab_size * len(PROMPT)
     assert relative_error(full[-1], last[0]) < 2e-3     # other chunks: GEMV vs GEMM for the last rows
     gpu.free_kv(kv)
@@ -90,5 +95,32 @@ def test_gpu_last_rows_of_several_sessions(gpu, cpu, lengths, syncs):
     for got, want in zip(outs, cpu_last_rows(cpu, prompts)):
         assert got.shape == (1, CONFIG.vocab_size)
         assert relative_error(got[0], want) < 2e-3 and int(np.argmax(got[0])) == int(np.argmax(want))
+    for kv in kvs:
+        gpu.free_kv(kv)
+
+
+def test_cpu_prefill_argmax_is_each_rows_argmax(cpu):
+    with cpu.new_session() as full, cpu.new_session() as picks:
+        want = np.argmax(full.prefill(PROMPT[:20]), axis=1)
+        got = picks.prefill(PROMPT[:20], logits="argmax")
+        assert got.dtype == np.int64 and np.array_equal(got, want)
+        assert picks.position == 20
+
+
+def test_gpu_argmax_rows_on_the_device_copy_four_bytes_a_row(gpu):
+    """Two sessions, 100 rows: chunks of logits_rows (64 + 36), argmax_split on each, 4 bytes a row back;
+    the picks are the argmax of the same step's logits."""
+    prompts = [PROMPT[:70], PROMPT[:30]]
+    kvs = [gpu.alloc_kv(128) for _ in prompts]
+    before = dict(gpu.stats)
+    picks = gpu.forward_argmax([(kv, np.array(p), 0) for kv, p in zip(kvs, prompts)])
+    assert gpu.stats["syncs"] - before["syncs"] == 2
+    assert gpu.stats["d2h_bytes"] - before["d2h_bytes"] == 4 * 100
+    for kv in kvs:
+        gpu.truncate_kv(kv, 0)
+    full = gpu.forward([(kv, np.array(p), 0) for kv, p in zip(kvs, prompts)])
+    for got, rows, p in zip(picks, full, prompts):
+        assert got.dtype == np.int64 and got.shape == (len(p),)
+        assert np.array_equal(got, np.argmax(rows, axis=1))
     for kv in kvs:
         gpu.free_kv(kv)

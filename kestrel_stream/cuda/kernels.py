@@ -59,6 +59,8 @@ class KernelSet:
         self.gemv_m1 = options.gemv_m1 if options is not None else None
         self.gemv_mn = options.gemv_mn if options is not None else None
         self.gemv_block = options.gemv_block if options is not None else None   # KESTREL_GEMV_BLOCK
+        # KESTREL_BLOCK_MMA_MIN_TOKENS; None: block_kernels.MMA_MIN_TOKENS
+        self.block_mma_min_tokens = options.block_mma_min_tokens if options is not None else None
         self._functions: dict[str, object] = {}
         self._dynamic_shared: dict[str, int] = {}   # kernel -> the dynamic shared bytes it is opted in for
         # the engine's Options.kernel_cache; without options, kernels_ptx.build's default directory
@@ -222,7 +224,7 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
         from kestrel_stream.cuda.block_kernels import block_gemv_launch
         return block_gemv_launch(kernels, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs, inv_rms_in=inv_rms_in,
                                  res=res, normw_out=normw_out, xn_out=xn_out, inv_rms_out=inv_rms_out,
-                                 counter=counter, eps=eps, variant=variant)
+                                 counter=counter, eps=eps, variant=variant, split_scratch=split_scratch)
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
     if tokens > GEMV_MAX_TOKENS and mma_variants.uses_f16(tokens, variant):   # prefill-sized: fp16 tensor cores

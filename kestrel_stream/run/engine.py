@@ -26,7 +26,7 @@ from kestrel_stream.text.lazy_tokenizer import LazyTokenizer
 from kestrel_stream.run.device_choice import MODES, gpu_status, parse_mode, resolve_device  # noqa: F401  (public here too)
 
 DEFAULT_MAX_SEQ_LEN = 2048
-LOGITS = ("all", "last")      # which logits rows a prefill returns
+LOGITS = ("all", "last", "argmax")      # which logits rows a prefill returns (argmax: each row's, int64)
 WINDOW_COUNTERS = ("streamed_bytes", "window_hits", "window_misses", "copy_busy_ms", "compute_busy_ms")
 
 
@@ -185,20 +185,27 @@ class Engine:
         """One executor step over several sessions; all inputs were validated by the caller.
 
         Logits [n_i, V] per session (logits="last": [1, V], each session's last row, the only rows
-        lm_head computes), or with greedy=True each session's greedy next token (int64 [B]): an
+        lm_head computes; logits="argmax": each row's argmax, int64 [n_i], Executor.forward_argmax),
+        or with greedy=True each session's greedy next token (int64 [B]): an
         executor with forward_greedy (gpu mode) then takes the argmax on the device and copies back
         4 bytes per token instead of the logits."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
+
+        def run():
+            if greedy:
+                return self.executor.forward_greedy(batch)
+            if logits == "argmax":
+                return self.executor.forward_argmax(batch)
+            return self.executor.forward(batch, logits=logits)
         with self._lock:
             check = getattr(self.executor, "check_kv_room", None)
             if check is not None:
                 check(batch)
             if trace.active is None:
-                out = self.executor.forward_greedy(batch) if greedy else self.executor.forward(batch, logits=logits)
+                out = run()
             else:
                 with trace.step(sum(len(ids) for _, ids in items), sessions=len(items)):
-                    out = (self.executor.forward_greedy(batch) if greedy
-                           else self.executor.forward(batch, logits=logits))
+                    out = run()
         for s, ids in items:
             s.position += len(ids)
             s.tokens.extend(np.asarray(ids).tolist())
@@ -328,7 +335,8 @@ class Session:
 
     def prefill(self, ids, logits: str = "all") -> np.ndarray:
         """Append prompt tokens; logits [len(ids), vocab] float32, or with logits="last" the last
-        position's only, [vocab] (lm_head runs on that row alone)."""
+        position's only, [vocab] (lm_head runs on that row alone), or with logits="argmax" each row's
+        argmax, int64 [len(ids)] (in gpu mode taken on the device: 4 bytes a row come back)."""
         if logits not in LOGITS:
             raise ValueError(f"session {self.id} prefill: logits={logits!r}; expected one of "
                              f"{', '.join(map(repr, LOGITS))}")

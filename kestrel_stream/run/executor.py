@@ -95,6 +95,11 @@ class Executor(ABC):
         """Each session's greedy next token (argmax of its last logits row): int64 [len(batch)]."""
         return np.array([int(np.argmax(rows[-1])) for rows in self.forward(batch, logits="last")], np.int64)
 
+    def forward_argmax(self, batch: list) -> list[np.ndarray]:
+        """Every row's argmax, int64 [n_i] per session (greedy verification of drafted tokens): from the
+        logits here; gpu mode takes it on the device and copies back 4 bytes a row."""
+        return [np.argmax(rows, axis=1).astype(np.int64) for rows in self.forward(batch, logits="all")]
+
     def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
         """Each session's next token drawn on the device (states: device/sample_state.pack_state per row),
         int64 [len(batch)]; None: the caller samples from forward's logits."""

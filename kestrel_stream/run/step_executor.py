@@ -337,6 +337,9 @@ class StepExecutor(Executor):
     def forward_greedy(self, batch: list) -> np.ndarray:
         return self.steps.forward_greedy(batch)
 
+    def forward_argmax(self, batch: list) -> list[np.ndarray]:
+        return self.steps.forward_argmax(batch)
+
     def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
         return self.steps.forward_sample(batch, states)
 

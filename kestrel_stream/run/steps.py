@@ -38,6 +38,10 @@ class Steps(ABC):
         """Each session's greedy next token (argmax of its last logits row): int64 [len(batch)]."""
         return np.array([int(np.argmax(rows[-1])) for rows in self.forward(batch, logits="last")], np.int64)
 
+    def forward_argmax(self, batch: list) -> list[np.ndarray]:
+        """Every row's argmax, int64 [n_i] per session (Executor.forward_argmax)."""
+        return [np.argmax(rows, axis=1).astype(np.int64) for rows in self.forward(batch, logits="all")]
+
     def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
         """Each row's token drawn on the device; None: the caller samples from forward's logits."""
         return None

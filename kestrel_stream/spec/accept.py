@@ -71,6 +71,17 @@ def verify_greedy(rows: np.ndarray, drafts: list[int], params, history: list[int
     return out
 
 
+def verify_argmax(picks: np.ndarray, drafts: list[int]) -> list[int]:
+    """verify_greedy without penalties, from the target's pick per row (its argmax, int [len(drafts) + 1])."""
+    out = []
+    for drafted, own in zip(drafts, picks):
+        out.append(int(own))
+        if own != drafted:
+            return out
+    out.append(int(picks[len(drafts)]))
+    return out
+
+
 def verify_sampled(rows: np.ndarray, drafts: list[int], q_rows, params, seed: int, step: int,
                    history: list[int]) -> list[int]:
     """The tokens the target emits for a chain drafted from q (rows of q_rows; None: one-hot drafts),

@@ -1,7 +1,8 @@
 """The rounds of speculative decoding on one target session.
 
 A round feeds the last emitted token and k drafted ones as ONE multi-token
-step (Session.prefill with every row's logits), keeps what accept.py says,
+step (Session.prefill with every row's logits, or, greedy without penalties,
+every row's argmax: on the device in gpu mode), keeps what accept.py says,
 and truncates the target's KV to the kept path: after a round the session
 holds exactly what plain decoding's would (every emitted token but the last),
 so a caller may stop, cut or continue as after a plain step.  k starts at
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kestrel_stream.spec.accept import verify_greedy, verify_sampled
+from kestrel_stream.spec.accept import verify_argmax, verify_greedy, verify_sampled
 from kestrel_stream.text.sampling import sample_logits
 
 
@@ -62,9 +63,12 @@ class SpecDecoder:
             out = [self._plain(token, history, step)]
         else:
             start = s.position
-            rows = s.prefill([token] + drafts, logits="all")
-            out = (verify_greedy(rows, drafts, params, history) if params.greedy else
-                   verify_sampled(rows, drafts, q_rows, params, self.seed, step, history))
+            if params.greedy and not params.penalized:     # each row's argmax is all greedy needs
+                out = verify_argmax(s.prefill([token] + drafts, logits="argmax"), drafts)
+            else:
+                rows = s.prefill([token] + drafts, logits="all")
+                out = (verify_greedy(rows, drafts, params, history) if params.greedy else
+                       verify_sampled(rows, drafts, q_rows, params, self.seed, step, history))
             s.truncate(start + len(out))          # token and the kept drafts; the last emitted is not fed
         kept = len(out) - 1
         self.length.update(len(drafts), kept)

@@ -13,11 +13,18 @@ decode batch-size bucket (1, 2, 4, 8 sessions on the GEMV kernels; 16, 32, 64
 on the tensor-core GEMM, up to max_batch) serves every later step.  Decode:
 fill staging, one graph launch, one host wait for the step's outputs (its only
 sync: step_io.py), copy logits out; a bigger batch replays the largest bucket in chunks.  Prefill
-and mixed batches run the same launch list eagerly, one sync per chunk: chunks
-of `logits_rows` tokens when every row's logits are wanted, of `max_tokens`
-when only each session's last row is (lm_head then runs on those rows alone).
+and mixed batches run the same launch list eagerly, in chunks of `max_tokens`
+tokens, lm_head on the wanted rows alone: per `logits_rows` of them (the
+logits buffer) a sync, lm_head running again over the step's last xn rows
+for each further span (with streamed weights, whose ring runs in step order,
+a chunk per span instead).
 
-The launch list of a step and why it looks as it does: launches.py.
+Rows whose argmax is all a caller needs (greedy verification of drafted tokens) get it on the device:
+argmax_split over the chunk's logits rows, 4 bytes a row back (forward_argmax).
+
+The launch list of a step and why it looks as it does: launches.py.  One concern, one file: every way
+a gpu-mode step is run and what it hands back (logits, argmax rows, tokens, chains) over the same
+staged rows, launch lists and outputs.
 """
 from __future__ import annotations
 
@@ -226,16 +233,27 @@ class WholeStep(Steps):
                 if prof.enabled:
                     prof.record_call({**stages, "reduce": (time.perf_counter() - started) * 1e6})
         else:
-            for lo, hi in self._chunks(len(rows), wanted, self.max_tokens if logits == "last" else self.logits_rows):
+            # resident weights: chunks of max_tokens, lm_head run again over the xn rows for each further
+            # logits_rows of wanted rows; streamed ones (the ring's order): a chunk per logits_rows span
+            resident = not self.window.streamed
+            chunk_tokens = self.max_tokens if logits == "last" or resident else self.logits_rows
+            for lo, hi in self._chunks(len(rows), wanted, chunk_tokens, whole=resident):
                 chunk = rows[lo:hi]
-                inside = np.flatnonzero((wanted >= lo) & (wanted < hi))   # indices into wanted
-                first = int(wanted[inside[0]]) - lo if inside.size else 0
-                count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
                 self.stage(chunk, len(chunk))
-                kernel_count, weight_read = self._enqueue_step(len(chunk), lm_rows=(first, count))
-                self.outputs.wait(self.stream, whole_stream=prof.enabled)
-                self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk), d2h=count * V * 4)
-                out[inside] = self.outputs.logits_view[wanted[inside] - lo - first]
+                for n, inside in enumerate(self._lm_head_groups(wanted, lo, hi)):    # indices into wanted
+                    first = int(wanted[inside[0]]) - lo if inside.size else 0
+                    count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
+                    if n == 0:
+                        kernel_count, weight_read = self._enqueue_step(len(chunk), lm_rows=(first, count))
+                    else:
+                        kernel_count, weight_read = self._enqueue_lm_head(len(chunk), (first, count))
+                    self.outputs.wait(self.stream, whole_stream=prof.enabled)
+                    self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk) if n == 0 else 0,
+                                d2h=count * V * 4)
+                    if logits == "all":         # the rows first.. are wanted[inside], consecutive
+                        out[inside[0]:inside[0] + count] = self.outputs.logits_view[:count]
+                    else:
+                        out[inside] = self.outputs.logits_view[wanted[inside] - lo - first]
         self.counters.steps += 1
         self.counters.tokens += len(rows)
         if logits == "last":
@@ -246,17 +264,39 @@ class WholeStep(Steps):
             self.verifier.check(batch, outputs, logits)
         return outputs
 
-    def _chunks(self, n_rows: int, wanted: np.ndarray, chunk_tokens: int):
-        """(lo, hi) row ranges of at most chunk_tokens rows in which the wanted rows span at most
-        logits_rows (a chunk ends early after the last wanted row that still fits)."""
+    def _chunks(self, n_rows: int, wanted: np.ndarray, chunk_tokens: int, whole: bool = False):
+        """(lo, hi) row ranges of at most chunk_tokens rows; unless `whole`, ones in which the wanted rows span
+        at most logits_rows (a chunk ends early after the last wanted row that still fits)."""
         lo = 0
         while lo < n_rows:
             hi = min(lo + chunk_tokens, n_rows)
             inside = wanted[(wanted >= lo) & (wanted < hi)]
-            if inside.size and inside[-1] - inside[0] >= self.logits_rows:
+            if not whole and inside.size and inside[-1] - inside[0] >= self.logits_rows:
                 hi = int(inside[inside - inside[0] < self.logits_rows][-1]) + 1
             yield lo, hi
             lo = hi
+
+    def _lm_head_groups(self, wanted: np.ndarray, lo: int, hi: int) -> list[np.ndarray]:
+        """The indices into `wanted` of rows lo..hi-1, in runs whose rows span less than logits_rows (the
+        logits buffer's rows): one lm_head launch and copy out each; one empty run where none is wanted."""
+        inside = np.flatnonzero((wanted >= lo) & (wanted < hi))
+        if not inside.size:
+            return [inside]
+        groups, start = [], 0
+        for i in range(1, len(inside)):
+            if wanted[inside[i]] - wanted[inside[start]] >= self.logits_rows:
+                groups.append(inside[start:i])
+                start = i
+        return groups + [inside[start:]]
+
+    def _enqueue_lm_head(self, tokens: int, lm_rows: tuple[int, int]) -> tuple[int, int]:
+        """lm_head alone over rows lm_rows = (first, count) of the step just run (its xn and 1/rms rows are
+        still there), then those logits out; returns (kernels, weight bytes they read).  Resident weights."""
+        launches = [launch for launch in self.step_launches(tokens, lm_rows) if launch.labels.get("op") == "lm_head"]
+        for launch in launches:
+            launch.enqueue(self.stream)
+        self.outputs.enqueue_logits(lm_rows[1], self.stream)
+        return sum(l.launch_count for l in launches), sum(l.labels.get("bytes", 0) for l in launches)
 
     def _device_rows(self, batch, steps: int = 1, whole_graph: bool = True, chained: bool = False):
         """The rows of a decode step whose next token the device picks (argmax or draw), with KV blocks for
@@ -294,6 +334,26 @@ class WholeStep(Steps):
                 prof.record_call({**stages, "reduce": 0.0})
             tokens[lo:lo + len(chunk)] = self.outputs.tokens_view[:len(chunk)]
         return self._finish(rows, tokens)
+
+    def forward_argmax(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> list[np.ndarray]:
+        """Every row's argmax, int64 [n_i] per session: the step's launches then argmax_split over its
+        logits rows on the device, 4 bytes a row back (chunks of logits_rows rows, one sync each)."""
+        if self.verifier is not None:          # KESTREL_VERIFY compares logits
+            return super().forward_argmax(batch)
+        self.device.make_current()
+        rows = self._rows(batch)
+        self._reserve((kv, start, start + len(np.atleast_1d(t))) for kv, t, start in batch)
+        tokens = np.empty(len(rows), np.int64)
+        for lo in range(0, len(rows), self.logits_rows):
+            chunk = rows[lo:lo + self.logits_rows]
+            self.stage(chunk, len(chunk))
+            kernel_count, weight_read = self._enqueue_step(len(chunk), greedy=True, lm_rows=(0, len(chunk)))
+            self.outputs.wait(self.stream, whole_stream=prof.enabled)
+            self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk), d2h=len(chunk) * 4)
+            tokens[lo:lo + len(chunk)] = self.outputs.tokens_view[:len(chunk)]
+        self._finish(rows, tokens)
+        bounds = np.cumsum([0] + [len(np.atleast_1d(t)) for _, t, _ in batch])
+        return [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
     def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
         """Each row's token drawn on the device (states: device/sample_state.pack_state per row), int64
