@@ -27,13 +27,13 @@ TOKENS = (1, 2, 3, 8, 9, 70)
 
 
 class Harness:
-    def __init__(self, kind: str, monkeypatch):
+    def __init__(self, kind: str, monkeypatch, arena_bytes: int = 64 << 20):
         if kind == "emulated":
             fake_cuda.install(monkeypatch)
         from kestrel_stream.cuda import kernels
         self.device = driver.Device(0)
         self.kernels = kernels.KernelSet(self.device)
-        self.arena = driver.Arena(64 << 20)
+        self.arena = driver.Arena(arena_bytes)
         self.stream = driver.Stream()
 
     def put(self, array: np.ndarray) -> int:

@@ -29,7 +29,7 @@ MAX_TOKENS = 512      # the scratch of an executor for steps of this many tokens
 @pytest.fixture(scope="module", params=DEVICES)
 def dev(request):
     mp = pytest.MonkeyPatch()
-    h = Harness(request.param, mp)
+    h = Harness(request.param, mp, arena_bytes=256 << 20)     # the model-shaped weights stay for the module
     partial_floats, ticket_count = mma_variants.scratch_bound(MAX_TOKENS)
     partials = h.arena.alloc(4 * partial_floats)
     tickets = h.put(np.zeros(ticket_count, np.uint32))
