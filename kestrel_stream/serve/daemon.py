@@ -289,7 +289,7 @@ async def serve(engine, args, environment) -> int:
     batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3,
                            step_tokens=args.step_tokens)
     service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3,
-                      sessions_per_client=limits.sessions_per_client, traces=traces)
+                      sessions_per_client=limits.sessions_per_client, traces=traces, max_queue=args.max_queue)
     socket_path = None
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")
@@ -311,7 +311,8 @@ async def serve(engine, args, environment) -> int:
         if args.spin_us > 0:
             service.steps.after_inline = partial(daemon.reader.spin_for, args.spin_us / 1e6)
         where = f"unix:{socket_path} (mode 0600)"
-    log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client), steps of up to "
+    log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client; {args.max_queue} HTTP "
+        f"generations may wait for one), steps of up to "
         f"{args.max_batch} sessions and {args.step_tokens} tokens within {args.batch_window_ms} ms; "
         f"max {limits.max_connections} connections "
         f"({limits.max_unauthenticated} before hello); traces in {traces.directory}")

@@ -9,11 +9,15 @@ DEFAULT_SPIN_US = 300.0
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
 DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS
 MAX_STEP_TOKENS = 65536
+DEFAULT_MAX_QUEUE = 256         # generations waiting for a session: 200 requests beyond 64 sessions all wait
+MAX_QUEUE = 1 << 20
 
 
 def check_serve_args(args) -> None:
     if args.max_sessions < 1 or args.max_batch < 1:
         raise ValueError("--max-sessions and --max-batch must be >= 1")
+    if not 0 <= args.max_queue <= MAX_QUEUE:
+        raise ValueError(f"--max-queue must be in 0..{MAX_QUEUE}, got {args.max_queue}")
     if not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
         raise ValueError(f"--step-tokens must be in 1..{MAX_STEP_TOKENS}, got {args.step_tokens}")
     if args.prefix_cache_positions is not None and args.prefix_cache_positions < 0:
@@ -36,6 +40,9 @@ def add_serve_args(p) -> None:
     p.add_argument("--trace-dir", default=None, help="where clients' trace_start files go (default: a private "
                                                      "kestrel-traces dir beside the default socket)")
     p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="HTTP generations that wait, first come first served, for a session while --max-sessions "
+                        "are held; one more gets 429 (0: no queue; socket opens never wait)")
     p.add_argument("--prefix-cache-positions", type=int, default=None,
                    help="KV positions of cached prompt prefixes reused across sessions by block hash "
                         "(default 4 x max_seq_len; 0: off)")

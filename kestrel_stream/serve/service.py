@@ -28,6 +28,7 @@ import numpy as np
 
 from scheduler.batcher import StepBatcher
 
+from kestrel_stream.serve.admission import Admission
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
 from kestrel_stream.serve.memory import release_freed_memory
 from kestrel_stream.serve.prefix_scopes import PrefixScopes
@@ -60,7 +61,8 @@ def field_int(header: dict, name: str, op: str, low: int, high: int, default=Non
 class Service:
     def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher,
                  inline_max_s: float = DEFAULT_INLINE_MAX_S, sessions_per_client: int | None = None,
-                 traces=None):
+                 traces=None, max_queue: int = 0):
+        """max_queue: generations that may wait for a session when --max-sessions are held (0: refused at once)."""
         self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
         self.sessions_per_client = sessions_per_client or max_sessions
         self.traces = traces                    # serve/traces.py DaemonTraces; None: no trace_start
@@ -81,11 +83,15 @@ class Service:
         self.queued_at_once = 0                 # of those, the ones the reader thread queued (only it counts)
         self.stats_at_once_count = 0            # stats requests the reader thread answered (only it counts)
         self.admit = threading.Lock()           # the reader thread's decodes against the start of a shutdown
-        # Sessions reserved by an open still on the step thread, plus those open: --max-sessions counts this,
+        # Sessions reserved by an open still on the step thread, plus those open: --max-sessions counts these,
         # taken before the open's first await, so opens racing each other cannot pass the limit together.
-        self.held_sessions = 0
+        self.admission = Admission(max_sessions, max_queue)
         self.trimmed_at = 0.0                   # when freed memory was last given back (monotonic s)
         self.idle_trim: asyncio.TimerHandle | None = None
+
+    @property
+    def held_sessions(self) -> int:
+        return self.admission.held
 
     @property
     def inflight(self) -> int:
@@ -139,26 +145,38 @@ class Service:
         length = header.get("max_seq_len")
         if length is not None:
             length = field_int(header, "max_seq_len", "open", 1, 2**31)     # the engine checks its own limit
-        if self.held_sessions >= self.max_sessions:
-            raise CapacityError(f"open: the daemon already holds {self.held_sessions} sessions "
-                                f"(--max-sessions {self.max_sessions})")
         if len(conn.sessions) >= self.sessions_per_client:
             raise CapacityError(f"open: this client already holds {len(conn.sessions)} sessions "
                                 f"(--max-sessions-per-client {self.sessions_per_client})")
-        self.held_sessions += 1
+        session, = await self.open_sessions(conn, length)
+        return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
+
+    async def open_sessions(self, conn: Connection, length: int | None, count: int = 1,
+                            wait: bool = False, what: str = "open") -> list[Session]:
+        """``count`` new sessions of ``conn``: their places reserved at once (CapacityError when all are held), or
+        with ``wait`` after a turn in the admission queue (CapacityError when it is full)."""
+        if wait:
+            await self.admission.take(count, what)
+        elif not self.admission.try_take(count):
+            raise CapacityError(f"{what}: the daemon already holds {self.held_sessions} sessions "
+                                f"(--max-sessions {self.max_sessions})")
+        opened: list[Session] = []
         try:
-            # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread is
-            # making; it is registered below, with no await between, so the client's cleanup closes it.
-            with anyio.CancelScope(shield=True):
-                session = await self.steps.run(self.prefix_scopes.new_session, length)
+            for _ in range(count):
+                # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread
+                # is making; it is registered below, with no await between, so the client's cleanup closes it.
+                with anyio.CancelScope(shield=True):
+                    session = await self.steps.run(self.prefix_scopes.new_session, length)
+                conn.sessions[session.id] = session     # from here close_sessions frees it and its place
+                opened.append(session)
         except CapacityError:
-            self.held_sessions -= 1
             raise
         except Exception as e:          # e.g. the device arena has no room for one more KV cache
-            self.held_sessions -= 1
-            raise CapacityError(f"open: the engine could not allocate a session ({type(e).__name__}: {e})") from e
-        conn.sessions[session.id] = session
-        return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
+            raise CapacityError(f"{what}: the engine could not allocate a session ({type(e).__name__}: {e})") from e
+        finally:
+            if len(opened) < count:
+                self.admission.give_back(count - len(opened))
+        return opened
 
     async def op_prefill(self, conn, header, arrays):
         session = self.session_of(conn, header, "prefill")
@@ -299,7 +317,8 @@ class Service:
             try:
                 await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
             finally:
-                self.held_sessions -= len(sessions)
+                if sessions:
+                    self.admission.give_back(len(sessions))     # to the oldest waiting generation first
         if sessions:
             self.trim_soon()
 
@@ -347,7 +366,7 @@ class Service:
             "prefix_cache": self.prefix_scopes.stats(),
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
-            **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
+            **self.batcher.stats(), **self.admission.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
             "requests": self.counters["requests"] + self.queued_at_once + self.stats_at_once_count,
             "inline_steps": self.steps.inline_steps,
         }

@@ -87,11 +87,43 @@ class API:
         except UnavailableError as e:
             return APIError(500, str(e), type_="server_error", code="tokenizer_unavailable").response()
         try:
+            if not await self.admitted(generation, request.receive):
+                await self.release(generation)
+                return Gone()
             response = await self.answer(generation, chat, request.receive)
+        except APIError as e:
+            await self.release(generation)
+            return e.response()
         except BaseException:
-            self.slots.give_back()
+            await self.release(generation)
             raise
-        return self.slots.holding(response)
+        return self.slots.holding(response, lambda: generation.close())
+
+    async def admitted(self, generation: HttpGeneration, receive) -> bool:
+        """The generation's session, after its turn in the admission queue; False when the client left first (it
+        then holds no place in the queue).  APIError 429 when the queue is full."""
+        left, refusal = False, None
+        async with anyio.create_task_group() as group:
+            async def watch() -> None:
+                nonlocal left
+                while (await receive())["type"] != "http.disconnect":
+                    pass                            # the body was read whole before: nothing else should come
+                left = True
+                group.cancel_scope.cancel()
+            group.start_soon(watch)
+            try:
+                await generation.open()
+            except APIError as e:
+                refusal = e
+            finally:
+                group.cancel_scope.cancel()
+        if refusal is not None:
+            raise refusal
+        return not left
+
+    async def release(self, generation: HttpGeneration) -> None:
+        self.slots.give_back()
+        await generation.close()
 
     async def answer(self, generation: HttpGeneration, chat: bool, receive) -> Response:
         shape = Shape(chat, self.model_name, generation)

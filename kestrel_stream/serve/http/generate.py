@@ -79,27 +79,45 @@ class HttpGeneration:
         self.want = "last" if not params.greedy or params.penalized or request.logprobs is not None else "token"
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
-        self.first_token_s: float | None = None     # time to the first token, from the start of run()
+        self.first_token_s: float | None = None     # time to the first token, from the start of open()
+        self.started_s = time.perf_counter()
+        self.queue_wait_s = 0.0                     # time spent in the admission queue
+        self.conn = Connection(peer="http")         # holds the session once open
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.ids)
 
+    async def open(self) -> None:
+        """The generation's session, after a turn in the admission queue when every session is held; APIError 429
+        when the queue is full.  Cancelled (the client left) while it waits, it holds nothing."""
+        service = self.service
+        if service.draining:
+            raise APIError(503, "the daemon is shutting down", "server_error", code="shutting_down")
+        if self.max_tokens == 0:
+            return                      # nothing to compute: no session
+        self.started_s = time.perf_counter()
+        try:
+            await service.open_sessions(self.conn, len(self.ids) + self.max_tokens, wait=True, what="this generation")
+        except CapacityError as e:
+            raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
+        self.queue_wait_s = time.perf_counter() - self.started_s
+
+    async def close(self) -> None:
+        """Frees the session, whatever has happened (idempotent)."""
+        if self.conn.sessions:
+            with anyio.CancelScope(shield=True):
+                await self.service.close_sessions(self.conn, list(self.conn.sessions))
+
     async def run(self):
-        """The tokens, one TokenOut each, through the batcher; ``finish_reason`` is set once it ends."""
-        service, started = self.service, time.perf_counter()
+        """The tokens, one TokenOut each, through the batcher; ``finish_reason`` is set once it ends.  The session
+        comes from ``open``, and is closed the moment the generation ends or its consumer goes away."""
+        service, started = self.service, self.started_s
         if self.max_tokens == 0:
             self.finish_reason = "length"
             return
-        if service.draining:
-            raise APIError(503, "the daemon is shutting down", "server_error", code="shutting_down")
-        conn = Connection(peer="http")
         try:
-            try:
-                await service.op_open(conn, {"max_seq_len": len(self.ids) + self.max_tokens}, {})
-            except CapacityError as e:
-                raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
-            session = next(iter(conn.sessions.values()))
+            session = next(iter(self.conn.sessions.values()))
             # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier turns)
             # computes only the rest, as the socket clients' generate does
             job = await service.prefill_cached(session, np.asarray(self.ids, np.int64), self.want, 1,
@@ -120,9 +138,7 @@ class HttpGeneration:
         except KestrelError as e:
             raise APIError(500, f"{type(e).__name__}: {e}", "server_error") from None
         finally:
-            if conn.sessions:
-                with anyio.CancelScope(shield=True):    # a client gone mid-stream frees its session now
-                    await service.close_sessions(conn, list(conn.sessions))
+            await self.close()          # a client gone mid-stream frees its session now
         self.finish_reason = FINISH[self.stop.reason]
 
     def account(self, job) -> TokenOut:

@@ -30,7 +30,7 @@ class HttpOptions:
     host: str
     port: int
     api_key: str | None
-    max_requests: int           # generations running at once; one more is answered 429
+    max_requests: int | None    # generations running or queued at once, one more answered 429 (None: as admitted)
     max_body_bytes: int
     model_name: str | None      # None: the model's directory or file name
     max_concurrent: int = DEFAULT_MAX_CONCURRENT    # requests being handled, any path; one more is answered 503
@@ -48,7 +48,8 @@ def add_http_args(p) -> None:
                                                    "$KESTREL_API_KEY; required for a non-loopback --http")
     p.add_argument("--api-key-file", default=None, help="file holding the HTTP bearer key (mode 0600)")
     p.add_argument("--http-max-requests", type=int, default=None,
-                   help="HTTP generations running at once, one more gets 429 (default: --max-sessions)")
+                   help="HTTP generations running or waiting for a session at once, one more gets 429 "
+                        "(default: no bound of its own; --max-sessions + --max-queue bound them)")
     p.add_argument("--http-max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT,
                    help="HTTP requests being handled at once, of any path and bodies still arriving included; "
                         "one more gets 503 (/health excepted)")
@@ -95,8 +96,8 @@ def http_options(args) -> HttpOptions | None:
     if not is_loopback(host) and not key:
         raise ValueError(f"--http {args.http}: a non-loopback address needs an API key "
                          f"(--api-key-file, $KESTREL_API_KEY or --api-key)")
-    max_requests = args.http_max_requests or args.max_sessions
-    checks = (("--http-max-requests", max_requests, 1, MAX_COUNT),
+    max_requests = args.http_max_requests
+    checks = (("--http-max-requests", 1 if max_requests is None else max_requests, 1, MAX_COUNT),
               ("--http-max-concurrent", args.http_max_concurrent, 1, MAX_COUNT),
               ("--http-body-timeout-s", args.http_body_timeout_s, 0.001, 3600),
               ("--http-header-timeout-s", args.http_header_timeout_s, 0.001, 3600),

@@ -1,0 +1,206 @@
+"""Admission: --max-sessions places and a bounded queue of generations waiting for one (--max-queue).
+
+The queue on its own (serve/admission.py), then through the HTTP API: a queue that fills and drains, 429 only when
+it is full (with a message naming both flags), a client that leaves while queued frees its place, the queue's depth
+and wait in stats and /metrics, and no session left open."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import anyio
+import pytest
+from http_helpers import chat_model, metric
+from inprocess_daemon import MODEL_NAME, InProcessDaemon, http_answer, http_request
+
+from kestrel_stream.errors import CapacityError
+from kestrel_stream.serve.admission import Admission
+
+
+def run(fn):
+    return anyio.run(fn)
+
+
+def test_places_are_taken_at_once_until_held_then_queued_first_come_first_served():
+    async def main():
+        admission = Admission(max_sessions=2, max_queue=2)
+        assert await admission.take() == 0.0 and await admission.take() == 0.0
+        order = []
+
+        async def wait(name):
+            await admission.take(what=name)
+            order.append(name)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait, "first")
+            await anyio.sleep(0.01)
+            tg.start_soon(wait, "second")
+            await anyio.sleep(0.01)
+            assert admission.queued == 2 and admission.held == 2
+            assert not admission.try_take()         # a newcomer does not overtake the queue
+            with pytest.raises(CapacityError, match=r"all 2 sessions are in use \(--max-sessions 2\) and 2 requests "
+                                                    r"are waiting.*--max-queue 2"):
+                await admission.take(what="third")
+            admission.give_back()
+            await anyio.sleep(0.01)
+            assert order == ["first"] and admission.held == 2 and admission.queued == 1
+            admission.give_back()
+        assert order == ["first", "second"] and admission.held == 2
+        stats = admission.stats()
+        assert stats["admission_waited"] == 2 and stats["admission_refused_queue_full"] == 1
+        assert stats["admission_max_wait_ms"] >= 10 and stats["admission_queue_depth"] == 0
+    run(main)
+
+
+def test_a_waiter_that_leaves_frees_its_place_in_the_queue_and_any_place_handed_to_it():
+    async def main():
+        admission = Admission(max_sessions=1, max_queue=1)
+        assert admission.try_take()
+        with anyio.move_on_after(0.02):             # the client leaves while queued
+            await admission.take()
+        assert admission.queued == 0 and admission.held == 1
+        got = []
+
+        async def take():
+            got.append(await admission.take())
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(take)
+            await anyio.sleep(0.01)
+            admission.give_back()                   # handed to the waiter ...
+            tg.cancel_scope.cancel()                # ... which leaves around the moment it resumes
+        # either it left (its place handed on) or it returned holding it: never a place lost or held twice
+        assert admission.held == len(got) and admission.queued == 0
+        assert admission.left_while_queued == 2 - len(got)
+    run(main)
+
+
+def test_a_request_for_more_sessions_than_exist_is_refused_and_none_waits_without_a_queue():
+    async def main():
+        admission = Admission(max_sessions=2, max_queue=0)
+        with pytest.raises(CapacityError, match="needs 3 sessions at once"):
+            await admission.take(3)
+        await admission.take(2)
+        with pytest.raises(CapacityError, match="--max-queue 0"):
+            await admission.take()
+    run(main)
+
+
+MAX_SESSIONS, MAX_QUEUE = 2, 3
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return chat_model(tmp_path_factory.mktemp("admission-model") / "model")
+
+
+@pytest.fixture
+def server(model, tmp_path):
+    d = InProcessDaemon(model, tmp_path, max_sessions=MAX_SESSIONS, max_queue=MAX_QUEUE)
+    yield d
+    d.stop()
+
+
+def body(max_tokens: int, stream: bool = False) -> bytes:
+    return json.dumps({"model": MODEL_NAME, "prompt": "queue", "max_tokens": max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": stream}).encode()
+
+
+def wait_for(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_queue_fills_refuses_only_when_full_and_drains(server):
+    holders = []
+    for _ in range(MAX_SESSIONS):           # two long streams hold every session
+        sock = server.connect_http()
+        sock.sendall(http_request("POST", "/v1/completions", body(1500, stream=True)))
+        data = b""
+        while b"data: {" not in data:
+            data += sock.recv(65536)
+        holders.append(sock)
+    answers: dict[int, tuple[int, bytes]] = {}
+
+    def queued(i: int, sock) -> None:
+        sock.sendall(http_request("POST", "/v1/completions", body(8)))
+        try:
+            answers[i] = http_answer(sock)
+        except OSError:                     # the one that leaves
+            answers[i] = (None, b"")
+    waiting = [server.connect_http() for _ in range(MAX_QUEUE)]
+    threads = [threading.Thread(target=queued, args=(i, s)) for i, s in enumerate(waiting)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: server.service.stats()["admission_queue_depth"] == MAX_QUEUE)
+    with server.connect_http() as sock:     # the queue is full: refused at once, naming both flags
+        sock.sendall(http_request("POST", "/v1/completions", body(8)))
+        status, refused = http_answer(sock)
+    assert status == 429, refused
+    error = json.loads(refused)["error"]
+    assert "--max-sessions 2" in error["message"] and "--max-queue 3" in error["message"]
+    assert server.service.stats()["admission_refused_queue_full"] == 1
+
+    leaver = waiting.pop()                  # a queued client leaves: its place in the queue is freed
+    leaver.shutdown(socket.SHUT_RDWR)
+    leaver.close()
+    wait_for(lambda: server.service.stats()["admission_left_while_queued"] == 1)
+    assert server.service.stats()["admission_queue_depth"] == MAX_QUEUE - 1
+    with server.connect_http() as sock:     # so one more may wait: it is queued, not refused
+        sock.sendall(http_request("POST", "/v1/completions", body(8)))
+        wait_for(lambda: server.service.stats()["admission_queue_depth"] == MAX_QUEUE)
+        for holder in holders:              # the holders leave: the queue drains in order
+            holder.close()
+        status, late = http_answer(sock)
+    assert status == 200 and json.loads(late)["usage"]["completion_tokens"] == 8
+    for t in threads[:-1]:
+        t.join(30)
+    assert [answers[i][0] for i in range(MAX_QUEUE - 1)] == [200] * (MAX_QUEUE - 1), answers
+    assert server.settled_sessions() == 0 and server.service.held_sessions == 0
+    stats = server.service.stats()
+    assert stats["admission_queue_depth"] == 0 and stats["admission_waited"] == MAX_QUEUE
+    assert stats["admission_max_wait_ms"] > 0
+    with server.connect_http() as sock:
+        sock.sendall(http_request("GET", "/metrics"))
+        status, text = http_answer(sock)
+    text = text.decode()
+    assert metric(text, "kestrel_admission_queue_depth") == 0
+    assert metric(text, "kestrel_admission_waited_total") == MAX_QUEUE
+    assert metric(text, "kestrel_admission_wait_seconds_total") > 0
+    assert metric(text, "kestrel_admission_refused_total") == 1
+
+
+def test_many_more_generations_than_sessions_are_all_served(server):
+    """4 x (--max-sessions + --max-queue) is over the queue; clients that retry on 429 as the openai client does are
+    all served, and at most --max-sessions sessions are ever open."""
+    peak, statuses = [0], []
+    sampling = threading.Event()
+    sampling.set()
+
+    def sample():
+        while sampling.is_set():
+            peak[0] = max(peak[0], server.sessions())
+            time.sleep(0.001)
+
+    def client(i: int):
+        while True:
+            with server.connect_http() as sock:
+                sock.sendall(http_request("POST", "/v1/completions", body(4)))
+                status, answer = http_answer(sock)
+            if status != 429:
+                statuses.append(status)
+                return
+            time.sleep(0.05)
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4 * (MAX_SESSIONS + MAX_QUEUE))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    sampling.clear()
+    sampler.join()
+    assert statuses == [200] * len(threads)
+    assert peak[0] <= MAX_SESSIONS and server.settled_sessions() == 0
