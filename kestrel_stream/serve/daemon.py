@@ -32,6 +32,7 @@ from kestrel_stream.serve.endpoint import log, load_token, prepare_socket_path, 
 from kestrel_stream.serve.flags import check_serve_args
 from kestrel_stream.serve.limits import Limits, limits_from_args
 from kestrel_stream.serve.memory import map_large_buffers
+from kestrel_stream.serve.sampling_defaults import sampling_defaults_from_args
 from kestrel_stream.serve.peer import Peer, WriteTimeoutError
 from kestrel_stream.serve.socket_peer import SocketPeer
 from kestrel_stream.serve.socket_reader import SocketReader
@@ -289,7 +290,8 @@ async def serve(engine, args, environment) -> int:
     batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3,
                            step_tokens=args.step_tokens)
     service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3,
-                      sessions_per_client=limits.sessions_per_client, traces=traces, max_queue=args.max_queue)
+                      sessions_per_client=limits.sessions_per_client, traces=traces, max_queue=args.max_queue,
+                      sampling_defaults=sampling_defaults_from_args(args))
     socket_path = None
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")

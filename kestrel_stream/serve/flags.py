@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kestrel_stream.serve.limits import Limits, add_limit_args
+from kestrel_stream.serve.sampling_defaults import add_sampling_default_args, sampling_defaults_from_args
 from kestrel_stream.wire.protocol import MAX_RESPONSE_BYTES
 
 DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
@@ -16,6 +17,7 @@ MAX_QUEUE = 1 << 20
 def check_serve_args(args) -> None:
     if args.max_sessions < 1 or args.max_batch < 1:
         raise ValueError("--max-sessions and --max-batch must be >= 1")
+    sampling_defaults_from_args(args)
     if not 0 <= args.max_queue <= MAX_QUEUE:
         raise ValueError(f"--max-queue must be in 0..{MAX_QUEUE}, got {args.max_queue}")
     if not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
@@ -60,6 +62,7 @@ def add_serve_args(p) -> None:
                         "burning that CPU time so the request finds the core awake (0: sleep at once)")
     p.add_argument("--max-frame-mb", type=int, default=Limits().max_frame_bytes >> 20,
                    help="largest request frame accepted once authenticated (before hello: 4 KiB)")
+    add_sampling_default_args(p)
     add_limit_args(p)
     from kestrel_stream.serve.http.options import add_http_args
     add_http_args(p)

@@ -25,6 +25,7 @@ from kestrel_stream.wire.protocol import ProtocolError
 from kestrel_stream.text.generation import Generation
 from kestrel_stream.text.sampling import SamplingParams
 from kestrel_stream.text.stop import LENGTH
+from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
@@ -52,13 +53,15 @@ def is_number(value) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
 
 
-def parse_generate(engine, header: dict, arrays: dict, max_new_tokens_limit: int) -> GenerateRequest:
-    """The checked request; ProtocolError (or InvalidTokenError for a token id) on the first bad field."""
+def parse_generate(engine, header: dict, arrays: dict, max_new_tokens_limit: int,
+                   defaults: SamplingDefaults = SamplingDefaults()) -> GenerateRequest:
+    """The checked request; ProtocolError (or InvalidTokenError for a token id) on the first bad field.
+    defaults: serve's sampling flags, for the fields the request leaves out."""
     op = "generate"
-    count = header.get("n", 16)
+    count = header.get("n", defaults.get("max_tokens", 16))
     if type(count) is not int or not 0 <= count <= max_new_tokens_limit:
         raise ProtocolError(f"{op}: field 'n' must be an integer in 0..{max_new_tokens_limit}, got {count!r}")
-    params = {}
+    params = {name: value for name, value in defaults.given().items() if name != "max_tokens"}
     for name, kind, check, what in SAMPLING_FIELDS:
         if name not in header or header[name] is None:
             continue

@@ -32,6 +32,7 @@ from kestrel_stream.serve.admission import Admission
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
 from kestrel_stream.serve.memory import release_freed_memory
 from kestrel_stream.serve.prefix_scopes import PrefixScopes
+from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 from kestrel_stream.serve.decode_steps import DecodeSteps
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
@@ -61,9 +62,10 @@ def field_int(header: dict, name: str, op: str, low: int, high: int, default=Non
 class Service:
     def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher,
                  inline_max_s: float = DEFAULT_INLINE_MAX_S, sessions_per_client: int | None = None,
-                 traces=None, max_queue: int = 0):
+                 traces=None, max_queue: int = 0, sampling_defaults: SamplingDefaults | None = None):
         """max_queue: generations that may wait for a session when --max-sessions are held (0: refused at once)."""
         self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()    # serve --temp ...: requests that set none
         self.sessions_per_client = sessions_per_client or max_sessions
         self.traces = traces                    # serve/traces.py DaemonTraces; None: no trace_start
         self.vocab_size = engine.config.vocab_size
@@ -250,7 +252,7 @@ class Service:
         (serve/generate_op.py); with stream: true one frame per token before the answer."""
         session = self.session_of(conn, header, "generate")
         await self.tokenizer()
-        request = parse_generate(self.engine, header, arrays, session.max_seq_len)
+        request = parse_generate(self.engine, header, arrays, session.max_seq_len, self.sampling_defaults)
         return await run_generation(self, session, request, conn.send_frame, header.get("id"))
 
     async def tokenizer(self):

@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from kestrel_stream.serve.http.errors import APIError, bad_param
+from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 from kestrel_stream.text.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4                # OpenAI's limit
@@ -88,9 +89,11 @@ def stop_strings(body: dict) -> list[str]:
     return [s for s in stops if s]      # OpenAI accepts "" and ignores it
 
 
-def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None = None) -> TextRequest:
+def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None = None,
+                  defaults: SamplingDefaults = SamplingDefaults()) -> TextRequest:
     """The checked request; APIError 400 naming the first bad field.  bounds: the prompt's size is checked
-    against them (None: not checked here)."""
+    against them (None: not checked here).  defaults: serve's sampling flags, for the fields the body leaves out."""
+    d = defaults.get
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - (KNOWN_CHAT if chat else KNOWN_COMPLETIONS))
@@ -124,17 +127,17 @@ def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None
         raise bad_param("stream_options", f"expected {{'include_usage': bool}}, got {options!r:.80}", "invalid_type")
     prompt = chat_messages(body, bounds) if chat else completion_prompt(body, vocab_size, bounds)
     limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = number(body, limit_name, None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, 0, 1 << 31,
-                        integer=True)
+    max_tokens = number(body, limit_name, d("max_tokens", None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS), 0,
+                        1 << 31, integer=True)
     try:
         params = SamplingParams(
-            temperature=float(number(body, "temperature", 1.0, 0.0, 2.0)),
-            top_p=float(number(body, "top_p", 1.0, 1e-9, 1.0)),
-            top_k=number(body, "top_k", 0, -1, 1 << 31, integer=True),
-            min_p=float(number(body, "min_p", 0.0, 0.0, 1.0)),
-            presence_penalty=float(number(body, "presence_penalty", 0.0, -2.0, 2.0)),
-            frequency_penalty=float(number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-            repeat_penalty=float(number(body, "repeat_penalty", 1.0, 1e-3, 10.0)),
+            temperature=float(number(body, "temperature", d("temperature", 1.0), 0.0, 2.0)),
+            top_p=float(number(body, "top_p", d("top_p", 1.0), 1e-9, 1.0)),
+            top_k=number(body, "top_k", d("top_k", 0), -1, 1 << 31, integer=True),
+            min_p=float(number(body, "min_p", d("min_p", 0.0), 0.0, 1.0)),
+            presence_penalty=float(number(body, "presence_penalty", d("presence_penalty", 0.0), -2.0, 2.0)),
+            frequency_penalty=float(number(body, "frequency_penalty", d("frequency_penalty", 0.0), -2.0, 2.0)),
+            repeat_penalty=float(number(body, "repeat_penalty", d("repeat_penalty", 1.0), 1e-3, 10.0)),
             seed=number(body, "seed", None, 0, 2 ** 64 - 1, integer=True))
     except ValueError as e:             # the checks above should leave nothing for SamplingParams to refuse
         raise APIError(400, str(e)) from None
