@@ -108,12 +108,15 @@ class _Requests:
 
     @staticmethod
     def generate(sid, prompt, n, options: dict | None = None, stream: bool = False):
-        """prompt: text (the daemon's tokenizer encodes it) or token ids; options: sampling and stop fields."""
+        """prompt: text (the daemon's tokenizer encodes it), chat messages ([{"role", "content"}, ...], rendered
+        with the daemon's chat template) or token ids; options: sampling and stop fields."""
         fields = {"session": sid, "n": int(n), **{k: v for k, v in (options or {}).items() if v is not None}}
         if stream:
             fields["stream"] = True
         if isinstance(prompt, str):
             return "generate", {**fields, "prompt": prompt}, {}
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return "generate", {**fields, "messages": [dict(m) for m in prompt]}, {}
         return "generate", fields, {"ids": ids_array(prompt, "generate")}
 
 
@@ -189,7 +192,7 @@ class RemoteSession:
         return shaped(want, *self._send(*_Requests.decode(self.id, token, want, k)))
 
     def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options):
-        """Server-side generation from text or token ids, each step batched with other clients' (greedy
+        """Server-side generation from text, chat messages or token ids, each step batched with other clients' (greedy
         unless temperature > 0; options: generate_options' names).  The Generated tokens, or with
         stream=True a RemoteStream of Pieces."""
         request = _Requests.generate(self.id, prompt, max_new_tokens, generate_options(**options), stream)

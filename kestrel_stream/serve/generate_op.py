@@ -30,6 +30,7 @@ from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_PROMPT_CHARS = 60_000          # the header is at most 64 KiB anyway
+MAX_MESSAGES = 4096
 # (field, kind, check, what the check asks): the sampling fields and their ranges, as SamplingParams takes them
 SAMPLING_FIELDS = (
     ("temperature", float, lambda v: v >= 0, ">= 0"),
@@ -41,6 +42,25 @@ SAMPLING_FIELDS = (
     ("frequency_penalty", float, lambda v: -100 <= v <= 100, "in [-100, 100]"),
     ("repeat_last_n", int, lambda v: 0 <= v < 2**31, "an integer >= 0"),
 )
+
+
+def chat_messages(engine, messages, op: str) -> list[dict]:
+    """The 'messages' field, checked: [{"role": str, "content": str}, ...], bounded, with a template to render them."""
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        raise ProtocolError(f"{op}: field 'messages' must be a list of 1..{MAX_MESSAGES} "
+                            f"{{'role': str, 'content': str}} objects")
+    chars = 0
+    for i, m in enumerate(messages):
+        if (not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)):
+            raise ProtocolError(f"{op}: messages[{i}] must be {{'role': str, 'content': str}}, got {m!r:.80}")
+        chars += len(m["role"]) + len(m["content"])
+    if chars > MAX_PROMPT_CHARS:
+        raise ProtocolError(f"{op}: field 'messages' holds {chars} characters, over {MAX_PROMPT_CHARS}")
+    if engine.tokenizer is None or not engine.tokenizer.chat_template:
+        raise ProtocolError(f"{op}: field 'messages' needs the model's chat template; the daemon's model has none; "
+                            f"send 'prompt' or 'ids'")
+    return messages
 
 
 @dataclass
@@ -87,7 +107,11 @@ def parse_generate(engine, header: dict, arrays: dict, max_new_tokens_limit: int
         if stop and engine.tokenizer is None:
             raise ProtocolError(f"{op}: field 'stop' needs a tokenizer; the daemon's model has none")
     prompt = header.get("prompt")
-    if prompt is not None:
+    if header.get("messages") is not None:
+        if prompt is not None or "ids" in arrays:
+            raise ProtocolError(f"{op}: give one of the fields 'prompt' (text), 'messages' (chat) or the array 'ids'")
+        prompt = chat_messages(engine, header["messages"], op)
+    elif prompt is not None:
         if not isinstance(prompt, str) or not 0 < len(prompt) <= MAX_PROMPT_CHARS:
             raise ProtocolError(f"{op}: field 'prompt' must be a string of 1..{MAX_PROMPT_CHARS} characters")
         if "ids" in arrays:
