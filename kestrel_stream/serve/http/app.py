@@ -20,6 +20,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kestrel_stream.serve.http.access_log import GENERATION_KEY
 from kestrel_stream.serve.http.errors import APIError
 from kestrel_stream.serve.http.gate import CLIENT_LEFT, Gate
 from kestrel_stream.serve.http.generate import HttpGeneration
@@ -86,6 +87,7 @@ class API:
             return e.response()
         except UnavailableError as e:
             return APIError(500, str(e), type_="server_error", code="tokenizer_unavailable").response()
+        request.scope.setdefault("state", {})[GENERATION_KEY] = generation    # for the access log line
         try:
             if not await self.admitted(generation, request.receive):
                 await self.release(generation)

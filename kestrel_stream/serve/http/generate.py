@@ -88,6 +88,10 @@ class HttpGeneration:
     def prompt_tokens(self) -> int:
         return len(self.ids)
 
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
     async def open(self) -> None:
         """The generation's session, after a turn in the admission queue when every session is held; APIError 429
         when the queue is full.  Cancelled (the client left) while it waits, it holds nothing."""

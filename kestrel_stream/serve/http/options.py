@@ -39,6 +39,7 @@ class HttpOptions:
     allowed_hosts: tuple[str, ...] = ()     # Host names accepted besides the bound address and loopback's
     cors_origins: tuple[str, ...] = ()      # origins a browser may call the API from (none: CORS off)
     prefix_scope: str = "shared"            # "key": HTTP requests reuse only prefixes cached under their API key
+    access_log: bool = True                 # a line per request on stderr (serve/http/access_log.py)
 
 
 def add_http_args(p) -> None:
@@ -70,6 +71,9 @@ def add_http_args(p) -> None:
     p.add_argument("--http-cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="an origin (scheme://host[:port]) whose web pages may call the API; repeatable "
                         "(default: none, CORS off)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no line per HTTP request on stderr (method, path, status, tokens, queue wait, time to first "
+                        "token, duration)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id of /v1/models and the 'model' field requests must name "
                         "(default: the model path's last component)")
@@ -117,7 +121,7 @@ def http_options(args) -> HttpOptions | None:
     return HttpOptions(host, int(port), key, max_requests, args.http_max_body_kb << 10, name,
                        args.http_max_concurrent, args.http_body_timeout_s, args.http_header_timeout_s,
                        tuple(n.lower() for n in args.http_allowed_host), tuple(args.http_cors_origin),
-                       args.prefix_cache_scope)
+                       args.prefix_cache_scope, args.access_log)
 
 
 def read_api_key(args) -> str | None:
