@@ -40,7 +40,8 @@ class InProcessDaemon:
             return Service(self.engine, max_sessions, StepBatcher(), max_queue=max_queue)
         self.service = self.portal.call(make_service)
         options = HttpOptions(**{"host": "127.0.0.1", "port": 0, "api_key": None, "max_requests": max_sessions if not max_queue else None,
-                                 "max_body_bytes": 4 << 20, "model_name": MODEL_NAME, **http_fields})
+                                 "max_body_bytes": 4 << 20, "model_name": MODEL_NAME, "access_log": False,
+                                 **http_fields})
         self.http = HttpServer(options)
         self.http_future, _ = self.portal.start_task(self.http.run, self.service)
         self.http_port = self.bound_port()

@@ -85,3 +85,9 @@ def test_a_bad_default_fails_before_the_model_loads(tmp_path):
                            "--socket", str(tmp_path / "s"), "--top-p", "2"], capture_output=True, text=True,
                           timeout=60, env=ENV)
     assert proc.returncode != 0 and "--top-p must be in" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_the_step_budget_defaults_to_the_hosts_on_the_cpu_engine(daemon):
+    with ks.Client(daemon.address) as client:
+        assert client.stats()["step_tokens"] == 256
+    assert "sessions and 256 tokens within" in daemon.log_path.read_text()

@@ -278,7 +278,7 @@ class Daemon:
 
 
 async def serve(engine, args, environment) -> int:
-    from scheduler.batcher import StepBatcher
+    from scheduler.batcher import StepBatcher, default_step_tokens
     from kestrel_stream.serve.service import Service
     from kestrel_stream.serve.traces import DaemonTraces, prepare_trace_dir
     from kestrel_stream.serve.http.server import http_server
@@ -287,8 +287,8 @@ async def serve(engine, args, environment) -> int:
     uses_runtime_dir = not args.trace_dir or not (args.socket or args.tcp)
     made_dir = make_runtime_dir(environment.runtime_dir) if uses_runtime_dir else None     # removed at exit, once empty
     traces = DaemonTraces(prepare_trace_dir(args.trace_dir, environment.runtime_dir), limits.trace_max_events)
-    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3,
-                           step_tokens=args.step_tokens)
+    step_tokens = args.step_tokens or default_step_tokens(on_device=engine.device == "cuda")
+    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3, step_tokens=step_tokens)
     service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3,
                       sessions_per_client=limits.sessions_per_client, traces=traces, max_queue=args.max_queue,
                       sampling_defaults=sampling_defaults_from_args(args))
@@ -315,7 +315,7 @@ async def serve(engine, args, environment) -> int:
         where = f"unix:{socket_path} (mode 0600)"
     log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client; {args.max_queue} HTTP "
         f"generations may wait for one), steps of up to "
-        f"{args.max_batch} sessions and {args.step_tokens} tokens within {args.batch_window_ms} ms; "
+        f"{args.max_batch} sessions and {step_tokens} tokens within {args.batch_window_ms} ms; "
         f"max {limits.max_connections} connections "
         f"({limits.max_unauthenticated} before hello); traces in {traces.directory}")
     map_large_buffers()

@@ -8,7 +8,8 @@ from kestrel_stream.wire.protocol import MAX_RESPONSE_BYTES
 DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
 DEFAULT_SPIN_US = 300.0
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
-DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS
+DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS (the host's)
+DEVICE_STEP_TOKENS = 2048       # scheduler.batcher.DEVICE_STEP_TOKENS
 MAX_STEP_TOKENS = 65536
 DEFAULT_MAX_QUEUE = 256         # generations waiting for a session: 200 requests beyond 64 sessions all wait
 MAX_QUEUE = 1 << 20
@@ -20,7 +21,7 @@ def check_serve_args(args) -> None:
     sampling_defaults_from_args(args)
     if not 0 <= args.max_queue <= MAX_QUEUE:
         raise ValueError(f"--max-queue must be in 0..{MAX_QUEUE}, got {args.max_queue}")
-    if not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
+    if args.step_tokens is not None and not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
         raise ValueError(f"--step-tokens must be in 1..{MAX_STEP_TOKENS}, got {args.step_tokens}")
     if args.prefix_cache_positions is not None and args.prefix_cache_positions < 0:
         raise ValueError(f"--prefix-cache-positions must be >= 0 (got {args.prefix_cache_positions})")
@@ -51,9 +52,10 @@ def add_serve_args(p) -> None:
     p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
                    help="how long a decode step waits for other sessions' steps")
-    p.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
+    p.add_argument("--step-tokens", type=int, default=None,
                    help="token budget of one engine step: every queued session's decode token, then chunks of "
-                        "queued prompts up to this many tokens in all; a longer prompt runs over several steps")
+                        "queued prompts up to this many tokens in all; a longer prompt runs over several steps "
+                        f"(default: {DEVICE_STEP_TOKENS} on a GPU, {DEFAULT_STEP_TOKENS} on the CPU engine)")
     p.add_argument("--inline-max-ms", type=float, default=DEFAULT_INLINE_MAX_S * 1e3,
                    help="a lone session's decode step runs on the socket reader thread, without a hop to the step "
                         "thread, while its steps take less than this (0: never)")
