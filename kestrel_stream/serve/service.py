@@ -66,6 +66,8 @@ class Service:
         """max_queue: generations that may wait for a session when --max-sessions are held (0: refused at once)."""
         self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
         self.sampling_defaults = sampling_defaults or SamplingDefaults()    # serve --temp ...: requests that set none
+        self.grammar_lock = threading.Lock()
+        self.grammars_of_tokenizer = None       # text/grammar.py Grammars, made for the first structured output
         self.sessions_per_client = sessions_per_client or max_sessions
         self.traces = traces                    # serve/traces.py DaemonTraces; None: no trace_start
         self.vocab_size = engine.config.vocab_size
@@ -254,6 +256,14 @@ class Service:
         await self.tokenizer()
         request = parse_generate(self.engine, header, arrays, session.max_seq_len, self.sampling_defaults)
         return await run_generation(self, session, request, conn.send_frame, header.get("id"))
+
+    def grammars(self):
+        """Worker threads: the tokenizer's Grammars (response_format), made once."""
+        with self.grammar_lock:
+            if self.grammars_of_tokenizer is None:
+                from kestrel_stream.text.grammar import Grammars
+                self.grammars_of_tokenizer = Grammars(self.engine.tokenizer)
+            return self.grammars_of_tokenizer
 
     async def tokenizer(self):
         """The engine's tokenizer (None: the model has none), waited for on a worker thread while its

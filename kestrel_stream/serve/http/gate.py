@@ -33,7 +33,7 @@ from kestrel_stream.serve.http.options import HttpOptions, is_loopback
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = ("/health", "/")      # answered without the key and the limits: a load balancer's probe, the chat
                                     # page (static; it asks for the key and sends it with its API calls)
-KNOWN_PATHS = GENERATING + ("/v1/models", "/health", "/metrics", "/")
+KNOWN_PATHS = GENERATING + ("/v1/models", "/health", "/metrics", "/tokenize", "/detokenize", "/")
 CLIENT_LEFT = 499           # the status /metrics counts for a client that left before its answer (as nginx logs it)
 
 
