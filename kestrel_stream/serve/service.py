@@ -30,7 +30,7 @@ from scheduler.batcher import StepBatcher
 
 from kestrel_stream.serve.admission import Admission
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
-from kestrel_stream.serve.memory import release_freed_memory
+from kestrel_stream.serve.memory import collect_cycles, release_freed_memory
 from kestrel_stream.serve.prefix_scopes import PrefixScopes
 from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 from kestrel_stream.serve.decode_steps import DecodeSteps
@@ -149,11 +149,17 @@ class Service:
         length = header.get("max_seq_len")
         if length is not None:
             length = field_int(header, "max_seq_len", "open", 1, 2**31)     # the engine checks its own limit
+        if self.held_sessions >= self.max_sessions:        # the daemon's limit is named first, as it is the one met
+            raise self.sessions_held("open")
         if len(conn.sessions) >= self.sessions_per_client:
             raise CapacityError(f"open: this client already holds {len(conn.sessions)} sessions "
                                 f"(--max-sessions-per-client {self.sessions_per_client})")
         session, = await self.open_sessions(conn, length)
         return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
+
+    def sessions_held(self, what: str) -> CapacityError:
+        return CapacityError(f"{what}: the daemon already holds {self.held_sessions} sessions "
+                             f"(--max-sessions {self.max_sessions})")
 
     async def open_sessions(self, conn: Connection, length: int | None, count: int = 1,
                             wait: bool = False, what: str = "open") -> list[Session]:
@@ -162,8 +168,7 @@ class Service:
         if wait:
             await self.admission.take(count, what)
         elif not self.admission.try_take(count):
-            raise CapacityError(f"{what}: the daemon already holds {self.held_sessions} sessions "
-                                f"(--max-sessions {self.max_sessions})")
+            raise self.sessions_held(what)
         opened: list[Session] = []
         try:
             for _ in range(count):
@@ -336,7 +341,9 @@ class Service:
 
     def trim_soon(self) -> None:
         """Loop: give freed pages back to the system, off the loop: at most every TRIM_INTERVAL_S while sessions
-        are open, and TRIM_INTERVAL_S after the last one closed (once its request's objects are gone too)."""
+        are open, and TRIM_INTERVAL_S after the last one closed (once its request's objects are gone too: the
+        cycles a request leaves are collected first, since an idle daemon allocates nothing that would start
+        the collector)."""
         loop, now = asyncio.get_running_loop(), time.monotonic()
         if now - self.trimmed_at >= TRIM_INTERVAL_S:
             self.trimmed_at = now
@@ -346,6 +353,7 @@ class Service:
                 self.idle_trim = None
                 if self.held_sessions == 0:
                     self.trimmed_at = time.monotonic()
+                    collect_cycles()
                     loop.run_in_executor(None, release_freed_memory)
             self.idle_trim = loop.call_later(TRIM_INTERVAL_S, trim_when_idle)
 
