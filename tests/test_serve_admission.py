@@ -204,3 +204,36 @@ def test_many_more_generations_than_sessions_are_all_served(server):
     sampler.join()
     assert statuses == [200] * len(threads)
     assert peak[0] <= MAX_SESSIONS and server.settled_sessions() == 0
+
+
+def test_clients_leaving_while_queued_at_any_moment_leave_nothing_behind(server):
+    """Every session held (by socket clients), 200 HTTP clients send a generation and leave 0-2 ms later, FIN or
+    RST, HTTP/1.1: the queue empties as they go, no place is lost, and once the sessions are let go a
+    well-formed request is served at once."""
+    import random
+    import struct
+
+    from daemon_helpers import raw_connect, read_frame
+
+    from kestrel_stream.wire import protocol as wire
+    holders = [raw_connect(str(server.socket_path)) for _ in range(MAX_SESSIONS)]
+    for sock in holders:
+        sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+        assert read_frame(sock).header["ok"]
+    rng = random.Random(4)
+    for i in range(200):
+        sock = server.connect_http()
+        sock.sendall(http_request("POST", "/v1/completions", body(8, stream=i % 2 == 0)))
+        time.sleep(rng.uniform(0, 0.002))
+        if i % 2:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        sock.close()
+    wait_for(lambda: server.service.admission.queued == 0)
+    assert server.service.held_sessions == MAX_SESSIONS and server.service.stats()["admission_left_while_queued"] > 0
+    for sock in holders:
+        sock.close()
+    assert server.settled_sessions() == 0 and server.service.held_sessions == 0
+    with server.connect_http() as sock:
+        sock.sendall(http_request("POST", "/v1/completions", body(4)))
+        status, answer = http_answer(sock)
+    assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 4
