@@ -128,3 +128,12 @@ def test_tokenize_and_detokenize_as_llama_server(daemon):
             assert answer.status_code == 400 and answer.json()["error"]["param"] == param, answer.text
         assert http.post(base + "/tokenize", content=b"{", headers={"Content-Type": "application/json"}).json()[
             "error"]["code"] == "invalid_json"
+
+
+def test_each_of_n_choices_keeps_its_own_grammar_state(client):
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "json"}], n=3, max_tokens=40, temperature=0.9, seed=3,
+        response_format={"type": "json_schema", "json_schema": {"name": "flag", "schema": SCHEMA}})
+    for choice in answer.choices:
+        document = json.loads(choice.message.content)
+        assert choice.finish_reason == "stop" and set(document) == {"ok", "n"}

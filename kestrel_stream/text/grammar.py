@@ -71,6 +71,10 @@ class Constraint:
         allowed = np.unpackbits(self.words.view(np.uint8), bitorder="little")[:len(logits)].astype(bool)
         return np.where(allowed, logits, -np.inf).astype(np.float32, copy=False)
 
+    def copy(self) -> "Constraint":
+        """A constraint in the same state, going on on its own (a sibling choice's)."""
+        return Constraint(self.matcher.deep_copy(), self.vocab_size)
+
     def accept(self, token: int) -> None:
         self.matcher.consume_token(int(token))
 

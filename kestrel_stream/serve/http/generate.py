@@ -100,10 +100,12 @@ class HttpGeneration:
             self.bias = np.zeros(service.vocab_size, np.float32)
             self.bias[list(bias)] = list(bias.values())
         seed = request.params.resolved_seed()
+        constraint = self.constraint(request)
         # choice i samples with seed + i: the same tokens as a request of n=1 with that seed
         self.choices = [Choice(i, (seed + i) % 2**64, StopChecker(eos, request.stop, self.max_tokens),
                                IncrementalDecoder(tokenizer, self.ids) if tokenizer is not None else None,
-                               self.constraint(request)) for i in range(request.n)]
+                               constraint.copy() if constraint is not None and i else constraint)
+                        for i in range(request.n)]
         params = request.params
         logits_needed = (not params.greedy or params.penalized or request.logprobs is not None or self.bias is not None
                          or request.response_format is not None)
@@ -114,7 +116,7 @@ class HttpGeneration:
         self.conn = Connection(peer="http")         # holds the sessions once open
 
     def constraint(self, request: TextRequest) -> Constraint | None:
-        """The grammar of response_format (json_object, json_schema) for one choice; None without one."""
+        """The grammar of response_format (json_object, json_schema) in its first state; None without one."""
         if request.response_format is None:
             return None
         if self.tokenizer is None:
