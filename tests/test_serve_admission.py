@@ -237,3 +237,50 @@ def test_clients_leaving_while_queued_at_any_moment_leave_nothing_behind(server)
         sock.sendall(http_request("POST", "/v1/completions", body(4)))
         status, answer = http_answer(sock)
     assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 4
+
+
+def test_socket_clients_may_wait_for_a_session_and_their_generate_does(server):
+    """new_session(wait=True) and Client.generate wait in the admission queue while every session is held (a
+    plain open is refused at once, as before), and get one as soon as it is freed; a waiting socket client that
+    leaves frees its place."""
+    import kestrel_stream as ks
+    from daemon_helpers import raw_connect, read_frame
+
+    from kestrel_stream.wire import protocol as wire
+    holders = [ks.Client(str(server.socket_path)) for _ in range(MAX_SESSIONS)]
+    held = [c.new_session() for c in holders]
+    results = {}
+
+    def wait_for_one():
+        with ks.Client(str(server.socket_path)) as client, client.new_session(wait=True) as s:
+            results["session"] = s.prefill([1, 2], want="token")
+
+    def generate():
+        with ks.Client(str(server.socket_path)) as client:
+            results["generated"] = client.generate([3, 4], 3, temperature=0.0).tokens
+    try:
+        with ks.Client(str(server.socket_path)) as client:
+            with pytest.raises(ks.CapacityError, match="--max-sessions 2"):
+                client.new_session()
+        leaver = raw_connect(str(server.socket_path))
+        leaver.sendall(wire.encode_frame({"op": "open", "id": 1, "wait": True}))
+        wait_for(lambda: server.service.admission.queued == 1)
+        leaver.close()
+        wait_for(lambda: server.service.admission.queued == 0)
+        threads = [threading.Thread(target=wait_for_one), threading.Thread(target=generate)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: server.service.admission.queued == 2)
+        held[0].close()
+        held[1].close()
+        for t in threads:
+            t.join(30)
+        assert set(results) == {"session", "generated"} and len(results["generated"]) == 3
+        with raw_connect(str(server.socket_path)) as sock:
+            sock.sendall(wire.encode_frame({"op": "open", "id": 1, "wait": "yes"}))
+            reply = read_frame(sock).header
+        assert not reply["ok"] and "'wait' must be true or false" in reply["message"]
+    finally:
+        for c in holders:
+            c.close()
+    assert server.settled_sessions() == 0 and server.service.stats()["admission_left_while_queued"] == 1

@@ -120,6 +120,10 @@ class _Requests:
         return "generate", fields, {"ids": ids_array(prompt, "generate")}
 
 
+def open_fields(max_seq_len: int | None, wait: bool) -> dict:
+    return {"max_seq_len": max_seq_len, **({"wait": True} if wait else {})}
+
+
 def generate_options(temperature=None, top_k=None, top_p=None, min_p=None, repeat_penalty=None,
                      presence_penalty=None, frequency_penalty=None, seed=None, stop=None, ignore_eos=None) -> dict:
     """The generate request's optional fields; None: the daemon's default (Engine.generate's)."""
@@ -347,19 +351,21 @@ class Client:
         except (OSError, ValueError):
             return None
 
-    def new_session(self, max_seq_len: int | None = None) -> RemoteSession:
-        header, _ = self.call("open", {"max_seq_len": max_seq_len}, {})
+    def new_session(self, max_seq_len: int | None = None, wait: bool = False) -> RemoteSession:
+        """wait: when every session of the daemon is held, wait in its admission queue (--max-queue) for one
+        instead of a CapacityError at once."""
+        header, _ = self.call("open", open_fields(max_seq_len, wait), {})
         return RemoteSession(self, header["session"], header["max_seq_len"])
 
     def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options):
         """RemoteSession.generate in a fresh session, closed at the end (of the stream, with stream=True)."""
         if stream:
             return RemoteStream(self._stream_in_session(prompt, max_new_tokens, options))
-        with self.new_session() as s:
+        with self.new_session(wait=True) as s:
             return s.generate(prompt, max_new_tokens, **options)
 
     def _stream_in_session(self, prompt, max_new_tokens, options):
-        with self.new_session() as s:
+        with self.new_session(wait=True) as s:
             yield from s._frames(*_Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), True))
 
     def stats(self) -> dict:

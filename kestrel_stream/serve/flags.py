@@ -44,8 +44,9 @@ def add_serve_args(p) -> None:
                                                      "kestrel-traces dir beside the default socket)")
     p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help="HTTP generations that wait, first come first served, for a session while --max-sessions "
-                        "are held; one more gets 429 (0: no queue; socket opens never wait)")
+                   help="generations that wait, first come first served, for a session while --max-sessions are "
+                        "held (HTTP ones, and socket opens that ask to wait); one more is refused, HTTP 429 (0: no "
+                        "queue)")
     p.add_argument("--prefix-cache-positions", type=int, default=None,
                    help="KV positions of cached prompt prefixes reused across sessions by block hash "
                         "(default 4 x max_seq_len; 0: off)")

@@ -149,12 +149,17 @@ class Service:
         length = header.get("max_seq_len")
         if length is not None:
             length = field_int(header, "max_seq_len", "open", 1, 2**31)     # the engine checks its own limit
-        if self.held_sessions >= self.max_sessions:        # the daemon's limit is named first, as it is the one met
+        wait = header.get("wait", False)
+        if type(wait) is not bool:
+            raise ProtocolError(f"open: field 'wait' must be true or false, got {wait!r}")
+        if not wait and self.held_sessions >= self.max_sessions:    # the daemon's limit is named first: it is met
             raise self.sessions_held("open")
         if len(conn.sessions) >= self.sessions_per_client:
             raise CapacityError(f"open: this client already holds {len(conn.sessions)} sessions "
                                 f"(--max-sessions-per-client {self.sessions_per_client})")
-        session, = await self.open_sessions(conn, length)
+        # wait: a turn in the admission queue when every session is held (a client leaving meanwhile is cancelled
+        # here, and its place in the queue freed)
+        session, = await self.open_sessions(conn, length, wait=wait)
         return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
 
     def sessions_held(self, what: str) -> CapacityError:
