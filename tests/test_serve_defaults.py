@@ -80,11 +80,13 @@ def test_socket_generations_without_the_fields_get_the_flags_values(daemon):
     assert bare.tokens == explicit.tokens and bare.tokens != greedy.tokens
 
 
-def test_a_bad_default_fails_before_the_model_loads(tmp_path):
+@pytest.mark.parametrize("flag, value", [("--top-p", "2"), ("--temp", "-1"), ("--max-tokens", "0"),
+                                         ("--repeat-penalty", "0"), ("--max-queue", "-1")])
+def test_a_bad_default_fails_before_the_model_loads(tmp_path, flag, value):
     proc = subprocess.run([sys.executable, "-m", "kestrel_stream", "serve", "--model", str(tmp_path / "none"),
-                           "--socket", str(tmp_path / "s"), "--top-p", "2"], capture_output=True, text=True,
+                           "--socket", str(tmp_path / "s"), flag, value], capture_output=True, text=True,
                           timeout=60, env=ENV)
-    assert proc.returncode != 0 and "--top-p must be in" in proc.stderr and "Traceback" not in proc.stderr
+    assert proc.returncode != 0 and f"{flag} must be in" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_the_step_budget_defaults_to_the_hosts_on_the_cpu_engine(daemon):
