@@ -121,6 +121,7 @@ def test_tokenize_and_detokenize_as_llama_server(daemon):
         assert pieces == [{"id": 104, "piece": "h"}, {"id": 0xC3, "piece": [0xC3]}, {"id": 0xA9, "piece": [0xA9]}]
         assert http.post(base + "/detokenize", json={"tokens": tokens}).json() == {"content": "héllo"}
         for path, body, param in (("/tokenize", {"content": 3}, "content"),
+                                  ("/tokenize", {"content": "x" * 100_000}, "content"),     # more than a prompt
                                   ("/tokenize", {"content": "x", "add_special": "no"}, "add_special"),
                                   ("/detokenize", {"tokens": [1, 999]}, "tokens"),
                                   ("/detokenize", {"tokens": "1"}, "tokens")):

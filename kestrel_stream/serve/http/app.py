@@ -237,7 +237,7 @@ def build_app(service, options: HttpOptions):
     key_scope = scope_name("key", options.api_key or "") if options.prefix_scope == "key" else None
     api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics,
               GenerationSlots(options.max_requests), key_scope)
-    tokens = TokenRoutes(service, api.body)
+    tokens = TokenRoutes(service, api.body, api.preparer.prompt_bounds)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),

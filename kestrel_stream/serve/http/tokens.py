@@ -7,7 +7,8 @@
 Special tokens written in the content (``<|im_start|>``) are parsed as such,
 as the engine's prompts are.  A piece that is not whole UTF-8 on its own (a
 byte of a multi-byte character) is given as its bytes.  The body is bounded
-as a generation's; parsing and the tokenizer run on a worker thread.
+as a generation's, the content as a prompt's text; parsing and the tokenizer
+run on a worker thread.
 """
 from __future__ import annotations
 
@@ -21,9 +22,10 @@ from kestrel_stream.wire.json_limits import JSONLimitError, load_limited
 
 
 class TokenRoutes:
-    def __init__(self, service, read_body):
-        """read_body: the API's bounded body reader (``await read_body(request)`` -> bytearray)."""
-        self.service, self.read_body = service, read_body
+    def __init__(self, service, read_body, prompt_bounds):
+        """read_body: the API's bounded body reader (``await read_body(request)`` -> bytearray); prompt_bounds: the
+        PromptBounds of a prompt (worker thread), which bound the content tokenized as a prompt's text."""
+        self.service, self.read_body, self.prompt_bounds = service, read_body, prompt_bounds
 
     async def body_of(self, request) -> dict:
         data = await self.read_body(request)
@@ -58,6 +60,7 @@ class TokenRoutes:
         return JSONResponse({"tokens": tokens})
 
     def encode(self, content: str, add_special: bool, with_pieces: bool) -> list:
+        self.prompt_bounds().check_chars(len(content), "content")   # no more than a prompt may hold
         tokenizer = self.service.engine.tokenizer
         ids = tokenizer.encode(content, add_special=add_special)
         if not with_pieces:
