@@ -3,6 +3,7 @@ requests (HTTP and socket) that leave those fields out; a request's own value wi
 model loads."""
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -93,3 +94,37 @@ def test_the_step_budget_defaults_to_the_hosts_on_the_cpu_engine(daemon):
     with ks.Client(daemon.address) as client:
         assert client.stats()["step_tokens"] == 256
     assert "sessions and 256 tokens within" in daemon.log_path.read_text()
+
+
+def test_the_models_recommended_sampling_is_read_and_checked():
+    import numpy as np
+
+    from kestrel_stream.serve.sampling_defaults import (from_generation_config, from_gguf_metadata,
+                                                        with_model_defaults)
+    qwen3 = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95, "eos_token_id": [1, 2]}
+    assert from_generation_config(qwen3) == {"temperature": 0.6, "top_k": 20, "top_p": 0.95}
+    assert from_generation_config({"do_sample": False, "temperature": 0.6}) == {"temperature": 0.0}
+    assert from_generation_config({"temperature": 500, "top_p": 2, "top_k": 1.5, "min_p": True}) == {}
+    assert from_gguf_metadata({"general.sampling.temp": np.float32(0.5), "general.sampling.top_k": np.int32(40),
+                               "general.sampling.penalty_repeat": 1.1}) == {"temperature": 0.5, "top_k": 40,
+                                                                            "repeat_penalty": 1.1}
+    merged = with_model_defaults(SamplingDefaults(top_p=0.5), {"temperature": 0.6, "top_p": 0.95})
+    assert merged.given() == {"temperature": 0.6, "top_p": 0.5}        # a flag wins over the model
+
+
+def test_a_checkpoints_generation_config_sets_the_defaults_flags_override_it(tmp_path):
+    model = chat_model(tmp_path / "model")
+    (model / "generation_config.json").write_text(json.dumps(
+        {"do_sample": True, "temperature": 2.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}))
+    d = HttpDaemon(model, tmp_path, "--served-model-name", "m", "--top-p", "0.5")
+    try:
+        url = d.base_url + "/completions"
+        with httpx.Client(timeout=60) as http:
+            bare = http.post(url, json={"model": "m", "prompt": "Once", "seed": 5, "max_tokens": 8}).json()
+            explicit = http.post(url, json={"model": "m", "prompt": "Once", "seed": 5, "max_tokens": 8,
+                                            "temperature": 2, "top_k": 0, "top_p": 0.5, "min_p": 0}).json()
+            greedy = http.post(url, json={"model": "m", "prompt": "Once", "max_tokens": 8, "temperature": 0}).json()
+        assert bare["choices"][0]["text"] == explicit["choices"][0]["text"] != greedy["choices"][0]["text"]
+        assert "requests that set none get temperature 2, top_k 0, top_p 0.5, min_p 0" in d.log_path.read_text()
+    finally:
+        assert d.stop() == 0
