@@ -86,6 +86,31 @@ def test_a_request_for_more_sessions_than_exist_is_refused_and_none_waits_withou
     run(main)
 
 
+def test_a_stopping_daemon_refuses_every_waiter_and_every_newcomer():
+    async def main():
+        admission = Admission(max_sessions=1, max_queue=4)
+        assert admission.try_take()
+        errors = []
+
+        async def wait():
+            try:
+                await admission.take()
+            except RuntimeError as e:
+                errors.append(str(e))
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(wait)
+            await anyio.sleep(0.01)
+            assert admission.queued == 3
+            admission.refuse_all(RuntimeError("stopping"))
+        assert errors == ["stopping"] * 3 and admission.queued == 0 and admission.held == 1
+        with pytest.raises(RuntimeError, match="stopping"):
+            await admission.take()
+        admission.give_back()
+        assert await admission.take() == 0.0          # a free place is still taken at once (a close, a drain)
+    run(main)
+
+
 MAX_SESSIONS, MAX_QUEUE = 2, 3
 
 

@@ -22,11 +22,12 @@ from kestrel_stream.errors import CapacityError
 
 
 class Waiter:
-    __slots__ = ("count", "granted", "event")
+    __slots__ = ("count", "granted", "refused", "event")
 
     def __init__(self, count: int):
         self.count = count          # places it needs at once (a request for n choices needs n)
         self.granted = False
+        self.refused: Exception | None = None   # set instead of a place: the daemon is stopping
         self.event = anyio.Event()
 
 
@@ -41,6 +42,7 @@ class Admission:
         self.max_waited_s = 0.0
         self.left_while_queued = 0          # waiters whose client went away first
         self.refused_queue_full = 0
+        self.closed: Exception | None = None    # refuse_all's error: no request waits any more
 
     @property
     def queued(self) -> int:
@@ -61,6 +63,8 @@ class Admission:
                                 f"{self.max_sessions} (--max-sessions {self.max_sessions})")
         if self.try_take(count):
             return 0.0
+        if self.closed is not None:
+            raise self.closed
         if len(self.waiting) >= self.max_queue:
             self.refused_queue_full += 1
             queue = (f"and {len(self.waiting)} requests are waiting, the queue's limit (--max-queue "
@@ -80,6 +84,8 @@ class Admission:
                 self.grant()                # a smaller request behind it may fit now
             self.left_while_queued += 1
             raise
+        if waiter.refused is not None:
+            raise waiter.refused
         waited = self.clock() - started
         self.admitted_after_wait += 1
         self.waited_s += waited
@@ -91,6 +97,15 @@ class Admission:
         self.held -= count
         assert self.held >= 0, "more places given back than taken"
         self.grant()
+
+    def refuse_all(self, error: Exception) -> None:
+        """Every waiter, and every request that would wait from now on, gets ``error`` (the daemon is stopping:
+        a queued request must not hold the shutdown until a session frees)."""
+        self.closed = error
+        while self.waiting:
+            waiter = self.waiting.popleft()
+            waiter.refused = error
+            waiter.event.set()
 
     def grant(self) -> None:
         while self.waiting and self.held + self.waiting[0].count <= self.max_sessions:

@@ -258,6 +258,7 @@ class Service:
         """Loop: refuse new work from now on; what was admitted before counts in ``inflight``."""
         with self.admit:
             self.draining = True
+        self.admission.refuse_all(ShuttingDownError("the daemon is shutting down; no new work is accepted"))
 
     async def op_generate(self, conn, header, arrays):
         """Text or ids in; sampled or greedy tokens out, each step batched with other sessions'

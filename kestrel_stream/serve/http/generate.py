@@ -24,6 +24,7 @@ import anyio
 import numpy as np
 
 from kestrel_stream.errors import CapacityError, KestrelError
+from kestrel_stream.wire.protocol import ShuttingDownError
 from kestrel_stream.serve.decode_steps import DecodeJob
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.requests import TextRequest
@@ -153,6 +154,8 @@ class HttpGeneration:
                                         what="this generation")
         except CapacityError as e:
             raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
+        except ShuttingDownError as e:
+            raise APIError(503, str(e), "server_error", code="shutting_down") from None
         self.queue_wait_s = time.perf_counter() - self.started_s
 
     async def close(self) -> None:
