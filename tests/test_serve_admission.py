@@ -309,3 +309,32 @@ def test_socket_clients_may_wait_for_a_session_and_their_generate_does(server):
         for c in holders:
             c.close()
     assert server.settled_sessions() == 0 and server.service.stats()["admission_left_while_queued"] == 1
+
+
+def test_sigterm_answers_queued_generations_at_once_and_the_daemon_stops(model, tmp_path):
+    import signal
+
+    from http_helpers import HttpDaemon
+    d = HttpDaemon(model, tmp_path, "--served-model-name", MODEL_NAME, "--max-sessions", "1", "--no-access-log")
+    port = int(d.base_url.removesuffix("/v1").rsplit(":", 1)[1])
+    try:
+        import socket as sockets
+        holder = sockets.create_connection(("127.0.0.1", port), timeout=30)
+        holder.sendall(http_request("POST", "/v1/completions", body(1500, stream=True)))
+        data = b""
+        while b"data: {" not in data:
+            data += holder.recv(65536)
+        queued = sockets.create_connection(("127.0.0.1", port), timeout=30)
+        queued.sendall(http_request("POST", "/v1/completions", body(8)))
+        time.sleep(0.5)                             # in the queue behind the stream
+        started = time.monotonic()
+        d.proc.send_signal(signal.SIGTERM)
+        status, answer = http_answer(queued)
+        assert status == 503 and json.loads(answer)["error"]["code"] == "shutting_down", answer
+        assert time.monotonic() - started < 3.0
+        assert d.proc.wait(20) == 0
+        holder.close()
+        queued.close()
+    finally:
+        d.stop()
+    assert "Traceback" not in d.log_path.read_text()
