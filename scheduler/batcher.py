@@ -35,7 +35,20 @@ from .step_log import StepLog
 
 DEFAULT_WINDOW_S = 0.001
 DEFAULT_ACTIVE_HORIZON_S = 0.05
-DEFAULT_STEP_TOKENS = 256
+DEFAULT_STEP_TOKENS = 256                   # a step's budget on the host
+DEVICE_STEP_TOKENS = 2048                   # ... and on a GPU
+
+
+def default_step_tokens(on_device: bool) -> int:
+    """The token budget of a step where none is given, by where the step's projections run.
+
+    On a GPU a step's time grows slowly with its tokens until its GEMMs fill
+    the device (weights are read once a step, whatever its tokens), so a
+    prompt cut into few large chunks reaches its first token in fewer steps,
+    and each decode beside a chunk pays little for it.  On the host every
+    token costs its share of the arithmetic: a large chunk would hold every
+    running decode for its whole length, so chunks stay small there."""
+    return DEVICE_STEP_TOKENS if on_device else DEFAULT_STEP_TOKENS
 
 
 @dataclass(eq=False)

@@ -24,7 +24,7 @@ class InProcessDaemon:
     """``serve --socket SOCKET --http 127.0.0.1:0`` without its process: ``service``, ``engine``, ``http_port``
     and ``socket_path`` are the real ones; ``stop()`` ends the loop."""
 
-    def __init__(self, model, where: Path, max_sessions: int = 8, **http_fields):
+    def __init__(self, model, where: Path, max_sessions: int = 8, max_queue: int = 0, **http_fields):
         from scheduler.batcher import StepBatcher
 
         from kestrel_stream.serve.daemon import Daemon
@@ -37,10 +37,11 @@ class InProcessDaemon:
         self.portal = self.portal_cm.__enter__()
 
         async def make_service():
-            return Service(self.engine, max_sessions, StepBatcher())
+            return Service(self.engine, max_sessions, StepBatcher(), max_queue=max_queue)
         self.service = self.portal.call(make_service)
-        options = HttpOptions(**{"host": "127.0.0.1", "port": 0, "api_key": None, "max_requests": max_sessions,
-                                 "max_body_bytes": 4 << 20, "model_name": MODEL_NAME, **http_fields})
+        options = HttpOptions(**{"host": "127.0.0.1", "port": 0, "api_key": None, "max_requests": max_sessions if not max_queue else None,
+                                 "max_body_bytes": 4 << 20, "model_name": MODEL_NAME, "access_log": False,
+                                 **http_fields})
         self.http = HttpServer(options)
         self.http_future, _ = self.portal.start_task(self.http.run, self.service)
         self.http_port = self.bound_port()

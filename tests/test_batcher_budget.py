@@ -113,3 +113,10 @@ def test_stats_count_tokens_per_step_and_time_to_first_token():
 def test_a_budget_below_one_token_is_refused(kwargs):
     with pytest.raises(ValueError, match="step_tokens"):
         StepBatcher(**kwargs)
+
+
+def test_the_default_budget_is_larger_on_a_gpu_than_on_the_host():
+    from scheduler.batcher import DEFAULT_STEP_TOKENS, DEVICE_STEP_TOKENS, default_step_tokens
+    assert default_step_tokens(on_device=False) == DEFAULT_STEP_TOKENS == 256
+    assert default_step_tokens(on_device=True) == DEVICE_STEP_TOKENS == 2048
+    assert StepBatcher().step_tokens == DEFAULT_STEP_TOKENS

@@ -163,3 +163,15 @@ def test_requests_at_once_are_capped_and_a_trickling_body_times_out(model, tmp_p
         assert f'kestrel_http_requests_total{{path="/v1/completions",status="408"}} {trickles}.0' in text
     finally:
         assert d.stop() == 0
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(model, tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for flags in (("--socket", str(tmp_path / "s"), "--http", f"127.0.0.1:{port}"), ("--tcp", f"127.0.0.1:{port}")):
+            proc = run_serve(model, *flags)
+            assert proc.returncode == 1, proc.stderr
+            assert proc.stderr.splitlines() == [f"kestrel-stream: error: {flags[-2]} 127.0.0.1:{port}: the address is "
+                                                f"in use by another process; stop it or choose another port"]

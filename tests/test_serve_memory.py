@@ -128,13 +128,7 @@ def idle_rss(daemon) -> int:
     return rss_bytes(daemon.proc.pid)
 
 
-SSE_GAP = ("after SSE clients leave, RSS ends 10-20 MiB over the idle figure (79-85 MiB against 63-72 here), and "
-           "malloc_trim does not return it; in process, tracemalloc shows no Python objects kept: not pinned down")
-
-
-@pytest.mark.parametrize("name", [name if name != "SSE disconnects" else
-                                  pytest.param(name, marks=pytest.mark.xfail(reason=SSE_GAP, strict=False))
-                                  for name in ROUNDS])
+@pytest.mark.parametrize("name", list(ROUNDS))
 def test_rss_comes_back_within_10_percent_of_idle_after_a_round(daemon, idle_rss, name):
     for _ in range(2):
         ROUNDS[name](daemon)

@@ -29,10 +29,14 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture
-def server(model, tmp_path):
-    d = InProcessDaemon(model, tmp_path, max_sessions=MAX_SESSIONS)
+def server(model, tmp_path, request):
+    """request.param: --max-queue (0 unless a test asks for a queue: then clients also leave while queued)."""
+    d = InProcessDaemon(model, tmp_path, max_sessions=MAX_SESSIONS, max_queue=getattr(request, "param", 0))
     yield d
     d.stop()
+
+
+QUEUES = pytest.mark.parametrize("server", [0, 64], indirect=True, ids=["no-queue", "queue"])
 
 
 def completion_body(i: int, stream: bool = False, max_tokens: int = 64) -> bytes:
@@ -61,6 +65,7 @@ def leave(sock: socket.socket, reset: bool) -> None:
     sock.close()
 
 
+@QUEUES
 def test_http1_clients_leaving_at_any_moment_leave_no_session(server):
     rng = random.Random(1)
     for i in range(ROUNDS):
@@ -71,10 +76,11 @@ def test_http1_clients_leaving_at_any_moment_leave_no_session(server):
         if i % 50 == 49:
             served(server)
     assert server.settled_sessions() == 0, f"{server.sessions()} sessions left open by departed clients"
-    assert server.service.held_sessions == 0
+    assert server.service.held_sessions == 0 and server.service.admission.queued == 0
     served(server)
 
 
+@QUEUES
 def test_http2_streams_reset_at_any_moment_leave_no_session(server):
     rng = random.Random(2)
     client = H2Client(server.http_port)
@@ -86,7 +92,7 @@ def test_http2_streams_reset_at_any_moment_leave_no_session(server):
             if i % 50 == 49:
                 served(server)
         assert server.settled_sessions() == 0, f"{server.sessions()} sessions left open by reset streams"
-        assert server.service.held_sessions == 0
+        assert server.service.held_sessions == 0 and server.service.admission.queued == 0
     finally:
         client.close()
     served(server)

@@ -95,7 +95,7 @@ def test_smollm2_ids_equal_tokenizers_and_transformers_and_round_trip(smollm2):
             compared_with_transformers += 1
         assert ours.decode(ids) == line
     assert compared_with_transformers > 500
-    assert ours.eos_ids >= {2}           # <|im_end|>: ends a chat turn
+    assert ours.eos_ids >= {0, 2}        # <|endoftext|> and <|im_end|> (the file's eos) both end a generation
     assert ours.encode("<|im_start|>user")[0] == 1
 
 
@@ -109,6 +109,19 @@ def test_chat_generate_answers_and_stops_at_im_end(smollm2):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["stop_reason"] == "eos" and report["tokens"][-1] == 2, report
     assert "4" in report["text"] and "<|im_end|>" not in report["text"]
+
+
+@real_model
+def test_text_past_the_end_of_a_turn_holds_no_control_token(smollm2):
+    """--ignore-eos runs on past <|im_end|> into the next turn: its text has the turn's words, not its tokens."""
+    out = subprocess.run([sys.executable, "-m", "kestrel_stream", "generate", "--model", str(smollm2), "--chat",
+                          "What is 2+2?", "--device", "cpu", "--max-new-tokens", "60", "--ignore-eos", "--json"],
+                         capture_output=True, text=True, timeout=300,
+                         env=os.environ | {"PYTHONPATH": str(Path(__file__).parents[1])})
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["stop_reason"] == "length" and 2 in report["tokens"], report
+    assert "<|" not in report["text"] and "4" in report["text"], report["text"]
 
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "<|im_start|>user\nName three colors.<|im_end|>\n"

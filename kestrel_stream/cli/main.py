@@ -138,6 +138,7 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     from kestrel_stream.serve.daemon import run_daemon
+    from kestrel_stream.serve.endpoint import check_listen_addresses
     from kestrel_stream.serve.flags import check_serve_args
     from kestrel_stream.serve.http.server import http_options
     from kestrel_stream.loading.hub import is_hub_name
@@ -145,6 +146,7 @@ def cmd_serve(args) -> int:
     if args.served_model_name is None and is_hub_name(args.model):
         args.served_model_name = args.model         # the name asked for, not its cache folder's
     http_options(args)
+    check_listen_addresses(args)    # a port in use: one line, before the model loads
     prepare_engine(args)
     return run_daemon(args, args.environment)
 

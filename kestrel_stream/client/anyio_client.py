@@ -15,7 +15,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 
 from kestrel_stream.options import Environment
 from kestrel_stream.client.sync import (DEFAULT_TIMEOUT_S, Generated, Piece, _Requests, check_response, generate_options,
-                                        parse_address, resolve_token, shaped)
+                                        open_fields, parse_address, resolve_token, shaped)
 from kestrel_stream.wire.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, encode_frame, parse_body,
                        parse_prefix)
 
@@ -234,14 +234,15 @@ class AsyncClient:
                 return e
         return None
 
-    async def new_session(self, max_seq_len: int | None = None) -> AsyncRemoteSession:
-        header, _ = await self.call("open", {"max_seq_len": max_seq_len}, {})
+    async def new_session(self, max_seq_len: int | None = None, wait: bool = False) -> AsyncRemoteSession:
+        """wait: Client.new_session's."""
+        header, _ = await self.call("open", open_fields(max_seq_len, wait), {})
         return AsyncRemoteSession(self, header["session"], header["max_seq_len"])
 
     def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options) -> AsyncGeneration:
         """AsyncRemoteSession.generate in a fresh session, closed at the end."""
         async def frames():
-            async with await self.new_session() as s:
+            async with await self.new_session(wait=True) as s:
                 request = _Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), stream)
                 async with aclosing(s._frames(*request)) as session_frames:
                     async for frame in session_frames:

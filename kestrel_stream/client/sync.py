@@ -108,13 +108,20 @@ class _Requests:
 
     @staticmethod
     def generate(sid, prompt, n, options: dict | None = None, stream: bool = False):
-        """prompt: text (the daemon's tokenizer encodes it) or token ids; options: sampling and stop fields."""
+        """prompt: text (the daemon's tokenizer encodes it), chat messages ([{"role", "content"}, ...], rendered
+        with the daemon's chat template) or token ids; options: sampling and stop fields."""
         fields = {"session": sid, "n": int(n), **{k: v for k, v in (options or {}).items() if v is not None}}
         if stream:
             fields["stream"] = True
         if isinstance(prompt, str):
             return "generate", {**fields, "prompt": prompt}, {}
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            return "generate", {**fields, "messages": [dict(m) for m in prompt]}, {}
         return "generate", fields, {"ids": ids_array(prompt, "generate")}
+
+
+def open_fields(max_seq_len: int | None, wait: bool) -> dict:
+    return {"max_seq_len": max_seq_len, **({"wait": True} if wait else {})}
 
 
 def generate_options(temperature=None, top_k=None, top_p=None, min_p=None, repeat_penalty=None,
@@ -189,7 +196,7 @@ class RemoteSession:
         return shaped(want, *self._send(*_Requests.decode(self.id, token, want, k)))
 
     def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options):
-        """Server-side generation from text or token ids, each step batched with other clients' (greedy
+        """Server-side generation from text, chat messages or token ids, each step batched with other clients' (greedy
         unless temperature > 0; options: generate_options' names).  The Generated tokens, or with
         stream=True a RemoteStream of Pieces."""
         request = _Requests.generate(self.id, prompt, max_new_tokens, generate_options(**options), stream)
@@ -344,19 +351,21 @@ class Client:
         except (OSError, ValueError):
             return None
 
-    def new_session(self, max_seq_len: int | None = None) -> RemoteSession:
-        header, _ = self.call("open", {"max_seq_len": max_seq_len}, {})
+    def new_session(self, max_seq_len: int | None = None, wait: bool = False) -> RemoteSession:
+        """wait: when every session of the daemon is held, wait in its admission queue (--max-queue) for one
+        instead of a CapacityError at once."""
+        header, _ = self.call("open", open_fields(max_seq_len, wait), {})
         return RemoteSession(self, header["session"], header["max_seq_len"])
 
     def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options):
         """RemoteSession.generate in a fresh session, closed at the end (of the stream, with stream=True)."""
         if stream:
             return RemoteStream(self._stream_in_session(prompt, max_new_tokens, options))
-        with self.new_session() as s:
+        with self.new_session(wait=True) as s:
             return s.generate(prompt, max_new_tokens, **options)
 
     def _stream_in_session(self, prompt, max_new_tokens, options):
-        with self.new_session() as s:
+        with self.new_session(wait=True) as s:
             yield from s._frames(*_Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), True))
 
     def stats(self) -> dict:

@@ -32,6 +32,8 @@ from kestrel_stream.serve.endpoint import log, load_token, prepare_socket_path, 
 from kestrel_stream.serve.flags import check_serve_args
 from kestrel_stream.serve.limits import Limits, limits_from_args
 from kestrel_stream.serve.memory import map_large_buffers
+from kestrel_stream.serve.sampling_defaults import (model_sampling_defaults, sampling_defaults_from_args,
+                                                    with_model_defaults)
 from kestrel_stream.serve.peer import Peer, WriteTimeoutError
 from kestrel_stream.serve.socket_peer import SocketPeer
 from kestrel_stream.serve.socket_reader import SocketReader
@@ -277,7 +279,7 @@ class Daemon:
 
 
 async def serve(engine, args, environment) -> int:
-    from scheduler.batcher import StepBatcher
+    from scheduler.batcher import StepBatcher, default_step_tokens
     from kestrel_stream.serve.service import Service
     from kestrel_stream.serve.traces import DaemonTraces, prepare_trace_dir
     from kestrel_stream.serve.http.server import http_server
@@ -286,10 +288,15 @@ async def serve(engine, args, environment) -> int:
     uses_runtime_dir = not args.trace_dir or not (args.socket or args.tcp)
     made_dir = make_runtime_dir(environment.runtime_dir) if uses_runtime_dir else None     # removed at exit, once empty
     traces = DaemonTraces(prepare_trace_dir(args.trace_dir, environment.runtime_dir), limits.trace_max_events)
-    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3,
-                           step_tokens=args.step_tokens)
+    sampling_defaults = with_model_defaults(sampling_defaults_from_args(args),
+                                            model_sampling_defaults(engine.weights.source))
+    if sampling_defaults.given():
+        log("requests that set none get " + ", ".join(f"{k} {v:g}" for k, v in sampling_defaults.given().items()))
+    step_tokens = args.step_tokens or default_step_tokens(on_device=engine.device == "cuda")
+    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3, step_tokens=step_tokens)
     service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3,
-                      sessions_per_client=limits.sessions_per_client, traces=traces)
+                      sessions_per_client=limits.sessions_per_client, traces=traces, max_queue=args.max_queue,
+                      sampling_defaults=sampling_defaults)
     socket_path = None
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")
@@ -311,8 +318,9 @@ async def serve(engine, args, environment) -> int:
         if args.spin_us > 0:
             service.steps.after_inline = partial(daemon.reader.spin_for, args.spin_us / 1e6)
         where = f"unix:{socket_path} (mode 0600)"
-    log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client), steps of up to "
-        f"{args.max_batch} sessions and {args.step_tokens} tokens within {args.batch_window_ms} ms; "
+    log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client; {args.max_queue} HTTP "
+        f"generations may wait for one), steps of up to "
+        f"{args.max_batch} sessions and {step_tokens} tokens within {args.batch_window_ms} ms; "
         f"max {limits.max_connections} connections "
         f"({limits.max_unauthenticated} before hello); traces in {traces.directory}")
     map_large_buffers()

@@ -7,6 +7,7 @@ every user).
 """
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import socket
@@ -30,6 +31,37 @@ def private_umask():
         yield
     finally:
         os.umask(old)
+
+
+def check_address_free(flag: str, host: str, port: int) -> None:
+    """DaemonError naming the flag when ``host:port`` cannot be listened on (in use, or not an address of this
+    machine): checked before the model loads, so a busy port costs a line, not a load.  Port 0 is always free."""
+    if port == 0:
+        return
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise DaemonError(f"{flag} {host}:{port}: {host!r} does not resolve ({e.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)     # as the listener will: TIME_WAIT is free
+        try:
+            probe.bind(address)
+        except OSError as e:
+            why = ("is in use by another process; stop it or choose another port" if e.errno == errno.EADDRINUSE
+                   else f"cannot be listened on ({e.strerror})")
+            raise DaemonError(f"{flag} {host}:{port}: the address {why}") from None
+
+
+def check_listen_addresses(args) -> None:
+    """--http and --tcp, each checked with check_address_free (their syntax was checked before)."""
+    for flag, value, default_host in (("--http", args.http, None), ("--tcp", args.tcp, "127.0.0.1")):
+        if not value:
+            continue
+        host, _, port = value.rpartition(":")
+        host = host.strip("[]") or default_host
+        if host and port.isdigit():
+            check_address_free(flag, host, int(port))
 
 
 def prepare_socket_path(path: Path) -> None:

@@ -2,19 +2,26 @@
 from __future__ import annotations
 
 from kestrel_stream.serve.limits import Limits, add_limit_args
+from kestrel_stream.serve.sampling_defaults import add_sampling_default_args, sampling_defaults_from_args
 from kestrel_stream.wire.protocol import MAX_RESPONSE_BYTES
 
 DEFAULT_INLINE_MAX_S = 0.002    # step_thread.DEFAULT_INLINE_MAX_S
 DEFAULT_SPIN_US = 300.0
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
-DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS
+DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS (the host's)
+DEVICE_STEP_TOKENS = 2048       # scheduler.batcher.DEVICE_STEP_TOKENS
 MAX_STEP_TOKENS = 65536
+DEFAULT_MAX_QUEUE = 256         # generations waiting for a session: 200 requests beyond 64 sessions all wait
+MAX_QUEUE = 1 << 20
 
 
 def check_serve_args(args) -> None:
     if args.max_sessions < 1 or args.max_batch < 1:
         raise ValueError("--max-sessions and --max-batch must be >= 1")
-    if not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
+    sampling_defaults_from_args(args)
+    if not 0 <= args.max_queue <= MAX_QUEUE:
+        raise ValueError(f"--max-queue must be in 0..{MAX_QUEUE}, got {args.max_queue}")
+    if args.step_tokens is not None and not 1 <= args.step_tokens <= MAX_STEP_TOKENS:
         raise ValueError(f"--step-tokens must be in 1..{MAX_STEP_TOKENS}, got {args.step_tokens}")
     if args.prefix_cache_positions is not None and args.prefix_cache_positions < 0:
         raise ValueError(f"--prefix-cache-positions must be >= 0 (got {args.prefix_cache_positions})")
@@ -36,15 +43,20 @@ def add_serve_args(p) -> None:
     p.add_argument("--trace-dir", default=None, help="where clients' trace_start files go (default: a private "
                                                      "kestrel-traces dir beside the default socket)")
     p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="generations that wait, first come first served, for a session while --max-sessions are "
+                        "held (HTTP ones, and socket opens that ask to wait); one more is refused, HTTP 429 (0: no "
+                        "queue)")
     p.add_argument("--prefix-cache-positions", type=int, default=None,
                    help="KV positions of cached prompt prefixes reused across sessions by block hash "
                         "(default 4 x max_seq_len; 0: off)")
     p.add_argument("--max-batch", type=int, default=32, help="most sessions in one decode step (1: no batching)")
     p.add_argument("--batch-window-ms", type=float, default=DEFAULT_WINDOW_MS,
                    help="how long a decode step waits for other sessions' steps")
-    p.add_argument("--step-tokens", type=int, default=DEFAULT_STEP_TOKENS,
+    p.add_argument("--step-tokens", type=int, default=None,
                    help="token budget of one engine step: every queued session's decode token, then chunks of "
-                        "queued prompts up to this many tokens in all; a longer prompt runs over several steps")
+                        "queued prompts up to this many tokens in all; a longer prompt runs over several steps "
+                        f"(default: {DEVICE_STEP_TOKENS} on a GPU, {DEFAULT_STEP_TOKENS} on the CPU engine)")
     p.add_argument("--inline-max-ms", type=float, default=DEFAULT_INLINE_MAX_S * 1e3,
                    help="a lone session's decode step runs on the socket reader thread, without a hop to the step "
                         "thread, while its steps take less than this (0: never)")
@@ -53,6 +65,7 @@ def add_serve_args(p) -> None:
                         "burning that CPU time so the request finds the core awake (0: sleep at once)")
     p.add_argument("--max-frame-mb", type=int, default=Limits().max_frame_bytes >> 20,
                    help="largest request frame accepted once authenticated (before hello: 4 KiB)")
+    add_sampling_default_args(p)
     add_limit_args(p)
     from kestrel_stream.serve.http.options import add_http_args
     add_http_args(p)

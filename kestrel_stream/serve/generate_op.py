@@ -25,10 +25,12 @@ from kestrel_stream.wire.protocol import ProtocolError
 from kestrel_stream.text.generation import Generation
 from kestrel_stream.text.sampling import SamplingParams
 from kestrel_stream.text.stop import LENGTH
+from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_PROMPT_CHARS = 60_000          # the header is at most 64 KiB anyway
+MAX_MESSAGES = 4096
 # (field, kind, check, what the check asks): the sampling fields and their ranges, as SamplingParams takes them
 SAMPLING_FIELDS = (
     ("temperature", float, lambda v: v >= 0, ">= 0"),
@@ -42,6 +44,25 @@ SAMPLING_FIELDS = (
 )
 
 
+def chat_messages(engine, messages, op: str) -> list[dict]:
+    """The 'messages' field, checked: [{"role": str, "content": str}, ...], bounded, with a template to render them."""
+    if not isinstance(messages, list) or not 0 < len(messages) <= MAX_MESSAGES:
+        raise ProtocolError(f"{op}: field 'messages' must be a list of 1..{MAX_MESSAGES} "
+                            f"{{'role': str, 'content': str}} objects")
+    chars = 0
+    for i, m in enumerate(messages):
+        if (not isinstance(m, dict) or set(m) - {"role", "content"} or not isinstance(m.get("role"), str)
+                or not isinstance(m.get("content"), str)):
+            raise ProtocolError(f"{op}: messages[{i}] must be {{'role': str, 'content': str}}, got {m!r:.80}")
+        chars += len(m["role"]) + len(m["content"])
+    if chars > MAX_PROMPT_CHARS:
+        raise ProtocolError(f"{op}: field 'messages' holds {chars} characters, over {MAX_PROMPT_CHARS}")
+    if engine.tokenizer is None or not engine.tokenizer.chat_template:
+        raise ProtocolError(f"{op}: field 'messages' needs the model's chat template; the daemon's model has none; "
+                            f"send 'prompt' or 'ids'")
+    return messages
+
+
 @dataclass
 class GenerateRequest:
     generation: Generation
@@ -52,13 +73,15 @@ def is_number(value) -> bool:
     return type(value) in (int, float) and math.isfinite(value)
 
 
-def parse_generate(engine, header: dict, arrays: dict, max_new_tokens_limit: int) -> GenerateRequest:
-    """The checked request; ProtocolError (or InvalidTokenError for a token id) on the first bad field."""
+def parse_generate(engine, header: dict, arrays: dict, max_new_tokens_limit: int,
+                   defaults: SamplingDefaults = SamplingDefaults()) -> GenerateRequest:
+    """The checked request; ProtocolError (or InvalidTokenError for a token id) on the first bad field.
+    defaults: serve's sampling flags, for the fields the request leaves out."""
     op = "generate"
-    count = header.get("n", 16)
+    count = header.get("n", defaults.get("max_tokens", 16))
     if type(count) is not int or not 0 <= count <= max_new_tokens_limit:
         raise ProtocolError(f"{op}: field 'n' must be an integer in 0..{max_new_tokens_limit}, got {count!r}")
-    params = {}
+    params = {name: value for name, value in defaults.given().items() if name != "max_tokens"}
     for name, kind, check, what in SAMPLING_FIELDS:
         if name not in header or header[name] is None:
             continue
@@ -84,7 +107,11 @@ def parse_generate(engine, header: dict, arrays: dict, max_new_tokens_limit: int
         if stop and engine.tokenizer is None:
             raise ProtocolError(f"{op}: field 'stop' needs a tokenizer; the daemon's model has none")
     prompt = header.get("prompt")
-    if prompt is not None:
+    if header.get("messages") is not None:
+        if prompt is not None or "ids" in arrays:
+            raise ProtocolError(f"{op}: give one of the fields 'prompt' (text), 'messages' (chat) or the array 'ids'")
+        prompt = chat_messages(engine, header["messages"], op)
+    elif prompt is not None:
         if not isinstance(prompt, str) or not 0 < len(prompt) <= MAX_PROMPT_CHARS:
             raise ProtocolError(f"{op}: field 'prompt' must be a string of 1..{MAX_PROMPT_CHARS} characters")
         if "ids" in arrays:

@@ -10,10 +10,19 @@ Many small objects (a large JSON body's strings and dicts) come from the
 heap instead; once freed, ``release_freed_memory`` has glibc return the free
 pages at its top and inside it (``malloc_trim``), so a burst of large requests
 does not leave its high-water mark in the process's RSS.
+
+A request that ends by cancellation (a streaming client that left) leaves
+reference cycles behind: the cancelled tasks, their exceptions and the
+frames those hold, with the request's buffers.  Only the cyclic collector
+frees them, and it runs on allocations: in a daemon gone idle it would not
+run for a long while, and neither free nor trim could give their pages back.
+``collect_cycles`` runs it (the model's objects are frozen out of its view at
+start, so it walks only what requests left) before the idle trim.
 """
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 from functools import cache
 
@@ -41,6 +50,11 @@ def _malloc_trim():
         return ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+def collect_cycles() -> int:
+    """Free what only the cyclic collector can (the objects it found unreachable)."""
+    return gc.collect()
 
 
 def release_freed_memory() -> bool:

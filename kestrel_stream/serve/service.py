@@ -28,9 +28,11 @@ import numpy as np
 
 from scheduler.batcher import StepBatcher
 
+from kestrel_stream.serve.admission import Admission
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
-from kestrel_stream.serve.memory import release_freed_memory
+from kestrel_stream.serve.memory import collect_cycles, release_freed_memory
 from kestrel_stream.serve.prefix_scopes import PrefixScopes
+from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 from kestrel_stream.serve.decode_steps import DecodeSteps
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
@@ -60,8 +62,12 @@ def field_int(header: dict, name: str, op: str, low: int, high: int, default=Non
 class Service:
     def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher,
                  inline_max_s: float = DEFAULT_INLINE_MAX_S, sessions_per_client: int | None = None,
-                 traces=None):
+                 traces=None, max_queue: int = 0, sampling_defaults: SamplingDefaults | None = None):
+        """max_queue: generations that may wait for a session when --max-sessions are held (0: refused at once)."""
         self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
+        self.sampling_defaults = sampling_defaults or SamplingDefaults()    # serve --temp ...: requests that set none
+        self.grammar_lock = threading.Lock()
+        self.grammars_of_tokenizer = None       # text/grammar.py Grammars, made for the first structured output
         self.sessions_per_client = sessions_per_client or max_sessions
         self.traces = traces                    # serve/traces.py DaemonTraces; None: no trace_start
         self.vocab_size = engine.config.vocab_size
@@ -81,11 +87,15 @@ class Service:
         self.queued_at_once = 0                 # of those, the ones the reader thread queued (only it counts)
         self.stats_at_once_count = 0            # stats requests the reader thread answered (only it counts)
         self.admit = threading.Lock()           # the reader thread's decodes against the start of a shutdown
-        # Sessions reserved by an open still on the step thread, plus those open: --max-sessions counts this,
+        # Sessions reserved by an open still on the step thread, plus those open: --max-sessions counts these,
         # taken before the open's first await, so opens racing each other cannot pass the limit together.
-        self.held_sessions = 0
+        self.admission = Admission(max_sessions, max_queue)
         self.trimmed_at = 0.0                   # when freed memory was last given back (monotonic s)
         self.idle_trim: asyncio.TimerHandle | None = None
+
+    @property
+    def held_sessions(self) -> int:
+        return self.admission.held
 
     @property
     def inflight(self) -> int:
@@ -139,26 +149,48 @@ class Service:
         length = header.get("max_seq_len")
         if length is not None:
             length = field_int(header, "max_seq_len", "open", 1, 2**31)     # the engine checks its own limit
-        if self.held_sessions >= self.max_sessions:
-            raise CapacityError(f"open: the daemon already holds {self.held_sessions} sessions "
-                                f"(--max-sessions {self.max_sessions})")
+        wait = header.get("wait", False)
+        if type(wait) is not bool:
+            raise ProtocolError(f"open: field 'wait' must be true or false, got {wait!r}")
+        if not wait and self.held_sessions >= self.max_sessions:    # the daemon's limit is named first: it is met
+            raise self.sessions_held("open")
         if len(conn.sessions) >= self.sessions_per_client:
             raise CapacityError(f"open: this client already holds {len(conn.sessions)} sessions "
                                 f"(--max-sessions-per-client {self.sessions_per_client})")
-        self.held_sessions += 1
+        # wait: a turn in the admission queue when every session is held (a client leaving meanwhile is cancelled
+        # here, and its place in the queue freed)
+        session, = await self.open_sessions(conn, length, wait=wait)
+        return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
+
+    def sessions_held(self, what: str) -> CapacityError:
+        return CapacityError(f"{what}: the daemon already holds {self.held_sessions} sessions "
+                             f"(--max-sessions {self.max_sessions})")
+
+    async def open_sessions(self, conn: Connection, length: int | None, count: int = 1,
+                            wait: bool = False, what: str = "open") -> list[Session]:
+        """``count`` new sessions of ``conn``: their places reserved at once (CapacityError when all are held), or
+        with ``wait`` after a turn in the admission queue (CapacityError when it is full)."""
+        if wait:
+            await self.admission.take(count, what)
+        elif not self.admission.try_take(count):
+            raise self.sessions_held(what)
+        opened: list[Session] = []
         try:
-            # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread is
-            # making; it is registered below, with no await between, so the client's cleanup closes it.
-            with anyio.CancelScope(shield=True):
-                session = await self.steps.run(self.prefix_scopes.new_session, length)
+            for _ in range(count):
+                # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread
+                # is making; it is registered below, with no await between, so the client's cleanup closes it.
+                with anyio.CancelScope(shield=True):
+                    session = await self.steps.run(self.prefix_scopes.new_session, length)
+                conn.sessions[session.id] = session     # from here close_sessions frees it and its place
+                opened.append(session)
         except CapacityError:
-            self.held_sessions -= 1
             raise
         except Exception as e:          # e.g. the device arena has no room for one more KV cache
-            self.held_sessions -= 1
-            raise CapacityError(f"open: the engine could not allocate a session ({type(e).__name__}: {e})") from e
-        conn.sessions[session.id] = session
-        return {"session": session.id, "max_seq_len": session.max_seq_len}, {}
+            raise CapacityError(f"{what}: the engine could not allocate a session ({type(e).__name__}: {e})") from e
+        finally:
+            if len(opened) < count:
+                self.admission.give_back(count - len(opened))
+        return opened
 
     async def op_prefill(self, conn, header, arrays):
         session = self.session_of(conn, header, "prefill")
@@ -226,14 +258,23 @@ class Service:
         """Loop: refuse new work from now on; what was admitted before counts in ``inflight``."""
         with self.admit:
             self.draining = True
+        self.admission.refuse_all(ShuttingDownError("the daemon is shutting down; no new work is accepted"))
 
     async def op_generate(self, conn, header, arrays):
         """Text or ids in; sampled or greedy tokens out, each step batched with other sessions'
         (serve/generate_op.py); with stream: true one frame per token before the answer."""
         session = self.session_of(conn, header, "generate")
         await self.tokenizer()
-        request = parse_generate(self.engine, header, arrays, session.max_seq_len)
+        request = parse_generate(self.engine, header, arrays, session.max_seq_len, self.sampling_defaults)
         return await run_generation(self, session, request, conn.send_frame, header.get("id"))
+
+    def grammars(self):
+        """Worker threads: the tokenizer's Grammars (response_format), made once."""
+        with self.grammar_lock:
+            if self.grammars_of_tokenizer is None:
+                from kestrel_stream.text.grammar import Grammars
+                self.grammars_of_tokenizer = Grammars(self.engine.tokenizer)
+            return self.grammars_of_tokenizer
 
     async def tokenizer(self):
         """The engine's tokenizer (None: the model has none), waited for on a worker thread while its
@@ -299,13 +340,16 @@ class Service:
             try:
                 await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
             finally:
-                self.held_sessions -= len(sessions)
+                if sessions:
+                    self.admission.give_back(len(sessions))     # to the oldest waiting generation first
         if sessions:
             self.trim_soon()
 
     def trim_soon(self) -> None:
         """Loop: give freed pages back to the system, off the loop: at most every TRIM_INTERVAL_S while sessions
-        are open, and TRIM_INTERVAL_S after the last one closed (once its request's objects are gone too)."""
+        are open, and TRIM_INTERVAL_S after the last one closed (once its request's objects are gone too: the
+        cycles a request leaves are collected first, since an idle daemon allocates nothing that would start
+        the collector)."""
         loop, now = asyncio.get_running_loop(), time.monotonic()
         if now - self.trimmed_at >= TRIM_INTERVAL_S:
             self.trimmed_at = now
@@ -315,6 +359,7 @@ class Service:
                 self.idle_trim = None
                 if self.held_sessions == 0:
                     self.trimmed_at = time.monotonic()
+                    collect_cycles()
                     loop.run_in_executor(None, release_freed_memory)
             self.idle_trim = loop.call_later(TRIM_INTERVAL_S, trim_when_idle)
 
@@ -347,7 +392,7 @@ class Service:
             "prefix_cache": self.prefix_scopes.stats(),
             "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
             "connections": len(self.connections), "inflight": self.inflight,
-            **self.batcher.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
+            **self.batcher.stats(), **self.admission.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
             "requests": self.counters["requests"] + self.queued_at_once + self.stats_at_once_count,
             "inline_steps": self.steps.inline_steps,
         }

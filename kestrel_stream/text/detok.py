@@ -6,7 +6,9 @@ character split over byte-fallback or byte-level tokens decodes to U+FFFD
 until its last byte arrives.  So each step decodes a short window of recent
 tokens twice (with and without the new ones) and emits the difference, and
 holds text back while it ends in an incomplete character (the method of
-Hugging Face text-generation-inference and vLLM).
+Hugging Face text-generation-inference and vLLM).  Special tokens (control
+tokens: `<|im_end|>`, `<|endoftext|>`, ...) are left out of the text, as
+``skip_special_tokens`` does; user-defined tokens (`<think>`) stay.
 """
 from __future__ import annotations
 
@@ -23,8 +25,8 @@ class IncrementalDecoder:
     def push(self, token_id: int) -> str:
         """Append one token; the text it completes ("" while a character is still incomplete)."""
         self.ids.append(int(token_id))
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special=True)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special=True)
         if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
             return ""
         new_text = full[len(prefix):]
@@ -37,7 +39,7 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """What is still held back at the end (an incomplete character decodes as U+FFFD)."""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        full = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special=True)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special=True)
         self.prefix_offset = self.read_offset = len(self.ids)
         return full[len(prefix):]

@@ -7,8 +7,16 @@ GGUF integration does (convert_slow_tokenizer's GPT-2 and Llama converters):
          llama.cpp uses for the file's pre-tokenizer type (tokenizer.ggml.pre);
   llama: SentencePiece BPE: merges rebuilt from the pieces' scores, "▁" for
          spaces, <0xXX> byte fallback.
-Control and user-defined tokens (token_type 3 and 4) become special added
-tokens, so a chat template's `<|im_start|>` is one id.
+Control and user-defined tokens (token_type 3 and 4) become added tokens,
+so a chat template's `<|im_start|>` is one id; control tokens are special
+(left out of generated text), user-defined ones (e.g. `<think>`) are text.
+
+The end-of-generation set is llama.cpp's: the file's eos, eot and eom ids,
+and every control token whose text ends a turn or a document in some
+model's format (EOG_TOKEN_TEXTS), whatever the eos id says (a SmolLM2 GGUF's
+eos is `<|im_end|>`, yet the model also ends with `<|endoftext|>`).  A
+Hugging Face directory adds generation_config.json's eos list and its
+special added tokens of those texts.
 """
 from __future__ import annotations
 
@@ -38,6 +46,10 @@ PRE_TOKENIZER_SPLITS = {
 }
 IGNORE_MERGES = ("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral")
 TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED = 3, 4
+# llama.cpp's (src/llama-vocab.cpp) texts of tokens that end a generation
+EOG_TOKEN_TEXTS = frozenset({"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
+                             "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>",
+                             "<｜end▁of▁sentence｜>"})
 
 
 class TokenizerError(ValueError):
@@ -124,14 +136,14 @@ def from_hf_dir(ckpt_dir: Path) -> Tokenizer:
             eos_ids.add(value)
     if eos_token is not None and hf.token_to_id(eos_token) is not None:
         eos_ids.add(hf.token_to_id(eos_token))
+    eos_ids.update(i for i, t in hf.get_added_tokens_decoder().items() if t.special and t.content in EOG_TOKEN_TEXTS)
     template = config.get("chat_template")
     if isinstance(template, list):         # [{"name": "default", "template": ...}, ...]
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default") or next(iter(named.values()), None)
     if template is None and (ckpt_dir / "chat_template.jinja").is_file():
         template = (ckpt_dir / "chat_template.jinja").read_text(encoding="utf-8")
-    special = frozenset(t.id for t in hf.get_added_tokens_decoder().values() if t.special) \
-        if hasattr(hf, "get_added_tokens_decoder") else frozenset()
+    special = frozenset(i for i, t in hf.get_added_tokens_decoder().items() if t.special)
     return Tokenizer(hf, frozenset(eos_ids), bos_token, eos_token, template, str(ckpt_dir),
                      frozenset(special))
 
@@ -167,7 +179,10 @@ def from_gguf_metadata(fields: dict, source: str) -> Tokenizer | None:
         hf, add_bos_default = _sentencepiece_bpe(fields, tokens, types, source), True
     else:
         raise TokenizerError(f"{source}: tokenizer.ggml.model {kind!r} is not supported (gpt2 and llama are)")
-    special = [i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
+    added = [i for i, t in enumerate(types) if t in (TOKEN_TYPE_CONTROL, TOKEN_TYPE_USER_DEFINED)]
+    special = [i for i in added if types[i] == TOKEN_TYPE_CONTROL]
+    hf.add_tokens([tokenizers.AddedToken(tokens[i], special=False, normalized=False) for i in added
+                   if types[i] != TOKEN_TYPE_CONTROL])
     hf.add_special_tokens([tokenizers.AddedToken(tokens[i], special=True, normalized=False) for i in special])
 
     def token_at(key: str):
@@ -177,17 +192,14 @@ def from_gguf_metadata(fields: dict, source: str) -> Tokenizer | None:
     bos_id, bos_token = token_at("tokenizer.ggml.bos_token_id")
     eos_id, eos_token = token_at("tokenizer.ggml.eos_token_id")
     eot_id, _ = token_at("tokenizer.ggml.eot_token_id")
+    eom_id, _ = token_at("tokenizer.ggml.eom_token_id")
     if bos_id is not None and _field(fields, "tokenizer.ggml.add_bos_token", add_bos_default):
         hf.post_processor = processors.TemplateProcessing(
             single=f"{bos_token}:0 $A:0", pair=f"{bos_token}:0 $A:0 $B:1", special_tokens=[(bos_token, bos_id)])
-    eos_ids = {i for i in (eos_id, eot_id) if i is not None}
-    # llama.cpp also ends at tokens it recognises as end-of-turn by their text
-    for i in special:
-        if tokens[i] in ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>"):
-            if tokens[i] != "<|endoftext|>" or eos_id is None or tokens[eos_id] == "<|endoftext|>":
-                eos_ids.add(i)
+    eos_ids = {i for i in (eos_id, eot_id, eom_id) if i is not None}
+    eos_ids.update(i for i in special if tokens[i] in EOG_TOKEN_TEXTS)     # as llama.cpp: by their text
     return Tokenizer(hf, frozenset(eos_ids), bos_token, eos_token, _field(fields, "tokenizer.chat_template"),
-                     source, frozenset(special))
+                     source, frozenset(added))
 
 
 def _gpt2_bpe(fields, tokens: list[str], source: str) -> tokenizers.Tokenizer:

@@ -1,5 +1,6 @@
-"""The ASGI app (starlette): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, and the chat
-page at / (chat.html beside this file: one static page that talks to /v1/chat/completions).
+"""The ASGI app (starlette): /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, /tokenize and
+/detokenize (serve/http/tokens.py), and the chat page at / (chat.html beside this file: one static page that talks
+to /v1/chat/completions).
 
 Every request passes serve/http/gate.py's ``Gate`` first (the key, the
 concurrency limit, the status counts).  A generation's body is read up to a
@@ -20,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kestrel_stream.serve.http.access_log import GENERATION_KEY
 from kestrel_stream.serve.http.errors import APIError
 from kestrel_stream.serve.http.gate import CLIENT_LEFT, Gate
 from kestrel_stream.serve.http.generate import HttpGeneration
@@ -27,6 +29,7 @@ from kestrel_stream.serve.http.metrics import Metrics
 from kestrel_stream.serve.http.options import HttpOptions
 from kestrel_stream.serve.http.prepare import Preparer
 from kestrel_stream.serve.http.slots import GenerationSlots
+from kestrel_stream.serve.http.tokens import TokenRoutes
 from kestrel_stream.serve.http.responses import DONE, Shape, sse
 from kestrel_stream.serve.prefix_scopes import scope_name
 from kestrel_stream.wire.protocol import UnavailableError
@@ -86,12 +89,45 @@ class API:
             return e.response()
         except UnavailableError as e:
             return APIError(500, str(e), type_="server_error", code="tokenizer_unavailable").response()
+        request.scope.setdefault("state", {})[GENERATION_KEY] = generation    # for the access log line
         try:
+            if not await self.admitted(generation, request.receive):
+                await self.release(generation)
+                return Gone()
             response = await self.answer(generation, chat, request.receive)
+        except APIError as e:
+            await self.release(generation)
+            return e.response()
         except BaseException:
-            self.slots.give_back()
+            await self.release(generation)
             raise
-        return self.slots.holding(response)
+        return self.slots.holding(response, lambda: generation.close())
+
+    async def admitted(self, generation: HttpGeneration, receive) -> bool:
+        """The generation's session, after its turn in the admission queue; False when the client left first (it
+        then holds no place in the queue).  APIError 429 when the queue is full."""
+        left, refusal = False, None
+        async with anyio.create_task_group() as group:
+            async def watch() -> None:
+                nonlocal left
+                while (await receive())["type"] != "http.disconnect":
+                    pass                            # the body was read whole before: nothing else should come
+                left = True
+                group.cancel_scope.cancel()
+            group.start_soon(watch)
+            try:
+                await generation.open()
+            except APIError as e:
+                refusal = e
+            finally:
+                group.cancel_scope.cancel()
+        if refusal is not None:
+            raise refusal
+        return not left
+
+    async def release(self, generation: HttpGeneration) -> None:
+        self.slots.give_back()
+        await generation.close()
 
     async def answer(self, generation: HttpGeneration, chat: bool, receive) -> Response:
         shape = Shape(chat, self.model_name, generation)
@@ -136,13 +172,15 @@ class API:
         usage = generation.request.include_usage
         try:
             if shape.chat:
-                yield sse(shape.chunk([], first=True, include_usage=usage))
+                for choice in generation.choices:
+                    yield sse(shape.chunk([], first=True, include_usage=usage, index=choice.index))
             plain = generation.request.logprobs is None
             # closed explicitly when this stream is (a client gone): its session is freed now, not at collection
             async with aclosing(generation.run()) as tokens:
                 async for out in tokens:            # a chunk per token, text or not (held back): TTFT is honest
                     yield shape.token_event(out, usage) if plain else sse(shape.chunk([out], include_usage=usage))
-            yield sse(shape.chunk([], generation.finish_reason, include_usage=usage))
+            for choice in generation.choices:
+                yield sse(shape.chunk([], choice.finish_reason, include_usage=usage, index=choice.index))
             if usage:
                 yield sse(shape.usage_chunk())
         except APIError as e:
@@ -152,7 +190,7 @@ class API:
         yield DONE
 
     def account(self, generation: HttpGeneration) -> None:
-        self.metrics.completion_tokens.inc(len(generation.tokens))
+        self.metrics.completion_tokens.inc(generation.completion_tokens)
         if generation.first_token_s is not None:
             self.metrics.ttft.observe(generation.first_token_s)
 
@@ -199,11 +237,14 @@ def build_app(service, options: HttpOptions):
     key_scope = scope_name("key", options.api_key or "") if options.prefix_scope == "key" else None
     api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics,
               GenerationSlots(options.max_requests), key_scope)
+    tokens = TokenRoutes(service, api.body, api.preparer.prompt_bounds)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),
               Route("/health", api.health, methods=["GET"]),
               Route("/metrics", api.prometheus, methods=["GET"]),
+              Route("/tokenize", tokens.tokenize, methods=["POST"]),
+              Route("/detokenize", tokens.detokenize, methods=["POST"]),
               Route("/", chat_page(), methods=["GET"])]
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
     app.router.redirect_slashes = False     # its redirect would build Location from the request's Host header

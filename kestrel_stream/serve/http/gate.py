@@ -20,8 +20,11 @@ among them are bounded once their bodies are whole (serve/http/slots.py).
 from __future__ import annotations
 
 import hmac
+import time
 
 import anyio
+
+from kestrel_stream.serve.http.access_log import write_access_line
 
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.metrics import Metrics
@@ -30,7 +33,7 @@ from kestrel_stream.serve.http.options import HttpOptions, is_loopback
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = ("/health", "/")      # answered without the key and the limits: a load balancer's probe, the chat
                                     # page (static; it asks for the key and sends it with its API calls)
-KNOWN_PATHS = GENERATING + ("/v1/models", "/health", "/metrics", "/")
+KNOWN_PATHS = GENERATING + ("/v1/models", "/health", "/metrics", "/tokenize", "/detokenize", "/")
 CLIENT_LEFT = 499           # the status /metrics counts for a client that left before its answer (as nginx logs it)
 
 
@@ -48,9 +51,11 @@ class Gate:
             return await self.app(scope, receive, send)
         path, counted, left = scope["path"], [False], [False]
         body_done = [scope.get("http_version") != "2"]     # see drain_body
+        started_s, status_sent = time.perf_counter(), [CLIENT_LEFT]
 
         def count(status: int) -> None:
             counted[0] = True
+            status_sent[0] = status
             self.metrics.requests.labels(path if path in KNOWN_PATHS else "other", str(status)).inc()
 
         async def send_counted(message):
@@ -79,6 +84,8 @@ class Gate:
         finally:
             if not counted[0]:
                 count(CLIENT_LEFT if left[0] else 500)
+            if self.options.access_log:
+                write_access_line(scope, status_sent[0], time.perf_counter() - started_s)
 
     async def drain_body(self, receive, body_done: list) -> None:
         """HTTP/2: read (and drop) the rest of a request body before answering without it (a refusal).

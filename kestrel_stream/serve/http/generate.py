@@ -5,11 +5,15 @@ before the token is sent, so the response's encoding and writing overlap the
 next step instead of delaying it.
 
 Greedy requests ask the step for the token alone (the device takes the
-argmax); sampling, penalties and logprobs ask for the last row's logits and
-draw on the host with the reference sampler (text/sampling.py), so the same
-(seed, prompt) gives the tokens Engine.generate gives.  The session is opened
-when the first token is wanted and closed the moment the generation ends or
-its consumer goes away (a cancelled stream closes it in ``finally``).
+argmax); sampling, penalties, logprobs, logit_bias and response_format ask for
+the last row's logits and draw on the host with the reference sampler
+(text/sampling.py), after the bias and the grammar's mask (text/grammar.py),
+so the same (seed, prompt) gives the tokens Engine.generate gives.  A request
+of n choices runs n sessions, one a choice, choice i with seed + i; their
+decodes share each step.  The sessions are opened (``open``, through the
+admission queue) before the response starts and closed the moment the
+generation ends or its consumer goes away (a cancelled stream closes them in
+``finally``).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import anyio
 import numpy as np
 
 from kestrel_stream.errors import CapacityError, KestrelError
+from kestrel_stream.wire.protocol import ShuttingDownError
 from kestrel_stream.serve.decode_steps import DecodeJob
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.requests import TextRequest
@@ -27,6 +32,7 @@ from kestrel_stream.serve.prefix_scopes import scope_name
 from kestrel_stream.serve.service import Connection
 from kestrel_stream.text.chat import ChatTemplateError
 from kestrel_stream.text.detok import IncrementalDecoder
+from kestrel_stream.text.grammar import Constraint, GrammarError
 from kestrel_stream.text.generation import prompt_ids
 from kestrel_stream.text.sampling import sample_logits
 from kestrel_stream.text.stop import EOS, LENGTH, STOP, StopChecker
@@ -40,6 +46,17 @@ class TokenOut:
     text: str                                   # the text it released ("" while held back)
     logprob: float | None = None                # with request.logprobs set
     top: tuple[tuple[int, float], ...] = ()     # the most likely tokens of that step and their logprobs
+    index: int = 0                              # the choice it belongs to (n > 1)
+
+
+class Choice:
+    """One of the request's n sequences: its session, seed, stop conditions, text and grammar state."""
+
+    def __init__(self, index: int, seed: int, stop: StopChecker, decoder: IncrementalDecoder | None,
+                 constraint: Constraint | None):
+        self.index, self.seed, self.stop, self.decoder, self.constraint = index, seed, stop, decoder, constraint
+        self.tokens: list[int] = []
+        self.finish_reason: str | None = None
 
 
 class HttpGeneration:
@@ -55,6 +72,9 @@ class HttpGeneration:
             raise APIError(400, "the model has no tokenizer: give the prompt as token ids", param="prompt")
         if tokenizer is not None and request.chat and not tokenizer.chat_template:
             raise APIError(400, "the model has no chat template; use /v1/completions", param="messages")
+        if request.n > service.max_sessions:
+            raise APIError(400, f"n={request.n} needs {request.n} sessions at once; this server has "
+                                f"{service.max_sessions} (--max-sessions)", param="n")
         try:
             self.ids = [int(t) for t in prompt_ids(engine, request.prompt)]
         except ChatTemplateError as e:
@@ -72,76 +92,141 @@ class HttpGeneration:
         eos = tokenizer.eos_ids if tokenizer is not None and not request.ignore_eos else ()
         if request.stop and tokenizer is None:
             raise APIError(400, "stop strings need a tokenizer; the model has none", param="stop")
-        self.stop = StopChecker(eos, request.stop, self.max_tokens)
-        self.decoder = IncrementalDecoder(tokenizer, self.ids) if tokenizer is not None else None
-        self.seed = request.params.resolved_seed()
+        bias = request.logit_bias
+        if bias and max(bias) >= service.vocab_size:
+            raise APIError(400, f"logit_bias: token id {max(bias)} is outside the vocabulary "
+                                f"0..{service.vocab_size - 1}", param="logit_bias")
+        self.bias = None
+        if bias:
+            self.bias = np.zeros(service.vocab_size, np.float32)
+            self.bias[list(bias)] = list(bias.values())
+        seed = request.params.resolved_seed()
+        constraint = self.constraint(request)
+        # choice i samples with seed + i: the same tokens as a request of n=1 with that seed
+        self.choices = [Choice(i, (seed + i) % 2**64, StopChecker(eos, request.stop, self.max_tokens),
+                               IncrementalDecoder(tokenizer, self.ids) if tokenizer is not None else None,
+                               constraint.copy() if constraint is not None and i else constraint)
+                        for i in range(request.n)]
         params = request.params
-        self.want = "last" if not params.greedy or params.penalized or request.logprobs is not None else "token"
-        self.tokens: list[int] = []
-        self.finish_reason: str | None = None
-        self.first_token_s: float | None = None     # time to the first token, from the start of run()
+        logits_needed = (not params.greedy or params.penalized or request.logprobs is not None or self.bias is not None
+                         or request.response_format is not None)
+        self.want = "last" if logits_needed else "token"
+        self.first_token_s: float | None = None     # time to the first token, from the start of open()
+        self.started_s = time.perf_counter()
+        self.queue_wait_s = 0.0                     # time spent in the admission queue
+        self.conn = Connection(peer="http")         # holds the sessions once open
+
+    def constraint(self, request: TextRequest) -> Constraint | None:
+        """The grammar of response_format (json_object, json_schema) in its first state; None without one."""
+        if request.response_format is None:
+            return None
+        if self.tokenizer is None:
+            raise APIError(400, "response_format needs a tokenizer; the model has none", param="response_format")
+        try:
+            return self.service.grammars().json(request.response_format.schema, self.service.vocab_size)
+        except GrammarError as e:
+            raise APIError(400, f"response_format.json_schema.schema: {e}",
+                           param="response_format.json_schema.schema") from None
 
     @property
     def prompt_tokens(self) -> int:
         return len(self.ids)
 
-    async def run(self):
-        """The tokens, one TokenOut each, through the batcher; ``finish_reason`` is set once it ends."""
-        service, started = self.service, time.perf_counter()
-        if self.max_tokens == 0:
-            self.finish_reason = "length"
-            return
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.tokens) for c in self.choices)
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    async def open(self) -> None:
+        """The generation's sessions (one a choice), after a turn in the admission queue when every session is
+        held; APIError 429 when the queue is full.  Cancelled (the client left) while it waits, it holds nothing."""
+        service = self.service
         if service.draining:
             raise APIError(503, "the daemon is shutting down", "server_error", code="shutting_down")
-        conn = Connection(peer="http")
+        if self.max_tokens == 0:
+            return                      # nothing to compute: no session
+        self.started_s = time.perf_counter()
         try:
-            try:
-                await service.op_open(conn, {"max_seq_len": len(self.ids) + self.max_tokens}, {})
-            except CapacityError as e:
-                raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
-            session = next(iter(conn.sessions.values()))
-            # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier turns)
-            # computes only the rest, as the socket clients' generate does
-            job = await service.prefill_cached(session, np.asarray(self.ids, np.int64), self.want, 1,
-                                               self.prefix_scope)
-            while True:
-                out = self.account(job)
-                if self.first_token_s is None:
-                    self.first_token_s = time.perf_counter() - started
-                if self.stop.reason is None:    # the next step is queued before this token is sent
-                    job = DecodeJob(session, out.token, self.want, 1)
-                    service.steps.submit(job)
-                yield out
-                if self.stop.reason is not None:
-                    break
-                await job.wait()
-                if job.error is not None:
-                    raise job.error
+            await service.open_sessions(self.conn, len(self.ids) + self.max_tokens, len(self.choices), wait=True,
+                                        what="this generation")
+        except CapacityError as e:
+            raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
+        except ShuttingDownError as e:
+            raise APIError(503, str(e), "server_error", code="shutting_down") from None
+        self.queue_wait_s = time.perf_counter() - self.started_s
+
+    async def close(self) -> None:
+        """Frees the sessions, whatever has happened (idempotent)."""
+        if self.conn.sessions:
+            with anyio.CancelScope(shield=True):
+                await self.service.close_sessions(self.conn, list(self.conn.sessions))
+
+    async def run(self):
+        """The tokens, one TokenOut each (of every choice, in turn), through the batcher; each choice's
+        ``finish_reason`` is set once it ends.  The sessions come from ``open``, and are closed the moment the
+        generation ends or its consumer goes away."""
+        service, started = self.service, self.started_s
+        if self.max_tokens == 0:
+            for choice in self.choices:
+                choice.finish_reason = "length"
+            return
+        try:
+            ids = np.asarray(self.ids, np.int64)
+            jobs = []
+            for session in self.conn.sessions.values():
+                # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier
+                # turns, the first choice's prompt for its siblings) computes only the rest
+                jobs.append(await service.prefill_cached(session, ids, self.want, 1, self.prefix_scope))
+            live = list(self.choices)
+            while live:
+                for choice in list(live):
+                    job = jobs[choice.index]
+                    await job.wait()
+                    if job.error is not None:
+                        raise job.error
+                    out = self.account(choice, job)
+                    if self.first_token_s is None:
+                        self.first_token_s = time.perf_counter() - started
+                    if choice.stop.reason is None:  # the next step is queued before this token is sent
+                        jobs[choice.index] = DecodeJob(job.session, out.token, self.want, 1)
+                        service.steps.submit(jobs[choice.index])
+                    else:
+                        choice.finish_reason = FINISH[choice.stop.reason]
+                        live.remove(choice)
+                    yield out
         except KestrelError as e:
             raise APIError(500, f"{type(e).__name__}: {e}", "server_error") from None
         finally:
-            if conn.sessions:
-                with anyio.CancelScope(shield=True):    # a client gone mid-stream frees its session now
-                    await service.close_sessions(conn, list(conn.sessions))
-        self.finish_reason = FINISH[self.stop.reason]
+            await self.close()          # a client gone mid-stream frees its sessions now
 
-    def account(self, job) -> TokenOut:
+    def account(self, choice: Choice, job) -> TokenOut:
         fields, arrays = job.result
         logprob, top = None, ()
         if self.want == "token":
             token = fields["token"]
         else:
             logits = np.asarray(arrays["logits"], np.float32).reshape(-1)
-            token = sample_logits(logits, self.request.params, self.seed, len(self.tokens), self.ids + self.tokens)
+            shaped = logits if self.bias is None else logits + self.bias
+            if choice.constraint is not None:
+                shaped = choice.constraint.mask(shaped)
+            token = sample_logits(shaped, self.request.params, choice.seed, len(choice.tokens),
+                                  self.ids + choice.tokens)
             if self.request.logprobs is not None:
                 logprob, top = log_probs(logits, token, self.request.logprobs)
-        self.tokens.append(token)
-        stop = self.stop
-        text = self.decoder.push(token) if self.decoder is not None and token not in stop.eos_ids else ""
+        choice.tokens.append(token)
+        stop = choice.stop
+        text = choice.decoder.push(token) if choice.decoder is not None and token not in stop.eos_ids else ""
         released = stop.push(token, text)
-        if stop.reason in (EOS, LENGTH) and self.decoder is not None:
-            released += stop.finish(self.decoder.flush())
-        return TokenOut(token, released, logprob, top)
+        if choice.constraint is not None and stop.reason is None:
+            choice.constraint.accept(token)
+            if choice.constraint.complete or choice.constraint.error is not None:
+                stop.reason = EOS       # the document is whole: nothing may follow it but the end
+        if stop.reason in (EOS, LENGTH) and choice.decoder is not None:
+            released += stop.finish(choice.decoder.flush())
+        return TokenOut(token, released, logprob, top, choice.index)
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)

@@ -2,7 +2,7 @@
 
 HTTP counts (requests by path and status, prompt and completion tokens, time
 to first token) are recorded as requests pass; the daemon's own figures
-(steps, step time, batch size, queue depth, sessions, KV positions and pool
+(steps, step time, batch size, queue depth, admission queue depth and wait, sessions, KV positions and pool
 blocks, window hits and misses, prefix cache hits) are read from
 Service.stats() at each scrape, so socket and HTTP clients are counted alike
 and nothing is added to the step thread's work.
@@ -24,6 +24,20 @@ PREFIX_WINDOW_S = 60.0
 PREFIX_COUNTERS = (("prefix_hits", "prompts that reused a cached prefix"),
                    ("prefix_misses", "prompts that found no cached prefix"),
                    ("prefix_reused_tokens", "prompt tokens taken from the prefix cache instead of computed"))
+# (kind, key of Service.stats(), metric, help, scale): the admission queue in front of the sessions
+ADMISSION = (
+    ("gauge", "admission_queue_depth", "kestrel_admission_queue_depth", "generations waiting for a session", 1),
+    ("gauge", "admission_max_queue", "kestrel_admission_max_queue", "--max-queue", 1),
+    ("counter", "admission_waited", "kestrel_admission_waited", "generations that waited for a session, then got one",
+     1),
+    ("counter", "admission_wait_s", "kestrel_admission_wait_seconds", "time generations waited for a session, in all "
+     "(divide by kestrel_admission_waited_total for the mean)", 1),
+    ("gauge", "admission_max_wait_ms", "kestrel_admission_max_wait_seconds", "the longest wait for a session", 1e-3),
+    ("counter", "admission_left_while_queued", "kestrel_admission_left_while_queued",
+     "generations whose client left while they waited", 1),
+    ("counter", "admission_refused_queue_full", "kestrel_admission_refused",
+     "generations refused (429) because the queue was full", 1),
+)
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -88,6 +102,8 @@ class DaemonCollector:
         yield gauge("kestrel_mean_batch", "mean sessions per batched step", stats.get("mean_batch", 0.0))
         yield gauge("kestrel_tokens_per_step", "mean tokens per engine step", stats.get("tokens_per_step", 0.0))
         yield gauge("kestrel_queue_depth", "jobs waiting in the batcher", stats.get("queue_depth", 0))
+        for kind, key, name, doc, scale in ADMISSION:
+            yield (gauge if kind == "gauge" else counter)(name, doc, stats.get(key, 0) * scale)
         yield gauge("kestrel_sessions", "open sessions", stats["sessions"])
         yield gauge("kestrel_max_sessions", "--max-sessions", stats["max_sessions"])
         ttft = stats.get("ttft_ms") or {}

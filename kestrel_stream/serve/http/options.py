@@ -30,7 +30,7 @@ class HttpOptions:
     host: str
     port: int
     api_key: str | None
-    max_requests: int           # generations running at once; one more is answered 429
+    max_requests: int | None    # generations running or queued at once, one more answered 429 (None: as admitted)
     max_body_bytes: int
     model_name: str | None      # None: the model's directory or file name
     max_concurrent: int = DEFAULT_MAX_CONCURRENT    # requests being handled, any path; one more is answered 503
@@ -39,6 +39,7 @@ class HttpOptions:
     allowed_hosts: tuple[str, ...] = ()     # Host names accepted besides the bound address and loopback's
     cors_origins: tuple[str, ...] = ()      # origins a browser may call the API from (none: CORS off)
     prefix_scope: str = "shared"            # "key": HTTP requests reuse only prefixes cached under their API key
+    access_log: bool = True                 # a line per request on stderr (serve/http/access_log.py)
 
 
 def add_http_args(p) -> None:
@@ -48,7 +49,8 @@ def add_http_args(p) -> None:
                                                    "$KESTREL_API_KEY; required for a non-loopback --http")
     p.add_argument("--api-key-file", default=None, help="file holding the HTTP bearer key (mode 0600)")
     p.add_argument("--http-max-requests", type=int, default=None,
-                   help="HTTP generations running at once, one more gets 429 (default: --max-sessions)")
+                   help="HTTP generations running or waiting for a session at once, one more gets 429 "
+                        "(default: no bound of its own; --max-sessions + --max-queue bound them)")
     p.add_argument("--http-max-concurrent", type=int, default=DEFAULT_MAX_CONCURRENT,
                    help="HTTP requests being handled at once, of any path and bodies still arriving included; "
                         "one more gets 503 (/health excepted)")
@@ -69,6 +71,9 @@ def add_http_args(p) -> None:
     p.add_argument("--http-cors-origin", action="append", default=[], metavar="ORIGIN",
                    help="an origin (scheme://host[:port]) whose web pages may call the API; repeatable "
                         "(default: none, CORS off)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no line per HTTP request on stderr (method, path, status, tokens, queue wait, time to first "
+                        "token, duration)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id of /v1/models and the 'model' field requests must name "
                         "(default: the model path's last component)")
@@ -95,8 +100,8 @@ def http_options(args) -> HttpOptions | None:
     if not is_loopback(host) and not key:
         raise ValueError(f"--http {args.http}: a non-loopback address needs an API key "
                          f"(--api-key-file, $KESTREL_API_KEY or --api-key)")
-    max_requests = args.http_max_requests or args.max_sessions
-    checks = (("--http-max-requests", max_requests, 1, MAX_COUNT),
+    max_requests = args.http_max_requests
+    checks = (("--http-max-requests", 1 if max_requests is None else max_requests, 1, MAX_COUNT),
               ("--http-max-concurrent", args.http_max_concurrent, 1, MAX_COUNT),
               ("--http-body-timeout-s", args.http_body_timeout_s, 0.001, 3600),
               ("--http-header-timeout-s", args.http_header_timeout_s, 0.001, 3600),
@@ -116,7 +121,7 @@ def http_options(args) -> HttpOptions | None:
     return HttpOptions(host, int(port), key, max_requests, args.http_max_body_kb << 10, name,
                        args.http_max_concurrent, args.http_body_timeout_s, args.http_header_timeout_s,
                        tuple(n.lower() for n in args.http_allowed_host), tuple(args.http_cors_origin),
-                       args.prefix_cache_scope)
+                       args.prefix_cache_scope, args.access_log)
 
 
 def read_api_key(args) -> str | None:

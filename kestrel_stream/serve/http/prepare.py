@@ -63,7 +63,7 @@ class Preparer:
                                param=e.where, code="context_length_exceeded") from None
             raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
         del text
-        parsed = parse_request(body, chat, self.service.vocab_size, bounds)
+        parsed = parse_request(body, chat, self.service.vocab_size, bounds, self.service.sampling_defaults)
         model = body.get("model")
         if not isinstance(model, str) or model != self.model_name:
             raise APIError(404, f"model {model!r:.80} does not exist; this server has {self.model_name!r}",

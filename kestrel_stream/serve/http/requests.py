@@ -2,9 +2,10 @@
 
 Every field is checked for its type and range before anything reaches the
 engine; a bad one is answered 400 with the field named in ``param``.  Fields
-OpenAI defines that this server does not implement (``n`` > 1, ``best_of``,
-``echo``, ``suffix``, tools) are refused rather than ignored, so a client never
-gets an answer to a question it did not ask.
+OpenAI defines that this server does not implement (``best_of`` > 1,
+``echo``, ``suffix``, ``tools``, ``tool_choice``, ``functions``) are refused
+rather than ignored, so a client never gets an answer to a question it did
+not ask.
 
 A prompt's size is bounded before it is rendered or tokenized (``PromptBounds``):
 no more messages than the context has tokens, and no more characters than
@@ -16,9 +17,14 @@ import math
 from dataclasses import dataclass
 
 from kestrel_stream.serve.http.errors import APIError, bad_param
+from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 from kestrel_stream.text.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4                # OpenAI's limit
+MAX_CHOICES = 128                   # OpenAI's limit of n
+MAX_LOGIT_BIAS = 1024               # token ids one request may bias
+MAX_SCHEMA_CHARS = 64 << 10
+TOOL_FIELDS = ("tools", "tool_choice", "functions", "function_call", "parallel_tool_calls")
 MAX_CACHE_SALT_CHARS = 256
 MAX_TOP_LOGPROBS_CHAT = 20
 MAX_LOGPROBS_COMPLETIONS = 5
@@ -28,8 +34,9 @@ KNOWN_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature"
                 "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "n", "user",
                 "logit_bias", "ignore_eos", "cache_salt"}   # top_k, min_p, repeat_penalty, ignore_eos: as llama-server;
                                                         # cache_salt: as vLLM
-KNOWN_COMPLETIONS = KNOWN_COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
-KNOWN_CHAT = KNOWN_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+KNOWN_COMPLETIONS = KNOWN_COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format", *TOOL_FIELDS}
+KNOWN_CHAT = KNOWN_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format",
+                             *TOOL_FIELDS}
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,12 @@ class PromptBounds:
                            param=param, code="context_length_exceeded")
 
 
+@dataclass(frozen=True)
+class ResponseFormat:
+    kind: str                               # "json_object" or "json_schema"
+    schema: dict | None = None              # json_schema's schema (None: any JSON object)
+
+
 @dataclass
 class TextRequest:
     chat: bool
@@ -62,6 +75,9 @@ class TextRequest:
     logprobs: int | None                    # None: none; else how many alternatives per token (0..)
     ignore_eos: bool = False                # generate max_tokens whatever the model says (benchmarks)
     cache_salt: str | None = None           # reuse only prefixes cached by requests with the same salt
+    n: int = 1                              # choices: sequences sampled from the same prompt
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    response_format: ResponseFormat | None = None   # None: text
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -88,16 +104,21 @@ def stop_strings(body: dict) -> list[str]:
     return [s for s in stops if s]      # OpenAI accepts "" and ignores it
 
 
-def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None = None) -> TextRequest:
+def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None = None,
+                  defaults: SamplingDefaults = SamplingDefaults()) -> TextRequest:
     """The checked request; APIError 400 naming the first bad field.  bounds: the prompt's size is checked
-    against them (None: not checked here)."""
+    against them (None: not checked here).  defaults: serve's sampling flags, for the fields the body leaves out."""
+    d = defaults.get
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     unknown = sorted(set(body) - (KNOWN_CHAT if chat else KNOWN_COMPLETIONS))
     if unknown:
         raise bad_param(unknown[0], "this field is not supported by this server", "unsupported_parameter")
-    if number(body, "n", 1, 1, 1 << 30, integer=True) != 1:
-        raise bad_param("n", "only n=1 is supported")
+    n = number(body, "n", 1, 1, MAX_CHOICES, integer=True)
+    for name in TOOL_FIELDS:
+        if body.get(name) is not None:
+            raise bad_param(name, "tool calling is not supported by this server; describe the tools in the messages "
+                                  "and read the call from the answer's text", "unsupported_parameter")
     if not chat and number(body, "best_of", 1, 1, 1 << 30, integer=True) != 1:
         raise bad_param("best_of", "only best_of=1 is supported")
     echo = body.get("echo")
@@ -110,8 +131,6 @@ def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None
         raise bad_param("user", f"expected a string, got {user!r:.80}", "invalid_type")
     if not chat and body.get("suffix") is not None:
         raise bad_param("suffix", "suffix is not supported")
-    if body.get("logit_bias") not in (None, {}):
-        raise bad_param("logit_bias", "logit_bias is not supported")
     stream = body.get("stream", False)
     if stream is None:
         stream = False
@@ -124,17 +143,17 @@ def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None
         raise bad_param("stream_options", f"expected {{'include_usage': bool}}, got {options!r:.80}", "invalid_type")
     prompt = chat_messages(body, bounds) if chat else completion_prompt(body, vocab_size, bounds)
     limit_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = number(body, limit_name, None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS, 0, 1 << 31,
-                        integer=True)
+    max_tokens = number(body, limit_name, d("max_tokens", None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS), 0,
+                        1 << 31, integer=True)
     try:
         params = SamplingParams(
-            temperature=float(number(body, "temperature", 1.0, 0.0, 2.0)),
-            top_p=float(number(body, "top_p", 1.0, 1e-9, 1.0)),
-            top_k=number(body, "top_k", 0, -1, 1 << 31, integer=True),
-            min_p=float(number(body, "min_p", 0.0, 0.0, 1.0)),
-            presence_penalty=float(number(body, "presence_penalty", 0.0, -2.0, 2.0)),
-            frequency_penalty=float(number(body, "frequency_penalty", 0.0, -2.0, 2.0)),
-            repeat_penalty=float(number(body, "repeat_penalty", 1.0, 1e-3, 10.0)),
+            temperature=float(number(body, "temperature", d("temperature", 1.0), 0.0, 2.0)),
+            top_p=float(number(body, "top_p", d("top_p", 1.0), 1e-9, 1.0)),
+            top_k=number(body, "top_k", d("top_k", 0), -1, 1 << 31, integer=True),
+            min_p=float(number(body, "min_p", d("min_p", 0.0), 0.0, 1.0)),
+            presence_penalty=float(number(body, "presence_penalty", d("presence_penalty", 0.0), -2.0, 2.0)),
+            frequency_penalty=float(number(body, "frequency_penalty", d("frequency_penalty", 0.0), -2.0, 2.0)),
+            repeat_penalty=float(number(body, "repeat_penalty", d("repeat_penalty", 1.0), 1e-3, 10.0)),
             seed=number(body, "seed", None, 0, 2 ** 64 - 1, integer=True))
     except ValueError as e:             # the checks above should leave nothing for SamplingParams to refuse
         raise APIError(400, str(e)) from None
@@ -146,7 +165,54 @@ def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None
         raise bad_param("cache_salt", f"expected a string of 1..{MAX_CACHE_SALT_CHARS} characters, got "
                                       f"{salt!r:.80}", "invalid_type")
     return TextRequest(chat, prompt, max_tokens, params, stop_strings(body), stream,
-                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos, salt)
+                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos, salt, n,
+                       logit_bias_of(body, vocab_size), response_format_of(body))
+
+
+def logit_bias_of(body: dict, vocab_size: int) -> dict[int, float] | None:
+    """{"token id": bias in -100..100} as OpenAI sends it (ids as strings; integers accepted too)."""
+    bias = body.get("logit_bias")
+    if bias is None or bias == {}:
+        return None
+    if not isinstance(bias, dict):
+        raise bad_param("logit_bias", f"expected an object of token id -> bias, got {bias!r:.80}", "invalid_type")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_param("logit_bias", f"at most {MAX_LOGIT_BIAS} token ids, got {len(bias)}")
+    out = {}
+    for key, value in bias.items():
+        text = str(key)
+        if not text.isdigit() or not 0 <= int(text) < vocab_size:
+            raise bad_param("logit_bias", f"key {key!r:.40} is not a token id in 0..{vocab_size - 1}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise bad_param("logit_bias", f"the bias of token {text} must be a number in -100..100, got {value!r:.40}")
+        out[int(text)] = float(value)
+    return out
+
+
+def response_format_of(body: dict) -> ResponseFormat | None:
+    """{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}."""
+    fmt = body.get("response_format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise bad_param("response_format", f"expected {{'type': 'text' | 'json_object' | 'json_schema'}}, got "
+                                           f"{fmt!r:.80}", "invalid_type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat(kind)
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+        raise bad_param("response_format.json_schema", f"expected {{'name': str, 'schema': object}}, got "
+                                                       f"{spec!r:.80}", "invalid_type")
+    schema = spec.get("schema", {})
+    if not isinstance(schema, dict):
+        raise bad_param("response_format.json_schema.schema", f"expected a JSON Schema object, got {schema!r:.80}",
+                        "invalid_type")
+    if len(str(schema)) > MAX_SCHEMA_CHARS:
+        raise bad_param("response_format.json_schema.schema", f"a schema of at most {MAX_SCHEMA_CHARS} characters")
+    return ResponseFormat(kind, schema)
 
 
 def logprobs_of(body: dict, chat: bool) -> int | None:

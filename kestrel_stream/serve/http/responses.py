@@ -1,4 +1,5 @@
-"""OpenAI's response bodies: completion and chat completion objects, their stream chunks, logprobs, usage."""
+"""OpenAI's response bodies: completion and chat completion objects, their stream chunks, logprobs, usage; a
+request of n choices answers each under its ``index``."""
 from __future__ import annotations
 
 import json
@@ -13,8 +14,8 @@ class Shape:
         self.chat, self.model, self.generation = chat, model, generation
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text_offset = 0
-        self.framing: tuple[bytes, bytes] | None = None    # token_event's bytes around the text
+        self.text_offsets: dict[int, int] = {}              # choice -> characters of text sent before
+        self.framing: dict[int, tuple[bytes, bytes]] = {}  # choice -> token_event's bytes around the text
 
     def head(self, stream: bool) -> dict:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
@@ -23,8 +24,8 @@ class Shape:
 
     def usage(self) -> dict:
         g = self.generation
-        return {"prompt_tokens": g.prompt_tokens, "completion_tokens": len(g.tokens),
-                "total_tokens": g.prompt_tokens + len(g.tokens)}
+        return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
+                "total_tokens": g.prompt_tokens + g.completion_tokens}
 
     # -- logprobs --------------------------------------------------------------
     def chat_logprobs(self, outs) -> dict | None:
@@ -45,32 +46,38 @@ class Shape:
         tokens, offsets = [], []
         for o in outs:
             tokens.append(text(o.token))
-            offsets.append(self.text_offset)
-            self.text_offset += len(o.text)
+            offsets.append(self.text_offsets.get(o.index, 0))
+            self.text_offsets[o.index] = offsets[-1] + len(o.text)
         # a dict by token text: where two tokens read the same (e.g. partial UTF-8), the likelier one stays
         return {"tokens": tokens, "token_logprobs": [o.logprob for o in outs],
                 "top_logprobs": [{text(t): lp for t, lp in reversed(o.top)} for o in outs], "text_offset": offsets}
 
     # -- whole responses -------------------------------------------------------
     def complete(self, outs) -> dict:
-        text = "".join(o.text for o in outs)
-        reason = self.generation.finish_reason
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                      "logprobs": self.chat_logprobs(outs), "finish_reason": reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(outs), "finish_reason": reason}
-        return {**self.head(False), "choices": [choice], "usage": self.usage()}
+        choices = []
+        for one in self.generation.choices:
+            mine = [o for o in outs if o.index == one.index]
+            text, reason = "".join(o.text for o in mine), one.finish_reason
+            if self.chat:
+                choices.append({"index": one.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                                "logprobs": self.chat_logprobs(mine), "finish_reason": reason})
+            else:
+                choices.append({"index": one.index, "text": text, "logprobs": self.completion_logprobs(mine),
+                                "finish_reason": reason})
+        return {**self.head(False), "choices": choices, "usage": self.usage()}
 
     # -- stream chunks ---------------------------------------------------------
-    def chunk(self, outs, finish_reason: str | None = None, first: bool = False, include_usage: bool = False) -> dict:
+    def chunk(self, outs, finish_reason: str | None = None, first: bool = False, include_usage: bool = False,
+              index: int = 0) -> dict:
+        """A chunk of choice ``index`` (that of ``outs``, when given)."""
         text = "".join(o.text for o in outs)
+        index = outs[0].index if outs else index
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if outs else {})
-            choice = {"index": 0, "delta": delta, "logprobs": self.chat_logprobs(outs) if outs else None,
+            choice = {"index": index, "delta": delta, "logprobs": self.chat_logprobs(outs) if outs else None,
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(outs) if outs else None,
+            choice = {"index": index, "text": text, "logprobs": self.completion_logprobs(outs) if outs else None,
                       "finish_reason": finish_reason}
         body = {**self.head(True), "choices": [choice]}
         if include_usage:
@@ -79,13 +86,15 @@ class Shape:
 
     def token_event(self, out, include_usage: bool) -> bytes:
         """The SSE event of one token without logprobs: ``chunk([out])`` with only its text encoded anew."""
-        if self.framing is None:
+        framing = self.framing.get(out.index)
+        if framing is None:
             head = json.dumps(self.head(True), separators=(",", ":"))[:-1]
             text_key = '"delta":{"content":' if self.chat else '"text":'
             tail = ("}" if self.chat else "") + ',"logprobs":null,"finish_reason":null}]'
             tail += ',"usage":null}' if include_usage else "}"
-            self.framing = (f'data: {head},"choices":[{{"index":0,{text_key}'.encode(), (tail + "\n\n").encode())
-        return self.framing[0] + json.dumps(out.text).encode() + self.framing[1]
+            framing = self.framing[out.index] = (f'data: {head},"choices":[{{"index":{out.index},{text_key}'.encode(),
+                                                 (tail + "\n\n").encode())
+        return framing[0] + json.dumps(out.text).encode() + framing[1]
 
     def usage_chunk(self) -> dict:
         return {**self.head(True), "choices": [], "usage": self.usage()}

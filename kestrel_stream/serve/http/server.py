@@ -51,7 +51,8 @@ class HttpServer:
             app = build_app(service, options)
             where = f"[{bound[0]}]:{bound[1]}" if ":" in bound[0] else f"{bound[0]}:{bound[1]}"
             log(f"http listening on http://{where}/v1 (model {options.model_name!r}"
-                f"{', API key required' if options.api_key else ''}; {options.max_requests} generations, "
+                f"{', API key required' if options.api_key else ''}; "
+                f"{options.max_requests if options.max_requests is not None else 'admitted'} generations, "
                 f"{options.max_concurrent} requests at once)")
             task_status.started()
             await worker_serve(wrap_app(app, config.wsgi_max_body_size, "asgi"), config, sockets=sockets,
