@@ -128,15 +128,7 @@ class HostBackend(Steps):
             dense = self.dense(w)
             dense_t = (dense if (lo, hi) == (0, rows) else dense[lo:hi]).T
             return lambda x: x @ dense_t
-        kernels, parts, first = self.kernels, [], 0
-        for part in tensor_parts(w):                 # a RowStack's runs of one format each, in row order
-            end = first + part.shape[0]
-            if first < hi and lo < end:
-                piece = part.rows(max(lo, first) - first, min(hi, end) - first)
-                prepared = (kernels.prepare_q8_0(piece.qs, piece.scales) if tensor_format(piece) == "Q8_0"
-                            else kernels.prepare_blocks(piece.fmt, piece.blocks, piece.cols))
-                parts.append((max(lo, first) - lo, prepared))
-            first = end
+        kernels, parts = self.kernels, self._prepared(w, lo, hi)
         if len(parts) == 1:
             prepared = parts[0][1]
             return lambda x: kernels.matmul(x, prepared)
@@ -147,6 +139,34 @@ class HostBackend(Steps):
                 kernels.matmul(x, prepared, out=out[:, offset:offset + prepared.rows])
             return out
         return stacked
+
+    def fused_linear(self, w, norm: np.ndarray | None, eps: float, glu: bool) -> Callable[[np.ndarray], np.ndarray]:
+        """On the native kernels: x [T, K] -> rmsnorm(x, norm, eps) @ W.T (no norm: x @ W.T), and with glu
+        silu(gate) * up of the result's two halves [T, N/2]; one call into the library where W is one
+        format.  (numpy runs the same ops one by one: program.py.)"""
+        kernels, parts = self.kernels, self._prepared(w, 0, w.shape[0])
+        if len(parts) == 1:
+            return kernels.linear(parts[0][1], norm, eps, glu)
+        stacked, half = self.linear(w), w.shape[0] // 2
+
+        def run(x: np.ndarray) -> np.ndarray:
+            y = stacked(x if norm is None else kernels.rmsnorm(x, norm, eps))
+            return kernels.silu_mul(y[:, :half], y[:, half:]) if glu else y
+        return run
+
+    def _prepared(self, w, lo: int, hi: int) -> list:
+        """Rows lo..hi of w as the kernels' prepared weights: (first row - lo, PreparedWeight) per run of
+        one format (a RowStack has several), in row order."""
+        kernels, parts, first = self.kernels, [], 0
+        for part in tensor_parts(w):
+            end = first + part.shape[0]
+            if first < hi and lo < end:
+                piece = part.rows(max(lo, first) - first, min(hi, end) - first)
+                prepared = (kernels.prepare_q8_0(piece.qs, piece.scales) if tensor_format(piece) == "Q8_0"
+                            else kernels.prepare_blocks(piece.fmt, piece.blocks, piece.cols))
+                parts.append((max(lo, first) - lo, prepared))
+            first = end
+        return parts
 
     def dense_if_built(self, w: QTensor) -> np.ndarray | None:
         return self._dequantized.get(tensor_key(w))
