@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "host_kernels.h"
+
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3 };
 
@@ -1093,18 +1095,7 @@ static void matmul_lanes(void *ctx, int index, int count) {
 }
 #endif
 
-/* A projection as the step program runs it: weight, prologue and epilogue fixed once (the caller keeps
-   the struct), tokens per call.  norm: x's rows rmsnormed by it first (the numbers of ks_rmsnorm); glu:
-   rows [0, N/2) are the gate and [N/2, N) the up projection, and out [T, N/2] is silu(gate) * up (the
-   numbers of ks_silu_mul). */
-typedef struct {
-    int fmt, isa, N, K, glu, threads;
-    const uint8_t *w, *meta;
-    ptrdiff_t w_stride, meta_stride;
-    const float *norm;
-    float eps;
-} ks_linear_t;
-
+/* A projection bound once (ks_linear_t, host_kernels.h): prologue norm, matmul, SiLU·mul epilogue. */
 static void silu_mul_rows(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
                           float *out, ptrdiff_t out_stride, int threads);
 

@@ -47,6 +47,9 @@ class HostKernels:
         lib.ks_linear.restype = _i
         lib.ks_qkv_rope.argtypes = [_p, _z, _i, _i, _i, _i, _p, _p, _f, _p, _p, _p, _z, _p, _p, _z, _i]
         lib.ks_qkv_rope.restype = _i
+        lib.ks_program.argtypes = [_p, _i, _p]
+        lib.ks_program.restype = _i
+        self.program_call = lib.ks_program        # run/host/native_program.py's step: its op list and buffers
         lib.ks_quantize_act.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p]
         lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
         lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]
@@ -247,7 +250,7 @@ class _LinearSpec(ctypes.Structure):
 class Linear:
     """HostKernels.linear's bound projection: `linear(x)` -> float32 [T, N] ([T, N/2] with glu).  The
     weight, the norm and the settings are fixed in a C struct once, so a call passes x and out alone."""
-    __slots__ = ("weight", "norm", "glu", "width", "_spec", "_spec_ptr", "_call")
+    __slots__ = ("weight", "norm", "glu", "width", "spec_address", "_spec", "_call")
 
     def __init__(self, kernels: HostKernels, w: "PreparedWeight", norm: np.ndarray | None, eps: float, glu: bool):
         assert not glu or w.rows % 2 == 0
@@ -257,7 +260,7 @@ class Linear:
         self._spec = _LinearSpec(w.fmt_id, kernels._isa_id, w.rows, w.cols, int(glu), kernels.threads, w.w_ptr,
                                  w.meta_ptr, w.w_stride, w.meta_stride,
                                  None if self.norm is None else self.norm.ctypes.data, eps)
-        self._spec_ptr = ctypes.addressof(self._spec)
+        self.spec_address = ctypes.addressof(self._spec)      # host_program.c's ops point here
         self._call = kernels._lib.ks_linear
 
     def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
@@ -271,7 +274,7 @@ class Linear:
             assert out.dtype == np.float32 and out.shape == (t, self.width) and (self.width < 2 or out.strides[1] == 4)
         if t == 0 or self.width == 0:
             return out
-        if self._call(self._spec_ptr, _address(x), x.strides[0] >> 2, t, _address(out), out.strides[0] >> 2) != 0:
+        if self._call(self.spec_address, _address(x), x.strides[0] >> 2, t, _address(out), out.strides[0] >> 2) != 0:
             raise MemoryError(f"host kernels: no memory for {t} x {k} quantized activations")
         return out
 

@@ -28,6 +28,8 @@ from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
 from kestrel_stream.run.executor import StepCounters
 from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
+from kestrel_stream.obs import trace
+from kestrel_stream.run.host.native_program import NativeProgram
 from kestrel_stream.run.host.program import HostProgram, HostState
 from kestrel_stream.run.steps import Steps
 
@@ -103,6 +105,7 @@ class HostBackend(Steps):
         self.rope_swap = np.concatenate([np.arange(half, 2 * half), np.arange(half)])
         self.counters = StepCounters.counting("cpu_weight_read_bytes") if counters is None else counters
         self._whole_step: HostProgram | None = None
+        self._native_step: NativeProgram | None = None     # the whole step as one native call, where it binds
 
     def plan(self, tokens: int):
         return scheduler.build_plan(self.config, tokens, "cpu")
@@ -128,7 +131,7 @@ class HostBackend(Steps):
             dense = self.dense(w)
             dense_t = (dense if (lo, hi) == (0, rows) else dense[lo:hi]).T
             return lambda x: x @ dense_t
-        kernels, parts = self.kernels, self._prepared(w, lo, hi)
+        kernels, parts = self.kernels, self.prepared_parts(w, lo, hi)
         if len(parts) == 1:
             prepared = parts[0][1]
             return lambda x: kernels.matmul(x, prepared)
@@ -144,7 +147,7 @@ class HostBackend(Steps):
         """On the native kernels: x [T, K] -> rmsnorm(x, norm, eps) @ W.T (no norm: x @ W.T), and with glu
         silu(gate) * up of the result's two halves [T, N/2]; one call into the library where W is one
         format.  (numpy runs the same ops one by one: program.py.)"""
-        kernels, parts = self.kernels, self._prepared(w, 0, w.shape[0])
+        kernels, parts = self.kernels, self.prepared_parts(w)
         if len(parts) == 1:
             return kernels.linear(parts[0][1], norm, eps, glu)
         stacked, half = self.linear(w), w.shape[0] // 2
@@ -154,10 +157,11 @@ class HostBackend(Steps):
             return kernels.silu_mul(y[:, :half], y[:, half:]) if glu else y
         return run
 
-    def _prepared(self, w, lo: int, hi: int) -> list:
+    def prepared_parts(self, w, lo: int = 0, hi: int | None = None) -> list:
         """Rows lo..hi of w as the kernels' prepared weights: (first row - lo, PreparedWeight) per run of
         one format (a RowStack has several), in row order."""
         kernels, parts, first = self.kernels, [], 0
+        hi = w.shape[0] if hi is None else hi
         for part in tensor_parts(w):
             end = first + part.shape[0]
             if first < hi and lo < end:
@@ -224,13 +228,17 @@ class HostBackend(Steps):
         if self._whole_step is None:
             (segment,) = self.plan(1).segments
             self._whole_step = self.program(segment.ops)
+            self._native_step = NativeProgram.bind(self, segment.ops)
         ids, positions, runs = session_runs(batch)
         bounds = [lo for _, lo, _, _ in runs] + [len(ids)]
         cos, sin = self.rope(positions)
         last = np.asarray(bounds[1:]) - 1 if logits == "last" else None
-        state = HostState(ids, runs, cos, sin, last)
-        self._whole_step.run(state)
-        out = state.read("logits")
+        if self._native_step is not None and trace.active is None:      # a trace times each op: per-op calls
+            out = self._native_step.run(ids, runs, cos, sin, last)
+        else:
+            state = HostState(ids, runs, cos, sin, last)
+            self._whole_step.run(state)
+            out = state.read("logits")
         self.counters.steps += 1
         self.counters.tokens += len(ids)
         if logits == "last":

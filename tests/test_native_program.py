@@ -1,0 +1,96 @@
+"""The whole cpu step as one native call (run/host/native_program.py) against the same ops called one by
+one from the host program: the same logits and caches bit for bit, for decode, prefill, several sessions
+in one step and lm_head on chosen rows, on Q8_0 and on a Q4_K_M mix (a qkv of two formats); the segments
+it has no entry for stay per-op."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from bench.make_gguf import write as write_gguf
+from bench.synthetic import random_q8_weights
+from kestrel_stream.loading.loader import load_weights
+from kestrel_stream.obs import trace
+from kestrel_stream.options import Options
+from kestrel_stream.run.host import HostBackend
+from kestrel_stream.run.host.backend import session_runs
+from kestrel_stream.run.host.native_program import NativeProgram
+from kestrel_stream.run.host.program import HostState
+from test_executors_emulated import CONFIGS
+from test_quant4 import CFG
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+NATIVE = Options.from_env().with_(host_kernels="native")
+
+
+@pytest.fixture(scope="module", params=["q8_0-qwen3", "q8_0-llama", "q4_k_m-qwen3"])
+def weights(request, tmp_path_factory):
+    if request.param == "q4_k_m-qwen3":
+        path = tmp_path_factory.mktemp("mix") / "m.gguf"
+        write_gguf(CFG, None, str(path), seed=3, mix="q4_k_m")
+        return load_weights(path)
+    return random_q8_weights(CONFIGS[request.param.split("-")[1]], seed=4)
+
+
+def per_op(backend, batch, logits):
+    """The same step through HostProgram's per-op calls (what a trace or a mixed segment runs)."""
+    program = backend.program(backend.plan(1).segments[0].ops)
+    ids, positions, runs = session_runs(batch)
+    cos, sin = backend.rope(positions)
+    last = np.asarray([hi - 1 for _, _, hi, _ in runs]) if logits == "last" else None
+    state = HostState(ids, runs, cos, sin, last)
+    program.run(state)
+    return state.read("logits")
+
+
+def test_one_call_is_the_per_op_calls_bit_for_bit(weights):
+    one, ops = HostBackend(weights, options=NATIVE), HostBackend(weights, options=NATIVE)
+    assert NativeProgram.bind(one, one.plan(1).segments[0].ops) is not None
+    kv_one = [one.alloc_kv(32), one.alloc_kv(24)]
+    kv_ops = [ops.alloc_kv(32), ops.alloc_kv(24)]
+    steps = [([[5, 3, 200, 17, 42]], [0], "all"),                 # a prompt
+             ([[7]], [5], "all"),                                 # a decode step
+             ([[9, 8, 7], [11]], [0, 6], "last"),                 # a prompt of the second session beside a decode
+             ([[1], [2]], [3, 7], "all"),                         # two decodes at different positions
+             ([list(range(20, 38))], [8], "last")]                # a longer chunk: tokens in lanes (VNNI)
+    for tokens, starts, logits in steps:
+        sessions = range(len(tokens))
+        got = one.forward([(kv_one[s], np.array(tokens[s]), starts[s]) for s in sessions], logits)
+        expect = per_op(ops, [(kv_ops[s], np.array(tokens[s]), starts[s]) for s in sessions], logits)
+        assert np.array_equal(np.concatenate(got), expect), (tokens, starts)
+        for a, b in zip(kv_one, kv_ops):
+            assert np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
+
+
+def test_it_counts_the_bytes_the_per_op_program_counts(weights):
+    one, ops = HostBackend(weights, options=NATIVE), HostBackend(weights, options=NATIVE)
+    one.forward([(one.alloc_kv(8), np.array([1, 2, 3]), 0)])
+    per_op(ops, [(ops.alloc_kv(8), np.array([1, 2, 3]), 0)], "all")
+    assert one.counters.cpu_weight_read_bytes == ops.counters.cpu_weight_read_bytes > 0
+
+
+def test_a_trace_times_each_op_through_the_per_op_program(weights, tmp_path):
+    backend = HostBackend(weights, options=NATIVE)
+    kv = backend.alloc_kv(8)
+    plain = backend.forward([(kv, np.array([4, 5]), 0)])[0]
+    trace.start(tmp_path / "t.json")
+    try:
+        traced = backend.forward([(backend.alloc_kv(8), np.array([4, 5]), 0)])[0]
+    finally:
+        written = trace.stop()
+    assert np.array_equal(plain, traced)
+    events = json.loads(written.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    names = [e["name"] for e in events]
+    assert names.count("attention") == weights.config.num_hidden_layers and names.count("lm_head") == 1
+
+
+def test_numpy_and_routed_layers_keep_the_per_op_program():
+    numpy_backend = HostBackend(random_q8_weights(CONFIGS["qwen3"], seed=1))
+    assert numpy_backend.kernels is None
+    assert NativeProgram.bind(numpy_backend, numpy_backend.plan(1).segments[0].ops) is None
+    moe = HostBackend(random_q8_weights("qwen3-moe-tiny", seed=1), options=NATIVE)
+    assert NativeProgram.bind(moe, moe.plan(1).segments[0].ops) is None
