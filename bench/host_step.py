@@ -86,21 +86,26 @@ def main() -> None:
     parser.add_argument("--kernels", default="native,numpy")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    main_for(args.files, args.threads, args.out, args.context, args.steps, args.repeats, args.kernels.split(","))
+
+
+def main_for(files, threads: int, out=None, context: int = 32, steps: int = 32, repeats: int = 3,
+             kernels_list=("native", "numpy")) -> None:
     rows = []
-    for path in args.files:
+    for path in files:
         weights = load_weights(path)
-        for kernels in args.kernels.split(","):
+        for kernels in kernels_list:
             row = {"file": path.rstrip("/").rsplit("/", 1)[-1],
-                   **breakdown(weights, kernels, args.threads, args.context, args.steps, args.repeats)}
+                   **breakdown(weights, kernels, threads, context, steps, repeats)}
             print(row, flush=True)
             rows.append(row)
     columns = ["file", "kernels", "threads", *[f"{k}_us" for k in KINDS], "ops_sum_ms", "step_ms", "tok_s"]
     path = write_results("host-step", environment(), rows, [c for c in columns if any(c in r for r in rows)],
-                         out_dir=args.out,
-                         notes=f"Batch-1 decode after {args.context} tokens. *_us: microseconds per token of each "
+                         out_dir=out,
+                         notes=f"Batch-1 decode after {context} tokens. *_us: microseconds per token of each "
                                f"op kind called one by one (HostProgram); ops_sum_ms: their sum; step_ms: the step "
                                f"as the engine runs it (native: one library call a step). Medians of "
-                               f"{args.repeats} rounds of {args.steps} steps.")
+                               f"{repeats} rounds of {steps} steps.")
     print(f"wrote {path}")
 
 

@@ -30,7 +30,7 @@ from kestrel_stream.run.executor import StepCounters
 from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
 from kestrel_stream.obs import trace
 from kestrel_stream.run.host.native_program import NativeProgram
-from kestrel_stream.run.host.program import HostProgram, HostState
+from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES, HostProgram, HostState
 from kestrel_stream.run.steps import Steps
 
 
@@ -233,7 +233,9 @@ class HostBackend(Steps):
         bounds = [lo for _, lo, _, _ in runs] + [len(ids)]
         cos, sin = self.rope(positions)
         last = np.asarray(bounds[1:]) - 1 if logits == "last" else None
-        if self._native_step is not None and trace.active is None:      # a trace times each op: per-op calls
+        # one call a step where it binds, no trace times each op and every session's attention is native
+        if (self._native_step is not None and trace.active is None
+                and all(hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in runs)):
             out = self._native_step.run(ids, runs, cos, sin, last)
         else:
             state = HostState(ids, runs, cos, sin, last)

@@ -7,7 +7,9 @@ the same order, a float32 add for the residual as numpy's); what goes away is th
 The embedding's rows are gathered in Python first, as the per-op program does.
 
 `bind` returns None where a segment has an op the list has no entry for (a routed layer, a split group):
-HostProgram runs those.  Buffers are kept between steps and grow to the largest step (logits are new
+HostProgram runs those, and the steps where a session has more rows than the native attention takes
+(program.NATIVE_ATTENTION_QUERIES: a prompt's chunk, where the per-op program pays its Python once for
+many tokens).  Buffers are kept between steps and grow to the largest step (logits are new
 each step: the caller keeps them).
 """
 from __future__ import annotations

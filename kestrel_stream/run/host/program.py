@@ -243,15 +243,26 @@ def _attention(backend, op):
     return run
 
 
+# A session's queries in one step that the native attention takes; more (a prompt's chunk) run on numpy's
+# batched matmul, faster there: the native kernel's jobs are (query, kv heads), one dot product at a time.
+NATIVE_ATTENTION_QUERIES = 4
+
+
 def _native_attention(backend, op):
-    """Attention on the native kernels, each session's queries over its own cache's first start + n rows."""
+    """Each session's queries over its own cache: on the native kernels (its first start + n rows), or
+    with numpy where the session has more than NATIVE_ATTENTION_QUERIES rows."""
     c, layer, window, kernels = backend.config, op.layer, backend.config.sliding_window, backend.kernels
 
     def run(state: StepState) -> None:
         q, attn = state.read("q"), np.empty((state.T, c.q_size), np.float32)
         for kv, lo, hi, start in state.runs:
             cache, first = state.host_kv(kv)
-            kernels.attention(q[lo:hi], cache.k[layer - first], cache.v[layer - first], start, window, out=attn[lo:hi])
+            k, v = cache.k[layer - first], cache.v[layer - first]
+            if hi - lo <= NATIVE_ATTENTION_QUERIES:
+                kernels.attention(q[lo:hi], k, v, start, window, out=attn[lo:hi])
+            else:
+                end = start + hi - lo
+                attn[lo:hi] = attention(q[lo:hi], k[:end], v[:end], start, window)
         state.write("attn", attn)
     return run
 
