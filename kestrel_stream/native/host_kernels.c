@@ -772,9 +772,9 @@ static inline act_t token_act(const matmul_t *m, int t) {
    broadcast to every lane.  A weight row is unpacked once per call (unpack_row: signed values, a
    float scale and its value sum per group of G, Q4_K's min per group) and read by every token, so a
    block is decoded once, not once per token.  q + 128 adds 128 * (the row's group sum), taken off
-   before the group's float scale.  Each level has its own bytes; a group's int32 sum runs over the hi
-   bytes, is shifted by 7 (times 128) and continues over the lo bytes: 128 * hi + lo exactly (below 2^27
-   for every format's groups), and the tile's scales are d / 128. */
+   before the group's float scale.  Each level has its own bytes and its own int32 sums per group, both
+   fed by one broadcast of each weight quad; the hi sum shifted by 7 (times 128) plus the lo sum is
+   128 * hi + lo exactly (below 2^27 for every format's groups), and the tile's scales are d / 128. */
 
 #define LANES 16
 
@@ -908,21 +908,22 @@ TARGET_VNNI static inline __attribute__((always_inline)) void lanes_kernel(
     for (int r = 0; r < TILE_ROWS; r++) total[r] = part[r] = _mm512_setzero_ps();
     for (int g0 = 0; g0 < K; g0 += group) {
         const int gi = g0 / group;
-        __m512i acc[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_set1_epi32(-sums[r][gi]);
-        for (int level = 0; level < 2; level++) {
-            const uint8_t *lb = bytes + (size_t)level * K * LANES;
-            if (level)
-                for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_sub_epi32(_mm512_slli_epi32(acc[r], 7), _mm512_set1_epi32(sums[r][gi]));
-            for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
-                __m512i a = _mm512_load_si512((const void *)(lb + (size_t)q * 64));
-                for (int r = 0; r < TILE_ROWS; r++) {
-                    int32_t wv;
-                    memcpy(&wv, vals[r] + 4 * q, 4);
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], a, _mm512_set1_epi32(wv));
-                }
+        /* both levels in one pass, each weight broadcast read once for both */
+        __m512i acc[TILE_ROWS], acc_lo[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) acc[r] = acc_lo[r] = _mm512_set1_epi32(-sums[r][gi]);
+        const uint8_t *lb = bytes + (size_t)K * LANES;
+        for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
+            __m512i a = _mm512_load_si512((const void *)(bytes + (size_t)q * 64));
+            __m512i al = _mm512_load_si512((const void *)(lb + (size_t)q * 64));
+            for (int r = 0; r < TILE_ROWS; r++) {
+                int32_t wv;
+                memcpy(&wv, vals[r] + 4 * q, 4);
+                const __m512i wb = _mm512_set1_epi32(wv);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], a, wb);
+                acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], al, wb);
             }
         }
+        for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc_lo[r]);
         if (act_group == 32) {
             __m512 ad = _mm512_load_ps(d + (size_t)gi * LANES);
             for (int r = 0; r < TILE_ROWS; r++)

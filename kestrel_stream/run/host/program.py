@@ -5,7 +5,11 @@ A HostProgram is a segment's ops in the plan's order, each op that runs alone as
 prologue of the projection that reads it and SiLU·mul the epilogue of gate_up, on the host as on the
 device, so the ops that call something here are the ops the device launches.  cpu mode runs the whole
 step as one program; gated and layers=N run their host segments as programs over the pinned state
-(run/mixed.py); KESTREL_VERIFY runs the whole step on it.
+(run/mixed.py); KESTREL_VERIFY runs the whole step on it.  With the native kernels a projection is one
+call (its norm prologue and gate_up's SiLU·mul inside: HostBackend.fused_linear), rope one call per
+session (kernels.qkv_rope) and attention native up to NATIVE_ATTENTION_QUERIES queries a session; numpy
+runs each of those as its own numpy ops, the reference arithmetic.  A cpu step can also run as one
+library call (native_program.py), the same numbers as these calls.
 
 A program reads and writes the step's state through a StepState: `read(name)`, `write(name, value)`,
 `add(name, value)` (the residual stream) and `write_rows(name, lo, hi, value, width)` (a split group's
