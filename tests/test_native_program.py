@@ -13,6 +13,7 @@ import pytest
 from bench.make_gguf import write as write_gguf
 from hf_oracle import assert_logits_match
 from bench.synthetic import random_q8_weights
+from kestrel_stream import native
 from kestrel_stream.loading.loader import load_weights
 from kestrel_stream.obs import trace
 from kestrel_stream.options import Options
@@ -25,6 +26,7 @@ from test_quant4 import CFG
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 NATIVE = Options.from_env().with_(host_kernels="native")
+HOST_ISAS_HERE = native.load().supported if shutil.which("cc") else ()
 
 
 @pytest.fixture(scope="module", params=["q8_0-qwen3", "q8_0-llama", "q4_k_m-qwen3"])
@@ -132,3 +134,16 @@ def test_it_stays_within_the_engines_tolerance_of_numpy(weights):
         got = native_backend.forward([(kv_n, np.array(tokens), start)])[0]
         expect = numpy_backend.forward([(kv_r, np.array(tokens), start)])[0]
         assert_logits_match(got, expect)
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS_HERE)
+def test_every_isa_path_gives_the_per_op_numbers(isa):
+    """Forced down to each ISA the CPU has (the fallback paths), the one call is still the per-op calls."""
+    weights = random_q8_weights(CONFIGS["qwen3"], seed=6)
+    options = NATIVE.with_(host_isa=isa)
+    one, ops = HostBackend(weights, options=options), HostBackend(weights, options=options)
+    assert one.kernels.isa == isa
+    kv_one, kv_ops = one.alloc_kv(8), ops.alloc_kv(8)
+    for tokens, start in (([3, 1, 4, 1], 0), ([5], 4)):
+        got = one_call(one, [(kv_one, np.array(tokens), start)], "all")
+        assert np.array_equal(got, per_op(ops, [(kv_ops, np.array(tokens), start)], "all"))
