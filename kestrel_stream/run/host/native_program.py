@@ -10,7 +10,7 @@ The embedding's rows are gathered in Python first, as the per-op program does.
 HostProgram runs those, and the steps where a session has more rows than the native attention takes
 (program.NATIVE_ATTENTION_QUERIES: a prompt's chunk, where the per-op program pays its Python once for
 many tokens).  Buffers are kept between steps and grow to the largest step (logits are new
-each step: the caller keeps them).
+each step: the caller keeps them), so a program runs one step at a time (the engine's step lock).
 """
 from __future__ import annotations
 
