@@ -45,10 +45,11 @@ def step_inputs(backend, batch, logits):
 
 
 def per_op(backend, batch, logits):
-    """The same step through HostProgram's per-op calls (what a trace or a mixed segment runs)."""
+    """The same step through HostProgram's calls one by one (what a traced step runs)."""
     program = backend.program(backend.plan(1).segments[0].ops)
     state = HostState(*step_inputs(backend, batch, logits))
-    program.run(state)
+    for call in program.calls:
+        call(state)
     return state.read("logits")
 
 
@@ -147,3 +148,27 @@ def test_every_isa_path_gives_the_per_op_numbers(isa):
     for tokens, start in (([3, 1, 4, 1], 0), ([5], 4)):
         got = one_call(one, [(kv_one, np.array(tokens), start)], "all")
         assert np.array_equal(got, per_op(ops, [(kv_ops, np.array(tokens), start)], "all"))
+
+
+@pytest.mark.parametrize("name", ["layers=1", "layers=all", "gated-split-qkv"])   # layers=all: lm_head alone
+def test_a_mixed_steps_host_segments_as_one_call(name, monkeypatch):
+    """layers=N and gated run their host segments over the pinned state as one call each (where the
+    segment binds): the logits of the per-op calls, bit for bit, on the emulated device."""
+    import fake_cuda
+    from test_executors_emulated import make_split_engine, run
+
+    fake_cuda.install(monkeypatch, mode="deferred")
+    monkeypatch.setenv("KESTREL_HOST_KERNELS", "native")
+    weights = random_q8_weights(CONFIGS["qwen3"], seed=3)
+    calls = []
+    real = NativeProgram.run_state
+    monkeypatch.setattr(NativeProgram, "run_state", lambda self, state: calls.append(state.T) or real(self, state))
+    engine = make_split_engine(weights, name, monkeypatch)
+    one_call = run(engine, [5, 3, 200])[0]
+    engine.close()
+    assert calls and max(calls) <= NATIVE_ATTENTION_QUERIES
+    monkeypatch.setattr(NativeProgram, "bind", classmethod(lambda cls, backend, ops: None))
+    engine = make_split_engine(weights, name, monkeypatch)
+    per_op_logits = run(engine, [5, 3, 200])[0]
+    engine.close()
+    assert np.array_equal(one_call, per_op_logits)

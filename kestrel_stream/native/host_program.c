@@ -21,9 +21,9 @@ typedef struct {
 } ks_op_t;
 
 /* One session's rows of the step: rows lo..hi-1 at positions start.. over its float32 cache
-   [layers, capacity, n_kv, D] (k, v: layer 0, row 0). */
+   [layers, capacity, n_kv, D] (k, v: its first layer, row 0), which holds layers first.. of the model. */
 typedef struct {
-    int lo, hi, start;
+    int lo, hi, start, first;
     ptrdiff_t layer_stride;
     float *k, *v;
 } ks_run_t;
@@ -74,7 +74,7 @@ int ks_program(const ks_op_t *ops, int n_ops, const ks_step_t *s) {
             const ptrdiff_t row = (ptrdiff_t)op->n_kv * op->D;
             for (int r = 0; r < s->n_runs && !status; r++) {
                 const ks_run_t *run = s->runs + r;
-                const ptrdiff_t at = run->layer_stride * op->layer + row * run->start;
+                const ptrdiff_t at = run->layer_stride * (op->layer - run->first) + row * run->start;
                 status = ks_qkv_rope(in + iw * run->lo, iw, run->hi - run->lo, op->H, op->n_kv, op->D, op->bias,
                                      op->qk_norm, op->eps, s->cos_t + (ptrdiff_t)op->D * run->lo,
                                      s->sin_t + (ptrdiff_t)op->D * run->lo, out + ow * run->lo, ow, run->k + at,
@@ -85,7 +85,7 @@ int ks_program(const ks_op_t *ops, int n_ops, const ks_step_t *s) {
         case OP_ATTENTION:          /* in: q; out: attn */
             for (int r = 0; r < s->n_runs && !status; r++) {
                 const ks_run_t *run = s->runs + r;
-                const ptrdiff_t at = run->layer_stride * op->layer;
+                const ptrdiff_t at = run->layer_stride * (op->layer - run->first);
                 status = ks_attention(in + iw * run->lo, iw, op->D, run->hi - run->lo, op->H, op->D, run->k + at,
                                       run->v + at, 0, (ptrdiff_t)op->n_kv * op->D, op->D, op->n_kv, run->start,
                                       op->window, op->scale, out + ow * run->lo, ow, s->threads);

@@ -29,7 +29,6 @@ from kestrel_stream.options import Options
 from kestrel_stream.run.executor import StepCounters
 from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
 from kestrel_stream.obs import trace
-from kestrel_stream.run.host.native_program import NativeProgram
 from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES, HostProgram, HostState
 from kestrel_stream.run.steps import Steps
 
@@ -105,7 +104,6 @@ class HostBackend(Steps):
         self.rope_swap = np.concatenate([np.arange(half, 2 * half), np.arange(half)])
         self.counters = StepCounters.counting("cpu_weight_read_bytes") if counters is None else counters
         self._whole_step: HostProgram | None = None
-        self._native_step: NativeProgram | None = None     # the whole step as one native call, where it binds
 
     def plan(self, tokens: int):
         return scheduler.build_plan(self.config, tokens, "cpu")
@@ -228,15 +226,15 @@ class HostBackend(Steps):
         if self._whole_step is None:
             (segment,) = self.plan(1).segments
             self._whole_step = self.program(segment.ops)
-            self._native_step = NativeProgram.bind(self, segment.ops)
         ids, positions, runs = session_runs(batch)
         bounds = [lo for _, lo, _, _ in runs] + [len(ids)]
         cos, sin = self.rope(positions)
         last = np.asarray(bounds[1:]) - 1 if logits == "last" else None
         # one call a step where it binds, no trace times each op and every session's attention is native
-        if (self._native_step is not None and trace.active is None
-                and all(hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in runs)):
-            out = self._native_step.run(ids, runs, cos, sin, last)
+        one_call = self._whole_step.one_call
+        if one_call is not None and trace.active is None and all(hi - lo <= NATIVE_ATTENTION_QUERIES
+                                                                 for _, lo, hi, _ in runs):
+            out = one_call.run(ids, runs, cos, sin, last)
         else:
             state = HostState(ids, runs, cos, sin, last)
             self._whole_step.run(state)

@@ -4,7 +4,9 @@ The same ops as HostProgram's, bound once to the library's op list: a projection
 norm prologue and SiLU·mul epilogue inside), then the residual add; rope and attention run per session
 over its cache.  The numbers are those of the per-op native calls, bit for bit (the same C functions in
 the same order, a float32 add for the residual as numpy's); what goes away is the Python around each op.
-The embedding's rows are gathered in Python first, as the per-op program does.
+The embedding's rows are gathered in Python first, as the per-op program does.  cpu mode runs its whole
+step through `run`; a mixed step's host segment goes through `run_state` over its pinned state (what the
+segment reads copied in, what it writes written back through the state).
 
 `bind` returns None where a segment has an op the list has no entry for (a routed layer, a split group):
 HostProgram runs those, and the steps where a session has more rows than the native attention takes
@@ -20,10 +22,13 @@ import numpy as np
 
 from kestrel_stream.model.op_tensors import fused_tensor
 from kestrel_stream.run.host.arithmetic import attention_scale
+from scheduler import segment_inputs
 from scheduler.ops import runs_alone
 
 X, QKV, Q, ATTN, ACT, LOGITS, TMP, XL = range(8)         # the step's buffers (host_program.c: KS_BUFFERS)
-BUFFER_OF = {"x": X, "attn": ATTN, "act": ACT}
+BUFFER_OF = {"x": X, "attn": ATTN, "act": ACT}           # what a projection reads
+INPUT_OF = {"x": X, "qkv": QKV, "attn": ATTN, "act": ACT}        # what a segment may find made before it
+OUTPUT_OF = {"x": X, "qkv": QKV, "q": Q, "attn": ATTN, "act": ACT, "logits": LOGITS}
 OP_LINEAR, OP_ADD, OP_SILU_MUL, OP_QKV_ROPE, OP_ATTENTION = range(5)
 
 _i, _f, _p, _z = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_ssize_t
@@ -36,7 +41,7 @@ class Op(ctypes.Structure):
 
 
 class Run(ctypes.Structure):
-    _fields_ = [("lo", _i), ("hi", _i), ("start", _i), ("layer_stride", _z), ("k", _p), ("v", _p)]
+    _fields_ = [("lo", _i), ("hi", _i), ("start", _i), ("first", _i), ("layer_stride", _z), ("k", _p), ("v", _p)]
 
 
 class Step(ctypes.Structure):
@@ -103,10 +108,14 @@ class NativeProgram:
     @classmethod
     def bind(cls, backend, ops) -> NativeProgram | None:
         ops = [op for op in ops if runs_alone(op)]
-        if backend.kernels is None or not ops or ops[0].kind != "embed":
+        if backend.kernels is None or not ops:
+            return None
+        if any(name not in INPUT_OF for name in segment_inputs(ops)):
             return None
         keep, listed = [], []
-        for op in ops[1:]:
+        for i, op in enumerate(ops):
+            if op.kind == "embed" and i == 0:
+                continue
             bound = NATIVE[op.kind](backend, op, keep) if op.kind in NATIVE else None
             if bound is None:
                 return None
@@ -118,8 +127,14 @@ class NativeProgram:
         self.backend, self.counters, self.embed = backend, backend.counters, backend.weights.embed
         self.ops = (Op * len(listed))(*listed)
         self.keep = keep                                  # the bound Linears and vectors the list points into
+        self.embeds = ops[0].kind == "embed"
+        self.reads_caches = any(op.kind in ("rope", "attention") for op in ops)    # else: no host cache
+        self.inputs = segment_inputs(ops)
+        written = dict.fromkeys(name for op in ops for name in op.writes)
+        self.outputs = [name for name in written if name in OUTPUT_OF]
         self.weight_bytes = sum(projection_bytes(backend, op) for op in ops if op.kind == "projection")
         self.embed_row_bytes = self.embed.nbytes // self.embed.shape[0]
+        self.head_dim = c.head_dim
         self.widths = [c.hidden_size, c.q_size + 2 * c.kv_size, c.q_size, c.q_size, c.intermediate_size, c.vocab_size,
                        max(c.hidden_size, 2 * c.intermediate_size), c.hidden_size]
         self.buffers: list[np.ndarray] = []
@@ -138,17 +153,41 @@ class NativeProgram:
 
     def run(self, ids: np.ndarray, runs: list, cos: np.ndarray, sin: np.ndarray,
             lm_rows: np.ndarray | None) -> np.ndarray:
-        """ids [T]; runs: (cpu-mode cache, first row, end row, start position) per session; cos, sin:
-        rope_rotation's rows [T, 1, D]; lm_rows: the rows lm_head computes (None: all) → logits."""
+        """A whole cpu step: ids [T]; runs: (cpu-mode cache, first row, end row, start position) per
+        session; cos, sin: rope_rotation's rows [T, 1, D]; lm_rows: the rows lm_head computes (None: all)
+        → logits."""
+        return self._call(ids, [(kv, 0, lo, hi, start) for kv, lo, hi, start in runs], cos, sin, lm_rows)
+
+    def run_state(self, state) -> None:
+        """A segment over a StepState (program.StepState: a mixed step's pinned state): the state it
+        reads before writing copied in, every state it writes written back through the state."""
+        t = state.T
+        if t > self.rows:
+            self._grow(t)
+        for name in self.inputs:
+            self.buffers[INPUT_OF[name]][:t] = state.read(name)
+        runs = [(cache, first, lo, hi, start) for kv, lo, hi, start in state.runs
+                for cache, first in [state.host_kv(kv)]] if self.reads_caches else []
+        logits = self._call(state.ids, runs, state.cos, state.sin, state.lm_rows)
+        for name in self.outputs:
+            buffer = OUTPUT_OF[name]
+            value = logits if buffer == LOGITS else self.buffers[buffer][:t]
+            state.write(name, value.reshape(t, -1, self.head_dim).copy() if name == "q" else value)
+
+    def _call(self, ids, runs: list, cos, sin, lm_rows) -> np.ndarray:
+        """runs: (cache, the first layer it holds, first row, end row, start position) per session."""
         t, step = len(ids), self.step
         if t > self.rows:
             self._grow(t)
-        dense = self.backend.dense_if_built(self.embed)        # built when it is the tied lm_head
-        self.buffers[X][:t] = dense[ids] if dense is not None else self.embed.dequantize_rows(ids)
+        if self.embeds:
+            dense = self.backend.dense_if_built(self.embed)        # built when it is the tied lm_head
+            self.buffers[X][:t] = dense[ids] if dense is not None else self.embed.dequantize_rows(ids)
         lm = None if lm_rows is None else np.ascontiguousarray(lm_rows, np.int64)
         logits = np.empty((t if lm is None else len(lm), self.widths[LOGITS]), np.float32)
-        table = (Run * len(runs))(*[Run(lo, hi, start, kv.k[0].size, kv.k.ctypes.data, kv.v.ctypes.data)
-                                    for kv, lo, hi, start in runs])
+        for cache, _, _, _, _ in runs:
+            assert cache.k.dtype == np.float32 and cache.k.flags.c_contiguous and cache.v.flags.c_contiguous
+        table = (Run * len(runs))(*[Run(lo, hi, start, first, cache.k[0].size, cache.k.ctypes.data,
+                                        cache.v.ctypes.data) for cache, first, lo, hi, start in runs])
         cos, sin = np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32)
         step.T, step.n_runs, step.n_lm = t, len(runs), len(logits)
         step.buf[LOGITS] = logits.ctypes.data
@@ -157,5 +196,5 @@ class NativeProgram:
         failed = self.call(self.ops, len(self.ops), ctypes.byref(step))
         if failed:
             raise MemoryError(f"host kernels: step op {failed - 1} failed (no memory)")
-        self.counters.cpu_weight_read_bytes += t * self.embed_row_bytes + self.weight_bytes
+        self.counters.cpu_weight_read_bytes += self.weight_bytes + (t * self.embed_row_bytes if self.embeds else 0)
         return logits

@@ -8,8 +8,9 @@ step as one program; gated and layers=N run their host segments as programs over
 (run/mixed.py); KESTREL_VERIFY runs the whole step on it.  With the native kernels a projection is one
 call (its norm prologue and gate_up's SiLU·mul inside: HostBackend.fused_linear), rope one call per
 session (kernels.qkv_rope) and attention native up to NATIVE_ATTENTION_QUERIES queries a session; numpy
-runs each of those as its own numpy ops, the reference arithmetic.  A cpu step can also run as one
-library call (native_program.py), the same numbers as these calls.
+runs each of those as its own numpy ops, the reference arithmetic.  Where a segment's ops all have a
+native entry, `run` makes them one library call (native_program.py: the same numbers as these calls);
+a trace times each op, so a traced step calls them one by one.
 
 A program reads and writes the step's state through a StepState: `read(name)`, `write(name, value)`,
 `add(name, value)` (the residual stream) and `write_rows(name, lo, hi, value, width)` (a split group's
@@ -25,7 +26,13 @@ import numpy as np
 from kestrel_stream.model.op_tensors import fused_tensor, moe_weights
 from kestrel_stream.obs import trace
 from kestrel_stream.run.host.arithmetic import attention, rmsnorm, rotate, route, silu_mul
+from kestrel_stream.run.host.native_program import NativeProgram
 from scheduler.ops import runs_alone
+
+
+# A session's queries in one step that the native attention takes; more (a prompt's chunk) run on numpy's
+# batched matmul, faster there: the native kernel's jobs are (query, kv heads), one dot product at a time.
+NATIVE_ATTENTION_QUERIES = 4
 
 
 class StepState(Protocol):
@@ -84,9 +91,13 @@ class HostProgram:
         self.ops = [op for op in ops if runs_alone(op)]
         self.calls = [BIND[op.kind](backend, op) for op in self.ops]
         self.span_prefix = span_prefix
+        self.one_call = NativeProgram.bind(backend, ops)      # the same calls as one, where they bind
 
     def run(self, state: StepState) -> None:
         if trace.active is None:
+            if self.one_call is not None and all(hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in state.runs):
+                self.one_call.run_state(state)
+                return
             for call in self.calls:
                 call(state)
             return
@@ -245,11 +256,6 @@ def _attention(backend, op):
                                     window)
         state.write("attn", attn)
     return run
-
-
-# A session's queries in one step that the native attention takes; more (a prompt's chunk) run on numpy's
-# batched matmul, faster there: the native kernel's jobs are (query, kv heads), one dot product at a time.
-NATIVE_ATTENTION_QUERIES = 4
 
 
 def _native_attention(backend, op):
