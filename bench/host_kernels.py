@@ -172,6 +172,27 @@ def main() -> None:
            ("silu_mul [1, 6144]", lambda k: k.silu_mul(gu[:, :inter], gu[:, inter:]),
             lambda: host.silu_mul(gu[:, :inter], gu[:, inter:])),
            ("rope [1, 24, 128]", lambda k: k.rope(qk, cos, sin), lambda: host.apply_rope(qk, cos, sin))]
+    # a decode step's projections with their prologue and epilogue in one call (kernels.linear), Q8_0
+    w_qkv = rng.integers(-127, 128, (4096, hidden), dtype=np.int8)
+    s_qkv = np.full((4096, hidden // 32), 0.01, np.float16)
+    w_gu = rng.integers(-127, 128, (2 * inter, hidden), dtype=np.int8)
+    s_gu = np.full((2 * inter, hidden // 32), 0.01, np.float16)
+    bound = {}          # (kernels, name) -> the Linear, bound on its first call
+
+    def linear(k, name, w, scales, glu):
+        if (k, name) not in bound:
+            bound[k, name] = k.linear(k.prepare_q8_0(w, scales), norm_w, 1e-6, glu)
+        return bound[k, name](x1)
+    ops += [("linear qkv 4096x2048 + rmsnorm prologue, Q8_0", lambda k: linear(k, "qkv", w_qkv, s_qkv, False), None),
+            ("linear gate_up 12288x2048 + rmsnorm, SiLU·mul, Q8_0", lambda k: linear(k, "gu", w_gu, s_gu, True), None)]
+    # rope as the step runs it: bias-free qkv, q/k norm, rotation, the cache write (kernels.qkv_rope)
+    qkv1 = rng.standard_normal((1, (heads + 2 * n_kv) * d)).astype(np.float32)
+    qk_norm = rng.standard_normal((heads + n_kv, d)).astype(np.float32)
+    rot_cos, rot_sin, _ = host.rope_rotation(cos, sin)
+    q_out, cache = np.empty((1, heads, d), np.float32), np.zeros((2, 4, n_kv, d), np.float32)
+    ops.append(("qkv_rope [1, 32 x 128]: q/k norm, rotation, cache write",
+                lambda k: k.qkv_rope(qkv1, heads, n_kv, None, qk_norm, 1e-6, rot_cos, rot_sin, q_out, cache[0, 1:2],
+                                     cache[1, 1:2]), None))
     for context in (512, 2048):
         q = rng.standard_normal((1, heads, d)).astype(np.float32)
         kv = [rng.standard_normal((context, n_kv, d)).astype(np.float32) for _ in range(2)]
@@ -181,6 +202,11 @@ def main() -> None:
                  lambda q=q, kv=kv, p=last: host.attention(q, kv[0], kv[1], p)),
                 (f"attention 1 query, {context} keys, f16 KV",
                  lambda k, q=q, kv=kv16, p=last: k.attention(q, kv[0], kv[1], p), None)]
+        for n_q in (4, 16, 64):         # a prompt's chunk (program.NATIVE_ATTENTION_QUERIES picks the side)
+            qn = rng.standard_normal((n_q, heads, d)).astype(np.float32)
+            ops.append((f"attention {n_q} queries, {context} keys, f32 KV",
+                        lambda k, q=qn, kv=kv, p=context - n_q: k.attention(q, kv[0], kv[1], p),
+                        lambda q=qn, kv=kv, p=context - n_q: host.attention(q, kv[0], kv[1], p)))
     for name, native_op, numpy_op in ops:
         for n in threads:
             k = native.HostKernels(kernels.path, isa=kernels.isa, threads=n)

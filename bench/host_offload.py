@@ -3,12 +3,13 @@
 threads, in one run.
 
     python3 -m bench.host_offload FILE.gguf [FILE2.gguf ...] [--threads 16] [--layers 14]
-        [--llama-bench PATH/llama-bench] [--out DIR]
+        [--llama-bench PATH/llama-bench] [--ops] [--out DIR]
 
 Ours: ks.load(FILE, device="cpu", cpu_threads=T) (and device="cuda", mode="layers=N"); a session decodes
 --new-tokens tokens after one token (llama-bench's tg from an empty context) and prefills --prompt tokens in
 one step (pp), medians of --repeats after a warm-up.  llama.cpp: `llama-bench -m FILE -ngl 0|N -t T -p 64
--n 32 -r 3 -o json` (avg_ts).
+-n 32 -r 3 -o json` (avg_ts).  --ops: also the CPU engine's decode step op by op, native and numpy
+(bench/host_step.py's table, written beside).
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import numpy as np
 import kestrel_stream as ks
 from kestrel_stream.cli.bench import environment
 
+from . import host_step
 from .report import write_results
 
 
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench built on this machine")
     parser.add_argument("--no-gpu", action="store_true", help="only the CPU rows")
+    parser.add_argument("--ops", action="store_true", help="also the host decode step op by op (bench.host_step)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
@@ -96,6 +99,8 @@ def main() -> None:
                          notes=f"pp: one step of {args.prompt} tokens; tg: {args.new_tokens} greedy tokens after one; "
                                f"ours medians of {args.repeats} after a warm-up, llama-bench -r 3 averages.")
     print(f"wrote {path}")
+    if args.ops:
+        host_step.main_for(args.files, args.threads, args.out)
 
 
 if __name__ == "__main__":

@@ -296,6 +296,61 @@ def test_rope_in_place_as_apply_rope(kernels):
     np.testing.assert_allclose(qk, expect, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("fmt", FORMATS_ORDER)
+@pytest.mark.parametrize("tokens", [1, 5, 17])
+def test_a_bound_linear_is_its_ops_one_by_one_bit_for_bit(kernels, fmt, tokens):
+    """The prologue's rmsnorm and gate_up's SiLU·mul inside one call give the numbers of the separate calls,
+    on every ISA and token count (the fused path changes where the work runs, not the arithmetic)."""
+    rng = np.random.default_rng(tokens)
+    n, k = SHAPES[fmt][0]
+    n += n % 2                                                   # gate | up: two equal halves
+    x = rng.standard_normal((tokens, k)).astype(np.float32) * 2
+    norm = rng.standard_normal(k).astype(np.float32)
+    for kern in isas(kernels):
+        if fmt == "Q8_0":
+            w = quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+            prepared = kern.prepare_q8_0(w.qs, w.scales)
+        else:
+            prepared = kern.prepare_blocks(fmt, random_blocks(rng, fmt, n, k, 0.02), k)
+        plain = kern.matmul(x, prepared)
+        normed = kern.matmul(kern.rmsnorm(x, norm, 1e-6), prepared)
+        assert np.array_equal(kern.linear(prepared)(x), plain), kern.isa
+        assert np.array_equal(kern.linear(prepared, norm, 1e-6)(x), normed), kern.isa
+        glu = kern.linear(prepared, norm, 1e-6, glu=True)
+        expect = kern.silu_mul(normed[:, :n // 2], normed[:, n // 2:])
+        assert np.array_equal(glu(x), expect), kern.isa
+        out = np.full((tokens, n), np.nan, np.float32)            # into a column slice, other columns untouched
+        glu(x, out=out[:, :n // 2])
+        assert np.array_equal(out[:, :n // 2], expect) and np.isnan(out[:, n // 2:]).all()
+
+
+@pytest.mark.parametrize("qk_norm, bias", [(True, False), (False, True), (False, False)])
+def test_qkv_rope_is_the_host_programs_numpy(kernels, qk_norm, bias):
+    """Bias, per-head q/k norm, rotation and the cache write of one run of rows, against the numpy
+    program's arithmetic (program._rope): within float32 rounding of the norm's sum."""
+    rng = np.random.default_rng(7)
+    t, heads, kv_heads, d, start = 5, 6, 2, 64, 9
+    cos, sin = host.rope_rotation(*host.rope_tables(np.arange(start, start + t), d, 1e6))[:2]
+    qkv = rng.standard_normal((t, (heads + 2 * kv_heads) * d)).astype(np.float32) * 3
+    b = rng.standard_normal((heads + 2 * kv_heads) * d).astype(np.float32) if bias else None
+    w = rng.standard_normal((heads + kv_heads, d)).astype(np.float32) if qk_norm else None
+    cache_k, cache_v = np.zeros((2, 32, kv_heads, d), np.float32), np.zeros((2, 32, kv_heads, d), np.float32)
+    q = np.empty((t, heads, d), np.float32)
+    kernels.qkv_rope(qkv, heads, kv_heads, b, w, 1e-6, cos, sin, q, cache_k[1, start:start + t],
+                     cache_v[1, start:start + t])
+    full = qkv + b if bias else qkv
+    qk = full[:, :(heads + kv_heads) * d].reshape(t, heads + kv_heads, d)
+    if qk_norm:
+        qk = host.rmsnorm(qk, w, 1e-6)
+    half = d // 2
+    swap = np.concatenate([np.arange(half, d), np.arange(half)])
+    qk = host.rotate(qk, cos, sin, swap)
+    np.testing.assert_allclose(q, qk[:, :heads], rtol=0, atol=2e-6)
+    np.testing.assert_allclose(cache_k[1, start:start + t], qk[:, heads:], rtol=0, atol=2e-6)
+    assert np.array_equal(cache_v[1, start:start + t], full[:, (heads + kv_heads) * d:].reshape(t, kv_heads, d))
+    assert not cache_k[0].any() and not cache_k[1, :start].any() and not cache_k[1, start + t:].any()
+
+
 @pytest.mark.parametrize("kv_dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("n, start, window", [(1, 0, None), (1, 40, None), (3, 37, None), (7, 20, 5), (1, 40, 8)])
 def test_attention_as_the_host_backend(kernels, kv_dtype, n, start, window):

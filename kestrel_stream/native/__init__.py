@@ -5,10 +5,14 @@
     wq = kernels.prepare_q8_0(w.qs, w.scales)           # once per weight (no copy)
     wb = kernels.prepare_blocks(w.fmt, w.blocks, w.cols)
     y = kernels.matmul(x, wq)                           # x float32 [T, K] → [T, N]
+    proj = kernels.linear(wq, norm, eps, glu=False)     # bound once: rmsnorm prologue, SiLU·mul epilogue
+    y = proj(x)
+    kernels.qkv_rope(qkv, heads, kv_heads, bias, qk_norm, eps, cos, sin, q, k_rows, v_rows)
     kernels.rmsnorm(x, w, eps), kernels.silu_mul(gate, up), kernels.rope(qk, cos, sin),
     kernels.attention(q, k, v, start, window)           # run/host.py's conventions
 
-The numpy twins of the same arithmetic are in native/twins.py.  Importing the package compiles
+kernels.program_call runs a whole step's bound op list (host_program.c; run/host/native_program.py binds
+it).  The numpy twins of the same arithmetic are in native/twins.py.  Importing the package compiles
 nothing; `load` builds the library on first use (cached under Options.host_kernel_cache) and
 `availability` says whether it can, and why not.
 """

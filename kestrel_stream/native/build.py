@@ -1,7 +1,7 @@
 """The host kernels' build: the system C compiler makes a shared library for the running machine,
 cached on disk.
 
-As kernels_ptx/build.py does for NVRTC, the cache key is a hash of (the C source, the flags, the
+As kernels_ptx/build.py does for NVRTC, the cache key is a hash of (the C sources, the flags, the
 compiler's version line, the CPU's model and feature flags), so an edited kernel, another compiler
 or another CPU never loads a stale library.  The library is built with -march=native; every ISA
 path (scalar, AVX2, AVX-512 VNNI) is compiled in it with per-function target attributes, and the
@@ -19,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 SOURCE = "host_kernels.c"
+SOURCES = (SOURCE, "host_program.c")       # compiled into one library
+HEADERS = ("host_kernels.h",)
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp-simd", "-pthread", "-std=gnu11")
 DEFAULT_CC = "cc"
 
@@ -60,8 +62,13 @@ def cpu_signature() -> str:
     return f"{fields.get('model name', platform.machine())}; {fields.get('flags', fields.get('Features', ''))}"
 
 
+def source_texts() -> tuple[str, ...]:
+    folder = source_path().parent
+    return tuple((folder / name).read_text() for name in SOURCES + HEADERS)
+
+
 def library_path(cache_dir: Path, cc: str, extra_flags: tuple[str, ...] = ()) -> Path:
-    key_text = "\0".join((source_path().read_text(), *FLAGS, *extra_flags, compiler_version(cc), cpu_signature()))
+    key_text = "\0".join((*source_texts(), *FLAGS, *extra_flags, compiler_version(cc), cpu_signature()))
     key = hashlib.sha256(key_text.encode()).hexdigest()[:32]
     return Path(cache_dir) / f"host_kernels-{platform.machine()}-{key}.so"
 
@@ -76,7 +83,8 @@ def build_library(cache_dir: Path, cc: str = DEFAULT_CC, extra_flags: tuple[str,
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             out = Path(tmp) / target.name
-            cmd = [shutil.which(cc) or cc, *FLAGS, *extra_flags, str(source_path()), "-o", str(out), "-lm"]
+            sources = [str(source_path().parent / name) for name in SOURCES]
+            cmd = [shutil.which(cc) or cc, *FLAGS, *extra_flags, *sources, "-o", str(out), "-lm"]
             try:
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             except (OSError, subprocess.TimeoutExpired) as e:

@@ -35,6 +35,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "host_kernels.h"
+
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3 };
 
@@ -748,6 +750,8 @@ typedef struct {
     ptrdiff_t w_stride, meta_stride, x_stride, out_stride;
     const float *x;
     float *out;
+    const float *norm;              /* the prologue's rmsnorm weight [K], or NULL */
+    float eps;
     uint8_t *buf, *tiles;
     size_t per_token, qs_bytes, d_bytes, bs_bytes, tile_bytes;
     int token_groups, row_tiles;
@@ -768,9 +772,9 @@ static inline act_t token_act(const matmul_t *m, int t) {
    broadcast to every lane.  A weight row is unpacked once per call (unpack_row: signed values, a
    float scale and its value sum per group of G, Q4_K's min per group) and read by every token, so a
    block is decoded once, not once per token.  q + 128 adds 128 * (the row's group sum), taken off
-   before the group's float scale.  Each level has its own bytes; a group's int32 sum runs over the hi
-   bytes, is shifted by 7 (times 128) and continues over the lo bytes: 128 * hi + lo exactly (below 2^27
-   for every format's groups), and the tile's scales are d / 128. */
+   before the group's float scale.  Each level has its own bytes and its own int32 sums per group, both
+   fed by one broadcast of each weight quad; the hi sum shifted by 7 (times 128) plus the lo sum is
+   128 * hi + lo exactly (below 2^27 for every format's groups), and the tile's scales are d / 128. */
 
 #define LANES 16
 
@@ -904,21 +908,22 @@ TARGET_VNNI static inline __attribute__((always_inline)) void lanes_kernel(
     for (int r = 0; r < TILE_ROWS; r++) total[r] = part[r] = _mm512_setzero_ps();
     for (int g0 = 0; g0 < K; g0 += group) {
         const int gi = g0 / group;
-        __m512i acc[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_set1_epi32(-sums[r][gi]);
-        for (int level = 0; level < 2; level++) {
-            const uint8_t *lb = bytes + (size_t)level * K * LANES;
-            if (level)
-                for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_sub_epi32(_mm512_slli_epi32(acc[r], 7), _mm512_set1_epi32(sums[r][gi]));
-            for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
-                __m512i a = _mm512_load_si512((const void *)(lb + (size_t)q * 64));
-                for (int r = 0; r < TILE_ROWS; r++) {
-                    int32_t wv;
-                    memcpy(&wv, vals[r] + 4 * q, 4);
-                    acc[r] = _mm512_dpbusd_epi32(acc[r], a, _mm512_set1_epi32(wv));
-                }
+        /* both levels in one pass, each weight broadcast read once for both */
+        __m512i acc[TILE_ROWS], acc_lo[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++) acc[r] = acc_lo[r] = _mm512_set1_epi32(-sums[r][gi]);
+        const uint8_t *lb = bytes + (size_t)K * LANES;
+        for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
+            __m512i a = _mm512_load_si512((const void *)(bytes + (size_t)q * 64));
+            __m512i al = _mm512_load_si512((const void *)(lb + (size_t)q * 64));
+            for (int r = 0; r < TILE_ROWS; r++) {
+                int32_t wv;
+                memcpy(&wv, vals[r] + 4 * q, 4);
+                const __m512i wb = _mm512_set1_epi32(wv);
+                acc[r] = _mm512_dpbusd_epi32(acc[r], a, wb);
+                acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], al, wb);
             }
         }
+        for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc_lo[r]);
         if (act_group == 32) {
             __m512 ad = _mm512_load_ps(d + (size_t)gi * LANES);
             for (int r = 0; r < TILE_ROWS; r++)
@@ -992,11 +997,30 @@ static void *scratch_for(size_t bytes) {
    scales per group) does not shrink with the lanes. */
 int ks_lanes_min_tokens[4] = {6, 4, 6, 5};
 
+static void rmsnorm_row(const float *xr, const float *wr, int n, float eps, float *o);
+
+static __thread float *normed;      /* a worker's normed row (the prologue), apart from its scratch */
+static __thread int normed_n;
+
 static void matmul_quantize(void *ctx, int index, int count) {
     matmul_t *m = ctx;
+    if (m->norm && normed_n < m->K) {
+        free(normed);
+        normed = aligned_alloc(64, ((size_t)m->K * 4 + 63) / 64 * 64);
+        normed_n = normed ? m->K : 0;
+        if (!normed) {
+            atomic_store(&m->failed, 1);
+            return;
+        }
+    }
     for (int t = index; t < m->T; t += count) {
         act_t a = token_act(m, t);
-        quantize_act(m->x + m->x_stride * t, m->K, m->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
+        const float *x = m->x + m->x_stride * t;
+        if (m->norm) {          /* the same numbers as ks_rmsnorm, then quantized */
+            rmsnorm_row(x, m->norm, m->K, m->eps, normed);
+            x = normed;
+        }
+        quantize_act(x, m->K, m->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
     }
 }
 
@@ -1072,12 +1096,16 @@ static void matmul_lanes(void *ctx, int index, int count) {
 }
 #endif
 
-/* out[t, r] = dot(weight row r, x[t]) for r < N, t < T.  w: row r at w + r * w_stride; meta (Q8_0's
-   scales, f16) at meta + r * meta_stride.  Returns 0, or -1 when memory for the activations ran out. */
-int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride,
-              int N, int K, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride, int threads) {
-    matmul_t m = {.fmt = fmt, .isa = isa, .N = N, .K = K, .T = T, .w = w, .meta = meta, .w_stride = w_stride,
-                  .meta_stride = meta_stride, .x_stride = x_stride, .out_stride = out_stride, .x = x, .out = out};
+/* A projection bound once (ks_linear_t, host_kernels.h): prologue norm, matmul, SiLU·mul epilogue. */
+static void silu_mul_rows(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
+                          float *out, ptrdiff_t out_stride, int threads);
+
+int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride) {
+    const int fmt = spec->fmt, isa = spec->isa, N = spec->N, K = spec->K;
+    int threads = spec->threads;
+    matmul_t m = {.fmt = fmt, .isa = isa, .N = N, .K = K, .T = T, .w = spec->w, .meta = spec->meta,
+                  .w_stride = spec->w_stride, .meta_stride = spec->meta_stride, .x_stride = x_stride,
+                  .out_stride = out_stride, .x = x, .out = out, .norm = spec->norm, .eps = spec->eps};
     m.group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
     m.qs_bytes = (size_t)K, m.d_bytes = (size_t)(K / m.group) * 4, m.bs_bytes = m.group == 256 ? (size_t)(K / 16) * 2 : 0;
     m.per_token = (2 * (m.qs_bytes + m.bs_bytes) + m.d_bytes + 63) / 64 * 64;     /* both levels */
@@ -1086,23 +1114,39 @@ int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint
     m.token_groups = (T + LANES - 1) / LANES;
     /* per token group: bytes [2][K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
     m.tile_bytes = (size_t)K * LANES * 2 + (size_t)(K / m.group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
-    m.buf = scratch_for(m.per_token * (size_t)T + (lanes ? m.tile_bytes * (size_t)m.token_groups : 0));
+    const size_t tiles_bytes = lanes ? m.tile_bytes * (size_t)m.token_groups : 0;
+    m.buf = scratch_for(m.per_token * (size_t)T + tiles_bytes + (spec->glu ? (size_t)T * N * 4 + 64 : 0));
     if (!m.buf) return -1;
     m.tiles = m.buf + m.per_token * (size_t)T;
+    if (spec->glu) {            /* the gate | up rows land in scratch, the epilogue writes out */
+        m.out = (float *)(m.tiles + (tiles_bytes + 63) / 64 * 64);
+        m.out_stride = N;
+    }
     if (threads < 1) threads = 1;
     const int grabs = (m.row_tiles + TILES_PER_GRAB - 1) / TILES_PER_GRAB;
     const int workers = threads < grabs ? threads : grabs;
     /* a few tokens are quantized on the calling thread: no job of their own */
     pool_run(matmul_quantize, &m, T > 4 ? (threads < T ? threads : T) : 1);
+    if (atomic_load(&m.failed)) return -1;
 #if KS_X86
     if (lanes) {
         pool_run(matmul_tiles, &m, threads < m.token_groups ? threads : m.token_groups);
         pool_run(matmul_lanes, &m, workers);
-        return atomic_load(&m.failed) ? -1 : 0;
-    }
+        if (atomic_load(&m.failed)) return -1;
+    } else
 #endif
-    pool_run(matmul_dots, &m, workers);
+        pool_run(matmul_dots, &m, workers);
+    if (spec->glu)
+        silu_mul_rows(m.out, N, m.out + N / 2, N, T, N / 2, out, out_stride, threads);
     return 0;
+}
+
+/* out[t, r] = dot(weight row r, x[t]) for r < N, t < T.  w: row r at w + r * w_stride; meta (Q8_0's
+   scales, f16) at meta + r * meta_stride.  Returns 0, or -1 when memory for the activations ran out. */
+int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride,
+              int N, int K, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride, int threads) {
+    ks_linear_t spec = {fmt, isa, N, K, 0, threads, w, meta, w_stride, meta_stride, NULL, 0.0f};
+    return ks_linear(&spec, x, x_stride, T, out, out_stride);
 }
 
 /* ---------------------------------------------------------------- float ops (run/host.py's conventions) */
@@ -1115,23 +1159,24 @@ typedef struct {
     float eps;
 } rmsnorm_t;
 
+/* o = (x / sqrt(sum(x^2) / n + eps)) * w for one row (o may be x) */
+static void rmsnorm_row(const float *xr, const float *wr, int n, float eps, float *o) {
+    float part[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += xr[i + j] * xr[i + j];
+    float ss = 0.0f;
+    for (int j = 0; j < 16; j++) ss += part[j];
+    for (; i < n; i++) ss += xr[i] * xr[i];
+    float root = sqrtf(ss / (float)n + eps);
+    for (i = 0; i < n; i++) o[i] = (xr[i] / root) * wr[i];
+}
+
 static void rmsnorm_rows(void *ctx, int index, int count) {
     const rmsnorm_t *c = ctx;
-    const int n = c->n;
-    for (int r = index; r < c->rows; r += count) {
-        const float *xr = c->x + c->x_stride * r;
-        const float *wr = c->w + (ptrdiff_t)(r % c->w_rows) * n;
-        float *o = c->out + c->out_stride * r;
-        float part[16] = {0};
-        int i = 0;
-        for (; i + 16 <= n; i += 16)
-            for (int j = 0; j < 16; j++) part[j] += xr[i + j] * xr[i + j];
-        float ss = 0.0f;
-        for (int j = 0; j < 16; j++) ss += part[j];
-        for (; i < n; i++) ss += xr[i] * xr[i];
-        float root = sqrtf(ss / (float)n + c->eps);
-        for (i = 0; i < n; i++) o[i] = (xr[i] / root) * wr[i];
-    }
+    for (int r = index; r < c->rows; r += count)
+        rmsnorm_row(c->x + c->x_stride * r, c->w + (ptrdiff_t)(r % c->w_rows) * c->n, c->n, c->eps,
+                    c->out + c->out_stride * r);
 }
 
 /* The threads for `work` values of an elementwise op: one below 16K values (a job costs more). */
@@ -1192,11 +1237,16 @@ static void silu_mul_parts(void *ctx, int index, int count) {
     }
 }
 
+static void silu_mul_rows(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
+                          float *out, ptrdiff_t out_stride, int threads) {
+    silu_t c = {gate, up, out, g_stride, u_stride, out_stride, rows, n, n >= 4096 ? 4 : 1};
+    pool_run(silu_mul_parts, &c, op_threads(threads, (size_t)rows * n / 4, rows * c.chunks));
+}
+
 /* out = gate / (1 + exp(-gate)) * up, row by row */
 void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
                  float *out, ptrdiff_t out_stride, int threads) {
-    silu_t c = {gate, up, out, g_stride, u_stride, out_stride, rows, n, n >= 4096 ? 4 : 1};
-    pool_run(silu_mul_parts, &c, op_threads(threads, (size_t)rows * n / 4, rows * c.chunks));
+    silu_mul_rows(gate, g_stride, up, u_stride, rows, n, out, out_stride, threads);
 }
 
 /* In place, rotate-half: x' = x * cos + cat(-x2, x1) * sin.  x: [T, heads, D] (token stride, head stride);
@@ -1214,6 +1264,57 @@ void ks_rope(float *x, ptrdiff_t t_stride, ptrdiff_t h_stride, int T, int heads,
                 v[i + half] = x2 * c[i + half] + x1 * s[i + half];
             }
         }
+}
+
+/* The rope op of one session's run of rows, as run/host/program.py's numpy: a fused qkv output [T, (H + 2
+   n_kv) * D] (row stride qkv_t) plus bias [(H + 2 n_kv) * D] (or NULL), q and k heads rmsnormed over D by
+   qk_norm [H + n_kv, D] (or NULL), rotated by rope_rotation's tables (cos, signed sin [T, D]:
+   x' = x * cos + swap_halves(x) * sin); q into q_out [T, H * D] (row stride q_t), k and v into a cache's
+   rows k_out, v_out [T, n_kv * D] (row stride kv_t).  Rows are independent: the work splits by token. */
+typedef struct {
+    const float *qkv, *bias, *qk_norm, *cos_t, *sin_t;
+    float *q_out, *k_out, *v_out;
+    ptrdiff_t qkv_t, q_t, kv_t;
+    int T, H, n_kv, D;
+    float eps;
+} qkv_rope_t;
+
+static void qkv_rope_rows(void *ctx, int index, int count) {
+    const qkv_rope_t *c = ctx;
+    const int D = c->D, half = D / 2, heads = c->H + c->n_kv;
+    float head[1024];
+    for (int t = index; t < c->T; t += count) {
+        const float *row = c->qkv + c->qkv_t * t, *cs = c->cos_t + (ptrdiff_t)t * D, *sn = c->sin_t + (ptrdiff_t)t * D;
+        for (int h = 0; h < heads; h++) {
+            const float *src = row + (ptrdiff_t)h * D, *b = c->bias ? c->bias + (ptrdiff_t)h * D : NULL;
+            if (b)
+                for (int i = 0; i < D; i++) head[i] = src[i] + b[i];
+            else
+                memcpy(head, src, sizeof(float) * D);
+            if (c->qk_norm) rmsnorm_row(head, c->qk_norm + (ptrdiff_t)h * D, D, c->eps, head);
+            float *o = h < c->H ? c->q_out + c->q_t * t + (ptrdiff_t)h * D : c->k_out + c->kv_t * t + (ptrdiff_t)(h - c->H) * D;
+            for (int i = 0; i < half; i++) {
+                o[i] = head[i] * cs[i] + head[i + half] * sn[i];
+                o[i + half] = head[i + half] * cs[i + half] + head[i] * sn[i + half];
+            }
+        }
+        const float *v = row + (ptrdiff_t)heads * D, *vb = c->bias ? c->bias + (ptrdiff_t)heads * D : NULL;
+        float *vo = c->v_out + c->kv_t * t;
+        if (vb)
+            for (int i = 0; i < c->n_kv * D; i++) vo[i] = v[i] + vb[i];
+        else
+            memcpy(vo, v, sizeof(float) * c->n_kv * D);
+    }
+}
+
+/* Returns 0, or -1 when D is over the 1,024 a head's buffer holds. */
+int ks_qkv_rope(const float *qkv, ptrdiff_t qkv_t, int T, int H, int n_kv, int D, const float *bias, const float *qk_norm,
+                float eps, const float *cos_t, const float *sin_t, float *q_out, ptrdiff_t q_t, float *k_out,
+                float *v_out, ptrdiff_t kv_t, int threads) {
+    if (D > 1024 || D % 2) return -1;
+    qkv_rope_t c = {qkv, bias, qk_norm, cos_t, sin_t, q_out, k_out, v_out, qkv_t, q_t, kv_t, T, H, n_kv, D, eps};
+    pool_run(qkv_rope_rows, &c, op_threads(threads, (size_t)T * (H + 2 * n_kv) * D, T));
+    return 0;
 }
 
 /* Row j of a KV head as float32: the row itself, or (f16) converted into tmp. */

@@ -43,6 +43,13 @@ class HostKernels:
         lib.ks_isa_supported.restype = _i
         lib.ks_matmul.argtypes = [_i, _i, _p, _z, _p, _z, _i, _i, _p, _z, _i, _p, _z, _i]
         lib.ks_matmul.restype = _i
+        lib.ks_linear.argtypes = [_p, _p, _z, _i, _p, _z]
+        lib.ks_linear.restype = _i
+        lib.ks_qkv_rope.argtypes = [_p, _z, _i, _i, _i, _i, _p, _p, _f, _p, _p, _p, _z, _p, _p, _z, _i]
+        lib.ks_qkv_rope.restype = _i
+        lib.ks_program.argtypes = [_p, _i, _p]
+        lib.ks_program.restype = _i
+        self.program_call = lib.ks_program        # run/host/native_program.py's step: its op list and buffers
         lib.ks_quantize_act.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p]
         lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
         lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]
@@ -114,6 +121,13 @@ class HostKernels:
             raise MemoryError(f"host kernels: no memory for {t} x {w.cols} quantized activations")
         return out
 
+    def linear(self, w: "PreparedWeight", norm: np.ndarray | None = None, eps: float = 0.0,
+               glu: bool = False) -> "Linear":
+        """A projection bound once: x [T, K] -> x @ W.T, with rmsnorm(x, norm, eps) as its prologue (as
+        `rmsnorm` then `matmul`, the same numbers) and, with glu, silu(gate) * up of its two halves as its
+        epilogue ([T, N/2], as `silu_mul`)."""
+        return Linear(self, w, norm, eps, glu)
+
     def matmul_q8_0(self, x: np.ndarray, qs: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """x: float32 [T, K] @ a Q8_0 weight (qs int8 [N, K], scales float16 [N, K/32]) → float32 [T, N]."""
         return self.matmul(x, self.prepare_q8_0(qs, scales), out)
@@ -175,6 +189,30 @@ class HostKernels:
                           _address(sin))
         return x
 
+    def qkv_rope(self, qkv: np.ndarray, heads: int, kv_heads: int, bias: np.ndarray | None, qk_norm: np.ndarray | None,
+                 eps: float, cos: np.ndarray, sin: np.ndarray, q_out: np.ndarray, k_out: np.ndarray,
+                 v_out: np.ndarray) -> None:
+        """The rope op of rows of one session, as run/host/program.py does it in numpy: qkv float32 [T,
+        (heads + 2 kv_heads) * D] (rows contiguous) plus bias, q and k heads rmsnormed by qk_norm [heads +
+        kv_heads, D] (None: not), rotated by rope_rotation's cos, signed sin [T, D]; q into q_out [T, heads,
+        D], k and v into k_out, v_out [T, kv_heads, D] (a cache's rows)."""
+        t, d = cos.shape[0], cos.shape[-1]
+        assert qkv.dtype == np.float32 and qkv.shape == (t, (heads + 2 * kv_heads) * d) and qkv.strides[1] == 4
+        assert q_out.shape == (t, heads, d) and q_out.strides[1:] == (4 * d, 4)
+        assert k_out.shape == v_out.shape == (t, kv_heads, d) and k_out.strides == v_out.strides
+        assert k_out.dtype == v_out.dtype == q_out.dtype == np.float32 and k_out.strides[1:] == (4 * d, 4)
+        cos, sin = _float_rows(cos.reshape(t, d), d), _float_rows(sin.reshape(t, d), d)
+        assert cos.strides[0] == sin.strides[0] == 4 * d
+        for vector in (bias, qk_norm):
+            assert vector is None or (vector.dtype == np.float32 and vector.flags.c_contiguous)
+        status = self._lib.ks_qkv_rope(_address(qkv), qkv.strides[0] // 4, t, heads, kv_heads, d,
+                                       None if bias is None else _address(bias),
+                                       None if qk_norm is None else _address(qk_norm), eps, _address(cos),
+                                       _address(sin), _address(q_out), q_out.strides[0] // 4, _address(k_out),
+                                       _address(v_out), k_out.strides[0] // 4, self.threads)
+        if status != 0:
+            raise ValueError(f"host kernels: a head of {d} values (at most 1,024, even)")
+
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int | None = None,
                   scale: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
         """q: float32 [n, H, D] at positions start..start+n-1; k, v: [S, n_kv, D] float32 or float16 with
@@ -201,6 +239,44 @@ class HostKernels:
         """The sum of a uint64 array, read once by `threads` threads (the bench's memory-read baseline)."""
         assert words.dtype == np.uint64 and words.flags.c_contiguous
         return int(self._lib.ks_read_sum(words.ctypes.data, words.size, threads or self.threads))
+
+
+class _LinearSpec(ctypes.Structure):
+    """host_kernels.c's ks_linear_t."""
+    _fields_ = [("fmt", _i), ("isa", _i), ("N", _i), ("K", _i), ("glu", _i), ("threads", _i), ("w", _p), ("meta", _p),
+                ("w_stride", _z), ("meta_stride", _z), ("norm", _p), ("eps", _f)]
+
+
+class Linear:
+    """HostKernels.linear's bound projection: `linear(x)` -> float32 [T, N] ([T, N/2] with glu).  The
+    weight, the norm and the settings are fixed in a C struct once, so a call passes x and out alone."""
+    __slots__ = ("weight", "norm", "glu", "width", "spec_address", "_spec", "_call")
+
+    def __init__(self, kernels: HostKernels, w: "PreparedWeight", norm: np.ndarray | None, eps: float, glu: bool):
+        assert not glu or w.rows % 2 == 0
+        self.weight, self.glu, self.width = w, glu, w.rows // 2 if glu else w.rows
+        self.norm = None if norm is None else np.ascontiguousarray(norm, np.float32)
+        assert self.norm is None or self.norm.shape == (w.cols,)
+        self._spec = _LinearSpec(w.fmt_id, kernels._isa_id, w.rows, w.cols, int(glu), kernels.threads, w.w_ptr,
+                                 w.meta_ptr, w.w_stride, w.meta_stride,
+                                 None if self.norm is None else self.norm.ctypes.data, eps)
+        self.spec_address = ctypes.addressof(self._spec)      # host_program.c's ops point here
+        self._call = kernels._lib.ks_linear
+
+    def __call__(self, x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        k = self.weight.cols
+        if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != k or x.strides[1] != 4:
+            x = _float_rows(x, k)
+        t = x.shape[0]
+        if out is None:
+            out = np.empty((t, self.width), np.float32)
+        else:
+            assert out.dtype == np.float32 and out.shape == (t, self.width) and (self.width < 2 or out.strides[1] == 4)
+        if t == 0 or self.width == 0:
+            return out
+        if self._call(self.spec_address, _address(x), x.strides[0] >> 2, t, _address(out), out.strides[0] >> 2) != 0:
+            raise MemoryError(f"host kernels: no memory for {t} x {k} quantized activations")
+        return out
 
 
 class PreparedWeight:

@@ -28,7 +28,8 @@ from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
 from kestrel_stream.run.executor import StepCounters
 from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
-from kestrel_stream.run.host.program import HostProgram, HostState
+from kestrel_stream.obs import trace
+from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES, HostProgram, HostState
 from kestrel_stream.run.steps import Steps
 
 
@@ -128,15 +129,7 @@ class HostBackend(Steps):
             dense = self.dense(w)
             dense_t = (dense if (lo, hi) == (0, rows) else dense[lo:hi]).T
             return lambda x: x @ dense_t
-        kernels, parts, first = self.kernels, [], 0
-        for part in tensor_parts(w):                 # a RowStack's runs of one format each, in row order
-            end = first + part.shape[0]
-            if first < hi and lo < end:
-                piece = part.rows(max(lo, first) - first, min(hi, end) - first)
-                prepared = (kernels.prepare_q8_0(piece.qs, piece.scales) if tensor_format(piece) == "Q8_0"
-                            else kernels.prepare_blocks(piece.fmt, piece.blocks, piece.cols))
-                parts.append((max(lo, first) - lo, prepared))
-            first = end
+        kernels, parts = self.kernels, self.prepared_parts(w, lo, hi)
         if len(parts) == 1:
             prepared = parts[0][1]
             return lambda x: kernels.matmul(x, prepared)
@@ -147,6 +140,35 @@ class HostBackend(Steps):
                 kernels.matmul(x, prepared, out=out[:, offset:offset + prepared.rows])
             return out
         return stacked
+
+    def fused_linear(self, w, norm: np.ndarray | None, eps: float, glu: bool) -> Callable[[np.ndarray], np.ndarray]:
+        """On the native kernels: x [T, K] -> rmsnorm(x, norm, eps) @ W.T (no norm: x @ W.T), and with glu
+        silu(gate) * up of the result's two halves [T, N/2]; one call into the library where W is one
+        format.  (numpy runs the same ops one by one: program.py.)"""
+        kernels, parts = self.kernels, self.prepared_parts(w)
+        if len(parts) == 1:
+            return kernels.linear(parts[0][1], norm, eps, glu)
+        stacked, half = self.linear(w), w.shape[0] // 2
+
+        def run(x: np.ndarray) -> np.ndarray:
+            y = stacked(x if norm is None else kernels.rmsnorm(x, norm, eps))
+            return kernels.silu_mul(y[:, :half], y[:, half:]) if glu else y
+        return run
+
+    def prepared_parts(self, w, lo: int = 0, hi: int | None = None) -> list:
+        """Rows lo..hi of w as the kernels' prepared weights: (first row - lo, PreparedWeight) per run of
+        one format (a RowStack has several), in row order."""
+        kernels, parts, first = self.kernels, [], 0
+        hi = w.shape[0] if hi is None else hi
+        for part in tensor_parts(w):
+            end = first + part.shape[0]
+            if first < hi and lo < end:
+                piece = part.rows(max(lo, first) - first, min(hi, end) - first)
+                prepared = (kernels.prepare_q8_0(piece.qs, piece.scales) if tensor_format(piece) == "Q8_0"
+                            else kernels.prepare_blocks(piece.fmt, piece.blocks, piece.cols))
+                parts.append((max(lo, first) - lo, prepared))
+            first = end
+        return parts
 
     def dense_if_built(self, w: QTensor) -> np.ndarray | None:
         return self._dequantized.get(tensor_key(w))
@@ -208,9 +230,15 @@ class HostBackend(Steps):
         bounds = [lo for _, lo, _, _ in runs] + [len(ids)]
         cos, sin = self.rope(positions)
         last = np.asarray(bounds[1:]) - 1 if logits == "last" else None
-        state = HostState(ids, runs, cos, sin, last)
-        self._whole_step.run(state)
-        out = state.read("logits")
+        # one call a step where it binds, no trace times each op and every session's attention is native
+        one_call = self._whole_step.one_call
+        if one_call is not None and trace.active is None and all(hi - lo <= NATIVE_ATTENTION_QUERIES
+                                                                 for _, lo, hi, _ in runs):
+            out = one_call.run(ids, runs, cos, sin, last)
+        else:
+            state = HostState(ids, runs, cos, sin, last)
+            self._whole_step.run(state)
+            out = state.read("logits")
         self.counters.steps += 1
         self.counters.tokens += len(ids)
         if logits == "last":

@@ -5,7 +5,12 @@ A HostProgram is a segment's ops in the plan's order, each op that runs alone as
 prologue of the projection that reads it and SiLU·mul the epilogue of gate_up, on the host as on the
 device, so the ops that call something here are the ops the device launches.  cpu mode runs the whole
 step as one program; gated and layers=N run their host segments as programs over the pinned state
-(run/mixed.py); KESTREL_VERIFY runs the whole step on it.
+(run/mixed.py); KESTREL_VERIFY runs the whole step on it.  With the native kernels a projection is one
+call (its norm prologue and gate_up's SiLU·mul inside: HostBackend.fused_linear), rope one call per
+session (kernels.qkv_rope) and attention native up to NATIVE_ATTENTION_QUERIES queries a session; numpy
+runs each of those as its own numpy ops, the reference arithmetic.  Where a segment's ops all have a
+native entry, `run` makes them one library call (native_program.py: the same numbers as these calls);
+a trace times each op, so a traced step calls them one by one.
 
 A program reads and writes the step's state through a StepState: `read(name)`, `write(name, value)`,
 `add(name, value)` (the residual stream) and `write_rows(name, lo, hi, value, width)` (a split group's
@@ -21,7 +26,13 @@ import numpy as np
 from kestrel_stream.model.op_tensors import fused_tensor, moe_weights
 from kestrel_stream.obs import trace
 from kestrel_stream.run.host.arithmetic import attention, rmsnorm, rotate, route, silu_mul
+from kestrel_stream.run.host.native_program import NativeProgram
 from scheduler.ops import runs_alone
+
+
+# A session's queries in one step that the native attention takes; more (a prompt's chunk) run on numpy's
+# batched matmul, faster there: the native kernel's jobs are (query, kv heads), one dot product at a time.
+NATIVE_ATTENTION_QUERIES = 4
 
 
 class StepState(Protocol):
@@ -80,9 +91,13 @@ class HostProgram:
         self.ops = [op for op in ops if runs_alone(op)]
         self.calls = [BIND[op.kind](backend, op) for op in self.ops]
         self.span_prefix = span_prefix
+        self.one_call = NativeProgram.bind(backend, ops)      # the same calls as one, where they bind
 
     def run(self, state: StepState) -> None:
         if trace.active is None:
+            if self.one_call is not None and all(hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in state.runs):
+                self.one_call.run_state(state)
+                return
             for call in self.calls:
                 call(state)
             return
@@ -113,7 +128,10 @@ def _projection(backend, op):
     nbytes = rows * tensor.nbytes // tensor.shape[0]
     eps, source, role, inter = c.rms_norm_eps, op.reads[0], op.group, c.intermediate_size
     whole = rows == tensor.shape[0]
+    if whole and backend.kernels is not None:
+        return _native_projection(backend, op, tensor, norm, nbytes)
     matmul = backend.linear(tensor) if whole else None        # x [T, K] -> x @ W.T
+    norm_rows = rmsnorm if backend.kernels is None else backend.kernels.rmsnorm
 
     def x_in(state: StepState) -> np.ndarray:
         if norm is None:                         # o, down: attention's output, silu(gate)·up
@@ -121,7 +139,7 @@ def _projection(backend, op):
         x = state.read("x")
         if role == "lm_head" and state.lm_rows is not None:
             x = x[state.lm_rows]                 # lm_head on the wanted rows alone
-        return rmsnorm(x, norm, eps)
+        return norm_rows(x, norm, eps)
 
     if role in ("o", "down"):
         def run(state: StepState) -> None:
@@ -151,6 +169,30 @@ def _projection(backend, op):
     return run
 
 
+def _native_projection(backend, op, tensor, norm, nbytes):
+    """A whole projection on the native kernels: the prologue's norm, the matmul and gate_up's SiLU·mul in
+    one call (HostBackend.fused_linear); the residual add through the state."""
+    counters, role, source = backend.counters, op.group, op.reads[0]
+    call = backend.fused_linear(tensor, norm, backend.config.rms_norm_eps, role == "gate_up")
+    if role in ("o", "down"):
+        def run(state: StepState) -> None:
+            state.add("x", call(state.read(source)))
+            counters.cpu_weight_read_bytes += nbytes
+        return run
+    out = {"gate_up": "act", "lm_head": "logits"}.get(role, "qkv")
+    if role == "lm_head":
+        def run(state: StepState) -> None:
+            x = state.read("x")
+            state.write(out, call(x if state.lm_rows is None else x[state.lm_rows]))
+            counters.cpu_weight_read_bytes += nbytes
+        return run
+
+    def run(state: StepState) -> None:
+        state.write(out, call(state.read(source)))
+        counters.cpu_weight_read_bytes += nbytes
+    return run
+
+
 def _rope(backend, op):
     """Qwen2's q/k/v bias, Qwen3's per-head q/k norm, RoPE, and the new keys and values into each
     session's cache; q for attention."""
@@ -158,7 +200,20 @@ def _rope(backend, op):
     heads, q_heads, D = c.num_attention_heads + c.num_key_value_heads, c.num_attention_heads, c.head_dim
     qk_size, kv_heads, eps = c.q_size + c.kv_size, c.num_key_value_heads, c.rms_norm_eps
     bias, qk_norm = backend.qkv_bias[layer], backend.qk_norms[layer]
-    swap = backend.rope_swap
+    swap, kernels = backend.rope_swap, backend.kernels
+    if kernels is not None:
+        qk_norm = None if qk_norm is None else np.ascontiguousarray(qk_norm)
+
+        def native(state: StepState) -> None:
+            qkv, cos, sin = state.read("qkv"), state.cos, state.sin
+            q = np.empty((state.T, q_heads, D), np.float32)
+            for kv, lo, hi, start in state.runs:
+                cache, first = state.host_kv(kv)
+                end = start + hi - lo
+                kernels.qkv_rope(qkv[lo:hi], q_heads, kv_heads, bias, qk_norm, eps, cos[lo:hi], sin[lo:hi], q[lo:hi],
+                                 cache.k[layer - first, start:end], cache.v[layer - first, start:end])
+            state.write("q", q)
+        return native
 
     def run(state: StepState) -> None:
         qkv = state.read("qkv")
@@ -181,6 +236,8 @@ def _rope(backend, op):
 def _attention(backend, op):
     """Each session's queries over its own cache (causal; a sliding window where the model has one)."""
     c, layer, window = backend.config, op.layer, backend.config.sliding_window
+    if backend.kernels is not None:
+        return _native_attention(backend, op)
 
     def run(state: StepState) -> None:
         q = state.read("q")
@@ -197,6 +254,25 @@ def _attention(backend, op):
             end = start + hi - lo
             attn[lo:hi] = attention(q[lo:hi], cache.k[layer - first, :end], cache.v[layer - first, :end], start,
                                     window)
+        state.write("attn", attn)
+    return run
+
+
+def _native_attention(backend, op):
+    """Each session's queries over its own cache: on the native kernels (its first start + n rows), or
+    with numpy where the session has more than NATIVE_ATTENTION_QUERIES rows."""
+    c, layer, window, kernels = backend.config, op.layer, backend.config.sliding_window, backend.kernels
+
+    def run(state: StepState) -> None:
+        q, attn = state.read("q"), np.empty((state.T, c.q_size), np.float32)
+        for kv, lo, hi, start in state.runs:
+            cache, first = state.host_kv(kv)
+            k, v = cache.k[layer - first], cache.v[layer - first]
+            if hi - lo <= NATIVE_ATTENTION_QUERIES:
+                kernels.attention(q[lo:hi], k, v, start, window, out=attn[lo:hi])
+            else:
+                end = start + hi - lo
+                attn[lo:hi] = attention(q[lo:hi], k[:end], v[:end], start, window)
         state.write("attn", attn)
     return run
 

@@ -1,0 +1,100 @@
+/* A host segment of the step program as one call: its ops in the plan's order, each bound once by
+ * run/host/native_program.py, walked over one step's buffers and its sessions' caches.  Every op is a
+ * call of host_kernels.c (the same numbers as calling it from Python); this file only walks the list,
+ * so a step pays the Python side once instead of once per op. */
+#include <stdint.h>
+#include <string.h>
+
+#include "host_kernels.h"
+
+enum { OP_LINEAR = 0, OP_ADD = 1, OP_SILU_MUL = 2, OP_QKV_ROPE = 3, OP_ATTENTION = 4 };
+
+typedef struct {
+    int kind, in, out;              /* buffer ids (ks_step_t.buf) */
+    int col;                        /* LINEAR: the first column of out it writes */
+    int gather;                     /* LINEAR: a buffer for the step's lm rows of in (lm_head), or -1 */
+    int n;                          /* ADD, SILU_MUL: columns */
+    int layer, H, n_kv, D, window;  /* QKV_ROPE, ATTENTION: the layer's index in the sessions' caches */
+    float eps, scale;
+    const ks_linear_t *linear;
+    const float *bias, *qk_norm;
+} ks_op_t;
+
+/* One session's rows of the step: rows lo..hi-1 at positions start.. over its float32 cache
+   [layers, capacity, n_kv, D] (k, v: its first layer, row 0), which holds layers first.. of the model. */
+typedef struct {
+    int lo, hi, start, first;
+    ptrdiff_t layer_stride;
+    float *k, *v;
+} ks_run_t;
+
+#define KS_BUFFERS 8
+
+typedef struct {
+    int T, n_runs, n_lm, threads;
+    float *buf[KS_BUFFERS];
+    ptrdiff_t width[KS_BUFFERS];    /* each buffer's row stride (elements) */
+    const float *cos_t, *sin_t;     /* rope_rotation's cos, signed sin [T, D] */
+    const ks_run_t *runs;
+    const int64_t *lm_rows;         /* the rows lm_head reads (n_lm of them), or NULL: every row */
+} ks_step_t;
+
+/* Returns 0, or 1 + the index of the op that failed (no memory, or a head over 1,024 values). */
+int ks_program(const ks_op_t *ops, int n_ops, const ks_step_t *s) {
+    for (int i = 0; i < n_ops; i++) {
+        const ks_op_t *op = ops + i;
+        float *in = s->buf[op->in], *out = s->buf[op->out];
+        const ptrdiff_t iw = s->width[op->in], ow = s->width[op->out];
+        int status = 0;
+        switch (op->kind) {
+        case OP_LINEAR: {
+            int rows = s->T;
+            if (op->gather >= 0 && s->lm_rows) {
+                float *g = s->buf[op->gather];
+                const ptrdiff_t gw = s->width[op->gather];
+                for (int r = 0; r < s->n_lm; r++) memcpy(g + gw * r, in + iw * s->lm_rows[r], sizeof(float) * op->linear->K);
+                in = g, rows = s->n_lm;
+                status = ks_linear(op->linear, in, gw, rows, out + op->col, ow);
+            } else {
+                status = ks_linear(op->linear, in, iw, rows, out + op->col, ow);
+            }
+            break;
+        }
+        case OP_ADD:                /* out += in, as numpy's float32 add */
+            for (int t = 0; t < s->T; t++) {
+                float *o = out + ow * t;
+                const float *a = in + iw * t;
+                for (int j = 0; j < op->n; j++) o[j] = o[j] + a[j];
+            }
+            break;
+        case OP_SILU_MUL:           /* out = silu(in[:, :n]) * in[:, n:2n] */
+            ks_silu_mul(in, iw, in + op->n, iw, s->T, op->n, out, ow, s->threads);
+            break;
+        case OP_QKV_ROPE: {         /* in: qkv; out: q; k and v into each session's cache */
+            const ptrdiff_t row = (ptrdiff_t)op->n_kv * op->D;
+            for (int r = 0; r < s->n_runs && !status; r++) {
+                const ks_run_t *run = s->runs + r;
+                const ptrdiff_t at = run->layer_stride * (op->layer - run->first) + row * run->start;
+                status = ks_qkv_rope(in + iw * run->lo, iw, run->hi - run->lo, op->H, op->n_kv, op->D, op->bias,
+                                     op->qk_norm, op->eps, s->cos_t + (ptrdiff_t)op->D * run->lo,
+                                     s->sin_t + (ptrdiff_t)op->D * run->lo, out + ow * run->lo, ow, run->k + at,
+                                     run->v + at, row, s->threads);
+            }
+            break;
+        }
+        case OP_ATTENTION:          /* in: q; out: attn */
+            for (int r = 0; r < s->n_runs && !status; r++) {
+                const ks_run_t *run = s->runs + r;
+                const ptrdiff_t at = run->layer_stride * (op->layer - run->first);
+                status = ks_attention(in + iw * run->lo, iw, op->D, run->hi - run->lo, op->H, op->D, run->k + at,
+                                      run->v + at, 0, (ptrdiff_t)op->n_kv * op->D, op->D, op->n_kv, run->start,
+                                      op->window, op->scale, out + ow * run->lo, ow, s->threads);
+            }
+            break;
+        default:
+            status = -1;
+        }
+        if (status != 0) return i + 1;
+    }
+    return 0;
+}
