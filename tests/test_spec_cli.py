@@ -27,11 +27,12 @@ def test_generate_json_reports_acceptance_and_keeps_the_tokens(model):
     common = ("generate", "-m", str(model), "--device", "cpu", "-p", "abcabcabc", "-n", "24", "--json")
     plain = json.loads(run(*common).stdout)
     assert "spec_acceptance" not in plain
-    for flags in (("-md", str(model)), ("--spec", "lookup", "--draft-max", "4")):
+    for flags in (("-md", str(model), "--spec-policy", "always"),
+                  ("--spec", "lookup", "--draft-max", "4", "--spec-policy", "always")):
         report = json.loads(run(*common, *flags).stdout)
         assert report["tokens"] == plain["tokens"], flags
         assert 0.0 <= report["spec_acceptance"] <= 1.0 and report["spec_tokens_per_pass"] >= 1.0
-    assert json.loads(run(*common, "-md", str(model)).stdout)["spec_acceptance"] == 1.0
+    assert json.loads(run(*common, "-md", str(model), "--spec-policy", "always").stdout)["spec_acceptance"] == 1.0
 
 
 def test_chat_with_a_draft_answers_as_plain_chat(model):
