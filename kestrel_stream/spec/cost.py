@@ -63,7 +63,8 @@ class PassCurve:
 
     def describe(self) -> str:
         points = ", ".join(f"{x}: {y * 1e3:.3g}" for x, y in zip(self.tokens, self.seconds))
-        return f"pass time (tokens: ms) {points}; {self.flat_tokens()} tokens at the cost of one"
+        flat = self.flat_tokens()
+        return f"pass time (tokens: ms) {points}; {flat} token{'s' if flat > 1 else ''} at the cost of one"
 
     def as_dict(self) -> dict:
         return {"tokens": list(self.tokens), "seconds": [round(s, 9) for s in self.seconds],

@@ -39,13 +39,14 @@ class SpecStats:
     plain_passes: int = 0   # of the passes, those the policy ran without drafts
     draft_length: int = 0   # the latest round's k
 
-    def add(self, other: "SpecStats") -> None:
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        self.passes += other.passes
-        self.emitted += other.emitted
-        self.plain_passes += other.plain_passes
-        self.draft_length = other.draft_length
+    def record(self, drafted: int, emitted: int) -> None:
+        """A pass that checked `drafted` drafts (0: a plain step) and emitted `emitted` tokens."""
+        self.drafted += drafted
+        self.accepted += emitted - 1
+        self.passes += 1
+        self.emitted += emitted
+        self.plain_passes += 0 if drafted else 1
+        self.draft_length = drafted
 
     def as_dict(self) -> dict:
         drafting = self.passes - self.plain_passes
@@ -73,6 +74,7 @@ class DraftLength:
 
 class SpecDecoder:
     def __init__(self, session, draft, draft_max: int, params, seed: int, speculation):
+        # draft_max: the longest chain of this generation (the engine's, or less where a request asks)
         # speculation: the spec.Speculation this comes from (policy, the measured curve, the draft's time)
         self.session, self.params, self.seed = session, params, seed
         self.speculation = speculation
@@ -114,17 +116,10 @@ class SpecDecoder:
 
     def record(self, drafted: int, emitted: int) -> None:
         """A pass that checked `drafted` drafts (0: a plain step) and emitted `emitted` tokens."""
-        kept = emitted - 1
         if drafted:
-            self.length.update(drafted, kept)
-            self.acceptance.record(drafted, kept)
-        st = self.stats
-        st.drafted += drafted
-        st.accepted += kept
-        st.passes += 1
-        st.emitted += emitted
-        st.plain_passes += 0 if drafted else 1
-        st.draft_length = drafted
+            self.length.update(drafted, emitted - 1)
+            self.acceptance.record(drafted, emitted - 1)
+        self.stats.record(drafted, emitted)
 
     def next_tokens(self, token: int, history: list[int], step: int, budget: int) -> list[int]:
         """Feed `token` (the last of `history`, every token of the sequence so far) and return the tokens

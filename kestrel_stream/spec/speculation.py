@@ -66,12 +66,13 @@ class Speculation:
             if self.draft_s_per_token is None:
                 self.draft_s_per_token = self.draft.token_seconds()
 
-    def decoder(self, session, params, seed: int, engine=None) -> SpecDecoder:
-        """The rounds of one generation (or conversation) on `session`; under policy "auto" the target
-        `engine`'s curve is measured first where it was not yet (on this thread: it runs engine steps)."""
-        if self.policy == "auto":
-            self.measure(engine if engine is not None else session.engine)
-        return SpecDecoder(session, self.draft, self.draft_max, params, seed, self)
+    def decoder(self, session, params, seed: int, draft_max: int | None = None) -> SpecDecoder:
+        """The rounds of one generation (or conversation) on `session`, with chains of at most `draft_max`
+        (None: the engine's); under policy "auto" the curve of the session's engine is measured first where it
+        was not yet (on this thread: it runs engine steps)."""
+        self.measure(session.engine)
+        return SpecDecoder(session, self.draft, min(draft_max or self.draft_max, self.draft_max), params, seed,
+                           self)
 
     def describe(self) -> str:
         """One line for `plan` and the daemon's log."""

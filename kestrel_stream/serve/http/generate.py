@@ -10,6 +10,11 @@ draw on the host with the reference sampler (text/sampling.py), so the same
 (seed, prompt) gives the tokens Engine.generate gives.  The session is opened
 when the first token is wanted and closed the moment the generation ends or
 its consumer goes away (a cancelled stream closes it in ``finally``).
+
+Where the daemon has a draft, a generation speculates unless its body says
+``"speculative": false`` (serve/spec_rounds.py): each round's verify pass is a
+job of the same steps, and the logprobs of its tokens are the model's rows of
+that pass.
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from kestrel_stream.serve.decode_steps import DecodeJob
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.requests import TextRequest
 from kestrel_stream.serve.prefix_scopes import scope_name
+from kestrel_stream.serve.spec_rounds import ServedSpeculation, parse_speculative
 from kestrel_stream.serve.service import Connection
 from kestrel_stream.text.chat import ChatTemplateError
 from kestrel_stream.text.detok import IncrementalDecoder
@@ -75,6 +81,10 @@ class HttpGeneration:
         self.stop = StopChecker(eos, request.stop, self.max_tokens)
         self.decoder = IncrementalDecoder(tokenizer, self.ids) if tokenizer is not None else None
         self.seed = request.params.resolved_seed()
+        try:
+            self.speculate, self.draft_max = parse_speculative(request.speculative, engine.speculation)
+        except ValueError as e:
+            raise APIError(400, str(e), param="speculative") from None
         params = request.params
         self.want = "last" if not params.greedy or params.penalized or request.logprobs is not None else "token"
         self.tokens: list[int] = []
@@ -94,47 +104,77 @@ class HttpGeneration:
         if service.draining:
             raise APIError(503, "the daemon is shutting down", "server_error", code="shutting_down")
         conn = Connection(peer="http")
+        spec = None
         try:
             try:
                 await service.op_open(conn, {"max_seq_len": len(self.ids) + self.max_tokens}, {})
             except CapacityError as e:
                 raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
             session = next(iter(conn.sessions.values()))
+            if self.speculate and self.max_tokens > 1:
+                spec = await ServedSpeculation.open(service, session, self.request.params, self.seed,
+                                                    self.draft_max)
             # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier turns)
             # computes only the rest, as the socket clients' generate does
             job = await service.prefill_cached(session, np.asarray(self.ids, np.int64), self.want, 1,
                                                self.prefix_scope)
-            while True:
-                out = self.account(job)
-                if self.first_token_s is None:
-                    self.first_token_s = time.perf_counter() - started
-                if self.stop.reason is None:    # the next step is queued before this token is sent
-                    job = DecodeJob(session, out.token, self.want, 1)
+            pending = [self.account(job)]
+            self.first_token_s = time.perf_counter() - started
+            while pending:
+                out = pending.pop(0)
+                job = None
+                if self.stop.reason is None and not pending and spec is None:
+                    job = DecodeJob(session, out.token, self.want, 1)   # queued before this token is sent
                     service.steps.submit(job)
                 yield out
-                if self.stop.reason is not None:
-                    break
+                if pending or self.stop.reason is not None:
+                    continue
+                if job is None:
+                    pending = await self.speculative_round(spec, out.token)
+                    if pending:
+                        continue
+                    job = DecodeJob(session, out.token, self.want, 1)
+                    service.steps.submit(job)
                 await job.wait()
                 if job.error is not None:
                     raise job.error
+                pending = [self.account(job)]
         except KestrelError as e:
             raise APIError(500, f"{type(e).__name__}: {e}", "server_error") from None
         finally:
+            if spec is not None:
+                await spec.finish(None)
             if conn.sessions:
                 with anyio.CancelScope(shield=True):    # a client gone mid-stream frees its session now
                     await service.close_sessions(conn, list(conn.sessions))
         self.finish_reason = FINISH[self.stop.reason]
 
+    async def speculative_round(self, spec, token: int) -> list[TokenOut]:
+        """The tokens of a speculative round after `token`, up to a stop; [] where the round drafted nothing
+        (the caller takes a plain step)."""
+        rounded = await spec.round(token, self.ids + self.tokens, len(self.tokens), self.max_tokens - len(self.tokens))
+        if rounded is None:
+            return []
+        outs = []
+        for token, row in zip(*rounded):
+            outs.append(self.emit(token, row))
+            if self.stop.reason is not None:
+                break
+        return outs
+
     def account(self, job) -> TokenOut:
         fields, arrays = job.result
-        logprob, top = None, ()
         if self.want == "token":
-            token = fields["token"]
-        else:
-            logits = np.asarray(arrays["logits"], np.float32).reshape(-1)
-            token = sample_logits(logits, self.request.params, self.seed, len(self.tokens), self.ids + self.tokens)
-            if self.request.logprobs is not None:
-                logprob, top = log_probs(logits, token, self.request.logprobs)
+            return self.emit(fields["token"], None)
+        logits = np.asarray(arrays["logits"], np.float32).reshape(-1)
+        token = sample_logits(logits, self.request.params, self.seed, len(self.tokens), self.ids + self.tokens)
+        return self.emit(token, logits)
+
+    def emit(self, token: int, logits: np.ndarray | None) -> TokenOut:
+        """The token, its text and (with logits: the model's row it was chosen from) its logprobs."""
+        logprob, top = None, ()
+        if logits is not None and self.request.logprobs is not None:
+            logprob, top = log_probs(np.asarray(logits, np.float32), token, self.request.logprobs)
         self.tokens.append(token)
         stop = self.stop
         text = self.decoder.push(token) if self.decoder is not None and token not in stop.eos_ids else ""

@@ -28,6 +28,7 @@ KNOWN_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature"
                 "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "n", "user",
                 "logit_bias", "ignore_eos", "cache_salt"}   # top_k, min_p, repeat_penalty, ignore_eos: as llama-server;
                                                         # cache_salt: as vLLM
+KNOWN_COMMON |= {"speculative"}     # false opts out of the daemon's draft (serve -md, --spec lookup)
 KNOWN_COMPLETIONS = KNOWN_COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix"}
 KNOWN_CHAT = KNOWN_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -62,6 +63,7 @@ class TextRequest:
     logprobs: int | None                    # None: none; else how many alternatives per token (0..)
     ignore_eos: bool = False                # generate max_tokens whatever the model says (benchmarks)
     cache_salt: str | None = None           # reuse only prefixes cached by requests with the same salt
+    speculative: object = None              # the body's "speculative" (false: opt out), checked against the draft
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -146,7 +148,8 @@ def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None
         raise bad_param("cache_salt", f"expected a string of 1..{MAX_CACHE_SALT_CHARS} characters, got "
                                       f"{salt!r:.80}", "invalid_type")
     return TextRequest(chat, prompt, max_tokens, params, stop_strings(body), stream,
-                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos, salt)
+                       bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos, salt,
+                       body.get("speculative"))
 
 
 def logprobs_of(body: dict, chat: bool) -> int | None:
