@@ -226,11 +226,12 @@ def test_clients_leaving_mid_round_leave_no_session(models, tmp_path):
 
 
 def test_serve_with_prompt_lookup_publishes_its_figures(models, plain, tmp_path):
-    """`serve --spec lookup` (policy auto: the pass times measured on the first request): the same tokens as plain
+    """`serve --spec lookup` (policy auto: the pass times measured before it listens): the same tokens as plain
     decoding, and the figures in stats and under kestrel_spec_* in /metrics."""
     d = HttpDaemon(models["itself"], tmp_path, "--spec", "lookup", "--draft-max", "4")
     try:
-        assert "speculative decoding: prompt lookup, chains of up to 4 tokens, policy auto" in d.log_path.read_text()
+        log = d.log_path.read_text()
+        assert "speculative decoding: prompt lookup, chains of up to 4 tokens, policy auto; pass time (tokens: ms) 1:" in log
         port = int(d.base_url.rsplit(":", 1)[1].split("/")[0])
         for prompt in PROMPTS:
             assert completion(port, prompt, model="target")["choices"][0]["text"] == plain[prompt].text
@@ -259,3 +260,34 @@ def test_a_draft_of_another_tokenizer_is_refused_at_serve_start(models, tmp_path
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert f"draft model {other} does not share the tokenizer of {models['itself']}" in proc.stderr
     assert "token 65" in proc.stderr and "listening" not in proc.stderr
+
+
+def test_a_round_that_fails_answers_an_error_and_loses_no_session(models, plain, tmp_path, monkeypatch):
+    """A verify pass whose check raises fails its own request, over the socket and HTTP: the other requests and the
+    connection go on, and every session of the model and the draft closes."""
+    from kestrel_stream.spec.decoder import SpecDecoder
+    d = InProcessDaemon(models["itself"], tmp_path, load={"draft": str(models["itself"]), "spec_policy": "always"})
+    real_verify = SpecDecoder.verify
+    failing = {"left": 0}
+
+    def verify(self, *args):
+        if failing["left"]:
+            failing["left"] -= 1
+            raise RuntimeError("verification broke")
+        return real_verify(self, *args)
+    monkeypatch.setattr(SpecDecoder, "verify", verify)
+    prompt = PROMPTS[0]
+    try:
+        with ks.Client(str(d.socket_path)) as client:
+            failing["left"] = 1
+            with pytest.raises(Exception, match="verification broke"):
+                client.generate(prompt, NEW_TOKENS)
+            assert client.generate(prompt, NEW_TOKENS).tokens == plain[prompt].tokens
+        failing["left"] = 1
+        with pytest.raises(urllib.error.HTTPError) as info:
+            completion(d.http_port, prompt)
+        assert info.value.code == 500
+        assert completion(d.http_port, prompt)["choices"][0]["text"] == plain[prompt].text
+        assert d.settled_sessions() == 0 and not d.engine.speculation.draft.engine.sessions
+    finally:
+        d.stop()

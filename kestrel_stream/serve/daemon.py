@@ -375,7 +375,8 @@ def run_daemon(args, environment) -> int:
     log(f"plan: {engine.plan_summary()}")
     if engine.executor.preload_line:
         log(engine.executor.preload_line)
-    if engine.speculation is not None:
+    if engine.speculation is not None:      # the pass times measured now, before any request waits for them
+        engine.speculation.measure(engine)
         log(engine.speculation.describe())
     try:
         return anyio.run(serve, engine, args, environment)

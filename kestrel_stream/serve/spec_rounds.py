@@ -71,7 +71,11 @@ class VerifyJob(PrefillJob):
         if not final:
             return
         logits = self.result[1]["logits"]
-        self.out = self.decoder.verify(logits, self.drafts, self.q_rows, self.history, self.step)
+        try:
+            self.out = self.decoder.verify(logits, self.drafts, self.q_rows, self.history, self.step)
+        except Exception as e:          # fails this job alone (DecodeSteps rewinds and answers it), not the step
+            self.error = e
+            return
         self.session.truncate(self.start_position + len(self.out))   # token and the kept drafts
         self.decoder.record(len(self.drafts), len(self.out))
         self.result = ({}, {"logits": logits[:len(self.out)]})
