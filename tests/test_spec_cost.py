@@ -114,3 +114,44 @@ def test_auto_measures_the_curve_on_first_use():
     assert target.speculation.curve is not None and target.speculation.curve.tokens[0] == 1
     assert "pass time" in target.speculation.describe()
     target.close()
+
+
+class Repeater:
+    """A draft of k copies of one token, as many as asked for, in no time (the draft protocol of spec/)."""
+    name = "repeater"
+
+    def open(self, max_seq_len):
+        return self
+
+    def propose(self, context, k, params, seed, step):
+        return [7] * k, None
+
+    def token_seconds(self):
+        return 0.0
+
+    def close(self):
+        pass
+
+
+def test_the_daemons_rounds_draft_less_as_its_batch_grows():
+    """ServedSpeculation.propose takes the batch from the batcher (the sessions that asked for a step lately) and
+    the cost model shortens the chains as it grows: none once the batch alone fills the flat part of the curve."""
+    from types import SimpleNamespace
+
+    from kestrel_stream.serve.spec_rounds import ServedSpeculation
+    from kestrel_stream.text.sampling import SamplingParams
+    engine = Engine(random_q8_weights(CONFIG, seed=2), device="cpu", max_seq_len=64)
+    speculation = Speculation(Repeater(), draft_max=8, curve=FLAT_TO_16)
+    history = [1, 2, 3, 4] * 6
+    lengths = {}
+    with engine.new_session() as session:
+        session.prefill(history[:-1])
+        decoder = speculation.decoder(session, SamplingParams(), 0)
+        for batch in (1, 2, 4, 8, 16):
+            service = SimpleNamespace(batcher=SimpleNamespace(active_sessions=lambda now, b=batch: b))
+            drafts, _ = ServedSpeculation(service, session, decoder).propose(history, 20, len(history))
+            lengths[batch] = len(drafts)
+    engine.close()
+    assert lengths[1] == 8 and lengths[16] == 0, lengths
+    assert all(lengths[a] >= lengths[b] for a, b in ((1, 2), (2, 4), (4, 8), (8, 16))), lengths
+    assert all(k == 0 or b * (k + 1) <= FLAT_TO_16.flat_tokens() for b, k in lengths.items()), lengths

@@ -76,7 +76,8 @@ class Speculation:
 
     def describe(self) -> str:
         """One line for `plan` and the daemon's log."""
-        what = (f"draft model {self.draft.source}" if self.kind == "draft" else "prompt lookup")
+        what = {"draft": lambda: f"draft model {self.draft.source}", "lookup": lambda: "prompt lookup"}.get(
+            self.kind, lambda: f"draft {self.kind}")()
         line = f"speculative decoding: {what}, chains of up to {self.draft_max} tokens, policy {self.policy}"
         if self.policy == "auto":
             line += ("; " + self.curve.describe()) if self.curve is not None else "; pass times measured on first use"
