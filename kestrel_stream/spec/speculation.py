@@ -76,8 +76,9 @@ class Speculation:
 
     def describe(self) -> str:
         """One line for `plan` and the daemon's log."""
-        what = {"draft": lambda: f"draft model {self.draft.source}", "lookup": lambda: "prompt lookup"}.get(
-            self.kind, lambda: f"draft {self.kind}")()
+        what = {"draft": "draft model", "lookup": "prompt lookup"}.get(self.kind, f"draft {self.kind}")
+        if self.kind == "draft":
+            what += f" {self.draft.source}"
         line = f"speculative decoding: {what}, chains of up to {self.draft_max} tokens, policy {self.policy}"
         if self.policy == "auto":
             line += ("; " + self.curve.describe()) if self.curve is not None else "; pass times measured on first use"
