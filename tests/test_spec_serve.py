@@ -291,3 +291,25 @@ def test_a_round_that_fails_answers_an_error_and_loses_no_session(models, plain,
         assert d.settled_sessions() == 0 and not d.engine.speculation.draft.engine.sessions
     finally:
         d.stop()
+
+
+def test_sampled_speculative_output_repeats_and_is_the_engines(models, tmp_path):
+    """Sampled rounds through the daemon draw the numbers Engine.generate's rounds draw (the same draft, seed and
+    rounds): the same tokens as in process, and again with the same seed."""
+    load = {"draft": str(models["perturbed"]), "spec_policy": "always"}
+    engine = ks.load(str(models["itself"]), device="cpu", **load)
+    sampled = dict(temperature=0.9, seed=11)
+    expected = {prompt: engine.generate(prompt, NEW_TOKENS, **sampled) for prompt in PROMPTS}
+    engine.close()
+    d = InProcessDaemon(models["itself"], tmp_path, load=load)
+    try:
+        with ks.Client(str(d.socket_path)) as client:
+            for prompt in PROMPTS:
+                first = client.generate(prompt, NEW_TOKENS, **sampled)
+                assert first.tokens == expected[prompt].tokens, prompt
+                assert first.speculation["spec_drafted"] == expected[prompt].stats["spec_drafted"]
+                assert client.generate(prompt, NEW_TOKENS, **sampled).tokens == first.tokens
+            other = client.generate(PROMPTS[0], NEW_TOKENS, temperature=0.9, seed=12)
+            assert other.tokens != expected[PROMPTS[0]].tokens
+    finally:
+        d.stop()
