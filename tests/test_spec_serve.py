@@ -313,3 +313,25 @@ def test_sampled_speculative_output_repeats_and_is_the_engines(models, tmp_path)
             assert other.tokens != expected[PROMPTS[0]].tokens
     finally:
         d.stop()
+
+
+def test_where_drafting_would_not_pay_the_daemon_decodes_plainly(models, plain, tmp_path):
+    """Policy auto on a pass-time curve where k tokens cost k times one (a model in VRAM): every step of every
+    transport is a plain one, the same tokens, and the draft is never asked."""
+    from test_spec_cost import PROPORTIONAL
+    d = InProcessDaemon(models["itself"], tmp_path, load={"draft": str(models["itself"])})
+    d.engine.speculation.curve, d.engine.speculation.draft_s_per_token = PROPORTIONAL, 0.0
+    draft_engine = d.engine.speculation.draft.engine
+    try:
+        draft_steps = draft_engine.executor.counters.as_dict()
+        with ks.Client(str(d.socket_path)) as client:
+            answer = client.generate(PROMPTS[0], NEW_TOKENS)
+        assert answer.tokens == plain[PROMPTS[0]].tokens
+        assert answer.speculation["spec_drafted"] == 0
+        assert answer.speculation["spec_plain_passes"] == answer.speculation["spec_passes"] == NEW_TOKENS - 1
+        assert completion(d.http_port, PROMPTS[1])["choices"][0]["text"] == plain[PROMPTS[1]].text
+        stats = spec_stats(d)
+        assert stats["spec_drafted"] == 0 and stats["spec_plain_passes"] == 2 * (NEW_TOKENS - 1)
+        assert draft_engine.executor.counters.as_dict() == draft_steps
+    finally:
+        d.stop()

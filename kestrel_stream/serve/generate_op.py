@@ -166,8 +166,8 @@ def picked(generation: Generation, job, want: str) -> int:
 
 async def next_tokens(service, session, generation: Generation, spec, token: int, want: str) -> list[int]:
     """The tokens after `token`: a speculative round's, or one decode step's."""
-    if spec is not None:
-        budget = generation.stop.max_new_tokens - len(generation.tokens)
+    budget = generation.stop.max_new_tokens - len(generation.tokens)
+    if spec is not None and not spec.plain_next(budget):
         rounded = await spec.round(token, generation.ids + generation.tokens, len(generation.tokens), budget)
         if rounded is not None:
             return rounded[0]

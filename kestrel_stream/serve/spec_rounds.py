@@ -99,6 +99,19 @@ class ServedSpeculation:
             return None
         return cls(service, session, decoder)
 
+    def plain_next(self, budget: int) -> bool:
+        """Loop: whether the next step is a plain one whatever the batch (even a lone session would draft
+        nothing: e.g. in VRAM, where a pass of k tokens costs k times one); the caller then takes it at once,
+        without asking the step thread, and it counts as a plain pass."""
+        if self.decoder.draft_length(budget, 1) > 0:
+            return False
+        self.record_plain()
+        return True
+
+    def record_plain(self) -> None:
+        self.decoder.record(0, 1)
+        self.service.spec_totals.stats.record(0, 1)
+
     def propose(self, history: list[int], budget: int, step: int):
         """Step thread: the round's k for the batch as it stands, and the drafts."""
         batch = self.service.batcher.active_sessions(time.perf_counter())
@@ -111,8 +124,7 @@ class ServedSpeculation:
         service = self.service
         drafts, q_rows = await service.steps.run(self.propose, history, budget, step)
         if not drafts:
-            self.decoder.record(0, 1)
-            service.spec_totals.stats.record(0, 1)
+            self.record_plain()
             return None
         job = await service.run_job(VerifyJob(self.session, token, drafts, q_rows, self.decoder, history, step))
         service.spec_totals.stats.record(len(drafts), len(job.out))

@@ -123,7 +123,8 @@ class HttpGeneration:
             while pending:
                 out = pending.pop(0)
                 job = None
-                if self.stop.reason is None and not pending and spec is None:
+                if self.stop.reason is None and not pending and (
+                        spec is None or spec.plain_next(self.max_tokens - len(self.tokens))):
                     job = DecodeJob(session, out.token, self.want, 1)   # queued before this token is sent
                     service.steps.submit(job)
                 yield out
