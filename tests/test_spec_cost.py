@@ -68,12 +68,36 @@ def test_the_curve_interpolates_extrapolates_and_checks_its_points():
 
 def test_the_acceptance_starts_from_its_prior_and_follows_the_rounds():
     a = Acceptance()
-    assert a.rate == 0.75
+    assert a.rate == Acceptance.PRIOR == 0.75
     a.record(8, 8)                      # a fully kept chain: no miss
-    assert a.rate == pytest.approx(11 / 12)
+    assert a.rate == pytest.approx((0.9 * 3 + 8) / (0.9 * 4 + 8))
     for _ in range(10):
         a.record(4, 0)
-    assert a.rate == pytest.approx(11 / 22)      # 11 kept, 11 misses
+    assert a.rate < 0.4
+    for _ in range(10):                 # the text changed: the earlier misses fade
+        a.record(4, 4)
+    assert a.rate > 0.9
+
+
+def test_a_draft_turned_off_by_misses_is_tried_again_after_plain_passes():
+    from types import SimpleNamespace
+
+    from kestrel_stream.spec.decoder import REPROBE_PASSES, SpecDecoder
+    from kestrel_stream.text.sampling import SamplingParams
+    speculation = Speculation(Repeater(), draft_max=8, curve=FLAT_TO_64)
+    decoder = SpecDecoder(SimpleNamespace(position=0, max_seq_len=10**6), speculation.draft, 8, SamplingParams(), 0,
+                          speculation)
+    assert decoder.draft_length(100) == 8
+    while (k := decoder.draft_length(100)) > 0:     # every draft missed
+        decoder.record(k, 1)
+    for _ in range(REPROBE_PASSES - 1):
+        assert decoder.draft_length(100) == 0
+        decoder.record(0, 1)
+    decoder.record(0, 1)
+    k = decoder.draft_length(100)
+    assert k > 0                                      # one round at the prior's length
+    decoder.record(k, k + 1)                          # kept whole: drafting is back
+    assert decoder.draft_length(100) > 0
 
 
 def test_the_measured_curve_starts_at_one_token_and_doubles():

@@ -100,15 +100,19 @@ def choose_draft_length(curve: PassCurve, acceptance: float, k_max: int, batch: 
 class Acceptance:
     """The running chance that a drafted token is kept: kept drafts over kept drafts and misses (a chain stops
     at its first miss, so each round adds its kept run and at most one miss), starting from a prior of
-    PRIOR_KEPT kept to PRIOR_MISSES missed, so a first round is tried and a few misses turn it down."""
+    PRIOR_KEPT kept to PRIOR_MISSES missed, so a first round is tried and a few misses turn it down.  Earlier
+    rounds weigh DECAY less at each round, so the rate follows the text (a passage the draft knows, then one
+    it does not)."""
     PRIOR_KEPT, PRIOR_MISSES = 3.0, 1.0
+    DECAY = 0.9
+    PRIOR = PRIOR_KEPT / (PRIOR_KEPT + PRIOR_MISSES)
 
     def __init__(self):
         self.kept, self.misses = self.PRIOR_KEPT, self.PRIOR_MISSES
 
     def record(self, drafted: int, kept: int) -> None:
-        self.kept += kept
-        self.misses += 1 if kept < drafted else 0
+        self.kept = self.DECAY * self.kept + kept
+        self.misses = self.DECAY * self.misses + (1 if kept < drafted else 0)
 
     @property
     def rate(self) -> float:

@@ -8,7 +8,9 @@ so a caller may stop, cut or continue as after a plain step.
 
 k comes from the Speculation's policy: under "auto" the cost model
 (cost.choose_draft_length: the pass-time curve, the running acceptance, the
-draft's measured time per token and the batch), 0 meaning a plain step; under
+draft's measured time per token and the batch), 0 meaning a plain step; where
+a low acceptance turned drafting off, a round at the prior acceptance's length
+every REPROBE_PASSES plain passes finds out whether the text changed; under
 "always" it starts at draft_max and follows the acceptance (+2 after a fully
 kept chain, -1 after a miss, at least 1).
 
@@ -28,6 +30,7 @@ from kestrel_stream.spec.cost import Acceptance, choose_draft_length
 from kestrel_stream.text.sampling import sample_logits
 
 DRAFT_TIME_WEIGHT = 0.2     # the weight of the latest round in the draft's running time per token
+REPROBE_PASSES = 16         # after this many plain passes the acceptance turned off, one round at the prior's
 
 
 @dataclass
@@ -82,6 +85,7 @@ class SpecDecoder:
         self.length = DraftLength(draft_max)
         self.acceptance = Acceptance()
         self.draft_s_per_token = speculation.draft_s_per_token or 0.0
+        self.plain_run = 0          # plain passes since the last drafting one
         self.stats = SpecStats()
 
     def draft_length(self, budget: int, batch: int = 1) -> int:
@@ -93,8 +97,11 @@ class SpecDecoder:
             return 0
         if self.speculation.policy == "always":
             return min(self.length.k, k_max)
-        return choose_draft_length(self.speculation.curve, self.acceptance.rate, k_max, max(batch, 1),
-                                   self.draft_s_per_token)
+        curve, batch = self.speculation.curve, max(batch, 1)
+        k = choose_draft_length(curve, self.acceptance.rate, k_max, batch, self.draft_s_per_token)
+        if k == 0 and self.plain_run >= REPROBE_PASSES:
+            k = choose_draft_length(curve, Acceptance.PRIOR, k_max, batch, self.draft_s_per_token)
+        return k
 
     def propose(self, history: list[int], k: int, step: int):
         """(up to k drafted tokens after `history`, their q rows or None); the draft's time is measured."""
@@ -119,6 +126,7 @@ class SpecDecoder:
         if drafted:
             self.length.update(drafted, emitted - 1)
             self.acceptance.record(drafted, emitted - 1)
+        self.plain_run = 0 if drafted else self.plain_run + 1
         self.stats.record(drafted, emitted)
 
     def next_tokens(self, token: int, history: list[int], step: int, budget: int) -> list[int]:
