@@ -54,6 +54,10 @@ def test_generate_json_has_the_draft_length_and_the_trace_a_draft_row(model, tmp
     report = json.loads(run("generate", "-m", str(model), "--device", "cpu", "-p", "abcabcabc", "-n", "16", "--json",
                             "-md", str(model), "--spec-policy", "always", "--trace", str(trace_file)).stdout)
     assert report["spec_draft_length"] > 1 and report["spec_plain_passes"] == 0
+    assert report["spec_policy"] == "always" and report["spec_pass_curve"] is None
+    auto = json.loads(run("generate", "-m", str(model), "--device", "cpu", "-p", "abcabcabc", "-n", "8", "--json",
+                          "--spec", "lookup").stdout)
+    assert auto["spec_policy"] == "auto" and auto["spec_pass_curve"]["tokens"][0] == 1
     events = json.loads(trace_file.read_text())["traceEvents"]
     rows = {e["tid"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"
             and e["args"]["name"] == "draft"}

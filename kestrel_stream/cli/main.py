@@ -81,6 +81,9 @@ def cmd_generate(args) -> int:
     report.update(window_report(engine, result.stats))
     if "spec_passes" in result.stats:
         report.update({key: result.stats[key] for key in SPEC_REPORT})
+        curve = engine.speculation.curve        # policy auto: the pass times the draft lengths came from
+        report["spec_policy"] = engine.speculation.policy
+        report["spec_pass_curve"] = curve.as_dict() if curve is not None else None
     if args.json:
         print(json.dumps(report))
     else:
