@@ -335,3 +335,26 @@ def test_where_drafting_would_not_pay_the_daemon_decodes_plainly(models, plain, 
         assert draft_engine.executor.counters.as_dict() == draft_steps
     finally:
         d.stop()
+
+
+@pytest.mark.parametrize("mode", ["gpu", "layers=1"], ids=["whole-device", "layers"])
+def test_greedy_output_through_the_daemon_on_the_emulated_device(mode, models, tmp_path, monkeypatch):
+    """The verify passes as jobs of the device's batched steps (every row's logits back for that step), the draft
+    resident beside the model: the same tokens as the daemon's plain decoding there."""
+    import fake_cuda
+    fake_cuda.install(monkeypatch, mode="deferred")
+    d = InProcessDaemon(models["itself"], tmp_path, load={"device": "cuda", "mode": mode, "max_seq_len": 256,
+                                                         "draft": str(models["perturbed"]), "spec_policy": "always"})
+    try:
+        assert d.engine.speculation.draft.engine.mode == "gpu"
+        with ks.Client(str(d.socket_path)) as client:
+            for prompt in PROMPTS:
+                plain = client.generate(prompt, NEW_TOKENS, speculative=False)
+                answer = client.generate(prompt, NEW_TOKENS)
+                assert answer.tokens == plain.tokens, prompt
+                assert answer.speculation["spec_drafted"] > 0
+                assert completion(d.http_port, prompt)["choices"][0]["text"] == plain.text
+        assert 0.0 < spec_stats(d)["spec_acceptance"] < 1.0
+        assert d.settled_sessions() == 0 and not d.engine.speculation.draft.engine.sessions
+    finally:
+        d.stop()
