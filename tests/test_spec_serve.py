@@ -133,7 +133,8 @@ def test_speculative_and_plain_sessions_share_steps_and_keep_their_tokens(models
     def http_client(i: int, speculative: bool) -> None:
         try:
             prompt = PROMPTS[i % len(PROMPTS)]
-            results[("http", i)] = (prompt, completion(d.http_port, prompt, speculative=speculative)["choices"][0]["text"])
+            answer = completion(d.http_port, prompt, speculative=speculative)
+            results[("http", i)] = (prompt, answer["choices"][0]["text"])
         except Exception as e:
             errors.append(e)
     steps_before = d.service.stats().get("steps", 0)
@@ -231,7 +232,8 @@ def test_serve_with_prompt_lookup_publishes_its_figures(models, plain, tmp_path)
     d = HttpDaemon(models["itself"], tmp_path, "--spec", "lookup", "--draft-max", "4")
     try:
         log = d.log_path.read_text()
-        assert "speculative decoding: prompt lookup, chains of up to 4 tokens, policy auto; pass time (tokens: ms) 1:" in log
+        assert ("speculative decoding: prompt lookup, chains of up to 4 tokens, policy auto; "
+                "pass time (tokens: ms) 1:") in log
         port = int(d.base_url.rsplit(":", 1)[1].split("/")[0])
         for prompt in PROMPTS:
             assert completion(port, prompt, model="target")["choices"][0]["text"] == plain[prompt].text

@@ -103,7 +103,8 @@ def test_after_a_rejection_the_kv_holds_the_kept_path_only(monkeypatch):
     params = SamplingParams()
     with engine.new_session() as s:
         first = int(np.argmax(s.prefill(PROMPT, logits="last")))
-        decoder = Speculation(Scripted([[plain[1], plain[2], wrong, plain[4]]]), draft_max=4, policy="always").decoder(s, params, 0)
+        speculation = Speculation(Scripted([[plain[1], plain[2], wrong, plain[4]]]), draft_max=4, policy="always")
+        decoder = speculation.decoder(s, params, 0)
         out = decoder.next_tokens(first, PROMPT + [first], 1, budget=20)
         assert out == plain[1:4]                      # two kept, then the target's own token
         assert s.position == len(PROMPT) + 3 and s.tokens == PROMPT + plain[:3]

@@ -153,12 +153,13 @@ class HttpGeneration:
     async def speculative_round(self, spec, token: int) -> list[TokenOut]:
         """The tokens of a speculative round after `token`, up to a stop; [] where the round drafted nothing
         (the caller takes a plain step)."""
-        rounded = await spec.round(token, self.ids + self.tokens, len(self.tokens), self.max_tokens - len(self.tokens))
+        budget = self.max_tokens - len(self.tokens)
+        rounded = await spec.round(token, self.ids + self.tokens, len(self.tokens), budget)
         if rounded is None:
             return []
         outs = []
-        for token, row in zip(*rounded):
-            outs.append(self.emit(token, row))
+        for emitted, row in zip(*rounded):
+            outs.append(self.emit(emitted, row))
             if self.stop.reason is not None:
                 break
         return outs
