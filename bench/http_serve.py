@@ -3,6 +3,9 @@
     python3 -m bench.http_serve [--preset tiny | --model PATH] [--device cpu|cuda] [--mode auto]
                                 [--clients 1,16,32] [--prompt-tokens 128] [--new-tokens 64] [--out DIR] [--label NAME]
     python3 -m bench.http_serve --base-url http://127.0.0.1:8080/v1 --served-model NAME --vocab-size V --label llama-server
+    # speculative decoding: the daemon's own flags after --serve-args, text prompts (client i takes prompt i mod n)
+    #   python3 -m bench.http_serve --model M.gguf --device cuda --serve-args "-md D.gguf --vram-budget 1GB" \
+    #       --prompt-file bench/speculative_prompts.txt --clients 1,32
     # on the H200, ours then llama-server's on the same GGUF:
     #   python3 -m bench.http_serve --model qwen3-1.7b-q8_0.gguf --device cuda --label h200
     #   llama-server -m qwen3-1.7b-q8_0.gguf -ngl 99 -np 32 -c 8192 --port 8080 &
@@ -26,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import statistics
 import tempfile
 import time
@@ -45,12 +49,13 @@ from .report import write_results  # noqa: E402
 
 
 def start_daemon(model, args, tmp: Path):
-    """``serve --http 127.0.0.1:0`` and the base URL it logs."""
+    """``serve --http 127.0.0.1:0`` (and --serve-args) and the base URL it logs."""
     return daemons.start_daemon(model, tmp / "daemon.log", "--device", args.device, "--mode", args.mode,
                                 "--socket", str(tmp / "ks.sock"), "--http", "127.0.0.1:0",
                                 "--served-model-name", "bench", "--max-batch", str(args.max_batch),
                                 "--max-sessions", str(max(args.client_counts) + 4),
-                                "--max-seq-len", str(args.prompt_tokens + args.new_tokens + 8),
+                                *(["--max-seq-len", str(args.prompt_tokens + args.new_tokens + 8)]
+                                  if args.prompt_texts is None else []), *shlex.split(args.serve_args),
                                 listening=r"http listening on (http://\S+/v1)")
 
 
@@ -85,9 +90,10 @@ async def one_request(http: httpx.AsyncClient, base_url: str, body: dict) -> tup
 
 
 async def round_of(base_url: str, model: str, clients: int, args, vocab: int, seed: int) -> dict:
-    bodies = [{"model": model, "prompt": prompt.tolist(), "max_tokens": args.new_tokens, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-              for prompt in random_prompts(vocab, clients, args.prompt_tokens, seed)]
+    prompts = ([args.prompt_texts[i % len(args.prompt_texts)] for i in range(clients)] if args.prompt_texts else
+               [prompt.tolist() for prompt in random_prompts(vocab, clients, args.prompt_tokens, seed)])
+    bodies = [{"model": model, "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
+               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for prompt in prompts]
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as http:
@@ -134,7 +140,13 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--serve-args", default="", help="more flags for our daemon's serve, e.g. "
+                                                         "\"-md DRAFT.gguf --vram-budget 1GB\"")
+    parser.add_argument("--prompt-file", default=None, help="text prompts separated by lines of --- instead of "
+                                                            "random ids (client i sends prompt i mod n)")
     args = parser.parse_args()
+    args.prompt_texts = ([t for t in Path(args.prompt_file).read_text().split("\n---\n") if t.strip()]
+                         if args.prompt_file else None)
     args.client_counts = client_counts(parser, args)
     if not args.client_counts or args.prompt_tokens < 1 or args.new_tokens < 1:
         parser.error("--clients, --prompt-tokens and --new-tokens must be >= 1")
@@ -158,8 +170,10 @@ def main() -> None:
     path = write_results(name, environment(), rows,
                          ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tokens",
                           "expected_tokens", "short_streams", "error"], out_dir=args.out,
-                         notes=f"HTTP, streaming /v1/completions; {os.cpu_count()} cores. Each client: a "
-                               f"{args.prompt_tokens}-token prompt (random ids), {args.new_tokens} greedy tokens "
+                         notes=f"HTTP, streaming /v1/completions; {os.cpu_count()} cores; serve {args.serve_args}. "
+                               f"Each client: " + (f"a prompt of {args.prompt_file}" if args.prompt_file else
+                                                    f"a {args.prompt_tokens}-token prompt (random ids)")
+                               + f", {args.new_tokens} greedy tokens "
                                f"with ignore_eos. tok_s = generated tokens of all clients / (last chunk - start); "
                                f"ttft = request sent -> first streamed choice; short_streams: requests that ended with fewer "
                                f"tokens than asked (error: the first in-stream error message).")

@@ -1,8 +1,8 @@
 """Speculative decoding against plain decoding at batch 1, through Engine.generate (the path users take).
 
     PYTHONPATH=. python3 -m bench.speculative --model M (-md DRAFT | --spec lookup) --prompts FILE
-        [--chat] [-n 128] [--draft-max 4,8,16] [--device auto] [--mode auto] [--vram-budget B]
-        [--temp 0] [--repeats 3] [--out DIR]
+        [--chat] [-n 128] [--draft-max 4,8,16] [--spec-policy auto|always] [--device auto] [--mode auto]
+        [--vram-budget B] [--temp 0] [--repeats 3] [--out DIR]
 
 FILE holds prompts separated by lines of `---` (--chat: each is a user message in the model's chat
 template).  Per prompt and draft_max: plain and speculative decode tok/s (best of --repeats after a
@@ -39,6 +39,7 @@ def row(name, draft_max, plain_tokens, plain_s, spec_tokens, spec_s, stats, same
     return {"prompt": name, "draft_max": draft_max, "plain_tok_s": round(plain_tok_s, 2),
             "spec_tok_s": round(spec_tok_s, 2), "speedup": round(spec_tok_s / plain_tok_s, 3) if plain_tok_s else None,
             "acceptance": stats.get("spec_acceptance"), "tokens_per_pass": stats.get("spec_tokens_per_pass"),
+            "draft_length": stats.get("spec_draft_length"), "plain_passes": stats.get("spec_plain_passes"),
             "tokens": spec_tokens, "same_tokens": same}
 
 
@@ -52,6 +53,9 @@ def main() -> None:
     p.add_argument("--chat", action="store_true", help="each prompt is a user message (the chat template)")
     p.add_argument("-n", "--new-tokens", type=int, default=128)
     p.add_argument("--draft-max", default="8", help="comma-separated chain lengths to try")
+    p.add_argument("--spec-policy", default="auto", choices=["auto", "always"],
+                   help="auto: the cost model sets each round's length (and may turn drafting off); always: "
+                        "every round drafts")
     p.add_argument("--device", default="auto")
     p.add_argument("--mode", default="auto")
     p.add_argument("--vram-budget", default=None)
@@ -62,7 +66,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write a result file (json + md) under this directory")
     args = p.parse_args()
     engine = ks.load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
-                     max_seq_len=args.max_seq_len, draft=args.model_draft, spec=args.spec)
+                     max_seq_len=args.max_seq_len, draft=args.model_draft, spec=args.spec,
+                     spec_policy=args.spec_policy)
     prompts = read_prompts(args.prompts, args.chat)
     rows = []
     for draft_max in [int(k) for k in args.draft_max.split(",")]:

@@ -15,7 +15,8 @@ KV_BLOCK = 16           # gpu mode's KV block (positions)
 def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_seq_len: int | None = None,
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None,
          kv_dtype: str = "f16", cpu_threads: int | None = None, gguf_blocks: str = "native",
-         hf_file: str | None = None, draft=None, spec: str | None = None, draft_max: int = 8) -> Engine:
+         hf_file: str | None = None, draft=None, spec: str | None = None, draft_max: int = 8,
+         spec_policy: str = "auto") -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it.
 
     path may also name a model on the Hugging Face Hub (loading/hub.py): "org/repo" (a safetensors
@@ -33,7 +34,9 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     GPU it takes its share of the VRAM first (its weights and a KV pool of DRAFT_SESSIONS sessions): a byte
     `vram_budget` is the pair's (the target gets what the draft leaves), a fraction or no budget applies
     to the VRAM the draft left free.  spec="lookup": prompt
-    lookup instead (no model).  draft_max: the longest drafted chain (generate adapts it to the acceptance);
+    lookup instead (no model).  draft_max: the longest drafted chain.  spec_policy: "auto" (the cost model
+    sets each round's length from the target's measured pass times and the acceptance, and turns speculation
+    off where it would not pay) or "always" (every round drafts, its length following the acceptance alone);
     engine.generate speculates by default once the engine has a draft."""
     from kestrel_stream.loading.hub import resolve_model
     from kestrel_stream.loading.loader import load_weights
@@ -56,8 +59,8 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     speculation = None
     if draft is not None or spec is not None:
         with stage("draft"):
-            speculation = _speculation(draft, spec, draft_max, weights, tokenizer, path, device, options,
-                                       max_seq_len, max_batch, kv_dtype, cache, gguf_blocks)
+            speculation = _speculation(draft, spec, draft_max, spec_policy, weights, tokenizer, path, device,
+                                       options, max_seq_len, kv_dtype, cache, gguf_blocks)
         options = options.with_(vram_budget=_target_budget(speculation, options.vram_budget, device))
     try:
         with stage("engine: executor"):
@@ -77,8 +80,8 @@ def _load_tokenizer(path):
     return load_tokenizer(path)
 
 
-def _speculation(draft, spec, draft_max, target_weights, target_tokenizer, target_path, device, options,
-                 max_seq_len, max_batch, kv_dtype, cache, gguf_blocks):
+def _speculation(draft, spec, draft_max, policy, target_weights, target_tokenizer, target_path, device, options,
+                 max_seq_len, kv_dtype, cache, gguf_blocks):
     """The Speculation of ks.load's draft= / spec=: prompt lookup, or a draft model loaded and checked."""
     from kestrel_stream.loading.hub import resolve_model
     from kestrel_stream.loading.loader import load_weights
@@ -89,8 +92,9 @@ def _speculation(draft, spec, draft_max, target_weights, target_tokenizer, targe
         raise ValueError(f"spec={spec!r}: expected one of {', '.join(SPEC_KINDS)} (a draft model goes in draft=)")
     if spec is not None and draft is not None:
         raise ValueError(f"draft={draft!r} and spec={spec!r}: give one draft, a model or prompt lookup")
+    Speculation.check_policy(policy)
     if spec == "lookup":
-        return Speculation.lookup(draft_max)
+        return Speculation.lookup(draft_max, policy)
     Speculation.check_draft_max(draft_max)
     draft_path = resolve_model(draft)
     draft_weights = load_weights(draft_path, cache=cache, gguf_blocks=gguf_blocks)
@@ -104,7 +108,7 @@ def _speculation(draft, spec, draft_max, target_weights, target_tokenizer, targe
                           max_seq_len=draft_len, max_batch=1, options=options.with_(vram_budget=None),
                           kv_dtype=kv_dtype, kv_pool_bytes=kv_pool_bytes)
     draft_engine.tokenizer = None           # its tokens are the target's (checked above)
-    return Speculation.model(draft_engine, target_weights.config.vocab_size, draft_max)
+    return Speculation.model(draft_engine, target_weights.config.vocab_size, draft_max, policy)
 
 
 def _draft_kv_pool_bytes(config, max_seq_len: int, kv_dtype: str) -> int:

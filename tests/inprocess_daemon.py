@@ -24,14 +24,16 @@ class InProcessDaemon:
     """``serve --socket SOCKET --http 127.0.0.1:0`` without its process: ``service``, ``engine``, ``http_port``
     and ``socket_path`` are the real ones; ``stop()`` ends the loop."""
 
-    def __init__(self, model, where: Path, max_sessions: int = 8, max_queue: int = 0, **http_fields):
+    def __init__(self, model, where: Path, max_sessions: int = 8, max_queue: int = 0, load: dict | None = None,
+                 **http_fields):
+        """load: more of ks.load's arguments (e.g. a draft, a device)."""
         from scheduler.batcher import StepBatcher
 
         from kestrel_stream.serve.daemon import Daemon
         from kestrel_stream.serve.http.server import HttpServer
         from kestrel_stream.serve.service import Service
         from kestrel_stream.serve.socket_reader import SocketReader
-        self.engine = ks.load(str(model), device="cpu", max_sessions=max_sessions)
+        self.engine = ks.load(str(model), **{"device": "cpu", "max_sessions": max_sessions, **(load or {})})
         self.engine.enable_prefix_cache(4 * self.engine.max_seq_len)
         self.portal_cm = start_blocking_portal()
         self.portal = self.portal_cm.__enter__()

@@ -89,7 +89,7 @@ def test_a_round_of_real_engines_keeps_the_targets_distribution():
                          max_position_embeddings=64)
     target = Engine(random_q8_weights(config, seed=3), device="cpu", max_seq_len=32)
     draft = Engine(random_q8_weights(config, seed=4), device="cpu", max_seq_len=32)
-    speculation = Speculation.model(draft, config.vocab_size, draft_max=2)
+    speculation = Speculation.model(draft, config.vocab_size, draft_max=2, policy="always")
     params = SamplingParams(temperature=1.5, top_k=0, top_p=1.0, min_p=0.0)
     prompt = [1, 5, 7, 2]
     with target.new_session() as s:

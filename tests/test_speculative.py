@@ -58,13 +58,13 @@ def test_greedy_output_equals_plain_decoding_with_every_draft(mode, monkeypatch)
     acceptance = {}
     for name, make in DRAFTS.items():
         draft = engine_for("cpu" if mode == "cpu" else "gpu", make(weights), monkeypatch)
-        target.speculation = Speculation.model(draft, CONFIG.vocab_size)
+        target.speculation = Speculation.model(draft, CONFIG.vocab_size, policy="always")
         out = target.generate(PROMPT, NEW_TOKENS)
         assert out.tokens == plain.tokens, name
         assert out.stats["spec_passes"] < NEW_TOKENS or name != "itself"
         acceptance[name] = out.stats["spec_acceptance"]
         target.speculation.close()
-    target.speculation = Speculation.lookup()
+    target.speculation = Speculation.lookup(policy="always")
     out = target.generate(PROMPT, NEW_TOKENS)
     assert out.tokens == plain.tokens
     assert out.stats["spec_drafted"] > 0
@@ -103,7 +103,8 @@ def test_after_a_rejection_the_kv_holds_the_kept_path_only(monkeypatch):
     params = SamplingParams()
     with engine.new_session() as s:
         first = int(np.argmax(s.prefill(PROMPT, logits="last")))
-        decoder = Speculation(Scripted([[plain[1], plain[2], wrong, plain[4]]]), draft_max=4).decoder(s, params, 0)
+        speculation = Speculation(Scripted([[plain[1], plain[2], wrong, plain[4]]]), draft_max=4, policy="always")
+        decoder = speculation.decoder(s, params, 0)
         out = decoder.next_tokens(first, PROMPT + [first], 1, budget=20)
         assert out == plain[1:4]                      # two kept, then the target's own token
         assert s.position == len(PROMPT) + 3 and s.tokens == PROMPT + plain[:3]
@@ -120,7 +121,7 @@ def test_after_a_rejection_the_kv_holds_the_kept_path_only(monkeypatch):
 
 @pytest.fixture(scope="module")
 def text_engine(tiny_model):
-    engine = ks.load(tiny_model, device="cpu", max_seq_len=128, draft=tiny_model, draft_max=8)
+    engine = ks.load(tiny_model, device="cpu", max_seq_len=128, draft=tiny_model, draft_max=8, spec_policy="always")
     yield engine
     engine.close()
 
@@ -186,7 +187,8 @@ def test_a_draft_takes_its_share_of_the_vram_budget(tiny_model, monkeypatch):
     from kestrel_stream.errors import DeviceError
     fake_cuda.install(monkeypatch, mode="deferred")
     budget = 128 << 20
-    engine = ks.load(tiny_model, device="cuda", mode="gpu", vram_budget=budget, draft=tiny_model, max_seq_len=64)
+    engine = ks.load(tiny_model, device="cuda", mode="gpu", vram_budget=budget, draft=tiny_model, max_seq_len=64,
+                     spec_policy="always")
     share = engine.speculation.device_bytes()
     assert 0 < share < budget and engine.speculation.draft.engine.mode == "gpu"
     assert engine.executor.backend.memory.budget_bytes == budget - share
@@ -205,7 +207,8 @@ def test_penalized_greedy_output_equals_plain_decoding():
     kw = dict(repeat_penalty=1.3, presence_penalty=0.2, frequency_penalty=0.1)
     plain = target.generate(PROMPT, NEW_TOKENS, **kw)
     for speculation in (Speculation.model(Engine(perturbed(weights, 9, 60), device="cpu", max_seq_len=64),
-                                          CONFIG.vocab_size), Speculation.lookup(draft_max=4)):
+                                          CONFIG.vocab_size, policy="always"),
+                        Speculation.lookup(draft_max=4, policy="always")):
         target.speculation = speculation
         out = target.generate(PROMPT, NEW_TOKENS, **kw)
         assert out.tokens == plain.tokens

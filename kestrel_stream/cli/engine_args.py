@@ -86,7 +86,7 @@ def add_engine_args(p: argparse.ArgumentParser, tuning) -> None:
 
 def add_draft_args(p: argparse.ArgumentParser) -> None:
     """Speculative decoding's flags (generate, chat), as llama.cpp names them."""
-    from kestrel_stream.spec.speculation import DEFAULT_DRAFT_MAX, SPEC_KINDS
+    from kestrel_stream.spec.speculation import DEFAULT_DRAFT_MAX, POLICIES, SPEC_KINDS
     g = p.add_argument_group("speculative decoding", "a draft proposes tokens, the model verifies them many a "
                              "step; greedy output is the same as without, sampled output of the same distribution")
     draft = g.add_mutually_exclusive_group()
@@ -96,7 +96,11 @@ def add_draft_args(p: argparse.ArgumentParser) -> None:
     draft.add_argument("--spec", default=None, choices=SPEC_KINDS,
                        help="lookup: drafts copied from earlier in the prompt and the output (no model)")
     g.add_argument("--draft-max", type=int_at_least(1), default=DEFAULT_DRAFT_MAX, metavar="N",
-                   help="the longest drafted chain (adapted to the acceptance)")
+                   help="the longest drafted chain")
+    g.add_argument("--spec-policy", default="auto", choices=POLICIES,
+                   help="auto: each round's draft length from the model's measured pass times (1, 2, 4, ... "
+                        "tokens), the acceptance and the batch, none where drafting would not pay; always: "
+                        "draft every round, the length following the acceptance alone")
 
 
 def prepare_engine(args) -> None:
@@ -122,4 +126,5 @@ def load_engine(args):
                    max_seq_len=args.max_seq_len, cache=not args.no_cache, progress=progress_bar("loading"),
                    kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads,
                    gguf_blocks=args.gguf_blocks, draft=getattr(args, "model_draft", None),
-                   spec=getattr(args, "spec", None), draft_max=getattr(args, "draft_max", 8))
+                   spec=getattr(args, "spec", None), draft_max=getattr(args, "draft_max", 8),
+                   spec_policy=getattr(args, "spec_policy", "auto"))

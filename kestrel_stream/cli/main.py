@@ -81,6 +81,9 @@ def cmd_generate(args) -> int:
     report.update(window_report(engine, result.stats))
     if "spec_passes" in result.stats:
         report.update({key: result.stats[key] for key in SPEC_REPORT})
+        curve = engine.speculation.curve        # policy auto: the pass times the draft lengths came from
+        report["spec_policy"] = engine.speculation.policy
+        report["spec_pass_curve"] = curve.as_dict() if curve is not None else None
     if args.json:
         print(json.dumps(report))
     else:
@@ -94,7 +97,8 @@ def cmd_generate(args) -> int:
     return 0
 
 
-SPEC_REPORT = ("spec_acceptance", "spec_tokens_per_pass", "spec_drafted", "spec_accepted", "spec_passes")
+SPEC_REPORT = ("spec_acceptance", "spec_tokens_per_pass", "spec_draft_length", "spec_drafted", "spec_accepted",
+               "spec_passes", "spec_plain_passes")
 
 
 def window_report(engine, stats: dict) -> dict:
@@ -256,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-blocks", default="native", choices=["native", "q8_0"],
                    help="count a GGUF's Q4_0 / Q4_K / Q6_K tensors in their blocks (native) or as Q8_0")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    add_draft_args(p)
     p.set_defaults(func=cmd_plan_of)
 
     p = sub.add_parser("calibrate", help="measure this machine's device profile for the cost-model gate")
@@ -271,6 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kestrel_stream.cli.serve_help import sorted_flags
     from kestrel_stream.serve.flags import add_serve_args
     add_serve_args(sorted_flags(p, tuning))
+    add_draft_args(p)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("timeline", help="HTML timeline and summary of a --trace file")

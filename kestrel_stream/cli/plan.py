@@ -57,13 +57,16 @@ def cmd_plan(args) -> int:
                                 minflop=Options.from_env().minflop, offload=placement)
     scheduler.audit_plan(plan, cfg)
     window = window_report(cfg, args) if args.vram_budget else None
+    speculation = speculation_report(cfg, args, profile or scheduler.H200_MEASURED, gpu_here)
     if args.json:
-        print(json.dumps(dict(plan.to_dict(), profile_note=note, window=window)))
+        print(json.dumps(dict(plan.to_dict(), profile_note=note, window=window, speculation=speculation)))
     else:
         print(note)
         print(plan.describe())
         if window:
             print(window["text"])
+        if speculation:
+            print(speculation["text"])
     return 0
 
 
@@ -96,6 +99,43 @@ def offload_placement(cfg, args, profile):
 def scheduler_pool():
     from scheduler.profile import H200_POOL
     return H200_POOL
+
+
+SPEC_CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+SPEC_EXAMPLE_ACCEPTANCE = 0.8
+
+
+def speculation_report(cfg, args, profile, gpu_here: bool) -> dict | None:
+    """With -md / --spec: the pass-time curve the cost model predicts for this placement, and the draft length
+    it would choose at batch 1 and SPEC_EXAMPLE_ACCEPTANCE (the engine measures its own curve on first use)."""
+    if not (args.model_draft or args.spec):
+        return None
+    import scheduler
+    from kestrel_stream.options import Options
+    from kestrel_stream.spec.cost import PassCurve, choose_draft_length
+
+    def step_s(config, tokens: int, mode: str) -> float:
+        plan = scheduler.build_plan(config, tokens=tokens, mode=mode, profile=profile, gpu_available=gpu_here,
+                                    minflop=Options.from_env().minflop)
+        return plan.predicted_step_us(profile) * 1e-6
+    curve = PassCurve(SPEC_CURVE_TOKENS, tuple(step_s(cfg, n, args.mode) for n in SPEC_CURVE_TOKENS))
+    if args.model_draft:
+        draft_cfg = read_config(args.model_draft, args.gguf_blocks)
+        if draft_cfg.vocab_size != cfg.vocab_size:
+            what = (f"draft model {args.model_draft}: vocabulary of {draft_cfg.vocab_size} tokens, the model's is "
+                    f"{cfg.vocab_size}; ks.load compares the tokenizers and refuses a draft that differs")
+        else:
+            what = f"draft model {args.model_draft} ({draft_cfg.arch}, {draft_cfg.num_hidden_layers} layers)"
+        draft_s = step_s(draft_cfg, 1, "gpu" if gpu_here else "cpu")
+    else:
+        what, draft_s = "prompt lookup", 0.0
+    k = choose_draft_length(curve, SPEC_EXAMPLE_ACCEPTANCE, args.draft_max, 1, draft_s)
+    text = (f"speculation: {what}, chains of up to {args.draft_max}, policy {args.spec_policy}; predicted "
+            f"{curve.describe()}; drafting {draft_s * 1e3:.3g} ms a token; at batch 1 and "
+            f"{SPEC_EXAMPLE_ACCEPTANCE:.0%} acceptance a round drafts {k} tokens"
+            + (" (speculation off)" if k == 0 else ""))
+    return {"text": text, "pass_curve": curve.as_dict(), "draft_s_per_token": draft_s,
+            "draft_length_at_batch_1": k}
 
 
 def window_report(cfg, args) -> dict:

@@ -125,13 +125,16 @@ def open_fields(max_seq_len: int | None, wait: bool) -> dict:
 
 
 def generate_options(temperature=None, top_k=None, top_p=None, min_p=None, repeat_penalty=None,
-                     presence_penalty=None, frequency_penalty=None, seed=None, stop=None, ignore_eos=None) -> dict:
-    """The generate request's optional fields; None: the daemon's default (Engine.generate's)."""
+                     presence_penalty=None, frequency_penalty=None, seed=None, stop=None, ignore_eos=None,
+                     speculative=None) -> dict:
+    """The generate request's optional fields; None: the daemon's default (Engine.generate's; speculative:
+    where the daemon has a draft; False opts out, {"draft_max": N} caps the chains)."""
     if isinstance(stop, str):
         stop = [stop]
     return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
             "repeat_penalty": repeat_penalty, "presence_penalty": presence_penalty,
-            "frequency_penalty": frequency_penalty, "seed": seed, "stop": stop, "ignore_eos": ignore_eos}
+            "frequency_penalty": frequency_penalty, "seed": seed, "stop": stop, "ignore_eos": ignore_eos,
+            "speculative": speculative}
 
 
 class Piece(NamedTuple):
@@ -142,12 +145,14 @@ class Piece(NamedTuple):
 
 class Generated(list):
     """A generation's tokens (a list, as the greedy generate always returned) with .tokens, .text
-    (None when the daemon's model has no tokenizer), .stop_reason ("eos", "stop" or "length")."""
+    (None when the daemon's model has no tokenizer), .stop_reason ("eos", "stop" or "length"), .speculation
+    (the generation's acceptance, tokens per pass and draft length; None where it did not speculate)."""
 
     def __init__(self, header: dict, arrays: dict):
         super().__init__(arrays["tokens"].tolist())
         self.text, self.stop_reason = header.get("text"), header.get("stop_reason")
         self.position = header.get("position")
+        self.speculation = header.get("speculation")
 
     @property
     def tokens(self) -> list[int]:

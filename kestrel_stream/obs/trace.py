@@ -70,6 +70,23 @@ class _Span:
         self.args.update(args)
 
 
+class _LaneSpan(_Span):
+    """A host slice on a named row of its own (a lane: the work of one kind, whichever thread runs it)."""
+
+    __slots__ = ("lane",)
+
+    def __init__(self, rec: "Recorder", lane: str, name: str, cat: str, args: dict):
+        super().__init__(rec, name, cat, args)
+        self.lane = lane
+
+    def __exit__(self, *exc):
+        rec = self.rec
+        rec.events.append({"ph": "X", "cat": self.cat, "name": self.name, "pid": HOST_PID,
+                           "tid": rec._row(HOST_PID, ("lane", self.lane), self.lane), "ts": self.start_us,
+                           "dur": rec.now_us() - self.start_us, "args": rec._args(self.args)})
+        return False
+
+
 class _Step(_Span):
     """The span of one executor step; events inside carry ``args.step``."""
 
@@ -142,6 +159,9 @@ class Recorder:
     # -- host side ----------------------------------------------------------
     def span(self, name: str, cat: str = "host", **args) -> _Span:
         return _Span(self, name, cat, args)
+
+    def lane_span(self, lane: str, name: str, cat: str = "host", **args) -> _LaneSpan:
+        return _LaneSpan(self, lane, name, cat, args)
 
     def step(self, tokens: int, **args) -> _Step:
         return _Step(self, "step", "host", dict(args, tokens=tokens))
@@ -288,6 +308,12 @@ def start_for_process(path: str | None) -> Recorder | None:
 def span(name: str, cat: str = "host", **args):
     rec = active
     return NULL_SPAN if rec is None else rec.span(name, cat, **args)
+
+
+def lane_span(lane: str, name: str, cat: str = "host", **args):
+    """A span on the host's row named `lane` (e.g. "draft": speculative decoding's drafting)."""
+    rec = active
+    return NULL_SPAN if rec is None else rec.lane_span(lane, name, cat, **args)
 
 
 def step(tokens: int, **args):

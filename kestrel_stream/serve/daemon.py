@@ -371,7 +371,8 @@ def run_daemon(args, environment) -> int:
         trace.start(args.trace, command="serve")
     engine = load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
                   max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
-                  cache=not args.no_cache, kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads)
+                  cache=not args.no_cache, kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads,
+                  draft=args.model_draft, spec=args.spec, draft_max=args.draft_max, spec_policy=args.spec_policy)
     engine.build_tokenizer_in_background()   # while the daemon starts: the first text request rarely waits
     prefix_positions = (4 * engine.max_seq_len if args.prefix_cache_positions is None
                         else args.prefix_cache_positions)
@@ -382,6 +383,9 @@ def run_daemon(args, environment) -> int:
     log(f"plan: {engine.plan_summary()}")
     if engine.executor.preload_line:
         log(engine.executor.preload_line)
+    if engine.speculation is not None:      # the pass times measured now, before any request waits for them
+        engine.speculation.measure(engine)
+        log(engine.speculation.describe())
     try:
         return anyio.run(serve, engine, args, environment)
     finally:

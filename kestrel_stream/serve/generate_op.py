@@ -12,6 +12,10 @@ With ``stream: true`` each token goes out as its own frame as soon as it is
 known, before the next step is queued: {"token", "text", "position"}; the
 last frame has ``"done": true`` with stop_reason, the whole text and the
 tokens array, as the single answer of a request without ``stream`` has.
+
+Where the daemon has a draft, a generation speculates (serve/spec_rounds.py)
+unless its request says ``"speculative": false``; the answer then carries the
+generation's ``speculation`` figures (acceptance, tokens per pass, draft length).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kestrel_stream.errors import KestrelError
+from kestrel_stream.serve.spec_rounds import ServedSpeculation, parse_speculative
 from kestrel_stream.wire.protocol import ProtocolError
 from kestrel_stream.text.generation import Generation
 from kestrel_stream.text.sampling import SamplingParams
@@ -67,6 +72,8 @@ def chat_messages(engine, messages, op: str) -> list[dict]:
 class GenerateRequest:
     generation: Generation
     stream: bool
+    speculate: bool = False
+    draft_max: int | None = None        # the request's cap on drafted chains (None: the daemon's)
 
 
 def is_number(value) -> bool:
@@ -123,40 +130,72 @@ def parse_generate(engine, header: dict, arrays: dict, max_new_tokens_limit: int
     else:
         prompt = engine.check_tokens(arrays["ids"], f"{op} ids")
     try:
+        speculate, draft_max = parse_speculative(header.get("speculative"), engine.speculation)
+    except ValueError as e:
+        raise ProtocolError(f"{op}: field {e}") from None
+    try:
         sampling = SamplingParams(**params, seed=seed)
         generation = Generation(engine, prompt, count, sampling, stop, flags["ignore_eos"])
     except KestrelError:                # e.g. an InvalidTokenError, which is a ValueError too
         raise
     except ValueError as e:             # what the checks above let through, in SamplingParams' own words
         raise ProtocolError(f"{op}: {e}") from None
-    return GenerateRequest(generation, flags["stream"])
+    return GenerateRequest(generation, flags["stream"], speculate, draft_max)
 
 
 async def run_generation(service, session, request: GenerateRequest, send_frame, request_id) -> tuple[dict, dict]:
-    """Prefill, then one decode step per token through the batcher; each token streamed when asked.
+    """Prefill, then decode steps (or speculative rounds) through the batcher; each token streamed when asked.
     The final answer's (header fields, arrays)."""
     generation = request.generation
     params, stop = generation.params, generation.stop
     # greedy without penalties needs only the argmax (on the device in gpu mode), else the last logits row
     want = "token" if params.greedy and not params.penalized else "last"
     session.check_room(len(generation.ids) + max(stop.max_new_tokens - 1, 0))
-    if stop.max_new_tokens > 0:
-        job = await service.prefill_cached(session, np.asarray(generation.ids, np.int64), want, 1)
-        while True:
-            fields, out = job.result
-            token = fields["token"] if want == "token" else generation.pick(out["logits"], len(generation.tokens))
-            piece = generation.account(token)
-            if request.stream:
-                await send_frame({"id": request_id, "ok": True, "token": piece.token, "text": piece.text,
-                                  "position": session.position})
-            if stop.reason is not None:
-                break
-            job = await service.decode(session, token, want, 1)
+    start = session.position
+    spec = None
+    if request.speculate and stop.max_new_tokens > 1:
+        spec = await ServedSpeculation.open(service, session, params, generation.seed, request.draft_max)
+    try:
+        if stop.max_new_tokens > 0:
+            job = await service.prefill_cached(session, np.asarray(generation.ids, np.int64), want, 1)
+            tokens = [picked(generation, job, want)]
+            while tokens:
+                for token in tokens:
+                    piece = generation.account(token)
+                    if request.stream:
+                        await send_frame({"id": request_id, "ok": True, "token": piece.token, "text": piece.text,
+                                          "position": start + len(generation.ids) + len(generation.tokens) - 1})
+                    if stop.reason is not None:
+                        break
+                if stop.reason is not None:
+                    break
+                tokens = await next_tokens(service, session, generation, spec, token, want)
+    finally:
+        if spec is not None:
+            await spec.finish(start + len(generation.ids) + max(len(generation.tokens) - 1, 0))
     if stop.reason is None:
         stop.reason = LENGTH
     service.counters["generated_tokens"] += len(generation.tokens)
     text = "".join(generation.text_parts) if generation.decoder is not None else None
     fields = {"position": session.position, "stop_reason": stop.reason, "text": text}
+    if spec is not None:
+        fields["speculation"] = spec.decoder.stats.as_dict()
     if request.stream:
         fields["done"] = True
     return fields, {"tokens": np.asarray(generation.tokens, np.int32)}
+
+
+def picked(generation: Generation, job, want: str) -> int:
+    """The token a prefill or decode job's answer gives: its argmax, or drawn from its last row."""
+    fields, out = job.result
+    return fields["token"] if want == "token" else generation.pick(out["logits"], len(generation.tokens))
+
+
+async def next_tokens(service, session, generation: Generation, spec, token: int, want: str) -> list[int]:
+    """The tokens after `token`: a speculative round's, or one decode step's."""
+    budget = generation.stop.max_new_tokens - len(generation.tokens)
+    if spec is not None and not spec.plain_next(budget):
+        rounded = await spec.round(token, generation.ids + generation.tokens, len(generation.tokens), budget)
+        if rounded is not None:
+            return rounded[0]
+    return [picked(generation, await service.decode(session, token, want, 1), want)]

@@ -34,6 +34,7 @@ from kestrel_stream.serve.memory import collect_cycles, release_freed_memory
 from kestrel_stream.serve.prefix_scopes import PrefixScopes
 from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 from kestrel_stream.serve.decode_steps import DecodeSteps
+from kestrel_stream.serve.spec_rounds import SpecTotals
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
@@ -79,6 +80,7 @@ class Service:
                          "decode_step_s": 0.0}         # engine time of those steps, on the step thread
         self.decode_steps = DecodeSteps(engine, self.counters, batcher)
         self.prefix_scopes = PrefixScopes(engine)
+        self.spec_totals = SpecTotals(engine.speculation)     # speculative rounds of both transports
         self.steps = StepThread(batcher, self.decode_steps.run, inline_max_s)
         self.connections: set[int] = set()
         self.draining = False
@@ -395,6 +397,7 @@ class Service:
             **self.batcher.stats(), **self.admission.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
             "requests": self.counters["requests"] + self.queued_at_once + self.stats_at_once_count,
             "inline_steps": self.steps.inline_steps,
+            "speculation": self.spec_totals.as_dict(),
         }
 
 

@@ -5,16 +5,33 @@ step (Session.prefill with every row's logits, or, greedy without penalties,
 every row's argmax: on the device in gpu mode), keeps what accept.py says,
 and truncates the target's KV to the kept path: after a round the session
 holds exactly what plain decoding's would (every emitted token but the last),
-so a caller may stop, cut or continue as after a plain step.  k starts at
-draft_max and follows the acceptance: +2 after a fully kept chain, -1 after a
-miss (at least 1).
+so a caller may stop, cut or continue as after a plain step.
+
+k comes from the Speculation's policy: under "auto" the cost model
+(cost.choose_draft_length: the pass-time curve, the running acceptance, the
+draft's measured time per token and the batch), 0 meaning a plain step; where
+a low acceptance turned drafting off, a round at the prior acceptance's length
+every REPROBE_PASSES plain passes finds out whether the text changed; under
+"always" it starts at draft_max and follows the acceptance (+2 after a fully
+kept chain, -1 after a miss, at least 1).
+
+A round has three parts a caller may run apart (the daemon runs the verify
+pass as a job of its batched steps): ``draft_length``, ``propose``, and
+``verify`` + ``record`` over the target's rows; ``next_tokens`` runs them in
+a row on the session.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
+from kestrel_stream.obs import trace
 from kestrel_stream.spec.accept import verify_argmax, verify_greedy, verify_sampled
+from kestrel_stream.spec.cost import Acceptance, choose_draft_length
 from kestrel_stream.text.sampling import sample_logits
+
+DRAFT_TIME_WEIGHT = 0.2     # the weight of the latest round in the draft's running time per token
+REPROBE_PASSES = 16         # after this many plain passes the acceptance turned off, one round at the prior's
 
 
 @dataclass
@@ -23,15 +40,29 @@ class SpecStats:
     accepted: int = 0       # of them, kept by the target
     passes: int = 0         # target steps taken while speculating (with or without drafts)
     emitted: int = 0        # tokens those steps produced
+    plain_passes: int = 0   # of the passes, those the policy ran without drafts
+    draft_length: int = 0   # the latest round's k
+
+    def record(self, drafted: int, emitted: int) -> None:
+        """A pass that checked `drafted` drafts (0: a plain step) and emitted `emitted` tokens."""
+        self.drafted += drafted
+        self.accepted += emitted - 1
+        self.passes += 1
+        self.emitted += emitted
+        self.plain_passes += 0 if drafted else 1
+        self.draft_length = drafted
 
     def as_dict(self) -> dict:
+        drafting = self.passes - self.plain_passes
         return {"spec_drafted": self.drafted, "spec_accepted": self.accepted, "spec_passes": self.passes,
+                "spec_plain_passes": self.plain_passes,
                 "spec_acceptance": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
-                "spec_tokens_per_pass": round(self.emitted / self.passes, 4) if self.passes else 0.0}
+                "spec_tokens_per_pass": round(self.emitted / self.passes, 4) if self.passes else 0.0,
+                "spec_draft_length": round(self.drafted / drafting, 4) if drafting else 0.0}
 
 
 class DraftLength:
-    """k, the chain length of the next round, from the running acceptance."""
+    """k under policy "always": the chain length of the next round, from the running acceptance."""
     GROW, SHRINK = 2, 1
 
     def __init__(self, draft_max: int):
@@ -46,36 +77,76 @@ class DraftLength:
 
 
 class SpecDecoder:
-    def __init__(self, session, draft, draft_max: int, params, seed: int):
+    def __init__(self, session, draft, draft_max: int, params, seed: int, speculation):
+        # draft_max: the longest chain of this generation (the engine's, or less where a request asks)
+        # speculation: the spec.Speculation this comes from (policy, the measured curve, the draft's time)
         self.session, self.params, self.seed = session, params, seed
+        self.speculation = speculation
         self.stream = draft.open(session.max_seq_len)
         self.length = DraftLength(draft_max)
+        self.acceptance = Acceptance()
+        self.draft_s_per_token = speculation.draft_s_per_token or 0.0
+        self.plain_run = 0          # plain passes since the last drafting one
         self.stats = SpecStats()
+
+    def draft_length(self, budget: int, batch: int = 1) -> int:
+        """k for the next round: at most `budget` - 1 (the tokens still wanted) and the session's room;
+        `batch`: the sessions whose tokens share the target's steps."""
+        s = self.session
+        k_max = min(self.length.max, budget - 1, s.max_seq_len - s.position - 1)
+        if k_max <= 0:
+            return 0
+        if self.speculation.policy == "always":
+            return min(self.length.k, k_max)
+        curve, batch = self.speculation.curve, max(batch, 1)
+        k = choose_draft_length(curve, self.acceptance.rate, k_max, batch, self.draft_s_per_token)
+        if k == 0 and self.plain_run >= REPROBE_PASSES:
+            k = choose_draft_length(curve, Acceptance.PRIOR, k_max, batch, self.draft_s_per_token)
+        return k
+
+    def propose(self, history: list[int], k: int, step: int):
+        """(up to k drafted tokens after `history`, their q rows or None); the draft's time is measured."""
+        started = time.perf_counter()
+        with trace.lane_span("draft", "draft", k=k):
+            drafts, q_rows = self.stream.propose(history, k, self.params, self.seed, step)
+        drafts = drafts[:k]
+        if drafts:
+            per_token = (time.perf_counter() - started) / len(drafts)
+            self.draft_s_per_token += DRAFT_TIME_WEIGHT * (per_token - self.draft_s_per_token)
+        return drafts, (q_rows[:len(drafts)] if q_rows is not None else None)
+
+    def verify(self, rows, drafts: list[int], q_rows, history: list[int], step: int) -> list[int]:
+        """The tokens the target emits for `drafts`: rows [len(drafts) + 1, vocab], its logits after history
+        and each drafted prefix."""
+        if self.params.greedy:
+            return verify_greedy(rows, drafts, self.params, history)
+        return verify_sampled(rows, drafts, q_rows, self.params, self.seed, step, history)
+
+    def record(self, drafted: int, emitted: int) -> None:
+        """A pass that checked `drafted` drafts (0: a plain step) and emitted `emitted` tokens."""
+        if drafted:
+            self.length.update(drafted, emitted - 1)
+            self.acceptance.record(drafted, emitted - 1)
+        self.plain_run = 0 if drafted else self.plain_run + 1
+        self.stats.record(drafted, emitted)
 
     def next_tokens(self, token: int, history: list[int], step: int, budget: int) -> list[int]:
         """Feed `token` (the last of `history`, every token of the sequence so far) and return the tokens
         after it, at least one and at most `budget`; the first is output index `step` of the sampler."""
-        s, params = self.session, self.params
-        k = min(self.length.k, budget - 1, s.max_seq_len - s.position - 1)
-        drafts, q_rows = self.stream.propose(history, k, params, self.seed, step) if k > 0 else ([], None)
-        drafts = drafts[:max(k, 0)]
+        s = self.session
+        k = self.draft_length(budget)
+        drafts, q_rows = self.propose(history, k, step) if k > 0 else ([], None)
         if not drafts:
             out = [self._plain(token, history, step)]
         else:
             start = s.position
-            if params.greedy and not params.penalized:     # each row's argmax is all greedy needs
+            if self.params.greedy and not self.params.penalized:     # each row's argmax is all greedy needs
                 out = verify_argmax(s.prefill([token] + drafts, logits="argmax"), drafts)
             else:
                 rows = s.prefill([token] + drafts, logits="all")
-                out = (verify_greedy(rows, drafts, params, history) if params.greedy else
-                       verify_sampled(rows, drafts, q_rows, params, self.seed, step, history))
+                out = self.verify(rows, drafts, q_rows, history, step)
             s.truncate(start + len(out))          # token and the kept drafts; the last emitted is not fed
-        kept = len(out) - 1
-        self.length.update(len(drafts), kept)
-        self.stats.drafted += len(drafts)
-        self.stats.accepted += kept
-        self.stats.passes += 1
-        self.stats.emitted += len(out)
+        self.record(len(drafts), len(out))
         return out
 
     def _plain(self, token: int, history: list[int], step: int) -> int:

@@ -26,6 +26,15 @@ class DraftModel:
     def open(self, max_seq_len: int) -> "DraftModelStream":
         return DraftModelStream(self, min(max_seq_len, self.engine.max_seq_len))
 
+    @property
+    def source(self) -> str:
+        return str(self.engine.weights.source)
+
+    def token_seconds(self) -> float:
+        """The draft's one-token pass time (the engine's thread), before its rounds measure it."""
+        from kestrel_stream.spec.measure import measure_pass_curve
+        return measure_pass_curve(self.engine, 1).seconds[0]
+
     def device_bytes(self) -> int:
         if self.engine.mode != "gpu":
             return 0

@@ -35,6 +35,9 @@ class PromptLookup:
     def open(self, max_seq_len: int) -> "LookupStream":
         return LookupStream()
 
+    def token_seconds(self) -> float:
+        return 0.0
+
     def device_bytes(self) -> int:
         return 0
 

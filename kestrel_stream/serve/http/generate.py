@@ -14,6 +14,13 @@ decodes share each step.  The sessions are opened (``open``, through the
 admission queue) before the response starts and closed the moment the
 generation ends or its consumer goes away (a cancelled stream closes them in
 ``finally``).
+
+Where the daemon has a draft, a generation speculates unless its body says
+``"speculative": false`` (serve/spec_rounds.py), each choice on its own
+session: each round's verify pass is a job of the same steps, and the logprobs
+of its tokens are the model's rows of that pass.  A request with logit_bias or
+response_format decodes plainly: the rounds verify against the model's own
+rows, which the bias and the grammar's mask would change.
 """
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ from kestrel_stream.serve.decode_steps import DecodeJob
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.requests import TextRequest
 from kestrel_stream.serve.prefix_scopes import scope_name
+from kestrel_stream.serve.spec_rounds import ServedSpeculation, parse_speculative
 from kestrel_stream.serve.service import Connection
 from kestrel_stream.text.chat import ChatTemplateError
 from kestrel_stream.text.detok import IncrementalDecoder
@@ -57,6 +65,8 @@ class Choice:
         self.index, self.seed, self.stop, self.decoder, self.constraint = index, seed, stop, decoder, constraint
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
+        self.spec = None                # its ServedSpeculation, where it speculates
+        self.pending: list = []         # TokenOuts of a speculative round not yet yielded
 
 
 class HttpGeneration:
@@ -107,6 +117,12 @@ class HttpGeneration:
                                IncrementalDecoder(tokenizer, self.ids) if tokenizer is not None else None,
                                constraint.copy() if constraint is not None and i else constraint)
                         for i in range(request.n)]
+        try:
+            self.speculate, self.draft_max = parse_speculative(request.speculative, engine.speculation)
+        except ValueError as e:
+            raise APIError(400, str(e), param="speculative") from None
+        if self.bias is not None or constraint is not None:
+            self.speculate = False      # the rounds verify against the model's rows, not the shaped ones
         params = request.params
         logits_needed = (not params.greedy or params.penalized or request.logprobs is not None or self.bias is not None
                          or request.response_format is not None)
@@ -175,47 +191,84 @@ class HttpGeneration:
             return
         try:
             ids = np.asarray(self.ids, np.int64)
+            sessions = list(self.conn.sessions.values())
             jobs = []
-            for session in self.conn.sessions.values():
+            for choice, session in zip(self.choices, sessions):
+                if self.speculate and self.max_tokens > 1:
+                    choice.spec = await ServedSpeculation.open(service, session, self.request.params, choice.seed,
+                                                               self.draft_max)
                 # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier
                 # turns, the first choice's prompt for its siblings) computes only the rest
                 jobs.append(await service.prefill_cached(session, ids, self.want, 1, self.prefix_scope))
             live = list(self.choices)
             while live:
                 for choice in list(live):
+                    session = sessions[choice.index]
                     job = jobs[choice.index]
-                    await job.wait()
-                    if job.error is not None:
-                        raise job.error
-                    out = self.account(choice, job)
+                    if not choice.pending and job is None:
+                        # no step queued: a speculative round, or (drafting nothing) one plain step
+                        choice.pending = await self.speculative_round(choice, choice.tokens[-1])
+                        if not choice.pending:
+                            job = DecodeJob(session, choice.tokens[-1], self.want, 1)
+                            service.steps.submit(job)
+                    if not choice.pending:
+                        await job.wait()
+                        if job.error is not None:
+                            raise job.error
+                        choice.pending = [self.account(choice, job)]
+                    out = choice.pending.pop(0)
                     if self.first_token_s is None:
                         self.first_token_s = time.perf_counter() - started
-                    if choice.stop.reason is None:  # the next step is queued before this token is sent
-                        jobs[choice.index] = DecodeJob(job.session, out.token, self.want, 1)
-                        service.steps.submit(jobs[choice.index])
-                    else:
+                    jobs[choice.index] = None
+                    if choice.pending:
+                        pass                    # the rest of a round's tokens come first
+                    elif choice.stop.reason is not None:
                         choice.finish_reason = FINISH[choice.stop.reason]
                         live.remove(choice)
+                    elif choice.spec is None or choice.spec.plain_next(self.max_tokens - len(choice.tokens)):
+                        # the next step is queued before this token is sent
+                        jobs[choice.index] = DecodeJob(session, out.token, self.want, 1)
+                        service.steps.submit(jobs[choice.index])
                     yield out
         except KestrelError as e:
             raise APIError(500, f"{type(e).__name__}: {e}", "server_error") from None
         finally:
+            for choice in self.choices:
+                if choice.spec is not None:
+                    await choice.spec.finish(None)
+                    choice.spec = None
             await self.close()          # a client gone mid-stream frees its sessions now
+
+    async def speculative_round(self, choice: Choice, token: int) -> list[TokenOut]:
+        """The tokens of a speculative round of `choice` after `token`, up to a stop; [] where the round drafted
+        nothing (the caller takes a plain step)."""
+        budget = self.max_tokens - len(choice.tokens)
+        rounded = await choice.spec.round(token, self.ids + choice.tokens, len(choice.tokens), budget)
+        if rounded is None:
+            return []
+        outs = []
+        for emitted, row in zip(*rounded):
+            outs.append(self.emit(choice, emitted, row))
+            if choice.stop.reason is not None:
+                break
+        return outs
 
     def account(self, choice: Choice, job) -> TokenOut:
         fields, arrays = job.result
-        logprob, top = None, ()
         if self.want == "token":
-            token = fields["token"]
-        else:
-            logits = np.asarray(arrays["logits"], np.float32).reshape(-1)
-            shaped = logits if self.bias is None else logits + self.bias
-            if choice.constraint is not None:
-                shaped = choice.constraint.mask(shaped)
-            token = sample_logits(shaped, self.request.params, choice.seed, len(choice.tokens),
-                                  self.ids + choice.tokens)
-            if self.request.logprobs is not None:
-                logprob, top = log_probs(logits, token, self.request.logprobs)
+            return self.emit(choice, fields["token"], None)
+        logits = np.asarray(arrays["logits"], np.float32).reshape(-1)
+        shaped = logits if self.bias is None else logits + self.bias
+        if choice.constraint is not None:
+            shaped = choice.constraint.mask(shaped)
+        token = sample_logits(shaped, self.request.params, choice.seed, len(choice.tokens), self.ids + choice.tokens)
+        return self.emit(choice, token, logits)
+
+    def emit(self, choice: Choice, token: int, logits: np.ndarray | None) -> TokenOut:
+        """The token of `choice`, its text and (with logits: the model's row it was chosen from) its logprobs."""
+        logprob, top = None, ()
+        if logits is not None and self.request.logprobs is not None:
+            logprob, top = log_probs(np.asarray(logits, np.float32), token, self.request.logprobs)
         choice.tokens.append(token)
         stop = choice.stop
         text = choice.decoder.push(token) if choice.decoder is not None and token not in stop.eos_ids else ""

@@ -38,6 +38,14 @@ ADMISSION = (
     ("counter", "admission_refused_queue_full", "kestrel_admission_refused",
      "generations refused (429) because the queue was full", 1),
 )
+SPEC_COUNTERS = (("spec_drafted", "drafted_tokens", "tokens drafted by speculative rounds"),
+                 ("spec_accepted", "accepted_tokens", "drafted tokens the model kept"),
+                 ("spec_passes", "passes", "model passes of speculative generations (with or without drafts)"),
+                 ("spec_plain_passes", "plain_passes", "of those, passes the cost model ran without drafts"),
+                 ("spec_refused", "refused", "generations that decoded plainly: no room for one more draft stream"))
+SPEC_GAUGES = (("spec_acceptance", "acceptance", "drafted tokens kept, over drafted tokens"),
+               ("spec_tokens_per_pass", "tokens_per_pass", "tokens emitted per model pass of speculative generations"),
+               ("spec_draft_length", "draft_length", "mean drafted tokens per drafting pass"))
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -129,3 +137,9 @@ class DaemonCollector:
         for key, doc in PREFIX_COUNTERS:
             if key in prefix:
                 yield counter(f"kestrel_{key}", f"{doc} (as of the start of the current minute)", prefix[key])
+        spec = stats.get("speculation")     # with a draft (serve -md / --spec lookup)
+        if spec is not None:
+            for key, name, doc in SPEC_COUNTERS:
+                yield counter(f"kestrel_spec_{name}", doc, spec[key])
+            for key, name, doc in SPEC_GAUGES:
+                yield gauge(f"kestrel_spec_{name}", doc, spec[key])

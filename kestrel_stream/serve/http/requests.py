@@ -34,6 +34,7 @@ KNOWN_COMMON = {"model", "stream", "stream_options", "max_tokens", "temperature"
                 "seed", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "n", "user",
                 "logit_bias", "ignore_eos", "cache_salt"}   # top_k, min_p, repeat_penalty, ignore_eos: as llama-server;
                                                         # cache_salt: as vLLM
+KNOWN_COMMON |= {"speculative"}     # false opts out of the daemon's draft (serve -md, --spec lookup)
 KNOWN_COMPLETIONS = KNOWN_COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format", *TOOL_FIELDS}
 KNOWN_CHAT = KNOWN_COMMON | {"messages", "logprobs", "top_logprobs", "max_completion_tokens", "response_format",
                              *TOOL_FIELDS}
@@ -78,6 +79,7 @@ class TextRequest:
     n: int = 1                              # choices: sequences sampled from the same prompt
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     response_format: ResponseFormat | None = None   # None: text
+    speculative: object = None              # the body's "speculative" (false: opt out), checked against the draft
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -166,7 +168,7 @@ def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None
                                       f"{salt!r:.80}", "invalid_type")
     return TextRequest(chat, prompt, max_tokens, params, stop_strings(body), stream,
                        bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos, salt, n,
-                       logit_bias_of(body, vocab_size), response_format_of(body))
+                       logit_bias_of(body, vocab_size), response_format_of(body), body.get("speculative"))
 
 
 def logit_bias_of(body: dict, vocab_size: int) -> dict[int, float] | None:
