@@ -35,6 +35,7 @@ def test_parse_request_takes_the_servers_defaults_for_fields_left_out():
 
 class NoTokenizer:
     tokenizer = None
+    speculation = None      # no draft
 
     @staticmethod
     def check_tokens(ids, where):
