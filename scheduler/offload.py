@@ -425,9 +425,12 @@ def place(config, budget_bytes: int, profile, tokens: int = 1, context_len: int 
         left = budget_bytes - (head_bytes if head == "resident" else 0)
         if left < 0:
             continue
+        fits = sum(layer_bytes) <= left
         for slots in (0,) + tuple(slot_counts):     # 0: no ring, the layers not resident on the host
-            if slots and (left < slots * largest or sum(layer_bytes) <= left):
+            if slots and (left < slots * largest or fits):
                 continue                         # no room for this ring, or no need of one
+            if not slots and left >= min(slot_counts) * largest and not fits:
+                continue                         # a ring fits and some layer needs one
             base = _resident_base(layer_bytes, left - slots * largest)
             flexible = base.count("other")
             choices = [(k, n) for k in HOST_KINDS for n in range(1, flexible + 1)] + [("host", 0)]
