@@ -246,8 +246,11 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -
             out.append(_OpCost(None, None, False, False, 0.0, call_us, call_us, 0, -1))
             continue
         if op.kind in ROUTED_GROUPS:                    # always on the host: the experts a step reads
-            out.append(_OpCost(op.layer, op.kind, False, True, 0.0, _host_us(op, profile, rates.host) + call_us,
-                               _host_us(op, profile, rates.host_joint) + call_us, 0, 0))
+            # the experts op calls gate_up and down of each expert the step is expected to use
+            calls = 1 + (2 * op.read_fraction * config.num_experts if op.kind == "experts" else 0)
+            out.append(_OpCost(op.layer, op.kind, False, True, 0.0,
+                               _host_us(op, profile, rates.host) + calls * call_us,
+                               _host_us(op, profile, rates.host_joint) + calls * call_us, 0, 0))
             continue
         placed = bool(op.group)
         out.append(_OpCost(op.layer, op.group, op.group == "lm_head", placed, gpu_compute_us(op, profile),
