@@ -91,8 +91,9 @@ def llama_batched(binary: str, path: str, ncmoe: int, threads: int, sessions: in
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+")
-    parser.add_argument("--budgets", nargs="+", default=["attention"],
-                        help="'attention' (every non-expert weight resident) or a fraction of it")
+    parser.add_argument("--budgets", nargs="*", default=["attention"],
+                        help="'attention' (every non-expert weight resident) or a fraction of it; none: llama.cpp "
+                             "alone")
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=512)
