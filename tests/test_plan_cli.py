@@ -86,3 +86,6 @@ def test_plan_offload_of_a_moe_model_keeps_attention_resident_and_the_experts_on
     assert {row["side"] for row in plan["weights"] if row["group"] in ("qkv", "o", "lm_head")} == {"gpu"}
     assert "offload, M=1: layers " + "A" * 48 in proc.stderr and "offload, M=64:" in proc.stderr
     assert "experts on the host" in proc.stderr
+    window = plan["window"]                   # mode offload's own memory plan, not gpu mode's window
+    assert 1.2e9 < window["resident_bytes"] < 1.4e9 and window["streamed_bytes_per_step"] == 0
+    assert window["arena_bytes"] + window["kv_bytes"] <= window["budget_bytes"] == 4 * 2**30
