@@ -75,6 +75,8 @@ def routed_homes(config, homes) -> tuple:
     """`homes` with each routed layer's home named for what it does (ROUTED_HOME): resident -> attention,
     streamed -> mlp."""
     return tuple(ROUTED_HOME[h] if config.moe_layer(i) else h for i, h in enumerate(homes))
+
+
 LAYER_GROUPS = ("qkv", "o", "gate_up", "down")
 DEVICE_ALIGN = 256
 SLOT_COUNTS = (2, 3, 4, 5, 6)      # ring sizes tried
