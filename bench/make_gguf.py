@@ -2,12 +2,16 @@
 
     python3 -m bench.make_gguf --preset qwen3-1.7b --vocab PATH/ggml-vocab-qwen2.gguf -o /tmp/q17.gguf
     python3 -m bench.make_gguf --preset qwen3-8b --mix q4_k_m --vocab PATH/ggml-vocab-qwen2.gguf -o /tmp/q8b-q4km.gguf
+    python3 -m bench.make_gguf --preset qwen3-30b-a3b --mix q8_0 --vocab PATH/ggml-vocab-qwen2.gguf -o /tmp/q30a3b.gguf
 
 The tokenizer fields come from a llama.cpp vocab file (models/ggml-vocab-qwen2.gguf in its source), so
 llama.cpp accepts the file; the weights are random blocks with small fp16 scales (speed, not text).
 --mix picks each matrix's type: q8_0 (every matrix), q4_0 / q4_k / q6_k (every matrix, output Q6_K
 for q4_0 and q4_k as llama.cpp does), or q4_k_m, llama.cpp's Q4_K_M: Q4_K, with Q6_K for output (the
-embedding when tied) and for attn_v and ffn_down in the layers use_more_bits picks.
+embedding when tied) and for attn_v and ffn_down (the experts' too) in the layers use_more_bits picks.
+A mixture-of-experts preset (Qwen3-MoE: GGUF arch qwen3moe; Mixtral: llama) is written as llama.cpp's
+converter writes it: the router float32 (ffn_gate_inp) and each routed layer's experts as 3-D
+ffn_{gate,up,down}_exps tensors [experts, rows, cols] in the mix's blocks.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, Ll
 from kestrel_stream.loading.presets import PRESETS
 from bench.synthetic import random_blocks
 
+GGUF_ARCHS = {"qwen3_moe": "qwen3moe", "mixtral": "llama"}     # the GGUF general.architecture of a config arch
 MIXES = ("q8_0", "q4_0", "q4_k", "q6_k", "q4_k_m")
 FILE_TYPES = {"q8_0": LlamaFileType.MOSTLY_Q8_0, "q4_0": LlamaFileType.MOSTLY_Q4_0,
               "q4_k": LlamaFileType.MOSTLY_Q4_K_S, "q6_k": LlamaFileType.MOSTLY_Q6_K,
@@ -72,7 +77,8 @@ def tensor_type(mix: str, name: str, layers: int, tied: bool) -> str:
         return "Q6_K"
     if mix != "q4_k_m":
         return mix.upper()
-    if name.endswith(("attn_v.weight", "ffn_down.weight")) and use_more_bits(int(name.split(".")[1]), layers):
+    if (name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight"))
+            and use_more_bits(int(name.split(".")[1]), layers)):
         return "Q6_K"
     return "Q4_K"
 
@@ -82,7 +88,7 @@ def write(preset, vocab_path: str | None, out: str, seed: int = 0, mix: str = "q
     cfg = PRESETS[preset] if isinstance(preset, str) else preset
     rng = np.random.default_rng(seed)
     pool = rng.integers(-127, 128, size=1 << 28 if isinstance(preset, str) else 1 << 16, dtype=np.int8)
-    w = GGUFWriter(out, cfg.arch)
+    w = GGUFWriter(out, GGUF_ARCHS.get(cfg.arch, cfg.arch))
     w.add_name(f"random-{preset if isinstance(preset, str) else cfg.arch}")
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -95,6 +101,12 @@ def write(preset, vocab_path: str | None, out: str, seed: int = 0, mix: str = "q
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_vocab_size(cfg.vocab_size)
+    if cfg.num_experts:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if cfg.arch == "qwen3_moe":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+            w.add_expert_weights_norm(cfg.norm_topk_prob)
     w.add_file_type(FILE_TYPES[mix])
     w.add_quantization_version(2)
     if vocab_path:
@@ -109,6 +121,14 @@ def write(preset, vocab_path: str | None, out: str, seed: int = 0, mix: str = "q
         data = (random_q8(pool, rng, rows, cols) if kind == "Q8_0"
                 else random_blocks(rng, kind, rows, cols, std))
         w.add_tensor(name, data, raw_dtype=GGMLQuantizationType[kind])
+
+    def experts(name: str, rows: int, cols: int) -> None:
+        """[E, rows, cols] blocks of one routed layer's experts."""
+        kind = types[name] = tensor_type(mix, name, cfg.num_hidden_layers, cfg.tie_word_embeddings)
+        E = cfg.num_experts
+        data = (random_q8(pool, rng, E * rows, cols) if kind == "Q8_0"
+                else random_blocks(rng, kind, E * rows, cols, 1.0 / np.sqrt(cols)))
+        w.add_tensor(name, data.reshape(E, rows, -1), raw_dtype=GGMLQuantizationType[kind])
     q8("token_embd.weight", v, h)
     w.add_tensor("output_norm.weight", ones(h))
     if not cfg.tie_word_embeddings:
@@ -120,10 +140,17 @@ def write(preset, vocab_path: str | None, out: str, seed: int = 0, mix: str = "q
         q8(f"{b}.attn_k.weight", kv, h)
         q8(f"{b}.attn_v.weight", kv, h)
         q8(f"{b}.attn_output.weight", h, q)
-        if cfg.arch == "qwen3":
+        if cfg.qk_norm:
             w.add_tensor(f"{b}.attn_q_norm.weight", ones(cfg.head_dim))
             w.add_tensor(f"{b}.attn_k_norm.weight", ones(cfg.head_dim))
         w.add_tensor(f"{b}.ffn_norm.weight", ones(h))
+        if cfg.moe_layer(i):
+            w.add_tensor(f"{b}.ffn_gate_inp.weight",
+                         (rng.standard_normal((cfg.num_experts, h), dtype=np.float32) / np.sqrt(h)).astype(np.float32))
+            experts(f"{b}.ffn_gate_exps.weight", cfg.moe_intermediate_size, h)
+            experts(f"{b}.ffn_up_exps.weight", cfg.moe_intermediate_size, h)
+            experts(f"{b}.ffn_down_exps.weight", h, cfg.moe_intermediate_size)
+            continue
         q8(f"{b}.ffn_gate.weight", ffn, h)
         q8(f"{b}.ffn_up.weight", ffn, h)
         q8(f"{b}.ffn_down.weight", h, ffn)

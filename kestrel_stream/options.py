@@ -30,7 +30,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
                               stream (the window alone: every non-resident weight crosses PCIe) or place
                               (mode offload: resident, streamed and host-computed layers)
     KESTREL_OFFLOAD_HOMES=H.. mode offload's layers given, a letter each (R resident, S streamed, H host,
-                              M MLP on the host), then optionally :host or :resident for lm_head (benches)
+                              M MLP on the host with qkv and o streamed, A MLP on the host with qkv and o
+                              resident), then optionally :host or :resident for lm_head (benches)
 
 The daemon's, clients' and result files' variables (Environment):
 

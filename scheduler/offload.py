@@ -12,8 +12,13 @@ host kernels alone, pinned H2D alone, and each while the other runs.  The floor 
 and a placement reaches it when the cores and the link are busy together for the whole step.
 
 The unit of placement is a layer: resident, streamed, host (its four projection groups on the host, its
-activations handed over twice: qkv up for attention, attention down for o) or mlp (gate_up and down on the
-host, qkv and o streamed: one hand-off each way, ktransformers' split of a layer).
+activations handed over twice: qkv up for attention, attention down for o), mlp (gate_up and down on the
+host, qkv and o streamed: one hand-off each way, ktransformers' split of a layer) or attention (qkv and o
+resident, the MLP on the host).
+A routed layer of a mixture-of-experts model computes its router and experts on the host whatever its
+home (they have no device ops); its qkv and o follow the home, so such a layer is homed attention (qkv
+and o resident), mlp (streamed) or host, the split llama.cpp's --n-cpu-moe makes.  Only qkv and o of a
+routed layer take VRAM; its experts are priced by the bytes a step of M tokens is expected to read.
 Attention always runs on the GPU over the device KV pool, so a layer can change home between steps of
 different sizes without moving its cache.  The embedding table stays on the host (a step gathers M rows of
 it); lm_head is resident or computed on the host.
@@ -42,20 +47,36 @@ from dataclasses import dataclass, field
 from .gate import gpu_compute_us
 from .ops import step_ops
 
-HOMES = ("resident", "streamed", "host", "mlp")
+HOMES = ("resident", "streamed", "host", "mlp", "attention")
 MLP_GROUPS = ("gate_up", "down")
-HOME_LETTERS = {"resident": "R", "streamed": "S", "host": "H", "mlp": "M"}
-LETTERS_KEY = "R resident, S streamed, H host, M MLP on the host"
+ROUTED_GROUPS = ("router", "experts")    # a routed layer's MLP: op kinds with no device ops, always on the host
+HOME_LETTERS = {"resident": "R", "streamed": "S", "host": "H", "mlp": "M", "attention": "A"}
+LETTERS_KEY = "R resident, S streamed, H host, M MLP on the host, A qkv and o resident with the MLP on the host"
+FIXED_HOMES = ("resident", "attention")  # homes with weights in VRAM: kept by every step size
+# a routed layer's home as what it does: its MLP is on the host whatever the home says
+ROUTED_HOME = {"resident": "attention", "streamed": "mlp", "host": "host", "mlp": "mlp", "attention": "attention"}
 
 
 def group_home(home: str, group: str) -> str:
     """Where a projection group of a layer homed `home` runs: resident, streamed or host.  A layer homed
     "mlp" computes its MLP (gate_up, down: three quarters of its bytes) on the host and streams qkv and o,
     so the host takes x once per layer (after o) and gives it back once (after down); a "host" layer runs
-    all four groups there, handing over twice (qkv up for attention, attention down for o)."""
-    if home == "mlp":
-        return "host" if group in MLP_GROUPS else "streamed"
+    all four groups there, handing over twice (qkv up for attention, attention down for o); an "attention"
+    layer keeps qkv and o resident and hands over as an "mlp" one does.  A routed layer's router and
+    experts (ROUTED_GROUPS) are on the host in every home."""
+    if group in ROUTED_GROUPS:
+        return "host"
+    if home in ("mlp", "attention"):
+        return "host" if group in MLP_GROUPS else ("streamed" if home == "mlp" else "resident")
     return home
+
+
+def routed_homes(config, homes) -> tuple:
+    """`homes` with each routed layer's home named for what it does (ROUTED_HOME): resident -> attention,
+    streamed -> mlp."""
+    return tuple(ROUTED_HOME[h] if config.moe_layer(i) else h for i, h in enumerate(homes))
+
+
 LAYER_GROUPS = ("qkv", "o", "gate_up", "down")
 DEVICE_ALIGN = 256
 SLOT_COUNTS = (2, 3, 4, 5, 6)      # ring sizes tried
@@ -103,7 +124,7 @@ class StepSim:
 class OffloadPlacement:
     """Where each layer's projections run in steps of `tokens` tokens, and what that is predicted to cost."""
     tokens: int
-    homes: tuple                   # per layer: resident | streamed | host
+    homes: tuple                   # per layer: one of HOMES
     head: str                      # lm_head: resident | host
     slot_count: int
     slot_bytes: int
@@ -113,6 +134,8 @@ class OffloadPlacement:
     roofline_us: float
     budget_bytes: int
     notes: list = field(default_factory=list)
+    routed_bytes: int = 0          # routers and experts, held on the host (a mixture-of-experts model)
+    routed_read_bytes: int = 0     # of them, what a step of `tokens` tokens is expected to read
 
     def _bytes(self, where: str) -> int:
         return (sum(b for groups, h in zip(self.layer_bytes, self.homes) for g, b in groups.items()
@@ -137,10 +160,10 @@ class OffloadPlacement:
     def layers(self, home: str) -> tuple:
         return tuple(i for i, h in enumerate(self.homes) if h == home)
 
-    def with_homes(self, homes, predicted: StepSim, tokens: int) -> "OffloadPlacement":
+    def with_homes(self, homes, predicted: StepSim, tokens: int, routed_read_bytes: int = 0) -> "OffloadPlacement":
         return OffloadPlacement(tokens, tuple(homes), self.head, self.slot_count, self.slot_bytes,
                                 self.layer_bytes, self.head_bytes, predicted, self.roofline_us, self.budget_bytes,
-                                list(self.notes))
+                                list(self.notes), self.routed_bytes, routed_read_bytes)
 
     def to_dict(self) -> dict:
         p = self.predicted
@@ -148,6 +171,7 @@ class OffloadPlacement:
                 "slot_count": self.slot_count, "slot_bytes": self.slot_bytes,
                 "resident_bytes": self.resident_bytes, "streamed_bytes": self.streamed_bytes,
                 "host_bytes": self.host_bytes, "ring_bytes": self.ring_bytes, "budget_bytes": self.budget_bytes,
+                "routed_bytes": self.routed_bytes, "routed_read_bytes": self.routed_read_bytes,
                 "predicted_us": round(p.total_us, 1), "roofline_us": round(self.roofline_us, 1),
                 "copy_busy_us": round(p.copy_busy_us, 1), "host_busy_us": round(p.host_busy_us, 1),
                 "gpu_busy_us": round(p.gpu_busy_us, 1), "handoffs": p.handoffs}
@@ -158,7 +182,9 @@ class OffloadPlacement:
         lines = [f"offload, M={self.tokens}: layers {letters} ({LETTERS_KEY}), lm_head {self.head}; "
                  f"resident {self.resident_bytes / mb:.1f} MB + ring {self.slot_count} x "
                  f"{self.slot_bytes / mb:.1f} MB of {self.budget_bytes / mb:.1f} MB; per step: streamed "
-                 f"{self.streamed_bytes / mb:.1f} MB, host {self.host_bytes / mb:.1f} MB",
+                 f"{self.streamed_bytes / mb:.1f} MB, host {self.host_bytes / mb:.1f} MB"
+                 + (f", experts on the host {self.routed_read_bytes / mb:.1f} MB (expected) of "
+                    f"{self.routed_bytes / mb:.1f} MB" if self.routed_bytes else ""),
                  f"  predicted {p.total_us / 1e3:.2f} ms (copy engine busy {p.copy_busy_us / 1e3:.2f}, host "
                  f"{p.host_busy_us / 1e3:.2f}, GPU {p.gpu_busy_us / 1e3:.2f}, {p.handoffs} hand-offs); roofline "
                  f"{self.roofline_us / 1e3:.2f} ms ({self.roofline_us / max(p.total_us, 1e-9):.0%} of it)"]
@@ -211,7 +237,8 @@ class _OpCost:
 
 
 def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -> list:
-    """Each op's time on either side for steps of `tokens` tokens (norms and SiLU·mul ride on projections)."""
+    """Each op's time on either side for steps of `tokens` tokens (norms and SiLU·mul ride on projections; a
+    routed layer's router and experts on the host, at the bytes of the experts the step is expected to read)."""
     out = []
     call_us = getattr(profile, "host_call_us", None) or HOST_CALL_US
     for op in step_ops(config, tokens, context_len):
@@ -219,6 +246,13 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -
             continue
         if op.kind == "embed":                          # always on the host
             out.append(_OpCost(None, None, False, False, 0.0, call_us, call_us, 0, -1))
+            continue
+        if op.kind in ROUTED_GROUPS:                    # always on the host: the experts a step reads
+            # the experts op calls gate_up and down of each expert the step is expected to use
+            calls = 1 + (2 * op.read_fraction * config.num_experts if op.kind == "experts" else 0)
+            out.append(_OpCost(op.layer, op.kind, False, True, 0.0,
+                               _host_us(op, profile, rates.host) + calls * call_us,
+                               _host_us(op, profile, rates.host_joint) + calls * call_us, 0, 0))
             continue
         placed = bool(op.group)
         out.append(_OpCost(op.layer, op.group, op.group == "lm_head", placed, gpu_compute_us(op, profile),
@@ -333,7 +367,7 @@ def spread(counts: dict, length: int) -> tuple:
 def _homes(resident: tuple, flexible_hosts: int, kind: str = "host") -> tuple:
     """The layers not resident split into `kind` (host or mlp) and streamed layers, each spread evenly among
     them."""
-    flexible = [i for i, h in enumerate(resident) if h != "resident"]
+    flexible = [i for i, h in enumerate(resident) if h not in FIXED_HOMES]
     order = spread({kind: flexible_hosts, "streamed": len(flexible) - flexible_hosts}, len(flexible))
     homes = list(resident)
     for layer, home in zip(flexible, order):
@@ -351,61 +385,74 @@ def roofline_us(config, homes, head, profile, tokens: int = 1, context_len: int 
     per_layer, _, head_bytes = _layer_items(config)
     rates = PoolRates.of(profile)
     off = sum(b for g, h in zip(per_layer, homes) for group, b in g.items() if group_home(h, group) != "resident")
-    off += head_bytes if head != "resident" else 0
+    off += (head_bytes if head != "resident" else 0) + _routed_bytes(config, tokens)[1]
     costs = op_costs(config, tokens, context_len, profile, rates)
     gpu = sum(w.us for w in _work(costs, homes, head) if w.side == "gpu" and w.item < 0)
     return rates.best_us(off) + gpu
 
 
+def _routed_bytes(config, tokens: int) -> tuple[int, int]:
+    """(bytes of every router and expert, of them the bytes a step of `tokens` tokens is expected to read)."""
+    ops = [op for op in step_ops(config, tokens) if op.kind in ROUTED_GROUPS]
+    return sum(op.weight_bytes for op in ops), sum(op.active_weight_bytes for op in ops)
+
+
+def _resident_base(layer_bytes, room: int) -> tuple:
+    """As many layers "resident" as `room` holds, spread evenly over the step, the others "other".  Layers
+    are alike, but where they are not (a mixture-of-experts model's dense layers hold more in VRAM than its
+    routed ones) the count shrinks until the layers the spread picks fit."""
+    count, used = 0, 0
+    for b in sorted(layer_bytes):
+        if used + b > room:
+            break
+        used += b
+        count += 1
+    L = len(layer_bytes)
+    while True:
+        base = spread({"resident": count, "other": L - count}, L)
+        if not count or sum(b for b, h in zip(layer_bytes, base) if h == "resident") <= room:
+            return base
+        count -= 1
+
+
 def place(config, budget_bytes: int, profile, tokens: int = 1, context_len: int = 0,
           slot_counts=SLOT_COUNTS) -> OffloadPlacement:
-    """The placement predicted fastest for steps of `tokens` tokens under a weight budget (bytes)."""
-    if config.num_experts:
-        raise ValueError(f"offload placement: {config.arch} is a mixture-of-experts model; its experts are "
-                         "not placed yet")
+    """The placement predicted fastest for steps of `tokens` tokens under a weight budget (bytes).  In a
+    mixture-of-experts model only qkv and o of a routed layer count against the budget: a routed layer that
+    fits is homed attention."""
     per_layer, largest, head_bytes = _layer_items(config)
     layer_bytes = tuple(sum(g.values()) for g in per_layer)
     group_bytes = tuple(dict(g) for g in per_layer)
-    L = config.num_hidden_layers
     rates = PoolRates.of(profile)
     costs = op_costs(config, tokens, context_len, profile, rates)
     best = None
     for head in ("resident", "host"):
-        for slots in slot_counts:
-            left = budget_bytes - (head_bytes if head == "resident" else 0)
-            ring = slots * largest
-            if left < ring:
-                if left < 0:
-                    continue
-                ring, slots_used = 0, 0          # no room for a ring: resident or host only
-            else:
-                slots_used = slots
-            room = left - ring
-            resident_count, used = 0, 0
-            for b in sorted(layer_bytes):        # layers are alike: as many as fit
-                if used + b > room:
-                    break
-                used += b
-                resident_count += 1
-            base = spread({"resident": resident_count, "other": L - resident_count}, L)
-            flexible = L - resident_count
-            if not flexible:                     # everything fits: no ring
-                slots_used = 0
+        left = budget_bytes - (head_bytes if head == "resident" else 0)
+        if left < 0:
+            continue
+        fits = sum(layer_bytes) <= left
+        for slots in (0,) + tuple(slot_counts):     # 0: no ring, the layers not resident on the host
+            if slots and (left < slots * largest or fits):
+                continue                         # no room for this ring, or no need of one
+            if not slots and left >= min(slot_counts) * largest and not fits:
+                continue                         # a ring fits and some layer needs one
+            base = _resident_base(layer_bytes, left - slots * largest)
+            flexible = base.count("other")
             choices = [(k, n) for k in HOST_KINDS for n in range(1, flexible + 1)] + [("host", 0)]
-            if not slots_used:
+            if not slots:
                 choices = [("host", flexible)]
             for kind, hosts in choices:
                 homes = _homes(base, hosts, kind)
-                sim = _predict(costs, homes, head, max(slots_used, 1), profile, rates)
+                sim = _predict(costs, homes, head, max(slots, 1), profile, rates)
                 if best is None or sim.total_us < best[0].total_us - 1e-6:
-                    best = (sim, homes, head, slots_used)
-            if not slots_used:
-                break
+                    best = (sim, homes, head, slots)
     if best is None:
         raise ValueError(f"offload placement: a weight budget of {budget_bytes} B holds nothing")
     sim, homes, head, slots = best
+    homes = routed_homes(config, homes)
     placement = OffloadPlacement(tokens, homes, head, slots, largest if slots else 0, group_bytes, head_bytes, sim,
-                                 roofline_us(config, homes, head, profile, tokens, context_len), budget_bytes)
+                                 roofline_us(config, homes, head, profile, tokens, context_len), budget_bytes,
+                                 [], *_routed_bytes(config, tokens))
     return placement
 
 
@@ -426,8 +473,9 @@ def place_given(config, budget_bytes: int, profile, homes: tuple, head: str | No
                 context_len: int = 0) -> OffloadPlacement:
     """A placement with the layers' homes given (a bench's or a test's); lm_head resident if the budget
     holds it beside the resident layers and the ring (unless `head` says), the ring as large as the rest
-    allows, up to the largest of SLOT_COUNTS."""
+    allows, up to the largest of SLOT_COUNTS.  A routed layer's home is named for what it does (routed_homes)."""
     per_layer, largest, head_bytes = _layer_items(config)
+    homes = routed_homes(config, homes)
     rates = PoolRates.of(profile)
     costs = op_costs(config, tokens, context_len, profile, rates)
     resident = sum(b for g, h in zip(per_layer, homes) for group, b in g.items() if group_home(h, group) == "resident")
@@ -444,7 +492,7 @@ def place_given(config, budget_bytes: int, profile, homes: tuple, head: str | No
     return OffloadPlacement(tokens, tuple(homes), head, slots, largest if slots else 0,
                             tuple(dict(g) for g in per_layer), head_bytes, sim,
                             roofline_us(config, homes, head, profile, tokens, context_len), budget_bytes,
-                            ["homes given (KESTREL_OFFLOAD_HOMES)"])
+                            ["homes given (KESTREL_OFFLOAD_HOMES)"], *_routed_bytes(config, tokens))
 
 
 def place_for_tokens(base: OffloadPlacement, config, profile, tokens: int, context_len: int = 0) -> OffloadPlacement:
@@ -456,8 +504,8 @@ def place_for_tokens(base: OffloadPlacement, config, profile, tokens: int, conte
                            base.head, tokens, context_len)
     rates = PoolRates.of(profile)
     costs = op_costs(config, tokens, context_len, profile, rates)
-    resident = tuple(h if h == "resident" else "other" for h in base.homes)
-    flexible = sum(1 for h in resident if h != "resident")
+    resident = tuple(h if h in FIXED_HOMES else "other" for h in base.homes)
+    flexible = resident.count("other")
     choices = [(k, n) for k in HOST_KINDS for n in range(1, flexible + 1)] + [("host", 0)]
     if not base.slot_count:
         choices = [("host", flexible)]
@@ -468,7 +516,8 @@ def place_for_tokens(base: OffloadPlacement, config, profile, tokens: int, conte
         if best is None or sim.total_us < best[0].total_us - 1e-6:
             best = (sim, homes)
     sim, homes = best
-    placement = base.with_homes(homes, sim, tokens)
+    homes = routed_homes(config, homes)
+    placement = base.with_homes(homes, sim, tokens, _routed_bytes(config, tokens)[1])
     placement.roofline_us = roofline_us(config, homes, base.head, profile, tokens, context_len)
     return placement
 
@@ -481,14 +530,6 @@ def streaming_only(config, budget_bytes: int, profile, tokens: int = 1, slot_cou
     room = budget_bytes - head_bytes - slot_count * largest
     if room < 0:
         return None
-    count, used = 0, 0
-    for b in sorted(layer_bytes):
-        if used + b > room:
-            break
-        used += b
-        count += 1
-    L = config.num_hidden_layers
-    base = spread({"resident": count, "other": L - count}, L)
-    homes = _homes(base, 0)
+    homes = _homes(_resident_base(layer_bytes, room), 0)
     rates = PoolRates.of(profile)
     return _predict(op_costs(config, tokens, 0, profile, rates), homes, "resident", slot_count, profile, rates)

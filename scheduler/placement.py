@@ -14,8 +14,9 @@ string or, for gated projections, {weight name: GateDecision}.
   last layer.
 - offload: each layer's projection groups where the offload placement homes the layer (resident or
   streamed: the GPU; host: the host), rope and attention on the GPU over the device KV pool (a layer may
-  change home between step sizes without moving its cache), embed on the host, lm_head resident or on the
-  host; norms and SiLU·mul by the sandwich rule below.
+  change home between step sizes without moving its cache), a routed layer's router and experts on the
+  host (they have no device ops), embed on the host, lm_head resident or on the host; norms and SiLU·mul
+  by the sandwich rule below.
 - gated: each projection group follows the gate. rope and attention stay on
   the host: in gated mode the KV cache lives on the host, so attention never
   moves it. A stateless op (norm, silu_mul) runs on the GPU when both its
@@ -93,6 +94,9 @@ def offload_sides(ops, homes, head: str) -> list:
             placed.append((op, side, f"offload: {where} {home}"))
         elif op.kind in ("rope", "attention"):
             placed.append((op, "gpu", "offload: attention on the GPU, over the device KV pool"))
+        elif op.kind in ("router", "experts"):
+            placed.append((op, "cpu", f"offload: layer {op.layer}'s router and experts on the host (native "
+                                      "kernels, the chosen experts only)"))
         elif op.kind == "embed":
             placed.append((op, "cpu", "offload: the embedding table stays on the host (M rows gathered)"))
         else:

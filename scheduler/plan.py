@@ -251,9 +251,9 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     resolved = f"layers={layer_count}" if kind == "layers" else kind
     if kind == "layers":
         notes.append(f"offloaded {min(layer_count, total_layers)}/{total_layers} layers")
-    if config.num_experts and kind != "cpu":
-        notes.append(f"mixture of experts ({config.arch}): an engine runs this model in mode cpu only "
-                     "(the device path of router and experts is not built yet)")
+    if config.num_experts and kind not in ("cpu", "offload"):
+        notes.append(f"mixture of experts ({config.arch}): an engine runs this model in mode cpu or offload "
+                     "(router and experts on the host; the device path of router and experts is not built yet)")
     if config.tie_word_embeddings:
         notes.append("tied embeddings: lm_head owns model.embed_tokens.weight; "
                      "embed gathers M rows of it")

@@ -1,6 +1,6 @@
 """Mixture-of-experts models on the CPU engine: Qwen3-MoE and Mixtral against transformers, routing ties,
 GGUF twins, the plan's audit of every expert, experts used by none, one or all tokens of a step, and the
-device modes' refusal."""
+refusal of the device modes that would put them on the GPU."""
 from __future__ import annotations
 
 import dataclasses
@@ -267,8 +267,39 @@ def test_plan_lists_every_expert_of_a_checkpoint(moe_model):
     assert sorted(row["weight"] for row in plan["weights"]) == sorted(names)
 
 
-@pytest.mark.parametrize("mode", ["gpu", "gated", "layers=1"])
-def test_device_modes_refuse_a_moe_model(moe_model, mode):
+@pytest.mark.parametrize("mode", ["gated", "layers=1"])
+def test_gated_and_layers_modes_refuse_a_moe_model(moe_model, mode):
+    """Their plans would put router and experts on the GPU; mode offload (which gpu mode becomes for these
+    models: test_moe_offload_emulated.py) keeps them on the host."""
     weights = load_weights(moe_model)
-    with pytest.raises(ValueError, match=rf"\({weights.config.arch}\).*not built yet"):
+    with pytest.raises(ValueError, match=rf"\({weights.config.arch}\).*no device ops: run it in mode offload"):
         StepExecutor(weights, mode)
+
+
+@pytest.mark.parametrize("preset", PRESETS_MOE)
+def test_the_bench_gguf_writer_writes_moe_presets_as_llama_cpp_does(preset, tmp_path):
+    """bench/make_gguf.py: the router, the 3-D expert tensors and the expert keys; the file loads as its
+    preset and runs."""
+    from bench.make_gguf import write as write_gguf
+    from gguf import GGUFReader
+    path = tmp_path / f"{preset}.gguf"
+    types = write_gguf(preset, None, str(path), seed=1)
+    cfg, loaded = PRESETS[preset], load_weights(path, cache=False).config
+    for field in ("arch", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "dense_layers",
+                  "hidden_size", "num_hidden_layers"):
+        assert getattr(loaded, field) == getattr(cfg, field), field
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    routed = [i for i in range(cfg.num_hidden_layers) if cfg.moe_layer(i)]
+    assert [int(n.split(".")[1]) for n in tensors if n.endswith("ffn_gate_exps.weight")] == routed
+    assert tuple(int(d) for d in tensors[f"blk.{routed[0]}.ffn_down_exps.weight"].shape) == \
+        (cfg.moe_intermediate_size, cfg.hidden_size, cfg.num_experts)        # GGUF lists dims innermost first
+    assert types[f"blk.{routed[0]}.ffn_up_exps.weight"] == "Q8_0"
+    logits = Engine(load_weights(path, cache=False), device="cpu", options=NUMPY).new_session().prefill(PROMPT)
+    assert np.isfinite(logits).all() and logits.std() > 0
+
+
+def test_the_bench_gguf_writer_keeps_llama_cpps_q4_k_m_rule_for_the_experts():
+    from bench.make_gguf import tensor_type
+    assert tensor_type("q4_k_m", "blk.2.ffn_down_exps.weight", 48, False) == "Q6_K"
+    assert tensor_type("q4_k_m", "blk.7.ffn_down_exps.weight", 48, False) == "Q4_K"
+    assert tensor_type("q4_k_m", "blk.2.ffn_gate_exps.weight", 48, False) == "Q4_K"

@@ -63,3 +63,29 @@ def test_plan_shows_the_residency_window_under_a_budget(qwen3_17b_config):
     too_small = run_cli(*args, "--vram-budget", "100MB", check=False)
     assert too_small.returncode != 0 and "too small for gpu mode" in too_small.stderr
     assert "Traceback" not in too_small.stderr
+
+
+@pytest.fixture(scope="module")
+def qwen3_30b_a3b_config(tmp_path_factory):
+    from kestrel_stream.loading.presets import PRESETS
+    directory = tmp_path_factory.mktemp("qwen3-30b-a3b")
+    (directory / "config.json").write_text(json.dumps(PRESETS["qwen3-30b-a3b"].to_hf_dict()))
+    return directory
+
+
+def test_plan_offload_of_a_moe_model_keeps_attention_resident_and_the_experts_on_the_host(qwen3_30b_a3b_config):
+    """Qwen3-30B-A3B under 4 GiB: every expert listed once, on the host; qkv, o and lm_head on the GPU; the
+    placement of each step size on stderr."""
+    proc = run_cli("plan", "--model", str(qwen3_30b_a3b_config), "--mode", "offload", "--vram-budget", "4GiB",
+                   "--profile", "h200", "--max-seq-len", "4096", "--json")
+    plan = json.loads(proc.stdout)
+    listed = Counter(row["weight"] for row in plan["weights"])
+    assert max(listed.values()) == 1
+    experts = [row for row in plan["weights"] if row["group"] == "experts"]
+    assert len(experts) == 48 * 128 * 3 and {row["side"] for row in experts} == {"cpu"}
+    assert {row["side"] for row in plan["weights"] if row["group"] in ("qkv", "o", "lm_head")} == {"gpu"}
+    assert "offload, M=1: layers " + "A" * 48 in proc.stderr and "offload, M=64:" in proc.stderr
+    assert "experts on the host" in proc.stderr
+    window = plan["window"]                   # mode offload's own memory plan, not gpu mode's window
+    assert 1.2e9 < window["resident_bytes"] < 1.4e9 and window["streamed_bytes_per_step"] == 0
+    assert window["arena_bytes"] + window["kv_bytes"] <= window["budget_bytes"] == 4 * 2**30

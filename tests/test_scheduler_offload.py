@@ -1,5 +1,6 @@
 """The offload placement (scheduler/offload.py): pure arithmetic over the qwen3 presets' shapes and an H200
-machine's pool figures: the budget is kept, the roofline is a floor, the split moves with the step size."""
+machine's pool figures: the budget is kept, the roofline is a floor, the split moves with the step size; a
+mixture-of-experts model's routers and experts stay on the host, its attention resident where it fits."""
 from __future__ import annotations
 
 import dataclasses
@@ -95,6 +96,83 @@ def test_a_budget_of_nothing_is_refused():
         offload.place(PRESETS["qwen3-1.7b"], -1, H200_POOL)
 
 
-def test_moe_is_refused_with_a_reason():
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        offload.place(PRESETS["qwen3-moe-tiny"], 10**9, H200_POOL)
+def non_expert_bytes(c) -> int:
+    """VRAM of every weight but the experts (and routers): each layer's projections and lm_head."""
+    per_layer, _, head_bytes = offload._layer_items(c)
+    return sum(sum(groups.values()) for groups in per_layer) + head_bytes
+
+
+def test_a_moe_model_under_its_non_expert_weights_keeps_attention_resident_and_the_experts_on_the_host():
+    """Qwen3-30B-A3B with VRAM for everything but the experts: llama.cpp's -ngl 99 --n-cpu-moe 48."""
+    c = PRESETS["qwen3-30b-a3b"]
+    p = offload.place(c, non_expert_bytes(c), H200_POOL)
+    assert p.homes == ("attention",) * c.num_hidden_layers and p.head == "resident", p.describe()
+    assert not p.ring_bytes and not p.streamed_bytes and not p.host_bytes
+    assert p.resident_bytes <= p.budget_bytes
+    plan = build_plan(c, 1, "offload", H200_POOL, offload=p)
+    audit_plan(plan, c)
+    groups = [q.group for q in plan.placements.values()]
+    assert groups.count("experts") == 3 * c.num_experts * c.num_hidden_layers
+    for name, q in plan.placements.items():
+        if q.group in ("router", "experts"):
+            assert q.side == "cpu", name
+        elif q.group in ("qkv", "o", "lm_head") or ".self_attn." in name:
+            assert q.side == "gpu", name
+    expert_ops = [op for op in plan.ops_on("cpu") if op.kind in ("router", "experts")]
+    assert p.routed_bytes == sum(op.weight_bytes for op in expert_ops)
+    assert p.routed_read_bytes == sum(op.active_weight_bytes for op in expert_ops) < p.routed_bytes / 10
+    # the floor is the experts a token reads out of host memory; the placement is priced above it
+    assert offload.PoolRates.of(H200_POOL).best_us(p.routed_read_bytes) <= p.roofline_us <= p.predicted.total_us
+    assert "experts on the host" in p.describe()
+
+
+@pytest.mark.parametrize("fraction", [0.6, 0.25])
+def test_a_moe_model_short_of_its_attention_weights_streams_or_hosts_qkv_and_o(fraction):
+    c = PRESETS["qwen3-30b-a3b"]
+    p = offload.place(c, int(fraction * non_expert_bytes(c)), H200_POOL)
+    assert p.resident_bytes + p.ring_bytes <= p.budget_bytes
+    assert set(p.homes) <= {"attention", "mlp", "host"}, p.homes      # a routed layer's MLP is on the host
+    assert p.layers("attention") and (p.layers("mlp") or p.layers("host")), p.describe()
+    for tokens in (16, 64):
+        q = offload.place_for_tokens(p, c, H200_POOL, tokens)
+        assert q.layers("attention") == p.layers("attention") and q.head == p.head
+        assert set(q.homes) <= {"attention", "mlp", "host"}
+        assert q.routed_read_bytes > p.routed_read_bytes
+    audit_plan(build_plan(c, 7, "offload", H200_POOL, offload=offload.place_for_tokens(p, c, H200_POOL, 7)), c)
+
+
+def test_the_dense_layers_of_a_moe_model_keep_every_home():
+    """Dense layers (mlp_only_layers) between routed ones: their MLP takes VRAM where the routed layers' does
+    not, and the budget is kept whichever layers the spread picks."""
+    c = dataclasses.replace(PRESETS["qwen3-30b-a3b"], dense_layers=(0, 24))
+    per_layer, _, head_bytes = offload._layer_items(c)
+    assert sum(per_layer[0].values()) > 2 * sum(per_layer[1].values())
+    routed_only = head_bytes + sum(sum(g.values()) for i, g in enumerate(per_layer) if c.moe_layer(i))
+    p = offload.place(c, routed_only, H200_POOL)
+    assert p.resident_bytes + p.ring_bytes <= p.budget_bytes
+    assert all(h in ("attention", "mlp", "host") for i, h in enumerate(p.homes) if c.moe_layer(i)), p.homes
+    assert p.layers("attention")
+    audit_plan(build_plan(c, 1, "offload", H200_POOL, offload=p), c)
+    whole = offload.place(c, non_expert_bytes(c), H200_POOL)
+    assert whole.homes == tuple("resident" if i in (0, 24) else "attention" for i in range(c.num_hidden_layers))
+    assert all(offload.group_home(whole.homes[0], g) == "resident" for g in ("qkv", "o", "gate_up", "down"))
+
+
+def test_the_resident_layers_fit_whichever_the_spread_picks():
+    for layer_bytes, room in (((3, 1, 1), 2), ((1, 3, 1), 2), ((1, 3, 1), 4), ((2, 2, 2), 5)):
+        base = offload._resident_base(layer_bytes, room)
+        assert sum(b for b, h in zip(layer_bytes, base) if h == "resident") <= room, (layer_bytes, room, base)
+    assert offload._resident_base((1, 3, 1), 2) == ("resident", "other", "resident")
+
+
+def test_homes_given_to_a_moe_model_name_what_its_routed_layers_do():
+    """KESTREL_OFFLOAD_HOMES: A (qkv and o resident, the MLP on the host) for any layer; R and S of a routed
+    layer are A and M, its experts being on the host whatever the letter."""
+    c = PRESETS["qwen3-moe-tiny"]
+    homes, head = offload.parse_homes("RAS:host", c.num_hidden_layers)
+    assert homes == ("resident", "attention", "streamed") and head == "host"
+    p = offload.place_given(c, non_expert_bytes(c), H200_POOL, homes, head)
+    assert p.homes == ("attention", "attention", "mlp")
+    assert offload.group_home("attention", "qkv") == offload.group_home("attention", "o") == "resident"
+    assert offload.group_home("attention", "gate_up") == offload.group_home("resident", "experts") == "host"
+    assert "A qkv and o resident" in offload.LETTERS_KEY

@@ -50,13 +50,13 @@ def cmd_plan(args) -> int:
     if profile is None and args.mode not in ("auto", "cpu"):
         profile = scheduler.H200_MEASURED
     from kestrel_stream.options import Options
-    placement = None
+    placement = memory = None
     if args.mode == "offload":
-        placement = offload_placement(cfg, args, profile)
+        placement, memory = offload_placement(cfg, args, profile)
     plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here,
                                 minflop=Options.from_env().minflop, offload=placement)
     scheduler.audit_plan(plan, cfg)
-    window = window_report(cfg, args) if args.vram_budget else None
+    window = window_report(cfg, args, memory) if args.vram_budget else None
     speculation = speculation_report(cfg, args, profile or scheduler.H200_MEASURED, gpu_here)
     if args.json:
         print(json.dumps(dict(plan.to_dict(), profile_note=note, window=window, speculation=speculation)))
@@ -71,8 +71,9 @@ def cmd_plan(args) -> int:
 
 
 def offload_placement(cfg, args, profile):
-    """Mode offload's placement for steps of --batch tokens under --vram-budget (the executor's own split);
-    each step size's line goes to stderr: the placement and its predicted step for 1, 4, 16, 64 tokens."""
+    """(Mode offload's placement for steps of --batch tokens, its memory plan) under --vram-budget (the
+    executor's own split); each step size's line goes to stderr: the placement and its predicted step for 1,
+    4, 16, 64 tokens."""
     import sys
     from scheduler import offload
     from kestrel_stream.run.device.budget import parse_vram_budget, plan_offload_memory
@@ -93,7 +94,7 @@ def offload_placement(cfg, args, profile):
                                  max_batch=args.max_batch)
     for tokens in sorted({1, 4, 16, 64, args.batch}):
         print(offload.place_for_tokens(memory.placement, cfg, profile, tokens).describe(), file=sys.stderr)
-    return offload.place_for_tokens(memory.placement, cfg, profile, args.batch)
+    return offload.place_for_tokens(memory.placement, cfg, profile, args.batch), memory
 
 
 def scheduler_pool():
@@ -138,29 +139,31 @@ def speculation_report(cfg, args, profile, gpu_here: bool) -> dict | None:
             "draft_length_at_batch_1": k}
 
 
-def window_report(cfg, args) -> dict:
-    """How `gpu` mode splits --vram-budget (the executor's own split): the arena with the resident
-    weights, what streams per step, and the KV pool's limit."""
+def window_report(cfg, args, memory=None) -> dict:
+    """How `gpu` mode splits --vram-budget (the executor's own split), or mode offload's `memory` plan where
+    given: the arena with the resident weights, what streams per step, and the KV pool's limit."""
     from kestrel_stream.run.device.budget import parse_vram_budget, plan_gpu_memory
     from kestrel_stream.run.compat import DEFAULT_MAX_SESSIONS
     budget = parse_vram_budget(args.vram_budget)
+    max_seq_len = args.max_seq_len or min(2048, cfg.max_position_embeddings)
+    if memory is not None:                    # mode offload: its window and pool (kv_dtype f16)
+        report = _memory_report(memory, budget, max_seq_len, "f16")
+        report["text"] = memory.window.describe() + "\n" + report["text"]
+        report.update(resident_bytes=memory.window.resident_bytes,
+                      streamed_bytes_per_step=memory.window.streamed_bytes_per_step)
+        return report
     if isinstance(budget, float):
         from kestrel_stream.run.engine import gpu_status
         if not gpu_status()[0]:
             raise ValueError("--vram-budget: a fraction of free VRAM needs a GPU here; give a size such as 2GiB")
         from kestrel_stream.cuda import driver
         budget = int(budget * driver.Device(0).free_bytes())
-    max_seq_len = args.max_seq_len or min(2048, cfg.max_position_embeddings)
     memory = plan_gpu_memory(cfg, budget_bytes=budget, free_bytes=budget, max_tokens=max(args.max_batch, 64),
                              max_sessions=args.max_sessions or DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len,
                              attention_splits=16, max_batch=args.max_batch, kv_dtype=args.kv_dtype)
-    needs, window, kv = memory.needs, memory.window, memory.kv
-    report = {"budget_bytes": budget, "arena_bytes": memory.arena_bytes,
-              "activation_bytes": needs.activation_bytes + needs.slack_bytes,
-              "kv_pool": {"kv_dtype": args.kv_dtype, "block_size": kv.block_size, "block_bytes": kv.block_bytes,
-                          "max_blocks": kv.max_blocks, "max_bytes": kv.max_bytes, "max_positions": kv.max_positions,
-                          "policy": kv.policy, "sessions_of_max_seq_len": kv.max_positions // max_seq_len}}
-    report["kv_bytes"] = kv.max_bytes
+    needs, window = memory.needs, memory.window
+    report = _memory_report(memory, budget, max_seq_len, args.kv_dtype)
+    kv_text = report.pop("text")
     if window is None:
         report["text"] = (f"window: every weight resident; arena {memory.arena_bytes / 1e6:.1f} MB of the "
                           f"{budget / 1e6:.1f} MB budget")
@@ -170,8 +173,20 @@ def window_report(cfg, args) -> dict:
         report["text"] = window.describe()
         report.update(resident_bytes=window.resident_bytes, streamed_bytes_per_step=window.streamed_bytes_per_step,
                       slots=window.to_dict().get("slot_count"))
-    report["text"] += "\n" + kv.describe() + f"; {kv.max_positions // max_seq_len} session(s) of {max_seq_len}"
+    report["text"] += "\n" + kv_text
     return report
+
+
+def _memory_report(memory, budget: int, max_seq_len: int, kv_dtype: str) -> dict:
+    """The arena, activations and KV pool of a memory plan; "text": the KV pool's line."""
+    needs, kv = memory.needs, memory.kv
+    return {"budget_bytes": budget, "arena_bytes": memory.arena_bytes,
+            "activation_bytes": needs.activation_bytes + needs.slack_bytes,
+            "kv_pool": {"kv_dtype": kv_dtype, "block_size": kv.block_size, "block_bytes": kv.block_bytes,
+                        "max_blocks": kv.max_blocks, "max_bytes": kv.max_bytes, "max_positions": kv.max_positions,
+                        "policy": kv.policy, "sessions_of_max_seq_len": kv.max_positions // max_seq_len},
+            "kv_bytes": kv.max_bytes,
+            "text": kv.describe() + f"; {kv.max_positions // max_seq_len} session(s) of {max_seq_len}"}
 
 
 def cmd_calibrate(args) -> int:

@@ -15,10 +15,16 @@ step program (scheduler/ops.py):
   and moves the step's state only where segments meet.  `offload` is what gpu mode becomes when the weights
   do not fit its VRAM budget and the cost model (scheduler/offload.py) predicts host compute beside the
   streaming ring beats streaming alone: resident, streamed and host layers, the split chosen per step size.
+  A mixture-of-experts model runs in `offload` in either case (gpu and auto become it, saying so on stderr):
+  its router and experts have no device ops, so they run on the host backend (the native kernels, the
+  chosen experts only) while qkv, o and attention run on the GPU; gated and layers=N refuse it.
 
 The device backend is the same in every mode that offloads; what the mode changes is its memory plan
 (the residency window's resident set and streaming ring, the KV pool's layers and dtype) and which
 buffers return a step's outputs (StepOutputs, or the pinned state copies of the mixed modes).
+
+One concern, the executor of every mode: which mode a model and a budget get and what each mode builds are
+read together.
 """
 from __future__ import annotations
 
@@ -66,12 +72,17 @@ class StepExecutor(Executor):
             self.counters = StepCounters.counting("cpu_weight_read_bytes")
             self.steps = HostBackend(weights, self.counters, options)
             return
-        if c.is_moe:
+        if c.is_moe and kind not in ("gpu", "auto", "offload"):
             raise ValueError(f"mode {mode}: {weights.source or 'this model'} is a mixture-of-experts model "
-                             f"({c.arch}); its device path (router and experts on the GPU) is not built yet: "
-                             "run it on the CPU engine (--device cpu; ks.load(..., device='cpu'))")
+                             f"({c.arch}); its router and experts have no device ops: run it in mode offload "
+                             "(attention on the GPU, router and experts on the host; gpu mode becomes it) or on the "
+                             "CPU engine (--device cpu; ks.load(..., device='cpu'))")
         self.options = Options.from_env() if options is None else options
         vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
+        if c.is_moe and kind in ("gpu", "auto"):
+            print(f"kestrel-stream: mode {mode}: {weights.source or 'the model'} is a mixture-of-experts model "
+                  f"({c.arch}): mode offload (attention on the GPU, router and experts on the host)", file=sys.stderr)
+            kind = mode = "offload"
         if kind in ("gpu", "auto") and self._offload_wins(vram_budget, max_seq_len, max_batch, kv_dtype, profile):
             kind = mode = "offload"
         if kind == "offload":
@@ -174,7 +185,7 @@ class StepExecutor(Executor):
         """gpu mode under a budget the weights do not fit: whether mode offload's placement (host layers beside
         the ring) is predicted faster than the window streaming every non-resident weight (Options.offload:
         auto asks the cost model, place always, stream never)."""
-        if self.options.offload == "stream" or self.config.is_moe:
+        if self.options.offload == "stream":
             return False
         from kestrel_stream.cuda import driver
         c = self.config

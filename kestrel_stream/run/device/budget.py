@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from kestrel_stream.cuda import mma_variants
 from kestrel_stream.cuda.flash_attention import partial_floats
 from kestrel_stream.options import parse_vram_budget  # noqa: F401  (importable from here too)
+from scheduler.offload import group_home
 from scheduler.ops import image_bytes, step_ops  # noqa: F401  (image_bytes: window.py and the tests import it here)
 from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_items
 
@@ -240,24 +241,29 @@ def plan_mixed_memory(c, *, resident: set, max_tokens: int, kv_layers: int, max_
 
 
 def offload_window(c, placement) -> WindowPlan:
-    """The window of an offload placement: resident layers (and lm_head when resident), every other layer's
-    projections as streamed items (a step's plan streams some of them), embed (and a host lm_head) left on
-    the host."""
+    """The window of an offload placement: the resident projections (of resident layers, qkv and o of
+    attention layers) and lm_head when resident, every other layer projection as a streamed item (a step's
+    plan streams some of them; on the host where the placement has no ring), embed (and a host lm_head) left
+    on the host.  A routed layer's router and
+    experts are no window items: they stay on the host."""
     items = {i.name: i for i in weight_items(c)}
     resident, streamed, on_host, reasons = [], [], [], {}
     for name, item in items.items():
         layer = int(name[1:].split(".")[0]) if name.startswith("L") else None
-        home = placement.homes[layer] if layer is not None else placement.head if name == "lm_head" else "host"
+        home = (group_home(placement.homes[layer], name.split(".")[1]) if layer is not None
+                else placement.head if name == "lm_head" else "host")
         if home == "resident":
             resident.append(name)
             reasons[name] = "resident: the offload placement keeps it"
-        elif layer is not None:
+        elif layer is not None and placement.slot_count:
             streamed.append(name)
             reasons[name] = ("streamed through the ring or computed on the host, by step size (the placement "
                              f"of a one-token step: {home})")
         else:
             on_host.append(name)
             reasons[name] = ("on the host: a step gathers M rows of the table" if name == "embed" else
+                             "on the host: the offload placement computes it there (no ring: in steps of "
+                             "every size)" if layer is not None else
                              "on the host: the offload placement computes it there")
     return WindowPlan(
         budget_bytes=placement.budget_bytes, slot_count=placement.slot_count, slot_bytes=placement.slot_bytes,
