@@ -89,3 +89,16 @@ def test_plan_offload_of_a_moe_model_keeps_attention_resident_and_the_experts_on
     window = plan["window"]                   # mode offload's own memory plan, not gpu mode's window
     assert 1.2e9 < window["resident_bytes"] < 1.4e9 and window["streamed_bytes_per_step"] == 0
     assert window["arena_bytes"] + window["kv_bytes"] <= window["budget_bytes"] == 4 * 2**30
+
+
+def test_plan_offload_with_spec_prices_the_passes_with_the_offload_placement(qwen3_30b_a3b_config):
+    """plan --mode offload --spec lookup: the pass-time curve is each step size's offload placement's own
+    prediction (the figure its stderr line gives), not a plan without a placement."""
+    proc = run_cli("plan", "--model", str(qwen3_30b_a3b_config), "--mode", "offload", "--vram-budget", "4GiB",
+                   "--profile", "h200", "--max-seq-len", "4096", "--spec", "lookup", "--json")
+    speculation = json.loads(proc.stdout)["speculation"]
+    assert speculation is not None and speculation["text"].startswith("speculation: prompt lookup")
+    one = [line for line in proc.stderr.splitlines() if line.startswith("offload, M=1:")]
+    assert one
+    predicted_ms = float(proc.stderr.split("offload, M=1:")[1].split("predicted ")[1].split(" ms")[0])
+    assert f"1: {predicted_ms:.3g}" in speculation["text"]

@@ -57,7 +57,8 @@ def cmd_plan(args) -> int:
                                 minflop=Options.from_env().minflop, offload=placement)
     scheduler.audit_plan(plan, cfg)
     window = window_report(cfg, args, memory) if args.vram_budget else None
-    speculation = speculation_report(cfg, args, profile or scheduler.H200_MEASURED, gpu_here)
+    speculation = speculation_report(cfg, args, profile or scheduler.H200_MEASURED, gpu_here,
+                                     offload_for(cfg, profile, memory) if memory is not None else None)
     if args.json:
         print(json.dumps(dict(plan.to_dict(), profile_note=note, window=window, speculation=speculation)))
     else:
@@ -97,6 +98,13 @@ def offload_placement(cfg, args, profile):
     return offload.place_for_tokens(memory.placement, cfg, profile, args.batch), memory
 
 
+def offload_for(cfg, profile, memory):
+    """Mode offload's placement for a step of n tokens (a function of n), from its memory plan."""
+    from scheduler import offload
+    pool = profile if getattr(profile, "host_joint_GBps", None) else scheduler_pool()
+    return lambda tokens: offload.place_for_tokens(memory.placement, cfg, pool, tokens)
+
+
 def scheduler_pool():
     from scheduler.profile import H200_POOL
     return H200_POOL
@@ -106,9 +114,10 @@ SPEC_CURVE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 SPEC_EXAMPLE_ACCEPTANCE = 0.8
 
 
-def speculation_report(cfg, args, profile, gpu_here: bool) -> dict | None:
+def speculation_report(cfg, args, profile, gpu_here: bool, placement_for=None) -> dict | None:
     """With -md / --spec: the pass-time curve the cost model predicts for this placement, and the draft length
-    it would choose at batch 1 and SPEC_EXAMPLE_ACCEPTANCE (the engine measures its own curve on first use)."""
+    it would choose at batch 1 and SPEC_EXAMPLE_ACCEPTANCE (the engine measures its own curve on first use).
+    placement_for: mode offload's placement for a step of n tokens (offload_for)."""
     if not (args.model_draft or args.spec):
         return None
     import scheduler
@@ -116,6 +125,8 @@ def speculation_report(cfg, args, profile, gpu_here: bool) -> dict | None:
     from kestrel_stream.spec.cost import PassCurve, choose_draft_length
 
     def step_s(config, tokens: int, mode: str) -> float:
+        if mode == "offload":       # the placement's own prediction, as its lines on stderr say
+            return placement_for(tokens).predicted.total_us * 1e-6
         plan = scheduler.build_plan(config, tokens=tokens, mode=mode, profile=profile, gpu_available=gpu_here,
                                     minflop=Options.from_env().minflop)
         return plan.predicted_step_us(profile) * 1e-6
