@@ -360,3 +360,20 @@ def test_greedy_output_through_the_daemon_on_the_emulated_device(mode, models, t
         assert d.settled_sessions() == 0 and not d.engine.speculation.draft.engine.sessions
     finally:
         d.stop()
+
+
+def test_choices_of_one_request_each_speculate_and_answer_as_a_request_of_their_own(models, plain, tmp_path):
+    """n > 1: every choice runs its own rounds; greedy choices are plain decoding's text, and sampled choice i
+    is the answer of a request of n=1 with seed + i."""
+    d = InProcessDaemon(models["itself"], tmp_path, load={"draft": str(models["itself"]), "spec_policy": "always"})
+    try:
+        prompt = PROMPTS[1]
+        greedy = completion(d.http_port, prompt, n=2)["choices"]
+        assert [c["text"] for c in greedy] == [plain[prompt].text] * 2
+        sampled = completion(d.http_port, prompt, n=2, temperature=0.8, seed=11)["choices"]
+        alone = [completion(d.http_port, prompt, temperature=0.8, seed=11 + i)["choices"][0]["text"] for i in (0, 1)]
+        assert [c["text"] for c in sorted(sampled, key=lambda c: c["index"])] == alone
+        assert spec_stats(d)["spec_drafted"] > 0
+        assert d.settled_sessions() == 0 and not d.engine.speculation.draft.engine.sessions
+    finally:
+        d.stop()
