@@ -127,3 +127,14 @@ extern "C" __global__ void __launch_bounds__(32) chain_advance(
     __syncwarp();
     if (threadIdx.x == 0) *counter = step + 1;
 }
+
+// A small host-to-device copy made by the SMs: `src` is page-locked host memory (under unified addressing
+// its host address is a device address), read over PCIe by the kernel, so the copy does not queue behind
+// the copy engine's bulk transfers (mode offload streams weights on it while the step's activations go
+// up).  n 32-bit words; grid-stride, block 256.
+extern "C" __global__ void __launch_bounds__(256) copy_words(unsigned int* __restrict__ dst,
+                                                             const unsigned int* __restrict__ src, int n) {
+    pdl_launch_dependents();
+    pdl_wait();   // see common.cuh: dst may still be read by an earlier kernel
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) dst[i] = src[i];
+}

@@ -63,6 +63,15 @@ def dev(ptr: int, nbytes: int, dtype=np.uint8) -> np.ndarray:
     raise CudaError(f"device pointer {ptr:#x} in no arena (null, freed or host?)")
 
 
+def host(address: int, nbytes: int, dtype=np.uint8) -> np.ndarray:
+    """Page-locked host bytes [address, address + nbytes) a kernel reads (unified addressing): they must lie
+    in one live pinned buffer."""
+    for base, buf in _pinned.items():
+        if base <= address and address + nbytes <= base + buf.nbytes:
+            return buf.bytes[address - base:address - base + nbytes].view(dtype)
+    raise CudaError(f"host pointer {address:#x} (+{nbytes}) in no live pinned buffer")
+
+
 class PinnedBuffer:
     def __init__(self, nbytes: int):
         self.nbytes = nbytes

@@ -12,7 +12,7 @@ import re
 
 import numpy as np
 
-from fake_cuda import dev
+from fake_cuda import dev, host
 from kestrel_stream.cuda import gemv_variants, mma_variants
 
 
@@ -163,6 +163,11 @@ def embed_q8(launch, qs, scales, ids, out, xn, normw, inv_rms, eps, H) -> None:
         f32(out + 4 * t * H, H)[:] = v
         f32(xn + 4 * t * H, H)[:] = v * f32(normw, H)
         f32(inv_rms + 4 * t, 1)[0] = 1.0 / np.sqrt(np.mean(np.square(v)) + np.float32(eps))
+
+
+def copy_words(launch, dst, src, n) -> None:
+    """src: page-locked host memory read by the kernel (a fake_cuda pinned buffer), dst: device memory."""
+    dev(dst, 4 * n, np.uint32)[:] = host(src, 4 * n, np.uint32)
 
 
 def argmax_rows(launch, logits, V, out) -> None:
@@ -364,6 +369,7 @@ KERNELS = BLOCK_KERNELS + DENSE_KERNELS + [
     (r"q8_f16mma_\w+", q8_f16mma),
     (r"embed_q8", embed_q8),
     (r"argmax_rows", argmax_rows),
+    (r"copy_words", copy_words),
     (r"argmax_split", argmax_split),
     (r"chain_advance", chain_advance),
     (r"qkv_norm_rope_append", qkv_norm_rope_append),

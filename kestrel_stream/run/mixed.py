@@ -56,8 +56,12 @@ class SegmentState:
     """One step's state between the sides: the pinned host copies, the device copies, which is current,
     and the moves between them (the host program's StepState on the host side)."""
 
-    def __init__(self, backend: DeviceBackend, counters, rows, gpu_layers: int, rope):
+    def __init__(self, backend: DeviceBackend, counters, rows, gpu_layers: int, rope, kernel_copy=None):
+        """kernel_copy(dst, src address, nbytes) -> a Launch copying by the SMs (mode offload: the copy engine
+        is busy with the ring's weights, and a small upload queued behind them would wait for all of them);
+        None: uploads are async copies."""
         b = backend
+        self.kernel_copy = kernel_copy
         self.backend, self.counters, self.stream, self.gpu_layers = b, counters, b.stream, gpu_layers
         self.dev, self.pinned, self.host, self.widths = b.arrays, b.pinned.buffers, b.pinned.views, b.pinned.widths
         self.T = len(rows)
@@ -131,10 +135,16 @@ class SegmentState:
             self.call["d2h+sync"] = (time.perf_counter() - start) * 1e6
             self.finish_call()
 
+    def _h2d(self, dst: int, src_address: int, src, nbytes: int) -> None:
+        if self.kernel_copy is None:
+            driver.h2d_async(dst, src, nbytes, self.stream)
+        else:
+            self.kernel_copy(dst, src_address, nbytes).enqueue(self.stream)
+
     def to_device(self, name: str) -> None:
         if "dev" not in self.valid[name]:
             nbytes = self.T * self.widths[name] * 4
-            driver.h2d_async(self.dev[name].ptr, self.pinned[name], nbytes, self.stream)
+            self._h2d(self.dev[name].ptr, self.pinned[name].address, self.pinned[name], nbytes)
             self.counters.h2d_bytes += nbytes
             self.valid[name].add("dev")
             self.uploads_in_flight.add(name)
@@ -150,8 +160,8 @@ class SegmentState:
         pinned.xn[:T] = x * norm
         pinned.inv_rms[:T] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(eps))
         hidden = x.shape[1]
-        driver.h2d_async(self.dev["xn"].ptr, pinned.xn, T * hidden * 4, self.stream)
-        driver.h2d_async(self.dev["inv_rms"].ptr, pinned.inv_rms, T * 4, self.stream)
+        self._h2d(self.dev["xn"].ptr, pinned.xn.ctypes.data, pinned.xn, T * hidden * 4)
+        self._h2d(self.dev["inv_rms"].ptr, pinned.inv_rms.ctypes.data, pinned.inv_rms, T * 4)
         self.counters.h2d_bytes += T * (hidden + 1) * 4
         self.uploads_in_flight.add("xn")
         self.xn_norm = norm
@@ -195,6 +205,7 @@ class MixedSteps(Steps):
         self.host = HostBackend(self.weights, counters, options)
         self._host_programs: dict = {}       # (tokens, segment index) -> (its inputs, its HostProgram)
         self._prepared: dict = {}            # (op name, tokens[, lm rows]) -> _prepare's tuple
+        self._copies: dict = {}              # (dst, src, bytes) -> a copy_words launch (mode offload's uploads)
         window, first = backend.window, plan(1)
         total = sum(1 for segment in first.segments for _ in segment.ops)
         self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
@@ -203,6 +214,16 @@ class MixedSteps(Steps):
                              f"over {total} ops)")
         self.preload_line += "".join(f"; {note}" for note in first.notes if note.startswith("offloaded "))
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
+
+    def _kernel_copy(self, dst: int, src_address: int, nbytes: int):
+        """The copy_words launch of an upload (kept per destination, source and size)."""
+        key = (dst, src_address, nbytes)
+        launch = self._copies.get(key)
+        if launch is None:
+            words = nbytes // 4
+            launch = self._copies[key] = self.backend.kernels.launch(
+                "copy_words", (max(1, min(-(-words // 256), 64)),), (256,), "ppi", [dst, src_address, words])
+        return launch
 
     def clear_launches(self) -> None:
         """Forget the prepared launches and host programs (the plans changed: a forced group choice)."""
@@ -279,18 +300,19 @@ class MixedSteps(Steps):
         rows lm_head computes (None: all), whose logits come back."""
         T, b = len(rows), self.backend
         plan = self.plan(T)
-        state = SegmentState(b, self.counters, rows, self.gpu_layers, self.host.rope)
+        state = SegmentState(b, self.counters, rows, self.gpu_layers, self.host.rope,
+                             self._kernel_copy if self.ring is not None else None)
         if lm is not None:
             state.lm_rows = np.arange(lm[0], lm[0] + lm[1])
-        if self.ring is not None:    # the items this step streams, in its order; the first copies go out
-            self.ring.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
-                             if op.name in self.ring.index], b.stream)
         if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
             for kv, lo, hi, start in state.runs:
                 b.kv.prepare(kv.device, start, start + hi - lo)
             b.kv.flush()
             b.step_params.stage([(kv.device.base_elements, t, pos) for kv, t, pos in rows], T)
             self.counters.h2d_bytes += b.step_params.upload(T, b.stream)
+        if self.ring is not None:    # the items this step streams, in its order; the first copies go out
+            self.ring.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
+                             if op.name in self.ring.index], b.stream)
         for index, segment in enumerate(plan.segments):
             if segment.side == "cpu":
                 key = (T, index)
