@@ -20,6 +20,9 @@ max_tokens tokens put on the GPU, uploaded at load and kept (counted in weight_u
 streams; a weight some other plan puts there (a forced group choice) is uploaded on first use and kept.
 In offload the window holds the resident layers, and the layers a step's plan streams go through its
 ring (device/stream_ring.py) while the host computes the others.
+
+One concern, a mixed step: the state between the sides (SegmentState) and the walk over the plan's segments
+that moves it (MixedSteps) change together, since every move is decided by where the next op runs.
 """
 from __future__ import annotations
 

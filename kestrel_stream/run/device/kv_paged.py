@@ -86,7 +86,13 @@ class PagedKVCache:
     def check_room(self, writes) -> None:
         """CapacityError, before anything changes, unless the pool holds every write's new blocks at once
         (writes: (kv, start, end) per session of a step): a step never runs out of blocks half-way."""
-        need = sum(self.pool.blocks_needed(kv.row, start, end) for kv, start, end in writes)
+        need = 0
+        for kv, start, end in writes:
+            table = self.pool.tables[kv.row]
+            if not (table.writable_from <= start and end <= len(table.blocks) << self.block_shift):
+                need += self.pool.blocks_needed(kv.row, start, end)    # past the blocks it alone holds
+        if not need:
+            return
         available = self.pool.available_blocks()
         if need > available:
             raise CapacityError(f"KV pool: the step needs {need} more block(s) of {self.block_size} positions "
