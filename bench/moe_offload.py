@@ -107,14 +107,9 @@ def main() -> None:
     parser.add_argument("--llama-batched-bench", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from kestrel_stream.options import Options
-    from kestrel_stream.run.calibrate import calibrate
     from scheduler.offload import HOME_LETTERS, PoolRates
-    options = Options.from_env(host_threads=args.threads)
-    profile = calibrate(force=True, options=options)
-    pool = {k: getattr(profile, k) for k in ("host_weight_GBps", "h2d_GBps", "host_joint_GBps", "h2d_joint_GBps",
-                                             "host_call_us", "host_gflops", "round_trip_us", "gpu_weight_GBps")}
-    print("pool:", pool, flush=True)
+    from .offload import measured_pool
+    profile, pool = measured_pool(args.threads)
     rows = []
     for path in args.files:
         config = read_config(path)

@@ -57,6 +57,20 @@ def offload_budget(path: str, weight_bytes: int, max_seq_len: int, profile) -> i
     return needs.total + 2 * ALIGN * (len(weight_items(c)) + 8) + weight_bytes
 
 
+POOL_FIGURES = ("host_weight_GBps", "h2d_GBps", "host_joint_GBps", "h2d_joint_GBps", "host_call_us", "host_gflops",
+                "round_trip_us", "gpu_weight_GBps")
+
+
+def measured_pool(threads: int):
+    """(this machine's profile, measured now with `threads` host threads, and its pool figures, printed)."""
+    from kestrel_stream.options import Options
+    from kestrel_stream.run.calibrate import calibrate
+    profile = calibrate(force=True, options=Options.from_env(host_threads=threads))
+    pool = {k: getattr(profile, k) for k in POOL_FIGURES}
+    print("pool:", pool, flush=True)
+    return profile, pool
+
+
 def decode_rate(engine, new_tokens: int, repeats: int) -> tuple[float, float]:
     """(median tok/s, median ms per step) of greedy decode after one token."""
     rates = []
@@ -123,13 +137,7 @@ def main() -> None:
     parser.add_argument("--llama-batched-bench", default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    from kestrel_stream.options import Options
-    from kestrel_stream.run.calibrate import calibrate
-    options = Options.from_env(host_threads=args.threads)
-    profile = calibrate(force=True, options=options)
-    pool = {k: getattr(profile, k) for k in ("host_weight_GBps", "h2d_GBps", "host_joint_GBps", "h2d_joint_GBps",
-                                             "host_call_us", "host_gflops", "round_trip_us", "gpu_weight_GBps")}
-    print("pool:", pool, flush=True)
+    profile, pool = measured_pool(args.threads)
     rows = []
     for path in args.files:
         for fraction in args.fractions:

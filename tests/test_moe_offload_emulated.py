@@ -18,6 +18,8 @@ from kestrel_stream.loading.presets import PRESETS
 from kestrel_stream.run.device.budget import plan_offload_memory, weight_items
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.step_executor import StepExecutor
+from test_offload_emulated import emulated  # noqa: F401  (a fixture)
+from test_offload_emulated import run as offload_run
 
 # Mixtral's tiny preset has head_dim 16, which the GPU attention kernels do not serve: its twin with 32
 MODELS = {"qwen3-moe-tiny": PRESETS["qwen3-moe-tiny"],
@@ -35,22 +37,8 @@ def model(request):
     return weights, cpu, [run(cpu, prompt) for prompt in PROMPTS]
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    fake_cuda.install(monkeypatch, mode="deferred")
-    return monkeypatch
-
-
 def run(engine, prompt) -> np.ndarray:
-    """A prefill's logits, then DECODE_STEPS greedy decode steps' (one row each)."""
-    s = engine.new_session()
-    steps = [s.prefill(prompt)]
-    token = int(np.argmax(steps[0][-1]))
-    for _ in range(DECODE_STEPS):
-        steps.append(s.decode(token)[None])
-        token = int(np.argmax(steps[-1][-1]))
-    s.close()
-    return np.concatenate(steps)
+    return offload_run(engine, prompt, DECODE_STEPS)
 
 
 def non_expert_budget(config) -> int:

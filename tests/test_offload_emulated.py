@@ -49,11 +49,12 @@ def emulated(monkeypatch):
     return monkeypatch
 
 
-def run(engine, prompt) -> np.ndarray:
+def run(engine, prompt, decode_steps: int = DECODE_STEPS) -> np.ndarray:
+    """A prefill's logits, then `decode_steps` greedy decode steps' (one row each)."""
     s = engine.new_session()
     steps = [s.prefill(prompt)]
     token = int(np.argmax(steps[0][-1]))
-    for _ in range(DECODE_STEPS):
+    for _ in range(decode_steps):
         steps.append(s.decode(token)[None])
         token = int(np.argmax(steps[-1][-1]))
     s.close()
