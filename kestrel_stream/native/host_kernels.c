@@ -106,14 +106,16 @@ static struct {
     pthread_mutex_t lock;           /* with wake / done: sleeping and waking */
     pthread_cond_t wake, done;
     int workers;                    /* started (indices 1..workers) */
-    _Atomic(pool_fn) fn;            /* the job: written before generation is incremented, read after */
-    _Atomic(void *) ctx;
-    _Atomic int count;
+    struct {                        /* job g in job[g & 1]: written before generation becomes g, read after */
+        _Atomic(pool_fn) fn;
+        _Atomic(void *) ctx;
+        _Atomic int count;
+    } job[2];
     _Atomic unsigned long generation;
     _Atomic int remaining;
     _Atomic int spin_us;
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          0, NULL, NULL, 0, 0, 0, 100};
+          0, {{NULL, NULL, 0}, {NULL, NULL, 0}}, 0, 0, 100};
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
@@ -163,11 +165,15 @@ static void *pool_worker(void *arg) {
                 }
             }
         }
-        /* the job of generation g, read whole: a job published meanwhile (possible only where this
-           worker takes no part in g) is taken on the next turn instead */
-        pool_fn fn = atomic_load(&pool.fn);
-        void *ctx = atomic_load(&pool.ctx);
-        int count = atomic_load(&pool.count);
+        /* the job of generation g, read whole from its own slot.  A worker that takes no part in g may
+           read it while g's caller has returned and the next job (g + 1, the other slot) is being
+           written: reading that one here would run it under g, and again once g + 1 is published (an
+           index run twice, `remaining` counted down twice, its caller returning before a worker is
+           done).  Job g + 2, the next writer of this slot, comes after generation g + 1: the check
+           below sees it, and the worker takes the newest job on the next turn. */
+        pool_fn fn = atomic_load(&pool.job[g & 1].fn);
+        void *ctx = atomic_load(&pool.job[g & 1].ctx);
+        int count = atomic_load(&pool.job[g & 1].count);
         if (atomic_load(&pool.generation) != g) continue;
         seen = g;
         if (start.index < count) {
@@ -205,12 +211,13 @@ static void pool_run(pool_fn fn, void *ctx, int count) {
         pool.workers++;
     }
     if (count > pool.workers + 1) count = pool.workers + 1;
-    atomic_store(&pool.fn, fn);
-    atomic_store(&pool.ctx, ctx);
-    atomic_store(&pool.count, count);
+    const unsigned long next = atomic_load(&pool.generation) + 1;     /* only callers holding `call` change it */
+    atomic_store(&pool.job[next & 1].fn, fn);
+    atomic_store(&pool.job[next & 1].ctx, ctx);
+    atomic_store(&pool.job[next & 1].count, count);
     atomic_store(&pool.remaining, count - 1);
     pthread_mutex_lock(&pool.lock);
-    atomic_fetch_add_explicit(&pool.generation, 1, memory_order_release);
+    atomic_store(&pool.generation, next);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     fn(ctx, 0, count);
