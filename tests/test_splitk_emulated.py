@@ -77,7 +77,7 @@ def test_layers_mode_runs_split_k_on_its_device_segment(weights, reference, emul
     engine.device, engine.mode = "cuda", "layers=1"
     engine.executor = HybridExecutor(weights, "layers=1", None, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
     assert_matches(two_batched_steps(engine), reference)
-    split = split_launches(launch for launches in engine.executor.steps._launches.values() for launch in launches)
+    split = split_launches(engine.executor.steps.prepared_launches())
     assert split and all(launch.labels["op"].endswith("down") for launch in split), [l.labels for l in split]
     engine.close()
 

@@ -198,9 +198,7 @@ class Engine:
                 return self.executor.forward_argmax(batch)
             return self.executor.forward(batch, logits=logits)
         with self._lock:
-            check = getattr(self.executor, "check_kv_room", None)
-            if check is not None:
-                check(batch)
+            self.executor.check_kv_room(batch)
             if trace.active is None:
                 out = run()
             else:

@@ -218,6 +218,10 @@ class MixedSteps(Steps):
         self.preload_line += "".join(f"; {note}" for note in first.notes if note.startswith("offloaded "))
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
 
+    def prepared_launches(self):
+        """Every device launch prepared so far, over all ops and step sizes."""
+        return (launch for prepared in self._prepared.values() for launch in prepared[2])
+
     def _kernel_copy(self, dst: int, src_address: int, nbytes: int):
         """The copy_words launch of an upload (kept per destination, source and size)."""
         key = (dst, src_address, nbytes)

@@ -337,7 +337,7 @@ class StepExecutor(Executor):
         pool = None if self.mode == "cpu" else self.steps.backend.kv
         if pool is None:
             return
-        writes = [(getattr(kv, "device", kv), start, start + len(np.atleast_1d(ids))) for kv, ids, start in batch]
+        writes = [(getattr(kv, "device", kv), start, start + len(ids)) for kv, ids, start in batch]
         pool.check_room([(kv, lo, hi) for kv, lo, hi in writes if kv is not None])
 
     def forward(self, batch: list, logits: str = "all") -> list[np.ndarray]:
