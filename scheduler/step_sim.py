@@ -1,0 +1,184 @@
+"""The simulated step of an offload placement: the host memory pool's rates, each op's cost on either side,
+and the host's and the copy engine's clocks over the step (offload.py places, this prices).
+
+simulate_step walks the step's work in order: the host's clock (its kernels, its launches, its waits) and
+the copy engine's (a copy starts once its slot's last reader finished), a GPU op starting when its launch
+was issued, the GPU is free and its slot is loaded.  A host op overlapping copies runs at the joint rate,
+a copy overlapping host ops at the joint link rate (damped passes settle which overlap).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .gate import gpu_compute_us
+from .ops import step_ops
+
+ROUTED_GROUPS = ("router", "experts")    # a routed layer's MLP: op kinds with no device ops, always on the host
+DEVICE_ALIGN = 256
+PASSES = 6                         # simulate_step's passes over the step
+HOST_CALL_US = 8.0                 # Python and pool dispatch of one host kernel call (default)
+
+
+def aligned(nbytes: int) -> int:
+    """Device bytes of an image of `nbytes` in the arena (aligned start, one alignment of slack)."""
+    return -(-nbytes // DEVICE_ALIGN) * DEVICE_ALIGN + DEVICE_ALIGN
+
+
+@dataclass(frozen=True)
+class PoolRates:
+    """GB/s of the two readers of host memory, alone and together."""
+    host: float
+    link: float
+    host_joint: float
+    link_joint: float
+
+    @classmethod
+    def of(cls, profile) -> "PoolRates":
+        host, link = profile.host_weight_GBps, profile.h2d_GBps
+        host_joint = getattr(profile, "host_joint_GBps", None) or host
+        link_joint = getattr(profile, "h2d_joint_GBps", None) or link
+        return cls(host, link, min(host_joint, host), min(link_joint, link))
+
+    def best_us(self, nbytes: float) -> float:
+        """The least time to read `nbytes` out of host memory with the cores and the link."""
+        if nbytes <= 0:
+            return 0.0
+        return nbytes / (max(self.host, self.link, self.host_joint + self.link_joint) * 1e3)
+
+
+@dataclass(frozen=True)
+class StepSim:
+    total_us: float
+    copy_busy_us: float
+    host_busy_us: float
+    gpu_busy_us: float
+    handoffs: int
+
+
+@dataclass(frozen=True)
+class Work:
+    """One op of a placed step, as the simulation sees it."""
+    side: str          # "gpu" | "host"
+    us: float          # GPU compute, or host time at the host-alone rate (its joint time: us_joint)
+    us_joint: float
+    launches: int
+    item: int = -1     # streamed item index (GPU ops reading a ring slot)
+    nbytes: int = 0    # streamed bytes of that item
+
+
+def _host_us(op, profile, rate_GBps: float) -> float:
+    """An op's host time at a given host-memory rate: compute- or memory-bound, whichever is slower."""
+    bytes_read = op.active_weight_bytes + op.input_bytes + op.output_bytes
+    return max(op.flops / (profile.host_gflops * 1e3), bytes_read / (rate_GBps * 1e3))
+
+
+@dataclass(frozen=True)
+class OpCost:
+    layer: int | None      # None: lm_head (head=True) or an op that always runs on the GPU
+    group: str | None
+    head: bool
+    placed: bool           # a projection: its home decides its side
+    gpu_us: float
+    host_us: float
+    host_joint_us: float
+    launches: int
+    nbytes: int            # device bytes of its weight (what a ring slot receives)
+
+
+def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -> list:
+    """Each op's time on either side for steps of `tokens` tokens (norms and SiLU·mul ride on projections; a
+    routed layer's router and experts on the host, at the bytes of the experts the step is expected to read)."""
+    out = []
+    call_us = getattr(profile, "host_call_us", None) or HOST_CALL_US
+    for op in step_ops(config, tokens, context_len):
+        if op.kind in ("norm", "elementwise"):
+            continue
+        if op.kind == "embed":                          # always on the host
+            out.append(OpCost(None, None, False, False, 0.0, call_us, call_us, 0, -1))
+            continue
+        if op.kind in ROUTED_GROUPS:                    # always on the host: the experts a step reads
+            # the experts op calls gate_up and down of each expert the step is expected to use
+            calls = 1 + (2 * op.read_fraction * config.num_experts if op.kind == "experts" else 0)
+            out.append(OpCost(op.layer, op.kind, False, True, 0.0,
+                               _host_us(op, profile, rates.host) + calls * call_us,
+                               _host_us(op, profile, rates.host_joint) + calls * call_us, 0, 0))
+            continue
+        placed = bool(op.group)
+        out.append(OpCost(op.layer, op.group, op.group == "lm_head", placed, gpu_compute_us(op, profile),
+                           _host_us(op, profile, rates.host) + call_us if placed else 0.0,
+                           _host_us(op, profile, rates.host_joint) + call_us if placed else 0.0,
+                           op.launches or 1, aligned(op.weight_bytes) if placed else 0))
+    return out
+
+
+def _overlap(spans: list, others: list) -> list:
+    """For each (begin, end) of `spans` (in time order, disjoint), the share of it `others` (the same) cover."""
+    shares, j = [], 0
+    for begin, end in spans:
+        while j < len(others) and others[j][1] <= begin:
+            j += 1
+        covered, k = 0.0, j
+        while k < len(others) and others[k][0] < end:
+            covered += max(0.0, min(end, others[k][1]) - max(begin, others[k][0]))
+            k += 1
+        shares.append(covered / (end - begin) if end > begin else 0.0)
+    return shares
+
+
+def simulate_step(work: list, slot_count: int, profile, rates: PoolRates) -> StepSim:
+    """Predicted time of one step: the host's clock and the copy engine's, over the ops in order.  A host
+    op's time mixes its alone and joint rates by the share of it copies overlapped in the previous pass, a
+    copy's by the share host ops overlapped."""
+    launch_us, handoff_us = profile.gpu_launch_us, profile.round_trip_us
+    streamed = [w for w in work if w.item >= 0]
+    host_share: dict = {}
+    copy_share = [0.0] * len(streamed)
+    result = None
+    for passes in range(PASSES):
+        t = gpu_free = copy_free = 0.0      # host clock; the GPU's last finish; the copy engine's
+        copy_end, release = [0.0] * len(streamed), [0.0] * len(streamed)
+        host_spans, copy_spans, host_index = [], [], []
+        side, handoffs, issued = "host", 0, 0
+
+        def issue_copies(upto: int) -> None:
+            nonlocal issued, copy_free
+            while issued <= min(upto, len(streamed) - 1):
+                c = issued
+                start = max(copy_free, release[c - slot_count] if c >= slot_count else 0.0)
+                share = copy_share[c]
+                copy_free = start + streamed[c].nbytes * (share / rates.link_joint + (1 - share) / rates.link) / 1e3
+                copy_end[c] = copy_free
+                copy_spans.append((start, copy_free))
+                issued += 1
+
+        issue_copies(slot_count - 1)             # the step's first copies go out with its start
+        for index, w in enumerate(work):
+            if w.side != side:
+                if side == "gpu":                # the host waits for the GPU's result
+                    t = max(t, gpu_free)
+                t += handoff_us
+                handoffs += 1
+                side = w.side
+            if w.side == "host":
+                share = host_share.get(index, 0.0)
+                us = share * w.us_joint + (1 - share) * w.us
+                host_spans.append((t, t + us))
+                host_index.append(index)
+                t += us
+                continue
+            t += launch_us * w.launches
+            start = max(t, gpu_free)
+            if w.item >= 0:
+                start = max(start, copy_end[w.item])
+            gpu_free = start + w.us
+            if w.item >= 0:
+                release[w.item] = gpu_free
+                issue_copies(w.item + slot_count)
+        total = max(t, gpu_free) + (handoff_us if side == "gpu" else 0.0)
+        # damped: the shares move halfway to what this pass saw, so two passes cannot flip-flop
+        seen = dict(zip(host_index, _overlap(host_spans, copy_spans)))
+        host_share = {i: (host_share.get(i, 0.0) + s) / 2 if passes else s for i, s in seen.items()}
+        copy_share = [(a + b) / 2 if passes else b for a, b in zip(copy_share, _overlap(copy_spans, host_spans))]
+        result = StepSim(total, sum(e - b for b, e in copy_spans), sum(e - b for b, e in host_spans),
+                         sum(w.us for w in work if w.side == "gpu"), handoffs)
+    return result
