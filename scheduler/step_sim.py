@@ -1,9 +1,9 @@
 """The simulated step of an offload placement: the host memory pool's rates, each op's cost on either side,
 and the host's and the copy engine's clocks over the step (offload.py places, this prices).
 
-simulate_step walks the step's work in order: the host's clock (its kernels, its launches, its waits) and
-the copy engine's (a copy starts once its slot's last reader finished), a GPU op starting when its launch
-was issued, the GPU is free and its slot is loaded.  A host op overlapping copies runs at the joint rate,
+simulate_step walks the step's work in order: the host's clock (its kernels, one native call per host
+segment, its launches, its waits) and the copy engine's (a copy starts once its slot's last reader
+finished), a GPU op starting when its launch was issued, the GPU is free and its slot is loaded.  A host op overlapping copies runs at the joint rate,
 a copy overlapping host ops at the joint link rate (damped passes settle which overlap).
 """
 from __future__ import annotations
@@ -16,7 +16,9 @@ from .ops import step_ops
 ROUTED_GROUPS = ("router", "experts")    # a routed layer's MLP: op kinds with no device ops, always on the host
 DEVICE_ALIGN = 256
 PASSES = 6                         # simulate_step's passes over the step
-HOST_CALL_US = 8.0                 # Python and pool dispatch of one host kernel call (default)
+HOST_CALL_US = 8.0                 # Python and pool dispatch of one host call (default)
+HOST_OP_US = 3.0                   # an op inside a host segment's one call: the pool's barrier after it (at most
+                                   # a call's cost)
 
 
 def aligned(nbytes: int) -> int:
@@ -90,11 +92,12 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -
     routed layer's router and experts on the host, at the bytes of the experts the step is expected to read)."""
     out = []
     call_us = getattr(profile, "host_call_us", None) or HOST_CALL_US
+    op_us = min(HOST_OP_US, call_us)
     for op in step_ops(config, tokens, context_len):
         if op.kind in ("norm", "elementwise"):
             continue
-        if op.kind == "embed":                          # always on the host
-            out.append(OpCost(None, None, False, False, 0.0, call_us, call_us, 0, -1))
+        if op.kind == "embed":                          # always on the host: a row gather
+            out.append(OpCost(None, None, False, False, 0.0, op_us, op_us, 0, -1))
             continue
         if op.kind in ROUTED_GROUPS:                    # always on the host: the experts a step reads
             # the experts op calls gate_up and down of each expert the step is expected to use
@@ -105,8 +108,8 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -
             continue
         placed = bool(op.group)
         out.append(OpCost(op.layer, op.group, op.group == "lm_head", placed, gpu_compute_us(op, profile),
-                           _host_us(op, profile, rates.host) + call_us if placed else 0.0,
-                           _host_us(op, profile, rates.host_joint) + call_us if placed else 0.0,
+                           _host_us(op, profile, rates.host) + op_us if placed else 0.0,
+                           _host_us(op, profile, rates.host_joint) + op_us if placed else 0.0,
                            op.launches or 1, aligned(op.weight_bytes) if placed else 0))
     return out
 
@@ -130,6 +133,7 @@ def simulate_step(work: list, slot_count: int, profile, rates: PoolRates) -> Ste
     op's time mixes its alone and joint rates by the share of it copies overlapped in the previous pass, a
     copy's by the share host ops overlapped."""
     launch_us, handoff_us = profile.gpu_launch_us, profile.round_trip_us
+    call_us = getattr(profile, "host_call_us", None) or HOST_CALL_US    # a host segment is one native call
     streamed = [w for w in work if w.item >= 0]
     host_share: dict = {}
     copy_share = [0.0] * len(streamed)
@@ -139,6 +143,7 @@ def simulate_step(work: list, slot_count: int, profile, rates: PoolRates) -> Ste
         copy_end, release = [0.0] * len(streamed), [0.0] * len(streamed)
         host_spans, copy_spans, host_index = [], [], []
         side, handoffs, issued = "host", 0, 0
+        t = call_us if work and work[0].side == "host" else 0.0
 
         def issue_copies(upto: int) -> None:
             nonlocal issued, copy_free
@@ -156,7 +161,7 @@ def simulate_step(work: list, slot_count: int, profile, rates: PoolRates) -> Ste
             if w.side != side:
                 if side == "gpu":                # the host waits for the GPU's result
                     t = max(t, gpu_free)
-                t += handoff_us
+                t += handoff_us + (call_us if w.side == "host" else 0.0)
                 handoffs += 1
                 side = w.side
             if w.side == "host":

@@ -398,3 +398,13 @@ def test_the_library_is_cached_by_source_flags_compiler_and_cpu(tmp_path):
     mtime = first.path.stat().st_mtime_ns
     assert native.load(cache_dir=tmp_path).path == first.path and first.path.stat().st_mtime_ns == mtime
     assert native.load(Options.from_env({"KESTREL_CACHE_DIR": str(tmp_path)})).path.parent == tmp_path / "host_kernels"
+
+
+def test_host_call_cost_is_measured_after_a_device_segments_gap():
+    """calibrate's host_call_us: a small call after a busy gap, at the pool spin mixed steps set."""
+    from kestrel_stream.native import load
+    from kestrel_stream.options import Options
+    from kestrel_stream.run import calibrate
+    kernels = load(Options.from_env({}), threads=2)
+    call_us = calibrate._host_call_us(kernels, Options.from_env({}))
+    assert 0 < call_us < 50_000

@@ -72,6 +72,11 @@ class HostKernels:
         self._isa_id = ISAS.index(self.isa)
         self._matmul_c = lib.ks_matmul
 
+    def set_spin_us(self, spin_us: int) -> None:
+        """How long an idle worker (and a caller waiting for workers) polls before sleeping, for every caller in
+        this process (the pool is one per process)."""
+        self._lib.ks_set_spin_us(int(spin_us))
+
     @property
     def pool_workers(self) -> int:
         """Worker threads the library has started in this process (the calling thread is not one)."""

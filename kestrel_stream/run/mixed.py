@@ -46,6 +46,11 @@ if TYPE_CHECKING:
     from kestrel_stream.run.device.stream_ring import StreamRing
 
 ATTENTION_SPLITS = 16
+# How long an idle host worker polls before it sleeps in a mixed step, unless Options.host_spin_us says: a
+# device segment between two host segments lasts tens of microseconds to a few milliseconds, and a host
+# segment that finds its workers asleep first pays for waking them (calibrate's host_call_us is measured
+# after such a gap, at this setting).
+MIXED_SPIN_US = 2000
 
 
 @dataclass
@@ -206,6 +211,8 @@ class MixedSteps(Steps):
         self.config, self.weights = backend.weights.config, backend.weights
         self.gpu_layers, self.max_tokens = gpu_layers, max_tokens
         self.host = HostBackend(self.weights, counters, options)
+        if self.host.kernels is not None and (options is None or options.host_spin_us is None):
+            self.host.kernels.set_spin_us(MIXED_SPIN_US)
         self._host_programs: dict = {}       # (tokens, segment index) -> (its inputs, its HostProgram)
         self._prepared: dict = {}            # (op name, tokens[, lm rows]) -> _prepare's tuple
         self._copies: dict = {}              # (dst, src, bytes) -> a copy_words launch (mode offload's uploads)
