@@ -57,8 +57,8 @@ def offload_budget(path: str, weight_bytes: int, max_seq_len: int, profile) -> i
     return needs.total + 2 * ALIGN * (len(weight_items(c)) + 8) + weight_bytes
 
 
-POOL_FIGURES = ("host_weight_GBps", "h2d_GBps", "host_joint_GBps", "h2d_joint_GBps", "host_call_us", "host_gflops",
-                "round_trip_us", "gpu_weight_GBps")
+POOL_FIGURES = ("host_weight_GBps", "h2d_GBps", "host_joint_GBps", "h2d_joint_GBps", "host_call_us", "host_format_GBps",
+                "host_gflops", "round_trip_us", "gpu_weight_GBps")
 
 
 def measured_pool(threads: int):

@@ -86,6 +86,7 @@ class WeightRef:
     shape: tuple         # [N, K] for projections, [N] for norms
     nbytes: int          # storage bytes (Q8_0 for matrices, float32 for vectors)
     flops: float         # FLOPs this weight costs in the step (2·M·N·K for projections)
+    fmt: str = "Q8_0"    # block format of a matrix (config.weight_formats); vectors: float32
 
 
 @dataclass(frozen=True)
@@ -178,7 +179,7 @@ class Op:
 
 def _weight(name, shape, tokens, fmt: str = "Q8_0") -> WeightRef:
     rows, cols = shape
-    return WeightRef(name, (rows, cols), format_bytes(rows, cols, fmt), 2.0 * tokens * rows * cols)
+    return WeightRef(name, (rows, cols), format_bytes(rows, cols, fmt), 2.0 * tokens * rows * cols, fmt)
 
 
 def _norm(name, size, tokens) -> WeightRef:

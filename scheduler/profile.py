@@ -32,6 +32,9 @@ class DeviceProfile:
     host_joint_GBps: float | None = None   # host_weight_GBps while an H2D stream runs
     h2d_joint_GBps: float | None = None    # h2d_GBps while the host kernels run
     host_call_us: float | None = None      # one host kernel call from Python (dispatch, pool wake-up)
+    # block format -> weight bytes/s of its host mat-vec alone, where a format's kernel is slower than the pool
+    # (Q4_K, Q6_K decode more per byte than Q8_0); None or a missing format: host_weight_GBps
+    host_format_GBps: dict | None = None
 
     def __post_init__(self):
         for f in fields(self):
@@ -40,6 +43,9 @@ class DeviceProfile:
                 if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                     raise ValueError(f"DeviceProfile.{f.name} must be a positive number, "
                                      f"got {value!r}")
+        for fmt, rate in (self.host_format_GBps or {}).items():
+            if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
+                raise ValueError(f"DeviceProfile.host_format_GBps[{fmt!r}] must be a positive number, got {rate!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -69,9 +69,14 @@ class Work:
 
 
 def _host_us(op, profile, rate_GBps: float) -> float:
-    """An op's host time at a given host-memory rate: compute- or memory-bound, whichever is slower."""
-    bytes_read = op.active_weight_bytes + op.input_bytes + op.output_bytes
-    return max(op.flops / (profile.host_gflops * 1e3), bytes_read / (rate_GBps * 1e3))
+    """An op's host time at a given host-memory rate (each weight at most at its format's kernel rate):
+    compute- or memory-bound, whichever is slower."""
+    formats = getattr(profile, "host_format_GBps", None) or {}
+    read_us = (op.input_bytes + op.output_bytes) / (rate_GBps * 1e3)
+    for w in op.weights:
+        if len(w.shape) == 2:
+            read_us += w.nbytes * op.read_fraction / (min(rate_GBps, formats.get(w.fmt, rate_GBps)) * 1e3)
+    return max(op.flops / (profile.host_gflops * 1e3), read_us)
 
 
 @dataclass(frozen=True)

@@ -176,3 +176,19 @@ def test_homes_given_to_a_moe_model_name_what_its_routed_layers_do():
     assert offload.group_home("attention", "qkv") == offload.group_home("attention", "o") == "resident"
     assert offload.group_home("attention", "gate_up") == offload.group_home("resident", "experts") == "host"
     assert "A qkv and o resident" in offload.LETTERS_KEY
+
+
+def test_a_format_slower_on_the_host_moves_its_bytes_to_the_link():
+    """Q4_K's host mat-vec decodes more per byte than Q8_0's: at its measured rate the placement computes
+    fewer Q4_K layers on the host, and the predicted step is no faster than at the pool's rate."""
+    c = dataclasses.replace(PRESETS["qwen3-1.7b"], weight_formats=tuple(
+        (f"model.layers.{i}.{name}.weight", "Q4_K") for i in range(28)
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")))
+    fast = offload.place(c, budget("qwen3-1.7b", 0.5) // 2, H200_POOL)
+    slow_profile = dataclasses.replace(H200_POOL, host_format_GBps={"Q4_K": H200_POOL.host_weight_GBps / 4})
+    slow = offload.place(c, budget("qwen3-1.7b", 0.5) // 2, slow_profile)
+    on_host = lambda p: sum(home in ("host", "mlp", "attention") for home in p.homes)   # noqa: E731
+    assert on_host(fast) > 0
+    assert on_host(slow) < on_host(fast), (fast.describe(), slow.describe())
+    assert slow.predicted.total_us >= fast.predicted.total_us

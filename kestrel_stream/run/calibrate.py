@@ -56,14 +56,45 @@ def _pool_weights(total_bytes: int) -> list:
     return [(np.copy(qs), np.copy(scales)) for _ in range(count)]      # distinct memory, one pattern
 
 
+FORMAT_SCALE_BYTES = {"Q4_K": (0, 2), "Q6_K": (208,)}    # where a block's fp16 scales are (d, dmin / d)
+
+
+def _format_rates(kernels, total_bytes: int = POOL_WEIGHT_BYTES // 2) -> dict:
+    """GB/s of the host mat-vec over Q4_K and Q6_K weights far larger than the caches (values do not matter:
+    every byte 0x11, each block's fp16 scales small), the best of three passes."""
+    from kestrel_stream.native.kernels import FORMATS
+    rates = {}
+    for fmt, scale_offsets in FORMAT_SCALE_BYTES.items():
+        _, elements, block_bytes = FORMATS[fmt]
+        rows, cols = 8192, 4096
+        row_bytes = cols // elements * block_bytes
+        count = max(1, total_bytes // (rows * row_bytes))
+        blocks = np.full((count * rows, row_bytes), 0x11, np.uint8)
+        per_block = blocks.reshape(count * rows, cols // elements, block_bytes)
+        for offset in scale_offsets:
+            per_block[:, :, offset:offset + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+        weights = [kernels.prepare_blocks(fmt, blocks[i * rows:(i + 1) * rows], cols) for i in range(count)]
+        x = np.ones((1, cols), np.float32)
+        out = np.empty((1, rows), np.float32)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for w in weights:
+                kernels.matmul(x, w, out)
+            best = min(best, time.perf_counter() - start)
+        rates[fmt] = round(blocks.nbytes / best / 1e9, 2)
+    return rates
+
+
 HANDOFF_GAP_US = 250     # a device segment between two host segments, as the host waits on it
 
 
 def _host_call_us(kernels, options) -> float:
     """One small native call as a mixed step's host segment pays it: after a gap of a device segment's length
     (the caller busy, as in a stream sync), with the pool's spin a mixed step sets (median of 200)."""
-    from kestrel_stream.run.mixed import MIXED_SPIN_US
-    if getattr(options, "host_spin_us", None) is None:
+    from kestrel_stream.run.mixed import LIBRARY_SPIN_US, MIXED_SPIN_US
+    spins = getattr(options, "host_spin_us", None) is None
+    if spins:
         kernels.set_spin_us(MIXED_SPIN_US)
     small = kernels.prepare_q8_0(*[np.ascontiguousarray(a[:64]) for a in _pool_weights(1)[0]])
     xs = np.ones((1, small.cols), np.float32)
@@ -77,6 +108,8 @@ def _host_call_us(kernels, options) -> float:
         start = time.perf_counter()
         kernels.matmul(xs, small, out)
         samples.append(time.perf_counter() - start)
+    if spins:
+        kernels.set_spin_us(LIBRARY_SPIN_US)
     return statistics.median(samples) * 1e6
 
 
@@ -148,13 +181,14 @@ def measure_pool(options=None, seconds: float = 0.6) -> dict:
         kernels.matmul(x32, w)
     gflops = 2 * 32 * sum(w.rows * w.cols for w in weights) / (time.perf_counter() - start) / 1e9
     call_us = _host_call_us(kernels, options)
+    format_rates = dict(_format_rates(kernels), Q8_0=round(host_alone, 2))
     stream.synchronize()
     pinned.free()
     arena.release()
     return {"host_weight_GBps": round(host_alone, 2), "h2d_GBps": round(link_alone, 2),
             "host_joint_GBps": round(min(host_joint, host_alone), 2),
             "h2d_joint_GBps": round(min(link_joint, link_alone), 2), "host_call_us": round(call_us, 2),
-            "host_gflops": round(gflops, 1)}
+            "host_gflops": round(gflops, 1), "host_format_GBps": format_rates}
 
 
 def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfile:

@@ -38,6 +38,7 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.model.op_tensors import norm_weight
 from kestrel_stream.obs import prof, trace
 from kestrel_stream.run.host.backend import CpuKV, HostBackend
+from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES
 from kestrel_stream.run.steps import Steps
 
 if TYPE_CHECKING:
@@ -46,11 +47,14 @@ if TYPE_CHECKING:
     from kestrel_stream.run.device.stream_ring import StreamRing
 
 ATTENTION_SPLITS = 16
-# How long an idle host worker polls before it sleeps in a mixed step, unless Options.host_spin_us says: a
-# device segment between two host segments lasts tens of microseconds to a few milliseconds, and a host
-# segment that finds its workers asleep first pays for waking them (calibrate's host_call_us is measured
-# after such a gap, at this setting).
+# How long an idle host worker polls before it sleeps during a mixed step whose host segments are native calls
+# alone, unless Options.host_spin_us says: a device segment between two host segments lasts tens of
+# microseconds to a few milliseconds, and a host segment that finds its workers asleep first pays for waking
+# them (calibrate's host_call_us is measured after such a gap, at this setting).  Set for the step only:
+# polling workers would take the cores from BLAS's threads (numpy attention over a prompt's chunk, the CPU
+# engine's work in the same process), so the step puts the library's default back at its end.
 MIXED_SPIN_US = 2000
+LIBRARY_SPIN_US = 100
 
 
 @dataclass
@@ -211,8 +215,7 @@ class MixedSteps(Steps):
         self.config, self.weights = backend.weights.config, backend.weights
         self.gpu_layers, self.max_tokens = gpu_layers, max_tokens
         self.host = HostBackend(self.weights, counters, options)
-        if self.host.kernels is not None and (options is None or options.host_spin_us is None):
-            self.host.kernels.set_spin_us(MIXED_SPIN_US)
+        self.spins = self.host.kernels is not None and (options is None or options.host_spin_us is None)
         self._host_programs: dict = {}       # (tokens, segment index) -> (its inputs, its HostProgram)
         self._prepared: dict = {}            # (op name, tokens[, lm rows]) -> _prepare's tuple
         self._copies: dict = {}              # (dst, src, bytes) -> a copy_words launch (mode offload's uploads)
@@ -299,7 +302,14 @@ class MixedSteps(Steps):
                 mine = sorted(r - lo for r in wanted if lo <= r < lo + len(chunk))
                 contiguous = not mine or mine[-1] - mine[0] + 1 == len(mine)
                 lm = (mine[0] if mine else 0, len(mine)) if contiguous else None
-            computed = self._run_chunk(chunk, lm).copy()      # the pinned rows are the next chunk's
+            spins = self.spins and (self.ring is not None or len(chunk) <= NATIVE_ATTENTION_QUERIES)
+            if spins:                # the host segments are native calls alone (no numpy attention)
+                self.host.kernels.set_spin_us(MIXED_SPIN_US)
+            try:
+                computed = self._run_chunk(chunk, lm).copy()      # the pinned rows are the next chunk's
+            finally:
+                if spins:
+                    self.host.kernels.set_spin_us(LIBRARY_SPIN_US)
             first = lm[0] if lm is not None else 0
             for i in range(len(computed)):
                 out[lo + first + i] = computed[i]
