@@ -257,6 +257,13 @@ class MixedSteps(Steps):
         if kv.device is not None:
             self.backend.kv.truncate(kv.device, length)
 
+    def move_kv(self, kv: HybridKV, moves: list[tuple[int, int]]) -> None:
+        if kv.host is not None:
+            self.host.move_kv(kv.host, moves)
+        if kv.device is not None:
+            self.backend.device.make_current()
+            self.backend.kv.move(kv.device, moves)
+
     def fork_kv(self, kv: HybridKV, length: int, capacity: int | None = None) -> HybridKV:
         """A new cache of `capacity` positions (default kv's) sharing `kv`'s first `length` positions' device
         blocks (copy-on-write: kv_pool.prepare_write); host rows copied."""

@@ -105,6 +105,12 @@ class WholeStep(Steps):
     def truncate_kv(self, kv: GpuKV, length: int) -> None:
         self.kv.truncate(kv, length)        # whole blocks past `length` go back to the pool
 
+    def move_kv(self, kv: GpuKV, moves: list[tuple[int, int]]) -> None:
+        self.device.make_current()
+        self.kv.move(kv, moves)
+        if self.verifier:
+            self.verifier.move(kv, moves)
+
     def fork_kv(self, kv: GpuKV, length: int, capacity: int | None = None) -> GpuKV:
         """A new cache of `capacity` positions (default kv's) sharing `kv`'s first `length` positions' blocks
         (copy-on-write: kv_pool.prepare_write)."""
