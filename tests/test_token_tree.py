@@ -97,3 +97,60 @@ def test_cpu_tree_equals_its_paths(kernels, monkeypatch):
         s.prefill_tree(TOKENS, PARENTS)
         s.keep_branch([0, 4])
     engine.close()
+
+
+DEVICE_CONFIG = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=96,
+                            rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True,
+                            max_position_embeddings=128)
+# 18 nodes: a step the flash kernel takes (FLASH_MIN_ROWS rows of one session), chains and branches
+WIDE_PARENTS = [-1, 0, 0, 0, 1, 1, 2, 4, 7, 3, 8, 8, 10, 12, 12, 5, 6, 13]
+WIDE_TOKENS = [11, 20, 21, 22, 30, 31, 32, 40, 50, 33, 60, 61, 70, 80, 81, 41, 42, 90]
+DEVICE_TOL = dict(rtol=3e-2, atol=3e-2)     # f16 KV, and flash's f16 probabilities beside the split kernel
+
+
+@pytest.mark.parametrize("mode", ["gpu", "layers=1", "window", "offload"],
+                         ids=["whole-device", "layers", "window", "offload"])     # "gpu" would mark it a GPU test
+def test_device_tree_equals_its_paths(mode, monkeypatch):
+    from spec_engines import device_engine
+    fake_cuda.install(monkeypatch, mode="deferred")
+    engine = device_engine(random_q8_weights(DEVICE_CONFIG, seed=4), mode, max_seq_len=64)
+    tree = TokenTree(WIDE_PARENTS)
+    with engine.new_session() as s:
+        s.prefill(PROMPT)
+        rows = s.prefill_tree(WIDE_TOKENS, WIDE_PARENTS)
+        for leaf in tree.leaves():
+            path = tree.path_to(leaf)
+            with engine.new_session() as ref:
+                ref.prefill(PROMPT)
+                expected = ref.prefill([WIDE_TOKENS[n] for n in path])
+            np.testing.assert_allclose(rows[path], expected, **DEVICE_TOL, err_msg=f"{mode} path {path}")
+        path = tree.path_to(17)
+        s.keep_branch(path)
+        after = s.decode(3)
+        start = s.position
+        picks = s.prefill_tree(WIDE_TOKENS, WIDE_PARENTS, logits="argmax")     # on the device in gpu mode
+        s.truncate(start)
+        assert picks.tolist() == s.prefill_tree(WIDE_TOKENS, WIDE_PARENTS).argmax(1).tolist()
+    with engine.new_session() as ref:
+        ref.prefill(PROMPT + [WIDE_TOKENS[n] for n in path])
+        np.testing.assert_allclose(after, ref.decode(3), **DEVICE_TOL)
+    engine.close()
+
+
+@pytest.mark.gpu
+def test_gpu_tree_equals_its_paths():
+    """The CUDA kernels themselves (kernels_ptx/: the rope op's rotary position by depth, the split and flash
+    attention's tree masks) on the GPU machine."""
+    from spec_engines import device_engine
+    engine = device_engine(random_q8_weights(DEVICE_CONFIG, seed=4), "gpu", max_seq_len=64)
+    tree = TokenTree(WIDE_PARENTS)
+    with engine.new_session() as s:
+        s.prefill(PROMPT)
+        rows = s.prefill_tree(WIDE_TOKENS, WIDE_PARENTS)
+        for leaf in tree.leaves():
+            path = tree.path_to(leaf)
+            with engine.new_session() as ref:
+                ref.prefill(PROMPT)
+                np.testing.assert_allclose(rows[path], ref.prefill([WIDE_TOKENS[n] for n in path]), **DEVICE_TOL)
+    engine.close()

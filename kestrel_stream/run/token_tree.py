@@ -76,9 +76,22 @@ class TokenTree:
         return skip, span, bits
 
 
-def visible_keys(tree: TokenTree, start: int, keys: int) -> np.ndarray:
-    """[n, keys] bool: which of the session's first `keys` slots each node sees (keys >= start + n)."""
-    mask = np.zeros((len(tree), keys), bool)
-    mask[:, :start] = True
-    mask[:, start:start + len(tree)] = tree.visible
-    return mask
+def step_tree_fields(batch, trees: list | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """device_fields of a step's rows in order, plain sessions' rows (0, 0, 0); None where no session is a tree.
+    batch: (kv, token ids [n_i], start) per session; trees: per session a TokenTree or None."""
+    if trees is None or all(tree is None for tree in trees):
+        return None
+    parts = [tree.device_fields() if tree is not None else
+             (np.zeros(n, np.int32), np.zeros(n, np.int32), np.zeros(n, np.uint64))
+             for tree, n in zip(trees, (len(np.atleast_1d(ids)) for _, ids, _ in batch))]
+    return tuple(np.concatenate([part[i] for part in parts]) for i in range(3))
+
+
+def visible_keys(span: np.ndarray, bits: np.ndarray, slots: np.ndarray, keys: int) -> np.ndarray:
+    """[n, keys] bool: which of the session's first `keys` slots each row sees, from its device fields (span,
+    bits) and its slot: the slots up to its own, less those of other branches (kv_cache.cuh TreeRow.sees)."""
+    k, p = np.arange(keys)[None, :], np.asarray(slots)[:, None]
+    lo = p - np.asarray(span)[:, None] + 1
+    inside = np.clip(k - lo, 0, MAX_NODES - 1).astype(np.uint64)
+    in_tree = ((np.asarray(bits, np.uint64)[:, None] >> inside) & np.uint64(1)).astype(bool)
+    return (k <= p) & ((k < lo) | in_tree)

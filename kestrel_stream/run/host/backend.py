@@ -31,6 +31,7 @@ from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
 from kestrel_stream.obs import trace
 from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES, HostProgram, HostState
 from kestrel_stream.run.steps import Steps
+from kestrel_stream.run.token_tree import step_tree_fields
 
 
 @dataclass
@@ -236,18 +237,18 @@ class HostBackend(Steps):
         if self._whole_step is None:
             (segment,) = self.plan(1).segments
             self._whole_step = self.program(segment.ops)
-        trees = trees if trees is not None and any(t is not None for t in trees) else None
+        fields = None if trees is None else step_tree_fields(batch, trees)
         ids, positions, runs = session_runs(batch, trees)
         bounds = [lo for _, lo, _, _ in runs] + [len(ids)]
         cos, sin = self.rope(positions)
         last = np.asarray(bounds[1:]) - 1 if logits == "last" else None
         # one call a step where it binds, no trace times each op and every session's attention is native
         one_call = self._whole_step.one_call
-        if one_call is not None and trace.active is None and trees is None and all(
+        if one_call is not None and trace.active is None and fields is None and all(
                 hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in runs):
             out = one_call.run(ids, runs, cos, sin, last)
         else:
-            state = HostState(ids, runs, cos, sin, last, trees)
+            state = HostState(ids, runs, cos, sin, last, fields)
             self._whole_step.run(state)
             out = state.read("logits")
         self.counters.steps += 1

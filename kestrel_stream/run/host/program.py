@@ -44,7 +44,7 @@ class StepState(Protocol):
     cos: np.ndarray            # rope tables of the rows' positions, rope_rotation's form [T, 1, D]
     sin: np.ndarray
     lm_rows: np.ndarray | None     # the rows lm_head computes (None: all)
-    trees: list | None         # per run, its token tree (run/token_tree.py) or None; None: no run has one
+    tree_fields: tuple | None  # the rows' token-tree masks (token_tree.step_tree_fields); None: no tree
 
     def read(self, name: str) -> np.ndarray: ...
 
@@ -62,9 +62,9 @@ class HostState:
     """A step's state as arrays the step makes (cpu mode, KESTREL_VERIFY)."""
 
     def __init__(self, ids: np.ndarray, runs: list, cos: np.ndarray, sin: np.ndarray,
-                 lm_rows: np.ndarray | None = None, trees: list | None = None):
+                 lm_rows: np.ndarray | None = None, tree_fields: tuple | None = None):
         self.T, self.ids, self.runs, self.cos, self.sin, self.lm_rows = len(ids), ids, runs, cos, sin, lm_rows
-        self.trees = trees
+        self.tree_fields = tree_fields
         self.arrays: dict[str, np.ndarray] = {}
 
     def read(self, name: str) -> np.ndarray:
@@ -98,7 +98,7 @@ class HostProgram:
 
     def run(self, state: StepState) -> None:
         if trace.active is None:
-            if self.one_call is not None and state.trees is None and all(
+            if self.one_call is not None and state.tree_fields is None and all(
                     hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in state.runs):
                 self.one_call.run_state(state)
                 return
@@ -263,9 +263,12 @@ def _attention(backend, op):
 
 
 def tree_mask(state: StepState, run: int, keys: int) -> np.ndarray | None:
-    """The keys run `run`'s rows see where it is a token tree (None: causal)."""
-    tree = None if state.trees is None else state.trees[run]
-    return None if tree is None else visible_keys(tree, state.runs[run][3], keys)
+    """The keys the rows of run `run` see where the step has a token tree (None: causal)."""
+    if state.tree_fields is None:
+        return None
+    _, lo, hi, start = state.runs[run]
+    _, span, bits = state.tree_fields
+    return visible_keys(span[lo:hi], bits[lo:hi], np.arange(start, start + hi - lo), keys)
 
 
 def _native_attention(backend, op):
