@@ -78,6 +78,7 @@ def test_greedy_output_equals_plain_decoding_with_every_draft(mode, monkeypatch)
 class Scripted:
     """A draft that proposes given chains, one per round (the draft protocol of spec/)."""
     name = "scripted"
+    proposes_trees = False
 
     def __init__(self, chains):
         self.chains = list(chains)
