@@ -29,7 +29,8 @@ def device_engine(weights, mode: str, max_seq_len: int = 64) -> Engine:
     if mode == "window":
         needs = gpu_mode_needs(c, MAX_BATCH, max_seq_len)
         executor = StepExecutor(weights, "gpu", max_seq_len=max_seq_len, max_batch=MAX_BATCH,
-                                vram_budget=budget_for_weight_fraction(c, needs, WINDOW_FRACTION))
+                                vram_budget=budget_for_weight_fraction(c, needs, WINDOW_FRACTION),
+                                small_item_bytes=1024)     # tiny layers: streamed too, not kept resident
         assert executor.window_plan is not None and executor.window_plan.streamed, "the window streams nothing"
     else:
         assert mode == "offload", mode
@@ -40,6 +41,7 @@ def device_engine(weights, mode: str, max_seq_len: int = 64) -> Engine:
         budget = needs.total + 2 * 256 * (len(items) + 8) + int(OFFLOAD_FRACTION * sum(i.nbytes for i in items))
         executor = StepExecutor(weights, "offload", POOL, max_seq_len=max_seq_len, max_batch=MAX_BATCH,
                                 vram_budget=budget)
+        assert executor.placement.host_bytes or executor.placement.streamed_bytes, executor.placement.describe()
     engine = Engine(weights, device="cpu", max_seq_len=max_seq_len, max_batch=MAX_BATCH)
     engine.executor.close()
     engine.device, engine.mode, engine.executor = "cuda", executor.mode, executor
