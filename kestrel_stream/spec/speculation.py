@@ -90,10 +90,10 @@ class Speculation:
         if self.kind == "draft":
             what += f" {self.draft.source}"
         line = f"speculative decoding: {what}, chains of up to {self.draft_max} tokens, policy {self.policy}"
-        if self.tree_nodes > 1:
-            line += f", trees of up to {self.tree_nodes} nodes"
         if self.policy == "auto":
             line += ("; " + self.curve.describe()) if self.curve is not None else "; pass times measured on first use"
+        if self.tree_nodes > 1:
+            line += f"; generate and chat draft trees of up to {self.tree_nodes} nodes"
         return line
 
     def device_bytes(self) -> int:
