@@ -167,7 +167,8 @@ def parse_args(argv=None):
     p.add_argument("--target", "-m", required=True)
     p.add_argument("--draft", "-md", required=True)
     p.add_argument("--resident", default="0.5,0.25", help="target residencies (device only)")
-    p.add_argument("--prompts", default=PROMPT_FILES, help="comma-separated prompt files (--- between prompts)")
+    p.add_argument("--prompts", default=PROMPT_FILES, help="comma-separated prompt files (--- between prompts); "
+                   "empty: the pass-time curve alone")
     p.add_argument("--chat", action="store_true")
     p.add_argument("-n", "--new-tokens", type=int, default=128)
     p.add_argument("--draft-max", type=int, default=8)
@@ -201,9 +202,9 @@ def main(argv=None) -> list[dict]:
     args.device, _ = resolve_device(args.device, "auto")
     if args.device == "cpu":
         args.mode = "cpu"
-    prompt_sets = [(Path(f).stem, read_prompts(f, args.chat)) for f in args.prompts.split(",")]
+    prompt_sets = [(Path(f).stem, read_prompts(f, args.chat)) for f in args.prompts.split(",") if f]
     rows: list[dict] = []
-    for resident in (args.residents if args.device == "cuda" else [None]):
+    for resident in (args.residents if args.device == "cuda" else [None]) if prompt_sets else []:
         engine = load_pair(args, resident)
         emit(rows, {"kind": "load", "resident": resident, "mode": engine.mode, "device": engine.device,
                     "speculation": engine.speculation.describe(), "plan": engine.plan_summary()})
