@@ -44,7 +44,8 @@ DEFINE_ATTENTION(96)
 DEFINE_ATTENTION(128)
 DEFINE_ATTENTION(256)
 
-// tables: every session's block-address row; table_row[t]: where token t's session's row starts
+// tables: every session's block-address row; table_row[t]: where token t's session's row starts;
+// tree: a token tree's masks per row, or null (kv_cache.cuh TreeRow)
 #define DEFINE_PAGED_ATTENTION(D, SUFFIX, E) DEFINE_PAGED_ATTENTION_G(D, SUFFIX, E, ATTN_MAX_GROUP, )
 // G: the most q heads per kv head the kernel serves (its registers hold q and the sums of G heads)
 #define DEFINE_PAGED_ATTENTION_G(D, SUFFIX, E, G, NAME_TAIL)                                     \
@@ -52,7 +53,7 @@ DEFINE_ATTENTION(256)
             const float* q, const unsigned long long* tables, const long long* table_row,       \
             const int* pos, float* part_acc, float* part_max, float* part_sum, float* out,      \
             unsigned int* counters, int layer, int n_layers, int n_heads, int n_kv, int window, \
-            float softmax_scale, int block_shift, int min_keys) {                               \
+            float softmax_scale, int block_shift, int min_keys, const int* tree) {              \
         pdl_launch_dependents();                                                                \
         pdl_wait();   /* see common.cuh */                                                      \
         PagedRows<E> rows{tables + table_row[blockIdx.y],                                       \
@@ -60,7 +61,7 @@ DEFINE_ATTENTION(256)
                           (long long)n_layers * 2 * n_kv * D, block_shift};                     \
         attention_split_body<D, G>(q + group_q_offset(n_heads, n_kv, D), rows, pos, part_acc,    \
                                    part_max, part_sum, out, counters, n_heads, n_kv, window,    \
-                                   softmax_scale, min_keys);                                    \
+                                   softmax_scale, min_keys, tree);                              \
     }
 // the same head dims as attention_split_d*, for each KV dtype
 #define DEFINE_PAGED_ATTENTION_DTYPE(SUFFIX, E)                                                 \

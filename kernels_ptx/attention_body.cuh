@@ -77,12 +77,12 @@ __device__ __forceinline__ int active_splits(int n_keys, int per_split) {
 // ATTN_WIDE_WARPS for attention_rope.cu's _w8 kernels: more keys per block, merged in shared
 // memory).  The caller ran pdl_wait (rows were built from per-token params) and passes this
 // block's token's K rows and its group's q rows, qt[g * D + i] (global memory, or shared after
-// attention_rope.cu's prologue).
+// attention_rope.cu's prologue).  tree: a token tree's masks per row (kv_cache.cuh TreeRow), or null.
 template <int D, int G, typename Rows, int W = ATTN_WARPS>
 __device__ __forceinline__ void attention_split_body(
         const float* __restrict__ qt, const Rows rows, const int* __restrict__ pos, float* part_acc,
         float* part_max, float* part_sum, float* __restrict__ out, unsigned int* counters, int n_heads,
-        int n_kv, int window, float softmax_scale, int min_keys) {
+        int n_kv, int window, float softmax_scale, int min_keys, const int* __restrict__ tree = nullptr) {
     constexpr int PER_LANE = (D + 31) / 32;
     constexpr int KEYS_PER_ITER = G <= 2 && PER_LANE <= 4 ? 8 : PER_LANE <= 4 ? 4 : 2;   // keys whose loads are in flight together
     __shared__ float merge_acc[W][(G * D < ATTN_MAX_GROUP_D ? G * D : ATTN_MAX_GROUP_D)];
@@ -99,6 +99,7 @@ __device__ __forceinline__ void attention_split_body(
     const bool alone = active == 1;           // split 0 holds every key: it writes out itself
     const int begin = first_key + split * per_split, end = first_key + min(split * per_split + per_split, n_keys);
     const long long v_offset = (long long)n_kv * D;   // a position's V row follows its K row
+    const TreeRow mask = tree_row(tree, t, pos[t]);   // a token tree's row: the slots it does not see
 
     float qr[G][PER_LANE], acc[G][PER_LANE];
     float run_max[G], run_sum[G];
@@ -125,6 +126,7 @@ __device__ __forceinline__ void attention_split_body(
 #pragma unroll
         for (int u = 0; u < KEYS_PER_ITER; u++) {
             if (u > 0 && p0 + u * W >= end) break;
+            if (tree != nullptr && !mask.sees(p0 + u * W)) continue;   // another branch of the tree
 #pragma unroll
             for (int g = 0; g < G; g++) {
                 if (g >= group) break;

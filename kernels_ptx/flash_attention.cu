@@ -10,7 +10,8 @@
 // tokens; each warp 16 rows.  The tokens of a block may belong to several sessions (one
 // prompt ending, the next beginning): the block walks the runs of equal table rows in turn,
 // each over that session's keys [min first key, max pos] of the run, every other row masked.
-// Each query row sees keys first..pos[t] (first = pos - window + 1 with a sliding window),
+// Each query row sees keys first..pos[t] (first = pos - window + 1 with a sliding window; a token
+// tree's rows less the slots of other branches: `tree`, kv_cache.cuh TreeRow, null without a tree),
 // so a chunk continuing a cached prefix (pos > 0 at its first token) is causal as a whole.
 //
 // Fragment layouts (PTX ISA, mma.m16n8k16 .f16; g = lane / 4, c = lane % 4):
@@ -59,7 +60,7 @@ template <int D>
 __device__ __forceinline__ void flash_attention_body(
         const float* __restrict__ q, const unsigned long long* tables, const long long* table_row,
         const int* pos, float* __restrict__ out, int ntok, int layer, int n_layers, int n_heads, int n_kv,
-        int window, float softmax_scale, int block_shift) {
+        int window, float softmax_scale, int block_shift, const int* tree) {
     constexpr int BN = 4096 / D;             // keys per tile: both stages of K and V stay under 48 KiB
     constexpr int STRIDE = D + 8;            // halves per shared row: fragment loads free of bank conflicts
     constexpr int KSTEPS = D / 16;           // k steps of Q K^T
@@ -89,6 +90,7 @@ __device__ __forceinline__ void flash_attention_body(
     // this thread's two fragment rows, warp * 16 + g and + 8
     int row_tok[2], row_head[2], row_pos[2], row_first[2];
     bool row_ok[2];
+    TreeRow row_mask[2];   // a token tree's rows: the slots of other branches (kv_cache.cuh)
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const int r = warp * 16 + g + 8 * i;
@@ -97,6 +99,7 @@ __device__ __forceinline__ void flash_attention_body(
         row_ok[i] = row_tok[i] < n_tok;
         row_pos[i] = row_ok[i] ? tile_pos[row_tok[i]] : -1;
         row_first[i] = window > 0 ? max(row_pos[i] - window + 1, 0) : 0;
+        row_mask[i] = tree_row(row_ok[i] ? tree : nullptr, tok0 + row_tok[i], row_pos[i]);
     }
     // Q (scaled) as f16 A fragments, for the whole walk over the keys
     unsigned int qa[KSTEPS][4];
@@ -176,7 +179,8 @@ __device__ __forceinline__ void flash_attention_body(
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         const int i = e >> 1, key = k0 + n * 8 + 2 * c + (e & 1);
-                        const bool seen = in_run[i] && key <= row_pos[i] && key >= row_first[i];
+                        const bool seen = in_run[i] && key <= row_pos[i] && key >= row_first[i]
+                                          && row_mask[i].sees(key);
                         s[n][e] = seen ? s[n][e] : -INFINITY;
                         tile_max[i] = fmaxf(tile_max[i], s[n][e]);
                     }
@@ -243,9 +247,9 @@ __device__ __forceinline__ void flash_attention_body(
     extern "C" __global__ void __launch_bounds__(FLASH_WARPS * 32) flash_attention_paged_d##D##_f16( \
             const float* q, const unsigned long long* tables, const long long* table_row, const int* pos, \
             float* out, int ntok, int layer, int n_layers, int n_heads, int n_kv, int window,           \
-            float softmax_scale, int block_shift) {                                                     \
+            float softmax_scale, int block_shift, const int* tree) {                                    \
         flash_attention_body<D>(q, tables, table_row, pos, out, ntok, layer, n_layers, n_heads, n_kv,   \
-                                window, softmax_scale, block_shift);                                    \
+                                window, softmax_scale, block_shift, tree);                              \
     }
 // kestrel_stream.cuda.flash_attention.FLASH_HEAD_DIMS
 DEFINE_FLASH_ATTENTION(64)

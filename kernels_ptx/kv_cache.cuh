@@ -52,3 +52,26 @@ struct PagedDst {
         return block + ((within * n_layers + layer) * 2 + (is_v ? 1 : 0)) * n_kv * D + (long long)kv_head * D;
     }
 };
+
+// A token tree's mask for one query row (kestrel_stream/run/token_tree.py).  `tree` is null (no tree in
+// the step) or int[4] per row: skip (slot - rotary position), span (slots ending at the row's own that the
+// mask covers), bits lo, bits hi (bit j: slot lo + j is visible).  A plain row is (0, 0, 0, 0).  The
+// row's slot is pos[t]: its KV is written there and it reads keys 0..pos[t], less the masked ones.
+struct TreeRow {
+    int lo;                        // the first slot the bits cover (pos + 1: none)
+    unsigned long long bits;
+    __device__ __forceinline__ bool sees(int key) const {
+        return key < lo || ((bits >> (key - lo)) & 1ull);   // key - lo < span <= 64 for keys <= pos
+    }
+};
+
+__device__ __forceinline__ TreeRow tree_row(const int* tree, int t, int p) {
+    if (tree == nullptr) return TreeRow{p + 1, 0ull};
+    const int4 f = reinterpret_cast<const int4*>(tree)[t];
+    return TreeRow{p - f.y + 1, ((unsigned long long)(unsigned int)f.w << 32) | (unsigned int)f.z};
+}
+
+// The rotary position of row t at slot p
+__device__ __forceinline__ int tree_rope_pos(const int* tree, int t, int p) {
+    return tree == nullptr ? p : p - tree[4 * t];
+}

@@ -31,7 +31,9 @@ __device__ __forceinline__ void qkv_norm_rope_append_body(
         const float* __restrict__ k_norm,     // [D] or null
         const float* __restrict__ inv_freq,   // [D/2], computed on the host as the reference does
         const float* __restrict__ bias,       // [(n_heads + 2 n_kv) * D] or null (all but Qwen2)
-        float eps, int n_heads, int n_kv, int D) {
+        float eps, int n_heads, int n_kv, int D,
+        const int* __restrict__ tree = nullptr) {   // a token tree's rows: rotary position = pos - skip
+
     pdl_launch_dependents();
     pdl_wait();   // see common.cuh
     const int head = blockIdx.x, t = blockIdx.y, lane = threadIdx.x;
@@ -45,7 +47,7 @@ __device__ __forceinline__ void qkv_norm_rope_append_body(
     load_head(qkv + (long long)t * width + (long long)head * D, bias ? bias + head * D : nullptr, D, lane, v);
     float* q_dst = is_q ? q_out + (long long)t * n_heads * D + (long long)head * D : nullptr;
     typename Dst::Elem* kv_dst = is_q ? nullptr : cache.row(t, p, is_v, is_v ? head - n_heads - n_kv : head - n_heads);
-    if (!is_v) norm_rope_head(v, is_q ? q_norm : k_norm, inv_freq, eps, p, D, staged, lane);
+    if (!is_v) norm_rope_head(v, is_q ? q_norm : k_norm, inv_freq, eps, tree_rope_pos(tree, t, p), D, staged, lane);
 #pragma unroll
     for (int c = 0; c < ROPE_MAX_PER_LANE; c++) {
         if (c >= per_lane || lane + 32 * c >= D) continue;
@@ -62,16 +64,16 @@ extern "C" __global__ void __launch_bounds__(32) qkv_norm_rope_append(
                               q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D);
 }
 
-// tables / table_row: see kv_cache.cuh
+// tables / table_row: see kv_cache.cuh; tree: a token tree's rows (TreeRow there), or null
 #define DEFINE_PAGED_APPEND(SUFFIX, E)                                                              \
     extern "C" __global__ void __launch_bounds__(32) qkv_rope_append_paged_##SUFFIX(              \
             const float* qkv, float* q_out, const unsigned long long* tables, const long long* table_row,\
             const int* pos, const float* q_norm, const float* k_norm, const float* inv_freq,        \
             const float* bias, float eps, int layer, int n_layers, int n_heads, int n_kv, int D,    \
-            int block_shift) {                                                                      \
+            int block_shift, const int* tree) {                                                     \
         qkv_norm_rope_append_body(qkv, q_out,                                                       \
                                   PagedDst<E>{tables, table_row, layer, n_layers, n_kv, D, block_shift},\
-                                  pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D);     \
+                                  pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D, tree);\
     }
 DEFINE_PAGED_APPEND(f16, half_bits)
 DEFINE_PAGED_APPEND(f32, float)

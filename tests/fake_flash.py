@@ -10,12 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from fake_cuda import dev
-from fake_kernels import f32, paged_rows
+from fake_kernels import f32, paged_rows, tree_sees
 from kestrel_stream.cuda import flash_attention as fa
 
 
 def flash_attention_paged(launch, q, tables, table_row, pos, out, ntok, layer, n_layers, n_heads, n_kv,
-                          window, softmax_scale, block_shift) -> None:
+                          window, softmax_scale, block_shift, tree=0) -> None:
     D = int(launch.name.split("_d")[1].split("_")[0])
     group = n_heads // n_kv
     assert D in fa.FLASH_HEAD_DIMS and n_heads % n_kv == 0 and fa.flash_supported(D, "f16", group)
@@ -33,6 +33,7 @@ def flash_attention_paged(launch, q, tables, table_row, pos, out, ntok, layer, n
         qt = f32(q + 4 * t * n_heads * D, n_heads * D).reshape(n_kv, group, D)
         qt = (qt * np.float32(softmax_scale)).astype(np.float16).astype(np.float32)
         scores = np.einsum("hgd,phd->hgp", qt, keys)
+        scores = np.where(tree_sees(tree, t, p, np.arange(first, p + 1)), scores, np.float32(-np.inf))
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         rounded = probs.astype(np.float16).astype(np.float32)
         attended = np.einsum("hgp,phd->hgd", rounded, values) / probs.sum(axis=-1, keepdims=True)

@@ -221,25 +221,43 @@ def paged_rows(tables, table_row, t, block_shift, dtype, n_layers, n_kv, D):
     return block
 
 
+def tree_fields(tree: int, t: int) -> tuple[int, int, int]:
+    """kv_cache.cuh's TreeRow inputs of row t: (skip, span, bits); a null `tree` is a plain row."""
+    if not tree:
+        return 0, 0, 0
+    skip, span = (int(v) for v in dev(tree + 16 * t, 8, np.int32))
+    return skip, span, int(dev(tree + 16 * t + 8, 8, np.uint64)[0])
+
+
+def tree_sees(tree: int, t: int, p: int, keys: np.ndarray) -> np.ndarray:
+    """TreeRow.sees over `keys` for row t at slot p: the keys before the mask's first slot, and its set bits."""
+    _, span, bits = tree_fields(tree, t)
+    lo = p - span + 1
+    inside = np.clip(keys - lo, 0, 63).astype(np.uint64)
+    return (keys < lo) | ((np.uint64(bits) >> inside) & np.uint64(1)).astype(bool)
+
+
 def qkv_rope_append_paged(launch, qkv, q_out, tables, table_row, pos, q_norm, k_norm, inv_freq, bias, eps,
-                          layer, n_layers, n_heads, n_kv, D, block_shift) -> None:
+                          layer, n_layers, n_heads, n_kv, D, block_shift, tree=0) -> None:
     dtype = KV_DTYPES[launch.name.rsplit("_", 1)[1]]
 
     def kv_row(t, p, is_v, kv_head):
         block = paged_rows(tables, table_row, t, block_shift, dtype, n_layers, n_kv, D)(p)
         return block[p & ((1 << block_shift) - 1), layer, int(is_v), kv_head]      # rounds to dtype on store
-    rope_append(launch, qkv, q_out, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D)
+    rope_append(launch, qkv, q_out, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D, tree)
 
 
-def rope_append(launch, qkv, q_out, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D) -> None:
+def rope_append(launch, qkv, q_out, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D,
+                tree=0) -> None:
     """qkv_rope.cu's launch: grid (n_heads + 2 n_kv, T), a warp per head."""
     heads, T = launch.grid[0], launch.grid[1]
     assert heads == n_heads + 2 * n_kv and launch.block[0] == 32
     q_row = lambda t, head: f32(q_out + 4 * (t * n_heads * D + head * D), D)
-    rope_heads(T, qkv, q_row, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D)
+    rope_heads(T, qkv, q_row, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D, tree)
 
 
-def rope_heads(T, qkv, q_row, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D) -> None:
+def rope_heads(T, qkv, q_row, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, n_heads, n_kv, D,
+               tree=0) -> None:
     """rope_head.cuh over every head of T tokens: q_row(t, head) and kv_row(t, p, is_v, kv_head) are the
     destination rows' views."""
     assert D % 2 == 0 and D <= 256
@@ -248,7 +266,7 @@ def rope_heads(T, qkv, q_row, kv_row, pos, q_norm, k_norm, inv_freq, bias, eps, 
     freqs = f32(inv_freq, half)
     for t in range(T):
         p = int(dev(pos + 4 * t, 4, np.int32)[0])
-        angle = np.float32(p) * np.concatenate([freqs, freqs])
+        angle = np.float32(p - tree_fields(tree, t)[0]) * np.concatenate([freqs, freqs])   # the rotary position
         cos, sin = np.cos(angle), np.sin(angle)
         for head in range(heads):
             v = f32(qkv + 4 * (t * width + head * D), D).copy()
@@ -280,14 +298,14 @@ def attention_split(launch, q, kvpool, kvbase, pos, part_acc, part_max, part_sum
 
 
 def attention_paged(launch, q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer,
-                    n_layers, n_heads, n_kv, window, softmax_scale, block_shift, min_keys) -> None:
+                    n_layers, n_heads, n_kv, window, softmax_scale, block_shift, min_keys, tree=0) -> None:
     head, dtype_name, small_group = re.fullmatch(r"attention_paged_d(\d+)_(f16|f32)(_g2)?", launch.name).groups()
     D, dtype = int(head), KV_DTYPES[dtype_name]
     assert not small_group or n_heads <= 2 * n_kv, "a _g2 kernel holds at most 2 q heads per kv head"
 
     keys_values = paged_keys_values(tables, table_row, block_shift, dtype, layer, n_layers, n_kv, D)
     attend(launch, D, lambda t: f32(q + 4 * t * n_heads * D, n_heads * D), keys_values, pos, part_acc, part_max,
-           part_sum, out, counters, n_heads, n_kv, window, softmax_scale, min_keys)
+           part_sum, out, counters, n_heads, n_kv, window, softmax_scale, min_keys, tree)
 
 
 def paged_keys_values(tables, table_row, block_shift, dtype, layer, n_layers, n_kv, D):
@@ -322,7 +340,7 @@ def attention_rope_paged(launch, qkv, tables, table_row, pos, q_norm, k_norm, in
 
 
 def attend(launch, D, queries, keys_values, pos, part_acc, part_max, part_sum, out, counters, n_heads, n_kv,
-           window, softmax_scale, min_keys) -> None:
+           window, softmax_scale, min_keys, tree=0) -> None:
     """attention_body.cuh; queries(t) gives token t's q [n_heads * D], keys_values(t, n_keys) its K and V
     [n_keys, n_kv, D]."""
     n_kv_grid, T, splits = launch.grid
@@ -340,6 +358,7 @@ def attend(launch, D, queries, keys_values, pos, part_acc, part_max, part_sum, o
         keys, values = keys[first:], values[first:]
         qt = queries(t).reshape(n_kv, group, D) * np.float32(softmax_scale)
         scores = np.einsum("hgd,phd->hgp", qt, keys)
+        scores = np.where(tree_sees(tree, t, n_keys - 1, np.arange(first, n_keys)), scores, np.float32(-np.inf))
         probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         f32(out + 4 * t * n_heads * D, n_heads * D)[:] = np.einsum("hgp,phd->hgd", probs, values).reshape(-1)

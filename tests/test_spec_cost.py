@@ -143,6 +143,7 @@ def test_auto_measures_the_curve_on_first_use():
 class Repeater:
     """A draft of k copies of one token, as many as asked for, in no time (the draft protocol of spec/)."""
     name = "repeater"
+    proposes_trees = False
 
     def open(self, max_seq_len):
         return self

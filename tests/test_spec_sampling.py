@@ -82,6 +82,34 @@ def test_verify_sampled_first_token_has_the_targets_distribution(params):
     assert_matches(counts, p0)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0),
+                                    SamplingParams(temperature=1.2, top_k=8, top_p=0.95, min_p=0.0,
+                                                   repeat_penalty=1.2)], ids=["plain", "filters"])
+def test_a_token_trees_emitted_tokens_have_the_targets_distributions(params):
+    """spec/tree.py: whatever the candidates at each node, the first token is a draw from p at the root and
+    the second, given the first was a candidate, a draw from p at that child."""
+    from kestrel_stream.spec.tree import DraftTree, verify_tree
+    rng = np.random.default_rng(3)
+    vocab, history = 12, [4, 4, 1]
+    tree = DraftTree([1], [-1])
+    for token in (2, 5, 7):                               # three candidates at the root, two under the first
+        tree.add(0, token, 0.3)
+    tree.add(1, 9, 0.1)
+    tree.add(1, 3, 0.1)
+    rows = rng.normal(0, 1.2, (len(tree), vocab)).astype(np.float32)
+    p_root = distribution(rows[0], params, history)
+    p_child = distribution(rows[1], params, history + [2])
+    first, second = np.zeros(vocab), np.zeros(vocab)
+    for seed in range(DRAWS):
+        path, out = verify_tree(rows, tree, params, seed, 5, history)
+        first[out[0]] += 1
+        assert len(out) == len(path) and [tree.tokens[n] for n in path[1:]] == out[:-1]
+        if out[0] == 2:
+            second[out[1]] += 1
+    assert_matches(first, p_root)
+    assert_matches(second, p_child)
+
+
 def test_a_round_of_real_engines_keeps_the_targets_distribution():
     config = ModelConfig(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, vocab_size=12,

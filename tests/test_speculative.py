@@ -20,6 +20,7 @@ from kestrel_stream.run.engine import Engine
 from kestrel_stream.spec.speculation import Speculation
 from kestrel_stream.spec.vocab_check import DraftMismatchError
 from kestrel_stream.text.sampling import SamplingParams
+from spec_engines import MODES, device_engine
 
 CONFIG = ModelConfig(arch="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=96,
@@ -44,25 +45,25 @@ DRAFTS = {"itself": lambda w: random_q8_weights(CONFIG, seed=2), "perturbed": la
 
 
 def engine_for(mode: str, weights, monkeypatch):
-    if mode == "cpu":
-        return Engine(weights, device="cpu", max_seq_len=64, max_batch=4)
-    fake_cuda.install(monkeypatch, mode="deferred")
-    return Engine(weights, device="cuda", mode=mode, max_seq_len=64, max_batch=4)
+    if mode != "cpu":
+        fake_cuda.install(monkeypatch, mode="deferred")
+    return device_engine(weights, mode, max_seq_len=64)
 
 
-@pytest.mark.parametrize("mode", ["cpu", "gpu", "layers=1"], ids=["cpu", "whole-device", "layers"])
+@pytest.mark.parametrize("mode", MODES, ids=["cpu", "whole-device", "layers", "window", "offload"])
 def test_greedy_output_equals_plain_decoding_with_every_draft(mode, monkeypatch):
+    """Token trees (and chains, where a draft's tree is one) in every placement; the draft model resident."""
     weights = random_q8_weights(CONFIG, seed=2)
     target = engine_for(mode, weights, monkeypatch)
     plain = target.generate(PROMPT, NEW_TOKENS)
-    acceptance = {}
+    stats = {}
     for name, make in DRAFTS.items():
         draft = engine_for("cpu" if mode == "cpu" else "gpu", make(weights), monkeypatch)
         target.speculation = Speculation.model(draft, CONFIG.vocab_size, policy="always")
         out = target.generate(PROMPT, NEW_TOKENS)
         assert out.tokens == plain.tokens, name
         assert out.stats["spec_passes"] < NEW_TOKENS or name != "itself"
-        acceptance[name] = out.stats["spec_acceptance"]
+        stats[name] = out.stats
         target.speculation.close()
     target.speculation = Speculation.lookup(policy="always")
     out = target.generate(PROMPT, NEW_TOKENS)
@@ -70,14 +71,37 @@ def test_greedy_output_equals_plain_decoding_with_every_draft(mode, monkeypatch)
     assert out.stats["spec_drafted"] > 0
     assert target.generate(PROMPT, NEW_TOKENS, speculative=False).stats.get("spec_passes") is None
     target.close()
+    acceptance = {name: s["spec_acceptance"] for name, s in stats.items()}
     assert acceptance["itself"] == 1.0
     assert 0.0 < acceptance["perturbed"] < 1.0, acceptance
     assert acceptance["unrelated"] < 0.2, acceptance
+    for name in DRAFTS:                  # trees: more nodes than their longest path
+        assert stats[name]["spec_tree_nodes"] > stats[name]["spec_draft_length"] + 1, (name, stats[name])
+
+
+def test_chains_and_trees_keep_plain_decodings_tokens():
+    """tree_nodes=1 drafts chains; trees of the same draft keep at least as many tokens a pass."""
+    weights = random_q8_weights(CONFIG, seed=2)
+    target = Engine(weights, device="cpu", max_seq_len=64)
+    plain = target.generate(PROMPT, NEW_TOKENS)
+    per_pass = {}
+    for nodes in (1, 32):
+        target.speculation = Speculation.model(Engine(perturbed(weights, 9, 60), device="cpu", max_seq_len=64),
+                                               CONFIG.vocab_size, policy="always", tree_nodes=nodes)
+        out = target.generate(PROMPT, NEW_TOKENS)
+        assert out.tokens == plain.tokens
+        per_pass[nodes] = out.stats["spec_tokens_per_pass"]
+        assert (out.stats["spec_tree_nodes"] == out.stats["spec_draft_length"] + 1) == (nodes == 1)
+        target.speculation.close()
+    assert per_pass[32] > per_pass[1], per_pass
+    target.speculation = None
+    target.close()
 
 
 class Scripted:
     """A draft that proposes given chains, one per round (the draft protocol of spec/)."""
     name = "scripted"
+    proposes_trees = False
 
     def __init__(self, chains):
         self.chains = list(chains)

@@ -16,7 +16,7 @@ import numpy as np
 FLASH_HEAD_DIMS = (64, 128)     # flash_attention.cu's DEFINE_FLASH_ATTENTION lines
 FLASH_ROWS = 64                 # (token, q head) rows per block: FLASH_ROWS // group tokens
 FLASH_THREADS = 128
-FLASH_SIGNATURE = "pppppiiiiiifi"
+FLASH_SIGNATURE = "pppppiiiiiifip"
 # The fewest query rows per session (and tokens per step) for which the flash kernel replaces the
 # split kernel, per head dim.  Not yet measured on the GPU: 16 = one mma row tile of tokens, the
 # size at which a K/V tile is shared by enough rows to pay for itself.  bench/prefill.py
@@ -69,7 +69,7 @@ def prefers_flash(head_dim: int, table_rows: np.ndarray) -> bool:
 
 def flash_attention_launch(kernels, q: int, tables: int, table_row: int, pos: int, out: int, tokens: int,
                            layer: int, n_layers: int, n_heads: int, n_kv: int, head_dim: int, block_shift: int,
-                           window: int = 0, scale: float | None = None):
+                           window: int = 0, scale: float | None = None, tree: int = 0):
     """Causal attention of `tokens` query rows over the paged f16 pool (kernels_ptx/kv_cache.cuh), the
     arguments of paged_attention_launch less the split workspace: no partials, no tickets."""
     group = n_heads // n_kv
@@ -77,7 +77,7 @@ def flash_attention_launch(kernels, q: int, tables: int, table_row: int, pos: in
     grid = (n_kv, -(-tokens // tile_tokens(group)))
     return kernels.launch(f"flash_attention_paged_d{head_dim}_f16", grid, (FLASH_THREADS,), FLASH_SIGNATURE,
                           [q, tables, table_row, pos, out, tokens, layer, n_layers, n_heads, n_kv, window,
-                           1.0 / float(np.sqrt(head_dim)) if scale is None else scale, block_shift])
+                           1.0 / float(np.sqrt(head_dim)) if scale is None else scale, block_shift, tree])
 
 
 class StepChoice:
@@ -145,11 +145,11 @@ class AttentionChoice:
 
 def attention_choice(kernels, split, step: StepChoice, *, q: int, tables: int, table_row: int, pos: int,
                      out: int, tokens: int, layer: int, n_layers: int, n_heads: int, n_kv: int, head_dim: int,
-                     block_shift: int, kv_dtype: str, window: int, scale: float):
+                     block_shift: int, kv_dtype: str, window: int, scale: float, tree: int = 0):
     """`split` (paged_attention_launch) itself where the flash kernel cannot serve the step (float32
     KV, another head dim or GQA group, fewer tokens than FLASH_MIN_ROWS), else an AttentionChoice."""
     if not flash_supported(head_dim, kv_dtype, n_heads // n_kv) or tokens < FLASH_MIN_ROWS[head_dim]:
         return split
     flash = flash_attention_launch(kernels, q, tables, table_row, pos, out, tokens, layer, n_layers, n_heads,
-                                   n_kv, head_dim, block_shift, window, scale)
+                                   n_kv, head_dim, block_shift, window, scale, tree)
     return AttentionChoice(split, flash, step, first_layer=layer == 0)

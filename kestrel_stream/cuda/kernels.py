@@ -170,7 +170,7 @@ class Launch:
 
 GEMV_SIGNATURE = "pppippipppppfiii"
 ROPE_SIGNATURE = "pppppppppfiiiii"     # qkv_norm_rope_append
-ROPE_PAGED_SIGNATURE = "pppppppppfiiiiii"   # qkv_rope_append_paged_{f16,f32}: + block_shift
+ROPE_PAGED_SIGNATURE = "pppppppppfiiiiiip"   # qkv_rope_append_paged_{f16,f32}: + block_shift, token tree rows
 # head dims kernels_ptx/attention.cu instantiates (qkv_rope.cu serves any even D <= 256), for the
 # contiguous caches and the paged pool alike
 ATTENTION_HEAD_DIMS = (32, 64, 80, 96, 128, 256)
@@ -298,18 +298,20 @@ def attention_launch(kernels: KernelSet, q: int, kvpool: int, kvbase: int, pos: 
 def paged_attention_launch(kernels: KernelSet, q: int, tables: int, table_row: int, pos: int, out: int,
                            partials: int, counters: int, tokens: int, layer: int, n_layers: int, n_heads: int,
                            n_kv: int, head_dim: int, splits: int, block_shift: int, kv_dtype: str,
-                           window: int = 0, scale: float | None = None, min_keys: int = ATTENTION_MIN_KEYS) -> Launch:
+                           window: int = 0, scale: float | None = None, min_keys: int = ATTENTION_MIN_KEYS,
+                           tree: int = 0) -> Launch:
     """attention_launch over gpu mode's paged pool (kernels_ptx/kv_cache.cuh): keys through each
-    token's block-table row, f16 or float32."""
+    token's block-table row, f16 or float32.  tree: the step's token-tree rows (kv_cache.cuh TreeRow,
+    int32 [tokens, 4]; 0: none)."""
     part_acc, part_max, part_sum = split_partials(partials, tokens * n_heads * splits, head_dim)
     assert head_dim in ATTENTION_HEAD_DIMS, head_dim
     small_group = n_heads <= 2 * n_kv and (head_dim, kv_dtype) in SMALL_GROUP_ATTENTION
     return kernels.launch(f"attention_paged_d{head_dim}_{kv_dtype}{'_g2' if small_group else ''}",
                           (n_kv, tokens, splits), (128,),
-                          "pppppppppiiiiifii",
+                          "pppppppppiiiiifiip",
                           [q, tables, table_row, pos, part_acc, part_max, part_sum, out, counters, layer, n_layers,
                            n_heads, n_kv, window, 1.0 / float(np.sqrt(head_dim)) if scale is None else scale,
-                           block_shift, min_keys])
+                           block_shift, min_keys, tree])
 
 
 def rope_attention_launch(kernels: KernelSet, qkv: int, vectors: list[int], eps: float, tables: int, table_row: int,

@@ -181,22 +181,24 @@ class Engine:
                                     f"is outside the vocabulary 0..{self.config.vocab_size - 1}")
         return arr.astype(np.int64)
 
-    def step(self, items: list[tuple["Session", np.ndarray]], greedy: bool = False, logits: str = "all"):
+    def step(self, items: list[tuple["Session", np.ndarray]], greedy: bool = False, logits: str = "all",
+             trees: list | None = None):
         """One executor step over several sessions; all inputs were validated by the caller.
 
         Logits [n_i, V] per session (logits="last": [1, V], each session's last row, the only rows
         lm_head computes; logits="argmax": each row's argmax, int64 [n_i], Executor.forward_argmax),
         or with greedy=True each session's greedy next token (int64 [B]): an
         executor with forward_greedy (gpu mode) then takes the argmax on the device and copies back
-        4 bytes per token instead of the logits."""
+        4 bytes per token instead of the logits.  trees: per item a TokenTree its ids are the nodes of
+        (run/token_tree.py), or None."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
 
         def run():
             if greedy:
                 return self.executor.forward_greedy(batch)
             if logits == "argmax":
-                return self.executor.forward_argmax(batch)
-            return self.executor.forward(batch, logits=logits)
+                return self.executor.forward_argmax(batch, trees)
+            return self.executor.forward(batch, logits, trees)
         with self._lock:
             self.executor.check_kv_room(batch)
             if trace.active is None:
@@ -320,6 +322,7 @@ class Session:
         self.position = 0
         self.tokens: list[int] = []
         self.closed = False
+        self.pending_tree = None            # (start, TokenTree) of prefill_tree until keep_branch or truncate
 
     def _check_open(self) -> None:
         if self.closed:
@@ -343,6 +346,46 @@ class Session:
         self.check_room(len(arr))
         out = self.engine.step([(self, arr)], logits=logits)[0]
         return out[0] if logits == "last" else out
+
+    def prefill_tree(self, ids, parents, logits: str = "all") -> np.ndarray:
+        """Append a token tree in one step: ids [n] the nodes' tokens, parents [n] each node's parent (-1 for
+        node 0, the root, which follows the session's last token; run/token_tree.py).  Node i goes in slot
+        position + i at position + its depth and sees the session's tokens and its own ancestors.  Returns
+        every node's logits [n, vocab] (or with logits="argmax" each node's argmax, int64 [n]); then
+        keep_branch keeps one path from the root and drops the rest."""
+        from kestrel_stream.run.token_tree import TokenTree
+        if logits not in ("all", "argmax"):
+            raise ValueError(f"session {self.id} prefill_tree: logits={logits!r}; expected 'all' or 'argmax'")
+        self._check_open()
+        arr = self.engine.check_tokens(ids, f"session {self.id} prefill_tree")
+        tree = TokenTree(parents)
+        if len(tree) != len(arr):
+            raise ValueError(f"session {self.id} prefill_tree: {len(arr)} tokens but {len(tree)} parents")
+        if self.engine.config.sliding_window:
+            raise ValueError(f"session {self.id} prefill_tree: token trees need a model without a sliding window")
+        self.check_room(len(arr))
+        start = self.position
+        out = self.engine.step([(self, arr)], logits=logits, trees=[tree])[0]
+        self.pending_tree = (start, tree)
+        return out
+
+    def keep_branch(self, nodes: list[int]) -> None:
+        """After prefill_tree: keep the nodes of one path from the root (nodes[0] == 0, each the child of the
+        one before) in the slots of their positions, and forget the rest of the tree."""
+        self._check_open()
+        if self.pending_tree is None:
+            raise ValueError(f"session {self.id} keep_branch: no token tree was prefilled")
+        start, tree = self.pending_tree
+        nodes = [int(n) for n in nodes]
+        if not nodes or nodes[0] != 0 or any(tree.parents[b] != a for a, b in zip(nodes, nodes[1:])):
+            raise ValueError(f"session {self.id} keep_branch: {nodes} is not a path from the root of the tree")
+        moves = [(start + node, start + j) for j, node in enumerate(nodes) if node != j]
+        kept = [self.tokens[start + node] for node in nodes]
+        if moves:
+            with self.engine._lock:
+                self.engine.executor.move_kv(self.kv, moves)
+        self.truncate(start + len(nodes))
+        self.tokens[start:] = kept
 
     def decode(self, token: int) -> np.ndarray:
         """Append one token; logits [vocab] float32."""
@@ -390,6 +433,7 @@ class Session:
             self.engine.executor.truncate_kv(self.kv, length)
         self.position = length
         del self.tokens[length:]
+        self.pending_tree = None
 
     def adopt(self, kv, length: int, tokens: list[int]) -> None:
         """Start this fresh session from the first `length` positions of another cache (a prefix)."""

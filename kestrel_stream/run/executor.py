@@ -71,6 +71,11 @@ class Executor(ABC):
         """Keep `kv`'s first `length` positions (Session.truncate)."""
 
     @abstractmethod
+    def move_kv(self, kv, moves: list[tuple[int, int]]) -> None:
+        """Copy every layer's K and V of slot src to slot dst for each (src, dst), in order: a token tree's
+        accepted path moved to the slots of its positions (run/token_tree.py)."""
+
+    @abstractmethod
     def fork_kv(self, kv, length: int, capacity: int | None = None):
         """A new cache of `capacity` positions (default kv's) holding `kv`'s first `length` (Session.fork)."""
 
@@ -83,9 +88,10 @@ class Executor(ABC):
         """What the KV caches hold (the daemon's `stats`)."""
 
     @abstractmethod
-    def forward(self, batch: list, logits: str = "all") -> list[np.ndarray]:
+    def forward(self, batch: list, logits: str = "all", trees: list | None = None) -> list[np.ndarray]:
         """Logits [n_i, vocab] float32 per session; logits="last": [1, vocab], each session's last row
-        (the only rows lm_head computes)."""
+        (the only rows lm_head computes).  trees: per session a TokenTree (run/token_tree.py) whose nodes
+        its ids are, or None (a causal run of tokens)."""
 
     @abstractmethod
     def plan(self, tokens: int):
@@ -95,10 +101,10 @@ class Executor(ABC):
         """Each session's greedy next token (argmax of its last logits row): int64 [len(batch)]."""
         return np.array([int(np.argmax(rows[-1])) for rows in self.forward(batch, logits="last")], np.int64)
 
-    def forward_argmax(self, batch: list) -> list[np.ndarray]:
+    def forward_argmax(self, batch: list, trees: list | None = None) -> list[np.ndarray]:
         """Every row's argmax, int64 [n_i] per session (greedy verification of drafted tokens): from the
         logits here; gpu mode takes it on the device and copies back 4 bytes a row."""
-        return [np.argmax(rows, axis=1).astype(np.int64) for rows in self.forward(batch, logits="all")]
+        return [np.argmax(rows, axis=1).astype(np.int64) for rows in self.forward(batch, "all", trees)]
 
     def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
         """Each session's next token drawn on the device (states: device/sample_state.pack_state per row),

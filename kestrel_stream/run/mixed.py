@@ -40,6 +40,7 @@ from kestrel_stream.obs import prof, trace
 from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES
 from kestrel_stream.run.steps import Steps
+from kestrel_stream.run.token_tree import step_tree_fields
 
 if TYPE_CHECKING:
     from kestrel_stream.run.device.backend import DeviceBackend
@@ -68,10 +69,12 @@ class SegmentState:
     """One step's state between the sides: the pinned host copies, the device copies, which is current,
     and the moves between them (the host program's StepState on the host side)."""
 
-    def __init__(self, backend: DeviceBackend, counters, rows, gpu_layers: int, rope, kernel_copy=None):
+    def __init__(self, backend: DeviceBackend, counters, rows, gpu_layers: int, rope, kernel_copy=None,
+                 tree_fields=None):
         """kernel_copy(dst, src address, nbytes) -> a Launch copying by the SMs (mode offload: the copy engine
         is busy with the ring's weights, and a small upload queued behind them would wait for all of them);
-        None: uploads are async copies."""
+        None: uploads are async copies.  tree_fields: the rows' token-tree masks (token_tree.step_tree_fields)
+        or None: rows are at their slots' positions, or at slot - skip."""
         b = backend
         self.kernel_copy = kernel_copy
         self.backend, self.counters, self.stream, self.gpu_layers = b, counters, b.stream, gpu_layers
@@ -84,6 +87,9 @@ class SegmentState:
         self.call = None                              # KESTREL_PROF's stages of the current GPU segment
         self.ids = np.array([t for _, t, _ in rows], np.int64)
         positions = np.array([p for _, _, p in rows], np.int64)
+        self.tree_fields = tree_fields
+        if tree_fields is not None:
+            positions = positions - tree_fields[0]
         # sessions as runs of consecutive rows: (kv, first row, last row + 1, start position)
         runs = []
         for i, (kv, _, pos) in enumerate(rows):
@@ -267,6 +273,13 @@ class MixedSteps(Steps):
         if kv.device is not None:
             self.backend.kv.truncate(kv.device, length)
 
+    def move_kv(self, kv: HybridKV, moves: list[tuple[int, int]]) -> None:
+        if kv.host is not None:
+            self.host.move_kv(kv.host, moves)
+        if kv.device is not None:
+            self.backend.device.make_current()
+            self.backend.kv.move(kv.device, moves)
+
     def fork_kv(self, kv: HybridKV, length: int, capacity: int | None = None) -> HybridKV:
         """A new cache of `capacity` positions (default kv's) sharing `kv`'s first `length` positions' device
         blocks (copy-on-write: kv_pool.prepare_write); host rows copied."""
@@ -285,11 +298,14 @@ class MixedSteps(Steps):
         self.backend.close()
 
     # ---- steps ------------------------------------------------------------------------------------
-    def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+    def forward(self, batch: list[tuple[HybridKV, np.ndarray, int]], logits: str = "all",
+                trees: list | None = None) -> list[np.ndarray]:
         """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each; logits="last":
         each session's last row, [1, V]: lm_head runs on the chunk's wanted rows alone where they are one run
-        (a prefill's last row, a decode batch), on none in a prefill's earlier chunks."""
+        (a prefill's last row, a decode batch), on none in a prefill's earlier chunks.  trees: per session a
+        TokenTree (run/token_tree.py) or None."""
         self.backend.device.make_current()
+        fields = None if trees is None else step_tree_fields(batch, trees)
         rows = [(kv, int(t), start + i) for kv, ids, start in batch
                 for i, t in enumerate(np.asarray(ids, np.int64).reshape(-1))]
         bounds = np.cumsum([0] + [len(np.atleast_1d(ids)) for _, ids, _ in batch])
@@ -302,11 +318,12 @@ class MixedSteps(Steps):
                 mine = sorted(r - lo for r in wanted if lo <= r < lo + len(chunk))
                 contiguous = not mine or mine[-1] - mine[0] + 1 == len(mine)
                 lm = (mine[0] if mine else 0, len(mine)) if contiguous else None
+            chunk_fields = None if fields is None else tuple(f[lo:lo + len(chunk)] for f in fields)
             spins = self.spins and (self.ring is not None or len(chunk) <= NATIVE_ATTENTION_QUERIES)
             if spins:                # the host segments are native calls alone (no numpy attention)
                 self.host.kernels.set_spin_us(MIXED_SPIN_US)
             try:
-                computed = self._run_chunk(chunk, lm).copy()      # the pinned rows are the next chunk's
+                computed = self._run_chunk(chunk, lm, chunk_fields).copy()   # the pinned rows are the next chunk's
             finally:
                 if spins:
                     self.host.kernels.set_spin_us(LIBRARY_SPIN_US)
@@ -319,13 +336,13 @@ class MixedSteps(Steps):
             return [out[int(hi) - 1][None] for hi in bounds[1:]]
         return [np.stack([out[r] for r in range(lo, hi)]) for lo, hi in zip(bounds[:-1], bounds[1:])]
 
-    def _run_chunk(self, rows, lm: tuple[int, int] | None = None) -> np.ndarray:
+    def _run_chunk(self, rows, lm: tuple[int, int] | None = None, tree_fields=None) -> np.ndarray:
         """One step of the plan over `rows`: its segments in order, each on its side; lm = (first, count): the
-        rows lm_head computes (None: all), whose logits come back."""
+        rows lm_head computes (None: all), whose logits come back; tree_fields: the rows' token-tree masks."""
         T, b = len(rows), self.backend
         plan = self.plan(T)
         state = SegmentState(b, self.counters, rows, self.gpu_layers, self.host.rope,
-                             self._kernel_copy if self.ring is not None else None)
+                             self._kernel_copy if self.ring is not None else None, tree_fields)
         if lm is not None:
             state.lm_rows = np.arange(lm[0], lm[0] + lm[1])
         if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
@@ -334,6 +351,7 @@ class MixedSteps(Steps):
             b.kv.flush()
             b.step_params.stage([(kv.device.base_elements, t, pos) for kv, t, pos in rows], T)
             self.counters.h2d_bytes += b.step_params.upload(T, b.stream)
+            self.counters.h2d_bytes += b.step_params.stage_tree(tree_fields, b.stream)
         if self.ring is not None:    # the items this step streams, in its order; the first copies go out
             self.ring.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
                              if op.name in self.ring.index], b.stream)

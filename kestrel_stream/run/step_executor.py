@@ -327,6 +327,9 @@ class StepExecutor(Executor):
     def truncate_kv(self, kv, length: int) -> None:
         self.steps.truncate_kv(kv, length)
 
+    def move_kv(self, kv, moves: list[tuple[int, int]]) -> None:
+        self.steps.move_kv(kv, moves)
+
     def fork_kv(self, kv, length: int, capacity: int | None = None):
         return self.steps.fork_kv(kv, length, capacity)
 
@@ -340,16 +343,16 @@ class StepExecutor(Executor):
         writes = [(getattr(kv, "device", kv), start, start + len(ids)) for kv, ids, start in batch]
         pool.check_room([(kv, lo, hi) for kv, lo, hi in writes if kv is not None])
 
-    def forward(self, batch: list, logits: str = "all") -> list[np.ndarray]:
+    def forward(self, batch: list, logits: str = "all", trees: list | None = None) -> list[np.ndarray]:
         """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] float32 each, or with
-        logits="last" each session's last row, [1, V]."""
-        return self.steps.forward(batch, logits)
+        logits="last" each session's last row, [1, V]; trees: per session a TokenTree or None."""
+        return self.steps.forward(batch, logits, trees)
 
     def forward_greedy(self, batch: list) -> np.ndarray:
         return self.steps.forward_greedy(batch)
 
-    def forward_argmax(self, batch: list) -> list[np.ndarray]:
-        return self.steps.forward_argmax(batch)
+    def forward_argmax(self, batch: list, trees: list | None = None) -> list[np.ndarray]:
+        return self.steps.forward_argmax(batch, trees)
 
     def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
         return self.steps.forward_sample(batch, states)

@@ -16,8 +16,9 @@ class Steps(ABC):
     use_graphs = False      # gpu mode: decode steps replay one graph per batch bucket
 
     @abstractmethod
-    def forward(self, batch: list, logits: str = "all") -> list[np.ndarray]:
-        """Logits [n_i, vocab] float32 per session; logits="last": [1, vocab], each session's last row."""
+    def forward(self, batch: list, logits: str = "all", trees: list | None = None) -> list[np.ndarray]:
+        """Logits [n_i, vocab] float32 per session; logits="last": [1, vocab], each session's last row.
+        trees: per session a TokenTree (run/token_tree.py) its ids are the nodes of, or None."""
 
     @abstractmethod
     def alloc_kv(self, max_seq_len: int): ...
@@ -29,6 +30,10 @@ class Steps(ABC):
     def truncate_kv(self, kv, length: int) -> None: ...
 
     @abstractmethod
+    def move_kv(self, kv, moves: list[tuple[int, int]]) -> None:
+        """Copy every layer's K and V of slot src to slot dst for each (src, dst), in order."""
+
+    @abstractmethod
     def fork_kv(self, kv, length: int, capacity: int | None = None): ...
 
     @abstractmethod
@@ -38,9 +43,9 @@ class Steps(ABC):
         """Each session's greedy next token (argmax of its last logits row): int64 [len(batch)]."""
         return np.array([int(np.argmax(rows[-1])) for rows in self.forward(batch, logits="last")], np.int64)
 
-    def forward_argmax(self, batch: list) -> list[np.ndarray]:
+    def forward_argmax(self, batch: list, trees: list | None = None) -> list[np.ndarray]:
         """Every row's argmax, int64 [n_i] per session (Executor.forward_argmax)."""
-        return [np.argmax(rows, axis=1).astype(np.int64) for rows in self.forward(batch, logits="all")]
+        return [np.argmax(rows, axis=1).astype(np.int64) for rows in self.forward(batch, "all", trees)]
 
     def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
         """Each row's token drawn on the device; None: the caller samples from forward's logits."""

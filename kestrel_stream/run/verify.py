@@ -52,12 +52,15 @@ class Verifier:
     def fork(self, kv, child, length: int) -> None:
         self.shadows[id(child)] = self.reference.fork_kv(self.shadows[id(kv)], length, child.capacity)
 
+    def move(self, kv, moves) -> None:
+        self.reference.move_kv(self.shadows[id(kv)], moves)
+
     def forget(self, kv) -> None:
         self.shadows.pop(id(kv), None)
 
-    def check(self, batch, gpu_outputs: list[np.ndarray], logits: str = "all") -> int:
+    def check(self, batch, gpu_outputs: list[np.ndarray], logits: str = "all", trees: list | None = None) -> int:
         cpu_batch = [(self.shadows[id(kv)], tokens, start) for kv, tokens, start in batch]
-        expected = self.reference.forward(cpu_batch, logits=logits)
+        expected = self.reference.forward(cpu_batch, logits, trees)
         bad = sum(compare_rows(g, r) for g, r in zip(gpu_outputs, expected))
         self.counters.verify_mismatches += bad
         self.counters.verify_rows += sum(len(r) for r in expected)

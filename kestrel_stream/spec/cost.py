@@ -97,6 +97,19 @@ def choose_draft_length(curve: PassCurve, acceptance: float, k_max: int, batch: 
     return best_k
 
 
+def choose_tree_nodes(curve: PassCurve, k: int, batch: int = 1, max_nodes: int = 64) -> int:
+    """The nodes of a round's token tree whose longest path is k drafts: the chain's k + 1, and more (branches,
+    spec/tree.py) while the pass of the batch costs at most FLAT_RATIO times the chains' pass: under offload a
+    pass is flat for tens of tokens, so branches ride along for free; in VRAM it stays a chain."""
+    if k <= 0:
+        return 1
+    chains = curve.time_s(batch * (k + 1))
+    nodes = k + 1
+    while nodes < max_nodes and curve.time_s(batch * (nodes + 1)) <= FLAT_RATIO * chains:
+        nodes += 1
+    return nodes
+
+
 class Acceptance:
     """The running chance that a drafted token is kept: kept drafts over kept drafts and misses (a chain stops
     at its first miss, so each round adds its kept run and at most one miss), starting from a prior of

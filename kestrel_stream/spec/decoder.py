@@ -15,6 +15,13 @@ every REPROBE_PASSES plain passes finds out whether the text changed; under
 "always" it starts at draft_max and follows the acceptance (+2 after a fully
 kept chain, -1 after a miss, at least 1).
 
+A round may verify a token tree instead of a chain (spec/tree.py): where the draft
+grows trees and the verdict is the target's own token at each node (greedy, or
+prompt lookup's one-hot drafts), the tree's nodes come from the cost model
+(cost.choose_tree_nodes: what the pass carries at the cost of the chain alone)
+or, under "always", the Speculation's tree_nodes; the target keeps one path
+(Session.keep_branch).  The daemon's rounds verify chains.
+
 A round has three parts a caller may run apart (the daemon runs the verify
 pass as a job of its batched steps): ``draft_length``, ``propose``, and
 ``verify`` + ``record`` over the target's rows; ``next_tokens`` runs them in
@@ -27,7 +34,8 @@ from dataclasses import dataclass
 
 from kestrel_stream.obs import trace
 from kestrel_stream.spec.accept import verify_argmax, verify_greedy, verify_sampled
-from kestrel_stream.spec.cost import Acceptance, choose_draft_length
+from kestrel_stream.spec.cost import Acceptance, choose_draft_length, choose_tree_nodes
+from kestrel_stream.spec.tree import DraftTree, verify_tree, verify_tree_argmax
 from kestrel_stream.text.sampling import sample_logits
 
 DRAFT_TIME_WEIGHT = 0.2     # the weight of the latest round in the draft's running time per token
@@ -42,9 +50,12 @@ class SpecStats:
     emitted: int = 0        # tokens those steps produced
     plain_passes: int = 0   # of the passes, those the policy ran without drafts
     draft_length: int = 0   # the latest round's k
+    tree_nodes: int = 0     # nodes the drafting passes verified (a chain of k: k + 1)
 
-    def record(self, drafted: int, emitted: int) -> None:
-        """A pass that checked `drafted` drafts (0: a plain step) and emitted `emitted` tokens."""
+    def record(self, drafted: int, emitted: int, nodes: int | None = None) -> None:
+        """A pass that checked `drafted` drafts (a tree: its depth; 0: a plain step) in `nodes` tokens (None:
+        a chain's drafted + 1) and emitted `emitted` tokens."""
+        self.tree_nodes += (drafted + 1 if nodes is None else nodes) if drafted else 0
         self.drafted += drafted
         self.accepted += emitted - 1
         self.passes += 1
@@ -58,7 +69,8 @@ class SpecStats:
                 "spec_plain_passes": self.plain_passes,
                 "spec_acceptance": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
                 "spec_tokens_per_pass": round(self.emitted / self.passes, 4) if self.passes else 0.0,
-                "spec_draft_length": round(self.drafted / drafting, 4) if drafting else 0.0}
+                "spec_draft_length": round(self.drafted / drafting, 4) if drafting else 0.0,
+                "spec_tree_nodes": round(self.tree_nodes / drafting, 4) if drafting else 0.0}
 
 
 class DraftLength:
@@ -88,6 +100,10 @@ class SpecDecoder:
         self.draft_s_per_token = speculation.draft_s_per_token or 0.0
         self.plain_run = 0          # plain passes since the last drafting one
         self.stats = SpecStats()
+        # token trees (spec/tree.py) where the draft grows them and the verdict is a draw of the target's own:
+        # greedy, or drafts without a distribution (a draft model's sampled chains keep rejection sampling)
+        self.branches = (draft.proposes_trees and speculation.tree_nodes > 1
+                         and (params.greedy or draft.name == "lookup"))
 
     def draft_length(self, budget: int, batch: int = 1) -> int:
         """k for the next round: at most `budget` - 1 (the tokens still wanted) and the session's room;
@@ -103,6 +119,27 @@ class SpecDecoder:
         if k == 0 and self.plain_run >= REPROBE_PASSES:
             k = choose_draft_length(curve, Acceptance.PRIOR, k_max, batch, self.draft_s_per_token)
         return k
+
+    def tree_nodes(self, k: int, batch: int = 1) -> int:
+        """The nodes of this round's tree of depth k (k + 1: a chain): under "auto" what the flat part of the
+        pass-time curve carries (cost.choose_tree_nodes), under "always" the Speculation's tree_nodes; within
+        the session's room."""
+        if k <= 0 or not self.branches:
+            return k + 1
+        s, most = self.session, self.speculation.tree_nodes
+        if self.speculation.policy == "auto":
+            most = choose_tree_nodes(self.speculation.curve, k, max(batch, 1), most)
+        return max(k + 1, min(most, s.max_seq_len - s.position))
+
+    def propose_tree(self, history: list[int], k: int, nodes: int) -> DraftTree:
+        """A tree of depth <= k and <= `nodes` nodes after `history`; the draft's time is measured."""
+        started = time.perf_counter()
+        with trace.lane_span("draft", "draft", k=k, nodes=nodes):
+            tree = self.stream.propose_tree(history, k, nodes, self.params)
+        if len(tree) > 1:
+            per_token = (time.perf_counter() - started) / tree.depth
+            self.draft_s_per_token += DRAFT_TIME_WEIGHT * (per_token - self.draft_s_per_token)
+        return tree
 
     def propose(self, history: list[int], k: int, step: int):
         """(up to k drafted tokens after `history`, their q rows or None); the draft's time is measured."""
@@ -122,20 +159,28 @@ class SpecDecoder:
             return verify_greedy(rows, drafts, self.params, history)
         return verify_sampled(rows, drafts, q_rows, self.params, self.seed, step, history)
 
-    def record(self, drafted: int, emitted: int) -> None:
-        """A pass that checked `drafted` drafts (0: a plain step) and emitted `emitted` tokens."""
+    def record(self, drafted: int, emitted: int, nodes: int | None = None) -> None:
+        """A pass that checked `drafted` drafts (a tree: its depth; 0: a plain step) in `nodes` tokens (None: a
+        chain) and emitted `emitted` tokens."""
         if drafted:
             self.length.update(drafted, emitted - 1)
             self.acceptance.record(drafted, emitted - 1)
         self.plain_run = 0 if drafted else self.plain_run + 1
-        self.stats.record(drafted, emitted)
+        self.stats.record(drafted, emitted, nodes)
 
     def next_tokens(self, token: int, history: list[int], step: int, budget: int) -> list[int]:
         """Feed `token` (the last of `history`, every token of the sequence so far) and return the tokens
         after it, at least one and at most `budget`; the first is output index `step` of the sampler."""
         s = self.session
         k = self.draft_length(budget)
-        drafts, q_rows = self.propose(history, k, step) if k > 0 else ([], None)
+        nodes = self.tree_nodes(k)
+        if nodes > k + 1:
+            tree = self.propose_tree(history, k, nodes)
+            if not tree.is_chain:
+                return self._tree_round(tree, history, step)
+            drafts, q_rows = tree.tokens[1:], None
+        else:
+            drafts, q_rows = self.propose(history, k, step) if k > 0 else ([], None)
         if not drafts:
             out = [self._plain(token, history, step)]
         else:
@@ -147,6 +192,18 @@ class SpecDecoder:
                 out = self.verify(rows, drafts, q_rows, history, step)
             s.truncate(start + len(out))          # token and the kept drafts; the last emitted is not fed
         self.record(len(drafts), len(out))
+        return out
+
+    def _tree_round(self, tree: DraftTree, history: list[int], step: int) -> list[int]:
+        """Verify `tree` in one step, keep the path of the target's own tokens (spec/tree.py); the emitted ones."""
+        s = self.session
+        if self.params.greedy and not self.params.penalized:     # each node's argmax is all greedy needs
+            path, out = verify_tree_argmax(s.prefill_tree(tree.tokens, tree.parents, logits="argmax"), tree)
+        else:
+            rows = s.prefill_tree(tree.tokens, tree.parents)
+            path, out = verify_tree(rows, tree, self.params, self.seed, step, history)
+        s.keep_branch(path)                       # the root and the kept drafts; the last emitted is not fed
+        self.record(tree.depth, len(out), len(tree))
         return out
 
     def _plain(self, token: int, history: list[int], step: int) -> int:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import numpy as np
 
 from kestrel_stream.spec.accept import ROW_DRAFT, distribution, draw_from
+from kestrel_stream.spec.tree import DraftTree, grow_level
 from kestrel_stream.text.sampling import philox_uniform, sample_logits
 
 
 class DraftModel:
     name = "draft"
+    proposes_trees = True       # its streams answer propose_tree (spec/tree.py)
 
     def __init__(self, engine, target_vocab: int):
         self.engine, self.target_vocab = engine, target_vocab
@@ -104,6 +106,29 @@ class DraftModelStream:
                 q_rows.append(q)
                 drafts.append(draw_from(q, philox_uniform(seed, step + i, ROW_DRAFT)))
         return drafts, (np.stack(q_rows) if q_rows else None)
+
+    def propose_tree(self, context: list[int], depth: int, budget: int, params) -> DraftTree:
+        """A tree of at most `budget` nodes and `depth` levels after `context` (its root: context[-1]), grown
+        best first (tree.grow_level): one draft pass a level over the tree so far (Session.prefill_tree),
+        the session rewound to context[:-1] after each."""
+        s = self.session
+        tree = DraftTree([int(context[-1])], [-1], [1.0])
+        budget = min(budget, s.max_seq_len - len(context) + 1)       # the tree's slots follow context[:-1]
+        depth = min(depth, budget - 1)
+        if depth <= 0:
+            return tree
+        common = self._rewind(context)
+        if common < len(context) - 1:
+            s.prefill(context[common:-1], logits="last")
+        base, frontier = s.position, [0]
+        for level in range(depth):
+            rows = s.prefill_tree(tree.tokens, tree.parents)
+            s.truncate(base)
+            frontier = grow_level(tree, frontier, [self._rows_in_target_vocab(rows[i]) for i in frontier], budget,
+                                  level)
+            if not frontier:
+                break
+        return tree
 
     def close(self) -> None:
         self.session.close()

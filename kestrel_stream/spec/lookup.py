@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kestrel_stream.spec.tree import DraftTree, lookup_tree
+
 MAX_NGRAM = 3
 
 
@@ -31,6 +33,7 @@ def lookup_draft(context: list[int], k: int, max_ngram: int = MAX_NGRAM) -> list
 class PromptLookup:
     """The draft of `--spec lookup`: one stream per generation, nothing to hold."""
     name = "lookup"
+    proposes_trees = True       # its streams answer propose_tree (spec/tree.py)
 
     def open(self, max_seq_len: int) -> "LookupStream":
         return LookupStream()
@@ -49,6 +52,10 @@ class LookupStream:
     def propose(self, context: list[int], k: int, params, seed: int, step: int):
         """(drafted tokens, None): lookup drafts are one-hot, whatever the sampling."""
         return lookup_draft(context, k), None
+
+    def propose_tree(self, context: list[int], depth: int, budget: int, params) -> DraftTree:
+        """Every earlier occurrence's continuation, merged into a tree (tree.lookup_tree)."""
+        return lookup_tree(context, depth, budget, MAX_NGRAM)
 
     def close(self) -> None:
         pass

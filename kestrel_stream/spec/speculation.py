@@ -15,18 +15,22 @@ from kestrel_stream.spec.cost import PassCurve
 from kestrel_stream.spec.decoder import SpecDecoder
 from kestrel_stream.spec.draft_model import DraftModel
 from kestrel_stream.spec.lookup import PromptLookup
+from kestrel_stream.run.token_tree import MAX_NODES
 
 DEFAULT_DRAFT_MAX = 8
+DEFAULT_TREE_NODES = 32         # the most nodes of a round's token tree (run/token_tree.MAX_NODES at most)
 SPEC_KINDS = ("lookup",)        # --spec's values; a draft model comes with --model-draft
 POLICIES = ("auto", "always")   # --spec-policy's values
 
 
 class Speculation:
     def __init__(self, draft, draft_max: int = DEFAULT_DRAFT_MAX, policy: str = "auto",
-                 curve: PassCurve | None = None):
+                 curve: PassCurve | None = None, tree_nodes: int = DEFAULT_TREE_NODES):
         self.check_draft_max(draft_max)
         self.check_policy(policy)
+        self.check_tree_nodes(tree_nodes)
         self.draft, self.draft_max, self.policy = draft, draft_max, policy
+        self.tree_nodes = tree_nodes        # the most nodes of a round's token tree (1: chains only)
         self.curve = curve                  # the target's pass times (None: measured on first use)
         self.draft_s_per_token: float | None = None if draft.name != "lookup" else 0.0
         self.measuring = threading.Lock()
@@ -37,18 +41,24 @@ class Speculation:
             raise ValueError(f"draft_max={draft_max!r}: expected an integer >= 1")
 
     @staticmethod
+    def check_tree_nodes(tree_nodes) -> None:
+        if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or not 1 <= tree_nodes <= MAX_NODES:
+            raise ValueError(f"tree_nodes={tree_nodes!r}: expected an integer in 1..{MAX_NODES} (1: chains only)")
+
+    @staticmethod
     def check_policy(policy) -> None:
         if policy not in POLICIES:
             raise ValueError(f"spec_policy={policy!r}: expected one of {', '.join(POLICIES)}")
 
     @classmethod
-    def lookup(cls, draft_max: int = DEFAULT_DRAFT_MAX, policy: str = "auto") -> "Speculation":
-        return cls(PromptLookup(), draft_max, policy)
+    def lookup(cls, draft_max: int = DEFAULT_DRAFT_MAX, policy: str = "auto",
+               tree_nodes: int = DEFAULT_TREE_NODES) -> "Speculation":
+        return cls(PromptLookup(), draft_max, policy, tree_nodes=tree_nodes)
 
     @classmethod
     def model(cls, draft_engine, target_vocab: int, draft_max: int = DEFAULT_DRAFT_MAX,
-              policy: str = "auto") -> "Speculation":
-        return cls(DraftModel(draft_engine, target_vocab), draft_max, policy)
+              policy: str = "auto", tree_nodes: int = DEFAULT_TREE_NODES) -> "Speculation":
+        return cls(DraftModel(draft_engine, target_vocab), draft_max, policy, tree_nodes=tree_nodes)
 
     @property
     def kind(self) -> str:
@@ -82,6 +92,8 @@ class Speculation:
         line = f"speculative decoding: {what}, chains of up to {self.draft_max} tokens, policy {self.policy}"
         if self.policy == "auto":
             line += ("; " + self.curve.describe()) if self.curve is not None else "; pass times measured on first use"
+        if self.tree_nodes > 1:
+            line += f"; generate and chat draft trees of up to {self.tree_nodes} nodes"
         return line
 
     def device_bytes(self) -> int:

@@ -123,6 +123,18 @@ class PagedKVCache:
         self.pool.truncate(kv.row, min(length, self.length(kv)))
         self._write_row(kv.row)
 
+    def move(self, kv: PagedKV, moves: list[tuple[int, int]]) -> None:
+        """Copy position src's row (every layer's K and V) to position dst for each (src, dst), in order, on
+        the stream: a token tree's accepted path (run/token_tree.py).  Both lie in blocks the session wrote
+        this step, so it alone holds them."""
+        blocks, row_bytes = self.pool.tables[kv.row].blocks, self.block_bytes // self.block_size
+        mask = self.block_size - 1
+
+        def address(p: int) -> int:
+            return int(self.addresses[blocks[p >> self.block_shift]]) + (p & mask) * row_bytes
+        for src, dst in moves:
+            driver.d2d_async(address(dst), address(src), row_bytes, self.stream)
+
     def fork(self, kv: PagedKV, length: int, capacity: int) -> PagedKV:
         child = self._new_row(capacity)
         self.pool.fork(kv.row, child.row)

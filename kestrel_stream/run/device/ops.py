@@ -156,7 +156,7 @@ class DeviceOps:
                  c.num_attention_heads, c.num_key_value_heads, c.head_dim])
         grid = (c.num_attention_heads + 2 * c.num_key_value_heads, tokens)
         return self.kernels.launch(f"qkv_rope_append_paged_{kv.dtype}", grid, (32,), ROPE_PAGED_SIGNATURE,
-                                   args + [kv.block_shift])
+                                   args + [kv.block_shift, self.params.tree.ptr])
 
     def _rope_attention(self, li: int, tokens: int) -> Launch:
         """Split-key attention with the rope op as its prologue, on the paged pool (one row per session)."""
@@ -178,12 +178,13 @@ class DeviceOps:
                   c.num_attention_heads, c.num_key_value_heads, c.head_dim,
                   split_count(tokens, c.num_key_value_heads, kv.splits))
         window, scale = c.sliding_window or 0, rope.softmax_scale(c)
+        tree = self.params.tree.ptr         # token trees' masks (run/token_tree.py), staged per step
         split = paged_attention_launch(self.kernels, *common, kv.block_shift, kv.dtype, window=window, scale=scale,
-                                       min_keys=kv.min_keys)
+                                       min_keys=kv.min_keys, tree=tree)
         if tokens not in self._step_choices:     # flash or split: decided once per step, by its first layer
             self._step_choices[tokens] = StepChoice(lambda: self.params.views(tokens)[0], c.head_dim)
         # prefill chunks: the tensor-core flash kernel, picked per step from the staged rows
         return attention_choice(self.kernels, split, self._step_choices[tokens], q=s.q, tables=kv.base,
                                 table_row=kvbase, pos=pos, out=s.attn, tokens=tokens, layer=li, n_layers=kv.layers,
                                 n_heads=c.num_attention_heads, n_kv=c.num_key_value_heads, head_dim=c.head_dim,
-                                block_shift=kv.block_shift, kv_dtype=kv.dtype, window=window, scale=scale)
+                                block_shift=kv.block_shift, kv_dtype=kv.dtype, window=window, scale=scale, tree=tree)

@@ -3,7 +3,8 @@ step's outputs copied out with the host's one wait for them.
 
 In: for a step of n tokens the params block is kvbase int64[n] | ids int32[n] | pos int32[n]
 (scheduler.ops.PARAMS_BYTES_PER_TOKEN = 16 bytes a token), staged by the host in pinned memory, so a
-step copies exactly its own 16 n bytes and the kernels of a launch list built for n tokens read fixed
+step copies exactly its own 16 n bytes (a token tree's step, and the step after it, 16 bytes a row more:
+its mask, stage_tree) and the kernels of a launch list built for n tokens read fixed
 addresses (one captured graph per batch bucket serves every step).  The mixed modes stage theirs too.
 
 Out: a step's outputs are the logits of its wanted rows, or each row's next token (argmax_split, or a
@@ -20,6 +21,8 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.run.device.budget import ARGMAX_SPLITS
 from scheduler.ops import PARAMS_BYTES_PER_TOKEN
 
+TREE_BYTES_PER_TOKEN = 16
+
 
 class StepParams:
     def __init__(self, arena, max_tokens: int):
@@ -27,6 +30,13 @@ class StepParams:
         self.device = arena.array((PARAMS_BYTES_PER_TOKEN * max_tokens,), np.uint8)
         self.host = driver.PinnedBuffer(PARAMS_BYTES_PER_TOKEN * max_tokens)
         self._views: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        # token trees' masks, TREE_BYTES_PER_TOKEN a row (kernels_ptx/kv_cache.cuh TreeRow): zero for plain
+        # rows, uploaded only by a step with a tree and by the step after it (back to zeros)
+        self.tree = arena.array((TREE_BYTES_PER_TOKEN * max_tokens // 4,), np.int32)
+        self.tree_host = driver.PinnedBuffer(TREE_BYTES_PER_TOKEN * max_tokens)
+        self.tree_view = self.tree_host.view(np.int32, (max_tokens, 4))
+        driver.h2d_sync(self.tree.ptr, np.zeros(4 * max_tokens, np.int32))
+        self.tree_rows = 0          # rows of the device block that may not be zero
 
     def pointers(self, tokens: int) -> tuple[int, int, int]:
         """Device addresses of kvbase, ids and pos for a step of `tokens` tokens."""
@@ -48,6 +58,23 @@ class StepParams:
         for i in range(len(rows), tokens):
             kvbase[i], ids[i], pos[i] = padding
 
+    def stage_tree(self, fields, stream) -> int:
+        """fields: (skip, span, bits) of the step's first rows (token_tree.step_tree_fields), or None: every
+        row plain.  Uploads the rows that change, on `stream`; returns the bytes copied."""
+        n = 0 if fields is None else len(fields[0])
+        rows = max(n, self.tree_rows)
+        if rows == 0:
+            return 0
+        view = self.tree_view
+        view[:rows] = 0
+        if n:
+            skip, span, bits = fields
+            view[:n, 0], view[:n, 1] = skip, span
+            view[:n, 2:] = np.ascontiguousarray(bits, np.uint64).view(np.int32).reshape(n, 2)
+        driver.h2d_async(self.tree.ptr, self.tree_host, TREE_BYTES_PER_TOKEN * rows, stream)
+        self.tree_rows = n
+        return TREE_BYTES_PER_TOKEN * rows
+
     def upload(self, tokens: int, stream) -> int:
         """The step's block up, on `stream`; returns the bytes copied."""
         nbytes = PARAMS_BYTES_PER_TOKEN * tokens
@@ -56,6 +83,7 @@ class StepParams:
 
     def free(self) -> None:
         self.host.free()
+        self.tree_host.free()
 
 
 class StepOutputs:

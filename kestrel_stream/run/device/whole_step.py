@@ -40,6 +40,7 @@ from kestrel_stream.run.device.launches import argmax_launch, step_launches
 from kestrel_stream.run.device.sampled_chain import SampledChain
 from kestrel_stream.run.device.sampler import STATE_WORDS, DeviceSampler
 from kestrel_stream.run.steps import Steps
+from kestrel_stream.run.token_tree import step_tree_fields
 from scheduler.ops import PARAMS_BYTES_PER_TOKEN
 
 if TYPE_CHECKING:
@@ -105,6 +106,12 @@ class WholeStep(Steps):
     def truncate_kv(self, kv: GpuKV, length: int) -> None:
         self.kv.truncate(kv, length)        # whole blocks past `length` go back to the pool
 
+    def move_kv(self, kv: GpuKV, moves: list[tuple[int, int]]) -> None:
+        self.device.make_current()
+        self.kv.move(kv, moves)
+        if self.verifier:
+            self.verifier.move(kv, moves)
+
     def fork_kv(self, kv: GpuKV, length: int, capacity: int | None = None) -> GpuKV:
         """A new cache of `capacity` positions (default kv's) sharing `kv`'s first `length` positions' blocks
         (copy-on-write: kv_pool.prepare_write)."""
@@ -155,10 +162,13 @@ class WholeStep(Steps):
             self._launches[key] = argmax_launch(self, tokens, self.step_launches(tokens)[-1].programmatic)
         return self._launches[key]
 
-    def stage(self, rows: list[tuple[GpuKV, int, int]], padded: int) -> None:
+    def stage(self, rows: list[tuple[GpuKV, int, int]], padded: int, tree_fields=None) -> None:
+        """The rows' params; tree_fields: their token-tree masks (token_tree.step_tree_fields), None: plain,
+        uploaded here (outside any capture) where they change."""
         # padded slots decode token 0 at position 0 of the scratch cache
         self.step_params.stage([(kv.base_elements, token, position) for kv, token, position in rows], padded,
                                (self.scratch_kv.base_elements, 0, 0))
+        self.counters.h2d_bytes += self.step_params.stage_tree(tree_fields, self.stream)
 
     # ---- one step ------------------------------------------------------------------------------
     def _rows(self, batch) -> list[tuple[GpuKV, int, int]]:
@@ -213,18 +223,21 @@ class WholeStep(Steps):
         gpu_us = self._prof_events[1].elapsed_ms(self._prof_events[0]) * 1e3
         return {"gemm": gpu_us, "d2h+sync": max((waited - started) * 1e6 - gpu_us, 0.0)}
 
-    def forward(self, batch: list[tuple[GpuKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+    def forward(self, batch: list[tuple[GpuKV, np.ndarray, int]], logits: str = "all",
+                trees: list | None = None) -> list[np.ndarray]:
         """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] float32 each, or
         with logits="last" each session's last row, [1, V]: lm_head runs on the wanted rows only (their
-        span within each chunk), and prefill chunks are then max_tokens long instead of logits_rows."""
+        span within each chunk), and prefill chunks are then max_tokens long instead of logits_rows.
+        trees: per session a TokenTree (run/token_tree.py) or None."""
         self.device.make_current()
         rows = self._rows(batch)
+        fields = None if trees is None else step_tree_fields(batch, trees)
         self._reserve((kv, start, start + len(np.atleast_1d(t))) for kv, t, start in batch)
         V = self.config.vocab_size
         bounds = np.cumsum([0] + [len(np.atleast_1d(t)) for _, t, _ in batch])
         wanted = bounds[1:] - 1 if logits == "last" else np.arange(len(rows))    # rows whose logits return
         out = np.empty((len(wanted), V), np.float32)
-        if self._replayable(batch, rows):          # a decode step: every row is wanted
+        if fields is None and self._replayable(batch, rows):          # a decode step: every row is wanted
             for lo in range(0, len(rows), self.graph_rows):
                 chunk = rows[lo:lo + self.graph_rows]
                 stages = self._replay(chunk, greedy=False)
@@ -239,7 +252,7 @@ class WholeStep(Steps):
             chunk_tokens = self.max_tokens if logits == "last" or resident else self.logits_rows
             for lo, hi in self._chunks(len(rows), wanted, chunk_tokens, whole=resident):
                 chunk = rows[lo:hi]
-                self.stage(chunk, len(chunk))
+                self.stage(chunk, len(chunk), None if fields is None else tuple(f[lo:hi] for f in fields))
                 for n, inside in enumerate(self._lm_head_groups(wanted, lo, hi)):    # indices into wanted
                     first = int(wanted[inside[0]]) - lo if inside.size else 0
                     count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
@@ -261,7 +274,7 @@ class WholeStep(Steps):
         else:
             outputs = [out[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
         if self.verifier:
-            self.verifier.check(batch, outputs, logits)
+            self.verifier.check(batch, outputs, logits, trees)
         return outputs
 
     def _chunks(self, n_rows: int, wanted: np.ndarray, chunk_tokens: int, whole: bool = False):
@@ -335,18 +348,19 @@ class WholeStep(Steps):
             tokens[lo:lo + len(chunk)] = self.outputs.tokens_view[:len(chunk)]
         return self._finish(rows, tokens)
 
-    def forward_argmax(self, batch: list[tuple[GpuKV, np.ndarray, int]]) -> list[np.ndarray]:
+    def forward_argmax(self, batch: list[tuple[GpuKV, np.ndarray, int]], trees: list | None = None) -> list[np.ndarray]:
         """Every row's argmax, int64 [n_i] per session: the step's launches then argmax_split over its
         logits rows on the device, 4 bytes a row back (chunks of logits_rows rows, one sync each)."""
         if self.verifier is not None:          # KESTREL_VERIFY compares logits
-            return super().forward_argmax(batch)
+            return super().forward_argmax(batch, trees)
         self.device.make_current()
         rows = self._rows(batch)
+        fields = None if trees is None else step_tree_fields(batch, trees)
         self._reserve((kv, start, start + len(np.atleast_1d(t))) for kv, t, start in batch)
         tokens = np.empty(len(rows), np.int64)
         for lo in range(0, len(rows), self.logits_rows):
             chunk = rows[lo:lo + self.logits_rows]
-            self.stage(chunk, len(chunk))
+            self.stage(chunk, len(chunk), None if fields is None else tuple(f[lo:lo + len(chunk)] for f in fields))
             kernel_count, weight_read = self._enqueue_step(len(chunk), greedy=True, lm_rows=(0, len(chunk)))
             self.outputs.wait(self.stream, whole_stream=prof.enabled)
             self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk), d2h=len(chunk) * 4)

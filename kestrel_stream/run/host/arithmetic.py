@@ -71,13 +71,17 @@ def silu_mul(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     return gate / (np.float32(1) + np.exp(-gate)) * up
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int | None = None) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int | None = None,
+              visible: np.ndarray | None = None) -> np.ndarray:
     """q: [n, n_heads, D] at positions start..start+n-1; k, v: [S, n_kv, D] with S = start + n.
 
     Returns [n, n_heads * D].  Query i sees keys 0..start+i (causal), only the last ``window`` of them
-    when a sliding window is set.
+    when a sliding window is set; a token tree's rows (run/token_tree.py) see the keys `visible` [n, S]
+    marks instead (no sliding window: trees are refused for those models).
     """
     n, n_heads, d = q.shape
+    if visible is not None:
+        return _masked_attention(q, k, v, visible)
     if window is not None:
         first = max(0, k.shape[0] - n - window + 1)      # the oldest key this step's first query sees
         k, v, start = k[first:], v[first:], start - first
@@ -97,6 +101,20 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: i
     probs = np.exp(scores)
     probs /= np.add.reduce(probs, axis=-1, keepdims=True)
     out = probs @ v.transpose(1, 0, 2)[:, None]                      # [n_kv, g, n, D]
+    return out.transpose(2, 0, 1, 3).reshape(n, n_heads * d)
+
+
+def _masked_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, visible: np.ndarray) -> np.ndarray:
+    n, n_heads, d = q.shape
+    s, n_kv, _ = k.shape
+    group = n_heads // n_kv
+    qg = q.reshape(n, n_kv, group, d).transpose(1, 2, 0, 3)
+    scores = (qg @ k.transpose(1, 2, 0)[:, None]) * attention_scale(d)
+    scores = np.where(visible, scores, np.float32(-np.inf))
+    scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+    probs = np.exp(scores)
+    probs /= np.add.reduce(probs, axis=-1, keepdims=True)
+    out = probs @ v.transpose(1, 0, 2)[:, None]
     return out.transpose(2, 0, 1, 3).reshape(n, n_heads * d)
 
 

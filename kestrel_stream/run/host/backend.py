@@ -31,6 +31,7 @@ from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
 from kestrel_stream.obs import trace
 from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES, HostProgram, HostState
 from kestrel_stream.run.steps import Steps
+from kestrel_stream.run.token_tree import step_tree_fields
 
 
 @dataclass
@@ -44,15 +45,17 @@ class CpuKV:
         return self.k.shape[1]
 
 
-def session_runs(batch) -> tuple[np.ndarray, np.ndarray, list]:
+def session_runs(batch, trees: list | None = None) -> tuple[np.ndarray, np.ndarray, list]:
     """A batch of (kv, token ids [n_i], start position) as the step's rows: ids [T], positions [T] and the
-    sessions as runs of rows (kv, first row, end row, start position)."""
-    if len(batch) == 1:
+    sessions as runs of rows (kv, first row, end row, start position).  trees: per session a TokenTree
+    (run/token_tree.py) or None; a tree's rows sit at start + their depth."""
+    if len(batch) == 1 and (trees is None or trees[0] is None):
         kv, ids, start = batch[0]
         ids = np.asarray(ids, np.int64).reshape(-1)
         return ids, np.arange(start, start + len(ids)), [(kv, 0, len(ids), start)]
     ids = np.concatenate([np.asarray(t, np.int64).reshape(-1) for _, t, _ in batch])
-    positions = np.concatenate([np.arange(p, p + len(np.atleast_1d(t))) for _, t, p in batch])
+    positions = np.concatenate([np.arange(p, p + len(np.atleast_1d(t))) if trees is None or trees[i] is None
+                                else p + trees[i].depth for i, (_, t, p) in enumerate(batch)])
     runs, lo = [], 0
     for kv, t, start in batch:
         hi = lo + len(np.atleast_1d(t))
@@ -206,6 +209,12 @@ class HostBackend(Steps):
     def truncate_kv(self, kv: CpuKV, length: int) -> None:
         pass        # positions past `length` are written again before any step reads them
 
+    def move_kv(self, kv: CpuKV, moves: list[tuple[int, int]]) -> None:
+        """Copy slot src to slot dst for each (src, dst), in order (a token tree's accepted path)."""
+        for src, dst in moves:
+            kv.k[:, dst] = kv.k[:, src]
+            kv.v[:, dst] = kv.v[:, src]
+
     def fork_kv(self, kv: CpuKV, length: int, capacity: int | None = None) -> CpuKV:
         """A new cache of `capacity` positions (default kv's) holding the first `length` of `kv`."""
         new = self.alloc_kv(capacity or kv.capacity, kv.k.shape[0])
@@ -214,9 +223,11 @@ class HostBackend(Steps):
         return new
 
     # ---- whole steps ---------------------------------------------------------------------------------
-    def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]], logits: str = "all") -> list[np.ndarray]:
+    def forward(self, batch: list[tuple[CpuKV, np.ndarray, int]], logits: str = "all",
+                trees: list | None = None) -> list[np.ndarray]:
         """batch: (kv, token ids [n_i], start position) per session → logits [n_i, V] each, or with
-        logits="last" each session's last row only, [1, V] (lm_head runs on those rows alone).
+        logits="last" each session's last row only, [1, V] (lm_head runs on those rows alone).  trees:
+        per session a TokenTree its ids are the nodes of, or None (run/token_tree.py).
 
         The plan of a cpu step is one host segment, the whole step program; its ops are the same for
         every token count (only their costs differ), so one program serves every step.  All sessions'
@@ -226,17 +237,18 @@ class HostBackend(Steps):
         if self._whole_step is None:
             (segment,) = self.plan(1).segments
             self._whole_step = self.program(segment.ops)
-        ids, positions, runs = session_runs(batch)
+        fields = None if trees is None else step_tree_fields(batch, trees)
+        ids, positions, runs = session_runs(batch, trees)
         bounds = [lo for _, lo, _, _ in runs] + [len(ids)]
         cos, sin = self.rope(positions)
         last = np.asarray(bounds[1:]) - 1 if logits == "last" else None
         # one call a step where it binds, no trace times each op and every session's attention is native
         one_call = self._whole_step.one_call
-        if one_call is not None and trace.active is None and all(hi - lo <= NATIVE_ATTENTION_QUERIES
-                                                                 for _, lo, hi, _ in runs):
+        if one_call is not None and trace.active is None and fields is None and all(
+                hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in runs):
             out = one_call.run(ids, runs, cos, sin, last)
         else:
-            state = HostState(ids, runs, cos, sin, last)
+            state = HostState(ids, runs, cos, sin, last, fields)
             self._whole_step.run(state)
             out = state.read("logits")
         self.counters.steps += 1

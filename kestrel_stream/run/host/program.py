@@ -27,6 +27,7 @@ from kestrel_stream.model.op_tensors import fused_tensor, moe_weights
 from kestrel_stream.obs import trace
 from kestrel_stream.run.host.arithmetic import attention, rmsnorm, rotate, route, silu_mul
 from kestrel_stream.run.host.native_program import NativeProgram
+from kestrel_stream.run.token_tree import visible_keys
 from scheduler.ops import runs_alone
 
 
@@ -43,6 +44,7 @@ class StepState(Protocol):
     cos: np.ndarray            # rope tables of the rows' positions, rope_rotation's form [T, 1, D]
     sin: np.ndarray
     lm_rows: np.ndarray | None     # the rows lm_head computes (None: all)
+    tree_fields: tuple | None  # the rows' token-tree masks (token_tree.step_tree_fields); None: no tree
 
     def read(self, name: str) -> np.ndarray: ...
 
@@ -60,8 +62,9 @@ class HostState:
     """A step's state as arrays the step makes (cpu mode, KESTREL_VERIFY)."""
 
     def __init__(self, ids: np.ndarray, runs: list, cos: np.ndarray, sin: np.ndarray,
-                 lm_rows: np.ndarray | None = None):
+                 lm_rows: np.ndarray | None = None, tree_fields: tuple | None = None):
         self.T, self.ids, self.runs, self.cos, self.sin, self.lm_rows = len(ids), ids, runs, cos, sin, lm_rows
+        self.tree_fields = tree_fields
         self.arrays: dict[str, np.ndarray] = {}
 
     def read(self, name: str) -> np.ndarray:
@@ -95,7 +98,8 @@ class HostProgram:
 
     def run(self, state: StepState) -> None:
         if trace.active is None:
-            if self.one_call is not None and all(hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in state.runs):
+            if self.one_call is not None and state.tree_fields is None and all(
+                    hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in state.runs):
                 self.one_call.run_state(state)
                 return
             for call in self.calls:
@@ -246,16 +250,25 @@ def _attention(backend, op):
             cache, first = state.host_kv(kv)
             end = start + hi - lo
             state.write("attn", attention(q, cache.k[layer - first, :end], cache.v[layer - first, :end], start,
-                                          window))
+                                          window, tree_mask(state, 0, end)))
             return
         attn = np.empty((state.T, c.q_size), np.float32)
-        for kv, lo, hi, start in state.runs:
+        for i, (kv, lo, hi, start) in enumerate(state.runs):
             cache, first = state.host_kv(kv)
             end = start + hi - lo
             attn[lo:hi] = attention(q[lo:hi], cache.k[layer - first, :end], cache.v[layer - first, :end], start,
-                                    window)
+                                    window, tree_mask(state, i, end))
         state.write("attn", attn)
     return run
+
+
+def tree_mask(state: StepState, run: int, keys: int) -> np.ndarray | None:
+    """The keys the rows of run `run` see where the step has a token tree (None: causal)."""
+    if state.tree_fields is None:
+        return None
+    _, lo, hi, start = state.runs[run]
+    _, span, bits = state.tree_fields
+    return visible_keys(span[lo:hi], bits[lo:hi], np.arange(start, start + hi - lo), keys)
 
 
 def _native_attention(backend, op):
@@ -265,14 +278,15 @@ def _native_attention(backend, op):
 
     def run(state: StepState) -> None:
         q, attn = state.read("q"), np.empty((state.T, c.q_size), np.float32)
-        for kv, lo, hi, start in state.runs:
+        for i, (kv, lo, hi, start) in enumerate(state.runs):
             cache, first = state.host_kv(kv)
             k, v = cache.k[layer - first], cache.v[layer - first]
-            if hi - lo <= NATIVE_ATTENTION_QUERIES:
+            end = start + hi - lo
+            mask = tree_mask(state, i, end)
+            if hi - lo <= NATIVE_ATTENTION_QUERIES and mask is None:
                 kernels.attention(q[lo:hi], k, v, start, window, out=attn[lo:hi])
-            else:
-                end = start + hi - lo
-                attn[lo:hi] = attention(q[lo:hi], k[:end], v[:end], start, window)
+            else:               # a token tree: numpy's masked attention
+                attn[lo:hi] = attention(q[lo:hi], k[:end], v[:end], start, window, mask)
         state.write("attn", attn)
     return run
 

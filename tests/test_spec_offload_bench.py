@@ -1,0 +1,50 @@
+"""bench/spec_offload.py end to end with tiny random models and small numbers: on the CPU (no budgets), and
+on the emulated device at two target residencies with the draft inside the budget, a stand-in llama-bench
+and the pass-time curve; one JSON row a measurement."""
+from __future__ import annotations
+
+import json
+import stat
+
+import pytest
+
+import fake_cuda
+from bench import spec_offload
+
+
+def bench_args(tiny_model, tmp_path, *extra):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\n---\nOnce upon a time")
+    return ["--target", str(tiny_model), "--draft", str(tiny_model), "--prompts", str(prompts), "-n", "6",
+            "--repeats", "1", "--tree-nodes", "1,8", "--lookup", "--spec-policy", "always", "-c", "64",
+            "--curve-preset", "tiny", "--curve-max", "8", *extra]
+
+
+def test_the_bench_runs_on_the_cpu(tiny_model, tmp_path):
+    rows = spec_offload.main(bench_args(tiny_model, tmp_path, "--device", "cpu", "--out", str(tmp_path / "out")))
+    kinds = [r["kind"] for r in rows]
+    assert kinds.count("load") == 1 and kinds.count("plain") == 2 and kinds.count("spec") == 6
+    spec = [r for r in rows if r["kind"] == "spec"]
+    assert all(r["same_tokens"] for r in spec) and {(r["draft"], r["tree_nodes"]) for r in spec} == {
+        ("model", 1), ("model", 8), ("lookup", 8)}
+    assert all(r["acceptance"] == 1.0 for r in spec if r["draft"] == "model")     # the target drafts for itself
+    curve = [r for r in rows if r["kind"] == "pass_curve"]
+    assert [r["tokens"] for r in curve] == [1, 2, 4, 8] and curve[0]["resident"] is None
+    saved = json.loads(next((tmp_path / "out").glob("*-spec-offload.json")).read_text())
+    assert saved["rows"] == rows
+
+
+def test_the_bench_runs_on_the_emulated_device_with_llama_bench(tiny_model, tmp_path, monkeypatch):
+    fake_cuda.install(monkeypatch, mode="deferred")
+    llama = tmp_path / "llama-bench"
+    llama.write_text("#!/bin/sh\necho '[{\"avg_ts\": 12.5, \"args\": \"'\"$*\"'\"}]'\n")
+    llama.chmod(llama.stat().st_mode | stat.S_IEXEC)
+    rows = spec_offload.main(bench_args(tiny_model, tmp_path, "--device", "cuda", "--resident", "0.5,0.25",
+                                        "--llama-bench", str(llama)))
+    loads = [r for r in rows if r["kind"] == "load"]
+    assert [r["resident"] for r in loads] == [0.5, 0.25] and all(r["device"] == "cuda" for r in loads)
+    assert all(r["same_tokens"] for r in rows if r["kind"] == "spec")
+    llama_rows = [r for r in rows if r["kind"] == "llama-bench"]
+    assert [(r["ngl"], r["tok_s"]) for r in llama_rows] == [(1, 12.5), (0, 12.5)]    # 2 layers: half, a quarter
+    assert "-ngl 1" in llama_rows[0]["command"]
+    assert {r["resident"] for r in rows if r["kind"] == "pass_curve"} == {0.25}
