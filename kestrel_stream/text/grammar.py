@@ -4,8 +4,8 @@ computed from the tokenizer's trie and the parser state, not by testing each tok
 
 ``Grammars`` belongs to one tokenizer: it builds llguidance's view of the
 vocabulary once, on first use (under a second for a 50k vocabulary), and
-compiles a request's response_format into a ``Constraint``: one matcher per
-generation, fed each token sampled.  When the document is complete the
+compiles a request's response_format (or a forced tool call's grammar) into a
+``Constraint``: one matcher per generation, fed each token sampled.  When the document is complete the
 grammar allows only the end-of-generation tokens, so a constrained
 generation stops as a plain one does.
 
@@ -51,6 +51,20 @@ class Grammars:
                 defaults={"whitespace_flexible": False})
         except ValueError as e:
             raise GrammarError(f"the schema cannot be compiled: {e}") from None
+        return self.compiled(grammar, vocab_size)
+
+    def lark(self, text: str, vocab_size: int) -> "Constraint":
+        """A constraint to llguidance's lark grammar ``text`` (JSON Schemas inline as ``%json {...}``; a tool
+        call's, text/tool_calls.py).  GrammarError for one the compiler refuses."""
+        import llguidance
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except ValueError as e:
+            raise GrammarError(f"the grammar cannot be compiled: {e}") from None
+        return self.compiled(grammar, vocab_size)
+
+    def compiled(self, grammar: str, vocab_size: int) -> "Constraint":
+        import llguidance
         ll_tokenizer = self.vocabulary()
         error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
         if error:
