@@ -69,14 +69,18 @@ class Grammars:
         error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
         if error:
             raise GrammarError(f"the schema cannot be compiled: {error}")
-        return Constraint(llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0), vocab_size)
+        return Constraint(llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0), vocab_size,
+                          frozenset(ll_tokenizer.eos_tokens))
 
 
 class Constraint:
     """One generation's grammar state: ``mask`` the logits before a token is drawn, ``accept`` it after."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, end_ids: frozenset[int] = frozenset()):
         self.matcher, self.vocab_size = matcher, vocab_size
+        # the tokens the grammar ends a document with: the model's end-of-generation ids, or (a model with
+        # none) the one llguidance takes instead (id 0), which the mask allows only as the end
+        self.end_ids = end_ids
         self.words = np.empty((vocab_size + 31) // 32, np.int32)      # 1 bit a token: allowed
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
@@ -87,7 +91,7 @@ class Constraint:
 
     def copy(self) -> "Constraint":
         """A constraint in the same state, going on on its own (a sibling choice's)."""
-        return Constraint(self.matcher.deep_copy(), self.vocab_size)
+        return Constraint(self.matcher.deep_copy(), self.vocab_size, self.end_ids)
 
     def accept(self, token: int) -> None:
         self.matcher.consume_token(int(token))
