@@ -3,6 +3,11 @@
     python3 -m bench.http_serve [--preset tiny | --model PATH] [--device cpu|cuda] [--mode auto]
                                 [--clients 1,16,32] [--prompt-tokens 128] [--new-tokens 64] [--out DIR] [--label NAME]
     python3 -m bench.http_serve --base-url http://127.0.0.1:8080/v1 --served-model NAME --vocab-size V --label llama-server
+    # staggered mixed-length arrivals (bench/http_load.py), ours and then llama-server on the same file, one
+    # JSON row each (throughput, TTFT p50/p99, refused and lost requests):
+    #   python3 -m bench.http_serve --workload staggered --model qwen3-1.7b-q8_0.gguf --device cuda \
+    #       --clients 64 --requests 200 --max-sessions 64 --prompt-range 32,2048 --new-range 16,256 \
+    #       --llama-server /tmp/llama/llama.cpp/build/bin/llama-server --label h200
     # speculative decoding: the daemon's own flags after --serve-args, text prompts (client i takes prompt i mod n)
     #   python3 -m bench.http_serve --model M.gguf --device cuda --serve-args "-md D.gguf --vram-budget 1GB" \
     #       --prompt-file bench/speculative_prompts.txt --clients 1,32
@@ -11,8 +16,11 @@
     #   llama-server -m qwen3-1.7b-q8_0.gguf -ngl 99 -np 32 -c 8192 --port 8080 &
     #   python3 -m bench.http_serve --base-url http://127.0.0.1:8080/v1 --vocab-size 151936 --label h200-llama-server
 
-Without --base-url a daemon is started here with ``serve --http 127.0.0.1:0``.
-Each client sends one streaming ``/v1/completions`` request at the same
+Without --base-url a daemon is started here with ``serve --http 127.0.0.1:0``;
+with --llama-server BIN, llama-server is started after it on the same file
+(``-ngl 99 -np CLIENTS -fa on``, each slot the context of the longest
+request) and measured with the same requests.  ``--workload burst`` (the
+default): each client sends one streaming ``/v1/completions`` request at the same
 moment as the others: a prompt of random token ids (a list of ids, which
 both this server and llama-server take; a different prompt per client),
 ``max_tokens`` = --new-tokens, greedy, ``ignore_eos`` so every client gets
@@ -31,6 +39,7 @@ import json
 import os
 import shlex
 import statistics
+import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -45,18 +54,55 @@ from kestrel_stream.loading.presets import ensure_preset  # noqa: E402
 from . import daemons  # noqa: E402
 from .daemons import (add_daemon_args, client_counts, daemon_vocab_size, percentile, random_prompts,  # noqa: E402
                       result_name, stop_daemon)
+from .http_load import completion_body, one_request, plan_requests, staggered, summary  # noqa: E402
+from .llama_load import free_port  # noqa: E402
 from .report import write_results  # noqa: E402
+
+BURST_COLUMNS = ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tokens", "expected_tokens",
+                 "short_streams", "error"]
+STAGGERED_COLUMNS = ["server", "clients", "requests", "completed", "refused", "lost", "tok_s", "ttft_p50_ms",
+                     "ttft_p99_ms", "generated_tokens", "prompt_tokens", "duration_s", "error"]
+
+
+def longest_request(args) -> int:
+    """The most positions one request may take: its prompt and its tokens."""
+    if args.workload == "staggered":
+        return args.prompt_range[1] + args.new_range[1]
+    return args.prompt_tokens + args.new_tokens
 
 
 def start_daemon(model, args, tmp: Path):
     """``serve --http 127.0.0.1:0`` (and --serve-args) and the base URL it logs."""
+    sessions = args.max_sessions or max(args.client_counts) + (0 if args.workload == "staggered" else 4)
     return daemons.start_daemon(model, tmp / "daemon.log", "--device", args.device, "--mode", args.mode,
                                 "--socket", str(tmp / "ks.sock"), "--http", "127.0.0.1:0",
                                 "--served-model-name", "bench", "--max-batch", str(args.max_batch),
-                                "--max-sessions", str(max(args.client_counts) + 4),
-                                *(["--max-seq-len", str(args.prompt_tokens + args.new_tokens + 8)]
+                                "--max-sessions", str(sessions),
+                                *(["--max-seq-len", str(longest_request(args) + 8)]
                                   if args.prompt_texts is None else []), *shlex.split(args.serve_args),
                                 listening=r"http listening on (http://\S+/v1)")
+
+
+def start_llama_server(model, args, log_path: Path) -> tuple[subprocess.Popen, str]:
+    """llama-server on ``model`` (one slot a client, each holding the longest request; --llama-args after) once
+    /health answers 200, and its /v1 URL."""
+    slots = max(args.client_counts)
+    port = free_port()
+    command = [args.llama_server, "-m", str(model), "-ngl", "99", "-np", str(slots), "-fa", "on",
+               "-c", str(slots * (longest_request(args) + 16)), "--host", "127.0.0.1", "--port", str(port),
+               *shlex.split(args.llama_args)]
+    print("#", " ".join(shlex.quote(c) for c in command), flush=True)
+    proc = subprocess.Popen(command, stdout=open(log_path, "w"), stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + daemons.START_TIMEOUT_S
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}/v1"
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"llama-server did not become healthy: {log_path.read_text()[-2000:]}")
 
 
 async def model_name(http: httpx.AsyncClient, base_url: str) -> str:
@@ -65,35 +111,10 @@ async def model_name(http: httpx.AsyncClient, base_url: str) -> str:
     return response.json()["data"][0]["id"]
 
 
-async def one_request(http: httpx.AsyncClient, base_url: str, body: dict) -> tuple[float, float, int, str | None]:
-    """(time to first token s, finish time, generated tokens, the error event's message or None) of one
-    streaming completion: a server that fails a request after its 200 says so in the stream."""
-    sent = time.perf_counter()
-    first, chunks, usage, error = None, 0, None, None
-    async with http.stream("POST", f"{base_url}/completions", json=body) as response:
-        if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {(await response.aread()).decode()[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("error"):
-                err = chunk["error"]
-                error = str(err.get("message", err) if isinstance(err, dict) else err)[:200]
-            if chunk.get("usage"):
-                usage = chunk["usage"].get("completion_tokens")
-            if chunk.get("choices"):
-                chunks += 1
-                if first is None:
-                    first = time.perf_counter() - sent
-    return first if first is not None else float("nan"), time.perf_counter(), usage if usage else chunks, error
-
-
 async def round_of(base_url: str, model: str, clients: int, args, vocab: int, seed: int) -> dict:
     prompts = ([args.prompt_texts[i % len(args.prompt_texts)] for i in range(clients)] if args.prompt_texts else
                [prompt.tolist() for prompt in random_prompts(vocab, clients, args.prompt_tokens, seed)])
-    bodies = [{"model": model, "prompt": prompt, "max_tokens": args.new_tokens, "temperature": 0,
-               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}} for prompt in prompts]
+    bodies = [completion_body(model, prompt, args.new_tokens) for prompt in prompts]
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     async with httpx.AsyncClient(timeout=600, limits=limits, headers=headers) as http:
@@ -106,7 +127,7 @@ async def round_of(base_url: str, model: str, clients: int, args, vocab: int, se
             "short_streams": len(errors), "error": next((e for e in errors if e), "")}
 
 
-def rows_at(base_url: str, args, vocab: int) -> list[dict]:
+def rows_at(base_url: str, args, vocab: int, server: str) -> list[dict]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     async def name() -> str:
@@ -115,18 +136,55 @@ def rows_at(base_url: str, args, vocab: int) -> list[dict]:
     model = asyncio.run(name())
     warm = argparse.Namespace(**{**vars(args), "prompt_tokens": min(args.prompt_tokens, 16), "new_tokens": 4})
     asyncio.run(round_of(base_url, model, 2, warm, vocab, 0))
+    if args.workload == "staggered":
+        return staggered_rows(base_url, model, args, vocab, server, headers)
     rows = []
     for clients in args.client_counts:
         for repeat in range(args.repeat):
             run = asyncio.run(round_of(base_url, model, clients, args, vocab, 1000 * clients + repeat))
             ttft_ms = [t * 1e3 for t in run["ttft_s"]]
-            rows.append({"server": args.server, "clients": clients, "run": repeat, "tok_s": round(run["tok_s"], 1),
+            rows.append({"server": server, "clients": clients, "run": repeat, "tok_s": round(run["tok_s"], 1),
                          "ttft_p50_ms": round(statistics.median(ttft_ms), 2),
                          "ttft_p99_ms": round(percentile(ttft_ms, 0.99), 2),
                          "tokens": run["tokens"], "expected_tokens": clients * args.new_tokens,
                          "short_streams": run["short_streams"], "error": run["error"]})
             print(rows[-1], flush=True)
     return rows
+
+
+def staggered_rows(base_url: str, model: str, args, vocab: int, server: str, headers: dict) -> list[dict]:
+    rows = []
+    for clients in args.client_counts:
+        planned = plan_requests(args.requests, vocab, args.prompt_range, args.new_range, args.rate, args.seed)
+        outcomes, started = asyncio.run(staggered(base_url, model, planned, clients, headers, args.timeout_s))
+        rows.append(summary(server, clients, outcomes, started))
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def notes(args) -> str:
+    head = f"HTTP, streaming /v1/completions; {os.cpu_count()} cores; serve {args.serve_args}. "
+    if args.workload == "staggered":
+        return head + (
+            f"llama-server -np CLIENTS -fa on {args.llama_args}. {args.requests} requests (seed {args.seed}), prompts "
+            f"of {args.prompt_range[0]}..{args.prompt_range[1]} random ids (log-uniform), max_tokens "
+            f"{args.new_range[0]}..{args.new_range[1]} (uniform), greedy with ignore_eos, Poisson arrivals at "
+            f"{args.rate:g}/s taken by CLIENTS connections. completed: every token streamed; refused: HTTP 429/503; "
+            f"lost: any other failure or a short stream. tok_s = completed tokens / (first send -> last finish); "
+            f"ttft = request sent -> first streamed choice (completed requests).")
+    return head + ("Each client: " + (f"a prompt of {args.prompt_file}" if args.prompt_file else
+                                      f"a {args.prompt_tokens}-token prompt (random ids)")
+                   + f", {args.new_tokens} greedy tokens with ignore_eos. tok_s = generated tokens of all clients / "
+                     f"(last chunk - start); ttft = request sent -> first streamed choice; short_streams: requests "
+                     f"that ended with fewer tokens than asked (error: the first in-stream error message).")
+
+
+def int_pair(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(",")
+    pair = (int(low), int(high or low))
+    if not 1 <= pair[0] <= pair[1]:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOW,HIGH with 1 <= LOW <= HIGH")
+    return pair
 
 
 def main() -> None:
@@ -136,7 +194,23 @@ def main() -> None:
     parser.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer key ($OPENAI_API_KEY)")
     parser.add_argument("--vocab-size", type=int, default=None, help="prompt ids are drawn below it (with "
                                                                      "--base-url; else the model's)")
-    add_daemon_args(parser)
+    add_daemon_args(parser, clients="")
+    parser.add_argument("--workload", choices=["burst", "staggered"], default="burst",
+                        help="burst: every client at once, same lengths; staggered: mixed lengths, Poisson arrivals "
+                             "(bench/http_load.py)")
+    parser.add_argument("--requests", type=int, default=200, help="staggered: requests in all")
+    parser.add_argument("--prompt-range", type=int_pair, default=(32, 2048), help="staggered: prompt tokens, "
+                                                                                   "log-uniform in LOW,HIGH")
+    parser.add_argument("--new-range", type=int_pair, default=(16, 256), help="staggered: max_tokens, uniform "
+                                                                             "in LOW,HIGH")
+    parser.add_argument("--rate", type=float, default=16.0, help="staggered: arrivals per second (Poisson)")
+    parser.add_argument("--seed", type=int, default=0, help="staggered: the requests' seed (same for every server)")
+    parser.add_argument("--timeout-s", type=float, default=600.0, help="a request not done by then is lost")
+    parser.add_argument("--max-sessions", type=int, default=None,
+                        help="our daemon's --max-sessions (default: the clients, +4 for burst)")
+    parser.add_argument("--llama-server", default=None, metavar="BIN",
+                        help="then start this llama-server on the same model and measure it the same way")
+    parser.add_argument("--llama-args", default="", help="more llama-server flags, e.g. \"-ub 2048\"")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=1)
@@ -147,36 +221,35 @@ def main() -> None:
     args = parser.parse_args()
     args.prompt_texts = ([t for t in Path(args.prompt_file).read_text().split("\n---\n") if t.strip()]
                          if args.prompt_file else None)
-    args.client_counts = client_counts(parser, args)
-    if not args.client_counts or args.prompt_tokens < 1 or args.new_tokens < 1:
-        parser.error("--clients, --prompt-tokens and --new-tokens must be >= 1")
+    args.client_counts = client_counts(parser, args) or ([64] if args.workload == "staggered" else [1, 16, 32])
+    if args.prompt_tokens < 1 or args.new_tokens < 1 or args.requests < 1 or args.rate <= 0:
+        parser.error("--prompt-tokens, --new-tokens, --requests and --rate must be >= 1 (--rate > 0)")
+    if args.llama_server and args.base_url:
+        parser.error("--llama-server starts its own server: give it --model, not --base-url")
     if args.base_url:
         if args.vocab_size is None:
             parser.error("--base-url needs --vocab-size (prompt ids are drawn below it)")
-        args.server = args.base_url
-        rows = rows_at(args.base_url.rstrip("/"), args, args.vocab_size)
+        rows = rows_at(args.base_url.rstrip("/"), args, args.vocab_size, args.base_url)
         name = "-".join(["http-serve", args.served_model or "endpoint"] + ([args.label] if args.label else []))
     else:
         model = args.model or ensure_preset(args.preset)
-        args.server = "kestrel-stream"
         with tempfile.TemporaryDirectory(prefix="kestrel-http-") as tmp:
             proc, base_url = start_daemon(model, args, Path(tmp))
             try:
                 vocab = args.vocab_size or daemon_vocab_size(Path(tmp) / "ks.sock")
-                rows = rows_at(base_url, args, vocab)
+                rows = rows_at(base_url, args, vocab, "kestrel-stream")
             finally:
                 stop_daemon(proc)
-        name = result_name("http-serve", args, args.device)
-    path = write_results(name, environment(), rows,
-                         ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tokens",
-                          "expected_tokens", "short_streams", "error"], out_dir=args.out,
-                         notes=f"HTTP, streaming /v1/completions; {os.cpu_count()} cores; serve {args.serve_args}. "
-                               f"Each client: " + (f"a prompt of {args.prompt_file}" if args.prompt_file else
-                                                    f"a {args.prompt_tokens}-token prompt (random ids)")
-                               + f", {args.new_tokens} greedy tokens "
-                               f"with ignore_eos. tok_s = generated tokens of all clients / (last chunk - start); "
-                               f"ttft = request sent -> first streamed choice; short_streams: requests that ended with fewer "
-                               f"tokens than asked (error: the first in-stream error message).")
+            if args.llama_server:           # after ours has stopped: the device is the other server's alone
+                proc, base_url = start_llama_server(model, args, Path(tmp) / "llama-server.log")
+                try:
+                    rows += rows_at(base_url, args, vocab, "llama-server")
+                finally:
+                    proc.terminate()
+                    proc.wait(60)
+        name = result_name("http-serve" + ("-staggered" if args.workload == "staggered" else ""), args, args.device)
+    columns = STAGGERED_COLUMNS if args.workload == "staggered" else BURST_COLUMNS
+    path = write_results(name, environment(), rows, columns, out_dir=args.out, notes=notes(args))
     print(f"wrote {path}")
 
 

@@ -11,6 +11,9 @@
 #   ours    pp512 and batched decode (bench/prefill.py), 4-bit vs Q8_0 decode and window (bench/block_decode.py)
 #   llama   waits for the build, then llama-bench (pp512, tg128) on every file and llama-batched-bench
 #   serve   32 / 16 / 1 streaming clients over HTTP: our daemon, then llama-server (bench/http_serve.py)
+#   staggered  64 clients, 200 staggered mixed-length requests (prompts of 32..2,048 tokens, 16..256 new
+#           tokens) against --max-sessions 64: our daemon, then llama-server -np 64 -fa on, one row each with
+#           throughput, TTFT p50/p99, refused and lost (bench/http_serve.py --workload staggered)
 #   load    load to first token: ours (bench/load_time.py), llama-server's (bench/llama_load.py)
 #   kv      f16 vs float32 KV at 32 sessions x 1k context, prefix reuse
 # Each step's log goes to $OUT/logs.tgz (the device tool returns at most 8 files) and its tail to stdout.
@@ -20,7 +23,7 @@ LLAMA_SRC=${LLAMA_SRC:-.llama/llama_src.tgz}
 LLAMA_MODELS_SRC=${LLAMA_MODELS_SRC:-.llama/llama_models_src.tgz}
 LLAMA=/tmp/llama/llama.cpp
 BIN=$LLAMA/build/bin
-STEPS=${STEPS:-build models ours llama serve load kv}
+STEPS=${STEPS:-build models ours llama serve staggered load kv}
 LOGS=/tmp/side-by-side-logs
 mkdir -p "$OUT" "$LOGS"
 export PYTHONPATH=${PYTHONPATH:-.} PYTHONUNBUFFERED=1
@@ -97,6 +100,13 @@ serve() {
     return $rc
 }
 
+staggered() {
+    wait_build 300 || return 1
+    python3 -m bench.http_serve --workload staggered --model /tmp/q17-q8_0.gguf --device cuda --clients 64 \
+        --requests 200 --max-sessions 64 --prompt-range 32,2048 --new-range 16,256 --rate 16 \
+        --llama-server "$BIN/llama-server" --label h200 --out "$OUT/staggered"
+}
+
 load() {
     python3 -m bench.load_time --model /tmp/q17-q8_0.gguf --device cuda --repeats 3 --out "$OUT/load-q17" || return 1
     python3 -m bench.load_time --model /tmp/q8b-q8_0.gguf --device cuda --repeats 3 --out "$OUT/load-q8b" || return 1
@@ -112,12 +122,13 @@ kv() {
 }
 
 export OUT LLAMA_SRC LLAMA_MODELS_SRC LLAMA BIN
-export -f build models ours wait_build llama serve load kv
+export -f build models ours wait_build llama serve staggered load kv
 step 60 build
 step 300 models
 step 500 ours
 step 500 llama
 step 400 serve
+step 500 staggered
 step 300 load
 step 300 kv
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv 2> /dev/null | tail -1

@@ -105,13 +105,6 @@ def test_a_schema_the_compiler_refuses_is_400_naming_it(daemon):
     assert answer.json()["error"]["param"] == "response_format.json_schema.schema"
 
 
-def test_tools_are_refused_with_a_clear_400(client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], tools=[
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
-    assert e.value.body["param"] == "tools" and "tool calling is not supported" in e.value.body["message"]
-
-
 def test_tokenize_and_detokenize_as_llama_server(daemon):
     base = daemon.base_url.removesuffix("/v1")
     with httpx.Client(timeout=30) as http:

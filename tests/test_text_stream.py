@@ -89,3 +89,10 @@ def test_chat_template_is_sandboxed_and_raise_exception_reports():
     with pytest.raises(ChatTemplateError, match="messages\\[0\\]"):
         render_chat(CHATML, [{"role": "user"}])
     assert render_chat("{{ strftime_now('%Y') | length }}", [{"role": "user", "content": "x"}]) == "4"
+
+
+def test_tojson_is_transformers_one_keys_in_order_no_html_escapes():
+    template = "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}"
+    tools = [{"b": "<x> & 'y'", "a": "é"}]
+    assert render_chat(template, [{"role": "user", "content": "x"}], tools=tools) == (
+        '[{"b": "<x> & \'y\'", "a": "é"}]|{\n  "b": "<x> & \'y\'",\n  "a": "é"\n}')

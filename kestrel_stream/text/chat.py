@@ -1,6 +1,13 @@
-"""Chat templates: a model's jinja2 template rendered in a sandbox with the variables transformers passes."""
+"""Chat templates: a model's jinja2 template rendered in a sandbox with the variables and filters transformers
+gives it.
+
+``tojson`` is transformers' own, not jinja2's: jinja2's escapes ``<``, ``>``,
+``&`` and ``'`` for HTML and sorts keys, so a tool's schema or a call's
+arguments would read otherwise than in the text the model was trained on.
+"""
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from functools import lru_cache
 
@@ -17,6 +24,10 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 @lru_cache(maxsize=8)
 def _compile(template: str):
     from jinja2 import TemplateError
@@ -25,6 +36,7 @@ def _compile(template: str):
     # transformers' settings: keep the template's own whitespace control, loop controls, tojson as HF
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now)
+    env.filters["tojson"] = _tojson
     try:
         return env.from_string(template)
     except TemplateError as e:

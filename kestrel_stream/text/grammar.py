@@ -4,8 +4,8 @@ computed from the tokenizer's trie and the parser state, not by testing each tok
 
 ``Grammars`` belongs to one tokenizer: it builds llguidance's view of the
 vocabulary once, on first use (under a second for a 50k vocabulary), and
-compiles a request's response_format into a ``Constraint``: one matcher per
-generation, fed each token sampled.  When the document is complete the
+compiles a request's response_format (or a forced tool call's grammar) into a
+``Constraint``: one matcher per generation, fed each token sampled.  When the document is complete the
 grammar allows only the end-of-generation tokens, so a constrained
 generation stops as a plain one does.
 
@@ -51,18 +51,36 @@ class Grammars:
                 defaults={"whitespace_flexible": False})
         except ValueError as e:
             raise GrammarError(f"the schema cannot be compiled: {e}") from None
+        return self.compiled(grammar, vocab_size)
+
+    def lark(self, text: str, vocab_size: int) -> "Constraint":
+        """A constraint to llguidance's lark grammar ``text`` (JSON Schemas inline as ``%json {...}``; a tool
+        call's, text/tool_calls.py).  GrammarError for one the compiler refuses."""
+        import llguidance
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except ValueError as e:
+            raise GrammarError(f"the grammar cannot be compiled: {e}") from None
+        return self.compiled(grammar, vocab_size)
+
+    def compiled(self, grammar: str, vocab_size: int) -> "Constraint":
+        import llguidance
         ll_tokenizer = self.vocabulary()
         error = llguidance.LLMatcher.validate_grammar(grammar, ll_tokenizer)
         if error:
             raise GrammarError(f"the schema cannot be compiled: {error}")
-        return Constraint(llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0), vocab_size)
+        return Constraint(llguidance.LLMatcher(ll_tokenizer, grammar, log_level=0), vocab_size,
+                          frozenset(ll_tokenizer.eos_tokens))
 
 
 class Constraint:
     """One generation's grammar state: ``mask`` the logits before a token is drawn, ``accept`` it after."""
 
-    def __init__(self, matcher, vocab_size: int):
+    def __init__(self, matcher, vocab_size: int, end_ids: frozenset[int] = frozenset()):
         self.matcher, self.vocab_size = matcher, vocab_size
+        # the tokens the grammar ends a document with: the model's end-of-generation ids, or (a model with
+        # none) the one llguidance takes instead (id 0), which the mask allows only as the end
+        self.end_ids = end_ids
         self.words = np.empty((vocab_size + 31) // 32, np.int32)      # 1 bit a token: allowed
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
@@ -73,7 +91,7 @@ class Constraint:
 
     def copy(self) -> "Constraint":
         """A constraint in the same state, going on on its own (a sibling choice's)."""
-        return Constraint(self.matcher.deep_copy(), self.vocab_size)
+        return Constraint(self.matcher.deep_copy(), self.vocab_size, self.end_ids)
 
     def accept(self, token: int) -> None:
         self.matcher.consume_token(int(token))

@@ -178,7 +178,8 @@ class API:
             # closed explicitly when this stream is (a client gone): its session is freed now, not at collection
             async with aclosing(generation.run()) as tokens:
                 async for out in tokens:            # a chunk per token, text or not (held back): TTFT is honest
-                    yield shape.token_event(out, usage) if plain else sse(shape.chunk([out], include_usage=usage))
+                    yield (shape.token_event(out, usage) if plain and not out.calls else
+                           sse(shape.chunk([out], include_usage=usage)))
             for choice in generation.choices:
                 yield sse(shape.chunk([], choice.finish_reason, include_usage=usage, index=choice.index))
             if usage:

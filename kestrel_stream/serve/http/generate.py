@@ -21,6 +21,11 @@ session: each round's verify pass is a job of the same steps, and the logprobs
 of its tokens are the model's rows of that pass.  A request with logit_bias or
 response_format decodes plainly: the rounds verify against the model's own
 rows, which the bias and the grammar's mask would change.
+
+A chat with tools renders them into its prompt and reads each choice's text
+for calls as it streams (serve/http/tool_use.py); a TokenOut carries the
+calls its token completed, and a choice that called ends with
+``finish_reason`` "tool_calls".
 """
 from __future__ import annotations
 
@@ -35,6 +40,7 @@ from kestrel_stream.wire.protocol import ShuttingDownError
 from kestrel_stream.serve.decode_steps import DecodeJob
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.requests import TextRequest
+from kestrel_stream.serve.http.tool_use import ToolUse
 from kestrel_stream.serve.prefix_scopes import scope_name
 from kestrel_stream.serve.spec_rounds import ServedSpeculation, parse_speculative
 from kestrel_stream.serve.service import Connection
@@ -44,6 +50,7 @@ from kestrel_stream.text.grammar import Constraint, GrammarError
 from kestrel_stream.text.generation import prompt_ids
 from kestrel_stream.text.sampling import sample_logits
 from kestrel_stream.text.stop import EOS, LENGTH, STOP, StopChecker
+from kestrel_stream.text.tool_calls import ToolCall, ToolCallParser
 
 FINISH = {EOS: "stop", STOP: "stop", LENGTH: "length"}
 
@@ -55,14 +62,16 @@ class TokenOut:
     logprob: float | None = None                # with request.logprobs set
     top: tuple[tuple[int, float], ...] = ()     # the most likely tokens of that step and their logprobs
     index: int = 0                              # the choice it belongs to (n > 1)
+    calls: tuple[ToolCall, ...] = ()            # the tool calls its text completed
 
 
 class Choice:
     """One of the request's n sequences: its session, seed, stop conditions, text and grammar state."""
 
     def __init__(self, index: int, seed: int, stop: StopChecker, decoder: IncrementalDecoder | None,
-                 constraint: Constraint | None):
+                 constraint: Constraint | None, calls: ToolCallParser | None = None):
         self.index, self.seed, self.stop, self.decoder, self.constraint = index, seed, stop, decoder, constraint
+        self.calls = calls              # reads tool calls out of the text, where tools are offered
         self.tokens: list[int] = []
         self.finish_reason: str | None = None
         self.spec = None                # its ServedSpeculation, where it speculates
@@ -85,8 +94,12 @@ class HttpGeneration:
         if request.n > service.max_sessions:
             raise APIError(400, f"n={request.n} needs {request.n} sessions at once; this server has "
                                 f"{service.max_sessions} (--max-sessions)", param="n")
+        self.tool_use = ToolUse.of(request, tokenizer)
         try:
-            self.ids = [int(t) for t in prompt_ids(engine, request.prompt)]
+            if self.tool_use is not None:       # the template writes BOS itself where the model wants one
+                self.ids = tokenizer.encode(self.tool_use.prompt(), add_special=False)
+            else:
+                self.ids = [int(t) for t in prompt_ids(engine, request.prompt)]
         except ChatTemplateError as e:
             raise APIError(400, str(e), param="messages") from None
         room = engine.max_seq_len - len(self.ids)
@@ -112,10 +125,13 @@ class HttpGeneration:
             self.bias[list(bias)] = list(bias.values())
         seed = request.params.resolved_seed()
         constraint = self.constraint(request)
+        if constraint is not None:
+            eos = frozenset(eos) | constraint.end_ids      # the grammar's end is the generation's
         # choice i samples with seed + i: the same tokens as a request of n=1 with that seed
         self.choices = [Choice(i, (seed + i) % 2**64, StopChecker(eos, request.stop, self.max_tokens),
                                IncrementalDecoder(tokenizer, self.ids) if tokenizer is not None else None,
-                               constraint.copy() if constraint is not None and i else constraint)
+                               constraint.copy() if constraint is not None and i else constraint,
+                               self.tool_use.parser() if self.tool_use is not None else None)
                         for i in range(request.n)]
         try:
             self.speculate, self.draft_max = parse_speculative(request.speculative, engine.speculation)
@@ -125,7 +141,7 @@ class HttpGeneration:
             self.speculate = False      # the rounds verify against the model's rows, not the shaped ones
         params = request.params
         logits_needed = (not params.greedy or params.penalized or request.logprobs is not None or self.bias is not None
-                         or request.response_format is not None)
+                         or constraint is not None)
         self.want = "last" if logits_needed else "token"
         self.first_token_s: float | None = None     # time to the first token, from the start of open()
         self.started_s = time.perf_counter()
@@ -133,7 +149,10 @@ class HttpGeneration:
         self.conn = Connection(peer="http")         # holds the sessions once open
 
     def constraint(self, request: TextRequest) -> Constraint | None:
-        """The grammar of response_format (json_object, json_schema) in its first state; None without one."""
+        """The grammar of a forced tool call or of response_format (json_object, json_schema) in its first
+        state; None without one."""
+        if self.tool_use is not None and self.tool_use.offers_tools:     # a response_format included
+            return self.tool_use.constraint(self.service.grammars(), self.service.vocab_size)
         if request.response_format is None:
             return None
         if self.tokenizer is None:
@@ -223,7 +242,7 @@ class HttpGeneration:
                     if choice.pending:
                         pass                    # the rest of a round's tokens come first
                     elif choice.stop.reason is not None:
-                        choice.finish_reason = FINISH[choice.stop.reason]
+                        choice.finish_reason = finish_reason(choice)
                         live.remove(choice)
                     elif choice.spec is None or choice.spec.plain_next(self.max_tokens - len(choice.tokens)):
                         # the next step is queued before this token is sent
@@ -279,10 +298,24 @@ class HttpGeneration:
                 stop.reason = EOS       # the document is whole: nothing may follow it but the end
         if stop.reason in (EOS, LENGTH) and choice.decoder is not None:
             released += stop.finish(choice.decoder.flush())
-        return TokenOut(token, released, logprob, top, choice.index)
+        calls: list[ToolCall] = []
+        if choice.calls is not None:
+            released, calls = choice.calls.push(released)
+            if stop.reason is not None:
+                tail, last = choice.calls.finish()
+                released, calls = released + tail, calls + last
+        return TokenOut(token, released, logprob, top, choice.index, tuple(calls))
 
     def token_text(self, token: int) -> str:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else str(token)
+
+
+def finish_reason(choice: Choice) -> str:
+    """OpenAI's finish_reason of a choice that ended: "tool_calls" where it called and was not cut short."""
+    reason = choice.stop.reason
+    if choice.calls is not None and choice.calls.calls and reason != LENGTH:
+        return "tool_calls"
+    return FINISH[reason]
 
 
 def log_probs(logits: np.ndarray, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:

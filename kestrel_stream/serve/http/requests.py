@@ -3,9 +3,9 @@
 Every field is checked for its type and range before anything reaches the
 engine; a bad one is answered 400 with the field named in ``param``.  Fields
 OpenAI defines that this server does not implement (``best_of`` > 1,
-``echo``, ``suffix``, ``tools``, ``tool_choice``, ``functions``) are refused
-rather than ignored, so a client never gets an answer to a question it did
-not ask.
+``echo``, ``suffix``, the legacy ``functions``, tools on /v1/completions) are
+refused rather than ignored, so a client never gets an answer to a question
+it did not ask.  The tool fields of a chat are checked in serve/http/tools.py.
 
 A prompt's size is bounded before it is rendered or tokenized (``PromptBounds``):
 no more messages than the context has tokens, and no more characters than
@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from kestrel_stream.serve.http.errors import APIError, bad_param
+from kestrel_stream.serve.http.tools import ToolRequest, message_tool_fields, tool_request, tools_chars
 from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 from kestrel_stream.text.sampling import SamplingParams
 
@@ -80,6 +81,7 @@ class TextRequest:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
     response_format: ResponseFormat | None = None   # None: text
     speculative: object = None              # the body's "speculative" (false: opt out), checked against the draft
+    tools: ToolRequest | None = None        # chat: the tools offered and tool_choice (None: no tools)
 
 
 def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
@@ -117,10 +119,12 @@ def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None
     if unknown:
         raise bad_param(unknown[0], "this field is not supported by this server", "unsupported_parameter")
     n = number(body, "n", 1, 1, MAX_CHOICES, integer=True)
-    for name in TOOL_FIELDS:
+    for name in () if chat else TOOL_FIELDS:
         if body.get(name) is not None:
-            raise bad_param(name, "tool calling is not supported by this server; describe the tools in the messages "
-                                  "and read the call from the answer's text", "unsupported_parameter")
+            raise bad_param(name, "tool calling is a chat feature: use /v1/chat/completions", "unsupported_parameter")
+    tools = tool_request(body) if chat else None
+    if tools is not None and bounds is not None:
+        bounds.check_chars(tools_chars(tools), "tools")
     if not chat and number(body, "best_of", 1, 1, 1 << 30, integer=True) != 1:
         raise bad_param("best_of", "only best_of=1 is supported")
     echo = body.get("echo")
@@ -168,7 +172,7 @@ def parse_request(body, chat: bool, vocab_size: int, bounds: PromptBounds | None
                                       f"{salt!r:.80}", "invalid_type")
     return TextRequest(chat, prompt, max_tokens, params, stop_strings(body), stream,
                        bool(options.get("include_usage", False)), logprobs_of(body, chat), ignore_eos, salt, n,
-                       logit_bias_of(body, vocab_size), response_format_of(body), body.get("speculative"))
+                       logit_bias_of(body, vocab_size), response_format_of(body), body.get("speculative"), tools)
 
 
 def logit_bias_of(body: dict, vocab_size: int) -> dict[int, float] | None:
@@ -260,7 +264,7 @@ def chat_messages(body: dict, bounds: PromptBounds | None) -> list[dict]:
     if bounds is not None and len(messages) > bounds.context_tokens:
         raise APIError(400, f"messages: {len(messages)} messages cannot fit this model's context of "
                             f"{bounds.context_tokens} tokens", param="messages", code="context_length_exceeded")
-    out, chars = [], 0
+    out, chars, call_ids = [], 0, set()
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad_param(f"messages[{i}]", f"expected an object with a string 'role', got {m!r:.80}",
@@ -275,8 +279,9 @@ def chat_messages(body: dict, bounds: PromptBounds | None) -> list[dict]:
             content = ""
         if not isinstance(content, str):
             raise bad_param(f"messages[{i}].content", f"expected a string, got {content!r:.80}", "invalid_type")
-        chars += len(content) + len(m["role"])
-        out.append({"role": m["role"], "content": content})
+        tool_fields = message_tool_fields(i, m, call_ids)
+        chars += len(content) + len(m["role"]) + (len(str(tool_fields)) if tool_fields else 0)
+        out.append({"role": m["role"], "content": content, **tool_fields})
     if bounds is not None:
         bounds.check_chars(chars, "messages")
     return out

@@ -1,5 +1,7 @@
 """OpenAI's response bodies: completion and chat completion objects, their stream chunks, logprobs, usage; a
-request of n choices answers each under its ``index``."""
+request of n choices answers each under its ``index``.  A chat message's tool calls go in ``tool_calls``
+(its content null when it holds no other text); streamed, each call is one delta carrying the whole call,
+under the call's ``index`` within its choice."""
 from __future__ import annotations
 
 import json
@@ -16,6 +18,7 @@ class Shape:
         self.created = int(time.time())
         self.text_offsets: dict[int, int] = {}              # choice -> characters of text sent before
         self.framing: dict[int, tuple[bytes, bytes]] = {}  # choice -> token_event's bytes around the text
+        self.calls_sent: dict[int, int] = {}                # choice -> tool calls streamed before
 
     def head(self, stream: bool) -> dict:
         kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
@@ -59,8 +62,12 @@ class Shape:
             mine = [o for o in outs if o.index == one.index]
             text, reason = "".join(o.text for o in mine), one.finish_reason
             if self.chat:
-                choices.append({"index": one.index, "message": {"role": "assistant", "content": text, "refusal": None},
-                                "logprobs": self.chat_logprobs(mine), "finish_reason": reason})
+                message = {"role": "assistant", "content": text, "refusal": None}
+                calls = [call.as_openai() for o in mine for call in o.calls]
+                if calls:
+                    message.update(content=text if text.strip() else None, tool_calls=calls)
+                choices.append({"index": one.index, "message": message, "logprobs": self.chat_logprobs(mine),
+                                "finish_reason": reason})
             else:
                 choices.append({"index": one.index, "text": text, "logprobs": self.completion_logprobs(mine),
                                 "finish_reason": reason})
@@ -74,6 +81,12 @@ class Shape:
         index = outs[0].index if outs else index
         if self.chat:
             delta = {"role": "assistant", "content": text} if first else ({"content": text} if outs else {})
+            calls = [call for o in outs for call in o.calls]
+            if calls:
+                sent = self.calls_sent.get(index, 0)
+                self.calls_sent[index] = sent + len(calls)
+                delta = {"content": text or None,
+                         "tool_calls": [{"index": sent + k, **call.as_openai()} for k, call in enumerate(calls)]}
             choice = {"index": index, "delta": delta, "logprobs": self.chat_logprobs(outs) if outs else None,
                       "finish_reason": finish_reason}
         else:

@@ -1,0 +1,35 @@
+"""bench/http_serve.py's staggered workload end to end on the tiny preset: the requests are planned from the seed
+(the same for every server), and with fewer sessions than clients every request still completes (the admission
+queue), none refused, none lost, one JSON row written."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.http_load import plan_requests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_the_plan_is_the_seeds_and_stays_in_its_ranges():
+    plan = plan_requests(200, 1000, (32, 2048), (16, 256), 16.0, seed=3)
+    assert plan == plan_requests(200, 1000, (32, 2048), (16, 256), 16.0, seed=3)
+    lengths = [len(p.prompt) for p in plan]
+    assert min(lengths) >= 32 and max(lengths) <= 2048 and min(lengths) < 128 and max(lengths) > 1024
+    assert all(16 <= p.max_tokens <= 256 for p in plan) and all(0 <= t < 1000 for p in plan for t in p.prompt)
+    arrivals = [p.arrival_s for p in plan]
+    assert arrivals[0] == 0 and arrivals == sorted(arrivals) and 5 < arrivals[-1] < 25     # 200 at 16/s
+
+
+def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "bench.http_serve", "--workload", "staggered", "--preset", "tiny",
+                           "--clients", "6", "--max-sessions", "2", "--requests", "16", "--prompt-range", "8,96",
+                           "--new-range", "4,12", "--rate", "50", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [result] = tmp_path.glob("*.json")
+    [row] = json.loads(result.read_text())["rows"]
+    assert (row["server"], row["requests"], row["completed"], row["refused"], row["lost"]) == (
+        "kestrel-stream", 16, 16, 0, 0), row
+    assert row["tok_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
+    assert json.loads(proc.stdout.splitlines()[-2]) == row      # the row printed as one JSON line
