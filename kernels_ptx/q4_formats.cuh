@@ -6,7 +6,8 @@
 //   Q4_K  QK 256: qs 128 B (bytes 32i..32i+31: sub-block 2i low, 2i+1 high)
 //                 meta 16 B: d f16, dmin f16, 12 bytes of packed 6-bit scales and mins
 //   Q6_K  QK 256: qs = ql 128 B, qh 64 B                meta 18 B: 16 int8 scales, d f16
-// A "unit" is what one thread decodes at a time: 16 B of qs (Q4_0, Q4_K: 32 weights) or
+//   Q8_0  QK 32:  qs 32 B (int8)                        meta: d f16  (the Q8_0 image of weight_window.py)
+// A "unit" is what one thread decodes at a time: 16 B of qs (Q4_0, Q4_K: 32 weights; Q8_0: 16) or
 // 3 x 16 B (Q6_K: 64 weights), as GROUPS groups of 16 weights w = s * (level - BIAS) - o
 // with unsigned levels (one byte each, four per word), the group's first element k.
 // The units of a row lie in K order in aligned runs: the units of elements [128 c, 128 c + 128)
@@ -158,6 +159,33 @@ struct FmtQ6_K {
             g[k].o = 0.f;
             g[k].k = 256 * sb + 128 * hh + 32 * k + l0;
         }
+    }
+};
+
+// Q8_0 in the same terms, for the kernels written over the formats (moe.cu): a unit is half a block,
+// 16 int8 weights as levels biased by 128 (the sign bit flipped), exact in fp32 as level_float makes them
+struct FmtQ8_0 {
+    static constexpr int UNIT = 16, GROUPS = 1, BIAS = 128;
+    static constexpr bool MINS = false;
+    struct Raw { uint4 q; unsigned int d; };
+    static __device__ __forceinline__ long long qs_row(int K) { return K; }
+    static __device__ __forceinline__ long long meta_row(int K) { return K / 16; }
+    static __device__ __forceinline__ void load(Raw& r, const unsigned char* qs, const unsigned char* meta, int u) {
+        r.q = load_weights16(qs + 16 * u);
+        r.d = __ldg((const half_bits*)meta + (u >> 1));
+    }
+    static __device__ __forceinline__ void prefetch(const unsigned char* qs, const unsigned char* meta, int u) {
+        prefetch_l2(qs + 16 * u);
+        prefetch_l2((const half_bits*)meta + (u >> 1));
+    }
+    static __device__ __forceinline__ void decode(const Raw& r, int u, Group (&g)[GROUPS]) {
+        g[0].lv[0] = r.q.x ^ 0x80808080u;
+        g[0].lv[1] = r.q.y ^ 0x80808080u;
+        g[0].lv[2] = r.q.z ^ 0x80808080u;
+        g[0].lv[3] = r.q.w ^ 0x80808080u;
+        g[0].s = half_to_float((half_bits)r.d);
+        g[0].o = 0.f;
+        g[0].k = 16 * u;
     }
 };
 

@@ -17,42 +17,13 @@
 // in a block format, the values of quant4.dequantize_blocks exactly (products not contracted).
 #include "common.cuh"
 #include "q4_formats.cuh"
+#include "block_dots.cuh"
 #include "q4_gemv_epilogue.cuh"
 
 #define GEMV_THREADS 64
 
 // rows per block of the M-token kernel (cuda/block_kernels.py: gemv_rows)
 template <int M> struct GemvRows { static constexpr int value = M <= 2 ? 4 : 2; };
-
-template <class F, int M>
-__device__ __forceinline__ void unit_dots(const typename F::Raw& raw, int u, const float* x, int ldx, int ntok,
-                                          float (&acc)[M]) {
-    Group g[F::GROUPS];
-    F::decode(raw, u, g);
-#pragma unroll
-    for (int gi = 0; gi < F::GROUPS; gi++) {
-        float wl[16];
-#pragma unroll
-        for (int i = 0; i < 16; i++) wl[i] = level_float(g[gi].lv[i >> 2], i & 3, (float)F::BIAS);
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            if (m >= ntok) break;   // uniform: the kernel of the next M up runs ntok < M tokens
-            const float4* xp = (const float4*)(x + (long long)m * ldx + g[gi].k);
-            float dot = 0.f, sum = 0.f;
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const float4 v = xp[i];
-                dot = fmaf(wl[4 * i], v.x, dot);
-                dot = fmaf(wl[4 * i + 1], v.y, dot);
-                dot = fmaf(wl[4 * i + 2], v.z, dot);
-                dot = fmaf(wl[4 * i + 3], v.w, dot);
-                if (F::MINS) sum += (v.x + v.y) + (v.z + v.w);
-            }
-            acc[m] = fmaf(g[gi].s, dot, acc[m]);
-            if (F::MINS) acc[m] = fmaf(-g[gi].o, sum, acc[m]);
-        }
-    }
-}
 
 // rows [row0, row0 + ROWS) of one format part whose rows start at row_first (its qs/meta row 0) and
 // end at row_end; y columns are the weight's global row numbers
@@ -80,7 +51,7 @@ __device__ __forceinline__ void gemv_part(
         }
         if (u == (int)threadIdx.x) pdl_wait();   // x (and y, res) belong to earlier kernels
 #pragma unroll
-        for (int r = 0; r < ROWS; r++) unit_dots<F, M>(raw[r], u, x, ldx, ntok, acc[r]);
+        for (int r = 0; r < ROWS; r++) unit_dots<F, M>(raw[r], u, StridedRows{x, ldx}, ntok, acc[r]);
     }
 
     q4_gemv_epilogue<M, ROWS, THREADS, SILU_PAIRS>(sh, acc, row0, row_end, inv_rms_in, y, ldy, res, normw_out,

@@ -1,0 +1,268 @@
+// A routed layer of a mixture-of-experts model on the device (scheduler/ops.py's router and experts
+// ops, kestrel_stream/cuda/moe_kernels.py builds the launches): four launches a layer for any number of
+// tokens T, and no host round trip -- the chosen experts are found, grouped and read on the device.
+//
+//   moe_route     one block per token: the router's float32 logits of xn (x * the norm weight, times
+//                 1/rms: the norm prologue), the model's top-k -- softmax over every expert, the top k,
+//                 renormalized or not (Qwen3-MoE), or the top k logits, softmax over them (Mixtral) --
+//                 ties to the lowest expert id as the host's stable sort; "route" rows [T, 2k]: the
+//                 ids as floats, then the weights (the host's layout); each choice counted in
+//                 counts[E] (routing frequency, read by the host when it asks).  The last block to
+//                 finish (a ticket) groups the T k choices by expert into `groups` (below).
+//   moe_experts_<fmt>_m<M>[_silu]
+//                 grid (row blocks, experts): block (x, s) takes the s-th chosen expert that has a
+//                 slot in the expert pool and rows [4x, 4x + 4) of its weight, over the tokens that
+//                 chose it in tiles of M; gate_up (_silu): x rows gathered by token, times 1/rms,
+//                 SiLU of (gate, up) row pairs -> act rows in grouped order; down: the act rows in
+//                 order -> one output row per choice.  The dot products are the block-format GEMV's
+//                 (block_dots.cuh over q4_formats.cuh, Q8_0 included), the reduction and SiLU its
+//                 epilogue (q4_gemv_epilogue.cuh).
+//   moe_combine   one block per token: the weighted sum of its choices' down rows (those with a slot),
+//                 plus the residual, into y; y * the next norm's weight into xn and 1/rms: what a dense
+//                 down's epilogue writes.  Without a residual it writes the sum alone (mode offload:
+//                 the resident experts' part, which the host adds to its own).
+//
+// The expert pool: every expert slot holds one expert's gate_up rows (gate j, up j interleaved) and
+// down rows in the layer's formats; slot s's qs at qs + s * qs_slot, its meta at meta + s * meta_slot;
+// slot_of[e] is expert e's slot in this layer, -1 where the expert is not on the device.
+//
+// groups (ints), for E experts and A = T k choices (choice a = t k + j: token t's j-th):
+//   [0, E]           offsets: expert e's choices are sorted[offsets[e] .. offsets[e + 1])
+//   [E + 1, 2E + 1]  active: the chosen experts with a slot, ascending; active[E] how many
+//   sorted [A]       the choices grouped by expert, ascending within each expert
+//   position [A]     where choice a is in sorted
+#include "common.cuh"
+#include "q4_formats.cuh"
+#include "block_dots.cuh"
+#include "q4_gemv_epilogue.cuh"
+
+#define MOE_MAX_EXPERTS 256
+#define MOE_MAX_CHOSEN 16
+#define MOE_MAX_CHOICES 8192
+#define MOE_ROUTE_THREADS 256
+#define MOE_ROWS 4
+#define MOE_THREADS 128
+#define MOE_COMBINE_THREADS 256
+
+// thread 0: the top k of score[0..E) (softmax over them first when SOFTMAX_FIRST), ties to the lowest id
+__device__ __forceinline__ void choose_experts(float* score, int E, int k, int flags, float* route_row,
+                                               unsigned int* counts) {
+    const bool softmax_first = flags & 1, normalize = flags & 2;
+    if (softmax_first) {
+        float top = score[0], sum = 0.f;
+        for (int e = 1; e < E; e++) top = fmaxf(top, score[e]);
+        for (int e = 0; e < E; e++) {
+            score[e] = expf(score[e] - top);
+            sum += score[e];
+        }
+        for (int e = 0; e < E; e++) score[e] = score[e] / sum;
+    }
+    float top[MOE_MAX_CHOSEN];
+    int pick[MOE_MAX_CHOSEN];
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++)      // strictly greater: the lowest id among equal scores
+            if (best < 0 || score[e] > score[best]) best = e;
+        pick[j] = best;
+        top[j] = score[best];
+        score[best] = -INFINITY;
+    }
+    float sum = 0.f;
+    for (int j = 0; j < k; j++) {
+        if (!softmax_first) top[j] = expf(top[j] - top[0]);
+        sum += top[j];
+    }
+    for (int j = 0; j < k; j++) {
+        route_row[j] = (float)pick[j];
+        route_row[k + j] = softmax_first && !normalize ? top[j] : top[j] / sum;
+        if (counts) atomicAdd(counts + pick[j], 1u);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route(
+        const float* xn, const float* inv_rms, const float* router, float* route, unsigned int* counts,
+        const int* slot_of, int* groups, unsigned int* ticket, int H, int E, int k, int flags, int T) {
+    constexpr int WARPS = MOE_ROUTE_THREADS / 32;
+    __shared__ float score[MOE_MAX_EXPERTS];
+    __shared__ int start[MOE_MAX_EXPERTS];
+    __shared__ int chosen[MOE_MAX_CHOICES];
+    __shared__ bool is_last_block;
+    pdl_launch_dependents();
+    pdl_wait();   // xn and 1/rms belong to earlier kernels
+    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const float* x = xn + (long long)t * H;
+    const float scale = inv_rms ? inv_rms[t] : 1.f;
+    for (int e = warp; e < E; e += WARPS) {
+        const float* w = router + (long long)e * H;
+        float s = 0.f;
+        for (int i = 4 * lane; i < H; i += 128) {
+            const float4 a = *(const float4*)(w + i), b = *(const float4*)(x + i);
+            s = fmaf(a.x, b.x, s);
+            s = fmaf(a.y, b.y, s);
+            s = fmaf(a.z, b.z, s);
+            s = fmaf(a.w, b.w, s);
+        }
+        s = warp_sum(s);
+        if (lane == 0) score[e] = s * scale;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        choose_experts(score, E, k, flags, route + (long long)t * 2 * k, counts);
+        __threadfence();   // the route row lands before the ticket is taken
+        is_last_block = atomicAdd(ticket, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!is_last_block) return;
+    __threadfence();
+
+    // the last block: every token's choices grouped by expert (a counting sort, stable by choice)
+    const int A = T * k;
+    int* offsets = groups;
+    int* active = groups + E + 1;
+    int* sorted = groups + 2 * (E + 1);
+    int* position = sorted + A;
+    const volatile float* rows = route;   // written by other blocks: read at L2
+    for (int e = threadIdx.x; e < E; e += blockDim.x) start[e] = 0;
+    __syncthreads();
+    for (int a = threadIdx.x; a < A; a += blockDim.x) {
+        const int e = (int)rows[(long long)(a / k) * 2 * k + a % k];
+        chosen[a] = e;
+        atomicAdd(&start[e], 1);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int run = 0, n = 0;
+        for (int e = 0; e < E; e++) {
+            const int c = start[e];
+            offsets[e] = run;
+            if (c && (slot_of == nullptr || slot_of[e] >= 0)) active[n++] = e;
+            start[e] = run;
+            run += c;
+        }
+        offsets[E] = run;
+        active[E] = n;
+    }
+    __syncthreads();
+    for (int e = warp; e < E; e += WARPS) {   // a warp per expert: its choices in order, 32 at a time
+        int at = start[e];
+        if (at == offsets[e + 1]) continue;
+        for (int a0 = 0; a0 < A; a0 += 32) {
+            const int a = a0 + lane;
+            const bool mine = a < A && chosen[a] == e;
+            const unsigned int ballot = __ballot_sync(0xffffffffu, mine);
+            if (mine) {
+                const int p = at + __popc(ballot & ((1u << lane) - 1u));
+                sorted[p] = a;
+                position[a] = p;
+            }
+            at += __popc(ballot);
+        }
+    }
+    if (threadIdx.x == 0) *ticket = 0u;
+}
+
+template <class F, int M, bool SILU>
+__device__ __forceinline__ void moe_experts_body(
+        const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,
+        const int* slot_of, const int* groups, const float* x, int ldx, int gather, const float* inv_rms,
+        float* y, int ldy, int N, int K, int E, int k) {
+    __shared__ GemvSharedT<M, MOE_ROWS, MOE_THREADS> sh;
+    pdl_launch_dependents();
+    pdl_wait();   // the route kernel's groups, x and 1/rms
+    const int* active = groups + E + 1;
+    if ((int)blockIdx.y >= active[E]) return;
+    const int e = active[blockIdx.y];
+    const int first = groups[e], end = groups[e + 1];
+    const int* sorted = groups + 2 * (E + 1);
+    const long long slot = slot_of[e];
+    const unsigned char* wq = qs + slot * qs_slot;
+    const unsigned char* wm = meta + slot * meta_slot;
+    const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
+    const int row0 = blockIdx.x * MOE_ROWS, units = K / F::UNIT;
+    for (int p0 = first; p0 < end; p0 += M) {
+        const int ntok = min(M, end - p0);
+        GatheredRows<M> xr;
+        float scale[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            const int row = m < ntok ? (gather ? sorted[p0 + m] / k : p0 + m) : 0;
+            xr.rows[m] = x + (long long)row * ldx;
+            scale[m] = inv_rms && m < ntok ? inv_rms[row] : 1.f;
+        }
+        float acc[MOE_ROWS][M];
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; r++)
+#pragma unroll
+            for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+        for (int u = threadIdx.x; u < units; u += MOE_THREADS) {
+            typename F::Raw raw[MOE_ROWS];
+#pragma unroll
+            for (int r = 0; r < MOE_ROWS; r++) {
+                const long long row = min(row0 + r, N - 1);   // a clamped row is never stored
+                F::load(raw[r], wq + row * qs_row, wm + row * meta_row, u);
+            }
+#pragma unroll
+            for (int r = 0; r < MOE_ROWS; r++) unit_dots<F, M>(raw[r], u, xr, ntok, acc[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; r++)
+#pragma unroll
+            for (int m = 0; m < M; m++) acc[r][m] *= scale[m];   // the norm's 1/rms per token (gate_up)
+        q4_gemv_epilogue<M, MOE_ROWS, MOE_THREADS, SILU>(sh, acc, row0, N, nullptr, y + (long long)p0 * ldy, ldy,
+                                                         nullptr, nullptr, nullptr, nullptr, nullptr, 0.f, N, ntok);
+        __syncthreads();   // the shared sums are the next tile's
+    }
+}
+
+#define DEFINE_MOE_EXPERTS(F, M, SILU, NAME)                                                          \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS) NAME(                                   \
+            const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,  \
+            const int* slot_of, const int* groups, const float* x, int ldx, int gather,               \
+            const float* inv_rms, float* y, int ldy, int N, int K, int E, int k) {                    \
+        moe_experts_body<F, M, SILU>(qs, meta, qs_slot, meta_slot, slot_of, groups, x, ldx, gather,    \
+                                     inv_rms, y, ldy, N, K, E, k);                                     \
+    }
+#define DEFINE_MOE_EXPERTS_FMT(F, CODE)                                  \
+    DEFINE_MOE_EXPERTS(F, 1, false, moe_experts_##CODE##_m1)            \
+    DEFINE_MOE_EXPERTS(F, 1, true, moe_experts_##CODE##_m1_silu)        \
+    DEFINE_MOE_EXPERTS(F, 8, false, moe_experts_##CODE##_m8)            \
+    DEFINE_MOE_EXPERTS(F, 8, true, moe_experts_##CODE##_m8_silu)
+
+DEFINE_MOE_EXPERTS_FMT(FmtQ8_0, q8_0)
+DEFINE_MOE_EXPERTS_FMT(FmtQ4_0, q4_0)
+DEFINE_MOE_EXPERTS_FMT(FmtQ4_K, q4_k)
+DEFINE_MOE_EXPERTS_FMT(FmtQ6_K, q6_k)
+
+extern "C" __global__ void __launch_bounds__(MOE_COMBINE_THREADS) moe_combine(
+        const float* route, const int* groups, const int* slot_of, const float* expert_out, const float* res,
+        float* y, const float* normw_out, float* xn_out, float* inv_rms_out, float eps, int H, int E, int k,
+        int T) {
+    __shared__ float warp_sums[MOE_COMBINE_THREADS / 32];
+    pdl_launch_dependents();
+    pdl_wait();
+    const int t = blockIdx.x;
+    const int* position = groups + 2 * (E + 1) + T * k;
+    const float* chosen = route + (long long)t * 2 * k;
+    float sq = 0.f;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+        float acc = 0.f;
+        for (int j = 0; j < k; j++) {
+            if (slot_of[(int)chosen[j]] < 0) continue;   // on the host
+            acc = fmaf(chosen[k + j], expert_out[(long long)position[t * k + j] * H + c], acc);
+        }
+        const long long at = (long long)t * H + c;
+        const float s = res ? res[at] + acc : acc;   // y may alias res: each element read, then written
+        y[at] = s;
+        if (xn_out) xn_out[at] = s * normw_out[c];
+        sq += s * s;
+    }
+    if (inv_rms_out == nullptr) return;
+    sq = warp_sum(sq);
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = sq;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float total = 0.f;
+        for (int w = 0; w < MOE_COMBINE_THREADS / 32; w++) total += warp_sums[w];
+        inv_rms_out[t] = 1.0f / sqrtf(total / (float)H + eps);
+    }
+}
