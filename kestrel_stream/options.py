@@ -32,6 +32,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_OFFLOAD_HOMES=H.. mode offload's layers given, a letter each (R resident, S streamed, H host,
                               M MLP on the host with qkv and o streamed, A MLP on the host with qkv and o
                               resident), then optionally :host or :resident for lm_head (benches)
+    KESTREL_RESIDENT_EXPERTS=P mode offload's experts in the VRAM its layers leave: frequency (the most chosen
+                              so far; default), uniform (the same number a layer, blind to the counts) or none
 
 The daemon's, clients' and result files' variables (Environment):
 
@@ -74,6 +76,7 @@ class Options:
     host_threads: int | None = None          # the native host kernels' threads (None: the physical cores)
     offload: str = "auto"                    # gpu mode short of VRAM: auto | stream | place (KESTREL_OFFLOAD)
     offload_homes: str | None = None         # mode offload's layers given (KESTREL_OFFLOAD_HOMES; None: chosen)
+    resident_experts: str = "frequency"      # mode offload's experts in VRAM: frequency | uniform | none
 
     @property
     def cache_root(self) -> Path:
@@ -122,6 +125,9 @@ class Options:
         offload = env.get("KESTREL_OFFLOAD") or "auto"
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"KESTREL_OFFLOAD={offload!r}: one of {', '.join(OFFLOAD_CHOICES)}")
+        resident_experts = env.get("KESTREL_RESIDENT_EXPERTS") or "frequency"
+        if resident_experts not in RESIDENT_EXPERTS:
+            raise ValueError(f"KESTREL_RESIDENT_EXPERTS={resident_experts!r}: one of {', '.join(RESIDENT_EXPERTS)}")
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0",
@@ -132,7 +138,8 @@ class Options:
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")),
                       host_isa=host_isa, host_cc=env.get("CC") or None, host_kernels=host_kernels,
                       host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"),
-                      offload=offload, offload_homes=env.get("KESTREL_OFFLOAD_HOMES") or None)
+                      offload=offload, offload_homes=env.get("KESTREL_OFFLOAD_HOMES") or None,
+                      resident_experts=resident_experts)
         return options.with_(**given)
 
     def with_(self, **changes) -> "Options":
@@ -143,6 +150,7 @@ class Options:
 
 
 OFFLOAD_CHOICES = ("auto", "stream", "place")
+RESIDENT_EXPERTS = ("frequency", "uniform", "none")    # scheduler/expert_residency.POLICIES, or none
 _BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -46,3 +46,27 @@ def moe_weight_names(config, layer: int) -> set:
     for e in range(config.num_experts):
         names.update(expert_names(config, layer, e))
     return names
+
+
+def expert_of(name: str) -> int:
+    """The expert id in one expert's tensor name ("model.layers.3.mlp.experts.17.up_proj.weight" -> 17)."""
+    return int(name.split(".experts.", 1)[1].split(".", 1)[0])
+
+
+def split_experts(op, resident) -> tuple:
+    """An experts op of a layer some of whose experts are resident on the device, as two: the device part
+    (the resident experts' weights) writes the sum of its experts' weighted outputs into "moe_out", and the
+    host part (the rest) reads it beside x and "route" and adds both its own sum and it into x.  The host
+    part runs second, from the x both read (the residual before the layer's MLP), so every expert sees the
+    same input and the sum is the layer's whole MLP."""
+    from dataclasses import replace
+    resident = set(resident)
+    device = tuple(w for w in op.weights if expert_of(w.name) in resident)
+    host = tuple(w for w in op.weights if expert_of(w.name) not in resident)
+    assert device and host, f"{op.name}: a split needs experts on both sides"
+    share = len(device) / len(op.weights)
+    out_bytes = op.output_bytes
+    return (replace(op, name=f"{op.name}[gpu]", weights=device, writes=("moe_out",), prepares=None,
+                    input_bytes=op.input_bytes - out_bytes, extra_flops=op.extra_flops * share),
+            replace(op, name=f"{op.name}[cpu]", weights=host, reads=op.reads + ("moe_out",),
+                    input_bytes=op.input_bytes + out_bytes, extra_flops=op.extra_flops * (1 - share)))

@@ -45,12 +45,15 @@ PROJECTION_GROUPS = ("qkv", "o", "gate_up", "down", "lm_head")
 # op kinds fused into a neighbouring projection's prologue / epilogue on either side: no launch of their own
 FUSED_KINDS = ("norm", "elementwise")
 # the step's state, float32 per token ("xn": x * the next norm's weight, then 1/rms: a device-side form of x;
-# "params": token id, position and KV table row, 16 bytes, read by device ops of the KV cache and embed)
+# "params": token id, position and KV table row, 16 bytes, read by device ops of the KV cache and embed;
+# "route": a routed layer's choices per token; "moe_out": the sum of the experts a device part computed)
 STATE_FLOATS = {"x": lambda c: c.hidden_size, "xn": lambda c: c.hidden_size + 1,
                 "qkv": lambda c: c.q_size + 2 * c.kv_size, "q": lambda c: c.q_size, "attn": lambda c: c.q_size,
                 "act": lambda c: c.intermediate_size, "logits": lambda c: c.vocab_size,
-                "route": lambda c: ROUTE_FLOATS_PER_CHOICE * c.num_experts_per_tok}
+                "route": lambda c: ROUTE_FLOATS_PER_CHOICE * c.num_experts_per_tok,
+                "moe_out": lambda c: c.hidden_size}
 PARAMS_BYTES_PER_TOKEN = 16
+EXPERTS_LAUNCHES = 3          # an experts op on the device: gate_up, down, combine (kernels_ptx/moe.cu)
 DEVICE_IMAGE_ALIGN = 256      # a Q8 weight's device image: qs, then scales at the next such boundary
 
 
@@ -267,7 +270,8 @@ def _routed_mlp(config, layer: int, tokens: int, formats: dict, next_norm: str) 
         # per token: k experts' gate_up, SiLU·mul and down, their weighted sum added into x
         Op(name + "experts", "experts", layer, experts, act * 2 * H + route, act * H,
            extra_flops=tokens * k * (5.0 * I + 2.0 * H), reads=("x", "route"), writes=("x",),
-           prologue=name + "mlp_norm", prepares=next_norm, read_fraction=expected_experts(E, k, tokens) / E),
+           prologue=name + "mlp_norm", prepares=next_norm, read_fraction=expected_experts(E, k, tokens) / E,
+           launches_per_range=EXPERTS_LAUNCHES),
     ]
 
 

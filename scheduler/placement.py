@@ -15,8 +15,9 @@ string or, for gated projections, {weight name: GateDecision}.
 - offload: each layer's projection groups where the offload placement homes the layer (resident or
   streamed: the GPU; host: the host), rope and attention on the GPU over the device KV pool (a layer may
   change home between step sizes without moving its cache), a routed layer's router and experts on the
-  host (they have no device ops), embed on the host, lm_head resident or on the host; norms and SiLU·mul
-  by the sandwich rule below.
+  host, or, where some of its experts are resident (expert_residency.py), the router and those experts on
+  the GPU and the others on the host (moe.split_experts), embed on the host, lm_head resident or on the
+  host; norms and SiLU·mul by the sandwich rule below.
 - gated: each projection group follows the gate. rope and attention stay on
   the host: in gated mode the KV cache lives on the host, so attention never
   moves it. A stateless op (norm, silu_mul) runs on the GPU when both its
@@ -82,11 +83,28 @@ def gated_sides(ops, decide) -> list:
     return _sandwich(placed)
 
 
-def offload_sides(ops, homes, head: str) -> list:
-    """Placement for an offload placement (scheduler/offload.py): homes per layer, lm_head's home."""
+def offload_sides(ops, homes, head: str, resident_experts: dict | None = None) -> list:
+    """Placement for an offload placement (scheduler/offload.py): homes per layer, lm_head's home;
+    resident_experts: layer -> the experts of a routed layer kept on the device (expert_residency.py)."""
+    from .moe import split_experts
     from .offload import group_home
-    placed = []
+    placed, resident_experts = [], resident_experts or {}
     for op in ops:
+        ids = resident_experts.get(op.layer, ()) if op.kind in ("router", "experts") else ()
+        if ids and op.kind == "router":
+            placed.append((op, "gpu", f"offload: layer {op.layer}'s router on the GPU ({len(ids)} of its experts "
+                                      "resident there)"))
+            continue
+        if ids and op.kind == "experts":
+            if 3 * len(ids) == len(op.weights):
+                placed.append((op, "gpu", f"offload: every expert of layer {op.layer} resident"))
+                continue
+            device, host = split_experts(op, ids)
+            placed.append((device, "gpu", f"offload: layer {op.layer}'s {len(ids)} resident experts, chosen by "
+                                          "routing frequency"))
+            placed.append((host, "cpu", f"offload: layer {op.layer}'s other experts on the host (native kernels, "
+                                        "the chosen ones only)"))
+            continue
         if op.is_projection:
             home = head if op.group == "lm_head" else group_home(homes[op.layer], op.group)
             side = "cpu" if home == "host" else "gpu"

@@ -192,7 +192,7 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
                resident_weights=None, group_choice: dict | None = None,
                segment_aware: bool = True, context_len: int = 0, streamed=frozenset(),
                dense_min_tokens: int | None = None, dense_fused: bool = False, rope_fused: bool = False,
-               offload=None) -> Plan:
+               offload=None, resident_experts: dict | None = None) -> Plan:
     """The plan of one step of M=`tokens` tokens.
 
     profile: DeviceProfile (None: no GPU measured). minflop: the seed's plain
@@ -207,7 +207,8 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     dense_min_tokens: gpu mode's dense GEMM path from this many tokens (dense.py; None: off); dense_fused:
     on the built-in GEMM, not cuBLAS.  rope_fused: gpu mode's one-token steps run each layer's rope as its
     attention's prologue (ops.fuse_rope).  offload: mode offload's OffloadPlacement for this step size
-    (offload.place / place_for_tokens): which layers run on the host; `streamed` names the ops it streams.
+    (offload.place / place_for_tokens): which layers run on the host; `streamed` names the ops it streams;
+    resident_experts: layer -> the experts of a routed layer mode offload keeps on the device.
     """
     if tokens < 1:
         raise ValueError(f"tokens={tokens}: a step has at least one token")
@@ -234,7 +235,7 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     elif kind == "offload":
         if offload is None:
             raise ValueError("mode offload: the plan needs the offload placement (scheduler.offload.place)")
-        placed = offload_sides(ops, offload.homes, offload.head)
+        placed = offload_sides(ops, offload.homes, offload.head, resident_experts)
         streamed = frozenset(streamed) | {op.name for op in ops if op.group and op.layer is not None
                                           and group_home(offload.homes[op.layer], op.group) == "streamed"}
         notes.append(offload.describe().splitlines()[0])
@@ -251,9 +252,11 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     resolved = f"layers={layer_count}" if kind == "layers" else kind
     if kind == "layers":
         notes.append(f"offloaded {min(layer_count, total_layers)}/{total_layers} layers")
-    if config.num_experts and kind not in ("cpu", "offload"):
-        notes.append(f"mixture of experts ({config.arch}): an engine runs this model in mode cpu or offload "
-                     "(router and experts on the host; the device path of router and experts is not built yet)")
+    if config.num_experts and kind not in ("cpu", "offload", "gpu"):
+        notes.append(f"mixture of experts ({config.arch}): an engine runs this model in mode cpu, gpu (every "
+                     "expert in VRAM) or offload (experts on the host, the most used resident)")
+    if resident_experts and kind == "offload":
+        notes.append(f"resident experts: {sum(len(ids) for ids in resident_experts.values())} on the GPU")
     if config.tie_word_embeddings:
         notes.append("tied embeddings: lm_head owns model.embed_tokens.weight; "
                      "embed gathers M rows of it")

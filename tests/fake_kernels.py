@@ -376,9 +376,10 @@ def flash_attention_paged(launch, *args) -> None:
 
 from fake_block_kernels import BLOCK_KERNELS   # noqa: E402  (it uses the helpers above)
 from fake_dense import DENSE_KERNELS   # noqa: E402
+from fake_moe_kernels import MOE_KERNELS   # noqa: E402
 from fake_sample import sample_candidates, sample_finish, sample_rows   # noqa: E402
 
-KERNELS = BLOCK_KERNELS + DENSE_KERNELS + [
+KERNELS = BLOCK_KERNELS + DENSE_KERNELS + MOE_KERNELS + [
     (r"sample_rows", sample_rows),
     (r"sample_candidates", sample_candidates),
     (r"sample_finish", sample_finish),

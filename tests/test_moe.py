@@ -269,10 +269,11 @@ def test_plan_lists_every_expert_of_a_checkpoint(moe_model):
 
 @pytest.mark.parametrize("mode", ["gated", "layers=1"])
 def test_gated_and_layers_modes_refuse_a_moe_model(moe_model, mode):
-    """Their plans would put router and experts on the GPU; mode offload (which gpu mode becomes for these
-    models: test_moe_offload_emulated.py) keeps them on the host."""
+    """Their plans would place router and experts by a gate or a layer count; mode offload (which gpu mode
+    becomes for these models where the experts do not fit: test_moe_offload_emulated.py) and gpu mode place
+    them."""
     weights = load_weights(moe_model)
-    with pytest.raises(ValueError, match=rf"\({weights.config.arch}\).*no device ops: run it in mode offload"):
+    with pytest.raises(ValueError, match=rf"\({weights.config.arch}\).*do not place: run it in mode offload"):
         StepExecutor(weights, mode)
 
 

@@ -294,6 +294,12 @@ class MixedSteps(Steps):
     def kv_stats(self) -> dict:
         return self.backend.kv.stats() if self.backend.kv else {}       # gated: the caches are on the host
 
+    def routing_counts(self) -> np.ndarray | None:
+        """The host router's counts and, where some routers run on the device (resident experts), its counts."""
+        counts = self.host.routing_counts()
+        store = self.backend.experts
+        return counts if counts is None or store is None else counts + store.counts()
+
     def close(self) -> None:
         self.backend.close()
 

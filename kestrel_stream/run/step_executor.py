@@ -15,9 +15,11 @@ step program (scheduler/ops.py):
   and moves the step's state only where segments meet.  `offload` is what gpu mode becomes when the weights
   do not fit its VRAM budget and the cost model (scheduler/offload.py) predicts host compute beside the
   streaming ring beats streaming alone: resident, streamed and host layers, the split chosen per step size.
-  A mixture-of-experts model runs in `offload` in either case (gpu and auto become it, saying so on stderr):
-  its router and experts have no device ops, so they run on the host backend (the native kernels, the
-  chosen experts only) while qkv, o and attention run on the GPU; gated and layers=N refuse it.
+  A mixture-of-experts model runs in gpu mode when every expert fits the budget (router and experts on the
+  device: run/device/moe_ops.py), else in `offload` (gpu and auto become it, saying so on stderr): qkv, o
+  and attention on the GPU, the experts the room left holds resident there (chosen by routing frequency:
+  place_experts), the others on the host backend (the native kernels, the chosen experts only); gated
+  and layers=N refuse it.
 
 The device backend is the same in every mode that offloads; what the mode changes is its memory plan
 (the residency window's resident set and streaming ring, the KV pool's layers and dtype) and which
@@ -36,8 +38,8 @@ import numpy as np
 import scheduler
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
-from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, plan_gpu_memory,
-                                              plan_mixed_memory, plan_offload_memory, step_rows)
+from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, holds_every_expert,
+                                              plan_gpu_memory, plan_mixed_memory, plan_offload_memory, step_rows)
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.host.backend import HostBackend
 
@@ -74,14 +76,18 @@ class StepExecutor(Executor):
             return
         if c.is_moe and kind not in ("gpu", "auto", "offload"):
             raise ValueError(f"mode {mode}: {weights.source or 'this model'} is a mixture-of-experts model "
-                             f"({c.arch}); its router and experts have no device ops: run it in mode offload "
-                             "(attention on the GPU, router and experts on the host; gpu mode becomes it) or on the "
-                             "CPU engine (--device cpu; ks.load(..., device='cpu'))")
+                             f"({c.arch}), whose experts gated and layers=N do not place: run it in mode offload "
+                             "(attention on the GPU, the most used experts resident, the rest on the host), in mode "
+                             "gpu (every expert in VRAM; it becomes offload where they do not fit) or on the CPU "
+                             "engine (--device cpu; ks.load(..., device='cpu'))")
         self.options = Options.from_env() if options is None else options
         vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
-        if c.is_moe and kind in ("gpu", "auto"):
+        self.resident_experts = None               # a mixture-of-experts model's experts on the device
+        if c.is_moe and kind in ("gpu", "auto") and not self._holds_every_expert(vram_budget, max_seq_len, max_batch,
+                                                                                 kv_dtype):
             print(f"kestrel-stream: mode {mode}: {weights.source or 'the model'} is a mixture-of-experts model "
-                  f"({c.arch}): mode offload (attention on the GPU, router and experts on the host)", file=sys.stderr)
+                  f"({c.arch}) whose experts do not fit the VRAM budget: mode offload (attention on the GPU, the "
+                  "most used experts resident, the rest on the host)", file=sys.stderr)
             kind = mode = "offload"
         if kind in ("gpu", "auto") and self._offload_wins(vram_budget, max_seq_len, max_batch, kv_dtype, profile):
             kind = mode = "offload"
@@ -139,6 +145,7 @@ class StepExecutor(Executor):
             attention_min_keys=ATTENTION_MIN_KEYS if attention_min_keys is None else attention_min_keys,
             attention_warps=ATTENTION_WARPS if attention_warps is None else attention_warps)
         memory = backend.memory
+        self.resident_experts = memory.experts
         self.preload_line, warning = backend.window.preload_report(memory.budget_bytes, memory.needs.total)
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
         if warning:
@@ -180,6 +187,14 @@ class StepExecutor(Executor):
         self.steps = MixedSteps(backend, self.counters, self.plan, gpu_layers=self.gpu_layers, max_tokens=T,
                                 mode=self.mode, load_s=time.perf_counter() - start, options=self.options)
         self.preload_line = self.steps.preload_line
+
+    def _holds_every_expert(self, vram_budget, max_seq_len, max_batch, kv_dtype: str) -> bool:
+        """gpu mode of a mixture-of-experts model: whether every weight, every expert with them, stays resident."""
+        from kestrel_stream.cuda import driver
+        max_tokens, _ = step_rows(max_batch or DEFAULTS[True][1], PREFILL_CHUNK_TOKENS)
+        return holds_every_expert(self.config, budget_bytes=vram_budget, free_bytes=driver.Device(0).free_bytes(),
+                                  max_tokens=max_tokens, max_seq_len=max_seq_len or DEFAULTS[True][0],
+                                  max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype)
 
     def _offload_wins(self, vram_budget, max_seq_len, max_batch, kv_dtype: str, profile) -> bool:
         """gpu mode under a budget the weights do not fit: whether mode offload's placement (host layers beside
@@ -238,19 +253,23 @@ class StepExecutor(Executor):
         memory = lambda free_bytes, scratch_bytes: plan_offload_memory(     # noqa: E731
             c, budget_bytes=vram_budget, free_bytes=free_bytes, profile=self.profile, max_tokens=T,
             max_sessions=table_rows, max_seq_len=self.max_seq_len, attention_splits=ATTENTION_SPLITS,
-            max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size, homes=self.options.offload_homes)
+            max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size, homes=self.options.offload_homes,
+            expert_policy=self.options.resident_experts)
         backend = DeviceBackend(
             weights, self.options, self.counters, max_tokens=T, logits_rows=T, plan_memory=memory, kv_dtype=kv_dtype,
             kv_layers=c.num_hidden_layers, max_sessions=table_rows, max_seq_len=self.max_seq_len,
             attention_splits=ATTENTION_SPLITS, dense=False, step_outputs=False, pinned_state=True)
         self.placement = backend.memory.placement
         self.window_plan = backend.memory.window
+        self.resident_experts = backend.memory.experts
         ring = StreamRing(backend.window, weights) if backend.window.streamed else None
         self.steps = MixedSteps(backend, self.counters, self.plan, gpu_layers=self.gpu_layers, max_tokens=T,
                                 mode=self.mode, load_s=time.perf_counter() - start, options=self.options, ring=ring)
         self.preload_line = self.steps.preload_line
         for line in self.placement.describe().splitlines():
             print(f"kestrel-stream: {line}", file=sys.stderr)
+        if self.resident_experts is not None:
+            print(f"kestrel-stream: {self.resident_experts.describe(c.num_experts)}", file=sys.stderr)
 
     def placement_for(self, tokens: int):
         """Mode offload's placement of a step of `tokens` tokens (the resident layers and ring kept)."""
@@ -289,10 +308,13 @@ class StepExecutor(Executor):
                                         streamed=set(b.window.streamed), dense_min_tokens=b.dense_min_tokens,
                                         dense_fused=b.blas is None, rope_fused=self.steps.rope_fused)
         if tokens not in self._plans:
+            offload = self.mode == "offload"
             plan = scheduler.build_plan(self.config, tokens=tokens, mode=self.mode, profile=self.profile,
                                         gpu_available=True, group_choice=self.group_choice,
                                         minflop=self.options.minflop,
-                                        offload=self.placement_for(tokens) if self.mode == "offload" else None)
+                                        offload=self.placement_for(tokens) if offload else None,
+                                        resident_experts=self.resident_experts.experts
+                                        if offload and self.resident_experts is not None else None)
             scheduler.audit_plan(plan, self.config)
             self._plans[tokens] = plan
         return self._plans[tokens]
@@ -302,6 +324,30 @@ class StepExecutor(Executor):
         self.group_choice = group_choice
         self._plans.clear()
         self.steps.clear_launches()
+
+    # ---- a mixture-of-experts model's experts ------------------------------------------------------
+    def routing_counts(self):
+        """Each routed layer's selections per expert so far, int64 [routed layers, E], wherever the router ran
+        (None for a dense model)."""
+        return self.steps.routing_counts()
+
+    def place_experts(self, policy: str = "frequency", counts=None):
+        """Mode offload: choose the resident experts again, by `policy` (scheduler/expert_residency.py) from
+        `counts` ([routed layers][experts]; default: routing_counts()), into the pool's slots; later steps'
+        plans split each routed layer by the new choice.  Returns the ResidentExperts."""
+        from scheduler import expert_residency
+        store = self.steps.backend.experts if self.mode == "offload" else None
+        if store is None or not store.slots:
+            raise ValueError(f"mode {self.mode}: no expert pool to place experts in (mode offload with room for "
+                             "experts beside its layers)")
+        counts = self.routing_counts() if counts is None else counts
+        choice = expert_residency.choose(counts, store.layers, self.config.num_experts, store.slots, policy)
+        self.steps.backend.stream.synchronize()           # no launch still reads the pool
+        store.place(choice)
+        self.resident_experts = choice
+        self._plans.clear()
+        self.steps.clear_launches()
+        return choice
 
     @property
     def backend(self):

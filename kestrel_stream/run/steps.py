@@ -59,6 +59,11 @@ class Steps(ABC):
         """generate_greedy with each step's token drawn on the device; None: the caller steps."""
         return None
 
+    def routing_counts(self) -> np.ndarray | None:
+        """A mixture-of-experts model's selections per expert of each routed layer so far, wherever its router
+        ran: int64 [routed layers, experts] (None: a dense model)."""
+        return None
+
     def clear_launches(self) -> None:
         """Forget prepared launches and programs (the plans changed: a forced group choice)."""
 

@@ -5,8 +5,9 @@ layers=N: the device and its context, the kernels, the compute stream, one arena
 sized by budget.py, the weights the residency window supplies (weight_window.py) and
 the small vectors (norms, q/k norms, biases, the rope table: WeightCache),
 the paged KV pool (kv_paged.py), the step's parameters (StepParams) and state
-buffers (DeviceState), and DeviceOps, which turns an op of the step program into
-its prepared launches.  What differs between the modes is handed in: how the
+buffers (DeviceState), a mixture-of-experts model's routers and resident experts
+where the memory plan keeps them (expert_store.py), and DeviceOps, which turns an
+op of the step program into its prepared launches.  What differs between the modes is handed in: how the
 memory is planned, the KV pool's layers and dtype, whether the step's outputs
 come back through StepOutputs (gpu mode) or the mixed modes' pinned state
 copies (PinnedState), and whether the dense GEMM path is on.
@@ -62,6 +63,8 @@ class PinnedState:
         c, T = config, tokens
         self.widths = {"x": c.hidden_size, "qkv": c.q_size + 2 * c.kv_size, "attn": c.q_size,
                        "act": c.intermediate_size, "logits": c.vocab_size}
+        if c.is_moe:          # a routed layer's choices, and the sum of its experts on the device
+            self.widths.update(route=2 * c.num_experts_per_tok, moe_out=c.hidden_size)
         self.buffers = {name: driver.PinnedBuffer(T * w * 4)
                         for name, w in dict(self.widths, xn=c.hidden_size + 1).items()}
         self.views = {name: self.buffers[name].view(np.float32, (T, w)) for name, w in self.widths.items()}
@@ -106,6 +109,12 @@ class DeviceBackend:
             for v in layer_vectors(weights):
                 self.cache.vector(v)
             self.inv_freq = self.cache.vector(rope.inv_freq(c))
+            # a mixture-of-experts model's routers and the experts the plan keeps on the device
+            self.experts = None
+            if self.memory.experts is not None:
+                from kestrel_stream.run.device.expert_store import ExpertStore
+                self.experts = ExpertStore(weights, self.arena, self.memory.expert_slots, self.stream)
+                self.experts.place(self.memory.experts)
             self.weight_bytes = self.arena.used_bytes
         load_stages.record("  weights: pinned images", self.window.images_s)
         load_stages.record("  weights: H2D", self.window.preload_s)
@@ -127,7 +136,7 @@ class DeviceBackend:
         kv_caches = KVCaches(self.kv.table_ptr if self.kv else 0, kv_layers, self.kv.block_shift if self.kv else 0,
                              kv_dtype, attention_splits, attention_min_keys, attention_warps)
         self.ops = DeviceOps(self.kernels, weights, self.state, kv_caches, self.step_params, self.inv_freq,
-                             self.qweight, self.cache.vector)
+                             self.qweight, self.cache.vector, self.experts)
 
     def qweight(self, op) -> QWeight:
         """The device weight a projection (or the embed gather) of the step program reads: the window's, or

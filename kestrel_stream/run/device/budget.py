@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from kestrel_stream.cuda import mma_variants
 from kestrel_stream.cuda.flash_attention import partial_floats
 from kestrel_stream.options import parse_vram_budget  # noqa: F401  (importable from here too)
+from kestrel_stream.run.device import expert_pool
+from scheduler import expert_residency
 from scheduler.offload import group_home
 from scheduler.ops import image_bytes, step_ops  # noqa: F401  (image_bytes: window.py and the tests import it here)
 from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_items
@@ -43,10 +45,11 @@ class ArenaNeeds:
     slack_bytes: int          # per-allocation alignment
     sessions: int
     max_seq_len: int
+    expert_bytes: int = 0     # a mixture-of-experts model's routers and device experts (expert_pool.py)
 
     @property
     def total(self) -> int:
-        return self.kv_bytes + self.activation_bytes + self.slack_bytes
+        return self.kv_bytes + self.activation_bytes + self.slack_bytes + self.expert_bytes
 
 
 ARGMAX_SPLITS = 64           # argmax_split's blocks per row (step_io.py)
@@ -82,7 +85,7 @@ def arena_needs(c, max_tokens: int, sessions: int, max_seq_len: int, attention_s
     if c.qkv_bias:
         norm_floats += qkv_width * c.num_hidden_layers
     split_floats, split_tickets = mma_variants.scratch_bound(T)      # split-K partials, tickets
-    activation_floats += max(split_floats, 4) + max(split_tickets, 1)
+    activation_floats += max(split_floats, 4) + max(split_tickets, 1) + expert_pool.buffer_floats(c, T)
     if kv_bytes_per_position is None:
         kv_bytes_per_position = c.num_hidden_layers * 2 * c.kv_size * 4
     return ArenaNeeds(kv_bytes=sessions * max_seq_len * kv_bytes_per_position,
@@ -151,6 +154,8 @@ class GpuMemoryPlan:
     needs: ArenaNeeds             # kv_bytes: the least the pool must get (see plan_gpu_memory)
     budget_bytes: int | None
     placement: object = None      # mode offload's scheduler.offload.OffloadPlacement (steps of one token)
+    experts: object = None        # a mixture-of-experts model's experts on the device: a ResidentExperts
+    expert_slots: int = 0         # the expert pool's slots (expert_pool.py), its routers beside it
 
     def describe(self) -> str:
         mib = 2**20
@@ -179,8 +184,10 @@ def plan_gpu_memory(c, *, budget_bytes: int | None, free_bytes: int, max_tokens:
     reserved = kv_pool_bytes if kv_pool_bytes is not None else min_positions * per_position
     needs = arena_needs(c, max_tokens, 1, 1, attention_splits, logits_rows=logits_rows,
                         kv_bytes_per_position=reserved, table_bytes=table_bytes, scratch_bytes=scratch_bytes)
+    slots = expert_pool.all_experts(c)             # gpu mode: every expert on the device, with the routers
+    expert_bytes = expert_pool.router_bytes(c) + expert_pool.pool_layout(c).pool_bytes(slots) if c.is_moe else 0
     needs = ArenaNeeds(needs.kv_bytes, needs.activation_bytes, needs.slack_bytes, sessions=1,
-                       max_seq_len=reserved // per_position)
+                       max_seq_len=reserved // per_position, expert_bytes=expert_bytes)
     full = sum(i.nbytes for i in weight_items(c)) + needs.total
     budget = resolve_budget(budget_bytes, free_bytes, full)
     capacity, window = plan_arena(c, needs, budget, slot_count, prefetch_distance, small_item_bytes)
@@ -188,7 +195,31 @@ def plan_gpu_memory(c, *, budget_bytes: int | None, free_bytes: int, max_tokens:
     left = (budget if budget is not None else max(free_bytes - DEFAULT_MARGIN_BYTES, 0)) - arena_bytes
     kv = plan_kv_pool(block_bytes, block_size, left_bytes=left, min_positions=min_positions,
                       default_positions=min_positions, fixed_bytes=kv_pool_bytes)
-    return GpuMemoryPlan(arena_bytes, window, kv, needs, budget)
+    experts = every_expert(c) if c.is_moe else None
+    return GpuMemoryPlan(arena_bytes, window, kv, needs, budget, experts=experts, expert_slots=slots if c.is_moe else 0)
+
+
+def holds_every_expert(c, *, budget_bytes, free_bytes: int, max_tokens: int, max_seq_len: int, max_batch: int,
+                       kv_dtype: str) -> bool:
+    """A mixture-of-experts model in gpu mode: whether every weight, every expert with them, stays resident
+    under the budget (gpu mode streams no expert; where they do not fit, mode offload keeps the most used)."""
+    from kestrel_stream.cuda.moe_kernels import MAX_EXPERTS
+    if c.num_experts > MAX_EXPERTS:
+        return False                          # past the device router's experts: the host's
+    try:
+        memory = plan_gpu_memory(c, budget_bytes=budget_bytes, free_bytes=free_bytes, max_tokens=max_tokens,
+                                 max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len, attention_splits=16,
+                                 max_batch=max_batch, kv_dtype=kv_dtype)
+    except WindowBudgetError:
+        return False
+    return memory.window is None or not memory.window.streamed
+
+
+def every_expert(c) -> expert_residency.ResidentExperts:
+    """Every expert of every routed layer resident (gpu mode)."""
+    layers = expert_pool.routed_layers(c)
+    return expert_residency.ResidentExperts({layer: tuple(range(c.num_experts)) for layer in layers}, "all",
+                                            len(layers) * c.num_experts, 1.0)
 
 
 def gpu_mode_needs(c, max_batch: int, max_seq_len: int, prefill_chunk: int = PREFILL_CHUNK_TOKENS,
@@ -245,7 +276,7 @@ def offload_window(c, placement) -> WindowPlan:
     attention layers) and lm_head when resident, every other layer projection as a streamed item (a step's
     plan streams some of them; on the host where the placement has no ring), embed (and a host lm_head) left
     on the host.  A routed layer's router and
-    experts are no window items: they stay on the host."""
+    experts are no window items: the host's, or the expert store's for those resident (expert_store.py)."""
     items = {i.name: i for i in weight_items(c)}
     resident, streamed, on_host, reasons = [], [], [], {}
     for name, item in items.items():
@@ -274,12 +305,15 @@ def offload_window(c, placement) -> WindowPlan:
 
 def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int, profile, max_tokens: int,
                         max_sessions: int, max_seq_len: int, attention_splits: int, max_batch: int = 1,
-                        kv_dtype: str = "f16", block_size: int = 16, homes: str | None = None) -> GpuMemoryPlan:
+                        kv_dtype: str = "f16", block_size: int = 16, homes: str | None = None,
+                        routing_counts=None, expert_policy: str = "frequency") -> GpuMemoryPlan:
     """Mode offload's device memory under one budget: the KV pool for every layer (attention runs on the GPU)
     holds at least one session of max_seq_len plus a block for each other session of a full batch; the
     step's activations; then the weights: the offload placement (scheduler/offload.py) of what is left,
-    resident layers and a ring (homes: the layers' homes given, KESTREL_OFFLOAD_HOMES's form).  What the
-    weights leave goes to the pool."""
+    resident layers and a ring (homes: the layers' homes given, KESTREL_OFFLOAD_HOMES's form); a mixture-of-
+    experts model's routers and experts in the room the layers leave, as many as fit, chosen by
+    expert_policy (scheduler/expert_residency.py's, or "none") from routing_counts ([routed layers][experts];
+    None: none counted yet).  What the weights leave goes to the pool."""
     from scheduler import offload
     from scheduler.kv_pool import kv_bytes_per_position, plan_kv_pool
     per_position = kv_bytes_per_position(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
@@ -312,6 +346,26 @@ def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int,
     window = offload_window(c, placement)
     arena_bytes = (needs.total - needs.kv_bytes + window.resident_bytes + placement.ring_bytes
                    + 2 * ALIGN * (len(window.resident) + placement.slot_count))
+    experts, slots = None, 0
+    if c.is_moe:     # what the layers leave: the routers and as many experts as fit, chosen by their counts
+        room = weight_budget - placement.resident_bytes - placement.ring_bytes
+        slots = resident_expert_slots(c, room) if expert_policy != "none" else 0
+        if slots:
+            layers = expert_pool.routed_layers(c)
+            counts = routing_counts if routing_counts is not None else [[0] * c.num_experts for _ in layers]
+            experts = expert_residency.choose(counts, layers, c.num_experts, slots, expert_policy)
+            arena_bytes += expert_pool.router_bytes(c) + expert_pool.pool_layout(c).pool_bytes(slots) + ALIGN
     kv = plan_kv_pool(block_bytes, block_size, left_bytes=budget - arena_bytes, min_positions=min_positions,
                       default_positions=min_positions)
-    return GpuMemoryPlan(arena_bytes, window, kv, needs, budget, placement=placement)
+    return GpuMemoryPlan(arena_bytes, window, kv, needs, budget, placement=placement, experts=experts,
+                         expert_slots=slots)
+
+
+def resident_expert_slots(c, room_bytes: int) -> int:
+    """Experts a room of `room_bytes` holds in mode offload beside the routers (none if not the routers)."""
+    from kestrel_stream.cuda.moe_kernels import MAX_EXPERTS
+    room = room_bytes - expert_pool.router_bytes(c) - ALIGN
+    slot_bytes = expert_pool.pool_layout(c).slot_bytes
+    if room <= 0 or c.num_experts > MAX_EXPERTS:
+        return 0
+    return max(0, min(expert_pool.all_experts(c), room // slot_bytes))

@@ -27,6 +27,7 @@ from kestrel_stream.cuda.flash_attention import (StepChoice, attention_choice, p
                                                  split_count)
 from kestrel_stream.model import rope
 from kestrel_stream.model.op_tensors import fused_tensor, norm_weight  # noqa: F401  (importable from here too)
+from kestrel_stream.run.device.moe_ops import MoeBuffers, MoeOps
 
 
 def q8_bytes(w: QWeight, rows: int | None = None) -> int:
@@ -53,6 +54,7 @@ class DeviceState:
     attention_counters: int   # its last-split tickets
     split_scratch: mma_variants.SplitScratch   # split-K q8_mma launches' partial tiles and tickets
     dense: object = None      # cuda/dense_gemm.DenseScratch: steps of many tokens on cuBLAS (None: off)
+    moe: object = None        # moe_ops.MoeBuffers: a mixture-of-experts model's routed layers (None: none)
 
     @classmethod
     def allocate(cls, arena, config, tokens: int, logits_rows: int, splits: int) -> tuple["DeviceState", dict]:
@@ -74,7 +76,11 @@ class DeviceState:
         scratch = mma_variants.SplitScratch(arrays["split_partials"].ptr, partial_floats, arrays["split_tickets"].ptr,
                                             ticket_count)
         pointers = {name: array.ptr for name, array in arrays.items() if not name.startswith("split_")}
-        return cls(**pointers, split_scratch=scratch), arrays
+        moe = None
+        if c.is_moe:              # route and moe_out move between the sides by name (mixed.py): in `arrays`
+            moe, moe_arrays = MoeBuffers.allocate(arena, c, T)
+            arrays.update(moe_arrays)
+        return cls(**pointers, split_scratch=scratch, moe=moe), arrays
 
 
 @dataclass
@@ -90,13 +96,15 @@ class KVCaches:
 
 
 class DeviceOps:
-    """weight(op) -> QWeight of a projection; vector(array or None) -> its device address (0 for None)."""
+    """weight(op) -> QWeight of a projection; vector(array or None) -> its device address (0 for None);
+    experts: the expert store of a mixture-of-experts model whose router and experts run here (None: none)."""
 
     def __init__(self, kernels, weights, state: DeviceState, kv: KVCaches, params, inv_freq: int,
-                 weight: Callable, vector: Callable):
+                 weight: Callable, vector: Callable, experts=None):
         self.kernels, self.weights, self.config = kernels, weights, weights.config
         self.state, self.kv, self.params, self.inv_freq = state, kv, params, inv_freq
         self.weight, self.vector = weight, vector
+        self.moe = MoeOps(kernels, weights, experts, state.moe, state, vector) if experts is not None else None
         self._step_choices: dict[int, StepChoice] = {}
 
     def launches(self, op, tokens: int, lm_rows: tuple[int, int] | None = None,
@@ -106,6 +114,9 @@ class DeviceOps:
         0..count-1.  weight: where the op's weight is this step (mode offload's ring slot), if not where
         `self.weight` says."""
         role = op.group or op.kind
+        if role in ("router", "experts"):
+            assert self.moe is not None, f"{op.name}: no expert store on the device"
+            return self.moe.launches(op, tokens)
         if role in ("rope", "attention"):
             if role == "attention" and op.prologue:      # the rope op as its prologue (ops.fuse_rope)
                 launch = self._rope_attention(op.layer, tokens)

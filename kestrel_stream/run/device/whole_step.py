@@ -123,6 +123,10 @@ class WholeStep(Steps):
     def kv_stats(self) -> dict:
         return self.kv.stats()
 
+    def routing_counts(self) -> np.ndarray | None:
+        """The device routers' counts (every routed layer's router runs on the device in gpu mode)."""
+        return self.backend.experts.counts() if self.backend.experts is not None else None
+
     # ---- the launch lists (launches.py), built once per token count ------------------------------
     def step_launches(self, tokens: int, lm_rows: tuple[int, int] | None = None) -> list[Launch]:
         key = tokens if lm_rows is None or lm_rows == (0, tokens) else (tokens, *lm_rows)

@@ -107,9 +107,16 @@ class HostBackend(Steps):
         self.rope_swap = np.concatenate([np.arange(half, 2 * half), np.arange(half)])
         self.counters = StepCounters.counting("cpu_weight_read_bytes") if counters is None else counters
         self._whole_step: HostProgram | None = None
+        # a mixture-of-experts model's selections per expert of each routed layer, as the host router makes them
+        routed = [i for i in range(c.num_hidden_layers) if c.moe_layer(i)]
+        self.routed_index = {layer: n for n, layer in enumerate(routed)}
+        self.expert_counts = np.zeros((len(routed), c.num_experts), np.int64)
 
     def plan(self, tokens: int):
         return scheduler.build_plan(self.config, tokens, "cpu")
+
+    def routing_counts(self) -> np.ndarray | None:
+        return self.expert_counts.copy() if self.config.is_moe else None
 
     def program(self, ops, span_prefix: str = "") -> HostProgram:
         """A segment's ops bound to their numpy functions (the callers keep it per plan)."""

@@ -28,6 +28,7 @@ from kestrel_stream.obs import trace
 from kestrel_stream.run.host.arithmetic import attention, rmsnorm, rotate, route, silu_mul
 from kestrel_stream.run.host.native_program import NativeProgram
 from kestrel_stream.run.token_tree import visible_keys
+from scheduler.moe import expert_of
 from scheduler.ops import runs_alone
 
 
@@ -299,21 +300,29 @@ def _router(backend, op):
     router_t = np.ascontiguousarray(moe.router, np.float32).T      # [H, E]
     softmax_first, normalize = c.router_softmax_first, c.norm_topk_prob
 
+    counts = backend.expert_counts[backend.routed_index[op.layer]]      # each choice counted (frequency)
+
     def run(state: StepState) -> None:
         ids, weights = route(rmsnorm(state.read("x"), norm, eps) @ router_t, k, softmax_first, normalize)
         state.write("route", np.concatenate([ids.astype(np.float32), weights], axis=1))
+        np.add.at(counts, ids.reshape(-1), 1)
     return run
 
 
 def _experts(backend, op):
     """The chosen experts of a routed layer: per expert the rows of the tokens that chose it, gathered,
     through its gate_up, SiLU·mul and down (each a row range of the stacked weights, on the native kernels
-    where they build), weighted by the router and added into x."""
+    where they build), weighted by the router and added into x.  The host part of a layer whose other
+    experts are on the device (scheduler/moe.split_experts: it reads "moe_out") computes its own experts
+    and adds the device part's sum with its own."""
     c, counters, moe = backend.config, backend.counters, moe_weights(backend.weights, op)
     norm, eps, k, inter = backend.norm(op.prologue), c.rms_norm_eps, c.num_experts_per_tok, c.moe_intermediate_size
     gate_up = [backend.linear(moe.gate_up, *moe.gate_up_rows(e)) for e in range(moe.experts)]
     down = [backend.linear(moe.down, *moe.down_rows(e)) for e in range(moe.experts)]
     expert_bytes = moe.nbytes // moe.experts
+    device_part = "moe_out" in op.reads
+    mine = np.zeros(moe.experts, bool)
+    mine[sorted({expert_of(w.name) for w in op.weights})] = True
 
     def run(state: StepState) -> None:
         xn = rmsnorm(state.read("x"), norm, eps)
@@ -321,10 +330,13 @@ def _experts(backend, op):
         ids, weights = chosen[:, :k].astype(np.int64), chosen[:, k:]
         out = np.zeros_like(xn)
         used = np.unique(ids)
+        used = used[mine[used]]
         for e in used:                           # ascending expert id: the sum's order is fixed
             rows, slot = np.nonzero(ids == e)    # each token chooses an expert at most once
             h = gate_up[e](xn[rows])
             out[rows] += weights[rows, slot, None] * down[e](silu_mul(h[:, :inter], h[:, inter:]))
+        if device_part:
+            out += state.read("moe_out")
         state.add("x", out)
         counters.cpu_weight_read_bytes += len(used) * expert_bytes
     return run

@@ -1,0 +1,117 @@
+"""The routers and the resident experts of a mixture-of-experts model in device memory.
+
+Per routed layer: its router (float32 [E, H]), its slot table (int32 [E]: expert -> pool slot, -1 where the
+expert is not on the device) and its selection counts (uint32 [E], which moe_route adds to).  The expert
+pool (expert_pool.py's layout) holds `slots` experts of any layers; `place` fills it with a resident set
+(scheduler/expert_residency.py) and rewrites the tables, so a choice can change while the launches, which
+read the tables, stay as they are (a captured graph too).  Each layer's experts go up as one copy per
+region (a layer's slots are consecutive: ResidentExperts.slot_table).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.moe_kernels import PoolPart
+from kestrel_stream.model.quant import QTensor
+from kestrel_stream.model.quant4 import split_q8, tensor_format
+from kestrel_stream.run.device.block_weights import interleave_order
+from kestrel_stream.run.device.expert_pool import PoolLayout, pool_layout, routed_layers
+
+
+def weight_formats(weights) -> dict:
+    """layer -> (gate_up, down) format of a routed layer's experts as loaded."""
+    return {i: (tensor_format(layer.moe.gate_up), tensor_format(layer.moe.down))
+            for i, layer in enumerate(weights.layers) if layer.moe is not None}
+
+
+def expert_parts(w, lo: int, hi: int, interleave: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(qs, meta) uint8 rows of rows [lo, hi) of a stacked expert weight as the kernels read them (gate_up:
+    (gate j, up j) pairs)."""
+    part = w.rows(lo, hi)
+    qs, meta = split_q8(part) if isinstance(part, QTensor) else part.split()
+    if interleave:
+        order = interleave_order(hi - lo)
+        qs, meta = qs[order], meta[order]
+    return qs, meta
+
+
+class ExpertStore:
+    def __init__(self, weights, arena, slots: int, stream):
+        c = weights.config
+        self.weights, self.config, self.stream, self.slots = weights, c, stream, slots
+        self.layers = routed_layers(c)
+        self.index = {layer: n for n, layer in enumerate(self.layers)}
+        self.formats = weight_formats(weights)
+        self.layout: PoolLayout = pool_layout(c, self.formats)
+        L, E, H = len(self.layers), c.num_experts, c.hidden_size
+        self.routers = arena.alloc(L * E * H * 4)
+        self.tables = arena.alloc(L * E * 4)
+        self.counts_ptr = arena.alloc(L * E * 4)
+        for n, layer in enumerate(self.layers):
+            driver.h2d_sync(self.routers + n * E * H * 4,
+                            np.ascontiguousarray(weights.layers[layer].moe.router, np.float32))
+        self.reset_counts()
+        lay = self.layout
+        base = arena.alloc(max(lay.pool_bytes(slots), 1))
+        regions = np.cumsum([0] + [slots * s for s in (lay.gate_up_qs, lay.gate_up_meta, lay.down_qs)]).tolist()
+        self.gate_up = PoolPart(base + regions[0], base + regions[1], lay.gate_up_qs, lay.gate_up_meta)
+        self.down = PoolPart(base + regions[2], base + regions[3], lay.down_qs, lay.down_meta)
+        self.resident = None
+        self._write_tables({})
+
+    # ---- a layer's addresses ----------------------------------------------------------------------------
+    def router(self, layer: int) -> int:
+        return self.routers + self.index[layer] * self.config.num_experts * self.config.hidden_size * 4
+
+    def slot_of(self, layer: int) -> int:
+        return self.tables + self.index[layer] * self.config.num_experts * 4
+
+    def counts_of(self, layer: int) -> int:
+        return self.counts_ptr + self.index[layer] * self.config.num_experts * 4
+
+    # ---- the resident set ---------------------------------------------------------------------------------
+    def place(self, resident) -> None:
+        """Fill the pool with `resident` (a scheduler.expert_residency.ResidentExperts, at most `slots`
+        experts) and point the tables at them; no kernel of the store may be running (the caller syncs)."""
+        assert resident.used_slots <= self.slots, (resident.used_slots, self.slots)
+        table = resident.slot_table()
+        for layer in self.layers:
+            ids = resident.ids(layer)
+            if not ids:
+                continue
+            first = table[layer, ids[0]]
+            moe = self.weights.layers[layer].moe
+            for part, w, rows, interleave in ((self.gate_up, moe.gate_up, moe.gate_up_rows, True),
+                                              (self.down, moe.down, moe.down_rows, False)):
+                pieces = [expert_parts(w, *rows(e), interleave) for e in ids]
+                for offset, stride, at in ((0, part.qs_slot, part.qs), (1, part.meta_slot, part.meta)):
+                    image = np.zeros((len(ids), stride), np.uint8)
+                    for i, piece in enumerate(pieces):
+                        flat = piece[offset].reshape(-1)
+                        image[i, :flat.size] = flat
+                    driver.h2d_sync(at + first * stride, image)
+        self._write_tables(table)
+        self.resident = resident
+
+    def _write_tables(self, table: dict) -> None:
+        E = self.config.num_experts
+        slots = np.full((len(self.layers), E), -1, np.int32)
+        for (layer, e), slot in table.items():
+            slots[self.index[layer], e] = slot
+        driver.h2d_sync(self.tables, slots)
+
+    # ---- routing frequency ----------------------------------------------------------------------------------
+    def counts(self) -> np.ndarray:
+        """Selections per expert counted on the device so far, int64 [routed layers, E] (waits for the stream)."""
+        nbytes = len(self.layers) * self.config.num_experts * 4
+        buffer = driver.PinnedBuffer(nbytes)
+        try:
+            driver.d2h_async(buffer, self.counts_ptr, nbytes, self.stream)
+            self.stream.synchronize()
+            return buffer.view(np.uint32, (len(self.layers), self.config.num_experts)).astype(np.int64)
+        finally:
+            buffer.free()
+
+    def reset_counts(self) -> None:
+        driver.h2d_sync(self.counts_ptr, np.zeros(len(self.layers) * self.config.num_experts, np.uint32))

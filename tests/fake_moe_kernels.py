@@ -1,0 +1,123 @@
+"""numpy twins of the mixture-of-experts kernels (kernels_ptx/moe.cu), for fake_cuda.
+
+moe_route: the router's logits of xn times 1/rms (the norm prologue), the host's routing arithmetic
+(run/host/arithmetic.route: the same top-k and weights, ties to the lowest id), the counts, and the
+grouping the last block writes; moe_experts: each active expert's weight read back from its pool slot
+(a wrong slot, stride or part offset gives wrong numbers) times the rows of the tokens that chose it;
+moe_combine: the weighted sum of each token's choices that have a slot.  Each checks the launch shape
+(a grid that misses a chosen expert is an error, as the kernel would silently skip it), the alignment of
+vector loads and that the route kernel's ticket is zero at launch.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from fake_cuda import dev
+from kestrel_stream.cuda import moe_kernels
+from kestrel_stream.model.quant4 import dequantize_blocks
+from kestrel_stream.run.host.arithmetic import route as host_route
+from scheduler.ops import BLOCK_FORMATS
+
+
+def ints(ptr: int, count: int) -> np.ndarray:
+    return dev(ptr, 4 * count, np.int32)
+
+
+def group_layout(groups: int, experts: int, choices: int) -> tuple[np.ndarray, ...]:
+    """(offsets [E+1], active [E+1], sorted [A], position [A]) views of a layer's groups."""
+    view = ints(groups, moe_kernels.group_ints(experts, 1, 0) + 2 * choices)
+    E1 = experts + 1
+    return view[:E1], view[E1:2 * E1], view[2 * E1:2 * E1 + choices], view[2 * E1 + choices:]
+
+
+def moe_route(launch, xn, inv_rms, router, route, counts, slot_of, groups, ticket, H, E, k, flags, T) -> None:
+    import fake_kernels as fk
+    assert launch.grid == (T, 1, 1) and launch.block == (moe_kernels.ROUTE_THREADS, 1, 1), launch.name
+    moe_kernels.check_shape(E, k, T, H)
+    assert xn % 16 == 0 and router % 16 == 0, "float4 loads of xn and the router misaligned"
+    fk.take_ticket(ticket)
+    logits = fk.rows(xn, T, H, H) @ fk.f32(router, E * H).reshape(E, H).T
+    if inv_rms:
+        logits = logits * fk.f32(inv_rms, T)[:, None]
+    ids, weights = host_route(logits.astype(np.float32), k, bool(flags & 1), bool(flags & 2))
+    fk.rows(route, T, 2 * k, 2 * k)[:] = np.concatenate([ids.astype(np.float32), weights], axis=1)
+    if counts:
+        np.add.at(dev(counts, 4 * E, np.uint32), ids.reshape(-1), 1)
+    offsets, active, order, position = group_layout(groups, E, T * k)
+    chosen = ids.reshape(-1)
+    order[:] = np.argsort(chosen, kind="stable")            # grouped by expert, ascending choice within
+    position[order] = np.arange(T * k)
+    offsets[:] = np.searchsorted(chosen[order], np.arange(E + 1))
+    slots = ints(slot_of, E) if slot_of else np.zeros(E, np.int32)
+    used = [e for e in range(E) if offsets[e + 1] > offsets[e] and slots[e] >= 0]
+    active[:len(used)] = used
+    active[E] = len(used)
+
+
+def pool_weight(fmt: str, qs: int, meta: int, rows: int, cols: int) -> np.ndarray:
+    """float32 [rows, cols] of one slot of a pool part, from its qs and meta bytes."""
+    import fake_kernels as fk
+    if fmt == "Q8_0":
+        return fk.q8_dense(qs, meta, rows, cols)
+    from fake_block_kernels import part_blocks
+    blocks = part_blocks(qs, meta, fmt, rows, cols)
+    return dequantize_blocks(blocks.reshape(-1, BLOCK_FORMATS[fmt][1]), fmt).reshape(rows, cols)
+
+
+def moe_experts(launch, qs, meta, qs_slot, meta_slot, slot_of, groups, x, ldx, gather, inv_rms, y, ldy, N, K, E,
+                k) -> None:
+    import fake_kernels as fk
+    code, m, silu = re.fullmatch(r"moe_experts_(q8_0|q4_0|q4_k|q6_k)_m(1|8)(_silu)?", launch.name).groups()
+    fmt = code.upper()
+    assert launch.block == (moe_kernels.EXPERT_THREADS, 1, 1) and launch.grid[2] == 1, launch.name
+    assert launch.grid[0] * moe_kernels.EXPERT_ROWS >= N, f"{launch.name}: grid {launch.grid} misses rows of {N}"
+    assert not silu or N % 2 == 0
+    assert qs_slot % 16 == 0 and meta_slot % 16 == 0 and ldx % 4 == 0 and x % 16 == 0, launch.name
+    offsets, active, order, _ = group_layout(groups, E, 0)
+    choices = int(offsets[E])
+    offsets, active, order, _ = group_layout(groups, E, choices)
+    assert active[E] <= launch.grid[1], f"{launch.name}: {active[E]} chosen experts, grid {launch.grid}"
+    slots = ints(slot_of, E)
+    for e in active[:active[E]]:
+        first, end = int(offsets[e]), int(offsets[e + 1])
+        assert int(m) == 8 or end - first <= 1, f"{launch.name}: {end - first} tokens of expert {e} on the M=1 kernel"
+        slot = int(slots[e])
+        assert slot >= 0
+        w = pool_weight(fmt, qs + slot * qs_slot, meta + slot * meta_slot, N, K)
+        source = order[first:end] // k if gather else np.arange(first, end)
+        xs = np.stack([fk.f32(x + 4 * int(r) * ldx, K) for r in source])
+        s = xs @ w.T
+        if inv_rms:
+            s *= fk.f32(inv_rms, int(source.max()) + 1)[source][:, None]
+        out = fk.silu_mul(s[:, 0::2], s[:, 1::2]) if silu else s
+        fk.rows(y + 4 * first * ldy, end - first, ldy, out.shape[1])[:] = out
+
+
+def moe_combine(launch, route, groups, slot_of, expert_out, res, y, normw_out, xn_out, inv_rms_out, eps, H, E, k,
+                T) -> None:
+    import fake_kernels as fk
+    assert launch.grid == (T, 1, 1) and launch.block == (moe_kernels.COMBINE_THREADS, 1, 1), launch.name
+    chosen = fk.rows(route, T, 2 * k, 2 * k)
+    ids, weights = chosen[:, :k].astype(np.int64), chosen[:, k:]
+    position = group_layout(groups, E, T * k)[3]
+    slots = ints(slot_of, E)
+    total = np.zeros((T, H), np.float32)
+    for t in range(T):
+        for j in range(k):
+            if slots[ids[t, j]] >= 0:
+                total[t] += weights[t, j] * fk.f32(expert_out + 4 * int(position[t * k + j]) * H, H)
+    out = total + fk.rows(res, T, H, H) if res else total
+    fk.rows(y, T, H, H)[:] = out
+    if xn_out:
+        fk.rows(xn_out, T, H, H)[:] = out * fk.f32(normw_out, H)
+    if inv_rms_out:
+        fk.f32(inv_rms_out, T)[:] = 1.0 / np.sqrt(np.mean(np.square(out), axis=1) + np.float32(eps))
+
+
+MOE_KERNELS = [
+    (r"moe_route", moe_route),
+    (r"moe_experts_(q8_0|q4_0|q4_k|q6_k)_m(1|8)(_silu)?", moe_experts),
+    (r"moe_combine", moe_combine),
+]
