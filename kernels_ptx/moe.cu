@@ -2,13 +2,13 @@
 // ops, kestrel_stream/cuda/moe_kernels.py builds the launches): four launches a layer for any number of
 // tokens T, and no host round trip -- the chosen experts are found, grouped and read on the device.
 //
-//   moe_route     one block per token: the router's float32 logits of xn (x * the norm weight, times
-//                 1/rms: the norm prologue), the model's top-k -- softmax over every expert, the top k,
-//                 renormalized or not (Qwen3-MoE), or the top k logits, softmax over them (Mixtral) --
-//                 ties to the lowest expert id as the host's stable sort; "route" rows [T, 2k]: the
-//                 ids as floats, then the weights (the host's layout); each choice counted in
-//                 counts[E] (routing frequency, read by the host when it asks).  The last block to
-//                 finish (a ticket) groups the T k choices by expert into `groups` (below).
+//   moe_route     the router's float32 logits of xn (x * the norm weight, times 1/rms: the norm
+//                 prologue), blocks over (8 experts, 8 tokens); the model's top-k, a warp a token --
+//                 softmax over every expert, the top k, renormalized or not (Qwen3-MoE), or the top k
+//                 logits, softmax over them (Mixtral) -- ties to the lowest expert id as the host's
+//                 stable sort; "route" rows [T, 2k]: the ids as floats, then the weights (the host's
+//                 layout); each choice counted in counts[E] (routing frequency, read by the host when
+//                 it asks).  The last block to finish (a ticket) groups the T k choices by expert.
 //   moe_experts_<fmt>_m<M>[_silu]
 //                 grid (row blocks, experts): block (x, s) takes the s-th chosen expert that has a
 //                 slot in the expert pool and rows [4x, 4x + 4) of its weight, over the tokens that
@@ -31,6 +31,7 @@
 //   [E + 1, 2E + 1]  active: the chosen experts with a slot, ascending; active[E] how many
 //   sorted [A]       the choices grouped by expert, ascending within each expert
 //   position [A]     where choice a is in sorted
+//   logits [T, E]    (floats) the router's, for the choice
 #include "common.cuh"
 #include "q4_formats.cuh"
 #include "block_dots.cuh"
@@ -39,34 +40,65 @@
 #define MOE_MAX_EXPERTS 256
 #define MOE_MAX_CHOSEN 16
 #define MOE_MAX_CHOICES 8192
-#define MOE_ROUTE_THREADS 256
+#define MOE_ROUTE_WARPS 8     // a route block: 8 experts (a warp each) ...
+#define MOE_ROUTE_TOKENS 8    // ... over a tile of 8 tokens
 #define MOE_ROWS 4
 #define MOE_THREADS 128
 #define MOE_COMBINE_THREADS 256
 
-// thread 0: the top k of score[0..E) (softmax over them first when SOFTMAX_FIRST), ties to the lowest id
-__device__ __forceinline__ void choose_experts(float* score, int E, int k, int flags, float* route_row,
+// one warp: token t's choice from its logits (lane l holds experts l, l + 32, ...): softmax over every
+// expert first (SOFTMAX_FIRST, Qwen3-MoE), the top k -- each round the largest score, ties to the lowest id
+// (the host's stable sort) -- and their weights: renormalized (NORMALIZE) or not, or (Mixtral) a softmax
+// over the top k logits; lane 0 writes the route row and counts the choices
+__device__ __forceinline__ void choose_experts(const volatile float* logits, int E, int k, int flags, float* route_row,
                                                unsigned int* counts) {
+    constexpr int PER_LANE = MOE_MAX_EXPERTS / 32;
     const bool softmax_first = flags & 1, normalize = flags & 2;
+    const int lane = threadIdx.x & 31;
+    float v[PER_LANE];
+#pragma unroll
+    for (int i = 0; i < PER_LANE; i++) v[i] = lane + 32 * i < E ? logits[lane + 32 * i] : -INFINITY;
     if (softmax_first) {
-        float top = score[0], sum = 0.f;
-        for (int e = 1; e < E; e++) top = fmaxf(top, score[e]);
-        for (int e = 0; e < E; e++) {
-            score[e] = expf(score[e] - top);
-            sum += score[e];
+        float top = -INFINITY, sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) top = fmaxf(top, v[i]);
+        top = warp_max(top);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) {
+            v[i] = lane + 32 * i < E ? expf(v[i] - top) : 0.f;
+            sum += v[i];
         }
-        for (int e = 0; e < E; e++) score[e] = score[e] / sum;
+        sum = warp_sum(sum);
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++) v[i] = lane + 32 * i < E ? v[i] / sum : -INFINITY;
     }
     float top[MOE_MAX_CHOSEN];
     int pick[MOE_MAX_CHOSEN];
     for (int j = 0; j < k; j++) {
-        int best = -1;
-        for (int e = 0; e < E; e++)      // strictly greater: the lowest id among equal scores
-            if (best < 0 || score[e] > score[best]) best = e;
-        pick[j] = best;
-        top[j] = score[best];
-        score[best] = -INFINITY;
+        float best = -INFINITY;
+        int at = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)   // ascending ids within the lane: strictly greater keeps the lowest
+            if (lane + 32 * i < E && (v[i] > best || at == 0x7fffffff)) {
+                best = v[i];
+                at = lane + 32 * i;
+            }
+#pragma unroll
+        for (int offset = 16; offset > 0; offset >>= 1) {
+            const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+            const int other_at = __shfl_xor_sync(0xffffffffu, at, offset);
+            if (other > best || (other == best && other_at < at)) {
+                best = other;
+                at = other_at;
+            }
+        }
+        pick[j] = at;
+        top[j] = best;
+#pragma unroll
+        for (int i = 0; i < PER_LANE; i++)
+            if (lane + 32 * i == at) v[i] = -INFINITY;   // taken (scores are finite)
     }
+    if (lane != 0) return;
     float sum = 0.f;
     for (int j = 0; j < k; j++) {
         if (!softmax_first) top[j] = expf(top[j] - top[0]);
@@ -79,44 +111,13 @@ __device__ __forceinline__ void choose_experts(float* score, int E, int k, int f
     }
 }
 
-extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route(
-        const float* xn, const float* inv_rms, const float* router, float* route, unsigned int* counts,
-        const int* slot_of, int* groups, unsigned int* ticket, int H, int E, int k, int flags, int T) {
-    constexpr int WARPS = MOE_ROUTE_THREADS / 32;
-    __shared__ float score[MOE_MAX_EXPERTS];
+// the last block of the launch: every token's choices grouped by expert (a counting sort, stable by choice)
+__device__ __forceinline__ void group_by_expert(const float* route, const int* slot_of, int* groups, int E, int k,
+                                                int T) {
+    constexpr int WARPS = MOE_ROUTE_WARPS;
     __shared__ int start[MOE_MAX_EXPERTS];
     __shared__ int chosen[MOE_MAX_CHOICES];
-    __shared__ bool is_last_block;
-    pdl_launch_dependents();
-    pdl_wait();   // xn and 1/rms belong to earlier kernels
-    const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const float* x = xn + (long long)t * H;
-    const float scale = inv_rms ? inv_rms[t] : 1.f;
-    for (int e = warp; e < E; e += WARPS) {
-        const float* w = router + (long long)e * H;
-        float s = 0.f;
-        for (int i = 4 * lane; i < H; i += 128) {
-            const float4 a = *(const float4*)(w + i), b = *(const float4*)(x + i);
-            s = fmaf(a.x, b.x, s);
-            s = fmaf(a.y, b.y, s);
-            s = fmaf(a.z, b.z, s);
-            s = fmaf(a.w, b.w, s);
-        }
-        s = warp_sum(s);
-        if (lane == 0) score[e] = s * scale;
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        choose_experts(score, E, k, flags, route + (long long)t * 2 * k, counts);
-        __threadfence();   // the route row lands before the ticket is taken
-        is_last_block = atomicAdd(ticket, 1u) == gridDim.x - 1;
-    }
-    __syncthreads();
-    if (!is_last_block) return;
-    __threadfence();
-
-    // the last block: every token's choices grouped by expert (a counting sort, stable by choice)
-    const int A = T * k;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, A = T * k;
     int* offsets = groups;
     int* active = groups + E + 1;
     int* sorted = groups + 2 * (E + 1);
@@ -158,7 +159,63 @@ extern "C" __global__ void __launch_bounds__(MOE_ROUTE_THREADS) moe_route(
             at += __popc(ballot);
         }
     }
-    if (threadIdx.x == 0) *ticket = 0u;
+}
+
+// grid (experts / 8, tokens / 8): block (g, s) the logits of experts 8g.. for tokens 8s.. (a warp an expert,
+// its router row read once for the tile) into the groups' logits; the tile's last block (tickets[s]) the
+// tile's choices, a warp a token; the launch's last block (tickets[tiles]) the grouping.  Each last block
+// resets its ticket.
+extern "C" __global__ void __launch_bounds__(32 * MOE_ROUTE_WARPS) moe_route(
+        const float* xn, const float* inv_rms, const float* router, float* route, unsigned int* counts,
+        const int* slot_of, int* groups, unsigned int* tickets, int H, int E, int k, int flags, int T) {
+    __shared__ bool is_last_block;
+    pdl_launch_dependents();
+    pdl_wait();   // xn and 1/rms belong to earlier kernels
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int e = blockIdx.x * MOE_ROUTE_WARPS + warp, t0 = blockIdx.y * MOE_ROUTE_TOKENS;
+    const int ntok = min(MOE_ROUTE_TOKENS, T - t0);
+    float* logits = (float*)groups + 2 * (E + 1) + 2 * T * k;   // [T, E]
+    if (e < E) {
+        float acc[MOE_ROUTE_TOKENS];
+#pragma unroll
+        for (int m = 0; m < MOE_ROUTE_TOKENS; m++) acc[m] = 0.f;
+        const float* w = router + (long long)e * H;
+        for (int i = 4 * lane; i < H; i += 128) {
+            const float4 a = *(const float4*)(w + i);
+#pragma unroll
+            for (int m = 0; m < MOE_ROUTE_TOKENS; m++) {
+                if (m >= ntok) break;
+                const float4 b = *(const float4*)(xn + (long long)(t0 + m) * H + i);
+                acc[m] = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc[m]))));
+            }
+        }
+#pragma unroll
+        for (int m = 0; m < MOE_ROUTE_TOKENS; m++) {
+            if (m >= ntok) break;
+            const float s = warp_sum(acc[m]);
+            if (lane == 0) logits[(long long)(t0 + m) * E + e] = inv_rms ? s * inv_rms[t0 + m] : s;
+        }
+    }
+    __threadfence();   // the logits land before the tile's ticket is taken
+    __syncthreads();
+    if (threadIdx.x == 0) is_last_block = atomicAdd(tickets + blockIdx.y, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!is_last_block) return;
+    __threadfence();
+    if (warp < ntok)
+        choose_experts(logits + (long long)(t0 + warp) * E, E, k, flags, route + (long long)(t0 + warp) * 2 * k,
+                       counts);
+    __threadfence();   // the route rows land before the launch's ticket is taken
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        tickets[blockIdx.y] = 0u;
+        is_last_block = atomicAdd(tickets + gridDim.y, 1u) == gridDim.y - 1;
+    }
+    __syncthreads();
+    if (!is_last_block) return;
+    __threadfence();
+    group_by_expert(route, slot_of, groups, E, k, T);
+    if (threadIdx.x == 0) tickets[gridDim.y] = 0u;
 }
 
 template <class F, int M, bool SILU>

@@ -6,7 +6,7 @@ grouping the last block writes; moe_experts: each active expert's weight read ba
 (a wrong slot, stride or part offset gives wrong numbers) times the rows of the tokens that chose it;
 moe_combine: the weighted sum of each token's choices that have a slot.  Each checks the launch shape
 (a grid that misses a chosen expert is an error, as the kernel would silently skip it), the alignment of
-vector loads and that the route kernel's ticket is zero at launch.
+vector loads and that the route kernel's tickets are zero at launch.
 """
 from __future__ import annotations
 
@@ -27,20 +27,23 @@ def ints(ptr: int, count: int) -> np.ndarray:
 
 def group_layout(groups: int, experts: int, choices: int) -> tuple[np.ndarray, ...]:
     """(offsets [E+1], active [E+1], sorted [A], position [A]) views of a layer's groups."""
-    view = ints(groups, moe_kernels.group_ints(experts, 1, 0) + 2 * choices)
     E1 = experts + 1
+    view = ints(groups, 2 * E1 + 2 * choices)
     return view[:E1], view[E1:2 * E1], view[2 * E1:2 * E1 + choices], view[2 * E1 + choices:]
 
 
-def moe_route(launch, xn, inv_rms, router, route, counts, slot_of, groups, ticket, H, E, k, flags, T) -> None:
+def moe_route(launch, xn, inv_rms, router, route, counts, slot_of, groups, tickets, H, E, k, flags, T) -> None:
     import fake_kernels as fk
-    assert launch.grid == (T, 1, 1) and launch.block == (moe_kernels.ROUTE_THREADS, 1, 1), launch.name
+    tiles = -(-T // moe_kernels.ROUTE_TOKENS)
+    assert launch.grid == (-(-E // moe_kernels.ROUTE_WARPS), tiles, 1), f"{launch.name}: grid {launch.grid}"
+    assert launch.block == (32 * moe_kernels.ROUTE_WARPS, 1, 1), launch.name
     moe_kernels.check_shape(E, k, T, H)
     assert xn % 16 == 0 and router % 16 == 0, "float4 loads of xn and the router misaligned"
-    fk.take_ticket(ticket)
+    fk.take_ticket(tickets, tickets=moe_kernels.route_tickets(T))
     logits = fk.rows(xn, T, H, H) @ fk.f32(router, E * H).reshape(E, H).T
     if inv_rms:
         logits = logits * fk.f32(inv_rms, T)[:, None]
+    dev(groups + 4 * (2 * (E + 1) + 2 * T * k), 4 * T * E, np.float32)[:] = logits.reshape(-1)   # its scratch
     ids, weights = host_route(logits.astype(np.float32), k, bool(flags & 1), bool(flags & 2))
     fk.rows(route, T, 2 * k, 2 * k)[:] = np.concatenate([ids.astype(np.float32), weights], axis=1)
     if counts:

@@ -12,9 +12,10 @@ from dataclasses import dataclass
 
 # kernels_ptx/moe.cu's limits and shapes
 MAX_EXPERTS, MAX_CHOSEN, MAX_CHOICES = 256, 16, 8192
-ROUTE_THREADS, EXPERT_ROWS, EXPERT_THREADS, COMBINE_THREADS = 256, 4, 128, 256
+ROUTE_WARPS, ROUTE_TOKENS = 8, 8                 # a route block: 8 experts (a warp each) over 8 tokens
+EXPERT_ROWS, EXPERT_THREADS, COMBINE_THREADS = 4, 128, 256
 FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")      # the expert kernels' block formats
-ROUTE_SIGNATURE = "pppppppp" + "iiiii"           # xn inv_rms router route counts slot_of groups ticket, H E k flags T
+ROUTE_SIGNATURE = "pppppppp" + "iiiii"           # xn inv_rms router route counts slot_of groups tickets, H E k flags T
 EXPERTS_SIGNATURE = "ppqqppp" + "ii" + "pp" + "iiiii"   # qs meta qs_slot meta_slot slot_of groups x, ldx gather,
                                                         # inv_rms y, ldy N K E k
 COMBINE_SIGNATURE = "ppppppppp" + "f" + "iiii"   # route groups slot_of expert_out res y normw xn inv_rms, eps, H E k T
@@ -30,9 +31,14 @@ class PoolPart:
 
 
 def group_ints(experts: int, tokens: int, chosen: int) -> int:
-    """The ints moe_route's grouping writes for a step of `tokens` tokens (moe.cu: offsets, active, sorted,
-    position)."""
-    return 2 * (experts + 1) + 2 * tokens * chosen
+    """The 4-byte words of moe_route's scratch for a step of `tokens` tokens (moe.cu: offsets, active, sorted,
+    position, then the logits)."""
+    return 2 * (experts + 1) + 2 * tokens * chosen + tokens * experts
+
+
+def route_tickets(tokens: int) -> int:
+    """The zeroed uint32 tickets moe_route takes (one per tile of ROUTE_TOKENS tokens, one for the launch)."""
+    return -(-tokens // ROUTE_TOKENS) + 1
 
 
 def check_shape(experts: int, chosen: int, tokens: int, hidden: int) -> None:
@@ -43,15 +49,16 @@ def check_shape(experts: int, chosen: int, tokens: int, hidden: int) -> None:
 
 
 def route_launch(kernels, *, xn: int, inv_rms: int, router: int, route: int, counts: int, slot_of: int,
-                 groups: int, ticket: int, hidden: int, experts: int, chosen: int, softmax_first: bool,
+                 groups: int, tickets: int, hidden: int, experts: int, chosen: int, softmax_first: bool,
                  normalize: bool, tokens: int):
     """moe_route over `tokens` rows of xn (1/rms per row): route rows [tokens, 2 chosen] (ids as floats, then
-    weights), each choice counted in counts [experts] (0: not counted), groups filled; `ticket` a zeroed
-    uint32 the last block resets."""
+    weights), each choice counted in counts [experts] (0: not counted), groups filled; `tickets`:
+    route_tickets(tokens) zeroed uint32, which the last blocks reset."""
     check_shape(experts, chosen, tokens, hidden)
     flags = (1 if softmax_first else 0) | (2 if normalize else 0)
-    return kernels.launch("moe_route", (tokens,), (ROUTE_THREADS,), ROUTE_SIGNATURE,
-                          [xn, inv_rms, router, route, counts, slot_of, groups, ticket, hidden, experts, chosen,
+    grid = (-(-experts // ROUTE_WARPS), -(-tokens // ROUTE_TOKENS))
+    return kernels.launch("moe_route", grid, (32 * ROUTE_WARPS,), ROUTE_SIGNATURE,
+                          [xn, inv_rms, router, route, counts, slot_of, groups, tickets, hidden, experts, chosen,
                            flags, tokens]).label(flops=float(2 * tokens * experts * hidden))
 
 

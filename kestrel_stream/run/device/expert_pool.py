@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kestrel_stream.cuda.block_kernels import PART_BYTES
-from kestrel_stream.cuda.moe_kernels import group_ints
+from kestrel_stream.cuda.moe_kernels import group_ints, route_tickets
 from scheduler.moe import expert_names
 from scheduler.ops import BLOCK_FORMATS
 
@@ -83,8 +83,8 @@ def all_experts(config) -> int:
 def buffer_floats(config, tokens: int) -> int:
     """The step buffers of a routed layer on the device for steps of up to `tokens` tokens (4-byte words):
     route [T, 2k], the device experts' sum [T, H], act [T k, I], the experts' rows [T k, H], the groups,
-    the route kernel's ticket."""
+    the route kernel's tickets."""
     if not config.is_moe:
         return 0
     H, I, E, k = config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok
-    return tokens * (2 * k + H) + tokens * k * (I + H) + group_ints(E, tokens, k) + 1
+    return tokens * (2 * k + H) + tokens * k * (I + H) + group_ints(E, tokens, k) + route_tickets(tokens)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.moe_kernels import combine_launch, experts_launch, group_ints, route_launch
+from kestrel_stream.cuda.moe_kernels import (combine_launch, experts_launch, group_ints, route_launch,
+                                             route_tickets)
 from kestrel_stream.model.op_tensors import norm_weight
 
 
@@ -26,7 +27,7 @@ class MoeBuffers:
     act: int            # [T k, I] silu(gate) * up per choice, grouped by expert
     expert_out: int     # [T k, H] down rows per choice, grouped by expert
     groups: int         # moe_route's grouping (moe_kernels.group_ints)
-    ticket: int         # its last-block ticket (zeroed)
+    tickets: int        # its last-block tickets (moe_kernels.route_tickets, zeroed)
 
     @classmethod
     def allocate(cls, arena, config, tokens: int) -> tuple["MoeBuffers", dict]:
@@ -36,9 +37,10 @@ class MoeBuffers:
         arrays = {"route": arena.array((tokens, 2 * k), np.float32), "moe_out": arena.array((tokens, H), np.float32)}
         act, expert_out = arena.array((tokens * k, I), np.float32), arena.array((tokens * k, H), np.float32)
         groups = arena.array((group_ints(E, tokens, k),), np.int32)
-        ticket = arena.array((1,), np.uint32)
-        driver.h2d_sync(ticket.ptr, np.zeros(1, np.uint32))
-        return cls(arrays["route"].ptr, arrays["moe_out"].ptr, act.ptr, expert_out.ptr, groups.ptr, ticket.ptr), arrays
+        tickets = arena.array((route_tickets(tokens),), np.uint32)
+        driver.h2d_sync(tickets.ptr, np.zeros(route_tickets(tokens), np.uint32))
+        return cls(arrays["route"].ptr, arrays["moe_out"].ptr, act.ptr, expert_out.ptr, groups.ptr,
+                   tickets.ptr), arrays
 
 
 class MoeOps:
@@ -55,7 +57,7 @@ class MoeOps:
         if op.kind == "router":
             launch = route_launch(self.kernels, xn=s.xn, inv_rms=s.inv_rms, router=store.router(layer), route=b.route,
                                   counts=store.counts_of(layer), slot_of=store.slot_of(layer), groups=b.groups,
-                                  ticket=b.ticket, hidden=H, softmax_first=c.router_softmax_first,
+                                  tickets=b.tickets, hidden=H, softmax_first=c.router_softmax_first,
                                   normalize=c.norm_topk_prob, **shape)
             return [launch.label(op="router", layer=layer, bytes=E * H * 4)]
         assert op.kind == "experts", op.name

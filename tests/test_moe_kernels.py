@@ -1,0 +1,204 @@
+"""The mixture-of-experts kernels (kernels_ptx/moe.cu) against numpy: routing with the model's top-k (ties to
+the lowest expert), the grouping by expert, and the grouped expert GEMVs with the combine on awkward expert
+loads -- an expert every token chose, one only one token chose, and experts none chose -- at one token (the
+M=1 kernels), a few and more than a tile's worth, in Q8_0 and the block formats, with every expert in the
+pool or some left to the host (mode offload's resident part: the sum alone).
+
+Each case runs on the emulated device (fake_moe_kernels' twins: CI) and, marked `gpu`, on a real one with the
+NVRTC-built kernels.  Reference: the host's routing (run/host/arithmetic.route) of float32 logits, and per
+choice float32 x @ dequant(W).T: within 1e-5 of the largest output (fp32 sums in another order).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from bench.synthetic import random_blocks
+from kestrel_stream.cuda import driver, moe_kernels
+from kestrel_stream.model.quant import quantize
+from kestrel_stream.model.quant4 import BlockTensor
+from kestrel_stream.run.device.expert_pool import part_bytes
+from kestrel_stream.run.device.expert_store import expert_parts
+from kestrel_stream.run.host.arithmetic import route as host_route, silu_mul
+from test_block_kernels import DEVICES, Harness
+
+E, K_CHOSEN = 6, 2
+# (gate_up format, down format, H, I): Q8_0 both; llama.cpp Q4_K_M's experts (Q4_K gate/up, Q6_K down); Q4_0
+SHAPES = {"q8": ("Q8_0", "Q8_0", 64, 96), "q4_k_m": ("Q4_K", "Q6_K", 256, 256), "q4_0": ("Q4_0", "Q8_0", 128, 64)}
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(params=DEVICES)
+def dev(request, monkeypatch):
+    h = Harness(request.param, monkeypatch)
+    yield h
+    h.arena.release()
+
+
+def stacked(fmt: str, rows: int, cols: int, rng):
+    if fmt == "Q8_0":
+        return quantize((rng.standard_normal((rows, cols)) / np.sqrt(cols)).astype(np.float32))
+    return BlockTensor(fmt, random_blocks(rng, fmt, rows, cols, 1 / np.sqrt(cols)), cols)
+
+
+class Layer:
+    """A routed layer's experts (every expert's gate_up rows, then down rows, stacked) in a pool on `dev`,
+    each expert in slot `slots[e]` (-1: not on the device), its router, and the step buffers."""
+
+    def __init__(self, dev, shape: str, tokens: int, slots, seed: int = 0):
+        self.gate_up_fmt, self.down_fmt, self.H, self.I = SHAPES[shape]
+        H, I = self.H, self.I
+        rng = np.random.default_rng(seed)
+        self.gate_up, self.down = stacked(self.gate_up_fmt, E * 2 * I, H, rng), stacked(self.down_fmt, E * H, I, rng)
+        self.slots = np.asarray(slots, np.int32)
+        strides = [-(-b // 256) * 256 for b in part_bytes(self.gate_up_fmt, 2 * I, H) + part_bytes(self.down_fmt, H, I)]
+        used = int(self.slots.max()) + 1
+        regions = [dev.put(np.zeros(used * s, np.uint8)) for s in strides]
+        self.parts = (moe_kernels.PoolPart(regions[0], regions[1], strides[0], strides[1]),
+                      moe_kernels.PoolPart(regions[2], regions[3], strides[2], strides[3]))
+        for e, slot in enumerate(self.slots):
+            if slot < 0:
+                continue
+            for part, w, rows, interleave in ((self.parts[0], self.gate_up, 2 * I, True), (self.parts[1], self.down, H, False)):
+                qs, meta = expert_parts(w, e * rows, (e + 1) * rows, interleave)
+                driver.h2d_sync(part.qs + int(slot) * part.qs_slot, qs)
+                driver.h2d_sync(part.meta + int(slot) * part.meta_slot, meta)
+        self.slot_of = dev.put(self.slots)
+        T = tokens
+        self.route = dev.put(np.zeros((T, 2 * K_CHOSEN), np.float32))
+        self.counts = dev.put(np.zeros(E, np.uint32))
+        self.groups = dev.put(np.zeros(moe_kernels.group_ints(E, T, K_CHOSEN), np.int32))
+        self.tickets = dev.put(np.zeros(moe_kernels.route_tickets(T), np.uint32))
+        self.act = dev.put(np.zeros((T * K_CHOSEN, I), np.float32))
+        self.expert_out = dev.put(np.zeros((T * K_CHOSEN, H), np.float32))
+
+    def expert(self, e: int) -> tuple[np.ndarray, np.ndarray]:
+        """(gate_up [2I, H] gate rows then up rows, down [H, I]) of expert e, dequantized."""
+        return (self.gate_up.rows(e * 2 * self.I, (e + 1) * 2 * self.I).dequantize(),
+                self.down.rows(e * self.H, (e + 1) * self.H).dequantize())
+
+
+def awkward_inputs(H: int, tokens: int, rng):
+    """xn, 1/rms and a router whose choices are: expert 0 for every token, expert 1 for every token but
+    token 1, expert E-1 for token 1 alone (its second choice), no token for the rest."""
+    xn = (0.1 * rng.standard_normal((tokens, H))).astype(np.float32)
+    xn[:, :2] = 0.0
+    xn[:, 0] = 1.0
+    if tokens > 1:
+        xn[1, 1] = 1.0
+    router = np.zeros((E, H), np.float32)
+    router[0, 0], router[1, 0], router[E - 1, 1] = 8.0, 4.0, 6.0
+    inv_rms = (0.5 + rng.random(tokens)).astype(np.float32)
+    return xn, inv_rms, router
+
+
+def run_layer(dev, layer: Layer, xn, inv_rms, router, *, softmax_first=True, normalize=True, residual=True):
+    """route, gate_up, down and combine as moe_ops.py launches them; returns (route rows, combined y, xn_out,
+    inv_rms_out, groups)."""
+    T, H, I = len(xn), layer.H, layer.I
+    xn_p, inv_p = dev.put(xn), dev.put(inv_rms)
+    res = (0.5 * np.random.default_rng(9).standard_normal((T, H))).astype(np.float32)
+    y = dev.put(res if residual else np.zeros((T, H), np.float32))
+    normw = (1 + 0.1 * np.random.default_rng(8).standard_normal(H)).astype(np.float32)
+    xn_out, inv_out = dev.put(np.zeros((T, H), np.float32)), dev.put(np.zeros(T, np.float32))
+    shape = dict(experts=E, chosen=K_CHOSEN, tokens=T)
+    table = dict(slot_of=layer.slot_of, groups=layer.groups, **shape)
+    launches = [
+        moe_kernels.route_launch(dev.kernels, xn=xn_p, inv_rms=inv_p, router=dev.put(router), route=layer.route,
+                                 counts=layer.counts, slot_of=layer.slot_of, groups=layer.groups, tickets=layer.tickets,
+                                 hidden=H, softmax_first=softmax_first, normalize=normalize, **shape),
+        moe_kernels.experts_launch(dev.kernels, layer.gate_up_fmt, layer.parts[0], x=xn_p, ldx=H, gather=True,
+                                   inv_rms=inv_p, y=layer.act, ldy=I, rows=2 * I, cols=H, silu=True, **table),
+        moe_kernels.experts_launch(dev.kernels, layer.down_fmt, layer.parts[1], x=layer.act, ldx=I, gather=False,
+                                   inv_rms=0, y=layer.expert_out, ldy=H, rows=H, cols=I, silu=False, **table),
+        moe_kernels.combine_launch(dev.kernels, route=layer.route, groups=layer.groups, slot_of=layer.slot_of,
+                                   expert_out=layer.expert_out, res=y if residual else 0, y=y,
+                                   normw_out=dev.put(normw) if residual else 0, xn_out=xn_out if residual else 0,
+                                   inv_rms_out=inv_out if residual else 0, eps=1e-6, hidden=H, **shape)]
+    for launch in launches:
+        dev.run(launch)
+    groups = np.empty(moe_kernels.group_ints(E, T, K_CHOSEN), np.int32)
+    driver.d2h_async(groups, layer.groups, groups.nbytes, dev.stream)
+    dev.stream.synchronize()
+    return (dev.get(layer.route, (T, 2 * K_CHOSEN)), dev.get(y, (T, H)), dev.get(xn_out, (T, H)),
+            dev.get(inv_out, (T,)), groups, res if residual else np.zeros_like(res), normw)
+
+
+def reference(layer: Layer, xn, inv_rms, router, res, softmax_first=True, normalize=True):
+    ids, weights = host_route((xn @ router.T) * inv_rms[:, None], K_CHOSEN, softmax_first, normalize)
+    out = res.copy()
+    x = xn * inv_rms[:, None]
+    for t in range(len(xn)):
+        for e, w in zip(ids[t], weights[t]):
+            if layer.slots[e] < 0:
+                continue
+            gate_up, down = layer.expert(e)
+            h = gate_up @ x[t]
+            out[t] += w * (down @ silu_mul(h[:layer.I], h[layer.I:]))
+    return ids, weights, out
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("tokens", [1, 3, 20])
+def test_experts_with_all_one_and_no_tokens_match_numpy(dev, shape, tokens):
+    rng = np.random.default_rng(tokens)
+    layer = Layer(dev, shape, tokens, slots=[3, 0, 5, 1, 2, 4])          # every expert, slots shuffled
+    xn, inv_rms, router = awkward_inputs(layer.H, tokens, rng)
+    route, y, xn_out, inv_out, groups, res, normw = run_layer(dev, layer, xn, inv_rms, router)
+    ids, weights, want = reference(layer, xn, inv_rms, router, res)
+    if tokens > 1:
+        assert sorted(np.bincount(ids.reshape(-1), minlength=E)) == [0, 0, 0, 1, tokens - 1, tokens]
+    np.testing.assert_array_equal(route[:, :K_CHOSEN], ids)
+    np.testing.assert_allclose(route[:, K_CHOSEN:], weights, rtol=1e-5)
+    assert np.abs(y - want).max() <= TOLERANCE * np.abs(want).max(), np.abs(y - want).max()
+    np.testing.assert_allclose(xn_out, y * normw, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(inv_out, 1 / np.sqrt(np.mean(y * y, axis=1) + 1e-6), rtol=1e-4)
+
+
+@pytest.mark.parametrize("tokens", [1, 20])
+def test_experts_not_on_the_device_are_left_out_of_the_sum(dev, tokens):
+    """Mode offload's resident part: experts 1 and E-1 on the host (slot -1), the sum alone (no residual)."""
+    rng = np.random.default_rng(5)
+    layer = Layer(dev, "q8", tokens, slots=[0, -1, 1, 2, 3, -1])
+    xn, inv_rms, router = awkward_inputs(layer.H, tokens, rng)
+    route, y, *_ = run_layer(dev, layer, xn, inv_rms, router, residual=False)
+    _, _, want = reference(layer, xn, inv_rms, router, np.zeros_like(y))
+    assert np.abs(y - want).max() <= TOLERANCE * np.abs(want).max()
+
+
+def test_the_grouping_is_by_expert_and_stable(dev):
+    tokens = 20
+    layer = Layer(dev, "q8", tokens, slots=[0, -1, 1, 2, 3, 4])
+    xn, inv_rms, router = awkward_inputs(layer.H, tokens, np.random.default_rng(1))
+    route, *_, groups, _, _ = run_layer(dev, layer, xn, inv_rms, router)
+    chosen = route[:, :K_CHOSEN].astype(np.int64).reshape(-1)
+    offsets, active = groups[:E + 1], groups[E + 1:2 * E + 2]
+    order = groups[2 * E + 2:2 * E + 2 + tokens * K_CHOSEN]
+    position = groups[2 * E + 2 + tokens * K_CHOSEN:]
+    np.testing.assert_array_equal(order, np.argsort(chosen, kind="stable"))
+    np.testing.assert_array_equal(position[order], np.arange(tokens * K_CHOSEN))
+    np.testing.assert_array_equal(offsets, np.searchsorted(np.sort(chosen), np.arange(E + 1)))
+    used = [e for e in range(E) if (chosen == e).any() and e != 1]          # expert 1 has no slot
+    assert list(active[:active[E]]) == used and active[E] == len(used)
+    counts = np.empty(E, np.uint32)
+    driver.d2h_async(counts, layer.counts, counts.nbytes, dev.stream)
+    dev.stream.synchronize()
+    np.testing.assert_array_equal(counts, np.bincount(chosen, minlength=E))
+
+
+@pytest.mark.parametrize("softmax_first,normalize", [(True, True), (True, False), (False, True)])
+def test_routing_ties_go_to_the_lowest_expert(dev, softmax_first, normalize):
+    """Equal router rows tie: the lowest ids win, as the host's stable sort; the weights as the model's."""
+    tokens = 4
+    layer = Layer(dev, "q8", tokens, slots=list(range(E)))
+    rng = np.random.default_rng(3)
+    xn = rng.standard_normal((tokens, layer.H)).astype(np.float32)
+    router = np.tile(rng.standard_normal(layer.H).astype(np.float32), (E, 1))
+    router[3] *= 0.5                                                   # one expert below the tie
+    inv_rms = np.ones(tokens, np.float32)
+    route, *_ = run_layer(dev, layer, xn, inv_rms, router, softmax_first=softmax_first, normalize=normalize)
+    ids, weights = host_route((xn @ router.T).astype(np.float32), K_CHOSEN, softmax_first, normalize)
+    np.testing.assert_array_equal(route[:, :K_CHOSEN], ids)
+    np.testing.assert_allclose(route[:, K_CHOSEN:], weights, rtol=1e-5)
+    for t in range(tokens):                # expert 3's logit is half the tie's: first where the tie's is negative
+        assert list(ids[t]) == ([0, 1] if xn[t] @ router[0] > 0 else [3, 0])
