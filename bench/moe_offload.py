@@ -1,21 +1,30 @@
-"""A mixture-of-experts model in mode offload beside llama.cpp with its experts on the CPU, in one run.
+"""A mixture-of-experts model on one GPU beside llama.cpp in one run: every expert in VRAM, and the experts
+outside VRAM but for the most chosen.
 
     python3 -m bench.make_gguf --preset qwen3-30b-a3b --mix q8_0 --vocab PATH/ggml-vocab-qwen2.gguf -o /tmp/q30a3b.gguf
-    python3 -m bench.moe_offload /tmp/q30a3b.gguf [--budgets attention 0.5] [--threads 16] [--sessions 16]
-        [--llama-bench PATH/llama-bench] [--llama-batched-bench PATH/llama-batched-bench] [--ncmoe 48] [--out DIR]
+    python3 -m bench.moe_offload /tmp/q30a3b.gguf [--budgets all experts:0.1 attention 0.5] [--threads 16]
+        [--sessions 16] [--prompt 512] [--residency] [--bias-router 3] [--llama-bench PATH/llama-bench]
+        [--llama-batched-bench PATH/llama-batched-bench] [--ncmoe N ...] [--out DIR]
 
-Per file and budget: ours loads the file in mode offload with a --vram-budget whose weight part is every
-non-expert weight ("attention": each layer's qkv and o, lm_head; llama.cpp's -ngl 99 --n-cpu-moe 48) or a
-fraction of it (some layers' qkv and o then stream or run on the host), on top of mode offload's KV pool
-(one session of --max-seq-len) and activations; the routers and experts run on the host (the native host
-kernels, --threads).  It measures greedy decode after one token (medians of --repeats after a warm-up), a
---prompt-token prefill (logits of the last row) and, with --sessions S, S sessions decoding together.  Beside
-each row: the placement (A: qkv and o resident, the MLP on the host; M: qkv and o streamed; H: all on the
-host), the predicted step, the roofline (scheduler/offload.py: the experts a step is expected to read, and
-any other non-resident bytes, at the host memory pool's best rate, plus the resident GPU time) and the
-measured step as a fraction of it.  The pool figures come from `calibrate` forced at the start.
-llama.cpp: `llama-bench -m FILE -ngl 99 -ncmoe N -t T -p PROMPT -n NEW -r 3` for each N of --ncmoe, and
-`llama-batched-bench -ngl 99 -ncmoe N -npp 32 -ntg 32 -npl S` where given.
+Budgets: `all`, gpu mode with no budget (every weight and expert in VRAM); `experts:F`, mode offload with a
+--vram-budget holding every non-expert weight (each layer's qkv and o, lm_head), the routers and a fraction F
+of the experts (as many slots; the most chosen resident, the rest computed on the host by the native host
+kernels, --threads), on top of mode offload's KV pool (one session of --max-seq-len) and activations;
+`attention`, the non-expert weights alone (every expert on the host); a number, that fraction of them.
+Each row: greedy decode after one token (medians of --repeats after a warm-up), a --prompt-token prefill
+(the last row's logits) and --sessions sessions decoding together.  Offload rows add the placement (A: qkv
+and o resident, the MLP on the host; M: qkv and o streamed; H: all on the host), the predicted step and the
+host roofline of the row: the expert bytes a token reads that are not resident (the routers' choice at the
+resident share expected) ÷ the host memory pool's best rate (calibrated at the start: scheduler/step_sim
+PoolRates), with the measured decode as a share of it.
+--residency: in each offload row with experts resident, the choice blind to routing (uniform) against the
+choice by the routing of a calibration prompt (frequency): each one's hit rate on later prompts (the share
+of their experts' selections found resident) and decode tok/s.  --bias-router S first skews the routers of
+a Q8_0 file (bench/synthetic.bias_router: an eighth of each layer's experts get about S added to their
+logits): a random GGUF routes nearly uniformly.
+llama.cpp: `llama-bench -m FILE -ngl 99` (all in VRAM, where `all` is a budget) and `-ngl 99 -ncmoe N` for
+each N of --ncmoe (default: every layer, and for each experts:F budget the N leaving F of the layers'
+experts in VRAM), with -t T -p PROMPT -n NEW -r 3; llama-batched-bench with the same flags and -npl S.
 """
 from __future__ import annotations
 
@@ -28,9 +37,7 @@ import time
 
 import numpy as np
 
-import kestrel_stream as ks
 from kestrel_stream.cli.bench import environment
-from kestrel_stream.cli.plan import read_config
 
 from .offload import batch_rate, decode_rate
 from .report import write_results
@@ -43,6 +50,13 @@ def non_expert_bytes(config) -> int:
     return sum(sum(groups.values()) for groups in per_layer) + head_bytes
 
 
+def expert_bytes(config, fraction: float) -> int:
+    """VRAM of the routers and `fraction` of the experts in mode offload's expert pool."""
+    from kestrel_stream.run.device import expert_pool
+    slots = int(fraction * expert_pool.all_experts(config))
+    return expert_pool.router_bytes(config) + 2 * 256 + slots * expert_pool.pool_layout(config).slot_bytes
+
+
 def offload_budget(config, weight_bytes: int, max_seq_len: int, max_batch: int, profile) -> int:
     """The --vram-budget leaving `weight_bytes` for weights after mode offload's KV pool and activations."""
     from kestrel_stream.run.device.budget import ALIGN, plan_offload_memory, weight_items
@@ -51,6 +65,22 @@ def offload_budget(config, weight_bytes: int, max_seq_len: int, max_batch: int, 
                                 max_tokens=max(max_batch, DEFAULTS[False][2]), max_sessions=256,
                                 max_seq_len=max_seq_len, attention_splits=16, max_batch=max_batch).needs
     return needs.total + 2 * ALIGN * (len(weight_items(config)) + 8) + weight_bytes
+
+
+def budget_of(which: str, config, args, profile) -> tuple[int | None, int]:
+    """(--vram-budget, its weight part) of a budget kind; `all`: (None, every weight)."""
+    if which == "all":
+        return None, non_expert_bytes(config) + expert_bytes(config, 1.0)
+    if which.startswith("experts:"):
+        weight_bytes = non_expert_bytes(config) + expert_bytes(config, float(which.split(":", 1)[1]))
+    else:
+        weight_bytes = int((1.0 if which == "attention" else float(which)) * non_expert_bytes(config))
+    return offload_budget(config, weight_bytes, args.max_seq_len, args.max_batch, profile), weight_bytes
+
+
+def matching_ncmoe(config, fraction: float) -> int:
+    """llama.cpp's --n-cpu-moe N keeping `fraction` of the layers' experts in VRAM (the first N on the CPU)."""
+    return config.num_hidden_layers - round(fraction * config.num_hidden_layers)
 
 
 def prefill_rate(engine, tokens: int, repeats: int) -> float:
@@ -68,91 +98,168 @@ def prefill_rate(engine, tokens: int, repeats: int) -> float:
     return float(np.median(rates))
 
 
-def llama_bench(binary: str, path: str, ncmoe: int, threads: int, prompt: int, new_tokens: int) -> tuple[float, float]:
-    """(pp tok/s, tg tok/s) of llama-bench -ngl 99 -ncmoe N."""
-    out = subprocess.run([binary, "-m", path, "-ngl", "99", "-ncmoe", str(ncmoe), "-t", str(threads), "-p",
-                          str(prompt), "-n", str(new_tokens), "-r", "3", "-o", "json"],
-                         capture_output=True, text=True, check=True)
+def resident_choices(engine, calibration: list[int], prompts: list[list[int]], new_tokens: int) -> list[dict]:
+    """Mode offload's resident experts chosen blind (uniform) and by the calibration prompt's routing
+    (frequency): per choice its expected resident share, the hit rate of `prompts` (each prefilled, then
+    `new_tokens` greedy tokens: the share of their experts' selections found resident) and their decode tok/s."""
+    from scheduler import expert_residency
+    x = engine.executor
+    with engine.new_session() as s:
+        s.prefill(calibration, logits="last")
+    counts = x.routing_counts()
+    layers = [i for i in range(engine.config.num_hidden_layers) if engine.config.moe_layer(i)]
+    rows = []
+    for policy in ("uniform", "frequency"):
+        choice = x.place_experts(policy, counts)
+        before, decode_s, decoded = x.routing_counts(), 0.0, 0
+        for prompt in prompts:
+            with engine.new_session() as s:
+                token = int(np.argmax(s.prefill(prompt, logits="last")[-1]))
+                t0 = time.perf_counter()
+                for _ in range(new_tokens):
+                    token = s.decode_greedy(token)
+                decode_s += time.perf_counter() - t0
+                decoded += new_tokens
+        hits = expert_residency.hit_rate(x.routing_counts() - before, layers, choice.experts)
+        rows.append({"policy": policy, "resident": choice.used_slots, "expected_share": round(choice.expected_share, 3),
+                     "hit_rate": round(hits, 3), "tok_s": round(decoded / decode_s, 2)})
+    return rows
+
+
+def llama_bench(binary: str, path: str, ncmoe: int | None, threads: int, prompt: int, new_tokens: int
+                ) -> tuple[float, float]:
+    """(pp tok/s, tg tok/s) of llama-bench -ngl 99 [-ncmoe N]."""
+    flags = ["-ncmoe", str(ncmoe)] if ncmoe is not None else []
+    out = subprocess.run([binary, "-m", path, "-ngl", "99", *flags, "-t", str(threads), "-p", str(prompt), "-n",
+                          str(new_tokens), "-r", "3", "-o", "json"], capture_output=True, text=True, check=True)
     rows = json.loads(out.stdout)
     pp = next(float(r["avg_ts"]) for r in rows if r["n_prompt"] and not r["n_gen"])
     tg = next(float(r["avg_ts"]) for r in rows if r["n_gen"] and not r["n_prompt"])
     return round(pp, 1), round(tg, 2)
 
 
-def llama_batched(binary: str, path: str, ncmoe: int, threads: int, sessions: int) -> float:
-    out = subprocess.run([binary, "-m", path, "-ngl", "99", "-ncmoe", str(ncmoe), "-t", str(threads),
-                          "-c", str(sessions * 80), "-npp", "32", "-ntg", "32", "-npl", str(sessions)],
-                         capture_output=True, text=True, check=True)
+def llama_batched(binary: str, path: str, ncmoe: int | None, threads: int, sessions: int) -> float:
+    flags = ["-ncmoe", str(ncmoe)] if ncmoe is not None else []
+    out = subprocess.run([binary, "-m", path, "-ngl", "99", *flags, "-t", str(threads), "-c", str(sessions * 80),
+                          "-npp", "32", "-ntg", "32", "-npl", str(sessions)], capture_output=True, text=True, check=True)
     rows = [line for line in out.stdout.splitlines() if line.strip().startswith("|") and re.search(r"\d", line)]
     cells = [c.strip() for c in rows[-1].strip("|").split("|")]
     return float(cells[7])          # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
 
 
-def main() -> None:
+def engine_for(weights, which: str, budget: int | None, args):
+    from kestrel_stream.options import Options
+    from kestrel_stream.run.engine import Engine
+    options = Options.from_env(vram_budget=budget, host_threads=args.threads)
+    return Engine(weights, device="cuda", mode="gpu" if which == "all" else "offload", max_seq_len=args.max_seq_len,
+                  max_batch=args.max_batch, options=options)
+
+
+def ours(path: str, weights, which: str, args, profile) -> list[dict]:
+    """The row of one budget (and its residency rows)."""
+    from scheduler.offload import HOME_LETTERS, PoolRates
+    config = weights.config
+    budget, weight_bytes = budget_of(which, config, args, profile)
+    engine = engine_for(weights, which, budget, args)
+    x = engine.executor
+    rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
+    row = {"file": os.path.basename(path), "budget": which, "mode": x.mode, "weight_MB": round(weight_bytes / 1e6, 1),
+           "budget_MB": round(budget / 1e6, 1) if budget else "free VRAM", "ours_tg_tok_s": round(rate, 2),
+           "step_ms": round(step_ms, 3), "ours_pp_tok_s": round(prefill_rate(engine, args.prompt, 1), 1)}
+    if args.sessions:
+        row["ours_batch_tok_s"] = round(batch_rate(engine, args.sessions, 32), 1)
+    resident = x.resident_experts
+    if x.mode == "offload":
+        p = x.placement
+        share = resident.expected_share if resident is not None else 0.0
+        off_bytes = p.routed_read_bytes * (1.0 - share)        # a token's expert bytes read on the host
+        roofline_tok_s = 1e6 / max(PoolRates.of(profile).best_us(off_bytes), 1e-9)
+        row.update(placement="".join(HOME_LETTERS[h] for h in p.homes) + f" head {p.head}",
+                   resident_experts=f"{resident.used_slots} ({share:.0%} expected)" if resident else 0,
+                   predicted_ms=round(p.predicted.total_us / 1e3, 3), experts_off_MB=round(off_bytes / 1e6, 3),
+                   host_roofline_tok_s=round(roofline_tok_s, 1), of_host_roofline=round(rate / roofline_tok_s, 3))
+    rows = [row]
+    if args.residency and x.mode == "offload" and resident is not None:
+        rng = np.random.default_rng(3)
+        prompt = lambda n: [int(t) for t in rng.integers(0, config.vocab_size, n)]   # noqa: E731
+        for choice in resident_choices(engine, prompt(args.prompt), [prompt(32) for _ in range(3)], args.new_tokens):
+            rows.append({"file": row["file"], "budget": f"{which} resident by {choice['policy']}", "mode": x.mode,
+                         "resident_experts": f"{choice['resident']} ({choice['expected_share']:.0%} expected)",
+                         "hit_rate": choice["hit_rate"], "ours_tg_tok_s": choice["tok_s"]})
+    engine.close()
+    return rows
+
+
+def theirs(path: str, config, args) -> list[dict]:
+    rows = []
+    runs = ([None] if "all" in args.budgets else []) + (args.ncmoe or sorted(
+        {config.num_hidden_layers} | {matching_ncmoe(config, float(b.split(":", 1)[1]))
+                                      for b in args.budgets if b.startswith("experts:")}, reverse=True))
+    for ncmoe in runs:
+        pp, tg = llama_bench(args.llama_bench, path, ncmoe, args.threads, args.prompt, args.new_tokens)
+        flags = "-ngl 99" + (f" -ncmoe {ncmoe}" if ncmoe is not None else "")
+        row = {"file": os.path.basename(path), "budget": f"llama.cpp {flags}", "llama_pp_tok_s": pp, "llama_tg_tok_s": tg}
+        if args.sessions and args.llama_batched_bench:
+            row["llama_batch_tok_s"] = llama_batched(args.llama_batched_bench, path, ncmoe, args.threads,
+                                                     args.sessions)
+        rows.append(row)
+    return rows
+
+
+COLUMNS = ["file", "budget", "mode", "weight_MB", "budget_MB", "placement", "resident_experts", "hit_rate",
+           "ours_tg_tok_s", "llama_tg_tok_s", "ours_pp_tok_s", "llama_pp_tok_s", "ours_batch_tok_s",
+           "llama_batch_tok_s", "step_ms", "predicted_ms", "experts_off_MB", "host_roofline_tok_s", "of_host_roofline"]
+
+
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+")
-    parser.add_argument("--budgets", nargs="*", default=["attention"],
-                        help="'attention' (every non-expert weight resident) or a fraction of it; none: llama.cpp "
-                             "alone")
+    parser.add_argument("--budgets", nargs="*", default=["all", "experts:0.1"],
+                        help="all (gpu mode), experts:F (non-expert weights + F of the experts), attention (the "
+                             "non-expert weights) or a fraction of them; none: llama.cpp alone")
     parser.add_argument("--threads", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-seq-len", type=int, default=1024)
-    parser.add_argument("--max-batch", type=int, default=32, help="tokens of a step: max(this, 64)")
-    parser.add_argument("--sessions", type=int, default=0)
+    parser.add_argument("--max-batch", type=int, default=32, help="tokens of an offload step: max(this, 64)")
+    parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--residency", action="store_true", help="uniform against frequency resident experts")
+    parser.add_argument("--bias-router", type=float, default=0.0,
+                        help="add about this to an eighth of the experts' router logits (a Q8_0 file)")
     parser.add_argument("--ncmoe", type=int, nargs="+", default=[],
-                        help="llama.cpp's layers with experts on the CPU (default: every layer)")
+                        help="llama.cpp's layers with experts on the CPU (default: every layer and each experts:F's)")
     parser.add_argument("--llama-bench", default=None)
     parser.add_argument("--llama-batched-bench", default=None)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    from scheduler.offload import HOME_LETTERS, PoolRates
+    args = parser.parse_args(argv)
+    from bench.synthetic import bias_router
+    from kestrel_stream.loading.loader import load_weights
+    from kestrel_stream.run.blas_threads import set_cpu_threads
     from .offload import measured_pool
+    set_cpu_threads(args.threads)
     profile, pool = measured_pool(args.threads)
     rows = []
     for path in args.files:
-        config = read_config(path)
+        weights = load_weights(path)
+        if args.bias_router:
+            bias_router(weights, preferred=max(1, weights.config.num_experts // 8), strength=args.bias_router)
         for which in args.budgets:
-            fraction = 1.0 if which == "attention" else float(which)
-            weight_bytes = int(fraction * non_expert_bytes(config))
-            budget = offload_budget(config, weight_bytes, args.max_seq_len, args.max_batch, profile)
-            engine = ks.load(path, mode="offload", vram_budget=budget, max_seq_len=args.max_seq_len,
-                             max_batch=args.max_batch, cpu_threads=args.threads)
-            p = engine.executor.placement
-            rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
-            row = {"file": os.path.basename(path), "budget": which, "weight_MB": round(weight_bytes / 1e6, 1),
-                   "budget_MB": round(budget / 1e6, 1),
-                   "placement": "".join(HOME_LETTERS[h] for h in p.homes) + f" head {p.head}",
-                   "ours_tg_tok_s": round(rate, 2), "step_ms": round(step_ms, 2),
-                   "predicted_ms": round(p.predicted.total_us / 1e3, 2), "roofline_ms": round(p.roofline_us / 1e3, 2),
-                   "of_roofline": round(p.roofline_us / 1e3 / step_ms, 3),
-                   "experts_read_MB": round(p.routed_read_bytes / 1e6, 1),
-                   "host_roofline_tok_s": round(1e6 / PoolRates.of(profile).best_us(p.routed_read_bytes), 1),
-                   "ours_pp_tok_s": round(prefill_rate(engine, args.prompt, 1), 1)}
-            if args.sessions:
-                row["ours_batch_tok_s"] = round(batch_rate(engine, args.sessions, 32), 1)
-            engine.close()
+            for row in ours(path, weights, which, args, profile):
+                print(row, flush=True)
+                rows.append(row)
+        for row in theirs(path, weights.config, args) if args.llama_bench else []:
             print(row, flush=True)
             rows.append(row)
-        for ncmoe in (args.ncmoe or [config.num_hidden_layers]) if args.llama_bench else []:
-            pp, tg = llama_bench(args.llama_bench, path, ncmoe, args.threads, args.prompt, args.new_tokens)
-            row = {"file": os.path.basename(path), "budget": f"llama.cpp -ngl 99 -ncmoe {ncmoe}",
-                   "llama_pp_tok_s": pp, "llama_tg_tok_s": tg}
-            if args.sessions and args.llama_batched_bench:
-                row["llama_batch_tok_s"] = llama_batched(args.llama_batched_bench, path, ncmoe, args.threads,
-                                                         args.sessions)
-            print(row, flush=True)
-            rows.append(row)
-    columns = ["file", "budget", "weight_MB", "budget_MB", "placement", "ours_tg_tok_s", "llama_tg_tok_s",
-               "ours_pp_tok_s", "llama_pp_tok_s", "ours_batch_tok_s", "llama_batch_tok_s", "step_ms", "predicted_ms",
-               "roofline_ms", "of_roofline", "experts_read_MB", "host_roofline_tok_s"]
-    out = write_results("moe-offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
+    out = write_results("moe-offload", environment(), rows, [c for c in COLUMNS if any(c in r for r in rows)],
                         out_dir=args.out,
-                        notes=(f"host memory pool (calibrate, this run): {pool}. Ours: mode offload, the routers and "
-                               f"experts on the host ({args.threads} threads); {args.new_tokens} greedy tokens after "
-                               f"one, medians of {args.repeats}; pp: a {args.prompt}-token prompt in steps of "
-                               f"{max(args.max_batch, 64)} tokens. llama-bench -r 3 averages."))
+                        notes=(f"host memory pool (calibrate, this run): {pool}; the host roofline is a token's "
+                               f"expert bytes not resident at the pool's best rate. Ours: {args.new_tokens} greedy "
+                               f"tokens after one, medians of {args.repeats}; pp: a {args.prompt}-token prompt; "
+                               f"{args.sessions} sessions decoding together after 32-token prompts; offload's "
+                               f"experts on the host with {args.threads} threads"
+                               + (f"; routers skewed (bias_router {args.bias_router})" if args.bias_router else "")
+                               + ". llama-bench -r 3 averages."))
     print(f"wrote {out}")
 
 

@@ -52,6 +52,53 @@ def random_q8_weights(preset: str | ModelConfig, seed: int = 0):
     return ModelWeights(cfg, embed, layers, norm(H), lm_head, source=f"random {cfg.arch} ({seed})")
 
 
+def bias_router(weights, preferred: int = 2, strength: float = 2.0, seed: int = 0) -> dict:
+    """Skew a random Q8_0 mixture-of-experts model's routing, in place: in each routed layer `preferred`
+    experts (drawn per layer) get about `strength` added to their router logits whatever the token.  The
+    residual stream is given a constant positive first value (every embedding row's the largest Q8_0 level,
+    and no layer writes it: the first row of each o, down and expert down weight zeroed), which the routed
+    layers' norm scales to about one; the preferred experts' router rows take `strength` there.
+    Returns {layer: the preferred experts}."""
+    from kestrel_stream.model.quant import QTensor
+
+    from kestrel_stream.model.quant4 import BlockTensor
+
+    def zero_rows(w, rows):
+        if isinstance(w, BlockTensor):             # every block of those rows zero (its scale too)
+            blocks = np.array(w.blocks)
+            blocks[rows] = 0
+            return BlockTensor(w.fmt, blocks, w.cols)
+        qs = np.array(w.qs)
+        qs[rows] = 0
+        return QTensor(qs, np.array(w.scales))
+    c = weights.config
+    assert isinstance(weights.embed, QTensor), "bias_router: a Q8_0 embedding table"
+    embed = np.array(weights.embed.qs)
+    embed[:, 0] = 127
+    weights.embed = QTensor(embed, np.array(weights.embed.scales))
+    if c.tie_word_embeddings:
+        weights.lm_head = weights.embed
+    rng = np.random.default_rng(seed)
+    chosen = {}
+    for i, layer in enumerate(weights.layers):
+        layer.wo = zero_rows(layer.wo, [0])
+        if layer.moe is None:
+            layer.w_down = zero_rows(layer.w_down, [0])
+            continue
+        E = layer.moe.experts
+        layer.moe.down = zero_rows(layer.moe.down, np.arange(E) * c.hidden_size)
+        # x[0] = 127 times the embedding's scale, against an rms of about one: the norm scales it to ~1
+        scale = float(np.asarray(weights.embed.scales)[:, 0].astype(np.float32).mean()) * 127
+        mlp_norm = np.array(layer.mlp_norm, np.float32)
+        mlp_norm[0] = np.float32(1.0 / scale)
+        layer.mlp_norm = mlp_norm
+        chosen[i] = tuple(sorted(int(e) for e in rng.choice(E, size=min(preferred, E), replace=False)))
+        router = np.array(layer.moe.router, np.float32)
+        router[list(chosen[i]), 0] += np.float32(strength)
+        layer.moe.router = router
+    return chosen
+
+
 def random_blocks(rng: np.random.Generator, fmt: str, rows: int, cols: int, std: float) -> np.ndarray:
     """Random GGUF blocks uint8 [rows, cols/QK * block_bytes] whose weights have about `std` spread around 0
     (random level and scale bytes; the fp16 fields set so)."""

@@ -1,0 +1,48 @@
+"""bench/moe_offload.py end to end on the emulated device (fake_cuda) with a tiny Qwen3-MoE GGUF: the row of
+every expert in VRAM (gpu mode), the row of the experts outside VRAM but for a share (mode offload) with its
+host roofline, the resident choices (uniform, frequency) with their hit rates, and llama-bench's rows (a
+stand-in that echoes llama-bench's JSON) with -ngl 99 alone and -ngl 99 -ncmoe N."""
+from __future__ import annotations
+
+import json
+import stat
+import sys
+
+import fake_cuda
+from bench.make_gguf import write as write_gguf
+from kestrel_stream.loading.presets import PRESETS
+
+STAND_IN = """#!{python}
+import json, sys
+with open({log!r}, "a") as f:
+    f.write(" ".join(sys.argv[1:]) + "\\n")
+args = sys.argv[1:]
+prompt, new = int(args[args.index("-p") + 1]), int(args[args.index("-n") + 1])
+print(json.dumps([{{"n_prompt": prompt, "n_gen": 0, "avg_ts": 1000.0}}, {{"n_prompt": 0, "n_gen": new, "avg_ts": 50.0}}]))
+"""
+
+
+def test_the_moe_bench_runs_every_row(tmp_path, monkeypatch):
+    from bench import moe_offload
+    fake_cuda.install(monkeypatch, mode="deferred")
+    path = tmp_path / "qwen3-moe-tiny.gguf"
+    write_gguf(PRESETS["qwen3-moe-tiny"], None, str(path), seed=1)
+    log = tmp_path / "llama-bench.log"
+    stand_in = tmp_path / "llama-bench"
+    stand_in.write_text(STAND_IN.format(python=sys.executable, log=str(log)))
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    moe_offload.main([str(path), "--budgets", "all", "experts:0.25", "--threads", "1", "--new-tokens", "3",
+                      "--prompt", "16", "--repeats", "1", "--max-seq-len", "128", "--max-batch", "4", "--sessions", "2",
+                      "--residency", "--bias-router", "3", "--llama-bench", str(stand_in), "--out", str(tmp_path)])
+    rows = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
+    by_budget = {row["budget"]: row for row in rows}
+    assert by_budget["all"]["mode"] == "gpu" and by_budget["all"]["ours_batch_tok_s"] > 0
+    offload = by_budget["experts:0.25"]
+    assert offload["mode"] == "offload" and offload["host_roofline_tok_s"] > 0 and offload["ours_pp_tok_s"] > 0
+    hits = {policy: by_budget[f"experts:0.25 resident by {policy}"]["hit_rate"] for policy in ("uniform", "frequency")}
+    assert hits["frequency"] > hits["uniform"], hits
+    ran = log.read_text().splitlines()
+    layers = PRESETS["qwen3-moe-tiny"].num_hidden_layers
+    assert [line.split(" -t ")[0].split(" -ngl ")[1] for line in ran] == \
+        ["99", f"99 -ncmoe {layers}", f"99 -ncmoe {moe_offload.matching_ncmoe(PRESETS['qwen3-moe-tiny'], 0.25)}"]
+    assert by_budget["llama.cpp -ngl 99"]["llama_tg_tok_s"] == 50.0
