@@ -2,7 +2,8 @@
 test_moe_device_emulated.py on the NVRTC-built kernels -- gpu mode with every expert in VRAM for tiny random
 Qwen3-MoE and Mixtral against the CPU engine on the numpy arithmetic (2e-3 relative, the same argmax),
 Q4_K_M's expert formats, batches and the device's greedy chain, mode offload with some or all experts
-resident, and gpu mode becoming offload where they do not fit.  Tiny models: a few seconds in all."""
+resident, gpu mode becoming offload where they do not fit, and the plan's counters equal to what ran.
+Tiny models: a few seconds in all."""
 from __future__ import annotations
 
 import dataclasses
@@ -16,7 +17,8 @@ from kestrel_stream.run.engine import Engine
 from bench.synthetic import random_q8_weights
 from test_moe_device_emulated import (MAX_BATCH, MAX_SEQ_LEN, NUMPY, PROMPTS, block_experts,  # noqa: F401
                                       check_gpu_mode, check_gpu_mode_batches_and_chains,
-                                      check_offload_with_resident_experts, expert_budget, gpu_engine, model, run)
+                                      check_offload_with_resident_experts, check_plan_is_what_runs, expert_budget,
+                                      gpu_engine, model, run)
 
 pytestmark = pytest.mark.gpu
 
@@ -52,3 +54,9 @@ def test_gpu_mode_becomes_offload_where_the_experts_do_not_fit(model):  # noqa: 
     assert engine.executor.mode == "offload"
     assert_logits_match(run(engine, PROMPTS[1]), reference[1])
     engine.close()
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_in_gpu_mode_the_plan_is_what_runs(model, batch):  # noqa: F811
+    weights, _, _ = model
+    check_plan_is_what_runs(weights, batch)

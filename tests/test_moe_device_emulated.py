@@ -154,6 +154,25 @@ def check_offload_with_resident_experts(weights, reference, experts: int) -> Non
     engine.close()
 
 
+def check_plan_is_what_runs(weights, batch: int) -> None:
+    """A decode batch's kernels (graph buckets), syncs, bytes and weight reads are its plans', router and
+    experts (three launches) included; so are a prompt's."""
+    from test_plan_is_what_runs import assert_the_plans_ran, chunks, ran_one_step
+    engine = gpu_engine(weights)
+    sessions = [engine.new_session() for _ in range(batch)]
+    first_tokens = iter((3, 7))
+
+    def step():
+        first = next(first_tokens)
+        engine.decode_batch([(s, first + i) for i, s in enumerate(sessions)])
+    ran = ran_one_step(engine, step)
+    assert_the_plans_ran(engine, "gpu", ran, [engine.executor.plan(n) for n in chunks(engine, batch)], f"batch {batch}")
+    prompt = PROMPTS[0][:4 + batch]
+    ran = ran_one_step(engine, lambda: engine.new_session().prefill(prompt))
+    assert_the_plans_ran(engine, "gpu", ran, [engine.executor.plan(len(prompt))], f"prompt {len(prompt)}")
+    engine.close()
+
+
 # ---- the emulated device -----------------------------------------------------------------------------------
 def test_gpu_mode_runs_every_expert_on_the_device(model, emulated):
     weights, _, reference = model
@@ -204,3 +223,9 @@ def test_gpu_mode_becomes_offload_where_the_experts_do_not_fit(model, emulated, 
     assert engine.executor.mode == "offload" and "experts do not fit" in capsys.readouterr().err
     assert_logits_match(run(engine, PROMPTS[1]), reference[1])
     engine.close()
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4])
+def test_in_gpu_mode_the_plan_is_what_runs(model, emulated, batch):
+    weights, _, _ = model
+    check_plan_is_what_runs(weights, batch)
