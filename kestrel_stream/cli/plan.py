@@ -53,8 +53,9 @@ def cmd_plan(args) -> int:
     placement = memory = None
     if args.mode == "offload":
         placement, memory = offload_placement(cfg, args, profile)
+    resident = memory.experts.experts if memory is not None and memory.experts is not None else None
     plan = scheduler.build_plan(cfg, tokens=args.batch, mode=args.mode, profile=profile, gpu_available=gpu_here,
-                                minflop=Options.from_env().minflop, offload=placement)
+                                minflop=Options.from_env().minflop, offload=placement, resident_experts=resident)
     scheduler.audit_plan(plan, cfg)
     window = window_report(cfg, args, memory) if args.vram_budget else None
     speculation = speculation_report(cfg, args, profile or scheduler.H200_MEASURED, gpu_here,
@@ -95,6 +96,8 @@ def offload_placement(cfg, args, profile):
                                  max_batch=args.max_batch)
     for tokens in sorted({1, 4, 16, 64, args.batch}):
         print(offload.place_for_tokens(memory.placement, cfg, profile, tokens).describe(), file=sys.stderr)
+    if memory.experts is not None:            # the experts the room left keeps resident (none counted yet)
+        print(memory.experts.describe(cfg.num_experts), file=sys.stderr)
     return offload.place_for_tokens(memory.placement, cfg, profile, args.batch), memory
 
 
