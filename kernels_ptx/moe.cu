@@ -99,9 +99,10 @@ __device__ __forceinline__ void choose_experts(const volatile float* logits, int
             if (lane + 32 * i == at) v[i] = -INFINITY;   // taken (scores are finite)
     }
     if (lane != 0) return;
+    const float largest = top[0];
     float sum = 0.f;
     for (int j = 0; j < k; j++) {
-        if (!softmax_first) top[j] = expf(top[j] - top[0]);
+        if (!softmax_first) top[j] = expf(top[j] - largest);   // Mixtral: softmax over the chosen logits
         sum += top[j];
     }
     for (int j = 0; j < k; j++) {
