@@ -36,6 +36,24 @@ def expert_parts(w, lo: int, hi: int, interleave: bool) -> tuple[np.ndarray, np.
     return qs, meta
 
 
+def write_expert(qs_out: np.ndarray, meta_out: np.ndarray, w, lo: int, hi: int, interleave: bool) -> None:
+    """expert_parts of rows [lo, hi) written straight into the uint8 views qs_out and meta_out (a Q8_0
+    weight from its GGUF blocks in one pass, as the window's images are: image_writer.write_image)."""
+    if not isinstance(w, QTensor):
+        qs, meta = expert_parts(w, lo, hi, interleave)
+        qs_out[:qs.size], meta_out[:meta.size] = qs.reshape(-1), meta.reshape(-1)
+        return
+    rows, cols = hi - lo, w.shape[1]
+    qs = qs_out[:rows * cols].view(np.int8).reshape(rows, cols)
+    scales = meta_out[:rows * cols // 16].view(np.float16).reshape(rows, cols // 32)
+    if interleave:                                  # rows gate 0, up 0, gate 1, up 1, ...
+        half = rows // 2
+        w.rows(lo, lo + half).copy_into(qs[0::2], scales[0::2])
+        w.rows(lo + half, hi).copy_into(qs[1::2], scales[1::2])
+    else:
+        w.rows(lo, hi).copy_into(qs, scales)
+
+
 class ExpertStore:
     def __init__(self, weights, arena, slots: int, stream):
         c = weights.config
@@ -84,13 +102,11 @@ class ExpertStore:
             moe = self.weights.layers[layer].moe
             for part, w, rows, interleave in ((self.gate_up, moe.gate_up, moe.gate_up_rows, True),
                                               (self.down, moe.down, moe.down_rows, False)):
-                pieces = [expert_parts(w, *rows(e), interleave) for e in ids]
-                for offset, stride, at in ((0, part.qs_slot, part.qs), (1, part.meta_slot, part.meta)):
-                    image = np.zeros((len(ids), stride), np.uint8)
-                    for i, piece in enumerate(pieces):
-                        flat = piece[offset].reshape(-1)
-                        image[i, :flat.size] = flat
-                    driver.h2d_sync(at + first * stride, image)
+                qs, meta = np.zeros((len(ids), part.qs_slot), np.uint8), np.zeros((len(ids), part.meta_slot), np.uint8)
+                for i, e in enumerate(ids):
+                    write_expert(qs[i], meta[i], w, *rows(e), interleave)
+                driver.h2d_sync(part.qs + first * part.qs_slot, qs)
+                driver.h2d_sync(part.meta + first * part.meta_slot, meta)
         self._write_tables(table)
         self.resident = resident
 
