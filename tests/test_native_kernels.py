@@ -408,3 +408,13 @@ def test_host_call_cost_is_measured_after_a_device_segments_gap():
     kernels = load(Options.from_env({}), threads=2)
     call_us = calibrate._host_call_us(kernels, Options.from_env({}))
     assert 0 < call_us < 50_000
+
+
+def test_mixed_steps_raise_the_pool_spin_only_where_asked_and_with_cpus_to_spare(monkeypatch):
+    from kestrel_stream.options import Options
+    from kestrel_stream.run.host import pool_spin as mixed
+    monkeypatch.setattr(mixed.os, "cpu_count", lambda: 16)
+    assert mixed.mixed_spin(Options.from_env({}))
+    assert not mixed.mixed_spin(Options.from_env({"KESTREL_HOST_SPIN_US": "0"}))
+    monkeypatch.setattr(mixed.os, "cpu_count", lambda: 2)
+    assert not mixed.mixed_spin(Options.from_env({}))

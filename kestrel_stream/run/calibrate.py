@@ -92,8 +92,8 @@ HANDOFF_GAP_US = 250     # a device segment between two host segments, as the ho
 def _host_call_us(kernels, options) -> float:
     """One small native call as a mixed step's host segment pays it: after a gap of a device segment's length
     (the caller busy, as in a stream sync), with the pool's spin a mixed step sets (median of 200)."""
-    from kestrel_stream.run.mixed import LIBRARY_SPIN_US, MIXED_SPIN_US
-    spins = getattr(options, "host_spin_us", None) is None
+    from kestrel_stream.run.host.pool_spin import LIBRARY_SPIN_US, MIXED_SPIN_US, mixed_spin
+    spins = mixed_spin(options)
     if spins:
         kernels.set_spin_us(MIXED_SPIN_US)
     small = kernels.prepare_q8_0(*[np.ascontiguousarray(a[:64]) for a in _pool_weights(1)[0]])

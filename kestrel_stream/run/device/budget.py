@@ -6,6 +6,10 @@ workspace of one step, and the weights; the weights get what the rest leaves,
 and when they do not all fit, scheduler.window picks the resident set and the
 streaming ring.  `plan_arena` returns the arena's capacity, never above the
 budget, or raises WindowBudgetError naming every number.
+
+One concern, the split of one budget: every mode's parts (KV pool, activations, weights, mode offload's ring
+and resident experts) are sized against each other here, so a part that grows is taken from the others in
+one place.
 """
 from __future__ import annotations
 

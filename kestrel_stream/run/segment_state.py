@@ -1,0 +1,167 @@
+"""One mixed step's state between the host and the device (run/mixed.py walks the segments that move it).
+
+State tensors (rows = tokens of the step): x [T, H] residual, qkv [T, q+2kv], attn [T, q], act [T, I] =
+silu(gate)·up, logits [T, V]; each with a pinned host copy, a device copy and a record of which copy is
+current.  Entering a host segment downloads what it reads from the device with one sync; entering a GPU
+segment uploads what it reads, asynchronously (by a copy_words kernel in mode offload, where the copy
+engine is busy with the ring's weights).  The device's xn / 1/rms of the next norm come from the GEMV that
+wrote x there, or from the host when x was last written on the host.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kestrel_stream.cuda import driver
+from kestrel_stream.obs import prof
+
+if TYPE_CHECKING:
+    from kestrel_stream.run.device.backend import DeviceBackend
+
+
+class SegmentState:
+    """One step's state between the sides: the pinned host copies, the device copies, which is current,
+    and the moves between them (the host program's StepState on the host side)."""
+
+    def __init__(self, backend: DeviceBackend, counters, rows, gpu_layers: int, rope, kernel_copy=None,
+                 tree_fields=None):
+        """kernel_copy(dst, src address, nbytes) -> a Launch copying by the SMs (mode offload: the copy engine
+        is busy with the ring's weights, and a small upload queued behind them would wait for all of them);
+        None: uploads are async copies.  tree_fields: the rows' token-tree masks (token_tree.step_tree_fields)
+        or None: rows are at their slots' positions, or at slot - skip."""
+        b = backend
+        self.kernel_copy = kernel_copy
+        self.backend, self.counters, self.stream, self.gpu_layers = b, counters, b.stream, gpu_layers
+        self.dev, self.pinned, self.host, self.widths = b.arrays, b.pinned.buffers, b.pinned.views, b.pinned.widths
+        self.T = len(rows)
+        self.valid = {name: set() for name in self.widths}
+        self.local: dict[str, np.ndarray] = {}       # host-only state of a host segment (q)
+        self.xn_norm = None                           # the norm whose xn the device holds
+        self.uploads_in_flight: set = set()
+        self.call = None                              # KESTREL_PROF's stages of the current GPU segment
+        self.ids = np.array([t for _, t, _ in rows], np.int64)
+        positions = np.array([p for _, _, p in rows], np.int64)
+        self.tree_fields = tree_fields
+        if tree_fields is not None:
+            positions = positions - tree_fields[0]
+        # sessions as runs of consecutive rows: (kv, first row, last row + 1, start position)
+        runs = []
+        for i, (kv, _, pos) in enumerate(rows):
+            if runs and runs[-1][0] is kv and runs[-1][2] == i:
+                runs[-1][2] = i + 1
+            else:
+                runs.append([kv, i, i + 1, pos])
+        self.runs = [tuple(run) for run in runs]
+        self.cos, self.sin = rope(positions)
+        self.lm_rows = None                           # the rows lm_head computes (None: every row of the chunk)
+
+    # ---- the host program's view (program.StepState) ------------------------------------------------
+    def read(self, name: str) -> np.ndarray:
+        return self.local[name] if name in self.local else self.host[name][:self.T]
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits the step computes: lm_head's rows, packed from row 0."""
+        return self.T if self.lm_rows is None else len(self.lm_rows)
+
+    def write(self, name: str, value: np.ndarray) -> None:
+        if name not in self.widths:
+            self.local[name] = value
+            return
+        self._host_writes(name)
+        self.host[name][:len(value)] = value
+
+    def add(self, name: str, value: np.ndarray) -> None:
+        self._host_writes(name)
+        self.host[name][:self.T] += value
+
+    def write_rows(self, name: str, lo: int, hi: int, value: np.ndarray, width: int) -> None:
+        """A split group's host part: its rows beside the GPU part's (downloaded first when it ran)."""
+        if self.valid[name] == {"dev"}:
+            self.to_host([name])
+            self.valid[name] = {"host"}
+        else:
+            self._host_writes(name)
+        self.host[name][:self.T, lo:hi] = value
+
+    def host_kv(self, kv) -> tuple:
+        return kv.host, self.gpu_layers
+
+    # ---- moving state between the sides -------------------------------------------------------------
+    def to_host(self, names) -> None:
+        """Download every named state the host reads that only the device has; one sync."""
+        pending = [n for n in names if n in self.valid and self.valid[n] == {"dev"}]   # not made yet: skipped
+        if not pending:
+            return
+        start = time.perf_counter()
+        for name in pending:
+            nbytes = (self.logit_rows if name == "logits" else self.T) * self.widths[name] * 4
+            if nbytes:
+                driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
+            self.counters.d2h_bytes += nbytes
+            self.valid[name].add("host")
+        self.stream.synchronize()
+        self.counters.syncs += 1
+        self.uploads_in_flight.clear()
+        if self.call is not None:
+            self.call["d2h+sync"] = (time.perf_counter() - start) * 1e6
+            self.finish_call()
+
+    def _h2d(self, dst: int, src_address: int, src, nbytes: int) -> None:
+        if self.kernel_copy is None:
+            driver.h2d_async(dst, src, nbytes, self.stream)
+        else:
+            self.kernel_copy(dst, src_address, nbytes).enqueue(self.stream)
+
+    def to_device(self, name: str) -> None:
+        if "dev" not in self.valid[name]:
+            nbytes = self.T * self.widths[name] * 4
+            self._h2d(self.dev[name].ptr, self.pinned[name].address, self.pinned[name], nbytes)
+            self.counters.h2d_bytes += nbytes
+            self.valid[name].add("dev")
+            self.uploads_in_flight.add(name)
+
+    def xn_to_device(self, norm: np.ndarray, eps: float) -> None:
+        """Make the device's xn / 1/rms those of `norm` over x, computing them on the host if x was written there."""
+        if self.xn_norm is norm:
+            return
+        T, pinned = self.T, self.backend.pinned
+        self.to_host(["x"])
+        self._wait_upload("xn")
+        x = self.host["x"][:T]
+        pinned.xn[:T] = x * norm
+        pinned.inv_rms[:T] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(eps))
+        hidden = x.shape[1]
+        self._h2d(self.dev["xn"].ptr, pinned.xn.ctypes.data, pinned.xn, T * hidden * 4)
+        self._h2d(self.dev["inv_rms"].ptr, pinned.inv_rms.ctypes.data, pinned.inv_rms, T * 4)
+        self.counters.h2d_bytes += T * (hidden + 1) * 4
+        self.uploads_in_flight.add("xn")
+        self.xn_norm = norm
+
+    def device_wrote(self, op, prepared_norm) -> None:
+        for name in op.writes:
+            if name in self.widths:
+                self.valid[name] = {"dev"}
+        if prepared_norm is not None:             # o / down's epilogue: xn and 1/rms of the next norm
+            self.xn_norm = prepared_norm
+
+    def _wait_upload(self, name: str) -> None:
+        """Before the host overwrites `name`'s pinned copy: wait for an async upload still reading it."""
+        if name in self.uploads_in_flight:
+            self.stream.synchronize()
+            self.counters.syncs += 1
+            self.uploads_in_flight.clear()
+
+    def _host_writes(self, name: str) -> None:
+        self._wait_upload(name)
+        self.valid[name] = {"host"}
+        if name == "x":
+            self.xn_norm = None
+
+    def finish_call(self) -> None:
+        call, self.call = self.call, None
+        if prof.enabled:
+            uploads = call.pop("uploads", 0)
+            prof.record_call(call, uploads=uploads)
