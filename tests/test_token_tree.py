@@ -109,23 +109,29 @@ WIDE_TOKENS = [11, 20, 21, 22, 30, 31, 32, 40, 50, 33, 60, 61, 70, 80, 81, 41, 4
 DEVICE_TOL = dict(rtol=3e-2, atol=3e-2)     # f16 KV, and flash's f16 probabilities beside the split kernel
 
 
+def assert_wide_tree_equals_its_paths(engine, s, mode: str) -> None:
+    """After PROMPT, session s's logits of the wide tree in one step equal each root-to-leaf path's, fed as
+    plain tokens to a fresh session."""
+    tree = TokenTree(WIDE_PARENTS)
+    s.prefill(PROMPT)
+    rows = s.prefill_tree(WIDE_TOKENS, WIDE_PARENTS)
+    for leaf in tree.leaves():
+        path = tree.path_to(leaf)
+        with engine.new_session() as ref:
+            ref.prefill(PROMPT)
+            expected = ref.prefill([WIDE_TOKENS[n] for n in path])
+        np.testing.assert_allclose(rows[path], expected, **DEVICE_TOL, err_msg=f"{mode} path {path}")
+
+
 @pytest.mark.parametrize("mode", ["gpu", "layers=1", "window", "offload"],
                          ids=["whole-device", "layers", "window", "offload"])     # "gpu" would mark it a GPU test
 def test_device_tree_equals_its_paths(mode, monkeypatch):
     from spec_engines import device_engine
     fake_cuda.install(monkeypatch, mode="deferred")
     engine = device_engine(random_q8_weights(DEVICE_CONFIG, seed=4), mode, max_seq_len=64)
-    tree = TokenTree(WIDE_PARENTS)
     with engine.new_session() as s:
-        s.prefill(PROMPT)
-        rows = s.prefill_tree(WIDE_TOKENS, WIDE_PARENTS)
-        for leaf in tree.leaves():
-            path = tree.path_to(leaf)
-            with engine.new_session() as ref:
-                ref.prefill(PROMPT)
-                expected = ref.prefill([WIDE_TOKENS[n] for n in path])
-            np.testing.assert_allclose(rows[path], expected, **DEVICE_TOL, err_msg=f"{mode} path {path}")
-        path = tree.path_to(17)
+        assert_wide_tree_equals_its_paths(engine, s, mode)
+        path = TokenTree(WIDE_PARENTS).path_to(17)
         s.keep_branch(path)
         after = s.decode(3)
         start = s.position
@@ -144,13 +150,6 @@ def test_gpu_tree_equals_its_paths():
     attention's tree masks) on the GPU machine."""
     from spec_engines import device_engine
     engine = device_engine(random_q8_weights(DEVICE_CONFIG, seed=4), "gpu", max_seq_len=64)
-    tree = TokenTree(WIDE_PARENTS)
     with engine.new_session() as s:
-        s.prefill(PROMPT)
-        rows = s.prefill_tree(WIDE_TOKENS, WIDE_PARENTS)
-        for leaf in tree.leaves():
-            path = tree.path_to(leaf)
-            with engine.new_session() as ref:
-                ref.prefill(PROMPT)
-                np.testing.assert_allclose(rows[path], ref.prefill([WIDE_TOKENS[n] for n in path]), **DEVICE_TOL)
+        assert_wide_tree_equals_its_paths(engine, s, "gpu")
     engine.close()
