@@ -290,13 +290,16 @@ def test_chats_sharing_a_system_prompt_reuse_its_kv_and_keep_their_texts(daemon,
     engine.close()
     with ks.Client(daemon.address) as sock:
         before = sock.stats()["prefix_cache"]
-        texts = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
-                 .choices[0].message.content for messages in chats]
+        answers = [client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+                   for messages in chats]
         after = sock.stats()["prefix_cache"]
-    assert texts == alone
+    assert [a.choices[0].message.content for a in answers] == alone
     assert after["prefix_hits"] == before["prefix_hits"] + 1
     reused = after["prefix_reused_tokens"] - before["prefix_reused_tokens"]
     assert reused >= len(system["content"]) - 32     # the system turn, whole blocks of it (byte tokens)
+    # usage says it as the OpenAI API does
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert answers[1].usage.prompt_tokens_details.cached_tokens == reused
 
 
 def test_metrics_count_requests_and_tokens(daemon, client):

@@ -213,6 +213,7 @@ class Service:
             return await self.prefill(session, ids, want, k)
         reused = await self.steps.run(self.prefix_scopes.adopt, scope, session, ids)
         job = await self.prefill(session, ids[reused:], want, k)
+        job.cached_tokens = reused
         await self.steps.run(self.prefix_scopes.store, scope, session, ids)
         return job
 

@@ -100,12 +100,13 @@ class PrefillJob(StepJob):
 
     Only the rows the answer needs are kept: every chunk's logits for
     ``want="logits"``, otherwise the last chunk's alone."""
-    __slots__ = ("prompt", "parts", "start_position")
+    __slots__ = ("prompt", "parts", "start_position", "cached_tokens")
     op = "prefill"
 
     def __init__(self, session: Session, prompt: np.ndarray, want: str, k: int):
         super().__init__(session, want, k)
         self.prompt = prompt                # int64 [n], checked by the service
+        self.cached_tokens = 0              # the prompt's tokens before `prompt` taken from the prefix cache
         self.parts: list[np.ndarray] = []   # logits [count, V] of each chunk so far (want="logits")
         self.start_position = session.position
 

@@ -147,6 +147,7 @@ class HttpGeneration:
         self.started_s = time.perf_counter()
         self.queue_wait_s = 0.0                     # time spent in the admission queue
         self.conn = Connection(peer="http")         # holds the sessions once open
+        self.cached_tokens = 0                      # the first choice's prompt tokens from the prefix cache
 
     def constraint(self, request: TextRequest) -> Constraint | None:
         """The grammar of a forced tool call or of response_format (json_object, json_schema) in its first
@@ -219,6 +220,7 @@ class HttpGeneration:
                 # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier
                 # turns, the first choice's prompt for its siblings) computes only the rest
                 jobs.append(await service.prefill_cached(session, ids, self.want, 1, self.prefix_scope))
+            self.cached_tokens = jobs[0].cached_tokens if jobs else 0
             live = list(self.choices)
             while live:
                 for choice in list(live):

@@ -28,7 +28,8 @@ class Shape:
     def usage(self) -> dict:
         g = self.generation
         return {"prompt_tokens": g.prompt_tokens, "completion_tokens": g.completion_tokens,
-                "total_tokens": g.prompt_tokens + g.completion_tokens}
+                "total_tokens": g.prompt_tokens + g.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": g.cached_tokens}}
 
     # -- logprobs --------------------------------------------------------------
     def chat_logprobs(self, outs) -> dict | None:
