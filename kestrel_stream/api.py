@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from functools import partial
 
+from kestrel_stream.run.device_choice import check_ordinal, split_device
 from kestrel_stream.run.engine import Engine, resolve_device
 
 DRAFT_SESSIONS = 4      # a draft model's KV pool on a GPU: sessions of max_seq_len (one per generation)
@@ -23,6 +24,7 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     checkpoint), "org/repo:FILE.gguf" or "org/repo:Q4_K_M" (a GGUF; or hf_file="FILE"), downloaded once into
     huggingface_hub's cache; a local path wins over a name it could also be.
 
+    device: "auto", "cpu", "cuda" (GPU 0) or "cuda:N" (GPU N; the daemon's replicas, one engine per GPU).
     kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic).
     cpu_threads: the host's threads, process-wide: the native host kernels' and BLAS's (None: the
     physical cores, BLAS's default; 1 where other processes share the cores, see run/blas_threads.py).
@@ -49,7 +51,11 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     path = resolve_model(path, hf_file)
     set_cpu_threads(cpu_threads)
     with stage("resolve device"):
+        _, ordinal = split_device(device)
         device, mode = resolve_device(device, mode)
+        if ordinal:
+            check_ordinal(ordinal)
+            options = options.with_(device_ordinal=ordinal)
     if options.prof:
         prof.enable()               # before loading: the table has the load's stage times too
     with stage("weights: read, split, fuse"):

@@ -77,6 +77,7 @@ class Options:
     offload: str = "auto"                    # gpu mode short of VRAM: auto | stream | place (KESTREL_OFFLOAD)
     offload_homes: str | None = None         # mode offload's layers given (KESTREL_OFFLOAD_HOMES; None: chosen)
     resident_experts: str = "frequency"      # mode offload's experts in VRAM: frequency | uniform | none
+    device_ordinal: int = 0                  # the GPU of a device engine (ks.load's device="cuda:N")
 
     @property
     def cache_root(self) -> Path:

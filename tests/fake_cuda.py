@@ -9,6 +9,12 @@ allocator zeroes it.  Host memory that async copies touch is resolved by address
 to a live pinned buffer (use after free raises); copies enqueued during capture
 must use pinned memory.
 
+Devices: DEVICE_COUNT of them, each with a context a thread makes current
+(``Device.make_current``); an arena belongs to the device current where it was
+made, and in the "immediate" policy (where ops run on the thread that enqueues
+them) a device access from a thread whose current device is another raises,
+as a pointer of another context would fail on a GPU.
+
 Streams, events and graphs (ordering policies, capture, replay): fake_streams.py.
 Kernels: FakeKernelSet launches the numpy twins of fake_kernels.py.  Not
 modelled: real concurrency and timing, memory ordering inside a kernel, launch
@@ -17,6 +23,7 @@ limits beyond simple geometry and alignment checks.
 from __future__ import annotations
 
 import os
+import threading
 
 import itertools
 import re
@@ -33,6 +40,12 @@ CudaError = real_driver.CudaError
 _arenas: list = []
 _pinned: dict[int, "PinnedBuffer"] = {}        # address -> live pinned buffer (or registered array)
 _bases = itertools.count(1)
+DEVICE_COUNT = 2
+_current = threading.local()                    # .ordinal: the device whose context this thread made current
+
+
+def current_ordinal() -> int | None:
+    return getattr(_current, "ordinal", None)
 
 
 # ---- memory -----------------------------------------------------------------------------------------
@@ -43,6 +56,7 @@ class Arena(RealArena):
         self.base = (0x7000 + next(_bases)) << 32
         self._top, self._free, self._live = 0, [], {}
         self.used_bytes = self.peak_bytes = 0
+        self.device = current_ordinal()         # None: made with no device current (a test's own arena)
         _arenas.append(self)
 
     def release(self) -> None:
@@ -56,6 +70,10 @@ def dev(ptr: int, nbytes: int, dtype=np.uint8) -> np.ndarray:
     for a in _arenas:
         if a.base <= ptr < a.base + a.capacity_bytes:
             off = ptr - a.base
+            current = current_ordinal()
+            if POLICY["mode"] == "immediate" and None not in (a.device, current) and a.device != current:
+                raise CudaError(f"device access to an arena of device {a.device} while device {current}'s "
+                                f"context is current")
             if not any(o <= off and off + nbytes <= o + s for o, s in a._live.items()):
                 raise CudaError(f"device access [{off}, +{nbytes}) outside any live arena block")
             assert off % np.dtype(dtype).itemsize == 0, "misaligned device access"
@@ -150,10 +168,14 @@ def memset_async(ptr: int, nbytes: int, stream: Stream) -> None:
 
 class Device:
     def __init__(self, ordinal: int = 0):
+        if not 0 <= ordinal < DEVICE_COUNT:
+            raise CudaError(f"cuDeviceGet failed: CUDA_ERROR_INVALID_DEVICE (ordinal {ordinal} of {DEVICE_COUNT})")
+        self.ordinal = ordinal
         self.arch, self.name, self.sm_count = "sm_90", "Emulated H200", 132
+        self.make_current()
 
     def make_current(self) -> None:
-        pass
+        _current.ordinal = self.ordinal
 
     def free_bytes(self) -> int:
         return 140 << 30
@@ -228,10 +250,11 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
     from kestrel_stream.run.device import backend as device_backend
     from kestrel_stream.cuda import kernels
     monkeypatch.setitem(POLICY, "mode", mode)
+    _current.ordinal = None                 # no device current on this thread until a Device is made
     names = dict(Device=Device, Stream=new_stream, Event=Event, PinnedBuffer=PinnedBuffer, Arena=Arena,
                  register_host=register_host, h2d_async=h2d_async, d2h_async=d2h_async, h2d_sync=h2d_sync,
                  d2d_async=d2d_async, memset_async=memset_async, capture=capture, Graph=Graph,
-                 detect=lambda: "Emulated H200 sm_90", gpu_available=lambda: True,
+                 detect=lambda: "Emulated H200 sm_90", gpu_available=lambda: True, device_count=lambda: DEVICE_COUNT,
                  gpu_status=lambda: (True, "Emulated H200 sm_90"))
     for name, value in names.items():
         monkeypatch.setattr(real_driver, name, value)

@@ -45,10 +45,13 @@ def test_modules_compile_at_once_and_load_in_the_calling_thread(fake_build):
     assert time.perf_counter() - start < 0.2 * len(names) * 0.75       # not one after another
     assert fake_build["overlap"] >= 2 and all(t.startswith("kestrel-nvrtc") for t in fake_build["threads"])
     assert fake_build["load_threads"] == {threading.current_thread().name}
-    assert sorted(kernels._modules) == [(n, "sm_90") for n in names]
+    assert sorted(kernels._modules) == [(n, "sm_90", 0) for n in names]
     assert kernels.load_module("b.cu", "sm_90") == "module cubin of b.cu"     # loaded once, kept
     kernels.load_modules(names, "sm_90")
     assert len(fake_build["loaded"]) == len(names)
+    # a module belongs to one context: a second device (the daemon's replicas) loads its own
+    kernels.load_modules(names, "sm_90", ordinal=1)
+    assert len(fake_build["loaded"]) == 2 * len(names) and (names[0], "sm_90", 1) in kernels._modules
 
 
 def test_a_module_that_fails_to_compile_loads_none(fake_build):

@@ -71,6 +71,13 @@ def gpu_status() -> tuple[bool, str]:
     return (False, text[len("no GPU: "):]) if text.startswith("no GPU") else (True, text)
 
 
+def device_count() -> int:
+    """The GPUs the driver sees (0 without a usable GPU); ordinals run 0..count-1."""
+    if not gpu_available():
+        return 0
+    return int(check(cu.cuDeviceGetCount(), "cuDeviceGetCount"))
+
+
 def device_attribute(dev, attr: str) -> int:
     return check(cu.cuDeviceGetAttribute(getattr(cu.CUdevice_attribute, attr), dev), attr)
 
@@ -87,6 +94,7 @@ class Device:
     def __init__(self, ordinal: int = 0):
         if not gpu_available():
             raise CudaError(detect())
+        self.ordinal = ordinal          # one primary context per device: kernel modules are loaded per ordinal
         self.handle = check(cu.cuDeviceGet(ordinal), "cuDeviceGet")
         self.context = check(cu.cuDevicePrimaryCtxRetain(self.handle), "cuDevicePrimaryCtxRetain")
         self.make_current()

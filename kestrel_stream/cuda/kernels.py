@@ -23,31 +23,34 @@ from kestrel_stream.cuda import mma_variants
 from kestrel_stream.cuda.device_weight import QWeight   # noqa: F401  (kept importable from here)
 from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS, kernel_name, m1_variant, multi_variant
 
-_modules: dict[tuple[str, str], object] = {}
+# (source, arch, device ordinal) -> CUmodule: a module belongs to the context it was loaded in, and each device's
+# primary context is its own (the daemon's replicas: one engine per GPU)
+_modules: dict[tuple[str, str, int], object] = {}
 STATIC_SHARED_BYTES = 48 * 1024   # shared memory per block a launch gets without cuFuncSetAttribute
 
 
-def load_module(name: str, arch: str, cache_dir=None):
-    """The CUmodule of kernels_ptx/<name> for `arch`: compiled (or read from the disk cache) once per process."""
-    key = (name, arch)
+def load_module(name: str, arch: str, cache_dir=None, ordinal: int = 0):
+    """The CUmodule of kernels_ptx/<name> for `arch` in device `ordinal`'s context: compiled (or read from the disk
+    cache) and loaded once per device of the process."""
+    key = (name, arch, ordinal)
     if key not in _modules:
         cubin, _log = compile_cubin(name, arch, cache_dir=cache_dir)
         _modules[key] = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
     return _modules[key]
 
 
-def load_modules(names, arch: str, cache_dir=None) -> None:
-    """Every module of `names` not loaded yet: compiled (or read from the disk cache) on threads at
-    once -- NVRTC releases the GIL, so a cold cache costs about the slowest module's compile instead of
-    the sum -- then loaded here, in the thread whose context is current."""
+def load_modules(names, arch: str, cache_dir=None, ordinal: int = 0) -> None:
+    """Every module of `names` not loaded yet in device `ordinal`'s context: compiled (or read from the disk
+    cache) on threads at once -- NVRTC releases the GIL, so a cold cache costs about the slowest module's
+    compile instead of the sum -- then loaded here, in the thread whose context (that device's) is current."""
     from concurrent.futures import ThreadPoolExecutor
-    missing = [name for name in names if (name, arch) not in _modules]
+    missing = [name for name in names if (name, arch, ordinal) not in _modules]
     if not missing:
         return
     with ThreadPoolExecutor(len(missing), thread_name_prefix="kestrel-nvrtc") as pool:
         cubins = list(pool.map(lambda name: compile_cubin(name, arch, cache_dir=cache_dir)[0], missing))
     for name, cubin in zip(missing, cubins):
-        _modules[(name, arch)] = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
+        _modules[(name, arch, ordinal)] = check(cu.cuModuleLoadData(cubin), f"cuModuleLoadData({name})")
 
 
 class KernelSet:
@@ -64,12 +67,14 @@ class KernelSet:
         self._functions: dict[str, object] = {}
         self._dynamic_shared: dict[str, int] = {}   # kernel -> the dynamic shared bytes it is opted in for
         # the engine's Options.kernel_cache; without options, kernels_ptx.build's default directory
-        load_modules(KERNEL_SOURCES, device.arch, options.kernel_cache if options is not None else None)
+        load_modules(KERNEL_SOURCES, device.arch, options.kernel_cache if options is not None else None,
+                     device.ordinal)
 
     def function(self, kernel_name: str):
         if kernel_name not in self._functions:
             for source in KERNEL_SOURCES:
-                err, fn = cu.cuModuleGetFunction(load_module(source, self.device.arch), kernel_name.encode())
+                module = load_module(source, self.device.arch, ordinal=self.device.ordinal)
+                err, fn = cu.cuModuleGetFunction(module, kernel_name.encode())
                 if err == cu.CUresult.CUDA_SUCCESS:
                     self._functions[kernel_name] = fn
                     break

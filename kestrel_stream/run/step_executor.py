@@ -192,7 +192,8 @@ class StepExecutor(Executor):
         """gpu mode of a mixture-of-experts model: whether every weight, every expert with them, stays resident."""
         from kestrel_stream.cuda import driver
         max_tokens, _ = step_rows(max_batch or DEFAULTS[True][1], PREFILL_CHUNK_TOKENS)
-        return holds_every_expert(self.config, budget_bytes=vram_budget, free_bytes=driver.Device(0).free_bytes(),
+        free = driver.Device(self.options.device_ordinal).free_bytes()
+        return holds_every_expert(self.config, budget_bytes=vram_budget, free_bytes=free,
                                   max_tokens=max_tokens, max_seq_len=max_seq_len or DEFAULTS[True][0],
                                   max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype)
 
@@ -205,7 +206,7 @@ class StepExecutor(Executor):
         from kestrel_stream.cuda import driver
         c = self.config
         max_tokens, _ = step_rows(max_batch or DEFAULTS[True][1], PREFILL_CHUNK_TOKENS)
-        free = driver.Device(0).free_bytes()
+        free = driver.Device(self.options.device_ordinal).free_bytes()
         try:
             memory = plan_gpu_memory(c, budget_bytes=vram_budget, free_bytes=free, max_tokens=max_tokens,
                                      max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or DEFAULTS[True][0],

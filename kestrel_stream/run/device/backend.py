@@ -88,7 +88,7 @@ class DeviceBackend:
         self.weights, self.config, self.options, self.counters = weights, c, options, counters
         self.max_tokens, self.logits_rows = max_tokens, logits_rows
         with load_stages.stage("  device and context"):
-            self.device = driver.Device(0)
+            self.device = driver.Device(options.device_ordinal)
         with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
             self.kernels = KernelSet(self.device, options)
         self.stream = driver.Stream("compute")
