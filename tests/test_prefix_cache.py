@@ -139,3 +139,19 @@ def test_cached_prefixes_give_way_to_new_sessions_when_the_tables_are_full(weigh
     for s in sessions:
         s.close()
     engine.close()
+
+
+def test_the_cached_length_of_a_prompt_is_what_adopt_takes_and_asking_changes_nothing(weights):
+    """The replica router's question (serve/replicas.py): how much of a prompt a cache holds, without a hit counted
+    or an entry made more recent."""
+    engine = Engine(weights, device="cpu", max_seq_len=1100)
+    cache = engine.enable_prefix_cache(budget_positions=4096)
+    cache.prefill_last(engine.new_session(), PREFIX[:100])
+    cache.prefill_last(engine.new_session(), [7] * 40)
+    prompt = PREFIX[:60] + [1, 2, 3]
+    stats, order = dict(cache.stats), list(cache.entries)
+    assert cache.cached_length(cache.prompt_hashes(prompt)) == 48       # three full blocks of 16
+    assert cache.cached_length(cache.prompt_hashes([3] * 40)) == 0
+    assert cache.cached_length(cache.prompt_hashes(PREFIX[:96] + [0])) == 96
+    assert cache.stats == stats and list(cache.entries) == order
+    assert cache.adopt(engine.new_session(), prompt) == 48

@@ -89,6 +89,22 @@ class PrefixCache:
         self.stats["prefix_reused_tokens"] += length
         return length
 
+    def prompt_hashes(self, tokens) -> list[int]:
+        """The block hashes adopt() walks for the prompt `tokens` (its last token is always computed)."""
+        return block_hashes([int(t) for t in tokens[:-1]], self.block_size)
+
+    def cached_length(self, hashes: list[int]) -> int:
+        """Positions adopt() would take for a prompt of these prompt_hashes(), changing nothing (no counters, no
+        recency): a router's question, asked from another thread than the one that adopts and stores (each
+        lookup is one dict read)."""
+        length = 0
+        for h in hashes:
+            hit = self.by_hash.get(h)
+            if hit is None:
+                break
+            length = hit[1]
+        return length
+
     def store(self, session, tokens) -> None:
         """After `session` prefilled the prompt `tokens` from position 0: keep a fork of its full
         blocks as an entry (unless one names them already or it exceeds the budget)."""

@@ -53,6 +53,13 @@ class PrefixScopes:
         cache = self.cache_for(scope)
         return 0 if cache is None else cache.adopt(session, tokens)
 
+    def cached_length(self, scope: str | None, tokens) -> int:
+        """Positions of the prompt `tokens` a request of ``scope`` would reuse here now; no scope is made, nothing
+        moves (serve/replicas.py asks it from the event loop)."""
+        shared = self.engine.prefix_cache
+        cache = shared if scope is None or shared is None else self.scoped.get(scope)
+        return 0 if cache is None or not len(tokens) else cache.cached_length(cache.prompt_hashes(tokens))
+
     def store(self, scope: str | None, session, tokens) -> None:
         cache = self.cache_for(scope)
         if cache is None:
