@@ -22,24 +22,30 @@ MODEL_NAME = "m"
 
 class InProcessDaemon:
     """``serve --socket SOCKET --http 127.0.0.1:0`` without its process: ``service``, ``engine``, ``http_port``
-    and ``socket_path`` are the real ones; ``stop()`` ends the loop."""
+    and ``socket_path`` are the real ones; ``stop()`` ends the loop.  With ``devices`` (``serve --devices``) one
+    engine per device, ``engines``, the first of them ``engine``."""
 
     def __init__(self, model, where: Path, max_sessions: int = 8, max_queue: int = 0, load: dict | None = None,
+                 devices: list[str] | None = None, prefix_slack: int = 4, limits: Limits | None = None,
                  **http_fields):
-        """load: more of ks.load's arguments (e.g. a draft, a device)."""
+        """load: more of ks.load's arguments (e.g. a draft, a device); limits: the socket's (serve/limits.py)."""
         from scheduler.batcher import StepBatcher
 
         from kestrel_stream.serve.daemon import Daemon
         from kestrel_stream.serve.http.server import HttpServer
         from kestrel_stream.serve.service import Service
         from kestrel_stream.serve.socket_reader import SocketReader
-        self.engine = ks.load(str(model), **{"device": "cpu", "max_sessions": max_sessions, **(load or {})})
-        self.engine.enable_prefix_cache(4 * self.engine.max_seq_len)
+        self.engines = [ks.load(str(model), **{"max_sessions": max_sessions, **(load or {}), "device": device})
+                        for device in devices or [(load or {}).get("device", "cpu")]]
+        self.engine = self.engines[0]
+        for engine in self.engines:
+            engine.enable_prefix_cache(4 * engine.max_seq_len)
         self.portal_cm = start_blocking_portal()
         self.portal = self.portal_cm.__enter__()
 
         async def make_service():
-            return Service(self.engine, max_sessions, StepBatcher(), max_queue=max_queue)
+            return Service(self.engines, max_sessions, [StepBatcher() for _ in self.engines], max_queue=max_queue,
+                           devices=devices, prefix_slack=prefix_slack)
         self.service = self.portal.call(make_service)
         options = HttpOptions(**{"host": "127.0.0.1", "port": 0, "api_key": None, "max_requests": max_sessions if not max_queue else None,
                                  "max_body_bytes": 4 << 20, "model_name": MODEL_NAME, "access_log": False,
@@ -48,7 +54,7 @@ class InProcessDaemon:
         self.http_future, _ = self.portal.start_task(self.http.run, self.service)
         self.http_port = self.bound_port()
         self.socket_path = where / "ks.sock"
-        self.daemon = Daemon(self.engine, self.service, None, Limits())
+        self.daemon = Daemon(self.engine, self.service, None, limits or Limits())
         self.daemon.reader = SocketReader()
         self.socket_future, _ = self.portal.start_task(self.serve_socket)
 
@@ -66,7 +72,7 @@ class InProcessDaemon:
             await self.daemon.accept_forever(listener, tg)
 
     def sessions(self) -> int:
-        return len(self.engine.sessions)
+        return sum(len(engine.sessions) for engine in self.engines)
 
     def settled_sessions(self, timeout_s: float = 10.0) -> int:
         """The engine's open sessions once no close is on its way (or timeout_s has passed)."""
@@ -82,9 +88,10 @@ class InProcessDaemon:
         self.portal.call(self.http.stop)
         self.portal.call(self.stop_socket.cancel)
         self.portal_cm.__exit__(None, None, None)
-        self.service.steps.stop()
+        self.service.stop()
         self.daemon.reader.stop()
-        self.engine.close()
+        for engine in self.engines:
+            engine.close()
 
 
 def http_request(method: str, path: str, body: bytes = b"", host: str = "127.0.0.1",

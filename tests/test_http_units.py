@@ -58,9 +58,9 @@ def test_metrics_name_the_daemon_stats_window_kv_pool_and_prefix_counters_includ
              "max_sessions": 64, "ttft_ms": {"p50": 12.0, "p99": 30.0, "samples": 5},
              "counters": {"window_hits": 7, "window_misses": 2},
              "kv": {"kv_blocks_used": 5, "kv_blocks_cached": 3, "kv_blocks_max": 100, "kv_bytes_used": 5 << 20},
-             "prefix_cache": {"prefix_hits": 4, "prefix_misses": 6, "prefix_reused_tokens": 640}}
-    sessions = {1: SimpleNamespace(position=5, max_seq_len=64), 2: SimpleNamespace(position=9, max_seq_len=32)}
-    service = SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(sessions=sessions))
+             "prefix_cache": {"prefix_hits": 4, "prefix_misses": 6, "prefix_reused_tokens": 640},
+             "kv_positions_used": 14, "kv_positions_allocated": 96}
+    service = SimpleNamespace(stats=lambda: stats)
     body, content_type = Metrics(service).exposition()
     assert content_type.startswith("text/plain")
     values = {s.name: s.value for f in text_string_to_metric_families(body.decode()) for s in f.samples}
@@ -102,7 +102,7 @@ def test_prefix_counters_in_metrics_move_a_minute_at_a_time():
     stats = {"requests": 0, "errors": 0, "decode_steps": 0, "decode_step_s": 0.0, "sessions": 0, "max_sessions": 1,
              "prefix_cache": prefix}
     now = [100.0]
-    metrics = Metrics(SimpleNamespace(stats=lambda: stats, engine=SimpleNamespace(sessions={})), clock=lambda: now[0])
+    metrics = Metrics(SimpleNamespace(stats=lambda: stats), clock=lambda: now[0])
 
     def reused() -> float:
         body = metrics.exposition()[0].decode()

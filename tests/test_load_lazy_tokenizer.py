@@ -157,7 +157,7 @@ def test_the_daemon_waits_for_the_tokenizer_off_its_event_loop(gguf_with_tokeniz
                 tg.start_soon(tick)
                 return await service.tokenizer()
         finally:
-            service.steps.stop()
+            service.stop()
     try:
         tok = anyio.run(main)
     finally:

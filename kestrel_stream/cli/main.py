@@ -142,6 +142,7 @@ def cmd_bench(args) -> int:
 
 def cmd_serve(args) -> int:
     from kestrel_stream.serve.daemon import run_daemon
+    from kestrel_stream.serve.devices import serve_devices
     from kestrel_stream.serve.endpoint import check_listen_addresses
     from kestrel_stream.serve.flags import check_serve_args
     from kestrel_stream.serve.http.server import http_options
@@ -151,6 +152,7 @@ def cmd_serve(args) -> int:
         args.served_model_name = args.model         # the name asked for, not its cache folder's
     http_options(args)
     check_listen_addresses(args)    # a port in use: one line, before the model loads
+    serve_devices(args)             # --devices: what this machine has, and --device from them
     prepare_engine(args)
     return run_daemon(args, args.environment)
 

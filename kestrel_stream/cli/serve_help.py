@@ -7,10 +7,10 @@ few a person sets every day and the scheduler's knobs.
 """
 from __future__ import annotations
 
-EVERYDAY = frozenset({"--socket", "--tcp", "--token", "--token-file", "--http", "--api-key", "--api-key-file",
+EVERYDAY = frozenset({"--socket", "--tcp", "--devices", "--token", "--token-file", "--http", "--api-key", "--api-key-file",
                       "--served-model-name", "--max-sessions", "--max-queue", "--no-access-log", "--temp", "--top-k", "--top-p",
                       "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty", "--max-tokens"})
-TUNING = frozenset({"--trace-dir", "--prefix-cache-positions", "--max-batch", "--batch-window-ms", "--step-tokens",
+TUNING = frozenset({"--route-prefix-slack", "--trace-dir", "--prefix-cache-positions", "--max-batch", "--batch-window-ms", "--step-tokens",
                     "--inline-max-ms", "--spin-us"})
 
 

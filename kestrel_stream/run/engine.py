@@ -107,7 +107,8 @@ class Engine:
         # kv_pool_bytes: gpu mode's KV pool, that size (a draft model's); None: what the budget leaves
         self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, options,
                                       kv_dtype, kv_pool_bytes)
-        self._ids = itertools.count(1)
+        # the ids of new sessions; the daemon's replicas share one counter, so that an id names one session
+        self.session_ids = itertools.count(1)
         self._lock = threading.Lock()       # one step at a time through the executor
         self.sessions: dict[int, Session] = {}
         self.prefix_cache = None            # a PrefixCache (prefix_cache.py) where enable_prefix_cache asked
@@ -161,7 +162,7 @@ class Engine:
         if not 0 < length <= self.max_seq_len:
             raise CapacityError(f"max_seq_len={length} is outside 1..{self.max_seq_len} (the engine's limit)")
         kv = alloc_kv_making_room(self.executor, self.prefix_cache, length)
-        session = Session(self, next(self._ids), length, kv=kv)
+        session = Session(self, next(self.session_ids), length, kv=kv)
         self.sessions[session.id] = session
         return session
 
@@ -297,7 +298,7 @@ class Engine:
         """A new session continuing from `parent`'s tokens (Session.fork)."""
         with self._lock:         # a step of the executor may be using the parent's cache
             kv = self.executor.fork_kv(parent.kv, parent.position)
-        child = Session(self, next(self._ids), parent.max_seq_len, kv=kv)
+        child = Session(self, next(self.session_ids), parent.max_seq_len, kv=kv)
         child.position, child.tokens = parent.position, list(parent.tokens)
         self.sessions[child.id] = child
         return child

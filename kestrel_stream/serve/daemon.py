@@ -204,7 +204,7 @@ class Daemon:
                 peer.authenticate()
                 await peer.send({"id": request_id, "ok": True, "v": VERSION, "vocab_size": self.engine.config.vocab_size,
                                  "max_seq_len": self.engine.max_seq_len, "device": self.engine.device,
-                                 "mode": self.engine.mode})
+                                 "mode": self.engine.mode, "replicas": len(self.service.replicas)})
                 continue
             try:
                 with anyio.CancelScope() as request:
@@ -278,7 +278,8 @@ class Daemon:
         scope.cancel()
 
 
-async def serve(engine, args, environment) -> int:
+async def serve(engines, args, environment, devices: list[str] | None = None) -> int:
+    """Serve the engines (one replica each, on ``devices``) until SIGINT/SIGTERM."""
     from scheduler.batcher import StepBatcher, default_step_tokens
     from kestrel_stream.serve.service import Service
     from kestrel_stream.serve.traces import DaemonTraces, prepare_trace_dir
@@ -288,15 +289,17 @@ async def serve(engine, args, environment) -> int:
     uses_runtime_dir = not args.trace_dir or not (args.socket or args.tcp)
     made_dir = make_runtime_dir(environment.runtime_dir) if uses_runtime_dir else None     # removed at exit, once empty
     traces = DaemonTraces(prepare_trace_dir(args.trace_dir, environment.runtime_dir), limits.trace_max_events)
+    engine = engines[0]
     sampling_defaults = with_model_defaults(sampling_defaults_from_args(args),
                                             model_sampling_defaults(engine.weights.source))
     if sampling_defaults.given():
         log("requests that set none get " + ", ".join(f"{k} {v:g}" for k, v in sampling_defaults.given().items()))
     step_tokens = args.step_tokens or default_step_tokens(on_device=engine.device == "cuda")
-    batcher = StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3, step_tokens=step_tokens)
-    service = Service(engine, args.max_sessions, batcher, inline_max_s=args.inline_max_ms / 1e3,
+    batchers = [StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3, step_tokens=step_tokens)
+                for _ in engines]                   # each replica forms its own steps
+    service = Service(engines, args.max_sessions, batchers, inline_max_s=args.inline_max_ms / 1e3,
                       sessions_per_client=limits.sessions_per_client, traces=traces, max_queue=args.max_queue,
-                      sampling_defaults=sampling_defaults)
+                      sampling_defaults=sampling_defaults, devices=devices, prefix_slack=args.route_prefix_slack)
     socket_path = None
     if args.tcp:
         host, _, port = args.tcp.rpartition(":")
@@ -316,11 +319,17 @@ async def serve(engine, args, environment) -> int:
         daemon = Daemon(engine, service, None, limits)
         daemon.reader = SocketReader()
         if args.spin_us > 0:
-            service.steps.after_inline = partial(daemon.reader.spin_for, args.spin_us / 1e6)
+            for replica in service.replicas:
+                replica.steps.after_inline = partial(daemon.reader.spin_for, args.spin_us / 1e6)
         where = f"unix:{socket_path} (mode 0600)"
+    if len(engines) > 1:
+        log(f"{len(engines)} replicas ({', '.join(replica.device for replica in service.replicas)}): a session "
+            f"stays on its replica; a new one goes to the least loaded, or to one caching a longer prefix of its "
+            f"prompt up to {args.route_prefix_slack} sessions busier (--route-prefix-slack)")
     log(f"max {args.max_sessions} sessions ({limits.sessions_per_client} per client; {args.max_queue} HTTP "
         f"generations may wait for one), steps of up to "
-        f"{args.max_batch} sessions and {step_tokens} tokens within {args.batch_window_ms} ms; "
+        f"{args.max_batch} sessions and {step_tokens} tokens within {args.batch_window_ms} ms"
+        f"{' on each replica' if len(engines) > 1 else ''}; "
         f"max {limits.max_connections} connections "
         f"({limits.max_unauthenticated} before hello); traces in {traces.directory}")
     map_large_buffers()
@@ -351,7 +360,7 @@ async def serve(engine, args, environment) -> int:
                 if traces.directory.parent == made_dir:
                     traces.directory.rmdir()
                 made_dir.rmdir()
-        service.steps.stop()                # waits for a step still running (a drain that timed out)
+        service.stop()                      # waits for a step still running (a drain that timed out)
         if daemon.reader is not None:
             daemon.reader.stop()
     log("stopped")
@@ -359,34 +368,44 @@ async def serve(engine, args, environment) -> int:
 
 
 def run_daemon(args, environment) -> int:
-    """Load the model, log what was loaded, and serve until SIGINT/SIGTERM.
+    """Load the model (one engine per device of --devices, else one), log what was loaded, and serve until
+    SIGINT/SIGTERM.
 
     environment: the process's Environment (socket directory, token), read by the CLI."""
     from kestrel_stream.api import load
+    from kestrel_stream.serve.devices import load_replicas, serve_devices
     check_serve_args(args)
+    devices = serve_devices(args)           # bad --devices fail before anything loads
     from kestrel_stream.serve.http.server import http_options
     http_options(args)                      # bad --http flags fail before the model loads
     if getattr(args, "trace", None):          # `serve --trace FILE`: the CLI stops and writes it at exit
         from kestrel_stream.obs import trace
         trace.start(args.trace, command="serve")
-    engine = load(args.model, device=args.device, mode=args.mode, vram_budget=args.vram_budget,
-                  max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
-                  cache=not args.no_cache, kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads,
-                  draft=args.model_draft, spec=args.spec, draft_max=args.draft_max, spec_policy=args.spec_policy)
-    engine.build_tokenizer_in_background()   # while the daemon starts: the first text request rarely waits
-    prefix_positions = (4 * engine.max_seq_len if args.prefix_cache_positions is None
-                        else args.prefix_cache_positions)
-    engine.enable_prefix_cache(prefix_positions)
-    cfg = engine.config
-    log(f"model {args.model}: {cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
-        f"vocab {cfg.vocab_size}; device {engine.device}, mode {engine.mode}, max_seq_len {engine.max_seq_len}")
-    log(f"plan: {engine.plan_summary()}")
-    if engine.executor.preload_line:
-        log(engine.executor.preload_line)
-    if engine.speculation is not None:      # the pass times measured now, before any request waits for them
-        engine.speculation.measure(engine)
-        log(engine.speculation.describe())
+
+    def load_one(device: str):
+        return load(args.model, device=device, mode=args.mode, vram_budget=args.vram_budget,
+                    max_seq_len=args.max_seq_len, max_batch=args.max_batch, max_sessions=args.max_sessions,
+                    cache=not args.no_cache, kv_dtype=args.kv_dtype, cpu_threads=args.cpu_threads,
+                    draft=args.model_draft, spec=args.spec, draft_max=args.draft_max, spec_policy=args.spec_policy)
+    engines = load_replicas(load_one, devices or [args.device], args.devices)
     try:
-        return anyio.run(serve, engine, args, environment)
+        engine = engines[0]
+        engine.build_tokenizer_in_background()   # while the daemon starts: the first text request rarely waits
+        prefix_positions = (4 * engine.max_seq_len if args.prefix_cache_positions is None
+                            else args.prefix_cache_positions)
+        cfg = engine.config
+        log(f"model {args.model}: {cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
+            f"vocab {cfg.vocab_size}; device {engine.device}, mode {engine.mode}, max_seq_len {engine.max_seq_len}")
+        for index, replica in enumerate(engines):
+            where = f"replica {index} ({devices[index]}) " if devices and len(devices) > 1 else ""
+            replica.enable_prefix_cache(prefix_positions)
+            log(f"{where}plan: {replica.plan_summary()}")
+            if replica.executor.preload_line:
+                log(where + replica.executor.preload_line)
+            if replica.speculation is not None:      # the pass times measured now, before any request waits for them
+                replica.speculation.measure(replica)
+                log(where + replica.speculation.describe())
+        return anyio.run(serve, engines, args, environment, devices)
     finally:
-        engine.close()
+        for engine in engines:
+            engine.close()

@@ -26,6 +26,7 @@ class DecodeSteps:
         self.batcher = batcher
         self.answered = 0               # jobs answered here (written to their sockets): only this thread counts
         self.errors = 0                 # of which errors
+        self.failed = 0                 # jobs that failed in these steps, whoever answers them
 
     def run(self, chunks: list) -> None:
         """Step thread: one engine.step over the chunks that can still run, then every finished job's answer."""
@@ -46,6 +47,7 @@ class DecodeSteps:
             for chunk in chunks:
                 job = chunk.payload
                 if job.error is not None:
+                    self.failed += 1
                     if not chunk.final:
                         self.batcher.drop(chunk.pending)
                     job.rewind()

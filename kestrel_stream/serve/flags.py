@@ -13,6 +13,8 @@ DEVICE_STEP_TOKENS = 2048       # scheduler.batcher.DEVICE_STEP_TOKENS
 MAX_STEP_TOKENS = 65536
 DEFAULT_MAX_QUEUE = 256         # generations waiting for a session: 200 requests beyond 64 sessions all wait
 MAX_QUEUE = 1 << 20
+DEFAULT_PREFIX_SLACK = 4        # scheduler.replica_choice.DEFAULT_PREFIX_SLACK
+MAX_PREFIX_SLACK = 1 << 20
 
 
 def check_serve_args(args) -> None:
@@ -27,6 +29,11 @@ def check_serve_args(args) -> None:
         raise ValueError(f"--prefix-cache-positions must be >= 0 (got {args.prefix_cache_positions})")
     if not 1 <= args.max_frame_mb <= MAX_RESPONSE_BYTES >> 20:
         raise ValueError(f"--max-frame-mb must be in 1..{MAX_RESPONSE_BYTES >> 20}")
+    if args.devices is not None:
+        from kestrel_stream.serve.devices import parse_devices
+        parse_devices(args.devices)         # the list's own errors; the machine's are serve_devices'
+    if not 0 <= args.route_prefix_slack <= MAX_PREFIX_SLACK:
+        raise ValueError(f"--route-prefix-slack must be in 0..{MAX_PREFIX_SLACK}, got {args.route_prefix_slack}")
     if not 0 <= args.inline_max_ms <= 1000 or not 0 <= args.spin_us <= 100_000:
         raise ValueError(f"--inline-max-ms must be in 0..1000 (got {args.inline_max_ms}) and --spin-us in "
                          f"0..100000 (got {args.spin_us})")
@@ -42,11 +49,19 @@ def add_serve_args(p) -> None:
                                                       "generated token is written there")
     p.add_argument("--trace-dir", default=None, help="where clients' trace_start files go (default: a private "
                                                      "kestrel-traces dir beside the default socket)")
-    p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once")
+    p.add_argument("--devices", default=None, metavar="LIST",
+                   help="one engine (replica) per device behind the same socket and HTTP front: GPU ordinals "
+                        "(0,1) or cpu,cpu; a session stays on its replica, a new one goes to the least loaded "
+                        "(default: one engine on --device)")
+    p.add_argument("--route-prefix-slack", type=int, default=DEFAULT_PREFIX_SLACK, metavar="N",
+                   help="with --devices: a new session goes to a replica caching a longer prefix of its prompt while "
+                        "that replica holds at most N more sessions and queued requests than the least loaded one "
+                        "(0: the prefix only breaks ties)")
+    p.add_argument("--max-sessions", type=int, default=64, help="most sessions open at once (over all replicas)")
     p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
                    help="generations that wait, first come first served, for a session while --max-sessions are "
-                        "held (HTTP ones, and socket opens that ask to wait); one more is refused, HTTP 429 (0: no "
-                        "queue)")
+                        "held (HTTP ones, and socket opens that ask to wait; one queue for all replicas); one more is "
+                        "refused, HTTP 429 (0: no queue)")
     p.add_argument("--prefix-cache-positions", type=int, default=None,
                    help="KV positions of cached prompt prefixes reused across sessions by block hash "
                         "(default 4 x max_seq_len; 0: off)")

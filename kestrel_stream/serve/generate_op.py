@@ -175,7 +175,7 @@ async def run_generation(service, session, request: GenerateRequest, send_frame,
             await spec.finish(start + len(generation.ids) + max(len(generation.tokens) - 1, 0))
     if stop.reason is None:
         stop.reason = LENGTH
-    service.counters["generated_tokens"] += len(generation.tokens)
+    service.replica_of(session).counters["generated_tokens"] += len(generation.tokens)
     text = "".join(generation.text_parts) if generation.decoder is not None else None
     fields = {"position": session.position, "stop_reason": stop.reason, "text": text}
     if spec is not None:

@@ -1,7 +1,10 @@
 """What the daemon does with a request: session ownership, operations, and steps.
 
-Every engine call runs on one dedicated step thread (``StepThread``), off the
-event loop, so the loop keeps reading frames while a step runs.  Decode and
+Every engine call runs on its engine's dedicated step thread (``StepThread``), off
+the event loop, so the loop keeps reading frames while a step runs; with
+several devices (``serve --devices``) each engine is a replica with its own
+step thread and batcher, and a session's requests go to the replica that
+holds it (serve/replicas.py).  Decode and
 prefill requests go to that thread, whose batcher forms every step from the
 decode tokens and prompt chunks queued, under a token budget (continuous
 batching; scheduler/batcher.py); for connections that allow it, the step
@@ -27,19 +30,19 @@ import anyio
 import numpy as np
 
 from scheduler.batcher import StepBatcher
+from scheduler.replica_choice import DEFAULT_PREFIX_SLACK
 
 from kestrel_stream.serve.admission import Admission
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
 from kestrel_stream.serve.memory import collect_cycles, release_freed_memory
-from kestrel_stream.serve.prefix_scopes import PrefixScopes
+from kestrel_stream.serve.replicas import Replica, Replicas
 from kestrel_stream.serve.sampling_defaults import SamplingDefaults
-from kestrel_stream.serve.decode_steps import DecodeSteps
-from kestrel_stream.serve.spec_rounds import SpecTotals
+from kestrel_stream.serve.stats import daemon_stats
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
 from kestrel_stream.wire.protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
-from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S, StepThread
+from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S
 
 WANTS = ("logits", "last", "token", "topk")
 TRIM_INTERVAL_S = 1.0       # while sessions stay open, freed memory is given back at most this often
@@ -61,27 +64,25 @@ def field_int(header: dict, name: str, op: str, low: int, high: int, default=Non
 
 
 class Service:
-    def __init__(self, engine: Engine, max_sessions: int, batcher: StepBatcher,
+    def __init__(self, engines: Engine | list[Engine], max_sessions: int, batchers: StepBatcher | list[StepBatcher],
                  inline_max_s: float = DEFAULT_INLINE_MAX_S, sessions_per_client: int | None = None,
-                 traces=None, max_queue: int = 0, sampling_defaults: SamplingDefaults | None = None):
-        """max_queue: generations that may wait for a session when --max-sessions are held (0: refused at once)."""
-        self.engine, self.max_sessions, self.batcher = engine, max_sessions, batcher
+                 traces=None, max_queue: int = 0, sampling_defaults: SamplingDefaults | None = None,
+                 devices: list[str] | None = None, prefix_slack: int = DEFAULT_PREFIX_SLACK):
+        """engines, batchers: one engine and its batcher, or a list of each (the replicas, one per device in
+        ``devices``).  max_queue: generations that may wait for a session when --max-sessions are held (0:
+        refused at once); both limits hold across the replicas.  prefix_slack: scheduler/replica_choice.py's."""
+        engines = engines if isinstance(engines, list) else [engines]
+        batchers = batchers if isinstance(batchers, list) else [batchers]
+        self.replicas = Replicas(engines, batchers, inline_max_s, devices, prefix_slack)
+        # the model's facts (config, tokenizer, limits, draft), the same in every replica: the first one's
+        self.engine, self.max_sessions = engines[0], max_sessions
         self.sampling_defaults = sampling_defaults or SamplingDefaults()    # serve --temp ...: requests that set none
         self.grammar_lock = threading.Lock()
         self.grammars_of_tokenizer = None       # text/grammar.py Grammars, made for the first structured output
         self.sessions_per_client = sessions_per_client or max_sessions
         self.traces = traces                    # serve/traces.py DaemonTraces; None: no trace_start
-        self.vocab_size = engine.config.vocab_size
-        # Built once: the plan is fixed for the engine's mode, and stats() should stay a cheap round trip.
-        self.plan = engine.plan_summary()
-        window = engine.executor.window_plan
-        self.residency = window.describe().splitlines()[0] if window is not None else None
-        self.counters = {"requests": 0, "errors": 0, "decode_steps": 0, "generated_tokens": 0,
-                         "decode_step_s": 0.0}         # engine time of those steps, on the step thread
-        self.decode_steps = DecodeSteps(engine, self.counters, batcher)
-        self.prefix_scopes = PrefixScopes(engine)
-        self.spec_totals = SpecTotals(engine.speculation)     # speculative rounds of both transports
-        self.steps = StepThread(batcher, self.decode_steps.run, inline_max_s)
+        self.vocab_size = self.engine.config.vocab_size
+        self.counters = {"requests": 0, "errors": 0}     # the replicas count their steps (Replica.counters)
         self.connections: set[int] = set()
         self.draining = False
         self.handling = 0                       # requests whose handler has not returned
@@ -101,7 +102,18 @@ class Service:
 
     @property
     def inflight(self) -> int:
-        return self.handling + self.decodes_sent + self.queued_at_once - self.decode_steps.answered
+        return self.handling + self.decodes_sent + self.queued_at_once - self.replicas.answered
+
+    def replica_of(self, session: Session) -> Replica:
+        return self.replicas.of(session)
+
+    def submit(self, job) -> None:
+        """A step job (its session's) to the batcher of the replica that holds that session."""
+        self.replicas.submit(job)
+
+    def stop(self) -> None:
+        """Every replica's step thread, once its queued calls have run."""
+        self.replicas.stop()
 
     # -- requests --------------------------------------------------------------
     async def handle(self, conn: Connection, frame: Frame) -> tuple[dict, dict] | DecodeJob:
@@ -169,20 +181,24 @@ class Service:
                              f"(--max-sessions {self.max_sessions})")
 
     async def open_sessions(self, conn: Connection, length: int | None, count: int = 1,
-                            wait: bool = False, what: str = "open") -> list[Session]:
-        """``count`` new sessions of ``conn``: their places reserved at once (CapacityError when all are held), or
-        with ``wait`` after a turn in the admission queue (CapacityError when it is full)."""
+                            wait: bool = False, what: str = "open", prompt=None,
+                            scope: str | None = None) -> list[Session]:
+        """``count`` new sessions of ``conn``, on one replica: their places reserved at once (CapacityError when
+        all are held), or with ``wait`` after a turn in the admission queue (CapacityError when it is full).
+        prompt: the ids they will prefill (in prefix cache ``scope``), where known: the replica that caches the
+        longest prefix of them is preferred (serve/replicas.py)."""
         if wait:
             await self.admission.take(count, what)
         elif not self.admission.try_take(count):
             raise self.sessions_held(what)
+        replica = self.replicas.place(count, prompt, scope)
         opened: list[Session] = []
         try:
             for _ in range(count):
                 # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread
                 # is making; it is registered below, with no await between, so the client's cleanup closes it.
                 with anyio.CancelScope(shield=True):
-                    session = await self.steps.run(self.prefix_scopes.new_session, length)
+                    session = await replica.steps.run(replica.prefix_scopes.new_session, length)
                 conn.sessions[session.id] = session     # from here close_sessions frees it and its place
                 opened.append(session)
         except CapacityError:
@@ -192,6 +208,7 @@ class Service:
         finally:
             if len(opened) < count:
                 self.admission.give_back(count - len(opened))
+                self.replicas.release(replica, count - len(opened))
         return opened
 
     async def op_prefill(self, conn, header, arrays):
@@ -209,12 +226,13 @@ class Service:
         session adopts the cached prefix of the prompt, the batcher computes the rest, and the
         prompt's full blocks are cached after it.  scope: a request's own cache (serve/prefix_scopes.py;
         None: the shared one)."""
-        if self.engine.prefix_cache is None or want == "logits":
+        replica = self.replica_of(session)
+        if replica.engine.prefix_cache is None or want == "logits":
             return await self.prefill(session, ids, want, k)
-        reused = await self.steps.run(self.prefix_scopes.adopt, scope, session, ids)
+        reused = await replica.steps.run(replica.prefix_scopes.adopt, scope, session, ids)
         job = await self.prefill(session, ids[reused:], want, k)
         job.cached_tokens = reused
-        await self.steps.run(self.prefix_scopes.store, scope, session, ids)
+        await replica.steps.run(replica.prefix_scopes.store, scope, session, ids)
         return job
 
     async def op_decode(self, conn, header, arrays):
@@ -236,7 +254,7 @@ class Service:
         job = DecodeJob(session, token, want, k, header.get("id"), conn.send_from_step)
         if not at_once:
             self.decodes_sent += 1
-        self.steps.submit(job, at_once)
+        self.replicas.submit(job, at_once)
         return job
 
     def queue_decode(self, conn: Connection, header: dict) -> DecodeJob | None:
@@ -291,7 +309,7 @@ class Service:
 
     async def op_reset(self, conn, header, arrays):
         session = self.session_of(conn, header, "reset")
-        await self.steps.run(session.reset)
+        await self.replica_of(session).steps.run(session.reset)
         return {"position": 0}, {}
 
     async def op_close(self, conn, header, arrays):
@@ -304,12 +322,12 @@ class Service:
 
     async def op_trace_start(self, conn, header, arrays):
         trace = self.trace_module()
-        path = await self.steps.run(self.traces.start, conn, header.get("path"), trace)
+        path = await self.replicas[0].steps.run(self.traces.start, conn, header.get("path"), trace)
         return {"path": str(path)}, {}
 
     async def op_trace_stop(self, conn, header, arrays):
         trace = self.trace_module()
-        written = await self.steps.run(self.traces.stop, conn, trace)
+        written = await self.replicas[0].steps.run(self.traces.stop, conn, trace)
         return {"path": str(written) if written is not None else None}, {}
 
     def trace_module(self):
@@ -329,8 +347,8 @@ class Service:
         return await self.run_job(DecodeJob(session, token, want, k))
 
     async def run_job(self, job):
-        """Submit a step job to the batcher and wait for it; its error is raised here."""
-        self.steps.submit(job)
+        """Submit a step job to its replica's batcher and wait for it; its error is raised here."""
+        self.submit(job)
         await job.wait()
         if job.error is not None:
             raise job.error
@@ -339,9 +357,16 @@ class Service:
     # -- connections -----------------------------------------------------------------
     async def close_sessions(self, conn: Connection, session_ids) -> None:
         sessions = [conn.sessions.pop(sid) for sid in list(session_ids)]
+        held: dict[Replica, list[Session]] = {}
+        for session in sessions:
+            held.setdefault(self.replica_of(session), []).append(session)
         with anyio.CancelScope(shield=True):
             try:
-                await self.steps.run(self.decode_steps.close_sessions, self.batcher, sessions)
+                for replica, closing in held.items():
+                    try:
+                        await replica.steps.run(replica.decode_steps.close_sessions, replica.batcher, closing)
+                    finally:
+                        self.replicas.release(replica, len(closing))
             finally:
                 if sessions:
                     self.admission.give_back(len(sessions))     # to the oldest waiting generation first
@@ -370,37 +395,26 @@ class Service:
         """Its trace, if one records, is stopped and written."""
         if self.traces is not None and self.traces.owner is conn:
             with anyio.CancelScope(shield=True):
-                await self.steps.run(self.traces.stop, conn, tracer())
+                await self.replicas[0].steps.run(self.traces.stop, conn, tracer())
 
     def stats_at_once(self) -> dict | None:
-        """Reader thread: stats() while no engine call runs (it takes the step thread's turn for that long),
+        """Reader thread: stats() while no engine call runs (it takes every step thread's turn for that long),
         so that a stats request of an idle connection needs no hop to the event loop; None when busy."""
-        if not self.steps.turn.acquire(blocking=False):
-            return None
+        taken = []
         try:
+            for replica in self.replicas:
+                if not replica.steps.turn.acquire(blocking=False):
+                    return None
+                taken.append(replica.steps.turn)
             self.stats_at_once_count += 1
             return self.stats()
         finally:
-            self.steps.turn.release()
+            for turn in taken:
+                turn.release()
 
     def stats(self) -> dict:
-        engine, executor = self.engine, self.engine.executor
-        return {
-            "model": str(getattr(engine.weights, "source", "")) or None,
-            "device": engine.device, "mode": engine.mode,
-            "plan": self.plan,
-            "residency": self.residency,
-            "counters": executor.counters.as_dict(),
-            "kv": executor.kv_stats(),
-            "prefix_cache": self.prefix_scopes.stats(),
-            "sessions": len(engine.sessions), "max_sessions": self.max_sessions,
-            "connections": len(self.connections), "inflight": self.inflight,
-            **self.batcher.stats(), **self.admission.stats(), **self.counters, "errors": self.counters["errors"] + self.decode_steps.errors,
-            "requests": self.counters["requests"] + self.queued_at_once + self.stats_at_once_count,
-            "inline_steps": self.steps.inline_steps,
-            "speculation": self.spec_totals.as_dict(),
-        }
-
+        """Totals in one engine's shape, and each replica's figures under "replicas" (serve/stats.py)."""
+        return daemon_stats(self)
 
 
 def tracer():

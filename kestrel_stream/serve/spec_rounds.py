@@ -82,20 +82,23 @@ class VerifyJob(PrefillJob):
 
 
 class ServedSpeculation:
-    """One generation's speculative rounds on its session in the daemon."""
+    """One generation's speculative rounds on its session in the daemon, on the replica that holds the session
+    (its draft, its step thread, its batch)."""
 
     def __init__(self, service, session, decoder):
         self.service, self.session, self.decoder = service, session, decoder
+        self.replica = service.replica_of(session)
 
     @classmethod
     async def open(cls, service, session, params, seed: int, draft_max: int | None) -> "ServedSpeculation | None":
         """The rounds of a generation on `session` (the pass-time curve measured first, once, on the step
         thread); None where the draft has no room for one more stream."""
-        speculation = service.engine.speculation
+        replica = service.replica_of(session)
+        speculation = replica.engine.speculation
         try:
-            decoder = await service.steps.run(speculation.decoder, session, params, seed, draft_max)
+            decoder = await replica.steps.run(speculation.decoder, session, params, seed, draft_max)
         except CapacityError:
-            service.spec_totals.refused += 1
+            replica.spec_totals.refused += 1
             return None
         return cls(service, session, decoder)
 
@@ -110,11 +113,11 @@ class ServedSpeculation:
 
     def record_plain(self) -> None:
         self.decoder.record(0, 1)
-        self.service.spec_totals.stats.record(0, 1)
+        self.replica.spec_totals.stats.record(0, 1)
 
     def propose(self, history: list[int], budget: int, step: int):
         """Step thread: the round's k for the batch as it stands, and the drafts."""
-        batch = self.service.batcher.active_sessions(time.perf_counter())
+        batch = self.replica.batcher.active_sessions(time.perf_counter())
         k = self.decoder.draft_length(budget, batch)
         return self.decoder.propose(history, k, step) if k > 0 else ([], None)
 
@@ -122,12 +125,12 @@ class ServedSpeculation:
         """(tokens emitted after `token`, their logits rows [n, V]) of a verified round, or None where the
         round drafts nothing: the caller then takes one plain step (already counted as a plain pass here)."""
         service = self.service
-        drafts, q_rows = await service.steps.run(self.propose, history, budget, step)
+        drafts, q_rows = await self.replica.steps.run(self.propose, history, budget, step)
         if not drafts:
             self.record_plain()
             return None
         job = await service.run_job(VerifyJob(self.session, token, drafts, q_rows, self.decoder, history, step))
-        service.spec_totals.stats.record(len(drafts), len(job.out))
+        self.replica.spec_totals.stats.record(len(drafts), len(job.out))
         return job.out, job.result[1]["logits"]
 
     async def finish(self, fed: int | None) -> None:
@@ -135,7 +138,7 @@ class ServedSpeculation:
         token is not fed; None: the session is closed next): tokens a round fed past a stop are dropped, and the
         draft's stream closed."""
         with anyio.CancelScope(shield=True):
-            await self.service.steps.run(self.close, fed)
+            await self.replica.steps.run(self.close, fed)
 
     def close(self, fed: int | None) -> None:
         """Step thread."""

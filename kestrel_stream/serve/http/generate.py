@@ -187,7 +187,7 @@ class HttpGeneration:
         self.started_s = time.perf_counter()
         try:
             await service.open_sessions(self.conn, len(self.ids) + self.max_tokens, len(self.choices), wait=True,
-                                        what="this generation")
+                                        what="this generation", prompt=self.ids, scope=self.prefix_scope)
         except CapacityError as e:
             raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
         except ShuttingDownError as e:
@@ -231,7 +231,7 @@ class HttpGeneration:
                         choice.pending = await self.speculative_round(choice, choice.tokens[-1])
                         if not choice.pending:
                             job = DecodeJob(session, choice.tokens[-1], self.want, 1)
-                            service.steps.submit(job)
+                            service.submit(job)
                     if not choice.pending:
                         await job.wait()
                         if job.error is not None:
@@ -249,7 +249,7 @@ class HttpGeneration:
                     elif choice.spec is None or choice.spec.plain_next(self.max_tokens - len(choice.tokens)):
                         # the next step is queued before this token is sent
                         jobs[choice.index] = DecodeJob(session, out.token, self.want, 1)
-                        service.steps.submit(jobs[choice.index])
+                        service.submit(jobs[choice.index])
                     yield out
         except KestrelError as e:
             raise APIError(500, f"{type(e).__name__}: {e}", "server_error") from None

@@ -7,6 +7,12 @@ blocks, window hits and misses, prefix cache hits) are read from
 Service.stats() at each scrape, so socket and HTTP clients are counted alike
 and nothing is added to the step thread's work.
 
+With several replicas (serve --devices) each family of the daemon's figures
+keeps its name for the totals, and ``kestrel_replica_*`` families carry
+each replica's figures under a ``replica`` label (its index) and a ``device``
+label: summed over ``replica``, a counter or gauge of those is the total of
+the same name (``sum(kestrel_replica_steps_total) == kestrel_steps_total``).
+
 The prefix cache's counters are the exception: read at each scrape they
 would tell a client whether its last request reused a cached prefix, an
 answer about other clients' prompts.  They are published as they were at
@@ -46,6 +52,23 @@ SPEC_COUNTERS = (("spec_drafted", "drafted_tokens", "tokens drafted by speculati
 SPEC_GAUGES = (("spec_acceptance", "acceptance", "drafted tokens kept, over drafted tokens"),
                ("spec_tokens_per_pass", "tokens_per_pass", "tokens emitted per model pass of speculative generations"),
                ("spec_draft_length", "draft_length", "mean drafted tokens per drafting pass"))
+# (kind, key of a replica's stats, name after kestrel_replica_, help): each replica's figures, labelled
+REPLICA = (
+    ("gauge", "sessions", "sessions", "open sessions"),
+    ("gauge", "load", "load", "sessions held and requests queued: what the router balances"),
+    ("counter", "placed", "placed_sessions", "sessions the router placed on the replica"),
+    ("counter", "placed_by_prefix", "placed_by_prefix", "of those, placed there for a cached prefix of the prompt "
+     "over a less loaded replica"),
+    ("counter", "steps", "steps", "engine steps the batcher formed"),
+    ("counter", "decode_steps", "decode_steps", "engine steps with decode tokens"),
+    ("counter", "decode_step_s", "decode_step_seconds", "engine time of the decode steps"),
+    ("counter", "decode_tokens", "decode_tokens", "decode tokens run in steps"),
+    ("counter", "prompt_tokens", "prompt_tokens", "prompt tokens run in steps"),
+    ("counter", "step_errors", "step_errors", "requests whose step failed on the replica"),
+    ("gauge", "queue_depth", "queue_depth", "jobs waiting in the batcher"),
+    ("gauge", "kv_positions_used", "kv_positions_used", "KV cache positions filled in open sessions"),
+    ("gauge", "kv_positions_allocated", "kv_positions_allocated", "KV cache positions of open sessions"),
+)
 TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -75,11 +98,16 @@ class DaemonCollector:
         self.prefix_published: dict = {}
         self.prefix_published_at: float | None = None
 
-    def prefix_counters(self, current: dict) -> dict:
-        """The prefix counters as of the start of the current window."""
+    def prefix_counters(self, stats: dict) -> dict:
+        """The prefix counters as of the start of the current window: the totals', and each replica's under its
+        index."""
         now = self.clock()
         if self.prefix_published_at is None or now - self.prefix_published_at >= PREFIX_WINDOW_S:
-            self.prefix_published = {key: current[key] for key, _ in PREFIX_COUNTERS if key in current}
+            def published(current: dict) -> dict:
+                return {key: current[key] for key, _ in PREFIX_COUNTERS if key in current}
+            self.prefix_published = {None: published(stats.get("prefix_cache") or {}), **{
+                replica["replica"]: published(replica.get("prefix_cache") or {})
+                for replica in stats.get("replicas", [])}}
             self.prefix_published_at = now
         return self.prefix_published
 
@@ -119,11 +147,10 @@ class DaemonCollector:
             if isinstance(ttft.get(key), (int, float)):
                 yield gauge(f"kestrel_ttft_{key}_seconds", f"time to first token, {key} of the daemon's prompts",
                             ttft[key] / 1e3)
-        sessions = list(service.engine.sessions.values())
         yield gauge("kestrel_kv_positions_used", "KV cache positions filled in open sessions",
-                    sum(s.position for s in sessions))
+                    stats.get("kv_positions_used", 0))
         yield gauge("kestrel_kv_positions_allocated", "KV cache positions of open sessions",
-                    sum(s.max_seq_len for s in sessions))
+                    stats.get("kv_positions_allocated", 0))
         for key in ("window_hits", "window_misses"):
             if key in counters:
                 yield counter(f"kestrel_{key}", f"weight window {key.split('_')[1]} (offloaded modes)", counters[key])
@@ -133,13 +160,38 @@ class DaemonCollector:
                          ("kv_blocks_max", "KV pool blocks in all"), ("kv_bytes_used", "KV pool bytes in use")):
             if key in kv:
                 yield gauge(f"kestrel_{key}", doc, kv[key])
-        prefix = self.prefix_counters(stats.get("prefix_cache") or {})
+        prefix = self.prefix_counters(stats)
         for key, doc in PREFIX_COUNTERS:
-            if key in prefix:
-                yield counter(f"kestrel_{key}", f"{doc} (as of the start of the current minute)", prefix[key])
+            if key in prefix[None]:
+                yield counter(f"kestrel_{key}", f"{doc} (as of the start of the current minute)", prefix[None][key])
         spec = stats.get("speculation")     # with a draft (serve -md / --spec lookup)
         if spec is not None:
             for key, name, doc in SPEC_COUNTERS:
                 yield counter(f"kestrel_spec_{name}", doc, spec[key])
             for key, name, doc in SPEC_GAUGES:
                 yield gauge(f"kestrel_spec_{name}", doc, spec[key])
+        yield from self.replica_families(stats.get("replicas", []), prefix)
+
+    def replica_families(self, replicas: list[dict], prefix: dict):
+        """Each replica's figures under its ``replica`` and ``device`` labels."""
+        if not replicas:
+            return
+        count = GaugeMetricFamily("kestrel_replicas", "engines serving (serve --devices), one replica each")
+        count.add_metric([], float(len(replicas)))
+        yield count
+        labels = ["replica", "device"]
+        for kind, key, name, doc in REPLICA:
+            family = (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                f"kestrel_replica_{name}", doc, labels=labels)
+            for replica in replicas:
+                family.add_metric([str(replica["replica"]), replica["device"]], float(replica.get(key, 0)))
+            yield family
+        for key, doc in PREFIX_COUNTERS:
+            family = CounterMetricFamily(f"kestrel_replica_{key}", f"{doc} (as of the start of the current minute)",
+                                         labels=labels)
+            for replica in replicas:
+                published = prefix.get(replica["replica"], {})
+                if key in published:
+                    family.add_metric([str(replica["replica"]), replica["device"]], float(published[key]))
+            if family.samples:
+                yield family
