@@ -15,6 +15,10 @@
     #   python3 -m bench.http_serve --model qwen3-1.7b-q8_0.gguf --device cuda --label h200
     #   llama-server -m qwen3-1.7b-q8_0.gguf -ngl 99 -np 32 -c 8192 --port 8080 &
     #   python3 -m bench.http_serve --base-url http://127.0.0.1:8080/v1 --vocab-size 151936 --label h200-llama-server
+    # replicas (serve --devices): the same clients against one GPU, then against two replicas, one row each with
+    # its speedup over the first set's (issue 36: >= 1.9x at 64 clients):
+    #   python3 -m bench.http_serve --model qwen3-1.7b-q8_0.gguf --devices 0 0,1 --clients 64 --label h200x2
+    #   python3 -m bench.http_serve --preset tiny --devices cpu cpu,cpu --clients 4     # the same here, on CPU engines
 
 Without --base-url a daemon is started here with ``serve --http 127.0.0.1:0``;
 with --llama-server BIN, llama-server is started after it on the same file
@@ -29,7 +33,10 @@ to its first streamed choice; aggregate tok/s is every client's generated
 tokens (the usage chunk's count where the server sends one) over the time
 from the start to the last client's last chunk.  The load generator is one
 asyncio loop in this process: on a machine with few cores it competes with
-the server.
+the server.  ``--devices SET [SET ...]`` starts our daemon once per set
+(``serve --devices SET``) and measures each with the same requests; every row
+names its set and its tok/s over the first set's at the same clients
+(``speedup``).
 """
 from __future__ import annotations
 
@@ -50,6 +57,7 @@ import httpx  # noqa: E402
 
 from kestrel_stream.cli.bench import environment  # noqa: E402
 from kestrel_stream.loading.presets import ensure_preset  # noqa: E402
+from kestrel_stream.serve.devices import parse_devices  # noqa: E402
 
 from . import daemons  # noqa: E402
 from .daemons import (add_daemon_args, client_counts, daemon_vocab_size, percentile, random_prompts,  # noqa: E402
@@ -71,10 +79,12 @@ def longest_request(args) -> int:
     return args.prompt_tokens + args.new_tokens
 
 
-def start_daemon(model, args, tmp: Path):
-    """``serve --http 127.0.0.1:0`` (and --serve-args) and the base URL it logs."""
+def start_daemon(model, args, tmp: Path, devices: str | None = None):
+    """``serve --http 127.0.0.1:0`` (and --serve-args; on ``devices``, a --devices list) and the base URL it logs."""
     sessions = args.max_sessions or max(args.client_counts) + (0 if args.workload == "staggered" else 4)
-    return daemons.start_daemon(model, tmp / "daemon.log", "--device", args.device, "--mode", args.mode,
+    where = ["--device", args.device] if devices is None else [
+        "--devices", devices, "--device", "cpu" if devices.split(",")[0] == "cpu" else "cuda"]
+    return daemons.start_daemon(model, tmp / "daemon.log", *where, "--mode", args.mode,
                                 "--socket", str(tmp / "ks.sock"), "--http", "127.0.0.1:0",
                                 "--served-model-name", "bench", "--max-batch", str(args.max_batch),
                                 "--max-sessions", str(sessions),
@@ -162,8 +172,20 @@ def staggered_rows(base_url: str, model: str, args, vocab: int, server: str, hea
     return rows
 
 
+def speedups(rows: list[dict]) -> None:
+    """Each row's tok/s over the first --devices set's at the same clients and run (``speedup``)."""
+    first = {}
+    for row in rows:
+        key = (row["clients"], row.get("run", 0))
+        first.setdefault(key, row["tok_s"])
+        row["speedup"] = round(row["tok_s"] / first[key], 3) if first[key] else None
+
+
 def notes(args) -> str:
     head = f"HTTP, streaming /v1/completions; {os.cpu_count()} cores; serve {args.serve_args}. "
+    if args.devices:
+        head += (f"Our daemon once per --devices set ({', '.join(args.devices)}), the same requests each; speedup = "
+                 f"tok_s over the first set's at the same clients. ")
     if args.workload == "staggered":
         return head + (
             f"llama-server -np CLIENTS -fa on {args.llama_args}. {args.requests} requests (seed {args.seed}), prompts "
@@ -216,6 +238,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--serve-args", default="", help="more flags for our daemon's serve, e.g. "
                                                          "\"-md DRAFT.gguf --vram-budget 1GB\"")
+    parser.add_argument("--devices", nargs="+", default=None, metavar="SET",
+                        help="our daemon once per set, each a serve --devices list (0 0,1: one GPU, then two "
+                             "replicas; cpu cpu,cpu here), rows with their set and speedup over the first set's")
     parser.add_argument("--prompt-file", default=None, help="text prompts separated by lines of --- instead of "
                                                             "random ids (client i sends prompt i mod n)")
     args = parser.parse_args()
@@ -224,6 +249,13 @@ def main() -> None:
     args.client_counts = client_counts(parser, args) or ([64] if args.workload == "staggered" else [1, 16, 32])
     if args.prompt_tokens < 1 or args.new_tokens < 1 or args.requests < 1 or args.rate <= 0:
         parser.error("--prompt-tokens, --new-tokens, --requests and --rate must be >= 1 (--rate > 0)")
+    if args.devices and args.base_url:
+        parser.error("--devices starts our daemon once per set: give it --model or --preset, not --base-url")
+    for devices in args.devices or []:
+        try:
+            parse_devices(devices)
+        except ValueError as e:
+            parser.error(str(e))
     if args.llama_server and args.base_url:
         parser.error("--llama-server starts its own server: give it --model, not --base-url")
     if args.base_url:
@@ -234,12 +266,17 @@ def main() -> None:
     else:
         model = args.model or ensure_preset(args.preset)
         with tempfile.TemporaryDirectory(prefix="kestrel-http-") as tmp:
-            proc, base_url = start_daemon(model, args, Path(tmp))
-            try:
-                vocab = args.vocab_size or daemon_vocab_size(Path(tmp) / "ks.sock")
-                rows = rows_at(base_url, args, vocab, "kestrel-stream")
-            finally:
-                stop_daemon(proc)
+            rows = []
+            for devices in args.devices or [None]:
+                proc, base_url = start_daemon(model, args, Path(tmp), devices)
+                try:
+                    vocab = args.vocab_size or daemon_vocab_size(Path(tmp) / "ks.sock")
+                    rows += [dict(row, devices=devices) if devices else row
+                             for row in rows_at(base_url, args, vocab, "kestrel-stream")]
+                finally:
+                    stop_daemon(proc)
+            if args.devices:
+                speedups(rows)
             if args.llama_server:           # after ours has stopped: the device is the other server's alone
                 proc, base_url = start_llama_server(model, args, Path(tmp) / "llama-server.log")
                 try:
@@ -247,8 +284,12 @@ def main() -> None:
                 finally:
                     proc.terminate()
                     proc.wait(60)
-        name = result_name("http-serve" + ("-staggered" if args.workload == "staggered" else ""), args, args.device)
+        name = result_name("http-serve" + ("-staggered" if args.workload == "staggered" else ""), args,
+                           *(["devices-" + "-".join(d.replace(",", "+") for d in args.devices)] if args.devices
+                             else [args.device]))
     columns = STAGGERED_COLUMNS if args.workload == "staggered" else BURST_COLUMNS
+    if args.devices:
+        columns = columns[:1] + ["devices"] + columns[1:] + ["speedup"]
     path = write_results(name, environment(), rows, columns, out_dir=args.out, notes=notes(args))
     print(f"wrote {path}")
 

@@ -33,3 +33,20 @@ def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
         "kestrel-stream", 16, 16, 0, 0), row
     assert row["tok_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
     assert json.loads(proc.stdout.splitlines()[-2]) == row      # the row printed as one JSON line
+
+
+def test_devices_sets_run_one_daemon_each_with_the_same_requests(tmp_path):
+    """``--devices cpu cpu,cpu``: one engine, then two replicas (on a GPU host: --devices 0 0,1), one row each."""
+    proc = subprocess.run([sys.executable, "-m", "bench.http_serve", "--preset", "tiny", "--devices", "cpu", "cpu,cpu",
+                           "--clients", "3", "--prompt-tokens", "8", "--new-tokens", "4", "--out", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    [result] = tmp_path.glob("*devices-cpu-cpu+cpu.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [(r["devices"], r["clients"], r["tokens"], r["short_streams"]) for r in rows] == [
+        ("cpu", 3, 12, 0), ("cpu,cpu", 3, 12, 0)]
+    assert rows[0]["speedup"] == 1.0 and rows[1]["speedup"] == round(rows[1]["tok_s"] / rows[0]["tok_s"], 3)
+    assert "| devices |" in result.with_suffix(".md").read_text()
+    bad = subprocess.run([sys.executable, "-m", "bench.http_serve", "--devices", "0,0"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "cuda:0 is named twice" in bad.stderr
