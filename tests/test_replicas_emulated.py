@@ -1,12 +1,15 @@
 """Replicas on two device ordinals of the emulated GPU (tests/fake_cuda.py: each device a context a thread makes
 current, each arena its device's): ks.load(device="cuda:1") runs on device 1, two engines stepping in turn on
 one thread each touch only their own device's memory and give the same greedy tokens, and the daemon's two
-replicas (``serve --devices 0,1``) answer their sessions with the tokens one engine gives."""
+replicas (``serve --devices 0,1``) answer their sessions with the tokens one engine gives.  Marked `gpu`, the
+daemon's test runs on a real GPU too: on two GPUs where there are two, else as two engines on the one GPU (its
+primary context shared; the CLI refuses a device named twice, the service takes it)."""
 from __future__ import annotations
 
 import pytest
 
 import fake_cuda
+from kestrel_stream.run.device_choice import gpu_count
 import kestrel_stream as ks
 from kestrel_stream.cuda import driver
 from kestrel_stream.errors import DeviceError
@@ -17,6 +20,16 @@ PROMPT = [5, 3, 200, 17, 42, 8, 1, 99, 250, 7, 64, 31]
 @pytest.fixture
 def emulated(monkeypatch):
     fake_cuda.install(monkeypatch)
+
+
+@pytest.fixture(params=["emulated", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not driver.gpu_available(), reason=f"{driver.detect()}")])])
+def two_devices(request, monkeypatch) -> list[str]:
+    """The replicas' devices: two emulated GPUs, or the real ones (GPU 0 twice on a one-GPU machine)."""
+    if request.param == "emulated":
+        fake_cuda.install(monkeypatch)
+        return ["cuda:0", "cuda:1"]
+    return ["cuda:0", "cuda:1" if gpu_count() > 1 else "cuda:0"]
 
 
 def greedy(engine, prompt, steps: int) -> list[int]:
@@ -52,12 +65,12 @@ def test_two_ordinals_each_engine_on_its_own_device(emulated, tiny_model):
         ks.load(tiny_model, device="cuda:2", mode="gpu")
 
 
-def test_the_daemon_serves_two_emulated_devices(emulated, tiny_model, tmp_path):
+def test_the_daemon_serves_two_devices(two_devices, tiny_model, tmp_path):
     from inprocess_daemon import InProcessDaemon
     solo = ks.load(tiny_model, device="cuda:0", mode="gpu", max_seq_len=64)
     expected = greedy(solo, PROMPT, 6)
     solo.close()
-    d = InProcessDaemon(tiny_model, tmp_path, devices=["cuda:0", "cuda:1"], load={"mode": "gpu", "max_seq_len": 64})
+    d = InProcessDaemon(tiny_model, tmp_path, devices=two_devices, load={"mode": "gpu", "max_seq_len": 64})
     try:
         with ks.Client(str(d.socket_path)) as client:
             sessions = [client.new_session() for _ in range(2)]     # balance: one on each device
@@ -65,7 +78,7 @@ def test_the_daemon_serves_two_emulated_devices(emulated, tiny_model, tmp_path):
             for s in sessions:
                 assert s.generate(PROMPT, 6).tokens == expected
             stats = client.stats()
-        assert [r["device"] for r in stats["replicas"]] == ["cuda:0", "cuda:1"]
+        assert [r["device"] for r in stats["replicas"]] == two_devices
         assert [r["decode_tokens"] for r in stats["replicas"]] == [5, 5] and stats["decode_tokens"] == 10
     finally:
         d.stop()
