@@ -72,6 +72,7 @@ def test_a_session_stays_on_its_replica_and_new_sessions_balance(replicas):
         assert figures(after, "prompt_tokens")[1] - figures(before, "prompt_tokens")[1] == 7 + 12
         assert figures(after, "decode_tokens")[1] - figures(before, "decode_tokens")[1] == 5 + 3
         assert replica_of(replicas, s.id) == 1 and figures(after, "sessions") == [2, 2]
+        assert after["inline_steps"] == 0       # the shared reader thread runs no replica's steps
     # an HTTP request of n choices opens its sessions together, on one replica
     complete(replicas, PROMPTS[2], 3, n=2)
     assert figures(replicas.service.stats(), "placed") in ([4, 2], [2, 4])

@@ -1,8 +1,8 @@
 """The daemon's replicas: one engine per device behind the same socket and HTTP front (``serve --devices 0,1``).
 
 A replica is an engine and what runs it: its batcher, its step thread (every
-call of that engine runs there, or inline on the reader thread), the
-answering of its steps (DecodeSteps), its prefix caches (PrefixScopes), its
+call of that engine runs there; one engine alone also runs a lone session's
+short steps inline on the reader thread), the answering of its steps (DecodeSteps), its prefix caches (PrefixScopes), its
 speculation totals and its own counters.  Replicas share the front and
 nothing else: admission (--max-sessions, --max-queue) is the service's,
 across them all, and each replica forms its own steps.
@@ -19,8 +19,8 @@ balance alone places it).  Session ids come from one counter the engines
 share, so an id names one session across replicas.
 
 ``held``, ``placed`` and the load are read and written on the event loop; a
-replica's own objects are touched only by its step thread (and its reader
-thread's inline steps, under the same ``turn``).
+replica's own objects are touched only by its step thread (and, for one
+engine, the reader thread's inline steps, under the same ``turn``).
 """
 from __future__ import annotations
 
@@ -71,6 +71,10 @@ class Replicas:
                  devices: list[str] | None = None, prefix_slack: int = DEFAULT_PREFIX_SLACK):
         assert engines and len(engines) == len(batchers)
         devices = devices or [engine.device for engine in engines]
+        # A lone session's inline step runs on the one reader thread, which reads no other connection meanwhile:
+        # with several replicas their lone sessions' steps would take turns there instead of running at once on
+        # their devices, so every step runs on its replica's step thread.
+        inline_max_s = inline_max_s if len(engines) == 1 else 0.0
         self.all = [Replica(i, device, engine, batcher, inline_max_s)
                     for i, (device, engine, batcher) in enumerate(zip(devices, engines, batchers))]
         self.by_engine = {id(replica.engine): replica for replica in self.all}
