@@ -373,7 +373,7 @@ def run_daemon(args, environment) -> int:
 
     environment: the process's Environment (socket directory, token), read by the CLI."""
     from kestrel_stream.api import load
-    from kestrel_stream.serve.devices import load_replicas, serve_devices
+    from kestrel_stream.serve.devices import load_replicas, make_ready, serve_devices
     check_serve_args(args)
     devices = serve_devices(args)           # bad --devices fail before anything loads
     from kestrel_stream.serve.http.server import http_options
@@ -396,15 +396,7 @@ def run_daemon(args, environment) -> int:
         cfg = engine.config
         log(f"model {args.model}: {cfg.arch}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, "
             f"vocab {cfg.vocab_size}; device {engine.device}, mode {engine.mode}, max_seq_len {engine.max_seq_len}")
-        for index, replica in enumerate(engines):
-            where = f"replica {index} ({devices[index]}) " if devices and len(devices) > 1 else ""
-            replica.enable_prefix_cache(prefix_positions)
-            log(f"{where}plan: {replica.plan_summary()}")
-            if replica.executor.preload_line:
-                log(where + replica.executor.preload_line)
-            if replica.speculation is not None:      # the pass times measured now, before any request waits for them
-                replica.speculation.measure(replica)
-                log(where + replica.speculation.describe())
+        make_ready(engines, devices, prefix_positions, log)
         return anyio.run(serve, engines, args, environment, devices)
     finally:
         for engine in engines:

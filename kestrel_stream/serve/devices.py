@@ -7,7 +7,8 @@ no device, a GPU named twice, a GPU this machine does not have, a word that
 is neither, CPU engines and GPUs mixed, or a ``--device`` that says
 otherwise.  The engines load one after the other; one that fails stops the
 daemon with that replica's error, and those loaded before it are closed
-first, so nothing is left running.  Without ``--devices`` the daemon is the one
+first, so nothing is left running.  Then each is made ready: its prefix
+cache, its plan logged, its draft's pass times measured.  Without ``--devices`` the daemon is the one
 engine of ``--device`` it always was.
 """
 from __future__ import annotations
@@ -88,3 +89,17 @@ def load_replicas(load_one, devices: list[str], text: str | None) -> list:
             engine.close()
         raise
     return engines
+
+
+def make_ready(engines: list, devices: list[str] | None, prefix_positions: int, log) -> None:
+    """Each engine's prefix cache (``prefix_positions``), its plan and preload logged (named by replica where
+    there are several), and its draft's pass times measured now, before any request waits for them."""
+    for index, engine in enumerate(engines):
+        where = f"replica {index} ({devices[index]}) " if devices and len(devices) > 1 else ""
+        engine.enable_prefix_cache(prefix_positions)
+        log(f"{where}plan: {engine.plan_summary()}")
+        if engine.executor.preload_line:
+            log(where + engine.executor.preload_line)
+        if engine.speculation is not None:
+            engine.speculation.measure(engine)
+            log(where + engine.speculation.describe())
