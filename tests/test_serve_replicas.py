@@ -257,3 +257,23 @@ def test_max_sessions_and_the_admission_queue_hold_across_the_replicas(tiny_mode
             assert figures(d.service.stats(), "placed") == [2, 2]       # it went where the place was freed
     finally:
         d.stop()
+
+
+def test_speculative_rounds_run_on_their_sessions_replica(tiny_model, tmp_path, solo):
+    """Each replica has its own draft (here prompt lookup); a generation's rounds use its session's, and the totals
+    add the replicas' passes up."""
+    d = InProcessDaemon(tiny_model, tmp_path, devices=["cpu", "cpu"], load={"spec": "lookup", "spec_policy": "always"})
+    prompt = PROMPTS[1] * 3
+    try:
+        with ks.Client(str(d.socket_path)) as client:
+            sessions = [client.new_session() for _ in range(2)]
+            for s in sessions:
+                assert s.generate(prompt, 12).tokens == solo_tokens(solo, prompt, 11)
+            stats = client.stats()
+        passes = [r["speculation"]["spec_passes"] for r in stats["replicas"]]
+        assert min(passes) > 0 and stats["speculation"]["spec_passes"] == sum(passes)
+        drafted = sum(r["speculation"]["spec_drafted"] for r in stats["replicas"])
+        accepted = sum(r["speculation"]["spec_accepted"] for r in stats["replicas"])
+        assert stats["speculation"]["spec_acceptance"] == round(accepted / drafted, 4)
+    finally:
+        d.stop()
