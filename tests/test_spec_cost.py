@@ -159,8 +159,9 @@ class Repeater:
 
 
 def test_the_daemons_rounds_draft_less_as_its_batch_grows():
-    """ServedSpeculation.propose takes the batch from the batcher (the sessions that asked for a step lately) and
-    the cost model shortens the chains as it grows: none once the batch alone fills the flat part of the curve."""
+    """ServedSpeculation.propose takes the batch from its session's replica's batcher (the sessions that asked for a
+    step lately) and the cost model shortens the chains as it grows: none once the batch alone fills the flat part
+    of the curve."""
     from types import SimpleNamespace
 
     from kestrel_stream.serve.spec_rounds import ServedSpeculation
@@ -173,7 +174,8 @@ def test_the_daemons_rounds_draft_less_as_its_batch_grows():
         session.prefill(history[:-1])
         decoder = speculation.decoder(session, SamplingParams(), 0)
         for batch in (1, 2, 4, 8, 16):
-            service = SimpleNamespace(batcher=SimpleNamespace(active_sessions=lambda now, b=batch: b))
+            replica = SimpleNamespace(batcher=SimpleNamespace(active_sessions=lambda now, b=batch: b))
+            service = SimpleNamespace(replica_of=lambda session, r=replica: r)
             drafts, _ = ServedSpeculation(service, session, decoder).propose(history, 20, len(history))
             lengths[batch] = len(drafts)
     engine.close()
