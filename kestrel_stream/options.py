@@ -13,6 +13,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_VERIFY=1          recompute every GPU step on the host and count mismatches
     KESTREL_PDL=0             no programmatic dependent launch between a step's kernels
     KESTREL_FUSED_ROPE=0      one-token gpu steps keep a rope launch per layer (not attention's prologue)
+    KESTREL_STEP_GRAPHS=0|1   a gpu step of 2..64 tokens on one session replays a graph per bucket of token
+                              counts (1, the default) or launches its kernels eagerly (0)
     KESTREL_MINFLOP=F         the seed's per-projection FLOP threshold instead of the cost model (gated)
     KESTREL_GEMV_M1=SUFFIX    force one single-token GEMV layout (KESTREL_GEMV_M1_ROWS=4|2: "r4" | "")
     KESTREL_GEMV_MN=SUFFIX    force one 2..8-token GEMV layout
@@ -61,6 +63,7 @@ class Options:
     verify: bool = False
     programmatic_launch: bool = True
     fused_rope: bool = True                  # one-token gpu steps: rope as attention's prologue (ops.fuse_rope)
+    step_graphs: bool = True                 # one session's steps of 2..64 tokens as graphs (device/step_graphs.py)
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
@@ -123,6 +126,9 @@ class Options:
         host_kernels = env.get("KESTREL_HOST_KERNELS") or "native"
         if host_kernels not in ("native", "numpy"):
             raise ValueError(f"KESTREL_HOST_KERNELS={host_kernels!r}: native or numpy")
+        step_graphs = env.get("KESTREL_STEP_GRAPHS", "1").strip() or "1"
+        if step_graphs not in ("0", "1"):
+            raise ValueError(f"KESTREL_STEP_GRAPHS={step_graphs!r}: 0 (eager launches) or 1 (graphs, the default)")
         offload = env.get("KESTREL_OFFLOAD") or "auto"
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"KESTREL_OFFLOAD={offload!r}: one of {', '.join(OFFLOAD_CHOICES)}")
@@ -131,7 +137,7 @@ class Options:
             raise ValueError(f"KESTREL_RESIDENT_EXPERTS={resident_experts!r}: one of {', '.join(RESIDENT_EXPERTS)}")
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
-                      fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0",
+                      fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0", step_graphs=step_graphs == "1",
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
                       block_mma_min_tokens=block_mma,
                       cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),

@@ -11,18 +11,21 @@ from kestrel_stream.options import Options
 
 def test_the_environment_becomes_one_options_object():
     env = {"KESTREL_PROF": "1", "KESTREL_TRACE": "t.json", "KESTREL_VERIFY": "1", "KESTREL_PDL": "0",
-           "KESTREL_FUSED_ROPE": "0", "KESTREL_MINFLOP": "1e7", "KESTREL_GEMV_M1": "r4", "KESTREL_GEMV_MN": "o64r4u2",
+           "KESTREL_FUSED_ROPE": "0", "KESTREL_STEP_GRAPHS": "0", "KESTREL_MINFLOP": "1e7", "KESTREL_GEMV_M1": "r4",
+           "KESTREL_GEMV_MN": "o64r4u2",
            "KESTREL_KERNEL_CACHE": "/tmp/k", "KESTREL_CACHE_DIR": "/tmp/c"}
     o = Options.from_env(env, vram_budget="2GiB")
     assert (o.prof, o.trace_path, o.verify, o.programmatic_launch, o.minflop) == (True, "t.json", True, False, 1e7)
     assert (o.gemv_m1, o.gemv_mn, o.kernel_cache_dir, o.cache_dir) == ("r4", "o64r4u2", Path("/tmp/k"), Path("/tmp/c"))
-    assert o.vram_budget == 2 << 30 and not o.fused_rope
+    assert o.vram_budget == 2 << 30 and not o.fused_rope and not o.step_graphs
+    assert Options.from_env({"KESTREL_STEP_GRAPHS": "1"}).step_graphs and Options().step_graphs
     assert Options.from_env({}) == Options()
     assert Options.from_env({}, vram_budget=0.5).vram_budget == 0.5
 
 
 @pytest.mark.parametrize("env, message", [({"KESTREL_MINFLOP": "lots"}, "KESTREL_MINFLOP"),
                                           ({"KESTREL_GEMV_M1": "w7"}, "KESTREL_GEMV_M1='w7'"),
+                                          ({"KESTREL_STEP_GRAPHS": "yes"}, "KESTREL_STEP_GRAPHS='yes'"),
                                           ({}, "--vram-budget")])
 def test_a_bad_setting_names_itself(env, message):
     with pytest.raises(ValueError, match=message):
