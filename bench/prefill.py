@@ -134,7 +134,7 @@ def use_gemm(gpu: GpuExecutor, scratch) -> None:
     """Projections of later steps on cuBLAS (`scratch`: the executor's DenseScratch) or, None, on the
     built-in kernels: the launch lists are rebuilt."""
     gpu.backend.state.dense = scratch
-    gpu.steps._launches.clear()
+    gpu.steps.clear_launches()
 
 
 def pp_row(gpu: GpuExecutor, kv, prompt, args, gemm: str) -> dict:

@@ -125,6 +125,7 @@ def test_a_replayed_batch8_step_is_one_graph_launch_one_sync_and_no_other_device
         s.prefill(list(range(1, PROMPT + 1)))
     pairs = [(s, 5 + i) for i, s in enumerate(sessions)]
     log.take()
+    log.captured_bytes.clear()                          # the prompts' graph (run/device/step_graphs.py)
     engine.decode_batch(pairs, greedy=True)             # captures the bucket's graph, then replays it
     capture = log.take()
     plan = x.plan(BATCH)

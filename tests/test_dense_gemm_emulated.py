@@ -98,8 +98,9 @@ def test_which_ops_take_the_path(monkeypatch):
 
 @pytest.mark.parametrize("batch", (3, 12))
 def test_the_plan_counts_the_library_launches(monkeypatch, batch):
-    """A prefill of 14 tokens and a decode batch (12: one captured graph bucket of 12 rows), cuBLAS from
-    9 tokens: the plan's launches, syncs and bytes equal the executor's; each layer adds 11 launches."""
+    """A prefill of 14 tokens (its bucket's graph: 16 rows, run/device/step_graphs.py) and a decode batch (12:
+    one captured graph bucket of 12 rows), cuBLAS from 9 tokens: the plan's launches, syncs and bytes equal the
+    executor's (the prefill's logits: its own 14 rows); each layer adds 11 launches."""
     fake_cuda.install(monkeypatch, mode="deferred", cublas=True)
     weights = random_q8_weights(QWEN3, seed=5)
     engine = Engine(weights, device="cuda", mode="gpu", max_seq_len=32, max_batch=12,
@@ -107,7 +108,7 @@ def test_the_plan_counts_the_library_launches(monkeypatch, batch):
     x = engine.executor
     ran = ran_one_step(engine, lambda: engine.new_session().prefill(prompt(14, 3)))
     plan = x.plan(14)
-    assert_the_plans_ran(engine, "gpu", ran, [plan], "prefill 14")
+    assert_the_plans_ran(engine, "gpu", ran, [x.plan(16)], "prefill 14", d2h_bytes=plan.d2h_bytes_per_step)
     plain = scheduler.build_plan(QWEN3, 14, "gpu", gpu_available=True)
     assert plan.launches_per_step == plain.launches_per_step + 11 * QWEN3.num_hidden_layers + 2 * lm_head_fits(QWEN3)
     assert any("cuBLAS" in note for note in plan.notes) and not any("cuBLAS" in n for n in x.plan(8).notes)
@@ -274,7 +275,8 @@ def test_cublas_is_an_optional_linux_extra():
 
 
 def test_a_trace_shows_each_library_gemm(monkeypatch, tmp_path):
-    """Each GEMM is a launch of its own on the compute stream's row (its kernels trace as theirs do)."""
+    """Each GEMM is a launch of its own on the compute stream's row (its kernels trace as theirs do): a
+    prompt of 70 tokens, past the largest bucket of one session's step graphs, launches eagerly."""
     import json
 
     from kestrel_stream.cuda import driver
@@ -286,7 +288,7 @@ def test_a_trace_shows_each_library_gemm(monkeypatch, tmp_path):
     _, gpu = engines(QWEN3)
     trace.start(tmp_path / "trace.json")
     try:
-        gpu.new_session().prefill(prompt(40, 1))
+        gpu.new_session().prefill(prompt(70, 1))
     finally:
         path = trace.stop()
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("name") == "launch cublas_gemm_f16"]

@@ -14,6 +14,7 @@ from hf_oracle import relative_error
 from kestrel_stream.cuda import flash_attention as fa
 from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.options import Options
 from kestrel_stream.run.engine import Engine
 
 BASE = ModelConfig(arch="qwen3", hidden_size=128, intermediate_size=192, num_hidden_layers=2,
@@ -63,8 +64,9 @@ def test_shortest_run_and_the_choice():
 
 @pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 2, 2), (128, 4, 2), (64, 8, 2), (128, 8, 1)])
 def test_prefill_through_the_flash_kernel_tracks_the_cpu_engine(flash_calls, head_dim, heads, kv_heads):
-    """A 45-token prompt, then 70 tokens continuing it (one step on the flash kernel from position 45,
-    its lm_head run per 64 logits rows), then decodes; tiles of 64 / group tokens."""
+    """A 45-token prompt (the graph of its bucket: 48 rows, 3 of them padded, run/device/step_graphs.py), then
+    70 tokens continuing it (one eager step on the flash kernel from position 45, its lm_head run per 64
+    logits rows), then decodes; tiles of 64 / group tokens."""
     cpu, gpu = engines(config(head_dim, heads, kv_heads))
     first, second = prompt(45, 1), prompt(70, 2)
     with cpu.new_session() as ref, gpu.new_session() as s:
@@ -72,7 +74,7 @@ def test_prefill_through_the_flash_kernel_tracks_the_cpu_engine(flash_calls, hea
             want, got = ref.prefill(chunk), s.prefill(chunk)
             assert relative_error(got, want) < 2e-3
             np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
-        assert flash_calls == [45, 45, 70, 70], flash_calls
+        assert flash_calls == [48, 48, 70, 70], flash_calls
         ran = len(flash_calls)
         token = int(np.argmax(want[-1]))
         for _ in range(3):
@@ -113,9 +115,10 @@ def test_short_runs_f32_kv_and_other_head_dims_keep_the_split_kernel(flash_calls
     assert flash_calls == [16] * BASE.num_hidden_layers
     flash_calls.clear()      # one launch list per token count, decided anew each step by its rows
     steps = [[(20, 0), (20, 0)], [(37, 0), (3, 0)], [(40, 0)]]
-    for step, uses_flash in zip(steps, (True, False, True)):
+    # one session's 40 tokens: its bucket's graph (48 rows, 8 padded: run/device/step_graphs.py)
+    for step, flash_rows in zip(steps, (40, 0, 48)):
         x.forward([(x.alloc_kv(256), np.array(prompt(n, n)), start) for n, start in step])
-        assert flash_calls == [40] * BASE.num_hidden_layers * uses_flash, step
+        assert flash_calls == [flash_rows] * BASE.num_hidden_layers * bool(flash_rows), step
         flash_calls.clear()
     gpu.close()
     _, f32_kv = engines(config(128, 4, 2), kv_dtype="f32")
@@ -140,8 +143,9 @@ def test_a_prefill_steps_kernels_are_its_plans_launches(flash_calls):
 
 
 def test_forcing_either_kernel_gives_the_same_logits(flash_calls):
-    """AttentionChoice.kernel = "split" / "flash" (the bench's switch): the same step both ways."""
-    _, gpu = engines(config(128, 8, 2))
+    """AttentionChoice.kernel = "split" / "flash" (the bench's switch, on the eager launch lists: graphs of one
+    session's steps off): the same step both ways."""
+    _, gpu = engines(config(128, 8, 2), options=Options(step_graphs=False))
     x = gpu.executor
     tokens = np.array(prompt(33, 7))
     outs = {}

@@ -22,7 +22,9 @@ def test_decode_trace_has_timed_kernels_flows_and_every_sync(tiny_model, tmp_pat
     session = engine.new_session()
     path = tmp_path / f"{mode}.json.gz"
     trace.start(path)                                   # before prefill: gpu mode captures its graph while traced
-    token = int(np.argmax(session.prefill([5, 3, 200, 17])[-1]))
+    # 70 tokens: past the largest bucket of one session's step graphs (run/device/step_graphs.py), so the
+    # prompt's kernels launch eagerly, each a slice of its own
+    token = int(np.argmax(session.prefill([5, 3, 200, 17] + list(range(20, 86)))[-1]))
     before = engine.executor.stats["syncs"]
     for _ in range(DECODE_STEPS):
         token = int(np.argmax(session.decode(token)))

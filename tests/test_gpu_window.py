@@ -85,8 +85,9 @@ def compare_decode(gpu, weights):
 
 def compare_mixed_steps(gpu, weights):
     """Consecutive steps of different token counts against the CPU engine: eager prefill chunks, decode graphs
-    of three buckets (captured, then replayed in turn), a two-token step between them -- each step starts
-    from the slots the one before it primed, whatever its kind."""
+    of three buckets (captured, then replayed in turn), graphs of one session's 2, 3 and 4 tokens between them
+    (run/device/step_graphs.py) -- each step starts from the slots the one before it primed, whatever its
+    kind."""
     cpu = CpuExecutor(weights)
     sessions = [(cpu.alloc_kv(SEQ), gpu.alloc_kv(SEQ)) for _ in range(3)]
     state = {}                      # session -> (next token, position)
@@ -105,15 +106,15 @@ def compare_mixed_steps(gpu, weights):
     passes, before, replays = 0, gpu.stats.get("streamed_bytes", 0), gpu.stats.get("graph_replays", 0)
     step([(0, PROMPT)]); passes += 2                              # two eager chunks
     step([(0, None)]); step([(0, None)]); passes += 2              # bucket 1: capture, replay
-    step([(1, PROMPT[:3])]); passes += 1                          # a 3-token eager step
+    step([(1, PROMPT[:3])]); passes += 1                          # a 3-token step: its graph
     step([(0, None), (1, None)]); passes += 1                     # bucket 2
     step([(0, None)]); passes += 1                                # bucket 1 again
-    step([(1, [state[1][0], 7])]); passes += 1                    # two tokens of one session: eager
+    step([(1, [state[1][0], 7])]); passes += 1                    # two tokens of one session: a graph
     step([(2, PROMPT[5:9])]); passes += 1
     for _ in range(3):                                            # buckets 4, 1, 2 in turn
         step([(0, None), (1, None), (2, None)]); step([(2, None)]); step([(1, None), (0, None)]); passes += 3
     assert gpu.stats["streamed_bytes"] - before == passes * gpu.steps.window.streamed_bytes_per_step
-    assert gpu.stats["graph_replays"] - replays == 13           # every one-token step
+    assert gpu.stats["graph_replays"] - replays == 13 + 3       # every step but the prompt's chunks
 
 
 @pytest.mark.parametrize("slots,distance", [(2, 1), (3, 1), (3, 2)])

@@ -17,6 +17,7 @@ import scheduler
 from bench.synthetic import random_q8_weights
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.device.budget import budget_for_weight_fraction, gpu_mode_needs
+from kestrel_stream.run.device.step_graphs import EXACT_TOKENS, PADDED_TOKENS
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.compat import HybridExecutor
 
@@ -86,12 +87,15 @@ def ran_one_step(engine, step) -> dict:
     return {key: after[key] - before.get(key, 0) for key in after}
 
 
-def assert_the_plans_ran(engine, mode: str, ran: dict, plans: list, label: str) -> None:
+def assert_the_plans_ran(engine, mode: str, ran: dict, plans: list, label: str, d2h_bytes: int | None = None) -> None:
+    """d2h_bytes: what the step copies out, where that is not the plans' (a padded step's own rows)."""
     launches = ran["kernels"] if mode in ("gpu", "gpu-window", "gpu-window-35") else ran["launches"]
     assert launches == sum(p.launches_per_step for p in plans), label
     assert (launches > 0) == (mode not in ("cpu", "gated")), "the modes that offload launch kernels"
     for ours, planned in COUNTERS:
-        assert ran.get(ours, 0) == sum(p.counters()[planned] for p in plans), f"{label}: {ours}"
+        want = sum(p.counters()[planned] for p in plans)
+        assert ran.get(ours, 0) == (d2h_bytes if ours == "d2h_bytes" and d2h_bytes is not None else want), \
+            f"{label}: {ours}"
     weights_read = ran.get("gpu_weight_read_bytes", 0) + ran.get("cpu_weight_read_bytes", 0)
     assert weights_read >= len(plans) * engine.weights.lm_head.nbytes, "every step reads lm_head on one side"
     if mode.startswith("gpu-window"):
@@ -123,12 +127,21 @@ def test_plan_counters_equal_the_executors(weights, monkeypatch, mode, batch):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_prompts_step_runs_the_plan_of_its_token_count(weights, monkeypatch, mode, prompt_len):
     """A prefill wanting every logits row (prompt_len <= the chunk sizes here: one step; 14 tokens take the
-    tensor-core kernels in gpu mode)."""
+    tensor-core kernels in gpu mode).  In gpu mode with graphs the step replays the graph of its bucket of
+    token counts (run/device/step_graphs.py: 5 tokens exactly, 14 padded to 16): the plan of the bucket's
+    count runs, and the prompt's own logits rows come back."""
     fake_cuda.install(monkeypatch, mode="deferred")
     engine = build(weights, mode)
     prompt = list(range(1, prompt_len + 1))
     ran = ran_one_step(engine, lambda: engine.new_session().prefill(prompt))
-    assert_the_plans_ran(engine, mode, ran, [engine.executor.plan(prompt_len)], f"{mode} prompt {prompt_len}")
+    plan = engine.executor.plan(prompt_len)
+    if mode in ("gpu", "gpu-window", "gpu-window-35"):
+        bucket = next(b for b in EXACT_TOKENS + PADDED_TOKENS if b >= prompt_len)
+        assert ran["graph_replays"] == 1
+        assert_the_plans_ran(engine, mode, ran, [engine.executor.plan(bucket)], f"{mode} prompt {prompt_len}",
+                             d2h_bytes=plan.d2h_bytes_per_step)
+    else:
+        assert_the_plans_ran(engine, mode, ran, [plan], f"{mode} prompt {prompt_len}")
     assert ran["steps"] == 1 and ran["tokens"] == prompt_len
     engine.close()
 

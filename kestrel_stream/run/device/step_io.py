@@ -58,6 +58,14 @@ class StepParams:
         for i in range(len(rows), tokens):
             kvbase[i], ids[i], pos[i] = padding
 
+    def stage_session(self, kvbase: int, ids: np.ndarray, start: int, tokens: int,
+                      padding: tuple[int, int, int] = (0, 0, 0)) -> None:
+        """One session's ids at positions start.. as the last len(ids) of `tokens` rows, `padding` before them."""
+        kvbases, token_ids, positions = self.views(tokens)
+        first = tokens - len(ids)
+        kvbases[:first], token_ids[:first], positions[:first] = padding
+        kvbases[first:], token_ids[first:], positions[first:] = kvbase, ids, np.arange(start, start + len(ids))
+
     def stage_tree(self, fields, stream) -> int:
         """fields: (skip, span, bits) of the step's first rows (token_tree.step_tree_fields), or None: every
         row plain.  Uploads the rows that change, on `stream`; returns the bytes copied."""
@@ -101,10 +109,12 @@ class StepOutputs:
         self.tokens_view = self.host_tokens.view(np.int32, (max_tokens,))
         self.ready = driver.Event(name="step outputs", external=True)
 
-    def enqueue_logits(self, rows: int, stream: driver.Stream) -> None:
-        """The first `rows` logits rows out, then the ready event."""
+    def enqueue_logits(self, rows: int, stream: driver.Stream, first_row: int = 0) -> None:
+        """`rows` logits rows from `first_row` on out (into the pinned buffer's first rows), then the ready
+        event."""
         if rows:
-            driver.d2h_async(self.host_logits, self.logits_ptr, rows * self.vocab_size * 4, stream)
+            driver.d2h_async(self.host_logits, self.logits_ptr + first_row * self.vocab_size * 4,
+                             rows * self.vocab_size * 4, stream)
         self.ready.record(stream)
 
     def enqueue_tokens(self, pick, tokens: int, stream: driver.Stream) -> None:

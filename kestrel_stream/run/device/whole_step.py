@@ -12,8 +12,9 @@ device, and every kernel reads them from there, so one captured graph per
 decode batch-size bucket (1, 2, 4, 8 sessions on the GEMV kernels; 16, 32, 64
 on the tensor-core GEMM, up to max_batch) serves every later step.  Decode:
 fill staging, one graph launch, one host wait for the step's outputs (its only
-sync: step_io.py), copy logits out; a bigger batch replays the largest bucket in chunks.  Prefill
-and mixed batches run the same launch list eagerly, in chunks of `max_tokens`
+sync: step_io.py), copy logits out; a bigger batch replays the largest bucket in chunks.  One session's
+step of up to 64 tokens replays a graph per bucket of token counts too (step_graphs.py).  Longer prefills,
+mixed batches and token trees run the same launch list eagerly, in chunks of `max_tokens`
 tokens, lm_head on the wanted rows alone: per `logits_rows` of them (the
 logits buffer) a sync, lm_head running again over the step's last xn rows
 for each further span (with streamed weights, whose ring runs in step order,
@@ -39,6 +40,7 @@ from kestrel_stream.run.device.greedy_chain import GreedyChain
 from kestrel_stream.run.device.launches import argmax_launch, step_launches
 from kestrel_stream.run.device.sampled_chain import SampledChain
 from kestrel_stream.run.device.sampler import STATE_WORDS, DeviceSampler
+from kestrel_stream.run.device.step_graphs import StepGraphs
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
 from scheduler.ops import PARAMS_BYTES_PER_TOKEN
@@ -52,7 +54,7 @@ if TYPE_CHECKING:
 class WholeStep(Steps):
     """gpu mode's steps over one device backend: eager launch lists, one graph per decode bucket, greedy
     and sampled chains, the device sampler."""
-    use_graphs = True     # False: decode steps launch every kernel eagerly (the bench's baseline)
+    use_graphs = True     # False: every step launches its kernels eagerly (the bench's baseline)
 
     def __init__(self, backend: DeviceBackend, counters, *, max_batch: int, rope_fused: bool, verify: bool):
         self.backend = b = backend
@@ -81,6 +83,7 @@ class WholeStep(Steps):
         self.sampler = DeviceSampler(self)
         self.sample_state_bytes = STATE_WORDS * 4       # a row's sampling state, uploaded inside the graph
         self.sampled_chain = SampledChain(self)
+        self.step_graphs = StepGraphs(self, self.options.step_graphs)    # one session's steps of 1..64 tokens
         load_stages.record("  buffers, KV pool, launches, chains (all)",
                            time.perf_counter() - self.backend.buffers_started)
         self.verifier = None
@@ -90,6 +93,7 @@ class WholeStep(Steps):
 
     def clear_launches(self) -> None:
         self._launches.clear()
+        self.step_graphs.clear()
 
     # ---- KV caches: the backend's paged pool, every layer ----------------------------------------------
     def alloc_kv(self, max_seq_len: int) -> GpuKV:
@@ -249,6 +253,8 @@ class WholeStep(Steps):
                 out[lo:lo + len(chunk)] = self.outputs.logits_view[:len(chunk)]
                 if prof.enabled:
                     prof.record_call({**stages, "reduce": (time.perf_counter() - started) * 1e6})
+        elif (bucket := self.step_graphs.bucket(batch, trees)) is not None:     # one session's few tokens
+            out[:] = self.step_graphs.run(batch[0], bucket, logits)
         else:
             # resident weights: chunks of max_tokens, lm_head run again over the xn rows for each further
             # logits_rows of wanted rows; streamed ones (the ring's order): a chunk per logits_rows span
@@ -361,6 +367,8 @@ class WholeStep(Steps):
         rows = self._rows(batch)
         fields = None if trees is None else step_tree_fields(batch, trees)
         self._reserve((kv, start, start + len(np.atleast_1d(t))) for kv, t, start in batch)
+        if (bucket := self.step_graphs.bucket(batch, trees)) is not None:     # one session's few tokens
+            return [self._finish(rows, self.step_graphs.run(batch[0], bucket, "argmax").astype(np.int64))]
         tokens = np.empty(len(rows), np.int64)
         for lo in range(0, len(rows), self.logits_rows):
             chunk = rows[lo:lo + self.logits_rows]
@@ -406,6 +414,7 @@ class WholeStep(Steps):
         self.chain.close()
         self.sampler.close()
         self.sampled_chain.close()
+        self.step_graphs.close()
         for graph in self._graphs.values():
             graph.destroy()
         self._graphs.clear()
