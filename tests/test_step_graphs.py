@@ -212,3 +212,27 @@ def test_a_replayed_step_is_one_graph_launch_and_one_sync(monkeypatch):
             ran = log.take()
             assert ran == {"graph launch": 3, "sync": 3, **({"d2h_async": 3} if copies_out else {})}, (logits, ran)
     engine.close()
+
+
+def test_a_capture_the_driver_refuses_turns_step_graphs_off_and_the_step_runs_eagerly(monkeypatch, capsys):
+    """A driver that will not capture (an old one, a stream it cannot record) costs the graphs, not the step."""
+    from kestrel_stream.cuda.errors import CudaError
+    fake_cuda.install(monkeypatch, mode="deferred")
+    prompt = list(range(3, 15))
+    engines = [Engine(random_q8_weights(CONFIG, seed=7), device="cuda", mode="gpu", max_seq_len=MAX_SEQ_LEN,
+                      max_batch=4, options=Options(step_graphs=on)) for on in (False, True)]
+    with engines[0].new_session() as s:
+        eager = s.prefill(prompt)
+
+    def refused(stream):
+        raise CudaError("cuStreamBeginCapture failed: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+    monkeypatch.setattr(driver, "capture", refused)
+    with engines[1].new_session() as s:
+        np.testing.assert_allclose(s.prefill(prompt), eager, rtol=1e-6, atol=1e-6)
+        assert not engines[1].executor.steps.step_graphs.enabled
+        more = s.prefill([5, 6, 7])                    # eager from now on: no capture asked for again
+    with engines[0].new_session() as s:
+        np.testing.assert_allclose(more, s.prefill(prompt + [5, 6, 7])[-3:], rtol=2e-3, atol=2e-3)   # other chunks
+    assert "step graphs off" in capsys.readouterr().err
+    for engine in engines:
+        engine.close()

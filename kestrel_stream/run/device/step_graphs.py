@@ -29,9 +29,12 @@ drop the graphs made of them.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.errors import CudaError
 from kestrel_stream.cuda.flash_attention import AttentionChoice, prefers_flash
 from kestrel_stream.cuda.kernels import GEMV_MAX_TOKENS
 from kestrel_stream.obs import load_stages, prof
@@ -64,6 +67,24 @@ class StepGraphs:
         if bucket is None or (bucket != tokens and x.config.is_moe):
             return None
         return bucket
+
+    def ready(self, session, bucket: int, kind: str) -> bool:
+        """Whether the key of this step has its graph (captured now on first use).  A capture the driver
+        refuses turns step graphs off for this engine, said in one line: the steps run eagerly."""
+        k = len(np.atleast_1d(session[1]))
+        if k not in self._flash_for:
+            self._flash_for[k] = self._flash(bucket, k)
+        key = (bucket, kind, self._flash_for[k])
+        if key in self._graphs:
+            return True
+        try:
+            self._capture(key)
+        except CudaError as e:
+            self.enabled = False
+            print(f"kestrel-stream: one session's step graphs off ({e}); its steps launch eagerly",
+                  file=sys.stderr)
+            return False
+        return True
 
     def run(self, session, bucket: int, kind: str) -> np.ndarray:
         """session: the step's (kv, token ids [k], start position).  Stages its rows after bucket - k padded

@@ -253,7 +253,8 @@ class WholeStep(Steps):
                 out[lo:lo + len(chunk)] = self.outputs.logits_view[:len(chunk)]
                 if prof.enabled:
                     prof.record_call({**stages, "reduce": (time.perf_counter() - started) * 1e6})
-        elif (bucket := self.step_graphs.bucket(batch, trees)) is not None:     # one session's few tokens
+        elif ((bucket := self.step_graphs.bucket(batch, trees)) is not None           # one session's few tokens
+              and self.step_graphs.ready(batch[0], bucket, logits)):
             out[:] = self.step_graphs.run(batch[0], bucket, logits)
         else:
             # resident weights: chunks of max_tokens, lm_head run again over the xn rows for each further
@@ -367,7 +368,8 @@ class WholeStep(Steps):
         rows = self._rows(batch)
         fields = None if trees is None else step_tree_fields(batch, trees)
         self._reserve((kv, start, start + len(np.atleast_1d(t))) for kv, t, start in batch)
-        if (bucket := self.step_graphs.bucket(batch, trees)) is not None:     # one session's few tokens
+        if ((bucket := self.step_graphs.bucket(batch, trees)) is not None           # one session's few tokens
+                and self.step_graphs.ready(batch[0], bucket, "argmax")):
             return [self._finish(rows, self.step_graphs.run(batch[0], bucket, "argmax").astype(np.int64))]
         tokens = np.empty(len(rows), np.int64)
         for lo in range(0, len(rows), self.logits_rows):
