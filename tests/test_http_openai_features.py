@@ -113,8 +113,11 @@ def test_tokenize_and_detokenize_as_llama_server(daemon):
         pieces = http.post(base + "/tokenize", json={"content": "hé", "with_pieces": True}).json()["tokens"]
         assert pieces == [{"id": 104, "piece": "h"}, {"id": 0xC3, "piece": [0xC3]}, {"id": 0xA9, "piece": [0xA9]}]
         assert http.post(base + "/detokenize", json={"tokens": tokens}).json() == {"content": "héllo"}
+        # bodies of a megabyte and more: parsed walking their lists off the event loop, answered the same way
+        assert http.post(base + "/detokenize", json={"tokens": [104] * 300_000}).json() == {"content": "h" * 300_000}
         for path, body, param in (("/tokenize", {"content": 3}, "content"),
                                   ("/tokenize", {"content": "x" * 100_000}, "content"),     # more than a prompt
+                                  ("/tokenize", {"content": "x" * 1_000_000}, "content"),
                                   ("/tokenize", {"content": "x", "add_special": "no"}, "add_special"),
                                   ("/detokenize", {"tokens": [1, 999]}, "tokens"),
                                   ("/detokenize", {"tokens": "1"}, "tokens")):

@@ -1,10 +1,12 @@
-"""serve/http pieces without a daemon: the fast stream event equals the general chunk, request checks."""
+"""serve/http pieces without a daemon: the fast stream event equals the general chunk, request checks, bodies kept
+as their chunks came and decoded off the loop."""
 from __future__ import annotations
 
 import json
 
 import pytest
 
+from kestrel_stream.serve.http.bodies import Body
 from kestrel_stream.serve.http.errors import APIError
 from kestrel_stream.serve.http.generate import TokenOut, log_probs
 from kestrel_stream.serve.http.requests import parse_request
@@ -114,3 +116,21 @@ def test_prefix_counters_in_metrics_move_a_minute_at_a_time():
     assert reused() == 32
     now[0] += PREFIX_WINDOW_S
     assert reused() == 64
+
+
+def body_of(*parts: bytes) -> Body:
+    body = Body()
+    for part in parts:
+        body.add(part)
+    return body
+
+
+def test_a_body_is_decoded_across_its_chunks_and_a_bad_byte_is_named_where_it_is():
+    text = json.dumps({"prompt": "h\u00e9llo w\u00f6rld \u2603"}, ensure_ascii=False).encode()
+    for cut in range(len(text) + 1):           # every split, inside a character's bytes too
+        assert body_of(text[:cut], text[cut:]).json() == {"prompt": "h\u00e9llo w\u00f6rld \u2603"}
+    for parts, where in [((b"abc", b"\xff"), 3), ((b"ab\xc3", b"("), 2), ((b"ab\xc3",), 2),
+                         ((b"a" * 10, b"b\xe2\x82", b"x"), 11)]:
+        with pytest.raises(APIError) as refused:
+            body_of(*parts).text()
+        assert refused.value.code == "invalid_json" and f"at byte {where} " in refused.value.message

@@ -4,9 +4,9 @@ to /v1/chat/completions).
 
 Every request passes serve/http/gate.py's ``Gate`` first (the key, the
 concurrency limit, the status counts).  A generation's body is read up to a
-byte limit and a time limit, then parsed (wire/json_limits.py), checked and tokenized off the event
-loop (serve/http/prepare.py); only then does it take a generation slot
-(serve/http/slots.py).  Every refusal is OpenAI's error shape.
+byte limit and a time limit (serve/http/bodies.py), then parsed, checked and
+tokenized off the event loop (serve/http/prepare.py); only then does it take
+a generation slot (serve/http/slots.py).  Every refusal is OpenAI's error shape.
 """
 from __future__ import annotations
 
@@ -17,11 +17,12 @@ from importlib import resources
 import anyio
 from starlette.applications import Starlette
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kestrel_stream.serve.http.access_log import GENERATION_KEY
+from kestrel_stream.serve.http.bodies import BodyReader
 from kestrel_stream.serve.http.errors import APIError
 from kestrel_stream.serve.http.gate import CLIENT_LEFT, Gate
 from kestrel_stream.serve.http.generate import HttpGeneration
@@ -48,31 +49,9 @@ class Gone(Response):
 class API:
     def __init__(self, service, model_name: str, max_body_bytes: int, body_timeout_s: float, metrics: Metrics,
                  slots: GenerationSlots, key_scope: str | None = None):
-        self.service, self.model_name, self.max_body_bytes = service, model_name, max_body_bytes
-        self.body_timeout_s, self.metrics, self.slots = body_timeout_s, metrics, slots
-        self.preparer = Preparer(service, model_name, max_body_bytes, key_scope)
-
-    async def body(self, request: Request) -> bytearray:
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self.too_large()
-        data = bytearray()
-        try:
-            with anyio.fail_after(self.body_timeout_s):     # a body trickling in holds a place of the Gate
-                async for part in request.stream():
-                    data += part
-                    if len(data) > self.max_body_bytes:
-                        raise self.too_large()
-        except ClientDisconnect:
-            raise APIError(400, "the client closed the request before its body ended") from None
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive whole within {self.body_timeout_s:g} s "
-                                f"(--http-body-timeout-s)", code="request_timeout") from None
-        return data
-
-    def too_large(self) -> APIError:
-        return APIError(413, f"the request body is over {self.max_body_bytes} bytes (--http-max-body-kb)",
-                        code="request_too_large")
+        self.service, self.model_name, self.metrics, self.slots = service, model_name, metrics, slots
+        self.bodies = BodyReader(max_body_bytes, body_timeout_s)
+        self.preparer = Preparer(service, model_name, self.bodies, key_scope)
 
     async def completions(self, request: Request) -> Response:
         return await self.generate(request, chat=False)
@@ -82,7 +61,7 @@ class API:
 
     async def generate(self, request: Request, chat: bool) -> Response:
         try:
-            generation = await self.preparer.generation(await self.body(request), chat)
+            generation = await self.preparer.generation(await self.bodies.read(request), chat)
             self.slots.take()           # only now: a body still arriving, or a bad one, holds no generation slot
         except APIError as e:
             self.service.trim_soon()    # what a refused body held (up to --http-max-body-kb) goes back
@@ -238,7 +217,7 @@ def build_app(service, options: HttpOptions):
     key_scope = scope_name("key", options.api_key or "") if options.prefix_scope == "key" else None
     api = API(service, options.model_name, options.max_body_bytes, options.body_timeout_s, metrics,
               GenerationSlots(options.max_requests), key_scope)
-    tokens = TokenRoutes(service, api.body, api.preparer.prompt_bounds)
+    tokens = TokenRoutes(service, api.bodies, api.preparer.prompt_bounds)
     routes = [Route("/v1/completions", api.completions, methods=["POST"]),
               Route("/v1/chat/completions", api.chat_completions, methods=["POST"]),
               Route("/v1/models", api.models, methods=["GET"]),

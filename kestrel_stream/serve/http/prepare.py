@@ -4,71 +4,46 @@ bounds, then the chat template and the tokens.
 All of it is CPU work proportional to the body (megabytes of JSON, a
 template over thousands of messages, a tokenizer over the text), so none of
 it runs on the event loop, which keeps answering other clients (/health
-included) meanwhile.  The cheap bounds come first, so a body that cannot fit
-the context is refused before it is rendered or tokenized: lists no longer
-than the context (checked while the JSON is parsed), then characters against
-the context (requests.PromptBounds).  Large bodies are prepared one at a time
-on a thread of their own, so they neither crowd out small requests nor
-hold more than one large body's objects at once.
+included) meanwhile (serve/http/bodies.py: where a body's work runs).  The
+cheap bounds come first, so a body that cannot fit the context is refused
+before it is rendered or tokenized: lists no longer than the context (checked
+while the JSON is parsed), then characters against the context
+(requests.PromptBounds).
 """
 from __future__ import annotations
 
-import anyio
-
+from kestrel_stream.serve.http.bodies import Body, BodyReader
 from kestrel_stream.serve.http.errors import APIError
 from kestrel_stream.serve.http.generate import HttpGeneration
 from kestrel_stream.serve.http.requests import PromptBounds, parse_request
-from kestrel_stream.wire.json_limits import JSONLimitError, load_limited, load_walked
-from kestrel_stream.serve.memory import release_freed_memory
-
-LARGE_BODY_BYTES = 256 << 10        # from here a body is parsed walking its lists, on the large bodies' thread
+from kestrel_stream.wire.json_limits import JSONLimitError
 
 
 class Preparer:
-    def __init__(self, service, model_name: str, max_body_bytes: int, key_scope: str | None = None):
+    def __init__(self, service, model_name: str, bodies: BodyReader, key_scope: str | None = None):
         """key_scope: the prefix cache scope of HTTP requests (--prefix-cache-scope key), None: shared."""
-        self.service, self.model_name, self.max_body_bytes = service, model_name, max_body_bytes
+        self.service, self.model_name, self.bodies = service, model_name, bodies
         self.key_scope = key_scope
-        self.large_bodies = anyio.CapacityLimiter(1)
         self.bounds: PromptBounds | None = None         # once the tokenizer is built
 
-    async def generation(self, data: bytearray, chat: bool) -> HttpGeneration:
-        """The request in ``data``, checked and tokenized; APIError for a bad one.  ``data`` is emptied."""
+    async def generation(self, body: Body, chat: bool) -> HttpGeneration:
+        """The request in ``body``, checked and tokenized; APIError for a bad one.  ``body`` is emptied."""
         await self.service.tokenizer()          # built in the background after the load: may still be running
-        if len(data) < LARGE_BODY_BYTES:
-            return await anyio.to_thread.run_sync(self.prepare, data, chat)
-        try:
-            return await anyio.to_thread.run_sync(self.prepare, data, chat, limiter=self.large_bodies)
-        except APIError as e:
-            refusal = e.with_traceback(None)    # its frames (and its context's) held the body's text and objects
-            refusal.__context__ = None
-        finally:                    # its text and parsed objects are gone: give their pages back to the system
-            await anyio.to_thread.run_sync(release_freed_memory, limiter=self.large_bodies)
-        raise refusal
+        return await self.bodies.off_loop(body, self.prepare, body, chat)
 
-    def prepare(self, data: bytearray, chat: bool) -> HttpGeneration:
+    def prepare(self, body: Body, chat: bool) -> HttpGeneration:
         bounds = self.prompt_bounds()
         try:
-            text = data.decode("utf-8")
-            data.clear()
-            if len(text) >= LARGE_BODY_BYTES:
-                body = load_walked(text, self.max_body_bytes, max_items=bounds.context_tokens)
-            else:
-                body = load_limited(text, max_chars=self.max_body_bytes)
-        except UnicodeDecodeError as e:
-            raise APIError(400, f"the request body is not UTF-8: {e}", code="invalid_json") from None
-        except JSONLimitError as e:
-            if e.where is not None:          # a list longer than the context: the field is known
-                raise APIError(400, f"{e}; this model's context is {bounds.context_tokens} tokens",
-                               param=e.where, code="context_length_exceeded") from None
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        del text
-        parsed = parse_request(body, chat, self.service.vocab_size, bounds, self.service.sampling_defaults)
-        model = body.get("model")
+            fields = body.json(max_items=bounds.context_tokens)
+        except JSONLimitError as e:          # a list longer than the context: the field is known
+            raise APIError(400, f"{e}; this model's context is {bounds.context_tokens} tokens",
+                           param=e.where, code="context_length_exceeded") from None
+        parsed = parse_request(fields, chat, self.service.vocab_size, bounds, self.service.sampling_defaults)
+        model = fields.get("model")
         if not isinstance(model, str) or model != self.model_name:
             raise APIError(404, f"model {model!r:.80} does not exist; this server has {self.model_name!r}",
                            param="model", code="model_not_found")
-        del body
+        del fields
         return HttpGeneration(self.service, parsed, self.key_scope)
 
     def prompt_bounds(self) -> PromptBounds:

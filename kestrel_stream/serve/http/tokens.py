@@ -7,81 +7,75 @@
 Special tokens written in the content (``<|im_start|>``) are parsed as such,
 as the engine's prompts are.  A piece that is not whole UTF-8 on its own (a
 byte of a multi-byte character) is given as its bytes.  The body is bounded
-as a generation's, the content as a prompt's text; parsing and the tokenizer
-run on a worker thread.
+as a generation's, the content as a prompt's text; parsing (serve/http/bodies.py)
+and the tokenizer run on a worker thread.
 """
 from __future__ import annotations
 
 import re
 from functools import cache
 
-import anyio
+from starlette.responses import JSONResponse, Response
 
+from kestrel_stream.serve.http.bodies import Body, BodyReader
 from kestrel_stream.serve.http.errors import APIError, bad_param
-from kestrel_stream.wire.json_limits import JSONLimitError, load_limited
 
 
 class TokenRoutes:
-    def __init__(self, service, read_body, prompt_bounds):
-        """read_body: the API's bounded body reader (``await read_body(request)`` -> bytearray); prompt_bounds: the
-        PromptBounds of a prompt (worker thread), which bound the content tokenized as a prompt's text."""
-        self.service, self.read_body, self.prompt_bounds = service, read_body, prompt_bounds
+    def __init__(self, service, bodies: BodyReader, prompt_bounds):
+        """bodies: the API's bounded body reader; prompt_bounds: the PromptBounds of a prompt (worker thread), which
+        bound the content tokenized as a prompt's text."""
+        self.service, self.bodies, self.prompt_bounds = service, bodies, prompt_bounds
 
-    async def body_of(self, request) -> dict:
-        data = await self.read_body(request)
-        tokenizer = await self.service.tokenizer()
-        if tokenizer is None:
-            raise APIError(400, "the model has no tokenizer", code="no_tokenizer")
-        try:
-            body = load_limited(data.decode("utf-8"), max_chars=len(data) + 1)
-        except UnicodeDecodeError as e:
-            raise APIError(400, f"the request body is not UTF-8: {e}", code="invalid_json") from None
-        except JSONLimitError as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}")
-        return body
+    async def tokenize(self, request) -> Response:
+        return await self.answer(request, self.tokenized)
 
-    async def tokenize(self, request):
-        from starlette.responses import JSONResponse
+    async def detokenize(self, request) -> Response:
+        return await self.answer(request, self.detokenized)
+
+    async def answer(self, request, work) -> Response:
+        """``work(fields)`` -> the answer's JSON, run with the body's parsing and the answer's encoding on a worker
+        thread (a body, a token list and a text may each be megabytes)."""
         try:
-            body = await self.body_of(request)
-            content = body.get("content")
-            if not isinstance(content, str):
-                raise bad_param("content", f"expected a string, got {content!r:.80}", "invalid_type")
-            flags = {}
-            for name in ("add_special", "with_pieces"):
-                flags[name] = body.get(name, False)
-                if not isinstance(flags[name], bool):
-                    raise bad_param(name, f"expected a boolean, got {flags[name]!r:.80}", "invalid_type")
-            tokens = await anyio.to_thread.run_sync(self.encode, content, flags["add_special"], flags["with_pieces"])
+            body = await self.bodies.read(request)
+            if await self.service.tokenizer() is None:
+                raise APIError(400, "the model has no tokenizer", code="no_tokenizer")
+            return await self.bodies.off_loop(body, self.answered, body, work)
         except APIError as e:
             return e.response()
-        return JSONResponse({"tokens": tokens})
 
-    def encode(self, content: str, add_special: bool, with_pieces: bool) -> list:
+    @staticmethod
+    def answered(body: Body, work) -> Response:
+        fields = body.json()
+        if not isinstance(fields, dict):
+            raise APIError(400, f"the request body must be a JSON object, got {type(fields).__name__}")
+        return JSONResponse(work(fields))
+
+    def tokenized(self, fields: dict) -> dict:
+        content = fields.get("content")
+        if not isinstance(content, str):
+            raise bad_param("content", f"expected a string, got {content!r:.80}", "invalid_type")
+        flags = {}
+        for name in ("add_special", "with_pieces"):
+            flags[name] = fields.get(name, False)
+            if not isinstance(flags[name], bool):
+                raise bad_param(name, f"expected a boolean, got {flags[name]!r:.80}", "invalid_type")
         self.prompt_bounds().check_chars(len(content), "content")   # no more than a prompt may hold
         tokenizer = self.service.engine.tokenizer
-        ids = tokenizer.encode(content, add_special=add_special)
-        if not with_pieces:
-            return ids
-        return [{"id": i, "piece": piece_of(tokenizer, i)} for i in ids]
+        ids = tokenizer.encode(content, add_special=flags["add_special"])
+        if not flags["with_pieces"]:
+            return {"tokens": ids}
+        return {"tokens": [{"id": i, "piece": piece_of(tokenizer, i)} for i in ids]}
 
-    async def detokenize(self, request):
-        from starlette.responses import JSONResponse
-        try:
-            body = await self.body_of(request)
-            tokens = body.get("tokens")
-            vocab = self.service.vocab_size
-            if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-                raise bad_param("tokens", f"expected a list of token ids, got {tokens!r:.80}", "invalid_type")
-            bad = next((t for t in tokens if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise bad_param("tokens", f"token id {bad} is outside the vocabulary 0..{vocab - 1}")
-            content = await anyio.to_thread.run_sync(self.service.engine.tokenizer.decode, tokens)
-        except APIError as e:
-            return e.response()
-        return JSONResponse({"content": content})
+    def detokenized(self, fields: dict) -> dict:
+        tokens = fields.get("tokens")
+        vocab = self.service.vocab_size
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise bad_param("tokens", f"expected a list of token ids, got {tokens!r:.80}", "invalid_type")
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_param("tokens", f"token id {bad} is outside the vocabulary 0..{vocab - 1}")
+        return {"content": self.service.engine.tokenizer.decode(tokens)}
 
 
 def piece_of(tokenizer, token: int) -> str | list[int]:
