@@ -21,6 +21,7 @@ import errno
 import gc
 import hmac
 import signal
+import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -42,6 +43,11 @@ from kestrel_stream.wire.protocol import (VERSION, AuthError, DaemonError, IdleT
                                           error_header, make_runtime_dir)
 
 DRAIN_TIMEOUT_S = 30.0          # how long a shutdown waits for in-flight requests
+# The event loop lets go of the interpreter lock in every socket call and epoll wait.  While a worker thread runs
+# Python (a large body parsed, a prompt rendered, a step's host work), the loop gets it back only once that thread
+# is asked to let go, after the switch interval (5 ms by default), and it pays that at every such call: a small
+# request behind a few busy connections waited tens of milliseconds.
+LOOP_SWITCH_INTERVAL_S = 0.0005
 
 
 GONE = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, anyio.IncompleteRead,
@@ -333,6 +339,7 @@ async def serve(engines, args, environment, devices: list[str] | None = None) ->
         f"max {limits.max_connections} connections "
         f"({limits.max_unauthenticated} before hello); traces in {traces.directory}")
     map_large_buffers()
+    sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
     gc.collect()
     gc.freeze()         # the loaded model and modules leave the collector's view: no full collection walks them
     log(f"listening on {where}")

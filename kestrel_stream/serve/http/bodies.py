@@ -5,8 +5,9 @@ The loop does no more per chunk than keep it: no buffer is grown and copied
 there (a 4 MB body grown a chunk at a time is tens of megabytes of copying),
 and the text and its JSON are made off the loop.  Decoding goes a chunk at a
 time and parsing a large body walks its containers (wire/json_limits.py), so
-no single call holds the interpreter for long: the loop, waiting for it to
-read or answer a socket, gets it back within the switch interval.  Large bodies are handled one at a time on
+no single call holds the interpreter for long: the loop, waiting for it after
+reading or answering a socket, gets it back within the switch interval
+(serve/daemon.py sets a short one).  Large bodies are handled one at a time on
 a thread of their own, so they neither crowd out small requests nor hold more
 than one large body's objects at once; what they held is given back to the
 system when they are done.
