@@ -135,3 +135,30 @@ def test_rss_comes_back_within_10_percent_of_idle_after_a_round(daemon, idle_rss
         rss = settled_rss(daemon.proc.pid, int(idle_rss * 1.1))
         print(f"after {name}: {rss >> 20} MiB, idle {idle_rss >> 20} MiB")
         assert rss <= idle_rss * 1.1, f"after {name}: {rss >> 20} MiB, idle {idle_rss >> 20} MiB"
+
+
+def test_the_idle_collection_waits_until_no_work_is_in_progress(monkeypatch):
+    """A full collection holds the interpreter (the event loop included) from start to end: it runs once sessions,
+    socket requests and HTTP requests (bodies still read or parsed among them) have all ended."""
+    import asyncio
+
+    from kestrel_stream.serve import memory
+    collected: list[float] = []
+    monkeypatch.setattr(memory, "TRIM_INTERVAL_S", 0.02)
+    monkeypatch.setattr(memory, "collect_cycles", lambda: collected.append(time.monotonic()))
+    monkeypatch.setattr(memory, "release_freed_memory", lambda: True)
+    requests_in_progress = [1]
+
+    async def main() -> float:
+        pages = memory.FreedPages()
+        pages.count_busy(lambda: 0)                 # no session held
+        pages.count_busy(lambda: requests_in_progress[0])
+        pages.give_back_soon()                      # a body refused while another is still being parsed
+        await asyncio.sleep(0.15)
+        assert collected == []
+        requests_in_progress[0] = 0
+        ended = time.monotonic()
+        await asyncio.sleep(0.1)
+        return ended
+    ended = asyncio.run(main())
+    assert len(collected) == 1 and collected[0] >= ended

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import gc
 import hmac
 import signal
 import sys
@@ -32,7 +31,7 @@ from kestrel_stream.errors import CapacityError, KestrelError
 from kestrel_stream.serve.endpoint import log, load_token, prepare_socket_path, private_umask
 from kestrel_stream.serve.flags import check_serve_args
 from kestrel_stream.serve.limits import Limits, limits_from_args
-from kestrel_stream.serve.memory import map_large_buffers
+from kestrel_stream.serve.memory import freeze_loaded_objects, map_large_buffers
 from kestrel_stream.serve.sampling_defaults import (model_sampling_defaults, sampling_defaults_from_args,
                                                     with_model_defaults)
 from kestrel_stream.serve.peer import Peer, WriteTimeoutError
@@ -340,16 +339,15 @@ async def serve(engines, args, environment, devices: list[str] | None = None) ->
         f"({limits.max_unauthenticated} before hello); traces in {traces.directory}")
     map_large_buffers()
     sys.setswitchinterval(LOOP_SWITCH_INTERVAL_S)
-    gc.collect()
-    gc.freeze()         # the loaded model and modules leave the collector's view: no full collection walks them
     log(f"listening on {where}")
     try:
         async with anyio.create_task_group() as tg:
             daemon.spawn = tg.start_soon
-            for one in getattr(listener, "listeners", [listener]):     # TCP may listen on IPv4 and IPv6
-                tg.start_soon(daemon.accept_forever, one, tg)
             if http is not None:        # the OpenAI-compatible API on the same service (serve/http/)
                 await tg.start(http.run, service)
+            freeze_loaded_objects()     # the model, the modules and both servers: no full collection walks them
+            for one in getattr(listener, "listeners", [listener]):     # TCP may listen on IPv4 and IPv6
+                tg.start_soon(daemon.accept_forever, one, tg)
             with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
                 async for signum in signals:
                     if http is not None:        # no new generations; running HTTP responses end first

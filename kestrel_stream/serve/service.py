@@ -20,9 +20,7 @@ it, are checked in one place so that no path frees or reuses a session another s
 """
 from __future__ import annotations
 
-import asyncio
 import threading
-import time
 from typing import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -34,7 +32,7 @@ from scheduler.replica_choice import DEFAULT_PREFIX_SLACK
 
 from kestrel_stream.serve.admission import Admission
 from kestrel_stream.serve.generate_op import parse_generate, run_generation
-from kestrel_stream.serve.memory import collect_cycles, release_freed_memory
+from kestrel_stream.serve.memory import FreedPages
 from kestrel_stream.serve.replicas import Replica, Replicas
 from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 from kestrel_stream.serve.stats import daemon_stats
@@ -45,7 +43,7 @@ from kestrel_stream.wire.protocol import Frame, ProtocolError, ShuttingDownError
 from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S
 
 WANTS = ("logits", "last", "token", "topk")
-TRIM_INTERVAL_S = 1.0       # while sessions stay open, freed memory is given back at most this often
+
 
 @dataclass
 class Connection:
@@ -93,8 +91,8 @@ class Service:
         # Sessions reserved by an open still on the step thread, plus those open: --max-sessions counts these,
         # taken before the open's first await, so opens racing each other cannot pass the limit together.
         self.admission = Admission(max_sessions, max_queue)
-        self.trimmed_at = 0.0                   # when freed memory was last given back (monotonic s)
-        self.idle_trim: asyncio.TimerHandle | None = None
+        self.freed_pages = FreedPages()
+        self.freed_pages.count_busy(lambda: self.held_sessions + self.handling)
 
     @property
     def held_sessions(self) -> int:
@@ -371,25 +369,7 @@ class Service:
                 if sessions:
                     self.admission.give_back(len(sessions))     # to the oldest waiting generation first
         if sessions:
-            self.trim_soon()
-
-    def trim_soon(self) -> None:
-        """Loop: give freed pages back to the system, off the loop: at most every TRIM_INTERVAL_S while sessions
-        are open, and TRIM_INTERVAL_S after the last one closed (once its request's objects are gone too: the
-        cycles a request leaves are collected first, since an idle daemon allocates nothing that would start
-        the collector)."""
-        loop, now = asyncio.get_running_loop(), time.monotonic()
-        if now - self.trimmed_at >= TRIM_INTERVAL_S:
-            self.trimmed_at = now
-            loop.run_in_executor(None, release_freed_memory)
-        if self.held_sessions == 0 and self.idle_trim is None:
-            def trim_when_idle() -> None:
-                self.idle_trim = None
-                if self.held_sessions == 0:
-                    self.trimmed_at = time.monotonic()
-                    collect_cycles()
-                    loop.run_in_executor(None, release_freed_memory)
-            self.idle_trim = loop.call_later(TRIM_INTERVAL_S, trim_when_idle)
+            self.freed_pages.give_back_soon()
 
     async def client_left(self, conn: Connection) -> None:
         """Its trace, if one records, is stopped and written."""

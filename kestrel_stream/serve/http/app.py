@@ -64,7 +64,7 @@ class API:
             generation = await self.preparer.generation(await self.bodies.read(request), chat)
             self.slots.take()           # only now: a body still arriving, or a bad one, holds no generation slot
         except APIError as e:
-            self.service.trim_soon()    # what a refused body held (up to --http-max-body-kb) goes back
+            self.service.freed_pages.give_back_soon()   # what a refused body held (up to --http-max-body-kb)
             return e.response()
         except UnavailableError as e:
             return APIError(500, str(e), type_="server_error", code="tokenizer_unavailable").response()
@@ -229,6 +229,7 @@ def build_app(service, options: HttpOptions):
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: wrong_method})
     app.router.redirect_slashes = False     # its redirect would build Location from the request's Host header
     gate = Gate(app, options, metrics)
+    service.freed_pages.count_busy(lambda: gate.handling)      # no idle collection while a body is read or parsed
     if not options.cors_origins:
         return gate
     # outside the Gate: a browser's preflight carries no key, and its answer gives nothing away
