@@ -66,30 +66,42 @@ def test_a_body_that_cannot_fit_the_context_is_refused_naming_the_field(daemon):
 
 PROBE = """
 import json, socket, sys, time
-port, latencies = int(sys.argv[1]), []
+port, daemon_pid, rows = int(sys.argv[1]), int(sys.argv[2]), []
+schedstat = f"/proc/{daemon_pid}/task/{daemon_pid}/schedstat"     # the loop's thread: [1] is its run-queue wait, ns
+
+
+def waited_s():
+    try:
+        with open(schedstat) as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):       # no schedstats here: nothing is discounted
+        return 0.0
+
+
 with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
     print("ready", flush=True)
     while not sys.stdin.readline().startswith("stop"):
-        started = time.perf_counter()
+        waited, started = waited_s(), time.perf_counter()
         sock.sendall(b"GET /health HTTP/1.1\\r\\nHost: 127.0.0.1\\r\\n\\r\\n")
         answer = b""
         try:
             while not answer.endswith(b"}"):
                 answer += sock.recv(4096)
         except socket.timeout:          # no answer within the socket's 30 s: recorded as such, no more probes
-            latencies.append(30.0)
+            rows.append((30.0, 0.0))
             break
-        latencies.append(time.perf_counter() - started)
-print(json.dumps(latencies), flush=True)
+        rows.append((time.perf_counter() - started, waited_s() - waited))
+print(json.dumps(rows), flush=True)
 """
 
 
 class HealthProbe:
     """GET /health on one keep-alive connection from a process of its own (this one's threads are busy sending),
-    once per ``probe()``."""
+    once per ``probe()``; each answer's time, and how long of it the daemon's event loop thread waited for a core
+    (runnable, while the machine's cores ran other threads: this test's senders and whatever else runs)."""
 
-    def __init__(self, port: int):
-        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, str(port)], stdin=subprocess.PIPE,
+    def __init__(self, port: int, daemon_pid: int):
+        self.proc = subprocess.Popen([sys.executable, "-c", PROBE, str(port), str(daemon_pid)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout.readline().strip() == "ready"
 
@@ -98,32 +110,43 @@ class HealthProbe:
             self.proc.stdin.write("go\n")
             self.proc.stdin.flush()
 
-    def latencies(self) -> list[float]:
+    def answers(self) -> list[tuple[float, float]]:
+        """(seconds to the answer, seconds of it the loop waited for a core) per probe."""
         out, _ = self.proc.communicate("stop\n" if self.proc.poll() is None else None, timeout=30)
-        return json.loads(out)
+        return [tuple(row) for row in json.loads(out)]
+
+
+def figures(seconds: list[float]) -> str:
+    ordered = sorted(seconds)
+    return (f"median {ordered[len(ordered) // 2] * 1e3:.1f} ms, 99th percentile "
+            f"{ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1e3:.1f} ms, max {ordered[-1] * 1e3:.1f} ms")
 
 
 def test_health_answers_within_50_ms_while_eight_4_mb_bodies_are_processed(daemon):
+    """Every answer within 50 ms of the event loop's own time: the time its thread waited for a core while other
+    threads ran (read from the kernel's schedstat) is the machine's, not the daemon's, and is left out.  Blocking
+    the loop, waiting for the interpreter lock behind a worker thread and loop work queued ahead of /health all
+    count.  Taken whole, nine answers in ten are within the 50 ms and none near the seconds a body on the loop
+    took."""
     port = port_of(daemon)
     bodies = [many_messages() if i % 2 else one_long_text() for i in range(8)]
     results: list = []
 
     def send(body: bytes) -> None:
         results.append(post(port, body))
-    prober = HealthProbe(port)
+    prober = HealthProbe(port, daemon.proc.pid)
     senders = [threading.Thread(target=send, args=(body,)) for body in bodies]
     for t in senders:
         t.start()
     while any(t.is_alive() for t in senders):
         prober.probe()
         time.sleep(0.01)
-    health = prober.latencies()
+    answers = prober.answers()
     assert [status for status, _, _ in results] == [400] * 8
-    health.sort()
-    within = sum(t < HEALTH_WITHIN_S for t in health) / len(health)
-    figures = (f"{len(health)} probes: median {health[len(health) // 2] * 1e3:.1f} ms, 90th percentile "
-               f"{health[int(len(health) * 0.9)] * 1e3:.1f} ms, max {health[-1] * 1e3:.1f} ms")
-    print(f"/health while eight 4 MB bodies were processed: {figures}")
-    # On a machine shared with other work a probe now and then waits for a core, whatever the daemon does: nine
-    # in ten within the 50 ms, and none near the seconds a body on the event loop took.
-    assert len(health) >= 10 and within >= 0.9 and health[-1] < 0.5, figures
+    whole = [took for took, _ in answers]
+    own = [took - waited for took, waited in answers]
+    report = (f"{len(answers)} probes; whole: {figures(whole)}; without the loop's waits for a core: "
+              f"{figures(own)}")
+    print(f"/health while eight 4 MB bodies were processed: {report}")
+    assert len(answers) >= 10 and max(own) < HEALTH_WITHIN_S, report
+    assert sum(took < HEALTH_WITHIN_S for took in whole) >= 0.9 * len(whole) and max(whole) < 0.5, report
