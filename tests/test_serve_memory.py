@@ -1,5 +1,6 @@
 """Memory comes back: after each round of an attack (large bodies, slow bodies, SSE clients that leave, socket
-clients that never read) the daemon's RSS, read from /proc/PID/status, is back within 10 % of its idle figure.
+clients that never read) the daemon's RSS, read from /proc/PID/status, is back within 10 % of its idle figure,
+taken after ordinary requests and before any attack.
 
 The prefix cache is off here: what it holds is bounded by --prefix-cache-positions, by design, and which
 prompts it holds changes from round to round (a round's new sessions evict its entries), which would move the
@@ -16,6 +17,7 @@ from daemon_helpers import raw_connect, read_frame, rss_bytes
 from http_helpers import HttpDaemon, chat_model
 from test_http_large_bodies import many_messages, one_long_text
 
+import kestrel_stream as ks
 from kestrel_stream.wire import protocol as wire
 
 MODEL = "m"
@@ -117,13 +119,24 @@ def settled_rss(pid: int, ceiling: int, timeout_s: float = 15.0) -> int:
     return rss
 
 
+def ordinary_use(d) -> None:
+    """Well-formed requests of each kind: completions whole and streamed, a chat, a socket client's generation."""
+    for stream in (False, True):
+        body = json.dumps({"model": MODEL, "prompt": "hello " * 50, "max_tokens": 32, "temperature": 0,
+                           "stream": stream}).encode()
+        send_and_read(port_of(d), post("/v1/completions", body))
+    chat = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}).encode()
+    send_and_read(port_of(d), post("/v1/chat/completions", chat))
+    with ks.Client(d.address) as client:
+        client.generate("hello there", max_new_tokens=16)
+
+
 @pytest.fixture(scope="module")
 def idle_rss(daemon) -> int:
-    """RSS once two rounds of each kind have run: the allocator's arenas (one a thread), the interpreter's caches
-    and the first sessions' KV reach their working size; a leak shows as growth over the rounds after."""
+    """RSS once the daemon has served ordinary requests (its threads, their allocator arenas and the interpreter's
+    caches at their working size) and no attack: whatever an attack round leaves behind shows against it."""
     for _ in range(2):
-        for round_ in ROUNDS.values():
-            round_(daemon)
+        ordinary_use(daemon)
     time.sleep(2.0)
     return rss_bytes(daemon.proc.pid)
 
