@@ -1,6 +1,7 @@
 """A session lives as long as its request, on every transport: clients that leave at any moment (HTTP/1.1 FIN or
 RST, HTTP/2 stream resets, socket clients closing mid-open) leave no session open, a well-formed client is served
-throughout, and --max-sessions holds against opens racing each other."""
+throughout (1,000 early disconnects of every kind on one daemon, /metrics' kestrel_sessions back to 0 after), and
+--max-sessions holds against opens racing each other."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import time
 import numpy as np
 import pytest
 from daemon_helpers import raw_connect, read_frame
-from http_helpers import chat_model
+from http_helpers import chat_model, metric
 from inprocess_daemon import MODEL_NAME, H2Client, InProcessDaemon, http_answer, http_request
 
 import kestrel_stream as ks
@@ -107,6 +108,76 @@ def test_socket_clients_leaving_mid_open_leave_no_session(server):
         leave(sock, reset=i % 2 == 1)
     assert server.settled_sessions() == 0, f"{server.sessions()} sessions left open by departed socket clients"
     served(server)
+
+
+@pytest.mark.parametrize("server", [64], indirect=True, ids=["queue"])
+def test_a_thousand_early_disconnects_of_every_kind_leave_no_session_while_a_client_is_served(server):
+    """HTTP/1.1 clients closing (FIN and RST), HTTP/2 streams reset and socket clients closing mid-open, 1,000 in
+    all, each at a random moment after its request, on one daemon; meanwhile a well-formed client generates again
+    and again, and every answer it gets is whole (it waits its turn for a session as the admission queue lets
+    it); the engine never holds more than --max-sessions, sampled throughout; after them /metrics says
+    kestrel_sessions 0."""
+    rng = random.Random(4)
+    answered: list[tuple[float, int, bytes]] = []
+    peak, storming = [0], threading.Event()
+    storming.set()
+
+    def sample() -> None:
+        while storming.is_set():
+            peak[0] = max(peak[0], server.sessions())
+            time.sleep(0.0005)
+
+    def well_formed() -> None:
+        while storming.is_set():
+            with server.connect_http() as sock:
+                sock.sendall(http_request("POST", "/v1/completions", completion_body(0, max_tokens=4)))
+                status, body = http_answer(sock)
+            answered.append((time.monotonic(), status, body))
+    client, sampler = threading.Thread(target=well_formed), threading.Thread(target=sample)
+    h2_client = H2Client(server.http_port)
+    started = time.monotonic()
+    client.start()
+    sampler.start()
+    try:
+        for i in range(1000):
+            kind = i % 4
+            if kind < 2:            # HTTP/1.1: FIN, RST
+                sock = server.connect_http()
+                sock.sendall(http_request("POST", "/v1/completions", completion_body(i, stream=i % 3 == 0)))
+                time.sleep(rng.uniform(0, 0.002))
+                leave(sock, reset=kind == 1)
+            elif kind == 2:         # HTTP/2: a stream reset on a connection that goes on
+                stream = h2_client.post("/v1/completions", completion_body(i, stream=i % 8 == 2))
+                time.sleep(rng.uniform(0, 0.002))
+                h2_client.reset(stream)
+            else:                   # the socket: closed while its open is on its way
+                sock = raw_connect(str(server.socket_path))
+                sock.sendall(wire.encode_frame({"op": "open", "id": 1}))
+                time.sleep(rng.uniform(0, 0.002))
+                leave(sock, reset=i % 8 == 7)
+    finally:
+        ended = time.monotonic()
+        storming.clear()
+        client.join(60)
+        sampler.join()
+        h2_client.close()
+    assert peak[0] <= MAX_SESSIONS, f"{peak[0]} sessions open at once, --max-sessions {MAX_SESSIONS}"
+    assert answered and all(status == 200 and json.loads(body)["usage"]["completion_tokens"] == 4
+                            for _, status, body in answered), [a for a in answered if a[1] != 200][:3]
+    times = [started] + [at for at, _, _ in answered if at <= ended] + [ended]
+    longest_wait_s = max(b - a for a, b in zip(times, times[1:]))
+    assert longest_wait_s < 5.0, f"the well-formed client waited {longest_wait_s:.1f} s for an answer"
+    deadline = time.monotonic() + 10.0
+    while True:
+        with server.connect_http() as sock:
+            sock.sendall(http_request("GET", "/metrics"))
+            status, text = http_answer(sock)
+        sessions = metric(text.decode(), "kestrel_sessions")
+        if sessions == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert status == 200 and sessions == 0, f"kestrel_sessions {sessions} after the clients left"
+    assert server.service.held_sessions == 0 and server.service.admission.queued == 0
 
 
 def test_max_sessions_holds_against_racing_opens(server):
