@@ -1,7 +1,7 @@
 """What the HTTP API lets a client hold, and what a web page can make a browser do with it: generation slots are
 taken only by whole, valid bodies; headers have a deadline; a refused HTTP/2 stream leaves its connection serving;
-without a key only requests naming this server are answered; POST bodies are JSON; no Location is built from the
-Host header; CORS is off unless configured."""
+without a key only requests naming this server are answered; methods are taken as sent (case-sensitive); POST
+bodies are JSON; no Location is built from the Host header; CORS is off unless configured."""
 from __future__ import annotations
 
 import json
@@ -101,6 +101,25 @@ def test_without_a_key_only_requests_naming_this_server_are_answered(server, hos
         assert got == status, body
         if status == 421:
             assert json.loads(body)["error"]["code"] == "misdirected_request"
+
+
+@pytest.mark.parametrize("method, path", [("get", "/health"), ("Get", "/v1/models"), ("post", "/v1/completions"),
+                                          ("Post", "/v1/chat/completions")])
+def test_methods_are_case_sensitive_on_http1_and_http2(server, method, path):
+    """hypercorn upper-cases methods before the app sees them; the method as sent is what is checked, and a header
+    a client sends to pass for it is dropped."""
+    chat = json.dumps({"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+    body = {"/v1/completions": generation(), "/v1/chat/completions": chat}.get(path, b"")
+    got, _, answer = ask(server, http_request(method, path, body, extra=b"Kestrel-Method-As-Sent: " +
+                                              method.upper().encode() + b"\r\n"))
+    assert got == 501 and json.loads(answer)["error"]["code"] == "method_not_implemented", answer
+    assert f"{method!r}" in json.loads(answer)["error"]["message"]
+    client = H2Client(server.http_port)
+    try:
+        assert client.status(client.post(path, body, method=method)) == 501
+        assert client.status(client.post(path, body, method=method.upper())) == 200 and not client.closed
+    finally:
+        client.close()
 
 
 @pytest.mark.parametrize("content_type, status", [("text/plain", 415), ("application/x-www-form-urlencoded", 415),

@@ -1,6 +1,6 @@
 """What every HTTP request passes first (ASGI middleware): the Host check, the bearer key, the request's shape
-(POST bodies are JSON; other routes take no body), the concurrency limit, and the per-status request counts of
-/metrics.
+(its method as sent, case and all; POST bodies are JSON; other routes take no body), the concurrency limit, and
+the per-status request counts of /metrics.
 
 Without an API key the server is on loopback, where a web page the user
 visits could still reach it: by DNS rebinding (a name of the page's that
@@ -29,6 +29,7 @@ from kestrel_stream.serve.http.access_log import write_access_line
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.metrics import Metrics
 from kestrel_stream.serve.http.options import HttpOptions, is_loopback
+from kestrel_stream.serve.http.server import METHOD_AS_SENT
 
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = ("/health", "/")      # answered without the key and the limits: a load balancer's probe, the chat
@@ -101,6 +102,10 @@ class Gate:
 
     def refusal(self, scope, path: str) -> APIError | None:
         headers = dict(scope["headers"])        # a repeated name: its last value
+        sent = headers.get(METHOD_AS_SENT)
+        if sent is not None and sent.decode("latin-1") != scope["method"]:
+            return APIError(501, f"method {sent.decode('latin-1')[:20]!r} is not implemented: methods are "
+                                 f"case-sensitive (GET, POST)", code="method_not_implemented")
         if self.hosts is not None:
             host = headers.get(b"host", headers.get(b":authority"))
             if host is not None and not self.known_host(host):

@@ -14,7 +14,9 @@ from kestrel_stream.serve.endpoint import log
 from kestrel_stream.serve.http.options import HttpOptions, http_options
 
 GRACEFUL_TIMEOUT_S = 5.0
+METHOD_AS_SENT = b"kestrel-method-as-sent"     # a request's method before hypercorn upper-cases it (gate.py)
 _closing_at_eof = False
+_keeping_methods = False
 
 
 class HttpServer:
@@ -34,6 +36,7 @@ class HttpServer:
 
         from kestrel_stream.serve.http.app import build_app
         close_sockets_at_eof()
+        keep_methods_as_sent()
         options = self.options
         config = Config()
         config.bind = [f"[{options.host}]:{options.port}" if ":" in options.host
@@ -83,6 +86,36 @@ def close_sockets_at_eof() -> None:
         await self.idle_task.stop()
     TCPServer._read_data = read_data_then_stop_the_timer
     _closing_at_eof = True
+
+
+def keep_methods_as_sent() -> None:
+    """hypercorn (0.18) upper-cases a request's method before the app sees it, so "get" and "Post" were answered
+    as GET and POST, although methods are case-sensitive (RFC 9110, 9.1).  The method as the client sent it rides
+    along, on HTTP/1.1 and HTTP/2 alike, in a header of this server's (one the client sent under that name is
+    dropped) for the Gate to check."""
+    global _keeping_methods
+    if _keeping_methods:
+        return
+    import h11
+    from hypercorn.protocol.h11 import H11Protocol
+    from hypercorn.protocol.h2 import H2Protocol
+    h11_create_stream, h2_create_stream = H11Protocol._create_stream, H2Protocol._create_stream
+
+    def with_method_as_sent(headers, method: bytes) -> list:
+        return [(name, value) for name, value in headers if name.lower() != METHOD_AS_SENT] + [(METHOD_AS_SENT, method)]
+
+    async def h11_create_stream_keeping_the_method(self, request: h11.Request) -> None:
+        await h11_create_stream(self, h11.Request(method=request.method, target=request.target,
+                                                  headers=with_method_as_sent(request.headers, request.method),
+                                                  http_version=request.http_version))
+
+    async def h2_create_stream_keeping_the_method(self, request) -> None:
+        method = next((value for name, value in request.headers if name == b":method"), b"")
+        request.headers = with_method_as_sent(request.headers, method)
+        await h2_create_stream(self, request)
+    H11Protocol._create_stream = h11_create_stream_keeping_the_method
+    H2Protocol._create_stream = h2_create_stream_keeping_the_method
+    _keeping_methods = True
 
 
 def http_server(args) -> HttpServer | None:
