@@ -4,7 +4,10 @@ hypercorn runs on the loop the daemon already runs (asyncio, under anyio), so
 HTTP handlers await the same step jobs as socket connections.  Its sockets
 are bound here (port 0 picks a free one, logged), and it stops on the
 daemon's shutdown event instead of installing signal handlers of its own.
-Its flags are serve/http/options.py's.
+Its flags are serve/http/options.py's.  Two of its habits are changed here,
+once, before it serves: a connection its client closed is let go at once
+(close_sockets_at_eof), and a request's method reaches the app as it was
+sent (keep_methods_as_sent).
 """
 from __future__ import annotations
 
