@@ -11,7 +11,6 @@ import threading
 import time
 
 import pytest
-from daemon_helpers import rss_bytes
 from http_helpers import CONTEXT, HttpDaemon, chat_model
 from inprocess_daemon import http_answer, http_request
 
