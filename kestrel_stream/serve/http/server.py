@@ -4,12 +4,14 @@ hypercorn runs on the loop the daemon already runs (asyncio, under anyio), so
 HTTP handlers await the same step jobs as socket connections.  Its sockets
 are bound here (port 0 picks a free one, logged), and it stops on the
 daemon's shutdown event instead of installing signal handlers of its own.
-Its flags are serve/http/options.py's.  Two of its habits are changed here,
-once, before it serves: a connection its client closed is let go at once
-(close_sockets_at_eof), and a request's method reaches the app as it was
-sent (keep_methods_as_sent).
+Its flags are serve/http/options.py's.  Some of its habits are changed here,
+once, before it serves: a connection its client closed is let go at once and
+the keep-alive timer stops in two loop turns, not five (close_sockets_at_eof),
+and a request's method reaches the app as it was sent (keep_methods_as_sent).
 """
 from __future__ import annotations
+
+import asyncio
 
 import anyio
 
@@ -87,7 +89,17 @@ def close_sockets_at_eof() -> None:
     async def read_data_then_stop_the_timer(self) -> None:
         await read_data(self)
         await self.idle_task.stop()
+
+    async def idle_timeout_in_its_own_task(self) -> None:
+        """hypercorn's timer waits in asyncio.wait_for, which runs the wait in a second task: each request on a
+        kept-alive connection stops the timer and awaits it, and the cancellation took five turns of the event
+        loop through the two tasks, the request waiting behind all else the loop had to do meanwhile (a /health
+        on a busy daemon: tens of milliseconds).  The same wait in the timer's own task takes two."""
+        with anyio.move_on_after(self.config.keep_alive_timeout):
+            await self.context.terminated.wait()
+        await asyncio.shield(self._initiate_server_close())
     TCPServer._read_data = read_data_then_stop_the_timer
+    TCPServer._idle_timeout = idle_timeout_in_its_own_task
     _closing_at_eof = True
 
 
