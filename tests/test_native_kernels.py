@@ -73,13 +73,14 @@ def test_activation_quantization_is_the_twins_bit_for_bit(kernels, group):
     x = rng.standard_normal(1024).astype(np.float32) * rng.uniform(0.01, 10, 1024).astype(np.float32)
     x[:group] = 0                                   # a zero block: d = 0, q = 0
     x[group:2 * group] = np.float32(0.5) * np.arange(-group // 2, group // 2) / 63.5 * 127   # ties at .5
-    got = kernels.quantize_activations(x, group)
     expect = twins.quantize_activations(x[None], group)
-    for name, g, e in zip(("hi", "lo", "d", "bsums", "bsums_lo"), got, expect):
-        if group == 256 or name in ("hi", "lo", "d"):
-            np.testing.assert_array_equal(g, e[0], err_msg=name)
-        else:
-            assert g is None and e is None
+    for kern in isas(kernels):
+        got = kern.quantize_activations(x, group)
+        for name, g, e in zip(("hi", "lo", "d", "bsums", "bsums_lo"), got, expect):
+            if group == 256 or name in ("hi", "lo", "d"):
+                np.testing.assert_array_equal(g, e[0], err_msg=f"{name} {kern.isa}")
+            else:
+                assert g is None and e is None
     hi, lo, d = got[:3]
     assert np.abs(hi.astype(np.int32)).max() <= 127 and np.abs(lo.astype(np.int32)).max() <= 64
     # the two levels carry x to within half a lo step, d / 256 (and float32 rounding of x / d)

@@ -52,7 +52,7 @@ class HostKernels:
         lib.ks_program.argtypes = [_p, _i, _p]
         lib.ks_program.restype = _i
         self.program_call = lib.ks_program        # run/host/native_program.py's step: its op list and buffers
-        lib.ks_quantize_act.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p]
+        lib.ks_quantize_act.argtypes = [_i, _p, _i, _i, _p, _p, _p, _p, _p]
         lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
         lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]
         lib.ks_rope.argtypes = [_p, _z, _z, _i, _i, _i, _p, _p]
@@ -163,7 +163,7 @@ class HostKernels:
         hi, lo, d = np.empty(k, np.int8), np.empty(k, np.int8), np.empty(k // group, np.float32)
         bsums = np.empty(k // 16, np.int16) if group == 256 else None
         bsums_lo = np.empty(k // 16, np.int16) if group == 256 else None
-        self._lib.ks_quantize_act(x.ctypes.data, k, group, hi.ctypes.data, lo.ctypes.data, d.ctypes.data,
+        self._lib.ks_quantize_act(self._isa_id, x.ctypes.data, k, group, hi.ctypes.data, lo.ctypes.data, d.ctypes.data,
                                   None if bsums is None else bsums.ctypes.data,
                                   None if bsums_lo is None else bsums_lo.ctypes.data)
         return hi, lo, d, bsums, bsums_lo
