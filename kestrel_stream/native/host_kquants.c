@@ -6,8 +6,8 @@
  * the rows' quants side by side: one 64-byte load holds 4 quants of each of the 16 rows, vpdpbusd with
  * 4 activations broadcast adds their dot products into the 16 rows' lanes, and 8 such loads make a
  * 32-value sub-block whose scale (one per row: a vector) is applied once to 16 rows.  A decoded load
- * serves every token of the call (up to 6 in registers at a time), so a prefill chunk decodes each
- * block once per 6 tokens, not once per token.  The results are the 16 rows' lanes: no reduction.
+ * serves 4 tokens (a chunk of the call's activations, kq_acts_t), so a prefill decodes each block once
+ * per 4 tokens, not once per token.  The results are the 16 rows' lanes: no reduction.
  *
  * Group layouts (r: row in the group; the group's rows past N are zeros, their results dropped):
  *   Q4_K, per 256-value block (2,304 bytes, the 16 rows' 144): quants [32][16][4] (piece p = 8c + q of
@@ -21,7 +21,6 @@
  * sub-block joined as 128 * hi + lo): kq_row_scalar forms each block's term exactly as the twin; the
  * VNNI kernels scale each sub-block's int32 sums in float, as the lanes kernels do.
  */
-#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -167,7 +166,11 @@ static float kq_row_scalar(int fmt, const uint8_t *grp, int r, int nb, const kq_
 
 #if KS_X86
 #define PIECE (4 * KQ_CHUNK)       /* bytes from a piece of a chunk's activations to the next */
-#define AHEAD_BLOCKS 2             /* prefetch distance: the group's block b + 2 while computing block b */
+/* Software prefetches into L2 (into L1 they measured slower) of the group's blocks b + 2 and b + 4 while
+   computing block b: with the hardware's, one thread streams 20+ GB/s of weights (about 13 without). */
+#define AHEAD_NEAR 2
+#define AHEAD_FAR 4
+#define PREFETCH(p) _mm_prefetch((const char *)(p), _MM_HINT_T1)
 
 /* Broadcast 4 activations (one token's 32-bit piece) to every lane. */
 #define KQ_BCAST(p) _mm512_set1_epi32(*(const int32_t *)(p))
@@ -189,11 +192,11 @@ TARGET_VNNI static inline void q4k_unpack_scales(const uint8_t *packed, uint8_t 
    tokens: each piece masked to each nibble (0x0F; 0xF0 keeps the high nibble in place, 16 times its
    value: its scale carries 1/16), vpdpbusd with the tokens' pieces of both levels into int32 sums per
    row (4 independent sums a token), joined as 128 * hi + lo, times d * sc_j in float, less dmin * m_j
-   times the token's value sum of the sub-block.  The pieces of block b + 2 are prefetched (a token's
-   pass is the first over this block; 36 lines, 9 a call). */
+   times the token's value sum of the sub-block.  `ahead` (the first chunk's pass over the group): blocks
+   b + 2 and b + 4 are prefetched (36 lines a block, 9 a call). */
 TARGET_VNNI static inline __attribute__((always_inline)) void q4k_sub_blocks(
     const int C, int c, const uint8_t *blk, const uint8_t *sc, const uint8_t *mn, __m512 d, __m512 dmin,
-    const int8_t *hi_at, const int8_t *lo_at, const float *sums_at, __m512 *part) {
+    const int8_t *hi_at, const int8_t *lo_at, const float *sums_at, int ahead, __m512 *part) {
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     __m512i acc[KQ_CHUNK][4];       /* [token][2 * nibble + level] */
     for (int t = 0; t < C; t++)
@@ -202,9 +205,14 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q4k_sub_blocks(
     for (int q = 0; q < 8; q++) {
         const __m512i v = _mm512_load_si512(blk + 64 * (8 * c + q));
         const __m512i wl = _mm512_and_si512(v, low), wh = _mm512_and_si512(v, high);
-        _mm_prefetch((const char *)(blk + AHEAD_BLOCKS * Q4K_GROUP_BLOCK + 64 * (9 * c + q)), _MM_HINT_T0);
-        if (q == 7)
-            _mm_prefetch((const char *)(blk + AHEAD_BLOCKS * Q4K_GROUP_BLOCK + 64 * (9 * c + 8)), _MM_HINT_T0);
+        if (ahead) {
+            PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+            PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+        }
+        if (ahead && q == 7) {
+            PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+            PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+        }
         for (int t = 0; t < C; t++) {
             const int at = PIECE * q + 4 * t;
             acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], wl, KQ_BCAST(hi_at + at));
@@ -252,7 +260,8 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q4k_tile(
         const float *sums = (const float *)kq_sums(acts, chunk) + 8 * KQ_CHUNK * b;
 #pragma GCC unroll 1
         for (int c = 0; c < 4; c++)
-            q4k_sub_blocks(C, c, blk, sc, mn, d, dmin, hi + 16 * PIECE * c, lo + 16 * PIECE * c, sums + 2 * KQ_CHUNK * c, part);
+            q4k_sub_blocks(C, c, blk, sc, mn, d, dmin, hi + 16 * PIECE * c, lo + 16 * PIECE * c, sums + 2 * KQ_CHUNK * c,
+                           chunk == 0, part);
         for (int t = 0; t < C; t++)
             total[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(kq_dl(acts, chunk)[KQ_CHUNK * b + t]), total[t]);
     }
@@ -263,10 +272,11 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q4k_tile(
    for C tokens: their pieces' 6-bit values from the low (s < 2) and the high nibble of the same ql
    pieces (h, s2) and bits 2s, 2s + 1 of the same qh pieces; both levels' int32 sums (4 independent sums
    a token), the lo ones started at the token's -32 * (the group's value sum) (q - 32 is the weight),
-   joined, times d * sc_g in float.  Block b + 2 is prefetched (53 lines, 8 a call). */
+   joined, times d * sc_g in float.  `ahead_`: blocks b + 2 and b + 4 are prefetched (53 lines a block, 8 a
+   call). */
 TARGET_VNNI static inline __attribute__((always_inline)) void q6k_groups(
     const int C, const int s2, int h, int half, const uint8_t *blk, __m512 d, const int8_t *hi_at, const int8_t *lo_at,
-    const int32_t *offsets_at, __m512 *part) {
+    const int32_t *offsets_at, int ahead_, __m512 *part) {
     const __m512i low = _mm512_set1_epi8(0x0F), two_high = _mm512_set1_epi8(0x30);
     const int g0 = 8 * h + 2 * s2 + half;       /* and g0 + 4 */
     __m512i acc[KQ_CHUNK][4];                   /* [token][2 * group + level] */
@@ -283,9 +293,13 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q6k_groups(
                                                      _mm512_and_si512(l, low), 0xEA);
         const __m512i w1 = _mm512_ternarylogic_epi32(s2 ? _mm512_srli_epi16(hb, 2) : hb, two_high,
                                                      _mm512_and_si512(_mm512_srli_epi16(l, 4), low), 0xEA);
-        const uint8_t *ahead = blk + AHEAD_BLOCKS * Q6K_GROUP_BLOCK + 64 * (32 * h + 16 * half + 8 * s2 + 2 * q);
-        _mm_prefetch((const char *)ahead, _MM_HINT_T0);
-        _mm_prefetch((const char *)(ahead + 64), _MM_HINT_T0);
+        if (ahead_) {
+            const uint8_t *lines = blk + 64 * (32 * h + 16 * half + 8 * s2 + 2 * q);
+            PREFETCH(lines + AHEAD_NEAR * Q6K_GROUP_BLOCK);
+            PREFETCH(lines + AHEAD_NEAR * Q6K_GROUP_BLOCK + 64);
+            PREFETCH(lines + AHEAD_FAR * Q6K_GROUP_BLOCK);
+            PREFETCH(lines + AHEAD_FAR * Q6K_GROUP_BLOCK + 64);
+        }
         for (int t = 0; t < C; t++) {
             const int at = PIECE * q + 4 * t;
             acc[t][0] = _mm512_dpbusd_epi32(acc[t][0], w0, KQ_BCAST(hi_at + at));
@@ -319,9 +333,9 @@ TARGET_VNNI static inline __attribute__((always_inline)) void q6k_tile(
         for (int u = 0; u < 8; u++) {       /* (h, half, s2): groups s2 and s2 + 2 share their pieces */
             const int h = u >> 2, half = (u >> 1) & 1, g = 8 * h + 2 * (u & 1) + half;
             if (u & 1)
-                q6k_groups(C, 1, h, half, blk, d, hi + 4 * PIECE * g, lo + 4 * PIECE * g, offsets + KQ_CHUNK * g, part);
+                q6k_groups(C, 1, h, half, blk, d, hi + 4 * PIECE * g, lo + 4 * PIECE * g, offsets + KQ_CHUNK * g, chunk == 0, part);
             else
-                q6k_groups(C, 0, h, half, blk, d, hi + 4 * PIECE * g, lo + 4 * PIECE * g, offsets + KQ_CHUNK * g, part);
+                q6k_groups(C, 0, h, half, blk, d, hi + 4 * PIECE * g, lo + 4 * PIECE * g, offsets + KQ_CHUNK * g, chunk == 0, part);
         }
         for (int t = 0; t < C; t++)
             total[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(kq_dl(acts, chunk)[KQ_CHUNK * b + t]), total[t]);
@@ -349,11 +363,18 @@ void kq_rows(int fmt, int isa, const uint8_t *w, ptrdiff_t group_stride, int K, 
         /* a group at a time, all its tokens: its blocks come from memory on the first chunk's pass (with
            one group in flight the hardware and the prefetches keep ahead best) and from cache after */
         const kq_tile_fn *tiles = KQ_TILES[fmt == FMT_Q4_K_R16 ? 0 : 1];
+        const int chunks = (T + KQ_CHUNK - 1) / KQ_CHUNK, lines = (int)(group_stride / 64);
         for (int g = g0; g < g1; g++) {
             const int rows = N - KQ_ROWS * g < KQ_ROWS ? N - KQ_ROWS * g : KQ_ROWS;
-            for (int t = 0; t < T; t += KQ_CHUNK)
-                tiles[(T - t < KQ_CHUNK ? T - t : KQ_CHUNK) - 1](w + group_stride * g, nb, acts, t / KQ_CHUNK,
-                                                                out + out_stride * t + KQ_ROWS * g, out_stride, rows);
+            for (int c = 0; c < chunks; c++) {
+                /* several chunks: the passes after the first read the group from cache, and the kernels'
+                   prefetches stop at the group's end; the next group comes into L2 a slice a pass */
+                if (chunks > 1 && g + 1 < g1)
+                    for (int i = lines * c / chunks; i < lines * (c + 1) / chunks; i++)
+                        PREFETCH(w + group_stride * (g + 1) + 64 * i);
+                tiles[(T - KQ_CHUNK * c < KQ_CHUNK ? T - KQ_CHUNK * c : KQ_CHUNK) - 1](
+                    w + group_stride * g, nb, acts, c, out + out_stride * KQ_CHUNK * c + KQ_ROWS * g, out_stride, rows);
+            }
         }
         return;
     }
