@@ -16,7 +16,7 @@ import subprocess
 
 import pytest
 
-from kestrel_stream.native.build import FLAGS, source_path
+from kestrel_stream.native.build import FLAGS, SOURCE, SOURCES, source_path
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -67,7 +67,8 @@ def driver(tmp_path_factory):
     (folder / "driver.c").write_text(DRIVER)
     flags = [f for f in FLAGS if f not in ("-shared", "-fPIC")]
     out = folder / "driver"
-    done = subprocess.run([shutil.which("cc"), *flags, f"-I{source_path().parent}", str(folder / "driver.c"),
+    others = [str(source_path().parent / name) for name in SOURCES if name != SOURCE]    # what host_kernels.c calls
+    done = subprocess.run([shutil.which("cc"), *flags, f"-I{source_path().parent}", str(folder / "driver.c"), *others,
                            "-o", str(out), "-lm"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return out

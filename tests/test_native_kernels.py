@@ -73,13 +73,14 @@ def test_activation_quantization_is_the_twins_bit_for_bit(kernels, group):
     x = rng.standard_normal(1024).astype(np.float32) * rng.uniform(0.01, 10, 1024).astype(np.float32)
     x[:group] = 0                                   # a zero block: d = 0, q = 0
     x[group:2 * group] = np.float32(0.5) * np.arange(-group // 2, group // 2) / 63.5 * 127   # ties at .5
-    got = kernels.quantize_activations(x, group)
     expect = twins.quantize_activations(x[None], group)
-    for name, g, e in zip(("hi", "lo", "d", "bsums", "bsums_lo"), got, expect):
-        if group == 256 or name in ("hi", "lo", "d"):
-            np.testing.assert_array_equal(g, e[0], err_msg=name)
-        else:
-            assert g is None and e is None
+    for kern in isas(kernels):
+        got = kern.quantize_activations(x, group)
+        for name, g, e in zip(("hi", "lo", "d", "bsums", "bsums_lo"), got, expect):
+            if group == 256 or name in ("hi", "lo", "d"):
+                np.testing.assert_array_equal(g, e[0], err_msg=f"{name} {kern.isa}")
+            else:
+                assert g is None and e is None
     hi, lo, d = got[:3]
     assert np.abs(hi.astype(np.int32)).max() <= 127 and np.abs(lo.astype(np.int32)).max() <= 64
     # the two levels carry x to within half a lo step, d / 256 (and float32 rounding of x / d)
@@ -294,6 +295,65 @@ def test_rope_in_place_as_apply_rope(kernels):
     expect = host.apply_rope(qk.copy(), cos, sin)
     kernels.rope(qk, cos, sin)
     np.testing.assert_allclose(qk, expect, rtol=0, atol=1e-6)
+
+
+# rows: not a multiple of the 16 a repacked group holds, one row, one group and one over; tokens: every
+# remainder of the 4-token chunks the repacked kernels read, one chunk and more, 64
+REPACKED_ROWS = (1, 15, 16, 17, 67)
+REPACKED_TOKENS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 31, 33, 64)
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_repacked_k_quants_match_the_twin_on_every_isa(kernels, fmt):
+    """With AVX-512 VNNI a Q4_K / Q6_K weight is repacked 16 rows together; its kernels, and the scalar C
+    that runs a repacked weight below VNNI, against the twin: N odd and not a multiple of 16, 1..64
+    tokens, K of one block and of several; the other ISAs on the blocks as stored."""
+    rng = np.random.default_rng(31 + len(fmt))
+    widest = isas(kernels)[-1]
+    for n in REPACKED_ROWS:
+        for k in (256, 768):
+            weight = random_blocks(rng, fmt, n, k, 0.02)
+            if fmt == "Q6_K":
+                weight.reshape(n, k // 256, 210)[:, :, 192:208] = rng.integers(0, 256, (n, k // 256, 16), dtype=np.uint8)
+            prepared = widest.prepare_blocks(fmt, weight, k)
+            for t in REPACKED_TOKENS:
+                x = rng.standard_normal((t, k)).astype(np.float32)
+                expect = twins.matmul_blocks(x, fmt, weight, k)
+                atol = 2e-6 * np.abs(expect).max()
+                for kern in isas(kernels):
+                    np.testing.assert_allclose(kern.matmul_blocks(x, fmt, weight, k), expect, rtol=0, atol=atol,
+                                               err_msg=f"{fmt} {kern.isa} N={n} K={k} T={t}")
+                    np.testing.assert_allclose(kern.matmul(x, prepared), expect, rtol=0, atol=atol,
+                                               err_msg=f"{fmt} prepared with {widest.isa}, run with {kern.isa} N={n} K={k} T={t}")
+
+
+def test_vnni_repacks_k_quants_and_keeps_no_blocks(kernels):
+    if "avx512vnni" not in kernels.supported:
+        pytest.skip("no AVX-512 VNNI here: nothing is repacked")
+    rng = np.random.default_rng(5)
+    vnni = kernels.with_isa("avx512vnni")
+    for fmt, bytes_per_block in (("Q4_K", 144), ("Q6_K", 210)):
+        blocks = random_blocks(rng, fmt, 33, 512, 0.02)
+        prepared = vnni.prepare_blocks(fmt, blocks, 512)
+        assert prepared.fmt_id == native.kernels.REPACKED[fmt] and prepared.w_ptr != blocks.ctypes.data
+        assert prepared.nbytes >= 48 * 2 * bytes_per_block                     # 33 rows: 3 groups of 16
+        assert not any(np.shares_memory(a, blocks) for a in prepared.arrays)
+        assert kernels.with_isa("avx2").prepare_blocks(fmt, blocks, 512).w_ptr == blocks.ctypes.data
+    q4 = random_blocks(rng, "Q4_0", 33, 512, 0.02)
+    assert vnni.prepare_blocks("Q4_0", q4, 512).w_ptr == q4.ctypes.data
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_repacked_results_do_not_depend_on_threads(kernels, threads):
+    rng = np.random.default_rng(threads + 40)
+    for fmt in ("Q4_K", "Q6_K"):
+        weight = random_blocks(rng, fmt, 301, 512, 0.02)
+        x = rng.standard_normal((6, 512)).astype(np.float32)
+        one = native.HostKernels(kernels.path, threads=1)
+        many = native.HostKernels(kernels.path, threads=threads)
+        for t in (1, 6):
+            np.testing.assert_array_equal(many.matmul(x[:t], many.prepare_blocks(fmt, weight, 512)),
+                                          one.matmul(x[:t], one.prepare_blocks(fmt, weight, 512)))
 
 
 @pytest.mark.parametrize("fmt", FORMATS_ORDER)

@@ -137,10 +137,26 @@ def test_it_stays_within_the_engines_tolerance_of_numpy(weights):
         assert_logits_match(got, expect)
 
 
+def test_a_weight_is_prepared_once_for_every_program(weights):
+    """The per-op program and the one call bind the same prepared weights (a repacked Q4_K / Q6_K weight
+    is a copy: made once per backend, not once per program)."""
+    backend = HostBackend(weights, options=NATIVE)
+    backend.program(backend.plan(1).segments[0].ops)
+    made = dict(backend._prepared)
+    assert made and NativeProgram.bind(backend, backend.plan(1).segments[0].ops) is not None
+    assert backend._prepared.keys() == made.keys()
+    assert all(backend._prepared[key] is prepared for key, prepared in made.items())
+
+
+@pytest.mark.parametrize("mix", ["q8_0", "q4_k_m"])
 @pytest.mark.parametrize("isa", HOST_ISAS_HERE)
-def test_every_isa_path_gives_the_per_op_numbers(isa):
+def test_every_isa_path_gives_the_per_op_numbers(isa, mix, tmp_path):
     """Forced down to each ISA the CPU has (the fallback paths), the one call is still the per-op calls."""
-    weights = random_q8_weights(CONFIGS["qwen3"], seed=6)
+    if mix == "q4_k_m":
+        write_gguf(CFG, None, str(tmp_path / "m.gguf"), seed=6, mix="q4_k_m")
+        weights = load_weights(tmp_path / "m.gguf")
+    else:
+        weights = random_q8_weights(CONFIGS["qwen3"], seed=6)
     options = NATIVE.with_(host_isa=isa)
     one, ops = HostBackend(weights, options=options), HostBackend(weights, options=options)
     assert one.kernels.isa == isa

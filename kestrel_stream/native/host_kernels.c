@@ -12,19 +12,13 @@
  * only asks for vector loops.
  *
  * Each dot product has a scalar version and SIMD versions (AVX2: maddubs; AVX-512 VNNI: vpdpbusd).
+ * With VNNI, Q4_K and Q6_K weights are repacked 16 rows together when prepared, and their matmuls are
+ * host_kquants.c's (ks_linear runs them like the others: the same activations, threads and epilogue).
  * The caller names the widest ISA to use (ks_isa_supported() says which the CPU has); the build
  * compiles every version for the running machine, so a forced lower path runs here too.
  * Compiled with -ffp-contract=off: the float steps round as numpy's do (no fused multiply-adds the
  * twin does not make), except where a kernel calls an FMA intrinsic itself.
  */
-/* KS_X86: the SIMD paths (x86-64 and x86); elsewhere, or built with -DKS_NO_X86, every ISA runs the
-   scalar C (the tests build that too). */
-#if (defined(__x86_64__) || defined(__i386__)) && !defined(KS_NO_X86)
-#define KS_X86 1
-#include <immintrin.h>
-#else
-#define KS_X86 0
-#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -36,47 +30,8 @@
 #include <string.h>
 
 #include "host_kernels.h"
-
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
-enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3 };
-
-#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-#define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-
-#if defined(__FLT16_MAX__) && !defined(KS_NO_FLOAT16)     /* KS_NO_FLOAT16: the tests build the other too */
-static inline float h2f(uint16_t h) {
-    _Float16 f;
-    memcpy(&f, &h, 2);
-    return (float)f;
-}
-#else
-static inline float h2f(uint16_t h) {    /* IEEE half to float by its fields, where there is no _Float16 */
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (mant << 13);
-    } else if (mant == 0) {
-        bits = sign;
-    } else {                              /* subnormal: normalize */
-        int shift = 0;
-        while (!(mant & 0x400)) {
-            mant <<= 1;
-            shift++;
-        }
-        bits = sign | ((uint32_t)(113 - shift) << 23) | ((mant & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-#endif
-
-static inline float h2f_at(const uint8_t *p) {
-    uint16_t h;
-    memcpy(&h, p, 2);
-    return h2f(h);
-}
+#include "host_kquants.h"
+#include "host_simd.h"
 
 int ks_isa_supported(void) {
     int mask = 1 << ISA_SCALAR;
@@ -249,8 +204,6 @@ typedef struct {
     int16_t *bsums, *bsums_lo;
 } act_t;
 
-#define LO_SCALE 0.0078125f     /* 1/128: the lo level's step in units of d */
-
 static inline float roundf_away(float v) { return truncf(v + copysignf(0.5f, v)); }
 
 /* Per `group` values: d = max|x| / 127, v = x * (1 / d), hi = round(v), lo = round((v - hi) * 128) (half
@@ -280,10 +233,56 @@ static void quantize_act(const float *x, int K, int group, int8_t *qs, int8_t *l
         }
 }
 
+#if KS_X86
+/* quantize_act 16 values a vector, bit for bit: the same float operations on each value (max|x| is
+   exact in any order); a call's few tokens are quantized on one thread, so this is part of a step's
+   serial time. */
+TARGET_VNNI static void quantize_act_avx512(const float *x, int K, int group, int8_t *qs, int8_t *lo, float *d,
+                                            int16_t *bsums, int16_t *bsums_lo) {
+    const __m512 sign = _mm512_set1_ps(-0.0f), half = _mm512_set1_ps(0.5f), step = _mm512_set1_ps(128.0f);
+    for (int b = 0; b < K / group; b++) {
+        const float *xb = x + (ptrdiff_t)b * group;
+        __m512 m = _mm512_setzero_ps();
+        for (int i = 0; i < group; i += 16) m = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb + i)), m);   /* NaN: m, as fmaxf */
+        const float db = _mm512_reduce_max_ps(m) / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        for (int i = 0; i < group; i += 16) {
+            const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(xb + i), _mm512_set1_ps(id));
+            const __m512 h = _mm512_roundscale_ps(_mm512_add_ps(v, _mm512_or_ps(_mm512_and_ps(v, sign), half)),
+                                                  _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m512 r = _mm512_mul_ps(_mm512_sub_ps(v, h), step);
+            const __m512 l = _mm512_roundscale_ps(_mm512_add_ps(r, _mm512_or_ps(_mm512_and_ps(r, sign), half)),
+                                                  _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m512i h32 = _mm512_cvttps_epi32(h), l32 = _mm512_cvttps_epi32(l);
+            const ptrdiff_t at = (ptrdiff_t)b * group + i;
+            _mm_storeu_si128((__m128i *)(qs + at), _mm512_cvtsepi32_epi8(h32));
+            _mm_storeu_si128((__m128i *)(lo + at), _mm512_cvtsepi32_epi8(l32));
+            if (bsums) {
+                bsums[at / 16] = (int16_t)_mm512_reduce_add_epi32(h32);
+                bsums_lo[at / 16] = (int16_t)_mm512_reduce_add_epi32(l32);
+            }
+        }
+    }
+}
+#endif
+
+/* The activation quantization with the widest path up to `isa`. */
+static void quantize_act_isa(int isa, const float *x, int K, int group, int8_t *qs, int8_t *lo, float *d, int16_t *bsums,
+                             int16_t *bsums_lo) {
+#if KS_X86
+    if (isa >= ISA_AVX512VNNI) {
+        quantize_act_avx512(x, K, group, qs, lo, d, bsums, bsums_lo);
+        return;
+    }
+#endif
+    (void)isa;
+    quantize_act(x, K, group, qs, lo, d, bsums, bsums_lo);
+}
+
 /* Exposed for the twins' test: the activation quantization alone. */
-void ks_quantize_act(const float *x, int K, int group, int8_t *qs, int8_t *lo, float *d, int16_t *bsums,
+void ks_quantize_act(int isa, const float *x, int K, int group, int8_t *qs, int8_t *lo, float *d, int16_t *bsums,
                      int16_t *bsums_lo) {
-    quantize_act(x, K, group, qs, lo, d, group == 256 ? bsums : NULL, bsums_lo);
+    quantize_act_isa(isa, x, K, group, qs, lo, d, group == 256 ? bsums : NULL, bsums_lo);
 }
 
 /* ---------------------------------------------------------------- horizontal sums */
@@ -480,16 +479,6 @@ TARGET_VNNI static float dot_q4_0_vnni(const uint8_t *w, const uint8_t *meta, co
 #endif
 
 /* ---------------------------------------------------------------- Q4_K: 144-byte super-blocks of 256 */
-
-/* The 8 six-bit scales and mins from the 12 packed bytes (as model/quant4.q4k_scale_min). */
-static inline void q4k_scale_min(const uint8_t *q, int *sc, int *m) {
-    for (int j = 0; j < 4; j++) {
-        sc[j] = q[j] & 63;
-        m[j] = q[j + 4] & 63;
-        sc[j + 4] = (q[j + 8] & 0x0F) | ((q[j] >> 6) << 4);
-        m[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
-    }
-}
 
 static inline int q4k_mins(const int *m, const int16_t *bsums) {
     int s = 0;
@@ -762,7 +751,9 @@ typedef struct {
     uint8_t *buf, *tiles;
     size_t per_token, qs_bytes, d_bytes, bs_bytes, tile_bytes;
     int token_groups, row_tiles;
-    _Atomic int next;               /* the next row tile to hand out */
+    int kq_grab;                    /* repacked Q4_K / Q6_K: row groups a thread takes at a time */
+    kq_acts_t kq_acts;              /* and the activations as their kernels read them (in `tiles`) */
+    _Atomic int next;               /* the next row tile (row group) to hand out */
     _Atomic int failed;
 } matmul_t;
 
@@ -772,6 +763,8 @@ static inline act_t token_act(const matmul_t *m, int t) {
     int16_t *bs = m->bs_bytes ? (int16_t *)(d + m->d_bytes) : NULL;
     return (act_t){(int8_t *)p, (int8_t *)(p + m->qs_bytes), (float *)d, bs, bs ? bs + m->bs_bytes / 2 : NULL};
 }
+
+static inline int repacked(int fmt) { return fmt == FMT_Q4_K_R16 || fmt == FMT_Q6_K_R16; }
 
 /* ---------------------------------------------------------------- many tokens: tokens in lanes (VNNI) */
 /* For 4+ tokens, vpdpbusd runs with 16 tokens in the lanes of one vector: each token's activations
@@ -1027,8 +1020,19 @@ static void matmul_quantize(void *ctx, int index, int count) {
             rmsnorm_row(x, m->norm, m->K, m->eps, normed);
             x = normed;
         }
-        quantize_act(x, m->K, m->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
+        quantize_act_isa(m->isa, x, m->K, m->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
+        if (repacked(m->fmt)) kq_token(m->fmt, a.qs, a.lo, a.d, a.bsums, a.bsums_lo, t, &m->kq_acts);
     }
+}
+
+/* Repacked Q4_K / Q6_K: row groups handed out kq_grab at a time, each for every token (host_kquants.c). */
+static void matmul_kq(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    matmul_t *m = ctx;
+    const int groups = (m->N + KQ_ROWS - 1) / KQ_ROWS;
+    for (int first; (first = atomic_fetch_add_explicit(&m->next, m->kq_grab, memory_order_relaxed)) < groups;)
+        kq_rows(m->fmt, m->isa, m->w, m->w_stride, m->K, m->N, first, first + m->kq_grab < groups ? first + m->kq_grab : groups,
+                &m->kq_acts, m->out, m->out_stride);
 }
 
 #define TILES_PER_GRAB 4        /* row tiles a thread takes at a time: 64 rows */
@@ -1113,35 +1117,42 @@ int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T
     matmul_t m = {.fmt = fmt, .isa = isa, .N = N, .K = K, .T = T, .w = spec->w, .meta = spec->meta,
                   .w_stride = spec->w_stride, .meta_stride = spec->meta_stride, .x_stride = x_stride,
                   .out_stride = out_stride, .x = x, .out = out, .norm = spec->norm, .eps = spec->eps};
+    const int kq = repacked(fmt);
     m.group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
     m.qs_bytes = (size_t)K, m.d_bytes = (size_t)(K / m.group) * 4, m.bs_bytes = m.group == 256 ? (size_t)(K / 16) * 2 : 0;
     m.per_token = (2 * (m.qs_bytes + m.bs_bytes) + m.d_bytes + 63) / 64 * 64;     /* both levels */
-    m.row_tiles = (N + ROW_TILE - 1) / ROW_TILE;
-    const int lanes = KS_X86 && isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
+    m.row_tiles = kq ? (N + KQ_ROWS - 1) / KQ_ROWS : (N + ROW_TILE - 1) / ROW_TILE;
+    const int lanes = KS_X86 && !kq && isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
     m.token_groups = (T + LANES - 1) / LANES;
     /* per token group: bytes [2][K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
     m.tile_bytes = (size_t)K * LANES * 2 + (size_t)(K / m.group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
-    const size_t tiles_bytes = lanes ? m.tile_bytes * (size_t)m.token_groups : 0;
+    const size_t tiles_bytes = lanes ? m.tile_bytes * (size_t)m.token_groups : kq ? kq_acts_bytes(K, T) : 0;
     m.buf = scratch_for(m.per_token * (size_t)T + tiles_bytes + (spec->glu ? (size_t)T * N * 4 + 64 : 0));
     if (!m.buf) return -1;
     m.tiles = m.buf + m.per_token * (size_t)T;
+    if (kq) m.kq_acts = kq_acts_at(m.tiles, K, T);
     if (spec->glu) {            /* the gate | up rows land in scratch, the epilogue writes out */
         m.out = (float *)(m.tiles + (tiles_bytes + 63) / 64 * 64);
         m.out_stride = N;
     }
     if (threads < 1) threads = 1;
-    const int grabs = (m.row_tiles + TILES_PER_GRAB - 1) / TILES_PER_GRAB;
+    /* repacked: row groups a grab, about 4 grabs a thread */
+    m.kq_grab = m.row_tiles / (4 * threads) > 1 ? m.row_tiles / (4 * threads) : 1;
+    const int grabs = kq ? (m.row_tiles + m.kq_grab - 1) / m.kq_grab : (m.row_tiles + TILES_PER_GRAB - 1) / TILES_PER_GRAB;
     const int workers = threads < grabs ? threads : grabs;
     /* a few tokens are quantized on the calling thread: no job of their own */
     pool_run(matmul_quantize, &m, T > 4 ? (threads < T ? threads : T) : 1);
     if (atomic_load(&m.failed)) return -1;
+    if (kq)
+        pool_run(matmul_kq, &m, workers);
 #if KS_X86
-    if (lanes) {
+    else if (lanes) {
         pool_run(matmul_tiles, &m, threads < m.token_groups ? threads : m.token_groups);
         pool_run(matmul_lanes, &m, workers);
         if (atomic_load(&m.failed)) return -1;
-    } else
+    }
 #endif
+    else
         pool_run(matmul_dots, &m, workers);
     if (spec->glu)
         silu_mul_rows(m.out, N, m.out + N / 2, N, T, N / 2, out, out_stride, threads);

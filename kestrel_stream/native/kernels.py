@@ -15,6 +15,8 @@ import numpy as np
 ISAS = ("scalar", "avx2", "avx512vnni")                # widening order; the C enum's values
 FORMATS = {"Q8_0": (0, 32, None), "Q4_0": (1, 32, 18), "Q4_K": (2, 256, 144), "Q6_K": (3, 256, 210)}
 # fmt → (C enum, values per block, bytes per block of a block-format row; Q8_0 is split qs | scales)
+REPACKED = {"Q4_K": 4, "Q6_K": 5}          # fmt → the C enum of its weight repacked 16 rows together
+REPACK_ROWS = 16
 
 _p, _i, _z, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_float
 
@@ -50,7 +52,7 @@ class HostKernels:
         lib.ks_program.argtypes = [_p, _i, _p]
         lib.ks_program.restype = _i
         self.program_call = lib.ks_program        # run/host/native_program.py's step: its op list and buffers
-        lib.ks_quantize_act.argtypes = [_p, _i, _i, _p, _p, _p, _p, _p]
+        lib.ks_quantize_act.argtypes = [_i, _p, _i, _i, _p, _p, _p, _p, _p]
         lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
         lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]
         lib.ks_rope.argtypes = [_p, _z, _z, _i, _i, _i, _p, _p]
@@ -60,6 +62,9 @@ class HostKernels:
         lib.ks_read_sum.restype = ctypes.c_uint64
         lib.ks_set_spin_us.argtypes = [_i]
         lib.ks_pool_workers.restype = _i
+        lib.ks_repacked_group_bytes.argtypes = [_i, _i]
+        lib.ks_repacked_group_bytes.restype = ctypes.c_size_t
+        lib.ks_repack.argtypes = [_i, _p, _z, _i, _i, _p]
         if spin_us is not None:          # the library's pool is one per process: this sets it for every caller
             lib.ks_set_spin_us(spin_us)
         mask = lib.ks_isa_supported()
@@ -100,12 +105,23 @@ class HostKernels:
 
     def prepare_blocks(self, fmt: str, blocks: np.ndarray, cols: int) -> "PreparedWeight":
         """A Q4_0 / Q4_K / Q6_K weight as stored (model/quant4.BlockTensor): blocks uint8
-        [N, cols/QK * block bytes], checked once and held for `matmul` (no copy)."""
+        [N, cols/QK * block bytes], checked once and held for `matmul`.  Q4_0 and, below AVX-512 VNNI,
+        every format: the blocks themselves (no copy).  Q4_K and Q6_K with VNNI: a copy of the blocks
+        repacked 16 rows together (host_kquants.c; the same bytes, N rounded up to 16), which its
+        kernels read 16 rows a load; the blocks are not kept."""
         _, elements, nbytes = FORMATS[fmt]
         assert nbytes is not None and blocks.dtype == np.uint8 and blocks.ndim == 2
         assert cols % elements == 0 and blocks.shape[1] == cols // elements * nbytes, (fmt, blocks.shape, cols)
         _rows_contiguous(blocks)
-        return PreparedWeight(fmt, blocks.shape[0], cols, blocks.ctypes.data, blocks.strides[0], None, 0, (blocks,))
+        rows = blocks.shape[0]
+        if fmt not in REPACKED or self.isa != "avx512vnni" or rows == 0:
+            return PreparedWeight(fmt, rows, cols, blocks.ctypes.data, blocks.strides[0], None, 0, (blocks,))
+        stride = self._lib.ks_repacked_group_bytes(FORMATS[fmt][0], cols)
+        groups = -(-rows // REPACK_ROWS)
+        raw = np.empty(groups * stride + 64, np.uint8)
+        packed = raw[-raw.ctypes.data % 64:][:groups * stride]                  # 64-byte aligned
+        self._lib.ks_repack(FORMATS[fmt][0], blocks.ctypes.data, blocks.strides[0], rows, cols, packed.ctypes.data)
+        return PreparedWeight(fmt, rows, cols, packed.ctypes.data, stride, None, 0, (packed,), REPACKED[fmt])
 
     def matmul(self, x: np.ndarray, w: "PreparedWeight", out: np.ndarray | None = None) -> np.ndarray:
         """x: float32 [T, K] (rows contiguous; any row stride) → float32 [T, N] (or into `out`, any row
@@ -152,7 +168,7 @@ class HostKernels:
         hi, lo, d = np.empty(k, np.int8), np.empty(k, np.int8), np.empty(k // group, np.float32)
         bsums = np.empty(k // 16, np.int16) if group == 256 else None
         bsums_lo = np.empty(k // 16, np.int16) if group == 256 else None
-        self._lib.ks_quantize_act(x.ctypes.data, k, group, hi.ctypes.data, lo.ctypes.data, d.ctypes.data,
+        self._lib.ks_quantize_act(self._isa_id, x.ctypes.data, k, group, hi.ctypes.data, lo.ctypes.data, d.ctypes.data,
                                   None if bsums is None else bsums.ctypes.data,
                                   None if bsums_lo is None else bsums_lo.ctypes.data)
         return hi, lo, d, bsums, bsums_lo
@@ -286,11 +302,13 @@ class Linear:
 
 class PreparedWeight:
     """A quantized weight checked once for HostKernels.matmul: its format, shape, pointers and row
-    strides; it holds its arrays, so the pointers stay valid while it lives."""
+    strides (repacked: the stride of a group of 16 rows); it holds its arrays, so the pointers stay valid
+    while it lives."""
     __slots__ = ("fmt", "fmt_id", "rows", "cols", "w_ptr", "w_stride", "meta_ptr", "meta_stride", "nbytes", "arrays")
 
-    def __init__(self, fmt, rows, cols, w_ptr, w_stride, meta_ptr, meta_stride, arrays):
-        self.fmt, self.fmt_id, self.rows, self.cols = fmt, FORMATS[fmt][0], rows, cols
+    def __init__(self, fmt, rows, cols, w_ptr, w_stride, meta_ptr, meta_stride, arrays, fmt_id=None):
+        self.fmt, self.rows, self.cols = fmt, rows, cols
+        self.fmt_id = FORMATS[fmt][0] if fmt_id is None else fmt_id     # the C enum of the layout held
         self.w_ptr, self.w_stride, self.meta_ptr, self.meta_stride = w_ptr, w_stride, meta_ptr, meta_stride
         self.arrays = arrays
         self.nbytes = sum(a.nbytes for a in arrays)

@@ -93,6 +93,7 @@ class HostBackend(Steps):
         self.weights = weights
         self.config: ModelConfig = weights.config
         self._dequantized: dict[int, np.ndarray] = {}
+        self._prepared: dict[tuple[int, int, int], object] = {}     # (tensor_key, first row, end) -> PreparedWeight
         # Norm weights as plain float32 arrays (a memory-mapped one would make every result it touches a
         # memmap, each with a Python-level finalizer); q_norm and k_norm stacked per head, [q + kv heads, D].
         plain = lambda a: np.array(a, np.float32)   # noqa: E731
@@ -167,16 +168,20 @@ class HostBackend(Steps):
 
     def prepared_parts(self, w, lo: int = 0, hi: int | None = None) -> list:
         """Rows lo..hi of w as the kernels' prepared weights: (first row - lo, PreparedWeight) per run of
-        one format (a RowStack has several), in row order."""
+        one format (a RowStack has several), in row order.  Each is made once and kept: a repacked one
+        (Q4_K, Q6_K with VNNI) is a copy of its rows, which every program binding them shares."""
         kernels, parts, first = self.kernels, [], 0
         hi = w.shape[0] if hi is None else hi
         for part in tensor_parts(w):
             end = first + part.shape[0]
             if first < hi and lo < end:
-                piece = part.rows(max(lo, first) - first, min(hi, end) - first)
-                prepared = (kernels.prepare_q8_0(piece.qs, piece.scales) if tensor_format(piece) == "Q8_0"
-                            else kernels.prepare_blocks(piece.fmt, piece.blocks, piece.cols))
-                parts.append((max(lo, first) - lo, prepared))
+                start, stop = max(lo, first) - first, min(hi, end) - first
+                key = (tensor_key(part), start, stop)
+                if key not in self._prepared:
+                    piece = part.rows(start, stop)
+                    self._prepared[key] = (kernels.prepare_q8_0(piece.qs, piece.scales) if tensor_format(piece) == "Q8_0"
+                                           else kernels.prepare_blocks(piece.fmt, piece.blocks, piece.cols))
+                parts.append((max(lo, first) - lo, self._prepared[key]))
             first = end
         return parts
 
