@@ -11,31 +11,15 @@ the spin mixed steps use (run/host/pool_spin.py), over a 64 x 4096 weight (its w
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import numpy as np
 
 from kestrel_stream import native
 from kestrel_stream.cli.bench import environment
 from kestrel_stream.options import Options
+from kestrel_stream.run.calibrate import call_after_gap_us
 
 from .report import write_results
-
-
-def call_us(kernels, weight, calls: int, gap_us: float) -> float:
-    x = np.ones((1, weight.cols), np.float32)
-    out = np.empty((1, weight.rows), np.float32)
-    kernels.matmul(x, weight, out)
-    samples = []
-    for _ in range(calls):
-        until = time.perf_counter() + gap_us * 1e-6
-        while time.perf_counter() < until:
-            pass
-        start = time.perf_counter()
-        kernels.matmul(x, weight, out)
-        samples.append(time.perf_counter() - start)
-    return round(statistics.median(samples) * 1e6, 2)
 
 
 def main() -> None:
@@ -58,8 +42,8 @@ def main() -> None:
             kernels = native.load(Options.from_env({}), threads=n)
             kernels.set_spin_us(spin)
             weight = kernels.prepare_q8_0(qs, scales)
-            row = {"threads": n, "spin_us": spin, "back_to_back_us": call_us(kernels, weight, args.calls, 0.0),
-                   "after_gap_us": call_us(kernels, weight, args.calls, args.gap_us), "gap_us": args.gap_us}
+            row = {"threads": n, "spin_us": spin, "back_to_back_us": round(call_after_gap_us(kernels, weight, args.calls, 0.0), 2),
+                   "after_gap_us": round(call_after_gap_us(kernels, weight, args.calls, args.gap_us), 2), "gap_us": args.gap_us}
             print(row, flush=True)
             rows.append(row)
     if args.out:

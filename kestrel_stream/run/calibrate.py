@@ -89,28 +89,35 @@ def _format_rates(kernels, total_bytes: int = POOL_WEIGHT_BYTES // 2) -> dict:
 HANDOFF_GAP_US = 250     # a device segment between two host segments, as the host waits on it
 
 
+def call_after_gap_us(kernels, weight, calls: int = 200, gap_us: float = HANDOFF_GAP_US) -> float:
+    """Median µs of one batch-1 native matmul on `weight`, each after `gap_us` of the caller busy (as in a
+    stream sync); gap_us=0: back to back."""
+    x = np.ones((1, weight.cols), np.float32)
+    out = np.empty((1, weight.rows), np.float32)
+    kernels.matmul(x, weight, out)
+    samples = []
+    for _ in range(calls):
+        until = time.perf_counter() + gap_us * 1e-6
+        while time.perf_counter() < until:
+            pass
+        start = time.perf_counter()
+        kernels.matmul(x, weight, out)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples) * 1e6
+
+
 def _host_call_us(kernels, options) -> float:
-    """One small native call as a mixed step's host segment pays it: after a gap of a device segment's length
-    (the caller busy, as in a stream sync), with the pool's spin a mixed step sets (median of 200)."""
+    """One small native call as a mixed step's host segment pays it: after a gap of a device segment's length,
+    with the pool's spin a mixed step sets."""
     from kestrel_stream.run.host.pool_spin import LIBRARY_SPIN_US, MIXED_SPIN_US, mixed_spin
     spins = mixed_spin(options)
     if spins:
         kernels.set_spin_us(MIXED_SPIN_US)
     small = kernels.prepare_q8_0(*[np.ascontiguousarray(a[:64]) for a in _pool_weights(1)[0]])
-    xs = np.ones((1, small.cols), np.float32)
-    out = np.empty((1, small.rows), np.float32)
-    kernels.matmul(xs, small, out)
-    samples = []
-    for _ in range(200):
-        until = time.perf_counter() + HANDOFF_GAP_US * 1e-6
-        while time.perf_counter() < until:
-            pass
-        start = time.perf_counter()
-        kernels.matmul(xs, small, out)
-        samples.append(time.perf_counter() - start)
+    call_us = call_after_gap_us(kernels, small)
     if spins:
         kernels.set_spin_us(LIBRARY_SPIN_US)
-    return statistics.median(samples) * 1e6
+    return call_us
 
 
 def measure_pool(options=None, seconds: float = 0.6) -> dict:
