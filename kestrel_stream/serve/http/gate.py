@@ -28,8 +28,7 @@ from kestrel_stream.serve.http.access_log import write_access_line
 
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
 from kestrel_stream.serve.http.metrics import Metrics
-from kestrel_stream.serve.http.options import HttpOptions, is_loopback
-from kestrel_stream.serve.http.server import METHOD_AS_SENT
+from kestrel_stream.serve.http.options import METHOD_AS_SENT, HttpOptions, is_loopback
 
 GENERATING = ("/v1/completions", "/v1/chat/completions")
 OPEN_PATHS = ("/health", "/")      # answered without the key and the limits: a load balancer's probe, the chat

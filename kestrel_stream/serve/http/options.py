@@ -16,6 +16,9 @@ from pathlib import Path
 
 from kestrel_stream.serve.endpoint import log
 
+# a request's method as sent, before hypercorn upper-cases it (server.py writes it, gate.py reads it)
+METHOD_AS_SENT = b"kestrel-method-as-sent"
+
 LOOPBACK_NAMES = ("localhost",)
 DEFAULT_MAX_BODY_KB = 4096
 DEFAULT_MAX_CONCURRENT = 256        # as --max-connections of the socket transports

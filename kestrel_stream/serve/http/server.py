@@ -16,10 +16,9 @@ import asyncio
 import anyio
 
 from kestrel_stream.serve.endpoint import log
-from kestrel_stream.serve.http.options import HttpOptions, http_options
+from kestrel_stream.serve.http.options import METHOD_AS_SENT, HttpOptions, http_options
 
 GRACEFUL_TIMEOUT_S = 5.0
-METHOD_AS_SENT = b"kestrel-method-as-sent"     # a request's method before hypercorn upper-cases it (gate.py)
 _closing_at_eof = False
 _keeping_methods = False
 
