@@ -3,13 +3,14 @@
 threads, in one run.
 
     python3 -m bench.host_offload FILE.gguf [FILE2.gguf ...] [--threads 16] [--layers 14]
-        [--llama-bench PATH/llama-bench] [--ops] [--out DIR]
+        [--llama-bench PATH/llama-bench] [--blas-threads N] [--ops] [--out DIR]
 
 Ours: ks.load(FILE, device="cpu", cpu_threads=T) (and device="cuda", mode="layers=N"); a session decodes
 --new-tokens tokens after one token (llama-bench's tg from an empty context) and prefills --prompt tokens in
 one step (pp), medians of --repeats after a warm-up.  llama.cpp: `llama-bench -m FILE -ngl 0|N -t T -p 64
 -n 32 -r 3 -o json` (avg_ts).  --ops: also the CPU engine's decode step op by op, native and numpy
-(bench/host_step.py's table, written beside).
+(bench/host_step.py's table, written beside).  --blas-threads: numpy's BLAS threads in ours, set after
+ks.load (which sets them to --threads).
 """
 from __future__ import annotations
 
@@ -23,13 +24,17 @@ import numpy as np
 
 import kestrel_stream as ks
 from kestrel_stream.cli.bench import environment
+from kestrel_stream.run.blas_threads import set_cpu_threads
 
 from . import host_step
 from .report import write_results
 
 
-def ours(path: str, device: str, mode: str, threads: int, prompt: int, new_tokens: int, repeats: int) -> dict:
+def ours(path: str, device: str, mode: str, threads: int, prompt: int, new_tokens: int, repeats: int,
+         blas_threads: int | None = None) -> dict:
     engine = ks.load(path, device=device, mode=mode, cpu_threads=threads, max_seq_len=max(prompt, new_tokens) + 8)
+    if blas_threads is not None:        # after ks.load, which sets numpy's BLAS to cpu_threads
+        set_cpu_threads(blas_threads)
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(0, engine.config.vocab_size, prompt)]
     decode, prefill = [], []
@@ -73,6 +78,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench built on this machine")
     parser.add_argument("--no-gpu", action="store_true", help="only the CPU rows")
+    parser.add_argument("--blas-threads", type=int, default=None,
+                        help="numpy's BLAS threads in ours (default: --threads, as ks.load sets them); a prompt's "
+                             "attention runs in numpy, and idle BLAS workers spin on the cores the host kernels use")
     parser.add_argument("--ops", action="store_true", help="also the host decode step op by op (bench.host_step)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -81,8 +89,8 @@ def main() -> None:
     for path in args.files:
         for device, mode, ngl in configs:
             row = {"file": path.rsplit("/", 1)[-1], "ours": f"{device} {mode}", "llama.cpp": f"-ngl {ngl}",
-                   "threads": args.threads}
-            mine = ours(path, device, mode, args.threads, args.prompt, args.new_tokens, args.repeats)
+                   "threads": args.threads, "blas_threads": args.blas_threads or args.threads}
+            mine = ours(path, device, mode, args.threads, args.prompt, args.new_tokens, args.repeats, args.blas_threads)
             row.update({f"ours_{k}": v for k, v in mine.items()})
             if args.llama_bench:
                 theirs = llama(args.llama_bench, path, ngl, args.threads, args.prompt, args.new_tokens)
@@ -92,7 +100,7 @@ def main() -> None:
                         row[f"ratio_{k.split('_')[0]}"] = round(mine[k] / theirs[k], 3)
             print(row, flush=True)
             rows.append(row)
-    columns = ["file", "ours", "llama.cpp", "threads", "ours_pp_tok_s", "llama_pp_tok_s", "ratio_pp",
+    columns = ["file", "ours", "llama.cpp", "threads", "blas_threads", "ours_pp_tok_s", "llama_pp_tok_s", "ratio_pp",
                "ours_tg_tok_s", "llama_tg_tok_s", "ratio_tg"]
     path = write_results("host-offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
                          out_dir=args.out,
