@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hf_oracle import assert_logits_match
-from test_moe_offload_emulated import GIVEN, MAX_SEQ_LEN, PROMPTS, model, offload_engine, run  # noqa: F401
+from test_moe_offload_emulated import GIVEN, assert_batched_decode_matches, MAX_SEQ_LEN, PROMPTS, model, offload_engine, run  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -37,14 +37,7 @@ def test_homes_given_on_the_device(model, monkeypatch, which):  # noqa: F811
 def test_a_batch_of_sessions_on_the_device(model):  # noqa: F811
     weights, cpu, _ = model
     engine = offload_engine(weights)
-    sessions = [engine.new_session() for _ in range(3)]
-    for i, s in enumerate(sessions):
-        s.prefill(PROMPTS[0][:4 + i])
-    batched = engine.decode_batch([(s, 11) for s in sessions])
-    for i, row in enumerate(batched):
-        with cpu.new_session() as s:
-            s.prefill(PROMPTS[0][:4 + i])
-            assert_logits_match(row[None], s.decode(11)[None])
+    assert_batched_decode_matches(engine, cpu)
     kvs = [engine.executor.alloc_kv(MAX_SEQ_LEN) for _ in PROMPTS]
     together = engine.executor.forward([(kv, np.array(p), 0) for kv, p in zip(kvs, PROMPTS)])
     for prompt, ours in zip(PROMPTS, together):

@@ -22,7 +22,7 @@ from kestrel_stream.options import Options
 from kestrel_stream.run.device import expert_pool
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.step_executor import StepExecutor
-from test_moe_offload_emulated import POOL, non_expert_budget
+from test_moe_offload_emulated import POOL, assert_batched_decode_matches, non_expert_budget
 
 # Mixtral's tiny preset has head_dim 16, which the GPU attention kernels do not serve: its twin with 32
 MODELS = {"qwen3-moe-tiny": PRESETS["qwen3-moe-tiny"],
@@ -113,14 +113,7 @@ def check_gpu_mode(weights, reference) -> None:
 
 def check_gpu_mode_batches_and_chains(weights, cpu) -> None:
     engine = gpu_engine(weights)
-    sessions = [engine.new_session() for _ in range(3)]
-    for i, s in enumerate(sessions):
-        s.prefill(PROMPTS[0][:4 + i])
-    batched = engine.decode_batch([(s, 11) for s in sessions])
-    for i, row in enumerate(batched):
-        with cpu.new_session() as s:
-            s.prefill(PROMPTS[0][:4 + i])
-            assert_logits_match(row[None], s.decode(11)[None])
+    assert_batched_decode_matches(engine, cpu)
     with engine.new_session() as s:                        # greedy tokens chained on the device
         s.prefill(PROMPTS[1])
         chained = engine.generate_chained(s, 3, 6)

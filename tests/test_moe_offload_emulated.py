@@ -166,3 +166,15 @@ def test_a_head_dim_the_attention_kernels_do_not_serve_is_refused(emulated):
     with pytest.raises(ValueError, match="head_dim=16"):
         StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
                      vram_budget=non_expert_budget(weights.config))
+
+
+def assert_batched_decode_matches(engine, cpu) -> None:
+    """Three sessions of different prompt lengths decoding one token together: each row the CPU engine's."""
+    sessions = [engine.new_session() for _ in range(3)]
+    for i, s in enumerate(sessions):
+        s.prefill(PROMPTS[0][:4 + i])
+    batched = engine.decode_batch([(s, 11) for s in sessions])
+    for i, row in enumerate(batched):
+        with cpu.new_session() as s:
+            s.prefill(PROMPTS[0][:4 + i])
+            assert_logits_match(row[None], s.decode(11)[None])
