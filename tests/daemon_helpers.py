@@ -132,3 +132,21 @@ def solo_tokens(engine, prompt, steps):
         for _ in range(steps):
             tokens.append(int(np.argmax(s.decode(tokens[-1]))))
     return tokens
+
+
+TIE_LOGIT = 1e-3    # a batched step's float32 sums differ from one session's by up to ~1e-4 (BLAS gemm vs gemv)
+
+
+def assert_greedy_path(engine, prompt, tokens, tie: float = TIE_LOGIT) -> None:
+    """`tokens` (the prompt's next token, then one per decode) are one session's greedy path, as the session alone
+    in process scores them: each token is the argmax of the solo logits after the tokens before it, or within
+    `tie` of it (a near tie that a batched step's summation order may turn the other way)."""
+    with engine.new_session() as s:
+        logits = s.prefill(prompt)[-1]
+        for i, token in enumerate(tokens):
+            best = int(np.argmax(logits))
+            assert token == best or logits[best] - logits[token] <= tie, (
+                f"token {i} of the path after prompt {prompt}: {token} scores {logits[token]:.6f}, "
+                f"the greedy {best} {logits[best]:.6f}")
+            if i + 1 < len(tokens):
+                logits = s.decode(token)

@@ -157,6 +157,7 @@ class Daemon:
                 finally:
                     conn.send_from_step = None      # the last reference between peer and connection
                     await stream.aclose()
+                    self.service.freed_pages.give_back_soon()
 
     async def next_frame(self, peer: Peer, conn):
         """The next frame, within the hello timeout before hello and the idle timeout after it."""
