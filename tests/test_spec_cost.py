@@ -159,7 +159,7 @@ class Repeater:
 
 
 def test_the_daemons_rounds_draft_less_as_its_batch_grows():
-    """ServedSpeculation.propose takes the batch from its session's replica's batcher (the sessions that asked for a
+    """ServedSpeculation.plan takes the batch from its session's replica's batcher (the sessions that asked for a
     step lately) and the cost model shortens the chains as it grows: none once the batch alone fills the flat part
     of the curve."""
     from types import SimpleNamespace
@@ -174,10 +174,11 @@ def test_the_daemons_rounds_draft_less_as_its_batch_grows():
         session.prefill(history[:-1])
         decoder = speculation.decoder(session, SamplingParams(), 0)
         for batch in (1, 2, 4, 8, 16):
-            replica = SimpleNamespace(batcher=SimpleNamespace(active_sessions=lambda now, b=batch: b))
+            replica = SimpleNamespace(engine=engine, batcher=SimpleNamespace(active_sessions=lambda now, b=batch: b,
+                                                                             step_tokens=256))
             service = SimpleNamespace(replica_of=lambda session, r=replica: r)
-            drafts, _ = ServedSpeculation(service, session, decoder).propose(history, 20, len(history))
-            lengths[batch] = len(drafts)
+            spec_round = ServedSpeculation(service, session, decoder).plan(history, 20, len(history))
+            lengths[batch] = spec_round.drafted if spec_round is not None else 0
     engine.close()
     assert lengths[1] == 8 and lengths[16] == 0, lengths
     assert all(lengths[a] >= lengths[b] for a, b in ((1, 2), (2, 4), (4, 8), (8, 16))), lengths
