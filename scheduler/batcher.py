@@ -12,7 +12,10 @@ A request is a decode (one token) or a prompt (many).  What one step holds
   engine continues a session from its position, so a prompt cut into chunks
   reaches the same cache as one run whole);
 - while a prompt waits, decodes leave it one session and one token of room,
-  so prompts move on even when decodes alone would fill every step.
+  so prompts move on even when decodes alone would fill every step;
+- a request that must run whole (a token tree: its rows see each other in
+  one step) is never cut: it waits for a step with room for all of it, and
+  where it is the oldest prompt the decodes leave it that room.
 A session appears at most once per step; its later requests stay queued, in
 order, behind the one that is running.
 
@@ -59,6 +62,7 @@ class Pending:
     tokens: int = 1                 # 1: a decode; more: a prompt
     taken: int = 0                  # tokens already given to steps
     queued_at_step: int = 0         # steps formed before it came
+    whole: bool = False             # runs in one step, never cut into chunks
 
     @property
     def remaining(self) -> int:
@@ -109,10 +113,12 @@ class StepBatcher:
         if self.step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
 
-    def add(self, session_key: Hashable, payload: Any, now_s: float, tokens: int = 1) -> Pending:
+    def add(self, session_key: Hashable, payload: Any, now_s: float, tokens: int = 1, whole: bool = False) -> Pending:
         if tokens < 1:
             raise ValueError(f"a request holds at least one token, got {tokens}")
-        item = Pending(session_key, payload, now_s, tokens, 0, self.log.steps)
+        if whole and tokens > self.step_tokens:
+            raise ValueError(f"a request that runs whole fits a step: {tokens} tokens, step_tokens={self.step_tokens}")
+        item = Pending(session_key, payload, now_s, tokens, 0, self.log.steps, whole)
         self.queue.append(item)
         self.last_request_s[session_key] = now_s
         return item
@@ -207,11 +213,15 @@ class StepBatcher:
             return [(heads[0], min(heads[0].remaining, self.step_tokens))]
         singles = [p for p in heads if p.remaining == 1]
         prompts = [p for p in heads if p.remaining > 1]
-        chosen = [(p, 1) for p in singles[:room - (1 if prompts else 0)]]
+        # decodes leave the oldest prompt room: one token, or all of one that runs whole
+        reserved = (prompts[0].remaining if prompts[0].whole else 1) if prompts else 0
+        chosen = [(p, 1) for p in singles[:min(room - (1 if prompts else 0), self.step_tokens - reserved)]]
         tokens_left, sessions_left = self.step_tokens - len(chosen), self.max_batch - len(chosen)
         for p in prompts:
             if not tokens_left or not sessions_left:
                 break
+            if p.whole and p.remaining > tokens_left:
+                continue                    # the next step has room for all of it
             count = min(p.remaining, tokens_left)
             chosen.append((p, count))
             tokens_left -= count

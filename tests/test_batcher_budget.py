@@ -36,6 +36,23 @@ def test_prompts_go_oldest_first_and_share_what_the_budget_leaves():
     assert shape(batcher.take()) == [("new", 3, 4, True)]
 
 
+def test_a_request_that_runs_whole_is_never_cut_and_decodes_leave_it_room():
+    """A token tree's rows see each other in one step: it waits for a step with room for all of it, the
+    prompts behind it go on, and as the oldest prompt it gets its room from the decodes."""
+    batcher = StepBatcher(max_batch=8, step_tokens=10)
+    batcher.add("old", 1, 0.0, tokens=6)
+    batcher.add("tree", 2, 0.1, tokens=6, whole=True)
+    batcher.add("new", 3, 0.2, tokens=3)
+    assert shape(batcher.take()) == [("old", 0, 6, True), ("new", 0, 3, True)]
+    assert shape(batcher.take()) == [("tree", 0, 6, True)]
+    batcher.add("tree", 4, 0.3, tokens=8, whole=True)
+    for key in "abcdef":
+        batcher.add(key, key, 0.3)
+    assert shape(batcher.take()) == [("a", 0, 1, True), ("b", 0, 1, True), ("tree", 0, 8, True)]
+    with pytest.raises(ValueError, match="runs whole fits a step"):
+        batcher.add("big", 5, 0.4, tokens=11, whole=True)
+
+
 def test_a_session_runs_one_request_at_a_time_in_order():
     batcher = StepBatcher(max_batch=8, step_tokens=8)
     batcher.add("a", "prompt", 0.0, tokens=12)

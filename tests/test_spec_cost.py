@@ -159,7 +159,7 @@ class Repeater:
 
 
 def test_the_daemons_rounds_draft_less_as_its_batch_grows():
-    """ServedSpeculation.propose takes the batch from its session's replica's batcher (the sessions that asked for a
+    """ServedSpeculation.plan takes the batch from its session's replica's batcher (the sessions that asked for a
     step lately) and the cost model shortens the chains as it grows: none once the batch alone fills the flat part
     of the curve."""
     from types import SimpleNamespace
@@ -174,11 +174,38 @@ def test_the_daemons_rounds_draft_less_as_its_batch_grows():
         session.prefill(history[:-1])
         decoder = speculation.decoder(session, SamplingParams(), 0)
         for batch in (1, 2, 4, 8, 16):
-            replica = SimpleNamespace(batcher=SimpleNamespace(active_sessions=lambda now, b=batch: b))
+            replica = SimpleNamespace(engine=engine, batcher=SimpleNamespace(active_sessions=lambda now, b=batch: b,
+                                                                             step_tokens=256))
             service = SimpleNamespace(replica_of=lambda session, r=replica: r)
-            drafts, _ = ServedSpeculation(service, session, decoder).propose(history, 20, len(history))
-            lengths[batch] = len(drafts)
+            spec_round = ServedSpeculation(service, session, decoder).plan(history, 20, len(history))
+            lengths[batch] = spec_round.drafted if spec_round is not None else 0
     engine.close()
     assert lengths[1] == 8 and lengths[16] == 0, lengths
     assert all(lengths[a] >= lengths[b] for a, b in ((1, 2), (2, 4), (4, 8), (8, 16))), lengths
     assert all(k == 0 or b * (k + 1) <= FLAT_TO_16.flat_tokens() for b, k in lengths.items()), lengths
+
+
+def test_the_daemons_trees_shrink_as_its_batch_grows():
+    """ServedSpeculation.plan sizes a round's tree by the batch too (cost.choose_tree_nodes): branches while
+    batch x nodes stays on the flat part of the curve, a chain or nothing beyond it; never past a step's budget."""
+    from types import SimpleNamespace
+
+    from kestrel_stream.serve.spec_rounds import ServedSpeculation
+    from kestrel_stream.text.sampling import SamplingParams
+    engine = Engine(random_q8_weights(CONFIG, seed=2), device="cpu", max_seq_len=64)
+    speculation = Speculation.lookup(draft_max=8)
+    speculation.curve = FLAT_TO_64
+    history = [1, 2, 3, 5, 1, 2, 4, 6, 1, 2, 7, 8, 1, 2, 9, 10, 1, 2]     # "1 2" went on four ways
+    nodes = {}
+    with engine.new_session() as session:
+        session.prefill(history[:-1])
+        decoder = speculation.decoder(session, SamplingParams(), 0)
+        for batch, step_tokens in ((1, 256), (2, 256), (8, 256), (32, 256), (1, 6)):
+            batcher = SimpleNamespace(active_sessions=lambda now, b=batch: b, step_tokens=step_tokens)
+            service = SimpleNamespace(replica_of=lambda session, r=SimpleNamespace(engine=engine, batcher=batcher): r)
+            spec_round = ServedSpeculation(service, session, decoder).plan(history, 20, len(history))
+            nodes[batch, step_tokens] = spec_round.nodes if spec_round is not None else 0
+    engine.close()
+    assert nodes[1, 256] > speculation.draft_max + 1, nodes          # more nodes than any chain: a tree
+    assert nodes[1, 256] >= nodes[2, 256] >= nodes[8, 256] > nodes[32, 256], nodes
+    assert 0 < nodes[1, 6] <= 6, nodes

@@ -96,6 +96,8 @@ def test_greedy_output_through_socket_and_http_equals_plain_decoding(draft, mode
                 answer = client.generate(prompt, NEW_TOKENS)
                 assert answer.tokens == plain[prompt].tokens, prompt
                 assert answer.speculation["spec_passes"] >= 1
+                if draft == "itself":       # every tree's deepest path kept (a session with room for its trees)
+                    assert answer.speculation["spec_acceptance"] == 1.0
                 # the session holds what plain decoding's would: prompt and every token but the last
                 assert answer.position == len(plain[prompt].tokens) + plain[prompt].prompt_len - 1
                 streamed = [piece.token for piece in client.generate(prompt, NEW_TOKENS, stream=True)]
@@ -105,7 +107,9 @@ def test_greedy_output_through_socket_and_http_equals_plain_decoding(draft, mode
         stats = spec_stats(d)
         assert stats["kind"] == "draft" and stats["spec_drafted"] > 0
         if draft == "itself":
-            assert stats["spec_acceptance"] == 1.0 and stats["spec_tokens_per_pass"] > 4
+            # an HTTP session has room for its answer alone: near its end a tree of fewer nodes may hold its
+            # deepest node off the model's own path
+            assert stats["spec_acceptance"] > 0.9 and stats["spec_tokens_per_pass"] > 4
         elif draft == "perturbed":
             assert 0.0 < stats["spec_acceptance"] < 1.0
         else:
@@ -269,15 +273,15 @@ def test_a_round_that_fails_answers_an_error_and_loses_no_session(models, plain,
     connection go on, and every session of the model and the draft closes."""
     from kestrel_stream.spec.decoder import SpecDecoder
     d = InProcessDaemon(models["itself"], tmp_path, load={"draft": str(models["itself"]), "spec_policy": "always"})
-    real_verify = SpecDecoder.verify
+    real_verdict = SpecDecoder.verdict
     failing = {"left": 0}
 
-    def verify(self, *args):
+    def verdict(self, *args):
         if failing["left"]:
             failing["left"] -= 1
             raise RuntimeError("verification broke")
-        return real_verify(self, *args)
-    monkeypatch.setattr(SpecDecoder, "verify", verify)
+        return real_verdict(self, *args)
+    monkeypatch.setattr(SpecDecoder, "verdict", verdict)
     prompt = PROMPTS[0]
     try:
         with ks.Client(str(d.socket_path)) as client:

@@ -15,7 +15,8 @@ INLINE_MAX_S = 0.2                  # far above a scheduling delay: the steps he
 
 
 def job(step_s: float) -> SimpleNamespace:
-    return SimpleNamespace(session=SimpleNamespace(id=1), arrived_s=time.perf_counter(), tokens=1, step_s=step_s)
+    return SimpleNamespace(session=SimpleNamespace(id=1), arrived_s=time.perf_counter(), tokens=1, whole=False,
+                           step_s=step_s)
 
 
 def test_a_step_slower_than_inline_max_sends_the_next_one_to_the_step_thread():

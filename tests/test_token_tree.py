@@ -1,7 +1,8 @@
 """A token tree verified in one step equals its paths verified one by one: every node's logits are those of
 its root path fed as a chain, and after keep_branch the session continues as if it had been fed that path
-alone; on the CPU engine (numpy and the native kernels) and on the emulated device (gpu, layers=1, a
-streaming window, offload)."""
+alone; several sessions' trees and a plain decode in one step each equal that session alone (the daemon's
+batched verify passes); on the CPU engine (numpy and the native kernels) and on the emulated device (gpu,
+layers=1, a streaming window, offload)."""
 from __future__ import annotations
 
 import numpy as np
@@ -86,6 +87,42 @@ def check_argmax_and_short_branches(engine):
         np.testing.assert_allclose(again, ref.decode(4), **TOL)
 
 
+def assert_sessions_trees_in_one_step(engine, tol: dict) -> None:
+    """Two sessions' trees (at different positions) and a third session's decode in one engine step: each
+    session's rows are those of its step alone, each row's argmax likewise, and after keep_branch each tree's
+    session continues as one fed its kept path."""
+    wide, small = TokenTree(WIDE_PARENTS), TokenTree(PARENTS)
+    prompts = (PROMPT, PROMPT[:5], PROMPT[:3])
+    items = [np.asarray(WIDE_TOKENS), np.asarray(TOKENS), np.asarray([7])]
+    trees = [wide, small, None]
+    alone = []
+    for prompt, ids, tree in zip(prompts, items, trees):
+        with engine.new_session() as ref:
+            ref.prefill(prompt)
+            alone.append(ref.prefill_tree(ids, tree.parents) if tree is not None else ref.prefill(ids))
+    sessions = [engine.new_session() for _ in prompts]
+    for session, prompt in zip(sessions, prompts):
+        session.prefill(prompt)
+    batch = list(zip(sessions, items))
+    picks = engine.step(batch, logits="argmax", trees=trees)
+    for session, prompt in zip(sessions, prompts):
+        session.truncate(len(prompt))
+    rows = engine.step(batch, logits="all", trees=trees)
+    for i, (got, expected) in enumerate(zip(rows, alone)):
+        np.testing.assert_allclose(got, expected, **tol, err_msg=f"session {i}")
+        assert picks[i].tolist() == got.argmax(1).tolist(), i
+    kept = (wide.path_to(17), small.path_to(8))
+    for session, ids, path in zip(sessions, items, kept):
+        session.keep_branch(path)
+    after = [session.decode(3) for session in sessions[:2]]
+    for prompt, ids, path, got in zip(prompts, items, kept, after):
+        with engine.new_session() as ref:
+            ref.prefill(list(prompt) + [int(ids[n]) for n in path])
+            np.testing.assert_allclose(got, ref.decode(3), **tol)
+    for session in sessions:
+        session.close()
+
+
 @pytest.mark.parametrize("kernels", ["numpy", "native"])
 def test_cpu_tree_equals_its_paths(kernels, monkeypatch):
     monkeypatch.setenv("KESTREL_HOST_KERNELS", kernels)
@@ -96,6 +133,7 @@ def test_cpu_tree_equals_its_paths(kernels, monkeypatch):
         s.prefill(PROMPT)
         s.prefill_tree(TOKENS, PARENTS)
         s.keep_branch([0, 4])
+    assert_sessions_trees_in_one_step(engine, TOL)
     engine.close()
 
 
@@ -141,6 +179,7 @@ def test_device_tree_equals_its_paths(mode, monkeypatch):
     with engine.new_session() as ref:
         ref.prefill(PROMPT + [WIDE_TOKENS[n] for n in path])
         np.testing.assert_allclose(after, ref.decode(3), **DEVICE_TOL)
+    assert_sessions_trees_in_one_step(engine, DEVICE_TOL)
     engine.close()
 
 
@@ -152,4 +191,5 @@ def test_gpu_tree_equals_its_paths():
     engine = device_engine(random_q8_weights(DEVICE_CONFIG, seed=4), "gpu", max_seq_len=64)
     with engine.new_session() as s:
         assert_wide_tree_equals_its_paths(engine, s, "gpu")
+    assert_sessions_trees_in_one_step(engine, DEVICE_TOL)
     engine.close()

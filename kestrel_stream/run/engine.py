@@ -191,7 +191,7 @@ class Engine:
         or with greedy=True each session's greedy next token (int64 [B]): an
         executor with forward_greedy (gpu mode) then takes the argmax on the device and copies back
         4 bytes per token instead of the logits.  trees: per item a TokenTree its ids are the nodes of
-        (run/token_tree.py), or None."""
+        (run/token_tree.py), or None; such a session then keeps one path with keep_branch."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
 
         def run():
@@ -207,7 +207,9 @@ class Engine:
             else:
                 with trace.step(sum(len(ids) for _, ids in items), sessions=len(items)):
                     out = run()
-        for s, ids in items:
+        for i, (s, ids) in enumerate(items):
+            if trees is not None and trees[i] is not None:
+                s.pending_tree = (s.position, trees[i])     # until keep_branch (or truncate) settles it
             s.position += len(ids)
             s.tokens.extend(np.asarray(ids).tolist())
         return out
@@ -365,10 +367,7 @@ class Session:
         if self.engine.config.sliding_window:
             raise ValueError(f"session {self.id} prefill_tree: token trees need a model without a sliding window")
         self.check_room(len(arr))
-        start = self.position
-        out = self.engine.step([(self, arr)], logits=logits, trees=[tree])[0]
-        self.pending_tree = (start, tree)
-        return out
+        return self.engine.step([(self, arr)], logits=logits, trees=[tree])[0]
 
     def keep_branch(self, nodes: list[int]) -> None:
         """After prefill_tree: keep the nodes of one path from the root (nodes[0] == 0, each the child of the

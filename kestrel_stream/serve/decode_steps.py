@@ -62,12 +62,19 @@ class DecodeSteps:
         batcher gives each session at most one place in a step of at most max_batch."""
         started = time.perf_counter()
         try:
-            items = [(chunk.payload.session, chunk.payload.ids(chunk.start, chunk.count)) for chunk in runnable]
-            # greedy: every chunk needs only its last row's argmax, which the device then takes
-            greedy = all(chunk.payload.greedy_enough(chunk.final) for chunk in runnable)
-            # no chunk wants every row's logits: lm_head runs on each session's last row alone
-            rows = "last" if all(chunk.payload.want != "logits" for chunk in runnable) else "all"
-            out = self.engine.step(items, greedy=greedy, logits=rows)   # tokens [B], or logits per session
+            jobs = [chunk.payload for chunk in runnable]
+            items = [(job.session, job.ids(chunk.start, chunk.count)) for job, chunk in zip(jobs, runnable)]
+            trees = [job.tree for job in jobs] if any(job.tree is not None for job in jobs) else None
+            if all(job.greedy_enough(chunk.final) for job, chunk in zip(jobs, runnable)):
+                # every chunk needs only its last row's argmax, which the device then takes
+                kind, out = "token", self.engine.step(items, greedy=True)      # tokens [B]
+            elif all(job.picks_enough(chunk.final) for job, chunk in zip(jobs, runnable)):
+                # decodes and verify passes whose verdict needs each row's argmax alone (on the device)
+                kind, out = "argmax", self.engine.step(items, logits="argmax", trees=trees)
+            else:
+                # no chunk wants every row's logits: lm_head runs on each session's last row alone
+                rows = "last" if all(job.want != "logits" for job in jobs) else "all"
+                kind, out = "logits", self.engine.step(items, logits=rows, trees=trees)
         except Exception as e:          # a device failure fails this step's requests, not the daemon
             for chunk in runnable:
                 chunk.payload.error = e
@@ -76,7 +83,7 @@ class DecodeSteps:
             self.counters["decode_steps"] += 1
             self.counters["decode_step_s"] += time.perf_counter() - started
         for chunk, row in zip(runnable, out):
-            chunk.payload.take(row, chunk.final, greedy)
+            chunk.payload.take(row, chunk.final, kind)
 
     def finish(self, job: StepJob) -> None:
         """Step thread: answer the client (when this thread sends the answer) or wake the waiting handler."""

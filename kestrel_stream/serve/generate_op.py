@@ -195,7 +195,8 @@ async def next_tokens(service, session, generation: Generation, spec, token: int
     """The tokens after `token`: a speculative round's, or one decode step's."""
     budget = generation.stop.max_new_tokens - len(generation.tokens)
     if spec is not None and not spec.plain_next(budget):
-        rounded = await spec.round(token, generation.ids + generation.tokens, len(generation.tokens), budget)
+        rounded = await spec.round(token, generation.ids + generation.tokens, len(generation.tokens), budget,
+                                   picks=want == "token")
         if rounded is not None:
             return rounded[0]
     return [picked(generation, await service.decode(session, token, want, 1), want)]

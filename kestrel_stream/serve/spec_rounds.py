@@ -3,11 +3,18 @@
 Continuous batching mixes speculative and plain sessions in the same engine
 steps this way: a round's drafting runs on the step thread between steps
 (the draft model is an engine too, and the step thread owns the device), and
-its verify pass (the last emitted token and k drafts, every row's logits) is
-a job of the batcher like a prompt chunk: a multi-token entry of a step beside
-other sessions' decode tokens and prompt chunks, under the step's token
-budget.  The job keeps what the target accepts and rewinds the session's KV to
-the kept path on the step thread, before any other job of that session runs.
+its verify pass is a job of the batcher like a prompt chunk: a multi-token
+entry of a step beside other sessions' decode tokens, prompt chunks and
+verify passes, under the step's token budget.  The round is the in-process
+one (spec/decoder.py's plan, verdict, keep): a token tree where the draft
+grows one (every node's mask in the step: several sessions' trees verify in
+one step), else a chain; a pass runs whole, never cut into chunks, and at
+most a step's budget.  Greedy rounds without penalties ask the step for each
+row's argmax alone (on the device in gpu mode) where the step's other jobs
+need no more.  The job keeps what the target accepts and rewinds the
+session's KV to the kept path on the step thread, before any other job of
+that session runs; a pass that fails (a tree past the session's room, a bad
+token) fails its generation alone.
 
 The draft length comes from the engine's Speculation (spec/): under policy
 "auto" the cost model weighs the target's measured pass times, the running
@@ -28,8 +35,9 @@ import anyio
 import numpy as np
 
 from kestrel_stream.errors import CapacityError
+from kestrel_stream.run.token_tree import TokenTree
 from kestrel_stream.serve.step_jobs import PrefillJob
-from kestrel_stream.spec.decoder import SpecStats
+from kestrel_stream.spec.decoder import Round, SpecStats
 
 
 def parse_speculative(value, speculation) -> tuple[bool, int | None]:
@@ -55,30 +63,40 @@ def parse_speculative(value, speculation) -> tuple[bool, int | None]:
 
 
 class VerifyJob(PrefillJob):
-    """A verify pass: [token] + drafts with every row's logits; at its last chunk (step thread) the decoder keeps
-    what the target accepts and the session's KV is rewound to the kept path."""
-    __slots__ = ("decoder", "drafts", "q_rows", "history", "step", "out")
+    """A verify pass: the round's tree (or chain) in one step, with every row's logits or argmax; then (step
+    thread) the decoder keeps what the target accepts and the session's KV is rewound to the kept path."""
+    __slots__ = ("decoder", "round", "history", "step", "picks", "tree", "out", "rows")
     op = "verify"
+    whole = True                    # a tree's rows see each other in one step; a chain's verdict in one kind
 
-    def __init__(self, session, token: int, drafts: list[int], q_rows, decoder, history: list[int], step: int):
-        super().__init__(session, np.asarray([token] + drafts, np.int64), "logits", 1)
-        self.decoder, self.drafts, self.q_rows = decoder, drafts, q_rows
-        self.history, self.step = history, step
+    def __init__(self, session, spec_round: Round, decoder, history: list[int], step: int, picks: bool):
+        super().__init__(session, np.asarray(spec_round.tree.tokens, np.int64), "logits", 1)
+        self.decoder, self.round, self.history, self.step = decoder, spec_round, history, step
+        self.picks = picks          # each row's argmax is all the verdict and the caller need
+        self.tree = TokenTree(spec_round.tree.parents) if spec_round.branched else None
         self.out: list[int] = []
+        self.rows = None            # the logits rows [len(out), V] the emitted tokens came from (logits only)
 
-    def take(self, rows, final: bool, greedy: bool) -> None:
-        super().take(rows, final, greedy)
-        if not final:
-            return
-        logits = self.result[1]["logits"]
+    def picks_enough(self, final: bool) -> bool:
+        return self.picks
+
+    def take(self, rows, final: bool, kind: str) -> None:
+        spec_round = self.round
         try:
-            self.out = self.decoder.verify(logits, self.drafts, self.q_rows, self.history, self.step)
+            path, out = self.decoder.verdict(rows, spec_round, self.history, self.step)
+            self.decoder.keep(spec_round, self.start_position, path)
         except Exception as e:          # fails this job alone (DecodeSteps rewinds and answers it), not the step
             self.error = e
             return
-        self.session.truncate(self.start_position + len(self.out))   # token and the kept drafts
-        self.decoder.record(len(self.drafts), len(self.out))
-        self.result = ({}, {"logits": logits[:len(self.out)]})
+        self.decoder.record(spec_round.drafted, len(out), spec_round.nodes)
+        self.out, self.rows = out, (rows[path] if kind == "logits" else None)
+        self.result = ({}, {})
+
+    def rewind(self) -> None:
+        """The pass failed: the session as before it (the tree's nodes and the pending tree forgotten)."""
+        session = self.session
+        if not session.closed and session.position > self.start_position:
+            session.truncate(self.start_position)
 
 
 class ServedSpeculation:
@@ -115,23 +133,28 @@ class ServedSpeculation:
         self.decoder.record(0, 1)
         self.replica.spec_totals.stats.record(0, 1)
 
-    def propose(self, history: list[int], budget: int, step: int):
-        """Step thread: the round's k for the batch as it stands, and the drafts."""
-        batch = self.replica.batcher.active_sessions(time.perf_counter())
-        k = self.decoder.draft_length(budget, batch)
-        return self.decoder.propose(history, k, step) if k > 0 else ([], None)
+    def plan(self, history: list[int], budget: int, step: int) -> Round | None:
+        """Step thread: the round for the batch as it stands (spec/decoder.py), its pass at most a step's budget;
+        its tokens checked, so that a bad one fails this generation before its pass joins a step."""
+        batcher = self.replica.batcher
+        spec_round = self.decoder.plan(history, step, min(budget, batcher.step_tokens),
+                                       batcher.active_sessions(time.perf_counter()), batcher.step_tokens)
+        if spec_round is not None:
+            self.replica.engine.check_tokens(spec_round.tree.tokens, f"verify (session {self.session.id})")
+        return spec_round
 
-    async def round(self, token: int, history: list[int], step: int, budget: int):
-        """(tokens emitted after `token`, their logits rows [n, V]) of a verified round, or None where the
-        round drafts nothing: the caller then takes one plain step (already counted as a plain pass here)."""
-        service = self.service
-        drafts, q_rows = await self.replica.steps.run(self.propose, history, budget, step)
-        if not drafts:
+    async def round(self, token: int, history: list[int], step: int, budget: int, picks: bool = False):
+        """(tokens emitted after `token`, the logits rows [n, V] they came from, or None with `picks`: the
+        caller needs only the tokens of a greedy round without penalties) of a verified round, or None where
+        the round drafts nothing: the caller then takes one plain step (already counted as a plain pass here)."""
+        spec_round = await self.replica.steps.run(self.plan, history, budget, step)
+        if spec_round is None:
             self.record_plain()
             return None
-        job = await service.run_job(VerifyJob(self.session, token, drafts, q_rows, self.decoder, history, step))
-        self.replica.spec_totals.stats.record(len(drafts), len(job.out))
-        return job.out, job.result[1]["logits"]
+        picks = picks and self.decoder.picks_enough
+        job = await self.service.run_job(VerifyJob(self.session, spec_round, self.decoder, history, step, picks))
+        self.replica.spec_totals.stats.record(spec_round.drafted, len(job.out), spec_round.nodes)
+        return job.out, job.rows
 
     async def finish(self, fed: int | None) -> None:
         """The generation ended with `fed` tokens in the session's KV (plain decoding's count: the last emitted

@@ -4,6 +4,10 @@ A job is created by the request's handler (or the reader thread), queued in
 the batcher, and run by the step thread in one step (a decode) or in chunks
 over several (a prompt longer than what a step has room for); the step thread
 then answers it (``send``) or wakes the handler waiting on it (``wait``).
+
+A step gives each job its rows in one of three kinds (``take``): "token" (the
+greedy next token alone), "argmax" (each row's argmax, int [n]) or "logits"
+([n, V], or [1, V] where the step computed last rows only).
 """
 from __future__ import annotations
 
@@ -42,6 +46,8 @@ class StepJob:
                  "done", "waiter")
     lock = threading.Lock()         # done and waiter of every job: held for a few bytecodes, by any thread
     op = "step"
+    whole = False                   # the batcher never cuts it into chunks (scheduler/batcher.py)
+    tree = None                     # the TokenTree its tokens are the nodes of (run/token_tree.py), or None
 
     def __init__(self, session: Session, want: str, k: int, request_id=None, send: SendFromStep | None = None):
         self.session, self.want, self.k = session, want, k
@@ -87,9 +93,16 @@ class DecodeJob(StepJob):
     def greedy_enough(self, final: bool) -> bool:
         return self.want == "token"
 
-    def take(self, row, final: bool, greedy: bool) -> None:
-        """row: the greedy token (greedy) or logits [1, V]."""
-        self.result = ({"token": int(row)}, {}) if greedy else answer(row, self.want, self.k)
+    def picks_enough(self, final: bool) -> bool:
+        """Whether each row's argmax is all this chunk must give back."""
+        return self.want == "token"
+
+    def take(self, row, final: bool, kind: str) -> None:
+        """row: the greedy token, its argmax [1] or logits [1, V], by `kind` (module docstring)."""
+        if kind == "logits":
+            self.result = answer(row, self.want, self.k)
+        else:
+            self.result = ({"token": int(row if kind == "token" else row[-1])}, {})
 
     def rewind(self) -> None:
         pass
@@ -121,7 +134,12 @@ class PrefillJob(StepJob):
         """Whether the greedy token of the chunk's last row is all this chunk must give back."""
         return self.want != "logits" and (not final or self.want == "token")
 
-    def take(self, rows, final: bool, greedy: bool) -> None:
+    def picks_enough(self, final: bool) -> bool:
+        """Never: lm_head would run on every row of the chunk for the last row's token."""
+        return False
+
+    def take(self, rows, final: bool, kind: str) -> None:
+        """rows: logits of the chunk's rows (or its last row's), or with kind "token" the greedy next token."""
         if self.want == "logits":
             self.parts.append(rows)
         if not final:
@@ -131,7 +149,7 @@ class PrefillJob(StepJob):
             self.parts = []
             self.result = answer(logits, "logits", self.k)
         else:
-            self.result = ({"token": int(rows)}, {}) if greedy else answer(rows, self.want, self.k)
+            self.result = ({"token": int(rows)}, {}) if kind == "token" else answer(rows, self.want, self.k)
 
     def rewind(self) -> None:
         """A later chunk failed: the session forgets the chunks that ran, as if the prompt never came."""

@@ -58,8 +58,8 @@ class StepThread:
         return await future
 
     def submit(self, job, at_once: bool = False) -> None:
-        """A decode or prompt (``job.session.id``, ``job.arrived_s``, ``job.tokens``) for the first step that
-        may take it.  Only a decode comes ``at_once``.
+        """A decode or prompt (``job.session.id``, ``job.arrived_s``, ``job.tokens``, ``job.whole``) for the first
+        step that may take it.  Only a decode comes ``at_once``.
 
         ``at_once``: from the reader thread, which runs a lone session's short
         step itself (``run_inline``) or queues it here at once.  Otherwise, from
@@ -123,7 +123,7 @@ class StepThread:
                         self.run_ready_batch()      # requests queued before this call go first
                         self.call(*item)
                     else:
-                        batcher.add(item.session.id, item, item.arrived_s, item.tokens)
+                        batcher.add(item.session.id, item, item.arrived_s, item.tokens, item.whole)
                     item = None if inbox.empty() else inbox.get()
                 self.run_ready_batch()
 

@@ -20,12 +20,13 @@ grows trees and the verdict is the target's own token at each node (greedy, or
 prompt lookup's one-hot drafts), the tree's nodes come from the cost model
 (cost.choose_tree_nodes: what the pass carries at the cost of the chain alone)
 or, under "always", the Speculation's tree_nodes; the target keeps one path
-(Session.keep_branch).  The daemon's rounds verify chains.
+(Session.keep_branch).
 
 A round has three parts a caller may run apart (the daemon runs the verify
-pass as a job of its batched steps): ``draft_length``, ``propose``, and
-``verify`` + ``record`` over the target's rows; ``next_tokens`` runs them in
-a row on the session.
+pass as a job of its batched steps, several sessions' trees in one step):
+``plan`` (the Round: the drafted tree or chain), ``verdict`` over the
+target's rows for that tree, then ``keep`` and ``record``; ``next_tokens``
+runs them in a row on the session.
 """
 from __future__ import annotations
 
@@ -71,6 +72,24 @@ class SpecStats:
                 "spec_tokens_per_pass": round(self.emitted / self.passes, 4) if self.passes else 0.0,
                 "spec_draft_length": round(self.drafted / drafting, 4) if drafting else 0.0,
                 "spec_tree_nodes": round(self.tree_nodes / drafting, 4) if drafting else 0.0}
+
+
+@dataclass
+class Round:
+    """What one speculative round verifies: a tree of drafts (node 0: the last emitted token), a chain where not
+    `branched` (verified by rejection sampling against q_rows where the draft sampled them)."""
+    tree: DraftTree
+    q_rows: object = None           # np.ndarray [depth, vocab] of a sampled chain's draft distributions, or None
+    branched: bool = False          # verified as a tree (Session.keep_branch) rather than a chain
+
+    @property
+    def drafted(self) -> int:
+        """The round's drafts as SpecStats counts them: a chain's length, a tree's depth."""
+        return self.tree.depth
+
+    @property
+    def nodes(self) -> int:
+        return len(self.tree)
 
 
 class DraftLength:
@@ -168,42 +187,64 @@ class SpecDecoder:
         self.plain_run = 0 if drafted else self.plain_run + 1
         self.stats.record(drafted, emitted, nodes)
 
+    @property
+    def picks_enough(self) -> bool:
+        """Greedy without penalties: each row's argmax (on the device in gpu mode) is all a verdict needs."""
+        return self.params.greedy and not self.params.penalized
+
+    def plan(self, history: list[int], step: int, budget: int, batch: int = 1,
+             max_nodes: int | None = None) -> "Round | None":
+        """The round after `history` (its last token the tree's root): the drafted tree or chain, or None where
+        it drafts nothing (a plain step).  `batch`: the sessions sharing the target's steps; `max_nodes`: the
+        most tokens the verify pass may take (None: the session's room alone)."""
+        k = self.draft_length(budget, batch)
+        nodes = self.tree_nodes(k, batch)
+        if max_nodes is not None:
+            nodes = min(nodes, max(max_nodes, k + 1))
+        if nodes > k + 1:
+            tree = self.propose_tree(history, k, nodes)
+            if len(tree) == 1:
+                return None
+            return Round(tree, None, branched=not tree.is_chain)
+        drafts, q_rows = self.propose(history, k, step) if k > 0 else ([], None)
+        return Round(DraftTree.chain(history[-1], drafts), q_rows, branched=False) if drafts else None
+
+    def verdict(self, rows, spec_round: "Round", history: list[int], step: int) -> tuple[list[int], list[int]]:
+        """(the kept path's nodes from the root, the tokens the round emits) from the target's rows over the
+        round's tree: logits [n, vocab], or each node's argmax int [n] where picks_enough."""
+        tree = spec_round.tree
+        picks = rows.ndim == 1
+        if spec_round.branched:
+            return verify_tree_argmax(rows, tree) if picks else verify_tree(rows, tree, self.params, self.seed,
+                                                                            step, history)
+        drafts = tree.tokens[1:]
+        out = verify_argmax(rows, drafts) if picks else self.verify(rows, drafts, spec_round.q_rows, history, step)
+        return list(range(len(out))), out
+
+    def keep(self, spec_round: "Round", start: int, path: list[int]) -> None:
+        """The session after a verify pass from position `start`: the root and the kept drafts (the last emitted
+        token is not fed), the other nodes forgotten."""
+        if spec_round.branched:
+            self.session.keep_branch(path)
+        else:
+            self.session.truncate(start + len(path))
+
     def next_tokens(self, token: int, history: list[int], step: int, budget: int) -> list[int]:
         """Feed `token` (the last of `history`, every token of the sequence so far) and return the tokens
         after it, at least one and at most `budget`; the first is output index `step` of the sampler."""
         s = self.session
-        k = self.draft_length(budget)
-        nodes = self.tree_nodes(k)
-        if nodes > k + 1:
-            tree = self.propose_tree(history, k, nodes)
-            if not tree.is_chain:
-                return self._tree_round(tree, history, step)
-            drafts, q_rows = tree.tokens[1:], None
-        else:
-            drafts, q_rows = self.propose(history, k, step) if k > 0 else ([], None)
-        if not drafts:
+        spec_round = self.plan(history, step, budget)
+        if spec_round is None:
             out = [self._plain(token, history, step)]
-        else:
-            start = s.position
-            if self.params.greedy and not self.params.penalized:     # each row's argmax is all greedy needs
-                out = verify_argmax(s.prefill([token] + drafts, logits="argmax"), drafts)
-            else:
-                rows = s.prefill([token] + drafts, logits="all")
-                out = self.verify(rows, drafts, q_rows, history, step)
-            s.truncate(start + len(out))          # token and the kept drafts; the last emitted is not fed
-        self.record(len(drafts), len(out))
-        return out
-
-    def _tree_round(self, tree: DraftTree, history: list[int], step: int) -> list[int]:
-        """Verify `tree` in one step, keep the path of the target's own tokens (spec/tree.py); the emitted ones."""
-        s = self.session
-        if self.params.greedy and not self.params.penalized:     # each node's argmax is all greedy needs
-            path, out = verify_tree_argmax(s.prefill_tree(tree.tokens, tree.parents, logits="argmax"), tree)
-        else:
-            rows = s.prefill_tree(tree.tokens, tree.parents)
-            path, out = verify_tree(rows, tree, self.params, self.seed, step, history)
-        s.keep_branch(path)                       # the root and the kept drafts; the last emitted is not fed
-        self.record(tree.depth, len(out), len(tree))
+            self.record(0, 1)
+            return out
+        start, kind = s.position, "argmax" if self.picks_enough else "all"
+        tree = spec_round.tree
+        rows = (s.prefill_tree(tree.tokens, tree.parents, logits=kind) if spec_round.branched
+                else s.prefill(tree.tokens, logits=kind))
+        path, out = self.verdict(rows, spec_round, history, step)
+        self.keep(spec_round, start, path)
+        self.record(spec_round.drafted, len(out), len(tree))
         return out
 
     def _plain(self, token: int, history: list[int], step: int) -> int:

@@ -93,7 +93,7 @@ class Speculation:
         if self.policy == "auto":
             line += ("; " + self.curve.describe()) if self.curve is not None else "; pass times measured on first use"
         if self.tree_nodes > 1:
-            line += f"; generate and chat draft trees of up to {self.tree_nodes} nodes"
+            line += f"; rounds draft trees of up to {self.tree_nodes} nodes"
         return line
 
     def device_bytes(self) -> int:

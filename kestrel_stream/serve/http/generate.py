@@ -264,12 +264,14 @@ class HttpGeneration:
         """The tokens of a speculative round of `choice` after `token`, up to a stop; [] where the round drafted
         nothing (the caller takes a plain step)."""
         budget = self.max_tokens - len(choice.tokens)
-        rounded = await choice.spec.round(token, self.ids + choice.tokens, len(choice.tokens), budget)
+        rounded = await choice.spec.round(token, self.ids + choice.tokens, len(choice.tokens), budget,
+                                          picks=self.want == "token")
         if rounded is None:
             return []
+        emitted, rows = rounded
         outs = []
-        for emitted, row in zip(*rounded):
-            outs.append(self.emit(choice, emitted, row))
+        for i, token_out in enumerate(emitted):
+            outs.append(self.emit(choice, token_out, rows[i] if rows is not None else None))
             if choice.stop.reason is not None:
                 break
         return outs

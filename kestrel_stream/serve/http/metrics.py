@@ -51,7 +51,8 @@ SPEC_COUNTERS = (("spec_drafted", "drafted_tokens", "tokens drafted by speculati
                  ("spec_refused", "refused", "generations that decoded plainly: no room for one more draft stream"))
 SPEC_GAUGES = (("spec_acceptance", "acceptance", "drafted tokens kept, over drafted tokens"),
                ("spec_tokens_per_pass", "tokens_per_pass", "tokens emitted per model pass of speculative generations"),
-               ("spec_draft_length", "draft_length", "mean drafted tokens per drafting pass"))
+               ("spec_draft_length", "draft_length", "mean drafted tokens per drafting pass (a tree: its depth)"),
+               ("spec_tree_nodes", "tree_nodes", "mean tokens per drafting pass: a tree's nodes (a chain of k: k + 1)"))
 # (kind, key of a replica's stats, name after kestrel_replica_, help): each replica's figures, labelled
 REPLICA = (
     ("gauge", "sessions", "sessions", "open sessions"),
