@@ -189,6 +189,8 @@ static void pool_run(pool_fn fn, void *ctx, int count) {
     pthread_mutex_unlock(&pool.call);
 }
 
+void ks_pool_run(pool_fn fn, void *ctx, int count) { pool_run(fn, ctx, count); }
+
 /* How long (microseconds) an idle worker, or a caller waiting for workers, polls before sleeping. */
 void ks_set_spin_us(int spin_us) { atomic_store(&pool.spin_us, spin_us < 0 ? 0 : spin_us); }
 

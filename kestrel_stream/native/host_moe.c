@@ -1,0 +1,174 @@
+/* A routed (mixture-of-experts) layer on the host: the router's choice of experts and the chosen experts'
+ * MLPs, two ops of the step program, each bound once by run/host/routed.py (a ks_router_t, a ks_experts_t)
+ * and called alone (the per-op program) or from host_program.c's op list: the same numbers either way.
+ *
+ * The router: x's rows rmsnormed (ks_rmsnorm's numbers), float32 logits onto the experts (each a dot
+ * product in a fixed order), and run/host/arithmetic.py's `route`: softmax over every expert, the top k,
+ * renormalized (Qwen3-MoE), or the top k logits and softmax over them (Mixtral); ties to the lowest id.
+ * Its "route" rows are the state the device reads too: k ids (as floats), then k weights.
+ *
+ * The experts: per expert in ascending id (the sum's order fixed), the normed rows of the tokens that
+ * chose it gathered, its gate|up (SiLU·mul epilogue) and down projections as bound Linears (ks_linear:
+ * an expert's rows spread over the pool's threads, so one token's eight experts use every core), each
+ * output row weighted and added into the layer's sum; the device part's sum ("moe_out", mode offload's
+ * resident experts) added after, then the sum into x.  Experts whose Linears are NULL are another side's.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "host_kernels.h"
+
+/* ---------------------------------------------------------------- scratch */
+
+static __thread float *moe_scratch;      /* one growable buffer per calling thread, never freed per step */
+static __thread size_t moe_scratch_bytes;
+
+static float *scratch_floats(size_t n) {
+    const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
+    if (bytes > moe_scratch_bytes) {
+        free(moe_scratch);
+        moe_scratch = aligned_alloc(64, bytes);
+        moe_scratch_bytes = moe_scratch ? bytes : 0;
+    }
+    return moe_scratch;
+}
+
+/* ---------------------------------------------------------------- the router */
+
+static float dot_f32(const float *a, const float *b, int n) {
+    float part[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) s += part[j];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+typedef struct {
+    const ks_router_t *spec;
+    const float *xn;
+    float *logits;
+    int T;
+} logits_t;
+
+static void router_logits(void *ctx, int index, int count) {
+    const logits_t *c = ctx;
+    const int E = c->spec->E, H = c->spec->H;
+    const long jobs = (long)c->T * E;
+    for (long j = (long)index * jobs / count, end = (long)(index + 1) * jobs / count; j < end; j++)
+        c->logits[j] = dot_f32(c->xn + (ptrdiff_t)H * (j / E), c->spec->router + (ptrdiff_t)H * (j % E), H);
+}
+
+/* softmax over n values in place (the max subtracted first) */
+static void softmax(float *v, int n) {
+    float m = v[0], sum = 0.0f;
+    for (int i = 1; i < n; i++) m = v[i] > m ? v[i] : m;
+    for (int i = 0; i < n; i++) v[i] = expf(v[i] - m), sum += v[i];
+    for (int i = 0; i < n; i++) v[i] = v[i] / sum;
+}
+
+/* The k highest of scores [E] into ids and chosen, highest first; ties to the lowest id (a stable sort's). */
+static void top_k(const float *scores, int E, int k, int *ids, float *chosen) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j && !taken; i++) taken = ids[i] == e;
+            if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
+        }
+        ids[j] = best;
+        chosen[j] = scores[best];
+    }
+}
+
+int ks_route(const ks_router_t *s, const float *x, ptrdiff_t x_stride, int T, float *route, ptrdiff_t route_stride) {
+    const int E = s->E, H = s->H, k = s->k;
+    if (T <= 0) return 0;
+    float *xn = scratch_floats((size_t)T * H + (size_t)T * E);
+    if (!xn) return -1;
+    float *logits = xn + (size_t)T * H;
+    ks_rmsnorm(x, x_stride, T, H, s->norm, 1, s->eps, xn, H, s->threads);
+    logits_t c = {s, xn, logits, T};
+    const size_t work = (size_t)T * E * H;
+    int threads = work < 65536 ? 1 : s->threads;
+    ks_pool_run(router_logits, &c, threads < T * E ? threads : T * E);
+    int ids[KS_MAX_CHOICES];
+    for (int t = 0; t < T; t++) {
+        float *scores = logits + (ptrdiff_t)E * t, *row = route + route_stride * t;
+        if (s->softmax_first) softmax(scores, E);
+        top_k(scores, E, k, ids, row + k);
+        if (!s->softmax_first) {
+            softmax(row + k, k);
+        } else if (s->normalize) {
+            float sum = 0.0f;
+            for (int j = 0; j < k; j++) sum += row[k + j];
+            for (int j = 0; j < k; j++) row[k + j] = row[k + j] / sum;
+        }
+        for (int j = 0; j < k; j++) {
+            row[j] = (float)ids[j];
+            if (s->counts) s->counts[ids[j]]++;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the experts */
+
+int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float *route, ptrdiff_t route_stride,
+               const float *moe_out, ptrdiff_t moe_stride) {
+    const int E = s->E, H = s->H, I = s->I, k = s->k;
+    s->used = 0;
+    if (T <= 0) return 0;
+    /* xn [T, H] | sum [T, H] | gathered rows [T, H] | act [T, I] | down's rows [T, H] | weights [T k] | rows [T k]
+       | each expert's first row in them [E + 1] */
+    const size_t tk = (size_t)T * k;
+    float *xn = scratch_floats((size_t)T * (4 * H + I) + 2 * tk + E + 1);
+    if (!xn) return -1;
+    float *sum = xn + (size_t)T * H, *rows_x = sum + (size_t)T * H, *act = rows_x + (size_t)T * H;
+    float *down = act + (size_t)T * I, *weight = down + (size_t)T * H;
+    int *token = (int *)(weight + tk), *first = token + tk;
+    ks_rmsnorm(x, x_stride, T, H, s->norm, 1, s->eps, xn, H, s->threads);
+    memset(sum, 0, sizeof(float) * (size_t)T * H);
+    /* the choices grouped by expert, tokens ascending within each (a counting sort) */
+    memset(first, 0, sizeof(int) * (size_t)(E + 1));
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) first[(int)route[route_stride * t + j] + 1]++;
+    for (int e = 0; e < E; e++) first[e + 1] += first[e];
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            const float *row = route + route_stride * t;
+            int *at = &first[(int)row[j]];
+            token[*at] = t, weight[*at] = row[k + j];
+            (*at)++;
+        }
+    for (int e = E; e > 0; e--) first[e] = first[e - 1];      /* back to each expert's first */
+    first[0] = 0;
+    for (int e = 0; e < E; e++) {
+        const int n = first[e + 1] - first[e];
+        if (n == 0 || !s->gate_up[e]) continue;
+        const int *tokens = token + first[e];
+        const float *w = weight + first[e];
+        for (int i = 0; i < n; i++) memcpy(rows_x + (ptrdiff_t)H * i, xn + (ptrdiff_t)H * tokens[i], sizeof(float) * H);
+        if (ks_linear(s->gate_up[e], rows_x, H, n, act, I) != 0 || ks_linear(s->down[e], act, I, n, down, H) != 0)
+            return -1;
+        for (int i = 0; i < n; i++) {           /* sum[t] += w * down: numpy's float32 product, then sum */
+            float *o = sum + (ptrdiff_t)H * tokens[i];
+            const float *d = down + (ptrdiff_t)H * i;
+            for (int c = 0; c < H; c++) o[c] = o[c] + w[i] * d[c];
+        }
+        s->used++;
+    }
+    for (int t = 0; t < T; t++) {
+        float *xr = x + x_stride * t, *o = sum + (ptrdiff_t)H * t;
+        if (moe_out) {
+            const float *m = moe_out + moe_stride * t;
+            for (int c = 0; c < H; c++) o[c] = o[c] + m[c];
+        }
+        for (int c = 0; c < H; c++) xr[c] = xr[c] + o[c];
+    }
+    return 0;
+}
