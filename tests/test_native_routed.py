@@ -23,6 +23,7 @@ from kestrel_stream.run.host import HostBackend
 from kestrel_stream.run.host.arithmetic import rmsnorm, route
 from kestrel_stream.run.host.native_program import NativeProgram
 from kestrel_stream.run.host.program import HostProgram, HostState
+from kestrel_stream.run.host.routed import native_experts
 from scheduler.moe import split_experts
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
@@ -158,6 +159,28 @@ def test_experts_chosen_by_no_token_one_token_and_every_token(weights, T):
     reference = run_ops(HostBackend(weights, options=NUMPY), [op], x, rows).read("x")
     assert np.array_equal(one, ops)
     np.testing.assert_allclose(one - x, reference - x, rtol=0, atol=2e-3 * np.abs(reference - x).max())
+
+
+@pytest.mark.parametrize("isa", HOST_ISAS_HERE)
+@pytest.mark.parametrize("T", [1, 3, 6])
+def test_the_experts_op_is_its_experts_linears_bit_for_bit(weights, T, isa):
+    """The experts' projections as one job of the pool (few tokens) or each on its own (tokens enough for
+    the lanes kernel) give each expert's bound Linears' numbers, summed in ascending expert order, on
+    every ISA path."""
+    c = weights.config
+    backend = HostBackend(weights, options=NATIVE.with_(host_isa=isa))
+    op, _ = layer_op(backend, "experts", T)
+    bound = native_experts(backend, op)
+    x = np.random.default_rng(4).standard_normal((T, c.hidden_size)).astype(np.float32)
+    rows = route_rows([[0, c.num_experts - 1 if t == 2 else 1] for t in range(T)])
+    got = x.copy()
+    assert bound(got, rows) == len(np.unique(rows[:, :2]))
+    xn, ids, out = backend.kernels.rmsnorm(x, backend.norm(op.prologue), c.rms_norm_eps), rows[:, :2], np.zeros_like(x)
+    for e in np.unique(ids).astype(int):
+        tokens, slot = np.nonzero(ids == e)
+        gate_up, down = bound.linears[e]
+        out[tokens] += rows[tokens, 2 + slot, None] * down(gate_up(xn[tokens]))
+    assert np.array_equal(got, x + out)
 
 
 def test_router_choices_and_ties_are_routes(weights):

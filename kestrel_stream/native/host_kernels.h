@@ -18,6 +18,10 @@ typedef struct {
 } ks_linear_t;
 
 int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride);
+/* n projections as ks_linear on each (x[i] [T[i], K] -> out[i]), their rows spread over the threads as one
+   job where their tokens are few (a routed layer's experts). */
+int ks_linear_group(const ks_linear_t *const *specs, int n, const float *const *x, ptrdiff_t x_stride, const int *T,
+                    float *const *out, ptrdiff_t out_stride);
 void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
                  float *out, ptrdiff_t out_stride, int threads);
 int ks_qkv_rope(const float *qkv, ptrdiff_t qkv_t, int T, int H, int n_kv, int D, const float *bias, const float *qk_norm,

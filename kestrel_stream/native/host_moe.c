@@ -7,11 +7,12 @@
  * renormalized (Qwen3-MoE), or the top k logits and softmax over them (Mixtral); ties to the lowest id.
  * Its "route" rows are the state the device reads too: k ids (as floats), then k weights.
  *
- * The experts: per expert in ascending id (the sum's order fixed), the normed rows of the tokens that
- * chose it gathered, its gate|up (SiLU·mul epilogue) and down projections as bound Linears (ks_linear:
- * an expert's rows spread over the pool's threads, so one token's eight experts use every core), each
- * output row weighted and added into the layer's sum; the device part's sum ("moe_out", mode offload's
- * resident experts) added after, then the sum into x.  Experts whose Linears are NULL are another side's.
+ * The experts: the normed rows of the tokens that chose each expert gathered, every used expert's gate|up
+ * (SiLU·mul epilogue) as one job of the pool, then every one's down (ks_linear_group: the experts' rows
+ * spread over the threads together, so one token's eight experts use every core in two jobs), each output
+ * row weighted and added into the layer's sum in ascending expert id (the sum's order fixed); the device
+ * part's sum ("moe_out", mode offload's resident experts) added after, then the sum into x.  Experts whose
+ * Linears are NULL are another side's.
  */
 #include <math.h>
 #include <stdint.h>
@@ -123,14 +124,19 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
     const int E = s->E, H = s->H, I = s->I, k = s->k;
     s->used = 0;
     if (T <= 0) return 0;
-    /* xn [T, H] | sum [T, H] | gathered rows [T, H] | act [T, I] | down's rows [T, H] | weights [T k] | rows [T k]
-       | each expert's first row in them [E + 1] */
-    const size_t tk = (size_t)T * k;
-    float *xn = scratch_floats((size_t)T * (4 * H + I) + 2 * tk + E + 1);
+    /* xn [T, H] | sum [T, H] | each choice's row: gathered [Tk, H], act [Tk, I], down's [Tk, H] | weights [Tk]
+       | tokens [Tk] | each expert's first row [E + 1] | the used experts' projections, inputs, outputs, rows */
+    const size_t tk = (size_t)T * k, floats = (size_t)T * 2 * H + tk * (2 * H + I) + 2 * tk + E + 1;
+    float *xn = scratch_floats(floats + 8 * (size_t)E + 8);
     if (!xn) return -1;
-    float *sum = xn + (size_t)T * H, *rows_x = sum + (size_t)T * H, *act = rows_x + (size_t)T * H;
-    float *down = act + (size_t)T * I, *weight = down + (size_t)T * H;
+    float *sum = xn + (size_t)T * H, *rows_x = sum + (size_t)T * H, *act = rows_x + tk * H, *down = act + tk * I;
+    float *weight = down + tk * H;
     int *token = (int *)(weight + tk), *first = token + tk;
+    uintptr_t table = ((uintptr_t)(first + E + 1) + 7) / 8 * 8;
+    const ks_linear_t **specs = (const ks_linear_t **)table;
+    const float **ins = (const float **)(specs + E);
+    float **outs = (float **)(ins + E);
+    int *counts = (int *)(outs + E);
     ks_rmsnorm(x, x_stride, T, H, s->norm, 1, s->eps, xn, H, s->threads);
     memset(sum, 0, sizeof(float) * (size_t)T * H);
     /* the choices grouped by expert, tokens ascending within each (a counting sort) */
@@ -147,21 +153,32 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
         }
     for (int e = E; e > 0; e--) first[e] = first[e - 1];      /* back to each expert's first */
     first[0] = 0;
+    for (int c = 0; c < first[E]; c++) memcpy(rows_x + (ptrdiff_t)H * c, xn + (ptrdiff_t)H * token[c], sizeof(float) * H);
+    /* every used expert's gate | up (SiLU·mul), then every one's down, each as one job of the pool */
+    int used = 0;
     for (int e = 0; e < E; e++) {
         const int n = first[e + 1] - first[e];
         if (n == 0 || !s->gate_up[e]) continue;
-        const int *tokens = token + first[e];
-        const float *w = weight + first[e];
-        for (int i = 0; i < n; i++) memcpy(rows_x + (ptrdiff_t)H * i, xn + (ptrdiff_t)H * tokens[i], sizeof(float) * H);
-        if (ks_linear(s->gate_up[e], rows_x, H, n, act, I) != 0 || ks_linear(s->down[e], act, I, n, down, H) != 0)
-            return -1;
-        for (int i = 0; i < n; i++) {           /* sum[t] += w * down: numpy's float32 product, then sum */
-            float *o = sum + (ptrdiff_t)H * tokens[i];
-            const float *d = down + (ptrdiff_t)H * i;
-            for (int c = 0; c < H; c++) o[c] = o[c] + w[i] * d[c];
-        }
-        s->used++;
+        specs[used] = s->gate_up[e], ins[used] = rows_x + (ptrdiff_t)H * first[e], outs[used] = act + (ptrdiff_t)I * first[e];
+        counts[used++] = n;
     }
+    if (ks_linear_group(specs, used, ins, H, counts, outs, I) != 0) return -1;
+    used = 0;
+    for (int e = 0; e < E; e++) {
+        if (first[e + 1] == first[e] || !s->gate_up[e]) continue;
+        specs[used] = s->down[e], ins[used] = act + (ptrdiff_t)I * first[e], outs[used] = down + (ptrdiff_t)H * first[e];
+        used++;
+    }
+    if (ks_linear_group(specs, used, ins, I, counts, outs, H) != 0) return -1;
+    for (int e = 0; e < E; e++) {               /* ascending expert id: the sum's order is fixed */
+        if (first[e + 1] == first[e] || !s->gate_up[e]) continue;
+        for (int c = first[e]; c < first[e + 1]; c++) {     /* sum[t] += w * down: numpy's product, then sum */
+            float *o = sum + (ptrdiff_t)H * token[c];
+            const float *d = down + (ptrdiff_t)H * c;
+            for (int j = 0; j < H; j++) o[j] = o[j] + weight[c] * d[j];
+        }
+    }
+    s->used = used;
     for (int t = 0; t < T; t++) {
         float *xr = x + x_stride * t, *o = sum + (ptrdiff_t)H * t;
         if (moe_out) {
