@@ -23,8 +23,8 @@ import ctypes
 import numpy as np
 
 from kestrel_stream.model.op_tensors import fused_tensor
-from kestrel_stream.run.host.arithmetic import attention_scale
 from kestrel_stream.native.routed import Experts
+from kestrel_stream.run.host.arithmetic import attention_scale
 from kestrel_stream.run.host.routed import expert_bytes, native_experts, native_router
 from scheduler import segment_inputs
 from scheduler.ops import runs_alone
