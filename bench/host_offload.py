@@ -4,6 +4,8 @@ threads, in one run.
 
     python3 -m bench.host_offload FILE.gguf [FILE2.gguf ...] [--threads 16] [--layers 14]
         [--llama-bench PATH/llama-bench] [--blas-threads N] [--ops] [--out DIR]
+    python3 -m bench.host_offload FILE.gguf --base TREE [--tree TREE] [--rounds 5] [--threads 2]
+        [--llama-bench PATH/llama-bench] [--llama-prompt 0]
 
 Ours: ks.load(FILE, device="cpu", cpu_threads=T) (and device="cuda", mode="layers=N"); a session decodes
 --new-tokens tokens after one token (llama-bench's tg from an empty context) and prefills --prompt tokens in
@@ -11,14 +13,22 @@ one step (pp), medians of --repeats after a warm-up.  llama.cpp: `llama-bench -m
 -n 32 -r 3 -o json` (avg_ts).  --ops: also the CPU engine's decode step op by op, native and numpy
 (bench/host_step.py's table, written beside).  --blas-threads: numpy's BLAS threads in ours, set after
 ks.load (which sets them to --threads).
+
+--base TREE: the CPU engine's rows A/B, this tree's (or --tree's: a `git archive` copy pins what runs)
+against TREE's, beside llama-bench: each of --rounds runs both trees' `ours` in fresh processes started
+in / (neither tree shadows the other; the order alternating round by round), then llama-bench
+(-p --llama-prompt: 0 for its decode alone); medians of the rounds, and every round's figure.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -68,6 +78,57 @@ def llama(binary: str, path: str, layers: int, threads: int, prompt: int, new_to
     return result
 
 
+def ours_in(tree: str, path: str, threads: int, prompt: int, new_tokens: int, repeats: int,
+            blas_threads: int | None) -> dict:
+    """`ours` in cpu mode as the source tree `tree` runs it, in a fresh process started in /."""
+    code = ("import json; from bench.host_offload import ours; "
+            f"print(json.dumps(ours({path!r}, 'cpu', 'cpu', {threads}, {prompt}, {new_tokens}, {repeats}, "
+            f"{blas_threads!r})))")
+    done = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=tree), cwd="/",
+                          capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def ab_rows(args) -> list[dict]:
+    """--base: per file, this tree (--tree) against --base in alternating fresh processes, and llama-bench."""
+    trees = {"new": args.tree or str(Path(__file__).resolve().parents[1]), "base": args.base}
+    rows = []
+    for path in args.files:
+        runs: dict[str, list] = {"new": [], "base": [], "llama": []}
+        for r in range(args.rounds):
+            for name in ("new", "base") if r % 2 == 0 else ("base", "new"):
+                runs[name].append(ours_in(trees[name], path, args.threads, args.prompt, args.new_tokens, args.repeats,
+                                          args.blas_threads))
+            if args.llama_bench:
+                runs["llama"].append(llama(args.llama_bench, path, 0, args.threads, args.llama_prompt, args.new_tokens))
+            print(path, r, {name: got[-1] for name, got in runs.items() if got}, flush=True)
+        row = {"file": path.rsplit("/", 1)[-1], "threads": args.threads, "rounds": args.rounds}
+        for name, got in runs.items():
+            for key in ("pp_tok_s", "tg_tok_s"):
+                values = [g[key] for g in got if key in g]
+                if values:
+                    row[f"{name}_{key}"] = round(statistics.median(values), 2)
+                    row[f"{name}_{key}_runs"] = values
+        row["new/base_tg"] = round(row["new_tg_tok_s"] / row["base_tg_tok_s"], 3)
+        if "llama_tg_tok_s" in row:
+            row["new/llama_tg"] = round(row["new_tg_tok_s"] / row["llama_tg_tok_s"], 3)
+        rows.append(row)
+    return rows
+
+
+def main_ab(args) -> None:
+    rows = ab_rows(args)
+    columns = ["file", "threads", "rounds", "base_tg_tok_s", "new_tg_tok_s", "llama_tg_tok_s", "new/base_tg",
+               "new/llama_tg", "base_pp_tok_s", "new_pp_tok_s"]
+    path = write_results("host-offload-ab", environment(), rows, [c for c in columns if any(c in r for r in rows)],
+                         out_dir=args.out,
+                         notes=f"new: {args.tree or 'this tree'}; base: {args.base}. tg: {args.new_tokens} greedy "
+                               f"tokens after a {args.prompt}-token prefill (pp), ours medians of {args.repeats} after "
+                               f"a warm-up a process; llama-bench -p {args.llama_prompt} -n {args.new_tokens} -r 3; "
+                               f"medians of {args.rounds} rounds (the JSON beside has every round's).")
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("files", nargs="+")
@@ -83,7 +144,14 @@ def main() -> None:
                              "attention runs in numpy, and idle BLAS workers spin on the cores the host kernels use")
     parser.add_argument("--ops", action="store_true", help="also the host decode step op by op (bench.host_step)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--base", default=None, help="a source tree: the CPU rows A/B against it (see above)")
+    parser.add_argument("--tree", default=None, help="with --base: the tree of the new side (default: this one)")
+    parser.add_argument("--rounds", type=int, default=5, help="with --base: alternating rounds")
+    parser.add_argument("--llama-prompt", type=int, default=0, help="with --base: llama-bench's -p")
     args = parser.parse_args()
+    if args.base:
+        main_ab(args)
+        return
     rows = []
     configs = [("cpu", "cpu", 0)] + ([] if args.no_gpu else [("cuda", f"layers={args.layers}", args.layers)])
     for path in args.files:

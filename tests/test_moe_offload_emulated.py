@@ -178,3 +178,26 @@ def assert_batched_decode_matches(engine, cpu) -> None:
         with cpu.new_session() as s:
             s.prefill(PROMPTS[0][:4 + i])
             assert_logits_match(row[None], s.decode(11)[None])
+
+
+def test_split_layers_run_their_host_experts_as_one_native_call(model, emulated, monkeypatch):
+    """Some experts of each layer resident on the device (by routing frequency), the others on the host:
+    a decode step's host segment (the host part of a split layer, which adds the device part's moe_out)
+    is one call of the native library, and the logits are the CPU engine's."""
+    from kestrel_stream.options import Options
+    from kestrel_stream.run.host.native_program import NativeProgram
+    from test_moe_device_emulated import expert_budget
+    weights, _, reference = model
+    inputs = []
+    real = NativeProgram.run_state
+    monkeypatch.setattr(NativeProgram, "run_state", lambda self, state: inputs.append(self.inputs) or real(self, state))
+    executor = StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
+                            vram_budget=expert_budget(weights.config, 3),
+                            options=Options.from_env().with_(host_kernels="native"))
+    engine = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    engine.device, engine.mode, engine.executor = "cuda", executor.mode, executor
+    assert any(op.name.endswith("experts[cpu]") for seg in executor.plan(1).segments for op in seg.ops)
+    for prompt, expected_logits in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected_logits)
+    assert any("moe_out" in names for names in inputs)
+    engine.close()

@@ -61,6 +61,13 @@ PRESETS: dict[str, ModelConfig] = {
                                 rms_norm_eps=1e-5, rope_theta=1000000.0, tie_word_embeddings=False,
                                 max_position_embeddings=512, num_experts=4, num_experts_per_tok=2,
                                 moe_intermediate_size=96, norm_topk_prob=True),
+    # Qwen3-30B-A3B's routed layers (the top 8 of many narrow experts, no dense layer) at a size a small
+    # machine's benches hold: 24 layers of 64 experts, ~3 GB in Q8_0
+    "qwen3-moe-small": ModelConfig(arch="qwen3_moe", hidden_size=1024, intermediate_size=3072, num_hidden_layers=24,
+                                   num_attention_heads=8, num_key_value_heads=2, head_dim=128, vocab_size=151936,
+                                   rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False,
+                                   max_position_embeddings=40960, num_experts=64, num_experts_per_tok=8,
+                                   moe_intermediate_size=512, norm_topk_prob=True),
     "qwen3-0.6b": ModelConfig(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
                               num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
                               rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,

@@ -12,7 +12,7 @@
     kernels.attention(q, k, v, start, window)           # run/host.py's conventions
 
 kernels.program_call runs a whole step's bound op list (host_program.c; run/host/native_program.py binds
-it).  The numpy twins of the same arithmetic are in native/twins.py.  Importing the package compiles
+it); native/routed.py binds a routed layer's router and experts (host_moe.c).  The numpy twins of the same arithmetic are in native/twins.py.  Importing the package compiles
 nothing; `load` builds the library on first use (cached under Options.host_kernel_cache) and
 `availability` says whether it can, and why not.
 """

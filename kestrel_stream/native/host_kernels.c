@@ -189,6 +189,8 @@ static void pool_run(pool_fn fn, void *ctx, int count) {
     pthread_mutex_unlock(&pool.call);
 }
 
+void ks_pool_run(pool_fn fn, void *ctx, int count) { pool_run(fn, ctx, count); }
+
 /* How long (microseconds) an idle worker, or a caller waiting for workers, polls before sleeping. */
 void ks_set_spin_us(int spin_us) { atomic_store(&pool.spin_us, spin_us < 0 ? 0 : spin_us); }
 
@@ -755,6 +757,10 @@ typedef struct {
     kq_acts_t kq_acts;              /* and the activations as their kernels read them (in `tiles`) */
     _Atomic int next;               /* the next row tile (row group) to hand out */
     _Atomic int failed;
+    int lanes, glu, grabs;          /* tokens in lanes; a SiLU·mul epilogue; the row ranges a job hands out */
+    size_t tiles_bytes;             /* the lanes' tiles or the repacked kernels' activations (64-byte multiple) */
+    float *glu_out;                 /* glu: where the epilogue writes (out holds the gate | up rows) */
+    ptrdiff_t glu_stride;
 } matmul_t;
 
 /* Token t's activations in buf: hi [K] | lo [K] | d [K/group] | bsums [K/16] | bsums_lo [K/16] (q8_K). */
@@ -1111,42 +1117,63 @@ static void matmul_lanes(void *ctx, int index, int count) {
 static void silu_mul_rows(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
                           float *out, ptrdiff_t out_stride, int threads);
 
-int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride) {
+/* A call's state for spec over x [T, K] -> out (its buffers placed later, matmul_place); returns the scratch
+   bytes it needs (a multiple of 64). */
+static size_t matmul_init(matmul_t *m, const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T, float *out,
+                          ptrdiff_t out_stride) {
     const int fmt = spec->fmt, isa = spec->isa, N = spec->N, K = spec->K;
-    int threads = spec->threads;
-    matmul_t m = {.fmt = fmt, .isa = isa, .N = N, .K = K, .T = T, .w = spec->w, .meta = spec->meta,
-                  .w_stride = spec->w_stride, .meta_stride = spec->meta_stride, .x_stride = x_stride,
-                  .out_stride = out_stride, .x = x, .out = out, .norm = spec->norm, .eps = spec->eps};
-    const int kq = repacked(fmt);
-    m.group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
-    m.qs_bytes = (size_t)K, m.d_bytes = (size_t)(K / m.group) * 4, m.bs_bytes = m.group == 256 ? (size_t)(K / 16) * 2 : 0;
-    m.per_token = (2 * (m.qs_bytes + m.bs_bytes) + m.d_bytes + 63) / 64 * 64;     /* both levels */
-    m.row_tiles = kq ? (N + KQ_ROWS - 1) / KQ_ROWS : (N + ROW_TILE - 1) / ROW_TILE;
-    const int lanes = KS_X86 && !kq && isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
-    m.token_groups = (T + LANES - 1) / LANES;
+    *m = (matmul_t){.fmt = fmt, .isa = isa, .N = N, .K = K, .T = T, .w = spec->w, .meta = spec->meta,
+                    .w_stride = spec->w_stride, .meta_stride = spec->meta_stride, .x_stride = x_stride,
+                    .out_stride = out_stride, .x = x, .out = out, .norm = spec->norm, .eps = spec->eps};
+    const int kq = repacked(fmt), threads = spec->threads < 1 ? 1 : spec->threads;
+    m->group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
+    m->qs_bytes = (size_t)K, m->d_bytes = (size_t)(K / m->group) * 4, m->bs_bytes = m->group == 256 ? (size_t)(K / 16) * 2 : 0;
+    m->per_token = (2 * (m->qs_bytes + m->bs_bytes) + m->d_bytes + 63) / 64 * 64;     /* both levels */
+    m->row_tiles = kq ? (N + KQ_ROWS - 1) / KQ_ROWS : (N + ROW_TILE - 1) / ROW_TILE;
+    m->lanes = KS_X86 && !kq && isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
+    m->token_groups = (T + LANES - 1) / LANES;
     /* per token group: bytes [2][K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
-    m.tile_bytes = (size_t)K * LANES * 2 + (size_t)(K / m.group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
-    const size_t tiles_bytes = lanes ? m.tile_bytes * (size_t)m.token_groups : kq ? kq_acts_bytes(K, T) : 0;
-    m.buf = scratch_for(m.per_token * (size_t)T + tiles_bytes + (spec->glu ? (size_t)T * N * 4 + 64 : 0));
-    if (!m.buf) return -1;
-    m.tiles = m.buf + m.per_token * (size_t)T;
-    if (kq) m.kq_acts = kq_acts_at(m.tiles, K, T);
-    if (spec->glu) {            /* the gate | up rows land in scratch, the epilogue writes out */
-        m.out = (float *)(m.tiles + (tiles_bytes + 63) / 64 * 64);
-        m.out_stride = N;
-    }
-    if (threads < 1) threads = 1;
+    m->tile_bytes = (size_t)K * LANES * 2 + (size_t)(K / m->group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
+    m->tiles_bytes = ((m->lanes ? m->tile_bytes * (size_t)m->token_groups : kq ? kq_acts_bytes(K, T) : 0) + 63) / 64 * 64;
+    m->glu = spec->glu;
     /* repacked: row groups a grab, about 4 grabs a thread */
-    m.kq_grab = m.row_tiles / (4 * threads) > 1 ? m.row_tiles / (4 * threads) : 1;
-    const int grabs = kq ? (m.row_tiles + m.kq_grab - 1) / m.kq_grab : (m.row_tiles + TILES_PER_GRAB - 1) / TILES_PER_GRAB;
-    const int workers = threads < grabs ? threads : grabs;
+    m->kq_grab = m->row_tiles / (4 * threads) > 1 ? m->row_tiles / (4 * threads) : 1;
+    m->grabs = kq ? (m->row_tiles + m->kq_grab - 1) / m->kq_grab : (m->row_tiles + TILES_PER_GRAB - 1) / TILES_PER_GRAB;
+    return m->per_token * (size_t)T + m->tiles_bytes + (spec->glu ? (size_t)T * N * 4 + 64 : 0);
+}
+
+/* m's activations, tiles and (glu) gate | up rows in buf (64-aligned, matmul_init's bytes). */
+static void matmul_place(matmul_t *m, uint8_t *buf) {
+    m->buf = buf;
+    m->tiles = m->buf + m->per_token * (size_t)m->T;
+    if (repacked(m->fmt)) m->kq_acts = kq_acts_at(m->tiles, m->K, m->T);
+    if (m->glu) {               /* the gate | up rows land in scratch, the epilogue writes out */
+        m->glu_out = m->out, m->glu_stride = m->out_stride;
+        m->out = (float *)(m->tiles + m->tiles_bytes);
+        m->out_stride = m->N;
+    }
+}
+
+/* The SiLU·mul epilogue of a glu projection, from its gate | up rows. */
+static void matmul_epilogue(const matmul_t *m, int threads) {
+    if (m->glu)
+        silu_mul_rows(m->out, m->N, m->out + m->N / 2, m->N, m->T, m->N / 2, m->glu_out, m->glu_stride, threads);
+}
+
+int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride) {
+    matmul_t m;
+    const int threads = spec->threads < 1 ? 1 : spec->threads;
+    uint8_t *buf = scratch_for(matmul_init(&m, spec, x, x_stride, T, out, out_stride));
+    if (!buf) return -1;
+    matmul_place(&m, buf);
+    const int workers = threads < m.grabs ? threads : m.grabs;
     /* a few tokens are quantized on the calling thread: no job of their own */
     pool_run(matmul_quantize, &m, T > 4 ? (threads < T ? threads : T) : 1);
     if (atomic_load(&m.failed)) return -1;
-    if (kq)
+    if (repacked(m.fmt))
         pool_run(matmul_kq, &m, workers);
 #if KS_X86
-    else if (lanes) {
+    else if (m.lanes) {
         pool_run(matmul_tiles, &m, threads < m.token_groups ? threads : m.token_groups);
         pool_run(matmul_lanes, &m, workers);
         if (atomic_load(&m.failed)) return -1;
@@ -1154,8 +1181,87 @@ int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T
 #endif
     else
         pool_run(matmul_dots, &m, workers);
-    if (spec->glu)
-        silu_mul_rows(m.out, N, m.out + N / 2, N, T, N / 2, out, out_stride, threads);
+    matmul_epilogue(&m, threads);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- several projections as one job */
+/* A routed layer's experts at a step's few tokens: each expert's projection over the rows of its tokens,
+   every projection's row tiles handed out from one counter, so the pool's threads share all of them in one
+   job (not a job per expert, each too small to spread well).  The numbers of ks_linear on each: the same
+   activations, the same dot product per row and token.  Projections with tokens enough for the lanes
+   kernel run as ks_linear, one after the other. */
+
+typedef struct {
+    matmul_t *m;
+    const int *first;               /* [n + 1]: each projection's first grab in the job's numbering */
+    int n;
+    _Atomic int next;
+} group_t;
+
+static void group_grabs(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    group_t *g = ctx;
+    int i = 0;
+    for (int grab; (grab = atomic_fetch_add_explicit(&g->next, 1, memory_order_relaxed)) < g->first[g->n];) {
+        while (grab >= g->first[i + 1]) i++;            /* grabs are taken in ascending order */
+        matmul_t *m = g->m + i;
+        const int at = grab - g->first[i];
+        if (repacked(m->fmt)) {
+            const int groups = m->row_tiles, lo = at * m->kq_grab, hi = lo + m->kq_grab < groups ? lo + m->kq_grab : groups;
+            kq_rows(m->fmt, m->isa, m->w, m->w_stride, m->K, m->N, lo, hi, &m->kq_acts, m->out, m->out_stride);
+            continue;
+        }
+        const dot_fn dot = DOTS[m->fmt][m->isa];
+        const int r0 = at * TILES_PER_GRAB * ROW_TILE, r1 = r0 + TILES_PER_GRAB * ROW_TILE < m->N ? r0 + TILES_PER_GRAB * ROW_TILE : m->N;
+        for (int t = 0; t < m->T; t++) {
+            act_t a = token_act(m, t);
+            float *o = m->out + m->out_stride * t;
+            for (int r = r0; r < r1; r++)
+                o[r] = dot(m->w + m->w_stride * r, m->meta ? m->meta + m->meta_stride * r : NULL, &a, m->K);
+        }
+    }
+}
+
+#define GROUP_MAX 256
+
+int ks_linear_group(const ks_linear_t *const *specs, int n, const float *const *x, ptrdiff_t x_stride, const int *T,
+                    float *const *out, ptrdiff_t out_stride) {
+    if (n > GROUP_MAX) {
+        for (int done = 0; done < n; done += GROUP_MAX)
+            if (ks_linear_group(specs + done, n - done < GROUP_MAX ? n - done : GROUP_MAX, x + done, x_stride, T + done,
+                                out + done, out_stride) != 0)
+                return -1;
+        return 0;
+    }
+    matmul_t m[GROUP_MAX];
+    int first[GROUP_MAX + 1], lanes[GROUP_MAX], grouped = 0, threads = 1;
+    size_t bytes = 0;
+    first[0] = 0;
+    for (int i = 0; i < n; i++) {
+        const size_t need = matmul_init(&m[grouped], specs[i], x[i], x_stride, T[i], out[i], out_stride);
+        lanes[i] = m[grouped].lanes || T[i] > 4;
+        if (lanes[i] || T[i] <= 0) continue;
+        bytes += need;
+        threads = specs[i]->threads > threads ? specs[i]->threads : threads;
+        first[grouped + 1] = first[grouped] + m[grouped].grabs;
+        grouped++;
+    }
+    if (grouped) {
+        uint8_t *buf = scratch_for(bytes);
+        if (!buf) return -1;
+        for (int i = 0; i < grouped; i++) {
+            matmul_place(&m[i], buf);
+            buf += m[i].per_token * (size_t)m[i].T + m[i].tiles_bytes + (m[i].glu ? (size_t)m[i].T * m[i].N * 4 + 64 : 0);
+            matmul_quantize(&m[i], 0, 1);       /* a few tokens: on the calling thread, as ks_linear does */
+            if (atomic_load(&m[i].failed)) return -1;
+        }
+        group_t g = {m, first, grouped, 0};
+        pool_run(group_grabs, &g, threads < first[grouped] ? threads : first[grouped]);
+        for (int i = 0; i < grouped; i++) matmul_epilogue(&m[i], threads);
+    }
+    for (int i = 0; i < n; i++)
+        if (lanes[i] && T[i] > 0 && ks_linear(specs[i], x[i], x_stride, T[i], out[i], out_stride) != 0) return -1;
     return 0;
 }
 

@@ -1,4 +1,5 @@
-/* What host_program.c calls of host_kernels.c: a projection bound once and the float ops of a step. */
+/* What host_program.c and host_moe.c call of host_kernels.c (a projection bound once, the float ops of a
+   step, the thread pool), and host_moe.c's routed-layer ops. */
 #ifndef KS_HOST_KERNELS_H
 #define KS_HOST_KERNELS_H
 #include <stddef.h>
@@ -17,6 +18,10 @@ typedef struct {
 } ks_linear_t;
 
 int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride);
+/* n projections as ks_linear on each (x[i] [T[i], K] -> out[i]), their rows spread over the threads as one
+   job where their tokens are few (a routed layer's experts). */
+int ks_linear_group(const ks_linear_t *const *specs, int n, const float *const *x, ptrdiff_t x_stride, const int *T,
+                    float *const *out, ptrdiff_t out_stride);
 void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
                  float *out, ptrdiff_t out_stride, int threads);
 int ks_qkv_rope(const float *qkv, ptrdiff_t qkv_t, int T, int H, int n_kv, int D, const float *bias, const float *qk_norm,
@@ -25,4 +30,35 @@ int ks_qkv_rope(const float *qkv, ptrdiff_t qkv_t, int T, int H, int n_kv, int D
 int ks_attention(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
                  int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
                  float *out, ptrdiff_t out_t, int threads);
+void ks_rmsnorm(const float *x, ptrdiff_t x_stride, int rows, int n, const float *w, int w_rows, float eps,
+                float *out, ptrdiff_t out_stride, int threads);
+/* fn(ctx, i, count) for i in 0..count-1 on the library's threads (index 0 on the caller's). */
+void ks_pool_run(void (*fn)(void *ctx, int index, int count), void *ctx, int count);
+
+/* A routed layer's router (host_moe.c), bound once: rmsnorm(x, norm) onto E experts by `router` [E, H]
+   float32, top k (softmax_first: Qwen3-MoE's softmax, top k, renormalized when `normalize`; else
+   Mixtral's top k, softmax), each choice counted in counts [E] (or NULL). */
+#define KS_MAX_CHOICES 64
+typedef struct {
+    int E, H, k, softmax_first, normalize, threads;
+    const float *router, *norm;
+    float eps;
+    int64_t *counts;
+} ks_router_t;
+
+/* A routed layer's experts (host_moe.c), bound once: each expert's gate|up (glu) and down Linear, NULL
+   where it is another side's; `used` says how many experts the last call ran. */
+typedef struct {
+    int E, H, I, k;
+    const ks_linear_t *const *gate_up, *const *down;
+    const float *norm;
+    float eps;
+    int threads, used;
+} ks_experts_t;
+
+/* route [T, 2k]: each token's k expert ids (as floats), then their weights */
+int ks_route(const ks_router_t *spec, const float *x, ptrdiff_t x_stride, int T, float *route, ptrdiff_t route_stride);
+/* x [T, H] += the chosen experts' weighted sum (+ moe_out [T, H], another side's sum, unless NULL) */
+int ks_experts(ks_experts_t *spec, float *x, ptrdiff_t x_stride, int T, const float *route, ptrdiff_t route_stride,
+               const float *moe_out, ptrdiff_t moe_stride);
 #endif

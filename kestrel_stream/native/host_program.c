@@ -7,17 +7,20 @@
 
 #include "host_kernels.h"
 
-enum { OP_LINEAR = 0, OP_ADD = 1, OP_SILU_MUL = 2, OP_QKV_ROPE = 3, OP_ATTENTION = 4 };
+enum { OP_LINEAR = 0, OP_ADD = 1, OP_SILU_MUL = 2, OP_QKV_ROPE = 3, OP_ATTENTION = 4, OP_ROUTER = 5, OP_EXPERTS = 6 };
 
 typedef struct {
     int kind, in, out;              /* buffer ids (ks_step_t.buf) */
     int col;                        /* LINEAR: the first column of out it writes */
-    int gather;                     /* LINEAR: a buffer for the step's lm rows of in (lm_head), or -1 */
+    int gather;                     /* LINEAR: a buffer for the step's lm rows of in (lm_head), or -1;
+                                       EXPERTS: the buffer of the device part's sum (moe_out), or -1 */
     int n;                          /* ADD, SILU_MUL: columns */
     int layer, H, n_kv, D, window;  /* QKV_ROPE, ATTENTION: the layer's index in the sessions' caches */
     float eps, scale;
     const ks_linear_t *linear;
     const float *bias, *qk_norm;
+    const ks_router_t *router;      /* ROUTER (in: x, out: route) */
+    ks_experts_t *experts;          /* EXPERTS (in: route, out: x) */
 } ks_op_t;
 
 /* One session's rows of the step: rows lo..hi-1 at positions start.. over its float32 cache
@@ -28,7 +31,7 @@ typedef struct {
     float *k, *v;
 } ks_run_t;
 
-#define KS_BUFFERS 8
+#define KS_BUFFERS 10
 
 typedef struct {
     int T, n_runs, n_lm, threads;
@@ -39,7 +42,8 @@ typedef struct {
     const int64_t *lm_rows;         /* the rows lm_head reads (n_lm of them), or NULL: every row */
 } ks_step_t;
 
-/* Returns 0, or 1 + the index of the op that failed (no memory, or a head over 1,024 values). */
+/* Returns 0, or 1 + the index of the op that failed (no memory, or a head over 1,024 values).  A routed
+   layer's ops are host_moe.c's. */
 int ks_program(const ks_op_t *ops, int n_ops, const ks_step_t *s) {
     for (int i = 0; i < n_ops; i++) {
         const ks_op_t *op = ops + i;
@@ -90,6 +94,13 @@ int ks_program(const ks_op_t *ops, int n_ops, const ks_step_t *s) {
                                       run->v + at, 0, (ptrdiff_t)op->n_kv * op->D, op->D, op->n_kv, run->start,
                                       op->window, op->scale, out + ow * run->lo, ow, s->threads);
             }
+            break;
+        case OP_ROUTER:
+            status = ks_route(op->router, in, iw, s->T, out, ow);
+            break;
+        case OP_EXPERTS:
+            status = ks_experts(op->experts, out, ow, s->T, in, iw, op->gather >= 0 ? s->buf[op->gather] : NULL,
+                                op->gather >= 0 ? s->width[op->gather] : 0);
             break;
         default:
             status = -1;

@@ -52,6 +52,10 @@ class HostKernels:
         lib.ks_program.argtypes = [_p, _i, _p]
         lib.ks_program.restype = _i
         self.program_call = lib.ks_program        # run/host/native_program.py's step: its op list and buffers
+        lib.ks_route.argtypes = [_p, _p, _z, _i, _p, _z]          # a routed layer's ops (native/routed.py)
+        lib.ks_route.restype = _i
+        lib.ks_experts.argtypes = [_p, _p, _z, _i, _p, _z, _p, _z]
+        lib.ks_experts.restype = _i
         lib.ks_quantize_act.argtypes = [_i, _p, _i, _i, _p, _p, _p, _p, _p]
         lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
         lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]

@@ -2,17 +2,19 @@
 
 The same ops as HostProgram's, bound once to the library's op list: a projection is a bound Linear (its
 norm prologue and SiLU·mul epilogue inside), then the residual add; rope and attention run per session
-over its cache.  The numbers are those of the per-op native calls, bit for bit (the same C functions in
-the same order, a float32 add for the residual as numpy's); what goes away is the Python around each op.
-The embedding's rows are gathered in Python first, as the per-op program does.  cpu mode runs its whole
-step through `run`; a mixed step's host segment goes through `run_state` over its pinned state (what the
-segment reads copied in, what it writes written back through the state).
+over its cache; a routed layer's router and experts are routed.py's bound structs (host_moe.c), the
+experts op of a split layer adding the device part's sum (moe_out) with its own.  The numbers are those
+of the per-op native calls, bit for bit (the same C functions in the same order, a float32 add for the
+residual as numpy's); what goes away is the Python around each op.  The embedding's rows are gathered in
+Python first, as the per-op program does.  cpu mode runs its whole step through `run`; a mixed step's
+host segment goes through `run_state` over its pinned state (what the segment reads copied in, what it
+writes written back through the state).
 
-`bind` returns None where a segment has an op the list has no entry for (a routed layer, a split group):
-HostProgram runs those, and the steps where a session has more rows than the native attention takes
-(program.NATIVE_ATTENTION_QUERIES: a prompt's chunk, where the per-op program pays its Python once for
-many tokens).  Buffers are kept between steps and grow to the largest step (logits are new
-each step: the caller keeps them), so a program runs one step at a time (the engine's step lock).
+`bind` returns None where a segment has an op the list has no entry for (a split group, an expert in two
+formats): HostProgram runs those, and the steps where a session has more rows than the native attention
+takes (program.NATIVE_ATTENTION_QUERIES: a prompt's chunk, where the per-op program pays its Python once
+for many tokens).  Buffers are kept between steps and grow to the largest step (logits are new each
+step: the caller keeps them), so a program runs one step at a time (the engine's step lock).
 """
 from __future__ import annotations
 
@@ -21,15 +23,18 @@ import ctypes
 import numpy as np
 
 from kestrel_stream.model.op_tensors import fused_tensor
+from kestrel_stream.native.routed import Experts
 from kestrel_stream.run.host.arithmetic import attention_scale
+from kestrel_stream.run.host.routed import expert_bytes, native_experts, native_router
 from scheduler import segment_inputs
 from scheduler.ops import runs_alone
 
-X, QKV, Q, ATTN, ACT, LOGITS, TMP, XL = range(8)         # the step's buffers (host_program.c: KS_BUFFERS)
+X, QKV, Q, ATTN, ACT, LOGITS, TMP, XL, ROUTE, MOE_OUT = range(10)    # the step's buffers (host_program.c: KS_BUFFERS)
 BUFFER_OF = {"x": X, "attn": ATTN, "act": ACT}           # what a projection reads
-INPUT_OF = {"x": X, "qkv": QKV, "attn": ATTN, "act": ACT}        # what a segment may find made before it
-OUTPUT_OF = {"x": X, "qkv": QKV, "q": Q, "attn": ATTN, "act": ACT, "logits": LOGITS}
-OP_LINEAR, OP_ADD, OP_SILU_MUL, OP_QKV_ROPE, OP_ATTENTION = range(5)
+# what a segment may find made before it
+INPUT_OF = {"x": X, "qkv": QKV, "attn": ATTN, "act": ACT, "route": ROUTE, "moe_out": MOE_OUT}
+OUTPUT_OF = {"x": X, "qkv": QKV, "q": Q, "attn": ATTN, "act": ACT, "logits": LOGITS, "route": ROUTE}
+OP_LINEAR, OP_ADD, OP_SILU_MUL, OP_QKV_ROPE, OP_ATTENTION, OP_ROUTER, OP_EXPERTS = range(7)
 
 _i, _f, _p, _z = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_ssize_t
 
@@ -37,7 +42,7 @@ _i, _f, _p, _z = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_ssize_t
 class Op(ctypes.Structure):
     _fields_ = [("kind", _i), ("in_", _i), ("out", _i), ("col", _i), ("gather", _i), ("n", _i), ("layer", _i),
                 ("H", _i), ("n_kv", _i), ("D", _i), ("window", _i), ("eps", _f), ("scale", _f), ("linear", _p),
-                ("bias", _p), ("qk_norm", _p)]
+                ("bias", _p), ("qk_norm", _p), ("router", _p), ("experts", _p)]
 
 
 class Run(ctypes.Structure):
@@ -45,7 +50,7 @@ class Run(ctypes.Structure):
 
 
 class Step(ctypes.Structure):
-    _fields_ = [("T", _i), ("n_runs", _i), ("n_lm", _i), ("threads", _i), ("buf", _p * 8), ("width", _z * 8),
+    _fields_ = [("T", _i), ("n_runs", _i), ("n_lm", _i), ("threads", _i), ("buf", _p * 10), ("width", _z * 10),
                 ("cos_t", _p), ("sin_t", _p), ("runs", _p), ("lm_rows", _p)]
 
 
@@ -98,8 +103,25 @@ def projection_bytes(backend, op) -> int:
     return sum(hi - lo for lo, hi in op.row_ranges) * tensor.nbytes // tensor.shape[0]
 
 
+def _router(backend, op, keep: list) -> list[Op] | None:
+    bound = native_router(backend, op)
+    if bound is None:
+        return None
+    keep.append(bound)
+    return [_op(OP_ROUTER, X, ROUTE, router=bound.spec_address)]
+
+
+def _experts(backend, op, keep: list) -> list[Op] | None:
+    """x += the chosen experts' sum (+ the device part's, moe_out, where the layer is split)."""
+    bound = native_experts(backend, op)
+    if bound is None:
+        return None
+    keep.append(bound)
+    return [_op(OP_EXPERTS, ROUTE, X, experts=bound.spec_address, gather=MOE_OUT if "moe_out" in op.reads else -1)]
+
+
 # op kind -> the ops of the library's list it is (embed runs before the call; other kinds: no entry)
-NATIVE = {"projection": _projection, "rope": _rope, "attention": _attention}
+NATIVE = {"projection": _projection, "rope": _rope, "attention": _attention, "router": _router, "experts": _experts}
 
 
 class NativeProgram:
@@ -133,10 +155,14 @@ class NativeProgram:
         written = dict.fromkeys(name for op in ops for name in op.writes)
         self.outputs = [name for name in written if name in OUTPUT_OF]
         self.weight_bytes = sum(projection_bytes(backend, op) for op in ops if op.kind == "projection")
+        # a routed layer's experts: its bound ops and the bytes of one expert (a step counts those it ran)
+        self.routed = list(zip([bound for bound in keep if isinstance(bound, Experts)],
+                               [expert_bytes(backend, op) for op in ops if op.kind == "experts"]))
         self.embed_row_bytes = self.embed.nbytes // self.embed.shape[0]
         self.head_dim = c.head_dim
         self.widths = [c.hidden_size, c.q_size + 2 * c.kv_size, c.q_size, c.q_size, c.intermediate_size, c.vocab_size,
-                       max(c.hidden_size, 2 * c.intermediate_size), c.hidden_size]
+                       max(c.hidden_size, 2 * c.intermediate_size), c.hidden_size, 2 * c.num_experts_per_tok,
+                       c.hidden_size]
         self.buffers: list[np.ndarray] = []
         self.rows = 0
         self.step = Step(threads=kernels.threads)
@@ -197,4 +223,5 @@ class NativeProgram:
         if failed:
             raise MemoryError(f"host kernels: step op {failed - 1} failed (no memory)")
         self.counters.cpu_weight_read_bytes += self.weight_bytes + (t * self.embed_row_bytes if self.embeds else 0)
+        self.counters.cpu_weight_read_bytes += sum(bound.used * nbytes for bound, nbytes in self.routed)
         return logits

@@ -7,8 +7,9 @@ device, so the ops that call something here are the ops the device launches.  cp
 step as one program; gated and layers=N run their host segments as programs over the pinned state
 (run/mixed.py); KESTREL_VERIFY runs the whole step on it.  With the native kernels a projection is one
 call (its norm prologue and gate_up's SiLU·mul inside: HostBackend.fused_linear), rope one call per
-session (kernels.qkv_rope) and attention native up to NATIVE_ATTENTION_QUERIES queries a session; numpy
-runs each of those as its own numpy ops, the reference arithmetic.  Where a segment's ops all have a
+session (kernels.qkv_rope), attention native up to NATIVE_ATTENTION_QUERIES queries a session and a
+routed layer's router and experts one call each (routed.py); numpy runs each of those as its own numpy
+ops, the reference arithmetic.  Where a segment's ops all have a
 native entry, `run` makes them one library call (native_program.py: the same numbers as these calls);
 a trace times each op, so a traced step calls them one by one.
 
@@ -23,12 +24,12 @@ from typing import Protocol
 
 import numpy as np
 
-from kestrel_stream.model.op_tensors import fused_tensor, moe_weights
+from kestrel_stream.model.op_tensors import fused_tensor
 from kestrel_stream.obs import trace
-from kestrel_stream.run.host.arithmetic import attention, rmsnorm, rotate, route, silu_mul
+from kestrel_stream.run.host import routed
+from kestrel_stream.run.host.arithmetic import attention, rmsnorm, rotate, silu_mul
 from kestrel_stream.run.host.native_program import NativeProgram
 from kestrel_stream.run.token_tree import visible_keys
-from scheduler.moe import expert_of
 from scheduler.ops import runs_alone
 
 
@@ -292,56 +293,6 @@ def _native_attention(backend, op):
     return run
 
 
-def _router(backend, op):
-    """A routed layer's choice: the normed x onto the experts (float32 weights), the k experts of each
-    token and their weights, as "route" rows: ids, then weights."""
-    c, moe = backend.config, moe_weights(backend.weights, op)
-    norm, eps, k = backend.norm(op.prologue), c.rms_norm_eps, c.num_experts_per_tok
-    router_t = np.ascontiguousarray(moe.router, np.float32).T      # [H, E]
-    softmax_first, normalize = c.router_softmax_first, c.norm_topk_prob
-
-    counts = backend.expert_counts[backend.routed_index[op.layer]]      # each choice counted (frequency)
-
-    def run(state: StepState) -> None:
-        ids, weights = route(rmsnorm(state.read("x"), norm, eps) @ router_t, k, softmax_first, normalize)
-        state.write("route", np.concatenate([ids.astype(np.float32), weights], axis=1))
-        np.add.at(counts, ids.reshape(-1), 1)
-    return run
-
-
-def _experts(backend, op):
-    """The chosen experts of a routed layer: per expert the rows of the tokens that chose it, gathered,
-    through its gate_up, SiLU·mul and down (each a row range of the stacked weights, on the native kernels
-    where they build), weighted by the router and added into x.  The host part of a layer whose other
-    experts are on the device (scheduler/moe.split_experts: it reads "moe_out") computes its own experts
-    and adds the device part's sum with its own."""
-    c, counters, moe = backend.config, backend.counters, moe_weights(backend.weights, op)
-    norm, eps, k, inter = backend.norm(op.prologue), c.rms_norm_eps, c.num_experts_per_tok, c.moe_intermediate_size
-    gate_up = [backend.linear(moe.gate_up, *moe.gate_up_rows(e)) for e in range(moe.experts)]
-    down = [backend.linear(moe.down, *moe.down_rows(e)) for e in range(moe.experts)]
-    expert_bytes = moe.nbytes // moe.experts
-    device_part = "moe_out" in op.reads
-    mine = np.zeros(moe.experts, bool)
-    mine[sorted({expert_of(w.name) for w in op.weights})] = True
-
-    def run(state: StepState) -> None:
-        xn = rmsnorm(state.read("x"), norm, eps)
-        chosen = state.read("route")
-        ids, weights = chosen[:, :k].astype(np.int64), chosen[:, k:]
-        out = np.zeros_like(xn)
-        used = np.unique(ids)
-        used = used[mine[used]]
-        for e in used:                           # ascending expert id: the sum's order is fixed
-            rows, slot = np.nonzero(ids == e)    # each token chooses an expert at most once
-            h = gate_up[e](xn[rows])
-            out[rows] += weights[rows, slot, None] * down[e](silu_mul(h[:, :inter], h[:, inter:]))
-        if device_part:
-            out += state.read("moe_out")
-        state.add("x", out)
-        counters.cpu_weight_read_bytes += len(used) * expert_bytes
-    return run
-
-
 # op kind -> the function that binds one op of it (a new op kind is a new entry here)
 BIND = {"embed": _embed, "projection": _projection, "rope": _rope, "attention": _attention,
-        "router": _router, "experts": _experts}
+        "router": routed.router, "experts": routed.experts}

@@ -1,0 +1,191 @@
+/* A routed (mixture-of-experts) layer on the host: the router's choice of experts and the chosen experts'
+ * MLPs, two ops of the step program, each bound once by run/host/routed.py (a ks_router_t, a ks_experts_t)
+ * and called alone (the per-op program) or from host_program.c's op list: the same numbers either way.
+ *
+ * The router: x's rows rmsnormed (ks_rmsnorm's numbers), float32 logits onto the experts (each a dot
+ * product in a fixed order), and run/host/arithmetic.py's `route`: softmax over every expert, the top k,
+ * renormalized (Qwen3-MoE), or the top k logits and softmax over them (Mixtral); ties to the lowest id.
+ * Its "route" rows are the state the device reads too: k ids (as floats), then k weights.
+ *
+ * The experts: the normed rows of the tokens that chose each expert gathered, every used expert's gate|up
+ * (SiLU·mul epilogue) as one job of the pool, then every one's down (ks_linear_group: the experts' rows
+ * spread over the threads together, so one token's eight experts use every core in two jobs), each output
+ * row weighted and added into the layer's sum in ascending expert id (the sum's order fixed); the device
+ * part's sum ("moe_out", mode offload's resident experts) added after, then the sum into x.  Experts whose
+ * Linears are NULL are another side's.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "host_kernels.h"
+
+/* ---------------------------------------------------------------- scratch */
+
+static __thread float *moe_scratch;      /* one growable buffer per calling thread, never freed per step */
+static __thread size_t moe_scratch_bytes;
+
+static float *scratch_floats(size_t n) {
+    const size_t bytes = (n * sizeof(float) + 63) / 64 * 64;
+    if (bytes > moe_scratch_bytes) {
+        free(moe_scratch);
+        moe_scratch = aligned_alloc(64, bytes);
+        moe_scratch_bytes = moe_scratch ? bytes : 0;
+    }
+    return moe_scratch;
+}
+
+/* ---------------------------------------------------------------- the router */
+
+static float dot_f32(const float *a, const float *b, int n) {
+    float part[16] = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) part[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (int j = 0; j < 16; j++) s += part[j];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+typedef struct {
+    const ks_router_t *spec;
+    const float *xn;
+    float *logits;
+    int T;
+} logits_t;
+
+static void router_logits(void *ctx, int index, int count) {
+    const logits_t *c = ctx;
+    const int E = c->spec->E, H = c->spec->H;
+    const long jobs = (long)c->T * E;
+    for (long j = (long)index * jobs / count, end = (long)(index + 1) * jobs / count; j < end; j++)
+        c->logits[j] = dot_f32(c->xn + (ptrdiff_t)H * (j / E), c->spec->router + (ptrdiff_t)H * (j % E), H);
+}
+
+/* softmax over n values in place (the max subtracted first) */
+static void softmax(float *v, int n) {
+    float m = v[0], sum = 0.0f;
+    for (int i = 1; i < n; i++) m = v[i] > m ? v[i] : m;
+    for (int i = 0; i < n; i++) v[i] = expf(v[i] - m), sum += v[i];
+    for (int i = 0; i < n; i++) v[i] = v[i] / sum;
+}
+
+/* The k highest of scores [E] into ids and chosen, highest first; ties to the lowest id (a stable sort's). */
+static void top_k(const float *scores, int E, int k, int *ids, float *chosen) {
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        for (int e = 0; e < E; e++) {
+            int taken = 0;
+            for (int i = 0; i < j && !taken; i++) taken = ids[i] == e;
+            if (!taken && (best < 0 || scores[e] > scores[best])) best = e;
+        }
+        ids[j] = best;
+        chosen[j] = scores[best];
+    }
+}
+
+int ks_route(const ks_router_t *s, const float *x, ptrdiff_t x_stride, int T, float *route, ptrdiff_t route_stride) {
+    const int E = s->E, H = s->H, k = s->k;
+    if (T <= 0) return 0;
+    float *xn = scratch_floats((size_t)T * H + (size_t)T * E);
+    if (!xn) return -1;
+    float *logits = xn + (size_t)T * H;
+    ks_rmsnorm(x, x_stride, T, H, s->norm, 1, s->eps, xn, H, s->threads);
+    logits_t c = {s, xn, logits, T};
+    const size_t work = (size_t)T * E * H;
+    int threads = work < 65536 ? 1 : s->threads;
+    ks_pool_run(router_logits, &c, threads < T * E ? threads : T * E);
+    int ids[KS_MAX_CHOICES];
+    for (int t = 0; t < T; t++) {
+        float *scores = logits + (ptrdiff_t)E * t, *row = route + route_stride * t;
+        if (s->softmax_first) softmax(scores, E);
+        top_k(scores, E, k, ids, row + k);
+        if (!s->softmax_first) {
+            softmax(row + k, k);
+        } else if (s->normalize) {
+            float sum = 0.0f;
+            for (int j = 0; j < k; j++) sum += row[k + j];
+            for (int j = 0; j < k; j++) row[k + j] = row[k + j] / sum;
+        }
+        for (int j = 0; j < k; j++) {
+            row[j] = (float)ids[j];
+            if (s->counts) s->counts[ids[j]]++;
+        }
+    }
+    return 0;
+}
+
+/* ---------------------------------------------------------------- the experts */
+
+int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float *route, ptrdiff_t route_stride,
+               const float *moe_out, ptrdiff_t moe_stride) {
+    const int E = s->E, H = s->H, I = s->I, k = s->k;
+    s->used = 0;
+    if (T <= 0) return 0;
+    /* xn [T, H] | sum [T, H] | each choice's row: gathered [Tk, H], act [Tk, I], down's [Tk, H] | weights [Tk]
+       | tokens [Tk] | each expert's first row [E + 1] | the used experts' projections, inputs, outputs, rows */
+    const size_t tk = (size_t)T * k, floats = (size_t)T * 2 * H + tk * (2 * H + I) + 2 * tk + E + 1;
+    float *xn = scratch_floats(floats + 8 * (size_t)E + 8);
+    if (!xn) return -1;
+    float *sum = xn + (size_t)T * H, *rows_x = sum + (size_t)T * H, *act = rows_x + tk * H, *down = act + tk * I;
+    float *weight = down + tk * H;
+    int *token = (int *)(weight + tk), *first = token + tk;
+    uintptr_t table = ((uintptr_t)(first + E + 1) + 7) / 8 * 8;
+    const ks_linear_t **specs = (const ks_linear_t **)table;
+    const float **ins = (const float **)(specs + E);
+    float **outs = (float **)(ins + E);
+    int *counts = (int *)(outs + E);
+    ks_rmsnorm(x, x_stride, T, H, s->norm, 1, s->eps, xn, H, s->threads);
+    memset(sum, 0, sizeof(float) * (size_t)T * H);
+    /* the choices grouped by expert, tokens ascending within each (a counting sort) */
+    memset(first, 0, sizeof(int) * (size_t)(E + 1));
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) first[(int)route[route_stride * t + j] + 1]++;
+    for (int e = 0; e < E; e++) first[e + 1] += first[e];
+    for (int t = 0; t < T; t++)
+        for (int j = 0; j < k; j++) {
+            const float *row = route + route_stride * t;
+            int *at = &first[(int)row[j]];
+            token[*at] = t, weight[*at] = row[k + j];
+            (*at)++;
+        }
+    for (int e = E; e > 0; e--) first[e] = first[e - 1];      /* back to each expert's first */
+    first[0] = 0;
+    for (int c = 0; c < first[E]; c++) memcpy(rows_x + (ptrdiff_t)H * c, xn + (ptrdiff_t)H * token[c], sizeof(float) * H);
+    /* every used expert's gate | up (SiLU·mul), then every one's down, each as one job of the pool */
+    int used = 0;
+    for (int e = 0; e < E; e++) {
+        const int n = first[e + 1] - first[e];
+        if (n == 0 || !s->gate_up[e]) continue;
+        specs[used] = s->gate_up[e], ins[used] = rows_x + (ptrdiff_t)H * first[e], outs[used] = act + (ptrdiff_t)I * first[e];
+        counts[used++] = n;
+    }
+    if (ks_linear_group(specs, used, ins, H, counts, outs, I) != 0) return -1;
+    used = 0;
+    for (int e = 0; e < E; e++) {
+        if (first[e + 1] == first[e] || !s->gate_up[e]) continue;
+        specs[used] = s->down[e], ins[used] = act + (ptrdiff_t)I * first[e], outs[used] = down + (ptrdiff_t)H * first[e];
+        used++;
+    }
+    if (ks_linear_group(specs, used, ins, I, counts, outs, H) != 0) return -1;
+    for (int e = 0; e < E; e++) {               /* ascending expert id: the sum's order is fixed */
+        if (first[e + 1] == first[e] || !s->gate_up[e]) continue;
+        for (int c = first[e]; c < first[e + 1]; c++) {     /* sum[t] += w * down: numpy's product, then sum */
+            float *o = sum + (ptrdiff_t)H * token[c];
+            const float *d = down + (ptrdiff_t)H * c;
+            for (int j = 0; j < H; j++) o[j] = o[j] + weight[c] * d[j];
+        }
+    }
+    s->used = used;
+    for (int t = 0; t < T; t++) {
+        float *xr = x + x_stride * t, *o = sum + (ptrdiff_t)H * t;
+        if (moe_out) {
+            const float *m = moe_out + moe_stride * t;
+            for (int c = 0; c < H; c++) o[c] = o[c] + m[c];
+        }
+        for (int c = 0; c < H; c++) xr[c] = xr[c] + o[c];
+    }
+    return 0;
+}
