@@ -331,7 +331,7 @@ class PreparedWeight:
         the blocks held."""
         if self.fmt_id == FORMATS[self.fmt][0]:
             return self.arrays[0][index]
-        rows = np.arange(self.rows)[index]
+        rows = np.arange(self.rows)[index] if isinstance(index, slice) else np.asarray(index)
         source = _repacked_source(self.fmt)                                 # [16, block bytes]
         nb = self.cols // FORMATS[self.fmt][1]
         groups = self.arrays[0].reshape(-1, nb, self.w_stride // nb)

@@ -63,7 +63,9 @@ class RepackedTensor:
 
     def file_rows(self, index: np.ndarray | slice) -> np.ndarray:
         """Rows `index` as the file's blocks, uint8 [n, row bytes] (gathered out of the groups)."""
-        rows = np.arange(self.shape[0])[index]
+        rows = np.arange(self.shape[0])[index] if isinstance(index, slice) else np.asarray(index)
+        if len(self.pieces) == 1:
+            return self.pieces[0][1].file_rows(rows)
         out = np.empty((len(rows), self.row_bytes), np.uint8)
         for first, prepared in self.pieces:
             inside = (rows >= first) & (rows < first + prepared.rows)
