@@ -11,8 +11,8 @@ Ours: ks.load(FILE, device="cpu", cpu_threads=T) (and device="cuda", mode="layer
 --new-tokens tokens after one token (llama-bench's tg from an empty context) and prefills --prompt tokens in
 one step (pp), medians of --repeats after a warm-up.  llama.cpp: `llama-bench -m FILE -ngl 0|N -t T -p 64
 -n 32 -r 3 -o json` (avg_ts).  --ops: also the CPU engine's decode step op by op, native and numpy
-(bench/host_step.py's table, written beside).  --blas-threads: numpy's BLAS threads in ours, set after
-ks.load (which sets them to --threads).
+(bench/host_step.py's table, written beside).  --blas-threads: numpy's BLAS threads in ours (ks.load's
+blas_threads; default: its policy, 1 on the CPU engine over the native kernels, --threads in layers=N).
 
 --base TREE: the CPU engine's rows A/B, this tree's (or --tree's: a `git archive` copy pins what runs)
 against TREE's, beside llama-bench: each of --rounds runs both trees' `ours` in fresh processes started
@@ -34,7 +34,7 @@ import numpy as np
 
 import kestrel_stream as ks
 from kestrel_stream.cli.bench import environment
-from kestrel_stream.run.blas_threads import set_cpu_threads
+from kestrel_stream.run.blas_threads import cpu_threads_now
 
 from . import host_step
 from .report import write_results
@@ -42,9 +42,8 @@ from .report import write_results
 
 def ours(path: str, device: str, mode: str, threads: int, prompt: int, new_tokens: int, repeats: int,
          blas_threads: int | None = None) -> dict:
-    engine = ks.load(path, device=device, mode=mode, cpu_threads=threads, max_seq_len=max(prompt, new_tokens) + 8)
-    if blas_threads is not None:        # after ks.load, which sets numpy's BLAS to cpu_threads
-        set_cpu_threads(blas_threads)
+    engine = ks.load(path, device=device, mode=mode, cpu_threads=threads, max_seq_len=max(prompt, new_tokens) + 8,
+                     blas_threads=blas_threads)
     rng = np.random.default_rng(0)
     ids = [int(t) for t in rng.integers(0, engine.config.vocab_size, prompt)]
     decode, prefill = [], []
@@ -140,8 +139,9 @@ def main() -> None:
     parser.add_argument("--llama-bench", default=None, help="llama.cpp's llama-bench built on this machine")
     parser.add_argument("--no-gpu", action="store_true", help="only the CPU rows")
     parser.add_argument("--blas-threads", type=int, default=None,
-                        help="numpy's BLAS threads in ours (default: --threads, as ks.load sets them); a prompt's "
-                             "attention runs in numpy, and idle BLAS workers spin on the cores the host kernels use")
+                        help="numpy's BLAS threads in ours (default: ks.load's policy: 1 on the CPU engine over the "
+                             "native kernels, else --threads); a prompt's attention runs in numpy, and idle BLAS "
+                             "workers spin on the cores the host kernels use")
     parser.add_argument("--ops", action="store_true", help="also the host decode step op by op (bench.host_step)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--base", default=None, help="a source tree: the CPU rows A/B against it (see above)")
@@ -157,8 +157,9 @@ def main() -> None:
     for path in args.files:
         for device, mode, ngl in configs:
             row = {"file": path.rsplit("/", 1)[-1], "ours": f"{device} {mode}", "llama.cpp": f"-ngl {ngl}",
-                   "threads": args.threads, "blas_threads": args.blas_threads or args.threads}
+                   "threads": args.threads}
             mine = ours(path, device, mode, args.threads, args.prompt, args.new_tokens, args.repeats, args.blas_threads)
+            row["blas_threads"] = max(cpu_threads_now(), default=None)
             row.update({f"ours_{k}": v for k, v in mine.items()})
             if args.llama_bench:
                 theirs = llama(args.llama_bench, path, ngl, args.threads, args.prompt, args.new_tokens)

@@ -17,7 +17,7 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
          max_batch: int = 32, max_sessions: int | None = None, cache: bool = True, progress=None,
          kv_dtype: str = "f16", cpu_threads: int | None = None, gguf_blocks: str = "native",
          hf_file: str | None = None, draft=None, spec: str | None = None, draft_max: int = 8,
-         spec_policy: str = "auto") -> Engine:
+         spec_policy: str = "auto", blas_threads: int | None = None) -> Engine:
     """Load a Hugging Face checkpoint directory or a .gguf file and build an engine for it.
 
     path may also name a model on the Hugging Face Hub (loading/hub.py): "org/repo" (a safetensors
@@ -28,6 +28,8 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     kv_dtype: gpu mode's KV cache, "f16" (default) or "f32" (the reference arithmetic).
     cpu_threads: the host's threads, process-wide: the native host kernels' and BLAS's (None: the
     physical cores, BLAS's default; 1 where other processes share the cores, see run/blas_threads.py).
+    blas_threads: numpy's BLAS threads alone (None: KESTREL_BLAS_THREADS, else 1 on the CPU engine over the
+    native host kernels, whose pool runs the projections, and cpu_threads in the other modes).
     gguf_blocks: "native" runs a GGUF's Q4_0 / Q4_K / Q6_K tensors in their own blocks (default),
     "q8_0" converts them to Q8_0 at load.
 
@@ -45,9 +47,12 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
     from kestrel_stream.obs import prof
     from kestrel_stream.obs.load_stages import stage
     from kestrel_stream.options import Options
-    from kestrel_stream.run.blas_threads import set_cpu_threads
+    from kestrel_stream.run.host.backend import native_kernels
+    from kestrel_stream.run.blas_threads import check_threads, engine_blas_threads, set_cpu_threads
     from kestrel_stream.text.lazy_tokenizer import LazyTokenizer
-    options = Options.from_env(vram_budget=vram_budget, host_threads=cpu_threads)   # every KESTREL_* setting, once
+    check_threads(blas_threads, "blas_threads")
+    given = {} if blas_threads is None else {"blas_threads": blas_threads}
+    options = Options.from_env(vram_budget=vram_budget, host_threads=cpu_threads, **given)   # every setting, once
     path = resolve_model(path, hf_file)
     set_cpu_threads(cpu_threads)
     with stage("resolve device"):
@@ -78,6 +83,8 @@ def load(path, device: str = "auto", mode: str = "auto", vram_budget=None, max_s
         raise
     engine.tokenizer = tokenizer
     engine.speculation = speculation
+    native = engine.mode == "cpu" and native_kernels(options) is not None     # built by the engine: cached
+    set_cpu_threads(engine_blas_threads(options, engine.mode, native))
     return engine
 
 

@@ -27,6 +27,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
                               arithmetic) instead of the native quantized kernels (default: native)
     KESTREL_HOST_ISA=NAME     the widest ISA the native host kernels use: scalar | avx2 | avx512vnni
     KESTREL_HOST_SPIN_US=N    how long the native host kernels' idle workers poll before sleeping (default 100)
+    KESTREL_BLAS_THREADS=N    numpy's BLAS threads (as ks.load's blas_threads; default: 1 on the CPU engine over the
+                              native kernels, else the host's threads: run/blas_threads.engine_blas_threads)
     CC=COMPILER               the C compiler that builds the native host kernels (default: cc)
     KESTREL_OFFLOAD=WHICH     gpu mode under a VRAM budget the weights do not fit: auto (the cost model picks),
                               stream (the window alone: every non-resident weight crosses PCIe) or place
@@ -77,6 +79,7 @@ class Options:
     host_spin_us: int | None = None          # None: the library's default (100)
     host_kernels: str = "native"             # the host backend's projections: native kernels, or numpy
     host_threads: int | None = None          # the native host kernels' threads (None: the physical cores)
+    blas_threads: int | None = None          # numpy's BLAS threads (None: blas_threads.engine_blas_threads's)
     offload: str = "auto"                    # gpu mode short of VRAM: auto | stream | place (KESTREL_OFFLOAD)
     offload_homes: str | None = None         # mode offload's layers given (KESTREL_OFFLOAD_HOMES; None: chosen)
     resident_experts: str = "frequency"      # mode offload's experts in VRAM: frequency | uniform | none
@@ -132,6 +135,9 @@ class Options:
         offload = env.get("KESTREL_OFFLOAD") or "auto"
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"KESTREL_OFFLOAD={offload!r}: one of {', '.join(OFFLOAD_CHOICES)}")
+        blas_threads = _tokens(env.get("KESTREL_BLAS_THREADS"), "KESTREL_BLAS_THREADS", "threads")
+        if blas_threads == 0:
+            raise ValueError("KESTREL_BLAS_THREADS=0: expected a number of threads >= 1")
         resident_experts = env.get("KESTREL_RESIDENT_EXPERTS") or "frequency"
         if resident_experts not in RESIDENT_EXPERTS:
             raise ValueError(f"KESTREL_RESIDENT_EXPERTS={resident_experts!r}: one of {', '.join(RESIDENT_EXPERTS)}")
@@ -145,6 +151,7 @@ class Options:
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")),
                       host_isa=host_isa, host_cc=env.get("CC") or None, host_kernels=host_kernels,
                       host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"),
+                      blas_threads=blas_threads,
                       offload=offload, offload_homes=env.get("KESTREL_OFFLOAD_HOMES") or None,
                       resident_experts=resident_experts)
         return options.with_(**given)

@@ -20,6 +20,10 @@ interleaved.  We use HF's rope, so the reader undoes that permutation and the
 writer applies it.  A row permutation commutes with row-wise Q8_0, so it is
 applied to qs and scales directly, still bit-exact.
 
+The pages of the file the load read stay mapped (RssFile) though most of them were only copied (the parts
+of a fused QKV or gate+up, the norms): the load hands every tensor's pages back at its end (MADV_DONTNEED,
+model/mapped.py); a weight that is a view of the file maps its pages again when it is read.
+
 A routed layer's experts are 3-D tensors, [E, rows, cols] (``blk.N.ffn_{gate,up,down}_exps``): expert e
 of the HF layout is rows [e*rows, (e+1)*rows) of the tensor seen as [E*rows, cols], in the file's own
 blocks (``expert_slices``); the router ``blk.N.ffn_gate_inp`` is read as float32.
@@ -42,6 +46,7 @@ from kestrel_stream.errors import LoadError
 from kestrel_stream.loading import Progress, qcache
 from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError, open_shared
 from kestrel_stream.model.config import ConfigError, ModelConfig
+from kestrel_stream.model.mapped import release_file_pages
 from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor, quantize
 from kestrel_stream.model.quant4 import BLOCK_TYPES, BlockTensor, RowStack
@@ -425,6 +430,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
         return w
 
     weights = assemble_weights(cfg, linear, norm, str(path))
+    for name in expected:       # the pages the load read (parts now copied into fused weights) leave the RSS
+        release_file_pages(f.tensor_bytes(name))
     formats = weight_formats_of(weights)
     if formats:
         weights.config = dataclasses.replace(cfg, weight_formats=formats)

@@ -257,7 +257,9 @@ def write_image_parts(dst: np.ndarray, w, order: np.ndarray | slice = slice(None
 
 
 def tensor_key(w) -> int:
-    """The id of the array behind a weight (one dequantized copy per stored weight, whatever view holds it)."""
-    if isinstance(w, QTensor):
-        return id(w)        # the tied lm_head is the embed object itself; w.qs would split a GGUF view
-    return id(w.blocks) if isinstance(w, BlockTensor) else id(w.head.blocks)
+    """The id of the array behind a weight (one dequantized copy per stored weight, whatever view holds it);
+    a QTensor or any other weight object: the object (the tied lm_head is the embed object itself; w.qs
+    would split a GGUF view)."""
+    if isinstance(w, RowStack):
+        return tensor_key(w.head)
+    return id(w.blocks) if isinstance(w, BlockTensor) else id(w)

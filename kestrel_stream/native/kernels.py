@@ -3,6 +3,10 @@
 Every function checks its arrays once (dtype, shape, inner contiguity) and passes pointers and row
 strides, so row slices and column slices of a fused output (gate | up) go in without a copy.  ctypes
 releases the GIL for the call.
+
+One concern, the library seen from Python: each C entry's argument types and checks, and the weights as
+it holds them (a repacked weight's rows read back out of its groups, `PreparedWeight.file_rows`), change
+together with the C.
 """
 from __future__ import annotations
 
@@ -118,7 +122,7 @@ class HostKernels:
         assert cols % elements == 0 and blocks.shape[1] == cols // elements * nbytes, (fmt, blocks.shape, cols)
         _rows_contiguous(blocks)
         rows = blocks.shape[0]
-        if fmt not in REPACKED or self.isa != "avx512vnni" or rows == 0:
+        if not self.repacks(fmt) or rows == 0:
             return PreparedWeight(fmt, rows, cols, blocks.ctypes.data, blocks.strides[0], None, 0, (blocks,))
         stride = self._lib.ks_repacked_group_bytes(FORMATS[fmt][0], cols)
         groups = -(-rows // REPACK_ROWS)
@@ -126,6 +130,10 @@ class HostKernels:
         packed = raw[-raw.ctypes.data % 64:][:groups * stride]                  # 64-byte aligned
         self._lib.ks_repack(FORMATS[fmt][0], blocks.ctypes.data, blocks.strides[0], rows, cols, packed.ctypes.data)
         return PreparedWeight(fmt, rows, cols, packed.ctypes.data, stride, None, 0, (packed,), REPACKED[fmt])
+
+    def repacks(self, fmt: str) -> bool:
+        """Whether `prepare_blocks` makes a repacked copy of a weight in `fmt` (not a view of its blocks)."""
+        return fmt in REPACKED and self.isa == "avx512vnni"
 
     def matmul(self, x: np.ndarray, w: "PreparedWeight", out: np.ndarray | None = None) -> np.ndarray:
         """x: float32 [T, K] (rows contiguous; any row stride) → float32 [T, N] (or into `out`, any row
@@ -316,6 +324,41 @@ class PreparedWeight:
         self.w_ptr, self.w_stride, self.meta_ptr, self.meta_stride = w_ptr, w_stride, meta_ptr, meta_stride
         self.arrays = arrays
         self.nbytes = sum(a.nbytes for a in arrays)
+
+    def file_rows(self, index: np.ndarray | slice) -> np.ndarray:
+        """Rows `index` of a Q4_0 / Q4_K / Q6_K weight as the file stores them, uint8 [n, cols/QK * block
+        bytes]: a repacked weight's rows gathered back out of their groups (the same bytes), otherwise
+        the blocks held."""
+        if self.fmt_id == FORMATS[self.fmt][0]:
+            return self.arrays[0][index]
+        rows = np.arange(self.rows)[index] if isinstance(index, slice) else np.asarray(index)
+        source = _repacked_source(self.fmt)                                 # [16, block bytes]
+        nb = self.cols // FORMATS[self.fmt][1]
+        groups = self.arrays[0].reshape(-1, nb, self.w_stride // nb)
+        out = groups[(rows // REPACK_ROWS)[:, None, None], np.arange(nb)[None, :, None],
+                     source[rows % REPACK_ROWS][:, None, :]]                  # [n, nb, block bytes]
+        return out.reshape(len(rows), -1)
+
+
+def _repacked_source(fmt: str) -> np.ndarray:
+    """Where byte j of row r's block is in a repacked group's block (host_kquants.c's layouts, its
+    twin): int [16 rows, block bytes]."""
+    if fmt not in _SOURCES:
+        r = np.arange(REPACK_ROWS)[:, None]
+        if fmt == "Q4_K":       # d, dmin f16 at 2240, 2272; 12 scale bytes at 2048 (16 apart); quants 4 at a time
+            j = np.arange(4, 16)
+            parts = [2240 + 2 * r + np.arange(2), 2272 + 2 * r + np.arange(2), 2048 + 16 * (j - 4) + r]
+            j = np.arange(16, 144)
+            parts.append(64 * ((j - 16) // 4) + 4 * r + (j - 16) % 4)
+        else:                   # Q6_K: ql 4 at a time, qh at 2048, 16 scales at 3072, d at 3328
+            j = np.arange(128)
+            parts = [64 * (j // 4) + 4 * r + j % 4, 2048 + 64 * (j[:64] // 4) + 4 * r + j[:64] % 4]
+            parts += [3072 + 16 * np.arange(16) + r, 3328 + 2 * r + np.arange(2)]
+        _SOURCES[fmt] = np.concatenate([np.broadcast_to(p, (REPACK_ROWS, p.shape[-1])) for p in parts], axis=1)
+    return _SOURCES[fmt]
+
+
+_SOURCES: dict[str, np.ndarray] = {}
 
 
 def _address(a: np.ndarray) -> int:

@@ -107,6 +107,7 @@ class Engine:
         # kv_pool_bytes: gpu mode's KV pool, that size (a draft model's); None: what the budget leaves
         self.executor = make_executor(weights, device, mode, self.max_seq_len, max_batch, max_sessions, options,
                                       kv_dtype, kv_pool_bytes)
+        self.weights = self.executor.weights        # the CPU engine's holds its repacked projections alone
         # the ids of new sessions; the daemon's replicas share one counter, so that an id names one session
         self.session_ids = itertools.count(1)
         self._lock = threading.Lock()       # one step at a time through the executor

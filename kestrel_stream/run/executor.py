@@ -13,6 +13,8 @@ from dataclasses import dataclass, fields
 
 import numpy as np
 
+from kestrel_stream.model.weights import ModelWeights
+
 
 @dataclass
 class StepCounters:
@@ -57,6 +59,7 @@ class Executor(ABC):
     """One step over many sessions: batch = [(kv, token ids [n_i], start position), ...]."""
     name: str
     counters: StepCounters
+    weights: ModelWeights   # what it runs: the CPU engine's, its projections repacked (run/host/repacked.py)
     window_plan = None      # the residency window's plan (gpu mode), else None
     preload_line: str | None = None     # what loading the device weights did (the daemon logs it)
 

@@ -72,7 +72,8 @@ class StepExecutor(Executor):
         if kind == "cpu":
             self.name, self.mode, self.options = "cpu", "cpu", options    # None: numpy's reference arithmetic
             self.counters = StepCounters.counting("cpu_weight_read_bytes")
-            self.steps = HostBackend(weights, self.counters, options)
+            self.steps = HostBackend(weights, self.counters, options, sole_reader=True)
+            self.weights = self.steps.weights           # the one host copy: repacked where the kernels repack
             return
         if c.is_moe and kind not in ("gpu", "auto", "offload"):
             raise ValueError(f"mode {mode}: {weights.source or 'this model'} is a mixture-of-experts model "

@@ -30,6 +30,7 @@ from kestrel_stream.run.executor import StepCounters
 from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
 from kestrel_stream.obs import trace
 from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES, HostProgram, HostState
+from kestrel_stream.run.host.repacked import RepackedTensor, repacked_weights
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
 
@@ -88,8 +89,13 @@ class HostBackend(Steps):
     (the executor's; default: its own).  options: which kernels multiply (Options.host_kernels; None: numpy,
     the reference)."""
 
-    def __init__(self, weights: ModelWeights, counters: StepCounters | None = None, options: Options | None = None):
+    def __init__(self, weights: ModelWeights, counters: StepCounters | None = None, options: Options | None = None,
+                 sole_reader: bool = False):
+        """sole_reader: nothing but this backend reads `weights` (cpu mode): the projections the native kernels
+        repack are repacked now and held in that form alone (repacked.py), and `self.weights` is that copy."""
         self.kernels = native_kernels(options)
+        if sole_reader and self.kernels is not None:
+            weights = repacked_weights(weights, self.kernels)
         self.weights = weights
         self.config: ModelConfig = weights.config
         self._dequantized: dict[int, np.ndarray] = {}
@@ -169,7 +175,8 @@ class HostBackend(Steps):
     def prepared_parts(self, w, lo: int = 0, hi: int | None = None) -> list:
         """Rows lo..hi of w as the kernels' prepared weights: (first row - lo, PreparedWeight) per run of
         one format (a RowStack has several), in row order.  Each is made once and kept: a repacked one
-        (Q4_K, Q6_K with VNNI) is a copy of its rows, which every program binding them shares."""
+        (Q4_K, Q6_K with VNNI) is a copy of its rows, which every program binding them shares; a
+        RepackedTensor's are its own."""
         kernels, parts, first = self.kernels, [], 0
         hi = w.shape[0] if hi is None else hi
         for part in tensor_parts(w):
@@ -177,6 +184,8 @@ class HostBackend(Steps):
             if first < hi and lo < end:
                 start, stop = max(lo, first) - first, min(hi, end) - first
                 key = (tensor_key(part), start, stop)
+                if isinstance(part, RepackedTensor):
+                    self._prepared[key] = part.piece(start, stop)
                 if key not in self._prepared:
                     piece = part.rows(start, stop)
                     self._prepared[key] = (kernels.prepare_q8_0(piece.qs, piece.scales) if tensor_format(piece) == "Q8_0"
