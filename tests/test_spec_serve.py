@@ -28,6 +28,15 @@ PROMPTS = ("Hello world", "abcabcabcabc", "The quick brown fox")
 NEW_TOKENS = 40
 
 
+def run_threads(threads: list[threading.Thread], errors: list) -> None:
+    """Start the client threads together, wait for each (120 s at most), and fail on what any of them raised."""
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+
+
 @pytest.fixture(scope="module", autouse=True)
 def batch_invariant_arithmetic():
     """numpy's arithmetic: a row's logits whatever the step's size, so a verify pass of nine tokens and nine
@@ -145,11 +154,7 @@ def test_speculative_and_plain_sessions_share_steps_and_keep_their_tokens(models
     threads = [threading.Thread(target=socket_client, args=(i, None if i % 2 else False)) for i in range(6)]
     threads += [threading.Thread(target=http_client, args=(i, i % 2 == 0)) for i in range(4)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_threads(threads, errors)
         assert len(results) == 10
         for (transport, _), (prompt, got) in results.items():
             assert got == (plain[prompt].tokens if transport == "socket" else plain[prompt].text), (transport, prompt)

@@ -13,7 +13,8 @@ import pytest
 from http_helpers import metric
 from inprocess_daemon import InProcessDaemon
 from test_spec_sampling import assert_matches
-from test_spec_serve import NEW_TOKENS, PROMPTS, batch_invariant_arithmetic, completion, models, plain  # noqa: F401
+from test_spec_serve import (NEW_TOKENS, PROMPTS, batch_invariant_arithmetic, completion, models,  # noqa: F401
+                             plain, run_threads)
 
 import kestrel_stream as ks
 from kestrel_stream.errors import CapacityError, InvalidTokenError
@@ -108,11 +109,7 @@ def test_several_sessions_trees_verify_in_one_step(models, plain, tmp_path, monk
             errors.append(e)
     threads = [threading.Thread(target=client, args=(i,)) for i in range(6)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_threads(threads, errors)
         assert {i: plain[PROMPTS[i % len(PROMPTS)]].tokens for i in range(6)} == results
         assert max(per_step) >= 2, per_step          # trees of several sessions in one step
         assert d.settled_sessions() == 0 and not d.engine.speculation.draft.engine.sessions
@@ -169,11 +166,7 @@ def test_a_tree_that_fails_fails_its_generation_alone(kind, models, plain, tmp_p
             errors.append(e)
     threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
-        assert not errors, errors
+        run_threads(threads, errors)
         assert len(failed) == 1 and len(good) == 4
         for i, answer in good.items():
             assert answer.tokens == plain[PROMPTS[i % len(PROMPTS)]].tokens[:16], i
