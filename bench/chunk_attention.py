@@ -1,11 +1,11 @@
 """A prompt chunk's attention on the host: the native tiled kernel against numpy's batched matmul on
-one BLAS thread (the CPU engine's path for chunks before it) and the native per-query kernel.
+one BLAS thread (the CPU engine's path for chunks before it).
 
     python3 -m bench.chunk_attention [--queries 16,64,512] [--keys 512,2048] [--threads 1,2]
                                      [--repeats 15] [--kv f32|f16]
 
 qwen3-1.7b's heads (16 query heads, 8 kv heads, D 128); the chunk is the last `queries` positions of
-`keys` (causal).  The three are timed in turn, round after round; each figure is the median in ms.
+`keys` (causal).  The two are timed in turn, round after round; each figure is the median in ms.
 """
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def main() -> None:
     set_cpu_threads(1)
     heads, n_kv, d = 16, 8, 128
     rng = np.random.default_rng(0)
-    print(f"| queries | keys | threads | numpy, 1 BLAS thread (ms) | native per query (ms) | native tiled (ms) | numpy / tiled |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| queries | keys | threads | numpy, 1 BLAS thread (ms) | native tiled (ms) | numpy / tiled |")
+    print("|---:|---:|---:|---:|---:|---:|")
     for keys in map(int, args.keys.split(",")):
         k = rng.standard_normal((keys, n_kv, d)).astype(np.float32)
         v = rng.standard_normal((keys, n_kv, d)).astype(np.float32)
@@ -51,7 +51,6 @@ def main() -> None:
                 kernels = native.load(threads=threads)
                 out = np.empty((n, heads * d), np.float32)
                 runs = {"numpy": lambda: host.attention(q, kv32[0], kv32[1], start),
-                        "rows": lambda: kernels.attention(q, kv[0], kv[1], start, out=out),
                         "tiled": lambda: kernels.attention(q, kv[0], kv[1], start, out=out, tiled=True)}
                 times = {name: [] for name in runs}
                 for name, call in runs.items():
@@ -62,7 +61,7 @@ def main() -> None:
                         call()
                         times[name].append(time.perf_counter() - t0)
                 m = {name: median_ms(t) for name, t in times.items()}
-                print(f"| {n} | {keys} | {threads} | {m['numpy']:.2f} | {m['rows']:.2f} | {m['tiled']:.2f} | "
+                print(f"| {n} | {keys} | {threads} | {m['numpy']:.2f} | {m['tiled']:.2f} | "
                       f"{m['numpy'] / m['tiled']:.1f}x |", flush=True)
 
 

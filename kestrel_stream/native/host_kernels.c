@@ -1500,12 +1500,13 @@ static void attention_job(const float *q, ptrdiff_t q_h, int group, int nh, int 
 /* q: [n, H, D] at positions start..start+n-1 (strides q_t, q_h); k, v: [S, n_kv, D] float32 or f16
    (kv_f16), row stride kv_t, head stride kv_h (elements); out: [n, H * D] (row stride out_t).  Query i
    sees keys max(0, start+i-window+1) .. start+i (window <= 0: no window); q head h reads kv head
-   h / (H / n_kv).  softmax(q k^T * scale) v, as run/host.attention; jobs are (query, kv head) pairs, so
-   the heads of a group read each key and value row once.  Jobs of several queries each (every row read
-   once for all of them) were measured and ran 0-10 % slower at 1-64 queries: the dot products per key,
-   not the reads, bound it.  With several queries numpy's batched matmul (one BLAS thread) is faster:
-   16 queries over 512 keys 2.1 ms against 3.2, 64 over 2,048 20 ms against 53; with one query this is
-   (0.8-1.1 ms against 1.3-1.7 over 2,048 keys). */
+   h / (H / n_kv).  softmax(q k^T * scale) v, as run/host.attention.  Up to ROW_QUERIES queries (decode,
+   a short draft) jobs are (query, kv head) pairs, so the heads of a group read each key and value row
+   once and one query still splits over the threads; more queries (a prompt's chunk) go to
+   ks_attention_tiled, whose jobs (kv head, a run of queries) score tiles of queries against tiles of
+   keys with SIMD over the keys (a dot product a key at a time bounds this one). */
+#define ROW_QUERIES 4
+
 typedef struct {
     const float *q;
     const void *k, *v;
@@ -1538,6 +1539,9 @@ static void attention_jobs(void *ctx, int index, int count) {
 int ks_attention(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
                  int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
                  float *out, ptrdiff_t out_t, int threads) {
+    if (n > ROW_QUERIES)
+        return ks_attention_tiled(q, q_t, q_h, n, H, D, k, v, kv_f16, kv_t, kv_h, n_kv, start, window, scale, out,
+                                  out_t, threads);
     if (threads < 1) threads = 1;
     attention_t c = {.q = q, .k = k, .v = v, .out = out, .q_t = q_t, .q_h = q_h, .kv_t = kv_t, .kv_h = kv_h, .out_t = out_t,
                      .n = n, .D = D, .group = H / n_kv, .n_kv = n_kv, .start = start, .window = window, .kv_f16 = kv_f16,
