@@ -202,7 +202,7 @@ def main() -> None:
                  lambda q=q, kv=kv, p=last: host.attention(q, kv[0], kv[1], p)),
                 (f"attention 1 query, {context} keys, f16 KV",
                  lambda k, q=q, kv=kv16, p=last: k.attention(q, kv[0], kv[1], p), None)]
-        for n_q in (4, 16, 64):         # a prompt's chunk (program.NATIVE_ATTENTION_QUERIES picks the side)
+        for n_q in (4, 16, 64):         # a prompt's chunk (the native side: the tiled kernel)
             qn = rng.standard_normal((n_q, heads, d)).astype(np.float32)
             ops.append((f"attention {n_q} queries, {context} keys, f32 KV",
                         lambda k, q=qn, kv=kv, p=context - n_q: k.attention(q, kv[0], kv[1], p),

@@ -140,8 +140,8 @@ def main() -> None:
     parser.add_argument("--no-gpu", action="store_true", help="only the CPU rows")
     parser.add_argument("--blas-threads", type=int, default=None,
                         help="numpy's BLAS threads in ours (default: ks.load's policy: 1 on the CPU engine over the "
-                             "native kernels, else --threads); a prompt's attention runs in numpy, and idle BLAS "
-                             "workers spin on the cores the host kernels use")
+                             "native kernels, else --threads); a token tree's attention runs in numpy, and idle "
+                             "BLAS workers spin on the cores the host kernels use")
     parser.add_argument("--ops", action="store_true", help="also the host decode step op by op (bench.host_step)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--base", default=None, help="a source tree: the CPU rows A/B against it (see above)")

@@ -20,7 +20,7 @@ from kestrel_stream.options import Options
 from kestrel_stream.run.host import HostBackend
 from kestrel_stream.run.host.backend import session_runs
 from kestrel_stream.run.host.native_program import NativeProgram
-from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES, HostState
+from kestrel_stream.run.host.program import HostState
 from test_executors_emulated import CONFIGS
 from test_quant4 import CFG
 
@@ -70,12 +70,11 @@ def test_one_call_is_the_per_op_calls_bit_for_bit(weights):
              ([[9, 8, 7], [11]], [0, 4], "last"),                 # a prompt of the second session beside a decode
              ([[1], [2]], [5, 3], "all"),                         # two decodes at different positions
              ([[4, 5, 6, 7], [8, 9, 10, 11]], [6, 4], "last"),    # 8 rows: tokens in lanes (VNNI)
-             ([list(range(20, 38))], [10], "last")]               # a chunk: the per-op program on both
+             ([list(range(20, 38))], [10], "last")]               # a prompt's chunk: the tiled attention
     for tokens, starts, logits in steps:
         sessions = range(len(tokens))
         batch = [(kv_one[s], np.array(tokens[s]), starts[s]) for s in sessions]
-        native_attention = max(map(len, tokens)) <= NATIVE_ATTENTION_QUERIES
-        got = one_call(one, batch, logits) if native_attention else one.forward(batch, logits)
+        got = one_call(one, batch, logits)
         expect = per_op(ops, [(kv_ops[s], np.array(tokens[s]), starts[s]) for s in sessions], logits)
         assert np.array_equal(np.concatenate(got) if isinstance(got, list) else got, expect), (tokens, starts)
         for a, b in zip(kv_one, kv_ops):
@@ -83,8 +82,7 @@ def test_one_call_is_the_per_op_calls_bit_for_bit(weights):
 
 
 def test_the_engine_runs_its_steps_as_one_call(weights, monkeypatch):
-    """HostBackend.forward calls the library once a step for decode steps and short prompts, and the
-    per-op program for a prompt's chunk."""
+    """HostBackend.forward calls the library once a step: decode steps, short prompts and a prompt's chunk."""
     backend = HostBackend(weights, options=NATIVE)
     kv, ran = backend.alloc_kv(16), []
     real = NativeProgram.run
@@ -92,7 +90,7 @@ def test_the_engine_runs_its_steps_as_one_call(weights, monkeypatch):
     backend.forward([(kv, np.array([1, 2, 3]), 0)])
     backend.forward([(kv, np.array([4]), 3)])
     backend.forward([(kv, np.arange(5, 12), 4)])
-    assert ran == [3, 1]
+    assert ran == [3, 1, 7]
 
 
 def test_it_counts_the_bytes_the_per_op_program_counts(weights):
@@ -180,7 +178,7 @@ def test_a_mixed_steps_host_segments_as_one_call(name, monkeypatch):
     engine = make_split_engine(weights, name, monkeypatch)
     one_call = run(engine, [5, 3, 200])[0]
     engine.close()
-    assert calls and max(calls) <= NATIVE_ATTENTION_QUERIES
+    assert calls
     monkeypatch.setattr(NativeProgram, "bind", classmethod(lambda cls, backend, ops: None))
     engine = make_split_engine(weights, name, monkeypatch)
     per_op_logits = run(engine, [5, 3, 200])[0]

@@ -902,7 +902,7 @@ static void act_tiles(const matmul_t *m, int t0, uint8_t *bytes, float *d, float
     }
 }
 
-#define TILE_ROWS 8
+#define TILE_ROWS 16
 
 /* out[r][l] for 8 rows and 16 token lanes; group, act_group and has_mins are constants in each caller,
    so the quad loop unrolls and the accumulators stay in registers. */
@@ -1500,12 +1500,13 @@ static void attention_job(const float *q, ptrdiff_t q_h, int group, int nh, int 
 /* q: [n, H, D] at positions start..start+n-1 (strides q_t, q_h); k, v: [S, n_kv, D] float32 or f16
    (kv_f16), row stride kv_t, head stride kv_h (elements); out: [n, H * D] (row stride out_t).  Query i
    sees keys max(0, start+i-window+1) .. start+i (window <= 0: no window); q head h reads kv head
-   h / (H / n_kv).  softmax(q k^T * scale) v, as run/host.attention; jobs are (query, kv head) pairs, so
-   the heads of a group read each key and value row once.  Jobs of several queries each (every row read
-   once for all of them) were measured and ran 0-10 % slower at 1-64 queries: the dot products per key,
-   not the reads, bound it.  With several queries numpy's batched matmul (one BLAS thread) is faster:
-   16 queries over 512 keys 2.1 ms against 3.2, 64 over 2,048 20 ms against 53; with one query this is
-   (0.8-1.1 ms against 1.3-1.7 over 2,048 keys). */
+   h / (H / n_kv).  softmax(q k^T * scale) v, as run/host.attention.  Up to ROW_QUERIES queries (decode,
+   a short draft) jobs are (query, kv head) pairs, so the heads of a group read each key and value row
+   once and one query still splits over the threads; more queries (a prompt's chunk) go to
+   ks_attention_tiled, whose jobs (kv head, a run of queries) score tiles of queries against tiles of
+   keys with SIMD over the keys (a dot product a key at a time bounds this one). */
+#define ROW_QUERIES 4
+
 typedef struct {
     const float *q;
     const void *k, *v;
@@ -1538,6 +1539,9 @@ static void attention_jobs(void *ctx, int index, int count) {
 int ks_attention(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
                  int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
                  float *out, ptrdiff_t out_t, int threads) {
+    if (n > ROW_QUERIES)
+        return ks_attention_tiled(q, q_t, q_h, n, H, D, k, v, kv_f16, kv_t, kv_h, n_kv, start, window, scale, out,
+                                  out_t, threads);
     if (threads < 1) threads = 1;
     attention_t c = {.q = q, .k = k, .v = v, .out = out, .q_t = q_t, .q_h = q_h, .kv_t = kv_t, .kv_h = kv_h, .out_t = out_t,
                      .n = n, .D = D, .group = H / n_kv, .n_kv = n_kv, .start = start, .window = window, .kv_f16 = kv_f16,
@@ -1546,6 +1550,252 @@ int ks_attention(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int
     const int parts = n >= threads ? 1 : (threads + n - 1) / n < n_kv ? (threads + n - 1) / n : n_kv;
     c.run = (n_kv + parts - 1) / parts, c.runs = (n_kv + c.run - 1) / c.run;
     pool_run(attention_jobs, &c, op_threads(threads, (size_t)c.S * n * H * D / 4, n * c.runs));
+    return atomic_load(&c.failed) ? -1 : 0;
+}
+
+/* The tiled attention of a prompt's chunk (flash-attention style): a tile of TILE_ROWS query vectors
+   (queries × the heads of a group, which share a kv head) against tiles of TILE_KEYS keys, scores in a
+   [TILE_ROWS][TILE_KEYS] block, an online softmax (a running max and sum a row, the output rescaled when
+   the max grows) so no row of S probabilities is kept.  A job is (kv head, a run of queries): it first
+   packs the keys it reads transposed, [tile][D][TILE_KEYS] (and f16 values as float32), so the score
+   block is an outer-product loop over D with SIMD over keys and each key and value row is read (and
+   converted) once for every query of the job. */
+#define TILE_ROWS 16
+#define TILE_KEYS 16
+
+typedef struct {
+    const float *q;
+    const void *k, *v;
+    float *out;
+    ptrdiff_t q_t, q_h, kv_t, kv_h, out_t;
+    int n, D, group, n_kv, start, window, kv_f16, per_job, jobs_per_head;
+    float scale;
+    _Atomic int next, failed;
+} attention_tiled_t;
+
+/* A pool thread's packing buffer, grown as a job needs (the pool's threads persist) */
+static _Thread_local float *tiled_buffer;
+static _Thread_local size_t tiled_capacity;
+
+static float *tiled_floats(size_t count) {
+    if (count > tiled_capacity) {
+        free(tiled_buffer);
+        tiled_buffer = malloc(sizeof(float) * count);
+        tiled_capacity = tiled_buffer ? count : 0;
+    }
+    return tiled_buffer;
+}
+
+static inline int first_key(int pos, int window) { return window > 0 && pos - window + 1 > 0 ? pos - window + 1 : 0; }
+
+/* One key tile's step of rows q [TILE_ROWS][D] (scaled) at keys first[r]..pos[r]: scores against the
+   tile kb [D][TILE_KEYS] (keys j0..), the running max best and sum total, o [TILE_ROWS][D] rescaled and
+   added the tile's `keys` value rows (row stride vs). */
+static void tile_step(const float *restrict q, const int *pos, const int *first, const float *restrict kb, int j0,
+                      const float *restrict vr, ptrdiff_t vs, int keys, int D, float *best, float *total,
+                      float *restrict o) {
+    float s[TILE_ROWS][TILE_KEYS];
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int l = 0; l < TILE_KEYS; l++) s[r][l] = 0.0f;
+    for (int d = 0; d < D; d++) {
+        const float *kd = kb + (size_t)d * TILE_KEYS;
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const float qd = q[(size_t)r * D + d];
+#pragma omp simd
+            for (int l = 0; l < TILE_KEYS; l++) s[r][l] = fmaf(qd, kd[l], s[r][l]);
+        }
+    }
+    for (int r = 0; r < TILE_ROWS; r++) {
+        float m = best[r];
+        for (int l = 0; l < TILE_KEYS; l++) {
+            const int j = j0 + l;
+            if (j < first[r] || j > pos[r]) s[r][l] = -INFINITY;
+            m = s[r][l] > m ? s[r][l] : m;
+        }
+        float f = 1.0f, sum = 0.0f;
+        if (m == -INFINITY) {                   /* no key of this tile for this row */
+            for (int l = 0; l < TILE_KEYS; l++) s[r][l] = 0.0f;
+            continue;
+        }
+        if (m > best[r]) f = exp_poly(best[r] - m), best[r] = m;
+        for (int l = 0; l < TILE_KEYS; l++) {
+            s[r][l] = exp_poly(s[r][l] - m);
+            sum += s[r][l];
+        }
+        total[r] = total[r] * f + sum;
+        if (f != 1.0f) {
+            float *orow = o + (size_t)r * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) orow[d] *= f;
+        }
+    }
+    for (int l = 0; l < keys; l++) {
+        const float *v = vr + vs * l;
+        for (int r = 0; r < TILE_ROWS; r++) {
+            const float p = s[r][l];
+            float *orow = o + (size_t)r * D;
+#pragma omp simd
+            for (int d = 0; d < D; d++) orow[d] = fmaf(p, v[d], orow[d]);
+        }
+    }
+}
+
+#if KS_X86 && defined(__AVX512F__)
+/* exp_poly on 16 lanes, the same operations in the same order */
+static inline __m512 exp_poly16(__m512 x) {
+    __m512 xc = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.33654f)), _mm512_set1_ps(88.72283f));
+    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    y = _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+    y = _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.33654f), _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(y, _mm512_cmp_ps_mask(x, _mm512_set1_ps(88.72283f), _CMP_GT_OQ), _mm512_set1_ps(INFINITY));
+}
+
+/* tile_step with the scores in registers and the output in 16-lane strips (D a multiple of 16) */
+static void tile_step_avx512(const float *restrict q, const int *pos, const int *first, const float *restrict kb,
+                             int j0, const float *restrict vr, ptrdiff_t vs, int keys, int D, float *best,
+                             float *total, float *restrict o) {
+    __m512 s[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) s[r] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d++) {
+        const __m512 kd = _mm512_loadu_ps(kb + (size_t)d * TILE_KEYS);
+        for (int r = 0; r < TILE_ROWS; r++) s[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[(size_t)r * D + d]), kd, s[r]);
+    }
+    const __m512i key = _mm512_add_epi32(_mm512_set1_epi32(j0), _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    float p[TILE_ROWS][TILE_KEYS], f[TILE_ROWS];
+    for (int r = 0; r < TILE_ROWS; r++) {
+        const __mmask16 seen = _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(first[r]), _MM_CMPINT_NLT) &
+                               _mm512_cmp_epi32_mask(key, _mm512_set1_epi32(pos[r]), _MM_CMPINT_LE);
+        f[r] = 1.0f;
+        if (!seen) {
+            _mm512_storeu_ps(p[r], _mm512_setzero_ps());
+            continue;
+        }
+        const float m0 = _mm512_mask_reduce_max_ps(seen, s[r]), m = m0 > best[r] ? m0 : best[r];
+        if (m > best[r]) f[r] = exp_poly(best[r] - m), best[r] = m;
+        const __m512 e = _mm512_maskz_mov_ps(seen, exp_poly16(_mm512_sub_ps(s[r], _mm512_set1_ps(m))));
+        _mm512_storeu_ps(p[r], e);
+        total[r] = total[r] * f[r] + _mm512_reduce_add_ps(e);
+    }
+    for (int d = 0; d < D; d += 16) {
+        __m512 acc[TILE_ROWS];
+        for (int r = 0; r < TILE_ROWS; r++)
+            acc[r] = _mm512_mul_ps(_mm512_loadu_ps(o + (size_t)r * D + d), _mm512_set1_ps(f[r]));
+        for (int l = 0; l < keys; l++) {
+            const __m512 v = _mm512_loadu_ps(vr + vs * l + d);
+            for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][l]), v, acc[r]);
+        }
+        for (int r = 0; r < TILE_ROWS; r++) _mm512_storeu_ps(o + (size_t)r * D + d, acc[r]);
+    }
+}
+#endif
+
+/* Rows q [TILE_ROWS][D] (scaled) at positions pos[r] (keys first[r]..pos[r]) over the packed keys kt
+   (tile 0 starts at key k0) and values vals (row j - k0, row stride vs) → o [TILE_ROWS][D] (normalized). */
+static void tiled_rows(const float *restrict q, const int *pos, const int *first, const float *restrict kt, int k0,
+                       const float *restrict vals, ptrdiff_t vs, int D, float *restrict o) {
+    float best[TILE_ROWS], total[TILE_ROWS];
+    int lo = first[0], hi = pos[0];
+    for (int r = 0; r < TILE_ROWS; r++) {
+        best[r] = -INFINITY, total[r] = 0.0f;
+        lo = first[r] < lo ? first[r] : lo, hi = pos[r] > hi ? pos[r] : hi;
+        for (int d = 0; d < D; d++) o[(size_t)r * D + d] = 0.0f;
+    }
+    for (int j0 = k0 + (lo - k0) / TILE_KEYS * TILE_KEYS; j0 <= hi; j0 += TILE_KEYS) {
+        const float *kb = kt + (size_t)((j0 - k0) / TILE_KEYS) * D * TILE_KEYS;
+        const int keys = hi - j0 + 1 < TILE_KEYS ? hi - j0 + 1 : TILE_KEYS;
+#if KS_X86 && defined(__AVX512F__)
+        if (D % 16 == 0) {
+            tile_step_avx512(q, pos, first, kb, j0, vals + vs * (j0 - k0), vs, keys, D, best, total, o);
+            continue;
+        }
+#endif
+        tile_step(q, pos, first, kb, j0, vals + vs * (j0 - k0), vs, keys, D, best, total, o);
+    }
+    for (int r = 0; r < TILE_ROWS; r++) {
+        float *orow = o + (size_t)r * D;
+        const float t = total[r];
+#pragma omp simd
+        for (int d = 0; d < D; d++) orow[d] = orow[d] / t;
+    }
+}
+
+static void attention_tiled_jobs(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    attention_tiled_t *c = ctx;
+    const int D = c->D, group = c->group;
+    for (int job; (job = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < c->n_kv * c->jobs_per_head;) {
+        const int h = job / c->jobs_per_head, i0 = (job % c->jobs_per_head) * c->per_job;
+        const int i1 = i0 + c->per_job < c->n ? i0 + c->per_job : c->n;
+        if (i0 >= i1) continue;
+        const int k0 = first_key(c->start + i0, c->window), k1 = c->start + i1;       /* keys k0..k1-1 */
+        const int tiles = (k1 - k0 + TILE_KEYS - 1) / TILE_KEYS;
+        const size_t packed = (size_t)tiles * TILE_KEYS * D, values = c->kv_f16 ? (size_t)(k1 - k0) * D : 0;
+        float *kt = tiled_floats(packed + values + (size_t)TILE_ROWS * 2 * D);
+        if (!kt) {
+            atomic_store(&c->failed, 1);
+            return;
+        }
+        float *vbuf = kt + packed, *qt = vbuf + values, *o = qt + (size_t)TILE_ROWS * D;
+        for (int t = 0; t < tiles; t++) {
+            float *block = kt + (size_t)t * TILE_KEYS * D;
+            for (int l = 0; l < TILE_KEYS; l++) {
+                const int j = k0 + t * TILE_KEYS + l;
+                if (j >= k1) {
+                    for (int d = 0; d < D; d++) block[(size_t)d * TILE_KEYS + l] = 0.0f;
+                    continue;
+                }
+                const ptrdiff_t at = c->kv_t * j + c->kv_h * h;
+                const float *kr = kv_row(c->k, c->kv_f16, at, D, o);
+                for (int d = 0; d < D; d++) block[(size_t)d * TILE_KEYS + l] = kr[d];
+                if (c->kv_f16) kv_row(c->v, 1, at, D, vbuf + (size_t)(j - k0) * D);
+            }
+        }
+        const float *vals = c->kv_f16 ? vbuf : (const float *)c->v + c->kv_t * k0 + c->kv_h * h;
+        const ptrdiff_t vs = c->kv_f16 ? D : c->kv_t;
+        const int rows = (i1 - i0) * group;
+        for (int r0 = 0; r0 < rows; r0 += TILE_ROWS) {
+            int pos[TILE_ROWS], first[TILE_ROWS];
+            for (int r = 0; r < TILE_ROWS; r++) {
+                const int row = r0 + r < rows ? r0 + r : rows - 1;        /* past the end: the last row again */
+                const int i = i0 + row / group, g = row % group;
+                const float *qv = c->q + c->q_t * i + c->q_h * (ptrdiff_t)(h * group + g);
+                for (int d = 0; d < D; d++) qt[(size_t)r * D + d] = qv[d] * c->scale;
+                pos[r] = c->start + i, first[r] = first_key(pos[r], c->window);
+            }
+            tiled_rows(qt, pos, first, kt, k0, vals, vs, D, o);
+            for (int r = 0; r < TILE_ROWS && r0 + r < rows; r++) {
+                const int i = i0 + (r0 + r) / group, g = (r0 + r) % group;
+                memcpy(c->out + c->out_t * i + (ptrdiff_t)(h * group + g) * D, o + (size_t)r * D, sizeof(float) * D);
+            }
+        }
+    }
+}
+
+int ks_attention_tiled(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
+                       int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
+                       float *out, ptrdiff_t out_t, int threads) {
+    if (threads < 1) threads = 1;
+    attention_tiled_t c = {.q = q, .k = k, .v = v, .out = out, .q_t = q_t, .q_h = q_h, .kv_t = kv_t, .kv_h = kv_h,
+                           .out_t = out_t, .n = n, .D = D, .group = H / n_kv, .n_kv = n_kv, .start = start,
+                           .window = window, .kv_f16 = kv_f16, .scale = scale};
+    /* jobs: (kv head, a run of queries), at least 4 a thread where the queries allow it */
+    const int tile_queries = (TILE_ROWS + c.group - 1) / c.group;
+    int parts = (4 * threads + n_kv - 1) / n_kv, tiles = (n + tile_queries - 1) / tile_queries;
+    parts = parts < tiles ? parts : tiles;
+    c.per_job = (tiles + parts - 1) / parts * tile_queries;
+    c.jobs_per_head = (n + c.per_job - 1) / c.per_job;
+    pool_run(attention_tiled_jobs, &c, op_threads(threads, (size_t)(start + n) * n * H * D / 4, n_kv * c.jobs_per_head));
     return atomic_load(&c.failed) ? -1 : 0;
 }
 

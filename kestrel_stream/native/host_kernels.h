@@ -30,6 +30,9 @@ int ks_qkv_rope(const float *qkv, ptrdiff_t qkv_t, int T, int H, int n_kv, int D
 int ks_attention(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
                  int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
                  float *out, ptrdiff_t out_t, int threads);
+int ks_attention_tiled(const float *q, ptrdiff_t q_t, ptrdiff_t q_h, int n, int H, int D, const void *k, const void *v,
+                       int kv_f16, ptrdiff_t kv_t, ptrdiff_t kv_h, int n_kv, int start, int window, float scale,
+                       float *out, ptrdiff_t out_t, int threads);
 void ks_rmsnorm(const float *x, ptrdiff_t x_stride, int rows, int n, const float *w, int w_rows, float eps,
                 float *out, ptrdiff_t out_stride, int threads);
 /* fn(ctx, i, count) for i in 0..count-1 on the library's threads (index 0 on the caller's). */

@@ -66,6 +66,8 @@ class HostKernels:
         lib.ks_rope.argtypes = [_p, _z, _z, _i, _i, _i, _p, _p]
         lib.ks_attention.argtypes = [_p, _z, _z, _i, _i, _i, _p, _p, _i, _z, _z, _i, _i, _i, _f, _p, _z, _i]
         lib.ks_attention.restype = _i
+        lib.ks_attention_tiled.argtypes = lib.ks_attention.argtypes
+        lib.ks_attention_tiled.restype = _i
         lib.ks_read_sum.argtypes = [_p, ctypes.c_size_t, _i]
         lib.ks_read_sum.restype = ctypes.c_uint64
         lib.ks_set_spin_us.argtypes = [_i]
@@ -247,10 +249,10 @@ class HostKernels:
             raise ValueError(f"host kernels: a head of {d} values (at most 1,024, even)")
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, start: int, window: int | None = None,
-                  scale: float | None = None, out: np.ndarray | None = None) -> np.ndarray:
+                  scale: float | None = None, out: np.ndarray | None = None, tiled: bool = False) -> np.ndarray:
         """q: float32 [n, H, D] at positions start..start+n-1; k, v: [S, n_kv, D] float32 or float16 with
         S >= start + n (the first start + n are read) → [n, H * D], as run/host.attention (GQA, causal,
-        sliding window)."""
+        sliding window).  tiled: the chunk kernel (query tiles, an online softmax) at any size."""
         n, heads, d = q.shape
         assert q.dtype == np.float32 and q.strides[2] == 4
         assert k.dtype == v.dtype and k.dtype in (np.float32, np.float16) and k.strides == v.strides
@@ -260,7 +262,8 @@ class HostKernels:
         out = np.empty((n, heads * d), np.float32) if out is None else out
         assert out.dtype == np.float32 and out.shape == (n, heads * d) and out.strides[1] == 4
         scale = float(np.float32(1.0 / np.sqrt(d))) if scale is None else scale
-        status = self._lib.ks_attention(_address(q), q.strides[0] // 4, q.strides[1] // 4, n, heads, d,
+        kernel = self._lib.ks_attention_tiled if tiled else self._lib.ks_attention
+        status = kernel(_address(q), q.strides[0] // 4, q.strides[1] // 4, n, heads, d,
                                         _address(k), _address(v), int(k.dtype == np.float16),
                                         k.strides[0] // k.itemsize, k.strides[1] // k.itemsize, n_kv, start,
                                         window or 0, scale, _address(out), out.strides[0] // 4, self.threads)

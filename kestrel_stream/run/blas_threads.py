@@ -10,8 +10,7 @@ the count at run time (the OPENBLAS_NUM_THREADS variable only works before
 numpy loads); it is imported only when a count is given.
 
 Where the native host kernels run the CPU engine's projections on their own pool of threads, BLAS runs
-only a prompt's attention (program.py: more queries than the native attention takes), between two
-projections: its workers, idle and spinning, then hold the cores the pool needs for the next projection.
+only a token tree's masked attention (program.py), between two projections: its workers, idle and spinning, then hold the cores the pool needs for the next projection.
 The CPU engine over the native kernels therefore gives BLAS one thread unless told otherwise
 (`engine_blas_threads`); the mixed modes' host segments keep the host's threads.
 """

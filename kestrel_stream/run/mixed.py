@@ -38,7 +38,6 @@ from kestrel_stream.model.op_tensors import norm_weight
 from kestrel_stream.obs import prof, trace
 from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.pool_spin import spinning_step
-from kestrel_stream.run.host.program import NATIVE_ATTENTION_QUERIES
 from kestrel_stream.run.segment_state import SegmentState
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
@@ -170,7 +169,7 @@ class MixedSteps(Steps):
                 contiguous = not mine or mine[-1] - mine[0] + 1 == len(mine)
                 lm = (mine[0] if mine else 0, len(mine)) if contiguous else None
             chunk_fields = None if fields is None else tuple(f[lo:lo + len(chunk)] for f in fields)
-            with self.spin(native_only=self.ring is not None or len(chunk) <= NATIVE_ATTENTION_QUERIES):
+            with self.spin(native_only=self.ring is not None or chunk_fields is None):
                 computed = self._run_chunk(chunk, lm, chunk_fields).copy()   # the pinned rows are the next chunk's
             first = lm[0] if lm is not None else 0
             for i in range(len(computed)):

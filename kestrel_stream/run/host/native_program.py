@@ -11,9 +11,7 @@ host segment goes through `run_state` over its pinned state (what the segment re
 writes written back through the state).
 
 `bind` returns None where a segment has an op the list has no entry for (a split group, an expert in two
-formats): HostProgram runs those, and the steps where a session has more rows than the native attention
-takes (program.NATIVE_ATTENTION_QUERIES: a prompt's chunk, where the per-op program pays its Python once
-for many tokens).  Buffers are kept between steps and grow to the largest step (logits are new each
+formats): HostProgram runs those, and the steps with a token tree (numpy's masked attention).  Buffers are kept between steps and grow to the largest step (logits are new each
 step: the caller keeps them), so a program runs one step at a time (the engine's step lock).
 """
 from __future__ import annotations

@@ -7,7 +7,7 @@ device, so the ops that call something here are the ops the device launches.  cp
 step as one program; gated and layers=N run their host segments as programs over the pinned state
 (run/mixed.py); KESTREL_VERIFY runs the whole step on it.  With the native kernels a projection is one
 call (its norm prologue and gate_up's SiLU·mul inside: HostBackend.fused_linear), rope one call per
-session (kernels.qkv_rope), attention native up to NATIVE_ATTENTION_QUERIES queries a session and a
+session (kernels.qkv_rope), attention one call per session (a token tree's masked rows in numpy) and a
 routed layer's router and experts one call each (routed.py); numpy runs each of those as its own numpy
 ops, the reference arithmetic.  Where a segment's ops all have a
 native entry, `run` makes them one library call (native_program.py: the same numbers as these calls);
@@ -31,11 +31,6 @@ from kestrel_stream.run.host.arithmetic import attention, rmsnorm, rotate, silu_
 from kestrel_stream.run.host.native_program import NativeProgram
 from kestrel_stream.run.token_tree import visible_keys
 from scheduler.ops import runs_alone
-
-
-# A session's queries in one step that the native attention takes; more (a prompt's chunk) run on numpy's
-# batched matmul, faster there: the native kernel's jobs are (query, kv heads), one dot product at a time.
-NATIVE_ATTENTION_QUERIES = 4
 
 
 class StepState(Protocol):
@@ -100,8 +95,7 @@ class HostProgram:
 
     def run(self, state: StepState) -> None:
         if trace.active is None:
-            if self.one_call is not None and state.tree_fields is None and all(
-                    hi - lo <= NATIVE_ATTENTION_QUERIES for _, lo, hi, _ in state.runs):
+            if self.one_call is not None and state.tree_fields is None:
                 self.one_call.run_state(state)
                 return
             for call in self.calls:
@@ -275,7 +269,7 @@ def tree_mask(state: StepState, run: int, keys: int) -> np.ndarray | None:
 
 def _native_attention(backend, op):
     """Each session's queries over its own cache: on the native kernels (its first start + n rows), or
-    with numpy where the session has more than NATIVE_ATTENTION_QUERIES rows."""
+    with numpy's masked attention where the step has a token tree."""
     c, layer, window, kernels = backend.config, op.layer, backend.config.sliding_window, backend.kernels
 
     def run(state: StepState) -> None:
@@ -285,7 +279,7 @@ def _native_attention(backend, op):
             k, v = cache.k[layer - first], cache.v[layer - first]
             end = start + hi - lo
             mask = tree_mask(state, i, end)
-            if hi - lo <= NATIVE_ATTENTION_QUERIES and mask is None:
+            if mask is None:
                 kernels.attention(q[lo:hi], k, v, start, window, out=attn[lo:hi])
             else:               # a token tree: numpy's masked attention
                 attn[lo:hi] = attention(q[lo:hi], k[:end], v[:end], start, window, mask)
