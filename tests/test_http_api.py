@@ -29,8 +29,11 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def daemon(model, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
+    # numpy's arithmetic: a session's rows come out the same whatever else its step holds (within ~1e-6; the
+    # native kernels' batched and single-row sums differ by ~1e-4, enough to turn a near tie of this random
+    # model), so concurrent streams can be held to their solo texts
     d = HttpDaemon(model, tmp, "--served-model-name", MODEL, "--http-max-body-kb", "64",
-                   env={**__import__("daemon_helpers").ENV, "KESTREL_API_KEY": KEY})
+                   env={**__import__("daemon_helpers").ENV, "KESTREL_API_KEY": KEY, "KESTREL_HOST_KERNELS": "numpy"})
     yield d
     assert d.stop() == 0
 
@@ -279,12 +282,13 @@ def test_concurrent_streaming_chats_equal_solo_runs(daemon):
     assert metric(raw(daemon, "GET", "/metrics").text, "kestrel_mean_batch") > mean_before
 
 
-def test_chats_sharing_a_system_prompt_reuse_its_kv_and_keep_their_texts(daemon, client, model):
+def test_chats_sharing_a_system_prompt_reuse_its_kv_and_keep_their_texts(daemon, client, model, monkeypatch):
     """The second chat's prompt starts with the first's system turn: its blocks come from the prefix cache
     (counted in the socket clients' stats; /metrics publishes them a minute at a time) and its text is still the
     one Engine.generate gives it alone."""
     system = {"role": "system", "content": "Answer in one short sentence, and never repeat yourself. " * 4}
     chats = [[system, {"role": "user", "content": question}] for question in ("first?", "second?")]
+    monkeypatch.setenv("KESTREL_HOST_KERNELS", "numpy")         # as the daemon's
     engine = ks.load(str(model), device="cpu")
     alone = [engine.generate(messages, max_new_tokens=12).text for messages in chats]
     engine.close()
