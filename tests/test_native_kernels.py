@@ -343,22 +343,6 @@ def test_vnni_repacks_k_quants_and_keeps_no_blocks(kernels):
     assert vnni.prepare_blocks("Q4_0", q4, 512).w_ptr == q4.ctypes.data
 
 
-def test_a_repacked_weight_gives_its_rows_back_as_the_blocks(kernels):
-    """PreparedWeight.file_rows, the numpy form of ks_repack's layouts, inverts it: every row count a group
-    may end at, several blocks a row, rows in any order and repeated."""
-    if "avx512vnni" not in kernels.supported:
-        pytest.skip("no AVX-512 VNNI here: nothing is repacked")
-    rng = np.random.default_rng(8)
-    vnni = kernels.with_isa("avx512vnni")
-    for fmt in ("Q4_K", "Q6_K"):
-        for n in REPACKED_ROWS:
-            blocks = rng.integers(0, 256, (n, 3 * {"Q4_K": 144, "Q6_K": 210}[fmt]), dtype=np.uint8)
-            prepared = vnni.prepare_blocks(fmt, blocks, 768)
-            assert np.array_equal(prepared.file_rows(slice(None)), blocks)
-            rows = rng.integers(0, n, 9)
-            assert np.array_equal(prepared.file_rows(rows), blocks[rows])
-
-
 @pytest.mark.parametrize("threads", [2, 3])
 def test_repacked_results_do_not_depend_on_threads(kernels, threads):
     rng = np.random.default_rng(threads + 40)

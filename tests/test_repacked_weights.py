@@ -24,6 +24,7 @@ from kestrel_stream.options import Options
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.host import HostBackend
 from kestrel_stream.run.host.repacked import RepackedTensor
+from test_native_kernels import REPACKED_ROWS
 from test_quant4 import CFG
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,3 +110,20 @@ def test_a_loaded_q4_k_m_file_is_on_the_host_once(tmp_path):
     grown_mib = rss["decoded"]["VmRSS"] - rss["start"]["VmRSS"]
     file_mib = path.stat().st_size / 2**20
     assert grown_mib < 1.3 * file_mib + 20, (rss, file_mib)          # before: 2.9 times (92 MiB of 32)
+
+
+def test_a_repacked_weight_gives_its_rows_back_as_the_blocks():
+    """PreparedWeight.file_rows, the numpy form of ks_repack's layouts, inverts it: every row count a group
+    may end at, several blocks a row, rows in any order and repeated."""
+    kernels = native.load()
+    if "avx512vnni" not in kernels.supported:
+        pytest.skip("no AVX-512 VNNI here: nothing is repacked")
+    rng = np.random.default_rng(8)
+    vnni = kernels.with_isa("avx512vnni")
+    for fmt in ("Q4_K", "Q6_K"):
+        for n in REPACKED_ROWS:
+            blocks = rng.integers(0, 256, (n, 3 * {"Q4_K": 144, "Q6_K": 210}[fmt]), dtype=np.uint8)
+            prepared = vnni.prepare_blocks(fmt, blocks, 768)
+            assert np.array_equal(prepared.file_rows(slice(None)), blocks)
+            rows = rng.integers(0, n, 9)
+            assert np.array_equal(prepared.file_rows(rows), blocks[rows])
