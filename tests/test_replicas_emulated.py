@@ -66,6 +66,7 @@ def test_two_ordinals_each_engine_on_its_own_device(emulated, tiny_model):
 
 
 def test_the_daemon_serves_two_devices(two_devices, tiny_model, tmp_path):
+    pytest.importorskip("h2", reason="the in-process daemon's HTTP front needs the test extras (h2)")
     from inprocess_daemon import InProcessDaemon
     solo = ks.load(tiny_model, device="cuda:0", mode="gpu", max_seq_len=64)
     expected = greedy(solo, PROMPT, 6)
