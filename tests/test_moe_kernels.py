@@ -27,7 +27,8 @@ from test_block_kernels import DEVICES, Harness
 
 E, K_CHOSEN = 6, 2
 # (gate_up format, down format, H, I): Q8_0 both; llama.cpp Q4_K_M's experts (Q4_K gate/up, Q6_K down); Q4_0
-SHAPES = {"q8": ("Q8_0", "Q8_0", 64, 96), "q4_k_m": ("Q4_K", "Q6_K", 256, 256), "q4_0": ("Q4_0", "Q8_0", 128, 64)}
+SHAPES = {"q8": ("Q8_0", "Q8_0", 64, 96), "q4_k_m": ("Q4_K", "Q6_K", 256, 256), "q4_0": ("Q4_0", "Q8_0", 128, 64),
+          "q8_partial_tiles": ("Q8_0", "Q8_0", 96, 160)}   # the GEMM's last row tile and K stage part-filled
 TOLERANCE = 1e-5
 
 
@@ -233,10 +234,10 @@ def loads_inputs(H: int, tokens: int, rng):
     return xn, (0.5 + rng.random(tokens)).astype(np.float32), router
 
 
-def check_grouped_gemm(dev, tokens: int, tile: str | None = None, slots=(3, 0, 5, 1, 2, 4)) -> None:
+def check_grouped_gemm(dev, tokens: int, tile: str | None = None, slots=(3, 0, 5, 1, 2, 4), shape="q8") -> None:
     dev.kernels.moe_mma_min_tokens, dev.kernels.moe_mma_tile = 0, tile           # every step on the GEMM
     rng = np.random.default_rng(tokens)
-    layer = Layer(dev, "q8", tokens, slots=list(slots))
+    layer = Layer(dev, shape, tokens, slots=list(slots))
     xn, inv_rms, router = loads_inputs(layer.H, tokens, rng)
     residual = min(slots) >= 0
     route, y, xn_out, inv_out, groups, res, normw = run_layer(dev, layer, xn, inv_rms, router, residual=residual)
@@ -253,10 +254,11 @@ def test_grouped_gemm_with_all_one_31_and_no_tokens_matches_numpy(dev, tokens):
     check_grouped_gemm(dev, tokens)
 
 
+@pytest.mark.parametrize("shape", ["q8", "q8_partial_tiles"])
 @pytest.mark.parametrize("tile", sorted(moe_kernels.MMA_TILES))
 @pytest.mark.parametrize("tokens", [2, 33, 70, 512])
-def test_every_grouped_gemm_tile_matches_numpy(dev, tokens, tile):
-    check_grouped_gemm(dev, tokens, tile)
+def test_every_grouped_gemm_tile_matches_numpy(dev, tokens, tile, shape):
+    check_grouped_gemm(dev, tokens, tile, shape=shape)
 
 
 @pytest.mark.parametrize("tokens", [1, 40])
