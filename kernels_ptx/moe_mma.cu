@@ -2,7 +2,7 @@
 // picks them over moe.cu's expert GEMVs from the step's token count): a grouped GEMM, q8_mma.cu's tile with a
 // third grid dimension over the chosen experts, with moe.cu's arguments (moe_experts_<fmt>_m<M>) and groups.
 //
-//   moe_mma_q8_0_<BM>x<BN>[_silu]
+//   moe_mma_<fmt>_<BM>x<BN>[_silu]
 //                 grid (row tiles, token tile slots, experts): block (x, y, s) takes the s-th chosen expert that
 //                 has a slot in the expert pool (blocks past the step's count exit), rows [BN x, BN x + BN) of
 //                 its weight from the slot, and its tokens' tiles y, y + gridDim.y, ... of BM (the grid is
@@ -11,15 +11,19 @@
 //                 row pairs -> act rows in grouped order; down: the act rows in order -> one output row per
 //                 choice, which moe_combine sums as it does the GEMVs'.
 //
-// The arithmetic is q8_mma.cu's (q8_mma.cuh): x quantised per token and 32-block in two int8 levels into
+// Q8_0: q8_mma.cu's arithmetic (q8_mma.cuh): x quantised per token and 32-block in two int8 levels into
 // shared memory, the weight tile by cp.async (double buffered), c = mma(lo, w, mma(hi, w, 0) << 7) per block,
-// c * (d / 128) * w_scale into fp32; the store is mma_epilogue.cuh's (a thread's C pair is two adjacent weight
-// rows, a (gate, up) pair).  No split K: a step that routes many tokens has blocks enough.
-// Expert pool (moe.cu): slot s's Q8_0 rows at qs + s * qs_slot (int8 [N, K]) and their fp16 scales at
-// meta + s * meta_slot ([N, K / 32]): the dense Q8_0 layout q8_mma.cu reads.
+// c * (d / 128) * w_scale into fp32.  Q4_0, Q4_K, Q6_K: q4_mma.cu's (q4_mma.cuh): weights decoded to int8
+// levels per stage of 128, x in two levels per group of 16, a group's scale and min per product.  The store
+// is mma_epilogue.cuh's (a thread's C pair is two adjacent weight rows, a (gate, up) pair).  No split K: a
+// step that routes many tokens has blocks enough.
+// Expert pool (moe.cu): slot s's rows at qs + s * qs_slot and meta + s * meta_slot in q4_formats.cuh's layout
+// (Q8_0: int8 [N, K] and fp16 scales [N, K / 32], the dense layout q8_mma.cu reads).
 #include "common.cuh"
 #include "mma_epilogue.cuh"
 #include "q8_mma.cuh"
+#include "q4_formats.cuh"
+#include "q4_mma.cuh"
 
 #define MOE_MMA_STRIDE(BK) ((BK) + 16)   // bytes per shared row, as q8_mma.cu: fragment loads free of bank conflicts
 
@@ -164,7 +168,96 @@ __device__ __forceinline__ void moe_mma_q8_body(
     }
 }
 
-// moe_mma_q8_0_<BM>x<BN> (+ _silu): the tiles of kestrel_stream/cuda/moe_kernels.py's MMA_TILES
+// the expert of block z and its slot's rows: false where the step chose fewer experts (the block exits)
+struct ExpertRows {
+    int first, end;               // its choices: sorted[first .. end)
+    const unsigned char* qs;      // its slot's rows
+    const unsigned char* meta;
+};
+
+__device__ __forceinline__ bool expert_of_block(ExpertRows& ex, const unsigned char* qs, const unsigned char* meta,
+                                                long long qs_slot, long long meta_slot, const int* slot_of,
+                                                const int* groups, int E) {
+    const int* active = groups + E + 1;
+    if ((int)blockIdx.z >= active[E]) return false;
+    const int e = active[blockIdx.z];
+    const long long slot = slot_of[e];
+    ex = {groups[e], groups[e + 1], qs + slot * qs_slot, meta + slot * meta_slot};
+    return true;
+}
+
+// the 4/6-bit formats: q4_mma.cu's stages (QM_BN rows, QM_BK of K) over the expert's token tiles
+template <class F, int BM, int WARPS_M, bool SILU>
+__device__ __forceinline__ void moe_mma_blocks_body(
+        const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,
+        const int* slot_of, const int* groups, const float* x, int ldx, int gather, const float* inv_rms,
+        float* y, int ldy, int N, int K, int E, int k) {
+    constexpr int WARPS_N = QM_THREADS / 32 / WARPS_M;
+    constexpr int FM = BM / 16 / WARPS_M, FN = QM_BN / 8 / WARPS_N;   // mma tiles per warp
+    static_assert(FM >= 1 && FN >= 1 && BM % (16 * WARPS_M) == 0, "tile");
+    __shared__ MmaShared<BM> sh;
+    pdl_launch_dependents();
+    pdl_wait();   // the route kernel's groups, x and 1/rms (and which expert's weights: no load before this)
+    ExpertRows ex;
+    if (!expert_of_block(ex, qs, meta, qs_slot, meta_slot, slot_of, groups, E)) return;
+    const int* sorted = groups + 2 * (E + 1);
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int warp_m = warp / WARPS_N, warp_n = warp % WARPS_N;
+    const int row0 = blockIdx.x * QM_BN, stages = (K + QM_BK - 1) / QM_BK;
+
+    for (int p0 = ex.first + (int)blockIdx.y * BM; p0 < ex.end; p0 += gridDim.y * BM) {
+        const int ntok = min(BM, ex.end - p0);
+        const float* x_rows[StageX<BM>::LOADS];   // as moe_mma_q8_body's
+#pragma unroll
+        for (int j = 0; j < StageX<BM>::LOADS; j++) {
+            const int r = (tid + j * QM_THREADS) / (QM_BK / 4);
+            x_rows[j] = r < ntok ? x + (long long)(gather ? sorted[p0 + r] / k : p0 + r) * ldx : nullptr;
+        }
+        float acc[FM][FN][4];
+#pragma unroll
+        for (int i = 0; i < FM; i++)
+#pragma unroll
+            for (int j = 0; j < FN; j++)
+#pragma unroll
+                for (int c = 0; c < 4; c++) acc[i][j][c] = 0.f;
+
+        StageWeights<F> weights;
+        weights.load(ex.qs, ex.meta, row0, 0, N, K, 0);
+        StageX<BM> xs;
+        if (StageX<BM>::AHEAD) xs.load_rows(x_rows, K, 0);
+        for (int s = 0; s < stages; s++) {
+            const int k0 = s * QM_BK;
+            weights.store(sh, k0);
+            if (!StageX<BM>::AHEAD) xs.load_rows(x_rows, K, k0);
+            xs.store(sh);
+            __syncthreads();
+            if (s + 1 < stages) {
+                weights.load(ex.qs, ex.meta, row0, 0, N, K, k0 + QM_BK);
+                if (StageX<BM>::AHEAD) xs.load_rows(x_rows, K, k0 + QM_BK);
+            }
+            mma_stage_blocks<F, BM, WARPS_M>(sh, acc, warp_m, warp_n, g, t);
+            __syncthreads();   // every warp is done with the tiles before the next stage overwrites them
+        }
+
+#pragma unroll
+        for (int i = 0; i < FM; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                const int m = warp_m * FM * 16 + i * 16 + g + 8 * h;
+                if (m >= ntok) continue;
+                const float scale = inv_rms ? inv_rms[gather ? sorted[p0 + m] / k : p0 + m] : 1.0f;
+#pragma unroll
+                for (int j = 0; j < FN; j++) {
+                    const int row = row0 + warp_n * FN * 8 + j * 8 + t * 2;   // even: a (gate, up) pair
+                    mma_store_pair<SILU>(p0 + m, row, acc[i][j][2 * h] * scale, acc[i][j][2 * h + 1] * scale, N,
+                                         ldy, y, nullptr, nullptr, nullptr);
+                }
+            }
+    }
+}
+
+// moe_mma_<fmt>_<BM>x<BN> (+ _silu): the tiles of kestrel_stream/cuda/moe_kernels.py's MMA_TILES
 #define DEFINE_MOE_MMA(BM, BN, BK, WM, WN, SILU, NAME)                                                \
     extern "C" __global__ void __launch_bounds__(32 * WM * WN) NAME(                                   \
             const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,  \
@@ -179,4 +272,22 @@ __device__ __forceinline__ void moe_mma_q8_body(
 DEFINE_MOE_MMA_PAIR(16, 64, 64, 1, 4, 16x64)
 DEFINE_MOE_MMA_PAIR(32, 64, 64, 2, 2, 32x64)
 DEFINE_MOE_MMA_PAIR(64, 64, 64, 2, 2, 64x64)
-DEFINE_MOE_MMA_PAIR(64, 128, 64, 2, 4, 64x128)
+
+#define DEFINE_MOE_MMA_BLOCKS(F, BM, WM, SILU, NAME)                                                  \
+    extern "C" __global__ void __launch_bounds__(QM_THREADS) NAME(                                     \
+            const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,  \
+            const int* slot_of, const int* groups, const float* x, int ldx, int gather,               \
+            const float* inv_rms, float* y, int ldy, int N, int K, int E, int k) {                    \
+        moe_mma_blocks_body<F, BM, WM, SILU>(qs, meta, qs_slot, meta_slot, slot_of, groups, x, ldx, gather, \
+                                             inv_rms, y, ldy, N, K, E, k);                            \
+    }
+#define DEFINE_MOE_MMA_BLOCK_TILES(F, CODE)                                   \
+    DEFINE_MOE_MMA_BLOCKS(F, 16, 1, false, moe_mma_##CODE##_16x64)            \
+    DEFINE_MOE_MMA_BLOCKS(F, 16, 1, true, moe_mma_##CODE##_16x64_silu)        \
+    DEFINE_MOE_MMA_BLOCKS(F, 32, 2, false, moe_mma_##CODE##_32x64)            \
+    DEFINE_MOE_MMA_BLOCKS(F, 32, 2, true, moe_mma_##CODE##_32x64_silu)        \
+    DEFINE_MOE_MMA_BLOCKS(F, 64, 2, false, moe_mma_##CODE##_64x64)            \
+    DEFINE_MOE_MMA_BLOCKS(F, 64, 2, true, moe_mma_##CODE##_64x64_silu)
+DEFINE_MOE_MMA_BLOCK_TILES(FmtQ4_0, q4_0)
+DEFINE_MOE_MMA_BLOCK_TILES(FmtQ4_K, q4_k)
+DEFINE_MOE_MMA_BLOCK_TILES(FmtQ6_K, q6_k)

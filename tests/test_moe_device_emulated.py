@@ -198,11 +198,12 @@ def test_gpu_mode_runs_steps_of_many_tokens_on_the_grouped_gemm(model, emulated)
     check_gpu_mode_on_the_grouped_gemm(weights, cpu, reference, emulated)
 
 
-def test_gpu_mode_with_q4_k_m_experts(emulated):
+@pytest.mark.parametrize("mma_min_tokens", [None, 2])   # the GEMVs; steps of 2+ tokens on the GEMM
+def test_gpu_mode_with_q4_k_m_experts(emulated, mma_min_tokens):
     cfg = dataclasses.replace(PRESETS["qwen3-moe-tiny"], hidden_size=256, moe_intermediate_size=256)
     weights = block_experts(random_q8_weights(cfg, seed=3))
     cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH, options=NUMPY)
-    engine = gpu_engine(weights)
+    engine = gpu_engine(weights, options=NUMPY.with_(moe_mma_min_tokens=mma_min_tokens))
     assert engine.executor.backend.experts.formats[0] == ("Q4_K", "Q6_K")
     assert_logits_match(run(engine, PROMPTS[0]), run(cpu, PROMPTS[0]))
     engine.close()

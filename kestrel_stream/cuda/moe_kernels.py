@@ -22,8 +22,8 @@ EXPERTS_SIGNATURE = "ppqqppp" + "ii" + "pp" + "iiiii"   # qs meta qs_slot meta_s
 COMBINE_SIGNATURE = "ppppppppp" + "f" + "iiii"   # route groups slot_of expert_out res y normw xn inv_rms, eps, H E k T
 
 # kernels_ptx/moe_mma.cu: the grouped int8 tensor-core GEMM (moe_experts' arguments), BM tokens x BN rows per block
-MMA_FORMATS = ("Q8_0",)
-MMA_TILES = {"16x64": (16, 64, 128), "32x64": (32, 64, 128), "64x64": (64, 64, 128)}   # BM, BN, threads
+MMA_FORMATS = FORMATS
+MMA_TILES = {"16x64": (16, 64, 128), "32x64": (32, 64, 128), "64x64": (64, 64, 128)}   # BM, BN, threads (every format)
 # The switch point: a step whose choices average this many tokens per expert (tokens x chosen / experts) takes
 # the GEMM; fewer, the GEMVs, which read an expert's weights once per 8 tokens without quantising x.
 MMA_MIN_EXPERT_TOKENS = 8
