@@ -100,6 +100,16 @@ def mma_grid(tile: str, rows: int, experts: int, chosen: int, tokens: int) -> tu
     return -(-rows // bn), min(-(-tokens // bm), 2 * mean_tiles), active
 
 
+def experts_kernel(kernels, fmt: str, *, experts: int, chosen: int, tokens: int) -> str:
+    """The kernel (less "_silu") a step of `tokens` tokens runs its `fmt` experts on: moe_mma_<fmt>_<tile>
+    (uses_mma) or moe_experts_<fmt>_m<1|8>.  kernels: the KernelSet, or the Options it was made from (the
+    same moe_mma_min_tokens and moe_mma_tile)."""
+    shape = dict(experts=experts, chosen=chosen, tokens=tokens)
+    if uses_mma(kernels, fmt, **shape):
+        return f"moe_mma_{fmt.lower()}_{mma_tile(**shape, given=kernels.moe_mma_tile)}"
+    return f"moe_experts_{fmt.lower()}_m{1 if tokens == 1 else 8}"
+
+
 def experts_launch(kernels, fmt: str, part: PoolPart, *, slot_of: int, groups: int, x: int, ldx: int, gather: bool,
                    inv_rms: int, y: int, ldy: int, rows: int, cols: int, experts: int, chosen: int, tokens: int,
                    silu: bool):
@@ -109,11 +119,11 @@ def experts_launch(kernels, fmt: str, part: PoolPart, *, slot_of: int, groups: i
     assert fmt in FORMATS, f"no expert kernel for {fmt}"
     assert not silu or rows % 2 == 0
     shape = dict(experts=experts, chosen=chosen, tokens=tokens)
-    if uses_mma(kernels, fmt, **shape):
-        tile = mma_tile(**shape, given=kernels.moe_mma_tile)
-        name, grid, block = f"moe_mma_{fmt.lower()}_{tile}", mma_grid(tile, rows, **shape), MMA_TILES[tile][2]
+    name = experts_kernel(kernels, fmt, **shape)
+    if name.startswith("moe_mma_"):
+        tile = name.rsplit("_", 1)[1]
+        grid, block = mma_grid(tile, rows, **shape), MMA_TILES[tile][2]
     else:
-        name = f"moe_experts_{fmt.lower()}_m{1 if tokens == 1 else 8}"
         grid, block = (-(-rows // EXPERT_ROWS), min(tokens * chosen, experts)), EXPERT_THREADS
     return kernels.launch(name + ("_silu" if silu else ""), grid, (block,), EXPERTS_SIGNATURE,
                           [part.qs, part.meta, part.qs_slot, part.meta_slot, slot_of, groups, x, ldx, int(gather),
