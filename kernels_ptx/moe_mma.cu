@@ -27,6 +27,25 @@
 
 #define MOE_MMA_STRIDE(BK) ((BK) + 16)   // bytes per shared row, as q8_mma.cu: fragment loads free of bank conflicts
 
+// the expert of block z and its slot's rows: false where the step chose fewer experts (the block exits)
+struct ExpertRows {
+    int first, end;               // its choices: sorted[first .. end)
+    const unsigned char* qs;      // its slot's rows
+    const unsigned char* meta;
+};
+
+__device__ __forceinline__ bool expert_of_block(ExpertRows& ex, const unsigned char* qs, const unsigned char* meta,
+                                                long long qs_slot, long long meta_slot, const int* slot_of,
+                                                const int* groups, int E) {
+    const int* active = groups + E + 1;
+    if ((int)blockIdx.z >= active[E]) return false;
+    const int e = active[blockIdx.z];
+    const long long slot = slot_of[e];
+    ex = {groups[e], groups[e + 1], qs + slot * qs_slot, meta + slot * meta_slot};
+    return true;
+}
+
+// Q8_0: q8_mma.cu's double-buffered tile over the expert's token tiles
 template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, bool SILU>
 __device__ __forceinline__ void moe_mma_q8_body(
         const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,
@@ -49,14 +68,11 @@ __device__ __forceinline__ void moe_mma_q8_body(
     pdl_launch_dependents();
     pdl_wait();   // the route kernel's groups, x and 1/rms (and which expert's weights: no load before this)
 
-    const int* active = groups + E + 1;
-    if ((int)blockIdx.z >= active[E]) return;
-    const int e = active[blockIdx.z];
-    const int first = groups[e], end = groups[e + 1];
+    ExpertRows ex;
+    if (!expert_of_block(ex, qs, meta, qs_slot, meta_slot, slot_of, groups, E)) return;
     const int* sorted = groups + 2 * (E + 1);
-    const long long slot = slot_of[e];
-    const int8* wq = (const int8*)(qs + slot * qs_slot);
-    const half_bits* scales = (const half_bits*)(meta + slot * meta_slot);
+    const int8* wq = (const int8*)ex.qs;
+    const half_bits* scales = (const half_bits*)ex.meta;
 
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const int g = lane >> 2, t = lane & 3;                          // mma fragment coordinates
@@ -83,8 +99,8 @@ __device__ __forceinline__ void moe_mma_q8_body(
         }
     };
 
-    for (int p0 = first + (int)blockIdx.y * BM; p0 < end; p0 += gridDim.y * BM) {
-        const int ntok = min(BM, end - p0);
+    for (int p0 = ex.first + (int)blockIdx.y * BM; p0 < ex.end; p0 += gridDim.y * BM) {
+        const int ntok = min(BM, ex.end - p0);
         // this thread's x rows of the tile: by token (gate_up: choice sorted[p] is token sorted[p] / k) or in
         // grouped order (down); none past the expert's tokens (zeros, never stored)
         const float* x_rows[X_LOADS];
@@ -166,24 +182,6 @@ __device__ __forceinline__ void moe_mma_q8_body(
             }
         __syncthreads();   // the next tile's first stage overwrites shared memory the last one read
     }
-}
-
-// the expert of block z and its slot's rows: false where the step chose fewer experts (the block exits)
-struct ExpertRows {
-    int first, end;               // its choices: sorted[first .. end)
-    const unsigned char* qs;      // its slot's rows
-    const unsigned char* meta;
-};
-
-__device__ __forceinline__ bool expert_of_block(ExpertRows& ex, const unsigned char* qs, const unsigned char* meta,
-                                                long long qs_slot, long long meta_slot, const int* slot_of,
-                                                const int* groups, int E) {
-    const int* active = groups + E + 1;
-    if ((int)blockIdx.z >= active[E]) return false;
-    const int e = active[blockIdx.z];
-    const long long slot = slot_of[e];
-    ex = {groups[e], groups[e + 1], qs + slot * qs_slot, meta + slot * meta_slot};
-    return true;
 }
 
 // the 4/6-bit formats: q4_mma.cu's stages (QM_BN rows, QM_BK of K) over the expert's token tiles
