@@ -12,7 +12,9 @@
 # blockgemv = every 4/6-bit GEMV layout's GPU tests and bench.block_gemv at the qwen3-1.7b and 8b shapes;
 # dp4a = the one-token dp4a layouts' GPU tests and their bench.block_gemv sweep beside the default layouts;
 # steps = the block-format steps of 1..70 tokens' GPU tests, bench.block_mma's tile/split sweep at the
-# qwen2.5-1.5b shapes and bench.steps on random qwen3-1.7b Q4_K_M and Q8_0 files, LLAMA_BENCH=PATH beside).
+# qwen2.5-1.5b shapes and bench.steps on random qwen3-1.7b Q4_K_M and Q8_0 files, LLAMA_BENCH=PATH beside;
+# moe = the routed layer's GPU tests (GEMVs and the grouped tensor-core GEMM) and bench.moe_experts at the
+# qwen3-30b-a3b layer shape, routing near uniform and skewed).
 # Result files (md/json/traces/html) and every step's log (logs/*.txt) land in $OUT/h200-results.tgz, since
 # the device tool returns at most 8 files; each log's last lines also go to stdout.  The device copy of the tree has no .git: KESTREL_COMMIT names the commit.
 set -uo pipefail
@@ -21,7 +23,7 @@ RESULTS=$(mktemp -d)
 mkdir -p "$OUT" "$RESULTS/logs"
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 # each step's log, then the archive again: a call cut short still returns what finished
-STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill blocks splits fewtok f16mma blockgemv dp4a steps}
+STEPS=${STEPS:-tests decode variants modes kernels window traces daemon serve http search kv prefill blocks splits fewtok f16mma blockgemv dp4a steps moe}
 run() {
     local seconds=$1 log=$2; shift 2
     [[ " $STEPS " == *" ${log%.txt} "* ]] || return 0
@@ -71,3 +73,6 @@ run 590 steps.txt bash -c "python3 -m pytest -m gpu -q -x tests/test_block_steps
     && python3 -m bench.make_gguf --preset qwen3-1.7b --mix q4_k_m -o /tmp/q17-q4km.gguf \
     && python3 -m bench.make_gguf --preset qwen3-1.7b -o /tmp/q17-q8.gguf \
     && python3 -m bench.steps /tmp/q17-q4km.gguf /tmp/q17-q8.gguf \${LLAMA_BENCH:+--llama-bench \$LLAMA_BENCH} --out $RESULTS"
+run 420 moe.txt bash -c "python3 -m pytest -m gpu -q -x tests/test_moe_kernels.py tests/test_gpu_moe.py \
+    && python3 -m bench.moe_experts --out $RESULTS \
+    && python3 -m bench.moe_experts --hot 3 --tokens 128,512 --out $RESULTS/hot"

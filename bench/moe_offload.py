@@ -12,7 +12,9 @@ of the experts (as many slots; the most chosen resident, the rest computed on th
 kernels, --threads), on top of mode offload's KV pool (one session of --max-seq-len) and activations;
 `attention`, the non-expert weights alone (every expert on the host); a number, that fraction of them.
 Each row: greedy decode after one token (medians of --repeats after a warm-up), a --prompt-token prefill
-(the last row's logits) and --sessions sessions decoding together.  Offload rows add the placement (A: qkv
+(the last row's logits; in gpu mode with the kernels its routed layers' experts ran on: the grouped tensor-core
+GEMM moe_mma_* from cuda/moe_kernels.mma_min_tokens tokens a step, or KESTREL_MOE_MMA_MIN_TOKENS, else the
+moe_experts_* GEMVs) and --sessions sessions decoding together.  Offload rows add the placement (A: qkv
 and o resident, the MLP on the host; M: qkv and o streamed; H: all on the host), the predicted step and the
 host roofline of the row: the expert bytes a token reads that are not resident (the routers' choice at the
 resident share expected) ÷ the host memory pool's best rate (calibrated at the start: scheduler/step_sim
@@ -147,6 +149,17 @@ def llama_batched(binary: str, path: str, ncmoe: int | None, threads: int, sessi
     return float(cells[7])          # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
 
 
+def experts_kernels(weights, options, tokens: int) -> str:
+    """The kernels a `tokens`-token step runs the routed layers' gate_up and down on (moe_kernels'
+    choice, KESTREL_MOE_MMA_MIN_TOKENS / _TILE as the engine reads them)."""
+    from kestrel_stream.cuda.moe_kernels import experts_kernel
+    from kestrel_stream.run.device.expert_store import weight_formats
+    c = weights.config
+    shape = dict(experts=c.num_experts, chosen=c.num_experts_per_tok, tokens=tokens)
+    names = {experts_kernel(options, fmt, **shape) for formats in weight_formats(weights).values() for fmt in formats}
+    return " ".join(sorted(names))
+
+
 def engine_for(weights, which: str, budget: int | None, args):
     from kestrel_stream.options import Options
     from kestrel_stream.run.engine import Engine
@@ -166,6 +179,10 @@ def ours(path: str, weights, which: str, args, profile) -> list[dict]:
     row = {"file": os.path.basename(path), "budget": which, "mode": x.mode, "weight_MB": round(weight_bytes / 1e6, 1),
            "budget_MB": round(budget / 1e6, 1) if budget else "free VRAM", "ours_tg_tok_s": round(rate, 2),
            "step_ms": round(step_ms, 3), "ours_pp_tok_s": round(prefill_rate(engine, args.prompt, 1), 1)}
+    if x.mode == "gpu":        # a prompt's steps: chunks of step_rows' tokens
+        from kestrel_stream.run.device.budget import step_rows
+        step = min(args.prompt, step_rows(args.max_batch)[0])
+        row["pp_experts_kernels"] = experts_kernels(weights, engine.options, step)
     if args.sessions:
         row["ours_batch_tok_s"] = round(batch_rate(engine, args.sessions, 32), 1)
     resident = x.resident_experts

@@ -22,7 +22,7 @@ KERNEL_SOURCES = ("q8_gemv.cu", "q8_matmul.cu", "q8_mma.cu", "q8_mma_pipe.cu", "
                   "qkv_rope.cu", "attention.cu", "attention_rope.cu", "flash_attention.cu",
                   "elementwise.cu", "sample.cu", "q4_gemv.cu", "q4_mma.cu", "dense_gemm.cu",
                   "q4_gemv_m1.cu", "q4_gemv_mn.cu", "q4_gemv_mg.cu", "q4_gemv_m1d.cu", "q8_gemm_f16.cu", "q8_wgmma.cu",
-                  "moe.cu")
+                  "moe.cu", "moe_mma.cu")
 # sources with arch-specific instructions (wgmma): compiled for sm_90a on an sm_90 GPU
 ARCH_FEATURE_SOURCES = ("q8_wgmma.cu",)
 # no --use_fast_math: expf/sinf/cosf must track the numpy reference to ~1 ulp

@@ -1,5 +1,5 @@
-// Device helpers of the int8 tensor-core GEMMs (q8_mma.cu, q8_mma_pipe.cu): cp.async, the
-// m16n8k32 int8 mma, and the two-level activation quantisation (hi, lo) both kernels share.
+// Device helpers of the int8 tensor-core GEMMs (q8_mma.cu, q8_mma_pipe.cu, moe_mma.cu): cp.async, the
+// m16n8k32 int8 mma, the two-level activation quantisation (hi, lo) they share, and q8_mma.cu's stage.
 #pragma once
 
 
@@ -33,4 +33,58 @@ __device__ __forceinline__ void quantise4(float4 v, float d, float inv, unsigned
     hi = pack4(h0, h1, h2, h3);
     lo = pack4(quantise(__fmaf_rn(-(float)h0, d, v.x), inv_lo), quantise(__fmaf_rn(-(float)h1, d, v.y), inv_lo),
                quantise(__fmaf_rn(-(float)h2, d, v.z), inv_lo), quantise(__fmaf_rn(-(float)h3, d, v.w), inv_lo));
+}
+
+// One BK-wide stage of q8_mma.cu's double-buffered tiles (its main loop's arithmetic, which moe_mma.cu calls):
+// a warp's FM x FN mma tiles of the quantised x tile (hi and lo levels, BM rows STRIDE bytes apart) against
+// the weight tile (BN rows), c = mma(lo, w, mma(hi, w, 0) << 7) per Q8_0 block, c * (d / 128) * w_scale into
+// the fp32 accumulators; x_scale [KB][BM] (d / 128), w_scale [KB][BN].
+template <int BM, int BN, int KB, int FM, int FN, int STRIDE>
+__device__ __forceinline__ void mma_stage_q8(float (&acc)[FM][FN][4], const unsigned char* xt,
+                                             const unsigned char* xt_lo, const unsigned char* wt,
+                                             const float* x_scale, const float* w_scale,
+                                             int warp_m, int warp_n, int g, int t) {
+#pragma unroll
+    for (int b = 0; b < KB; b++) {
+        unsigned int a[FM][4], a_lo[FM][4], bw[FN][2];
+#pragma unroll
+        for (int i = 0; i < FM; i++) {
+            const int at = (warp_m * FM * 16 + i * 16 + g) * STRIDE + b * 32 + t * 4;
+#pragma unroll
+            for (int level = 0; level < 2; level++) {
+                const unsigned char* p = (level ? xt_lo : xt) + at;
+                unsigned int (&frag)[4] = level ? a_lo[i] : a[i];
+                frag[0] = *(const unsigned int*)p;
+                frag[1] = *(const unsigned int*)(p + 8 * STRIDE);
+                frag[2] = *(const unsigned int*)(p + 16);
+                frag[3] = *(const unsigned int*)(p + 8 * STRIDE + 16);
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < FN; j++) {
+            const unsigned char* p = wt + (warp_n * FN * 8 + j * 8 + g) * STRIDE + b * 32 + t * 4;
+            bw[j][0] = *(const unsigned int*)p;
+            bw[j][1] = *(const unsigned int*)(p + 16);
+        }
+#pragma unroll
+        for (int i = 0; i < FM; i++) {
+            const int m = warp_m * FM * 16 + i * 16 + g;
+            const float xs0 = x_scale[b * BM + m], xs1 = x_scale[b * BM + m + 8];
+#pragma unroll
+            for (int j = 0; j < FN; j++) {
+                const int n = warp_n * FN * 8 + j * 8 + t * 2;
+                const float2 ws = *(const float2*)&w_scale[b * BN + n];
+                const int zero[4] = {0, 0, 0, 0};
+                int hi[4], d[4];
+                mma_s8(hi, a[i], bw[j], zero);
+#pragma unroll
+                for (int c = 0; c < 4; c++) hi[c] <<= 7;   // |hi| <= 32 * 127 * 127: no overflow
+                mma_s8(d, a_lo[i], bw[j], hi);
+                acc[i][j][0] = fmaf((float)d[0], xs0 * ws.x, acc[i][j][0]);
+                acc[i][j][1] = fmaf((float)d[1], xs0 * ws.y, acc[i][j][1]);
+                acc[i][j][2] = fmaf((float)d[2], xs1 * ws.x, acc[i][j][2]);
+                acc[i][j][3] = fmaf((float)d[3], xs1 * ws.y, acc[i][j][3]);
+            }
+        }
+    }
 }

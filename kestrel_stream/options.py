@@ -21,6 +21,9 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_CUBLAS_MIN_TOKENS=N  gpu mode's steps of >= N tokens on cuBLAS (default 128; 0: never)
     KESTREL_GEMV_BLOCK=NAME   force one 4/6-bit GEMV layout where it fits the token count ("": the first kernel)
     KESTREL_BLOCK_MMA_MIN_TOKENS=N  4/6-bit steps of >= N tokens (2..9) on the tensor-core GEMM (default 9)
+    KESTREL_MOE_MMA_MIN_TOKENS=N  routed layers' steps of >= N tokens on the grouped tensor-core GEMM
+                              (default: cuda/moe_kernels.mma_min_tokens, 8 tokens per expert on average; 0: always)
+    KESTREL_MOE_MMA_TILE=BMxBN   force one tile of that GEMM (cuda/moe_kernels.MMA_TILES: 16x64 | 32x64 | 64x64)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
     KESTREL_HOST_KERNELS=numpy  the host backend multiplies on float32 copies with numpy (the reference
@@ -72,6 +75,8 @@ class Options:
     cublas_min_tokens: int | None = None     # None: scheduler.dense.DENSE_MIN_TOKENS; 0: the built-in GEMM always
     gemv_block: str | None = None            # a layout of cuda/q4_gemv_variants.py; None: choose's
     block_mma_min_tokens: int | None = None  # None: cuda/block_kernels.MMA_MIN_TOKENS
+    moe_mma_min_tokens: int | None = None    # None: cuda/moe_kernels.mma_min_tokens's default
+    moe_mma_tile: str | None = None          # a tile of cuda/moe_kernels.MMA_TILES; None: mma_tile's choice
     kernel_cache_dir: Path | None = None     # None: kernels_ptx.build's default
     cache_dir: Path | None = None            # None: ~/.cache/kestrel-stream
     host_isa: str | None = None              # None: the widest the CPU has (native.ISAS)
@@ -103,7 +108,7 @@ class Options:
     @classmethod
     def from_env(cls, environ=None, **given) -> "Options":
         """The environment's settings, overridden by `given` (flags, ks.load arguments)."""
-        from kestrel_stream.cuda import q4_gemv_variants
+        from kestrel_stream.cuda import moe_kernels, q4_gemv_variants
         from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS    # (see with_)
         env = os.environ if environ is None else environ
         m1 = env.get("KESTREL_GEMV_M1")
@@ -123,6 +128,9 @@ class Options:
         block_mma = _tokens(env.get("KESTREL_BLOCK_MMA_MIN_TOKENS"), "KESTREL_BLOCK_MMA_MIN_TOKENS")
         if block_mma is not None and not 2 <= block_mma <= 9:
             raise ValueError(f"KESTREL_BLOCK_MMA_MIN_TOKENS={block_mma}: 2..9 (the GEMV layouts serve up to 8 tokens)")
+        moe_mma_tile = env.get("KESTREL_MOE_MMA_TILE") or None
+        if moe_mma_tile is not None and moe_mma_tile not in moe_kernels.MMA_TILES:
+            raise ValueError(f"KESTREL_MOE_MMA_TILE={moe_mma_tile!r}: one of {', '.join(moe_kernels.MMA_TILES)}")
         host_isa = env.get("KESTREL_HOST_ISA") or None
         if host_isa is not None and host_isa not in HOST_ISAS:
             raise ValueError(f"KESTREL_HOST_ISA={host_isa!r}: one of {', '.join(HOST_ISAS)}")
@@ -145,7 +153,8 @@ class Options:
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0", step_graphs=step_graphs == "1",
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
-                      block_mma_min_tokens=block_mma,
+                      block_mma_min_tokens=block_mma, moe_mma_tile=moe_mma_tile,
+                      moe_mma_min_tokens=_tokens(env.get("KESTREL_MOE_MMA_MIN_TOKENS"), "KESTREL_MOE_MMA_MIN_TOKENS"),
                       cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),
                       cache_dir=_path(env.get("KESTREL_CACHE_DIR")),

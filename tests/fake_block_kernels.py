@@ -87,6 +87,24 @@ def quantize_groups(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, 
     return hi, lo, d, groups.sum(axis=2, dtype=np.float32)
 
 
+def mma_product(xs: np.ndarray, fmt: str, blocks: np.ndarray, K: int) -> np.ndarray:
+    """q4_mma.cu's arithmetic: x [T, K] float32 against `blocks` of `fmt` ([n, K] weights), x in two int8
+    levels per group of 16 (stages of 128, zeros past K), exact integer dots, a group's scale and min each."""
+    padded = np.zeros((xs.shape[0], -(-K // 128) * 128), np.float32)
+    padded[:, :K] = xs
+    hi, lo, d, xsum = quantize_groups(padded)
+    q = (128 * hi + lo).astype(np.float64)                          # exact integers
+    levels, s_w, o_w = group_form(blocks, fmt, K)
+    n = levels.shape[0]
+    acc = np.zeros((xs.shape[0], n), np.float32)
+    w = levels.reshape(n, -1, 16).astype(np.float64)
+    for g in range(K // 16):
+        dots = (q[:, g, :] @ w[:, g, :].T).astype(np.float32)
+        acc += dots * ((d[:, g, None] * np.float32(1 / 128)) * s_w[None, :, g])
+        acc -= xsum[:, g, None] * o_w[None, :, g]
+    return acc
+
+
 def q4_mma(launch, *args) -> None:
     import fake_kernels as fk
     x, ldx, N, K, ntok = args[2], args[3], args[13], args[14], args[15]
@@ -108,22 +126,7 @@ def q4_mma(launch, *args) -> None:
     else:
         assert partials == 0 and tickets == 0, f"{launch.name}: an unsplit launch is given split scratch"
     xs = fk.rows(x, ntok, ldx, K)
-    padded = np.zeros((ntok, -(-K // 128) * 128), np.float32)     # stages of 128, zeros past K
-    padded[:, :K] = xs
-    hi, lo, d, xsum = quantize_groups(padded)
-    q = (128 * hi + lo).astype(np.float64)                          # exact integers
-    out = []
-    for fmt, blocks in parts(launch.name, args):
-        levels, s_w, o_w = group_form(blocks, fmt, K)
-        n = levels.shape[0]
-        acc = np.zeros((ntok, n), np.float32)
-        w = levels.reshape(n, -1, 16).astype(np.float64)
-        for g in range(K // 16):
-            dots = (q[:, g, :] @ w[:, g, :].T).astype(np.float32)
-            acc += dots * ((d[:, g, None] * np.float32(1 / 128)) * s_w[None, :, g])
-            acc -= xsum[:, g, None] * o_w[None, :, g]
-        out.append(acc)
-    s = np.concatenate(out, axis=1)
+    s = np.concatenate([mma_product(xs, fmt, blocks, K) for fmt, blocks in parts(launch.name, args)], axis=1)
     fk.gemv_epilogues(launch, s, *args[4:13], N, ntok, ntok, silu, sums=False,
                       tickets=launch.grid[1] if launch.grid[1] <= 8 else 1)
 

@@ -233,6 +233,8 @@ class FakeKernelSet:
         self.gemv_mn = options.gemv_mn if options is not None else None
         self.gemv_block = options.gemv_block if options is not None else None
         self.block_mma_min_tokens = options.block_mma_min_tokens if options is not None else None
+        self.moe_mma_min_tokens = options.moe_mma_min_tokens if options is not None else None
+        self.moe_mma_tile = options.moe_mma_tile if options is not None else None
 
     def launch(self, kernel_name: str, grid, block, signature: str, args, shared_bytes: int = 0) -> FakeLaunch:
         return FakeLaunch(kernel_name, grid, block, signature, args, shared_bytes)

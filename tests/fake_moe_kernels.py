@@ -4,7 +4,10 @@ moe_route: the router's logits of xn times 1/rms (the norm prologue), the host's
 (run/host/arithmetic.route: the same top-k and weights, ties to the lowest id), the counts, and the
 grouping the last block writes; moe_experts: each active expert's weight read back from its pool slot
 (a wrong slot, stride or part offset gives wrong numbers) times the rows of the tokens that chose it;
-moe_combine: the weighted sum of each token's choices that have a slot.  Each checks the launch shape
+moe_mma (moe_mma.cu, the grouped tensor-core GEMM): the same, with the dense GEMMs' arithmetic per expert
+(Q8_0: q8_mma.cu's, fake_kernels.mma_product, x in two int8 levels per 32-block; the 4/6-bit formats
+q4_mma.cu's, fake_block_kernels.mma_product, per group of 16); moe_combine: the weighted sum of each token's
+choices that have a slot.  Each checks the launch shape
 (a grid that misses a chosen expert is an error, as the kernel would silently skip it), the alignment of
 vector loads and that the route kernel's tickets are zero at launch.
 """
@@ -98,6 +101,46 @@ def moe_experts(launch, qs, meta, qs_slot, meta_slot, slot_of, groups, x, ldx, g
         fk.rows(y + 4 * first * ldy, end - first, ldy, out.shape[1])[:] = out
 
 
+def slot_product(fmt: str, qs: int, meta: int, xs: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """xs [T, cols] times one slot's [rows, cols] weight as the dense tensor-core GEMM of `fmt` multiplies."""
+    import fake_kernels as fk
+    if fmt == "Q8_0":
+        assert cols % 32 == 0
+        return fk.mma_product(xs, dev(qs, rows * cols, np.int8).reshape(rows, cols),
+                              dev(meta, 2 * rows * (cols // 32), np.float16).reshape(rows, cols // 32))
+    from fake_block_kernels import mma_product, part_blocks
+    return mma_product(xs, fmt, part_blocks(qs, meta, fmt, rows, cols), cols)
+
+
+def moe_mma(launch, qs, meta, qs_slot, meta_slot, slot_of, groups, x, ldx, gather, inv_rms, y, ldy, N, K, E,
+            k) -> None:
+    import fake_kernels as fk
+    code, tile, silu = re.fullmatch(r"moe_mma_(q8_0|q4_0|q4_k|q6_k)_(\d+x\d+)(_silu)?", launch.name).groups()
+    fmt = code.upper()
+    bm, bn, threads = moe_kernels.MMA_TILES[tile]
+    assert launch.block == (threads, 1, 1), launch.name
+    assert launch.grid[0] * bn >= N, f"{launch.name}: grid {launch.grid} misses rows of {N}"
+    assert not silu or N % 2 == 0
+    assert qs_slot % 16 == 0 and meta_slot % 16 == 0 and qs % 16 == 0, launch.name
+    assert ldx % 4 == 0 and x % 16 == 0, f"{launch.name}: float4 loads of x misaligned (x {x:#x}, ldx {ldx})"
+    offsets, active, order, _ = group_layout(groups, E, 0)
+    choices = int(offsets[E])
+    offsets, active, order, _ = group_layout(groups, E, choices)
+    assert active[E] <= launch.grid[2], f"{launch.name}: {active[E]} chosen experts, grid {launch.grid}"
+    slots = ints(slot_of, E)
+    for e in active[:active[E]]:
+        first, end = int(offsets[e]), int(offsets[e + 1])
+        slot = int(slots[e])
+        assert slot >= 0
+        source = order[first:end] // k if gather else np.arange(first, end)
+        xs = np.stack([fk.f32(x + 4 * int(r) * ldx, K) for r in source])
+        s = slot_product(fmt, qs + slot * qs_slot, meta + slot * meta_slot, xs, N, K)
+        if inv_rms:
+            s *= fk.f32(inv_rms, int(source.max()) + 1)[source][:, None]
+        out = fk.silu_mul(s[:, 0::2], s[:, 1::2]) if silu else s
+        fk.rows(y + 4 * first * ldy, end - first, ldy, out.shape[1])[:] = out
+
+
 def moe_combine(launch, route, groups, slot_of, expert_out, res, y, normw_out, xn_out, inv_rms_out, eps, H, E, k,
                 T) -> None:
     import fake_kernels as fk
@@ -122,5 +165,6 @@ def moe_combine(launch, route, groups, slot_of, expert_out, res, y, normw_out, x
 MOE_KERNELS = [
     (r"moe_route", moe_route),
     (r"moe_experts_(q8_0|q4_0|q4_k|q6_k)_m(1|8)(_silu)?", moe_experts),
+    (r"moe_mma_(q8_0|q4_0|q4_k|q6_k)_\d+x\d+(_silu)?", moe_mma),
     (r"moe_combine", moe_combine),
 ]

@@ -25,6 +25,7 @@ print(json.dumps([{{"n_prompt": prompt, "n_gen": 0, "avg_ts": 1000.0}}, {{"n_pro
 def test_the_moe_bench_runs_every_row(tmp_path, monkeypatch):
     from bench import moe_offload
     fake_cuda.install(monkeypatch, mode="deferred")
+    monkeypatch.setenv("KESTREL_MOE_MMA_MIN_TOKENS", "16")      # the prompt's step on the grouped GEMM
     path = tmp_path / "qwen3-moe-tiny.gguf"
     write_gguf(PRESETS["qwen3-moe-tiny"], None, str(path), seed=1)
     log = tmp_path / "llama-bench.log"
@@ -37,6 +38,7 @@ def test_the_moe_bench_runs_every_row(tmp_path, monkeypatch):
     rows = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
     by_budget = {row["budget"]: row for row in rows}
     assert by_budget["all"]["mode"] == "gpu" and by_budget["all"]["ours_batch_tok_s"] > 0
+    assert by_budget["all"]["pp_experts_kernels"] == "moe_mma_q8_0_16x64"
     offload = by_budget["experts:0.25"]
     assert offload["mode"] == "offload" and offload["host_roofline_tok_s"] > 0 and offload["ours_pp_tok_s"] > 0
     hits = {policy: by_budget[f"experts:0.25 resident by {policy}"]["hit_rate"] for policy in ("uniform", "frequency")}

@@ -2,7 +2,8 @@
 on the numpy reference arithmetic (2e-3 relative, the same argmax): gpu mode with every expert in VRAM for
 tiny random Qwen3-MoE (a dense layer between routed ones) and Mixtral, in Q8_0 and in llama.cpp's Q4_K_M
 expert formats (Q4_K gate/up, Q6_K down); a prefill, greedy decode steps (replayed graphs and the device's
-greedy chain) and a batch of sessions; mode offload keeping the experts its room holds resident on the GPU
+greedy chain) and a batch of sessions, there with the grouped tensor-core GEMM (moe_mma.cu) on every step of
+two tokens or more; mode offload keeping the experts its room holds resident on the GPU
 (a routed layer's router and those experts there, the others on the host) with the moves and waits its
 plan says, and choosing them again by routing frequency.  tests/test_gpu_moe.py runs these checks on a GPU.
 """
@@ -68,10 +69,10 @@ def run(engine, prompt, decode_steps: int = DECODE_STEPS) -> np.ndarray:
     return np.concatenate(steps)
 
 
-def gpu_engine(weights, budget=None) -> Engine:
+def gpu_engine(weights, budget=None, options=NUMPY) -> Engine:
     """gpu mode under `budget` (None: free VRAM); the pool's figures given, should it become offload."""
     executor = StepExecutor(weights, "gpu", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH, vram_budget=budget,
-                            options=NUMPY)
+                            options=options)
     return with_executor(weights, executor)
 
 
@@ -127,6 +128,21 @@ def check_gpu_mode_batches_and_chains(weights, cpu) -> None:
     engine.close()
 
 
+def check_gpu_mode_on_the_grouped_gemm(weights, cpu, reference, monkeypatch) -> None:
+    """Every step of two tokens or more (prompts, batches) on moe_mma.cu, one token on the GEMVs: the CPU
+    engine's logits."""
+    from kestrel_stream.run.device import moe_ops
+    kernels, real = [], moe_ops.experts_launch
+    monkeypatch.setattr(moe_ops, "experts_launch", lambda *a, **kw: kernels.append(real(*a, **kw)) or kernels[-1])
+    engine = gpu_engine(weights, options=NUMPY.with_(moe_mma_min_tokens=2))
+    for prompt, expected in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected)
+    assert_batched_decode_matches(engine, cpu)
+    names = {launch.name for launch in kernels}
+    assert {"moe_mma_q8_0_16x64_silu", "moe_mma_q8_0_16x64", "moe_experts_q8_0_m1"} <= names, names
+    engine.close()
+
+
 def check_offload_with_resident_experts(weights, reference, experts: int) -> None:
     engine = offload_engine(weights, experts)
     x, c = engine.executor, weights.config
@@ -177,11 +193,17 @@ def test_gpu_mode_batches_sessions_and_chains_greedy_steps(model, emulated):
     check_gpu_mode_batches_and_chains(weights, cpu)
 
 
-def test_gpu_mode_with_q4_k_m_experts(emulated):
+def test_gpu_mode_runs_steps_of_many_tokens_on_the_grouped_gemm(model, emulated):
+    weights, cpu, reference = model
+    check_gpu_mode_on_the_grouped_gemm(weights, cpu, reference, emulated)
+
+
+@pytest.mark.parametrize("mma_min_tokens", [None, 2])   # the GEMVs; steps of 2+ tokens on the GEMM
+def test_gpu_mode_with_q4_k_m_experts(emulated, mma_min_tokens):
     cfg = dataclasses.replace(PRESETS["qwen3-moe-tiny"], hidden_size=256, moe_intermediate_size=256)
     weights = block_experts(random_q8_weights(cfg, seed=3))
     cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH, options=NUMPY)
-    engine = gpu_engine(weights)
+    engine = gpu_engine(weights, options=NUMPY.with_(moe_mma_min_tokens=mma_min_tokens))
     assert engine.executor.backend.experts.formats[0] == ("Q4_K", "Q6_K")
     assert_logits_match(run(engine, PROMPTS[0]), run(cpu, PROMPTS[0]))
     engine.close()

@@ -2,11 +2,14 @@
 the lowest expert), the grouping by expert, and the grouped expert GEMVs with the combine on awkward expert
 loads -- an expert every token chose, one only one token chose, and experts none chose -- at one token (the
 M=1 kernels), a few and more than a tile's worth, in Q8_0 and the block formats, with every expert in the
-pool or some left to the host (mode offload's resident part: the sum alone).
+pool or some left to the host (mode offload's resident part: the sum alone).  The grouped tensor-core GEMM
+(moe_mma.cu) the same way, forced for every token count (1..70 and 512) and tile, on loads of 0, 1, 31 and all
+tokens, and the switch between it and the GEMVs by the step's token count.
 
 Each case runs on the emulated device (fake_moe_kernels' twins: CI) and, marked `gpu`, on a real one with the
 NVRTC-built kernels.  Reference: the host's routing (run/host/arithmetic.route) of float32 logits, and per
-choice float32 x @ dequant(W).T: within 1e-5 of the largest output (fp32 sums in another order).
+choice float32 x @ dequant(W).T: within 1e-5 of the largest output (fp32 sums in another order); for the
+GEMM, x and the act rows as it reads them, in two int8 levels per 32-block (q8_mma.cu's quantisation).
 """
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ from test_block_kernels import DEVICES, Harness
 
 E, K_CHOSEN = 6, 2
 # (gate_up format, down format, H, I): Q8_0 both; llama.cpp Q4_K_M's experts (Q4_K gate/up, Q6_K down); Q4_0
-SHAPES = {"q8": ("Q8_0", "Q8_0", 64, 96), "q4_k_m": ("Q4_K", "Q6_K", 256, 256), "q4_0": ("Q4_0", "Q8_0", 128, 64)}
+SHAPES = {"q8": ("Q8_0", "Q8_0", 64, 96), "q4_k_m": ("Q4_K", "Q6_K", 256, 256), "q4_0": ("Q4_0", "Q8_0", 128, 64),
+          "q8_partial_tiles": ("Q8_0", "Q8_0", 96, 160)}   # the GEMM's last row tile and K stage part-filled
 TOLERANCE = 1e-5
+BLOCK_MMA_TOLERANCE = 1e-4   # the GEMM's Q4_K mins meet x's fp32 sums, the reference's x in two levels throughout
 
 
 @pytest.fixture(params=DEVICES)
@@ -124,17 +129,30 @@ def run_layer(dev, layer: Layer, xn, inv_rms, router, *, softmax_first=True, nor
             dev.get(inv_out, (T,)), groups, res if residual else np.zeros_like(res), normw)
 
 
-def reference(layer: Layer, xn, inv_rms, router, res, softmax_first=True, normalize=True):
+def two_levels(x: np.ndarray, fmt: str) -> np.ndarray:
+    """x [.., K] as the tensor-core GEMM of a `fmt` weight reads it: (128 hi + lo) d / 128 per 32-block (Q8_0,
+    q8_mma.cu's) or group of 16 (the 4/6-bit formats, q4_mma.cu's)."""
+    from fake_block_kernels import quantize_groups
+    from fake_kernels import quantize_rows_q8
+    rows = x.reshape(-1, x.shape[-1])
+    hi, lo, d = quantize_rows_q8(rows) if fmt == "Q8_0" else quantize_groups(rows)[:3]
+    q = (128 * hi.astype(np.float32) + lo) * (d[:, :, None] / np.float32(128))
+    return q.reshape(x.shape).astype(np.float32)
+
+
+def reference(layer: Layer, xn, inv_rms, router, res, softmax_first=True, normalize=True, int8_x=False):
+    """(ids, weights, res + the routed layer's output); int8_x: x and the act rows in the GEMM's two levels."""
     ids, weights = host_route((xn @ router.T) * inv_rms[:, None], K_CHOSEN, softmax_first, normalize)
     out = res.copy()
-    x = xn * inv_rms[:, None]
+    x = two_levels(xn, layer.gate_up_fmt) if int8_x else xn
     for t in range(len(xn)):
         for e, w in zip(ids[t], weights[t]):
             if layer.slots[e] < 0:
                 continue
             gate_up, down = layer.expert(e)
-            h = gate_up @ x[t]
-            out[t] += w * (down @ silu_mul(h[:layer.I], h[layer.I:]))
+            h = (gate_up @ x[t]) * inv_rms[t]
+            act = silu_mul(h[:layer.I], h[layer.I:])
+            out[t] += w * (down @ (two_levels(act[None], layer.down_fmt)[0] if int8_x else act))
     return ids, weights, out
 
 
@@ -202,3 +220,69 @@ def test_routing_ties_go_to_the_lowest_expert(dev, softmax_first, normalize):
     np.testing.assert_allclose(route[:, K_CHOSEN:], weights, rtol=1e-5)
     for t in range(tokens):                # expert 3's logit is half the tie's: first where the tie's is negative
         assert list(ids[t]) == ([0, 1] if xn[t] @ router[0] > 0 else [3, 0])
+
+
+def loads_inputs(H: int, tokens: int, rng):
+    """xn, 1/rms and a router whose choices are: expert 0 for every token; then expert 1 for token 0 alone,
+    expert 2 for the next 31 tokens, experts 4 and 5 in turn for the rest; none for expert 3."""
+    assert H >= E
+    second = [1] + [2] * min(31, tokens - 1) + [4 + t % 2 for t in range(max(tokens - 32, 0))]
+    xn = (0.1 * rng.standard_normal((tokens, H))).astype(np.float32)
+    xn[:, :E] = 0.0
+    xn[:, 0] = 1.0
+    xn[np.arange(tokens), second] = 0.5
+    router = np.zeros((E, H), np.float32)
+    router[:, :E] = 8.0 * np.eye(E, dtype=np.float32)
+    return xn, (0.5 + rng.random(tokens)).astype(np.float32), router
+
+
+def check_grouped_gemm(dev, tokens: int, tile: str | None = None, slots=(3, 0, 5, 1, 2, 4), shape="q8") -> None:
+    dev.kernels.moe_mma_min_tokens, dev.kernels.moe_mma_tile = 0, tile           # every step on the GEMM
+    rng = np.random.default_rng(tokens)
+    layer = Layer(dev, shape, tokens, slots=list(slots))
+    xn, inv_rms, router = loads_inputs(layer.H, tokens, rng)
+    residual = min(slots) >= 0
+    route, y, xn_out, inv_out, groups, res, normw = run_layer(dev, layer, xn, inv_rms, router, residual=residual)
+    ids, weights, want = reference(layer, xn, inv_rms, router, res, int8_x=True)
+    loads = np.bincount(ids.reshape(-1), minlength=E)
+    assert loads[0] == tokens and loads[3] == 0 and (tokens < 2 or loads[1] == 1), loads
+    assert tokens < 32 or loads[2] == 31, loads
+    np.testing.assert_array_equal(route[:, :K_CHOSEN], ids)
+    tolerance = TOLERANCE if layer.gate_up_fmt == layer.down_fmt == "Q8_0" else BLOCK_MMA_TOLERANCE
+    assert np.abs(y - want).max() <= tolerance * np.abs(want).max(), np.abs(y - want).max()
+
+
+@pytest.mark.parametrize("tokens", [*range(1, 71), 512])
+def test_grouped_gemm_with_all_one_31_and_no_tokens_matches_numpy(dev, tokens):
+    check_grouped_gemm(dev, tokens)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("tile", sorted(moe_kernels.MMA_TILES))
+@pytest.mark.parametrize("tokens", [2, 33, 70, 512])
+def test_every_grouped_gemm_tile_matches_numpy(dev, tokens, tile, shape):
+    check_grouped_gemm(dev, tokens, tile, shape=shape)
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_grouped_gemm_leaves_experts_not_on_the_device_out_of_the_sum(dev, tokens):
+    check_grouped_gemm(dev, tokens, slots=(0, -1, 1, 2, 3, -1))
+
+
+def test_the_step_s_token_count_picks_the_gemm_or_the_gemvs(dev):
+    """One switch point: moe_kernels.mma_min_tokens (8 tokens per expert on average), or the kernel set's."""
+    experts, chosen = 128, 8
+    first = moe_kernels.mma_min_tokens(experts, chosen)
+    assert first == 128
+    part = moe_kernels.PoolPart(0, 0, 256, 256)
+    for tokens, fmt, kernel in ((1, "Q8_0", "moe_experts_q8_0_m1"), (first - 1, "Q8_0", "moe_experts_q8_0_m8"),
+                                (first, "Q8_0", "moe_mma_q8_0_16x64"), (512, "Q8_0", "moe_mma_q8_0_32x64"),
+                                (2048, "Q8_0", "moe_mma_q8_0_64x64"), (512, "Q4_K", "moe_mma_q4_k_32x64"), (first - 1, "Q6_K", "moe_experts_q6_k_m8")):
+        launch = moe_kernels.experts_launch(
+            dev.kernels, fmt, part, slot_of=0, groups=0, x=0, ldx=2048, gather=False, inv_rms=0, y=0, ldy=768,
+            rows=768, cols=2048, experts=experts, chosen=chosen, tokens=tokens, silu=False)
+        assert launch.name == kernel, (tokens, fmt, launch.name)
+    dev.kernels.moe_mma_min_tokens = 16
+    assert moe_kernels.uses_mma(dev.kernels, "Q8_0", experts=experts, chosen=chosen, tokens=16)
+    assert not moe_kernels.uses_mma(dev.kernels, "Q8_0", experts=experts, chosen=chosen, tokens=15)
+    assert moe_kernels.mma_grid("32x64", 1536, experts, chosen, 512) == (24, 2, 128)

@@ -1,5 +1,6 @@
-"""Launches of the mixture-of-experts kernels (kernels_ptx/moe.cu): a routed layer's route, grouped expert
-GEMVs and combine, with their arguments in .cu order.
+"""Launches of the mixture-of-experts kernels (kernels_ptx/moe.cu, moe_mma.cu): a routed layer's route, grouped
+expert GEMVs or, for steps of many tokens, the grouped tensor-core GEMM, and combine, with their arguments in .cu
+order.
 
 An expert pool part (PoolPart) is one of the pool's two stacked weights, gate_up or down: slot s of it
 holds one expert's rows in their block format, its qs bytes at qs + s * qs_slot and its meta bytes at
@@ -19,6 +20,13 @@ ROUTE_SIGNATURE = "pppppppp" + "iiiii"           # xn inv_rms router route count
 EXPERTS_SIGNATURE = "ppqqppp" + "ii" + "pp" + "iiiii"   # qs meta qs_slot meta_slot slot_of groups x, ldx gather,
                                                         # inv_rms y, ldy N K E k
 COMBINE_SIGNATURE = "ppppppppp" + "f" + "iiii"   # route groups slot_of expert_out res y normw xn inv_rms, eps, H E k T
+
+# kernels_ptx/moe_mma.cu: the grouped int8 tensor-core GEMM (moe_experts' arguments), BM tokens x BN rows per block
+MMA_FORMATS = FORMATS
+MMA_TILES = {"16x64": (16, 64, 128), "32x64": (32, 64, 128), "64x64": (64, 64, 128)}   # BM, BN, threads (every format)
+# The switch point: a step whose choices average this many tokens per expert (tokens x chosen / experts) takes
+# the GEMM; fewer, the GEMVs, which read an expert's weights once per 8 tokens without quantising x.
+MMA_MIN_EXPERT_TOKENS = 8
 
 
 @dataclass(frozen=True)
@@ -62,18 +70,62 @@ def route_launch(kernels, *, xn: int, inv_rms: int, router: int, route: int, cou
                            flags, tokens]).label(flops=float(2 * tokens * experts * hidden))
 
 
+def mma_min_tokens(experts: int, chosen: int, given: int | None = None) -> int:
+    """The fewest tokens of a step that take the grouped GEMM: `given` (Options.moe_mma_min_tokens), else the
+    step whose choices average MMA_MIN_EXPERT_TOKENS tokens per expert."""
+    return given if given is not None else max(2, -(-MMA_MIN_EXPERT_TOKENS * experts // chosen))
+
+
+def uses_mma(kernels, fmt: str, *, experts: int, chosen: int, tokens: int) -> bool:
+    """Whether a step of `tokens` tokens runs its `fmt` experts on the grouped GEMM (moe_mma.cu), from the
+    kernel set's moe_mma_min_tokens (KESTREL_MOE_MMA_MIN_TOKENS) or mma_min_tokens' default."""
+    return fmt in MMA_FORMATS and tokens >= mma_min_tokens(experts, chosen, kernels.moe_mma_min_tokens)
+
+
+def mma_tile(experts: int, chosen: int, tokens: int, given: str | None = None) -> str:
+    """The tile of a step (`given`: Options.moe_mma_tile): the token tile that the mean expert's tokens fill."""
+    if given is not None:
+        return given
+    mean = tokens * chosen / min(experts, tokens * chosen)
+    return "16x64" if mean <= 16 else "32x64" if mean <= 32 else "64x64"
+
+
+def mma_grid(tile: str, rows: int, experts: int, chosen: int, tokens: int) -> tuple[int, int, int]:
+    """(row tiles, token tile slots, expert slots), sized on the host for what a step may route: up to
+    min(tokens k, experts) experts, each up to `tokens` tokens; a block walks its expert's tiles gridDim.y apart,
+    and there are twice the slots the mean expert's tiles need (a hotter expert loops)."""
+    bm, bn, _ = MMA_TILES[tile]
+    active = min(tokens * chosen, experts)
+    mean_tiles = -(-tokens * chosen // (active * bm))
+    return -(-rows // bn), min(-(-tokens // bm), 2 * mean_tiles), active
+
+
+def experts_kernel(kernels, fmt: str, *, experts: int, chosen: int, tokens: int) -> str:
+    """The kernel (less "_silu") a step of `tokens` tokens runs its `fmt` experts on: moe_mma_<fmt>_<tile>
+    (uses_mma) or moe_experts_<fmt>_m<1|8>.  kernels: the KernelSet, or the Options it was made from (the
+    same moe_mma_min_tokens and moe_mma_tile)."""
+    shape = dict(experts=experts, chosen=chosen, tokens=tokens)
+    if uses_mma(kernels, fmt, **shape):
+        return f"moe_mma_{fmt.lower()}_{mma_tile(**shape, given=kernels.moe_mma_tile)}"
+    return f"moe_experts_{fmt.lower()}_m{1 if tokens == 1 else 8}"
+
+
 def experts_launch(kernels, fmt: str, part: PoolPart, *, slot_of: int, groups: int, x: int, ldx: int, gather: bool,
                    inv_rms: int, y: int, ldy: int, rows: int, cols: int, experts: int, chosen: int, tokens: int,
                    silu: bool):
-    """moe_experts over the chosen experts of a step of `tokens` tokens: `rows` x `cols` per expert, x rows by
-    token (gather: gate_up, times 1/rms) or in grouped order (down), y rows in grouped order; SiLU of (gate,
-    up) row pairs (rows / 2 outputs) with `silu`."""
+    """The chosen experts of a step of `tokens` tokens: `rows` x `cols` per expert, x rows by token (gather:
+    gate_up, times 1/rms) or in grouped order (down), y rows in grouped order; SiLU of (gate, up) row pairs
+    (rows / 2 outputs) with `silu`.  moe_mma (uses_mma) or the moe_experts GEMVs."""
     assert fmt in FORMATS, f"no expert kernel for {fmt}"
     assert not silu or rows % 2 == 0
-    m = 1 if tokens == 1 else 8
-    name = f"moe_experts_{fmt.lower()}_m{m}" + ("_silu" if silu else "")
-    grid = (-(-rows // EXPERT_ROWS), min(tokens * chosen, experts))
-    return kernels.launch(name, grid, (EXPERT_THREADS,), EXPERTS_SIGNATURE,
+    shape = dict(experts=experts, chosen=chosen, tokens=tokens)
+    name = experts_kernel(kernels, fmt, **shape)
+    if name.startswith("moe_mma_"):
+        tile = name.rsplit("_", 1)[1]
+        grid, block = mma_grid(tile, rows, **shape), MMA_TILES[tile][2]
+    else:
+        grid, block = (-(-rows // EXPERT_ROWS), min(tokens * chosen, experts)), EXPERT_THREADS
+    return kernels.launch(name + ("_silu" if silu else ""), grid, (block,), EXPERTS_SIGNATURE,
                           [part.qs, part.meta, part.qs_slot, part.meta_slot, slot_of, groups, x, ldx, int(gather),
                            inv_rms, y, ldy, rows, cols, experts, chosen])
 
