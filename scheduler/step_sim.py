@@ -8,7 +8,7 @@ a copy overlapping host ops at the joint link rate (damped passes settle which o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .gate import gpu_compute_us
 from .ops import step_ops
@@ -95,9 +95,10 @@ class OpCost:
     nbytes: int            # device bytes of its weight (what a ring slot receives)
 
 
-def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -> list:
+def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates, resident_expert_share: float = 0.0) -> list:
     """Each op's time on either side for steps of `tokens` tokens (norms and SiLU·mul ride on projections; a
-    routed layer's router and experts on the host, at the bytes of the experts the step is expected to read)."""
+    routed layer's router and experts on the host, at the bytes of the experts the step is expected to read,
+    less the share of choices resident experts take on the device)."""
     out = []
     call_us = getattr(profile, "host_call_us", None) or HOST_CALL_US
     op_us = min(HOST_OP_US, call_us)
@@ -110,6 +111,8 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -
         if op.kind in ROUTED_GROUPS:                    # always on the host: the experts a step reads
             # its segment's one call is paid where the segment starts (simulate_step); the op adds its jobs
             jobs_us = ROUTED_JOBS[op.kind] * op_us
+            if op.kind == "experts":
+                op = replace(op, read_fraction=op.read_fraction * (1.0 - resident_expert_share))
             out.append(OpCost(op.layer, op.kind, False, True, 0.0, _host_us(op, profile, rates.host) + jobs_us,
                                _host_us(op, profile, rates.host_joint) + jobs_us, 0, 0))
             continue

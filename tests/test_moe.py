@@ -285,6 +285,22 @@ def test_the_host_experts_are_priced_at_their_formats_rate_and_bytes(tokens):
     assert per_mb == pytest.approx(1e6 / 69e3, rel=1e-3)       # µs a MB at 69 GB/s
 
 
+def test_resident_experts_take_their_share_off_the_host_prediction():
+    """Mode offload's resident experts (chosen after the layers are placed) take their share of the choices
+    off the host: the predicted host time drops by that share of the expert bytes at the format's rate."""
+    from scheduler import offload
+    from scheduler.profile import H200_POOL
+    cfg = PRESETS["qwen3-30b-a3b"]
+    profile = dataclasses.replace(H200_POOL, host_call_us=22.0, host_format_GBps={"Q8_0": 69.0})
+    placement = offload.place_given(cfg, 5 * 10**9, profile, ("attention",) * cfg.num_hidden_layers, "resident")
+    shared = offload.with_resident_experts(placement, cfg, profile, 0.1)
+    experts = sum(op.active_weight_bytes for op in scheduler.step_ops(cfg, 1) if op.kind == "experts")
+    assert placement.routed_read_bytes - shared.routed_read_bytes == pytest.approx(0.1 * experts, rel=1e-6)
+    saved_us = placement.predicted.host_busy_us - shared.predicted.host_busy_us
+    assert saved_us == pytest.approx(0.1 * experts / 69e3, rel=0.02)
+    assert shared.homes == placement.homes and shared.slot_count == placement.slot_count
+
+
 def test_plan_lists_every_expert_of_a_checkpoint(moe_model):
     from safetensors import safe_open
     plan = json.loads(run_cli("plan", "--model", str(moe_model), "--mode", "cpu", "--json").stdout)
