@@ -24,9 +24,9 @@ int ks_linear_group(const ks_linear_t *const *specs, int n, const float *const *
                     float *const *out, ptrdiff_t out_stride);
 /* A routed layer's experts at few tokens (host_moe.c): n experts' gate|up (glu) and down Linears, expert i
    over choices [first[i], first[i + 1]) of xn [T, H]'s rows token[c] -> act [choices, I] (SiLU·mul) and
-   out [choices, H] (down), ks_linear_group's numbers; each token's row quantized once, all experts' row
-   blocks one job per projection.  Returns 1 (nothing done) where they do not fit: mixed formats or
-   shapes, repacked weights, an expert with tokens enough for the lanes kernel. */
+   out [choices, H] (down), ks_linear_group's numbers; each token's row quantized once, every expert's
+   gate|up and down row blocks one job of the pool.  Returns 1 (nothing done) where they do not fit: mixed
+   formats or shapes, repacked weights, an expert with tokens enough for the lanes kernel. */
 int ks_routed_few(const ks_linear_t *const *gate_up, const ks_linear_t *const *down, int n, const int *first,
                   const int *token, const float *xn, int T, float *act, float *out);
 void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,

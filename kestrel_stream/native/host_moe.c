@@ -9,8 +9,8 @@
  *
  * The experts: at few tokens an expert (decode, small batches: ks_routed_few) each token's normed row
  * quantized once for all its experts, every used expert's gate and up rows in one pass (SiLU·mul per row
- * block) as one job of the pool, then every one's down as one job (the experts' rows spread over the
- * threads together, so one token's eight experts use every core in two jobs); with more tokens the rows
+ * block), then its down rows, all in one job of the pool (the experts' rows spread over the threads
+ * together, so one token's eight experts use every core at once); with more tokens the rows
  * of the tokens that chose each expert gathered and each expert's Linears run (ks_linear_group); each output
  * row weighted and added into the layer's sum in ascending expert id (the sum's order fixed); the device
  * part's sum ("moe_out", mode offload's resident experts) added after, then the sum into x.  Experts whose
@@ -170,7 +170,7 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
         used_first[used + 1] = first[e + 1];
         used++;
     }
-    /* few tokens an expert: each token quantized once, every expert's rows one job per projection */
+    /* few tokens an expert: each token quantized once, every expert's rows one job */
     const int few = ks_routed_few(specs, downs, used, used_first, token, xn, T, act, down);
     if (few < 0) return -1;
     if (few > 0) {              /* otherwise each choice's row gathered, its expert's Linears over them */
