@@ -210,6 +210,17 @@ def _predict(costs, homes, head, slot_count, profile, rates) -> StepSim:
     return simulate_step(_work(costs, homes, head), slot_count, profile, rates)
 
 
+def with_resident_experts(placement: OffloadPlacement, config, profile, share: float) -> OffloadPlacement:
+    """`placement` predicted again with `share` of the experts' choices on resident experts (the device's
+    part of each routed layer): the host reads the rest."""
+    rates = PoolRates.of(profile)
+    costs = op_costs(config, placement.tokens, 0, profile, rates, resident_expert_share=share)
+    sim = _predict(costs, placement.homes, placement.head, max(placement.slot_count, 1), profile, rates)
+    experts = sum(op.active_weight_bytes for op in step_ops(config, placement.tokens) if op.kind == "experts")
+    read = int(_routed_bytes(config, placement.tokens)[1] - share * experts)
+    return placement.with_homes(placement.homes, sim, placement.tokens, read)
+
+
 def roofline_us(config, homes, head, profile, tokens: int = 1, context_len: int = 0) -> float:
     """The floor of a step with these resident weights: the non-resident bytes at the pool's best rate, plus
     the GPU time of the resident ops (and attention)."""

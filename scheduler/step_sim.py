@@ -8,7 +8,7 @@ a copy overlapping host ops at the joint link rate (damped passes settle which o
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .gate import gpu_compute_us
 from .ops import step_ops
@@ -19,6 +19,9 @@ PASSES = 6                         # simulate_step's passes over the step
 HOST_CALL_US = 8.0                 # Python and pool dispatch of one host call (default)
 HOST_OP_US = 3.0                   # an op inside a host segment's one call: the pool's barrier after it (at most
                                    # a call's cost)
+# a routed layer's ops inside their segment's one call are pool jobs, not calls: the router's logits (one),
+# the experts' gate|up rows and down rows of every chosen expert (one each; host_moe.c)
+ROUTED_JOBS = {"router": 1, "experts": 2}
 
 
 def aligned(nbytes: int) -> int:
@@ -92,9 +95,10 @@ class OpCost:
     nbytes: int            # device bytes of its weight (what a ring slot receives)
 
 
-def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -> list:
+def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates, resident_expert_share: float = 0.0) -> list:
     """Each op's time on either side for steps of `tokens` tokens (norms and SiLU·mul ride on projections; a
-    routed layer's router and experts on the host, at the bytes of the experts the step is expected to read)."""
+    routed layer's router and experts on the host, at the bytes of the experts the step is expected to read,
+    less the share of choices resident experts take on the device)."""
     out = []
     call_us = getattr(profile, "host_call_us", None) or HOST_CALL_US
     op_us = min(HOST_OP_US, call_us)
@@ -105,11 +109,12 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates) -
             out.append(OpCost(None, None, False, False, 0.0, op_us, op_us, 0, -1))
             continue
         if op.kind in ROUTED_GROUPS:                    # always on the host: the experts a step reads
-            # the experts op calls gate_up and down of each expert the step is expected to use
-            calls = 1 + (2 * op.read_fraction * config.num_experts if op.kind == "experts" else 0)
-            out.append(OpCost(op.layer, op.kind, False, True, 0.0,
-                               _host_us(op, profile, rates.host) + calls * call_us,
-                               _host_us(op, profile, rates.host_joint) + calls * call_us, 0, 0))
+            # its segment's one call is paid where the segment starts (simulate_step); the op adds its jobs
+            jobs_us = ROUTED_JOBS[op.kind] * op_us
+            if op.kind == "experts":
+                op = replace(op, read_fraction=op.read_fraction * (1.0 - resident_expert_share))
+            out.append(OpCost(op.layer, op.kind, False, True, 0.0, _host_us(op, profile, rates.host) + jobs_us,
+                               _host_us(op, profile, rates.host_joint) + jobs_us, 0, 0))
             continue
         placed = bool(op.group)
         out.append(OpCost(op.layer, op.group, op.group == "lm_head", placed, gpu_compute_us(op, profile),

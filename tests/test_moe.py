@@ -259,6 +259,48 @@ def test_the_experts_op_costs_the_experts_a_step_reads(tokens):
         assert active == pytest.approx(k)
 
 
+@pytest.mark.parametrize("tokens", [1, 4])
+def test_the_host_experts_are_priced_at_their_formats_rate_and_bytes(tokens):
+    """A routed layer's host time in the offload cost model: the expert bytes a step is expected to read at
+    the measured rate of their format (calibrate's host_format_GBps), plus its pool jobs inside the segment's
+    one native call; not one call per expert (host_moe.c runs every chosen expert in two jobs), so a slow
+    call from Python does not move it."""
+    from scheduler.profile import H200_POOL
+    from scheduler.step_sim import HOST_OP_US, ROUTED_JOBS, PoolRates, op_costs
+    cfg = PRESETS["qwen3-30b-a3b"]
+    op = next(op for op in scheduler.step_ops(cfg, tokens) if op.name == "L0.experts")
+    moved = op.input_bytes + op.output_bytes
+
+    def experts_us(q8_GBps: float, call_us: float) -> float:
+        profile = dataclasses.replace(H200_POOL, host_weight_GBps=90.0, host_call_us=call_us,
+                                      host_format_GBps={"Q8_0": q8_GBps})
+        costs = op_costs(cfg, tokens, 0, profile, PoolRates.of(profile))
+        return next(c.host_us for c in costs if c.layer == 0 and c.group == "experts")
+
+    for rate in (40.0, 69.0):
+        expect = (op.read_weight_bytes(tokens) + moved * rate / 90.0) / (rate * 1e3) + ROUTED_JOBS["experts"] * HOST_OP_US
+        assert experts_us(rate, 8.0) == pytest.approx(expect, rel=1e-6)
+        assert experts_us(rate, 45.0) == pytest.approx(expect, rel=1e-6)
+    per_mb = (experts_us(69.0, 8.0) - ROUTED_JOBS["experts"] * HOST_OP_US) / (op.read_weight_bytes(tokens) / 1e6)
+    assert per_mb == pytest.approx(1e6 / 69e3, rel=1e-3)       # µs a MB at 69 GB/s
+
+
+def test_resident_experts_take_their_share_off_the_host_prediction():
+    """Mode offload's resident experts (chosen after the layers are placed) take their share of the choices
+    off the host: the predicted host time drops by that share of the expert bytes at the format's rate."""
+    from scheduler import offload
+    from scheduler.profile import H200_POOL
+    cfg = PRESETS["qwen3-30b-a3b"]
+    profile = dataclasses.replace(H200_POOL, host_call_us=22.0, host_format_GBps={"Q8_0": 69.0})
+    placement = offload.place_given(cfg, 5 * 10**9, profile, ("attention",) * cfg.num_hidden_layers, "resident")
+    shared = offload.with_resident_experts(placement, cfg, profile, 0.1)
+    experts = sum(op.active_weight_bytes for op in scheduler.step_ops(cfg, 1) if op.kind == "experts")
+    assert placement.routed_read_bytes - shared.routed_read_bytes == pytest.approx(0.1 * experts, rel=1e-6)
+    saved_us = placement.predicted.host_busy_us - shared.predicted.host_busy_us
+    assert saved_us == pytest.approx(0.1 * experts / 69e3, rel=0.02)
+    assert shared.homes == placement.homes and shared.slot_count == placement.slot_count
+
+
 def test_plan_lists_every_expert_of_a_checkpoint(moe_model):
     from safetensors import safe_open
     plan = json.loads(run_cli("plan", "--model", str(moe_model), "--mode", "cpu", "--json").stdout)

@@ -161,8 +161,25 @@ def test_experts_chosen_by_no_token_one_token_and_every_token(weights, T):
     np.testing.assert_allclose(one - x, reference - x, rtol=0, atol=2e-3 * np.abs(reference - x).max())
 
 
+@pytest.mark.parametrize("T", [1, 2, 7])
+def test_few_tokens_share_experts_and_match_numpy(weights, T):
+    """Decode and small batches (each token quantized once for all its experts, every expert's rows one job):
+    tokens choosing the same expert in different slots, and an expert chosen by one token alone, give the
+    per-op call's numbers and numpy's within tolerance."""
+    c = weights.config
+    x = np.random.default_rng(7).standard_normal((T, c.hidden_size)).astype(np.float32)
+    last = c.num_experts - 1          # expert 1: first choice of token 0, second of the others; `last`: token 0's
+    rows = route_rows([[1, last] if t == 0 else [t % 2 + 2, 1] for t in range(T)], seed=T)
+    native_backend = HostBackend(weights, options=NATIVE)
+    op, _ = layer_op(native_backend, "experts", T)
+    one = run_ops(native_backend, [op], x, rows, one_call=True).read("x")
+    reference = run_ops(HostBackend(weights, options=NUMPY), [op], x, rows).read("x")
+    assert np.array_equal(one, run_ops(native_backend, [op], x, rows).read("x"))
+    np.testing.assert_allclose(one - x, reference - x, rtol=0, atol=2e-3 * np.abs(reference - x).max())
+
+
 @pytest.mark.parametrize("isa", HOST_ISAS_HERE)
-@pytest.mark.parametrize("T", [1, 3, 6])
+@pytest.mark.parametrize("T", [1, 2, 3, 6, 7])
 def test_the_experts_op_is_its_experts_linears_bit_for_bit(weights, T, isa):
     """The experts' projections as one job of the pool (few tokens) or each on its own (tokens enough for
     the lanes kernel) give each expert's bound Linears' numbers, summed in ascending expert order, on
@@ -172,7 +189,7 @@ def test_the_experts_op_is_its_experts_linears_bit_for_bit(weights, T, isa):
     op, _ = layer_op(backend, "experts", T)
     bound = native_experts(backend, op)
     x = np.random.default_rng(4).standard_normal((T, c.hidden_size)).astype(np.float32)
-    rows = route_rows([[0, c.num_experts - 1 if t == 2 else 1] for t in range(T)])
+    rows = route_rows([[0, c.num_experts - 1 if t == 2 else 1] if t % 2 == 0 else [1, 3] for t in range(T)])
     got = x.copy()
     assert bound(got, rows) == len(np.unique(rows[:, :2]))
     xn, ids, out = backend.kernels.rmsnorm(x, backend.norm(op.prologue), c.rms_norm_eps), rows[:, :2], np.zeros_like(x)

@@ -21,6 +21,7 @@
  */
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <time.h>
 #include <unistd.h>
@@ -1263,6 +1264,127 @@ int ks_linear_group(const ks_linear_t *const *specs, int n, const float *const *
     for (int i = 0; i < n; i++)
         if (lanes[i] && T[i] > 0 && ks_linear(specs[i], x[i], x_stride, T[i], out[i], out_stride) != 0) return -1;
     return 0;
+}
+
+/* ---------------------------------------------------------------- a routed layer's experts at few tokens */
+/* Each token's normed row quantized once for every expert that token chose (not once per expert); an
+   expert's gate and up rows (its glu weight's halves) read in one pass, SiLU·mul applied per row block.
+   One job of the pool hands out every chosen expert's gate|up row blocks, then every one's down row
+   blocks: the thread that finishes an expert's last gate|up block quantizes that expert's SiLU·mul rows,
+   and a down block waits (spinning) until its expert's are ready, so the threads run from gate|up into
+   down with no barrier between (a down block is handed out only after every gate|up block was, so at most
+   the last few experts' are still running).  The numbers of ks_linear_group on the same experts: the same
+   quantized activations (quantization is per token and deterministic), the same dot per row and token,
+   silu_mul_run per value. */
+
+static void silu_mul_run(const float *restrict g, const float *restrict u, float *restrict o, int n);
+
+#define ROUTED_GATE_ROWS 16         /* gate rows of a block, with as many up rows: 32 weight rows */
+#define ROUTED_DOWN_ROWS 64
+
+typedef struct {
+    const ks_linear_t *const *gate_up, *const *down;
+    const int *first, *token;       /* expert i's choices [first[i], first[i + 1]), each choice's token */
+    int n, I, H, gate_grabs, down_grabs;
+    const matmul_t *in, *mid;       /* the tokens' quantized rows; the choices' SiLU·mul rows quantized */
+    float *act, *out;               /* act [choices, I], out [choices, H] */
+    _Atomic int *gate_done;         /* [n]: each expert's gate|up blocks finished */
+    _Atomic int *ready;             /* [n]: each expert's SiLU·mul rows quantized */
+    _Atomic int next;
+} routed_t;
+
+static void routed_gate_block(const routed_t *c, int e, int r0) {
+    const ks_linear_t *s = c->gate_up[e];
+    const dot_fn dot = DOTS[s->fmt][s->isa];
+    const int rows = c->I - r0 < ROUTED_GATE_ROWS ? c->I - r0 : ROUTED_GATE_ROWS;
+    float gate[ROUTED_GATE_ROWS], up[ROUTED_GATE_ROWS];
+    for (int ch = c->first[e]; ch < c->first[e + 1]; ch++) {
+        const act_t a = token_act(c->in, c->token[ch]);
+        for (int r = 0; r < rows; r++) {
+            const ptrdiff_t g = r0 + r, u = c->I + r0 + r;
+            gate[r] = dot(s->w + s->w_stride * g, s->meta ? s->meta + s->meta_stride * g : NULL, &a, s->K);
+            up[r] = dot(s->w + s->w_stride * u, s->meta ? s->meta + s->meta_stride * u : NULL, &a, s->K);
+        }
+        silu_mul_run(gate, up, c->act + (ptrdiff_t)c->I * ch + r0, rows);
+    }
+}
+
+static void routed_down_block(const routed_t *c, int e, int r0) {
+    const ks_linear_t *s = c->down[e];
+    const dot_fn dot = DOTS[s->fmt][s->isa];
+    const int r1 = r0 + ROUTED_DOWN_ROWS < c->H ? r0 + ROUTED_DOWN_ROWS : c->H;
+    for (int ch = c->first[e]; ch < c->first[e + 1]; ch++) {
+        const act_t a = token_act(c->mid, ch);
+        float *o = c->out + (ptrdiff_t)c->H * ch;
+        for (int r = r0; r < r1; r++) o[r] = dot(s->w + s->w_stride * r, s->meta ? s->meta + s->meta_stride * r : NULL, &a, s->K);
+    }
+}
+
+static void routed_rows(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    routed_t *c = ctx;
+    const int gate_total = c->n * c->gate_grabs, total = gate_total + c->n * c->down_grabs;
+    const matmul_t *mid = c->mid;
+    for (int grab; (grab = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < total;) {
+        if (grab < gate_total) {
+            const int e = grab / c->gate_grabs;
+            routed_gate_block(c, e, grab % c->gate_grabs * ROUTED_GATE_ROWS);
+            if (atomic_fetch_add_explicit(&c->gate_done[e], 1, memory_order_acq_rel) + 1 < c->gate_grabs) continue;
+            for (int ch = c->first[e]; ch < c->first[e + 1]; ch++) {      /* the expert's last block: its rows */
+                act_t a = token_act(mid, ch);
+                quantize_act_isa(mid->isa, c->act + (ptrdiff_t)c->I * ch, c->I, mid->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
+            }
+            atomic_store_explicit(&c->ready[e], 1, memory_order_release);
+            continue;
+        }
+        const int e = (grab - gate_total) / c->down_grabs;
+        for (int spins = 1; !atomic_load_explicit(&c->ready[e], memory_order_acquire); spins++) {
+            cpu_relax();
+            if ((spins & 1023) == 0) sched_yield();      /* its gate|up thread may be off the CPU */
+        }
+        routed_down_block(c, e, (grab - gate_total) % c->down_grabs * ROUTED_DOWN_ROWS);
+    }
+}
+
+/* Whether n experts' Linears run here: one plain (not repacked) format and shape per projection, and
+   each expert's choices fewer than its format's lanes kernel takes (ks_linear_group's test). */
+static int routed_fits(const ks_linear_t *const *specs, int n, const int *first) {
+    for (int i = 0; i < n; i++) {
+        const ks_linear_t *s = specs[i], *s0 = specs[0];
+        const int tokens = first[i + 1] - first[i];
+        if (s->fmt != s0->fmt || s->isa != s0->isa || s->N != s0->N || s->K != s0->K || s->norm || repacked(s->fmt))
+            return 0;
+        if (tokens > 4 || (KS_X86 && s->isa == ISA_AVX512VNNI && tokens >= ks_lanes_min_tokens[s->fmt])) return 0;
+    }
+    return 1;
+}
+
+int ks_routed_few(const ks_linear_t *const *gate_up, const ks_linear_t *const *down, int n, const int *first,
+                  const int *token, const float *xn, int T, float *act, float *out) {
+    if (n <= 0) return 0;
+    if (!routed_fits(gate_up, n, first) || !routed_fits(down, n, first)) return 1;
+    const int H = gate_up[0]->K, I = gate_up[0]->N / 2, choices = first[n];
+    if (!gate_up[0]->glu || down[0]->K != I || down[0]->N != H) return 1;
+    ks_linear_t in_spec = *gate_up[0], mid_spec = *down[0];
+    in_spec.glu = 0;
+    matmul_t in, mid;
+    const size_t in_bytes = matmul_init(&in, &in_spec, xn, H, T, NULL, 0);
+    const size_t mid_bytes = matmul_init(&mid, &mid_spec, act, I, choices, NULL, 0);
+    const size_t flag_bytes = (2 * (size_t)n * sizeof(_Atomic int) + 63) / 64 * 64;
+    uint8_t *buf = scratch_for(in_bytes + mid_bytes + flag_bytes);
+    if (!buf) return -1;
+    matmul_place(&in, buf);
+    matmul_place(&mid, buf + in_bytes);
+    _Atomic int *flags = (_Atomic int *)(buf + in_bytes + mid_bytes);
+    for (int i = 0; i < 2 * n; i++) atomic_init(&flags[i], 0);
+    int threads = 1;
+    for (int i = 0; i < n; i++) threads = gate_up[i]->threads > threads ? gate_up[i]->threads : threads;
+    pool_run(matmul_quantize, &in, T > 4 ? (threads < T ? threads : T) : 1);
+    routed_t c = {gate_up, down, first, token, n, I, H, (I + ROUTED_GATE_ROWS - 1) / ROUTED_GATE_ROWS,
+                  (H + ROUTED_DOWN_ROWS - 1) / ROUTED_DOWN_ROWS, &in, &mid, act, out, flags, flags + n, 0};
+    const int grabs = n * (c.gate_grabs + c.down_grabs);
+    pool_run(routed_rows, &c, threads < grabs ? threads : grabs);
+    return atomic_load(&in.failed) ? -1 : 0;
 }
 
 /* out[t, r] = dot(weight row r, x[t]) for r < N, t < T.  w: row r at w + r * w_stride; meta (Q8_0's

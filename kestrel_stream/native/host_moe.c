@@ -7,9 +7,11 @@
  * renormalized (Qwen3-MoE), or the top k logits and softmax over them (Mixtral); ties to the lowest id.
  * Its "route" rows are the state the device reads too: k ids (as floats), then k weights.
  *
- * The experts: the normed rows of the tokens that chose each expert gathered, every used expert's gate|up
- * (SiLU·mul epilogue) as one job of the pool, then every one's down (ks_linear_group: the experts' rows
- * spread over the threads together, so one token's eight experts use every core in two jobs), each output
+ * The experts: at few tokens an expert (decode, small batches: ks_routed_few) each token's normed row
+ * quantized once for all its experts, every used expert's gate and up rows in one pass (SiLU·mul per row
+ * block), then its down rows, all in one job of the pool (the experts' rows spread over the threads
+ * together, so one token's eight experts use every core at once); with more tokens the rows
+ * of the tokens that chose each expert gathered and each expert's Linears run (ks_linear_group); each output
  * row weighted and added into the layer's sum in ascending expert id (the sum's order fixed); the device
  * part's sum ("moe_out", mode offload's resident experts) added after, then the sum into x.  Experts whose
  * Linears are NULL are another side's.
@@ -125,58 +127,65 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
     s->used = 0;
     if (T <= 0) return 0;
     /* xn [T, H] | sum [T, H] | each choice's row: gathered [Tk, H], act [Tk, I], down's [Tk, H] | weights [Tk]
-       | tokens [Tk] | each expert's first row [E + 1] | the used experts' projections, inputs, outputs, rows */
-    const size_t tk = (size_t)T * k, floats = (size_t)T * 2 * H + tk * (2 * H + I) + 2 * tk + E + 1;
-    float *xn = scratch_floats(floats + 8 * (size_t)E + 8);
+       | tokens [Tk] | each expert's first row [E + 1] | the used experts' firsts [E + 1] | their projections,
+       inputs, outputs, rows */
+    const size_t tk = (size_t)T * k, floats = (size_t)T * 2 * H + tk * (2 * H + I) + 2 * tk + 2 * (E + 1);
+    float *xn = scratch_floats(floats + 10 * (size_t)E + 8);
     if (!xn) return -1;
     float *sum = xn + (size_t)T * H, *rows_x = sum + (size_t)T * H, *act = rows_x + tk * H, *down = act + tk * I;
     float *weight = down + tk * H;
-    int *token = (int *)(weight + tk), *first = token + tk;
-    uintptr_t table = ((uintptr_t)(first + E + 1) + 7) / 8 * 8;
-    const ks_linear_t **specs = (const ks_linear_t **)table;
-    const float **ins = (const float **)(specs + E);
+    int *token = (int *)(weight + tk), *first = token + tk, *used_first = first + E + 1;
+    uintptr_t table = ((uintptr_t)(used_first + E + 1) + 7) / 8 * 8;
+    const ks_linear_t **specs = (const ks_linear_t **)table, **downs = specs + E;
+    const float **ins = (const float **)(downs + E);
     float **outs = (float **)(ins + E);
     int *counts = (int *)(outs + E);
     ks_rmsnorm(x, x_stride, T, H, s->norm, 1, s->eps, xn, H, s->threads);
     memset(sum, 0, sizeof(float) * (size_t)T * H);
-    /* the choices grouped by expert, tokens ascending within each (a counting sort) */
+    /* this side's choices grouped by expert, tokens ascending within each (a counting sort) */
     memset(first, 0, sizeof(int) * (size_t)(E + 1));
     for (int t = 0; t < T; t++)
-        for (int j = 0; j < k; j++) first[(int)route[route_stride * t + j] + 1]++;
+        for (int j = 0; j < k; j++) {
+            const int e = (int)route[route_stride * t + j];
+            if (s->gate_up[e]) first[e + 1]++;
+        }
     for (int e = 0; e < E; e++) first[e + 1] += first[e];
     for (int t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
             const float *row = route + route_stride * t;
-            int *at = &first[(int)row[j]];
+            const int e = (int)row[j];
+            if (!s->gate_up[e]) continue;
+            int *at = &first[e];
             token[*at] = t, weight[*at] = row[k + j];
             (*at)++;
         }
     for (int e = E; e > 0; e--) first[e] = first[e - 1];      /* back to each expert's first */
     first[0] = 0;
-    for (int c = 0; c < first[E]; c++) memcpy(rows_x + (ptrdiff_t)H * c, xn + (ptrdiff_t)H * token[c], sizeof(float) * H);
-    /* every used expert's gate | up (SiLU·mul), then every one's down, each as one job of the pool */
     int used = 0;
+    used_first[0] = 0;
     for (int e = 0; e < E; e++) {
         const int n = first[e + 1] - first[e];
-        if (n == 0 || !s->gate_up[e]) continue;
-        specs[used] = s->gate_up[e], ins[used] = rows_x + (ptrdiff_t)H * first[e], outs[used] = act + (ptrdiff_t)I * first[e];
-        counts[used++] = n;
-    }
-    if (ks_linear_group(specs, used, ins, H, counts, outs, I) != 0) return -1;
-    used = 0;
-    for (int e = 0; e < E; e++) {
-        if (first[e + 1] == first[e] || !s->gate_up[e]) continue;
-        specs[used] = s->down[e], ins[used] = act + (ptrdiff_t)I * first[e], outs[used] = down + (ptrdiff_t)H * first[e];
+        if (n == 0) continue;
+        specs[used] = s->gate_up[e], downs[used] = s->down[e], counts[used] = n;
+        used_first[used + 1] = first[e + 1];
         used++;
     }
-    if (ks_linear_group(specs, used, ins, I, counts, outs, H) != 0) return -1;
-    for (int e = 0; e < E; e++) {               /* ascending expert id: the sum's order is fixed */
-        if (first[e + 1] == first[e] || !s->gate_up[e]) continue;
-        for (int c = first[e]; c < first[e + 1]; c++) {     /* sum[t] += w * down: numpy's product, then sum */
-            float *o = sum + (ptrdiff_t)H * token[c];
-            const float *d = down + (ptrdiff_t)H * c;
-            for (int j = 0; j < H; j++) o[j] = o[j] + weight[c] * d[j];
-        }
+    /* few tokens an expert: each token quantized once, every expert's rows one job */
+    const int few = ks_routed_few(specs, downs, used, used_first, token, xn, T, act, down);
+    if (few < 0) return -1;
+    if (few > 0) {              /* otherwise each choice's row gathered, its expert's Linears over them */
+        for (int c = 0; c < first[E]; c++) memcpy(rows_x + (ptrdiff_t)H * c, xn + (ptrdiff_t)H * token[c], sizeof(float) * H);
+        for (int i = 0; i < used; i++)
+            ins[i] = rows_x + (ptrdiff_t)H * used_first[i], outs[i] = act + (ptrdiff_t)I * used_first[i];
+        if (ks_linear_group(specs, used, ins, H, counts, outs, I) != 0) return -1;
+        for (int i = 0; i < used; i++)
+            ins[i] = act + (ptrdiff_t)I * used_first[i], outs[i] = down + (ptrdiff_t)H * used_first[i];
+        if (ks_linear_group(downs, used, ins, I, counts, outs, H) != 0) return -1;
+    }
+    for (int c = 0; c < first[E]; c++) {        /* ascending expert id: the sum's order is fixed */
+        float *o = sum + (ptrdiff_t)H * token[c];           /* sum[t] += w * down: numpy's product, then sum */
+        const float *d = down + (ptrdiff_t)H * c;
+        for (int j = 0; j < H; j++) o[j] = o[j] + weight[c] * d[j];
     }
     s->used = used;
     for (int t = 0; t < T; t++) {

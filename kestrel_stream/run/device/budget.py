@@ -358,6 +358,7 @@ def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int,
             layers = expert_pool.routed_layers(c)
             counts = routing_counts if routing_counts is not None else [[0] * c.num_experts for _ in layers]
             experts = expert_residency.choose(counts, layers, c.num_experts, slots, expert_policy)
+            placement = offload.with_resident_experts(placement, c, profile, experts.expected_share)
             arena_bytes += expert_pool.router_bytes(c) + expert_pool.pool_layout(c).pool_bytes(slots) + ALIGN
     kv = plan_kv_pool(block_bytes, block_size, left_bytes=budget - arena_bytes, min_positions=min_positions,
                       default_positions=min_positions)
