@@ -19,7 +19,7 @@ from kestrel_stream.run.device import expert_pool
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.step_executor import StepExecutor
 from scheduler.window import WindowBudgetError
-from test_moe_device_emulated import expert_budget
+from test_moe_device_emulated import block_experts, expert_budget
 from test_moe_offload_emulated import POOL
 
 MODELS = {"qwen3-moe-tiny": PRESETS["qwen3-moe-tiny"],
@@ -83,6 +83,7 @@ def check_prompt_streams_and_matches(weights, cpu, resident: int = 0, options: O
         assert_logits_match(ours, theirs)
         streamed = x.stats["streamed_bytes"] - (before.get("streamed_bytes") or 0)
         assert streamed == len(routed(c)) * expert_pool.layer_slot_bytes(c)
+        assert x.backend.experts.formats == {i: expert_pool.expert_formats(c, i) for i in routed(c)}
         assert x.stats["h2d_bytes"] - before["h2d_bytes"] == prompt_plan.h2d_bytes_per_step
         token = int(np.argmax(theirs[-1]))
         for _ in range(DECODE_STEPS):
@@ -112,6 +113,20 @@ def check_batch_of_prompts_matches(weights, cpu) -> None:
     engine.close()
 
 
+def check_block_format_experts_stream() -> None:
+    """llama.cpp's Q4_K_M experts (Q4_K gate and up, Q6_K down; rows of 256) through the ring: their images
+    are the pool's layout of those formats."""
+    gate, up, down = (f"model.layers.{{i}}.mlp.experts.{{e}}.{p}_proj.weight" for p in ("gate", "up", "down"))
+    cfg = dataclasses.replace(PRESETS["qwen3-moe-tiny"], hidden_size=256, moe_intermediate_size=256)
+    weights = block_experts(random_q8_weights(cfg, seed=3))
+    formats = {gate: "Q4_K", up: "Q4_K", down: "Q6_K"}      # as a GGUF's config names them: the ring's size
+    weights.config = dataclasses.replace(cfg, weight_formats=tuple(
+        (name.format(i=i, e=e), fmt) for i in routed(cfg) for e in range(cfg.num_experts)
+        for name, fmt in formats.items()))
+    cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH, options=NUMPY)
+    check_prompt_streams_and_matches(weights, cpu)
+
+
 # ---- the emulated device ------------------------------------------------------------------------------
 def test_a_streamed_prompt_step_matches_the_cpu_engine(model, emulated):
     check_prompt_streams_and_matches(*model)
@@ -121,6 +136,10 @@ def test_streamed_layers_beside_resident_experts_match(model, emulated):
     """Resident experts beside the ring: decode splits each layer (resident part on the device), the prompt
     streams every expert of the layer (the ring's table, not the resident one)."""
     check_prompt_streams_and_matches(*model, resident=3)
+
+
+def test_q4_k_m_experts_stream(emulated):
+    check_block_format_experts_stream()
 
 
 def test_a_batch_of_prompts_in_one_streamed_step_matches(model, emulated):
@@ -147,11 +166,21 @@ def test_auto_keeps_the_host_where_the_cost_model_says_streaming_does_not_pay(mo
     engine.close()
 
 
-def test_auto_streams_where_it_pays(model, emulated):
-    engine = stream_engine(model[0], stream="auto")
+def test_auto_streams_where_it_pays(emulated):
+    """auto: a ring where the room does not hold every expert and the cost model streams the largest step
+    (five layers, four routed: the ring's two layers of experts are half of them); the logits still match."""
+    weights = random_q8_weights(dataclasses.replace(PRESETS["qwen3-moe-tiny"], num_hidden_layers=5), seed=3)
+    cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    engine = stream_engine(weights, stream="auto")
     assert engine.executor.steps.expert_ring is not None
-    assert engine.executor.plan(len(PROMPT)).expert_ring
+    assert engine.executor.plan(len(PROMPT)).expert_ring and not engine.executor.plan(1).expert_ring
+    with engine.new_session() as s, cpu.new_session() as ref:
+        assert_logits_match(s.prefill(PROMPT), ref.prefill(PROMPT))
     engine.close()
+    # the same budget holding every expert of the three-layer model: they stay resident, no ring
+    small = stream_engine(random_q8_weights(PRESETS["qwen3-moe-tiny"], seed=3), stream="auto")
+    assert small.executor.steps.expert_ring is None and small.executor.resident_experts.used_slots
+    small.close()
 
 
 def test_a_budget_too_small_for_the_ring_is_refused_naming_it(model, emulated):

@@ -380,9 +380,9 @@ EXPERT_RING_SLOTS = 2     # a routed layer's experts stream while the layer befo
 def expert_ring_slots(c, room_bytes: int, placement, profile, max_tokens: int, stream_experts: str,
                       budget_bytes: int) -> int:
     """Slots of mode offload's experts' ring (0: none) in a room of `room_bytes` the layers leave: on, a ring
-    (a budget that cannot hold it is refused); auto, a ring where it fits beside the routers and the cost
-    model streams some layer's experts in a step of `max_tokens` tokens (the largest the engine runs); off,
-    none.  The ring comes before the resident experts: it is what prompt chunks and large batches use."""
+    (a budget that cannot hold it is refused); auto, a ring where it fits beside the routers, the room does
+    not hold every expert resident, and the cost model streams some layer's experts in a step of `max_tokens`
+    tokens (the largest the engine runs); off, none.  The ring comes before the resident experts: it is what prompt chunks and large batches use."""
     from kestrel_stream.cuda.moe_kernels import MAX_EXPERTS
     from scheduler import offload
     if stream_experts == "off" or c.num_experts > MAX_EXPERTS:
@@ -401,6 +401,8 @@ def expert_ring_slots(c, room_bytes: int, placement, profile, max_tokens: int, s
         return 0
     if stream_experts == "on":
         return EXPERT_RING_SLOTS
+    if resident_expert_slots(c, room_bytes) >= expert_pool.all_experts(c):
+        return 0                             # every expert resident: nothing to stream
     ringed = placement.with_expert_ring(EXPERT_RING_SLOTS, expert_pool.layer_slot_bytes(c))
     largest = offload.place_for_tokens(ringed, c, profile, max_tokens)
     return EXPERT_RING_SLOTS if "experts" in largest.homes else 0
