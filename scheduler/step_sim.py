@@ -80,6 +80,13 @@ def _host_us(op, profile, rate_GBps: float) -> float:
     return max(op.flops / (profile.host_gflops * 1e3), read_us)
 
 
+def _gpu_experts_us(op, profile) -> float:
+    """An experts op's kernel time on the device (its experts there): the expert kernels' measured FLOP/s, or
+    the read of the experts its tokens choose, whichever is slower."""
+    rate = getattr(profile, "gpu_expert_gflops", None) or profile.gpu_gflops
+    return max(op.flops / (rate * 1e3), op.active_weight_bytes / (profile.gpu_weight_GBps * 1e3))
+
+
 @dataclass(frozen=True)
 class OpCost:
     layer: int | None      # None: lm_head (head=True) or an op that always runs on the GPU
@@ -110,7 +117,8 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates, e
         if op.kind in ROUTED_GROUPS:                    # always on the host: the experts a step reads
             # the experts op calls gate_up and down of each expert the step is expected to use
             calls = 1 + (2 * op.read_fraction * config.num_experts if op.kind == "experts" else 0)
-            out.append(OpCost(op.layer, op.kind, False, True, gpu_compute_us(op, profile),
+            gpu_us = _gpu_experts_us(op, profile) if op.kind == "experts" else gpu_compute_us(op, profile)
+            out.append(OpCost(op.layer, op.kind, False, True, gpu_us,
                                _host_us(op, profile, rates.host) + calls * call_us,
                                _host_us(op, profile, rates.host_joint) + calls * call_us,
                                op.launches or 1, expert_layer_bytes if op.kind == "experts" else 0))

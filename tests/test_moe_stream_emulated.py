@@ -194,3 +194,12 @@ def test_a_budget_too_small_for_the_ring_is_refused_naming_it(model, emulated):
                             vram_budget=short, options=NUMPY.with_(stream_experts="auto"))
     assert executor.steps.expert_ring is None
     executor.close()
+
+
+def test_calibrate_measures_the_device_expert_kernels(emulated):
+    """The cost model's device expert rate: the route, gate_up, down and combine launches timed over a routed
+    layer (a small one here; Qwen3-30B-A3B's on a GPU)."""
+    from kestrel_stream.run.calibrate import measure_device_experts
+    shape = {"hidden": 64, "intermediate": 32, "experts": 8, "chosen": 2, "tokens": 16}
+    figures = measure_device_experts(NUMPY, repeats=1, shape=shape)
+    assert figures["gpu_expert_gflops"] > 0
