@@ -246,13 +246,16 @@ def _predict(costs, homes, head, slot_count, profile, rates, expert_slot_count: 
     return simulate_step(_work(costs, homes, head), (slot_count, max(expert_slot_count, 1)), profile, rates)
 
 
-def roofline_us(config, homes, head, profile, tokens: int = 1, context_len: int = 0) -> float:
-    """The floor of a step with these resident weights: the non-resident bytes at the pool's best rate, plus
-    the GPU time of the resident ops (and attention)."""
+def roofline_us(config, homes, head, profile, tokens: int = 1, context_len: int = 0,
+                expert_layer_bytes: int = 0) -> float:
+    """The floor of a step with these resident weights: the non-resident bytes at the pool's best rate (a
+    layer homed experts: its every expert, `expert_layer_bytes`), plus the GPU time of the resident ops (and
+    attention)."""
     per_layer, _, head_bytes = _layer_items(config)
     rates = PoolRates.of(profile)
     off = sum(b for g, h in zip(per_layer, homes) for group, b in g.items() if group_home(h, group) != "resident")
     off += (head_bytes if head != "resident" else 0) + _routed_bytes(config, tokens, homes)[1]
+    off += homes.count("experts") * expert_layer_bytes
     costs = op_costs(config, tokens, context_len, profile, rates)
     gpu = sum(w.us for w in _work(costs, homes, head) if w.side == "gpu" and w.item < 0)
     return rates.best_us(off) + gpu
@@ -389,7 +392,8 @@ def place_for_tokens(base: OffloadPlacement, config, profile, tokens: int, conte
     if base.expert_slot_count:
         sim, homes = _stream_experts(costs, homes, base, profile, rates)
     placement = base.with_homes(homes, sim, tokens, _routed_bytes(config, tokens, homes)[1])
-    placement.roofline_us = roofline_us(config, homes, base.head, profile, tokens, context_len)
+    placement.roofline_us = roofline_us(config, homes, base.head, profile, tokens, context_len,
+                                        base.expert_slot_bytes)
     return placement
 
 
