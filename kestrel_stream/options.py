@@ -171,8 +171,8 @@ class Options:
 
 
 OFFLOAD_CHOICES = ("auto", "stream", "place")
-RESIDENT_EXPERTS = ("frequency", "uniform", "none")
-STREAM_EXPERTS = ("auto", "on", "off")          # mode offload's experts' ring (budget.plan_offload_memory)    # scheduler/expert_residency.POLICIES, or none
+RESIDENT_EXPERTS = ("frequency", "uniform", "none")    # scheduler/expert_residency.POLICIES, or none
+STREAM_EXPERTS = ("auto", "on", "off")          # mode offload's experts' ring (budget.plan_offload_memory)
 _BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

@@ -174,7 +174,7 @@ class MixedSteps(Steps):
                 contiguous = not mine or mine[-1] - mine[0] + 1 == len(mine)
                 lm = (mine[0] if mine else 0, len(mine)) if contiguous else None
             chunk_fields = None if fields is None else tuple(f[lo:lo + len(chunk)] for f in fields)
-            with self.spin(native_only=self.ring is not None or self.expert_ring is not None or chunk_fields is None):
+            with self.spin(native_only=self.ring is not None or chunk_fields is None):
                 computed = self._run_chunk(chunk, lm, chunk_fields).copy()   # the pinned rows are the next chunk's
             first = lm[0] if lm is not None else 0
             for i in range(len(computed)):

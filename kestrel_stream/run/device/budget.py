@@ -382,7 +382,8 @@ def expert_ring_slots(c, room_bytes: int, placement, profile, max_tokens: int, s
     """Slots of mode offload's experts' ring (0: none) in a room of `room_bytes` the layers leave: on, a ring
     (a budget that cannot hold it is refused); auto, a ring where it fits beside the routers, the room does
     not hold every expert resident, and the cost model streams some layer's experts in a step of `max_tokens`
-    tokens (the largest the engine runs); off, none.  The ring comes before the resident experts: it is what prompt chunks and large batches use."""
+    tokens (the largest the engine runs); off, none.  The ring comes before the resident experts: it is what
+    prompt chunks and large batches use."""
     from kestrel_stream.cuda.moe_kernels import MAX_EXPERTS
     from scheduler import offload
     if stream_experts == "off" or c.num_experts > MAX_EXPERTS:

@@ -75,7 +75,8 @@ class ExpertRing:
         """A step streaming the experts ops `names` in this order: the first S layers' copies go out now."""
         unknown = [n for n in names if layer_of(n) not in self.images]
         assert not unknown, f"no pinned image of the experts of {unknown[:3]}"
-        self.names, self.order, self.issued, self.bytes_per_step = list(names), {n: p for p, n in enumerate(names)}, 0, 0
+        self.names, self.order = list(names), {n: p for p, n in enumerate(names)}
+        self.issued = self.bytes_per_step = 0
         if not names:
             return
         self.fork.record(stream)
