@@ -6,8 +6,8 @@ A slot holds one expert: its gate_up rows (2I x H, gate j and up j interleaved f
 its down rows (H x I), each as the qs bytes and the meta bytes of its block format, in four regions of
 `slots` strides each (gate_up qs, gate_up meta, down qs, down meta).  Mode offload's experts' ring is more
 slots of the same pool past the resident ones, E of them a ring slot: one routed layer's every expert.
-Routed layers may differ in format
-(llama.cpp's Q4_K_M keeps some layers' ffn_down in Q6_K), so a stride is the largest over the layers.
+Routed layers may differ in format (llama.cpp's Q4_K_M keeps some layers' ffn_down in Q6_K), so a stride
+is the largest over the layers.
 """
 from __future__ import annotations
 
