@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 
 from test_moe_stream_emulated import (check_batch_of_prompts_matches, check_block_format_experts_stream,
-                                      check_prompt_streams_and_matches, model)  # noqa: F401
+                                      check_prompt_streams_and_matches, check_slots_reused_in_one_step,
+                                      model)  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -25,6 +26,10 @@ def test_streamed_layers_beside_resident_experts_on_the_device(model):  # noqa: 
 
 def test_a_batch_of_prompts_in_one_streamed_step_on_the_device(model):  # noqa: F811
     check_batch_of_prompts_matches(*model)
+
+
+def test_ring_slots_are_reused_within_a_step_on_the_device():
+    check_slots_reused_in_one_step()
 
 
 def test_q4_k_m_experts_stream_on_the_device():
