@@ -3,8 +3,8 @@ outside VRAM but for the most chosen.
 
     python3 -m bench.make_gguf --preset qwen3-30b-a3b --mix q8_0 --vocab PATH/ggml-vocab-qwen2.gguf -o /tmp/q30a3b.gguf
     python3 -m bench.moe_offload /tmp/q30a3b.gguf [--budgets all experts:0.1 attention 0.5] [--threads 16]
-        [--sessions 16] [--prompt 512] [--residency] [--bias-router 3] [--llama-bench PATH/llama-bench]
-        [--llama-batched-bench PATH/llama-batched-bench] [--ncmoe N ...] [--out DIR]
+        [--sessions 16] [--prompt 512] [--stream off auto] [--stream-chunk 512] [--residency] [--bias-router 3]
+        [--llama-bench PATH/llama-bench] [--llama-batched-bench PATH/llama-batched-bench] [--ncmoe N ...] [--out DIR]
 
 Budgets: `all`, gpu mode with no budget (every weight and expert in VRAM); `experts:F`, mode offload with a
 --vram-budget holding every non-expert weight (each layer's qkv and o, lm_head), the routers and a fraction F
@@ -19,6 +19,12 @@ and o resident, the MLP on the host; M: qkv and o streamed; H: all on the host),
 host roofline of the row: the expert bytes a token reads that are not resident (the routers' choice at the
 resident share expected) ÷ the host memory pool's best rate (calibrated at the start: scheduler/step_sim
 PoolRates), with the measured decode as a share of it.
+--stream: each offload budget once per KESTREL_STREAM_EXPERTS value (off: every non-resident expert on the host,
+today's rows; auto: the experts' ring where the cost model predicts it pays and the budget holds it; on: a ring
+or the budget refused).  A row with a ring ("experts:F ring auto") runs offload steps of up to --stream-chunk
+tokens (a prompt chunk streams each routed layer's experts once for all its tokens) and adds the ring, the
+placement and predicted time of a prompt chunk (E: the layer's experts streamed to the GPU), and the expert
+bytes a --prompt-token prompt streamed.
 --residency: in each offload row with experts resident, the choice blind to routing (uniform) against the
 choice by the routing of a calibration prompt (frequency): each one's hit rate on later prompts (the share
 of their experts' selections found resident) and decode tok/s.  --bias-router S first skews the routers of
@@ -69,15 +75,16 @@ def offload_budget(config, weight_bytes: int, max_seq_len: int, max_batch: int, 
     return needs.total + 2 * ALIGN * (len(weight_items(config)) + 8) + weight_bytes
 
 
-def budget_of(which: str, config, args, profile) -> tuple[int | None, int]:
-    """(--vram-budget, its weight part) of a budget kind; `all`: (None, every weight)."""
+def budget_of(which: str, config, args, profile, max_batch: int | None = None) -> tuple[int | None, int]:
+    """(--vram-budget, its weight part) of a budget kind; `all`: (None, every weight); max_batch: the engine's
+    (default --max-batch), whose step buffers the budget holds besides."""
     if which == "all":
         return None, non_expert_bytes(config) + expert_bytes(config, 1.0)
     if which.startswith("experts:"):
         weight_bytes = non_expert_bytes(config) + expert_bytes(config, float(which.split(":", 1)[1]))
     else:
         weight_bytes = int((1.0 if which == "attention" else float(which)) * non_expert_bytes(config))
-    return offload_budget(config, weight_bytes, args.max_seq_len, args.max_batch, profile), weight_bytes
+    return offload_budget(config, weight_bytes, args.max_seq_len, max_batch or args.max_batch, profile), weight_bytes
 
 
 def matching_ncmoe(config, fraction: float) -> int:
@@ -86,7 +93,7 @@ def matching_ncmoe(config, fraction: float) -> int:
 
 
 def prefill_rate(engine, tokens: int, repeats: int) -> float:
-    """Median tokens/s of a `tokens`-token prefill (the last row's logits), after a warm-up."""
+    """Median tokens/s of a `tokens`-token prefill (the last row's logits), after a warm-up (repeats + 1 runs)."""
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(0, engine.config.vocab_size, tokens)]
     rates = []
@@ -160,25 +167,32 @@ def experts_kernels(weights, options, tokens: int) -> str:
     return " ".join(sorted(names))
 
 
-def engine_for(weights, which: str, budget: int | None, args):
+def engine_for(weights, which: str, budget: int | None, args, stream: str = "off", max_batch: int | None = None):
     from kestrel_stream.options import Options
     from kestrel_stream.run.engine import Engine
-    options = Options.from_env(vram_budget=budget, host_threads=args.threads)
+    options = Options.from_env(vram_budget=budget, host_threads=args.threads, stream_experts=stream)
     return Engine(weights, device="cuda", mode="gpu" if which == "all" else "offload", max_seq_len=args.max_seq_len,
-                  max_batch=args.max_batch, options=options)
+                  max_batch=max_batch or args.max_batch, options=options)
 
 
-def ours(path: str, weights, which: str, args, profile) -> list[dict]:
-    """The row of one budget (and its residency rows)."""
+def ours(path: str, weights, which: str, args, profile, stream: str = "off") -> list[dict]:
+    """The row of one budget (and its residency rows); stream: KESTREL_STREAM_EXPERTS (offload budgets; off:
+    today's rows, named by the budget alone)."""
     from scheduler.offload import HOME_LETTERS, PoolRates
     config = weights.config
-    budget, weight_bytes = budget_of(which, config, args, profile)
-    engine = engine_for(weights, which, budget, args)
+    ringed = which != "all" and stream != "off"
+    max_batch = max(args.max_batch, args.stream_chunk) if ringed else args.max_batch
+    budget, weight_bytes = budget_of(which, config, args, profile, max_batch)
+    engine = engine_for(weights, which, budget, args, stream, max_batch)
     x = engine.executor
     rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
-    row = {"file": os.path.basename(path), "budget": which, "mode": x.mode, "weight_MB": round(weight_bytes / 1e6, 1),
+    streamed_before = x.stats.get("streamed_bytes") or 0
+    pp_rate = prefill_rate(engine, args.prompt, 1)
+    pp_streamed = ((x.stats.get("streamed_bytes") or 0) - streamed_before) / 2        # per prompt (2 runs)
+    row = {"file": os.path.basename(path), "budget": which + (f" ring {stream}" if ringed else ""), "mode": x.mode,
+           "weight_MB": round(weight_bytes / 1e6, 1),
            "budget_MB": round(budget / 1e6, 1) if budget else "free VRAM", "ours_tg_tok_s": round(rate, 2),
-           "step_ms": round(step_ms, 3), "ours_pp_tok_s": round(prefill_rate(engine, args.prompt, 1), 1)}
+           "step_ms": round(step_ms, 3), "ours_pp_tok_s": round(pp_rate, 1)}
     if x.mode == "gpu":        # a prompt's steps: chunks of step_rows' tokens
         from kestrel_stream.run.device.budget import step_rows
         step = min(args.prompt, step_rows(args.max_batch)[0])
@@ -195,8 +209,15 @@ def ours(path: str, weights, which: str, args, profile) -> list[dict]:
                    resident_experts=f"{resident.used_slots} ({share:.0%} expected)" if resident else 0,
                    predicted_ms=round(p.predicted.total_us / 1e3, 3), experts_off_MB=round(off_bytes / 1e6, 3),
                    host_roofline_tok_s=round(roofline_tok_s, 1), of_host_roofline=round(rate / roofline_tok_s, 3))
+        if ringed:         # the experts' ring, and what a prompt chunk placed and streamed
+            chunk = x.placement_for(min(args.prompt, x.steps.max_tokens))
+            row.update(experts_ring=(f"{p.expert_slot_count} x {p.expert_slot_bytes / 1e6:.1f} MB"
+                                     if p.expert_slot_count else "none"),
+                       pp_placement=f"M={chunk.tokens} " + "".join(HOME_LETTERS[h] for h in chunk.homes),
+                       pp_predicted_ms=round(chunk.predicted.total_us / 1e3, 3),
+                       pp_streamed_GB=round(pp_streamed / 1e9, 3))
     rows = [row]
-    if args.residency and x.mode == "offload" and resident is not None:
+    if args.residency and not ringed and x.mode == "offload" and resident is not None:
         rng = np.random.default_rng(3)
         prompt = lambda n: [int(t) for t in rng.integers(0, config.vocab_size, n)]   # noqa: E731
         for choice in resident_choices(engine, prompt(args.prompt), [prompt(32) for _ in range(3)], args.new_tokens):
@@ -225,7 +246,8 @@ def theirs(path: str, config, args) -> list[dict]:
 
 COLUMNS = ["file", "budget", "mode", "weight_MB", "budget_MB", "placement", "resident_experts", "hit_rate",
            "ours_tg_tok_s", "llama_tg_tok_s", "ours_pp_tok_s", "llama_pp_tok_s", "ours_batch_tok_s",
-           "llama_batch_tok_s", "step_ms", "predicted_ms", "experts_off_MB", "host_roofline_tok_s", "of_host_roofline"]
+           "llama_batch_tok_s", "step_ms", "predicted_ms", "experts_off_MB", "host_roofline_tok_s", "of_host_roofline",
+           "experts_ring", "pp_placement", "pp_predicted_ms", "pp_streamed_GB"]
 
 
 def main(argv=None) -> None:
@@ -241,6 +263,10 @@ def main(argv=None) -> None:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--max-batch", type=int, default=32, help="tokens of an offload step: max(this, 64)")
     parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--stream", nargs="+", default=["off", "auto"], choices=["off", "auto", "on"],
+                        help="KESTREL_STREAM_EXPERTS of each offload budget's rows (the experts' ring)")
+    parser.add_argument("--stream-chunk", type=int, default=512,
+                        help="tokens of an offload step in the rows with a ring (prompt chunks)")
     parser.add_argument("--residency", action="store_true", help="uniform against frequency resident experts")
     parser.add_argument("--bias-router", type=float, default=0.0,
                         help="add about this to an eighth of the experts' router logits (a Q8_0 file)")
@@ -262,9 +288,10 @@ def main(argv=None) -> None:
         if args.bias_router:
             bias_router(weights, preferred=max(1, weights.config.num_experts // 8), strength=args.bias_router)
         for which in args.budgets:
-            for row in ours(path, weights, which, args, profile):
-                print(row, flush=True)
-                rows.append(row)
+            for stream in (["off"] if which == "all" else args.stream):
+                for row in ours(path, weights, which, args, profile, stream):
+                    print(row, flush=True)
+                    rows.append(row)
         for row in theirs(path, weights.config, args) if args.llama_bench else []:
             print(row, flush=True)
             rows.append(row)
@@ -274,7 +301,8 @@ def main(argv=None) -> None:
                                f"expert bytes not resident at the pool's best rate. Ours: {args.new_tokens} greedy "
                                f"tokens after one, medians of {args.repeats}; pp: a {args.prompt}-token prompt; "
                                f"{args.sessions} sessions decoding together after 32-token prompts; offload's "
-                               f"experts on the host with {args.threads} threads"
+                               f"experts on the host with {args.threads} threads; rows with a ring: offload steps "
+                               f"of up to {args.stream_chunk} tokens, the experts' ring by KESTREL_STREAM_EXPERTS"
                                + (f"; routers skewed (bias_router {args.bias_router})" if args.bias_router else "")
                                + ". llama-bench -r 3 averages."))
     print(f"wrote {out}")

@@ -41,6 +41,9 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
                               resident), then optionally :host or :resident for lm_head (benches)
     KESTREL_RESIDENT_EXPERTS=P mode offload's experts in the VRAM its layers leave: frequency (the most chosen
                               so far; default), uniform (the same number a layer, blind to the counts) or none
+    KESTREL_STREAM_EXPERTS=W  mode offload's experts' ring (steps of many tokens stream a routed layer's experts
+                              onto the GPU): auto (a ring where the cost model predicts the largest step gains
+                              by it and the budget holds it; default), on (a ring, or refuse the budget) or off
 
 The daemon's, clients' and result files' variables (Environment):
 
@@ -88,6 +91,7 @@ class Options:
     offload: str = "auto"                    # gpu mode short of VRAM: auto | stream | place (KESTREL_OFFLOAD)
     offload_homes: str | None = None         # mode offload's layers given (KESTREL_OFFLOAD_HOMES; None: chosen)
     resident_experts: str = "frequency"      # mode offload's experts in VRAM: frequency | uniform | none
+    stream_experts: str = "auto"             # mode offload's experts' ring: auto | on | off (KESTREL_STREAM_EXPERTS)
     device_ordinal: int = 0                  # the GPU of a device engine (ks.load's device="cuda:N")
 
     @property
@@ -149,6 +153,9 @@ class Options:
         resident_experts = env.get("KESTREL_RESIDENT_EXPERTS") or "frequency"
         if resident_experts not in RESIDENT_EXPERTS:
             raise ValueError(f"KESTREL_RESIDENT_EXPERTS={resident_experts!r}: one of {', '.join(RESIDENT_EXPERTS)}")
+        stream_experts = env.get("KESTREL_STREAM_EXPERTS") or "auto"
+        if stream_experts not in STREAM_EXPERTS:
+            raise ValueError(f"KESTREL_STREAM_EXPERTS={stream_experts!r}: one of {', '.join(STREAM_EXPERTS)}")
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0", step_graphs=step_graphs == "1",
@@ -162,7 +169,7 @@ class Options:
                       host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"),
                       blas_threads=blas_threads,
                       offload=offload, offload_homes=env.get("KESTREL_OFFLOAD_HOMES") or None,
-                      resident_experts=resident_experts)
+                      resident_experts=resident_experts, stream_experts=stream_experts)
         return options.with_(**given)
 
     def with_(self, **changes) -> "Options":
@@ -174,6 +181,7 @@ class Options:
 
 OFFLOAD_CHOICES = ("auto", "stream", "place")
 RESIDENT_EXPERTS = ("frequency", "uniform", "none")    # scheduler/expert_residency.POLICIES, or none
+STREAM_EXPERTS = ("auto", "on", "off")          # mode offload's experts' ring (budget.plan_offload_memory)
 _BYTE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 

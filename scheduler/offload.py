@@ -15,10 +15,15 @@ The unit of placement is a layer: resident, streamed, host (its four projection 
 activations handed over twice: qkv up for attention, attention down for o), mlp (gate_up and down on the
 host, qkv and o streamed: one hand-off each way, ktransformers' split of a layer) or attention (qkv and o
 resident, the MLP on the host).
-A routed layer of a mixture-of-experts model computes its router and experts on the host whatever its
-home (they have no device ops); its qkv and o follow the home, so such a layer is homed attention (qkv
-and o resident), mlp (streamed) or host, the split llama.cpp's --n-cpu-moe makes.  Only qkv and o of a
-routed layer take VRAM; its experts are priced by the bytes a step of M tokens is expected to read.
+A routed layer of a mixture-of-experts model computes its router and experts on the host; its qkv and o
+follow the home, so such a layer is homed attention (qkv and o resident), mlp (streamed) or host, the split
+llama.cpp's --n-cpu-moe makes.  Only qkv and o of a routed layer take VRAM; its experts are priced by the
+bytes a step of M tokens is expected to read.  Where the placement has an experts' ring (a few slots of one
+layer's every expert, EXPERT_RING), a layer homed attention may instead be homed experts in a step: its
+router and experts on the GPU, every expert of the layer copied into a ring slot first.  The copy costs the
+same at any step size while the host's reading grows with the experts the step's tokens choose (almost all
+of them past a few dozen tokens), so prompt chunks and large batches stream the experts and decode steps
+keep them on the host; place_for_tokens counts, per step size, how many routed layers stream.
 Attention always runs on the GPU over the device KV pool, so a layer can change home between steps of
 different sizes without moving its cache.  The embedding table stays on the host (a step gathers M rows of
 it); lm_head is resident or computed on the host.
@@ -45,11 +50,13 @@ from .ops import step_ops
 from .step_sim import (ROUTED_GROUPS, PoolRates, StepSim, Work as _Work, aligned as _aligned, op_costs,
                        simulate_step)
 
-HOMES = ("resident", "streamed", "host", "mlp", "attention")
+HOMES = ("resident", "streamed", "host", "mlp", "attention", "experts")
 MLP_GROUPS = ("gate_up", "down")
-HOME_LETTERS = {"resident": "R", "streamed": "S", "host": "H", "mlp": "M", "attention": "A"}
-LETTERS_KEY = "R resident, S streamed, H host, M MLP on the host, A qkv and o resident with the MLP on the host"
-FIXED_HOMES = ("resident", "attention")  # homes with weights in VRAM: kept by every step size
+HOME_LETTERS = {"resident": "R", "streamed": "S", "host": "H", "mlp": "M", "attention": "A", "experts": "E"}
+LETTERS_KEY = ("R resident, S streamed, H host, M MLP on the host, A qkv and o resident with the MLP on the host, "
+               "E qkv and o resident with the experts streamed to the GPU")
+FIXED_HOMES = ("resident", "attention", "experts")  # homes with weights in VRAM: kept by every step size
+EXPERT_RING = 1                      # the experts' ring's index in step_sim's rings (0: the layers')
 # a routed layer's home as what it does: its MLP is on the host whatever the home says
 ROUTED_HOME = {"resident": "attention", "streamed": "mlp", "host": "host", "mlp": "mlp", "attention": "attention"}
 
@@ -60,9 +67,12 @@ def group_home(home: str, group: str) -> str:
     so the host takes x once per layer (after o) and gives it back once (after down); a "host" layer runs
     all four groups there, handing over twice (qkv up for attention, attention down for o); an "attention"
     layer keeps qkv and o resident and hands over as an "mlp" one does.  A routed layer's router and
-    experts (ROUTED_GROUPS) are on the host in every home."""
+    experts (ROUTED_GROUPS) are on the host in every home but "experts" (qkv and o resident, the router and
+    the experts streamed through the experts' ring)."""
     if group in ROUTED_GROUPS:
-        return "host"
+        return "streamed" if home == "experts" else "host"
+    if home == "experts":
+        return "resident"
     if home in ("mlp", "attention"):
         return "host" if group in MLP_GROUPS else ("streamed" if home == "mlp" else "resident")
     return home
@@ -96,6 +106,21 @@ class OffloadPlacement:
     notes: list = field(default_factory=list)
     routed_bytes: int = 0          # routers and experts, held on the host (a mixture-of-experts model)
     routed_read_bytes: int = 0     # of them, what a step of `tokens` tokens is expected to read
+    expert_slot_count: int = 0     # the experts' ring: slots of one routed layer's every expert (0: none)
+    expert_slot_bytes: int = 0
+
+    @property
+    def expert_ring_bytes(self) -> int:
+        return self.expert_slot_count * self.expert_slot_bytes
+
+    @property
+    def expert_streamed_bytes(self) -> int:
+        """Expert bytes a step copies into the experts' ring (every expert of each layer homed experts)."""
+        return self.homes.count("experts") * self.expert_slot_bytes
+
+    def with_expert_ring(self, slot_count: int, slot_bytes: int) -> "OffloadPlacement":
+        from dataclasses import replace
+        return replace(self, expert_slot_count=slot_count, expert_slot_bytes=slot_bytes, notes=list(self.notes))
 
     def _bytes(self, where: str) -> int:
         return (sum(b for groups, h in zip(self.layer_bytes, self.homes) for g, b in groups.items()
@@ -123,7 +148,8 @@ class OffloadPlacement:
     def with_homes(self, homes, predicted: StepSim, tokens: int, routed_read_bytes: int = 0) -> "OffloadPlacement":
         return OffloadPlacement(tokens, tuple(homes), self.head, self.slot_count, self.slot_bytes,
                                 self.layer_bytes, self.head_bytes, predicted, self.roofline_us, self.budget_bytes,
-                                list(self.notes), self.routed_bytes, routed_read_bytes)
+                                list(self.notes), self.routed_bytes, routed_read_bytes, self.expert_slot_count,
+                                self.expert_slot_bytes)
 
     def to_dict(self) -> dict:
         p = self.predicted
@@ -132,6 +158,8 @@ class OffloadPlacement:
                 "resident_bytes": self.resident_bytes, "streamed_bytes": self.streamed_bytes,
                 "host_bytes": self.host_bytes, "ring_bytes": self.ring_bytes, "budget_bytes": self.budget_bytes,
                 "routed_bytes": self.routed_bytes, "routed_read_bytes": self.routed_read_bytes,
+                "expert_slot_count": self.expert_slot_count, "expert_slot_bytes": self.expert_slot_bytes,
+                "expert_streamed_bytes": self.expert_streamed_bytes,
                 "predicted_us": round(p.total_us, 1), "roofline_us": round(self.roofline_us, 1),
                 "copy_busy_us": round(p.copy_busy_us, 1), "host_busy_us": round(p.host_busy_us, 1),
                 "gpu_busy_us": round(p.gpu_busy_us, 1), "handoffs": p.handoffs}
@@ -144,7 +172,10 @@ class OffloadPlacement:
                  f"{self.slot_bytes / mb:.1f} MB of {self.budget_bytes / mb:.1f} MB; per step: streamed "
                  f"{self.streamed_bytes / mb:.1f} MB, host {self.host_bytes / mb:.1f} MB"
                  + (f", experts on the host {self.routed_read_bytes / mb:.1f} MB (expected) of "
-                    f"{self.routed_bytes / mb:.1f} MB" if self.routed_bytes else ""),
+                    f"{self.routed_bytes / mb:.1f} MB" if self.routed_bytes else "")
+                 + (f", experts streamed {self.expert_streamed_bytes / mb:.1f} MB through a ring of "
+                    f"{self.expert_slot_count} x {self.expert_slot_bytes / mb:.1f} MB" if self.expert_slot_count
+                    else ""),
                  f"  predicted {p.total_us / 1e3:.2f} ms (copy engine busy {p.copy_busy_us / 1e3:.2f}, host "
                  f"{p.host_busy_us / 1e3:.2f}, GPU {p.gpu_busy_us / 1e3:.2f}, {p.handoffs} hand-offs); roofline "
                  f"{self.roofline_us / 1e3:.2f} ms ({self.roofline_us / max(p.total_us, 1e-9):.0%} of it)"]
@@ -167,7 +198,7 @@ def _layer_items(config) -> tuple[list, int, int]:
 
 
 def _work(costs: list, homes, head: str) -> list:
-    out, item = [], 0
+    out, item, expert_item = [], 0, 0
     for c in costs:
         if c.nbytes < 0:
             out.append(_Work("host", c.host_us, c.host_joint_us, 0))
@@ -175,6 +206,11 @@ def _work(costs: list, homes, head: str) -> list:
         home = (head if c.head else group_home(homes[c.layer], c.group)) if c.placed else "resident"
         if home == "host":
             out.append(_Work("host", c.host_us, c.host_joint_us, 0))
+        elif home == "streamed" and c.group in ROUTED_GROUPS:   # the router reads no slot; experts, the layer's
+            ring = c.group == "experts"
+            out.append(_Work("gpu", c.gpu_us, c.gpu_us, c.launches, expert_item if ring else -1,
+                             c.nbytes if ring else 0, EXPERT_RING if ring else 0))
+            expert_item += ring
         elif home == "streamed":
             out.append(_Work("gpu", c.gpu_us, c.gpu_us, c.launches, item, c.nbytes))
             item += 1
@@ -206,37 +242,45 @@ def _homes(resident: tuple, flexible_hosts: int, kind: str = "host") -> tuple:
     return tuple(homes)
 
 
-def _predict(costs, homes, head, slot_count, profile, rates) -> StepSim:
-    return simulate_step(_work(costs, homes, head), slot_count, profile, rates)
+def _predict(costs, homes, head, slot_count, profile, rates, expert_slot_count: int = 0) -> StepSim:
+    return simulate_step(_work(costs, homes, head), (slot_count, max(expert_slot_count, 1)), profile, rates)
 
 
 def with_resident_experts(placement: OffloadPlacement, config, profile, share: float) -> OffloadPlacement:
     """`placement` predicted again with `share` of the experts' choices on resident experts (the device's
     part of each routed layer): the host reads the rest."""
     rates = PoolRates.of(profile)
-    costs = op_costs(config, placement.tokens, 0, profile, rates, resident_expert_share=share)
-    sim = _predict(costs, placement.homes, placement.head, max(placement.slot_count, 1), profile, rates)
-    experts = sum(op.active_weight_bytes for op in step_ops(config, placement.tokens) if op.kind == "experts")
-    read = int(_routed_bytes(config, placement.tokens)[1] - share * experts)
+    costs = op_costs(config, placement.tokens, 0, profile, rates, placement.expert_slot_bytes,
+                     resident_expert_share=share)
+    sim = _predict(costs, placement.homes, placement.head, max(placement.slot_count, 1), profile, rates,
+                   placement.expert_slot_count)
+    experts = sum(op.active_weight_bytes for op in step_ops(config, placement.tokens)
+                  if op.kind == "experts" and placement.homes[op.layer] != "experts")
+    read = int(_routed_bytes(config, placement.tokens, placement.homes)[1] - share * experts)
     return placement.with_homes(placement.homes, sim, placement.tokens, read)
 
 
-def roofline_us(config, homes, head, profile, tokens: int = 1, context_len: int = 0) -> float:
-    """The floor of a step with these resident weights: the non-resident bytes at the pool's best rate, plus
-    the GPU time of the resident ops (and attention)."""
+def roofline_us(config, homes, head, profile, tokens: int = 1, context_len: int = 0,
+                expert_layer_bytes: int = 0) -> float:
+    """The floor of a step with these resident weights: the non-resident bytes at the pool's best rate (a
+    layer homed experts: its every expert, `expert_layer_bytes`), plus the GPU time of the resident ops (and
+    attention)."""
     per_layer, _, head_bytes = _layer_items(config)
     rates = PoolRates.of(profile)
     off = sum(b for g, h in zip(per_layer, homes) for group, b in g.items() if group_home(h, group) != "resident")
-    off += (head_bytes if head != "resident" else 0) + _routed_bytes(config, tokens)[1]
+    off += (head_bytes if head != "resident" else 0) + _routed_bytes(config, tokens, homes)[1]
+    off += homes.count("experts") * expert_layer_bytes
     costs = op_costs(config, tokens, context_len, profile, rates)
     gpu = sum(w.us for w in _work(costs, homes, head) if w.side == "gpu" and w.item < 0)
     return rates.best_us(off) + gpu
 
 
-def _routed_bytes(config, tokens: int) -> tuple[int, int]:
-    """(bytes of every router and expert, of them the bytes a step of `tokens` tokens is expected to read)."""
+def _routed_bytes(config, tokens: int, homes=None) -> tuple[int, int]:
+    """(bytes of every router and expert, of them the bytes the host reads in a step of `tokens` tokens:
+    those it is expected to choose, in the layers whose experts are not streamed)."""
     ops = [op for op in step_ops(config, tokens) if op.kind in ROUTED_GROUPS]
-    return sum(op.weight_bytes for op in ops), sum(op.active_weight_bytes for op in ops)
+    return (sum(op.weight_bytes for op in ops),
+            sum(op.active_weight_bytes for op in ops if homes is None or homes[op.layer] != "experts"))
 
 
 def _resident_base(layer_bytes, room: int) -> tuple:
@@ -345,8 +389,8 @@ def place_for_tokens(base: OffloadPlacement, config, profile, tokens: int, conte
         return place_given(config, base.budget_bytes, profile, base.homes,
                            base.head, tokens, context_len)
     rates = PoolRates.of(profile)
-    costs = op_costs(config, tokens, context_len, profile, rates)
-    resident = tuple(h if h in FIXED_HOMES else "other" for h in base.homes)
+    costs = op_costs(config, tokens, context_len, profile, rates, base.expert_slot_bytes)
+    resident = tuple(("attention" if h == "experts" else h) if h in FIXED_HOMES else "other" for h in base.homes)
     flexible = resident.count("other")
     choices = [(k, n) for k in HOST_KINDS for n in range(1, flexible + 1)] + [("host", 0)]
     if not base.slot_count:
@@ -359,9 +403,30 @@ def place_for_tokens(base: OffloadPlacement, config, profile, tokens: int, conte
             best = (sim, homes)
     sim, homes = best
     homes = routed_homes(config, homes)
-    placement = base.with_homes(homes, sim, tokens, _routed_bytes(config, tokens)[1])
-    placement.roofline_us = roofline_us(config, homes, base.head, profile, tokens, context_len)
+    if base.expert_slot_count:
+        sim, homes = _stream_experts(costs, homes, base, profile, rates)
+    placement = base.with_homes(homes, sim, tokens, _routed_bytes(config, tokens, homes)[1])
+    placement.roofline_us = roofline_us(config, homes, base.head, profile, tokens, context_len,
+                                        base.expert_slot_bytes)
     return placement
+
+
+def _stream_experts(costs, homes: tuple, base: OffloadPlacement, profile, rates) -> tuple[StepSim, tuple]:
+    """(the predicted step, the homes) with as many routed layers homed attention turned experts (their
+    experts streamed through the experts' ring), spread evenly, as is predicted fastest: none keeps every
+    expert on the host, some keep the cores and the link busy together, all suit a step that reads nearly
+    every expert of every layer."""
+    attention = [i for i, h in enumerate(homes) if h == "attention"]
+    best = None
+    for count in range(len(attention) + 1):
+        order = spread({"experts": count, "attention": len(attention) - count}, len(attention))
+        trial = list(homes)
+        for layer, home in zip(attention, order):
+            trial[layer] = home
+        sim = _predict(costs, trial, base.head, max(base.slot_count, 1), profile, rates, base.expert_slot_count)
+        if best is None or sim.total_us < best[0].total_us - 1e-6:
+            best = (sim, tuple(trial))
+    return best
 
 
 def streaming_only(config, budget_bytes: int, profile, tokens: int = 1, slot_count: int = 2) -> StepSim | None:

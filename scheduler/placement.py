@@ -16,7 +16,8 @@ string or, for gated projections, {weight name: GateDecision}.
   streamed: the GPU; host: the host), rope and attention on the GPU over the device KV pool (a layer may
   change home between step sizes without moving its cache), a routed layer's router and experts on the
   host, or, where some of its experts are resident (expert_residency.py), the router and those experts on
-  the GPU and the others on the host (moe.split_experts), embed on the host, lm_head resident or on the
+  the GPU and the others on the host (moe.split_experts), or, in a layer homed experts, the router and every
+  expert on the GPU (the experts streamed through the experts' ring), embed on the host, lm_head resident or on the
   host; norms and SiLU·mul by the sandwich rule below.
 - gated: each projection group follows the gate. rope and attention stay on
   the host: in gated mode the KV cache lives on the host, so attention never
@@ -90,6 +91,10 @@ def offload_sides(ops, homes, head: str, resident_experts: dict | None = None) -
     from .offload import group_home
     placed, resident_experts = [], resident_experts or {}
     for op in ops:
+        if op.kind in ("router", "experts") and homes[op.layer] == "experts":
+            placed.append((op, "gpu", f"offload: layer {op.layer}'s {op.kind} on the GPU, every expert streamed "
+                                      "into a slot of the experts' ring"))
+            continue
         ids = resident_experts.get(op.layer, ()) if op.kind in ("router", "experts") else ()
         if ids and op.kind == "router":
             placed.append((op, "gpu", f"offload: layer {op.layer}'s router on the GPU ({len(ids)} of its experts "

@@ -68,6 +68,7 @@ class Plan:
     segments: list
     placements: dict      # weight name -> Placement, in step order
     notes: list = field(default_factory=list)
+    expert_ring: tuple = ()   # mode offload: the experts ops whose layer's experts stream through the experts' ring
 
     @property
     def syncs_per_step(self) -> int:
@@ -240,6 +241,7 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
                                           and group_home(offload.homes[op.layer], op.group) == "streamed"}
         notes.append(offload.describe().splitlines()[0])
         notes.append(offload.describe().splitlines()[1].strip())
+        expert_ring = tuple(op.name for op in ops if op.kind == "experts" and offload.homes[op.layer] == "experts")
     else:
         if kind == "gpu" and dense_min_tokens is not None and tokens >= dense_min_tokens:
             ops = dense_ops(ops, config, tokens, dense_min_tokens, dense_fused)
@@ -260,7 +262,12 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
     if config.tie_word_embeddings:
         notes.append("tied embeddings: lm_head owns model.embed_tokens.weight; "
                      "embed gathers M rows of it")
-    return Plan(resolved, mode, tokens, _segments(placed, config, tokens, streamed), _placements(placed), notes)
+    segments = _segments(placed, config, tokens, streamed)
+    if kind == "offload":           # a streamed layer's every expert crosses into its ring slot, one image a layer
+        for segment in segments:
+            segment.h2d_bytes += offload.expert_slot_bytes * sum(op.name in expert_ring for op in segment.ops)
+        return Plan(resolved, mode, tokens, segments, _placements(placed), notes, expert_ring)
+    return Plan(resolved, mode, tokens, segments, _placements(placed), notes)
 
 
 def _decider(gate, forced: dict, why: dict | None = None):

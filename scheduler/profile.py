@@ -35,6 +35,9 @@ class DeviceProfile:
     # block format -> weight bytes/s of its host mat-vec alone, where a format's kernel is slower than the pool
     # (Q4_K, Q6_K decode more per byte than Q8_0); None or a missing format: host_weight_GBps
     host_format_GBps: dict | None = None
+    # FLOP/s of the device expert kernels (route, gate_up, down, combine) over a prompt chunk of a routed layer
+    # whose every expert is on the device (mode offload's streamed experts); None: not measured, gpu_gflops
+    gpu_expert_gflops: float | None = None
 
     def __post_init__(self):
         for f in fields(self):

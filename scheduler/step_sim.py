@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from .gate import gpu_compute_us
 from .ops import step_ops
 
-ROUTED_GROUPS = ("router", "experts")    # a routed layer's MLP: op kinds with no device ops, always on the host
+ROUTED_GROUPS = ("router", "experts")    # a routed layer's MLP: on the host, or on the GPU with its experts streamed
 DEVICE_ALIGN = 256
 PASSES = 6                         # simulate_step's passes over the step
 HOST_CALL_US = 8.0                 # Python and pool dispatch of one host call (default)
@@ -67,8 +67,9 @@ class Work:
     us: float          # GPU compute, or host time at the host-alone rate (its joint time: us_joint)
     us_joint: float
     launches: int
-    item: int = -1     # streamed item index (GPU ops reading a ring slot)
+    item: int = -1     # streamed item index (GPU ops reading a ring slot), counted per ring
     nbytes: int = 0    # streamed bytes of that item
+    ring: int = 0      # the ring it streams through: 0 the layers' (window), 1 the experts' (EXPERT_RING)
 
 
 def _host_us(op, profile, rate_GBps: float) -> float:
@@ -80,6 +81,13 @@ def _host_us(op, profile, rate_GBps: float) -> float:
         if len(w.shape) == 2:
             read_us += w.nbytes * op.read_fraction / (min(rate_GBps, formats.get(w.fmt, rate_GBps)) * 1e3)
     return max(op.flops / (profile.host_gflops * 1e3), read_us)
+
+
+def _gpu_experts_us(op, profile) -> float:
+    """An experts op's kernel time on the device (its experts there): the expert kernels' measured FLOP/s, or
+    the read of the experts its tokens choose, whichever is slower."""
+    rate = getattr(profile, "gpu_expert_gflops", None) or profile.gpu_gflops
+    return max(op.flops / (rate * 1e3), op.active_weight_bytes / (profile.gpu_weight_GBps * 1e3))
 
 
 @dataclass(frozen=True)
@@ -95,10 +103,13 @@ class OpCost:
     nbytes: int            # device bytes of its weight (what a ring slot receives)
 
 
-def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates, resident_expert_share: float = 0.0) -> list:
+def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates, expert_layer_bytes: int = 0,
+             resident_expert_share: float = 0.0) -> list:
     """Each op's time on either side for steps of `tokens` tokens (norms and SiLU·mul ride on projections; a
-    routed layer's router and experts on the host, at the bytes of the experts the step is expected to read,
-    less the share of choices resident experts take on the device)."""
+    routed layer's router and experts on the host at the bytes of the experts the step is expected to read,
+    less the share of choices resident experts take on the device, or on the GPU with `expert_layer_bytes`
+    (every expert of the layer) streamed into a slot of the experts' ring first: the copy is the same for any
+    step size, the host's reading grows with the experts chosen)."""
     out = []
     call_us = getattr(profile, "host_call_us", None) or HOST_CALL_US
     op_us = min(HOST_OP_US, call_us)
@@ -108,13 +119,17 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates, r
         if op.kind == "embed":                          # always on the host: a row gather
             out.append(OpCost(None, None, False, False, 0.0, op_us, op_us, 0, -1))
             continue
-        if op.kind in ROUTED_GROUPS:                    # always on the host: the experts a step reads
-            # its segment's one call is paid where the segment starts (simulate_step); the op adds its jobs
+        if op.kind in ROUTED_GROUPS:                    # the router and the experts a step reads
+            # on the host its segment's one call is paid where the segment starts (simulate_step); the op adds
+            # its jobs
             jobs_us = ROUTED_JOBS[op.kind] * op_us
+            gpu_us = _gpu_experts_us(op, profile) if op.kind == "experts" else gpu_compute_us(op, profile)
             if op.kind == "experts":
                 op = replace(op, read_fraction=op.read_fraction * (1.0 - resident_expert_share))
-            out.append(OpCost(op.layer, op.kind, False, True, 0.0, _host_us(op, profile, rates.host) + jobs_us,
-                               _host_us(op, profile, rates.host_joint) + jobs_us, 0, 0))
+            out.append(OpCost(op.layer, op.kind, False, True, gpu_us,
+                               _host_us(op, profile, rates.host) + jobs_us,
+                               _host_us(op, profile, rates.host_joint) + jobs_us,
+                               op.launches or 1, expert_layer_bytes if op.kind == "experts" else 0))
             continue
         placed = bool(op.group)
         out.append(OpCost(op.layer, op.group, op.group == "lm_head", placed, gpu_compute_us(op, profile),
@@ -138,13 +153,25 @@ def _overlap(spans: list, others: list) -> list:
     return shares
 
 
-def simulate_step(work: list, slot_count: int, profile, rates: PoolRates) -> StepSim:
+def simulate_step(work: list, slot_count, profile, rates: PoolRates) -> StepSim:
     """Predicted time of one step: the host's clock and the copy engine's, over the ops in order.  A host
     op's time mixes its alone and joint rates by the share of it copies overlapped in the previous pass, a
-    copy's by the share host ops overlapped."""
+    copy's by the share host ops overlapped.  slot_count: the ring's slots, or a tuple of each ring's
+    (Work.ring); the rings' copies share the link, one after another in step order, each waiting for the
+    reader of its ring's slot S items before it."""
     launch_us, handoff_us = profile.gpu_launch_us, profile.round_trip_us
     call_us = getattr(profile, "host_call_us", None) or HOST_CALL_US    # a host segment is one native call
+    slot_counts = (slot_count,) if isinstance(slot_count, int) else tuple(slot_count)
     streamed = [w for w in work if w.item >= 0]
+    # the global index of the copy whose slot each copy takes over (its ring's item S before it), or -1
+    by_ring: dict = {}
+    previous = []
+    for c, w in enumerate(streamed):
+        seen = by_ring.setdefault(w.ring, [])
+        S = slot_counts[w.ring]
+        previous.append(seen[-S] if len(seen) >= S else -1)
+        seen.append(c)
+    position = {i: c for c, i in enumerate(i for i, w in enumerate(work) if w.item >= 0)}   # work -> copy
     host_share: dict = {}
     copy_share = [0.0] * len(streamed)
     result = None
@@ -155,18 +182,21 @@ def simulate_step(work: list, slot_count: int, profile, rates: PoolRates) -> Ste
         side, handoffs, issued = "host", 0, 0
         t = call_us if work and work[0].side == "host" else 0.0
 
-        def issue_copies(upto: int) -> None:
+        done = [False] * len(streamed)
+
+        def issue_copies() -> None:
+            """Every copy, in order, whose slot's earlier reader has been placed on the GPU's clock."""
             nonlocal issued, copy_free
-            while issued <= min(upto, len(streamed) - 1):
+            while issued < len(streamed) and (previous[issued] < 0 or done[previous[issued]]):
                 c = issued
-                start = max(copy_free, release[c - slot_count] if c >= slot_count else 0.0)
+                start = max(copy_free, release[previous[c]] if previous[c] >= 0 else 0.0)
                 share = copy_share[c]
                 copy_free = start + streamed[c].nbytes * (share / rates.link_joint + (1 - share) / rates.link) / 1e3
                 copy_end[c] = copy_free
                 copy_spans.append((start, copy_free))
                 issued += 1
 
-        issue_copies(slot_count - 1)             # the step's first copies go out with its start
+        issue_copies()                           # the step's first copies go out with its start
         for index, w in enumerate(work):
             if w.side != side:
                 if side == "gpu":                # the host waits for the GPU's result
@@ -183,12 +213,13 @@ def simulate_step(work: list, slot_count: int, profile, rates: PoolRates) -> Ste
                 continue
             t += launch_us * w.launches
             start = max(t, gpu_free)
-            if w.item >= 0:
-                start = max(start, copy_end[w.item])
+            c = position.get(index, -1)
+            if c >= 0:
+                start = max(start, copy_end[c])
             gpu_free = start + w.us
-            if w.item >= 0:
-                release[w.item] = gpu_free
-                issue_copies(w.item + slot_count)
+            if c >= 0:
+                release[c], done[c] = gpu_free, True
+                issue_copies()
         total = max(t, gpu_free) + (handoff_us if side == "gpu" else 0.0)
         # damped: the shares move halfway to what this pass saw, so two passes cannot flip-flop
         seen = dict(zip(host_index, _overlap(host_spans, copy_spans)))

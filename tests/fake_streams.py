@@ -4,7 +4,8 @@ Ops queue per stream and run under POLICY["mode"]:
   "immediate"  every op runs at enqueue (host order);
   "deferred"   streams run only when the host synchronizes them or another stream
                waits on their events, except the streams named in POLICY["eager"]
-               (the window's copy stream), which run as soon as their waits allow.
+               (the copy streams of the window and of the experts' ring), which run as soon as their
+               waits allow.
 A missing host sync, a host write racing a queued upload, or a missing
 cross-stream wait then shows up as wrong data.  Capture records the ops of the
 capturing stream and of every stream that joined it (a wait on an event
@@ -17,7 +18,7 @@ from contextlib import contextmanager
 
 from kestrel_stream.cuda.driver import CudaError
 
-POLICY = {"mode": "immediate", "eager": ("window copy h2d",)}
+POLICY = {"mode": "immediate", "eager": ("window copy h2d", "experts copy h2d")}
 
 
 class Stream:

@@ -48,3 +48,24 @@ def test_the_moe_bench_runs_every_row(tmp_path, monkeypatch):
     assert [line.split(" -t ")[0].split(" -ngl ")[1] for line in ran] == \
         ["99", f"99 -ncmoe {layers}", f"99 -ncmoe {moe_offload.matching_ncmoe(PRESETS['qwen3-moe-tiny'], 0.25)}"]
     assert by_budget["llama.cpp -ngl 99"]["llama_tg_tok_s"] == 50.0
+
+
+def test_the_moe_bench_reports_the_streamed_prompt_rows(tmp_path, monkeypatch):
+    """--stream off on: each offload budget's row as today, then with the experts' ring (steps of up to
+    --stream-chunk tokens): its ring, a prompt chunk's placement (E: experts streamed) and the bytes a prompt
+    streamed.  Nine layers, eight routed: half of their experts leave room for the ring's two layers."""
+    import dataclasses
+    from bench import moe_offload
+    fake_cuda.install(monkeypatch, mode="deferred")
+    config = dataclasses.replace(PRESETS["qwen3-moe-tiny"], num_hidden_layers=9)
+    path = tmp_path / "qwen3-moe-tiny-9.gguf"
+    write_gguf(config, None, str(path), seed=1)
+    moe_offload.main([str(path), "--budgets", "experts:0.5", "--stream", "off", "on", "--stream-chunk", "16",
+                      "--threads", "1", "--new-tokens", "2", "--prompt", "16", "--repeats", "1", "--max-seq-len", "128",
+                      "--max-batch", "4", "--sessions", "2", "--out", str(tmp_path)])
+    rows = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
+    by_budget = {row["budget"]: row for row in rows}
+    today, ring = by_budget["experts:0.5"], by_budget["experts:0.5 ring on"]
+    assert "experts_ring" not in today and today["ours_pp_tok_s"] > 0
+    assert ring["experts_ring"].startswith("2 x ") and ring["pp_placement"].startswith("M=16 ")
+    assert ring["pp_streamed_GB"] > 0 and ring["ours_pp_tok_s"] > 0 and ring["ours_batch_tok_s"] > 0

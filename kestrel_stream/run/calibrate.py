@@ -198,6 +198,76 @@ def measure_pool(options=None, seconds: float = 0.6) -> dict:
             "host_gflops": round(gflops, 1), "host_format_GBps": format_rates}
 
 
+# a prompt chunk through a routed layer of Qwen3-30B-A3B's shape, every expert on the device (Q8_0)
+EXPERT_SHAPE = {"hidden": 2048, "intermediate": 768, "experts": 128, "chosen": 8, "tokens": 512}
+
+
+def measure_device_experts(options=None, repeats: int = 5, shape: dict = EXPERT_SHAPE) -> dict:
+    """gpu_expert_gflops: the device expert kernels' FLOP/s (moe_route, gate_up with SiLU·mul, down, combine,
+    as moe_ops.py launches them) over `shape`'s routed layer with random Q8_0 experts, timed with events."""
+    from kestrel_stream.cuda import driver
+    from kestrel_stream.cuda.kernels import KernelSet
+    from kestrel_stream.cuda.moe_kernels import (PoolPart, combine_launch, experts_launch, group_ints,
+                                                 route_launch, route_tickets)
+    from kestrel_stream.run.device.expert_pool import _align, part_bytes
+    H, I, E, k, T = (shape[n] for n in ("hidden", "intermediate", "experts", "chosen", "tokens"))
+    device = driver.Device(options.device_ordinal if options is not None else 0)
+    kernels, stream = KernelSet(device, options), driver.Stream("calibrate experts")
+    strides = [_align(b) for b in part_bytes("Q8_0", 2 * I, H) + part_bytes("Q8_0", H, I)]
+    pool_bytes = E * sum(strides)
+    floats = E * H + T * (3 * H + 2 * k + 2) + T * k * (I + H) + H
+    arena = driver.Arena(pool_bytes + 4 * floats + 4 * (group_ints(E, T, k) + route_tickets(T) + 2 * E) + (1 << 20))
+    rng = np.random.default_rng(2)
+    try:
+        pool = arena.alloc(pool_bytes)
+        offsets = np.cumsum([0] + [E * s for s in strides]).tolist()
+        for region, (lo, hi) in enumerate(zip(offsets[:-1], offsets[1:])):     # qs, meta, qs, meta
+            data = (np.full((hi - lo) // 2, 0.01, np.float16) if region % 2 else
+                    np.resize(rng.integers(-8, 8, 1 << 20, dtype=np.int8), hi - lo))
+            driver.h2d_sync(pool + lo, data)
+        gate_up = PoolPart(pool + offsets[0], pool + offsets[1], strides[0], strides[1])
+        down = PoolPart(pool + offsets[2], pool + offsets[3], strides[2], strides[3])
+
+        def upload(array) -> int:
+            ptr = arena.alloc(array.nbytes)
+            driver.h2d_sync(ptr, array)
+            return ptr
+        router = upload((rng.standard_normal((E, H)) * 0.02).astype(np.float32))
+        xn = upload(rng.standard_normal((T, H)).astype(np.float32))
+        inv_rms, normw = upload(np.ones(T, np.float32)), upload(np.ones(H, np.float32))
+        slot_of, counts = upload(np.arange(E, dtype=np.int32)), upload(np.zeros(E, np.uint32))
+        tickets = upload(np.zeros(route_tickets(T), np.uint32))
+        route, groups = arena.alloc(4 * T * 2 * k), arena.alloc(4 * group_ints(E, T, k))
+        act, expert_out = arena.alloc(4 * T * k * I), arena.alloc(4 * T * k * H)
+        x, xn_out, inv_out = upload(np.zeros((T, H), np.float32)), arena.alloc(4 * T * H), arena.alloc(4 * T)
+        table = dict(slot_of=slot_of, groups=groups, experts=E, chosen=k, tokens=T)
+        launches = [
+            route_launch(kernels, xn=xn, inv_rms=inv_rms, router=router, route=route, counts=counts,
+                         slot_of=slot_of, groups=groups, tickets=tickets, hidden=H, experts=E, chosen=k,
+                         softmax_first=False, normalize=True, tokens=T),
+            experts_launch(kernels, "Q8_0", gate_up, x=xn, ldx=H, gather=True, inv_rms=inv_rms, y=act, ldy=I,
+                           rows=2 * I, cols=H, silu=True, **table),
+            experts_launch(kernels, "Q8_0", down, x=act, ldx=I, gather=False, inv_rms=0, y=expert_out, ldy=H,
+                           rows=H, cols=I, silu=False, **table),
+            combine_launch(kernels, route=route, expert_out=expert_out, res=x, y=x, normw_out=normw, xn_out=xn_out,
+                           inv_rms_out=inv_out, eps=1e-6, hidden=H, **table)]
+        for launch in launches:                   # warm-up: module loads, first-touch
+            launch.enqueue(stream)
+        begin, end = driver.Event(timing=True), driver.Event(timing=True)
+        begin.record(stream)
+        for _ in range(repeats):
+            for launch in launches:
+                launch.enqueue(stream)
+        end.record(stream)
+        end.synchronize()
+        us = max(end.elapsed_ms(begin) * 1e3 / repeats, 1e-3)
+    finally:
+        stream.synchronize()
+        arena.release()
+    flops = 2.0 * T * E * H + T * k * (2.0 * 2 * I * H + 2.0 * H * I)
+    return {"gpu_expert_gflops": round(flops / (us * 1e3), 1)}
+
+
 def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfile:
     """The cached profile of GPU 0 (measured now when missing or when ``force``), kept in `cache_dir`
     (default: the profiles directory under the options' cache_dir, KESTREL_CACHE_DIR)."""
@@ -214,9 +284,14 @@ def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfil
     version = str(driver.check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
     if not force:
         cached = load_profile(device.name, version, cache_dir)
-        if cached is not None and cached.host_joint_GBps:       # a profile from before the pool figures: again
+        # a profile from before the pool figures or the expert kernels' rate: measured again
+        if cached is not None and cached.host_joint_GBps and cached.gpu_expert_gflops:
             return cached
     figures = dict(measure_gpu(options=options), **measure_host())
+    try:
+        figures.update(measure_device_experts(options))
+    except Exception as e:                      # noqa: BLE001  (the expert kernels' rate stays gpu_gflops)
+        print(f"kestrel-stream: calibrate: device expert kernels not measured ({e})", file=sys.stderr)
     try:
         figures.update(measure_pool(options))
     except Exception as e:                      # noqa: BLE001  (no native kernels: the pool stays unmeasured)

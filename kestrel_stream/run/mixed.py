@@ -45,6 +45,7 @@ from kestrel_stream.run.token_tree import step_tree_fields
 if TYPE_CHECKING:
     from kestrel_stream.run.device.backend import DeviceBackend
     from kestrel_stream.run.device.kv_paged import PagedKV
+    from kestrel_stream.run.device.expert_ring import ExpertRing
     from kestrel_stream.run.device.stream_ring import StreamRing
 
 ATTENTION_SPLITS = 16
@@ -59,9 +60,11 @@ class MixedSteps(Steps):
     """gated and layers=N steps over the host backend and one device backend."""
 
     def __init__(self, backend: DeviceBackend, counters, plan, *, gpu_layers: int, max_tokens: int, mode: str,
-                 load_s: float, options=None, ring: StreamRing | None = None):
-        """ring: mode offload's streaming of the items a step's plan streams (device/stream_ring.py)."""
+                 load_s: float, options=None, ring: StreamRing | None = None, expert_ring: ExpertRing | None = None):
+        """ring: mode offload's streaming of the items a step's plan streams (device/stream_ring.py);
+        expert_ring: of the routed layers whose experts it streams (device/expert_ring.py)."""
         self.backend, self.counters, self.plan, self.ring = backend, counters, plan, ring
+        self.expert_ring = expert_ring
         self.config, self.weights = backend.weights.config, backend.weights
         self.gpu_layers, self.max_tokens = gpu_layers, max_tokens
         self.host = HostBackend(self.weights, counters, options)
@@ -145,6 +148,8 @@ class MixedSteps(Steps):
         return counts if counts is None or store is None else counts + store.counts()
 
     def close(self) -> None:
+        if self.expert_ring is not None:
+            self.expert_ring.close()
         self.backend.close()
 
     # ---- steps ------------------------------------------------------------------------------------
@@ -199,6 +204,8 @@ class MixedSteps(Steps):
         if self.ring is not None:    # the items this step streams, in its order; the first copies go out
             self.ring.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
                              if op.name in self.ring.index], b.stream)
+        if self.expert_ring is not None:    # the layers whose every expert this step streams, in its order
+            self.expert_ring.begin(list(plan.expert_ring), b.stream)
         for index, segment in enumerate(plan.segments):
             if segment.side == "cpu":
                 key = (T, index)
@@ -218,9 +225,10 @@ class MixedSteps(Steps):
                 b.stream.synchronize()
                 state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
         state.to_host(["logits"])
-        if self.ring is not None:
-            self.counters.h2d_bytes += self.ring.bytes_per_step
-            self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + self.ring.bytes_per_step
+        for ring in (self.ring, self.expert_ring):
+            if ring is not None:
+                self.counters.h2d_bytes += ring.bytes_per_step
+                self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + ring.bytes_per_step
         return state.host["logits"][:state.logit_rows]
 
     def _device_op(self, op, state: SegmentState, lm: tuple[int, int] | None = None) -> None:
@@ -232,7 +240,7 @@ class MixedSteps(Steps):
         prepared = self._prepared.get(key)
         if prepared is None:
             prepared = self._prepared[key] = self._prepare(op, T, lm_rows)
-        reads, prologue, launches, streamed, nbytes, prepares = prepared
+        reads, prologue, launches, ring, nbytes, prepares = prepared
         timed = prof.enabled
         start = time.perf_counter() if timed else 0.0
         for name in reads:                         # the step program's reads (params: staged per step)
@@ -244,8 +252,8 @@ class MixedSteps(Steps):
             state.call["h2d"] = state.call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
             start = time.perf_counter()
         stream = b.stream
-        if streamed:
-            self.ring.before(op.name, stream)
+        if ring is not None:
+            ring.before(op.name, stream)
         if trace.active is None:
             for launch in launches:
                 launch.enqueue(stream)
@@ -254,8 +262,8 @@ class MixedSteps(Steps):
                             flops=float(op.flops), bytes=int(op.weight_bytes), segment="gpu"):
                 for launch in launches:
                     launch.enqueue(stream)
-        if streamed:
-            self.ring.after(op.name, stream)
+        if ring is not None:
+            ring.after(op.name, stream)
         if timed:
             state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
         self.counters.launches += len(launches)
@@ -263,15 +271,22 @@ class MixedSteps(Steps):
         state.device_wrote(op, prepares)
 
     def _prepare(self, op, T: int, lm_rows) -> tuple:
-        """(reads, the prologue's norm weight, launches, streamed?, weight bytes, the norm its epilogue prepares)
-        of an op in steps of T tokens."""
+        """(reads, the prologue's norm weight, launches, the ring it waits on or None, weight bytes, the norm its
+        epilogue prepares) of an op in steps of T tokens."""
         b = self.backend
         streamed = self.ring is not None and self.ring.streams(op.name)
+        ring = self.ring if streamed else None
+        expert_slot = None           # a routed layer whose experts stream: its router and experts read its slot's table
+        experts = self.expert_ring
+        if experts is not None and op.kind in ("router", "experts") and experts.streams(f"L{op.layer}.experts"):
+            expert_slot = experts.slot(op.layer)
+            ring = experts if op.kind == "experts" else None
         reads = tuple(name for name in op.device_reads() if name == "xn" or name in b.pinned.widths)
         weight = self.ring.qweight(op.name, self.ring.order[op.name]) if streamed else None
-        launches = [] if lm_rows is not None and lm_rows[1] == 0 else b.ops.launches(op, T, lm_rows, weight)
+        launches = ([] if lm_rows is not None and lm_rows[1] == 0 else
+                    b.ops.launches(op, T, lm_rows, weight, expert_slot))
         for launch in launches:
             launch.label(op=op.name, layer=op.layer, segment="gpu")
-        return (reads, norm_weight(self.weights, op.prologue) if op.prologue else None, launches, streamed,
+        return (reads, norm_weight(self.weights, op.prologue) if op.prologue else None, launches, ring,
                 sum(launch.labels.get("bytes", 0) for launch in launches),
                 norm_weight(self.weights, op.prepares) if op.prepares else None)

@@ -256,7 +256,7 @@ class StepExecutor(Executor):
             c, budget_bytes=vram_budget, free_bytes=free_bytes, profile=self.profile, max_tokens=T,
             max_sessions=table_rows, max_seq_len=self.max_seq_len, attention_splits=ATTENTION_SPLITS,
             max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size, homes=self.options.offload_homes,
-            expert_policy=self.options.resident_experts)
+            expert_policy=self.options.resident_experts, stream_experts=self.options.stream_experts)
         backend = DeviceBackend(
             weights, self.options, self.counters, max_tokens=T, logits_rows=T, plan_memory=memory, kv_dtype=kv_dtype,
             kv_layers=c.num_hidden_layers, max_sessions=table_rows, max_seq_len=self.max_seq_len,
@@ -265,11 +265,21 @@ class StepExecutor(Executor):
         self.window_plan = backend.memory.window
         self.resident_experts = backend.memory.experts
         ring = StreamRing(backend.window, weights) if backend.window.streamed else None
+        expert_ring = None
+        if backend.memory.expert_ring_slots:
+            from kestrel_stream.obs import load_stages
+            from kestrel_stream.run.device.expert_ring import ExpertRing
+            with load_stages.stage("  experts: pinned images of the experts' ring"):
+                expert_ring = ExpertRing(backend.experts, weights, [i for i, h in enumerate(self.placement.homes)
+                                                                    if h == "attention" and c.moe_layer(i)])
         self.steps = MixedSteps(backend, self.counters, self.plan, gpu_layers=self.gpu_layers, max_tokens=T,
-                                mode=self.mode, load_s=time.perf_counter() - start, options=self.options, ring=ring)
+                                mode=self.mode, load_s=time.perf_counter() - start, options=self.options, ring=ring,
+                                expert_ring=expert_ring)
         self.preload_line = self.steps.preload_line
-        for line in self.placement.describe().splitlines():
-            print(f"kestrel-stream: {line}", file=sys.stderr)
+        sizes = (1,) + ((self.max_batch, T) if expert_ring is not None else ())
+        for tokens in sorted(set(sizes)):         # the experts' ring: the placement of each step size it serves
+            for line in self.placement_for(tokens).describe().splitlines():
+                print(f"kestrel-stream: {line}", file=sys.stderr)
         if self.resident_experts is not None:
             print(f"kestrel-stream: {self.resident_experts.describe(c.num_experts)}", file=sys.stderr)
 

@@ -111,10 +111,12 @@ class DeviceBackend:
             self.inv_freq = self.cache.vector(rope.inv_freq(c))
             # a mixture-of-experts model's routers and the experts the plan keeps on the device
             self.experts = None
-            if self.memory.experts is not None:
+            if self.memory.experts is not None or self.memory.expert_ring_slots:
                 from kestrel_stream.run.device.expert_store import ExpertStore
-                self.experts = ExpertStore(weights, self.arena, self.memory.expert_slots, self.stream)
-                self.experts.place(self.memory.experts)
+                self.experts = ExpertStore(weights, self.arena, self.memory.expert_slots, self.stream,
+                                           self.memory.expert_ring_slots)
+                if self.memory.experts is not None:
+                    self.experts.place(self.memory.experts)
             self.weight_bytes = self.arena.used_bytes
         load_stages.record("  weights: pinned images", self.window.images_s)
         load_stages.record("  weights: H2D", self.window.preload_s)

@@ -160,6 +160,7 @@ class GpuMemoryPlan:
     placement: object = None      # mode offload's scheduler.offload.OffloadPlacement (steps of one token)
     experts: object = None        # a mixture-of-experts model's experts on the device: a ResidentExperts
     expert_slots: int = 0         # the expert pool's slots (expert_pool.py), its routers beside it
+    expert_ring_slots: int = 0    # mode offload's experts' ring: slots of one routed layer's every expert
 
     def describe(self) -> str:
         mib = 2**20
@@ -310,14 +311,16 @@ def offload_window(c, placement) -> WindowPlan:
 def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int, profile, max_tokens: int,
                         max_sessions: int, max_seq_len: int, attention_splits: int, max_batch: int = 1,
                         kv_dtype: str = "f16", block_size: int = 16, homes: str | None = None,
-                        routing_counts=None, expert_policy: str = "frequency") -> GpuMemoryPlan:
+                        routing_counts=None, expert_policy: str = "frequency",
+                        stream_experts: str = "auto") -> GpuMemoryPlan:
     """Mode offload's device memory under one budget: the KV pool for every layer (attention runs on the GPU)
     holds at least one session of max_seq_len plus a block for each other session of a full batch; the
     step's activations; then the weights: the offload placement (scheduler/offload.py) of what is left,
     resident layers and a ring (homes: the layers' homes given, KESTREL_OFFLOAD_HOMES's form); a mixture-of-
     experts model's routers and experts in the room the layers leave, as many as fit, chosen by
     expert_policy (scheduler/expert_residency.py's, or "none") from routing_counts ([routed layers][experts];
-    None: none counted yet).  What the weights leave goes to the pool."""
+    None: none counted yet), after the experts' ring where stream_experts asks for one (expert_ring_slots).
+    What the weights leave goes to the pool."""
     from scheduler import offload
     from scheduler.kv_pool import kv_bytes_per_position, plan_kv_pool
     per_position = kv_bytes_per_position(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
@@ -350,20 +353,61 @@ def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int,
     window = offload_window(c, placement)
     arena_bytes = (needs.total - needs.kv_bytes + window.resident_bytes + placement.ring_bytes
                    + 2 * ALIGN * (len(window.resident) + placement.slot_count))
-    experts, slots = None, 0
-    if c.is_moe:     # what the layers leave: the routers and as many experts as fit, chosen by their counts
+    experts, slots, ring_slots = None, 0, 0
+    if c.is_moe:     # what the layers leave: the experts' ring, the routers and as many experts as fit
         room = weight_budget - placement.resident_bytes - placement.ring_bytes
+        ring_slots = expert_ring_slots(c, room, placement, profile, max_tokens, stream_experts, budget)
+        if ring_slots:
+            placement = placement.with_expert_ring(ring_slots, expert_pool.layer_slot_bytes(c))
+            room -= expert_pool.ring_bytes(c, ring_slots)
         slots = resident_expert_slots(c, room) if expert_policy != "none" else 0
         if slots:
             layers = expert_pool.routed_layers(c)
             counts = routing_counts if routing_counts is not None else [[0] * c.num_experts for _ in layers]
             experts = expert_residency.choose(counts, layers, c.num_experts, slots, expert_policy)
             placement = offload.with_resident_experts(placement, c, profile, experts.expected_share)
-            arena_bytes += expert_pool.router_bytes(c) + expert_pool.pool_layout(c).pool_bytes(slots) + ALIGN
+        if slots or ring_slots:
+            arena_bytes += (expert_pool.router_bytes(c) + expert_pool.pool_layout(c).pool_bytes(slots) + ALIGN
+                            + expert_pool.ring_bytes(c, ring_slots))
     kv = plan_kv_pool(block_bytes, block_size, left_bytes=budget - arena_bytes, min_positions=min_positions,
                       default_positions=min_positions)
     return GpuMemoryPlan(arena_bytes, window, kv, needs, budget, placement=placement, experts=experts,
-                         expert_slots=slots)
+                         expert_slots=slots, expert_ring_slots=ring_slots)
+
+
+EXPERT_RING_SLOTS = 2     # a routed layer's experts stream while the layer before computes on the slot beside
+
+
+def expert_ring_slots(c, room_bytes: int, placement, profile, max_tokens: int, stream_experts: str,
+                      budget_bytes: int) -> int:
+    """Slots of mode offload's experts' ring (0: none) in a room of `room_bytes` the layers leave: on, a ring
+    (a budget that cannot hold it is refused); auto, a ring where it fits beside the routers, the room does
+    not hold every expert resident, and the cost model streams some layer's experts in a step of `max_tokens`
+    tokens (the largest the engine runs); off, none.  The ring comes before the resident experts: it is what
+    prompt chunks and large batches use."""
+    from kestrel_stream.cuda.moe_kernels import MAX_EXPERTS
+    from scheduler import offload
+    if stream_experts == "off" or c.num_experts > MAX_EXPERTS:
+        return 0
+    needed = expert_pool.ring_bytes(c, EXPERT_RING_SLOTS) + expert_pool.router_bytes(c) + ALIGN
+    if needed > room_bytes:
+        if stream_experts == "on":
+            mib = 2**20
+            raise WindowBudgetError(
+                f"--vram-budget {budget_bytes} B ({budget_bytes / mib:.1f} MiB) is too small for mode offload's "
+                f"experts' ring (KESTREL_STREAM_EXPERTS=on): {EXPERT_RING_SLOTS} slots of a routed layer's "
+                f"{c.num_experts} experts and the routers take {needed / mib:.1f} MiB, the KV pool, activations "
+                f"and resident layers leave {max(room_bytes, 0) / mib:.1f} MiB; raise --vram-budget by "
+                f"{(needed - room_bytes) / mib:.1f} MiB or set KESTREL_STREAM_EXPERTS=auto (the experts on the "
+                "host when the ring does not fit)")
+        return 0
+    if stream_experts == "on":
+        return EXPERT_RING_SLOTS
+    if resident_expert_slots(c, room_bytes) >= expert_pool.all_experts(c):
+        return 0                             # every expert resident: nothing to stream
+    ringed = placement.with_expert_ring(EXPERT_RING_SLOTS, expert_pool.layer_slot_bytes(c))
+    largest = offload.place_for_tokens(ringed, c, profile, max_tokens)
+    return EXPERT_RING_SLOTS if "experts" in largest.homes else 0
 
 
 def resident_expert_slots(c, room_bytes: int) -> int:

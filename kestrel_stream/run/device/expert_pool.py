@@ -4,8 +4,10 @@ launches (kernels_ptx/moe.cu).  budget.py plans with it; expert_store.py lays th
 
 A slot holds one expert: its gate_up rows (2I x H, gate j and up j interleaved for the SiLU epilogue) and
 its down rows (H x I), each as the qs bytes and the meta bytes of its block format, in four regions of
-`slots` strides each (gate_up qs, gate_up meta, down qs, down meta).  Routed layers may differ in format
-(llama.cpp's Q4_K_M keeps some layers' ffn_down in Q6_K), so a stride is the largest over the layers.
+`slots` strides each (gate_up qs, gate_up meta, down qs, down meta).  Mode offload's experts' ring is more
+slots of the same pool past the resident ones, E of them a ring slot: one routed layer's every expert.
+Routed layers may differ in format (llama.cpp's Q4_K_M keeps some layers' ffn_down in Q6_K), so a stride
+is the largest over the layers.
 """
 from __future__ import annotations
 
@@ -68,6 +70,19 @@ def pool_layout(config, formats: dict | None = None) -> PoolLayout:
         sizes = part_bytes(gate_up_fmt, 2 * I, H) + part_bytes(down_fmt, H, I)
         strides = [max(s, _align(b)) for s, b in zip(strides, sizes)]
     return PoolLayout(*strides)
+
+
+def layer_slot_bytes(config) -> int:
+    """Pool bytes of one routed layer's every expert: a slot of mode offload's experts' ring."""
+    return config.num_experts * pool_layout(config).slot_bytes
+
+
+def ring_bytes(config, slots: int) -> int:
+    """The experts' ring of `slots` slots in the pool, and its slot tables (int32 [slots, E]: expert e of
+    ring slot r at pool slot first + r E + e)."""
+    if not slots:
+        return 0
+    return slots * layer_slot_bytes(config) + _align(slots * config.num_experts * 4) + ALIGN
 
 
 def router_bytes(config) -> int:

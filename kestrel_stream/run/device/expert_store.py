@@ -55,9 +55,12 @@ def write_expert(qs_out: np.ndarray, meta_out: np.ndarray, w, lo: int, hi: int, 
 
 
 class ExpertStore:
-    def __init__(self, weights, arena, slots: int, stream):
+    def __init__(self, weights, arena, slots: int, stream, ring_slots: int = 0):
+        """slots: the resident experts'; ring_slots: mode offload's experts' ring, each E more pool slots past
+        them (one routed layer's every expert), with a slot table of its own (ring_table)."""
         c = weights.config
         self.weights, self.config, self.stream, self.slots = weights, c, stream, slots
+        self.ring_slots = ring_slots
         self.layers = routed_layers(c)
         self.index = {layer: n for n, layer in enumerate(self.layers)}
         self.formats = weight_formats(weights)
@@ -71,12 +74,17 @@ class ExpertStore:
                             np.ascontiguousarray(weights.layers[layer].moe.router, np.float32))
         self.reset_counts()
         lay = self.layout
-        base = arena.alloc(max(lay.pool_bytes(slots), 1))
-        regions = np.cumsum([0] + [slots * s for s in (lay.gate_up_qs, lay.gate_up_meta, lay.down_qs)]).tolist()
+        pool_slots = slots + ring_slots * E
+        base = arena.alloc(max(lay.pool_bytes(pool_slots), 1))
+        regions = np.cumsum([0] + [pool_slots * s for s in (lay.gate_up_qs, lay.gate_up_meta, lay.down_qs)]).tolist()
         self.gate_up = PoolPart(base + regions[0], base + regions[1], lay.gate_up_qs, lay.gate_up_meta)
         self.down = PoolPart(base + regions[2], base + regions[3], lay.down_qs, lay.down_meta)
         self.resident = None
         self._write_tables({})
+        self.ring_tables = 0
+        if ring_slots:            # ring slot r: expert e at pool slot slots + r E + e
+            self.ring_tables = arena.alloc(ring_slots * E * 4)
+            driver.h2d_sync(self.ring_tables, (slots + np.arange(ring_slots * E)).astype(np.int32))
 
     # ---- a layer's addresses ----------------------------------------------------------------------------
     def router(self, layer: int) -> int:
@@ -87,6 +95,19 @@ class ExpertStore:
 
     def counts_of(self, layer: int) -> int:
         return self.counts_ptr + self.index[layer] * self.config.num_experts * 4
+
+    def ring_table(self, ring_slot: int) -> int:
+        """The slot table of a layer whose experts are in ring slot `ring_slot` (every expert on the device)."""
+        assert 0 <= ring_slot < self.ring_slots, (ring_slot, self.ring_slots)
+        return self.ring_tables + ring_slot * self.config.num_experts * 4
+
+    def ring_regions(self, ring_slot: int) -> list[tuple[int, int]]:
+        """(device address, bytes) of ring slot `ring_slot` in each region of the pool (gate_up qs, gate_up
+        meta, down qs, down meta): where a layer's image goes, one copy each."""
+        E, first = self.config.num_experts, self.slots + ring_slot * self.config.num_experts
+        return [region for part in (self.gate_up, self.down)
+                for region in ((part.qs + first * part.qs_slot, E * part.qs_slot),
+                               (part.meta + first * part.meta_slot, E * part.meta_slot))]
 
     # ---- the resident set ---------------------------------------------------------------------------------
     def place(self, resident) -> None:

@@ -3,7 +3,8 @@ expert store (expert_store.py), for device/ops.py's DeviceOps.
 
 router: moe_route (the chosen experts, their weights, the counts, the grouping by expert);
 experts: the chosen experts' gate_up (x rows gathered by token, SiLU·mul) and down over the pool, then
-moe_combine: the weighted sum into x with the next norm's xn and 1/rms (a dense down's epilogue), or,
+moe_combine: the weighted sum into x with the next norm's xn and 1/rms (a dense down's epilogue) (over the
+layer's own slot table, or, where its experts stream this step, the experts' ring slot's), or,
 for the part of a layer's experts that mode offload keeps resident (the op writes "moe_out"), the sum
 alone, which the host's part adds to its own (scheduler/moe.split_experts).
 """
@@ -50,19 +51,22 @@ class MoeOps:
         self.kernels, self.weights, self.config, self.store = kernels, weights, weights.config, store
         self.buffers, self.state, self.vector = buffers, state, vector
 
-    def launches(self, op, tokens: int) -> list:
+    def launches(self, op, tokens: int, ring_slot: int | None = None) -> list:
+        """ring_slot: the experts' ring slot holding every expert of the layer this step (mode offload's layers
+        homed experts: expert_ring.py), whose table the launches read in place of the layer's own."""
         c, s, b, store, layer = self.config, self.state, self.buffers, self.store, op.layer
+        slot_of = store.slot_of(layer) if ring_slot is None else store.ring_table(ring_slot)
         E, k, H, I = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
         shape = dict(experts=E, chosen=k, tokens=tokens)
         if op.kind == "router":
             launch = route_launch(self.kernels, xn=s.xn, inv_rms=s.inv_rms, router=store.router(layer), route=b.route,
-                                  counts=store.counts_of(layer), slot_of=store.slot_of(layer), groups=b.groups,
+                                  counts=store.counts_of(layer), slot_of=slot_of, groups=b.groups,
                                   tickets=b.tickets, hidden=H, softmax_first=c.router_softmax_first,
                                   normalize=c.norm_topk_prob, **shape)
             return [launch.label(op="router", layer=layer, bytes=E * H * 4)]
         assert op.kind == "experts", op.name
         gate_up_fmt, down_fmt = store.formats[layer]
-        table = dict(slot_of=store.slot_of(layer), groups=b.groups, **shape)
+        table = dict(slot_of=slot_of, groups=b.groups, **shape)
         active = int(op.active_weight_bytes)           # the bytes a step of `tokens` is expected to read
         gate_up = experts_launch(self.kernels, gate_up_fmt, store.gate_up, x=s.xn, ldx=H, gather=True,
                                  inv_rms=s.inv_rms, y=b.act, ldy=I, rows=2 * I, cols=H, silu=True, **table)
@@ -73,7 +77,7 @@ class MoeOps:
         else:                                          # the whole layer: into x, with the next norm's xn
             out = dict(res=s.x, y=s.x, normw_out=self.vector(norm_weight(self.weights, op.prepares)), xn_out=s.xn,
                        inv_rms_out=s.inv_rms)
-        combine = combine_launch(self.kernels, route=b.route, groups=b.groups, slot_of=store.slot_of(layer),
+        combine = combine_launch(self.kernels, route=b.route, groups=b.groups, slot_of=slot_of,
                                  expert_out=b.expert_out, eps=c.rms_norm_eps, hidden=H, **out, **shape)
         labels = ((gate_up, 2 * active // 3), (down, active - 2 * active // 3), (combine, 0))
         return [launch.label(op="experts", layer=layer, bytes=nbytes) for launch, nbytes in labels]

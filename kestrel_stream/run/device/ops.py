@@ -108,15 +108,15 @@ class DeviceOps:
         self._step_choices: dict[int, StepChoice] = {}
 
     def launches(self, op, tokens: int, lm_rows: tuple[int, int] | None = None,
-                 weight: QWeight | None = None) -> list[Launch]:
+                 weight: QWeight | None = None, expert_slot: int | None = None) -> list[Launch]:
         """The launches of `op` over `tokens` tokens, labelled with the role, layer and weight bytes they
         read.  lm_rows = (first, count): lm_head on token rows first..first+count-1 only, into logits rows
         0..count-1.  weight: where the op's weight is this step (mode offload's ring slot), if not where
-        `self.weight` says."""
+        `self.weight` says; expert_slot: a routed layer's experts' ring slot (moe_ops.MoeOps.launches)."""
         role = op.group or op.kind
         if role in ("router", "experts"):
             assert self.moe is not None, f"{op.name}: no expert store on the device"
-            return self.moe.launches(op, tokens)
+            return self.moe.launches(op, tokens, expert_slot)
         if role in ("rope", "attention"):
             if role == "attention" and op.prologue:      # the rope op as its prologue (ops.fuse_rope)
                 launch = self._rope_attention(op.layer, tokens)

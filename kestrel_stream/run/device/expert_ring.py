@@ -1,0 +1,114 @@
+"""Mode offload's experts' ring: a routed layer homed experts (scheduler/offload.py) has its every expert
+copied from a pinned image into a ring slot of the expert pool before its router and experts run on the GPU.
+
+The images: per routed layer that may stream (homed attention at one token), its E experts in the pool's
+layout (expert_pool.py: gate_up qs, gate_up meta, down qs, down meta, E strides each), so a layer goes up
+as four copies into ring slot r's four regions (ExpertStore.ring_regions).  Ring slot r's slot table maps
+expert e to pool slot first + r E + e, so the route, experts and combine launches of a streamed layer read
+that table and need no routing knowledge on the host.
+
+The protocol is the window ring's (stream_ring.py), on a copy stream of its own, over the plan's
+streamed experts ops in step order:
+
+    begin:  copies 0 .. S-1 on the copy stream (after `fork`: nothing of an earlier step reads a slot)
+    before item p (compute stream):  wait loaded[p % S]
+    after item p:  record released[p % S]; copy p + S waits for it, then goes out
+
+so while layer p computes, layer p + 1's experts cross PCIe; no host thread waits for a copy.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kestrel_stream.cuda import driver
+from kestrel_stream.run.device.expert_store import write_expert
+
+
+def layer_of(name: str) -> int:
+    """"L7.experts" -> 7."""
+    return int(name[1:].split(".", 1)[0])
+
+
+class ExpertRing:
+    def __init__(self, store, weights, layers=None):
+        """store: the ExpertStore with ring_slots; layers: the routed layers that may stream (default all)."""
+        self.store, self.slot_count = store, store.ring_slots
+        assert self.slot_count >= 1, "an experts' ring needs slots in the expert pool"
+        self.copy_stream = driver.Stream("experts copy h2d")
+        self.loaded = [driver.Event(name=f"experts slot {s} loaded") for s in range(self.slot_count)]
+        self.released = [driver.Event(name=f"experts slot {s} released") for s in range(self.slot_count)]
+        self.fork = driver.Event(name="experts ring fork")
+        self.images = {layer: self._image(weights, layer) for layer in (layers or store.layers)}
+        self.order: dict[str, int] = {}
+        self.names: list[str] = []
+        self.issued = 0
+        self.bytes_per_step = 0
+
+    def _image(self, weights, layer: int) -> tuple[driver.PinnedBuffer, list]:
+        """A layer's every expert in the pool's layout, pinned: the buffer and its four (offset, bytes)."""
+        store, E = self.store, self.store.config.num_experts
+        parts = [(store.gate_up, True), (store.down, False)]
+        sizes = [E * n for part, _ in parts for n in (part.qs_slot, part.meta_slot)]
+        offsets = np.cumsum([0] + sizes).tolist()
+        buffer = driver.PinnedBuffer(offsets[-1])
+        moe = weights.layers[layer].moe
+        for k, ((part, interleave), w, rows) in enumerate(zip(parts, (moe.gate_up, moe.down),
+                                                               (moe.gate_up_rows, moe.down_rows))):
+            qs = buffer.view(np.uint8, (E, part.qs_slot), offsets[2 * k])
+            meta = buffer.view(np.uint8, (E, part.meta_slot), offsets[2 * k + 1])
+            for e in range(E):
+                write_expert(qs[e], meta[e], w, *rows(e), interleave)
+        return buffer, list(zip(offsets[:-1], sizes))
+
+    @property
+    def image_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer, _ in self.images.values())
+
+    def streams(self, name: str) -> bool:
+        return name in self.order
+
+    def slot(self, layer: int) -> int:
+        """The ring slot of a layer's experts in this step's order."""
+        return self.order[f"L{layer}.experts"] % self.slot_count
+
+    def begin(self, names: list[str], stream: driver.Stream) -> None:
+        """A step streaming the experts ops `names` in this order: the first S layers' copies go out now."""
+        unknown = [n for n in names if layer_of(n) not in self.images]
+        assert not unknown, f"no pinned image of the experts of {unknown[:3]}"
+        self.names, self.order = list(names), {n: p for p, n in enumerate(names)}
+        self.issued = self.bytes_per_step = 0
+        if not names:
+            return
+        self.fork.record(stream)
+        self.copy_stream.wait(self.fork)
+        while self.issued < min(self.slot_count, len(self.names)):
+            self._issue(self.issued)
+
+    def before(self, name: str, stream: driver.Stream) -> None:
+        stream.wait(self.loaded[self.order[name] % self.slot_count])
+
+    def after(self, name: str, stream: driver.Stream) -> None:
+        p = self.order[name]
+        self.released[p % self.slot_count].record(stream)
+        if p + self.slot_count < len(self.names):
+            assert self.issued == p + self.slot_count, (self.issued, p)
+            self._issue(p + self.slot_count)
+
+    def _issue(self, p: int) -> None:
+        S, layer = self.slot_count, layer_of(self.names[p])
+        if p >= S:
+            self.copy_stream.wait(self.released[p % S])
+        buffer, parts = self.images[layer]
+        for (dst, nbytes), (offset, size) in zip(self.store.ring_regions(p % S), parts):
+            assert nbytes == size, (nbytes, size)
+            driver.h2d_async(dst, buffer.view(np.uint8, (size,), offset), size, self.copy_stream,
+                             op="experts", layer=layer)
+            self.bytes_per_step += size
+        self.loaded[p % S].record(self.copy_stream)
+        self.issued = p + 1
+
+    def close(self) -> None:
+        self.copy_stream.synchronize()
+        for buffer, _ in self.images.values():
+            buffer.free()
+        self.images = {}
