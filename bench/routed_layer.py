@@ -2,10 +2,11 @@
 projection pair of the same bytes: where a decode step's routed host time goes.
 
     python3 -m bench.routed_layer [--tokens 1,2,4,7] [--threads N] [--experts 128 --hidden 2048 --inter 768
-                                  --choices 8] [--calls 200] [--out DIR]
+                                  --choices 8] [--calls 200] [--dense-mb 256] [--out DIR]
 
 Qwen3-30B-A3B's routed layer by default (128 experts of 2048 -> 768, 8 a token), random Q8_0 weights
-(~640 MB, so the chosen experts come from memory, not the last-level cache).  Per token count:
+(~640 MB, so the chosen experts come from memory, not the last-level cache: where that cache is larger,
+raise --experts and --dense-mb well past it).  Per token count:
 
 - experts: native/routed.Experts over random choices (distinct experts per token, new ones every call),
   its Python wrapper included, and the same C call through ctypes alone (ks_experts);
@@ -62,6 +63,8 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=768)
     parser.add_argument("--choices", type=int, default=8)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--dense-mb", type=int, default=256,
+                        help="the dense pairs' cycled footprint (larger than the last-level cache)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     E, H, I, k = args.experts, args.hidden, args.inter, args.choices
@@ -77,7 +80,7 @@ def main() -> None:
     # expert 0 alone on this side, the route to others: the op's fixed part (norm, sort, sums, the call)
     lone = Experts(kernels, gate_ups[:1] + [None] * (E - 1), downs[:1] + [None] * (E - 1), norm, 1e-6, k)
     expert_bytes = (2 * I * H + H * I) * 34 // 32
-    copies = max(2, -(-256 * 2**20 // (k * expert_bytes)))
+    copies = max(2, -(-args.dense_mb * 2**20 // (k * expert_bytes)))
     dense = []
     for c in range(copies):
         g_qs, g_sc = gu_qs[c * k * 2 * I % (E * 2 * I - k * 2 * I):][:k * 2 * I], gu_sc[c * k * 2 * I % (E * 2 * I - k * 2 * I):][:k * 2 * I]
