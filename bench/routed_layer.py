@@ -2,17 +2,19 @@
 projection pair of the same bytes: where a decode step's routed host time goes.
 
     python3 -m bench.routed_layer [--tokens 1,2,4,7] [--threads N] [--experts 128 --hidden 2048 --inter 768
-                                  --choices 8] [--calls 200] [--out DIR]
+                                  --choices 8] [--calls 200] [--dense-mb 256] [--out DIR]
 
 Qwen3-30B-A3B's routed layer by default (128 experts of 2048 -> 768, 8 a token), random Q8_0 weights
-(~640 MB, so the chosen experts come from memory, not the last-level cache).  Per token count:
+(~640 MB, so the chosen experts come from memory, not the last-level cache: where that cache is larger,
+raise --experts and --dense-mb well past it).  Per token count:
 
 - experts: native/routed.Experts over random choices (distinct experts per token, new ones every call),
   its Python wrapper included, and the same C call through ctypes alone (ks_experts);
 - dense: one gate|up (SiLU·mul) and one down Linear of the bytes the experts read ([T*k*2I... for T = 1:
   k experts' gate|up rows as one [k*2I, H] weight, their down as one [H, k*I]), several copies cycled;
-- parts: rmsnorm + activation quantization of the token's rows as their own calls (what the experts op
-  does on the calling thread), an empty ctypes call.
+- parts: the experts op with none of the chosen experts on this side (its fixed part: norm, routing sort,
+  sums, the call from Python), rmsnorm and one row's activation quantization as their own calls (what the
+  experts op does on the calling thread), a call with no work to speak of.
 
 GB/s = the expert bytes the call read / its median time (best: its fastest call, where other work shares
 the CPUs).  Runs on any tree whose native/routed.py has
@@ -61,6 +63,8 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=768)
     parser.add_argument("--choices", type=int, default=8)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--dense-mb", type=int, default=256,
+                        help="the dense pairs' cycled footprint (larger than the last-level cache)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     E, H, I, k = args.experts, args.hidden, args.inter, args.choices
@@ -73,8 +77,10 @@ def main() -> None:
                                None, 0.0, glu=True) for e in range(E)]
     downs = [kernels.linear(kernels.prepare_q8_0(dn_qs[e * H:(e + 1) * H], dn_sc[e * H:(e + 1) * H])) for e in range(E)]
     experts = Experts(kernels, gate_ups, downs, norm, 1e-6, k)
+    # expert 0 alone on this side, the route to others: the op's fixed part (norm, sort, sums, the call)
+    lone = Experts(kernels, gate_ups[:1] + [None] * (E - 1), downs[:1] + [None] * (E - 1), norm, 1e-6, k)
     expert_bytes = (2 * I * H + H * I) * 34 // 32
-    copies = max(2, -(-256 * 2**20 // (k * expert_bytes)))
+    copies = max(2, -(-args.dense_mb * 2**20 // (k * expert_bytes)))
     dense = []
     for c in range(copies):
         g_qs, g_sc = gu_qs[c * k * 2 * I % (E * 2 * I - k * 2 * I):][:k * 2 * I], gu_sc[c * k * 2 * I % (E * 2 * I - k * 2 * I):][:k * 2 * I]
@@ -108,7 +114,10 @@ def main() -> None:
             state["i"] += 1
             g, d = dense[state["i"] % copies]
             d(g(x))
-        parts = {"rmsnorm_us": median_us(lambda: kernels.rmsnorm(x, norm, 1e-6), args.calls),
+        others = np.concatenate([np.tile(np.arange(1, k + 1, dtype=np.float32), (T, 1)),
+                                 np.full((T, k), 1.0 / k, np.float32)], axis=1)
+        parts = {"no_expert_op_us": median_us(lambda: lone(x.copy(), others), args.calls),
+                 "rmsnorm_us": median_us(lambda: kernels.rmsnorm(x, norm, 1e-6), args.calls),
                  "quantize_H_us": median_us(lambda: kernels.quantize_activations(x[0], 32), args.calls),
                  "tiny_call_us": median_us(lambda: kernels.rmsnorm(x[:1, :32], norm[:32], 1e-6), args.calls),
                  "quantize_I_us": median_us(lambda: kernels.quantize_activations(x[0, :I], 32), args.calls)}

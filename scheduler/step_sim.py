@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .gate import gpu_compute_us
+from .moe import expected_experts
 from .ops import step_ops
 
 ROUTED_GROUPS = ("router", "experts")    # a routed layer's MLP: on the host, or on the GPU with its experts streamed
@@ -19,9 +20,18 @@ PASSES = 6                         # simulate_step's passes over the step
 HOST_CALL_US = 8.0                 # Python and pool dispatch of one host call (default)
 HOST_OP_US = 3.0                   # an op inside a host segment's one call: the pool's barrier after it (at most
                                    # a call's cost)
-# a routed layer's ops inside their segment's one call are pool jobs, not calls: the router's logits (one),
-# the experts' gate|up rows and down rows of every chosen expert (one each; host_moe.c)
-ROUTED_JOBS = {"router": 1, "experts": 2}
+LINEAR_JOBS = 3                    # a host Linear of many tokens: quantize, tiles, tokens in lanes
+
+
+def routed_jobs(config, kind: str, tokens: int) -> float:
+    """Pool jobs of a routed layer's op inside its segment's one native call (host_moe.c), not calls: the
+    router's logits one; the experts one while few tokens choose each expert (every chosen expert's gate|up
+    and down rows one job), else each expected expert's gate|up and down as Linears of their own."""
+    if kind == "router":
+        return 1.0
+    if tokens * config.num_experts_per_tok <= 4 * config.num_experts:
+        return 1.0
+    return 2.0 * LINEAR_JOBS * expected_experts(config.num_experts, config.num_experts_per_tok, tokens)
 
 
 def aligned(nbytes: int) -> int:
@@ -122,7 +132,7 @@ def op_costs(config, tokens: int, context_len: int, profile, rates: PoolRates, e
         if op.kind in ROUTED_GROUPS:                    # the router and the experts a step reads
             # on the host its segment's one call is paid where the segment starts (simulate_step); the op adds
             # its jobs
-            jobs_us = ROUTED_JOBS[op.kind] * op_us
+            jobs_us = routed_jobs(config, op.kind, tokens) * op_us
             gpu_us = _gpu_experts_us(op, profile) if op.kind == "experts" else gpu_compute_us(op, profile)
             if op.kind == "experts":
                 op = replace(op, read_fraction=op.read_fraction * (1.0 - resident_expert_share))

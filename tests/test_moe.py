@@ -263,13 +263,14 @@ def test_the_experts_op_costs_the_experts_a_step_reads(tokens):
 def test_the_host_experts_are_priced_at_their_formats_rate_and_bytes(tokens):
     """A routed layer's host time in the offload cost model: the expert bytes a step is expected to read at
     the measured rate of their format (calibrate's host_format_GBps), plus its pool jobs inside the segment's
-    one native call; not one call per expert (host_moe.c runs every chosen expert in two jobs), so a slow
-    call from Python does not move it."""
+    one native call; not one call per expert (host_moe.c runs every chosen expert of a decode step in one
+    job), so a slow call from Python does not move it."""
     from scheduler.profile import H200_POOL
-    from scheduler.step_sim import HOST_OP_US, ROUTED_JOBS, PoolRates, op_costs
+    from scheduler.step_sim import HOST_OP_US, PoolRates, op_costs, routed_jobs
     cfg = PRESETS["qwen3-30b-a3b"]
     op = next(op for op in scheduler.step_ops(cfg, tokens) if op.name == "L0.experts")
-    moved = op.input_bytes + op.output_bytes
+    moved, jobs_us = op.input_bytes + op.output_bytes, routed_jobs(cfg, "experts", tokens) * HOST_OP_US
+    assert routed_jobs(cfg, "experts", tokens) == 1 and routed_jobs(cfg, "experts", 512) > 100
 
     def experts_us(q8_GBps: float, call_us: float) -> float:
         profile = dataclasses.replace(H200_POOL, host_weight_GBps=90.0, host_call_us=call_us,
@@ -278,10 +279,10 @@ def test_the_host_experts_are_priced_at_their_formats_rate_and_bytes(tokens):
         return next(c.host_us for c in costs if c.layer == 0 and c.group == "experts")
 
     for rate in (40.0, 69.0):
-        expect = (op.read_weight_bytes(tokens) + moved * rate / 90.0) / (rate * 1e3) + ROUTED_JOBS["experts"] * HOST_OP_US
+        expect = (op.read_weight_bytes(tokens) + moved * rate / 90.0) / (rate * 1e3) + jobs_us
         assert experts_us(rate, 8.0) == pytest.approx(expect, rel=1e-6)
         assert experts_us(rate, 45.0) == pytest.approx(expect, rel=1e-6)
-    per_mb = (experts_us(69.0, 8.0) - ROUTED_JOBS["experts"] * HOST_OP_US) / (op.read_weight_bytes(tokens) / 1e6)
+    per_mb = (experts_us(69.0, 8.0) - jobs_us) / (op.read_weight_bytes(tokens) / 1e6)
     assert per_mb == pytest.approx(1e6 / 69e3, rel=1e-3)       # µs a MB at 69 GB/s
 
 

@@ -1284,7 +1284,7 @@ static void silu_mul_run(const float *restrict g, const float *restrict u, float
 
 typedef struct {
     const ks_linear_t *const *gate_up, *const *down;
-    const int *first, *token;       /* expert i's choices [first[i], first[i + 1]), each choice's token */
+    const int *first, *count, *token;   /* expert i's choices [first[i], first[i] + count[i]), each one's token */
     int n, I, H, gate_grabs, down_grabs;
     const matmul_t *in, *mid;       /* the tokens' quantized rows; the choices' SiLU·mul rows quantized */
     float *act, *out;               /* act [choices, I], out [choices, H] */
@@ -1298,7 +1298,7 @@ static void routed_gate_block(const routed_t *c, int e, int r0) {
     const dot_fn dot = DOTS[s->fmt][s->isa];
     const int rows = c->I - r0 < ROUTED_GATE_ROWS ? c->I - r0 : ROUTED_GATE_ROWS;
     float gate[ROUTED_GATE_ROWS], up[ROUTED_GATE_ROWS];
-    for (int ch = c->first[e]; ch < c->first[e + 1]; ch++) {
+    for (int ch = c->first[e]; ch < c->first[e] + c->count[e]; ch++) {
         const act_t a = token_act(c->in, c->token[ch]);
         for (int r = 0; r < rows; r++) {
             const ptrdiff_t g = r0 + r, u = c->I + r0 + r;
@@ -1313,7 +1313,7 @@ static void routed_down_block(const routed_t *c, int e, int r0) {
     const ks_linear_t *s = c->down[e];
     const dot_fn dot = DOTS[s->fmt][s->isa];
     const int r1 = r0 + ROUTED_DOWN_ROWS < c->H ? r0 + ROUTED_DOWN_ROWS : c->H;
-    for (int ch = c->first[e]; ch < c->first[e + 1]; ch++) {
+    for (int ch = c->first[e]; ch < c->first[e] + c->count[e]; ch++) {
         const act_t a = token_act(c->mid, ch);
         float *o = c->out + (ptrdiff_t)c->H * ch;
         for (int r = r0; r < r1; r++) o[r] = dot(s->w + s->w_stride * r, s->meta ? s->meta + s->meta_stride * r : NULL, &a, s->K);
@@ -1330,7 +1330,7 @@ static void routed_rows(void *ctx, int index, int count) {
             const int e = grab / c->gate_grabs;
             routed_gate_block(c, e, grab % c->gate_grabs * ROUTED_GATE_ROWS);
             if (atomic_fetch_add_explicit(&c->gate_done[e], 1, memory_order_acq_rel) + 1 < c->gate_grabs) continue;
-            for (int ch = c->first[e]; ch < c->first[e + 1]; ch++) {      /* the expert's last block: its rows */
+            for (int ch = c->first[e]; ch < c->first[e] + c->count[e]; ch++) {    /* the expert's last block: its rows */
                 act_t a = token_act(mid, ch);
                 quantize_act_isa(mid->isa, c->act + (ptrdiff_t)c->I * ch, c->I, mid->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
             }
@@ -1346,25 +1346,30 @@ static void routed_rows(void *ctx, int index, int count) {
     }
 }
 
-/* Whether n experts' Linears run here: one plain (not repacked) format and shape per projection, and
-   each expert's choices fewer than its format's lanes kernel takes (ks_linear_group's test). */
-static int routed_fits(const ks_linear_t *const *specs, int n, const int *first) {
-    for (int i = 0; i < n; i++) {
-        const ks_linear_t *s = specs[i], *s0 = specs[0];
-        const int tokens = first[i + 1] - first[i];
-        if (s->fmt != s0->fmt || s->isa != s0->isa || s->N != s0->N || s->K != s0->K || s->norm || repacked(s->fmt))
+/* Whether an expert's Linear chosen by `tokens` tokens runs in ks_routed_few: a plain (not repacked)
+   format, no prologue, and fewer tokens than its format's lanes kernel takes (ks_linear_group's test). */
+int ks_routed_fits(const ks_linear_t *s, int tokens) {
+    if (s->norm || repacked(s->fmt) || tokens > 4) return 0;
+    return !(KS_X86 && s->isa == ISA_AVX512VNNI && tokens >= ks_lanes_min_tokens[s->fmt]);
+}
+
+/* Whether n Linears share one format and shape. */
+static int routed_alike(const ks_linear_t *const *specs, int n) {
+    for (int i = 1; i < n; i++)
+        if (specs[i]->fmt != specs[0]->fmt || specs[i]->isa != specs[0]->isa || specs[i]->N != specs[0]->N ||
+            specs[i]->K != specs[0]->K)
             return 0;
-        if (tokens > 4 || (KS_X86 && s->isa == ISA_AVX512VNNI && tokens >= ks_lanes_min_tokens[s->fmt])) return 0;
-    }
     return 1;
 }
 
 int ks_routed_few(const ks_linear_t *const *gate_up, const ks_linear_t *const *down, int n, const int *first,
-                  const int *token, const float *xn, int T, float *act, float *out) {
+                  const int *count, const int *token, const float *xn, int T, float *act, float *out) {
     if (n <= 0) return 0;
-    if (!routed_fits(gate_up, n, first) || !routed_fits(down, n, first)) return 1;
-    const int H = gate_up[0]->K, I = gate_up[0]->N / 2, choices = first[n];
+    if (!routed_alike(gate_up, n) || !routed_alike(down, n)) return 1;
+    const int H = gate_up[0]->K, I = gate_up[0]->N / 2;
     if (!gate_up[0]->glu || down[0]->K != I || down[0]->N != H) return 1;
+    int choices = 0;                /* the act rows up to the last expert's: mid's tokens */
+    for (int i = 0; i < n; i++) choices = first[i] + count[i] > choices ? first[i] + count[i] : choices;
     ks_linear_t in_spec = *gate_up[0], mid_spec = *down[0];
     in_spec.glu = 0;
     matmul_t in, mid;
@@ -1380,7 +1385,7 @@ int ks_routed_few(const ks_linear_t *const *gate_up, const ks_linear_t *const *d
     int threads = 1;
     for (int i = 0; i < n; i++) threads = gate_up[i]->threads > threads ? gate_up[i]->threads : threads;
     pool_run(matmul_quantize, &in, T > 4 ? (threads < T ? threads : T) : 1);
-    routed_t c = {gate_up, down, first, token, n, I, H, (I + ROUTED_GATE_ROWS - 1) / ROUTED_GATE_ROWS,
+    routed_t c = {gate_up, down, first, count, token, n, I, H, (I + ROUTED_GATE_ROWS - 1) / ROUTED_GATE_ROWS,
                   (H + ROUTED_DOWN_ROWS - 1) / ROUTED_DOWN_ROWS, &in, &mid, act, out, flags, flags + n, 0};
     const int grabs = n * (c.gate_grabs + c.down_grabs);
     pool_run(routed_rows, &c, threads < grabs ? threads : grabs);

@@ -23,12 +23,13 @@ int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T
 int ks_linear_group(const ks_linear_t *const *specs, int n, const float *const *x, ptrdiff_t x_stride, const int *T,
                     float *const *out, ptrdiff_t out_stride);
 /* A routed layer's experts at few tokens (host_moe.c): n experts' gate|up (glu) and down Linears, expert i
-   over choices [first[i], first[i + 1]) of xn [T, H]'s rows token[c] -> act [choices, I] (SiLU·mul) and
-   out [choices, H] (down), ks_linear_group's numbers; each token's row quantized once, every expert's
-   gate|up and down row blocks one job of the pool.  Returns 1 (nothing done) where they do not fit: mixed
-   formats or shapes, repacked weights, an expert with tokens enough for the lanes kernel. */
+   over choices [first[i], first[i] + count[i]) of xn [T, H]'s rows token[c] -> act [choices, I] (SiLU·mul)
+   and out [choices, H] (down), ks_linear_group's numbers; each token's row quantized once, every expert's
+   gate|up and down row blocks one job of the pool.  Each expert must pass ks_routed_fits; returns 1
+   (nothing done) where their formats or shapes differ. */
+int ks_routed_fits(const ks_linear_t *spec, int tokens);
 int ks_routed_few(const ks_linear_t *const *gate_up, const ks_linear_t *const *down, int n, const int *first,
-                  const int *token, const float *xn, int T, float *act, float *out);
+                  const int *count, const int *token, const float *xn, int T, float *act, float *out);
 void ks_silu_mul(const float *gate, ptrdiff_t g_stride, const float *up, ptrdiff_t u_stride, int rows, int n,
                  float *out, ptrdiff_t out_stride, int threads);
 int ks_qkv_rope(const float *qkv, ptrdiff_t qkv_t, int T, int H, int n_kv, int D, const float *bias, const float *qk_norm,

@@ -7,11 +7,11 @@
  * renormalized (Qwen3-MoE), or the top k logits and softmax over them (Mixtral); ties to the lowest id.
  * Its "route" rows are the state the device reads too: k ids (as floats), then k weights.
  *
- * The experts: at few tokens an expert (decode, small batches: ks_routed_few) each token's normed row
- * quantized once for all its experts, every used expert's gate and up rows in one pass (SiLU·mul per row
- * block), then its down rows, all in one job of the pool (the experts' rows spread over the threads
- * together, so one token's eight experts use every core at once); with more tokens the rows
- * of the tokens that chose each expert gathered and each expert's Linears run (ks_linear_group); each output
+ * The experts: those chosen by few tokens (decode, small batches: ks_routed_few) with each token's normed
+ * row quantized once for all its experts, every such expert's gate and up rows in one pass (SiLU·mul per
+ * row block), then its down rows, all in one job of the pool (the experts' rows spread over the threads
+ * together, so one token's eight experts use every core at once); an expert chosen by more tokens with
+ * the rows of its tokens gathered and its Linears run (ks_linear_group, tokens in lanes); each output
  * row weighted and added into the layer's sum in ascending expert id (the sum's order fixed); the device
  * part's sum ("moe_out", mode offload's resident experts) added after, then the sum into x.  Experts whose
  * Linears are NULL are another side's.
@@ -127,15 +127,15 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
     s->used = 0;
     if (T <= 0) return 0;
     /* xn [T, H] | sum [T, H] | each choice's row: gathered [Tk, H], act [Tk, I], down's [Tk, H] | weights [Tk]
-       | tokens [Tk] | each expert's first row [E + 1] | the used experts' firsts [E + 1] | their projections,
+       | tokens [Tk] | each expert's first row [E + 1] | the used experts' first rows [E + 1] | their projections,
        inputs, outputs, rows */
     const size_t tk = (size_t)T * k, floats = (size_t)T * 2 * H + tk * (2 * H + I) + 2 * tk + 2 * (E + 1);
     float *xn = scratch_floats(floats + 10 * (size_t)E + 8);
     if (!xn) return -1;
     float *sum = xn + (size_t)T * H, *rows_x = sum + (size_t)T * H, *act = rows_x + tk * H, *down = act + tk * I;
     float *weight = down + tk * H;
-    int *token = (int *)(weight + tk), *first = token + tk, *used_first = first + E + 1;
-    uintptr_t table = ((uintptr_t)(used_first + E + 1) + 7) / 8 * 8;
+    int *token = (int *)(weight + tk), *first = token + tk, *start = first + E + 1;
+    uintptr_t table = ((uintptr_t)(start + E + 1) + 7) / 8 * 8;
     const ks_linear_t **specs = (const ks_linear_t **)table, **downs = specs + E;
     const float **ins = (const float **)(downs + E);
     float **outs = (float **)(ins + E);
@@ -161,27 +161,28 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
         }
     for (int e = E; e > 0; e--) first[e] = first[e - 1];      /* back to each expert's first */
     first[0] = 0;
-    int used = 0;
-    used_first[0] = 0;
-    for (int e = 0; e < E; e++) {
-        const int n = first[e + 1] - first[e];
-        if (n == 0) continue;
-        specs[used] = s->gate_up[e], downs[used] = s->down[e], counts[used] = n;
-        used_first[used + 1] = first[e + 1];
-        used++;
-    }
-    /* few tokens an expert: each token quantized once, every expert's rows one job */
-    const int few = ks_routed_few(specs, downs, used, used_first, token, xn, T, act, down);
-    if (few < 0) return -1;
-    if (few > 0) {              /* otherwise each choice's row gathered, its expert's Linears over them */
-        for (int c = 0; c < first[E]; c++) memcpy(rows_x + (ptrdiff_t)H * c, xn + (ptrdiff_t)H * token[c], sizeof(float) * H);
-        for (int i = 0; i < used; i++)
-            ins[i] = rows_x + (ptrdiff_t)H * used_first[i], outs[i] = act + (ptrdiff_t)I * used_first[i];
-        if (ks_linear_group(specs, used, ins, H, counts, outs, I) != 0) return -1;
-        for (int i = 0; i < used; i++)
-            ins[i] = act + (ptrdiff_t)I * used_first[i], outs[i] = down + (ptrdiff_t)H * used_first[i];
-        if (ks_linear_group(downs, used, ins, I, counts, outs, H) != 0) return -1;
-    }
+    /* the used experts, those with few tokens (ks_routed_fits) first: their choices' rows [start, start + count) */
+    int used = 0, few = 0;
+    for (int pass = 0; pass < 2; pass++)
+        for (int e = 0; e < E; e++) {
+            const int n = first[e + 1] - first[e];
+            if (n == 0 || (ks_routed_fits(s->gate_up[e], n) && ks_routed_fits(s->down[e], n)) != (pass == 0)) continue;
+            specs[used] = s->gate_up[e], downs[used] = s->down[e], counts[used] = n, start[used] = first[e];
+            used++;
+            few += pass == 0;
+        }
+    /* few tokens an expert: each token quantized once, every such expert's rows one job */
+    const int done = ks_routed_few(specs, downs, few, start, counts, token, xn, T, act, down);
+    if (done < 0) return -1;
+    if (done > 0) few = 0;      /* their formats or shapes differ: each runs as its Linears */
+    /* the others: the rows of each one's tokens gathered, its Linears over them */
+    for (int i = few; i < used; i++)
+        for (int c = start[i]; c < start[i] + counts[i]; c++)
+            memcpy(rows_x + (ptrdiff_t)H * c, xn + (ptrdiff_t)H * token[c], sizeof(float) * H);
+    for (int i = few; i < used; i++) ins[i] = rows_x + (ptrdiff_t)H * start[i], outs[i] = act + (ptrdiff_t)I * start[i];
+    if (ks_linear_group(specs + few, used - few, ins + few, H, counts + few, outs + few, I) != 0) return -1;
+    for (int i = few; i < used; i++) ins[i] = act + (ptrdiff_t)I * start[i], outs[i] = down + (ptrdiff_t)H * start[i];
+    if (ks_linear_group(downs + few, used - few, ins + few, I, counts + few, outs + few, H) != 0) return -1;
     for (int c = 0; c < first[E]; c++) {        /* ascending expert id: the sum's order is fixed */
         float *o = sum + (ptrdiff_t)H * token[c];           /* sum[t] += w * down: numpy's product, then sum */
         const float *d = down + (ptrdiff_t)H * c;
