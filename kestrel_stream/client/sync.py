@@ -9,7 +9,7 @@ answered in order); open one client per concurrent stream and the daemon
 batches their decode steps.  A daemon error is raised as the exception class
 of its code (kestrel_stream.errors / protocol), with the daemon's message.
 
-One concern, the blocking client: its session object mirrors run/engine.py's Session call for call, and
+One concern, the blocking client: its session object mirrors run/session.py's Session call for call, and
 each call is a frame written and an answer read here.
 """
 from __future__ import annotations
