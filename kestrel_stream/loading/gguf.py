@@ -1,9 +1,9 @@
 """GGUF files (llama.cpp's format) for the ``llama``, ``qwen2``, ``qwen3`` and ``qwen3moe`` architectures
 (and Mixtral: arch ``llama`` with ``ffn_*_exps`` tensors).
 
-Reading maps llama.cpp tensor names and metadata keys onto our HF-named
-layout (gguf_layout.py: the names, the experts' 3-D tensors and the llama
-q/k row permutation) and reuses the loader's assembly.  Q8_0 tensors stay in the file's
+Reading maps llama.cpp metadata keys onto a config (gguf_config.py) and its
+tensor names onto our HF-named layout (gguf_layout.py: the names, the experts'
+3-D tensors and the llama q/k row permutation), and reuses the loader's assembly.  Q8_0 tensors stay in the file's
 blocks, views of its mmap (model/q8_blocks.py: split into qs/scales by the
 one copy each consumer makes); Q4_0, Q4_K and Q6_K tensors stay in their
 blocks (model/quant4.py: the kernels run them natively) unless the load asks
@@ -18,8 +18,8 @@ The pages of the file the load read stay mapped (RssFile) though most of them we
 of a fused QKV or gate+up, the norms): the load hands every tensor's pages back at its end (MADV_DONTNEED,
 model/mapped.py); a weight that is a view of the file maps its pages again when it is read.
 
-One concern, reading a GGUF into the model's weights: its metadata into a config, its tensor types
-checked, kept as blocks or converted, and assembled.
+One concern, reading a GGUF into the model's weights: its config (gguf_config.py) and tensor types
+checked, each tensor kept in its blocks or converted, and the whole assembled.
 """
 from __future__ import annotations
 
@@ -35,20 +35,18 @@ from gguf import quants as gguf_quants
 from kestrel_stream.errors import LoadError
 from kestrel_stream.loading import Progress, qcache
 from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError, open_shared
-from kestrel_stream.loading.gguf_layout import (PERMUTED_ARCHS, ROPE_FREQS, ROUTER, expert_slices, gguf_names,
-                                                gguf_shapes, is_linear, permute_rows, rope_row_order)
-from kestrel_stream.model.config import ConfigError, ModelConfig
+from kestrel_stream.loading.gguf_config import config_from_metadata
+from kestrel_stream.loading.gguf_layout import (PERMUTED_ARCHS, ROPE_FREQS, VECTOR_TYPES, expert_slices, gguf_names,
+                                                gguf_shapes, is_linear, permute_rows, read_vector, rope_row_order)
+from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.mapped import release_file_pages
 from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor, quantize
 from kestrel_stream.model.quant4 import BLOCK_TYPES, BlockTensor, RowStack
-from kestrel_stream.model.rope import RopeScaling
 from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, assemble_weights
 from kestrel_stream.obs.load_stages import stage
 from scheduler.moe import expert_names
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
-MODEL_TYPES = {"qwen3moe": "qwen3_moe"}      # GGUF arch -> config.json model_type, where they differ
 T = GGMLQuantizationType
 NATIVE_TYPES = (T.Q8_0,)
 BLOCK_NATIVE_TYPES = tuple(T[name] for name in BLOCK_TYPES)   # kept as blocks unless blocks="q8_0"
@@ -57,7 +55,6 @@ GGUF_BLOCKS = ("native", "q8_0")
 CONVERTED_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
                    T.IQ4_NL, T.IQ4_XS)
 LINEAR_TYPES = NATIVE_TYPES + CONVERTED_TYPES
-VECTOR_TYPES = (T.F32, T.F16, T.BF16)
 CONVERT_ROWS = 1024          # rows dequantized at once: bounds the float32 temporary
 
 
@@ -141,91 +138,6 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise LoadError(str(e)) from None
     except OSError as e:
         raise LoadError(f"{path}: cannot read ({e})") from None
-
-
-def _metadata(f: GGUFFile, key: str, default=None):
-    value = f.metadata(key, default)
-    if value is None:
-        raise LoadError(f"{f.path}: GGUF metadata key {key!r} is missing")
-    # float32 metadata (eps, theta): the shortest decimal that round-trips, e.g. 1e-05, not 9.99e-06
-    return float(str(np.float32(value))) if isinstance(value, float) else value
-
-
-def _rope_scaling(f: GGUFFile, arch: str, max_positions: int) -> RopeScaling | None:
-    kind = f.metadata(f"{arch}.rope.scaling.type", "none")
-    if kind in ("none", None):
-        return None
-    factor = float(_metadata(f, f"{arch}.rope.scaling.factor"))
-    original = int(f.metadata(f"{arch}.rope.scaling.original_context_length", max_positions))
-    if kind == "linear":
-        return RopeScaling("linear", factor)
-    if kind == "yarn":
-        attention = f.metadata(f"{arch}.rope.scaling.attn_factor", None)
-        return RopeScaling("yarn", factor, original,
-                           beta_fast=float(f.metadata(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-                           beta_slow=float(f.metadata(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
-                           attention_factor=None if attention is None else float(attention))
-    raise LoadError(f"{f.path}: GGUF rope scaling type {kind!r} is not supported (linear, yarn, or "
-                    f"llama3 through {ROPE_FREQS})")
-
-
-def config_from_metadata(f: GGUFFile, path: Path | None = None) -> ModelConfig:
-    path = f.path
-    arch = _metadata(f, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise LoadError(f"{path}: GGUF architecture {arch!r} is not supported (only {', '.join(SUPPORTED_ARCHS)})")
-    tensors = f.tensors
-    if "token_embd.weight" not in tensors:
-        raise LoadError(f"{path}: missing tensor 'token_embd.weight'")
-    vocab_size = int(tensors["token_embd.weight"].shape[0])
-
-    def meta(key, default=None):
-        return _metadata(f, f"{arch}.{key}", default)
-
-    hidden, heads = meta("embedding_length"), meta("attention.head_count")
-    max_positions = meta("context_length", 4096)
-    d = {
-        "model_type": MODEL_TYPES.get(arch, arch), "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
-        "intermediate_size": meta("feed_forward_length"), "num_attention_heads": heads,
-        "num_key_value_heads": meta("attention.head_count_kv", heads),
-        "head_dim": meta("attention.key_length", hidden // heads if isinstance(heads, int) and heads else 0),
-        "vocab_size": vocab_size, "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta("rope.freq_base", 10000.0), "max_position_embeddings": max_positions,
-        "tie_word_embeddings": "output.weight" not in tensors,
-    }
-    experts = f.metadata(f"{arch}.expert_count", 0) or 0
-    if experts and arch == "llama":         # llama.cpp writes Mixtral as arch llama, with expert tensors
-        d.update(model_type="mixtral", num_local_experts=experts, num_experts_per_tok=meta("expert_used_count"))
-    elif experts and arch == "qwen3moe":
-        layers = d["num_hidden_layers"] if isinstance(d["num_hidden_layers"], int) else 0
-        d.update(num_experts=experts, num_experts_per_tok=meta("expert_used_count"),
-                 moe_intermediate_size=meta("expert_feed_forward_length"),
-                 norm_topk_prob=bool(f.metadata(f"{arch}.expert_weights_norm", True)),   # llama.cpp's default
-                 mlp_only_layers=[i for i in range(layers) if f"blk.{i}.{ROUTER}" not in tensors])
-    elif experts or arch == "qwen3moe":
-        raise LoadError(f"{path}: GGUF architecture {arch!r} with {arch}.expert_count={experts} is not supported")
-    window = f.metadata(f"{arch}.attention.sliding_window", None)
-    if window and arch == "llama":          # llama.cpp writes Mistral as arch llama
-        d["sliding_window"] = int(window)
-        d["model_type"] = "mixtral" if experts else "mistral"
-    try:
-        cfg = ModelConfig.from_dict(d, where=f"{path} (GGUF metadata)")
-    except ConfigError as e:
-        raise LoadError(str(e)) from None
-    scaling = _rope_scaling(f, arch, max_positions)
-    factors = None
-    if ROPE_FREQS in tensors:
-        info = tensors[ROPE_FREQS]
-        if info.shape != (cfg.head_dim // 2,) or info.qtype not in VECTOR_TYPES:
-            raise LoadError(f"{path}: tensor {ROPE_FREQS!r} has shape {list(info.shape)} and type "
-                            f"{info.qtype.name}; expected [{cfg.head_dim // 2}] F32")
-        factors = tuple(float(x) for x in _vector(f, ROPE_FREQS))
-    return dataclasses.replace(cfg, rope_scaling=scaling, rope_freq_factors=factors)
-
-
-def _vector(f: GGUFFile, name: str) -> np.ndarray:
-    info = f.tensors[name]
-    return np.asarray(gguf_quants.dequantize(f.tensor_bytes(name), info.qtype), np.float32).reshape(info.shape)
 
 
 class DequantRows:
@@ -350,7 +262,7 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
 
     def norm(hf_name: str) -> np.ndarray:
         name = to_gguf[hf_name]
-        w = _vector(f, name)
+        w = read_vector(f, name)
         advance(name, "read")
         return w
 

@@ -1,5 +1,6 @@
 """Where each of the model's tensors lies in a GGUF file: llama.cpp's tensor names for our HF-named
-layout, the shapes a file of a config holds, and the llama q/k row permutation.
+layout, the shapes a file of a config holds, which tensors are kept in blocks and which are read as
+float32 vectors, and the llama q/k row permutation.
 
 llama.cpp's converter reorders the rows of attn_q/attn_k for arch ``llama``
 (and only llama) so that its rope rotates adjacent pairs instead of HF's
@@ -15,7 +16,10 @@ blocks (``expert_slices``); the router ``blk.N.ffn_gate_inp`` is read as float32
 from __future__ import annotations
 
 import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf import quants as gguf_quants
 
+from kestrel_stream.loading.gguf_file import GGUFFile
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.quant import QTensor
 from kestrel_stream.model.quant4 import BlockTensor
@@ -33,6 +37,7 @@ GGUF_LAYER_NAMES = {
 PERMUTED_ARCHS = ("llama", "mistral", "mixtral")   # written as GGUF arch llama, q/k rows permuted
 GGUF_GLOBAL_NAMES = {"embed": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
 ROPE_FREQS = "rope_freqs.weight"
+VECTOR_TYPES = (T.F32, T.F16, T.BF16)           # the types a vector (norm, bias, rope_freqs) may have
 
 
 def gguf_names(cfg: ModelConfig) -> dict[str, str]:
@@ -74,6 +79,12 @@ def gguf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def is_linear(name: str, shape: tuple[int, ...]) -> bool:
     """A weight kept in blocks (a matrix or a stack of experts); the router and vectors are read as float32."""
     return len(shape) >= 2 and not name.endswith(ROUTER)
+
+
+def read_vector(f: GGUFFile, name: str) -> np.ndarray:
+    """A tensor read as float32 (a vector, or the router), in its own shape."""
+    info = f.tensors[name]
+    return np.asarray(gguf_quants.dequantize(f.tensor_bytes(name), info.qtype), np.float32).reshape(info.shape)
 
 
 def rope_row_order(rows: int, n_head: int, to_gguf: bool) -> np.ndarray:
