@@ -68,8 +68,8 @@ def test_the_executor_holds_few_attributes(monkeypatch, mode):
 
 
 def test_a_steady_batch1_gpu_decode_crosses_few_library_files(monkeypatch):
-    """docs/design.md lists them: engine, step_executor, whole_step, kv_paged, step_io and weight_window,
-    and on a GPU cuda/driver.py (the emulation stands in for it here)."""
+    """docs/design.md lists them: session, engine, step_executor, whole_step, kv_paged, step_io and
+    weight_window, and on a GPU cuda/driver.py (the emulation stands in for it here)."""
     import sys
     fake_cuda.install(monkeypatch)
     engine = Engine(random_q8_weights(CONFIG, seed=2), device="cuda", mode="gpu", max_seq_len=32, max_batch=4)
@@ -94,5 +94,5 @@ def test_a_steady_batch1_gpu_decode_crosses_few_library_files(monkeypatch):
         finally:
             sys.setprofile(None)
         assert "kestrel_stream/run/device/whole_step.py" in crossed, sorted(crossed)
-        assert len(crossed) + 1 <= 7, sorted(crossed)         # + cuda/driver.py on a GPU
+        assert len(crossed) + 1 <= 8, sorted(crossed)         # + cuda/driver.py on a GPU
     engine.close()

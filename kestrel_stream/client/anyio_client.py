@@ -14,8 +14,8 @@ import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from kestrel_stream.options import Environment
-from kestrel_stream.client.sync import (DEFAULT_TIMEOUT_S, Generated, Piece, _Requests, check_response, generate_options,
-                                        open_fields, parse_address, resolve_token, shaped)
+from kestrel_stream.client.endpoint import DEFAULT_TIMEOUT_S, parse_address, resolve_token
+from kestrel_stream.client.requests import Generated, Piece, Requests, check_response, generate_options, open_fields, shaped
 from kestrel_stream.wire.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, encode_frame, parse_body,
                        parse_prefix)
 
@@ -34,14 +34,14 @@ class AsyncRemoteSession:
         return header, out
 
     async def prefill(self, ids, want: str = "logits", k: int = 5):
-        return shaped(want, *await self._send(*_Requests.prefill(self.id, ids, want, k)))
+        return shaped(want, *await self._send(*Requests.prefill(self.id, ids, want, k)))
 
     async def decode(self, token: int, want: str = "logits", k: int = 5):
-        return shaped(want, *await self._send(*_Requests.decode(self.id, token, want, k)))
+        return shaped(want, *await self._send(*Requests.decode(self.id, token, want, k)))
 
     def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options) -> "AsyncGeneration":
         """RemoteSession.generate: ``await`` it for the Generated tokens, or ``async for`` over its Pieces."""
-        request = _Requests.generate(self.id, prompt, max_new_tokens, generate_options(**options), stream)
+        request = Requests.generate(self.id, prompt, max_new_tokens, generate_options(**options), stream)
         return AsyncGeneration(lambda: self._frames(*request), stream)
 
     async def _frames(self, op, fields, arrays):
@@ -243,7 +243,7 @@ class AsyncClient:
         """AsyncRemoteSession.generate in a fresh session, closed at the end."""
         async def frames():
             async with await self.new_session(wait=True) as s:
-                request = _Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), stream)
+                request = Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), stream)
                 async with aclosing(s._frames(*request)) as session_frames:
                     async for frame in session_frames:
                         yield frame

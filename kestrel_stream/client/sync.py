@@ -9,7 +9,7 @@ answered in order); open one client per concurrent stream and the daemon
 batches their decode steps.  A daemon error is raised as the exception class
 of its code (kestrel_stream.errors / protocol), with the daemon's message.
 
-One concern, the blocking client: its session object mirrors run/engine.py's Session call for call, and
+One concern, the blocking client: its session object mirrors run/session.py's Session call for call, and
 each call is a frame written and an answer read here.
 """
 from __future__ import annotations
@@ -17,146 +17,15 @@ from __future__ import annotations
 import itertools
 import socket
 import struct
-from typing import NamedTuple
 
-import numpy as np
-
-from kestrel_stream.errors import InvalidTokenError
+from kestrel_stream.client.endpoint import DEFAULT_TIMEOUT_S, parse_address, resolve_token
+from kestrel_stream.client.requests import (Generated, Piece, Requests, TopK, check_response, generate_options,
+                                            open_fields, shaped)
 from kestrel_stream.options import Environment
-from kestrel_stream.wire.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, default_socket_path,
-                       default_token_path, encode_frame, error_from_code, parse_body, parse_prefix)
+from kestrel_stream.wire.protocol import (MAX_RESPONSE_BYTES, PREFIX_BYTES, VERSION, Frame, ShuttingDownError, encode_frame,
+                       parse_body, parse_prefix)
 
-DEFAULT_TIMEOUT_S = 60.0
 RECEIVE_BYTES = 65536
-
-
-class TopK(NamedTuple):
-    ids: np.ndarray          # int32 [k], best first
-    logits: np.ndarray       # float32 [k]
-
-
-def parse_address(address, environment: Environment | None = None) -> tuple[str, object]:
-    """("unix", path) or ("tcp", (host, port)) from a path, "unix:PATH" or "tcp://HOST:PORT"; without an
-    address, $KESTREL_SOCKET, else the default socket (`environment`: read here when None)."""
-    if address is None:
-        environment = Environment.from_env() if environment is None else environment
-        address = environment.socket or default_socket_path(environment.runtime_dir)
-    text = str(address)
-    if text.startswith("tcp://") or text.startswith("tcp:"):
-        host, _, port = text.split(":", 1)[1].lstrip("/").rpartition(":")
-        if not port.isdigit():
-            raise ValueError(f"daemon address {text!r}: expected tcp://HOST:PORT")
-        return "tcp", (host.strip("[]") or "127.0.0.1", int(port))
-    return "unix", text.removeprefix("unix:")
-
-
-def resolve_token(kind: str, token: str | None, environment: Environment) -> str | None:
-    """A TCP connection's token: `token`, else $KESTREL_TOKEN, else the default token file's."""
-    if kind != "tcp" or token:
-        return token
-    if environment.token:
-        return environment.token
-    path = default_token_path(environment.runtime_dir)
-    return path.read_text().strip() if path.exists() else None
-
-
-def check_response(frame: Frame, request_id: int):
-    """The response's (header, arrays), or the daemon's error raised as its typed exception."""
-    header = frame.header
-    if header.get("op") == "shutdown":
-        raise ShuttingDownError(header.get("message", "daemon shutting down"))
-    if header.get("id") not in (request_id, None):
-        raise ConnectionError(f"daemon answered request {header.get('id')!r}, expected {request_id}")
-    if not header.get("ok"):
-        raise error_from_code(str(header.get("code")), str(header.get("message")))
-    return header, frame.arrays
-
-
-def want_fields(want: str, k: int) -> dict:
-    if want not in ("logits", "last", "token", "topk"):
-        raise ValueError(f"want must be 'logits', 'last', 'token' or 'topk', got {want!r}")
-    return {"want": want, "k": int(k)} if want == "topk" else {"want": want}
-
-
-def shaped(want: str, header: dict, arrays: dict):
-    if want == "token":
-        return header["token"]
-    if want == "topk":
-        return TopK(arrays["topk_ids"], arrays["topk_logits"])
-    return arrays["logits"]
-
-
-def ids_array(ids, op: str) -> np.ndarray:
-    """Token ids as int64 for the wire; non-integers are refused here, as Session.prefill refuses them."""
-    arr = np.asarray(ids)
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise InvalidTokenError(f"{op}: token ids must be integers, got {arr.dtype}")
-    return (arr.reshape(1) if arr.ndim == 0 else arr).astype(np.int64, copy=False)
-
-
-class _Requests:
-    """What every session operation sends: (op, header fields, arrays)."""
-
-    @staticmethod
-    def prefill(sid, ids, want, k):
-        return "prefill", {"session": sid, **want_fields(want, k)}, {"ids": ids_array(ids, "prefill")}
-
-    @staticmethod
-    def decode(sid, token, want, k):
-        token = int(token) if isinstance(token, (int, np.integer)) else token
-        return "decode", {"session": sid, "token": token, **want_fields(want, k)}, {}
-
-    @staticmethod
-    def generate(sid, prompt, n, options: dict | None = None, stream: bool = False):
-        """prompt: text (the daemon's tokenizer encodes it), chat messages ([{"role", "content"}, ...], rendered
-        with the daemon's chat template) or token ids; options: sampling and stop fields."""
-        fields = {"session": sid, "n": int(n), **{k: v for k, v in (options or {}).items() if v is not None}}
-        if stream:
-            fields["stream"] = True
-        if isinstance(prompt, str):
-            return "generate", {**fields, "prompt": prompt}, {}
-        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-            return "generate", {**fields, "messages": [dict(m) for m in prompt]}, {}
-        return "generate", fields, {"ids": ids_array(prompt, "generate")}
-
-
-def open_fields(max_seq_len: int | None, wait: bool) -> dict:
-    return {"max_seq_len": max_seq_len, **({"wait": True} if wait else {})}
-
-
-def generate_options(temperature=None, top_k=None, top_p=None, min_p=None, repeat_penalty=None,
-                     presence_penalty=None, frequency_penalty=None, seed=None, stop=None, ignore_eos=None,
-                     speculative=None) -> dict:
-    """The generate request's optional fields; None: the daemon's default (Engine.generate's; speculative:
-    where the daemon has a draft; False opts out, {"draft_max": N} caps the chains)."""
-    if isinstance(stop, str):
-        stop = [stop]
-    return {"temperature": temperature, "top_k": top_k, "top_p": top_p, "min_p": min_p,
-            "repeat_penalty": repeat_penalty, "presence_penalty": presence_penalty,
-            "frequency_penalty": frequency_penalty, "seed": seed, "stop": stop, "ignore_eos": ignore_eos,
-            "speculative": speculative}
-
-
-class Piece(NamedTuple):
-    """One streamed token and the text it released ("" while text is held back), as Engine.generate's."""
-    token: int
-    text: str
-
-
-class Generated(list):
-    """A generation's tokens (a list, as the greedy generate always returned) with .tokens, .text
-    (None when the daemon's model has no tokenizer), .stop_reason ("eos", "stop" or "length"), .speculation
-    (the generation's acceptance, tokens per pass and draft length; None where it did not speculate)."""
-
-    def __init__(self, header: dict, arrays: dict):
-        super().__init__(arrays["tokens"].tolist())
-        self.text, self.stop_reason = header.get("text"), header.get("stop_reason")
-        self.position = header.get("position")
-        self.speculation = header.get("speculation")
-
-    @property
-    def tokens(self) -> list[int]:
-        return list(self)
 
 
 class RemoteStream:
@@ -194,17 +63,17 @@ class RemoteSession:
 
     def prefill(self, ids, want: str = "logits", k: int = 5):
         """Logits [n, vocab] (want="logits"), the last row [vocab] ("last"), its greedy token, or TopK."""
-        return shaped(want, *self._send(*_Requests.prefill(self.id, ids, want, k)))
+        return shaped(want, *self._send(*Requests.prefill(self.id, ids, want, k)))
 
     def decode(self, token: int, want: str = "logits", k: int = 5):
         """Logits [vocab] (want="logits"), only the greedy token (int), or TopK(ids, logits) of k."""
-        return shaped(want, *self._send(*_Requests.decode(self.id, token, want, k)))
+        return shaped(want, *self._send(*Requests.decode(self.id, token, want, k)))
 
     def generate(self, prompt, max_new_tokens: int = 16, *, stream: bool = False, **options):
         """Server-side generation from text, chat messages or token ids, each step batched with other clients' (greedy
         unless temperature > 0; options: generate_options' names).  The Generated tokens, or with
         stream=True a RemoteStream of Pieces."""
-        request = _Requests.generate(self.id, prompt, max_new_tokens, generate_options(**options), stream)
+        request = Requests.generate(self.id, prompt, max_new_tokens, generate_options(**options), stream)
         if stream:
             return RemoteStream(self._frames(*request))
         return Generated(*self._send(*request))
@@ -371,7 +240,7 @@ class Client:
 
     def _stream_in_session(self, prompt, max_new_tokens, options):
         with self.new_session(wait=True) as s:
-            yield from s._frames(*_Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), True))
+            yield from s._frames(*Requests.generate(s.id, prompt, max_new_tokens, generate_options(**options), True))
 
     def stats(self) -> dict:
         return self.call("stats", {}, {})[0]["stats"]

@@ -1,8 +1,9 @@
 """GGUF files (llama.cpp's format) for the ``llama``, ``qwen2``, ``qwen3`` and ``qwen3moe`` architectures
 (and Mixtral: arch ``llama`` with ``ffn_*_exps`` tensors).
 
-Reading maps llama.cpp tensor names and metadata keys onto our HF-named
-layout and reuses the loader's assembly.  Q8_0 tensors stay in the file's
+Reading maps llama.cpp metadata keys onto a config (gguf_config.py) and its
+tensor names onto our HF-named layout (gguf_layout.py: the names, the experts'
+3-D tensors and the llama q/k row permutation), and reuses the loader's assembly.  Q8_0 tensors stay in the file's
 blocks, views of its mmap (model/q8_blocks.py: split into qs/scales by the
 one copy each consumer makes); Q4_0, Q4_K and Q6_K tensors stay in their
 blocks (model/quant4.py: the kernels run them natively) unless the load asks
@@ -13,23 +14,12 @@ A file that needed conversion is cached like a Hugging Face checkpoint
 (qcache), so the conversion runs once; the load prints one line saying what
 was converted.  Norms, biases and rope_freqs become float32.
 
-llama.cpp's converter reorders the rows of attn_q/attn_k for arch ``llama``
-(and only llama) so that its rope rotates adjacent pairs instead of HF's
-rotate_half halves; within each head, rows [0..hd/2) and [hd/2..hd) are
-interleaved.  We use HF's rope, so the reader undoes that permutation and the
-writer applies it.  A row permutation commutes with row-wise Q8_0, so it is
-applied to qs and scales directly, still bit-exact.
-
 The pages of the file the load read stay mapped (RssFile) though most of them were only copied (the parts
 of a fused QKV or gate+up, the norms): the load hands every tensor's pages back at its end (MADV_DONTNEED,
 model/mapped.py); a weight that is a view of the file maps its pages again when it is read.
 
-A routed layer's experts are 3-D tensors, [E, rows, cols] (``blk.N.ffn_{gate,up,down}_exps``): expert e
-of the HF layout is rows [e*rows, (e+1)*rows) of the tensor seen as [E*rows, cols], in the file's own
-blocks (``expert_slices``); the router ``blk.N.ffn_gate_inp`` is read as float32.
-
-One concern, a GGUF's mapping onto the model's layout: tensor names, metadata keys, types and the
-llama row permutation are read together, since each depends on the others.
+One concern, reading a GGUF into the model's weights: its config (gguf_config.py) and tensor types
+checked, each tensor kept in its blocks or converted, and the whole assembled.
 """
 from __future__ import annotations
 
@@ -45,30 +35,18 @@ from gguf import quants as gguf_quants
 from kestrel_stream.errors import LoadError
 from kestrel_stream.loading import Progress, qcache
 from kestrel_stream.loading.gguf_file import GGUFFile, GGUFFormatError, open_shared
-from kestrel_stream.model.config import ConfigError, ModelConfig
+from kestrel_stream.loading.gguf_config import config_from_metadata
+from kestrel_stream.loading.gguf_layout import (PERMUTED_ARCHS, ROPE_FREQS, VECTOR_TYPES, expert_slices, gguf_names,
+                                                gguf_shapes, is_linear, permute_rows, read_vector, rope_row_order)
+from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.model.mapped import release_file_pages
 from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor, quantize
 from kestrel_stream.model.quant4 import BLOCK_TYPES, BlockTensor, RowStack
-from kestrel_stream.model.rope import RopeScaling
-from kestrel_stream.model.weights import (DENSE_MLP_KEYS, HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights,
-                                          assemble_weights, hf_tensor_shapes)
+from kestrel_stream.model.weights import HF_GLOBAL_NAMES, HF_LAYER_NAMES, ModelWeights, assemble_weights
 from kestrel_stream.obs.load_stages import stage
-from scheduler.moe import expert_names, expert_shapes, router_name
+from scheduler.moe import expert_names
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")
-MODEL_TYPES = {"qwen3moe": "qwen3_moe"}      # GGUF arch -> config.json model_type, where they differ
-ROUTER = "ffn_gate_inp.weight"
-EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")   # gate, up, down
-GGUF_LAYER_NAMES = {
-    "attn_norm": "attn_norm.weight", "q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
-    "o": "attn_output.weight", "q_norm": "attn_q_norm.weight", "k_norm": "attn_k_norm.weight",
-    "mlp_norm": "ffn_norm.weight", "gate": "ffn_gate.weight", "up": "ffn_up.weight", "down": "ffn_down.weight",
-    "q_bias": "attn_q.bias", "k_bias": "attn_k.bias", "v_bias": "attn_v.bias",
-}
-PERMUTED_ARCHS = ("llama", "mistral", "mixtral")   # written as GGUF arch llama, q/k rows permuted
-GGUF_GLOBAL_NAMES = {"embed": "token_embd", "final_norm": "output_norm", "lm_head": "output"}
-ROPE_FREQS = "rope_freqs.weight"
 T = GGMLQuantizationType
 NATIVE_TYPES = (T.Q8_0,)
 BLOCK_NATIVE_TYPES = tuple(T[name] for name in BLOCK_TYPES)   # kept as blocks unless blocks="q8_0"
@@ -77,63 +55,7 @@ GGUF_BLOCKS = ("native", "q8_0")
 CONVERTED_TYPES = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K,
                    T.IQ4_NL, T.IQ4_XS)
 LINEAR_TYPES = NATIVE_TYPES + CONVERTED_TYPES
-VECTOR_TYPES = (T.F32, T.F16, T.BF16)
 CONVERT_ROWS = 1024          # rows dequantized at once: bounds the float32 temporary
-
-
-def gguf_names(cfg: ModelConfig) -> dict[str, str]:
-    """HF tensor name → llama.cpp tensor name, for every tensor of ``cfg``."""
-    names = {HF_GLOBAL_NAMES[k]: f"{v}.weight" for k, v in GGUF_GLOBAL_NAMES.items()}
-    for i in range(cfg.num_hidden_layers):
-        routed = cfg.moe_layer(i)
-        for key, gguf_key in GGUF_LAYER_NAMES.items():
-            if not (routed and key in DENSE_MLP_KEYS):
-                names[f"model.layers.{i}.{HF_LAYER_NAMES[key]}"] = f"blk.{i}.{gguf_key}"
-        if routed:
-            names[router_name(cfg, i)] = f"blk.{i}.{ROUTER}"
-    return names
-
-
-def expert_slices(cfg: ModelConfig) -> dict[str, tuple[str, int, int]]:
-    """HF name of every expert tensor → (the GGUF 3-D tensor holding it, first row, end row) of that tensor
-    seen as [E * rows, cols]."""
-    out = {}
-    for i in range(cfg.num_hidden_layers):
-        if cfg.moe_layer(i):
-            for e in range(cfg.num_experts):
-                for hf, tensor, (rows, _) in zip(expert_names(cfg, i, e), EXPERT_TENSORS, expert_shapes(cfg)):
-                    out[hf] = (f"blk.{i}.{tensor}", e * rows, (e + 1) * rows)
-    return out
-
-
-def gguf_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a GGUF file of ``cfg`` holds (rope_freqs aside), llama.cpp name → shape: experts 3-D."""
-    to_gguf, experts, shapes = gguf_names(cfg), expert_slices(cfg), {}
-    for hf, shape in hf_tensor_shapes(cfg).items():
-        if hf in experts:
-            shapes[experts[hf][0]] = (cfg.num_experts, *shape)
-        else:
-            shapes[to_gguf[hf]] = shape
-    return shapes
-
-
-def _is_linear(name: str, shape: tuple[int, ...]) -> bool:
-    """A weight kept in blocks (a matrix or a stack of experts); the router and vectors are read as float32."""
-    return len(shape) >= 2 and not name.endswith(ROUTER)
-
-
-def rope_row_order(rows: int, n_head: int, to_gguf: bool) -> np.ndarray:
-    """Row index for llama.cpp's q/k permutation (to_gguf) or its inverse: out = w[order]."""
-    half = rows // n_head // 2
-    if to_gguf:
-        return np.arange(rows).reshape(n_head, 2, half).swapaxes(1, 2).reshape(rows)
-    return np.arange(rows).reshape(n_head, half, 2).swapaxes(1, 2).reshape(rows)
-
-
-def permute_rows(q, order: np.ndarray):
-    if isinstance(q, BlockTensor):
-        return q.take(order)
-    return QTensor(q.qs[order], q.scales[order])
 
 
 def planned_weight_formats(f: GGUFFile, cfg: ModelConfig) -> tuple[tuple[str, str], ...]:
@@ -218,91 +140,6 @@ def open_gguf(path: str | Path) -> GGUFFile:
         raise LoadError(f"{path}: cannot read ({e})") from None
 
 
-def _metadata(f: GGUFFile, key: str, default=None):
-    value = f.metadata(key, default)
-    if value is None:
-        raise LoadError(f"{f.path}: GGUF metadata key {key!r} is missing")
-    # float32 metadata (eps, theta): the shortest decimal that round-trips, e.g. 1e-05, not 9.99e-06
-    return float(str(np.float32(value))) if isinstance(value, float) else value
-
-
-def _rope_scaling(f: GGUFFile, arch: str, max_positions: int) -> RopeScaling | None:
-    kind = f.metadata(f"{arch}.rope.scaling.type", "none")
-    if kind in ("none", None):
-        return None
-    factor = float(_metadata(f, f"{arch}.rope.scaling.factor"))
-    original = int(f.metadata(f"{arch}.rope.scaling.original_context_length", max_positions))
-    if kind == "linear":
-        return RopeScaling("linear", factor)
-    if kind == "yarn":
-        attention = f.metadata(f"{arch}.rope.scaling.attn_factor", None)
-        return RopeScaling("yarn", factor, original,
-                           beta_fast=float(f.metadata(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
-                           beta_slow=float(f.metadata(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
-                           attention_factor=None if attention is None else float(attention))
-    raise LoadError(f"{f.path}: GGUF rope scaling type {kind!r} is not supported (linear, yarn, or "
-                    f"llama3 through {ROPE_FREQS})")
-
-
-def config_from_metadata(f: GGUFFile, path: Path | None = None) -> ModelConfig:
-    path = f.path
-    arch = _metadata(f, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise LoadError(f"{path}: GGUF architecture {arch!r} is not supported (only {', '.join(SUPPORTED_ARCHS)})")
-    tensors = f.tensors
-    if "token_embd.weight" not in tensors:
-        raise LoadError(f"{path}: missing tensor 'token_embd.weight'")
-    vocab_size = int(tensors["token_embd.weight"].shape[0])
-
-    def meta(key, default=None):
-        return _metadata(f, f"{arch}.{key}", default)
-
-    hidden, heads = meta("embedding_length"), meta("attention.head_count")
-    max_positions = meta("context_length", 4096)
-    d = {
-        "model_type": MODEL_TYPES.get(arch, arch), "hidden_size": hidden, "num_hidden_layers": meta("block_count"),
-        "intermediate_size": meta("feed_forward_length"), "num_attention_heads": heads,
-        "num_key_value_heads": meta("attention.head_count_kv", heads),
-        "head_dim": meta("attention.key_length", hidden // heads if isinstance(heads, int) and heads else 0),
-        "vocab_size": vocab_size, "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
-        "rope_theta": meta("rope.freq_base", 10000.0), "max_position_embeddings": max_positions,
-        "tie_word_embeddings": "output.weight" not in tensors,
-    }
-    experts = f.metadata(f"{arch}.expert_count", 0) or 0
-    if experts and arch == "llama":         # llama.cpp writes Mixtral as arch llama, with expert tensors
-        d.update(model_type="mixtral", num_local_experts=experts, num_experts_per_tok=meta("expert_used_count"))
-    elif experts and arch == "qwen3moe":
-        layers = d["num_hidden_layers"] if isinstance(d["num_hidden_layers"], int) else 0
-        d.update(num_experts=experts, num_experts_per_tok=meta("expert_used_count"),
-                 moe_intermediate_size=meta("expert_feed_forward_length"),
-                 norm_topk_prob=bool(f.metadata(f"{arch}.expert_weights_norm", True)),   # llama.cpp's default
-                 mlp_only_layers=[i for i in range(layers) if f"blk.{i}.{ROUTER}" not in tensors])
-    elif experts or arch == "qwen3moe":
-        raise LoadError(f"{path}: GGUF architecture {arch!r} with {arch}.expert_count={experts} is not supported")
-    window = f.metadata(f"{arch}.attention.sliding_window", None)
-    if window and arch == "llama":          # llama.cpp writes Mistral as arch llama
-        d["sliding_window"] = int(window)
-        d["model_type"] = "mixtral" if experts else "mistral"
-    try:
-        cfg = ModelConfig.from_dict(d, where=f"{path} (GGUF metadata)")
-    except ConfigError as e:
-        raise LoadError(str(e)) from None
-    scaling = _rope_scaling(f, arch, max_positions)
-    factors = None
-    if ROPE_FREQS in tensors:
-        info = tensors[ROPE_FREQS]
-        if info.shape != (cfg.head_dim // 2,) or info.qtype not in VECTOR_TYPES:
-            raise LoadError(f"{path}: tensor {ROPE_FREQS!r} has shape {list(info.shape)} and type "
-                            f"{info.qtype.name}; expected [{cfg.head_dim // 2}] F32")
-        factors = tuple(float(x) for x in _vector(f, ROPE_FREQS))
-    return dataclasses.replace(cfg, rope_scaling=scaling, rope_freq_factors=factors)
-
-
-def _vector(f: GGUFFile, name: str) -> np.ndarray:
-    info = f.tensors[name]
-    return np.asarray(gguf_quants.dequantize(f.tensor_bytes(name), info.qtype), np.float32).reshape(info.shape)
-
-
 class DequantRows:
     """A [N, K] GGUF tensor of any converted type seen as float32 row chunks, for ``quantize``."""
 
@@ -328,7 +165,7 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig, expected: dict[str, tuple[int, 
         t = tensors[name]
         if t.shape != shape:
             raise LoadError(f"{path}: tensor {name!r} has shape {list(t.shape)}, the metadata implies {list(shape)}")
-        if t.qtype not in (LINEAR_TYPES if _is_linear(name, shape) else VECTOR_TYPES):
+        if t.qtype not in (LINEAR_TYPES if is_linear(name, shape) else VECTOR_TYPES):
             unloadable[t.qtype.name].append(name)
     if unloadable:
         kinds = "; ".join(f"{kind}: {', '.join(names[:3])}{f' (and {len(names) - 3} more)' if len(names) > 3 else ''}"
@@ -366,7 +203,7 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
     to_gguf, experts = gguf_names(cfg), expert_slices(cfg)
     expected = gguf_shapes(cfg)
     check_tensors(f, cfg, expected)
-    linear_types = {f.tensors[n].qtype for n, s in expected.items() if _is_linear(n, s)}
+    linear_types = {f.tensors[n].qtype for n, s in expected.items() if is_linear(n, s)}
     needs_conversion = any(t not in kept for t in linear_types)
     cache_path = key = None
     # the quantized cache holds Q8_0 weights only: a file that keeps blocks converts its other tensors each load
@@ -425,7 +262,7 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
 
     def norm(hf_name: str) -> np.ndarray:
         name = to_gguf[hf_name]
-        w = _vector(f, name)
+        w = read_vector(f, name)
         advance(name, "read")
         return w
 
