@@ -44,6 +44,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_STREAM_EXPERTS=W  mode offload's experts' ring (steps of many tokens stream a routed layer's experts
                               onto the GPU): auto (a ring where the cost model predicts the largest step gains
                               by it and the budget holds it; default), on (a ring, or refuse the budget) or off
+    KESTREL_HOST_RESERVE=SIZE host memory the experts' ring's pinned images leave free (default: the host's share
+                              of the model's weights + 4GiB; 0 builds them wherever MemAvailable holds them)
 
 The daemon's, clients' and result files' variables (Environment):
 
@@ -92,6 +94,7 @@ class Options:
     offload_homes: str | None = None         # mode offload's layers given (KESTREL_OFFLOAD_HOMES; None: chosen)
     resident_experts: str = "frequency"      # mode offload's experts in VRAM: frequency | uniform | none
     stream_experts: str = "auto"             # mode offload's experts' ring: auto | on | off (KESTREL_STREAM_EXPERTS)
+    host_reserve: int | None = None          # host bytes the ring's images leave free (KESTREL_HOST_RESERVE)
     device_ordinal: int = 0                  # the GPU of a device engine (ks.load's device="cuda:N")
 
     @property
@@ -169,7 +172,8 @@ class Options:
                       host_spin_us=_tokens(env.get("KESTREL_HOST_SPIN_US"), "KESTREL_HOST_SPIN_US", "microseconds"),
                       blas_threads=blas_threads,
                       offload=offload, offload_homes=env.get("KESTREL_OFFLOAD_HOMES") or None,
-                      resident_experts=resident_experts, stream_experts=stream_experts)
+                      resident_experts=resident_experts, stream_experts=stream_experts,
+                      host_reserve=_size(env.get("KESTREL_HOST_RESERVE"), "KESTREL_HOST_RESERVE"))
         return options.with_(**given)
 
     def with_(self, **changes) -> "Options":
@@ -210,6 +214,17 @@ def parse_vram_budget(value) -> int | float | None:
     if size <= 0:
         raise ValueError(f"--vram-budget {value!r}: the budget must be positive")
     return size
+
+
+def _size(text: str | None, name: str) -> int | None:
+    """A size >= 0 from the environment (`8GiB`, `500MB`, `0`, bytes), or None when unset/empty."""
+    text = (text or "").strip()
+    if not text:
+        return None
+    match = re.fullmatch(r"([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)", text)
+    if match is None or match.group(2).lower() not in _BYTE_UNITS:
+        raise ValueError(f"{name}={text!r}: expected a size such as 8GiB, 500MB or 0 (bytes)")
+    return int(float(match.group(1)) * _BYTE_UNITS[match.group(2).lower()])
 
 
 def _path(text: str | None) -> Path | None:

@@ -108,6 +108,7 @@ class OffloadPlacement:
     routed_read_bytes: int = 0     # of them, what a step of `tokens` tokens is expected to read
     expert_slot_count: int = 0     # the experts' ring: slots of one routed layer's every expert (0: none)
     expert_slot_bytes: int = 0
+    expert_image_bytes: int = 0    # the ring's pinned host images: every expert of each layer that may stream
 
     @property
     def expert_ring_bytes(self) -> int:
@@ -118,9 +119,10 @@ class OffloadPlacement:
         """Expert bytes a step copies into the experts' ring (every expert of each layer homed experts)."""
         return self.homes.count("experts") * self.expert_slot_bytes
 
-    def with_expert_ring(self, slot_count: int, slot_bytes: int) -> "OffloadPlacement":
+    def with_expert_ring(self, slot_count: int, slot_bytes: int, image_bytes: int = 0) -> "OffloadPlacement":
         from dataclasses import replace
-        return replace(self, expert_slot_count=slot_count, expert_slot_bytes=slot_bytes, notes=list(self.notes))
+        return replace(self, expert_slot_count=slot_count, expert_slot_bytes=slot_bytes,
+                       expert_image_bytes=image_bytes, notes=list(self.notes))
 
     def _bytes(self, where: str) -> int:
         return (sum(b for groups, h in zip(self.layer_bytes, self.homes) for g, b in groups.items()
@@ -149,7 +151,7 @@ class OffloadPlacement:
         return OffloadPlacement(tokens, tuple(homes), self.head, self.slot_count, self.slot_bytes,
                                 self.layer_bytes, self.head_bytes, predicted, self.roofline_us, self.budget_bytes,
                                 list(self.notes), self.routed_bytes, routed_read_bytes, self.expert_slot_count,
-                                self.expert_slot_bytes)
+                                self.expert_slot_bytes, self.expert_image_bytes)
 
     def to_dict(self) -> dict:
         p = self.predicted
@@ -159,7 +161,7 @@ class OffloadPlacement:
                 "host_bytes": self.host_bytes, "ring_bytes": self.ring_bytes, "budget_bytes": self.budget_bytes,
                 "routed_bytes": self.routed_bytes, "routed_read_bytes": self.routed_read_bytes,
                 "expert_slot_count": self.expert_slot_count, "expert_slot_bytes": self.expert_slot_bytes,
-                "expert_streamed_bytes": self.expert_streamed_bytes,
+                "expert_streamed_bytes": self.expert_streamed_bytes, "expert_image_bytes": self.expert_image_bytes,
                 "predicted_us": round(p.total_us, 1), "roofline_us": round(self.roofline_us, 1),
                 "copy_busy_us": round(p.copy_busy_us, 1), "host_busy_us": round(p.host_busy_us, 1),
                 "gpu_busy_us": round(p.gpu_busy_us, 1), "handoffs": p.handoffs}
@@ -174,7 +176,8 @@ class OffloadPlacement:
                  + (f", experts on the host {self.routed_read_bytes / mb:.1f} MB (expected) of "
                     f"{self.routed_bytes / mb:.1f} MB" if self.routed_bytes else "")
                  + (f", experts streamed {self.expert_streamed_bytes / mb:.1f} MB through a ring of "
-                    f"{self.expert_slot_count} x {self.expert_slot_bytes / mb:.1f} MB" if self.expert_slot_count
+                    f"{self.expert_slot_count} x {self.expert_slot_bytes / mb:.1f} MB from "
+                    f"{self.expert_image_bytes / mb:.1f} MB of pinned host images" if self.expert_slot_count
                     else ""),
                  f"  predicted {p.total_us / 1e3:.2f} ms (copy engine busy {p.copy_busy_us / 1e3:.2f}, host "
                  f"{p.host_busy_us / 1e3:.2f}, GPU {p.gpu_busy_us / 1e3:.2f}, {p.handoffs} hand-offs); roofline "

@@ -41,6 +41,7 @@ _arenas: list = []
 _pinned: dict[int, "PinnedBuffer"] = {}        # address -> live pinned buffer (or registered array)
 _bases = itertools.count(1)
 DEVICE_COUNT = 2
+EMULATED_HOST_BYTES = 1 << 40     # MemAvailable of the emulated machine (run/host_memory.py)
 _current = threading.local()                    # .ordinal: the device whose context this thread made current
 
 
@@ -251,6 +252,7 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
     from fake_dense import FakeCublas
     from kestrel_stream.run.device import backend as device_backend
     from kestrel_stream.cuda import kernels
+    from kestrel_stream.run import host_memory
     monkeypatch.setitem(POLICY, "mode", mode)
     _current.ordinal = None                 # no device current on this thread until a Device is made
     names = dict(Device=Device, Stream=new_stream, Event=Event, PinnedBuffer=PinnedBuffer, Arena=Arena,
@@ -260,6 +262,8 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
                  gpu_status=lambda: (True, "Emulated H200 sm_90"))
     for name, value in names.items():
         monkeypatch.setattr(real_driver, name, value)
+    # the emulated machine's host memory: room for any test's pinned images (a test sets less to see the guard)
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: EMULATED_HOST_BYTES)
     for module in (kernels, device_backend, calibrate):
         monkeypatch.setattr(module, "KernelSet", FakeKernelSet)
     monkeypatch.setattr(kestrel_stream.run.calibrate, "calibrate", lambda *a, **k: scheduler.H200_MEASURED)

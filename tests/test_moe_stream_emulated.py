@@ -1,7 +1,8 @@
 """Mode offload streaming a routed layer's every expert into the experts' ring and running it on the device
 (fake_cuda's emulation, deferred copies) against the CPU engine on the numpy reference arithmetic (2e-3
 relative, the same argmax): a prompt's step streams the layers the cost model picks, decode steps keep the
-experts on the host; the bytes it copies are its plan's; a budget that cannot hold the ring is refused.
+experts on the host; the bytes it copies are its plan's; a budget that cannot hold the ring is refused, and
+so is a host that cannot hold its pinned images (auto: no ring, one line), their bytes and build time reported.
 tests/test_gpu_moe_stream.py runs these checks on a GPU."""
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from bench.synthetic import random_q8_weights
 from hf_oracle import assert_logits_match
 from kestrel_stream.loading.presets import PRESETS
 from kestrel_stream.options import Options
+from kestrel_stream.run import host_memory
 from kestrel_stream.run.device import expert_pool
+from kestrel_stream.run.device.budget import HOST_MARGIN_BYTES, HostMemoryError, size_text
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.step_executor import StepExecutor
 from scheduler.window import WindowBudgetError
@@ -223,3 +226,112 @@ def test_calibrate_measures_the_device_expert_kernels(emulated):
     shape = {"hidden": 64, "intermediate": 32, "experts": 8, "chosen": 2, "tokens": 16}
     figures = measure_device_experts(NUMPY, repeats=1, shape=shape)
     assert figures["gpu_expert_gflops"] > 0
+
+
+# ---- the host memory the ring's pinned images take ------------------------------------------------------------
+def streaming_weights():
+    """Five layers, four routed: under ring_budget auto builds a ring (test_auto_streams_where_it_pays)."""
+    return random_q8_weights(dataclasses.replace(PRESETS["qwen3-moe-tiny"], num_hidden_layers=5), seed=3)
+
+
+def host_has(monkeypatch, nbytes: int) -> None:
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: nbytes)
+
+
+def test_auto_leaves_the_ring_out_where_the_host_cannot_hold_its_images(emulated, capsys):
+    """MemAvailable less the reserve (the model's host-read weights, 4 GiB) short of the images: no ring, one
+    line naming the bytes needed and available and how to force it; the ring's room goes to resident experts
+    and the prompt still matches the CPU engine."""
+    weights = streaming_weights()
+    c = weights.config
+    host_has(emulated, HOST_MARGIN_BYTES)              # the margin alone: nothing left for the images
+    engine = stream_engine(weights, stream="auto")
+    x, err = engine.executor, capsys.readouterr().err
+    needed = len(routed(c)) * expert_pool.layer_slot_bytes(c)
+    assert x.steps.expert_ring is None and not x.placement.expert_slot_count
+    assert not x.plan(len(PROMPT)).expert_ring and x.resident_experts.used_slots
+    lines = [line for line in err.splitlines() if "experts' ring left out for host memory" in line]
+    assert len(lines) == 1, err
+    assert (f"take {size_text(needed)}, the host can give 0.0 MB (MemAvailable {size_text(HOST_MARGIN_BYTES)}"
+            in lines[0]) and "KESTREL_HOST_RESERVE=SIZE" in lines[0]
+    assert "expert_image_bytes" not in x.stats
+    cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    with engine.new_session() as s, cpu.new_session() as ref:
+        assert_logits_match(s.prefill(PROMPT), ref.prefill(PROMPT))
+    engine.close()
+    # KESTREL_HOST_RESERVE=0: the same MemAvailable holds the images, the ring is built
+    forced = stream_engine(weights, stream="auto", options=NUMPY.with_(host_reserve=0))
+    assert forced.executor.steps.expert_ring is not None
+    forced.close()
+
+
+def test_on_refuses_naming_the_bytes_where_the_host_cannot_hold_the_images(emulated):
+    weights = streaming_weights()
+    c = weights.config
+    needed = len(routed(c)) * expert_pool.layer_slot_bytes(c)
+    host_has(emulated, needed // 2)
+    with pytest.raises(HostMemoryError, match=rf"KESTREL_STREAM_EXPERTS=on.*take {size_text(needed)}, the host can "
+                                              rf"give 0.0 MB \(MemAvailable {size_text(needed // 2)}"):
+        stream_engine(weights, stream="on", options=NUMPY.with_(host_reserve=HOST_MARGIN_BYTES))
+
+
+def test_enough_host_memory_keeps_the_ring_and_reports_its_pinned_bytes(emulated, capsys):
+    """MemAvailable past the reserve and the images: the ring as before; load names the pinned bytes and the
+    build time, the placement of the largest step the images' size, the counters both."""
+    weights = streaming_weights()
+    c = weights.config
+    needed = len(routed(c)) * expert_pool.layer_slot_bytes(c)
+    host_has(emulated, needed + 64 * 2**30)
+    engine = stream_engine(weights, stream="auto")
+    x, err = engine.executor, capsys.readouterr().err
+    assert x.steps.expert_ring is not None and x.steps.expert_ring.image_bytes == needed
+    assert "left out" not in err
+    assert (f"experts' ring: pinned host images of {len(routed(c))} routed layers' experts, {size_text(needed)}, "
+            "built in ") in err
+    assert f"from {needed / 1e6:.1f} MB of pinned host images" in err          # the placement lines
+    largest = x.placement_for(x.steps.max_tokens)
+    assert largest.to_dict()["expert_image_bytes"] == needed
+    assert x.stats["expert_image_bytes"] == needed and x.stats["expert_image_build_ms"] >= 0
+    engine.close()
+
+
+def test_a_pinning_the_driver_refuses_is_met_as_short_host_memory(emulated, capsys):
+    """cuMemHostAlloc failing on the second layer's image: the first is freed; auto goes on without the ring
+    (a line, the prompt on the host's experts), on refuses naming the bytes; no CUDA traceback either way."""
+    from kestrel_stream.cuda import driver
+    weights = streaming_weights()
+    c = weights.config
+    image = expert_pool.layer_slot_bytes(c)
+    made = []
+    real = driver.PinnedBuffer
+
+    def pinned(nbytes: int):
+        if nbytes == image and len(made) == 1:
+            raise fake_cuda.CudaError("cuMemHostAlloc: CUDA_ERROR_OUT_OF_MEMORY")
+        buffer = real(nbytes)
+        if nbytes == image:
+            made.append(buffer)
+        return buffer
+    emulated.setattr(driver, "PinnedBuffer", pinned)
+    engine = stream_engine(weights, stream="auto")
+    x, err = engine.executor, capsys.readouterr().err
+    assert [buffer.address for buffer in made] == [0]                   # the image pinned before is freed
+    assert x.steps.expert_ring is None and not x.plan(len(PROMPT)).expert_ring
+    assert (f"experts' ring left out for host memory: pinning its host images (every expert of {len(routed(c))} "
+            f"routed layers, {size_text(len(routed(c)) * image)}) failed") in err
+    cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    with engine.new_session() as s, cpu.new_session() as ref:
+        assert_logits_match(s.prefill(PROMPT), ref.prefill(PROMPT))
+    engine.close()
+    made.clear()
+    with pytest.raises(HostMemoryError, match=rf"KESTREL_STREAM_EXPERTS=on.*{size_text(len(routed(c)) * image)}"):
+        stream_engine(weights, stream="on")
+
+
+def test_the_available_memory_reader_reads_meminfo(monkeypatch, tmp_path):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       65536000 kB\nMemFree:         1000000 kB\nMemAvailable:   40000000 kB\n")
+    monkeypatch.setattr(host_memory, "MEMINFO", str(meminfo))
+    assert host_memory.available_bytes() == 40000000 * 1024
+    monkeypatch.setattr(host_memory, "MEMINFO", str(tmp_path / "absent"))    # no /proc: the free pages
+    assert host_memory.available_bytes() is None or host_memory.available_bytes() > 0

@@ -105,3 +105,30 @@ def test_plan_offload_with_spec_prices_the_passes_with_the_offload_placement(qwe
     assert one
     predicted_ms = float(proc.stderr.split("offload, M=1:")[1].split("predicted ")[1].split(" ms")[0])
     assert f"1: {predicted_ms:.3g}" in speculation["text"]
+
+
+@pytest.mark.parametrize("available_gb", [60, 120])
+def test_plan_offload_names_the_experts_ring_s_pinned_host_memory(qwen3_30b_a3b_config, monkeypatch, capsys,
+                                                                  available_gb):
+    """Qwen3-30B-A3B under 8 GiB with prompt chunks of 512: its ring's images pin every expert of 48 layers
+    (30.8 GB).  A 64 GB machine (MemAvailable 60 GB less the 32 GB model and 4 GiB) cannot hold them: no
+    ring, the line naming both figures; a 128 GB one can: the placement lines and plan --json name them."""
+    from kestrel_stream.cli.main import main
+    from kestrel_stream.loading.presets import PRESETS
+    from kestrel_stream.run import host_memory
+    from kestrel_stream.run.device import expert_pool
+    monkeypatch.setattr(host_memory, "available_bytes", lambda: available_gb * 10**9)
+    monkeypatch.delenv("KESTREL_STREAM_EXPERTS", raising=False)
+    monkeypatch.delenv("KESTREL_HOST_RESERVE", raising=False)
+    assert main(["plan", "--model", str(qwen3_30b_a3b_config), "--mode", "offload", "--vram-budget", "8GiB",
+                 "--profile", "h200", "--max-seq-len", "4096", "--max-batch", "512", "--json"]) == 0
+    out, err = capsys.readouterr()
+    ring = json.loads(out)["window"]["expert_ring"]
+    images = 48 * expert_pool.layer_slot_bytes(PRESETS["qwen3-30b-a3b"])
+    if available_gb == 60:
+        assert ring["slots"] == 0 and ring["image_bytes"] == 0
+        assert "experts' ring left out for host memory" in ring["left_out"] and "take 30.8 GB" in ring["left_out"]
+        assert "MemAvailable 60.0 GB" in err and "through a ring of" not in err
+    else:
+        assert ring["slots"] == 2 and ring["image_bytes"] == images and ring["left_out"] is None
+        assert f"from {images / 1e6:.1f} MB of pinned host images" in err and "left out" not in err

@@ -78,6 +78,8 @@ def offload_placement(cfg, args, profile):
     4, 16, 64 tokens."""
     import sys
     from scheduler import offload
+    from kestrel_stream.options import Options
+    from kestrel_stream.run import host_memory
     from kestrel_stream.run.device.budget import parse_vram_budget, plan_offload_memory
     from kestrel_stream.run.compat import DEFAULT_MAX_SESSIONS
     if not args.vram_budget:
@@ -90,10 +92,15 @@ def offload_placement(cfg, args, profile):
         print(f"offload: no measured host memory pool in the profile; the H200 pool figures "
               f"({profile.name}) price the placement", file=sys.stderr)
     max_seq_len = args.max_seq_len or min(2048, cfg.max_position_embeddings)
+    options = Options.from_env()          # the experts' ring as the engine would build it here: its host memory
     memory = plan_offload_memory(cfg, budget_bytes=budget, free_bytes=budget, profile=profile,
                                  max_tokens=max(args.max_batch, 64), max_sessions=args.max_sessions or
                                  DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len, attention_splits=16,
-                                 max_batch=args.max_batch)
+                                 max_batch=args.max_batch, stream_experts=options.stream_experts,
+                                 host_available_bytes=host_memory.available_bytes()
+                                 if options.stream_experts != "off" else None, host_reserve=options.host_reserve)
+    if memory.expert_ring_left_out:
+        print(memory.expert_ring_left_out, file=sys.stderr)
     for tokens in sorted({1, 4, 16, 64, args.batch}):
         print(offload.place_for_tokens(memory.placement, cfg, profile, tokens).describe(), file=sys.stderr)
     if memory.experts is not None:            # the experts the room left keeps resident (none counted yet)
@@ -165,6 +172,16 @@ def window_report(cfg, args, memory=None) -> dict:
         report["text"] = memory.window.describe() + "\n" + report["text"]
         report.update(resident_bytes=memory.window.resident_bytes,
                       streamed_bytes_per_step=memory.window.streamed_bytes_per_step)
+        if cfg.is_moe:                        # the experts' ring: its VRAM and its pinned host images
+            placement = memory.placement
+            report["expert_ring"] = {"slots": memory.expert_ring_slots, "slot_bytes": placement.expert_slot_bytes,
+                                     "image_bytes": placement.expert_image_bytes,
+                                     "left_out": memory.expert_ring_left_out or None}
+            report["text"] += "\n" + (
+                f"experts' ring: {memory.expert_ring_slots} x {placement.expert_slot_bytes / 1e6:.1f} MB of VRAM, "
+                f"pinned host images {placement.expert_image_bytes / 1e6:.1f} MB (built at load)"
+                if memory.expert_ring_slots else
+                f"experts' ring: none ({memory.expert_ring_left_out or 'KESTREL_STREAM_EXPERTS, or the cost model'})")
         return report
     if isinstance(budget, float):
         from kestrel_stream.run.engine import gpu_status

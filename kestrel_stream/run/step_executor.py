@@ -38,8 +38,10 @@ import numpy as np
 import scheduler
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
-from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, holds_every_expert,
-                                              plan_gpu_memory, plan_mixed_memory, plan_offload_memory, step_rows)
+from kestrel_stream.run import host_memory
+from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, HostMemoryError,
+                                              expert_image_layers, holds_every_expert, plan_gpu_memory,
+                                              plan_mixed_memory, plan_offload_memory, size_text, step_rows)
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.host.backend import HostBackend
 
@@ -252,11 +254,15 @@ class StepExecutor(Executor):
         self.counters = StepCounters.counting("gpu_weight_read_bytes", "cpu_weight_read_bytes")
         start = time.perf_counter()
         table_rows = max_sessions or DEFAULT_MAX_SESSIONS
+        # the host memory the experts' ring's pinned images would take from, read before anything is pinned
+        host_available = (host_memory.available_bytes() if c.is_moe and self.options.stream_experts != "off"
+                          else None)
         memory = lambda free_bytes, scratch_bytes: plan_offload_memory(     # noqa: E731
             c, budget_bytes=vram_budget, free_bytes=free_bytes, profile=self.profile, max_tokens=T,
             max_sessions=table_rows, max_seq_len=self.max_seq_len, attention_splits=ATTENTION_SPLITS,
             max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size, homes=self.options.offload_homes,
-            expert_policy=self.options.resident_experts, stream_experts=self.options.stream_experts)
+            expert_policy=self.options.resident_experts, stream_experts=self.options.stream_experts,
+            host_available_bytes=host_available, host_reserve=self.options.host_reserve)
         backend = DeviceBackend(
             weights, self.options, self.counters, max_tokens=T, logits_rows=T, plan_memory=memory, kv_dtype=kv_dtype,
             kv_layers=c.num_hidden_layers, max_sessions=table_rows, max_seq_len=self.max_seq_len,
@@ -265,13 +271,9 @@ class StepExecutor(Executor):
         self.window_plan = backend.memory.window
         self.resident_experts = backend.memory.experts
         ring = StreamRing(backend.window, weights) if backend.window.streamed else None
-        expert_ring = None
-        if backend.memory.expert_ring_slots:
-            from kestrel_stream.obs import load_stages
-            from kestrel_stream.run.device.expert_ring import ExpertRing
-            with load_stages.stage("  experts: pinned images of the experts' ring"):
-                expert_ring = ExpertRing(backend.experts, weights, [i for i, h in enumerate(self.placement.homes)
-                                                                    if h == "attention" and c.moe_layer(i)])
+        if backend.memory.expert_ring_left_out:
+            print(f"kestrel-stream: {backend.memory.expert_ring_left_out}", file=sys.stderr)
+        expert_ring = self._expert_ring(backend) if backend.memory.expert_ring_slots else None
         self.steps = MixedSteps(backend, self.counters, self.plan, gpu_layers=self.gpu_layers, max_tokens=T,
                                 mode=self.mode, load_s=time.perf_counter() - start, options=self.options, ring=ring,
                                 expert_ring=expert_ring)
@@ -282,6 +284,38 @@ class StepExecutor(Executor):
                 print(f"kestrel-stream: {line}", file=sys.stderr)
         if self.resident_experts is not None:
             print(f"kestrel-stream: {self.resident_experts.describe(c.num_experts)}", file=sys.stderr)
+
+    def _expert_ring(self, backend):
+        """Mode offload's experts' ring, its pinned images built (device/expert_ring.py); their bytes and build
+        time go to the counters and a load line.  Where pinning fails: HostMemoryError naming the bytes under
+        KESTREL_STREAM_EXPERTS=on; under auto a line, no ring (the placement without it; its VRAM stays idle)."""
+        from kestrel_stream.cuda.errors import CudaError
+        from kestrel_stream.obs import load_stages
+        from kestrel_stream.run.device.expert_ring import ExpertRing
+        layers, image_bytes = expert_image_layers(self.config, self.placement), self.placement.expert_image_bytes
+        start = time.perf_counter()
+        try:
+            with load_stages.stage("  experts: pinned images of the experts' ring"):
+                expert_ring = ExpertRing(backend.experts, self.weights, layers)
+        except (CudaError, MemoryError) as e:
+            what = (f"pinning its host images (every expert of {len(layers)} routed layers, {size_text(image_bytes)}) "
+                    f"failed ({e})")
+            if self.options.stream_experts == "on":
+                backend.close()
+                raise HostMemoryError(f"mode offload's experts' ring (KESTREL_STREAM_EXPERTS=on): {what}; free host "
+                                      "memory or set KESTREL_STREAM_EXPERTS=auto (the experts on the host when the "
+                                      "images cannot be pinned)") from None
+            print(f"kestrel-stream: experts' ring left out for host memory: {what}; prompt steps keep the experts on "
+                  f"the host, the ring's {size_text(self.placement.expert_ring_bytes)} of VRAM idle "
+                  "(KESTREL_STREAM_EXPERTS=off gives it to resident experts)", file=sys.stderr)
+            self.placement = self.placement.with_expert_ring(0, 0)
+            return None
+        build_s = time.perf_counter() - start
+        self.counters.expert_image_bytes = expert_ring.image_bytes
+        self.counters.expert_image_build_ms = round(build_s * 1e3, 1)
+        print(f"kestrel-stream: experts' ring: pinned host images of {len(layers)} routed layers' experts, "
+              f"{size_text(expert_ring.image_bytes)}, built in {build_s:.2f} s", file=sys.stderr)
+        return expert_ring
 
     def placement_for(self, tokens: int):
         """Mode offload's placement of a step of `tokens` tokens (the resident layers and ring kept)."""

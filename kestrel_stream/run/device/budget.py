@@ -9,7 +9,8 @@ budget, or raises WindowBudgetError naming every number.
 
 One concern, the split of one budget: every mode's parts (KV pool, activations, weights, mode offload's ring
 and resident experts) are sized against each other here, so a part that grows is taken from the others in
-one place.
+one place.  The experts' ring is also the one part with a host side, its pinned images, so whether the host
+can hold them is decided here too (expert_images_fit).
 """
 from __future__ import annotations
 
@@ -26,6 +27,14 @@ from scheduler.window import WindowBudgetError, WindowPlan, plan_window, window_
 
 ALIGN = 256                      # the arena's sub-allocation alignment (driver.Arena.ALIGN)
 DEFAULT_MARGIN_BYTES = 512 << 20  # left free for the driver, modules and graphs when no budget is given
+# host memory the experts' ring's pinned images leave beside the model's host-read weights: the process's other
+# pinned buffers (state copies, the window's images), the host experts' numpy and pool temporaries, the
+# tokenizer and Python, and the rest of the machine's working set that MemAvailable's estimate misses
+HOST_MARGIN_BYTES = 4 << 30
+
+
+class HostMemoryError(ValueError):
+    """The host cannot hold the experts' ring's pinned images (KESTREL_STREAM_EXPERTS=on)."""
 
 
 def resolve_budget(budget: int | float | None, free_bytes: int, full_bytes: int) -> int | None:
@@ -161,6 +170,7 @@ class GpuMemoryPlan:
     experts: object = None        # a mixture-of-experts model's experts on the device: a ResidentExperts
     expert_slots: int = 0         # the expert pool's slots (expert_pool.py), its routers beside it
     expert_ring_slots: int = 0    # mode offload's experts' ring: slots of one routed layer's every expert
+    expert_ring_left_out: str = ""  # why auto built no ring the cost model wanted (host memory), else ""
 
     def describe(self) -> str:
         mib = 2**20
@@ -312,15 +322,18 @@ def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int,
                         max_sessions: int, max_seq_len: int, attention_splits: int, max_batch: int = 1,
                         kv_dtype: str = "f16", block_size: int = 16, homes: str | None = None,
                         routing_counts=None, expert_policy: str = "frequency",
-                        stream_experts: str = "auto") -> GpuMemoryPlan:
+                        stream_experts: str = "auto", host_available_bytes: int | None = None,
+                        host_reserve: int | None = None) -> GpuMemoryPlan:
     """Mode offload's device memory under one budget: the KV pool for every layer (attention runs on the GPU)
     holds at least one session of max_seq_len plus a block for each other session of a full batch; the
     step's activations; then the weights: the offload placement (scheduler/offload.py) of what is left,
     resident layers and a ring (homes: the layers' homes given, KESTREL_OFFLOAD_HOMES's form); a mixture-of-
     experts model's routers and experts in the room the layers leave, as many as fit, chosen by
     expert_policy (scheduler/expert_residency.py's, or "none") from routing_counts ([routed layers][experts];
-    None: none counted yet), after the experts' ring where stream_experts asks for one (expert_ring_slots).
-    What the weights leave goes to the pool."""
+    None: none counted yet), after the experts' ring where stream_experts asks for one (expert_ring_slots) and
+    the host holds its pinned images (expert_images_fit: host_available_bytes, MemAvailable now or None where
+    unknown; host_reserve, what they leave free, None: host_reserve_bytes).  What the weights leave goes to
+    the pool."""
     from scheduler import offload
     from scheduler.kv_pool import kv_bytes_per_position, plan_kv_pool
     per_position = kv_bytes_per_position(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kv_dtype)
@@ -353,12 +366,20 @@ def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int,
     window = offload_window(c, placement)
     arena_bytes = (needs.total - needs.kv_bytes + window.resident_bytes + placement.ring_bytes
                    + 2 * ALIGN * (len(window.resident) + placement.slot_count))
-    experts, slots, ring_slots = None, 0, 0
+    experts, slots, ring_slots, left_out = None, 0, 0, ""
     if c.is_moe:     # what the layers leave: the experts' ring, the routers and as many experts as fit
         room = weight_budget - placement.resident_bytes - placement.ring_bytes
         ring_slots = expert_ring_slots(c, room, placement, profile, max_tokens, stream_experts, budget)
         if ring_slots:
-            placement = placement.with_expert_ring(ring_slots, expert_pool.layer_slot_bytes(c))
+            streamed = set(window.streamed)       # pinned by the window after this plan, before the images
+            reserve = host_reserve if host_reserve is not None else host_reserve_bytes(
+                placement, sum(i.nbytes for i in items if i.name in streamed))
+            left_out = expert_images_fit(c, placement, stream_experts, host_available_bytes, reserve,
+                                         given=host_reserve is not None)
+            ring_slots = 0 if left_out else ring_slots
+        if ring_slots:
+            placement = placement.with_expert_ring(ring_slots, expert_pool.layer_slot_bytes(c),
+                                                   expert_image_bytes(c, placement))
             room -= expert_pool.ring_bytes(c, ring_slots)
         slots = resident_expert_slots(c, room) if expert_policy != "none" else 0
         if slots:
@@ -372,7 +393,7 @@ def plan_offload_memory(c, *, budget_bytes: int | float | None, free_bytes: int,
     kv = plan_kv_pool(block_bytes, block_size, left_bytes=budget - arena_bytes, min_positions=min_positions,
                       default_positions=min_positions)
     return GpuMemoryPlan(arena_bytes, window, kv, needs, budget, placement=placement, experts=experts,
-                         expert_slots=slots, expert_ring_slots=ring_slots)
+                         expert_slots=slots, expert_ring_slots=ring_slots, expert_ring_left_out=left_out)
 
 
 EXPERT_RING_SLOTS = 2     # a routed layer's experts stream while the layer before computes on the slot beside
@@ -408,6 +429,57 @@ def expert_ring_slots(c, room_bytes: int, placement, profile, max_tokens: int, s
     ringed = placement.with_expert_ring(EXPERT_RING_SLOTS, expert_pool.layer_slot_bytes(c))
     largest = offload.place_for_tokens(ringed, c, profile, max_tokens)
     return EXPERT_RING_SLOTS if "experts" in largest.homes else 0
+
+
+def expert_image_layers(c, placement) -> list[int]:
+    """The routed layers the experts' ring keeps a pinned image of: those a step may stream (homed attention in
+    a one-token step, whose homes every step size keeps; or homed experts where the homes are given)."""
+    return [i for i, h in enumerate(placement.homes) if c.moe_layer(i) and h in ("attention", "experts")]
+
+
+def expert_image_bytes(c, placement) -> int:
+    """Pinned host bytes of the experts' ring's images: one ring slot's layout per layer that may stream."""
+    return len(expert_image_layers(c, placement)) * expert_pool.layer_slot_bytes(c)
+
+
+def host_reserve_bytes(placement, window_pinned_bytes: int = 0) -> int:
+    """Host memory the ring's images leave free by default: the weights the host reads every step (the routed
+    layers' experts and the host-homed projections, pages of the model file's mapping that MemAvailable counts
+    as droppable cache), the window's pinned images of the streamed projections (`window_pinned_bytes`, taken
+    after MemAvailable is read) and HOST_MARGIN_BYTES for the process and the machine."""
+    return placement.routed_bytes + placement.host_bytes + window_pinned_bytes + HOST_MARGIN_BYTES
+
+
+def expert_images_fit(c, placement, stream_experts: str, available_bytes: int | None, reserve: int,
+                      given: bool = False) -> str:
+    """"" where the experts' ring's pinned images fit the host memory `available_bytes` (MemAvailable; None:
+    unknown, not checked) less `reserve` (host_reserve_bytes, or KESTREL_HOST_RESERVE's where `given`); else,
+    for auto, the sentence saying the ring was left out, naming the bytes; for on, HostMemoryError naming them."""
+    needed = expert_image_bytes(c, placement)
+    if available_bytes is None or not needed:
+        return ""
+    room = max(available_bytes - reserve, 0)
+    if needed <= room:
+        return ""
+    layers = len(expert_image_layers(c, placement))
+    kept = "by KESTREL_HOST_RESERVE" if given else "for the model's host-read weights and the process"
+    what = (f"its pinned host images (every expert of {layers} routed layers) take {size_text(needed)}, the host "
+            f"can give {size_text(room)} (MemAvailable {size_text(available_bytes)} less {size_text(reserve)} kept "
+            f"{kept})")
+    if stream_experts == "on":
+        raise HostMemoryError(
+            f"mode offload's experts' ring (KESTREL_STREAM_EXPERTS=on): {what}; free "
+            f"{size_text(needed - room)} of host memory, lower KESTREL_HOST_RESERVE (0 keeps nothing back: the "
+            "model's pages may then be dropped and read again from disk) or set KESTREL_STREAM_EXPERTS=auto (the "
+            "experts of every step on the host when the images do not fit)")
+    return (f"experts' ring left out for host memory: {what}; prompt steps keep the experts on the host "
+            f"(KESTREL_HOST_RESERVE=SIZE lowers what is kept back, 0 builds the ring wherever MemAvailable "
+            f"holds its images; KESTREL_STREAM_EXPERTS=off says no ring without this line)")
+
+
+def size_text(nbytes: int) -> str:
+    """2.5 GB, 31.4 MB: a size for a message."""
+    return f"{nbytes / 1e9:.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:.1f} MB"
 
 
 def resident_expert_slots(c, room_bytes: int) -> int:

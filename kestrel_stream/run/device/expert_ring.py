@@ -31,14 +31,22 @@ def layer_of(name: str) -> int:
 
 class ExpertRing:
     def __init__(self, store, weights, layers=None):
-        """store: the ExpertStore with ring_slots; layers: the routed layers that may stream (default all)."""
+        """store: the ExpertStore with ring_slots; layers: the routed layers that may stream (default all).
+        Pinning an image can fail (the driver's CudaError): the images pinned before it are freed, the error
+        goes to the caller (the executor's, which names the bytes)."""
         self.store, self.slot_count = store, store.ring_slots
         assert self.slot_count >= 1, "an experts' ring needs slots in the expert pool"
+        self.images = {}
+        try:
+            for layer in (store.layers if layers is None else layers):
+                self.images[layer] = self._image(weights, layer)
+        except BaseException:
+            self._free_images()
+            raise
         self.copy_stream = driver.Stream("experts copy h2d")
         self.loaded = [driver.Event(name=f"experts slot {s} loaded") for s in range(self.slot_count)]
         self.released = [driver.Event(name=f"experts slot {s} released") for s in range(self.slot_count)]
         self.fork = driver.Event(name="experts ring fork")
-        self.images = {layer: self._image(weights, layer) for layer in (layers or store.layers)}
         self.order: dict[str, int] = {}
         self.names: list[str] = []
         self.issued = 0
@@ -52,12 +60,16 @@ class ExpertRing:
         offsets = np.cumsum([0] + sizes).tolist()
         buffer = driver.PinnedBuffer(offsets[-1])
         moe = weights.layers[layer].moe
-        for k, ((part, interleave), w, rows) in enumerate(zip(parts, (moe.gate_up, moe.down),
-                                                               (moe.gate_up_rows, moe.down_rows))):
-            qs = buffer.view(np.uint8, (E, part.qs_slot), offsets[2 * k])
-            meta = buffer.view(np.uint8, (E, part.meta_slot), offsets[2 * k + 1])
-            for e in range(E):
-                write_expert(qs[e], meta[e], w, *rows(e), interleave)
+        try:
+            for k, ((part, interleave), w, rows) in enumerate(zip(parts, (moe.gate_up, moe.down),
+                                                                   (moe.gate_up_rows, moe.down_rows))):
+                qs = buffer.view(np.uint8, (E, part.qs_slot), offsets[2 * k])
+                meta = buffer.view(np.uint8, (E, part.meta_slot), offsets[2 * k + 1])
+                for e in range(E):
+                    write_expert(qs[e], meta[e], w, *rows(e), interleave)
+        except BaseException:
+            buffer.free()
+            raise
         return buffer, list(zip(offsets[:-1], sizes))
 
     @property
@@ -109,6 +121,9 @@ class ExpertRing:
 
     def close(self) -> None:
         self.copy_stream.synchronize()
+        self._free_images()
+
+    def _free_images(self) -> None:
         for buffer, _ in self.images.values():
             buffer.free()
         self.images = {}
