@@ -18,7 +18,7 @@ from kestrel_stream.loading.presets import PRESETS
 from kestrel_stream.options import Options
 from kestrel_stream.run import host_memory
 from kestrel_stream.run.device import expert_pool
-from kestrel_stream.run.device.budget import HOST_MARGIN_BYTES, HostMemoryError, size_text
+from kestrel_stream.run.device.expert_budget import HOST_MARGIN_BYTES, HostMemoryError, size_text
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.step_executor import StepExecutor
 from scheduler.window import WindowBudgetError
@@ -50,7 +50,7 @@ def model(request):
 
 def ring_budget(config, resident: int = 0) -> int:
     """Mode offload's budget for every non-expert weight, the routers, `resident` experts and the experts' ring."""
-    from kestrel_stream.run.device.budget import EXPERT_RING_SLOTS
+    from kestrel_stream.run.device.expert_budget import EXPERT_RING_SLOTS
     return expert_budget(config, resident) + expert_pool.ring_bytes(config, EXPERT_RING_SLOTS)
 
 

@@ -1,6 +1,6 @@
 """The host memory this process may still take without pushing the machine into swap: what the pinned images
 of mode offload's experts' ring (device/expert_ring.py) are checked against before they are built
-(budget.expert_images_fit).
+(expert_budget.expert_images_fit).
 
 MemAvailable (/proc/meminfo) is the kernel's estimate of what new allocations can take without swapping: free
 memory plus the page cache it could drop.  That cache includes the model file's own mapped pages, which the

@@ -39,9 +39,9 @@ import scheduler
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
 from kestrel_stream.run import host_memory
-from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, HostMemoryError,
-                                              expert_image_layers, holds_every_expert, plan_gpu_memory,
-                                              plan_mixed_memory, plan_offload_memory, size_text, step_rows)
+from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, holds_every_expert,
+                                              plan_gpu_memory, plan_mixed_memory, plan_offload_memory, step_rows)
+from kestrel_stream.run.device.expert_budget import HostMemoryError, expert_image_layers, size_text
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.host.backend import HostBackend
 
