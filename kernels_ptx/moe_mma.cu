@@ -45,6 +45,28 @@ __device__ __forceinline__ bool expert_of_block(ExpertRows& ex, const unsigned c
     return true;
 }
 
+// a block's finished tile: its rows (the expert's choices p0.., ntok of them) times 1/rms where given (gate_up:
+// the token's, found through `sorted` when x was gathered), SiLU of (gate, up) pairs or the plain rows, into y
+template <int FM, int FN, bool SILU>
+__device__ __forceinline__ void store_expert_tile(const float (&acc)[FM][FN][4], int p0, int ntok, int row0,
+                                                  int warp_m, int warp_n, int g, int t, const float* inv_rms,
+                                                  int gather, const int* sorted, int k, int N, int ldy, float* y) {
+#pragma unroll
+    for (int i = 0; i < FM; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int m = warp_m * FM * 16 + i * 16 + g + 8 * h;
+            if (m >= ntok) continue;
+            const float scale = inv_rms ? inv_rms[gather ? sorted[p0 + m] / k : p0 + m] : 1.0f;
+#pragma unroll
+            for (int j = 0; j < FN; j++) {
+                const int row = row0 + warp_n * FN * 8 + j * 8 + t * 2;   // even: a (gate, up) pair
+                mma_store_pair<SILU>(p0 + m, row, acc[i][j][2 * h] * scale, acc[i][j][2 * h + 1] * scale, N,
+                                     ldy, y, nullptr, nullptr, nullptr);
+            }
+        }
+}
+
 // Q8_0: q8_mma.cu's double-buffered tile over the expert's token tiles
 template <int BM, int BN, int BK, int WARPS_M, int WARPS_N, bool SILU>
 __device__ __forceinline__ void moe_mma_q8_body(
@@ -166,20 +188,8 @@ __device__ __forceinline__ void moe_mma_q8_body(
                                                      x_scale[cur][0], w_scale[cur][0], warp_m, warp_n, g, t);
         }
 
-#pragma unroll
-        for (int i = 0; i < FM; i++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int m = warp_m * FM * 16 + i * 16 + g + 8 * h;
-                if (m >= ntok) continue;
-                const float scale = inv_rms ? inv_rms[gather ? sorted[p0 + m] / k : p0 + m] : 1.0f;
-#pragma unroll
-                for (int j = 0; j < FN; j++) {
-                    const int row = row0 + warp_n * FN * 8 + j * 8 + t * 2;   // even: a (gate, up) pair
-                    mma_store_pair<SILU>(p0 + m, row, acc[i][j][2 * h] * scale, acc[i][j][2 * h + 1] * scale, N,
-                                         ldy, y, nullptr, nullptr, nullptr);
-                }
-            }
+        store_expert_tile<FM, FN, SILU>(acc, p0, ntok, row0, warp_m, warp_n, g, t, inv_rms, gather, sorted, k, N,
+                                        ldy, y);
         __syncthreads();   // the next tile's first stage overwrites shared memory the last one read
     }
 }
@@ -238,20 +248,8 @@ __device__ __forceinline__ void moe_mma_blocks_body(
             __syncthreads();   // every warp is done with the tiles before the next stage overwrites them
         }
 
-#pragma unroll
-        for (int i = 0; i < FM; i++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                const int m = warp_m * FM * 16 + i * 16 + g + 8 * h;
-                if (m >= ntok) continue;
-                const float scale = inv_rms ? inv_rms[gather ? sorted[p0 + m] / k : p0 + m] : 1.0f;
-#pragma unroll
-                for (int j = 0; j < FN; j++) {
-                    const int row = row0 + warp_n * FN * 8 + j * 8 + t * 2;   // even: a (gate, up) pair
-                    mma_store_pair<SILU>(p0 + m, row, acc[i][j][2 * h] * scale, acc[i][j][2 * h + 1] * scale, N,
-                                         ldy, y, nullptr, nullptr, nullptr);
-                }
-            }
+        store_expert_tile<FM, FN, SILU>(acc, p0, ntok, row0, warp_m, warp_n, g, t, inv_rms, gather, sorted, k, N,
+                                        ldy, y);
     }
 }
 
