@@ -190,7 +190,7 @@ def test_split_layers_run_their_host_experts_as_one_native_call(model, emulated,
     weights, _, reference = model
     inputs = []
     real = NativeProgram.run_state
-    monkeypatch.setattr(NativeProgram, "run_state", lambda self, state: inputs.append(self.inputs) or real(self, state))
+    monkeypatch.setattr(NativeProgram, "run_state", lambda self, state, *rest: inputs.append(self.inputs) or real(self, state, *rest))
     executor = StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
                             vram_budget=expert_budget(weights.config, 3),
                             options=Options.from_env().with_(host_kernels="native"))

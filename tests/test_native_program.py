@@ -21,6 +21,7 @@ from kestrel_stream.run.host import HostBackend
 from kestrel_stream.run.host.backend import session_runs
 from kestrel_stream.run.host.native_program import NativeProgram
 from kestrel_stream.run.host.program import HostState
+from scheduler.ops import runs_alone
 from test_executors_emulated import CONFIGS
 from test_quant4 import CFG
 
@@ -100,19 +101,36 @@ def test_it_counts_the_bytes_the_per_op_program_counts(weights):
     assert one.counters.cpu_weight_read_bytes == ops.counters.cpu_weight_read_bytes > 0
 
 
-def test_a_trace_times_each_op_through_the_per_op_program(weights, tmp_path):
+def test_a_trace_times_each_op_inside_the_one_call(weights, tmp_path, monkeypatch):
+    """Traced, the step still runs as one library call (what an untraced step runs), and its ops come back
+    as host slices read from the library's clock: one per op of the step program, in its order, back to
+    back inside the step, named as the per-op program names them."""
     backend = HostBackend(weights, options=NATIVE)
     kv = backend.alloc_kv(8)
     plain = backend.forward([(kv, np.array([4, 5]), 0)])[0]
+    ran = []
+    real = NativeProgram.run
+    monkeypatch.setattr(NativeProgram, "run", lambda self, *a: ran.append(len(a[0])) or real(self, *a))
     trace.start(tmp_path / "t.json")
     try:
-        traced = backend.forward([(backend.alloc_kv(8), np.array([4, 5]), 0)])[0]
+        with trace.active.step(2):
+            traced = backend.forward([(backend.alloc_kv(8), np.array([4, 5]), 0)])[0]
     finally:
         written = trace.stop()
-    assert np.array_equal(plain, traced)
+    assert np.array_equal(plain, traced) and ran == [2]
     events = json.loads(written.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
-    names = [e["name"] for e in events]
+    (step,) = [e for e in events if e.get("ph") == "X" and e["name"] == "step"]
+    slices = sorted((e for e in events if e.get("ph") == "X" and e.get("args", {}).get("segment") == "cpu"),
+                    key=lambda e: e["ts"])
+    ops = [op for op in backend.plan(1).segments[0].ops if runs_alone(op)]     # norms run inside projections
+    assert [e["args"]["op"] for e in slices] == [op.name for op in ops]
+    assert [e["name"] for e in slices] == [op.group or op.kind for op in ops]
+    assert all(e["dur"] >= 0 for e in slices) and sum(e["dur"] for e in slices) > 0
+    for before, after in zip(slices, slices[1:]):
+        assert before["ts"] + before["dur"] <= after["ts"] + 1e-3
+    assert step["ts"] <= slices[0]["ts"] and slices[-1]["ts"] + slices[-1]["dur"] <= step["ts"] + step["dur"] + 1e-3
+    names = [e["name"] for e in slices]
     assert names.count("attention") == weights.config.num_hidden_layers and names.count("lm_head") == 1
 
 
@@ -174,7 +192,7 @@ def test_a_mixed_steps_host_segments_as_one_call(name, monkeypatch):
     weights = random_q8_weights(CONFIGS["qwen3"], seed=3)
     calls = []
     real = NativeProgram.run_state
-    monkeypatch.setattr(NativeProgram, "run_state", lambda self, state: calls.append(state.T) or real(self, state))
+    monkeypatch.setattr(NativeProgram, "run_state", lambda self, state, *rest: calls.append(state.T) or real(self, state, *rest))
     engine = make_split_engine(weights, name, monkeypatch)
     one_call = run(engine, [5, 3, 200])[0]
     engine.close()

@@ -4,6 +4,7 @@
  * so a step pays the Python side once instead of once per op. */
 #include <stdint.h>
 #include <string.h>
+#include <time.h>
 
 #include "host_kernels.h"
 
@@ -40,7 +41,14 @@ typedef struct {
     const float *cos_t, *sin_t;     /* rope_rotation's cos, signed sin [T, D] */
     const ks_run_t *runs;
     const int64_t *lm_rows;         /* the rows lm_head reads (n_lm of them), or NULL: every row */
+    int64_t *op_ns;                 /* NULL, or 2 per op: its start and end (CLOCK_MONOTONIC ns, a trace's times) */
 } ks_step_t;
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 /* Returns 0, or 1 + the index of the op that failed (no memory, or a head over 1,024 values).  A routed
    layer's ops are host_moe.c's. */
@@ -50,6 +58,7 @@ int ks_program(const ks_op_t *ops, int n_ops, const ks_step_t *s) {
         float *in = s->buf[op->in], *out = s->buf[op->out];
         const ptrdiff_t iw = s->width[op->in], ow = s->width[op->out];
         int status = 0;
+        if (s->op_ns) s->op_ns[2 * i] = now_ns();
         switch (op->kind) {
         case OP_LINEAR: {
             int rows = s->T;
@@ -105,6 +114,7 @@ int ks_program(const ks_op_t *ops, int n_ops, const ks_step_t *s) {
         default:
             status = -1;
         }
+        if (s->op_ns) s->op_ns[2 * i + 1] = now_ns();
         if (status != 0) return i + 1;
     }
     return 0;

@@ -160,6 +160,11 @@ class Recorder:
     def span(self, name: str, cat: str = "host", **args) -> _Span:
         return _Span(self, name, cat, args)
 
+    def host_slice(self, name: str, start_ns: int, end_ns: int, cat: str = "host", **args) -> None:
+        """A host slice timed elsewhere (a native call's own clock reads): start_ns and end_ns on
+        time.perf_counter_ns's clock (CLOCK_MONOTONIC on Linux)."""
+        self._host_slice(name, cat, (start_ns - self.origin_ns) / 1000.0, (end_ns - self.origin_ns) / 1000.0, args)
+
     def lane_span(self, lane: str, name: str, cat: str = "host", **args) -> _LaneSpan:
         return _LaneSpan(self, lane, name, cat, args)
 

@@ -28,7 +28,6 @@ from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
 from kestrel_stream.run.executor import StepCounters
 from kestrel_stream.run.host.arithmetic import model_rope_tables, rope_rotation
-from kestrel_stream.obs import trace
 from kestrel_stream.run.host.program import HostProgram, HostState
 from kestrel_stream.run.host.repacked import RepackedTensor, repacked_weights
 from kestrel_stream.run.steps import Steps
@@ -263,9 +262,9 @@ class HostBackend(Steps):
         bounds = [lo for _, lo, _, _ in runs] + [len(ids)]
         cos, sin = self.rope(positions)
         last = np.asarray(bounds[1:]) - 1 if logits == "last" else None
-        # one call a step where it binds, no trace times each op and no token tree masks the attention
+        # one call a step where it binds and no token tree masks the attention (traced, it times each op)
         one_call = self._whole_step.one_call
-        if one_call is not None and trace.active is None and fields is None:
+        if one_call is not None and fields is None:
             out = one_call.run(ids, runs, cos, sin, last)
         else:
             state = HostState(ids, runs, cos, sin, last, fields)

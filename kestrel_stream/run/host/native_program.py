@@ -17,10 +17,12 @@ step: the caller keeps them), so a program runs one step at a time (the engine's
 from __future__ import annotations
 
 import ctypes
+import time
 
 import numpy as np
 
 from kestrel_stream.model.op_tensors import fused_tensor
+from kestrel_stream.obs import trace
 from kestrel_stream.native.routed import Experts
 from kestrel_stream.run.host.arithmetic import attention_scale
 from kestrel_stream.run.host.routed import expert_bytes, native_experts, native_router
@@ -49,7 +51,7 @@ class Run(ctypes.Structure):
 
 class Step(ctypes.Structure):
     _fields_ = [("T", _i), ("n_runs", _i), ("n_lm", _i), ("threads", _i), ("buf", _p * 10), ("width", _z * 10),
-                ("cos_t", _p), ("sin_t", _p), ("runs", _p), ("lm_rows", _p)]
+                ("cos_t", _p), ("sin_t", _p), ("runs", _p), ("lm_rows", _p), ("op_ns", _p)]
 
 
 def _op(kind: int, in_: int, out: int, **fields) -> Op:
@@ -132,7 +134,7 @@ class NativeProgram:
             return None
         if any(name not in INPUT_OF for name in segment_inputs(ops)):
             return None
-        keep, listed = [], []
+        keep, listed, owners = [], [], []
         for i, op in enumerate(ops):
             if op.kind == "embed" and i == 0:
                 continue
@@ -140,12 +142,15 @@ class NativeProgram:
             if bound is None:
                 return None
             listed.extend(bound)
-        return cls(backend, ops, listed, keep)
+            owners.extend([i] * len(bound))
+        return cls(backend, ops, listed, keep, owners)
 
-    def __init__(self, backend, ops, listed: list[Op], keep: list):
+    def __init__(self, backend, ops, listed: list[Op], keep: list, owners: list[int]):
         c, kernels = backend.config, backend.kernels
         self.backend, self.counters, self.embed = backend, backend.counters, backend.weights.embed
         self.ops = (Op * len(listed))(*listed)
+        self.step_ops = ops
+        self.owners = np.asarray(owners, np.int64)       # the step program's op each listed op is part of
         self.keep = keep                                  # the bound Linears and vectors the list points into
         self.embeds = ops[0].kind == "embed"
         self.reads_caches = any(op.kind in ("rope", "attention") for op in ops)    # else: no host cache
@@ -182,9 +187,10 @@ class NativeProgram:
         → logits."""
         return self._call(ids, [(kv, 0, lo, hi, start) for kv, lo, hi, start in runs], cos, sin, lm_rows)
 
-    def run_state(self, state) -> None:
+    def run_state(self, state, span_prefix: str = "") -> None:
         """A segment over a StepState (program.StepState: a mixed step's pinned state): the state it
-        reads before writing copied in, every state it writes written back through the state."""
+        reads before writing copied in, every state it writes written back through the state.
+        span_prefix: what the trace's slices of its ops start with (HostProgram's)."""
         t = state.T
         if t > self.rows:
             self._grow(t)
@@ -192,17 +198,20 @@ class NativeProgram:
             self.buffers[INPUT_OF[name]][:t] = state.read(name)
         runs = [(cache, first, lo, hi, start) for kv, lo, hi, start in state.runs
                 for cache, first in [state.host_kv(kv)]] if self.reads_caches else []
-        logits = self._call(state.ids, runs, state.cos, state.sin, state.lm_rows)
+        logits = self._call(state.ids, runs, state.cos, state.sin, state.lm_rows, span_prefix)
         for name in self.outputs:
             buffer = OUTPUT_OF[name]
             value = logits if buffer == LOGITS else self.buffers[buffer][:t]
             state.write(name, value.reshape(t, -1, self.head_dim).copy() if name == "q" else value)
 
-    def _call(self, ids, runs: list, cos, sin, lm_rows) -> np.ndarray:
-        """runs: (cache, the first layer it holds, first row, end row, start position) per session."""
-        t, step = len(ids), self.step
+    def _call(self, ids, runs: list, cos, sin, lm_rows, span_prefix: str = "") -> np.ndarray:
+        """runs: (cache, the first layer it holds, first row, end row, start position) per session.
+        Traced, each op of the step program is a host slice timed inside the call (the library reads the
+        clock around each of its ops), named as HostProgram names its per-op calls."""
+        t, step, rec = len(ids), self.step, trace.active
         if t > self.rows:
             self._grow(t)
+        embed_start = time.perf_counter_ns()
         if self.embeds:
             dense = self.backend.dense_if_built(self.embed)        # built when it is the tied lm_head
             self.buffers[X][:t] = dense[ids] if dense is not None else self.embed.dequantize_rows(ids)
@@ -217,9 +226,36 @@ class NativeProgram:
         step.buf[LOGITS] = logits.ctypes.data
         step.cos_t, step.sin_t, step.runs = cos.ctypes.data, sin.ctypes.data, ctypes.addressof(table)
         step.lm_rows = None if lm is None else lm.ctypes.data
+        times = np.zeros(2 * len(self.ops), np.int64) if rec is not None else None
+        step.op_ns = None if times is None else times.ctypes.data
+        embed_end = time.perf_counter_ns()
         failed = self.call(self.ops, len(self.ops), ctypes.byref(step))
+        step.op_ns = None
+        if times is not None:
+            self._trace(rec, span_prefix, times, embed_start, embed_end, failed)
         if failed:
             raise MemoryError(f"host kernels: step op {failed - 1} failed (no memory)")
         self.counters.cpu_weight_read_bytes += self.weight_bytes + (t * self.embed_row_bytes if self.embeds else 0)
         self.counters.cpu_weight_read_bytes += sum(bound.used * nbytes for bound, nbytes in self.routed)
         return logits
+
+    def _trace(self, rec, span_prefix: str, times: np.ndarray, embed_start: int, embed_end: int,
+               failed: int) -> None:
+        """One host slice per op of the step program the call ran (from its first listed op's start to
+        its last one's end); the embedding's gather (Python, before the call) as the first."""
+        ran = len(self.ops) if not failed else failed
+        starts, ends = times[0:2 * ran:2], times[1:2 * ran:2]
+        spans = {}
+        for owner, start, end in zip(self.owners[:ran].tolist(), starts.tolist(), ends.tolist()):
+            first, _ = spans.get(owner, (start, end))
+            spans[owner] = (first, end)
+        if self.embeds:
+            spans[0] = (embed_start, embed_end)
+        for index in sorted(spans):
+            op = self.step_ops[index]
+            start, end = spans[index]
+            if end < start:              # the op failed before its end was read
+                end = start
+            rec.host_slice(f"{span_prefix}{op.group or op.kind}", start, end, op=op.name,
+                           layer=-1 if op.layer is None else op.layer, flops=float(op.flops),
+                           bytes=int(op.active_weight_bytes), segment="cpu")

@@ -94,10 +94,10 @@ class HostProgram:
         self.one_call = NativeProgram.bind(backend, ops)      # the same calls as one, where they bind
 
     def run(self, state: StepState) -> None:
+        if self.one_call is not None and state.tree_fields is None:
+            self.one_call.run_state(state, self.span_prefix)      # traced: it times each op itself
+            return
         if trace.active is None:
-            if self.one_call is not None and state.tree_fields is None:
-                self.one_call.run_state(state)
-                return
             for call in self.calls:
                 call(state)
             return
