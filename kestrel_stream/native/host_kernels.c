@@ -755,6 +755,7 @@ typedef struct {
     size_t per_token, qs_bytes, d_bytes, bs_bytes, tile_bytes;
     int token_groups, row_tiles;
     int kq_grab;                    /* repacked Q4_K / Q6_K: row groups a thread takes at a time */
+    int dot_grab;                   /* a dot product per row and token: row tiles a thread takes at a time */
     kq_acts_t kq_acts;              /* and the activations as their kernels read them (in `tiles`) */
     _Atomic int next;               /* the next row tile (row group) to hand out */
     _Atomic int failed;
@@ -1042,14 +1043,19 @@ static void matmul_kq(void *ctx, int index, int count) {
                 &m->kq_acts, m->out, m->out_stride);
 }
 
-#define TILES_PER_GRAB 4        /* row tiles a thread takes at a time: 64 rows */
+#define TILES_PER_GRAB 4        /* row tiles a thread takes at a time: 64 rows (at most, dot products) */
+
+/* Grabs a thread takes of a projection's rows, about (dot products and repacked groups): the last grab of
+   the slowest thread is the op's tail, so a small projection (o, down: 2,048 rows) is cut finer than 4
+   grabs a thread; a grab is one atomic add. */
+int ks_grabs_per_thread = 8;
 
 static void matmul_dots(void *ctx, int index, int count) {
     (void)index, (void)count;
     matmul_t *m = ctx;
     const dot_fn dot = DOTS[m->fmt][m->isa];
-    for (int first; (first = atomic_fetch_add_explicit(&m->next, TILES_PER_GRAB, memory_order_relaxed)) < m->row_tiles;) {
-        int r0 = first * ROW_TILE, r1 = (first + TILES_PER_GRAB) * ROW_TILE < m->N ? (first + TILES_PER_GRAB) * ROW_TILE : m->N;
+    for (int first; (first = atomic_fetch_add_explicit(&m->next, m->dot_grab, memory_order_relaxed)) < m->row_tiles;) {
+        int r0 = first * ROW_TILE, r1 = (first + m->dot_grab) * ROW_TILE < m->N ? (first + m->dot_grab) * ROW_TILE : m->N;
         for (int t = 0; t < m->T; t++) {
             act_t a = token_act(m, t);
             float *o = m->out + m->out_stride * t;
@@ -1137,9 +1143,12 @@ static size_t matmul_init(matmul_t *m, const ks_linear_t *spec, const float *x, 
     m->tile_bytes = (size_t)K * LANES * 2 + (size_t)(K / m->group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
     m->tiles_bytes = ((m->lanes ? m->tile_bytes * (size_t)m->token_groups : kq ? kq_acts_bytes(K, T) : 0) + 63) / 64 * 64;
     m->glu = spec->glu;
-    /* repacked: row groups a grab, about 4 grabs a thread */
-    m->kq_grab = m->row_tiles / (4 * threads) > 1 ? m->row_tiles / (4 * threads) : 1;
-    m->grabs = kq ? (m->row_tiles + m->kq_grab - 1) / m->kq_grab : (m->row_tiles + TILES_PER_GRAB - 1) / TILES_PER_GRAB;
+    /* row groups (tiles) a grab: about ks_grabs_per_thread grabs a thread (dot products: at most TILES_PER_GRAB
+       tiles; the lanes kernels TILES_PER_GRAB) */
+    const int per_grab = m->row_tiles / (ks_grabs_per_thread * threads) > 1 ? m->row_tiles / (ks_grabs_per_thread * threads) : 1;
+    m->kq_grab = per_grab;
+    m->dot_grab = m->lanes ? TILES_PER_GRAB : per_grab < TILES_PER_GRAB ? per_grab : TILES_PER_GRAB;
+    m->grabs = (m->row_tiles + (kq ? m->kq_grab : m->dot_grab) - 1) / (kq ? m->kq_grab : m->dot_grab);
     return m->per_token * (size_t)T + m->tiles_bytes + (spec->glu ? (size_t)T * N * 4 + 64 : 0);
 }
 
@@ -1214,7 +1223,7 @@ static void group_grabs(void *ctx, int index, int count) {
             continue;
         }
         const dot_fn dot = DOTS[m->fmt][m->isa];
-        const int r0 = at * TILES_PER_GRAB * ROW_TILE, r1 = r0 + TILES_PER_GRAB * ROW_TILE < m->N ? r0 + TILES_PER_GRAB * ROW_TILE : m->N;
+        const int r0 = at * m->dot_grab * ROW_TILE, r1 = r0 + m->dot_grab * ROW_TILE < m->N ? r0 + m->dot_grab * ROW_TILE : m->N;
         for (int t = 0; t < m->T; t++) {
             act_t a = token_act(m, t);
             float *o = m->out + m->out_stride * t;
