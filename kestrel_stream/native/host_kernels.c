@@ -1050,17 +1050,25 @@ static void matmul_kq(void *ctx, int index, int count) {
    grabs a thread; a grab is one atomic add. */
 int ks_grabs_per_thread = 8;
 
+/* Dot products: the first token's pass over a grab prefetches (into L2) the row this many rows ahead of the
+   one it computes, 0: none (the hardware's prefetchers alone). */
+int ks_dot_prefetch_rows = 0;
+
 static void matmul_dots(void *ctx, int index, int count) {
     (void)index, (void)count;
     matmul_t *m = ctx;
     const dot_fn dot = DOTS[m->fmt][m->isa];
+    const int ahead = ks_dot_prefetch_rows;
     for (int first; (first = atomic_fetch_add_explicit(&m->next, m->dot_grab, memory_order_relaxed)) < m->row_tiles;) {
         int r0 = first * ROW_TILE, r1 = (first + m->dot_grab) * ROW_TILE < m->N ? (first + m->dot_grab) * ROW_TILE : m->N;
         for (int t = 0; t < m->T; t++) {
             act_t a = token_act(m, t);
             float *o = m->out + m->out_stride * t;
-            for (int r = r0; r < r1; r++)
+            for (int r = r0; r < r1; r++) {
+                if (ahead > 0 && t == 0 && r + ahead < m->N)
+                    for (ptrdiff_t i = 0; i < m->w_stride; i += 64) __builtin_prefetch(m->w + m->w_stride * (r + ahead) + i, 0, 2);
                 o[r] = dot(m->w + m->w_stride * r, m->meta ? m->meta + m->meta_stride * r : NULL, &a, m->K);
+            }
         }
     }
 }
