@@ -26,7 +26,8 @@ from kestrel_stream.loading.loader import load_weights
 from kestrel_stream.model.quant4 import BlockTensor, RowStack, fuse_rows
 from kestrel_stream.options import Options
 from kestrel_stream.run.engine import Engine
-from scheduler.dense import BLOCK_DENSE_MIN_TOKENS, DENSE_MIN_TOKENS, WORKSPACE_BYTES, default_min_tokens, scratch_shape, takes_dense
+from scheduler.dense import (BLOCK_DENSE_MIN_TOKENS, DENSE_MIN_TOKENS, WORKSPACE_BYTES, default_min_tokens,
+                             scratch_shape, takes_dense)
 from test_block_kernels import DEVICES, Harness, upload
 from test_block_models_emulated import QWEN3 as Q4_QWEN3
 from test_plan_is_what_runs import ran_one_step
@@ -63,6 +64,7 @@ def dev(request, monkeypatch):
                                       weight_elements=rows * cols, max_cols=cols, output_floats=rows,
                                       workspace_bytes=WORKSPACE_BYTES)
     yield h
+    blas.destroy()
     h.arena.release()
 
 
@@ -170,11 +172,16 @@ def test_the_q4_k_m_mix_takes_the_path_from_its_own_threshold(q4_k_m):
     assert not any(takes_dense(op, BLOCK_DENSE_MIN_TOKENS - 1, c, BLOCK_DENSE_MIN_TOKENS) for op in ops)
 
 
-def test_a_q4_k_m_prefill_on_cublas_tracks_the_cpu_engine(q4_k_m, monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_q4_k_m_prefill_on_cublas_tracks_the_cpu_engine(q4_k_m, monkeypatch, device):
     """140 tokens in one step, every row's logits, at the default threshold: every layer projection on
-    cuBLAS (its expansion from the blocks), within 2e-3 of the CPU engine with the same argmax; then
-    the same prompt in steps of fewer than BLOCK_DENSE_MIN_TOKENS tokens stays on q4_mma.cu."""
-    fake_cuda.install(monkeypatch, mode="deferred", cublas=True)
+    cuBLAS (its expansion from the blocks), within 2e-3 of the CPU engine, the same argmax wherever the
+    reference's top two are further apart than twice that; steps of fewer than BLOCK_DENSE_MIN_TOKENS
+    tokens keep q4_mma.cu."""
+    if device == "emulated":
+        fake_cuda.install(monkeypatch, mode="deferred", cublas=True)
+    elif not cublas.available():
+        pytest.skip("cuBLAS is not installed (pip install 'kestrel-stream[cublas]')")
     c = q4_k_m.config
     cpu = Engine(q4_k_m, device="cpu", max_seq_len=256)
     gpu = Engine(q4_k_m, device="cuda", mode="gpu", max_seq_len=256, max_batch=4)
@@ -191,11 +198,14 @@ def test_a_q4_k_m_prefill_on_cublas_tracks_the_cpu_engine(q4_k_m, monkeypatch):
     want = cpu.new_session().prefill(Q4_K_M_PROMPT)
     got = gpu.new_session().prefill(Q4_K_M_PROMPT)
     assert relative_error(got, want) < 2e-3
-    np.testing.assert_array_equal(got.argmax(axis=1), want.argmax(axis=1))
-    # the tied Q6_K table as lm_head: on the path too, per piece of logits rows that reaches the threshold
-    rows, n = x.backend.logits_rows, len(Q4_K_M_PROMPT)
-    lm_heads = sum(min(rows, n - first) >= BLOCK_DENSE_MIN_TOKENS for first in range(0, n, rows))
-    assert x.backend.blas.gemms == 4 * c.num_hidden_layers + lm_head_fits(c) * lm_heads
+    top2 = np.sort(want, axis=1)[:, -2:]
+    clear = top2[:, 1] - top2[:, 0] > 2 * 2e-3 * np.abs(want).max()
+    np.testing.assert_array_equal(got.argmax(axis=1)[clear], want.argmax(axis=1)[clear])
+    if device == "emulated":
+        # the tied Q6_K table as lm_head: on the path too, per piece of logits rows that reaches the threshold
+        rows, n = x.backend.logits_rows, len(Q4_K_M_PROMPT)
+        lm_heads = sum(min(rows, n - first) >= BLOCK_DENSE_MIN_TOKENS for first in range(0, n, rows))
+        assert x.backend.blas.gemms == 4 * c.num_hidden_layers + lm_head_fits(c) * lm_heads
     gpu.close()
 
 

@@ -4,7 +4,7 @@
 labels, the weight address in storage[0] for the residency window) and enqueues, in stream order:
 
   the expansion    cuBLAS only: the weight -> fp16 [N, K] in the scratch (dense_gemm.cu): q8_dequant_f16
-                   for Q8_0, <fmt>[_<tail fmt>]_dequant_f16 for the 4/6-bit block formats (dequant_kernel)
+                   for Q8_0, <fmt>[_<tail fmt>]_dequant_f16 for the 4/6-bit block formats (dequant_launch)
   gemm_input_f16   x (times inv_rms_in) -> fp16 A [T, K]
   the GEMM         C = A @ W^T, fp32 accumulation: straight into y (qkv, lm_head), added into y in
                    place (o, down: y is the residual they add to), or into the fp32 scratch (gate_up).
