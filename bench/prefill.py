@@ -13,7 +13,7 @@ The pp row's attention_ms is the GPU time of the pp step's attention launches (e
 between two timing events; --attention split|flash forces that kernel for the pp step (default: the
 step's own choice, cuda/flash_attention.py), so one run each gives the A/B.
 --gemm all (or both) runs each pp step once per GEMM: the dense path of steps of >=
-scheduler.dense.DENSE_MIN_TOKENS tokens on cuBLAS (when the `cublas` extra is installed) and on the
+scheduler.dense.default_min_tokens tokens on cuBLAS (when the `cublas` extra is installed) and on the
 built-in q8_gemm_f16 (the default without cuBLAS), then the q8_mma tensor-core kernels (the path off);
 gemm_ms / gemm_tflops are the GPU time and rate of the step's projections (each projection between two
 timing events, the input rounding, the cuBLAS path's weight expansion and the epilogues included).
@@ -33,7 +33,7 @@ from kestrel_stream.cuda.flash_attention import AttentionChoice
 from bench.synthetic import random_q8_weights
 from kestrel_stream.options import Options
 from kestrel_stream.run.compat import GpuExecutor
-from scheduler.dense import DENSE_MIN_TOKENS
+from scheduler.dense import default_min_tokens
 from scheduler.ops import PROJECTION_GROUPS
 
 from .report import write_results
@@ -63,7 +63,7 @@ def main() -> None:
                         help="the pp step's projections: cuBLAS, the built-in dense GEMM, q8_mma, or one run of each")
     parser.add_argument("--pp-sweep", default="", help="more pp lengths, comma-separated (e.g. 64,128,256)")
     parser.add_argument("--cublas-min-tokens", type=int, default=None,
-                        help="the executor's threshold (default scheduler.dense.DENSE_MIN_TOKENS)")
+                        help="the executor's threshold (default scheduler.dense.default_min_tokens)")
     args = parser.parse_args()
     counts = [int(n) for n in args.sessions.split(",")]
     weights = load(args)
@@ -72,7 +72,7 @@ def main() -> None:
     # the sweep's shorter steps must reach the library path too: its threshold at most the shortest
     lengths = [args.pp] + [int(n) for n in args.pp_sweep.split(",") if n]
     min_tokens = args.cublas_min_tokens if args.cublas_min_tokens is not None else (
-        min([DENSE_MIN_TOKENS] + lengths) if args.pp_sweep else None)
+        min([default_min_tokens(c)] + lengths) if args.pp_sweep else None)
     gpu = GpuExecutor(weights, max_seq_len=seq, max_batch=max(counts), max_sessions=max(counts) + 1,
                       prefill_chunk=max(args.pp, 64), options=Options.from_env().with_(cublas_min_tokens=min_tokens))
     scratch = gpu.backend.state.dense            # the dense path: cuBLAS's, or the built-in GEMM's (fused)
@@ -96,7 +96,7 @@ def main() -> None:
     gpu.free_kv(kv)
     use_gemm(gpu, scratch)
     if scratch is not None and args.cublas_min_tokens is None:     # decode rows: the default threshold
-        scratch.min_tokens = gpu.backend.dense_min_tokens = DENSE_MIN_TOKENS
+        scratch.min_tokens = gpu.backend.dense_min_tokens = default_min_tokens(c)
 
     for n in counts:
         sessions = [gpu.alloc_kv(seq) for _ in range(n)]

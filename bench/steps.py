@@ -3,7 +3,7 @@ llama-bench's.
 
     PYTHONPATH=. python3 -m bench.steps F.gguf [F2.gguf ...] [--tokens 1,2,4,8,11,12,16,32,64,128,512]
         [--logits last,all,argmax] [--repeats 5] [--context 40] [--pp 512,2048] [--llama-bench PATH]
-        [--block-mma-min-tokens N] [--step-graphs 0,1] [--out DIR]
+        [--block-mma-min-tokens N] [--cublas-min-tokens N] [--step-graphs 0,1] [--out DIR]
 
 Step rows: one session holds `--context` tokens; each step prefills k more (Session.prefill with
 logits="last" or "all") and is truncated back, the median wall time of `--repeats` after one warm-up,
@@ -13,6 +13,9 @@ to 16 tokens, <= 2 up to 64, no k costing more than a larger one: `bar`).  pp ro
 warm-up).  --llama-bench PATH runs `PATH -m F -ngl 99 -p 512,2048 -n 0 -r 3 -o json` on each file and
 adds its tok/s and our ratio.  --block-mma-min-tokens sets KESTREL_BLOCK_MMA_MIN_TOKENS (the 4/6-bit
 steps that take the tensor-core GEMM instead of the GEMV), to compare the two at 2..8 tokens.
+--cublas-min-tokens sets KESTREL_CUBLAS_MIN_TOKENS (the steps whose projections run on cuBLAS, expanded to
+fp16: default scheduler.dense.default_min_tokens; 0: never, so a 4/6-bit file keeps its int8 kernels), to
+find the switch point (scheduler.dense.BLOCK_DENSE_MIN_TOKENS for a 4/6-bit file).
 --step-graphs 0,1 measures every step row with one session's steps of up to 64 tokens launched eagerly (0)
 and replaying their bucket's graph (1: run/device/step_graphs.py), one row each, on the same engine
 (KESTREL_STEP_GRAPHS sets the default).
@@ -132,12 +135,16 @@ def main() -> None:
     parser.add_argument("--llama-bench", default=None, help="a llama-bench binary to run beside (optional)")
     parser.add_argument("--block-mma-min-tokens", type=int, default=None,
                         help="KESTREL_BLOCK_MMA_MIN_TOKENS for this run (2..9)")
+    parser.add_argument("--cublas-min-tokens", type=int, default=None,
+                        help="KESTREL_CUBLAS_MIN_TOKENS for this run (0: no cuBLAS)")
     parser.add_argument("--step-graphs", default=None, choices=("0", "1", "0,1", "1,0"), metavar="0|1|0,1",
                         help="one session's steps of up to 64 tokens eager (0) or as graphs (1): a row each")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.block_mma_min_tokens is not None:      # read once, when the engine's options are built
         os.environ["KESTREL_BLOCK_MMA_MIN_TOKENS"] = str(args.block_mma_min_tokens)
+    if args.cublas_min_tokens is not None:
+        os.environ["KESTREL_CUBLAS_MIN_TOKENS"] = str(args.cublas_min_tokens)
     tokens = [n for n in args.tokens.split(",") if n]
     step_rows, pp_rows = [], []
     for model in args.models:
@@ -147,9 +154,11 @@ def main() -> None:
     env = environment()
     notes = (f"Step of k tokens on one session holding {args.context} tokens, ms (median of {args.repeats} "
              f"after a warm-up), and over the {tokens[0]}-token step; KESTREL_BLOCK_MMA_MIN_TOKENS="
-             f"{os.environ.get('KESTREL_BLOCK_MMA_MIN_TOKENS', 'default')}; step_graphs 1: one session's steps of "
+             f"{os.environ.get('KESTREL_BLOCK_MMA_MIN_TOKENS', 'default')}; KESTREL_CUBLAS_MIN_TOKENS="
+             f"{os.environ.get('KESTREL_CUBLAS_MIN_TOKENS', 'default')}; step_graphs 1: one session's steps of "
              "up to 64 tokens replay their bucket's graph, 0: eager launches.")
-    suffix = "" if args.block_mma_min_tokens is None else f"-mma{args.block_mma_min_tokens}"
+    suffix = ("" if args.block_mma_min_tokens is None else f"-mma{args.block_mma_min_tokens}") + (
+        "" if args.cublas_min_tokens is None else f"-cublas{args.cublas_min_tokens}")
     path = write_results(f"steps{suffix}", env, step_rows, ["file", "logits", "step_graphs"] + tokens + ["bar"],
                          notes, args.out)
     print(path.read_text())

@@ -1,6 +1,10 @@
 // The kernels around a library GEMM (cuBLAS, fp16 x fp16 -> fp32) for steps of many tokens:
 //
 //   q8_dequant_f16     W [N, K] fp16 = fp16(qs[n, k] * scale[n, k/32])   (product in fp32, one rounding)
+//   <fmt>[_<tail fmt>]_dequant_f16
+//                      the same for the 4/6-bit block formats of q4_formats.cuh (q4_0, q4_k, q6_k, and
+//                      q4_k_q6_k: a fused QKV whose last rows are Q6_K): fp16(s * (level - BIAS) - o), the
+//                      fp32 value model/quant4.py's dequantize_blocks computes, one rounding
 //   gemm_input_f16     A [T, K] fp16 = fp16(x[t, k] * inv_rms_in[t])     (no inv_rms_in: fp16(x))
 //   gemm_epilogue      from C [T, ldc] fp32 (the GEMM's output, or y itself after an in-place GEMM):
 //                        s = SILU_PAIRS ? silu(C[t, 2j]) * C[t, 2j + 1] : C[t, j]
@@ -11,10 +15,11 @@
 //                      one block per token, so the 1/rms needs no ticket
 //
 // The same results as q8_gemv.cu's prologue and epilogues (kestrel_stream/cuda/dense_gemm.py says
-// which arrive how); weights stay Q8_0 in memory and are expanded per step into one scratch buffer.
+// which arrive how); weights stay in their blocks in memory and are expanded per step into one scratch buffer.
 // Every kernel waits for its predecessor first (common.cuh's pdl_wait): the dequantised scratch is
 // still being read by the previous GEMM when the next weight's expansion may start.
 #include "common.cuh"
+#include "q4_formats.cuh"
 
 __device__ __forceinline__ half_bits float_to_half(float f) {
     half_bits h;
@@ -52,6 +57,67 @@ extern "C" __global__ void __launch_bounds__(256) q8_dequant_f16(
         dst[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
     }
 }
+
+// One unit of format F (q4_formats.cuh: 32 or 64 weights, 16 or 48 bytes of qs) of row `row`: each of its
+// groups of 16 weights to fp16 in two 16-byte stores.  Separate roundings (no FMA), as numpy's
+// (d * sc) * q - dmin * m does them, so the fp16 equals numpy's float16 of the reference bit for bit.
+template <class F>
+__device__ __forceinline__ void dequant_unit(const unsigned char* qs, const unsigned char* meta, half_bits* out,
+                                             int K, long long row, int u) {
+    typename F::Raw raw;
+    F::load(raw, qs + row * F::qs_row(K), meta + row * F::meta_row(K), u);
+    Group g[F::GROUPS];
+    F::decode(raw, u, g);
+#pragma unroll
+    for (int i = 0; i < F::GROUPS; i++) {
+        float v[16];
+#pragma unroll
+        for (int e = 0; e < 16; e++) {
+            const float level = level_float(g[i].lv[e >> 2], e & 3, (float)F::BIAS);
+            v[e] = F::MINS ? __fsub_rn(__fmul_rn(g[i].s, level), g[i].o) : __fmul_rn(g[i].s, level);
+        }
+        uint4* dst = (uint4*)(out + row * K + g[i].k);
+        dst[0] = make_uint4(pack_halves(v[0], v[1]), pack_halves(v[2], v[3]), pack_halves(v[4], v[5]),
+                            pack_halves(v[6], v[7]));
+        dst[1] = make_uint4(pack_halves(v[8], v[9]), pack_halves(v[10], v[11]), pack_halves(v[12], v[13]),
+                            pack_halves(v[14], v[15]));
+    }
+}
+
+// W [N, K] fp16 of a block-format weight: rows [0, head_rows) in format A (qs, meta), the rest in format B
+// (qs_b, meta_b; a one-format weight passes its own parts and head_rows = N), each row's qs and meta parts
+// qs_row(K) and meta_row(K) bytes apart (model/quant4.image_layout).  One thread per unit, grid-stride.
+template <class A, class B>
+__device__ __forceinline__ void block_dequant_body(const unsigned char* qs, const unsigned char* meta,
+                                                   half_bits* out, int N, int K, const unsigned char* qs_b,
+                                                   const unsigned char* meta_b, int head_rows) {
+    pdl_launch_dependents();
+    pdl_wait();
+    const int units_a = K / A::UNIT, units_b = K / B::UNIT;
+    const long long head_units = (long long)head_rows * units_a;
+    const long long all_units = head_units + (long long)(N - head_rows) * units_b;
+    for (long long c = blockIdx.x * (long long)blockDim.x + threadIdx.x; c < all_units;
+         c += (long long)gridDim.x * blockDim.x) {
+        if (c < head_units) {
+            dequant_unit<A>(qs, meta, out, K, c / units_a, (int)(c % units_a));
+        } else {
+            const long long t = c - head_units;
+            dequant_unit<B>(qs_b, meta_b, out + (long long)head_rows * K, K, t / units_b, (int)(t % units_b));
+        }
+    }
+}
+
+#define DEFINE_BLOCK_DEQUANT(A, B, NAME)                                                                 \
+    extern "C" __global__ void __launch_bounds__(256) NAME(                                              \
+            const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta,                \
+            half_bits* __restrict__ out, int N, int K, const unsigned char* __restrict__ qs_b,           \
+            const unsigned char* __restrict__ meta_b, int head_rows) {                                   \
+        block_dequant_body<A, B>(qs, meta, out, N, K, qs_b, meta_b, head_rows);                          \
+    }
+DEFINE_BLOCK_DEQUANT(FmtQ4_0, FmtQ4_0, q4_0_dequant_f16)
+DEFINE_BLOCK_DEQUANT(FmtQ4_K, FmtQ4_K, q4_k_dequant_f16)
+DEFINE_BLOCK_DEQUANT(FmtQ6_K, FmtQ6_K, q6_k_dequant_f16)
+DEFINE_BLOCK_DEQUANT(FmtQ4_K, FmtQ6_K, q4_k_q6_k_dequant_f16)
 
 // grid (ceil(K / 1024), T), 256 threads, four consecutive k per thread (K a multiple of 32).
 extern "C" __global__ void __launch_bounds__(256) gemm_input_f16(

@@ -77,7 +77,7 @@ class Options:
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
-    cublas_min_tokens: int | None = None     # None: scheduler.dense.DENSE_MIN_TOKENS; 0: the built-in GEMM always
+    cublas_min_tokens: int | None = None     # None: scheduler.dense.default_min_tokens; 0: the built-in GEMM always
     gemv_block: str | None = None            # a layout of cuda/q4_gemv_variants.py; None: choose's
     block_mma_min_tokens: int | None = None  # None: cuda/block_kernels.MMA_MIN_TOKENS
     moe_mma_min_tokens: int | None = None    # None: cuda/moe_kernels.mma_min_tokens's default

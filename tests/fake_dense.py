@@ -6,9 +6,13 @@ issued before its workspace is set (a graph capture would allocate), operands ou
 """
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from fake_cuda import dev
+from kestrel_stream.model.quant4 import dequantize_blocks
+from scheduler.ops import BLOCK_FORMATS
 
 
 def strided(ptr: int, count: int, stride: int, width: int, dtype) -> np.ndarray:
@@ -28,6 +32,27 @@ def q8_dequant_f16(launch, qs, scales, out, N, K) -> None:
     w = dev(qs, N * K, np.int8).reshape(N, K // 32, 32).astype(np.float32)
     s = dev(scales, 2 * N * (K // 32), np.float16).reshape(N, K // 32, 1).astype(np.float32)
     dev(out, 2 * N * K, np.float16)[:] = (w * s).reshape(-1).astype(np.float16)
+
+
+def block_dequant_f16(launch, qs, meta, out, N, K, qs_b, meta_b, head_rows) -> None:
+    """<fmt>[_<tail fmt>]_dequant_f16: rows [0, head_rows) from the head format's image parts, the rest from the
+    tail's, each model/quant4.py's float32 value rounded once to fp16."""
+    from fake_block_kernels import part_blocks
+    from kestrel_stream.cuda.dense_gemm import BLOCK_UNITS, MAX_DEQUANT_BLOCKS
+    head, tail = re.fullmatch(r"(q4_0|q4_k|q6_k)(?:_(q6_k))?_dequant_f16", launch.name).groups()
+    head, tail = head.upper(), (tail or head).upper()
+    if head == tail:
+        assert head_rows == N and (qs_b, meta_b) == (qs, meta), f"{launch.name}: one format, rows_a {head_rows} != N {N}"
+    else:
+        assert 0 < head_rows < N, (launch.name, head_rows, N)
+    units = head_rows * (K // BLOCK_UNITS[head]) + (N - head_rows) * (K // BLOCK_UNITS[tail])
+    assert launch.block == (256, 1, 1) and launch.grid[1:] == (1, 1), launch.name
+    assert launch.grid[0] == min(-(-units // 256), MAX_DEQUANT_BLOCKS), f"{launch.name}: grid {launch.grid}, {units} units"
+    assert out % 16 == 0, f"16-byte stores misaligned ({out:#x})"
+    runs = [(head, head_rows, qs, meta)] + ([(tail, N - head_rows, qs_b, meta_b)] if head_rows < N else [])
+    values = [dequantize_blocks(part_blocks(q, m, fmt, rows, K).reshape(-1, BLOCK_FORMATS[fmt][1]), fmt).reshape(rows, K)
+              for fmt, rows, q, m in runs]
+    dev(out, 2 * N * K, np.float16)[:] = np.concatenate(values).reshape(-1).astype(np.float16)
 
 
 def gemm_input_f16(launch, x, ldx, inv_rms_in, a, K) -> None:
@@ -102,6 +127,7 @@ class FakeCublas:
 
 DENSE_KERNELS = [
     (r"q8_dequant_f16", q8_dequant_f16),
+    (r"(q4_0|q4_k|q6_k)(_q6_k)?_dequant_f16", block_dequant_f16),
     (r"gemm_input_f16", gemm_input_f16),
     (r"q8_gemm_f16_\d+x\d+_w\dx\d_s\d|q8_wgmma_\d+x\d+_s\d", q8_gemm_f16),
     (r"gemm_epilogue(_silu)?", gemm_epilogue),

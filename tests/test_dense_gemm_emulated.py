@@ -92,7 +92,8 @@ def test_which_ops_take_the_path(monkeypatch):
     assert not takes_dense(ops["qkv"], DENSE_MIN_TOKENS - 1, real, DENSE_MIN_TOKENS)
     q4 = dataclasses.replace(real, weight_formats=(("model.layers.0.mlp.down_proj.weight", "Q4_K"),))
     layer0 = {op.group: op for op in scheduler.step_ops(q4, 512) if op.is_projection and op.layer == 0}
-    assert not takes_dense(layer0["down"], 512, q4, DENSE_MIN_TOKENS), "block formats keep their kernels"
+    assert takes_dense(layer0["down"], 512, q4, DENSE_MIN_TOKENS), "cuBLAS expands the block formats too"
+    assert not takes_dense(layer0["down"], 512, q4, DENSE_MIN_TOKENS, fused=True), "the built-in GEMM: Q8_0 only"
     assert scratch_shape(real).weight_elements == 2 * 6144 * 2048
 
 

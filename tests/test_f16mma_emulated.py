@@ -104,7 +104,7 @@ def f16_calls(monkeypatch):
     run: no dense scratch), and the (tokens, kernel) of every fp16 GEMM launch that ran."""
     from kestrel_stream.run.device import dense_path
     fake_cuda.install(monkeypatch, mode="deferred")
-    monkeypatch.setattr(dense_path, "open_blas", lambda options, max_tokens: (None, None))
+    monkeypatch.setattr(dense_path, "open_blas", lambda options, config, max_tokens: (None, None))
     calls = []
     twin = fake_f16mma.q8_f16mma
 

@@ -136,6 +136,26 @@ def test_dense_gemm_tiles_match_the_kernel_source():
     assert choose_gemm_tile(128, 2048, 2048) == GEMM_TILES[-1]                   # too few for any: the smallest
 
 
+def test_dense_expansions_match_the_kernel_source():
+    """Every format cuBLAS's dense path serves (scheduler.dense.BLAS_FORMATS) has its expansion kernel in
+    dense_gemm.cu, over the q4_formats.cuh struct whose UNIT dense_gemm.BLOCK_UNITS says."""
+    import re
+    from kestrel_stream.cuda.dense_gemm import BLOCK_UNITS
+    from scheduler.dense import BLAS_FORMATS
+    source = (build.source_dir() / "dense_gemm.cu").read_text()
+    defined = {name: (a, b) for a, b, name in
+               re.findall(r"^DEFINE_BLOCK_DEQUANT\((\w+), (\w+), (\w+)\)", source, flags=re.M)}
+    assert "q8_dequant_f16" in source
+    for fmt, tail in BLAS_FORMATS:
+        if fmt == "Q8_0":
+            continue
+        name = fmt.lower() + (f"_{tail.lower()}" if tail else "") + "_dequant_f16"
+        assert defined[name] == ("Fmt" + fmt, "Fmt" + (tail or fmt)), name
+    formats = (build.source_dir() / "q4_formats.cuh").read_text()
+    for fmt, unit in BLOCK_UNITS.items():
+        assert re.search(rf"struct Fmt{fmt} {{\s+static constexpr int UNIT = {unit},", formats), fmt
+
+
 def test_gemv_variant_choice_and_override():
     from kestrel_stream.cuda import gemv_variants
     from kestrel_stream.options import Options

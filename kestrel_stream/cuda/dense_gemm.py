@@ -1,9 +1,10 @@
-"""A Q8_0 projection of many tokens as one GEMM: the launch object gemv_launch returns for it.
+"""A projection of many tokens as one GEMM: the launch object gemv_launch returns for it.
 
 `DenseGemm` stands in a step's launch list for one projection (like kernels.Launch: enqueue(stream),
 labels, the weight address in storage[0] for the residency window) and enqueues, in stream order:
 
-  q8_dequant_f16   cuBLAS only: the Q8_0 weight -> fp16 [N, K] in the scratch (dense_gemm.cu)
+  the expansion    cuBLAS only: the weight -> fp16 [N, K] in the scratch (dense_gemm.cu): q8_dequant_f16
+                   for Q8_0, <fmt>[_<tail fmt>]_dequant_f16 for the 4/6-bit block formats (dequant_launch)
   gemm_input_f16   x (times inv_rms_in) -> fp16 A [T, K]
   the GEMM         C = A @ W^T, fp32 accumulation: straight into y (qkv, lm_head), added into y in
                    place (o, down: y is the residual they add to), or into the fp32 scratch (gate_up).
@@ -24,10 +25,13 @@ import numpy as np
 
 from kestrel_stream.obs import trace
 from kestrel_stream.cuda import driver
+from scheduler.dense import path_formats
 
 EPILOGUE_SIGNATURE = "pippppppfi"        # gemm_epilogue(_silu): c, ldc, y, ldy, res, normw, xn, inv_rms, eps, N
 THREADS = 256
 MAX_DEQUANT_BLOCKS = 1 << 16             # grid-stride beyond
+BLOCK_DEQUANT_SIGNATURE = "pppiippi"    # <fmt>_dequant_f16: qs, meta, out, N, K, qs_b, meta_b, head_rows
+BLOCK_UNITS = {"Q4_0": 32, "Q4_K": 32, "Q6_K": 64}   # weights a thread expands (q4_formats.cuh's UNIT)
 GEMM_SIGNATURE = "pppipiiiii"            # q8_gemm_f16: qs, scales, a, lda, c, ldc, T, N, K, accumulate
 GEMM_K_STEP = 64                         # q8_gemm_f16.cu's BK
 
@@ -148,11 +152,34 @@ class DenseScratch:
         return self.blas is None
 
     def serves(self, w, tokens: int, silu_pairs: bool) -> bool:
-        """Whether a step of `tokens` tokens computes weight `w` here: Q8_0 that fits the scratch (cuBLAS's
-        weight scratch: the built-in GEMM needs none)."""
-        return (w.fmt == "Q8_0" and w.tail is None and self.min_tokens <= tokens <= self.max_tokens
+        """Whether a step of `tokens` tokens computes weight `w` here: in a format the path expands
+        (scheduler.dense.path_formats: cuBLAS's any of Q8_0 and the block formats, the built-in GEMM's Q8_0)
+        and fitting the scratch (cuBLAS's weight scratch: the built-in GEMM needs none)."""
+        return (weight_formats(w) in path_formats(self.fused) and self.min_tokens <= tokens <= self.max_tokens
                 and (self.fused or w.rows * w.cols <= self.weight_elements) and w.cols <= self.max_cols
                 and (not silu_pairs or tokens * w.rows <= self.max_tokens * self.output_floats))
+
+
+def weight_formats(w) -> tuple:
+    """(format, format of the last rows or None) of a device weight."""
+    return w.fmt, (w.tail.fmt if w.tail is not None else None)
+
+
+def dequant_launch(kernels, w, out: int):
+    """The launch that expands weight `w` to fp16 [w.rows, w.cols] at `out`: dense_gemm.cu's q8_dequant_f16
+    (a thread per 16 weights), or <fmt>[_<tail fmt>]_dequant_f16 (a thread per format unit; the tail's rows
+    after the head's)."""
+    N, K = w.rows, w.cols
+    if w.fmt == "Q8_0":
+        chunks = N * K // 16
+        return kernels.launch("q8_dequant_f16", (min(-(-chunks // THREADS), MAX_DEQUANT_BLOCKS),), (THREADS,),
+                              "pppii", [w.qs, w.scales, out, N, K])
+    tail = w.tail if w.tail is not None else w
+    head_rows = N - (w.tail.rows if w.tail is not None else 0)
+    units = head_rows * (K // BLOCK_UNITS[w.fmt]) + (N - head_rows) * (K // BLOCK_UNITS[tail.fmt])
+    name = w.fmt.lower() + (f"_{w.tail.fmt.lower()}" if w.tail is not None else "") + "_dequant_f16"
+    return kernels.launch(name, (min(-(-units // THREADS), MAX_DEQUANT_BLOCKS),), (THREADS,),
+                          BLOCK_DEQUANT_SIGNATURE, [w.qs, w.scales, out, N, K, tail.qs, tail.scales, head_rows])
 
 
 class DenseGemm:
@@ -167,7 +194,7 @@ class DenseGemm:
         self.launch_count = len(self.parts) + (blas is not None)
         self.name = "dense_gemm"
         self.labels: dict = {}
-        self.storage = (dequant or gemm).storage    # [0]: the Q8_0 weight's address (the window checks it)
+        self.storage = (dequant or gemm).storage    # [0]: the weight's address (the window checks it)
 
     def label(self, **labels) -> "DenseGemm":
         """Labels of the whole projection; each part traces under its own kernel name with op/layer/weight."""
@@ -230,10 +257,7 @@ def dense_gemm_launch(kernels, scratch: DenseScratch, w, x: int, ldx: int, y: in
     """gemv_launch's contract (kernels.gemv_launch) on the library GEMM path; scratch.serves(w, tokens, silu_pairs)."""
     assert scratch.serves(w, tokens, silu_pairs), (w.rows, w.cols, tokens)
     N, K = w.rows, w.cols
-    chunks = N * K // 16
-    dequant = None if scratch.fused else kernels.launch(
-        "q8_dequant_f16", (min(-(-chunks // THREADS), MAX_DEQUANT_BLOCKS),), (THREADS,), "pppii",
-        [w.qs, w.scales, scratch.weights, N, K])
+    dequant = None if scratch.fused else dequant_launch(kernels, w, scratch.weights)
     inputs = kernels.launch("gemm_input_f16", (-(-K // (4 * THREADS)), tokens), (THREADS,), "pippi",
                             [x, ldx, inv_rms_in, scratch.inputs, K])
     in_place = not silu_pairs and res in (0, y)          # the GEMM writes (or adds into) y itself

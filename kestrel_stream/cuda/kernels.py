@@ -224,10 +224,11 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     """
     if dense is not None and variant is None and dense.serves(w, tokens, silu_pairs):
         from kestrel_stream.cuda.dense_gemm import dense_gemm_launch
+        from kestrel_stream.cuda.block_kernels import weight_bytes
         return dense_gemm_launch(kernels, dense, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs,
                                  inv_rms_in=inv_rms_in, res=res, normw_out=normw_out, xn_out=xn_out,
                                  inv_rms_out=inv_rms_out, eps=eps).label(
-            flops=2 * w.rows * w.cols * tokens, bytes=w.rows * w.cols + w.rows * (w.cols // 32) * 2)
+            flops=2 * w.rows * w.cols * tokens, bytes=weight_bytes(w))
     if w.fmt != "Q8_0":       # 4/6-bit block formats: kernels_ptx/q4_gemv.cu, q4_mma.cu
         from kestrel_stream.cuda.block_kernels import block_gemv_launch
         return block_gemv_launch(kernels, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs, inv_rms_in=inv_rms_in,

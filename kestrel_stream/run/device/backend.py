@@ -92,11 +92,11 @@ class DeviceBackend:
         with load_stages.stage("  kernels: NVRTC or disk cache, module load"):
             self.kernels = KernelSet(self.device, options)
         self.stream = driver.Stream("compute")
-        # steps of >= dense_min_tokens tokens: one fp16 GEMM per Q8_0 projection, cuBLAS or built-in (dense_path.py)
+        # steps of >= dense_min_tokens tokens: one fp16 GEMM per projection, cuBLAS or built-in (dense_path.py)
         self.dense_min_tokens, self.blas = None, None
         if dense:
             with load_stages.stage("  cuBLAS: library and handle"):
-                self.dense_min_tokens, self.blas = dense_path.open_blas(options, max_tokens)
+                self.dense_min_tokens, self.blas = dense_path.open_blas(options, c, max_tokens)
         self.memory = plan_memory(self.device.free_bytes(),
                                   dense_path.scratch_bytes(c, max_tokens, self.dense_min_tokens, self.blas))
         with load_stages.stage("  arena"):

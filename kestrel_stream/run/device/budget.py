@@ -235,14 +235,15 @@ def gpu_mode_needs(c, max_batch: int, max_seq_len: int, prefill_chunk: int = PRE
     """What GpuExecutor's arena and its least KV pool take besides the weights (for
     budget_for_weight_fraction): plan_gpu_memory's needs with no budget.  max_sessions: its
     block-table rows (DEFAULT_MAX_SESSIONS).  dense: whether the dense GEMM path's
-    scratch is in the arena (None: where steps reach DENSE_MIN_TOKENS, as the executor decides with
+    scratch is in the arena (None: where steps reach the path's threshold, as the executor decides with
     default options; cuBLAS's weight scratch and workspace where it loads)."""
-    from scheduler.dense import DENSE_MIN_TOKENS, scratch_shape
+    from scheduler.dense import DENSE_MIN_TOKENS, default_min_tokens, scratch_shape
     max_tokens, logits_rows = step_rows(max_batch, prefill_chunk)
     from kestrel_stream.cuda import cublas
+    library = cublas.available()
     if dense is None:
-        dense = max_tokens >= DENSE_MIN_TOKENS
-    scratch = scratch_shape(c).nbytes(max_tokens, fused=not cublas.available()) if dense else 0
+        dense = max_tokens >= (default_min_tokens(c) if library else DENSE_MIN_TOKENS)
+    scratch = scratch_shape(c).nbytes(max_tokens, fused=not library) if dense else 0
     return plan_gpu_memory(c, budget_bytes=None, free_bytes=1 << 50, max_tokens=max_tokens,
                            max_sessions=max_sessions, max_seq_len=max_seq_len, attention_splits=attention_splits,
                            max_batch=max_batch, kv_dtype=kv_dtype, logits_rows=logits_rows,

@@ -1,24 +1,25 @@
 """gpu mode's dense GEMM path for steps of many tokens: whether it is on, on what, and its scratch in the arena.
 
-On where steps can reach scheduler.dense.DENSE_MIN_TOKENS tokens (max_tokens); there, Q8_0 projections
-run as one fp16 tensor-core GEMM: cuBLAS where the options allow it (Options.cublas_min_tokens: None
-for DENSE_MIN_TOKENS, 0 for never) and it loads (cuda/cublas.py: otherwise one line on stderr), else
-the built-in q8_gemm_f16.cu, which needs no weight scratch.  The rules of which ops take it are
-scheduler/dense.py's; the launches are cuda/dense_gemm.py's.
+On where steps can reach the path's threshold (max_tokens); there, projections run as one fp16
+tensor-core GEMM: cuBLAS where the options allow it (Options.cublas_min_tokens: None for
+scheduler.dense.default_min_tokens -- DENSE_MIN_TOKENS, or BLOCK_DENSE_MIN_TOKENS for a model in 4/6-bit
+blocks --, 0 for never) and it loads (cuda/cublas.py: otherwise one line on stderr), else the built-in
+q8_gemm_f16.cu from DENSE_MIN_TOKENS, which needs no weight scratch and computes Q8_0 weights only.
+The rules of which ops take it are scheduler/dense.py's; the launches are cuda/dense_gemm.py's.
 """
 from __future__ import annotations
 
-from scheduler.dense import DENSE_MIN_TOKENS, WORKSPACE_BYTES, scratch_shape
+from scheduler.dense import DENSE_MIN_TOKENS, WORKSPACE_BYTES, default_min_tokens, scratch_shape
 from kestrel_stream.cuda import cublas
 from kestrel_stream.cuda.dense_gemm import DenseScratch
 
 
-def open_blas(options, max_tokens: int):
+def open_blas(options, config, max_tokens: int):
     """(min_tokens, cuBLAS handle or None for the built-in GEMM), or (None, None) where the path is off;
     call with the context current."""
     if options.cublas_min_tokens == 0:
         return (DENSE_MIN_TOKENS, None) if max_tokens >= DENSE_MIN_TOKENS else (None, None)
-    min_tokens = DENSE_MIN_TOKENS if options.cublas_min_tokens is None else options.cublas_min_tokens
+    min_tokens = default_min_tokens(config) if options.cublas_min_tokens is None else options.cublas_min_tokens
     if max_tokens >= min_tokens:
         blas = cublas.load()
         if blas is not None:
