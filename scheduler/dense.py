@@ -22,15 +22,17 @@ from .ops import weight_formats
 
 # The fewest tokens per step for the library GEMM.  Not yet measured on the GPU: at 128 tokens the
 # GEMM's fp16 weight traffic (the expansion writes and the GEMM reads 2 bytes per weight) is about
-# the int8 kernel's, and the tensor-core rate is far above it.  bench/prefill.py --dense-min-tokens
+# the int8 kernel's, and the tensor-core rate is far above it.  bench/prefill.py --cublas-min-tokens
 # sweeps it.
 DENSE_MIN_TOKENS = 128
-# The same for a model whose layers hold 4/6-bit block formats (a Q4_K_M file), on cuBLAS.  Awaits an
-# H200 measurement (bench/steps.py --cublas-min-tokens over 32..128 tokens): the int8 kernels these
-# weights otherwise run (q4_mma.cu) are several times slower than cuBLAS at 512 tokens, while the
-# expansion costs the same 2 bytes written per weight at any token count, so the switch may pay below
-# Q8_0's (whose own kernels are faster).
-BLOCK_DENSE_MIN_TOKENS = 64
+# The same for a model whose layers hold 4/6-bit block formats (a Q4_K_M file), on cuBLAS.  Measured on
+# the H200 (qwen3-1.7b Q4_K_M, bench/results/2026-12-03-h200-*-steps-cublas*.md), a step of k tokens over a
+# one-token step: the int8 kernels (q4_mma.cu) 3.21x at 32, 5.18x at 64, 10.39x at 128; cuBLAS 3.64x, 3.78x,
+# 4.77x; pp512 12,113 -> 59,178 tok/s.  49 is the first step size whose step graph is the 64-token one: a
+# graph pads a step up to its bucket (run/device/step_graphs.py: 16, 32, 48, 64) and runs the kernels chosen
+# for the bucket, so a switch point inside a bucket would give a step different kernels with graphs on and
+# off (test_step_graphs: graph = eager within 1e-4); 33..48 stay on the int8 kernels, which won at 32.
+BLOCK_DENSE_MIN_TOKENS = 49
 WORKSPACE_BYTES = 32 << 20      # cuBLAS's workspace: what its documentation recommends for Hopper
 ALIGN = 256
 # the ops with an epilogue kernel after the GEMM: gate_up's SiLU·mul; o and down's next-norm inputs
