@@ -1046,9 +1046,10 @@ static void matmul_kq(void *ctx, int index, int count) {
 #define TILES_PER_GRAB 4        /* row tiles a thread takes at a time: 64 rows (at most, dot products) */
 
 /* Grabs a thread takes of a projection's rows, about (dot products and repacked groups): the last grab of
-   the slowest thread is the op's tail, so a small projection (o, down: 2,048 rows) is cut finer than 4
-   grabs a thread; a grab is one atomic add. */
-int ks_grabs_per_thread = 8;
+   the slowest thread is the op's tail; a grab is one atomic add.  On the H200's host (16 threads, 1.7B
+   Q8_0 and Q4_K_M, cpu and layers=14 decode, A/B in one process) 8 a thread measured 0.96-1.03x of 4 and
+   a row's software prefetch (ks_dot_prefetch_rows 1, 2) 0.97-1.04x: noise both ways, so 4 and none. */
+int ks_grabs_per_thread = 4;
 
 /* Dot products: the first token's pass over a grab prefetches (into L2) the row this many rows ahead of the
    one it computes, 0: none (the hardware's prefetchers alone). */
