@@ -21,6 +21,15 @@ streams; a weight some other plan puts there (a forced group choice) is uploaded
 In offload the window holds the resident layers, and the layers a step's plan streams go through its
 ring (device/stream_ring.py) while the host computes the others.
 
+A device segment of a step of up to SEGMENT_GRAPH_MAX_TOKENS tokens replays a graph of its launches once
+the same (tokens, segment, lm rows) came twice: its uploads still go eagerly, in the eager order, before
+the replay (they read only the host's state, which no device op of the segment changes), and the launches
+are the ones prepared per op and size, whose arguments never change between steps (positions and KV table
+rows are read from the step's params on the device).  Eager instead: graphs off (KESTREL_STEP_GRAPHS=0,
+use_graphs), mode offload's rings, a token tree, KESTREL_PROF or a trace (op by op), and a segment that
+would need the device's x back on the host midway (an op whose norm input the host computes after a device
+op wrote x).
+
 One concern, a mixed step: the walk over the plan's segments (MixedSteps), which decides every move of the
 state between the sides (segment_state.py) by where the next op runs.
 """
@@ -49,6 +58,7 @@ if TYPE_CHECKING:
     from kestrel_stream.run.device.stream_ring import StreamRing
 
 ATTENTION_SPLITS = 16
+SEGMENT_GRAPH_MAX_TOKENS = 64        # larger steps (a prefill's chunks, of many sizes) launch eagerly
 @dataclass
 class HybridKV:
     host: CpuKV | None          # layers whose attention runs on the host (index li - gpu_layers)
@@ -72,6 +82,10 @@ class MixedSteps(Steps):
         self._host_programs: dict = {}       # (tokens, segment index) -> (its inputs, its HostProgram)
         self._prepared: dict = {}            # (op name, tokens[, lm rows]) -> _prepare's tuple
         self._copies: dict = {}              # (dst, src, bytes) -> a copy_words launch (mode offload's uploads)
+        self._graphs: dict = {}              # (tokens, segment index, lm rows) -> its launches as a driver.Graph
+        self._seen: set = set()              # the keys run once eagerly (a graph is captured the second time)
+        self._eager: set = set()             # the keys whose segment cannot take a graph (needs x back midway)
+        self.use_graphs = options is None or options.step_graphs
         window, first = backend.window, plan(1)
         total = sum(1 for segment in first.segments for _ in segment.ops)
         self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
@@ -96,9 +110,18 @@ class MixedSteps(Steps):
         return launch
 
     def clear_launches(self) -> None:
-        """Forget the prepared launches and host programs (the plans changed: a forced group choice)."""
+        """Forget the prepared launches, their graphs and the host programs (the plans changed: a forced group
+        choice)."""
         self._prepared.clear()
         self._host_programs.clear()
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        for graph in self._graphs.values():
+            graph.destroy()
+        self._graphs.clear()
+        self._seen.clear()
+        self._eager.clear()
 
     # ---- KV caches: the backend's pool for the first gpu_layers layers, host caches for the rest ---------
     def alloc_kv(self, max_seq_len: int) -> HybridKV:
@@ -150,6 +173,8 @@ class MixedSteps(Steps):
     def close(self) -> None:
         if self.expert_ring is not None:
             self.expert_ring.close()
+        self.backend.device.make_current()
+        self._drop_graphs()
         self.backend.close()
 
     # ---- steps ------------------------------------------------------------------------------------
@@ -217,9 +242,7 @@ class MixedSteps(Steps):
                 program.run(state)
                 continue
             state.call = {}
-            for op in segment.ops:
-                if scheduler.runs_alone(op):
-                    self._device_op(op, state, lm)
+            self._device_segment(index, [op for op in segment.ops if scheduler.runs_alone(op)], state, lm)
             if prof.enabled:      # attribute GPU time to gemm, not to the next sync
                 start = time.perf_counter()
                 b.stream.synchronize()
@@ -231,27 +254,71 @@ class MixedSteps(Steps):
                 self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + ring.bytes_per_step
         return state.host["logits"][:state.logit_rows]
 
-    def _device_op(self, op, state: SegmentState, lm: tuple[int, int] | None = None) -> None:
-        """One op of a device segment: upload what it reads that the device lacks, then its launches (lm_head's
-        on the rows `lm` names).  What does not change between steps is worked out once per op and size."""
-        T, b = state.T, self.backend
+    def _device_segment(self, index: int, ops: list, state: SegmentState, lm: tuple[int, int] | None) -> None:
+        """A device segment's ops: eagerly, or its uploads and then one replay of its graph (the module's
+        docstring says when)."""
+        key = (state.T, index, lm)
+        graphable = (self.use_graphs and self.ring is None and self.expert_ring is None and not prof.enabled
+                     and trace.active is None and state.tree_fields is None and state.kernel_copy is None
+                     and state.T <= SEGMENT_GRAPH_MAX_TOKENS and key not in self._eager)
+        graph = self._graphs.get(key) if graphable else None
+        if graphable and graph is None and key not in self._seen:
+            self._seen.add(key)                    # a size seen once (a prompt's last chunk) costs no capture
+            graphable = False
+        if graphable:
+            prepared = [self._prepared_for(op, state.T, lm) for op in ops]
+            if not uploads_go_first(ops, prepared, state):
+                self._eager.add(key)
+                graphable = False
+        if not graphable:
+            for op in ops:
+                self._device_op(op, state, lm)
+            return
+        for op, (reads, prologue, launches, _, nbytes, prepares) in zip(ops, prepared):
+            self._upload(reads, prologue, state)
+            self.counters.launches += len(launches)
+            self.counters.gpu_weight_read_bytes += nbytes
+            state.device_wrote(op, prepares)
+        stream = self.backend.stream
+        if graph is None:
+            from kestrel_stream.cuda import driver
+            with driver.capture(stream) as captured:
+                for _, _, launches, _, _, _ in prepared:
+                    for launch in launches:
+                        launch.enqueue(stream)
+            graph = self._graphs[key] = captured.graph
+            self.counters.graphs_captured = (self.counters.graphs_captured or 0) + 1
+        graph.launch(stream)
+        self.counters.graph_replays = (self.counters.graph_replays or 0) + 1
+
+    def _prepared_for(self, op, T: int, lm: tuple[int, int] | None) -> tuple:
+        """_prepare's tuple for `op` in steps of T tokens, worked out once per op and size (lm_head's per its rows)."""
         lm_rows = lm if op.group == "lm_head" and lm is not None and lm != (0, T) else None
         key = (op.name, T) if lm_rows is None else (op.name, T, lm_rows)
         prepared = self._prepared.get(key)
         if prepared is None:
             prepared = self._prepared[key] = self._prepare(op, T, lm_rows)
-        reads, prologue, launches, ring, nbytes, prepares = prepared
-        timed = prof.enabled
-        start = time.perf_counter() if timed else 0.0
-        for name in reads:                         # the step program's reads (params: staged per step)
+        return prepared
+
+    def _upload(self, reads, prologue, state: SegmentState) -> None:
+        """What an op reads that the device lacks (the step program's reads; params: staged per step)."""
+        for name in reads:
             if name == "xn":
                 state.xn_to_device(prologue, self.config.rms_norm_eps)
             else:
                 state.to_device(name)
+
+    def _device_op(self, op, state: SegmentState, lm: tuple[int, int] | None = None) -> None:
+        """One op of a device segment: upload what it reads that the device lacks, then its launches (lm_head's
+        on the rows `lm` names).  What does not change between steps is worked out once per op and size."""
+        reads, prologue, launches, ring, nbytes, prepares = self._prepared_for(op, state.T, lm)
+        timed = prof.enabled
+        start = time.perf_counter() if timed else 0.0
+        self._upload(reads, prologue, state)
         if timed:
             state.call["h2d"] = state.call.get("h2d", 0.0) + (time.perf_counter() - start) * 1e6
             start = time.perf_counter()
-        stream = b.stream
+        stream = self.backend.stream
         if ring is not None:
             ring.before(op.name, stream)
         if trace.active is None:
@@ -290,3 +357,21 @@ class MixedSteps(Steps):
         return (reads, norm_weight(self.weights, op.prologue) if op.prologue else None, launches, ring,
                 sum(launch.labels.get("bytes", 0) for launch in launches),
                 norm_weight(self.weights, op.prepares) if op.prepares else None)
+
+
+def uploads_go_first(ops, prepared, state: SegmentState) -> bool:
+    """Whether every upload of a device segment can go before all its launches: no op takes its norm input
+    (xn) from the host after an earlier op of the segment wrote x on the device (the host would need that x
+    back midway).  Follows SegmentState's record of the copies without touching it."""
+    x_on_host = "host" in state.valid.get("x", ())
+    xn_norm = state.xn_norm
+    for op, (reads, prologue, _, _, _, prepares) in zip(ops, prepared):
+        if "xn" in reads and xn_norm is not prologue:
+            if not x_on_host:
+                return False
+            xn_norm = prologue
+        if "x" in op.writes:
+            x_on_host = False
+        if prepares is not None:
+            xn_norm = prepares
+    return True

@@ -171,7 +171,7 @@ class StepExecutor(Executor):
                              "use mode gated or cpu")
         T = max(self.max_batch, prefill_chunk)
         self.counters = StepCounters.counting("weight_uploads", "weight_upload_bytes", "gpu_weight_read_bytes",
-                                              "cpu_weight_read_bytes")
+                                              "cpu_weight_read_bytes", "graph_replays", "graphs_captured")
         start = time.perf_counter()
         resident = self._gpu_weights(T)
         table_rows = max_sessions or DEFAULT_MAX_SESSIONS
