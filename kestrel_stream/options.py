@@ -14,7 +14,9 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_PDL=0             no programmatic dependent launch between a step's kernels
     KESTREL_FUSED_ROPE=0      one-token gpu steps keep a rope launch per layer (not attention's prologue)
     KESTREL_STEP_GRAPHS=0|1   a gpu step of 2..64 tokens on one session replays a graph per bucket of token
-                              counts (1, the default) or launches its kernels eagerly (0)
+                              counts, and a gated / layers=N step's device segments (up to 64 tokens) a graph
+                              each from the second step of their size (1, the default); or every kernel is
+                              launched eagerly (0)
     KESTREL_MINFLOP=F         the seed's per-projection FLOP threshold instead of the cost model (gated)
     KESTREL_GEMV_M1=SUFFIX    force one single-token GEMV layout (KESTREL_GEMV_M1_ROWS=4|2: "r4" | "")
     KESTREL_GEMV_MN=SUFFIX    force one 2..8-token GEMV layout
