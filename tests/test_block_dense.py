@@ -29,7 +29,7 @@ from kestrel_stream.run.device.step_graphs import EXACT_TOKENS, PADDED_TOKENS
 from kestrel_stream.run.engine import Engine
 from scheduler.dense import (BLOCK_DENSE_MIN_TOKENS, DENSE_MIN_TOKENS, WORKSPACE_BYTES, default_min_tokens,
                              scratch_shape, takes_dense)
-from test_block_kernels import DEVICES, Harness, upload
+from test_block_kernels import DEVICES, Harness, run_product, upload
 from test_block_models_emulated import QWEN3 as Q4_QWEN3
 from test_plan_is_what_runs import ran_one_step
 
@@ -101,38 +101,13 @@ def test_row_ranges_of_a_two_format_weight(dev, lo, hi):
 def test_a_block_projection_on_cublas_matches_numpy(dev, name, tokens, epilogue):
     """gemv_launch with the scratch: a DenseGemm of 3 or 4 launches, within 2e-3 of the largest output of
     float32 x @ dequant(W).T (the fp16 operands; the int8 GEMM's tolerance, test_block_kernels)."""
-    w = weight(name, seed=tokens + len(epilogue))
-    n, k = w.shape
-    rng = np.random.default_rng(tokens)
-    x = rng.standard_normal((tokens, k)).astype(np.float32)
-    s = x @ w.dequantize().T
-    qw = upload(dev, w, interleave=epilogue == "silu_pairs")
-    xp = dev.put(x)
+    qw, launch, want, got, norms = run_product(dev, weight(name, seed=tokens + len(epilogue)), tokens, epilogue,
+                                               dense=dev.scratch)
     assert dev.scratch.serves(qw, tokens, epilogue == "silu_pairs")
-    if epilogue == "rmsnorm":
-        inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
-        y = dev.put(np.zeros((tokens, n), np.float32))
-        launch = gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, inv_rms_in=dev.put(inv_rms_in), dense=dev.scratch)
-        dev.run(launch)
-        want, got = s * inv_rms_in[:, None], dev.get(y, (tokens, n))
-    elif epilogue == "silu_pairs":
-        half = n // 2
-        y = dev.put(np.zeros((tokens, half), np.float32))
-        launch = gemv_launch(dev.kernels, qw, xp, k, y, half, tokens, silu_pairs=True, dense=dev.scratch)
-        dev.run(launch)
-        gate, up = s[:, :half], s[:, half:]
-        want, got = gate / (1 + np.exp(-gate)) * up, dev.get(y, (tokens, half))
-    else:
-        res = rng.standard_normal((tokens, n)).astype(np.float32)
-        normw = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-        y, xn, inv_rms = dev.put(res), dev.put(np.zeros((tokens, n), np.float32)), dev.put(np.zeros(tokens, np.float32))
-        launch = gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, res=y, normw_out=dev.put(normw), xn_out=xn,
-                             inv_rms_out=inv_rms, eps=1e-6, dense=dev.scratch)
-        dev.run(launch)
-        want, got = s + res, dev.get(y, (tokens, n))
-        np.testing.assert_allclose(dev.get(xn, (tokens, n)), got * normw, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(dev.get(inv_rms, (tokens,)), 1 / np.sqrt(np.mean(want * want, axis=1) + 1e-6),
-                                   rtol=2e-2)
+    if norms is not None:
+        xn, inv_rms, normw = norms
+        np.testing.assert_allclose(xn, got * normw, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(inv_rms, 1 / np.sqrt(np.mean(want * want, axis=1) + 1e-6), rtol=2e-2)
     assert isinstance(launch, DenseGemm) and launch.dequant.name.endswith("_dequant_f16")
     assert launch.launch_count == (3 if epilogue == "rmsnorm" else 4)
     assert np.abs(got - want).max() <= 2e-3 * np.abs(want).max(), (name, tokens, epilogue)

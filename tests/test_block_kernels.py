@@ -93,44 +93,49 @@ def check_tolerance(tokens: int, kernel: str) -> float:
     return 3e-4 if q4_gemv_variants.is_dp4a(q4_gemv_variants.parse(kernel)[2]) else 1e-5
 
 
-def check_product(dev, name: str, tokens: int, epilogue: str, variant: str | None = None) -> None:
-    """gemv_launch (layout `variant`, default the chosen one) of weight `name` against numpy, with `epilogue`."""
-    w = weight(name, seed=len(name) + tokens)
+def run_product(dev, w, tokens: int, epilogue: str, residual_kw: dict | None = None, **launch_kw):
+    """gemv_launch of weight `w` (uploaded here) over random tokens with `epilogue` (rmsnorm, silu_pairs or
+    residual_xn_rms), launch_kw passed on (variant=, dense=) -> (its weight on the device, the launch, numpy's
+    result, the device's, and for the residual epilogue (xn, 1/rms, the norm weight) read back, else None)."""
     n, k = w.shape
     rng = np.random.default_rng(tokens)
     x = rng.standard_normal((tokens, k)).astype(np.float32)
     s = x @ w.dequantize().T
     qw = upload(dev, w, interleave=epilogue == "silu_pairs")
-    xp, counter = dev.put(x), dev.put(np.zeros(GEMV_COUNTER_BYTES // 4, np.uint32))
+    xp = dev.put(x)
     if epilogue == "rmsnorm":
         inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
         y = dev.put(np.zeros((tokens, n), np.float32))
-        launch = gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, inv_rms_in=dev.put(inv_rms_in), variant=variant)
+        launch = gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, inv_rms_in=dev.put(inv_rms_in), **launch_kw)
         dev.run(launch)
-        want, got = s * inv_rms_in[:, None], dev.get(y, (tokens, n))
-    elif epilogue == "silu_pairs":
+        return qw, launch, s * inv_rms_in[:, None], dev.get(y, (tokens, n)), None
+    if epilogue == "silu_pairs":
         half = n // 2
         y = dev.put(np.zeros((tokens, half), np.float32))
-        launch = gemv_launch(dev.kernels, qw, xp, k, y, half, tokens, silu_pairs=True, variant=variant)
+        launch = gemv_launch(dev.kernels, qw, xp, k, y, half, tokens, silu_pairs=True, **launch_kw)
         dev.run(launch)
         gate, up = s[:, :half], s[:, half:]
-        want, got = gate / (1 + np.exp(-gate)) * up, dev.get(y, (tokens, half))
-    else:
-        res = rng.standard_normal((tokens, n)).astype(np.float32)
-        normw = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-        y, xn, inv_rms = dev.put(res), dev.put(np.zeros((tokens, n), np.float32)), dev.put(np.zeros(tokens, np.float32))
-        launch = gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, res=y, normw_out=dev.put(normw), xn_out=xn,
-                             inv_rms_out=inv_rms, counter=counter, eps=1e-6, variant=variant)
-        dev.run(launch)
-        out = s + res
-        got = dev.get(y, (tokens, n))
-        tol = check_tolerance(tokens, launch.name)
-        np.testing.assert_allclose(dev.get(xn, (tokens, n)), got * normw, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(dev.get(inv_rms, (tokens,)), 1 / np.sqrt(np.mean(out * out, axis=1) + 1e-6),
-                                   rtol=10 * tol)
-        assert not dev.get(counter, (GEMV_COUNTER_BYTES // 4,)).any(), "tickets and sums reset for the next launch"
-        want = out
+        return qw, launch, gate / (1 + np.exp(-gate)) * up, dev.get(y, (tokens, half)), None
+    res = rng.standard_normal((tokens, n)).astype(np.float32)
+    normw = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+    y, xn, inv_rms = dev.put(res), dev.put(np.zeros((tokens, n), np.float32)), dev.put(np.zeros(tokens, np.float32))
+    launch = gemv_launch(dev.kernels, qw, xp, k, y, n, tokens, res=y, normw_out=dev.put(normw), xn_out=xn,
+                         inv_rms_out=inv_rms, eps=1e-6, **(residual_kw or {}), **launch_kw)
+    dev.run(launch)
+    return qw, launch, s + res, dev.get(y, (tokens, n)), (dev.get(xn, (tokens, n)), dev.get(inv_rms, (tokens,)), normw)
+
+
+def check_product(dev, name: str, tokens: int, epilogue: str, variant: str | None = None) -> None:
+    """gemv_launch (layout `variant`, default the chosen one) of weight `name` against numpy, with `epilogue`."""
+    counter = dev.put(np.zeros(GEMV_COUNTER_BYTES // 4, np.uint32))
+    _, launch, want, got, norms = run_product(dev, weight(name, seed=len(name) + tokens), tokens, epilogue,
+                                              residual_kw={"counter": counter}, variant=variant)
     tol = check_tolerance(tokens, launch.name)
+    if norms is not None:
+        xn, inv_rms, normw = norms
+        np.testing.assert_allclose(xn, got * normw, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(inv_rms, 1 / np.sqrt(np.mean(want * want, axis=1) + 1e-6), rtol=10 * tol)
+        assert not dev.get(counter, (GEMV_COUNTER_BYTES // 4,)).any(), "tickets and sums reset for the next launch"
     assert np.abs(got - want).max() <= tol * np.abs(want).max(), (name, tokens, epilogue, variant)
 
 
