@@ -296,17 +296,27 @@ extern "C" __global__ void __launch_bounds__(MOE_COMBINE_THREADS) moe_combine(
         float* y, const float* normw_out, float* xn_out, float* inv_rms_out, float eps, int H, int E, int k,
         int T) {
     __shared__ float warp_sums[MOE_COMBINE_THREADS / 32];
+    __shared__ float weight[MOE_MAX_CHOSEN];
+    __shared__ long long row_at[MOE_MAX_CHOSEN];   // the choice's row of expert_out, -1: its expert is on the host
     pdl_launch_dependents();
     pdl_wait();
     const int t = blockIdx.x;
     const int* position = groups + 2 * (E + 1) + T * k;
     const float* chosen = route + (long long)t * 2 * k;
+    // the token's choices read once (y may alias res, not route: without this every column would read them
+    // again after its store, a chain of dependent loads per choice)
+    if (threadIdx.x < k) {
+        const int j = threadIdx.x;
+        weight[j] = chosen[k + j];
+        row_at[j] = slot_of[(int)chosen[j]] < 0 ? -1 : (long long)position[t * k + j] * H;
+    }
+    __syncthreads();
     float sq = 0.f;
     for (int c = threadIdx.x; c < H; c += blockDim.x) {
         float acc = 0.f;
         for (int j = 0; j < k; j++) {
-            if (slot_of[(int)chosen[j]] < 0) continue;   // on the host
-            acc = fmaf(chosen[k + j], expert_out[(long long)position[t * k + j] * H + c], acc);
+            if (row_at[j] < 0) continue;   // on the host
+            acc = fmaf(weight[j], expert_out[row_at[j] + c], acc);
         }
         const long long at = (long long)t * H + c;
         const float s = res ? res[at] + acc : acc;   // y may alias res: each element read, then written
