@@ -181,6 +181,9 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_ROUTE_WARPS) moe_route(
 #pragma unroll
         for (int m = 0; m < MOE_ROUTE_TOKENS; m++) acc[m] = 0.f;
         const float* w = router + (long long)e * H;
+        // 4 strides' loads in flight a warp (each lane's sums keep their order): at one token the launch is
+        // 16 blocks of 8 warps, each walking its 8 KB router row, latency-bound one load pair at a time
+#pragma unroll 4
         for (int i = 4 * lane; i < H; i += 128) {
             const float4 a = *(const float4*)(w + i);
 #pragma unroll
