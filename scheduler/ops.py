@@ -114,6 +114,7 @@ class Op:
     fused_into: str | None = None  # the op whose kernel runs this one as its prologue (fuse_rope): no launch
     read_fraction: float = 1.0     # the share of its weights' bytes a step reads (experts: the expected
                                    # distinct experts of the step over all of them)
+    gather_row_bytes: int = 0      # embed: bytes of one row of its table in the table's format (0: Q8_0's)
 
     def device_reads(self) -> tuple:
         """The state this op reads on the device."""
@@ -124,7 +125,7 @@ class Op:
         """Q8 matrix bytes the op reads in a step of `tokens` tokens: a projection all of its weights, embed
         the rows it gathers (norm vectors and biases are left out)."""
         if self.kind == "embed":
-            return tokens * q8_bytes(1, self.output_bytes // (FLOAT32_BYTES * tokens))
+            return tokens * (self.gather_row_bytes or q8_bytes(1, self.output_bytes // (FLOAT32_BYTES * tokens)))
         return int(sum(w.nbytes for w in self.weights if len(w.shape) == 2) * self.read_fraction)
 
     def image_bytes(self) -> int:
@@ -292,7 +293,8 @@ def step_ops(config, tokens: int, context_len: int = 0) -> list:
     head_name = embed_name if tied else "lm_head.weight"
     head = _weight(head_name, (V, H), tokens, formats.get(head_name, "Q8_0"))
     ops = [Op("embed", "embed", None, () if tied else (embed_table,),
-              TOKEN_ID_BYTES * tokens, act * H, gathers_from=embed_name, writes=("x",), prepares="L0.attn_norm")]
+              TOKEN_ID_BYTES * tokens, act * H, gathers_from=embed_name, writes=("x",), prepares="L0.attn_norm",
+              gather_row_bytes=embed_table.nbytes // V)]
     for layer in range(config.num_hidden_layers):
         ops += layer_ops(config, layer, tokens, context_len, formats)
     ops.append(Op("final_norm", "norm", None, (_norm("model.norm.weight", H, tokens),),

@@ -198,9 +198,9 @@ def test_a_q4_k_m_prefill_on_cublas_tracks_the_cpu_engine(q4_k_m, monkeypatch, d
 
 def test_the_plan_counts_the_block_expansions(q4_k_m, monkeypatch):
     """A Q4_K_M prefill past the threshold, every row's logits: the plan's launches and syncs equal the
-    executor's; each layer adds 11 launches (expansion, input, GEMM, and an epilogue for o, gate_up and down:
-    3 or 4 kernels for 1), lm_head 2.  (Weight bytes aside: the plan counts the Q6_K embedding's gathered rows
-    as Q8_0 rows, on every path -- not this one's to settle.)"""
+    executor's, and its weight bytes the step's launches' (the Q6_K embedding's gathered rows in Q6_K's
+    bytes); each layer adds 11 launches (expansion, input, GEMM, and an epilogue for o, gate_up and down: 3 or
+    4 kernels for 1), lm_head 2."""
     fake_cuda.install(monkeypatch, mode="deferred", cublas=True)
     c = q4_k_m.config
     engine = Engine(q4_k_m, device="cuda", mode="gpu", max_seq_len=256, max_batch=160)
@@ -208,6 +208,8 @@ def test_the_plan_counts_the_block_expansions(q4_k_m, monkeypatch):
     ran = ran_one_step(engine, lambda: engine.new_session().prefill(Q4_K_M_PROMPT[:n]))
     plan = engine.executor.plan(n)
     assert (ran["kernels"], ran["syncs"]) == (plan.launches_per_step, plan.syncs_per_step)
+    launched = sum(launch.labels.get("bytes", 0) for launch in engine.executor.steps.step_launches(n))
+    assert launched == plan.counters()["gpu_weight_read_bytes"]
     plain = scheduler.build_plan(c, n, "gpu", gpu_available=True)
     assert plan.launches_per_step == plain.launches_per_step + 11 * c.num_hidden_layers + 2 * lm_head_fits(c)
     engine.close()
