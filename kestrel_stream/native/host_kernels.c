@@ -1047,29 +1047,21 @@ static void matmul_kq(void *ctx, int index, int count) {
 
 /* Grabs a thread takes of a projection's rows, about (dot products and repacked groups): the last grab of
    the slowest thread is the op's tail; a grab is one atomic add.  On the H200's host (16 threads, 1.7B
-   Q8_0 and Q4_K_M, cpu and layers=14 decode, A/B in one process) 8 a thread measured 0.96-1.03x of 4 and
-   a row's software prefetch (ks_dot_prefetch_rows 1, 2) 0.97-1.04x: noise both ways, so 4 and none. */
+   Q8_0 and Q4_K_M, cpu and layers=14 decode, A/B in one process) 8 a thread measured 0.96-1.03x of 4, and a
+   software prefetch of the row 1 or 2 ahead 0.97-1.04x: noise both ways, so 4 and the hardware's prefetchers. */
 int ks_grabs_per_thread = 4;
-
-/* Dot products: the first token's pass over a grab prefetches (into L2) the row this many rows ahead of the
-   one it computes, 0: none (the hardware's prefetchers alone). */
-int ks_dot_prefetch_rows = 0;
 
 static void matmul_dots(void *ctx, int index, int count) {
     (void)index, (void)count;
     matmul_t *m = ctx;
     const dot_fn dot = DOTS[m->fmt][m->isa];
-    const int ahead = ks_dot_prefetch_rows;
     for (int first; (first = atomic_fetch_add_explicit(&m->next, m->dot_grab, memory_order_relaxed)) < m->row_tiles;) {
         int r0 = first * ROW_TILE, r1 = (first + m->dot_grab) * ROW_TILE < m->N ? (first + m->dot_grab) * ROW_TILE : m->N;
         for (int t = 0; t < m->T; t++) {
             act_t a = token_act(m, t);
             float *o = m->out + m->out_stride * t;
-            for (int r = r0; r < r1; r++) {
-                if (ahead > 0 && t == 0 && r + ahead < m->N)
-                    for (ptrdiff_t i = 0; i < m->w_stride; i += 64) __builtin_prefetch(m->w + m->w_stride * (r + ahead) + i, 0, 2);
+            for (int r = r0; r < r1; r++)
                 o[r] = dot(m->w + m->w_stride * r, m->meta ? m->meta + m->meta_stride * r : NULL, &a, m->K);
-            }
         }
     }
 }
