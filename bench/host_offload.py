@@ -1,6 +1,9 @@
 """The host side of every offload beside llama.cpp on the same files: the CPU engine's decode (tg) and
-64-token prefill (pp64), and `--mode layers=N` decode, against `llama-bench -ngl 0` / `-ngl N` with the same
-threads, in one run.
+64-token prefill (pp64), and `--mode layers=N` and `layers=N-1+head` decode, against `llama-bench -ngl 0` /
+`-ngl N` with the same threads, in one run.  llama.cpp's -ngl N counts its output layer as one of the N: on
+a 28-layer model -ngl 14 holds 13 layers and the output (lm_head, 330 MB of the 1.7B's Q8_0 file) in VRAM,
+which is layers=13+head here; layers=14 holds 14 layers and leaves the output on the host (less VRAM, more
+host bytes a token).
 
     python3 -m bench.host_offload FILE.gguf [FILE2.gguf ...] [--threads 16] [--layers 14]
         [--llama-bench PATH/llama-bench] [--blas-threads N] [--ops] [--out DIR]
@@ -154,6 +157,8 @@ def main() -> None:
         return
     rows = []
     configs = [("cpu", "cpu", 0)] + ([] if args.no_gpu else [("cuda", f"layers={args.layers}", args.layers)])
+    if not args.no_gpu and args.layers >= 1:     # llama.cpp's -ngl N: N-1 layers and its output layer
+        configs.append(("cuda", f"layers={args.layers - 1}+head", args.layers))
     for path in args.files:
         for device, mode, ngl in configs:
             row = {"file": path.rsplit("/", 1)[-1], "ours": f"{device} {mode}", "llama.cpp": f"-ngl {ngl}",

@@ -5,8 +5,7 @@ roofline of each row, in one run.
         [--llama-bench PATH/llama-bench] [--sessions 16] [--out DIR]
 
 Per file and fraction f: llama.cpp runs `llama-bench -m FILE -ngl N -t T -p 0 -n NEW -r 3` with N = f x the
-layers (its output layer stays on the host below all layers); ours gets N layers' weight bytes for weights,
-on top of what mode offload's KV pool (one session of --max-seq-len) and activations take, and decodes
+layers; ours gets the weight bytes llama.cpp's -ngl N puts in VRAM, on top of what mode offload's KV pool (one session of --max-seq-len) and activations take, and decodes
 --new-tokens greedy tokens after one (medians of --repeats after a warm-up).  Beside each row: the
 placement (R resident, S streamed, H host per layer), its predicted step time and the roofline
 (scheduler/offload.py: the non-resident bytes at the pool's best rate plus the resident GPU time), the
@@ -33,14 +32,18 @@ from kestrel_stream.cli.bench import environment
 from .report import write_results
 
 
-def weight_budget_of(path: str, layers: int) -> tuple[int, int]:
-    """(bytes of `layers` decoder layers' projections, layer count) of a GGUF file, from the step program."""
+def weight_budget_of(path: str, ngl: int) -> tuple[int, int]:
+    """(the weight bytes llama.cpp's -ngl `ngl` puts in VRAM, layer count) of a GGUF file, from the step
+    program.  llama.cpp counts its output layer as one of the N (llama-model.cpp: i_gpu_start = L + 1 - N, the
+    output layer assigned as layer L): -ngl N <= L holds the last N - 1 decoder layers and the output (lm_head,
+    a tied embedding copied), -ngl 0 nothing, -ngl > L everything."""
     from scheduler import offload
     engine = ks.load(path, device="cpu")
     config = engine.config
     engine.close()
-    per_layer, _, _ = offload._layer_items(config)
-    return sum(sum(g.values()) for g in per_layer[:layers]), config.num_hidden_layers
+    per_layer, _, head = offload._layer_items(config)
+    layers = min(max(ngl - 1, 0), len(per_layer)) if ngl <= len(per_layer) else len(per_layer)
+    return sum(sum(g.values()) for g in per_layer[:layers]) + (head if ngl >= 1 else 0), config.num_hidden_layers
 
 
 def offload_budget(path: str, weight_bytes: int, max_seq_len: int, profile) -> int:

@@ -9,9 +9,13 @@ string or, for gated projections, {weight name: GateDecision}.
 - layers=N (llama.cpp -ngl): decoder layers 0..N-1 entirely on the GPU with
   their KV cache; the rest on the host. embed always stays on the host (the
   token ids are there and it only gathers M rows; llama.cpp keeps its input
-  layer on the CPU too); final_norm and lm_head go to the GPU only when all
-  layers do (N >= L), as llama.cpp offloads its output layer only past the
-  last layer.
+  layer on the CPU too); final_norm and lm_head go to the GPU when all
+  layers do (N >= L).
+- layers=N+head: the same N layers, and final_norm and lm_head on the GPU
+  too: a second device segment after the host's layers, whose logits come
+  down. llama.cpp's -ngl N counts its output layer as one of the N (for
+  N <= L it holds the last N-1 layers and the output): the same VRAM and the
+  same split of the work as layers=N-1+head here.
 - offload: each layer's projection groups where the offload placement homes the layer (resident or
   streamed: the GPU; host: the host), rope and attention on the GPU over the device KV pool (a layer may
   change home between step sizes without moving its cache), a routed layer's router and experts on the
@@ -39,8 +43,9 @@ def fixed_sides(ops, kind: str, layer_count: int | None, total_layers: int) -> l
         return [(op, "cpu", "mode cpu") for op in ops]
     if kind == "gpu":
         return [(op, "gpu", "mode gpu: the whole step is one segment") for op in ops]
-    assert kind == "layers", kind
+    assert kind in ("layers", "layers+head"), kind
     all_layers = layer_count >= total_layers
+    head = all_layers or kind == "layers+head"
     placed = []
     for op in ops:
         if op.layer is not None:
@@ -51,9 +56,9 @@ def fixed_sides(ops, kind: str, layer_count: int | None, total_layers: int) -> l
         elif op.kind == "embed":
             placed.append((op, "cpu", "layers=N: embed stays on the host"))
         else:
-            placed.append((op, "gpu" if all_layers else "cpu",
-                           f"layers=N: output on the GPU only when all {total_layers} "
-                           "layers are"))
+            placed.append((op, "gpu" if head else "cpu",
+                           "layers=N+head: the output on the GPU" if kind == "layers+head" else
+                           f"layers=N: output on the GPU only when all {total_layers} layers are"))
     return placed
 
 

@@ -158,16 +158,29 @@ class Plan:
         return "\n".join(lines)
 
 
+LAYER_KINDS = ("layers", "layers+head")     # layers=N and layers=N+head (placement.fixed_sides)
+
+
 def parse_mode(mode: str) -> tuple:
-    """'layers=12' -> ('layers', 12); other modes -> (mode, None). Errors name the input."""
+    """'layers=12' -> ('layers', 12); 'layers=12+head' -> ('layers+head', 12); other modes -> (mode, None).
+    Errors name the input."""
     text = mode.strip().lower()
     if text in ("cpu", "gated", "gpu", "auto", "offload"):
         return text, None
     if text.startswith("layers="):
         count = text.split("=", 1)[1]
+        head = count.endswith("+head")
+        count = count[:-len("+head")] if head else count
         if count.isdigit():
-            return "layers", int(count)
-    raise ValueError(f"mode {mode!r}: expected cpu, gated, gpu, auto, offload or layers=N")
+            return ("layers+head" if head else "layers"), int(count)
+    raise ValueError(f"mode {mode!r}: expected cpu, gated, gpu, auto, offload, layers=N or layers=N+head")
+
+
+def mode_name(kind: str, count: int | None) -> str:
+    """parse_mode's inverse: the canonical spelling ('layers=12+head', 'gpu')."""
+    if kind in LAYER_KINDS:
+        return f"layers={count}" + ("+head" if kind == "layers+head" else "")
+    return kind
 
 
 def _segments(placed, config, tokens: int, streamed=frozenset()) -> list:
@@ -251,9 +264,11 @@ def build_plan(config, tokens: int = 1, mode: str = "auto", profile=None, *,
             ops = fuse_rope(ops, tokens)
             notes.append("one-token step: each layer's rope runs as its attention's prologue")
         placed = fixed_sides(ops, kind, layer_count, total_layers)
-    resolved = f"layers={layer_count}" if kind == "layers" else kind
-    if kind == "layers":
-        notes.append(f"offloaded {min(layer_count, total_layers)}/{total_layers} layers")
+    resolved = mode_name(kind, layer_count)
+    if kind in LAYER_KINDS:
+        head = kind == "layers+head" or layer_count >= total_layers
+        notes.append(f"offloaded {min(layer_count, total_layers)}/{total_layers} layers"
+                     + (", the output (final_norm, lm_head) too" if head else ""))
     if config.num_experts and kind not in ("cpu", "offload", "gpu"):
         notes.append(f"mixture of experts ({config.arch}): an engine runs this model in mode cpu, gpu (every "
                      "expert in VRAM) or offload (experts on the host, the most used resident)")

@@ -143,6 +143,7 @@ SPLIT_MODES = {
     "gated-split-qkv": ("gated", scheduler.H200_MEASURED, "split"),
     "layers=1": ("layers=1", None, None),
     "layers=all": ("layers=all", None, None),
+    "layers=1+head": ("layers=1+head", None, None),     # llama.cpp's -ngl 2: a second segment, the output
 }
 
 
@@ -169,6 +170,10 @@ def test_split_modes(model, emulated, name):
         assert (sides["q_proj"], sides["k_proj"], sides["v_proj"]) == ("gpu", "cpu", "cpu"), sides
     if name in ("gated-fast-link", "gated-split-qkv") or name.startswith("layers"):
         assert plan.syncs_per_step > 0, "this configuration should run some ops on the GPU"
+    if name == "layers=1+head":
+        sides = [segment.side for segment in plan.segments]
+        assert sides == ["cpu", "gpu", "cpu", "gpu"], sides       # embed, layer 0, layers 1.., the output
+        assert {p.side for p in plan.placements.values() if p.op in ("final_norm", "lm_head")} == {"gpu"}
     assert check_against_cpu(engine, reference) == [plan.syncs_per_step] * 2
     engine.close()
 

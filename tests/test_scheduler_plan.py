@@ -8,7 +8,7 @@ import pytest
 
 from kestrel_stream.model.config import ModelConfig
 from scheduler import (H200_MEASURED, SEED_LIKE, PlanAuditError, audit_plan, build_plan,
-                       model_weight_names, parse_mode, step_ops)
+                       model_weight_names, mode_name, parse_mode, step_ops)
 from scheduler.ops import q8_bytes
 
 QWEN3_1_7B = ModelConfig(arch="qwen3", hidden_size=2048, intermediate_size=6144,
@@ -118,9 +118,25 @@ def test_auto_mode_picks_by_gpu_presence():
 
 def test_mode_parsing_errors_name_the_input():
     assert parse_mode("layers=12") == ("layers", 12)
-    for bad in ("layers=", "layers=-1", "turbo"):
-        with pytest.raises(ValueError, match="expected cpu, gated, gpu, auto, offload or layers=N"):
+    assert parse_mode("Layers=12+head") == ("layers+head", 12)
+    assert mode_name(*parse_mode("layers=12+head")) == "layers=12+head"
+    for bad in ("layers=", "layers=-1", "turbo", "layers=+head", "layers=3+tail", "layers=head"):
+        with pytest.raises(ValueError, match=r"expected cpu, gated, gpu, auto, offload, layers=N or layers=N\+head"):
             parse_mode(bad)
+
+
+def test_layers_plus_head_puts_the_output_on_the_gpu_as_llama_cpp_counts_it():
+    """llama.cpp's -ngl 14 on a 28-layer model holds 13 layers and the output layer: layers=13+head here,
+    the same weights on the device as its layers; layers=14 keeps the output on the host."""
+    c = QWEN3_1_7B
+    for mode, gpu_layers, head in (("layers=14", 14, False), ("layers=13+head", 13, True),
+                                   ("layers=0+head", 0, True), (f"layers={c.num_hidden_layers}+head", 28, True)):
+        plan = build_plan(c, 1, mode)
+        assert plan.mode == mode
+        on_gpu = {p.op.split(".")[0] for p in plan.placements.values() if p.side == "gpu"}
+        assert {f"L{i}" for i in range(gpu_layers)} <= on_gpu
+        assert f"L{gpu_layers}" not in on_gpu
+        assert ("lm_head" in on_gpu) == head and ("final_norm" in on_gpu) == head, mode
 
 
 def test_fusion_groups_are_one_launch_per_layer_group():

@@ -38,8 +38,7 @@ def emulated(monkeypatch):
 
 @pytest.fixture(params=DEVICES)
 def device(request, monkeypatch):
-    """The emulated device (the same numbers bit for bit) or the real one (within 1e-5: a replayed graph
-    runs the same kernels, but nothing promises their float sums the same order twice)."""
+    """The emulated device (the same numbers bit for bit) or the real one (within GPU_TOLERANCE)."""
     if request.param == "emulated":
         fake_cuda.install(monkeypatch, mode="deferred")
     return monkeypatch, request.param
@@ -57,15 +56,22 @@ def device_segments(engine, tokens: int = 1) -> int:
     return sum(1 for segment in engine.executor.plan(tokens).segments if segment.side == "gpu")
 
 
+# A replayed graph runs the same kernels, but the real device does not promise their float sums the same
+# order twice: on the H200 (2026-12-04) two eager decodes of this test apart by 5e-7 with every layer on the
+# GPU, 4e-6 gated, and 1.0e-4 with layers=1, where the device's last-bit differences move an activation's
+# int8 rounding on the host layers after it (graph against eager: the same 7e-5..1e-4).
+GPU_TOLERANCE = 1e-3
+
+
 def assert_same(got, want, kind: str) -> None:
     if kind == "emulated":
         np.testing.assert_array_equal(got, want)
     else:
-        assert relative_error(got, want) < 1e-5
+        assert relative_error(got, want) < GPU_TOLERANCE
         np.testing.assert_array_equal(got.argmax(axis=-1), want.argmax(axis=-1))
 
 
-@pytest.mark.parametrize("name", ["layers=1", "layers=all", "gated-split-qkv"])
+@pytest.mark.parametrize("name", ["layers=1", "layers=all", "layers=1+head", "gated-split-qkv"])
 def test_a_decode_replays_each_device_segment_as_the_eager_step(weights, device, name):
     monkeypatch, kind = device
     eager = make_split_engine(weights, name, monkeypatch)

@@ -108,7 +108,7 @@ def escaped(text: str) -> str:
 
 
 def mode_arg(text: str) -> str:
-    """An argparse type: auto|cpu|gated|gpu|offload|layers=N, canonical."""
+    """An argparse type: auto|cpu|gated|gpu|offload|layers=N|layers=N+head, canonical."""
     from kestrel_stream.errors import DeviceError
     from kestrel_stream.run.engine import parse_mode
     try:

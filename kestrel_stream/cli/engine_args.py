@@ -60,7 +60,7 @@ def add_engine_args(p: argparse.ArgumentParser, tuning) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
                    help="auto: the GPU when there is one, else the CPU engine")
     p.add_argument("--mode", default="auto", type=mode_arg,
-                   help="auto|cpu|gated|gpu|offload|layers=N: where each op runs (auto: gpu with a GPU, cpu without; gpu short of VRAM becomes offload where host layers beside the streaming ring win)")
+                   help="auto|cpu|gated|gpu|offload|layers=N|layers=N+head: where each op runs (auto: gpu with a GPU, cpu without; gpu short of VRAM becomes offload where host layers beside the streaming ring win)")
     p.add_argument("--vram-budget", default=None, type=vram_budget_arg,
                    help="device memory for gpu mode (weights + KV caches + activations): e.g. 2GiB, 1500MB, "
                         "0.5 (fraction of free VRAM); weights that do not fit stream over PCIe "

@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="print every weight's placement, fused group, FLOPs, bytes and why")
     p.add_argument("-m", "--model", required=True, metavar="MODEL", help=MODEL_HELP)
-    p.add_argument("--mode", default="auto", type=mode_arg, help="auto|cpu|gated|gpu|offload|layers=N")
+    p.add_argument("--mode", default="auto", type=mode_arg, help="auto|cpu|gated|gpu|offload|layers=N|layers=N+head")
     p.add_argument("--batch", type=int_at_least(1), default=1, help="tokens per step (M)")
     p.add_argument("--profile", default=None, help="h200 | seed | a profile JSON file (default: calibrate this GPU)")
     p.add_argument("--vram-budget", default=None, help="also show gpu mode's residency window under this budget")

@@ -50,8 +50,9 @@ def parse_mode(mode: str) -> str:
     try:
         kind, count = scheduler.parse_mode(mode)
     except ValueError:
-        raise DeviceError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)} or layers=N") from None
-    return f"layers={count}" if kind == "layers" else kind
+        raise DeviceError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}, layers=N or "
+                          "layers=N+head") from None
+    return scheduler.mode_name(kind, count)
 
 
 def resolve_device(device: str, mode: str, announce: bool = True) -> tuple[str, str]:

@@ -100,7 +100,7 @@ class StepExecutor(Executor):
             return
         whole_step = kind in ("gpu", "auto")       # the plan is one device segment
         self.mode, self.profile, self.group_choice = ("gpu" if whole_step else mode), profile, group_choice
-        self.gpu_layers = min(count, c.num_hidden_layers) if kind == "layers" else 0
+        self.gpu_layers = min(count, c.num_hidden_layers) if kind in scheduler.LAYER_KINDS else 0
         default_seq, default_batch, default_chunk = DEFAULTS[whole_step]
         self.max_seq_len, self.max_batch = max_seq_len or default_seq, max_batch or default_batch
         prefill_chunk = prefill_chunk or default_chunk
