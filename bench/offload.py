@@ -202,8 +202,8 @@ def main() -> None:
                "ours_batch_tok_s", "stream_batch_tok_s", "llama_batch_tok_s", "batch_ratio", "given"]
     out = write_results("offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
                         out_dir=args.out,
-                        notes=(f"host memory pool (calibrate, this run): {pool}. Ours: mode offload with N layers' "
-                               f"weight bytes for weights; llama.cpp -ngl N. {args.new_tokens} greedy tokens after "
+                        notes=(f"host memory pool (calibrate, this run): {pool}. Ours: mode offload with the weight "
+                               f"bytes llama.cpp's -ngl N puts in VRAM (N-1 layers and the output layer); llama.cpp -ngl N. {args.new_tokens} greedy tokens after "
                                f"one, medians of {args.repeats}; llama-bench -r 3 averages."))
     print(f"wrote {out}")
 
