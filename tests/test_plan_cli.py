@@ -15,7 +15,8 @@ def checkpoint_tensor_names(model_dir) -> set:
         return set(f.keys())
 
 
-@pytest.mark.parametrize("mode,batch", [("gated", 1), ("gated", 32), ("gpu", 1), ("layers=1", 1), ("cpu", 1)])
+@pytest.mark.parametrize("mode,batch", [("gated", 1), ("gated", 32), ("gpu", 1), ("layers=1", 1), ("layers=1+head", 1),
+                                        ("cpu", 1)])
 @pytest.mark.parametrize("fixture", ["tiny_model", "llama_model"])
 def test_plan_lists_every_checkpoint_weight_once(request, fixture, mode, batch):
     model_dir = request.getfixturevalue(fixture)
@@ -28,6 +29,9 @@ def test_plan_lists_every_checkpoint_weight_once(request, fixture, mode, batch):
     assert all(row["side"] in ("cpu", "gpu") and row["reason"] for row in plan["weights"])
     if mode == "gpu":
         assert plan["counters"]["syncs_per_step"] == 1
+    if mode.startswith("layers"):     # the output (lm_head: the tied embedding or its own weight) by the mode
+        head = {row["side"] for row in plan["weights"] if row["op"] in ("final_norm", "lm_head")}
+        assert head == ({"gpu"} if mode.endswith("+head") else {"cpu"}), (mode, head)
 
 
 def test_plan_text_names_lm_head_and_the_gate(tiny_model):
