@@ -17,7 +17,8 @@ holds prompts not used in development, one returning a 60-line function with one
     --lookup, prompt lookup; speedup over plain, acceptance, tokens per target pass, tree nodes, and
     (greedy) whether the tokens equal plain decoding's;
   - "llama-bench" (--llama-bench PATH): `llama-bench -m TARGET -ngl N -p 0 -n N_NEW -r 3 -o json` with N the
-    layers that hold R of them.
+    largest whose weights in VRAM fit ours (R of the target's layers and the draft): llama.cpp's -ngl N holds
+    N-1 layers and the output layer (bench/offload.py's weight_budget_of).
 "pass_curve" rows: the pass time of 1, 2, 4, ... --curve-max tokens (every row's logits, as a verify pass
 wants them) on --curve-model (a qwen3-8b-shaped file) or --curve-preset's random weights at
 --curve-resident.  On the CPU (--device cpu) budgets do not apply: rows say resident null.
@@ -113,9 +114,20 @@ def spec_rows(engine, args, resident, prompt_sets, rows: list[dict]) -> None:
         lookup.close()
 
 
-def llama_bench_row(args, resident: float, layers: int) -> dict:
-    """llama-bench's tg rate with the layers holding `resident` of the weights on the GPU."""
-    ngl = round(resident * layers)
+def llama_ngl(config, weight_bytes: int) -> int:
+    """The largest -ngl whose weights in VRAM (N-1 decoder layers and the output layer; all past L) fit
+    `weight_bytes`."""
+    from scheduler import offload
+    per_layer, _, head = offload._layer_items(config)
+    layer = [sum(group.values()) for group in per_layer]
+    held = [0] + [sum(layer[:n - 1]) + head for n in range(1, len(layer) + 2)]
+    return max(n for n, b in enumerate(held) if b <= weight_bytes)
+
+
+def llama_bench_row(args, resident: float, config, draft_bytes: int) -> dict:
+    """llama-bench's tg rate at the VRAM for weights ours holds: `resident` of the target's layers and the
+    draft."""
+    ngl = llama_ngl(config, int(resident * sum(layer_weight_bytes(config))) + draft_bytes)
     command = [args.llama_bench, "-m", args.target, "-ngl", str(ngl), "-p", "0", "-n", str(args.new_tokens),
                "-r", "3", "-o", "json"]
     if args.llama_threads:
@@ -209,10 +221,10 @@ def main(argv=None) -> list[dict]:
         emit(rows, {"kind": "load", "resident": resident, "mode": engine.mode, "device": engine.device,
                     "speculation": engine.speculation.describe(), "plan": engine.plan_summary()})
         spec_rows(engine, args, resident, prompt_sets, rows)
-        layers = engine.config.num_hidden_layers
+        config, draft_bytes = engine.config, engine.speculation.device_bytes()
         engine.close()
         if args.llama_bench and resident is not None:
-            emit(rows, llama_bench_row(args, resident, layers))
+            emit(rows, llama_bench_row(args, resident, config, draft_bytes))
     if args.curve_model or args.curve_preset:
         pass_curve_rows(args, rows)
     if args.out:

@@ -45,6 +45,22 @@ def test_the_bench_runs_on_the_emulated_device_with_llama_bench(tiny_model, tmp_
     assert [r["resident"] for r in loads] == [0.5, 0.25] and all(r["device"] == "cuda" for r in loads)
     assert all(r["same_tokens"] for r in rows if r["kind"] == "spec")
     llama_rows = [r for r in rows if r["kind"] == "llama-bench"]
-    assert [(r["ngl"], r["tok_s"]) for r in llama_rows] == [(1, 12.5), (0, 12.5)]    # 2 layers: half, a quarter
-    assert "-ngl 1" in llama_rows[0]["command"]
+    # llama.cpp gets the VRAM ours holds, the draft's included: the draft is the target itself here, whose
+    # bytes alone hold every weight of its 2 layers and output (-ngl 3, = L + 1) at both residencies
+    assert [(r["ngl"], r["tok_s"]) for r in llama_rows] == [(3, 12.5), (3, 12.5)]
+    assert "-ngl 3" in llama_rows[0]["command"]
     assert {r["resident"] for r in rows if r["kind"] == "pass_curve"} == {0.25}
+
+
+def test_llama_ngl_is_the_largest_that_fits_as_llama_cpp_counts_its_output_layer():
+    """-ngl N holds N-1 layers and the output layer (-ngl 1: the output alone), every weight past L."""
+    from kestrel_stream.loading.presets import PRESETS
+    from scheduler import offload
+    c = PRESETS["qwen3-1.7b"]
+    per_layer, _, head = offload._layer_items(c)
+    layer = sum(per_layer[0].values())
+    assert spec_offload.llama_ngl(c, head - 1) == 0
+    assert spec_offload.llama_ngl(c, head) == 1
+    assert spec_offload.llama_ngl(c, head + 13 * layer) == 14
+    assert spec_offload.llama_ngl(c, head + 13 * layer + layer - 1) == 14
+    assert spec_offload.llama_ngl(c, 10 ** 12) == c.num_hidden_layers + 1
