@@ -15,7 +15,8 @@ LAYER_BYTES = {name: sum(offload._layer_items(PRESETS[name])[0][0].values()) for
 
 
 def budget(name: str, fraction: float) -> int:
-    """The VRAM of llama.cpp's -ngl at `fraction` of the layers (its output layer stays on the host)."""
+    """`fraction` of the layers' weight bytes (llama.cpp's -ngl at that fraction holds one layer fewer and the output
+    layer: bench/offload.py's weight_budget_of)."""
     c = PRESETS[name]
     return int(c.num_hidden_layers * fraction) * LAYER_BYTES[name]
 
