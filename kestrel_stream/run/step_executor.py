@@ -10,11 +10,12 @@ step program (scheduler/ops.py):
 - `gpu`: one device segment, the whole step: the device backend's WholeStep (run/device/whole_step.py)
   runs it as one captured graph per decode batch bucket (eagerly for prefill and mixed batches), takes
   greedy and sampled tokens on the device and chains decode steps there;
-- `gated`, `layers=N` and `offload`: host and device segments: MixedSteps (run/mixed.py) walks them in
+- `gated`, `layers=N` (`layers=N+head`) and `offload`: host and device segments: MixedSteps (run/mixed.py) walks them in
   order, host segments as the host backend's programs, device segments as the device backend's launches,
   and moves the step's state only where segments meet.  `offload` is what gpu mode becomes when the weights
   do not fit its VRAM budget and the cost model (scheduler/offload.py) predicts host compute beside the
-  streaming ring beats streaming alone: resident, streamed and host layers, the split chosen per step size.
+  streaming ring beats streaming alone: resident, streamed and host layers, the split chosen per step size
+  (its start: offload_start.py).
   A mixture-of-experts model runs in gpu mode when every expert fits the budget (router and experts on the
   device: run/device/moe_ops.py), else in `offload` (gpu and auto become it, saying so on stderr): qkv, o
   and attention on the GPU, the experts the room left holds resident there (chosen by routing frequency:
@@ -38,10 +39,9 @@ import numpy as np
 import scheduler
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
-from kestrel_stream.run import host_memory
-from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, holds_every_expert,
-                                              plan_gpu_memory, plan_mixed_memory, plan_offload_memory, step_rows)
-from kestrel_stream.run.device.expert_budget import HostMemoryError, expert_image_layers, size_text
+from kestrel_stream.run import offload_start
+from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, plan_gpu_memory,
+                                              plan_mixed_memory, step_rows)
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.host.backend import HostBackend
 
@@ -86,17 +86,18 @@ class StepExecutor(Executor):
         self.options = Options.from_env() if options is None else options
         vram_budget = self.options.vram_budget if vram_budget is None else vram_budget
         self.resident_experts = None               # a mixture-of-experts model's experts on the device
-        if c.is_moe and kind in ("gpu", "auto") and not self._holds_every_expert(vram_budget, max_seq_len, max_batch,
-                                                                                 kv_dtype):
+        if c.is_moe and kind in ("gpu", "auto") and not offload_start.holds_every_expert_here(
+                self, vram_budget, max_seq_len, max_batch, kv_dtype):
             print(f"kestrel-stream: mode {mode}: {weights.source or 'the model'} is a mixture-of-experts model "
                   f"({c.arch}) whose experts do not fit the VRAM budget: mode offload (attention on the GPU, the "
                   "most used experts resident, the rest on the host)", file=sys.stderr)
             kind = mode = "offload"
-        if kind in ("gpu", "auto") and self._offload_wins(vram_budget, max_seq_len, max_batch, kv_dtype, profile):
+        if kind in ("gpu", "auto") and offload_start.offload_wins(self, vram_budget, max_seq_len, max_batch, kv_dtype,
+                                                                  profile):
             kind = mode = "offload"
         if kind == "offload":
-            self._start_offload(profile, vram_budget, max_seq_len, max_batch, max_sessions, prefill_chunk, kv_dtype,
-                                kv_block_size)
+            offload_start.start_offload(self, profile, vram_budget, max_seq_len, max_batch, max_sessions,
+                                        prefill_chunk, kv_dtype, kv_block_size)
             return
         whole_step = kind in ("gpu", "auto")       # the plan is one device segment
         self.mode, self.profile, self.group_choice = ("gpu" if whole_step else mode), profile, group_choice
@@ -190,132 +191,6 @@ class StepExecutor(Executor):
         self.steps = MixedSteps(backend, self.counters, self.plan, gpu_layers=self.gpu_layers, max_tokens=T,
                                 mode=self.mode, load_s=time.perf_counter() - start, options=self.options)
         self.preload_line = self.steps.preload_line
-
-    def _holds_every_expert(self, vram_budget, max_seq_len, max_batch, kv_dtype: str) -> bool:
-        """gpu mode of a mixture-of-experts model: whether every weight, every expert with them, stays resident."""
-        from kestrel_stream.cuda import driver
-        max_tokens, _ = step_rows(max_batch or DEFAULTS[True][1], PREFILL_CHUNK_TOKENS)
-        free = driver.Device(self.options.device_ordinal).free_bytes()
-        return holds_every_expert(self.config, budget_bytes=vram_budget, free_bytes=free,
-                                  max_tokens=max_tokens, max_seq_len=max_seq_len or DEFAULTS[True][0],
-                                  max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype)
-
-    def _offload_wins(self, vram_budget, max_seq_len, max_batch, kv_dtype: str, profile) -> bool:
-        """gpu mode under a budget the weights do not fit: whether mode offload's placement (host layers beside
-        the ring) is predicted faster than the window streaming every non-resident weight (Options.offload:
-        auto asks the cost model, place always, stream never)."""
-        if self.options.offload == "stream":
-            return False
-        from kestrel_stream.cuda import driver
-        c = self.config
-        max_tokens, _ = step_rows(max_batch or DEFAULTS[True][1], PREFILL_CHUNK_TOKENS)
-        free = driver.Device(self.options.device_ordinal).free_bytes()
-        try:
-            memory = plan_gpu_memory(c, budget_bytes=vram_budget, free_bytes=free, max_tokens=max_tokens,
-                                     max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or DEFAULTS[True][0],
-                                     attention_splits=16, max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype)
-        except scheduler.WindowBudgetError:
-            return True                           # gpu mode's window cannot start here; offload's may
-
-        if memory.window is None or not memory.window.streamed:
-            return False                          # everything resident
-        if self.options.offload == "place":
-            return True
-        profile = self._pool_profile(profile)
-        placement = plan_offload_memory(
-            c, budget_bytes=vram_budget, free_bytes=free, profile=profile, max_tokens=max_tokens,
-            max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or DEFAULTS[True][0], attention_splits=16,
-            max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype).placement
-        return placement.host_bytes > 0
-
-    def _pool_profile(self, profile):
-        """The cost model's figures for mode offload: the given profile, else this machine's (measured once and
-        cached: calibrate)."""
-        if profile is not None and getattr(profile, "host_joint_GBps", None):
-            return profile
-        from kestrel_stream.run.calibrate import calibrate
-        return calibrate(options=self.options)
-
-    def _start_offload(self, profile, vram_budget, max_seq_len, max_batch, max_sessions, prefill_chunk,
-                       kv_dtype: str, kv_block_size: int) -> None:
-        """Mode offload: resident layers in the arena, streamed layers through the ring, host layers on the host
-        backend, attention on the GPU for every layer; the placement per step size (plan)."""
-        from kestrel_stream.run.device.backend import DeviceBackend
-        from kestrel_stream.run.device.stream_ring import StreamRing
-        from kestrel_stream.run.mixed import ATTENTION_SPLITS, MixedSteps
-        c, weights = self.config, self.weights
-        self._check_gpu_mode(kv_dtype, kv_block_size, ATTENTION_SPLITS)
-        self.mode, self.group_choice = "offload", None
-        self.profile = self._pool_profile(profile)
-        self.gpu_layers = c.num_hidden_layers                      # every layer's attention and KV on the GPU
-        default_seq, default_batch, default_chunk = DEFAULTS[False]
-        self.max_seq_len, self.max_batch = max_seq_len or DEFAULTS[True][0], max_batch or DEFAULTS[True][1]
-        T = max(self.max_batch, prefill_chunk or default_chunk)
-        self.counters = StepCounters.counting("gpu_weight_read_bytes", "cpu_weight_read_bytes")
-        start = time.perf_counter()
-        table_rows = max_sessions or DEFAULT_MAX_SESSIONS
-        # the host memory the experts' ring's pinned images would take from, read before anything is pinned
-        host_available = (host_memory.available_bytes() if c.is_moe and self.options.stream_experts != "off"
-                          else None)
-        memory = lambda free_bytes, scratch_bytes: plan_offload_memory(     # noqa: E731
-            c, budget_bytes=vram_budget, free_bytes=free_bytes, profile=self.profile, max_tokens=T,
-            max_sessions=table_rows, max_seq_len=self.max_seq_len, attention_splits=ATTENTION_SPLITS,
-            max_batch=self.max_batch, kv_dtype=kv_dtype, block_size=kv_block_size, homes=self.options.offload_homes,
-            expert_policy=self.options.resident_experts, stream_experts=self.options.stream_experts,
-            host_available_bytes=host_available, host_reserve=self.options.host_reserve)
-        backend = DeviceBackend(
-            weights, self.options, self.counters, max_tokens=T, logits_rows=T, plan_memory=memory, kv_dtype=kv_dtype,
-            kv_layers=c.num_hidden_layers, max_sessions=table_rows, max_seq_len=self.max_seq_len,
-            attention_splits=ATTENTION_SPLITS, dense=False, step_outputs=False, pinned_state=True)
-        self.placement = backend.memory.placement
-        self.window_plan = backend.memory.window
-        self.resident_experts = backend.memory.experts
-        ring = StreamRing(backend.window, weights) if backend.window.streamed else None
-        if backend.memory.expert_ring_left_out:
-            print(f"kestrel-stream: {backend.memory.expert_ring_left_out}", file=sys.stderr)
-        expert_ring = self._expert_ring(backend) if backend.memory.expert_ring_slots else None
-        self.steps = MixedSteps(backend, self.counters, self.plan, gpu_layers=self.gpu_layers, max_tokens=T,
-                                mode=self.mode, load_s=time.perf_counter() - start, options=self.options, ring=ring,
-                                expert_ring=expert_ring)
-        self.preload_line = self.steps.preload_line
-        sizes = (1,) + ((self.max_batch, T) if expert_ring is not None else ())
-        for tokens in sorted(set(sizes)):         # the experts' ring: the placement of each step size it serves
-            for line in self.placement_for(tokens).describe().splitlines():
-                print(f"kestrel-stream: {line}", file=sys.stderr)
-        if self.resident_experts is not None:
-            print(f"kestrel-stream: {self.resident_experts.describe(c.num_experts)}", file=sys.stderr)
-
-    def _expert_ring(self, backend):
-        """Mode offload's experts' ring, its pinned images built (device/expert_ring.py); their bytes and build
-        time go to the counters and a load line.  Where pinning fails: HostMemoryError naming the bytes under
-        KESTREL_STREAM_EXPERTS=on; under auto a line, no ring (the placement without it; its VRAM stays idle)."""
-        from kestrel_stream.cuda.errors import CudaError
-        from kestrel_stream.obs import load_stages
-        from kestrel_stream.run.device.expert_ring import ExpertRing
-        layers, image_bytes = expert_image_layers(self.config, self.placement), self.placement.expert_image_bytes
-        start = time.perf_counter()
-        try:
-            with load_stages.stage("  experts: pinned images of the experts' ring"):
-                expert_ring = ExpertRing(backend.experts, self.weights, layers)
-        except (CudaError, MemoryError) as e:
-            what = (f"pinning its host images (every expert of {len(layers)} routed layers, {size_text(image_bytes)}) "
-                    f"failed ({e})")
-            if self.options.stream_experts == "on":
-                backend.close()
-                raise HostMemoryError(f"mode offload's experts' ring (KESTREL_STREAM_EXPERTS=on): {what}; free host "
-                                      "memory or set KESTREL_STREAM_EXPERTS=auto (the experts on the host when the "
-                                      "images cannot be pinned)") from None
-            print(f"kestrel-stream: experts' ring left out for host memory: {what}; prompt steps keep the experts on "
-                  f"the host, the ring's {size_text(self.placement.expert_ring_bytes)} of VRAM idle "
-                  "(KESTREL_STREAM_EXPERTS=off gives it to resident experts)", file=sys.stderr)
-            self.placement = self.placement.with_expert_ring(0, 0)
-            return None
-        build_s = time.perf_counter() - start
-        self.counters.expert_image_bytes = expert_ring.image_bytes
-        self.counters.expert_image_build_ms = round(build_s * 1e3, 1)
-        print(f"kestrel-stream: experts' ring: pinned host images of {len(layers)} routed layers' experts, "
-              f"{size_text(expert_ring.image_bytes)}, built in {build_s:.2f} s", file=sys.stderr)
-        return expert_ring
 
     def placement_for(self, tokens: int):
         """Mode offload's placement of a step of `tokens` tokens (the resident layers and ring kept)."""
