@@ -6,7 +6,7 @@ string or, for gated projections, {weight name: GateDecision}.
 - cpu: every op on the host.
 - gpu: every op on the GPU, embed included (token ids go up, logits come
   down): one segment, one sync per step.
-- layers=N (llama.cpp -ngl): decoder layers 0..N-1 entirely on the GPU with
+- layers=N: decoder layers 0..N-1 entirely on the GPU with
   their KV cache; the rest on the host. embed always stays on the host (the
   token ids are there and it only gathers M rows; llama.cpp keeps its input
   layer on the CPU too); final_norm and lm_head go to the GPU when all
