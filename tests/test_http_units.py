@@ -134,3 +134,42 @@ def test_a_body_is_decoded_across_its_chunks_and_a_bad_byte_is_named_where_it_is
         with pytest.raises(APIError) as refused:
             body_of(*parts).text()
         assert refused.value.code == "invalid_json" and f"at byte {where} " in refused.value.message
+
+
+def test_a_connection_cancelled_at_shutdown_leaves_no_traceback_and_other_errors_still_reach_the_log():
+    """asyncio before 3.12 (CPython gh-113538) logged a traceback from StreamReaderProtocol's done-callback when a
+    connection's task was cancelled (hypercorn cancels them when it stops): a SIGTERM test saw it under load."""
+    import asyncio
+
+    from kestrel_stream.serve.http.server import quiet_cancelled_connections
+
+    async def scenario() -> list:
+        loop = asyncio.get_running_loop()
+        seen = []
+        loop.set_exception_handler(lambda loop, context: seen.append(context))
+        quiet_cancelled_connections(loop)
+        quiet_cancelled_connections(loop)              # twice: one handler
+        tasks = []
+
+        async def connection(reader, writer):
+            tasks.append(asyncio.current_task())
+            try:
+                await reader.read(1)
+            finally:
+                writer.close()
+
+        server = await asyncio.start_server(connection, "127.0.0.1", 0)
+        reader, writer = await asyncio.open_connection(*server.sockets[0].getsockname()[:2])
+        while not tasks:
+            await asyncio.sleep(0.01)
+        tasks[0].cancel()
+        for _ in range(20):                            # the done-callback runs a loop turn or two later
+            await asyncio.sleep(0.01)
+        writer.close()
+        server.close()
+        await server.wait_closed()
+        loop.call_exception_handler({"message": "something else", "exception": ValueError("kept")})
+        return seen
+
+    seen = asyncio.run(scenario())
+    assert [str(c.get("exception")) for c in seen] == ["kept"], seen
