@@ -15,24 +15,19 @@ import scheduler
 from kestrel_stream.run import host_memory
 from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, holds_every_expert,
                                               plan_gpu_memory, plan_offload_memory, step_rows)
+from kestrel_stream.run.device.budget import EXECUTOR_DEFAULTS as DEFAULTS
 from kestrel_stream.run.device.expert_budget import HostMemoryError, expert_image_layers, size_text
 from kestrel_stream.run.executor import StepCounters
-
-
-def _defaults() -> dict:
-    """step_executor.DEFAULTS (imported when called: that module imports this one)."""
-    from kestrel_stream.run.step_executor import DEFAULTS
-    return DEFAULTS
 
 
 def holds_every_expert_here(self, vram_budget, max_seq_len, max_batch, kv_dtype: str) -> bool:
     """gpu mode of a mixture-of-experts model: whether every weight, every expert with them, stays resident."""
     from kestrel_stream.cuda import driver
-    max_tokens, _ = step_rows(max_batch or _defaults()[True][1], PREFILL_CHUNK_TOKENS)
+    max_tokens, _ = step_rows(max_batch or DEFAULTS[True][1], PREFILL_CHUNK_TOKENS)
     free = driver.Device(self.options.device_ordinal).free_bytes()
     return holds_every_expert(self.config, budget_bytes=vram_budget, free_bytes=free,
-                              max_tokens=max_tokens, max_seq_len=max_seq_len or _defaults()[True][0],
-                              max_batch=max_batch or _defaults()[True][1], kv_dtype=kv_dtype)
+                              max_tokens=max_tokens, max_seq_len=max_seq_len or DEFAULTS[True][0],
+                              max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype)
 
 
 def offload_wins(self, vram_budget, max_seq_len, max_batch, kv_dtype: str, profile) -> bool:
@@ -43,12 +38,12 @@ def offload_wins(self, vram_budget, max_seq_len, max_batch, kv_dtype: str, profi
         return False
     from kestrel_stream.cuda import driver
     c = self.config
-    max_tokens, _ = step_rows(max_batch or _defaults()[True][1], PREFILL_CHUNK_TOKENS)
+    max_tokens, _ = step_rows(max_batch or DEFAULTS[True][1], PREFILL_CHUNK_TOKENS)
     free = driver.Device(self.options.device_ordinal).free_bytes()
     try:
         memory = plan_gpu_memory(c, budget_bytes=vram_budget, free_bytes=free, max_tokens=max_tokens,
-                                 max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or _defaults()[True][0],
-                                 attention_splits=16, max_batch=max_batch or _defaults()[True][1], kv_dtype=kv_dtype)
+                                 max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or DEFAULTS[True][0],
+                                 attention_splits=16, max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype)
     except scheduler.WindowBudgetError:
         return True                           # gpu mode's window cannot start here; offload's may
 
@@ -59,8 +54,8 @@ def offload_wins(self, vram_budget, max_seq_len, max_batch, kv_dtype: str, profi
     profile = pool_profile(self, profile)
     placement = plan_offload_memory(
         c, budget_bytes=vram_budget, free_bytes=free, profile=profile, max_tokens=max_tokens,
-        max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or _defaults()[True][0], attention_splits=16,
-        max_batch=max_batch or _defaults()[True][1], kv_dtype=kv_dtype).placement
+        max_sessions=DEFAULT_MAX_SESSIONS, max_seq_len=max_seq_len or DEFAULTS[True][0], attention_splits=16,
+        max_batch=max_batch or DEFAULTS[True][1], kv_dtype=kv_dtype).placement
     return placement.host_bytes > 0
 
 
@@ -85,8 +80,8 @@ def start_offload(self, profile, vram_budget, max_seq_len, max_batch, max_sessio
     self.mode, self.group_choice = "offload", None
     self.profile = pool_profile(self, profile)
     self.gpu_layers = c.num_hidden_layers                      # every layer's attention and KV on the GPU
-    default_seq, default_batch, default_chunk = _defaults()[False]
-    self.max_seq_len, self.max_batch = max_seq_len or _defaults()[True][0], max_batch or _defaults()[True][1]
+    default_seq, default_batch, default_chunk = DEFAULTS[False]
+    self.max_seq_len, self.max_batch = max_seq_len or DEFAULTS[True][0], max_batch or DEFAULTS[True][1]
     T = max(self.max_batch, prefill_chunk or default_chunk)
     self.counters = StepCounters.counting("gpu_weight_read_bytes", "cpu_weight_read_bytes")
     start = time.perf_counter()

@@ -40,13 +40,12 @@ import scheduler
 from kestrel_stream.model.weights import ModelWeights
 from kestrel_stream.options import Options
 from kestrel_stream.run import offload_start
-from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, plan_gpu_memory,
+from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, EXECUTOR_DEFAULTS, plan_gpu_memory,
                                               plan_mixed_memory, step_rows)
 from kestrel_stream.run.executor import Executor, StepCounters
 from kestrel_stream.run.host.backend import HostBackend
 
-# (max_seq_len, max_batch, prefill_chunk) when not given: gpu mode's, the mixed modes'
-DEFAULTS = {True: (4096, 8, PREFILL_CHUNK_TOKENS), False: (2048, 32, 64)}
+DEFAULTS = EXECUTOR_DEFAULTS        # (max_seq_len, max_batch, prefill_chunk) when not given: gpu mode's, mixed modes'
 
 
 class StepExecutor(Executor):

@@ -62,6 +62,8 @@ CHAIN_STEPS_PER_SYNC = 256   # greedy_chain.MAX_STEPS_PER_SYNC
 SAMPLE_CANDIDATE_WORDS = 64 * (2 * 64 + 4)   # per logits row: sampler.py's most splits x (2 x SAMPLE_CAP + 4)
 DEFAULT_MAX_SESSIONS = 256  # block-table rows (8 bytes per block of max_seq_len each): cheap, unlike KV
 PREFILL_CHUNK_TOKENS = 512   # tokens per prefill step in gpu mode (tensor-core GEMM tiles of 64 tokens)
+# an executor's (max_seq_len, max_batch, prefill_chunk) when not given: gpu mode's (True), the mixed modes'
+EXECUTOR_DEFAULTS = {True: (4096, 8, PREFILL_CHUNK_TOKENS), False: (2048, 32, 64)}
 
 
 def step_rows(max_batch: int, prefill_chunk: int = PREFILL_CHUNK_TOKENS) -> tuple[int, int]:
