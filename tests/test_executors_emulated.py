@@ -336,7 +336,7 @@ def test_profiled_paths(model, emulated, name):
         engine.close()
 
 
-@pytest.mark.parametrize("name", ["gpu", "gated-split-qkv", "layers=1"])
+@pytest.mark.parametrize("name", ["gpu", "gated-split-qkv", "layers=1", "layers=1+head"])
 def test_prefill_in_chunks(model, emulated, name):
     """Steps of 8 tokens at most: the 12-token prompt runs as chunks of 8 and 4 over one KV cache."""
     weights, reference = model
@@ -350,7 +350,7 @@ def test_prefill_in_chunks(model, emulated, name):
     engine.close()
 
 
-@pytest.mark.parametrize("name", ["gpu", "gpu-streaming", "gated-split-qkv", "layers=1"])
+@pytest.mark.parametrize("name", ["gpu", "gpu-streaming", "gated-split-qkv", "layers=1", "layers=1+head"])
 def test_mixed_step(model, emulated, name):
     """One step of decodes and a prefill together (gpu mode runs it eagerly), then a decode of all three."""
     weights, _ = model
