@@ -12,7 +12,8 @@ host bytes a token).
 
 Ours: ks.load(FILE, device="cpu", cpu_threads=T) (and device="cuda", mode="layers=N"); a session decodes
 --new-tokens tokens after one token (llama-bench's tg from an empty context) and prefills --prompt tokens in
-one step (pp), medians of --repeats after a warm-up.  llama.cpp: `llama-bench -m FILE -ngl 0|N -t T -p 64
+one step (pp), medians of --repeats after a warm-up; each row's weights in VRAM, ours (the device cache) and llama.cpp's
+(-ngl N: N-1 layers and the output layer).  llama.cpp: `llama-bench -m FILE -ngl 0|N -t T -p 64
 -n 32 -r 3 -o json` (avg_ts).  --ops: also the CPU engine's decode step op by op, native and numpy
 (bench/host_step.py's table, written beside).  --blas-threads: numpy's BLAS threads in ours (ks.load's
 blas_threads; default: its policy, 1 on the CPU engine over the native kernels, --threads in layers=N).
@@ -65,8 +66,11 @@ def ours(path: str, device: str, mode: str, threads: int, prompt: int, new_token
         if r:
             prefill.append(prompt / pp)
             decode.append(new_tokens / tg)
+    backend = engine.executor.backend
+    vram = backend.window.resident_bytes if backend is not None else 0
     engine.close()
-    return {"pp_tok_s": round(statistics.median(prefill), 2), "tg_tok_s": round(statistics.median(decode), 2)}
+    return {"pp_tok_s": round(statistics.median(prefill), 2), "tg_tok_s": round(statistics.median(decode), 2),
+            "vram_MB": round(vram / 1e6, 1)}
 
 
 def llama(binary: str, path: str, layers: int, threads: int, prompt: int, new_tokens: int) -> dict:
@@ -167,15 +171,17 @@ def main() -> None:
             row["blas_threads"] = max(cpu_threads_now(), default=None)
             row.update({f"ours_{k}": v for k, v in mine.items()})
             if args.llama_bench:
+                from .offload import weight_budget_of
                 theirs = llama(args.llama_bench, path, ngl, args.threads, args.prompt, args.new_tokens)
+                theirs["vram_MB"] = round(weight_budget_of(path, ngl)[0] / 1e6, 1)
                 row.update({f"llama_{k}": v for k, v in theirs.items()})
                 for k in ("pp_tok_s", "tg_tok_s"):
                     if k in theirs:
                         row[f"ratio_{k.split('_')[0]}"] = round(mine[k] / theirs[k], 3)
             print(row, flush=True)
             rows.append(row)
-    columns = ["file", "ours", "llama.cpp", "threads", "blas_threads", "ours_pp_tok_s", "llama_pp_tok_s", "ratio_pp",
-               "ours_tg_tok_s", "llama_tg_tok_s", "ratio_tg"]
+    columns = ["file", "ours", "llama.cpp", "threads", "blas_threads", "ours_vram_MB", "llama_vram_MB", "ours_pp_tok_s",
+               "llama_pp_tok_s", "ratio_pp", "ours_tg_tok_s", "llama_tg_tok_s", "ratio_tg"]
     path = write_results("host-offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
                          out_dir=args.out,
                          notes=f"pp: one step of {args.prompt} tokens; tg: {args.new_tokens} greedy tokens after one; "
