@@ -12,8 +12,8 @@ host bytes a token).
 
 Ours: ks.load(FILE, device="cpu", cpu_threads=T) (and device="cuda", mode="layers=N"); a session decodes
 --new-tokens tokens after one token (llama-bench's tg from an empty context) and prefills --prompt tokens in
-one step (pp), medians of --repeats after a warm-up; each row's weights in VRAM, ours (the device cache) and llama.cpp's
-(-ngl N: N-1 layers and the output layer).  llama.cpp: `llama-bench -m FILE -ngl 0|N -t T -p 64
+one step (pp), medians of --repeats after a warm-up; each row's weights in VRAM, ours (the device cache) and
+llama.cpp's (-ngl N: N-1 layers and the output layer).  llama.cpp: `llama-bench -m FILE -ngl 0|N -t T -p 64
 -n 32 -r 3 -o json` (avg_ts).  --ops: also the CPU engine's decode step op by op, native and numpy
 (bench/host_step.py's table, written beside).  --blas-threads: numpy's BLAS threads in ours (ks.load's
 blas_threads; default: its policy, 1 on the CPU engine over the native kernels, --threads in layers=N).
@@ -41,6 +41,7 @@ from kestrel_stream.cli.bench import environment
 from kestrel_stream.run.blas_threads import cpu_threads_now
 
 from . import host_step
+from .offload import weight_budget_of
 from .report import write_results
 
 
@@ -171,7 +172,6 @@ def main() -> None:
             row["blas_threads"] = max(cpu_threads_now(), default=None)
             row.update({f"ours_{k}": v for k, v in mine.items()})
             if args.llama_bench:
-                from .offload import weight_budget_of
                 theirs = llama(args.llama_bench, path, ngl, args.threads, args.prompt, args.new_tokens)
                 theirs["vram_MB"] = round(weight_budget_of(path, ngl)[0] / 1e6, 1)
                 row.update({f"llama_{k}": v for k, v in theirs.items()})

@@ -5,14 +5,14 @@ roofline of each row, in one run.
         [--llama-bench PATH/llama-bench] [--sessions 16] [--out DIR]
 
 Per file and fraction f: llama.cpp runs `llama-bench -m FILE -ngl N -t T -p 0 -n NEW -r 3` with N = f x the
-layers; ours gets the weight bytes llama.cpp's -ngl N puts in VRAM, on top of what mode offload's KV pool (one session of --max-seq-len) and activations take, and decodes
---new-tokens greedy tokens after one (medians of --repeats after a warm-up).  Beside each row: the
-placement (R resident, S streamed, H host per layer), its predicted step time and the roofline
-(scheduler/offload.py: the non-resident bytes at the pool's best rate plus the resident GPU time), the
-measured step as a fraction of each, and the window alone (gpu mode, KESTREL_OFFLOAD=stream) at the same
-budget.  The pool figures come from `calibrate` forced at the start (measure_pool).  --sessions S adds
-decode of S sessions at once (ours: decode_batch; llama.cpp: llama-batched-bench -ngl N -npp 32 -ntg 32 -npl
-S when --llama-batched-bench is given).
+layers; ours gets the weight bytes llama.cpp's -ngl N puts in VRAM (ngl_weight_bytes), on top of what mode
+offload's KV pool (one session of --max-seq-len) and activations take, and decodes --new-tokens greedy tokens
+after one (medians of --repeats after a warm-up). Beside each row: the placement (R resident, S streamed, H host
+per layer), its predicted step time and the roofline (scheduler/offload.py: the non-resident bytes at the pool's
+best rate plus the resident GPU time), the measured step as a fraction of each, and the window alone (gpu mode,
+KESTREL_OFFLOAD=stream) at the same budget. The pool figures come from `calibrate` forced at the start
+(measure_pool). --sessions S adds decode of S sessions at once (ours: decode_batch; llama.cpp:
+llama-batched-bench -ngl N -npp 32 -ntg 32 -npl S when --llama-batched-bench is given).
 """
 from __future__ import annotations
 
@@ -32,18 +32,23 @@ from kestrel_stream.cli.bench import environment
 from .report import write_results
 
 
-def weight_budget_of(path: str, ngl: int) -> tuple[int, int]:
-    """(the weight bytes llama.cpp's -ngl `ngl` puts in VRAM, layer count) of a GGUF file, from the step
-    program.  llama.cpp counts its output layer as one of the N (llama-model.cpp: i_gpu_start = L + 1 - N, the
-    output layer assigned as layer L): -ngl N <= L holds the last N - 1 decoder layers and the output (lm_head,
-    a tied embedding copied), -ngl 0 nothing, -ngl > L everything."""
+def ngl_weight_bytes(config, ngl: int) -> int:
+    """The weight bytes llama.cpp's -ngl `ngl` puts in VRAM, from the step program.  llama.cpp counts its output
+    layer as one of the N (llama-model.cpp: i_gpu_start = L + 1 - N, the output layer assigned as layer L): -ngl
+    N <= L holds N - 1 decoder layers and the output (lm_head, a tied embedding copied), -ngl 0 nothing, -ngl
+    > L everything."""
     from scheduler import offload
+    per_layer, _, head = offload._layer_items(config)
+    layers = len(per_layer) if ngl > len(per_layer) else max(ngl - 1, 0)
+    return sum(sum(groups.values()) for groups in per_layer[:layers]) + (head if ngl >= 1 else 0)
+
+
+def weight_budget_of(path: str, ngl: int) -> tuple[int, int]:
+    """(ngl_weight_bytes of a GGUF file, its layer count)."""
     engine = ks.load(path, device="cpu")
     config = engine.config
     engine.close()
-    per_layer, _, head = offload._layer_items(config)
-    layers = min(max(ngl - 1, 0), len(per_layer)) if ngl <= len(per_layer) else len(per_layer)
-    return sum(sum(g.values()) for g in per_layer[:layers]) + (head if ngl >= 1 else 0), config.num_hidden_layers
+    return ngl_weight_bytes(config, ngl), config.num_hidden_layers
 
 
 def offload_budget(path: str, weight_bytes: int, max_seq_len: int, profile) -> int:
@@ -203,8 +208,9 @@ def main() -> None:
     out = write_results("offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
                         out_dir=args.out,
                         notes=(f"host memory pool (calibrate, this run): {pool}. Ours: mode offload with the weight "
-                               f"bytes llama.cpp's -ngl N puts in VRAM (N-1 layers and the output layer); llama.cpp -ngl N. {args.new_tokens} greedy tokens after "
-                               f"one, medians of {args.repeats}; llama-bench -r 3 averages."))
+                               "bytes llama.cpp's -ngl N puts in VRAM (N-1 layers and the output layer); llama.cpp "
+                               f"-ngl N. {args.new_tokens} greedy tokens after one, medians of {args.repeats}; "
+                               "llama-bench -r 3 averages."))
     print(f"wrote {out}")
 
 

@@ -115,13 +115,9 @@ def spec_rows(engine, args, resident, prompt_sets, rows: list[dict]) -> None:
 
 
 def llama_ngl(config, weight_bytes: int) -> int:
-    """The largest -ngl whose weights in VRAM (N-1 decoder layers and the output layer; all past L) fit
-    `weight_bytes`."""
-    from scheduler import offload
-    per_layer, _, head = offload._layer_items(config)
-    layer = [sum(group.values()) for group in per_layer]
-    held = [0] + [sum(layer[:n - 1]) + head for n in range(1, len(layer) + 2)]
-    return max(n for n, b in enumerate(held) if b <= weight_bytes)
+    """The largest -ngl whose weights in VRAM (bench/offload.py's ngl_weight_bytes) fit `weight_bytes`."""
+    from .offload import ngl_weight_bytes
+    return max(n for n in range(config.num_hidden_layers + 2) if ngl_weight_bytes(config, n) <= weight_bytes)
 
 
 def llama_bench_row(args, resident: float, config, draft_bytes: int) -> dict:
