@@ -26,6 +26,9 @@ left.
 from __future__ import annotations
 
 import asyncio
+# the loop's default executor (release_freed_memory runs there): imported at start, not at the first trim,
+# which can come while every file descriptor is taken (the module file could not be opened then)
+import concurrent.futures.thread  # noqa: F401
 import ctypes
 import gc
 import sys
