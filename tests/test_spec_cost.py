@@ -212,3 +212,64 @@ def test_the_daemons_trees_shrink_as_its_batch_grows():
     assert nodes[1, 256] > speculation.draft_max + 1, nodes          # more nodes than any chain: a tree
     assert nodes[1, 256] >= nodes[2, 256] >= nodes[8, 256] > nodes[32, 256], nodes
     assert 0 < nodes[1, 6] <= 6, nodes
+
+
+def test_where_auto_drafts_nothing_the_device_chains_plain_steps(monkeypatch):
+    """In VRAM (a pass of k tokens costs k times one) "auto" turns the draft off; its plain passes then run
+    chained on the device as decoding without a draft does (several steps a sync), not one sync a token:
+    the same tokens, the same syncs as plain decoding, every pass counted plain."""
+    import fake_cuda
+    from spec_engines import device_engine
+    fake_cuda.install(monkeypatch, mode="deferred")
+    weights = random_q8_weights(CONFIG, seed=2)
+    target = device_engine(weights, "gpu", max_seq_len=64)
+    plain = target.generate(PROMPT, 30)
+    assert plain.stats["syncs"] < 30                  # chained: the premise
+    draft = device_engine(weights, "gpu", max_seq_len=64)
+    target.speculation = Speculation.model(draft, CONFIG.vocab_size)
+    target.speculation.curve, target.speculation.draft_s_per_token = PROPORTIONAL, 0.0
+    out = target.generate(PROMPT, 30)
+    assert out.tokens == plain.tokens
+    assert out.stats["spec_drafted"] == 0 and out.stats["spec_plain_passes"] == out.stats["spec_passes"] == 29
+    assert out.stats["syncs"] <= plain.stats["syncs"] + 1, (out.stats["syncs"], plain.stats["syncs"])
+    target.speculation.close()
+    target.close()
+
+
+def test_plain_tokens_ahead_ends_at_the_reprobe():
+    from types import SimpleNamespace
+
+    from kestrel_stream.spec.decoder import REPROBE_PASSES, SpecDecoder
+    from kestrel_stream.text.sampling import SamplingParams
+    speculation = Speculation(Repeater(), draft_max=8, curve=PROPORTIONAL)
+    decoder = SpecDecoder(SimpleNamespace(position=0, max_seq_len=10**6), speculation.draft, 8, SamplingParams(), 0,
+                          speculation)
+    assert decoder.plain_tokens_ahead(100) == REPROBE_PASSES
+    assert decoder.plain_tokens_ahead(5) == 5 and decoder.plain_tokens_ahead(1) == 0
+    decoder.record_plain(REPROBE_PASSES - 3)
+    assert decoder.plain_tokens_ahead(100) == 3
+    assert decoder.stats.plain_passes == decoder.stats.passes == REPROBE_PASSES - 3
+    flat = Speculation(Repeater(), draft_max=8, curve=FLAT_TO_64)
+    drafting = SpecDecoder(SimpleNamespace(position=0, max_seq_len=10**6), flat.draft, 8, SamplingParams(), 0, flat)
+    assert drafting.plain_tokens_ahead(100) == 0      # the next round drafts: nothing to chain
+
+
+def test_auto_grows_trees_only_while_their_drafting_costs_little_beside_the_pass():
+    """A tree's levels are draft passes over the tree so far: where one costs far more than a chain's token, the
+    rounds go back to chains (the same depth k); cheap levels keep the tree the curve allows."""
+    from types import SimpleNamespace
+
+    from kestrel_stream.spec.decoder import SpecDecoder
+    from kestrel_stream.text.sampling import SamplingParams
+
+    class TreeRepeater(Repeater):
+        proposes_trees = True
+    speculation = Speculation(TreeRepeater(), draft_max=8, curve=FLAT_TO_64, tree_nodes=32)
+    decoder = SpecDecoder(SimpleNamespace(position=0, max_seq_len=10**6), speculation.draft, 8, SamplingParams(), 0,
+                          speculation)
+    decoder.draft_s_per_token = 1 * MS
+    assert decoder.tree_nodes(8) > 9                 # not measured yet: a tree is tried
+    decoder.tree_s_per_level = 1.05 * MS             # 8 levels 0.4 ms over the chain: within 10 % of a 10 ms pass
+    assert decoder.tree_nodes(8) > 9
+    decoder.tree_s_per_level = 5 * MS                # 32 ms over the chain's drafting
+    assert decoder.tree_nodes(8) == 9

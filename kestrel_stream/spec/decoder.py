@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 from kestrel_stream.obs import trace
 from kestrel_stream.spec.accept import verify_argmax, verify_greedy, verify_sampled
-from kestrel_stream.spec.cost import Acceptance, choose_draft_length, choose_tree_nodes
+from kestrel_stream.spec.cost import FLAT_RATIO, Acceptance, choose_draft_length, choose_tree_nodes
 from kestrel_stream.spec.tree import DraftTree, verify_tree, verify_tree_argmax
 from kestrel_stream.text.sampling import sample_logits
 
@@ -117,6 +117,7 @@ class SpecDecoder:
         self.length = DraftLength(draft_max)
         self.acceptance = Acceptance()
         self.draft_s_per_token = speculation.draft_s_per_token or 0.0
+        self.tree_s_per_level: float | None = None     # a tree's drafting time per level, once one was grown
         self.plain_run = 0          # plain passes since the last drafting one
         self.stats = SpecStats()
         # token trees (spec/tree.py) where the draft grows them and the verdict is a draw of the target's own:
@@ -139,6 +140,20 @@ class SpecDecoder:
             k = choose_draft_length(curve, Acceptance.PRIOR, k_max, batch, self.draft_s_per_token)
         return k
 
+    def plain_tokens_ahead(self, budget: int) -> int:
+        """Where the policy drafts nothing now, the plain passes it will run before it next drafts (the cost
+        model's inputs do not change over plain passes until the reprobe), at most `budget`; 0 where the next
+        round drafts.  A caller may run them chained on the device (several steps, one sync) and record them
+        with record_plain."""
+        if self.speculation.policy != "auto" or budget <= 1 or self.draft_length(budget) > 0:
+            return 0
+        return min(budget, REPROBE_PASSES - self.plain_run % REPROBE_PASSES)    # past a reprobe's "no": a stretch
+
+    def record_plain(self, passes: int) -> None:
+        """`passes` plain passes run outside next_tokens (plain_tokens_ahead's), one token each."""
+        for _ in range(passes):
+            self.record(0, 1)
+
     def tree_nodes(self, k: int, batch: int = 1) -> int:
         """The nodes of this round's tree of depth k (k + 1: a chain): under "auto" what the flat part of the
         pass-time curve carries (cost.choose_tree_nodes), under "always" the Speculation's tree_nodes; within
@@ -147,8 +162,19 @@ class SpecDecoder:
             return k + 1
         s, most = self.session, self.speculation.tree_nodes
         if self.speculation.policy == "auto":
+            if not self.trees_pay(k, batch):
+                return k + 1
             most = choose_tree_nodes(self.speculation.curve, k, max(batch, 1), most)
         return max(k + 1, min(most, s.max_seq_len - s.position))
+
+    def trees_pay(self, k: int, batch: int = 1) -> bool:
+        """Whether growing a tree of depth k costs the draft little beside the pass it rides on: its time over a
+        chain's (a tree's levels are draft passes over the tree so far, each row's logits back) within what
+        FLAT_RATIO allows a pass to grow.  Unknown before a first tree: tried."""
+        if self.tree_s_per_level is None:
+            return True
+        extra = k * max(self.tree_s_per_level - self.draft_s_per_token, 0.0)
+        return extra <= (FLAT_RATIO - 1.0) * self.speculation.curve.time_s(max(batch, 1) * (k + 1))
 
     def propose_tree(self, history: list[int], k: int, nodes: int) -> DraftTree:
         """A tree of depth <= k and <= `nodes` nodes after `history`; the draft's time is measured."""
@@ -156,8 +182,9 @@ class SpecDecoder:
         with trace.lane_span("draft", "draft", k=k, nodes=nodes):
             tree = self.stream.propose_tree(history, k, nodes, self.params)
         if len(tree) > 1:
-            per_token = (time.perf_counter() - started) / tree.depth
-            self.draft_s_per_token += DRAFT_TIME_WEIGHT * (per_token - self.draft_s_per_token)
+            per_level = (time.perf_counter() - started) / tree.depth
+            last = self.tree_s_per_level if self.tree_s_per_level is not None else per_level
+            self.tree_s_per_level = last + DRAFT_TIME_WEIGHT * (per_level - last)
         return tree
 
     def propose(self, history: list[int], k: int, step: int):

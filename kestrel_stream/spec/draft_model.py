@@ -125,7 +125,7 @@ class DraftModelStream:
             rows = s.prefill_tree(tree.tokens, tree.parents)
             s.truncate(base)
             frontier = grow_level(tree, frontier, [self._rows_in_target_vocab(rows[i]) for i in frontier], budget,
-                                  level)
+                                  level, reserve=depth - level - 1)
             if not frontier:
                 break
         return tree

@@ -17,8 +17,11 @@ rejection sampling for deterministic drafts).
 Growth (draft models): best first by the draft's chance of each path (the
 product of its probabilities along it), level by level: each level adds, to
 the nodes the level before added, at most BRANCH_WIDTHS[depth] children each,
-the most likely first, up to the round's node budget; the first levels branch,
-the deeper ones follow the draft's best token.  Prompt lookup branches where
+the most likely first, up to the round's node budget less a node for each level
+still to grow (so the best path reaches the round's depth), and beside the
+level's best candidate only those with BRANCH_SHARE of its chance (a branch
+where the draft is unsure); the first levels branch, the deeper ones follow
+the draft's best token.  Prompt lookup branches where
 earlier occurrences of the tail continued differently (lookup_tree).
 """
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kestrel_stream.text.sampling import philox_uniform, sample_logits
 
 BRANCH_WIDTHS = (4, 3, 2, 2)    # children a node may get at depth 0, 1, 2, 3; deeper: 1
 MIN_PATH_SCORE = 1e-3           # a candidate whose path the draft gives less chance is not drafted
+BRANCH_SHARE = 0.1              # nor one under this share of its level's best candidate's chance
 
 
 @dataclass
@@ -101,21 +105,39 @@ def verify_tree_argmax(picks: np.ndarray, tree: DraftTree) -> tuple[list[int], l
     return walk(tree, lambda node, out: picks[node])
 
 
-def grow_level(tree: DraftTree, frontier: list[int], rows: np.ndarray, budget: int, level: int) -> list[int]:
+def top_tokens(row: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """(the `width` most likely tokens of a logits row, the most likely first and the lower id first on ties,
+    their probabilities): a partition and one pass of exp over the row, not a sort of the vocabulary."""
+    row = np.asarray(row, np.float64)
+    width = min(width, len(row))
+    kth = np.partition(row, len(row) - width)[len(row) - width]
+    ids = np.flatnonzero(row >= kth)
+    ids = ids[np.lexsort((ids, -row[ids]))][:width]
+    top = row.max()
+    return ids, np.exp(row[ids] - top) / np.exp(row - top).sum()
+
+
+def grow_level(tree: DraftTree, frontier: list[int], rows: np.ndarray, budget: int, level: int,
+               reserve: int = 0) -> list[int]:
     """Children for the nodes of `frontier` (added by the level before; rows: the draft's logits at each of
-    them, [len(frontier), vocab]), best first, while the tree has fewer than `budget` nodes; the new nodes."""
+    them, [len(frontier), vocab]), best first, while the tree has fewer than `budget` nodes less `reserve` (one
+    for each level still to grow: the best path reaches the round's depth whatever the branches take); the new
+    nodes.  Beside the level's best candidate, a candidate needs BRANCH_SHARE of its score: a branch goes where
+    the draft's distribution is flat, not beside a token it is sure of."""
     width = BRANCH_WIDTHS[level] if level < len(BRANCH_WIDTHS) else 1
     candidates = []
     for node, row in zip(frontier, rows):
-        row = np.asarray(row, np.float64)
-        probs = np.exp(row - row.max())
-        probs /= probs.sum()
-        for token in np.argsort(-probs, kind="stable")[:width]:
-            score = tree.scores[node] * float(probs[token])
-            if score >= MIN_PATH_SCORE or token == int(np.argmax(probs)):
+        ids, probs = top_tokens(row, width)
+        for token, prob in zip(ids.tolist(), probs.tolist()):
+            score = tree.scores[node] * prob
+            if score >= MIN_PATH_SCORE or token == int(ids[0]):
                 candidates.append((-score, node, int(token)))
     candidates.sort()
-    return [tree.add(node, token, -neg) for neg, node, token in candidates[:max(budget - len(tree), 0)]]
+    if candidates:
+        floor = BRANCH_SHARE * -candidates[0][0]
+        candidates = candidates[:1] + [c for c in candidates[1:] if -c[0] >= floor]
+    room = max(budget - len(tree) - reserve, 1 if budget > len(tree) else 0)
+    return [tree.add(node, token, -neg) for neg, node, token in candidates[:room]]
 
 
 def lookup_tree(context: list[int], depth: int, budget: int, max_ngram: int) -> DraftTree:

@@ -77,14 +77,24 @@ class Generation:
         """The tokens after `token`: a chained chunk (greedy on gpu) or one step."""
         engine, params, step = self.engine, self.params, len(self.tokens)
         if self.spec is not None:
+            ahead = self.spec.plain_tokens_ahead(budget) if self._chains(params) else 0
+            if ahead > 1:               # speculation off for a while: plain steps chained, as without a draft
+                chained = engine.generate_chained(s, token, min(ahead, chunk), params, self.seed, step)
+                if chained is not None:
+                    self.spec.record_plain(len(chained))
+                    return chained
             return self.spec.next_tokens(token, self.ids + self.tokens, step, budget)
         if params.penalized:            # the penalties need the history: logits back, sampled on the host
             return [self.pick(s.decode(token), step)]
-        if engine.chain_greedy and budget > 1 and trace.active is None:
+        if self._chains(params) and budget > 1:
             chained = engine.generate_chained(s, token, min(budget, chunk), params, self.seed, step)
             if chained is not None:
                 return chained
         return [s.decode_greedy(token) if params.greedy else s.decode_sample(token, params, self.seed, step)]
+
+    def _chains(self, params) -> bool:
+        """Whether plain steps may run chained on the device (several steps, one sync)."""
+        return self.engine.chain_greedy and not params.penalized and trace.active is None
 
     def pieces(self):
         """Run the generation, yielding a Piece per token; `result` is set when it ends."""
