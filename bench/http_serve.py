@@ -82,11 +82,13 @@ def longest_request(args) -> int:
 def start_daemon(model, args, tmp: Path, devices: str | None = None):
     """``serve --http 127.0.0.1:0`` (and --serve-args; on ``devices``, a --devices list) and the base URL it logs."""
     sessions = args.max_sessions or max(args.client_counts) + (0 if args.workload == "staggered" else 4)
+    # sessions a step: llama-server decodes its -np CLIENTS slots in one batch; ours gets as many unless told
+    max_batch = args.max_batch or max(args.client_counts)
     where = ["--device", args.device] if devices is None else [
         "--devices", devices, "--device", "cpu" if devices.split(",")[0] == "cpu" else "cuda"]
     return daemons.start_daemon(model, tmp / "daemon.log", *where, "--mode", args.mode,
                                 "--socket", str(tmp / "ks.sock"), "--http", "127.0.0.1:0",
-                                "--served-model-name", "bench", "--max-batch", str(args.max_batch),
+                                "--served-model-name", "bench", "--max-batch", str(max_batch),
                                 "--max-sessions", str(sessions),
                                 *(["--max-seq-len", str(longest_request(args) + 8)]
                                   if args.prompt_texts is None else []), *shlex.split(args.serve_args),
@@ -217,6 +219,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=None, help="prompt ids are drawn below it (with "
                                                                      "--base-url; else the model's)")
     add_daemon_args(parser, clients="")
+    parser.set_defaults(max_batch=None)         # our daemon's --max-batch: the most clients (start_daemon)
     parser.add_argument("--workload", choices=["burst", "staggered"], default="burst",
                         help="burst: every client at once, same lengths; staggered: mixed lengths, Poisson arrivals "
                              "(bench/http_load.py)")

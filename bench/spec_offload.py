@@ -8,7 +8,7 @@ measurement.
         [--curve-model Q8B.gguf | --curve-preset qwen3-8b] [--curve-resident 0.25] [--curve-max 256]
         [--out DIR]
 
-For each target residency R (the share of the target's layer weights the VRAM budget leaves resident;
+For each target residency R (1: no budget, everything in VRAM; else the share of the target's layer weights the VRAM budget leaves resident;
 the draft model is loaded first, all resident, and its VRAM counted in the same budget: ks.load's
 pair budget), and each prompt of each file (files: lines of `---` between prompts; the second file
 holds prompts not used in development, one returning a 60-line function with one fix):
@@ -72,7 +72,7 @@ def load_pair(args, resident: float | None):
     """The target and the draft at `resident` (None: no budget), the draft's share inside the budget."""
     kw = dict(device=args.device, mode=args.mode, max_seq_len=args.max_seq_len, max_batch=1, draft=args.draft,
               draft_max=args.draft_max, spec_policy=args.spec_policy)
-    if resident is None:
+    if resident is None or resident >= 1:                  # everything resident: no budget
         return ks.load(args.target, **kw)
     pair = ks.load(args.target, **kw)                     # no budget: the draft's share, measured as loaded
     share, config = pair.speculation.device_bytes(), pair.config
@@ -123,7 +123,7 @@ def llama_ngl(config, weight_bytes: int) -> int:
 def llama_bench_row(args, resident: float, config, draft_bytes: int) -> dict:
     """llama-bench's tg rate at the VRAM for weights ours holds: `resident` of the target's layers and the
     draft."""
-    ngl = llama_ngl(config, int(resident * sum(layer_weight_bytes(config))) + draft_bytes)
+    ngl = 99 if resident >= 1 else llama_ngl(config, int(resident * sum(layer_weight_bytes(config))) + draft_bytes)
     command = [args.llama_bench, "-m", args.target, "-ngl", str(ngl), "-p", "0", "-n", str(args.new_tokens),
                "-r", "3", "-o", "json"]
     if args.llama_threads:
@@ -174,7 +174,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", "-m", required=True)
     p.add_argument("--draft", "-md", required=True)
-    p.add_argument("--resident", default="0.5,0.25", help="target residencies (device only)")
+    p.add_argument("--resident", default="0.5,0.25", help="target residencies (device only; 1: no budget, the "
+                   "whole pair in VRAM, llama-bench at -ngl 99)")
     p.add_argument("--prompts", default=PROMPT_FILES, help="comma-separated prompt files (--- between prompts); "
                    "empty: the pass-time curve alone")
     p.add_argument("--chat", action="store_true")
