@@ -7,14 +7,10 @@ A request is a decode (one token) or a prompt (many).  What one step holds
 (``take``), within ``step_tokens`` tokens and ``max_batch`` sessions:
 - decode tokens first, oldest first: a prompt never delays a decode by more
   than the one step it shares with it;
-- then chunks of prompts, each as much of its prompt as the budget has left;
-  a prompt longer than that goes on in the next steps (the engine continues a
-  session from its position, so a prompt cut into chunks reaches the same
-  cache as one run whole).  The prompts with the fewest tokens left go first
-  (``prompt_order="shortest"``, the default: a short prompt that comes behind
-  a long one reaches its first token a step later, not after the long one's
-  chunks), except that a prompt that has waited PROMPT_AGE_STEPS steps goes
-  before them in arrival order, so none starves; ``"arrival"``: oldest first;
+- then chunks of prompts, oldest first, each as much of its prompt as the
+  budget has left; a prompt longer than that goes on in the next steps (the
+  engine continues a session from its position, so a prompt cut into chunks
+  reaches the same cache as one run whole);
 - while a prompt waits, decodes leave it one session and one token of room,
   so prompts move on even when decodes alone would fill every step;
 - a request that must run whole (a token tree: its rows see each other in
@@ -44,8 +40,6 @@ DEFAULT_WINDOW_S = 0.001
 DEFAULT_ACTIVE_HORIZON_S = 0.05
 DEFAULT_STEP_TOKENS = 256                   # a step's budget on the host
 DEVICE_STEP_TOKENS = 2048                   # ... and on a GPU
-PROMPT_ORDERS = ("shortest", "arrival")     # which waiting prompts a step takes first
-PROMPT_AGE_STEPS = 4                        # under "shortest", a prompt waiting this many steps goes first
 
 
 def default_step_tokens(on_device: bool) -> int:
@@ -105,7 +99,6 @@ class StepBatcher:
     window_s: float = DEFAULT_WINDOW_S
     active_horizon_s: float = DEFAULT_ACTIVE_HORIZON_S      # a session counts as active this long after a request
     step_tokens: int = DEFAULT_STEP_TOKENS                  # the token budget of one step
-    prompt_order: str = "shortest"                          # PROMPT_ORDERS (the module docstring)
     queue: deque = field(default_factory=deque)
     last_request_s: dict = field(default_factory=dict)      # session_key -> time of its latest request
     batches: int = 0
@@ -119,8 +112,6 @@ class StepBatcher:
             raise ValueError(f"window_s must be >= 0, got {self.window_s}")
         if self.step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
-        if self.prompt_order not in PROMPT_ORDERS:
-            raise ValueError(f"prompt_order must be one of {', '.join(PROMPT_ORDERS)}, got {self.prompt_order!r}")
 
     def add(self, session_key: Hashable, payload: Any, now_s: float, tokens: int = 1, whole: bool = False) -> Pending:
         if tokens < 1:
@@ -216,14 +207,13 @@ class StepBatcher:
         return step
 
     def choose(self, heads: list[Pending]) -> list[tuple[Pending, int]]:
-        """(request, tokens of it) for one step, from each session's oldest request: decodes oldest first, then
-        prompts in prompt_queue's order."""
+        """(request, tokens of it) for one step, from each session's oldest request, oldest first."""
         room = min(self.max_batch, self.step_tokens)
         if room == 1:                       # one session or one token a step: strictly oldest first
             return [(heads[0], min(heads[0].remaining, self.step_tokens))]
         singles = [p for p in heads if p.remaining == 1]
-        prompts = self.prompt_queue([p for p in heads if p.remaining > 1])
-        # decodes leave the first prompt room: one token, or all of one that runs whole
+        prompts = [p for p in heads if p.remaining > 1]
+        # decodes leave the oldest prompt room: one token, or all of one that runs whole
         reserved = (prompts[0].remaining if prompts[0].whole else 1) if prompts else 0
         chosen = [(p, 1) for p in singles[:min(room - (1 if prompts else 0), self.step_tokens - reserved)]]
         tokens_left, sessions_left = self.step_tokens - len(chosen), self.max_batch - len(chosen)
@@ -237,15 +227,6 @@ class StepBatcher:
             tokens_left -= count
             sessions_left -= 1
         return chosen
-
-    def prompt_queue(self, prompts: list[Pending]) -> list[Pending]:
-        """The waiting prompts (in arrival order) in the order a step takes them (prompt_order)."""
-        if self.prompt_order == "arrival" or len(prompts) < 2:
-            return prompts
-        steps = self.log.steps
-        # sorted() is stable: aged prompts keep their arrival order, equal lengths too
-        return sorted(prompts, key=lambda p: (0, 0) if steps - p.queued_at_step >= PROMPT_AGE_STEPS
-                      else (1, p.remaining))
 
     def stats(self) -> dict:
         return {"queue_depth": self.depth, "queued_tokens": self.queued_tokens(), "batches": self.batches,

@@ -29,7 +29,7 @@ def test_a_long_prompt_is_cut_into_chunks_behind_every_decode():
 
 
 def test_prompts_go_oldest_first_and_share_what_the_budget_leaves():
-    batcher = StepBatcher(max_batch=8, step_tokens=10, prompt_order="arrival")
+    batcher = StepBatcher(max_batch=8, step_tokens=10)
     batcher.add("old", 1, 0.0, tokens=7)
     batcher.add("new", 2, 0.1, tokens=7)
     assert shape(batcher.take()) == [("old", 0, 7, True), ("new", 0, 3, False)]
@@ -39,7 +39,7 @@ def test_prompts_go_oldest_first_and_share_what_the_budget_leaves():
 def test_a_request_that_runs_whole_is_never_cut_and_decodes_leave_it_room():
     """A token tree's rows see each other in one step: it waits for a step with room for all of it, the
     prompts behind it go on, and as the oldest prompt it gets its room from the decodes."""
-    batcher = StepBatcher(max_batch=8, step_tokens=10, prompt_order="arrival")
+    batcher = StepBatcher(max_batch=8, step_tokens=10)
     batcher.add("old", 1, 0.0, tokens=6)
     batcher.add("tree", 2, 0.1, tokens=6, whole=True)
     batcher.add("new", 3, 0.2, tokens=3)
@@ -51,27 +51,6 @@ def test_a_request_that_runs_whole_is_never_cut_and_decodes_leave_it_room():
     assert shape(batcher.take()) == [("a", 0, 1, True), ("b", 0, 1, True), ("tree", 0, 8, True)]
     with pytest.raises(ValueError, match="runs whole fits a step"):
         batcher.add("big", 5, 0.4, tokens=11, whole=True)
-
-
-def test_the_shortest_prompts_go_first_until_a_longer_one_has_waited_its_steps():
-    """A short prompt behind a long one reaches its first token in the next step instead of after the long one's
-    chunks; a prompt that has waited PROMPT_AGE_STEPS steps goes first whatever its length."""
-    from scheduler.batcher import PROMPT_AGE_STEPS
-    batcher = StepBatcher(max_batch=8, step_tokens=10)
-    batcher.add("long", 1, 0.0, tokens=30)
-    batcher.add("short", 2, 0.1, tokens=4)
-    batcher.add("mid", 3, 0.2, tokens=8)
-    assert shape(batcher.take()) == [("short", 0, 4, True), ("mid", 0, 6, False)]
-    assert shape(batcher.take()) == [("mid", 6, 2, True), ("long", 0, 8, False)]
-    for i in range(PROMPT_AGE_STEPS):             # short prompts keep coming: "long" still moves, then ages
-        batcher.add(f"s{i}", i, 0.3 + i, tokens=9)
-        step = shape(batcher.take())
-        if step[0][0] == "long":
-            break
-        assert step[0] == (f"s{i}", 0, 9, True), step
-    assert step[0][0] == "long", "the long prompt waited past PROMPT_AGE_STEPS and still came after short ones"
-    with pytest.raises(ValueError, match="prompt_order"):
-        StepBatcher(prompt_order="newest")
 
 
 def test_a_session_runs_one_request_at_a_time_in_order():
@@ -158,13 +137,3 @@ def test_the_default_budget_is_larger_on_a_gpu_than_on_the_host():
     assert default_step_tokens(on_device=False) == DEFAULT_STEP_TOKENS == 256
     assert default_step_tokens(on_device=True) == DEVICE_STEP_TOKENS == 2048
     assert StepBatcher().step_tokens == DEFAULT_STEP_TOKENS
-
-
-def test_serves_flags_mirror_the_batchers_prompt_orders():
-    """serve's --help imports no scheduler: its copies of the batcher's constants must stay equal to them."""
-    from kestrel_stream.serve import flags
-    from scheduler import batcher
-    assert flags.PROMPT_ORDERS == batcher.PROMPT_ORDERS and flags.PROMPT_AGE_STEPS == batcher.PROMPT_AGE_STEPS
-    assert (flags.DEFAULT_STEP_TOKENS, flags.DEVICE_STEP_TOKENS) == (batcher.DEFAULT_STEP_TOKENS,
-                                                                     batcher.DEVICE_STEP_TOKENS)
-    assert StepBatcher().prompt_order == "shortest"

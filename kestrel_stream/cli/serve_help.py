@@ -11,7 +11,7 @@ EVERYDAY = frozenset({"--socket", "--tcp", "--devices", "--token", "--token-file
                       "--served-model-name", "--max-sessions", "--max-queue", "--no-access-log", "--temp", "--top-k", "--top-p",
                       "--min-p", "--repeat-penalty", "--presence-penalty", "--frequency-penalty", "--max-tokens"})
 TUNING = frozenset({"--route-prefix-slack", "--trace-dir", "--prefix-cache-positions", "--max-batch", "--batch-window-ms", "--step-tokens",
-                    "--prompt-order", "--inline-max-ms", "--spin-us"})
+                    "--inline-max-ms", "--spin-us"})
 
 
 class SortedFlags:

@@ -11,8 +11,6 @@ DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here 
 DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS (the host's)
 DEVICE_STEP_TOKENS = 2048       # scheduler.batcher.DEVICE_STEP_TOKENS
 MAX_STEP_TOKENS = 65536
-PROMPT_ORDERS = ("shortest", "arrival")     # scheduler.batcher.PROMPT_ORDERS
-PROMPT_AGE_STEPS = 4            # scheduler.batcher.PROMPT_AGE_STEPS
 DEFAULT_MAX_QUEUE = 256         # generations waiting for a session: 200 requests beyond 64 sessions all wait
 MAX_QUEUE = 1 << 20
 DEFAULT_PREFIX_SLACK = 4        # scheduler.replica_choice.DEFAULT_PREFIX_SLACK
@@ -74,9 +72,6 @@ def add_serve_args(p) -> None:
                    help="token budget of one engine step: every queued session's decode token, then chunks of "
                         "queued prompts up to this many tokens in all; a longer prompt runs over several steps "
                         f"(default: {DEVICE_STEP_TOKENS} on a GPU, {DEFAULT_STEP_TOKENS} on the CPU engine)")
-    p.add_argument("--prompt-order", choices=PROMPT_ORDERS, default="shortest",
-                   help="which queued prompts a step takes first: shortest (fewest tokens left; one that has waited "
-                        f"{PROMPT_AGE_STEPS} steps goes first) or arrival (oldest first)")
     p.add_argument("--inline-max-ms", type=float, default=DEFAULT_INLINE_MAX_S * 1e3,
                    help="a lone session's decode step runs on the socket reader thread, without a hop to the step "
                         "thread, while its steps take less than this (0: never)")
