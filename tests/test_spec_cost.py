@@ -273,3 +273,36 @@ def test_auto_grows_trees_only_while_their_drafting_costs_little_beside_the_pass
     assert decoder.tree_nodes(8) > 9
     decoder.tree_s_per_level = 5 * MS                # 32 ms over the chain's drafting
     assert decoder.tree_nodes(8) == 9
+
+
+def test_rounds_with_nothing_drafted_back_off_into_chained_stretches(monkeypatch):
+    """Prompt lookup in prose finds no match: after n such rounds in a row the next 2 ** n (at most 16) plain
+    passes run chained, one round tried between stretches, back to every round at the first match."""
+    from types import SimpleNamespace
+
+    from kestrel_stream.spec.decoder import EMPTY_BACKOFF_MAX, SpecDecoder
+    from kestrel_stream.text.sampling import SamplingParams
+    speculation = Speculation(Repeater(), draft_max=8, curve=FLAT_TO_64)
+    decoder = SpecDecoder(SimpleNamespace(position=0, max_seq_len=10**6), speculation.draft, 8, SamplingParams(), 0,
+                          speculation)
+    assert decoder.plain_tokens_ahead(100) == 0                       # drafting, nothing missed yet
+    for n in range(1, EMPTY_BACKOFF_MAX + 3):
+        decoder.stretched, decoder.empty_rounds = False, n
+        assert decoder.plain_tokens_ahead(100) == 2 ** min(n, EMPTY_BACKOFF_MAX)
+        decoder.record_plain(3)
+        assert decoder.plain_tokens_ahead(100) == 0                   # a round is tried after each stretch
+    assert decoder.plain_tokens_ahead(1) == 0
+
+    # end to end on the emulated device: a lookup over a prompt without repeats, greedy under "auto"
+    import fake_cuda
+    from spec_engines import device_engine
+    fake_cuda.install(monkeypatch, mode="deferred")
+    target = device_engine(random_q8_weights(CONFIG, seed=2), "gpu", max_seq_len=64)
+    plain = target.generate(PROMPT, 40)
+    target.speculation = Speculation.lookup()
+    target.speculation.curve = FLAT_TO_64
+    out = target.generate(PROMPT, 40)
+    assert out.tokens == plain.tokens
+    passes, drafting = out.stats["spec_passes"], out.stats["spec_passes"] - out.stats["spec_plain_passes"]
+    assert out.stats["syncs"] < passes - drafting, out.stats             # plain passes chained, not one sync each
+    target.close()

@@ -41,6 +41,7 @@ from kestrel_stream.text.sampling import sample_logits
 
 DRAFT_TIME_WEIGHT = 0.2     # the weight of the latest round in the draft's running time per token
 REPROBE_PASSES = 16         # after this many plain passes the acceptance turned off, one round at the prior's
+EMPTY_BACKOFF_MAX = 4       # after n rounds in a row with nothing drafted, 2 ** min(n, this) plain passes chained
 
 
 @dataclass
@@ -119,6 +120,9 @@ class SpecDecoder:
         self.draft_s_per_token = speculation.draft_s_per_token or 0.0
         self.tree_s_per_level: float | None = None     # a tree's drafting time per level, once one was grown
         self.plain_run = 0          # plain passes since the last drafting one
+        self.round_k = 0            # the latest plan's draft length (0: a plain pass by the policy)
+        self.empty_rounds = 0       # rounds in a row whose draft had nothing to propose (a lookup without a match)
+        self.stretched = False      # the latest passes ran as a chained stretch (plain_tokens_ahead)
         self.stats = SpecStats()
         # token trees (spec/tree.py) where the draft grows them and the verdict is a draw of the target's own:
         # greedy, or drafts without a distribution (a draft model's sampled chains keep rejection sampling)
@@ -141,18 +145,24 @@ class SpecDecoder:
         return k
 
     def plain_tokens_ahead(self, budget: int) -> int:
-        """Where the policy drafts nothing now, the plain passes it will run before it next drafts (the cost
-        model's inputs do not change over plain passes until the reprobe), at most `budget`; 0 where the next
-        round drafts.  A caller may run them chained on the device (several steps, one sync) and record them
-        with record_plain."""
-        if self.speculation.policy != "auto" or budget <= 1 or self.draft_length(budget) > 0:
+        """The plain passes to run before the next round tries to draft, at most `budget` (0: try now).  Where
+        the policy drafts nothing, those until the reprobe (the cost model's inputs do not change over plain
+        passes); where the draft had nothing to propose for n rounds in a row (a lookup finds no match in
+        prose), 2 ** min(n, EMPTY_BACKOFF_MAX), one round tried between stretches.  A caller may run them
+        chained on the device (several steps, one sync) and record them with record_plain."""
+        if self.speculation.policy != "auto" or budget <= 1:
             return 0
-        return min(budget, REPROBE_PASSES - self.plain_run % REPROBE_PASSES)    # past a reprobe's "no": a stretch
+        if self.draft_length(budget) == 0:
+            return min(budget, REPROBE_PASSES - self.plain_run % REPROBE_PASSES)    # past a reprobe's "no": a stretch
+        if self.stretched or not self.empty_rounds:
+            return 0
+        return min(budget, 2 ** min(self.empty_rounds, EMPTY_BACKOFF_MAX))
 
     def record_plain(self, passes: int) -> None:
         """`passes` plain passes run outside next_tokens (plain_tokens_ahead's), one token each."""
         for _ in range(passes):
             self.record(0, 1)
+        self.stretched = True
 
     def tree_nodes(self, k: int, batch: int = 1) -> int:
         """The nodes of this round's tree of depth k (k + 1: a chain): under "auto" what the flat part of the
@@ -224,7 +234,7 @@ class SpecDecoder:
         """The round after `history` (its last token the tree's root): the drafted tree or chain, or None where
         it drafts nothing (a plain step).  `batch`: the sessions sharing the target's steps; `max_nodes`: the
         most tokens the verify pass may take (None: the session's room alone)."""
-        k = self.draft_length(budget, batch)
+        k = self.round_k = self.draft_length(budget, batch)
         nodes = self.tree_nodes(k, batch)
         if max_nodes is not None:
             nodes = min(nodes, max(max_nodes, k + 1))
@@ -260,7 +270,9 @@ class SpecDecoder:
         """Feed `token` (the last of `history`, every token of the sequence so far) and return the tokens
         after it, at least one and at most `budget`; the first is output index `step` of the sampler."""
         s = self.session
+        self.stretched = False
         spec_round = self.plan(history, step, budget)
+        self.empty_rounds = 0 if spec_round is not None else self.empty_rounds + (self.round_k > 0)
         if spec_round is None:
             out = [self._plain(token, history, step)]
             self.record(0, 1)
