@@ -69,7 +69,8 @@ from .report import write_results  # noqa: E402
 BURST_COLUMNS = ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_ms", "tokens", "expected_tokens",
                  "short_streams", "error"]
 STAGGERED_COLUMNS = ["server", "clients", "requests", "completed", "refused", "lost", "tok_s", "ttft_p50_ms",
-                     "ttft_p99_ms", "generated_tokens", "prompt_tokens", "duration_s", "error"]
+                     "ttft_p99_ms", "generated_tokens", "prompt_tokens", "duration_s", "steps", "mean_step_ms",
+                     "tokens_per_step", "daemon_ttft_p50_ms", "daemon_ttft_p99_ms", "error"]
 
 
 def longest_request(args) -> int:
@@ -164,12 +165,47 @@ def rows_at(base_url: str, args, vocab: int, server: str) -> list[dict]:
     return rows
 
 
+DAEMON_FIGURES = ("kestrel_steps_total", "kestrel_decode_steps_total", "kestrel_decode_step_seconds_total",
+                  "kestrel_prompt_tokens_total", "kestrel_decode_tokens_total")
+
+
+def daemon_figures(base_url: str, headers: dict) -> dict:
+    """Our daemon's step counters from its /metrics (the daemon's own figures, read at each scrape)."""
+    text = httpx.get(base_url.rsplit("/v1", 1)[0] + "/metrics", headers=headers, timeout=30).text
+    figures = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in DAEMON_FIGURES or name in ("kestrel_ttft_p50_seconds", "kestrel_ttft_p99_seconds"):
+            figures[name] = float(value)
+    return figures
+
+
+def step_columns(before: dict, after: dict) -> dict:
+    """What the daemon's steps did over a run: steps, the mean decode step's time and tokens a step, and the
+    daemon's own time to first token (from a prompt's arrival at the daemon: the HTTP layer's share is the
+    row's TTFT less it)."""
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in DAEMON_FIGURES}
+    steps, decode_steps = delta["kestrel_steps_total"], delta["kestrel_decode_steps_total"]
+    tokens = delta["kestrel_prompt_tokens_total"] + delta["kestrel_decode_tokens_total"]
+    return {"steps": int(steps),
+            "mean_step_ms": round(1e3 * delta["kestrel_decode_step_seconds_total"] / decode_steps, 2)
+            if decode_steps else None,
+            "tokens_per_step": round(tokens / steps, 1) if steps else None,
+            "daemon_ttft_p50_ms": round(1e3 * after["kestrel_ttft_p50_seconds"], 1)
+            if "kestrel_ttft_p50_seconds" in after else None,
+            "daemon_ttft_p99_ms": round(1e3 * after["kestrel_ttft_p99_seconds"], 1)
+            if "kestrel_ttft_p99_seconds" in after else None}
+
+
 def staggered_rows(base_url: str, model: str, args, vocab: int, server: str, headers: dict) -> list[dict]:
     rows = []
     for clients in args.client_counts:
         planned = plan_requests(args.requests, vocab, args.prompt_range, args.new_range, args.rate, args.seed)
+        before = daemon_figures(base_url, headers) if server == "kestrel-stream" else None
         outcomes, started = asyncio.run(staggered(base_url, model, planned, clients, headers, args.timeout_s))
         rows.append(summary(server, clients, outcomes, started))
+        if before is not None:
+            rows[-1].update(step_columns(before, daemon_figures(base_url, headers)))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 

@@ -32,6 +32,9 @@ def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
     assert (row["server"], row["requests"], row["completed"], row["refused"], row["lost"]) == (
         "kestrel-stream", 16, 16, 0, 0), row
     assert row["tok_s"] > 0 and row["ttft_p99_ms"] >= row["ttft_p50_ms"] > 0
+    # the daemon's own step figures over the run, from /metrics
+    assert row["steps"] > 0 and row["mean_step_ms"] > 0 and row["tokens_per_step"] >= 1, row
+    assert row["daemon_ttft_p99_ms"] >= row["daemon_ttft_p50_ms"] > 0, row
     assert json.loads(proc.stdout.splitlines()[-2]) == row      # the row printed as one JSON line
 
 
