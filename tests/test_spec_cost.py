@@ -306,3 +306,30 @@ def test_rounds_with_nothing_drafted_back_off_into_chained_stretches(monkeypatch
     passes, drafting = out.stats["spec_passes"], out.stats["spec_passes"] - out.stats["spec_plain_passes"]
     assert out.stats["syncs"] < passes - drafting, out.stats             # plain passes chained, not one sync each
     target.close()
+
+
+def test_a_reprobe_that_keeps_nothing_doubles_the_wait_for_the_next_one():
+    from types import SimpleNamespace
+
+    from kestrel_stream.spec.decoder import MAX_REPROBE_DOUBLINGS, REPROBE_PASSES, SpecDecoder
+    from kestrel_stream.text.sampling import SamplingParams
+    speculation = Speculation(Repeater(), draft_max=8, curve=FLAT_TO_64)
+    decoder = SpecDecoder(SimpleNamespace(position=0, max_seq_len=10**6), speculation.draft, 8, SamplingParams(), 0,
+                          speculation)
+    while (k := decoder.draft_length(100)) > 0:     # every draft missed: drafting turned off
+        decoder.record(k, 1)
+    waits = []
+    for _ in range(MAX_REPROBE_DOUBLINGS + 2):
+        passes = 0
+        while decoder.draft_length(100) == 0:
+            assert decoder.plain_tokens_ahead(1000) == decoder.reprobe_after - passes
+            decoder.record(0, 1)
+            passes += 1
+        waits.append(passes)
+        decoder.record(decoder.draft_length(100), 1)  # the reprobe misses
+    assert waits == [REPROBE_PASSES << min(i, MAX_REPROBE_DOUBLINGS) for i in range(MAX_REPROBE_DOUBLINGS + 2)]
+    while decoder.draft_length(100) == 0:
+        decoder.record(0, 1)
+    k = decoder.draft_length(100)
+    decoder.record(k, k + 1)                          # a reprobe keeps its drafts: the wait is back to the first
+    assert decoder.failed_probes == 0 and decoder.reprobe_after == REPROBE_PASSES

@@ -11,7 +11,9 @@ k comes from the Speculation's policy: under "auto" the cost model
 (cost.choose_draft_length: the pass-time curve, the running acceptance, the
 draft's measured time per token and the batch), 0 meaning a plain step; where
 a low acceptance turned drafting off, a round at the prior acceptance's length
-every REPROBE_PASSES plain passes finds out whether the text changed; under
+every REPROBE_PASSES plain passes finds out whether the text changed (a
+reprobe that keeps nothing doubles the passes to the next one, up to
+REPROBE_PASSES << MAX_REPROBE_DOUBLINGS; one that keeps a draft resets them); under
 "always" it starts at draft_max and follows the acceptance (+2 after a fully
 kept chain, -1 after a miss, at least 1).
 
@@ -41,6 +43,7 @@ from kestrel_stream.text.sampling import sample_logits
 
 DRAFT_TIME_WEIGHT = 0.2     # the weight of the latest round in the draft's running time per token
 REPROBE_PASSES = 16         # after this many plain passes the acceptance turned off, one round at the prior's
+MAX_REPROBE_DOUBLINGS = 4   # ... after each reprobe that kept nothing, twice as many, up to 16 x REPROBE_PASSES
 EMPTY_BACKOFF_MAX = 4       # after n rounds in a row with nothing drafted, 2 ** min(n, this) plain passes chained
 
 
@@ -120,6 +123,8 @@ class SpecDecoder:
         self.draft_s_per_token = speculation.draft_s_per_token or 0.0
         self.tree_s_per_level: float | None = None     # a tree's drafting time per level, once one was grown
         self.plain_run = 0          # plain passes since the last drafting one
+        self.failed_probes = 0      # reprobes in a row that kept nothing (each doubles the next one's wait)
+        self.probing = False        # the latest plan's k came from a reprobe
         self.round_k = 0            # the latest plan's draft length (0: a plain pass by the policy)
         self.empty_rounds = 0       # rounds in a row whose draft had nothing to propose (a lookup without a match)
         self.stretched = False      # the latest passes ran as a chained stretch (plain_tokens_ahead)
@@ -140,9 +145,15 @@ class SpecDecoder:
             return min(self.length.k, k_max)
         curve, batch = self.speculation.curve, max(batch, 1)
         k = choose_draft_length(curve, self.acceptance.rate, k_max, batch, self.draft_s_per_token)
-        if k == 0 and self.plain_run >= REPROBE_PASSES:
+        self.probing = k == 0 and self.plain_run >= self.reprobe_after
+        if self.probing:
             k = choose_draft_length(curve, Acceptance.PRIOR, k_max, batch, self.draft_s_per_token)
         return k
+
+    @property
+    def reprobe_after(self) -> int:
+        """Plain passes, once the policy turned drafting off, before a round at the prior's acceptance."""
+        return REPROBE_PASSES << min(self.failed_probes, MAX_REPROBE_DOUBLINGS)
 
     def plain_tokens_ahead(self, budget: int) -> int:
         """The plain passes to run before the next round tries to draft, at most `budget` (0: try now).  Where
@@ -153,7 +164,7 @@ class SpecDecoder:
         if self.speculation.policy != "auto" or budget <= 1:
             return 0
         if self.draft_length(budget) == 0:
-            return min(budget, REPROBE_PASSES - self.plain_run % REPROBE_PASSES)    # past a reprobe's "no": a stretch
+            return min(budget, self.reprobe_after - self.plain_run % self.reprobe_after)    # past a "no": a stretch
         if self.stretched or not self.empty_rounds:
             return 0
         return min(budget, 2 ** min(self.empty_rounds, EMPTY_BACKOFF_MAX))
@@ -221,6 +232,10 @@ class SpecDecoder:
         if drafted:
             self.length.update(drafted, emitted - 1)
             self.acceptance.record(drafted, emitted - 1)
+        if drafted and self.probing:
+            self.failed_probes = self.failed_probes + 1 if emitted <= 1 else 0
+        elif drafted and emitted > 1:
+            self.failed_probes = 0
         self.plain_run = 0 if drafted else self.plain_run + 1
         self.stats.record(drafted, emitted, nodes)
 
