@@ -103,13 +103,16 @@ class Outcome:
 
 
 async def staggered(base_url: str, model: str, planned: list[Planned], clients: int, headers: dict,
-                    timeout_s: float) -> tuple[list[Outcome], float]:
-    """Every planned request's outcome, and the perf_counter the run started at."""
+                    timeout_s: float, started: float | None = None) -> tuple[list[Outcome], float]:
+    """Every planned request's outcome, and the perf_counter the run started at (`started`: at that
+    perf_counter, a time of CLOCK_MONOTONIC that every process of the machine reads alike)."""
     outcomes = [Outcome(p) for p in planned]
     pending = iter(outcomes)
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits, headers=headers) as http:
-        started = time.perf_counter()
+        if started is not None:
+            await asyncio.sleep(max(started - time.perf_counter(), 0.0))
+        started = time.perf_counter() if started is None else started
 
         async def client() -> None:
             for outcome in pending:         # one iterator shared by the clients: each request is taken once
@@ -119,6 +122,32 @@ async def staggered(base_url: str, model: str, planned: list[Planned], clients: 
                 await send(http, base_url, model, outcome)
         await asyncio.gather(*(client() for _ in range(clients)))
     return outcomes, started
+
+
+def staggered_in_processes(base_url: str, model: str, planned: list[Planned], clients: int, headers: dict,
+                           timeout_s: float, processes: int) -> tuple[list[Outcome], float]:
+    """staggered() with the clients spread over `processes` processes, each with its own event loop (one loop
+    parsing every client's stream can be the slowest part of the measurement: its delays count in each
+    request's time to first token); process i takes requests i, i + P, ... with its share of the clients, all
+    starting at one moment.  The outcomes in the plan's order."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    if processes <= 1:
+        return asyncio.run(staggered(base_url, model, planned, clients, headers, timeout_s))
+    shares = [clients // processes + (i < clients % processes) for i in range(processes)]
+    started = time.perf_counter() + 1.0 + 0.1 * processes          # every process up before the first send
+    with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+        parts = [pool.submit(run_part, base_url, model, planned[i::processes], max(shares[i], 1), headers,
+                             timeout_s, started) for i in range(processes)]
+        results = [part.result() for part in parts]
+    outcomes: list[Outcome] = [None] * len(planned)
+    for i, (part, _) in enumerate(results):
+        outcomes[i::processes] = part
+    return outcomes, started
+
+
+def run_part(base_url, model, planned, clients, headers, timeout_s, started):
+    return asyncio.run(staggered(base_url, model, planned, clients, headers, timeout_s, started))
 
 
 async def send(http: httpx.AsyncClient, base_url: str, model: str, outcome: Outcome) -> None:

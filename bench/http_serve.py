@@ -44,6 +44,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shlex
 import statistics
 import subprocess
@@ -62,7 +63,7 @@ from kestrel_stream.serve.devices import parse_devices  # noqa: E402
 from . import daemons  # noqa: E402
 from .daemons import (add_daemon_args, client_counts, daemon_vocab_size, percentile, random_prompts,  # noqa: E402
                       result_name, stop_daemon)
-from .http_load import completion_body, one_request, plan_requests, staggered, summary  # noqa: E402
+from .http_load import completion_body, one_request, plan_requests, staggered_in_processes, summary  # noqa: E402
 from .llama_load import free_port  # noqa: E402
 from .report import write_results  # noqa: E402
 
@@ -70,7 +71,8 @@ BURST_COLUMNS = ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_m
                  "short_streams", "error"]
 STAGGERED_COLUMNS = ["server", "clients", "requests", "completed", "refused", "lost", "tok_s", "ttft_p50_ms",
                      "ttft_p99_ms", "generated_tokens", "prompt_tokens", "duration_s", "steps", "mean_step_ms",
-                     "tokens_per_step", "daemon_ttft_p50_ms", "daemon_ttft_p99_ms", "error"]
+                     "tokens_per_step", "daemon_ttft_p50_ms", "daemon_ttft_p99_ms", "server_ttft_p50_ms",
+                     "server_ttft_p99_ms", "error"]
 
 
 def longest_request(args) -> int:
@@ -140,7 +142,7 @@ async def round_of(base_url: str, model: str, clients: int, args, vocab: int, se
             "short_streams": len(errors), "error": next((e for e in errors if e), "")}
 
 
-def rows_at(base_url: str, args, vocab: int, server: str) -> list[dict]:
+def rows_at(base_url: str, args, vocab: int, server: str, log_path: Path | None = None) -> list[dict]:
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
 
     async def name() -> str:
@@ -150,7 +152,7 @@ def rows_at(base_url: str, args, vocab: int, server: str) -> list[dict]:
     warm = argparse.Namespace(**{**vars(args), "prompt_tokens": min(args.prompt_tokens, 16), "new_tokens": 4})
     asyncio.run(round_of(base_url, model, 2, warm, vocab, 0))
     if args.workload == "staggered":
-        return staggered_rows(base_url, model, args, vocab, server, headers)
+        return staggered_rows(base_url, model, args, vocab, server, headers, log_path)
     rows = []
     for clients in args.client_counts:
         for repeat in range(args.repeat):
@@ -197,15 +199,36 @@ def step_columns(before: dict, after: dict) -> dict:
             if "kestrel_ttft_p99_seconds" in after else None}
 
 
-def staggered_rows(base_url: str, model: str, args, vocab: int, server: str, headers: dict) -> list[dict]:
+def server_ttft(log_path: Path, requests: int) -> dict:
+    """The time to first token of the latest `requests` completions as our daemon's access log has them (from
+    the request's arrival in the app to its first token, before the chunk is written): the client's TTFT less
+    it is the time in transit, in the HTTP server and in the client's own loop.  A line is written once its
+    response is sent: the last ones may trail the client's end by a moment."""
+    for _ in range(40):
+        ttfts = [float(m.group(1)) * 1e3 for line in log_path.read_text(errors="replace").splitlines()
+                 if '"POST /v1/completions" 200' in line and (m := re.search(r" ttft=([0-9.]+)s", line))]
+        if len(ttfts) >= requests:
+            mine = ttfts[-requests:]
+            return {"server_ttft_p50_ms": round(statistics.median(mine), 1),
+                    "server_ttft_p99_ms": round(percentile(mine, 0.99), 1)}
+        time.sleep(0.05)
+    return {}
+
+
+def staggered_rows(base_url: str, model: str, args, vocab: int, server: str, headers: dict,
+                   log_path: Path | None = None) -> list[dict]:
+    """One row per client count; with our daemon's access log (`log_path`), the app's own TTFT beside."""
     rows = []
     for clients in args.client_counts:
         planned = plan_requests(args.requests, vocab, args.prompt_range, args.new_range, args.rate, args.seed)
         before = daemon_figures(base_url, headers) if server == "kestrel-stream" else None
-        outcomes, started = asyncio.run(staggered(base_url, model, planned, clients, headers, args.timeout_s))
+        outcomes, started = staggered_in_processes(base_url, model, planned, clients, headers, args.timeout_s,
+                                                   args.client_processes)
         rows.append(summary(server, clients, outcomes, started))
         if before is not None:
             rows[-1].update(step_columns(before, daemon_figures(base_url, headers)))
+        if log_path is not None:
+            rows[-1].update(server_ttft(log_path, args.requests))
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -264,6 +287,9 @@ def main() -> None:
                                                                                    "log-uniform in LOW,HIGH")
     parser.add_argument("--new-range", type=int_pair, default=(16, 256), help="staggered: max_tokens, uniform "
                                                                              "in LOW,HIGH")
+    parser.add_argument("--client-processes", type=int, default=1,
+                        help="staggered: spread the clients over this many processes, each with its own event loop "
+                             "(one loop parsing every stream can delay what it measures)")
     parser.add_argument("--rate", type=float, default=16.0, help="staggered: arrivals per second (Poisson)")
     parser.add_argument("--seed", type=int, default=0, help="staggered: the requests' seed (same for every server)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="a request not done by then is lost")
@@ -286,8 +312,9 @@ def main() -> None:
     args.prompt_texts = ([t for t in Path(args.prompt_file).read_text().split("\n---\n") if t.strip()]
                          if args.prompt_file else None)
     args.client_counts = client_counts(parser, args) or ([64] if args.workload == "staggered" else [1, 16, 32])
-    if args.prompt_tokens < 1 or args.new_tokens < 1 or args.requests < 1 or args.rate <= 0:
-        parser.error("--prompt-tokens, --new-tokens, --requests and --rate must be >= 1 (--rate > 0)")
+    if min(args.prompt_tokens, args.new_tokens, args.requests, args.client_processes) < 1 or args.rate <= 0:
+        parser.error("--prompt-tokens, --new-tokens, --requests, --client-processes and --rate must be >= 1 "
+                     "(--rate > 0)")
     if args.devices and args.base_url:
         parser.error("--devices starts our daemon once per set: give it --model or --preset, not --base-url")
     for devices in args.devices or []:
@@ -310,8 +337,8 @@ def main() -> None:
                 proc, base_url = start_daemon(model, args, Path(tmp), devices)
                 try:
                     vocab = args.vocab_size or daemon_vocab_size(Path(tmp) / "ks.sock")
-                    rows += [dict(row, devices=devices) if devices else row
-                             for row in rows_at(base_url, args, vocab, "kestrel-stream")]
+                    ours = rows_at(base_url, args, vocab, "kestrel-stream", Path(tmp) / "daemon.log")
+                    rows += [dict(row, devices=devices) if devices else row for row in ours]
                 finally:
                     stop_daemon(proc)
             if args.devices:

@@ -1,6 +1,6 @@
 """bench/http_serve.py's staggered workload end to end on the tiny preset: the requests are planned from the seed
 (the same for every server), and with fewer sessions than clients every request still completes (the admission
-queue), none refused, none lost, one JSON row written."""
+queue), none refused, none lost, one JSON row written (the clients in two processes)."""
 import json
 import subprocess
 import sys
@@ -24,7 +24,7 @@ def test_the_plan_is_the_seeds_and_stays_in_its_ranges():
 def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.http_serve", "--workload", "staggered", "--preset", "tiny",
                            "--clients", "6", "--max-sessions", "2", "--requests", "16", "--prompt-range", "8,96",
-                           "--new-range", "4,12", "--rate", "50", "--out", str(tmp_path)],
+                           "--new-range", "4,12", "--rate", "50", "--client-processes", "2", "--out", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [result] = tmp_path.glob("*.json")
@@ -35,6 +35,8 @@ def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
     # the daemon's own step figures over the run, from /metrics
     assert row["steps"] > 0 and row["mean_step_ms"] > 0 and row["tokens_per_step"] >= 1, row
     assert row["daemon_ttft_p99_ms"] >= row["daemon_ttft_p50_ms"] > 0, row
+    # the app's own time to first token (its access log) lies inside each request's as the client saw it
+    assert 0 < row["server_ttft_p50_ms"] <= row["ttft_p50_ms"], row
     assert json.loads(proc.stdout.splitlines()[-2]) == row      # the row printed as one JSON line
 
 
