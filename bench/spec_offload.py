@@ -218,6 +218,9 @@ def main(argv=None) -> list[dict]:
         emit(rows, {"kind": "load", "resident": resident, "mode": engine.mode, "device": engine.device,
                     "speculation": engine.speculation.describe(), "plan": engine.plan_summary()})
         spec_rows(engine, args, resident, prompt_sets, rows)
+        if engine.speculation.curve is not None:     # what "auto" measured and decided from: pass time by tokens
+            emit(rows, {"kind": "measured_curve", "resident": resident, **engine.speculation.curve.as_dict(),
+                        "draft_s_per_token": engine.speculation.draft_s_per_token})
         config, draft_bytes = engine.config, engine.speculation.device_bytes()
         engine.close()
         if args.llama_bench and resident is not None:

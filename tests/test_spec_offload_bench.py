@@ -52,6 +52,29 @@ def test_the_bench_runs_on_the_emulated_device_with_llama_bench(tiny_model, tmp_
     assert {r["resident"] for r in rows if r["kind"] == "pass_curve"} == {0.25}
 
 
+def test_resident_1_is_everything_in_vram_and_auto_rows_carry_the_measured_curve(tiny_model, tmp_path,
+                                                                                monkeypatch):
+    """--resident 1: no budget (the pair all in VRAM), llama-bench at -ngl 99; under "auto" a row with the pass
+    curve and the draft's time per token the policy measured and decided from."""
+    fake_cuda.install(monkeypatch, mode="deferred")
+    llama = tmp_path / "llama-bench"
+    llama.write_text("#!/bin/sh\necho '[{\"avg_ts\": 40.0}]'\n")
+    llama.chmod(llama.stat().st_mode | stat.S_IEXEC)
+    args = bench_args(tiny_model, tmp_path, "--device", "cuda", "--resident", "1", "--mode", "gpu",
+                      "--llama-bench", str(llama))
+    args[args.index("always")] = "auto"
+    at = args.index("--curve-preset")
+    del args[at:at + 4]                             # no pass-time curve: its budgets are mode offload's
+    rows = spec_offload.main(args)
+    [load] = [r for r in rows if r["kind"] == "load"]
+    assert load["resident"] == 1.0 and load["mode"] == "gpu" and "window" not in load["plan"]
+    [llama_row] = [r for r in rows if r["kind"] == "llama-bench"]
+    assert llama_row["ngl"] == 99 and "-ngl 99" in llama_row["command"]
+    [curve] = [r for r in rows if r["kind"] == "measured_curve"]
+    assert curve["resident"] == 1.0 and curve["tokens"][0] == 1 and len(curve["seconds"]) == len(curve["tokens"])
+    assert curve["draft_s_per_token"] is not None and curve["draft_s_per_token"] >= 0
+
+
 def test_llama_ngl_is_the_largest_that_fits_as_llama_cpp_counts_its_output_layer():
     """-ngl N holds N-1 layers and the output layer (-ngl 1: the output alone), every weight past L."""
     from kestrel_stream.loading.presets import PRESETS

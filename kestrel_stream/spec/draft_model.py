@@ -70,6 +70,11 @@ class DraftModelStream:
             s.truncate(common)
         return common
 
+    def _catch_up(self, ids: list[int]) -> None:
+        """Feed the tokens the session lacks, their logits unused: on the device each row's argmax comes back
+        (4 bytes a row) instead of a row of the vocabulary; on the host the last row's logits alone are made."""
+        self.session.prefill(ids, logits="argmax" if self.model.engine.device == "cuda" else "last")
+
     def propose(self, context: list[int], k: int, params, seed: int, step: int):
         """(up to k drafted tokens after `context`, their q rows [n, vocab] or None when greedy)."""
         s, vocab = self.session, self.model.target_vocab
@@ -80,7 +85,7 @@ class DraftModelStream:
         common = self._rewind(context)
         if device_greedy and self.model.engine.device == "cuda":     # k steps chained on the device, one sync
             if common < len(context) - 1:
-                s.prefill(context[common:-1], logits="last")
+                self._catch_up(context[common:-1])
             chained = self.model.engine.generate_chained(s, context[-1], k)
             if chained is not None:
                 cut = next((i for i, t in enumerate(chained) if t >= vocab), len(chained))
@@ -119,7 +124,7 @@ class DraftModelStream:
             return tree
         common = self._rewind(context)
         if common < len(context) - 1:
-            s.prefill(context[common:-1], logits="last")
+            self._catch_up(context[common:-1])
         base, frontier = s.position, [0]
         for level in range(depth):
             rows = s.prefill_tree(tree.tokens, tree.parents)
