@@ -7,7 +7,9 @@
     # JSON row each (throughput, TTFT p50/p99, refused and lost requests):
     #   python3 -m bench.http_serve --workload staggered --model qwen3-1.7b-q8_0.gguf --device cuda \
     #       --clients 64 --requests 200 --max-sessions 64 --prompt-range 32,2048 --new-range 16,256 \
-    #       --llama-server /tmp/llama/llama.cpp/build/bin/llama-server --label h200
+    #       --llama-server /tmp/llama/llama.cpp/build/bin/llama-server --client-processes 4 --label h200
+    #   (--client-processes: the clients over 4 event loops, so the load generator's own parsing of ~1,600
+    #   chunks a second does not delay what it measures; our rows also carry the daemon's and the app's own TTFT)
     # speculative decoding: the daemon's own flags after --serve-args, text prompts (client i takes prompt i mod n)
     #   python3 -m bench.http_serve --model M.gguf --device cuda --serve-args "-md D.gguf --vram-budget 1GB" \
     #       --prompt-file bench/speculative_prompts.txt --clients 1,32
