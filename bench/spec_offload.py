@@ -17,8 +17,9 @@ holds prompts not used in development, one returning a 60-line function with one
     --lookup, prompt lookup; speedup over plain, acceptance, tokens per target pass, tree nodes, and
     (greedy) whether the tokens equal plain decoding's;
   - "llama-bench" (--llama-bench PATH): `llama-bench -m TARGET -ngl N -p 0 -n N_NEW -r 3 -o json` with N the
-    largest whose weights in VRAM fit ours (R of the target's layers and the draft): llama.cpp's -ngl N holds
-    N-1 layers and the output layer (bench/offload.py's weight_budget_of).
+    largest whose weights in VRAM fit ours, counted two ways (vram "pair": R of the target's layers and the
+    draft; "target": R of the target's layers alone, llama-speculative's -ngl beside its draft): llama.cpp's
+    -ngl N holds N-1 layers and the output layer (bench/offload.py's weight_budget_of).
 "pass_curve" rows: the pass time of 1, 2, 4, ... --curve-max tokens (every row's logits, as a verify pass
 wants them) on --curve-model (a qwen3-8b-shaped file) or --curve-preset's random weights at
 --curve-resident.  On the CPU (--device cpu) budgets do not apply: rows say resident null.
@@ -120,18 +121,25 @@ def llama_ngl(config, weight_bytes: int) -> int:
     return max(n for n in range(config.num_hidden_layers + 2) if ngl_weight_bytes(config, n) <= weight_bytes)
 
 
-def llama_bench_row(args, resident: float, config, draft_bytes: int) -> dict:
-    """llama-bench's tg rate at the VRAM for weights ours holds: `resident` of the target's layers and the
-    draft."""
-    ngl = 99 if resident >= 1 else llama_ngl(config, int(resident * sum(layer_weight_bytes(config))) + draft_bytes)
-    command = [args.llama_bench, "-m", args.target, "-ngl", str(ngl), "-p", "0", "-n", str(args.new_tokens),
-               "-r", "3", "-o", "json"]
-    if args.llama_threads:
-        command += ["-t", str(args.llama_threads)]
-    out = subprocess.run(command, capture_output=True, text=True, check=True)
-    result = json.loads(out.stdout)[0]
-    return {"kind": "llama-bench", "resident": resident, "ngl": ngl, "tok_s": round(float(result["avg_ts"]), 2),
-            "command": " ".join(command)}
+def llama_bench_rows(args, resident: float, config, draft_bytes: int) -> list[dict]:
+    """llama-bench's tg rate at the VRAM for weights ours holds, read two ways: `resident` of the target's
+    layers and the draft ("pair": plain llama.cpp gets the draft's VRAM for the target too), and the target's
+    share alone ("target": what llama-speculative's -ngl gets beside its resident draft, -ngld 99)."""
+    share = int(resident * sum(layer_weight_bytes(config)))
+    rows = []
+    for counted, extra in (("pair", draft_bytes), ("target", 0)):
+        ngl = 99 if resident >= 1 else llama_ngl(config, share + extra)
+        if rows and rows[-1]["ngl"] == ngl:
+            continue
+        command = [args.llama_bench, "-m", args.target, "-ngl", str(ngl), "-p", "0", "-n", str(args.new_tokens),
+                   "-r", "3", "-o", "json"]
+        if args.llama_threads:
+            command += ["-t", str(args.llama_threads)]
+        out = subprocess.run(command, capture_output=True, text=True, check=True)
+        result = json.loads(out.stdout)[0]
+        rows.append({"kind": "llama-bench", "resident": resident, "vram": counted, "ngl": ngl,
+                     "tok_s": round(float(result["avg_ts"]), 2), "command": " ".join(command)})
+    return rows
 
 
 def pass_curve_rows(args, rows: list[dict]) -> None:
@@ -224,7 +232,8 @@ def main(argv=None) -> list[dict]:
         config, draft_bytes = engine.config, engine.speculation.device_bytes()
         engine.close()
         if args.llama_bench and resident is not None:
-            emit(rows, llama_bench_row(args, resident, config, draft_bytes))
+            for row in llama_bench_rows(args, resident, config, draft_bytes):
+                emit(rows, row)
     if args.curve_model or args.curve_preset:
         pass_curve_rows(args, rows)
     if args.out:
@@ -234,8 +243,8 @@ def main(argv=None) -> list[dict]:
                  f"best of {args.repeats}; decode tok/s (the prefill's token excluded)")
         out = write_results("spec-offload", environment(), rows,
                             ["kind", "resident", "prompt_set", "prompt", "draft", "tree_nodes", "tok_s", "speedup",
-                             "acceptance", "tokens_per_pass", "mean_tree_nodes", "same_tokens", "ngl", "tokens", "ms",
-                             "vs_one"], notes=notes, out_dir=Path(args.out))
+                             "acceptance", "tokens_per_pass", "mean_tree_nodes", "same_tokens", "vram", "ngl", "tokens",
+                             "ms", "vs_one"], notes=notes, out_dir=Path(args.out))
         print(f"wrote {out}", file=sys.stderr)
     return rows
 

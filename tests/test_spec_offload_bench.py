@@ -45,9 +45,12 @@ def test_the_bench_runs_on_the_emulated_device_with_llama_bench(tiny_model, tmp_
     assert [r["resident"] for r in loads] == [0.5, 0.25] and all(r["device"] == "cuda" for r in loads)
     assert all(r["same_tokens"] for r in rows if r["kind"] == "spec")
     llama_rows = [r for r in rows if r["kind"] == "llama-bench"]
-    # llama.cpp gets the VRAM ours holds, the draft's included: the draft is the target itself here, whose
-    # bytes alone hold every weight of its 2 layers and output (-ngl 3, = L + 1) at both residencies
-    assert [(r["ngl"], r["tok_s"]) for r in llama_rows] == [(3, 12.5), (3, 12.5)]
+    # llama.cpp gets the VRAM ours holds, the draft's included ("pair"): the draft is the target itself here,
+    # whose bytes alone hold every weight of its 2 layers and output (-ngl 3, = L + 1) at both residencies; and
+    # the target's share alone ("target"): one layer's bytes at 50 % (86 KB), half of one at 25 %; -ngl 1 (the
+    # output layer alone, 18 KB: llama.cpp counts it first) fits both, -ngl 2 (a layer more, 104 KB) neither
+    assert [(r["vram"], r["ngl"], r["tok_s"]) for r in llama_rows] == [
+        ("pair", 3, 12.5), ("target", 1, 12.5), ("pair", 3, 12.5), ("target", 1, 12.5)], llama_rows
     assert "-ngl 3" in llama_rows[0]["command"]
     assert {r["resident"] for r in rows if r["kind"] == "pass_curve"} == {0.25}
 
