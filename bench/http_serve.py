@@ -154,6 +154,11 @@ def rows_at(base_url: str, args, vocab: int, server: str, log_path: Path | None 
     warm = argparse.Namespace(**{**vars(args), "prompt_tokens": min(args.prompt_tokens, 16), "new_tokens": 4})
     asyncio.run(round_of(base_url, model, 2, warm, vocab, 0))
     if args.workload == "staggered":
+        # every client at once with the longest prompt: each server meets the step sizes and batches the run will
+        # (ours compiles a kernel the first time a shape needs it: the first run after a start was the slowest)
+        longest = argparse.Namespace(**{**vars(args), "prompt_tokens": args.prompt_range[1], "new_tokens": 4,
+                                        "prompt_texts": None})
+        asyncio.run(round_of(base_url, model, max(args.client_counts), longest, vocab, 1))
         return staggered_rows(base_url, model, args, vocab, server, headers, log_path)
     rows = []
     for clients in args.client_counts:
