@@ -905,49 +905,58 @@ static void act_tiles(const matmul_t *m, int t0, uint8_t *bytes, float *d, float
 }
 
 #define TILE_ROWS 16
+#define PASS_ROWS 8     /* rows whose int32 sums the quad loop keeps in registers at once (2 levels each) */
 
-/* out[r][l] for 8 rows and 16 token lanes; group, act_group and has_mins are constants in each caller,
-   so the quad loop unrolls and the accumulators stay in registers. */
+/* out[r][l] for TILE_ROWS rows and 16 token lanes; group, act_group and has_mins are constants in each
+   caller, so the quad loop unrolls.  Within a group the rows go in passes of PASS_ROWS: 8 rows' two levels
+   of sums (16 zmm) with the two activation quads and the weight broadcast fit the 32 registers (16 rows'
+   did not: the hot loop spilled); the group's activation quads are read again from L1 by the second pass.
+   Each row's sums run in the same order either way (the results are the same bits). */
 TARGET_VNNI static inline __attribute__((always_inline)) void lanes_kernel(
     const int group, const int act_group, const int has_mins, int K, const int8_t *const *vals,
     const float *const *scale, const float *const *mins, const int32_t *const *sums, const uint8_t *bytes,
     const float *d, const float *asums, float out[TILE_ROWS][LANES]) {
     __m512 total[TILE_ROWS], part[TILE_ROWS];
     for (int r = 0; r < TILE_ROWS; r++) total[r] = part[r] = _mm512_setzero_ps();
+    const uint8_t *lb = bytes + (size_t)K * LANES;
     for (int g0 = 0; g0 < K; g0 += group) {
         const int gi = g0 / group;
-        /* both levels in one pass, each weight broadcast read once for both */
-        __m512i acc[TILE_ROWS], acc_lo[TILE_ROWS];
-        for (int r = 0; r < TILE_ROWS; r++) acc[r] = acc_lo[r] = _mm512_set1_epi32(-sums[r][gi]);
-        const uint8_t *lb = bytes + (size_t)K * LANES;
-        for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
-            __m512i a = _mm512_load_si512((const void *)(bytes + (size_t)q * 64));
-            __m512i al = _mm512_load_si512((const void *)(lb + (size_t)q * 64));
-            for (int r = 0; r < TILE_ROWS; r++) {
-                int32_t wv;
-                memcpy(&wv, vals[r] + 4 * q, 4);
-                const __m512i wb = _mm512_set1_epi32(wv);
-                acc[r] = _mm512_dpbusd_epi32(acc[r], a, wb);
-                acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], al, wb);
+        for (int r0 = 0; r0 < TILE_ROWS; r0 += PASS_ROWS) {
+            /* both levels in one pass, each weight broadcast read once for both */
+            __m512i acc[PASS_ROWS], acc_lo[PASS_ROWS];
+            for (int r = 0; r < PASS_ROWS; r++) acc[r] = acc_lo[r] = _mm512_set1_epi32(-sums[r0 + r][gi]);
+            for (int q = g0 / 4; q < (g0 + group) / 4; q++) {
+                __m512i a = _mm512_load_si512((const void *)(bytes + (size_t)q * 64));
+                __m512i al = _mm512_load_si512((const void *)(lb + (size_t)q * 64));
+                for (int r = 0; r < PASS_ROWS; r++) {
+                    int32_t wv;
+                    memcpy(&wv, vals[r0 + r] + 4 * q, 4);
+                    const __m512i wb = _mm512_set1_epi32(wv);
+                    acc[r] = _mm512_dpbusd_epi32(acc[r], a, wb);
+                    acc_lo[r] = _mm512_dpbusd_epi32(acc_lo[r], al, wb);
+                }
+            }
+            for (int r = 0; r < PASS_ROWS; r++) acc[r] = _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc_lo[r]);
+            if (act_group == 32) {
+                __m512 ad = _mm512_load_ps(d + (size_t)gi * LANES);
+                for (int r = 0; r < PASS_ROWS; r++)
+                    total[r0 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]),
+                                                    _mm512_mul_ps(_mm512_set1_ps(scale[r0 + r][gi]), ad), total[r0 + r]);
+            } else {
+                for (int r = 0; r < PASS_ROWS; r++) {
+                    part[r0 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(scale[r0 + r][gi]),
+                                                   part[r0 + r]);
+                    if (has_mins)
+                        part[r0 + r] = _mm512_fnmadd_ps(_mm512_set1_ps(mins[r0 + r][gi]),
+                                                        _mm512_load_ps(asums + (size_t)gi * LANES), part[r0 + r]);
+                }
             }
         }
-        for (int r = 0; r < TILE_ROWS; r++) acc[r] = _mm512_add_epi32(_mm512_slli_epi32(acc[r], 7), acc_lo[r]);
-        if (act_group == 32) {
-            __m512 ad = _mm512_load_ps(d + (size_t)gi * LANES);
-            for (int r = 0; r < TILE_ROWS; r++)
-                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_mul_ps(_mm512_set1_ps(scale[r][gi]), ad), total[r]);
-        } else {
+        if (act_group != 32 && (g0 + group) % 256 == 0) {
+            __m512 ad = _mm512_load_ps(d + (size_t)(g0 / 256) * LANES);
             for (int r = 0; r < TILE_ROWS; r++) {
-                part[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r]), _mm512_set1_ps(scale[r][gi]), part[r]);
-                if (has_mins)
-                    part[r] = _mm512_fnmadd_ps(_mm512_set1_ps(mins[r][gi]), _mm512_load_ps(asums + (size_t)gi * LANES), part[r]);
-            }
-            if ((g0 + group) % 256 == 0) {
-                __m512 ad = _mm512_load_ps(d + (size_t)(g0 / 256) * LANES);
-                for (int r = 0; r < TILE_ROWS; r++) {
-                    total[r] = _mm512_fmadd_ps(part[r], ad, total[r]);
-                    part[r] = _mm512_setzero_ps();
-                }
+                total[r] = _mm512_fmadd_ps(part[r], ad, total[r]);
+                part[r] = _mm512_setzero_ps();
             }
         }
     }
