@@ -23,9 +23,9 @@ pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compile
 # K not a multiple of 256 where the format allows it; N odd
 SHAPES = {"Q8_0": [(67, 800), (5, 96)], "Q4_0": [(67, 800), (5, 96)], "Q4_K": [(67, 768), (3, 256)],
           "Q6_K": [(67, 768), (3, 256)]}
-# 1, 2, 5: a dot product per row and token (5: lanes for Q4_0); 7, 17, 64: with VNNI, 16 tokens in lanes (partial
-# groups too; host_kernels.c, ks_lanes_min_tokens)
-TOKENS = (1, 2, 5, 7, 17, 64)
+# 1, 2, 5: a dot product per row and token; 6 (the first in lanes), 7, 17, 64: with VNNI, 16 tokens in lanes
+# (partial groups too; host_kernels.c, ks_lanes_min_tokens)
+TOKENS = (1, 2, 5, 6, 7, 17, 64)
 FORMATS_ORDER = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")
 
 

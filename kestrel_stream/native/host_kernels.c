@@ -1008,11 +1008,13 @@ static void *scratch_for(size_t bytes) {
 #define ROW_TILE 16
 
 /* From this many tokens the VNNI path runs 16 tokens in lanes (lanes_kernel), per format; fewer: a dot
-   product per row and token.  Measured on one core (2048x2048, thread time): a group of 16 lanes costs
-   about as much as 5-6 (Q8_0), 3-4 (Q4_0), 5-6 (Q4_K) or 4-5 (Q6_K) tokens' dot products.  A group of
-   8 lanes (256-bit) was tried and cost the same as 16: the per-row work (unpacking, broadcasts,
-   scales per group) does not shrink with the lanes. */
-int ks_lanes_min_tokens[4] = {6, 4, 6, 5};
+   product per row and token.  Measured on one core of the 2-core VM (2048x2048, 1 thread, the rows in passes
+   of 8): a group of 16 lanes costs 1.12-1.15 ms, the dot products of 5 / 6 tokens 1.01 / 1.19 ms (Q8_0) and
+   1.02 / 1.46 ms (Q4_0), so both switch at 6 (Q4_0 switched at 4 before, where lanes cost 1.45x the dots).
+   Q4_K and Q6_K under VNNI are repacked (host_kquants.c) and take neither path; their entries serve a
+   build that keeps their blocks.  A group of 8 lanes (256-bit) was tried and cost the same as 16: the
+   per-row work (unpacking, broadcasts, scales per group) does not shrink with the lanes. */
+int ks_lanes_min_tokens[4] = {6, 6, 6, 5};
 
 static void rmsnorm_row(const float *xr, const float *wr, int n, float eps, float *o);
 
