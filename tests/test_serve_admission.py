@@ -11,6 +11,7 @@ import threading
 import time
 
 import anyio
+import httpx
 import pytest
 from http_helpers import chat_model, metric
 from inprocess_daemon import MODEL_NAME, InProcessDaemon, http_answer, http_request
@@ -326,7 +327,9 @@ def test_sigterm_answers_queued_generations_at_once_and_the_daemon_stops(model, 
             data += holder.recv(65536)
         queued = sockets.create_connection(("127.0.0.1", port), timeout=30)
         queued.sendall(http_request("POST", "/v1/completions", body(8)))
-        time.sleep(0.5)                             # in the queue behind the stream
+        # in the queue behind the stream (polled: a fixed sleep let the stream finish first on a fast machine)
+        wait_for(lambda: metric(httpx.get(d.base_url.removesuffix("/v1") + "/metrics", timeout=10).text,
+                                "kestrel_admission_queue_depth") == 1, timeout_s=10)
         started = time.monotonic()
         d.proc.send_signal(signal.SIGTERM)
         status, answer = http_answer(queued)
