@@ -1,6 +1,6 @@
 """Per-kernel GPU timings at the qwen3-1.7b shapes: time and GB/s of the q8 mat-vec, plus the others.
 
-    PYTHONPATH=. python3 -m bench.gpu_kernels [--out DIR] [--commit HASH]
+    PYTHONPATH=. python3 -m bench.gpu_kernels [--out DIR] [--commit HASH] [--multi-only]
 
 Each kernel is captured `REPEATS` times into one CUDA graph and timed with
 events around replays, so Python launch overhead is out of the figure.  Weight
@@ -60,6 +60,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=os.environ.get("KESTREL_COMMIT"))
+    parser.add_argument("--multi-only", action="store_true",
+                        help="the steps of 2..16 tokens (and each shape's default one-token layout, programmatic)")
     args = parser.parse_args()
     device = driver.Device(0)
     kernels, stream = KernelSet(device), driver.Stream()
@@ -80,10 +82,13 @@ def main() -> None:
         driver.h2d_sync(x.ptr, rng.standard_normal((64, max(k, n))).astype(np.float32))
         driver.h2d_sync(counter, np.zeros(16, np.uint32))
         cases = [(1, variant, epilogue, programmatic) for variant in gemv_variants.VARIANTS
-                 for epilogue in ("plain", "silu", "residual+xn+rms") for programmatic in (False, True)]
+                 for epilogue in ("plain", "silu", "residual+xn+rms") for programmatic in (False, True)
+                 if not args.multi_only or (variant == gemv_variants.m1_variant(n, k) and programmatic)]
         cases += [(m, variant, "plain", programmatic) for m in (2, 4, 8) for variant in gemv_variants.MULTI_VARIANTS
-                  for programmatic in (False, True)]
-        cases += [(64, None, "plain", False)]
+                  for programmatic in (False, True) if not args.multi_only or programmatic]
+        # the fp16 tensor-core GEMV of 2..16 tokens (q8_gemv_hmma.cu), every layout; the int8 mma at 16
+        cases += [(m, variant, "plain", True) for m in (2, 4, 8, 16) for variant in gemv_variants.HMMA_VARIANTS]
+        cases += [(16, "16x64", "plain", False)] if args.multi_only else [(64, None, "plain", False)]
         for m, variant, epilogue, programmatic in cases:
             extra = {"plain": {}, "silu": dict(silu_pairs=True, inv_rms_in=x.ptr),
                      "residual+xn+rms": dict(res=y.ptr, normw_out=x.ptr, xn_out=xn.ptr, inv_rms_out=rms.ptr,
@@ -95,7 +100,7 @@ def main() -> None:
                 launch.programmatic = programmatic
             us = time_graph_us(stream, lambda i: launches[i % copies].enqueue(stream))
             gb_s = weight_bytes / us / 1e3
-            name = "q8_matmul (64 tokens)" if m > 8 else f"{launches[0].name} {epilogue}"
+            name = f"{launches[0].name} {epilogue}"
             rows.append({"kernel": name, "shape": f"{label} {n}x{k}", "M": m, "pdl": programmatic,
                          "us": round(us, 2), "weight_GB_s": round(gb_s, 1),
                          "TFLOP_s": round(2 * n * k * m / us / 1e6, 2),
@@ -106,7 +111,7 @@ def main() -> None:
             arena.free(ptr)
     best = best_variants(rows)
     print("\n".join(best), flush=True)
-    rows += other_kernels(kernels, arena, stream, rng)
+    rows += [] if args.multi_only else other_kernels(kernels, arena, stream, rng)
     env = environment()
     env["machine"] = driver.detect()
     env["commit"] = args.commit or env["commit"]

@@ -118,7 +118,7 @@ class Options:
     def from_env(cls, environ=None, **given) -> "Options":
         """The environment's settings, overridden by `given` (flags, ks.load arguments)."""
         from kestrel_stream.cuda import moe_kernels, q4_gemv_variants
-        from kestrel_stream.cuda.gemv_variants import MULTI_VARIANTS, VARIANTS    # (see with_)
+        from kestrel_stream.cuda.gemv_variants import HMMA_VARIANTS, MULTI_VARIANTS, VARIANTS    # (see with_)
         env = os.environ if environ is None else environ
         m1 = env.get("KESTREL_GEMV_M1")
         if m1 is None and env.get("KESTREL_GEMV_M1_ROWS"):
@@ -127,9 +127,9 @@ class Options:
             raise ValueError(f"KESTREL_GEMV_M1={m1!r}: not a GEMV variant; one of "
                              f"{', '.join(repr(v) for v in VARIANTS)}")
         mn = env.get("KESTREL_GEMV_MN")
-        if mn is not None and mn not in MULTI_VARIANTS:
+        if mn is not None and mn not in MULTI_VARIANTS and mn not in HMMA_VARIANTS:
             raise ValueError(f"KESTREL_GEMV_MN={mn!r}: not a multi-token GEMV variant; one of "
-                             f"{', '.join(repr(v) for v in MULTI_VARIANTS)}")
+                             f"{', '.join(repr(v) for v in (*MULTI_VARIANTS, *HMMA_VARIANTS))}")
         block = env.get("KESTREL_GEMV_BLOCK")
         if block is not None and block not in q4_gemv_variants.ALL_VARIANTS:
             raise ValueError(f"KESTREL_GEMV_BLOCK={block!r}: not a block-format GEMV layout; one of "

@@ -26,14 +26,14 @@ def rows(ptr: int, count: int, stride: int, width: int) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(span, (count, width), (4 * stride, 4))
 
 
-def take_ticket(counter: int, sums: bool = False, tickets: int = 1) -> None:
+def take_ticket(counter: int, sums: bool = False, tickets: int = 1, sum_floats: int = 8) -> None:
     """The last-block tickets must be zero at launch (each kernel's last block resets its own; q8_mma
     has one per row of token blocks, up to 8), and so must the GEMV's per-token sums of squares
-    behind them (floats 8..15 of the 64-byte scratch)."""
+    behind them (floats 8.. of the scratch: 8 for q8_gemv.cu, 16 for q8_gemv_hmma.cu)."""
     ticket = dev(counter, 4 * tickets, np.uint32)
     assert not ticket.any(), f"ticket counters at {counter:#x} are {ticket}, not 0, at launch"
     if sums:
-        assert not dev(counter + 32, 32, np.float32).any(), f"GEMV sums at {counter + 32:#x} not zero at launch"
+        assert not dev(counter + 32, 4 * sum_floats, np.float32).any(), f"GEMV sums at {counter + 32:#x} not zero at launch"
 
 
 def q8_dense(qs: int, scales: int, n: int, k: int) -> np.ndarray:
@@ -100,12 +100,12 @@ def q8_product(launch, qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, x
 
 
 def gemv_epilogues(launch, s, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N, ntok,
-                   tokens: int, silu: bool, sums: bool, tickets: int) -> None:
+                   tokens: int, silu: bool, sums: bool, tickets: int, sum_floats: int = 8) -> None:
     """What every GEMV/GEMM kernel does with its products s [tokens, N]: inv_rms_in, SiLU pairs, residual,
     y, xn and the last block's inv_rms (the tickets and sums it finds must be zero)."""
     assert not silu or N % 2 == 0, "SiLU pairs need an even row count"
     if inv_rms_out:
-        take_ticket(counter, sums=sums, tickets=tickets)
+        take_ticket(counter, sums=sums, tickets=tickets, sum_floats=sum_floats)
     if inv_rms_in:
         s *= f32(inv_rms_in, tokens)[:, None]
     out = silu_mul(s[:, 0::2], s[:, 1::2]) if silu else s
@@ -129,6 +129,11 @@ def q8_gemv(launch, *args) -> None:
     assert all((x + 4 * m * ldx) % 16 == 0 for m in range(tokens)), f"{name}: x rows not 16-byte aligned"
     assert args[0] % 16 == 0 and args[14] % 16 == 0, f"{name}: 16-byte weight loads misaligned"
     q8_product(launch, *args, tokens=tokens, silu=silu)
+
+
+def q8_hmma(launch, *args) -> None:
+    from fake_hmma import q8_hmma as twin   # its own file; it imports this one
+    twin(launch, *args)
 
 
 def q8_matmul(launch, *args) -> None:
@@ -384,6 +389,7 @@ KERNELS = BLOCK_KERNELS + DENSE_KERNELS + MOE_KERNELS + [
     (r"sample_candidates", sample_candidates),
     (r"sample_finish", sample_finish),
     (r"q8_gemv_m[1-8]_[a-z0-9]+(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
+    (r"q8_hmma_t(8|16)_k\d+u\d+(_silu)?", q8_hmma),
     (r"q8_matmul(_silu)?", q8_matmul),
     (r"q8_mma_\d+x\d+(k\d+)?(p\d+c\d+(x2)?(b\d+)?)?(_silu)?", q8_mma),
     (r"q8_f16mma_\w+", q8_f16mma),

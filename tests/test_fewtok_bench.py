@@ -42,8 +42,8 @@ def test_installed_swaps_the_choice_and_the_scratch_tiles_then_restores():
 
 
 def test_decode_rows_run_the_winner_on_the_emulated_device(monkeypatch):
-    """run_choice on a toy qwen3 (emulated device): the winners' down projection is the pipelined 32-token
-    tile split 4 ways, and the decode rows come out with their per-op times."""
+    """run_choice on a toy qwen3 (emulated device): the winners' down projection of 32 sessions is the
+    pipelined 32-token tile split 4 ways, and the decode rows come out with their per-op times."""
     import argparse
 
     import fake_cuda
@@ -52,16 +52,16 @@ def test_decode_rows_run_the_winner_on_the_emulated_device(monkeypatch):
     from kestrel_stream.run.compat import GpuExecutor
     fake_cuda.install(monkeypatch, mode="deferred")
     weights = random_q8_weights(CONFIG, seed=5)
-    table = {(CONFIG.hidden_size, CONFIG.intermediate_size): [(16, "32x64k64p4c256s4")]}
-    with fewtok_decode.installed(table):
-        gpu = GpuExecutor(weights, max_seq_len=16, max_batch=16, max_sessions=17)
-        down = [launch for launch in gpu.steps.step_launches(16) if launch.labels.get("op") == "down"]
+    table = {(CONFIG.hidden_size, CONFIG.intermediate_size): [(32, "32x64k64p4c256s4")]}
+    with fewtok_decode.installed(table):   # (up to 16 tokens take the fp16 GEMV of q8_gemv_hmma.cu)
+        gpu = GpuExecutor(weights, max_seq_len=16, max_batch=32, max_sessions=33)
+        down = [launch for launch in gpu.steps.step_launches(32) if launch.labels.get("op") == "down"]
         assert down and all(l.name == "q8_mma_32x64k64p4c256" and l.grid[2] == 4 for l in down), \
             [(l.name, l.grid) for l in down]
         gpu.close()
         args = argparse.Namespace(prompt_len=3, new_tokens=2, ops=True)
-        rows = fewtok_decode.run_choice(weights, args, [9, 16], "winners")
-    assert [r["sessions"] for r in rows] == [9, 16] and all(r["tok_s"] > 0 and r["ops_us"]["down"] >= 0 for r in rows)
+        rows = fewtok_decode.run_choice(weights, args, [17, 32], "winners")
+    assert [r["sessions"] for r in rows] == [17, 32] and all(r["tok_s"] > 0 and r["ops_us"]["down"] >= 0 for r in rows)
 
 
 def test_split_count_keeps_one_session_at_most_splits_and_trims_batches():

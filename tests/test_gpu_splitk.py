@@ -12,7 +12,7 @@ import pytest
 
 import fake_cuda
 from fake_kernels import mma_product
-from kestrel_stream.cuda import driver, mma_variants
+from kestrel_stream.cuda import gemv_variants, driver, mma_variants
 from kestrel_stream.model.quant import quantize
 from kestrel_stream.run.host import silu_mul
 
@@ -182,7 +182,8 @@ def test_chosen_split_runs_in_the_device_states_scratch(dev, tokens, rows, k):
     scratch = mma_variants.SplitScratch(dev.put(np.zeros(floats, np.float32)), floats,
                                         dev.put(np.zeros(tickets, np.uint32)), tickets)
     bufs = case.upload(dev)
-    launch = case.launch(dev, bufs, None, scratch)
+    # up to 16 tokens a step takes q8_gemv_hmma.cu by default: the split GEMM is then asked for by name
+    launch = case.launch(dev, bufs, variant if tokens <= gemv_variants.HMMA_MAX_TOKENS else None, scratch)
     assert launch.grid[2] == splits
     launch.enqueue(dev.stream)
     got = dev.get(bufs["y"], (tokens, rows))

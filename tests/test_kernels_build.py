@@ -116,6 +116,25 @@ def test_gemv_variant_table_matches_the_kernel_source():
     assert gemv_variants.parse("q8_gemv_m5_o64r4u2") == (5, gemv_variants.MULTI_VARIANTS["o64r4u2"], False)
 
 
+def test_hmma_layouts_match_the_kernel_source():
+    """Every fp16 tensor-core layout of 2..16 tokens (q8_gemv_hmma.cu) is defined with the table's warps and
+    loads in flight, for 8 and 16 tokens, plain and SiLU; the default picks one for every weight shape."""
+    import re
+    from kestrel_stream.cuda import gemv_variants
+    source = (build.source_dir() / "q8_gemv_hmma.cu").read_text()
+    defined = {"h" + m[3]: gemv_variants.Variant(32 * int(m[1]), 16 * int(m[0]), int(m[2]))
+               for m in re.findall(r"^DEFINE_HMMA_LAYOUT\((\d+), (\d+), (\d+), (\w+)\)", source, flags=re.M)}
+    assert defined == gemv_variants.HMMA_VARIANTS
+    for suffix, (threads, rows, unroll) in defined.items():
+        assert suffix == f"hk{threads // 32}u{unroll}" + (f"r{rows // 16}" if rows > 16 else "")
+        for tokens, silu in ((2, False), (8, True), (9, False), (16, True)):
+            name = gemv_variants.hmma_kernel_name(tokens, suffix, silu)
+            assert gemv_variants.parse_hmma(name) == (8 if tokens <= 8 else 16, defined[suffix], silu)
+    for rows in (16, 2048, 4096, 12288, 151936):
+        assert gemv_variants.multi_variant(4, None, rows) == gemv_variants.hmma_variant(rows) in defined
+        assert gemv_variants.multi_variant(2, None, rows) == gemv_variants.multi_variant(2) in gemv_variants.MULTI_VARIANTS
+
+
 def test_dense_gemm_tiles_match_the_kernel_source():
     """Every tile cuda/dense_gemm.GEMM_TILES launches is defined in q8_gemm_f16.cu with the same shape,
     warps and stages, fits an H200 block's shared memory, and the rule picks one for any step."""
@@ -168,6 +187,7 @@ def test_gemv_variant_choice_and_override():
     for tokens in range(2, 9):
         assert gemv_variants.multi_variant(tokens) in gemv_variants.MULTI_VARIANTS
     assert gemv_variants.multi_variant(4, Options.from_env({"KESTREL_GEMV_MN": ""}).gemv_mn) == ""
+    assert gemv_variants.multi_variant(4, Options.from_env({"KESTREL_GEMV_MN": "hk4u4r2"}).gemv_mn, 4096) == "hk4u4r2"
     with pytest.raises(ValueError, match="KESTREL_GEMV_MN='o2'"):
         Options.from_env({"KESTREL_GEMV_MN": "o2"})
     with pytest.raises(ValueError, match="KESTREL_GEMV_M1='w7': not a GEMV variant"):

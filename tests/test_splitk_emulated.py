@@ -32,6 +32,8 @@ def weights():
 @pytest.fixture
 def emulated(monkeypatch):
     fake_cuda.install(monkeypatch, mode="deferred")
+    # steps of 9..16 tokens take q8_gemv_hmma.cu by default; the fp32 few-token layouts keep q8_mma there
+    monkeypatch.setenv("KESTREL_GEMV_MN", "o64r4u2")
 
 
 def two_batched_steps(engine):

@@ -27,8 +27,10 @@ MULTI_TOKEN = VARIANTS[""]   # q8_gemv_m2..m8
 MULTI_VARIANTS = {"": MULTI_TOKEN, "o64r4u2": Variant(64, 4, 2), "o128r4u1": Variant(128, 4, 1)}
 
 
-def multi_variant(tokens: int, forced: str | None = None) -> str:
+def multi_variant(tokens: int, forced: str | None = None, rows: int | None = None) -> str:
     """The layout suffix for a GEMV over 2..8 tokens; `forced` (Options.gemv_mn, KESTREL_GEMV_MN) wins.
+    Given the weight's `rows`, from HMMA_MIN_TOKENS tokens the tensor-core layout of hmma_variant (a key of
+    HMMA_VARIANTS); otherwise the fp32 layouts below.
 
     Measured on the H200 at the qwen3-1.7b shapes (bench/results/2026-11-30-h200-gpu-kernels.md, M = 2, 4, 8):
     both row-outer layouts take about half the time of the 128 x 2 x 2 kernel; 64 x 4 x 2 is the faster at 2
@@ -36,7 +38,43 @@ def multi_variant(tokens: int, forced: str | None = None) -> str:
     """
     if forced is not None:
         return forced
+    if rows is not None and tokens >= HMMA_MIN_TOKENS:
+        return hmma_variant(rows)
     return "o128r4u1" if 3 <= tokens <= 5 else "o64r4u2"
+
+
+# 2..16 tokens on fp16 tensor cores (kernels_ptx/q8_gemv_hmma.cu): each weight byte read once for every
+# token of the step.  "hk<W>u<U>[r<R>]": blocks of 16 R rows, W warps splitting K, U Q8_0 blocks' loads in flight;
+# kernel q8_hmma_t8_k<W>u<U> for up to 8 tokens, q8_hmma_t16_... for 9..16.  threads / rows / unroll as above.
+HMMA_VARIANTS = {"hk8u4": Variant(256, 16, 4), "hk16u4": Variant(512, 16, 4), "hk8u4r2": Variant(256, 32, 4),
+                 "hk4u4r2": Variant(128, 32, 4)}
+HMMA_MAX_TOKENS = 16
+# at 2 tokens the fp32 row-outer layout still wins (H200: qwen3-8b Q8_0 step 4.41 against 5.02 ms; qwen3-1.7b
+# gate_up 12.9 against 15.6 µs); from 3 the tensor cores (1.7B step 1.62 against 2.05 ms)
+HMMA_MIN_TOKENS = 3
+
+
+def hmma_variant(rows: int) -> str:
+    """The hmma layout for a weight of `rows` rows: few rows take more warps along K (so the SMs still hold
+    enough loads in flight), many rows fewer warps, and from 8192 rows each warp two row tiles.
+    Measured on the H200 at qwen3-1.7b's shapes, 2..8 / 16 tokens (bench/results/2026-12-04-h200-hmma-steps.md):
+    2048 rows k16u4 (o 3.9 / 4.9 µs; down 11.1 / 12.2 against k8u4's 15.2 / 22.1), 4096 k16u4 (5.7 / 9.5),
+    6144 k8u4 (8.3 / 10.5), 12288 k4u4r2 (15.7 / 17.9 against k8u4's 16.2 / 20.3), the vocabulary k4u4r2."""
+    if rows >= 8192:
+        return "hk4u4r2"
+    return "hk8u4" if rows >= 5000 else "hk16u4"
+
+
+def hmma_kernel_name(tokens: int, suffix: str, silu: bool) -> str:
+    return f"q8_hmma_t{8 if tokens <= 8 else 16}_{suffix[1:]}" + ("_silu" if silu else "")
+
+
+def parse_hmma(name: str) -> tuple[int, Variant, bool]:
+    """(most tokens, variant, silu) of a q8_hmma kernel name."""
+    silu = name.endswith("_silu")
+    core = name[:-len("_silu")] if silu else name
+    head, _, suffix = core[len("q8_hmma_t"):].partition("_")
+    return int(head), HMMA_VARIANTS["h" + suffix], silu
 
 
 def m1_variant(rows: int, cols: int, forced: str | None = None) -> str:

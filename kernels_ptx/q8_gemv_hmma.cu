@@ -1,0 +1,271 @@
+// Q8_0 products for steps of a few tokens (2..16) that read each weight byte once, on fp16 tensor
+// cores: the GEMV's argument list and epilogues (q8_gemv.cu), at about a one-token GEMV's cost.
+//
+// Why: q8_gemv.cu's multi-token layouts multiply each weight by each token's fp32 x in an FMA of its
+// own and re-read x from L1 per token: at 8 tokens they run 4x a one-token GEMV, bound by L1 and the
+// FMA pipes, not by the weight bytes (bench/results/2026-11-30-h200-gpu-kernels.md).  Here one
+// mma.sync.m16n8k16 takes 16 weight rows x 16 k against 8 tokens, so the tokens cost almost nothing.
+//
+//   s[m, n] = sum_b d[n, b] * sum_{k in block b} q[n, k] * (hi + lo)(x[m, k] * inv_rms_in[m])
+//
+// Weights enter the mma as their exact integer values (fp16 holds -128..127 exactly: 0x64uu - 1152)
+// and each Q8_0 block's mma steps start from zero, so the block's sums are exact products of the
+// integers and fp16 x, scaled by the row's d in fp32.  x (times inv_rms_in: normalised values, far
+// from fp16's range) goes in as two fp16 parts, hi + lo (hmma_split), each its own mma: x to ~2^-22
+// relative, where one fp16 rounding (2^-11) made a batch's logits differ from a lone token's by 4e-4.
+//
+// Fragments without shared memory: a mma's 16 k need not be 16 consecutive k, only the same k for
+// A (weights) and B (x).  Thread (g = lane / 4, t = lane % 4) loads 8 bytes of rows g and g + 8 at
+// k = 8t .. 8t + 7 of a block, and x[token g] at the same k (two float4s): mma step s (0, 1) takes the
+// word s, whose bytes 0, 1 stand for the mma's k = 2t, 2t + 1 and bytes 2, 3 for 2t + 8, 2t + 9.
+// Steps 0 and 1 of the four threads cover the block's 32 k.
+//
+// Work layout: a block owns 16 RT rows and WK warps (each warp's RT row tiles share its x fragments, whose
+// fp16 split costs as much as converting a tile's weights); warp w takes a contiguous run of the rows' Q8_0 blocks
+// in steps of U blocks, all U blocks' loads in flight (two 8-byte loads a block, rows g and g + 8: each
+// warp load is 8 rows x 32 bytes, whole sectors; a step reads 32 U contiguous bytes of each row) and
+// the step's U scales of a row in one load (when the row's block count is a multiple of U).  NT groups
+// of 8 tokens (NT = 2: up to 16) share each weight fragment.  The warps' partial sums meet in shared
+// memory (fixed order: the result does not depend on timing), then the epilogue of q8_gemv.cu: SiLU·mul
+// of (gate, up) row pairs, residual, xn, and per-token sums of squares whose last block (atomic ticket)
+// turns them into 1/rms: `counter` [0] the ticket, floats [8 .. 8 + ntok) the sums (GEMV_COUNTER_BYTES).
+#include "common.cuh"
+
+__device__ __forceinline__ uint2 hmma_load8(const void* p) {
+    // weights are read once per step: keep them out of L1, which holds x
+    uint2 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
+    return v;
+}
+
+__device__ __forceinline__ unsigned int hmma_f16x2(float lo, float hi) {
+    unsigned int r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));   // first source -> upper half
+    return r;
+}
+
+// the signed bytes 0, 1 (p01) and 2, 3 (p23) of a weight word as exact fp16 pairs
+__device__ __forceinline__ void hmma_bytes(unsigned int word, unsigned int& p01, unsigned int& p23) {
+    const unsigned int biased = word ^ 0x80808080u;
+    const unsigned int h01 = __byte_perm(biased, 0x64646464u, 0x4140), h23 = __byte_perm(biased, 0x64646464u, 0x4342);
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(p01) : "r"(h01), "r"(0x64806480u));
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(p23) : "r"(h23), "r"(0x64806480u));
+}
+
+// x = hi + lo in two fp16 pairs: hi is x with its low 13 mantissa bits cleared (exact in fp16), lo =
+// fp16(x - hi) (x - hi exact in fp32): x to ~2^-22, where fp16 alone is 2^-11 (batches would then differ
+// from one token's fp32 GEMV by ~4e-4 at the logits).
+__device__ __forceinline__ void hmma_split(float a, float b, unsigned int& hi, unsigned int& lo) {
+    const float ah = __uint_as_float(__float_as_uint(a) & 0xFFFFE000u), bh = __uint_as_float(__float_as_uint(b) & 0xFFFFE000u);
+    hi = hmma_f16x2(ah, bh);
+    lo = hmma_f16x2(a - ah, b - bh);
+}
+
+__device__ __forceinline__ void hmma_mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// U consecutive fp16 scales of a row (U a power of two, p 2U-byte aligned) in one load
+template <int U>
+__device__ __forceinline__ void hmma_scales(const half_bits* p, float (&d)[U]) {
+    static_assert(U == 2 || U == 4 || U == 8, "scale vector");
+    unsigned int words[U / 2];
+    if constexpr (U == 2) {
+        words[0] = __ldg((const unsigned int*)p);
+    } else if constexpr (U == 4) {
+        const uint2 v = __ldg((const uint2*)p);
+        words[0] = v.x; words[1] = v.y;
+    } else {
+        const uint4 v = __ldg((const uint4*)p);
+        words[0] = v.x; words[1] = v.y; words[2] = v.z; words[3] = v.w;
+    }
+#pragma unroll
+    for (int i = 0; i < U / 2; i++) {
+        d[2 * i] = half_to_float((half_bits)(words[i] & 0xFFFFu));
+        d[2 * i + 1] = half_to_float((half_bits)(words[i] >> 16));
+    }
+}
+
+__device__ __forceinline__ float hmma_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+
+template <int NT, int RT, int WK, int U, bool SILU_PAIRS>
+__device__ __forceinline__ void q8_hmma_body(
+        const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
+        const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
+        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
+    constexpr int THREADS = 32 * WK, TOK = 8 * NT, ROWS = 16 * RT, OUTS = SILU_PAIRS ? ROWS / 2 : ROWS;
+    __shared__ float4 part[WK][RT][NT][32];   // each warp's C fragments
+    __shared__ float sums[ROWS][TOK];         // the block's rows x tokens, over the warps
+    __shared__ float squares[OUTS][TOK];
+    __shared__ bool is_last_block;
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * ROWS;
+    const int blocks = K >> 5;
+    // tile i's rows row0 + 16 i + g (h 0) and + 8 (h 1); a clamped row computes garbage that is never stored
+    const int8* wp[RT][2];
+    const half_bits* sp[RT][2];
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const int row = min(row0 + 16 * i + 8 * h + g, N - 1);
+            wp[i][h] = qs + (long long)row * K + 8 * t;
+            sp[i][h] = scales + (long long)row * blocks;
+        }
+
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+    float xscale[NT];   // inv_rms_in of the thread's tokens 8 j + g; 0 past ntok (their B columns are zero)
+    const float* xrow[NT];
+
+    // warp w's blocks: a contiguous run [first, last) of whole U-block steps (128 B of a row per step at U 4)
+    const int per = (blocks + WK * U - 1) / (WK * U) * U, first = warp * per, last = min(blocks, first + per);
+    const bool vector_scales = blocks % U == 0;   // each step's U scales of a row in one aligned load
+    for (int b0 = first; b0 < last; b0 += U) {
+        uint2 wr[RT][2][U];
+        float d[RT][2][U];
+#pragma unroll
+        for (int u = 0; u < U; u++)
+#pragma unroll
+            for (int i = 0; i < RT; i++)
+#pragma unroll
+                for (int h = 0; h < 2; h++)
+                    if (b0 + u < last) wr[i][h][u] = hmma_load8(wp[i][h] + 32 * (b0 + u));
+#pragma unroll
+        for (int i = 0; i < RT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                if (vector_scales && b0 + U <= last) {
+                    hmma_scales<U>(sp[i][h] + b0, d[i][h]);
+                } else {
+#pragma unroll
+                    for (int u = 0; u < U; u++) d[i][h][u] = half_to_float(__ldg(sp[i][h] + min(b0 + u, last - 1)));
+                }
+            }
+        if (b0 == first) {   // x and inv_rms_in belong to earlier kernels
+            pdl_wait();
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const int m = 8 * j + g;
+                xscale[j] = m < ntok ? (inv_rms_in ? inv_rms_in[m] : 1.0f) : 0.f;
+                xrow[j] = x + (long long)min(m, ntok - 1) * ldx + 8 * t;
+            }
+        }
+#pragma unroll
+        for (int u = 0; u < U; u++) {
+            const int b = b0 + u;
+            if (b >= last) break;
+            unsigned int hi[NT][4], lo[NT][4];   // x pairs (k 0, 1), (2, 3) of word x; (4, 5), (6, 7) of word y
+#pragma unroll
+            for (int j = 0; j < NT; j++) {
+                const float4* xp = (const float4*)(xrow[j] + 32 * b);
+                const float4 x0 = xp[0], x1 = xp[1];
+                const float s = xscale[j];
+                hmma_split(x0.x * s, x0.y * s, hi[j][0], lo[j][0]);
+                hmma_split(x0.z * s, x0.w * s, hi[j][1], lo[j][1]);
+                hmma_split(x1.x * s, x1.y * s, hi[j][2], lo[j][2]);
+                hmma_split(x1.z * s, x1.w * s, hi[j][3], lo[j][3]);
+            }
+#pragma unroll
+            for (int i = 0; i < RT; i++) {
+                unsigned int a0[4], a1[4];   // mma steps 0 and 1: words x and y of rows g (a[0], a[2]), g + 8
+                hmma_bytes(wr[i][0][u].x, a0[0], a0[2]);
+                hmma_bytes(wr[i][1][u].x, a0[1], a0[3]);
+                hmma_bytes(wr[i][0][u].y, a1[0], a1[2]);
+                hmma_bytes(wr[i][1][u].y, a1[1], a1[3]);
+#pragma unroll
+                for (int j = 0; j < NT; j++) {
+                    float c[4] = {0.f, 0.f, 0.f, 0.f};
+                    hmma_mma(c, a0, hi[j][0], hi[j][1]);
+                    hmma_mma(c, a0, lo[j][0], lo[j][1]);
+                    hmma_mma(c, a1, hi[j][2], hi[j][3]);
+                    hmma_mma(c, a1, lo[j][2], lo[j][3]);
+                    acc[i][j][0] = fmaf(c[0], d[i][0][u], acc[i][j][0]);
+                    acc[i][j][1] = fmaf(c[1], d[i][0][u], acc[i][j][1]);
+                    acc[i][j][2] = fmaf(c[2], d[i][1][u], acc[i][j][2]);
+                    acc[i][j][3] = fmaf(c[3], d[i][1][u], acc[i][j][3]);
+                }
+            }
+        }
+    }
+    pdl_wait();   // warps with no block (a short K) wait here
+
+    // C fragment (i, j): (row 16 i + g, tokens 8j + 2t, 8j + 2t + 1) in [0], [1]; row 16 i + g + 8 in [2], [3]
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+            part[warp][i][j][lane] = make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
+    __syncthreads();
+    for (int q = threadIdx.x; q < ROWS * TOK; q += THREADS) {
+        const int r = q / TOK, n = q % TOK, i = r >> 4, rr = r & 15, j = n >> 3, nn = n & 7;
+        const int src = (rr & 7) * 4 + (nn >> 1), e = (rr >> 3) * 2 + (nn & 1);
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < WK; w++) s += ((const float*)&part[w][i][j][src])[e];
+        sums[r][n] = s;
+    }
+    __syncthreads();
+    for (int q = threadIdx.x; q < OUTS * TOK; q += THREADS) {
+        const int r = q / TOK, n = q % TOK;
+        const int col = SILU_PAIRS ? row0 / 2 + r : row0 + r;
+        float s = 0.f;
+        if (n < ntok && col < (SILU_PAIRS ? N / 2 : N)) {
+            s = SILU_PAIRS ? hmma_silu_mul(sums[2 * r][n], sums[2 * r + 1][n]) : sums[r][n];
+            const long long at = (long long)n * ldy + col;
+            if (res) s += res[at];
+            y[at] = s;
+            if (xn_out) xn_out[at] = s * normw_out[col];
+        }
+        squares[r][n] = s * s;   // rows past N and tokens past ntok add 0
+    }
+    if (inv_rms_out == nullptr) return;
+
+    float* totals = (float*)(counter + 8);
+    __syncthreads();
+    if (threadIdx.x < ntok) {   // the block's squares of a token, in row order
+        float sq = 0.f;
+#pragma unroll
+        for (int r = 0; r < OUTS; r++) sq += squares[r][threadIdx.x];
+        atomicAdd(totals + threadIdx.x, sq);
+    }
+    __threadfence();   // the sums land before the ticket is taken
+    __syncthreads();
+    if (threadIdx.x == 0) is_last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!is_last_block) return;
+    __threadfence();
+    if (threadIdx.x < ntok) {
+        const float total = atomicExch(totals + threadIdx.x, 0.f);   // read at L2, and zeroed for the next launch
+        inv_rms_out[threadIdx.x] = 1.0f / sqrtf(total / (float)N + eps);   // as q8_gemv.cu
+    }
+    if (threadIdx.x == 0) *counter = 0u;
+}
+
+// q8_hmma_t<8 NT>_k<WK>u<U>[r<RT>] (+ _silu): the layouts of kestrel_stream/cuda/gemv_variants.HMMA_VARIANTS
+#define DEFINE_HMMA(NT, RT, WK, U, SILU, NAME)                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * WK) NAME(                                   \
+            const int8* qs, const half_bits* scales, const float* x, int ldx,                    \
+            const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
+            float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
+            int ntok) {                                                                          \
+        q8_hmma_body<NT, RT, WK, U, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out,\
+                                          xn_out, inv_rms_out, counter, eps, N, K, ntok);        \
+    }
+#define DEFINE_HMMA_LAYOUT(RT, WK, U, SUFFIX)                                                      \
+    DEFINE_HMMA(1, RT, WK, U, false, q8_hmma_t8_##SUFFIX) DEFINE_HMMA(1, RT, WK, U, true, q8_hmma_t8_##SUFFIX##_silu) \
+    DEFINE_HMMA(2, RT, WK, U, false, q8_hmma_t16_##SUFFIX) DEFINE_HMMA(2, RT, WK, U, true, q8_hmma_t16_##SUFFIX##_silu)
+DEFINE_HMMA_LAYOUT(1, 8, 4, k8u4)
+DEFINE_HMMA_LAYOUT(1, 16, 4, k16u4)
+DEFINE_HMMA_LAYOUT(2, 8, 4, k8u4r2)
+DEFINE_HMMA_LAYOUT(2, 4, 4, k4u4r2)

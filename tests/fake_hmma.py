@@ -1,0 +1,28 @@
+"""The emulated device's twin of kernels_ptx/q8_gemv_hmma.cu (the fp16 tensor-core GEMV of 2..16 tokens)."""
+import numpy as np
+
+from fake_kernels import f32, gemv_epilogues, q8_dense, rows
+from kestrel_stream.cuda import gemv_variants
+
+
+def split_x(xs: np.ndarray) -> np.ndarray:
+    """float32 x -> hi + lo as the kernel feeds them: hi = x with its low 13 mantissa bits cleared (exact in
+    fp16), lo = fp16(x - hi)."""
+    hi = (xs.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+    return hi.astype(np.float16).astype(np.float32) + (xs - hi).astype(np.float16).astype(np.float32)
+
+
+def q8_hmma(launch, *args) -> None:
+    """q8_gemv_hmma.cu: x * inv_rms_in as hi + lo fp16 parts against the exact Q8_0 weights, fp32 sums."""
+    most, variant, silu = gemv_variants.parse_hmma(launch.name)
+    x, ldx, inv_rms_in, N, K, ntok = args[2], args[3], args[4], args[13], args[14], args[15]
+    assert launch.block == (variant.threads, 1, 1) and launch.grid[1:] == (1, 1), launch.name
+    assert launch.grid[0] * variant.rows >= N, f"{launch.name}: grid {launch.grid} misses rows of {N}"
+    assert 1 <= ntok <= most and (most == 8 or ntok > 8), f"{launch.name}: {ntok} tokens"
+    assert K % 32 == 0 and args[0] % 8 == 0 and args[1] % 2 == 0, f"{launch.name}: 8-byte weight loads misaligned"
+    assert all((x + 4 * m * ldx) % 16 == 0 for m in range(ntok)), f"{launch.name}: x rows not 16-byte aligned"
+    xs = rows(x, ntok, ldx, K).astype(np.float32)
+    if inv_rms_in:
+        xs = xs * f32(inv_rms_in, ntok)[:, None]
+    s = split_x(xs) @ q8_dense(args[0], args[1], N, K).T
+    gemv_epilogues(launch, s, 0, *args[5:13], N, ntok, tokens=ntok, silu=silu, sums=True, tickets=1, sum_floats=16)
