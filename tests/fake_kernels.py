@@ -389,7 +389,7 @@ KERNELS = BLOCK_KERNELS + DENSE_KERNELS + MOE_KERNELS + [
     (r"sample_candidates", sample_candidates),
     (r"sample_finish", sample_finish),
     (r"q8_gemv_m[1-8]_[a-z0-9]+(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
-    (r"q8_hmma_t(8|16)_k\d+u\d+(_silu)?", q8_hmma),
+    (r"q8_hmma_t(8|16)_k\d+u\d+(r\d+)?(_silu)?", q8_hmma),
     (r"q8_matmul(_silu)?", q8_matmul),
     (r"q8_mma_\d+x\d+(k\d+)?(p\d+c\d+(x2)?(b\d+)?)?(_silu)?", q8_mma),
     (r"q8_f16mma_\w+", q8_f16mma),

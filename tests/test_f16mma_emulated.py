@@ -89,7 +89,7 @@ def test_steps_from_the_threshold_on_take_the_fp16_gemm(monkeypatch, tokens, row
         assert launch.grid[:2] == (-(-rows // tile.rows), -(-tokens // tile.tokens)) and not silu
         assert launch.block[0] == tile.threads
     else:
-        assert launch.name.startswith("q8_mma_" if tokens > 8 else "q8_gemv_")
+        assert launch.name.startswith("q8_mma_" if tokens > 16 else "q8_hmma_t16_" if tokens > 8 else "q8_gemv_")
     forced = gemv_launch(KernelSet(), QWeight(0, 0, rows, 64), 0, 64, 0, rows, max(tokens, 9),
                          variant="f16_128x128k64_ws_s3", silu_pairs=True)
     assert forced.name == "q8_f16mma_128x128k64_ws_s3_silu"

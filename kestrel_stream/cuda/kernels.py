@@ -21,9 +21,8 @@ from kestrel_stream.obs import trace
 from kestrel_stream.cuda.driver import Device, Stream, check, timed
 from kestrel_stream.cuda import mma_variants
 from kestrel_stream.cuda.device_weight import QWeight   # noqa: F401  (kept importable from here)
-from kestrel_stream.cuda.gemv_variants import (HMMA_MAX_TOKENS, HMMA_VARIANTS, MULTI_VARIANTS, VARIANTS,
-                                               hmma_kernel_name, hmma_variant, kernel_name, m1_variant,
-                                               multi_variant)
+from kestrel_stream.cuda.gemv_variants import (HMMA_VARIANTS, MULTI_VARIANTS, VARIANTS, hmma_variant, kernel_name,
+                                               m1_variant, multi_variant)
 
 # (source, arch, device ordinal) -> CUmodule: a module belongs to the context it was loaded in, and each device's
 # primary context is its own (the daemon's replicas: one engine per GPU)
@@ -214,9 +213,8 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     reads rows as (gate, up) pairs and writes silu(gate) * up (rows/2 outputs); res is added;
     xn_out gets y * normw_out; inv_rms_out (+ `counter`, a zeroed GEMV_COUNTER_BYTES scratch)
     gets 1/rms(y) per token.  variant: a single-token layout of gemv_variants.VARIANTS (by
-    default the one measured fastest for the shape), or of MULTI_VARIANTS or HMMA_VARIANTS for 2..8 tokens
-    (by default the fp16 tensor-core GEMV of q8_gemv_hmma.cu, which also takes 9..16 tokens); beyond 8
-    tokens a variant of mma_variants (a tile, + "s<splits>" to split K; by default choose_variant's, unsplit
+    default the one measured fastest for the shape), of MULTI_VARIANTS or HMMA_VARIANTS for 2..8 tokens (by
+    default from 3 tokens to 16 the fp16 tensor-core GEMV, hmma_launch.py); beyond 8 tokens a variant of mma_variants (a tile, + "s<splits>" to split K; by default choose_variant's, unsplit
     without `split_scratch`) or "simt", the fp32 tiled q8_matmul.cu (exact fp32 activations; the
     baseline the bench compares with).  split_scratch: the partials and tickets split launches share.
     dense: a dense_gemm.DenseScratch; the steps and weights it serves run on the dense path, one fp16
@@ -232,6 +230,7 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
                                  inv_rms_in=inv_rms_in, res=res, normw_out=normw_out, xn_out=xn_out,
                                  inv_rms_out=inv_rms_out, eps=eps).label(
             flops=2 * w.rows * w.cols * tokens, bytes=weight_bytes(w))
+    from kestrel_stream.cuda.hmma_launch import hmma_launch, hmma_serves
     if w.fmt != "Q8_0":       # 4/6-bit block formats: kernels_ptx/q4_gemv.cu, q4_mma.cu
         from kestrel_stream.cuda.block_kernels import block_gemv_launch
         return block_gemv_launch(kernels, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs, inv_rms_in=inv_rms_in,
@@ -245,8 +244,8 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
         launch = kernels.launch(mma_variants.f16_kernel_name(tile_name, silu_pairs),
                                 (-(-w.rows // tile.rows), -(-tokens // tile.tokens)), (tile.threads,),
                                 GEMV_SIGNATURE, args, tile.shared_bytes)
-    elif tokens > GEMV_MAX_TOKENS and _hmma_serves(kernels, tokens, variant):
-        launch = _hmma_launch(kernels, w, tokens, silu_pairs, args, variant or hmma_variant(w.rows))
+    elif tokens > GEMV_MAX_TOKENS and hmma_serves(kernels, tokens, variant):
+        launch = hmma_launch(kernels, w, tokens, silu_pairs, args, variant or hmma_variant(w.rows))
     elif tokens > GEMV_MAX_TOKENS and variant == "simt":
         launch = kernels.launch("q8_matmul" + ("_silu" if silu_pairs else ""),
                                 (-(-w.rows // 64), -(-tokens // 64)), (256,), GEMV_SIGNATURE, args)
@@ -257,27 +256,13 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
             variant = (m1_variant(w.rows, w.cols, kernels.gemv_m1) if tokens == 1
                        else multi_variant(tokens, kernels.gemv_mn, w.rows))
         if tokens > 1 and variant in HMMA_VARIANTS:
-            launch = _hmma_launch(kernels, w, tokens, silu_pairs, args, variant)
+            launch = hmma_launch(kernels, w, tokens, silu_pairs, args, variant)
         else:
             shape = (VARIANTS if tokens == 1 else MULTI_VARIANTS)[variant]
             launch = kernels.launch(kernel_name(tokens, variant, silu_pairs), (-(-w.rows // shape.rows),),
                                     (shape.threads,), GEMV_SIGNATURE, args)
     # weight bytes: int8 values + one fp16 scale per 32
     return launch.label(flops=2 * w.rows * w.cols * tokens, bytes=w.rows * w.cols + w.rows * (w.cols // 32) * 2)
-
-
-def _hmma_serves(kernels: KernelSet, tokens: int, variant: str | None) -> bool:
-    """Whether a step of 9..16 tokens takes the fp16 tensor-core GEMV (q8_gemv_hmma.cu): asked by name, or by
-    default unless KESTREL_GEMV_MN forces one of the fp32 layouts (whose steps past 8 tokens keep q8_mma)."""
-    if tokens > HMMA_MAX_TOKENS:
-        return False
-    return variant in HMMA_VARIANTS or (variant is None and (kernels.gemv_mn is None or kernels.gemv_mn in HMMA_VARIANTS))
-
-
-def _hmma_launch(kernels: KernelSet, w: QWeight, tokens: int, silu_pairs: bool, args: list, variant: str) -> Launch:
-    shape = HMMA_VARIANTS[variant]
-    return kernels.launch(hmma_kernel_name(tokens, variant, silu_pairs), (-(-w.rows // shape.rows),),
-                          (shape.threads,), GEMV_SIGNATURE, args)
 
 
 MMA_SIGNATURE = GEMV_SIGNATURE + "pp"     # q8_mma.cu: + split K's partials and tickets

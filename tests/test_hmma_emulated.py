@@ -1,0 +1,78 @@
+"""The fp16 tensor-core GEMV of 3..16 tokens (kernels_ptx/q8_gemv_hmma.cu) through gemv_launch: which steps take
+it, every layout's launch on awkward shapes (rows past a block's 16 or 32, K of a few blocks) with each epilogue,
+against fp32 activations to 1e-5 (x goes in as hi + lo fp16 parts: one fp16 rounding would be ~1e-4), on the
+emulated device and (marked gpu) on a real one; the ticket and the 16 per-token sums are zero after each launch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kestrel_stream.cuda import gemv_variants
+from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, QWeight, gemv_launch
+from kestrel_stream.model.quant import quantize
+from kestrel_stream.options import Options
+from test_block_kernels import DEVICES, Harness
+
+
+@pytest.fixture(params=DEVICES)
+def dev(request, monkeypatch):
+    h = Harness(request.param, monkeypatch)
+    yield h
+    h.arena.release()
+
+
+def test_which_steps_take_it(monkeypatch):
+    import fake_cuda
+    fake_cuda.install(monkeypatch)
+    from kestrel_stream.cuda.kernels import KernelSet
+    w = QWeight(0, 0, 2048, 64)
+    names = {t: gemv_launch(KernelSet(), w, 0, 64, 0, 2048, t).name for t in (1, 2, 3, 8, 9, 16, 17)}
+    assert names[1].startswith("q8_gemv_m1") and names[2].startswith("q8_gemv_m2_")
+    assert [names[t] for t in (3, 8, 9, 16)] == ["q8_hmma_t8_k16u4"] * 2 + ["q8_hmma_t16_k16u4"] * 2
+    assert names[17].startswith("q8_mma_")
+    fp32 = KernelSet(options=Options.from_env({"KESTREL_GEMV_MN": "o64r4u2"}))
+    assert gemv_launch(fp32, w, 0, 64, 0, 2048, 8).name == "q8_gemv_m8_o64r4u2"
+    assert gemv_launch(fp32, w, 0, 64, 0, 2048, 12).name.startswith("q8_mma_"), "the fp32 layouts keep q8_mma"
+    assert gemv_launch(KernelSet(), QWeight(0, 0, 151936, 64), 0, 64, 0, 151936, 5).name == "q8_hmma_t8_k4u4r2"
+
+
+@pytest.mark.parametrize("layout", list(gemv_variants.HMMA_VARIANTS))
+@pytest.mark.parametrize("n,k,tokens", [(38, 96, 3), (258, 544, 8), (70, 160, 9), (100, 2080, 16)])
+@pytest.mark.parametrize("epilogue", ["plain", "silu_pairs", "residual_xn_rms"])
+def test_every_layout_matches_fp32_activations(dev, layout, n, k, tokens, epilogue):
+    rng = np.random.default_rng(n + k + tokens)
+    w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
+    x = (rng.standard_normal((tokens, k)) * 10.0 ** rng.uniform(-2, 1, (tokens, 1))).astype(np.float32)
+    inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
+    s = (x.astype(np.float64) @ w.dequantize().T.astype(np.float64)).astype(np.float32)
+    qw = QWeight(dev.put(w.qs), dev.put(w.scales), n, k)
+    counter = dev.put(np.zeros(GEMV_COUNTER_BYTES // 4, np.uint32))
+    if epilogue == "silu_pairs":
+        s = s * inv_rms_in[:, None]
+        want = s[:, 0::2] / (1 + np.exp(-s[:, 0::2])) * s[:, 1::2]
+        y = dev.put(np.zeros((tokens, n // 2), np.float32))
+        launch = gemv_launch(dev.kernels, qw, dev.put(x), k, y, n // 2, tokens, silu_pairs=True,
+                             inv_rms_in=dev.put(inv_rms_in), variant=layout)
+        dev.run(launch)
+        got = dev.get(y, (tokens, n // 2))
+    else:
+        res = rng.standard_normal((tokens, n)).astype(np.float32) if epilogue == "residual_xn_rms" else None
+        y = dev.put(res if res is not None else np.zeros((tokens, n), np.float32))
+        extra = {}
+        if res is not None:
+            normw = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
+            xn, inv_rms = dev.put(np.zeros((tokens, n), np.float32)), dev.put(np.zeros(tokens, np.float32))
+            extra = dict(res=y, normw_out=dev.put(normw), xn_out=xn, inv_rms_out=inv_rms, counter=counter)
+        launch = gemv_launch(dev.kernels, qw, dev.put(x), k, y, n, tokens, variant=layout, **extra)
+        dev.run(launch)
+        want, got = (s + res if res is not None else s), dev.get(y, (tokens, n))
+        if res is not None:
+            np.testing.assert_allclose(dev.get(xn, (tokens, n)), got * normw, rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(dev.get(inv_rms, (tokens,)), 1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6),
+                                       rtol=1e-5)
+            assert not dev.get(counter, (GEMV_COUNTER_BYTES // 4,)).any(), "ticket and sums zeroed for the next launch"
+    assert launch.name == gemv_variants.hmma_kernel_name(tokens, layout, epilogue == "silu_pairs")
+    assert launch.grid[0] == -(-n // gemv_variants.HMMA_VARIANTS[layout].rows)
+    # per token: x spans three decades across tokens, so each row is held to its own scale
+    err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
+    assert err.max() < 1e-5, (layout, err)
