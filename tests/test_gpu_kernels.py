@@ -5,7 +5,7 @@ import pytest
 from kestrel_stream.run.host import apply_rope, attention, rmsnorm, rope_tables, silu_mul
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda import gemv_variants, mma_variants
-from kestrel_stream.cuda.kernels import ROPE_SIGNATURE, QWeight
+from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, ROPE_SIGNATURE, QWeight
 from kestrel_stream.model.quant import quantize
 from fake_kernels import mma_product
 
@@ -70,11 +70,10 @@ GEMV_CASES = [(n, k, tokens, variant) for n, k, tokens in GEMV_SHAPES
                               gemv_variants.MULTI_VARIANTS if tokens <= 8 else ["simt"])]
 
 
-@pytest.mark.parametrize("n,k,tokens,variant", GEMV_CASES)
-@pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
-def test_q8_gemv_and_matmul_match_numpy(gpu, n, k, tokens, variant, epilogue):
-    """n even (gate/up pairs), K a multiple of 32 not of 256, token counts through GEMV and matmul."""
-    rng = np.random.default_rng(n * 7 + k + tokens)
+def check_gemv(gpu, n, k, tokens, variant, epilogue, seed: int, launches: int = 1):
+    """One GEMV launch (run `launches` times) with `epilogue` against numpy to 1e-5, n even (gate/up pairs);
+    after it the ticket and every per-token sum are zero; the launch back."""
+    rng = np.random.default_rng(seed)
     w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
     x = rng.standard_normal((tokens, k)).astype(np.float32)
     inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
@@ -84,27 +83,36 @@ def test_q8_gemv_and_matmul_match_numpy(gpu, n, k, tokens, variant, epilogue):
     if epilogue in ("rmsnorm", "silu_pairs"):
         s = s * inv_rms_in[:, None]
     want = silu_mul(s[:, 0::2], s[:, 1::2]) if epilogue == "silu_pairs" else s
-    if epilogue == "residual_xn_rms":
-        want = want + res
+    if epilogue == "residual_xn_rms":   # y aliases res: each launch adds the products once more
+        want = res + launches * s
     cols = want.shape[1]
     qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
     y = gpu.put(res if epilogue == "residual_xn_rms" else np.zeros((tokens, cols), np.float32))
     xn, inv_rms_out = gpu.put(np.zeros((tokens, n), np.float32)), gpu.put(np.zeros(tokens, np.float32))
-    counter = gpu.put(np.zeros(16, np.uint32))   # ticket + the per-token sums of squares
+    counter = gpu.put(np.zeros(GEMV_COUNTER_BYTES // 4, np.uint32))   # ticket + the per-token sums of squares
     extra = {"plain": {}, "rmsnorm": {"inv_rms_in": gpu.put(inv_rms_in)},
              "silu_pairs": {"inv_rms_in": gpu.put(inv_rms_in), "silu_pairs": True},
              "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
                                  "inv_rms_out": inv_rms_out, "counter": counter}}[epilogue]
-    gpu.run(gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, cols, tokens, variant=variant,
-                            **extra))
+    launch = gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, cols, tokens, variant=variant, **extra)
+    for _ in range(launches):
+        gpu.run(launch)
     got = gpu.get(y, (tokens, cols))
     assert rel_err(got, want) < 1e-5
     if epilogue == "residual_xn_rms":
         np.testing.assert_allclose(gpu.get(xn, (tokens, n)), got * normw_out, rtol=1e-6)
         np.testing.assert_allclose(gpu.get(inv_rms_out, (tokens,)),
                                    1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6), rtol=1e-5)
-        scratch = gpu.get(counter, (16,), np.uint32)
+        scratch = gpu.get(counter, (GEMV_COUNTER_BYTES // 4,), np.uint32)
         assert scratch[0] == 0 and not scratch[8:].any(), "ticket and sums are zeroed for the next launch"
+    return launch
+
+
+@pytest.mark.parametrize("n,k,tokens,variant", GEMV_CASES)
+@pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
+def test_q8_gemv_and_matmul_match_numpy(gpu, n, k, tokens, variant, epilogue):
+    """n even (gate/up pairs), K a multiple of 32 not of 256, token counts through GEMV and matmul."""
+    check_gemv(gpu, n, k, tokens, variant, epilogue, seed=n * 7 + k + tokens)
 
 
 HMMA_SHAPES = [(38, 96), (100, 160), (258, 544), (64, 2080), (2048, 6144)]
@@ -116,43 +124,10 @@ HMMA_SHAPES = [(38, 96), (100, 160), (258, 544), (64, 2080), (2048, 6144)]
 @pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
 def test_q8_hmma_matches_numpy(gpu, n, k, tokens, variant, epilogue):
     """The fp16 tensor-core GEMV of 2..16 tokens: x as hi + lo fp16 parts keeps it within 1e-5 of fp32
-    activations (as the fp32 GEMV is held), rows past a 16-row block and K past a warp's share included;
-    the ticket and all 16 sums are zero again after it."""
-    rng = np.random.default_rng(n * 11 + k + tokens)
-    w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
-    x = rng.standard_normal((tokens, k)).astype(np.float32)
-    inv_rms_in = (0.5 + rng.random(tokens)).astype(np.float32)
-    res = rng.standard_normal((tokens, n)).astype(np.float32)
-    normw_out = (1 + 0.1 * rng.standard_normal(n)).astype(np.float32)
-    s = x @ w.dequantize().T
-    if epilogue in ("rmsnorm", "silu_pairs"):
-        s = s * inv_rms_in[:, None]
-    want = silu_mul(s[:, 0::2], s[:, 1::2]) if epilogue == "silu_pairs" else s
-    if epilogue == "residual_xn_rms":
-        want = want + res
-    cols = want.shape[1]
-    qw = QWeight(gpu.put(w.qs), gpu.put(w.scales), n, k)
-    y = gpu.put(res if epilogue == "residual_xn_rms" else np.zeros((tokens, cols), np.float32))
-    xn, inv_rms_out = gpu.put(np.zeros((tokens, n), np.float32)), gpu.put(np.zeros(tokens, np.float32))
-    counter = gpu.put(np.zeros(24, np.uint32))   # ticket + a sum of squares per token
-    extra = {"plain": {}, "rmsnorm": {"inv_rms_in": gpu.put(inv_rms_in)},
-             "silu_pairs": {"inv_rms_in": gpu.put(inv_rms_in), "silu_pairs": True},
-             "residual_xn_rms": {"res": y, "normw_out": gpu.put(normw_out), "xn_out": xn,
-                                 "inv_rms_out": inv_rms_out, "counter": counter}}[epilogue]
-    launch = gpu.gemv_launch(gpu.kernels, qw, gpu.put(x), k, y, cols, tokens, variant=variant, **extra)
+    activations (as the fp32 GEMV is held), rows past a block's rows and K past a warp's share included;
+    launched twice, the second finding the ticket and all 16 sums the first reset."""
+    launch = check_gemv(gpu, n, k, tokens, variant, epilogue, seed=n * 11 + k + tokens, launches=2)
     assert launch.name.startswith("q8_hmma_t")
-    for _ in range(2):   # the second launch finds the ticket and sums the first left
-        gpu.run(launch)
-    got = gpu.get(y, (tokens, cols))
-    if epilogue == "residual_xn_rms":   # y aliases res: the second launch added the products twice
-        want = want + s
-    assert rel_err(got, want) < 1e-5
-    if epilogue == "residual_xn_rms":
-        np.testing.assert_allclose(gpu.get(xn, (tokens, n)), got * normw_out, rtol=1e-6)
-        np.testing.assert_allclose(gpu.get(inv_rms_out, (tokens,)),
-                                   1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6), rtol=1e-5)
-        scratch = gpu.get(counter, (24,), np.uint32)
-        assert scratch[0] == 0 and not scratch[8:].any(), "ticket and sums are zeroed for the next launch"
 
 
 MMA_TOKENS = (9, 17, 63, 64, 65, 200, 511)
