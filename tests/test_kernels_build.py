@@ -130,6 +130,8 @@ def test_hmma_layouts_match_the_kernel_source():
         for tokens, silu in ((2, False), (8, True), (9, False), (16, True)):
             name = gemv_variants.hmma_kernel_name(tokens, suffix, silu)
             assert gemv_variants.parse_hmma(name) == (8 if tokens <= 8 else 16, defined[suffix], silu)
+    from kestrel_stream.cuda import hmma_launch, kernels
+    assert hmma_launch.HMMA_SIGNATURE == kernels.GEMV_SIGNATURE, "the GEMV's argument list"
     for rows in (16, 2048, 4096, 12288, 151936):
         assert gemv_variants.multi_variant(4, None, rows) == gemv_variants.hmma_variant(rows) in defined
         assert gemv_variants.multi_variant(2, None, rows) == gemv_variants.multi_variant(2) in gemv_variants.MULTI_VARIANTS
