@@ -26,3 +26,6 @@ def q8_hmma(launch, *args) -> None:
         xs = xs * f32(inv_rms_in, ntok)[:, None]
     s = split_x(xs) @ q8_dense(args[0], args[1], N, K).T
     gemv_epilogues(launch, s, 0, *args[5:13], N, ntok, tokens=ntok, silu=silu, sums=True, tickets=1, sum_floats=16)
+
+
+HMMA_KERNELS = [(r"q8_hmma_t(8|16)_k\d+u\d+(r\d+)?(_silu)?", q8_hmma)]

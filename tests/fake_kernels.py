@@ -131,11 +131,6 @@ def q8_gemv(launch, *args) -> None:
     q8_product(launch, *args, tokens=tokens, silu=silu)
 
 
-def q8_hmma(launch, *args) -> None:
-    from fake_hmma import q8_hmma as twin   # its own file; it imports this one
-    twin(launch, *args)
-
-
 def q8_matmul(launch, *args) -> None:
     N, ntok = args[13], args[15]
     assert launch.block == (256, 1, 1) and launch.grid[0] * 64 >= N and launch.grid[1] * 64 >= ntok, launch.grid
@@ -382,14 +377,14 @@ def flash_attention_paged(launch, *args) -> None:
 from fake_block_kernels import BLOCK_KERNELS   # noqa: E402  (it uses the helpers above)
 from fake_dense import DENSE_KERNELS   # noqa: E402
 from fake_moe_kernels import MOE_KERNELS   # noqa: E402
+from fake_hmma import HMMA_KERNELS   # noqa: E402
 from fake_sample import sample_candidates, sample_finish, sample_rows   # noqa: E402
 
-KERNELS = BLOCK_KERNELS + DENSE_KERNELS + MOE_KERNELS + [
+KERNELS = BLOCK_KERNELS + DENSE_KERNELS + MOE_KERNELS + HMMA_KERNELS + [
     (r"sample_rows", sample_rows),
     (r"sample_candidates", sample_candidates),
     (r"sample_finish", sample_finish),
     (r"q8_gemv_m[1-8]_[a-z0-9]+(_silu)?|q8_gemv_m[1-8](_silu)?", q8_gemv),
-    (r"q8_hmma_t(8|16)_k\d+u\d+(r\d+)?(_silu)?", q8_hmma),
     (r"q8_matmul(_silu)?", q8_matmul),
     (r"q8_mma_\d+x\d+(k\d+)?(p\d+c\d+(x2)?(b\d+)?)?(_silu)?", q8_mma),
     (r"q8_f16mma_\w+", q8_f16mma),
