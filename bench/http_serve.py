@@ -74,7 +74,7 @@ BURST_COLUMNS = ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_m
 STAGGERED_COLUMNS = ["server", "clients", "requests", "completed", "refused", "lost", "tok_s", "ttft_p50_ms",
                      "ttft_p99_ms", "generated_tokens", "prompt_tokens", "duration_s", "steps", "mean_step_ms",
                      "tokens_per_step", "daemon_ttft_p50_ms", "daemon_ttft_p99_ms", "server_ttft_p50_ms",
-                     "server_ttft_p99_ms", "error"]
+                     "server_ttft_p99_ms", "server_queue_p50_ms", "server_queue_p99_ms", "error"]
 
 
 def longest_request(args) -> int:
@@ -209,15 +209,20 @@ def step_columns(before: dict, after: dict) -> dict:
 def server_ttft(log_path: Path, requests: int) -> dict:
     """The time to first token of the latest `requests` completions as our daemon's access log has them (from
     the request's arrival in the app to its first token, before the chunk is written): the client's TTFT less
-    it is the time in transit, in the HTTP server and in the client's own loop.  A line is written once its
+    it is the time in transit, in the HTTP server and in the client's own loop; and the part of it spent in
+    the admission queue waiting for a session (`queue=`).  A line is written once its
     response is sent: the last ones may trail the client's end by a moment."""
     for _ in range(40):
-        ttfts = [float(m.group(1)) * 1e3 for line in log_path.read_text(errors="replace").splitlines()
-                 if '"POST /v1/completions" 200' in line and (m := re.search(r" ttft=([0-9.]+)s", line))]
-        if len(ttfts) >= requests:
-            mine = ttfts[-requests:]
-            return {"server_ttft_p50_ms": round(statistics.median(mine), 1),
-                    "server_ttft_p99_ms": round(percentile(mine, 0.99), 1)}
+        lines = [m for line in log_path.read_text(errors="replace").splitlines()
+                 if '"POST /v1/completions" 200' in line
+                 and (m := re.search(r" queue=([0-9.]+)s ttft=([0-9.]+)s", line))]
+        if len(lines) >= requests:
+            queue = [float(m.group(1)) * 1e3 for m in lines[-requests:]]
+            ttft = [float(m.group(2)) * 1e3 for m in lines[-requests:]]
+            return {"server_ttft_p50_ms": round(statistics.median(ttft), 1),
+                    "server_ttft_p99_ms": round(percentile(ttft, 0.99), 1),
+                    "server_queue_p50_ms": round(statistics.median(queue), 1),
+                    "server_queue_p99_ms": round(percentile(queue, 0.99), 1)}
         time.sleep(0.05)
     return {}
 

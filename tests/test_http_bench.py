@@ -37,6 +37,7 @@ def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
     assert row["daemon_ttft_p99_ms"] >= row["daemon_ttft_p50_ms"] > 0, row
     # the app's own time to first token (its access log) lies inside each request's as the client saw it
     assert 0 < row["server_ttft_p50_ms"] <= row["ttft_p50_ms"], row
+    assert 0 <= row["server_queue_p50_ms"] <= row["server_ttft_p50_ms"], row
     assert json.loads(proc.stdout.splitlines()[-2]) == row      # the row printed as one JSON line
 
 
