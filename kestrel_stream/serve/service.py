@@ -40,7 +40,7 @@ from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
 from kestrel_stream.wire.protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
-from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S
+from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S, report_unawaited
 
 WANTS = ("logits", "last", "token", "topk")
 
@@ -230,7 +230,8 @@ class Service:
         reused = await replica.steps.run(replica.prefix_scopes.adopt, scope, session, ids)
         job = await self.prefill(session, ids[reused:], want, k)
         job.cached_tokens = reused
-        await replica.steps.run(replica.prefix_scopes.store, scope, session, ids)
+        # cached on the step thread before any later step or call there, but not waited for: the first token goes now
+        replica.steps.queue_call(replica.prefix_scopes.store, scope, session, ids).add_done_callback(report_unawaited)
         return job
 
     async def op_decode(self, conn, header, arrays):

@@ -51,11 +51,15 @@ class StepThread:
         self.thread.start()
 
     async def run(self, fn, *args):
+        return await self.queue_call(fn, *args)
+
+    def queue_call(self, fn, *args) -> asyncio.Future:
+        """``fn(*args)`` queued here now, before any step or call submitted after it; its result on the future."""
         if self.handoffs:                   # a call never overtakes a decode submitted before it
             self.hand_off()
         future = self.loop.create_future()
         self.inbox.put((future, fn, args))
-        return await future
+        return future
 
     def submit(self, job, at_once: bool = False) -> None:
         """A decode or prompt (``job.session.id``, ``job.arrived_s``, ``job.tokens``, ``job.whole``) for the first
@@ -160,3 +164,9 @@ def settle(future: asyncio.Future, result, error: BaseException | None) -> None:
         future.set_exception(error)
     else:
         future.set_result(result)
+
+
+def report_unawaited(future: asyncio.Future) -> None:
+    """Done-callback of a queue_call nobody awaits: its error, if any, on stderr (the daemon goes on)."""
+    if not future.cancelled() and future.exception() is not None:
+        traceback.print_exception(future.exception())
