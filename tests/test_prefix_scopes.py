@@ -36,6 +36,14 @@ def chat(server, question: str, **fields) -> tuple[int, dict]:
     return status, json.loads(answer)
 
 
+def complete(server, prompt: str) -> tuple[int, dict]:
+    body = json.dumps({"model": MODEL_NAME, "max_tokens": 2, "temperature": 0, "prompt": prompt})
+    with server.connect_http() as sock:
+        sock.sendall(http_request("POST", "/v1/completions", body.encode()))
+        status, answer = http_answer(sock)
+    return status, json.loads(answer)
+
+
 def reused_by(server, question: str, **fields) -> tuple[int, str]:
     """(prompt positions taken from the prefix cache, text) of one request."""
     before = server.service.stats()["prefix_cache"]["prefix_reused_tokens"]
@@ -80,3 +88,43 @@ def test_many_salts_stay_within_the_budget_and_the_scope_count(server):
 def test_a_bad_cache_salt_is_400_naming_it(server, salt):
     status, answer = chat(server, "q?", cache_salt=salt)
     assert status == 400 and answer["error"]["param"] == "cache_salt"
+
+
+def test_the_first_token_does_not_wait_for_the_prompt_to_be_cached(server):
+    """The prompt's blocks are cached on the step thread after its prefill, queued but not awaited: a streamed
+    answer's first chunk arrives while that store is still held up, and the request ends once it is let go
+    (its later steps queue behind it), with its prefix cached for the next request."""
+    import threading
+    scopes = server.service.replicas.all[0].prefix_scopes
+    held, release, store = threading.Event(), threading.Event(), scopes.store
+
+    def slow_store(*args):
+        held.set()
+        assert release.wait(10), "the test never let the store go"
+        return store(*args)
+
+    scopes.store = slow_store
+    try:
+        # a completion's first event is its first token (a chat's would be the role alone)
+        body = json.dumps({"model": MODEL_NAME, "max_tokens": 4, "temperature": 0, "stream": True,
+                           "prompt": SYSTEM + "one?"})
+        with server.connect_http() as sock:
+            sock.sendall(http_request("POST", "/v1/completions", body.encode()))
+            data = b""
+            while b"data: {" not in data:            # the first token, before the store can have finished
+                part = sock.recv(65536)
+                assert part, data
+                data += part
+            release.set()
+            while b"data: [DONE]" not in data:
+                part = sock.recv(65536)
+                assert part, data
+                data += part
+    finally:
+        release.set()
+        scopes.store = store
+    assert held.is_set(), "the store ran"
+    before = server.service.stats()["prefix_cache"]["prefix_reused_tokens"]
+    status, answer = complete(server, SYSTEM + "two?")
+    assert status == 200, answer
+    assert server.service.stats()["prefix_cache"]["prefix_reused_tokens"] > before, "the held store cached it"
