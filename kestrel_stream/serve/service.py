@@ -221,16 +221,15 @@ class Service:
     async def prefill_cached(self, session: Session, ids: np.ndarray, want: str, k: int,
                              scope: str | None = None) -> PrefillJob:
         """self.prefill through the engine's prefix cache when only the last row is wanted: a fresh
-        session adopts the cached prefix of the prompt, the batcher computes the rest, and the
-        prompt's full blocks are cached after it.  scope: a request's own cache (serve/prefix_scopes.py;
-        None: the shared one)."""
+        session adopts the cached prefix of the prompt, the batcher computes the rest, and the prompt's full
+        blocks are cached after it, on the step thread before any later step or call there, not waited for
+        (the first token goes out now).  scope: a request's cache (serve/prefix_scopes.py; None: the shared one)."""
         replica = self.replica_of(session)
         if replica.engine.prefix_cache is None or want == "logits":
             return await self.prefill(session, ids, want, k)
         reused = await replica.steps.run(replica.prefix_scopes.adopt, scope, session, ids)
         job = await self.prefill(session, ids[reused:], want, k)
         job.cached_tokens = reused
-        # cached on the step thread before any later step or call there, but not waited for: the first token goes now
         replica.steps.queue_call(replica.prefix_scopes.store, scope, session, ids).add_done_callback(report_unawaited)
         return job
 
