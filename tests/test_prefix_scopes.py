@@ -128,3 +128,55 @@ def test_the_first_token_does_not_wait_for_the_prompt_to_be_cached(server):
     status, answer = complete(server, SYSTEM + "two?")
     assert status == 200, answer
     assert server.service.stats()["prefix_cache"]["prefix_reused_tokens"] > before, "the held store cached it"
+
+
+def test_a_one_choice_request_visits_the_step_thread_once_before_its_prompt_runs(server):
+    """Its session is made and the prompt's cached prefix adopted in one call on the step thread (each call waits
+    for the step in progress, then for the loop): the calls before its prompt job are that one; a request of
+    two choices makes its sessions first and adopts per choice, after the first choice's prompt is cached."""
+    replica = server.service.replicas.all[0]
+    steps, log = replica.steps, []
+    queue_call, submit = steps.queue_call, steps.submit
+
+    def logged_call(fn, *args):
+        log.append(getattr(fn, "__name__", repr(fn)))
+        return queue_call(fn, *args)
+
+    def logged_submit(job, at_once=False):
+        log.append(type(job).__name__)
+        return submit(job, at_once)
+
+    steps.queue_call, steps.submit = logged_call, logged_submit
+    try:
+        assert reused_by(server, "one?")[0] == 0
+        first = log[:log.index("PrefillJob")]
+        log.clear()
+        assert reused_by(server, "two?")[0] > 0           # the adopted prefix was used
+        second = log[:log.index("PrefillJob")]
+        log.clear()
+        status, answer = chat(server, "three?", n=2)
+        assert status == 200 and len(answer["choices"]) == 2, answer
+    finally:
+        steps.queue_call, steps.submit = queue_call, submit
+    assert first == second == ["new_session_adopting"], (first, second)
+    assert log.count("new_session") == 2 and log.count("adopt") == 2 and "new_session_adopting" not in log, log
+
+
+def test_a_failing_adopt_serves_the_request_without_the_cache_and_holds_nothing(server):
+    """A bug in adopting a prefix (at the session's open, new_session_adopting) costs the request its cache, not
+    its answer, and leaves no session behind."""
+    scopes = server.service.replicas.all[0].prefix_scopes
+    reused_by(server, "one?")                                  # the system turn cached
+    want = reused_by(server, "two?")[1]
+    adopt = scopes.adopt
+
+    def broken(*args):
+        raise RuntimeError("a bug in adopt")
+
+    scopes.adopt = broken
+    try:
+        reused, text = reused_by(server, "two?")
+    finally:
+        scopes.adopt = adopt
+    assert (reused, text) == (0, want)                          # served in full, the same text
+    assert server.service.held_sessions == 0 and not server.engine.sessions, "the failed adopt's session closed"

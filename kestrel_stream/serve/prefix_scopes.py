@@ -14,6 +14,7 @@ every engine call.
 from __future__ import annotations
 
 import hashlib
+import traceback
 from collections import OrderedDict
 
 from kestrel_stream.errors import CapacityError
@@ -86,6 +87,18 @@ class PrefixScopes:
             except CapacityError:
                 if not any(cache.evict_oldest() for cache in self.scoped.values()):
                     raise
+
+    def new_session_adopting(self, max_seq_len: int | None, scope: str | None, tokens) -> tuple:
+        """(new_session, the positions of the prompt `tokens` it adopted from the cache): a one-choice request's
+        two calls in one visit to the step thread.  Should adopting fail (a bug), the request is served without
+        the cache, on a fresh session, and the error goes to stderr."""
+        session = self.new_session(max_seq_len)
+        try:
+            return session, self.adopt(scope, session, tokens)
+        except Exception:
+            traceback.print_exc()
+            session.close()
+            return self.new_session(max_seq_len), 0
 
     def cached_positions(self) -> int:
         shared = self.engine.prefix_cache

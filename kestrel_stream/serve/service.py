@@ -52,6 +52,7 @@ class Connection:
     send_frame: Callable[..., Awaitable[None]] | None = None    # loop: a frame before the answer (streaming)
     authenticated: bool = False
     sessions: dict[int, Session] = field(default_factory=dict)
+    adopted: dict[int, int] = field(default_factory=dict)   # session id -> prompt positions adopted at its open
 
 
 def field_int(header: dict, name: str, op: str, low: int, high: int, default=None) -> int:
@@ -180,11 +181,12 @@ class Service:
 
     async def open_sessions(self, conn: Connection, length: int | None, count: int = 1,
                             wait: bool = False, what: str = "open", prompt=None,
-                            scope: str | None = None) -> list[Session]:
+                            scope: str | None = None, adopt: bool = False) -> list[Session]:
         """``count`` new sessions of ``conn``, on one replica: their places reserved at once (CapacityError when
         all are held), or with ``wait`` after a turn in the admission queue (CapacityError when it is full).
         prompt: the ids they will prefill (in prefix cache ``scope``), where known: the replica that caches the
-        longest prefix of them is preferred (serve/replicas.py)."""
+        longest prefix of them is preferred (serve/replicas.py).  adopt: a lone session also adopts the prompt's cached
+        prefix in the same visit to the step thread (conn.adopted, for prefill_cached)."""
         if wait:
             await self.admission.take(count, what)
         elif not self.admission.try_take(count):
@@ -196,7 +198,12 @@ class Service:
                 # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread
                 # is making; it is registered below, with no await between, so the client's cleanup closes it.
                 with anyio.CancelScope(shield=True):
-                    session = await replica.steps.run(replica.prefix_scopes.new_session, length)
+                    if adopt and count == 1 and prompt is not None and replica.engine.prefix_cache is not None:
+                        session, reused = await replica.steps.run(replica.prefix_scopes.new_session_adopting, length,
+                                                                  scope, prompt)
+                        conn.adopted[session.id] = reused
+                    else:
+                        session = await replica.steps.run(replica.prefix_scopes.new_session, length)
                 conn.sessions[session.id] = session     # from here close_sessions frees it and its place
                 opened.append(session)
         except CapacityError:
@@ -219,15 +226,17 @@ class Service:
         return {"position": job.position, **fields}, out
 
     async def prefill_cached(self, session: Session, ids: np.ndarray, want: str, k: int,
-                             scope: str | None = None) -> PrefillJob:
+                             scope: str | None = None, adopted: int | None = None) -> PrefillJob:
         """self.prefill through the engine's prefix cache when only the last row is wanted: a fresh
         session adopts the cached prefix of the prompt, the batcher computes the rest, and the prompt's full
         blocks are cached after it, on the step thread before any later step or call there, not waited for
-        (the first token goes out now).  scope: a request's cache (serve/prefix_scopes.py; None: the shared one)."""
+        (the first token goes out now).  scope: a request's cache (serve/prefix_scopes.py; None: the shared one);
+        adopted: the positions open_sessions(adopt=True) adopted already."""
         replica = self.replica_of(session)
-        if replica.engine.prefix_cache is None or want == "logits":
+        if adopted is None and (replica.engine.prefix_cache is None or want == "logits"):
             return await self.prefill(session, ids, want, k)
-        reused = await replica.steps.run(replica.prefix_scopes.adopt, scope, session, ids)
+        reused = adopted if adopted is not None else await replica.steps.run(replica.prefix_scopes.adopt, scope,
+                                                                             session, ids)
         job = await self.prefill(session, ids[reused:], want, k)
         job.cached_tokens = reused
         replica.steps.queue_call(replica.prefix_scopes.store, scope, session, ids).add_done_callback(report_unawaited)

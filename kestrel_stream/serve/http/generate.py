@@ -187,7 +187,7 @@ class HttpGeneration:
         self.started_s = time.perf_counter()
         try:
             await service.open_sessions(self.conn, len(self.ids) + self.max_tokens, len(self.choices), wait=True,
-                                        what="this generation", prompt=self.ids, scope=self.prefix_scope)
+                                        what="this generation", prompt=self.ids, scope=self.prefix_scope, adopt=True)
         except CapacityError as e:
             raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
         except ShuttingDownError as e:
@@ -219,7 +219,8 @@ class HttpGeneration:
                                                                self.draft_max)
                 # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier
                 # turns, the first choice's prompt for its siblings) computes only the rest
-                jobs.append(await service.prefill_cached(session, ids, self.want, 1, self.prefix_scope))
+                jobs.append(await service.prefill_cached(session, ids, self.want, 1, self.prefix_scope,
+                                                         self.conn.adopted.pop(session.id, None)))
             self.cached_tokens = jobs[0].cached_tokens if jobs else 0
             live = list(self.choices)
             while live:
