@@ -213,8 +213,8 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
     reads rows as (gate, up) pairs and writes silu(gate) * up (rows/2 outputs); res is added;
     xn_out gets y * normw_out; inv_rms_out (+ `counter`, a zeroed GEMV_COUNTER_BYTES scratch)
     gets 1/rms(y) per token.  variant: a single-token layout of gemv_variants.VARIANTS (by
-    default the one measured fastest for the shape), of MULTI_VARIANTS or HMMA_VARIANTS for 2..8 tokens (by
-    default from 3 tokens to 16 the fp16 tensor-core GEMV, hmma_launch.py); beyond 8 tokens a variant of mma_variants (a tile, + "s<splits>" to split K; by default choose_variant's, unsplit
+    default the one measured fastest for the shape), of MULTI_VARIANTS or HMMA_VARIANTS for 2..16 tokens (by
+    default hmma_launch.py's, 3..16); else a variant of mma_variants (a tile, + "s<splits>" to split K; unsplit
     without `split_scratch`) or "simt", the fp32 tiled q8_matmul.cu (exact fp32 activations; the
     baseline the bench compares with).  split_scratch: the partials and tickets split launches share.
     dense: a dense_gemm.DenseScratch; the steps and weights it serves run on the dense path, one fp16
