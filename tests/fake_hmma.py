@@ -20,6 +20,8 @@ def q8_hmma(launch, *args) -> None:
     assert launch.grid[0] * variant.rows >= N, f"{launch.name}: grid {launch.grid} misses rows of {N}"
     assert 1 <= ntok <= most and (most == 8 or ntok > 8), f"{launch.name}: {ntok} tokens"
     assert K % 32 == 0 and args[0] % 8 == 0 and args[1] % 2 == 0, f"{launch.name}: 8-byte weight loads misaligned"
+    unroll = variant.unroll      # a row's U scales in one load where its block count is a multiple of U
+    assert (K // 32) % unroll or args[1] % (2 * unroll) == 0, f"{launch.name}: scale vector loads misaligned"
     assert all((x + 4 * m * ldx) % 16 == 0 for m in range(ntok)), f"{launch.name}: x rows not 16-byte aligned"
     xs = rows(x, ntok, ldx, K).astype(np.float32)
     if inv_rms_in:
