@@ -230,12 +230,12 @@ def gemv_launch(kernels: KernelSet, w: QWeight, x: int, ldx: int, y: int, ldy: i
                                  inv_rms_in=inv_rms_in, res=res, normw_out=normw_out, xn_out=xn_out,
                                  inv_rms_out=inv_rms_out, eps=eps).label(
             flops=2 * w.rows * w.cols * tokens, bytes=weight_bytes(w))
-    from kestrel_stream.cuda.hmma_launch import hmma_launch, hmma_serves
     if w.fmt != "Q8_0":       # 4/6-bit block formats: kernels_ptx/q4_gemv.cu, q4_mma.cu
         from kestrel_stream.cuda.block_kernels import block_gemv_launch
         return block_gemv_launch(kernels, w, x, ldx, y, ldy, tokens, silu_pairs=silu_pairs, inv_rms_in=inv_rms_in,
                                  res=res, normw_out=normw_out, xn_out=xn_out, inv_rms_out=inv_rms_out,
                                  counter=counter, eps=eps, variant=variant, split_scratch=split_scratch)
+    from kestrel_stream.cuda.hmma_launch import hmma_launch, hmma_serves   # (it must not import this module)
     args = [w.qs, w.scales, x, ldx, inv_rms_in, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps,
             w.rows, w.cols, tokens]
     if tokens > GEMV_MAX_TOKENS and mma_variants.uses_f16(tokens, variant):   # prefill-sized: fp16 tensor cores
