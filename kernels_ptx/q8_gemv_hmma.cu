@@ -69,11 +69,10 @@ __device__ __forceinline__ void hmma_mma(float (&d)[4], const unsigned int (&a)[
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// U consecutive fp16 scales of a row (U a power of two, p 2U-byte aligned) in one load
+// U consecutive fp16 scales of a row (U a power of two, p 2U-byte aligned) in one load, as packed pairs
 template <int U>
-__device__ __forceinline__ void hmma_scales(const half_bits* p, float (&d)[U]) {
+__device__ __forceinline__ void hmma_scales(const half_bits* p, unsigned int (&words)[U / 2]) {
     static_assert(U == 2 || U == 4 || U == 8, "scale vector");
-    unsigned int words[U / 2];
     if constexpr (U == 2) {
         words[0] = __ldg((const unsigned int*)p);
     } else if constexpr (U == 4) {
@@ -83,14 +82,83 @@ __device__ __forceinline__ void hmma_scales(const half_bits* p, float (&d)[U]) {
         const uint4 v = __ldg((const uint4*)p);
         words[0] = v.x; words[1] = v.y; words[2] = v.z; words[3] = v.w;
     }
-#pragma unroll
-    for (int i = 0; i < U / 2; i++) {
-        d[2 * i] = half_to_float((half_bits)(words[i] & 0xFFFFu));
-        d[2 * i + 1] = half_to_float((half_bits)(words[i] >> 16));
-    }
 }
 
 __device__ __forceinline__ float hmma_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
+
+// one step's weights: U blocks of rows g and g + 8 of each row tile (blocks at or past `last` not loaded) and
+// their scales as packed fp16 pairs
+template <int RT, int U>
+__device__ __forceinline__ void hmma_load_step(const int8* const (&wp)[RT][2], const half_bits* const (&sp)[RT][2],
+                                               int b0, int last, bool vector_scales, uint2 (&wr)[RT][2][U],
+                                               unsigned int (&sw)[RT][2][(U + 1) / 2]) {
+#pragma unroll
+    for (int u = 0; u < U; u++)
+#pragma unroll
+        for (int i = 0; i < RT; i++)
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                if (b0 + u < last) wr[i][h][u] = hmma_load8(wp[i][h] + 32 * (b0 + u));
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            if (vector_scales && b0 + U <= last) {
+                hmma_scales<U>(sp[i][h] + b0, sw[i][h]);
+            } else {
+#pragma unroll
+                for (int u = 0; u < U; u += 2) {
+                    const unsigned int a = __ldg(sp[i][h] + min(b0 + u, last - 1));
+                    const unsigned int b = u + 1 < U ? __ldg(sp[i][h] + min(b0 + u + 1, last - 1)) : 0u;
+                    sw[i][h][u / 2] = a | (b << 16);
+                }
+            }
+        }
+}
+
+__device__ __forceinline__ float hmma_scale(const unsigned int* sw, int u) {
+    return half_to_float((half_bits)((sw[u / 2] >> (16 * (u & 1))) & 0xFFFFu));
+}
+
+// block u of a loaded step (block b of the row): x of each token group as hi + lo, four mma a token group,
+// the block's sums scaled by the rows' d into acc
+template <int NT, int RT, int U>
+__device__ __forceinline__ void hmma_block(const uint2 (&wr)[RT][2][U], const unsigned int (&sw)[RT][2][(U + 1) / 2],
+                                           int u, int b, const float* const (&xrow)[NT], const float (&xscale)[NT],
+                                           float (&acc)[RT][NT][4]) {
+    unsigned int hi[NT][4], lo[NT][4];   // x pairs (k 0, 1), (2, 3) of word x; (4, 5), (6, 7) of word y
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const float4* xp = (const float4*)(xrow[j] + 32 * b);
+        const float4 x0 = xp[0], x1 = xp[1];
+        const float s = xscale[j];
+        hmma_split(x0.x * s, x0.y * s, hi[j][0], lo[j][0]);
+        hmma_split(x0.z * s, x0.w * s, hi[j][1], lo[j][1]);
+        hmma_split(x1.x * s, x1.y * s, hi[j][2], lo[j][2]);
+        hmma_split(x1.z * s, x1.w * s, hi[j][3], lo[j][3]);
+    }
+#pragma unroll
+    for (int i = 0; i < RT; i++) {
+        unsigned int a0[4], a1[4];   // mma steps 0 and 1: words x and y of rows g (a[0], a[2]), g + 8
+        hmma_bytes(wr[i][0][u].x, a0[0], a0[2]);
+        hmma_bytes(wr[i][1][u].x, a0[1], a0[3]);
+        hmma_bytes(wr[i][0][u].y, a1[0], a1[2]);
+        hmma_bytes(wr[i][1][u].y, a1[1], a1[3]);
+        const float d0 = hmma_scale(sw[i][0], u), d1 = hmma_scale(sw[i][1], u);
+#pragma unroll
+        for (int j = 0; j < NT; j++) {
+            float c[4] = {0.f, 0.f, 0.f, 0.f};
+            hmma_mma(c, a0, hi[j][0], hi[j][1]);
+            hmma_mma(c, a0, lo[j][0], lo[j][1]);
+            hmma_mma(c, a1, hi[j][2], hi[j][3]);
+            hmma_mma(c, a1, lo[j][2], lo[j][3]);
+            acc[i][j][0] = fmaf(c[0], d0, acc[i][j][0]);
+            acc[i][j][1] = fmaf(c[1], d0, acc[i][j][1]);
+            acc[i][j][2] = fmaf(c[2], d1, acc[i][j][2]);
+            acc[i][j][3] = fmaf(c[3], d1, acc[i][j][3]);
+        }
+    }
+}
 
 template <int NT, int RT, int WK, int U, bool SILU_PAIRS>
 __device__ __forceinline__ void q8_hmma_body(
@@ -125,80 +193,33 @@ __device__ __forceinline__ void q8_hmma_body(
         for (int j = 0; j < NT; j++)
 #pragma unroll
             for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
-    float xscale[NT];   // inv_rms_in of the thread's tokens 8 j + g; 0 past ntok (their B columns are zero)
-    const float* xrow[NT];
 
     // warp w's blocks: a contiguous run [first, last) of whole U-block steps (128 B of a row per step at U 4)
     const int per = (blocks + WK * U - 1) / (WK * U) * U, first = warp * per, last = min(blocks, first + per);
     const bool vector_scales = blocks % U == 0;   // each step's U scales of a row in one aligned load
-    for (int b0 = first; b0 < last; b0 += U) {
-        uint2 wr[RT][2][U];
-        float d[RT][2][U];
+    uint2 wr[RT][2][U];
+    unsigned int sw[RT][2][(U + 1) / 2];
+    if (first < last) hmma_load_step<RT, U>(wp, sp, first, last, vector_scales, wr, sw);   // weights: before pdl_wait
+    pdl_wait();   // x and inv_rms_in belong to earlier kernels
+    float xscale[NT];   // inv_rms_in of the thread's tokens 8 j + g; 0 past ntok (their B columns are zero)
+    const float* xrow[NT];
 #pragma unroll
-        for (int u = 0; u < U; u++)
-#pragma unroll
-            for (int i = 0; i < RT; i++)
-#pragma unroll
-                for (int h = 0; h < 2; h++)
-                    if (b0 + u < last) wr[i][h][u] = hmma_load8(wp[i][h] + 32 * (b0 + u));
-#pragma unroll
-        for (int i = 0; i < RT; i++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                if (vector_scales && b0 + U <= last) {
-                    hmma_scales<U>(sp[i][h] + b0, d[i][h]);
-                } else {
-#pragma unroll
-                    for (int u = 0; u < U; u++) d[i][h][u] = half_to_float(__ldg(sp[i][h] + min(b0 + u, last - 1)));
-                }
-            }
-        if (b0 == first) {   // x and inv_rms_in belong to earlier kernels
-            pdl_wait();
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                const int m = 8 * j + g;
-                xscale[j] = m < ntok ? (inv_rms_in ? inv_rms_in[m] : 1.0f) : 0.f;
-                xrow[j] = x + (long long)min(m, ntok - 1) * ldx + 8 * t;
-            }
-        }
-#pragma unroll
-        for (int u = 0; u < U; u++) {
-            const int b = b0 + u;
-            if (b >= last) break;
-            unsigned int hi[NT][4], lo[NT][4];   // x pairs (k 0, 1), (2, 3) of word x; (4, 5), (6, 7) of word y
-#pragma unroll
-            for (int j = 0; j < NT; j++) {
-                const float4* xp = (const float4*)(xrow[j] + 32 * b);
-                const float4 x0 = xp[0], x1 = xp[1];
-                const float s = xscale[j];
-                hmma_split(x0.x * s, x0.y * s, hi[j][0], lo[j][0]);
-                hmma_split(x0.z * s, x0.w * s, hi[j][1], lo[j][1]);
-                hmma_split(x1.x * s, x1.y * s, hi[j][2], lo[j][2]);
-                hmma_split(x1.z * s, x1.w * s, hi[j][3], lo[j][3]);
-            }
-#pragma unroll
-            for (int i = 0; i < RT; i++) {
-                unsigned int a0[4], a1[4];   // mma steps 0 and 1: words x and y of rows g (a[0], a[2]), g + 8
-                hmma_bytes(wr[i][0][u].x, a0[0], a0[2]);
-                hmma_bytes(wr[i][1][u].x, a0[1], a0[3]);
-                hmma_bytes(wr[i][0][u].y, a1[0], a1[2]);
-                hmma_bytes(wr[i][1][u].y, a1[1], a1[3]);
-#pragma unroll
-                for (int j = 0; j < NT; j++) {
-                    float c[4] = {0.f, 0.f, 0.f, 0.f};
-                    hmma_mma(c, a0, hi[j][0], hi[j][1]);
-                    hmma_mma(c, a0, lo[j][0], lo[j][1]);
-                    hmma_mma(c, a1, hi[j][2], hi[j][3]);
-                    hmma_mma(c, a1, lo[j][2], lo[j][3]);
-                    acc[i][j][0] = fmaf(c[0], d[i][0][u], acc[i][j][0]);
-                    acc[i][j][1] = fmaf(c[1], d[i][0][u], acc[i][j][1]);
-                    acc[i][j][2] = fmaf(c[2], d[i][1][u], acc[i][j][2]);
-                    acc[i][j][3] = fmaf(c[3], d[i][1][u], acc[i][j][3]);
-                }
-            }
-        }
+    for (int j = 0; j < NT; j++) {
+        const int m = 8 * j + g;
+        xscale[j] = m < ntok ? (inv_rms_in ? inv_rms_in[m] : 1.0f) : 0.f;
+        xrow[j] = x + (long long)min(m, ntok - 1) * ldx + 8 * t;
     }
-    pdl_wait();   // warps with no block (a short K) wait here
+    for (int b0 = first; b0 < last; b0 += U) {
+        if (b0 + U <= last) {   // a whole step: no test between its blocks' x loads and mma
+#pragma unroll
+            for (int u = 0; u < U; u++) hmma_block<NT, RT, U>(wr, sw, u, b0 + u, xrow, xscale, acc);
+        } else {
+#pragma unroll
+            for (int u = 0; u < U; u++)
+                if (b0 + u < last) hmma_block<NT, RT, U>(wr, sw, u, b0 + u, xrow, xscale, acc);
+        }
+        if (b0 + U < last) hmma_load_step<RT, U>(wp, sp, b0 + U, last, vector_scales, wr, sw);
+    }
 
     // C fragment (i, j): (row 16 i + g, tokens 8j + 2t, 8j + 2t + 1) in [0], [1]; row 16 i + g + 8 in [2], [3]
 #pragma unroll
