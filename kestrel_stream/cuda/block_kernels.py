@@ -21,7 +21,10 @@ from scheduler.ops import BLOCK_FORMATS
 # kernels.GEMV_SIGNATURE + qs_b, meta_b, rows_a (kernels.py dispatches here: this module must not import it)
 BLOCK_GEMV_SIGNATURE = "pppippipppppfiii" + "ppi"
 GEMV_MAX_TOKENS = 8                               # kernels.GEMV_MAX_TOKENS
-MMA_MIN_TOKENS = GEMV_MAX_TOKENS + 1              # by default; Options.block_mma_min_tokens may lower it
+# from 6 tokens the int8 tensor-core GEMM: on the H200 a 6 / 8-token step on qwen3-8b Q4_K_M 8.60 / 8.51 ms
+# against the GEMVs' 9.70 / 11.90 (at 5: 8.71 against 8.60; qwen3-1.7b the same turn),
+# bench/results/2026-12-04-h200-block-mma-switch.md.  Options.block_mma_min_tokens moves it (2..9).
+MMA_MIN_TOKENS = 6
 GEMV_TOKENS = q4_gemv_variants.GEMV_TOKENS       # the GEMV kernels' M
 BLOCK_MMA_SIGNATURE = BLOCK_GEMV_SIGNATURE + "pp"  # + split K's partials and tickets
 MMA_ROWS, MMA_THREADS, MMA_K_STEP = 64, 128, 128  # q4_mma.cu's QM_BN, QM_THREADS, QM_BK
