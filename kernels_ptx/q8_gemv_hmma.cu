@@ -30,19 +30,7 @@
 // of (gate, up) row pairs, residual, xn, and per-token sums of squares whose last block (atomic ticket)
 // turns them into 1/rms: `counter` [0] the ticket, floats [8 .. 8 + ntok) the sums (GEMV_COUNTER_BYTES).
 #include "common.cuh"
-
-__device__ __forceinline__ uint2 hmma_load8(const void* p) {
-    // weights are read once per step: keep them out of L1, which holds x
-    uint2 v;
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-    return v;
-}
-
-__device__ __forceinline__ unsigned int hmma_f16x2(float lo, float hi) {
-    unsigned int r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));   // first source -> upper half
-    return r;
-}
+#include "hmma_common.cuh"
 
 // the signed bytes 0, 1 (p01) and 2, 3 (p23) of a weight word as exact fp16 pairs
 __device__ __forceinline__ void hmma_bytes(unsigned int word, unsigned int& p01, unsigned int& p23) {
@@ -50,23 +38,6 @@ __device__ __forceinline__ void hmma_bytes(unsigned int word, unsigned int& p01,
     const unsigned int h01 = __byte_perm(biased, 0x64646464u, 0x4140), h23 = __byte_perm(biased, 0x64646464u, 0x4342);
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(p01) : "r"(h01), "r"(0x64806480u));
     asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(p23) : "r"(h23), "r"(0x64806480u));
-}
-
-// x = hi + lo in two fp16 pairs: hi is x with its low 13 mantissa bits cleared (exact in fp16), lo =
-// fp16(x - hi) (x - hi exact in fp32): x to ~2^-22, where fp16 alone is 2^-11 (batches would then differ
-// from one token's fp32 GEMV by ~4e-4 at the logits).
-__device__ __forceinline__ void hmma_split(float a, float b, unsigned int& hi, unsigned int& lo) {
-    const float ah = __uint_as_float(__float_as_uint(a) & 0xFFFFE000u), bh = __uint_as_float(__float_as_uint(b) & 0xFFFFE000u);
-    hi = hmma_f16x2(ah, bh);
-    lo = hmma_f16x2(a - ah, b - bh);
-}
-
-__device__ __forceinline__ void hmma_mma(float (&d)[4], const unsigned int (&a)[4], unsigned int b0, unsigned int b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // U consecutive fp16 scales of a row (U a power of two, p 2U-byte aligned) in one load, as packed pairs
@@ -83,8 +54,6 @@ __device__ __forceinline__ void hmma_scales(const half_bits* p, unsigned int (&w
         words[0] = v.x; words[1] = v.y; words[2] = v.z; words[3] = v.w;
     }
 }
-
-__device__ __forceinline__ float hmma_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
 // one step's weights: U blocks of rows g and g + 8 of each row tile (blocks at or past `last` not loaded) and
 // their scales as packed fp16 pairs
@@ -165,11 +134,7 @@ __device__ __forceinline__ void q8_hmma_body(
         const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
         float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
-    constexpr int THREADS = 32 * WK, TOK = 8 * NT, ROWS = 16 * RT, OUTS = SILU_PAIRS ? ROWS / 2 : ROWS;
-    __shared__ float4 part[WK][RT][NT][32];   // each warp's C fragments
-    __shared__ float sums[ROWS][TOK];         // the block's rows x tokens, over the warps
-    __shared__ float squares[OUTS][TOK];
-    __shared__ bool is_last_block;
+    constexpr int ROWS = 16 * RT;
     pdl_launch_dependents();
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
     const int row0 = blockIdx.x * ROWS;
@@ -221,56 +186,8 @@ __device__ __forceinline__ void q8_hmma_body(
         if (b0 + U < last) hmma_load_step<RT, U>(wp, sp, b0 + U, last, vector_scales, wr, sw);
     }
 
-    // C fragment (i, j): (row 16 i + g, tokens 8j + 2t, 8j + 2t + 1) in [0], [1]; row 16 i + g + 8 in [2], [3]
-#pragma unroll
-    for (int i = 0; i < RT; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-            part[warp][i][j][lane] = make_float4(acc[i][j][0], acc[i][j][1], acc[i][j][2], acc[i][j][3]);
-    __syncthreads();
-    for (int q = threadIdx.x; q < ROWS * TOK; q += THREADS) {
-        const int r = q / TOK, n = q % TOK, i = r >> 4, rr = r & 15, j = n >> 3, nn = n & 7;
-        const int src = (rr & 7) * 4 + (nn >> 1), e = (rr >> 3) * 2 + (nn & 1);
-        float s = 0.f;
-#pragma unroll
-        for (int w = 0; w < WK; w++) s += ((const float*)&part[w][i][j][src])[e];
-        sums[r][n] = s;
-    }
-    __syncthreads();
-    for (int q = threadIdx.x; q < OUTS * TOK; q += THREADS) {
-        const int r = q / TOK, n = q % TOK;
-        const int col = SILU_PAIRS ? row0 / 2 + r : row0 + r;
-        float s = 0.f;
-        if (n < ntok && col < (SILU_PAIRS ? N / 2 : N)) {
-            s = SILU_PAIRS ? hmma_silu_mul(sums[2 * r][n], sums[2 * r + 1][n]) : sums[r][n];
-            const long long at = (long long)n * ldy + col;
-            if (res) s += res[at];
-            y[at] = s;
-            if (xn_out) xn_out[at] = s * normw_out[col];
-        }
-        squares[r][n] = s * s;   // rows past N and tokens past ntok add 0
-    }
-    if (inv_rms_out == nullptr) return;
-
-    float* totals = (float*)(counter + 8);
-    __syncthreads();
-    if (threadIdx.x < ntok) {   // the block's squares of a token, in row order
-        float sq = 0.f;
-#pragma unroll
-        for (int r = 0; r < OUTS; r++) sq += squares[r][threadIdx.x];
-        atomicAdd(totals + threadIdx.x, sq);
-    }
-    __threadfence();   // the sums land before the ticket is taken
-    __syncthreads();
-    if (threadIdx.x == 0) is_last_block = atomicAdd(counter, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!is_last_block) return;
-    __threadfence();
-    if (threadIdx.x < ntok) {
-        const float total = atomicExch(totals + threadIdx.x, 0.f);   // read at L2, and zeroed for the next launch
-        inv_rms_out[threadIdx.x] = 1.0f / sqrtf(total / (float)N + eps);   // as q8_gemv.cu
-    }
-    if (threadIdx.x == 0) *counter = 0u;
+    hmma_epilogue<NT, RT, WK, SILU_PAIRS>(acc, row0, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N,
+                                          ntok);
 }
 
 // q8_hmma_t<8 NT>_k<WK>u<U>[r<RT>] (+ _silu): the layouts of kestrel_stream/cuda/gemv_variants.HMMA_VARIANTS

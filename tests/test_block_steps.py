@@ -1,5 +1,6 @@
 """Steps of 1..70 tokens on every block format: the kernel each token count gets (GEMV layouts up to 8,
-the 16-token GEMM tile with K split up to 64, the 64-token tile beyond) against numpy.
+the 16-token GEMM tile with K split up to 64, the 64-token tile beyond; a Q4_K weight of one format the fp16
+tensor-core GEMV of 2..16 tokens) against numpy.
 
 Each case runs on the emulated device (fake_block_kernels' twins: CI) and, marked `gpu`, on a real one
 with the NVRTC-built kernels (`pytest -m gpu tests/test_block_steps.py`).  Reference: float32
@@ -15,6 +16,7 @@ import pytest
 from bench.synthetic import random_blocks
 from kestrel_stream.cuda import block_kernels, mma_variants
 from kestrel_stream.cuda.device_weight import QWeight
+from kestrel_stream.cuda.hmma_launch import q4k_hmma_serves
 from kestrel_stream.cuda.kernels import GEMV_COUNTER_BYTES, gemv_launch
 from kestrel_stream.model.quant4 import BlockTensor, fuse_rows
 from test_block_kernels import DEVICES, Harness, check_tolerance, upload
@@ -92,7 +94,9 @@ def test_a_step_of_k_tokens_matches_numpy(dev, name, tokens):
     launch = gemv_launch(dev.kernels, qw, dev.put(x), k, y, n, tokens, res=y, normw_out=dev.put(normw), xn_out=xn,
                          inv_rms_out=inv_rms, counter=counter, eps=1e-6, split_scratch=dev.scratch)
     dev.run(launch)
-    if tokens > block_kernels.GEMV_MAX_TOKENS:
+    if q4k_hmma_serves(qw, tokens, None):
+        assert launch.name.startswith("q4k_hmma_t"), launch.name
+    elif tokens > block_kernels.GEMV_MAX_TOKENS:
         assert launch.name.startswith(f"{qw.fmt.lower()}"), launch.name
         assert ("_mma16" in launch.name) == (tokens <= block_kernels.SMALL_TILE_MAX_TOKENS), launch.name
     want = x @ dense.T + res
@@ -175,9 +179,10 @@ def test_the_gemm_can_take_over_from_fewer_tokens(monkeypatch):
         Options.from_env({"KESTREL_BLOCK_MMA_MIN_TOKENS": "12"})
 
 
-# a 1.5B model's down (Q4_K or Q6_K in a Q4_K_M file) and QKV (Q4_K with Q6_K v rows): K split many ways
-MODEL_SHAPES = [("Q4_K", (1536,), 8960, 11), ("Q6_K", (1536,), 8960, 64), ("Q4_K+Q6_K", (1792, 256), 1536, 33),
-                ("Q4_0", (896,), 4864, 70)]
+# a 1.5B model's down (Q4_K or Q6_K in a Q4_K_M file) and QKV (Q4_K with Q6_K v rows): the GEMM's K split many
+# ways; its gate (8960 x 1536, six super-blocks a row) on the fp16 tensor-core GEMV
+MODEL_SHAPES = [("Q4_K", (1536,), 8960, 11), ("Q4_K", (8960,), 1536, 11), ("Q6_K", (1536,), 8960, 64),
+                ("Q4_K+Q6_K", (1792, 256), 1536, 33), ("Q4_0", (896,), 4864, 70)]
 
 
 @pytest.mark.parametrize("fmt,rows,cols,tokens", MODEL_SHAPES)
@@ -191,7 +196,11 @@ def test_model_shaped_steps_match_numpy(dev, fmt, rows, cols, tokens):
     x = rng.standard_normal((tokens, k)).astype(np.float32)
     y = dev.put(np.zeros((tokens, n), np.float32))
     launch = gemv_launch(dev.kernels, qw, dev.put(x), k, y, n, tokens, split_scratch=dev.scratch)
-    assert launch.grid[2] > 1, "these shapes split K"
+    if q4k_hmma_serves(qw, tokens, None):
+        assert launch.name.startswith("q4k_hmma_t16_"), launch.name
+    else:
+        assert launch.grid[2] > 1, "these shapes split K"
     dev.run(launch)
     want = x @ w.dequantize().T
-    assert np.abs(dev.get(y, (tokens, n)) - want).max() <= 2e-3 * np.abs(want).max(), (fmt, tokens, launch.grid)
+    tol = check_tolerance(tokens, launch.name)
+    assert np.abs(dev.get(y, (tokens, n)) - want).max() <= tol * np.abs(want).max(), (fmt, tokens, launch.grid)

@@ -137,6 +137,25 @@ def test_hmma_layouts_match_the_kernel_source():
         assert gemv_variants.multi_variant(2, None, rows) == gemv_variants.multi_variant(2) in gemv_variants.MULTI_VARIANTS
 
 
+def test_q4k_hmma_layouts_match_the_kernel_source():
+    """Every Q4_K layout of q4k_gemv_hmma.cu is defined with the table's warps and rows, for 8 and 16 tokens, plain
+    and SiLU; the default picks one for every weight shape."""
+    import re
+    from kestrel_stream.cuda import gemv_variants
+    source = (build.source_dir() / "q4k_gemv_hmma.cu").read_text()
+    defined = {"h" + m[2]: gemv_variants.Variant(32 * int(m[1]), 16 * int(m[0]), 1)
+               for m in re.findall(r"^DEFINE_Q4K_HMMA_LAYOUT\((\d+), (\d+), (\w+)\)", source, flags=re.M)}
+    assert defined == gemv_variants.HMMA_Q4K_VARIANTS
+    for suffix, (threads, rows, _) in defined.items():
+        assert suffix == f"hk{threads // 32}" + (f"r{rows // 16}" if rows > 16 else "")
+        for tokens, silu in ((2, False), (8, True), (9, False), (16, True)):
+            name = gemv_variants.hmma_q4k_kernel_name(tokens, suffix, silu)
+            assert gemv_variants.parse_hmma_q4k(name) == (8 if tokens <= 8 else 16, defined[suffix], silu)
+    for rows in (16, 2048, 12288, 151936):
+        for cols in (256, 1024, 2048, 8960):
+            assert gemv_variants.hmma_q4k_variant(rows, cols) in defined
+
+
 def test_dense_gemm_tiles_match_the_kernel_source():
     """Every tile cuda/dense_gemm.GEMM_TILES launches is defined in q8_gemm_f16.cu with the same shape,
     warps and stages, fits an H200 block's shared memory, and the rule picks one for any step."""

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 from kestrel_stream.cuda import q4_gemv_variants
 from kestrel_stream.cuda.device_weight import QWeight
+from kestrel_stream.cuda.hmma_launch import q4k_hmma_launch, q4k_hmma_serves
 from scheduler.ops import BLOCK_FORMATS
 
 # kernels.GEMV_SIGNATURE + qs_b, meta_b, rows_a (kernels.py dispatches here: this module must not import it)
@@ -142,10 +143,12 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
                       variant: str | None = None, split_scratch=None):
     """kernels.gemv_launch for a block-format weight (same contract); `kernels`: a KernelSet.  variant: a
     GEMV layout of q4_gemv_variants.variants(M) for 1..8 tokens (default: q4_gemv_variants.choose, which
-    takes the kernel set's gemv_block, KESTREL_GEMV_BLOCK, where it fits), or a GEMM tile of MMA_TILES
-    (+ "s<splits>"), for any token count; by default the GEMM from the kernel set's block_mma_min_tokens
-    (KESTREL_BLOCK_MMA_MIN_TOKENS) or MMA_MIN_TOKENS tokens on.  split_scratch: the partials and tickets split launches share
-    (mma_variants.SplitScratch; None: K is not split)."""
+    takes the kernel set's gemv_block, KESTREL_GEMV_BLOCK, where it fits), a GEMM tile of MMA_TILES
+    (+ "s<splits>"), for any token count, or a Q4_K layout of gemv_variants.HMMA_Q4K_VARIANTS for 2..16.
+    By default a Q4_K weight of one format takes the fp16 tensor-core GEMV (q4k_gemv_hmma.cu) for 2..16
+    tokens, unless KESTREL_BLOCK_MMA_MIN_TOKENS or KESTREL_GEMV_BLOCK is set; other steps the GEMM from
+    the kernel set's block_mma_min_tokens or MMA_MIN_TOKENS tokens on, the GEMVs below.  split_scratch: the
+    partials and tickets split launches share (mma_variants.SplitScratch; None: K is not split)."""
     tail = w.tail
     assert (w.fmt, tail.fmt if tail else None) in KERNEL_FORMATS, f"no kernel for {w.fmt} then {tail and tail.fmt}"
     assert not (silu_pairs and tail), "gate/up rows share one format"
@@ -154,7 +157,10 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
             w.rows, w.cols, tokens, (tail or w).qs, (tail or w).scales, head_rows]
     silu = "_silu" if silu_pairs else ""
     min_tokens = kernels.block_mma_min_tokens or MMA_MIN_TOKENS
-    if tokens > GEMV_MAX_TOKENS or is_mma_variant(variant) or (tokens >= min_tokens and variant is None):
+    forced = kernels.block_mma_min_tokens is not None or kernels.gemv_block is not None   # the older choices
+    if q4k_hmma_serves(w, tokens, variant) and not (variant is None and forced):
+        launch = q4k_hmma_launch(kernels, w, tokens, silu_pairs, args[:16], variant)
+    elif tokens > GEMV_MAX_TOKENS or is_mma_variant(variant) or (tokens >= min_tokens and variant is None):
         sm_count = kernels.device.sm_count
         tile, splits = (parse_mma_variant(variant) if variant is not None
                         else (mma_tile(tokens, mma_grid(w, tokens, "mma")[0], sm_count), None))

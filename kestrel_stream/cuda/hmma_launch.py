@@ -1,9 +1,12 @@
-"""Launches of kernels_ptx/q8_gemv_hmma.cu, the fp16 tensor-core GEMV of 3..16 tokens (kernels.gemv_launch's
-choice for those steps), and whether a step of 9..16 tokens takes it."""
+"""Launches of kernels_ptx/q8_gemv_hmma.cu and q4k_gemv_hmma.cu, the fp16 tensor-core GEMVs of a few tokens
+(kernels.gemv_launch's choice for Q8_0 steps of 3..16 tokens, block_kernels.block_gemv_launch's for Q4_K steps of
+3..16 by shape), and whether a step takes them."""
 from __future__ import annotations
 
 from kestrel_stream.cuda.device_weight import QWeight
-from kestrel_stream.cuda.gemv_variants import HMMA_MAX_TOKENS, HMMA_VARIANTS, hmma_kernel_name
+from kestrel_stream.cuda.gemv_variants import (HMMA_MAX_TOKENS, HMMA_Q4K_MIN_TOKENS, HMMA_Q4K_VARIANTS, HMMA_VARIANTS,
+                                               hmma_kernel_name, hmma_q4k_kernel_name, hmma_q4k_takes,
+                                               hmma_q4k_variant)
 
 # kernels.GEMV_SIGNATURE (kernels.py dispatches here: this module must not import it)
 HMMA_SIGNATURE = "pppippipppppfiii"
@@ -22,4 +25,24 @@ def hmma_launch(kernels, w: QWeight, tokens: int, silu_pairs: bool, args: list, 
     """The kernels.Launch of `variant` (a key of gemv_variants.HMMA_VARIANTS): a block per 16 x R rows."""
     shape = HMMA_VARIANTS[variant]
     return kernels.launch(hmma_kernel_name(tokens, variant, silu_pairs), (-(-w.rows // shape.rows),),
+                          (shape.threads,), HMMA_SIGNATURE, args)
+
+
+def q4k_hmma_serves(w: QWeight, tokens: int, variant: str | None) -> bool:
+    """Whether a block-format step takes q4k_gemv_hmma.cu: a Q4_K weight of one format (no tail rows in
+    another), K a whole number of super-blocks; asked by name for 2..16 tokens, by default where
+    gemv_variants.hmma_q4k_takes says."""
+    if w.fmt != "Q4_K" or w.tail is not None or w.cols % 256:
+        return False
+    if variant is None:
+        return hmma_q4k_takes(w.rows, w.cols, tokens)
+    return variant in HMMA_Q4K_VARIANTS and HMMA_Q4K_MIN_TOKENS <= tokens <= HMMA_MAX_TOKENS
+
+
+def q4k_hmma_launch(kernels, w: QWeight, tokens: int, silu_pairs: bool, args: list, variant: str | None):
+    """The kernels.Launch of a Q4_K layout (a key of gemv_variants.HMMA_Q4K_VARIANTS; None: hmma_q4k_variant);
+    args: the GEMV's 16 (qs, meta for scales)."""
+    variant = variant or hmma_q4k_variant(w.rows, w.cols, tokens)
+    shape = HMMA_Q4K_VARIANTS[variant]
+    return kernels.launch(hmma_q4k_kernel_name(tokens, variant, silu_pairs), (-(-w.rows // shape.rows),),
                           (shape.threads,), HMMA_SIGNATURE, args)
