@@ -18,8 +18,8 @@ import re
 import sys
 from pathlib import Path
 
-KERNEL_SOURCES = ("q8_gemv.cu", "q8_gemv_hmma.cu", "q4k_gemv_hmma.cu", "q8_matmul.cu", "q8_mma.cu", "q8_mma_pipe.cu",
-                  "q8_mma_f16_ws.cu", "qkv_rope.cu", "attention.cu", "attention_rope.cu", "flash_attention.cu",
+KERNEL_SOURCES = ("q8_gemv.cu", "q8_gemv_hmma.cu", "q4k_gemv_hmma.cu", "q6k_gemv_hmma.cu", "q8_matmul.cu", "q8_mma.cu",
+                  "q8_mma_pipe.cu", "q8_mma_f16_ws.cu", "qkv_rope.cu", "attention.cu", "attention_rope.cu", "flash_attention.cu",
                   "elementwise.cu", "sample.cu", "q4_gemv.cu", "q4_mma.cu", "dense_gemm.cu",
                   "q4_gemv_m1.cu", "q4_gemv_mn.cu", "q4_gemv_mg.cu", "q4_gemv_m1d.cu", "q8_gemm_f16.cu", "q8_wgmma.cu",
                   "moe.cu", "moe_mma.cu")

@@ -1,7 +1,8 @@
-// What the fp16 tensor-core GEMVs of few tokens share (q8_gemv_hmma.cu for Q8_0, q4k_gemv_hmma.cu for Q4_K):
-// the weight loads, x as hi + lo fp16 pairs, the m16n8k16 mma, and the epilogue of q8_gemv.cu over a block's
-// C fragments (SiLU·mul of (gate, up) row pairs, residual, xn, per-token sums of squares and their last-block
-// 1/rms: `counter` [0] the ticket, floats [8 .. 8 + ntok) the sums, GEMV_COUNTER_BYTES).
+// What the fp16 tensor-core GEMVs of few tokens share (q8_gemv_hmma.cu for Q8_0, q4k_ and q6k_gemv_hmma.cu for
+// the K-quants): the weight loads, x as hi + lo fp16 pairs, the m16n8k16 mma, the epilogue of q8_gemv.cu over a
+// block's C fragments (SiLU·mul of (gate, up) row pairs, residual, xn, per-token sums of squares and their
+// last-block 1/rms: `counter` [0] the ticket, floats [8 .. 8 + ntok) the sums, GEMV_COUNTER_BYTES), and the
+// K-quants' body over whole super-blocks (hmma_superblock_body, given a format's loads and step).
 #pragma once
 // (include common.cuh first: build.py splices includes one level deep)
 
@@ -101,3 +102,75 @@ __device__ __forceinline__ void hmma_epilogue(const float (&acc)[RT][NT][4], int
     }
     if (threadIdx.x == 0) *counter = 0u;
 }
+
+// The K-quant GEMVs' body: a block owns 16 RT rows and WK warps; warp w takes a contiguous run of the rows'
+// super-blocks (256 elements), one a step, the next step's loads after this step's mma (the first step's before
+// pdl_wait).  F: a format of q4k_gemv_hmma.cu / q6k_gemv_hmma.cu with
+//   Raw<RT>: one step's registers;  qs_row(K), meta_row(K): bytes a row;  Q_LANE, X_LANE: qs bytes and x elements
+//   between threads t (qs rows and x rows come offset by them);
+//   load<RT>(qs rows, meta rows, sb, Raw&);  step<NT, RT>(Raw, sb, x rows (+ X_LANE t), scales, acc).
+template <class F, int NT, int RT, int WK, bool SILU_PAIRS>
+__device__ __forceinline__ void hmma_superblock_body(
+        const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, const float* x, int ldx,
+        const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
+        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
+    constexpr int ROWS = 16 * RT;
+    pdl_launch_dependents();
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+    const int row0 = blockIdx.x * ROWS;
+    const int supers = K >> 8;
+    // tile i's rows row0 + 16 i + g (h 0) and + 8 (h 1); a clamped row computes garbage that is never stored
+    const unsigned char* qp[RT][2];
+    const unsigned char* mp[RT][2];
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            const long long row = min(row0 + 16 * i + 8 * h + g, N - 1);
+            qp[i][h] = qs + row * F::qs_row(K) + F::Q_LANE * t;
+            mp[i][h] = meta + row * F::meta_row(K);
+        }
+
+    float acc[RT][NT][4];
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+
+    const int per = (supers + WK - 1) / WK, first = warp * per, last = min(supers, first + per);
+    typename F::template Raw<RT> raw;
+    if (first < last) F::template load<RT>(qp, mp, first, raw);   // weights: before pdl_wait
+    pdl_wait();   // x and inv_rms_in belong to earlier kernels
+    float xscale[NT];   // inv_rms_in of the thread's tokens 8 j + g; 0 past ntok (their B columns are zero)
+    const float* xrow[NT];
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int m = 8 * j + g;
+        xscale[j] = m < ntok ? (inv_rms_in ? inv_rms_in[m] : 1.0f) : 0.f;
+        xrow[j] = x + (long long)min(m, ntok - 1) * ldx + F::X_LANE * t;
+    }
+    for (int sb = first; sb < last; sb++) {
+        F::template step<NT, RT>(raw, sb, xrow, xscale, acc);
+        if (sb + 1 < last) F::template load<RT>(qp, mp, sb + 1, raw);
+    }
+    hmma_epilogue<NT, RT, WK, SILU_PAIRS>(acc, row0, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N,
+                                          ntok);
+}
+
+// the kernels of a K-quant layout: <prefix>_t8_<suffix>, <prefix>_t16_<suffix>, each plain and _silu
+#define DEFINE_SUPERBLOCK_HMMA(F, NT, RT, WK, SILU, NAME)                                          \
+    extern "C" __global__ void __launch_bounds__(32 * WK) NAME(                                   \
+            const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,          \
+            const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
+            float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
+            int ntok) {                                                                          \
+        hmma_superblock_body<F, NT, RT, WK, SILU>(qs, meta, x, ldx, inv_rms_in, y, ldy, res,      \
+                                                  normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok); \
+    }
+#define DEFINE_SUPERBLOCK_HMMA_LAYOUT(F, PREFIX, RT, WK, SUFFIX)                                   \
+    DEFINE_SUPERBLOCK_HMMA(F, 1, RT, WK, false, PREFIX##_t8_##SUFFIX)                             \
+    DEFINE_SUPERBLOCK_HMMA(F, 1, RT, WK, true, PREFIX##_t8_##SUFFIX##_silu)                       \
+    DEFINE_SUPERBLOCK_HMMA(F, 2, RT, WK, false, PREFIX##_t16_##SUFFIX)                            \
+    DEFINE_SUPERBLOCK_HMMA(F, 2, RT, WK, true, PREFIX##_t16_##SUFFIX##_silu)

@@ -13,10 +13,9 @@
 // sub-block's sums start from zero and are scaled by d sc in fp32.  The mins' sum of x over a sub-block comes
 // from a mma of the same x fragments against ones: in the C layout, per token, at no extra conversion.
 //
-// Work layout: a block owns 16 RT rows and WK warps; warp w takes a contiguous run of the rows' super-blocks,
-// one super-block a step (four 8-byte loads a row and its 16 meta bytes, all in flight), the next step's loads
-// after this step's mma.  NT groups of 8 tokens (NT = 2: up to 16) share each weight fragment.  Then
-// hmma_common.cuh's epilogue.
+// Work layout (hmma_common.cuh's hmma_superblock_body): a block owns 16 RT rows and WK warps; a warp takes whole
+// super-blocks, one a step (four 8-byte loads a row and its 16 meta bytes, all in flight).  NT groups of 8
+// tokens (NT = 2: up to 16) share each weight fragment.
 #include "common.cuh"
 #include "q4_formats.cuh"
 #include "hmma_common.cuh"
@@ -33,23 +32,6 @@ __device__ __forceinline__ void q4k_nibbles(unsigned int w, unsigned int& lo02, 
     asm("sub.rn.f16x2 %0, %0, %1;" : "+r"(lo13) : "r"(MAGIC));
     asm("sub.rn.f16x2 %0, %0, %1;" : "+r"(hi02) : "r"(MAGIC));
     asm("sub.rn.f16x2 %0, %0, %1;" : "+r"(hi13) : "r"(MAGIC));
-}
-
-// one step: the super-block's four 8-byte words of each row tile's rows g (h 0) and g + 8 (h 1), and their meta
-template <int RT>
-__device__ __forceinline__ void q4k_load_step(const unsigned char* const (&qp)[RT][2],
-                                              const unsigned char* const (&mp)[RT][2], int sb, uint2 (&wr)[RT][2][4],
-                                              uint4 (&mt)[RT][2]) {
-#pragma unroll
-    for (int p = 0; p < 4; p++)
-#pragma unroll
-        for (int i = 0; i < RT; i++)
-#pragma unroll
-            for (int h = 0; h < 2; h++) wr[i][h][p] = hmma_load8(qp[i][h] + 128 * (long long)sb + 32 * p);
-#pragma unroll
-    for (int i = 0; i < RT; i++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) mt[i][h] = __ldg((const uint4*)(mp[i][h] + 16 * (long long)sb));
 }
 
 // d sc_j and dmin m_j of sub-block j from a super-block's meta (as FmtQ4_K::decode)
@@ -79,124 +61,84 @@ __device__ __forceinline__ void q4k_sub_mma(float (&c)[4], const unsigned int (&
     hmma_mma(c, a1, lo[2], lo[3]);
 }
 
-// the super-block sb of a loaded step into acc
-template <int NT, int RT>
-__device__ __forceinline__ void q4k_step(const uint2 (&wr)[RT][2][4], const uint4 (&mt)[RT][2], int sb,
-                                         const float* const (&xrow)[NT], const float (&xscale)[NT],
-                                         float (&acc)[RT][NT][4]) {
-    constexpr unsigned int ONES = 0x3C003C00u;   // fp16 1.0 pairs: a mma against them sums x over k
-    const unsigned int ones[4] = {ONES, ONES, ONES, ONES};
+struct HmmaQ4K {
+    static constexpr int Q_LANE = 8, X_LANE = 8;   // thread t's bytes 8 t .. 8 t + 7 of 32: elements 8 t .. 8 t + 7
+    template <int RT> struct Raw {
+        uint2 w[RT][2][4];   // the super-block's 8-byte words 32 p + 8 t of rows g (h 0), g + 8 (h 1)
+        uint4 m[RT][2];      // and their meta
+    };
+    static __device__ __forceinline__ long long qs_row(int K) { return K / 2; }
+    static __device__ __forceinline__ long long meta_row(int K) { return K / 16; }
+
+    template <int RT>
+    static __device__ __forceinline__ void load(const unsigned char* const (&qp)[RT][2],
+                                                const unsigned char* const (&mp)[RT][2], int sb, Raw<RT>& r) {
 #pragma unroll
-    for (int p = 0; p < 4; p++) {
-        // x of sub-blocks 2 p (q = 0) and 2 p + 1 (q = 1) for each token group, and their sums over k
-        unsigned int hi[2][NT][4], lo[2][NT][4];
-        float xsum[2][NT][4];
+        for (int p = 0; p < 4; p++)
 #pragma unroll
-        for (int q = 0; q < 2; q++)
+            for (int i = 0; i < RT; i++)
 #pragma unroll
-            for (int j = 0; j < NT; j++) {
-                q4k_x_pairs(xrow[j] + 256 * sb + 64 * p + 32 * q, xscale[j], hi[q][j], lo[q][j]);
+                for (int h = 0; h < 2; h++) r.w[i][h][p] = hmma_load8(qp[i][h] + 128 * (long long)sb + 32 * p);
 #pragma unroll
-                for (int e = 0; e < 4; e++) xsum[q][j][e] = 0.f;
-                q4k_sub_mma(xsum[q][j], ones, ones, hi[q][j], lo[q][j]);
-            }
+        for (int i = 0; i < RT; i++)
 #pragma unroll
-        for (int i = 0; i < RT; i++) {
-            // k steps 0 (word x) and 1 (word y) of sub-block 2 p (low nibbles) and 2 p + 1 (high): rows g in
-            // a[0], a[2], g + 8 in a[1], a[3]
-            unsigned int l0[4], l1[4], h0[4], h1[4];
-            q4k_nibbles(wr[i][0][p].x, l0[0], l0[2], h0[0], h0[2]);
-            q4k_nibbles(wr[i][1][p].x, l0[1], l0[3], h0[1], h0[3]);
-            q4k_nibbles(wr[i][0][p].y, l1[0], l1[2], h1[0], h1[2]);
-            q4k_nibbles(wr[i][1][p].y, l1[1], l1[3], h1[1], h1[3]);
-            float s[2][2], o[2][2];   // [sub-block q][row half h]
+            for (int h = 0; h < 2; h++) r.m[i][h] = __ldg((const uint4*)(mp[i][h] + 16 * (long long)sb));
+    }
+
+    // the super-block sb of a loaded step into acc
+    template <int NT, int RT>
+    static __device__ __forceinline__ void step(const Raw<RT>& r, int sb, const float* const (&xrow)[NT],
+                                                const float (&xscale)[NT], float (&acc)[RT][NT][4]) {
+        constexpr unsigned int ONES = 0x3C003C00u;   // fp16 1.0 pairs: a mma against them sums x over k
+        const unsigned int ones[4] = {ONES, ONES, ONES, ONES};
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            // x of sub-blocks 2 p (q = 0) and 2 p + 1 (q = 1) for each token group, and their sums over k
+            unsigned int hi[2][NT][4], lo[2][NT][4];
+            float xsum[2][NT][4];
 #pragma unroll
             for (int q = 0; q < 2; q++)
 #pragma unroll
-                for (int h = 0; h < 2; h++) q4k_scale(mt[i][h], 2 * p + q, s[q][h], o[q][h]);
+                for (int j = 0; j < NT; j++) {
+                    q4k_x_pairs(xrow[j] + 256 * sb + 64 * p + 32 * q, xscale[j], hi[q][j], lo[q][j]);
 #pragma unroll
-            for (int j = 0; j < NT; j++)
-#pragma unroll
-                for (int q = 0; q < 2; q++) {
-                    float c[4] = {0.f, 0.f, 0.f, 0.f};
-                    if (q == 0) q4k_sub_mma(c, l0, l1, hi[0][j], lo[0][j]);
-                    else q4k_sub_mma(c, h0, h1, hi[1][j], lo[1][j]);
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        const int h = e >> 1;
-                        acc[i][j][e] = fmaf(-o[q][h], xsum[q][j][e], fmaf(c[e], s[q][h], acc[i][j][e]));
-                    }
+                    for (int e = 0; e < 4; e++) xsum[q][j][e] = 0.f;
+                    q4k_sub_mma(xsum[q][j], ones, ones, hi[q][j], lo[q][j]);
                 }
+#pragma unroll
+            for (int i = 0; i < RT; i++) {
+                // k steps 0 (word x) and 1 (word y) of sub-block 2 p (low nibbles) and 2 p + 1 (high): rows g in
+                // a[0], a[2], g + 8 in a[1], a[3]
+                unsigned int l0[4], l1[4], h0[4], h1[4];
+                q4k_nibbles(r.w[i][0][p].x, l0[0], l0[2], h0[0], h0[2]);
+                q4k_nibbles(r.w[i][1][p].x, l0[1], l0[3], h0[1], h0[3]);
+                q4k_nibbles(r.w[i][0][p].y, l1[0], l1[2], h1[0], h1[2]);
+                q4k_nibbles(r.w[i][1][p].y, l1[1], l1[3], h1[1], h1[3]);
+                float sc[2][2], mn[2][2];   // [sub-block q][row half h]
+#pragma unroll
+                for (int q = 0; q < 2; q++)
+#pragma unroll
+                    for (int h = 0; h < 2; h++) q4k_scale(r.m[i][h], 2 * p + q, sc[q][h], mn[q][h]);
+#pragma unroll
+                for (int j = 0; j < NT; j++)
+#pragma unroll
+                    for (int q = 0; q < 2; q++) {
+                        float c[4] = {0.f, 0.f, 0.f, 0.f};
+                        if (q == 0) q4k_sub_mma(c, l0, l1, hi[0][j], lo[0][j]);
+                        else q4k_sub_mma(c, h0, h1, hi[1][j], lo[1][j]);
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            const int h = e >> 1;
+                            acc[i][j][e] = fmaf(-mn[q][h], xsum[q][j][e], fmaf(c[e], sc[q][h], acc[i][j][e]));
+                        }
+                    }
+            }
         }
     }
-}
-
-template <int NT, int RT, int WK, bool SILU_PAIRS>
-__device__ __forceinline__ void q4k_hmma_body(
-        const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, const float* x, int ldx,
-        const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
-        float* inv_rms_out, unsigned int* counter, float eps, int N, int K, int ntok) {
-    constexpr int ROWS = 16 * RT;
-    pdl_launch_dependents();
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
-    const int row0 = blockIdx.x * ROWS;
-    const int supers = K >> 8;
-    // tile i's rows row0 + 16 i + g (h 0) and + 8 (h 1); a clamped row computes garbage that is never stored
-    const unsigned char* qp[RT][2];
-    const unsigned char* mp[RT][2];
-#pragma unroll
-    for (int i = 0; i < RT; i++)
-#pragma unroll
-        for (int h = 0; h < 2; h++) {
-            const long long row = min(row0 + 16 * i + 8 * h + g, N - 1);
-            qp[i][h] = qs + row * (K / 2) + 8 * t;
-            mp[i][h] = meta + row * (K / 16);
-        }
-
-    float acc[RT][NT][4];
-#pragma unroll
-    for (int i = 0; i < RT; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
-
-    // warp w's super-blocks: a contiguous run [first, last)
-    const int per = (supers + WK - 1) / WK, first = warp * per, last = min(supers, first + per);
-    uint2 wr[RT][2][4];
-    uint4 mt[RT][2];
-    if (first < last) q4k_load_step<RT>(qp, mp, first, wr, mt);   // weights: before pdl_wait
-    pdl_wait();   // x and inv_rms_in belong to earlier kernels
-    float xscale[NT];   // inv_rms_in of the thread's tokens 8 j + g; 0 past ntok (their B columns are zero)
-    const float* xrow[NT];
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-        const int m = 8 * j + g;
-        xscale[j] = m < ntok ? (inv_rms_in ? inv_rms_in[m] : 1.0f) : 0.f;
-        xrow[j] = x + (long long)min(m, ntok - 1) * ldx + 8 * t;
-    }
-    for (int sb = first; sb < last; sb++) {
-        q4k_step<NT, RT>(wr, mt, sb, xrow, xscale, acc);
-        if (sb + 1 < last) q4k_load_step<RT>(qp, mp, sb + 1, wr, mt);
-    }
-    hmma_epilogue<NT, RT, WK, SILU_PAIRS>(acc, row0, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N,
-                                          ntok);
-}
+};
 
 // q4k_hmma_t<8 NT>_k<WK>[r<RT>] (+ _silu): the layouts of kestrel_stream/cuda/gemv_variants.HMMA_Q4K_VARIANTS
-#define DEFINE_Q4K_HMMA(NT, RT, WK, SILU, NAME)                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * WK) NAME(                                   \
-            const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,          \
-            const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
-            float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
-            int ntok) {                                                                          \
-        q4k_hmma_body<NT, RT, WK, SILU>(qs, meta, x, ldx, inv_rms_in, y, ldy, res, normw_out,     \
-                                        xn_out, inv_rms_out, counter, eps, N, K, ntok);          \
-    }
-#define DEFINE_Q4K_HMMA_LAYOUT(RT, WK, SUFFIX)                                                     \
-    DEFINE_Q4K_HMMA(1, RT, WK, false, q4k_hmma_t8_##SUFFIX) DEFINE_Q4K_HMMA(1, RT, WK, true, q4k_hmma_t8_##SUFFIX##_silu) \
-    DEFINE_Q4K_HMMA(2, RT, WK, false, q4k_hmma_t16_##SUFFIX) DEFINE_Q4K_HMMA(2, RT, WK, true, q4k_hmma_t16_##SUFFIX##_silu)
-DEFINE_Q4K_HMMA_LAYOUT(1, 8, k8)
-DEFINE_Q4K_HMMA_LAYOUT(1, 4, k4)
-DEFINE_Q4K_HMMA_LAYOUT(2, 4, k4r2)
-DEFINE_Q4K_HMMA_LAYOUT(2, 2, k2r2)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 1, 8, k8)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 1, 4, k4)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 2, 4, k4r2)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 2, 2, k2r2)

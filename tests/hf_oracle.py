@@ -65,8 +65,13 @@ def relative_error(ours: np.ndarray, reference: np.ndarray) -> float:
 
 def assert_logits_match(ours: np.ndarray, reference: np.ndarray, tolerance: float = 2e-3, label: str = "") -> None:
     """Every position's logits within `tolerance` (relative_error) of the reference's, and the same argmax
-    at every position: the oracle tests' bar."""
+    at every position: the oracle tests' bar.  Where the reference's two best tokens lie within twice that
+    tolerance of each other (a tie at the precision the logits are held to: a random tiny model has them,
+    e.g. 1.4183 against 1.4193), ours may pick either, and must pick one of them."""
     assert len(ours) == len(reference), (len(ours), len(reference))
     for position in range(len(ours)):
         assert relative_error(ours[position], reference[position]) < tolerance, f"{label}position {position}"
-    np.testing.assert_array_equal(ours.argmax(axis=1), reference.argmax(axis=1))
+    rows = np.arange(len(reference))
+    best, picked = reference.argmax(axis=1), ours.argmax(axis=1)
+    tie = reference[rows, picked] >= reference[rows, best] - 2 * tolerance * np.abs(reference).max(axis=1)
+    np.testing.assert_array_equal(np.where(tie, best, picked), best)

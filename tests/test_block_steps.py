@@ -1,5 +1,5 @@
 """Steps of 1..70 tokens on every block format: the kernel each token count gets (GEMV layouts up to 8,
-the 16-token GEMM tile with K split up to 64, the 64-token tile beyond; a Q4_K weight of one format the fp16
+the 16-token GEMM tile with K split up to 64, the 64-token tile beyond; a Q4_K or Q6_K weight of one format the fp16
 tensor-core GEMV of 2..16 tokens) against numpy.
 
 Each case runs on the emulated device (fake_block_kernels' twins: CI) and, marked `gpu`, on a real one
@@ -95,7 +95,7 @@ def test_a_step_of_k_tokens_matches_numpy(dev, name, tokens):
                          inv_rms_out=inv_rms, counter=counter, eps=1e-6, split_scratch=dev.scratch)
     dev.run(launch)
     if q4k_hmma_serves(qw, tokens, None):
-        assert launch.name.startswith("q4k_hmma_t"), launch.name
+        assert launch.name.startswith(("q4k_hmma_t", "q6k_hmma_t")), launch.name
     elif tokens > block_kernels.GEMV_MAX_TOKENS:
         assert launch.name.startswith(f"{qw.fmt.lower()}"), launch.name
         assert ("_mma16" in launch.name) == (tokens <= block_kernels.SMALL_TILE_MAX_TOKENS), launch.name

@@ -1,5 +1,5 @@
-"""The fp16 tensor-core GEMVs of a few tokens (kernels_ptx/q8_gemv_hmma.cu for Q8_0 from 3 tokens, q4k_gemv_hmma.cu
-for Q4_K from 2) through gemv_launch: which steps take them, every layout's launch on awkward shapes (rows past a block's 16 or 32, K of a few blocks) with each epilogue,
+"""The fp16 tensor-core GEMVs of a few tokens (kernels_ptx/q8_gemv_hmma.cu for Q8_0 from 3 tokens, q4k_ / q6k_gemv_hmma.cu
+for Q4_K / Q6_K by shape, any layout from 2 by name) through gemv_launch: which steps take them, every layout's launch on awkward shapes (rows past a block's 16 or 32, K of a few blocks) with each epilogue,
 against fp32 activations to 1e-5 (x goes in as hi + lo fp16 parts: one fp16 rounding would be ~1e-4), on the
 emulated device and (marked gpu) on a real one (2..16 tokens: the layouts asked for by name at 2 as well); the
 ticket and the 16 per-token sums are zero after each launch."""
@@ -38,8 +38,8 @@ def test_which_steps_take_it(monkeypatch):
 
 
 def test_which_q4k_steps_take_it(monkeypatch):
-    """A Q4_K weight of one format, by shape (gemv_variants.hmma_q4k_takes); not with a Q6_K tail, not when the
-    older choices are asked for."""
+    """A Q4_K or Q6_K weight of one format, by shape (gemv_variants.hmma_q4k_takes); not with a Q6_K tail, not
+    when the older choices are asked for."""
     import fake_cuda
     fake_cuda.install(monkeypatch)
     from kestrel_stream.cuda import driver, kernels
@@ -54,6 +54,10 @@ def test_which_q4k_steps_take_it(monkeypatch):
     assert name(12288, 2048, 3) == "q4k_hmma_t8_k4r2" and name(6144, 4096, 16) == "q4k_hmma_t16_k4"
     assert name(4096, 4096, 3).startswith("q4_k_gemv_m") and name(4096, 4096, 4) == "q4k_hmma_t8_k8"
     assert name(2048, 6144, 8).startswith("q4_k_mma"), "few rows, long K: the GEMM"
+    q6k = {(rows, t): gemv_launch(KernelSet(), QWeight(0, 0, rows, 12288, "Q6_K"), 0, 12288, 0, rows, t).name
+           for rows in (4096, 151936) for t in (4, 8, 16)}
+    assert q6k[4096, 4].startswith("q6_k_gemv_m") and q6k[4096, 8] == "q6k_hmma_t8_k8", q6k
+    assert [q6k[151936, t] for t in (4, 8, 16)] == ["q6k_hmma_t8_k4", "q6k_hmma_t8_k4", "q6k_hmma_t16_k4r2"], q6k
     assert "hmma" not in name(2304, 2048, 8, tail=QWeight(0, 0, 256, 2048, "Q6_K"))
     older = KernelSet(Options.from_env({"KESTREL_BLOCK_MMA_MIN_TOKENS": "6"}))
     assert [name(2048, 2048, t, older)[:9] for t in (4, 8)] == ["q4_k_gemv", "q4_k_mma1"]
@@ -70,22 +74,23 @@ def test_every_layout_matches_fp32_activations(dev, layout, n, k, tokens, epilog
     check_layout(dev, qw, w.dequantize(), layout, tokens, epilogue, rng)
 
 
-# Q4_K (q4k_gemv_hmma.cu): one super-block, a few, a count no warp split divides evenly, a model's K
-@pytest.mark.parametrize("layout", list(gemv_variants.HMMA_Q4K_VARIANTS))
+# Q4_K and Q6_K (q4k_ / q6k_gemv_hmma.cu): one super-block, a few, a count no warp split divides evenly, a model's K
+@pytest.mark.parametrize("fmt,layout", [(fmt, layout) for fmt, layouts in gemv_variants.HMMA_BLOCK_VARIANTS.items()
+                                        for layout in layouts])
 @pytest.mark.parametrize("n,k,tokens", [(38, 256, 2), (38, 512, 3), (258, 2048, 8), (70, 2304, 9), (64, 1280, 13),
                                         (100, 2560, 16), (1536, 8960, 7)])
 @pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
-def test_every_q4k_layout_matches_fp32_activations(dev, layout, n, k, tokens, epilogue):
+def test_every_kquant_layout_matches_fp32_activations(dev, fmt, layout, n, k, tokens, epilogue):
     from bench.synthetic import random_blocks
     from kestrel_stream.model.quant4 import BlockTensor
     from test_block_kernels import upload
     rng = np.random.default_rng(n + k + tokens)
-    w = BlockTensor("Q4_K", random_blocks(rng, "Q4_K", n, k, 1 / np.sqrt(k)), k)
+    w = BlockTensor(fmt, random_blocks(rng, fmt, n, k, 1 / np.sqrt(k)), k)
     check_layout(dev, upload(dev, w), w.dequantize(), layout, tokens, epilogue, rng)
 
 
 def check_layout(dev, qw: QWeight, dense: np.ndarray, layout: str, tokens: int, epilogue: str, rng) -> None:
-    """`layout` (of HMMA_VARIANTS for Q8_0, HMMA_Q4K_VARIANTS for Q4_K) over `tokens` rows of x spanning three
+    """`layout` (of HMMA_VARIANTS for Q8_0, HMMA_BLOCK_VARIANTS[fmt] for the K-quants) over `tokens` rows of x spanning three
     decades with `epilogue`, launched twice (the second launch finds the ticket and 16 sums the first reset),
     against fp64 products of the dequantized weight to 1e-5 of each token's largest output."""
     n, k = qw.rows, qw.cols
@@ -122,10 +127,13 @@ def check_layout(dev, qw: QWeight, dense: np.ndarray, layout: str, tokens: int, 
             np.testing.assert_allclose(dev.get(inv_rms, (tokens,)), 1 / np.sqrt(np.mean(got * got, axis=1) + 1e-6),
                                        rtol=1e-5)
             assert not dev.get(counter, (GEMV_COUNTER_BYTES // 4,)).any(), "ticket and sums zeroed for the next launch"
-    q8 = qw.fmt == "Q8_0"
-    name = gemv_variants.hmma_kernel_name if q8 else gemv_variants.hmma_q4k_kernel_name
-    assert launch.name == name(tokens, layout, epilogue == "silu_pairs")
-    assert launch.grid[0] == -(-n // (gemv_variants.HMMA_VARIANTS if q8 else gemv_variants.HMMA_Q4K_VARIANTS)[layout].rows)
+    silu = epilogue == "silu_pairs"
+    if qw.fmt == "Q8_0":
+        name, shape = gemv_variants.hmma_kernel_name(tokens, layout, silu), gemv_variants.HMMA_VARIANTS[layout]
+    else:
+        name = gemv_variants.hmma_block_kernel_name(qw.fmt, tokens, layout, silu)
+        shape = gemv_variants.HMMA_BLOCK_VARIANTS[qw.fmt][layout]
+    assert launch.name == name and launch.grid[0] == -(-n // shape.rows)
     # per token: x spans three decades across tokens, so each row is held to its own scale
     err = np.abs(got - want).max(axis=1) / np.abs(want).max(axis=1)
     assert err.max() < 1e-5, (layout, err)

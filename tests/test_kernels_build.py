@@ -137,23 +137,26 @@ def test_hmma_layouts_match_the_kernel_source():
         assert gemv_variants.multi_variant(2, None, rows) == gemv_variants.multi_variant(2) in gemv_variants.MULTI_VARIANTS
 
 
-def test_q4k_hmma_layouts_match_the_kernel_source():
-    """Every Q4_K layout of q4k_gemv_hmma.cu is defined with the table's warps and rows, for 8 and 16 tokens, plain
-    and SiLU; the default picks one for every weight shape."""
+@pytest.mark.parametrize("fmt,source", [("Q4_K", "q4k_gemv_hmma.cu"), ("Q6_K", "q6k_gemv_hmma.cu")])
+def test_kquant_hmma_layouts_match_the_kernel_source(fmt, source):
+    """Every K-quant layout of q4k_ / q6k_gemv_hmma.cu is defined with the table's warps and rows, for 8 and 16
+    tokens, plain and SiLU; the default picks one of them for every weight shape."""
     import re
     from kestrel_stream.cuda import gemv_variants
-    source = (build.source_dir() / "q4k_gemv_hmma.cu").read_text()
-    defined = {"h" + m[2]: gemv_variants.Variant(32 * int(m[1]), 16 * int(m[0]), 1)
-               for m in re.findall(r"^DEFINE_Q4K_HMMA_LAYOUT\((\d+), (\d+), (\w+)\)", source, flags=re.M)}
-    assert defined == gemv_variants.HMMA_Q4K_VARIANTS
+    text = (build.source_dir() / source).read_text()
+    layouts = re.findall(r"^DEFINE_SUPERBLOCK_HMMA_LAYOUT\((\w+), (\w+), (\d+), (\d+), (\w+)\)", text, flags=re.M)
+    defined = {"h" + m[4]: gemv_variants.Variant(32 * int(m[3]), 16 * int(m[2]), 1) for m in layouts}
+    assert defined == gemv_variants.HMMA_BLOCK_VARIANTS[fmt]
     for suffix, (threads, rows, _) in defined.items():
         assert suffix == f"hk{threads // 32}" + (f"r{rows // 16}" if rows > 16 else "")
         for tokens, silu in ((2, False), (8, True), (9, False), (16, True)):
-            name = gemv_variants.hmma_q4k_kernel_name(tokens, suffix, silu)
-            assert gemv_variants.parse_hmma_q4k(name) == (8 if tokens <= 8 else 16, defined[suffix], silu)
+            name = gemv_variants.hmma_block_kernel_name(fmt, tokens, suffix, silu)
+            assert name.startswith(layouts[0][1] + "_t")
+            assert gemv_variants.parse_hmma_block(name) == (fmt, 8 if tokens <= 8 else 16, defined[suffix], silu)
     for rows in (16, 2048, 12288, 151936):
         for cols in (256, 1024, 2048, 8960):
-            assert gemv_variants.hmma_q4k_variant(rows, cols) in defined
+            for tokens in (3, 8, 16):
+                assert gemv_variants.hmma_q4k_variant(rows, cols, tokens, fmt) in defined
 
 
 def test_dense_gemm_tiles_match_the_kernel_source():

@@ -144,9 +144,9 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
     """kernels.gemv_launch for a block-format weight (same contract); `kernels`: a KernelSet.  variant: a
     GEMV layout of q4_gemv_variants.variants(M) for 1..8 tokens (default: q4_gemv_variants.choose, which
     takes the kernel set's gemv_block, KESTREL_GEMV_BLOCK, where it fits), a GEMM tile of MMA_TILES
-    (+ "s<splits>"), for any token count, or a Q4_K layout of gemv_variants.HMMA_Q4K_VARIANTS for 2..16.
-    By default a Q4_K weight of one format takes the fp16 tensor-core GEMV (q4k_gemv_hmma.cu) for 2..16
-    tokens, unless KESTREL_BLOCK_MMA_MIN_TOKENS or KESTREL_GEMV_BLOCK is set; other steps the GEMM from
+    (+ "s<splits>"), for any token count, or a K-quant layout of gemv_variants.HMMA_BLOCK_VARIANTS for 2..16.
+    By default a Q4_K or Q6_K weight of one format takes the fp16 tensor-core GEMV (q4k_ / q6k_gemv_hmma.cu)
+    for 3..16 tokens where gemv_variants.hmma_q4k_takes says, unless KESTREL_BLOCK_MMA_MIN_TOKENS or KESTREL_GEMV_BLOCK is set; other steps the GEMM from
     the kernel set's block_mma_min_tokens or MMA_MIN_TOKENS tokens on, the GEMVs below.  split_scratch: the
     partials and tickets split launches share (mma_variants.SplitScratch; None: K is not split)."""
     tail = w.tail

@@ -65,50 +65,58 @@ def hmma_variant(rows: int) -> str:
     return "hk8u4" if rows >= 5000 else "hk16u4"
 
 
-# Q4_K weights of one format on the same tensor cores (kernels_ptx/q4k_gemv_hmma.cu): "hk<W>[r<R>]": blocks of
-# 16 R rows, W warps splitting K by whole super-blocks (256 elements, 128 bytes of a row); kernel
-# q4k_hmma_t8_k<W>[r<R>] for up to 8 tokens, q4k_hmma_t16_... for 9..16.  unroll: unused (1).
-HMMA_Q4K_VARIANTS = {"hk8": Variant(256, 16, 1), "hk4": Variant(128, 16, 1), "hk4r2": Variant(128, 32, 1),
-                     "hk2r2": Variant(64, 32, 1)}
+# Q4_K and Q6_K weights of one format on the same tensor cores (kernels_ptx/q4k_gemv_hmma.cu, q6k_gemv_hmma.cu):
+# "hk<W>[r<R>]": blocks of 16 R rows, W warps splitting K by whole super-blocks (256 elements); kernel
+# <q4k|q6k>_hmma_t8_k<W>[r<R>] for up to 8 tokens, ..._t16_... for 9..16.  unroll: unused (1).
+HMMA_BLOCK_VARIANTS = {"Q4_K": {"hk8": Variant(256, 16, 1), "hk4": Variant(128, 16, 1), "hk4r2": Variant(128, 32, 1),
+                                "hk2r2": Variant(64, 32, 1)},
+                       "Q6_K": {"hk8": Variant(256, 16, 1), "hk4": Variant(128, 16, 1), "hk4r2": Variant(128, 32, 1)}}
 HMMA_Q4K_MIN_TOKENS = 2   # asked for by name; by default hmma_q4k_takes
 
 
-def hmma_q4k_takes(rows: int, cols: int, tokens: int) -> bool:
-    """Whether a Q4_K step of `tokens` takes q4k_gemv_hmma.cu by default rather than the GEMVs (up to 5 tokens)
-    or the int8 GEMM (from 6).  Measured on the H200 at the qwen3-1.7b and qwen3-8b shapes (bench/results/
-    2026-12-04-h200-q4k-hmma.md): at 2 tokens the GEMV wins everywhere; at 3 it loses from 6144 rows (8B qkv
-    12.1 against 16.2 µs) and wins below (8B o 12.2 against 12.7); at 4 from 4096 rows; from 5 tokens the
-    tensor cores win (8B down, 8 tokens: 35.4 against the GEMM's 55.4) except on few rows with a long K, where
-    a block's eight warps hold too little of the row (1.7B down, 2048 x 6144: 17.5 against 15.0)."""
+def hmma_q4k_takes(rows: int, cols: int, tokens: int, fmt: str = "Q4_K") -> bool:
+    """Whether a Q4_K or Q6_K step of `tokens` takes the tensor-core GEMV by default rather than the GEMVs (up to
+    5 tokens) or the int8 GEMM (from 6).  Measured on the H200 at the qwen3-1.7b and qwen3-8b shapes
+    (bench/results/2026-12-04-h200-q4k-hmma.md): at 2 tokens the GEMV wins everywhere; Q4_K at 3 tokens loses
+    from 6144 rows (8B qkv 12.1 against 16.2 µs) and wins below (8B o 12.2 against 12.7), at 4 from 4096 rows;
+    Q6_K at 3..4 tokens only from 8192 rows (the vocabulary: 171 against 188 µs; 8B down at 4 tokens 47.7
+    against 42.0); from 5 tokens the tensor cores win (8B down, 8 tokens: Q4_K 35.4 against the GEMM's 55.4,
+    Q6_K 47.9 against 54.0) except on few rows with a long K, where a block's eight warps hold too little of the
+    row (1.7B down, 2048 x 6144: Q4_K 17.5 against 15.0, Q6_K 20.1 against 14.4)."""
     if not 3 <= tokens <= HMMA_MAX_TOKENS:
         return False
     if tokens <= 4:
-        return rows >= (6144 if tokens == 3 else 4096)
+        return rows >= (8192 if fmt == "Q6_K" else 6144 if tokens == 3 else 4096)
     return not (rows <= 2048 and cols >= 4096)
 
 
-def hmma_q4k_variant(rows: int, cols: int, tokens: int = 8) -> str:
-    """The Q4_K layout for a weight of `rows` x `cols`: as many warps along K as there are super-blocks to share
-    (up to 8), two row tiles a warp from 8192 rows, and at 9..16 tokens four warps from 5000 rows (8B qkv:
-    18.3 against 25.4 µs; on fewer rows eight stay faster, 8B o 13.9 against 18.2)."""
+def hmma_q4k_variant(rows: int, cols: int, tokens: int = 8, fmt: str = "Q4_K") -> str:
+    """The layout for a `fmt` weight of `rows` x `cols`: as many warps along K as there are super-blocks to
+    share (up to 8); from 8192 rows two row tiles a warp (Q6_K: at 9..16 tokens; at up to 8 four warps of one,
+    the vocabulary at 8 tokens 183 against 212 µs); at 9..16 tokens four warps from 5000 rows (8B qkv: 18.3
+    against 25.4 µs; on fewer rows eight stay faster, 8B o 13.9 against 18.2)."""
     supers = cols // 256
     if rows >= 8192:
+        if fmt == "Q6_K":
+            return "hk4r2" if tokens > 8 else "hk4"
         return "hk4r2" if supers >= 4 else "hk2r2"
     if rows >= 5000 and tokens > 8:
         return "hk4"
     return "hk8" if supers >= 8 else "hk4"
 
 
-def hmma_q4k_kernel_name(tokens: int, suffix: str, silu: bool) -> str:
-    return f"q4k_hmma_t{8 if tokens <= 8 else 16}_{suffix[1:]}" + ("_silu" if silu else "")
+def hmma_block_kernel_name(fmt: str, tokens: int, suffix: str, silu: bool) -> str:
+    prefix = {"Q4_K": "q4k", "Q6_K": "q6k"}[fmt]
+    return f"{prefix}_hmma_t{8 if tokens <= 8 else 16}_{suffix[1:]}" + ("_silu" if silu else "")
 
 
-def parse_hmma_q4k(name: str) -> tuple[int, Variant, bool]:
-    """(most tokens, variant, silu) of a q4k_hmma kernel name."""
+def parse_hmma_block(name: str) -> tuple[str, int, Variant, bool]:
+    """(format, most tokens, variant, silu) of a q4k_hmma / q6k_hmma kernel name."""
     silu = name.endswith("_silu")
     core = name[:-len("_silu")] if silu else name
+    fmt = {"q4k": "Q4_K", "q6k": "Q6_K"}[core[:3]]
     head, _, suffix = core[len("q4k_hmma_t"):].partition("_")
-    return int(head), HMMA_Q4K_VARIANTS["h" + suffix], silu
+    return fmt, int(head), HMMA_BLOCK_VARIANTS[fmt]["h" + suffix], silu
 
 
 def hmma_kernel_name(tokens: int, suffix: str, silu: bool) -> str:
