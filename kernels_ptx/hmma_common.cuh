@@ -38,6 +38,30 @@ __device__ __forceinline__ void hmma_mma(float (&d)[4], const unsigned int (&a)[
 
 __device__ __forceinline__ float hmma_silu_mul(float gate, float up) { return gate / (1.0f + expf(-gate)) * up; }
 
+// acc = 0
+template <int RT, int NT>
+__device__ __forceinline__ void hmma_zero(float (&acc)[RT][NT][4]) {
+#pragma unroll
+    for (int i = 0; i < RT; i++)
+#pragma unroll
+        for (int j = 0; j < NT; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+}
+
+// the thread's x rows (tokens 8 j + g, offset by `lane_offset` elements) and their inv_rms_in; 0 past ntok
+// (their B columns are zero).  After pdl_wait: x and inv_rms_in belong to earlier kernels.
+template <int NT>
+__device__ __forceinline__ void hmma_x_rows(const float* x, int ldx, const float* inv_rms_in, int ntok, int g,
+                                            int lane_offset, const float* (&xrow)[NT], float (&xscale)[NT]) {
+#pragma unroll
+    for (int j = 0; j < NT; j++) {
+        const int m = 8 * j + g;
+        xscale[j] = m < ntok ? (inv_rms_in ? inv_rms_in[m] : 1.0f) : 0.f;
+        xrow[j] = x + (long long)min(m, ntok - 1) * ldx + lane_offset;
+    }
+}
+
 // The block's C fragments acc[i][j] (row tile i: rows row0 + 16 i + g (+ 8), token group j: tokens 8 j + 2 t,
 // + 1), summed over its WK warps in a fixed order (the result does not depend on timing), then written with the
 // epilogues; returns early in every block but the last when inv_rms_out is set.
@@ -132,25 +156,15 @@ __device__ __forceinline__ void hmma_superblock_body(
         }
 
     float acc[RT][NT][4];
-#pragma unroll
-    for (int i = 0; i < RT; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+    hmma_zero(acc);
 
     const int per = (supers + WK - 1) / WK, first = warp * per, last = min(supers, first + per);
     typename F::template Raw<RT> raw;
     if (first < last) F::template load<RT>(qp, mp, first, raw);   // weights: before pdl_wait
     pdl_wait();   // x and inv_rms_in belong to earlier kernels
-    float xscale[NT];   // inv_rms_in of the thread's tokens 8 j + g; 0 past ntok (their B columns are zero)
+    float xscale[NT];
     const float* xrow[NT];
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-        const int m = 8 * j + g;
-        xscale[j] = m < ntok ? (inv_rms_in ? inv_rms_in[m] : 1.0f) : 0.f;
-        xrow[j] = x + (long long)min(m, ntok - 1) * ldx + F::X_LANE * t;
-    }
+    hmma_x_rows(x, ldx, inv_rms_in, ntok, g, F::X_LANE * t, xrow, xscale);
     for (int sb = first; sb < last; sb++) {
         F::template step<NT, RT>(raw, sb, xrow, xscale, acc);
         if (sb + 1 < last) F::template load<RT>(qp, mp, sb + 1, raw);

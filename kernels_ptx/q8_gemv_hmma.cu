@@ -152,12 +152,7 @@ __device__ __forceinline__ void q8_hmma_body(
         }
 
     float acc[RT][NT][4];
-#pragma unroll
-    for (int i = 0; i < RT; i++)
-#pragma unroll
-        for (int j = 0; j < NT; j++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) acc[i][j][e] = 0.f;
+    hmma_zero(acc);
 
     // warp w's blocks: a contiguous run [first, last) of whole U-block steps (128 B of a row per step at U 4)
     const int per = (blocks + WK * U - 1) / (WK * U) * U, first = warp * per, last = min(blocks, first + per);
@@ -166,14 +161,9 @@ __device__ __forceinline__ void q8_hmma_body(
     unsigned int sw[RT][2][(U + 1) / 2];
     if (first < last) hmma_load_step<RT, U>(wp, sp, first, last, vector_scales, wr, sw);   // weights: before pdl_wait
     pdl_wait();   // x and inv_rms_in belong to earlier kernels
-    float xscale[NT];   // inv_rms_in of the thread's tokens 8 j + g; 0 past ntok (their B columns are zero)
+    float xscale[NT];
     const float* xrow[NT];
-#pragma unroll
-    for (int j = 0; j < NT; j++) {
-        const int m = 8 * j + g;
-        xscale[j] = m < ntok ? (inv_rms_in ? inv_rms_in[m] : 1.0f) : 0.f;
-        xrow[j] = x + (long long)min(m, ntok - 1) * ldx + 8 * t;
-    }
+    hmma_x_rows(x, ldx, inv_rms_in, ntok, g, 8 * t, xrow, xscale);
     for (int b0 = first; b0 < last; b0 += U) {
         if (b0 + U <= last) {   // a whole step: no test between its blocks' x loads and mma
 #pragma unroll
