@@ -1,12 +1,13 @@
 """The block-format GEMM (kernels_ptx/q4_mma.cu) at few-token and prefill step sizes: each token tile and K
-split beside the GEMV and the default choice, µs per projection, for tuning cuda/block_kernels.py.
+split, and for Q4_K / Q6_K weights each fp16 tensor-core GEMV layout (q4k_ / q6k_gemv_hmma.cu, 2..16 tokens),
+beside the default choice, µs per projection, for tuning cuda/block_kernels.py and gemv_variants.hmma_q4k_*.
 
     PYTHONPATH=. python3 -m bench.block_mma [--formats Q4_K,Q6_K,Q4_0,Q4_K+Q6_K] [--repeats 20]
         [--models qwen2.5-1.5b,qwen3-1.7b,qwen3-8b] [--tokens 2,4,8,9,11,16,17,32,64,65,128,512]
         [--splits 1,2,4,8,16] [--out DIR]
 
 Each (format, model, projection, tokens) runs: the default launch (gemv_launch as a step makes it: the
-GEMV layout up to 8 tokens, else block_kernels' tile and split), the 16-token tile with each split
+tensor-core GEMV, a GEMV layout or block_kernels' tile and split), the tensor-core layouts, the 16-token tile with each split
 count of --splits valid for K (up to 64 tokens), and the 64-token tile unsplit and with its default
 split, each with the epilogue the step gives that projection (bench/block_gemv.py's), timed as
 bench/block_gemv.py times the GEMV (REPEATS launches in a CUDA graph over rotating weight copies).
@@ -19,7 +20,7 @@ import argparse
 import numpy as np
 
 from kestrel_stream.cli.bench import environment
-from kestrel_stream.cuda import block_kernels, driver, kernels as kernel_module, mma_variants
+from kestrel_stream.cuda import block_kernels, driver, gemv_variants, kernels as kernel_module, mma_variants
 from kestrel_stream.cuda.block_kernels import weight_bytes
 from kestrel_stream.cuda.kernels import gemv_launch
 from kestrel_stream.run.device.block_weights import block_image, device_qweight
@@ -61,9 +62,13 @@ class Buffers:
         return rows, dict(inv_rms_in=self.inv_rms_in)
 
 
-def variants(tokens: int, k: int, splits: list[int]) -> list[str | None]:
-    """None (the default launch), the 16-token tile's splits (up to 64 tokens), the 64-token tile's."""
+def variants(tokens: int, k: int, splits: list[int], fmt: str = "Q4_0") -> list[str | None]:
+    """None (the default launch), a Q4_K / Q6_K weight's fp16 tensor-core layouts (2..16 tokens), the 16-token
+    tile's splits (up to 64 tokens), the 64-token tile's."""
     out: list[str | None] = [None]
+    if fmt in gemv_variants.HMMA_BLOCK_VARIANTS and k % 256 == 0 and \
+            gemv_variants.HMMA_Q4K_MIN_TOKENS <= tokens <= gemv_variants.HMMA_MAX_TOKENS:
+        out += list(gemv_variants.HMMA_BLOCK_VARIANTS[fmt])
     if tokens <= block_kernels.SMALL_TILE_MAX_TOKENS:
         out += [f"mma16s{s}" for s in splits if block_kernels.split_is_valid(k, s)] + ["mma16"]
     return out + ["mmas1", "mma"]
@@ -85,7 +90,7 @@ def bench_shape(kernels, arena, stream, buffers: Buffers, fmt: str, model: str, 
     ldy, extra = buffers.epilogue(epilogue, n)
     rows = []
     for tokens in tokens_list:
-        for variant in variants(tokens, k, splits):
+        for variant in variants(tokens, k, splits, fmt):
             launches = [gemv_launch(kernels, qw, buffers.x, k, buffers.y, ldy, tokens, variant=variant,
                                     split_scratch=buffers.scratch, **extra) for qw in weights]
             for launch in launches:      # as a step launches them (run/device/launches.py)
