@@ -22,7 +22,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_GEMV_MN=SUFFIX    force one 2..8-token GEMV layout
     KESTREL_CUBLAS_MIN_TOKENS=N  gpu mode's steps of >= N tokens on cuBLAS (default 128; 0: never)
     KESTREL_GEMV_BLOCK=NAME   force one 4/6-bit GEMV layout where it fits the token count ("": the first kernel)
-    KESTREL_BLOCK_MMA_MIN_TOKENS=N  4/6-bit steps of >= N tokens (2..9) on the tensor-core GEMM (default 6)
+    KESTREL_BLOCK_MMA_MIN_TOKENS=N  4/6-bit steps of >= N tokens (2..9) on the tensor-core GEMM (default 6); set, it
+                              also keeps Q4_K / Q6_K steps off the fp16 tensor-core GEMV (the older choices)
     KESTREL_MOE_MMA_MIN_TOKENS=N  routed layers' steps of >= N tokens on the grouped tensor-core GEMM
                               (default: cuda/moe_kernels.mma_min_tokens, 8 tokens per expert on average; 0: always)
     KESTREL_MOE_MMA_TILE=BMxBN   force one tile of that GEMM (cuda/moe_kernels.MMA_TILES: 16x64 | 32x64 | 64x64)

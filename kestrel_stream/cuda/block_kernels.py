@@ -24,7 +24,7 @@ BLOCK_GEMV_SIGNATURE = "pppippipppppfiii" + "ppi"
 GEMV_MAX_TOKENS = 8                               # kernels.GEMV_MAX_TOKENS
 # from 6 tokens the int8 tensor-core GEMM: on the H200 a 6 / 8-token step on qwen3-8b Q4_K_M 8.60 / 8.51 ms
 # against the GEMVs' 9.70 / 11.90 (at 5: 8.71 against 8.60; qwen3-1.7b the same turn),
-# bench/results/2026-12-04-h200-block-mma-switch.md.  Options.block_mma_min_tokens moves it (2..9).
+# bench/results/2026-12-04-h200-hmma-steploop.md.  Options.block_mma_min_tokens moves it (2..9).
 MMA_MIN_TOKENS = 6
 GEMV_TOKENS = q4_gemv_variants.GEMV_TOKENS       # the GEMV kernels' M
 BLOCK_MMA_SIGNATURE = BLOCK_GEMV_SIGNATURE + "pp"  # + split K's partials and tickets
@@ -146,9 +146,10 @@ def block_gemv_launch(kernels, w: QWeight, x: int, ldx: int, y: int, ldy: int, t
     takes the kernel set's gemv_block, KESTREL_GEMV_BLOCK, where it fits), a GEMM tile of MMA_TILES
     (+ "s<splits>"), for any token count, or a K-quant layout of gemv_variants.HMMA_BLOCK_VARIANTS for 2..16.
     By default a Q4_K or Q6_K weight of one format takes the fp16 tensor-core GEMV (q4k_ / q6k_gemv_hmma.cu)
-    for 3..16 tokens where gemv_variants.hmma_q4k_takes says, unless KESTREL_BLOCK_MMA_MIN_TOKENS or KESTREL_GEMV_BLOCK is set; other steps the GEMM from
-    the kernel set's block_mma_min_tokens or MMA_MIN_TOKENS tokens on, the GEMVs below.  split_scratch: the
-    partials and tickets split launches share (mma_variants.SplitScratch; None: K is not split)."""
+    for 3..16 tokens where gemv_variants.hmma_q4k_takes says, unless KESTREL_BLOCK_MMA_MIN_TOKENS or
+    KESTREL_GEMV_BLOCK is set; other steps the GEMM from the kernel set's block_mma_min_tokens or
+    MMA_MIN_TOKENS tokens on, the GEMVs below.  split_scratch: the partials and tickets split launches share
+    (mma_variants.SplitScratch; None: K is not split)."""
     tail = w.tail
     assert (w.fmt, tail.fmt if tail else None) in KERNEL_FORMATS, f"no kernel for {w.fmt} then {tail and tail.fmt}"
     assert not (silu_pairs and tail), "gate/up rows share one format"
