@@ -77,6 +77,7 @@ class Options:
     programmatic_launch: bool = True
     fused_rope: bool = True                  # one-token gpu steps: rope as attention's prologue (ops.fuse_rope)
     step_graphs: bool = True                 # one session's steps of 2..64 tokens as graphs (device/step_graphs.py)
+    host_nodes: bool = True                  # mixed steps as one graph with host nodes (run/host_nodes.py)
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
@@ -150,6 +151,9 @@ class Options:
         step_graphs = env.get("KESTREL_STEP_GRAPHS", "1").strip() or "1"
         if step_graphs not in ("0", "1"):
             raise ValueError(f"KESTREL_STEP_GRAPHS={step_graphs!r}: 0 (eager launches) or 1 (graphs, the default)")
+        host_nodes = env.get("KESTREL_HOST_NODES", "1").strip() or "1"
+        if host_nodes not in ("0", "1"):
+            raise ValueError(f"KESTREL_HOST_NODES={host_nodes!r}: 0 (a mixed step segment by segment) or 1 (the default)")
         offload = env.get("KESTREL_OFFLOAD") or "auto"
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"KESTREL_OFFLOAD={offload!r}: one of {', '.join(OFFLOAD_CHOICES)}")
@@ -165,6 +169,7 @@ class Options:
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0", step_graphs=step_graphs == "1",
+                      host_nodes=host_nodes == "1",
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
                       block_mma_min_tokens=block_mma, moe_mma_tile=moe_mma_tile,
                       moe_mma_min_tokens=_tokens(env.get("KESTREL_MOE_MMA_MIN_TOKENS"), "KESTREL_MOE_MMA_MIN_TOKENS"),

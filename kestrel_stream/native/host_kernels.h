@@ -72,4 +72,8 @@ int ks_route(const ks_router_t *spec, const float *x, ptrdiff_t x_stride, int T,
 /* x [T, H] += the chosen experts' weighted sum (+ moe_out [T, H], another side's sum, unless NULL) */
 int ks_experts(ks_experts_t *spec, float *x, ptrdiff_t x_stride, int T, const float *route, ptrdiff_t route_stride,
                const float *moe_out, ptrdiff_t moe_stride);
+
+/* a step graph's host items (host_program.c), which host_serve.c's thread runs */
+void ks_program_node(void *arg);
+void ks_norm_node(void *arg);
 #endif

@@ -47,6 +47,7 @@ from kestrel_stream.model.op_tensors import norm_weight
 from kestrel_stream.obs import prof, trace
 from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.pool_spin import spinning_step
+from kestrel_stream.run.host_nodes import ITEM_PROGRAM, HostNodes
 from kestrel_stream.run.segment_state import SegmentState
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
@@ -59,6 +60,9 @@ if TYPE_CHECKING:
 
 ATTENTION_SPLITS = 16
 SEGMENT_GRAPH_MAX_TOKENS = 64        # larger steps (a prefill's chunks, of many sizes) launch eagerly
+# counters a step graph's replay does not add from its capture: its one sync and its replay are counted as
+# they happen, the host nodes' weight bytes by the experts each one ran
+NOT_REPLAYED = ("syncs", "graph_replays", "graphs_captured", "cpu_weight_read_bytes", "steps", "tokens")
 @dataclass
 class HybridKV:
     host: CpuKV | None          # layers whose attention runs on the host (index li - gpu_layers)
@@ -86,6 +90,14 @@ class MixedSteps(Steps):
         self._seen: set = set()              # the keys run once eagerly (a graph is captured the second time)
         self._eager: set = set()             # the keys whose segment cannot take a graph (needs x back midway)
         self.use_graphs = options is None or options.step_graphs
+        # the library's host nodes (host_nodes.py): the host's xn for the device, and steps whose host segments
+        # are native op lists as one graph (host_graphs; KESTREL_HOST_NODES=0: segment by segment)
+        self.nodes = (HostNodes(self.host.kernels, backend.pinned)
+                      if self.host.kernels is not None and backend.pinned is not None else None)
+        self.host_graphs = options is None or options.host_nodes
+        self._node_graphs: dict = {}         # (tokens, lm rows) -> (graph, counters a replay adds, its host nodes)
+        self._node_starts: dict = {}         # tokens -> the segment its graph starts at, or None: no graph
+        self._node_done = None               # the blocking event a step graph's host waits on
         window, first = backend.window, plan(1)
         total = sum(1 for segment in first.segments for _ in segment.ops)
         self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
@@ -117,9 +129,11 @@ class MixedSteps(Steps):
         self._drop_graphs()
 
     def _drop_graphs(self) -> None:
-        for graph in self._graphs.values():
+        for graph in [*self._graphs.values(), *(made[0] for made in self._node_graphs.values())]:
             graph.destroy()
         self._graphs.clear()
+        self._node_graphs.clear()
+        self._node_starts.clear()
         self._seen.clear()
         self._eager.clear()
 
@@ -175,6 +189,8 @@ class MixedSteps(Steps):
             self.expert_ring.close()
         self.backend.device.make_current()
         self._drop_graphs()
+        if self.nodes is not None:
+            self.nodes.close()
         self.backend.close()
 
     # ---- steps ------------------------------------------------------------------------------------
@@ -216,7 +232,7 @@ class MixedSteps(Steps):
         T, b = len(rows), self.backend
         plan = self.plan(T)
         state = SegmentState(b, self.counters, rows, self.gpu_layers, self.host.rope,
-                             self._kernel_copy if self.ring is not None else None, tree_fields)
+                             self._kernel_copy if self.ring is not None else None, tree_fields, self.nodes)
         if lm is not None:
             state.lm_rows = np.arange(lm[0], lm[0] + lm[1])
         if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
@@ -231,28 +247,117 @@ class MixedSteps(Steps):
                              if op.name in self.ring.index], b.stream)
         if self.expert_ring is not None:    # the layers whose every expert this step streams, in its order
             self.expert_ring.begin(list(plan.expert_ring), b.stream)
-        for index, segment in enumerate(plan.segments):
-            if segment.side == "cpu":
-                key = (T, index)
-                if key not in self._host_programs:
-                    self._host_programs[key] = (scheduler.segment_inputs(segment.ops),
-                                                self.host.program(segment.ops, "cpu "))
-                inputs, program = self._host_programs[key]
-                state.to_host(inputs)
-                program.run(state)
-                continue
-            state.call = {}
-            self._device_segment(index, [op for op in segment.ops if scheduler.runs_alone(op)], state, lm)
-            if prof.enabled:      # attribute GPU time to gemm, not to the next sync
-                start = time.perf_counter()
-                b.stream.synchronize()
-                state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
-        state.to_host(["logits"])
+        first = self._node_graph_start(plan, state)
+        if first is None:
+            self._run_segments(plan, state, lm, 0)
+            state.to_host(["logits"])
+        else:
+            self._run_segments(plan, state, lm, 0, first)       # the embed (host work before the graph): eagerly
+            self._node_graph(plan, state, lm, first)
         for ring in (self.ring, self.expert_ring):
             if ring is not None:
                 self.counters.h2d_bytes += ring.bytes_per_step
                 self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + ring.bytes_per_step
         return state.host["logits"][:state.logit_rows]
+
+    def _run_segments(self, plan, state: SegmentState, lm: tuple[int, int] | None, lo: int, hi: int | None = None,
+                      nodes: list | None = None) -> None:
+        """Segments lo..hi-1 of the plan, each on its side; while a step graph is captured (state.graphing) the
+        host segments go in as host nodes, each appended to `nodes` as (program, its node)."""
+        for index, segment in enumerate(plan.segments[lo:hi], lo):
+            if segment.side == "cpu":
+                inputs, program = self._host_program(state.T, index, segment)
+                state.to_host(inputs)
+                if not state.graphing:
+                    program.run(state)
+                    continue
+                native = program.one_call
+                node = native.node(state)
+                self.nodes.hand_over(state.stream, state.items, ITEM_PROGRAM, node)
+                for name in native.outputs:
+                    state.host_wrote(name)
+                nodes.append((native, node))
+                continue
+            state.call = {}
+            self._device_segment(index, [op for op in segment.ops if scheduler.runs_alone(op)], state, lm)
+            if prof.enabled:      # attribute GPU time to gemm, not to the next sync
+                start = time.perf_counter()
+                state.stream.synchronize()
+                state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
+
+    def _host_program(self, T: int, index: int, segment) -> tuple:
+        """(what the segment reads, its HostProgram), bound once per step size."""
+        key = (T, index)
+        if key not in self._host_programs:
+            self._host_programs[key] = (scheduler.segment_inputs(segment.ops), self.host.program(segment.ops, "cpu "))
+        return self._host_programs[key]
+
+    def _node_graph_start(self, plan, state: SegmentState) -> int | None:
+        """The segment a step graph with host nodes starts at (the step's first device segment; the host work
+        before it runs eagerly), or None: segment by segment.  A graph needs every later host segment to be a
+        native op list over the pinned state (NativeProgram.node), at least one of them, and a step that
+        takes graphs (as a segment's: at most SEGMENT_GRAPH_MAX_TOKENS tokens, no ring, no tree, untraced)."""
+        if (self.nodes is None or not self.host_graphs or not self.use_graphs or self.ring is not None or self.expert_ring is not None
+                or prof.enabled or trace.active is not None or state.tree_fields is not None
+                or state.T > SEGMENT_GRAPH_MAX_TOKENS):
+            return None
+        if state.T not in self._node_starts:
+            segments = plan.segments
+            first = next((i for i, segment in enumerate(segments) if segment.side == "gpu"), len(segments))
+            hosts = [i for i in range(first + 1, len(segments)) if segments[i].side == "cpu"]
+
+            def native(i: int) -> bool:
+                one_call = self._host_program(state.T, i, segments[i])[1].one_call
+                return one_call is not None and one_call.node(state) is not None
+            self._node_starts[state.T] = first if hosts and all(native(i) for i in hosts) else None
+        return self._node_starts[state.T]
+
+    def _node_graph(self, plan, state: SegmentState, lm: tuple[int, int] | None, first: int) -> None:
+        """Segments first.. and the logits' download as one graph with host nodes: run segment by segment the
+        first time a (tokens, lm rows) comes, captured the second time, replayed after; one sync a step.  A
+        replay adds the counters its capture counted (the same launches and copies); a host node's weight
+        bytes and failure are read after the sync."""
+        from kestrel_stream.cuda import driver
+        key, c, stream = (state.T, lm), self.counters, self.backend.stream
+        made = self._node_graphs.get(key)
+        if made is None and key not in self._seen:
+            self._seen.add(key)                    # a size seen once (a prompt's last chunk) costs no capture
+            self._run_segments(plan, state, lm, first)
+            state.to_host(["logits"])
+            return
+        if made is None:
+            before = c.as_dict()
+            nodes: list = []
+            state.graphing = True
+            with driver.capture(stream) as captured:
+                self._run_segments(plan, state, lm, first, None, nodes)
+                state.to_host(["logits"])
+            state.graphing = False
+            added = {name: value - before.get(name, 0) for name, value in c.as_dict().items()
+                     if name not in NOT_REPLAYED and value != before.get(name, 0)}
+            made = self._node_graphs[key] = (captured.graph, added, nodes, self.nodes.item_list(state.items))
+            c.graphs_captured = (c.graphs_captured or 0) + 1
+        else:
+            for name, value in made[1].items():
+                setattr(c, name, getattr(c, name) + value)
+        if self._node_done is None:            # the host's wait sleeps: the library's thread and pool need the cores
+            self._node_done = driver.Event(name="step graph done", blocking=True)
+        self.nodes.begin(made[3])
+        try:
+            made[0].launch(stream)
+            self._node_done.record(stream)
+            self._node_done.synchronize()
+        except BaseException:
+            self.nodes.end(aborted=True)
+            raise
+        missed = self.nodes.end()
+        if missed:
+            raise driver.CudaError(f"step graph: host item {-missed} of {len(made[3][2])} never had the device's word")
+        c.syncs += 1
+        c.graph_replays = (c.graph_replays or 0) + 1
+        for native, node in made[2]:
+            failed, node.status = node.status, 0
+            native.count_run(state.T, failed)
 
     def _device_segment(self, index: int, ops: list, state: SegmentState, lm: tuple[int, int] | None) -> None:
         """A device segment's ops: eagerly, or its uploads and then one replay of its graph (the module's
@@ -260,6 +365,7 @@ class MixedSteps(Steps):
         key = (state.T, index, lm)
         graphable = (self.use_graphs and self.ring is None and self.expert_ring is None and not prof.enabled
                      and trace.active is None and state.tree_fields is None and state.kernel_copy is None
+                     and not state.graphing
                      and state.T <= SEGMENT_GRAPH_MAX_TOKENS and key not in self._eager)
         graph = self._graphs.get(key) if graphable else None
         if graphable and graph is None and key not in self._seen:
