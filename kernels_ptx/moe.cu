@@ -44,7 +44,7 @@
 #define MOE_ROUTE_TOKENS 8    // ... over a tile of 8 tokens
 #define MOE_ROWS 4
 #define MOE_THREADS 128
-#define MOE_COMBINE_THREADS 256
+#define MOE_COMBINE_THREADS 1024   // a token's row in two columns a thread (one block a token: latency)
 
 // one warp: token t's choice from its logits (lane l holds experts l, l + 32, ...): softmax over every
 // expert first (SOFTMAX_FIRST, Qwen3-MoE), the top k -- each round the largest score, ties to the lowest id
@@ -117,6 +117,7 @@ __device__ __forceinline__ void group_by_expert(const float* route, const int* s
                                                 int T) {
     constexpr int WARPS = MOE_ROUTE_WARPS;
     __shared__ int start[MOE_MAX_EXPERTS];
+    __shared__ int first[MOE_MAX_EXPERTS + 1];   // the offsets, read back from here (not from global memory)
     __shared__ int chosen[MOE_MAX_CHOICES];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, A = T * k;
     int* offsets = groups;
@@ -136,18 +137,18 @@ __device__ __forceinline__ void group_by_expert(const float* route, const int* s
         int run = 0, n = 0;
         for (int e = 0; e < E; e++) {
             const int c = start[e];
-            offsets[e] = run;
+            first[e] = run;
             if (c && (slot_of == nullptr || slot_of[e] >= 0)) active[n++] = e;
-            start[e] = run;
             run += c;
         }
-        offsets[E] = run;
+        first[E] = run;
         active[E] = n;
     }
     __syncthreads();
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) offsets[e] = first[e];
     for (int e = warp; e < E; e += WARPS) {   // a warp per expert: its choices in order, 32 at a time
-        int at = start[e];
-        if (at == offsets[e + 1]) continue;
+        int at = first[e];
+        if (at == first[e + 1]) continue;
         for (int a0 = 0; a0 < A; a0 += 32) {
             const int a = a0 + lane;
             const bool mine = a < A && chosen[a] == e;

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 # kernels_ptx/moe.cu's limits and shapes
 MAX_EXPERTS, MAX_CHOSEN, MAX_CHOICES = 256, 16, 8192
 ROUTE_WARPS, ROUTE_TOKENS = 8, 8                 # a route block: 8 experts (a warp each) over 8 tokens
-EXPERT_ROWS, EXPERT_THREADS, COMBINE_THREADS = 4, 128, 256
+EXPERT_ROWS, EXPERT_THREADS, COMBINE_THREADS = 4, 128, 1024
 FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")      # the expert kernels' block formats
 ROUTE_SIGNATURE = "pppppppp" + "iiiii"           # xn inv_rms router route counts slot_of groups tickets, H E k flags T
 EXPERTS_SIGNATURE = "ppqqppp" + "ii" + "pp" + "iiiii"   # qs meta qs_slot meta_slot slot_of groups x, ldx gather,
