@@ -80,6 +80,9 @@ def dev(ptr: int, nbytes: int, dtype=np.uint8) -> np.ndarray:
                 raise CudaError(f"device access [{off}, +{nbytes}) outside any live arena block")
             assert off % np.dtype(dtype).itemsize == 0, "misaligned device access"
             return a.mem[off:off + nbytes].view(dtype)
+    for base, buf in _pinned.items():        # mapped pinned host memory (unified addressing: zero-copy reads)
+        if base <= ptr and ptr + nbytes <= base + buf.nbytes:
+            return buf.bytes[ptr - base:ptr - base + nbytes].view(dtype)
     raise CudaError(f"device pointer {ptr:#x} in no arena (null, freed or host?)")
 
 

@@ -55,7 +55,7 @@ def test_a_routed_offload_decode_is_one_graph_with_host_nodes(weights, device):
     monkeypatch.setenv("KESTREL_HOST_NODES", "0")
     eager = offload_engine(weights)
     want, eager_steps = decode(eager)
-    assert not eager.executor.steps._node_graphs
+    assert not eager.executor.steps.item_graphs._graphs
     eager.close()
     monkeypatch.setenv("KESTREL_HOST_NODES", "1")
     engine = offload_engine(weights)
@@ -66,7 +66,7 @@ def test_a_routed_offload_decode_is_one_graph_with_host_nodes(weights, device):
     else:
         assert relative_error(got, want) < GPU_TOLERANCE
         np.testing.assert_array_equal(got.argmax(axis=-1), want.argmax(axis=-1))
-    first = x.steps._node_starts[1]
+    first = x.steps.item_graphs._starts[1]
     assert first is not None and x.plan(1).segments[first].side == "gpu"
     host_segments = sum(1 for segment in x.plan(1).segments[first:] if segment.side == "cpu")
     assert host_segments >= 1
@@ -85,7 +85,7 @@ def test_host_segments_over_the_caches_run_segment_by_segment(device):
     monkeypatch, _ = device
     engine = make_split_engine(random_q8_weights(CONFIGS["qwen3"], seed=5), "layers=1", monkeypatch)
     _, steps = decode(engine, steps=4)
-    assert engine.executor.steps._node_starts[1] is None and not engine.executor.steps._node_graphs
+    assert engine.executor.steps.item_graphs._starts[1] is None and not engine.executor.steps.item_graphs._graphs
     assert all(step["syncs"] == engine.executor.plan(1).syncs_per_step for step in steps)
     engine.close()
 

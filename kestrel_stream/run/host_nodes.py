@@ -51,9 +51,11 @@ class HostNodes:
         self.driver = driver
         self.kernels, self.pinned = kernels, pinned
         self._norms: dict = {}           # (id(norm), T) -> (its NormNode, the norm and the copy it keeps alive)
-        self._words = driver.PinnedBuffer(64)        # arrived, done (uint32 each); not allocatable in a capture
-        self._words.view(np.uint32, (2,))[:] = 0
-        self._device_words = [driver.host_word(self._words.address + 4 * i) for i in range(2)]
+        # arrived, done, and a link share's ready, done (uint32 each; expert_link.py); not allocatable in a capture
+        self._words = driver.PinnedBuffer(64)
+        self._words.view(np.uint32, (4,))[:] = 0
+        self.words = [self._words.address + 4 * i for i in range(4)]
+        self._device_words = [driver.host_word(address) for address in self.words]
 
     def norm(self, norm: np.ndarray, eps: float, tokens: int) -> NormNode:
         """The item making the device's xn / 1/rms of `norm` from the pinned x of a `tokens`-token step."""
@@ -70,12 +72,20 @@ class HostNodes:
         self.kernels.norm_call(ctypes.byref(node))
 
     # ---- inside a capture: the graph's side of each hand-off ----------------------------------------
-    def hand_over(self, stream, items: list, kind: int, node) -> None:
+    def hand_over(self, stream, items: list, kind: int, node, meanwhile=None) -> None:
         """The next item of a captured step: the device writes its number once what it reads is on the host
-        (the copies enqueued before), and waits for the host's before anything after."""
+        (the copies enqueued before), and waits for the host's before anything after; meanwhile(n): what the
+        device does in between (a link share, expert_link.py), n the item's number."""
         items.append((kind, node))
         self.driver.write_value(stream, self._device_words[0], len(items))
+        if meanwhile is not None:
+            meanwhile(len(items))
         self.driver.wait_value(stream, self._device_words[1], len(items))
+
+    @property
+    def link_words(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """A link share's ready and done words: (host addresses, device addresses)."""
+        return (self.words[2], self.words[3]), (self._device_words[2], self._device_words[3])
 
     def item_list(self, items: list) -> tuple:
         """The list the library's thread serves for a step graph's items (and what it points at)."""
@@ -87,7 +97,7 @@ class HostNodes:
     # ---- each replay: the host's side -----------------------------------------------------------------
     def begin(self, made: tuple) -> None:
         """Before the graph's launch: the words back to 0 and the list to the library's thread."""
-        self._words.view(np.uint32, (2,))[:] = 0
+        self._words.view(np.uint32, (4,))[:] = 0
         if self.kernels.serve_begin(ctypes.byref(made[0])) != 0:
             raise OSError("host library: no thread to serve a step graph's host items")
 

@@ -30,6 +30,10 @@ use_graphs), mode offload's rings, a token tree, KESTREL_PROF or a trace (op by 
 would need the device's x back on the host midway (an op whose norm input the host computes after a device
 op wrote x).
 
+Where every host segment after the first device one is a native op list, a step of up to
+SEGMENT_GRAPH_MAX_TOKENS tokens instead runs from that segment on as one graph with host items
+(item_graphs.py, KESTREL_HOST_NODES=0 turns it off): one wait a step.
+
 One concern, a mixed step: the walk over the plan's segments (MixedSteps), which decides every move of the
 state between the sides (segment_state.py) by where the next op runs.
 """
@@ -48,6 +52,7 @@ from kestrel_stream.obs import prof, trace
 from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.pool_spin import spinning_step
 from kestrel_stream.run.host_nodes import ITEM_PROGRAM, HostNodes
+from kestrel_stream.run.item_graphs import SEGMENT_GRAPH_MAX_TOKENS, ItemGraphs  # noqa: F401 (re-exported)
 from kestrel_stream.run.segment_state import SegmentState
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
@@ -59,10 +64,6 @@ if TYPE_CHECKING:
     from kestrel_stream.run.device.stream_ring import StreamRing
 
 ATTENTION_SPLITS = 16
-SEGMENT_GRAPH_MAX_TOKENS = 64        # larger steps (a prefill's chunks, of many sizes) launch eagerly
-# counters a step graph's replay does not add from its capture: its one sync and its replay are counted as
-# they happen, the host nodes' weight bytes by the experts each one ran
-NOT_REPLAYED = ("syncs", "graph_replays", "graphs_captured", "cpu_weight_read_bytes", "steps", "tokens")
 @dataclass
 class HybridKV:
     host: CpuKV | None          # layers whose attention runs on the host (index li - gpu_layers)
@@ -74,9 +75,11 @@ class MixedSteps(Steps):
     """gated and layers=N steps over the host backend and one device backend."""
 
     def __init__(self, backend: DeviceBackend, counters, plan, *, gpu_layers: int, max_tokens: int, mode: str,
-                 load_s: float, options=None, ring: StreamRing | None = None, expert_ring: ExpertRing | None = None):
+                 load_s: float, options=None, ring: StreamRing | None = None, expert_ring: ExpertRing | None = None,
+                 link=None):
         """ring: mode offload's streaming of the items a step's plan streams (device/stream_ring.py);
-        expert_ring: of the routed layers whose experts it streams (device/expert_ring.py)."""
+        expert_ring: of the routed layers whose experts it streams (device/expert_ring.py); link: the routed
+        layers' link share at one token (device/expert_link.py)."""
         self.backend, self.counters, self.plan, self.ring = backend, counters, plan, ring
         self.expert_ring = expert_ring
         self.config, self.weights = backend.weights.config, backend.weights
@@ -90,14 +93,12 @@ class MixedSteps(Steps):
         self._seen: set = set()              # the keys run once eagerly (a graph is captured the second time)
         self._eager: set = set()             # the keys whose segment cannot take a graph (needs x back midway)
         self.use_graphs = options is None or options.step_graphs
-        # the library's host nodes (host_nodes.py): the host's xn for the device, and steps whose host segments
-        # are native op lists as one graph (host_graphs; KESTREL_HOST_NODES=0: segment by segment)
+        # the library's host items (host_nodes.py): the host's xn for the device, and steps whose host segments
+        # are native op lists as one graph (item_graphs.py; KESTREL_HOST_NODES=0: segment by segment), with the
+        # routed layers' link share at one token (device/expert_link.py)
         self.nodes = (HostNodes(self.host.kernels, backend.pinned)
                       if self.host.kernels is not None and backend.pinned is not None else None)
-        self.host_graphs = options is None or options.host_nodes
-        self._node_graphs: dict = {}         # (tokens, lm rows) -> (graph, counters a replay adds, its host nodes)
-        self._node_starts: dict = {}         # tokens -> the segment its graph starts at, or None: no graph
-        self._node_done = None               # the blocking event a step graph's host waits on
+        self.item_graphs = ItemGraphs(self, self.nodes if options is None or options.host_nodes else None, link)
         window, first = backend.window, plan(1)
         total = sum(1 for segment in first.segments for _ in segment.ops)
         self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
@@ -129,11 +130,10 @@ class MixedSteps(Steps):
         self._drop_graphs()
 
     def _drop_graphs(self) -> None:
-        for graph in [*self._graphs.values(), *(made[0] for made in self._node_graphs.values())]:
+        for graph in self._graphs.values():
             graph.destroy()
         self._graphs.clear()
-        self._node_graphs.clear()
-        self._node_starts.clear()
+        self.item_graphs.drop()
         self._seen.clear()
         self._eager.clear()
 
@@ -189,6 +189,7 @@ class MixedSteps(Steps):
             self.expert_ring.close()
         self.backend.device.make_current()
         self._drop_graphs()
+        self.item_graphs.close()
         if self.nodes is not None:
             self.nodes.close()
         self.backend.close()
@@ -247,13 +248,13 @@ class MixedSteps(Steps):
                              if op.name in self.ring.index], b.stream)
         if self.expert_ring is not None:    # the layers whose every expert this step streams, in its order
             self.expert_ring.begin(list(plan.expert_ring), b.stream)
-        first = self._node_graph_start(plan, state)
+        first = self.item_graphs.start(plan, state)
         if first is None:
             self._run_segments(plan, state, lm, 0)
             state.to_host(["logits"])
         else:
             self._run_segments(plan, state, lm, 0, first)       # the embed (host work before the graph): eagerly
-            self._node_graph(plan, state, lm, first)
+            self.item_graphs.run(plan, state, lm, first)
         for ring in (self.ring, self.expert_ring):
             if ring is not None:
                 self.counters.h2d_bytes += ring.bytes_per_step
@@ -273,7 +274,8 @@ class MixedSteps(Steps):
                     continue
                 native = program.one_call
                 node = native.node(state)
-                self.nodes.hand_over(state.stream, state.items, ITEM_PROGRAM, node)
+                self.nodes.hand_over(state.stream, state.items, ITEM_PROGRAM, node,
+                                     self.item_graphs.link_share(native, state))
                 for name in native.outputs:
                     state.host_wrote(name)
                 nodes.append((native, node))
@@ -291,73 +293,6 @@ class MixedSteps(Steps):
         if key not in self._host_programs:
             self._host_programs[key] = (scheduler.segment_inputs(segment.ops), self.host.program(segment.ops, "cpu "))
         return self._host_programs[key]
-
-    def _node_graph_start(self, plan, state: SegmentState) -> int | None:
-        """The segment a step graph with host nodes starts at (the step's first device segment; the host work
-        before it runs eagerly), or None: segment by segment.  A graph needs every later host segment to be a
-        native op list over the pinned state (NativeProgram.node), at least one of them, and a step that
-        takes graphs (as a segment's: at most SEGMENT_GRAPH_MAX_TOKENS tokens, no ring, no tree, untraced)."""
-        if (self.nodes is None or not self.host_graphs or not self.use_graphs or self.ring is not None or self.expert_ring is not None
-                or prof.enabled or trace.active is not None or state.tree_fields is not None
-                or state.T > SEGMENT_GRAPH_MAX_TOKENS):
-            return None
-        if state.T not in self._node_starts:
-            segments = plan.segments
-            first = next((i for i, segment in enumerate(segments) if segment.side == "gpu"), len(segments))
-            hosts = [i for i in range(first + 1, len(segments)) if segments[i].side == "cpu"]
-
-            def native(i: int) -> bool:
-                one_call = self._host_program(state.T, i, segments[i])[1].one_call
-                return one_call is not None and one_call.node(state) is not None
-            self._node_starts[state.T] = first if hosts and all(native(i) for i in hosts) else None
-        return self._node_starts[state.T]
-
-    def _node_graph(self, plan, state: SegmentState, lm: tuple[int, int] | None, first: int) -> None:
-        """Segments first.. and the logits' download as one graph with host nodes: run segment by segment the
-        first time a (tokens, lm rows) comes, captured the second time, replayed after; one sync a step.  A
-        replay adds the counters its capture counted (the same launches and copies); a host node's weight
-        bytes and failure are read after the sync."""
-        from kestrel_stream.cuda import driver
-        key, c, stream = (state.T, lm), self.counters, self.backend.stream
-        made = self._node_graphs.get(key)
-        if made is None and key not in self._seen:
-            self._seen.add(key)                    # a size seen once (a prompt's last chunk) costs no capture
-            self._run_segments(plan, state, lm, first)
-            state.to_host(["logits"])
-            return
-        if made is None:
-            before = c.as_dict()
-            nodes: list = []
-            state.graphing = True
-            with driver.capture(stream) as captured:
-                self._run_segments(plan, state, lm, first, None, nodes)
-                state.to_host(["logits"])
-            state.graphing = False
-            added = {name: value - before.get(name, 0) for name, value in c.as_dict().items()
-                     if name not in NOT_REPLAYED and value != before.get(name, 0)}
-            made = self._node_graphs[key] = (captured.graph, added, nodes, self.nodes.item_list(state.items))
-            c.graphs_captured = (c.graphs_captured or 0) + 1
-        else:
-            for name, value in made[1].items():
-                setattr(c, name, getattr(c, name) + value)
-        if self._node_done is None:            # the host's wait sleeps: the library's thread and pool need the cores
-            self._node_done = driver.Event(name="step graph done", blocking=True)
-        self.nodes.begin(made[3])
-        try:
-            made[0].launch(stream)
-            self._node_done.record(stream)
-            self._node_done.synchronize()
-        except BaseException:
-            self.nodes.end(aborted=True)
-            raise
-        missed = self.nodes.end()
-        if missed:
-            raise driver.CudaError(f"step graph: host item {-missed} of {len(made[3][2])} never had the device's word")
-        c.syncs += 1
-        c.graph_replays = (c.graph_replays or 0) + 1
-        for native, node in made[2]:
-            failed, node.status = node.status, 0
-            native.count_run(state.T, failed)
 
     def _device_segment(self, index: int, ops: list, state: SegmentState, lm: tuple[int, int] | None) -> None:
         """A device segment's ops: eagerly, or its uploads and then one replay of its graph (the module's

@@ -164,6 +164,7 @@ class NativeProgram:
         # a routed layer's experts: its bound ops and the bytes of one expert (a step counts those it ran)
         self.routed = list(zip([bound for bound in keep if isinstance(bound, Experts)],
                                [expert_bytes(backend, op) for op in ops if op.kind == "experts"]))
+        self.routed_layers = [op.layer for op in ops if op.kind == "experts"]
         self.embed_row_bytes = self.embed.nbytes // self.embed.shape[0]
         self.head_dim = c.head_dim
         self.widths = [c.hidden_size, c.q_size + 2 * c.kv_size, c.q_size, c.q_size, c.intermediate_size, c.vocab_size,
