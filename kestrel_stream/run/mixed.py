@@ -53,7 +53,7 @@ from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.pool_spin import spinning_step
 from kestrel_stream.run.host_nodes import ITEM_PROGRAM, HostNodes
 from kestrel_stream.run.item_graphs import SEGMENT_GRAPH_MAX_TOKENS, ItemGraphs  # noqa: F401 (re-exported)
-from kestrel_stream.run.segment_state import SegmentState
+from kestrel_stream.run.segment_state import SegmentState, uploads_go_first
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
 
@@ -398,21 +398,3 @@ class MixedSteps(Steps):
         return (reads, norm_weight(self.weights, op.prologue) if op.prologue else None, launches, ring,
                 sum(launch.labels.get("bytes", 0) for launch in launches),
                 norm_weight(self.weights, op.prepares) if op.prepares else None)
-
-
-def uploads_go_first(ops, prepared, state: SegmentState) -> bool:
-    """Whether every upload of a device segment can go before all its launches: no op takes its norm input
-    (xn) from the host after an earlier op of the segment wrote x on the device (the host would need that x
-    back midway).  Follows SegmentState's record of the copies without touching it."""
-    x_on_host = "host" in state.valid.get("x", ())
-    xn_norm = state.xn_norm
-    for op, (reads, prologue, _, _, _, prepares) in zip(ops, prepared):
-        if "xn" in reads and xn_norm is not prologue:
-            if not x_on_host:
-                return False
-            xn_norm = prologue
-        if "x" in op.writes:
-            x_on_host = False
-        if prepares is not None:
-            xn_norm = prepares
-    return True

@@ -187,3 +187,21 @@ class SegmentState:
         if prof.enabled:
             uploads = call.pop("uploads", 0)
             prof.record_call(call, uploads=uploads)
+
+
+def uploads_go_first(ops, prepared, state: "SegmentState") -> bool:
+    """Whether every upload of a device segment can go before all its launches: no op takes its norm input
+    (xn) from the host after an earlier op of the segment wrote x on the device (the host would need that x
+    back midway).  Follows SegmentState's record of the copies without touching it."""
+    x_on_host = "host" in state.valid.get("x", ())
+    xn_norm = state.xn_norm
+    for op, (reads, prologue, _, _, _, prepares) in zip(ops, prepared):
+        if "xn" in reads and xn_norm is not prologue:
+            if not x_on_host:
+                return False
+            xn_norm = prologue
+        if "x" in op.writes:
+            x_on_host = False
+        if prepares is not None:
+            xn_norm = prepares
+    return True
