@@ -127,15 +127,15 @@ int ks_route(const ks_router_t *s, const float *x, ptrdiff_t x_stride, int T, fl
 
 /* One token's link choices: the last `count` of its host-side choices in route order (linked[j] = 1), written
    for the device as moe.cu reads a grouping (offsets [E + 1], active [E + 1], sorted [k], position [k]) with
-   the image's slot table (expert e at slot e, -1 elsewhere), then `ready` = item.  Returns how many. */
+   the image's slot table (expert e at slot e, -1 elsewhere), then `ready` = item -- also when there are none
+   (the device's launches then find no expert and its sum is 0).  Returns how many. */
 static int share_link(const ks_experts_t *s, const float *route, int *linked) {
     ks_link_t *l = s->link;
     const int E = s->E, k = s->k;
     int n = 0;
     for (int j = k - 1; j >= 0 && n < l->count; j--)
         if (s->gate_up[(int)route[j]]) linked[j] = 1, n++;
-    l->shared = n;
-    if (n == 0) return 0;
+    l->shared = n;                  /* none (every choice the device's or resident): an empty grouping */
     int *offsets = l->groups, *active = offsets + E + 1, *sorted = active + E + 1, *position = sorted + k;
     for (int e = 0; e < E; e++) l->table[e] = -1;
     memset(offsets, 0, sizeof(int) * (size_t)(E + 1));
@@ -163,7 +163,7 @@ static int share_link(const ks_experts_t *s, const float *route, int *linked) {
 static int wait_link(const ks_link_t *l) {
     struct timespec t0, t;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (long spins = 1; atomic_load_explicit((_Atomic uint32_t *)l->done, memory_order_acquire) != l->item; spins++) {
+    for (long spins = 1; atomic_load_explicit((_Atomic uint32_t *)l->done, memory_order_acquire) < l->item; spins++) {
         cpu_relax();
         if (spins % 4096 == 0) {
             clock_gettime(CLOCK_MONOTONIC, &t);
@@ -199,7 +199,8 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
     /* the link share's choices (one token, inside a step graph): the device's from here on */
     int linked[KS_MAX_CHOICES] = {0}, shared = 0;
     ks_link_t *link = s->link;
-    if (link && link->armed && T == 1 && link->count > 0) shared = share_link(s, route, linked);
+    const int handing = link && link->armed && T == 1 && link->count > 0;   /* the device waits for it */
+    if (handing) shared = share_link(s, route, linked);
     /* this side's choices grouped by expert, tokens ascending within each (a counting sort) */
     memset(first, 0, sizeof(int) * (size_t)(E + 1));
     for (int t = 0; t < T; t++)
@@ -247,7 +248,7 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
         for (int j = 0; j < H; j++) o[j] = o[j] + weight[c] * d[j];
     }
     s->used = used;
-    if (shared && wait_link(link) != 0) return -1;
+    if (handing && wait_link(link) != 0) return -1;
     for (int t = 0; t < T; t++) {
         float *xr = x + x_stride * t, *o = sum + (ptrdiff_t)H * t;
         if (moe_out) {

@@ -28,6 +28,8 @@ typedef struct {
     _Atomic uint32_t *arrived, *done;   /* pinned words: the device writes `arrived`, the host `done` */
     const ks_host_item_t *items;
     int n;
+    _Atomic uint32_t *link_ready;       /* a link share's word (host_moe.c), raised to each item's number after
+                                           it: a share its item failed to hand over does not hold the graph */
 } ks_host_list_t;
 
 #define SERVE_GIVE_UP_NS 60000000000LL  /* a minute without the device's word: it is not coming */
@@ -62,6 +64,8 @@ static int serve(const ks_host_list_t *l) {
         const ks_host_item_t *item = l->items + i;
         if (item->kind == KS_ITEM_PROGRAM) ks_program_node(item->arg);
         else ks_norm_node(item->arg);
+        if (l->link_ready && atomic_load_explicit(l->link_ready, memory_order_acquire) < want)
+            atomic_store_explicit(l->link_ready, want, memory_order_release);
         atomic_store_explicit(l->done, want, memory_order_release);
     }
     return 0;

@@ -38,8 +38,8 @@ class Item(ctypes.Structure):
 
 
 class ItemList(ctypes.Structure):
-    """ks_host_list_t: the two words, the items in the graph's order."""
-    _fields_ = [("arrived", _p), ("done", _p), ("items", _p), ("n", _i)]
+    """ks_host_list_t: the two words, the items in the graph's order, a link share's ready word."""
+    _fields_ = [("arrived", _p), ("done", _p), ("items", _p), ("n", _i), ("link_ready", _p)]
 
 
 class HostNodes:
@@ -90,8 +90,8 @@ class HostNodes:
     def item_list(self, items: list) -> tuple:
         """The list the library's thread serves for a step graph's items (and what it points at)."""
         table = (Item * len(items))(*[Item(kind, ctypes.addressof(node)) for kind, node in items])
-        held = ItemList(arrived=self._words.address, done=self._words.address + 4, items=ctypes.addressof(table),
-                        n=len(items))
+        held = ItemList(arrived=self.words[0], done=self.words[1], items=ctypes.addressof(table), n=len(items),
+                        link_ready=self.words[2])
         return held, table, items
 
     # ---- each replay: the host's side -----------------------------------------------------------------
