@@ -20,6 +20,8 @@ and o resident, the MLP on the host; M: qkv and o streamed; H: all on the host),
 host roofline of the row: the expert bytes a token reads that are not resident (the routers' choice at the
 resident share expected) ÷ the host memory pool's best rate (calibrated at the start: scheduler/step_sim
 PoolRates), with the measured decode as a share of it.
+--host-nodes 1 0: each offload row without a link share once per value (0: the step segment by segment, one
+host wait a host segment, where 1 runs it as one graph with host items).
 --link-experts N ...: each ring-off offload row once per value (run/device/expert_link.py: at one token, N of a
 token's host-side expert choices read by the GPU from pinned images over PCIe while the host computes the rest).
 --stream: each offload budget once per KESTREL_STREAM_EXPERTS value (off: every non-resident expert on the host,
@@ -171,16 +173,17 @@ def experts_kernels(weights, options, tokens: int) -> str:
 
 
 def engine_for(weights, which: str, budget: int | None, args, stream: str = "off", max_batch: int | None = None,
-               link: int = 0):
+               link: int = 0, host_nodes: bool = True):
     from kestrel_stream.options import Options
     from kestrel_stream.run.engine import Engine
     options = Options.from_env(vram_budget=budget, host_threads=args.threads, stream_experts=stream,
-                               link_experts=link)
+                               link_experts=link, host_nodes=host_nodes)
     return Engine(weights, device="cuda", mode="gpu" if which == "all" else "offload", max_seq_len=args.max_seq_len,
                   max_batch=max_batch or args.max_batch, options=options)
 
 
-def ours(path: str, weights, which: str, args, profile, stream: str = "off", link: int = 0) -> list[dict]:
+def ours(path: str, weights, which: str, args, profile, stream: str = "off", link: int = 0,
+         host_nodes: bool = True) -> list[dict]:
     """The row of one budget (and its residency rows); stream: KESTREL_STREAM_EXPERTS (offload budgets; off:
     today's rows, named by the budget alone)."""
     from scheduler.offload import HOME_LETTERS, PoolRates
@@ -188,14 +191,14 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
     ringed = which != "all" and stream != "off"
     max_batch = max(args.max_batch, args.stream_chunk) if ringed else args.max_batch
     budget, weight_bytes = budget_of(which, config, args, profile, max_batch)
-    engine = engine_for(weights, which, budget, args, stream, max_batch, link)
+    engine = engine_for(weights, which, budget, args, stream, max_batch, link, host_nodes)
     x = engine.executor
     rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
     streamed_before = x.stats.get("streamed_bytes") or 0
     pp_rate = prefill_rate(engine, args.prompt, 1)
     pp_streamed = ((x.stats.get("streamed_bytes") or 0) - streamed_before) / 2        # per prompt (2 runs)
     row = {"file": os.path.basename(path), "budget": which + (f" ring {stream}" if ringed else "") +
-           (f" link {link}" if link else ""), "mode": x.mode,
+           (f" link {link}" if link else "") + ("" if host_nodes else " segment by segment"), "mode": x.mode,
            "weight_MB": round(weight_bytes / 1e6, 1),
            "budget_MB": round(budget / 1e6, 1) if budget else "free VRAM", "ours_tg_tok_s": round(rate, 2),
            "step_ms": round(step_ms, 3), "ours_pp_tok_s": round(pp_rate, 1)}
@@ -269,6 +272,9 @@ def main(argv=None) -> None:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--max-batch", type=int, default=32, help="tokens of an offload step: max(this, 64)")
     parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--host-nodes", nargs="+", type=int, default=[1], choices=[0, 1],
+                        help="each offload row without a link share once per value: 1, a step as one graph with host "
+                             "items (run/item_graphs.py); 0, segment by segment (KESTREL_HOST_NODES)")
     parser.add_argument("--link-experts", nargs="+", type=int, default=[0],
                         help="each offload budget's ring-off row once per value: a token's host-side expert choices "
                              "the GPU reads over PCIe beside the host's (KESTREL_LINK_EXPERTS; 0: none)")
@@ -299,9 +305,10 @@ def main(argv=None) -> None:
         for which in args.budgets:
             for stream in (["off"] if which == "all" else args.stream):
                 for link in ([0] if which == "all" or stream != "off" else args.link_experts):
-                    for row in ours(path, weights, which, args, profile, stream, link):
-                        print(row, flush=True)
-                        rows.append(row)
+                    for host_nodes in ([1] if which == "all" or link else args.host_nodes):
+                        for row in ours(path, weights, which, args, profile, stream, link, bool(host_nodes)):
+                            print(row, flush=True)
+                            rows.append(row)
         for row in theirs(path, weights.config, args) if args.llama_bench else []:
             print(row, flush=True)
             rows.append(row)
