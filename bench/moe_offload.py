@@ -3,7 +3,8 @@ outside VRAM but for the most chosen.
 
     python3 -m bench.make_gguf --preset qwen3-30b-a3b --mix q8_0 --vocab PATH/ggml-vocab-qwen2.gguf -o /tmp/q30a3b.gguf
     python3 -m bench.moe_offload /tmp/q30a3b.gguf [--budgets all experts:0.1 attention 0.5] [--threads 16]
-        [--sessions 16] [--prompt 512] [--stream off auto] [--stream-chunk 512] [--residency] [--bias-router 3]
+        [--sessions 16] [--prompt 512] [--stream off auto] [--stream-chunk 512] [--link-experts 0 2 3] [--residency]
+        [--bias-router 3]
         [--llama-bench PATH/llama-bench] [--llama-batched-bench PATH/llama-batched-bench] [--ncmoe N ...] [--out DIR]
 
 Budgets: `all`, gpu mode with no budget (every weight and expert in VRAM); `experts:F`, mode offload with a
@@ -19,6 +20,10 @@ and o resident, the MLP on the host; M: qkv and o streamed; H: all on the host),
 host roofline of the row: the expert bytes a token reads that are not resident (the routers' choice at the
 resident share expected) ÷ the host memory pool's best rate (calibrated at the start: scheduler/step_sim
 PoolRates), with the measured decode as a share of it.
+--host-nodes 1 0: each offload row without a link share once per value (0: the step segment by segment, one
+host wait a host segment, where 1 runs it as one graph with host items).
+--link-experts N ...: each ring-off offload row once per value (run/device/expert_link.py: at one token, N of a
+token's host-side expert choices read by the GPU from pinned images over PCIe while the host computes the rest).
 --stream: each offload budget once per KESTREL_STREAM_EXPERTS value (off: every non-resident expert on the host,
 today's rows; auto: the experts' ring where the cost model predicts it pays and the budget holds it; on: a ring
 or the budget refused).  A row with a ring ("experts:F ring auto") runs offload steps of up to --stream-chunk
@@ -167,15 +172,18 @@ def experts_kernels(weights, options, tokens: int) -> str:
     return " ".join(sorted(names))
 
 
-def engine_for(weights, which: str, budget: int | None, args, stream: str = "off", max_batch: int | None = None):
+def engine_for(weights, which: str, budget: int | None, args, stream: str = "off", max_batch: int | None = None,
+               link: int = 0, host_nodes: bool = True):
     from kestrel_stream.options import Options
     from kestrel_stream.run.engine import Engine
-    options = Options.from_env(vram_budget=budget, host_threads=args.threads, stream_experts=stream)
+    options = Options.from_env(vram_budget=budget, host_threads=args.threads, stream_experts=stream,
+                               link_experts=link, host_nodes=host_nodes)
     return Engine(weights, device="cuda", mode="gpu" if which == "all" else "offload", max_seq_len=args.max_seq_len,
                   max_batch=max_batch or args.max_batch, options=options)
 
 
-def ours(path: str, weights, which: str, args, profile, stream: str = "off") -> list[dict]:
+def ours(path: str, weights, which: str, args, profile, stream: str = "off", link: int = 0,
+         host_nodes: bool = True) -> list[dict]:
     """The row of one budget (and its residency rows); stream: KESTREL_STREAM_EXPERTS (offload budgets; off:
     today's rows, named by the budget alone)."""
     from scheduler.offload import HOME_LETTERS, PoolRates
@@ -183,13 +191,14 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off") -> 
     ringed = which != "all" and stream != "off"
     max_batch = max(args.max_batch, args.stream_chunk) if ringed else args.max_batch
     budget, weight_bytes = budget_of(which, config, args, profile, max_batch)
-    engine = engine_for(weights, which, budget, args, stream, max_batch)
+    engine = engine_for(weights, which, budget, args, stream, max_batch, link, host_nodes)
     x = engine.executor
     rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
     streamed_before = x.stats.get("streamed_bytes") or 0
     pp_rate = prefill_rate(engine, args.prompt, 1)
     pp_streamed = ((x.stats.get("streamed_bytes") or 0) - streamed_before) / 2        # per prompt (2 runs)
-    row = {"file": os.path.basename(path), "budget": which + (f" ring {stream}" if ringed else ""), "mode": x.mode,
+    row = {"file": os.path.basename(path), "budget": which + (f" ring {stream}" if ringed else "") +
+           (f" link {link}" if link else "") + ("" if host_nodes else " segment by segment"), "mode": x.mode,
            "weight_MB": round(weight_bytes / 1e6, 1),
            "budget_MB": round(budget / 1e6, 1) if budget else "free VRAM", "ours_tg_tok_s": round(rate, 2),
            "step_ms": round(step_ms, 3), "ours_pp_tok_s": round(pp_rate, 1)}
@@ -263,6 +272,12 @@ def main(argv=None) -> None:
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--max-batch", type=int, default=32, help="tokens of an offload step: max(this, 64)")
     parser.add_argument("--sessions", type=int, default=16)
+    parser.add_argument("--host-nodes", nargs="+", type=int, default=[1], choices=[0, 1],
+                        help="each offload row without a link share once per value: 1, a step as one graph with host "
+                             "items (run/item_graphs.py); 0, segment by segment (KESTREL_HOST_NODES)")
+    parser.add_argument("--link-experts", nargs="+", type=int, default=[0],
+                        help="each offload budget's ring-off row once per value: a token's host-side expert choices "
+                             "the GPU reads over PCIe beside the host's (KESTREL_LINK_EXPERTS; 0: none)")
     parser.add_argument("--stream", nargs="+", default=["off", "auto"], choices=["off", "auto", "on"],
                         help="KESTREL_STREAM_EXPERTS of each offload budget's rows (the experts' ring)")
     parser.add_argument("--stream-chunk", type=int, default=512,
@@ -289,9 +304,11 @@ def main(argv=None) -> None:
             bias_router(weights, preferred=max(1, weights.config.num_experts // 8), strength=args.bias_router)
         for which in args.budgets:
             for stream in (["off"] if which == "all" else args.stream):
-                for row in ours(path, weights, which, args, profile, stream):
-                    print(row, flush=True)
-                    rows.append(row)
+                for link in ([0] if which == "all" or stream != "off" else args.link_experts):
+                    for host_nodes in ([1] if which == "all" or link else args.host_nodes):
+                        for row in ours(path, weights, which, args, profile, stream, link, bool(host_nodes)):
+                            print(row, flush=True)
+                            rows.append(row)
         for row in theirs(path, weights.config, args) if args.llama_bench else []:
             print(row, flush=True)
             rows.append(row)

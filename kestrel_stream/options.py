@@ -17,6 +17,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
                               counts, and a gated / layers=N step's device segments (up to 64 tokens) a graph
                               each from the second step of their size (1, the default); or every kernel is
                               launched eagerly (0)
+    KESTREL_HOST_NODES=0|1    a mixed step whose host segments are library calls: one graph with host items from
+                              its third step of a size (1, the default; run/item_graphs.py), or segment by segment
     KESTREL_MINFLOP=F         the seed's per-projection FLOP threshold instead of the cost model (gated)
     KESTREL_GEMV_M1=SUFFIX    force one single-token GEMV layout (KESTREL_GEMV_M1_ROWS=4|2: "r4" | "")
     KESTREL_GEMV_MN=SUFFIX    force one 2..8-token GEMV layout
@@ -27,6 +29,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_MOE_MMA_MIN_TOKENS=N  routed layers' steps of >= N tokens on the grouped tensor-core GEMM
                               (default: cuda/moe_kernels.mma_min_tokens, 8 tokens per expert on average; 0: always)
     KESTREL_MOE_MMA_TILE=BMxBN   force one tile of that GEMM (cuda/moe_kernels.MMA_TILES: 16x64 | 32x64 | 64x64)
+    KESTREL_LINK_EXPERTS=N    mode offload, one token: N of a token's host-side expert choices read by the GPU
+                              over PCIe while the host computes the rest (run/device/expert_link.py; default 0)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
     KESTREL_HOST_KERNELS=numpy  the host backend multiplies on float32 copies with numpy (the reference
@@ -77,6 +81,8 @@ class Options:
     programmatic_launch: bool = True
     fused_rope: bool = True                  # one-token gpu steps: rope as attention's prologue (ops.fuse_rope)
     step_graphs: bool = True                 # one session's steps of 2..64 tokens as graphs (device/step_graphs.py)
+    host_nodes: bool = True                  # mixed steps as one graph with host nodes (run/host_nodes.py)
+    link_experts: int = 0                    # one-token offload steps: host-side choices the GPU reads over PCIe
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
@@ -150,6 +156,9 @@ class Options:
         step_graphs = env.get("KESTREL_STEP_GRAPHS", "1").strip() or "1"
         if step_graphs not in ("0", "1"):
             raise ValueError(f"KESTREL_STEP_GRAPHS={step_graphs!r}: 0 (eager launches) or 1 (graphs, the default)")
+        host_nodes = env.get("KESTREL_HOST_NODES", "1").strip() or "1"
+        if host_nodes not in ("0", "1"):
+            raise ValueError(f"KESTREL_HOST_NODES={host_nodes!r}: 0 (a mixed step segment by segment) or 1 (the default)")
         offload = env.get("KESTREL_OFFLOAD") or "auto"
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"KESTREL_OFFLOAD={offload!r}: one of {', '.join(OFFLOAD_CHOICES)}")
@@ -165,6 +174,8 @@ class Options:
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0", step_graphs=step_graphs == "1",
+                      host_nodes=host_nodes == "1",
+                      link_experts=_tokens(env.get("KESTREL_LINK_EXPERTS"), "KESTREL_LINK_EXPERTS", "choices") or 0,
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
                       block_mma_min_tokens=block_mma, moe_mma_tile=moe_mma_tile,
                       moe_mma_min_tokens=_tokens(env.get("KESTREL_MOE_MMA_MIN_TOKENS"), "KESTREL_MOE_MMA_MIN_TOKENS"),

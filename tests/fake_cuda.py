@@ -23,6 +23,7 @@ limits beyond simple geometry and alignment checks.
 from __future__ import annotations
 
 import os
+import time
 import threading
 
 import itertools
@@ -79,6 +80,9 @@ def dev(ptr: int, nbytes: int, dtype=np.uint8) -> np.ndarray:
                 raise CudaError(f"device access [{off}, +{nbytes}) outside any live arena block")
             assert off % np.dtype(dtype).itemsize == 0, "misaligned device access"
             return a.mem[off:off + nbytes].view(dtype)
+    for base, buf in _pinned.items():        # mapped pinned host memory (unified addressing: zero-copy reads)
+        if base <= ptr and ptr + nbytes <= base + buf.nbytes:
+            return buf.bytes[ptr - base:ptr - base + nbytes].view(dtype)
     raise CudaError(f"device pointer {ptr:#x} in no arena (null, freed or host?)")
 
 
@@ -93,6 +97,8 @@ def host(address: int, nbytes: int, dtype=np.uint8) -> np.ndarray:
 
 class PinnedBuffer:
     def __init__(self, nbytes: int):
+        if fake_streams.capturing():
+            raise CudaError("cuMemHostAlloc failed: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
         self.nbytes = nbytes
         self.bytes = np.full(max(nbytes, 1), 0xFF, np.uint8)
         self.address = self.bytes.ctypes.data
@@ -165,6 +171,30 @@ def d2d_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: Stream) -> None:
 def memset_async(ptr: int, nbytes: int, stream: Stream) -> None:
     dev(ptr, nbytes)
     stream.enqueue("run", lambda: dev(ptr, nbytes).__setitem__(slice(None), 0))
+
+
+def host_word(address: int) -> int:
+    host(address, 4)                  # a word of a live pinned buffer
+    return address
+
+
+def write_value(stream: Stream, word: int, value: int) -> None:
+    stream.enqueue("run", lambda: host(word, 4, np.uint32).__setitem__(0, value))
+
+
+WAIT_VALUE_S = 30.0
+
+
+def wait_value(stream: Stream, word: int, value: int) -> None:
+    """The stream's ops after this wait (this thread polling) until another thread -- the host library's
+    server (native/host_serve.c) -- writes the word."""
+    def wait():
+        give_up = time.monotonic() + WAIT_VALUE_S
+        while int(host(word, 4, np.uint32)[0]) < value:
+            if time.monotonic() > give_up:
+                raise CudaError(f"cuStreamWaitValue32: word {word:#x} never reached {value}")
+            time.sleep(1e-5)
+    stream.enqueue("run", wait)
 
 
 class Device:
@@ -257,7 +287,7 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
     _current.ordinal = None                 # no device current on this thread until a Device is made
     names = dict(Device=Device, Stream=new_stream, Event=Event, PinnedBuffer=PinnedBuffer, Arena=Arena,
                  register_host=register_host, h2d_async=h2d_async, d2h_async=d2h_async, h2d_sync=h2d_sync,
-                 d2d_async=d2d_async, memset_async=memset_async, capture=capture, Graph=Graph,
+                 d2d_async=d2d_async, memset_async=memset_async, host_word=host_word, write_value=write_value, wait_value=wait_value, capture=capture, Graph=Graph,
                  detect=lambda: "Emulated H200 sm_90", gpu_available=lambda: True, device_count=lambda: DEVICE_COUNT,
                  gpu_status=lambda: (True, "Emulated H200 sm_90"))
     for name, value in names.items():

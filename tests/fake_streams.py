@@ -103,7 +103,7 @@ def capturing() -> bool:
 
 
 class Event:
-    def __init__(self, timing: bool = False, name: str = "event", external: bool = False):
+    def __init__(self, timing: bool = False, name: str = "event", external: bool = False, blocking: bool = False):
         self.name, self.target, self.external = name, None, external
 
     def record(self, stream: Stream) -> None:

@@ -69,3 +69,25 @@ def test_the_moe_bench_reports_the_streamed_prompt_rows(tmp_path, monkeypatch):
     assert "experts_ring" not in today and today["ours_pp_tok_s"] > 0
     assert ring["experts_ring"].startswith("2 x ") and ring["pp_placement"].startswith("M=16 ")
     assert ring["pp_streamed_GB"] > 0 and ring["ours_pp_tok_s"] > 0 and ring["ours_batch_tok_s"] > 0
+
+
+def test_the_moe_bench_times_the_link_share(tmp_path, monkeypatch):
+    """--link-experts 0 1 --host-nodes 1 0: the ring-off offload row once per value, with the GPU reading one of
+    a token's host-side choices over the link (run/device/expert_link.py), and without a share once as one
+    graph with host items and once segment by segment."""
+    import pytest
+    from bench import moe_offload
+    from kestrel_stream import native
+    from kestrel_stream.options import Options
+    if native.load(Options.from_env({})) is None:
+        pytest.skip("no native host kernels (no C compiler): no host items, no link share")
+    fake_cuda.install(monkeypatch, mode="deferred")
+    path = tmp_path / "qwen3-moe-tiny.gguf"
+    write_gguf(PRESETS["qwen3-moe-tiny"], None, str(path), seed=1)
+    moe_offload.main([str(path), "--budgets", "experts:0.25", "--stream", "off", "--link-experts", "0", "1",
+                      "--host-nodes", "1", "0",
+                      "--threads", "1", "--new-tokens", "4", "--prompt", "16", "--repeats", "1", "--max-seq-len", "48",
+                      "--max-batch", "4", "--sessions", "0", "--out", str(tmp_path)])
+    rows = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
+    assert [row["budget"] for row in rows] == ["experts:0.25", "experts:0.25 segment by segment", "experts:0.25 link 1"]
+    assert all(row["mode"] == "offload" and row["ours_tg_tok_s"] > 0 for row in rows)

@@ -115,10 +115,13 @@ class Event:
     """`name` labels its record/wait instants in a trace ("weights 3 ready", ...).  A record inside a stream
     capture only orders the captured streams and leaves nothing a host can wait on; an `external` event's
     record becomes an event-record node of the graph (CU_EVENT_RECORD_EXTERNAL), so each replay records it
-    and the host can synchronize on it (a step's outputs, before the graph's tail)."""
+    and the host can synchronize on it (a step's outputs, before the graph's tail).  A `blocking` event's
+    waiter sleeps (CU_EVENT_BLOCKING_SYNC) instead of spinning on a core the host's own work needs."""
 
-    def __init__(self, timing: bool = False, name: str = "event", external: bool = False):
+    def __init__(self, timing: bool = False, name: str = "event", external: bool = False, blocking: bool = False):
         flags = cu.CUevent_flags.CU_EVENT_DEFAULT if timing else cu.CUevent_flags.CU_EVENT_DISABLE_TIMING
+        if blocking:
+            flags = int(flags) | int(cu.CUevent_flags.CU_EVENT_BLOCKING_SYNC)
         self.handle = check(cu.cuEventCreate(flags), "cuEventCreate")
         self.name = name
         self.external = external
@@ -226,6 +229,24 @@ def d2d_async(dst_ptr: int, src_ptr: int, nbytes: int, stream: Stream) -> None:
 
 def memset_async(ptr: int, nbytes: int, stream: Stream) -> None:
     check(cu.cuMemsetD8Async(ptr, 0, nbytes, stream.handle), "cuMemsetD8Async")
+
+
+def host_word(address: int) -> int:
+    """The device's address of a word of pinned host memory (cuMemHostGetDevicePointer), for write_value
+    and wait_value."""
+    return int(check(cu.cuMemHostGetDevicePointer(address, 0), "cuMemHostGetDevicePointer"))
+
+
+def write_value(stream: Stream, word: int, value: int) -> None:
+    """Write `value` into a 32-bit word (host_word's) in stream order, after the work before it is done and
+    visible (cuStreamWriteValue32; captured, a memory-operation node)."""
+    check(cu.cuStreamWriteValue32(stream.handle, cu.CUdeviceptr(word), value, 0), "cuStreamWriteValue32")
+
+
+def wait_value(stream: Stream, word: int, value: int) -> None:
+    """Hold the work after this on `stream` until the word holds `value` or more (cuStreamWaitValue32, GEQ)."""
+    check(cu.cuStreamWaitValue32(stream.handle, cu.CUdeviceptr(word), value,
+                                 cu.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ), "cuStreamWaitValue32")
 
 
 class Graph:

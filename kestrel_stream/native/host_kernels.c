@@ -75,12 +75,6 @@ static struct {
 
 static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
 
-static inline void cpu_relax(void) {
-#if KS_X86
-    _mm_pause();
-#endif
-}
-
 static inline double now_us(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -57,14 +57,31 @@ typedef struct {
     int64_t *counts;
 } ks_router_t;
 
+/* A routed layer's link share (host_moe.c, run/device/expert_link.py): inside a step graph at one token, the
+   last `count` of the token's host-side choices (route order) are the device's, which reads those experts
+   over PCIe from pinned images while the host computes the rest.  The host writes their grouping (moe.cu's
+   layout: offsets, active, sorted, position) and slot table into pinned memory, stores `item` into `ready`,
+   and before its sum's end waits for `done` to hold `item` and adds `out` (their weighted sum).  Armed
+   only while such a graph runs (eager steps compute every host choice). */
+typedef struct {
+    int count, armed;
+    uint32_t item;
+    int *groups, *table;            /* pinned: group_ints(E, 1, k) ints; E ints (the image's slot, or -1) */
+    const float *out;               /* pinned [H] */
+    uint32_t *ready, *done;         /* pinned words (atomic) */
+    int shared;                     /* written: the choices the last armed call gave the device */
+} ks_link_t;
+
 /* A routed layer's experts (host_moe.c), bound once: each expert's gate|up (glu) and down Linear, NULL
-   where it is another side's; `used` says how many experts the last call ran. */
+   where it is another side's; `used` says how many experts the last call ran; `link`: NULL, or its link
+   share (ks_link_t). */
 typedef struct {
     int E, H, I, k;
     const ks_linear_t *const *gate_up, *const *down;
     const float *norm;
     float eps;
     int threads, used;
+    ks_link_t *link;
 } ks_experts_t;
 
 /* route [T, 2k]: each token's k expert ids (as floats), then their weights */
@@ -72,4 +89,8 @@ int ks_route(const ks_router_t *spec, const float *x, ptrdiff_t x_stride, int T,
 /* x [T, H] += the chosen experts' weighted sum (+ moe_out [T, H], another side's sum, unless NULL) */
 int ks_experts(ks_experts_t *spec, float *x, ptrdiff_t x_stride, int T, const float *route, ptrdiff_t route_stride,
                const float *moe_out, ptrdiff_t moe_stride);
+
+/* a step graph's host items (host_program.c), which host_serve.c's thread runs */
+void ks_program_node(void *arg);
+void ks_norm_node(void *arg);
 #endif

@@ -17,11 +17,15 @@
  * Linears are NULL are another side's.
  */
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include <time.h>
+
 #include "host_kernels.h"
+#include "host_simd.h"
 
 /* ---------------------------------------------------------------- scratch */
 
@@ -119,6 +123,56 @@ int ks_route(const ks_router_t *s, const float *x, ptrdiff_t x_stride, int T, fl
     return 0;
 }
 
+/* ---------------------------------------------------------------- the link share */
+
+/* One token's link choices: the last `count` of its host-side choices in route order (linked[j] = 1), written
+   for the device as moe.cu reads a grouping (offsets [E + 1], active [E + 1], sorted [k], position [k]) with
+   the image's slot table (expert e at slot e, -1 elsewhere), then `ready` = item -- also when there are none
+   (the device's launches then find no expert and its sum is 0).  Returns how many. */
+static int share_link(const ks_experts_t *s, const float *route, int *linked) {
+    ks_link_t *l = s->link;
+    const int E = s->E, k = s->k;
+    int n = 0;
+    for (int j = k - 1; j >= 0 && n < l->count; j--)
+        if (s->gate_up[(int)route[j]]) linked[j] = 1, n++;
+    l->shared = n;                  /* none (every choice the device's or resident): an empty grouping */
+    int *offsets = l->groups, *active = offsets + E + 1, *sorted = active + E + 1, *position = sorted + k;
+    for (int e = 0; e < E; e++) l->table[e] = -1;
+    memset(offsets, 0, sizeof(int) * (size_t)(E + 1));
+    for (int j = 0; j < k; j++)
+        if (linked[j]) offsets[(int)route[j] + 1]++, l->table[(int)route[j]] = (int)route[j];
+    int m = 0;
+    for (int e = 0; e < E; e++) {
+        if (offsets[e + 1]) active[m++] = e;
+        offsets[e + 1] += offsets[e];
+    }
+    active[E] = m;
+    for (int j = 0; j < k; j++) position[j] = 0;
+    for (int j = 0; j < k; j++)
+        if (linked[j]) {
+            const int p = offsets[(int)route[j]];      /* one choice an expert at one token */
+            sorted[p] = j, position[j] = p;
+        }
+    atomic_store_explicit((_Atomic uint32_t *)l->ready, l->item, memory_order_release);
+    return n;
+}
+
+#define LINK_GIVE_UP_NS 60000000000LL
+
+/* Until the device's sum of the link choices is in `out` (done == item); -1 after a minute without it. */
+static int wait_link(const ks_link_t *l) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (long spins = 1; atomic_load_explicit((_Atomic uint32_t *)l->done, memory_order_acquire) < l->item; spins++) {
+        cpu_relax();
+        if (spins % 4096 == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > LINK_GIVE_UP_NS) return -1;
+        }
+    }
+    return 0;
+}
+
 /* ---------------------------------------------------------------- the experts */
 
 int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float *route, ptrdiff_t route_stride,
@@ -142,19 +196,24 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
     int *counts = (int *)(outs + E);
     ks_rmsnorm(x, x_stride, T, H, s->norm, 1, s->eps, xn, H, s->threads);
     memset(sum, 0, sizeof(float) * (size_t)T * H);
+    /* the link share's choices (one token, inside a step graph): the device's from here on */
+    int linked[KS_MAX_CHOICES] = {0}, shared = 0;
+    ks_link_t *link = s->link;
+    const int handing = link && link->armed && T == 1 && link->count > 0;   /* the device waits for it */
+    if (handing) shared = share_link(s, route, linked);
     /* this side's choices grouped by expert, tokens ascending within each (a counting sort) */
     memset(first, 0, sizeof(int) * (size_t)(E + 1));
     for (int t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
             const int e = (int)route[route_stride * t + j];
-            if (s->gate_up[e]) first[e + 1]++;
+            if (s->gate_up[e] && !linked[j]) first[e + 1]++;
         }
     for (int e = 0; e < E; e++) first[e + 1] += first[e];
     for (int t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
             const float *row = route + route_stride * t;
             const int e = (int)row[j];
-            if (!s->gate_up[e]) continue;
+            if (!s->gate_up[e] || linked[j]) continue;
             int *at = &first[e];
             token[*at] = t, weight[*at] = row[k + j];
             (*at)++;
@@ -189,12 +248,15 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
         for (int j = 0; j < H; j++) o[j] = o[j] + weight[c] * d[j];
     }
     s->used = used;
+    if (handing && wait_link(link) != 0) return -1;
     for (int t = 0; t < T; t++) {
         float *xr = x + x_stride * t, *o = sum + (ptrdiff_t)H * t;
         if (moe_out) {
             const float *m = moe_out + moe_stride * t;
             for (int c = 0; c < H; c++) o[c] = o[c] + m[c];
         }
+        if (shared)                 /* the device's weighted sum of the link choices */
+            for (int c = 0; c < H; c++) o[c] = o[c] + link->out[c];
         for (int c = 0; c < H; c++) xr[c] = xr[c] + o[c];
     }
     return 0;

@@ -2,6 +2,7 @@
  * run/host/native_program.py, walked over one step's buffers and its sessions' caches.  Every op is a
  * call of host_kernels.c (the same numbers as calling it from Python); this file only walks the list,
  * so a step pays the Python side once instead of once per op. */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
@@ -43,6 +44,22 @@ typedef struct {
     const int64_t *lm_rows;         /* the rows lm_head reads (n_lm of them), or NULL: every row */
     int64_t *op_ns;                 /* NULL, or 2 per op: its start and end (CLOCK_MONOTONIC ns, a trace's times) */
 } ks_step_t;
+
+/* A host node's argument (ks_program_node): the op list and the step it runs, and its status. */
+typedef struct {
+    const ks_op_t *ops;
+    int n_ops;
+    const ks_step_t *step;
+    int status;                     /* 0, or the first failed call's ks_program result */
+} ks_program_node_t;
+
+/* ks_norm_node's: x [T, H] -> xn [T, H], inv_rms [T] */
+typedef struct {
+    const float *x, *w;
+    float *xn, *inv_rms;
+    int T, H;
+    float eps;
+} ks_norm_node_t;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -118,4 +135,31 @@ int ks_program(const ks_op_t *ops, int n_ops, const ks_step_t *s) {
         if (status != 0) return i + 1;
     }
     return 0;
+}
+
+/* ---------------------------------------------------------------- a step graph's host items */
+/* run/mixed.py captures a mixed step whose host segments are op lists into one graph; host_serve.c's thread
+ * runs each segment's list (and each norm input the host makes) when the graph's copies have brought what
+ * it reads into the pinned state, before those that take its results back. */
+
+void ks_program_node(void *arg) {
+    ks_program_node_t *n = arg;
+    const int status = ks_program(n->ops, n->n_ops, n->step);
+    if (status && !n->status) n->status = status;      /* the first failure, read after the step's sync */
+}
+
+/* A device op's norm input where the host wrote x: xn = x * w and 1/rms per row, the GEMV applying 1/rms
+ * per token (what a device projection's epilogue writes for the next one).  The sum of squares in float32,
+ * in order: the same numbers eagerly and in a graph. */
+void ks_norm_node(void *arg) {
+    const ks_norm_node_t *n = arg;
+    for (int t = 0; t < n->T; t++) {
+        const float *x = n->x + (ptrdiff_t)n->H * t;
+        float *xn = n->xn + (ptrdiff_t)n->H * t, sum = 0.0f;
+        for (int j = 0; j < n->H; j++) {
+            xn[j] = x[j] * n->w[j];
+            sum += x[j] * x[j];
+        }
+        n->inv_rms[t] = 1.0f / sqrtf(sum / (float)n->H + n->eps);
+    }
 }

@@ -14,6 +14,13 @@
 #define KS_X86 0
 #endif
 
+/* a spinning thread's pause (a waiter on another thread's flag) */
+static inline void cpu_relax(void) {
+#if KS_X86
+    _mm_pause();
+#endif
+}
+
 enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
 /* Q4_K_R16 and Q6_K_R16: Q4_K and Q6_K weights repacked 16 rows together (host_kquants.c) */
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3, FMT_Q4_K_R16 = 4, FMT_Q6_K_R16 = 5 };

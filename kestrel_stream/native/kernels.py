@@ -56,6 +56,9 @@ class HostKernels:
         lib.ks_program.argtypes = [_p, _i, _p]
         lib.ks_program.restype = _i
         self.program_call = lib.ks_program        # run/host/native_program.py's step: its op list and buffers
+        lib.ks_norm_node.argtypes = lib.ks_serve_begin.argtypes = [_p]
+        self.norm_call = lib.ks_norm_node          # a step graph's host items and their server (run/host_nodes.py)
+        self.serve_begin, self.serve_end, self.serve_abort = lib.ks_serve_begin, lib.ks_serve_end, lib.ks_serve_abort
         lib.ks_route.argtypes = [_p, _p, _z, _i, _p, _z]          # a routed layer's ops (native/routed.py)
         lib.ks_route.restype = _i
         lib.ks_experts.argtypes = [_p, _p, _z, _i, _p, _z, _p, _z]

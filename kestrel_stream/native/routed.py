@@ -26,10 +26,16 @@ class _RouterSpec(ctypes.Structure):
                 ("router", _p), ("norm", _p), ("eps", _f), ("counts", _p)]
 
 
+class LinkSpec(ctypes.Structure):
+    """host_kernels.h's ks_link_t: a routed layer's link share (run/device/expert_link.py)."""
+    _fields_ = [("count", _i), ("armed", _i), ("item", ctypes.c_uint32), ("groups", _p), ("table", _p), ("out", _p),
+                ("ready", _p), ("done", _p), ("shared", _i)]
+
+
 class _ExpertsSpec(ctypes.Structure):
     """host_kernels.h's ks_experts_t."""
     _fields_ = [("E", _i), ("H", _i), ("I", _i), ("k", _i), ("gate_up", _p), ("down", _p), ("norm", _p),
-                ("eps", _f), ("threads", _i), ("used", _i)]
+                ("eps", _f), ("threads", _i), ("used", _i), ("link", _p)]
 
 
 class Router:
@@ -79,11 +85,18 @@ class Experts:
                                   self.norm.ctypes.data, eps, kernels.threads, 0)
         self.spec_address = ctypes.addressof(self._spec)
         self._call = kernels._lib.ks_experts
+        self.link = None
 
     @property
     def used(self) -> int:
         """The experts the last call ran."""
         return self._spec.used
+
+    def share_link(self, link: LinkSpec | None) -> None:
+        """Give (None: take back) this layer's link share (host_kernels.h's ks_link_t); `link` must live as
+        long as it is given."""
+        self.link = link
+        self._spec.link = None if link is None else ctypes.addressof(link)
 
     def __call__(self, x: np.ndarray, route: np.ndarray, moe_out: np.ndarray | None = None) -> int:
         t, hidden = x.shape

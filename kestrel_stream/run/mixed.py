@@ -30,6 +30,10 @@ use_graphs), mode offload's rings, a token tree, KESTREL_PROF or a trace (op by 
 would need the device's x back on the host midway (an op whose norm input the host computes after a device
 op wrote x).
 
+Where every host segment after the first device one is a native op list, a step of up to
+SEGMENT_GRAPH_MAX_TOKENS tokens instead runs from that segment on as one graph with host items
+(item_graphs.py, KESTREL_HOST_NODES=0 turns it off): one wait a step.
+
 One concern, a mixed step: the walk over the plan's segments (MixedSteps), which decides every move of the
 state between the sides (segment_state.py) by where the next op runs.
 """
@@ -47,7 +51,9 @@ from kestrel_stream.model.op_tensors import norm_weight
 from kestrel_stream.obs import prof, trace
 from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.pool_spin import spinning_step
-from kestrel_stream.run.segment_state import SegmentState
+from kestrel_stream.run.host_nodes import ITEM_PROGRAM, HostNodes
+from kestrel_stream.run.item_graphs import SEGMENT_GRAPH_MAX_TOKENS, ItemGraphs  # noqa: F401 (re-exported)
+from kestrel_stream.run.segment_state import SegmentState, uploads_go_first
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
 
@@ -58,7 +64,6 @@ if TYPE_CHECKING:
     from kestrel_stream.run.device.stream_ring import StreamRing
 
 ATTENTION_SPLITS = 16
-SEGMENT_GRAPH_MAX_TOKENS = 64        # larger steps (a prefill's chunks, of many sizes) launch eagerly
 @dataclass
 class HybridKV:
     host: CpuKV | None          # layers whose attention runs on the host (index li - gpu_layers)
@@ -70,9 +75,11 @@ class MixedSteps(Steps):
     """gated and layers=N steps over the host backend and one device backend."""
 
     def __init__(self, backend: DeviceBackend, counters, plan, *, gpu_layers: int, max_tokens: int, mode: str,
-                 load_s: float, options=None, ring: StreamRing | None = None, expert_ring: ExpertRing | None = None):
+                 load_s: float, options=None, ring: StreamRing | None = None, expert_ring: ExpertRing | None = None,
+                 link=None):
         """ring: mode offload's streaming of the items a step's plan streams (device/stream_ring.py);
-        expert_ring: of the routed layers whose experts it streams (device/expert_ring.py)."""
+        expert_ring: of the routed layers whose experts it streams (device/expert_ring.py); link: the routed
+        layers' link share at one token (device/expert_link.py)."""
         self.backend, self.counters, self.plan, self.ring = backend, counters, plan, ring
         self.expert_ring = expert_ring
         self.config, self.weights = backend.weights.config, backend.weights
@@ -86,6 +93,12 @@ class MixedSteps(Steps):
         self._seen: set = set()              # the keys run once eagerly (a graph is captured the second time)
         self._eager: set = set()             # the keys whose segment cannot take a graph (needs x back midway)
         self.use_graphs = options is None or options.step_graphs
+        # the library's host items (host_nodes.py): the host's xn for the device, and steps whose host segments
+        # are native op lists as one graph (item_graphs.py; KESTREL_HOST_NODES=0: segment by segment), with the
+        # routed layers' link share at one token (device/expert_link.py)
+        self.nodes = (HostNodes(self.host.kernels, backend.pinned)
+                      if self.host.kernels is not None and backend.pinned is not None else None)
+        self.item_graphs = ItemGraphs(self, self.nodes if options is None or options.host_nodes else None, link)
         window, first = backend.window, plan(1)
         total = sum(1 for segment in first.segments for _ in segment.ops)
         self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
@@ -120,6 +133,7 @@ class MixedSteps(Steps):
         for graph in self._graphs.values():
             graph.destroy()
         self._graphs.clear()
+        self.item_graphs.drop()
         self._seen.clear()
         self._eager.clear()
 
@@ -175,6 +189,9 @@ class MixedSteps(Steps):
             self.expert_ring.close()
         self.backend.device.make_current()
         self._drop_graphs()
+        self.item_graphs.close()
+        if self.nodes is not None:
+            self.nodes.close()
         self.backend.close()
 
     # ---- steps ------------------------------------------------------------------------------------
@@ -216,7 +233,7 @@ class MixedSteps(Steps):
         T, b = len(rows), self.backend
         plan = self.plan(T)
         state = SegmentState(b, self.counters, rows, self.gpu_layers, self.host.rope,
-                             self._kernel_copy if self.ring is not None else None, tree_fields)
+                             self._kernel_copy if self.ring is not None else None, tree_fields, self.nodes)
         if lm is not None:
             state.lm_rows = np.arange(lm[0], lm[0] + lm[1])
         if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
@@ -231,28 +248,51 @@ class MixedSteps(Steps):
                              if op.name in self.ring.index], b.stream)
         if self.expert_ring is not None:    # the layers whose every expert this step streams, in its order
             self.expert_ring.begin(list(plan.expert_ring), b.stream)
-        for index, segment in enumerate(plan.segments):
-            if segment.side == "cpu":
-                key = (T, index)
-                if key not in self._host_programs:
-                    self._host_programs[key] = (scheduler.segment_inputs(segment.ops),
-                                                self.host.program(segment.ops, "cpu "))
-                inputs, program = self._host_programs[key]
-                state.to_host(inputs)
-                program.run(state)
-                continue
-            state.call = {}
-            self._device_segment(index, [op for op in segment.ops if scheduler.runs_alone(op)], state, lm)
-            if prof.enabled:      # attribute GPU time to gemm, not to the next sync
-                start = time.perf_counter()
-                b.stream.synchronize()
-                state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
-        state.to_host(["logits"])
+        first = self.item_graphs.start(plan, state)
+        if first is None:
+            self._run_segments(plan, state, lm, 0)
+            state.to_host(["logits"])
+        else:
+            self._run_segments(plan, state, lm, 0, first)       # the embed (host work before the graph): eagerly
+            self.item_graphs.run(plan, state, lm, first)
         for ring in (self.ring, self.expert_ring):
             if ring is not None:
                 self.counters.h2d_bytes += ring.bytes_per_step
                 self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + ring.bytes_per_step
         return state.host["logits"][:state.logit_rows]
+
+    def _run_segments(self, plan, state: SegmentState, lm: tuple[int, int] | None, lo: int, hi: int | None = None,
+                      nodes: list | None = None) -> None:
+        """Segments lo..hi-1 of the plan, each on its side; while a step graph is captured (state.graphing) the
+        host segments go in as host nodes, each appended to `nodes` as (program, its node)."""
+        for index, segment in enumerate(plan.segments[lo:hi], lo):
+            if segment.side == "cpu":
+                inputs, program = self._host_program(state.T, index, segment)
+                state.to_host(inputs)
+                if not state.graphing:
+                    program.run(state)
+                    continue
+                native = program.one_call
+                node = native.node(state)
+                self.nodes.hand_over(state.stream, state.items, ITEM_PROGRAM, node,
+                                     self.item_graphs.link_share(native, state))
+                for name in native.outputs:
+                    state.host_wrote(name)
+                nodes.append((native, node))
+                continue
+            state.call = {}
+            self._device_segment(index, [op for op in segment.ops if scheduler.runs_alone(op)], state, lm)
+            if prof.enabled:      # attribute GPU time to gemm, not to the next sync
+                start = time.perf_counter()
+                state.stream.synchronize()
+                state.call["gemm"] = state.call.get("gemm", 0.0) + (time.perf_counter() - start) * 1e6
+
+    def _host_program(self, T: int, index: int, segment) -> tuple:
+        """(what the segment reads, its HostProgram), bound once per step size."""
+        key = (T, index)
+        if key not in self._host_programs:
+            self._host_programs[key] = (scheduler.segment_inputs(segment.ops), self.host.program(segment.ops, "cpu "))
+        return self._host_programs[key]
 
     def _device_segment(self, index: int, ops: list, state: SegmentState, lm: tuple[int, int] | None) -> None:
         """A device segment's ops: eagerly, or its uploads and then one replay of its graph (the module's
@@ -260,6 +300,7 @@ class MixedSteps(Steps):
         key = (state.T, index, lm)
         graphable = (self.use_graphs and self.ring is None and self.expert_ring is None and not prof.enabled
                      and trace.active is None and state.tree_fields is None and state.kernel_copy is None
+                     and not state.graphing
                      and state.T <= SEGMENT_GRAPH_MAX_TOKENS and key not in self._eager)
         graph = self._graphs.get(key) if graphable else None
         if graphable and graph is None and key not in self._seen:
@@ -357,21 +398,3 @@ class MixedSteps(Steps):
         return (reads, norm_weight(self.weights, op.prologue) if op.prologue else None, launches, ring,
                 sum(launch.labels.get("bytes", 0) for launch in launches),
                 norm_weight(self.weights, op.prepares) if op.prepares else None)
-
-
-def uploads_go_first(ops, prepared, state: SegmentState) -> bool:
-    """Whether every upload of a device segment can go before all its launches: no op takes its norm input
-    (xn) from the host after an earlier op of the segment wrote x on the device (the host would need that x
-    back midway).  Follows SegmentState's record of the copies without touching it."""
-    x_on_host = "host" in state.valid.get("x", ())
-    xn_norm = state.xn_norm
-    for op, (reads, prologue, _, _, _, prepares) in zip(ops, prepared):
-        if "xn" in reads and xn_norm is not prologue:
-            if not x_on_host:
-                return False
-            xn_norm = prologue
-        if "x" in op.writes:
-            x_on_host = False
-        if prepares is not None:
-            xn_norm = prepares
-    return True

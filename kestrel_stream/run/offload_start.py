@@ -16,7 +16,8 @@ from kestrel_stream.run import host_memory
 from kestrel_stream.run.device.budget import (DEFAULT_MAX_SESSIONS, PREFILL_CHUNK_TOKENS, holds_every_expert,
                                               plan_gpu_memory, plan_offload_memory, step_rows)
 from kestrel_stream.run.device.budget import EXECUTOR_DEFAULTS as DEFAULTS
-from kestrel_stream.run.device.expert_budget import HostMemoryError, expert_image_layers, size_text
+from kestrel_stream.run.device.expert_budget import (HostMemoryError, expert_image_layers, host_reserve_bytes,
+                                                     size_text)
 from kestrel_stream.run.executor import StepCounters
 
 
@@ -106,9 +107,10 @@ def start_offload(executor, profile, vram_budget, max_seq_len, max_batch, max_se
     if backend.memory.expert_ring_left_out:
         print(f"kestrel-stream: {backend.memory.expert_ring_left_out}", file=sys.stderr)
     expert_ring = build_expert_ring(executor, backend) if backend.memory.expert_ring_slots else None
+    link = build_link(executor, backend) if executor.options.link_experts and expert_ring is None else None
     executor.steps = MixedSteps(backend, executor.counters, executor.plan, gpu_layers=executor.gpu_layers, max_tokens=T,
                             mode=executor.mode, load_s=time.perf_counter() - start, options=executor.options, ring=ring,
-                            expert_ring=expert_ring)
+                            expert_ring=expert_ring, link=link)
     executor.preload_line = executor.steps.preload_line
     sizes = (1,) + ((executor.max_batch, T) if expert_ring is not None else ())
     for tokens in sorted(set(sizes)):         # the experts' ring: the placement of each step size it serves
@@ -150,3 +152,33 @@ def build_expert_ring(executor, backend):
     print(f"kestrel-stream: experts' ring: pinned host images of {len(layers)} routed layers' experts, "
           f"{size_text(expert_ring.image_bytes)}, built in {build_s:.2f} s", file=sys.stderr)
     return expert_ring
+
+
+def build_link(executor, backend):
+    """Mode offload's link share (device/expert_link.py, KESTREL_LINK_EXPERTS): the pinned images of the routed
+    layers whose experts the device does not hold; left out, with a line, where the model has no device
+    router or pinning them fails or would eat the host's reserve."""
+    from kestrel_stream.cuda.errors import CudaError
+    from kestrel_stream.run.device.expert_link import ExpertLink
+    store, count = backend.experts, executor.options.link_experts
+    if store is None or backend.pinned is None:
+        print("kestrel-stream: link share left out: the routers are not on the device", file=sys.stderr)
+        return None
+    need = len(store.layers) * executor.config.num_experts * store.layout.slot_bytes
+    reserve = executor.options.host_reserve
+    if reserve is None:        # the weights the host reads every step (the model file's pages) and a margin
+        reserve = host_reserve_bytes(executor.placement)
+    if host_memory.available_bytes() - need < reserve:
+        print(f"kestrel-stream: link share left out: its pinned images ({size_text(need)}) would leave less host "
+              "memory than the reserve", file=sys.stderr)
+        return None
+    start = time.perf_counter()
+    try:
+        link = ExpertLink(store, executor.weights, count, store.layers)
+    except (CudaError, MemoryError) as e:
+        print(f"kestrel-stream: link share left out: pinning its images ({size_text(need)}) failed ({e})", file=sys.stderr)
+        return None
+    print(f"kestrel-stream: link share: {count} of a token's host-side expert choices read by the GPU over PCIe; "
+          f"pinned images of {len(store.layers)} routed layers, {size_text(link.image_bytes)}, built in "
+          f"{time.perf_counter() - start:.2f} s", file=sys.stderr)
+    return link

@@ -16,6 +16,7 @@ import numpy as np
 
 from kestrel_stream.cuda import driver
 from kestrel_stream.obs import prof
+from kestrel_stream.run.host_nodes import ITEM_NORM
 
 if TYPE_CHECKING:
     from kestrel_stream.run.device.backend import DeviceBackend
@@ -26,12 +27,19 @@ class SegmentState:
     and the moves between them (the host program's StepState on the host side)."""
 
     def __init__(self, backend: DeviceBackend, counters, rows, gpu_layers: int, rope, kernel_copy=None,
-                 tree_fields=None):
+                 tree_fields=None, nodes=None):
         """kernel_copy(dst, src address, nbytes) -> a Launch copying by the SMs (mode offload: the copy engine
         is busy with the ring's weights, and a small upload queued behind them would wait for all of them);
         None: uploads are async copies.  tree_fields: the rows' token-tree masks (token_tree.step_tree_fields)
-        or None: rows are at their slots' positions, or at slot - skip."""
+        or None: rows are at their slots' positions, or at slot - skip.  nodes: the native host nodes
+        (run/host_nodes.HostNodes; None: numpy makes the host's xn)."""
         b = backend
+        self.nodes = nodes
+        # while a step graph is captured (run/mixed.py): moves are enqueued with no host wait, and host work
+        # goes in as items handed over to the host library's thread (host_nodes.py), listed here in order
+        self.graphing = False
+        self.items: list = []
+        self.links: list = []                         # the link shares captured (expert_link.py)
         self.kernel_copy = kernel_copy
         self.backend, self.counters, self.stream, self.gpu_layers = b, counters, b.stream, gpu_layers
         self.dev, self.pinned, self.host, self.widths = b.arrays, b.pinned.buffers, b.pinned.views, b.pinned.widths
@@ -102,6 +110,9 @@ class SegmentState:
                 driver.d2h_async(self.pinned[name], self.dev[name].ptr, nbytes, self.stream)
             self.counters.d2h_bytes += nbytes
             self.valid[name].add("host")
+        if self.graphing:
+            self.uploads_in_flight.clear()
+            return
         self.stream.synchronize()
         self.counters.syncs += 1
         self.uploads_in_flight.clear()
@@ -130,10 +141,17 @@ class SegmentState:
         T, pinned = self.T, self.backend.pinned
         self.to_host(["x"])
         self._wait_upload("xn")
-        x = self.host["x"][:T]
-        pinned.xn[:T] = x * norm
-        pinned.inv_rms[:T] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(eps))
-        hidden = x.shape[1]
+        if self.nodes is not None:        # the library's: the same numbers eagerly and as a graph's node
+            node = self.nodes.norm(norm, eps, T)
+            if self.graphing:
+                self.nodes.hand_over(self.stream, self.items, ITEM_NORM, node)
+            else:
+                self.nodes.run_norm(node)
+        else:
+            x = self.host["x"][:T]
+            pinned.xn[:T] = x * norm
+            pinned.inv_rms[:T] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(eps))
+        hidden = self.widths["x"]
         self._h2d(self.dev["xn"].ptr, pinned.xn.ctypes.data, pinned.xn, T * hidden * 4)
         self._h2d(self.dev["inv_rms"].ptr, pinned.inv_rms.ctypes.data, pinned.inv_rms, T * 4)
         self.counters.h2d_bytes += T * (hidden + 1) * 4
@@ -147,9 +165,13 @@ class SegmentState:
         if prepared_norm is not None:             # o / down's epilogue: xn and 1/rms of the next norm
             self.xn_norm = prepared_norm
 
+    def host_wrote(self, name: str) -> None:
+        """A host item wrote `name`'s pinned copy (in the graph's order, after the uploads before it)."""
+        self._host_writes(name)
+
     def _wait_upload(self, name: str) -> None:
         """Before the host overwrites `name`'s pinned copy: wait for an async upload still reading it."""
-        if name in self.uploads_in_flight:
+        if name in self.uploads_in_flight and not self.graphing:
             self.stream.synchronize()
             self.counters.syncs += 1
             self.uploads_in_flight.clear()
@@ -165,3 +187,21 @@ class SegmentState:
         if prof.enabled:
             uploads = call.pop("uploads", 0)
             prof.record_call(call, uploads=uploads)
+
+
+def uploads_go_first(ops, prepared, state: "SegmentState") -> bool:
+    """Whether every upload of a device segment can go before all its launches: no op takes its norm input
+    (xn) from the host after an earlier op of the segment wrote x on the device (the host would need that x
+    back midway).  Follows SegmentState's record of the copies without touching it."""
+    x_on_host = "host" in state.valid.get("x", ())
+    xn_norm = state.xn_norm
+    for op, (reads, prologue, _, _, _, prepares) in zip(ops, prepared):
+        if "xn" in reads and xn_norm is not prologue:
+            if not x_on_host:
+                return False
+            xn_norm = prologue
+        if "x" in op.writes:
+            x_on_host = False
+        if prepares is not None:
+            xn_norm = prepares
+    return True

@@ -53,24 +53,7 @@ class ExpertRing:
         self.bytes_per_step = 0
 
     def _image(self, weights, layer: int) -> tuple[driver.PinnedBuffer, list]:
-        """A layer's every expert in the pool's layout, pinned: the buffer and its four (offset, bytes)."""
-        store, E = self.store, self.store.config.num_experts
-        parts = [(store.gate_up, True), (store.down, False)]
-        sizes = [E * n for part, _ in parts for n in (part.qs_slot, part.meta_slot)]
-        offsets = np.cumsum([0] + sizes).tolist()
-        buffer = driver.PinnedBuffer(offsets[-1])
-        moe = weights.layers[layer].moe
-        try:
-            for k, ((part, interleave), w, rows) in enumerate(zip(parts, (moe.gate_up, moe.down),
-                                                                   (moe.gate_up_rows, moe.down_rows))):
-                qs = buffer.view(np.uint8, (E, part.qs_slot), offsets[2 * k])
-                meta = buffer.view(np.uint8, (E, part.meta_slot), offsets[2 * k + 1])
-                for e in range(E):
-                    write_expert(qs[e], meta[e], w, *rows(e), interleave)
-        except BaseException:
-            buffer.free()
-            raise
-        return buffer, list(zip(offsets[:-1], sizes))
+        return layer_image(self.store, weights, layer)
 
     @property
     def image_bytes(self) -> int:
@@ -127,3 +110,25 @@ class ExpertRing:
         for buffer, _ in self.images.values():
             buffer.free()
         self.images = {}
+
+
+def layer_image(store, weights, layer: int) -> tuple[driver.PinnedBuffer, list]:
+    """A routed layer's every expert in the expert pool's layout (expert_pool.py), pinned: the buffer and its
+    four regions' (offset, bytes): gate_up qs, gate_up meta, down qs, down meta, E slots each."""
+    E = store.config.num_experts
+    parts = [(store.gate_up, True), (store.down, False)]
+    sizes = [E * n for part, _ in parts for n in (part.qs_slot, part.meta_slot)]
+    offsets = np.cumsum([0] + sizes).tolist()
+    buffer = driver.PinnedBuffer(offsets[-1])
+    moe = weights.layers[layer].moe
+    try:
+        for k, ((part, interleave), w, rows) in enumerate(zip(parts, (moe.gate_up, moe.down),
+                                                               (moe.gate_up_rows, moe.down_rows))):
+            qs = buffer.view(np.uint8, (E, part.qs_slot), offsets[2 * k])
+            meta = buffer.view(np.uint8, (E, part.meta_slot), offsets[2 * k + 1])
+            for e in range(E):
+                write_expert(qs[e], meta[e], w, *rows(e), interleave)
+    except BaseException:
+        buffer.free()
+        raise
+    return buffer, list(zip(offsets[:-1], sizes))

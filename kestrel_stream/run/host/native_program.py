@@ -26,6 +26,7 @@ from kestrel_stream.obs import trace
 from kestrel_stream.native.routed import Experts
 from kestrel_stream.run.host.arithmetic import attention_scale
 from kestrel_stream.run.host.routed import expert_bytes, native_experts, native_router
+from kestrel_stream.run.host_nodes import ProgramNode
 from scheduler import segment_inputs
 from scheduler.ops import runs_alone
 
@@ -35,6 +36,8 @@ BUFFER_OF = {"x": X, "attn": ATTN, "act": ACT}           # what a projection rea
 INPUT_OF = {"x": X, "qkv": QKV, "attn": ATTN, "act": ACT, "route": ROUTE, "moe_out": MOE_OUT}
 OUTPUT_OF = {"x": X, "qkv": QKV, "q": Q, "attn": ATTN, "act": ACT, "logits": LOGITS, "route": ROUTE}
 OP_LINEAR, OP_ADD, OP_SILU_MUL, OP_QKV_ROPE, OP_ATTENTION, OP_ROUTER, OP_EXPERTS = range(7)
+# a host node's buffers that are the mixed step's pinned state (device/backend.PinnedState's names)
+PINNED_OF = {"x": X, "qkv": QKV, "attn": ATTN, "act": ACT, "logits": LOGITS, "route": ROUTE, "moe_out": MOE_OUT}
 
 _i, _f, _p, _z = ctypes.c_int, ctypes.c_float, ctypes.c_void_p, ctypes.c_ssize_t
 
@@ -161,6 +164,7 @@ class NativeProgram:
         # a routed layer's experts: its bound ops and the bytes of one expert (a step counts those it ran)
         self.routed = list(zip([bound for bound in keep if isinstance(bound, Experts)],
                                [expert_bytes(backend, op) for op in ops if op.kind == "experts"]))
+        self.routed_layers = [op.layer for op in ops if op.kind == "experts"]
         self.embed_row_bytes = self.embed.nbytes // self.embed.shape[0]
         self.head_dim = c.head_dim
         self.widths = [c.hidden_size, c.q_size + 2 * c.kv_size, c.q_size, c.q_size, c.intermediate_size, c.vocab_size,
@@ -172,6 +176,7 @@ class NativeProgram:
         for i, width in enumerate(self.widths):
             self.step.width[i] = width
         self.call = kernels.program_call
+        self._nodes: dict = {}                # (tokens, lm rows) -> (its ProgramNode, the step and arrays it points at)
 
     def _grow(self, rows: int) -> None:
         self.rows = max(rows, 2 * self.rows)
@@ -233,11 +238,43 @@ class NativeProgram:
         step.op_ns = None
         if times is not None:
             self._trace(rec, span_prefix, times, embed_start, embed_end, failed)
+        self.count_run(t, failed)
+        return logits
+
+    def count_run(self, tokens: int, failed: int = 0) -> None:
+        """After a call (or a host node's run): its failure raised, else its weight bytes counted (the routed
+        layers' by the experts each one ran)."""
         if failed:
             raise MemoryError(f"host kernels: step op {failed - 1} failed (no memory)")
-        self.counters.cpu_weight_read_bytes += self.weight_bytes + (t * self.embed_row_bytes if self.embeds else 0)
+        self.counters.cpu_weight_read_bytes += self.weight_bytes + (tokens * self.embed_row_bytes if self.embeds else 0)
         self.counters.cpu_weight_read_bytes += sum(bound.used * nbytes for bound, nbytes in self.routed)
-        return logits
+
+    def node(self, state) -> ProgramNode | None:
+        """This segment as a host node of a step graph (run/host_nodes.py) over `state`'s pinned buffers, made
+        once per step size and lm rows; None where it cannot be one: it embeds or reads the sessions' caches
+        (rows and positions that change between steps), or a pinned buffer is not of its width."""
+        if self.embeds or self.reads_caches:
+            return None
+        lm = None if state.lm_rows is None else tuple(int(r) for r in state.lm_rows)
+        made = self._nodes.get((state.T, lm))
+        if made is None:
+            step = Step(T=state.T, threads=self.step.threads, n_lm=state.logit_rows)
+            own = []                          # its buffers that are not the state's (the same for every step)
+            for i, width in enumerate(self.widths):
+                step.width[i] = width
+                name = next((n for n, b in PINNED_OF.items() if b == i and n in state.widths), None)
+                if name is not None and state.widths[name] != width:
+                    return None
+                if name is not None:
+                    step.buf[i] = state.pinned[name].address
+                else:
+                    own.append(np.empty((state.T, width), np.float32))
+                    step.buf[i] = own[-1].ctypes.data
+            rows = None if lm is None else np.asarray(lm, np.int64)
+            step.lm_rows = None if rows is None else rows.ctypes.data
+            node = ProgramNode(ops=ctypes.addressof(self.ops), n_ops=len(self.ops), step=ctypes.addressof(step))
+            made = self._nodes[(state.T, lm)] = (node, step, own, rows)
+        return made[0]
 
     def _trace(self, rec, span_prefix: str, times: np.ndarray, embed_start: int, embed_end: int,
                failed: int) -> None:

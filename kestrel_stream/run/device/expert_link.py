@@ -1,0 +1,108 @@
+"""Mode offload's link share of a routed layer's host experts: at one token, inside a step graph with host
+items (run/host_nodes.py), the last `count` of the token's host-side choices go to the device, which reads
+those experts straight from pinned images over PCIe (zero-copy) while the host's cores compute the others.
+Both draw on the host memory pool, where the cores alone leave the link idle (scheduler/offload.py's
+roofline: cores and DMA together carry up to ~1.5x what the cores carry alone).
+
+The host decides the share when its item starts (native/host_moe.c: share_link writes the grouping and slot
+table into pinned memory, then the `ready` word); the graph, at that layer's item, waits for `ready`, copies
+the grouping and table to the device, runs the expert GEMVs over the layer's image and moe_combine into a
+sum of their weighted rows, brings it back and writes `done`; the host adds it to its own before its item
+ends.  Eager steps (the first of a size, a trace) leave the share unarmed: the host computes every choice.
+
+Per layer: its image (expert_ring.layer_image) and its LinkSpec (its item number).  Shared by every layer
+(one hand-off at a time): the pinned grouping, table and sum, their device copies.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kestrel_stream.cuda import driver
+from kestrel_stream.cuda.moe_kernels import PoolPart, combine_launch, experts_launch, group_ints
+from kestrel_stream.native.routed import LinkSpec
+from kestrel_stream.run.device.expert_ring import layer_image
+
+
+class ExpertLink:
+    def __init__(self, store, weights, count: int, layers):
+        """store: the ExpertStore (its pool layout, formats); count: choices a token the device reads over the
+        link; layers: the routed layers whose host experts share (every one with host experts)."""
+        c = store.config
+        self.store, self.count, self.config = store, count, c
+        E, k, H = c.num_experts, c.num_experts_per_tok, c.hidden_size
+        self.images, self.parts = {}, {}
+        try:
+            for layer in layers:
+                buffer, regions = self.images[layer] = layer_image(store, weights, layer)
+                base = driver.host_word(buffer.address)          # the device's address of the mapped image
+                (gq, _), (gm, _), (dq, _), (dm, _) = regions
+                self.parts[layer] = (PoolPart(base + gq, base + gm, store.gate_up.qs_slot, store.gate_up.meta_slot),
+                                     PoolPart(base + dq, base + dm, store.down.qs_slot, store.down.meta_slot))
+        except BaseException:
+            self.close()
+            raise
+        self.group_bytes, self.table_bytes = 4 * group_ints(E, 1, k), 4 * E
+        self.pinned = driver.PinnedBuffer(self.group_bytes + self.table_bytes + 4 * H)
+        self.pinned.view(np.int32, (E,), self.group_bytes)[:] = -1
+        self.memory = driver.Arena(self.group_bytes + self.table_bytes + 4 * H + 1024)
+        self.groups = self.memory.alloc(self.group_bytes)
+        self.table = self.memory.alloc(self.table_bytes)
+        self.out = self.memory.alloc(4 * H)
+        self.specs: dict[int, LinkSpec] = {}
+        lay = store.layout
+        self.expert_bytes = lay.gate_up_qs + lay.gate_up_meta + lay.down_qs + lay.down_meta
+
+    @property
+    def image_bytes(self) -> int:
+        return sum(buffer.nbytes for buffer, _ in self.images.values())
+
+    def spec(self, layer: int, ready: int, done: int) -> LinkSpec:
+        """The layer's ks_link_t (host addresses of the words `ready` and `done`), made once."""
+        if layer not in self.specs:
+            address = self.pinned.address
+            self.specs[layer] = LinkSpec(count=self.count, armed=0, item=0, groups=address,
+                                         table=address + self.group_bytes,
+                                         out=address + self.group_bytes + self.table_bytes, ready=ready, done=done)
+        return self.specs[layer]
+
+    def step_bytes(self, spec) -> int:
+        """The expert bytes a replay read over the link for the layer of `spec` (its host wrote how many)."""
+        return spec.shared * self.expert_bytes
+
+    def enqueue(self, stream, kernels, layer: int, item: int, words: tuple[int, int], buffers, state) -> None:
+        """Inside a capture, at the layer's host item `item`: wait for the host's share, run it on the device
+        over the layer's image, bring its sum back, say so.  words: the device's addresses of ready and
+        done; buffers: the step's MoeBuffers (route, act, expert_out); state: its DeviceState (xn, 1/rms)."""
+        c = self.config
+        E, k, H, I = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+        gate_up_fmt, down_fmt = self.store.formats[layer]
+        gate_up_part, down_part = self.parts[layer]
+        table = dict(slot_of=self.table, groups=self.groups, experts=E, chosen=k, tokens=1)
+        driver.wait_value(stream, words[0], item)
+        driver.h2d_async(self.groups, self.pinned.view(np.uint8, (self.group_bytes,)), self.group_bytes, stream)
+        driver.h2d_async(self.table, self.pinned.view(np.uint8, (self.table_bytes,), self.group_bytes),
+                         self.table_bytes, stream)
+        launches = [
+            experts_launch(kernels, gate_up_fmt, gate_up_part, x=state.xn, ldx=H, gather=True, inv_rms=state.inv_rms,
+                           y=buffers.act, ldy=I, rows=2 * I, cols=H, silu=True, **table),
+            experts_launch(kernels, down_fmt, down_part, x=buffers.act, ldx=I, gather=False, inv_rms=0,
+                           y=buffers.expert_out, ldy=H, rows=H, cols=I, silu=False, **table),
+            combine_launch(kernels, route=buffers.route, groups=self.groups, slot_of=self.table,
+                           expert_out=buffers.expert_out, res=0, y=self.out, normw_out=0, xn_out=0, inv_rms_out=0,
+                           eps=c.rms_norm_eps, hidden=H, experts=E, chosen=k, tokens=1)]
+        for launch in launches:
+            launch.enqueue(stream)
+        driver.d2h_async(self.pinned.view(np.uint8, (4 * H,), self.group_bytes + self.table_bytes),
+                         self.out, 4 * H, stream)
+        driver.write_value(stream, words[1], item)
+
+    def close(self) -> None:
+        for buffer, _ in self.images.values():
+            buffer.free()
+        self.images = {}
+        if getattr(self, "pinned", None) is not None:
+            self.pinned.free()
+            self.pinned = None
+        if getattr(self, "memory", None) is not None:
+            self.memory.release()
+            self.memory = None

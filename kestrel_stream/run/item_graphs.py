@@ -1,0 +1,150 @@
+"""A mixed step as one graph with host items (run/mixed.py's MixedSteps; host_nodes.py): from the step's
+first device segment on, its launches, the copies between the sides and each host segment's op list handed
+to the host library's thread by pinned words, with one wait a step -- where segment by segment the host
+waits once a host segment.  A (tokens, lm rows) runs segment by segment the first time, is captured the
+second, replayed after.  Only where every host segment after the first device one is a native op list over
+the pinned state (NativeProgram.node: no embed, no sessions' caches), at least one, in a step that takes
+graphs as a segment does (at most SEGMENT_GRAPH_MAX_TOKENS tokens, no ring, no tree, untraced).
+
+At one token, a routed layer's host item may come with its link share (device/expert_link.py): the device
+computes some of the token's host-side expert choices from pinned images while the item runs.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kestrel_stream.obs import prof, trace
+
+if TYPE_CHECKING:
+    from kestrel_stream.run.segment_state import SegmentState
+
+SEGMENT_GRAPH_MAX_TOKENS = 64        # larger mixed steps (a prefill's chunks, of many sizes) launch eagerly (mixed.py)
+# counters a replay does not add from its capture: its one sync and its replay are counted as they happen,
+# the host items' weight bytes by the experts each one ran
+NOT_REPLAYED = ("syncs", "graph_replays", "graphs_captured", "cpu_weight_read_bytes", "steps", "tokens")
+
+
+class ItemGraphs:
+    def __init__(self, steps, nodes, link=None):
+        """steps: the MixedSteps; nodes: its HostNodes (None: no graphs); link: the routed layers' link share
+        (closed here where there are no graphs to run it)."""
+        self.steps, self.nodes = steps, nodes
+        self.link = link if nodes is not None else None
+        if link is not None and self.link is None:
+            link.close()
+        self._graphs: dict = {}          # (tokens, lm rows) -> (graph, counters a replay adds, program nodes,
+                                         #                       the item list, the link specs armed per replay)
+        self._starts: dict = {}          # tokens -> the segment its graph starts at, or None: no graph
+        self._seen: set = set()
+        self._done = None                # the blocking event a replay's host waits on
+
+    def start(self, plan, state: SegmentState) -> int | None:
+        """The segment a step's graph starts at (its first device segment; the host work before it runs
+        eagerly), or None: segment by segment."""
+        s = self.steps
+        if (self.nodes is None or not s.use_graphs or s.ring is not None or s.expert_ring is not None
+                or prof.enabled or trace.active is not None or state.tree_fields is not None
+                or state.T > SEGMENT_GRAPH_MAX_TOKENS):
+            return None
+        if state.T not in self._starts:
+            segments = plan.segments
+            first = next((i for i, segment in enumerate(segments) if segment.side == "gpu"), len(segments))
+            hosts = [i for i in range(first + 1, len(segments)) if segments[i].side == "cpu"]
+
+            def native(i: int) -> bool:
+                one_call = s._host_program(state.T, i, segments[i])[1].one_call
+                return one_call is not None and one_call.node(state) is not None
+            self._starts[state.T] = first if hosts and all(native(i) for i in hosts) else None
+        return self._starts[state.T]
+
+    def run(self, plan, state: SegmentState, lm: tuple[int, int] | None, first: int) -> None:
+        """Segments first.. and the logits' download: segment by segment, captured, or replayed.  A replay adds
+        the counters its capture counted (the same launches and copies); the host items' weight bytes and
+        failures are read after the wait."""
+        from kestrel_stream.cuda import driver
+        s = self.steps
+        key, c, stream = (state.T, lm), s.counters, s.backend.stream
+        made = self._graphs.get(key)
+        if made is None and key not in self._seen:
+            self._seen.add(key)                    # a size seen once (a prompt's last chunk) costs no capture
+            s._run_segments(plan, state, lm, first)
+            state.to_host(["logits"])
+            return
+        if made is None:
+            before = c.as_dict()
+            nodes: list = []
+            state.graphing = True
+            with driver.capture(stream) as captured:
+                s._run_segments(plan, state, lm, first, None, nodes)
+                state.to_host(["logits"])
+            state.graphing = False
+            added = {name: value - before.get(name, 0) for name, value in c.as_dict().items()
+                     if name not in NOT_REPLAYED and value != before.get(name, 0)}
+            made = self._graphs[key] = (captured.graph, added, nodes, self.nodes.item_list(state.items),
+                                        list(state.links))
+            c.graphs_captured = (c.graphs_captured or 0) + 1
+        else:
+            for name, value in made[1].items():
+                setattr(c, name, getattr(c, name) + value)
+        if self._done is None:                 # the host's wait sleeps: the library's thread and pool need the cores
+            self._done = driver.Event(name="step graph done", blocking=True)
+        for spec in made[4]:                   # the link shares run only inside the graph
+            spec.armed, spec.shared = 1, 0
+        self.nodes.begin(made[3])
+        try:
+            made[0].launch(stream)
+            self._done.record(stream)
+            self._done.synchronize()
+        except BaseException:
+            self.nodes.end(aborted=True)
+            raise
+        finally:
+            for spec in made[4]:
+                spec.armed = 0
+        missed = self.nodes.end()
+        if missed:
+            raise driver.CudaError(f"step graph: host item {-missed} of {len(made[3][2])} never had the device's word")
+        c.syncs += 1
+        c.graph_replays = (c.graph_replays or 0) + 1
+        if made[4]:
+            c.streamed_bytes = (c.streamed_bytes or 0) + sum(self.link.step_bytes(spec) for spec in made[4])
+        for native, node in made[2]:
+            failed, node.status = node.status, 0
+            native.count_run(state.T, failed)
+
+    def link_share(self, native, state: SegmentState):
+        """For a captured one-token host segment whose one routed layer has a link share: its device side,
+        enqueued while the host item runs (HostNodes.hand_over's meanwhile); else None."""
+        if self.link is None or state.T != 1:
+            return None
+        linked = [(layer, bound) for layer, (bound, _) in zip(native.routed_layers, native.routed)
+                  if layer in self.link.parts]
+        if len(linked) != 1:
+            return None
+        (layer, bound), s = linked[0], self.steps
+        b = s.backend
+        (ready, done), words = self.nodes.link_words
+        spec = self.link.spec(layer, ready, done)
+        bound.share_link(spec)
+        state.links.append(spec)
+
+        def meanwhile(item: int) -> None:
+            spec.item = item
+            self.link.enqueue(state.stream, b.kernels, layer, item, words, b.state.moe, b.state)
+            s.counters.launches += 3                            # gate_up, down, combine
+            s.counters.h2d_bytes += self.link.group_bytes + self.link.table_bytes
+            s.counters.d2h_bytes += 4 * s.config.hidden_size
+        return meanwhile
+
+    def drop(self) -> None:
+        """Forget every graph (the launch lists changed)."""
+        for made in self._graphs.values():
+            made[0].destroy()
+        self._graphs.clear()
+        self._starts.clear()
+        self._seen.clear()
+
+    def close(self) -> None:
+        self.drop()
+        if self.link is not None:
+            self.link.close()

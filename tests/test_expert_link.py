@@ -1,0 +1,82 @@
+"""Mode offload's link share (run/device/expert_link.py): in a one-token step graph with host items, the last
+N of a token's host-side expert choices are read by the device from pinned images while the host computes
+the rest; the step's logits are the CPU engine's (the sums in another order), the host reads fewer expert
+bytes and the link carries the rest, and eager steps (the first of a size) leave the share unarmed."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fake_cuda
+from bench.synthetic import random_q8_weights
+from hf_oracle import assert_logits_match
+from kestrel_stream.cuda import driver
+from kestrel_stream.options import Options
+from kestrel_stream.run.step_executor import StepExecutor
+from test_moe_device_emulated import MAX_BATCH, MAX_SEQ_LEN, MODELS, PROMPTS, expert_budget, run, with_executor
+from test_moe_offload_emulated import POOL
+
+DEVICES = ["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not driver.gpu_available(), reason="no GPU")])]
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model(request):
+    from kestrel_stream.run.engine import Engine
+    weights = random_q8_weights(MODELS[request.param], seed=7)
+    cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    return weights, [run(cpu, prompt) for prompt in PROMPTS]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request, monkeypatch):
+    if request.param == "emulated":
+        fake_cuda.install(monkeypatch, mode="deferred")
+    return request.param
+
+
+def linked_engine(weights, link: int, experts: int = 2):
+    options = Options.from_env({}).with_(resident_experts="frequency", link_experts=link)
+    executor = StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
+                            vram_budget=expert_budget(weights.config, experts), options=options)
+    return with_executor(weights, executor)
+
+
+@pytest.mark.parametrize("link", [1, 2])
+def test_the_link_share_decodes_as_the_cpu_engine(model, device, link):
+    weights, reference = model
+    if native_missing():
+        pytest.skip("no native host kernels (no C compiler)")
+    engine = linked_engine(weights, link)
+    x = engine.executor
+    assert x.steps.item_graphs.link is not None and x.steps.item_graphs.link.count == link
+    for prompt, expected in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected)
+    assert x.stats.get("streamed_bytes", 0) > 0, "the device read some experts over the link"
+    assert x.stats["graph_replays"] > 0
+    engine.close()
+
+
+def test_the_host_reads_fewer_expert_bytes_with_a_share(model, device):
+    weights, _ = model
+    if native_missing():
+        pytest.skip("no native host kernels (no C compiler)")
+    per_step = {}
+    for link in (0, 2):
+        engine = linked_engine(weights, link)
+        x = engine.executor
+        with engine.new_session() as s:
+            token = int(np.argmax(s.prefill(PROMPTS[0])[-1]))
+            for _ in range(3):                          # eager, captured, replayed: the share from the second
+                token = int(np.argmax(s.decode(token)))
+            before = dict(x.stats)
+            token = int(np.argmax(s.decode(token)))
+            per_step[link] = {k: x.stats.get(k, 0) - before.get(k, 0) for k in ("cpu_weight_read_bytes", "streamed_bytes")}
+        engine.close()
+    assert per_step[0]["streamed_bytes"] == 0 and per_step[2]["streamed_bytes"] > 0
+    assert per_step[2]["cpu_weight_read_bytes"] < per_step[0]["cpu_weight_read_bytes"]
+
+
+def native_missing() -> bool:
+    from kestrel_stream import native
+    return native.load(Options.from_env({})) is None
