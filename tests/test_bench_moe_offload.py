@@ -91,3 +91,27 @@ def test_the_moe_bench_times_the_link_share(tmp_path, monkeypatch):
     rows = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
     assert [row["budget"] for row in rows] == ["experts:0.25", "experts:0.25 segment by segment", "experts:0.25 link 1"]
     assert all(row["mode"] == "offload" and row["ours_tg_tok_s"] > 0 for row in rows)
+
+
+def test_the_moe_trace_sums_a_decode_token_by_kernel(tmp_path, monkeypatch):
+    """bench/moe_trace.py: a trace's GPU slices and host spans summed by name per token and per call; end to end
+    on the emulated device (which times nothing: one step span a token, launched eagerly, no graph replay)."""
+    from bench import moe_trace
+    events = [{"ph": "X", "pid": 100, "tid": 1, "cat": "kernel", "name": "moe_route", "ts": 0, "dur": 25.0},
+              {"ph": "X", "pid": 100, "tid": 1, "cat": "kernel", "name": "moe_route", "ts": 30, "dur": 27.0},
+              {"ph": "X", "pid": 100, "tid": 1, "cat": "kernel", "name": "moe_combine", "ts": 60, "dur": 15.0},
+              {"ph": "X", "pid": 1, "tid": 1, "cat": "host", "name": "step", "ts": 0, "dur": 100.0},
+              {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "host"}}]
+    (tmp_path / "t.json").write_text(json.dumps({"traceEvents": events}))
+    tables = moe_trace.summed(tmp_path / "t.json", steps=2)
+    assert tables["gpu"][0] == {"cat": "kernel", "name": "moe_route", "calls_a_token": 1.0, "us_a_token": 26.0,
+                                "us_a_call": 26.0}
+    assert [r["name"] for r in tables["gpu"]] == ["moe_route", "moe_combine"] and tables["host"][0]["us_a_token"] == 50.0
+    fake_cuda.install(monkeypatch, mode="deferred")
+    path = tmp_path / "qwen3-moe-tiny.gguf"
+    write_gguf(PRESETS["qwen3-moe-tiny"], None, str(path), seed=1)
+    tables = moe_trace.main([str(path), "--budgets", "all", "--steps", "2", "--threads", "1", "--max-seq-len", "64",
+                             "--out", str(tmp_path / "out")])
+    names = {r["name"]: r["calls_a_token"] for r in tables["all"]["host"]}
+    assert names["step"] == 1.0 and "graph replay" not in names
+    assert (tmp_path / "out" / "moe-trace.json").exists() and list((tmp_path / "out").glob("trace-all.json.gz"))
