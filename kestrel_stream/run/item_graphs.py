@@ -88,8 +88,8 @@ class ItemGraphs:
                 setattr(c, name, getattr(c, name) + value)
         if self._done is None:                 # the host's wait sleeps: the library's thread and pool need the cores
             self._done = driver.Event(name="step graph done", blocking=True)
-        for spec in made[4]:                   # the link shares run only inside the graph
-            spec.armed, spec.shared = 1, 0
+        for spec, item in made[4]:             # the link shares run only inside the graph, as its items
+            spec.armed, spec.shared, spec.item = 1, 0, item
         self.nodes.begin(made[3])
         try:
             made[0].launch(stream)
@@ -99,7 +99,7 @@ class ItemGraphs:
             self.nodes.end(aborted=True)
             raise
         finally:
-            for spec in made[4]:
+            for spec, _ in made[4]:
                 spec.armed = 0
         missed = self.nodes.end()
         if missed:
@@ -107,7 +107,7 @@ class ItemGraphs:
         c.syncs += 1
         c.graph_replays = (c.graph_replays or 0) + 1
         if made[4]:
-            c.streamed_bytes = (c.streamed_bytes or 0) + sum(self.link.step_bytes(spec) for spec in made[4])
+            c.streamed_bytes = (c.streamed_bytes or 0) + sum(self.link.step_bytes(spec) for spec, _ in made[4])
         for native, node in made[2]:
             failed, node.status = node.status, 0
             native.count_run(state.T, failed)
@@ -126,10 +126,9 @@ class ItemGraphs:
         (ready, done), words = self.nodes.link_words
         spec = self.link.spec(layer, ready, done)
         bound.share_link(spec)
-        state.links.append(spec)
 
         def meanwhile(item: int) -> None:
-            spec.item = item
+            state.links.append((spec, item))
             self.link.enqueue(state.stream, b.kernels, layer, item, words, b.state.moe, b.state)
             s.counters.launches += 3                            # gate_up, down, combine
             s.counters.h2d_bytes += self.link.group_bytes + self.link.table_bytes
