@@ -19,11 +19,13 @@ moe_experts_* GEMVs) and --sessions sessions decoding together.  Offload rows ad
 and o resident, the MLP on the host; M: qkv and o streamed; H: all on the host), the predicted step and the
 host roofline of the row: the expert bytes a token reads that are not resident (the routers' choice at the
 resident share expected) ÷ the host memory pool's best rate (calibrated at the start: scheduler/step_sim
-PoolRates), with the measured decode as a share of it.
+PoolRates), with the measured decode as a share of it, and the host's experts op at one token (host_experts_us,
+a layer's call; link_wait_us: of that, the wait for the device's link share after the host's own choices).
 --host-nodes 1 0: each offload row without a link share once per value (0: the step segment by segment, one
 host wait a host segment, where 1 runs it as one graph with host items).
 --link-experts N ...: each ring-off offload row once per value (run/device/expert_link.py: at one token, N of a
-token's host-side expert choices read by the GPU from pinned images over PCIe while the host computes the rest).
+token's host-side expert choices read by the GPU from pinned images over PCIe while the host computes the rest;
+auto: the count scheduler/link_tuner.py keeps after trying them while decoding, in link_kept).
 --stream: each offload budget once per KESTREL_STREAM_EXPERTS value (off: every non-resident expert on the host,
 today's rows; auto: the experts' ring where the cost model predicts it pays and the budget holds it; on: a ring
 or the budget refused).  A row with a ring ("experts:F ring auto") runs offload steps of up to --stream-chunk
@@ -172,6 +174,24 @@ def experts_kernels(weights, options, tokens: int) -> str:
     return " ".join(sorted(names))
 
 
+def link_count(text: str) -> int | str:
+    """--link-experts: a count of choices, or auto."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of choices >= 0, or auto")
+    return int(text)
+
+
+def native_kernels(engine):
+    """The loaded host kernels (their process-wide counters), or None where numpy runs the host's ops."""
+    from kestrel_stream.native import NativeUnavailable, load
+    try:
+        return load(engine.options)
+    except NativeUnavailable:
+        return None
+
+
 def engine_for(weights, which: str, budget: int | None, args, stream: str = "off", max_batch: int | None = None,
                link: int = 0, host_nodes: bool = True):
     from kestrel_stream.options import Options
@@ -193,7 +213,11 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
     budget, weight_bytes = budget_of(which, config, args, profile, max_batch)
     engine = engine_for(weights, which, budget, args, stream, max_batch, link, host_nodes)
     x = engine.executor
+    host_kernels = native_kernels(engine) if x.mode == "offload" else None
+    if host_kernels is not None:
+        host_kernels.experts_times(reset=True)
     rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
+    experts_times = host_kernels.experts_times(reset=True) if host_kernels is not None else None
     streamed_before = x.stats.get("streamed_bytes") or 0
     pp_rate = prefill_rate(engine, args.prompt, 1)
     pp_streamed = ((x.stats.get("streamed_bytes") or 0) - streamed_before) / 2        # per prompt (2 runs)
@@ -218,6 +242,13 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
                    resident_experts=f"{resident.used_slots} ({share:.0%} expected)" if resident else 0,
                    predicted_ms=round(p.predicted.total_us / 1e3, 3), experts_off_MB=round(off_bytes / 1e6, 3),
                    host_roofline_tok_s=round(roofline_tok_s, 1), of_host_roofline=round(rate / roofline_tok_s, 3))
+        share = x.steps.item_graphs.link if hasattr(x.steps, "item_graphs") else None
+        if share is not None and share.tuner is not None:   # auto: the count it kept (or was trying)
+            row["link_kept"] = share.count if share.tuner.settled else f"trying {share.count}"
+        if experts_times and experts_times["calls"]:     # a decode token's routed layers on the host
+            row["host_experts_us"] = round(experts_times["us"], 1)
+            if experts_times["linked"]:
+                row["link_wait_us"] = round(experts_times["link_wait_us"], 1)
         if ringed:         # the experts' ring, and what a prompt chunk placed and streamed
             chunk = x.placement_for(min(args.prompt, x.steps.max_tokens))
             row.update(experts_ring=(f"{p.expert_slot_count} x {p.expert_slot_bytes / 1e6:.1f} MB"
@@ -256,6 +287,7 @@ def theirs(path: str, config, args) -> list[dict]:
 COLUMNS = ["file", "budget", "mode", "weight_MB", "budget_MB", "placement", "resident_experts", "hit_rate",
            "ours_tg_tok_s", "llama_tg_tok_s", "ours_pp_tok_s", "llama_pp_tok_s", "ours_batch_tok_s",
            "llama_batch_tok_s", "step_ms", "predicted_ms", "experts_off_MB", "host_roofline_tok_s", "of_host_roofline",
+           "host_experts_us", "link_wait_us", "link_kept",
            "experts_ring", "pp_placement", "pp_predicted_ms", "pp_streamed_GB"]
 
 
@@ -275,7 +307,7 @@ def main(argv=None) -> None:
     parser.add_argument("--host-nodes", nargs="+", type=int, default=[1], choices=[0, 1],
                         help="each offload row without a link share once per value: 1, a step as one graph with host "
                              "items (run/item_graphs.py); 0, segment by segment (KESTREL_HOST_NODES)")
-    parser.add_argument("--link-experts", nargs="+", type=int, default=[0],
+    parser.add_argument("--link-experts", nargs="+", type=link_count, default=[0],
                         help="each offload budget's ring-off row once per value: a token's host-side expert choices "
                              "the GPU reads over PCIe beside the host's (KESTREL_LINK_EXPERTS; 0: none)")
     parser.add_argument("--stream", nargs="+", default=["off", "auto"], choices=["off", "auto", "on"],

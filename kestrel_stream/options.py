@@ -30,7 +30,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
                               (default: cuda/moe_kernels.mma_min_tokens, 8 tokens per expert on average; 0: always)
     KESTREL_MOE_MMA_TILE=BMxBN   force one tile of that GEMM (cuda/moe_kernels.MMA_TILES: 16x64 | 32x64 | 64x64)
     KESTREL_LINK_EXPERTS=N    mode offload, one token: N of a token's host-side expert choices read by the GPU
-                              over PCIe while the host computes the rest (run/device/expert_link.py; default 0)
+                              over PCIe while the host computes the rest (run/device/expert_link.py; default 0);
+                              auto: the count measured fastest while serving (scheduler/link_tuner.py)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
     KESTREL_HOST_KERNELS=numpy  the host backend multiplies on float32 copies with numpy (the reference
@@ -82,7 +83,8 @@ class Options:
     fused_rope: bool = True                  # one-token gpu steps: rope as attention's prologue (ops.fuse_rope)
     step_graphs: bool = True                 # one session's steps of 2..64 tokens as graphs (device/step_graphs.py)
     host_nodes: bool = True                  # mixed steps as one graph with host nodes (run/host_nodes.py)
-    link_experts: int = 0                    # one-token offload steps: host-side choices the GPU reads over PCIe
+    link_experts: int | str = 0              # one-token offload steps: host-side choices the GPU reads over PCIe,
+                                             # or "auto" (scheduler/link_tuner.py)
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
@@ -175,7 +177,7 @@ class Options:
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0", step_graphs=step_graphs == "1",
                       host_nodes=host_nodes == "1",
-                      link_experts=_tokens(env.get("KESTREL_LINK_EXPERTS"), "KESTREL_LINK_EXPERTS", "choices") or 0,
+                      link_experts=_link_experts(env.get("KESTREL_LINK_EXPERTS")),
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
                       block_mma_min_tokens=block_mma, moe_mma_tile=moe_mma_tile,
                       moe_mma_min_tokens=_tokens(env.get("KESTREL_MOE_MMA_MIN_TOKENS"), "KESTREL_MOE_MMA_MIN_TOKENS"),
@@ -253,6 +255,16 @@ def _tokens(text: str | None, name: str, unit: str = "tokens") -> int | None:
     if not text.isdigit():
         raise ValueError(f"{name}={text!r}: expected a number of {unit} >= 0" + (" (0: off)" if unit == "tokens" else ""))
     return int(text)
+
+
+def _link_experts(text: str | None) -> int | str:
+    """KESTREL_LINK_EXPERTS: a count of choices (0: off) or "auto"."""
+    if (text or "").strip().lower() == "auto":
+        return "auto"
+    try:
+        return _tokens(text, "KESTREL_LINK_EXPERTS", "choices") or 0
+    except ValueError:
+        raise ValueError(f"KESTREL_LINK_EXPERTS={text!r}: expected a number of choices >= 0 (0: off) or auto") from None
 
 
 def _minflop(text: str | None) -> float | None:

@@ -35,7 +35,7 @@ def device(request, monkeypatch):
     return request.param
 
 
-def linked_engine(weights, link: int, experts: int = 2):
+def linked_engine(weights, link: int | str, experts: int = 2):
     options = Options.from_env({}).with_(resident_experts="frequency", link_experts=link)
     executor = StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
                             vram_budget=expert_budget(weights.config, experts), options=options)
@@ -75,6 +75,26 @@ def test_the_host_reads_fewer_expert_bytes_with_a_share(model, device):
         engine.close()
     assert per_step[0]["streamed_bytes"] == 0 and per_step[2]["streamed_bytes"] > 0
     assert per_step[2]["cpu_weight_read_bytes"] < per_step[0]["cpu_weight_read_bytes"]
+
+
+def test_auto_tries_counts_while_serving_and_keeps_one(model, device, capsys):
+    """KESTREL_LINK_EXPERTS=auto: replays try counts from 0 up (0 included: the device finds no expert and
+    still hands back a zero sum), a few steps each, then keep the one measured fastest; the logits are the
+    CPU engine's throughout."""
+    weights, reference = model
+    if native_missing():
+        pytest.skip("no native host kernels (no C compiler)")
+    engine = linked_engine(weights, "auto")
+    link = engine.executor.steps.item_graphs.link
+    link.tuner.steps = 1                              # one step a count: the short prompts settle it
+    assert link.count == 0 and not link.tuner.settled
+    for prompt, expected in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected)
+    tuner = link.tuner
+    assert tuner.settled and 0 in tuner.tried and link.count == tuner.best
+    assert link.count == min(tuner.tried, key=tuner.tried.get)
+    assert "link share: kept" in capsys.readouterr().err
+    engine.close()
 
 
 def native_missing() -> bool:

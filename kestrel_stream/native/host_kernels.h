@@ -62,7 +62,8 @@ typedef struct {
    over PCIe from pinned images while the host computes the rest.  The host writes their grouping (moe.cu's
    layout: offsets, active, sorted, position) and slot table into pinned memory, stores `item` into `ready`,
    and before its sum's end waits for `done` to hold `item` and adds `out` (their weighted sum).  Armed
-   only while such a graph runs (eager steps compute every host choice). */
+   only while such a graph runs (eager steps compute every host choice); `count` may be 0 (the device then
+   finds no expert; the hand-off still happens, as the graph expects it). */
 typedef struct {
     int count, armed;
     uint32_t item;
@@ -70,6 +71,8 @@ typedef struct {
     const float *out;               /* pinned [H] */
     uint32_t *ready, *done;         /* pinned words (atomic) */
     int shared;                     /* written: the choices the last armed call gave the device */
+    int calls;                      /* written: armed calls so far, and their nanoseconds (link_tuner.py) */
+    long long ns;
 } ks_link_t;
 
 /* A routed layer's experts (host_moe.c), bound once: each expert's gate|up (glu) and down Linear, NULL
@@ -89,6 +92,9 @@ int ks_route(const ks_router_t *spec, const float *x, ptrdiff_t x_stride, int T,
 /* x [T, H] += the chosen experts' weighted sum (+ moe_out [T, H], another side's sum, unless NULL) */
 int ks_experts(ks_experts_t *spec, float *x, ptrdiff_t x_stride, int T, const float *route, ptrdiff_t route_stride,
                const float *moe_out, ptrdiff_t moe_stride);
+/* since the last reset: one-token ks_experts calls, their ns, the armed ones' ns waiting for the link, how many
+   were armed (process-wide) */
+void ks_experts_times(long long out[4], int reset);
 
 /* a step graph's host items (host_program.c), which host_serve.c's thread runs */
 void ks_program_node(void *arg);

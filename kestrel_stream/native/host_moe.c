@@ -175,11 +175,26 @@ static int wait_link(const ks_link_t *l) {
 
 /* ---------------------------------------------------------------- the experts */
 
+/* Process-wide, for benches: one-token calls, the nanoseconds they took, the nanoseconds the armed ones spent
+   waiting for the link's sum after their own choices, and how many were armed (ks_experts_times). */
+static _Atomic long long one_token[4];
+
+static long long clock_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return t.tv_sec * 1000000000LL + t.tv_nsec;
+}
+
+void ks_experts_times(long long out[4], int reset) {
+    for (int i = 0; i < 4; i++) out[i] = reset ? atomic_exchange(&one_token[i], 0) : atomic_load(&one_token[i]);
+}
+
 int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float *route, ptrdiff_t route_stride,
                const float *moe_out, ptrdiff_t moe_stride) {
     const int E = s->E, H = s->H, I = s->I, k = s->k;
     s->used = 0;
     if (T <= 0) return 0;
+    const long long t0 = T == 1 ? clock_ns() : 0;
     /* xn [T, H] | sum [T, H] | each choice's row: gathered [Tk, H], act [Tk, I], down's [Tk, H] | weights [Tk]
        | tokens [Tk] | each expert's first row [E + 1] | the used experts' first rows [E + 1] | their projections,
        inputs, outputs, rows */
@@ -199,7 +214,7 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
     /* the link share's choices (one token, inside a step graph): the device's from here on */
     int linked[KS_MAX_CHOICES] = {0}, shared = 0;
     ks_link_t *link = s->link;
-    const int handing = link && link->armed && T == 1 && link->count > 0;   /* the device waits for it */
+    const int handing = link && link->armed && T == 1;      /* the device waits for it (count 0: for nothing) */
     if (handing) shared = share_link(s, route, linked);
     /* this side's choices grouped by expert, tokens ascending within each (a counting sort) */
     memset(first, 0, sizeof(int) * (size_t)(E + 1));
@@ -248,7 +263,9 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
         for (int j = 0; j < H; j++) o[j] = o[j] + weight[c] * d[j];
     }
     s->used = used;
+    const long long t1 = handing ? clock_ns() : 0;
     if (handing && wait_link(link) != 0) return -1;
+    if (handing) atomic_fetch_add(&one_token[2], clock_ns() - t1), atomic_fetch_add(&one_token[3], 1);
     for (int t = 0; t < T; t++) {
         float *xr = x + x_stride * t, *o = sum + (ptrdiff_t)H * t;
         if (moe_out) {
@@ -258,6 +275,11 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
         if (shared)                 /* the device's weighted sum of the link choices */
             for (int c = 0; c < H; c++) o[c] = o[c] + link->out[c];
         for (int c = 0; c < H; c++) xr[c] = xr[c] + o[c];
+    }
+    if (T == 1) {
+        const long long ns = clock_ns() - t0;
+        atomic_fetch_add(&one_token[0], 1), atomic_fetch_add(&one_token[1], ns);
+        if (handing) link->calls++, link->ns += ns;
     }
     return 0;
 }

@@ -63,6 +63,7 @@ class HostKernels:
         lib.ks_route.restype = _i
         lib.ks_experts.argtypes = [_p, _p, _z, _i, _p, _z, _p, _z]
         lib.ks_experts.restype = _i
+        lib.ks_experts_times.argtypes = [_p, _i]
         lib.ks_quantize_act.argtypes = [_i, _p, _i, _i, _p, _p, _p, _p, _p]
         lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
         lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]
@@ -89,6 +90,16 @@ class HostKernels:
         self.threads = threads or physical_cores()
         self._isa_id = ISAS.index(self.isa)
         self._matmul_c = lib.ks_matmul
+
+    def experts_times(self, reset: bool = False) -> dict:
+        """Since the last reset, process-wide: one-token routed-experts calls (`calls`), the microseconds they
+        took a call (`us`), and of those with a link share (`linked`) the microseconds a call spent waiting
+        for the device's sum after computing its own choices (`link_wait_us`)."""
+        out = (ctypes.c_longlong * 4)()
+        self._lib.ks_experts_times(out, int(reset))
+        calls, ns, wait_ns, linked = out
+        return {"calls": calls, "us": ns / 1e3 / max(calls, 1), "linked": linked,
+                "link_wait_us": wait_ns / 1e3 / max(linked, 1)}
 
     def set_spin_us(self, spin_us: int) -> None:
         """How long an idle worker (and a caller waiting for workers) polls before sleeping, for every caller in

@@ -88,8 +88,8 @@ class ItemGraphs:
                 setattr(c, name, getattr(c, name) + value)
         if self._done is None:                 # the host's wait sleeps: the library's thread and pool need the cores
             self._done = driver.Event(name="step graph done", blocking=True)
-        for spec, item in made[4]:             # the link shares run only inside the graph, as its items
-            spec.armed, spec.shared, spec.item = 1, 0, item
+        if made[4]:                            # the link shares run only inside the graph, as its items
+            self.link.arm(made[4])
         self.nodes.begin(made[3])
         try:
             made[0].launch(stream)
@@ -99,8 +99,8 @@ class ItemGraphs:
             self.nodes.end(aborted=True)
             raise
         finally:
-            for spec, _ in made[4]:
-                spec.armed = 0
+            if made[4]:
+                self.link.disarm(made[4])
         missed = self.nodes.end()
         if missed:
             raise driver.CudaError(f"step graph: host item {-missed} of {len(made[3][2])} never had the device's word")

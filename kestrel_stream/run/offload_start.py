@@ -178,7 +178,8 @@ def build_link(executor, backend):
     except (CudaError, MemoryError) as e:
         print(f"kestrel-stream: link share left out: pinning its images ({size_text(need)}) failed ({e})", file=sys.stderr)
         return None
-    print(f"kestrel-stream: link share: {count} of a token's host-side expert choices read by the GPU over PCIe; "
+    told = "a count measured while serving" if count == "auto" else count
+    print(f"kestrel-stream: link share: {told} of a token's host-side expert choices read by the GPU over PCIe; "
           f"pinned images of {len(store.layers)} routed layers, {size_text(link.image_bytes)}, built in "
           f"{time.perf_counter() - start:.2f} s", file=sys.stderr)
     return link

@@ -6,14 +6,17 @@ roofline: cores and DMA together carry up to ~1.5x what the cores carry alone).
 
 The host decides the share when its item starts (native/host_moe.c: share_link writes the grouping and slot
 table into pinned memory, then the `ready` word); the graph, at that layer's item, waits for `ready`, copies
-the grouping and table to the device, runs the expert GEMVs over the layer's image and moe_combine into a
-sum of their weighted rows, brings it back and writes `done`; the host adds it to its own before its item
-ends.  Eager steps (the first of a size, a trace) leave the share unarmed: the host computes every choice.
+the grouping and table to the device (one copy), runs the expert GEMVs over the layer's image and moe_combine
+into a sum of their weighted rows, written straight into pinned memory, then writes `done` (its fence makes
+the sum visible first); the host adds the sum to its own before its item ends.  Eager steps (the first of a
+size, a trace) leave the share unarmed: the host computes every choice.
 
 Per layer: its image (expert_ring.layer_image) and its LinkSpec (its item number).  Shared by every layer
-(one hand-off at a time): the pinned grouping, table and sum, their device copies.
+(one hand-off at a time): the pinned grouping, table and sum, the device copy of the grouping and table.
 """
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -21,15 +24,18 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.moe_kernels import PoolPart, combine_launch, experts_launch, group_ints
 from kestrel_stream.native.routed import LinkSpec
 from kestrel_stream.run.device.expert_ring import layer_image
+from scheduler.link_tuner import LinkTuner
 
 
 class ExpertLink:
-    def __init__(self, store, weights, count: int, layers):
+    def __init__(self, store, weights, count: int | str, layers):
         """store: the ExpertStore (its pool layout, formats); count: choices a token the device reads over the
-        link; layers: the routed layers whose host experts share (every one with host experts)."""
+        link, or "auto" (scheduler/link_tuner.py: measured while serving); layers: the routed layers whose
+        host experts share (every one with host experts)."""
         c = store.config
-        self.store, self.count, self.config = store, count, c
         E, k, H = c.num_experts, c.num_experts_per_tok, c.hidden_size
+        self.tuner = LinkTuner(max(1, k // 2)) if count == "auto" else None
+        self.store, self.fixed, self.config = store, 0 if count == "auto" else int(count), c
         self.images, self.parts = {}, {}
         try:
             for layer in layers:
@@ -44,13 +50,36 @@ class ExpertLink:
         self.group_bytes, self.table_bytes = 4 * group_ints(E, 1, k), 4 * E
         self.pinned = driver.PinnedBuffer(self.group_bytes + self.table_bytes + 4 * H)
         self.pinned.view(np.int32, (E,), self.group_bytes)[:] = -1
-        self.memory = driver.Arena(self.group_bytes + self.table_bytes + 4 * H + 1024)
-        self.groups = self.memory.alloc(self.group_bytes)
-        self.table = self.memory.alloc(self.table_bytes)
-        self.out = self.memory.alloc(4 * H)
+        # the grouping and table copied in one piece (adjacent here as in the pinned buffer); the sum written
+        # by moe_combine straight into the pinned buffer (mapped), where the host reads it
+        self.memory = driver.Arena(self.group_bytes + self.table_bytes + 1024)
+        self.groups = self.memory.alloc(self.group_bytes + self.table_bytes)
+        self.table = self.groups + self.group_bytes
+        self.out = driver.host_word(self.pinned.address + self.group_bytes + self.table_bytes)
         self.specs: dict[int, LinkSpec] = {}
         lay = store.layout
         self.expert_bytes = lay.gate_up_qs + lay.gate_up_meta + lay.down_qs + lay.down_meta
+
+    @property
+    def count(self) -> int:
+        """The choices a token the next replay gives the device."""
+        return self.tuner.count if self.tuner is not None else self.fixed
+
+    def arm(self, specs) -> None:
+        """Before a replay: its layers' specs armed at today's count, their timings cleared."""
+        for spec, item in specs:
+            spec.armed, spec.shared, spec.item, spec.count, spec.calls, spec.ns = 1, 0, item, self.count, 0, 0
+
+    def disarm(self, specs) -> None:
+        """After a replay (or its failure): its specs unarmed; a tuner measures what the replay's calls took."""
+        for spec, _ in specs:
+            spec.armed = 0
+        if self.tuner is not None and not self.tuner.settled:
+            self.tuner.observe(sum(spec.calls for spec, _ in specs), sum(spec.ns for spec, _ in specs))
+            if self.tuner.settled:
+                print(f"kestrel-stream: {self.tuner.describe()}", file=sys.stderr)
+        elif self.tuner is not None:
+            self.tuner.observe(sum(spec.calls for spec, _ in specs), 0)
 
     @property
     def image_bytes(self) -> int:
@@ -79,9 +108,8 @@ class ExpertLink:
         gate_up_part, down_part = self.parts[layer]
         table = dict(slot_of=self.table, groups=self.groups, experts=E, chosen=k, tokens=1)
         driver.wait_value(stream, words[0], item)
-        driver.h2d_async(self.groups, self.pinned.view(np.uint8, (self.group_bytes,)), self.group_bytes, stream)
-        driver.h2d_async(self.table, self.pinned.view(np.uint8, (self.table_bytes,), self.group_bytes),
-                         self.table_bytes, stream)
+        nbytes = self.group_bytes + self.table_bytes
+        driver.h2d_async(self.groups, self.pinned.view(np.uint8, (nbytes,)), nbytes, stream)
         launches = [
             experts_launch(kernels, gate_up_fmt, gate_up_part, x=state.xn, ldx=H, gather=True, inv_rms=state.inv_rms,
                            y=buffers.act, ldy=I, rows=2 * I, cols=H, silu=True, **table),
@@ -92,8 +120,6 @@ class ExpertLink:
                            eps=c.rms_norm_eps, hidden=H, experts=E, chosen=k, tokens=1)]
         for launch in launches:
             launch.enqueue(stream)
-        driver.d2h_async(self.pinned.view(np.uint8, (4 * H,), self.group_bytes + self.table_bytes),
-                         self.out, 4 * H, stream)
         driver.write_value(stream, words[1], item)
 
     def close(self) -> None:
