@@ -20,7 +20,9 @@ and o resident, the MLP on the host; M: qkv and o streamed; H: all on the host),
 host roofline of the row: the expert bytes a token reads that are not resident (the routers' choice at the
 resident share expected) ÷ the host memory pool's best rate (calibrated at the start: scheduler/step_sim
 PoolRates), with the measured decode as a share of it, and the host's experts op at one token (host_experts_us,
-a layer's call; link_wait_us: of that, the wait for the device's link share after the host's own choices).
+a layer's call; link_wait_us: of that, the wait for the device's link share after the host's own choices) and,
+where a decode step runs as one graph with host items, a step's host items (host_items_ms) and the library
+thread's waits for the device's word between them (device_waits_ms: the device's segments and the hand-offs).
 --host-nodes 1 0: each offload row without a link share once per value (0: the step segment by segment, one
 host wait a host segment, where 1 runs it as one graph with host items).
 --link-experts N ...: each ring-off offload row once per value (run/device/expert_link.py: at one token, N of a
@@ -215,9 +217,10 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
     x = engine.executor
     host_kernels = native_kernels(engine) if x.mode == "offload" else None
     if host_kernels is not None:
-        host_kernels.experts_times(reset=True)
+        host_kernels.experts_times(reset=True), host_kernels.serve_times(reset=True)
     rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
     experts_times = host_kernels.experts_times(reset=True) if host_kernels is not None else None
+    serve_times = host_kernels.serve_times(reset=True) if host_kernels is not None else None
     streamed_before = x.stats.get("streamed_bytes") or 0
     pp_rate = prefill_rate(engine, args.prompt, 1)
     pp_streamed = ((x.stats.get("streamed_bytes") or 0) - streamed_before) / 2        # per prompt (2 runs)
@@ -245,6 +248,9 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
         share = x.steps.item_graphs.link if hasattr(x.steps, "item_graphs") else None
         if share is not None and share.tuner is not None:   # auto: the count it kept (or was trying)
             row["link_kept"] = share.count if share.tuner.settled else f"trying {share.count}"
+        if serve_times and serve_times["steps"]:         # a decode step as one graph: its host items, the waits
+            row["host_items_ms"] = round(serve_times["items_us"] / 1e3, 3)
+            row["device_waits_ms"] = round(serve_times["waits_us"] / 1e3, 3)
         if experts_times and experts_times["calls"]:     # a decode token's routed layers on the host
             row["host_experts_us"] = round(experts_times["us"], 1)
             if experts_times["linked"]:
@@ -287,7 +293,7 @@ def theirs(path: str, config, args) -> list[dict]:
 COLUMNS = ["file", "budget", "mode", "weight_MB", "budget_MB", "placement", "resident_experts", "hit_rate",
            "ours_tg_tok_s", "llama_tg_tok_s", "ours_pp_tok_s", "llama_pp_tok_s", "ours_batch_tok_s",
            "llama_batch_tok_s", "step_ms", "predicted_ms", "experts_off_MB", "host_roofline_tok_s", "of_host_roofline",
-           "host_experts_us", "link_wait_us", "link_kept",
+           "host_experts_us", "link_wait_us", "link_kept", "host_items_ms", "device_waits_ms",
            "experts_ring", "pp_placement", "pp_predicted_ms", "pp_streamed_GB"]
 
 

@@ -95,6 +95,9 @@ int ks_experts(ks_experts_t *spec, float *x, ptrdiff_t x_stride, int T, const fl
 /* since the last reset: one-token ks_experts calls, their ns, the armed ones' ns waiting for the link, how many
    were armed (process-wide) */
 void ks_experts_times(long long out[4], int reset);
+/* since the last reset: step lists served (host_serve.c), their items, the items' ns, the ns waited for the
+   device's word before each (process-wide) */
+void ks_serve_times(long long out[4], int reset);
 
 /* a step graph's host items (host_program.c), which host_serve.c's thread runs */
 void ks_program_node(void *arg);

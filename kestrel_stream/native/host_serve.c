@@ -48,7 +48,17 @@ static int64_t clock_ns(void) {
     return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
 }
 
+/* Process-wide, for benches (ks_serve_times): lists served, items run, the ns items took, the ns this thread
+   waited for the device's word (its segments between items, and each hand-off's latency both ways). */
+static _Atomic long long served[4];
+
+void ks_serve_times(long long out[4], int reset) {
+    for (int i = 0; i < 4; i++) out[i] = reset ? atomic_exchange(&served[i], 0) : atomic_load(&served[i]);
+}
+
 static int serve(const ks_host_list_t *l) {
+    int64_t t = clock_ns();
+    atomic_fetch_add(&served[0], 1);
     for (int i = 0; i < l->n; i++) {
         const uint32_t want = (uint32_t)i + 1;
         int64_t give_up = 0;
@@ -62,8 +72,13 @@ static int serve(const ks_host_list_t *l) {
             }
         }
         const ks_host_item_t *item = l->items + i;
+        const int64_t arrived = clock_ns();
         if (item->kind == KS_ITEM_PROGRAM) ks_program_node(item->arg);
         else ks_norm_node(item->arg);
+        const int64_t ran = clock_ns();
+        atomic_fetch_add(&served[1], 1), atomic_fetch_add(&served[2], ran - arrived);
+        atomic_fetch_add(&served[3], arrived - t);
+        t = ran;
         if (l->link_ready && atomic_load_explicit(l->link_ready, memory_order_acquire) < want)
             atomic_store_explicit(l->link_ready, want, memory_order_release);
         atomic_store_explicit(l->done, want, memory_order_release);

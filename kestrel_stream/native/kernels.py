@@ -63,7 +63,7 @@ class HostKernels:
         lib.ks_route.restype = _i
         lib.ks_experts.argtypes = [_p, _p, _z, _i, _p, _z, _p, _z]
         lib.ks_experts.restype = _i
-        lib.ks_experts_times.argtypes = [_p, _i]
+        lib.ks_experts_times.argtypes = lib.ks_serve_times.argtypes = [_p, _i]
         lib.ks_quantize_act.argtypes = [_i, _p, _i, _i, _p, _p, _p, _p, _p]
         lib.ks_rmsnorm.argtypes = [_p, _z, _i, _i, _p, _i, _f, _p, _z, _i]
         lib.ks_silu_mul.argtypes = [_p, _z, _p, _z, _i, _i, _p, _z, _i]
@@ -100,6 +100,16 @@ class HostKernels:
         calls, ns, wait_ns, linked = out
         return {"calls": calls, "us": ns / 1e3 / max(calls, 1), "linked": linked,
                 "link_wait_us": wait_ns / 1e3 / max(linked, 1)}
+
+    def serve_times(self, reset: bool = False) -> dict:
+        """Since the last reset, process-wide: step graphs' host item lists served (`steps`), their items
+        (`items`), the microseconds the items ran (`items_us`) and the library's thread waited for the
+        device's word before them (`waits_us`: the device's segments and the hand-offs), each a step."""
+        out = (ctypes.c_longlong * 4)()
+        self._lib.ks_serve_times(out, int(reset))
+        steps, items, ns, wait_ns = out
+        return {"steps": steps, "items": items, "items_us": ns / 1e3 / max(steps, 1),
+                "waits_us": wait_ns / 1e3 / max(steps, 1)}
 
     def set_spin_us(self, spin_us: int) -> None:
         """How long an idle worker (and a caller waiting for workers) polls before sleeping, for every caller in
