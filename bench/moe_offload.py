@@ -217,10 +217,9 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
     x = engine.executor
     host_kernels = native_kernels(engine) if x.mode == "offload" else None
     if host_kernels is not None:
-        host_kernels.experts_times(reset=True), host_kernels.serve_times(reset=True)
+        host_kernels.times(reset=True)
     rate, step_ms = decode_rate(engine, args.new_tokens, args.repeats)
-    experts_times = host_kernels.experts_times(reset=True) if host_kernels is not None else None
-    serve_times = host_kernels.serve_times(reset=True) if host_kernels is not None else None
+    times = host_kernels.times(reset=True) if host_kernels is not None else None
     streamed_before = x.stats.get("streamed_bytes") or 0
     pp_rate = prefill_rate(engine, args.prompt, 1)
     pp_streamed = ((x.stats.get("streamed_bytes") or 0) - streamed_before) / 2        # per prompt (2 runs)
@@ -248,13 +247,13 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
         share = x.steps.item_graphs.link if hasattr(x.steps, "item_graphs") else None
         if share is not None and share.tuner is not None:   # auto: the count it kept (or was trying)
             row["link_kept"] = share.count if share.tuner.settled else f"trying {share.count}"
-        if serve_times and serve_times["steps"]:         # a decode step as one graph: its host items, the waits
-            row["host_items_ms"] = round(serve_times["items_us"] / 1e3, 3)
-            row["device_waits_ms"] = round(serve_times["waits_us"] / 1e3, 3)
-        if experts_times and experts_times["calls"]:     # a decode token's routed layers on the host
-            row["host_experts_us"] = round(experts_times["us"], 1)
-            if experts_times["linked"]:
-                row["link_wait_us"] = round(experts_times["link_wait_us"], 1)
+        if times and times["steps"]:                     # a decode step as one graph: its host items, the waits
+            row["host_items_ms"] = round(times["items_us"] / 1e3, 3)
+            row["device_waits_ms"] = round(times["waits_us"] / 1e3, 3)
+        if times and times["calls"]:                     # a decode token's routed layers on the host
+            row["host_experts_us"] = round(times["us"], 1)
+            if times["linked"]:
+                row["link_wait_us"] = round(times["link_wait_us"], 1)
         if ringed:         # the experts' ring, and what a prompt chunk placed and streamed
             chunk = x.placement_for(min(args.prompt, x.steps.max_tokens))
             row.update(experts_ring=(f"{p.expert_slot_count} x {p.expert_slot_bytes / 1e6:.1f} MB"

@@ -91,25 +91,15 @@ class HostKernels:
         self._isa_id = ISAS.index(self.isa)
         self._matmul_c = lib.ks_matmul
 
-    def experts_times(self, reset: bool = False) -> dict:
-        """Since the last reset, process-wide: one-token routed-experts calls (`calls`), the microseconds they
-        took a call (`us`), and of those with a link share (`linked`) the microseconds a call spent waiting
-        for the device's sum after computing its own choices (`link_wait_us`)."""
-        out = (ctypes.c_longlong * 4)()
-        self._lib.ks_experts_times(out, int(reset))
-        calls, ns, wait_ns, linked = out
-        return {"calls": calls, "us": ns / 1e3 / max(calls, 1), "linked": linked,
-                "link_wait_us": wait_ns / 1e3 / max(linked, 1)}
-
-    def serve_times(self, reset: bool = False) -> dict:
-        """Since the last reset, process-wide: step graphs' host item lists served (`steps`), their items
-        (`items`), the microseconds the items ran (`items_us`) and the library's thread waited for the
-        device's word before them (`waits_us`: the device's segments and the hand-offs), each a step."""
-        out = (ctypes.c_longlong * 4)()
-        self._lib.ks_serve_times(out, int(reset))
-        steps, items, ns, wait_ns = out
-        return {"steps": steps, "items": items, "items_us": ns / 1e3 / max(steps, 1),
-                "waits_us": wait_ns / 1e3 / max(steps, 1)}
+    def times(self, reset: bool = False) -> dict:
+        """Process-wide, since the last reset: one-token routed-experts calls, µs a call, of those with a link
+        share ("linked") µs a call waited for the device's sum; step graphs' host item lists ("steps"), their
+        items, a step's µs of items and of waits for the device's word (its segments and the hand-offs)."""
+        e, s = (ctypes.c_longlong * 4)(), (ctypes.c_longlong * 4)()
+        self._lib.ks_experts_times(e, int(reset)), self._lib.ks_serve_times(s, int(reset))
+        per = lambda ns, n: ns / 1e3 / max(n, 1)       # noqa: E731
+        return {"calls": e[0], "us": per(e[1], e[0]), "linked": e[3], "link_wait_us": per(e[2], e[3]),
+                "steps": s[0], "items": s[1], "items_us": per(s[2], s[0]), "waits_us": per(s[3], s[0])}
 
     def set_spin_us(self, spin_us: int) -> None:
         """How long an idle worker (and a caller waiting for workers) polls before sleeping, for every caller in
