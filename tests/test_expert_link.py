@@ -77,6 +77,40 @@ def test_the_host_reads_fewer_expert_bytes_with_a_share(model, device):
     assert per_step[2]["cpu_weight_read_bytes"] < per_step[0]["cpu_weight_read_bytes"]
 
 
+def batch_decode(engine, steps: int = 4) -> tuple[np.ndarray, int]:
+    """Three sessions (PROMPTS) prefilled, then decoding together greedily: each step's logits [3, vocab],
+    and the expert bytes those steps read over the link."""
+    sessions = [engine.new_session() for _ in PROMPTS]
+    tokens = [int(np.argmax(s.prefill(prompt)[-1])) for s, prompt in zip(sessions, PROMPTS)]
+    stats = getattr(engine.executor, "stats", {})
+    before, rows = stats.get("streamed_bytes", 0), []
+    for _ in range(steps):
+        logits = engine.decode_batch(list(zip(sessions, tokens)))
+        rows.append(logits)
+        tokens = [int(t) for t in logits.argmax(axis=1)]
+    streamed = getattr(engine.executor, "stats", {}).get("streamed_bytes", 0) - before
+    for s in sessions:
+        s.close()
+    return np.stack(rows), streamed
+
+
+def test_several_sessions_share_the_most_used_experts(model, device):
+    """Steps of three sessions decoding together take the share too (count / k of the experts the host
+    would compute, the most used): the CPU engine's logits, some expert bytes over the link."""
+    from kestrel_stream.run.engine import Engine
+    weights, _ = model
+    if native_missing():
+        pytest.skip("no native host kernels (no C compiler)")
+    cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    expected, _ = batch_decode(cpu)
+    engine = linked_engine(weights, weights.config.num_experts_per_tok // 2)
+    ours, streamed = batch_decode(engine)
+    for step_ours, step_expected in zip(ours, expected):
+        assert_logits_match(step_ours, step_expected)
+    assert streamed > 0, "three-token steps read some experts over the link"
+    engine.close()
+
+
 def test_auto_tries_counts_while_serving_and_keeps_one(model, device, capsys):
     """KESTREL_LINK_EXPERTS=auto: replays try counts from 0 up (0 included: the device finds no expert and
     still hands back a zero sum), a few steps each, then keep the one measured fastest; the logits are the

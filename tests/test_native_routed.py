@@ -200,6 +200,67 @@ def test_the_experts_op_is_its_experts_linears_bit_for_bit(weights, T, isa):
     assert np.array_equal(got, x + out)
 
 
+@pytest.mark.parametrize("T, count", [(1, 1), (4, 1), (4, 2), (6, 2)])
+def test_an_armed_link_share_gives_the_device_the_most_used_experts(weights, T, count):
+    """ks_experts with its link share armed (host_moe.c's share_link, as inside a step graph): the experts it
+    gives the device are the most used of its own (one token: its last `count` choices; T tokens: count / k
+    of them, rounded), their grouping in moe.cu's layout (tokens ascending within each), `ready` raised;
+    it computes the others, waits for `done` and adds each token's sum from `out` -- here a thread plays the
+    device with the experts' bound Linears -- and the whole is the op's without a share."""
+    import threading
+    from kestrel_stream.native.routed import LinkSpec
+    c = weights.config
+    E, k, H = c.num_experts, c.num_experts_per_tok, c.hidden_size
+    backend = HostBackend(weights, options=NATIVE)
+    op, _ = layer_op(backend, "experts", T)
+    bound = native_experts(backend, op)
+    x = np.random.default_rng(6).standard_normal((T, H)).astype(np.float32)
+    rows = route_rows([[1, 3] if t % 3 == 0 else [3, t % E] if t % 3 == 1 else [0, 1] for t in range(T)], seed=T)
+    whole = x.copy()
+    bound(whole, rows)
+    ids = rows[:, :k].astype(int)
+    groups, table = np.zeros(2 * (E + 1) + 2 * T * k + T * E, np.int32), np.zeros(E, np.int32)
+    out, words, scratch = np.zeros((T, H), np.float32), np.zeros(2, np.uint32), np.zeros(2 * E, np.int32)
+    spec = LinkSpec(count=count, armed=1, item=1, groups=groups.ctypes.data, table=table.ctypes.data,
+                    out=out.ctypes.data, ready=words.ctypes.data, done=words.ctypes.data + 4, max_tokens=16,
+                    scratch=scratch.ctypes.data)
+
+    def device() -> None:                 # reads the grouping the host wrote, computes those experts' sums
+        while words[0] < 1:
+            pass
+        xn = backend.kernels.rmsnorm(x, backend.norm(op.prologue), c.rms_norm_eps)
+        for e in np.nonzero(table >= 0)[0]:
+            tokens, slot = np.nonzero(ids == e)
+            gate_up, down = bound.linears[e]
+            out[tokens] += rows[tokens, k + slot, None] * down(gate_up(xn[tokens]))
+        words[1] = 1
+
+    helper = threading.Thread(target=device)
+    helper.start()
+    bound.share_link(spec)
+    got = x.copy()
+    try:
+        bound(got, rows)
+    finally:
+        bound.share_link(None)
+        helper.join()
+    uses = np.bincount(ids.reshape(-1), minlength=E)
+    given = np.nonzero(table >= 0)[0]
+    want = min(count, k) if T == 1 else (count * np.count_nonzero(uses) + k // 2) // k
+    assert spec.shared == len(given) == want
+    assert uses[given].min() >= uses[np.setdiff1d(np.nonzero(uses)[0], given)].max(initial=0)   # the most used
+    if T == 1:
+        assert sorted(given) == sorted(ids[0, k - count:])                # one token: its last choices
+    offsets, active, sorted_ = groups[:E + 1], groups[E + 1:2 * E + 2], groups[2 * E + 2:2 * E + 2 + T * k]
+    position = groups[2 * E + 2 + T * k:2 * E + 2 + 2 * T * k]
+    assert list(active[:active[E]]) == list(given)
+    for e in given:
+        choices = sorted_[offsets[e]:offsets[e + 1]]
+        assert list(choices) == [a for a in range(T * k) if ids[a // k, a % k] == e]   # tokens ascending
+        assert all(position[a] == p for p, a in enumerate(choices, offsets[e]))
+    np.testing.assert_allclose(got, whole, rtol=0, atol=1e-5 * np.abs(whole).max())
+
+
 def test_router_choices_and_ties_are_routes(weights):
     """The native router's choices are arithmetic.route's (ties to the lowest id: a router of equal rows,
     and one of zeros), its weights within float32 rounding, and it counts each choice."""

@@ -57,8 +57,9 @@ typedef struct {
     int64_t *counts;
 } ks_router_t;
 
-/* A routed layer's link share (host_moe.c, run/device/expert_link.py): inside a step graph at one token, the
-   last `count` of the token's host-side choices (route order) are the device's, which reads those experts
+/* A routed layer's link share (host_moe.c, run/device/expert_link.py): inside a step graph of up to
+   max_tokens tokens, some of the experts this side would compute are the device's (one token: the last
+   `count` of its host-side choices; T tokens: count / k of those experts, the most used), which reads them
    over PCIe from pinned images while the host computes the rest.  The host writes their grouping (moe.cu's
    layout: offsets, active, sorted, position) and slot table into pinned memory, stores `item` into `ready`,
    and before its sum's end waits for `done` to hold `item` and adds `out` (their weighted sum).  Armed
@@ -67,12 +68,14 @@ typedef struct {
 typedef struct {
     int count, armed;
     uint32_t item;
-    int *groups, *table;            /* pinned: group_ints(E, 1, k) ints; E ints (the image's slot, or -1) */
-    const float *out;               /* pinned [H] */
+    int *groups, *table;            /* pinned: group_ints(E, max_tokens, k) ints; E ints (the image's slot, or -1) */
+    const float *out;               /* pinned [max_tokens, H] */
     uint32_t *ready, *done;         /* pinned words (atomic) */
-    int shared;                     /* written: the choices the last armed call gave the device */
-    int calls;                      /* written: armed calls so far, and their nanoseconds (link_tuner.py) */
+    int shared;                     /* written: the experts the last armed call gave the device */
+    int calls;                      /* written: armed one-token calls so far, and their ns (link_tuner.py) */
     long long ns;
+    int max_tokens;                 /* the largest step it takes */
+    int *scratch;                   /* 2 E ints */
 } ks_link_t;
 
 /* A routed layer's experts (host_moe.c), bound once: each expert's gate|up (glu) and down Linear, NULL

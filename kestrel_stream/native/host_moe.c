@@ -125,34 +125,56 @@ int ks_route(const ks_router_t *s, const float *x, ptrdiff_t x_stride, int T, fl
 
 /* ---------------------------------------------------------------- the link share */
 
-/* One token's link choices: the last `count` of its host-side choices in route order (linked[j] = 1), written
-   for the device as moe.cu reads a grouping (offsets [E + 1], active [E + 1], sorted [k], position [k]) with
-   the image's slot table (expert e at slot e, -1 elsewhere), then `ready` = item -- also when there are none
-   (the device's launches then find no expert and its sum is 0).  Returns how many. */
-static int share_link(const ks_experts_t *s, const float *route, int *linked) {
+/* The link's experts of a step of T tokens (at most link->max_tokens), written for the device as moe.cu reads
+   a grouping (offsets [E + 1], active [E + 1], sorted [T k], position [T k]: the linked experts' choices,
+   tokens ascending within each) with the image's slot table (expert e at slot e, -1 elsewhere), then
+   `ready` = item -- also when there are none (the device's launches then find no expert and its sums are
+   0).  Which: of the experts this side would compute, those chosen by the most tokens (each read once serves
+   them all), ties to the one chosen last in route order -- at one token, the last `count` of its host-side
+   choices; at T tokens, count / k of those experts (the share the count gives one token).  Returns how
+   many experts; table[e] >= 0 marks them for the caller. */
+static int share_link(const ks_experts_t *s, const float *route, ptrdiff_t route_stride, int T) {
     ks_link_t *l = s->link;
-    const int E = s->E, k = s->k;
+    const int E = s->E, k = s->k, A = T * k;
+    int *offsets = l->groups, *active = offsets + E + 1, *sorted = active + E + 1, *position = sorted + A;
+    int *uses = l->scratch, *last = l->scratch + E;        /* each expert's choices here, its last one */
+    for (int e = 0; e < E; e++) uses[e] = 0, last[e] = -1, l->table[e] = -1;
+    int candidates = 0;
+    for (int a = 0; a < A; a++) {
+        const int e = (int)route[route_stride * (a / k) + a % k];
+        if (!s->gate_up[e]) continue;
+        candidates += uses[e]++ == 0;
+        last[e] = a;
+    }
+    const int want = T == 1 ? l->count : (l->count * candidates + k / 2) / k;
     int n = 0;
-    for (int j = k - 1; j >= 0 && n < l->count; j--)
-        if (s->gate_up[(int)route[j]]) linked[j] = 1, n++;
-    l->shared = n;                  /* none (every choice the device's or resident): an empty grouping */
-    int *offsets = l->groups, *active = offsets + E + 1, *sorted = active + E + 1, *position = sorted + k;
-    for (int e = 0; e < E; e++) l->table[e] = -1;
+    for (; n < want && n < candidates; n++) {      /* the most used, then the last chosen (a few dozen experts) */
+        int best = -1;
+        for (int e = 0; e < E; e++)
+            if (uses[e] && l->table[e] < 0 && (best < 0 || uses[e] > uses[best] ||
+                                                (uses[e] == uses[best] && last[e] > last[best])))
+                best = e;
+        l->table[best] = best;
+    }
+    l->shared = n;
     memset(offsets, 0, sizeof(int) * (size_t)(E + 1));
-    for (int j = 0; j < k; j++)
-        if (linked[j]) offsets[(int)route[j] + 1]++, l->table[(int)route[j]] = (int)route[j];
+    for (int a = 0; a < A; a++) {
+        const int e = (int)route[route_stride * (a / k) + a % k];
+        if (l->table[e] >= 0) offsets[e + 1]++;
+    }
     int m = 0;
     for (int e = 0; e < E; e++) {
         if (offsets[e + 1]) active[m++] = e;
         offsets[e + 1] += offsets[e];
     }
     active[E] = m;
-    for (int j = 0; j < k; j++) position[j] = 0;
-    for (int j = 0; j < k; j++)
-        if (linked[j]) {
-            const int p = offsets[(int)route[j]];      /* one choice an expert at one token */
-            sorted[p] = j, position[j] = p;
-        }
+    for (int a = 0; a < A; a++) position[a] = 0;
+    int *at = uses;                 /* each linked expert's next row */
+    memcpy(at, offsets, sizeof(int) * (size_t)E);
+    for (int a = 0; a < A; a++) {   /* choices in order: tokens ascending within an expert */
+        const int e = (int)route[route_stride * (a / k) + a % k];
+        if (l->table[e] >= 0) sorted[at[e]] = a, position[a] = at[e]++;
+    }
     atomic_store_explicit((_Atomic uint32_t *)l->ready, l->item, memory_order_release);
     return n;
 }
@@ -211,24 +233,24 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
     int *counts = (int *)(outs + E);
     ks_rmsnorm(x, x_stride, T, H, s->norm, 1, s->eps, xn, H, s->threads);
     memset(sum, 0, sizeof(float) * (size_t)T * H);
-    /* the link share's choices (one token, inside a step graph): the device's from here on */
-    int linked[KS_MAX_CHOICES] = {0}, shared = 0;
+    /* the link share's experts (inside a step graph): the device's from here on */
     ks_link_t *link = s->link;
-    const int handing = link && link->armed && T == 1;      /* the device waits for it (count 0: for nothing) */
-    if (handing) shared = share_link(s, route, linked);
+    const int handing = link && link->armed && T <= link->max_tokens;  /* the device waits (count 0: for nothing) */
+    const int shared = handing ? share_link(s, route, route_stride, T) : 0;
+#define LINKED(e) (shared && link->table[e] >= 0)
     /* this side's choices grouped by expert, tokens ascending within each (a counting sort) */
     memset(first, 0, sizeof(int) * (size_t)(E + 1));
     for (int t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
             const int e = (int)route[route_stride * t + j];
-            if (s->gate_up[e] && !linked[j]) first[e + 1]++;
+            if (s->gate_up[e] && !LINKED(e)) first[e + 1]++;
         }
     for (int e = 0; e < E; e++) first[e + 1] += first[e];
     for (int t = 0; t < T; t++)
         for (int j = 0; j < k; j++) {
             const float *row = route + route_stride * t;
             const int e = (int)row[j];
-            if (!s->gate_up[e] || linked[j]) continue;
+            if (!s->gate_up[e] || LINKED(e)) continue;
             int *at = &first[e];
             token[*at] = t, weight[*at] = row[k + j];
             (*at)++;
@@ -272,8 +294,8 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
             const float *m = moe_out + moe_stride * t;
             for (int c = 0; c < H; c++) o[c] = o[c] + m[c];
         }
-        if (shared)                 /* the device's weighted sum of the link choices */
-            for (int c = 0; c < H; c++) o[c] = o[c] + link->out[c];
+        if (shared)                 /* the device's weighted sum of the link's experts */
+            for (int c = 0; c < H; c++) o[c] = o[c] + link->out[(ptrdiff_t)H * t + c];
         for (int c = 0; c < H; c++) xr[c] = xr[c] + o[c];
     }
     if (T == 1) {
@@ -282,4 +304,5 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
         if (handing) link->calls++, link->ns += ns;
     }
     return 0;
+#undef LINKED
 }

@@ -6,8 +6,8 @@ second, replayed after.  Only where every host segment after the first device on
 the pinned state (NativeProgram.node: no embed, no sessions' caches), at least one, in a step that takes
 graphs as a segment does (at most SEGMENT_GRAPH_MAX_TOKENS tokens, no ring, no tree, untraced).
 
-At one token, a routed layer's host item may come with its link share (device/expert_link.py): the device
-computes some of the token's host-side expert choices from pinned images while the item runs.
+In a step of a few tokens, a routed layer's host item may come with its link share (device/expert_link.py):
+the device computes some of the experts the host would from pinned images while the item runs.
 """
 from __future__ import annotations
 
@@ -113,26 +113,27 @@ class ItemGraphs:
             native.count_run(state.T, failed)
 
     def link_share(self, native, state: SegmentState):
-        """For a captured one-token host segment whose one routed layer has a link share: its device side,
-        enqueued while the host item runs (HostNodes.hand_over's meanwhile); else None."""
-        if self.link is None or state.T != 1:
+        """For a captured host segment whose one routed layer has a link share, in a step the share takes
+        (ExpertLink.takes): its device side, enqueued while the host item runs (HostNodes.hand_over's
+        meanwhile); else None."""
+        if self.link is None or state.T > self.link.max_tokens:
             return None
         linked = [(layer, bound) for layer, (bound, _) in zip(native.routed_layers, native.routed)
                   if layer in self.link.parts]
-        if len(linked) != 1:
-            return None
-        (layer, bound), s = linked[0], self.steps
+        (layer, bound), s = linked[0] if len(linked) == 1 else (None, None), self.steps
         b = s.backend
+        if layer is None or not self.link.takes(b.kernels, layer, state.T):
+            return None
         (ready, done), words = self.nodes.link_words
         spec = self.link.spec(layer, ready, done)
         bound.share_link(spec)
 
         def meanwhile(item: int) -> None:
             state.links.append((spec, item))
-            self.link.enqueue(state.stream, b.kernels, layer, item, words, b.state.moe, b.state)
+            self.link.enqueue(state.stream, b.kernels, layer, state.T, item, words, b.state.moe, b.state)
             s.counters.launches += 3                            # gate_up, down, combine
             s.counters.h2d_bytes += self.link.group_bytes + self.link.table_bytes
-            s.counters.d2h_bytes += 4 * s.config.hidden_size
+            s.counters.d2h_bytes += 4 * s.config.hidden_size * state.T       # the sums, written over the link
         return meanwhile
 
     def drop(self) -> None:

@@ -1,18 +1,22 @@
-"""Mode offload's link share of a routed layer's host experts: at one token, inside a step graph with host
-items (run/host_nodes.py), the last `count` of the token's host-side choices go to the device, which reads
-those experts straight from pinned images over PCIe (zero-copy) while the host's cores compute the others.
-Both draw on the host memory pool, where the cores alone leave the link idle (scheduler/offload.py's
-roofline: cores and DMA together carry up to ~1.5x what the cores carry alone).
+"""Mode offload's link share of a routed layer's host experts: inside a step graph with host items
+(run/host_nodes.py) of up to LINK_MAX_TOKENS tokens, some of the experts the host would compute go to the
+device, which reads them straight from pinned images over PCIe (zero-copy) while the host's cores compute
+the others.  At one token: the last `count` of the token's host-side choices; at T tokens: count / k of the
+experts the host would compute, the most used first (each read once serves all its tokens, which is what
+makes a share of several sessions' step worth more than one token's).  Both draw on the host memory pool,
+where the cores alone leave the link idle (scheduler/offload.py's roofline: cores and DMA together carry up
+to ~1.5x what the cores carry alone).
 
 The host decides the share when its item starts (native/host_moe.c: share_link writes the grouping and slot
 table into pinned memory, then the `ready` word); the graph, at that layer's item, waits for `ready`, copies
 the grouping and table to the device (one copy), runs the expert GEMVs over the layer's image and moe_combine
-into a sum of their weighted rows, written straight into pinned memory, then writes `done` (its fence makes
-the sum visible first); the host adds the sum to its own before its item ends.  Eager steps (the first of a
-size, a trace) leave the share unarmed: the host computes every choice.
+into each token's sum of their weighted rows, written straight into pinned memory, then writes `done` (its
+fence makes the sums visible first); the host adds them to its own before its item ends.  Eager steps (the
+first of a size, a trace) leave the share unarmed: the host computes every choice.  Steps whose expert
+kernels would be the grouped GEMM (many tokens an expert) do not share (ExpertLink.takes).
 
 Per layer: its image (expert_ring.layer_image) and its LinkSpec (its item number).  Shared by every layer
-(one hand-off at a time): the pinned grouping, table and sum, the device copy of the grouping and table.
+(one hand-off at a time): the pinned grouping, table and sums, the device copy of the grouping and table.
 """
 from __future__ import annotations
 
@@ -21,10 +25,12 @@ import sys
 import numpy as np
 
 from kestrel_stream.cuda import driver
-from kestrel_stream.cuda.moe_kernels import PoolPart, combine_launch, experts_launch, group_ints
+from kestrel_stream.cuda.moe_kernels import PoolPart, combine_launch, experts_kernel, experts_launch, group_ints
 from kestrel_stream.native.routed import LinkSpec
 from kestrel_stream.run.device.expert_ring import layer_image
 from scheduler.link_tuner import LinkTuner
+
+LINK_MAX_TOKENS = 16           # steps up to this many tokens share (decode, a few sessions together)
 
 
 class ExpertLink:
@@ -47,9 +53,12 @@ class ExpertLink:
         except BaseException:
             self.close()
             raise
-        self.group_bytes, self.table_bytes = 4 * group_ints(E, 1, k), 4 * E
-        self.pinned = driver.PinnedBuffer(self.group_bytes + self.table_bytes + 4 * H)
+        T = self.max_tokens = LINK_MAX_TOKENS
+        self.group_bytes, self.table_bytes = 4 * group_ints(E, T, k), 4 * E
+        self.pinned = driver.PinnedBuffer(self.group_bytes + self.table_bytes + 4 * H * T)
         self.pinned.view(np.int32, (E,), self.group_bytes)[:] = -1
+        self.scratch = np.zeros(2 * E, np.int32)          # share_link's counts (host memory, not pinned)
+        self._takes: dict = {}
         # the grouping and table copied in one piece (adjacent here as in the pinned buffer); the sum written
         # by moe_combine straight into the pinned buffer (mapped), where the host reads it
         self.memory = driver.Arena(self.group_bytes + self.table_bytes + 1024)
@@ -85,28 +94,42 @@ class ExpertLink:
     def image_bytes(self) -> int:
         return sum(buffer.nbytes for buffer, _ in self.images.values())
 
+    def takes(self, kernels, layer: int, tokens: int) -> bool:
+        """Whether a step of `tokens` tokens shares the layer's experts: at most max_tokens, and its expert
+        kernels the GEMVs (which read each expert once per 8 tokens; the grouped GEMM is left to VRAM)."""
+        key = (self.store.formats[layer], tokens)
+        if key not in self._takes:
+            c = self.config
+            shape = dict(experts=c.num_experts, chosen=c.num_experts_per_tok, tokens=tokens)
+            self._takes[key] = tokens <= self.max_tokens and not any(
+                experts_kernel(kernels, fmt, **shape).startswith("moe_mma_") for fmt in key[0])
+        return self._takes[key]
+
     def spec(self, layer: int, ready: int, done: int) -> LinkSpec:
         """The layer's ks_link_t (host addresses of the words `ready` and `done`), made once."""
         if layer not in self.specs:
             address = self.pinned.address
             self.specs[layer] = LinkSpec(count=self.count, armed=0, item=0, groups=address,
                                          table=address + self.group_bytes,
-                                         out=address + self.group_bytes + self.table_bytes, ready=ready, done=done)
+                                         out=address + self.group_bytes + self.table_bytes, ready=ready, done=done,
+                                         max_tokens=self.max_tokens, scratch=self.scratch.ctypes.data)
         return self.specs[layer]
 
     def step_bytes(self, spec) -> int:
         """The expert bytes a replay read over the link for the layer of `spec` (its host wrote how many)."""
         return spec.shared * self.expert_bytes
 
-    def enqueue(self, stream, kernels, layer: int, item: int, words: tuple[int, int], buffers, state) -> None:
-        """Inside a capture, at the layer's host item `item`: wait for the host's share, run it on the device
-        over the layer's image, bring its sum back, say so.  words: the device's addresses of ready and
-        done; buffers: the step's MoeBuffers (route, act, expert_out); state: its DeviceState (xn, 1/rms)."""
+    def enqueue(self, stream, kernels, layer: int, tokens: int, item: int, words: tuple[int, int], buffers,
+                state) -> None:
+        """Inside a capture of a `tokens`-token step, at the layer's host item `item`: wait for the host's
+        share, run it on the device over the layer's image, write its sums, say so.  words: the device's
+        addresses of ready and done; buffers: the step's MoeBuffers (route, act, expert_out); state: its
+        DeviceState (xn, 1/rms)."""
         c = self.config
         E, k, H, I = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
         gate_up_fmt, down_fmt = self.store.formats[layer]
         gate_up_part, down_part = self.parts[layer]
-        table = dict(slot_of=self.table, groups=self.groups, experts=E, chosen=k, tokens=1)
+        table = dict(slot_of=self.table, groups=self.groups, experts=E, chosen=k, tokens=tokens)
         driver.wait_value(stream, words[0], item)
         nbytes = self.group_bytes + self.table_bytes
         driver.h2d_async(self.groups, self.pinned.view(np.uint8, (nbytes,)), nbytes, stream)
@@ -117,7 +140,7 @@ class ExpertLink:
                            y=buffers.expert_out, ldy=H, rows=H, cols=I, silu=False, **table),
             combine_launch(kernels, route=buffers.route, groups=self.groups, slot_of=self.table,
                            expert_out=buffers.expert_out, res=0, y=self.out, normw_out=0, xn_out=0, inv_rms_out=0,
-                           eps=c.rms_norm_eps, hidden=H, experts=E, chosen=k, tokens=1)]
+                           eps=c.rms_norm_eps, hidden=H, experts=E, chosen=k, tokens=tokens)]
         for launch in launches:
             launch.enqueue(stream)
         driver.write_value(stream, words[1], item)
