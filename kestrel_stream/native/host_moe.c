@@ -285,9 +285,9 @@ int ks_experts(ks_experts_t *s, float *x, ptrdiff_t x_stride, int T, const float
         for (int j = 0; j < H; j++) o[j] = o[j] + weight[c] * d[j];
     }
     s->used = used;
-    const long long t1 = handing ? clock_ns() : 0;
+    const long long t1 = handing && T == 1 ? clock_ns() : 0;
     if (handing && wait_link(link) != 0) return -1;
-    if (handing) atomic_fetch_add(&one_token[2], clock_ns() - t1), atomic_fetch_add(&one_token[3], 1);
+    if (t1) atomic_fetch_add(&one_token[2], clock_ns() - t1), atomic_fetch_add(&one_token[3], 1);
     for (int t = 0; t < T; t++) {
         float *xr = x + x_stride * t, *o = sum + (ptrdiff_t)H * t;
         if (moe_out) {

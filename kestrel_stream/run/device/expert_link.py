@@ -75,7 +75,7 @@ class ExpertLink:
         return self.tuner.count if self.tuner is not None else self.fixed
 
     def arm(self, specs) -> None:
-        """Before a replay: its layers' specs armed at today's count, their timings cleared."""
+        """Before a replay: its layers' specs armed at the current count, their timings cleared."""
         for spec, item in specs:
             spec.armed, spec.shared, spec.item, spec.count, spec.calls, spec.ns = 1, 0, item, self.count, 0, 0
 
@@ -83,12 +83,11 @@ class ExpertLink:
         """After a replay (or its failure): its specs unarmed; a tuner measures what the replay's calls took."""
         for spec, _ in specs:
             spec.armed = 0
-        if self.tuner is not None and not self.tuner.settled:
+        if self.tuner is not None:          # one-token steps' calls (the C side times only those)
+            settled = self.tuner.settled
             self.tuner.observe(sum(spec.calls for spec, _ in specs), sum(spec.ns for spec, _ in specs))
-            if self.tuner.settled:
+            if self.tuner.settled and not settled:
                 print(f"kestrel-stream: {self.tuner.describe()}", file=sys.stderr)
-        elif self.tuner is not None:
-            self.tuner.observe(sum(spec.calls for spec, _ in specs), 0)
 
     @property
     def image_bytes(self) -> int:
