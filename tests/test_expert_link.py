@@ -94,19 +94,27 @@ def batch_decode(engine, steps: int = 4) -> tuple[np.ndarray, int]:
     return np.stack(rows), streamed
 
 
-def test_several_sessions_share_the_most_used_experts(model, device):
+@pytest.mark.parametrize("link", ["half", "auto"])
+def test_several_sessions_share_the_most_used_experts(model, device, link):
     """Steps of three sessions decoding together take the share too (count / k of the experts the host
-    would compute, the most used): the CPU engine's logits, some expert bytes over the link."""
+    would compute, the most used): the CPU engine's logits, some expert bytes over the link; under auto
+    the three-token steps have a tuner of their own, trying counts from 0."""
     from kestrel_stream.run.engine import Engine
     weights, _ = model
     if native_missing():
         pytest.skip("no native host kernels (no C compiler)")
     cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
     expected, _ = batch_decode(cpu)
-    engine = linked_engine(weights, weights.config.num_experts_per_tok // 2)
+    engine = linked_engine(weights, weights.config.num_experts_per_tok // 2 if link == "half" else link)
+    share = engine.executor.steps.item_graphs.link
+    if link == "auto":
+        share.tuner.steps = 1                      # a step a count: three replays try 0, 1 (and 2 if 1 was faster)
     ours, streamed = batch_decode(engine)
     for step_ours, step_expected in zip(ours, expected):
         assert_logits_match(step_ours, step_expected)
+    if link == "auto":
+        assert sorted(share.tuners) == [1, 3] and list(share.tuners[3].tried)[:2] == [0, 1]
+        assert not share.tuners[1].tried               # no one-token replay yet
     assert streamed > 0, "three-token steps read some experts over the link"
     engine.close()
 

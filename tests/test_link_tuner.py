@@ -44,3 +44,10 @@ def test_steps_without_armed_calls_measure_nothing_and_retune_restarts():
     assert tuner.settled and tuner.count == 1
     drive(tuner, {0: 500.0, 1: 400.0, 2: 450.0}, 3)          # `retune` steps later: from 0 again
     assert not tuner.settled and tuner.count == 0 and not tuner.tried
+
+
+def test_a_step_size_of_several_tokens_names_its_share():
+    tuner = LinkTuner(most=7, steps=1, tokens=16, chosen=8)
+    drive(tuner, {0: 900.0, 1: 800.0, 2: 700.0, 3: 650.0, 4: 640.0, 5: 700.0, 6: 0.0, 7: 0.0}, 6)
+    assert tuner.settled and tuner.count == 4
+    assert tuner.describe().startswith("link share at 16 tokens: kept 4 / 8 of the host's experts")

@@ -72,7 +72,7 @@ typedef struct {
     const float *out;               /* pinned [max_tokens, H] */
     uint32_t *ready, *done;         /* pinned words (atomic) */
     int shared;                     /* written: the experts the last armed call gave the device */
-    int calls;                      /* written: armed one-token calls so far, and their ns (link_tuner.py) */
+    int calls;                      /* written: armed calls so far, and their ns (link_tuner.py) */
     long long ns;
     int max_tokens;                 /* the largest step it takes */
     int *scratch;                   /* 2 E ints */

@@ -89,7 +89,7 @@ class ItemGraphs:
         if self._done is None:                 # the host's wait sleeps: the library's thread and pool need the cores
             self._done = driver.Event(name="step graph done", blocking=True)
         if made[4]:                            # the link shares run only inside the graph, as its items
-            self.link.arm(made[4])
+            self.link.arm(made[4], state.T)
         self.nodes.begin(made[3])
         try:
             made[0].launch(stream)
@@ -100,7 +100,7 @@ class ItemGraphs:
             raise
         finally:
             if made[4]:
-                self.link.disarm(made[4])
+                self.link.disarm(made[4], state.T)
         missed = self.nodes.end()
         if missed:
             raise driver.CudaError(f"step graph: host item {-missed} of {len(made[3][2])} never had the device's word")

@@ -40,7 +40,7 @@ class ExpertLink:
         host experts share (every one with host experts)."""
         c = store.config
         E, k, H = c.num_experts, c.num_experts_per_tok, c.hidden_size
-        self.tuner = LinkTuner(max(1, k // 2)) if count == "auto" else None
+        self.tuners = {1: LinkTuner(max(1, k // 2))} if count == "auto" else {}     # step size -> its tuner
         self.store, self.fixed, self.config = store, 0 if count == "auto" else int(count), c
         self.images, self.parts = {}, {}
         try:
@@ -70,24 +70,40 @@ class ExpertLink:
         self.expert_bytes = lay.gate_up_qs + lay.gate_up_meta + lay.down_qs + lay.down_meta
 
     @property
+    def tuner(self) -> LinkTuner | None:
+        """The one-token steps' tuner (auto), or None."""
+        return self.tuners.get(1)
+
+    @property
     def count(self) -> int:
-        """The choices a token the next replay gives the device."""
-        return self.tuner.count if self.tuner is not None else self.fixed
+        """The choices a token the next one-token replay gives the device."""
+        return self.count_at(1)
 
-    def arm(self, specs) -> None:
-        """Before a replay: its layers' specs armed at the current count, their timings cleared."""
+    def count_at(self, tokens: int) -> int:
+        """The count a replay of `tokens` tokens gives the device (above one: a share, count / k)."""
+        if not self.tuners:
+            return self.fixed
+        if tokens not in self.tuners:
+            k = self.config.num_experts_per_tok
+            self.tuners[tokens] = LinkTuner(max(1, k - 1), steps=self.tuner.steps, tokens=tokens, chosen=k)
+        return self.tuners[tokens].count
+
+    def arm(self, specs, tokens: int) -> None:
+        """Before a replay of `tokens` tokens: its layers' specs armed at that size's count, timings cleared."""
+        count = self.count_at(tokens)
         for spec, item in specs:
-            spec.armed, spec.shared, spec.item, spec.count, spec.calls, spec.ns = 1, 0, item, self.count, 0, 0
+            spec.armed, spec.shared, spec.item, spec.count, spec.calls, spec.ns = 1, 0, item, count, 0, 0
 
-    def disarm(self, specs) -> None:
-        """After a replay (or its failure): its specs unarmed; a tuner measures what the replay's calls took."""
+    def disarm(self, specs, tokens: int) -> None:
+        """After a replay (or its failure): its specs unarmed; the size's tuner measures what its calls took."""
         for spec, _ in specs:
             spec.armed = 0
-        if self.tuner is not None:          # one-token steps' calls (the C side times only those)
-            settled = self.tuner.settled
-            self.tuner.observe(sum(spec.calls for spec, _ in specs), sum(spec.ns for spec, _ in specs))
-            if self.tuner.settled and not settled:
-                print(f"kestrel-stream: {self.tuner.describe()}", file=sys.stderr)
+        tuner = self.tuners.get(tokens)
+        if tuner is not None:
+            settled = tuner.settled
+            tuner.observe(sum(spec.calls for spec, _ in specs), sum(spec.ns for spec, _ in specs))
+            if tuner.settled and not settled:
+                print(f"kestrel-stream: {tuner.describe()}", file=sys.stderr)
 
     @property
     def image_bytes(self) -> int:
