@@ -27,7 +27,8 @@ thread's waits for the device's word between them (device_waits_ms: the device's
 host wait a host segment, where 1 runs it as one graph with host items).
 --link-experts N ...: each ring-off offload row once per value (run/device/expert_link.py: at one token, N of a
 token's host-side expert choices read by the GPU from pinned images over PCIe while the host computes the rest;
-auto: the count scheduler/link_tuner.py keeps after trying them while decoding, in link_kept).
+auto: the counts scheduler/link_tuner.py keeps after trying them while decoding, in link_kept as
+tokens:count for each step size, "?" where still trying).
 --stream: each offload budget once per KESTREL_STREAM_EXPERTS value (off: every non-resident expert on the host,
 today's rows; auto: the experts' ring where the cost model predicts it pays and the budget holds it; on: a ring
 or the budget refused).  A row with a ring ("experts:F ring auto") runs offload steps of up to --stream-chunk
@@ -233,6 +234,9 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
         step = min(args.prompt, step_rows(args.max_batch)[0])
         row["pp_experts_kernels"] = experts_kernels(weights, engine.options, step)
     if args.sessions:
+        share = getattr(getattr(x.steps, "item_graphs", None), "link", None)
+        if share is not None and share.tuners:       # auto: the sessions' step size tunes its share first
+            batch_rate(engine, args.sessions, 64)
         row["ours_batch_tok_s"] = round(batch_rate(engine, args.sessions, 32), 1)
     resident = x.resident_experts
     if x.mode == "offload":
@@ -245,8 +249,9 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
                    predicted_ms=round(p.predicted.total_us / 1e3, 3), experts_off_MB=round(off_bytes / 1e6, 3),
                    host_roofline_tok_s=round(roofline_tok_s, 1), of_host_roofline=round(rate / roofline_tok_s, 3))
         share = x.steps.item_graphs.link if hasattr(x.steps, "item_graphs") else None
-        if share is not None and share.tuner is not None:   # auto: the count it kept (or was trying)
-            row["link_kept"] = share.count if share.tuner.settled else f"trying {share.count}"
+        if share is not None and share.tuner is not None:   # auto: the counts kept (or being tried) by step size
+            row["link_kept"] = " ".join(f"{t}:{tuner.count}" + ("" if tuner.settled else "?")
+                                        for t, tuner in sorted(share.tuners.items()))
         if times and times["steps"]:                     # a decode step as one graph: its host items, the waits
             row["host_items_ms"] = round(times["items_us"] / 1e3, 3)
             row["device_waits_ms"] = round(times["waits_us"] / 1e3, 3)
