@@ -15,7 +15,7 @@ from hf_oracle import relative_error
 from kestrel_stream.cuda import driver
 from kestrel_stream.obs import trace
 from kestrel_stream.options import Options
-from kestrel_stream.run.host_nodes import HostNodes
+from kestrel_stream.run.host_nodes import ITEM_NORM, ITEM_PROGRAM, HostNodes
 from test_moe_offload_emulated import MODELS, PROMPTS, offload_engine
 from test_executors_emulated import CONFIGS, make_split_engine
 
@@ -77,6 +77,13 @@ def test_a_routed_offload_decode_is_one_graph_with_host_nodes(weights, device):
     assert all(step["graph_replays"] == 1 for step in steps[1:])
     for counted in ("h2d_bytes", "d2h_bytes", "launches", "gpu_weight_read_bytes", "cpu_weight_read_bytes"):
         assert [step[counted] for step in steps] == [step[counted] for step in eager_steps], counted
+    # a routed layer's experts item takes the next layer's norm input along: one hand-off each, where the
+    # norm items alone (the first, over the embedding's x) keep their own
+    (graph,) = x.steps.item_graphs._graphs.values()
+    kinds = [kind for kind, _ in graph[3][2]]
+    alone = sum(1 for i, kind in enumerate(kinds) if kind == ITEM_NORM and (i == 0 or kinds[i - 1] != ITEM_PROGRAM))
+    assert kinds.count(ITEM_PROGRAM) == host_segments and alone < kinds.count(ITEM_NORM)
+    assert x.steps.nodes.handoffs == host_segments + alone
     engine.close()
 
 

@@ -51,6 +51,7 @@ class HostNodes:
         self.driver = driver
         self.kernels, self.pinned = kernels, pinned
         self._norms: dict = {}           # (id(norm), T) -> (its NormNode, the norm and the copy it keeps alive)
+        self.handoffs = 0                # hand-offs captured so far (each one word down, one back)
         # arrived, done, and a link share's ready, done (uint32 each; expert_link.py); not allocatable in a capture
         self._words = driver.PinnedBuffer(64)
         self._words.view(np.uint32, (4,))[:] = 0
@@ -72,15 +73,20 @@ class HostNodes:
         self.kernels.norm_call(ctypes.byref(node))
 
     # ---- inside a capture: the graph's side of each hand-off ----------------------------------------
-    def hand_over(self, stream, items: list, kind: int, node, meanwhile=None) -> None:
+    def hand_over(self, stream, items: list, kind: int, node, meanwhile=None, then: tuple = ()) -> None:
         """The next item of a captured step: the device writes its number once what it reads is on the host
         (the copies enqueued before), and waits for the host's before anything after; meanwhile(n): what the
-        device does in between (a link share, expert_link.py), n the item's number."""
+        device does in between (a link share, expert_link.py), n the item's number.  then: (kind, node) items
+        the host runs right after it in the same hand-off (the library's thread serves every item up to the
+        number the device wrote)."""
         items.append((kind, node))
+        number = len(items)
+        items.extend(then)
         self.driver.write_value(stream, self._device_words[0], len(items))
         if meanwhile is not None:
-            meanwhile(len(items))
+            meanwhile(number)
         self.driver.wait_value(stream, self._device_words[1], len(items))
+        self.handoffs += 1
 
     @property
     def link_words(self) -> tuple[tuple[int, int], tuple[int, int]]:

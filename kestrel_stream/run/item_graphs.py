@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import scheduler
 from kestrel_stream.obs import prof, trace
+from kestrel_stream.run.host_nodes import ITEM_PROGRAM
 
 if TYPE_CHECKING:
     from kestrel_stream.run.segment_state import SegmentState
@@ -111,6 +113,31 @@ class ItemGraphs:
         for native, node in made[2]:
             failed, node.status = node.status, 0
             native.count_run(state.T, failed)
+
+    def host_item(self, plan, index: int, state: SegmentState, lm, native) -> tuple:
+        """Inside a capture: host segment `index` (one native call) handed over as an item, with the next
+        device segment's norm input over the x it writes made in the same hand-off (one word each way where
+        two items took two), and its link share; (native, its node) for the replays' counters."""
+        s = self.steps
+        node = native.node(state)
+        norm = self._norm_after(plan, index, state, lm) if "x" in native.outputs else None
+        then = (state.norm_item(norm, s.config.rms_norm_eps),) if norm is not None else ()
+        self.nodes.hand_over(state.stream, state.items, ITEM_PROGRAM, node, self.link_share(native, state), then)
+        for name in native.outputs:
+            state.host_wrote(name)
+        if norm is not None:
+            state.xn_made(norm)
+        return native, node
+
+    def _norm_after(self, plan, index: int, state: SegmentState, lm):
+        """The norm whose xn the device segment after segment `index` takes from the host first (its first
+        op's prologue), or None."""
+        segments = plan.segments
+        if index + 1 >= len(segments) or segments[index + 1].side != "gpu":
+            return None
+        ops = [op for op in segments[index + 1].ops if scheduler.runs_alone(op)]
+        reads, prologue = self.steps._prepared_for(ops[0], state.T, lm)[:2] if ops else ((), None)
+        return prologue if "xn" in reads and prologue is not None else None
 
     def link_share(self, native, state: SegmentState):
         """For a captured host segment whose one routed layer has a link share, in a step the share takes

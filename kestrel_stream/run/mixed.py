@@ -51,7 +51,7 @@ from kestrel_stream.model.op_tensors import norm_weight
 from kestrel_stream.obs import prof, trace
 from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.pool_spin import spinning_step
-from kestrel_stream.run.host_nodes import ITEM_PROGRAM, HostNodes
+from kestrel_stream.run.host_nodes import HostNodes
 from kestrel_stream.run.item_graphs import SEGMENT_GRAPH_MAX_TOKENS, ItemGraphs  # noqa: F401 (re-exported)
 from kestrel_stream.run.segment_state import SegmentState, uploads_go_first
 from kestrel_stream.run.steps import Steps
@@ -272,13 +272,7 @@ class MixedSteps(Steps):
                 if not state.graphing:
                     program.run(state)
                     continue
-                native = program.one_call
-                node = native.node(state)
-                self.nodes.hand_over(state.stream, state.items, ITEM_PROGRAM, node,
-                                     self.item_graphs.link_share(native, state))
-                for name in native.outputs:
-                    state.host_wrote(name)
-                nodes.append((native, node))
+                nodes.append(self.item_graphs.host_item(plan, index, state, lm, program.one_call))
                 continue
             state.call = {}
             self._device_segment(index, [op for op in segment.ops if scheduler.runs_alone(op)], state, lm)

@@ -151,6 +151,17 @@ class SegmentState:
             x = self.host["x"][:T]
             pinned.xn[:T] = x * norm
             pinned.inv_rms[:T] = 1.0 / np.sqrt(np.mean(np.square(x), axis=-1) + np.float32(eps))
+        self.xn_made(norm)
+
+    def norm_item(self, norm: np.ndarray, eps: float) -> tuple:
+        """Inside a capture: the item making xn / 1/rms of `norm` from the pinned x, for a host item to take
+        along (HostNodes.hand_over's `then`); xn_made(norm) after that hand-off uploads them."""
+        return ITEM_NORM, self.nodes.norm(norm, eps, self.T)
+
+    def xn_made(self, norm: np.ndarray) -> None:
+        """The host made xn / 1/rms of `norm` in their pinned copies (or an item handed over will have): up to
+        the device."""
+        T, pinned = self.T, self.backend.pinned
         hidden = self.widths["x"]
         self._h2d(self.dev["xn"].ptr, pinned.xn.ctypes.data, pinned.xn, T * hidden * 4)
         self._h2d(self.dev["inv_rms"].ptr, pinned.inv_rms.ctypes.data, pinned.inv_rms, T * 4)
