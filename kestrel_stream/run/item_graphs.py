@@ -39,6 +39,7 @@ class ItemGraphs:
         self._starts: dict = {}          # tokens -> the segment its graph starts at, or None: no graph
         self._seen: set = set()
         self._done = None                # the blocking event a replay's host waits on
+        self.deferrals = 0               # device experts ops captured to run during their host item (defer)
 
     def start(self, plan, state: SegmentState) -> int | None:
         """The segment a step's graph starts at (its first device segment; the host work before it runs
@@ -109,7 +110,7 @@ class ItemGraphs:
         c.syncs += 1
         c.graph_replays = (c.graph_replays or 0) + 1
         if made[4]:
-            c.streamed_bytes = (c.streamed_bytes or 0) + sum(self.link.step_bytes(spec) for spec, _ in made[4])
+            c.streamed_bytes = (c.streamed_bytes or 0) + sum(self.link.step_bytes(spec) for spec, _, _ in made[4])
         for native, node in made[2]:
             failed, node.status = node.status, 0
             native.count_run(state.T, failed)
@@ -139,28 +140,53 @@ class ItemGraphs:
         reads, prologue = self.steps._prepared_for(ops[0], state.T, lm)[:2] if ops else ((), None)
         return prologue if "xn" in reads and prologue is not None else None
 
+    def defer(self, plan, index: int, ops: list, state: SegmentState) -> list:
+        """Inside a capture, device segment `index`'s ops less the one left for later: its routed layer's
+        device experts (the resident ones; the segment's last op), where the host segment after it is that
+        layer's item with a link share -- they then run while the host computes its experts (link_share's
+        meanwhile), their sum reaching the host before the word it waits for at its end."""
+        if self.link is None or state.T > self.link.max_tokens or not ops or ops[-1].kind != "experts":
+            return ops
+        nxt, layer = index + 1, ops[-1].layer
+        if nxt >= len(plan.segments) or plan.segments[nxt].side != "cpu" or layer not in self.link.parts:
+            return ops
+        native = self.steps._host_program(state.T, nxt, plan.segments[nxt])[1].one_call
+        if native is None or native.node(state) is None or list(native.routed_layers) != [layer]:
+            return ops
+        state.deferred = ops[-1]
+        self.deferrals += 1
+        return ops[:-1]
+
     def link_share(self, native, state: SegmentState):
-        """For a captured host segment whose one routed layer has a link share, in a step the share takes
-        (ExpertLink.takes): its device side, enqueued while the host item runs (HostNodes.hand_over's
-        meanwhile); else None."""
+        """For a captured host segment whose one routed layer has a link share: its device side, enqueued while
+        the host item runs (HostNodes.hand_over's meanwhile) -- the layer's device experts deferred from the
+        segment before (defer), then, in a step the share takes (ExpertLink.takes), the share -- and a word
+        the host waits for before adding their sums; else None."""
         if self.link is None or state.T > self.link.max_tokens:
             return None
         linked = [(layer, bound) for layer, (bound, _) in zip(native.routed_layers, native.routed)
                   if layer in self.link.parts]
         (layer, bound), s = linked[0] if len(linked) == 1 else (None, None), self.steps
         b = s.backend
-        if layer is None or not self.link.takes(b.kernels, layer, state.T):
+        deferred, state.deferred = state.deferred, None
+        assert deferred is None or deferred.layer == layer, "a device experts op deferred past its own item"
+        shares = layer is not None and self.link.takes(b.kernels, layer, state.T)
+        if not shares and deferred is None:
             return None
         (ready, done), words = self.nodes.link_words
         spec = self.link.spec(layer, ready, done)
         bound.share_link(spec)
 
         def meanwhile(item: int) -> None:
-            state.links.append((spec, item))
-            self.link.enqueue(state.stream, b.kernels, layer, state.T, item, words, b.state.moe, b.state)
-            s.counters.launches += 3                            # gate_up, down, combine
-            s.counters.h2d_bytes += self.link.group_bytes + self.link.table_bytes
-            s.counters.d2h_bytes += 4 * s.config.hidden_size * state.T       # the sums, written over the link
+            state.links.append((spec, item, shares))
+            if deferred is not None:          # the resident experts' sum, down before the word
+                s._device_op(deferred, state)
+                state.to_host(["moe_out"])
+            self.link.enqueue(state.stream, b.kernels, layer, state.T, item, words, b.state.moe, b.state, shares)
+            if shares:
+                s.counters.launches += 3                        # gate_up, down, combine
+                s.counters.h2d_bytes += self.link.group_bytes + self.link.table_bytes
+                s.counters.d2h_bytes += 4 * s.config.hidden_size * state.T       # the sums, written over the link
         return meanwhile
 
     def drop(self) -> None:

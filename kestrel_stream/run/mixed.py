@@ -275,7 +275,10 @@ class MixedSteps(Steps):
                 nodes.append(self.item_graphs.host_item(plan, index, state, lm, program.one_call))
                 continue
             state.call = {}
-            self._device_segment(index, [op for op in segment.ops if scheduler.runs_alone(op)], state, lm)
+            ops = [op for op in segment.ops if scheduler.runs_alone(op)]
+            if state.graphing:            # a routed layer's device experts may wait for its host item's hand-off
+                ops = self.item_graphs.defer(plan, index, ops, state)
+            self._device_segment(index, ops, state, lm)
             if prof.enabled:      # attribute GPU time to gemm, not to the next sync
                 start = time.perf_counter()
                 state.stream.synchronize()

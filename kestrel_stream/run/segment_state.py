@@ -39,7 +39,8 @@ class SegmentState:
         # goes in as items handed over to the host library's thread (host_nodes.py), listed here in order
         self.graphing = False
         self.items: list = []
-        self.links: list = []                         # the link shares captured, (spec, item) (expert_link.py)
+        self.links: list = []                         # the link shares captured, (spec, item, shares) (expert_link.py)
+        self.deferred = None                          # a device experts op left for its host item's hand-off
         self.kernel_copy = kernel_copy
         self.backend, self.counters, self.stream, self.gpu_layers = b, counters, b.stream, gpu_layers
         self.dev, self.pinned, self.host, self.widths = b.arrays, b.pinned.buffers, b.pinned.views, b.pinned.widths

@@ -13,7 +13,9 @@ the grouping and table to the device (one copy), runs the expert GEMVs over the 
 into each token's sum of their weighted rows, written straight into pinned memory, then writes `done` (its
 fence makes the sums visible first); the host adds them to its own before its item ends.  Eager steps (the
 first of a size, a trace) leave the share unarmed: the host computes every choice.  Steps whose expert
-kernels would be the grouped GEMM (many tokens an expert) do not share (ExpertLink.takes).
+kernels would be the grouped GEMM (many tokens an expert) do not share (ExpertLink.takes).  The same hand-off
+carries the layer's resident experts (run/item_graphs.py: defer): captured after the item's word instead of
+before it, they run on the device while the host computes its own, their sum copied down before `done`.
 
 Per layer: its image (expert_ring.layer_image) and its LinkSpec (its item number).  Shared by every layer
 (one hand-off at a time): the pinned grouping, table and sums, the device copy of the grouping and table.
@@ -89,19 +91,21 @@ class ExpertLink:
         return self.tuners[tokens].count
 
     def arm(self, specs, tokens: int) -> None:
-        """Before a replay of `tokens` tokens: its layers' specs armed at that size's count, timings cleared."""
+        """Before a replay of `tokens` tokens: its layers' specs (spec, item, whether it shares) armed at that
+        size's count (0 where the step does not share: the hand-off only), timings cleared."""
         count = self.count_at(tokens)
-        for spec, item in specs:
-            spec.armed, spec.shared, spec.item, spec.count, spec.calls, spec.ns = 1, 0, item, count, 0, 0
+        for spec, item, shares in specs:
+            spec.armed, spec.shared, spec.item, spec.calls, spec.ns = 1, 0, item, 0, 0
+            spec.count = count if shares else 0
 
     def disarm(self, specs, tokens: int) -> None:
         """After a replay (or its failure): its specs unarmed; the size's tuner measures what its calls took."""
-        for spec, _ in specs:
+        for spec, _, _ in specs:
             spec.armed = 0
         tuner = self.tuners.get(tokens)
-        if tuner is not None:
+        if tuner is not None and all(shares for _, _, shares in specs):
             settled = tuner.settled
-            tuner.observe(sum(spec.calls for spec, _ in specs), sum(spec.ns for spec, _ in specs))
+            tuner.observe(sum(spec.calls for spec, _, _ in specs), sum(spec.ns for spec, _, _ in specs))
             if tuner.settled and not settled:
                 print(f"kestrel-stream: {tuner.describe()}", file=sys.stderr)
 
@@ -135,11 +139,14 @@ class ExpertLink:
         return spec.shared * self.expert_bytes
 
     def enqueue(self, stream, kernels, layer: int, tokens: int, item: int, words: tuple[int, int], buffers,
-                state) -> None:
+                state, shares: bool = True) -> None:
         """Inside a capture of a `tokens`-token step, at the layer's host item `item`: wait for the host's
-        share, run it on the device over the layer's image, write its sums, say so.  words: the device's
-        addresses of ready and done; buffers: the step's MoeBuffers (route, act, expert_out); state: its
-        DeviceState (xn, 1/rms)."""
+        share, run it on the device over the layer's image, write its sums, say so (shares=False: say so
+        only).  words: the device's addresses of ready and done; buffers: the step's MoeBuffers (route, act,
+        expert_out); state: its DeviceState (xn, 1/rms)."""
+        if not shares:
+            driver.write_value(stream, words[1], item)
+            return
         c = self.config
         E, k, H, I = c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
         gate_up_fmt, down_fmt = self.store.formats[layer]
