@@ -180,7 +180,9 @@ class ItemGraphs:
         def meanwhile(item: int) -> None:
             state.links.append((spec, item, shares))
             if deferred is not None:          # the resident experts' sum, down before the word
+                items = len(state.items)
                 s._device_op(deferred, state)
+                assert len(state.items) == items, "a deferred experts op handed an item over"
                 state.to_host(["moe_out"])
             self.link.enqueue(state.stream, b.kernels, layer, state.T, item, words, b.state.moe, b.state, shares)
             if shares:
