@@ -28,7 +28,8 @@ host wait a host segment, where 1 runs it as one graph with host items).
 --link-experts N ...: each ring-off offload row once per value (run/device/expert_link.py: at one token, N of a
 token's host-side expert choices read by the GPU from pinned images over PCIe while the host computes the rest;
 auto: the counts scheduler/link_tuner.py keeps after trying them while decoding, in link_kept as
-tokens:count for each step size, "?" where still trying).
+tokens:count for each step size, "?" where still trying; defer: none over the link, only the resident experts
+run during the host's).
 --stream: each offload budget once per KESTREL_STREAM_EXPERTS value (off: every non-resident expert on the host,
 today's rows; auto: the experts' ring where the cost model predicts it pays and the budget holds it; on: a ring
 or the budget refused).  A row with a ring ("experts:F ring auto") runs offload steps of up to --stream-chunk
@@ -178,11 +179,11 @@ def experts_kernels(weights, options, tokens: int) -> str:
 
 
 def link_count(text: str) -> int | str:
-    """--link-experts: a count of choices, or auto."""
-    if text == "auto":
+    """--link-experts: a count of choices, auto or defer."""
+    if text in ("auto", "defer"):
         return text
     if not text.isdigit():
-        raise argparse.ArgumentTypeError(f"{text!r}: a number of choices >= 0, or auto")
+        raise argparse.ArgumentTypeError(f"{text!r}: a number of choices >= 0, auto or defer")
     return int(text)
 
 

@@ -31,7 +31,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_MOE_MMA_TILE=BMxBN   force one tile of that GEMM (cuda/moe_kernels.MMA_TILES: 16x64 | 32x64 | 64x64)
     KESTREL_LINK_EXPERTS=N    mode offload, one token: N of a token's host-side expert choices read by the GPU
                               over PCIe while the host computes the rest (run/device/expert_link.py; default 0);
-                              auto: the count measured fastest while serving (scheduler/link_tuner.py)
+                              auto: the count measured fastest while serving (scheduler/link_tuner.py);
+                              defer: none over the link, only the resident experts run during the host's
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
     KESTREL_HOST_KERNELS=numpy  the host backend multiplies on float32 copies with numpy (the reference
@@ -84,7 +85,7 @@ class Options:
     step_graphs: bool = True                 # one session's steps of 2..64 tokens as graphs (device/step_graphs.py)
     host_nodes: bool = True                  # mixed steps as one graph with host nodes (run/host_nodes.py)
     link_experts: int | str = 0              # one-token offload steps: host-side choices the GPU reads over PCIe,
-                                             # or "auto" (scheduler/link_tuner.py)
+                                             # "auto" (scheduler/link_tuner.py) or "defer" (none, no images)
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
@@ -258,13 +259,14 @@ def _tokens(text: str | None, name: str, unit: str = "tokens") -> int | None:
 
 
 def _link_experts(text: str | None) -> int | str:
-    """KESTREL_LINK_EXPERTS: a count of choices (0: off) or "auto"."""
-    if (text or "").strip().lower() == "auto":
-        return "auto"
+    """KESTREL_LINK_EXPERTS: a count of choices (0: off), "auto" or "defer"."""
+    if (text or "").strip().lower() in ("auto", "defer"):
+        return text.strip().lower()
     try:
         return _tokens(text, "KESTREL_LINK_EXPERTS", "choices") or 0
     except ValueError:
-        raise ValueError(f"KESTREL_LINK_EXPERTS={text!r}: expected a number of choices >= 0 (0: off) or auto") from None
+        raise ValueError(f"KESTREL_LINK_EXPERTS={text!r}: expected a number of choices >= 0 (0: off), auto or "
+                         "defer") from None
 
 
 def _minflop(text: str | None) -> float | None:

@@ -79,6 +79,23 @@ def test_the_host_reads_fewer_expert_bytes_with_a_share(model, device):
     assert per_step[2]["cpu_weight_read_bytes"] < per_step[0]["cpu_weight_read_bytes"]
 
 
+def test_defer_runs_the_resident_experts_during_the_host_item(model, device):
+    """KESTREL_LINK_EXPERTS=defer: no images, no expert over the link; the hand-off carries a layer's resident
+    experts (captured after the item's word): the CPU engine's logits, none streamed, some deferred."""
+    weights, reference = model
+    if native_missing():
+        pytest.skip("no native host kernels (no C compiler)")
+    engine = linked_engine(weights, "defer")
+    x = engine.executor
+    link = x.steps.item_graphs.link
+    assert link is not None and link.image_bytes == 0 and not link.parts and link.layers
+    for prompt, expected in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected)
+    assert x.stats.get("streamed_bytes", 0) == 0 and x.stats["graph_replays"] > 0
+    assert x.steps.item_graphs.deferrals > 0
+    engine.close()
+
+
 def batch_decode(engine, steps: int = 4) -> tuple[np.ndarray, int]:
     """Three sessions (PROMPTS) prefilled, then decoding together greedily: each step's logits [3, vocab],
     and the expert bytes those steps read over the link."""

@@ -148,7 +148,7 @@ class ItemGraphs:
         if self.link is None or state.T > self.link.max_tokens or not ops or ops[-1].kind != "experts":
             return ops
         nxt, layer = index + 1, ops[-1].layer
-        if nxt >= len(plan.segments) or plan.segments[nxt].side != "cpu" or layer not in self.link.parts:
+        if nxt >= len(plan.segments) or plan.segments[nxt].side != "cpu" or layer not in self.link.layers:
             return ops
         native = self.steps._host_program(state.T, nxt, plan.segments[nxt])[1].one_call
         if native is None or native.node(state) is None or list(native.routed_layers) != [layer]:
@@ -165,7 +165,7 @@ class ItemGraphs:
         if self.link is None or state.T > self.link.max_tokens:
             return None
         linked = [(layer, bound) for layer, (bound, _) in zip(native.routed_layers, native.routed)
-                  if layer in self.link.parts]
+                  if layer in self.link.layers]
         (layer, bound), s = linked[0] if len(linked) == 1 else (None, None), self.steps
         b = s.backend
         deferred, state.deferred = state.deferred, None

@@ -164,11 +164,11 @@ def build_link(executor, backend):
     if store is None or backend.pinned is None:
         print("kestrel-stream: link share left out: the routers are not on the device", file=sys.stderr)
         return None
-    need = len(store.layers) * executor.config.num_experts * store.layout.slot_bytes
+    need = 0 if count == "defer" else len(store.layers) * executor.config.num_experts * store.layout.slot_bytes
     reserve = executor.options.host_reserve
     if reserve is None:        # the weights the host reads every step (the model file's pages) and a margin
         reserve = host_reserve_bytes(executor.placement)
-    if host_memory.available_bytes() - need < reserve:
+    if need and host_memory.available_bytes() - need < reserve:
         print(f"kestrel-stream: link share left out: its pinned images ({size_text(need)}) would leave less host "
               "memory than the reserve", file=sys.stderr)
         return None
@@ -178,6 +178,10 @@ def build_link(executor, backend):
     except (CudaError, MemoryError) as e:
         print(f"kestrel-stream: link share left out: pinning its images ({size_text(need)}) failed ({e})", file=sys.stderr)
         return None
+    if count == "defer":
+        print("kestrel-stream: link share: no expert over PCIe; the routed layers' resident experts run on the "
+              "GPU while the host computes its own", file=sys.stderr)
+        return link
     told = "a count measured while serving" if count == "auto" else count
     print(f"kestrel-stream: link share: {told} of a token's host-side expert choices read by the GPU over PCIe; "
           f"pinned images of {len(store.layers)} routed layers, {size_text(link.image_bytes)}, built in "

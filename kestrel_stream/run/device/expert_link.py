@@ -38,15 +38,17 @@ LINK_MAX_TOKENS = 16           # steps up to this many tokens share (decode, a f
 class ExpertLink:
     def __init__(self, store, weights, count: int | str, layers):
         """store: the ExpertStore (its pool layout, formats); count: choices a token the device reads over the
-        link, or "auto" (scheduler/link_tuner.py: measured while serving); layers: the routed layers whose
+        link, "auto" (scheduler/link_tuner.py: measured while serving), or "defer" (no expert over the link,
+        no images: the hand-off alone, for the resident experts' deferral); layers: the routed layers whose
         host experts share (every one with host experts)."""
         c = store.config
         E, k, H = c.num_experts, c.num_experts_per_tok, c.hidden_size
         self.tuners = {1: LinkTuner(max(1, k // 2))} if count == "auto" else {}     # step size -> its tuner
-        self.store, self.fixed, self.config = store, 0 if count == "auto" else int(count), c
+        self.store, self.fixed, self.config = store, int(count) if str(count).isdigit() else 0, c
+        self.layers = set(layers)
         self.images, self.parts = {}, {}
         try:
-            for layer in layers:
+            for layer in layers if count != "defer" else ():
                 buffer, regions = self.images[layer] = layer_image(store, weights, layer)
                 base = driver.host_word(buffer.address)          # the device's address of the mapped image
                 (gq, _), (gm, _), (dq, _), (dm, _) = regions
@@ -116,6 +118,8 @@ class ExpertLink:
     def takes(self, kernels, layer: int, tokens: int) -> bool:
         """Whether a step of `tokens` tokens shares the layer's experts: at most max_tokens, and its expert
         kernels the GEMVs (which read each expert once per 8 tokens; the grouped GEMM is left to VRAM)."""
+        if layer not in self.parts:          # "defer": no images
+            return False
         key = (self.store.formats[layer], tokens)
         if key not in self._takes:
             c = self.config
