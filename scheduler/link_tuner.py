@@ -25,6 +25,8 @@ class LinkTuner:
         self.most, self.steps, self.margin, self.retune = most, steps, margin, retune
         self.tokens, self.chosen = tokens, chosen
         self.tried: dict[int, float] = {}       # count -> mean microseconds a call
+        self.kept: int | None = None            # the count the last settling kept (kept across retunes)
+        self.changed = False                    # whether the last settling kept another count than the one before
         self._restart()
 
     def _restart(self) -> None:
@@ -52,6 +54,7 @@ class LinkTuner:
         best = self.best
         if self.count >= self.most or self.tried[self.count] > self.tried[best] * (1 + self.margin):
             self.count, self.settled = best, True
+            self.changed, self.kept = best != self.kept, best
         else:
             self.count += 1
 

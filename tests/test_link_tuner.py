@@ -42,8 +42,13 @@ def test_steps_without_armed_calls_measure_nothing_and_retune_restarts():
     assert tuner.count == 0 and not tuner.tried
     drive(tuner, {0: 500.0, 1: 400.0, 2: 450.0}, 3)
     assert tuner.settled and tuner.count == 1
+    assert tuner.changed and tuner.kept == 1
     drive(tuner, {0: 500.0, 1: 400.0, 2: 450.0}, 3)          # `retune` steps later: from 0 again
     assert not tuner.settled and tuner.count == 0 and not tuner.tried
+    drive(tuner, {0: 500.0, 1: 400.0, 2: 450.0}, 3)          # the same count kept: nothing to say
+    assert tuner.settled and tuner.count == 1 and not tuner.changed
+    drive(tuner, {0: 300.0, 1: 400.0, 2: 450.0}, 3 + 2)      # later, the link no longer pays
+    assert tuner.settled and tuner.count == 0 and tuner.changed and tuner.kept == 0
 
 
 def test_a_step_size_of_several_tokens_names_its_share():

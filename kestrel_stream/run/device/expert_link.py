@@ -108,7 +108,7 @@ class ExpertLink:
         if tuner is not None and all(shares for _, _, shares in specs):
             settled = tuner.settled
             tuner.observe(sum(spec.calls for spec, _, _ in specs), sum(spec.ns for spec, _, _ in specs))
-            if tuner.settled and not settled:
+            if tuner.settled and not settled and tuner.changed:      # a retune that keeps the count says nothing
                 print(f"kestrel-stream: {tuner.describe()}", file=sys.stderr)
 
     @property
