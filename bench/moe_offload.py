@@ -51,7 +51,9 @@ import argparse
 import json
 import os
 import re
+import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -236,8 +238,11 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
         row["pp_experts_kernels"] = experts_kernels(weights, engine.options, step)
     if args.sessions:
         share = getattr(getattr(x.steps, "item_graphs", None), "link", None)
-        if share is not None and share.tuners:       # auto: the sessions' step size tunes its share first
-            batch_rate(engine, args.sessions, 64)
+        for _ in range(8 if share is not None and share.tuners else 0):
+            batch_rate(engine, args.sessions, 32)   # auto: the sessions' step size tunes its share first, on fresh
+            tuner = share.tuners.get(args.sessions)  # sessions each round (the KV pool holds one round's tokens)
+            if tuner is not None and tuner.settled:
+                break
         row["ours_batch_tok_s"] = round(batch_rate(engine, args.sessions, 32), 1)
     resident = x.resident_experts
     if x.mode == "offload":
@@ -340,21 +345,31 @@ def main(argv=None) -> None:
     from .offload import measured_pool
     set_cpu_threads(args.threads)
     profile, pool = measured_pool(args.threads)
+    before = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))   # `timeout`'s TERM writes what was measured
     rows = []
-    for path in args.files:
-        weights = load_weights(path)
-        if args.bias_router:
-            bias_router(weights, preferred=max(1, weights.config.num_experts // 8), strength=args.bias_router)
-        for which in args.budgets:
-            for stream in (["off"] if which == "all" else args.stream):
-                for link in ([0] if which == "all" or stream != "off" else args.link_experts):
-                    for host_nodes in ([1] if which == "all" or link else args.host_nodes):
-                        for row in ours(path, weights, which, args, profile, stream, link, bool(host_nodes)):
-                            print(row, flush=True)
-                            rows.append(row)
-        for row in theirs(path, weights.config, args) if args.llama_bench else []:
-            print(row, flush=True)
-            rows.append(row)
+    try:
+        for path in args.files:
+            weights = load_weights(path)
+            if args.bias_router:
+                bias_router(weights, preferred=max(1, weights.config.num_experts // 8), strength=args.bias_router)
+            for which in args.budgets:
+                for stream in (["off"] if which == "all" else args.stream):
+                    for link in ([0] if which == "all" or stream != "off" else args.link_experts):
+                        for host_nodes in ([1] if which == "all" or link else args.host_nodes):
+                            for row in ours(path, weights, which, args, profile, stream, link, bool(host_nodes)):
+                                print(row, flush=True)
+                                rows.append(row)
+            for row in theirs(path, weights.config, args) if args.llama_bench else []:
+                print(row, flush=True)
+                rows.append(row)
+    finally:                # a row that fails (or `timeout` ending the run) keeps the rows measured before it
+        signal.signal(signal.SIGTERM, before)
+        if rows:
+            report(args, pool, rows)
+
+
+def report(args, pool, rows: list[dict]) -> None:
+    """bench/results' files of the rows measured."""
     out = write_results("moe-offload", environment(), rows, [c for c in COLUMNS if any(c in r for r in rows)],
                         out_dir=args.out,
                         notes=(f"host memory pool (calibrate, this run): {pool}; the host roofline is a token's "

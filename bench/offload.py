@@ -100,16 +100,18 @@ def batch_rate(engine, sessions: int, new_tokens: int) -> float:
     """Tokens/s of `sessions` sessions decoding together (after a 32-token prompt each)."""
     rng = np.random.default_rng(0)
     group = [engine.new_session() for _ in range(sessions)]
-    for s in group:
-        s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, 32)], logits="last")
     tokens = [(s, 1) for s in group]
-    engine.decode_batch(tokens)
-    t0 = time.perf_counter()
-    for _ in range(new_tokens):
+    try:
+        for s in group:
+            s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, 32)], logits="last")
         engine.decode_batch(tokens)
-    elapsed = time.perf_counter() - t0
-    for s in group:
-        s.close()
+        t0 = time.perf_counter()
+        for _ in range(new_tokens):
+            engine.decode_batch(tokens)
+        elapsed = time.perf_counter() - t0
+    finally:
+        for s in group:
+            s.close()
     return sessions * new_tokens / elapsed
 
 

@@ -87,8 +87,11 @@ def main(argv=None) -> None:
     def read(address: int, nbytes: int, blocks: int):
         values = (ctypes.c_uint64 * 3)(address, nbytes // 16, flag)
         params = (ctypes.c_void_p * 3)(*[ctypes.addressof(values) + 8 * i for i in range(3)])
-        return lambda: check_launch(cu.cuLaunchKernel(function, blocks, 1, 1, 256, 1, 1, 0, stream.handle,
-                                                      ctypes.addressof(params), 0))
+
+        def launch(values=values, params=params) -> None:   # both kept alive: params points into values
+            check_launch(cu.cuLaunchKernel(function, blocks, 1, 1, 256, 1, 1, 0, stream.handle,
+                                           ctypes.addressof(params), 0))
+        return launch
 
     def check_launch(result) -> None:
         driver.check(result, "cuLaunchKernel(read_probe)")

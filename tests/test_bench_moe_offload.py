@@ -123,3 +123,24 @@ def test_the_moe_trace_sums_a_decode_token_by_kernel(tmp_path, monkeypatch):
     names = {r["name"]: r["calls_a_token"] for r in tables["all"]["host"]}
     assert names["step"] == 1.0 and "graph replay" not in names
     assert (tmp_path / "out" / "moe-trace.json").exists() and list((tmp_path / "out").glob("trace-all.json.gz"))
+
+
+def test_auto_link_rows_tune_the_sessions_step_on_fresh_sessions(tmp_path, monkeypatch):
+    """--link-experts auto with --sessions: the sessions' step size tunes its share before it is timed, round by
+    round on fresh sessions (one long warm-up once ran the 30B shape's KV pool out mid-bench), and is kept."""
+    import pytest
+    from bench import moe_offload
+    from kestrel_stream import native
+    from kestrel_stream.options import Options
+    if native.load(Options.from_env({})) is None:
+        pytest.skip("no native host kernels (no C compiler): no link share")
+    fake_cuda.install(monkeypatch, mode="deferred")
+    path = tmp_path / "qwen3-moe-tiny.gguf"
+    write_gguf(PRESETS["qwen3-moe-tiny"], None, str(path), seed=1)
+    moe_offload.main([str(path), "--budgets", "experts:0.5", "--stream", "off", "--link-experts", "auto",
+                      "--threads", "1", "--new-tokens", "4", "--prompt", "16", "--repeats", "1", "--max-seq-len", "96",
+                      "--max-batch", "4", "--sessions", "2", "--out", str(tmp_path)])
+    (row,) = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
+    assert row["budget"] == "experts:0.5 link auto" and row["ours_batch_tok_s"] > 0
+    kept = dict(item.split(":") for item in row["link_kept"].split())
+    assert "2" in kept and not kept["2"].endswith("?"), row["link_kept"]     # the sessions' size settled first
