@@ -328,6 +328,47 @@ def test_a_pinning_the_driver_refuses_is_met_as_short_host_memory(emulated, caps
         stream_engine(weights, stream="on")
 
 
+def test_images_filled_by_several_threads_are_one_threads_and_a_failing_fill_frees_them_all(emulated):
+    """expert_ring.layer_images: the buffers pinned on the calling thread, filled by a pool: 3 threads write the
+    bytes 1 thread writes; an expert whose copy fails mid-way frees every buffer pinned and raises its error."""
+    from kestrel_stream.cuda import driver
+    from kestrel_stream.run.device import expert_ring
+    weights = streaming_weights()
+    c = weights.config
+    host_has(emulated, 64 * 2**30)
+    engine = stream_engine(weights, stream="auto")
+    store = engine.executor.steps.expert_ring.store
+    one = expert_ring.layer_images(store, weights, routed(c), threads=1)
+    three = expert_ring.layer_images(store, weights, routed(c), threads=3)
+    assert list(one) == list(three) == routed(c)
+    for layer in routed(c):
+        (a, regions), (b, regions_b) = one[layer], three[layer]
+        assert regions == regions_b and a.nbytes == b.nbytes == expert_pool.layer_slot_bytes(c)
+        assert np.array_equal(a.view(np.uint8, (a.nbytes,), 0), b.view(np.uint8, (b.nbytes,), 0))
+        assert a.view(np.uint8, (a.nbytes,), 0).any()
+    for images in (one, three):
+        for buffer, _ in images.values():
+            buffer.free()
+    made, real, write = [], driver.PinnedBuffer, expert_ring.write_expert
+    calls = [0]
+
+    def pinned(nbytes: int):
+        made.append(real(nbytes))
+        return made[-1]
+
+    def failing(*args):
+        calls[0] += 1
+        if calls[0] == 2 * c.num_experts + 3:              # inside the second layer's gate_up
+            raise MemoryError("a copy failed")
+        write(*args)
+    emulated.setattr(driver, "PinnedBuffer", pinned)
+    emulated.setattr(expert_ring, "write_expert", failing)
+    with pytest.raises(MemoryError, match="a copy failed"):
+        expert_ring.layer_images(store, weights, routed(c), threads=2)
+    assert len(made) >= 2 and all(buffer.address == 0 for buffer in made)       # every one freed
+    engine.close()
+
+
 def test_the_available_memory_reader_reads_meminfo(monkeypatch, tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       65536000 kB\nMemFree:         1000000 kB\nMemAvailable:   40000000 kB\n")

@@ -17,7 +17,7 @@ kernels would be the grouped GEMM (many tokens an expert) do not share (ExpertLi
 carries the layer's resident experts (run/item_graphs.py: defer): captured after the item's word instead of
 before it, they run on the device while the host computes its own, their sum copied down before `done`.
 
-Per layer: its image (expert_ring.layer_image) and its LinkSpec (its item number).  Shared by every layer
+Per layer: its image (expert_ring.layer_images) and its LinkSpec (its item number).  Shared by every layer
 (one hand-off at a time): the pinned grouping, table and sums, the device copy of the grouping and table.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.moe_kernels import PoolPart, combine_launch, experts_kernel, experts_launch, group_ints
 from kestrel_stream.native.routed import LinkSpec
-from kestrel_stream.run.device.expert_ring import layer_image
+from kestrel_stream.run.device.expert_ring import layer_images
 from scheduler.link_tuner import LinkTuner
 
 LINK_MAX_TOKENS = 16           # steps up to this many tokens share (decode, a few sessions together)
@@ -48,8 +48,8 @@ class ExpertLink:
         self.layers = set(layers)
         self.images, self.parts = {}, {}
         try:
-            for layer in layers if count != "defer" else ():
-                buffer, regions = self.images[layer] = layer_image(store, weights, layer)
+            self.images = layer_images(store, weights, layers if count != "defer" else ())
+            for layer, (buffer, regions) in self.images.items():
                 base = driver.host_word(buffer.address)          # the device's address of the mapped image
                 (gq, _), (gm, _), (dq, _), (dm, _) = regions
                 self.parts[layer] = (PoolPart(base + gq, base + gm, store.gate_up.qs_slot, store.gate_up.meta_slot),

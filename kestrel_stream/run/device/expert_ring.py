@@ -18,6 +18,9 @@ so while layer p computes, layer p + 1's experts cross PCIe; no host thread wait
 """
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor, wait
+
 import numpy as np
 
 from kestrel_stream.cuda import driver
@@ -36,13 +39,7 @@ class ExpertRing:
         goes to the caller (the executor's, which names the bytes)."""
         self.store, self.slot_count = store, store.ring_slots
         assert self.slot_count >= 1, "an experts' ring needs slots in the expert pool"
-        self.images = {}
-        try:
-            for layer in (store.layers if layers is None else layers):
-                self.images[layer] = self._image(weights, layer)
-        except BaseException:
-            self._free_images()
-            raise
+        self.images = layer_images(store, weights, store.layers if layers is None else layers)
         self.copy_stream = driver.Stream("experts copy h2d")
         self.loaded = [driver.Event(name=f"experts slot {s} loaded") for s in range(self.slot_count)]
         self.released = [driver.Event(name=f"experts slot {s} released") for s in range(self.slot_count)]
@@ -51,9 +48,6 @@ class ExpertRing:
         self.names: list[str] = []
         self.issued = 0
         self.bytes_per_step = 0
-
-    def _image(self, weights, layer: int) -> tuple[driver.PinnedBuffer, list]:
-        return layer_image(self.store, weights, layer)
 
     @property
     def image_bytes(self) -> int:
@@ -112,23 +106,47 @@ class ExpertRing:
         self.images = {}
 
 
-def layer_image(store, weights, layer: int) -> tuple[driver.PinnedBuffer, list]:
-    """A routed layer's every expert in the expert pool's layout (expert_pool.py), pinned: the buffer and its
-    four regions' (offset, bytes): gate_up qs, gate_up meta, down qs, down meta, E slots each."""
+IMAGE_THREADS = 8          # threads filling pinned images (numpy's copies release the GIL; memory-bound beyond)
+
+
+def layer_images(store, weights, layers, threads: int | None = None) -> dict[int, tuple[driver.PinnedBuffer, list]]:
+    """Each routed layer's every expert in the expert pool's layout (expert_pool.py), pinned: its buffer and
+    four regions' (offset, bytes): gate_up qs, gate_up meta, down qs, down meta, E slots each.  The buffers
+    are pinned here one after another (the calling thread has the context) while `threads` threads fill those
+    pinned so far (default: min(IMAGE_THREADS, the cores)).  A failure frees every buffer pinned and raises
+    the first error."""
     E = store.config.num_experts
     parts = [(store.gate_up, True), (store.down, False)]
     sizes = [E * n for part, _ in parts for n in (part.qs_slot, part.meta_slot)]
     offsets = np.cumsum([0] + sizes).tolist()
-    buffer = driver.PinnedBuffer(offsets[-1])
-    moe = weights.layers[layer].moe
-    try:
+    regions = list(zip(offsets[:-1], sizes))
+
+    def fill(layer: int, buffer: driver.PinnedBuffer) -> None:
+        moe = weights.layers[layer].moe
         for k, ((part, interleave), w, rows) in enumerate(zip(parts, (moe.gate_up, moe.down),
                                                                (moe.gate_up_rows, moe.down_rows))):
             qs = buffer.view(np.uint8, (E, part.qs_slot), offsets[2 * k])
             meta = buffer.view(np.uint8, (E, part.meta_slot), offsets[2 * k + 1])
             for e in range(E):
                 write_expert(qs[e], meta[e], w, *rows(e), interleave)
-    except BaseException:
-        buffer.free()
-        raise
-    return buffer, list(zip(offsets[:-1], sizes))
+
+    layers = list(layers)
+    threads = threads or min(IMAGE_THREADS, os.cpu_count() or 1, max(1, len(layers)))
+    images: dict[int, tuple[driver.PinnedBuffer, list]] = {}
+    with ThreadPoolExecutor(threads, thread_name_prefix="expert-images") as pool:
+        filled = []
+        try:
+            for layer in layers:
+                buffer = driver.PinnedBuffer(offsets[-1])
+                images[layer] = buffer, list(regions)
+                filled.append(pool.submit(fill, layer, buffer))
+            for job in filled:
+                job.result()
+        except BaseException:
+            for job in filled:
+                job.cancel()
+            wait(filled)
+            for buffer, _ in images.values():
+                buffer.free()
+            raise
+    return images
