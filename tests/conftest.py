@@ -1,4 +1,5 @@
-"""Shared fixtures: small random checkpoints, and skipping of `gpu` tests without a GPU."""
+"""Shared fixtures: small random checkpoints, skipping of `gpu` tests without a GPU, and a stop at the first
+GPU fault that loses the process's context (every GPU test after it would only error)."""
 from __future__ import annotations
 
 import pytest
@@ -15,6 +16,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# driver errors after which the process's CUDA context is unusable: every later call returns the same error
+STICKY = ("CUDA_ERROR_ILLEGAL_ADDRESS", "CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_LAUNCH_FAILED",
+          "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_INVALID_ADDRESS_SPACE", "CUDA_ERROR_INVALID_PC",
+          "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ASSERT", "CUDA_ERROR_ECC_UNCORRECTABLE")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A gpu test that fails on a sticky fault ends the run there, naming the test: the tests after it would
+    each error on the lost context (one such fault once turned a whole GPU suite into errors)."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and "gpu" in item.keywords and call.excinfo is not None:
+        text = str(call.excinfo.value)
+        fault = next((name for name in STICKY if name in text), None)
+        if fault is not None:
+            pytest.exit(f"{item.nodeid} hit {fault}, which loses this process's CUDA context: the run stops here "
+                        f"(deselect the test, or run it alone, to run the others)", returncode=3)
 
 
 @pytest.fixture(scope="session")
