@@ -199,17 +199,17 @@ def native_kernels(engine):
 
 
 def engine_for(weights, which: str, budget: int | None, args, stream: str = "off", max_batch: int | None = None,
-               link: int = 0, host_nodes: bool = True):
+               link: int = 0, host_nodes: bool = True, reads_images: bool = False):
     from kestrel_stream.options import Options
     from kestrel_stream.run.engine import Engine
     options = Options.from_env(vram_budget=budget, host_threads=args.threads, stream_experts=stream,
-                               link_experts=link, host_nodes=host_nodes)
+                               link_experts=link, host_nodes=host_nodes, host_reads_images=reads_images)
     return Engine(weights, device="cuda", mode="gpu" if which == "all" else "offload", max_seq_len=args.max_seq_len,
                   max_batch=max_batch or args.max_batch, options=options)
 
 
 def ours(path: str, weights, which: str, args, profile, stream: str = "off", link: int = 0,
-         host_nodes: bool = True) -> list[dict]:
+         host_nodes: bool = True, reads_images: bool = False) -> list[dict]:
     """The row of one budget (and its residency rows); stream: KESTREL_STREAM_EXPERTS (offload budgets; off:
     today's rows, named by the budget alone)."""
     from scheduler.offload import HOME_LETTERS, PoolRates
@@ -217,7 +217,7 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
     ringed = which != "all" and stream != "off"
     max_batch = max(args.max_batch, args.stream_chunk) if ringed else args.max_batch
     budget, weight_bytes = budget_of(which, config, args, profile, max_batch)
-    engine = engine_for(weights, which, budget, args, stream, max_batch, link, host_nodes)
+    engine = engine_for(weights, which, budget, args, stream, max_batch, link, host_nodes, reads_images)
     x = engine.executor
     host_kernels = native_kernels(engine) if x.mode == "offload" else None
     if host_kernels is not None:
@@ -228,7 +228,8 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
     pp_rate = prefill_rate(engine, args.prompt, 1)
     pp_streamed = ((x.stats.get("streamed_bytes") or 0) - streamed_before) / 2        # per prompt (2 runs)
     row = {"file": os.path.basename(path), "budget": which + (f" ring {stream}" if ringed else "") +
-           (f" link {link}" if link else "") + ("" if host_nodes else " segment by segment"), "mode": x.mode,
+           (f" link {link}" if link else "") + (" host reads images" if reads_images else "") +
+           ("" if host_nodes else " segment by segment"), "mode": x.mode,
            "weight_MB": round(weight_bytes / 1e6, 1),
            "budget_MB": round(budget / 1e6, 1) if budget else "free VRAM", "ours_tg_tok_s": round(rate, 2),
            "step_ms": round(step_ms, 3), "ours_pp_tok_s": round(pp_rate, 1)}
@@ -326,6 +327,9 @@ def main(argv=None) -> None:
     parser.add_argument("--link-experts", nargs="+", type=link_count, default=[0],
                         help="each offload budget's ring-off row once per value: a token's host-side expert choices "
                              "the GPU reads over PCIe beside the host's (KESTREL_LINK_EXPERTS; 0: none)")
+    parser.add_argument("--host-reads-images", nargs="+", type=int, default=[0], choices=[0, 1],
+                        help="each link row once per value: the host's experts reading the link's pinned images (1) "
+                             "or their own copies (0) (KESTREL_HOST_READS_IMAGES)")
     parser.add_argument("--stream", nargs="+", default=["off", "auto"], choices=["off", "auto", "on"],
                         help="KESTREL_STREAM_EXPERTS of each offload budget's rows (the experts' ring)")
     parser.add_argument("--stream-chunk", type=int, default=512,
@@ -356,9 +360,11 @@ def main(argv=None) -> None:
                 for stream in (["off"] if which == "all" else args.stream):
                     for link in ([0] if which == "all" or stream != "off" else args.link_experts):
                         for host_nodes in ([1] if which == "all" or link else args.host_nodes):
-                            for row in ours(path, weights, which, args, profile, stream, link, bool(host_nodes)):
-                                print(row, flush=True)
-                                rows.append(row)
+                            for images in (args.host_reads_images if link not in (0, "defer") else [0]):
+                                for row in ours(path, weights, which, args, profile, stream, link, bool(host_nodes),
+                                                bool(images)):
+                                    print(row, flush=True)
+                                    rows.append(row)
             for row in theirs(path, weights.config, args) if args.llama_bench else []:
                 print(row, flush=True)
                 rows.append(row)

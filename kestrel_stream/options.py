@@ -33,6 +33,10 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
                               over PCIe while the host computes the rest (run/device/expert_link.py; default 0);
                               auto: the count measured fastest while serving (scheduler/link_tuner.py);
                               defer: none over the link, only the resident experts run during the host's
+    KESTREL_HOST_READS_IMAGES=0|1  mode offload with pinned images of the experts (a link share, an experts'
+                              ring): the host's native experts read their Q8_0 rows in those images (1), keeping
+                              no copy of their own, or read their own split copies (0, the default until timed on
+                              a GPU's host: the images may sit on small pages, the copies on huge ones)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
     KESTREL_HOST_KERNELS=numpy  the host backend multiplies on float32 copies with numpy (the reference
@@ -86,6 +90,7 @@ class Options:
     host_nodes: bool = True                  # mixed steps as one graph with host nodes (run/host_nodes.py)
     link_experts: int | str = 0              # one-token offload steps: host-side choices the GPU reads over PCIe,
                                              # "auto" (scheduler/link_tuner.py) or "defer" (none, no images)
+    host_reads_images: bool = False          # the host's Q8_0 experts read in the device's pinned images
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
@@ -162,6 +167,10 @@ class Options:
         host_nodes = env.get("KESTREL_HOST_NODES", "1").strip() or "1"
         if host_nodes not in ("0", "1"):
             raise ValueError(f"KESTREL_HOST_NODES={host_nodes!r}: 0 (a mixed step segment by segment) or 1 (the default)")
+        host_reads_images = env.get("KESTREL_HOST_READS_IMAGES", "0").strip() or "0"
+        if host_reads_images not in ("0", "1"):
+            raise ValueError(f"KESTREL_HOST_READS_IMAGES={host_reads_images!r}: 0 (the host's own copies, the "
+                             "default) or 1 (the experts' pinned images)")
         offload = env.get("KESTREL_OFFLOAD") or "auto"
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"KESTREL_OFFLOAD={offload!r}: one of {', '.join(OFFLOAD_CHOICES)}")
@@ -177,7 +186,7 @@ class Options:
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0", step_graphs=step_graphs == "1",
-                      host_nodes=host_nodes == "1",
+                      host_nodes=host_nodes == "1", host_reads_images=host_reads_images == "1",
                       link_experts=_link_experts(env.get("KESTREL_LINK_EXPERTS")),
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
                       block_mma_min_tokens=block_mma, moe_mma_tile=moe_mma_tile,

@@ -85,17 +85,18 @@ def test_the_moe_bench_times_the_link_share(tmp_path, monkeypatch):
     path = tmp_path / "qwen3-moe-tiny.gguf"
     write_gguf(PRESETS["qwen3-moe-tiny"], None, str(path), seed=1)
     moe_offload.main([str(path), "--budgets", "experts:0.25", "--stream", "off", "--link-experts", "0", "1", "auto", "defer",
-                      "--host-nodes", "1", "0",
+                      "--host-nodes", "1", "0", "--host-reads-images", "0", "1",
                       "--threads", "1", "--new-tokens", "4", "--prompt", "16", "--repeats", "1", "--max-seq-len", "48",
                       "--max-batch", "4", "--sessions", "0", "--out", str(tmp_path)])
     rows = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
     assert [row["budget"] for row in rows] == ["experts:0.25", "experts:0.25 segment by segment",
-                                               "experts:0.25 link 1", "experts:0.25 link auto",
+                                               "experts:0.25 link 1", "experts:0.25 link 1 host reads images",
+                                               "experts:0.25 link auto", "experts:0.25 link auto host reads images",
                                                "experts:0.25 link defer"]
     assert all(row["mode"] == "offload" and row["ours_tg_tok_s"] > 0 for row in rows)
     assert all(row["host_experts_us"] > 0 for row in rows)          # the host's experts op a layer, timed
-    assert [("link_wait_us" in row) for row in rows] == [False, False, True, True, True]   # only armed calls wait
-    assert [("link_kept" in row) for row in rows] == [False, False, False, True, False]
+    assert [("link_wait_us" in row) for row in rows] == [False, False] + [True] * 5     # only armed calls wait
+    assert [("link_kept" in row) for row in rows] == [False, False, False, False, True, True, False]
     graphed = [row for row in rows if "segment by segment" not in row["budget"]]
     assert all(row["host_items_ms"] > 0 and row["device_waits_ms"] > 0 for row in graphed)   # one graph a step
     assert "host_items_ms" not in rows[1]                                 # segment by segment: no host items

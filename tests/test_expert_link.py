@@ -35,8 +35,9 @@ def device(request, monkeypatch):
     return request.param
 
 
-def linked_engine(weights, link: int | str, experts: int = 2):
-    options = Options.from_env({}).with_(resident_experts="frequency", link_experts=link)
+def linked_engine(weights, link: int | str, experts: int = 2, host_reads_images: bool = False):
+    options = Options.from_env({}).with_(resident_experts="frequency", link_experts=link,
+                                         host_reads_images=host_reads_images)
     executor = StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
                             vram_budget=expert_budget(weights.config, experts), options=options)
     return with_executor(weights, executor)
@@ -161,3 +162,28 @@ def test_auto_tries_counts_while_serving_and_keeps_one(model, device, capsys):
 def native_missing() -> bool:
     from kestrel_stream import native
     return native.load(Options.from_env({})) is None
+
+
+def test_the_host_reads_its_experts_from_the_link_images_and_keeps_no_copy_of_its_own(model, device):
+    """KESTREL_HOST_READS_IMAGES=1: with the link's pinned images (pool layout: gate and up rows interleaved), the
+    host's native experts read their Q8_0 rows there (device/expert_ring.host_expert_images): the same logits
+    bit for bit as a host reading its own split copies of the weights (0, the default), none of those prepared."""
+    weights, reference = model
+    if native_missing():
+        pytest.skip("no native host kernels (no C compiler)")
+    stacked = {id(lw.moe.gate_up) for lw in weights.layers if lw.moe is not None}
+    stacked |= {id(lw.moe.down) for lw in weights.layers if lw.moe is not None}
+    logits = {}
+    for images in (True, False):                       # KESTREL_HOST_READS_IMAGES=1, 0
+        engine = linked_engine(weights, 2, host_reads_images=images)
+        host = engine.executor.steps.host
+        assert engine.executor.steps.item_graphs.link.images
+        assert sorted(host.expert_images) == (sorted(engine.executor.steps.item_graphs.link.images) if images else [])
+        logits[images] = [run(engine, prompt) for prompt in PROMPTS]
+        own = [key for key in host._prepared if key[0] in stacked]
+        assert bool(own) != images, "expert rows the host prepared from its own weights"
+        engine.close()
+    for a, b in zip(logits[True], logits[False]):
+        assert np.array_equal(a, b)
+    for got, expected in zip(logits[True], reference):
+        assert_logits_match(got, expected)

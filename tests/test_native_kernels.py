@@ -339,3 +339,28 @@ def test_attention_as_the_host_backend(kernels, kv_dtype, n, start, window):
     expect = host.attention(q, k[:s].astype(np.float32), v[:s].astype(np.float32), start, window)
     got = kernels.attention(q, k, v, start, window)
     np.testing.assert_allclose(got, expect, rtol=0, atol=2e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 17])
+def test_a_glu_weight_read_with_its_halves_interleaved_is_the_contiguous_ones_bit_for_bit(kernels, tokens):
+    """prepare_q8_0_halves: gate and up rows interleaved in one buffer (the device's expert pool layout,
+    read in place by the host) give the numbers of the same weight with its halves one after the other, on
+    every ISA (a dot product per row, tokens in lanes), with the prologue's norm and into a column slice."""
+    rng = np.random.default_rng(40 + tokens)
+    half, k = 35, 800
+    w = quantize(rng.standard_normal((2 * half, k)).astype(np.float32) * 0.02)
+    qs, scales = np.empty((2 * half, k), np.int8), np.empty((2 * half, k // 32), np.float16)
+    qs[0::2], qs[1::2], scales[0::2], scales[1::2] = w.qs[:half], w.qs[half:], w.scales[:half], w.scales[half:]
+    x = rng.standard_normal((tokens, k)).astype(np.float32) * 2
+    norm = rng.standard_normal(k).astype(np.float32)
+    for kern in isas(kernels):
+        apart = kern.prepare_q8_0_halves((qs[0::2], scales[0::2]), (qs[1::2], scales[1::2]))
+        assert apart.rows == 2 * half and apart.up_w == k and apart.up_meta == k // 32 * 2
+        contiguous = kern.prepare_q8_0(w.qs, w.scales)
+        expect = kern.linear(contiguous, norm, 1e-6, glu=True)(x)
+        assert np.array_equal(kern.linear(apart, norm, 1e-6, glu=True)(x), expect), kern.isa
+        out = np.full((tokens, 2 * half), np.nan, np.float32)
+        kern.linear(apart, glu=True)(x, out=out[:, :half])
+        assert np.array_equal(out[:, :half], kern.linear(contiguous, glu=True)(x)) and np.isnan(out[:, half:]).all()
+    with pytest.raises(AssertionError, match="glu"):
+        kernels.linear(kernels.prepare_q8_0_halves((qs[0::2], scales[0::2]), (qs[1::2], scales[1::2])))

@@ -23,6 +23,7 @@ def test_the_environment_becomes_one_options_object():
     assert Options.from_env({}, vram_budget=0.5).vram_budget == 0.5
     assert Options.from_env({"KESTREL_HOST_RESERVE": "8GiB"}).host_reserve == 8 << 30
     assert Options.from_env({"KESTREL_HOST_RESERVE": "0"}).host_reserve == 0
+    assert Options.from_env({"KESTREL_HOST_READS_IMAGES": "1"}).host_reads_images and not Options().host_reads_images
     links = [Options.from_env({"KESTREL_LINK_EXPERTS": v}).link_experts for v in ("3", "0", "Auto", "defer", "")]
     assert links == [3, 0, "auto", "defer", 0]
 
@@ -32,6 +33,7 @@ def test_the_environment_becomes_one_options_object():
                                           ({"KESTREL_STEP_GRAPHS": "yes"}, "KESTREL_STEP_GRAPHS='yes'"),
                                           ({"KESTREL_HOST_RESERVE": "lots"}, "KESTREL_HOST_RESERVE='lots'"),
                                           ({"KESTREL_LINK_EXPERTS": "half"}, "KESTREL_LINK_EXPERTS='half'.*auto or defer"),
+                                          ({"KESTREL_HOST_READS_IMAGES": "yes"}, "KESTREL_HOST_READS_IMAGES='yes'"),
                                           ({}, "--vram-budget")])
 def test_a_bad_setting_names_itself(env, message):
     with pytest.raises(ValueError, match=message):

@@ -741,6 +741,8 @@ typedef struct {
     int fmt, isa, N, K, T, group;
     const uint8_t *w, *meta;
     ptrdiff_t w_stride, meta_stride, x_stride, out_stride;
+    int half;                       /* rows from here on start at w + up_w (meta + up_meta): glu's up half */
+    ptrdiff_t up_w, up_meta;
     const float *x;
     float *out;
     const float *norm;              /* the prologue's rmsnorm weight [K], or NULL */
@@ -767,6 +769,20 @@ static inline act_t token_act(const matmul_t *m, int t) {
 }
 
 static inline int repacked(int fmt) { return fmt == FMT_Q4_K_R16 || fmt == FMT_Q6_K_R16; }
+
+/* Row r's weight bytes and meta (NULL without) of a plain format: glu's up half where up_w says. */
+static inline const uint8_t *row_w(const matmul_t *m, ptrdiff_t r) {
+    return r < m->half ? m->w + m->w_stride * r : m->w + m->up_w + m->w_stride * (r - m->half);
+}
+
+static inline const uint8_t *row_meta(const matmul_t *m, ptrdiff_t r) {
+    if (!m->meta) return NULL;
+    return r < m->half ? m->meta + m->meta_stride * r : m->meta + m->up_meta + m->meta_stride * (r - m->half);
+}
+
+/* A spec's up half, from w and meta (ks_linear_t's up_w, up_meta; 0: after the gate half). */
+static inline ptrdiff_t up_w_of(const ks_linear_t *s) { return s->up_w ? s->up_w : s->w_stride * (s->N / 2); }
+static inline ptrdiff_t up_meta_of(const ks_linear_t *s) { return s->up_meta ? s->up_meta : s->meta_stride * (s->N / 2); }
 
 /* ---------------------------------------------------------------- many tokens: tokens in lanes (VNNI) */
 /* For 4+ tokens, vpdpbusd runs with 16 tokens in the lanes of one vector: each token's activations
@@ -1066,7 +1082,7 @@ static void matmul_dots(void *ctx, int index, int count) {
             act_t a = token_act(m, t);
             float *o = m->out + m->out_stride * t;
             for (int r = r0; r < r1; r++)
-                o[r] = dot(m->w + m->w_stride * r, m->meta ? m->meta + m->meta_stride * r : NULL, &a, m->K);
+                o[r] = dot(row_w(m, r), row_meta(m, r), &a, m->K);
         }
     }
 }
@@ -1108,8 +1124,7 @@ static void matmul_lanes(void *ctx, int index, int count) {
                 uint8_t *mine = own + (size_t)r * row_bytes;
                 float *sc = (float *)(mine + K), *mn = sc + ng;
                 int32_t *sm = (int32_t *)(mn + ng);
-                vals[r] = unpack_row(m->fmt, m->w + m->w_stride * (r0 + r), m->meta ? m->meta + m->meta_stride * (r0 + r) : NULL,
-                                     K, (int8_t *)mine, sc, mn, sm);
+                vals[r] = unpack_row(m->fmt, row_w(m, r0 + r), row_meta(m, r0 + r), K, (int8_t *)mine, sc, mn, sm);
                 scale[r] = sc, mins[r] = mn, sum[r] = sm;
             }
             for (int tg = 0; tg < m->token_groups; tg++) {
@@ -1137,7 +1152,8 @@ static size_t matmul_init(matmul_t *m, const ks_linear_t *spec, const float *x, 
     const int fmt = spec->fmt, isa = spec->isa, N = spec->N, K = spec->K;
     *m = (matmul_t){.fmt = fmt, .isa = isa, .N = N, .K = K, .T = T, .w = spec->w, .meta = spec->meta,
                     .w_stride = spec->w_stride, .meta_stride = spec->meta_stride, .x_stride = x_stride,
-                    .out_stride = out_stride, .x = x, .out = out, .norm = spec->norm, .eps = spec->eps};
+                    .out_stride = out_stride, .x = x, .out = out, .norm = spec->norm, .eps = spec->eps,
+                    .half = spec->glu ? N / 2 : N, .up_w = up_w_of(spec), .up_meta = up_meta_of(spec)};
     const int kq = repacked(fmt), threads = spec->threads < 1 ? 1 : spec->threads;
     m->group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
     m->qs_bytes = (size_t)K, m->d_bytes = (size_t)(K / m->group) * 4, m->bs_bytes = m->group == 256 ? (size_t)(K / 16) * 2 : 0;
@@ -1234,7 +1250,7 @@ static void group_grabs(void *ctx, int index, int count) {
             act_t a = token_act(m, t);
             float *o = m->out + m->out_stride * t;
             for (int r = r0; r < r1; r++)
-                o[r] = dot(m->w + m->w_stride * r, m->meta ? m->meta + m->meta_stride * r : NULL, &a, m->K);
+                o[r] = dot(row_w(m, r), row_meta(m, r), &a, m->K);
         }
     }
 }
@@ -1312,13 +1328,14 @@ static void routed_gate_block(const routed_t *c, int e, int r0) {
     const ks_linear_t *s = c->gate_up[e];
     const dot_fn dot = DOTS[s->fmt][s->isa];
     const int rows = c->I - r0 < ROUTED_GATE_ROWS ? c->I - r0 : ROUTED_GATE_ROWS;
+    const ptrdiff_t up_w = up_w_of(s), up_meta = up_meta_of(s);
     float gate[ROUTED_GATE_ROWS], up[ROUTED_GATE_ROWS];
     for (int ch = c->first[e]; ch < c->first[e] + c->count[e]; ch++) {
         const act_t a = token_act(c->in, c->token[ch]);
         for (int r = 0; r < rows; r++) {
-            const ptrdiff_t g = r0 + r, u = c->I + r0 + r;
+            const ptrdiff_t g = r0 + r;
             gate[r] = dot(s->w + s->w_stride * g, s->meta ? s->meta + s->meta_stride * g : NULL, &a, s->K);
-            up[r] = dot(s->w + s->w_stride * u, s->meta ? s->meta + s->meta_stride * u : NULL, &a, s->K);
+            up[r] = dot(s->w + up_w + s->w_stride * g, s->meta ? s->meta + up_meta + s->meta_stride * g : NULL, &a, s->K);
         }
         silu_mul_run(gate, up, c->act + (ptrdiff_t)c->I * ch + r0, rows);
     }
@@ -1411,7 +1428,7 @@ int ks_routed_few(const ks_linear_t *const *gate_up, const ks_linear_t *const *d
    scales, f16) at meta + r * meta_stride.  Returns 0, or -1 when memory for the activations ran out. */
 int ks_matmul(int fmt, int isa, const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride,
               int N, int K, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride, int threads) {
-    ks_linear_t spec = {fmt, isa, N, K, 0, threads, w, meta, w_stride, meta_stride, NULL, 0.0f};
+    ks_linear_t spec = {fmt, isa, N, K, 0, threads, w, meta, w_stride, meta_stride, NULL, 0.0f, 0, 0};
     return ks_linear(&spec, x, x_stride, T, out, out_stride);
 }
 

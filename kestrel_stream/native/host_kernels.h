@@ -8,13 +8,16 @@
 /* A projection as the step program runs it: weight, prologue and epilogue fixed once (the caller keeps
    the struct), tokens per call.  norm: x's rows rmsnormed by it first (the numbers of ks_rmsnorm); glu:
    rows [0, N/2) are the gate and [N/2, N) the up projection, and out [T, N/2] is silu(gate) * up (the
-   numbers of ks_silu_mul). */
+   numbers of ks_silu_mul).  up_w, up_meta (glu, plain formats): where the up half's first row starts,
+   from w and meta; 0: right after the gate half's rows.  So a layout with gate and up rows interleaved
+   (the device's expert pool: w_stride two rows, up_w one row) is read where it lies. */
 typedef struct {
     int fmt, isa, N, K, glu, threads;
     const uint8_t *w, *meta;
     ptrdiff_t w_stride, meta_stride;
     const float *norm;
     float eps;
+    ptrdiff_t up_w, up_meta;
 } ks_linear_t;
 
 int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T, float *out, ptrdiff_t out_stride);

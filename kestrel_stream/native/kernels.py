@@ -16,11 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
+from kestrel_stream.native.repacked_rows import REPACK_ROWS, repacked_source
+
 ISAS = ("scalar", "avx2", "avx512vnni")                # widening order; the C enum's values
 FORMATS = {"Q8_0": (0, 32, None), "Q4_0": (1, 32, 18), "Q4_K": (2, 256, 144), "Q6_K": (3, 256, 210)}
 # fmt → (C enum, values per block, bytes per block of a block-format row; Q8_0 is split qs | scales)
 REPACKED = {"Q4_K": 4, "Q6_K": 5}          # fmt → the C enum of its weight repacked 16 rows together
-REPACK_ROWS = 16
 
 _p, _i, _z, _f = ctypes.c_void_p, ctypes.c_int, ctypes.c_ssize_t, ctypes.c_float
 
@@ -126,6 +127,16 @@ class HostKernels:
         _rows_contiguous(qs, scales)
         return PreparedWeight("Q8_0", n, k, qs.ctypes.data, qs.strides[0], scales.ctypes.data, scales.strides[0],
                               (qs, scales))
+
+    def prepare_q8_0_halves(self, gate: tuple, up: tuple) -> "PreparedWeight":
+        """A glu weight in Q8_0 whose gate and up halves lie apart: gate, up = (qs int8 [I, K], scales float16
+        [I, K/32]) with the same row strides (the device's expert pool: rows interleaved, read in place)."""
+        (gq, gs), (uq, us) = gate, up
+        assert gq.shape == uq.shape and gs.shape == us.shape and gq.strides == uq.strides and gs.strides == us.strides
+        w = self.prepare_q8_0(gq, gs)
+        w.rows, w.arrays, w.nbytes = 2 * w.rows, (gq, gs, uq, us), 2 * w.nbytes
+        w.up_w, w.up_meta = uq.ctypes.data - gq.ctypes.data, us.ctypes.data - gs.ctypes.data
+        return w
 
     def prepare_blocks(self, fmt: str, blocks: np.ndarray, cols: int) -> "PreparedWeight":
         """A Q4_0 / Q4_K / Q6_K weight as stored (model/quant4.BlockTensor): blocks uint8
@@ -294,7 +305,7 @@ class HostKernels:
 class _LinearSpec(ctypes.Structure):
     """host_kernels.c's ks_linear_t."""
     _fields_ = [("fmt", _i), ("isa", _i), ("N", _i), ("K", _i), ("glu", _i), ("threads", _i), ("w", _p), ("meta", _p),
-                ("w_stride", _z), ("meta_stride", _z), ("norm", _p), ("eps", _f)]
+                ("w_stride", _z), ("meta_stride", _z), ("norm", _p), ("eps", _f), ("up_w", _z), ("up_meta", _z)]
 
 
 class Linear:
@@ -304,12 +315,13 @@ class Linear:
 
     def __init__(self, kernels: HostKernels, w: "PreparedWeight", norm: np.ndarray | None, eps: float, glu: bool):
         assert not glu or w.rows % 2 == 0
+        assert glu or not w.up_w, "a weight whose halves lie apart is a glu weight"
         self.weight, self.glu, self.width = w, glu, w.rows // 2 if glu else w.rows
         self.norm = None if norm is None else np.ascontiguousarray(norm, np.float32)
         assert self.norm is None or self.norm.shape == (w.cols,)
         self._spec = _LinearSpec(w.fmt_id, kernels._isa_id, w.rows, w.cols, int(glu), kernels.threads, w.w_ptr,
                                  w.meta_ptr, w.w_stride, w.meta_stride,
-                                 None if self.norm is None else self.norm.ctypes.data, eps)
+                                 None if self.norm is None else self.norm.ctypes.data, eps, w.up_w, w.up_meta)
         self.spec_address = ctypes.addressof(self._spec)      # host_program.c's ops point here
         self._call = kernels._lib.ks_linear
 
@@ -333,10 +345,12 @@ class PreparedWeight:
     """A quantized weight checked once for HostKernels.matmul: its format, shape, pointers and row
     strides (repacked: the stride of a group of 16 rows); it holds its arrays, so the pointers stay valid
     while it lives."""
-    __slots__ = ("fmt", "fmt_id", "rows", "cols", "w_ptr", "w_stride", "meta_ptr", "meta_stride", "nbytes", "arrays")
+    __slots__ = ("fmt", "fmt_id", "rows", "cols", "w_ptr", "w_stride", "meta_ptr", "meta_stride", "nbytes", "arrays",
+                 "up_w", "up_meta")
 
     def __init__(self, fmt, rows, cols, w_ptr, w_stride, meta_ptr, meta_stride, arrays, fmt_id=None):
         self.fmt, self.rows, self.cols = fmt, rows, cols
+        self.up_w = self.up_meta = 0            # glu's up half: right after the gate half (prepare_q8_0_halves)
         self.fmt_id = FORMATS[fmt][0] if fmt_id is None else fmt_id     # the C enum of the layout held
         self.w_ptr, self.w_stride, self.meta_ptr, self.meta_stride = w_ptr, w_stride, meta_ptr, meta_stride
         self.arrays = arrays
@@ -349,33 +363,12 @@ class PreparedWeight:
         if self.fmt_id == FORMATS[self.fmt][0]:
             return self.arrays[0][index]
         rows = np.arange(self.rows)[index] if isinstance(index, slice) else np.asarray(index)
-        source = _repacked_source(self.fmt)                                 # [16, block bytes]
+        source = repacked_source(self.fmt)                                 # [16, block bytes]
         nb = self.cols // FORMATS[self.fmt][1]
         groups = self.arrays[0].reshape(-1, nb, self.w_stride // nb)
         out = groups[(rows // REPACK_ROWS)[:, None, None], np.arange(nb)[None, :, None],
                      source[rows % REPACK_ROWS][:, None, :]]                  # [n, nb, block bytes]
         return out.reshape(len(rows), -1)
-
-
-def _repacked_source(fmt: str) -> np.ndarray:
-    """Where byte j of row r's block is in a repacked group's block (host_kquants.c's layouts, its
-    twin): int [16 rows, block bytes]."""
-    if fmt not in _SOURCES:
-        r = np.arange(REPACK_ROWS)[:, None]
-        if fmt == "Q4_K":       # d, dmin f16 at 2240, 2272; 12 scale bytes at 2048 (16 apart); quants 4 at a time
-            j = np.arange(4, 16)
-            parts = [2240 + 2 * r + np.arange(2), 2272 + 2 * r + np.arange(2), 2048 + 16 * (j - 4) + r]
-            j = np.arange(16, 144)
-            parts.append(64 * ((j - 16) // 4) + 4 * r + (j - 16) % 4)
-        else:                   # Q6_K: ql 4 at a time, qh at 2048, 16 scales at 3072, d at 3328
-            j = np.arange(128)
-            parts = [64 * (j // 4) + 4 * r + j % 4, 2048 + 64 * (j[:64] // 4) + 4 * r + j[:64] % 4]
-            parts += [3072 + 16 * np.arange(16) + r, 3328 + 2 * r + np.arange(2)]
-        _SOURCES[fmt] = np.concatenate([np.broadcast_to(p, (REPACK_ROWS, p.shape[-1])) for p in parts], axis=1)
-    return _SOURCES[fmt]
-
-
-_SOURCES: dict[str, np.ndarray] = {}
 
 
 def _address(a: np.ndarray) -> int:

@@ -150,3 +150,23 @@ def layer_images(store, weights, layers, threads: int | None = None) -> dict[int
                 buffer.free()
             raise
     return images
+
+
+def host_expert_images(store, weights, images: dict) -> dict:
+    """layer -> e -> expert e of the layer's image as the host kernels read it in place, for the layers whose
+    experts are Q8_0 (gate|up and down): ((gate qs, scales), (up qs, scales)) -- [I, H] int8 and [I, H/32]
+    float16, rows two apart (the pool interleaves them) -- and (down qs, scales) [H, I], [H, I/32].  The host
+    then keeps no split copy of those experts of its own."""
+    def parts(layer: int, e: int):
+        buffer, ((gq, _), (gm, _), (dq, _), (dm, _)) = images[layer]
+        moe = weights.layers[layer].moe
+        (lo, hi), (d_lo, d_hi) = moe.gate_up_rows(e), moe.down_rows(e)
+        rows, H, I = hi - lo, moe.gate_up.shape[1], moe.down.shape[1]
+        assert rows % 2 == 0 and d_hi - d_lo == H
+        qs = buffer.view(np.int8, (rows, H), gq + e * store.gate_up.qs_slot)
+        scales = buffer.view(np.float16, (rows, H // 32), gm + e * store.gate_up.meta_slot)
+        down = (buffer.view(np.int8, (H, I), dq + e * store.down.qs_slot),
+                buffer.view(np.float16, (H, I // 32), dm + e * store.down.meta_slot))
+        return ((qs[0::2], scales[0::2]), (qs[1::2], scales[1::2])), down
+    return {layer: (lambda e, layer=layer: parts(layer, e)) for layer in images
+            if store.formats[layer] == ("Q8_0", "Q8_0")}

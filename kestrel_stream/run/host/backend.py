@@ -117,6 +117,9 @@ class HostBackend(Steps):
         routed = [i for i in range(c.num_hidden_layers) if c.moe_layer(i)]
         self.routed_index = {layer: n for n, layer in enumerate(routed)}
         self.expert_counts = np.zeros((len(routed), c.num_experts), np.int64)
+        # routed layer -> e -> expert e's Q8_0 parts in the device's pinned images (mode offload with a link
+        # share or an experts' ring: device/expert_ring.host_expert_images), which the native experts read
+        self.expert_images: dict = {}
 
     def plan(self, tokens: int):
         return scheduler.build_plan(self.config, tokens, "cpu")

@@ -30,16 +30,23 @@ def native_router(backend, op) -> Router | None:
 
 def native_experts(backend, op) -> Experts | None:
     """The experts op bound on the native kernels: the experts it owns (a split's host part: its own;
-    the others are the device's) as bound Linears; None with numpy or an expert in two formats."""
+    the others are the device's) as bound Linears; None with numpy or an expert in two formats.  Where the
+    device keeps pinned images of the layer's experts (backend.expert_images), the Linears read those."""
     c, kernels = backend.config, backend.kernels
     if kernels is None or c.num_experts_per_tok > MAX_CHOICES:
         return None
     moe, mine = moe_weights(backend.weights, op), {expert_of(w.name) for w in op.weights}
+    in_image = backend.expert_images.get(op.layer)        # the device's pinned images, read where they lie
     gate_ups, downs = [], []
     for e in range(moe.experts):
         if e not in mine:
             gate_ups.append(None)
             downs.append(None)
+            continue
+        if in_image is not None:
+            halves, down = in_image(e)
+            gate_ups.append(kernels.linear(kernels.prepare_q8_0_halves(*halves), None, 0.0, glu=True))
+            downs.append(kernels.linear(kernels.prepare_q8_0(*down)))
             continue
         gate_up, down = backend.prepared_parts(moe.gate_up, *moe.gate_up_rows(e)), backend.prepared_parts(moe.down, *moe.down_rows(e))
         if len(gate_up) != 1 or len(down) != 1:
