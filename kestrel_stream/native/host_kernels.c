@@ -742,6 +742,7 @@ typedef struct {
     const uint8_t *w, *meta;
     ptrdiff_t w_stride, meta_stride, x_stride, out_stride;
     int half;                       /* rows from here on start at w + up_w (meta + up_meta): glu's up half */
+    int pairs;                      /* the up half interleaved with the gate's (0 < up_w < w_stride) */
     ptrdiff_t up_w, up_meta;
     const float *x;
     float *out;
@@ -778,6 +779,12 @@ static inline const uint8_t *row_w(const matmul_t *m, ptrdiff_t r) {
 static inline const uint8_t *row_meta(const matmul_t *m, ptrdiff_t r) {
     if (!m->meta) return NULL;
     return r < m->half ? m->meta + m->meta_stride * r : m->meta + m->up_meta + m->meta_stride * (r - m->half);
+}
+
+/* The row computed j-th: in memory order, so with the halves interleaved gate 0, up 0, gate 1, ... (a
+   row at a time from each half would read every other row, and the prefetchers lose the stream). */
+static inline ptrdiff_t logical_row(const matmul_t *m, ptrdiff_t j) {
+    return m->pairs ? ((j & 1) ? m->half + (j >> 1) : j >> 1) : j;
 }
 
 /* A spec's up half, from w and meta (ks_linear_t's up_w, up_meta; 0: after the gate half). */
@@ -1081,8 +1088,10 @@ static void matmul_dots(void *ctx, int index, int count) {
         for (int t = 0; t < m->T; t++) {
             act_t a = token_act(m, t);
             float *o = m->out + m->out_stride * t;
-            for (int r = r0; r < r1; r++)
+            for (int j = r0; j < r1; j++) {
+                const ptrdiff_t r = logical_row(m, j);
                 o[r] = dot(row_w(m, r), row_meta(m, r), &a, m->K);
+            }
         }
     }
 }
@@ -1124,7 +1133,8 @@ static void matmul_lanes(void *ctx, int index, int count) {
                 uint8_t *mine = own + (size_t)r * row_bytes;
                 float *sc = (float *)(mine + K), *mn = sc + ng;
                 int32_t *sm = (int32_t *)(mn + ng);
-                vals[r] = unpack_row(m->fmt, row_w(m, r0 + r), row_meta(m, r0 + r), K, (int8_t *)mine, sc, mn, sm);
+                const ptrdiff_t row = logical_row(m, r0 + r);
+                vals[r] = unpack_row(m->fmt, row_w(m, row), row_meta(m, row), K, (int8_t *)mine, sc, mn, sm);
                 scale[r] = sc, mins[r] = mn, sum[r] = sm;
             }
             for (int tg = 0; tg < m->token_groups; tg++) {
@@ -1133,7 +1143,7 @@ static void matmul_lanes(void *ctx, int index, int count) {
                 LANES_KERNELS[m->fmt](K, vals, scale, mins, sum, tile, (const float *)(tile + scales),
                                       (const float *)(tile + sums), res);
                 for (int l = 0; l < LANES && tg * LANES + l < m->T; l++)
-                    for (int r = 0; r < R; r++) m->out[m->out_stride * (tg * LANES + l) + r0 + r] = res[r][l];
+                    for (int r = 0; r < R; r++) m->out[m->out_stride * (tg * LANES + l) + logical_row(m, r0 + r)] = res[r][l];
             }
         }
     }
@@ -1153,7 +1163,8 @@ static size_t matmul_init(matmul_t *m, const ks_linear_t *spec, const float *x, 
     *m = (matmul_t){.fmt = fmt, .isa = isa, .N = N, .K = K, .T = T, .w = spec->w, .meta = spec->meta,
                     .w_stride = spec->w_stride, .meta_stride = spec->meta_stride, .x_stride = x_stride,
                     .out_stride = out_stride, .x = x, .out = out, .norm = spec->norm, .eps = spec->eps,
-                    .half = spec->glu ? N / 2 : N, .up_w = up_w_of(spec), .up_meta = up_meta_of(spec)};
+                    .half = spec->glu ? N / 2 : N, .up_w = up_w_of(spec), .up_meta = up_meta_of(spec),
+                    .pairs = spec->glu && spec->up_w > 0 && spec->up_w < spec->w_stride};
     const int kq = repacked(fmt), threads = spec->threads < 1 ? 1 : spec->threads;
     m->group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
     m->qs_bytes = (size_t)K, m->d_bytes = (size_t)(K / m->group) * 4, m->bs_bytes = m->group == 256 ? (size_t)(K / 16) * 2 : 0;
@@ -1249,8 +1260,10 @@ static void group_grabs(void *ctx, int index, int count) {
         for (int t = 0; t < m->T; t++) {
             act_t a = token_act(m, t);
             float *o = m->out + m->out_stride * t;
-            for (int r = r0; r < r1; r++)
+            for (int j = r0; j < r1; j++) {
+                const ptrdiff_t r = logical_row(m, j);
                 o[r] = dot(row_w(m, r), row_meta(m, r), &a, m->K);
+            }
         }
     }
 }
