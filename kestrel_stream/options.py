@@ -37,6 +37,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
                               ring): the host's native experts read their Q8_0 rows in those images (1), keeping
                               no copy of their own, or read their own split copies (0, the default until timed on
                               a GPU's host: the images may sit on small pages, the copies on huge ones)
+    KESTREL_EXPERT_IMAGES=pinned|registered  how those pinned images are made: cuMemHostAlloc (pinned, the
+                              default) or huge pages filled by threads, then cuMemHostRegister (registered)
     KESTREL_KERNEL_CACHE=DIR  where compiled kernels are cached
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
     KESTREL_HOST_KERNELS=numpy  the host backend multiplies on float32 copies with numpy (the reference
@@ -91,6 +93,7 @@ class Options:
     link_experts: int | str = 0              # one-token offload steps: host-side choices the GPU reads over PCIe,
                                              # "auto" (scheduler/link_tuner.py) or "defer" (none, no images)
     host_reads_images: bool = False          # the host's Q8_0 experts read in the device's pinned images
+    expert_images: str = "pinned"            # those images: cuMemHostAlloc, or "registered" huge pages
     minflop: float | None = None
     gemv_m1: str | None = None               # None: the layout measured fastest for the shape
     gemv_mn: str | None = None
@@ -171,6 +174,10 @@ class Options:
         if host_reads_images not in ("0", "1"):
             raise ValueError(f"KESTREL_HOST_READS_IMAGES={host_reads_images!r}: 0 (the host's own copies, the "
                              "default) or 1 (the experts' pinned images)")
+        expert_images = env.get("KESTREL_EXPERT_IMAGES") or "pinned"
+        if expert_images not in ("pinned", "registered"):
+            raise ValueError(f"KESTREL_EXPERT_IMAGES={expert_images!r}: pinned (cuMemHostAlloc, the default) or "
+                             "registered (huge pages, then cuMemHostRegister)")
         offload = env.get("KESTREL_OFFLOAD") or "auto"
         if offload not in OFFLOAD_CHOICES:
             raise ValueError(f"KESTREL_OFFLOAD={offload!r}: one of {', '.join(OFFLOAD_CHOICES)}")
@@ -187,6 +194,7 @@ class Options:
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0", step_graphs=step_graphs == "1",
                       host_nodes=host_nodes == "1", host_reads_images=host_reads_images == "1",
+                      expert_images=expert_images,
                       link_experts=_link_experts(env.get("KESTREL_LINK_EXPERTS")),
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
                       block_mma_min_tokens=block_mma, moe_mma_tile=moe_mma_tile,

@@ -116,6 +116,27 @@ class PinnedBuffer:
             self.address = 0
 
 
+class RegisteredBuffer(PinnedBuffer):
+    """memory.RegisteredBuffer: plain host bytes until `pin`, then pinned (a kernel reads it only after)."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.pinned = nbytes, False
+        self.bytes = np.full(max(nbytes, 1), 0xFF, np.uint8)
+        self.address = self.bytes.ctypes.data
+
+    def pin(self) -> None:
+        if fake_streams.capturing():
+            raise CudaError("cuMemHostRegister failed: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED")
+        if not self.pinned:
+            _pinned[self.address], self.pinned = self, True
+
+    def free(self) -> None:
+        if self.address:
+            if self.pinned:
+                del _pinned[self.address]
+            self.address, self.pinned = 0, False
+
+
 class _Registered:
     def __init__(self, array):
         self.bytes, self.address, self.nbytes = array.reshape(-1).view(np.uint8), array.ctypes.data, array.nbytes
@@ -286,6 +307,7 @@ def install(monkeypatch, mode: str = "immediate", cublas: bool = False) -> None:
     monkeypatch.setitem(POLICY, "mode", mode)
     _current.ordinal = None                 # no device current on this thread until a Device is made
     names = dict(Device=Device, Stream=new_stream, Event=Event, PinnedBuffer=PinnedBuffer, Arena=Arena,
+                 RegisteredBuffer=RegisteredBuffer,
                  register_host=register_host, h2d_async=h2d_async, d2h_async=d2h_async, h2d_sync=h2d_sync,
                  d2d_async=d2d_async, memset_async=memset_async, host_word=host_word, write_value=write_value, wait_value=wait_value, capture=capture, Graph=Graph,
                  detect=lambda: "Emulated H200 sm_90", gpu_available=lambda: True, device_count=lambda: DEVICE_COUNT,

@@ -35,9 +35,9 @@ def device(request, monkeypatch):
     return request.param
 
 
-def linked_engine(weights, link: int | str, experts: int = 2, host_reads_images: bool = False):
+def linked_engine(weights, link: int | str, experts: int = 2, host_reads_images: bool = False, pages: str = "pinned"):
     options = Options.from_env({}).with_(resident_experts="frequency", link_experts=link,
-                                         host_reads_images=host_reads_images)
+                                         host_reads_images=host_reads_images, expert_images=pages)
     executor = StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
                             vram_budget=expert_budget(weights.config, experts), options=options)
     return with_executor(weights, executor)
@@ -187,3 +187,24 @@ def test_the_host_reads_its_experts_from_the_link_images_and_keeps_no_copy_of_it
         assert np.array_equal(a, b)
     for got, expected in zip(logits[True], reference):
         assert_logits_match(got, expected)
+
+
+def test_registered_images_decode_as_pinned_ones(model, device):
+    """KESTREL_EXPERT_IMAGES=registered: the link's images on huge pages, filled, then cuMemHostRegister'ed;
+    the GPU reads its share and the host its own experts there (KESTREL_HOST_READS_IMAGES=1): the logits of
+    cuMemHostAlloc'ed images bit for bit."""
+    weights, _ = model
+    if native_missing():
+        pytest.skip("no native host kernels (no C compiler)")
+    logits = {}
+    for pages in ("registered", "pinned"):
+        engine = linked_engine(weights, 2, host_reads_images=True, pages=pages)
+        link = engine.executor.steps.item_graphs.link
+        buffers = [buffer for buffer, _ in link.images.values()]
+        assert buffers and all((type(b).__name__ == "RegisteredBuffer") == (pages == "registered") for b in buffers)
+        assert all(b.pinned for b in buffers if pages == "registered")
+        logits[pages] = [run(engine, prompt) for prompt in PROMPTS]
+        assert engine.executor.stats.get("streamed_bytes", 0) > 0
+        engine.close()
+    for a, b in zip(logits["registered"], logits["pinned"]):
+        assert np.array_equal(a, b)

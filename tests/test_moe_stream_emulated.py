@@ -369,6 +369,59 @@ def test_images_filled_by_several_threads_are_one_threads_and_a_failing_fill_fre
     engine.close()
 
 
+def test_registered_images_are_the_pinned_ones_pinned_after_their_fill(emulated):
+    """layer_images(pages="registered"): the same bytes as cuMemHostAlloc'ed images, each buffer pinned once
+    its fill is done (a kernel may read it then), every one freed when a fill fails."""
+    from kestrel_stream.cuda import driver
+    from kestrel_stream.run.device import expert_ring
+    weights = streaming_weights()
+    c = weights.config
+    host_has(emulated, 64 * 2**30)
+    engine = stream_engine(weights, stream="auto")
+    store = engine.executor.steps.expert_ring.store
+    pinned = expert_ring.layer_images(store, weights, routed(c), threads=2)
+    registered = expert_ring.layer_images(store, weights, routed(c), threads=2, pages="registered")
+    for layer in routed(c):
+        (a, _), (b, _) = pinned[layer], registered[layer]
+        assert isinstance(b, driver.RegisteredBuffer) and b.pinned and driver.host_word(b.address) == b.address
+        assert np.array_equal(a.view(np.uint8, (a.nbytes,), 0), b.view(np.uint8, (b.nbytes,), 0))
+    for images in (pinned, registered):
+        for buffer, _ in images.values():
+            buffer.free()
+    made, real, write = [], driver.RegisteredBuffer, expert_ring.write_expert
+
+    def registered_buffer(nbytes: int):
+        made.append(real(nbytes))
+        return made[-1]
+
+    def failing(*args):
+        if len(made) == 2:
+            raise MemoryError("a copy failed")
+        write(*args)
+    emulated.setattr(driver, "RegisteredBuffer", registered_buffer)
+    emulated.setattr(expert_ring, "write_expert", failing)
+    with pytest.raises(MemoryError, match="a copy failed"):
+        expert_ring.layer_images(store, weights, routed(c), threads=1, pages="registered")
+    assert len(made) >= 2 and all(buffer.address == 0 for buffer in made)
+    engine.close()
+
+
+def test_a_registered_buffer_is_huge_page_advised_anonymous_memory_until_pinned():
+    """cuda/memory.RegisteredBuffer without a GPU: page-aligned, zeroed, writable bytes before `pin` (which is
+    cuMemHostRegister's); freed unpinned, nothing is asked of the driver."""
+    import mmap as mmap_module
+    from kestrel_stream.cuda.memory import PinnedBuffer, RegisteredBuffer
+    buffer = RegisteredBuffer(3 * mmap_module.PAGESIZE + 5)
+    assert isinstance(buffer, PinnedBuffer) and not buffer.pinned
+    assert buffer.address % mmap_module.PAGESIZE == 0 and not buffer.bytes.any()
+    view = buffer.view(np.float16, (4, 2), 8)
+    view[:] = 1.5
+    assert buffer.bytes[8:24].view(np.float16).tolist() == [1.5] * 8
+    buffer.free()
+    assert buffer.address == 0 and buffer.bytes is None
+    assert view.tolist() == [[1.5, 1.5]] * 4                  # a view outlives the buffer's own reference
+
+
 def test_the_available_memory_reader_reads_meminfo(monkeypatch, tmp_path):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       65536000 kB\nMemFree:         1000000 kB\nMemAvailable:   40000000 kB\n")

@@ -29,7 +29,7 @@ from kestrel_stream.obs import trace
 from kestrel_stream.cuda.device_trace import GpuTimes
 from kestrel_stream.cuda.errors import CudaError, check
 # host and device memory (pinned buffers, registration, the arena) live in memory.py; re-exported here
-from kestrel_stream.cuda.memory import Arena, DeviceArray, PinnedBuffer, register_host  # noqa: F401
+from kestrel_stream.cuda.memory import Arena, DeviceArray, PinnedBuffer, RegisteredBuffer, register_host  # noqa: F401
 
 
 _detected: str | None = None

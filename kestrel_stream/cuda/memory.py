@@ -7,6 +7,7 @@ memory that copies read or write is page-locked once, never per transfer.
 from __future__ import annotations
 
 import ctypes
+import mmap
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,35 @@ class PinnedBuffer:
         if self.address:
             check(cu.cuMemFreeHost(self.address), "cuMemFreeHost")
             self.address = 0
+
+
+class RegisteredBuffer(PinnedBuffer):
+    """Page-locked host memory on huge pages where the kernel gives them: an anonymous mapping advised
+    MADV_HUGEPAGE, written first (by any threads: its pages fault in where they are written), then locked and
+    mapped for the device by `pin` (cuMemHostRegister, portable and device-mapped), which cuMemHostAlloc's
+    pages are from the start.  Freed, its pages go when the last view of them does."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.pinned = nbytes, False
+        self._map = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        try:
+            self._map.madvise(mmap.MADV_HUGEPAGE)
+        except (AttributeError, OSError):         # no transparent huge pages here: small pages, the same use
+            pass
+        self.bytes = np.frombuffer(self._map, np.uint8)
+        self.address = self.bytes.ctypes.data
+
+    def pin(self) -> None:
+        if not self.pinned:
+            flags = int(cu.CU_MEMHOSTREGISTER_PORTABLE) | int(cu.CU_MEMHOSTREGISTER_DEVICEMAP)
+            check(cu.cuMemHostRegister(self.address, max(self.nbytes, 1), flags), "cuMemHostRegister")
+            self.pinned = True
+
+    def free(self) -> None:
+        if self.address:
+            if self.pinned:
+                check(cu.cuMemHostUnregister(self.address), "cuMemHostUnregister")
+            self.address, self.pinned, self.bytes, self._map = 0, False, None, None
 
 
 _registered: dict[int, int] = {}

@@ -132,7 +132,7 @@ def build_expert_ring(executor, backend):
     start = time.perf_counter()
     try:
         with load_stages.stage("  experts: pinned images of the experts' ring"):
-            expert_ring = ExpertRing(backend.experts, executor.weights, layers)
+            expert_ring = ExpertRing(backend.experts, executor.weights, layers, pages=executor.options.expert_images)
     except (CudaError, MemoryError) as e:
         what = (f"pinning its host images (every expert of {len(layers)} routed layers, {size_text(image_bytes)}) "
                 f"failed ({e})")
@@ -174,7 +174,7 @@ def build_link(executor, backend):
         return None
     start = time.perf_counter()
     try:
-        link = ExpertLink(store, executor.weights, count, store.layers)
+        link = ExpertLink(store, executor.weights, count, store.layers, pages=executor.options.expert_images)
     except (CudaError, MemoryError) as e:
         print(f"kestrel-stream: link share left out: pinning its images ({size_text(need)}) failed ({e})", file=sys.stderr)
         return None

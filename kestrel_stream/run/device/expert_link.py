@@ -36,11 +36,11 @@ LINK_MAX_TOKENS = 16           # steps up to this many tokens share (decode, a f
 
 
 class ExpertLink:
-    def __init__(self, store, weights, count: int | str, layers):
+    def __init__(self, store, weights, count: int | str, layers, pages: str = "pinned"):
         """store: the ExpertStore (its pool layout, formats); count: choices a token the device reads over the
         link, "auto" (scheduler/link_tuner.py: measured while serving), or "defer" (no expert over the link,
         no images: the hand-off alone, for the resident experts' deferral); layers: the routed layers whose
-        host experts share (every one with host experts)."""
+        host experts share (every one with host experts); pages: the images' (expert_ring.layer_images)."""
         c = store.config
         E, k, H = c.num_experts, c.num_experts_per_tok, c.hidden_size
         self.tuners = {1: LinkTuner(max(1, k // 2))} if count == "auto" else {}     # step size -> its tuner
@@ -48,7 +48,7 @@ class ExpertLink:
         self.layers = set(layers)
         self.images, self.parts = {}, {}
         try:
-            self.images = layer_images(store, weights, layers if count != "defer" else ())
+            self.images = layer_images(store, weights, layers if count != "defer" else (), pages=pages)
             for layer, (buffer, regions) in self.images.items():
                 base = driver.host_word(buffer.address)          # the device's address of the mapped image
                 (gq, _), (gm, _), (dq, _), (dm, _) = regions

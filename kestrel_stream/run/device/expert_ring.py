@@ -33,13 +33,13 @@ def layer_of(name: str) -> int:
 
 
 class ExpertRing:
-    def __init__(self, store, weights, layers=None):
+    def __init__(self, store, weights, layers=None, pages: str = "pinned"):
         """store: the ExpertStore with ring_slots; layers: the routed layers that may stream (default all).
         Pinning an image can fail (the driver's CudaError): the images pinned before it are freed, the error
         goes to the caller (the executor's, which names the bytes)."""
         self.store, self.slot_count = store, store.ring_slots
         assert self.slot_count >= 1, "an experts' ring needs slots in the expert pool"
-        self.images = layer_images(store, weights, store.layers if layers is None else layers)
+        self.images = layer_images(store, weights, store.layers if layers is None else layers, pages=pages)
         self.copy_stream = driver.Stream("experts copy h2d")
         self.loaded = [driver.Event(name=f"experts slot {s} loaded") for s in range(self.slot_count)]
         self.released = [driver.Event(name=f"experts slot {s} released") for s in range(self.slot_count)]
@@ -109,12 +109,15 @@ class ExpertRing:
 IMAGE_THREADS = 8          # threads filling pinned images (numpy's copies release the GIL; memory-bound beyond)
 
 
-def layer_images(store, weights, layers, threads: int | None = None) -> dict[int, tuple[driver.PinnedBuffer, list]]:
+def layer_images(store, weights, layers, threads: int | None = None,
+                 pages: str = "pinned") -> dict[int, tuple[driver.PinnedBuffer, list]]:
     """Each routed layer's every expert in the expert pool's layout (expert_pool.py), pinned: its buffer and
     four regions' (offset, bytes): gate_up qs, gate_up meta, down qs, down meta, E slots each.  The buffers
     are pinned here one after another (the calling thread has the context) while `threads` threads fill those
-    pinned so far (default: min(IMAGE_THREADS, the cores)).  A failure frees every buffer pinned and raises
-    the first error."""
+    pinned so far (default: min(IMAGE_THREADS, the cores)).  pages "registered" (KESTREL_EXPERT_IMAGES): each
+    buffer an anonymous mapping on huge pages, filled first and then pinned (driver.RegisteredBuffer), where
+    cuMemHostAlloc's pages are pinned (and small) before the fill.  A failure frees every buffer and raises the
+    first error."""
     E = store.config.num_experts
     parts = [(store.gate_up, True), (store.down, False)]
     sizes = [E * n for part, _ in parts for n in (part.qs_slot, part.meta_slot)]
@@ -137,11 +140,13 @@ def layer_images(store, weights, layers, threads: int | None = None) -> dict[int
         filled = []
         try:
             for layer in layers:
-                buffer = driver.PinnedBuffer(offsets[-1])
+                buffer = (driver.RegisteredBuffer if pages == "registered" else driver.PinnedBuffer)(offsets[-1])
                 images[layer] = buffer, list(regions)
                 filled.append(pool.submit(fill, layer, buffer))
-            for job in filled:
+            for job, (buffer, _) in zip(filled, images.values()):
                 job.result()
+                if pages == "registered":
+                    buffer.pin()
         except BaseException:
             for job in filled:
                 job.cancel()
