@@ -328,16 +328,22 @@ def test_a_pinning_the_driver_refuses_is_met_as_short_host_memory(emulated, caps
         stream_engine(weights, stream="on")
 
 
-def test_images_filled_by_several_threads_are_one_threads_and_a_failing_fill_frees_them_all(emulated):
-    """expert_ring.layer_images: the buffers pinned on the calling thread, filled by a pool: 3 threads write the
-    bytes 1 thread writes; an expert whose copy fails mid-way frees every buffer pinned and raises its error."""
-    from kestrel_stream.cuda import driver
-    from kestrel_stream.run.device import expert_ring
+@pytest.fixture
+def ring_store(emulated):
+    """(weights, the ExpertStore) of an engine with an experts' ring (streaming_weights), closed after."""
     weights = streaming_weights()
-    c = weights.config
     host_has(emulated, 64 * 2**30)
     engine = stream_engine(weights, stream="auto")
-    store = engine.executor.steps.expert_ring.store
+    yield weights, engine.executor.steps.expert_ring.store
+    engine.close()
+
+
+def test_images_filled_by_several_threads_are_one_threads_and_a_failing_fill_frees_them_all(emulated, ring_store):
+    """expert_ring.layer_images: the buffers pinned on the calling thread, filled by a pool: 3 threads write the
+    bytes 1 thread writes; an expert whose copy fails mid-way frees every buffer pinned and raises its error."""
+    from kestrel_stream.run.device import expert_ring
+    weights, store = ring_store
+    c = weights.config
     one = expert_ring.layer_images(store, weights, routed(c), threads=1)
     three = expert_ring.layer_images(store, weights, routed(c), threads=3)
     assert list(one) == list(three) == routed(c)
@@ -349,36 +355,16 @@ def test_images_filled_by_several_threads_are_one_threads_and_a_failing_fill_fre
     for images in (one, three):
         for buffer, _ in images.values():
             buffer.free()
-    made, real, write = [], driver.PinnedBuffer, expert_ring.write_expert
-    calls = [0]
-
-    def pinned(nbytes: int):
-        made.append(real(nbytes))
-        return made[-1]
-
-    def failing(*args):
-        calls[0] += 1
-        if calls[0] == 2 * c.num_experts + 3:              # inside the second layer's gate_up
-            raise MemoryError("a copy failed")
-        write(*args)
-    emulated.setattr(driver, "PinnedBuffer", pinned)
-    emulated.setattr(expert_ring, "write_expert", failing)
-    with pytest.raises(MemoryError, match="a copy failed"):
-        expert_ring.layer_images(store, weights, routed(c), threads=2)
-    assert len(made) >= 2 and all(buffer.address == 0 for buffer in made)       # every one freed
-    engine.close()
+    assert_a_failing_fill_frees_every_buffer(emulated, store, weights, "pinned", threads=2)
 
 
-def test_registered_images_are_the_pinned_ones_pinned_after_their_fill(emulated):
+def test_registered_images_are_the_pinned_ones_pinned_after_their_fill(emulated, ring_store):
     """layer_images(pages="registered"): the same bytes as cuMemHostAlloc'ed images, each buffer pinned once
     its fill is done (a kernel may read it then), every one freed when a fill fails."""
     from kestrel_stream.cuda import driver
     from kestrel_stream.run.device import expert_ring
-    weights = streaming_weights()
+    weights, store = ring_store
     c = weights.config
-    host_has(emulated, 64 * 2**30)
-    engine = stream_engine(weights, stream="auto")
-    store = engine.executor.steps.expert_ring.store
     pinned = expert_ring.layer_images(store, weights, routed(c), threads=2)
     registered = expert_ring.layer_images(store, weights, routed(c), threads=2, pages="registered")
     for layer in routed(c):
@@ -388,25 +374,31 @@ def test_registered_images_are_the_pinned_ones_pinned_after_their_fill(emulated)
     for images in (pinned, registered):
         for buffer, _ in images.values():
             buffer.free()
-    made, real, write, calls = [], driver.RegisteredBuffer, expert_ring.write_expert, [0]
+    assert_a_failing_fill_frees_every_buffer(emulated, store, weights, "registered", threads=1)
 
-    def registered_buffer(nbytes: int):
+
+def assert_a_failing_fill_frees_every_buffer(monkeypatch, store, weights, pages: str, threads: int) -> None:
+    """layer_images with an expert's copy failing inside the second layer's gate_up: its error raised, every
+    buffer made (pinned or registered) freed."""
+    from kestrel_stream.cuda import driver
+    from kestrel_stream.run.device import expert_ring
+    kind = "RegisteredBuffer" if pages == "registered" else "PinnedBuffer"
+    made, real, write, calls = [], getattr(driver, kind), expert_ring.write_expert, [0]
+
+    def buffer(nbytes: int):
         made.append(real(nbytes))
         return made[-1]
 
     def failing(*args):
         calls[0] += 1
-        if calls[0] == 2 * c.num_experts + 3:              # inside the second layer's gate_up
+        if calls[0] == 2 * weights.config.num_experts + 3:
             raise MemoryError("a copy failed")
         write(*args)
-    emulated.setattr(driver, "RegisteredBuffer", registered_buffer)
-    emulated.setattr(expert_ring, "write_expert", failing)
+    monkeypatch.setattr(driver, kind, buffer)
+    monkeypatch.setattr(expert_ring, "write_expert", failing)
     with pytest.raises(MemoryError, match="a copy failed"):
-        expert_ring.layer_images(store, weights, routed(c), threads=1, pages="registered")
-    assert len(made) >= 2 and all(buffer.address == 0 for buffer in made)
-    engine.close()
-
-
+        expert_ring.layer_images(store, weights, routed(weights.config), threads=threads, pages=pages)
+    assert len(made) >= 2 and all(b.address == 0 for b in made)
 def test_a_registered_buffer_is_huge_page_advised_anonymous_memory_until_pinned():
     """cuda/memory.RegisteredBuffer without a GPU: page-aligned, zeroed, writable bytes before `pin` (which is
     cuMemHostRegister's); freed unpinned, nothing is asked of the driver."""
