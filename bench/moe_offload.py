@@ -259,6 +259,8 @@ def ours(path: str, weights, which: str, args, profile, stream: str = "off", lin
         if share is not None and share.tuner is not None:   # auto: the counts kept (or being tried) by step size
             row["link_kept"] = " ".join(f"{t}:{tuner.count}" + ("" if tuner.settled else "?")
                                         for t, tuner in sorted(share.tuners.items()))
+        if x.stats.get("expert_image_build_ms") is not None:     # the link's (or ring's) pinned images, at load
+            row["images_build_s"] = round(x.stats["expert_image_build_ms"] / 1e3, 2)
         if times and times["steps"]:                     # a decode step as one graph: its host items, the waits
             row["host_items_ms"] = round(times["items_us"] / 1e3, 3)
             row["device_waits_ms"] = round(times["waits_us"] / 1e3, 3)
@@ -304,7 +306,7 @@ def theirs(path: str, config, args) -> list[dict]:
 COLUMNS = ["file", "budget", "mode", "weight_MB", "budget_MB", "placement", "resident_experts", "hit_rate",
            "ours_tg_tok_s", "llama_tg_tok_s", "ours_pp_tok_s", "llama_pp_tok_s", "ours_batch_tok_s",
            "llama_batch_tok_s", "step_ms", "predicted_ms", "experts_off_MB", "host_roofline_tok_s", "of_host_roofline",
-           "host_experts_us", "link_wait_us", "link_kept", "host_items_ms", "device_waits_ms",
+           "host_experts_us", "link_wait_us", "link_kept", "host_items_ms", "device_waits_ms", "images_build_s",
            "experts_ring", "pp_placement", "pp_predicted_ms", "pp_streamed_GB"]
 
 

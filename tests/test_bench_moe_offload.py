@@ -97,6 +97,7 @@ def test_the_moe_bench_times_the_link_share(tmp_path, monkeypatch):
     assert all(row["host_experts_us"] > 0 for row in rows)          # the host's experts op a layer, timed
     assert [("link_wait_us" in row) for row in rows] == [False, False] + [True] * 5     # only armed calls wait
     assert [("link_kept" in row) for row in rows] == [False, False, False, False, True, True, False]
+    assert [("images_build_s" in row) for row in rows] == [False, False, True, True, True, True, False]   # defer: none
     graphed = [row for row in rows if "segment by segment" not in row["budget"]]
     assert all(row["host_items_ms"] > 0 and row["device_waits_ms"] > 0 for row in graphed)   # one graph a step
     assert "host_items_ms" not in rows[1]                                 # segment by segment: no host items

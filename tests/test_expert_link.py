@@ -203,6 +203,8 @@ def test_registered_images_decode_as_pinned_ones(model, device):
         buffers = [buffer for buffer, _ in link.images.values()]
         assert buffers and all((type(b).__name__ == "RegisteredBuffer") == (pages == "registered") for b in buffers)
         assert all(b.pinned for b in buffers if pages == "registered")
+        x = engine.executor
+        assert x.stats["expert_image_bytes"] == link.image_bytes > 0 and x.stats["expert_image_build_ms"] >= 0
         logits[pages] = [run(engine, prompt) for prompt in PROMPTS]
         assert engine.executor.stats.get("streamed_bytes", 0) > 0
         engine.close()

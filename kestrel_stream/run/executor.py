@@ -40,7 +40,8 @@ class StepCounters:
     copy_busy_ms: float | None = None
     compute_busy_ms: float | None = None
     step_span_ms: float | None = None
-    expert_image_bytes: int | None = None    # mode offload's experts' ring: its pinned host images, built at load
+    expert_image_bytes: int | None = None    # mode offload's experts' ring or link share: its pinned images, built
+                                             # at load (expert_ring.layer_images)
     expert_image_build_ms: float | None = None
     verify_mismatches: int | None = None     # KESTREL_VERIFY (verify.py)
     verify_rows: int | None = None

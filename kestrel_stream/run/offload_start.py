@@ -182,8 +182,11 @@ def build_link(executor, backend):
         print("kestrel-stream: link share: no expert over PCIe; the routed layers' resident experts run on the "
               "GPU while the host computes its own", file=sys.stderr)
         return link
+    build_s = time.perf_counter() - start
+    executor.counters.expert_image_bytes = link.image_bytes
+    executor.counters.expert_image_build_ms = round(build_s * 1e3, 1)
     told = "a count measured while serving" if count == "auto" else count
     print(f"kestrel-stream: link share: {told} of a token's host-side expert choices read by the GPU over PCIe; "
           f"pinned images of {len(store.layers)} routed layers, {size_text(link.image_bytes)}, built in "
-          f"{time.perf_counter() - start:.2f} s", file=sys.stderr)
+          f"{build_s:.2f} s", file=sys.stderr)
     return link
