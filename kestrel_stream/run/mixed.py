@@ -85,10 +85,6 @@ class MixedSteps(Steps):
         self.config, self.weights = backend.weights.config, backend.weights
         self.gpu_layers, self.max_tokens = gpu_layers, max_tokens
         self.host = HostBackend(self.weights, counters, options)
-        images = (link.images if link is not None else {}) or (expert_ring.images if expert_ring is not None else {})
-        if images and options is not None and options.host_reads_images:   # no second copy of those experts
-            from kestrel_stream.run.device.expert_ring import host_expert_images
-            self.host.expert_images = host_expert_images(backend.experts, self.weights, images)
         self.spin = spinning_step(self.host.kernels, options)
         self._host_programs: dict = {}       # (tokens, segment index) -> (its inputs, its HostProgram)
         self._prepared: dict = {}            # (op name, tokens[, lm rows]) -> _prepare's tuple

@@ -112,6 +112,10 @@ def start_offload(executor, profile, vram_budget, max_seq_len, max_batch, max_se
                             mode=executor.mode, load_s=time.perf_counter() - start, options=executor.options, ring=ring,
                             expert_ring=expert_ring, link=link)
     executor.preload_line = executor.steps.preload_line
+    images = getattr(link, "images", None) or getattr(expert_ring, "images", None)   # the experts' pinned images
+    if images and executor.options.host_reads_images:       # the host's experts read there: no second copy
+        from kestrel_stream.run.device.expert_ring import host_expert_images
+        executor.steps.host.expert_images = host_expert_images(backend.experts, executor.weights, images)
     sizes = (1,) + ((executor.max_batch, T) if expert_ring is not None else ())
     for tokens in sorted(set(sizes)):         # the experts' ring: the placement of each step size it serves
         for line in executor.placement_for(tokens).describe().splitlines():
