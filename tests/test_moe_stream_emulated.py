@@ -328,6 +328,31 @@ def test_a_pinning_the_driver_refuses_is_met_as_short_host_memory(emulated, caps
         stream_engine(weights, stream="on")
 
 
+def test_the_host_reads_its_experts_in_the_rings_images_with_the_same_numbers(model, emulated):
+    """KESTREL_HOST_READS_IMAGES=1 with an experts' ring: the host's native experts (decode steps keep them on
+    the host) read the ring's pinned images in place: the logits of the host's own copies bit for bit, none of
+    those copies prepared."""
+    from kestrel_stream import native
+    weights, _ = model
+    native_options = Options.from_env().with_(host_kernels="native")
+    if native.load(native_options) is None:
+        pytest.skip("no native host kernels (no C compiler)")
+    stacked = {id(w) for lw in weights.layers if lw.moe is not None for w in (lw.moe.gate_up, lw.moe.down)}
+    logits = {}
+    for reads in (True, False):
+        engine = stream_engine(weights, options=native_options.with_(host_reads_images=reads))
+        x = engine.executor
+        assert bool(x.steps.host.expert_images) == reads and x.steps.expert_ring is not None
+        with engine.new_session() as s:
+            out = [np.asarray(s.prefill(PROMPT))[-1]]
+            for _ in range(DECODE_STEPS):
+                out.append(np.asarray(s.decode(int(np.argmax(out[-1])))).reshape(-1))
+        logits[reads] = np.stack(out)
+        assert bool([key for key in x.steps.host._prepared if key[0] in stacked]) != reads
+        engine.close()
+    assert np.array_equal(logits[True], logits[False])
+
+
 @pytest.fixture
 def ring_store(emulated):
     """(weights, the ExpertStore) of an engine with an experts' ring (streaming_weights), closed after."""
