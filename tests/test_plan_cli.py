@@ -136,3 +136,28 @@ def test_plan_offload_names_the_experts_ring_s_pinned_host_memory(qwen3_30b_a3b_
     else:
         assert ring["slots"] == 2 and ring["image_bytes"] == images and ring["left_out"] is None
         assert f"from {images / 1e6:.1f} MB of pinned host images" in err and "left out" not in err
+
+
+@pytest.mark.parametrize("env, count, images", [({}, 0, False), ({"KESTREL_LINK_EXPERTS": "3"}, 3, True),
+                                                ({"KESTREL_LINK_EXPERTS": "auto", "KESTREL_HOST_READS_IMAGES": "1"},
+                                                 "auto", True),
+                                                ({"KESTREL_LINK_EXPERTS": "defer"}, "defer", False)])
+def test_plan_offload_names_the_link_share_and_its_pinned_images(qwen3_30b_a3b_config, monkeypatch, capsys, env,
+                                                                 count, images):
+    """With every expert on the host (no ring: --stream off's placement), plan names the link share the
+    environment sets and the pinned images it would build (48 routed layers' experts, 30.8 GB), and whether
+    the host reads its experts there."""
+    from kestrel_stream.cli.main import main
+    from kestrel_stream.loading.presets import PRESETS
+    from kestrel_stream.run.device import expert_pool
+    for name in ("KESTREL_LINK_EXPERTS", "KESTREL_HOST_READS_IMAGES"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("KESTREL_STREAM_EXPERTS", "off")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["plan", "--model", str(qwen3_30b_a3b_config), "--mode", "offload", "--vram-budget", "8GiB",
+                 "--profile", "h200", "--json"]) == 0
+    link = json.loads(capsys.readouterr().out)["window"]["link_share"]
+    expected = 48 * expert_pool.layer_slot_bytes(PRESETS["qwen3-30b-a3b"]) if images else 0
+    assert link["count"] == count and link["image_bytes"] == expected
+    assert link["host_reads_images"] == (env.get("KESTREL_HOST_READS_IMAGES") == "1")

@@ -160,6 +160,25 @@ def speculation_report(cfg, args, profile, gpu_here: bool, placement_for=None) -
             "draft_length_at_batch_1": k}
 
 
+def link_share_report(cfg) -> dict:
+    """Mode offload's link share as this environment sets it (KESTREL_LINK_EXPERTS, KESTREL_HOST_READS_IMAGES):
+    its count and the pinned images it builds at load (every routed layer's experts, where the host's memory
+    holds them beside its reserve), whether the host reads its experts there or keeps its own copies."""
+    from kestrel_stream.options import Options
+    from kestrel_stream.run.device.expert_pool import layer_slot_bytes
+    options = Options.from_env()
+    count = "auto" if options.link_experts is None else options.link_experts     # None: the default, auto
+    routed = sum(1 for i in range(cfg.num_hidden_layers) if cfg.moe_layer(i))
+    image_bytes = 0 if count in (0, "defer") else routed * layer_slot_bytes(cfg)
+    text = ("link share: off (KESTREL_LINK_EXPERTS=0)" if count == 0 else
+            "link share: defer (the resident experts run during the host's own; no images)" if count == "defer" else
+            f"link share: {count} of a token's host-side choices over PCIe (KESTREL_LINK_EXPERTS); pinned host "
+            f"images {image_bytes / 1e6:.1f} MB at load where the host's memory holds them, "
+            + ("which the host's experts read in place" if options.host_reads_images else
+               "beside the host's own copies of its experts (KESTREL_HOST_READS_IMAGES=1: read in place)"))
+    return {"count": count, "image_bytes": image_bytes, "host_reads_images": options.host_reads_images, "text": text}
+
+
 def window_report(cfg, args, memory=None) -> dict:
     """How `gpu` mode splits --vram-budget (the executor's own split), or mode offload's `memory` plan where
     given: the arena with the resident weights, what streams per step, and the KV pool's limit."""
@@ -182,6 +201,9 @@ def window_report(cfg, args, memory=None) -> dict:
                 f"pinned host images {placement.expert_image_bytes / 1e6:.1f} MB (built at load)"
                 if memory.expert_ring_slots else
                 f"experts' ring: none ({memory.expert_ring_left_out or 'KESTREL_STREAM_EXPERTS, or the cost model'})")
+            if not memory.expert_ring_slots:
+                report["link_share"] = link_share_report(cfg)
+                report["text"] += "\n" + report["link_share"].pop("text")
         return report
     if isinstance(budget, float):
         from kestrel_stream.run.engine import gpu_status
