@@ -210,3 +210,28 @@ def test_registered_images_decode_as_pinned_ones(model, device):
         engine.close()
     for a, b in zip(logits["registered"], logits["pinned"]):
         assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("link", [1, 2])
+def test_a_layer_whose_router_runs_on_the_host_shares_by_the_hosts_route(model, device, link):
+    """A budget that leaves a routed layer no resident expert puts its router on the host too; the device's
+    share of that layer combines by the route rows the host item copies up with the grouping (the device's own
+    route buffer is stale there: the share once summed the last device-routed layer's weights, 0.17 relative
+    error).  Decode replays match the CPU engine's."""
+    weights, reference = model
+    if native_missing():
+        pytest.skip("no native host kernels (no C compiler)")
+    for experts in range(3):            # the budget of one resident expert fewer than the routed layers
+        engine = linked_engine(weights, link, experts=experts)
+        x = engine.executor
+        host_routed = [op.layer for segment in x.plan(1).segments if segment.side == "cpu" for op in segment.ops
+                       if op.kind == "router"]
+        if x.steps.item_graphs.link is not None and host_routed:
+            break
+        engine.close()
+    else:
+        raise AssertionError("no budget with a link share and a routed layer routed on the host")
+    for prompt, expected in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected)
+    assert x.stats["graph_replays"] > 0 and x.stats.get("streamed_bytes", 0) > 0
+    engine.close()

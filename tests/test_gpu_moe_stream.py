@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from test_moe_stream_emulated import (check_batch_of_prompts_matches, check_block_format_experts_stream,
-                                      check_prompt_streams_and_matches, check_slots_reused_in_one_step,
-                                      model)  # noqa: F401
+                                      check_prompt_streams_and_matches, check_ring_and_link_share,
+                                      check_slots_reused_in_one_step, model)  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -34,3 +34,7 @@ def test_ring_slots_are_reused_within_a_step_on_the_device():
 
 def test_q4_k_m_experts_stream_on_the_device():
     check_block_format_experts_stream()
+
+
+def test_a_ring_and_a_link_share_together_on_the_device(model):  # noqa: F811
+    check_ring_and_link_share(*model)

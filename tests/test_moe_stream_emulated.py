@@ -100,6 +100,39 @@ def check_prompt_streams_and_matches(weights, cpu, resident: int = 0, options: O
     engine.close()
 
 
+def check_ring_and_link_share(weights, cpu) -> None:
+    """An experts' ring and a link share together: the share reads the ring's images (none made again); a
+    prompt's step streams every routed layer's experts through the ring, decode steps (none streamed) replay
+    one graph with host items from their third step, the device reading some of the host's choices over the
+    link; every row the CPU engine's."""
+    from kestrel_stream import native
+    options = Options.from_env().with_(host_kernels="native", link_experts=2)
+    if native.load(options) is None:
+        pytest.skip("no native host kernels (no C compiler): no host items, no link share")
+    c = weights.config
+    engine = stream_engine(weights, options=options)
+    x = engine.executor
+    ring, link = x.steps.expert_ring, x.steps.item_graphs.link
+    assert ring is not None and link is not None and not link.images
+    assert sorted(link.shared) == sorted(ring.images) == routed(c) and link.all_images == ring.images
+    with engine.new_session() as s, cpu.new_session() as ref:
+        before = dict(x.stats)
+        ours, theirs = s.prefill(PROMPT), ref.prefill(PROMPT)
+        assert_logits_match(ours, theirs)
+        assert x.stats["streamed_bytes"] - (before.get("streamed_bytes") or 0) == len(routed(c)) * \
+            expert_pool.layer_slot_bytes(c)
+        token = int(np.argmax(theirs[-1]))
+        for step in range(4):
+            before = dict(x.stats)
+            ours, theirs = s.decode(token), ref.decode(token)
+            assert_logits_match(ours[None], theirs[None])
+            if step >= 2:                    # eager, captured, then replayed with the share armed
+                assert x.stats["graph_replays"] > before.get("graph_replays", 0)
+                assert x.stats["streamed_bytes"] > before["streamed_bytes"]       # the link's, not the ring's
+            token = int(np.argmax(theirs))
+    engine.close()
+
+
 def check_batch_of_prompts_matches(weights, cpu) -> None:
     """Three sessions' prompts in one streamed step, then their decode tokens: each row its own."""
     engine = stream_engine(weights, resident=3)
@@ -163,6 +196,10 @@ def test_q4_k_m_experts_stream(emulated):
 
 def test_ring_slots_are_reused_within_a_step(emulated):
     check_slots_reused_in_one_step()
+
+
+def test_a_ring_and_a_link_share_together(model, emulated):
+    check_ring_and_link_share(*model)
 
 
 def test_a_batch_of_prompts_in_one_streamed_step_matches(model, emulated):

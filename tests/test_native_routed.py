@@ -204,7 +204,8 @@ def test_the_experts_op_is_its_experts_linears_bit_for_bit(weights, T, isa):
 def test_an_armed_link_share_gives_the_device_the_most_used_experts(weights, T, count):
     """ks_experts with its link share armed (host_moe.c's share_link, as inside a step graph): the experts it
     gives the device are the most used of its own (one token: its last `count` choices; T tokens: count / k
-    of them, rounded), their grouping in moe.cu's layout (tokens ascending within each), `ready` raised;
+    of them, rounded), their grouping in moe.cu's layout (tokens ascending within each) and the step's route
+    rows written, `ready` raised;
     it computes the others, waits for `done` and adds each token's sum from `out` -- here a thread plays the
     device with the experts' bound Linears -- and the whole is the op's without a share."""
     import threading
@@ -221,9 +222,10 @@ def test_an_armed_link_share_gives_the_device_the_most_used_experts(weights, T, 
     ids = rows[:, :k].astype(int)
     groups, table = np.zeros(2 * (E + 1) + 2 * T * k + T * E, np.int32), np.zeros(E, np.int32)
     out, words, scratch = np.zeros((T, H), np.float32), np.zeros(2, np.uint32), np.zeros(2 * E, np.int32)
+    route = np.full((16, 2 * k), np.nan, np.float32)
     spec = LinkSpec(count=count, armed=1, item=1, groups=groups.ctypes.data, table=table.ctypes.data,
                     out=out.ctypes.data, ready=words.ctypes.data, done=words.ctypes.data + 4, max_tokens=16,
-                    scratch=scratch.ctypes.data)
+                    scratch=scratch.ctypes.data, route=route.ctypes.data)
 
     def device() -> None:                 # reads the grouping the host wrote, computes those experts' sums
         while words[0] < 1:
@@ -244,6 +246,7 @@ def test_an_armed_link_share_gives_the_device_the_most_used_experts(weights, T, 
     finally:
         bound.share_link(None)
         helper.join()
+    assert np.array_equal(route[:T], rows[:, :2 * k]) and np.isnan(route[T:]).all()   # the rows the device combines by
     uses = np.bincount(ids.reshape(-1), minlength=E)
     given = np.nonzero(table >= 0)[0]
     want = min(count, k) if T == 1 else (count * np.count_nonzero(uses) + k // 2) // k

@@ -79,6 +79,8 @@ typedef struct {
     long long ns;
     int max_tokens;                 /* the largest step it takes */
     int *scratch;                   /* 2 E ints */
+    float *route;                   /* pinned [max_tokens, 2k]: the step's route rows, which the device's share
+                                       combines by (copied up with the grouping: the router may be the host's) */
 } ks_link_t;
 
 /* A routed layer's experts (host_moe.c), bound once: each expert's gate|up (glu) and down Linear, NULL

@@ -127,8 +127,8 @@ int ks_route(const ks_router_t *s, const float *x, ptrdiff_t x_stride, int T, fl
 
 /* The link's experts of a step of T tokens (at most link->max_tokens), written for the device as moe.cu reads
    a grouping (offsets [E + 1], active [E + 1], sorted [T k], position [T k]: the linked experts' choices,
-   tokens ascending within each) with the image's slot table (expert e at slot e, -1 elsewhere), then
-   `ready` = item -- also when there are none (the device's launches then find no expert and its sums are
+   tokens ascending within each) with the image's slot table (expert e at slot e, -1 elsewhere) and the
+   step's route rows (the device's own are stale where the router ran on the host), then `ready` = item -- also when there are none (the device's launches then find no expert and its sums are
    0).  Which: of the experts this side would compute, those chosen by the most tokens (each read once serves
    them all), ties to the one chosen last in route order -- at one token, the last `count` of its host-side
    choices; at T tokens, count / k of those experts (the share the count gives one token).  Returns how
@@ -175,6 +175,8 @@ static int share_link(const ks_experts_t *s, const float *route, ptrdiff_t route
         const int e = (int)route[route_stride * (a / k) + a % k];
         if (l->table[e] >= 0) sorted[at[e]] = a, position[a] = at[e]++;
     }
+    for (int t = 0; l->route && t < T; t++)    /* the route rows the device combines by: this item's */
+        memcpy(l->route + (ptrdiff_t)2 * k * t, route + route_stride * t, sizeof(float) * 2 * (size_t)k);
     atomic_store_explicit((_Atomic uint32_t *)l->ready, l->item, memory_order_release);
     return n;
 }

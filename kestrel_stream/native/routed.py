@@ -30,7 +30,7 @@ class LinkSpec(ctypes.Structure):
     """host_kernels.h's ks_link_t: a routed layer's link share (run/device/expert_link.py)."""
     _fields_ = [("count", _i), ("armed", _i), ("item", ctypes.c_uint32), ("groups", _p), ("table", _p), ("out", _p),
                 ("ready", _p), ("done", _p), ("shared", _i), ("calls", _i), ("ns", ctypes.c_longlong),
-                ("max_tokens", _i), ("scratch", _p)]
+                ("max_tokens", _i), ("scratch", _p), ("route", _p)]
 
 
 class _ExpertsSpec(ctypes.Structure):

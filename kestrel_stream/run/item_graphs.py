@@ -4,7 +4,8 @@ to the host library's thread by pinned words, with one wait a step -- where segm
 waits once a host segment.  A (tokens, lm rows) runs segment by segment the first time, is captured the
 second, replayed after.  Only where every host segment after the first device one is a native op list over
 the pinned state (NativeProgram.node: no embed, no sessions' caches), at least one, in a step that takes
-graphs as a segment does (at most SEGMENT_GRAPH_MAX_TOKENS tokens, no ring, no tree, untraced).
+graphs as a segment does (at most SEGMENT_GRAPH_MAX_TOKENS tokens, no weight ring, no experts streamed through
+the experts' ring, no tree, untraced).
 
 In a step of a few tokens, a routed layer's host item may come with its link share (device/expert_link.py):
 the device computes some of the experts the host would from pinned images while the item runs.
@@ -45,7 +46,7 @@ class ItemGraphs:
         """The segment a step's graph starts at (its first device segment; the host work before it runs
         eagerly), or None: segment by segment."""
         s = self.steps
-        if (self.nodes is None or not s.use_graphs or s.ring is not None or s.expert_ring is not None
+        if (self.nodes is None or not s.use_graphs or s.ring is not None or s.streams_experts()
                 or prof.enabled or trace.active is not None or state.tree_fields is not None
                 or state.T > SEGMENT_GRAPH_MAX_TOKENS):
             return None
@@ -187,7 +188,7 @@ class ItemGraphs:
             self.link.enqueue(state.stream, b.kernels, layer, state.T, item, words, b.state.moe, b.state, shares)
             if shares:
                 s.counters.launches += 3                        # gate_up, down, combine
-                s.counters.h2d_bytes += self.link.group_bytes + self.link.table_bytes
+                s.counters.h2d_bytes += self.link.copy_bytes
                 s.counters.d2h_bytes += 4 * s.config.hidden_size * state.T       # the sums, written over the link
         return meanwhile
 

@@ -26,9 +26,9 @@ the same (tokens, segment, lm rows) came twice: its uploads still go eagerly, in
 the replay (they read only the host's state, which no device op of the segment changes), and the launches
 are the ones prepared per op and size, whose arguments never change between steps (positions and KV table
 rows are read from the step's params on the device).  Eager instead: graphs off (KESTREL_STEP_GRAPHS=0,
-use_graphs), mode offload's rings, a token tree, KESTREL_PROF or a trace (op by op), and a segment that
-would need the device's x back on the host midway (an op whose norm input the host computes after a device
-op wrote x).
+use_graphs), mode offload's weight ring, a step that streams experts through the experts' ring (one that
+streams none replays), a token tree, KESTREL_PROF or a trace (op by op), and a segment that would need the
+device's x back on the host midway (an op whose norm input the host computes after a device op wrote x).
 
 Where every host segment after the first device one is a native op list, a step of up to
 SEGMENT_GRAPH_MAX_TOKENS tokens instead runs from that segment on as one graph with host items
@@ -80,8 +80,7 @@ class MixedSteps(Steps):
         """ring: mode offload's streaming of the items a step's plan streams (device/stream_ring.py);
         expert_ring: of the routed layers whose experts it streams (device/expert_ring.py); link: the routed
         layers' link share at one token (device/expert_link.py)."""
-        self.backend, self.counters, self.plan, self.ring = backend, counters, plan, ring
-        self.expert_ring = expert_ring
+        self.backend, self.counters, self.plan, self.ring, self.expert_ring = backend, counters, plan, ring, expert_ring
         self.config, self.weights = backend.weights.config, backend.weights
         self.gpu_layers, self.max_tokens = gpu_layers, max_tokens
         self.host = HostBackend(self.weights, counters, options)
@@ -107,6 +106,10 @@ class MixedSteps(Steps):
                              f"over {total} ops)")
         self.preload_line += "".join(f"; {note}" for note in first.notes if note.startswith("offloaded "))
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
+
+    def streams_experts(self) -> bool:
+        """Whether this step streams experts through the experts' ring (copies a graph does not capture)."""
+        return self.expert_ring is not None and bool(self.expert_ring.names)
 
     def prepared_launches(self):
         """Every device launch prepared so far, over all ops and step sizes."""
@@ -295,7 +298,7 @@ class MixedSteps(Steps):
         """A device segment's ops: eagerly, or its uploads and then one replay of its graph (the module's
         docstring says when)."""
         key = (state.T, index, lm)
-        graphable = (self.use_graphs and self.ring is None and self.expert_ring is None and not prof.enabled
+        graphable = (self.use_graphs and self.ring is None and not self.streams_experts() and not prof.enabled
                      and trace.active is None and state.tree_fields is None and state.kernel_copy is None
                      and not state.graphing
                      and state.T <= SEGMENT_GRAPH_MAX_TOKENS and key not in self._eager)

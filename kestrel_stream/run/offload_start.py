@@ -107,12 +107,12 @@ def start_offload(executor, profile, vram_budget, max_seq_len, max_batch, max_se
     if backend.memory.expert_ring_left_out:
         print(f"kestrel-stream: {backend.memory.expert_ring_left_out}", file=sys.stderr)
     expert_ring = build_expert_ring(executor, backend) if backend.memory.expert_ring_slots else None
-    link = build_link(executor, backend) if executor.options.link_experts and expert_ring is None else None
+    link = build_link(executor, backend, expert_ring) if executor.options.link_experts else None
     executor.steps = MixedSteps(backend, executor.counters, executor.plan, gpu_layers=executor.gpu_layers, max_tokens=T,
                             mode=executor.mode, load_s=time.perf_counter() - start, options=executor.options, ring=ring,
                             expert_ring=expert_ring, link=link)
     executor.preload_line = executor.steps.preload_line
-    images = getattr(link, "images", None) or getattr(expert_ring, "images", None)   # the experts' pinned images
+    images = {**getattr(expert_ring, "images", {}), **(link.all_images if link is not None else {})}
     if images and executor.options.host_reads_images:       # the host's experts read there: no second copy
         from kestrel_stream.run.device.expert_ring import host_expert_images
         executor.steps.host.expert_images = host_expert_images(backend.experts, executor.weights, images)
@@ -158,17 +158,20 @@ def build_expert_ring(executor, backend):
     return expert_ring
 
 
-def build_link(executor, backend):
+def build_link(executor, backend, expert_ring=None):
     """Mode offload's link share (device/expert_link.py, KESTREL_LINK_EXPERTS): the pinned images of the routed
-    layers whose experts the device does not hold; left out, with a line, where the model has no device
-    router or pinning them fails or would eat the host's reserve."""
+    layers whose experts the device does not hold -- the experts' ring's where it has them (the same layout:
+    prompt steps stream them, steps of a few tokens share them), made for the others; left out, with a line,
+    where the model has no device router or pinning them fails or would eat the host's reserve."""
     from kestrel_stream.cuda.errors import CudaError
     from kestrel_stream.run.device.expert_link import ExpertLink
     store, count = backend.experts, executor.options.link_experts
     if store is None or backend.pinned is None:
         print("kestrel-stream: link share left out: the routers are not on the device", file=sys.stderr)
         return None
-    need = 0 if count == "defer" else len(store.layers) * executor.config.num_experts * store.layout.slot_bytes
+    shared = expert_ring.images if expert_ring is not None else {}
+    need = 0 if count == "defer" else (len([layer for layer in store.layers if layer not in shared])
+                                       * executor.config.num_experts * store.layout.slot_bytes)
     reserve = executor.options.host_reserve
     if reserve is None:        # the weights the host reads every step (the model file's pages) and a margin
         reserve = host_reserve_bytes(executor.placement)
@@ -178,7 +181,8 @@ def build_link(executor, backend):
         return None
     start = time.perf_counter()
     try:
-        link = ExpertLink(store, executor.weights, count, store.layers, pages=executor.options.expert_images)
+        link = ExpertLink(store, executor.weights, count, store.layers, pages=executor.options.expert_images,
+                          shared=shared)
     except (CudaError, MemoryError) as e:
         print(f"kestrel-stream: link share left out: pinning its images ({size_text(need)}) failed ({e})", file=sys.stderr)
         return None
@@ -187,10 +191,14 @@ def build_link(executor, backend):
               "GPU while the host computes its own", file=sys.stderr)
         return link
     build_s = time.perf_counter() - start
-    executor.counters.expert_image_bytes = link.image_bytes
-    executor.counters.expert_image_build_ms = round(build_s * 1e3, 1)
+    if link.images:              # images of its own (beside any the ring's counters already count)
+        executor.counters.expert_image_bytes = (executor.counters.expert_image_bytes or 0) + link.image_bytes
+        executor.counters.expert_image_build_ms = round((executor.counters.expert_image_build_ms or 0)
+                                                        + build_s * 1e3, 1)
     told = "a count measured while serving" if count == "auto" else count
+    made = (f"pinned images of {len(link.images)} routed layers, {size_text(link.image_bytes)}, built in "
+            f"{build_s:.2f} s" if link.images else "")
     print(f"kestrel-stream: link share: {told} of a token's host-side expert choices read by the GPU over PCIe; "
-          f"pinned images of {len(store.layers)} routed layers, {size_text(link.image_bytes)}, built in "
-          f"{build_s:.2f} s", file=sys.stderr)
+          + "; ".join(part for part in (made, f"the experts' ring's images of {len(link.shared)} layers"
+                                        if link.shared else "") if part), file=sys.stderr)
     return link

@@ -7,9 +7,10 @@ makes a share of several sessions' step worth more than one token's).  Both draw
 where the cores alone leave the link idle (scheduler/offload.py's roofline: cores and DMA together carry up
 to ~1.5x what the cores carry alone).
 
-The host decides the share when its item starts (native/host_moe.c: share_link writes the grouping and slot
-table into pinned memory, then the `ready` word); the graph, at that layer's item, waits for `ready`, copies
-the grouping and table to the device (one copy), runs the expert GEMVs over the layer's image and moe_combine
+The host decides the share when its item starts (native/host_moe.c: share_link writes the grouping, slot
+table and the step's route rows into pinned memory, then the `ready` word); the graph, at that layer's item,
+waits for `ready`, copies them to the device (one copy; the route rows are the host item's own: where the
+router ran on the host, the device's are stale), runs the expert GEMVs over the layer's image and moe_combine
 into each token's sum of their weighted rows, written straight into pinned memory, then writes `done` (its
 fence makes the sums visible first); the host adds them to its own before its item ends.  Eager steps (the
 first of a size, a trace) leave the share unarmed: the host computes every choice.  Steps whose expert
@@ -36,20 +37,24 @@ LINK_MAX_TOKENS = 16           # steps up to this many tokens share (decode, a f
 
 
 class ExpertLink:
-    def __init__(self, store, weights, count: int | str, layers, pages: str = "pinned"):
+    def __init__(self, store, weights, count: int | str, layers, pages: str = "pinned", shared: dict | None = None):
         """store: the ExpertStore (its pool layout, formats); count: choices a token the device reads over the
         link, "auto" (scheduler/link_tuner.py: measured while serving), or "defer" (no expert over the link,
         no images: the hand-off alone, for the resident experts' deferral); layers: the routed layers whose
-        host experts share (every one with host experts); pages: the images' (expert_ring.layer_images)."""
+        host experts share (every one with host experts); pages: the images' (expert_ring.layer_images);
+        shared: images already pinned in the same layout (the experts' ring's), read rather than made again
+        and left to their owner to free."""
         c = store.config
         E, k, H = c.num_experts, c.num_experts_per_tok, c.hidden_size
         self.tuners = {1: LinkTuner(max(1, k // 2))} if count == "auto" else {}     # step size -> its tuner
         self.store, self.fixed, self.config = store, int(count) if str(count).isdigit() else 0, c
         self.layers = set(layers)
-        self.images, self.parts = {}, {}
+        self.images, self.parts, shared = {}, {}, shared or {}
+        self.shared = {layer: shared[layer] for layer in layers if layer in shared} if count != "defer" else {}
         try:
-            self.images = layer_images(store, weights, layers if count != "defer" else (), pages=pages)
-            for layer, (buffer, regions) in self.images.items():
+            self.images = layer_images(store, weights, [layer for layer in layers if layer not in self.shared]
+                                       if count != "defer" else (), pages=pages)
+            for layer, (buffer, regions) in {**self.shared, **self.images}.items():
                 base = driver.host_word(buffer.address)          # the device's address of the mapped image
                 (gq, _), (gm, _), (dq, _), (dm, _) = regions
                 self.parts[layer] = (PoolPart(base + gq, base + gm, store.gate_up.qs_slot, store.gate_up.meta_slot),
@@ -59,16 +64,18 @@ class ExpertLink:
             raise
         T = self.max_tokens = LINK_MAX_TOKENS
         self.group_bytes, self.table_bytes = 4 * group_ints(E, T, k), 4 * E
-        self.pinned = driver.PinnedBuffer(self.group_bytes + self.table_bytes + 4 * H * T)
+        self.copy_bytes = self.group_bytes + self.table_bytes + 4 * 2 * k * T     # grouping, table, route rows
+        self.pinned = driver.PinnedBuffer(self.copy_bytes + 4 * H * T)
         self.pinned.view(np.int32, (E,), self.group_bytes)[:] = -1
         self.scratch = np.zeros(2 * E, np.int32)          # share_link's counts (host memory, not pinned)
         self._takes: dict = {}
-        # the grouping and table copied in one piece (adjacent here as in the pinned buffer); the sum written
-        # by moe_combine straight into the pinned buffer (mapped), where the host reads it
-        self.memory = driver.Arena(self.group_bytes + self.table_bytes + 1024)
-        self.groups = self.memory.alloc(self.group_bytes + self.table_bytes)
+        # the grouping, table and route rows copied in one piece (adjacent here as in the pinned buffer); the
+        # sum written by moe_combine straight into the pinned buffer (mapped), where the host reads it
+        self.memory = driver.Arena(self.copy_bytes + 1024)
+        self.groups = self.memory.alloc(self.copy_bytes)
         self.table = self.groups + self.group_bytes
-        self.out = driver.host_word(self.pinned.address + self.group_bytes + self.table_bytes)
+        self.route = self.table + self.table_bytes
+        self.out = driver.host_word(self.pinned.address + self.copy_bytes)
         self.specs: dict[int, LinkSpec] = {}
         lay = store.layout
         self.expert_bytes = lay.gate_up_qs + lay.gate_up_meta + lay.down_qs + lay.down_meta
@@ -113,7 +120,13 @@ class ExpertLink:
 
     @property
     def image_bytes(self) -> int:
+        """The bytes of the images it made (not those it shares)."""
         return sum(buffer.nbytes for buffer, _ in self.images.values())
+
+    @property
+    def all_images(self) -> dict:
+        """Every image it reads: those it made and those it shares."""
+        return {**self.shared, **self.images}
 
     def takes(self, kernels, layer: int, tokens: int) -> bool:
         """Whether a step of `tokens` tokens shares the layer's experts: at most max_tokens, and its expert
@@ -133,9 +146,10 @@ class ExpertLink:
         if layer not in self.specs:
             address = self.pinned.address
             self.specs[layer] = LinkSpec(count=self.count, armed=0, item=0, groups=address,
-                                         table=address + self.group_bytes,
-                                         out=address + self.group_bytes + self.table_bytes, ready=ready, done=done,
-                                         max_tokens=self.max_tokens, scratch=self.scratch.ctypes.data)
+                                         table=address + self.group_bytes, out=address + self.copy_bytes,
+                                         ready=ready, done=done, max_tokens=self.max_tokens,
+                                         scratch=self.scratch.ctypes.data,
+                                         route=address + self.group_bytes + self.table_bytes)
         return self.specs[layer]
 
     def step_bytes(self, spec) -> int:
@@ -157,14 +171,14 @@ class ExpertLink:
         gate_up_part, down_part = self.parts[layer]
         table = dict(slot_of=self.table, groups=self.groups, experts=E, chosen=k, tokens=tokens)
         driver.wait_value(stream, words[0], item)
-        nbytes = self.group_bytes + self.table_bytes
+        nbytes = self.copy_bytes
         driver.h2d_async(self.groups, self.pinned.view(np.uint8, (nbytes,)), nbytes, stream)
         launches = [
             experts_launch(kernels, gate_up_fmt, gate_up_part, x=state.xn, ldx=H, gather=True, inv_rms=state.inv_rms,
                            y=buffers.act, ldy=I, rows=2 * I, cols=H, silu=True, **table),
             experts_launch(kernels, down_fmt, down_part, x=buffers.act, ldx=I, gather=False, inv_rms=0,
                            y=buffers.expert_out, ldy=H, rows=H, cols=I, silu=False, **table),
-            combine_launch(kernels, route=buffers.route, groups=self.groups, slot_of=self.table,
+            combine_launch(kernels, route=self.route, groups=self.groups, slot_of=self.table,
                            expert_out=buffers.expert_out, res=0, y=self.out, normw_out=0, xn_out=0, inv_rms_out=0,
                            eps=c.rms_norm_eps, hidden=H, experts=E, chosen=k, tokens=tokens)]
         for launch in launches:
