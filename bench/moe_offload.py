@@ -25,8 +25,9 @@ where a decode step runs as one graph with host items, a step's host items (host
 thread's waits for the device's word between them (device_waits_ms: the device's segments and the hand-offs).
 --host-nodes 1 0: each offload row without a link share once per value (0: the step segment by segment, one
 host wait a host segment, where 1 runs it as one graph with host items).
---link-experts N ...: each ring-off offload row once per value (run/device/expert_link.py: at one token, N of a
-token's host-side expert choices read by the GPU from pinned images over PCIe while the host computes the rest;
+--link-experts N ...: each offload row once per value (run/device/expert_link.py: at one token, N of a token's
+host-side expert choices read by the GPU from pinned images over PCIe while the host computes the rest -- beside
+an experts' ring, the ring's images;
 auto: the counts scheduler/link_tuner.py keeps after trying them while decoding, in link_kept as
 tokens:count for each step size, "?" where still trying; defer: none over the link, only the resident experts
 run during the host's).
@@ -327,8 +328,8 @@ def main(argv=None) -> None:
                         help="each offload row without a link share once per value: 1, a step as one graph with host "
                              "items (run/item_graphs.py); 0, segment by segment (KESTREL_HOST_NODES)")
     parser.add_argument("--link-experts", nargs="+", type=link_count, default=[0],
-                        help="each offload budget's ring-off row once per value: a token's host-side expert choices "
-                             "the GPU reads over PCIe beside the host's (KESTREL_LINK_EXPERTS; 0: none)")
+                        help="each offload row once per value: a token's host-side expert choices the GPU reads over "
+                             "PCIe beside the host's (KESTREL_LINK_EXPERTS; 0: none; beside a ring, its images)")
     parser.add_argument("--host-reads-images", nargs="+", type=int, default=[0], choices=[0, 1],
                         help="each link row once per value: the host's experts reading the link's pinned images (1) "
                              "or their own copies (0) (KESTREL_HOST_READS_IMAGES)")
@@ -360,7 +361,7 @@ def main(argv=None) -> None:
                 bias_router(weights, preferred=max(1, weights.config.num_experts // 8), strength=args.bias_router)
             for which in args.budgets:
                 for stream in (["off"] if which == "all" else args.stream):
-                    for link in ([0] if which == "all" or stream != "off" else args.link_experts):
+                    for link in ([0] if which == "all" else args.link_experts):
                         for host_nodes in ([1] if which == "all" or link else args.host_nodes):
                             for images in (args.host_reads_images if link not in (0, "defer") else [0]):
                                 for row in ours(path, weights, which, args, profile, stream, link, bool(host_nodes),

@@ -146,3 +146,25 @@ def test_auto_link_rows_tune_the_sessions_step_on_fresh_sessions(tmp_path, monke
     assert row["budget"] == "experts:0.5 link auto" and row["ours_batch_tok_s"] > 0
     kept = dict(item.split(":") for item in row["link_kept"].split())
     assert "2" in kept and not kept["2"].endswith("?"), row["link_kept"]     # the sessions' size settled first
+
+
+def test_a_ring_row_with_a_link_share(tmp_path, monkeypatch):
+    """--stream on --link-experts 2: the ring's row with the share beside it (its images the ring's): prompts
+    streamed, decode replays sharing, the host's wait for the link timed."""
+    import pytest
+    from bench import moe_offload
+    from kestrel_stream import native
+    from kestrel_stream.options import Options
+    if native.load(Options.from_env({})) is None:
+        pytest.skip("no native host kernels (no C compiler): no host items, no link share")
+    import dataclasses
+    fake_cuda.install(monkeypatch, mode="deferred")
+    config = dataclasses.replace(PRESETS["qwen3-moe-tiny"], num_hidden_layers=9)    # room for the ring's layers
+    path = tmp_path / "qwen3-moe-tiny-9.gguf"
+    write_gguf(config, None, str(path), seed=1)
+    moe_offload.main([str(path), "--budgets", "experts:0.5", "--stream", "on", "--link-experts", "2",
+                      "--threads", "1", "--new-tokens", "4", "--prompt", "16", "--repeats", "1", "--max-seq-len", "128",
+                      "--max-batch", "4", "--stream-chunk", "16", "--sessions", "0", "--out", str(tmp_path)])
+    (row,) = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
+    assert row["budget"] == "experts:0.5 ring on link 2" and row["ours_tg_tok_s"] > 0
+    assert row["experts_ring"] != "none" and row["pp_streamed_GB"] > 0 and "link_wait_us" in row
