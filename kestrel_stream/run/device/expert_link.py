@@ -19,7 +19,8 @@ carries the layer's resident experts (run/item_graphs.py: defer): captured after
 before it, they run on the device while the host computes its own, their sum copied down before `done`.
 
 Per layer: its image (expert_ring.layer_images) and its LinkSpec (its item number).  Shared by every layer
-(one hand-off at a time): the pinned grouping, table and sums, the device copy of the grouping and table.
+(one hand-off at a time): the pinned grouping, table, route rows and sums, the device copy of the first three.
+Beside an experts' ring the images are the ring's (the same layout), made only for layers it has none of.
 """
 from __future__ import annotations
 
