@@ -359,7 +359,7 @@ def main(argv=None) -> None:
             weights = load_weights(path)
             if args.bias_router:
                 bias_router(weights, preferred=max(1, weights.config.num_experts // 8), strength=args.bias_router)
-            for which in args.budgets:
+            for which in [b for b in args.budgets if b != "none"]:       # none: llama.cpp's rows alone
                 for stream in (["off"] if which == "all" else args.stream):
                     for link in ([0] if which == "all" else args.link_experts):
                         for host_nodes in ([1] if which == "all" or link else args.host_nodes):

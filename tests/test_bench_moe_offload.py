@@ -168,3 +168,19 @@ def test_a_ring_row_with_a_link_share(tmp_path, monkeypatch):
     (row,) = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
     assert row["budget"] == "experts:0.5 ring on link 2" and row["ours_tg_tok_s"] > 0
     assert row["experts_ring"] != "none" and row["pp_streamed_GB"] > 0 and "link_wait_us" in row
+
+
+def test_budgets_none_runs_llama_cpp_alone(tmp_path, monkeypatch):
+    """--budgets none: no row of ours (no engine loads), llama-bench once per --ncmoe."""
+    from bench import moe_offload
+    fake_cuda.install(monkeypatch, mode="deferred")
+    path = tmp_path / "qwen3-moe-tiny.gguf"
+    write_gguf(PRESETS["qwen3-moe-tiny"], None, str(path), seed=1)
+    log, stand_in = tmp_path / "llama-bench.log", tmp_path / "llama-bench"
+    stand_in.write_text(STAND_IN.format(python=sys.executable, log=str(log)))
+    stand_in.chmod(stand_in.stat().st_mode | stat.S_IEXEC)
+    moe_offload.main([str(path), "--budgets", "none", "--llama-bench", str(stand_in), "--ncmoe", "3", "1",
+                      "--threads", "1", "--sessions", "0", "--out", str(tmp_path)])
+    rows = json.loads(next(tmp_path.glob("*moe-offload.json")).read_text())["rows"]
+    assert [row["budget"] for row in rows] == ["llama.cpp -ngl 99 -ncmoe 3", "llama.cpp -ngl 99 -ncmoe 1"]
+    assert len(log.read_text().splitlines()) == 2
