@@ -235,3 +235,24 @@ def test_a_layer_whose_router_runs_on_the_host_shares_by_the_hosts_route(model, 
         assert_logits_match(run(engine, prompt), expected)
     assert x.stats["graph_replays"] > 0 and x.stats.get("streamed_bytes", 0) > 0
     engine.close()
+
+
+@pytest.mark.parametrize("homes", ["first-host", "first-mlp", "last-host"])
+def test_the_link_share_beside_every_home_decodes_as_the_cpu_engine(model, device, homes):
+    """KESTREL_OFFLOAD_HOMES beside the share: a layer on the host (H: its attention reads the host's caches, so
+    the step runs segment by segment and shares nothing there), one streamed with its MLP on the host (M: the
+    weights' ring, eager steps) -- the share arms only where a step replays a graph, and every row is the CPU
+    engine's."""
+    weights, reference = model
+    if native_missing():
+        pytest.skip("no native host kernels (no C compiler)")
+    L = weights.config.num_hidden_layers
+    letters = {"first-host": "H" + "A" * (L - 1), "first-mlp": "M" + "A" * (L - 1), "last-host": "A" * (L - 1) + "H"}
+    options = Options.from_env({}).with_(resident_experts="frequency", link_experts=1, offload_homes=letters[homes])
+    executor = StepExecutor(weights, "offload", POOL, max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH,
+                            vram_budget=expert_budget(weights.config, 2), options=options)
+    engine = with_executor(weights, executor)
+    assert executor.placement_for(1).describe().split("layers ")[1].startswith(letters[homes])
+    for prompt, expected in zip(PROMPTS, reference):
+        assert_logits_match(run(engine, prompt), expected)
+    engine.close()
