@@ -239,10 +239,9 @@ def test_a_layer_whose_router_runs_on_the_host_shares_by_the_hosts_route(model, 
 
 @pytest.mark.parametrize("homes", ["first-host", "first-mlp", "last-host"])
 def test_the_link_share_beside_every_home_decodes_as_the_cpu_engine(model, device, homes):
-    """KESTREL_OFFLOAD_HOMES beside the share: a layer on the host (H: its attention reads the host's caches, so
-    the step runs segment by segment and shares nothing there), one streamed with its MLP on the host (M: the
-    weights' ring, eager steps) -- the share arms only where a step replays a graph, and every row is the CPU
-    engine's."""
+    """KESTREL_OFFLOAD_HOMES beside the share: the first or the last layer homed on the host (H), or the first
+    streamed with its MLP on the host (M: the weights' ring, whose steps run eagerly and share nothing); the
+    placement is the one asked for and every row is the CPU engine's."""
     weights, reference = model
     if native_missing():
         pytest.skip("no native host kernels (no C compiler)")
