@@ -1,9 +1,8 @@
 """numpy twins of the kernels in kernels_ptx/*.cu, over the emulated device memory of fake_cuda.
 
-Each twin takes the launch (grid, block) and its arguments in .cu order, checks what the hardware would fault
-or silently get wrong on (alignment of vector loads, grid coverage, non-zero tickets), and writes exactly what
-the kernel writes.  Arithmetic is float32, dequantise-then-multiply, like cpu.py; the last-block reductions
-(inv_rms, the split merge) are computed directly.
+Each twin takes the launch (grid, block) and its arguments in .cu order, checks what the hardware would fault or
+silently get wrong on (alignment of vector loads, grid coverage, non-zero tickets), and writes exactly what the
+kernel writes.  Float32 arithmetic, dequantise-then-multiply, like cpu.py; last-block reductions computed directly.
 """
 from __future__ import annotations
 
