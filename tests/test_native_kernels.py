@@ -362,5 +362,8 @@ def test_a_glu_weight_read_with_its_halves_interleaved_is_the_contiguous_ones_bi
         out = np.full((tokens, 2 * half), np.nan, np.float32)
         kern.linear(apart, glu=True)(x, out=out[:, :half])
         assert np.array_equal(out[:, :half], kern.linear(contiguous, glu=True)(x)) and np.isnan(out[:, half:]).all()
-    with pytest.raises(AssertionError, match="glu"):
-        kernels.linear(kernels.prepare_q8_0_halves((qs[0::2], scales[0::2]), (qs[1::2], scales[1::2])))
+    apart = kernels.prepare_q8_0_halves((qs[0::2], scales[0::2]), (qs[1::2], scales[1::2]))
+    with pytest.raises(AssertionError, match="glu"):        # its rows are not [0, N) at one stride: never plain
+        kernels.linear(apart)
+    with pytest.raises(AssertionError, match="glu Linear"):
+        kernels.matmul(x, apart)

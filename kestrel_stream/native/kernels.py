@@ -165,6 +165,7 @@ class HostKernels:
     def matmul(self, x: np.ndarray, w: "PreparedWeight", out: np.ndarray | None = None) -> np.ndarray:
         """x: float32 [T, K] (rows contiguous; any row stride) → float32 [T, N] (or into `out`, any row
         stride), on a prepared weight."""
+        assert not w.up_w, "a weight whose halves lie apart (prepare_q8_0_halves) runs as a glu Linear"
         if x.dtype != np.float32 or x.ndim != 2 or x.shape[1] != w.cols or x.strides[1] != 4:
             x = _float_rows(x, w.cols)
         t = x.shape[0]
