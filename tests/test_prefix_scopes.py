@@ -131,35 +131,44 @@ def test_the_first_token_does_not_wait_for_the_prompt_to_be_cached(server):
 
 
 def test_a_one_choice_request_visits_the_step_thread_once_before_its_prompt_runs(server):
-    """Its session is made and the prompt's cached prefix adopted in one call on the step thread (each call waits
-    for the step in progress, then for the loop): the calls before its prompt job are that one; a request of
-    two choices makes its sessions first and adopts per choice, after the first choice's prompt is cached."""
+    """Its session is made, the prompt's cached prefix adopted and the rest of the prompt queued in one call on the
+    step thread, run ahead of the steps ready there (any other call waits for those): nothing else goes there
+    before its first token, after which its prompt is cached; a request of two choices makes its sessions first
+    and adopts per choice, after the first choice's prompt is cached."""
     replica = server.service.replicas.all[0]
     steps, log = replica.steps, []
-    queue_call, submit = steps.queue_call, steps.submit
+    run_ahead, queue_call, submit = steps.run_ahead, steps.queue_call, steps.submit
+
+    def name(fn) -> str:
+        return getattr(fn, "__name__", repr(fn))
+
+    async def logged_ahead(fn, *args):
+        log.append(f"ahead {name(fn)}")
+        return await run_ahead(fn, *args)
 
     def logged_call(fn, *args):
-        log.append(getattr(fn, "__name__", repr(fn)))
+        log.append(name(fn))
         return queue_call(fn, *args)
 
     def logged_submit(job, at_once=False):
         log.append(type(job).__name__)
         return submit(job, at_once)
 
-    steps.queue_call, steps.submit = logged_call, logged_submit
+    steps.run_ahead, steps.queue_call, steps.submit = logged_ahead, logged_call, logged_submit
     try:
         assert reused_by(server, "one?")[0] == 0
-        first = log[:log.index("PrefillJob")]
+        first = log[:log.index("store")]
         log.clear()
         assert reused_by(server, "two?")[0] > 0           # the adopted prefix was used
-        second = log[:log.index("PrefillJob")]
+        second = log[:log.index("store")]
         log.clear()
         status, answer = chat(server, "three?", n=2)
         assert status == 200 and len(answer["choices"]) == 2, answer
     finally:
-        steps.queue_call, steps.submit = queue_call, submit
-    assert first == second == ["new_session_adopting"], (first, second)
-    assert log.count("new_session") == 2 and log.count("adopt") == 2 and "new_session_adopting" not in log, log
+        steps.run_ahead, steps.queue_call, steps.submit = run_ahead, queue_call, submit
+    assert first == second == ["ahead open_prefilling"], (first, second)
+    assert log.count("new_session") == 2 and log.count("adopt") == 2 and log.count("PrefillJob") == 2, log
+    assert not any(entry.startswith("ahead") for entry in log), log
 
 
 def test_a_failing_adopt_serves_the_request_without_the_cache_and_holds_nothing(server):

@@ -44,3 +44,40 @@ def test_a_step_slower_than_inline_max_sends_the_next_one_to_the_step_thread():
         # step thread's short step let the fourth run inline again
         assert ran == [here, here, "kestrel-step", here] and steps.inline_steps == 3
     asyncio.run(main())
+
+
+def test_a_call_run_ahead_overtakes_the_steps_ready_where_a_plain_call_waits_for_them():
+    """While a step runs, a decode, a call made with ``run_ahead`` and a plain call are queued in that order: once
+    the step ends the ahead call runs at once, before the step that takes the decode, and the plain call after
+    that step (a call never overtakes a decode queued before it; an ahead call only adds, so it may)."""
+    order: list[str] = []
+    in_step, release = threading.Event(), threading.Event()
+
+    def run_batch(chunks) -> None:
+        order.append("step " + ",".join(str(chunk.payload.name) for chunk in chunks))
+        if chunks[0].payload.name == "first":
+            in_step.set()
+            assert release.wait(10)
+
+    def decode(name: str) -> SimpleNamespace:
+        return SimpleNamespace(session=SimpleNamespace(id=name), arrived_s=time.perf_counter(), tokens=1,
+                               whole=False, name=name)
+
+    async def main() -> None:
+        steps = StepThread(StepBatcher(max_batch=4, step_tokens=8, window_s=0.0), run_batch, inline_max_s=0.0)
+        try:
+            steps.submit(decode("first"))
+            await asyncio.sleep(0)                      # the loop hands the decode on
+            while not in_step.is_set():
+                await asyncio.sleep(0.001)
+            steps.submit(decode("second"))
+            ahead = asyncio.ensure_future(steps.run_ahead(order.append, "ahead call"))
+            await asyncio.sleep(0.01)
+            plain = asyncio.ensure_future(steps.run(order.append, "plain call"))
+            await asyncio.sleep(0.05)                   # both queued behind the decode
+            release.set()
+            await asyncio.gather(plain, ahead)
+        finally:
+            steps.stop()
+        assert order == ["step first", "ahead call", "step second", "plain call"], order
+    asyncio.run(main())

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
+
 from scheduler.batcher import StepBatcher
 from scheduler.replica_choice import DEFAULT_PREFIX_SLACK, choose_replica
 
@@ -33,6 +35,7 @@ from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.serve.decode_steps import DecodeSteps
 from kestrel_stream.serve.prefix_scopes import PrefixScopes
 from kestrel_stream.serve.spec_rounds import SpecTotals
+from kestrel_stream.serve.step_jobs import PrefillJob
 from kestrel_stream.serve.step_thread import StepThread
 
 
@@ -59,6 +62,19 @@ class Replica:
     def load(self) -> int:
         """Its work: the sessions it holds and the requests waiting in its batcher."""
         return self.held + self.batcher.depth
+
+    def open_prefilling(self, max_seq_len: int | None, scope: str | None, prompt: np.ndarray, want: str,
+                        k: int) -> tuple[Session, PrefillJob]:
+        """Step thread (StepThread.run_ahead): a new session, the prompt's cached prefix adopted in ``scope``, and
+        the rest of the prompt queued in the batcher for the next step; (the session, its prompt's job)."""
+        if self.engine.prefix_cache is not None:
+            session, reused = self.prefix_scopes.new_session_adopting(max_seq_len, scope, prompt)
+        else:
+            session, reused = self.prefix_scopes.new_session(max_seq_len), 0
+        job = PrefillJob(session, prompt[reused:], want, k)
+        job.cached_tokens = reused
+        self.batcher.add(session.id, job, job.arrived_s, job.tokens, job.whole)
+        return session, job
 
     def cached_length(self, tokens, scope: str | None) -> int:
         return self.prefix_scopes.cached_length(scope, tokens)

@@ -52,7 +52,7 @@ class Connection:
     send_frame: Callable[..., Awaitable[None]] | None = None    # loop: a frame before the answer (streaming)
     authenticated: bool = False
     sessions: dict[int, Session] = field(default_factory=dict)
-    adopted: dict[int, int] = field(default_factory=dict)   # session id -> prompt positions adopted at its open
+    prefilling: dict[int, PrefillJob] = field(default_factory=dict)    # session id -> its prompt, queued at its open
 
 
 def field_int(header: dict, name: str, op: str, low: int, high: int, default=None) -> int:
@@ -181,12 +181,14 @@ class Service:
 
     async def open_sessions(self, conn: Connection, length: int | None, count: int = 1,
                             wait: bool = False, what: str = "open", prompt=None,
-                            scope: str | None = None, adopt: bool = False) -> list[Session]:
+                            scope: str | None = None, prefill: str | None = None) -> list[Session]:
         """``count`` new sessions of ``conn``, on one replica: their places reserved at once (CapacityError when
         all are held), or with ``wait`` after a turn in the admission queue (CapacityError when it is full).
         prompt: the ids they will prefill (in prefix cache ``scope``), where known: the replica that caches the
-        longest prefix of them is preferred (serve/replicas.py).  adopt: a lone session also adopts the prompt's cached
-        prefix in the same visit to the step thread (conn.adopted, for prefill_cached)."""
+        longest prefix of them is preferred (serve/replicas.py).  prefill: what a lone session's prompt answers
+        (want, k=1): the session is made, the prompt's cached prefix adopted and the rest queued for the next
+        step in one visit to the step thread, ahead of the steps ready there (conn.prefilling, for
+        prefill_cached)."""
         if wait:
             await self.admission.take(count, what)
         elif not self.admission.try_take(count):
@@ -198,10 +200,10 @@ class Service:
                 # Shielded: a client leaving now (its request cancelled) must not drop a session the step thread
                 # is making; it is registered below, with no await between, so the client's cleanup closes it.
                 with anyio.CancelScope(shield=True):
-                    if adopt and count == 1 and prompt is not None and replica.engine.prefix_cache is not None:
-                        session, reused = await replica.steps.run(replica.prefix_scopes.new_session_adopting, length,
-                                                                  scope, prompt)
-                        conn.adopted[session.id] = reused
+                    if prefill is not None and count == 1 and prompt is not None:
+                        session, job = await replica.steps.run_ahead(replica.open_prefilling, length, scope,
+                                                                     np.asarray(prompt, np.int64), prefill, 1)
+                        conn.prefilling[session.id] = job
                     else:
                         session = await replica.steps.run(replica.prefix_scopes.new_session, length)
                 conn.sessions[session.id] = session     # from here close_sessions frees it and its place
@@ -226,20 +228,24 @@ class Service:
         return {"position": job.position, **fields}, out
 
     async def prefill_cached(self, session: Session, ids: np.ndarray, want: str, k: int,
-                             scope: str | None = None, adopted: int | None = None) -> PrefillJob:
+                             scope: str | None = None, queued: PrefillJob | None = None) -> PrefillJob:
         """self.prefill through the engine's prefix cache when only the last row is wanted: a fresh
         session adopts the cached prefix of the prompt, the batcher computes the rest, and the prompt's full
         blocks are cached after it, on the step thread before any later step or call there, not waited for
         (the first token goes out now).  scope: a request's cache (serve/prefix_scopes.py; None: the shared one);
-        adopted: the positions open_sessions(adopt=True) adopted already."""
+        queued: the prompt's job, queued at the session's open (open_sessions' prefill)."""
         replica = self.replica_of(session)
-        if adopted is None and (replica.engine.prefix_cache is None or want == "logits"):
+        if queued is not None:
+            job = await self.waited(queued)
+        elif replica.engine.prefix_cache is None or want == "logits":
             return await self.prefill(session, ids, want, k)
-        reused = adopted if adopted is not None else await replica.steps.run(replica.prefix_scopes.adopt, scope,
-                                                                             session, ids)
-        job = await self.prefill(session, ids[reused:], want, k)
-        job.cached_tokens = reused
-        replica.steps.queue_call(replica.prefix_scopes.store, scope, session, ids).add_done_callback(report_unawaited)
+        else:
+            reused = await replica.steps.run(replica.prefix_scopes.adopt, scope, session, ids)
+            job = await self.prefill(session, ids[reused:], want, k)
+            job.cached_tokens = reused
+        if replica.engine.prefix_cache is not None:
+            replica.steps.queue_call(replica.prefix_scopes.store, scope, session, ids).add_done_callback(
+                report_unawaited)
         return job
 
     async def op_decode(self, conn, header, arrays):
@@ -356,6 +362,11 @@ class Service:
     async def run_job(self, job):
         """Submit a step job to its replica's batcher and wait for it; its error is raised here."""
         self.submit(job)
+        return await self.waited(job)
+
+    @staticmethod
+    async def waited(job):
+        """A submitted step job, once done; its error is raised here."""
         await job.wait()
         if job.error is not None:
             raise job.error

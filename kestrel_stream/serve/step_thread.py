@@ -6,7 +6,13 @@ that runs over several steps, with other sessions' decodes beside each chunk.
 
 The one exception: a lone session's short decode step runs on the reader
 thread that read its request (``run_inline``), since there is then no batch to
-form and the hop here (a wake-up and a GIL hand-over) is pure latency."""
+form and the hop here (a wake-up and a GIL hand-over) is pure latency.
+
+A call runs after the steps ready when this thread reaches it (a close must
+not overtake a decode queued before it), except one that only adds, a new
+session and its prompt (``run_ahead``): it runs as soon as the step in
+progress ends, so that the prompt joins the very next step instead of
+waiting for that step and for the loop to pass the prompt on after it."""
 from __future__ import annotations
 
 import asyncio
@@ -20,6 +26,14 @@ from scheduler.batcher import Chunk, Pending, StepBatcher
 
 STOP = object()
 DEFAULT_INLINE_MAX_S = 0.002        # serve --inline-max-ms
+
+
+class Ahead:
+    """A queued call that no step queued before it needs to precede (StepThread.run_ahead)."""
+    __slots__ = ("future", "fn", "args")
+
+    def __init__(self, future: asyncio.Future, fn, args: tuple):
+        self.future, self.fn, self.args = future, fn, args
 
 
 class StepThread:
@@ -52,6 +66,16 @@ class StepThread:
 
     async def run(self, fn, *args):
         return await self.queue_call(fn, *args)
+
+    async def run_ahead(self, fn, *args):
+        """``fn(*args)`` here once the step in progress ends, before the steps ready by then (``run`` waits for
+        those): for a call that only adds, such as a new session whose prompt ``fn`` queues in the batcher, which
+        then runs in the next step.  Decodes submitted before it still reach the batcher first."""
+        if self.handoffs:
+            self.hand_off()
+        future = self.loop.create_future()
+        self.inbox.put(Ahead(future, fn, args))
+        return await future
 
     def queue_call(self, fn, *args) -> asyncio.Future:
         """``fn(*args)`` queued here now, before any step or call submitted after it; its result on the future."""
@@ -126,6 +150,8 @@ class StepThread:
                     if type(item) is tuple:
                         self.run_ready_batch()      # requests queued before this call go first
                         self.call(*item)
+                    elif type(item) is Ahead:
+                        self.call(item.future, item.fn, item.args)
                     else:
                         batcher.add(item.session.id, item, item.arrived_s, item.tokens, item.whole)
                     item = None if inbox.empty() else inbox.get()

@@ -11,9 +11,10 @@ the last row's logits and draw on the host with the reference sampler
 so the same (seed, prompt) gives the tokens Engine.generate gives.  A request
 of n choices runs n sessions, one a choice, choice i with seed + i; their
 decodes share each step.  The sessions are opened (``open``, through the
-admission queue) before the response starts and closed the moment the
-generation ends or its consumer goes away (a cancelled stream closes them in
-``finally``).
+admission queue) before the response starts, a lone choice's prompt queued
+in the same visit to the step thread (it runs in the step after the one in
+progress), and closed the moment the generation ends or its consumer goes
+away (a cancelled stream closes them in ``finally``).
 
 Where the daemon has a draft, a generation speculates unless its body says
 ``"speculative": false`` (serve/spec_rounds.py), each choice on its own
@@ -187,7 +188,8 @@ class HttpGeneration:
         self.started_s = time.perf_counter()
         try:
             await service.open_sessions(self.conn, len(self.ids) + self.max_tokens, len(self.choices), wait=True,
-                                        what="this generation", prompt=self.ids, scope=self.prefix_scope, adopt=True)
+                                        what="this generation", prompt=self.ids, scope=self.prefix_scope,
+                                        prefill=self.want if len(self.choices) == 1 else None)
         except CapacityError as e:
             raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
         except ShuttingDownError as e:
@@ -220,7 +222,7 @@ class HttpGeneration:
                 # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier
                 # turns, the first choice's prompt for its siblings) computes only the rest
                 jobs.append(await service.prefill_cached(session, ids, self.want, 1, self.prefix_scope,
-                                                         self.conn.adopted.pop(session.id, None)))
+                                                         self.conn.prefilling.pop(session.id, None)))
             self.cached_tokens = jobs[0].cached_tokens if jobs else 0
             live = list(self.choices)
             while live:
