@@ -71,10 +71,18 @@ class Replica:
             session, reused = self.prefix_scopes.new_session_adopting(max_seq_len, scope, prompt)
         else:
             session, reused = self.prefix_scopes.new_session(max_seq_len), 0
+        return session, self.queue(session, prompt, reused, want, k)
+
+    def queue_prompt(self, scope: str | None, session: Session, prompt: np.ndarray, want: str, k: int) -> PrefillJob:
+        """Step thread (StepThread.run_ahead): the prompt of an open session, its cached prefix adopted in
+        ``scope`` (a fresh session's), the rest queued in the batcher for the next step."""
+        return self.queue(session, prompt, self.prefix_scopes.adopt(scope, session, prompt), want, k)
+
+    def queue(self, session: Session, prompt: np.ndarray, reused: int, want: str, k: int) -> PrefillJob:
         job = PrefillJob(session, prompt[reused:], want, k)
         job.cached_tokens = reused
         self.batcher.add(session.id, job, job.arrived_s, job.tokens, job.whole)
-        return session, job
+        return job
 
     def cached_length(self, tokens, scope: str | None) -> int:
         return self.prefix_scopes.cached_length(scope, tokens)

@@ -205,7 +205,7 @@ class Service:
                                                                      np.asarray(prompt, np.int64), prefill, 1)
                         conn.prefilling[session.id] = job
                     else:
-                        session = await replica.steps.run(replica.prefix_scopes.new_session, length)
+                        session = await replica.steps.run_ahead(replica.prefix_scopes.new_session, length)
                 conn.sessions[session.id] = session     # from here close_sessions frees it and its place
                 opened.append(session)
         except CapacityError:
@@ -235,14 +235,11 @@ class Service:
         (the first token goes out now).  scope: a request's cache (serve/prefix_scopes.py; None: the shared one);
         queued: the prompt's job, queued at the session's open (open_sessions' prefill)."""
         replica = self.replica_of(session)
-        if queued is not None:
-            job = await self.waited(queued)
-        elif replica.engine.prefix_cache is None or want == "logits":
+        if queued is None and (replica.engine.prefix_cache is None or want == "logits"):
             return await self.prefill(session, ids, want, k)
-        else:
-            reused = await replica.steps.run(replica.prefix_scopes.adopt, scope, session, ids)
-            job = await self.prefill(session, ids[reused:], want, k)
-            job.cached_tokens = reused
+        if queued is None:          # adopted and queued in one visit, ahead of the steps ready there
+            queued = await replica.steps.run_ahead(replica.queue_prompt, scope, session, ids, want, k)
+        job = await self.waited(queued)
         if replica.engine.prefix_cache is not None:
             replica.steps.queue_call(replica.prefix_scopes.store, scope, session, ids).add_done_callback(
                 report_unawaited)
