@@ -134,7 +134,8 @@ def test_a_one_choice_request_visits_the_step_thread_once_before_its_prompt_runs
     """Its session is made, the prompt's cached prefix adopted and the rest of the prompt queued in one call on the
     step thread, run ahead of the steps ready there (any other call waits for those): nothing else goes there
     before its first token, after which its prompt is cached; a request of two choices makes its sessions first
-    and adopts and queues per choice, after the first choice's prompt is cached."""
+    and adopts and queues per choice, after the first choice's prompt is cached; its sessions close ahead of the
+    steps too."""
     replica = server.service.replicas.all[0]
     steps, log = replica.steps, []
     run_ahead, queue_call, submit = steps.run_ahead, steps.queue_call, steps.submit
@@ -170,6 +171,7 @@ def test_a_one_choice_request_visits_the_step_thread_once_before_its_prompt_runs
     # two choices: each session opened, then each prompt adopted and queued, every visit ahead of the steps
     assert log.count("ahead new_session") == 2 and log.count("ahead queue_prompt") == 2, log
     assert "PrefillJob" not in log and "adopt" not in log, log
+    assert "ahead close_sessions" in log and "close_sessions" not in log, log      # its end waits for no step
 
 
 def test_a_failing_adopt_serves_the_request_without_the_cache_and_holds_nothing(server):
