@@ -81,3 +81,38 @@ def test_a_call_run_ahead_overtakes_the_steps_ready_where_a_plain_call_waits_for
             steps.stop()
         assert order == ["step first", "ahead call", "step second", "plain call"], order
     asyncio.run(main())
+
+
+def test_a_steps_jobs_wake_their_handlers_with_one_wake_up_of_the_loop():
+    """DecodeSteps.run answers every job of a step, then settles all their waiters in one call_soon_threadsafe
+    (one self-pipe write and one loop turn for the step, not one a job)."""
+    import numpy as np
+    from scheduler.batcher import Chunk, Pending
+    from kestrel_stream.serve.decode_steps import DecodeSteps
+    from kestrel_stream.serve.step_jobs import DecodeJob
+
+    engine = SimpleNamespace(step=lambda items, greedy=False, **kw: np.array([7, 8, 9][:len(items)]))
+
+    async def main() -> None:
+        loop, wakes = asyncio.get_running_loop(), []
+        call_soon_threadsafe = loop.call_soon_threadsafe
+
+        def counted(callback, *args):
+            wakes.append(callback)
+            return call_soon_threadsafe(callback, *args)
+
+        loop.call_soon_threadsafe = counted
+        steps = DecodeSteps(engine, {"decode_steps": 0, "decode_step_s": 0.0},
+                            StepBatcher(max_batch=4, step_tokens=8, window_s=0.0))
+        jobs = [DecodeJob(SimpleNamespace(id=i, closed=False, position=3, max_seq_len=16), 1, "token", 1)
+                for i in range(3)]
+        waits = [asyncio.ensure_future(job.wait()) for job in jobs]
+        await asyncio.sleep(0)                          # each handler waits on its job
+        step = threading.Thread(target=steps.run, args=([Chunk(Pending(j.session.id, j, j.arrived_s), 0, 1)
+                                                          for j in jobs],))
+        step.start()
+        step.join()
+        await asyncio.wait_for(asyncio.gather(*waits), 5)
+        assert [job.result for job in jobs] == [({"token": t}, {}) for t in (7, 8, 9)]
+        assert len(wakes) == 1, wakes
+    asyncio.run(main())

@@ -15,7 +15,7 @@ from scheduler.batcher import StepBatcher
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, SessionClosedError
 from kestrel_stream.wire.protocol import error_header
-from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, StepJob
+from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, StepJob, wake
 
 
 class DecodeSteps:
@@ -44,6 +44,7 @@ class DecodeSteps:
             if runnable:
                 self.step(runnable)
         finally:
+            woken: list = []            # the handlers waiting for this step's jobs, woken together
             for chunk in chunks:
                 job = chunk.payload
                 if job.error is not None:
@@ -51,11 +52,12 @@ class DecodeSteps:
                     if not chunk.final:
                         self.batcher.drop(chunk.pending)
                     job.rewind()
-                    self.finish(job)
+                    self.finish(job, woken)
                 elif chunk.final:
                     if type(job) is PrefillJob:
                         self.batcher.log.first_token(time.perf_counter() - job.arrived_s)
-                    self.finish(job)
+                    self.finish(job, woken)
+            wake(woken)
 
     def step(self, runnable: list) -> None:
         """Engine.step straight away: the service checked every token, run() each session's room, and the
@@ -85,11 +87,12 @@ class DecodeSteps:
         for chunk, row in zip(runnable, out):
             chunk.payload.take(row, chunk.final, kind)
 
-    def finish(self, job: StepJob) -> None:
-        """Step thread: answer the client (when this thread sends the answer) or wake the waiting handler."""
+    def finish(self, job: StepJob, woken: list | None = None) -> None:
+        """Step thread: answer the client (when this thread sends the answer) or wake the waiting handler (with
+        ``woken``: its waiter added there, for the step's one wake-up)."""
         job.position = job.session.position
         if job.send is None:
-            job.finish()
+            job.finish(woken)
             return
         if job.error is None:
             fields, arrays = job.result

@@ -59,12 +59,17 @@ class StepJob:
         self.done = False
         self.waiter: asyncio.Future | None = None
 
-    def finish(self) -> None:
-        """Any thread: the job is over (its answer written, when the step thread sends it)."""
+    def finish(self, woken: list | None = None) -> None:
+        """Any thread: the job is over (its answer written, when the step thread sends it).  woken: where a
+        step's jobs collect their waiters, to wake the loop once for them all (``wake``)."""
         with self.lock:
             self.done = True
             waiter = self.waiter
-        if waiter is not None:                  # the loop wakes only when a coroutine waits for this job
+        if waiter is None:                      # the loop wakes only when a coroutine waits for this job
+            return
+        if woken is not None:
+            woken.append(waiter)
+        else:
             waiter.get_loop().call_soon_threadsafe(settle, waiter, None, None)
 
     async def wait(self) -> None:
@@ -73,6 +78,17 @@ class StepJob:
                 return
             self.waiter = asyncio.get_running_loop().create_future()
         await self.waiter
+
+
+def wake(waiters: list[asyncio.Future]) -> None:
+    """Settle the waiters of a step's jobs in one wake-up of their loop (one self-pipe write, not one each)."""
+    if waiters:
+        waiters[0].get_loop().call_soon_threadsafe(settle_all, waiters)
+
+
+def settle_all(waiters: list[asyncio.Future]) -> None:
+    for waiter in waiters:
+        settle(waiter, None, None)
 
 
 class DecodeJob(StepJob):
