@@ -45,19 +45,21 @@ class DecodeSteps:
                 self.step(runnable)
         finally:
             woken: list = []            # the handlers waiting for this step's jobs, woken together
-            for chunk in chunks:
-                job = chunk.payload
-                if job.error is not None:
-                    self.failed += 1
-                    if not chunk.final:
-                        self.batcher.drop(chunk.pending)
-                    job.rewind()
-                    self.finish(job, woken)
-                elif chunk.final:
-                    if type(job) is PrefillJob:
-                        self.batcher.log.first_token(time.perf_counter() - job.arrived_s)
-                    self.finish(job, woken)
-            wake(woken)
+            try:
+                for chunk in chunks:
+                    job = chunk.payload
+                    if job.error is not None:
+                        self.failed += 1
+                        if not chunk.final:
+                            self.batcher.drop(chunk.pending)
+                        job.rewind()
+                        self.finish(job, woken)
+                    elif chunk.final:
+                        if type(job) is PrefillJob:
+                            self.batcher.log.first_token(time.perf_counter() - job.arrived_s)
+                        self.finish(job, woken)
+            finally:
+                wake(woken)             # those answered, whatever failed after them
 
     def step(self, runnable: list) -> None:
         """Engine.step straight away: the service checked every token, run() each session's room, and the
