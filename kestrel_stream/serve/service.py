@@ -239,7 +239,7 @@ class Service:
             return await self.prefill(session, ids, want, k)
         if queued is None:          # adopted and queued in one visit, ahead of the steps ready there
             queued = await replica.steps.run_ahead(replica.queue_prompt, scope, session, ids, want, k)
-        job = await self.waited(queued)
+        job = await queued.result_or_raise()
         if replica.engine.prefix_cache is not None:
             replica.steps.queue_call(replica.prefix_scopes.store, scope, session, ids).add_done_callback(
                 report_unawaited)
@@ -359,15 +359,7 @@ class Service:
     async def run_job(self, job):
         """Submit a step job to its replica's batcher and wait for it; its error is raised here."""
         self.submit(job)
-        return await self.waited(job)
-
-    @staticmethod
-    async def waited(job):
-        """A submitted step job, once done; its error is raised here."""
-        await job.wait()
-        if job.error is not None:
-            raise job.error
-        return job
+        return await job.result_or_raise()
 
     # -- connections -----------------------------------------------------------------
     async def close_sessions(self, conn: Connection, session_ids) -> None:

@@ -79,6 +79,13 @@ class StepJob:
             self.waiter = asyncio.get_running_loop().create_future()
         await self.waiter
 
+    async def result_or_raise(self) -> "StepJob":
+        """This job once done (submitted or queued before); its error is raised here."""
+        await self.wait()
+        if self.error is not None:
+            raise self.error
+        return self
+
 
 def wake(waiters: list[asyncio.Future]) -> None:
     """Settle the waiters of a step's jobs in one wake-up of their loop (one self-pipe write, not one each)."""

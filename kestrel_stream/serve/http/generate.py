@@ -236,9 +236,7 @@ class HttpGeneration:
                             job = DecodeJob(session, choice.tokens[-1], self.want, 1)
                             service.submit(job)
                     if not choice.pending:
-                        await job.wait()
-                        if job.error is not None:
-                            raise job.error
+                        await job.result_or_raise()
                         choice.pending = [self.account(choice, job)]
                     out = choice.pending.pop(0)
                     if self.first_token_s is None:
