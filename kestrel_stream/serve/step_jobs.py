@@ -88,9 +88,13 @@ class StepJob:
 
 
 def wake(waiters: list[asyncio.Future]) -> None:
-    """Settle the waiters of a step's jobs in one wake-up of their loop (one self-pipe write, not one each)."""
-    if waiters:
-        waiters[0].get_loop().call_soon_threadsafe(settle_all, waiters)
+    """Settle the waiters of a step's jobs in one wake-up of their loop (one self-pipe write, not one each; the
+    daemon has one loop, and a waiter of another is woken on its own)."""
+    by_loop: dict = {}
+    for waiter in waiters:
+        by_loop.setdefault(waiter.get_loop(), []).append(waiter)
+    for loop, theirs in by_loop.items():
+        loop.call_soon_threadsafe(settle_all, theirs)
 
 
 def settle_all(waiters: list[asyncio.Future]) -> None:
