@@ -36,6 +36,7 @@ from kestrel_stream.serve.memory import FreedPages
 from kestrel_stream.serve.replicas import Replica, Replicas
 from kestrel_stream.serve.sampling_defaults import SamplingDefaults
 from kestrel_stream.serve.stats import daemon_stats
+from kestrel_stream.serve.traces import recorder_for, tracer
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
@@ -331,21 +332,14 @@ class Service:
         return {"stats": self.stats()}, {}
 
     async def op_trace_start(self, conn, header, arrays):
-        trace = self.trace_module()
+        trace = recorder_for(self.traces)
         path = await self.replicas[0].steps.run(self.traces.start, conn, header.get("path"), trace)
         return {"path": str(path)}, {}
 
     async def op_trace_stop(self, conn, header, arrays):
-        trace = self.trace_module()
+        trace = recorder_for(self.traces)
         written = await self.replicas[0].steps.run(self.traces.stop, conn, trace)
         return {"path": str(written) if written is not None else None}, {}
-
-    def trace_module(self):
-        """The trace module for trace_start/trace_stop; UnavailableError in a build without it."""
-        trace = tracer()
-        if trace is None or self.traces is None:
-            raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
-        return trace
 
     # -- steps -----------------------------------------------------------------------
     async def prefill(self, session: Session, ids: np.ndarray, want: str, k: int) -> PrefillJob:
@@ -371,8 +365,7 @@ class Service:
             try:
                 for replica, closing in held.items():
                     try:
-                        # ahead of the steps ready: a closing session has no step of its own to wait for (a
-                        # connection's next request waits for its decode), and its place goes to the next sooner
+                        # ahead of the ready steps: a closing session waits for no step (its decodes are answered)
                         await replica.steps.run_ahead(replica.decode_steps.close_sessions, replica.batcher, closing)
                     finally:
                         self.replicas.release(replica, len(closing))
@@ -406,11 +399,3 @@ class Service:
     def stats(self) -> dict:
         """Totals in one engine's shape, and each replica's figures under "replicas" (serve/stats.py)."""
         return daemon_stats(self)
-
-
-def tracer():
-    try:
-        from kestrel_stream.obs import trace
-    except ImportError:
-        return None
-    return trace

@@ -101,3 +101,20 @@ class DaemonTraces:
             trace.active.metadata["max_events"] = events.max_events
         self.owner = None
         return trace.stop()
+
+
+def tracer():
+    """The process's trace recorder (obs/trace.py), or None in a build without it."""
+    try:
+        from kestrel_stream.obs import trace
+    except ImportError:
+        return None
+    return trace
+
+
+def recorder_for(traces: DaemonTraces | None):
+    """The recorder for a client's trace_start / trace_stop; UnavailableError in a build without it."""
+    trace = tracer()
+    if trace is None or traces is None:
+        raise UnavailableError("tracing unavailable: this build has no kestrel_stream.obs.trace recorder")
+    return trace
