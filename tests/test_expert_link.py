@@ -9,7 +9,7 @@ import pytest
 
 import fake_cuda
 from bench.synthetic import random_q8_weights
-from hf_oracle import assert_logits_match
+from hf_oracle import assert_logits_match, relative_error
 from kestrel_stream.cuda import driver
 from kestrel_stream.options import Options
 from kestrel_stream.run.step_executor import StepExecutor
@@ -33,6 +33,12 @@ def device(request, monkeypatch):
     if request.param == "emulated":
         fake_cuda.install(monkeypatch, mode="deferred")
     return request.param
+
+
+# runs of one placement agree to float rounding, not bit for bit, on the H200 (measured 2026-12-05: 1e-7 to 3e-7
+# relative between two runs that differ only in the images' pages, up to 2.4e-5 between the host reading the
+# images and its own copies); the emulated device is exact
+SAME_RUN_TOLERANCE = 1e-4
 
 
 def linked_engine(weights, link: int | str, experts: int = 2, host_reads_images: bool = False, pages: str = "pinned"):
@@ -167,7 +173,7 @@ def native_missing() -> bool:
 def test_the_host_reads_its_experts_from_the_link_images_and_keeps_no_copy_of_its_own(model, device):
     """KESTREL_HOST_READS_IMAGES=1: with the link's pinned images (pool layout: gate and up rows interleaved), the
     host's native experts read their Q8_0 rows there (device/expert_ring.host_expert_images): the same logits
-    bit for bit as a host reading its own split copies of the weights (0, the default), none of those prepared."""
+    (to SAME_RUN_TOLERANCE) as a host reading its own split copies of the weights (0, the default), none of those prepared."""
     weights, reference = model
     if native_missing():
         pytest.skip("no native host kernels (no C compiler)")
@@ -184,7 +190,7 @@ def test_the_host_reads_its_experts_from_the_link_images_and_keeps_no_copy_of_it
         assert bool(own) != images, "expert rows the host prepared from its own weights"
         engine.close()
     for a, b in zip(logits[True], logits[False]):
-        assert np.array_equal(a, b)
+        assert relative_error(a, b) < SAME_RUN_TOLERANCE and np.array_equal(a.argmax(-1), b.argmax(-1))
     for got, expected in zip(logits[True], reference):
         assert_logits_match(got, expected)
 
@@ -192,7 +198,7 @@ def test_the_host_reads_its_experts_from_the_link_images_and_keeps_no_copy_of_it
 def test_registered_images_decode_as_pinned_ones(model, device):
     """KESTREL_EXPERT_IMAGES=registered: the link's images on huge pages, filled, then cuMemHostRegister'ed;
     the GPU reads its share and the host its own experts there (KESTREL_HOST_READS_IMAGES=1): the logits of
-    cuMemHostAlloc'ed images bit for bit."""
+    cuMemHostAlloc'ed images (to SAME_RUN_TOLERANCE)."""
     weights, _ = model
     if native_missing():
         pytest.skip("no native host kernels (no C compiler)")
@@ -209,7 +215,7 @@ def test_registered_images_decode_as_pinned_ones(model, device):
         assert engine.executor.stats.get("streamed_bytes", 0) > 0
         engine.close()
     for a, b in zip(logits["registered"], logits["pinned"]):
-        assert np.array_equal(a, b)
+        assert relative_error(a, b) < SAME_RUN_TOLERANCE and np.array_equal(a.argmax(-1), b.argmax(-1))
 
 
 @pytest.mark.parametrize("link", [1, 2])
