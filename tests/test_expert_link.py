@@ -173,7 +173,8 @@ def native_missing() -> bool:
 def test_the_host_reads_its_experts_from_the_link_images_and_keeps_no_copy_of_its_own(model, device):
     """KESTREL_HOST_READS_IMAGES=1: with the link's pinned images (pool layout: gate and up rows interleaved), the
     host's native experts read their Q8_0 rows there (device/expert_ring.host_expert_images): the same logits
-    (to SAME_RUN_TOLERANCE) as a host reading its own split copies of the weights (0, the default), none of those prepared."""
+    (to SAME_RUN_TOLERANCE) as a host reading its own split copies of the weights (0, the default), none of those
+    prepared."""
     weights, reference = model
     if native_missing():
         pytest.skip("no native host kernels (no C compiler)")
