@@ -35,6 +35,11 @@ class DeviceProfile:
     # block format -> weight bytes/s of its host mat-vec alone, where a format's kernel is slower than the pool
     # (Q4_K, Q6_K decode more per byte than Q8_0); None or a missing format: host_weight_GBps
     host_format_GBps: dict | None = None
+    # block format -> [[tokens, weight bytes/s of its host kernel at a step of that many tokens]], tokens ascending
+    # from 1 (calibrate: each alone, weights cold): within a few tokens the kernels turn compute-bound, each format
+    # at its own pace (Q8_0's 16 token lanes cost the same from 6 to 16 tokens); None or a missing format:
+    # host_gflops bounds the steps of many tokens
+    host_format_tokens_GBps: dict | None = None
     # FLOP/s of the device expert kernels (route, gate_up, down, combine) over a prompt chunk of a routed layer
     # whose every expert is on the device (mode offload's streamed experts); None: not measured, gpu_gflops
     gpu_expert_gflops: float | None = None
@@ -49,6 +54,15 @@ class DeviceProfile:
         for fmt, rate in (self.host_format_GBps or {}).items():
             if not (isinstance(rate, (int, float)) and math.isfinite(rate) and rate > 0):
                 raise ValueError(f"DeviceProfile.host_format_GBps[{fmt!r}] must be a positive number, got {rate!r}")
+        for fmt, curve in (self.host_format_tokens_GBps or {}).items():
+            pairs = isinstance(curve, (list, tuple)) and all(
+                isinstance(point, (list, tuple)) and len(point) == 2 for point in curve)
+            tokens = [point[0] for point in curve] if pairs else None
+            if not (tokens and tokens[0] == 1 and tokens == sorted(set(tokens))
+                    and all(isinstance(t, int) for t in tokens)
+                    and all(isinstance(r, (int, float)) and math.isfinite(r) and r > 0 for _, r in curve)):
+                raise ValueError(f"DeviceProfile.host_format_tokens_GBps[{fmt!r}] must be [[tokens, GB/s], ...] "
+                                 f"from 1 token, tokens ascending, rates positive; got {curve!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -84,13 +84,50 @@ class Work:
 
 def _host_us(op, profile, rate_GBps: float) -> float:
     """An op's host time at a given host-memory rate (each weight at most at its format's kernel rate):
-    compute- or memory-bound, whichever is slower."""
+    compute- or memory-bound, whichever is slower.  The compute side: the formats' measured kernel rates at
+    the step's tokens where the profile has them (_kernel_us), else the op's FLOPs at host_gflops."""
     formats = getattr(profile, "host_format_GBps", None) or {}
     read_us = (op.input_bytes + op.output_bytes) / (rate_GBps * 1e3)
-    for w in op.weights:
-        if len(w.shape) == 2:
-            read_us += w.nbytes * op.read_fraction / (min(rate_GBps, formats.get(w.fmt, rate_GBps)) * 1e3)
-    return max(op.flops / (profile.host_gflops * 1e3), read_us)
+    matrices = [w for w in op.weights if len(w.shape) == 2]
+    for w in matrices:
+        read_us += w.nbytes * op.read_fraction / (min(rate_GBps, formats.get(w.fmt, rate_GBps)) * 1e3)
+    kernel_us = _kernel_us(op, matrices, profile)
+    if kernel_us is None:
+        return max(op.flops / (profile.host_gflops * 1e3), read_us)
+    return max(kernel_us, read_us)
+
+
+def kernel_GBps(curve, tokens: float) -> float:
+    """A format's host kernel rate (weight bytes/s) at `tokens` tokens from its measured [[tokens, GB/s], ...]:
+    seconds per byte interpolated linearly between the measured sizes; past the largest, proportional to the
+    tokens (compute-bound)."""
+    points = [(float(t), float(r)) for t, r in curve]
+    if tokens <= points[0][0]:
+        return points[0][1]
+    for (t0, r0), (t1, r1) in zip(points, points[1:]):
+        if tokens <= t1:
+            f = (tokens - t0) / (t1 - t0)
+            return 1.0 / ((1.0 - f) / r0 + f / r1)
+    last_tokens, last_rate = points[-1]
+    return last_rate * last_tokens / tokens
+
+
+def _kernel_us(op, matrices: list, profile) -> float | None:
+    """The host kernels' time over an op's matrices at the step's tokens, alone (their measured rate per
+    format and token count), plus its other FLOPs at host_gflops; None where the profile lacks a format's
+    curve, for a routed layer's ops (each expert sees a share of the tokens) and for ops without matrices."""
+    curves = getattr(profile, "host_format_tokens_GBps", None)
+    if not curves or not matrices or op.kind in ROUTED_GROUPS:
+        return None
+    us, other_flops = 0.0, op.flops
+    for w in matrices:
+        curve = curves.get(w.fmt)
+        if not curve:
+            return None
+        tokens = w.flops / (2.0 * w.shape[0] * w.shape[1])
+        us += w.nbytes * op.read_fraction / (kernel_GBps(curve, tokens) * 1e3)
+        other_flops -= w.flops
+    return us + max(other_flops, 0.0) / (profile.host_gflops * 1e3)
 
 
 def _gpu_experts_us(op, profile) -> float:

@@ -150,6 +150,24 @@ def test_host_call_cost_is_measured_after_a_device_segments_gap():
     assert 0 < call_us < 50_000
 
 
+def test_each_formats_kernel_rate_is_measured_by_tokens_and_prices_a_profile():
+    """calibrate's host_format_tokens_GBps: Q8_0, Q4_K and Q6_K at 1 .. 32 tokens a call, a rate each; 32 tokens
+    take longer than one over the same bytes on any host; the curves are a valid DeviceProfile field."""
+    import dataclasses
+
+    from kestrel_stream.native import load
+    from kestrel_stream.options import Options
+    from kestrel_stream.run import calibrate
+    from scheduler.profile import H200_POOL
+    kernels = load(Options.from_env({}), threads=2)
+    curves = calibrate._format_token_rates(kernels, total_bytes=40 << 20)
+    assert sorted(curves) == ["Q4_K", "Q6_K", "Q8_0"]
+    for fmt, curve in curves.items():
+        assert [t for t, _ in curve] == list(calibrate.KERNEL_TOKENS), fmt
+        assert all(rate > 0 for _, rate in curve) and curve[-1][1] < curve[0][1], (fmt, curve)
+    assert dataclasses.replace(H200_POOL, host_format_tokens_GBps=curves).host_format_tokens_GBps == curves
+
+
 def test_mixed_steps_raise_the_pool_spin_only_where_asked_and_with_cpus_to_spare(monkeypatch):
     from kestrel_stream.options import Options
     from kestrel_stream.run.host import pool_spin as mixed

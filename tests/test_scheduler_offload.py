@@ -193,3 +193,49 @@ def test_a_format_slower_on_the_host_moves_its_bytes_to_the_link():
     assert on_host(fast) > 0
     assert on_host(slow) < on_host(fast), (fast.describe(), slow.describe())
     assert slow.predicted.total_us >= fast.predicted.total_us
+
+
+# a host whose Q8_0 kernel reads memory at one token and turns compute-bound from two (the H200 host's Q4_K at 16
+# threads ran 110 GB/s at one token and 5.3 GB/s at 64: about 0.08 ms a token per 28 MB layer)
+COMPUTE_BOUND = [[1, 72.0], [2, 40.0], [4, 20.0], [8, 10.0], [16, 5.0], [32, 2.5]]
+
+
+def test_the_kernels_measured_rate_by_tokens_prices_a_few_token_step():
+    """With each format's measured kernel rate at M tokens (host_format_tokens_GBps), a host op of a step of
+    several tokens costs what that rate says, not its FLOPs at host_gflops: the predicted step of 9 tokens
+    grows, the placement moves bytes from the host to the link, and one token is priced as before."""
+    c = PRESETS["qwen3-1.7b"]
+    measured = dataclasses.replace(H200_POOL, host_format_tokens_GBps={"Q8_0": COMPUTE_BOUND})
+    one = offload.place(c, budget("qwen3-1.7b", 0.5), H200_POOL)
+    one_measured = offload.place(c, budget("qwen3-1.7b", 0.5), measured)
+    assert one_measured.homes == one.homes
+    assert one_measured.predicted.total_us == pytest.approx(one.predicted.total_us, rel=0.02)
+    nine = offload.place_for_tokens(one, c, H200_POOL, 9)
+    nine_measured = offload.place_for_tokens(one_measured, c, measured, 9)
+    assert nine_measured.host_bytes < nine.host_bytes, (nine.describe(), nine_measured.describe())
+    # the measured host is slower at 9 tokens: whatever the split, the step is predicted slower
+    assert nine_measured.predicted.total_us > nine.predicted.total_us
+    assert nine_measured.layers("resident") == one.layers("resident") and nine_measured.head == one.head
+
+
+def test_a_kernel_rate_between_measured_sizes_is_interpolated_in_time():
+    from scheduler.step_sim import kernel_GBps
+    assert kernel_GBps(COMPUTE_BOUND, 1) == 72.0 and kernel_GBps(COMPUTE_BOUND, 8) == 10.0
+    assert kernel_GBps(COMPUTE_BOUND, 6) == pytest.approx(1 / (0.5 / 20.0 + 0.5 / 10.0))
+    assert kernel_GBps(COMPUTE_BOUND, 64) == pytest.approx(1.25)       # past 32 tokens: time grows with them
+    flat = [[1, 50.0], [8, 10.0], [16, 10.0]]                           # 16 token lanes: 8 cost what 16 do
+    assert kernel_GBps(flat, 12) == pytest.approx(10.0)
+
+
+@pytest.mark.parametrize("curve", [[[2, 10.0]], [[1, 10.0], [1, 9.0]], [[1, 10.0], [4, -1.0]], [[1, 10.0], [2.5, 9.0]],
+                                   [1, 10.0], []])
+def test_a_malformed_kernel_curve_is_refused(curve):
+    with pytest.raises(ValueError, match=r"host_format_tokens_GBps\['Q4_K'\]"):
+        dataclasses.replace(H200_POOL, host_format_tokens_GBps={"Q4_K": curve})
+
+
+def test_the_kernel_curves_survive_the_profile_cache(tmp_path):
+    from scheduler.profile import load_profile, save_profile
+    profile = dataclasses.replace(H200_POOL, host_format_tokens_GBps={"Q8_0": COMPUTE_BOUND})
+    save_profile(profile, tmp_path)
+    assert load_profile(profile.name, profile.driver, tmp_path) == profile

@@ -57,32 +57,50 @@ def _pool_weights(total_bytes: int) -> list:
 
 
 FORMAT_SCALE_BYTES = {"Q4_K": (0, 2), "Q6_K": (208,)}    # where a block's fp16 scales are (d, dmin / d)
+KERNEL_TOKENS = (1, 2, 4, 8, 16, 32)     # step sizes at which each format's kernel rate is measured
 
 
-def _format_rates(kernels, total_bytes: int = POOL_WEIGHT_BYTES // 2) -> dict:
-    """GB/s of the host mat-vec over Q4_K and Q6_K weights far larger than the caches (values do not matter:
-    every byte 0x11, each block's fp16 scales small), the best of three passes."""
+def _format_weights(kernels, fmt: str, total_bytes: int) -> tuple[list, int]:
+    """(prepared [8192, 4096] weights of `fmt` adding up to about `total_bytes`, their bytes): values do not
+    matter (Q8_0: random; Q4_K / Q6_K: every byte 0x11, each block's fp16 scales small)."""
     from kestrel_stream.native.kernels import FORMATS
+    if fmt == "Q8_0":
+        weights = [kernels.prepare_q8_0(qs, scales) for qs, scales in _pool_weights(total_bytes)]
+        return weights, sum(w.rows * w.cols * 34 // 32 for w in weights)
+    _, elements, block_bytes = FORMATS[fmt]
+    rows, cols = 8192, 4096
+    row_bytes = cols // elements * block_bytes
+    count = max(1, total_bytes // (rows * row_bytes))
+    blocks = np.full((count * rows, row_bytes), 0x11, np.uint8)
+    per_block = blocks.reshape(count * rows, cols // elements, block_bytes)
+    for offset in FORMAT_SCALE_BYTES[fmt]:
+        per_block[:, :, offset:offset + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    return [kernels.prepare_blocks(fmt, blocks[i * rows:(i + 1) * rows], cols) for i in range(count)], blocks.nbytes
+
+
+def _format_token_rates(kernels, total_bytes: int = POOL_WEIGHT_BYTES // 2) -> dict:
+    """Per block format, [[tokens, GB/s]] of the host kernels over weights far larger than the caches at each of
+    KERNEL_TOKENS tokens a call (the weight's bytes over the best of a few passes' time): one token reads
+    memory; a few more turn each format's kernel compute-bound at its own pace (the placement prices a
+    step of M tokens by it, scheduler/step_sim._kernel_us)."""
     rates = {}
-    for fmt, scale_offsets in FORMAT_SCALE_BYTES.items():
-        _, elements, block_bytes = FORMATS[fmt]
-        rows, cols = 8192, 4096
-        row_bytes = cols // elements * block_bytes
-        count = max(1, total_bytes // (rows * row_bytes))
-        blocks = np.full((count * rows, row_bytes), 0x11, np.uint8)
-        per_block = blocks.reshape(count * rows, cols // elements, block_bytes)
-        for offset in scale_offsets:
-            per_block[:, :, offset:offset + 2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
-        weights = [kernels.prepare_blocks(fmt, blocks[i * rows:(i + 1) * rows], cols) for i in range(count)]
-        x = np.ones((1, cols), np.float32)
-        out = np.empty((1, rows), np.float32)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for w in weights:
-                kernels.matmul(x, w, out)
-            best = min(best, time.perf_counter() - start)
-        rates[fmt] = round(blocks.nbytes / best / 1e9, 2)
+    for fmt in ("Q8_0", *FORMAT_SCALE_BYTES):
+        weights, nbytes = _format_weights(kernels, fmt, total_bytes)
+        cols = weights[0].cols
+        curve = []
+        for tokens in KERNEL_TOKENS:
+            x = np.ones((tokens, cols), np.float32)
+            out = np.empty((tokens, weights[0].rows), np.float32)
+            kernels.matmul(x, weights[0], out)
+            best = float("inf")
+            for _ in range(3 if tokens == 1 else 2):
+                start = time.perf_counter()
+                for w in weights:
+                    kernels.matmul(x, w, out)
+                best = min(best, time.perf_counter() - start)
+            curve.append([tokens, round(nbytes / best / 1e9, 2)])
+        rates[fmt] = curve
+        del weights
     return rates
 
 
@@ -122,9 +140,10 @@ def _host_call_us(kernels, options) -> float:
 
 def measure_pool(options=None, seconds: float = 0.6) -> dict:
     """host_weight_GBps and h2d_GBps alone, and host_joint_GBps / h2d_joint_GBps while the other runs, plus
-    host_call_us (one small native call) and host_gflops (32 tokens at once).  The host kernels (options' threads) loop over weights far larger
-    than the caches on this thread; a second thread keeps pinned H2D copies queued on a stream of their own
-    and waits for them by polling an event, not by spinning on the GPU."""
+    host_call_us (one small native call), host_gflops (32 tokens at once) and each format's kernel rate by
+    tokens (host_format_GBps at one, host_format_tokens_GBps).  The host kernels (options' threads) loop over
+    weights far larger than the caches on this thread; a second thread keeps pinned H2D copies queued on a
+    stream of their own and waits for them by polling an event, not by spinning on the GPU."""
     from kestrel_stream import native
     from kestrel_stream.cuda import driver
     kernels = native.load(options, threads=getattr(options, "host_threads", None))
@@ -188,14 +207,17 @@ def measure_pool(options=None, seconds: float = 0.6) -> dict:
         kernels.matmul(x32, w)
     gflops = 2 * 32 * sum(w.rows * w.cols for w in weights) / (time.perf_counter() - start) / 1e9
     call_us = _host_call_us(kernels, options)
-    format_rates = dict(_format_rates(kernels), Q8_0=round(host_alone, 2))
+    token_rates = _format_token_rates(kernels)
+    format_rates = {fmt: curve[0][1] for fmt, curve in token_rates.items() if fmt != "Q8_0"}
+    format_rates["Q8_0"] = round(host_alone, 2)
     stream.synchronize()
     pinned.free()
     arena.release()
     return {"host_weight_GBps": round(host_alone, 2), "h2d_GBps": round(link_alone, 2),
             "host_joint_GBps": round(min(host_joint, host_alone), 2),
             "h2d_joint_GBps": round(min(link_joint, link_alone), 2), "host_call_us": round(call_us, 2),
-            "host_gflops": round(gflops, 1), "host_format_GBps": format_rates}
+            "host_gflops": round(gflops, 1), "host_format_GBps": format_rates,
+            "host_format_tokens_GBps": token_rates}
 
 
 # a prompt chunk through a routed layer of Qwen3-30B-A3B's shape, every expert on the device (Q8_0)
@@ -284,8 +306,10 @@ def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfil
     version = str(driver.check(cu.cuDriverGetVersion(), "cuDriverGetVersion"))
     if not force:
         cached = load_profile(device.name, version, cache_dir)
-        # a profile from before the pool figures or the expert kernels' rate: measured again
-        if cached is not None and cached.host_joint_GBps and cached.gpu_expert_gflops:
+        # a profile from before the pool figures, the expert kernels' rate or the kernels' rates by tokens:
+        # measured again
+        measured = cached is not None and cached.host_joint_GBps and cached.gpu_expert_gflops
+        if measured and cached.host_format_tokens_GBps:
             return cached
     figures = dict(measure_gpu(options=options), **measure_host())
     try:
