@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 import kestrel_stream as ks
+from kestrel_stream.errors import CapacityError
 from kestrel_stream.cli.bench import environment
 
 from .report import write_results
@@ -51,14 +52,15 @@ def weight_budget_of(path: str, ngl: int) -> tuple[int, int]:
     return ngl_weight_bytes(config, ngl), config.num_hidden_layers
 
 
-def offload_budget(path: str, weight_bytes: int, max_seq_len: int, profile) -> int:
-    """The --vram-budget that leaves `weight_bytes` for weights after mode offload's KV pool and activations."""
+def offload_budget(path: str, weight_bytes: int, max_seq_len: int, profile, max_batch: int | None = None) -> int:
+    """The --vram-budget that leaves `weight_bytes` for weights after mode offload's KV pool and activations
+    (an engine loaded with this max_seq_len and max_batch, None: the default)."""
     from kestrel_stream.run.device.budget import ALIGN, plan_offload_memory, weight_items
     from kestrel_stream.run.step_executor import DEFAULTS
     engine = ks.load(path, device="cpu")
     c = engine.config
     engine.close()
-    max_batch = DEFAULTS[True][1]
+    max_batch = max_batch or DEFAULTS[True][1]
     needs = plan_offload_memory(c, budget_bytes=1 << 50, free_bytes=1 << 51, profile=profile,
                                 max_tokens=max(max_batch, DEFAULTS[False][2]), max_sessions=256,
                                 max_seq_len=max_seq_len, attention_splits=16, max_batch=max_batch).needs
@@ -96,14 +98,17 @@ def decode_rate(engine, new_tokens: int, repeats: int) -> tuple[float, float]:
     return rate, 1e3 / rate
 
 
+BATCH_PROMPT = 32       # each session's prompt in the batch rows
+
+
 def batch_rate(engine, sessions: int, new_tokens: int) -> float:
-    """Tokens/s of `sessions` sessions decoding together (after a 32-token prompt each)."""
+    """Tokens/s of `sessions` sessions decoding together (after a BATCH_PROMPT-token prompt each)."""
     rng = np.random.default_rng(0)
     group = [engine.new_session() for _ in range(sessions)]
     tokens = [(s, 1) for s in group]
     try:
         for s in group:
-            s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, 32)], logits="last")
+            s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, BATCH_PROMPT)], logits="last")
         engine.decode_batch(tokens)
         t0 = time.perf_counter()
         for _ in range(new_tokens):
@@ -113,6 +118,20 @@ def batch_rate(engine, sessions: int, new_tokens: int) -> float:
         for s in group:
             s.close()
     return sessions * new_tokens / elapsed
+
+
+def batch_row(path: str, weight_bytes: int, profile, args) -> float:
+    """Tokens/s of --sessions sessions decoding together in mode offload, the weights' VRAM that of the batch-1
+    row: an engine whose KV pool's floor (one session of max_seq_len and a block for each other of a full
+    batch) holds every session's prompt and tokens, as llama-batched-bench's -c gives each of its sessions."""
+    per_session = -(-(BATCH_PROMPT + args.new_tokens + 2) // 16) * 16
+    seq = per_session * args.sessions
+    engine = ks.load(path, mode="offload", vram_budget=offload_budget(path, weight_bytes, seq, profile, args.sessions),
+                     max_seq_len=seq, max_batch=args.sessions, cpu_threads=args.threads)
+    try:
+        return round(batch_rate(engine, args.sessions, args.new_tokens), 1)
+    finally:
+        engine.close()
 
 
 def llama_tg(binary: str, path: str, layers: int, threads: int, new_tokens: int) -> float:
@@ -181,9 +200,9 @@ def main() -> None:
                         "roofline_ms": round(placement.roofline_us / 1e3, 2),
                         "of_roofline": round(placement.roofline_us / 1e3 / step_ms, 3),
                         "predicted_error": round(placement.predicted.total_us / 1e3 / step_ms - 1, 3)})
-            if args.sessions:
-                row["ours_batch_tok_s"] = round(batch_rate(engine, args.sessions, args.new_tokens), 1)
             engine.close()
+            if args.sessions:
+                row["ours_batch_tok_s"] = batch_row(path, weights, profile, args)
             if not args.no_stream:
                 os.environ["KESTREL_OFFLOAD"] = "stream"
                 try:
@@ -193,7 +212,10 @@ def main() -> None:
                 else:
                     row["stream_tok_s"] = round(decode_rate(engine, args.new_tokens, args.repeats)[0], 2)
                     if args.sessions:
-                        row["stream_batch_tok_s"] = round(batch_rate(engine, args.sessions, args.new_tokens), 1)
+                        try:
+                            row["stream_batch_tok_s"] = round(batch_rate(engine, args.sessions, args.new_tokens), 1)
+                        except CapacityError as e:
+                            row["stream_batch_tok_s"] = f"refused: {str(e)[:80]}"
                     engine.close()
             if args.llama_bench:
                 row["llama_tok_s"] = llama_tg(args.llama_bench, path, ngl, args.threads, args.new_tokens)
