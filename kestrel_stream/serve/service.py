@@ -40,7 +40,8 @@ from kestrel_stream.serve.traces import recorder_for, tracer
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
-from kestrel_stream.wire.protocol import Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError
+from kestrel_stream.wire.protocol import (Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError,
+                                         field_int)
 from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S, report_unawaited
 
 WANTS = ("logits", "last", "token", "topk")
@@ -54,13 +55,6 @@ class Connection:
     authenticated: bool = False
     sessions: dict[int, Session] = field(default_factory=dict)
     prefilling: dict[int, PrefillJob] = field(default_factory=dict)    # session id -> its prompt, queued at its open
-
-
-def field_int(header: dict, name: str, op: str, low: int, high: int, default=None) -> int:
-    value = header.get(name, default)
-    if type(value) is not int or not low <= value <= high:
-        raise ProtocolError(f"{op}: field {name!r} must be an integer in {low}..{high}, got {value!r}")
-    return value
 
 
 class Service:

@@ -112,6 +112,14 @@ _json_encoder = json.encoder.c_make_encoder and json.encoder.c_make_encoder(
     None, str, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, True)
 
 
+def field_int(header: dict, name: str, op: str, low: int, high: int, default=None) -> int:
+    """A header's integer field `name` of request `op`, within low..high (ProtocolError naming both if not)."""
+    value = header.get(name, default)
+    if type(value) is not int or not low <= value <= high:
+        raise ProtocolError(f"{op}: field {name!r} must be an integer in {low}..{high}, got {value!r}")
+    return value
+
+
 def dump_header(header: dict) -> str:
     if _json_encoder is None:           # a Python build without the _json accelerator
         return json.dumps(header, separators=(",", ":"), default=str)
