@@ -43,6 +43,14 @@ def test_a_sibling_leaf_holding_the_targets_token_keeps_it_and_the_token_after()
     assert weak.passes == 2 and weak.seconds == pytest.approx(0.014 + 0.013 + 0.007)    # no leaf, as a chain
 
 
+def test_a_round_after_a_fully_kept_chain_pays_the_drafts_catch_up():
+    r = replay(rows({}), Policy("chain", 3), CURVE, 0.001)
+    # rounds at 0 and 4 keep all 3 drafts and emit 4 each; the second drafts after a kept chain, so its draft
+    # first feeds the first chain's last token: one more draft pass
+    assert (r.tokens, r.passes, r.drafted) == (8, 2, 6)
+    assert r.seconds == pytest.approx(2 * 0.013 + 6 * 0.001 + 0.001)
+
+
 def test_a_gate_stops_drafting_where_the_draft_is_unsure():
     r = replay(rows({3: (13, 0.4)}), Policy("gate", 8, 0.6), CURVE, 0.001)
     # round 1 drafts 3 (position 3's 0.5 < 0.6), keeps them, emits 4; round 2 drafts the last 3 of 4 left
