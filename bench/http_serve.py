@@ -73,7 +73,8 @@ BURST_COLUMNS = ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_m
                  "short_streams", "error"]
 STAGGERED_COLUMNS = ["server", "clients", "requests", "completed", "refused", "lost", "tok_s", "ttft_p50_ms",
                      "ttft_p99_ms", "generated_tokens", "prompt_tokens", "duration_s", "steps", "mean_step_ms",
-                     "tokens_per_step", "daemon_ttft_p50_ms", "daemon_ttft_p99_ms", "server_ttft_p50_ms",
+                     "tokens_per_step", "daemon_ttft_p50_ms", "daemon_ttft_p99_ms", "daemon_ttft_steps_p50",
+                     "daemon_ttft_steps_p99", "step_p50_ms", "step_p99_ms", "server_ttft_p50_ms",
                      "server_ttft_p99_ms", "server_queue_p50_ms", "server_queue_p99_ms", "error"]
 
 
@@ -176,6 +177,9 @@ def rows_at(base_url: str, args, vocab: int, server: str, log_path: Path | None 
 
 DAEMON_FIGURES = ("kestrel_steps_total", "kestrel_decode_steps_total", "kestrel_decode_step_seconds_total",
                   "kestrel_prompt_tokens_total", "kestrel_decode_tokens_total")
+# the daemon's figures over its latest prompts and steps (read after the run, not as differences)
+LATEST_FIGURES = ("kestrel_ttft_p50_seconds", "kestrel_ttft_p99_seconds", "kestrel_ttft_steps_p50",
+                  "kestrel_ttft_steps_p99", "kestrel_step_p50_seconds", "kestrel_step_p99_seconds")
 
 
 def daemon_figures(base_url: str, headers: dict) -> dict:
@@ -184,7 +188,7 @@ def daemon_figures(base_url: str, headers: dict) -> dict:
     figures = {}
     for line in text.splitlines():
         name, _, value = line.partition(" ")
-        if name in DAEMON_FIGURES or name in ("kestrel_ttft_p50_seconds", "kestrel_ttft_p99_seconds"):
+        if name in DAEMON_FIGURES or name in LATEST_FIGURES:
             figures[name] = float(value)
     return figures
 
@@ -203,7 +207,13 @@ def step_columns(before: dict, after: dict) -> dict:
             "daemon_ttft_p50_ms": round(1e3 * after["kestrel_ttft_p50_seconds"], 1)
             if "kestrel_ttft_p50_seconds" in after else None,
             "daemon_ttft_p99_ms": round(1e3 * after["kestrel_ttft_p99_seconds"], 1)
-            if "kestrel_ttft_p99_seconds" in after else None}
+            if "kestrel_ttft_p99_seconds" in after else None,
+            "daemon_ttft_steps_p50": after.get("kestrel_ttft_steps_p50"),
+            "daemon_ttft_steps_p99": after.get("kestrel_ttft_steps_p99"),
+            "step_p50_ms": round(1e3 * after["kestrel_step_p50_seconds"], 2) if "kestrel_step_p50_seconds" in after
+            else None,
+            "step_p99_ms": round(1e3 * after["kestrel_step_p99_seconds"], 2) if "kestrel_step_p99_seconds" in after
+            else None}
 
 
 def server_ttft(log_path: Path, requests: int) -> dict:

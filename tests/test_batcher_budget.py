@@ -123,7 +123,21 @@ def test_stats_count_tokens_per_step_and_time_to_first_token():
     assert (stats["decode_tokens"], stats["prompt_tokens"], stats["prompt_chunks"]) == (1, 12, 2)
     assert stats["step_tokens"] == 8 and stats["queue_depth"] == 0
     assert stats["ttft_ms"] == {"p50": 20.0, "p99": 30.0, "samples": 3}
+    assert stats["step_ms"]["samples"] == 0
     assert percentile([], 0.5) == 0.0
+
+
+def test_stats_say_how_many_steps_a_prompt_took_and_how_long_steps_ran():
+    """A prompt's first token counted in steps (formed from its arrival, its own included) beside its time, and
+    the steps' run times: many steps is queueing, one long step the prompt's own work."""
+    batcher = StepBatcher(max_batch=4, step_tokens=8)
+    for waited_s, steps in ((0.010, 1), (0.020, 1), (0.090, 6)):
+        batcher.log.first_token(waited_s, steps)
+    for seconds in (0.012, 0.011, 0.013, 0.040):
+        batcher.log.ran(seconds)
+    stats = batcher.stats()
+    assert stats["ttft_ms"] == {"p50": 20.0, "p99": 90.0, "samples": 3, "steps_p50": 1, "steps_p99": 6}
+    assert stats["step_ms"] == {"p50": 13.0, "p99": 40.0, "max": 40.0, "samples": 4}
 
 
 @pytest.mark.parametrize("kwargs", [{"step_tokens": 0}, {"step_tokens": -3}])

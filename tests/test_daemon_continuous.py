@@ -103,6 +103,9 @@ def test_32_clients_with_prompts_of_1_to_1000_tokens_get_their_solo_tokens(long_
     assert stats["mixed_steps"] > 0                                 # prompts ran beside decodes
     assert stats["prompts_answered"] == 2 * CLIENTS and stats["ttft_ms"]["samples"] == 2 * CLIENTS
     assert 0 < stats["ttft_ms"]["p50"] <= stats["ttft_ms"]["p99"]
+    # a long prompt's first token comes after its chunks' steps: at least 1, and more for the cut ones
+    assert 1 <= stats["ttft_ms"]["steps_p50"] <= stats["ttft_ms"]["steps_p99"] and stats["ttft_ms"]["steps_p99"] > 1
+    assert stats["step_ms"]["samples"] >= stats["steps"] - 1 and 0 < stats["step_ms"]["p50"] <= stats["step_ms"]["max"]
     assert stats["queue_depth"] == 0 and stats["sessions"] == 0
 
 

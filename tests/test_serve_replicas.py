@@ -183,6 +183,9 @@ def test_per_replica_stats_and_metrics_add_up_to_the_totals(replicas):
     assert sum(r["prefix_cache"]["prefix_hits"] for r in stats["replicas"]) == stats["prefix_cache"]["prefix_hits"] >= 1
     assert stats["mean_batch"] == round(stats["batched_requests"] / stats["batches"], 3)
     assert stats["ttft_ms"]["samples"] == sum(r["ttft_ms"]["samples"] for r in stats["replicas"])
+    assert stats["step_ms"]["samples"] == sum(r["step_ms"]["samples"] for r in stats["replicas"]) > 0
+    assert min(r["step_ms"]["max"] for r in stats["replicas"]) <= stats["step_ms"]["max"] == max(
+        r["step_ms"]["max"] for r in stats["replicas"])
     samples: dict = {}
     for family in text_string_to_metric_families(body):
         for sample in family.samples:

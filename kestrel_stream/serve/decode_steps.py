@@ -56,7 +56,9 @@ class DecodeSteps:
                         self.finish(job, woken)
                     elif chunk.final:
                         if type(job) is PrefillJob:
-                            self.batcher.log.first_token(time.perf_counter() - job.arrived_s)
+                            log = self.batcher.log
+                            waited = log.steps - chunk.pending.queued_at_step     # steps formed since, its own in
+                            log.first_token(time.perf_counter() - job.arrived_s, waited)
                         self.finish(job, woken)
             finally:
                 wake(woken)             # those answered, whatever failed after them
@@ -83,9 +85,11 @@ class DecodeSteps:
             for chunk in runnable:
                 chunk.payload.error = e
             return
+        ran = time.perf_counter() - started
+        self.batcher.log.ran(ran)
         if any(type(chunk.payload) is DecodeJob for chunk in runnable):    # the batcher's log counts every step
             self.counters["decode_steps"] += 1
-            self.counters["decode_step_s"] += time.perf_counter() - started
+            self.counters["decode_step_s"] += ran
         for chunk, row in zip(runnable, out):
             chunk.payload.take(row, chunk.final, kind)
 

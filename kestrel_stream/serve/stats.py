@@ -10,7 +10,7 @@ figures.  Read from any thread: every collection is copied in one step.
 """
 from __future__ import annotations
 
-from scheduler.step_log import percentile
+from scheduler.step_log import step_figures, ttft_figures
 
 from kestrel_stream.spec.decoder import SpecStats
 
@@ -59,9 +59,11 @@ def totals(replicas, figures: list[dict]) -> dict:
     total["mean_batch"] = round(total["batched_requests"] / total["batches"], 3) if total["batches"] else 0.0
     step_tokens = sum(f["tokens_per_step"] * f["steps"] for f in figures)
     total["tokens_per_step"] = round(step_tokens / total["steps"], 3) if total["steps"] else 0.0
-    ttft = sorted(t for replica in replicas for t in list(replica.batcher.log.ttft_s))
-    total["ttft_ms"] = ({"p50": round(percentile(ttft, 0.5) * 1e3, 3), "p99": round(percentile(ttft, 0.99) * 1e3, 3),
-                         "samples": len(ttft)} if ttft else figures[0]["ttft_ms"])
+    logs = [replica.batcher.log for replica in replicas]
+    ttft = [t for log in logs for t in list(log.ttft_s)]
+    total["ttft_ms"] = (ttft_figures(ttft, [n for log in logs for n in list(log.ttft_steps)]) if ttft
+                        else figures[0]["ttft_ms"])
+    total["step_ms"] = step_figures([t for log in logs for t in list(log.step_s)])
     if total.get("speculation") is not None:
         merged = SpecStats()
         for replica in replicas:

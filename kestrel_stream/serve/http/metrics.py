@@ -148,6 +148,14 @@ class DaemonCollector:
             if isinstance(ttft.get(key), (int, float)):
                 yield gauge(f"kestrel_ttft_{key}_seconds", f"time to first token, {key} of the daemon's prompts",
                             ttft[key] / 1e3)
+            if isinstance(ttft.get(f"steps_{key}"), (int, float)):
+                yield gauge(f"kestrel_ttft_steps_{key}", f"steps a prompt took to its first token (formed from its "
+                            f"arrival, its own included), {key}", ttft[f"steps_{key}"])
+        steps = stats.get("step_ms") or {}
+        for key in ("p50", "p99", "max"):
+            if isinstance(steps.get(key), (int, float)) and steps.get("samples"):
+                yield gauge(f"kestrel_step_{key}_seconds", f"an engine step's run time, {key} of the latest "
+                            f"steps", steps[key] / 1e3)
         yield gauge("kestrel_kv_positions_used", "KV cache positions filled in open sessions",
                     stats.get("kv_positions_used", 0))
         yield gauge("kestrel_kv_positions_allocated", "KV cache positions of open sessions",
