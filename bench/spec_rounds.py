@@ -1,7 +1,8 @@
 """Where a speculative round's time goes: its parts timed, and the target's pass alone beside its predicted time.
 
     PYTHONPATH=. python3 -m bench.spec_rounds --target T.gguf --draft D.gguf [--resident 0.5] [--mode offload]
-        [--policy always] [--draft-max 8] [--tree-nodes 1] [-n 128] [--prompts FILE] [--count 2] [--out DIR]
+        [--policy always] [--draft-max 8] [--tree-nodes 1] [-n 128] [--prompts FILE] [--count 2] [--no-chat]
+        [-c 2048] [--out DIR]
 
 The target at `--resident` of its layer weights (bench/spec_offload.load_pair: the draft resident, its VRAM
 inside the budget), greedy.  Per prompt: plain and speculative tok/s, and each part of the rounds (count, sum
@@ -70,20 +71,25 @@ def instrument(engine, parts: Parts) -> None:
     spec_decoder.SpecDecoder.next_tokens = next_tokens
 
 
+def context_of(engine) -> int:
+    """The tokens a session holds before the passes alone: CONTEXT, or less where the engine's room is smaller."""
+    return max(1, min(CONTEXT, engine.max_seq_len - max(PASS_TOKENS) - 1))
+
+
 def pass_rows(engine, repeats: int = 7) -> list[dict]:
     """The target's pass alone at PASS_TOKENS tokens, CONTEXT tokens in, beside the placement's prediction."""
     rows = []
-    executor = engine.executor
-    with engine.new_session(CONTEXT + max(PASS_TOKENS) + 1) as s:
-        ids = (np.arange(CONTEXT + max(PASS_TOKENS)) * 7) % 1000
-        s.prefill(ids[:CONTEXT], logits="last")
+    executor, context = engine.executor, context_of(engine)
+    with engine.new_session(context + max(PASS_TOKENS) + 1) as s:
+        ids = (np.arange(context + max(PASS_TOKENS)) * 7) % min(1000, engine.config.vocab_size)
+        s.prefill(ids[:context], logits="last")
         for n in PASS_TOKENS:
             times = []
             for _ in range(repeats):
                 started = time.perf_counter()
-                s.prefill(ids[CONTEXT:CONTEXT + n], logits="argmax")
+                s.prefill(ids[context:context + n], logits="argmax")
                 times.append(time.perf_counter() - started)
-                s.truncate(CONTEXT)
+                s.truncate(context)
             row = {"kind": "pass", "tokens": n, "best_ms": round(1e3 * min(times), 3),
                    "median_ms": round(1e3 * float(np.median(times)), 3)}
             if getattr(executor, "mode", None) == "offload" and hasattr(executor, "placement_for"):
@@ -98,8 +104,9 @@ def pass_rows(engine, repeats: int = 7) -> list[dict]:
 def draft_rows(draft_engine, repeats: int = 5) -> list[dict]:
     """The draft's k chained steps and its catch-up passes of n tokens, alone, CONTEXT tokens in."""
     rows = []
-    with draft_engine.new_session(CONTEXT + 32) as s:
-        s.prefill(list(range(CONTEXT)), logits="argmax")
+    context = context_of(draft_engine)
+    with draft_engine.new_session(context + 32) as s:
+        s.prefill([i % draft_engine.config.vocab_size for i in range(context)], logits="argmax")
 
         def median_ms(run) -> float:
             times = []
@@ -107,20 +114,20 @@ def draft_rows(draft_engine, repeats: int = 5) -> list[dict]:
                 started = time.perf_counter()
                 run()
                 times.append(time.perf_counter() - started)
-                s.truncate(CONTEXT)
+                s.truncate(context)
             return round(1e3 * float(np.median(times)), 3)
         for k in (1, 4, 8) if draft_engine.generate_chained(s, 7, 1) is not None else ():    # None: no chains here
-            s.truncate(CONTEXT)
+            s.truncate(context)
             rows.append({"kind": "draft_chain", "k": k,
                          "median_ms": median_ms(lambda: draft_engine.generate_chained(s, 7, k))})
-        s.truncate(CONTEXT)
+        s.truncate(context)
         for n in (1, 8):
             rows.append({"kind": "draft_catch_up", "tokens": n,
                          "median_ms": median_ms(lambda: s.prefill(list(range(n)), logits="argmax"))})
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", required=True)
     p.add_argument("--draft", required=True)
@@ -133,16 +140,19 @@ def main() -> None:
     p.add_argument("-n", "--new-tokens", type=int, default=128)
     p.add_argument("--prompts", default="bench/speculative_prompts.txt")
     p.add_argument("--count", type=int, default=2, help="prompts of the file to run")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="each prompt a user message in the model's chat template (--no-chat: the text itself)")
+    p.add_argument("-c", "--max-seq-len", type=int, default=2048)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
-    pair = types.SimpleNamespace(target=args.target, device=args.device, mode=args.mode, max_seq_len=2048,
+    args = p.parse_args(argv)
+    pair = types.SimpleNamespace(target=args.target, device=args.device, mode=args.mode, max_seq_len=args.max_seq_len,
                                  draft=args.draft, draft_max=args.draft_max, spec_policy=args.policy)
     engine = load_pair(pair, args.resident if args.device != "cpu" else None)
     engine.speculation.tree_nodes = args.tree_nodes
     parts = Parts()
     instrument(engine, parts)
     rows = []
-    for i, prompt in enumerate(read_prompts(args.prompts, True)[:args.count]):
+    for i, prompt in enumerate(read_prompts(args.prompts, args.chat)[:args.count]):
         kw = dict(temperature=0.0, seed=1, ignore_eos=True)
         engine.generate(prompt, 8, speculative=True, **kw)
         plain = engine.generate(prompt, args.new_tokens, speculative=False, **kw)
@@ -170,6 +180,7 @@ def main() -> None:
         write_results("spec-rounds", environment(), flat, [c for c in columns if any(c in r for r in flat)],
                       notes="round parts: sum ms / median ms (count) over one generation's rounds", out_dir=args.out)
     engine.close()
+    return rows
 
 
 if __name__ == "__main__":
