@@ -17,6 +17,7 @@ llama-batched-bench -ngl N -npp 32 -ntg 32 -npl S when --llama-batched-bench is 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -53,14 +54,15 @@ def weight_budget_of(path: str, ngl: int) -> tuple[int, int]:
 
 
 def offload_budget(path: str, weight_bytes: int, max_seq_len: int, profile, max_batch: int | None = None) -> int:
-    """The --vram-budget that leaves `weight_bytes` for weights after mode offload's KV pool and activations
-    (an engine loaded with this max_seq_len and max_batch, None: the default)."""
+    """The --vram-budget that leaves `weight_bytes` for weights after mode offload's KV pool and activations, for
+    an engine loaded with this max_seq_len and max_batch (None: ks.load's default, as the rows load it: the KV
+    pool's floor holds a block for each session of a full batch, so the two must agree)."""
     from kestrel_stream.run.device.budget import ALIGN, plan_offload_memory, weight_items
     from kestrel_stream.run.step_executor import DEFAULTS
     engine = ks.load(path, device="cpu")
     c = engine.config
     engine.close()
-    max_batch = max_batch or DEFAULTS[True][1]
+    max_batch = max_batch or inspect.signature(ks.load).parameters["max_batch"].default
     needs = plan_offload_memory(c, budget_bytes=1 << 50, free_bytes=1 << 51, profile=profile,
                                 max_tokens=max(max_batch, DEFAULTS[False][2]), max_sessions=256,
                                 max_seq_len=max_seq_len, attention_splits=16, max_batch=max_batch).needs
@@ -149,7 +151,7 @@ def llama_batched(binary: str, path: str, layers: int, threads: int, sessions: i
     return float(cells[7])          # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | ...
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser()
     parser.add_argument("files", nargs="+")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.25])
@@ -165,7 +167,7 @@ def main() -> None:
     parser.add_argument("--llama-bench", default=None)
     parser.add_argument("--llama-batched-bench", default=None)
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     profile, pool = measured_pool(args.threads)
     rows = []
     for path in args.files:
@@ -196,6 +198,7 @@ def main() -> None:
             from scheduler.offload import HOME_LETTERS
             letters = "".join(HOME_LETTERS[h] for h in placement.homes)
             row.update({"placement": f"{letters} head {placement.head}", "ours_tok_s": round(rate, 2),
+                        "held_MB": round((placement.resident_bytes + placement.ring_bytes) / 1e6, 1),
                         "step_ms": round(step_ms, 2), "predicted_ms": round(placement.predicted.total_us / 1e3, 2),
                         "roofline_ms": round(placement.roofline_us / 1e3, 2),
                         "of_roofline": round(placement.roofline_us / 1e3 / step_ms, 3),
@@ -226,8 +229,8 @@ def main() -> None:
                 row["batch_ratio"] = round(row["ours_batch_tok_s"] / row["llama_batch_tok_s"], 3)
             print(row, flush=True)
             rows.append(row)
-    columns = ["file", "ngl", "weight_MB", "budget_MB", "placement", "ours_tok_s", "stream_tok_s", "llama_tok_s",
-               "ratio", "step_ms", "predicted_ms", "predicted_error", "roofline_ms", "of_roofline",
+    columns = ["file", "ngl", "weight_MB", "held_MB", "budget_MB", "placement", "ours_tok_s", "stream_tok_s",
+               "llama_tok_s", "ratio", "step_ms", "predicted_ms", "predicted_error", "roofline_ms", "of_roofline",
                "ours_batch_tok_s", "stream_batch_tok_s", "llama_batch_tok_s", "batch_ratio", "given"]
     out = write_results("offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
                         out_dir=args.out,
@@ -236,6 +239,7 @@ def main() -> None:
                                f"-ngl N. {args.new_tokens} greedy tokens after one, medians of {args.repeats}; "
                                "llama-bench -r 3 averages."))
     print(f"wrote {out}")
+    return rows
 
 
 if __name__ == "__main__":

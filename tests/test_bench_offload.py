@@ -1,0 +1,44 @@
+"""bench/offload.py end to end on the emulated device (fake_cuda) with a tiny Qwen3 GGUF: the batch-1 row at the
+VRAM llama.cpp's -ngl N takes for weights, and the row of several sessions decoding together, whose engine's KV
+pool holds every session (at the batch-1 budget it holds one long session and a block for each other)."""
+from __future__ import annotations
+
+import json
+
+import fake_cuda
+from bench.make_gguf import write as write_gguf
+from kestrel_stream.loading.presets import PRESETS
+
+
+def test_the_offload_bench_runs_batch_one_and_several_sessions(tmp_path, monkeypatch):
+    from bench import offload
+    fake_cuda.install(monkeypatch, mode="deferred")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(PRESETS["tiny"], None, str(path), seed=1)
+    rows = offload.main([str(path), "--fractions", "0.5", "--threads", "1", "--new-tokens", "3", "--repeats", "1",
+                         "--max-seq-len", "64", "--sessions", "8", "--no-stream", "--out", str(tmp_path)])
+    assert len(rows) == 1
+    row = rows[0]
+    assert row["ours_tok_s"] > 0 and row["ours_batch_tok_s"] > 0, row
+    assert row["predicted_ms"] > 0 and row["placement"]
+    assert row["held_MB"] <= row["weight_MB"], row
+    saved = json.loads(next(tmp_path.glob("*-offload.json")).read_text())["rows"]
+    assert saved[0]["ours_batch_tok_s"] == row["ours_batch_tok_s"]
+
+
+def test_the_budget_holds_the_weight_bytes_asked_for_the_engine_as_the_rows_load_it(tmp_path, monkeypatch):
+    """offload_budget plans for ks.load's default max_batch, as the rows load the engine: the KV pool's floor
+    grows with it, so a budget planned for another max_batch left ours less VRAM for weights than -ngl N's."""
+    import kestrel_stream as ks
+    from bench import offload
+    fake_cuda.install(monkeypatch, mode="deferred")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(PRESETS["tiny"], None, str(path), seed=1)
+    profile, _ = offload.measured_pool(1)
+    weights, _ = offload.weight_budget_of(str(path), 2)        # one layer and the output layer
+    engine = ks.load(str(path), mode="offload", vram_budget=offload.offload_budget(str(path), weights, 64, profile),
+                     max_seq_len=64, cpu_threads=1)
+    placement = engine.executor.placement
+    held = placement.resident_bytes + placement.ring_bytes
+    engine.close()
+    assert 0.8 * weights <= held <= weights, (held, weights)     # the ring's slots and the resident items
