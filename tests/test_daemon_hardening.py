@@ -244,7 +244,9 @@ def settled_rss(pid: int, ceiling: int) -> int:
 
 
 def test_dropped_connections_release_their_buffers(tiny_model, tmp_path):
-    """RSS comes back within 10 % of its baseline after rounds of 16 MiB half-frames and of 1,000 connections."""
+    """RSS comes back near its baseline after rounds of 16 MiB half-frames and of 1,000 connections: within 10 % or
+    12 MiB, whichever is more (less than one half-frame's buffer kept; a 50 MiB daemon's allocator moved 6 MiB
+    between rounds on a loaded 2-core machine)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard < 2200:
         pytest.skip(f"RLIMIT_NOFILE {hard} is below the 1,000 connections of a round")
@@ -258,13 +260,14 @@ def test_dropped_connections_release_their_buffers(tiny_model, tmp_path):
         connections_round(proc.address, 1000)
         time.sleep(0.3)
         baseline = rss_bytes(proc.proc.pid)
+        limit = baseline + max(baseline // 10, 12 << 20)
         for round_ in range(3):
             half_frames_round(proc.address, 20)
-            rss = settled_rss(proc.proc.pid, int(baseline * 1.1))
-            assert rss <= baseline * 1.1, f"half-frames round {round_}: {rss >> 20} MiB, baseline {baseline >> 20}"
+            rss = settled_rss(proc.proc.pid, limit)
+            assert rss <= limit, f"half-frames round {round_}: {rss >> 20} MiB, baseline {baseline >> 20}"
             connections_round(proc.address, 1000)
-            rss = settled_rss(proc.proc.pid, int(baseline * 1.1))
-            assert rss <= baseline * 1.1, f"connections round {round_}: {rss >> 20} MiB, baseline {baseline >> 20}"
+            rss = settled_rss(proc.proc.pid, limit)
+            assert rss <= limit, f"connections round {round_}: {rss >> 20} MiB, baseline {baseline >> 20}"
         with ks.Client(proc.address) as client:      # the reader notices the last hang-ups a moment later
             deadline = time.monotonic() + 10
             while (held := client.stats()["connections"]) > 1 and time.monotonic() < deadline:
