@@ -17,6 +17,7 @@ llama-batched-bench -ngl N -npp 32 -ntg 32 -npl S when --llama-batched-bench is 
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -45,11 +46,18 @@ def ngl_weight_bytes(config, ngl: int) -> int:
     return sum(sum(groups.values()) for groups in per_layer[:layers]) + (head if ngl >= 1 else 0)
 
 
-def weight_budget_of(path: str, ngl: int) -> tuple[int, int]:
-    """(ngl_weight_bytes of a GGUF file, its layer count)."""
+@functools.lru_cache(maxsize=None)
+def config_of(path: str):
+    """A file's ModelConfig (read once: every row asks for it several times)."""
     engine = ks.load(path, device="cpu")
     config = engine.config
     engine.close()
+    return config
+
+
+def weight_budget_of(path: str, ngl: int) -> tuple[int, int]:
+    """(ngl_weight_bytes of a GGUF file, its layer count)."""
+    config = config_of(path)
     return ngl_weight_bytes(config, ngl), config.num_hidden_layers
 
 
@@ -59,9 +67,7 @@ def offload_budget(path: str, weight_bytes: int, max_seq_len: int, profile, max_
     pool's floor holds a block for each session of a full batch, so the two must agree)."""
     from kestrel_stream.run.device.budget import ALIGN, plan_offload_memory, weight_items
     from kestrel_stream.run.step_executor import DEFAULTS
-    engine = ks.load(path, device="cpu")
-    c = engine.config
-    engine.close()
+    c = config_of(path)
     max_batch = max_batch or inspect.signature(ks.load).parameters["max_batch"].default
     needs = plan_offload_memory(c, budget_bytes=1 << 50, free_bytes=1 << 51, profile=profile,
                                 max_tokens=max(max_batch, DEFAULTS[False][2]), max_sessions=256,

@@ -40,9 +40,11 @@ class Parts:
 
     def __init__(self):
         self.seconds = collections.defaultdict(list)
+        self.patched: list = []         # (owner, name, what it held there, or None: nothing of its own)
 
     def time(self, owner, name: str, key: str) -> None:
         call = getattr(owner, name)
+        self.patched.append((owner, name, vars(owner).get(name)))
 
         def timed(*args, **kwargs):
             started = time.perf_counter()
@@ -51,6 +53,15 @@ class Parts:
             finally:
                 self.seconds[key].append(time.perf_counter() - started)
         setattr(owner, name, timed)
+
+    def restore(self) -> None:
+        """Every patched call as it was, the latest patch first (the bench leaves its process as it found it)."""
+        for owner, name, own in reversed(self.patched):
+            if own is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, own)
+        self.patched.clear()
 
     def summary(self) -> dict:
         return {key: [len(v), round(1e3 * sum(v), 2), round(1e3 * float(np.median(v)), 3)]
@@ -68,6 +79,7 @@ def instrument(engine, parts: Parts) -> None:
         if "prefill" not in vars(self.session):
             parts.time(self.session, "prefill", "verify")
         return round_call(self, *args, **kwargs)
+    parts.patched.append((spec_decoder.SpecDecoder, "next_tokens", round_call))
     spec_decoder.SpecDecoder.next_tokens = next_tokens
 
 
@@ -152,17 +164,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parts = Parts()
     instrument(engine, parts)
     rows = []
-    for i, prompt in enumerate(read_prompts(args.prompts, args.chat)[:args.count]):
-        kw = dict(temperature=0.0, seed=1, ignore_eos=True)
-        engine.generate(prompt, 8, speculative=True, **kw)
-        plain = engine.generate(prompt, args.new_tokens, speculative=False, **kw)
-        parts.seconds.clear()
-        spec = engine.generate(prompt, args.new_tokens, speculative=True, **kw)
-        rows.append({"kind": "spec", "prompt": i, "plain_tok_s": round(plain.decode_tok_s, 1),
-                     "spec_tok_s": round(spec.decode_tok_s, 1),
-                     "tokens_per_pass": spec.stats.get("spec_tokens_per_pass"),
-                     "parts": parts.summary()})
-        print(json.dumps(rows[-1]), flush=True)
+    try:
+        for i, prompt in enumerate(read_prompts(args.prompts, args.chat)[:args.count]):
+            kw = dict(temperature=0.0, seed=1, ignore_eos=True)
+            engine.generate(prompt, 8, speculative=True, **kw)
+            plain = engine.generate(prompt, args.new_tokens, speculative=False, **kw)
+            parts.seconds.clear()
+            spec = engine.generate(prompt, args.new_tokens, speculative=True, **kw)
+            rows.append({"kind": "spec", "prompt": i, "plain_tok_s": round(plain.decode_tok_s, 1),
+                         "spec_tok_s": round(spec.decode_tok_s, 1),
+                         "tokens_per_pass": spec.stats.get("spec_tokens_per_pass"),
+                         "parts": parts.summary()})
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        parts.restore()
     curves = getattr(getattr(engine.executor, "profile", None), "host_format_tokens_GBps", None)
     if curves:
         rows.append({"kind": "kernel_rates", "curves": curves})

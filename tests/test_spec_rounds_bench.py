@@ -30,6 +30,12 @@ def test_a_model_drafting_for_itself_times_each_rounds_parts(tiny_model, tmp_pat
     assert {r["tokens"] for r in rows if r["kind"] == "draft_catch_up"} == {1, 8}
     saved = json.loads(next((tmp_path / "out").glob("*-spec-rounds.json")).read_text())
     assert len(saved["rows"]) == len(rows)
+    # the bench's timing patches are gone: the decoder and the draft stream are as they were
+    from kestrel_stream.spec import decoder, draft_model
+    assert "timed" not in decoder.SpecDecoder.next_tokens.__qualname__
+    assert all(getattr(decoder.SpecDecoder, name).__qualname__.startswith("SpecDecoder.")
+               for name in ("next_tokens", "plan", "verdict", "keep", "record"))
+    assert draft_model.DraftModelStream._catch_up.__qualname__ == "DraftModelStream._catch_up"
 
 
 def test_a_missing_model_is_a_clear_error(tmp_path):

@@ -40,8 +40,8 @@ from kestrel_stream.serve.traces import recorder_for, tracer
 from kestrel_stream.serve.step_jobs import DecodeJob, PrefillJob, SendFromStep
 from kestrel_stream.run.engine import Engine, Session
 from kestrel_stream.errors import CapacityError, InvalidTokenError, KestrelError
-from kestrel_stream.wire.protocol import (Frame, ProtocolError, ShuttingDownError, UnavailableError, UnknownSessionError,
-                                         field_int)
+from kestrel_stream.wire.protocol import (Frame, ProtocolError, ShuttingDownError, UnavailableError,
+                                         UnknownSessionError, field_int)
 from kestrel_stream.serve.step_thread import DEFAULT_INLINE_MAX_S, report_unawaited
 
 WANTS = ("logits", "last", "token", "topk")
