@@ -46,6 +46,9 @@ class Stream:
 
     def wait(self, event: "Event") -> None:
         if event.target is not None:
+            if event.target[0] == "capture" and not capturing():
+                raise CudaError(f"stream {self.name} waits on event {event.name!r}, recorded only in a capture "
+                                "that has ended")
             self.capturing = self.capturing or event.target[0] == "capture"   # joins the capture, as CUDA does
             self.enqueue("wait", event.target)
 
@@ -200,5 +203,7 @@ def capture(stream: Stream):
         _check_joined(recorded, stream)
         holder.graph = Graph(recorded, stream)
     finally:
+        for joined in {id(s): s for s, _, _ in _capture[0]}.values():    # the side streams leave it with it
+            joined.capturing = False
         stream.capturing = False
         _capture[0] = None

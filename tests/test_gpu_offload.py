@@ -49,6 +49,7 @@ def test_offload_on_the_device_matches_the_cpu_engine(model, kind, fraction):
     engine = Engine(weights, device="cpu", max_seq_len=32, max_batch=4)
     engine.device, engine.mode, engine.executor = "cuda", "offload", executor
     assert_logits_match(run(engine), reference)
+    assert executor.stats.get("graph_replays"), "12 decode steps of one size: replays of one step graph"
     sessions = [engine.new_session() for _ in range(3)]
     for i, s in enumerate(sessions):
         s.prefill(PROMPT[:4 + i])

@@ -1,8 +1,10 @@
 """Mode offload on the numpy device emulation (fake_cuda) against the CPU engine: every kind of placement
 the cost model can choose (host layers only, streamed layers only, both, lm_head on the host), with the
 copy engine running as early as its waits allow (a missing `released` wait overwrites a slot still being
-read) and as late as possible (a missing `loaded` wait reads a stale slot); the placement of each step size
-is the one its plan runs; a budget that holds nothing is refused before anything is allocated."""
+read) and as late as possible (a missing `loaded` wait reads a stale slot); a decode step with host layers
+and a ring is one graph (the ring's copies in it) with one sync, the same numbers and bytes as segment by
+segment; the placement of each step size is the one its plan runs; a budget that holds nothing is refused
+before anything is allocated."""
 from __future__ import annotations
 
 import dataclasses
@@ -100,6 +102,46 @@ def test_every_placement_matches_the_cpu_engine(model, emulated, kind, fraction,
     assert (stats["streamed_bytes"] or 0) > 0 if placement.streamed_bytes else not stats["streamed_bytes"]
     assert streamed > 0
     engine.close()
+
+
+def decode_steps(engine, prompt, steps: int = DECODE_STEPS) -> tuple[np.ndarray, list[dict]]:
+    """A prefill, then greedy decode steps: their logits and the counters each step added."""
+    x, rows, added = engine.executor, [], []
+    with engine.new_session() as s:
+        token = int(np.argmax(s.prefill(prompt)[-1]))
+        for _ in range(steps):
+            before = dict(x.stats)
+            rows.append(s.decode(token))
+            token = int(np.argmax(rows[-1]))
+            added.append({k: v - (before.get(k) or 0) for k, v in x.stats.items() if isinstance(v, (int, float))})
+    return np.stack(rows), added
+
+
+@pytest.mark.parametrize("copies", ["eager", "lazy"])
+def test_a_decode_with_host_layers_and_a_ring_is_one_graph(model, emulated, copies):
+    """Host layers and streamed ones in one step: from the second decode step on, one graph whose copies
+    into the ring are its own (one sync a step, where segment by segment syncs once a host segment), bit for
+    bit the numbers of KESTREL_HOST_NODES=0 and the same bytes streamed, with copies as early or as late as
+    their waits allow."""
+    weights, _ = model
+    emulated.setitem(fake_cuda.POLICY, "eager", fake_cuda.POLICY["eager"] if copies == "eager" else ())
+    runs = {}
+    for nodes in ("0", "1"):
+        emulated.setenv("KESTREL_HOST_NODES", nodes)
+        engine = offload_engine(weights, PROFILES["mixed"], 0.5)
+        placement = engine.executor.placement
+        assert placement.host_bytes and placement.streamed_bytes, placement.describe()
+        runs[nodes] = decode_steps(engine, PROMPTS[0])
+        engine.close()
+    (eager_rows, eager_steps), (rows, steps) = runs["0"], runs["1"]
+    np.testing.assert_array_equal(rows, eager_rows)
+    assert all(step["syncs"] > 1 and not step.get("graph_replays") for step in eager_steps)
+    assert steps[1]["graphs_captured"] == 1
+    assert all(step["syncs"] == 1 and step["graph_replays"] == 1 for step in steps[1:])
+    for step, eager in zip(steps, eager_steps):
+        for name in ("streamed_bytes", "h2d_bytes", "d2h_bytes", "gpu_weight_read_bytes", "cpu_weight_read_bytes",
+                     "launches"):
+            assert step[name] == eager[name] > 0, name
 
 
 def test_lm_head_on_the_host(model, emulated):

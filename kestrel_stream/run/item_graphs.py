@@ -3,9 +3,12 @@ first device segment on, its launches, the copies between the sides and each hos
 to the host library's thread by pinned words, with one wait a step -- where segment by segment the host
 waits once a host segment.  A (tokens, lm rows) runs segment by segment the first time, is captured the
 second, replayed after.  Only where every host segment after the first device one is a native op list over
-the pinned state (NativeProgram.node: no embed, no sessions' caches), at least one, in a step that takes
-graphs as a segment does (at most SEGMENT_GRAPH_MAX_TOKENS tokens, no weight ring, no experts streamed through
-the experts' ring, no tree, untraced).
+the pinned state (NativeProgram.node: no embed, no sessions' caches), at least one (or none in a step that
+streams through the weight ring: its copies take no other graph), in a step that takes
+graphs as a segment does (at most SEGMENT_GRAPH_MAX_TOKENS tokens, no experts streamed through the experts'
+ring, no tree, untraced).  Mode offload's weight ring goes in whole: its copies start where the graph does,
+on the copy stream the capture joins by the ring's events (device/stream_ring.py), so a replay streams the
+step's items into their slots while the host items run, with no host thread between them.
 
 In a step of a few tokens, a routed layer's host item may come with its link share (device/expert_link.py):
 the device computes some of the experts the host would from pinned images while the item runs.
@@ -46,7 +49,7 @@ class ItemGraphs:
         """The segment a step's graph starts at (its first device segment; the host work before it runs
         eagerly), or None: segment by segment."""
         s = self.steps
-        if (self.nodes is None or not s.use_graphs or s.ring is not None or s.streams_experts()
+        if (self.nodes is None or not s.use_graphs or s.streams_experts()
                 or prof.enabled or trace.active is not None or state.tree_fields is not None
                 or state.T > SEGMENT_GRAPH_MAX_TOKENS):
             return None
@@ -58,19 +61,24 @@ class ItemGraphs:
             def native(i: int) -> bool:
                 one_call = s._host_program(state.T, i, segments[i])[1].one_call
                 return one_call is not None and one_call.node(state) is not None
-            self._starts[state.T] = first if hosts and all(native(i) for i in hosts) else None
+            # a step with no host segment after its first device one takes a graph for its ring's copies
+            self._starts[state.T] = (first if (hosts or s.ring is not None) and all(native(i) for i in hosts)
+                                     else None)
         return self._starts[state.T]
 
-    def run(self, plan, state: SegmentState, lm: tuple[int, int] | None, first: int) -> None:
-        """Segments first.. and the logits' download: segment by segment, captured, or replayed.  A replay adds
-        the counters its capture counted (the same launches and copies); the host items' weight bytes and
-        failures are read after the wait."""
+    def run(self, plan, state: SegmentState, lm: tuple[int, int] | None, first: int, begin) -> None:
+        """Segments first.. and the logits' download: segment by segment, captured, or replayed.  begin(): the
+        weight ring's first copies (mode offload), issued where the segments start, so a capture holds the
+        step's every copy into the ring and a replay makes them.  A replay adds the counters its capture
+        counted (the same launches and copies); the host items' weight bytes and failures are read after the
+        wait."""
         from kestrel_stream.cuda import driver
         s = self.steps
         key, c, stream = (state.T, lm), s.counters, s.backend.stream
         made = self._graphs.get(key)
         if made is None and key not in self._seen:
             self._seen.add(key)                    # a size seen once (a prompt's last chunk) costs no capture
+            begin()
             s._run_segments(plan, state, lm, first)
             state.to_host(["logits"])
             return
@@ -79,33 +87,40 @@ class ItemGraphs:
             nodes: list = []
             state.graphing = True
             with driver.capture(stream) as captured:
+                begin()
                 s._run_segments(plan, state, lm, first, None, nodes)
                 state.to_host(["logits"])
             state.graphing = False
             added = {name: value - before.get(name, 0) for name, value in c.as_dict().items()
                      if name not in NOT_REPLAYED and value != before.get(name, 0)}
+            streamed = s.ring.bytes_per_step if s.ring is not None else 0
             made = self._graphs[key] = (captured.graph, added, nodes, self.nodes.item_list(state.items),
-                                        list(state.links))
+                                        list(state.links), streamed)
             c.graphs_captured = (c.graphs_captured or 0) + 1
         else:
             for name, value in made[1].items():
                 setattr(c, name, getattr(c, name) + value)
+            if s.ring is not None:                 # what the replay's copies bring (counted by the caller)
+                s.ring.bytes_per_step = made[5]
         if self._done is None:                 # the host's wait sleeps: the library's thread and pool need the cores
             self._done = driver.Event(name="step graph done", blocking=True)
         if made[4]:                            # the link shares run only inside the graph, as its items
             self.link.arm(made[4], state.T)
-        self.nodes.begin(made[3])
+        serves = bool(made[3][2])              # host items for the library's thread (none: the ring's alone)
+        if serves:
+            self.nodes.begin(made[3])
         try:
             made[0].launch(stream)
             self._done.record(stream)
             self._done.synchronize()
         except BaseException:
-            self.nodes.end(aborted=True)
+            if serves:
+                self.nodes.end(aborted=True)
             raise
         finally:
             if made[4]:
                 self.link.disarm(made[4], state.T)
-        missed = self.nodes.end()
+        missed = self.nodes.end() if serves else 0
         if missed:
             raise driver.CudaError(f"step graph: host item {-missed} of {len(made[3][2])} never had the device's word")
         c.syncs += 1

@@ -32,7 +32,8 @@ device's x back on the host midway (an op whose norm input the host computes aft
 
 Where every host segment after the first device one is a native op list, a step of up to
 SEGMENT_GRAPH_MAX_TOKENS tokens instead runs from that segment on as one graph with host items
-(item_graphs.py, KESTREL_HOST_NODES=0 turns it off): one wait a step.
+(item_graphs.py, KESTREL_HOST_NODES=0 turns it off): one wait a step -- in mode offload too, the ring's
+copies inside the graph.
 
 One concern, a mixed step: the walk over the plan's segments (MixedSteps), which decides every move of the
 state between the sides (segment_state.py) by where the next op runs.
@@ -246,23 +247,28 @@ class MixedSteps(Steps):
             b.step_params.stage([(kv.device.base_elements, t, pos) for kv, t, pos in rows], T)
             self.counters.h2d_bytes += b.step_params.upload(T, b.stream)
             self.counters.h2d_bytes += b.step_params.stage_tree(tree_fields, b.stream)
-        if self.ring is not None:    # the items this step streams, in its order; the first copies go out
-            self.ring.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
-                             if op.name in self.ring.index], b.stream)
         if self.expert_ring is not None:    # the layers whose every expert this step streams, in its order
             self.expert_ring.begin(list(plan.expert_ring), b.stream)
         first = self.item_graphs.start(plan, state)
         if first is None:
+            self._begin_ring(plan)
             self._run_segments(plan, state, lm, 0)
             state.to_host(["logits"])
         else:
             self._run_segments(plan, state, lm, 0, first)       # the embed (host work before the graph): eagerly
-            self.item_graphs.run(plan, state, lm, first)
+            self.item_graphs.run(plan, state, lm, first, lambda: self._begin_ring(plan))
         for ring in (self.ring, self.expert_ring):
             if ring is not None:
                 self.counters.h2d_bytes += ring.bytes_per_step
                 self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + ring.bytes_per_step
         return state.host["logits"][:state.logit_rows]
+
+    def _begin_ring(self, plan) -> None:
+        """Mode offload: the items this step streams, in its order; the first copies go out (in a step graph,
+        where it starts: its capture holds the copies)."""
+        if self.ring is not None:
+            self.ring.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
+                             if op.name in self.ring.index], self.backend.stream)
 
     def _run_segments(self, plan, state: SegmentState, lm: tuple[int, int] | None, lo: int, hi: int | None = None,
                       nodes: list | None = None) -> None:

@@ -52,6 +52,8 @@ class StreamRing:
         assert not unknown, f"not in the window's streamed images: {unknown[:3]}"
         self.names, self.order, self.issued = list(names), {n: p for p, n in enumerate(names)}, 0
         self.bytes_per_step = 0
+        if not self.names:           # nothing to stream (in a capture, a copy stream it joined must end joined)
+            return
         copy = self.window.copy_stream
         self.window.fork.record(stream)          # nothing of an earlier step still reads a slot
         copy.wait(self.window.fork)
