@@ -19,6 +19,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
                               launched eagerly (0)
     KESTREL_HOST_NODES=0|1    a mixed step whose host segments are library calls: one graph with host items from
                               its third step of a size (1, the default; run/item_graphs.py), or segment by segment
+    KESTREL_RING_GRAPHS=0|1   under KESTREL_HOST_NODES=1, mode offload's steps that stream through the weight ring
+                              too, its copies in the graph (1, the default), or those segment by segment (0)
     KESTREL_MINFLOP=F         the seed's per-projection FLOP threshold instead of the cost model (gated)
     KESTREL_GEMV_M1=SUFFIX    force one single-token GEMV layout (KESTREL_GEMV_M1_ROWS=4|2: "r4" | "")
     KESTREL_GEMV_MN=SUFFIX    force one 2..8-token GEMV layout
@@ -90,6 +92,7 @@ class Options:
     fused_rope: bool = True                  # one-token gpu steps: rope as attention's prologue (ops.fuse_rope)
     step_graphs: bool = True                 # one session's steps of 2..64 tokens as graphs (device/step_graphs.py)
     host_nodes: bool = True                  # mixed steps as one graph with host nodes (run/host_nodes.py)
+    ring_graphs: bool = True                 # with host_nodes: mode offload's steps with the weight ring too
     link_experts: int | str = 0              # one-token offload steps: host-side choices the GPU reads over PCIe,
                                              # "auto" (scheduler/link_tuner.py) or "defer" (none, no images)
     host_reads_images: bool = False          # the host's Q8_0 experts read in the device's pinned images
@@ -170,6 +173,10 @@ class Options:
         host_nodes = env.get("KESTREL_HOST_NODES", "1").strip() or "1"
         if host_nodes not in ("0", "1"):
             raise ValueError(f"KESTREL_HOST_NODES={host_nodes!r}: 0 (a mixed step segment by segment) or 1 (the default)")
+        ring_graphs = env.get("KESTREL_RING_GRAPHS", "1").strip() or "1"
+        if ring_graphs not in ("0", "1"):
+            raise ValueError(f"KESTREL_RING_GRAPHS={ring_graphs!r}: 0 (a step streaming through the weight ring "
+                             "segment by segment) or 1 (one graph, the default)")
         host_reads_images = env.get("KESTREL_HOST_READS_IMAGES", "0").strip() or "0"
         if host_reads_images not in ("0", "1"):
             raise ValueError(f"KESTREL_HOST_READS_IMAGES={host_reads_images!r}: 0 (the host's own copies, the "
@@ -193,7 +200,7 @@ class Options:
         options = cls(prof=env.get("KESTREL_PROF") == "1", trace_path=env.get("KESTREL_TRACE") or None,
                       verify=env.get("KESTREL_VERIFY") == "1", programmatic_launch=env.get("KESTREL_PDL", "1") != "0",
                       fused_rope=env.get("KESTREL_FUSED_ROPE", "1") != "0", step_graphs=step_graphs == "1",
-                      host_nodes=host_nodes == "1", host_reads_images=host_reads_images == "1",
+                      host_nodes=host_nodes == "1", ring_graphs=ring_graphs == "1", host_reads_images=host_reads_images == "1",
                       expert_images=expert_images,
                       link_experts=_link_experts(env.get("KESTREL_LINK_EXPERTS")),
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,

@@ -148,3 +148,6 @@ def test_the_switch_is_an_option():
     assert Options.from_env({}).host_nodes and not Options.from_env({"KESTREL_HOST_NODES": "0"}).host_nodes
     with pytest.raises(ValueError, match="KESTREL_HOST_NODES"):
         Options.from_env({"KESTREL_HOST_NODES": "yes"})
+    assert Options.from_env({}).ring_graphs and not Options.from_env({"KESTREL_RING_GRAPHS": "0"}).ring_graphs
+    with pytest.raises(ValueError, match="KESTREL_RING_GRAPHS='2'"):
+        Options.from_env({"KESTREL_RING_GRAPHS": "2"})

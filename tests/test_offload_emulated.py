@@ -121,21 +121,24 @@ def decode_steps(engine, prompt, steps: int = DECODE_STEPS) -> tuple[np.ndarray,
 def test_a_decode_with_host_layers_and_a_ring_is_one_graph(model, emulated, copies):
     """Host layers and streamed ones in one step: from the second decode step on, one graph whose copies
     into the ring are its own (one sync a step, where segment by segment syncs once a host segment), bit for
-    bit the numbers of KESTREL_HOST_NODES=0 and the same bytes streamed, with copies as early or as late as
-    their waits allow."""
+    bit the numbers of KESTREL_HOST_NODES=0 (or KESTREL_RING_GRAPHS=0) and the same bytes streamed, with copies
+    as early or as late as their waits allow."""
     weights, _ = model
     emulated.setitem(fake_cuda.POLICY, "eager", fake_cuda.POLICY["eager"] if copies == "eager" else ())
     runs = {}
-    for nodes in ("0", "1"):
+    for nodes, ring_graphs in (("0", "1"), ("1", "0"), ("1", "1")):
         emulated.setenv("KESTREL_HOST_NODES", nodes)
+        emulated.setenv("KESTREL_RING_GRAPHS", ring_graphs)
         engine = offload_engine(weights, PROFILES["mixed"], 0.5)
         placement = engine.executor.placement
         assert placement.host_bytes and placement.streamed_bytes, placement.describe()
-        runs[nodes] = decode_steps(engine, PROMPTS[0])
+        runs[nodes + ring_graphs] = decode_steps(engine, PROMPTS[0])
         engine.close()
-    (eager_rows, eager_steps), (rows, steps) = runs["0"], runs["1"]
+    (eager_rows, eager_steps), (rows, steps) = runs["01"], runs["11"]
     np.testing.assert_array_equal(rows, eager_rows)
-    assert all(step["syncs"] > 1 and not step.get("graph_replays") for step in eager_steps)
+    for run_rows, run_steps in (runs["01"], runs["10"]):       # segment by segment: no nodes, or no ring graphs
+        np.testing.assert_array_equal(run_rows, eager_rows)
+        assert all(step["syncs"] > 1 and not step.get("graph_replays") for step in run_steps)
     assert steps[1]["graphs_captured"] == 1
     assert all(step["syncs"] == 1 and step["graph_replays"] == 1 for step in steps[1:])
     for step, eager in zip(steps, eager_steps):

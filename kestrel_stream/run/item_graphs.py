@@ -8,7 +8,8 @@ streams through the weight ring: its copies take no other graph), in a step that
 graphs as a segment does (at most SEGMENT_GRAPH_MAX_TOKENS tokens, no experts streamed through the experts'
 ring, no tree, untraced).  Mode offload's weight ring goes in whole: its copies start where the graph does,
 on the copy stream the capture joins by the ring's events (device/stream_ring.py), so a replay streams the
-step's items into their slots while the host items run, with no host thread between them.
+step's items into their slots while the host items run, with no host thread between them
+(KESTREL_RING_GRAPHS=0: such steps segment by segment).
 
 In a step of a few tokens, a routed layer's host item may come with its link share (device/expert_link.py):
 the device computes some of the experts the host would from pinned images while the item runs.
@@ -49,7 +50,7 @@ class ItemGraphs:
         """The segment a step's graph starts at (its first device segment; the host work before it runs
         eagerly), or None: segment by segment."""
         s = self.steps
-        if (self.nodes is None or not s.use_graphs or s.streams_experts()
+        if (self.nodes is None or not s.use_graphs or s.streams_experts() or (s.ring is not None and not s.ring_graphs)
                 or prof.enabled or trace.active is not None or state.tree_fields is not None
                 or state.T > SEGMENT_GRAPH_MAX_TOKENS):
             return None

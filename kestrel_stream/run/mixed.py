@@ -93,6 +93,7 @@ class MixedSteps(Steps):
         self._seen: set = set()              # the keys run once eagerly (a graph is captured the second time)
         self._eager: set = set()             # the keys whose segment cannot take a graph (needs x back midway)
         self.use_graphs = options is None or options.step_graphs
+        self.ring_graphs = options is None or options.ring_graphs     # a ring step as one graph (item_graphs.py)
         # the library's host items (host_nodes.py): the host's xn for the device, and steps whose host segments
         # are native op lists as one graph (item_graphs.py; KESTREL_HOST_NODES=0: segment by segment), with the
         # routed layers' link share at one token (device/expert_link.py)
