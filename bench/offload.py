@@ -30,6 +30,7 @@ import numpy as np
 
 import kestrel_stream as ks
 from kestrel_stream.errors import CapacityError
+from scheduler.window import WindowBudgetError
 from kestrel_stream.cli.bench import environment
 
 from .report import write_results
@@ -128,14 +129,20 @@ def batch_rate(engine, sessions: int, new_tokens: int) -> float:
     return sessions * new_tokens / elapsed
 
 
-def batch_row(path: str, weight_bytes: int, profile, args) -> float:
+def batch_row(path: str, weight_bytes: int, profile, args, stream: bool = False) -> float:
     """Tokens/s of --sessions sessions decoding together in mode offload, the weights' VRAM that of the batch-1
     row: an engine whose KV pool's floor (one session of max_seq_len and a block for each other of a full
-    batch) holds every session's prompt and tokens, as llama-batched-bench's -c gives each of its sessions."""
+    batch) holds every session's prompt and tokens, as llama-batched-bench's -c gives each of its sessions.
+    stream: the window alone (mode gpu, KESTREL_OFFLOAD=stream) under the same VRAM budget and the same
+    max_seq_len and max_batch, the pure-streaming side of the comparison."""
     per_session = -(-(BATCH_PROMPT + args.new_tokens + 2) // 16) * 16
     seq = per_session * args.sessions
-    engine = ks.load(path, mode="offload", vram_budget=offload_budget(path, weight_bytes, seq, profile, args.sessions),
-                     max_seq_len=seq, max_batch=args.sessions, cpu_threads=args.threads)
+    budget = offload_budget(path, weight_bytes, seq, profile, args.sessions)
+    if stream:
+        engine = ks.load(path, mode="gpu", vram_budget=budget, max_seq_len=seq, max_batch=args.sessions)
+    else:
+        engine = ks.load(path, mode="offload", vram_budget=budget, max_seq_len=seq, max_batch=args.sessions,
+                         cpu_threads=args.threads)
     try:
         return round(batch_rate(engine, args.sessions, args.new_tokens), 1)
     finally:
@@ -220,12 +227,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     row["stream_tok_s"] = f"refused: {str(e).split(':')[0][:60]}"
                 else:
                     row["stream_tok_s"] = round(decode_rate(engine, args.new_tokens, args.repeats)[0], 2)
-                    if args.sessions:
-                        try:
-                            row["stream_batch_tok_s"] = round(batch_rate(engine, args.sessions, args.new_tokens), 1)
-                        except CapacityError as e:
-                            row["stream_batch_tok_s"] = f"refused: {str(e)[:80]}"
                     engine.close()
+                if args.sessions:           # on an engine loaded as the batch row's, the same VRAM
+                    try:
+                        row["stream_batch_tok_s"] = batch_row(path, weights, profile, args, stream=True)
+                    except (CapacityError, WindowBudgetError) as e:
+                        row["stream_batch_tok_s"] = f"refused: {str(e)[:80]}"
             if args.llama_bench:
                 row["llama_tok_s"] = llama_tg(args.llama_bench, path, ngl, args.threads, args.new_tokens)
                 row["ratio"] = round(row["ours_tok_s"] / row["llama_tok_s"], 3)

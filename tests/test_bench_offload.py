@@ -3,6 +3,7 @@ VRAM llama.cpp's -ngl N takes for weights, and the row of several sessions decod
 pool holds every session (at the batch-1 budget it holds one long session and a block for each other)."""
 from __future__ import annotations
 
+import functools
 import json
 
 import fake_cuda
@@ -24,6 +25,34 @@ def test_the_offload_bench_runs_batch_one_and_several_sessions(tmp_path, monkeyp
     assert row["held_MB"] <= row["weight_MB"], row
     saved = json.loads(next(tmp_path.glob("*-offload.json")).read_text())["rows"]
     assert saved[0]["ours_batch_tok_s"] == row["ours_batch_tok_s"]
+
+
+def test_pure_streaming_runs_the_sessions_on_an_engine_loaded_as_the_batch_rows(tmp_path, monkeypatch):
+    """The window alone at several sessions gets the batch row's VRAM, max_seq_len and max_batch (loaded with
+    ks.load's defaults it had a KV pool for other sessions than the row's and refused them)."""
+    import kestrel_stream as ks
+    from bench import offload
+    fake_cuda.install(monkeypatch, mode="deferred")
+    path = tmp_path / "tiny.gguf"
+    write_gguf(PRESETS["tiny"], None, str(path), seed=1)
+    loads = []
+    real_load = ks.load
+
+    @functools.wraps(real_load)             # the bench reads ks.load's default max_batch from its signature
+    def load(*args, **kw):
+        loads.append((kw.get("mode"), kw.get("vram_budget"), kw.get("max_seq_len"), kw.get("max_batch")))
+        return real_load(*args, **kw)
+    monkeypatch.setattr(ks, "load", load)
+    planned = offload.offload_budget           # room for gpu mode's workspace (32 MiB) beside the tiny model
+    monkeypatch.setattr(offload, "offload_budget", lambda *a, **kw: planned(*a, **kw) + (64 << 20))
+    rows = offload.main([str(path), "--fractions", "0.5", "--threads", "1", "--new-tokens", "3", "--repeats", "1",
+                         "--max-seq-len", "64", "--sessions", "8", "--out", str(tmp_path)])
+    row = rows[0]
+    assert isinstance(row["stream_batch_tok_s"], float) and row["stream_batch_tok_s"] > 0, row
+    assert isinstance(row["stream_tok_s"], float) and row["stream_tok_s"] > 0, row
+    batch = [entry for entry in loads if entry[3] == 8]
+    assert [entry[0] for entry in batch] == ["offload", "gpu"], loads
+    assert batch[0][1:] == batch[1][1:], loads         # the same budget, max_seq_len and max_batch
 
 
 def test_the_budget_holds_the_weight_bytes_asked_for_the_engine_as_the_rows_load_it(tmp_path, monkeypatch):
