@@ -11,8 +11,9 @@ after one (medians of --repeats after a warm-up). Beside each row: the placement
 per layer), its predicted step time and the roofline (scheduler/offload.py: the non-resident bytes at the pool's
 best rate plus the resident GPU time), the measured step as a fraction of each, and the window alone (gpu mode,
 KESTREL_OFFLOAD=stream) at the same budget. The pool figures come from `calibrate` forced at the start
-(measure_pool). --sessions S adds decode of S sessions at once (ours: decode_batch; llama.cpp:
-llama-batched-bench -ngl N -npp 32 -ntg 32 -npl S when --llama-batched-bench is given).
+(measure_pool). --sessions S adds decode of S sessions at once (ours: decode_batch, with the placement of an
+S-token step and its predicted time beside the measured one; the window alone under the same budget, sessions
+and lengths; llama.cpp: llama-batched-bench -ngl N -npp 32 -ntg 32 -npl S when --llama-batched-bench is given).
 """
 from __future__ import annotations
 
@@ -129,12 +130,13 @@ def batch_rate(engine, sessions: int, new_tokens: int) -> float:
     return sessions * new_tokens / elapsed
 
 
-def batch_row(path: str, weight_bytes: int, profile, args, stream: bool = False) -> float:
-    """Tokens/s of --sessions sessions decoding together in mode offload, the weights' VRAM that of the batch-1
-    row: an engine whose KV pool's floor (one session of max_seq_len and a block for each other of a full
-    batch) holds every session's prompt and tokens, as llama-batched-bench's -c gives each of its sessions.
-    stream: the window alone (mode gpu, KESTREL_OFFLOAD=stream) under the same VRAM budget and the same
-    max_seq_len and max_batch, the pure-streaming side of the comparison."""
+def batch_row(path: str, weight_bytes: int, profile, args, stream: bool = False) -> dict:
+    """--sessions sessions decoding together in mode offload, the weights' VRAM that of the batch-1 row: an
+    engine whose KV pool's floor (one session of max_seq_len and a block for each other of a full batch) holds
+    every session's prompt and tokens, as llama-batched-bench's -c gives each of its sessions.  The row's
+    figures: ours_batch_tok_s, the step's placement, its measured and predicted time (a step decodes every
+    session: --sessions tokens).  stream: the window alone (mode gpu, KESTREL_OFFLOAD=stream) under the same
+    VRAM budget and the same max_seq_len and max_batch, the pure-streaming side: stream_batch_tok_s."""
     per_session = -(-(BATCH_PROMPT + args.new_tokens + 2) // 16) * 16
     seq = per_session * args.sessions
     budget = offload_budget(path, weight_bytes, seq, profile, args.sessions)
@@ -144,7 +146,17 @@ def batch_row(path: str, weight_bytes: int, profile, args, stream: bool = False)
         engine = ks.load(path, mode="offload", vram_budget=budget, max_seq_len=seq, max_batch=args.sessions,
                          cpu_threads=args.threads)
     try:
-        return round(batch_rate(engine, args.sessions, args.new_tokens), 1)
+        rate = batch_rate(engine, args.sessions, args.new_tokens)
+        if stream:
+            return {"stream_batch_tok_s": round(rate, 1)}
+        from scheduler.offload import HOME_LETTERS
+        placement = engine.executor.placement_for(args.sessions)
+        predicted = placement.predicted.total_us / 1e3
+        step_ms = args.sessions / rate * 1e3
+        return {"ours_batch_tok_s": round(rate, 1),
+                "batch_placement": "".join(HOME_LETTERS[h] for h in placement.homes) + f" head {placement.head}",
+                "batch_step_ms": round(step_ms, 2), "batch_predicted_ms": round(predicted, 2),
+                "batch_predicted_error": round(predicted / step_ms - 1, 3)}
     finally:
         engine.close()
 
@@ -218,7 +230,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         "predicted_error": round(placement.predicted.total_us / 1e3 / step_ms - 1, 3)})
             engine.close()
             if args.sessions:
-                row["ours_batch_tok_s"] = batch_row(path, weights, profile, args)
+                row.update(batch_row(path, weights, profile, args))
             if not args.no_stream:
                 os.environ["KESTREL_OFFLOAD"] = "stream"
                 try:
@@ -230,7 +242,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     engine.close()
                 if args.sessions:           # on an engine loaded as the batch row's, the same VRAM
                     try:
-                        row["stream_batch_tok_s"] = batch_row(path, weights, profile, args, stream=True)
+                        row.update(batch_row(path, weights, profile, args, stream=True))
                     except (CapacityError, WindowBudgetError) as e:
                         row["stream_batch_tok_s"] = f"refused: {str(e)[:80]}"
             if args.llama_bench:
@@ -244,7 +256,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             rows.append(row)
     columns = ["file", "ngl", "weight_MB", "held_MB", "budget_MB", "placement", "ours_tok_s", "stream_tok_s",
                "llama_tok_s", "ratio", "step_ms", "predicted_ms", "predicted_error", "roofline_ms", "of_roofline",
-               "ours_batch_tok_s", "stream_batch_tok_s", "llama_batch_tok_s", "batch_ratio", "given"]
+               "ours_batch_tok_s", "stream_batch_tok_s", "llama_batch_tok_s", "batch_ratio", "batch_placement",
+               "batch_step_ms", "batch_predicted_ms", "batch_predicted_error", "given"]
     out = write_results("offload", environment(), rows, [c for c in columns if any(c in r for r in rows)],
                         out_dir=args.out,
                         notes=(f"host memory pool (calibrate, this run): {pool}. Ours: mode offload with the weight "

@@ -23,6 +23,9 @@ def test_the_offload_bench_runs_batch_one_and_several_sessions(tmp_path, monkeyp
     assert row["ours_tok_s"] > 0 and row["ours_batch_tok_s"] > 0, row
     assert row["predicted_ms"] > 0 and row["placement"]
     assert row["held_MB"] <= row["weight_MB"], row
+    # the batch row's placement and its predicted step beside the measured one (8 sessions: 8 tokens a step)
+    assert len(row["batch_placement"].split()[0]) == 2 and row["batch_predicted_ms"] > 0, row
+    assert abs(row["batch_step_ms"] - 8 / row["ours_batch_tok_s"] * 1e3) < 0.01 + 0.01 * row["batch_step_ms"], row
     saved = json.loads(next(tmp_path.glob("*-offload.json")).read_text())["rows"]
     assert saved[0]["ours_batch_tok_s"] == row["ours_batch_tok_s"]
 
