@@ -32,10 +32,11 @@ NOT_REPLAYED = ("syncs", "graph_replays", "graphs_captured", "cpu_weight_read_by
 
 
 class ItemGraphs:
-    def __init__(self, steps, nodes, link=None):
+    def __init__(self, steps, nodes, link=None, ring_steps: bool = True):
         """steps: the MixedSteps; nodes: its HostNodes (None: no graphs); link: the routed layers' link share
-        (closed here where there are no graphs to run it)."""
-        self.steps, self.nodes = steps, nodes
+        (closed here where there are no graphs to run it); ring_steps: steps streaming through the weight ring too
+        (KESTREL_RING_GRAPHS)."""
+        self.steps, self.nodes, self.ring_steps = steps, nodes, ring_steps
         self.link = link if nodes is not None else None
         if link is not None and self.link is None:
             link.close()
@@ -50,7 +51,7 @@ class ItemGraphs:
         """The segment a step's graph starts at (its first device segment; the host work before it runs
         eagerly), or None: segment by segment."""
         s = self.steps
-        if (self.nodes is None or not s.use_graphs or s.streams_experts() or (s.ring is not None and not s.ring_graphs)
+        if (self.nodes is None or not s.use_graphs or s.streams_experts() or (s.ring is not None and not self.ring_steps)
                 or prof.enabled or trace.active is not None or state.tree_fields is not None
                 or state.T > SEGMENT_GRAPH_MAX_TOKENS):
             return None

@@ -32,8 +32,7 @@ device's x back on the host midway (an op whose norm input the host computes aft
 
 Where every host segment after the first device one is a native op list, a step of up to
 SEGMENT_GRAPH_MAX_TOKENS tokens instead runs from that segment on as one graph with host items
-(item_graphs.py, KESTREL_HOST_NODES=0 turns it off): one wait a step -- in mode offload too, the ring's
-copies inside the graph.
+(item_graphs.py, KESTREL_HOST_NODES=0 turns it off): one wait a step, the weight ring's copies inside it.
 
 One concern, a mixed step: the walk over the plan's segments (MixedSteps), which decides every move of the
 state between the sides (segment_state.py) by where the next op runs.
@@ -93,13 +92,13 @@ class MixedSteps(Steps):
         self._seen: set = set()              # the keys run once eagerly (a graph is captured the second time)
         self._eager: set = set()             # the keys whose segment cannot take a graph (needs x back midway)
         self.use_graphs = options is None or options.step_graphs
-        self.ring_graphs = options is None or options.ring_graphs     # a ring step as one graph (item_graphs.py)
         # the library's host items (host_nodes.py): the host's xn for the device, and steps whose host segments
         # are native op lists as one graph (item_graphs.py; KESTREL_HOST_NODES=0: segment by segment), with the
         # routed layers' link share at one token (device/expert_link.py)
         self.nodes = (HostNodes(self.host.kernels, backend.pinned)
                       if self.host.kernels is not None and backend.pinned is not None else None)
-        self.item_graphs = ItemGraphs(self, self.nodes if options is None or options.host_nodes else None, link)
+        self.item_graphs = ItemGraphs(self, self.nodes if options is None or options.host_nodes else None, link,
+                                      ring_steps=options is None or options.ring_graphs)
         window, first = backend.window, plan(1)
         total = sum(1 for segment in first.segments for _ in segment.ops)
         self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
@@ -251,25 +250,19 @@ class MixedSteps(Steps):
         if self.expert_ring is not None:    # the layers whose every expert this step streams, in its order
             self.expert_ring.begin(list(plan.expert_ring), b.stream)
         first = self.item_graphs.start(plan, state)
+        begin = (lambda: None) if self.ring is None else lambda: self.ring.begin_step(plan, b.stream)  # its copies
         if first is None:
-            self._begin_ring(plan)
+            begin()
             self._run_segments(plan, state, lm, 0)
             state.to_host(["logits"])
         else:
             self._run_segments(plan, state, lm, 0, first)       # the embed (host work before the graph): eagerly
-            self.item_graphs.run(plan, state, lm, first, lambda: self._begin_ring(plan))
+            self.item_graphs.run(plan, state, lm, first, begin)
         for ring in (self.ring, self.expert_ring):
             if ring is not None:
                 self.counters.h2d_bytes += ring.bytes_per_step
                 self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + ring.bytes_per_step
         return state.host["logits"][:state.logit_rows]
-
-    def _begin_ring(self, plan) -> None:
-        """Mode offload: the items this step streams, in its order; the first copies go out (in a step graph,
-        where it starts: its capture holds the copies)."""
-        if self.ring is not None:
-            self.ring.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
-                             if op.name in self.ring.index], self.backend.stream)
 
     def _run_segments(self, plan, state: SegmentState, lm: tuple[int, int] | None, lo: int, hi: int | None = None,
                       nodes: list | None = None) -> None:

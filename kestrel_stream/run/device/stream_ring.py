@@ -60,6 +60,11 @@ class StreamRing:
         while self.issued < min(self.slot_count, len(self.names)):
             self._issue(self.issued)
 
+    def begin_step(self, plan, stream: driver.Stream) -> None:
+        """A step of `plan`: the items its device segments stream, in their order (begin)."""
+        self.begin([op.name for segment in plan.segments if segment.side == "gpu" for op in segment.ops
+                    if op.name in self.index], stream)
+
     def before(self, name: str, stream: driver.Stream) -> None:
         stream.wait(self.window.loaded[self.order[name] % self.slot_count])
 
