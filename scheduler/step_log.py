@@ -5,11 +5,17 @@ apart from the policy (batcher.py) so the policy reads alone.
 """
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass, field
 
 RECENT_TTFT = 1024          # time-to-first-token samples the percentiles are taken over
 RECENT_STEPS = 1024         # step times the step percentiles are taken over
+# every prompt since the start, counted by bucket (a Prometheus histogram: what happened between two scrapes is
+# their difference, where the percentiles above mix in whatever came before)
+TTFT_BUCKETS_S = (0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5,
+                  0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0)
+TTFT_STEP_BUCKETS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64, 128)
 
 
 def percentile(sorted_values: list[float], fraction: float) -> float:
@@ -38,6 +44,18 @@ def step_figures(seconds: list[float]) -> dict:
             "max": round(seconds[-1] * 1e3, 3) if seconds else 0.0, "samples": len(seconds)}
 
 
+def histogram(edges: tuple, counts: list, total: float) -> dict:
+    """Counts by bucket (counts[i]: values <= edges[i] and above the edge before; the last: above them all) as
+    {"le": {edge: values <= edge, ..., "+Inf": all}, "sum", "count"}: cumulative, so two scrapes subtract, and
+    replicas' histograms add key by key."""
+    cumulative, running = {}, 0
+    for edge, count in zip(edges, counts):
+        running += count
+        cumulative[f"{edge:g}"] = running
+    cumulative["+Inf"] = running + counts[-1]
+    return {"le": cumulative, "sum": round(total, 6), "count": running + counts[-1]}
+
+
 @dataclass
 class StepLog:
     steps: int = 0
@@ -53,6 +71,10 @@ class StepLog:
     prompts_answered: int = 0
     ttft_ms: dict | None = None         # ttft_summary's cache
     max_decode_wait_steps: int = 0      # most steps formed while a decode waited in the queue (0: it went next)
+    ttft_counts: list = field(default_factory=lambda: [0] * (len(TTFT_BUCKETS_S) + 1))     # every prompt, by bucket
+    ttft_total_s: float = 0.0
+    ttft_step_counts: list = field(default_factory=lambda: [0] * (len(TTFT_STEP_BUCKETS) + 1))
+    ttft_total_steps: int = 0
 
     def step(self, decode: int, prompt: int, chunks: int, sessions: int) -> None:
         tokens = decode + prompt
@@ -72,8 +94,12 @@ class StepLog:
         own included; None: not counted)."""
         self.prompts_answered += 1
         self.ttft_s.append(waited_s)
+        self.ttft_counts[bisect_left(TTFT_BUCKETS_S, waited_s)] += 1
+        self.ttft_total_s += waited_s
         if steps is not None:
             self.ttft_steps.append(steps)
+            self.ttft_step_counts[bisect_left(TTFT_STEP_BUCKETS, steps)] += 1
+            self.ttft_total_steps += steps
         self.ttft_ms = None
 
     def ran(self, seconds: float) -> None:
@@ -96,5 +122,7 @@ class StepLog:
             "mixed_steps": self.mixed_steps,
             "prompts_answered": self.prompts_answered,
             "ttft_ms": self.ttft_summary(),
+            "ttft_histogram": histogram(TTFT_BUCKETS_S, self.ttft_counts, self.ttft_total_s),
+            "ttft_steps_histogram": histogram(TTFT_STEP_BUCKETS, self.ttft_step_counts, self.ttft_total_steps),
             "step_ms": step_figures(list(self.step_s)),
         }

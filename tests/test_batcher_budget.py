@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from scheduler.batcher import StepBatcher
-from scheduler.step_log import percentile
+from scheduler.step_log import RECENT_TTFT, percentile
 
 
 def shape(step):
@@ -138,6 +138,24 @@ def test_stats_say_how_many_steps_a_prompt_took_and_how_long_steps_ran():
     stats = batcher.stats()
     assert stats["ttft_ms"] == {"p50": 20.0, "p99": 90.0, "samples": 3, "steps_p50": 1, "steps_p99": 6}
     assert stats["step_ms"] == {"p50": 13.0, "p99": 40.0, "max": 40.0, "samples": 4}
+
+
+def test_every_prompt_is_counted_in_histograms_that_two_scrapes_subtract():
+    """Besides the latest prompts' percentiles, every prompt since the start by bucket (cumulative, Prometheus'
+    `le`): a bound counts the values at or under it, the window of latest samples does not limit them."""
+    log = StepBatcher(max_batch=4, step_tokens=8).log
+    for waited_s, steps in ((0.010, 1), (0.020, 1), (0.0201, 2), (45.0, 200)):
+        log.first_token(waited_s, steps)
+    ttft, steps = log.stats()["ttft_histogram"], log.stats()["ttft_steps_histogram"]
+    assert ttft["le"]["0.005"] == 0 and ttft["le"]["0.01"] == 1 and ttft["le"]["0.02"] == 2
+    assert ttft["le"]["0.03"] == 3 and ttft["le"]["30"] == 3 and ttft["le"]["+Inf"] == 4 == ttft["count"]
+    assert ttft["sum"] == pytest.approx(45.0501)
+    assert steps["le"]["1"] == 2 and steps["le"]["2"] == 3 and steps["le"]["128"] == 3 and steps["le"]["+Inf"] == 4
+    assert steps["sum"] == 204
+    for _ in range(RECENT_TTFT):
+        log.first_token(0.001, 1)
+    assert log.stats()["ttft_histogram"]["count"] == RECENT_TTFT + 4
+    assert log.stats()["ttft_ms"]["samples"] == RECENT_TTFT
 
 
 @pytest.mark.parametrize("kwargs", [{"step_tokens": 0}, {"step_tokens": -3}])

@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.http_load import plan_requests
+from bench.http_serve import histogram_percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,6 +22,21 @@ def test_the_plan_is_the_seeds_and_stays_in_its_ranges():
     assert all(16 <= p.max_tokens <= 256 for p in plan) and all(0 <= t < 1000 for p in plan for t in p.prompt)
     arrivals = [p.arrival_s for p in plan]
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and 5 < arrivals[-1] < 25     # 200 at 16/s
+
+
+def test_a_histograms_percentile_over_a_run_is_the_difference_of_two_scrapes():
+    """Prometheus' histogram_quantile over (after - before): linear within the bucket the rank falls in, the last
+    finite bound for a rank past it; nothing counted: None."""
+    before = {0.01: 5.0, 0.02: 5.0, 0.05: 9.0, float("inf"): 10.0}        # the warm-up: slow prompts
+    after = {0.01: 7.0, 0.02: 11.0, 0.05: 15.0, float("inf"): 16.0}       # the run: 2 + 4 + 0 + 0 prompts
+    assert histogram_percentile(before, after, 0.5) == pytest.approx(0.01 + 0.01 * (3 - 2) / 4)
+    assert histogram_percentile(before, after, 0.99) == pytest.approx(0.01 + 0.01 * (5.94 - 2) / 4)
+    assert histogram_percentile({}, after, 0.5) == pytest.approx(0.01 + 0.01 * (8 - 7) / 4)
+    assert histogram_percentile({}, after, 0.99) == 0.05                  # in the +Inf bucket
+    assert histogram_percentile(after, after, 0.5) is None
+    steps = {1.0: 10.0, 2.0: 14.0, 3.0: 20.0, float("inf"): 20.0}          # whole steps: a bucket is its bound
+    assert histogram_percentile({}, steps, 0.5, whole=True) == 1.0
+    assert histogram_percentile({}, steps, 0.99, whole=True) == 3.0
 
 
 def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
@@ -35,6 +53,8 @@ def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
     # the daemon's own step figures over the run, from /metrics
     assert row["steps"] > 0 and row["mean_step_ms"] > 0 and row["tokens_per_step"] >= 1, row
     assert row["daemon_ttft_p99_ms"] >= row["daemon_ttft_p50_ms"] > 0, row
+    # ... over the run's prompts alone (the daemon's histograms, two scrapes apart): the warm-up's are not in them
+    assert row["daemon_prompts"] == 16 and row["daemon_ttft_steps_p99"] >= row["daemon_ttft_steps_p50"] >= 1, row
     # the app's own time to first token (its access log) lies inside each request's as the client saw it
     assert 0 < row["server_ttft_p50_ms"] <= row["ttft_p50_ms"], row
     assert 0 <= row["server_queue_p50_ms"] <= row["server_ttft_p50_ms"], row

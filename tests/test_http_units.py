@@ -59,6 +59,8 @@ def test_metrics_name_the_daemon_stats_window_kv_pool_and_prefix_counters_includ
              "prompt_tokens": 100, "mean_batch": 4.0, "tokens_per_step": 14.0, "queue_depth": 2, "sessions": 2,
              "max_sessions": 64, "ttft_ms": {"p50": 12.0, "p99": 30.0, "samples": 5, "steps_p50": 2, "steps_p99": 7},
              "step_ms": {"p50": 11.0, "p99": 25.0, "max": 40.0, "samples": 9},
+             "ttft_histogram": {"le": {"0.01": 1, "0.02": 4, "+Inf": 5}, "sum": 0.3, "count": 5},
+             "ttft_steps_histogram": {"le": {"1": 3, "2": 5, "+Inf": 5}, "sum": 7, "count": 5},
              "counters": {"window_hits": 7, "window_misses": 2},
              "kv": {"kv_blocks_used": 5, "kv_blocks_cached": 3, "kv_blocks_max": 100, "kv_bytes_used": 5 << 20},
              "prefix_cache": {"prefix_hits": 4, "prefix_misses": 6, "prefix_reused_tokens": 640},
@@ -71,6 +73,11 @@ def test_metrics_name_the_daemon_stats_window_kv_pool_and_prefix_counters_includ
     assert values["kestrel_kv_positions_used"] == 14 and values["kestrel_kv_positions_allocated"] == 96
     assert values["kestrel_ttft_p99_seconds"] == pytest.approx(0.03) and values["kestrel_queue_depth"] == 2
     assert values["kestrel_ttft_steps_p50"] == 2 and values["kestrel_ttft_steps_p99"] == 7
+    buckets = {(s.name, s.labels.get("le")): s.value for f in text_string_to_metric_families(body.decode())
+               for s in f.samples if s.name.startswith(("kestrel_ttft_seconds", "kestrel_ttft_steps_"))}
+    assert buckets[("kestrel_ttft_seconds_bucket", "0.02")] == 4 and buckets[("kestrel_ttft_seconds_count", None)] == 5
+    assert buckets[("kestrel_ttft_seconds_sum", None)] == pytest.approx(0.3)
+    assert buckets[("kestrel_ttft_steps_bucket", "1")] == 3 and buckets[("kestrel_ttft_steps_bucket", "+Inf")] == 5
     assert values["kestrel_step_p99_seconds"] == pytest.approx(0.025) and values["kestrel_step_max_seconds"] == 0.04
     assert values["kestrel_decode_step_seconds_total"] == 0.5 and values["kestrel_mean_batch"] == 4.0
     assert values["kestrel_kv_blocks_used"] == 5 and values["kestrel_kv_blocks_max"] == 100

@@ -183,6 +183,9 @@ def test_per_replica_stats_and_metrics_add_up_to_the_totals(replicas):
     assert sum(r["prefix_cache"]["prefix_hits"] for r in stats["replicas"]) == stats["prefix_cache"]["prefix_hits"] >= 1
     assert stats["mean_batch"] == round(stats["batched_requests"] / stats["batches"], 3)
     assert stats["ttft_ms"]["samples"] == sum(r["ttft_ms"]["samples"] for r in stats["replicas"])
+    for key in ("ttft_histogram", "ttft_steps_histogram"):       # bucket by bucket, the replicas' added
+        assert stats[key]["le"] == {le: sum(r[key]["le"][le] for r in stats["replicas"]) for le in stats[key]["le"]}
+        assert stats[key]["count"] == stats["ttft_ms"]["samples"] > 0
     assert stats["step_ms"]["samples"] == sum(r["step_ms"]["samples"] for r in stats["replicas"]) > 0
     assert min(r["step_ms"]["max"] for r in stats["replicas"]) <= stats["step_ms"]["max"] == max(
         r["step_ms"]["max"] for r in stats["replicas"])

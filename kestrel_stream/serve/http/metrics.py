@@ -3,7 +3,8 @@
 HTTP counts (requests by path and status, prompt and completion tokens, time
 to first token) are recorded as requests pass; the daemon's own figures
 (steps, step time, batch size, queue depth, admission queue depth and wait, sessions, KV positions and pool
-blocks, window hits and misses, prefix cache hits) are read from
+blocks, window hits and misses, prefix cache hits, time to first token and its steps as histograms of every
+prompt, in the same buckets as the HTTP one) are read from
 Service.stats() at each scrape, so socket and HTTP clients are counted alike
 and nothing is added to the step thread's work.
 
@@ -24,7 +25,9 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from scheduler.step_log import TTFT_BUCKETS_S
 
 PREFIX_WINDOW_S = 60.0
 PREFIX_COUNTERS = (("prefix_hits", "prompts that reused a cached prefix"),
@@ -70,7 +73,6 @@ REPLICA = (
     ("gauge", "kv_positions_used", "kv_positions_used", "KV cache positions filled in open sessions"),
     ("gauge", "kv_positions_allocated", "kv_positions_allocated", "KV cache positions of open sessions"),
 )
-TTFT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Metrics:
@@ -151,6 +153,13 @@ class DaemonCollector:
             if isinstance(ttft.get(f"steps_{key}"), (int, float)):
                 yield gauge(f"kestrel_ttft_steps_{key}", f"steps a prompt took to its first token (formed from its "
                             f"arrival, its own included), {key}", ttft[f"steps_{key}"])
+        for key, name, doc in (("ttft_histogram", "kestrel_ttft_seconds", "time to first token of every prompt "
+                                "since the start, from its arrival at the daemon"),
+                               ("ttft_steps_histogram", "kestrel_ttft_steps", "steps a prompt took to its first "
+                                "token (formed from its arrival, its own included), every prompt since the start")):
+            hist = stats.get(key)
+            if hist:
+                yield HistogramMetricFamily(name, doc, buckets=list(hist["le"].items()), sum_value=hist["sum"])
         steps = stats.get("step_ms") or {}
         for key in ("p50", "p99", "max"):
             if isinstance(steps.get(key), (int, float)) and steps.get("samples"):
