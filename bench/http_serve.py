@@ -73,9 +73,9 @@ BURST_COLUMNS = ["server", "clients", "run", "tok_s", "ttft_p50_ms", "ttft_p99_m
                  "short_streams", "error"]
 STAGGERED_COLUMNS = ["server", "clients", "requests", "completed", "refused", "lost", "tok_s", "ttft_p50_ms",
                      "ttft_p99_ms", "generated_tokens", "prompt_tokens", "duration_s", "steps", "mean_step_ms",
-                     "tokens_per_step", "daemon_prompts", "daemon_ttft_p50_ms", "daemon_ttft_p99_ms", "daemon_ttft_steps_p50",
-                     "daemon_ttft_steps_p99", "step_p50_ms", "step_p99_ms", "server_ttft_p50_ms",
-                     "server_ttft_p99_ms", "server_queue_p50_ms", "server_queue_p99_ms", "error"]
+                     "tokens_per_step", "daemon_prompts", "daemon_ttft_p50_ms", "daemon_ttft_p99_ms",
+                     "daemon_ttft_steps_p50", "daemon_ttft_steps_p99", "step_p50_ms", "step_p99_ms",
+                     "server_ttft_p50_ms", "server_ttft_p99_ms", "server_queue_p50_ms", "server_queue_p99_ms", "error"]
 
 
 def longest_request(args) -> int:

@@ -51,9 +51,9 @@ class ItemGraphs:
         """The segment a step's graph starts at (its first device segment; the host work before it runs
         eagerly), or None: segment by segment."""
         s = self.steps
-        if (self.nodes is None or not s.use_graphs or s.streams_experts() or (s.ring is not None and not self.ring_steps)
-                or prof.enabled or trace.active is not None or state.tree_fields is not None
-                or state.T > SEGMENT_GRAPH_MAX_TOKENS):
+        if (self.nodes is None or not s.use_graphs or s.streams_experts()
+                or (s.ring is not None and not self.ring_steps) or prof.enabled or trace.active is not None
+                or state.tree_fields is not None or state.T > SEGMENT_GRAPH_MAX_TOKENS):
             return None
         if state.T not in self._starts:
             segments = plan.segments
