@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bench.http_load import plan_requests
-from bench.http_serve import histogram_percentile
+from bench.daemon_metrics import histogram_percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
