@@ -43,6 +43,9 @@ class DeviceProfile:
     # FLOP/s of the device expert kernels (route, gate_up, down, combine) over a prompt chunk of a routed layer
     # whose every expert is on the device (mode offload's streamed experts); None: not measured, gpu_gflops
     gpu_expert_gflops: float | None = None
+    # the host kernels these host rates are of, "library file name:ISA" (the name hashes the sources, flags,
+    # compiler and CPU); calibrate measures again under others (new kernels, such as AMX tiles, change the rates)
+    host_kernels: str | None = None
 
     def __post_init__(self):
         for f in fields(self):

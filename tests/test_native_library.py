@@ -176,3 +176,19 @@ def test_mixed_steps_raise_the_pool_spin_only_where_asked_and_with_cpus_to_spare
     assert not mixed.mixed_spin(Options.from_env({"KESTREL_HOST_SPIN_US": "0"}))
     monkeypatch.setattr(mixed.os, "cpu_count", lambda: 2)
     assert not mixed.mixed_spin(Options.from_env({}))
+
+
+def test_a_profile_names_the_host_kernels_its_rates_are_of(tmp_path):
+    """calibrate keeps a profile only for the host kernels it measured: `library:ISA`, another ISA (or another
+    library: new sources, compiler or CPU) is another name, and the name survives the profile's file."""
+    import dataclasses
+
+    from kestrel_stream.options import Options
+    from kestrel_stream.run import calibrate
+    from scheduler.profile import H200_POOL, DeviceProfile
+    widest = calibrate.host_kernels_name(Options.from_env({"KESTREL_CACHE_DIR": str(tmp_path)}))
+    scalar = calibrate.host_kernels_name(Options.from_env({"KESTREL_CACHE_DIR": str(tmp_path), "KESTREL_HOST_ISA": "scalar"}))
+    assert widest.startswith("host_kernels-") and widest.endswith(":" + native.load().isa)
+    assert scalar == widest.rsplit(":", 1)[0] + ":scalar"
+    profile = dataclasses.replace(H200_POOL, host_kernels=widest)
+    assert DeviceProfile.from_dict(profile.to_dict()).host_kernels == widest

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 SOURCE = "host_kernels.c"
-SOURCES = (SOURCE, "host_kquants.c", "host_moe.c", "host_program.c", "host_serve.c")       # compiled into one library
-HEADERS = ("host_kernels.h", "host_kquants.h", "host_simd.h")
+SOURCES = (SOURCE, "host_amx.c", "host_kquants.c", "host_moe.c", "host_program.c", "host_serve.c")       # compiled into one library
+HEADERS = ("host_amx.h", "host_kernels.h", "host_kquants.h", "host_simd.h")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp-simd", "-pthread", "-std=gnu11")
 DEFAULT_CC = "cc"
 

@@ -14,6 +14,8 @@
  * Each dot product has a scalar version and SIMD versions (AVX2: maddubs; AVX-512 VNNI: vpdpbusd).
  * With VNNI, Q4_K and Q6_K weights are repacked 16 rows together when prepared, and their matmuls are
  * host_kquants.c's (ks_linear runs them like the others: the same activations, threads and epilogue).
+ * With AMX-INT8 (ISA_AMX), Q8_0 matmuls of 6+ tokens run on tiles (host_amx.c) instead of the lanes
+ * kernel, with its layout and float steps.
  * The caller names the widest ISA to use (ks_isa_supported() says which the CPU has); the build
  * compiles every version for the running machine, so a forced lower path runs here too.
  * Compiled with -ffp-contract=off: the float steps round as numpy's do (no fused multiply-adds the
@@ -30,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "host_amx.h"
 #include "host_kernels.h"
 #include "host_kquants.h"
 #include "host_simd.h"
@@ -43,6 +46,7 @@ int ks_isa_supported(void) {
     if ((mask & (1 << ISA_AVX2)) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         mask |= 1 << ISA_AVX512VNNI;
+    if ((mask & (1 << ISA_AVX512VNNI)) && amx_usable()) mask |= 1 << ISA_AMX;
 #endif
     return mask;
 }
@@ -757,6 +761,7 @@ typedef struct {
     _Atomic int next;               /* the next row tile (row group) to hand out */
     _Atomic int failed;
     int lanes, glu, grabs;          /* tokens in lanes; a SiLU·mul epilogue; the row ranges a job hands out */
+    int amx;                        /* the lanes' tiles multiplied on AMX tiles (Q8_0, 2+ tokens) */
     size_t tiles_bytes;             /* the lanes' tiles or the repacked kernels' activations (64-byte multiple) */
     float *glu_out;                 /* glu: where the epilogue writes (out holds the gate | up rows) */
     ptrdiff_t glu_stride;
@@ -894,9 +899,10 @@ TARGET_VNNI static const int8_t *unpack_row(int fmt, const uint8_t *w, const uin
 }
 
 /* Tokens t0..t0+15 of the quantized activations into lanes: bytes [2][K/4][16][4] (the hi level, then the
-   lo level; q + 128, zero past T), scales d / 128 [K/act_group][16], and (Q4_K) the value sums per 32 of
-   128 * hi + lo, [K/32][16] float. */
-static void act_tiles(const matmul_t *m, int t0, uint8_t *bytes, float *d, float *sums) {
+   lo level; each byte XOR flip: 0x80 makes q + 128 for vpdpbusd's unsigned operand, 0 keeps q signed for
+   the AMX tiles; past T the value 0), scales d / 128 [K/act_group][16], and (Q4_K) the value sums per 32
+   of 128 * hi + lo, [K/32][16] float. */
+static void act_tiles(const matmul_t *m, int t0, uint8_t *bytes, float *d, float *sums, uint32_t flip) {
     const int K = m->K;
     for (int l = 0; l < LANES; l++) {
         int t = t0 + l;
@@ -905,10 +911,10 @@ static void act_tiles(const matmul_t *m, int t0, uint8_t *bytes, float *d, float
             const int8_t *qs = level ? a.lo : a.qs;
             uint8_t *out = bytes + (size_t)level * K * LANES;
             for (int q = 0; q < K / 4; q++) {
-                uint32_t v = 0x80808080u;
+                uint32_t v = flip;
                 if (qs) {
                     memcpy(&v, qs + 4 * q, 4);
-                    v ^= 0x80808080u;
+                    v ^= flip;
                 }
                 memcpy(out + ((size_t)q * LANES + l) * 4, &v, 4);
             }
@@ -1010,6 +1016,9 @@ static const dot_fn DOTS[4][3] = {
 };
 #endif
 
+/* The dot product of a format at an ISA (AMX's is VNNI's: one token a row runs no tiles). */
+static inline dot_fn dot_for(int fmt, int isa) { return DOTS[fmt][isa > ISA_AVX512VNNI ? ISA_AVX512VNNI : isa]; }
+
 static __thread uint8_t *scratch;
 static __thread size_t scratch_bytes;
 
@@ -1032,6 +1041,21 @@ static void *scratch_for(size_t bytes) {
    build that keeps their blocks.  A group of 8 lanes (256-bit) was tried and cost the same as 16: the
    per-row work (unpacking, broadcasts, scales per group) does not shrink with the lanes. */
 int ks_lanes_min_tokens[4] = {6, 6, 6, 5};
+
+/* From this many tokens a Q8_0 matmul runs on AMX tiles where the CPU has them (host_amx.c), in place of
+   the lanes kernel and with its bits.  Fewer tokens stay dot products per row: tiles there measured 1.3-1.75x
+   faster (2-4 tokens) but round as the lanes kernel does, and a step of 2-5 tokens keeps one token's numbers
+   (a request's n choices are its n seeded requests, bit for bit). */
+int ks_amx_min_tokens = 6;
+
+/* Whether a matmul of T tokens runs on AMX tiles; whether on the lanes' tiles (the lanes kernel or AMX). */
+static inline int amx_tokens(int fmt, int isa, int T) {
+    return KS_X86 && isa >= ISA_AMX && fmt == FMT_Q8_0 && T >= ks_amx_min_tokens;
+}
+
+static inline int lanes_tokens(int fmt, int isa, int T) {
+    return KS_X86 && !repacked(fmt) && isa >= ISA_AVX512VNNI && (T >= ks_lanes_min_tokens[fmt] || amx_tokens(fmt, isa, T));
+}
 
 static void rmsnorm_row(const float *xr, const float *wr, int n, float eps, float *o);
 
@@ -1082,7 +1106,7 @@ int ks_grabs_per_thread = 4;
 static void matmul_dots(void *ctx, int index, int count) {
     (void)index, (void)count;
     matmul_t *m = ctx;
-    const dot_fn dot = DOTS[m->fmt][m->isa];
+    const dot_fn dot = dot_for(m->fmt, m->isa);
     for (int first; (first = atomic_fetch_add_explicit(&m->next, m->dot_grab, memory_order_relaxed)) < m->row_tiles;) {
         int r0 = first * ROW_TILE, r1 = (first + m->dot_grab) * ROW_TILE < m->N ? (first + m->dot_grab) * ROW_TILE : m->N;
         for (int t = 0; t < m->T; t++) {
@@ -1102,7 +1126,7 @@ static void matmul_tiles(void *ctx, int index, int count) {
     const size_t scales = (size_t)m->K * LANES * 2, sums = scales + (size_t)(m->K / m->group) * LANES * 4;
     for (int tg = index; tg < m->token_groups; tg += count) {
         uint8_t *tile = m->tiles + m->tile_bytes * (size_t)tg;
-        act_tiles(m, tg * LANES, tile, (float *)(tile + scales), (float *)(tile + sums));
+        act_tiles(m, tg * LANES, tile, (float *)(tile + scales), (float *)(tile + sums), m->amx ? 0u : 0x80808080u);
     }
 }
 
@@ -1149,6 +1173,58 @@ static void matmul_lanes(void *ctx, int index, int count) {
     }
     free(own);
 }
+
+/* Q8_0 on AMX tiles: each thread's row tiles of 16 (TILES_PER_GRAB a grab) against every token group,
+   host_amx.c's amx_q8_0_rows.  A tile's rows are read where they lie when they are 16 at one stride;
+   otherwise (the last rows, glu halves apart) they are copied together first. */
+TARGET_VNNI static void matmul_amx(void *ctx, int index, int count) {
+    (void)index, (void)count;
+    matmul_t *m = ctx;
+    const int K = m->K, N = m->N, nb = K / 32;
+    const size_t scales_at = (size_t)K * LANES * 2;
+    uint8_t *own = aligned_alloc(64, (size_t)TILE_ROWS * K + (size_t)TILE_ROWS * nb * 4 + 64);
+    if (!own) {
+        atomic_store(&m->failed, 1);
+        return;
+    }
+    float *scales = (float *)(own + (size_t)TILE_ROWS * K);
+    amx_q8_0_begin();
+    for (int first; (first = atomic_fetch_add_explicit(&m->next, TILES_PER_GRAB, memory_order_relaxed)) < m->row_tiles;) {
+        int r_end = (first + TILES_PER_GRAB) * ROW_TILE < N ? (first + TILES_PER_GRAB) * ROW_TILE : N;
+        for (int r0 = first * ROW_TILE; r0 < r_end; r0 += TILE_ROWS) {
+            const int R = r_end - r0 < TILE_ROWS ? r_end - r0 : TILE_ROWS;
+            const uint8_t *w0 = row_w(m, logical_row(m, r0));
+            const ptrdiff_t stride = R > 1 ? row_w(m, logical_row(m, r0 + 1)) - w0 : m->w_stride;
+            int direct = R == TILE_ROWS;
+            for (int r = 0; r < R; r++) {
+                const ptrdiff_t row = logical_row(m, r0 + r);
+                const uint8_t *meta = row_meta(m, row);
+                int b = 0;
+                for (; b + 16 <= nb; b += 16)
+                    _mm512_storeu_ps(scales + r * nb + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(meta + 2 * b))));
+                for (; b < nb; b++) scales[r * nb + b] = h2f_at(meta + 2 * b);
+                if (row_w(m, row) != w0 + stride * r) direct = 0;
+            }
+            if (!direct)
+                for (int r = 0; r < TILE_ROWS; r++) {       /* past N: zeros, their results dropped */
+                    if (r < R) memcpy(own + (size_t)r * K, row_w(m, logical_row(m, r0 + r)), (size_t)K);
+                    else memset(own + (size_t)r * K, 0, (size_t)K);
+                }
+            for (int r = R; r < TILE_ROWS; r++)
+                for (int b = 0; b < nb; b++) scales[r * nb + b] = 0.0f;
+            for (int tg = 0; tg < m->token_groups; tg++) {
+                const uint8_t *tile = m->tiles + m->tile_bytes * (size_t)tg;
+                float res[TILE_ROWS][LANES];
+                amx_q8_0_rows(direct ? (const int8_t *)w0 : (const int8_t *)own, direct ? stride : K, scales, K, tile,
+                              (const float *)(tile + scales_at), res);
+                for (int l = 0; l < LANES && tg * LANES + l < m->T; l++)
+                    for (int r = 0; r < R; r++) m->out[m->out_stride * (tg * LANES + l) + logical_row(m, r0 + r)] = res[r][l];
+            }
+        }
+    }
+    amx_end();
+    free(own);
+}
 #endif
 
 /* A projection bound once (ks_linear_t, host_kernels.h): prologue norm, matmul, SiLU·mul epilogue. */
@@ -1170,7 +1246,8 @@ static size_t matmul_init(matmul_t *m, const ks_linear_t *spec, const float *x, 
     m->qs_bytes = (size_t)K, m->d_bytes = (size_t)(K / m->group) * 4, m->bs_bytes = m->group == 256 ? (size_t)(K / 16) * 2 : 0;
     m->per_token = (2 * (m->qs_bytes + m->bs_bytes) + m->d_bytes + 63) / 64 * 64;     /* both levels */
     m->row_tiles = kq ? (N + KQ_ROWS - 1) / KQ_ROWS : (N + ROW_TILE - 1) / ROW_TILE;
-    m->lanes = KS_X86 && !kq && isa == ISA_AVX512VNNI && T >= ks_lanes_min_tokens[fmt];
+    m->amx = amx_tokens(fmt, isa, T);
+    m->lanes = lanes_tokens(fmt, isa, T);
     m->token_groups = (T + LANES - 1) / LANES;
     /* per token group: bytes [2][K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
     m->tile_bytes = (size_t)K * LANES * 2 + (size_t)(K / m->group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
@@ -1218,7 +1295,7 @@ int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T
 #if KS_X86
     else if (m.lanes) {
         pool_run(matmul_tiles, &m, threads < m.token_groups ? threads : m.token_groups);
-        pool_run(matmul_lanes, &m, workers);
+        pool_run(m.amx ? matmul_amx : matmul_lanes, &m, workers);
         if (atomic_load(&m.failed)) return -1;
     }
 #endif
@@ -1255,7 +1332,7 @@ static void group_grabs(void *ctx, int index, int count) {
             kq_rows(m->fmt, m->isa, m->w, m->w_stride, m->K, m->N, lo, hi, &m->kq_acts, m->out, m->out_stride);
             continue;
         }
-        const dot_fn dot = DOTS[m->fmt][m->isa];
+        const dot_fn dot = dot_for(m->fmt, m->isa);
         const int r0 = at * m->dot_grab * ROW_TILE, r1 = r0 + m->dot_grab * ROW_TILE < m->N ? r0 + m->dot_grab * ROW_TILE : m->N;
         for (int t = 0; t < m->T; t++) {
             act_t a = token_act(m, t);
@@ -1339,7 +1416,7 @@ typedef struct {
 
 static void routed_gate_block(const routed_t *c, int e, int r0) {
     const ks_linear_t *s = c->gate_up[e];
-    const dot_fn dot = DOTS[s->fmt][s->isa];
+    const dot_fn dot = dot_for(s->fmt, s->isa);
     const int rows = c->I - r0 < ROUTED_GATE_ROWS ? c->I - r0 : ROUTED_GATE_ROWS;
     const ptrdiff_t up_w = up_w_of(s), up_meta = up_meta_of(s);
     float gate[ROUTED_GATE_ROWS], up[ROUTED_GATE_ROWS];
@@ -1356,7 +1433,7 @@ static void routed_gate_block(const routed_t *c, int e, int r0) {
 
 static void routed_down_block(const routed_t *c, int e, int r0) {
     const ks_linear_t *s = c->down[e];
-    const dot_fn dot = DOTS[s->fmt][s->isa];
+    const dot_fn dot = dot_for(s->fmt, s->isa);
     const int r1 = r0 + ROUTED_DOWN_ROWS < c->H ? r0 + ROUTED_DOWN_ROWS : c->H;
     for (int ch = c->first[e]; ch < c->first[e] + c->count[e]; ch++) {
         const act_t a = token_act(c->mid, ch);
@@ -1392,10 +1469,11 @@ static void routed_rows(void *ctx, int index, int count) {
 }
 
 /* Whether an expert's Linear chosen by `tokens` tokens runs in ks_routed_few: a plain (not repacked)
-   format, no prologue, and fewer tokens than its format's lanes kernel takes (ks_linear_group's test). */
+   format, no prologue, and fewer tokens than its format's lanes kernel or AMX tiles take (ks_linear_group's
+   test: an expert's tokens get the numbers of its Linear run alone). */
 int ks_routed_fits(const ks_linear_t *s, int tokens) {
     if (s->norm || repacked(s->fmt) || tokens > 4) return 0;
-    return !(KS_X86 && s->isa == ISA_AVX512VNNI && tokens >= ks_lanes_min_tokens[s->fmt]);
+    return !lanes_tokens(s->fmt, s->isa, tokens);
 }
 
 /* Whether n Linears share one format and shape. */

@@ -21,7 +21,7 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2 };
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_AMX = 3 };     /* AMX: AVX-512 VNNI and AMX-INT8 tiles */
 /* Q4_K_R16 and Q6_K_R16: Q4_K and Q6_K weights repacked 16 rows together (host_kquants.c) */
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3, FMT_Q4_K_R16 = 4, FMT_Q6_K_R16 = 5 };
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from kestrel_stream.native.repacked_rows import REPACK_ROWS, repacked_source
 
-ISAS = ("scalar", "avx2", "avx512vnni")                # widening order; the C enum's values
+ISAS = ("scalar", "avx2", "avx512vnni", "amx")                # widening order; the C enum's values
 FORMATS = {"Q8_0": (0, 32, None), "Q4_0": (1, 32, 18), "Q4_K": (2, 256, 144), "Q6_K": (3, 256, 210)}
 # fmt → (C enum, values per block, bytes per block of a block-format row; Q8_0 is split qs | scales)
 REPACKED = {"Q4_K": 4, "Q6_K": 5}          # fmt → the C enum of its weight repacked 16 rows together
@@ -160,7 +160,7 @@ class HostKernels:
 
     def repacks(self, fmt: str) -> bool:
         """Whether `prepare_blocks` makes a repacked copy of a weight in `fmt` (not a view of its blocks)."""
-        return fmt in REPACKED and self.isa == "avx512vnni"
+        return fmt in REPACKED and self.isa in ("avx512vnni", "amx")
 
     def matmul(self, x: np.ndarray, w: "PreparedWeight", out: np.ndarray | None = None) -> np.ndarray:
         """x: float32 [T, K] (rows contiguous; any row stride) → float32 [T, N] (or into `out`, any row

@@ -217,7 +217,7 @@ def measure_pool(options=None, seconds: float = 0.6) -> dict:
             "host_joint_GBps": round(min(host_joint, host_alone), 2),
             "h2d_joint_GBps": round(min(link_joint, link_alone), 2), "host_call_us": round(call_us, 2),
             "host_gflops": round(gflops, 1), "host_format_GBps": format_rates,
-            "host_format_tokens_GBps": token_rates}
+            "host_format_tokens_GBps": token_rates, "host_kernels": f"{kernels.path.name}:{kernels.isa}"}
 
 
 # a prompt chunk through a routed layer of Qwen3-30B-A3B's shape, every expert on the device (Q8_0)
@@ -290,6 +290,17 @@ def measure_device_experts(options=None, repeats: int = 5, shape: dict = EXPERT_
     return {"gpu_expert_gflops": round(flops / (us * 1e3), 1)}
 
 
+def host_kernels_name(options=None) -> str | None:
+    """The host kernels these options run, as `library file name:ISA` (None: no native kernels here): a
+    profile's host rates are of one library at one ISA."""
+    from kestrel_stream import native
+    try:
+        kernels = native.load(options)
+    except native.NativeUnavailable:
+        return None
+    return f"{kernels.path.name}:{kernels.isa}"
+
+
 def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfile:
     """The cached profile of GPU 0 (measured now when missing or when ``force``), kept in `cache_dir`
     (default: the profiles directory under the options' cache_dir, KESTREL_CACHE_DIR)."""
@@ -309,7 +320,7 @@ def calibrate(force: bool = False, cache_dir=None, options=None) -> DeviceProfil
         # a profile from before the pool figures, the expert kernels' rate or the kernels' rates by tokens:
         # measured again
         measured = cached is not None and cached.host_joint_GBps and cached.gpu_expert_gflops
-        if measured and cached.host_format_tokens_GBps:
+        if measured and cached.host_format_tokens_GBps and cached.host_kernels == host_kernels_name(options):
             return cached
     figures = dict(measure_gpu(options=options), **measure_host())
     try:

@@ -1,0 +1,119 @@
+/* Quantized matmuls of several tokens on AMX tiles (AMX-INT8).
+ *
+ * With AVX-512 VNNI a vpdpbusd adds 64 byte products; with the activations in two levels (host_kernels.c)
+ * a matmul of a few tokens is bound by them, not by memory: on the H200's host Q8_0 falls from 95 GB/s at
+ * one token to 45 at 8.  A tile instruction (tdpbssd) adds 16 x 16 x 32 products in one: a 16-row tile of
+ * weights (A) times a token group's activations laid out as the lanes kernel lays them (B: [K/4][16
+ * tokens][4], signed), into int32 sums per weight row and token (C).  Each weight block's sums of both
+ * levels come out of two such products (hi and lo), are stored, joined as 128 * hi + lo and scaled in
+ * float exactly as the lanes kernel does it (the same int32 values, the same float steps in the same
+ * order: the same bits).
+ *
+ * Tiles need the kernel's permission (Linux ARCH_REQ_XCOMP_PERM, asked once by amx_usable) and a
+ * configuration per thread (amx_*_begin), released after (amx_end).
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "host_amx.h"
+#include "host_simd.h"
+
+#if KS_X86 && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KS_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TARGET_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,amx-tile,amx-int8")))
+#else
+#define KS_AMX 0
+#endif
+
+int amx_usable(void) {
+#if KS_AMX
+    static int usable = -1;
+    if (usable < 0) {
+        unsigned a, b, c, d;
+        const int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1);
+        usable = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return usable;
+#else
+    return 0;
+#endif
+}
+
+#if KS_AMX
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config_t;
+
+/* tile registers (numbers, not an enum: the intrinsics paste them into the instruction) */
+#define C_HI 0
+#define C_LO 1
+#define A_W 2
+#define B_HI 3
+#define B_LO 4
+
+/* Each configuration is a constant in memory: ldtilecfg reads its operand behind the compiler's back (a
+   configuration built on the stack just before was dropped as dead stores). */
+static const tile_config_t Q8_0_TILES = {
+    .palette = 1,
+    .colsb = {[C_HI] = 64, [C_LO] = 64, [A_W] = 32, [B_HI] = 64, [B_LO] = 64},
+    .rows = {[C_HI] = 16, [C_LO] = 16, [A_W] = 16, [B_HI] = 8, [B_LO] = 8},    /* A: 16 weight rows x a block of
+                                                                                 32; B: its 8 quads x 16 tokens x 4 */
+};
+
+TARGET_AMX void amx_q8_0_begin(void) { _tile_loadconfig(&Q8_0_TILES); }
+
+TARGET_AMX void amx_end(void) { _tile_release(); }
+
+TARGET_AMX void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const uint8_t *acts,
+                              const float *d, float out[16][16]) {
+    const int nb = K / 32;
+    const uint8_t *lo = acts + (size_t)K * 16;
+    _Alignas(64) int32_t sums[2][2][16][16];        /* [block & 1][hi, lo][row][lane] */
+    __m512 total[16];
+    for (int r = 0; r < 16; r++) total[r] = _mm512_setzero_ps();
+    /* block b's products are stored while block b - 1's sums are scaled (its stores long done) */
+    for (int b = 0; b <= nb; b++) {
+        if (b < nb) {
+            if (!(b & 1))       /* the rows' lines 4 ahead (a line holds two blocks): memory under the tiles */
+                for (int r = 0; r < 16; r++) _mm_prefetch((const char *)(w + w_stride * r + 32 * (b + 8)), _MM_HINT_T0);
+            _tile_zero(C_HI);
+            _tile_zero(C_LO);
+            _tile_loadd(A_W, w + 32 * b, w_stride);
+            _tile_loadd(B_HI, acts + (size_t)512 * b, 64);
+            _tile_loadd(B_LO, lo + (size_t)512 * b, 64);
+            _tile_dpbssd(C_HI, A_W, B_HI);
+            _tile_dpbssd(C_LO, A_W, B_LO);
+            _tile_stored(C_HI, sums[b & 1][0], 64);
+            _tile_stored(C_LO, sums[b & 1][1], 64);
+        }
+        if (b > 0) {
+            const int p = b - 1;
+            const __m512 ad = _mm512_load_ps(d + (size_t)p * 16);
+            for (int r = 0; r < 16; r++) {
+                const __m512i joined = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(sums[p & 1][0][r]), 7),
+                                                        _mm512_load_si512(sums[p & 1][1][r]));
+                total[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined),
+                                           _mm512_mul_ps(_mm512_set1_ps(scales[r * nb + p]), ad), total[r]);
+            }
+        }
+    }
+    for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], total[r]);
+}
+
+#else
+void amx_q8_0_begin(void) {}
+void amx_end(void) {}
+void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const uint8_t *acts, const float *d,
+                   float out[16][16]) {
+    (void)w, (void)w_stride, (void)scales, (void)K, (void)acts, (void)d, (void)out;
+}
+
+#endif

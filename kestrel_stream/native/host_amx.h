@@ -1,0 +1,24 @@
+/* What host_kernels.c calls of host_amx.c: Q8_0 matmuls of several tokens on AMX tiles (AMX-INT8), the same
+   integer sums as the AVX-512 VNNI lanes kernel and the same float steps after them. */
+#ifndef KS_HOST_AMX_H
+#define KS_HOST_AMX_H
+#include <stddef.h>
+#include <stdint.h>
+
+/* Whether this CPU has AMX-INT8 and the kernel lets this process use its tile registers (asked once:
+   Linux's ARCH_REQ_XCOMP_PERM). */
+int amx_usable(void);
+
+/* Q8_0: out[r][l] for 16 weight rows and 16 token lanes.  rows: 16 rows of int8 weights, row r at
+   w + r * w_stride (K bytes each); scales [16][K/32] float (the rows' block scales); acts: the token
+   group's levels as signed bytes [2][K/4][16][4] (hi, then lo; zero past the call's tokens) and d [K/32][16]
+   (d / 128 per block and lane).  Each block's 128 * hi + lo is exact in int32; out accumulates
+   cvt(sum) * (scale * d) with one FMA a block, in block order: the lanes kernel's float steps. */
+void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const uint8_t *acts, const float *d,
+                   float out[16][16]);
+
+/* Begin / end a thread's run of amx_q8_0_rows calls (the tile configuration; its release). */
+void amx_q8_0_begin(void);
+void amx_end(void);
+
+#endif
