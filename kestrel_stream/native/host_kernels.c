@@ -14,8 +14,9 @@
  * Each dot product has a scalar version and SIMD versions (AVX2: maddubs; AVX-512 VNNI: vpdpbusd).
  * With VNNI, Q4_K and Q6_K weights are repacked 16 rows together when prepared, and their matmuls are
  * host_kquants.c's (ks_linear runs them like the others: the same activations, threads and epilogue).
- * With AMX-INT8 (ISA_AMX), Q8_0 matmuls of 6+ tokens run on tiles (host_amx.c) instead of the lanes
- * kernel, with its layout and float steps.
+ * With AMX-INT8 (ISA_AMX), Q8_0 matmuls of any number of tokens run on tiles (host_amx.c) instead of the
+ * dot products and the lanes kernel, with the lanes kernel's layout and float steps (a routed layer's
+ * few-token experts too, each expert's tokens the lanes of its tile).
  * The caller names the widest ISA to use (ks_isa_supported() says which the CPU has); the build
  * compiles every version for the running machine, so a forced lower path runs here too.
  * Compiled with -ffp-contract=off: the float steps round as numpy's do (no fused multiply-adds the
@@ -761,7 +762,7 @@ typedef struct {
     _Atomic int next;               /* the next row tile (row group) to hand out */
     _Atomic int failed;
     int lanes, glu, grabs;          /* tokens in lanes; a SiLU·mul epilogue; the row ranges a job hands out */
-    int amx;                        /* the lanes' tiles multiplied on AMX tiles (Q8_0, 2+ tokens) */
+    int amx;                        /* the lanes' tiles multiplied on AMX tiles (Q8_0, ks_amx_min_tokens+) */
     size_t tiles_bytes;             /* the lanes' tiles or the repacked kernels' activations (64-byte multiple) */
     float *glu_out;                 /* glu: where the epilogue writes (out holds the gate | up rows) */
     ptrdiff_t glu_stride;
@@ -900,22 +901,22 @@ TARGET_VNNI static const int8_t *unpack_row(int fmt, const uint8_t *w, const uin
 
 /* Tokens t0..t0+15 of the quantized activations into lanes: bytes [2][K/4][16][4] (the hi level, then the
    lo level; each byte XOR flip: 0x80 makes q + 128 for vpdpbusd's unsigned operand, 0 keeps q signed for
-   the AMX tiles; past T the value 0), scales d / 128 [K/act_group][16], and (Q4_K) the value sums per 32
-   of 128 * hi + lo, [K/32][16] float. */
+   the AMX tiles; past T left as they were), scales d / 128 [K/act_group][16] (past T 0), and (Q4_K) the
+   value sums per 32 of 128 * hi + lo, [K/32][16] float. */
 static void act_tiles(const matmul_t *m, int t0, uint8_t *bytes, float *d, float *sums, uint32_t flip) {
     const int K = m->K;
     for (int l = 0; l < LANES; l++) {
         int t = t0 + l;
         act_t a = t < m->T ? token_act(m, t) : (act_t){NULL, NULL, NULL, NULL, NULL};
-        for (int level = 0; level < 2; level++) {
+        /* a lane past T keeps whatever bytes it held (its results are never read: every lane is its own
+           token's) and gets scales of 0; writing all 16 lanes cost a one-token call ~16 us of one thread */
+        for (int level = 0; a.qs && level < 2; level++) {
             const int8_t *qs = level ? a.lo : a.qs;
             uint8_t *out = bytes + (size_t)level * K * LANES;
             for (int q = 0; q < K / 4; q++) {
-                uint32_t v = flip;
-                if (qs) {
-                    memcpy(&v, qs + 4 * q, 4);
-                    v ^= flip;
-                }
+                uint32_t v;
+                memcpy(&v, qs + 4 * q, 4);
+                v ^= flip;
                 memcpy(out + ((size_t)q * LANES + l) * 4, &v, 4);
             }
         }
@@ -1042,11 +1043,11 @@ static void *scratch_for(size_t bytes) {
    per-row work (unpacking, broadcasts, scales per group) does not shrink with the lanes. */
 int ks_lanes_min_tokens[4] = {6, 6, 6, 5};
 
-/* From this many tokens a Q8_0 matmul runs on AMX tiles where the CPU has them (host_amx.c), in place of
-   the lanes kernel and with its bits.  Fewer tokens stay dot products per row: tiles there measured 1.3-1.75x
-   faster (2-4 tokens) but round as the lanes kernel does, and a step of 2-5 tokens keeps one token's numbers
-   (a request's n choices are its n seeded requests, bit for bit). */
-int ks_amx_min_tokens = 6;
+/* From this many tokens a Q8_0 matmul runs on AMX tiles where the CPU has them (host_amx.c): from one, so
+   every step size rounds alike (the lanes kernel's float steps) and a session's numbers do not depend on the
+   tokens beside it in a step.  On the 2-core VM (two threads, alternated against VNNI) one token on tiles
+   read 1.12x the dot products' rate, 2-5 tokens 1.2-1.9x, 6-16 2.1-2.2x. */
+int ks_amx_min_tokens = 1;
 
 /* Whether a matmul of T tokens runs on AMX tiles; whether on the lanes' tiles (the lanes kernel or AMX). */
 static inline int amx_tokens(int fmt, int isa, int T) {
@@ -1056,6 +1057,75 @@ static inline int amx_tokens(int fmt, int isa, int T) {
 static inline int lanes_tokens(int fmt, int isa, int T) {
     return KS_X86 && !repacked(fmt) && isa >= ISA_AVX512VNNI && (T >= ks_lanes_min_tokens[fmt] || amx_tokens(fmt, isa, T));
 }
+
+#if KS_X86
+/* Row r's nb block scales (Q8_0's f16) as floats into scales [nb][16] (the tiles' layout: a block's 16 rows
+   side by side); NULL meta: zeros (a row past N). */
+TARGET_VNNI static void row_scales(const uint8_t *meta, int nb, float *scales, int r) {
+    const __m512i at = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                          _mm512_set1_epi32(16));
+    int b = 0;
+    for (; b + 16 <= nb; b += 16) {
+        const __m512 v = meta ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(meta + 2 * b))) : _mm512_setzero_ps();
+        _mm512_i32scatter_ps(scales + 16 * b + r, at, v, 4);
+    }
+    for (; b < nb; b++) scales[16 * b + r] = meta ? h2f_at(meta + 2 * b) : 0.0f;
+}
+
+/* AMX scratch of a thread: a tile's rows copied together (16 x K bytes) and their scales. */
+static __thread uint8_t *amx_own;
+static __thread size_t amx_own_bytes;
+
+static uint8_t *amx_scratch(int K) {
+    const size_t bytes = (size_t)TILE_ROWS * K + (size_t)TILE_ROWS * (K / 32) * 4 + 64;
+    if (bytes > amx_own_bytes) {
+        free(amx_own);
+        amx_own = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        amx_own_bytes = amx_own ? bytes : 0;
+    }
+    return amx_own;
+}
+/* Which tile configuration this thread has loaded (0: none, 1: 16 token lanes, 2: one token). */
+static __thread int amx_config;
+
+static void amx_use(int config) {
+    if (amx_config == config) return;
+    if (config == 1) amx_q8_0_begin();
+    else amx_q8_0_one_begin();
+    amx_config = config;
+}
+
+static void amx_done(void) {
+    if (amx_config) amx_end();
+    amx_config = 0;
+}
+
+/* The R (<= 16) rows of a Q8_0 weight from row w (meta: its scales) at one stride on AMX tiles: out[r][l]
+   against a tile of activations in the lanes' layout (signed), or, with tile NULL, out[r][0] for the one
+   token a (amx_q8_0_one).  Fewer than 16 rows are copied into `own` (16 * K bytes) with zeros after them;
+   `scales` holds 16 * K / 32 floats. */
+static void amx_rows(const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride, int R, int K,
+                     const uint8_t *tile, const act_t *a, uint8_t *own, float *scales, float out[TILE_ROWS][LANES]) {
+    const int nb = K / 32;
+    for (int r = 0; r < TILE_ROWS; r++) row_scales(r < R ? meta + meta_stride * r : NULL, nb, scales, r);
+    if (R < TILE_ROWS) {
+        for (int r = 0; r < TILE_ROWS; r++) {
+            if (r < R) memcpy(own + (size_t)r * K, w + w_stride * r, (size_t)K);
+            else memset(own + (size_t)r * K, 0, (size_t)K);
+        }
+        w = own, w_stride = K;
+    }
+    if (tile) {
+        amx_use(1);
+        amx_q8_0_rows((const int8_t *)w, w_stride, scales, K, tile, (const float *)(tile + (size_t)K * LANES * 2), out);
+        return;
+    }
+    float one[TILE_ROWS];
+    amx_use(2);
+    amx_q8_0_one((const int8_t *)w, w_stride, scales, K, a->qs, a->lo, a->d, one);
+    for (int r = 0; r < TILE_ROWS; r++) out[r][0] = one[r];
+}
+#endif
 
 static void rmsnorm_row(const float *xr, const float *wr, int n, float eps, float *o);
 
@@ -1175,55 +1245,57 @@ static void matmul_lanes(void *ctx, int index, int count) {
 }
 
 /* Q8_0 on AMX tiles: each thread's row tiles of 16 (TILES_PER_GRAB a grab) against every token group,
-   host_amx.c's amx_q8_0_rows.  A tile's rows are read where they lie when they are 16 at one stride;
-   otherwise (the last rows, glu halves apart) they are copied together first. */
-TARGET_VNNI static void matmul_amx(void *ctx, int index, int count) {
+   host_amx.c's amx_q8_0_rows (one token: amx_q8_0_one, on the quantized row itself).  A tile's rows are
+   read where they lie when they are 16 at one stride; otherwise (the last rows, glu halves apart) they are
+   copied together first. */
+static void matmul_amx(void *ctx, int index, int count) {
     (void)index, (void)count;
     matmul_t *m = ctx;
     const int K = m->K, N = m->N, nb = K / 32;
     const size_t scales_at = (size_t)K * LANES * 2;
-    uint8_t *own = aligned_alloc(64, (size_t)TILE_ROWS * K + (size_t)TILE_ROWS * nb * 4 + 64);
+    uint8_t *own = amx_scratch(K);
     if (!own) {
         atomic_store(&m->failed, 1);
         return;
     }
     float *scales = (float *)(own + (size_t)TILE_ROWS * K);
-    amx_q8_0_begin();
-    for (int first; (first = atomic_fetch_add_explicit(&m->next, TILES_PER_GRAB, memory_order_relaxed)) < m->row_tiles;) {
-        int r_end = (first + TILES_PER_GRAB) * ROW_TILE < N ? (first + TILES_PER_GRAB) * ROW_TILE : N;
-        for (int r0 = first * ROW_TILE; r0 < r_end; r0 += TILE_ROWS) {
+    const act_t first = token_act(m, 0);
+    amx_use(m->T == 1 ? 2 : 1);
+    for (int grab; (grab = atomic_fetch_add_explicit(&m->next, TILES_PER_GRAB, memory_order_relaxed)) < m->row_tiles;) {
+        int r_end = (grab + TILES_PER_GRAB) * ROW_TILE < N ? (grab + TILES_PER_GRAB) * ROW_TILE : N;
+        for (int r0 = grab * ROW_TILE; r0 < r_end; r0 += TILE_ROWS) {
             const int R = r_end - r0 < TILE_ROWS ? r_end - r0 : TILE_ROWS;
             const uint8_t *w0 = row_w(m, logical_row(m, r0));
             const ptrdiff_t stride = R > 1 ? row_w(m, logical_row(m, r0 + 1)) - w0 : m->w_stride;
             int direct = R == TILE_ROWS;
-            for (int r = 0; r < R; r++) {
-                const ptrdiff_t row = logical_row(m, r0 + r);
-                const uint8_t *meta = row_meta(m, row);
-                int b = 0;
-                for (; b + 16 <= nb; b += 16)
-                    _mm512_storeu_ps(scales + r * nb + b, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(meta + 2 * b))));
-                for (; b < nb; b++) scales[r * nb + b] = h2f_at(meta + 2 * b);
-                if (row_w(m, row) != w0 + stride * r) direct = 0;
+            for (int r = 0; r < TILE_ROWS; r++) {
+                const ptrdiff_t row = r < R ? logical_row(m, r0 + r) : 0;
+                row_scales(r < R ? row_meta(m, row) : NULL, nb, scales, r);
+                if (r < R && row_w(m, row) != w0 + stride * r) direct = 0;
             }
             if (!direct)
                 for (int r = 0; r < TILE_ROWS; r++) {       /* past N: zeros, their results dropped */
                     if (r < R) memcpy(own + (size_t)r * K, row_w(m, logical_row(m, r0 + r)), (size_t)K);
                     else memset(own + (size_t)r * K, 0, (size_t)K);
                 }
-            for (int r = R; r < TILE_ROWS; r++)
-                for (int b = 0; b < nb; b++) scales[r * nb + b] = 0.0f;
+            const int8_t *w = direct ? (const int8_t *)w0 : (const int8_t *)own;
+            const ptrdiff_t w_stride = direct ? stride : K;
+            if (m->T == 1) {
+                float res[TILE_ROWS];
+                amx_q8_0_one(w, w_stride, scales, K, first.qs, first.lo, first.d, res);
+                for (int r = 0; r < R; r++) m->out[logical_row(m, r0 + r)] = res[r];
+                continue;
+            }
             for (int tg = 0; tg < m->token_groups; tg++) {
                 const uint8_t *tile = m->tiles + m->tile_bytes * (size_t)tg;
                 float res[TILE_ROWS][LANES];
-                amx_q8_0_rows(direct ? (const int8_t *)w0 : (const int8_t *)own, direct ? stride : K, scales, K, tile,
-                              (const float *)(tile + scales_at), res);
+                amx_q8_0_rows(w, w_stride, scales, K, tile, (const float *)(tile + scales_at), res);
                 for (int l = 0; l < LANES && tg * LANES + l < m->T; l++)
                     for (int r = 0; r < R; r++) m->out[m->out_stride * (tg * LANES + l) + logical_row(m, r0 + r)] = res[r][l];
             }
         }
     }
-    amx_end();
-    free(own);
+    amx_done();
 }
 #endif
 
@@ -1294,7 +1366,8 @@ int ks_linear(const ks_linear_t *spec, const float *x, ptrdiff_t x_stride, int T
         pool_run(matmul_kq, &m, workers);
 #if KS_X86
     else if (m.lanes) {
-        pool_run(matmul_tiles, &m, threads < m.token_groups ? threads : m.token_groups);
+        if (!(m.amx && T == 1))         /* one token on tiles reads its quantized row as it is */
+            pool_run(matmul_tiles, &m, threads < m.token_groups ? threads : m.token_groups);
         pool_run(m.amx ? matmul_amx : matmul_lanes, &m, workers);
         if (atomic_load(&m.failed)) return -1;
     }
@@ -1396,7 +1469,9 @@ int ks_linear_group(const ks_linear_t *const *specs, int n, const float *const *
    down with no barrier between (a down block is handed out only after every gate|up block was, so at most
    the last few experts' are still running).  The numbers of ks_linear_group on the same experts: the same
    quantized activations (quantization is per token and deterministic), the same dot per row and token,
-   silu_mul_run per value. */
+   silu_mul_run per value.  On AMX tiles (Q8_0) an expert's choices are the lanes of an activation tile of its
+   own, built by the job's first grabs (the tokens') and with its SiLU·mul rows (the down's): 16 rows a tile,
+   ks_linear's numbers on tiles. */
 
 static void silu_mul_run(const float *restrict g, const float *restrict u, float *restrict o, int n);
 
@@ -1412,7 +1487,32 @@ typedef struct {
     _Atomic int *gate_done;         /* [n]: each expert's gate|up blocks finished */
     _Atomic int *ready;             /* [n]: each expert's SiLU·mul rows quantized */
     _Atomic int next;
+    /* AMX (Q8_0): each expert's choices as the lanes of an activation tile, of the tokens (gate|up; built
+       first, `tiled` raised) and of its SiLU·mul rows (down; built with them, before `ready`) */
+    int amx;
+    uint8_t *gate_tiles, *down_tiles;
+    size_t gate_tile_bytes, down_tile_bytes;
+    _Atomic int *tiled;
 } routed_t;
+
+#if KS_X86
+/* The lanes of a tile (the lanes kernel's layout, signed: act_tiles with flip 0) from `count` quantized rows
+   of K values, choice ch's at lane ch - first; lanes past count keep what they held (their results are not
+   read). */
+static void choice_tiles(const matmul_t *m, const int *rows, int count, uint8_t *tile) {
+    const int K = m->K;
+    float *d = (float *)(tile + (size_t)K * LANES * 2);
+    for (int l = 0; l < count; l++) {
+        const act_t a = token_act(m, rows[l]);
+        for (int level = 0; level < 2; level++) {
+            const int8_t *qs = level ? a.lo : a.qs;
+            uint8_t *out = tile + (size_t)level * K * LANES + 4 * l;
+            for (int q = 0; q < K / 4; q++) memcpy(out + (size_t)q * LANES * 4, qs + 4 * q, 4);
+        }
+        for (int b = 0; b < K / m->group; b++) d[b * LANES + l] = a.d[b] * LO_SCALE;
+    }
+}
+#endif
 
 static void routed_gate_block(const routed_t *c, int e, int r0) {
     const ks_linear_t *s = c->gate_up[e];
@@ -1420,6 +1520,25 @@ static void routed_gate_block(const routed_t *c, int e, int r0) {
     const int rows = c->I - r0 < ROUTED_GATE_ROWS ? c->I - r0 : ROUTED_GATE_ROWS;
     const ptrdiff_t up_w = up_w_of(s), up_meta = up_meta_of(s);
     float gate[ROUTED_GATE_ROWS], up[ROUTED_GATE_ROWS];
+#if KS_X86
+    uint8_t *own;
+    if (c->amx && (own = amx_scratch(s->K))) {      /* the expert's choices in the lanes of its tile: gate, up */
+        float *scales = (float *)(own + (size_t)TILE_ROWS * s->K);
+        /* one choice: its quantized row as it is; more: the expert's tile */
+        const uint8_t *tile = c->count[e] > 1 ? c->gate_tiles + c->gate_tile_bytes * (size_t)e : NULL;
+        const act_t a = token_act(c->in, c->token[c->first[e]]);
+        float g[TILE_ROWS][LANES], u[TILE_ROWS][LANES];
+        amx_rows(s->w + s->w_stride * r0, s->w_stride, s->meta + s->meta_stride * r0, s->meta_stride, rows, s->K, tile,
+                 &a, own, scales, g);
+        amx_rows(s->w + up_w + s->w_stride * r0, s->w_stride, s->meta + up_meta + s->meta_stride * r0, s->meta_stride, rows,
+                 s->K, tile, &a, own, scales, u);
+        for (int l = 0; l < c->count[e]; l++) {
+            for (int r = 0; r < rows; r++) gate[r] = g[r][l], up[r] = u[r][l];
+            silu_mul_run(gate, up, c->act + (ptrdiff_t)c->I * (c->first[e] + l) + r0, rows);
+        }
+        return;
+    }
+#endif
     for (int ch = c->first[e]; ch < c->first[e] + c->count[e]; ch++) {
         const act_t a = token_act(c->in, c->token[ch]);
         for (int r = 0; r < rows; r++) {
@@ -1435,6 +1554,23 @@ static void routed_down_block(const routed_t *c, int e, int r0) {
     const ks_linear_t *s = c->down[e];
     const dot_fn dot = dot_for(s->fmt, s->isa);
     const int r1 = r0 + ROUTED_DOWN_ROWS < c->H ? r0 + ROUTED_DOWN_ROWS : c->H;
+#if KS_X86
+    uint8_t *own;
+    if (c->amx && (own = amx_scratch(s->K))) {     /* (no memory for its scratch: the dot products) */
+        float *scales = (float *)(own + (size_t)TILE_ROWS * s->K);
+        const uint8_t *tile = c->count[e] > 1 ? c->down_tiles + c->down_tile_bytes * (size_t)e : NULL;
+        const act_t a = token_act(c->mid, c->first[e]);
+        for (int t0 = r0; t0 < r1; t0 += TILE_ROWS) {
+            const int rows = r1 - t0 < TILE_ROWS ? r1 - t0 : TILE_ROWS;
+            float res[TILE_ROWS][LANES];
+            amx_rows(s->w + s->w_stride * t0, s->w_stride, s->meta + s->meta_stride * t0, s->meta_stride, rows, s->K, tile,
+                     &a, own, scales, res);
+            for (int l = 0; l < c->count[e]; l++)
+                for (int r = 0; r < rows; r++) c->out[(ptrdiff_t)c->H * (c->first[e] + l) + t0 + r] = res[r][l];
+        }
+        return;
+    }
+#endif
     for (int ch = c->first[e]; ch < c->first[e] + c->count[e]; ch++) {
         const act_t a = token_act(c->mid, ch);
         float *o = c->out + (ptrdiff_t)c->H * ch;
@@ -1442,30 +1578,55 @@ static void routed_down_block(const routed_t *c, int e, int r0) {
     }
 }
 
+/* Until flag is raised (another thread's work). */
+static void wait_flag(_Atomic int *flag) {
+    for (int spins = 1; !atomic_load_explicit(flag, memory_order_acquire); spins++) {
+        cpu_relax();
+        if ((spins & 1023) == 0) sched_yield();      /* the thread raising it may be off the CPU */
+    }
+}
+
 static void routed_rows(void *ctx, int index, int count) {
     (void)index, (void)count;
     routed_t *c = ctx;
-    const int gate_total = c->n * c->gate_grabs, total = gate_total + c->n * c->down_grabs;
+    /* grabs: (AMX) each expert's token tile, then every gate|up block, then every down block */
+    const int tiles = c->amx ? c->n : 0, gate_total = tiles + c->n * c->gate_grabs, total = gate_total + c->n * c->down_grabs;
     const matmul_t *mid = c->mid;
     for (int grab; (grab = atomic_fetch_add_explicit(&c->next, 1, memory_order_relaxed)) < total;) {
+#if KS_X86
+        if (grab < tiles) {             /* an expert of one choice reads its quantized row as it is */
+            if (c->count[grab] > 1)
+                choice_tiles(c->in, c->token + c->first[grab], c->count[grab], c->gate_tiles + c->gate_tile_bytes * (size_t)grab);
+            atomic_store_explicit(&c->tiled[grab], 1, memory_order_release);
+            continue;
+        }
+#endif
         if (grab < gate_total) {
-            const int e = grab / c->gate_grabs;
-            routed_gate_block(c, e, grab % c->gate_grabs * ROUTED_GATE_ROWS);
+            const int e = (grab - tiles) / c->gate_grabs;
+            if (c->amx) wait_flag(&c->tiled[e]);
+            routed_gate_block(c, e, (grab - tiles) % c->gate_grabs * ROUTED_GATE_ROWS);
             if (atomic_fetch_add_explicit(&c->gate_done[e], 1, memory_order_acq_rel) + 1 < c->gate_grabs) continue;
             for (int ch = c->first[e]; ch < c->first[e] + c->count[e]; ch++) {    /* the expert's last block: its rows */
                 act_t a = token_act(mid, ch);
                 quantize_act_isa(mid->isa, c->act + (ptrdiff_t)c->I * ch, c->I, mid->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
             }
+#if KS_X86
+            if (c->amx && c->count[e] > 1) {
+                int rows[4];            /* count <= 4 (ks_routed_few) */
+                for (int l = 0; l < c->count[e]; l++) rows[l] = c->first[e] + l;
+                choice_tiles(mid, rows, c->count[e], c->down_tiles + c->down_tile_bytes * (size_t)e);
+            }
+#endif
             atomic_store_explicit(&c->ready[e], 1, memory_order_release);
             continue;
         }
         const int e = (grab - gate_total) / c->down_grabs;
-        for (int spins = 1; !atomic_load_explicit(&c->ready[e], memory_order_acquire); spins++) {
-            cpu_relax();
-            if ((spins & 1023) == 0) sched_yield();      /* its gate|up thread may be off the CPU */
-        }
+        wait_flag(&c->ready[e]);
         routed_down_block(c, e, (grab - gate_total) % c->down_grabs * ROUTED_DOWN_ROWS);
     }
+#if KS_X86
+    amx_done();
+#endif
 }
 
 /* Whether an expert's Linear chosen by `tokens` tokens runs in ks_routed_few: a plain (not repacked)
@@ -1473,7 +1634,7 @@ static void routed_rows(void *ctx, int index, int count) {
    test: an expert's tokens get the numbers of its Linear run alone). */
 int ks_routed_fits(const ks_linear_t *s, int tokens) {
     if (s->norm || repacked(s->fmt) || tokens > 4) return 0;
-    return !lanes_tokens(s->fmt, s->isa, tokens);
+    return amx_tokens(s->fmt, s->isa, tokens) || !lanes_tokens(s->fmt, s->isa, tokens);
 }
 
 /* Whether n Linears share one format and shape. */
@@ -1491,6 +1652,8 @@ int ks_routed_few(const ks_linear_t *const *gate_up, const ks_linear_t *const *d
     if (!routed_alike(gate_up, n) || !routed_alike(down, n)) return 1;
     const int H = gate_up[0]->K, I = gate_up[0]->N / 2;
     if (!gate_up[0]->glu || down[0]->K != I || down[0]->N != H) return 1;
+    for (int i = 0; i < n; i++)
+        if (count[i] > 4) return 1;             /* not what ks_routed_fits passes: each runs as its Linears */
     int choices = 0;                /* the act rows up to the last expert's: mid's tokens */
     for (int i = 0; i < n; i++) choices = first[i] + count[i] > choices ? first[i] + count[i] : choices;
     ks_linear_t in_spec = *gate_up[0], mid_spec = *down[0];
@@ -1498,19 +1661,25 @@ int ks_routed_few(const ks_linear_t *const *gate_up, const ks_linear_t *const *d
     matmul_t in, mid;
     const size_t in_bytes = matmul_init(&in, &in_spec, xn, H, T, NULL, 0);
     const size_t mid_bytes = matmul_init(&mid, &mid_spec, act, I, choices, NULL, 0);
-    const size_t flag_bytes = (2 * (size_t)n * sizeof(_Atomic int) + 63) / 64 * 64;
-    uint8_t *buf = scratch_for(in_bytes + mid_bytes + flag_bytes);
+    const size_t flag_bytes = (3 * (size_t)n * sizeof(_Atomic int) + 63) / 64 * 64;
+    /* AMX: every expert's tiles (the lanes' layout: [2][K/4][16][4] and d [K/32][16]) */
+    const int amx = amx_tokens(gate_up[0]->fmt, gate_up[0]->isa, 1) && amx_tokens(down[0]->fmt, down[0]->isa, 1);
+    const size_t gate_tile = amx ? (size_t)H * LANES * 2 + (size_t)(H / 32) * LANES * 4 : 0;
+    const size_t down_tile = amx ? (size_t)I * LANES * 2 + (size_t)(I / 32) * LANES * 4 : 0;
+    uint8_t *buf = scratch_for(in_bytes + mid_bytes + flag_bytes + (gate_tile + down_tile) * (size_t)n);
     if (!buf) return -1;
     matmul_place(&in, buf);
     matmul_place(&mid, buf + in_bytes);
     _Atomic int *flags = (_Atomic int *)(buf + in_bytes + mid_bytes);
-    for (int i = 0; i < 2 * n; i++) atomic_init(&flags[i], 0);
+    for (int i = 0; i < 3 * n; i++) atomic_init(&flags[i], 0);
+    uint8_t *tiles = buf + in_bytes + mid_bytes + flag_bytes;
     int threads = 1;
     for (int i = 0; i < n; i++) threads = gate_up[i]->threads > threads ? gate_up[i]->threads : threads;
     pool_run(matmul_quantize, &in, T > 4 ? (threads < T ? threads : T) : 1);
     routed_t c = {gate_up, down, first, count, token, n, I, H, (I + ROUTED_GATE_ROWS - 1) / ROUTED_GATE_ROWS,
-                  (H + ROUTED_DOWN_ROWS - 1) / ROUTED_DOWN_ROWS, &in, &mid, act, out, flags, flags + n, 0};
-    const int grabs = n * (c.gate_grabs + c.down_grabs);
+                  (H + ROUTED_DOWN_ROWS - 1) / ROUTED_DOWN_ROWS, &in, &mid, act, out, flags, flags + n, 0,
+                  amx, tiles, tiles + gate_tile * (size_t)n, gate_tile, down_tile, flags + 2 * n};
+    const int grabs = n * (c.gate_grabs + c.down_grabs) + (amx ? n : 0);
     pool_run(routed_rows, &c, threads < grabs ? threads : grabs);
     return atomic_load(&in.failed) ? -1 : 0;
 }

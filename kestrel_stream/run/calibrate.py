@@ -57,8 +57,8 @@ def _pool_weights(total_bytes: int) -> list:
 
 
 FORMAT_SCALE_BYTES = {"Q4_K": (0, 2), "Q6_K": (208,)}    # where a block's fp16 scales are (d, dmin / d)
-# step sizes at which each format's kernel rate is measured: 5 and 6 beside the switch from dot products to
-# tokens in lanes (or AMX tiles) at 6, where Q8_0's rate jumps (2.2x on AMX) instead of falling
+# step sizes at which each format's kernel rate is measured: 5 and 6 beside VNNI's switch from dot products to
+# tokens in lanes at 6, where its Q8_0 rate turns (on AMX tiles it is flat from 2 to 16 tokens)
 KERNEL_TOKENS = (1, 2, 4, 5, 6, 8, 16, 32)
 
 
