@@ -88,7 +88,7 @@ TARGET_AMX void amx_q8_0_one_begin(void) { _tile_loadconfig(&Q8_0_ONE); }
 TARGET_AMX void amx_end(void) { _tile_release(); }
 
 TARGET_AMX void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const uint8_t *acts,
-                              const float *d, float out[16][16]) {
+                              const float *d, int next, float out[16][16]) {
     const int nb = K / 32;
     const uint8_t *lo = acts + (size_t)K * 16;
     _Alignas(64) int32_t sums[2][2][16][16];        /* [block & 1][hi, lo][row][lane] */
@@ -97,8 +97,8 @@ TARGET_AMX void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *
     /* block b's products are stored while block b - 1's sums are scaled (its stores long done) */
     for (int b = 0; b <= nb; b++) {
         if (b < nb) {
-            if (!(b & 1))       /* the rows' lines 4 ahead (a line holds two blocks), past their ends the next 16's */
-                for (int r = 0; r < 16; r++) {
+            if (!(b & 1))       /* the rows' lines 4 ahead (a line holds two blocks), past their ends (`next`) the next 16's */
+                for (int r = 0; r < 16 && (b + 8 < nb || next); r++) {
                     const int ahead = b + 8;
                     _mm_prefetch((const char *)(ahead < nb ? w + w_stride * r + 32 * ahead : w + w_stride * (r + 16) + 32 * (ahead - nb)),
                                  _MM_HINT_T0);
@@ -128,19 +128,21 @@ TARGET_AMX void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *
 }
 
 TARGET_AMX void amx_q8_0_one(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const int8_t *hi,
-                             const int8_t *lo, const float *d, float out[16]) {
+                             const int8_t *lo, const float *d, int next, float out[16]) {
     const int nb = K / 32;
     _Alignas(64) int32_t sums[2][2][16];            /* [block & 1][hi, lo][row] */
     __m512 total = _mm512_setzero_ps();
     for (int b = 0; b <= nb; b++) {
         if (b < nb) {
-            if (!(b & 1))       /* past the rows' ends: the next 16 rows' first lines (a prefetch never faults) */
+            if (!(b & 1))       /* past the rows' ends, where `next`: the next 16 rows' first lines */
                 for (int r = 0; r < 16; r++) {
                     const int far = b + PF_FAR, near = b + PF_NEAR;
-                    _mm_prefetch((const char *)(far < nb ? w + w_stride * r + 32 * far : w + w_stride * (r + 16) + 32 * (far - nb)),
-                                 _MM_HINT_T1);
-                    _mm_prefetch((const char *)(near < nb ? w + w_stride * r + 32 * near : w + w_stride * (r + 16) + 32 * (near - nb)),
-                                 _MM_HINT_T0);
+                    if (far < nb || next)
+                        _mm_prefetch((const char *)(far < nb ? w + w_stride * r + 32 * far : w + w_stride * (r + 16) + 32 * (far - nb)),
+                                     _MM_HINT_T1);
+                    if (near < nb || next)
+                        _mm_prefetch((const char *)(near < nb ? w + w_stride * r + 32 * near : w + w_stride * (r + 16) + 32 * (near - nb)),
+                                     _MM_HINT_T0);
                 }
             _tile_zero(C_HI);
             _tile_zero(C_LO);
@@ -167,13 +169,13 @@ TARGET_AMX void amx_q8_0_one(const int8_t *w, ptrdiff_t w_stride, const float *s
 void amx_q8_0_begin(void) {}
 void amx_q8_0_one_begin(void) {}
 void amx_q8_0_one(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const int8_t *hi, const int8_t *lo,
-                  const float *d, float out[16]) {
-    (void)w, (void)w_stride, (void)scales, (void)K, (void)hi, (void)lo, (void)d, (void)out;
+                  const float *d, int next, float out[16]) {
+    (void)w, (void)w_stride, (void)scales, (void)K, (void)hi, (void)lo, (void)d, (void)next, (void)out;
 }
 void amx_end(void) {}
 void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const uint8_t *acts, const float *d,
-                   float out[16][16]) {
-    (void)w, (void)w_stride, (void)scales, (void)K, (void)acts, (void)d, (void)out;
+                   int next, float out[16][16]) {
+    (void)w, (void)w_stride, (void)scales, (void)K, (void)acts, (void)d, (void)next, (void)out;
 }
 
 #endif

@@ -1046,7 +1046,7 @@ int ks_lanes_min_tokens[4] = {6, 6, 6, 5};
 /* From this many tokens a Q8_0 matmul runs on AMX tiles where the CPU has them (host_amx.c): from one, so
    every step size rounds alike (the lanes kernel's float steps) and a session's numbers do not depend on the
    tokens beside it in a step.  On the 2-core VM (two threads, alternated against VNNI) one token on tiles
-   read 1.12x the dot products' rate, 2-5 tokens 1.2-1.9x, 6-16 2.1-2.2x. */
+   read 1.25x the dot products' rate, 2-5 tokens 1.2-2.0x, 6-16 2.2-2.35x. */
 int ks_amx_min_tokens = 1;
 
 /* Whether a matmul of T tokens runs on AMX tiles; whether on the lanes' tiles (the lanes kernel or AMX). */
@@ -1102,10 +1102,10 @@ static void amx_done(void) {
 
 /* The R (<= 16) rows of a Q8_0 weight from row w (meta: its scales) at one stride on AMX tiles: out[r][l]
    against a tile of activations in the lanes' layout (signed), or, with tile NULL, out[r][0] for the one
-   token a (amx_q8_0_one).  Fewer than 16 rows are copied into `own` (16 * K bytes) with zeros after them;
+   token a (amx_q8_0_one); next: the 16 rows after these are read next (amx_q8_0_rows).  Fewer than 16 rows are copied into `own` (16 * K bytes) with zeros after them;
    `scales` holds 16 * K / 32 floats. */
 static void amx_rows(const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride, int R, int K,
-                     const uint8_t *tile, const act_t *a, uint8_t *own, float *scales, float out[TILE_ROWS][LANES]) {
+                     const uint8_t *tile, const act_t *a, int next, uint8_t *own, float *scales, float out[TILE_ROWS][LANES]) {
     const int nb = K / 32;
     for (int r = 0; r < TILE_ROWS; r++) row_scales(r < R ? meta + meta_stride * r : NULL, nb, scales, r);
     if (R < TILE_ROWS) {
@@ -1113,16 +1113,16 @@ static void amx_rows(const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, 
             if (r < R) memcpy(own + (size_t)r * K, w + w_stride * r, (size_t)K);
             else memset(own + (size_t)r * K, 0, (size_t)K);
         }
-        w = own, w_stride = K;
+        w = own, w_stride = K, next = 0;
     }
     if (tile) {
         amx_use(1);
-        amx_q8_0_rows((const int8_t *)w, w_stride, scales, K, tile, (const float *)(tile + (size_t)K * LANES * 2), out);
+        amx_q8_0_rows((const int8_t *)w, w_stride, scales, K, tile, (const float *)(tile + (size_t)K * LANES * 2), next, out);
         return;
     }
     float one[TILE_ROWS];
     amx_use(2);
-    amx_q8_0_one((const int8_t *)w, w_stride, scales, K, a->qs, a->lo, a->d, one);
+    amx_q8_0_one((const int8_t *)w, w_stride, scales, K, a->qs, a->lo, a->d, next, one);
     for (int r = 0; r < TILE_ROWS; r++) out[r][0] = one[r];
 }
 #endif
@@ -1280,16 +1280,18 @@ static void matmul_amx(void *ctx, int index, int count) {
                 }
             const int8_t *w = direct ? (const int8_t *)w0 : (const int8_t *)own;
             const ptrdiff_t w_stride = direct ? stride : K;
+            /* this thread's next 16 rows follow at the same stride: the kernels prefetch into them */
+            const int next = direct && r0 + 2 * TILE_ROWS <= r_end && row_w(m, logical_row(m, r0 + TILE_ROWS)) == w0 + stride * TILE_ROWS;
             if (m->T == 1) {
                 float res[TILE_ROWS];
-                amx_q8_0_one(w, w_stride, scales, K, first.qs, first.lo, first.d, res);
+                amx_q8_0_one(w, w_stride, scales, K, first.qs, first.lo, first.d, next, res);
                 for (int r = 0; r < R; r++) m->out[logical_row(m, r0 + r)] = res[r];
                 continue;
             }
             for (int tg = 0; tg < m->token_groups; tg++) {
                 const uint8_t *tile = m->tiles + m->tile_bytes * (size_t)tg;
                 float res[TILE_ROWS][LANES];
-                amx_q8_0_rows(w, w_stride, scales, K, tile, (const float *)(tile + scales_at), res);
+                amx_q8_0_rows(w, w_stride, scales, K, tile, (const float *)(tile + scales_at), next, res);
                 for (int l = 0; l < LANES && tg * LANES + l < m->T; l++)
                     for (int r = 0; r < R; r++) m->out[m->out_stride * (tg * LANES + l) + logical_row(m, r0 + r)] = res[r][l];
             }
@@ -1529,9 +1531,9 @@ static void routed_gate_block(const routed_t *c, int e, int r0) {
         const act_t a = token_act(c->in, c->token[c->first[e]]);
         float g[TILE_ROWS][LANES], u[TILE_ROWS][LANES];
         amx_rows(s->w + s->w_stride * r0, s->w_stride, s->meta + s->meta_stride * r0, s->meta_stride, rows, s->K, tile,
-                 &a, own, scales, g);
+                 &a, 0, own, scales, g);
         amx_rows(s->w + up_w + s->w_stride * r0, s->w_stride, s->meta + up_meta + s->meta_stride * r0, s->meta_stride, rows,
-                 s->K, tile, &a, own, scales, u);
+                 s->K, tile, &a, 0, own, scales, u);
         for (int l = 0; l < c->count[e]; l++) {
             for (int r = 0; r < rows; r++) gate[r] = g[r][l], up[r] = u[r][l];
             silu_mul_run(gate, up, c->act + (ptrdiff_t)c->I * (c->first[e] + l) + r0, rows);
@@ -1564,7 +1566,7 @@ static void routed_down_block(const routed_t *c, int e, int r0) {
             const int rows = r1 - t0 < TILE_ROWS ? r1 - t0 : TILE_ROWS;
             float res[TILE_ROWS][LANES];
             amx_rows(s->w + s->w_stride * t0, s->w_stride, s->meta + s->meta_stride * t0, s->meta_stride, rows, s->K, tile,
-                     &a, own, scales, res);
+                     &a, t0 + 2 * TILE_ROWS <= r1, own, scales, res);
             for (int l = 0; l < c->count[e]; l++)
                 for (int r = 0; r < rows; r++) c->out[(ptrdiff_t)c->H * (c->first[e] + l) + t0 + r] = res[r][l];
         }
