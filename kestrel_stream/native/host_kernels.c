@@ -1017,7 +1017,7 @@ static const dot_fn DOTS[4][3] = {
 };
 #endif
 
-/* The dot product of a format at an ISA (AMX's is VNNI's: one token a row runs no tiles). */
+/* The dot product of a format at an ISA (AMX's is VNNI's, for the formats the tiles do not take). */
 static inline dot_fn dot_for(int fmt, int isa) { return DOTS[fmt][isa > ISA_AVX512VNNI ? ISA_AVX512VNNI : isa]; }
 
 static __thread uint8_t *scratch;
@@ -1085,6 +1085,7 @@ static uint8_t *amx_scratch(int K) {
     }
     return amx_own;
 }
+
 /* Which tile configuration this thread has loaded (0: none, 1: 16 token lanes, 2: one token). */
 static __thread int amx_config;
 
@@ -1102,8 +1103,9 @@ static void amx_done(void) {
 
 /* The R (<= 16) rows of a Q8_0 weight from row w (meta: its scales) at one stride on AMX tiles: out[r][l]
    against a tile of activations in the lanes' layout (signed), or, with tile NULL, out[r][0] for the one
-   token a (amx_q8_0_one); next: the 16 rows after these are read next (amx_q8_0_rows).  Fewer than 16 rows are copied into `own` (16 * K bytes) with zeros after them;
-   `scales` holds 16 * K / 32 floats. */
+   token a (amx_q8_0_one); next: the 16 rows after these are this thread's next (the kernels prefetch into
+   them).  Fewer than 16 rows are copied into `own` (16 * K bytes) with zeros after them; `scales` holds
+   16 * K / 32 floats. */
 static void amx_rows(const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, ptrdiff_t meta_stride, int R, int K,
                      const uint8_t *tile, const act_t *a, int next, uint8_t *own, float *scales, float out[TILE_ROWS][LANES]) {
     const int nb = K / 32;
