@@ -4,7 +4,9 @@
 The check per type: a tensor of that type loads to exactly what our Q8_0
 quantizer makes of the floats ``gguf.quants.dequantize`` gives for its bytes
 (the same qs and scales, bit for bit), and those Q8_0 values lie within half a
-Q8_0 step of the floats (plus the fp16 rounding of the step).  Types gguf.quants can write (F32, F16, BF16, Q4_0,
+Q8_0 step of the floats (plus the fp16 rounding of the step); the types whose
+values are an int8 level times the block's scale (Q4_0, Q5_0, IQ4_NL:
+model/exact_q8.py) load to those very floats, and are not cached.  Types gguf.quants can write (F32, F16, BF16, Q4_0,
 Q4_1, Q5_0, Q5_1, Q8_0) are written by ``gguf.quants.quantize``; for the K-quants and
 IQ4 types (gguf.quants only reads them) the blocks are random bytes with
 their fp16 scale fields set to small finite values.
@@ -20,6 +22,7 @@ from kestrel_stream.loading.gguf import CONVERTED_TYPES, open_gguf
 from kestrel_stream.loading.gguf_file import GGUFFile, gguf_metadata
 from kestrel_stream.loading.loader import load_weights
 from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.model.exact_q8 import EXACT_TYPES
 from kestrel_stream.model.quant import GROUP, quantize
 from kestrel_stream.loading.presets import random_weights
 from kestrel_stream.model.weights import hf_tensor_shapes
@@ -104,9 +107,14 @@ def test_each_type_loads_to_its_dequantized_values_rounded_to_q8_0(tmp_path, qty
     loaded = {"token_embd.weight": weights.embed, "output.weight": weights.lm_head,
               "blk.0.attn_output.weight": layer.wo, "blk.0.ffn_down.weight": layer.w_down,
               "blk.0.attn_q.weight": layer.wqkv.rows(0, 256), "blk.0.ffn_up.weight": layer.w_gate_up.rows(256, 512)}
+    exact = qtype.name in EXACT_TYPES
     for name, q in loaded.items():
         floats = gguf_quants.dequantize(written[name], qtype).astype(np.float32)
         assert np.isfinite(floats).all() and np.abs(floats).max() > 0, name
+        if exact:               # the same values, bit for bit, where requantizing would round them
+            assert np.array_equal(q.dequantize(), floats), name
+            assert not np.array_equal(quantize(floats).dequantize(), floats), name
+            continue
         expected = quantize(floats)
         assert np.array_equal(q.qs, expected.qs) and np.array_equal(q.scales, expected.scales), name
         # half a step, plus 127 steps' worth of the scale's own fp16 rounding (2^-11 relative)
@@ -116,8 +124,19 @@ def test_each_type_loads_to_its_dequantized_values_rounded_to_q8_0(tmp_path, qty
     if qtype == T.Q8_0:
         assert line is None
     else:
-        assert line.startswith(f"gguf: converted to Q8_0: {qtype.name} x9 (") and line.endswith(" MB)")
+        assert line.startswith(f"gguf: converted to Q8_0: {qtype.name} x9 (")
+        assert line.endswith(" MB, exact)" if exact else " MB)")
         assert line in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("qtype", [T.Q5_0, T.Q5_K], ids=lambda t: t.name)
+def test_only_rounding_conversions_are_cached(tmp_path, qtype):
+    """An exact conversion is a byte shuffle each load; a rounding one is worth its cached Q8_0 copy."""
+    path = tmp_path / "model.gguf"
+    write_gguf(path, qtype)
+    first = load_weights(path)
+    assert (first.extra["qcache"]["path"] is None) == (qtype == T.Q5_0)
+    assert load_weights(path).extra["qcache"]["hit"] is (qtype == T.Q5_K)
 
 
 def test_a_converted_gguf_is_cached_and_a_corrupt_cache_rebuilt(tmp_path, capfd):

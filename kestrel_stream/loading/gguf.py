@@ -7,9 +7,10 @@ tensor names onto our HF-named layout (gguf_layout.py: the names, the experts'
 blocks, views of its mmap (model/q8_blocks.py: split into qs/scales by the
 one copy each consumer makes); Q4_0, Q4_K and Q6_K tensors stay in their
 blocks (model/quant4.py: the kernels run them natively) unless the load asks
-for ``blocks="q8_0"``; every other type ``gguf.quants`` dequantizes (F32, F16,
-BF16, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS) is converted to
-Q8_0, row chunk by row chunk.
+for ``blocks="q8_0"``; Q5_0 and IQ4_NL (and Q4_0 converted) become the Q8_0
+of the same values, a byte shuffle (model/exact_q8.py); every other type
+``gguf.quants`` dequantizes (F32, F16, BF16, Q4_1, Q5_1, Q2_K, Q3_K, Q5_K,
+IQ4_XS) is converted to Q8_0, row chunk by row chunk.
 A file that needed conversion is cached like a Hugging Face checkpoint
 (qcache), so the conversion runs once; the load prints one line saying what
 was converted.  Norms, biases and rope_freqs become float32.
@@ -39,6 +40,7 @@ from kestrel_stream.loading.gguf_config import config_from_metadata
 from kestrel_stream.loading.gguf_layout import (PERMUTED_ARCHS, ROPE_FREQS, VECTOR_TYPES, expert_slices, gguf_names,
                                                 gguf_shapes, is_linear, permute_rows, read_vector, rope_row_order)
 from kestrel_stream.model.config import ModelConfig
+from kestrel_stream.model.exact_q8 import EXACT_TYPES, exact_q8_0
 from kestrel_stream.model.mapped import release_file_pages
 from kestrel_stream.model.q8_blocks import Q8Blocks
 from kestrel_stream.model.quant import QTensor, quantize
@@ -178,7 +180,7 @@ def check_tensors(f: GGUFFile, cfg: ModelConfig, expected: dict[str, tuple[int, 
 
 def conversion_line(counts: dict[str, list[int]]) -> str:
     """counts: type name → [tensors, bytes in the file, Q8_0 bytes] for every converted linear tensor."""
-    parts = ", ".join(f"{kind} x{n} ({before / 1e6:.1f} MB -> {after / 1e6:.1f} MB)"
+    parts = ", ".join(f"{kind} x{n} ({before / 1e6:.1f} MB -> {after / 1e6:.1f} MB{', exact' if kind in EXACT_TYPES else ''})"
                       for kind, (n, before, after) in sorted(counts.items()))
     if len(counts) == 1:            # the one type's part is already the total
         return f"gguf: converted to Q8_0: {parts}"
@@ -204,7 +206,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
     expected = gguf_shapes(cfg)
     check_tensors(f, cfg, expected)
     linear_types = {f.tensors[n].qtype for n, s in expected.items() if is_linear(n, s)}
-    needs_conversion = any(t not in kept for t in linear_types)
+    # exact conversions are a byte shuffle: only rounding conversions are worth a cached copy of the model
+    needs_conversion = any(t not in kept and t.name not in EXACT_TYPES for t in linear_types)
     cache_path = key = None
     # the quantized cache holds Q8_0 weights only: a file that keeps blocks converts its other tensors each load
     if cache and needs_conversion and not linear_types & set(kept) - set(NATIVE_TYPES):
@@ -249,7 +252,8 @@ def read_gguf(path: str | Path, progress: Progress | None = None, cache: bool = 
             if order is not None:
                 q = permute_rows(q, order)
         else:
-            q = quantize(DequantRows(raw, t.qtype, t.shape), rows_per_chunk=CONVERT_ROWS)
+            q = exact_q8_0(raw, t.qtype.name, t.shape) if t.qtype.name in EXACT_TYPES else \
+                quantize(DequantRows(raw, t.qtype, t.shape), rows_per_chunk=CONVERT_ROWS)
             counts = converted[t.qtype.name]
             counts[0] += 1
             counts[1] += t.nbytes

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kestrel_stream.model.exact_q8 import EXACT_TYPES, exact_q8_0
 from kestrel_stream.model.quant import QTensor, quantize
 from scheduler.ops import BLOCK_FORMATS
 
@@ -127,7 +128,10 @@ class BlockTensor:
         return split_blocks(self.blocks, self.fmt, self.cols)
 
     def to_q8(self) -> QTensor:
-        """The old load path: requantized to Q8_0 (lossy)."""
+        """As Q8_0: Q4_0 exactly (model/exact_q8.py); the K-quants requantized (lossy: their values are not an
+        int8 times one scale per 32)."""
+        if self.fmt in EXACT_TYPES:
+            return exact_q8_0(self.blocks, self.fmt, self.shape)
         return quantize(_Dequantized(self), rows_per_chunk=1024)
 
 
@@ -199,7 +203,7 @@ def fuse_rows(parts: list, allow_stack: bool = True):
     """Row-wise concatenation of projections sharing an input (QKV, gate+up), exact where it can be:
     one format → that format; two runs of block formats → a RowStack (unless `allow_stack` is False:
     gate+up, whose rows the SiLU epilogue reads in (gate j, up j) pairs); anything else (Q8_0 beside a
-    block format, three runs) → every part requantized to Q8_0, as the old load path did."""
+    block format, three runs) → every part as Q8_0 (Q4_0 exactly, the K-quants requantized)."""
     if all(isinstance(p, QTensor) for p in parts):
         return type(parts[0]).concat(parts)     # views of a GGUF file's Q8_0 blocks stay views
     runs: list[list] = []
