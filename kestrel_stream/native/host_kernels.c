@@ -517,43 +517,6 @@ static float dot_q4_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t 
 }
 
 #if KS_X86
-TARGET_AVX2 static float dot_q4_K_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
-    (void)meta;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    float acc = 0.0f;
-    for (int b = 0; b < K / 256; b++) {
-        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
-        const int8_t *x = a->qs + b * 256, *xl = a->lo + b * 256;
-        int sc[8], m[8];
-        q4k_scale_min(blk + 4, sc, m);
-        __m256i sum = _mm256_setzero_si256(), sum_l = _mm256_setzero_si256();
-        for (int c = 0; c < 4; c++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-            __m256i ql = _mm256_and_si256(q, low), qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
-            __m256i s0 = _mm256_set1_epi16((short)sc[2 * c]), s1 = _mm256_set1_epi16((short)sc[2 * c + 1]);
-            __m256i lo = _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(x + 64 * c)));
-            __m256i hi = _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32)));
-            sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(lo, s0), _mm256_madd_epi16(hi, s1)));
-            lo = _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(xl + 64 * c)));
-            hi = _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(xl + 64 * c + 32)));
-            sum_l = _mm256_add_epi32(sum_l, _mm256_add_epi32(_mm256_madd_epi16(lo, s0), _mm256_madd_epi16(hi, s1)));
-        }
-        int64_t sumi = 128 * (int64_t)hsum256_epi32(sum) + hsum256_epi32(sum_l);
-        int64_t summ = 128 * (int64_t)q4k_mins(m, a->bsums + b * 16) + q4k_mins(m, a->bsums_lo + b * 16);
-        acc += a->d[b] * LO_SCALE * (h2f_at(blk) * (float)sumi - h2f_at(blk + 2) * (float)summ);
-    }
-    return acc;
-}
-
-TARGET_VNNI static inline __m512i pair_epi16(int s0, int s1) {
-    return _mm512_inserti64x4(_mm512_set1_epi16((short)s0), _mm256_set1_epi16((short)s1), 1);
-}
-
-TARGET_VNNI static inline __m512i load_pair256(const int8_t *p0, const int8_t *p1) {
-    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p0)),
-                              _mm256_loadu_si256((const __m256i *)p1), 1);
-}
-
 /* The 8 scales and 8 mins of a Q4_K super-block as bytes, from its 12 packed bytes, four at a time
    (the same unpacking as q4k_scale_min). */
 static inline void q4k_scale_min_bytes(const uint8_t *q, uint8_t *sc, uint8_t *m) {
@@ -566,6 +529,56 @@ static inline void q4k_scale_min_bytes(const uint8_t *q, uint8_t *sc, uint8_t *m
     memcpy(sc, out, 8);
     memcpy(m, out + 2, 8);
 }
+
+/* Per 32-byte chunk (sub-blocks 2c, 2c + 1: the low and high nibbles) each level's int16 pair sums times
+   the sub-block's scale (madd) into int32 lanes, joined per lane as 128 * hi + lo (below 2^31: a lane adds
+   8 madds of at most 2 x 3,810 x 63), scaled in float per super-block and reduced once at the end; the mins
+   as dot_q4_K_vnni's (SSE).  The scales' unpacking, the joins and the reductions were scalar per super-block
+   before: about half of the work at one token. */
+TARGET_AVX2 static float dot_q4_K_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    __m256 acc = _mm256_setzero_ps();
+    __m128 acc_min = _mm_setzero_ps();
+    for (int b = 0; b < K / 256; b++) {
+        const uint8_t *blk = w + 144 * b, *qs = blk + 16;
+        const int8_t *x = a->qs + b * 256, *xl = a->lo + b * 256;
+        uint8_t sc[8], m[8];
+        q4k_scale_min_bytes(blk + 4, sc, m);
+        __m256i sum = _mm256_setzero_si256(), sum_l = _mm256_setzero_si256();
+        for (int c = 0; c < 4; c++) {
+            __m256i q = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            __m256i ql = _mm256_and_si256(q, low), qh = _mm256_and_si256(_mm256_srli_epi16(q, 4), low);
+            __m256i s0 = _mm256_set1_epi16((short)sc[2 * c]), s1 = _mm256_set1_epi16((short)sc[2 * c + 1]);
+            __m256i lo = _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(x + 64 * c)));
+            __m256i hi = _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(x + 64 * c + 32)));
+            sum = _mm256_add_epi32(sum, _mm256_add_epi32(_mm256_madd_epi16(lo, s0), _mm256_madd_epi16(hi, s1)));
+            lo = _mm256_maddubs_epi16(ql, _mm256_loadu_si256((const __m256i *)(xl + 64 * c)));
+            hi = _mm256_maddubs_epi16(qh, _mm256_loadu_si256((const __m256i *)(xl + 64 * c + 32)));
+            sum_l = _mm256_add_epi32(sum_l, _mm256_add_epi32(_mm256_madd_epi16(lo, s0), _mm256_madd_epi16(hi, s1)));
+        }
+        const float dad = h2f_at(blk) * (a->d[b] * LO_SCALE), dmad = h2f_at(blk + 2) * (a->d[b] * LO_SCALE);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_slli_epi32(sum, 7), sum_l)), _mm256_set1_ps(dad), acc);
+        __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)m));
+        const __m128i *bs = (const __m128i *)(a->bsums + b * 16), *bl = (const __m128i *)(a->bsums_lo + b * 16);
+        __m128i mins = _mm_madd_epi16(m16, _mm_hadd_epi16(_mm_loadu_si128(bs), _mm_loadu_si128(bs + 1)));
+        __m128i mins_l = _mm_madd_epi16(m16, _mm_hadd_epi16(_mm_loadu_si128(bl), _mm_loadu_si128(bl + 1)));
+        acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(_mm_add_epi32(_mm_slli_epi32(mins, 7), mins_l)), _mm_set1_ps(dmad), acc_min);
+    }
+    __m128 t = _mm_add_ps(acc_min, _mm_movehl_ps(acc_min, acc_min));
+    t = _mm_add_ss(t, _mm_movehdup_ps(t));
+    return hsum256_ps(acc) - _mm_cvtss_f32(t);
+}
+
+TARGET_VNNI static inline __m512i pair_epi16(int s0, int s1) {
+    return _mm512_inserti64x4(_mm512_set1_epi16((short)s0), _mm256_set1_epi16((short)s1), 1);
+}
+
+TARGET_VNNI static inline __m512i load_pair256(const int8_t *p0, const int8_t *p1) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)p0)),
+                              _mm256_loadu_si256((const __m256i *)p1), 1);
+}
+
 
 /* 64 quant bytes (two 32-byte chunks) per vector: low nibbles are sub-blocks 4c, 4c+2; high 4c+1, 4c+3.
    Scales reach the 16-bit lanes by one permute of the 8 scales; the per-lane int32 sums are scaled in
@@ -658,10 +671,14 @@ static float dot_q6_K_scalar(const uint8_t *w, const uint8_t *meta, const act_t 
 }
 
 #if KS_X86
+/* Per piece of 32 values (two groups of 16, their scales in the two 128-bit halves) each level's int16 pair
+   sums times the scales (madd) into int32 lanes, joined in float (128 * hi + lo can pass 2^31 here) and
+   scaled per super-block, reduced once; the offsets (32 * sum_g scale_g * bsum_g, both levels joined in
+   int32) on a 256-bit vector: dot_q6_K_vnni's steps at half the width. */
 TARGET_AVX2 static float dot_q6_K_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
     const __m256i low = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
-    float acc = 0.0f;
+    __m256 acc = _mm256_setzero_ps(), acc_off = _mm256_setzero_ps();
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
         const int8_t *sc = (const int8_t *)(blk + 192);
@@ -685,11 +702,16 @@ TARGET_AVX2 static float dot_q6_K_avx2(const uint8_t *w, const uint8_t *meta, co
                 sum_l = _mm256_add_epi32(sum_l, _mm256_madd_epi16(p, scale));
             }
         }
-        int sumi = hsum256_epi32(sum) - q6k_offsets(sc, a->bsums + b * 16);
-        int sumi_l = hsum256_epi32(sum_l) - q6k_offsets(sc, a->bsums_lo + b * 16);
-        acc += a->d[b] * LO_SCALE * h2f_at(blk + 208) * (float)(128 * (int64_t)sumi + sumi_l);
+        const float dad = h2f_at(blk + 208) * (a->d[b] * LO_SCALE);
+        __m256 joined = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_set1_ps(128.0f), _mm256_cvtepi32_ps(sum_l));
+        acc = _mm256_fmadd_ps(joined, _mm256_set1_ps(dad), acc);
+        __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)sc));
+        __m256i off = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums + b * 16)), sc16);
+        __m256i off_l = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->bsums_lo + b * 16)), sc16);
+        off = _mm256_add_epi32(_mm256_slli_epi32(off, 7), off_l);
+        acc_off = _mm256_fmadd_ps(_mm256_cvtepi32_ps(off), _mm256_set1_ps(32.0f * dad), acc_off);
     }
-    return acc;
+    return hsum256_ps(acc) - hsum256_ps(acc_off);
 }
 
 /* 64 values per vector: half h's s and s+1 (two 32-value pieces), their four scales of 16 through one
