@@ -45,7 +45,7 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_CACHE_DIR=DIR     where device profiles (and preset models) are cached
     KESTREL_HOST_KERNELS=numpy  the host backend multiplies on float32 copies with numpy (the reference
                               arithmetic) instead of the native quantized kernels (default: native)
-    KESTREL_HOST_ISA=NAME     the widest ISA the native host kernels use: scalar | avx2 | avx512vnni | amx
+    KESTREL_HOST_ISA=NAME     the widest ISA the native host kernels use: scalar | avx2 | avxvnni | avx512vnni | amx
     KESTREL_HOST_SPIN_US=N    how long the native host kernels' idle workers poll before sleeping (default 100)
     KESTREL_BLAS_THREADS=N    numpy's BLAS threads (as ks.load's blas_threads; default: 1 on the CPU engine over the
                               native kernels, else the host's threads: run/blas_threads.engine_blas_threads)
@@ -79,7 +79,7 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-HOST_ISAS = ("scalar", "avx2", "avx512vnni", "amx")     # native.ISAS (not imported: it loads ctypes and numpy)
+HOST_ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "amx")     # native.ISAS (not imported: it loads ctypes and numpy)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,9 @@
  * only asks for vector loops.
  *
  * Each dot product has a scalar version and SIMD versions (AVX2: maddubs; AVX-512 VNNI: vpdpbusd).
- * With VNNI, Q4_K and Q6_K weights are repacked 16 rows together when prepared, and their matmuls are
- * host_kquants.c's (ks_linear runs them like the others: the same activations, threads and epilogue).
+ * With VNNI, 512-bit or the 256-bit AVX-VNNI of CPUs without AVX-512, Q4_K and Q6_K weights are repacked 16
+ * rows together when prepared, and their matmuls are host_kquants.c's (ks_linear runs them like the
+ * others: the same activations, threads and epilogue); AVX-VNNI's other formats run the AVX2 paths.
  * With AMX-INT8 (ISA_AMX), Q8_0 matmuls of any number of tokens run on tiles (host_amx.c) instead of the
  * dot products and the lanes kernel, with the lanes kernel's layout and float steps (a routed layer's
  * few-token experts too, each expert's tokens the lanes of its tile).
@@ -33,6 +34,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 #include "host_amx.h"
 #include "host_kernels.h"
 #include "host_kquants.h"
@@ -44,6 +49,8 @@ int ks_isa_supported(void) {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
         mask |= 1 << ISA_AVX2;
+    unsigned a, b, c, d;           /* AVX-VNNI: CPUID leaf 7, sub-leaf 1, EAX bit 4 (GCC 12's builtin lacks it) */
+    if ((mask & (1 << ISA_AVX2)) && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1)) mask |= 1 << ISA_AVXVNNI;
     if ((mask & (1 << ISA_AVX2)) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         mask |= 1 << ISA_AVX512VNNI;
@@ -199,12 +206,20 @@ int ks_pool_workers(void) { return pool.workers; }
 /* ---------------------------------------------------------------- activation quantization */
 
 /* q8 activations of one token in two int8 levels: qs (hi) [K] and lo [K] int8; d [K/QA] float; bsums and
-   bsums_lo [K/16] int16 (q8_K only).  Value i of a block is d * (qs[i] + lo[i] / 128). */
+   bsums_lo [K/16] int16 (q8_K only); joined [K] int16, 128 * hi + lo (|value| <= 16,320), where the AVX2
+   and AVX-VNNI Q8_0 dot products read the two levels as one (join_levels; NULL elsewhere).  Value i of a
+   block is d * (qs[i] + lo[i] / 128). */
 typedef struct {
     int8_t *qs, *lo;
     float *d;
     int16_t *bsums, *bsums_lo;
+    int16_t *joined;
 } act_t;
+
+/* a->joined from a's levels */
+static void join_levels(const act_t *a, int K) {
+    for (int i = 0; i < K; i++) a->joined[i] = (int16_t)(128 * a->qs[i] + a->lo[i]);
+}
 
 static inline float roundf_away(float v) { return truncf(v + copysignf(0.5f, v)); }
 
@@ -338,7 +353,7 @@ TARGET_AVX2 static inline __m256 q8_0_block_avx2(const int8_t *wq, const int8_t 
 
 #define Q8_0_SCALE(b) (h2f_at(meta + 2 * (b)) * a->d[b] * LO_SCALE)
 
-TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+TARGET_AVX2 static float dot_q8_0_levels_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     const int8_t *wq = (const int8_t *)w;
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int nb = K / 32, b = 0;
@@ -348,6 +363,57 @@ TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const uint8_t *meta, co
     }
     if (b < nb) acc0 = q8_0_block_avx2(wq + b * 32, a->qs + b * 32, a->lo + b * 32, Q8_0_SCALE(b), acc0);
     return hsum256_ps(_mm256_add_ps(acc0, acc1));
+}
+
+/* AVX-VNNI: the AVX2 block with vpdpbusd for vpmaddubsw + vpmaddwd (4 products a lane either way, none
+   saturating: |w| <= 127), the hi sum shifted into the lo one's accumulator: the same int32 lanes. */
+/* With the levels joined (act_t.joined: 128 * hi + lo in 16 bits), a block is 32 weights widened to 16 bits
+   times 32 joined values: two vpmaddwd (AVX-VNNI: one, then a vpdpwssd into it), the int32 lanes the
+   same sum of 128 * hi + lo products as two levels' bytes give (each below 2^24); its scale d_w * d / 128
+   in float, eight blocks' at once (F16C), one lane of them broadcast per block. */
+#define Q8_0_JOINED_DOT(NAME, TARGET, PAIR)                                                                          \
+    TARGET static float NAME(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {                       \
+        const int8_t *wq = (const int8_t *)w;                                                                        \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                               \
+        int nb = K / 32, b = 0;                                                                                      \
+        for (; b + 8 <= nb; b += 8) {                                                                                \
+            const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(meta + 2 * b))), \
+                                                         _mm256_loadu_ps(a->d + b)), _mm256_set1_ps(LO_SCALE));      \
+            for (int i = 0; i < 8; i += 2) {                                                                         \
+                acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(PAIR(wq + 32 * (b + i), a->joined + 32 * (b + i))),        \
+                                       _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(i)), acc0);                     \
+                acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(PAIR(wq + 32 * (b + i + 1), a->joined + 32 * (b + i + 1))), \
+                                       _mm256_permutevar8x32_ps(s, _mm256_set1_epi32(i + 1)), acc1);                 \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (; b < nb; b++)                                                                                          \
+            acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(PAIR(wq + 32 * b, a->joined + 32 * b)), _mm256_set1_ps(Q8_0_SCALE(b)), acc0); \
+        return hsum256_ps(_mm256_add_ps(acc0, acc1));                                                                \
+    }
+
+TARGET_AVX2 static inline __m256i q8_0_joined_avx2(const int8_t *wq, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wq)), _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wq + 16))),
+                                              _mm256_loadu_si256((const __m256i *)(x + 16))));
+}
+
+TARGET_AVXVNNI static inline __m256i q8_0_joined_avxvnni(const int8_t *wq, const int16_t *x) {
+    return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)wq)),
+                                                     _mm256_loadu_si256((const __m256i *)x)),
+                                   _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wq + 16))),
+                                   _mm256_loadu_si256((const __m256i *)(x + 16)));
+}
+
+Q8_0_JOINED_DOT(dot_q8_0_joined_avx2, TARGET_AVX2, q8_0_joined_avx2)
+Q8_0_JOINED_DOT(dot_q8_0_joined_avxvnni, TARGET_AVXVNNI, q8_0_joined_avxvnni)
+
+/* Where a matmul made no joined levels (a caller of its own quantization), the two levels' bytes. */
+TARGET_AVX2 static float dot_q8_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    return a->joined ? dot_q8_0_joined_avx2(w, meta, a, K) : dot_q8_0_levels_avx2(w, meta, a, K);
+}
+
+TARGET_AVXVNNI static float dot_q8_0_avxvnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    return a->joined ? dot_q8_0_joined_avxvnni(w, meta, a, K) : dot_q8_0_levels_avx2(w, meta, a, K);
 }
 
 /* Two 32-value blocks' scales as one vector: lanes 0-7 s0, lanes 8-15 s1. */
@@ -422,8 +488,44 @@ TARGET_AVX2 static inline __m256 q4_0_block_avx2(const uint8_t *blk, const int8_
 
 #define Q4_0_SCALE(b) (h2f_at(w + 18 * (b)) * a->d[b] * LO_SCALE)
 
+
+/* With the levels joined (as the Q8_0 dots): the block's 32 nibbles less 8 widened to 16 bits, two vpmaddwd
+   (AVX-VNNI: a vpmaddwd and a vpdpwssd) against the joined values. */
+TARGET_AVX2 static inline __m256i q4_0_values16(const uint8_t *blk, __m256i *high) {
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2)), low = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    *high = _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), eight));
+    return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_and_si128(bytes, low), eight));
+}
+
+TARGET_AVX2 static float dot_q4_0_joined_avx2(const uint8_t *w, const act_t *a, int K) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const int nb = K / 32;
+    for (int b = 0; b < nb; b++) {
+        __m256i hi16, lo16 = q4_0_values16(w + 18 * b, &hi16);
+        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo16, _mm256_loadu_si256((const __m256i *)(a->joined + 32 * b))),
+                                           _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(a->joined + 32 * b + 16))));
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(Q4_0_SCALE(b)), acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(Q4_0_SCALE(b)), acc0);
+    }
+    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+}
+
+TARGET_AVXVNNI static float dot_q4_0_joined_avxvnni(const uint8_t *w, const act_t *a, int K) {
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    const int nb = K / 32;
+    for (int b = 0; b < nb; b++) {
+        __m256i hi16, lo16 = q4_0_values16(w + 18 * b, &hi16);
+        const __m256i p = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(lo16, _mm256_loadu_si256((const __m256i *)(a->joined + 32 * b))),
+                                                  hi16, _mm256_loadu_si256((const __m256i *)(a->joined + 32 * b + 16)));
+        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(Q4_0_SCALE(b)), acc1);
+        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(Q4_0_SCALE(b)), acc0);
+    }
+    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+}
+
 TARGET_AVX2 static float dot_q4_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
+    if (a->joined) return dot_q4_0_joined_avx2(w, a, K);
     __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
     int nb = K / 32, b = 0;
     for (; b + 2 <= nb; b += 2) {
@@ -431,6 +533,32 @@ TARGET_AVX2 static float dot_q4_0_avx2(const uint8_t *w, const uint8_t *meta, co
         acc1 = q4_0_block_avx2(w + 18 * b + 18, a->qs + b * 32 + 32, a->lo + b * 32 + 32, Q4_0_SCALE(b + 1), acc1);
     }
     if (b < nb) acc0 = q4_0_block_avx2(w + 18 * b, a->qs + b * 32, a->lo + b * 32, Q4_0_SCALE(b), acc0);
+    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+}
+
+/* AVX-VNNI: q4_0_block_avx2 with vpdpbusd, as q8_0_block_avxvnni. */
+TARGET_AVXVNNI static inline __m256 q4_0_block_avxvnni(const uint8_t *blk, const int8_t *aq, const int8_t *al, float scale,
+                                                       __m256 acc) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
+    __m128i low = _mm_set1_epi8(0x0F);
+    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
+    q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
+    __m256i aw = _mm256_sign_epi8(q, q);
+    __m256i ph = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)aq), q));
+    __m256i p32 = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(ph, 7), aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)al), q));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
+}
+
+TARGET_AVXVNNI static float dot_q4_0_avxvnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
+    (void)meta;
+    if (a->joined) return dot_q4_0_joined_avxvnni(w, a, K);
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    int nb = K / 32, b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        acc0 = q4_0_block_avxvnni(w + 18 * b, a->qs + b * 32, a->lo + b * 32, Q4_0_SCALE(b), acc0);
+        acc1 = q4_0_block_avxvnni(w + 18 * b + 18, a->qs + b * 32 + 32, a->lo + b * 32 + 32, Q4_0_SCALE(b + 1), acc1);
+    }
+    if (b < nb) acc0 = q4_0_block_avxvnni(w + 18 * b, a->qs + b * 32, a->lo + b * 32, Q4_0_SCALE(b), acc0);
     return hsum256_ps(_mm256_add_ps(acc0, acc1));
 }
 
@@ -776,7 +904,7 @@ typedef struct {
     const float *norm;              /* the prologue's rmsnorm weight [K], or NULL */
     float eps;
     uint8_t *buf, *tiles;
-    size_t per_token, qs_bytes, d_bytes, bs_bytes, tile_bytes;
+    size_t per_token, qs_bytes, d_bytes, bs_bytes, tile_bytes, joined_at;     /* joined_at: 0 without */
     int token_groups, row_tiles;
     int kq_grab;                    /* repacked Q4_K / Q6_K: row groups a thread takes at a time */
     int dot_grab;                   /* a dot product per row and token: row tiles a thread takes at a time */
@@ -794,7 +922,8 @@ typedef struct {
 static inline act_t token_act(const matmul_t *m, int t) {
     uint8_t *p = m->buf + m->per_token * (size_t)t, *d = p + 2 * m->qs_bytes;
     int16_t *bs = m->bs_bytes ? (int16_t *)(d + m->d_bytes) : NULL;
-    return (act_t){(int8_t *)p, (int8_t *)(p + m->qs_bytes), (float *)d, bs, bs ? bs + m->bs_bytes / 2 : NULL};
+    return (act_t){(int8_t *)p, (int8_t *)(p + m->qs_bytes), (float *)d, bs, bs ? bs + m->bs_bytes / 2 : NULL,
+                   m->joined_at ? (int16_t *)(p + m->joined_at) : NULL};
 }
 
 static inline int repacked(int fmt) { return fmt == FMT_Q4_K_R16 || fmt == FMT_Q6_K_R16; }
@@ -929,7 +1058,7 @@ static void act_tiles(const matmul_t *m, int t0, uint8_t *bytes, float *d, float
     const int K = m->K;
     for (int l = 0; l < LANES; l++) {
         int t = t0 + l;
-        act_t a = t < m->T ? token_act(m, t) : (act_t){NULL, NULL, NULL, NULL, NULL};
+        act_t a = t < m->T ? token_act(m, t) : (act_t){NULL, NULL, NULL, NULL, NULL, NULL};
         /* a lane past T keeps whatever bytes it held (its results are never read: every lane is its own
            token's) and gets scales of 0; writing all 16 lanes cost a one-token call ~16 us of one thread */
         for (int level = 0; a.qs && level < 2; level++) {
@@ -1024,18 +1153,20 @@ static const lanes_fn LANES_KERNELS[4] = {lanes_g32_a32, lanes_g32_a32, lanes_g3
 typedef float (*dot_fn)(const uint8_t *w, const uint8_t *meta, const act_t *a, int K);
 
 #if KS_X86
-static const dot_fn DOTS[4][3] = {
-    {dot_q8_0_scalar, dot_q8_0_avx2, dot_q8_0_vnni},
-    {dot_q4_0_scalar, dot_q4_0_avx2, dot_q4_0_vnni},
-    {dot_q4_K_scalar, dot_q4_K_avx2, dot_q4_K_vnni},
-    {dot_q6_K_scalar, dot_q6_K_avx2, dot_q6_K_vnni},
+/* [format][ISA up to AVX-512 VNNI]: AVX-VNNI's K-quant dot products are AVX2's (its 256-bit vpdpbusd serves
+   their repacked kernels, host_kquants.c, which every matmul of theirs runs) */
+static const dot_fn DOTS[4][4] = {
+    {dot_q8_0_scalar, dot_q8_0_avx2, dot_q8_0_avxvnni, dot_q8_0_vnni},
+    {dot_q4_0_scalar, dot_q4_0_avx2, dot_q4_0_avxvnni, dot_q4_0_vnni},
+    {dot_q4_K_scalar, dot_q4_K_avx2, dot_q4_K_avx2, dot_q4_K_vnni},
+    {dot_q6_K_scalar, dot_q6_K_avx2, dot_q6_K_avx2, dot_q6_K_vnni},
 };
 #else
-static const dot_fn DOTS[4][3] = {
-    {dot_q8_0_scalar, dot_q8_0_scalar, dot_q8_0_scalar},
-    {dot_q4_0_scalar, dot_q4_0_scalar, dot_q4_0_scalar},
-    {dot_q4_K_scalar, dot_q4_K_scalar, dot_q4_K_scalar},
-    {dot_q6_K_scalar, dot_q6_K_scalar, dot_q6_K_scalar},
+static const dot_fn DOTS[4][4] = {
+    {dot_q8_0_scalar, dot_q8_0_scalar, dot_q8_0_scalar, dot_q8_0_scalar},
+    {dot_q4_0_scalar, dot_q4_0_scalar, dot_q4_0_scalar, dot_q4_0_scalar},
+    {dot_q4_K_scalar, dot_q4_K_scalar, dot_q4_K_scalar, dot_q4_K_scalar},
+    {dot_q6_K_scalar, dot_q6_K_scalar, dot_q6_K_scalar, dot_q6_K_scalar},
 };
 #endif
 
@@ -1074,6 +1205,11 @@ int ks_amx_min_tokens = 1;
 /* Whether a matmul of T tokens runs on AMX tiles; whether on the lanes' tiles (the lanes kernel or AMX). */
 static inline int amx_tokens(int fmt, int isa, int T) {
     return KS_X86 && isa >= ISA_AMX && fmt == FMT_Q8_0 && T >= ks_amx_min_tokens;
+}
+
+/* Whether a matmul's activations carry their levels joined in 16 bits (the AVX2 / AVX-VNNI Q8_0 and Q4_0 dots). */
+static inline int joins_levels(int fmt, int isa) {
+    return KS_X86 && (fmt == FMT_Q8_0 || fmt == FMT_Q4_0) && (isa == ISA_AVX2 || isa == ISA_AVXVNNI);
 }
 
 static inline int lanes_tokens(int fmt, int isa, int T) {
@@ -1175,6 +1311,7 @@ static void matmul_quantize(void *ctx, int index, int count) {
             x = normed;
         }
         quantize_act_isa(m->isa, x, m->K, m->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
+        if (a.joined) join_levels(&a, m->K);
         if (repacked(m->fmt)) kq_token(m->fmt, a.qs, a.lo, a.d, a.bsums, a.bsums_lo, t, &m->kq_acts);
     }
 }
@@ -1343,6 +1480,10 @@ static size_t matmul_init(matmul_t *m, const ks_linear_t *spec, const float *x, 
     m->group = fmt == FMT_Q8_0 || fmt == FMT_Q4_0 ? 32 : 256;
     m->qs_bytes = (size_t)K, m->d_bytes = (size_t)(K / m->group) * 4, m->bs_bytes = m->group == 256 ? (size_t)(K / 16) * 2 : 0;
     m->per_token = (2 * (m->qs_bytes + m->bs_bytes) + m->d_bytes + 63) / 64 * 64;     /* both levels */
+    if (joins_levels(fmt, isa)) {        /* and both as one, 16 bits a value */
+        m->joined_at = m->per_token;
+        m->per_token += ((size_t)K * 2 + 63) / 64 * 64;
+    }
     m->row_tiles = kq ? (N + KQ_ROWS - 1) / KQ_ROWS : (N + ROW_TILE - 1) / ROW_TILE;
     m->amx = amx_tokens(fmt, isa, T);
     m->lanes = lanes_tokens(fmt, isa, T);
@@ -1635,6 +1776,7 @@ static void routed_rows(void *ctx, int index, int count) {
             for (int ch = c->first[e]; ch < c->first[e] + c->count[e]; ch++) {    /* the expert's last block: its rows */
                 act_t a = token_act(mid, ch);
                 quantize_act_isa(mid->isa, c->act + (ptrdiff_t)c->I * ch, c->I, mid->group, a.qs, a.lo, a.d, a.bsums, a.bsums_lo);
+                if (a.joined) join_levels(&a, c->I);
             }
 #if KS_X86
             if (c->amx && c->count[e] > 1) {

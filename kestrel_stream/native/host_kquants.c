@@ -353,6 +353,193 @@ KQ_TILE(q6k, 1) KQ_TILE(q6k, 2) KQ_TILE(q6k, 3) KQ_TILE(q6k, 4)
 /* [Q4_K, Q6_K][tokens of the chunk - 1] */
 static const kq_tile_fn KQ_TILES[2][KQ_CHUNK] = {{q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4},
                                                  {q6k_tile_1, q6k_tile_2, q6k_tile_3, q6k_tile_4}};
+
+/* ---------------------------------------------------------------- AVX-VNNI: a half group (8 rows) x C tokens */
+/* The kernels above at 256 bits, for the CPUs with the VEX vpdpbusd and no AVX-512: each 64-byte piece is two
+   halves of 8 rows (bytes 32 * half ..), each half of a group runs its own pass over the group's blocks (the
+   second reads them from cache), with the same integer sums and float steps per row (the same bits as the
+   AVX-512 kernels: each row's lane sees the same operations in the same order).  16 ymm registers hold 4
+   tokens' 4 sums at most, so the passes keep up to 2 tokens each. */
+
+#define KQ_BCAST8(p) _mm256_set1_epi32(*(const int32_t *)(p))
+
+/* The 8 scales and 8 mins of each of 16 rows of a Q4_K block, as q4k_unpack_scales' bytes (no ternary logic). */
+TARGET_AVXVNNI static inline void q4k_unpack_scales8(const uint8_t *packed, uint8_t *sc, uint8_t *m) {
+    const __m256i six = _mm256_set1_epi8(0x3F), four = _mm256_set1_epi8(0x0F), two_high = _mm256_set1_epi8(0x30);
+    for (int h = 0; h < 2; h++) {
+        const __m256i z0 = _mm256_loadu_si256((const __m256i *)(packed + 32 * h));
+        const __m256i z1 = _mm256_loadu_si256((const __m256i *)(packed + 64 + 32 * h));
+        const __m256i z2 = _mm256_loadu_si256((const __m256i *)(packed + 128 + 32 * h));
+        _mm256_store_si256((__m256i *)(sc + 32 * h), _mm256_and_si256(z0, six));
+        _mm256_store_si256((__m256i *)(m + 32 * h), _mm256_and_si256(z1, six));
+        _mm256_store_si256((__m256i *)(sc + 64 + 32 * h), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(z0, 2), two_high),
+                                                                           _mm256_and_si256(z2, four)));
+        _mm256_store_si256((__m256i *)(m + 64 + 32 * h), _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(z1, 2), two_high),
+                                                                          _mm256_and_si256(_mm256_srli_epi16(z2, 4), four)));
+    }
+}
+
+/* q4k_sub_blocks for the 8 rows of `half` and C tokens. */
+TARGET_AVXVNNI static inline __attribute__((always_inline)) void q4k_sub_blocks8(
+    const int C, int c, int half, const uint8_t *blk, const uint8_t *sc, const uint8_t *mn, __m256 d, __m256 dmin,
+    const int8_t *hi_at, const int8_t *lo_at, const float *sums_at, int ahead, __m256 *part) {
+    const __m256i low = _mm256_set1_epi8(0x0F), high = _mm256_set1_epi8((char)0xF0);
+    __m256i acc[KQ_CHUNK][4];
+    for (int t = 0; t < C; t++)
+        for (int i = 0; i < 4; i++) acc[t][i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int q = 0; q < 8; q++) {
+        const __m256i v = _mm256_load_si256((const __m256i *)(blk + 64 * (8 * c + q) + 32 * half));
+        const __m256i wl = _mm256_and_si256(v, low), wh = _mm256_and_si256(v, high);
+        if (ahead) {
+            PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+            PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+        }
+        if (ahead && q == 7) {
+            PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+            PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+        }
+        for (int t = 0; t < C; t++) {
+            const int at = PIECE * q + 4 * t;
+            acc[t][0] = _mm256_dpbusd_avx_epi32(acc[t][0], wl, KQ_BCAST8(hi_at + at));
+            acc[t][1] = _mm256_dpbusd_avx_epi32(acc[t][1], wl, KQ_BCAST8(lo_at + at));
+            acc[t][2] = _mm256_dpbusd_avx_epi32(acc[t][2], wh, KQ_BCAST8(hi_at + 8 * PIECE + at));
+            acc[t][3] = _mm256_dpbusd_avx_epi32(acc[t][3], wh, KQ_BCAST8(lo_at + 8 * PIECE + at));
+        }
+    }
+    for (int n = 0; n < 2; n++) {
+        const int j = 2 * c + n;
+        const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(sc + 16 * j + 8 * half)))),
+                                       n ? _mm256_mul_ps(d, _mm256_set1_ps(0.0625f)) : d);
+        const __m256 mv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(mn + 16 * j + 8 * half)))),
+                                        dmin);
+        for (int t = 0; t < C; t++) {
+            const __m256i joined = _mm256_add_epi32(_mm256_slli_epi32(acc[t][2 * n], 7), acc[t][2 * n + 1]);
+            part[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(joined), s, part[t]);
+            part[t] = _mm256_fnmadd_ps(mv, _mm256_set1_ps(sums_at[KQ_CHUNK * n + t]), part[t]);
+        }
+    }
+}
+
+TARGET_AVXVNNI static inline __attribute__((always_inline)) void kq_store8(const int C, const __m256 *total, float *out,
+                                                                          ptrdiff_t out_stride, int rows) {
+    for (int t = 0; t < C; t++) {
+        if (rows >= 8) {
+            _mm256_storeu_ps(out + out_stride * t, total[t]);
+        } else {
+            _Alignas(32) float v[8];
+            _mm256_store_ps(v, total[t]);
+            for (int r = 0; r < rows; r++) out[out_stride * t + r] = v[r];
+        }
+    }
+}
+
+/* Tokens t0..t0+C-1 of chunk `chunk` for the 8 rows of `half`: out + t * out_stride, `rows` of them. */
+TARGET_AVXVNNI static inline __attribute__((always_inline)) void q4k_tile8(
+    const int C, const uint8_t *grp, int nb, const kq_acts_t *acts, int chunk, int t0, int half, float *out,
+    ptrdiff_t out_stride, int rows) {
+    __m256 total[KQ_CHUNK];
+    for (int t = 0; t < C; t++) total[t] = _mm256_setzero_ps();
+    _Alignas(32) uint8_t sc[128], mn[128];
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = grp + (size_t)Q4K_GROUP_BLOCK * b;
+        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(blk + Q4K_D + 16 * half)));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(blk + Q4K_DMIN + 16 * half)));
+        q4k_unpack_scales8(blk + Q4K_SCALES, sc, mn);
+        __m256 part[KQ_CHUNK];
+        for (int t = 0; t < C; t++) part[t] = _mm256_setzero_ps();
+        const int8_t *hi = kq_hi(acts, chunk) + 64 * PIECE * b + 4 * t0, *lo = kq_lo(acts, chunk) + 64 * PIECE * b + 4 * t0;
+        const float *sums = (const float *)kq_sums(acts, chunk) + 8 * KQ_CHUNK * b + t0;
+#pragma GCC unroll 1
+        for (int c = 0; c < 4; c++)
+            q4k_sub_blocks8(C, c, half, blk, sc, mn, d, dmin, hi + 16 * PIECE * c, lo + 16 * PIECE * c, sums + 2 * KQ_CHUNK * c,
+                            chunk == 0 && t0 == 0 && half == 0, part);
+        for (int t = 0; t < C; t++)
+            total[t] = _mm256_fmadd_ps(part[t], _mm256_set1_ps(kq_dl(acts, chunk)[KQ_CHUNK * b + t0 + t]), total[t]);
+    }
+    kq_store8(C, total, out, out_stride, rows);
+}
+
+/* q6k_groups for the 8 rows of `half` and C tokens. */
+TARGET_AVXVNNI static inline __attribute__((always_inline)) void q6k_groups8(
+    const int C, const int s2, int h, int half_g, int half, const uint8_t *blk, __m256 d, const int8_t *hi_at,
+    const int8_t *lo_at, const int32_t *offsets_at, int ahead_, __m256 *part) {
+    const __m256i low = _mm256_set1_epi8(0x0F), two_high = _mm256_set1_epi8(0x30);
+    const int g0 = 8 * h + 2 * s2 + half_g;
+    __m256i acc[KQ_CHUNK][4];
+    for (int t = 0; t < C; t++) {
+        acc[t][0] = acc[t][2] = _mm256_setzero_si256();
+        acc[t][1] = _mm256_set1_epi32(offsets_at[t]), acc[t][3] = _mm256_set1_epi32(offsets_at[4 * KQ_CHUNK + t]);
+    }
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; q++) {
+        const __m256i l = _mm256_load_si256((const __m256i *)(blk + 64 * (16 * h + 8 * s2 + 4 * half_g + q) + 32 * half));
+        const __m256i hb = _mm256_load_si256((const __m256i *)(blk + Q6K_HIGH + 64 * (8 * h + 4 * half_g + q) + 32 * half));
+        const __m256i w0 = _mm256_or_si256(_mm256_and_si256(s2 ? _mm256_slli_epi16(hb, 2) : _mm256_slli_epi16(hb, 4), two_high),
+                                           _mm256_and_si256(l, low));
+        const __m256i w1 = _mm256_or_si256(_mm256_and_si256(s2 ? _mm256_srli_epi16(hb, 2) : hb, two_high),
+                                           _mm256_and_si256(_mm256_srli_epi16(l, 4), low));
+        if (ahead_) {
+            const uint8_t *lines = blk + 64 * (32 * h + 16 * half_g + 8 * s2 + 2 * q);
+            PREFETCH(lines + AHEAD_NEAR * Q6K_GROUP_BLOCK);
+            PREFETCH(lines + AHEAD_NEAR * Q6K_GROUP_BLOCK + 64);
+            PREFETCH(lines + AHEAD_FAR * Q6K_GROUP_BLOCK);
+            PREFETCH(lines + AHEAD_FAR * Q6K_GROUP_BLOCK + 64);
+        }
+        for (int t = 0; t < C; t++) {
+            const int at = PIECE * q + 4 * t;
+            acc[t][0] = _mm256_dpbusd_avx_epi32(acc[t][0], w0, KQ_BCAST8(hi_at + at));
+            acc[t][1] = _mm256_dpbusd_avx_epi32(acc[t][1], w0, KQ_BCAST8(lo_at + at));
+            acc[t][2] = _mm256_dpbusd_avx_epi32(acc[t][2], w1, KQ_BCAST8(hi_at + 16 * PIECE + at));
+            acc[t][3] = _mm256_dpbusd_avx_epi32(acc[t][3], w1, KQ_BCAST8(lo_at + 16 * PIECE + at));
+        }
+    }
+    for (int n = 0; n < 2; n++) {
+        const __m256 sv = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                            _mm_loadl_epi64((const __m128i *)(blk + Q6K_SCALES + 16 * (g0 + 4 * n) + 8 * half)))), d);
+        for (int t = 0; t < C; t++) {
+            const __m256i joined = _mm256_add_epi32(_mm256_slli_epi32(acc[t][2 * n], 7), acc[t][2 * n + 1]);
+            part[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(joined), sv, part[t]);
+        }
+    }
+}
+
+TARGET_AVXVNNI static inline __attribute__((always_inline)) void q6k_tile8(
+    const int C, const uint8_t *grp, int nb, const kq_acts_t *acts, int chunk, int t0, int half, float *out,
+    ptrdiff_t out_stride, int rows) {
+    __m256 total[KQ_CHUNK];
+    for (int t = 0; t < C; t++) total[t] = _mm256_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = grp + (size_t)Q6K_GROUP_BLOCK * b;
+        const __m256 d = _mm256_cvtph_ps(_mm_load_si128((const __m128i *)(blk + Q6K_D + 16 * half)));
+        __m256 part[KQ_CHUNK];
+        for (int t = 0; t < C; t++) part[t] = _mm256_setzero_ps();
+        const int8_t *hi = kq_hi(acts, chunk) + 64 * PIECE * b + 4 * t0, *lo = kq_lo(acts, chunk) + 64 * PIECE * b + 4 * t0;
+        const int32_t *offsets = (const int32_t *)kq_sums(acts, chunk) + 16 * KQ_CHUNK * b + t0;
+#pragma GCC unroll 1
+        for (int u = 0; u < 8; u++) {
+            const int h = u >> 2, half_g = (u >> 1) & 1, g = 8 * h + 2 * (u & 1) + half_g;
+            const int ahead = chunk == 0 && t0 == 0 && half == 0;
+            if (u & 1)
+                q6k_groups8(C, 1, h, half_g, half, blk, d, hi + 4 * PIECE * g, lo + 4 * PIECE * g, offsets + KQ_CHUNK * g, ahead, part);
+            else
+                q6k_groups8(C, 0, h, half_g, half, blk, d, hi + 4 * PIECE * g, lo + 4 * PIECE * g, offsets + KQ_CHUNK * g, ahead, part);
+        }
+        for (int t = 0; t < C; t++)
+            total[t] = _mm256_fmadd_ps(part[t], _mm256_set1_ps(kq_dl(acts, chunk)[KQ_CHUNK * b + t0 + t]), total[t]);
+    }
+    kq_store8(C, total, out, out_stride, rows);
+}
+
+#define KQ_TILE8_ARGS const uint8_t *grp, int nb, const kq_acts_t *acts, int chunk, int t0, int half, float *out, \
+    ptrdiff_t out_stride, int rows
+typedef void (*kq_tile8_fn)(KQ_TILE8_ARGS);
+#define KQ_TILE8(fmt, C) \
+    TARGET_AVXVNNI static void fmt##_tile8_##C(KQ_TILE8_ARGS) { fmt##_tile8(C, grp, nb, acts, chunk, t0, half, out, out_stride, rows); }
+KQ_TILE8(q4k, 1) KQ_TILE8(q4k, 2) KQ_TILE8(q6k, 1) KQ_TILE8(q6k, 2)
+
+/* [Q4_K, Q6_K][tokens of the pass - 1] */
+static const kq_tile8_fn KQ_TILES8[2][2] = {{q4k_tile8_1, q4k_tile8_2}, {q6k_tile8_1, q6k_tile8_2}};
 #endif
 
 void kq_rows(int fmt, int isa, const uint8_t *w, ptrdiff_t group_stride, int K, int N, int g0, int g1,
@@ -375,6 +562,23 @@ void kq_rows(int fmt, int isa, const uint8_t *w, ptrdiff_t group_stride, int K, 
                 tiles[(T - KQ_CHUNK * c < KQ_CHUNK ? T - KQ_CHUNK * c : KQ_CHUNK) - 1](
                     w + group_stride * g, nb, acts, c, out + out_stride * KQ_CHUNK * c + KQ_ROWS * g, out_stride, rows);
             }
+        }
+        return;
+    }
+    if (isa == ISA_AVXVNNI) {
+        /* a group at a time, each half of its rows (8) for every token, two tokens a pass */
+        const kq_tile8_fn *tiles = KQ_TILES8[fmt == FMT_Q4_K_R16 ? 0 : 1];
+        const int chunks = (T + KQ_CHUNK - 1) / KQ_CHUNK;
+        for (int g = g0; g < g1; g++) {
+            const int rows = N - KQ_ROWS * g < KQ_ROWS ? N - KQ_ROWS * g : KQ_ROWS;
+            for (int half = 0; half < 2 && 8 * half < rows; half++)
+                for (int c = 0; c < chunks; c++) {
+                    const int in_chunk = T - KQ_CHUNK * c < KQ_CHUNK ? T - KQ_CHUNK * c : KQ_CHUNK;
+                    for (int t0 = 0; t0 < in_chunk; t0 += 2)
+                        tiles[(in_chunk - t0 < 2 ? in_chunk - t0 : 2) - 1](
+                            w + group_stride * g, nb, acts, c, t0, half,
+                            out + out_stride * (KQ_CHUNK * c + t0) + KQ_ROWS * g + 8 * half, out_stride, rows - 8 * half);
+                }
         }
         return;
     }

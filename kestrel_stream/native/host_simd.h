@@ -21,11 +21,15 @@ static inline void cpu_relax(void) {
 #endif
 }
 
-enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVX512VNNI = 2, ISA_AMX = 3 };     /* AMX: AVX-512 VNNI and AMX-INT8 tiles */
+/* AVXVNNI: AVX2 and the 256-bit (VEX) vpdpbusd of Intel's cores from 2021 and AMD's Zen 5, which lack AVX-512
+   (a CPU may have either VNNI without the other: each path runs at its own ISA exactly, never above it);
+   AMX: AVX-512 VNNI and AMX-INT8 tiles */
+enum { ISA_SCALAR = 0, ISA_AVX2 = 1, ISA_AVXVNNI = 2, ISA_AVX512VNNI = 3, ISA_AMX = 4 };
 /* Q4_K_R16 and Q6_K_R16: Q4_K and Q6_K weights repacked 16 rows together (host_kquants.c) */
 enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3, FMT_Q4_K_R16 = 4, FMT_Q6_K_R16 = 5 };
 
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_AVXVNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
 #define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 #if defined(__FLT16_MAX__) && !defined(KS_NO_FLOAT16)     /* KS_NO_FLOAT16: the tests build the other too */

@@ -18,7 +18,7 @@ import numpy as np
 
 from kestrel_stream.native.repacked_rows import REPACK_ROWS, repacked_source
 
-ISAS = ("scalar", "avx2", "avx512vnni", "amx")                # widening order; the C enum's values
+ISAS = ("scalar", "avx2", "avxvnni", "avx512vnni", "amx")     # widening order; the C enum's values
 FORMATS = {"Q8_0": (0, 32, None), "Q4_0": (1, 32, 18), "Q4_K": (2, 256, 144), "Q6_K": (3, 256, 210)}
 # fmt → (C enum, values per block, bytes per block of a block-format row; Q8_0 is split qs | scales)
 REPACKED = {"Q4_K": 4, "Q6_K": 5}          # fmt → the C enum of its weight repacked 16 rows together
@@ -36,6 +36,12 @@ def physical_cores() -> int:
         except OSError:
             cores.add(str(cpu))
     return max(1, len(cores))
+
+
+def pick_isa(supported: tuple[str, ...], isa: str | None) -> str:
+    """The widest of the CPU's `supported` ISAs up to `isa` (None: the widest of all).  A CPU may lack one in
+    between (AVX-512 VNNI without AVX-VNNI: Ice Lake, Zen 4), which is then never chosen."""
+    return supported[-1] if isa is None else [s for s in supported if ISAS.index(s) <= ISAS.index(isa)][-1]
 
 
 class HostKernels:
@@ -86,8 +92,7 @@ class HostKernels:
         self.supported = tuple(name for i, name in enumerate(ISAS) if mask >> i & 1)
         if isa is not None and isa not in ISAS:
             raise ValueError(f"host kernel ISA {isa!r}: one of {', '.join(ISAS)}")
-        widest = self.supported[-1]
-        self.isa = widest if isa is None else ISAS[min(ISAS.index(isa), ISAS.index(widest))]
+        self.isa = pick_isa(self.supported, isa)
         self.threads = threads or physical_cores()
         self._isa_id = ISAS.index(self.isa)
         self._matmul_c = lib.ks_matmul
@@ -160,7 +165,7 @@ class HostKernels:
 
     def repacks(self, fmt: str) -> bool:
         """Whether `prepare_blocks` makes a repacked copy of a weight in `fmt` (not a view of its blocks)."""
-        return fmt in REPACKED and self.isa in ("avx512vnni", "amx")
+        return fmt in REPACKED and self.isa in ("avxvnni", "avx512vnni", "amx")
 
     def matmul(self, x: np.ndarray, w: "PreparedWeight", out: np.ndarray | None = None) -> np.ndarray:
         """x: float32 [T, K] (rows contiguous; any row stride) → float32 [T, N] (or into `out`, any row
