@@ -365,8 +365,6 @@ TARGET_AVX2 static float dot_q8_0_levels_avx2(const uint8_t *w, const uint8_t *m
     return hsum256_ps(_mm256_add_ps(acc0, acc1));
 }
 
-/* AVX-VNNI: the AVX2 block with vpdpbusd for vpmaddubsw + vpmaddwd (4 products a lane either way, none
-   saturating: |w| <= 127), the hi sum shifted into the lo one's accumulator: the same int32 lanes. */
 /* With the levels joined (act_t.joined: 128 * hi + lo in 16 bits), a block is 32 weights widened to 16 bits
    times 32 joined values: two vpmaddwd (AVX-VNNI: one, then a vpdpwssd into it), the int32 lanes the
    same sum of 128 * hi + lo products as two levels' bytes give (each below 2^24); its scale d_w * d / 128
@@ -497,31 +495,30 @@ TARGET_AVX2 static inline __m256i q4_0_values16(const uint8_t *blk, __m256i *hig
     return _mm256_cvtepi8_epi16(_mm_sub_epi8(_mm_and_si128(bytes, low), eight));
 }
 
-TARGET_AVX2 static float dot_q4_0_joined_avx2(const uint8_t *w, const act_t *a, int K) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    const int nb = K / 32;
-    for (int b = 0; b < nb; b++) {
-        __m256i hi16, lo16 = q4_0_values16(w + 18 * b, &hi16);
-        const __m256i p = _mm256_add_epi32(_mm256_madd_epi16(lo16, _mm256_loadu_si256((const __m256i *)(a->joined + 32 * b))),
-                                           _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(a->joined + 32 * b + 16))));
-        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(Q4_0_SCALE(b)), acc1);
-        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(Q4_0_SCALE(b)), acc0);
+#define Q4_0_JOINED_DOT(NAME, TARGET, PAIR)                                                                          \
+    TARGET static float NAME(const uint8_t *w, const act_t *a, int K) {                                             \
+        __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                               \
+        for (int b = 0; b < K / 32; b++) {                                                                           \
+            __m256i hi16, lo16 = q4_0_values16(w + 18 * b, &hi16);                                                   \
+            const __m256 p = _mm256_cvtepi32_ps(PAIR(lo16, hi16, a->joined + 32 * b));                               \
+            if (b & 1) acc1 = _mm256_fmadd_ps(p, _mm256_set1_ps(Q4_0_SCALE(b)), acc1);                              \
+            else acc0 = _mm256_fmadd_ps(p, _mm256_set1_ps(Q4_0_SCALE(b)), acc0);                                    \
+        }                                                                                                            \
+        return hsum256_ps(_mm256_add_ps(acc0, acc1));                                                                \
     }
-    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+
+TARGET_AVX2 static inline __m256i q4_0_joined_avx2(__m256i lo16, __m256i hi16, const int16_t *x) {
+    return _mm256_add_epi32(_mm256_madd_epi16(lo16, _mm256_loadu_si256((const __m256i *)x)),
+                            _mm256_madd_epi16(hi16, _mm256_loadu_si256((const __m256i *)(x + 16))));
 }
 
-TARGET_AVXVNNI static float dot_q4_0_joined_avxvnni(const uint8_t *w, const act_t *a, int K) {
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    const int nb = K / 32;
-    for (int b = 0; b < nb; b++) {
-        __m256i hi16, lo16 = q4_0_values16(w + 18 * b, &hi16);
-        const __m256i p = _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(lo16, _mm256_loadu_si256((const __m256i *)(a->joined + 32 * b))),
-                                                  hi16, _mm256_loadu_si256((const __m256i *)(a->joined + 32 * b + 16)));
-        if (b & 1) acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(Q4_0_SCALE(b)), acc1);
-        else acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(Q4_0_SCALE(b)), acc0);
-    }
-    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+TARGET_AVXVNNI static inline __m256i q4_0_joined_avxvnni(__m256i lo16, __m256i hi16, const int16_t *x) {
+    return _mm256_dpwssd_avx_epi32(_mm256_madd_epi16(lo16, _mm256_loadu_si256((const __m256i *)x)), hi16,
+                                   _mm256_loadu_si256((const __m256i *)(x + 16)));
 }
+
+Q4_0_JOINED_DOT(dot_q4_0_joined_avx2, TARGET_AVX2, q4_0_joined_avx2)
+Q4_0_JOINED_DOT(dot_q4_0_joined_avxvnni, TARGET_AVXVNNI, q4_0_joined_avxvnni)
 
 TARGET_AVX2 static float dot_q4_0_avx2(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
     (void)meta;
@@ -536,30 +533,9 @@ TARGET_AVX2 static float dot_q4_0_avx2(const uint8_t *w, const uint8_t *meta, co
     return hsum256_ps(_mm256_add_ps(acc0, acc1));
 }
 
-/* AVX-VNNI: q4_0_block_avx2 with vpdpbusd, as q8_0_block_avxvnni. */
-TARGET_AVXVNNI static inline __m256 q4_0_block_avxvnni(const uint8_t *blk, const int8_t *aq, const int8_t *al, float scale,
-                                                       __m256 acc) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)(blk + 2));
-    __m128i low = _mm_set1_epi8(0x0F);
-    __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low), _mm_and_si128(bytes, low));
-    q = _mm256_sub_epi8(q, _mm256_set1_epi8(8));
-    __m256i aw = _mm256_sign_epi8(q, q);
-    __m256i ph = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)aq), q));
-    __m256i p32 = _mm256_dpbusd_avx_epi32(_mm256_slli_epi32(ph, 7), aw, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)al), q));
-    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(p32), _mm256_set1_ps(scale), acc);
-}
-
+/* Where a matmul made no joined levels (a caller of its own quantization), the two levels' bytes. */
 TARGET_AVXVNNI static float dot_q4_0_avxvnni(const uint8_t *w, const uint8_t *meta, const act_t *a, int K) {
-    (void)meta;
-    if (a->joined) return dot_q4_0_joined_avxvnni(w, a, K);
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    int nb = K / 32, b = 0;
-    for (; b + 2 <= nb; b += 2) {
-        acc0 = q4_0_block_avxvnni(w + 18 * b, a->qs + b * 32, a->lo + b * 32, Q4_0_SCALE(b), acc0);
-        acc1 = q4_0_block_avxvnni(w + 18 * b + 18, a->qs + b * 32 + 32, a->lo + b * 32 + 32, Q4_0_SCALE(b + 1), acc1);
-    }
-    if (b < nb) acc0 = q4_0_block_avxvnni(w + 18 * b, a->qs + b * 32, a->lo + b * 32, Q4_0_SCALE(b), acc0);
-    return hsum256_ps(_mm256_add_ps(acc0, acc1));
+    return a->joined ? dot_q4_0_joined_avxvnni(w, a, K) : dot_q4_0_avx2(w, meta, a, K);
 }
 
 /* Two blocks per vector, nibbles unsigned (0..15): dot(q, x) - dot(8, x) per lane is exact, for each
