@@ -305,6 +305,14 @@ void ks_quantize_act(int isa, const float *x, int K, int group, int8_t *qs, int8
 /* ---------------------------------------------------------------- horizontal sums */
 
 #if KS_X86
+/* The dot products' software prefetch: the line PF_AHEAD bytes past what a row's loop reads now, into L1.  A
+   row's blocks follow each other (and the next row follows the last), yet one thread streaming them with
+   the hardware's prefetchers alone read Q4_K at 4.5 GB/s where the same loop on cached rows ran 1.6x faster;
+   with these, 2.1x (AVX2, one thread, the 2-core VM). */
+#define PF_AHEAD 1024
+#define PF_LINES(p, n) \
+    do { for (int pf_ = 0; pf_ < (n); pf_++) _mm_prefetch((const char *)(p) + PF_AHEAD + 64 * pf_, _MM_HINT_T0); } while (0)
+
 TARGET_AVX2 static inline float hsum256_ps(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -375,6 +383,7 @@ TARGET_AVX2 static float dot_q8_0_levels_avx2(const uint8_t *w, const uint8_t *m
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                               \
         int nb = K / 32, b = 0;                                                                                      \
         for (; b + 8 <= nb; b += 8) {                                                                                \
+            PF_LINES(wq + 32 * b, 4);                                                                                \
             const __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(meta + 2 * b))), \
                                                          _mm256_loadu_ps(a->d + b)), _mm256_set1_ps(LO_SCALE));      \
             for (int i = 0; i < 8; i += 2) {                                                                         \
@@ -437,6 +446,7 @@ TARGET_VNNI static float dot_q8_0_vnni(const uint8_t *w, const uint8_t *meta, co
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     int nb = K / 32, b = 0;
     for (; b + 4 <= nb; b += 4) {
+        PF_LINES(wq + 32 * b, 2);
         __m128 wd = _mm_cvtph_ps(_mm_loadl_epi64((const __m128i *)(meta + 2 * b)));
         __m128 s = _mm_mul_ps(_mm_mul_ps(wd, _mm_loadu_ps(a->d + b)), _mm_set1_ps(LO_SCALE));
         float sv[4];
@@ -499,6 +509,7 @@ TARGET_AVX2 static inline __m256i q4_0_values16(const uint8_t *blk, __m256i *hig
     TARGET static float NAME(const uint8_t *w, const act_t *a, int K) {                                             \
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();                                               \
         for (int b = 0; b < K / 32; b++) {                                                                           \
+            if (!(b & 3)) PF_LINES(w + 18 * b, 2);                                                                   \
             __m256i hi16, lo16 = q4_0_values16(w + 18 * b, &hi16);                                                   \
             const __m256 p = _mm256_cvtepi32_ps(PAIR(lo16, hi16, a->joined + 32 * b));                               \
             if (b & 1) acc1 = _mm256_fmadd_ps(p, _mm256_set1_ps(Q4_0_SCALE(b)), acc1);                              \
@@ -564,6 +575,7 @@ TARGET_VNNI static float dot_q4_0_vnni(const uint8_t *w, const uint8_t *meta, co
     int nb = K / 32, b = 0;
     for (; b + 8 <= nb; b += 8) {
         const uint8_t *blk = w + 18 * b;
+        PF_LINES(blk, 3);
         uint16_t d[8];
         for (int i = 0; i < 8; i++) memcpy(d + i, blk + 18 * i, 2);
         __m256 s = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)d)), _mm256_loadu_ps(a->d + b)),
@@ -647,6 +659,7 @@ TARGET_AVX2 static float dot_q4_K_avx2(const uint8_t *w, const uint8_t *meta, co
     for (int b = 0; b < K / 256; b++) {
         const uint8_t *blk = w + 144 * b, *qs = blk + 16;
         const int8_t *x = a->qs + b * 256, *xl = a->lo + b * 256;
+        PF_LINES(blk, 3);
         uint8_t sc[8], m[8];
         q4k_scale_min_bytes(blk + 4, sc, m);
         __m256i sum = _mm256_setzero_si256(), sum_l = _mm256_setzero_si256();
@@ -787,6 +800,7 @@ TARGET_AVX2 static float dot_q6_K_avx2(const uint8_t *w, const uint8_t *meta, co
         const uint8_t *blk = w + 210 * b, *ql = blk, *qh = blk + 128;
         const int8_t *sc = (const int8_t *)(blk + 192);
         const int8_t *x = a->qs + b * 256, *xl = a->lo + b * 256;
+        PF_LINES(blk, 4);
         __m256i sum = _mm256_setzero_si256(), sum_l = _mm256_setzero_si256();
         for (int h = 0; h < 2; h++) {
             __m256i l0 = _mm256_loadu_si256((const __m256i *)(ql + 64 * h));
