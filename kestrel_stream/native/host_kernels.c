@@ -52,7 +52,7 @@ int ks_isa_supported(void) {
     unsigned a, b, c, d;           /* AVX-VNNI: CPUID leaf 7, sub-leaf 1, EAX bit 4 (GCC 12's builtin lacks it) */
     if ((mask & (1 << ISA_AVX2)) && __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a >> 4 & 1)) mask |= 1 << ISA_AVXVNNI;
     if ((mask & (1 << ISA_AVX2)) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
         mask |= 1 << ISA_AVX512VNNI;
     if ((mask & (1 << ISA_AVX512VNNI)) && amx_usable()) mask |= 1 << ISA_AMX;
 #endif
