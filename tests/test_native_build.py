@@ -15,7 +15,7 @@ import pytest
 
 from kestrel_stream import native
 from kestrel_stream.native.build import NativeBuildError, build_library
-from test_native_kernels import FORMATS_ORDER, SHAPES, make_weight
+from test_native_kernels import assert_formats_match_twin
 
 pytestmark = [pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler"),
               pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64", "i686"), reason="x86 CPUs' -march")]
@@ -47,13 +47,5 @@ def test_a_library_built_for_an_avx2_cpu_runs_every_path_here(tmp_path):
         pytest.skip("this compiler does not know -march=haswell")
     avx2_built = native.HostKernels(build_library(tmp_path, extra_flags=("-march=haswell",)), threads=2)
     assert avx2_built.supported == native.load().supported     # found at run time, whatever the build's -march
-    rng = np.random.default_rng(17)
-    for fmt in FORMATS_ORDER:
-        n, k = SHAPES[fmt][0]
-        call, twin, _ = make_weight(rng, fmt, n, k)
-        for t in (1, 7):
-            x = rng.standard_normal((t, k)).astype(np.float32)
-            expect = twin(x)
-            for isa in avx2_built.supported:
-                np.testing.assert_allclose(call(avx2_built.with_isa(isa), x), expect, rtol=0,
-                                           atol=2e-6 * np.abs(expect).max(), err_msg=f"{fmt} {isa} T={t}")
+    assert_formats_match_twin([avx2_built.with_isa(isa) for isa in avx2_built.supported], np.random.default_rng(17),
+                              0, (1, 7))

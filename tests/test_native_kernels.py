@@ -48,6 +48,20 @@ def make_weight(rng, fmt, n, k):
             lambda x: twins.matmul_blocks(x, fmt, w.blocks, k), w.dequantize())
 
 
+def assert_formats_match_twin(kerns, rng, shape: int, tokens) -> None:
+    """Every format's matmul on each of `kerns` (HostKernels) against the twin, at SHAPES[fmt][shape] and each
+    token count (the builds' tests: another -march, the portable C)."""
+    for fmt in FORMATS_ORDER:
+        n, k = SHAPES[fmt][shape]
+        call, twin, _ = make_weight(rng, fmt, n, k)
+        for t in tokens:
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            expect = twin(x)
+            for kern in kerns:
+                np.testing.assert_allclose(call(kern, x), expect, rtol=0, atol=2e-6 * np.abs(expect).max(),
+                                           err_msg=f"{fmt} {kern.isa} T={t}")
+
+
 def test_options_name_the_same_isas_and_force_one():
     assert HOST_ISAS == native.ISAS
     assert native.load(Options.from_env({"KESTREL_HOST_ISA": "scalar"})).isa == "scalar"

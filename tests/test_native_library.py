@@ -15,7 +15,7 @@ import pytest
 from kestrel_stream import native
 from kestrel_stream.options import Options
 from kestrel_stream.run import host
-from test_native_kernels import FORMATS_ORDER, SHAPES, make_weight
+from test_native_kernels import assert_formats_match_twin, make_weight
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
 
@@ -42,13 +42,7 @@ def test_the_portable_build_runs_scalar_c_only(tmp_path):
     portable = native.HostKernels(path, isa="avx512vnni", threads=2)
     assert portable.supported == ("scalar",) and portable.isa == "scalar"
     rng = np.random.default_rng(11)
-    for fmt in FORMATS_ORDER:
-        n, k = SHAPES[fmt][1]
-        call, twin, _ = make_weight(rng, fmt, n, k)
-        for t in (1, 17):
-            x = rng.standard_normal((t, k)).astype(np.float32)
-            expect = twin(x)
-            np.testing.assert_allclose(call(portable, x), expect, rtol=0, atol=2e-6 * np.abs(expect).max())
+    assert_formats_match_twin([portable], rng, 1, (1, 17))
     gu = rng.standard_normal((2, 64)).astype(np.float32)
     np.testing.assert_allclose(portable.silu_mul(gu[:, :32], gu[:, 32:]), host.silu_mul(gu[:, :32], gu[:, 32:]),
                                rtol=2e-6, atol=1e-7)
