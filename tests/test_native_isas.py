@@ -1,0 +1,45 @@
+"""Which host-kernel path runs where: an ISA a CPU lacks between others is never chosen, and the 256-bit VNNI
+(AVX-VNNI) kernels give the AVX-512 ones' bits.  The kernels against their twins: test_native_kernels.py."""
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from bench.synthetic import random_blocks
+from kestrel_stream import native
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    return native.load()
+
+
+def test_an_isa_the_cpu_lacks_between_others_is_never_chosen():
+    from kestrel_stream.native.kernels import pick_isa
+    ice_lake = ("scalar", "avx2", "avx512vnni")                     # AVX-512 VNNI, no AVX-VNNI
+    assert pick_isa(ice_lake, "avxvnni") == "avx2"
+    assert pick_isa(ice_lake, "amx") == pick_isa(ice_lake, None) == "avx512vnni"
+    alder_lake = ("scalar", "avx2", "avxvnni")                      # AVX-VNNI, no AVX-512
+    assert pick_isa(alder_lake, "amx") == "avxvnni" and pick_isa(alder_lake, "avx2") == "avx2"
+
+
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q6_K"])
+def test_the_256_bit_vnni_kernels_are_the_512_bit_ones_bit_for_bit(kernels, fmt):
+    """The repacked K-quants on AVX-VNNI (8 rows a vector, two tokens a pass) give each row the integer sums and
+    float steps of the AVX-512 kernels (16 rows, four tokens): the same bits, at every token count and a last
+    group of fewer than 8 and of 8-16 rows."""
+    both = {"avxvnni", "avx512vnni"}
+    if not both <= set(kernels.supported):
+        pytest.skip(f"this CPU has {', '.join(kernels.supported)}: not both 256- and 512-bit VNNI")
+    rng = np.random.default_rng(3)
+    narrow, wide = kernels.with_isa("avxvnni"), kernels.with_isa("avx512vnni")
+    for n in (21, 37, 16):
+        blocks = random_blocks(rng, fmt, n, 768, 0.02)
+        a, b = narrow.prepare_blocks(fmt, blocks, 768), wide.prepare_blocks(fmt, blocks, 768)
+        for t in (1, 2, 3, 5, 9):
+            x = rng.standard_normal((t, 768)).astype(np.float32)
+            assert np.array_equal(narrow.matmul(x, a), wide.matmul(x, b)), (fmt, n, t)
