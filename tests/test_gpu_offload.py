@@ -13,6 +13,7 @@ from hf_oracle import assert_logits_match
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.step_executor import StepExecutor
+from test_exact_q8 import negated_halves
 from test_offload_emulated import PROFILES, budget_for
 
 pytestmark = pytest.mark.gpu
@@ -59,4 +60,21 @@ def test_offload_on_the_device_matches_the_cpu_engine(model, kind, fraction):
         with cpu.new_session() as s:
             s.prefill(PROMPT[:4 + i])
             assert_logits_match(row[None], s.decode(11)[None])
+    engine.close()
+
+
+@pytest.mark.parametrize("mode", ["gpu", "offload"])
+def test_negative_q8_0_scales_give_the_cpu_engines_logits(model, mode):
+    weights, reference = model
+    flipped = negated_halves(weights)
+    assert (flipped.layers[0].wo.scales < 0).mean() > 0.3 and flipped.tied
+    assert np.array_equal(flipped.layers[0].wo.dequantize(), weights.layers[0].wo.dequantize())
+    if mode == "gpu":
+        engine = Engine(flipped, device="cuda", mode="gpu", max_seq_len=32, max_batch=4)
+    else:
+        executor = StepExecutor(flipped, "offload", PROFILES["mixed"], max_seq_len=32, max_batch=4,
+                                vram_budget=budget_for(0.5, PROFILES["mixed"]))
+        engine = Engine(flipped, device="cpu", max_seq_len=32, max_batch=4)
+        engine.device, engine.mode, engine.executor = "cuda", "offload", executor
+    assert_logits_match(run(engine), reference)
     engine.close()
