@@ -26,7 +26,6 @@
 #define KS_AMX 1
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-#define TARGET_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
 #else
 #define KS_AMX 0
 #endif
@@ -81,11 +80,32 @@ static const tile_config_t Q8_0_ONE = {
     .rows = {[C_HI] = 16, [C_LO] = 16, [A_W] = 16, [B_HI] = 8, [B_LO] = 8},
 };
 
-TARGET_AMX void amx_q8_0_begin(void) { _tile_loadconfig(&Q8_0_TILES); }
+/* Repacked Q4_K (host_kquants.c's kq_amx_group) at M tokens: C the sums of two sub-blocks and both levels
+   [M tokens][16 rows] int32; A a sub-block's activations of one level [M][32] (signed); B a sub-block's
+   weights [8 quads][16 rows][4] (unsigned nibbles) */
+#define KQ_AMX_TILES(M) {.palette = 1, \
+    .colsb = {[KQ_C_H0] = 64, [KQ_C_L0] = 64, [KQ_C_H1] = 64, [KQ_C_L1] = 64, [KQ_A_HI] = 32, [KQ_A_LO] = 32, \
+              [KQ_B_0] = 64, [KQ_B_1] = 64}, \
+    .rows = {[KQ_C_H0] = M, [KQ_C_L0] = M, [KQ_C_H1] = M, [KQ_C_L1] = M, [KQ_A_HI] = M, [KQ_A_LO] = M, \
+             [KQ_B_0] = 8, [KQ_B_1] = 8}}
+static const tile_config_t KQ_TILES[16] = {
+    KQ_AMX_TILES(1), KQ_AMX_TILES(2), KQ_AMX_TILES(3), KQ_AMX_TILES(4), KQ_AMX_TILES(5), KQ_AMX_TILES(6),
+    KQ_AMX_TILES(7), KQ_AMX_TILES(8), KQ_AMX_TILES(9), KQ_AMX_TILES(10), KQ_AMX_TILES(11), KQ_AMX_TILES(12),
+    KQ_AMX_TILES(13), KQ_AMX_TILES(14), KQ_AMX_TILES(15), KQ_AMX_TILES(16)};
 
-TARGET_AMX void amx_q8_0_one_begin(void) { _tile_loadconfig(&Q8_0_ONE); }
+/* The configuration this thread has loaded (AMX_NONE: none). */
+static __thread int amx_config;
 
-TARGET_AMX void amx_end(void) { _tile_release(); }
+TARGET_AMX void amx_use(int config) {
+    if (amx_config == config) return;
+    _tile_loadconfig(config == AMX_Q8_0 ? &Q8_0_TILES : config == AMX_Q8_0_ONE ? &Q8_0_ONE : &KQ_TILES[config - AMX_Q4_K - 1]);
+    amx_config = config;
+}
+
+TARGET_AMX void amx_done(void) {
+    if (amx_config) _tile_release();
+    amx_config = AMX_NONE;
+}
 
 TARGET_AMX void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const uint8_t *acts,
                               const float *d, int next, float out[16][16]) {
@@ -166,13 +186,12 @@ TARGET_AMX void amx_q8_0_one(const int8_t *w, ptrdiff_t w_stride, const float *s
 }
 
 #else
-void amx_q8_0_begin(void) {}
-void amx_q8_0_one_begin(void) {}
+void amx_use(int config) { (void)config; }
 void amx_q8_0_one(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const int8_t *hi, const int8_t *lo,
                   const float *d, int next, float out[16]) {
     (void)w, (void)w_stride, (void)scales, (void)K, (void)hi, (void)lo, (void)d, (void)next, (void)out;
 }
-void amx_end(void) {}
+void amx_done(void) {}
 void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const uint8_t *acts, const float *d,
                    int next, float out[16][16]) {
     (void)w, (void)w_stride, (void)scales, (void)K, (void)acts, (void)d, (void)next, (void)out;

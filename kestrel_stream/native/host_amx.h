@@ -24,9 +24,23 @@ void amx_q8_0_rows(const int8_t *w, ptrdiff_t w_stride, const float *scales, int
 void amx_q8_0_one(const int8_t *w, ptrdiff_t w_stride, const float *scales, int K, const int8_t *hi, const int8_t *lo,
                   const float *d, int next, float out[16]);
 
-/* Begin / end a thread's run of amx_q8_0_rows (amx_q8_0_one) calls: the tile configuration; its release. */
-void amx_q8_0_begin(void);
-void amx_q8_0_one_begin(void);
-void amx_end(void);
+/* A thread's tile configuration for the calls that follow (loaded unless it is the one loaded already):
+   AMX_Q8_0 for amx_q8_0_rows, AMX_Q8_0_ONE for amx_q8_0_one, AMX_Q4_K + M for host_kquants.c's repacked
+   Q4_K at M (1..16) tokens; amx_done releases the tiles (at the end of a thread's part of a job). */
+enum { AMX_NONE = 0, AMX_Q8_0 = 1, AMX_Q8_0_ONE = 2, AMX_Q4_K = 16 };
+void amx_use(int config);
+void amx_done(void);
+
+/* The tile registers of AMX_Q4_K's configurations (host_kquants.c's kq_amx_group): C the int32 sums of
+   sub-blocks 2c and 2c + 1, each level; A a sub-block's activations of one level; B the low and the high
+   nibbles of a sub-block pair's 8 quads (numbers, not an enum: the intrinsics paste them into the instruction). */
+#define KQ_C_H0 0
+#define KQ_C_L0 1
+#define KQ_C_H1 2
+#define KQ_C_L1 3
+#define KQ_A_HI 4
+#define KQ_A_LO 5
+#define KQ_B_0 6
+#define KQ_B_1 7
 
 #endif

@@ -1234,21 +1234,6 @@ static uint8_t *amx_scratch(int K) {
     return amx_own;
 }
 
-/* Which tile configuration this thread has loaded (0: none, 1: 16 token lanes, 2: one token). */
-static __thread int amx_config;
-
-static void amx_use(int config) {
-    if (amx_config == config) return;
-    if (config == 1) amx_q8_0_begin();
-    else amx_q8_0_one_begin();
-    amx_config = config;
-}
-
-static void amx_done(void) {
-    if (amx_config) amx_end();
-    amx_config = 0;
-}
-
 /* The R (<= 16) rows of a Q8_0 weight from row w (meta: its scales) at one stride on AMX tiles: out[r][l]
    against a tile of activations in the lanes' layout (signed), or, with tile NULL, out[r][0] for the one
    token a (amx_q8_0_one); next: the 16 rows after these are this thread's next (the kernels prefetch into
@@ -1266,12 +1251,12 @@ static void amx_rows(const uint8_t *w, ptrdiff_t w_stride, const uint8_t *meta, 
         w = own, w_stride = K, next = 0;
     }
     if (tile) {
-        amx_use(1);
+        amx_use(AMX_Q8_0);
         amx_q8_0_rows((const int8_t *)w, w_stride, scales, K, tile, (const float *)(tile + (size_t)K * LANES * 2), next, out);
         return;
     }
     float one[TILE_ROWS];
-    amx_use(2);
+    amx_use(AMX_Q8_0_ONE);
     amx_q8_0_one((const int8_t *)w, w_stride, scales, K, a->qs, a->lo, a->d, next, one);
     for (int r = 0; r < TILE_ROWS; r++) out[r][0] = one[r];
 }
@@ -1411,7 +1396,7 @@ static void matmul_amx(void *ctx, int index, int count) {
     }
     float *scales = (float *)(own + (size_t)TILE_ROWS * K);
     const act_t first = token_act(m, 0);
-    amx_use(m->T == 1 ? 2 : 1);
+    amx_use(m->T == 1 ? AMX_Q8_0_ONE : AMX_Q8_0);
     for (int grab; (grab = atomic_fetch_add_explicit(&m->next, TILES_PER_GRAB, memory_order_relaxed)) < m->row_tiles;) {
         int r_end = (grab + TILES_PER_GRAB) * ROW_TILE < N ? (grab + TILES_PER_GRAB) * ROW_TILE : N;
         for (int r0 = grab * ROW_TILE; r0 < r_end; r0 += TILE_ROWS) {
@@ -1495,7 +1480,11 @@ static size_t matmul_init(matmul_t *m, const ks_linear_t *spec, const float *x, 
 static void matmul_place(matmul_t *m, uint8_t *buf) {
     m->buf = buf;
     m->tiles = m->buf + m->per_token * (size_t)m->T;
-    if (repacked(m->fmt)) m->kq_acts = kq_acts_at(m->tiles, m->K, m->T);
+    if (repacked(m->fmt)) {
+        m->kq_acts = kq_acts_at(m->tiles, m->K, m->T);
+        m->kq_acts.rows = (const int8_t *)m->buf;       /* token_act's levels */
+        m->kq_acts.row_stride = (ptrdiff_t)m->per_token, m->kq_acts.lo_offset = (ptrdiff_t)m->qs_bytes;
+    }
     if (m->glu) {               /* the gate | up rows land in scratch, the epilogue writes out */
         m->glu_out = m->out, m->glu_stride = m->out_stride;
         m->out = (float *)(m->tiles + m->tiles_bytes);

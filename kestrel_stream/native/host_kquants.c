@@ -22,9 +22,11 @@
  * VNNI kernels scale each sub-block's int32 sums in float, as the lanes kernels do.
  */
 #include <stddef.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "host_amx.h"
 #include "host_kquants.h"
 #include "host_simd.h"
 
@@ -83,8 +85,10 @@ static size_t chunk_bytes(int K) { return ((size_t)8 * K + (size_t)(K / 256 + K 
 size_t kq_acts_bytes(int K, int T) { return chunk_bytes(K) * (size_t)((T + KQ_CHUNK - 1) / KQ_CHUNK); }
 
 kq_acts_t kq_acts_at(uint8_t *buf, int K, int T) {     /* the last chunk's missing tokens are never read */
-    return (kq_acts_t){buf, chunk_bytes(K), K, T};
+    return (kq_acts_t){.base = buf, .chunk_bytes = chunk_bytes(K), .K = K, .T = T};
 }
+
+int ks_kq_amx_min_tokens = 5;
 
 void kq_token(int fmt, const int8_t *hi, const int8_t *lo, const float *d, const int16_t *bsums,
               const int16_t *bsums_lo, int t, const kq_acts_t *acts) {
@@ -354,6 +358,125 @@ KQ_TILE(q6k, 1) KQ_TILE(q6k, 2) KQ_TILE(q6k, 3) KQ_TILE(q6k, 4)
 static const kq_tile_fn KQ_TILES[2][KQ_CHUNK] = {{q4k_tile_1, q4k_tile_2, q4k_tile_3, q4k_tile_4},
                                                  {q6k_tile_1, q6k_tile_2, q6k_tile_3, q6k_tile_4}};
 
+/* ---------------------------------------------------------------- AMX: a row group x up to 16 tokens (Q4_K) */
+
+/* With the activations in two levels, vpdpbusd bounds a Q4_K matmul of a few tokens (4 of them a 64-byte
+   load, 16 rows by 4 values each): past 4 tokens its time grows with the tokens.  On tiles a sub-block
+   pair of the group is one tdpbsud per sub-block and level: A the M tokens' 32 activations of the sub-block
+   (one level, signed, read in place from quantize_act's rows), B its 8 quads of the 16 rows' weights (the
+   group's pieces masked to the low nibble, or the high nibble in place: 16 times its value, as the VNNI
+   kernel's), C [M][16] int32: the VNNI kernel's sums exactly.  They are stored and scaled in float by the
+   VNNI kernel's steps in its order, a token's 16 rows a vector (the same bits).  A step's weights are
+   unpacked a step before its products, and its sums scaled two steps after: no load waits on a store just
+   made.  sums [K/32][16] and dl [K/256][16]: the tokens' value sums and d / 128 (kq_amx_acts).  `ahead`:
+   prefetch as q4k_sub_blocks does. */
+#define KQ_AMX_LAG 2
+TARGET_AMX static void kq_amx_group(const uint8_t *grp, int nb, const int8_t *hi, ptrdiff_t stride, ptrdiff_t lo_offset,
+                                    const float *asums, const float *adl, int M, int ahead, float *out,
+                                    ptrdiff_t out_stride, int rows) {
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
+    _Alignas(64) uint8_t wq[2][2][8][64];                   /* [step & 1][nibble][quad][16 rows x 4] */
+    _Alignas(64) int32_t sums[KQ_AMX_LAG + 1][4][16][16];   /* [step % 3][H0, L0, H1, L1][token][row] */
+    _Alignas(64) uint8_t sc[2][128], mn[2][128];            /* [block & 1] */
+    __m512 d[2], dmin[2], part[16], total[16];
+    for (int t = 0; t < M; t++) part[t] = total[t] = _mm512_setzero_ps();
+    const int steps = 4 * nb;
+    for (int i = -1; i < steps + KQ_AMX_LAG; i++) {
+        if (i + 1 < steps) {        /* step i + 1's weights, unpacked */
+            const int b = (i + 1) / 4, c = (i + 1) % 4;
+            const uint8_t *blk = grp + (size_t)Q4K_GROUP_BLOCK * b;
+            if (c == 0) {
+                d[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_D)));
+                dmin[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_DMIN)));
+                q4k_unpack_scales(blk + Q4K_SCALES, sc[b & 1], mn[b & 1]);
+            }
+            uint8_t (*w)[8][64] = wq[(i + 1) & 1];
+            for (int q = 0; q < 8; q++) {
+                const __m512i v = _mm512_load_si512(blk + 64 * (8 * c + q));
+                _mm512_store_si512(w[0][q], _mm512_and_si512(v, low));
+                _mm512_store_si512(w[1][q], _mm512_and_si512(v, high));
+                if (ahead) {
+                    PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+                    PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+                }
+            }
+            if (ahead) {
+                PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+                PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+            }
+        }
+        if (i >= 0 && i < steps) {  /* step i's products */
+            const int8_t *a = hi + 256 * (size_t)(i / 4) + 64 * (i % 4);
+            int32_t (*out_sums)[16][16] = sums[i % (KQ_AMX_LAG + 1)];
+            _tile_loadd(KQ_B_0, wq[i & 1][0], 64);
+            _tile_loadd(KQ_B_1, wq[i & 1][1], 64);
+            _tile_zero(KQ_C_H0);
+            _tile_zero(KQ_C_L0);
+            _tile_zero(KQ_C_H1);
+            _tile_zero(KQ_C_L1);
+            _tile_loadd(KQ_A_HI, a, stride);
+            _tile_loadd(KQ_A_LO, a + lo_offset, stride);
+            _tile_dpbsud(KQ_C_H0, KQ_A_HI, KQ_B_0);
+            _tile_dpbsud(KQ_C_L0, KQ_A_LO, KQ_B_0);
+            _tile_loadd(KQ_A_HI, a + 32, stride);
+            _tile_loadd(KQ_A_LO, a + 32 + lo_offset, stride);
+            _tile_dpbsud(KQ_C_H1, KQ_A_HI, KQ_B_1);
+            _tile_dpbsud(KQ_C_L1, KQ_A_LO, KQ_B_1);
+            _tile_stored(KQ_C_H0, out_sums[0], 64);
+            _tile_stored(KQ_C_L0, out_sums[1], 64);
+            _tile_stored(KQ_C_H1, out_sums[2], 64);
+            _tile_stored(KQ_C_L1, out_sums[3], 64);
+        }
+        const int p = i - KQ_AMX_LAG;
+        if (p >= 0) {               /* step p's sums: q4k_sub_blocks' float steps, then q4k_tile's at a block's end */
+            const int b = p / 4, c = p % 4;
+            int32_t (*in_sums)[16][16] = sums[p % (KQ_AMX_LAG + 1)];
+            for (int n = 0; n < 2; n++) {
+                const int j = 2 * c + n;
+                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(sc[b & 1] + 16 * j)))),
+                                               n ? _mm512_mul_ps(d[b & 1], _mm512_set1_ps(0.0625f)) : d[b & 1]);
+                const __m512 mv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(mn[b & 1] + 16 * j)))),
+                                                dmin[b & 1]);
+                const float *token_sums = asums + 16 * (8 * b + j);
+                for (int t = 0; t < M; t++) {
+                    const __m512i joined = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(in_sums[2 * n][t]), 7),
+                                                            _mm512_load_si512(in_sums[2 * n + 1][t]));
+                    part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), s, part[t]);
+                    part[t] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(token_sums[t]), part[t]);
+                }
+            }
+            if (c == 3)
+                for (int t = 0; t < M; t++) {
+                    total[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(adl[16 * b + t]), total[t]);
+                    part[t] = _mm512_setzero_ps();
+                }
+        }
+    }
+    for (int t = 0; t < M; t++) _mm512_mask_storeu_ps(out + out_stride * t, (__mmask16)((1u << rows) - 1), total[t]);
+}
+
+/* Tokens t0..t0+M-1's value sums per 32 [K/32][16] and d / 128 per block [K/256][16], a row of 16 each, out
+   of the chunks (this thread's buffer, grown as needed; NULL if it cannot be). */
+static float *kq_amx_acts(const kq_acts_t *acts, int t0, int M) {
+    static __thread float *own;
+    static __thread size_t own_floats;
+    const int K = acts->K;
+    const size_t floats = (size_t)16 * (K / 32 + K / 256);
+    if (floats > own_floats) {
+        free(own);
+        own = aligned_alloc(64, (floats * 4 + 63) / 64 * 64);
+        own_floats = own ? floats : 0;
+        if (!own) return NULL;
+    }
+    for (int t = 0; t < M; t++) {
+        const int u = t0 + t, chunk = u / KQ_CHUNK, lane = u % KQ_CHUNK;
+        const float *sums = kq_sums(acts, chunk), *dl = kq_dl(acts, chunk);
+        for (int j = 0; j < K / 32; j++) own[16 * j + t] = sums[KQ_CHUNK * j + lane];
+        for (int b = 0; b < K / 256; b++) own[16 * (K / 32) + 16 * b + t] = dl[KQ_CHUNK * b + lane];
+    }
+    return own;
+}
+
 /* ---------------------------------------------------------------- AVX-VNNI: a half group (8 rows) x C tokens */
 /* The kernels above at 256 bits, for the CPUs with the VEX vpdpbusd and no AVX-512: each 64-byte piece is two
    halves of 8 rows (bytes 32 * half ..), each half of a group runs its own pass over the group's blocks (the
@@ -546,6 +669,22 @@ void kq_rows(int fmt, int isa, const uint8_t *w, ptrdiff_t group_stride, int K, 
              const kq_acts_t *acts, float *out, ptrdiff_t out_stride) {
     const int nb = K / 256, T = acts->T;
 #if KS_X86
+    float *sums;
+    if (isa >= ISA_AMX && fmt == FMT_Q4_K_R16 && T >= ks_kq_amx_min_tokens && acts->rows && (sums = kq_amx_acts(acts, 0, 0))) {
+        /* 16 tokens at a time on tiles, a group at a time: the groups from memory for the first 16 */
+        for (int t0 = 0; t0 < T; t0 += 16) {
+            const int M = T - t0 < 16 ? T - t0 : 16;
+            sums = kq_amx_acts(acts, t0, M);
+            amx_use(AMX_Q4_K + M);
+            for (int g = g0; g < g1; g++) {
+                const int rows = N - KQ_ROWS * g < KQ_ROWS ? N - KQ_ROWS * g : KQ_ROWS;
+                kq_amx_group(w + group_stride * g, nb, acts->rows + acts->row_stride * t0, acts->row_stride, acts->lo_offset,
+                             sums, sums + 16 * (K / 32), M, t0 == 0, out + out_stride * t0 + KQ_ROWS * g, out_stride, rows);
+            }
+        }
+        amx_done();
+        return;
+    }
     if (isa >= ISA_AVX512VNNI) {
         /* a group at a time, all its tokens: its blocks come from memory on the first chunk's pass (with
            one group in flight the hardware and the prefetches keep ahead best) and from cache after */

@@ -19,7 +19,14 @@ typedef struct {
     uint8_t *base;
     size_t chunk_bytes;
     int K, T;
+    /* the same levels as quantize_act wrote them, a token a row (NULL: not given): hi of token t at
+       rows + t * row_stride [K], lo lo_offset bytes after it; AMX reads them in place */
+    const int8_t *rows;
+    ptrdiff_t row_stride, lo_offset;
 } kq_acts_t;
+
+/* Tokens from which repacked Q4_K runs on AMX tiles (ISA amx): below, the VNNI kernel's 4-token chunks. */
+extern int ks_kq_amx_min_tokens;
 
 /* Bytes of kq_acts_t's chunks for T tokens of K values, and the chunks laid out in `buf` (64-aligned). */
 size_t kq_acts_bytes(int K, int T);

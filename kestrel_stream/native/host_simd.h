@@ -34,6 +34,7 @@ enum { FMT_Q8_0 = 0, FMT_Q4_0 = 1, FMT_Q4_K = 2, FMT_Q6_K = 3, FMT_Q4_K_R16 = 4,
    AVX-512 an intrinsic of an extension its target lacks stops the whole build (tests/test_native_build.py
    compiles it for other CPUs' -march) */
 #define TARGET_VNNI __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")))
+#define TARGET_AMX __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")))
 
 #if defined(__FLT16_MAX__) && !defined(KS_NO_FLOAT16)     /* KS_NO_FLOAT16: the tests build the other too */
 static inline float h2f(uint16_t h) {
