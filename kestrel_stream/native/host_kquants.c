@@ -375,7 +375,10 @@ TARGET_AMX static void kq_amx_group(const uint8_t *grp, int nb, const int8_t *hi
                                     const float *asums, const float *adl, int M, int ahead, float *out,
                                     ptrdiff_t out_stride, int rows) {
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
-    _Alignas(64) uint8_t wq[2][2][8][64];                   /* [step & 1][nibble][quad][16 rows x 4] */
+    /* [step & 1][nibble][quad of the pair][16 rows x 4]: the low nibbles' sub-block in quads 0-7, the high
+       nibbles' in 8-15, zeros in the other half (a pair's activations are one A tile, each C only its own) */
+    _Alignas(64) uint8_t wq[2][2][16][64];
+    memset(wq[0][0][8], 0, 512), memset(wq[0][1][0], 0, 512), memset(wq[1][0][8], 0, 512), memset(wq[1][1][0], 0, 512);
     _Alignas(64) int32_t sums[KQ_AMX_LAG + 1][4][16][16];   /* [step % 3][H0, L0, H1, L1][token][row] */
     _Alignas(64) uint8_t sc[2][128], mn[2][128];            /* [block & 1] */
     __m512 d[2], dmin[2], part[16], total[16];
@@ -390,11 +393,11 @@ TARGET_AMX static void kq_amx_group(const uint8_t *grp, int nb, const int8_t *hi
                 dmin[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_DMIN)));
                 q4k_unpack_scales(blk + Q4K_SCALES, sc[b & 1], mn[b & 1]);
             }
-            uint8_t (*w)[8][64] = wq[(i + 1) & 1];
+            uint8_t (*w)[16][64] = wq[(i + 1) & 1];
             for (int q = 0; q < 8; q++) {
                 const __m512i v = _mm512_load_si512(blk + 64 * (8 * c + q));
                 _mm512_store_si512(w[0][q], _mm512_and_si512(v, low));
-                _mm512_store_si512(w[1][q], _mm512_and_si512(v, high));
+                _mm512_store_si512(w[1][8 + q], _mm512_and_si512(v, high));
                 if (ahead) {
                     PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
                     PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
@@ -418,8 +421,6 @@ TARGET_AMX static void kq_amx_group(const uint8_t *grp, int nb, const int8_t *hi
             _tile_loadd(KQ_A_LO, a + lo_offset, stride);
             _tile_dpbsud(KQ_C_H0, KQ_A_HI, KQ_B_0);
             _tile_dpbsud(KQ_C_L0, KQ_A_LO, KQ_B_0);
-            _tile_loadd(KQ_A_HI, a + 32, stride);
-            _tile_loadd(KQ_A_LO, a + 32 + lo_offset, stride);
             _tile_dpbsud(KQ_C_H1, KQ_A_HI, KQ_B_1);
             _tile_dpbsud(KQ_C_L1, KQ_A_LO, KQ_B_1);
             _tile_stored(KQ_C_H0, out_sums[0], 64);
