@@ -371,9 +371,9 @@ static const kq_tile_fn KQ_TILES[2][KQ_CHUNK] = {{q4k_tile_1, q4k_tile_2, q4k_ti
    made.  sums [K/32][16] and dl [K/256][16]: the tokens' value sums and d / 128 (kq_amx_acts).  `ahead`:
    prefetch as q4k_sub_blocks does. */
 #define KQ_AMX_LAG 2
-TARGET_AMX static void kq_amx_group(const uint8_t *grp, int nb, const int8_t *hi, ptrdiff_t stride, ptrdiff_t lo_offset,
-                                    const float *asums, const float *adl, int M, int ahead, float *out,
-                                    ptrdiff_t out_stride, int rows) {
+TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_group(
+    const int M, const uint8_t *grp, int nb, const int8_t *hi, ptrdiff_t stride, ptrdiff_t lo_offset, const float *asums,
+    const float *adl, int ahead, float *out, ptrdiff_t out_stride, int rows) {
     const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     /* [step & 1][nibble][quad of the pair][16 rows x 4]: the low nibbles' sub-block in quads 0-7, the high
        nibbles' in 8-15, zeros in the other half (a pair's activations are one A tile, each C only its own) */
@@ -439,6 +439,7 @@ TARGET_AMX static void kq_amx_group(const uint8_t *grp, int nb, const int8_t *hi
                 const __m512 mv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(mn[b & 1] + 16 * j)))),
                                                 dmin[b & 1]);
                 const float *token_sums = asums + 16 * (8 * b + j);
+#pragma GCC unroll 16
                 for (int t = 0; t < M; t++) {
                     const __m512i joined = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(in_sums[2 * n][t]), 7),
                                                             _mm512_load_si512(in_sums[2 * n + 1][t]));
@@ -447,6 +448,7 @@ TARGET_AMX static void kq_amx_group(const uint8_t *grp, int nb, const int8_t *hi
                 }
             }
             if (c == 3)
+#pragma GCC unroll 16
                 for (int t = 0; t < M; t++) {
                     total[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(adl[16 * b + t]), total[t]);
                     part[t] = _mm512_setzero_ps();
@@ -455,6 +457,18 @@ TARGET_AMX static void kq_amx_group(const uint8_t *grp, int nb, const int8_t *hi
     }
     for (int t = 0; t < M; t++) _mm512_mask_storeu_ps(out + out_stride * t, (__mmask16)((1u << rows) - 1), total[t]);
 }
+
+/* kq_amx_group for each M (1..16), its per-token loops unrolled and `part` in registers */
+#define KQ_AMX_ARGS const uint8_t *grp, int nb, const int8_t *hi, ptrdiff_t stride, ptrdiff_t lo_offset, const float *asums, \
+    const float *adl, int ahead, float *out, ptrdiff_t out_stride, int rows
+typedef void (*kq_amx_fn)(KQ_AMX_ARGS);
+#define KQ_AMX(M) TARGET_AMX static void kq_amx_group_##M(KQ_AMX_ARGS) { \
+    kq_amx_group(M, grp, nb, hi, stride, lo_offset, asums, adl, ahead, out, out_stride, rows); }
+KQ_AMX(1) KQ_AMX(2) KQ_AMX(3) KQ_AMX(4) KQ_AMX(5) KQ_AMX(6) KQ_AMX(7) KQ_AMX(8)
+KQ_AMX(9) KQ_AMX(10) KQ_AMX(11) KQ_AMX(12) KQ_AMX(13) KQ_AMX(14) KQ_AMX(15) KQ_AMX(16)
+static const kq_amx_fn KQ_AMX_GROUPS[16] = {kq_amx_group_1, kq_amx_group_2, kq_amx_group_3, kq_amx_group_4, kq_amx_group_5,
+    kq_amx_group_6, kq_amx_group_7, kq_amx_group_8, kq_amx_group_9, kq_amx_group_10, kq_amx_group_11, kq_amx_group_12,
+    kq_amx_group_13, kq_amx_group_14, kq_amx_group_15, kq_amx_group_16};
 
 /* Tokens t0..t0+M-1's value sums per 32 [K/32][16] and d / 128 per block [K/256][16], a row of 16 each, out
    of the chunks (this thread's buffer, grown as needed; NULL if it cannot be). */
@@ -679,8 +693,9 @@ void kq_rows(int fmt, int isa, const uint8_t *w, ptrdiff_t group_stride, int K, 
             amx_use(AMX_Q4_K + M);
             for (int g = g0; g < g1; g++) {
                 const int rows = N - KQ_ROWS * g < KQ_ROWS ? N - KQ_ROWS * g : KQ_ROWS;
-                kq_amx_group(w + group_stride * g, nb, acts->rows + acts->row_stride * t0, acts->row_stride, acts->lo_offset,
-                             sums, sums + 16 * (K / 32), M, t0 == 0, out + out_stride * t0 + KQ_ROWS * g, out_stride, rows);
+                KQ_AMX_GROUPS[M - 1](w + group_stride * g, nb, acts->rows + acts->row_stride * t0, acts->row_stride,
+                                     acts->lo_offset, sums, sums + 16 * (K / 32), t0 == 0, out + out_stride * t0 + KQ_ROWS * g,
+                                     out_stride, rows);
             }
         }
         amx_done();
