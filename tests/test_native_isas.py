@@ -58,7 +58,7 @@ def test_repacked_q4_k_on_amx_tiles_is_the_vnni_kernel_bit_for_bit(kernels):
         a, b = tiles.prepare_blocks("Q4_K", blocks, k), vnni.prepare_blocks("Q4_K", blocks, k)
         x = rng.standard_normal((40, k)).astype(np.float32)
         x[:, ::17] *= 20                                             # outlier channels: both levels matter
-        for t in (1, 3, 4, 5, 9, 16, 17, 33, 40):
+        for t in (1, 3, 4, 5, 9, 16, 17, 20, 33, 34, 35, 40):      # last passes of 1-8 tokens
             got = tiles.matmul(x[:t], a)
             assert np.array_equal(got, vnni.matmul(x[:t], b)), (n, k, t)
             assert np.array_equal(got[-1], tiles.matmul(x[t - 1:t], a)[0]), (n, k, t)   # alone: the same row
