@@ -81,8 +81,8 @@ static const tile_config_t Q8_0_ONE = {
 };
 
 /* Repacked Q4_K (host_kquants.c's kq_amx_group) at M tokens: C the sums of two sub-blocks and both levels
-   [M tokens][16 rows] int32; A a sub-block's activations of one level [M][32] (signed); B a sub-block's
-   weights [8 quads][16 rows][4] (unsigned nibbles) */
+   [M tokens][16 rows] int32; A a sub-block pair's activations of one level [M][64] (signed); B the pair's
+   weights [16 quads][16 rows][4] (unsigned nibbles of one sub-block, zeros for the other) */
 #define KQ_AMX_TILES(M) {.palette = 1, \
     .colsb = {[KQ_C_H0] = 64, [KQ_C_L0] = 64, [KQ_C_H1] = 64, [KQ_C_L1] = 64, [KQ_A_HI] = 64, [KQ_A_LO] = 64, \
               [KQ_B_0] = 64, [KQ_B_1] = 64}, \

@@ -362,10 +362,10 @@ static const kq_tile_fn KQ_TILES[2][KQ_CHUNK] = {{q4k_tile_1, q4k_tile_2, q4k_ti
 
 /* With the activations in two levels, vpdpbusd bounds a Q4_K matmul of a few tokens (4 of them a 64-byte
    load, 16 rows by 4 values each): past 4 tokens its time grows with the tokens.  On tiles a sub-block
-   pair of the group is one tdpbsud per sub-block and level: A the M tokens' 32 activations of the sub-block
-   (one level, signed, read in place from quantize_act's rows), B its 8 quads of the 16 rows' weights (the
-   group's pieces masked to the low nibble, or the high nibble in place: 16 times its value, as the VNNI
-   kernel's), C [M][16] int32: the VNNI kernel's sums exactly.  They are stored and scaled in float by the
+   pair of the group is one tdpbsud per sub-block and level: A the M tokens' 64 activations of the pair
+   (one level, signed, read in place from quantize_act's rows), B the pair's 16 quads holding one sub-block's
+   weights of the 16 rows (the group's pieces masked to the low nibble, or the high nibble in place: 16 times
+   its value, as the VNNI kernel's) and zeros for the other's, C [M][16] int32: the VNNI kernel's sums exactly.  They are stored and scaled in float by the
    VNNI kernel's steps in its order, a token's 16 rows a vector (the same bits).  A step's weights are
    unpacked a step before its products, and its sums scaled two steps after: no load waits on a store just
    made.  sums [K/32][16] and dl [K/256][16]: the tokens' value sums and d / 128 (kq_amx_acts).  `ahead`:
