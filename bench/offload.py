@@ -11,9 +11,10 @@ after one (medians of --repeats after a warm-up). Beside each row: the placement
 per layer), its predicted step time and the roofline (scheduler/offload.py: the non-resident bytes at the pool's
 best rate plus the resident GPU time), the measured step as a fraction of each, and the window alone (gpu mode,
 KESTREL_OFFLOAD=stream) at the same budget. The pool figures come from `calibrate` forced at the start
-(measure_pool). --sessions S adds decode of S sessions at once (ours: decode_batch, with the placement of an
-S-token step and its predicted time beside the measured one; the window alone under the same budget, sessions
-and lengths; llama.cpp: llama-batched-bench -ngl N -npp 32 -ntg 32 -npl S when --llama-batched-bench is given).
+(measure_pool). --sessions S adds decode of S sessions at once (ours: greedy decode_batch, each session's next
+token taken where lm_head ran, as the daemon's decode steps take it; with the placement of an S-token step and its
+predicted time beside the measured one; the window alone under the same budget, sessions and lengths; llama.cpp:
+llama-batched-bench -ngl N -npp 32 -ntg 32 -npl S when --llama-batched-bench is given).
 """
 from __future__ import annotations
 
@@ -119,10 +120,10 @@ def batch_rate(engine, sessions: int, new_tokens: int) -> float:
     try:
         for s in group:
             s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, BATCH_PROMPT)], logits="last")
-        engine.decode_batch(tokens)
+        engine.decode_batch(tokens, greedy=True)
         t0 = time.perf_counter()
         for _ in range(new_tokens):
-            engine.decode_batch(tokens)
+            engine.decode_batch(tokens, greedy=True)
         elapsed = time.perf_counter() - t0
     finally:
         for s in group:

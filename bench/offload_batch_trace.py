@@ -5,7 +5,8 @@ beside the placement's predicted step:
     python3 -m bench.offload_batch_trace FILE.gguf --ngl 14 --sessions 16 --trace OUT.json [--stream]
 
 --stream: the window alone (mode gpu, KESTREL_OFFLOAD=stream) under the same budget instead.  The engines are
-loaded as bench/offload.py's batch rows load them (BATCH_PROMPT-token prompts, max_batch = sessions).  Open the
+loaded as bench/offload.py's batch rows load them (BATCH_PROMPT-token prompts, max_batch = sessions) and step as they
+step (greedy decode_batch: each session's token taken where lm_head ran).  Open the
 trace with `kestrel-stream timeline`.  Needs a GPU.
 """
 from __future__ import annotations
@@ -51,11 +52,11 @@ def main() -> None:
             s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, BATCH_PROMPT)], logits="last")
         tokens = [(s, 1) for s in group]
         for _ in range(3):
-            engine.decode_batch(tokens)
+            engine.decode_batch(tokens, greedy=True)
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
-            engine.decode_batch(tokens)
+            engine.decode_batch(tokens, greedy=True)
             times.append((time.perf_counter() - start) * 1e3)
         print(f"{'window alone' if args.stream else 'mode offload'}, {args.sessions} sessions: steps "
               f"{', '.join(f'{t:.2f}' for t in times)} ms, median {statistics.median(times):.2f}")
@@ -66,7 +67,7 @@ def main() -> None:
         trace.start(args.trace)
         for _ in range(4):
             start = time.perf_counter()
-            engine.decode_batch(tokens)
+            engine.decode_batch(tokens, greedy=True)
             print(f"traced step {(time.perf_counter() - start) * 1e3:.2f} ms")
         print("wrote", trace.stop())
     finally:

@@ -230,3 +230,42 @@ def test_prefill_wanting_the_last_row_computes_and_returns_only_it(model, emulat
         assert_logits_match(np.atleast_2d(out)[-1:], reference[0][len(PROMPTS[0]) - 1:len(PROMPTS[0])])
     assert moved[0] - moved[1] == (len(PROMPTS[0]) - 1) * CONFIG.vocab_size * 4, moved
     engine.close()
+
+
+@pytest.mark.parametrize("fraction,head", [(0.5, "resident"), (0.12, "host")])
+def test_greedy_steps_take_the_argmax_where_lm_head_ran(model, emulated, fraction, head):
+    """decode_batch(greedy=True) and forward_argmax: the tokens of the logits path's argmax; with lm_head on
+    the device each row's argmax is taken there and 4 bytes a row come back in place of the row (in the step
+    graph too, captured beside the logits one), with lm_head on the host the host takes it."""
+    weights, _ = model
+    engine = offload_engine(weights, PROFILES["mixed"], fraction)
+    x = engine.executor
+    assert x.placement.head == head, x.placement.describe()
+    prompts = [[1, 2, 3], [7], [9, 8, 7, 6, 5]]
+    sessions = [engine.new_session() for _ in prompts]
+    tokens = [int(np.argmax(s.prefill(p)[-1])) for s, p in zip(sessions, prompts)]
+    for _ in range(4):                             # segment by segment, captured, replayed, replayed
+        check = [engine.new_session() for _ in prompts]
+        for c, s in zip(check, sessions):          # the same history through the logits path
+            c.prefill(s.tokens)
+        before = x.stats["d2h_bytes"]
+        logits = engine.decode_batch([(c, t) for c, t in zip(check, tokens)])
+        logits_d2h = x.stats["d2h_bytes"] - before
+        before = x.stats["d2h_bytes"]
+        got = engine.decode_batch(list(zip(sessions, tokens)), greedy=True)
+        greedy_d2h = x.stats["d2h_bytes"] - before
+        np.testing.assert_array_equal(got, logits.argmax(axis=1))
+        saved = (CONFIG.vocab_size * 4 - 4) * len(prompts) if head == "resident" else 0
+        assert logits_d2h - greedy_d2h == saved, (logits_d2h, greedy_d2h)
+        for c in check:
+            c.close()
+        tokens = [int(t) for t in got]
+    graphs = x.steps.item_graphs._graphs
+    assert {key[2] for key in graphs if key[0] == len(prompts)} == {False, True}, sorted(graphs)
+    with engine.new_session() as s:                # every row's argmax of a prompt (a verify pass)
+        rows = x.forward_argmax([(s.kv, np.array(PROMPTS[0]), 0)])
+    with engine.new_session() as s:
+        np.testing.assert_array_equal(rows[0], s.prefill(PROMPTS[0]).argmax(axis=1))
+    for s in sessions:
+        s.close()
+    engine.close()

@@ -11,7 +11,9 @@ an RMSNorm is folded into the projection that consumes it.  On the GPU that proj
 and 1/rms per token, which the GEMV that wrote x on the device prepares in its epilogue, or the host
 computes and uploads when x was last written there.  Entering a host segment downloads everything it
 reads from the device with one sync; entering a GPU segment uploads what it reads, asynchronously.
-Syncs per step therefore equal the plan's GPU segments, never one per projection.
+Syncs per step therefore equal the plan's GPU segments, never one per projection.  A greedy step
+(forward_greedy, forward_argmax: the daemon's decode steps and verify passes) takes each logits row's argmax
+where lm_head ran: on the device (argmax_split, 4 bytes a row back instead of the row), or on the host.
 
 The device side is the backend every offloading mode builds (device/backend.py): its arena, its paged KV
 pool (float32 for the first N layers in gated and layers=N; every layer, f16 by default, in offload) and its
@@ -205,6 +207,19 @@ class MixedSteps(Steps):
         each session's last row, [1, V]: lm_head runs on the chunk's wanted rows alone where they are one run
         (a prefill's last row, a decode batch), on none in a prefill's earlier chunks.  trees: per session a
         TokenTree (run/token_tree.py) or None."""
+        return self._forward(batch, logits, trees, pick=False)
+
+    def forward_greedy(self, batch: list) -> np.ndarray:
+        """Each session's greedy next token, int64 [len(batch)]: the argmax of its last logits row, taken on
+        the device where lm_head runs there (4 bytes a row back instead of the row)."""
+        return np.array([int(rows[-1]) for rows in self._forward(batch, "last", None, pick=True)], np.int64)
+
+    def forward_argmax(self, batch: list, trees: list | None = None) -> list[np.ndarray]:
+        """Every row's argmax, int64 [n_i] per session, taken where forward_greedy takes it."""
+        return [np.asarray(rows, np.int64).reshape(-1) for rows in self._forward(batch, "all", trees, pick=True)]
+
+    def _forward(self, batch: list, logits: str, trees: list | None, pick: bool) -> list[np.ndarray]:
+        """forward's rows, or with `pick` each row's argmax in place of its logits row."""
         self.backend.device.make_current()
         fields = None if trees is None else step_tree_fields(batch, trees)
         rows = [(kv, int(t), start + i) for kv, ids, start in batch
@@ -221,7 +236,7 @@ class MixedSteps(Steps):
                 lm = (mine[0] if mine else 0, len(mine)) if contiguous else None
             chunk_fields = None if fields is None else tuple(f[lo:lo + len(chunk)] for f in fields)
             with self.spin(native_only=self.ring is not None or chunk_fields is None):
-                computed = self._run_chunk(chunk, lm, chunk_fields).copy()   # the pinned rows are the next chunk's
+                computed = self._run_chunk(chunk, lm, chunk_fields, pick).copy()   # the pinned rows: the next chunk's
             first = lm[0] if lm is not None else 0
             for i in range(len(computed)):
                 out[lo + first + i] = computed[i]
@@ -229,17 +244,21 @@ class MixedSteps(Steps):
         self.counters.tokens += len(rows)
         if logits == "last":
             return [out[int(hi) - 1][None] for hi in bounds[1:]]
-        return [np.stack([out[r] for r in range(lo, hi)]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        return [out[lo][None] if hi - lo == 1 else np.stack([out[r] for r in range(lo, hi)])
+                for lo, hi in zip(bounds[:-1], bounds[1:])]
 
-    def _run_chunk(self, rows, lm: tuple[int, int] | None = None, tree_fields=None) -> np.ndarray:
+    def _run_chunk(self, rows, lm: tuple[int, int] | None = None, tree_fields=None, pick: bool = False) -> np.ndarray:
         """One step of the plan over `rows`: its segments in order, each on its side; lm = (first, count): the
-        rows lm_head computes (None: all), whose logits come back; tree_fields: the rows' token-tree masks."""
+        rows lm_head computes (None: all), whose logits come back, or with `pick` each one's argmax (taken on
+        the device where lm_head ran there); tree_fields: the rows' token-tree masks."""
         T, b = len(rows), self.backend
         plan = self.plan(T)
         state = SegmentState(b, self.counters, rows, self.gpu_layers, self.host.rope,
                              self._kernel_copy if self.ring is not None else None, tree_fields, self.nodes)
         if lm is not None:
             state.lm_rows = np.arange(lm[0], lm[0] + lm[1])
+        if pick:
+            state.pick = (self._argmax_launch, b.token_outputs)
         if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
             for kv, lo, hi, start in state.runs:
                 b.kv.prepare(kv.device, start, start + hi - lo)
@@ -254,7 +273,7 @@ class MixedSteps(Steps):
         if first is None:
             begin()
             self._run_segments(plan, state, lm, 0)
-            state.to_host(["logits"])
+            state.outputs_to_host()
         else:
             self._run_segments(plan, state, lm, 0, first)       # the embed (host work before the graph): eagerly
             self.item_graphs.run(plan, state, lm, first, begin)
@@ -262,7 +281,19 @@ class MixedSteps(Steps):
             if ring is not None:
                 self.counters.h2d_bytes += ring.bytes_per_step
                 self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + ring.bytes_per_step
-        return state.host["logits"][:state.logit_rows]
+        if state.picked:
+            return b.token_outputs.tokens_view[:state.logit_rows]
+        out = state.host["logits"][:state.logit_rows]
+        return np.argmax(out, axis=1) if pick else out
+
+    def _argmax_launch(self, rows: int):
+        """The argmax_split launch over the first `rows` logits rows (kept per row count)."""
+        key = ("argmax", rows)
+        launch = self._copies.get(key)
+        if launch is None:
+            from kestrel_stream.run.device.launches import argmax_launch
+            launch = self._copies[key] = argmax_launch(self.backend, rows, False)
+        return launch
 
     def _run_segments(self, plan, state: SegmentState, lm: tuple[int, int] | None, lo: int, hi: int | None = None,
                       nodes: list | None = None) -> None:

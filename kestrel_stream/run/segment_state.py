@@ -65,6 +65,10 @@ class SegmentState:
         self.runs = [tuple(run) for run in runs]
         self.cos, self.sin = rope(positions)
         self.lm_rows = None                           # the rows lm_head computes (None: every row of the chunk)
+        # the step's logits rows' argmax taken on the device: the argmax_split launch over `rows` rows, and where
+        # its 4 bytes a row come back (device/step_io.TokenOutputs); None: the logits come back (outputs_to_host)
+        self.pick = None
+        self.picked = False                           # the argmax came back in place of the logits
 
     # ---- the host program's view (program.StepState) ------------------------------------------------
     def read(self, name: str) -> np.ndarray:
@@ -120,6 +124,21 @@ class SegmentState:
         if self.call is not None:
             self.call["d2h+sync"] = (time.perf_counter() - start) * 1e6
             self.finish_call()
+
+    def outputs_to_host(self) -> None:
+        """The step's outputs back: each logits row's argmax, 4 bytes a row, where `pick` asks for it and the
+        device alone holds the logits (lm_head ran there); else the logits rows.  One sync (none in a capture)."""
+        if self.pick is None or self.valid["logits"] != {"dev"}:
+            self.to_host(["logits"])
+            return
+        launch, tokens = self.pick
+        launch(self.logit_rows).enqueue(self.stream)
+        driver.d2h_async(tokens.host_tokens, tokens.argmax_out.ptr, 4 * self.logit_rows, self.stream)
+        self.counters.d2h_bytes += 4 * self.logit_rows
+        self.picked = True
+        if not self.graphing:
+            self.stream.synchronize()
+            self.counters.syncs += 1
 
     def _h2d(self, dst: int, src_address: int, src, nbytes: int) -> None:
         if self.kernel_copy is None:

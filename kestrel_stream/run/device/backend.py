@@ -31,7 +31,7 @@ from kestrel_stream.run.device import dense_path
 from kestrel_stream.run.device.budget import GpuMemoryPlan
 from kestrel_stream.run.device.ops import DeviceOps, DeviceState, KVCaches, fused_tensor
 from kestrel_stream.run.device.kv_paged import PagedKVCache
-from kestrel_stream.run.device.step_io import StepOutputs
+from kestrel_stream.run.device.step_io import StepOutputs, TokenOutputs
 from kestrel_stream.run.device.step_io import StepParams
 from kestrel_stream.run.device.weight_cache import WeightCache, layer_vectors
 from kestrel_stream.run.device.weight_window import WeightWindow
@@ -129,6 +129,8 @@ class DeviceBackend:
         self.step_params = StepParams(self.arena, max_tokens)          # kvbase | ids | pos of the step's tokens
         self.outputs = (StepOutputs(self.arena, c.vocab_size, max_tokens, logits_rows, self.logits.ptr)
                         if step_outputs else None)                     # logits or tokens back, one wait
+        # each row's token taken here, 4 bytes back (a mixed step's greedy steps: no step outputs of their own)
+        self.token_outputs = self.outputs if step_outputs else TokenOutputs(self.arena, max_tokens)
         self.pinned = PinnedState(c, max_tokens) if pinned_state else None
         self.kv = None
         if kv_layers:
@@ -153,8 +155,7 @@ class DeviceBackend:
         self.device.make_current()
         self.stream.synchronize()
         self.step_params.free()
-        if self.outputs is not None:
-            self.outputs.free()
+        self.token_outputs.free()
         if self.pinned is not None:
             self.pinned.free()
         self.window.close()

@@ -48,8 +48,8 @@ def step_launches(x, tokens: int, lm_rows: tuple[int, int] | None = None) -> lis
 
 
 def argmax_launch(x, tokens: int, programmatic: bool) -> Launch:
-    """Each of `tokens` logits rows' argmax into x.outputs.argmax_out: the greedy step's last kernel."""
-    o, T = x.outputs, x.max_tokens
+    """Each of `tokens` logits rows' argmax into x.token_outputs.argmax_out: the greedy step's last kernel."""
+    o, T = x.token_outputs, x.max_tokens
     launch = x.kernels.launch(
         "argmax_split", (o.argmax_splits, tokens), (256,), "pipppp",
         [x.logits.ptr, x.config.vocab_size, o.argmax_partials.ptr,

@@ -94,11 +94,11 @@ class StepParams:
         self.tree_host.free()
 
 
-class StepOutputs:
-    def __init__(self, arena, vocab_size: int, max_tokens: int, logits_rows: int, logits_ptr: int):
-        self.vocab_size, self.logits_ptr = vocab_size, logits_ptr
-        self.host_logits = driver.PinnedBuffer(logits_rows * vocab_size * 4)
-        self.logits_view = self.host_logits.view(np.float32, (logits_rows, vocab_size))
+class TokenOutputs:
+    """Each logits row's token taken on the device (argmax_split, or a draw) and its 4 bytes out: the buffers
+    (a mixed step's greedy steps use these alone; gpu mode's StepOutputs adds the logits' way back)."""
+
+    def __init__(self, arena, max_tokens: int):
         # argmax_split's partials (a value and an index per split and row) and its last-split tickets
         self.argmax_splits = ARGMAX_SPLITS
         self.argmax_partials = arena.array((2 * max_tokens * ARGMAX_SPLITS,), np.float32)
@@ -107,6 +107,17 @@ class StepOutputs:
         driver.h2d_sync(self.argmax_counters.ptr, np.zeros(max_tokens, np.uint32))
         self.host_tokens = driver.PinnedBuffer(max_tokens * 4)
         self.tokens_view = self.host_tokens.view(np.int32, (max_tokens,))
+
+    def free(self) -> None:
+        self.host_tokens.free()
+
+
+class StepOutputs(TokenOutputs):
+    def __init__(self, arena, vocab_size: int, max_tokens: int, logits_rows: int, logits_ptr: int):
+        super().__init__(arena, max_tokens)
+        self.vocab_size, self.logits_ptr = vocab_size, logits_ptr
+        self.host_logits = driver.PinnedBuffer(logits_rows * vocab_size * 4)
+        self.logits_view = self.host_logits.view(np.float32, (logits_rows, vocab_size))
         self.ready = driver.Event(name="step outputs", external=True)
 
     def enqueue_logits(self, rows: int, stream: driver.Stream, first_row: int = 0) -> None:
@@ -131,4 +142,4 @@ class StepOutputs:
 
     def free(self) -> None:
         self.host_logits.free()
-        self.host_tokens.free()
+        super().free()

@@ -64,6 +64,7 @@ class WholeStep(Steps):
         self.device, self.kernels, self.stream, self.arena = b.device, b.kernels, b.stream, b.arena
         self.window, self.kv, self.device_ops = b.window, b.kv, b.ops
         self.logits, self.step_params, self.outputs = b.logits, b.step_params, b.outputs
+        self.token_outputs = b.token_outputs
         # programmatic dependent launch between the step's kernels (sm_90+); KESTREL_PDL=0 turns it off
         self.programmatic = self.options.programmatic_launch
         self.scratch_kv = self.kv.open(1)        # padded slots decode token 0 at its position 0
