@@ -110,6 +110,7 @@ def decode_rate(engine, new_tokens: int, repeats: int) -> tuple[float, float]:
 
 
 BATCH_PROMPT = 32       # each session's prompt in the batch rows
+BATCH_WARMUP = 3        # batch steps before the timed ones: a step size's graphs are replayed from the third on
 
 
 def batch_rate(engine, sessions: int, new_tokens: int) -> float:
@@ -120,7 +121,8 @@ def batch_rate(engine, sessions: int, new_tokens: int) -> float:
     try:
         for s in group:
             s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, BATCH_PROMPT)], logits="last")
-        engine.decode_batch(tokens, greedy=True)
+        for _ in range(BATCH_WARMUP):       # the first step of a size runs segment by segment, the second is captured
+            engine.decode_batch(tokens, greedy=True)
         t0 = time.perf_counter()
         for _ in range(new_tokens):
             engine.decode_batch(tokens, greedy=True)
