@@ -261,7 +261,7 @@ def test_greedy_steps_take_the_argmax_where_lm_head_ran(model, emulated, fractio
             c.close()
         tokens = [int(t) for t in got]
     graphs = x.steps.item_graphs._graphs
-    assert {key[2] for key in graphs if key[0] == len(prompts)} == {False, True}, sorted(graphs)
+    assert {key[2] for key in graphs if key[0] == len(prompts)} == {None, "argmax"}, list(graphs)
     with engine.new_session() as s:                # every row's argmax of a prompt (a verify pass)
         rows = x.forward_argmax([(s.kv, np.array(PROMPTS[0]), 0)])
     with engine.new_session() as s:
@@ -269,3 +269,33 @@ def test_greedy_steps_take_the_argmax_where_lm_head_ran(model, emulated, fractio
     for s in sessions:
         s.close()
     engine.close()
+
+
+def test_sampled_steps_draw_on_the_device_where_lm_head_ran(model, emulated):
+    """Session.decode_sample in mode offload: with lm_head on the device each token is drawn there (the twin runs
+    the reference sampler with the kernel's state words), 4 bytes back, in the step graph too: the CPU engine's
+    tokens for the same seeds; with lm_head on the host forward_sample declines and the host draws the same."""
+    weights, _ = model
+    sampled = dict(temperature=1.5, top_k=50, top_p=0.9, min_p=0.01)
+    cpu = Engine(weights, device="cpu", max_seq_len=MAX_SEQ_LEN, max_batch=MAX_BATCH)
+    want = [cpu.generate(PROMPTS[1], 8, seed=seed, **sampled).tokens for seed in (1, 2)]
+    for fraction, head in ((0.5, "resident"), (0.12, "host")):
+        engine = offload_engine(weights, PROFILES["mixed"], fraction)
+        x = engine.executor
+        assert x.placement.head == head
+        for seed, expected in zip((1, 2), want):
+            before = dict(x.stats)
+            result = engine.generate(PROMPTS[1], 8, seed=seed, **sampled)
+            assert result.tokens == expected
+            back = x.stats["d2h_bytes"] - before["d2h_bytes"]
+            with engine.new_session() as s:          # what the same steps bring back with every logits row
+                start = dict(x.stats)
+                s.prefill(PROMPTS[1], logits="last")
+                for token in result.tokens[:-1]:
+                    s.decode(token)
+                rows_back = x.stats["d2h_bytes"] - start["d2h_bytes"]
+            saved = (CONFIG.vocab_size * 4 - 4) * (len(result.tokens) - 1) if head == "resident" else 0
+            assert rows_back - back == saved, (rows_back, back)
+        graphs = x.steps.item_graphs._graphs
+        assert any(key[2] == "sample" for key in graphs) == (head == "resident"), list(graphs)
+        engine.close()

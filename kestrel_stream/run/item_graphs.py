@@ -40,9 +40,9 @@ class ItemGraphs:
         self.link = link if nodes is not None else None
         if link is not None and self.link is None:
             link.close()
-        self._graphs: dict = {}          # (tokens, lm rows, argmax) -> (graph, counters a replay adds, program
+        self._graphs: dict = {}          # (tokens, lm rows, pick) -> (graph, counters a replay adds, program
                                          # nodes, the item list, the link specs armed per replay, the ring's bytes,
-                                         # whether the argmax came back in place of the logits)
+                                         # whether the tokens came back in place of the logits)
         self._starts: dict = {}          # tokens -> the segment its graph starts at, or None: no graph
         self._seen: set = set()
         self._done = None                # the blocking event a replay's host waits on
@@ -77,7 +77,7 @@ class ItemGraphs:
         wait."""
         from kestrel_stream.cuda import driver
         s = self.steps
-        key, c, stream = (state.T, lm, state.pick is not None), s.counters, s.backend.stream
+        key, c, stream = (state.T, lm, state.pick and state.pick[0]), s.counters, s.backend.stream
         made = self._graphs.get(key)
         if made is None and key not in self._seen:
             self._seen.add(key)                    # a size seen once (a prompt's last chunk) costs no capture
@@ -105,7 +105,7 @@ class ItemGraphs:
                 setattr(c, name, getattr(c, name) + value)
             if s.ring is not None:                 # what the replay's copies bring (counted by the caller)
                 s.ring.bytes_per_step = made[5]
-            state.picked = made[6]                 # the argmax came back in place of the logits
+            state.picked = made[6]                 # the tokens came back in place of the logits
         if self._done is None:                 # the host's wait sleeps: the library's thread and pool need the cores
             self._done = driver.Event(name="step graph done", blocking=True)
         if made[4]:                            # the link shares run only inside the graph, as its items

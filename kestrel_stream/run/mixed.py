@@ -13,7 +13,8 @@ computes and uploads when x was last written there.  Entering a host segment dow
 reads from the device with one sync; entering a GPU segment uploads what it reads, asynchronously.
 Syncs per step therefore equal the plan's GPU segments, never one per projection.  A greedy step
 (forward_greedy, forward_argmax: the daemon's decode steps and verify passes) takes each logits row's argmax
-where lm_head ran: on the device (argmax_split, 4 bytes a row back instead of the row), or on the host.
+where lm_head ran: on the device (argmax_split, 4 bytes a row back instead of the row), or on the host; a
+sampled decode step (forward_sample) draws on the device where lm_head runs there (device/sampler.py).
 
 The device side is the backend every offloading mode builds (device/backend.py): its arena, its paged KV
 pool (float32 for the first N layers in gated and layers=N; every layer, f16 by default, in offload) and its
@@ -101,6 +102,7 @@ class MixedSteps(Steps):
                       if self.host.kernels is not None and backend.pinned is not None else None)
         self.item_graphs = ItemGraphs(self, self.nodes if options is None or options.host_nodes else None, link,
                                       ring_steps=options is None or options.ring_graphs)
+        self.sampler = self._device_sampler()          # sampled steps' draws where lm_head runs on the device
         window, first = backend.window, plan(1)
         total = sum(1 for segment in first.segments for _ in segment.ops)
         self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
@@ -109,6 +111,16 @@ class MixedSteps(Steps):
                              f"over {total} ops)")
         self.preload_line += "".join(f"; {note}" for note in first.notes if note.startswith("offloaded "))
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
+
+    def _device_sampler(self):
+        """The device's sampling kernels over this backend's logits (device/sampler.py), or None where the arena
+        has no room for their buffers (sampled steps then draw on the host)."""
+        from kestrel_stream.cuda import driver
+        from kestrel_stream.run.device.sampler import DeviceSampler
+        try:
+            return DeviceSampler(self.backend)
+        except driver.CudaError:
+            return None
 
     def streams_experts(self) -> bool:
         """Whether this step streams experts through the experts' ring (copies a graph does not capture)."""
@@ -198,6 +210,8 @@ class MixedSteps(Steps):
         self.item_graphs.close()
         if self.nodes is not None:
             self.nodes.close()
+        if self.sampler is not None:
+            self.sampler.close()
         self.backend.close()
 
     # ---- steps ------------------------------------------------------------------------------------
@@ -207,19 +221,37 @@ class MixedSteps(Steps):
         each session's last row, [1, V]: lm_head runs on the chunk's wanted rows alone where they are one run
         (a prefill's last row, a decode batch), on none in a prefill's earlier chunks.  trees: per session a
         TokenTree (run/token_tree.py) or None."""
-        return self._forward(batch, logits, trees, pick=False)
+        return self._forward(batch, logits, trees, pick=None)
 
     def forward_greedy(self, batch: list) -> np.ndarray:
         """Each session's greedy next token, int64 [len(batch)]: the argmax of its last logits row, taken on
         the device where lm_head runs there (4 bytes a row back instead of the row)."""
-        return np.array([int(rows[-1]) for rows in self._forward(batch, "last", None, pick=True)], np.int64)
+        return np.array([int(rows[-1]) for rows in self._forward(batch, "last", None, pick="argmax")], np.int64)
 
     def forward_argmax(self, batch: list, trees: list | None = None) -> list[np.ndarray]:
         """Every row's argmax, int64 [n_i] per session, taken where forward_greedy takes it."""
-        return [np.asarray(rows, np.int64).reshape(-1) for rows in self._forward(batch, "all", trees, pick=True)]
+        return [np.asarray(rows, np.int64).reshape(-1) for rows in self._forward(batch, "all", trees, pick="argmax")]
 
-    def _forward(self, batch: list, logits: str, trees: list | None, pick: bool) -> list[np.ndarray]:
-        """forward's rows, or with `pick` each row's argmax in place of its logits row."""
+    def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
+        """Each session's next token drawn on the device (states: device/sample_state.pack_state, one a session),
+        int64 [len(batch)], 4 bytes a session back; None where this step cannot (a session of several tokens, more
+        sessions than a step takes, lm_head on the host): the caller samples from the logits."""
+        if (self.sampler is None or not 0 < len(batch) <= self.max_tokens or len(states) != len(batch)
+                or any(np.asarray(ids).size != 1 for _, ids, _ in batch) or not self._head_on_device(len(batch))):
+            return None
+        self.sampler.stage(states)
+        rows = self._forward(batch, "last", None, pick="sample")
+        if rows[0].ndim == 2:         # the logits came back after all: the caller samples (this step again)
+            return None
+        return np.array([int(row[-1]) for row in rows], np.int64)
+
+    def _head_on_device(self, tokens: int) -> bool:
+        """Whether lm_head runs on the device, whole, in a step of `tokens` tokens."""
+        sides = {p.side for p in self.plan(tokens).placements.values() if p.group == "lm_head"}
+        return sides == {"gpu"}
+
+    def _forward(self, batch: list, logits: str, trees: list | None, pick: str | None) -> list[np.ndarray]:
+        """forward's rows, or with `pick` ("argmax", "sample") each row's token in place of its logits row."""
         self.backend.device.make_current()
         fields = None if trees is None else step_tree_fields(batch, trees)
         rows = [(kv, int(t), start + i) for kv, ids, start in batch
@@ -247,7 +279,7 @@ class MixedSteps(Steps):
         return [out[lo][None] if hi - lo == 1 else np.stack([out[r] for r in range(lo, hi)])
                 for lo, hi in zip(bounds[:-1], bounds[1:])]
 
-    def _run_chunk(self, rows, lm: tuple[int, int] | None = None, tree_fields=None, pick: bool = False) -> np.ndarray:
+    def _run_chunk(self, rows, lm: tuple[int, int] | None = None, tree_fields=None, pick: str | None = None) -> np.ndarray:
         """One step of the plan over `rows`: its segments in order, each on its side; lm = (first, count): the
         rows lm_head computes (None: all), whose logits come back, or with `pick` each one's argmax (taken on
         the device where lm_head ran there); tree_fields: the rows' token-tree masks."""
@@ -257,8 +289,10 @@ class MixedSteps(Steps):
                              self._kernel_copy if self.ring is not None else None, tree_fields, self.nodes)
         if lm is not None:
             state.lm_rows = np.arange(lm[0], lm[0] + lm[1])
-        if pick:
-            state.pick = (self._argmax_launch, b.token_outputs)
+        if pick == "argmax":
+            state.pick = (pick, lambda count, stream: self._argmax_launch(count).enqueue(stream), b.token_outputs)
+        elif pick == "sample":
+            state.pick = (pick, self.sampler.enqueue, b.token_outputs)
         if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
             for kv, lo, hi, start in state.runs:
                 b.kv.prepare(kv.device, start, start + hi - lo)
@@ -284,7 +318,7 @@ class MixedSteps(Steps):
         if state.picked:
             return b.token_outputs.tokens_view[:state.logit_rows]
         out = state.host["logits"][:state.logit_rows]
-        return np.argmax(out, axis=1) if pick else out
+        return np.argmax(out, axis=1) if pick == "argmax" else out
 
     def _argmax_launch(self, rows: int):
         """The argmax_split launch over the first `rows` logits rows (kept per row count)."""

@@ -65,10 +65,11 @@ class SegmentState:
         self.runs = [tuple(run) for run in runs]
         self.cos, self.sin = rope(positions)
         self.lm_rows = None                           # the rows lm_head computes (None: every row of the chunk)
-        # the step's logits rows' argmax taken on the device: the argmax_split launch over `rows` rows, and where
-        # its 4 bytes a row come back (device/step_io.TokenOutputs); None: the logits come back (outputs_to_host)
+        # each logits row's token taken on the device: (kind, enqueue(rows, stream) of the kernels writing the
+        # tokens into argmax_out, where their 4 bytes a row come back: device/step_io.TokenOutputs), kind "argmax"
+        # or "sample"; None: the logits come back (outputs_to_host)
         self.pick = None
-        self.picked = False                           # the argmax came back in place of the logits
+        self.picked = False                           # the tokens came back in place of the logits
 
     # ---- the host program's view (program.StepState) ------------------------------------------------
     def read(self, name: str) -> np.ndarray:
@@ -126,13 +127,14 @@ class SegmentState:
             self.finish_call()
 
     def outputs_to_host(self) -> None:
-        """The step's outputs back: each logits row's argmax, 4 bytes a row, where `pick` asks for it and the
-        device alone holds the logits (lm_head ran there); else the logits rows.  One sync (none in a capture)."""
+        """The step's outputs back: each logits row's token (its argmax or a draw), 4 bytes a row, where `pick`
+        asks for it and the device alone holds the logits (lm_head ran there); else the logits rows.  One sync
+        (none in a capture)."""
         if self.pick is None or self.valid["logits"] != {"dev"}:
             self.to_host(["logits"])
             return
-        launch, tokens = self.pick
-        launch(self.logit_rows).enqueue(self.stream)
+        _, enqueue, tokens = self.pick
+        enqueue(self.logit_rows, self.stream)
         driver.d2h_async(tokens.host_tokens, tokens.argmax_out.ptr, 4 * self.logit_rows, self.stream)
         self.counters.d2h_bytes += 4 * self.logit_rows
         self.picked = True

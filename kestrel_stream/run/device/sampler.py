@@ -1,4 +1,5 @@
-"""Sampled decode steps in `gpu` mode: kernels_ptx/sample.cu after lm_head, 4 bytes back per token.
+"""Sampled decode steps on the device (gpu mode's, and a mixed step's whose lm_head ran there):
+kernels_ptx/sample.cu after lm_head, 4 bytes back per token.
 
 Each row's sampling state (8 words: temperature, top_k, top_p, min_p, seed,
 step; see sample.cu) sits in device memory and is uploaded from a pinned
@@ -39,8 +40,12 @@ class LaunchSequence:
 
 
 class DeviceSampler:
-    def __init__(self, executor):
+    def __init__(self, executor, programmatic=None):
+        """executor: what owns the step's arena, logits and token outputs (gpu mode's WholeStep, a mixed step's
+        DeviceBackend); programmatic(tokens): whether the draw's launches go programmatic after the step's last
+        kernel (None: never)."""
         self.x = executor
+        self.programmatic = programmatic or (lambda tokens: False)
         T = executor.max_tokens
         self.state = executor.arena.array((STATE_WORDS * T,), np.uint32)
         self.host_state = driver.PinnedBuffer(STATE_WORDS * T * 4)
@@ -61,12 +66,12 @@ class DeviceSampler:
     def _launch(self, tokens: int) -> LaunchSequence:
         x = self.x
         if tokens not in self._launches:
-            V, programmatic = x.config.vocab_size, x.step_launches(tokens)[-1].programmatic
+            V, programmatic = x.config.vocab_size, self.programmatic(tokens)
             first = x.kernels.launch("sample_candidates", (self.splits, tokens), (256,), "pipp",
                                      [x.logits.ptr, V, self.state.ptr, self.candidates.ptr])
             finish = x.kernels.launch("sample_finish", (tokens,), (1024,), "pippip",
                                       [x.logits.ptr, V, self.state.ptr, self.candidates.ptr, self.splits,
-                                       x.outputs.argmax_out.ptr])
+                                       x.token_outputs.argmax_out.ptr])
             for launch in (first, finish):
                 launch.label(op="sample")
                 launch.programmatic = programmatic

@@ -81,7 +81,7 @@ class WholeStep(Steps):
         self.graph_rows = min(self.max_batch, self.logits_rows)
         self.buckets = sorted({min(1 << i, self.graph_rows) for i in range(self.graph_rows.bit_length() + 1)})
         self.chain = GreedyChain(self)
-        self.sampler = DeviceSampler(self)
+        self.sampler = DeviceSampler(self, lambda tokens: self.step_launches(tokens)[-1].programmatic)
         self.sample_state_bytes = STATE_WORDS * 4       # a row's sampling state, uploaded inside the graph
         self.sampled_chain = SampledChain(self)
         self.step_graphs = StepGraphs(self, self.options.step_graphs)    # one session's steps of 1..64 tokens
