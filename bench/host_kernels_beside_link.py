@@ -5,13 +5,12 @@ prices a step's compute-bound host work by the curves measured alone.
     python3 -m bench.host_kernels_beside_link [--tokens 1,4,16] [--formats Q8_0,Q4_K,Q6_K] [--seconds 0.4]
 
 Per format and token count: the weight bytes/s over weights far larger than the caches (calibrate's), alone and
-with a second thread keeping pinned copies of up to 256 MB queued (calibrate.measure_pool's copier), and the copies' GB/s
+with a second thread keeping pinned copies of up to 256 MB queued (calibrate.LinkCopies, measure_pool's copier), and the copies' GB/s
 meanwhile.  Needs a GPU.
 """
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 
 import numpy as np
@@ -26,31 +25,10 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--weight-mb", type=int, default=256, help="weights a pass reads (calibrate's: 256)")
     args = parser.parse_args(argv)
     from kestrel_stream import native
-    from kestrel_stream.cuda import driver
-    from kestrel_stream.run.calibrate import POOL_COPY_BYTES, _format_weights
+    from kestrel_stream.run.calibrate import POOL_COPY_BYTES, LinkCopies, _format_weights
 
     kernels = native.load(None, threads=args.threads)
-    device = driver.Device(0)
-    stream = driver.Stream("h2d beside the host kernels")
-    copy_bytes = min(POOL_COPY_BYTES, args.weight_mb << 20)
-    pinned = driver.PinnedBuffer(copy_bytes)
-    pinned.bytes[:] = 1
-    arena = driver.Arena(copy_bytes)
-    target = arena.alloc(copy_bytes)
-
-    def copies(stop, done: list) -> None:
-        device.make_current()
-        event = driver.Event()
-        start, count = time.perf_counter(), 0
-        while not stop():
-            for _ in range(4):
-                driver.h2d_async(target, pinned, copy_bytes, stream)
-            event.record(stream)
-            while not event.query():
-                time.sleep(0.0005)
-            count += 4
-        done.append(count * copy_bytes / (time.perf_counter() - start) / 1e9)
-
+    link = LinkCopies(min(POOL_COPY_BYTES, args.weight_mb << 20), "h2d beside the host kernels")
     rows = []
     print(f"host kernels {kernels.path.name}:{kernels.isa}, {kernels.threads} threads")
     for fmt in args.formats.split(","):
@@ -70,22 +48,13 @@ def main(argv=None) -> list[dict]:
                 return passes * nbytes / (time.perf_counter() - start) / 1e9
 
             alone = rate()
-            link: list = []
-            stopping = threading.Event()
-            copier = threading.Thread(target=copies, args=(stopping.is_set, link))
-            copier.start()
-            time.sleep(0.05)
-            joint = rate()
-            stopping.set()
-            copier.join()
+            joint, link_GBps = link.beside(rate)
             row = {"format": fmt, "tokens": tokens, "alone_GBps": round(alone, 2), "beside_link_GBps": round(joint, 2),
-                   "ratio": round(joint / alone, 3), "link_GBps": round(link[0], 2)}
+                   "ratio": round(joint / alone, 3), "link_GBps": round(link_GBps, 2)}
             rows.append(row)
             print(row, flush=True)
-        del weights
-    stream.synchronize()
-    pinned.free()
-    arena.release()
+        weights = None          # the next format's weights in their place, not beside them
+    link.close()
     return rows
 
 

@@ -113,22 +113,35 @@ BATCH_PROMPT = 32       # each session's prompt in the batch rows
 BATCH_WARMUP = 3        # batch steps before the timed ones: a step size's graphs are replayed from the third on
 
 
-def batch_rate(engine, sessions: int, new_tokens: int) -> float:
-    """Tokens/s of `sessions` sessions decoding together (after a BATCH_PROMPT-token prompt each)."""
+def batch_group(engine, sessions: int, greedy: bool = True) -> list:
+    """decode_batch's (session, token) pairs of `sessions` new sessions, a random BATCH_PROMPT-token prompt each,
+    stepped together BATCH_WARMUP times (the first step of a size runs segment by segment, the second is
+    captured: the timed ones replay).  The caller closes the sessions."""
     rng = np.random.default_rng(0)
     group = [engine.new_session() for _ in range(sessions)]
     tokens = [(s, 1) for s in group]
     try:
         for s in group:
             s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, BATCH_PROMPT)], logits="last")
-        for _ in range(BATCH_WARMUP):       # the first step of a size runs segment by segment, the second is captured
-            engine.decode_batch(tokens, greedy=True)
+        for _ in range(BATCH_WARMUP):
+            engine.decode_batch(tokens, greedy=greedy)
+    except BaseException:
+        for s in group:
+            s.close()
+        raise
+    return tokens
+
+
+def batch_rate(engine, sessions: int, new_tokens: int) -> float:
+    """Tokens/s of `sessions` sessions decoding together (after a BATCH_PROMPT-token prompt each)."""
+    tokens = batch_group(engine, sessions)
+    try:
         t0 = time.perf_counter()
         for _ in range(new_tokens):
             engine.decode_batch(tokens, greedy=True)
         elapsed = time.perf_counter() - t0
     finally:
-        for s in group:
+        for s, _ in tokens:
             s.close()
     return sessions * new_tokens / elapsed
 

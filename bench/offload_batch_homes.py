@@ -21,8 +21,6 @@ import os
 import statistics
 import time
 
-import numpy as np
-
 
 
 def letters(placement) -> str:
@@ -57,7 +55,7 @@ def main(argv=None) -> list[dict]:
     args = parser.parse_args(argv)
     import kestrel_stream as ks
     from bench.moe_offload import native_kernels
-    from bench.offload import BATCH_PROMPT, measured_pool, offload_budget, weight_budget_of
+    from bench.offload import BATCH_PROMPT, batch_group, measured_pool, offload_budget, weight_budget_of
     from scheduler.window import WindowBudgetError
 
     S = args.sessions
@@ -84,14 +82,12 @@ def main(argv=None) -> list[dict]:
                 os.environ.pop(k, None)
                 if v is not None:
                     os.environ[k] = v
-        rng = np.random.default_rng(0)
-        group = [engine.new_session() for _ in range(S)]
         try:
-            for s in group:
-                s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, BATCH_PROMPT)], logits="last")
-            tokens = [(s, 1) for s in group]
-            for _ in range(3):
-                engine.decode_batch(tokens, greedy=greedy)
+            tokens = batch_group(engine, S, greedy)
+        except BaseException:
+            engine.close()
+            raise
+        try:
             host = native_kernels(engine) if not stream else None
             if host is not None:
                 host.times(reset=True)
@@ -121,7 +117,7 @@ def main(argv=None) -> list[dict]:
             print(line, flush=True)
             return made
         finally:
-            for s in group:
+            for s, _ in tokens:
                 s.close()
             engine.close()
 

@@ -16,8 +16,6 @@ import os
 import statistics
 import time
 
-import numpy as np
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -30,7 +28,7 @@ def main() -> None:
     parser.add_argument("--trace", required=True, help="the Chrome trace to write")
     args = parser.parse_args()
     import kestrel_stream as ks
-    from bench.offload import BATCH_PROMPT, measured_pool, offload_budget, weight_budget_of
+    from bench.offload import BATCH_PROMPT, batch_group, measured_pool, offload_budget, weight_budget_of
     from kestrel_stream.obs import trace
     from scheduler.offload import HOME_LETTERS
 
@@ -45,14 +43,12 @@ def main() -> None:
     else:
         engine = ks.load(args.path, mode="offload", vram_budget=budget, max_seq_len=seq, max_batch=args.sessions,
                          cpu_threads=args.threads)
-    rng = np.random.default_rng(0)
-    group = [engine.new_session() for _ in range(args.sessions)]
     try:
-        for s in group:
-            s.prefill([int(t) for t in rng.integers(0, engine.config.vocab_size, BATCH_PROMPT)], logits="last")
-        tokens = [(s, 1) for s in group]
-        for _ in range(3):
-            engine.decode_batch(tokens, greedy=True)
+        tokens = batch_group(engine, args.sessions)
+    except BaseException:
+        engine.close()
+        raise
+    try:
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()
@@ -71,7 +67,7 @@ def main() -> None:
             print(f"traced step {(time.perf_counter() - start) * 1e3:.2f} ms")
         print("wrote", trace.stop())
     finally:
-        for s in group:
+        for s, _ in tokens:
             s.close()
         engine.close()
 

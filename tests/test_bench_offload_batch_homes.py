@@ -7,20 +7,8 @@ import os
 
 import pytest
 
-import fake_cuda
-from bench.make_gguf import write as write_gguf
 from bench.offload_batch_homes import every_other
-from kestrel_stream.loading.presets import PRESETS
-
-
-@pytest.fixture
-def tiny(tmp_path, monkeypatch):
-    fake_cuda.install(monkeypatch, mode="deferred")
-    path = tmp_path / "tiny.gguf"
-    write_gguf(PRESETS["tiny"], None, str(path), seed=1)
-    for name in ("KESTREL_OFFLOAD", "KESTREL_OFFLOAD_HOMES", "KESTREL_RING_GRAPHS"):
-        monkeypatch.delenv(name, raising=False)
-    return path
+from test_bench_offload_ab import tiny  # noqa: F401  (the fixture: a tiny Qwen3 GGUF on the emulated device)
 
 
 def test_every_other_mlp_on_the_host_streams():

@@ -140,14 +140,59 @@ def _host_call_us(kernels, options) -> float:
     return call_us
 
 
+class LinkCopies:
+    """Pinned H2D copies of `nbytes` kept queued on a stream of their own, from a thread that waits for each four
+    by polling an event (not by spinning on the GPU): the link busy while the host measures something."""
+
+    def __init__(self, nbytes: int, name: str = "calibrate h2d"):
+        from kestrel_stream.cuda import driver
+        self.nbytes, self.device, self.stream = nbytes, driver.Device(0), driver.Stream(name)
+        self.pinned = driver.PinnedBuffer(nbytes)
+        self.pinned.bytes[:] = 1
+        self.arena = driver.Arena(nbytes)
+        self.target = self.arena.alloc(nbytes)
+
+    def run(self, stop) -> float:
+        """Copies until stop(); their GB/s."""
+        from kestrel_stream.cuda import driver
+        self.device.make_current()
+        event = driver.Event()
+        start, count = time.perf_counter(), 0
+        while not stop():
+            for _ in range(4):
+                driver.h2d_async(self.target, self.pinned, self.nbytes, self.stream)
+            event.record(self.stream)
+            while not event.query():
+                time.sleep(0.0005)
+            count += 4
+        return count * self.nbytes / (time.perf_counter() - start) / 1e9
+
+    def beside(self, measure) -> tuple:
+        """(measure()'s result with the copies running on a thread of their own, the copies' GB/s meanwhile)."""
+        stopping, link = threading.Event(), []
+        copier = threading.Thread(target=lambda: link.append(self.run(stopping.is_set)))
+        copier.start()
+        time.sleep(0.05)
+        try:
+            result = measure()
+        finally:
+            stopping.set()
+            copier.join()
+        return result, link[0]
+
+    def close(self) -> None:
+        self.stream.synchronize()
+        self.pinned.free()
+        self.arena.release()
+
+
 def measure_pool(options=None, seconds: float = 0.6) -> dict:
     """host_weight_GBps and h2d_GBps alone, and host_joint_GBps / h2d_joint_GBps while the other runs, plus
     host_call_us (one small native call), host_gflops (32 tokens at once) and each format's kernel rate by
     tokens (host_format_GBps at one, host_format_tokens_GBps).  The host kernels (options' threads) loop over
-    weights far larger than the caches on this thread; a second thread keeps pinned H2D copies queued on a
-    stream of their own and waits for them by polling an event, not by spinning on the GPU."""
+    weights far larger than the caches on this thread; a second thread keeps pinned H2D copies queued
+    (LinkCopies)."""
     from kestrel_stream import native
-    from kestrel_stream.cuda import driver
     kernels = native.load(options, threads=getattr(options, "host_threads", None))
     weights = [kernels.prepare_q8_0(qs, scales) for qs, scales in _pool_weights(POOL_WEIGHT_BYTES)]
     nbytes = sum(w.rows * w.cols * 34 // 32 for w in weights)
@@ -158,26 +203,7 @@ def measure_pool(options=None, seconds: float = 0.6) -> dict:
         for w in weights:
             kernels.matmul(x, w, out)
 
-    device = driver.Device(0)
-    stream = driver.Stream("calibrate h2d")
-    pinned = driver.PinnedBuffer(POOL_COPY_BYTES)
-    pinned.bytes[:] = 1
-    arena = driver.Arena(POOL_COPY_BYTES)
-    target = arena.alloc(POOL_COPY_BYTES)
-
-    def copies(stop, done: list) -> None:
-        device.make_current()
-        event = driver.Event()
-        start = time.perf_counter()
-        count = 0
-        while not stop():
-            for _ in range(4):
-                driver.h2d_async(target, pinned, POOL_COPY_BYTES, stream)
-            event.record(stream)
-            while not event.query():
-                time.sleep(0.0005)
-            count += 4
-        done.append(count * POOL_COPY_BYTES / (time.perf_counter() - start) / 1e9)
+    link = LinkCopies(POOL_COPY_BYTES)
 
     def host_for(duration: float) -> float:
         host_pass()                                   # warm: pool started, pages touched
@@ -188,20 +214,9 @@ def measure_pool(options=None, seconds: float = 0.6) -> dict:
         return passes * nbytes / (time.perf_counter() - start) / 1e9
 
     host_alone = host_for(seconds)
-    link = []
     end = time.perf_counter() + seconds
-    copies(lambda: time.perf_counter() > end, link)
-    link_alone = link[0]
-    # both at once: the copier runs until the host loop ends
-    link.clear()
-    stopping = threading.Event()
-    copier = threading.Thread(target=copies, args=(stopping.is_set, link))
-    copier.start()
-    time.sleep(0.05)
-    host_joint = host_for(seconds)
-    stopping.set()
-    copier.join()
-    link_joint = link[0]
+    link_alone = link.run(lambda: time.perf_counter() > end)
+    host_joint, link_joint = link.beside(lambda: host_for(seconds))      # both at once
     x32 = np.ones((32, weights[0].cols), np.float32)     # steps of many tokens: compute-bound
     kernels.matmul(x32, weights[0])
     start = time.perf_counter()
@@ -212,9 +227,7 @@ def measure_pool(options=None, seconds: float = 0.6) -> dict:
     token_rates = _format_token_rates(kernels)
     format_rates = {fmt: curve[0][1] for fmt, curve in token_rates.items() if fmt != "Q8_0"}
     format_rates["Q8_0"] = round(host_alone, 2)
-    stream.synchronize()
-    pinned.free()
-    arena.release()
+    link.close()
     return {"host_weight_GBps": round(host_alone, 2), "h2d_GBps": round(link_alone, 2),
             "host_joint_GBps": round(min(host_joint, host_alone), 2),
             "h2d_joint_GBps": round(min(link_joint, link_alone), 2), "host_call_us": round(call_us, 2),
