@@ -4,7 +4,8 @@ copy engine running as early as its waits allow (a missing `released` wait overw
 read) and as late as possible (a missing `loaded` wait reads a stale slot); a decode step with host layers
 and a ring is one graph (the ring's copies in it) with one sync, the same numbers and bytes as segment by
 segment; the placement of each step size is the one its plan runs; a budget that holds nothing is refused
-before anything is allocated."""
+before anything is allocated; greedy and sampled steps take their tokens where lm_head ran (the greedy one on
+the GPU too)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,6 +15,7 @@ import pytest
 
 import fake_cuda
 import scheduler
+from kestrel_stream.cuda import driver
 from hf_oracle import assert_logits_match
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.device.budget import (budget_for_weight_fraction, gpu_mode_needs, plan_offload_memory,
@@ -232,11 +234,20 @@ def test_prefill_wanting_the_last_row_computes_and_returns_only_it(model, emulat
     engine.close()
 
 
+@pytest.fixture(params=["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not driver.gpu_available(), reason="no GPU")])])
+def device(request, monkeypatch):
+    if request.param == "emulated":
+        fake_cuda.install(monkeypatch, mode="deferred")
+    return request.param
+
+
 @pytest.mark.parametrize("fraction,head", [(0.5, "resident"), (0.12, "host")])
-def test_greedy_steps_take_the_argmax_where_lm_head_ran(model, emulated, fraction, head):
+def test_greedy_steps_take_the_argmax_where_lm_head_ran(model, device, fraction, head):
     """decode_batch(greedy=True) and forward_argmax: the tokens of the logits path's argmax; with lm_head on
     the device each row's argmax is taken there and 4 bytes a row come back in place of the row (in the step
-    graph too, captured beside the logits one), with lm_head on the host the host takes it."""
+    graph too, captured beside the logits one), with lm_head on the host the host takes it (on the emulated
+    device and on the GPU: the same logits either way)."""
     weights, _ = model
     engine = offload_engine(weights, PROFILES["mixed"], fraction)
     x = engine.executor
