@@ -15,7 +15,6 @@ import pytest
 
 import fake_cuda
 import scheduler
-from kestrel_stream.cuda import driver
 from hf_oracle import assert_logits_match
 from kestrel_stream.model.config import ModelConfig
 from kestrel_stream.run.device.budget import (budget_for_weight_fraction, gpu_mode_needs, plan_offload_memory,
@@ -24,6 +23,7 @@ from kestrel_stream.run.engine import Engine
 from kestrel_stream.run.step_executor import StepExecutor
 from bench.synthetic import random_q8_weights
 from scheduler.window import WindowBudgetError
+from test_rope_attention import device  # noqa: F401  (the fixture: the emulated device, and the GPU where there is one)
 
 CONFIG = ModelConfig(arch="qwen3", hidden_size=256, intermediate_size=256, num_hidden_layers=6,
                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=512,
@@ -232,14 +232,6 @@ def test_prefill_wanting_the_last_row_computes_and_returns_only_it(model, emulat
         assert_logits_match(np.atleast_2d(out)[-1:], reference[0][len(PROMPTS[0]) - 1:len(PROMPTS[0])])
     assert moved[0] - moved[1] == (len(PROMPTS[0]) - 1) * CONFIG.vocab_size * 4, moved
     engine.close()
-
-
-@pytest.fixture(params=["emulated", pytest.param("gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(
-    not driver.gpu_available(), reason="no GPU")])])
-def device(request, monkeypatch):
-    if request.param == "emulated":
-        fake_cuda.install(monkeypatch, mode="deferred")
-    return request.param
 
 
 @pytest.mark.parametrize("fraction,head", [(0.5, "resident"), (0.12, "host")])

@@ -14,7 +14,7 @@ reads from the device with one sync; entering a GPU segment uploads what it read
 Syncs per step therefore equal the plan's GPU segments, never one per projection.  A greedy step
 (forward_greedy, forward_argmax: the daemon's decode steps and verify passes) takes each logits row's argmax
 where lm_head ran: on the device (argmax_split, 4 bytes a row back instead of the row), or on the host; a
-sampled decode step (forward_sample) draws on the device where lm_head runs there (device/sampler.py).
+sampled decode step (forward_sample) draws on the device where lm_head runs there (device/step_picks.py).
 
 The device side is the backend every offloading mode builds (device/backend.py): its arena, its paged KV
 pool (float32 for the first N layers in gated and layers=N; every layer, f16 by default, in offload) and its
@@ -102,7 +102,8 @@ class MixedSteps(Steps):
                       if self.host.kernels is not None and backend.pinned is not None else None)
         self.item_graphs = ItemGraphs(self, self.nodes if options is None or options.host_nodes else None, link,
                                       ring_steps=options is None or options.ring_graphs)
-        self.sampler = self._device_sampler()          # sampled steps' draws where lm_head runs on the device
+        from kestrel_stream.run.device.step_picks import StepPicks
+        self.picks = StepPicks(backend)                # tokens taken where lm_head runs on the device
         window, first = backend.window, plan(1)
         total = sum(1 for segment in first.segments for _ in segment.ops)
         self.preload_line = (f"preload: {len(window.resident)}/{len(window.resident)} GPU weights warmed in "
@@ -111,16 +112,6 @@ class MixedSteps(Steps):
                              f"over {total} ops)")
         self.preload_line += "".join(f"; {note}" for note in first.notes if note.startswith("offloaded "))
         print(f"kestrel-stream: {self.preload_line}", file=sys.stderr)
-
-    def _device_sampler(self):
-        """The device's sampling kernels over this backend's logits (device/sampler.py), or None where the arena
-        has no room for their buffers (sampled steps then draw on the host)."""
-        from kestrel_stream.cuda import driver
-        from kestrel_stream.run.device.sampler import DeviceSampler
-        try:
-            return DeviceSampler(self.backend)
-        except driver.CudaError:
-            return None
 
     def streams_experts(self) -> bool:
         """Whether this step streams experts through the experts' ring (copies a graph does not capture)."""
@@ -210,8 +201,7 @@ class MixedSteps(Steps):
         self.item_graphs.close()
         if self.nodes is not None:
             self.nodes.close()
-        if self.sampler is not None:
-            self.sampler.close()
+        self.picks.close()
         self.backend.close()
 
     # ---- steps ------------------------------------------------------------------------------------
@@ -236,10 +226,10 @@ class MixedSteps(Steps):
         """Each session's next token drawn on the device (states: device/sample_state.pack_state, one a session),
         int64 [len(batch)], 4 bytes a session back; None where this step cannot (a session of several tokens, more
         sessions than a step takes, lm_head on the host): the caller samples from the logits."""
-        if (self.sampler is None or not 0 < len(batch) <= self.max_tokens or len(states) != len(batch)
+        if (self.picks.sampler is None or not 0 < len(batch) <= self.max_tokens or len(states) != len(batch)
                 or any(np.asarray(ids).size != 1 for _, ids, _ in batch) or not self._head_on_device(len(batch))):
             return None
-        self.sampler.stage(states)
+        self.picks.sampler.stage(states)
         rows = self._forward(batch, "last", None, pick="sample")
         if rows[0].ndim == 2:         # the logits came back after all: the caller samples (this step again)
             return None
@@ -289,10 +279,7 @@ class MixedSteps(Steps):
                              self._kernel_copy if self.ring is not None else None, tree_fields, self.nodes)
         if lm is not None:
             state.lm_rows = np.arange(lm[0], lm[0] + lm[1])
-        if pick == "argmax":
-            state.pick = (pick, lambda count, stream: self._argmax_launch(count).enqueue(stream), b.token_outputs)
-        elif pick == "sample":
-            state.pick = (pick, self.sampler.enqueue, b.token_outputs)
+        state.pick = self.picks.pick(pick)
         if self.gpu_layers:          # KV blocks for the positions the step writes, their table entries up
             for kv, lo, hi, start in state.runs:
                 b.kv.prepare(kv.device, start, start + hi - lo)
@@ -316,18 +303,9 @@ class MixedSteps(Steps):
                 self.counters.h2d_bytes += ring.bytes_per_step
                 self.counters.streamed_bytes = (self.counters.streamed_bytes or 0) + ring.bytes_per_step
         if state.picked:
-            return b.token_outputs.tokens_view[:state.logit_rows]
+            return self.picks.tokens(state.logit_rows)
         out = state.host["logits"][:state.logit_rows]
         return np.argmax(out, axis=1) if pick == "argmax" else out
-
-    def _argmax_launch(self, rows: int):
-        """The argmax_split launch over the first `rows` logits rows (kept per row count)."""
-        key = ("argmax", rows)
-        launch = self._copies.get(key)
-        if launch is None:
-            from kestrel_stream.run.device.launches import argmax_launch
-            launch = self._copies[key] = argmax_launch(self.backend, rows, False)
-        return launch
 
     def _run_segments(self, plan, state: SegmentState, lm: tuple[int, int] | None, lo: int, hi: int | None = None,
                       nodes: list | None = None) -> None:

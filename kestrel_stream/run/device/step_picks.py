@@ -1,0 +1,40 @@
+"""A mixed step's tokens taken on the device: each logits row's argmax (argmax_split) or a draw (sample.cu,
+device/sampler.py) written into the backend's TokenOutputs, whose 4 bytes a row come back in place of the row
+(run/segment_state.SegmentState.outputs_to_host enqueues them where the device alone holds the logits)."""
+from __future__ import annotations
+
+from kestrel_stream.cuda import driver
+from kestrel_stream.run.device.launches import argmax_launch
+from kestrel_stream.run.device.sampler import DeviceSampler
+
+
+class StepPicks:
+    def __init__(self, backend):
+        self.backend = backend
+        self._argmax: dict = {}            # rows -> its argmax_split launch
+        try:
+            self.sampler = DeviceSampler(backend)
+        except driver.CudaError:           # no room in the arena for its buffers: sampled steps draw on the host
+            self.sampler = None
+
+    def pick(self, kind: str | None) -> tuple | None:
+        """SegmentState.pick for `kind` ("argmax", "sample"; None: the logits come back)."""
+        if kind == "argmax":
+            return kind, self._enqueue_argmax, self.backend.token_outputs
+        if kind == "sample":
+            return kind, self.sampler.enqueue, self.backend.token_outputs
+        return None
+
+    def tokens(self, rows: int):
+        """The first `rows` tokens the last step picked (int32, a view of the pinned buffer)."""
+        return self.backend.token_outputs.tokens_view[:rows]
+
+    def _enqueue_argmax(self, rows: int, stream) -> None:
+        launch = self._argmax.get(rows)
+        if launch is None:
+            launch = self._argmax[rows] = argmax_launch(self.backend, rows, False)
+        launch.enqueue(stream)
+
+    def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
