@@ -3,8 +3,10 @@
 Host figures come from what the host backend runs: the native quantized kernels (numpy's float32 BLAS
 where they are unavailable or KESTREL_HOST_KERNELS=numpy); GPU figures from kestrel_stream.cuda.calibrate.
 The host memory pool (measure_pool): the host kernels' GB/s and pinned H2D's, each while the other runs,
-since both read host DRAM.  The profile is cached per device + driver (scheduler.profile), so later runs
-and the lazy first use of a GPU read it instead of measuring again.
+since both read host DRAM (LinkCopies keeps the link busy beside a host measurement; benches reuse it).  The
+profile is cached per device + driver (scheduler.profile), so later runs and the lazy first use of a GPU read it
+instead of measuring again.  One concern, one file: measuring the profile on this machine (its GPU figures
+through kestrel_stream.cuda.calibrate) and caching it.
 """
 from __future__ import annotations
 
