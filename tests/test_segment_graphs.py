@@ -15,7 +15,8 @@ from kestrel_stream.cuda import driver
 from kestrel_stream.obs import trace
 from kestrel_stream.run.compat import HybridExecutor
 from kestrel_stream.run.engine import Engine
-from kestrel_stream.run.mixed import SEGMENT_GRAPH_MAX_TOKENS, uploads_go_first
+from kestrel_stream.run.segment_graphs import SEGMENT_GRAPH_MAX_TOKENS
+from kestrel_stream.run.segment_state import uploads_go_first
 from test_executors_emulated import CONFIGS, make_split_engine
 
 STEPS = 6
@@ -89,7 +90,7 @@ def test_a_decode_replays_each_device_segment_as_the_eager_step(weights, device,
     for counted in ("syncs", "launches", "h2d_bytes", "d2h_bytes", "gpu_weight_read_bytes"):
         assert stats[counted] == eager_stats[counted], counted
     engine.executor.steps.clear_launches()
-    assert not engine.executor.steps._graphs, "launch lists rebuilt drop their graphs"
+    assert not engine.executor.steps.segment_graphs.graphs, "launch lists rebuilt drop their graphs"
     assert_same(decode(engine), want, kind)
     engine.close()
 

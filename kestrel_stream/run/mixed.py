@@ -24,7 +24,7 @@ streams; a weight some other plan puts there (a forced group choice) is uploaded
 In offload the window holds the resident layers, and the layers a step's plan streams go through its
 ring (device/stream_ring.py) while the host computes the others.
 
-A device segment of a step of up to SEGMENT_GRAPH_MAX_TOKENS tokens replays a graph of its launches once
+A device segment of a step of up to SEGMENT_GRAPH_MAX_TOKENS tokens replays a graph of its launches (segment_graphs.py) once
 the same (tokens, segment, lm rows) came twice: its uploads still go eagerly, in the eager order, before
 the replay (they read only the host's state, which no device op of the segment changes), and the launches
 are the ones prepared per op and size, whose arguments never change between steps (positions and KV table
@@ -56,7 +56,8 @@ from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.pool_spin import spinning_step
 from kestrel_stream.run.host_nodes import HostNodes
 from kestrel_stream.run.item_graphs import SEGMENT_GRAPH_MAX_TOKENS, ItemGraphs  # noqa: F401 (re-exported)
-from kestrel_stream.run.segment_state import SegmentState, uploads_go_first
+from kestrel_stream.run.segment_graphs import SegmentGraphs
+from kestrel_stream.run.segment_state import SegmentState
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
 
@@ -91,9 +92,7 @@ class MixedSteps(Steps):
         self._host_programs: dict = {}       # (tokens, segment index) -> (its inputs, its HostProgram)
         self._prepared: dict = {}            # (op name, tokens[, lm rows]) -> _prepare's tuple
         self._copies: dict = {}              # (dst, src, bytes) -> a copy_words launch (mode offload's uploads)
-        self._graphs: dict = {}              # (tokens, segment index, lm rows) -> its launches as a driver.Graph
-        self._seen: set = set()              # the keys run once eagerly (a graph is captured the second time)
-        self._eager: set = set()             # the keys whose segment cannot take a graph (needs x back midway)
+        self.segment_graphs = SegmentGraphs(self)   # device segments replayed as graphs (segment_graphs.py)
         self.use_graphs = options is None or options.step_graphs
         # the library's host items (host_nodes.py): the host's xn for the device, and steps whose host segments
         # are native op lists as one graph (item_graphs.py; KESTREL_HOST_NODES=0: segment by segment), with the
@@ -139,12 +138,8 @@ class MixedSteps(Steps):
         self._drop_graphs()
 
     def _drop_graphs(self) -> None:
-        for graph in self._graphs.values():
-            graph.destroy()
-        self._graphs.clear()
+        self.segment_graphs.drop()
         self.item_graphs.drop()
-        self._seen.clear()
-        self._eager.clear()
 
     # ---- KV caches: the backend's pool for the first gpu_layers layers, host caches for the rest ---------
     def alloc_kv(self, max_seq_len: int) -> HybridKV:
@@ -324,7 +319,7 @@ class MixedSteps(Steps):
             ops = [op for op in segment.ops if scheduler.runs_alone(op)]
             if state.graphing:            # a routed layer's device experts may wait for its host item's hand-off
                 ops = self.item_graphs.defer(plan, index, ops, state)
-            self._device_segment(index, ops, state, lm)
+            self.segment_graphs.run(index, ops, state, lm)
             if prof.enabled:      # attribute GPU time to gemm, not to the next sync
                 start = time.perf_counter()
                 state.stream.synchronize()
@@ -336,44 +331,6 @@ class MixedSteps(Steps):
         if key not in self._host_programs:
             self._host_programs[key] = (scheduler.segment_inputs(segment.ops), self.host.program(segment.ops, "cpu "))
         return self._host_programs[key]
-
-    def _device_segment(self, index: int, ops: list, state: SegmentState, lm: tuple[int, int] | None) -> None:
-        """A device segment's ops: eagerly, or its uploads and then one replay of its graph (the module's
-        docstring says when)."""
-        key = (state.T, index, lm)
-        graphable = (self.use_graphs and self.ring is None and not self.streams_experts() and not prof.enabled
-                     and trace.active is None and state.tree_fields is None and state.kernel_copy is None
-                     and not state.graphing
-                     and state.T <= SEGMENT_GRAPH_MAX_TOKENS and key not in self._eager)
-        graph = self._graphs.get(key) if graphable else None
-        if graphable and graph is None and key not in self._seen:
-            self._seen.add(key)                    # a size seen once (a prompt's last chunk) costs no capture
-            graphable = False
-        if graphable:
-            prepared = [self._prepared_for(op, state.T, lm) for op in ops]
-            if not uploads_go_first(ops, prepared, state):
-                self._eager.add(key)
-                graphable = False
-        if not graphable:
-            for op in ops:
-                self._device_op(op, state, lm)
-            return
-        for op, (reads, prologue, launches, _, nbytes, prepares) in zip(ops, prepared):
-            self._upload(reads, prologue, state)
-            self.counters.launches += len(launches)
-            self.counters.gpu_weight_read_bytes += nbytes
-            state.device_wrote(op, prepares)
-        stream = self.backend.stream
-        if graph is None:
-            from kestrel_stream.cuda import driver
-            with driver.capture(stream) as captured:
-                for _, _, launches, _, _, _ in prepared:
-                    for launch in launches:
-                        launch.enqueue(stream)
-            graph = self._graphs[key] = captured.graph
-            self.counters.graphs_captured = (self.counters.graphs_captured or 0) + 1
-        graph.launch(stream)
-        self.counters.graph_replays = (self.counters.graph_replays or 0) + 1
 
     def _prepared_for(self, op, T: int, lm: tuple[int, int] | None) -> tuple:
         """_prepare's tuple for `op` in steps of T tokens, worked out once per op and size (lm_head's per its rows)."""
