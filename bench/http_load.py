@@ -67,9 +67,17 @@ async def one_request(http: httpx.AsyncClient, base_url: str, body: dict) -> tup
     return first if first is not None else float("nan"), time.perf_counter(), usage if usage else chunks, error
 
 
-def completion_body(model: str, prompt, max_tokens: int) -> dict:
+def completion_body(model: str, prompt, max_tokens: int, sampling: dict | None = None) -> dict:
+    """A streamed completion of exactly max_tokens tokens: greedy, or with `sampling`'s fields (temperature,
+    top_p, seed, ...)."""
     return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **(sampling or {})}
+
+
+def sampling_fields(temperature: float, index: int) -> dict | None:
+    """A staggered request's sampling: None (greedy) at temperature 0, else that temperature, top_p 0.95 and
+    the request's index as its seed (the same draws for every server that honours seeds)."""
+    return None if temperature <= 0 else {"temperature": temperature, "top_p": 0.95, "seed": index}
 
 
 @dataclass(frozen=True)
@@ -77,6 +85,7 @@ class Planned:
     arrival_s: float            # from the start of the run
     prompt: list[int]
     max_tokens: int
+    index: int = 0              # its place in the plan (a sampled request's seed)
 
 
 def plan_requests(count: int, vocab: int, prompt_range: tuple[int, int], new_range: tuple[int, int],
@@ -87,8 +96,8 @@ def plan_requests(count: int, vocab: int, prompt_range: tuple[int, int], new_ran
     news = rng.integers(new_range[0], new_range[1] + 1, count)
     gaps = rng.exponential(1.0 / rate_per_s, count)
     arrivals = np.cumsum(gaps) - gaps[0]            # the first arrives at once
-    return [Planned(float(t), rng.integers(0, vocab, int(n)).tolist(), int(m))
-            for t, n, m in zip(arrivals, lengths, news)]
+    return [Planned(float(t), rng.integers(0, vocab, int(n)).tolist(), int(m), i)
+            for i, (t, n, m) in enumerate(zip(arrivals, lengths, news))]
 
 
 @dataclass
@@ -103,9 +112,11 @@ class Outcome:
 
 
 async def staggered(base_url: str, model: str, planned: list[Planned], clients: int, headers: dict,
-                    timeout_s: float, started: float | None = None) -> tuple[list[Outcome], float]:
+                    timeout_s: float, started: float | None = None,
+                    temperature: float = 0.0) -> tuple[list[Outcome], float]:
     """Every planned request's outcome, and the perf_counter the run started at (`started`: at that
-    perf_counter, a time of CLOCK_MONOTONIC that every process of the machine reads alike)."""
+    perf_counter, a time of CLOCK_MONOTONIC that every process of the machine reads alike).  temperature > 0:
+    each request sampled (sampling_fields)."""
     outcomes = [Outcome(p) for p in planned]
     pending = iter(outcomes)
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -119,13 +130,13 @@ async def staggered(base_url: str, model: str, planned: list[Planned], clients: 
                 wait = started + outcome.planned.arrival_s - time.perf_counter()
                 if wait > 0:
                     await asyncio.sleep(wait)
-                await send(http, base_url, model, outcome)
+                await send(http, base_url, model, outcome, temperature)
         await asyncio.gather(*(client() for _ in range(clients)))
     return outcomes, started
 
 
 def staggered_in_processes(base_url: str, model: str, planned: list[Planned], clients: int, headers: dict,
-                           timeout_s: float, processes: int) -> tuple[list[Outcome], float]:
+                           timeout_s: float, processes: int, temperature: float = 0.0) -> tuple[list[Outcome], float]:
     """staggered() with the clients spread over `processes` processes, each with its own event loop (one loop
     parsing every client's stream can be the slowest part of the measurement: its delays count in each
     request's time to first token); process i takes requests i, i + P, ... with its share of the clients, all
@@ -133,12 +144,12 @@ def staggered_in_processes(base_url: str, model: str, planned: list[Planned], cl
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
     if processes <= 1:
-        return asyncio.run(staggered(base_url, model, planned, clients, headers, timeout_s))
+        return asyncio.run(staggered(base_url, model, planned, clients, headers, timeout_s, None, temperature))
     shares = [clients // processes + (i < clients % processes) for i in range(processes)]
     started = time.perf_counter() + 1.0 + 0.1 * processes          # every process up before the first send
     with ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
         parts = [pool.submit(run_part, base_url, model, planned[i::processes], max(shares[i], 1), headers,
-                             timeout_s, started) for i in range(processes)]
+                             timeout_s, started, temperature) for i in range(processes)]
         results = [part.result() for part in parts]
     outcomes: list[Outcome] = [None] * len(planned)
     for i, (part, _) in enumerate(results):
@@ -146,16 +157,17 @@ def staggered_in_processes(base_url: str, model: str, planned: list[Planned], cl
     return outcomes, started
 
 
-def run_part(base_url, model, planned, clients, headers, timeout_s, started):
-    return asyncio.run(staggered(base_url, model, planned, clients, headers, timeout_s, started))
+def run_part(base_url, model, planned, clients, headers, timeout_s, started, temperature):
+    return asyncio.run(staggered(base_url, model, planned, clients, headers, timeout_s, started, temperature))
 
 
-async def send(http: httpx.AsyncClient, base_url: str, model: str, outcome: Outcome) -> None:
+async def send(http: httpx.AsyncClient, base_url: str, model: str, outcome: Outcome, temperature: float = 0.0) -> None:
     planned = outcome.planned
     outcome.sent_s = time.perf_counter()
     try:
         ttft_s, finished_s, tokens, error = await one_request(
-            http, base_url, completion_body(model, planned.prompt, planned.max_tokens))
+            http, base_url, completion_body(model, planned.prompt, planned.max_tokens,
+                                            sampling_fields(temperature, planned.index)))
     except RequestFailed as e:
         outcome.kind = "refused" if e.status in REFUSAL_STATUSES else "lost"
         outcome.error, outcome.finished_s = str(e)[:200], time.perf_counter()

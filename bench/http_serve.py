@@ -205,7 +205,7 @@ def staggered_rows(base_url: str, model: str, args, vocab: int, server: str, hea
         planned = plan_requests(args.requests, vocab, args.prompt_range, args.new_range, args.rate, args.seed)
         before = daemon_figures(base_url, headers) if server == "kestrel-stream" else None
         outcomes, started = staggered_in_processes(base_url, model, planned, clients, headers, args.timeout_s,
-                                                   args.client_processes)
+                                                   args.client_processes, args.temperature)
         rows.append(summary(server, clients, outcomes, started))
         if before is not None:
             rows[-1].update(step_columns(before, daemon_figures(base_url, headers)))
@@ -233,7 +233,10 @@ def notes(args) -> str:
         return head + (
             f"llama-server -np CLIENTS -fa on {args.llama_args}. {args.requests} requests (seed {args.seed}), prompts "
             f"of {args.prompt_range[0]}..{args.prompt_range[1]} random ids (log-uniform), max_tokens "
-            f"{args.new_range[0]}..{args.new_range[1]} (uniform), greedy with ignore_eos, Poisson arrivals at "
+            f"{args.new_range[0]}..{args.new_range[1]} (uniform), "
+            + ("greedy" if args.temperature <= 0 else f"sampled (temperature {args.temperature:g}, top_p 0.95, seed = "
+               f"the request's index)")
+            + f" with ignore_eos, Poisson arrivals at "
             f"{args.rate:g}/s taken by CLIENTS connections. completed: every token streamed; refused: HTTP 429/503; "
             f"lost: any other failure or a short stream. tok_s = completed tokens / (first send -> last finish); "
             f"ttft = request sent -> first streamed choice (completed requests).")
@@ -273,6 +276,9 @@ def main() -> None:
                         help="staggered: spread the clients over this many processes, each with its own event loop "
                              "(one loop parsing every stream can delay what it measures)")
     parser.add_argument("--rate", type=float, default=16.0, help="staggered: arrivals per second (Poisson)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="staggered: sample each request at this temperature (top_p 0.95, its index as seed); "
+                             "0: greedy")
     parser.add_argument("--seed", type=int, default=0, help="staggered: the requests' seed (same for every server)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="a request not done by then is lost")
     parser.add_argument("--max-sessions", type=int, default=None,

@@ -10,7 +10,8 @@
 // from Philox4x32-10 (key = seed, counter = (step, 0, step >> 32, 0)), bit-identical to
 // sampling.philox_uniform.  state[row]: 8 words {temperature, top_k, top_p, min_p (floats but
 // top_k), seed lo, seed hi, step lo, step hi}; the kernel advances the step, so chained
-// steps draw fresh numbers without a host upload.
+// steps draw fresh numbers without a host upload.  Temperature 0 (with top_k 1: pack_state's greedy
+// row) takes the first kept token in id order, the argmax, so greedy rows share a sampled step.
 #include "common.cuh"
 
 __device__ __forceinline__ unsigned int order_key(float x) {
@@ -198,7 +199,8 @@ __device__ void draw_token(const Src& src, unsigned int cut, float vmax, float t
                            int* out, Scratch& s) {
     const int chunk = (src.n + blockDim.x - 1) / blockDim.x;
     const int lo = threadIdx.x * chunk, hi = min(src.n, lo + chunk);
-    const float inv_t = 1.0f / temperature;
+    const bool greedy = !(temperature > 0.f);       // every kept token weighs 1, the target is 0: the first
+    const float inv_t = greedy ? 0.f : 1.0f / temperature;
     float mine = 0.f;
     int last_kept = -1;
     for (int i = lo; i < hi; i++)
@@ -221,7 +223,7 @@ __device__ void draw_token(const Src& src, unsigned int cut, float vmax, float t
     const float excl = warp_base + incl - mine;
     const int fallback = block_reduce(last_kept, s.i, MaxIntOp());
     const float u = philox_uniform(st[4], st[5], st[6], st[7]);
-    const float target = u * total;
+    const float target = greedy ? 0.f : u * total;
     if (threadIdx.x == 0) *out = fallback;          // target at the very end (rounding): the last kept
     __syncthreads();
     if (mine > 0.f && excl <= target && target < excl + mine) {

@@ -22,7 +22,10 @@ def draw_row(x, ids, words, params) -> int:
     """The reference filter and draw over x (ids: their token ids), then the row's Philox step advances."""
     from kestrel_stream.text.sampling import draw, filter_threshold, philox_uniform
     seed, step = int(words[4]) | int(words[5]) << 32, int(words[6]) | int(words[7]) << 32
-    token = int(ids[draw(x, filter_threshold(x, params), params.temperature, philox_uniform(seed, step))])
+    if params.greedy:               # temperature 0: the first largest logit (sample.cu's draw with target 0)
+        token = int(ids[int(np.argmax(x))])
+    else:
+        token = int(ids[draw(x, filter_threshold(x, params), params.temperature, philox_uniform(seed, step))])
     step += 1
     words[6], words[7] = step & 0xFFFFFFFF, step >> 32
     return token

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.http_load import plan_requests
+from bench.http_load import completion_body, plan_requests, sampling_fields
 from bench.daemon_metrics import histogram_percentile
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +22,15 @@ def test_the_plan_is_the_seeds_and_stays_in_its_ranges():
     assert all(16 <= p.max_tokens <= 256 for p in plan) and all(0 <= t < 1000 for p in plan for t in p.prompt)
     arrivals = [p.arrival_s for p in plan]
     assert arrivals[0] == 0 and arrivals == sorted(arrivals) and 5 < arrivals[-1] < 25     # 200 at 16/s
+
+
+def test_sampled_requests_carry_their_temperature_and_their_index_as_seed():
+    plan = plan_requests(5, 1000, (8, 16), (4, 8), 16.0, seed=3)
+    assert [p.index for p in plan] == list(range(5))
+    greedy = completion_body("m", plan[2].prompt, plan[2].max_tokens, sampling_fields(0.0, plan[2].index))
+    assert greedy["temperature"] == 0 and "seed" not in greedy
+    sampled = completion_body("m", plan[2].prompt, plan[2].max_tokens, sampling_fields(0.8, plan[2].index))
+    assert (sampled["temperature"], sampled["top_p"], sampled["seed"], sampled["ignore_eos"]) == (0.8, 0.95, 2, True)
 
 
 def test_a_histograms_percentile_over_a_run_is_the_difference_of_two_scrapes():

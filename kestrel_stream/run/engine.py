@@ -183,7 +183,7 @@ class Engine:
         return arr.astype(np.int64)
 
     def step(self, items: list[tuple["Session", np.ndarray]], greedy: bool = False, logits: str = "all",
-             trees: list | None = None):
+             trees: list | None = None, sample: list | None = None):
         """One executor step over several sessions; all inputs were validated by the caller.
 
         Logits [n_i, V] per session (logits="last": [1, V], each session's last row, the only rows
@@ -191,10 +191,17 @@ class Engine:
         or with greedy=True each session's greedy next token (int64 [B]): an
         executor with forward_greedy (gpu mode) then takes the argmax on the device and copies back
         4 bytes per token instead of the logits.  trees: per item a TokenTree its ids are the nodes of
-        (run/token_tree.py), or None; such a session then keeps one path with keep_branch."""
+        (run/token_tree.py), or None; such a session then keeps one path with keep_branch.  sample: per
+        item its row's state words (device/sample_state.pack_state; greedy params give the argmax): each
+        session's next token drawn on the device (int64 [B], 4 bytes a session back) where the executor can
+        (Executor.forward_sample: a decode step of one token a session), else each session's last logits
+        row ([1, V] each, logits="last") for the caller to draw from."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
 
         def run():
+            if sample is not None:
+                drawn = self.executor.forward_sample(batch, sample)
+                return drawn if drawn is not None else self.executor.forward(batch, "last")
             if greedy:
                 return self.executor.forward_greedy(batch)
             if logits == "argmax":

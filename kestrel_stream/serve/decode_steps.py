@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from scheduler.batcher import StepBatcher
 
 from kestrel_stream.run.engine import Engine, Session
@@ -74,6 +76,11 @@ class DecodeSteps:
             if all(job.greedy_enough(chunk.final) for job, chunk in zip(jobs, runnable)):
                 # every chunk needs only its last row's argmax, which the device then takes
                 kind, out = "token", self.engine.step(items, greedy=True)      # tokens [B]
+            elif all(job.draws_enough(chunk.final) for job, chunk in zip(jobs, runnable)):
+                # decodes, some sampled: the device draws every token (greedy ones: their argmax), or each
+                # session's last logits row comes back for its handler to draw from
+                out = self.engine.step(items, sample=[job.draw_state() for job in jobs])
+                kind = "token" if isinstance(out, np.ndarray) else "logits"
             elif all(job.picks_enough(chunk.final) for job, chunk in zip(jobs, runnable)):
                 # decodes and verify passes whose verdict needs each row's argmax alone (on the device)
                 kind, out = "argmax", self.engine.step(items, logits="argmax", trees=trees)

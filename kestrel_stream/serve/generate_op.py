@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kestrel_stream.errors import KestrelError
+from kestrel_stream.run.device.sample_state import pack_state
 from kestrel_stream.serve.spec_rounds import ServedSpeculation, parse_speculative
 from kestrel_stream.wire.protocol import ProtocolError
 from kestrel_stream.text.generation import Generation
@@ -149,6 +150,7 @@ async def run_generation(service, session, request: GenerateRequest, send_frame,
     generation = request.generation
     params, stop = generation.params, generation.stop
     # greedy without penalties needs only the argmax (on the device in gpu mode), else the last logits row
+    # (a prompt's; a sampled decode without penalties is drawn on the device where the step can: next_tokens)
     want = "token" if params.greedy and not params.penalized else "last"
     session.check_room(len(generation.ids) + max(stop.max_new_tokens - 1, 0))
     start = session.position
@@ -186,9 +188,10 @@ async def run_generation(service, session, request: GenerateRequest, send_frame,
 
 
 def picked(generation: Generation, job, want: str) -> int:
-    """The token a prefill or decode job's answer gives: its argmax, or drawn from its last row."""
+    """The token a prefill or decode job's answer gives: its argmax or the device's draw, or drawn here from
+    its last row."""
     fields, out = job.result
-    return fields["token"] if want == "token" else generation.pick(out["logits"], len(generation.tokens))
+    return fields["token"] if "token" in fields else generation.pick(out["logits"], len(generation.tokens))
 
 
 async def next_tokens(service, session, generation: Generation, spec, token: int, want: str) -> list[int]:
@@ -199,4 +202,7 @@ async def next_tokens(service, session, generation: Generation, spec, token: int
                                    picks=want == "token")
         if rounded is not None:
             return rounded[0]
+    if want == "last" and not generation.params.penalized:      # sampled: drawn on the device where it can
+        state = pack_state(generation.params, generation.seed, len(generation.tokens))
+        return [picked(generation, await service.decode(session, token, "sample", 1, state), want)]
     return [picked(generation, await service.decode(session, token, want, 1), want)]

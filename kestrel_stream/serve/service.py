@@ -340,9 +340,10 @@ class Service:
         """A prompt, in chunks beside other sessions' decodes as the batcher chooses; the handler answers."""
         return await self.run_job(PrefillJob(session, ids, want, k))
 
-    async def decode(self, session: Session, token: int, want: str, k: int) -> DecodeJob:
-        """One decode step, batched with other sessions' steps; the handler answers."""
-        return await self.run_job(DecodeJob(session, token, want, k))
+    async def decode(self, session: Session, token: int, want: str, k: int, state=None) -> DecodeJob:
+        """One decode step, batched with other sessions' steps; the handler answers.  state: the sampling state
+        of want "sample" (step_jobs.DecodeJob)."""
+        return await self.run_job(DecodeJob(session, token, want, k, state=state))
 
     async def run_job(self, job):
         """Submit a step job to its replica's batcher and wait for it; its error is raised here."""

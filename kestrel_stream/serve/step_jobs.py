@@ -6,8 +6,12 @@ over several (a prompt longer than what a step has room for); the step thread
 then answers it (``send``) or wakes the handler waiting on it (``wait``).
 
 A step gives each job its rows in one of three kinds (``take``): "token" (the
-greedy next token alone), "argmax" (each row's argmax, int [n]) or "logits"
-([n, V], or [1, V] where the step computed last rows only).
+greedy next token alone, or a decode's token drawn on the device), "argmax"
+(each row's argmax, int [n]) or "logits" ([n, V], or [1, V] where the step
+computed last rows only).  A decode with want "sample" carries its row's
+sampling state (pack_state): a step of such decodes and greedy ones draws
+every token on the device; where the engine cannot, each gets its last logits
+row ({"logits": [V]}, as want "last") and its handler draws on the host.
 """
 from __future__ import annotations
 
@@ -18,7 +22,9 @@ from typing import Callable
 
 import numpy as np
 
+from kestrel_stream.run.device.sample_state import pack_state
 from kestrel_stream.run.engine import Session
+from kestrel_stream.text.sampling import SamplingParams
 from kestrel_stream.serve.step_thread import settle
 
 # Step thread: send (header, arrays) to the client, then call the third argument once it is all written.
@@ -30,7 +36,7 @@ def answer(logits: np.ndarray, want: str, k: int) -> tuple[dict, dict]:
     if want == "logits":
         return {}, {"logits": logits}
     last = logits[-1]
-    if want == "last":
+    if want in ("last", "sample"):
         return {}, {"logits": last}
     token = int(np.argmax(last))
     if want == "token":
@@ -79,6 +85,11 @@ class StepJob:
             self.waiter = asyncio.get_running_loop().create_future()
         await self.waiter
 
+    def draws_enough(self, final: bool) -> bool:
+        """Whether the step may draw this chunk's one token on the device (a decode wanting its greedy or drawn
+        token)."""
+        return False
+
     async def result_or_raise(self) -> "StepJob":
         """This job once done (submitted or queued before); its error is raised here."""
         await self.wait()
@@ -102,17 +113,31 @@ def settle_all(waiters: list[asyncio.Future]) -> None:
         settle(waiter, None, None)
 
 
+GREEDY_STATE = pack_state(SamplingParams(temperature=0.0), 0, 0)     # a greedy row in a drawn step: its argmax
+
+
 class DecodeJob(StepJob):
     """One decode token.  ``send`` set: the step thread answers the client itself and the handler does not
-    wait; the connection waits (``wait``) before its next request.  Otherwise the handler waits and answers."""
-    __slots__ = ("token",)
+    wait; the connection waits (``wait``) before its next request.  Otherwise the handler waits and answers.
+    want "sample": ``state`` holds the row's sampling state words (pack_state of unpenalized params, the
+    generation's seed and the token's step)."""
+    __slots__ = ("token", "state")
     op = "decode"
     tokens = 1
 
     def __init__(self, session: Session, token: int, want: str, k: int, request_id=None,
-                 send: SendFromStep | None = None):
+                 send: SendFromStep | None = None, state: np.ndarray | None = None):
         super().__init__(session, want, k, request_id, send)
-        self.token = token
+        if (want == "sample") != (state is not None):
+            raise ValueError(f"decode: want {want!r} with{'out' if state is None else ''} a sampling state")
+        self.token, self.state = token, state
+
+    def draws_enough(self, final: bool) -> bool:
+        return self.want in ("token", "sample")
+
+    def draw_state(self) -> np.ndarray:
+        """The state words the device draws this row's token with (a greedy row: its argmax)."""
+        return self.state if self.state is not None else GREEDY_STATE
 
     def ids(self, start: int, count: int) -> np.ndarray:
         return np.array([self.token], np.int64)

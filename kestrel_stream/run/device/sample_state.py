@@ -8,10 +8,16 @@ STATE_WORDS = 8
 
 
 def pack_state(params, seed: int, step: int) -> np.ndarray:
-    """One row's state words: temperature, top_k, top_p, min_p, seed (two words), step (two words)."""
+    """One row's state words: temperature, top_k, top_p, min_p, seed (two words), step (two words).  Greedy
+    params (temperature 0) pack as temperature 0 and top_k 1: sample.cu then takes the argmax (the first
+    largest logit), so a greedy row can share a step with drawn ones."""
     words = np.zeros(STATE_WORDS, np.uint32)
-    words[[0, 2, 3]] = np.array([params.temperature, min(params.top_p, 1.0), params.min_p], np.float32).view(np.uint32)
-    words[1] = max(params.top_k, 0)
+    if params.greedy:
+        temperature, top_k, top_p, min_p = 0.0, 1, 1.0, 0.0
+    else:
+        temperature, top_k, top_p, min_p = params.temperature, max(params.top_k, 0), min(params.top_p, 1.0), params.min_p
+    words[[0, 2, 3]] = np.array([temperature, top_p, min_p], np.float32).view(np.uint32)
+    words[1] = top_k
     words[4], words[5] = seed & 0xFFFFFFFF, seed >> 32
     words[6], words[7] = step & 0xFFFFFFFF, step >> 32
     return words

@@ -5,7 +5,9 @@ before the token is sent, so the response's encoding and writing overlap the
 next step instead of delaying it.
 
 Greedy requests ask the step for the token alone (the device takes the
-argmax); sampling, penalties, logprobs, logit_bias and response_format ask for
+argmax), and so do plain sampled decodes (the device draws with the choice's
+seed and step: sample.cu, the reference sampler's twin); a prompt's last row,
+penalties, logprobs, logit_bias and response_format ask for
 the last row's logits and draw on the host with the reference sampler
 (text/sampling.py), after the bias and the grammar's mask (text/grammar.py),
 so the same (seed, prompt) gives the tokens Engine.generate gives.  A request
@@ -37,6 +39,7 @@ import anyio
 import numpy as np
 
 from kestrel_stream.errors import CapacityError, KestrelError
+from kestrel_stream.run.device.sample_state import pack_state
 from kestrel_stream.wire.protocol import ShuttingDownError
 from kestrel_stream.serve.decode_steps import DecodeJob
 from kestrel_stream.serve.http.errors import RETRY_AFTER_S, APIError
@@ -144,6 +147,10 @@ class HttpGeneration:
         logits_needed = (not params.greedy or params.penalized or request.logprobs is not None or self.bias is not None
                          or constraint is not None)
         self.want = "last" if logits_needed else "token"
+        # sampled without penalties, logprobs, bias or grammar: each decode's token drawn on the device where
+        # the step can (step_jobs.DecodeJob's want "sample")
+        self.draws = (not params.greedy and not params.penalized and request.logprobs is None and self.bias is None
+                      and constraint is None)
         self.first_token_s: float | None = None     # time to the first token, from the start of open()
         self.started_s = time.perf_counter()
         self.queue_wait_s = 0.0                     # time spent in the admission queue
@@ -233,7 +240,7 @@ class HttpGeneration:
                         # no step queued: a speculative round, or (drafting nothing) one plain step
                         choice.pending = await self.speculative_round(choice, choice.tokens[-1])
                         if not choice.pending:
-                            job = DecodeJob(session, choice.tokens[-1], self.want, 1)
+                            job = self.decode_job(choice, session, choice.tokens[-1])
                             service.submit(job)
                     if not choice.pending:
                         await job.result_or_raise()
@@ -249,7 +256,7 @@ class HttpGeneration:
                         live.remove(choice)
                     elif choice.spec is None or choice.spec.plain_next(self.max_tokens - len(choice.tokens)):
                         # the next step is queued before this token is sent
-                        jobs[choice.index] = DecodeJob(session, out.token, self.want, 1)
+                        jobs[choice.index] = self.decode_job(choice, session, out.token)
                         service.submit(jobs[choice.index])
                     yield out
         except KestrelError as e:
@@ -277,9 +284,17 @@ class HttpGeneration:
                 break
         return outs
 
+    def decode_job(self, choice: Choice, session, token: int) -> DecodeJob:
+        """The plain decode step after `token`: its argmax, its draw on the device (self.draws: with the
+        choice's seed at its step), or its last logits row."""
+        if self.draws:
+            state = pack_state(self.request.params, choice.seed, len(choice.tokens))
+            return DecodeJob(session, token, "sample", 1, state=state)
+        return DecodeJob(session, token, self.want, 1)
+
     def account(self, choice: Choice, job) -> TokenOut:
         fields, arrays = job.result
-        if self.want == "token":
+        if "token" in fields:           # the argmax, or the device's draw
             return self.emit(choice, fields["token"], None)
         logits = np.asarray(arrays["logits"], np.float32).reshape(-1)
         shaped = logits if self.bias is None else logits + self.bias
