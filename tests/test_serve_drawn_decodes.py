@@ -138,6 +138,30 @@ def test_a_step_of_drawn_and_greedy_decodes(tiny_model, monkeypatch, where):
             assert got == want
             nexts = got
         assert len({t for t in nexts}) > 1
+        # a prompt's chunk between the decodes: each session's last row picked (the prompt's: greedy)
+        prompt = engine.new_session()
+        items = [(s, np.array([t], np.int64)) for s, t in zip(sessions, nexts)]
+        items.insert(2, (prompt, np.array([7, 1, 44, 3, 90, 12], np.int64)))
+        params.insert(2, SamplingParams(temperature=0.0))
+        rows = [r[-1] for r in engine.step(items, logits="last")]
+        want = [sample_logits(r, p, 40 + i, 3) for i, (r, p) in enumerate(zip(rows, params))]
+        for s, (_, ids) in zip([s for s, _ in items], items):
+            s.truncate(s.position - len(ids))
+        before = dict(engine.executor.stats)
+        out = engine.step(items, sample=[pack_state(p, 40 + i, 3) for i, p in enumerate(params)])
+        if where == "cpu":
+            got = [sample_logits(np.asarray(r)[-1], p, 40 + i, 3) for i, (r, p) in enumerate(zip(out, params))]
+        else:
+            got = out.tolist()
+            assert engine.executor.stats["d2h_bytes"] - before["d2h_bytes"] <= 4 * 16
+        assert got == want
+        for s, (_, ids) in zip([s for s, _ in items], items):
+            s.truncate(s.position - len(ids))
+        before = dict(engine.executor.stats)
+        greedy = engine.step(items, greedy=True)       # the same step greedy: every last row's argmax
+        assert greedy.tolist() == [int(np.argmax(r)) for r in rows]
+        if where != "cpu":
+            assert engine.executor.stats["d2h_bytes"] - before["d2h_bytes"] <= 4 * 16
     finally:
         engine.close()
 

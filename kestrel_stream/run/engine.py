@@ -194,8 +194,8 @@ class Engine:
         (run/token_tree.py), or None; such a session then keeps one path with keep_branch.  sample: per
         item its row's state words (device/sample_state.pack_state; greedy params give the argmax): each
         session's next token drawn on the device (int64 [B], 4 bytes a session back) where the executor can
-        (Executor.forward_sample: a decode step of one token a session), else each session's last logits
-        row ([1, V] each, logits="last") for the caller to draw from."""
+        (Executor.forward_sample: gpu mode's steps; mode offload's decode steps with lm_head on the device),
+        else each session's last logits row ([1, V] each, logits="last") for the caller to draw from."""
         batch = [(s.kv, ids, s.position) for s, ids in items]
 
         def run():

@@ -190,6 +190,14 @@ class PrefillJob(StepJob):
         """Never: lm_head would run on every row of the chunk for the last row's token."""
         return False
 
+    def draws_enough(self, final: bool) -> bool:
+        """An earlier chunk (whose rows nobody needs) or the last one of a greedy prompt: a step drawing its
+        decodes' tokens gives it its last row's argmax (draw_state: greedy)."""
+        return self.greedy_enough(final)
+
+    def draw_state(self) -> np.ndarray:
+        return GREEDY_STATE
+
     def take(self, rows, final: bool, kind: str) -> None:
         """rows: logits of the chunk's rows (or its last row's), or with kind "token" the greedy next token."""
         if self.want == "logits":

@@ -21,7 +21,9 @@ for each further span (with streamed weights, whose ring runs in step order,
 a chunk per span instead).
 
 Rows whose argmax is all a caller needs (greedy verification of drafted tokens) get it on the device:
-argmax_split over the chunk's logits rows, 4 bytes a row back (forward_argmax).
+argmax_split over the chunk's logits rows, 4 bytes a row back (forward_argmax); so do each session's next
+token in a step of prompt chunks beside decodes (forward_greedy, forward_sample: argmax or draw over the
+rows lm_head ran on, _eager_picks).
 
 The launch list of a step and why it looks as it does: launches.py.  One concern, one file: every way
 a gpu-mode step is run and what it hands back (logits, argmax rows, tokens, chains) over the same
@@ -39,7 +41,7 @@ from kestrel_stream.obs import load_stages, prof
 from kestrel_stream.run.device.greedy_chain import GreedyChain
 from kestrel_stream.run.device.launches import argmax_launch, step_launches
 from kestrel_stream.run.device.sampled_chain import SampledChain
-from kestrel_stream.run.device.sampler import STATE_WORDS, DeviceSampler
+from kestrel_stream.run.device.sampler import PADDING, STATE_WORDS, DeviceSampler
 from kestrel_stream.run.device.step_graphs import StepGraphs
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
@@ -155,15 +157,22 @@ class WholeStep(Steps):
         self.step_params.upload(tokens, self.stream)
         launches = self.step_launches(tokens, lm_rows)
 
+        rows = tokens if lm_rows is None else lm_rows[1]   # the logits rows lm_head writes
+
         def outputs() -> None:      # before the compute stream waits for the window's primes
-            if not greedy:
-                self.outputs.enqueue_logits(tokens if lm_rows is None else lm_rows[1], self.stream)
-            elif greedy == "sample":                        # sampler.py: the sampled token instead
-                self.outputs.enqueue_tokens(lambda stream: self.sampler.enqueue(tokens, stream), tokens, self.stream)
-            else:
-                self.outputs.enqueue_tokens(self.argmax_launch(tokens).enqueue, tokens, self.stream)
+            self._enqueue_outputs(rows, greedy)
         self.window.enqueue_step(launches, self.stream, then=outputs)   # streamed weights: copies + slot events
         return self.kernel_count(launches) + (1 if greedy else 0), self.weight_read_bytes(launches)
+
+    def _enqueue_outputs(self, rows: int, pick) -> None:
+        """The step's `rows` logits rows out, or (pick "sample", or any other true value: the argmax) each row's
+        token, 4 bytes a row."""
+        if not pick:
+            self.outputs.enqueue_logits(rows, self.stream)
+        elif pick == "sample":                              # sampler.py: the sampled token instead
+            self.outputs.enqueue_tokens(lambda stream: self.sampler.enqueue(rows, stream), rows, self.stream)
+        else:
+            self.outputs.enqueue_tokens(self.argmax_launch(rows).enqueue, rows, self.stream)
 
     def argmax_launch(self, tokens: int) -> Launch:
         key = ("argmax", tokens)
@@ -258,27 +267,7 @@ class WholeStep(Steps):
               and self.step_graphs.ready(batch[0], bucket, logits)):
             out[:] = self.step_graphs.run(batch[0], bucket, logits)
         else:
-            # resident weights: chunks of max_tokens, lm_head run again over the xn rows for each further
-            # logits_rows of wanted rows; streamed ones (the ring's order): a chunk per logits_rows span
-            resident = not self.window.streamed
-            chunk_tokens = self.max_tokens if logits == "last" or resident else self.logits_rows
-            for lo, hi in self._chunks(len(rows), wanted, chunk_tokens, whole=resident):
-                chunk = rows[lo:hi]
-                self.stage(chunk, len(chunk), None if fields is None else tuple(f[lo:hi] for f in fields))
-                for n, inside in enumerate(self._lm_head_groups(wanted, lo, hi)):    # indices into wanted
-                    first = int(wanted[inside[0]]) - lo if inside.size else 0
-                    count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
-                    if n == 0:
-                        kernel_count, weight_read = self._enqueue_step(len(chunk), lm_rows=(first, count))
-                    else:
-                        kernel_count, weight_read = self._enqueue_lm_head(len(chunk), (first, count))
-                    self.outputs.wait(self.stream, whole_stream=prof.enabled)
-                    self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk) if n == 0 else 0,
-                                d2h=count * V * 4)
-                    if logits == "all":         # the rows first.. are wanted[inside], consecutive
-                        out[inside[0]:inside[0] + count] = self.outputs.logits_view[:count]
-                    else:
-                        out[inside] = self.outputs.logits_view[wanted[inside] - lo - first]
+            self._eager(rows, fields, wanted, logits, out)
         self.counters.steps += 1
         self.counters.tokens += len(rows)
         if logits == "last":
@@ -288,6 +277,44 @@ class WholeStep(Steps):
         if self.verifier:
             self.verifier.check(batch, outputs, logits, trees)
         return outputs
+
+    def _eager(self, rows, fields, wanted: np.ndarray, logits: str, out: np.ndarray, pick=None,
+               states: list | None = None) -> None:
+        """A step's launch list run eagerly over `rows`: resident weights in chunks of max_tokens, lm_head run
+        again over the xn rows for each further logits_rows of wanted rows; streamed ones (the ring's order), a
+        chunk per logits_rows span.  Into `out` [len(wanted), V] the wanted rows' logits, or with `pick`
+        ("argmax", "sample": `states` one a wanted row) [len(wanted)] their tokens, taken on the device over the
+        span of rows lm_head ran on (the rows between wanted ones draw with the sampler's padding, unused)."""
+        V = self.config.vocab_size
+        resident = not self.window.streamed
+        chunk_tokens = self.max_tokens if logits == "last" or resident else self.logits_rows
+        for lo, hi in self._chunks(len(rows), wanted, chunk_tokens, whole=resident):
+            chunk = rows[lo:hi]
+            self.stage(chunk, len(chunk), None if fields is None else tuple(f[lo:hi] for f in fields))
+            for n, inside in enumerate(self._lm_head_groups(wanted, lo, hi)):    # indices into wanted
+                first = int(wanted[inside[0]]) - lo if inside.size else 0
+                count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
+                if pick == "sample" and count:
+                    span = [PADDING] * count
+                    for i in inside:
+                        span[int(wanted[i]) - lo - first] = states[i]
+                    self.sampler.stage(span)
+                if n == 0:
+                    kernel_count, weight_read = self._enqueue_step(len(chunk), pick if count else False,
+                                                                   lm_rows=(first, count))
+                else:
+                    kernel_count, weight_read = self._enqueue_lm_head(len(chunk), (first, count), pick)
+                self.outputs.wait(self.stream, whole_stream=prof.enabled)
+                self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk) if n == 0 else 0,
+                            d2h=count * (4 if pick else V * 4))
+                if pick:
+                    out[inside] = self.outputs.tokens_view[wanted[inside] - lo - first]
+                    if pick == "sample":
+                        self.counters.h2d_bytes += count * self.sample_state_bytes
+                elif logits == "all":           # the rows first.. are wanted[inside], consecutive
+                    out[inside[0]:inside[0] + count] = self.outputs.logits_view[:count]
+                else:
+                    out[inside] = self.outputs.logits_view[wanted[inside] - lo - first]
 
     def _chunks(self, n_rows: int, wanted: np.ndarray, chunk_tokens: int, whole: bool = False):
         """(lo, hi) row ranges of at most chunk_tokens rows; unless `whole`, ones in which the wanted rows span
@@ -314,14 +341,15 @@ class WholeStep(Steps):
                 start = i
         return groups + [inside[start:]]
 
-    def _enqueue_lm_head(self, tokens: int, lm_rows: tuple[int, int]) -> tuple[int, int]:
+    def _enqueue_lm_head(self, tokens: int, lm_rows: tuple[int, int], pick=None) -> tuple[int, int]:
         """lm_head alone over rows lm_rows = (first, count) of the step just run (its xn and 1/rms rows are
-        still there), then those logits out; returns (kernels, weight bytes they read).  Resident weights."""
+        still there), then those logits (or with `pick`, _enqueue_outputs', their tokens) out; returns (kernels,
+        weight bytes they read).  Resident weights."""
         launches = [launch for launch in self.step_launches(tokens, lm_rows) if launch.labels.get("op") == "lm_head"]
         for launch in launches:
             launch.enqueue(self.stream)
-        self.outputs.enqueue_logits(lm_rows[1], self.stream)
-        return sum(l.launch_count for l in launches), sum(l.labels.get("bytes", 0) for l in launches)
+        self._enqueue_outputs(lm_rows[1], pick)
+        return sum(l.launch_count for l in launches) + bool(pick), sum(l.labels.get("bytes", 0) for l in launches)
 
     def _device_rows(self, batch, steps: int = 1, whole_graph: bool = True, chained: bool = False):
         """The rows of a decode step whose next token the device picks (argmax or draw), with KV blocks for
@@ -350,7 +378,8 @@ class WholeStep(Steps):
         device and copies 4 bytes per token back instead of the logits."""
         rows = self._device_rows(batch, whole_graph=False)
         if rows is None:
-            return super().forward_greedy(batch)
+            picked = self._eager_picks(batch, None)
+            return picked if picked is not None else super().forward_greedy(batch)
         tokens = np.empty(len(rows), np.int64)
         for lo in range(0, len(rows), self.graph_rows):
             chunk = rows[lo:lo + self.graph_rows]
@@ -384,12 +413,31 @@ class WholeStep(Steps):
         bounds = np.cumsum([0] + [len(np.atleast_1d(t)) for _, t, _ in batch])
         return [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
+    def _eager_picks(self, batch, states: list | None) -> np.ndarray | None:
+        """Each session's next token where no decode graph runs the step (prompt chunks beside decodes, more
+        sessions than a graph, a timed streamed step): its last row's argmax (states None) or draw, taken on the
+        device after lm_head, 4 bytes a row back; one session's few tokens replay its argmax graph where one is
+        ready.  None under KESTREL_VERIFY (it checks logits): the caller takes them."""
+        if self.verifier is not None:
+            return None
+        self.device.make_current()
+        rows = self._rows(batch)
+        self._reserve((kv, start, start + len(np.atleast_1d(t))) for kv, t, start in batch)
+        if (states is None and (bucket := self.step_graphs.bucket(batch, None)) is not None
+                and self.step_graphs.ready(batch[0], bucket, "argmax")):
+            return self._finish(rows, self.step_graphs.run(batch[0], bucket, "argmax").astype(np.int64)[-1:])
+        wanted = np.cumsum([len(np.atleast_1d(t)) for _, t, _ in batch]) - 1
+        tokens = np.empty(len(batch), np.int64)
+        self._eager(rows, None, wanted, "last", tokens, "argmax" if states is None else "sample", states)
+        return self._finish(rows, tokens)
+
     def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
-        """Each row's token drawn on the device (states: device/sample_state.pack_state per row), int64
-        [len(batch)]; None: the caller samples from forward's logits."""
+        """Each session's next token drawn on the device (states: device/sample_state.pack_state, one a
+        session), int64 [len(batch)]: a decode step's graph, else the eager launch list (_eager_picks); None
+        under KESTREL_VERIFY: the caller samples from forward's logits."""
         rows = self._device_rows(batch)
         if rows is None:
-            return None
+            return self._eager_picks(batch, states)
         self.sampler.stage(states)
         self._replay(rows, greedy="sample")
         return self._finish(rows, self.outputs.tokens_view[:len(rows)].astype(np.int64))
