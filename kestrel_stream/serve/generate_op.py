@@ -150,7 +150,7 @@ async def run_generation(service, session, request: GenerateRequest, send_frame,
     generation = request.generation
     params, stop = generation.params, generation.stop
     # greedy without penalties needs only the argmax (on the device in gpu mode), else the last logits row
-    # (a prompt's; a sampled decode without penalties is drawn on the device where the step can: next_tokens)
+    # (a sampled generation without penalties has each token drawn on the device where the step can)
     want = "token" if params.greedy and not params.penalized else "last"
     session.check_room(len(generation.ids) + max(stop.max_new_tokens - 1, 0))
     start = session.position
@@ -159,7 +159,11 @@ async def run_generation(service, session, request: GenerateRequest, send_frame,
         spec = await ServedSpeculation.open(service, session, params, generation.seed, request.draft_max)
     try:
         if stop.max_new_tokens > 0:
-            job = await service.prefill_cached(session, np.asarray(generation.ids, np.int64), want, 1)
+            if want == "last" and not params.penalized:     # sampled: the first token drawn where the step can
+                job = await service.prefill_cached(session, np.asarray(generation.ids, np.int64), "sample", 1,
+                                                   state=pack_state(params, generation.seed, 0))
+            else:
+                job = await service.prefill_cached(session, np.asarray(generation.ids, np.int64), want, 1)
             tokens = [picked(generation, job, want)]
             while tokens:
                 for token in tokens:

@@ -64,22 +64,24 @@ class Replica:
         return self.held + self.batcher.depth
 
     def open_prefilling(self, max_seq_len: int | None, scope: str | None, prompt: np.ndarray, want: str,
-                        k: int) -> tuple[Session, PrefillJob]:
+                        k: int, state=None) -> tuple[Session, PrefillJob]:
         """Step thread (StepThread.run_ahead): a new session, the prompt's cached prefix adopted in ``scope``, and
-        the rest of the prompt queued in the batcher for the next step; (the session, its prompt's job)."""
+        the rest of the prompt queued in the batcher for the next step; (the session, its prompt's job).  state:
+        want "sample"'s (step_jobs.PrefillJob)."""
         if self.engine.prefix_cache is not None:
             session, reused = self.prefix_scopes.new_session_adopting(max_seq_len, scope, prompt)
         else:
             session, reused = self.prefix_scopes.new_session(max_seq_len), 0
-        return session, self.queue(session, prompt, reused, want, k)
+        return session, self.queue(session, prompt, reused, want, k, state)
 
-    def queue_prompt(self, scope: str | None, session: Session, prompt: np.ndarray, want: str, k: int) -> PrefillJob:
+    def queue_prompt(self, scope: str | None, session: Session, prompt: np.ndarray, want: str, k: int,
+                     state=None) -> PrefillJob:
         """Step thread (StepThread.run_ahead): the prompt of an open session, its cached prefix adopted in
         ``scope`` (a fresh session's), the rest queued in the batcher for the next step."""
-        return self.queue(session, prompt, self.prefix_scopes.adopt(scope, session, prompt), want, k)
+        return self.queue(session, prompt, self.prefix_scopes.adopt(scope, session, prompt), want, k, state)
 
-    def queue(self, session: Session, prompt: np.ndarray, reused: int, want: str, k: int) -> PrefillJob:
-        job = PrefillJob(session, prompt[reused:], want, k)
+    def queue(self, session: Session, prompt: np.ndarray, reused: int, want: str, k: int, state=None) -> PrefillJob:
+        job = PrefillJob(session, prompt[reused:], want, k, state)
         job.cached_tokens = reused
         self.batcher.add(session.id, job, job.arrived_s, job.tokens, job.whole)
         return job

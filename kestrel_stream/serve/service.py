@@ -176,14 +176,14 @@ class Service:
 
     async def open_sessions(self, conn: Connection, length: int | None, count: int = 1,
                             wait: bool = False, what: str = "open", prompt=None,
-                            scope: str | None = None, prefill: str | None = None) -> list[Session]:
+                            scope: str | None = None, prefill: str | None = None, prefill_state=None) -> list[Session]:
         """``count`` new sessions of ``conn``, on one replica: their places reserved at once (CapacityError when
         all are held), or with ``wait`` after a turn in the admission queue (CapacityError when it is full).
         prompt: the ids they will prefill (in prefix cache ``scope``), where known: the replica that caches the
         longest prefix of them is preferred (serve/replicas.py).  prefill: what a lone session's prompt answers
         (want, k=1): the session is made, the prompt's cached prefix adopted and the rest queued for the next
         step in one visit to the step thread, ahead of the steps ready there (conn.prefilling, for
-        prefill_cached)."""
+        prefill_cached); prefill_state: want "sample"'s sampling state (step_jobs.PrefillJob)."""
         if wait:
             await self.admission.take(count, what)
         elif not self.admission.try_take(count):
@@ -197,7 +197,8 @@ class Service:
                 with anyio.CancelScope(shield=True):
                     if prefill is not None and count == 1 and prompt is not None:
                         session, job = await replica.steps.run_ahead(replica.open_prefilling, length, scope,
-                                                                     np.asarray(prompt, np.int64), prefill, 1)
+                                                                     np.asarray(prompt, np.int64), prefill, 1,
+                                                                     prefill_state)
                         conn.prefilling[session.id] = job
                     else:
                         session = await replica.steps.run_ahead(replica.prefix_scopes.new_session, length)
@@ -223,17 +224,18 @@ class Service:
         return {"position": job.position, **fields}, out
 
     async def prefill_cached(self, session: Session, ids: np.ndarray, want: str, k: int,
-                             scope: str | None = None, queued: PrefillJob | None = None) -> PrefillJob:
+                             scope: str | None = None, queued: PrefillJob | None = None, state=None) -> PrefillJob:
         """self.prefill through the engine's prefix cache when only the last row is wanted: a fresh
         session adopts the cached prefix of the prompt, the batcher computes the rest, and the prompt's full
         blocks are cached after it, on the step thread before any later step or call there, not waited for
         (the first token goes out now).  scope: a request's cache (serve/prefix_scopes.py; None: the shared one);
-        queued: the prompt's job, queued at the session's open (open_sessions' prefill)."""
+        queued: the prompt's job, queued at the session's open (open_sessions' prefill); state: want "sample"'s
+        sampling state (step_jobs.PrefillJob)."""
         replica = self.replica_of(session)
         if queued is None and (replica.engine.prefix_cache is None or want == "logits"):
-            return await self.prefill(session, ids, want, k)
+            return await self.prefill(session, ids, want, k, state)
         if queued is None:          # adopted and queued in one visit, ahead of the steps ready there
-            queued = await replica.steps.run_ahead(replica.queue_prompt, scope, session, ids, want, k)
+            queued = await replica.steps.run_ahead(replica.queue_prompt, scope, session, ids, want, k, state)
         job = await queued.result_or_raise()
         if replica.engine.prefix_cache is not None:
             replica.steps.queue_call(replica.prefix_scopes.store, scope, session, ids).add_done_callback(
@@ -336,9 +338,9 @@ class Service:
         return {"path": str(written) if written is not None else None}, {}
 
     # -- steps -----------------------------------------------------------------------
-    async def prefill(self, session: Session, ids: np.ndarray, want: str, k: int) -> PrefillJob:
+    async def prefill(self, session: Session, ids: np.ndarray, want: str, k: int, state=None) -> PrefillJob:
         """A prompt, in chunks beside other sessions' decodes as the batcher chooses; the handler answers."""
-        return await self.run_job(PrefillJob(session, ids, want, k))
+        return await self.run_job(PrefillJob(session, ids, want, k, state))
 
     async def decode(self, session: Session, token: int, want: str, k: int, state=None) -> DecodeJob:
         """One decode step, batched with other sessions' steps; the handler answers.  state: the sampling state

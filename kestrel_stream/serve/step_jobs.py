@@ -164,12 +164,16 @@ class PrefillJob(StepJob):
     """A prompt, run in one chunk or several; its answer is the one the whole prompt would get at once.
 
     Only the rows the answer needs are kept: every chunk's logits for
-    ``want="logits"``, otherwise the last chunk's alone."""
-    __slots__ = ("prompt", "parts", "start_position", "cached_tokens")
+    ``want="logits"``, otherwise the last chunk's alone.  want "sample": its first token drawn with ``state``
+    (as DecodeJob's)."""
+    __slots__ = ("prompt", "parts", "start_position", "cached_tokens", "state")
     op = "prefill"
 
-    def __init__(self, session: Session, prompt: np.ndarray, want: str, k: int):
+    def __init__(self, session: Session, prompt: np.ndarray, want: str, k: int, state: np.ndarray | None = None):
         super().__init__(session, want, k)
+        if (want == "sample") != (state is not None):
+            raise ValueError(f"prefill: want {want!r} with{'out' if state is None else ''} a sampling state")
+        self.state = state
         self.prompt = prompt                # int64 [n], checked by the service
         self.cached_tokens = 0              # the prompt's tokens before `prompt` taken from the prefix cache
         self.parts: list[np.ndarray] = []   # logits [count, V] of each chunk so far (want="logits")
@@ -191,12 +195,12 @@ class PrefillJob(StepJob):
         return False
 
     def draws_enough(self, final: bool) -> bool:
-        """An earlier chunk (whose rows nobody needs) or the last one of a greedy prompt: a step drawing its
-        decodes' tokens gives it its last row's argmax (draw_state: greedy)."""
-        return self.greedy_enough(final)
+        """An earlier chunk (whose rows nobody needs), or the last one of a greedy or drawn prompt: a step
+        drawing its decodes' tokens gives it its last row's argmax or draw (draw_state)."""
+        return self.want != "logits" and (not final or self.want in ("token", "sample"))
 
     def draw_state(self) -> np.ndarray:
-        return GREEDY_STATE
+        return self.state if self.state is not None else GREEDY_STATE
 
     def take(self, rows, final: bool, kind: str) -> None:
         """rows: logits of the chunk's rows (or its last row's), or with kind "token" the greedy next token."""

@@ -194,9 +194,11 @@ class HttpGeneration:
             return                      # nothing to compute: no session
         self.started_s = time.perf_counter()
         try:
+            lone = len(self.choices) == 1
             await service.open_sessions(self.conn, len(self.ids) + self.max_tokens, len(self.choices), wait=True,
                                         what="this generation", prompt=self.ids, scope=self.prefix_scope,
-                                        prefill=self.want if len(self.choices) == 1 else None)
+                                        prefill=self.prefill_want if lone else None,
+                                        prefill_state=self.draw_state(self.choices[0]) if lone else None)
         except CapacityError as e:
             raise APIError(429, str(e), "server_error", code="capacity", retry_after_s=RETRY_AFTER_S) from None
         except ShuttingDownError as e:
@@ -228,8 +230,9 @@ class HttpGeneration:
                                                                self.draft_max)
                 # through the prefix cache: a prompt sharing cached blocks (a chat's system prompt, its earlier
                 # turns, the first choice's prompt for its siblings) computes only the rest
-                jobs.append(await service.prefill_cached(session, ids, self.want, 1, self.prefix_scope,
-                                                         self.conn.prefilling.pop(session.id, None)))
+                jobs.append(await service.prefill_cached(session, ids, self.prefill_want, 1, self.prefix_scope,
+                                                         self.conn.prefilling.pop(session.id, None),
+                                                         self.draw_state(choice)))
             self.cached_tokens = jobs[0].cached_tokens if jobs else 0
             live = list(self.choices)
             while live:
@@ -284,12 +287,19 @@ class HttpGeneration:
                 break
         return outs
 
+    @property
+    def prefill_want(self) -> str:
+        return "sample" if self.draws else self.want
+
+    def draw_state(self, choice: Choice):
+        """The sampling state of `choice`'s next token where the device draws it (self.draws: the choice's seed
+        at its step), else None."""
+        return pack_state(self.request.params, choice.seed, len(choice.tokens)) if self.draws else None
+
     def decode_job(self, choice: Choice, session, token: int) -> DecodeJob:
-        """The plain decode step after `token`: its argmax, its draw on the device (self.draws: with the
-        choice's seed at its step), or its last logits row."""
+        """The plain decode step after `token`: its argmax, its draw on the device, or its last logits row."""
         if self.draws:
-            state = pack_state(self.request.params, choice.seed, len(choice.tokens))
-            return DecodeJob(session, token, "sample", 1, state=state)
+            return DecodeJob(session, token, "sample", 1, state=self.draw_state(choice))
         return DecodeJob(session, token, self.want, 1)
 
     def account(self, choice: Choice, job) -> TokenOut:
