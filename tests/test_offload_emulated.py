@@ -302,3 +302,37 @@ def test_sampled_steps_draw_on_the_device_where_lm_head_ran(model, emulated):
         graphs = x.steps.item_graphs._graphs
         assert any(key[2] == "sample" for key in graphs) == (head == "resident"), list(graphs)
         engine.close()
+
+
+def test_a_step_of_prompt_chunks_and_decodes_draws_each_sessions_token(model, emulated):
+    """Engine.step(sample=states) in mode offload over decodes (sampled and greedy) and a prompt's chunk between
+    them: with lm_head on the device each session's last row is drawn there, the reference sampler's token over
+    the rows the same step's logits would be (greedy rows: their argmax), a few bytes back; with lm_head on the
+    host the step gives the rows themselves."""
+    from kestrel_stream.run.device.sample_state import pack_state
+    from kestrel_stream.text.sampling import SamplingParams, sample_logits
+    weights, _ = model
+    for fraction, head in ((0.5, "resident"), (0.12, "host")):
+        engine = offload_engine(weights, PROFILES["mixed"], fraction)
+        assert engine.executor.placement.head == head
+        sessions = [engine.new_session() for _ in range(3)]
+        nexts = [int(s.prefill(p, logits="last").argmax()) for s, p in zip(sessions, (PROMPTS[0], PROMPTS[1], [4, 4]))]
+        items = [(s, np.array([t], np.int64)) for s, t in zip(sessions, nexts)]
+        items.insert(1, (engine.new_session(), np.array([7, 1, 44, 3, 90, 12], np.int64)))
+        params = [SamplingParams(temperature=1.2, top_k=50, top_p=0.9), SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=0.8), SamplingParams(temperature=0.0)]
+        before = dict(engine.executor.stats)
+        rows = [r[-1] for r in engine.step(items, logits="last")]
+        logits_back = engine.executor.stats["d2h_bytes"] - before["d2h_bytes"]
+        want = [sample_logits(r, p, 7 + i, 2) for i, (r, p) in enumerate(zip(rows, params))]
+        for s, ids in items:
+            s.truncate(s.position - len(ids))
+        before = dict(engine.executor.stats)
+        out = engine.step(items, sample=[pack_state(p, 7 + i, 2) for i, p in enumerate(params)])
+        if head == "resident":
+            assert out.tolist() == want
+            drawn_back = engine.executor.stats["d2h_bytes"] - before["d2h_bytes"]     # activations to the host too
+            assert logits_back - drawn_back >= len(items) * (CONFIG.vocab_size * 4 - 4)
+        else:
+            assert [np.asarray(r)[-1].tolist() for r in out] == [r.tolist() for r in rows]
+        engine.close()

@@ -14,7 +14,8 @@ reads from the device with one sync; entering a GPU segment uploads what it read
 Syncs per step therefore equal the plan's GPU segments, never one per projection.  A greedy step
 (forward_greedy, forward_argmax: the daemon's decode steps and verify passes) takes each logits row's argmax
 where lm_head ran: on the device (argmax_split, 4 bytes a row back instead of the row), or on the host; a
-sampled decode step (forward_sample) draws on the device where lm_head runs there (device/step_picks.py).
+sampled step (forward_sample, prompt chunks beside decodes too) draws each session's last row on the device
+where lm_head runs there (device/step_picks.py).
 
 The device side is the backend every offloading mode builds (device/backend.py): its arena, its paged KV
 pool (float32 for the first N layers in gated and layers=N; every layer, f16 by default, in offload) and its
@@ -54,6 +55,7 @@ from kestrel_stream.model.op_tensors import norm_weight
 from kestrel_stream.obs import prof, trace
 from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.pool_spin import spinning_step
+from kestrel_stream.run.device.sample_state import GREEDY_STATE
 from kestrel_stream.run.host_nodes import HostNodes
 from kestrel_stream.run.item_graphs import SEGMENT_GRAPH_MAX_TOKENS, ItemGraphs  # noqa: F401 (re-exported)
 from kestrel_stream.run.segment_graphs import SegmentGraphs
@@ -219,14 +221,13 @@ class MixedSteps(Steps):
 
     def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
         """Each session's next token drawn on the device (states: device/sample_state.pack_state, one a session),
-        int64 [len(batch)], 4 bytes a session back; None where this step cannot (a session of several tokens, more
-        sessions than a step takes, lm_head on the host): the caller samples from the logits."""
-        if (self.picks.sampler is None or not 0 < len(batch) <= self.max_tokens or len(states) != len(batch)
-                or any(np.asarray(ids).size != 1 for _, ids, _ in batch) or not self._head_on_device(len(batch))):
+        int64 [len(batch)], 4 bytes a session back, prompt chunks beside decodes too; None where this step cannot
+        (lm_head on the host): the caller samples from the logits."""
+        if (self.picks.sampler is None or not batch or len(states) != len(batch)
+                or not self._head_on_device(min(sum(np.asarray(ids).size for _, ids, _ in batch), self.max_tokens))):
             return None
-        self.picks.sampler.stage(states)
-        rows = self._forward(batch, "last", None, pick="sample")
-        if rows[0].ndim == 2:         # the logits came back after all: the caller samples (this step again)
+        rows = self._forward(batch, "last", None, pick="sample", states=states)
+        if any(row.ndim == 2 for row in rows):    # logits came back after all: the caller samples (this step again)
             return None
         return np.array([int(row[-1]) for row in rows], np.int64)
 
@@ -235,8 +236,10 @@ class MixedSteps(Steps):
         sides = {p.side for p in self.plan(tokens).placements.values() if p.group == "lm_head"}
         return sides == {"gpu"}
 
-    def _forward(self, batch: list, logits: str, trees: list | None, pick: str | None) -> list[np.ndarray]:
-        """forward's rows, or with `pick` ("argmax", "sample") each row's token in place of its logits row."""
+    def _forward(self, batch: list, logits: str, trees: list | None, pick: str | None,
+                 states: list | None = None) -> list[np.ndarray]:
+        """forward's rows, or with `pick` ("argmax", "sample": `states`, one a session, drawing its last row) each
+        row's token in place of its logits row."""
         self.backend.device.make_current()
         fields = None if trees is None else step_tree_fields(batch, trees)
         rows = [(kv, int(t), start + i) for kv, ids, start in batch
@@ -251,6 +254,13 @@ class MixedSteps(Steps):
                 mine = sorted(r - lo for r in wanted if lo <= r < lo + len(chunk))
                 contiguous = not mine or mine[-1] - mine[0] + 1 == len(mine)
                 lm = (mine[0] if mine else 0, len(mine)) if contiguous else None
+            if states is not None:      # a state for each row lm_head computes: its session's, else unused padding
+                first, count = lm if lm is not None else (0, len(chunk))
+                span = [GREEDY_STATE] * count
+                for i, hi in enumerate(bounds[1:]):
+                    if lo + first <= hi - 1 < lo + first + count:
+                        span[hi - 1 - lo - first] = states[i]
+                self.picks.sampler.stage(span)
             chunk_fields = None if fields is None else tuple(f[lo:lo + len(chunk)] for f in fields)
             with self.spin(native_only=self.ring is not None or chunk_fields is None):
                 computed = self._run_chunk(chunk, lm, chunk_fields, pick).copy()   # the pinned rows: the next chunk's

@@ -22,9 +22,8 @@ from typing import Callable
 
 import numpy as np
 
-from kestrel_stream.run.device.sample_state import pack_state
+from kestrel_stream.run.device.sample_state import GREEDY_STATE
 from kestrel_stream.run.engine import Session
-from kestrel_stream.text.sampling import SamplingParams
 from kestrel_stream.serve.step_thread import settle
 
 # Step thread: send (header, arrays) to the client, then call the third argument once it is all written.
@@ -111,9 +110,6 @@ def wake(waiters: list[asyncio.Future]) -> None:
 def settle_all(waiters: list[asyncio.Future]) -> None:
     for waiter in waiters:
         settle(waiter, None, None)
-
-
-GREEDY_STATE = pack_state(SamplingParams(temperature=0.0), 0, 0)     # a greedy row in a drawn step: its argmax
 
 
 class DecodeJob(StepJob):

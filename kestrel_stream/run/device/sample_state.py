@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kestrel_stream.text.sampling import SamplingParams
+
 STATE_WORDS = 8
 
 
@@ -21,3 +23,8 @@ def pack_state(params, seed: int, step: int) -> np.ndarray:
     words[4], words[5] = seed & 0xFFFFFFFF, seed >> 32
     words[6], words[7] = step & 0xFFFFFFFF, step >> 32
     return words
+
+
+# a greedy row's state (its argmax), and that of rows nobody reads (a graph bucket's padding, the other rows
+# of a span lm_head ran on)
+GREEDY_STATE = pack_state(SamplingParams(temperature=0.0), 0, 0)

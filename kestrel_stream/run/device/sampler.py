@@ -17,8 +17,7 @@ import numpy as np
 
 from kestrel_stream.cuda import driver
 from kestrel_stream.cuda.kernels import Launch
-from kestrel_stream.run.device.sample_state import STATE_WORDS, pack_state  # noqa: F401  (importable from here too)
-from kestrel_stream.text.sampling import SamplingParams
+from kestrel_stream.run.device.sample_state import GREEDY_STATE, STATE_WORDS, pack_state  # noqa: F401  (importable here too)
 
 SAMPLE_CAP = 64              # sample.cu: the largest top_k drawn from per-slice candidates
 SAMPLE_MAX_SPLITS = 64       # sample.cu: the most vocabulary slices (sample_finish's shared memory)
@@ -40,9 +39,6 @@ class LaunchSequence:
             launch.enqueue(stream)
 
 
-PADDING = pack_state(SamplingParams(temperature=0.0), 0, 0)
-
-
 class DeviceSampler:
     def __init__(self, executor, programmatic=None):
         """executor: what owns the step's arena, logits and token outputs (gpu mode's WholeStep, a mixed step's
@@ -62,7 +58,7 @@ class DeviceSampler:
     def stage(self, states: list[np.ndarray]) -> None:
         """The rows' states; the rows after them (a graph bucket's padding) greedy: their argmax, unused."""
         self.host_state_view[:len(states)] = states
-        self.host_state_view[len(states):] = PADDING
+        self.host_state_view[len(states):] = GREEDY_STATE
 
     def enqueue(self, tokens: int, stream) -> None:
         """State H2D, then the sampling kernel writing each row's token into argmax_out."""

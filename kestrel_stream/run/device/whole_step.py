@@ -41,7 +41,7 @@ from kestrel_stream.obs import load_stages, prof
 from kestrel_stream.run.device.greedy_chain import GreedyChain
 from kestrel_stream.run.device.launches import argmax_launch, step_launches
 from kestrel_stream.run.device.sampled_chain import SampledChain
-from kestrel_stream.run.device.sampler import PADDING, STATE_WORDS, DeviceSampler
+from kestrel_stream.run.device.sampler import GREEDY_STATE, STATE_WORDS, DeviceSampler
 from kestrel_stream.run.device.step_graphs import StepGraphs
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
@@ -295,7 +295,7 @@ class WholeStep(Steps):
                 first = int(wanted[inside[0]]) - lo if inside.size else 0
                 count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
                 if pick == "sample" and count:
-                    span = [PADDING] * count
+                    span = [GREEDY_STATE] * count
                     for i in inside:
                         span[int(wanted[i]) - lo - first] = states[i]
                     self.sampler.stage(span)

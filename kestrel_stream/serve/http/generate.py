@@ -29,6 +29,9 @@ A chat with tools renders them into its prompt and reads each choice's text
 for calls as it streams (serve/http/tool_use.py); a TokenOut carries the
 calls its token completed, and a choice that called ends with
 ``finish_reason`` "tool_calls".
+
+One concern, one file: a generation's way from its checked request to its choices' tokens (its sessions,
+jobs, rounds and the shaping of each token), which the completions and chat endpoints share.
 """
 from __future__ import annotations
 
