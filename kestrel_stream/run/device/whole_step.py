@@ -14,16 +14,11 @@ on the tensor-core GEMM, up to max_batch) serves every later step.  Decode:
 fill staging, one graph launch, one host wait for the step's outputs (its only
 sync: step_io.py), copy logits out; a bigger batch replays the largest bucket in chunks.  One session's
 step of up to 64 tokens replays a graph per bucket of token counts too (step_graphs.py).  Longer prefills,
-mixed batches and token trees run the same launch list eagerly, in chunks of `max_tokens`
-tokens, lm_head on the wanted rows alone: per `logits_rows` of them (the
-logits buffer) a sync, lm_head running again over the step's last xn rows
-for each further span (with streamed weights, whose ring runs in step order,
-a chunk per span instead).
+mixed batches and token trees run the same launch list eagerly (eager_rows.py), lm_head on the wanted rows
+alone; each session's next token in such a step is taken on the device too (forward_greedy, forward_sample).
 
 Rows whose argmax is all a caller needs (greedy verification of drafted tokens) get it on the device:
-argmax_split over the chunk's logits rows, 4 bytes a row back (forward_argmax); so do each session's next
-token in a step of prompt chunks beside decodes (forward_greedy, forward_sample: argmax or draw over the
-rows lm_head ran on, _eager_picks).
+argmax_split over the chunk's logits rows, 4 bytes a row back (forward_argmax).
 
 The launch list of a step and why it looks as it does: launches.py.  One concern, one file: every way
 a gpu-mode step is run and what it hands back (logits, argmax rows, tokens, chains) over the same
@@ -41,7 +36,8 @@ from kestrel_stream.obs import load_stages, prof
 from kestrel_stream.run.device.greedy_chain import GreedyChain
 from kestrel_stream.run.device.launches import argmax_launch, step_launches
 from kestrel_stream.run.device.sampled_chain import SampledChain
-from kestrel_stream.run.device.sampler import GREEDY_STATE, STATE_WORDS, DeviceSampler
+from kestrel_stream.run.device.eager_rows import EagerRows
+from kestrel_stream.run.device.sampler import STATE_WORDS, DeviceSampler
 from kestrel_stream.run.device.step_graphs import StepGraphs
 from kestrel_stream.run.steps import Steps
 from kestrel_stream.run.token_tree import step_tree_fields
@@ -87,6 +83,7 @@ class WholeStep(Steps):
         self.sample_state_bytes = STATE_WORDS * 4       # a row's sampling state, uploaded inside the graph
         self.sampled_chain = SampledChain(self)
         self.step_graphs = StepGraphs(self, self.options.step_graphs)    # one session's steps of 1..64 tokens
+        self.eager = EagerRows(self)    # steps no graph runs: prompt chunks beside decodes, token trees, ...
         load_stages.record("  buffers, KV pool, launches, chains (all)",
                            time.perf_counter() - self.backend.buffers_started)
         self.verifier = None
@@ -267,7 +264,7 @@ class WholeStep(Steps):
               and self.step_graphs.ready(batch[0], bucket, logits)):
             out[:] = self.step_graphs.run(batch[0], bucket, logits)
         else:
-            self._eager(rows, fields, wanted, logits, out)
+            self.eager.run(rows, fields, wanted, logits, out)
         self.counters.steps += 1
         self.counters.tokens += len(rows)
         if logits == "last":
@@ -277,79 +274,6 @@ class WholeStep(Steps):
         if self.verifier:
             self.verifier.check(batch, outputs, logits, trees)
         return outputs
-
-    def _eager(self, rows, fields, wanted: np.ndarray, logits: str, out: np.ndarray, pick=None,
-               states: list | None = None) -> None:
-        """A step's launch list run eagerly over `rows`: resident weights in chunks of max_tokens, lm_head run
-        again over the xn rows for each further logits_rows of wanted rows; streamed ones (the ring's order), a
-        chunk per logits_rows span.  Into `out` [len(wanted), V] the wanted rows' logits, or with `pick`
-        ("argmax", "sample": `states` one a wanted row) [len(wanted)] their tokens, taken on the device over the
-        span of rows lm_head ran on (the rows between wanted ones draw with the sampler's padding, unused)."""
-        V = self.config.vocab_size
-        resident = not self.window.streamed
-        chunk_tokens = self.max_tokens if logits == "last" or resident else self.logits_rows
-        for lo, hi in self._chunks(len(rows), wanted, chunk_tokens, whole=resident):
-            chunk = rows[lo:hi]
-            self.stage(chunk, len(chunk), None if fields is None else tuple(f[lo:hi] for f in fields))
-            for n, inside in enumerate(self._lm_head_groups(wanted, lo, hi)):    # indices into wanted
-                first = int(wanted[inside[0]]) - lo if inside.size else 0
-                count = int(wanted[inside[-1]]) - lo - first + 1 if inside.size else 0
-                if pick == "sample" and count:
-                    span = [GREEDY_STATE] * count
-                    for i in inside:
-                        span[int(wanted[i]) - lo - first] = states[i]
-                    self.sampler.stage(span)
-                if n == 0:
-                    kernel_count, weight_read = self._enqueue_step(len(chunk), pick if count else False,
-                                                                   lm_rows=(first, count))
-                else:
-                    kernel_count, weight_read = self._enqueue_lm_head(len(chunk), (first, count), pick)
-                self.outputs.wait(self.stream, whole_stream=prof.enabled)
-                self._count(kernel_count, kernel_count, weight_read, tokens=len(chunk) if n == 0 else 0,
-                            d2h=count * (4 if pick else V * 4))
-                if pick:
-                    out[inside] = self.outputs.tokens_view[wanted[inside] - lo - first]
-                    if pick == "sample":
-                        self.counters.h2d_bytes += count * self.sample_state_bytes
-                elif logits == "all":           # the rows first.. are wanted[inside], consecutive
-                    out[inside[0]:inside[0] + count] = self.outputs.logits_view[:count]
-                else:
-                    out[inside] = self.outputs.logits_view[wanted[inside] - lo - first]
-
-    def _chunks(self, n_rows: int, wanted: np.ndarray, chunk_tokens: int, whole: bool = False):
-        """(lo, hi) row ranges of at most chunk_tokens rows; unless `whole`, ones in which the wanted rows span
-        at most logits_rows (a chunk ends early after the last wanted row that still fits)."""
-        lo = 0
-        while lo < n_rows:
-            hi = min(lo + chunk_tokens, n_rows)
-            inside = wanted[(wanted >= lo) & (wanted < hi)]
-            if not whole and inside.size and inside[-1] - inside[0] >= self.logits_rows:
-                hi = int(inside[inside - inside[0] < self.logits_rows][-1]) + 1
-            yield lo, hi
-            lo = hi
-
-    def _lm_head_groups(self, wanted: np.ndarray, lo: int, hi: int) -> list[np.ndarray]:
-        """The indices into `wanted` of rows lo..hi-1, in runs whose rows span less than logits_rows (the
-        logits buffer's rows): one lm_head launch and copy out each; one empty run where none is wanted."""
-        inside = np.flatnonzero((wanted >= lo) & (wanted < hi))
-        if not inside.size:
-            return [inside]
-        groups, start = [], 0
-        for i in range(1, len(inside)):
-            if wanted[inside[i]] - wanted[inside[start]] >= self.logits_rows:
-                groups.append(inside[start:i])
-                start = i
-        return groups + [inside[start:]]
-
-    def _enqueue_lm_head(self, tokens: int, lm_rows: tuple[int, int], pick=None) -> tuple[int, int]:
-        """lm_head alone over rows lm_rows = (first, count) of the step just run (its xn and 1/rms rows are
-        still there), then those logits (or with `pick`, _enqueue_outputs', their tokens) out; returns (kernels,
-        weight bytes they read).  Resident weights."""
-        launches = [launch for launch in self.step_launches(tokens, lm_rows) if launch.labels.get("op") == "lm_head"]
-        for launch in launches:
-            launch.enqueue(self.stream)
-        self._enqueue_outputs(lm_rows[1], pick)
-        return sum(l.launch_count for l in launches) + bool(pick), sum(l.labels.get("bytes", 0) for l in launches)
 
     def _device_rows(self, batch, steps: int = 1, whole_graph: bool = True, chained: bool = False):
         """The rows of a decode step whose next token the device picks (argmax or draw), with KV blocks for
@@ -378,7 +302,7 @@ class WholeStep(Steps):
         device and copies 4 bytes per token back instead of the logits."""
         rows = self._device_rows(batch, whole_graph=False)
         if rows is None:
-            picked = self._eager_picks(batch, None)
+            picked = self.eager.picks(batch, None)
             return picked if picked is not None else super().forward_greedy(batch)
         tokens = np.empty(len(rows), np.int64)
         for lo in range(0, len(rows), self.graph_rows):
@@ -413,31 +337,13 @@ class WholeStep(Steps):
         bounds = np.cumsum([0] + [len(np.atleast_1d(t)) for _, t, _ in batch])
         return [tokens[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def _eager_picks(self, batch, states: list | None) -> np.ndarray | None:
-        """Each session's next token where no decode graph runs the step (prompt chunks beside decodes, more
-        sessions than a graph, a timed streamed step): its last row's argmax (states None) or draw, taken on the
-        device after lm_head, 4 bytes a row back; one session's few tokens replay its argmax graph where one is
-        ready.  None under KESTREL_VERIFY (it checks logits): the caller takes them."""
-        if self.verifier is not None:
-            return None
-        self.device.make_current()
-        rows = self._rows(batch)
-        self._reserve((kv, start, start + len(np.atleast_1d(t))) for kv, t, start in batch)
-        if (states is None and (bucket := self.step_graphs.bucket(batch, None)) is not None
-                and self.step_graphs.ready(batch[0], bucket, "argmax")):
-            return self._finish(rows, self.step_graphs.run(batch[0], bucket, "argmax").astype(np.int64)[-1:])
-        wanted = np.cumsum([len(np.atleast_1d(t)) for _, t, _ in batch]) - 1
-        tokens = np.empty(len(batch), np.int64)
-        self._eager(rows, None, wanted, "last", tokens, "argmax" if states is None else "sample", states)
-        return self._finish(rows, tokens)
-
     def forward_sample(self, batch: list[tuple[GpuKV, np.ndarray, int]], states: list[np.ndarray]) -> np.ndarray | None:
         """Each session's next token drawn on the device (states: device/sample_state.pack_state, one a
-        session), int64 [len(batch)]: a decode step's graph, else the eager launch list (_eager_picks); None
+        session), int64 [len(batch)]: a decode step's graph, else the eager launch list (eager_rows.py); None
         under KESTREL_VERIFY: the caller samples from forward's logits."""
         rows = self._device_rows(batch)
         if rows is None:
-            return self._eager_picks(batch, states)
+            return self.eager.picks(batch, states)
         self.sampler.stage(states)
         self._replay(rows, greedy="sample")
         return self._finish(rows, self.outputs.tokens_view[:len(rows)].astype(np.int64))
