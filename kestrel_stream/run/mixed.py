@@ -55,7 +55,6 @@ from kestrel_stream.model.op_tensors import norm_weight
 from kestrel_stream.obs import prof, trace
 from kestrel_stream.run.host.backend import CpuKV, HostBackend
 from kestrel_stream.run.host.pool_spin import spinning_step
-from kestrel_stream.run.device.sample_state import GREEDY_STATE
 from kestrel_stream.run.host_nodes import HostNodes
 from kestrel_stream.run.item_graphs import SEGMENT_GRAPH_MAX_TOKENS, ItemGraphs  # noqa: F401 (re-exported)
 from kestrel_stream.run.segment_graphs import SegmentGraphs
@@ -254,13 +253,8 @@ class MixedSteps(Steps):
                 mine = sorted(r - lo for r in wanted if lo <= r < lo + len(chunk))
                 contiguous = not mine or mine[-1] - mine[0] + 1 == len(mine)
                 lm = (mine[0] if mine else 0, len(mine)) if contiguous else None
-            if states is not None:      # a state for each row lm_head computes: its session's, else unused padding
-                first, count = lm if lm is not None else (0, len(chunk))
-                span = [GREEDY_STATE] * count
-                for i, hi in enumerate(bounds[1:]):
-                    if lo + first <= hi - 1 < lo + first + count:
-                        span[hi - 1 - lo - first] = states[i]
-                self.picks.sampler.stage(span)
+            if states is not None:
+                self.picks.stage_draws(states, bounds[1:] - 1, lo, lm if lm is not None else (0, len(chunk)))
             chunk_fields = None if fields is None else tuple(f[lo:lo + len(chunk)] for f in fields)
             with self.spin(native_only=self.ring is not None or chunk_fields is None):
                 computed = self._run_chunk(chunk, lm, chunk_fields, pick).copy()   # the pinned rows: the next chunk's

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kestrel_stream.cuda import driver
 from kestrel_stream.run.device.launches import argmax_launch
+from kestrel_stream.run.device.sample_state import GREEDY_STATE
 from kestrel_stream.run.device.sampler import DeviceSampler
 
 
@@ -24,6 +25,17 @@ class StepPicks:
         if kind == "sample":
             return kind, self.sampler.enqueue, self.backend.token_outputs
         return None
+
+    def stage_draws(self, states: list, last_rows, lo: int, lm: tuple[int, int]) -> None:
+        """The sampling states of the rows lm_head computes in a chunk from row `lo` (lm = (first, count) within
+        it): a session's state at its last row (`last_rows`, one a session, over the whole step), the greedy
+        padding elsewhere (those rows' draws are not read)."""
+        first, count = lm
+        span = [GREEDY_STATE] * count
+        for state, row in zip(states, last_rows):
+            if lo + first <= row < lo + first + count:
+                span[row - lo - first] = state
+        self.sampler.stage(span)
 
     def tokens(self, rows: int):
         """The first `rows` tokens the last step picked (int32, a view of the pinned buffer)."""
