@@ -44,8 +44,8 @@ step() {
 files() {
     xz -dc "$VOCAB" > /tmp/vocab.gguf
     for mix in q8_0 q4_k_m; do
-        [[ -f /tmp/q17-$mix.gguf ]] || python3 -m bench.make_gguf --preset qwen3-1.7b --mix $mix --vocab /tmp/vocab.gguf \
-            -o /tmp/q17-$mix.part && mv /tmp/q17-$mix.part /tmp/q17-$mix.gguf
+        [[ -f /tmp/q17-$mix.gguf ]] || { python3 -m bench.make_gguf --preset qwen3-1.7b --mix $mix \
+            --vocab /tmp/vocab.gguf -o /tmp/q17-$mix.part && mv /tmp/q17-$mix.part /tmp/q17-$mix.gguf; }
     done
     [[ -f /tmp/q8b-q8_0.gguf ]] || setsid bash -c 'python3 -m bench.make_gguf --preset qwen3-8b --vocab /tmp/vocab.gguf \
         -o /tmp/q8b.part && mv /tmp/q8b.part /tmp/q8b-q8_0.gguf' > /tmp/make-8b.log 2>&1 < /dev/null &
