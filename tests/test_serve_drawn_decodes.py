@@ -106,17 +106,35 @@ def test_cpu_daemon_draws_sampled_decodes_on_the_host(tiny_model, tmp_path):
     served(tiny_model, tmp_path, device="cpu")
 
 
-@pytest.mark.parametrize("where", ["emulated", "cpu"])
+def streamed_engine(tiny_model):
+    """gpu mode with half the weights streamed through the window (eager steps then run a chunk a span)."""
+    from kestrel_stream.run.compat import GpuExecutor
+    from kestrel_stream.run.device.budget import budget_for_weight_fraction, gpu_mode_needs
+    engine = ks.load(tiny_model, device="cpu", max_seq_len=128)
+    c = engine.config
+    budget = budget_for_weight_fraction(c, gpu_mode_needs(c, engine.max_batch, 128), 0.5)
+    engine.executor.close()
+    engine.device, engine.mode = "cuda", "gpu"
+    engine.executor = GpuExecutor(engine.weights, max_seq_len=128, max_batch=engine.max_batch, vram_budget=budget,
+                                  small_item_bytes=1024)
+    assert engine.executor.backend.window.streamed
+    return engine
+
+
+@pytest.mark.parametrize("where", ["emulated", "window", "cpu"])
 def test_a_step_of_drawn_and_greedy_decodes(tiny_model, monkeypatch, where):
     """Engine.step(sample=states) over sessions sampled and greedy gives the reference sampler's draws over the
-    rows the same step's logits would be (greedy rows: their argmax), 4 bytes a session back on the device; the
-    CPU engine gives those rows instead."""
+    rows the same step's logits would be (greedy rows: their argmax), 4 bytes a session back on the device (with
+    every weight resident, and with half of them streamed); the CPU engine gives those rows instead."""
     from kestrel_stream.run.device.sample_state import pack_state
     from kestrel_stream.text.sampling import SamplingParams, sample_logits
-    if where == "emulated":
+    if where != "cpu":
         fake_cuda.install(monkeypatch, mode="deferred")
-    engine = ks.load(tiny_model, max_seq_len=128, **({"device": "cuda", "mode": "gpu"} if where == "emulated"
-                                                       else {"device": "cpu"}))
+    if where == "window":
+        engine = streamed_engine(tiny_model)
+    else:
+        engine = ks.load(tiny_model, max_seq_len=128, **({"device": "cuda", "mode": "gpu"} if where == "emulated"
+                                                           else {"device": "cpu"}))
     try:
         sessions = [engine.new_session() for _ in PROMPTS]
         nexts = [int(s.prefill(p, logits="last").argmax()) for s, p in zip(sessions, PROMPTS)]
