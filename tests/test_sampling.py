@@ -109,3 +109,31 @@ def test_greedy_is_argmax_and_penalties_follow_llama_cpp():
 def test_bad_parameters_are_refused_with_their_name(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         SamplingParams(**bad)
+
+
+def whole_vocabulary_draw(x, threshold, temperature, u):
+    """The inverse CDF written over every token, the dropped ones weighing 0 (the definition draw follows)."""
+    top = float(np.max(x))
+    weights = np.where(x >= threshold, np.exp((x.astype(np.float64) - top) / temperature), 0.0)
+    cumulative = np.cumsum(weights)
+    token = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
+    while weights[min(token, len(x) - 1)] == 0.0:
+        token = min(token, len(x) - 1) - 1
+    return token
+
+
+def test_the_draw_over_the_kept_tokens_is_the_whole_vocabularys():
+    """draw sums the kept tokens' weights alone: the same token as the sum over the whole vocabulary for every
+    filter, with ties, with weights that underflow to 0, and at u's ends."""
+    from kestrel_stream.text.sampling import draw, filter_threshold
+    rng = np.random.default_rng(0)
+    for trial in range(600):
+        x = (rng.standard_normal(int(rng.choice([7, 64, 300, 4096]))) * rng.choice([0.5, 3, 40])).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x * 2) / 2                   # ties at every cut
+        params = SamplingParams(temperature=float(rng.choice([0.05, 0.7, 2.5])), top_k=int(rng.choice([-1, 1, 5, 40])),
+                                top_p=float(rng.choice([1.0, 0.9, 0.5])), min_p=float(rng.choice([0.0, 0.05])))
+        threshold = filter_threshold(x, params)
+        for u in (0.0, float(rng.random()), 1.0 - 2 ** -24):
+            assert draw(x, threshold, params.temperature, u) == whole_vocabulary_draw(x, threshold,
+                                                                                       params.temperature, u)

@@ -111,11 +111,15 @@ def sample_logits(logits: np.ndarray, params: SamplingParams, seed: int, step: i
 
 
 def draw(x: np.ndarray, threshold: float, temperature: float, u: float) -> int:
-    """Inverse CDF in token-id order over the kept logits (>= threshold), softmax at `temperature`."""
+    """Inverse CDF in token-id order over the kept logits (>= threshold), softmax at `temperature`.
+
+    Computed over the kept logits alone (a top-k of 40 reads 40 exponentials, not the vocabulary's): the
+    running sum in id order with the dropped tokens' zeros left out is the same sum, bit for bit."""
     top = float(np.max(x))
-    weights = np.where(x >= threshold, np.exp((x.astype(np.float64) - top) / temperature), 0.0)
+    kept = np.flatnonzero(x >= threshold)
+    weights = np.exp((x[kept].astype(np.float64) - top) / temperature)
     cumulative = np.cumsum(weights)
-    token = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
-    while weights[min(token, len(x) - 1)] == 0.0:     # u * total landed on the very end: the last kept token
-        token = min(token, len(x) - 1) - 1
-    return token
+    j = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
+    if j == len(kept):                                # u * total landed on the very end: the last kept token
+        j = int(np.flatnonzero(weights)[-1])          # (of those whose weight did not underflow to 0)
+    return int(kept[j])
