@@ -1,11 +1,14 @@
 """Sampled vs greedy decode at batch 1 through Engine.generate (the path users take).
 
     PYTHONPATH=. python3 -m bench.sampling [--model PATH] [--device auto|cpu|cuda] [--out DIR]
+    PYTHONPATH=. python3 -m bench.sampling --host-draw 151936 [--out DIR]   # the host's draw alone, per row
 
 Without --model: random Q8_0 weights of the qwen3-1.7b shape (bench/gpu_decode.py) in gpu mode when
 there is a GPU, else the tiny preset on the CPU.  Rows: greedy chained on the device (the default
 greedy path), greedy one step per sync, and sampled (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05,
 drawn on the device in gpu mode); the ratio column is each row's decode tok/s over greedy's.
+--host-draw V: text/sampling.sample_logits on random rows of V logits (what the daemon's handlers and the CPU
+engine pay per sampled token where the device does not draw), µs per row, for a few parameter sets.
 """
 from __future__ import annotations
 
@@ -45,6 +48,31 @@ def run(engine: Engine, prompt, new_tokens: int, repeats: int, **kw) -> dict:
             "syncs_per_token": round(best.stats.get("syncs_per_token", 0.0), 4), "tokens": len(best.tokens)}
 
 
+HOST_DRAWS = {"llama.cpp defaults (top-k 40, top-p 0.95, min-p 0.05, T 0.8)": dict(temperature=0.8),
+              "OpenAI defaults (T 1, top-p 1, no top-k)": dict(temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0),
+              "top-p 0.9 alone (T 0.7)": dict(temperature=0.7, top_k=-1, top_p=0.9, min_p=0.0)}
+
+
+def host_draws(vocab: int, rows: int = 200) -> list[dict]:
+    import time
+
+    from kestrel_stream.text.sampling import SamplingParams, sample_logits
+    x = (3 * np.random.default_rng(0).standard_normal((8, vocab))).astype(np.float32)
+    out = []
+    for name, fields in HOST_DRAWS.items():
+        params = SamplingParams(**fields)
+        sample_logits(x[0], params, 1, 0)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for i in range(rows):
+                sample_logits(x[i % len(x)], params, 1, i)
+            best = min(best, (time.perf_counter() - start) / rows)
+        out.append({"path": name, "us_per_row": round(best * 1e6, 1), "vocab": vocab})
+        print(f"{name:62s} {best * 1e6:9.1f} us a row")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default=None)
@@ -54,7 +82,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=None)
     parser.add_argument("--commit", default=os.environ.get("KESTREL_COMMIT"))
+    parser.add_argument("--host-draw", type=int, default=None, metavar="V",
+                        help="time the host's draw alone over rows of V logits")
     args = parser.parse_args()
+    if args.host_draw:
+        rows = host_draws(args.host_draw)
+        env = environment() | {"commit": args.commit}
+        print(f"wrote {write_results('sampling-host-draw', env, rows, ['path', 'vocab', 'us_per_row'], out_dir=args.out)}")
+        return
     engine = build_engine(args)
     prompt = np.random.default_rng(1).integers(0, engine.config.vocab_size, args.prompt_len).tolist()
     rows = [{"path": "greedy (chained)", **run(engine, prompt, args.new_tokens, args.repeats)}]
