@@ -116,10 +116,10 @@ def draw(x: np.ndarray, threshold: float, temperature: float, u: float) -> int:
     Computed over the kept logits alone (a top-k of 40 reads 40 exponentials, not the vocabulary's): the
     running sum in id order with the dropped tokens' zeros left out is the same sum, bit for bit."""
     top = float(np.max(x))
-    kept = np.flatnonzero(x >= threshold)
-    weights = np.exp((x[kept].astype(np.float64) - top) / temperature)
+    kept = None if threshold <= float(np.min(x)) else np.flatnonzero(x >= threshold)     # None: every token
+    weights = np.exp(((x if kept is None else x[kept]).astype(np.float64) - top) / temperature)
     cumulative = np.cumsum(weights)
     j = int(np.searchsorted(cumulative, u * cumulative[-1], side="right"))
-    if j == len(kept):                                # u * total landed on the very end: the last kept token
+    if j == len(weights):                             # u * total landed on the very end: the last kept token
         j = int(np.flatnonzero(weights)[-1])          # (of those whose weight did not underflow to 0)
-    return int(kept[j])
+    return j if kept is None else int(kept[j])
