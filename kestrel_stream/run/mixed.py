@@ -14,8 +14,7 @@ reads from the device with one sync; entering a GPU segment uploads what it read
 Syncs per step therefore equal the plan's GPU segments, never one per projection.  A greedy step
 (forward_greedy, forward_argmax: the daemon's decode steps and verify passes) takes each logits row's argmax
 where lm_head ran: on the device (argmax_split, 4 bytes a row back instead of the row), or on the host; a
-sampled step (forward_sample, prompt chunks beside decodes too) draws each session's last row on the device
-where lm_head runs there (device/step_picks.py).
+sampled step (forward_sample) draws each session's last row there where lm_head runs on the device (step_picks).
 
 The device side is the backend every offloading mode builds (device/backend.py): its arena, its paged KV
 pool (float32 for the first N layers in gated and layers=N; every layer, f16 by default, in offload) and its
@@ -219,9 +218,8 @@ class MixedSteps(Steps):
         return [np.asarray(rows, np.int64).reshape(-1) for rows in self._forward(batch, "all", trees, pick="argmax")]
 
     def forward_sample(self, batch: list, states: list) -> np.ndarray | None:
-        """Each session's next token drawn on the device (states: device/sample_state.pack_state, one a session),
-        int64 [len(batch)], 4 bytes a session back, prompt chunks beside decodes too; None where this step cannot
-        (lm_head on the host): the caller samples from the logits."""
+        """Each session's next token drawn on the device (states: pack_state's, one a session), int64 [len(batch)],
+        prompt chunks beside decodes too; None where it cannot (lm_head on the host): the caller samples."""
         if (self.picks.sampler is None or not batch or len(states) != len(batch)
                 or not self._head_on_device(min(sum(np.asarray(ids).size for _, ids, _ in batch), self.max_tokens))):
             return None
@@ -235,10 +233,8 @@ class MixedSteps(Steps):
         sides = {p.side for p in self.plan(tokens).placements.values() if p.group == "lm_head"}
         return sides == {"gpu"}
 
-    def _forward(self, batch: list, logits: str, trees: list | None, pick: str | None,
-                 states: list | None = None) -> list[np.ndarray]:
-        """forward's rows, or with `pick` ("argmax", "sample": `states`, one a session, drawing its last row) each
-        row's token in place of its logits row."""
+    def _forward(self, batch: list, logits: str, trees: list | None, pick: str | None, states=None) -> list:
+        """forward's rows, or with `pick` ("argmax"; "sample" with `states`, one a session) each row's token."""
         self.backend.device.make_current()
         fields = None if trees is None else step_tree_fields(batch, trees)
         rows = [(kv, int(t), start + i) for kv, ids, start in batch
