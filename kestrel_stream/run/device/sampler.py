@@ -56,9 +56,11 @@ class DeviceSampler:
         self._launches: dict[int, LaunchSequence] = {}     # token count -> the two sampling launches
 
     def stage(self, states: list[np.ndarray]) -> None:
-        """The rows' states; the rows after them (a graph bucket's padding) greedy: their argmax, unused."""
-        self.host_state_view[:len(states)] = states
-        self.host_state_view[len(states):] = GREEDY_STATE
+        """The rows' states; the rows after them up to the next power of two (a graph bucket's padding) greedy:
+        their argmax, unused."""
+        n = len(states)
+        self.host_state_view[:n] = states
+        self.host_state_view[n:1 << max(n - 1, 0).bit_length()] = GREEDY_STATE
 
     def enqueue(self, tokens: int, stream) -> None:
         """State H2D, then the sampling kernel writing each row's token into argmax_out."""
