@@ -3,7 +3,8 @@ llama-bench's.
 
     PYTHONPATH=. python3 -m bench.steps F.gguf [F2.gguf ...] [--tokens 1,2,4,8,11,12,16,32,64,128,512]
         [--logits last,all,argmax] [--repeats 5] [--context 40] [--pp 512,2048] [--llama-bench PATH]
-        [--block-mma-min-tokens N] [--cublas-min-tokens N] [--step-graphs 0,1] [--out DIR]
+        [--block-mma-min-tokens N] [--cublas-min-tokens N] [--step-graphs 0,1]
+        [--hmma-layouts default|pipelined|half] [--out DIR]
 
 Step rows: one session holds `--context` tokens; each step prefills k more (Session.prefill with
 logits="last" or "all") and is truncated back, the median wall time of `--repeats` after one warm-up,
@@ -18,7 +19,8 @@ fp16: default scheduler.dense.default_min_tokens; 0: never, so a 4/6-bit file ke
 find the switch point (scheduler.dense.BLOCK_DENSE_MIN_TOKENS for a 4/6-bit file).
 --step-graphs 0,1 measures every step row with one session's steps of up to 64 tokens launched eagerly (0)
 and replaying their bucket's graph (1: run/device/step_graphs.py), one row each, on the same engine
-(KESTREL_STEP_GRAPHS sets the default).
+(KESTREL_STEP_GRAPHS sets the default).  --hmma-layouts takes the tensor-core GEMVs' pipelined layouts
+(bench/hmma_layouts.py) in place of the defaults, for an A/B of the layouts in whole steps.
 """
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ import numpy as np
 
 from kestrel_stream.cli.bench import environment
 
+from . import hmma_layouts
 from .report import write_results
 
 DEFAULT_TOKENS = "1,2,4,8,11,12,16,32,64,128,512"
@@ -139,8 +142,11 @@ def main() -> None:
                         help="KESTREL_CUBLAS_MIN_TOKENS for this run (0: no cuBLAS)")
     parser.add_argument("--step-graphs", default=None, choices=("0", "1", "0,1", "1,0"), metavar="0|1|0,1",
                         help="one session's steps of up to 64 tokens eager (0) or as graphs (1): a row each")
+    parser.add_argument("--hmma-layouts", default="default", choices=hmma_layouts.MODES,
+                        help="the tensor-core GEMVs' layouts: the defaults or their pipelined forms")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    hmma_layouts.apply(args.hmma_layouts)
     if args.block_mma_min_tokens is not None:      # read once, when the engine's options are built
         os.environ["KESTREL_BLOCK_MMA_MIN_TOKENS"] = str(args.block_mma_min_tokens)
     if args.cublas_min_tokens is not None:
@@ -155,10 +161,11 @@ def main() -> None:
     notes = (f"Step of k tokens on one session holding {args.context} tokens, ms (median of {args.repeats} "
              f"after a warm-up), and over the {tokens[0]}-token step; KESTREL_BLOCK_MMA_MIN_TOKENS="
              f"{os.environ.get('KESTREL_BLOCK_MMA_MIN_TOKENS', 'default')}; KESTREL_CUBLAS_MIN_TOKENS="
-             f"{os.environ.get('KESTREL_CUBLAS_MIN_TOKENS', 'default')}; step_graphs 1: one session's steps of "
+             f"{os.environ.get('KESTREL_CUBLAS_MIN_TOKENS', 'default')}; hmma layouts {args.hmma_layouts}; step_graphs 1: one session's steps of "
              "up to 64 tokens replay their bucket's graph, 0: eager launches.")
     suffix = ("" if args.block_mma_min_tokens is None else f"-mma{args.block_mma_min_tokens}") + (
-        "" if args.cublas_min_tokens is None else f"-cublas{args.cublas_min_tokens}")
+        "" if args.cublas_min_tokens is None else f"-cublas{args.cublas_min_tokens}") + (
+        "" if args.hmma_layouts == "default" else f"-hmma-{args.hmma_layouts}")
     path = write_results(f"steps{suffix}", env, step_rows, ["file", "logits", "step_graphs"] + tokens + ["bar"],
                          notes, args.out)
     print(path.read_text())

@@ -133,7 +133,7 @@ __device__ __forceinline__ void hmma_epilogue(const float (&acc)[RT][NT][4], int
 //   Raw<RT>: one step's registers;  qs_row(K), meta_row(K): bytes a row;  Q_LANE, X_LANE: qs bytes and x elements
 //   between threads t (qs rows and x rows come offset by them);
 //   load<RT>(qs rows, meta rows, sb, Raw&);  step<NT, RT>(Raw, sb, x rows (+ X_LANE t), scales, acc).
-template <class F, int NT, int RT, int WK, bool SILU_PAIRS>
+template <class F, int NT, int RT, int WK, bool SILU_PAIRS, bool PIPE>
 __device__ __forceinline__ void hmma_superblock_body(
         const unsigned char* __restrict__ qs, const unsigned char* __restrict__ meta, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
@@ -161,30 +161,47 @@ __device__ __forceinline__ void hmma_superblock_body(
     const int per = (supers + WK - 1) / WK, first = warp * per, last = min(supers, first + per);
     typename F::template Raw<RT> raw;
     if (first < last) F::template load<RT>(qp, mp, first, raw);   // weights: before pdl_wait
-    pdl_wait();   // x and inv_rms_in belong to earlier kernels
-    float xscale[NT];
-    const float* xrow[NT];
-    hmma_x_rows(x, ldx, inv_rms_in, ntok, g, F::X_LANE * t, xrow, xscale);
-    for (int sb = first; sb < last; sb++) {
-        F::template step<NT, RT>(raw, sb, xrow, xscale, acc);
-        if (sb + 1 < last) F::template load<RT>(qp, mp, sb + 1, raw);
+    if constexpr (PIPE) {
+        typename F::template Raw<RT> raw2;   // the second buffer: super-block sb + 1 in flight while sb computes
+        if (first + 1 < last) F::template load<RT>(qp, mp, first + 1, raw2);
+        pdl_wait();   // x and inv_rms_in belong to earlier kernels
+        float xscale[NT];
+        const float* xrow[NT];
+        hmma_x_rows(x, ldx, inv_rms_in, ntok, g, F::X_LANE * t, xrow, xscale);
+        for (int sb = first; sb < last; sb += 2) {   // the same super-blocks in the same order as below
+            F::template step<NT, RT>(raw, sb, xrow, xscale, acc);
+            if (sb + 2 < last) F::template load<RT>(qp, mp, sb + 2, raw);
+            if (sb + 1 >= last) break;
+            F::template step<NT, RT>(raw2, sb + 1, xrow, xscale, acc);
+            if (sb + 3 < last) F::template load<RT>(qp, mp, sb + 3, raw2);
+        }
+    } else {
+        pdl_wait();   // x and inv_rms_in belong to earlier kernels
+        float xscale[NT];
+        const float* xrow[NT];
+        hmma_x_rows(x, ldx, inv_rms_in, ntok, g, F::X_LANE * t, xrow, xscale);
+        for (int sb = first; sb < last; sb++) {
+            F::template step<NT, RT>(raw, sb, xrow, xscale, acc);
+            if (sb + 1 < last) F::template load<RT>(qp, mp, sb + 1, raw);
+        }
     }
     hmma_epilogue<NT, RT, WK, SILU_PAIRS>(acc, row0, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N,
                                           ntok);
 }
 
-// the kernels of a K-quant layout: <prefix>_t8_<suffix>, <prefix>_t16_<suffix>, each plain and _silu
-#define DEFINE_SUPERBLOCK_HMMA(F, NT, RT, WK, SILU, NAME)                                          \
+// the kernels of a K-quant layout: <prefix>_t8_<suffix>, <prefix>_t16_<suffix>, each plain and _silu; PIPE (the
+// suffix ends in p): two super-blocks' loads in flight, the same sums in the same order
+#define DEFINE_SUPERBLOCK_HMMA(F, NT, RT, WK, SILU, PIPE, NAME)                                    \
     extern "C" __global__ void __launch_bounds__(32 * WK) NAME(                                   \
             const unsigned char* qs, const unsigned char* meta, const float* x, int ldx,          \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
             int ntok) {                                                                          \
-        hmma_superblock_body<F, NT, RT, WK, SILU>(qs, meta, x, ldx, inv_rms_in, y, ldy, res,      \
-                                                  normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok); \
+        hmma_superblock_body<F, NT, RT, WK, SILU, PIPE>(qs, meta, x, ldx, inv_rms_in, y, ldy, res, \
+                                                        normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok); \
     }
-#define DEFINE_SUPERBLOCK_HMMA_LAYOUT(F, PREFIX, RT, WK, SUFFIX)                                   \
-    DEFINE_SUPERBLOCK_HMMA(F, 1, RT, WK, false, PREFIX##_t8_##SUFFIX)                             \
-    DEFINE_SUPERBLOCK_HMMA(F, 1, RT, WK, true, PREFIX##_t8_##SUFFIX##_silu)                       \
-    DEFINE_SUPERBLOCK_HMMA(F, 2, RT, WK, false, PREFIX##_t16_##SUFFIX)                            \
-    DEFINE_SUPERBLOCK_HMMA(F, 2, RT, WK, true, PREFIX##_t16_##SUFFIX##_silu)
+#define DEFINE_SUPERBLOCK_HMMA_LAYOUT(F, PREFIX, RT, WK, PIPE, SUFFIX)                             \
+    DEFINE_SUPERBLOCK_HMMA(F, 1, RT, WK, false, PIPE, PREFIX##_t8_##SUFFIX)                       \
+    DEFINE_SUPERBLOCK_HMMA(F, 1, RT, WK, true, PIPE, PREFIX##_t8_##SUFFIX##_silu)                 \
+    DEFINE_SUPERBLOCK_HMMA(F, 2, RT, WK, false, PIPE, PREFIX##_t16_##SUFFIX)                      \
+    DEFINE_SUPERBLOCK_HMMA(F, 2, RT, WK, true, PIPE, PREFIX##_t16_##SUFFIX##_silu)

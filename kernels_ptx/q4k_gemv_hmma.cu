@@ -138,7 +138,11 @@ struct HmmaQ4K {
 };
 
 // q4k_hmma_t<8 NT>_k<WK>[r<RT>] (+ _silu): the layouts of kestrel_stream/cuda/gemv_variants.HMMA_Q4K_VARIANTS
-DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 1, 8, k8)
-DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 1, 4, k4)
-DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 2, 4, k4r2)
-DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 2, 2, k2r2)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 1, 8, false, k8)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 1, 4, false, k4)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 2, 4, false, k4r2)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 2, 2, false, k2r2)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 1, 4, true, k4p)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 2, 4, true, k4r2p)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 2, 2, true, k2r2p)
+DEFINE_SUPERBLOCK_HMMA_LAYOUT(HmmaQ4K, q4k_hmma, 1, 2, true, k2p)

@@ -129,7 +129,22 @@ __device__ __forceinline__ void hmma_block(const uint2 (&wr)[RT][2][U], const un
     }
 }
 
-template <int NT, int RT, int WK, int U, bool SILU_PAIRS>
+// the loaded step of blocks b0 .. b0 + U - 1 (those before `last`) into acc
+template <int NT, int RT, int U>
+__device__ __forceinline__ void hmma_step(const uint2 (&wr)[RT][2][U], const unsigned int (&sw)[RT][2][(U + 1) / 2],
+                                          int b0, int last, const float* const (&xrow)[NT], const float (&xscale)[NT],
+                                          float (&acc)[RT][NT][4]) {
+    if (b0 + U <= last) {   // a whole step: no test between its blocks' x loads and mma
+#pragma unroll
+        for (int u = 0; u < U; u++) hmma_block<NT, RT, U>(wr, sw, u, b0 + u, xrow, xscale, acc);
+    } else {
+#pragma unroll
+        for (int u = 0; u < U; u++)
+            if (b0 + u < last) hmma_block<NT, RT, U>(wr, sw, u, b0 + u, xrow, xscale, acc);
+    }
+}
+
+template <int NT, int RT, int WK, int U, bool SILU_PAIRS, bool PIPE>
 __device__ __forceinline__ void q8_hmma_body(
         const int8* __restrict__ qs, const half_bits* __restrict__ scales, const float* x, int ldx,
         const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out, float* xn_out,
@@ -160,40 +175,57 @@ __device__ __forceinline__ void q8_hmma_body(
     uint2 wr[RT][2][U];
     unsigned int sw[RT][2][(U + 1) / 2];
     if (first < last) hmma_load_step<RT, U>(wp, sp, first, last, vector_scales, wr, sw);   // weights: before pdl_wait
-    pdl_wait();   // x and inv_rms_in belong to earlier kernels
-    float xscale[NT];
-    const float* xrow[NT];
-    hmma_x_rows(x, ldx, inv_rms_in, ntok, g, 8 * t, xrow, xscale);
-    for (int b0 = first; b0 < last; b0 += U) {
-        if (b0 + U <= last) {   // a whole step: no test between its blocks' x loads and mma
-#pragma unroll
-            for (int u = 0; u < U; u++) hmma_block<NT, RT, U>(wr, sw, u, b0 + u, xrow, xscale, acc);
-        } else {
-#pragma unroll
-            for (int u = 0; u < U; u++)
-                if (b0 + u < last) hmma_block<NT, RT, U>(wr, sw, u, b0 + u, xrow, xscale, acc);
+    if constexpr (PIPE) {
+        uint2 wr2[RT][2][U];   // the second buffer: step b0 + U's loads in flight while step b0 computes
+        unsigned int sw2[RT][2][(U + 1) / 2];
+        if (first + U < last) hmma_load_step<RT, U>(wp, sp, first + U, last, vector_scales, wr2, sw2);
+        pdl_wait();   // x and inv_rms_in belong to earlier kernels
+        float xscale[NT];
+        const float* xrow[NT];
+        hmma_x_rows(x, ldx, inv_rms_in, ntok, g, 8 * t, xrow, xscale);
+        for (int b0 = first; b0 < last; b0 += 2 * U) {   // the same blocks in the same order as below
+            hmma_step<NT, RT, U>(wr, sw, b0, last, xrow, xscale, acc);
+            if (b0 + 2 * U < last) hmma_load_step<RT, U>(wp, sp, b0 + 2 * U, last, vector_scales, wr, sw);
+            if (b0 + U >= last) break;
+            hmma_step<NT, RT, U>(wr2, sw2, b0 + U, last, xrow, xscale, acc);
+            if (b0 + 3 * U < last) hmma_load_step<RT, U>(wp, sp, b0 + 3 * U, last, vector_scales, wr2, sw2);
         }
-        if (b0 + U < last) hmma_load_step<RT, U>(wp, sp, b0 + U, last, vector_scales, wr, sw);
+    } else {
+        pdl_wait();   // x and inv_rms_in belong to earlier kernels
+        float xscale[NT];
+        const float* xrow[NT];
+        hmma_x_rows(x, ldx, inv_rms_in, ntok, g, 8 * t, xrow, xscale);
+        for (int b0 = first; b0 < last; b0 += U) {
+            hmma_step<NT, RT, U>(wr, sw, b0, last, xrow, xscale, acc);
+            if (b0 + U < last) hmma_load_step<RT, U>(wp, sp, b0 + U, last, vector_scales, wr, sw);
+        }
     }
 
     hmma_epilogue<NT, RT, WK, SILU_PAIRS>(acc, row0, y, ldy, res, normw_out, xn_out, inv_rms_out, counter, eps, N,
                                           ntok);
 }
 
-// q8_hmma_t<8 NT>_k<WK>u<U>[r<RT>] (+ _silu): the layouts of kestrel_stream/cuda/gemv_variants.HMMA_VARIANTS
-#define DEFINE_HMMA(NT, RT, WK, U, SILU, NAME)                                                     \
+// q8_hmma_t<8 NT>_k<WK>u<U>[r<RT>][p] (+ _silu): the layouts of kestrel_stream/cuda/gemv_variants.HMMA_VARIANTS;
+// p: two steps' loads in flight (the next step's while this one computes), the same sums in the same order
+#define DEFINE_HMMA(NT, RT, WK, U, SILU, PIPE, NAME)                                               \
     extern "C" __global__ void __launch_bounds__(32 * WK) NAME(                                   \
             const int8* qs, const half_bits* scales, const float* x, int ldx,                    \
             const float* inv_rms_in, float* y, int ldy, const float* res, const float* normw_out,\
             float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int N, int K,   \
             int ntok) {                                                                          \
-        q8_hmma_body<NT, RT, WK, U, SILU>(qs, scales, x, ldx, inv_rms_in, y, ldy, res, normw_out,\
-                                          xn_out, inv_rms_out, counter, eps, N, K, ntok);        \
+        q8_hmma_body<NT, RT, WK, U, SILU, PIPE>(qs, scales, x, ldx, inv_rms_in, y, ldy, res,     \
+                                                normw_out, xn_out, inv_rms_out, counter, eps, N, K, ntok); \
     }
-#define DEFINE_HMMA_LAYOUT(RT, WK, U, SUFFIX)                                                      \
-    DEFINE_HMMA(1, RT, WK, U, false, q8_hmma_t8_##SUFFIX) DEFINE_HMMA(1, RT, WK, U, true, q8_hmma_t8_##SUFFIX##_silu) \
-    DEFINE_HMMA(2, RT, WK, U, false, q8_hmma_t16_##SUFFIX) DEFINE_HMMA(2, RT, WK, U, true, q8_hmma_t16_##SUFFIX##_silu)
-DEFINE_HMMA_LAYOUT(1, 8, 4, k8u4)
-DEFINE_HMMA_LAYOUT(1, 16, 4, k16u4)
-DEFINE_HMMA_LAYOUT(2, 8, 4, k8u4r2)
-DEFINE_HMMA_LAYOUT(2, 4, 4, k4u4r2)
+#define DEFINE_HMMA_LAYOUT(RT, WK, U, PIPE, SUFFIX)                                                \
+    DEFINE_HMMA(1, RT, WK, U, false, PIPE, q8_hmma_t8_##SUFFIX)                                   \
+    DEFINE_HMMA(1, RT, WK, U, true, PIPE, q8_hmma_t8_##SUFFIX##_silu)                             \
+    DEFINE_HMMA(2, RT, WK, U, false, PIPE, q8_hmma_t16_##SUFFIX)                                  \
+    DEFINE_HMMA(2, RT, WK, U, true, PIPE, q8_hmma_t16_##SUFFIX##_silu)
+DEFINE_HMMA_LAYOUT(1, 8, 4, false, k8u4)
+DEFINE_HMMA_LAYOUT(1, 16, 4, false, k16u4)
+DEFINE_HMMA_LAYOUT(2, 8, 4, false, k8u4r2)
+DEFINE_HMMA_LAYOUT(2, 4, 4, false, k4u4r2)
+DEFINE_HMMA_LAYOUT(1, 8, 4, true, k8u4p)
+DEFINE_HMMA_LAYOUT(1, 4, 4, true, k4u4p)
+DEFINE_HMMA_LAYOUT(2, 4, 4, true, k4u4r2p)
+DEFINE_HMMA_LAYOUT(2, 2, 4, true, k2u4r2p)

@@ -53,4 +53,4 @@ def block_hmma(launch, *args) -> None:
     gemv_epilogues(launch, s, 0, *args[5:13], N, ntok, tokens=ntok, silu=silu, sums=True, tickets=1, sum_floats=16)
 
 
-HMMA_KERNELS = [(r"q8_hmma_t(8|16)_k\d+u\d+(r\d+)?(_silu)?", q8_hmma), (r"q[46]k_hmma_t(8|16)_k\d+(r\d+)?(_silu)?", block_hmma)]
+HMMA_KERNELS = [(r"q8_hmma_t(8|16)_k\d+u\d+(r\d+)?p?(_silu)?", q8_hmma), (r"q[46]k_hmma_t(8|16)_k\d+(r\d+)?p?(_silu)?", block_hmma)]

@@ -63,11 +63,79 @@ def test_which_q4k_steps_take_it(monkeypatch):
     assert [name(2048, 2048, t, older)[:9] for t in (4, 8)] == ["q4_k_gemv", "q4_k_mma1"]
 
 
-@pytest.mark.parametrize("layout", list(gemv_variants.HMMA_VARIANTS))
+@pytest.mark.parametrize("mode", ["pipelined", "half"])
+def test_bench_layout_modes_launch_defined_pipelined_layouts(monkeypatch, mode):
+    """bench/hmma_layouts.py's modes: every shape's launch takes a defined layout, pipelined where one exists
+    (the same warps, or half of them), and "default" gives back the defaults."""
+    import fake_cuda
+    fake_cuda.install(monkeypatch)
+    from bench import hmma_layouts
+    from kestrel_stream.cuda import driver, hmma_launch, kernels
+    for module, name in ((gemv_variants, "hmma_variant"), (gemv_variants, "hmma_q4k_variant"),
+                         (kernels, "hmma_variant"), (hmma_launch, "hmma_q4k_variant")):
+        monkeypatch.setattr(module, name, getattr(module, name))   # put back after the test
+    ks = kernels.KernelSet(driver.Device(0))
+
+    def names(fmt):
+        shapes = [(2048, 2048), (4096, 2048), (6144, 4096), (12288, 2048), (2048, 6144), (151936, 2048)]
+        return {(rows, cols, t): gemv_launch(ks, QWeight(0, 0, rows, cols, fmt), 0, cols, 0, rows, t).name
+                for rows, cols in shapes for t in (4, 8, 16)}
+    before = {fmt: names(fmt) for fmt in ("Q8_0", "Q4_K", "Q6_K")}
+    hmma_layouts.apply(mode)
+    after = {fmt: names(fmt) for fmt in ("Q8_0", "Q4_K", "Q6_K")}
+    changed = 0
+    for fmt in after:
+        for shape, name in after[fmt].items():
+            old = before[fmt][shape]
+            if "hmma" not in old:
+                assert name == old, (fmt, shape)   # the GEMVs and GEMMs stay
+                continue
+            layout = name.split("_")[-1]
+            assert ("h" + layout) in (gemv_variants.HMMA_VARIANTS if fmt == "Q8_0" else
+                                      gemv_variants.HMMA_BLOCK_VARIANTS[fmt]), name
+            changed += name != old
+            if name != old:
+                assert layout.endswith("p"), (old, name)
+                if mode == "pipelined":
+                    assert name == old + "p"
+    assert changed >= 6
+    if mode == "half":
+        assert after["Q8_0"][2048, 2048, 8] == "q8_hmma_t8_k8u4p" and after["Q4_K"][4096, 2048, 8] == "q4k_hmma_t8_k4p"
+    hmma_layouts.apply("default")
+    assert {fmt: names(fmt) for fmt in ("Q8_0", "Q4_K", "Q6_K")} == before
+    with pytest.raises(ValueError, match="pipelined"):
+        hmma_layouts.apply("fast")
+
+
+def device_layouts(layouts) -> list:
+    """(device, layout) pairs: every layout on a GPU; on the emulated device, whose twin is the same for a layout
+    and its pipelined ("p") form, the layouts without p and one with (its name and grid)."""
+    one_p = next(layout for layout in layouts if layout[-1].endswith("p"))
+    return [pytest.param(device, *layout, marks=getattr(device, "marks", ()))
+            for device in DEVICES for layout in layouts
+            if getattr(device, "values", (None,))[0] == "gpu" or not layout[-1].endswith("p") or layout == one_p]
+
+
+def unwrap(device):
+    return device if isinstance(device, str) else device.values[0]
+
+
+@pytest.fixture
+def device(request, monkeypatch):
+    """dev's harness on the device a test's parameters name."""
+    h = Harness(request.param, monkeypatch)
+    yield h
+    h.arena.release()
+
+
+@pytest.mark.parametrize("device,layout", [pytest.param(unwrap(p.values[0]), *p.values[1:], marks=p.marks)
+                                        for p in device_layouts([(layout,) for layout in gemv_variants.HMMA_VARIANTS])],
+                         indirect=["device"])
 @pytest.mark.parametrize("n,k,tokens", [(38, 96, 2), (38, 96, 3), (258, 544, 8), (70, 160, 9), (64, 2080, 13),
                                         (100, 2080, 16), (2048, 6144, 7)])
 @pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
-def test_every_layout_matches_fp32_activations(dev, layout, n, k, tokens, epilogue):
+def test_every_layout_matches_fp32_activations(device, layout, n, k, tokens, epilogue):
+    dev = device
     rng = np.random.default_rng(n + k + tokens)
     w = quantize(rng.standard_normal((n, k)).astype(np.float32) / np.sqrt(k))
     qw = QWeight(dev.put(w.qs), dev.put(w.scales), n, k)
@@ -75,12 +143,15 @@ def test_every_layout_matches_fp32_activations(dev, layout, n, k, tokens, epilog
 
 
 # Q4_K and Q6_K (q4k_ / q6k_gemv_hmma.cu): one super-block, a few, a count no warp split divides evenly, a model's K
-@pytest.mark.parametrize("fmt,layout", [(fmt, layout) for fmt, layouts in gemv_variants.HMMA_BLOCK_VARIANTS.items()
-                                        for layout in layouts])
+@pytest.mark.parametrize("device,fmt,layout",
+                         [pytest.param(unwrap(p.values[0]), *p.values[1:], marks=p.marks) for fmt, layouts in
+                          gemv_variants.HMMA_BLOCK_VARIANTS.items()
+                          for p in device_layouts([(fmt, layout) for layout in layouts])], indirect=["device"])
 @pytest.mark.parametrize("n,k,tokens", [(38, 256, 2), (38, 512, 3), (258, 2048, 8), (70, 2304, 9), (64, 1280, 13),
                                         (100, 2560, 16), (1536, 8960, 7)])
 @pytest.mark.parametrize("epilogue", ["plain", "rmsnorm", "silu_pairs", "residual_xn_rms"])
-def test_every_kquant_layout_matches_fp32_activations(dev, fmt, layout, n, k, tokens, epilogue):
+def test_every_kquant_layout_matches_fp32_activations(device, fmt, layout, n, k, tokens, epilogue):
+    dev = device
     from bench.synthetic import random_blocks
     from kestrel_stream.model.quant4 import BlockTensor
     from test_block_kernels import upload

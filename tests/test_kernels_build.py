@@ -122,11 +122,13 @@ def test_hmma_layouts_match_the_kernel_source():
     import re
     from kestrel_stream.cuda import gemv_variants
     source = (build.source_dir() / "q8_gemv_hmma.cu").read_text()
-    defined = {"h" + m[3]: gemv_variants.Variant(32 * int(m[1]), 16 * int(m[0]), int(m[2]))
-               for m in re.findall(r"^DEFINE_HMMA_LAYOUT\((\d+), (\d+), (\d+), (\w+)\)", source, flags=re.M)}
+    layouts = re.findall(r"^DEFINE_HMMA_LAYOUT\((\d+), (\d+), (\d+), (true|false), (\w+)\)", source, flags=re.M)
+    defined = {"h" + m[4]: gemv_variants.Variant(32 * int(m[1]), 16 * int(m[0]), int(m[2])) for m in layouts}
     assert defined == gemv_variants.HMMA_VARIANTS
+    pipelined = {"h" + m[4]: m[3] == "true" for m in layouts}
     for suffix, (threads, rows, unroll) in defined.items():
-        assert suffix == f"hk{threads // 32}u{unroll}" + (f"r{rows // 16}" if rows > 16 else "")
+        assert suffix == f"hk{threads // 32}u{unroll}" + (f"r{rows // 16}" if rows > 16 else "") + \
+            ("p" if pipelined[suffix] else "")
         for tokens, silu in ((2, False), (8, True), (9, False), (16, True)):
             name = gemv_variants.hmma_kernel_name(tokens, suffix, silu)
             assert gemv_variants.parse_hmma(name) == (8 if tokens <= 8 else 16, defined[suffix], silu)
@@ -144,11 +146,13 @@ def test_kquant_hmma_layouts_match_the_kernel_source(fmt, source):
     import re
     from kestrel_stream.cuda import gemv_variants
     text = (build.source_dir() / source).read_text()
-    layouts = re.findall(r"^DEFINE_SUPERBLOCK_HMMA_LAYOUT\((\w+), (\w+), (\d+), (\d+), (\w+)\)", text, flags=re.M)
-    defined = {"h" + m[4]: gemv_variants.Variant(32 * int(m[3]), 16 * int(m[2]), 1) for m in layouts}
+    layouts = re.findall(r"^DEFINE_SUPERBLOCK_HMMA_LAYOUT\((\w+), (\w+), (\d+), (\d+), (true|false), (\w+)\)", text,
+                         flags=re.M)
+    defined = {"h" + m[5]: gemv_variants.Variant(32 * int(m[3]), 16 * int(m[2]), 1) for m in layouts}
     assert defined == gemv_variants.HMMA_BLOCK_VARIANTS[fmt]
+    pipelined = {"h" + m[5]: m[4] == "true" for m in layouts}
     for suffix, (threads, rows, _) in defined.items():
-        assert suffix == f"hk{threads // 32}" + (f"r{rows // 16}" if rows > 16 else "")
+        assert suffix == f"hk{threads // 32}" + (f"r{rows // 16}" if rows > 16 else "") + ("p" if pipelined[suffix] else "")
         for tokens, silu in ((2, False), (8, True), (9, False), (16, True)):
             name = gemv_variants.hmma_block_kernel_name(fmt, tokens, suffix, silu)
             assert name.startswith(layouts[0][1] + "_t")

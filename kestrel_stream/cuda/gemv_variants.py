@@ -46,8 +46,11 @@ def multi_variant(tokens: int, forced: str | None = None, rows: int | None = Non
 # 2..16 tokens on fp16 tensor cores (kernels_ptx/q8_gemv_hmma.cu): each weight byte read once for every
 # token of the step.  "hk<W>u<U>[r<R>]": blocks of 16 R rows, W warps splitting K, U Q8_0 blocks' loads in flight;
 # kernel q8_hmma_t8_k<W>u<U> for up to 8 tokens, q8_hmma_t16_... for 9..16.  threads / rows / unroll as above.
+# A trailing "p": two steps' loads in flight a warp (the next step's while this one computes; the same sums in the
+# same order), for layouts whose warps take several steps.
 HMMA_VARIANTS = {"hk8u4": Variant(256, 16, 4), "hk16u4": Variant(512, 16, 4), "hk8u4r2": Variant(256, 32, 4),
-                 "hk4u4r2": Variant(128, 32, 4)}
+                 "hk4u4r2": Variant(128, 32, 4), "hk8u4p": Variant(256, 16, 4), "hk4u4p": Variant(128, 16, 4),
+                 "hk4u4r2p": Variant(128, 32, 4), "hk2u4r2p": Variant(64, 32, 4)}
 HMMA_MAX_TOKENS = 16
 # at 2 tokens the fp32 row-outer layout still wins (H200: qwen3-8b Q8_0 step 4.41 against 5.02 ms; qwen3-1.7b
 # gate_up 12.9 against 15.6 µs); from 3 the tensor cores (1.7B step 1.62 against 2.05 ms)
@@ -68,9 +71,12 @@ def hmma_variant(rows: int) -> str:
 # Q4_K and Q6_K weights of one format on the same tensor cores (kernels_ptx/q4k_gemv_hmma.cu, q6k_gemv_hmma.cu):
 # "hk<W>[r<R>]": blocks of 16 R rows, W warps splitting K by whole super-blocks (256 elements); kernel
 # <q4k|q6k>_hmma_t8_k<W>[r<R>] for up to 8 tokens, ..._t16_... for 9..16.  unroll: unused (1).
+# A trailing "p" as in HMMA_VARIANTS: two super-blocks' loads in flight a warp.
 HMMA_BLOCK_VARIANTS = {"Q4_K": {"hk8": Variant(256, 16, 1), "hk4": Variant(128, 16, 1), "hk4r2": Variant(128, 32, 1),
-                                "hk2r2": Variant(64, 32, 1)},
-                       "Q6_K": {"hk8": Variant(256, 16, 1), "hk4": Variant(128, 16, 1), "hk4r2": Variant(128, 32, 1)}}
+                                "hk2r2": Variant(64, 32, 1), "hk4p": Variant(128, 16, 1), "hk4r2p": Variant(128, 32, 1),
+                                "hk2r2p": Variant(64, 32, 1), "hk2p": Variant(64, 16, 1)},
+                       "Q6_K": {"hk8": Variant(256, 16, 1), "hk4": Variant(128, 16, 1), "hk4r2": Variant(128, 32, 1),
+                                "hk4p": Variant(128, 16, 1), "hk4r2p": Variant(128, 32, 1), "hk2r2p": Variant(64, 32, 1)}}
 HMMA_Q4K_MIN_TOKENS = 2   # asked for by name; by default hmma_q4k_takes
 
 
