@@ -8,7 +8,8 @@
 # bench/offload_lease.sh names them).
 # STEPS picks some of (in this order):
 #   files    random qwen3-1.7b Q8_0 and Q4_K_M in /tmp (qwen3-8b Q4_K_M in the background)
-#   tests    every layout against numpy on the GPU (tests/test_hmma_emulated.py -m gpu)
+#   tests    every layout against numpy on the GPU (tests/test_hmma_emulated.py -m gpu), and the device-drawn
+#            samples' and mode offload's GPU tests (sampling, drawn decodes, gpu model, offload emulated)
 #   kernels  each layout alone at the 1.7B's shapes (bench/gpu_kernels.py --multi-only: Q8_0) and the K-quants'
 #            at the 1.7B's and 8B's (bench/block_mma.py)
 #   steps    bench/steps.py on the three files with --hmma-layouts default, pipelined, half, alternated twice
@@ -44,7 +45,8 @@ files() {
 export -f files
 
 tests() {
-    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hmma_emulated.py
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_hmma_emulated.py tests/test_sampling_device.py \
+        tests/test_serve_drawn_decodes.py tests/test_gpu_model.py tests/test_offload_emulated.py
 }
 export -f tests
 

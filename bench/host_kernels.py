@@ -1,7 +1,7 @@
 """Native host kernels: effective bandwidth of quantized weight bytes on qwen3-1.7b-shaped layers.
 
     python3 -m bench.host_kernels [--types Q8_0,Q4_0,Q4_K,Q6_K] [--tokens 1,4,16,64] [--threads 1,2]
-                                  [--layers 4] [--repeats 7] [--name host-kernels-2core-vm] [--out DIR]
+                                  [--layers 4] [--repeats 7] [--kernels-only] [--name host-kernels-2core-vm] [--out DIR]
 
 One "layer" is the four projections of a qwen3-1.7b layer (qkv 4096x2048, o 2048x2048, gate_up
 12288x2048, down 2048x6144), each a quantized matmul of `tokens` rows; `--layers` distinct copies
@@ -11,7 +11,8 @@ machine's plain read bandwidth (numpy's sum over a large array, and the library'
 numpy's float32 matmul of the same layer's dequantized weights, counted in Q8_0 bytes (what the
 current host backend reads 4 bytes per weight to compute).  And per type the kernels' error against
 float32 `x @ dequant(W).T` on the o projection (2048x2048, 16 tokens): relative RMS with Gaussian
-activations and with 1 % of the channels 20x outliers.
+activations and with 1 % of the channels 20x outliers.  --kernels-only: the quantized layers' rows alone (an
+A/B of two trees runs it in each).
 """
 from __future__ import annotations
 
@@ -84,68 +85,26 @@ def time_calls(run, count: int, repeats: int) -> tuple[float, float, float]:
     return min(times), statistics.median(times), statistics.median(cpu)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K")
-    parser.add_argument("--tokens", default="1,4,16,64")
-    parser.add_argument("--threads", default=None, help="comma list (default: 1 and the physical cores)")
-    parser.add_argument("--layers", type=int, default=4, help="distinct layers cycled (4 Q8_0 layers: 212 MB)")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--isa", default=None, help="the widest ISA to use (default: the CPU's widest)")
-    parser.add_argument("--spin-us", type=int, default=None,
-                        help="how long an idle worker polls before it sleeps (default: the library's, 100)")
-    parser.add_argument("--name", default="host-kernels")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    load = os.getloadavg()
-    kernels = native.load(isa=args.isa, spin_us=args.spin_us)
-    cores = native.physical_cores()
-    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, cores})
-    tokens = [int(t) for t in args.tokens.split(",")]
-    rng = np.random.default_rng(0)
-    rows = []
-
-    def add(row):
-        print(row, flush=True)
-        rows.append(row)
-
-    # plain memory read: 1 GiB of uint64 words
+def memory_rows(args, kernels, threads, add) -> None:
+    """The machine's plain read bandwidth: 1 GiB of uint64 words summed by the library's C loop and by numpy."""
+    from threadpoolctl import threadpool_limits
     words = np.ones(1 << 27, np.uint64)
     for n in threads:
         best, median, cpu = time_calls(lambda i: kernels.read_sum(words, n), 1, args.repeats)
         add({"what": "memory read (C loop)", "threads": n, "tokens": "", "GB_s": round(words.nbytes / best / 1e9, 1),
              "GB_s_median": round(words.nbytes / median / 1e9, 1), "ms": round(best * 1e3, 2), "cpu_ms": round(cpu * 1e3, 2)})
-    from threadpoolctl import threadpool_limits
     for n in threads:
         with threadpool_limits(n):
             best, median, cpu = time_calls(lambda i: words.sum(), 1, args.repeats)
         add({"what": "memory read (numpy sum)", "threads": f"{n} (numpy: 1)", "tokens": "",
              "GB_s": round(words.nbytes / best / 1e9, 1), "GB_s_median": round(words.nbytes / median / 1e9, 1),
              "ms": round(best * 1e3, 2), "cpu_ms": round(cpu * 1e3, 2)})
-    del words
 
-    for fmt in args.types.split(","):
-        layers = [make_layer(rng, fmt) for _ in range(args.layers)]
-        nbytes = layer_bytes(layers[0])
-        add(accuracy(kernels, fmt, layers[0][1], rng))
-        for t in tokens:
-            x = {cols: rng.standard_normal((t, cols)).astype(np.float32) for _, cols in SHAPES.values()}
-            outs = {rows_: np.empty((t, rows_), np.float32) for rows_, _ in SHAPES.values()}
-            for n in threads:
-                k = native.HostKernels(kernels.path, isa=kernels.isa, threads=n)
 
-                prepared = [[k.prepare_q8_0(w, s) if s is not None else k.prepare_blocks(fmt, w, c)
-                             for r, c, w, s in layer] for layer in layers]
-
-                def run(i):
-                    for w in prepared[i]:
-                        k.matmul(x[w.cols], w, out=outs[w.rows])
-                best, median, cpu = time_calls(run, len(layers), args.repeats)
-                add({"what": f"{fmt} {k.isa}", "threads": n, "tokens": t, "GB_s": round(nbytes / best / 1e9, 1),
-                     "GB_s_median": round(nbytes / median / 1e9, 1), "ms": round(best * 1e3, 2),
-                     "cpu_ms": round(cpu * 1e3, 2), "layer_MB": round(nbytes / 1e6, 1)})
-        del layers
-
+def reference_rows(args, kernels, rng, threads, tokens, add) -> None:
+    """The rows beside the quantized layers: numpy float32 matmuls of the same shapes, and a decode step's float
+    ops and fused projections against run/host.py's numpy."""
+    from threadpoolctl import threadpool_limits
     # numpy float32 matmul of dequantized weights (the host backend today), in Q8_0 bytes per second
     q8_bytes = sum(r * c + 2 * r * c // 32 for r, c in SHAPES.values())
     dense = [[rng.standard_normal((r, c), dtype=np.float32) for r, c in SHAPES.values()] for _ in range(2)]
@@ -218,6 +177,63 @@ def main() -> None:
                     np_best, _, _ = time_calls(lambda i: numpy_op(), 20, args.repeats)
                 row["numpy_us"] = round(np_best * 1e6, 1)
             add(row)
+
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--types", default="Q8_0,Q4_0,Q4_K,Q6_K")
+    parser.add_argument("--tokens", default="1,4,16,64")
+    parser.add_argument("--threads", default=None, help="comma list (default: 1 and the physical cores)")
+    parser.add_argument("--layers", type=int, default=4, help="distinct layers cycled (4 Q8_0 layers: 212 MB)")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--isa", default=None, help="the widest ISA to use (default: the CPU's widest)")
+    parser.add_argument("--spin-us", type=int, default=None,
+                        help="how long an idle worker polls before it sleeps (default: the library's, 100)")
+    parser.add_argument("--kernels-only", action="store_true", help="only the quantized layers' rows")
+    parser.add_argument("--name", default="host-kernels")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    load = os.getloadavg()
+    kernels = native.load(isa=args.isa, spin_us=args.spin_us)
+    cores = native.physical_cores()
+    threads = [int(t) for t in args.threads.split(",")] if args.threads else sorted({1, cores})
+    tokens = [int(t) for t in args.tokens.split(",")]
+    rng = np.random.default_rng(0)
+    rows = []
+
+    def add(row):
+        print(row, flush=True)
+        rows.append(row)
+
+    if not args.kernels_only:
+        memory_rows(args, kernels, threads, add)
+
+    for fmt in args.types.split(","):
+        layers = [make_layer(rng, fmt) for _ in range(args.layers)]
+        nbytes = layer_bytes(layers[0])
+        if not args.kernels_only:
+            add(accuracy(kernels, fmt, layers[0][1], rng))
+        for t in tokens:
+            x = {cols: rng.standard_normal((t, cols)).astype(np.float32) for _, cols in SHAPES.values()}
+            outs = {rows_: np.empty((t, rows_), np.float32) for rows_, _ in SHAPES.values()}
+            for n in threads:
+                k = native.HostKernels(kernels.path, isa=kernels.isa, threads=n)
+
+                prepared = [[k.prepare_q8_0(w, s) if s is not None else k.prepare_blocks(fmt, w, c)
+                             for r, c, w, s in layer] for layer in layers]
+
+                def run(i):
+                    for w in prepared[i]:
+                        k.matmul(x[w.cols], w, out=outs[w.rows])
+                best, median, cpu = time_calls(run, len(layers), args.repeats)
+                add({"what": f"{fmt} {k.isa}", "threads": n, "tokens": t, "GB_s": round(nbytes / best / 1e9, 1),
+                     "GB_s_median": round(nbytes / median / 1e9, 1), "ms": round(best * 1e3, 2),
+                     "cpu_ms": round(cpu * 1e3, 2), "layer_MB": round(nbytes / 1e6, 1)})
+        del layers
+
+    if not args.kernels_only:
+        reference_rows(args, kernels, rng, threads, tokens, add)
 
     env = environment()
     signature = cpu_signature()

@@ -81,13 +81,13 @@ static const tile_config_t Q8_0_ONE = {
 };
 
 /* Repacked Q4_K (host_kquants.c's kq_amx_group) at M tokens: C the sums of two sub-blocks and both levels
-   [M tokens][16 rows] int32; A a sub-block pair's activations of one level [M][64] (signed); B the pair's
-   weights [16 quads][16 rows][4] (unsigned nibbles of one sub-block, zeros for the other) */
+   [M tokens][16 rows] int32; A a sub-block's activations of one level [M][32] (signed); B its weights
+   [8 quads][16 rows][4] (unsigned nibbles) */
 #define KQ_AMX_TILES(M) {.palette = 1, \
-    .colsb = {[KQ_C_H0] = 64, [KQ_C_L0] = 64, [KQ_C_H1] = 64, [KQ_C_L1] = 64, [KQ_A_HI] = 64, [KQ_A_LO] = 64, \
+    .colsb = {[KQ_C_H0] = 64, [KQ_C_L0] = 64, [KQ_C_H1] = 64, [KQ_C_L1] = 64, [KQ_A_HI] = 32, [KQ_A_LO] = 32, \
               [KQ_B_0] = 64, [KQ_B_1] = 64}, \
     .rows = {[KQ_C_H0] = M, [KQ_C_L0] = M, [KQ_C_H1] = M, [KQ_C_L1] = M, [KQ_A_HI] = M, [KQ_A_LO] = M, \
-             [KQ_B_0] = 16, [KQ_B_1] = 16}}
+             [KQ_B_0] = 8, [KQ_B_1] = 8}}
 static const tile_config_t KQ_TILES[16] = {
     KQ_AMX_TILES(1), KQ_AMX_TILES(2), KQ_AMX_TILES(3), KQ_AMX_TILES(4), KQ_AMX_TILES(5), KQ_AMX_TILES(6),
     KQ_AMX_TILES(7), KQ_AMX_TILES(8), KQ_AMX_TILES(9), KQ_AMX_TILES(10), KQ_AMX_TILES(11), KQ_AMX_TILES(12),

@@ -32,9 +32,9 @@ void amx_use(int config);
 void amx_done(void);
 
 /* The tile registers of AMX_Q4_K's configurations (host_kquants.c's kq_amx_group): C the int32 sums of
-   sub-blocks 2c and 2c + 1, each level; A the tokens' 64 activations of the pair, one level; B the pair's 16
-   quads with one sub-block's nibbles and zeros for the other's (numbers, not an enum: the intrinsics paste them
-   into the instruction). */
+   sub-blocks 2c and 2c + 1, each level; A the tokens' 32 activations of one sub-block, one level (the pair's
+   first, then its second); B a sub-block's 8 quads of nibbles (numbers, not an enum: the intrinsics paste
+   them into the instruction). */
 #define KQ_C_H0 0
 #define KQ_C_L0 1
 #define KQ_C_H1 2
