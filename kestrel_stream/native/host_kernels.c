@@ -1621,7 +1621,7 @@ int ks_linear_group(const ks_linear_t *const *specs, int n, const float *const *
 
 static void silu_mul_run(const float *restrict g, const float *restrict u, float *restrict o, int n);
 
-#define ROUTED_GATE_ROWS 16         /* gate rows of a block, with as many up rows: 32 weight rows */
+#define ROUTED_GATE_ROWS 64         /* gate rows of a block, with as many up rows: 128 weight rows */
 #define ROUTED_DOWN_ROWS 64
 
 typedef struct {
@@ -1673,14 +1673,18 @@ static void routed_gate_block(const routed_t *c, int e, int r0) {
         /* one choice: its quantized row as it is; more: the expert's tile */
         const uint8_t *tile = c->count[e] > 1 ? c->gate_tiles + c->gate_tile_bytes * (size_t)e : NULL;
         const act_t a = token_act(c->in, c->token[c->first[e]]);
-        float g[TILE_ROWS][LANES], u[TILE_ROWS][LANES];
-        amx_rows(s->w + s->w_stride * r0, s->w_stride, s->meta + s->meta_stride * r0, s->meta_stride, rows, s->K, tile,
-                 &a, 0, own, scales, g);
-        amx_rows(s->w + up_w + s->w_stride * r0, s->w_stride, s->meta + up_meta + s->meta_stride * r0, s->meta_stride, rows,
-                 s->K, tile, &a, 0, own, scales, u);
-        for (int l = 0; l < c->count[e]; l++) {
-            for (int r = 0; r < rows; r++) gate[r] = g[r][l], up[r] = u[r][l];
-            silu_mul_run(gate, up, c->act + (ptrdiff_t)c->I * (c->first[e] + l) + r0, rows);
+        for (int t0 = r0; t0 < r0 + rows; t0 += TILE_ROWS) {     /* 16 gate rows, then their up rows */
+            const int n = r0 + rows - t0 < TILE_ROWS ? r0 + rows - t0 : TILE_ROWS;
+            const int next = t0 + 2 * TILE_ROWS <= r0 + rows;         /* each half's next 16 rows are this block's */
+            float g[TILE_ROWS][LANES], u[TILE_ROWS][LANES];
+            amx_rows(s->w + s->w_stride * t0, s->w_stride, s->meta + s->meta_stride * t0, s->meta_stride, n, s->K, tile,
+                     &a, next, own, scales, g);
+            amx_rows(s->w + up_w + s->w_stride * t0, s->w_stride, s->meta + up_meta + s->meta_stride * t0, s->meta_stride, n,
+                     s->K, tile, &a, next, own, scales, u);
+            for (int l = 0; l < c->count[e]; l++) {
+                for (int r = 0; r < n; r++) gate[r] = g[r][l], up[r] = u[r][l];
+                silu_mul_run(gate, up, c->act + (ptrdiff_t)c->I * (c->first[e] + l) + t0, n);
+            }
         }
         return;
     }
