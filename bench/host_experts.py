@@ -1,6 +1,7 @@
 """One routed layer's chosen experts on the host kernels (host_moe.c's ks_experts, the op mode offload and the CPU
 engine run for a mixture-of-experts layer), at a preset's shape: µs a layer and the GB/s of the chosen experts'
-Q8_0 bytes, beside a dense Q8_0 matmul of the layer's gate|up shape at the same token count.
+Q8_0 bytes, beside a dense Q8_0 matmul of the layer's gate|up shape at the same token count (copies of it cycled
+to the experts' bytes, so both read a pool of the same size: a machine's last-level cache can hold a few copies).
 
     python3 -m bench.host_experts [--preset qwen3-30b-a3b] [--tokens 1,2,4] [--threads 1,2] [--isa amx]
         [--seconds 2] [--out DIR]
@@ -49,8 +50,10 @@ def layer_rows(preset: str, tokens: list[int], threads: int, isa: str | None, se
     experts = Experts(kernels, [kernels.linear(q8_weight(kernels, rng, 2 * I, H), glu=True) for _ in range(E)],
                       [kernels.linear(q8_weight(kernels, rng, H, I)) for _ in range(E)], np.ones(H, np.float32),
                       cfg.rms_norm_eps, k)
-    dense = [kernels.linear(q8_weight(kernels, rng, 2 * I * k, H)) for _ in range(2)]
     expert_bytes = 3 * I * H * 34 // 32
+    dense_bytes = 2 * I * k * H * 34 // 32
+    # as many dense copies as the experts' bytes (cycled: the same pool to read from, past the caches alike)
+    dense = [kernels.linear(q8_weight(kernels, rng, 2 * I * k, H)) for _ in range(max(2, -(-E * expert_bytes // dense_bytes)))]
     rows = []
     for t in tokens:
         x = rng.standard_normal((t, H)).astype(np.float32)
@@ -66,7 +69,7 @@ def layer_rows(preset: str, tokens: list[int], threads: int, isa: str | None, se
                      "experts_run": round(chosen, 1), "us": round(seconds_a_layer * 1e6, 1),
                      "GB_s": round(chosen * expert_bytes / seconds_a_layer / 1e9, 2),
                      "dense_us": round(dense_s * 1e6, 1),
-                     "dense_GB_s": round(2 * I * k * H * 34 / 32 / dense_s / 1e9, 2)})
+                     "dense_GB_s": round(dense_bytes / dense_s / 1e9, 2)})
         print(rows[-1], flush=True)
     return rows
 
@@ -84,7 +87,8 @@ def main() -> None:
     tokens = [int(t) for t in args.tokens.split(",")]
     rows = [row for n in threads for row in layer_rows(args.preset, tokens, n, args.isa, args.seconds)]
     notes = ("One routed layer's chosen experts (ks_experts), random routes, Q8_0: µs a layer, GB/s of the experts it "
-             "ran; dense: one Q8_0 matmul of k experts' gate|up rows at once (2 I k x H), the same tokens.")
+             "ran; dense: one Q8_0 matmul of k experts' gate|up rows at once (2 I k x H), the same tokens, copies "
+             "cycled to the experts' bytes.")
     path = write_results(f"host-experts-{args.preset}", environment(), rows,
                          ["preset", "isa", "threads", "tokens", "experts_run", "us", "GB_s", "dense_us", "dense_GB_s"],
                          notes, args.out)
