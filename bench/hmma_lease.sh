@@ -18,26 +18,11 @@ OUT=${OUT:-/tmp/hmma-lease}
 VOCAB=${VOCAB:-.llama/ggml-vocab-qwen2.gguf.xz}
 WHEELS=${WHEELS:-.whlb}
 STEPS=${STEPS:-files tests kernels}
-mkdir -p "$OUT/logs"
-export OUT VOCAB
-[[ -d /tmp/site ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    "$WHEELS"/*.whl
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
-
-step() {
-    local seconds=$1 name=$2
-    [[ " $STEPS " == *" $name "* ]] || return 0
-    echo "== $name $(date -u +%H:%M:%S)"
-    timeout "$seconds" bash -c "$name" > "$OUT/logs/$name.txt" 2>&1
-    echo "   rc=$? $(date -u +%H:%M:%S)"; grep -v "^kestrel-stream" "$OUT/logs/$name.txt" | tail -25
-}
+export VOCAB
+source bench/lease_steps.sh
 
 files() {
-    xz -dc "$VOCAB" > /tmp/vocab.gguf
-    for mix in q8_0 q4_k_m; do
-        [[ -f /tmp/q17-$mix.gguf ]] || { python3 -m bench.make_gguf --preset qwen3-1.7b --mix $mix \
-            --vocab /tmp/vocab.gguf -o /tmp/q17-$mix.part && mv /tmp/q17-$mix.part /tmp/q17-$mix.gguf; }
-    done
+    q17_files q8_0 q4_k_m
     [[ -f /tmp/q8b-q4_k_m.gguf ]] || setsid bash -c 'python3 -m bench.make_gguf --preset qwen3-8b --mix q4_k_m \
         --vocab /tmp/vocab.gguf -o /tmp/q8b.part && mv /tmp/q8b.part /tmp/q8b-q4_k_m.gguf' > /tmp/make-8b.log 2>&1 < /dev/null &
     ls -la /tmp/*.gguf

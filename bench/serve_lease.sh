@@ -23,19 +23,9 @@ WHEELS=${WHEELS:-.whl}
 A=${A:-}
 STEPS=${STEPS:-build files}
 SERVER=/tmp/llama-dev/llama.cpp/build/bin/llama-server
-mkdir -p "$OUT/logs"
-export OUT A SERVER LLAMA_SRC VOCAB
-[[ -d /tmp/site ]] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    "$WHEELS"/*.whl
-export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1
-
-step() {
-    local seconds=$1 name=$2
-    [[ " $STEPS " == *" $name "* ]] || return 0
-    echo "== $name $(date -u +%H:%M:%S)"
-    timeout "$seconds" bash -c "$name" > "$OUT/logs/$name.txt" 2>&1
-    echo "   rc=$? $(date -u +%H:%M:%S)"; grep -v "^kestrel-stream" "$OUT/logs/$name.txt" | cut -c1-400 | tail -12
-}
+export A SERVER LLAMA_SRC VOCAB
+STEP_TAIL=12
+source bench/lease_steps.sh
 
 staggered() {      # staggered TREE LABEL [more flags]: one run of the workload from TREE's bench and package
     local tree=$1 label=$2; shift 2
