@@ -129,7 +129,7 @@ __device__ __forceinline__ void hmma_epilogue(const float (&acc)[RT][NT][4], int
 
 // The K-quant GEMVs' body: a block owns 16 RT rows and WK warps; warp w takes a contiguous run of the rows'
 // super-blocks (256 elements), one a step, the next step's loads after this step's mma (the first step's before
-// pdl_wait).  F: a format of q4k_gemv_hmma.cu / q6k_gemv_hmma.cu with
+// pdl_wait); PIPE: two super-blocks' loads in flight, the next one's issued before this one's mma.  F: a format of q4k_gemv_hmma.cu / q6k_gemv_hmma.cu with
 //   Raw<RT>: one step's registers;  qs_row(K), meta_row(K): bytes a row;  Q_LANE, X_LANE: qs bytes and x elements
 //   between threads t (qs rows and x rows come offset by them);
 //   load<RT>(qs rows, meta rows, sb, Raw&);  step<NT, RT>(Raw, sb, x rows (+ X_LANE t), scales, acc).
