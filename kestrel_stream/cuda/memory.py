@@ -129,11 +129,24 @@ class Arena:
         return DeviceArray(self.alloc(int(np.prod(shape)) * np.dtype(dtype).itemsize), shape, np.dtype(dtype))
 
     def free(self, ptr: int) -> None:
+        """Return a block: merged with the free blocks beside it, and given back to the top where it ends
+        there, so a later block as large as several freed ones beside each other fits where they were."""
         offset = ptr - self.base
         size = self._live.pop(offset)
         self.used_bytes -= size
-        self._free.append((offset, size))
-        self._free.sort()
+        merged = []
+        for free_offset, free_size in self._free:
+            if free_offset + free_size == offset:
+                offset, size = free_offset, free_size + size
+            elif offset + size == free_offset:
+                size += free_size
+            else:
+                merged.append((free_offset, free_size))
+        if offset + size == self._top:
+            self._top = offset
+        else:
+            merged.append((offset, size))
+        self._free = sorted(merged)
 
     def release(self) -> None:
         if self.base:
