@@ -90,7 +90,7 @@ serve() {
     python3 -m bench.http_serve --model /tmp/q17-q8_0.gguf --device cuda --clients 1,16,32 --label h200 \
         --out "$OUT/serve" || return 1
     wait_build 60 || return 1
-    "$BIN/llama-server" -m /tmp/q17-q8_0.gguf -ngl 99 -np 32 -c 32768 --port 8080 > /tmp/llama/server.log 2>&1 &
+    "$BIN/llama-server" -m /tmp/q17-q8_0.gguf -ngl 99 -np 32 -c 32768 --cache-ram 0 --port 8080 > /tmp/llama/server.log 2>&1 &
     local pid=$! i
     for i in $(seq 1 120); do curl -sf http://127.0.0.1:8080/health > /dev/null && break; sleep 1; done
     python3 -m bench.http_serve --base-url http://127.0.0.1:8080/v1 --vocab-size 151936 --clients 1,16,32 \
