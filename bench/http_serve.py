@@ -48,6 +48,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -210,12 +211,35 @@ def staggered_rows(base_url: str, model: str, args, vocab: int, server: str, hea
         outcomes, started = staggered_in_processes(base_url, model, planned, clients, headers, args.timeout_s,
                                                    args.client_processes, args.temperature)
         rows.append(summary(server, clients, outcomes, started))
+        save_requests(args, server, clients, outcomes, started, log_path)
         if before is not None:
             rows[-1].update(step_columns(before, daemon_figures(base_url, headers)))
         if log_path is not None:
             rows[-1].update(server_ttft(log_path, args.requests))
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def save_requests(args, server: str, clients: int, outcomes: list, started: float, log_path: Path | None) -> None:
+    """With --out: each request of a staggered run as the client saw it (its arrival, prompt and max tokens, what
+    became of it, TTFT and end, ms from the run's start), a JSON line each, and our daemon's log beside (its
+    access lines give each completion's queue and app-side TTFT): what a TTFT percentile is made of, by prompt
+    length and by time, written as soon as the run ends."""
+    if not args.out:
+        return
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "-".join(["requests", args.label or "run", re.sub(r"[^A-Za-z0-9.-]+", "_", server), f"c{clients}"])
+    with open(out / f"{stem}.jsonl", "w") as f:
+        for o in outcomes:
+            f.write(json.dumps({"index": o.planned.index, "arrival_ms": round(o.planned.arrival_s * 1e3, 2),
+                                "prompt_tokens": len(o.planned.prompt), "max_tokens": o.planned.max_tokens,
+                                "kind": o.kind, "sent_ms": round((o.sent_s - started) * 1e3, 2) if o.sent_s else None,
+                                "ttft_ms": round(o.ttft_s * 1e3, 2) if o.ttft_s == o.ttft_s else None,
+                                "finished_ms": round((o.finished_s - started) * 1e3, 2) if o.finished_s else None,
+                                "tokens": o.tokens, "error": o.error}) + "\n")
+    if log_path is not None and log_path.exists():
+        shutil.copyfile(log_path, out / f"{stem}-daemon.log")
 
 
 def speedups(rows: list[dict]) -> None:

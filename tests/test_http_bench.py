@@ -68,6 +68,14 @@ def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
     assert 0 < row["server_ttft_p50_ms"] <= row["ttft_p50_ms"], row
     assert 0 <= row["server_queue_p50_ms"] <= row["server_ttft_p50_ms"], row
     assert json.loads(proc.stdout.splitlines()[-2]) == row      # the row printed as one JSON line
+    # every request as the client saw it, a line each, and the daemon's log (its access lines) beside
+    [requests] = tmp_path.glob("requests-*.jsonl")
+    lines = [json.loads(line) for line in requests.read_text().splitlines()]
+    assert sorted(r["index"] for r in lines) == list(range(16))
+    assert all(r["kind"] == "completed" and 8 <= r["prompt_tokens"] <= 96 and r["ttft_ms"] > 0
+               and r["finished_ms"] >= r["sent_ms"] + r["ttft_ms"] - 1 for r in lines), lines
+    log = requests.with_name(requests.stem + "-daemon.log").read_text()
+    assert log.count('"POST /v1/completions" 200') >= 16
 
 
 def test_devices_sets_run_one_daemon_each_with_the_same_requests(tmp_path):
