@@ -2,6 +2,7 @@
 (AVX-VNNI) kernels give the AVX-512 ones' bits.  The kernels against their twins: test_native_kernels.py."""
 from __future__ import annotations
 
+import ctypes
 import shutil
 
 import numpy as np
@@ -45,20 +46,31 @@ def test_the_256_bit_vnni_kernels_are_the_512_bit_ones_bit_for_bit(kernels, fmt)
             assert np.array_equal(narrow.matmul(x, a), wide.matmul(x, b)), (fmt, n, t)
 
 
-def test_repacked_q4_k_on_amx_tiles_is_the_vnni_kernel_bit_for_bit(kernels):
-    """Repacked Q4_K from ks_kq_amx_min_tokens tokens on AMX tiles (16 tokens a pass): the VNNI kernel's integer
-    sums and float steps, so the same bits at every token count (a partial last pass of tokens and of rows,
-    several passes, a glu's halves) and the same numbers whatever tokens share a step."""
+@pytest.mark.parametrize("amx_min_tokens", [5, 1])
+def test_repacked_q4_k_on_amx_tiles_is_the_vnni_kernel_bit_for_bit(kernels, amx_min_tokens):
+    """Repacked Q4_K from ks_kq_amx_min_tokens tokens on AMX tiles (up to 8 tokens in one pass on the stacked
+    levels, more 16 tokens a pass): the VNNI kernel's integer sums and float steps, so the same bits at every
+    token count (a partial last pass of tokens and of rows, several passes, a glu's halves) and the same numbers
+    whatever tokens share a step; with the threshold at 1, every count of the stacked form."""
     if "amx" not in kernels.supported:
         pytest.skip(f"this CPU has {', '.join(kernels.supported)}: no AMX tiles")
     rng = np.random.default_rng(11)
     tiles, vnni = kernels.with_isa("amx"), kernels.with_isa("avx512vnni")
+    threshold = ctypes.c_int.in_dll(kernels._lib, "ks_kq_amx_min_tokens")
+    kept, threshold.value = threshold.value, amx_min_tokens
+    try:
+        check_q4_k_tiles(rng, tiles, vnni)
+    finally:
+        threshold.value = kept
+
+
+def check_q4_k_tiles(rng, tiles, vnni):
     for n, k in ((37, 768), (16, 256), (130, 2048)):
         blocks = random_blocks(rng, "Q4_K", n, k, 0.02)
         a, b = tiles.prepare_blocks("Q4_K", blocks, k), vnni.prepare_blocks("Q4_K", blocks, k)
         x = rng.standard_normal((40, k)).astype(np.float32)
         x[:, ::17] *= 20                                             # outlier channels: both levels matter
-        for t in (1, 3, 4, 5, 9, 16, 17, 20, 33, 34, 35, 40):      # last passes of 1-8 tokens
+        for t in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 20, 33, 34, 35, 40):      # last passes of 1-8 tokens
             got = tiles.matmul(x[:t], a)
             assert np.array_equal(got, vnni.matmul(x[:t], b)), (n, k, t)
             assert np.array_equal(got[-1], tiles.matmul(x[t - 1:t], a)[0]), (n, k, t)   # alone: the same row

@@ -93,12 +93,23 @@ static const tile_config_t KQ_TILES[16] = {
     KQ_AMX_TILES(7), KQ_AMX_TILES(8), KQ_AMX_TILES(9), KQ_AMX_TILES(10), KQ_AMX_TILES(11), KQ_AMX_TILES(12),
     KQ_AMX_TILES(13), KQ_AMX_TILES(14), KQ_AMX_TILES(15), KQ_AMX_TILES(16)};
 
+/* Repacked Q4_K's stacked form at M (<= 8) tokens: A [2M][32] (hi rows, then lo rows), C [2M][16] */
+#define KQ_STACKED_TILES(M) {.palette = 1, \
+    .colsb = {[KQS_A_0] = 32, [KQS_A_1] = 32, [KQS_B_0] = 64, [KQS_B_1] = 64, [KQS_C_0] = 64, [KQS_C_1] = 64, \
+              [KQS_C_2] = 64, [KQS_C_3] = 64}, \
+    .rows = {[KQS_A_0] = 2 * M, [KQS_A_1] = 2 * M, [KQS_B_0] = 8, [KQS_B_1] = 8, [KQS_C_0] = 2 * M, \
+             [KQS_C_1] = 2 * M, [KQS_C_2] = 2 * M, [KQS_C_3] = 2 * M}}
+static const tile_config_t KQ_STACKED[8] = {
+    KQ_STACKED_TILES(1), KQ_STACKED_TILES(2), KQ_STACKED_TILES(3), KQ_STACKED_TILES(4), KQ_STACKED_TILES(5),
+    KQ_STACKED_TILES(6), KQ_STACKED_TILES(7), KQ_STACKED_TILES(8)};
+
 /* The configuration this thread has loaded (AMX_NONE: none). */
 static __thread int amx_config;
 
 TARGET_AMX void amx_use(int config) {
     if (amx_config == config) return;
-    _tile_loadconfig(config == AMX_Q8_0 ? &Q8_0_TILES : config == AMX_Q8_0_ONE ? &Q8_0_ONE : &KQ_TILES[config - AMX_Q4_K - 1]);
+    _tile_loadconfig(config == AMX_Q8_0 ? &Q8_0_TILES : config == AMX_Q8_0_ONE ? &Q8_0_ONE
+                     : config > AMX_Q4_K_STACKED ? &KQ_STACKED[config - AMX_Q4_K_STACKED - 1] : &KQ_TILES[config - AMX_Q4_K - 1]);
     amx_config = config;
 }
 

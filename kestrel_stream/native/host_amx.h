@@ -26,8 +26,8 @@ void amx_q8_0_one(const int8_t *w, ptrdiff_t w_stride, const float *scales, int 
 
 /* A thread's tile configuration for the calls that follow (loaded unless it is the one loaded already):
    AMX_Q8_0 for amx_q8_0_rows, AMX_Q8_0_ONE for amx_q8_0_one, AMX_Q4_K + M for host_kquants.c's repacked
-   Q4_K at M (1..16) tokens; amx_done releases the tiles (at the end of a thread's part of a job). */
-enum { AMX_NONE = 0, AMX_Q8_0 = 1, AMX_Q8_0_ONE = 2, AMX_Q4_K = 16 };
+   Q4_K at M (1..16) tokens, AMX_Q4_K_STACKED + M for its stacked form at M (1..8); amx_done releases the tiles (at the end of a thread's part of a job). */
+enum { AMX_NONE = 0, AMX_Q8_0 = 1, AMX_Q8_0_ONE = 2, AMX_Q4_K = 16, AMX_Q4_K_STACKED = 32 };
 void amx_use(int config);
 void amx_done(void);
 
@@ -43,5 +43,17 @@ void amx_done(void);
 #define KQ_A_LO 5
 #define KQ_B_0 6
 #define KQ_B_1 7
+
+/* AMX_Q4_K_STACKED's (kq_amx_stacked): A both levels of the M tokens' 32 activations of sub-block 2c (A_0) and
+   2c + 1 (A_1), [2M][32]; B as above; C their sums [2M][16], even steps in C_0 / C_1 and odd ones in C_2 / C_3,
+   so a step's products go on while the step before has its sums stored */
+#define KQS_A_0 0
+#define KQS_A_1 1
+#define KQS_B_0 2
+#define KQS_B_1 3
+#define KQS_C_0 4
+#define KQS_C_1 5
+#define KQS_C_2 6
+#define KQS_C_3 7
 
 #endif

@@ -1463,7 +1463,7 @@ static size_t matmul_init(matmul_t *m, const ks_linear_t *spec, const float *x, 
     m->token_groups = (T + LANES - 1) / LANES;
     /* per token group: bytes [2][K/4][16][4], scales [K/group][16], Q4_K's sums [K/32][16] */
     m->tile_bytes = (size_t)K * LANES * 2 + (size_t)(K / m->group) * LANES * 4 + (fmt == FMT_Q4_K ? (size_t)(K / 32) * LANES * 4 : 0);
-    m->tiles_bytes = ((m->lanes ? m->tile_bytes * (size_t)m->token_groups : kq ? kq_acts_bytes(K, T) : 0) + 63) / 64 * 64;
+    m->tiles_bytes = ((m->lanes ? m->tile_bytes * (size_t)m->token_groups : kq ? kq_acts_bytes(K, T, kq_stacks(fmt, isa, T)) : 0) + 63) / 64 * 64;
     m->glu = spec->glu;
     /* row groups (tiles) a grab: about ks_grabs_per_thread grabs a thread (dot products: at most TILES_PER_GRAB
        tiles; the lanes kernels TILES_PER_GRAB) */
@@ -1479,7 +1479,7 @@ static void matmul_place(matmul_t *m, uint8_t *buf) {
     m->buf = buf;
     m->tiles = m->buf + m->per_token * (size_t)m->T;
     if (repacked(m->fmt)) {
-        m->kq_acts = kq_acts_at(m->tiles, m->K, m->T);
+        m->kq_acts = kq_acts_at(m->tiles, m->K, m->T, kq_stacks(m->fmt, m->isa, m->T));
         m->kq_acts.rows = (const int8_t *)m->buf;       /* token_act's levels */
         m->kq_acts.row_stride = (ptrdiff_t)m->per_token, m->kq_acts.lo_offset = (ptrdiff_t)m->qs_bytes;
     }

@@ -82,13 +82,24 @@ void ks_repack(int fmt, const uint8_t *w, ptrdiff_t w_stride, int N, int K, uint
 
 static size_t chunk_bytes(int K) { return ((size_t)8 * K + (size_t)(K / 256 + K / 16) * KQ_CHUNK * 4 + 63) / 64 * 64; }
 
-size_t kq_acts_bytes(int K, int T) { return chunk_bytes(K) * (size_t)((T + KQ_CHUNK - 1) / KQ_CHUNK); }
+static size_t chunks_bytes(int K, int T) { return chunk_bytes(K) * (size_t)((T + KQ_CHUNK - 1) / KQ_CHUNK); }
 
-kq_acts_t kq_acts_at(uint8_t *buf, int K, int T) {     /* the last chunk's missing tokens are never read */
-    return (kq_acts_t){.base = buf, .chunk_bytes = chunk_bytes(K), .K = K, .T = T};
+size_t kq_acts_bytes(int K, int T, int stacked) { return chunks_bytes(K, T) + (stacked ? (size_t)2 * T * K : 0); }
+
+kq_acts_t kq_acts_at(uint8_t *buf, int K, int T, int stacked) {     /* the last chunk's missing tokens are never read */
+    return (kq_acts_t){.base = buf, .chunk_bytes = chunk_bytes(K), .K = K, .T = T,
+                       .stacked = stacked ? (int8_t *)(buf + chunks_bytes(K, T)) : NULL};
 }
 
 int ks_kq_amx_min_tokens = 5;
+
+/* Up to this many tokens a Q4_K call on AMX runs on the stacked levels (kq_amx_stacked): one tile product a
+   sub-block for both levels of every token, where kq_amx_group takes one a level. */
+#define KQ_STACKED_MAX 8
+
+int kq_stacks(int fmt, int isa, int T) {
+    return KS_X86 && isa >= ISA_AMX && fmt == FMT_Q4_K_R16 && T >= ks_kq_amx_min_tokens && T <= KQ_STACKED_MAX;
+}
 
 void kq_token(int fmt, const int8_t *hi, const int8_t *lo, const float *d, const int16_t *bsums,
               const int16_t *bsums_lo, int t, const kq_acts_t *acts) {
@@ -97,6 +108,10 @@ void kq_token(int fmt, const int8_t *hi, const int8_t *lo, const float *d, const
     for (int p = 0; p < K / 4; p++) {
         memcpy(h + 4 * KQ_CHUNK * p, hi + 4 * p, 4);
         memcpy(l + 4 * KQ_CHUNK * p, lo + 4 * p, 4);
+    }
+    if (acts->stacked) {
+        memcpy(acts->stacked + (size_t)K * t, hi, (size_t)K);
+        memcpy(acts->stacked + (size_t)K * (acts->T + t), lo, (size_t)K);
     }
     float *dl = kq_dl(acts, c);
     for (int b = 0; b < K / 256; b++) dl[KQ_CHUNK * b + u] = d[b] * LO_SCALE;
@@ -470,6 +485,114 @@ static const kq_amx_fn KQ_AMX_GROUPS[16] = {kq_amx_group_1, kq_amx_group_2, kq_a
     kq_amx_group_6, kq_amx_group_7, kq_amx_group_8, kq_amx_group_9, kq_amx_group_10, kq_amx_group_11, kq_amx_group_12,
     kq_amx_group_13, kq_amx_group_14, kq_amx_group_15, kq_amx_group_16};
 
+/* kq_amx_group for M <= 8 tokens on the stacked levels (kq_acts_t.stacked, [2M][K]): a sub-block's products
+   for both levels of every token are one tdpbsud (A [2M][32]: C rows 0..M-1 the hi sums, M..2M-1 the lo
+   sums), half kq_amx_group's products and stores, and with the tiles that frees a step's C tiles alternate
+   between two pairs: a step's products are issued before the step before has its sums stored, so neither
+   waits on the other.  The sums are the same int32 values, scaled by the same float steps in the same order
+   (the same bits). */
+TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_stacked(
+    const int M, const uint8_t *grp, int nb, const int8_t *stacked, int K, const float *asums, const float *adl,
+    int ahead, float *out, ptrdiff_t out_stride, int rows) {
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
+    _Alignas(64) uint8_t wq[2][2][8][64];    /* [step & 1][nibble: sub-block 2c, 2c + 1][quad][16 rows x 4] */
+    _Alignas(64) int32_t sums[KQ_AMX_LAG + 1][2][16][16];   /* [step % 3][sub-block 2c, 2c + 1][hi t, lo M + t][row] */
+    _Alignas(64) uint8_t sc[2][128], mn[2][128];            /* [block & 1] */
+    __m512 d[2], dmin[2], part[8], total[8];
+    for (int t = 0; t < M; t++) part[t] = total[t] = _mm512_setzero_ps();
+    const int steps = 4 * nb;
+    for (int i = -1; i < steps + KQ_AMX_LAG; i++) {
+        if (i + 1 < steps) {        /* step i + 1's weights, unpacked (as kq_amx_group) */
+            const int b = (i + 1) / 4, c = (i + 1) % 4;
+            const uint8_t *blk = grp + (size_t)Q4K_GROUP_BLOCK * b;
+            if (c == 0) {
+                d[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_D)));
+                dmin[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_DMIN)));
+                q4k_unpack_scales(blk + Q4K_SCALES, sc[b & 1], mn[b & 1]);
+            }
+            uint8_t (*w)[8][64] = wq[(i + 1) & 1];
+            for (int q = 0; q < 8; q++) {
+                const __m512i v = _mm512_load_si512(blk + 64 * (8 * c + q));
+                _mm512_store_si512(w[0][q], _mm512_and_si512(v, low));
+                _mm512_store_si512(w[1][q], _mm512_and_si512(v, high));
+                if (ahead) {
+                    PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+                    PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+                }
+            }
+            if (ahead) {
+                PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+                PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+            }
+        }
+        if (i >= 0 && i < steps) {  /* step i's products, into its pair of C tiles */
+            const int8_t *a = stacked + 256 * (size_t)(i / 4) + 64 * (i % 4);
+            _tile_loadd(KQS_B_0, wq[i & 1][0], 64);
+            _tile_loadd(KQS_B_1, wq[i & 1][1], 64);
+            _tile_loadd(KQS_A_0, a, K);
+            _tile_loadd(KQS_A_1, a + 32, K);
+            if (i & 1) {
+                _tile_zero(KQS_C_2);
+                _tile_zero(KQS_C_3);
+                _tile_dpbsud(KQS_C_2, KQS_A_0, KQS_B_0);
+                _tile_dpbsud(KQS_C_3, KQS_A_1, KQS_B_1);
+            } else {
+                _tile_zero(KQS_C_0);
+                _tile_zero(KQS_C_1);
+                _tile_dpbsud(KQS_C_0, KQS_A_0, KQS_B_0);
+                _tile_dpbsud(KQS_C_1, KQS_A_1, KQS_B_1);
+            }
+        }
+        if (i >= 1 && i <= steps) { /* step i - 1's sums stored */
+            int32_t (*to)[16][16] = sums[(i - 1) % (KQ_AMX_LAG + 1)];
+            if ((i - 1) & 1) {
+                _tile_stored(KQS_C_2, to[0], 64);
+                _tile_stored(KQS_C_3, to[1], 64);
+            } else {
+                _tile_stored(KQS_C_0, to[0], 64);
+                _tile_stored(KQS_C_1, to[1], 64);
+            }
+        }
+        const int p = i - KQ_AMX_LAG;
+        if (p >= 0) {               /* step p's sums: kq_amx_group's float steps */
+            const int b = p / 4, c = p % 4;
+            int32_t (*in_sums)[16][16] = sums[p % (KQ_AMX_LAG + 1)];
+            for (int n = 0; n < 2; n++) {
+                const int j = 2 * c + n;
+                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(sc[b & 1] + 16 * j)))),
+                                               n ? _mm512_mul_ps(d[b & 1], _mm512_set1_ps(0.0625f)) : d[b & 1]);
+                const __m512 mv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(mn[b & 1] + 16 * j)))),
+                                                dmin[b & 1]);
+                const float *token_sums = asums + 16 * (8 * b + j);
+#pragma GCC unroll 8
+                for (int t = 0; t < M; t++) {
+                    const __m512i joined = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(in_sums[n][t]), 7),
+                                                            _mm512_load_si512(in_sums[n][M + t]));
+                    part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), s, part[t]);
+                    part[t] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(token_sums[t]), part[t]);
+                }
+            }
+            if (c == 3)
+#pragma GCC unroll 8
+                for (int t = 0; t < M; t++) {
+                    total[t] = _mm512_fmadd_ps(part[t], _mm512_set1_ps(adl[16 * b + t]), total[t]);
+                    part[t] = _mm512_setzero_ps();
+                }
+        }
+    }
+    for (int t = 0; t < M; t++) _mm512_mask_storeu_ps(out + out_stride * t, (__mmask16)((1u << rows) - 1), total[t]);
+}
+
+#define KQ_STACKED_ARGS const uint8_t *grp, int nb, const int8_t *stacked, int K, const float *asums, const float *adl, \
+    int ahead, float *out, ptrdiff_t out_stride, int rows
+typedef void (*kq_stacked_fn)(KQ_STACKED_ARGS);
+#define KQ_STACKED_M(M) TARGET_AMX static void kq_amx_stacked_##M(KQ_STACKED_ARGS) { \
+    kq_amx_stacked(M, grp, nb, stacked, K, asums, adl, ahead, out, out_stride, rows); }
+KQ_STACKED_M(1) KQ_STACKED_M(2) KQ_STACKED_M(3) KQ_STACKED_M(4) KQ_STACKED_M(5) KQ_STACKED_M(6) KQ_STACKED_M(7)
+KQ_STACKED_M(8)
+static const kq_stacked_fn KQ_AMX_STACKED[KQ_STACKED_MAX] = {kq_amx_stacked_1, kq_amx_stacked_2, kq_amx_stacked_3,
+    kq_amx_stacked_4, kq_amx_stacked_5, kq_amx_stacked_6, kq_amx_stacked_7, kq_amx_stacked_8};
+
 /* Tokens t0..t0+M-1's value sums per 32 [K/32][16] and d / 128 per block [K/256][16], a row of 16 each, out
    of the chunks (this thread's buffer, grown as needed; NULL if it cannot be). */
 static float *kq_amx_acts(const kq_acts_t *acts, int t0, int M) {
@@ -685,6 +808,17 @@ void kq_rows(int fmt, int isa, const uint8_t *w, ptrdiff_t group_stride, int K, 
     const int nb = K / 256, T = acts->T;
 #if KS_X86
     float *sums;
+    if (acts->stacked && (sums = kq_amx_acts(acts, 0, T))) {
+        /* every token at once on the stacked levels, a group at a time */
+        amx_use(AMX_Q4_K_STACKED + T);
+        for (int g = g0; g < g1; g++) {
+            const int rows = N - KQ_ROWS * g < KQ_ROWS ? N - KQ_ROWS * g : KQ_ROWS;
+            KQ_AMX_STACKED[T - 1](w + group_stride * g, nb, acts->stacked, K, sums, sums + 16 * (K / 32), 1,
+                                  out + KQ_ROWS * g, out_stride, rows);
+        }
+        amx_done();
+        return;
+    }
     if (isa >= ISA_AMX && fmt == FMT_Q4_K_R16 && T >= ks_kq_amx_min_tokens && acts->rows && (sums = kq_amx_acts(acts, 0, 0))) {
         /* 16 tokens at a time on tiles, a group at a time: the groups from memory for the first 16 */
         for (int t0 = 0; t0 < T; t0 += 16) {

@@ -23,14 +23,21 @@ typedef struct {
        rows + t * row_stride [K], lo lo_offset bytes after it; AMX reads them in place */
     const int8_t *rows;
     ptrdiff_t row_stride, lo_offset;
+    /* a call of 8 tokens or fewer on AMX (kq_stacks): both levels' rows stacked [2T][K], hi of token t at row t
+       and its lo at row T + t (NULL: none), so one tile holds both levels of every token */
+    int8_t *stacked;
 } kq_acts_t;
 
 /* Tokens from which repacked Q4_K runs on AMX tiles (ISA amx): below, the VNNI kernel's 4-token chunks. */
 extern int ks_kq_amx_min_tokens;
 
-/* Bytes of kq_acts_t's chunks for T tokens of K values, and the chunks laid out in `buf` (64-aligned). */
-size_t kq_acts_bytes(int K, int T);
-kq_acts_t kq_acts_at(uint8_t *buf, int K, int T);
+/* Whether a call of T tokens over weights of `fmt` on `isa` runs on the stacked levels (kq_acts_t.stacked). */
+int kq_stacks(int fmt, int isa, int T);
+
+/* Bytes of kq_acts_t's chunks for T tokens of K values (and, `stacked`, the stacked levels after them), and
+   those laid out in `buf` (64-aligned). */
+size_t kq_acts_bytes(int K, int T, int stacked);
+kq_acts_t kq_acts_at(uint8_t *buf, int K, int T, int stacked);
 
 static inline int8_t *kq_hi(const kq_acts_t *a, int chunk) { return (int8_t *)(a->base + a->chunk_bytes * chunk); }
 static inline int8_t *kq_lo(const kq_acts_t *a, int chunk) { return kq_hi(a, chunk) + 4 * (size_t)a->K; }
