@@ -62,7 +62,7 @@ export -f ours
 
 llama() {
     while [[ ! -x $SERVER ]]; do
-        grep -q "Error" /tmp/llama-dev/build.log 2>/dev/null && { tail -20 /tmp/llama-dev/build.log; return 1; }
+        grep -qE "CMake Error|\*\*\* \[|: error:" /tmp/llama-dev/build.log 2>/dev/null && { tail -20 /tmp/llama-dev/build.log; return 1; }
         sleep 5
     done
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
