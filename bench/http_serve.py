@@ -99,7 +99,9 @@ def start_daemon(model, args, tmp: Path, devices: str | None = None):
                                 "--served-model-name", "bench", "--max-batch", str(max_batch),
                                 "--max-sessions", str(sessions),
                                 *(["--max-seq-len", str(longest_request(args) + 8)]
-                                  if args.prompt_texts is None else []), *shlex.split(args.serve_args),
+                                  if args.prompt_texts is None else []),
+                                *(["--trace-dir", str(tmp / "traces"), "--trace-max-events", str(4_000_000)]
+                                  if args.trace else []), *shlex.split(args.serve_args),
                                 listening=r"http listening on (http://\S+/v1)")
 
 
@@ -208,8 +210,13 @@ def staggered_rows(base_url: str, model: str, args, vocab: int, server: str, hea
     for clients in args.client_counts:
         planned = plan_requests(args.requests, vocab, args.prompt_range, args.new_range, args.rate, args.seed)
         before = daemon_figures(base_url, headers) if server == "kestrel-stream" else None
-        outcomes, started = staggered_in_processes(base_url, model, planned, clients, headers, args.timeout_s,
-                                                   args.client_processes, args.temperature)
+        tracing = traced(args, log_path, server, clients)
+        try:
+            outcomes, started = staggered_in_processes(base_url, model, planned, clients, headers, args.timeout_s,
+                                                       args.client_processes, args.temperature)
+        finally:
+            if tracing is not None:
+                tracing()
         rows.append(summary(server, clients, outcomes, started))
         save_requests(args, server, clients, outcomes, started, log_path)
         if before is not None:
@@ -218,6 +225,27 @@ def staggered_rows(base_url: str, model: str, args, vocab: int, server: str, hea
             rows[-1].update(server_ttft(log_path, args.requests))
         print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def traced(args, log_path: Path | None, server: str, clients: int):
+    """With --trace and --out, on our daemon (its socket beside `log_path`): a trace started over the socket,
+    and the function that stops it and copies its file into --out; else None."""
+    if not (args.trace and args.out and log_path is not None and server == "kestrel-stream"):
+        return None
+    from kestrel_stream.client.sync import connect
+    client = connect(str(log_path.parent / "ks.sock"))
+    name = f"trace-{args.label or 'run'}-c{clients}.json.gz"
+    client.trace_start(name)
+
+    def stop() -> None:
+        try:
+            written = client.trace_stop()
+        finally:
+            client.close()
+        if written:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(written, Path(args.out) / name)
+    return stop
 
 
 def save_requests(args, server: str, clients: int, outcomes: list, started: float, log_path: Path | None) -> None:
@@ -308,6 +336,9 @@ def main() -> None:
                              "0: greedy")
     parser.add_argument("--seed", type=int, default=0, help="staggered: the requests' seed (same for every server)")
     parser.add_argument("--timeout-s", type=float, default=600.0, help="a request not done by then is lost")
+    parser.add_argument("--trace", action="store_true",
+                        help="staggered, with --out: our daemon's trace of each run (steps, and the calls on its step "
+                             "thread with how long each waited there), written beside the rows as .json.gz")
     parser.add_argument("--max-sessions", type=int, default=None,
                         help="our daemon's --max-sessions (default: the clients, +4 for burst)")
     parser.add_argument("--llama-server", default=None, metavar="BIN",

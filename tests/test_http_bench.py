@@ -1,6 +1,7 @@
 """bench/http_serve.py's staggered workload end to end on the tiny preset: the requests are planned from the seed
 (the same for every server), and with fewer sessions than clients every request still completes (the admission
 queue), none refused, none lost, one JSON row written (the clients in two processes)."""
+import gzip
 import json
 import subprocess
 import sys
@@ -51,7 +52,8 @@ def test_a_histograms_percentile_over_a_run_is_the_difference_of_two_scrapes():
 def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "bench.http_serve", "--workload", "staggered", "--preset", "tiny",
                            "--clients", "6", "--max-sessions", "2", "--requests", "16", "--prompt-range", "8,96",
-                           "--new-range", "4,12", "--rate", "50", "--client-processes", "2", "--out", str(tmp_path)],
+                           "--new-range", "4,12", "--rate", "50", "--client-processes", "2", "--out", str(tmp_path),
+                           "--trace"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [result] = tmp_path.glob("*.json")
@@ -76,6 +78,12 @@ def test_staggered_requests_beyond_the_sessions_all_complete(tmp_path):
                and r["finished_ms"] >= r["sent_ms"] + r["ttft_ms"] - 1 for r in lines), lines
     log = requests.with_name(requests.stem + "-daemon.log").read_text()
     assert log.count('"POST /v1/completions" 200') >= 16
+    # --trace: the daemon's trace of the run, with each call on its step thread and how long it waited there
+    [trace] = tmp_path.glob("trace-*.json.gz")
+    events = json.loads(gzip.decompress(trace.read_bytes()))["traceEvents"]
+    opens = [e for e in events if e.get("name") == "call open_prefilling"]
+    assert len(opens) == 16 and all(e["args"]["waited_ms"] >= 0 and e["dur"] > 0 for e in opens), opens[:2]
+    assert sum(e.get("name") == "step" for e in events) == row["steps"]
 
 
 def test_devices_sets_run_one_daemon_each_with_the_same_requests(tmp_path):

@@ -22,6 +22,7 @@ import time
 import traceback
 from typing import Callable
 
+from kestrel_stream.obs import trace
 from scheduler.batcher import Chunk, Pending, StepBatcher
 
 STOP = object()
@@ -30,10 +31,11 @@ DEFAULT_INLINE_MAX_S = 0.002        # serve --inline-max-ms
 
 class Ahead:
     """A queued call that no step queued before it needs to precede (StepThread.run_ahead)."""
-    __slots__ = ("future", "fn", "args")
+    __slots__ = ("future", "fn", "args", "queued_s")
 
     def __init__(self, future: asyncio.Future, fn, args: tuple):
         self.future, self.fn, self.args = future, fn, args
+        self.queued_s = time.perf_counter()
 
 
 class StepThread:
@@ -82,7 +84,7 @@ class StepThread:
         if self.handoffs:                   # a call never overtakes a decode submitted before it
             self.hand_off()
         future = self.loop.create_future()
-        self.inbox.put((future, fn, args))
+        self.inbox.put((future, fn, args, time.perf_counter()))
         return future
 
     def submit(self, job, at_once: bool = False) -> None:
@@ -151,7 +153,7 @@ class StepThread:
                         self.run_ready_batch()      # requests queued before this call go first
                         self.call(*item)
                     elif type(item) is Ahead:
-                        self.call(item.future, item.fn, item.args)
+                        self.call(item.future, item.fn, item.args, item.queued_s)
                     else:
                         batcher.add(item.session.id, item, item.arrived_s, item.tokens, item.whole)
                     item = None if inbox.empty() else inbox.get()
@@ -169,9 +171,13 @@ class StepThread:
         if timed:
             self.step_s = time.perf_counter() - started
 
-    def call(self, future: asyncio.Future, fn, args) -> None:
+    def call(self, future: asyncio.Future, fn, args, queued_s: float) -> None:
+        """fn(*args), its result or error on the future; in a trace, a span "call <fn>" on the host's "calls"
+        lane with the milliseconds it waited here (``waited_ms``: from its queueing to its start)."""
         try:
-            result = fn(*args)
+            with trace.lane_span("calls", "call " + getattr(fn, "__name__", "?"), "serve",
+                                 waited_ms=round((time.perf_counter() - queued_s) * 1e3, 3)):
+                result = fn(*args)
         except BaseException as e:          # handed to the awaiting request, raised there
             self.loop.call_soon_threadsafe(settle, future, None, e)
         else:
