@@ -13,7 +13,10 @@
 #   ours   bench.http_serve's staggered workload on our daemon: A, this tree, A, this tree (A given), greedy
 #          then --temperature 0.8
 #   llama  after waiting for the build: the workload on this tree's daemon and then on llama-server (-ngl 99
-#          -np 64 -fa on), greedy then sampled (a request not done in 150 s counts as lost: the row is written)
+#          -np 64 -fa on --cache-ram 0), greedy then sampled (a request not done in 150 s counts as lost: the row
+#          is written)
+#   traced the workload once more on this tree's daemon, greedy, with its trace (--trace: a traced step can run
+#          slower, so its figures are not the rows'): where a request's open and first step spend their time
 # Each step's log goes to $OUT/logs/ and its tail to stdout; the rows to $OUT/<label>/.
 set -uo pipefail
 OUT=${OUT:-/tmp/serve-lease}
@@ -72,7 +75,13 @@ llama() {
 }
 export -f llama
 
+traced() {
+    staggered . "traced-t0" --temperature 0 --trace
+}
+export -f traced
+
 step 120 build
 step 240 files
 step 590 ours
 step 590 llama
+step 300 traced
