@@ -133,19 +133,23 @@ def test_the_first_token_does_not_wait_for_the_prompt_to_be_cached(server):
 def test_a_one_choice_request_visits_the_step_thread_once_before_its_prompt_runs(server):
     """Its session is made, the prompt's cached prefix adopted and the rest of the prompt queued in one call on the
     step thread, run ahead of the steps ready there (any other call waits for those): nothing else goes there
-    before its first token, after which its prompt is cached; a request of two choices makes its sessions first
-    and adopts and queues per choice, after the first choice's prompt is cached; its sessions close ahead of the
-    steps too."""
+    before its first token, after which its prompt is cached, ahead too (it holds back no request's open); a
+    request of two choices makes its sessions first and adopts and queues per choice, after the first choice's
+    prompt is cached; its sessions close ahead of the steps too."""
     replica = server.service.replicas.all[0]
     steps, log = replica.steps, []
-    run_ahead, queue_call, submit = steps.run_ahead, steps.queue_call, steps.submit
+    run_ahead, queue_ahead, queue_call, submit = steps.run_ahead, steps.queue_ahead, steps.queue_call, steps.submit
 
     def name(fn) -> str:
         return getattr(fn, "__name__", repr(fn))
 
     async def logged_ahead(fn, *args):
         log.append(f"ahead {name(fn)}")
-        return await run_ahead(fn, *args)
+        return await queue_ahead(fn, *args)
+
+    def logged_queue_ahead(fn, *args):
+        log.append(f"ahead {name(fn)}")
+        return queue_ahead(fn, *args)
 
     def logged_call(fn, *args):
         log.append(name(fn))
@@ -155,23 +159,25 @@ def test_a_one_choice_request_visits_the_step_thread_once_before_its_prompt_runs
         log.append(type(job).__name__)
         return submit(job, at_once)
 
-    steps.run_ahead, steps.queue_call, steps.submit = logged_ahead, logged_call, logged_submit
+    steps.run_ahead, steps.queue_ahead, steps.queue_call, steps.submit = (logged_ahead, logged_queue_ahead, logged_call,
+                                                                          logged_submit)
     try:
         assert reused_by(server, "one?")[0] == 0
-        first = log[:log.index("store")]
+        first = log[:log.index("ahead store")]
         log.clear()
         assert reused_by(server, "two?")[0] > 0           # the adopted prefix was used
-        second = log[:log.index("store")]
+        second = log[:log.index("ahead store")]
         log.clear()
         status, answer = chat(server, "three?", n=2)
         assert status == 200 and len(answer["choices"]) == 2, answer
     finally:
-        steps.run_ahead, steps.queue_call, steps.submit = run_ahead, queue_call, submit
+        steps.run_ahead, steps.queue_ahead, steps.queue_call, steps.submit = run_ahead, queue_ahead, queue_call, submit
     assert first == second == ["ahead open_prefilling"], (first, second)
     # two choices: each session opened, then each prompt adopted and queued, every visit ahead of the steps
     assert log.count("ahead new_session") == 2 and log.count("ahead queue_prompt") == 2, log
     assert "PrefillJob" not in log and "adopt" not in log, log
     assert "ahead close_sessions" in log and "close_sessions" not in log, log      # its end waits for no step
+    assert "ahead store" in log and "store" not in log, log     # nor does caching its prompt
 
 
 def test_a_failing_adopt_serves_the_request_without_the_cache_and_holds_nothing(server):

@@ -227,7 +227,7 @@ class Service:
                              scope: str | None = None, queued: PrefillJob | None = None, state=None) -> PrefillJob:
         """self.prefill through the engine's prefix cache when only the last row is wanted: a fresh
         session adopts the cached prefix of the prompt, the batcher computes the rest, and the prompt's full
-        blocks are cached after it, on the step thread before any later step or call there, not waited for
+        blocks are cached after it, on the step thread once the step in progress ends (queue_ahead), not waited for
         (the first token goes out now).  scope: a request's cache (serve/prefix_scopes.py; None: the shared one);
         queued: the prompt's job, queued at the session's open (open_sessions' prefill); state: want "sample"'s
         sampling state (step_jobs.PrefillJob)."""
@@ -238,7 +238,7 @@ class Service:
             queued = await replica.steps.run_ahead(replica.queue_prompt, scope, session, ids, want, k, state)
         job = await queued.result_or_raise()
         if replica.engine.prefix_cache is not None:
-            replica.steps.queue_call(replica.prefix_scopes.store, scope, session, ids).add_done_callback(
+            replica.steps.queue_ahead(replica.prefix_scopes.store, scope, session, ids).add_done_callback(
                 report_unawaited)
         return job
 

@@ -73,11 +73,17 @@ class StepThread:
         """``fn(*args)`` here once the step in progress ends, before the steps ready by then (``run`` waits for
         those): for a call that only adds, such as a new session whose prompt ``fn`` queues in the batcher, which
         then runs in the next step.  Decodes submitted before it still reach the batcher first."""
+        return await self.queue_ahead(fn, *args)
+
+    def queue_ahead(self, fn, *args) -> asyncio.Future:
+        """run_ahead's call queued now, its result on the future: for one nobody waits for (a prompt's blocks
+        into the prefix cache), which then neither runs a step before itself nor holds back the calls queued
+        after it (a new request's session and prompt) for that step, as ``queue_call`` would."""
         if self.handoffs:
             self.hand_off()
         future = self.loop.create_future()
         self.inbox.put(Ahead(future, fn, args))
-        return await future
+        return future
 
     def queue_call(self, fn, *args) -> asyncio.Future:
         """``fn(*args)`` queued here now, before any step or call submitted after it; its result on the future."""
