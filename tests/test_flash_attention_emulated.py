@@ -159,3 +159,41 @@ def test_forcing_either_kernel_gives_the_same_logits(flash_calls):
     assert flash_calls == [33] * BASE.num_hidden_layers
     assert relative_error(outs["flash"], outs["split"]) < 2e-3
     gpu.close()
+
+
+def test_split_head_is_the_rows_up_to_the_last_short_run():
+    assert fa.split_head(64, np.array([1, 2, 3] + [9] * 30)) == 3           # decodes, then a chunk
+    assert fa.split_head(64, np.array([9] * 30 + [1, 2])) == 32             # a decode last: all on split
+    assert fa.split_head(64, np.array([1] + [9] * 20 + [2] + [8] * 16)) == 22
+    assert fa.split_head(64, np.array([9] * 16 + [8] * 40)) == 0 and fa.split_head(64, np.array([], int)) == 0
+
+
+def test_decodes_beside_prompts_take_the_split_kernel_and_the_prompts_the_flash_kernel(flash_calls):
+    """A serving step: two sessions' decodes, then a fresh prompt (and a continued one), in one step: the decodes'
+    rows on the split kernel, the prompts' on the flash kernel (a launch each a layer), every session's numbers
+    the CPU engine's; where a short run comes last the whole step stays on the split kernel."""
+    cpu, gpu = engines(config(64, 4, 2))
+    x, layers = gpu.executor, BASE.num_hidden_layers
+    starts = [prompt(5, 20), prompt(7, 21)]
+    refs = [cpu.new_session() for _ in starts]
+    kvs = [x.alloc_kv(256) for _ in starts]
+    for ref, kv, p in zip(refs, kvs, starts):
+        ref.prefill(p)
+        x.forward([(kv, np.array(p), 0)], logits="last")
+    assert flash_calls == []                    # runs of 5 and 7: the split kernel
+    fresh, fresh_kv = cpu.new_session(), x.alloc_kv(256)
+    chunk = prompt(30, 22)
+    gots = x.forward([(kvs[0], np.array([9]), 5), (kvs[1], np.array([11]), 7), (fresh_kv, np.array(chunk), 0)],
+                     logits="last")
+    assert flash_calls == [30] * layers, flash_calls
+    wants = [refs[0].decode(9), refs[1].decode(11), fresh.prefill(chunk)[-1]]
+    for got, want in zip(gots, wants):
+        assert relative_error(got[0], want) < 2e-3 and int(np.argmax(got)) == int(np.argmax(want))
+    flash_calls.clear()
+    more = prompt(20, 23)                       # the chunk first, a decode after it: all on the split kernel
+    gots = x.forward([(fresh_kv, np.array(more), 30), (kvs[0], np.array([4]), 6)], logits="last")
+    assert flash_calls == []
+    wants = [fresh.prefill(more)[-1], refs[0].decode(4)]
+    for got, want in zip(gots, wants):
+        assert relative_error(got[0], want) < 2e-3 and int(np.argmax(got)) == int(np.argmax(want))
+    gpu.close()

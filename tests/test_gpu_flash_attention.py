@@ -121,3 +121,45 @@ def test_flash_attention_matches_numpy_and_the_split_kernel(gpu, D, group, scena
     gpu_split.enqueue(gpu.stream)
     split = gpu.get(split_out, q.shape)
     assert np.abs(split - got).max() / np.abs(want).max() < 3e-3
+
+
+@pytest.mark.parametrize("group", [1, 4])
+@pytest.mark.parametrize("D", [64, 128])
+def test_a_serving_step_splits_between_the_kernels(gpu, D, group):
+    """Two decodes and a 70-token prompt in one step (AttentionChoice: the decodes' rows on the split kernel, the
+    prompt's on the flash kernel from its own row on, its pointers moved past the decodes): numpy's numbers."""
+    from kestrel_stream.cuda.kernels import paged_attention_launch
+    sessions = [(40, 1), (17, 1), (0, 70)]
+    rng = np.random.default_rng(D + group)
+    n_kv = 2
+    n_heads = n_kv * group
+    tables, table_row, pos, caches = paged_step(gpu, rng, sessions, n_kv, D)
+    T = len(pos)
+    q = rng.standard_normal((T, n_heads, D)).astype(np.float32)
+    scale = 1.0 / np.sqrt(D)
+    want = reference(q, sessions, caches, 0, scale)
+    q_ptr, row_ptr, pos_ptr = gpu.put(q), gpu.put(table_row), gpu.put(pos)
+    out = gpu.arena.alloc(q.nbytes)
+    partials = gpu.arena.alloc(T * n_heads * SPLITS * (D + 2) * 4)
+    counters = gpu.put(np.zeros(T * n_kv, np.uint32))
+    tree = gpu.put(np.zeros((T, 4), np.int32))
+
+    def split_rows(d: int):
+        return paged_attention_launch(gpu.kernels, q_ptr, tables, row_ptr, pos_ptr, out, partials, counters, d,
+                                      LAYER, LAYERS, n_heads, n_kv, D, SPLITS, BLOCK_SHIFT, "f16", scale=scale,
+                                      tree=tree)
+    step = fa.StepChoice(lambda: table_row, D)
+    choice = fa.attention_choice(gpu.kernels, split_rows(T), step, q=q_ptr, tables=tables, table_row=row_ptr,
+                                 pos=pos_ptr, out=out, tokens=T, layer=LAYER, n_layers=LAYERS, n_heads=n_heads,
+                                 n_kv=n_kv, head_dim=D, block_shift=BLOCK_SHIFT, kv_dtype="f16", window=0,
+                                 scale=scale, tree=tree, split_rows=split_rows, tree_row_bytes=16)
+    step.decide()
+    assert step.head == 2 and not step.flash
+    launches = choice.chosen(gpu.stream)
+    assert [launch.name.split("_")[0] for launch in launches] == ["attention", "flash"]
+    for _ in range(2):
+        driver.h2d_sync(out, np.full(q.shape, np.nan, np.float32))
+        choice.enqueue(gpu.stream)
+        got = gpu.get(out, q.shape)
+        err = np.abs(got - want).max() / np.abs(want).max()
+        assert err < 3e-3, f"relative error {err:.2e}"

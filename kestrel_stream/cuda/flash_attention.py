@@ -67,6 +67,21 @@ def prefers_flash(head_dim: int, table_rows: np.ndarray) -> bool:
     return shortest_run(table_rows) >= FLASH_MIN_ROWS[head_dim]
 
 
+def split_head(head_dim: int, table_rows: np.ndarray) -> int:
+    """The rows of a step that the split kernel takes when the rest go to the flash kernel: up to the end of its
+    last run shorter than FLASH_MIN_ROWS (0: every run long enough, the whole step on the flash kernel; all of
+    them: the last run is short, the whole step on the split kernel).  A serving step holds its decodes (a row a
+    session) first and its prompt chunks after them: the decodes on the split kernel, the chunks on the flash
+    kernel, where one kernel for all would be the split kernel's key loop for every row of every chunk."""
+    n = len(table_rows)
+    if n == 0:
+        return 0
+    starts = np.concatenate(([0], np.flatnonzero(table_rows[1:] != table_rows[:-1]) + 1))
+    ends = np.concatenate((starts[1:], [n]))
+    short = np.flatnonzero(ends - starts < FLASH_MIN_ROWS[head_dim])
+    return int(ends[short[-1]]) if len(short) else 0
+
+
 def flash_attention_launch(kernels, q: int, tables: int, table_row: int, pos: int, out: int, tokens: int,
                            layer: int, n_layers: int, n_heads: int, n_kv: int, head_dim: int, block_shift: int,
                            window: int = 0, scale: float | None = None, tree: int = 0):
@@ -87,23 +102,31 @@ class StepChoice:
     def __init__(self, staged_table_rows: Callable[[], np.ndarray], head_dim: int):
         self.staged_table_rows, self.head_dim = staged_table_rows, head_dim
         self.flash = False
+        self.head = 0           # rows [0, head) on the split kernel, the rest on the flash kernel (split_head)
 
     def decide(self) -> bool:
-        self.flash = prefers_flash(self.head_dim, self.staged_table_rows())
+        rows = self.staged_table_rows()
+        self.head = split_head(self.head_dim, rows)
+        self.flash = self.head == 0
         return self.flash
 
 
 class AttentionChoice:
     """A step's attention launch: `flash` where the staged rows come in runs of at least
-    FLASH_MIN_ROWS per session (prefill chunks), `split` otherwise and in every graph capture.
+    FLASH_MIN_ROWS per session (prefill chunks), `split` in every graph capture and where no run is, and where
+    short runs (decodes) come before long ones (chunks), both: `split_rows(d)` over the first d rows and
+    `flash_rows(d)` over the rest (StepChoice.head), launches made for that d and kept for the next steps.
 
     kernel: "auto" (that choice), or "split" / "flash" to force one (benches, tests).  Labels and the
-    programmatic flag go to both launches; each traces under its own kernel name."""
+    programmatic flag go to every launch; each traces under its own kernel name."""
     launch_count = 1
+    KEPT_HEADS = 8              # the (split, flash) pairs kept, by head rows
 
-    def __init__(self, split, flash, step: StepChoice, first_layer: bool):
+    def __init__(self, split, flash, step: StepChoice, first_layer: bool, split_rows=None, flash_rows=None):
         self.split, self.flash, self.step, self.first_layer = split, flash, step, first_layer
+        self.split_rows, self.flash_rows = split_rows, flash_rows
         self.kernel = "auto"
+        self._pairs: dict[int, tuple] = {}
 
     @property
     def name(self) -> str:
@@ -116,6 +139,9 @@ class AttentionChoice:
     def label(self, **labels) -> "AttentionChoice":
         self.split.label(**labels)
         self.flash.label(**labels)
+        for pair in self._pairs.values():
+            for launch in pair:
+                launch.label(**labels)
         return self
 
     @property
@@ -126,30 +152,63 @@ class AttentionChoice:
     def programmatic(self, enabled: bool) -> None:
         self.split.programmatic = enabled
         self.flash.programmatic = enabled
+        for pair in self._pairs.values():
+            for launch in pair:
+                launch.programmatic = enabled
 
-    def chosen(self, stream):
-        """The launch this step runs on `stream` (the first layer's call decides for the step)."""
+    def chosen(self, stream) -> tuple:
+        """The launches this step runs on `stream` (the first layer's call decides for the step)."""
         if self.kernel != "auto":
-            return self.flash if self.kernel == "flash" else self.split
+            return (self.flash if self.kernel == "flash" else self.split),
         if stream.capturing:
-            return self.split
-        use_flash = self.step.decide() if self.first_layer else self.step.flash
-        return self.flash if use_flash else self.split
+            return self.split,
+        if self.first_layer:
+            self.step.decide()
+        head, rows = self.step.head, len(self.step.staged_table_rows()) if self.split_rows else 0
+        if self.step.flash:
+            return self.flash,
+        if self.split_rows is None or head >= rows:
+            return self.split,
+        return self._pair(head)
+
+    def _pair(self, head: int) -> tuple:
+        pair = self._pairs.get(head)
+        if pair is None:
+            if len(self._pairs) >= self.KEPT_HEADS:
+                self._pairs.clear()
+            pair = self._pairs[head] = (self.split_rows(head), self.flash_rows(head))
+            for launch in pair:
+                launch.label(**self.split.labels)
+                launch.programmatic = self.split.programmatic
+        return pair
 
     def enqueue(self, stream) -> None:
-        self.chosen(stream).enqueue(stream)
+        for launch in self.chosen(stream):
+            launch.enqueue(stream)
 
     def submit(self, stream) -> None:
-        self.chosen(stream).submit(stream)
+        for launch in self.chosen(stream):
+            launch.submit(stream)
 
 
 def attention_choice(kernels, split, step: StepChoice, *, q: int, tables: int, table_row: int, pos: int,
                      out: int, tokens: int, layer: int, n_layers: int, n_heads: int, n_kv: int, head_dim: int,
-                     block_shift: int, kv_dtype: str, window: int, scale: float, tree: int = 0):
+                     block_shift: int, kv_dtype: str, window: int, scale: float, tree: int = 0, split_rows=None,
+                     tree_row_bytes: int = 0):
     """`split` (paged_attention_launch) itself where the flash kernel cannot serve the step (float32
-    KV, another head dim or GQA group, fewer tokens than FLASH_MIN_ROWS), else an AttentionChoice."""
+    KV, another head dim or GQA group, fewer tokens than FLASH_MIN_ROWS), else an AttentionChoice.
+    split_rows(d): the split launch over the step's first d rows (None: a step is never shared between the
+    kernels); the flash kernel then takes the rest, its row pointers moved past them (q and out float32
+    [tokens, n_heads * head_dim], the table rows int64 and positions int32 a row, tree_row_bytes a tree row)."""
     if not flash_supported(head_dim, kv_dtype, n_heads // n_kv) or tokens < FLASH_MIN_ROWS[head_dim]:
         return split
     flash = flash_attention_launch(kernels, q, tables, table_row, pos, out, tokens, layer, n_layers, n_heads,
                                    n_kv, head_dim, block_shift, window, scale, tree)
-    return AttentionChoice(split, flash, step, first_layer=layer == 0)
+    row = 4 * n_heads * head_dim
+
+    def flash_rows(d: int):
+        return flash_attention_launch(kernels, q + d * row, tables, table_row + 8 * d, pos + 4 * d, out + d * row,
+                                      tokens - d, layer, n_layers, n_heads, n_kv, head_dim, block_shift, window,
+                                      scale, tree + tree_row_bytes * d if tree else 0)
+    return AttentionChoice(split, flash, step, first_layer=layer == 0, split_rows=split_rows,
+                           flash_rows=flash_rows if split_rows is not None else None)

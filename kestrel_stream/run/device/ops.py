@@ -28,6 +28,7 @@ from kestrel_stream.cuda.flash_attention import (StepChoice, attention_choice, p
 from kestrel_stream.model import rope
 from kestrel_stream.model.op_tensors import fused_tensor, norm_weight  # noqa: F401  (importable from here too)
 from kestrel_stream.run.device.moe_ops import MoeBuffers, MoeOps
+from kestrel_stream.run.device.step_io import TREE_BYTES_PER_TOKEN
 
 
 def q8_bytes(w: QWeight, rows: int | None = None) -> int:
@@ -192,10 +193,19 @@ class DeviceOps:
         tree = self.params.tree.ptr         # token trees' masks (run/token_tree.py), staged per step
         split = paged_attention_launch(self.kernels, *common, kv.block_shift, kv.dtype, window=window, scale=scale,
                                        min_keys=kv.min_keys, tree=tree)
+
+        def split_rows(d: int) -> Launch:        # the same launch over the step's first d rows (its decodes)
+            return paged_attention_launch(self.kernels, s.q, kv.base, kvbase, pos, s.attn, s.partials,
+                                          s.attention_counters, d, li, kv.layers, c.num_attention_heads,
+                                          c.num_key_value_heads, c.head_dim,
+                                          split_count(d, c.num_key_value_heads, kv.splits), kv.block_shift, kv.dtype,
+                                          window=window, scale=scale, min_keys=kv.min_keys, tree=tree)
         if tokens not in self._step_choices:     # flash or split: decided once per step, by its first layer
             self._step_choices[tokens] = StepChoice(lambda: self.params.views(tokens)[0], c.head_dim)
-        # prefill chunks: the tensor-core flash kernel, picked per step from the staged rows
+        # prefill chunks: the tensor-core flash kernel, picked per step from the staged rows (beside decodes:
+        # the decodes' rows on the split kernel, the chunks' on the flash kernel)
         return attention_choice(self.kernels, split, self._step_choices[tokens], q=s.q, tables=kv.base,
                                 table_row=kvbase, pos=pos, out=s.attn, tokens=tokens, layer=li, n_layers=kv.layers,
                                 n_heads=c.num_attention_heads, n_kv=c.num_key_value_heads, head_dim=c.head_dim,
-                                block_shift=kv.block_shift, kv_dtype=kv.dtype, window=window, scale=scale, tree=tree)
+                                block_shift=kv.block_shift, kv_dtype=kv.dtype, window=window, scale=scale, tree=tree,
+                                split_rows=split_rows, tree_row_bytes=TREE_BYTES_PER_TOKEN)
