@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # #34's staggered serving pair in one GPU lease: llama-server built on the device (bench/llama_build_on_device.sh,
 # in the background) and our daemon, on the same random 1.7B Q8_0 file, greedy and sampled, with an A/B tree.
-#   OUT=DIR STEPS="build files mixed" bash bench/serve_lease.sh    # ~2 min; the build runs on in the background (~8 min)
+#   OUT=DIR STEPS="build files gputests mixed" A=.ab/A bash bench/serve_lease.sh   # ~3 min; the build runs on (~8 min)
 #   OUT=DIR STEPS="ours" A=.ab/A bash bench/serve_lease.sh           # meanwhile: ours, A and this tree alternated
 #   OUT=DIR STEPS="llama traced" bash bench/serve_lease.sh           # once the build is done (it waits for it)
 # carried (ignored paths): .llama/ (LLAMA_SRC, the source tarball; VOCAB, llama.cpp's qwen2 vocabulary .xz),
@@ -10,13 +10,14 @@
 # STEPS picks some of (in this order):
 #   build  llama.cpp's llama-server from LLAMA_SRC, in the background (log /tmp/llama-dev/build.log)
 #   files  /tmp/q17.gguf: random qwen3-1.7b Q8_0 with the vocabulary (llama.cpp loads no file without one)
+#   gputests  tests/test_gpu_flash_attention.py (a serving step split between the attention kernels: 1b36c6f)
+#   mixed  a prompt chunk of 64-2,048 tokens beside 64 decoding sessions in one step, against each alone
+#          (bench/mixed_steps.py): the steps a staggered run is made of, and what a request arriving in one waits
 #   ours   bench.http_serve's staggered workload on our daemon: A, this tree, A, this tree (A given), greedy
 #          then --temperature 0.8
 #   llama  after waiting for the build: the workload on this tree's daemon and then on llama-server (-ngl 99
 #          -np 64 -fa on --cache-ram 0), greedy then sampled (a request not done in 150 s counts as lost: the row
 #          is written)
-#   mixed  a prompt chunk of 64-2,048 tokens beside 64 decoding sessions in one step, against each alone
-#          (bench/mixed_steps.py): the steps a staggered run is made of, and what a request arriving in one waits
 #   traced the workload once more on this tree's daemon, greedy, with its trace (--trace: a traced step can run
 #          slower, so its figures are not the rows'): where a request's open and first step spend their time
 # Each step's log goes to $OUT/logs/ and its tail to stdout; the rows to $OUT/<label>/.
@@ -77,11 +78,21 @@ llama() {
 }
 export -f llama
 
-mixed() {
-    python3 -m bench.mixed_steps /tmp/q17.gguf --decodes 64 --context 512 --chunks 64,256,512,1024,2048 \
-        --out "$OUT/mixed"
+mixed() {       # this tree (B), and the A tree first where one is given (its bench/ replaced by this one's)
+    local side
+    for side in ${A:+A} B; do
+        local tree=.
+        [[ $side == A ]] && { tree=$A; rm -rf "$A/bench" && cp -r bench "$A/bench"; }
+        (cd "$tree" && PYTHONPATH=/tmp/site:. python3 -m bench.mixed_steps /tmp/q17.gguf --decodes 64 --context 512 \
+            --chunks 64,256,512,1024,2048 --out "$OUT/mixed-$side") || return 1
+    done
 }
 export -f mixed
+
+gputests() {   # the GPU tests of the commits since the last lease
+    python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_flash_attention.py
+}
+export -f gputests
 
 traced() {
     staggered . "traced-t0" --temperature 0 --trace
@@ -90,6 +101,7 @@ export -f traced
 
 step 120 build
 step 240 files
+step 120 gputests
 step 240 mixed
 step 590 ours
 step 590 llama
