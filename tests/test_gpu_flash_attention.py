@@ -88,13 +88,9 @@ def reference(q, sessions, caches, window: int, scale: float):
     return out
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS)
-@pytest.mark.parametrize("group", [1, 2, 4, 8])
-@pytest.mark.parametrize("D", [64, 128])
-def test_flash_attention_matches_numpy_and_the_split_kernel(gpu, D, group, scenario):
-    from kestrel_stream.cuda.kernels import paged_attention_launch
-    sessions, window = SCENARIOS[scenario]
-    rng = np.random.default_rng(D * 100 + group)
+def step_inputs(gpu, rng, sessions, group: int, D: int, window: int):
+    """A step over `sessions` with 2 kv heads: (n_kv, n_heads, T, q [T, n_heads, D], scale, numpy's answer, the
+    tables' and the q, table-row and position arrays' device pointers)."""
     n_kv = 2
     n_heads = n_kv * group
     tables, table_row, pos, caches = paged_step(gpu, rng, sessions, n_kv, D)
@@ -102,7 +98,17 @@ def test_flash_attention_matches_numpy_and_the_split_kernel(gpu, D, group, scena
     q = rng.standard_normal((T, n_heads, D)).astype(np.float32)
     scale = 1.0 / np.sqrt(D)
     want = reference(q, sessions, caches, window, scale)
-    q_ptr, row_ptr, pos_ptr = gpu.put(q), gpu.put(table_row), gpu.put(pos)
+    return n_kv, n_heads, T, q, scale, want, tables, gpu.put(q), gpu.put(table_row), gpu.put(pos)
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("group", [1, 2, 4, 8])
+@pytest.mark.parametrize("D", [64, 128])
+def test_flash_attention_matches_numpy_and_the_split_kernel(gpu, D, group, scenario):
+    from kestrel_stream.cuda.kernels import paged_attention_launch
+    sessions, window = SCENARIOS[scenario]
+    n_kv, n_heads, T, q, scale, want, tables, q_ptr, row_ptr, pos_ptr = step_inputs(
+        gpu, np.random.default_rng(D * 100 + group), sessions, group, D, window)
     out = gpu.arena.alloc(q.nbytes)
     flash = fa.flash_attention_launch(gpu.kernels, q_ptr, tables, row_ptr, pos_ptr, out, T, LAYER, LAYERS,
                                       n_heads, n_kv, D, BLOCK_SHIFT, window, scale)
@@ -130,15 +136,9 @@ def test_a_serving_step_splits_between_the_kernels(gpu, D, group):
     prompt's on the flash kernel from its own row on, its pointers moved past the decodes): numpy's numbers."""
     from kestrel_stream.cuda.kernels import paged_attention_launch
     sessions = [(40, 1), (17, 1), (0, 70)]
-    rng = np.random.default_rng(D + group)
-    n_kv = 2
-    n_heads = n_kv * group
-    tables, table_row, pos, caches = paged_step(gpu, rng, sessions, n_kv, D)
-    T = len(pos)
-    q = rng.standard_normal((T, n_heads, D)).astype(np.float32)
-    scale = 1.0 / np.sqrt(D)
-    want = reference(q, sessions, caches, 0, scale)
-    q_ptr, row_ptr, pos_ptr = gpu.put(q), gpu.put(table_row), gpu.put(pos)
+    n_kv, n_heads, T, q, scale, want, tables, q_ptr, row_ptr, pos_ptr = step_inputs(
+        gpu, np.random.default_rng(D + group), sessions, group, D, 0)
+    table_row = np.concatenate([np.full(n, s, np.int64) for s, (_, n) in enumerate(sessions)])   # the runs
     out = gpu.arena.alloc(q.nbytes)
     partials = gpu.arena.alloc(T * n_heads * SPLITS * (D + 2) * 4)
     counters = gpu.put(np.zeros(T * n_kv, np.uint32))

@@ -387,10 +387,57 @@ static const kq_tile_fn KQ_TILES[2][KQ_CHUNK] = {{q4k_tile_1, q4k_tile_2, q4k_ti
    made.  sums [K/32][16] and dl [K/256][16]: the tokens' value sums and d / 128 (kq_amx_acts).  `ahead`:
    prefetch as q4k_sub_blocks does. */
 #define KQ_AMX_LAG 2
+
+/* Step `step` (sub-blocks 2c and 2c + 1 of block b) of a Q4_K row group on tiles: its 16 rows' nibbles into w
+   [sub-block][quad][16 rows x 4] (the low nibble masked, the high one in place: 16 times its value, as the VNNI
+   kernel's), and at a block's first step its d, dmin, scales and mins into slot b & 1; `ahead`: prefetch as
+   q4k_sub_blocks does. */
+TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_unpack(
+    const uint8_t *grp, int step, uint8_t (*w)[8][64], __m512 *d, __m512 *dmin, uint8_t (*sc)[128], uint8_t (*mn)[128],
+    int ahead) {
+    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
+    const int b = step / 4, c = step % 4;
+    const uint8_t *blk = grp + (size_t)Q4K_GROUP_BLOCK * b;
+    if (c == 0) {
+        d[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_D)));
+        dmin[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_DMIN)));
+        q4k_unpack_scales(blk + Q4K_SCALES, sc[b & 1], mn[b & 1]);
+    }
+    for (int q = 0; q < 8; q++) {
+        const __m512i v = _mm512_load_si512(blk + 64 * (8 * c + q));
+        _mm512_store_si512(w[0][q], _mm512_and_si512(v, low));
+        _mm512_store_si512(w[1][q], _mm512_and_si512(v, high));
+        if (ahead) {
+            PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+            PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
+        }
+    }
+    if (ahead) {
+        PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+        PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
+    }
+}
+
+/* Sub-block j of block b into part[t] for the M tokens: hi[t] and lo[t] its int32 sums of each level (a row a
+   lane), joined as 128 * hi + lo and scaled by q4k_sub_blocks' float steps in its order (the same bits). */
+TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_scale(
+    const int M, int b, int j, const int32_t (*hi)[16], const int32_t (*lo)[16], uint8_t (*sc)[128],
+    uint8_t (*mn)[128], const __m512 *d, const __m512 *dmin, const float *asums, __m512 *part) {
+    const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(sc[b & 1] + 16 * j)))),
+                                   (j & 1) ? _mm512_mul_ps(d[b & 1], _mm512_set1_ps(0.0625f)) : d[b & 1]);
+    const __m512 mv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(mn[b & 1] + 16 * j)))),
+                                    dmin[b & 1]);
+    const float *token_sums = asums + 16 * (8 * b + j);
+#pragma GCC unroll 16
+    for (int t = 0; t < M; t++) {
+        const __m512i joined = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(hi[t]), 7), _mm512_load_si512(lo[t]));
+        part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), s, part[t]);
+        part[t] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(token_sums[t]), part[t]);
+    }
+}
 TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_group(
     const int M, const uint8_t *grp, int nb, const int8_t *hi, ptrdiff_t stride, ptrdiff_t lo_offset, const float *asums,
     const float *adl, int ahead, float *out, ptrdiff_t out_stride, int rows) {
-    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     _Alignas(64) uint8_t wq[2][2][8][64];    /* [step & 1][nibble: sub-block 2c, 2c + 1][quad][16 rows x 4] */
     _Alignas(64) int32_t sums[KQ_AMX_LAG + 1][4][16][16];   /* [step % 3][H0, L0, H1, L1][token][row] */
     _Alignas(64) uint8_t sc[2][128], mn[2][128];            /* [block & 1] */
@@ -398,29 +445,8 @@ TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_group(
     for (int t = 0; t < M; t++) part[t] = total[t] = _mm512_setzero_ps();
     const int steps = 4 * nb;
     for (int i = -1; i < steps + KQ_AMX_LAG; i++) {
-        if (i + 1 < steps) {        /* step i + 1's weights, unpacked */
-            const int b = (i + 1) / 4, c = (i + 1) % 4;
-            const uint8_t *blk = grp + (size_t)Q4K_GROUP_BLOCK * b;
-            if (c == 0) {
-                d[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_D)));
-                dmin[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_DMIN)));
-                q4k_unpack_scales(blk + Q4K_SCALES, sc[b & 1], mn[b & 1]);
-            }
-            uint8_t (*w)[8][64] = wq[(i + 1) & 1];
-            for (int q = 0; q < 8; q++) {
-                const __m512i v = _mm512_load_si512(blk + 64 * (8 * c + q));
-                _mm512_store_si512(w[0][q], _mm512_and_si512(v, low));
-                _mm512_store_si512(w[1][q], _mm512_and_si512(v, high));
-                if (ahead) {
-                    PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
-                    PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
-                }
-            }
-            if (ahead) {
-                PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
-                PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
-            }
-        }
+        if (i + 1 < steps)          /* step i + 1's weights, unpacked */
+            kq_amx_unpack(grp, i + 1, wq[(i + 1) & 1], d, dmin, sc, mn, ahead);
         if (i >= 0 && i < steps) {  /* step i's products */
             const int8_t *a = hi + 256 * (size_t)(i / 4) + 64 * (i % 4);
             int32_t (*out_sums)[16][16] = sums[i % (KQ_AMX_LAG + 1)];
@@ -447,21 +473,8 @@ TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_group(
         if (p >= 0) {               /* step p's sums: q4k_sub_blocks' float steps, then q4k_tile's at a block's end */
             const int b = p / 4, c = p % 4;
             int32_t (*in_sums)[16][16] = sums[p % (KQ_AMX_LAG + 1)];
-            for (int n = 0; n < 2; n++) {
-                const int j = 2 * c + n;
-                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(sc[b & 1] + 16 * j)))),
-                                               n ? _mm512_mul_ps(d[b & 1], _mm512_set1_ps(0.0625f)) : d[b & 1]);
-                const __m512 mv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(mn[b & 1] + 16 * j)))),
-                                                dmin[b & 1]);
-                const float *token_sums = asums + 16 * (8 * b + j);
-#pragma GCC unroll 16
-                for (int t = 0; t < M; t++) {
-                    const __m512i joined = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(in_sums[2 * n][t]), 7),
-                                                            _mm512_load_si512(in_sums[2 * n + 1][t]));
-                    part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), s, part[t]);
-                    part[t] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(token_sums[t]), part[t]);
-                }
-            }
+            for (int n = 0; n < 2; n++)
+                kq_amx_scale(M, b, 2 * c + n, in_sums[2 * n], in_sums[2 * n + 1], sc, mn, d, dmin, asums, part);
             if (c == 3)
 #pragma GCC unroll 16
                 for (int t = 0; t < M; t++) {
@@ -494,7 +507,6 @@ static const kq_amx_fn KQ_AMX_GROUPS[16] = {kq_amx_group_1, kq_amx_group_2, kq_a
 TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_stacked(
     const int M, const uint8_t *grp, int nb, const int8_t *stacked, int K, const float *asums, const float *adl,
     int ahead, float *out, ptrdiff_t out_stride, int rows) {
-    const __m512i low = _mm512_set1_epi8(0x0F), high = _mm512_set1_epi8((char)0xF0);
     _Alignas(64) uint8_t wq[2][2][8][64];    /* [step & 1][nibble: sub-block 2c, 2c + 1][quad][16 rows x 4] */
     _Alignas(64) int32_t sums[KQ_AMX_LAG + 1][2][16][16];   /* [step % 3][sub-block 2c, 2c + 1][hi t, lo M + t][row] */
     _Alignas(64) uint8_t sc[2][128], mn[2][128];            /* [block & 1] */
@@ -502,29 +514,8 @@ TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_stacked(
     for (int t = 0; t < M; t++) part[t] = total[t] = _mm512_setzero_ps();
     const int steps = 4 * nb;
     for (int i = -1; i < steps + KQ_AMX_LAG; i++) {
-        if (i + 1 < steps) {        /* step i + 1's weights, unpacked (as kq_amx_group) */
-            const int b = (i + 1) / 4, c = (i + 1) % 4;
-            const uint8_t *blk = grp + (size_t)Q4K_GROUP_BLOCK * b;
-            if (c == 0) {
-                d[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_D)));
-                dmin[b & 1] = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(blk + Q4K_DMIN)));
-                q4k_unpack_scales(blk + Q4K_SCALES, sc[b & 1], mn[b & 1]);
-            }
-            uint8_t (*w)[8][64] = wq[(i + 1) & 1];
-            for (int q = 0; q < 8; q++) {
-                const __m512i v = _mm512_load_si512(blk + 64 * (8 * c + q));
-                _mm512_store_si512(w[0][q], _mm512_and_si512(v, low));
-                _mm512_store_si512(w[1][q], _mm512_and_si512(v, high));
-                if (ahead) {
-                    PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
-                    PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + q));
-                }
-            }
-            if (ahead) {
-                PREFETCH(blk + AHEAD_NEAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
-                PREFETCH(blk + AHEAD_FAR * Q4K_GROUP_BLOCK + 64 * (9 * c + 8));
-            }
-        }
+        if (i + 1 < steps)          /* step i + 1's weights, unpacked */
+            kq_amx_unpack(grp, i + 1, wq[(i + 1) & 1], d, dmin, sc, mn, ahead);
         if (i >= 0 && i < steps) {  /* step i's products, into its pair of C tiles */
             const int8_t *a = stacked + 256 * (size_t)(i / 4) + 64 * (i % 4);
             _tile_loadd(KQS_B_0, wq[i & 1][0], 64);
@@ -557,21 +548,8 @@ TARGET_AMX static inline __attribute__((always_inline)) void kq_amx_stacked(
         if (p >= 0) {               /* step p's sums: kq_amx_group's float steps */
             const int b = p / 4, c = p % 4;
             int32_t (*in_sums)[16][16] = sums[p % (KQ_AMX_LAG + 1)];
-            for (int n = 0; n < 2; n++) {
-                const int j = 2 * c + n;
-                const __m512 s = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(sc[b & 1] + 16 * j)))),
-                                               n ? _mm512_mul_ps(d[b & 1], _mm512_set1_ps(0.0625f)) : d[b & 1]);
-                const __m512 mv = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(mn[b & 1] + 16 * j)))),
-                                                dmin[b & 1]);
-                const float *token_sums = asums + 16 * (8 * b + j);
-#pragma GCC unroll 8
-                for (int t = 0; t < M; t++) {
-                    const __m512i joined = _mm512_add_epi32(_mm512_slli_epi32(_mm512_load_si512(in_sums[n][t]), 7),
-                                                            _mm512_load_si512(in_sums[n][M + t]));
-                    part[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(joined), s, part[t]);
-                    part[t] = _mm512_fnmadd_ps(mv, _mm512_set1_ps(token_sums[t]), part[t]);
-                }
-            }
+            for (int n = 0; n < 2; n++)
+                kq_amx_scale(M, b, 2 * c + n, in_sums[n], in_sums[n] + M, sc, mn, d, dmin, asums, part);
             if (c == 3)
 #pragma GCC unroll 8
                 for (int t = 0; t < M; t++) {
