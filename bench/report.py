@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -9,8 +10,18 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def on_this_card(name: str, machine: str) -> str:
+    """A GPU bench's result name begins "h200-" (the project's reference card); run on another card (the
+    machine line names it: "NVIDIA H100 80GB HBM3 sm_90"), it begins with that card's name instead."""
+    card = re.search(r"\b([A-Z]\d{2,3}[A-Z]*)\b", machine)
+    if name.startswith("h200-") and card and card.group(1).lower() != "h200":
+        return card.group(1).lower() + name[4:]
+    return name
+
+
 def write_results(name: str, env: dict, rows: list[dict], columns: list[str], notes: str = "",
                   out_dir: Path | None = None) -> Path:
+    name = on_this_card(name, env.get("machine", ""))
     out_dir = Path(out_dir) if out_dir else RESULTS
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{env['date'][:10]}-{name}"
