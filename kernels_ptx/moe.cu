@@ -8,7 +8,8 @@
 //                 logits, softmax over them (Mixtral) -- ties to the lowest expert id as the host's
 //                 stable sort; "route" rows [T, 2k]: the ids as floats, then the weights (the host's
 //                 layout); each choice counted in counts[E] (routing frequency, read by the host when
-//                 it asks).  The last block to finish (a ticket) groups the T k choices by expert.
+//                 it asks).  The last block to finish (a ticket) groups the T k choices by expert
+//                 (flags & 4: not, for the one-token launches, which read the route row).
 //   moe_experts_<fmt>_m<M>[_silu]
 //                 grid (row blocks, experts): block (x, s) takes the s-th chosen expert that has a
 //                 slot in the expert pool and rows [4x, 4x + 4) of its weight, over the tokens that
@@ -21,6 +22,15 @@
 //                 plus the residual, into y; y * the next norm's weight into xn and 1/rms: what a dense
 //                 down's epilogue writes.  Without a residual it writes the sum alone (mode offload:
 //                 the resident experts' part, which the host adds to its own).
+//
+// A step of one token (decode at batch 1) takes two launches in place of the three after the route, with
+// no grouping: block x takes rows [4x, 4x + 4) of every chosen expert at once, its threads in k groups
+// (choice j: group j, 128 / k threads rounded down to a power of two), the token's route row read in place:
+//   moe_token_<fmt>_silu     gate_up, times 1/rms, SiLU of (gate, up) row pairs -> act row j for choice j
+//   moe_token_<fmt>_combine  down of act row j, each group's sums times its choice's weight, so that the
+//                            block's reduction is the weighted sum: the dense GEMV epilogue then adds the
+//                            residual and writes y, xn and the last block's 1/rms (or, without a residual,
+//                            the sum alone, as moe_combine)
 //
 // The expert pool: every expert slot holds one expert's gate_up rows (gate j, up j interleaved) and
 // down rows in the layer's formats; slot s's qs at qs + s * qs_slot, its meta at meta + s * meta_slot;
@@ -214,7 +224,7 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_ROUTE_WARPS) moe_route(
     __syncthreads();
     if (threadIdx.x == 0) {
         tickets[blockIdx.y] = 0u;
-        is_last_block = atomicAdd(tickets + gridDim.y, 1u) == gridDim.y - 1;
+        is_last_block = !(flags & 4) && atomicAdd(tickets + gridDim.y, 1u) == gridDim.y - 1;   // 4: no grouping
     }
     __syncthreads();
     if (!is_last_block) return;
@@ -338,3 +348,115 @@ extern "C" __global__ void __launch_bounds__(MOE_COMBINE_THREADS) moe_combine(
         inv_rms_out[t] = 1.0f / sqrtf(total / (float)H + eps);
     }
 }
+
+// ---- one token: every chosen expert's rows in one block ----
+
+// threads a choice has (choice j: threads [j tpc, j tpc + tpc)): MOE_THREADS / k rounded down to a power of two
+__device__ __forceinline__ int choice_threads(int k) {
+    int kp = 1;
+    while (kp < k) kp <<= 1;
+    return MOE_THREADS / kp;
+}
+
+// this thread's share of rows [row0, row0 + MOE_ROWS) of one expert against the token's row x: units lane,
+// lane + tpc, ... (acc[r][0], unit order fixed per thread)
+template <class F>
+__device__ __forceinline__ void token_dots(float (&acc)[MOE_ROWS][1], const unsigned char* wq, const unsigned char* wm,
+                                           const float* x, int row0, int N, int K, int lane, int tpc) {
+    const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
+    const int units = K / F::UNIT;
+    const StridedRows xr{x, 0};
+#pragma unroll 2
+    for (int u = lane; u < units; u += tpc) {
+        typename F::Raw raw[MOE_ROWS];
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; r++) {
+            const long long row = min(row0 + r, N - 1);   // a clamped row is never stored
+            F::load(raw[r], wq + row * qs_row, wm + row * meta_row, u);
+        }
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; r++) unit_dots<F, 1>(raw[r], u, xr, 1, acc[r]);
+    }
+}
+
+// the slot of the token's choice j (-1: not on the device, or no such choice)
+__device__ __forceinline__ int choice_slot(const int* slot_of, const float* route, int j, int k) {
+    return j < k ? slot_of[(int)route[j]] : -1;
+}
+
+template <class F>
+__device__ __forceinline__ void moe_token_silu_body(
+        const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,
+        const int* slot_of, const float* route, const float* x, const float* inv_rms, float* act, int lda, int N,
+        int K, int k) {
+    __shared__ float part[MOE_ROWS][MOE_THREADS];
+    pdl_launch_dependents();
+    pdl_wait();   // the route, x and 1/rms
+    const int tpc = choice_threads(k), j = threadIdx.x / tpc, lane = threadIdx.x % tpc;
+    const int row0 = blockIdx.x * MOE_ROWS;
+    float acc[MOE_ROWS][1];
+#pragma unroll
+    for (int r = 0; r < MOE_ROWS; r++) acc[r][0] = 0.f;
+    const int slot = choice_slot(slot_of, route, j, k);
+    if (slot >= 0) token_dots<F>(acc, qs + slot * qs_slot, meta + slot * meta_slot, x, row0, N, K, lane, tpc);
+#pragma unroll
+    for (int r = 0; r < MOE_ROWS; r++) part[r][threadIdx.x] = acc[r][0];
+    __syncthreads();
+    constexpr int PAIRS = MOE_ROWS / 2;
+    if (threadIdx.x >= k * PAIRS) return;
+    const int c = threadIdx.x / PAIRS, p = threadIdx.x % PAIRS, row = row0 + 2 * p;
+    if (row >= N || choice_slot(slot_of, route, c, k) < 0) return;
+    float gate = 0.f, up = 0.f;
+    for (int t = c * tpc; t < (c + 1) * tpc; t++) {   // the group's threads in order
+        gate += part[2 * p][t];
+        up += part[2 * p + 1][t];
+    }
+    const float s = inv_rms ? inv_rms[0] : 1.f;
+    act[(long long)c * lda + row / 2] = q4_silu_mul(gate * s, up * s);
+}
+
+template <class F>
+__device__ __forceinline__ void moe_token_combine_body(
+        const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,
+        const int* slot_of, const float* route, const float* act, const float* res, float* y, const float* normw_out,
+        float* xn_out, float* inv_rms_out, unsigned int* counter, float eps, int lda, int N, int K, int k) {
+    __shared__ GemvSharedT<1, MOE_ROWS, MOE_THREADS> sh;
+    pdl_launch_dependents();
+    pdl_wait();   // the route and the act rows
+    const int tpc = choice_threads(k), j = threadIdx.x / tpc, lane = threadIdx.x % tpc;
+    const int row0 = blockIdx.x * MOE_ROWS;
+    float acc[MOE_ROWS][1];
+#pragma unroll
+    for (int r = 0; r < MOE_ROWS; r++) acc[r][0] = 0.f;
+    const int slot = choice_slot(slot_of, route, j, k);
+    if (slot >= 0) {
+        token_dots<F>(acc, qs + slot * qs_slot, meta + slot * meta_slot, act + (long long)j * lda, row0, N, K, lane,
+                      tpc);
+        const float w = route[k + j];
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; r++) acc[r][0] *= w;
+    }
+    q4_gemv_epilogue<1, MOE_ROWS, MOE_THREADS, false>(sh, acc, row0, N, nullptr, y, N, res, normw_out, xn_out,
+                                                      inv_rms_out, counter, eps, N, 1);
+}
+
+#define DEFINE_MOE_TOKEN_FMT(F, CODE)                                                                        \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_token_##CODE##_silu(                       \
+            const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,         \
+            const int* slot_of, const float* route, const float* x, const float* inv_rms, float* act, int lda, \
+            int N, int K, int k) {                                                                           \
+        moe_token_silu_body<F>(qs, meta, qs_slot, meta_slot, slot_of, route, x, inv_rms, act, lda, N, K, k);  \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS) moe_token_##CODE##_combine(                    \
+            const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,         \
+            const int* slot_of, const float* route, const float* act, const float* res, float* y,             \
+            const float* normw_out, float* xn_out, float* inv_rms_out, unsigned int* counter, float eps,       \
+            int lda, int N, int K, int k) {                                                                  \
+        moe_token_combine_body<F>(qs, meta, qs_slot, meta_slot, slot_of, route, act, res, y, normw_out,       \
+                                  xn_out, inv_rms_out, counter, eps, lda, N, K, k);                          \
+    }
+
+DEFINE_MOE_TOKEN_FMT(FmtQ8_0, q8_0)
+DEFINE_MOE_TOKEN_FMT(FmtQ4_0, q4_0)
+DEFINE_MOE_TOKEN_FMT(FmtQ4_K, q4_k)
+DEFINE_MOE_TOKEN_FMT(FmtQ6_K, q6_k)

@@ -53,7 +53,8 @@ STATE_FLOATS = {"x": lambda c: c.hidden_size, "xn": lambda c: c.hidden_size + 1,
                 "route": lambda c: ROUTE_FLOATS_PER_CHOICE * c.num_experts_per_tok,
                 "moe_out": lambda c: c.hidden_size}
 PARAMS_BYTES_PER_TOKEN = 16
-EXPERTS_LAUNCHES = 3          # an experts op on the device: gate_up, down, combine (kernels_ptx/moe.cu)
+EXPERTS_LAUNCHES = 3          # an experts op on the device: gate_up, down, combine (kernels_ptx/moe.cu) ...
+TOKEN_EXPERTS_LAUNCHES = 2    # ... and at one token: gate_up, down with the combine in its epilogue (moe_token_*)
 DEVICE_IMAGE_ALIGN = 256      # a Q8 weight's device image: qs, then scales at the next such boundary
 
 
@@ -272,7 +273,7 @@ def _routed_mlp(config, layer: int, tokens: int, formats: dict, next_norm: str) 
         Op(name + "experts", "experts", layer, experts, act * 2 * H + route, act * H,
            extra_flops=tokens * k * (5.0 * I + 2.0 * H), reads=("x", "route"), writes=("x",),
            prologue=name + "mlp_norm", prepares=next_norm, read_fraction=expected_experts(E, k, tokens) / E,
-           launches_per_range=EXPERTS_LAUNCHES),
+           launches_per_range=TOKEN_EXPERTS_LAUNCHES if tokens == 1 else EXPERTS_LAUNCHES),
     ]
 
 

@@ -2,12 +2,13 @@
 
 moe_route: the router's logits of xn times 1/rms (the norm prologue), the host's routing arithmetic
 (run/host/arithmetic.route: the same top-k and weights, ties to the lowest id), the counts, and the
-grouping the last block writes; moe_experts: each active expert's weight read back from its pool slot
+grouping the last block writes (flags & 4: none, the scratch made wrong); moe_experts: each active expert's weight read back from its pool slot
 (a wrong slot, stride or part offset gives wrong numbers) times the rows of the tokens that chose it;
 moe_mma (moe_mma.cu, the grouped tensor-core GEMM): the same, with the dense GEMMs' arithmetic per expert
 (Q8_0: q8_mma.cu's, fake_kernels.mma_product, x in two int8 levels per 32-block; the 4/6-bit formats
 q4_mma.cu's, fake_block_kernels.mma_product, per group of 16); moe_combine: the weighted sum of each token's
-choices that have a slot.  Each checks the launch shape
+choices that have a slot; moe_token_*: one token's choices read from its route row (act row j for choice j),
+the weighted sum through the GEMV epilogue.  Each checks the launch shape
 (a grid that misses a chosen expert is an error, as the kernel would silently skip it), the alignment of
 vector loads and that the route kernel's tickets are zero at launch.
 """
@@ -52,6 +53,10 @@ def moe_route(launch, xn, inv_rms, router, route, counts, slot_of, groups, ticke
     if counts:
         np.add.at(dev(counts, 4 * E, np.uint32), ids.reshape(-1), 1)
     offsets, active, order, position = group_layout(groups, E, T * k)
+    if flags & 4:                                           # no grouping: whatever was there (made wrong here)
+        for view in (offsets, active, order, position):
+            view[:] = -7
+        return
     chosen = ids.reshape(-1)
     order[:] = np.argsort(chosen, kind="stable")            # grouped by expert, ascending choice within
     position[order] = np.arange(T * k)
@@ -162,9 +167,48 @@ def moe_combine(launch, route, groups, slot_of, expert_out, res, y, normw_out, x
         fk.f32(inv_rms_out, T)[:] = 1.0 / np.sqrt(np.mean(np.square(out), axis=1) + np.float32(eps))
 
 
+def token_choices(route: int, slot_of: int, k: int) -> list[tuple[int, int, float]]:
+    """(j, slot, weight) of the token's choices that have a slot, from its route row (each id's slot read
+    alone: the kernels are not told the expert count)."""
+    import fake_kernels as fk
+    row = fk.f32(route, 2 * k)
+    ids = row[:k].astype(np.int64)
+    assert (ids >= 0).all() and (ids < moe_kernels.MAX_EXPERTS).all() and (row[:k] == ids).all(), f"ids {row[:k]}"
+    slots = [int(ints(slot_of + 4 * int(e), 1)[0]) for e in ids]
+    return [(j, slots[j], float(row[k + j])) for j in range(k) if slots[j] >= 0]
+
+
+def moe_token_silu(launch, qs, meta, qs_slot, meta_slot, slot_of, route, x, inv_rms, act, lda, N, K, k) -> None:
+    import fake_kernels as fk
+    fmt = re.fullmatch(r"moe_token_(q8_0|q4_0|q4_k|q6_k)_silu", launch.name).group(1).upper()
+    assert launch.block == (moe_kernels.EXPERT_THREADS, 1, 1) and launch.grid[1:] == (1, 1), launch.name
+    assert launch.grid[0] * moe_kernels.EXPERT_ROWS >= N and N % 2 == 0 and lda >= N // 2, (launch.grid, N, lda)
+    assert qs_slot % 16 == 0 and meta_slot % 16 == 0 and x % 16 == 0, launch.name
+    scale = fk.f32(inv_rms, 1)[0] if inv_rms else np.float32(1)
+    for j, slot, _ in token_choices(route, slot_of, k):
+        s = pool_weight(fmt, qs + slot * qs_slot, meta + slot * meta_slot, N, K) @ fk.f32(x, K) * scale
+        fk.f32(act + 4 * j * lda, N // 2)[:] = fk.silu_mul(s[0::2], s[1::2])
+
+
+def moe_token_combine(launch, qs, meta, qs_slot, meta_slot, slot_of, route, act, res, y, normw_out, xn_out,
+                      inv_rms_out, counter, eps, lda, N, K, k) -> None:
+    import fake_kernels as fk
+    fmt = re.fullmatch(r"moe_token_(q8_0|q4_0|q4_k|q6_k)_combine", launch.name).group(1).upper()
+    assert launch.block == (moe_kernels.EXPERT_THREADS, 1, 1) and launch.grid[1:] == (1, 1), launch.name
+    assert launch.grid[0] * moe_kernels.EXPERT_ROWS >= N and lda >= K and act % 16 == 0 and lda % 4 == 0, launch.name
+    total = np.zeros((1, N), np.float32)
+    for j, slot, weight in token_choices(route, slot_of, k):
+        w = pool_weight(fmt, qs + slot * qs_slot, meta + slot * meta_slot, N, K)
+        total[0] += np.float32(weight) * (w @ fk.f32(act + 4 * j * lda, K))
+    fk.gemv_epilogues(launch, total, 0, y, N, res, normw_out, xn_out, inv_rms_out, counter, eps, N, 1, 1, False,
+                      sums=True, tickets=1)
+
+
 MOE_KERNELS = [
     (r"moe_route", moe_route),
     (r"moe_experts_(q8_0|q4_0|q4_k|q6_k)_m(1|8)(_silu)?", moe_experts),
     (r"moe_mma_(q8_0|q4_0|q4_k|q6_k)_\d+x\d+(_silu)?", moe_mma),
     (r"moe_combine", moe_combine),
+    (r"moe_token_(q8_0|q4_0|q4_k|q6_k)_silu", moe_token_silu),
+    (r"moe_token_(q8_0|q4_0|q4_k|q6_k)_combine", moe_token_combine),
 ]

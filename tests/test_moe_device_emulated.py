@@ -129,17 +129,19 @@ def check_gpu_mode_batches_and_chains(weights, cpu) -> None:
 
 
 def check_gpu_mode_on_the_grouped_gemm(weights, cpu, reference, monkeypatch) -> None:
-    """Every step of two tokens or more (prompts, batches) on moe_mma.cu, one token on the GEMVs: the CPU
-    engine's logits."""
+    """Every step of two tokens or more (prompts, batches) on moe_mma.cu, one token on moe_token_*'s two launches
+    (no grouped GEMV): the CPU engine's logits."""
     from kestrel_stream.run.device import moe_ops
-    kernels, real = [], moe_ops.experts_launch
+    kernels, real, real_token = [], moe_ops.experts_launch, moe_ops.token_launches
     monkeypatch.setattr(moe_ops, "experts_launch", lambda *a, **kw: kernels.append(real(*a, **kw)) or kernels[-1])
+    monkeypatch.setattr(moe_ops, "token_launches", lambda *a, **kw: kernels.extend(real_token(*a, **kw)) or kernels[-2:])
     engine = gpu_engine(weights, options=NUMPY.with_(moe_mma_min_tokens=2))
     for prompt, expected in zip(PROMPTS, reference):
         assert_logits_match(run(engine, prompt), expected)
     assert_batched_decode_matches(engine, cpu)
     names = {launch.name for launch in kernels}
-    assert {"moe_mma_q8_0_16x64_silu", "moe_mma_q8_0_16x64", "moe_experts_q8_0_m1"} <= names, names
+    assert {"moe_mma_q8_0_16x64_silu", "moe_mma_q8_0_16x64", "moe_token_q8_0_silu", "moe_token_q8_0_combine"} <= names
+    assert not any(name.startswith("moe_experts_") for name in names), names
     engine.close()
 
 

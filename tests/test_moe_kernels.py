@@ -1,7 +1,8 @@
 """The mixture-of-experts kernels (kernels_ptx/moe.cu) against numpy: routing with the model's top-k (ties to
 the lowest expert), the grouping by expert, and the grouped expert GEMVs with the combine on awkward expert
 loads -- an expert every token chose, one only one token chose, and experts none chose -- at one token (the
-M=1 kernels), a few and more than a tile's worth, in Q8_0 and the block formats, with every expert in the
+M=1 kernels, and moe_token_*'s two launches for 1, 2, 3 and 6 chosen experts), a few and more than a
+tile's worth, in Q8_0 and the block formats, with every expert in the
 pool or some left to the host (mode offload's resident part: the sum alone).  The grouped tensor-core GEMM
 (moe_mma.cu) the same way, forced for every token count (1..70 and 512) and tile, on loads of 0, 1, 31 and all
 tokens, and the switch between it and the GEMVs by the step's token count.
@@ -50,8 +51,9 @@ class Layer:
     """A routed layer's experts (every expert's gate_up rows, then down rows, stacked) in a pool on `dev`,
     each expert in slot `slots[e]` (-1: not on the device), its router, and the step buffers."""
 
-    def __init__(self, dev, shape: str, tokens: int, slots, seed: int = 0):
+    def __init__(self, dev, shape: str, tokens: int, slots, seed: int = 0, chosen: int = K_CHOSEN):
         self.gate_up_fmt, self.down_fmt, self.H, self.I = SHAPES[shape]
+        self.k = k = chosen
         H, I = self.H, self.I
         rng = np.random.default_rng(seed)
         self.gate_up, self.down = stacked(self.gate_up_fmt, E * 2 * I, H, rng), stacked(self.down_fmt, E * H, I, rng)
@@ -70,12 +72,13 @@ class Layer:
                 driver.h2d_sync(part.meta + int(slot) * part.meta_slot, meta)
         self.slot_of = dev.put(self.slots)
         T = tokens
-        self.route = dev.put(np.zeros((T, 2 * K_CHOSEN), np.float32))
+        self.route = dev.put(np.zeros((T, 2 * k), np.float32))
         self.counts = dev.put(np.zeros(E, np.uint32))
-        self.groups = dev.put(np.zeros(moe_kernels.group_ints(E, T, K_CHOSEN), np.int32))
+        self.groups = dev.put(np.zeros(moe_kernels.group_ints(E, T, k), np.int32))
         self.tickets = dev.put(np.zeros(moe_kernels.route_tickets(T), np.uint32))
-        self.act = dev.put(np.zeros((T * K_CHOSEN, I), np.float32))
-        self.expert_out = dev.put(np.zeros((T * K_CHOSEN, H), np.float32))
+        self.counter = dev.put(np.zeros(64, np.uint32))      # the one-token combine's GEMV epilogue
+        self.act = dev.put(np.zeros((T * k, I), np.float32))
+        self.expert_out = dev.put(np.zeros((T * k, H), np.float32))
 
     def expert(self, e: int) -> tuple[np.ndarray, np.ndarray]:
         """(gate_up [2I, H] gate rows then up rows, down [H, I]) of expert e, dequantized."""
@@ -97,35 +100,45 @@ def awkward_inputs(H: int, tokens: int, rng):
     return xn, inv_rms, router
 
 
-def run_layer(dev, layer: Layer, xn, inv_rms, router, *, softmax_first=True, normalize=True, residual=True):
-    """route, gate_up, down and combine as moe_ops.py launches them; returns (route rows, combined y, xn_out,
-    inv_rms_out, groups)."""
+def run_layer(dev, layer: Layer, xn, inv_rms, router, *, softmax_first=True, normalize=True, residual=True,
+              token: bool = False):
+    """route, gate_up, down and combine as moe_ops.py launches them (token: one token's two moe_token_*
+    launches after the route); returns (route rows, combined y, xn_out, inv_rms_out, groups)."""
     T, H, I = len(xn), layer.H, layer.I
     xn_p, inv_p = dev.put(xn), dev.put(inv_rms)
     res = (0.5 * np.random.default_rng(9).standard_normal((T, H))).astype(np.float32)
     y = dev.put(res if residual else np.zeros((T, H), np.float32))
     normw = (1 + 0.1 * np.random.default_rng(8).standard_normal(H)).astype(np.float32)
     xn_out, inv_out = dev.put(np.zeros((T, H), np.float32)), dev.put(np.zeros(T, np.float32))
-    shape = dict(experts=E, chosen=K_CHOSEN, tokens=T)
+    shape = dict(experts=E, chosen=layer.k, tokens=T)
     table = dict(slot_of=layer.slot_of, groups=layer.groups, **shape)
-    launches = [
-        moe_kernels.route_launch(dev.kernels, xn=xn_p, inv_rms=inv_p, router=dev.put(router), route=layer.route,
-                                 counts=layer.counts, slot_of=layer.slot_of, groups=layer.groups, tickets=layer.tickets,
-                                 hidden=H, softmax_first=softmax_first, normalize=normalize, **shape),
+    out = dict(res=y if residual else 0, y=y, normw_out=dev.put(normw) if residual else 0,
+               xn_out=xn_out if residual else 0, inv_rms_out=inv_out if residual else 0, eps=1e-6)
+    route = moe_kernels.route_launch(dev.kernels, xn=xn_p, inv_rms=inv_p, router=dev.put(router), route=layer.route,
+                                     counts=layer.counts, slot_of=layer.slot_of, groups=layer.groups,
+                                     tickets=layer.tickets, hidden=H, softmax_first=softmax_first, normalize=normalize,
+                                     grouped=not token, **shape)
+    assert not token or T == 1
+    token_launches = moe_kernels.token_launches(
+        dev.kernels, layer.gate_up_fmt, layer.parts[0], layer.down_fmt, layer.parts[1], slot_of=layer.slot_of,
+        route=layer.route, x=xn_p, inv_rms=inv_p, act=layer.act, counter=layer.counter, hidden=H, intermediate=I,
+        chosen=layer.k, **out) if token else []
+    launches = [route, *token_launches] if token else [
+        route,
         moe_kernels.experts_launch(dev.kernels, layer.gate_up_fmt, layer.parts[0], x=xn_p, ldx=H, gather=True,
                                    inv_rms=inv_p, y=layer.act, ldy=I, rows=2 * I, cols=H, silu=True, **table),
         moe_kernels.experts_launch(dev.kernels, layer.down_fmt, layer.parts[1], x=layer.act, ldx=I, gather=False,
                                    inv_rms=0, y=layer.expert_out, ldy=H, rows=H, cols=I, silu=False, **table),
         moe_kernels.combine_launch(dev.kernels, route=layer.route, groups=layer.groups, slot_of=layer.slot_of,
-                                   expert_out=layer.expert_out, res=y if residual else 0, y=y,
-                                   normw_out=dev.put(normw) if residual else 0, xn_out=xn_out if residual else 0,
-                                   inv_rms_out=inv_out if residual else 0, eps=1e-6, hidden=H, **shape)]
+                                   expert_out=layer.expert_out, hidden=H, **out, **shape)]
     for launch in launches:
         dev.run(launch)
-    groups = np.empty(moe_kernels.group_ints(E, T, K_CHOSEN), np.int32)
+    groups = np.empty(moe_kernels.group_ints(E, T, layer.k), np.int32)
     driver.d2h_async(groups, layer.groups, groups.nbytes, dev.stream)
     dev.stream.synchronize()
-    return (dev.get(layer.route, (T, 2 * K_CHOSEN)), dev.get(y, (T, H)), dev.get(xn_out, (T, H)),
+    if token:
+        assert not dev.get(layer.counter, (64,)).view(np.uint32).any(), "the combine's ticket and sums not reset"
+    return (dev.get(layer.route, (T, 2 * layer.k)), dev.get(y, (T, H)), dev.get(xn_out, (T, H)),
             dev.get(inv_out, (T,)), groups, res if residual else np.zeros_like(res), normw)
 
 
@@ -142,7 +155,7 @@ def two_levels(x: np.ndarray, fmt: str) -> np.ndarray:
 
 def reference(layer: Layer, xn, inv_rms, router, res, softmax_first=True, normalize=True, int8_x=False):
     """(ids, weights, res + the routed layer's output); int8_x: x and the act rows in the GEMM's two levels."""
-    ids, weights = host_route((xn @ router.T) * inv_rms[:, None], K_CHOSEN, softmax_first, normalize)
+    ids, weights = host_route((xn @ router.T) * inv_rms[:, None], layer.k, softmax_first, normalize)
     out = res.copy()
     x = two_levels(xn, layer.gate_up_fmt) if int8_x else xn
     for t in range(len(xn)):
@@ -171,6 +184,41 @@ def test_experts_with_all_one_and_no_tokens_match_numpy(dev, shape, tokens):
     assert np.abs(y - want).max() <= TOLERANCE * np.abs(want).max(), np.abs(y - want).max()
     np.testing.assert_allclose(xn_out, y * normw, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(inv_out, 1 / np.sqrt(np.mean(y * y, axis=1) + 1e-6), rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("chosen", [1, 2, 3, 6])
+def test_one_token_s_experts_in_two_launches_match_numpy(dev, shape, chosen):
+    """moe_token_*: every chosen expert's rows a block (128 / k threads a choice: 128, 64, 32 with a group
+    idle, 16), the combine in the down's epilogue, y, xn and 1/rms as the grouped launches write them."""
+    rng = np.random.default_rng(chosen)
+    layer = Layer(dev, shape, 1, slots=[3, 0, 5, 1, 2, 4], chosen=chosen)
+    xn, inv_rms, router = awkward_inputs(layer.H, 1, rng)
+    router += 0.5 * rng.standard_normal(router.shape).astype(np.float32)   # distinct weights for each choice
+    route, y, xn_out, inv_out, _, res, normw = run_layer(dev, layer, xn, inv_rms, router, token=True)
+    ids, weights, want = reference(layer, xn, inv_rms, router, res)
+    np.testing.assert_array_equal(route[:, :chosen], ids)
+    assert np.abs(y - want).max() <= TOLERANCE * np.abs(want).max(), np.abs(y - want).max()
+    np.testing.assert_allclose(xn_out, y * normw, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(inv_out, 1 / np.sqrt(np.mean(y * y, axis=1) + 1e-6), rtol=1e-4)
+    act = dev.get(layer.act, (chosen, layer.I))
+    for j, e in enumerate(ids[0]):                    # act row j: choice j's SiLU(gate) * up, in route order
+        gate_up, _ = layer.expert(e)
+        h = gate_up @ xn[0] * inv_rms[0]
+        np.testing.assert_allclose(act[j], silu_mul(h[:layer.I], h[layer.I:]), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("chosen", [2, 3])
+def test_one_token_leaves_experts_not_on_the_device_out_of_the_sum(dev, chosen):
+    """Mode offload's resident part at one token: the sum alone, choices whose expert has no slot skipped."""
+    rng = np.random.default_rng(6)
+    layer = Layer(dev, "q4_k_m", 1, slots=[0, -1, 1, 2, 3, -1], chosen=chosen)
+    xn, inv_rms, router = awkward_inputs(layer.H, 1, rng)
+    router[E - 1, 0] = 7.0                            # expert E-1 (no slot) among the choices
+    route, y, *_ = run_layer(dev, layer, xn, inv_rms, router, residual=False, token=True)
+    ids, _, want = reference(layer, xn, inv_rms, router, np.zeros_like(y))
+    assert E - 1 in ids[0] and np.abs(want).max() > 0
+    assert np.abs(y - want).max() <= TOLERANCE * np.abs(want).max()
 
 
 @pytest.mark.parametrize("tokens", [1, 20])

@@ -20,6 +20,10 @@ ROUTE_SIGNATURE = "pppppppp" + "iiiii"           # xn inv_rms router route count
 EXPERTS_SIGNATURE = "ppqqppp" + "ii" + "pp" + "iiiii"   # qs meta qs_slot meta_slot slot_of groups x, ldx gather,
                                                         # inv_rms y, ldy N K E k
 COMBINE_SIGNATURE = "ppppppppp" + "f" + "iiii"   # route groups slot_of expert_out res y normw xn inv_rms, eps, H E k T
+# one token (moe.cu's moe_token_*): every chosen expert's rows in one block, no grouping
+TOKEN_SILU_SIGNATURE = "ppqqppppp" + "iiii"           # qs meta qs_slot meta_slot slot_of route x inv_rms act, lda N K k
+TOKEN_COMBINE_SIGNATURE = "ppqqppppppppp" + "f" + "iiii"   # ... slot_of route act res y normw xn inv_rms counter, eps,
+                                                           # lda N K k
 
 # kernels_ptx/moe_mma.cu: the grouped int8 tensor-core GEMM (moe_experts' arguments), BM tokens x BN rows per block
 MMA_FORMATS = FORMATS
@@ -58,12 +62,13 @@ def check_shape(experts: int, chosen: int, tokens: int, hidden: int) -> None:
 
 def route_launch(kernels, *, xn: int, inv_rms: int, router: int, route: int, counts: int, slot_of: int,
                  groups: int, tickets: int, hidden: int, experts: int, chosen: int, softmax_first: bool,
-                 normalize: bool, tokens: int):
+                 normalize: bool, tokens: int, grouped: bool = True):
     """moe_route over `tokens` rows of xn (1/rms per row): route rows [tokens, 2 chosen] (ids as floats, then
-    weights), each choice counted in counts [experts] (0: not counted), groups filled; `tickets`:
-    route_tickets(tokens) zeroed uint32, which the last blocks reset."""
+    weights), each choice counted in counts [experts] (0: not counted), groups filled (not with `grouped`
+    False: only the logits, for token_launches); `tickets`: route_tickets(tokens) zeroed uint32, which the last
+    blocks reset."""
     check_shape(experts, chosen, tokens, hidden)
-    flags = (1 if softmax_first else 0) | (2 if normalize else 0)
+    flags = (1 if softmax_first else 0) | (2 if normalize else 0) | (0 if grouped else 4)
     grid = (-(-experts // ROUTE_WARPS), -(-tokens // ROUTE_TOKENS))
     return kernels.launch("moe_route", grid, (32 * ROUTE_WARPS,), ROUTE_SIGNATURE,
                           [xn, inv_rms, router, route, counts, slot_of, groups, tickets, hidden, experts, chosen,
@@ -138,3 +143,23 @@ def combine_launch(kernels, *, route: int, groups: int, slot_of: int, expert_out
     return kernels.launch("moe_combine", (tokens,), (COMBINE_THREADS,), COMBINE_SIGNATURE,
                           [route, groups, slot_of, expert_out, res, y, normw_out, xn_out, inv_rms_out, eps, hidden,
                            experts, chosen, tokens])
+
+
+def token_launches(kernels, gate_up_fmt: str, gate_up: PoolPart, down_fmt: str, down: PoolPart, *, slot_of: int,
+                   route: int, x: int, inv_rms: int, act: int, res: int, y: int, normw_out: int, xn_out: int,
+                   inv_rms_out: int, counter: int, eps: float, hidden: int, intermediate: int, chosen: int) -> list:
+    """A step of one token's experts in two launches (moe.cu's moe_token_*), reading the route row in place of
+    moe_route's grouping: gate_up (times 1/rms, SiLU) into act row j for choice j, then down with the weighted
+    sum, y = res + the sum and the next norm's xn_out and inv_rms_out (the dense GEMV epilogue; `counter`: its
+    zeroed ticket and sums), or the sum alone without res (0), as combine_launch."""
+    assert gate_up_fmt in FORMATS and down_fmt in FORMATS, f"no expert kernel for {gate_up_fmt}/{down_fmt}"
+    assert 1 <= chosen <= MAX_CHOSEN, chosen
+    H, I = hidden, intermediate
+    silu = kernels.launch(f"moe_token_{gate_up_fmt.lower()}_silu", (-(-2 * I // EXPERT_ROWS),), (EXPERT_THREADS,),
+                          TOKEN_SILU_SIGNATURE, [gate_up.qs, gate_up.meta, gate_up.qs_slot, gate_up.meta_slot, slot_of,
+                                                 route, x, inv_rms, act, I, 2 * I, H, chosen])
+    combine = kernels.launch(f"moe_token_{down_fmt.lower()}_combine", (-(-H // EXPERT_ROWS),), (EXPERT_THREADS,),
+                             TOKEN_COMBINE_SIGNATURE, [down.qs, down.meta, down.qs_slot, down.meta_slot, slot_of, route,
+                                                       act, res, y, normw_out, xn_out, inv_rms_out, counter, eps, I, H,
+                                                       I, chosen])
+    return [silu, combine]
