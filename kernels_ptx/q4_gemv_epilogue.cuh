@@ -28,12 +28,14 @@ __device__ __forceinline__ void q4_gemv_epilogue(
     for (int r = 0; r < ROWS; r++)
 #pragma unroll
         for (int m = 0; m < M; m++) {
+            if (m >= ntok) break;   // uniform: a part-filled tile (an expert's 1-2 tokens on M = 8) reduces its own
             float s = warp_sum(acc[r][m]);
             if (lane == 0) sh.partial[warp][r * M + m] = s;
         }
     __syncthreads();
     for (int i = threadIdx.x; i < ROWS * M; i += THREADS) {
         const int m = i % M;
+        if (m >= ntok) continue;   // never read: the tokens past ntok are neither stored nor squared
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < WARPS; w++) s += sh.partial[w][i];
