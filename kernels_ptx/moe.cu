@@ -233,6 +233,32 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_ROUTE_WARPS) moe_route(
     if (threadIdx.x == 0) tickets[gridDim.y] = 0u;
 }
 
+// this thread's share of rows [row0, row0 + MOE_ROWS) of one expert against ntok token rows xr: units first,
+// first + stride, ... (the order of each thread's sums fixed); PAIRS: two units' loads in flight (one token's
+// kernels), else the loop as the compiler unrolls it
+template <class F, int M, bool PAIRS, class X>
+__device__ __forceinline__ void expert_dots(float (&acc)[MOE_ROWS][M], const unsigned char* wq, const unsigned char* wm,
+                                            const X& xr, int ntok, int row0, int N, int K, int first, int stride) {
+    const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
+    const int units = K / F::UNIT;
+    auto unit = [&](int u) {
+        typename F::Raw raw[MOE_ROWS];
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; r++) {
+            const long long row = min(row0 + r, N - 1);   // a clamped row is never stored
+            F::load(raw[r], wq + row * qs_row, wm + row * meta_row, u);
+        }
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; r++) unit_dots<F, M>(raw[r], u, xr, ntok, acc[r]);
+    };
+    if constexpr (PAIRS) {
+#pragma unroll 2
+        for (int u = first; u < units; u += stride) unit(u);
+    } else {
+        for (int u = first; u < units; u += stride) unit(u);
+    }
+}
+
 template <class F, int M, bool SILU>
 __device__ __forceinline__ void moe_experts_body(
         const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,
@@ -249,8 +275,7 @@ __device__ __forceinline__ void moe_experts_body(
     const long long slot = slot_of[e];
     const unsigned char* wq = qs + slot * qs_slot;
     const unsigned char* wm = meta + slot * meta_slot;
-    const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
-    const int row0 = blockIdx.x * MOE_ROWS, units = K / F::UNIT;
+    const int row0 = blockIdx.x * MOE_ROWS;
     for (int p0 = first; p0 < end; p0 += M) {
         const int ntok = min(M, end - p0);
         GatheredRows<M> xr;
@@ -266,16 +291,7 @@ __device__ __forceinline__ void moe_experts_body(
         for (int r = 0; r < MOE_ROWS; r++)
 #pragma unroll
             for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-        for (int u = threadIdx.x; u < units; u += MOE_THREADS) {
-            typename F::Raw raw[MOE_ROWS];
-#pragma unroll
-            for (int r = 0; r < MOE_ROWS; r++) {
-                const long long row = min(row0 + r, N - 1);   // a clamped row is never stored
-                F::load(raw[r], wq + row * qs_row, wm + row * meta_row, u);
-            }
-#pragma unroll
-            for (int r = 0; r < MOE_ROWS; r++) unit_dots<F, M>(raw[r], u, xr, ntok, acc[r]);
-        }
+        expert_dots<F, M, false>(acc, wq, wm, xr, ntok, row0, N, K, threadIdx.x, MOE_THREADS);
 #pragma unroll
         for (int r = 0; r < MOE_ROWS; r++)
 #pragma unroll
@@ -358,27 +374,6 @@ __device__ __forceinline__ int choice_threads(int k) {
     return MOE_THREADS / kp;
 }
 
-// this thread's share of rows [row0, row0 + MOE_ROWS) of one expert against the token's row x: units lane,
-// lane + tpc, ... (acc[r][0], unit order fixed per thread)
-template <class F>
-__device__ __forceinline__ void token_dots(float (&acc)[MOE_ROWS][1], const unsigned char* wq, const unsigned char* wm,
-                                           const float* x, int row0, int N, int K, int lane, int tpc) {
-    const long long qs_row = F::qs_row(K), meta_row = F::meta_row(K);
-    const int units = K / F::UNIT;
-    const StridedRows xr{x, 0};
-#pragma unroll 2
-    for (int u = lane; u < units; u += tpc) {
-        typename F::Raw raw[MOE_ROWS];
-#pragma unroll
-        for (int r = 0; r < MOE_ROWS; r++) {
-            const long long row = min(row0 + r, N - 1);   // a clamped row is never stored
-            F::load(raw[r], wq + row * qs_row, wm + row * meta_row, u);
-        }
-#pragma unroll
-        for (int r = 0; r < MOE_ROWS; r++) unit_dots<F, 1>(raw[r], u, xr, 1, acc[r]);
-    }
-}
-
 // the slot of the token's choice j (-1: not on the device, or no such choice)
 __device__ __forceinline__ int choice_slot(const int* slot_of, const float* route, int j, int k) {
     return j < k ? slot_of[(int)route[j]] : -1;
@@ -398,7 +393,8 @@ __device__ __forceinline__ void moe_token_silu_body(
 #pragma unroll
     for (int r = 0; r < MOE_ROWS; r++) acc[r][0] = 0.f;
     const int slot = choice_slot(slot_of, route, j, k);
-    if (slot >= 0) token_dots<F>(acc, qs + slot * qs_slot, meta + slot * meta_slot, x, row0, N, K, lane, tpc);
+    if (slot >= 0) expert_dots<F, 1, true>(acc, qs + slot * qs_slot, meta + slot * meta_slot, StridedRows{x, 0}, 1, row0, N, K,
+                                         lane, tpc);
 #pragma unroll
     for (int r = 0; r < MOE_ROWS; r++) part[r][threadIdx.x] = acc[r][0];
     __syncthreads();
@@ -430,8 +426,8 @@ __device__ __forceinline__ void moe_token_combine_body(
     for (int r = 0; r < MOE_ROWS; r++) acc[r][0] = 0.f;
     const int slot = choice_slot(slot_of, route, j, k);
     if (slot >= 0) {
-        token_dots<F>(acc, qs + slot * qs_slot, meta + slot * meta_slot, act + (long long)j * lda, row0, N, K, lane,
-                      tpc);
+        expert_dots<F, 1, true>(acc, qs + slot * qs_slot, meta + slot * meta_slot, StridedRows{act + (long long)j * lda, 0}, 1,
+                          row0, N, K, lane, tpc);
         const float w = route[k + j];
 #pragma unroll
         for (int r = 0; r < MOE_ROWS; r++) acc[r][0] *= w;
