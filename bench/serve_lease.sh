@@ -3,6 +3,7 @@
 # in the background) and our daemon, on the same random 1.7B Q8_0 file, greedy and sampled, with an A/B tree.
 #   OUT=DIR STEPS="build files gputests mixed" A=.ab/A bash bench/serve_lease.sh   # ~3 min; the build runs on (~8 min)
 #   OUT=DIR STEPS="ours" A=.ab/A bash bench/serve_lease.sh           # meanwhile: ours, A and this tree alternated
+#   OUT=DIR STEPS="policy" bash bench/serve_lease.sh                 # this tree under four step policies
 #   OUT=DIR STEPS="llama traced" bash bench/serve_lease.sh           # once the build is done (it waits for it)
 # carried (ignored paths): .llama/ (LLAMA_SRC, the source tarball; VOCAB, llama.cpp's qwen2 vocabulary .xz),
 # WHEELS (the daemon's and the client's wheels the device's Python lacks) and A (an A tree: `git archive REV
@@ -15,6 +16,8 @@
 #          (bench/mixed_steps.py): the steps a staggered run is made of, and what a request arriving in one waits
 #   ours   bench.http_serve's staggered workload on our daemon: A, this tree, A, this tree (A given), greedy
 #          then --temperature 0.8
+#   policy the workload on this tree's daemon, greedy, under four step policies: the defaults, --prompt-order
+#          shortest, --step-tokens 512, and both (--serve-args): what a short prompt's first token waits for
 #   llama  after waiting for the build: the workload on this tree's daemon and then on llama-server (-ngl 99
 #          -np 64 -fa on --cache-ram 0), greedy then sampled (a request not done in 150 s counts as lost: the row
 #          is written)
@@ -66,6 +69,14 @@ ours() {
 }
 export -f ours
 
+policy() {
+    staggered . "policy-default" --temperature 0
+    staggered . "policy-shortest" --temperature 0 --serve-args "--prompt-order shortest"
+    staggered . "policy-512" --temperature 0 --serve-args "--step-tokens 512"
+    staggered . "policy-shortest-512" --temperature 0 --serve-args "--prompt-order shortest --step-tokens 512"
+}
+export -f policy
+
 llama() {
     while [[ ! -x $SERVER ]]; do
         grep -qE "CMake Error|\*\*\* \[|: error:" /tmp/llama-dev/build.log 2>/dev/null && { tail -20 /tmp/llama-dev/build.log; return 1; }
@@ -104,5 +115,6 @@ step 240 files
 step 120 gputests
 step 240 mixed
 step 590 ours
+step 400 policy
 step 590 llama
 step 300 traced

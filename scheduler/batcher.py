@@ -10,7 +10,11 @@ A request is a decode (one token) or a prompt (many).  What one step holds
 - then chunks of prompts, oldest first, each as much of its prompt as the
   budget has left; a prompt longer than that goes on in the next steps (the
   engine continues a session from its position, so a prompt cut into chunks
-  reaches the same cache as one run whole);
+  reaches the same cache as one run whole).  With ``prompt_order="shortest"``
+  the prompts with the fewest tokens left go first (a short prompt's first
+  token no longer waits for a long one's chunks), but one that has waited
+  ``prompt_age_steps`` steps since it came goes before those, oldest first, so
+  that no prompt waits on shorter ones for ever;
 - while a prompt waits, decodes leave it one session and one token of room,
   so prompts move on even when decodes alone would fill every step;
 - a request that must run whole (a token tree: its rows see each other in
@@ -40,6 +44,8 @@ DEFAULT_WINDOW_S = 0.001
 DEFAULT_ACTIVE_HORIZON_S = 0.05
 DEFAULT_STEP_TOKENS = 256                   # a step's budget on the host
 DEVICE_STEP_TOKENS = 2048                   # ... and on a GPU
+PROMPT_ORDERS = ("oldest", "shortest")
+DEFAULT_PROMPT_AGE_STEPS = 8                # prompt_order "shortest": a prompt this many steps old goes first
 
 
 def default_step_tokens(on_device: bool) -> int:
@@ -99,6 +105,8 @@ class StepBatcher:
     window_s: float = DEFAULT_WINDOW_S
     active_horizon_s: float = DEFAULT_ACTIVE_HORIZON_S      # a session counts as active this long after a request
     step_tokens: int = DEFAULT_STEP_TOKENS                  # the token budget of one step
+    prompt_order: str = "oldest"                            # or "shortest" (module docstring)
+    prompt_age_steps: int = DEFAULT_PROMPT_AGE_STEPS
     queue: deque = field(default_factory=deque)
     last_request_s: dict = field(default_factory=dict)      # session_key -> time of its latest request
     batches: int = 0
@@ -112,6 +120,10 @@ class StepBatcher:
             raise ValueError(f"window_s must be >= 0, got {self.window_s}")
         if self.step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {self.step_tokens}")
+        if self.prompt_order not in PROMPT_ORDERS:
+            raise ValueError(f"prompt_order must be one of {', '.join(PROMPT_ORDERS)}, got {self.prompt_order!r}")
+        if self.prompt_age_steps < 1:
+            raise ValueError(f"prompt_age_steps must be >= 1, got {self.prompt_age_steps}")
 
     def add(self, session_key: Hashable, payload: Any, now_s: float, tokens: int = 1, whole: bool = False) -> Pending:
         if tokens < 1:
@@ -212,8 +224,8 @@ class StepBatcher:
         if room == 1:                       # one session or one token a step: strictly oldest first
             return [(heads[0], min(heads[0].remaining, self.step_tokens))]
         singles = [p for p in heads if p.remaining == 1]
-        prompts = [p for p in heads if p.remaining > 1]
-        # decodes leave the oldest prompt room: one token, or all of one that runs whole
+        prompts = self.in_prompt_order([p for p in heads if p.remaining > 1])
+        # decodes leave the first prompt room: one token, or all of one that runs whole
         reserved = (prompts[0].remaining if prompts[0].whole else 1) if prompts else 0
         chosen = [(p, 1) for p in singles[:min(room - (1 if prompts else 0), self.step_tokens - reserved)]]
         tokens_left, sessions_left = self.step_tokens - len(chosen), self.max_batch - len(chosen)
@@ -228,9 +240,19 @@ class StepBatcher:
             sessions_left -= 1
         return chosen
 
+    def in_prompt_order(self, prompts: list[Pending]) -> list[Pending]:
+        """`prompts` (oldest first) in the order they take a step's budget."""
+        if self.prompt_order == "oldest" or len(prompts) < 2:
+            return prompts
+        steps, age = self.log.steps, self.prompt_age_steps
+        aged = [p for p in prompts if steps - p.queued_at_step >= age]
+        fresh = [p for p in prompts if steps - p.queued_at_step < age]
+        return aged + sorted(fresh, key=lambda p: p.remaining)     # stable: the older of two alike first
+
     def stats(self) -> dict:
         return {"queue_depth": self.depth, "queued_tokens": self.queued_tokens(), "batches": self.batches,
                 "batched_requests": self.batched_requests,
                 "mean_batch": round(self.batched_requests / self.batches, 3) if self.batches else 0.0,
                 "max_batch": self.max_batch, "window_ms": self.window_s * 1e3, "step_tokens": self.step_tokens,
+                "prompt_order": self.prompt_order,
                 **self.log.stats()}

@@ -169,3 +169,32 @@ def test_the_default_budget_is_larger_on_a_gpu_than_on_the_host():
     assert default_step_tokens(on_device=False) == DEFAULT_STEP_TOKENS == 256
     assert default_step_tokens(on_device=True) == DEVICE_STEP_TOKENS == 2048
     assert StepBatcher().step_tokens == DEFAULT_STEP_TOKENS
+
+
+def test_shortest_first_lets_a_short_prompt_pass_a_long_one_until_the_long_one_has_waited():
+    """prompt_order="shortest": the fewest tokens left take the budget first (ties: the older); a prompt that
+    has waited prompt_age_steps steps since it came goes before them; decodes still come first and leave the
+    first prompt its token."""
+    batcher = StepBatcher(max_batch=8, step_tokens=10, prompt_order="shortest", prompt_age_steps=3)
+    batcher.add("long", 1, 0.0, tokens=40)
+    batcher.add("short", 2, 0.1, tokens=4)
+    batcher.add("tie", 3, 0.2, tokens=4)
+    assert shape(batcher.take()) == [("short", 0, 4, True), ("tie", 0, 4, True), ("long", 0, 2, False)]
+    batcher.add("s2", 4, 0.3, tokens=5)
+    assert shape(batcher.take()) == [("s2", 0, 5, True), ("long", 2, 5, False)]
+    batcher.add("s3", 5, 0.4, tokens=6)
+    assert shape(batcher.take()) == [("s3", 0, 6, True), ("long", 7, 4, False)]
+    batcher.add("s4", 6, 0.5, tokens=6)              # "long" came 3 steps ago: it goes first now
+    assert shape(batcher.take()) == [("long", 11, 10, False)]
+    for key in "abcdefghi":
+        batcher.add(key, key, 0.6)
+    # decodes first, leaving the first prompt in order (the aged one) a session: seven of them, then its chunk
+    assert shape(batcher.take()) == [(key, 0, 1, True) for key in "abcdefg"] + [("long", 21, 3, False)]
+
+
+def test_oldest_first_is_the_default_and_an_unknown_order_is_refused():
+    assert StepBatcher().prompt_order == "oldest" and StepBatcher().stats()["prompt_order"] == "oldest"
+    with pytest.raises(ValueError, match="prompt_order must be one of oldest, shortest"):
+        StepBatcher(prompt_order="newest")
+    with pytest.raises(ValueError, match="prompt_age_steps"):
+        StepBatcher(prompt_order="shortest", prompt_age_steps=0)

@@ -1,4 +1,5 @@
-"""Continuous batching in the daemon: prompts run in chunks beside other sessions' decodes, under --step-tokens.
+"""Continuous batching in the daemon: prompts run in chunks beside other sessions' decodes, under --step-tokens
+(oldest prompt first, or with --prompt-order shortest those with the fewest tokens left).
 
 A real `kestrel-stream serve` process (CPU engine, tiny model); every session's
 tokens are compared with the same session run alone in process.
@@ -49,7 +50,9 @@ async def bad_requests(client, s, vocab: int) -> None:
         await client.call("decode", {"session": 10**6, "token": 1}, {})
 
 
-def test_32_clients_with_prompts_of_1_to_1000_tokens_get_their_solo_tokens(long_tiny_model, tmp_path, monkeypatch):
+@pytest.mark.parametrize("order", ["oldest", "shortest"])
+def test_32_clients_with_prompts_of_1_to_1000_tokens_get_their_solo_tokens(long_tiny_model, tmp_path, monkeypatch,
+                                                                            order):
     # numpy's arithmetic gives a session's rows the same numbers whatever its step holds, so any other
     # token is the batching's fault (the native host kernels' step sizes agree within 2e-3, not bit for bit)
     monkeypatch.setenv("KESTREL_HOST_KERNELS", "numpy")         # the daemon's and the solo reference's
@@ -58,7 +61,8 @@ def test_32_clients_with_prompts_of_1_to_1000_tokens_get_their_solo_tokens(long_
     prompts = [ids(i, n, vocab) for i, n in enumerate(lengths)]
     mores = [ids(100 + i, 1 + (37 * i) % 150, vocab) for i in range(CLIENTS)]
     got, logits = {}, {}
-    daemon = start_daemon(long_tiny_model, tmp_path, env=dict(ENV, KESTREL_HOST_KERNELS="numpy"))
+    daemon = start_daemon(long_tiny_model, tmp_path, "--prompt-order", order,
+                          env=dict(ENV, KESTREL_HOST_KERNELS="numpy"))
     try:
         async def one_client(i: int) -> None:
             async with ks.AsyncClient(daemon.address) as client:
@@ -94,7 +98,7 @@ def test_32_clients_with_prompts_of_1_to_1000_tokens_get_their_solo_tokens(long_
     assert logits[CLIENTS - 1].shape == full_logits.shape
     np.testing.assert_allclose(logits[CLIENTS - 1], full_logits, rtol=1e-4, atol=1e-5)
     assert (logits[CLIENTS - 1].argmax(-1) == full_logits.argmax(-1)).all()
-    assert stats["max_tokens_in_step"] <= STEP_TOKENS == stats["step_tokens"]
+    assert stats["max_tokens_in_step"] <= STEP_TOKENS == stats["step_tokens"] and stats["prompt_order"] == order
     sizes = [len(p) for p in prompts + mores]
     # refused prompts ran nothing; a one-token prompt is a one-token request, as a decode is
     assert stats["prompt_tokens"] == sum(n for n in sizes if n > 1)

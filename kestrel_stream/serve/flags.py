@@ -10,6 +10,8 @@ DEFAULT_SPIN_US = 300.0
 DEFAULT_WINDOW_MS = 1.0         # scheduler.batcher.DEFAULT_WINDOW_S; kept here so `--help` imports no scheduler
 DEFAULT_STEP_TOKENS = 256       # scheduler.batcher.DEFAULT_STEP_TOKENS (the host's)
 DEVICE_STEP_TOKENS = 2048       # scheduler.batcher.DEVICE_STEP_TOKENS
+PROMPT_ORDERS = ("oldest", "shortest")   # scheduler.batcher.PROMPT_ORDERS
+DEFAULT_PROMPT_AGE_STEPS = 8    # scheduler.batcher.DEFAULT_PROMPT_AGE_STEPS
 MAX_STEP_TOKENS = 65536
 DEFAULT_MAX_QUEUE = 256         # generations waiting for a session: 200 requests beyond 64 sessions all wait
 MAX_QUEUE = 1 << 20
@@ -72,6 +74,10 @@ def add_serve_args(p) -> None:
                    help="token budget of one engine step: every queued session's decode token, then chunks of "
                         "queued prompts up to this many tokens in all; a longer prompt runs over several steps "
                         f"(default: {DEVICE_STEP_TOKENS} on a GPU, {DEFAULT_STEP_TOKENS} on the CPU engine)")
+    p.add_argument("--prompt-order", choices=PROMPT_ORDERS, default="oldest",
+                   help="which queued prompts a step's budget goes to first: the oldest, or those with the fewest "
+                        "tokens left (a short prompt's first token does not wait for a long prompt's chunks; one "
+                        f"that has waited {DEFAULT_PROMPT_AGE_STEPS} steps goes first)")
     p.add_argument("--inline-max-ms", type=float, default=DEFAULT_INLINE_MAX_S * 1e3,
                    help="a lone session's decode step runs on the socket reader thread, without a hop to the step "
                         "thread, while its steps take less than this (0: never)")

@@ -15,7 +15,7 @@ from scheduler.step_log import step_figures, ttft_figures
 from kestrel_stream.spec.decoder import SpecStats
 
 MAXIMA = frozenset({"max_tokens_in_step", "max_decode_wait_steps"})
-SHARED = frozenset({"max_batch", "window_ms", "step_tokens", "kv_block_size", "kv_block_bytes", "kv_dtype",
+SHARED = frozenset({"max_batch", "window_ms", "step_tokens", "prompt_order", "kv_block_size", "kv_block_bytes", "kv_dtype",
                     "kind", "policy", "draft_max", "pass_curve"})
 OWN = ("replica", "device", "mode", "plan", "residency", "held_sessions", "load", "placed", "placed_by_prefix")
 
