@@ -11,7 +11,7 @@
 #   files  /tmp/q30a3b.gguf: random qwen3-30b-a3b Q8_0 with the vocabulary (32.5 GB, ~45 s)
 #   tests  the routed layers' GPU tests (tests/test_moe_kernels.py, tests/test_gpu_moe.py)
 #   ab     bench.moe_offload --budgets all (gpu mode: batch-1 decode, a 512-token prefill, 16 sessions), A, this
-#          tree, A, this tree (A given; its bench/ replaced by this one's)
+#          tree, A, this tree (A given; its bench/ replaced by this one's; ROUNDS=1: A, this tree)
 #   rows   after waiting for the build: all in VRAM and experts:0.1 beside llama-bench -ngl 99 (-ncmoe 48) and
 #          llama-batched-bench
 # Each step's log goes to $OUT/logs/ and its tail to stdout; rows to $OUT/<label>/.
@@ -46,7 +46,7 @@ export -f tests
 ab() {
     local round side tree
     [[ -n $A ]] && { rm -rf "$A/bench" && cp -r bench "$A/bench"; }
-    for round in 1 2; do
+    for round in $(seq 1 "${ROUNDS:-2}"); do
         for side in ${A:+A} B; do
             tree=.; [[ $side == A ]] && tree=$A
             (cd "$tree" && PYTHONPATH=/tmp/site:. python3 -m bench.moe_offload /tmp/q30a3b.gguf --budgets all \
