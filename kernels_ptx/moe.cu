@@ -193,15 +193,25 @@ extern "C" __global__ void __launch_bounds__(32 * MOE_ROUTE_WARPS) moe_route(
         for (int m = 0; m < MOE_ROUTE_TOKENS; m++) acc[m] = 0.f;
         const float* w = router + (long long)e * H;
         // 4 strides' loads in flight a warp (each lane's sums keep their order): at one token the launch is
-        // 16 blocks of 8 warps, each walking its 8 KB router row, latency-bound one load pair at a time
+        // 16 blocks of 8 warps, each walking its 8 KB router row, latency-bound one load pair at a time --
+        // so a tile of one token (decode) keeps 8 strides in flight, its sums in the same order
+        if (ntok == 1) {
+            const float* x = xn + (long long)t0 * H;
+#pragma unroll 8
+            for (int i = 4 * lane; i < H; i += 128) {
+                const float4 a = *(const float4*)(w + i), b = *(const float4*)(x + i);
+                acc[0] = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc[0]))));
+            }
+        } else {
 #pragma unroll 4
-        for (int i = 4 * lane; i < H; i += 128) {
-            const float4 a = *(const float4*)(w + i);
+            for (int i = 4 * lane; i < H; i += 128) {
+                const float4 a = *(const float4*)(w + i);
 #pragma unroll
-            for (int m = 0; m < MOE_ROUTE_TOKENS; m++) {
-                if (m >= ntok) break;
-                const float4 b = *(const float4*)(xn + (long long)(t0 + m) * H + i);
-                acc[m] = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc[m]))));
+                for (int m = 0; m < MOE_ROUTE_TOKENS; m++) {
+                    if (m >= ntok) break;
+                    const float4 b = *(const float4*)(xn + (long long)(t0 + m) * H + i);
+                    acc[m] = fmaf(a.x, b.x, fmaf(a.y, b.y, fmaf(a.z, b.z, fmaf(a.w, b.w, acc[m]))));
+                }
             }
         }
 #pragma unroll
