@@ -12,8 +12,8 @@
 #   tests  the routed layers' GPU tests (tests/test_moe_kernels.py, tests/test_gpu_moe.py)
 #   ab     bench.moe_offload --budgets all (gpu mode: batch-1 decode, a 512-token prefill, 16 sessions), A, this
 #          tree, A, this tree (A given; its bench/ replaced by this one's; ROUNDS=1: A, this tree)
-#   rows   after waiting for the build: all in VRAM and experts:0.1 beside llama-bench -ngl 99 (-ncmoe 48) and
-#          llama-batched-bench
+#   rows   after waiting for the build: all in VRAM and experts:0.1 (BUDGETS) beside llama-bench -ngl 99 (-ncmoe 48:
+#          NCMOE, " " for none) and llama-batched-bench
 # Each step's log goes to $OUT/logs/ and its tail to stdout; rows to $OUT/<label>/.
 set -uo pipefail
 OUT=${OUT:-/tmp/moe-lease}
@@ -62,8 +62,9 @@ rows() {
         sleep 5
     done
     export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
-    python3 -m bench.moe_offload /tmp/q30a3b.gguf --budgets all experts:0.1 --stream off --repeats 3 \
-        --llama-bench "$BIN/llama-bench" --llama-batched-bench "$BIN/llama-batched-bench" --ncmoe 48 --out "$OUT/rows"
+    python3 -m bench.moe_offload /tmp/q30a3b.gguf --budgets ${BUDGETS:-all experts:0.1} --stream off --repeats 3 \
+        --llama-bench "$BIN/llama-bench" --llama-batched-bench "$BIN/llama-batched-bench" ${NCMOE:---ncmoe 48} \
+        --out "$OUT/rows"
 }
 export -f rows
 
