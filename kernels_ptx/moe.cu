@@ -389,6 +389,23 @@ __device__ __forceinline__ int choice_slot(const int* slot_of, const float* rout
     return j < k ? slot_of[(int)route[j]] : -1;
 }
 
+// this thread's share of rows [row0, row0 + MOE_ROWS) of its choice's expert (choice j: threads [j tpc, j tpc + tpc))
+// against x + j ldx (ldx 0: the token's one row); false, and zeros, where the choice has no slot
+template <class F>
+__device__ __forceinline__ bool choice_dots(float (&acc)[MOE_ROWS][1], const unsigned char* qs,
+                                            const unsigned char* meta, long long qs_slot, long long meta_slot,
+                                            const int* slot_of, const float* route, const float* x, int ldx, int row0,
+                                            int N, int K, int k) {
+    const int tpc = choice_threads(k), j = threadIdx.x / tpc;
+#pragma unroll
+    for (int r = 0; r < MOE_ROWS; r++) acc[r][0] = 0.f;
+    const int slot = choice_slot(slot_of, route, j, k);
+    if (slot < 0) return false;
+    const StridedRows xr{x + (long long)j * ldx, 0};
+    expert_dots<F, 1, true>(acc, qs + slot * qs_slot, meta + slot * meta_slot, xr, 1, row0, N, K, threadIdx.x % tpc, tpc);
+    return true;
+}
+
 template <class F>
 __device__ __forceinline__ void moe_token_silu_body(
         const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,
@@ -397,14 +414,9 @@ __device__ __forceinline__ void moe_token_silu_body(
     __shared__ float part[MOE_ROWS][MOE_THREADS];
     pdl_launch_dependents();
     pdl_wait();   // the route, x and 1/rms
-    const int tpc = choice_threads(k), j = threadIdx.x / tpc, lane = threadIdx.x % tpc;
-    const int row0 = blockIdx.x * MOE_ROWS;
+    const int tpc = choice_threads(k), row0 = blockIdx.x * MOE_ROWS;
     float acc[MOE_ROWS][1];
-#pragma unroll
-    for (int r = 0; r < MOE_ROWS; r++) acc[r][0] = 0.f;
-    const int slot = choice_slot(slot_of, route, j, k);
-    if (slot >= 0) expert_dots<F, 1, true>(acc, qs + slot * qs_slot, meta + slot * meta_slot, StridedRows{x, 0}, 1, row0, N, K,
-                                         lane, tpc);
+    choice_dots<F>(acc, qs, meta, qs_slot, meta_slot, slot_of, route, x, 0, row0, N, K, k);
 #pragma unroll
     for (int r = 0; r < MOE_ROWS; r++) part[r][threadIdx.x] = acc[r][0];
     __syncthreads();
@@ -429,19 +441,12 @@ __device__ __forceinline__ void moe_token_combine_body(
     __shared__ GemvSharedT<1, MOE_ROWS, MOE_THREADS> sh;
     pdl_launch_dependents();
     pdl_wait();   // the route and the act rows
-    const int tpc = choice_threads(k), j = threadIdx.x / tpc, lane = threadIdx.x % tpc;
-    const int row0 = blockIdx.x * MOE_ROWS;
+    const int j = threadIdx.x / choice_threads(k), row0 = blockIdx.x * MOE_ROWS;
     float acc[MOE_ROWS][1];
+    const float w = choice_dots<F>(acc, qs, meta, qs_slot, meta_slot, slot_of, route, act, lda, row0, N, K, k)
+                    ? route[k + j] : 0.f;
 #pragma unroll
-    for (int r = 0; r < MOE_ROWS; r++) acc[r][0] = 0.f;
-    const int slot = choice_slot(slot_of, route, j, k);
-    if (slot >= 0) {
-        expert_dots<F, 1, true>(acc, qs + slot * qs_slot, meta + slot * meta_slot, StridedRows{act + (long long)j * lda, 0}, 1,
-                          row0, N, K, lane, tpc);
-        const float w = route[k + j];
-#pragma unroll
-        for (int r = 0; r < MOE_ROWS; r++) acc[r][0] *= w;
-    }
+    for (int r = 0; r < MOE_ROWS; r++) acc[r][0] *= w;   // the block's reduction: the choices' weighted sum
     q4_gemv_epilogue<1, MOE_ROWS, MOE_THREADS, false>(sh, acc, row0, N, nullptr, y, N, res, normw_out, xn_out,
                                                       inv_rms_out, counter, eps, N, 1);
 }
