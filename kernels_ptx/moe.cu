@@ -402,7 +402,8 @@ __device__ __forceinline__ bool choice_dots(float (&acc)[MOE_ROWS][1], const uns
     const int slot = choice_slot(slot_of, route, j, k);
     if (slot < 0) return false;
     const StridedRows xr{x + (long long)j * ldx, 0};
-    expert_dots<F, 1, true>(acc, qs + slot * qs_slot, meta + slot * meta_slot, xr, 1, row0, N, K, threadIdx.x % tpc, tpc);
+    const int lane = threadIdx.x % tpc;
+    expert_dots<F, 1, true>(acc, qs + slot * qs_slot, meta + slot * meta_slot, xr, 1, row0, N, K, lane, tpc);
     return true;
 }
 
