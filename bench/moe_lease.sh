@@ -12,6 +12,8 @@
 #   tests  the routed layers' GPU tests (tests/test_moe_kernels.py, tests/test_gpu_moe.py)
 #   ab     bench.moe_offload --budgets all (gpu mode: batch-1 decode, a 512-token prefill, 16 sessions), A, this
 #          tree, A, this tree (A given; its bench/ replaced by this one's; ROUNDS=1: A, this tree)
+#   gemv   this tree's steps of a few tokens (16 sessions) on 8 experts a block (KESTREL_MOE_GEMV=g4, the default)
+#          against one expert a block (m8), alternated ROUNDS times: bench.moe_offload --budgets all
 #   rows   after waiting for the build: all in VRAM and experts:0.1 (BUDGETS) beside llama-bench -ngl 99 (-ncmoe 48:
 #          NCMOE, " " for none) and llama-batched-bench
 # Each step's log goes to $OUT/logs/ and its tail to stdout; rows to $OUT/<label>/.
@@ -56,6 +58,17 @@ ab() {
 }
 export -f ab
 
+gemv() {
+    local round layout
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+        for layout in m8 g4; do
+            KESTREL_MOE_GEMV=$layout python3 -m bench.moe_offload /tmp/q30a3b.gguf --budgets all --repeats 3 \
+                --prompt 64 --out "$OUT/gemv-$layout-$round" | tail -1
+        done
+    done
+}
+export -f gemv
+
 rows() {
     while [[ ! -x $BIN/llama-batched-bench ]]; do
         grep -qE "CMake Error|\*\*\* \[|: error:" /tmp/llama-dev/build.log 2>/dev/null && { tail -20 /tmp/llama-dev/build.log; return 1; }
@@ -72,4 +85,5 @@ step 60 build
 step 240 files
 step 240 tests
 step 590 ab
+step 590 gemv
 step 590 rows

@@ -18,6 +18,11 @@
 //                 order -> one output row per choice.  The dot products are the block-format GEMV's
 //                 (block_dots.cuh over q4_formats.cuh, Q8_0 included), the reduction and SiLU its
 //                 epilogue (q4_gemv_epilogue.cuh).
+//   moe_experts_<fmt>_g4[_silu]
+//                 the same over blocks of 8 chosen experts: block (x, s) takes rows [4x, 4x + 4) of the chosen
+//                 experts 8s .. 8s + 7 with a slot, 16 threads each (a group's sums reduced by shuffles among
+//                 its own lanes, no block barrier), their tokens in tiles of 4: a step of a few sessions
+//                 (most experts one or two tokens) reads 8 experts' rows a block, not one's
 //   moe_combine   one block per token: the weighted sum of its choices' down rows (those with a slot),
 //                 plus the residual, into y; y * the next norm's weight into xn and 1/rms: what a dense
 //                 down's epilogue writes.  Without a residual it writes the sum alone (mode offload:
@@ -312,6 +317,82 @@ __device__ __forceinline__ void moe_experts_body(
     }
 }
 
+// 8 chosen experts a block, 16 threads each (the block's 8 groups; group j expert active[8 blockIdx.y + j])
+#define MOE_GROUP_THREADS 16
+#define MOE_GROUP_TOKENS 4
+
+template <class F, bool SILU>
+__device__ __forceinline__ void moe_experts_grouped_body(
+        const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,
+        const int* slot_of, const int* groups, const float* x, int ldx, int gather, const float* inv_rms,
+        float* y, int ldy, int N, int K, int E, int k) {
+    constexpr int M = MOE_GROUP_TOKENS, G = MOE_THREADS / MOE_GROUP_THREADS;
+    pdl_launch_dependents();
+    pdl_wait();   // the route kernel's groups, x and 1/rms
+    const int* active = groups + E + 1;
+    const int j = threadIdx.x / MOE_GROUP_THREADS, lane = threadIdx.x % MOE_GROUP_THREADS;
+    const int a = blockIdx.y * G + j;
+    if (a >= active[E]) return;   // the whole group: its shuffles name its own lanes only
+    const unsigned int mask = 0xffffu << (threadIdx.x & 16);
+    const int e = active[a];
+    const int first = groups[e], end = groups[e + 1];
+    const int* sorted = groups + 2 * (E + 1);
+    const long long slot = slot_of[e];
+    const unsigned char* wq = qs + slot * qs_slot;
+    const unsigned char* wm = meta + slot * meta_slot;
+    const int row0 = blockIdx.x * MOE_ROWS;
+    for (int p0 = first; p0 < end; p0 += M) {
+        const int ntok = min(M, end - p0);
+        GatheredRows<M> xr;
+        float scale[M];
+#pragma unroll
+        for (int m = 0; m < M; m++) {
+            const int row = m < ntok ? (gather ? sorted[p0 + m] / k : p0 + m) : 0;
+            xr.rows[m] = x + (long long)row * ldx;
+            scale[m] = inv_rms && m < ntok ? inv_rms[row] : 1.f;
+        }
+        float acc[MOE_ROWS][M];
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; r++)
+#pragma unroll
+            for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+        expert_dots<F, M, false>(acc, wq, wm, xr, ntok, row0, N, K, lane, MOE_GROUP_THREADS);
+#pragma unroll
+        for (int r = 0; r < MOE_ROWS; r++)
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                if (m >= ntok) break;   // uniform over the group
+#pragma unroll
+                for (int offset = MOE_GROUP_THREADS / 2; offset > 0; offset >>= 1)
+                    acc[r][m] += __shfl_xor_sync(mask, acc[r][m], offset);
+                acc[r][m] *= scale[m];   // the norm's 1/rms per token (gate_up)
+            }
+        if (lane == 0) {
+#pragma unroll
+            for (int m = 0; m < M; m++) {
+                if (m >= ntok) break;
+                float* out = y + (long long)(p0 + m) * ldy;
+#pragma unroll
+                for (int r = 0; r < MOE_ROWS; r += SILU ? 2 : 1) {
+                    const int row = row0 + r;
+                    if (row >= N) break;
+                    if (SILU) out[row / 2] = q4_silu_mul(acc[r][m], acc[r + 1][m]);
+                    else out[row] = acc[r][m];
+                }
+            }
+        }
+    }
+}
+
+#define DEFINE_MOE_EXPERTS_GROUPED(F, SILU, NAME)                                                     \
+    extern "C" __global__ void __launch_bounds__(MOE_THREADS) NAME(                                   \
+            const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,  \
+            const int* slot_of, const int* groups, const float* x, int ldx, int gather,               \
+            const float* inv_rms, float* y, int ldy, int N, int K, int E, int k) {                    \
+        moe_experts_grouped_body<F, SILU>(qs, meta, qs_slot, meta_slot, slot_of, groups, x, ldx, gather, \
+                                          inv_rms, y, ldy, N, K, E, k);                                \
+    }
+
 #define DEFINE_MOE_EXPERTS(F, M, SILU, NAME)                                                          \
     extern "C" __global__ void __launch_bounds__(MOE_THREADS) NAME(                                   \
             const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,  \
@@ -324,7 +405,9 @@ __device__ __forceinline__ void moe_experts_body(
     DEFINE_MOE_EXPERTS(F, 1, false, moe_experts_##CODE##_m1)            \
     DEFINE_MOE_EXPERTS(F, 1, true, moe_experts_##CODE##_m1_silu)        \
     DEFINE_MOE_EXPERTS(F, 8, false, moe_experts_##CODE##_m8)            \
-    DEFINE_MOE_EXPERTS(F, 8, true, moe_experts_##CODE##_m8_silu)
+    DEFINE_MOE_EXPERTS(F, 8, true, moe_experts_##CODE##_m8_silu)        \
+    DEFINE_MOE_EXPERTS_GROUPED(F, false, moe_experts_##CODE##_g4)       \
+    DEFINE_MOE_EXPERTS_GROUPED(F, true, moe_experts_##CODE##_g4_silu)
 
 DEFINE_MOE_EXPERTS_FMT(FmtQ8_0, q8_0)
 DEFINE_MOE_EXPERTS_FMT(FmtQ4_0, q4_0)

@@ -31,6 +31,8 @@ nothing reads it at import time.  A bad value raises here, naming the variable.
     KESTREL_MOE_MMA_MIN_TOKENS=N  routed layers' steps of >= N tokens on the grouped tensor-core GEMM
                               (default: cuda/moe_kernels.mma_min_tokens, 8 tokens per expert on average; 0: always)
     KESTREL_MOE_MMA_TILE=BMxBN   force one tile of that GEMM (cuda/moe_kernels.MMA_TILES: 16x64 | 32x64 | 64x64)
+    KESTREL_MOE_GEMV=g4|m8    routed layers' steps of 2 tokens up to the GEMM on 8 experts a block (g4, the default)
+                              or one expert a block in tiles of 8 tokens (m8, before)
     KESTREL_LINK_EXPERTS=N    mode offload, one token: N of a token's host-side expert choices read by the GPU
                               over PCIe while the host computes the rest (run/device/expert_link.py; default 0);
                               auto: the count measured fastest while serving (scheduler/link_tuner.py);
@@ -105,6 +107,7 @@ class Options:
     block_mma_min_tokens: int | None = None  # None: cuda/block_kernels.MMA_MIN_TOKENS
     moe_mma_min_tokens: int | None = None    # None: cuda/moe_kernels.mma_min_tokens's default
     moe_mma_tile: str | None = None          # a tile of cuda/moe_kernels.MMA_TILES; None: mma_tile's choice
+    moe_gemv: str | None = None              # cuda/moe_kernels.GEMV_LAYOUTS; None: its default
     kernel_cache_dir: Path | None = None     # None: kernels_ptx.build's default
     cache_dir: Path | None = None            # None: ~/.cache/kestrel-stream
     host_isa: str | None = None              # None: the widest the CPU has (native.ISAS)
@@ -161,6 +164,9 @@ class Options:
         moe_mma_tile = env.get("KESTREL_MOE_MMA_TILE") or None
         if moe_mma_tile is not None and moe_mma_tile not in moe_kernels.MMA_TILES:
             raise ValueError(f"KESTREL_MOE_MMA_TILE={moe_mma_tile!r}: one of {', '.join(moe_kernels.MMA_TILES)}")
+        moe_gemv = env.get("KESTREL_MOE_GEMV") or None
+        if moe_gemv is not None and moe_gemv not in moe_kernels.GEMV_LAYOUTS:
+            raise ValueError(f"KESTREL_MOE_GEMV={moe_gemv!r}: one of {', '.join(moe_kernels.GEMV_LAYOUTS)}")
         host_isa = env.get("KESTREL_HOST_ISA") or None
         if host_isa is not None and host_isa not in HOST_ISAS:
             raise ValueError(f"KESTREL_HOST_ISA={host_isa!r}: one of {', '.join(HOST_ISAS)}")
@@ -205,7 +211,7 @@ class Options:
                       expert_images=expert_images,
                       link_experts=_link_experts(env.get("KESTREL_LINK_EXPERTS")),
                       minflop=_minflop(env.get("KESTREL_MINFLOP")), gemv_m1=m1, gemv_mn=mn, gemv_block=block,
-                      block_mma_min_tokens=block_mma, moe_mma_tile=moe_mma_tile,
+                      block_mma_min_tokens=block_mma, moe_mma_tile=moe_mma_tile, moe_gemv=moe_gemv,
                       moe_mma_min_tokens=_tokens(env.get("KESTREL_MOE_MMA_MIN_TOKENS"), "KESTREL_MOE_MMA_MIN_TOKENS"),
                       cublas_min_tokens=_tokens(env.get("KESTREL_CUBLAS_MIN_TOKENS"), "KESTREL_CUBLAS_MIN_TOKENS"),
                       kernel_cache_dir=_path(env.get("KESTREL_KERNEL_CACHE")),

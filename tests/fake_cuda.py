@@ -287,6 +287,7 @@ class FakeKernelSet:
         self.block_mma_min_tokens = options.block_mma_min_tokens if options is not None else None
         self.moe_mma_min_tokens = options.moe_mma_min_tokens if options is not None else None
         self.moe_mma_tile = options.moe_mma_tile if options is not None else None
+        self.moe_gemv = options.moe_gemv if options is not None else None
 
     def launch(self, kernel_name: str, grid, block, signature: str, args, shared_bytes: int = 0) -> FakeLaunch:
         return FakeLaunch(kernel_name, grid, block, signature, args, shared_bytes)

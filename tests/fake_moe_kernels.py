@@ -80,20 +80,21 @@ def pool_weight(fmt: str, qs: int, meta: int, rows: int, cols: int) -> np.ndarra
 def moe_experts(launch, qs, meta, qs_slot, meta_slot, slot_of, groups, x, ldx, gather, inv_rms, y, ldy, N, K, E,
                 k) -> None:
     import fake_kernels as fk
-    code, m, silu = re.fullmatch(r"moe_experts_(q8_0|q4_0|q4_k|q6_k)_m(1|8)(_silu)?", launch.name).groups()
+    code, layout, silu = re.fullmatch(r"moe_experts_(q8_0|q4_0|q4_k|q6_k)_(m1|m8|g4)(_silu)?", launch.name).groups()
     fmt = code.upper()
     assert launch.block == (moe_kernels.EXPERT_THREADS, 1, 1) and launch.grid[2] == 1, launch.name
+    experts_a_block = moe_kernels.GROUP_EXPERTS if layout == "g4" else 1
     assert launch.grid[0] * moe_kernels.EXPERT_ROWS >= N, f"{launch.name}: grid {launch.grid} misses rows of {N}"
     assert not silu or N % 2 == 0
     assert qs_slot % 16 == 0 and meta_slot % 16 == 0 and ldx % 4 == 0 and x % 16 == 0, launch.name
     offsets, active, order, _ = group_layout(groups, E, 0)
     choices = int(offsets[E])
     offsets, active, order, _ = group_layout(groups, E, choices)
-    assert active[E] <= launch.grid[1], f"{launch.name}: {active[E]} chosen experts, grid {launch.grid}"
+    assert active[E] <= launch.grid[1] * experts_a_block, f"{launch.name}: {active[E]} chosen experts, grid {launch.grid}"
     slots = ints(slot_of, E)
     for e in active[:active[E]]:
         first, end = int(offsets[e]), int(offsets[e + 1])
-        assert int(m) == 8 or end - first <= 1, f"{launch.name}: {end - first} tokens of expert {e} on the M=1 kernel"
+        assert layout != "m1" or end - first <= 1, f"{launch.name}: {end - first} tokens of expert {e} on the M=1 kernel"
         slot = int(slots[e])
         assert slot >= 0
         w = pool_weight(fmt, qs + slot * qs_slot, meta + slot * meta_slot, N, K)
@@ -206,7 +207,7 @@ def moe_token_combine(launch, qs, meta, qs_slot, meta_slot, slot_of, route, act,
 
 MOE_KERNELS = [
     (r"moe_route", moe_route),
-    (r"moe_experts_(q8_0|q4_0|q4_k|q6_k)_m(1|8)(_silu)?", moe_experts),
+    (r"moe_experts_(q8_0|q4_0|q4_k|q6_k)_(m1|m8|g4)(_silu)?", moe_experts),
     (r"moe_mma_(q8_0|q4_0|q4_k|q6_k)_\d+x\d+(_silu)?", moe_mma),
     (r"moe_combine", moe_combine),
     (r"moe_token_(q8_0|q4_0|q4_k|q6_k)_silu", moe_token_silu),

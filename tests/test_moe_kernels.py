@@ -170,8 +170,11 @@ def reference(layer: Layer, xn, inv_rms, router, res, softmax_first=True, normal
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("tokens", [1, 3, 20])
-def test_experts_with_all_one_and_no_tokens_match_numpy(dev, shape, tokens):
+@pytest.mark.parametrize("tokens,layout", [(1, None), (3, "g4"), (20, "g4"), (3, "m8"), (20, "m8")])
+def test_experts_with_all_one_and_no_tokens_match_numpy(dev, shape, tokens, layout):
+    """g4: 8 experts a block (here 6, one block), an expert's tokens in tiles of 4 (20: five tiles); m8: one
+    expert a block in tiles of 8."""
+    dev.kernels.moe_gemv = layout
     rng = np.random.default_rng(tokens)
     layer = Layer(dev, shape, tokens, slots=[3, 0, 5, 1, 2, 4])          # every expert, slots shuffled
     xn, inv_rms, router = awkward_inputs(layer.H, tokens, rng)
@@ -323,13 +326,21 @@ def test_the_step_s_token_count_picks_the_gemm_or_the_gemvs(dev):
     first = moe_kernels.mma_min_tokens(experts, chosen)
     assert first == 128
     part = moe_kernels.PoolPart(0, 0, 256, 256)
-    for tokens, fmt, kernel in ((1, "Q8_0", "moe_experts_q8_0_m1"), (first - 1, "Q8_0", "moe_experts_q8_0_m8"),
-                                (first, "Q8_0", "moe_mma_q8_0_16x64"), (512, "Q8_0", "moe_mma_q8_0_32x64"),
-                                (2048, "Q8_0", "moe_mma_q8_0_64x64"), (512, "Q4_K", "moe_mma_q4_k_32x64"), (first - 1, "Q6_K", "moe_experts_q6_k_m8")):
-        launch = moe_kernels.experts_launch(
+    def launch(fmt: str, tokens: int):
+        return moe_kernels.experts_launch(
             dev.kernels, fmt, part, slot_of=0, groups=0, x=0, ldx=2048, gather=False, inv_rms=0, y=0, ldy=768,
             rows=768, cols=2048, experts=experts, chosen=chosen, tokens=tokens, silu=False)
-        assert launch.name == kernel, (tokens, fmt, launch.name)
+
+    for tokens, fmt, kernel in ((1, "Q8_0", "moe_experts_q8_0_m1"), (first - 1, "Q8_0", "moe_experts_q8_0_g4"),
+                                (first, "Q8_0", "moe_mma_q8_0_16x64"), (512, "Q8_0", "moe_mma_q8_0_32x64"),
+                                (2048, "Q8_0", "moe_mma_q8_0_64x64"), (512, "Q4_K", "moe_mma_q4_k_32x64"),
+                                (first - 1, "Q6_K", "moe_experts_q6_k_g4")):
+        assert launch(fmt, tokens).name == kernel, (tokens, fmt)
+    assert launch("Q8_0", 16).grid[:2] == (192, 128 // moe_kernels.GROUP_EXPERTS)   # 8 experts a block
+    assert launch("Q8_0", 2).grid[:2] == (192, 2)                                   # 2 tokens: up to 16 experts
+    dev.kernels.moe_gemv = "m8"                                                      # KESTREL_MOE_GEMV=m8: before
+    assert launch("Q8_0", 16).name == "moe_experts_q8_0_m8" and launch("Q8_0", 16).grid[:2] == (192, 128)
+    dev.kernels.moe_gemv = None
     dev.kernels.moe_mma_min_tokens = 16
     assert moe_kernels.uses_mma(dev.kernels, "Q8_0", experts=experts, chosen=chosen, tokens=16)
     assert not moe_kernels.uses_mma(dev.kernels, "Q8_0", experts=experts, chosen=chosen, tokens=15)

@@ -68,6 +68,7 @@ class KernelSet:
         # KESTREL_MOE_MMA_MIN_TOKENS / _TILE; None: moe_kernels' choice
         self.moe_mma_min_tokens = options.moe_mma_min_tokens if options is not None else None
         self.moe_mma_tile = options.moe_mma_tile if options is not None else None
+        self.moe_gemv = options.moe_gemv if options is not None else None   # KESTREL_MOE_GEMV
         self._functions: dict[str, object] = {}
         self._dynamic_shared: dict[str, int] = {}   # kernel -> the dynamic shared bytes it is opted in for
         # the engine's Options.kernel_cache; without options, kernels_ptx.build's default directory

@@ -15,6 +15,10 @@ from dataclasses import dataclass
 MAX_EXPERTS, MAX_CHOSEN, MAX_CHOICES = 256, 16, 8192
 ROUTE_WARPS, ROUTE_TOKENS = 8, 8                 # a route block: 8 experts (a warp each) over 8 tokens
 EXPERT_ROWS, EXPERT_THREADS, COMBINE_THREADS = 4, 128, 1024
+GROUP_EXPERTS = 8                                # moe_experts_<fmt>_g4: 8 chosen experts a block, 16 threads each
+# steps of 2 tokens up to the GEMM: g4, 8 experts a block in tiles of 4 tokens (a step of a few sessions gives
+# most experts one or two tokens: one expert's 4 rows a block left the blocks too small); m8, one expert a block
+GEMV_LAYOUTS = ("g4", "m8")
 FORMATS = ("Q8_0", "Q4_0", "Q4_K", "Q6_K")      # the expert kernels' block formats
 ROUTE_SIGNATURE = "pppppppp" + "iiiii"           # xn inv_rms router route counts slot_of groups tickets, H E k flags T
 EXPERTS_SIGNATURE = "ppqqppp" + "ii" + "pp" + "iiiii"   # qs meta qs_slot meta_slot slot_of groups x, ldx gather,
@@ -107,12 +111,13 @@ def mma_grid(tile: str, rows: int, experts: int, chosen: int, tokens: int) -> tu
 
 def experts_kernel(kernels, fmt: str, *, experts: int, chosen: int, tokens: int) -> str:
     """The kernel (less "_silu") a step of `tokens` tokens runs its `fmt` experts on: moe_mma_<fmt>_<tile>
-    (uses_mma) or moe_experts_<fmt>_m<1|8>.  kernels: the KernelSet, or the Options it was made from (the
-    same moe_mma_min_tokens and moe_mma_tile)."""
+    (uses_mma), moe_experts_<fmt>_m1 at one token, else moe_experts_<fmt>_<g4|m8> (KESTREL_MOE_GEMV, g4 unless
+    given).  kernels: the KernelSet, or the Options it was made from (the same moe_mma_min_tokens, moe_mma_tile
+    and moe_gemv)."""
     shape = dict(experts=experts, chosen=chosen, tokens=tokens)
     if uses_mma(kernels, fmt, **shape):
         return f"moe_mma_{fmt.lower()}_{mma_tile(**shape, given=kernels.moe_mma_tile)}"
-    return f"moe_experts_{fmt.lower()}_m{1 if tokens == 1 else 8}"
+    return f"moe_experts_{fmt.lower()}_{'m1' if tokens == 1 else kernels.moe_gemv or 'g4'}"
 
 
 def experts_launch(kernels, fmt: str, part: PoolPart, *, slot_of: int, groups: int, x: int, ldx: int, gather: bool,
@@ -129,7 +134,9 @@ def experts_launch(kernels, fmt: str, part: PoolPart, *, slot_of: int, groups: i
         tile = name.rsplit("_", 1)[1]
         grid, block = mma_grid(tile, rows, **shape), MMA_TILES[tile][2]
     else:
-        grid, block = (-(-rows // EXPERT_ROWS), min(tokens * chosen, experts)), EXPERT_THREADS
+        used = min(tokens * chosen, experts)             # the most experts a step's choices can hold
+        grid = (-(-rows // EXPERT_ROWS), -(-used // GROUP_EXPERTS) if name.endswith("_g4") else used)
+        block = EXPERT_THREADS
     return kernels.launch(name + ("_silu" if silu else ""), grid, (block,), EXPERTS_SIGNATURE,
                           [part.qs, part.meta, part.qs_slot, part.meta_slot, slot_of, groups, x, ldx, int(gather),
                            inv_rms, y, ldy, rows, cols, experts, chosen])
