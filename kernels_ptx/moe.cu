@@ -274,6 +274,27 @@ __device__ __forceinline__ void expert_dots(float (&acc)[MOE_ROWS][M], const uns
     }
 }
 
+// one tile of an expert's tokens, choices p0 .. p0 + ntok of the grouping (x rows gathered by token, or in
+// grouped order): this thread's sums (expert_dots, units first, first + stride, ...) and the tokens' 1/rms
+template <class F, int M>
+__device__ __forceinline__ void tile_dots(float (&acc)[MOE_ROWS][M], float (&scale)[M], const unsigned char* wq,
+                                          const unsigned char* wm, const float* x, int ldx, int gather,
+                                          const float* inv_rms, const int* sorted, int k, int p0, int ntok, int row0,
+                                          int N, int K, int first, int stride) {
+    GatheredRows<M> xr;
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        const int row = m < ntok ? (gather ? sorted[p0 + m] / k : p0 + m) : 0;
+        xr.rows[m] = x + (long long)row * ldx;
+        scale[m] = inv_rms && m < ntok ? inv_rms[row] : 1.f;
+    }
+#pragma unroll
+    for (int r = 0; r < MOE_ROWS; r++)
+#pragma unroll
+        for (int m = 0; m < M; m++) acc[r][m] = 0.f;
+    expert_dots<F, M, false>(acc, wq, wm, xr, ntok, row0, N, K, first, stride);
+}
+
 template <class F, int M, bool SILU>
 __device__ __forceinline__ void moe_experts_body(
         const unsigned char* qs, const unsigned char* meta, long long qs_slot, long long meta_slot,
@@ -293,20 +314,9 @@ __device__ __forceinline__ void moe_experts_body(
     const int row0 = blockIdx.x * MOE_ROWS;
     for (int p0 = first; p0 < end; p0 += M) {
         const int ntok = min(M, end - p0);
-        GatheredRows<M> xr;
-        float scale[M];
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            const int row = m < ntok ? (gather ? sorted[p0 + m] / k : p0 + m) : 0;
-            xr.rows[m] = x + (long long)row * ldx;
-            scale[m] = inv_rms && m < ntok ? inv_rms[row] : 1.f;
-        }
-        float acc[MOE_ROWS][M];
-#pragma unroll
-        for (int r = 0; r < MOE_ROWS; r++)
-#pragma unroll
-            for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-        expert_dots<F, M, false>(acc, wq, wm, xr, ntok, row0, N, K, threadIdx.x, MOE_THREADS);
+        float acc[MOE_ROWS][M], scale[M];
+        tile_dots<F, M>(acc, scale, wq, wm, x, ldx, gather, inv_rms, sorted, k, p0, ntok, row0, N, K, threadIdx.x,
+                        MOE_THREADS);
 #pragma unroll
         for (int r = 0; r < MOE_ROWS; r++)
 #pragma unroll
@@ -343,20 +353,9 @@ __device__ __forceinline__ void moe_experts_grouped_body(
     const int row0 = blockIdx.x * MOE_ROWS;
     for (int p0 = first; p0 < end; p0 += M) {
         const int ntok = min(M, end - p0);
-        GatheredRows<M> xr;
-        float scale[M];
-#pragma unroll
-        for (int m = 0; m < M; m++) {
-            const int row = m < ntok ? (gather ? sorted[p0 + m] / k : p0 + m) : 0;
-            xr.rows[m] = x + (long long)row * ldx;
-            scale[m] = inv_rms && m < ntok ? inv_rms[row] : 1.f;
-        }
-        float acc[MOE_ROWS][M];
-#pragma unroll
-        for (int r = 0; r < MOE_ROWS; r++)
-#pragma unroll
-            for (int m = 0; m < M; m++) acc[r][m] = 0.f;
-        expert_dots<F, M, false>(acc, wq, wm, xr, ntok, row0, N, K, lane, MOE_GROUP_THREADS);
+        float acc[MOE_ROWS][M], scale[M];
+        tile_dots<F, M>(acc, scale, wq, wm, x, ldx, gather, inv_rms, sorted, k, p0, ntok, row0, N, K, lane,
+                        MOE_GROUP_THREADS);
 #pragma unroll
         for (int r = 0; r < MOE_ROWS; r++)
 #pragma unroll
