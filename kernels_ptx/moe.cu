@@ -274,6 +274,20 @@ __device__ __forceinline__ void expert_dots(float (&acc)[MOE_ROWS][M], const uns
     }
 }
 
+// chosen expert e of the grouping: its slot's weights and its choices first .. end of `sorted`
+struct ChosenExpert {
+    const unsigned char *wq, *wm;
+    const int* sorted;
+    int first, end;
+};
+
+__device__ __forceinline__ ChosenExpert chosen_expert(const unsigned char* qs, const unsigned char* meta,
+                                                      long long qs_slot, long long meta_slot, const int* slot_of,
+                                                      const int* groups, int E, int e) {
+    const long long slot = slot_of[e];
+    return {qs + slot * qs_slot, meta + slot * meta_slot, groups + 2 * (E + 1), groups[e], groups[e + 1]};
+}
+
 // one tile of an expert's tokens, choices p0 .. p0 + ntok of the grouping (x rows gathered by token, or in
 // grouped order): this thread's sums (expert_dots, units first, first + stride, ...) and the tokens' 1/rms
 template <class F, int M>
@@ -305,18 +319,13 @@ __device__ __forceinline__ void moe_experts_body(
     pdl_wait();   // the route kernel's groups, x and 1/rms
     const int* active = groups + E + 1;
     if ((int)blockIdx.y >= active[E]) return;
-    const int e = active[blockIdx.y];
-    const int first = groups[e], end = groups[e + 1];
-    const int* sorted = groups + 2 * (E + 1);
-    const long long slot = slot_of[e];
-    const unsigned char* wq = qs + slot * qs_slot;
-    const unsigned char* wm = meta + slot * meta_slot;
+    const ChosenExpert c = chosen_expert(qs, meta, qs_slot, meta_slot, slot_of, groups, E, active[blockIdx.y]);
     const int row0 = blockIdx.x * MOE_ROWS;
-    for (int p0 = first; p0 < end; p0 += M) {
-        const int ntok = min(M, end - p0);
+    for (int p0 = c.first; p0 < c.end; p0 += M) {
+        const int ntok = min(M, c.end - p0);
         float acc[MOE_ROWS][M], scale[M];
-        tile_dots<F, M>(acc, scale, wq, wm, x, ldx, gather, inv_rms, sorted, k, p0, ntok, row0, N, K, threadIdx.x,
-                        MOE_THREADS);
+        tile_dots<F, M>(acc, scale, c.wq, c.wm, x, ldx, gather, inv_rms, c.sorted, k, p0, ntok, row0, N, K,
+                        threadIdx.x, MOE_THREADS);
 #pragma unroll
         for (int r = 0; r < MOE_ROWS; r++)
 #pragma unroll
@@ -344,17 +353,12 @@ __device__ __forceinline__ void moe_experts_grouped_body(
     const int a = blockIdx.y * G + j;
     if (a >= active[E]) return;   // the whole group: its shuffles name its own lanes only
     const unsigned int mask = 0xffffu << (threadIdx.x & 16);
-    const int e = active[a];
-    const int first = groups[e], end = groups[e + 1];
-    const int* sorted = groups + 2 * (E + 1);
-    const long long slot = slot_of[e];
-    const unsigned char* wq = qs + slot * qs_slot;
-    const unsigned char* wm = meta + slot * meta_slot;
+    const ChosenExpert c = chosen_expert(qs, meta, qs_slot, meta_slot, slot_of, groups, E, active[a]);
     const int row0 = blockIdx.x * MOE_ROWS;
-    for (int p0 = first; p0 < end; p0 += M) {
-        const int ntok = min(M, end - p0);
+    for (int p0 = c.first; p0 < c.end; p0 += M) {
+        const int ntok = min(M, c.end - p0);
         float acc[MOE_ROWS][M], scale[M];
-        tile_dots<F, M>(acc, scale, wq, wm, x, ldx, gather, inv_rms, sorted, k, p0, ntok, row0, N, K, lane,
+        tile_dots<F, M>(acc, scale, c.wq, c.wm, x, ldx, gather, inv_rms, c.sorted, k, p0, ntok, row0, N, K, lane,
                         MOE_GROUP_THREADS);
 #pragma unroll
         for (int r = 0; r < MOE_ROWS; r++)
