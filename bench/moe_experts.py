@@ -8,7 +8,8 @@ cuda/moe_kernels.py's switch point (MMA_MIN_EXPERT_TOKENS) and tile choice.
 
 Every expert of the layer in Q8_0 in an expert pool (random levels and scales), a random float32 router;
 --hot H adds H to an eighth of the experts' router rows (a skewed routing: those experts get most tokens).
-Each tokens count runs: `gemv` (moe_experts_q8_0_m8), `gemm <tile>` for every tile of MMA_TILES, and `default`
+Each tokens count runs: `gemv g4` and `gemv m8` (moe_experts_q8_0_g4 / _m8: 8 experts a block, or one), `gemm
+<tile>` for every tile of MMA_TILES, and `default`
 (experts_launch's own choice), each the layer's four launches timed as bench/gpu_kernels.py times kernels (a
 CUDA graph of `repeats` layers).  The summary names the fastest per tokens count beside the default.
 """
@@ -99,9 +100,9 @@ class RoutedLayer:
 
 
 def variants() -> dict:
-    """name -> (moe_mma_min_tokens, moe_mma_tile) of the kernel set."""
-    return {"gemv": (NEVER, None), **{f"gemm {tile}": (0, tile) for tile in moe_kernels.MMA_TILES},
-            "default": (None, None)}
+    """name -> (moe_mma_min_tokens, moe_mma_tile, moe_gemv) of the kernel set."""
+    return {**{f"gemv {layout}": (NEVER, None, layout) for layout in moe_kernels.GEMV_LAYOUTS},
+            **{f"gemm {tile}": (0, tile, None) for tile in moe_kernels.MMA_TILES}, "default": (None, None, None)}
 
 
 def run(kernels, arena, stream, config, tokens_list, hot: float, rng, repeats: int = REPEATS) -> list[dict]:
@@ -109,8 +110,8 @@ def run(kernels, arena, stream, config, tokens_list, hot: float, rng, repeats: i
     weight_bytes = sum(layer.E * (p.qs_slot + p.meta_slot) for p in layer.parts)
     rows = []
     for tokens in tokens_list:
-        for name, (min_tokens, tile) in variants().items():
-            kernels.moe_mma_min_tokens, kernels.moe_mma_tile = min_tokens, tile
+        for name, (min_tokens, tile, layout) in variants().items():
+            kernels.moe_mma_min_tokens, kernels.moe_mma_tile, kernels.moe_gemv = min_tokens, tile, layout
             launches = layer.launches(kernels, tokens)
             us = max(time_graph_us(stream, lambda i: [launch.enqueue(stream) for launch in launches], repeats),
                      0.1)   # (the emulated device's events read 0)
@@ -120,7 +121,7 @@ def run(kernels, arena, stream, config, tokens_list, hot: float, rng, repeats: i
                          "us": round(us, 1), "layer_tok_s": round(tokens / us * 1e6),
                          "active_experts": active, "most_tokens": int(loads.max()),
                          "weight_GB_s": round(weight_bytes * active / layer.E / us / 1e3, 1)})
-    kernels.moe_mma_min_tokens = kernels.moe_mma_tile = None
+    kernels.moe_mma_min_tokens = kernels.moe_mma_tile = kernels.moe_gemv = None
     return rows
 
 

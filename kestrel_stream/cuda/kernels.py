@@ -65,10 +65,9 @@ class KernelSet:
         self.gemv_block = options.gemv_block if options is not None else None   # KESTREL_GEMV_BLOCK
         # KESTREL_BLOCK_MMA_MIN_TOKENS; None: block_kernels.MMA_MIN_TOKENS
         self.block_mma_min_tokens = options.block_mma_min_tokens if options is not None else None
-        # KESTREL_MOE_MMA_MIN_TOKENS / _TILE; None: moe_kernels' choice
+        # KESTREL_MOE_MMA_MIN_TOKENS / _TILE / KESTREL_MOE_GEMV; None: moe_kernels' choice
         self.moe_mma_min_tokens = options.moe_mma_min_tokens if options is not None else None
-        self.moe_mma_tile = options.moe_mma_tile if options is not None else None
-        self.moe_gemv = options.moe_gemv if options is not None else None   # KESTREL_MOE_GEMV
+        self.moe_mma_tile, self.moe_gemv = (options.moe_mma_tile, options.moe_gemv) if options else (None, None)
         self._functions: dict[str, object] = {}
         self._dynamic_shared: dict[str, int] = {}   # kernel -> the dynamic shared bytes it is opted in for
         # the engine's Options.kernel_cache; without options, kernels_ptx.build's default directory
