@@ -3,10 +3,11 @@ expert store (expert_store.py), for device/ops.py's DeviceOps.
 
 router: moe_route (the chosen experts, their weights, the counts, the grouping by expert);
 experts: the chosen experts' gate_up (x rows gathered by token, SiLU·mul) and down over the pool, then
-moe_combine (a step of one token: moe_token_*'s two launches, the combine in the down's epilogue): the weighted sum into x with the next norm's xn and 1/rms (a dense down's epilogue) (over the
-layer's own slot table, or, where its experts stream this step, the experts' ring slot's), or,
-for the part of a layer's experts that mode offload keeps resident (the op writes "moe_out"), the sum
-alone, which the host's part adds to its own (scheduler/moe.split_experts).
+moe_combine (a step of one token: moe_token_*'s two launches, the combine in the down's epilogue): the
+weighted sum into x with the next norm's xn and 1/rms (a dense down's epilogue) (over the layer's own slot
+table, or, where its experts stream this step, the experts' ring slot's), or, for the part of a layer's
+experts that mode offload keeps resident (the op writes "moe_out"), the sum alone, which the host's part adds
+to its own (scheduler/moe.split_experts).
 """
 from __future__ import annotations
 
@@ -67,6 +68,7 @@ class MoeOps:
         assert op.kind == "experts", op.name
         gate_up_fmt, down_fmt = store.formats[layer]
         active = int(op.active_weight_bytes)           # the bytes a step of `tokens` is expected to read
+        part_bytes = (2 * active // 3, active - 2 * active // 3)      # gate_up's, down's
         if op.writes == ("moe_out",):                  # offload's resident part: the sum alone, for the host
             out = dict(res=0, y=b.moe_out, normw_out=0, xn_out=0, inv_rms_out=0)
         else:                                          # the whole layer: into x, with the next norm's xn
@@ -76,8 +78,7 @@ class MoeOps:
             launches = token_launches(self.kernels, gate_up_fmt, store.gate_up, down_fmt, store.down, slot_of=slot_of,
                                       route=b.route, x=s.xn, inv_rms=s.inv_rms, act=b.act, counter=s.counter,
                                       eps=c.rms_norm_eps, hidden=H, intermediate=I, chosen=k, **out)
-            labels = zip(launches, (2 * active // 3, active - 2 * active // 3))
-            return [launch.label(op="experts", layer=layer, bytes=nbytes) for launch, nbytes in labels]
+            return [launch.label(op="experts", layer=layer, bytes=n) for launch, n in zip(launches, part_bytes)]
         table = dict(slot_of=slot_of, groups=b.groups, **shape)
         gate_up = experts_launch(self.kernels, gate_up_fmt, store.gate_up, x=s.xn, ldx=H, gather=True,
                                  inv_rms=s.inv_rms, y=b.act, ldy=I, rows=2 * I, cols=H, silu=True, **table)
@@ -85,5 +86,5 @@ class MoeOps:
                               y=b.expert_out, ldy=H, rows=H, cols=I, silu=False, **table)
         combine = combine_launch(self.kernels, route=b.route, groups=b.groups, slot_of=slot_of,
                                  expert_out=b.expert_out, eps=c.rms_norm_eps, hidden=H, **out, **shape)
-        labels = ((gate_up, 2 * active // 3), (down, active - 2 * active // 3), (combine, 0))
-        return [launch.label(op="experts", layer=layer, bytes=nbytes) for launch, nbytes in labels]
+        return [launch.label(op="experts", layer=layer, bytes=nbytes)
+                for launch, nbytes in zip((gate_up, down, combine), (*part_bytes, 0))]
