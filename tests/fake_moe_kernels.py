@@ -2,7 +2,8 @@
 
 moe_route: the router's logits of xn times 1/rms (the norm prologue), the host's routing arithmetic
 (run/host/arithmetic.route: the same top-k and weights, ties to the lowest id), the counts, and the
-grouping the last block writes (flags & 4: none, the scratch made wrong); moe_experts: each active expert's weight read back from its pool slot
+grouping the last block writes (flags & 4: none, the scratch made wrong);
+moe_experts: each active expert's weight read back from its pool slot
 (a wrong slot, stride or part offset gives wrong numbers) times the rows of the tokens that chose it;
 moe_mma (moe_mma.cu, the grouped tensor-core GEMM): the same, with the dense GEMMs' arithmetic per expert
 (Q8_0: q8_mma.cu's, fake_kernels.mma_product, x in two int8 levels per 32-block; the 4/6-bit formats
@@ -90,11 +91,11 @@ def moe_experts(launch, qs, meta, qs_slot, meta_slot, slot_of, groups, x, ldx, g
     offsets, active, order, _ = group_layout(groups, E, 0)
     choices = int(offsets[E])
     offsets, active, order, _ = group_layout(groups, E, choices)
-    assert active[E] <= launch.grid[1] * experts_a_block, f"{launch.name}: {active[E]} chosen experts, grid {launch.grid}"
+    assert active[E] <= launch.grid[1] * experts_a_block, f"{launch.name}: {active[E]} experts, grid {launch.grid}"
     slots = ints(slot_of, E)
     for e in active[:active[E]]:
         first, end = int(offsets[e]), int(offsets[e + 1])
-        assert layout != "m1" or end - first <= 1, f"{launch.name}: {end - first} tokens of expert {e} on the M=1 kernel"
+        assert layout != "m1" or end - first <= 1, f"{launch.name}: {end - first} tokens of expert {e} at M=1"
         slot = int(slots[e])
         assert slot >= 0
         w = pool_weight(fmt, qs + slot * qs_slot, meta + slot * meta_slot, N, K)

@@ -60,7 +60,7 @@ async def serve(engines, args, environment, devices: list[str] | None = None) ->
         log("requests that set none get " + ", ".join(f"{k} {v:g}" for k, v in sampling_defaults.given().items()))
     step_tokens = args.step_tokens or default_step_tokens(on_device=engine.device == "cuda")
     batchers = [StepBatcher(max_batch=args.max_batch, window_s=args.batch_window_ms / 1e3, step_tokens=step_tokens,
-                            prompt_order=args.prompt_order) for _ in engines]                   # each replica forms its own steps
+                            prompt_order=args.prompt_order) for _ in engines]   # each replica forms its own steps
     service = Service(engines, args.max_sessions, batchers, inline_max_s=args.inline_max_ms / 1e3,
                       sessions_per_client=limits.sessions_per_client, traces=traces, max_queue=args.max_queue,
                       sampling_defaults=sampling_defaults, devices=devices, prefix_slack=args.route_prefix_slack)
